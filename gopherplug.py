@@ -8,25 +8,38 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table
-  2. Errors                    one base class; what a caller of this module can catch
-  3. purerpc on unix sockets   the fenced glue that makes purerpc serve and call like grpc-go
-  4. Command line              main(argv) -> exit code
+  2. Errors                    one base class; config errors name the file and the key
+  3. Model                     frozen dataclasses: Config, ResourceConfig, DeviceEntry
+  4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses
+  5. purerpc on unix sockets   the fenced glue that makes purerpc serve and call like grpc-go
+  6. I/O edges                 inotify watches, the DevicePlugin service, Register with retries
+  7. Orchestration             serve_plugin: the nursery tree, kubelet restarts
+  8. A kubelet simulator       the kubelet's device manager in miniature, for tests and demos
+  9. Command line              main(argv) -> exit code; signals
 
 Quick start:
 
     pip install .
-    gopherplug --version
+    gopherplug check-config --config config.example.yaml
+    gopherplug serve --config config.example.yaml
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
+import fnmatch
+import itertools
 import logging
 import math
 import os
+import re
+import signal
+import stat
 import sys
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +48,15 @@ import anyio
 import h2.events
 import purerpc
 import trio
+import yaml
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from inotify_simple import INotify, flags
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
 from purerpc.grpc_socket import SocketWrapper
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import RequestEnded, RequestReceived, WindowUpdated
-from purerpc.grpclib.exceptions import RpcFailedError
+from purerpc.grpclib.exceptions import ProtocolError, RpcFailedError
 from purerpc.grpclib.status import Status, StatusCode
 from purerpc.wrappers import extract_message_from_singleton_stream
 
@@ -54,15 +69,29 @@ __all__ = [
     "HEALTHY",
     "KUBELET_SOCKET",
     "METHODS",
+    "REGISTER",
     "UNHEALTHY",
+    "Config",
+    "ConfigError",
+    "DeviceEntry",
+    "DeviceSpecTemplate",
     "GRPCServer",
     "GopherplugError",
+    "KubeletSimulator",
     "Method",
     "RPCError",
+    "ResourceConfig",
     "StatusCode",
+    "allocate_response",
     "call_unary",
+    "load_config",
     "main",
+    "open_stream",
+    "parse_config",
+    "preferred_allocation_response",
+    "scan_directory",
     "serve_grpc",
+    "serve_plugin",
     "v1beta1",
 ]
 
@@ -319,8 +348,308 @@ class RPCError(GopherplugError):
         self.message = message
 
 
+class ConfigError(GopherplugError):
+    """The configuration is wrong: says which file, which key, and what to fix, in one line.
+
+    ``str(error)`` reads like ``gopherplug.yaml: resources[0].directory: must be an absolute path``.
+    """
+
+    def __init__(self, source: str, key_path: str, problem: str) -> None:
+        super().__init__(f"{source}: {key_path}: {problem}" if key_path else f"{source}: {problem}")
+        self.source = source
+        self.key_path = key_path
+        self.problem = problem
+
+
 ########################################################################################################
-# 3. purerpc on unix sockets
+# 3. Model
+#
+# Rules for this section: frozen dataclasses, no I/O. A Config is only ever built by parse_config,
+# so every instance is valid.
+########################################################################################################
+
+
+@dataclass(frozen=True)
+class DeviceSpecTemplate:
+    """One ``device_specs`` entry: a DeviceSpec per allocated device, {id} {path} {index} filled in."""
+
+    host_path: str
+    container_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class ResourceConfig:
+    """One extended resource: where its devices come from and what a container gets for them."""
+
+    name: str  #: the extended resource name, e.g. "example.com/gopher"
+    directory: str  #: absolute; every matching entry is a device
+    pattern: str = "*"  #: fnmatch glob on entry names; hidden entries never match
+    env: str = ""  #: env var given the allocated IDs, comma-joined ("" only before parse_config fills it)
+    device_specs: tuple[DeviceSpecTemplate, ...] | None = None  #: None: device nodes pass through as they are
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole validated configuration file."""
+
+    resources: tuple[ResourceConfig, ...]
+    device_plugin_dir: str = DEFAULT_DEVICE_PLUGIN_DIR
+    source: str = "<config>"  #: the file it came from, for messages
+
+
+@dataclass(frozen=True)
+class DeviceEntry:
+    """One device found in a resource's directory."""
+
+    id: str  #: the entry's name, which is also the ID the kubelet knows it by
+    path: str  #: the entry's full path
+    is_device_node: bool = False  #: a character or block device node (then passed through by default)
+
+
+########################################################################################################
+# 4. Pure core
+#
+# Rules for this section: synchronous and deterministic; inputs are arguments (a directory path,
+# not a global), results are return values; no logging, no sleeping. Configuration text becomes a
+# Config, a directory becomes devices, devices and a request become the kubelet's responses.
+########################################################################################################
+
+# The kubelet accepts an extended resource name ("domain/name") only if it is not native to
+# Kubernetes and "requests.<name>" is a qualified name (k8s.io/api helper IsExtendedResourceName).
+_QUALIFIED_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+# Device IDs: the kubelet wants at most 63 characters; these characters are safe in env values,
+# paths, CDI names and log lines alike.
+_DEVICE_ID = re.compile(r"[A-Za-z0-9._-]{1,63}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TEMPLATE_FIELDS = {"id": "gopher0", "path": "/dev/gopher0", "index": 0}
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why the kubelet would refuse ``name`` as an extended resource name, or None if it would accept it."""
+    if name.count("/") != 1:
+        return "must be an extended resource name, domain/name (e.g. example.com/gopher)"
+    if "kubernetes.io/" in name:
+        return "the kubernetes.io domain is reserved for Kubernetes' own resources"
+    if name.startswith("requests."):
+        return 'must not start with "requests."'
+    domain, short = name.split("/")
+    if not _QUALIFIED_NAME.fullmatch(short) or len(short) > 63:
+        return (
+            "the name after '/' must be 1 to 63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    if not _DNS_SUBDOMAIN.fullmatch(domain) or len("requests." + domain) > 253:
+        return "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)"
+    return None
+
+
+def default_env_name(resource_name: str) -> str:
+    """The env var used when a resource sets none: "example.com/gopher" -> "GOPHER_DEVICES"."""
+    short = re.sub(r"[^A-Z0-9_]", "_", resource_name.rpartition("/")[2].upper())
+    return f"{'_' if short[:1].isdigit() else ''}{short}_DEVICES"
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
+    top = _mapping(data, source, "", {"device_plugin_dir", "resources"}, required={"resources"})
+    device_plugin_dir = DEFAULT_DEVICE_PLUGIN_DIR
+    if "device_plugin_dir" in top:
+        device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
+    entries = top["resources"]
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(source, "resources", "must be a non-empty list of resources")
+    resources: list[ResourceConfig] = []
+    for index, entry in enumerate(entries):
+        resource = _parse_resource(entry, source, f"resources[{index}]")
+        for earlier, other in enumerate(resources):
+            if other.name == resource.name:
+                raise ConfigError(
+                    source, f"resources[{index}].name", f"{resource.name} is already used by resources[{earlier}]"
+                )
+        resources.append(resource)
+    return Config(tuple(resources), device_plugin_dir, source)
+
+
+def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
+    keys = {"name", "directory", "pattern", "env", "device_specs"}
+    data = _mapping(entry, source, where, keys, required={"name", "directory"})
+    name = _string(data["name"], source, f"{where}.name")
+    if (problem := resource_name_problem(name)) is not None:
+        raise ConfigError(source, f"{where}.name", f"{name!r}: {problem}")
+    directory = _absolute_path(data["directory"], source, f"{where}.directory")
+    pattern = _string(data.get("pattern", "*"), source, f"{where}.pattern")
+    env = _string(data.get("env", default_env_name(name)), source, f"{where}.env")
+    if not _ENV_NAME.fullmatch(env):
+        raise ConfigError(source, f"{where}.env", f"{env!r} is not a valid environment variable name")
+    device_specs = None
+    if "device_specs" in data:
+        specs = data["device_specs"]
+        if not isinstance(specs, list):
+            raise ConfigError(source, f"{where}.device_specs", "must be a list of {host_path, container_path}")
+        device_specs = tuple(
+            _parse_device_spec(spec, source, f"{where}.device_specs[{i}]") for i, spec in enumerate(specs)
+        )
+    return ResourceConfig(name, directory, pattern, env, device_specs)
+
+
+def _parse_device_spec(entry: Any, source: str, where: str) -> DeviceSpecTemplate:
+    data = _mapping(
+        entry, source, where, {"host_path", "container_path", "permissions"}, {"host_path", "container_path"}
+    )
+    paths = [_template(data[key], source, f"{where}.{key}") for key in ("host_path", "container_path")]
+    permissions = _string(data.get("permissions", "rw"), source, f"{where}.permissions")
+    if not permissions or set(permissions) - set("rwm") or len(set(permissions)) != len(permissions):
+        raise ConfigError(source, f"{where}.permissions", f"{permissions!r}: use letters from r, w and m, each once")
+    return DeviceSpecTemplate(paths[0], paths[1], permissions)
+
+
+def _mapping(data: Any, source: str, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(source, where, "must be a mapping of keys to values")
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(
+                source,
+                f"{where}.{key}" if where else str(key),
+                f"unknown key; expected one of {', '.join(sorted(allowed))}",
+            )
+    for key in sorted(required - data.keys()):
+        raise ConfigError(source, f"{where}.{key}" if where else key, "is required")
+    return data
+
+
+def _string(value: Any, source: str, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(source, where, "must be a non-empty string")
+    return value
+
+
+def _absolute_path(value: Any, source: str, where: str) -> str:
+    path = _string(value, source, where)
+    if not os.path.isabs(path):
+        raise ConfigError(source, where, f"{path!r} must be an absolute path")
+    return os.path.normpath(path)
+
+
+def _template(value: Any, source: str, where: str) -> str:
+    template = _string(value, source, where)
+    try:
+        filled = template.format(**_TEMPLATE_FIELDS)
+    except (KeyError, IndexError, ValueError) as error:
+        problem = f"{template!r}: bad placeholder ({error}); use {{id}}, {{path}} or {{index}}"
+        raise ConfigError(source, where, problem) from None
+    if not filled.startswith("/"):
+        raise ConfigError(source, where, f"{template!r} must be an absolute path")
+    return template
+
+
+def _natural_key(device_id: str) -> list[Any]:
+    """Sort "gopher2" before "gopher10": digits compare as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", device_id) if part]
+
+
+def scan_directory(directory: str, pattern: str) -> tuple[tuple[DeviceEntry, ...], tuple[str, ...]]:
+    """The devices in ``directory``: (devices in natural order, names skipped as unfit for an ID).
+
+    A missing directory (or a file where the directory should be) has no devices: the kubelet then
+    gets an empty list, which drops the resource's capacity to zero at once.
+    """
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return (), ()
+    devices, skipped = [], []
+    for entry in entries:
+        if entry.name.startswith(".") or not fnmatch.fnmatchcase(entry.name, pattern):
+            continue
+        if not _DEVICE_ID.fullmatch(entry.name):
+            skipped.append(entry.name)
+            continue
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            mode = 0  # e.g. a dangling symlink: still a device, never a device node
+        devices.append(DeviceEntry(entry.name, entry.path, stat.S_ISCHR(mode) or stat.S_ISBLK(mode)))
+    devices.sort(key=lambda device: _natural_key(device.id))
+    return tuple(devices), tuple(sorted(skipped))
+
+
+def list_and_watch_response(devices: Iterable[DeviceEntry]) -> Any:
+    """The ListAndWatch message for a device set: every device, healthy."""
+    return v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID=device.id, health=HEALTHY) for device in devices])
+
+
+def device_plugin_options(resource: ResourceConfig) -> Any:
+    """What gopherplug implements: a preferred allocation, no pre-start hook."""
+    return v1beta1.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+def allocate_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntry], request: Any) -> Any:
+    """Answer Allocate: per container request, the env var with the IDs and the DeviceSpecs.
+
+    Raises RPCError(INVALID_ARGUMENT) naming every requested ID that is not a current device: the
+    kubelet then fails the pod with UnexpectedAdmissionError instead of starting it without its device.
+    """
+    if not request.container_requests:
+        raise RPCError(StatusCode.INVALID_ARGUMENT, "AllocateRequest has no container requests")
+    response = v1beta1.AllocateResponse()
+    for container in request.container_requests:
+        ids = list(container.devices_ids)
+        unknown = sorted({device_id for device_id in ids if device_id not in devices}, key=_natural_key)
+        if unknown:
+            raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {', '.join(unknown)}")
+        answer = response.container_responses.add()
+        answer.envs[resource.env] = ",".join(ids)
+        for index, device_id in enumerate(ids):
+            answer.devices.extend(_device_specs(resource, devices[device_id], index))
+    return response
+
+
+def _device_specs(resource: ResourceConfig, device: DeviceEntry, index: int) -> list[Any]:
+    if resource.device_specs is None:
+        if not device.is_device_node:
+            return []
+        return [v1beta1.DeviceSpec(host_path=device.path, container_path=device.path, permissions="rw")]
+    fields = {"id": device.id, "path": device.path, "index": index}
+    return [
+        v1beta1.DeviceSpec(
+            host_path=spec.host_path.format(**fields),
+            container_path=spec.container_path.format(**fields),
+            permissions=spec.permissions,
+        )
+        for spec in resource.device_specs
+    ]
+
+
+def preferred_allocation_response(request: Any) -> Any:
+    """Answer GetPreferredAllocation: the must-include devices, then the available ones in natural order.
+
+    Deterministic, and never names a device that is not available. When the request cannot be
+    met (too few devices), the answer is short, and the kubelet falls back to its own choice.
+    """
+    response = v1beta1.PreferredAllocationResponse()
+    for container in request.container_requests:
+        available = set(container.available_deviceIDs)
+        chosen = list(dict.fromkeys(i for i in container.must_include_deviceIDs if i in available))
+        for device_id in sorted(available - set(chosen), key=_natural_key):
+            if len(chosen) >= container.allocation_size:
+                break
+            chosen.append(device_id)
+        response.container_responses.add(deviceIDs=chosen)
+    return response
+
+
+########################################################################################################
+# 5. purerpc on unix sockets
 #
 # purerpc speaks gRPC over h2 on anyio streams, but its Server and channels are TCP-only, and its
 # connection handler does not fit a long-lived ListAndWatch (see DESIGN notes below). This fence
@@ -330,7 +659,8 @@ class RPCError(GopherplugError):
 #
 #   - purerpc.grpc_socket.SocketWrapper: the writer task; its static _set_socket_options(stream)
 #   - purerpc.grpc_socket.GRPCSocket attributes _grpc_connection, _socket, _receive_buffer_size,
-#     _streams, _allocate_stream(stream_id)
+#     _streams, _allocate_stream(stream_id), _listen() (the client's reader loop) and the
+#     _reader_thread() task its __aenter__ starts on the client side
 #   - purerpc.grpc_socket.GRPCStream: _incoming_events (an anyio memory stream pair), _close_remote(),
 #     _flow_control_update_event (an anyio Event its sender waits on)
 #   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, and the
@@ -384,6 +714,18 @@ class _GRPCSocket(GRPCProtoSocket):
         self._socket = _UnixSocketWrapper(connection, stream)
         self._receive_buffer_size = _RECEIVE_BUFFER_SIZE
         self._streams: dict[int, GRPCProtoStream] = {}
+
+    async def _reader_thread(self) -> None:
+        # Client side only. Stock purerpc returns quietly at end of file and leaves every open call
+        # waiting forever for a response that cannot come. End them: their receivers see EndOfStream.
+        try:
+            async for _ in self._listen():
+                raise ProtocolError("the server sent a request")
+        except Exception as error:
+            log.debug("client connection ended: %s", _describe(error))
+        finally:
+            for stream in self._streams.values():
+                stream._incoming_events[0].close()
 
 
 def _close_event_queues(stream: GRPCProtoStream) -> None:
@@ -526,6 +868,10 @@ class GRPCServer:
     inode: int  #: the socket file's inode: tells our own file from one created later at that path
     connections: set[_ServerConnection]  #: connections open right now
 
+    def owns_socket_file(self) -> bool:
+        """Whether the socket file is still ours: not deleted, not replaced by another file."""
+        return _inode(self.socket_path) == self.inode
+
     @property
     def live_calls(self) -> int:
         """Calls being answered right now, over all connections."""
@@ -569,11 +915,17 @@ async def serve_grpc(
 
 
 def _remove_socket_file(server: GRPCServer) -> None:
-    try:
-        if os.stat(server.socket_path).st_ino == server.inode:
+    # Gone already: a restarting kubelet removes every socket in its directory. Replaced: not ours.
+    if server.owns_socket_file():
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(server.socket_path)
-    except FileNotFoundError:
-        pass  # already gone: a restarting kubelet removes every socket in its directory
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 async def _serve_connection(
@@ -600,6 +952,23 @@ def _innermost(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
+
+
+@contextlib.contextmanager
+def _unwrap_single_errors() -> Iterator[None]:
+    """Raise the lone exception inside an exception group as itself.
+
+    anyio's task groups (inside purerpc's sockets) wrap even a single exception, such as the
+    caller's own RPCError leaving an ``async with``, in an ExceptionGroup; the caller expects
+    the exception it raised.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = _innermost(group)
+        if error is group:
+            raise
+        raise error from None
 
 
 def _describe(error: BaseException) -> str:
@@ -660,24 +1029,682 @@ async def call_unary(socket_path: str, method: Method, request: Any, *, timeout:
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from error
 
 
+@asynccontextmanager
+async def open_stream(socket_path: str, method: Method, request: Any, *, timeout: float) -> AsyncIterator[Any]:
+    """Start a server-streaming call (ListAndWatch) on a unix socket; yield its responses as they come.
+
+    ``timeout`` bounds connecting only: the stream itself lives until the server ends it, the
+    connection breaks, or the caller leaves the ``async with``. Iterating raises RPCError when the
+    server ends the stream with an error status or the connection is lost.
+    """
+    service, _, name = method.path[1:].partition("/")
+    try:
+        with trio.fail_after(timeout):
+            socket_stream = await anyio.connect_unix(socket_path)
+    except (OSError, trio.TooSlowError) as error:
+        raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from None
+    connection = GRPCConnection(GRPCConfiguration(client_side=True))
+    with _unwrap_single_errors():
+        async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
+            stream = await grpc_socket.start_request(
+                "http", service, name, method.request_type.DESCRIPTOR.full_name, authority="localhost"
+            )
+            try:
+                stream.expect_message_type(method.response_type)
+                await stream.send_message(request)
+                await stream.close()
+                async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
+                    yield responses
+            finally:
+                _close_event_queues(stream)
+
+
+async def _responses(stream: GRPCProtoStream, what: str) -> AsyncIterator[Any]:
+    while True:
+        try:
+            message = await stream.receive_message()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise RPCError(StatusCode.UNAVAILABLE, f"{what}: connection closed") from None
+        if message is None:
+            break
+        yield message
+    status = stream.end_stream_event.status
+    if status.status_code != StatusCode.OK:
+        raise RPCError(status.status_code, status.status_message)
+
+
 ########################################################################################################
-# 4. Command line
+# 6. I/O edges: inotify, registration, the DevicePlugin service
 #
-# Rules for this section: parse, validate, run, return an exit code: 0 on a requested shutdown,
-# 2 on bad usage or configuration, 1 on a runtime failure.
+# Rules for this section: each piece waits on the kernel (inotify, sockets), never on a timer,
+# except the capped backoff between failed registrations. Long-running functions take
+# task_status and call started() only once their promise holds.
 ########################################################################################################
+
+#: Register may take a while: the kubelet dials the plugin back inside the call, allowing that 10 s.
+#: A little more than that, so that we report the kubelet's own error instead of our timeout.
+REGISTER_TIMEOUT = 15.0
+
+# After a failed Register: retry after 10 ms, doubling up to 5 s. The first retries are quick
+# because inotify reports kubelet.sock at bind(), a moment before the kubelet listen()s on it.
+_REGISTER_BACKOFF = (0.01, 5.0)
+
+#: The path of the one call a plugin makes to the kubelet.
+REGISTER = f"/{API_VERSION}.Registration/Register"
+
+_DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
+_GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
+
+
+class Watched:
+    """A value that changes over time, and a way to wait for its next change (any number of waiters)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._changed = trio.Event()
+
+    def set(self, value: Any) -> None:
+        """Publish a new value if it differs from the current one, waking every waiter."""
+        if value != self.value:
+            self.value = value
+            self.touch()
+
+    def touch(self) -> None:
+        """Wake every waiter, e.g. because something it checks outside the value may have changed."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self, seen: Any) -> Any:
+        """Return the current value as soon as it is not ``seen`` (compared by identity)."""
+        while self.value is seen:
+            await self._changed.wait()
+        return self.value
+
+    async def wait_touched(self) -> None:
+        """Return at the next set() or touch()."""
+        await self._changed.wait()
+
+
+class DirectoryWatch:
+    """inotify on a directory that may not exist yet, may be deleted, and may come back.
+
+    Besides the directory itself, the nearest existing ancestor is watched, so that the directory
+    (or a missing parent) appearing, vanishing or being replaced is seen too; watches are then
+    re-armed, because a deleted directory's watch is gone for good (IN_DELETE_SELF, IN_IGNORED).
+    Use as a context manager; iterate ``batches()``.
+    """
+
+    def __init__(self, path: str, mask: int) -> None:
+        self.path = path
+        self._mask = mask
+        self._inotify = INotify(nonblocking=True)
+        self._watches: dict[int, str] = {}  # wd -> "dir" or the name under the ancestor that leads to path
+        self.exists = False  #: whether the directory itself is watched right now
+        self.arm()
+
+    def __enter__(self) -> DirectoryWatch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # trio must forget the fd before it is closed, or a task waiting on it would never wake.
+        trio.lowlevel.notify_closing(self._inotify.fileno())
+        self._inotify.close()
+
+    def arm(self) -> None:
+        """(Re)place the watches: on the directory if it exists, and on its nearest existing ancestor."""
+        for wd in self._watches:
+            try:
+                self._inotify.rm_watch(wd)
+            except OSError:
+                pass  # already removed by the kernel with its directory
+        self._watches.clear()
+        try:
+            self._watches[self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)] = "dir"
+            self.exists = True
+        except OSError:
+            self.exists = False  # missing, or not a directory: no devices until that changes
+        child, ancestor = os.path.basename(self.path), os.path.dirname(self.path)
+        while True:
+            try:
+                mask = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | _GONE | flags.ONLYDIR
+                self._watches[self._inotify.add_watch(ancestor, mask)] = child
+                return
+            except OSError:
+                if ancestor == os.path.dirname(ancestor):
+                    return  # not even "/" can be watched: nothing more to do
+                child, ancestor = os.path.basename(ancestor), os.path.dirname(ancestor)
+
+    async def batches(self) -> AsyncIterator[tuple[list[tuple[str, int]], bool]]:
+        """Yield, for each batch the kernel delivers: the directory's events as (name, mask), and
+        whether everything must be rescanned (the directory came or went, or the queue overflowed).
+        """
+        while True:
+            await trio.lowlevel.wait_readable(self._inotify.fileno())
+            events, rescan = [], False
+            for event in self._inotify.read(timeout=0):
+                role = self._watches.get(event.wd)
+                if event.mask & flags.Q_OVERFLOW:
+                    rescan = True  # the kernel dropped events: only a full rescan is safe
+                elif role == "dir" and not event.mask & _GONE:
+                    events.append((event.name, event.mask))
+                elif role is not None and (role == "dir" or event.mask & _GONE or event.name == role):
+                    rescan = True
+            if rescan:
+                self.arm()
+            if events or rescan:
+                yield events, rescan
+
+
+async def watch_devices(
+    resource: ResourceConfig, devices: Watched, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Keep ``devices`` (a dict of id -> DeviceEntry) equal to the resource's directory, until cancelled.
+
+    Every batch of inotify events is followed by one rescan, so a burst of changes becomes one
+    new device set: ListAndWatch streams send the latest set, never a backlog.
+    """
+    warned: set[str] = set()
+
+    def rescan() -> None:
+        found, skipped = scan_directory(resource.directory, resource.pattern)
+        for name in sorted(set(skipped) - warned, key=_natural_key):
+            log.warning("%s: skipping %r: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -", resource.name, name)
+        warned.intersection_update(skipped)
+        warned.update(skipped)
+        before = devices.value
+        devices.set({device.id: device for device in found})
+        if devices.value is not before:
+            log.info("%s: %d devices in %s", resource.name, len(found), resource.directory)
+
+    with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
+        if not watch.exists:
+            log.warning("%s: %s is not a directory (yet): no devices until it is", resource.name, resource.directory)
+        rescan()
+        task_status.started()
+        async for _events, _rescan in watch.batches():
+            rescan()
+
+
+class KubeletWatch:
+    """What inotify says about the kubelet's device-plugin directory.
+
+    ``generation`` counts the kubelet.sock files created since we started watching: every kubelet
+    (re)start creates one, and each calls for a new registration. ``changed`` is touched on every
+    event in the directory, so that each resource can check whether its own socket is still there.
+    """
+
+    def __init__(self, device_plugin_dir: str) -> None:
+        self.device_plugin_dir = device_plugin_dir
+        self.kubelet_socket = os.path.join(device_plugin_dir, KUBELET_SOCKET)
+        self.generation = 0
+        self.changed = Watched(None)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch until cancelled."""
+        with DirectoryWatch(
+            self.device_plugin_dir, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+        ) as w:
+            inode = _inode(self.kubelet_socket)
+            task_status.started()
+            async for events, rescan in w.batches():
+                created = any(
+                    name == KUBELET_SOCKET and mask & (flags.CREATE | flags.MOVED_TO) for name, mask in events
+                )
+                now = _inode(self.kubelet_socket)
+                if created or (rescan and now is not None and now != inode):
+                    self.generation += 1
+                    log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)
+                inode = now
+                self.changed.touch()
+
+
+def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc.Service:
+    """The DevicePlugin service for one resource, answering from the live device set."""
+
+    async def get_device_plugin_options(empty: Any) -> Any:
+        return device_plugin_options(resource)
+
+    async def list_and_watch(empty: Any) -> AsyncIterator[Any]:
+        # The kubelet keeps this one stream open for as long as we are registered: the full list
+        # now, then the full list again after every change. Each message replaces the last.
+        current = devices.value
+        while True:
+            yield list_and_watch_response(current.values())
+            log.debug("%s: sent %d devices", resource.name, len(current))
+            current = await devices.wait_changed(current)
+
+    async def get_preferred_allocation(request: Any) -> Any:
+        return preferred_allocation_response(request)
+
+    async def allocate(request: Any) -> Any:
+        response = allocate_response(resource, devices.value, request)
+        for container in request.container_requests:
+            log.info("%s: allocated %s", resource.name, ",".join(container.devices_ids))
+        return response
+
+    async def pre_start_container(request: Any) -> Any:
+        return v1beta1.PreStartContainerResponse()
+
+    service = purerpc.Service(f"{API_VERSION}.DevicePlugin")
+    for name, handler in {
+        "GetDevicePluginOptions": get_device_plugin_options,
+        "ListAndWatch": list_and_watch,
+        "GetPreferredAllocation": get_preferred_allocation,
+        "Allocate": allocate,
+        "PreStartContainer": pre_start_container,
+    }.items():
+        service.add_method(name, handler, METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature)
+    return service
+
+
+async def register(
+    resource: ResourceConfig, endpoint: str, kubelet: KubeletWatch, still_serving: Callable[[], bool]
+) -> int | None:
+    """Register ``endpoint`` for ``resource`` with the kubelet, retrying until it succeeds.
+
+    Returns the kubelet generation registered with, or None as soon as ``still_serving()`` turns
+    false (a starting kubelet deletes every socket, ours included: serve anew before registering).
+    While kubelet.sock is absent, waits for it with inotify; after a failure, retries with a capped
+    backoff, at once if a new kubelet.sock appears.
+    """
+    request = v1beta1.RegisterRequest(
+        version=API_VERSION,
+        endpoint=endpoint,
+        resource_name=resource.name,
+        options=device_plugin_options(resource),
+    )
+    delay, waiting_logged = _REGISTER_BACKOFF[0], False
+    while still_serving():
+        generation = kubelet.generation
+        if not os.path.exists(kubelet.kubelet_socket):
+            if not waiting_logged:
+                log.info("%s: waiting for the kubelet: no %s yet", resource.name, kubelet.kubelet_socket)
+                waiting_logged = True
+            await kubelet.changed.wait_touched()
+            continue
+        try:
+            await call_unary(kubelet.kubelet_socket, METHODS[REGISTER], request, timeout=REGISTER_TIMEOUT)
+            return generation
+        except RPCError as error:
+            # Right after kubelet.sock appears, connecting can be refused for a moment: not worth a warning.
+            level = logging.DEBUG if error.code == StatusCode.UNAVAILABLE and delay < 0.5 else logging.WARNING
+            log.log(level, "%s: registration failed, retrying in %.2g s: %s", resource.name, delay, error)
+        with trio.move_on_after(delay):
+            while kubelet.generation == generation and still_serving():
+                await kubelet.changed.wait_touched()
+        delay = min(delay * 2, _REGISTER_BACKOFF[1])
+    return None
+
+
+########################################################################################################
+# 7. Orchestration: the nursery tree
+#
+#   serve_plugin
+#   ├── KubeletWatch.run                         inotify on the device-plugin directory
+#   └── per resource:
+#       ├── watch_devices                        inotify on the resource's directory
+#       └── serve_resource                       one generation at a time:
+#           └── serve_grpc (socket N)            serve, register, wait for a kubelet restart
+#                                                or our socket's deletion, stop, N + 1
+########################################################################################################
+
+
+def socket_name(resource: ResourceConfig, generation: int) -> str:
+    """The socket file for one registration: fresh per registration, never hidden.
+
+    Old kubelets key a registration by resource name; a new name per registration keeps a closing
+    old stream from taking the new registration down with it.
+    """
+    return f"gopherplug-{resource.name.replace('/', '_')}-{generation}.sock"
+
+
+async def serve_resource(
+    resource: ResourceConfig,
+    devices: Watched,
+    kubelet: KubeletWatch,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve and register one resource, again after every kubelet restart, until cancelled.
+
+    started() is called once the first socket is listening (registration may still be waiting
+    for the kubelet).
+    """
+    directory = kubelet.device_plugin_dir
+    for generation in itertools.count(1):
+        while not os.path.isdir(directory):
+            log.warning("%s: waiting for the kubelet's directory %s to exist", resource.name, directory)
+            await kubelet.changed.wait_touched()
+        endpoint = socket_name(resource, generation)
+        async with trio.open_nursery() as nursery:
+            try:
+                server = await nursery.start(
+                    serve_grpc, os.path.join(directory, endpoint), [device_plugin_service(resource, devices)]
+                )
+            except FileNotFoundError:
+                continue  # the directory vanished between the check and bind(): wait for it again
+            except OSError as error:
+                raise GopherplugError(f"{resource.name}: cannot serve on {directory}: {_describe(error)}") from None
+            task_status.started()
+            # The kubelet dials us back before Register returns: we are serving already.
+            registered_with = await register(resource, endpoint, kubelet, server.owns_socket_file)
+            if registered_with is not None:
+                log.info("%s: registered with the kubelet as %s", resource.name, endpoint)
+                while kubelet.generation == registered_with and server.owns_socket_file():
+                    await kubelet.changed.wait_touched()
+            why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
+            log.info("%s: %s: serving and registering again", resource.name, why)
+            # Stop this server before the next registration: its ListAndWatch stream ends now.
+            nursery.cancel_scope.cancel()
+        task_status = trio.TASK_STATUS_IGNORED
+
+
+async def serve_plugin(config: Config, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the device plugin for every resource of ``config`` until cancelled.
+
+    The library entry point: an embedding program starts it in its own nursery
+    (``await nursery.start(serve_plugin, config)``) and cancels that nursery to stop it. started()
+    is called once every resource's socket is listening. No signal handling here: that belongs to
+    the program (see main()).
+
+    Resource handling: sockets are removed on the way out, whatever the reason.
+    Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
+    the plugin cannot recover from (e.g. no permission to create its socket) raises.
+    """
+    kubelet = KubeletWatch(config.device_plugin_dir)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(kubelet.run)
+        for resource in config.resources:
+            devices = Watched({})
+            await nursery.start(watch_devices, resource, devices)
+            await nursery.start(serve_resource, resource, devices, kubelet)
+        task_status.started()
+
+
+########################################################################################################
+# 8. A kubelet simulator
+#
+# The kubelet's device manager, reduced to what a plugin can observe (see the README's lesson):
+# it wipes the sockets of its directory on start, serves Registration on kubelet.sock, validates
+# Register and dials the plugin back *before* answering, keeps one ListAndWatch stream per
+# resource, marks every device unhealthy when that stream ends, and calls Allocate and
+# GetPreferredAllocation on demand. gopherplug's own tests use it, and so can a plugin author's.
+########################################################################################################
+
+#: How long the kubelet waits to dial a registering plugin back.
+KUBELET_DIAL_TIMEOUT = 10.0
+
+
+@dataclass
+class SimulatedResource:
+    """What the simulated kubelet knows of one registered resource."""
+
+    endpoint: str  #: the socket file name the plugin registered
+    options: Any  #: what GetDevicePluginOptions answered during Register
+    devices: dict[str, str]  #: device ID -> health, from the latest ListAndWatch message
+    updates: int = 0  #: ListAndWatch messages received since this registration
+    streaming: bool = False  #: whether the ListAndWatch stream is open
+
+    @property
+    def capacity(self) -> int:
+        """Node capacity for the resource: every device."""
+        return len(self.devices)
+
+    @property
+    def allocatable(self) -> int:
+        """Node allocatable for the resource: the healthy devices."""
+        return sum(health == HEALTHY for health in self.devices.values())
+
+
+class KubeletSimulator:
+    """A stand-in for the kubelet's device manager on a directory of your choice.
+
+    Run it with ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart;
+    ``wait_until(predicate)`` waits (without polling) until ``predicate(simulator)`` holds.
+    """
+
+    def __init__(self, device_plugin_dir: str) -> None:
+        self.device_plugin_dir = device_plugin_dir
+        self.socket_path = os.path.join(device_plugin_dir, KUBELET_SOCKET)
+        self.resources: dict[str, SimulatedResource] = {}  #: by resource name
+        self.registrations: list[Any] = []  #: every accepted RegisterRequest, in order
+        self.refusals: list[str] = []  #: the error of every refused Register, in order
+        self.starts = 0  #: how many times the simulated kubelet started
+        self._changed = Watched(None)
+        self._restart = trio.Event()
+        self._streams: dict[str, trio.CancelScope] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
+        """Be the kubelet until cancelled; started() once kubelet.sock listens."""
+        while True:
+            self._wipe_sockets()
+            self._restart = trio.Event()
+            self._streams.clear()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(serve_grpc, self.socket_path, [self._registration_service()])
+                self.starts += 1
+                self._changed.touch()
+                task_status.started(self)
+                task_status = trio.TASK_STATUS_IGNORED
+                await self._restart.wait()
+                nursery.cancel_scope.cancel()
+
+    def restart(self) -> None:
+        """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again."""
+        self._restart.set()
+
+    async def wait_until(self, predicate: Callable[[KubeletSimulator], bool]) -> None:
+        """Return once ``predicate(self)`` is true; checked after every change the simulator sees."""
+        while not predicate(self):
+            await self._changed.wait_touched()
+
+    async def allocate(self, resource_name: str, device_ids: Iterable[str]) -> Any:
+        """Call Allocate for one container, as the kubelet does while admitting a pod."""
+        request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=device_ids)])
+        return await self._call(resource_name, "Allocate", request)
+
+    async def preferred_allocation(
+        self, resource_name: str, available: Iterable[str], must_include: Iterable[str], size: int
+    ) -> list[str]:
+        """Call GetPreferredAllocation for one container and return the plugin's pick."""
+        request = v1beta1.PreferredAllocationRequest(
+            container_requests=[
+                v1beta1.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
+                )
+            ]
+        )
+        response = await self._call(resource_name, "GetPreferredAllocation", request)
+        return list(response.container_responses[0].deviceIDs)
+
+    async def _call(self, resource_name: str, method: str, request: Any) -> Any:
+        endpoint = os.path.join(self.device_plugin_dir, self.resources[resource_name].endpoint)
+        return await call_unary(endpoint, METHODS[f"/{API_VERSION}.DevicePlugin/{method}"], request, timeout=30)
+
+    def _wipe_sockets(self) -> None:
+        # The kubelet's first act on start: remove every unix socket in its directory (not regular
+        # files, not directories). Plugins notice their socket gone, or the new kubelet.sock.
+        try:
+            entries = list(os.scandir(self.device_plugin_dir))
+        except FileNotFoundError:
+            os.makedirs(self.device_plugin_dir, exist_ok=True)
+            return
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    os.unlink(entry.path)
+
+    def _registration_service(self) -> purerpc.Service:
+        async def register_handler(request: Any) -> Any:
+            try:
+                return await self._register(request)
+            except RPCError as error:
+                self.refusals.append(error.message)
+                self._changed.touch()
+                raise
+
+        service = purerpc.Service(f"{API_VERSION}.Registration")
+        service.add_method("Register", register_handler, METHODS[REGISTER].signature)
+        return service
+
+    async def _register(self, request: Any) -> Any:
+        # The kubelet's checks, with its own words; grpc-go reports them with code UNKNOWN.
+        if request.version != API_VERSION:
+            raise RPCError(
+                StatusCode.UNKNOWN,
+                f'requested API version "{request.version}" is not supported by kubelet. '
+                f'Supported versions are ["{API_VERSION}"]',
+            )
+        if resource_name_problem(request.resource_name) is not None:
+            raise RPCError(StatusCode.UNKNOWN, f'the ResourceName "{request.resource_name}" is invalid')
+        # Dial back before answering: the plugin must already be serving.
+        endpoint = os.path.join(self.device_plugin_dir, request.endpoint)
+        try:
+            options = await call_unary(
+                endpoint,
+                METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
+                v1beta1.Empty(),
+                timeout=KUBELET_DIAL_TIMEOUT,
+            )
+        except RPCError as error:
+            raise RPCError(StatusCode.UNKNOWN, f"failed to dial device plugin: {error.message}") from None
+        old = self._streams.pop(request.resource_name, None)
+        if old is not None:
+            old.cancel()  # a new registration replaces the old endpoint
+        resource = SimulatedResource(request.endpoint, options, {})
+        self.resources[request.resource_name] = resource
+        self.registrations.append(request)
+        scope = self._streams[request.resource_name] = trio.CancelScope()
+        self._nursery.start_soon(self._list_and_watch, resource, endpoint, scope)
+        self._changed.touch()
+        return v1beta1.Empty()
+
+    async def _list_and_watch(self, resource: SimulatedResource, endpoint: str, scope: trio.CancelScope) -> None:
+        method = METHODS[f"/{API_VERSION}.DevicePlugin/ListAndWatch"]
+        with scope:
+            try:
+                async with open_stream(endpoint, method, v1beta1.Empty(), timeout=KUBELET_DIAL_TIMEOUT) as responses:
+                    resource.streaming = True
+                    self._changed.touch()
+                    async for response in responses:
+                        resource.devices = {device.ID: device.health for device in response.devices}
+                        resource.updates += 1
+                        self._changed.touch()
+            except RPCError as error:
+                log.debug("simulated kubelet: ListAndWatch on %s ended: %s", endpoint, error)
+            finally:
+                # The stream is gone: every device of the resource turns unhealthy at once.
+                resource.streaming = False
+                resource.devices = dict.fromkeys(resource.devices, UNHEALTHY)
+                self._changed.touch()
+
+
+########################################################################################################
+# 9. Command line
+#
+# Rules for this section: parse, validate everything, then run; return an exit code: 0 on a
+# requested shutdown, 2 on bad usage or configuration, 1 on a runtime failure. Signals are handled
+# here and only here.
+########################################################################################################
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
+    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
+    config = parse_config(text, path)
+    if device_plugin_dir is not None:
+        if not os.path.isabs(device_plugin_dir):
+            raise ConfigError("--device-plugin-dir", "", f"{device_plugin_dir!r} must be an absolute path")
+        config = dataclasses.replace(config, device_plugin_dir=os.path.normpath(device_plugin_dir))
+    return config
+
+
+def _parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="gopherplug",
+        description="A Kubernetes device plugin: the entries of a directory become schedulable devices.",
+        epilog="Without a command, runs `serve`.",
+    )
+    parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config}")
+    serve = commands.add_parser("serve", help="run the device plugin (the default)")
+    check = commands.add_parser("check-config", help="validate a configuration file and summarise it")
+    for command in (serve, check):
+        command.add_argument(
+            "--config",
+            default=env("GOPHERPLUG_CONFIG"),
+            metavar="FILE",
+            help="configuration file (env GOPHERPLUG_CONFIG)",
+        )
+    serve.add_argument(
+        "--device-plugin-dir",
+        default=env("GOPHERPLUG_DEVICE_PLUGIN_DIR"),
+        metavar="DIR",
+        help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default=env("GOPHERPLUG_LOG_LEVEL", "info"),
+        type=str.lower,
+        choices=["debug", "info", "warning", "error"],
+        help="log level (env GOPHERPLUG_LOG_LEVEL, default info)",
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code."""
-    parser = argparse.ArgumentParser(
-        prog="gopherplug",
-        description="A Kubernetes device plugin: files in a directory become schedulable devices.",
-    )
-    parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in {"serve", "check-config", "-h", "--help", "--version"}:
+        argv.insert(0, "serve")  # serve is the default command
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage error (or the help)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    if not args.config:
+        print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = load_config(args.config, getattr(args, "device_plugin_dir", None))
+    except ConfigError as error:
+        print(f"gopherplug: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "check-config":
+        names = ", ".join(f"{r.name} ({r.directory}/{r.pattern})" for r in config.resources)
+        print(
+            f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {config.device_plugin_dir}"
+        )
+        return EXIT_OK
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        trio.run(_serve_until_signalled, config)
+    except Exception as error:
+        if not isinstance(_innermost(error), GopherplugError):
+            raise
+        log.error("%s", _innermost(error))
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+async def _serve_until_signalled(config: Config) -> None:
+    # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
+    # cancelling the nursery runs every `finally`, which removes our sockets.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_plugin, config)
+            async for signum in signals:
+                log.info("%s received: stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
 
 
 if __name__ == "__main__":

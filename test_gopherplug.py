@@ -18,6 +18,7 @@ import importlib.util
 import os
 import random
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+import yaml
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
@@ -516,7 +518,599 @@ def test_module_copied_alone_runs(tmp_path):
 
 
 def test_main_version(capsys):
-    with pytest.raises(SystemExit) as info:
-        gp.main(["--version"])
-    assert info.value.code == 0
+    assert gp.main(["--version"]) == 0
     assert capsys.readouterr().out == f"gopherplug {gp.__version__}\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure core: configuration, names, directories, responses
+# ------------------------------------------------------------------------------------------------
+
+MINIMAL = "resources:\n  - name: example.com/gopher\n    directory: /etc/gophers\n"
+
+
+def test_minimal_config_gets_the_documented_defaults():
+    config = gp.parse_config(MINIMAL, "cfg.yaml")
+    assert config.device_plugin_dir == "/var/lib/kubelet/device-plugins"
+    assert config.resources == (gp.ResourceConfig("example.com/gopher", "/etc/gophers", "*", "GOPHER_DEVICES", None),)
+
+
+def test_example_config_is_valid():
+    config = gp.load_config(str(HERE / "config.example.yaml"))
+    assert [r.name for r in config.resources] == ["example.com/gopher"]
+    assert config.resources[0].device_specs == (gp.DeviceSpecTemplate("/dev/{id}", "/dev/gopher{index}", "rw"),)
+
+
+def resources(**fields):
+    """A one-resource config as YAML text, with `fields` merged into the resource."""
+    return yaml.safe_dump({"resources": [{"name": "example.com/gopher", "directory": "/g", **fields}]})
+
+
+BAD_CONFIGS = [
+    ("", "cfg.yaml: must be a mapping of keys to values"),
+    ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values"),
+    ("{}", "cfg.yaml: resources: is required"),
+    ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
+    ("resources: {}", "cfg.yaml: resources: must be a non-empty list of resources"),
+    ("resources: [x]", "cfg.yaml: resources[0]: must be a mapping of keys to values"),
+    (MINIMAL + "extra: 1\n", "cfg.yaml: extra: unknown key; expected one of device_plugin_dir, resources"),
+    (MINIMAL + "device_plugin_dir: dp\n", "cfg.yaml: device_plugin_dir: 'dp' must be an absolute path"),
+    ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
+    ("resources: [{name: example.com/g}]", "cfg.yaml: resources[0].directory: is required"),
+    (resources(directory="gophers"), "cfg.yaml: resources[0].directory: 'gophers' must be an absolute path"),
+    (resources(directory=7), "cfg.yaml: resources[0].directory: must be a non-empty string"),
+    (
+        resources(colour="blue"),
+        "cfg.yaml: resources[0].colour: unknown key; expected one of device_specs, directory, env, name, pattern",
+    ),
+    (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
+    (resources(env="1GOPHER"), "cfg.yaml: resources[0].env: '1GOPHER' is not a valid environment variable name"),
+    (resources(env="GO-PHER"), "cfg.yaml: resources[0].env: 'GO-PHER' is not a valid environment variable name"),
+    (
+        resources(device_specs={"a": 1}),
+        "cfg.yaml: resources[0].device_specs: must be a list of {host_path, container_path}",
+    ),
+    (
+        resources(device_specs=[{"container_path": "/dev/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: is required",
+    ),
+    (
+        resources(device_specs=[{"host_path": "dev/{id}", "container_path": "/dev/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: 'dev/{id}' must be an absolute path",
+    ),
+    (
+        resources(device_specs=[{"host_path": "/dev/{name}", "container_path": "/dev/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/dev/{name}': bad placeholder ('name'); "
+        "use {id}, {path} or {index}",
+    ),
+    (
+        resources(device_specs=[{"host_path": "/dev/x", "container_path": "/dev/x", "permissions": "rx"}]),
+        "cfg.yaml: resources[0].device_specs[0].permissions: 'rx': use letters from r, w and m, each once",
+    ),
+    (
+        yaml.safe_dump({"resources": [{"name": "example.com/g", "directory": "/a"}] * 2}),
+        "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
+    ),
+    ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
+    (
+        resources(name="gopher"),
+        "cfg.yaml: resources[0].name: 'gopher': must be an extended resource name, domain/name "
+        "(e.g. example.com/gopher)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS)
+def test_bad_config_names_file_key_and_fix(text, message):
+    with pytest.raises(gp.ConfigError) as info:
+        gp.parse_config(text, "cfg.yaml")
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("example.com/gopher", None),
+        ("a.b-c.example/x_y.z", None),
+        ("example.com/" + "x" * 63, None),
+        ("gopher", "must be an extended resource name, domain/name (e.g. example.com/gopher)"),
+        ("example.com/a/b", "must be an extended resource name, domain/name (e.g. example.com/gopher)"),
+        ("kubernetes.io/gopher", "the kubernetes.io domain is reserved for Kubernetes' own resources"),
+        ("gpu.kubernetes.io/gopher", "the kubernetes.io domain is reserved for Kubernetes' own resources"),
+        ("requests.example.com/gopher", 'must not start with "requests."'),
+        ("Example.com/gopher", "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)"),
+        ("example..com/gopher", "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)"),
+        ("/gopher", "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)"),
+        ("x" * 245 + "/gopher", "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)"),
+        *(
+            (
+                name,
+                "the name after '/' must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending "
+                "with a letter or digit",
+            )
+            for name in (
+                "example.com/",
+                "example.com/-gopher",
+                "example.com/gopher.",
+                "example.com/" + "x" * 64,
+                "example.com/go pher",
+            )
+        ),
+    ],
+)
+def test_resource_names_are_validated_as_the_kubelet_does(name, problem):
+    assert gp.resource_name_problem(name) == problem
+
+
+@pytest.mark.parametrize(
+    ("name", "env"),
+    [
+        ("example.com/gopher", "GOPHER_DEVICES"),
+        ("example.com/fpga.v2-x", "FPGA_V2_X_DEVICES"),
+        ("e.com/3d", "_3D_DEVICES"),
+    ],
+)
+def test_default_env_name(name, env):
+    assert gp.default_env_name(name) == env
+
+
+def test_scan_directory(tmp_path):
+    for name in ["g10", "g2", "g1", ".hidden", "other.txt", "has space", "x" * 64, "y" * 63]:
+        (tmp_path / name).touch()
+    os.symlink("/dev/null", tmp_path / "gnull")
+    os.symlink(tmp_path / "missing", tmp_path / "gdangling")
+    devices, skipped = gp.scan_directory(str(tmp_path), "*")
+    assert [d.id for d in devices] == ["g1", "g2", "g10", "gdangling", "gnull", "other.txt", "y" * 63]
+    assert skipped == ("has space", "x" * 64)
+    assert {d.id: d.is_device_node for d in devices}["gnull"] is True
+    assert {d.id: d.is_device_node for d in devices}["g1"] is False
+    assert devices[0].path == str(tmp_path / "g1")
+    devices, skipped = gp.scan_directory(str(tmp_path), "g?")
+    assert [d.id for d in devices] == ["g1", "g2"]
+
+
+def test_scan_directory_missing_or_a_file(tmp_path):
+    assert gp.scan_directory(str(tmp_path / "nope"), "*") == ((), ())
+    (tmp_path / "file").touch()
+    assert gp.scan_directory(str(tmp_path / "file"), "*") == ((), ())
+
+
+def allocate(resource, devices, *ids):
+    by_id = {d.id: d for d in devices}
+    request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=ids)])
+    return gp.allocate_response(resource, by_id, request)
+
+
+GOPHERS = [gp.DeviceEntry(f"g{i}", f"/etc/gophers/g{i}") for i in range(4)]
+
+
+def test_allocate_env_in_request_order_and_templated_device_specs():
+    resource = gp.parse_config(
+        resources(env="G", device_specs=[{"host_path": "/dev/{id}", "container_path": "/dev/gopher{index}"}]), "c"
+    ).resources[0]
+    answer = allocate(resource, GOPHERS, "g3", "g1").container_responses[0]
+    assert dict(answer.envs) == {"G": "g3,g1"}
+    assert [(s.host_path, s.container_path, s.permissions) for s in answer.devices] == [
+        ("/dev/g3", "/dev/gopher0", "rw"),
+        ("/dev/g1", "/dev/gopher1", "rw"),
+    ]
+
+
+def test_allocate_passes_device_nodes_through_when_no_templates():
+    resource = gp.parse_config(resources(), "c").resources[0]
+    devices = [gp.DeviceEntry("null", "/dev/null", is_device_node=True), gp.DeviceEntry("plain", "/g/plain")]
+    answer = allocate(resource, devices, "plain", "null").container_responses[0]
+    assert dict(answer.envs) == {"GOPHER_DEVICES": "plain,null"}
+    assert [(s.host_path, s.container_path, s.permissions) for s in answer.devices] == [
+        ("/dev/null", "/dev/null", "rw")
+    ]
+
+
+def test_allocate_refuses_unknown_ids_naming_them():
+    resource = gp.parse_config(resources(), "c").resources[0]
+    with pytest.raises(gp.RPCError) as info:
+        allocate(resource, GOPHERS, "g1", "g12", "zz", "g12")
+    assert info.value.code == StatusCode.INVALID_ARGUMENT
+    assert info.value.message == "unknown example.com/gopher device IDs: g12, zz"
+    with pytest.raises(gp.RPCError, match="AllocateRequest has no container requests"):
+        gp.allocate_response(resource, {}, v1beta1.AllocateRequest())
+
+
+@pytest.mark.parametrize(
+    ("available", "must_include", "size", "expected"),
+    [
+        (["g10", "g2", "g1"], [], 2, ["g1", "g2"]),
+        (["g10", "g2", "g1"], ["g10"], 2, ["g10", "g1"]),
+        (["g1", "g2"], ["g2", "g2"], 1, ["g2"]),
+        (["g1", "g2"], [], 5, ["g1", "g2"]),
+        (["g1"], ["g9"], 1, ["g1"]),  # never a device the kubelet did not offer
+        ([], [], 0, []),
+    ],
+)
+def test_preferred_allocation(available, must_include, size, expected):
+    request = v1beta1.PreferredAllocationRequest(
+        container_requests=[
+            v1beta1.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
+            )
+        ]
+    )
+    assert list(gp.preferred_allocation_response(request).container_responses[0].deviceIDs) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# The plugin end to end, against the kubelet simulator (the kubelet's behaviour, DESIGN §1.2)
+# ------------------------------------------------------------------------------------------------
+
+RESOURCE = "example.com/gopher"
+
+
+class Node:
+    """A node in a temp dir: the kubelet's device-plugin directory and a device directory."""
+
+    def __init__(self, root):
+        self.plugin_dir = os.path.join(root, "dp")
+        self.devices = os.path.join(root, "dev")
+        os.mkdir(self.plugin_dir)
+        os.mkdir(self.devices)
+        for name in ("g1", "g2"):
+            Path(self.devices, name).touch()
+
+    def config(self, **fields):
+        text = yaml.safe_dump(
+            {
+                "device_plugin_dir": self.plugin_dir,
+                "resources": [{"name": RESOURCE, "directory": self.devices, **fields}],
+            }
+        )
+        return gp.parse_config(text, "test.yaml")
+
+    def our_sockets(self):
+        return sorted(name for name in os.listdir(self.plugin_dir) if name.startswith("gopherplug-"))
+
+
+@pytest.fixture
+def node(sockdir):
+    return Node(sockdir)
+
+
+def devices_of(simulator):
+    resource = simulator.resources.get(RESOURCE)
+    return resource.devices if resource is not None and resource.streaming else None
+
+
+def listed(*ids):
+    """A predicate: the simulator's stream for RESOURCE lists exactly these healthy devices."""
+    return lambda simulator: devices_of(simulator) == dict.fromkeys(ids, gp.HEALTHY)
+
+
+async def start(nursery, node, **fields):
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    await nursery.start(gp.serve_plugin, node.config(**fields))
+    await simulator.wait_until(listed("g1", "g2"))
+    return simulator
+
+
+async def test_register_list_allocate(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        [request] = simulator.registrations
+        assert (request.version, request.resource_name) == ("v1beta1", RESOURCE)
+        assert request.endpoint == node.our_sockets()[0] == "gopherplug-example.com_gopher-1.sock"
+        options = simulator.resources[RESOURCE].options  # what the dial-back inside Register got
+        assert options == request.options == v1beta1.DevicePluginOptions(get_preferred_allocation_available=True)
+        answer = await simulator.allocate(RESOURCE, ["g2", "g1"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g2,g1"}
+        assert await simulator.preferred_allocation(RESOURCE, ["g2", "g1"], [], 1) == ["g1"]
+        answer = await gp.call_unary(
+            os.path.join(node.plugin_dir, request.endpoint),
+            gp.METHODS["/v1beta1.DevicePlugin/PreStartContainer"],
+            v1beta1.PreStartContainerRequest(devices_ids=["g1"]),
+            timeout=5,
+        )
+        assert answer == v1beta1.PreStartContainerResponse()
+    assert oct(stat.S_IMODE(os.stat(os.path.join(node.plugin_dir, request.endpoint)).st_mode)) == "0o600"
+
+
+async def test_allocate_unknown_ids_is_invalid_argument(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        with pytest.raises(gp.RPCError) as info:
+            await simulator.allocate(RESOURCE, ["g1", "g7"])
+    assert (info.value.code, info.value.message) == (
+        StatusCode.INVALID_ARGUMENT,
+        "unknown example.com/gopher device IDs: g7",
+    )
+
+
+async def test_device_changes_reach_the_kubelet(nursery, node, tmp_path):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        dev = Path(node.devices)
+        (dev / "g3").touch()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+        (dev / "g1").unlink()
+        await simulator.wait_until(listed("g2", "g3"))
+        (dev / "g3").rename(dev / "g4")  # rename within
+        await simulator.wait_until(listed("g2", "g4"))
+        (dev / "g4").rename(tmp_path / "g4")  # rename out
+        await simulator.wait_until(listed("g2"))
+        (tmp_path / "g4").rename(dev / "g5")  # rename in
+        await simulator.wait_until(listed("g2", "g5"))
+        (dev / ".g6").touch()  # hidden: never a device, but a pattern change of names below is seen
+        (dev / "bad name").touch()
+        (dev / "g7").touch()
+        await simulator.wait_until(listed("g2", "g5", "g7"))
+
+
+async def test_attribute_change_is_seen(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, pattern="g*")
+        updates = simulator.resources[RESOURCE].updates
+        os.chmod(os.path.join(node.devices, "g1"), 0o600)  # IN_ATTRIB: rescanned, same list: no push
+        Path(node.devices, "h1").touch()  # does not match: rescanned, same list: no push
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+        assert simulator.resources[RESOURCE].updates == updates + 1, "unchanged lists are not sent again"
+
+
+async def test_kubelet_restart_reregisters_with_a_fresh_list(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        first = simulator.registrations[0].endpoint
+        simulator.restart()
+        await simulator.wait_until(lambda s: s.starts == 2)
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(lambda s: len(s.registrations) == 2)
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+        assert simulator.registrations[1].endpoint != first
+        assert node.our_sockets() == [simulator.registrations[1].endpoint], "the old socket is gone"
+
+
+async def test_our_socket_deleted_brings_us_back(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        [old] = node.our_sockets()
+        os.unlink(os.path.join(node.plugin_dir, old))
+        await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s) == listed_ids("g1", "g2"))
+        [new] = node.our_sockets()
+        assert new != old and simulator.registrations[1].endpoint == new
+
+
+def listed_ids(*ids):
+    return dict.fromkeys(ids, gp.HEALTHY)
+
+
+async def test_kubelet_absent_at_start(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(gp.serve_plugin, node.config())
+        assert not os.path.exists(os.path.join(node.plugin_dir, gp.KUBELET_SOCKET))
+        assert len(node.our_sockets()) == 1, "serving already, waiting for kubelet.sock"
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await simulator.wait_until(listed("g1", "g2"))
+        assert len(simulator.registrations) == 1
+
+
+async def test_kubelet_stopped_for_a_while(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        async with trio.open_nursery() as kubelet:
+            second = await kubelet.start(gp.KubeletSimulator(node.plugin_dir).run)  # restarts, then stops
+            await second.wait_until(listed("g1", "g2"))
+            kubelet.cancel_scope.cancel()
+        await simulator.wait_until(lambda s: devices_of(s) is None)  # the first simulator lost its stream
+        third = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await third.wait_until(listed("g1", "g2"))
+
+
+async def test_device_directory_deleted_and_recreated(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        shutil.rmtree(node.devices)
+        await simulator.wait_until(listed())
+        os.mkdir(node.devices)
+        Path(node.devices, "g9").touch()
+        await simulator.wait_until(listed("g9"))
+
+
+async def test_device_directory_absent_at_start_and_parent_missing(nursery, node):
+    nested = os.path.join(node.devices, "a", "b")
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, dataclasses_replace_dir(node.config(), nested))
+        await simulator.wait_until(listed())
+        os.makedirs(nested)
+        Path(nested, "g1").touch()
+        await simulator.wait_until(listed("g1"))
+
+
+def dataclasses_replace_dir(config, directory):
+    import dataclasses
+
+    return dataclasses.replace(config, resources=(dataclasses.replace(config.resources[0], directory=directory),))
+
+
+async def test_concurrent_streams_each_get_every_change(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        path = os.path.join(node.plugin_dir, simulator.resources[RESOURCE].endpoint)
+        method = gp.METHODS["/v1beta1.DevicePlugin/ListAndWatch"]
+        async with (
+            gp.open_stream(path, method, v1beta1.Empty(), timeout=5) as a,
+            gp.open_stream(path, method, v1beta1.Empty(), timeout=5) as b,
+        ):
+            for stream in (a, b):
+                assert [d.ID for d in (await anext(stream)).devices] == ["g1", "g2"]
+            Path(node.devices, "g3").touch()
+            for stream in (a, b):
+                assert [d.ID for d in (await anext(stream)).devices] == ["g1", "g2", "g3"]
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+
+
+async def test_kubelet_refuses_an_invalid_resource_name_and_plugin_retries(nursery, node, caplog):
+    import dataclasses
+
+    config = node.config()
+    bad = dataclasses.replace(config, resources=(dataclasses.replace(config.resources[0], name="gopher"),))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, bad)
+        await simulator.wait_until(lambda s: len(s.refusals) >= 2)
+    assert simulator.refusals[0] == 'the ResourceName "gopher" is invalid'
+    assert not simulator.registrations
+    assert 'registration failed, retrying in 0.01 s: UNKNOWN: the ResourceName "gopher" is invalid' in caplog.text
+
+
+async def test_grpcio_kubelet_end_to_end(pb2, nursery, node):
+    """grpcio plays the kubelet: Register dials back with grpcio, then ListAndWatch and Allocate."""
+    kubelet_socket = os.path.join(node.plugin_dir, gp.KUBELET_SOCKET)
+    seen = {}
+    registered = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def register(request, context):
+        channel = grpc.insecure_channel(f"unix:{os.path.join(node.plugin_dir, request.endpoint)}")
+        options = channel.unary_unary(
+            "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+            request_serializer=pb2.Empty.SerializeToString,
+            response_deserializer=pb2.DevicePluginOptions.FromString,
+        )(pb2.Empty(), timeout=10)
+        seen.update(request=request, options=options, channel=channel)
+        trio.from_thread.run_sync(registered.set, trio_token=token)
+        return pb2.Empty()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "v1beta1.Registration",
+                {
+                    "Register": grpc.unary_unary_rpc_method_handler(
+                        register,
+                        request_deserializer=pb2.RegisterRequest.FromString,
+                        response_serializer=pb2.Empty.SerializeToString,
+                    )
+                },
+            )
+        ]
+    )
+    server.add_insecure_port(f"unix:{kubelet_socket}")
+    server.start()
+    try:
+        with trio.fail_after(TIMEOUT):
+            await nursery.start(gp.serve_plugin, node.config())
+            await registered.wait()  # set from grpcio's thread once Register's dial-back succeeded
+            assert seen["options"].get_preferred_allocation_available
+            client = GrpcioClient(pb2, os.path.join(node.plugin_dir, seen["request"].endpoint))
+            stream = client.list_and_watch(pb2.Empty())
+            first = await in_thread(next, stream)
+            assert [(d.ID, d.health) for d in first.devices] == [("g1", "Healthy"), ("g2", "Healthy")]
+            Path(node.devices, "g3").touch()
+            second = await in_thread(next, stream)
+            assert [d.ID for d in second.devices] == ["g1", "g2", "g3"]
+            answer = await in_thread(client.allocate, allocate_request(pb2, "g3"), timeout=5)
+            assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g3"}
+            stream.cancel()
+            client.close()
+            seen["channel"].close()
+    finally:
+        server.stop(None).wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line, as a real subprocess where signals and exit codes matter
+# ------------------------------------------------------------------------------------------------
+
+
+def run_cli(*args, env=None, timeout=60):
+    return subprocess.run(
+        [sys.executable, str(HERE / "gopherplug.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def write_config(node, tmp_path, **fields):
+    path = tmp_path / "gopherplug.yaml"
+    resource = {"name": RESOURCE, "directory": node.devices, **fields}
+    path.write_text(yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": [resource]}))
+    return path
+
+
+def test_check_config_summarises_a_good_file(node, tmp_path):
+    path = write_config(node, tmp_path)
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == (
+        f"{path}: OK: 1 resource(s): {RESOURCE} ({node.devices}/*); kubelet at {node.plugin_dir}\n"
+    )
+    via_env = run_cli("check-config", env={"GOPHERPLUG_CONFIG": str(path)})
+    assert via_env.stdout == result.stdout
+
+
+def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
+    path = write_config(node, tmp_path, directory="relative")
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2
+    assert result.stderr == f"gopherplug: {path}: resources[0].directory: 'relative' must be an absolute path\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "stderr"),
+    [
+        ((), "gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG\n"),
+        (
+            ("serve", "--config", "/nonexistent.yaml"),
+            "gopherplug: /nonexistent.yaml: cannot read: FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/nonexistent.yaml'\n",
+        ),
+    ],
+)
+def test_serve_without_usable_config_exits_2(args, stderr):
+    result = run_cli(*args, env={"GOPHERPLUG_CONFIG": ""})
+    assert (result.returncode, result.stderr) == (2, stderr)
+
+
+def test_bad_usage_exits_2():
+    result = run_cli("serve", "--log-level", "loud", env={"GOPHERPLUG_CONFIG": ""})
+    assert result.returncode == 2
+    assert "invalid choice: 'loud'" in result.stderr
+
+
+def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
+    # Something that is not a socket occupies our socket's path: nothing gopherplug can fix.
+    os.mkdir(os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-1.sock"))
+    result = run_cli("--config", str(write_config(node, tmp_path)), timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1].endswith(
+        f"ERROR example.com/gopher: cannot serve on {node.plugin_dir}: OSError: [Errno 98] Address already in use"
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path, signum):
+    path = write_config(node, tmp_path)
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            assert len(node.our_sockets()) == 1
+            sent = trio.current_time()
+            process.send_signal(signum)
+            assert await process.wait() == 0
+            elapsed = trio.current_time() - sent
+            await simulator.wait_until(lambda s: devices_of(s) is None)  # the kubelet saw the stream end
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert node.our_sockets() == []
+    assert elapsed < 5, "generous bound; the README gives the measured figure"
