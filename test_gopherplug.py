@@ -14,6 +14,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -837,8 +838,8 @@ async def test_device_changes_reach_the_kubelet(nursery, node, tmp_path):
         await simulator.wait_until(listed("g2"))
         (tmp_path / "g4").rename(dev / "g5")  # rename in
         await simulator.wait_until(listed("g2", "g5"))
-        (dev / ".g6").touch()  # hidden: never a device, but a pattern change of names below is seen
-        (dev / "bad name").touch()
+        (dev / ".g6").touch()  # hidden: never a device
+        (dev / "bad name").touch()  # not a valid device ID: skipped with a warning
         (dev / "g7").touch()
         await simulator.wait_until(listed("g2", "g5", "g7"))
 
@@ -925,8 +926,6 @@ async def test_device_directory_absent_at_start_and_parent_missing(nursery, node
 
 
 def dataclasses_replace_dir(config, directory):
-    import dataclasses
-
     return dataclasses.replace(config, resources=(dataclasses.replace(config.resources[0], directory=directory),))
 
 
@@ -948,8 +947,6 @@ async def test_concurrent_streams_each_get_every_change(nursery, node):
 
 
 async def test_kubelet_refuses_an_invalid_resource_name_and_plugin_retries(nursery, node, caplog):
-    import dataclasses
-
     config = node.config()
     bad = dataclasses.replace(config, resources=(dataclasses.replace(config.resources[0], name="gopher"),))
     with trio.fail_after(TIMEOUT):
