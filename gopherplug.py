@@ -1209,7 +1209,7 @@ async def watch_devices(
         found, skipped = scan_directory(resource.directory, resource.pattern)
         for name in sorted(set(skipped) - warned, key=_natural_key):
             log.warning("%s: skipping %r: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -", resource.name, name)
-        warned.intersection_update(skipped)
+        warned.clear()  # warn again about a name only if it goes away and comes back
         warned.update(skipped)
         before = devices.value
         devices.set({device.id: device for device in found})
