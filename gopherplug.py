@@ -50,12 +50,13 @@ import purerpc
 import trio
 import yaml
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from inotify_simple import INotify, flags
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
 from purerpc.grpc_socket import SocketWrapper
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
-from purerpc.grpclib.events import RequestEnded, RequestReceived, WindowUpdated
+from purerpc.grpclib.events import MessageReceived, RequestEnded, RequestReceived, WindowUpdated
 from purerpc.grpclib.exceptions import ProtocolError, RpcFailedError
 from purerpc.grpclib.status import Status, StatusCode
 from purerpc.wrappers import extract_message_from_singleton_stream
@@ -679,16 +680,42 @@ _GOODBYE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStr
 
 
 class _UnixSocketWrapper(SocketWrapper):
-    """purerpc's socket wrapper without its TCP options.
+    """purerpc's socket wrapper without its TCP options, waking its writer only when there is data.
 
     purerpc sets TCP_KEEPIDLE and TCP_NODELAY on every socket. On AF_UNIX they fail with EOPNOTSUPP,
     and purerpc's stock handler swallows the error: the client just times out. A unix socket needs
     none of them (no Nagle, no keepalive: the kernel knows when the peer is gone).
+
+    The writer task sends what h2 has queued. Stock purerpc wakes it on every flush(), and flush()
+    runs after every read, mostly with nothing to send; each needless wake is one more trip through
+    trio's scheduler, per call. Here flush() takes h2's bytes itself and wakes the writer only for them.
     """
+
+    def __init__(self, connection: GRPCConnection, stream: anyio.abc.ByteStream) -> None:
+        super().__init__(connection, stream)
+        self._outgoing = bytearray()
 
     @staticmethod
     def _set_socket_options(stream: Any) -> None:
         pass
+
+    async def flush(self) -> None:
+        data = self._grpc_connection.data_to_send()
+        if data:
+            self._outgoing += data
+            self._flush_event.set()
+
+    async def _writer_thread(self) -> None:
+        while True:
+            if self._outgoing:
+                data = bytes(self._outgoing)
+                self._outgoing.clear()
+                await self._stream.send(data)
+            elif self._running:
+                await self._flush_event.wait()
+                self._flush_event = anyio.Event()
+            else:
+                return
 
 
 class _ResetAwareConnection(GRPCConnection):
@@ -737,10 +764,14 @@ def _close_event_queues(stream: GRPCProtoStream) -> None:
 class _ServerConnection(_GRPCSocket):
     """One accepted connection: reads frames, runs each call in its own task and cancel scope.
 
+    Every DevicePlugin and Registration method takes exactly one request message, so a call starts
+    once its request is complete (END_STREAM seen): its task then never waits for input, and a
+    unary call runs from request to response in one step of trio's scheduler.
+
     Resource handling: every call gets a trio.CancelScope kept in ``calls`` until its task ends.
-    RST_STREAM cancels that one scope; end of file (the peer closed the connection) cancels them all.
-    Reset streams are removed from purerpc's stream table, which only forgets streams that ended
-    normally in both directions.
+    RST_STREAM cancels that one scope (or drops a request still arriving); end of file (the peer
+    closed the connection) cancels them all. Reset streams are removed from purerpc's stream
+    table, which only forgets streams that ended normally in both directions.
 
     Error handling: a handler's RPCError becomes the call's status; any other exception is logged
     with its traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC from the peer raises out of
@@ -752,6 +783,8 @@ class _ServerConnection(_GRPCSocket):
         self._services = services
         #: Calls in progress on this connection, by HTTP/2 stream id.
         self.calls: dict[int, trio.CancelScope] = {}
+        #: Requests still arriving: their headers and the messages so far, by HTTP/2 stream id.
+        self._requests: dict[int, tuple[RequestReceived, list[bytes]]] = {}
 
     @property
     def open_streams(self) -> int:
@@ -767,8 +800,8 @@ class _ServerConnection(_GRPCSocket):
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
                     break
                 events = self._grpc_connection.receive_data(data)  # raises on malformed input
-                await self._socket.flush()  # h2 may owe the peer a SETTINGS ack, a PING reply...
                 reset = self._dispatch(events, nursery)
+                await self._socket.flush()  # a SETTINGS ack, a PING reply, WINDOW_UPDATEs...
                 # Only now, with the whole batch dispatched, forget the reset streams: an event of
                 # the same batch may still have named them.
                 for stream_id in reset:
@@ -794,31 +827,41 @@ class _ServerConnection(_GRPCSocket):
                 scope = self.calls.get(event.stream_id)
                 if scope is not None:
                     scope.cancel()
+                self._requests.pop(event.stream_id, None)
                 reset.append(event.stream_id)
             elif isinstance(event, RequestReceived):
-                stream = self._allocate_stream(event.stream_id)
-                stream._incoming_events[0].send_nowait(event)
-                scope = self.calls[event.stream_id] = trio.CancelScope()
-                nursery.start_soon(self._run_call, stream, scope)
-            elif (stream := self._streams.get(event.stream_id)) is not None:
-                # A message or the end of the request. (None: a late frame for a call already over.)
-                stream._incoming_events[0].send_nowait(event)
-                if isinstance(event, RequestEnded):
+                self._allocate_stream(event.stream_id)
+                self._requests[event.stream_id] = (event, [])
+            elif isinstance(event, MessageReceived):
+                # Give the bytes back to the peer's flow-control window (sent by the next flush),
+                # or after enough requests it could not send us anything more.
+                self._grpc_connection.acknowledge_received_data(event.stream_id, event.flow_controlled_length)
+                if (request := self._requests.get(event.stream_id)) is not None:
+                    request[1].append(event.data)
+            elif isinstance(event, RequestEnded):
+                request = self._requests.pop(event.stream_id, None)
+                stream = self._streams.get(event.stream_id)
+                if request is not None and stream is not None:  # else: a late frame of a reset call
                     stream._close_remote()
+                    scope = self.calls[event.stream_id] = trio.CancelScope()
+                    nursery.start_soon(self._run_call, stream, scope, *request)
         return reset
 
-    async def _run_call(self, stream: GRPCProtoStream, scope: trio.CancelScope) -> None:
+    async def _run_call(
+        self, stream: GRPCProtoStream, scope: trio.CancelScope, request: RequestReceived, messages: list[bytes]
+    ) -> None:
         try:
             with scope:
-                await _answer_call(self._services, stream)
+                await _answer_call(self._services, stream, request, messages)
         finally:
             del self.calls[stream.stream_id]
             _close_event_queues(stream)
 
 
-async def _answer_call(services: Mapping[str, purerpc.Service], stream: GRPCProtoStream) -> None:
+async def _answer_call(
+    services: Mapping[str, purerpc.Service], stream: GRPCProtoStream, request: RequestReceived, messages: list[bytes]
+) -> None:
     """Run one call: find its handler, feed it the request, send what it returns, close with a status."""
-    request: RequestReceived = await stream.receive_event()
     service = services.get(request.service_name)
     bound = service.methods.get(request.method_name) if service is not None else None
     if bound is None or bound.signature.cardinality not in (
@@ -830,8 +873,12 @@ async def _answer_call(services: Mapping[str, purerpc.Service], stream: GRPCProt
         )
         return
     try:
-        stream.expect_message_type(bound.signature.request_type)
-        message = await extract_message_from_singleton_stream(stream)
+        if len(messages) != 1:  # grpc-go answers INTERNAL too
+            raise RPCError(StatusCode.INTERNAL, f"expected one request message, got {len(messages)}")
+        try:
+            message = bound.signature.request_type.FromString(messages[0])
+        except DecodeError as error:
+            raise RPCError(StatusCode.INTERNAL, f"cannot parse the request: {error}") from None
         if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
             response = await bound.method_fn(message, request=request)
             await stream.start_response()
@@ -849,8 +896,6 @@ async def _answer_call(services: Mapping[str, purerpc.Service], stream: GRPCProt
         status = Status(StatusCode.OK)
     except RPCError as error:
         status = Status(error.code, error.message)
-    except RpcFailedError as error:  # purerpc's own, e.g. a request that is not one message
-        status = error.status
     except Exception as error:
         log.exception("%s/%s failed", request.service_name, request.method_name)
         status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")

@@ -266,6 +266,29 @@ async def test_unknown_method_is_unimplemented(pb2, served, path):
     assert info.value.details() == f"unknown method {path}"
 
 
+@pytest.mark.parametrize(
+    ("messages", "details"),
+    [
+        ([], "expected one request message, got 0"),
+        ([b"", b""], "expected one request message, got 2"),
+        ([b"\xff"], "cannot parse the request: Error parsing message"),
+    ],
+)
+async def test_malformed_request_is_internal_and_server_goes_on(pb2, served, grpcio_client, messages, details):
+    # grpcio's client-streaming call on a unary method: any number of raw messages on one stream.
+    call = grpcio_client.channel.stream_unary(
+        "/v1beta1.DevicePlugin/Allocate",
+        request_serializer=bytes,
+        response_deserializer=pb2.AllocateResponse.FromString,
+    )
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(grpc.RpcError) as info:
+            await in_thread(call, iter(messages), timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert info.value.details().startswith(details)
+        await in_thread(grpcio_client.get_options, pb2.Empty(), timeout=TIMEOUT)
+
+
 async def test_stream_receives_pushes_in_order(pb2, served, grpcio_client):
     _, recorder = served
     call = grpcio_client.list_and_watch(pb2.Empty())

@@ -7,6 +7,11 @@ script plays the kubelet with grpcio (C core, like the kubelet's grpc-go): a Reg
 kubelet.sock that dials the plugin back inside Register and keeps a ListAndWatch stream open, plus
 Allocate callers. It prints one line per figure: device added -> update seen; kubelet restart ->
 re-registered with a fresh list; unary and Allocate latency at concurrency 1 and 4; idle RSS and CPU.
+
+grpcio's Python layer costs the caller about 0.5 ms per call, which a latency measured from Python
+counts as the plugin's. The kubelet calls with grpc-go, so when a Go toolchain and grpc-go are at
+hand (Debian: `apt-get install golang-go golang-google-grpc-dev`), Allocate is also timed from
+`grpc_go_client.go`, built into a temporary directory; without them those lines say "skipped".
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+
+GO_SOURCES = "/usr/share/gocode"  # where Debian's golang-*-dev packages put Go libraries
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
@@ -147,6 +154,40 @@ def unary_latency(stub, request, calls, concurrency):
     return percentile(latencies, 0.5), percentile(latencies, 0.99), len(latencies) / elapsed
 
 
+def build_go_client(root):
+    """Build grpc_go_client.go (GOPATH mode, Debian's grpc-go); return its path, or why not."""
+    if shutil.which("go") is None or not os.path.isdir(os.path.join(GO_SOURCES, "src/google.golang.org/grpc")):
+        return None, "no go toolchain or grpc-go sources (apt-get install golang-go golang-google-grpc-dev)"
+    binary = os.path.join(root, "grpc_go_client")
+    env = dict(os.environ, GO111MODULE="off", GOPATH=GO_SOURCES, GOCACHE=os.path.join(root, "gocache"))
+    built = subprocess.run(
+        ["go", "build", "-o", binary, str(HERE / "bench" / "grpc_go_client.go")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        return None, f"go build failed: {built.stderr.strip().splitlines()[-1]}"
+    return binary, None
+
+
+def go_latency(binary, endpoint, request, calls, concurrency):
+    out = subprocess.run(
+        [
+            binary,
+            endpoint,
+            "/v1beta1.DevicePlugin/Allocate",
+            request.SerializeToString().hex(),
+            str(calls),
+            str(concurrency),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return float(out[0]), float(out[1]), float(out[2])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--idle-seconds", type=float, default=30)
@@ -162,9 +203,7 @@ def main():
     for i in range(4):
         Path(devices, f"g{i}").touch()
     config = Path(root, "config.yaml")
-    config.write_text(
-        f"device_plugin_dir: {plugin_dir}\nresources:\n  - name: {RESOURCE}\n    directory: {devices}\n"
-    )
+    config.write_text(f"device_plugin_dir: {plugin_dir}\nresources:\n  - name: {RESOURCE}\n    directory: {devices}\n")
     kubelet = Kubelet(plugin_dir)
     kubelet.start()
     plugin = subprocess.Popen(
@@ -182,8 +221,10 @@ def main():
             start = time.perf_counter()
             Path(devices, name).touch()
             seen.append(kubelet.wait_for(lambda ids, name=name: name in ids) - start)
-        print(f"device added -> update seen: p50 {ms(percentile(seen, 0.5))}, p99 {ms(percentile(seen, 0.99))} "
-              f"(n={len(seen)})")
+        print(
+            f"device added -> update seen: p50 {ms(percentile(seen, 0.5))}, p99 {ms(percentile(seen, 0.99))} "
+            f"(n={len(seen)})"
+        )
 
         # 2. Kubelet restart -> re-registered and a fresh list received.
         took = []
@@ -197,8 +238,10 @@ def main():
             kubelet.start()
             kubelet.registered.get(timeout=30)
             took.append(kubelet.wait_for(lambda ids: len(ids) == 4 + args.additions) - start)
-        print(f"kubelet restart -> re-registered, fresh list: p50 {ms(percentile(took, 0.5))}, "
-              f"max {ms(max(took))} (n={len(took)})")
+        print(
+            f"kubelet restart -> re-registered, fresh list: p50 {ms(percentile(took, 0.5))}, "
+            f"max {ms(max(took))} (n={len(took)})"
+        )
 
         # 3. Unary and Allocate latency, from grpcio like the kubelet's grpc-go, one connection.
         endpoint = next(os.path.join(plugin_dir, n) for n in os.listdir(plugin_dir) if n.startswith("gopherplug-"))
@@ -221,16 +264,25 @@ def main():
         print(f"GetDevicePluginOptions round trip, 1 caller: p50 {ms(p50)}, p99 {ms(p99)}, {rate:.0f} calls/s")
         for concurrency in (1, 4):
             p50, p99, rate = unary_latency(allocate, request, args.calls, concurrency)
-            print(f"Allocate, {concurrency} caller(s): p50 {ms(p50)}, p99 {ms(p99)}, {rate:.0f} calls/s")
+            print(f"Allocate from grpcio, {concurrency} caller(s): p50 {ms(p50)}, p99 {ms(p99)}, {rate:.0f} calls/s")
         channel.close()
+        go_client, why_not = build_go_client(root)
+        for concurrency in (1, 4):
+            if go_client is None:
+                print(f"Allocate from grpc-go, {concurrency} caller(s): skipped: {why_not}")
+                continue
+            p50, p99, rate = go_latency(go_client, endpoint, request, args.calls, concurrency)
+            print(f"Allocate from grpc-go, {concurrency} caller(s): p50 {ms(p50)}, p99 {ms(p99)}, {rate:.0f} calls/s")
 
         # 4. Idle: no device changes, the kubelet's stream open.
         time.sleep(1)  # let the last calls' work settle before the idle window
         cpu0, wall0 = cpu_seconds(plugin.pid), time.perf_counter()
         time.sleep(args.idle_seconds)
         cpu = cpu_seconds(plugin.pid) - cpu0
-        print(f"idle {args.idle_seconds:.0f} s: RSS {rss_mib(plugin.pid):.1f} MiB, CPU {cpu:.2f} s "
-              f"({100 * cpu / (time.perf_counter() - wall0):.2f} %)")
+        print(
+            f"idle {args.idle_seconds:.0f} s: RSS {rss_mib(plugin.pid):.1f} MiB, CPU {cpu:.2f} s "
+            f"({100 * cpu / (time.perf_counter() - wall0):.2f} %)"
+        )
     finally:
         plugin.terminate()
         plugin.wait(10)

@@ -1,0 +1,98 @@
+// A kubelet-side caller for the benchmark: grpc-go, as in the kubelet's device manager.
+// It dials the plugin's unix socket the way the kubelet does and times unary calls.
+//
+//	grpc_go_client SOCKET METHOD REQUEST_HEX CALLS CONCURRENCY
+//
+// prints: p50_seconds p99_seconds calls_per_second
+package main
+
+import (
+	"context"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"os"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+)
+
+// rawCodec sends and receives serialized protobuf bytes as they are: the request is built by the
+// Python side, and the response is only timed, never read.
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v interface{}) ([]byte, error) { return *(v.(*[]byte)), nil }
+func (rawCodec) Unmarshal(data []byte, v interface{}) error {
+	*(v.(*[]byte)) = append((*(v.(*[]byte)))[:0], data...)
+	return nil
+}
+func (rawCodec) Name() string { return "proto" }
+
+func main() {
+	if len(os.Args) != 6 {
+		fmt.Fprintln(os.Stderr, "usage: grpc_go_client SOCKET METHOD REQUEST_HEX CALLS CONCURRENCY")
+		os.Exit(2)
+	}
+	socket, method := os.Args[1], os.Args[2]
+	request, err := hex.DecodeString(os.Args[3])
+	check(err)
+	calls, err := strconv.Atoi(os.Args[4])
+	check(err)
+	concurrency, err := strconv.Atoi(os.Args[5])
+	check(err)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := grpc.DialContext(ctx, socket, grpc.WithInsecure(), grpc.WithBlock(),
+		grpc.WithAuthority("localhost"),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", addr)
+		}))
+	check(err)
+	defer conn.Close()
+
+	call := func() time.Duration {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var response []byte
+		start := time.Now()
+		check(conn.Invoke(ctx, method, &request, &response, grpc.ForceCodec(rawCodec{})))
+		return time.Since(start)
+	}
+	for i := 0; i < 200; i++ { // warm up: connection windows, hpack tables
+		call()
+	}
+
+	latencies := make([]time.Duration, 0, calls)
+	var lock sync.Mutex
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := 0; w < concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			mine := make([]time.Duration, 0, calls/concurrency)
+			for i := 0; i < calls/concurrency; i++ {
+				mine = append(mine, call())
+			}
+			lock.Lock()
+			latencies = append(latencies, mine...)
+			lock.Unlock()
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	sort.Slice(latencies, func(i, j int) bool { return latencies[i] < latencies[j] })
+	at := func(f float64) float64 { return latencies[int(f*float64(len(latencies)-1))].Seconds() }
+	fmt.Printf("%.6f %.6f %.1f\n", at(0.5), at(0.99), float64(len(latencies))/elapsed.Seconds())
+}
+
+func check(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "grpc_go_client:", err)
+		os.Exit(1)
+	}
+}
