@@ -36,10 +36,12 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +51,7 @@ import h2.events
 import purerpc
 import trio
 import yaml
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 from google.protobuf.message import DecodeError
 from inotify_simple import INotify, flags
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
@@ -1645,6 +1647,114 @@ class KubeletSimulator:
                 self._changed.touch()
 
 
+# The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
+DEMO_STEP_TIMEOUT = 10.0  # each step takes milliseconds; this only stops a broken demo from hanging
+DEMO_CONFIG = """\
+# The demo's configuration: every file in the temporary directory is one gopher device.
+resources:
+  - name: example.com/gopher
+    directory: {devices}
+    env: GOPHER_DEVICES
+    device_specs:
+      - host_path: "{{path}}"
+        container_path: /dev/gopher{{index}}
+        permissions: rw
+"""
+
+
+async def run_demo(out: Callable[[str], None] = print) -> None:
+    """Run the plugin against the kubelet simulator in a temporary directory, telling each step.
+
+    Leaves nothing behind: the directory, its sockets and its files are gone when this returns.
+    """
+    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
+    try:
+        plugin_dir, devices = os.path.join(root, "device-plugins"), os.path.join(root, "gophers")
+        os.mkdir(plugin_dir)
+        os.mkdir(devices)
+        for name in ("gopher0", "gopher1", "gopher2"):
+            open(os.path.join(devices, name), "x").close()
+        config = parse_config(DEMO_CONFIG.format(devices=devices), "<demo>")
+        config = dataclasses.replace(config, device_plugin_dir=plugin_dir)
+        await _narrate_demo(config, devices, out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _narrate_demo(config: Config, devices: str, out: Callable[[str], None]) -> None:
+    resource = config.resources[0].name
+    start = trio.current_time()
+
+    def say(who: str, what: str) -> None:
+        out(f"{(trio.current_time() - start) * 1e3:8.1f} ms  {who:<8} {what}")
+
+    def listed(kubelet: KubeletSimulator) -> str:
+        known = kubelet.resources[resource].devices
+        return ", ".join(f"{device_id} {health}" for device_id, health in known.items()) or "none"
+
+    async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> None:
+        with trio.move_on_after(DEMO_STEP_TIMEOUT):
+            await kubelet.wait_until(predicate)
+            return
+        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+
+    out(f"gopherplug demo: a simulated kubelet and the real plugin, in {os.path.dirname(devices)}")
+    async with trio.open_nursery() as nursery:
+        kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+        say("kubelet", f"serving Registration on {kubelet.socket_path} (sockets of the directory wiped)")
+        await nursery.start(serve_plugin, config)
+        say("plugin", f"watching {devices}; serving DevicePlugin on a socket in {config.device_plugin_dir}")
+        await wait_for("registration", lambda k: bool(k.registrations))
+        registration = kubelet.registrations[-1]
+        say(
+            "plugin", f"Register(resource {resource}, endpoint {registration.endpoint}, version {registration.version})"
+        )
+        say(
+            "kubelet",
+            f"dialed {registration.endpoint} back before answering: {_one_line(kubelet.resources[resource].options)}",
+        )
+        say("kubelet", "registration accepted; opening ListAndWatch")
+        await wait_for("the first device list", lambda k: k.resources[resource].updates > 0)
+        say("plugin", f"ListAndWatch: {listed(kubelet)}")
+        say("kubelet", f"node capacity {resource}: {kubelet.resources[resource].capacity}")
+
+        ids = sorted(kubelet.resources[resource].devices, key=_natural_key)[:2]
+        say("kubelet", f"a pod asks for 2 {resource}: Allocate({', '.join(ids)})")
+        answer = (await kubelet.allocate(resource, ids)).container_responses[0]
+        for name, value in sorted(answer.envs.items()):
+            say("plugin", f"  env {name}={value}")
+        for spec in answer.devices:
+            say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+
+        added = os.path.join(devices, "gopher3")
+        open(added, "x").close()
+        touched = trio.current_time()
+        say("demo", f"created {added}")
+        await wait_for("the new device's update", lambda k: "gopher3" in k.resources[resource].devices)
+        say("plugin", f"ListAndWatch: {listed(kubelet)} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
+
+        registrations = len(kubelet.registrations)
+        restarted = trio.current_time()
+        kubelet.restart()
+        say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
+        await wait_for(
+            "re-registration",
+            lambda k: len(k.registrations) > registrations and len(k.resources[resource].devices) == 4,
+        )
+        say(
+            "plugin",
+            f"saw the new kubelet.sock, registered again as {kubelet.registrations[-1].endpoint}: "
+            f"{(trio.current_time() - restarted) * 1e3:.1f} ms",
+        )
+        say("plugin", f"ListAndWatch: {listed(kubelet)}")
+        nursery.cancel_scope.cancel()
+    say("demo", "done: plugin stopped, its sockets removed")
+
+
+def _one_line(message: Any) -> str:
+    return text_format.MessageToString(message, as_one_line=True) or "(defaults)"
+
+
 ########################################################################################################
 # 9. Command line
 #
@@ -1679,9 +1789,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Without a command, runs `serve`.",
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,demo}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
     check = commands.add_parser("check-config", help="validate a configuration file and summarise it")
+    demo = commands.add_parser(
+        "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
+    )
     for command in (serve, check):
         command.add_argument(
             "--config",
@@ -1695,26 +1808,29 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
     )
-    serve.add_argument(
-        "--log-level",
-        default=env("GOPHERPLUG_LOG_LEVEL", "info"),
-        type=str.lower,
-        choices=["debug", "info", "warning", "error"],
-        help="log level (env GOPHERPLUG_LOG_LEVEL, default info)",
-    )
+    for command, default in ((serve, "info"), (demo, "warning")):
+        command.add_argument(
+            "--log-level",
+            default=env("GOPHERPLUG_LOG_LEVEL", default),
+            type=str.lower,
+            choices=["debug", "info", "warning", "error"],
+            help=f"log level (env GOPHERPLUG_LOG_LEVEL, default {default})",
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in {"serve", "check-config", "-h", "--help", "--version"}:
+    if not argv or argv[0] not in {"serve", "check-config", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
     parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    if args.command == "demo":
+        return _run(args.log_level, run_demo)
     if not args.config:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
@@ -1729,9 +1845,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {config.device_plugin_dir}"
         )
         return EXIT_OK
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    return _run(args.log_level, _serve_until_signalled, config)
+
+
+def _run(log_level: str, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:
+    """Run ``main_task(*args)`` under trio; a GopherplugError becomes one logged line and exit 1."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        trio.run(_serve_until_signalled, config)
+        trio.run(main_task, *args)
     except Exception as error:
         if not isinstance(_innermost(error), GopherplugError):
             raise

@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -1058,6 +1059,24 @@ def write_config(node, tmp_path, **fields):
     resource = {"name": RESOURCE, "directory": node.devices, **fields}
     path.write_text(yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": [resource]}))
     return path
+
+
+def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
+    result = run_cli("demo", env={"TMPDIR": str(sockdir)})
+    assert (result.returncode, result.stderr) == (0, "")
+    steps = [line.split(None, 3)[2:] for line in result.stdout.splitlines()[1:]]
+    assert " ".join(who for who, _ in steps) == (
+        "kubelet plugin plugin kubelet kubelet plugin kubelet kubelet "
+        "plugin plugin plugin demo plugin kubelet plugin plugin demo"
+    )
+    said = "\n".join(what for _, what in steps)
+    assert "Register(resource example.com/gopher, endpoint gopherplug-example.com_gopher-1.sock" in said
+    assert "ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
+    assert "Allocate(gopher0, gopher1)\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
+    assert re.search(r"\ndevice /\S+/gophers/gopher1 -> /dev/gopher1 \(rw\)\n", said)
+    assert "gopher2 Healthy, gopher3 Healthy (" in said
+    assert "registered again as gopherplug-example.com_gopher-2.sock" in said
+    assert os.listdir(sockdir) == []
 
 
 def test_check_config_summarises_a_good_file(node, tmp_path):
