@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import fnmatch
 import itertools
+import json
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ import re
 import shutil
 import signal
 import stat
+import string
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -121,6 +123,9 @@ KUBELET_SOCKET = "kubelet.sock"
 #: Device.health values. The kubelet counts "Healthy" as allocatable and anything else as not.
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+
+#: How long the kubelet waits for PreStartContainer (KubeletPreStartContainerRPCTimeoutInSecs).
+KUBELET_PRE_START_TIMEOUT = 30.0
 
 # The messages of v1beta1, as (message name, fields); a field is (name, number, type). A type is a
 # scalar ("string", "bool", "int32", "int64"), another message of this package, "repeated T", or
@@ -372,6 +377,14 @@ class ConfigError(GopherplugError):
 ########################################################################################################
 
 
+#: Between a device ID and its replica number in the IDs the kubelet sees ("gopher0::1").
+REPLICA_SEPARATOR = "::"
+
+#: The CDI specification version gopherplug's spec files declare (container-device-interface
+#: specs-go CurrentVersion); every field written here exists since 0.5.0.
+CDI_VERSION = "0.8.0"
+
+
 @dataclass(frozen=True)
 class DeviceSpecTemplate:
     """One ``device_specs`` entry: a DeviceSpec per allocated device, {id} {path} {index} filled in."""
@@ -379,6 +392,28 @@ class DeviceSpecTemplate:
     host_path: str
     container_path: str
     permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class MountTemplate:
+    """One ``mounts`` entry: a Mount per allocated device, {id} {path} {index} filled in."""
+
+    host_path: str
+    container_path: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class CDIConfig:
+    """``cdi``: name devices to the container runtime as CDI devices, described in a spec file."""
+
+    kind: str  #: "vendor.com/class"; a device is then "vendor.com/class=<id>"
+    spec_dir: str = "/var/run/cdi"  #: where the runtime reads CDI specs (/etc/cdi is the other usual one)
+
+    @property
+    def spec_file(self) -> str:
+        """The spec file gopherplug owns: "<vendor>-<class>.json", the CDI tools' naming."""
+        return os.path.join(self.spec_dir, self.kind.replace("/", "-") + ".json")
 
 
 @dataclass(frozen=True)
@@ -390,6 +425,29 @@ class ResourceConfig:
     pattern: str = "*"  #: fnmatch glob on entry names; hidden entries never match
     env: str = ""  #: env var given the allocated IDs, comma-joined ("" only before parse_config fills it)
     device_specs: tuple[DeviceSpecTemplate, ...] | None = None  #: None: device nodes pass through as they are
+    mounts: tuple[MountTemplate, ...] = ()
+    annotations: tuple[tuple[str, str], ...] = ()  #: (key template, value template) pairs
+    replicas: int = 1  #: each device is offered this many times, as "<id>::<n>" when more than 1
+    preferred: str = "packed"  #: GetPreferredAllocation: "packed" (replicas of one device together) or "spread"
+    cdi: CDIConfig | None = None
+    pre_start: tuple[str, ...] = ()  #: argv run before each container start; empty: no PreStartContainer
+    pre_start_timeout: float = 25.0  #: seconds; the kubelet gives PreStartContainer 30
+    allowed_host_paths: tuple[str, ...] = ()  #: roots besides `directory` and /dev that host paths may use
+
+    def replica_ids(self, device_id: str) -> list[str]:
+        """The IDs the kubelet sees for one device: the ID itself, or "<id>::0" ... "<id>::<replicas-1>"."""
+        if self.replicas == 1:
+            return [device_id]
+        return [f"{device_id}{REPLICA_SEPARATOR}{n}" for n in range(self.replicas)]
+
+    def underlying_id(self, kubelet_id: str) -> str | None:
+        """The device behind an ID the kubelet uses, or None if no replica of any device has that ID."""
+        if self.replicas == 1:
+            return kubelet_id
+        device_id, separator, replica = kubelet_id.rpartition(REPLICA_SEPARATOR)
+        if not separator or not replica.isdigit() or str(int(replica)) != replica or int(replica) >= self.replicas:
+            return None
+        return device_id
 
 
 @dataclass(frozen=True)
@@ -399,15 +457,21 @@ class Config:
     resources: tuple[ResourceConfig, ...]
     device_plugin_dir: str = DEFAULT_DEVICE_PLUGIN_DIR
     source: str = "<config>"  #: the file it came from, for messages
+    sysfs_root: str = "/sys"  #: where NUMA nodes are read; tests point it at a fake tree
 
 
 @dataclass(frozen=True)
 class DeviceEntry:
-    """One device found in a resource's directory."""
+    """One device found in a resource's directory, and what it gives a container."""
 
     id: str  #: the entry's name, which is also the ID the kubelet knows it by
     path: str  #: the entry's full path
     is_device_node: bool = False  #: a character or block device node (then passed through by default)
+    health: str = HEALTHY
+    problem: str = ""  #: why it is unhealthy, for the log and for a refused Allocate
+    numa_node: int | None = None  #: from sysfs, for device nodes; None: no topology
+    device_specs: tuple[DeviceSpecTemplate, ...] = ()  #: host paths filled in; container paths may hold {index}
+    mounts: tuple[MountTemplate, ...] = ()  #: the same, for mounts
 
 
 ########################################################################################################
@@ -463,10 +527,11 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
-    top = _mapping(data, source, "", {"device_plugin_dir", "resources"}, required={"resources"})
+    top = _mapping(data, source, "", {"device_plugin_dir", "resources", "sysfs_root"}, required={"resources"})
     device_plugin_dir = DEFAULT_DEVICE_PLUGIN_DIR
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
+    sysfs_root = _absolute_path(top.get("sysfs_root", "/sys"), source, "sysfs_root")
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
         raise ConfigError(source, "resources", "must be a non-empty list of resources")
@@ -479,12 +544,29 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                     source, f"resources[{index}].name", f"{resource.name} is already used by resources[{earlier}]"
                 )
         resources.append(resource)
-    return Config(tuple(resources), device_plugin_dir, source)
+    return Config(tuple(resources), device_plugin_dir, source, sysfs_root)
+
+
+_RESOURCE_KEYS = {
+    "name",
+    "directory",
+    "pattern",
+    "env",
+    "device_specs",
+    "mounts",
+    "annotations",
+    "replicas",
+    "preferred",
+    "cdi",
+    "pre_start",
+    "pre_start_timeout",
+    "allowed_host_paths",
+}
+MAX_REPLICAS = 1000
 
 
 def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
-    keys = {"name", "directory", "pattern", "env", "device_specs"}
-    data = _mapping(entry, source, where, keys, required={"name", "directory"})
+    data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name", "directory"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
         raise ConfigError(source, f"{where}.name", f"{name!r}: {problem}")
@@ -493,26 +575,175 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
     env = _string(data.get("env", default_env_name(name)), source, f"{where}.env")
     if not _ENV_NAME.fullmatch(env):
         raise ConfigError(source, f"{where}.env", f"{env!r} is not a valid environment variable name")
+    allowed = tuple(
+        _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
+        for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))
+    )
+    roots = (directory, "/dev", *allowed)
     device_specs = None
     if "device_specs" in data:
-        specs = data["device_specs"]
-        if not isinstance(specs, list):
-            raise ConfigError(source, f"{where}.device_specs", "must be a list of {host_path, container_path}")
         device_specs = tuple(
-            _parse_device_spec(spec, source, f"{where}.device_specs[{i}]") for i, spec in enumerate(specs)
+            _parse_device_spec(spec, source, f"{where}.device_specs[{i}]", roots)
+            for i, spec in enumerate(_list(data["device_specs"], source, f"{where}.device_specs"))
         )
-    return ResourceConfig(name, directory, pattern, env, device_specs)
+    mounts = tuple(
+        _parse_mount(mount, source, f"{where}.mounts[{i}]", roots)
+        for i, mount in enumerate(_list(data.get("mounts", []), source, f"{where}.mounts"))
+    )
+    annotations = _parse_annotations(data.get("annotations", {}), source, f"{where}.annotations")
+    replicas = data.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(source, f"{where}.replicas", f"{replicas!r}: must be a whole number from 1 to {MAX_REPLICAS}")
+    preferred = data.get("preferred", "packed")
+    if preferred not in ("packed", "spread"):
+        raise ConfigError(source, f"{where}.preferred", f"{preferred!r}: must be packed or spread")
+    cdi = None
+    if "cdi" in data:
+        cdi = _parse_cdi(data["cdi"], source, f"{where}.cdi")
+        templates = [(f"device_specs[{i}]", spec.container_path) for i, spec in enumerate(device_specs or ())]
+        templates += [(f"mounts[{i}]", mount.container_path) for i, mount in enumerate(mounts)]
+        for key, template in templates:
+            if "index" in _placeholders(template):
+                problem = (
+                    f"{template!r}: with cdi, a device is described once, not per allocation: "
+                    "use {id} instead of {index}"
+                )
+                raise ConfigError(source, f"{where}.{key}.container_path", problem)
+    pre_start: tuple[str, ...] = ()
+    if "pre_start" in data:
+        pre_start = _parse_command(data["pre_start"], source, f"{where}.pre_start")
+    timeout = data.get("pre_start_timeout", 25)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < KUBELET_PRE_START_TIMEOUT:
+        problem = f"{timeout!r}: must be a number of seconds, more than 0 and less than the kubelet's 30"
+        raise ConfigError(source, f"{where}.pre_start_timeout", problem)
+    return ResourceConfig(
+        name,
+        directory,
+        pattern,
+        env,
+        device_specs,
+        mounts,
+        annotations,
+        replicas,
+        preferred,
+        cdi,
+        pre_start,
+        float(timeout),
+        allowed,
+    )
 
 
-def _parse_device_spec(entry: Any, source: str, where: str) -> DeviceSpecTemplate:
+def _parse_device_spec(entry: Any, source: str, where: str, roots: tuple[str, ...]) -> DeviceSpecTemplate:
     data = _mapping(
         entry, source, where, {"host_path", "container_path", "permissions"}, {"host_path", "container_path"}
     )
-    paths = [_template(data[key], source, f"{where}.{key}") for key in ("host_path", "container_path")]
+    host_path = _host_path_template(data["host_path"], source, f"{where}.host_path", roots)
+    container_path = _template(data["container_path"], source, f"{where}.container_path")
     permissions = _string(data.get("permissions", "rw"), source, f"{where}.permissions")
     if not permissions or set(permissions) - set("rwm") or len(set(permissions)) != len(permissions):
         raise ConfigError(source, f"{where}.permissions", f"{permissions!r}: use letters from r, w and m, each once")
-    return DeviceSpecTemplate(paths[0], paths[1], permissions)
+    return DeviceSpecTemplate(host_path, container_path, permissions)
+
+
+def _parse_mount(entry: Any, source: str, where: str, roots: tuple[str, ...]) -> MountTemplate:
+    data = _mapping(entry, source, where, {"host_path", "container_path", "read_only"}, {"host_path", "container_path"})
+    host_path = _host_path_template(data["host_path"], source, f"{where}.host_path", roots)
+    container_path = _template(data["container_path"], source, f"{where}.container_path")
+    read_only = data.get("read_only", True)
+    if not isinstance(read_only, bool):
+        raise ConfigError(source, f"{where}.read_only", f"{read_only!r}: must be true or false")
+    return MountTemplate(host_path, container_path, read_only)
+
+
+# Annotation keys as Kubernetes validates them: an optional DNS-subdomain prefix and "/", then a
+# qualified name of at most 63 characters.
+_ANNOTATION_KEY = re.compile(rf"(({_DNS_SUBDOMAIN.pattern})/)?{_QUALIFIED_NAME.pattern}")
+
+
+def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(data, dict):
+        raise ConfigError(source, where, "must be a mapping of annotation keys to values")
+    annotations = []
+    for key, value in data.items():
+        key = _string(key, source, where)
+        if "path" in _placeholders(key, source, f"{where}.{key}"):
+            raise ConfigError(source, f"{where}.{key}", "a key can use {id} and {index}, not {path}")
+        sample = key.format(**_TEMPLATE_FIELDS)
+        if not _ANNOTATION_KEY.fullmatch(sample) or len(sample.rpartition("/")[2]) > 63:
+            problem = "not a valid annotation key: [prefix/]name, a name of at most 63 letters, digits, '-', '_', '.'"
+            raise ConfigError(source, f"{where}.{key}", problem)
+        if not isinstance(value, str):
+            raise ConfigError(source, f"{where}.{key}", f"{value!r}: must be a string (quote it)")
+        _placeholders(value, source, f"{where}.{key}")
+        annotations.append((key, value))
+    return tuple(annotations)
+
+
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 1 to 63 of [A-Za-z0-9_.-],
+# beginning and ending with a letter or digit (CDI specification, "Kind").
+_CDI_CLASS = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+
+
+def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
+    data = _mapping(data, source, where, {"kind", "spec_dir"}, {"kind"})
+    kind = _string(data["kind"], source, f"{where}.kind")
+    vendor, _, device_class = kind.partition("/")
+    if not _DNS_SUBDOMAIN.fullmatch(vendor) or len(vendor) > 253 or not _CDI_CLASS.fullmatch(device_class):
+        problem = (
+            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -)"
+        )
+        raise ConfigError(source, f"{where}.kind", problem)
+    spec_dir = _absolute_path(data.get("spec_dir", "/var/run/cdi"), source, f"{where}.spec_dir")
+    return CDIConfig(kind, spec_dir)
+
+
+def _parse_command(data: Any, source: str, where: str) -> tuple[str, ...]:
+    argv = tuple(_string(arg, source, f"{where}[{i}]") for i, arg in enumerate(_list(data, source, where)))
+    if not argv:
+        raise ConfigError(source, where, "must be a non-empty list: the program, then its arguments (no shell)")
+    if shutil.which(argv[0]) is None:
+        raise ConfigError(source, f"{where}[0]", f"{argv[0]!r} is not an executable file here or on PATH")
+    return argv
+
+
+def _allowed_root(value: Any, source: str, where: str) -> str:
+    path = _absolute_path(value, source, where)
+    if path == "/":
+        raise ConfigError(source, where, "'/' would allow every host path: list the directories you need")
+    return path
+
+
+def _host_path_template(value: Any, source: str, where: str, roots: tuple[str, ...]) -> str:
+    template = _template(value, source, where)
+    fields = _placeholders(template)
+    if "index" in fields:
+        raise ConfigError(source, where, f"{template!r}: a host path can use {{id}} and {{path}}, not {{index}}")
+    if not fields and not _is_under(template, roots):
+        # Checked again, after resolving symlinks, whenever devices are scanned.
+        problem = f"{template!r} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
+        raise ConfigError(source, where, problem)
+    return template
+
+
+def _is_under(path: str, roots: Iterable[str]) -> bool:
+    path = os.path.normpath(path)
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _placeholders(template: str, source: str = "", where: str = "") -> set[str]:
+    """The {fields} of a template; with ``where``, a bad placeholder is a ConfigError."""
+    try:
+        template.format(**_TEMPLATE_FIELDS)
+        return {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+    except (KeyError, IndexError, ValueError) as error:
+        problem = f"{template!r}: bad placeholder ({error}); use {{id}}, {{path}} or {{index}}"
+        raise ConfigError(source, where, problem) from None
+
+
+def _list(value: Any, source: str, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(source, where, "must be a list")
+    return value
 
 
 def _mapping(data: Any, source: str, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
@@ -545,12 +776,8 @@ def _absolute_path(value: Any, source: str, where: str) -> str:
 
 def _template(value: Any, source: str, where: str) -> str:
     template = _string(value, source, where)
-    try:
-        filled = template.format(**_TEMPLATE_FIELDS)
-    except (KeyError, IndexError, ValueError) as error:
-        problem = f"{template!r}: bad placeholder ({error}); use {{id}}, {{path}} or {{index}}"
-        raise ConfigError(source, where, problem) from None
-    if not filled.startswith("/"):
+    _placeholders(template, source, where)
+    if not template.format(**_TEMPLATE_FIELDS).startswith("/"):
         raise ConfigError(source, where, f"{template!r} must be an absolute path")
     return template
 
@@ -560,95 +787,305 @@ def _natural_key(device_id: str) -> list[Any]:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", device_id) if part]
 
 
-def scan_directory(directory: str, pattern: str) -> tuple[tuple[DeviceEntry, ...], tuple[str, ...]]:
-    """The devices in ``directory``: (devices in natural order, names skipped as unfit for an ID).
+@dataclass(frozen=True)
+class Scan:
+    """What scanning a resource's directory found."""
+
+    devices: tuple[DeviceEntry, ...]  #: in natural order
+    skipped: tuple[tuple[str, str], ...]  #: (entry name, why it is not a device), for the log
+    followed: frozenset[str] = frozenset()  #: symlink targets: their coming and going changes health
+
+
+# CDI device names begin and end with a letter or digit (CDI specification, "CDI Devices").
+_CDI_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
+    """The devices in the resource's directory, each with its health, NUMA node and host paths.
 
     A missing directory (or a file where the directory should be) has no devices: the kubelet then
     gets an empty list, which drops the resource's capacity to zero at once.
     """
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir(resource.directory))
     except (FileNotFoundError, NotADirectoryError):
-        return (), ()
-    devices, skipped = [], []
+        return Scan((), ())
+    # Host paths must stay under these, compared after resolving symlinks on both sides.
+    roots = [os.path.realpath(root) for root in (resource.directory, "/dev", *resource.allowed_host_paths)]
+    devices, skipped, followed = [], [], set()
     for entry in entries:
-        if entry.name.startswith(".") or not fnmatch.fnmatchcase(entry.name, pattern):
+        name = entry.name
+        if name.startswith(".") or not fnmatch.fnmatchcase(name, resource.pattern):
             continue
-        if not _DEVICE_ID.fullmatch(entry.name):
-            skipped.append(entry.name)
+        if not _DEVICE_ID.fullmatch(name):
+            skipped.append((name, "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -"))
             continue
+        if resource.cdi is not None and not _CDI_NAME.fullmatch(name):
+            skipped.append((name, "a CDI device name must begin and end with a letter or digit"))
+            continue
+        if entry.is_symlink():
+            followed.add(os.path.realpath(entry.path))
         try:
-            mode = os.stat(entry.path).st_mode
+            status = os.stat(entry.path)
+            mode, rdev = status.st_mode, status.st_rdev
         except OSError:
-            mode = 0  # e.g. a dangling symlink: still a device, never a device node
-        devices.append(DeviceEntry(entry.name, entry.path, stat.S_ISCHR(mode) or stat.S_ISBLK(mode)))
+            mode = rdev = 0  # a dangling symlink, say: still a device, never a device node
+        is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        fields = {"id": name, "path": entry.path, "index": "{index}"}  # {index} waits for an allocation
+        if resource.device_specs is None:
+            literal = entry.path.replace("{", "{{").replace("}", "}}")  # a container path is a template
+            specs = (DeviceSpecTemplate(entry.path, literal, "rw"),) if is_node else ()
+        else:
+            specs = tuple(
+                dataclasses.replace(spec, host_path=spec.host_path.format(**fields)) for spec in resource.device_specs
+            )
+        mounts = tuple(
+            dataclasses.replace(mount, host_path=mount.host_path.format(**fields)) for mount in resource.mounts
+        )
+        outside = [
+            path
+            for path in [*(s.host_path for s in specs), *(m.host_path for m in mounts)]
+            if not _is_under(os.path.realpath(path), roots)
+        ]
+        if outside:
+            why = f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
+            skipped.append((name, why))
+            continue
+        problem = _health_problem(entry.path, _access_needed(specs, is_node))
+        numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
+        health = UNHEALTHY if problem else HEALTHY
+        devices.append(DeviceEntry(name, entry.path, is_node, health, problem, numa_node, specs, mounts))
     devices.sort(key=lambda device: _natural_key(device.id))
-    return tuple(devices), tuple(sorted(skipped))
+    return Scan(tuple(devices), tuple(sorted(skipped)), frozenset(followed))
 
 
-def list_and_watch_response(devices: Iterable[DeviceEntry]) -> Any:
-    """The ListAndWatch message for a device set: every device, healthy."""
-    return v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID=device.id, health=HEALTHY) for device in devices])
+def _access_needed(specs: Iterable[DeviceSpecTemplate], is_node: bool) -> int:
+    """What the container will do with the device: read and write a device node, read anything else."""
+    letters = set("".join(spec.permissions for spec in specs)) if specs else set("rw" if is_node else "r")
+    return (os.R_OK if "r" in letters else 0) | (os.W_OK if "w" in letters else 0)
+
+
+def _health_problem(path: str, access: int) -> str:
+    """Why the device at ``path`` cannot be used as configured, or "" if it can."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
+        return f"{path} is gone"
+    except OSError as error:
+        return f"cannot stat {path}: {error.strerror}"
+    if not os.access(path, access or os.F_OK):
+        wanted = {os.R_OK: "reading", os.W_OK: "writing", os.R_OK | os.W_OK: "reading and writing"}
+        return f"this process cannot open {path} for {wanted.get(access, 'use')}"
+    return ""
+
+
+def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
+    """The NUMA node of a device node from sysfs; None when the kernel gives none (-1) or no file."""
+    kind = "char" if stat.S_ISCHR(mode) else "block"
+    path = os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device", "numa_node")
+    try:
+        with open(path, encoding="ascii") as file:
+            node = int(file.read().strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def list_and_watch_response(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> Any:
+    """The ListAndWatch message for a device set: every replica of every device, with health and topology."""
+    response = v1beta1.ListAndWatchResponse()
+    for device in devices:
+        topology = None
+        if device.numa_node is not None:
+            topology = v1beta1.TopologyInfo(nodes=[v1beta1.NUMANode(ID=device.numa_node)])
+        for kubelet_id in resource.replica_ids(device.id):
+            response.devices.add(ID=kubelet_id, health=device.health, topology=topology)
+    return response
 
 
 def device_plugin_options(resource: ResourceConfig) -> Any:
-    """What gopherplug implements: a preferred allocation, no pre-start hook."""
-    return v1beta1.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+    """What gopherplug implements: a preferred allocation always, PreStartContainer when configured."""
+    return v1beta1.DevicePluginOptions(
+        pre_start_required=bool(resource.pre_start), get_preferred_allocation_available=True
+    )
+
+
+def allocated_devices(
+    resource: ResourceConfig, devices: Mapping[str, DeviceEntry], ids: Iterable[str]
+) -> list[DeviceEntry]:
+    """The devices behind the kubelet's IDs, each once, in the order of the IDs.
+
+    Raises RPCError(INVALID_ARGUMENT) naming every ID that is not a current device (or replica), and
+    RPCError(FAILED_PRECONDITION) for an unhealthy device: the kubelet then fails the pod with
+    UnexpectedAdmissionError instead of starting it without a working device.
+    """
+    ids = list(ids)
+    underlying = {kubelet_id: resource.underlying_id(kubelet_id) for kubelet_id in ids}
+    unknown = sorted({i for i, device_id in underlying.items() if device_id not in devices}, key=_natural_key)
+    if unknown:
+        raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {', '.join(unknown)}")
+    chosen = [devices[device_id] for device_id in dict.fromkeys(underlying.values()) if device_id is not None]
+    for device in chosen:
+        if device.health != HEALTHY:
+            raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device.id}: {device.problem}")
+    return chosen
 
 
 def allocate_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntry], request: Any) -> Any:
-    """Answer Allocate: per container request, the env var with the IDs and the DeviceSpecs.
+    """Answer Allocate: per container request, what the container gets for its devices.
 
-    Raises RPCError(INVALID_ARGUMENT) naming every requested ID that is not a current device: the
-    kubelet then fails the pod with UnexpectedAdmissionError instead of starting it without its device.
+    The env var lists the devices (not replicas) in the kubelet's order; DeviceSpecs, mounts and
+    annotations come from the templates, once per device, {index} being its position in that list;
+    cdi_devices name the devices for a CDI-aware runtime.
     """
     if not request.container_requests:
         raise RPCError(StatusCode.INVALID_ARGUMENT, "AllocateRequest has no container requests")
     response = v1beta1.AllocateResponse()
     for container in request.container_requests:
-        ids = list(container.devices_ids)
-        unknown = sorted({device_id for device_id in ids if device_id not in devices}, key=_natural_key)
-        if unknown:
-            raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {', '.join(unknown)}")
+        chosen = allocated_devices(resource, devices, container.devices_ids)
         answer = response.container_responses.add()
-        answer.envs[resource.env] = ",".join(ids)
-        for index, device_id in enumerate(ids):
-            answer.devices.extend(_device_specs(resource, devices[device_id], index))
+        answer.envs[resource.env] = ",".join(device.id for device in chosen)
+        specs: dict[str, Any] = {}
+        mounts: dict[str, Any] = {}
+        annotations: dict[str, list[str]] = {}
+        for index, device in enumerate(chosen):
+            fields = {"id": device.id, "path": device.path, "index": index}
+            for spec in device.device_specs:
+                _add_once(
+                    specs,
+                    "device",
+                    v1beta1.DeviceSpec(
+                        host_path=spec.host_path,
+                        container_path=spec.container_path.format(**fields),
+                        permissions=spec.permissions,
+                    ),
+                )
+            for mount in device.mounts:
+                _add_once(
+                    mounts,
+                    "mount",
+                    v1beta1.Mount(
+                        host_path=mount.host_path,
+                        container_path=mount.container_path.format(**fields),
+                        read_only=mount.read_only,
+                    ),
+                )
+            for key, value in resource.annotations:
+                values = annotations.setdefault(key.format(**fields), [])
+                if (filled := value.format(**fields)) not in values:
+                    values.append(filled)
+        answer.devices.extend(specs.values())
+        answer.mounts.extend(mounts.values())
+        # A key without placeholders collects every device's value, comma-joined like the env var.
+        answer.annotations.update({key: ",".join(values) for key, values in annotations.items()})
+        if resource.cdi is not None:
+            answer.cdi_devices.extend(v1beta1.CDIDevice(name=f"{resource.cdi.kind}={d.id}") for d in chosen)
     return response
 
 
-def _device_specs(resource: ResourceConfig, device: DeviceEntry, index: int) -> list[Any]:
-    if resource.device_specs is None:
-        if not device.is_device_node:
-            return []
-        return [v1beta1.DeviceSpec(host_path=device.path, container_path=device.path, permissions="rw")]
-    fields = {"id": device.id, "path": device.path, "index": index}
-    return [
-        v1beta1.DeviceSpec(
-            host_path=spec.host_path.format(**fields),
-            container_path=spec.container_path.format(**fields),
-            permissions=spec.permissions,
+def _add_once(added: dict[str, Any], what: str, item: Any) -> None:
+    """Add a DeviceSpec or Mount by container path: the same one twice is one; a clash is an error."""
+    earlier = added.setdefault(item.container_path, item)
+    if earlier != item:
+        raise RPCError(
+            StatusCode.FAILED_PRECONDITION,
+            f"two {what}s for container path {item.container_path}, from {earlier.host_path} and "
+            f"{item.host_path}: put {{id}} or {{index}} in the container path",
         )
-        for spec in resource.device_specs
-    ]
 
 
-def preferred_allocation_response(request: Any) -> Any:
-    """Answer GetPreferredAllocation: the must-include devices, then the available ones in natural order.
+def preferred_allocation_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntry], request: Any) -> Any:
+    """Answer GetPreferredAllocation: the best ``allocation_size`` of the available IDs.
 
-    Deterministic, and never names a device that is not available. When the request cannot be
-    met (too few devices), the answer is short, and the kubelet falls back to its own choice.
+    The must-include IDs first (the kubelet has already given those to the pod's other containers);
+    then, one at a time, the available ID that keeps the allocation on as few NUMA nodes as possible,
+    then (packed) on replicas of devices already chosen or (spread) on the least used devices, then
+    in natural order. Deterministic, and never an ID that was not offered. When the request cannot
+    be met, the answer is short, and the kubelet falls back to its own choice.
     """
     response = v1beta1.PreferredAllocationResponse()
     for container in request.container_requests:
-        available = set(container.available_deviceIDs)
+        available = list(dict.fromkeys(container.available_deviceIDs))
         chosen = list(dict.fromkeys(i for i in container.must_include_deviceIDs if i in available))
-        for device_id in sorted(available - set(chosen), key=_natural_key):
-            if len(chosen) >= container.allocation_size:
-                break
-            chosen.append(device_id)
-        response.container_responses.add(deviceIDs=chosen)
+        response.container_responses.add(
+            deviceIDs=_pick(resource, devices, available, chosen, container.allocation_size)
+        )
     return response
+
+
+def _pick(
+    resource: ResourceConfig, devices: Mapping[str, DeviceEntry], available: list[str], chosen: list[str], size: int
+) -> list[str]:
+    def device_of(kubelet_id: str) -> str | None:
+        return resource.underlying_id(kubelet_id)
+
+    def numa_of(kubelet_id: str) -> int | None:
+        device = devices.get(device_of(kubelet_id) or "")
+        return device.numa_node if device is not None else None
+
+    candidates = sorted(set(available) - set(chosen), key=_natural_key)
+    # The NUMA node to fill first: the must-include devices' node, else the node offering the most.
+    nodes = [numa_of(i) for i in chosen if numa_of(i) is not None]
+    if not nodes:
+        counts: dict[int, int] = {}
+        for kubelet_id in candidates:
+            if (node := numa_of(kubelet_id)) is not None:
+                counts[node] = counts.get(node, 0) + 1
+        nodes = sorted(counts, key=lambda node: (-counts[node], node))[:1]
+    used: dict[str | None, int] = {}
+    for kubelet_id in chosen:
+        used[device_of(kubelet_id)] = used.get(device_of(kubelet_id), 0) + 1
+    while len(chosen) < size and candidates:
+
+        def rank(kubelet_id: str) -> tuple[int, int]:
+            node_rank = 0 if numa_of(kubelet_id) in nodes or not nodes else 1
+            times = used.get(device_of(kubelet_id), 0)
+            return node_rank, (-times if resource.preferred == "packed" else times)
+
+        best = min(candidates, key=rank)  # min() keeps the first of equals: natural order
+        candidates.remove(best)
+        chosen.append(best)
+        used[device_of(best)] = used.get(device_of(best), 0) + 1
+        if (node := numa_of(best)) is not None and node not in nodes:
+            nodes.append(node)
+    return chosen
+
+
+def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[str, Any] | None:
+    """The CDI spec describing the resource's devices, or None when there is none to describe.
+
+    One CDI device per device, named by its ID, with its device nodes and mounts. CDI refuses a
+    device with no edits at all, so each also sets <env>_<ID>=<id> in the container.
+    """
+    assert resource.cdi is not None
+    described = []
+    for device in devices:
+        fields = {"id": device.id, "path": device.path}
+        edits: dict[str, Any] = {
+            "env": [f"{resource.env}_{re.sub(r'[^A-Za-z0-9_]', '_', device.id).upper()}={device.id}"]
+        }
+        nodes = [
+            {"path": spec.container_path.format(**fields), "hostPath": spec.host_path, "permissions": spec.permissions}
+            for spec in device.device_specs
+        ]
+        mounts = [
+            {
+                "hostPath": mount.host_path,
+                "containerPath": mount.container_path.format(**fields),
+                "options": ["bind", "ro" if mount.read_only else "rw"],
+            }
+            for mount in device.mounts
+        ]
+        if nodes:
+            edits["deviceNodes"] = nodes
+        if mounts:
+            edits["mounts"] = mounts
+        described.append({"name": device.id, "containerEdits": edits})
+    if not described:
+        return None  # CDI refuses a spec without devices: the file is removed instead
+    return {"cdiVersion": CDI_VERSION, "kind": resource.cdi.kind, "devices": described}
 
 
 ########################################################################################################
@@ -1178,14 +1615,17 @@ class DirectoryWatch:
     Besides the directory itself, the nearest existing ancestor is watched, so that the directory
     (or a missing parent) appearing, vanishing or being replaced is seen too; watches are then
     re-armed, because a deleted directory's watch is gone for good (IN_DELETE_SELF, IN_IGNORED).
-    Use as a context manager; iterate ``batches()``.
+    ``follow(paths)`` adds paths elsewhere whose appearing, vanishing or changing attributes count
+    as a change too (a device's symlink target). Use as a context manager; iterate ``batches()``.
     """
 
     def __init__(self, path: str, mask: int) -> None:
         self.path = path
         self._mask = mask
         self._inotify = INotify(nonblocking=True)
-        self._watches: dict[int, str] = {}  # wd -> "dir" or the name under the ancestor that leads to path
+        # wd -> the names in that directory we care about; _DIR: every event (the directory itself)
+        self._watches: dict[int, set[str]] = {}
+        self._followed: frozenset[str] = frozenset()
         self.exists = False  #: whether the directory itself is watched right now
         self.arm()
 
@@ -1197,24 +1637,34 @@ class DirectoryWatch:
         trio.lowlevel.notify_closing(self._inotify.fileno())
         self._inotify.close()
 
+    def follow(self, paths: frozenset[str]) -> None:
+        """Watch these paths too (their nearest existing ancestor when missing), from now on."""
+        if paths != self._followed:
+            self._followed = paths
+            self.arm()
+
     def arm(self) -> None:
-        """(Re)place the watches: on the directory if it exists, and on its nearest existing ancestor."""
+        """(Re)place the watches: the directory if it exists, and for it and every followed path,
+        the nearest existing ancestor, interested in the name that leads there."""
         for wd in self._watches:
-            try:
+            with contextlib.suppress(OSError):  # already removed by the kernel with its directory
                 self._inotify.rm_watch(wd)
-            except OSError:
-                pass  # already removed by the kernel with its directory
         self._watches.clear()
         try:
-            self._watches[self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)] = "dir"
+            self._watches[self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)] = {_DIR}
             self.exists = True
         except OSError:
             self.exists = False  # missing, or not a directory: no devices until that changes
-        child, ancestor = os.path.basename(self.path), os.path.dirname(self.path)
+        for path in sorted({self.path, *self._followed}):
+            self._watch_leading_to(path)
+
+    def _watch_leading_to(self, path: str) -> None:
+        child, ancestor = os.path.basename(path), os.path.dirname(path)
         while True:
             try:
-                mask = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | _GONE | flags.ONLYDIR
-                self._watches[self._inotify.add_watch(ancestor, mask)] = child
+                # MASK_ADD: a directory watched for several reasons keeps every event it was asked for.
+                wd = self._inotify.add_watch(ancestor, _LEADING_EVENTS | flags.MASK_ADD)
+                self._watches.setdefault(wd, set()).add(child)
                 return
             except OSError:
                 if ancestor == os.path.dirname(ancestor):
@@ -1223,18 +1673,19 @@ class DirectoryWatch:
 
     async def batches(self) -> AsyncIterator[tuple[list[tuple[str, int]], bool]]:
         """Yield, for each batch the kernel delivers: the directory's events as (name, mask), and
-        whether everything must be rescanned (the directory came or went, or the queue overflowed).
+        whether everything must be rescanned (the directory came or went, a followed path changed,
+        or the queue overflowed).
         """
         while True:
             await trio.lowlevel.wait_readable(self._inotify.fileno())
             events, rescan = [], False
             for event in self._inotify.read(timeout=0):
-                role = self._watches.get(event.wd)
+                names = self._watches.get(event.wd, set())
                 if event.mask & flags.Q_OVERFLOW:
                     rescan = True  # the kernel dropped events: only a full rescan is safe
-                elif role == "dir" and not event.mask & _GONE:
+                elif _DIR in names and not event.mask & _GONE:
                     events.append((event.name, event.mask))
-                elif role is not None and (role == "dir" or event.mask & _GONE or event.name == role):
+                elif names and (event.mask & _GONE or event.name in names or _DIR in names):
                     rescan = True
             if rescan:
                 self.arm()
@@ -1242,34 +1693,107 @@ class DirectoryWatch:
                 yield events, rescan
 
 
+_DIR = ""  # in DirectoryWatch._watches: the watched directory itself, every event reported
+_LEADING_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB | _GONE | flags.ONLYDIR
+
+
 async def watch_devices(
-    resource: ResourceConfig, devices: Watched, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    resource: ResourceConfig,
+    devices: Watched,
+    sysfs_root: str = "/sys",
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``devices`` (a dict of id -> DeviceEntry) equal to the resource's directory, until cancelled.
 
     Every batch of inotify events is followed by one rescan, so a burst of changes becomes one
-    new device set: ListAndWatch streams send the latest set, never a backlog.
+    new device set: ListAndWatch streams send the latest set, never a backlog. With ``cdi``, the
+    CDI spec is rewritten before the kubelet hears of a new device (a container may be created
+    with it at once) and removed on the way out.
     """
-    warned: set[str] = set()
+    warned: dict[str, str] = {}
+    cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
 
-    def rescan() -> None:
-        found, skipped = scan_directory(resource.directory, resource.pattern)
-        for name in sorted(set(skipped) - warned, key=_natural_key):
-            log.warning("%s: skipping %r: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -", resource.name, name)
-        warned.clear()  # warn again about a name only if it goes away and comes back
-        warned.update(skipped)
+    def rescan(watch: DirectoryWatch) -> None:
+        nonlocal cdi_written
+        scan = scan_directory(resource, sysfs_root)
+        watch.follow(scan.followed)
+        for name, why in scan.skipped:
+            if warned.get(name) != why:  # once per name and reason, again if it goes away and comes back
+                log.warning("%s: skipping %r: %s", resource.name, name, why)
+        warned.clear()
+        warned.update(scan.skipped)
         before = devices.value
-        devices.set({device.id: device for device in found})
+        found = {device.id: device for device in scan.devices}
+        for device in found.values():
+            old = before.get(device.id)
+            if device.health != HEALTHY and (old is None or old.problem != device.problem):
+                log.warning("%s: %s is unhealthy: %s", resource.name, device.id, device.problem)
+            elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
+                log.info("%s: %s is healthy again", resource.name, device.id)
+        if resource.cdi is not None and (spec := cdi_spec(resource, scan.devices)) != cdi_written:
+            try:
+                write_cdi_spec(resource.cdi, spec)
+                cdi_written = spec
+            except GopherplugError as error:
+                if cdi_written is _NOT_YET:
+                    raise  # at start: stop with that one line
+                # Later (a full disk, say): a device the runtime cannot resolve must not be offered.
+                described = {device["name"] for device in (cdi_written or {}).get("devices", [])}
+                found = {device_id: device for device_id, device in found.items() if device_id in described}
+                log.error(
+                    "%s: %s; offering only the devices it describes until it can be written", resource.name, error
+                )
+        devices.set(found)
         if devices.value is not before:
             log.info("%s: %d devices in %s", resource.name, len(found), resource.directory)
 
-    with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
-        if not watch.exists:
-            log.warning("%s: %s is not a directory (yet): no devices until it is", resource.name, resource.directory)
-        rescan()
-        task_status.started()
-        async for _events, _rescan in watch.batches():
-            rescan()
+    try:
+        with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
+            if not watch.exists:
+                log.warning(
+                    "%s: %s is not a directory (yet): no devices until it is", resource.name, resource.directory
+                )
+            rescan(watch)
+            task_status.started()
+            async for _events, _rescan in watch.batches():
+                rescan(watch)
+    finally:
+        if resource.cdi is not None and cdi_written not in (None, _NOT_YET):
+            try:
+                write_cdi_spec(resource.cdi, None)
+            except GopherplugError as error:
+                log.error("%s: %s", resource.name, error)
+
+
+_NOT_YET = object()
+
+
+def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
+    """Replace the CDI spec file atomically (a runtime never reads half a file), or remove it (None).
+
+    Raises GopherplugError when the directory cannot be written: the kubelet would hand out CDI
+    devices that no runtime can find.
+    """
+    try:
+        if spec is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cdi.spec_file)
+            return
+        os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
+        # A name without .json or .yaml: CDI runtimes watching the directory ignore it until renamed.
+        fd, temporary = tempfile.mkstemp(dir=cdi.spec_dir, prefix=".gopherplug-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as file:
+                json.dump(spec, file, indent=2)
+                file.write("\n")
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, cdi.spec_file)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except OSError as error:
+        raise GopherplugError(f"cannot write the CDI spec {cdi.spec_file}: {_describe(error)}") from None
 
 
 class KubeletWatch:
@@ -1316,12 +1840,12 @@ def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc
         # now, then the full list again after every change. Each message replaces the last.
         current = devices.value
         while True:
-            yield list_and_watch_response(current.values())
+            yield list_and_watch_response(resource, current.values())
             log.debug("%s: sent %d devices", resource.name, len(current))
             current = await devices.wait_changed(current)
 
     async def get_preferred_allocation(request: Any) -> Any:
-        return preferred_allocation_response(request)
+        return preferred_allocation_response(resource, devices.value, request)
 
     async def allocate(request: Any) -> Any:
         response = allocate_response(resource, devices.value, request)
@@ -1330,6 +1854,9 @@ def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc
         return response
 
     async def pre_start_container(request: Any) -> Any:
+        # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
+        if resource.pre_start:
+            await run_pre_start(resource, allocated_devices(resource, devices.value, request.devices_ids))
         return v1beta1.PreStartContainerResponse()
 
     service = purerpc.Service(f"{API_VERSION}.DevicePlugin")
@@ -1342,6 +1869,36 @@ def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc
     }.items():
         service.add_method(name, handler, METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature)
     return service
+
+
+async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> None:
+    """Run the resource's pre_start command for a container about to start with ``chosen``.
+
+    No shell: the argv as configured, with the env var of an allocation (and GOPHERPLUG_RESOURCE)
+    added to this process's environment. A non-zero exit or overrunning pre_start_timeout
+    becomes an RPCError carrying the command's last line of stderr: the kubelet then fails the
+    container start with it, in the pod's events.
+    """
+    command = resource.pre_start[0]
+    env = {**os.environ, resource.env: ",".join(d.id for d in chosen), "GOPHERPLUG_RESOURCE": resource.name}
+    try:
+        with trio.fail_after(resource.pre_start_timeout):
+            result = await trio.run_process(
+                list(resource.pre_start), env=env, stdin=b"", capture_stdout=True, capture_stderr=True, check=False
+            )
+    except trio.TooSlowError:
+        raise RPCError(
+            StatusCode.DEADLINE_EXCEEDED,
+            f"pre_start {command} did not finish within {resource.pre_start_timeout:g} s (killed)",
+        ) from None
+    except OSError as error:
+        raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
+        how = f"exited with {result.returncode}" if result.returncode > 0 else f"killed by signal {-result.returncode}"
+        said = f": {lines[-1].strip()}" if lines else " (nothing on stderr)"
+        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {how}{said}")
+    log.info("%s: pre_start %s done for %s", resource.name, command, ",".join(d.id for d in chosen))
 
 
 async def register(
@@ -1463,7 +2020,7 @@ async def serve_plugin(config: Config, *, task_status: trio.TaskStatus[None] = t
         await nursery.start(kubelet.run)
         for resource in config.resources:
             devices = Watched({})
-            await nursery.start(watch_devices, resource, devices)
+            await nursery.start(watch_devices, resource, devices, config.sysfs_root)
             await nursery.start(serve_resource, resource, devices, kubelet)
         task_status.started()
 
@@ -1489,6 +2046,7 @@ class SimulatedResource:
     endpoint: str  #: the socket file name the plugin registered
     options: Any  #: what GetDevicePluginOptions answered during Register
     devices: dict[str, str]  #: device ID -> health, from the latest ListAndWatch message
+    topology: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  #: device ID -> NUMA nodes
     updates: int = 0  #: ListAndWatch messages received since this registration
     streaming: bool = False  #: whether the ListAndWatch stream is open
 
@@ -1565,6 +2123,11 @@ class KubeletSimulator:
         response = await self._call(resource_name, "GetPreferredAllocation", request)
         return list(response.container_responses[0].deviceIDs)
 
+    async def pre_start_container(self, resource_name: str, device_ids: Iterable[str]) -> Any:
+        """Call PreStartContainer, as the kubelet does before starting a container that has devices."""
+        request = v1beta1.PreStartContainerRequest(devices_ids=device_ids)
+        return await self._call(resource_name, "PreStartContainer", request)
+
     async def _call(self, resource_name: str, method: str, request: Any) -> Any:
         endpoint = os.path.join(self.device_plugin_dir, self.resources[resource_name].endpoint)
         return await call_unary(endpoint, METHODS[f"/{API_VERSION}.DevicePlugin/{method}"], request, timeout=30)
@@ -1636,6 +2199,11 @@ class KubeletSimulator:
                     self._changed.touch()
                     async for response in responses:
                         resource.devices = {device.ID: device.health for device in response.devices}
+                        resource.topology = {
+                            device.ID: tuple(node.ID for node in device.topology.nodes)
+                            for device in response.devices
+                            if device.HasField("topology")
+                        }
                         resource.updates += 1
                         self._changed.touch()
             except RPCError as error:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import random
 import re
@@ -34,6 +35,7 @@ import pytest
 import trio
 import yaml
 from google.protobuf import descriptor_pb2
+from google.protobuf.json_format import MessageToDict
 from grpc_tools import protoc
 
 import gopherplug as gp
@@ -578,7 +580,8 @@ BAD_CONFIGS = [
     ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
     ("resources: {}", "cfg.yaml: resources: must be a non-empty list of resources"),
     ("resources: [x]", "cfg.yaml: resources[0]: must be a mapping of keys to values"),
-    (MINIMAL + "extra: 1\n", "cfg.yaml: extra: unknown key; expected one of device_plugin_dir, resources"),
+    (MINIMAL + "extra: 1\n", "cfg.yaml: extra: unknown key; expected one of device_plugin_dir, resources, sysfs_root"),
+    (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (MINIMAL + "device_plugin_dir: dp\n", "cfg.yaml: device_plugin_dir: 'dp' must be an absolute path"),
     ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
     ("resources: [{name: example.com/g}]", "cfg.yaml: resources[0].directory: is required"),
@@ -586,14 +589,15 @@ BAD_CONFIGS = [
     (resources(directory=7), "cfg.yaml: resources[0].directory: must be a non-empty string"),
     (
         resources(colour="blue"),
-        "cfg.yaml: resources[0].colour: unknown key; expected one of device_specs, directory, env, name, pattern",
+        "cfg.yaml: resources[0].colour: unknown key; expected one of allowed_host_paths, annotations, cdi, "
+        "device_specs, directory, env, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (resources(env="1GOPHER"), "cfg.yaml: resources[0].env: '1GOPHER' is not a valid environment variable name"),
     (resources(env="GO-PHER"), "cfg.yaml: resources[0].env: 'GO-PHER' is not a valid environment variable name"),
     (
         resources(device_specs={"a": 1}),
-        "cfg.yaml: resources[0].device_specs: must be a list of {host_path, container_path}",
+        "cfg.yaml: resources[0].device_specs: must be a list",
     ),
     (
         resources(device_specs=[{"container_path": "/dev/x"}]),
@@ -611,6 +615,88 @@ BAD_CONFIGS = [
     (
         resources(device_specs=[{"host_path": "/dev/x", "container_path": "/dev/x", "permissions": "rx"}]),
         "cfg.yaml: resources[0].device_specs[0].permissions: 'rx': use letters from r, w and m, each once",
+    ),
+    (
+        resources(device_specs=[{"host_path": "/dev/g{index}", "container_path": "/dev/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/dev/g{index}': a host path can use {id} and {path}, "
+        "not {index}",
+    ),
+    (
+        resources(device_specs=[{"host_path": "/etc/shadow", "container_path": "/dev/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/etc/shadow' is outside /g, /dev: add its directory "
+        "to allowed_host_paths",
+    ),
+    (
+        resources(mounts=[{"host_path": "/dev/../etc", "container_path": "/etc"}]),
+        "cfg.yaml: resources[0].mounts[0].host_path: '/dev/../etc' is outside /g, /dev: add its directory "
+        "to allowed_host_paths",
+    ),
+    (
+        resources(mounts=[{"host_path": "/g/{id}", "container_path": "/x", "read_only": "yes"}]),
+        "cfg.yaml: resources[0].mounts[0].read_only: 'yes': must be true or false",
+    ),
+    (
+        resources(mounts=[{"host_path": "/g/{id}", "container_path": "x"}]),
+        "cfg.yaml: resources[0].mounts[0].container_path: 'x' must be an absolute path",
+    ),
+    (
+        resources(allowed_host_paths=["/"]),
+        "cfg.yaml: resources[0].allowed_host_paths[0]: '/' would allow every host path: list the directories you need",
+    ),
+    (resources(allowed_host_paths="/opt"), "cfg.yaml: resources[0].allowed_host_paths: must be a list"),
+    (
+        resources(annotations={"example.com/a b": "x"}),
+        "cfg.yaml: resources[0].annotations.example.com/a b: not a valid annotation key: [prefix/]name, a name of "
+        "at most 63 letters, digits, '-', '_', '.'",
+    ),
+    (
+        resources(annotations={"example.com/{path}": "x"}),
+        "cfg.yaml: resources[0].annotations.example.com/{path}: a key can use {id} and {index}, not {path}",
+    ),
+    (
+        resources(annotations={"example.com/n": 3}),
+        "cfg.yaml: resources[0].annotations.example.com/n: 3: must be a string (quote it)",
+    ),
+    (
+        resources(annotations={"example.com/n": "{nope}"}),
+        "cfg.yaml: resources[0].annotations.example.com/n: '{nope}': bad placeholder ('nope'); "
+        "use {id}, {path} or {index}",
+    ),
+    (resources(replicas=0), "cfg.yaml: resources[0].replicas: 0: must be a whole number from 1 to 1000"),
+    (resources(replicas=True), "cfg.yaml: resources[0].replicas: True: must be a whole number from 1 to 1000"),
+    (resources(replicas=2.5), "cfg.yaml: resources[0].replicas: 2.5: must be a whole number from 1 to 1000"),
+    (resources(preferred="dense"), "cfg.yaml: resources[0].preferred: 'dense': must be packed or spread"),
+    (resources(cdi={}), "cfg.yaml: resources[0].cdi.kind: is required"),
+    (
+        resources(cdi={"kind": "gopher"}),
+        "cfg.yaml: resources[0].cdi.kind: 'gopher': must be vendor/class, e.g. example.com/gopher "
+        "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -)",
+    ),
+    (
+        resources(cdi={"kind": "example.com/gopher", "spec_dir": "cdi"}),
+        "cfg.yaml: resources[0].cdi.spec_dir: 'cdi' must be an absolute path",
+    ),
+    (
+        resources(
+            cdi={"kind": "example.com/gopher"},
+            device_specs=[{"host_path": "/dev/{id}", "container_path": "/dev/g{index}"}],
+        ),
+        "cfg.yaml: resources[0].device_specs[0].container_path: '/dev/g{index}': with cdi, a device is described "
+        "once, not per allocation: use {id} instead of {index}",
+    ),
+    (
+        resources(pre_start=[]),
+        "cfg.yaml: resources[0].pre_start: must be a non-empty list: the program, then its arguments (no shell)",
+    ),
+    (resources(pre_start="true"), "cfg.yaml: resources[0].pre_start: must be a list"),
+    (
+        resources(pre_start=["no-such-program-here"]),
+        "cfg.yaml: resources[0].pre_start[0]: 'no-such-program-here' is not an executable file here or on PATH",
+    ),
+    (
+        resources(pre_start=["true"], pre_start_timeout=30),
+        "cfg.yaml: resources[0].pre_start_timeout: 30: must be a number of seconds, more than 0 and less than "
+        "the kubelet's 30",
     ),
     (
         yaml.safe_dump({"resources": [{"name": "example.com/g", "directory": "/a"}] * 2}),
@@ -679,25 +765,93 @@ def test_default_env_name(name, env):
     assert gp.default_env_name(name) == env
 
 
+def resource_in(directory, **fields):
+    """The one resource of a config with `fields`, its directory set to `directory`."""
+    text = yaml.safe_dump({"resources": [{"name": "example.com/gopher", "directory": str(directory), **fields}]})
+    return gp.parse_config(text, "c").resources[0]
+
+
 def test_scan_directory(tmp_path):
     for name in ["g10", "g2", "g1", ".hidden", "other.txt", "has space", "x" * 64, "y" * 63]:
         (tmp_path / name).touch()
     os.symlink("/dev/null", tmp_path / "gnull")
     os.symlink(tmp_path / "missing", tmp_path / "gdangling")
-    devices, skipped = gp.scan_directory(str(tmp_path), "*")
+    scan = gp.scan_directory(resource_in(tmp_path))
+    devices = scan.devices
     assert [d.id for d in devices] == ["g1", "g2", "g10", "gdangling", "gnull", "other.txt", "y" * 63]
-    assert skipped == ("has space", "x" * 64)
+    assert [name for name, _ in scan.skipped] == ["has space", "x" * 64]
     assert {d.id: d.is_device_node for d in devices}["gnull"] is True
     assert {d.id: d.is_device_node for d in devices}["g1"] is False
     assert devices[0].path == str(tmp_path / "g1")
-    devices, skipped = gp.scan_directory(str(tmp_path), "g?")
-    assert [d.id for d in devices] == ["g1", "g2"]
+    assert scan.followed == {"/dev/null", str(tmp_path / "missing")}
+    assert [d.id for d in gp.scan_directory(resource_in(tmp_path, pattern="g?")).devices] == ["g1", "g2"]
 
 
 def test_scan_directory_missing_or_a_file(tmp_path):
-    assert gp.scan_directory(str(tmp_path / "nope"), "*") == ((), ())
+    assert gp.scan_directory(resource_in(tmp_path / "nope")) == gp.Scan((), ())
     (tmp_path / "file").touch()
-    assert gp.scan_directory(str(tmp_path / "file"), "*") == ((), ())
+    assert gp.scan_directory(resource_in(tmp_path / "file")) == gp.Scan((), ())
+
+
+def test_scan_health_of_symlinks(tmp_path):
+    os.symlink(tmp_path / "elsewhere" / "target", tmp_path / "g0")
+    (g0,) = gp.scan_directory(resource_in(tmp_path, pattern="g*")).devices
+    assert (g0.health, g0.problem) == (
+        gp.UNHEALTHY,
+        f"{tmp_path}/g0 is a symlink to {tmp_path}/elsewhere/target, which does not exist",
+    )
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "target").touch()
+    (g0,) = gp.scan_directory(resource_in(tmp_path, pattern="g*")).devices
+    assert (g0.health, g0.problem) == (gp.HEALTHY, "")
+
+
+def fake_sysfs(root, nodes):
+    """A sysfs tree with /sys/dev/char/MAJ:MIN/device/numa_node for each (major, minor) -> node."""
+    for (major, minor), node in nodes.items():
+        device = root / "dev" / "char" / f"{major}:{minor}" / "device"
+        device.mkdir(parents=True)
+        (device / "numa_node").write_text(f"{node}\n")
+    return str(root)
+
+
+def test_scan_numa_node_of_device_nodes_from_sysfs(tmp_path):
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("null", "/dev/null"), ("zero", "/dev/zero"), ("full", "/dev/full"), ("rand", "/dev/random")]:
+        os.symlink(target, devices / name)
+    (devices / "plain").touch()
+    # /dev/null is 1:3, /dev/zero 1:5, /dev/full 1:7 on every Linux; /dev/random (1:8) gets no file.
+    sysfs = fake_sysfs(tmp_path / "sys", {(1, 3): 0, (1, 5): 1, (1, 7): -1})
+    numa = {d.id: d.numa_node for d in gp.scan_directory(resource_in(devices), sysfs).devices}
+    assert numa == {"null": 0, "zero": 1, "full": None, "rand": None, "plain": None}
+
+
+def test_scan_skips_devices_whose_host_paths_escape(tmp_path):
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    (devices / "ok").touch()
+    os.symlink("/etc/hostname", devices / "escape")
+    resource = resource_in(devices, device_specs=[{"host_path": "{path}", "container_path": "/dev/{id}"}])
+    scan = gp.scan_directory(resource)
+    assert [d.id for d in scan.devices] == ["ok"]
+    assert scan.skipped == (
+        ("escape", f"host path {devices}/escape is outside {devices}, /dev: add its directory to allowed_host_paths"),
+    )
+    allowed = resource_in(
+        devices,
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/{id}"}],
+        allowed_host_paths=["/etc"],
+    )
+    assert [d.id for d in gp.scan_directory(allowed).devices] == ["escape", "ok"]
+
+
+def test_scan_skips_names_cdi_refuses(tmp_path):
+    for name in ["g0", "g1-", "_g2"]:
+        (tmp_path / name).touch()
+    scan = gp.scan_directory(resource_in(tmp_path, cdi={"kind": "example.com/gopher"}))
+    assert [d.id for d in scan.devices] == ["g0"]
+    assert [name for name, _ in scan.skipped] == ["_g2", "g1-"]
 
 
 def allocate(resource, devices, *ids):
@@ -706,39 +860,158 @@ def allocate(resource, devices, *ids):
     return gp.allocate_response(resource, by_id, request)
 
 
-GOPHERS = [gp.DeviceEntry(f"g{i}", f"/etc/gophers/g{i}") for i in range(4)]
+@pytest.fixture
+def gophers(tmp_path):
+    """A device directory with g0..g3."""
+    for i in range(4):
+        (tmp_path / f"g{i}").touch()
+    return tmp_path
 
 
-def test_allocate_env_in_request_order_and_templated_device_specs():
-    resource = gp.parse_config(
-        resources(env="G", device_specs=[{"host_path": "/dev/{id}", "container_path": "/dev/gopher{index}"}]), "c"
-    ).resources[0]
-    answer = allocate(resource, GOPHERS, "g3", "g1").container_responses[0]
+def test_allocate_env_in_request_order_and_templated_device_specs(gophers):
+    resource = resource_in(
+        gophers, env="G", device_specs=[{"host_path": "/dev/{id}", "container_path": "/dev/gopher{index}"}]
+    )
+    answer = allocate(resource, gp.scan_directory(resource).devices, "g3", "g1").container_responses[0]
     assert dict(answer.envs) == {"G": "g3,g1"}
     assert [(s.host_path, s.container_path, s.permissions) for s in answer.devices] == [
         ("/dev/g3", "/dev/gopher0", "rw"),
         ("/dev/g1", "/dev/gopher1", "rw"),
     ]
+    assert not answer.mounts and not answer.annotations and not answer.cdi_devices
 
 
-def test_allocate_passes_device_nodes_through_when_no_templates():
-    resource = gp.parse_config(resources(), "c").resources[0]
-    devices = [gp.DeviceEntry("null", "/dev/null", is_device_node=True), gp.DeviceEntry("plain", "/g/plain")]
-    answer = allocate(resource, devices, "plain", "null").container_responses[0]
+def test_allocate_passes_device_nodes_through_when_no_templates(tmp_path):
+    os.symlink("/dev/null", tmp_path / "null")
+    (tmp_path / "plain").touch()
+    resource = resource_in(tmp_path)
+    answer = allocate(resource, gp.scan_directory(resource).devices, "plain", "null").container_responses[0]
     assert dict(answer.envs) == {"GOPHER_DEVICES": "plain,null"}
     assert [(s.host_path, s.container_path, s.permissions) for s in answer.devices] == [
-        ("/dev/null", "/dev/null", "rw")
+        (f"{tmp_path}/null", f"{tmp_path}/null", "rw")
     ]
 
 
-def test_allocate_refuses_unknown_ids_naming_them():
-    resource = gp.parse_config(resources(), "c").resources[0]
+def test_allocate_refuses_unknown_ids_naming_them(gophers):
+    resource = resource_in(gophers)
+    devices = gp.scan_directory(resource).devices
     with pytest.raises(gp.RPCError) as info:
-        allocate(resource, GOPHERS, "g1", "g12", "zz", "g12")
+        allocate(resource, devices, "g1", "g12", "zz", "g12")
     assert info.value.code == StatusCode.INVALID_ARGUMENT
     assert info.value.message == "unknown example.com/gopher device IDs: g12, zz"
     with pytest.raises(gp.RPCError, match="AllocateRequest has no container requests"):
         gp.allocate_response(resource, {}, v1beta1.AllocateRequest())
+
+
+def test_allocate_refuses_an_unhealthy_device(tmp_path):
+    os.symlink(tmp_path / "gone", tmp_path / "g0")
+    resource = resource_in(tmp_path)
+    with pytest.raises(gp.RPCError) as info:
+        allocate(resource, gp.scan_directory(resource).devices, "g0")
+    assert info.value.code == StatusCode.FAILED_PRECONDITION
+    assert info.value.message == (
+        f"example.com/gopher device g0: {tmp_path}/g0 is a symlink to {tmp_path}/gone, which does not exist"
+    )
+
+
+def test_allocate_maps_replicas_to_their_device_once(gophers):
+    resource = resource_in(
+        gophers,
+        replicas=3,
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/gopher{index}"}],
+        mounts=[
+            {"host_path": str(gophers), "container_path": "/gophers"},  # the same for every device: once
+            {"host_path": "{path}", "container_path": "/run/{id}", "read_only": False},
+        ],
+        annotations={"example.com/gophers": "{id}", "example.com/gopher-{index}": "{path}", "example.com/t": "x"},
+    )
+    answer = allocate(resource, gp.scan_directory(resource).devices, "g2::1", "g0::0", "g2::2").container_responses[0]
+    assert dict(answer.envs) == {"GOPHER_DEVICES": "g2,g0"}
+    assert [(s.host_path, s.container_path) for s in answer.devices] == [
+        (f"{gophers}/g2", "/dev/gopher0"),
+        (f"{gophers}/g0", "/dev/gopher1"),
+    ]
+    assert [(m.host_path, m.container_path, m.read_only) for m in answer.mounts] == [
+        (str(gophers), "/gophers", True),
+        (f"{gophers}/g2", "/run/g2", False),
+        (f"{gophers}/g0", "/run/g0", False),
+    ]
+    assert dict(answer.annotations) == {
+        "example.com/gophers": "g2,g0",
+        "example.com/gopher-0": f"{gophers}/g2",
+        "example.com/gopher-1": f"{gophers}/g0",
+        "example.com/t": "x",
+    }
+    for bad in ["g2", "g2::3", "g2::01", "g2::", "::1", "g9::0"]:
+        with pytest.raises(gp.RPCError, match=r"unknown example\.com/gopher device IDs"):
+            allocate(resource, gp.scan_directory(resource).devices, bad)
+
+
+def test_allocate_refuses_clashing_container_paths(gophers):
+    resource = resource_in(gophers, device_specs=[{"host_path": "{path}", "container_path": "/dev/gopher"}])
+    devices = gp.scan_directory(resource).devices
+    assert len(allocate(resource, devices, "g1").container_responses[0].devices) == 1
+    with pytest.raises(gp.RPCError) as info:
+        allocate(resource, devices, "g1", "g2")
+    assert info.value.code == StatusCode.FAILED_PRECONDITION
+    assert info.value.message == (
+        f"two devices for container path /dev/gopher, from {gophers}/g1 and {gophers}/g2: "
+        "put {id} or {index} in the container path"
+    )
+
+
+def test_allocate_names_cdi_devices(gophers):
+    resource = resource_in(gophers, cdi={"kind": "example.com/gopher"})
+    answer = allocate(resource, gp.scan_directory(resource).devices, "g1", "g0").container_responses[0]
+    assert [d.name for d in answer.cdi_devices] == ["example.com/gopher=g1", "example.com/gopher=g0"]
+
+
+def test_cdi_spec(tmp_path):
+    os.symlink("/dev/null", tmp_path / "null")
+    (tmp_path / "plain").touch()
+    resource = resource_in(
+        tmp_path,
+        cdi={"kind": "example.com/gopher"},
+        mounts=[{"host_path": "{path}", "container_path": "/run/{id}"}],
+    )
+    assert gp.cdi_spec(resource, gp.scan_directory(resource).devices) == {
+        "cdiVersion": "0.8.0",
+        "kind": "example.com/gopher",
+        "devices": [
+            {
+                "name": "null",
+                "containerEdits": {
+                    "env": ["GOPHER_DEVICES_NULL=null"],
+                    "deviceNodes": [{"path": f"{tmp_path}/null", "hostPath": f"{tmp_path}/null", "permissions": "rw"}],
+                    "mounts": [
+                        {"hostPath": f"{tmp_path}/null", "containerPath": "/run/null", "options": ["bind", "ro"]}
+                    ],
+                },
+            },
+            {
+                "name": "plain",
+                "containerEdits": {
+                    "env": ["GOPHER_DEVICES_PLAIN=plain"],
+                    "mounts": [
+                        {"hostPath": f"{tmp_path}/plain", "containerPath": "/run/plain", "options": ["bind", "ro"]}
+                    ],
+                },
+            },
+        ],
+    }
+    assert gp.cdi_spec(resource, ()) is None
+
+
+def preferred(resource, devices, available, must_include, size):
+    request = v1beta1.PreferredAllocationRequest(
+        container_requests=[
+            v1beta1.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
+            )
+        ]
+    )
+    by_id = {d.id: d for d in devices}
+    return list(gp.preferred_allocation_response(resource, by_id, request).container_responses[0].deviceIDs)
 
 
 @pytest.mark.parametrize(
@@ -752,15 +1025,47 @@ def test_allocate_refuses_unknown_ids_naming_them():
         ([], [], 0, []),
     ],
 )
-def test_preferred_allocation(available, must_include, size, expected):
-    request = v1beta1.PreferredAllocationRequest(
-        container_requests=[
-            v1beta1.ContainerPreferredAllocationRequest(
-                available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
-            )
-        ]
-    )
-    assert list(gp.preferred_allocation_response(request).container_responses[0].deviceIDs) == expected
+def test_preferred_allocation(tmp_path, available, must_include, size, expected):
+    assert preferred(resource_in(tmp_path), (), available, must_include, size) == expected
+
+
+REPLICAS = ["g0::0", "g0::1", "g1::0", "g1::1", "g2::0", "g2::1"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "available", "must_include", "size", "expected"),
+    [
+        ("packed", REPLICAS, [], 3, ["g0::0", "g0::1", "g1::0"]),
+        ("packed", REPLICAS, ["g1::1"], 2, ["g1::1", "g1::0"]),
+        ("packed", ["g0::0", "g1::0", "g1::1"], [], 2, ["g0::0", "g1::0"]),
+        ("spread", REPLICAS, [], 3, ["g0::0", "g1::0", "g2::0"]),
+        ("spread", REPLICAS, ["g1::1"], 3, ["g1::1", "g0::0", "g2::0"]),
+        ("spread", REPLICAS, [], 4, ["g0::0", "g1::0", "g2::0", "g0::1"]),
+    ],
+)
+def test_preferred_allocation_packs_or_spreads_replicas(gophers, policy, available, must_include, size, expected):
+    resource = resource_in(gophers, replicas=2, preferred=policy)
+    devices = gp.scan_directory(resource).devices
+    assert preferred(resource, devices, available, must_include, size) == expected
+
+
+@pytest.mark.parametrize(
+    ("available", "must_include", "size", "expected"),
+    [
+        (["null", "zero", "full", "rand"], [], 2, ["full", "rand"]),  # node 1 offers the most: stay there
+        (["null", "zero", "full", "rand"], ["zero"], 2, ["zero", "full"]),
+        (["null", "zero", "full", "rand"], ["null"], 2, ["null", "full"]),  # node 0 is full: then natural order
+        (["null", "zero", "full"], [], 3, ["full", "zero", "null"]),  # node 1 first, then the rest
+    ],
+)
+def test_preferred_allocation_keeps_to_one_numa_node(tmp_path, available, must_include, size, expected):
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("null", "/dev/null"), ("zero", "/dev/zero"), ("full", "/dev/full"), ("rand", "/dev/random")]:
+        os.symlink(target, devices / name)
+    sysfs = fake_sysfs(tmp_path / "sys", {(1, 3): 0, (1, 5): 1, (1, 7): 1, (1, 8): 1})
+    resource = resource_in(devices)
+    assert preferred(resource, gp.scan_directory(resource, sysfs).devices, available, must_include, size) == expected
 
 
 # ------------------------------------------------------------------------------------------------
@@ -980,6 +1285,226 @@ async def test_kubelet_refuses_an_invalid_resource_name_and_plugin_retries(nurse
     assert simulator.refusals[0] == 'the ResourceName "gopher" is invalid'
     assert not simulator.registrations
     assert 'registration failed, retrying in 0.01 s: UNKNOWN: the ResourceName "gopher" is invalid' in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------
+# The device model end to end: what the kubelet's stream and Allocate see
+# ------------------------------------------------------------------------------------------------
+
+
+def health_of(simulator):
+    return devices_of(simulator) or {}
+
+
+async def test_health_follows_a_symlink_target_elsewhere(nursery, node, tmp_path):
+    # g3 points into a directory that does not exist yet: watched through its nearest ancestor.
+    target = tmp_path / "elsewhere" / "deeper" / "g3-target"
+    os.symlink(target, os.path.join(node.devices, "g3"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config())
+        await simulator.wait_until(lambda s: health_of(s).get("g3") == gp.UNHEALTHY)
+        assert simulator.resources[RESOURCE].allocatable == 2
+        target.parent.mkdir(parents=True)
+        target.touch()
+        await simulator.wait_until(lambda s: health_of(s).get("g3") == gp.HEALTHY)
+        assert simulator.resources[RESOURCE].allocatable == 3
+        target.unlink()
+        await simulator.wait_until(lambda s: health_of(s).get("g3") == gp.UNHEALTHY)
+        with pytest.raises(gp.RPCError) as info:
+            await simulator.allocate(RESOURCE, ["g3"])
+        assert info.value.code == StatusCode.FAILED_PRECONDITION
+        target.touch()
+        await simulator.wait_until(lambda s: health_of(s).get("g3") == gp.HEALTHY)
+        os.unlink(os.path.join(node.devices, "g3"))  # an entry that disappears leaves the list
+        await simulator.wait_until(listed("g1", "g2"))
+
+
+def without_dac_override():
+    """argv prefix that runs a command as this user, but root without CAP_DAC_OVERRIDE (the
+    capability that lets root open any file): what the DaemonSet's dropped capabilities give."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root and util-linux setpriv is missing: cannot drop CAP_DAC_OVERRIDE")
+    drop = "-dac_override,-dac_read_search"
+    return [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}"]
+
+
+async def test_health_follows_permissions(nursery, node, tmp_path):
+    # The plugin runs as a real process that cannot override file permissions, as in a pod.
+    path = write_config(node, tmp_path)
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    process = await trio.lowlevel.open_process(
+        [*without_dac_override(), sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
+        stderr=subprocess.DEVNULL,
+    )
+    g1 = os.path.join(node.devices, "g1")
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            os.chmod(g1, 0o200)  # write only; plain files need reading
+            await simulator.wait_until(lambda s: health_of(s) == {"g1": gp.UNHEALTHY, "g2": gp.HEALTHY})
+            os.chmod(g1, 0o644)
+            await simulator.wait_until(listed("g1", "g2"))
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+async def test_replicas_are_offered_and_allocated_as_their_device(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(replicas=2))
+        await simulator.wait_until(listed("g1::0", "g1::1", "g2::0", "g2::1"))
+        assert simulator.resources[RESOURCE].capacity == 4
+        answer = await simulator.allocate(RESOURCE, ["g2::1", "g1::0", "g2::0"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g2,g1"}
+        picked = await simulator.preferred_allocation(RESOURCE, ["g1::0", "g1::1", "g2::0", "g2::1"], [], 2)
+        assert picked == ["g1::0", "g1::1"]
+
+
+async def test_numa_topology_is_reported_and_preferred(nursery, node, tmp_path):
+    for name in ("g1", "g2"):
+        os.unlink(os.path.join(node.devices, name))
+    for name, target in [("null", "/dev/null"), ("zero", "/dev/zero"), ("full", "/dev/full")]:
+        os.symlink(target, os.path.join(node.devices, name))
+    config = node.config()
+    config = dataclasses.replace(config, sysfs_root=fake_sysfs(tmp_path / "sys", {(1, 3): 0, (1, 5): 1, (1, 7): 1}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, config)
+        await simulator.wait_until(listed("full", "null", "zero"))
+        assert simulator.resources[RESOURCE].topology == {"null": (0,), "zero": (1,), "full": (1,)}
+        assert await simulator.preferred_allocation(RESOURCE, ["null", "zero", "full"], [], 2) == ["full", "zero"]
+        answer = await simulator.allocate(RESOURCE, ["zero"])
+        assert [s.host_path for s in answer.container_responses[0].devices] == [f"{node.devices}/zero"]
+
+
+def read_spec(path):
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_path):
+    cdi_dir = tmp_path / "cdi"  # missing: created
+    config = node.config(
+        cdi={"kind": "example.com/gopher", "spec_dir": str(cdi_dir)},
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/{id}"}],
+    )
+    spec_file = cdi_dir / "example.com-gopher.json"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+            await nursery.start(gp.serve_plugin, config)
+            await simulator.wait_until(listed("g1", "g2"))
+            spec = read_spec(spec_file)
+            assert (spec["cdiVersion"], spec["kind"]) == ("0.8.0", "example.com/gopher")
+            assert [d["name"] for d in spec["devices"]] == ["g1", "g2"]
+            assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [
+                {"path": "/dev/g1", "hostPath": f"{node.devices}/g1", "permissions": "rw"}
+            ]
+            Path(node.devices, "g3").touch()
+            await simulator.wait_until(listed("g1", "g2", "g3"))
+            # Written before the kubelet heard of g3: a container may be created with it at once.
+            assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g1", "g2", "g3"]
+            answer = await simulator.allocate(RESOURCE, ["g3", "g1"])
+            names = [d.name for d in answer.container_responses[0].cdi_devices]
+            assert names == ["example.com/gopher=g3", "example.com/gopher=g1"]
+            assert [p.name for p in cdi_dir.iterdir()] == ["example.com-gopher.json"]  # no temporary left
+            for name in ("g1", "g2", "g3"):
+                os.unlink(os.path.join(node.devices, name))
+            await simulator.wait_until(listed())
+            assert not spec_file.exists(), "CDI refuses a spec without devices: removed instead"
+            Path(node.devices, "g4").touch()
+            await simulator.wait_until(listed("g4"))
+            assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g4"]
+            nursery.cancel_scope.cancel()
+    assert not spec_file.exists(), "removed on exit"
+
+
+async def test_without_cdi_nothing_of_cdi_appears(nursery, node, tmp_path):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+    assert not answer.container_responses[0].cdi_devices
+
+
+async def test_cdi_spec_dir_not_writable_stops_at_start(node, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.touch()
+    config = node.config(cdi={"kind": "example.com/gopher", "spec_dir": str(blocker / "cdi")})
+    with pytest.raises(gp.GopherplugError) as info:
+        with gp._unwrap_single_errors():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(gp.serve_plugin, config)
+    assert str(gp._innermost(info.value)).startswith(
+        f"cannot write the CDI spec {blocker}/cdi/example.com-gopher.json: "
+    )
+
+
+async def test_allocate_gives_mounts_annotations_and_cdi_together(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(
+            nursery,
+            node,
+            device_specs=[{"host_path": "{path}", "container_path": "/dev/gopher-{id}"}],
+            mounts=[{"host_path": node.devices, "container_path": "/gophers"}],
+            annotations={"example.com/gophers": "{id}"},
+            cdi={"kind": "example.com/gopher", "spec_dir": os.path.join(node.devices, ".cdi")},
+        )
+        answer = await simulator.allocate(RESOURCE, ["g2", "g1"])
+    assert MessageToDict(answer.container_responses[0]) == {
+        "envs": {"GOPHER_DEVICES": "g2,g1"},
+        "mounts": [{"containerPath": "/gophers", "hostPath": node.devices, "readOnly": True}],
+        "devices": [
+            {"containerPath": "/dev/gopher-g2", "hostPath": f"{node.devices}/g2", "permissions": "rw"},
+            {"containerPath": "/dev/gopher-g1", "hostPath": f"{node.devices}/g1", "permissions": "rw"},
+        ],
+        "annotations": {"example.com/gophers": "g2,g1"},
+        "cdiDevices": [{"name": "example.com/gopher=g2"}, {"name": "example.com/gopher=g1"}],
+    }
+
+
+HOOK = """
+import os, sys
+with open(sys.argv[1], "w") as out:
+    out.write(os.environ["GOPHERPLUG_RESOURCE"] + " " + os.environ["GOPHER_DEVICES"])
+if os.environ["GOPHER_DEVICES"] == "g2":
+    print("checking g2", file=sys.stderr)
+    print("g2 is not ready: firmware missing", file=sys.stderr)
+    sys.exit(3)
+if os.environ["GOPHER_DEVICES"] == "g1,g2":
+    import time; time.sleep(30)
+"""
+
+
+async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path):
+    (tmp_path / "hook.py").write_text(HOOK)
+    said = tmp_path / "said"
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        config = node.config(
+            replicas=2, pre_start=[sys.executable, str(tmp_path / "hook.py"), str(said)], pre_start_timeout=0.5
+        )
+        await nursery.start(gp.serve_plugin, config)
+        await simulator.wait_until(listed("g1::0", "g1::1", "g2::0", "g2::1"))
+        assert simulator.resources[RESOURCE].options.pre_start_required
+        assert await simulator.pre_start_container(RESOURCE, ["g1::1", "g1::0"]) == v1beta1.PreStartContainerResponse()
+        assert said.read_text() == "example.com/gopher g1"
+        with pytest.raises(gp.RPCError) as failed:
+            await simulator.pre_start_container(RESOURCE, ["g2::0"])
+        with pytest.raises(gp.RPCError) as slow:
+            await simulator.pre_start_container(RESOURCE, ["g1::0", "g2::1"])
+    assert (failed.value.code, failed.value.message) == (
+        StatusCode.UNKNOWN,
+        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing",
+    )
+    assert (slow.value.code, slow.value.message) == (
+        StatusCode.DEADLINE_EXCEEDED,
+        f"pre_start {sys.executable} did not finish within 0.5 s (killed)",
+    )
 
 
 async def test_grpcio_kubelet_end_to_end(pb2, nursery, node):
