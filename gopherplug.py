@@ -43,7 +43,7 @@ import stat
 import string
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -762,6 +762,8 @@ def _mapping(data: Any, source: str, where: str, allowed: set[str], required: se
 
 
 def _string(value: Any, source: str, where: str) -> str:
+    if isinstance(value, bool | int | float):  # YAML reads true, 7, 1.5 as such: the user meant text
+        raise ConfigError(source, where, f"must be a non-empty string, not {value!r} (put it in quotes)")
     if not isinstance(value, str) or not value:
         raise ConfigError(source, where, "must be a non-empty string")
     return value
@@ -832,6 +834,7 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
             mode = rdev = 0  # a dangling symlink, say: still a device, never a device node
         is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
         fields = {"id": name, "path": entry.path, "index": "{index}"}  # {index} waits for an allocation
+        specs: tuple[DeviceSpecTemplate, ...]
         if resource.device_specs is None:
             literal = entry.path.replace("{", "{{").replace("}", "}}")  # a container path is a template
             specs = (DeviceSpecTemplate(entry.path, literal, "rw"),) if is_node else ()
@@ -1027,7 +1030,7 @@ def _pick(
 
     candidates = sorted(set(available) - set(chosen), key=_natural_key)
     # The NUMA node to fill first: the must-include devices' node, else the node offering the most.
-    nodes = [numa_of(i) for i in chosen if numa_of(i) is not None]
+    nodes = [node for kubelet_id in chosen if (node := numa_of(kubelet_id)) is not None]
     if not nodes:
         counts: dict[int, int] = {}
         for kubelet_id in candidates:
@@ -1129,6 +1132,8 @@ class _UnixSocketWrapper(SocketWrapper):
     runs after every read, mostly with nothing to send; each needless wake is one more trip through
     trio's scheduler, per call. Here flush() takes h2's bytes itself and wakes the writer only for them.
     """
+
+    _flush_event: anyio.Event  # set by purerpc's constructor; declared for type checkers
 
     def __init__(self, connection: GRPCConnection, stream: anyio.abc.ByteStream) -> None:
         super().__init__(connection, stream)
@@ -1543,7 +1548,7 @@ async def open_stream(socket_path: str, method: Method, request: Any, *, timeout
                 _close_event_queues(stream)
 
 
-async def _responses(stream: GRPCProtoStream, what: str) -> AsyncIterator[Any]:
+async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, None]:
     while True:
         try:
             message = await stream.receive_message()
@@ -1637,11 +1642,17 @@ class DirectoryWatch:
         trio.lowlevel.notify_closing(self._inotify.fileno())
         self._inotify.close()
 
-    def follow(self, paths: frozenset[str]) -> None:
-        """Watch these paths too (their nearest existing ancestor when missing), from now on."""
-        if paths != self._followed:
-            self._followed = paths
-            self.arm()
+    def follow(self, paths: frozenset[str]) -> bool:
+        """Watch these paths too (their nearest existing ancestor when missing), from now on.
+
+        Returns whether the watches were re-armed: what changed while they were being replaced
+        was not seen, so the caller must look again.
+        """
+        if paths == self._followed:
+            return False
+        self._followed = paths
+        self.arm()
+        return True
 
     def arm(self) -> None:
         """(Re)place the watches: the directory if it exists, and for it and every followed path,
@@ -1717,7 +1728,8 @@ async def watch_devices(
     def rescan(watch: DirectoryWatch) -> None:
         nonlocal cdi_written
         scan = scan_directory(resource, sysfs_root)
-        watch.follow(scan.followed)
+        while watch.follow(scan.followed):  # new symlink targets: watch them, then look again
+            scan = scan_directory(resource, sysfs_root)
         for name, why in scan.skipped:
             if warned.get(name) != why:  # once per name and reason, again if it goes away and comes back
                 log.warning("%s: skipping %r: %s", resource.name, name, why)

@@ -566,6 +566,17 @@ def test_example_config_is_valid():
     config = gp.load_config(str(HERE / "config.example.yaml"))
     assert [r.name for r in config.resources] == ["example.com/gopher"]
     assert config.resources[0].device_specs == (gp.DeviceSpecTemplate("/dev/{id}", "/dev/gopher{index}", "rw"),)
+    assert config.resources[0].mounts == (gp.MountTemplate("/etc/gophers", "/run/gophers", True),)
+    assert config.resources[0].annotations == (("example.com/gophers", "{id}"),)
+    assert (config.resources[0].replicas, config.resources[0].preferred) == (1, "packed")
+    # The commented-out keys are valid too, once uncommented (with their own container paths).
+    text = (HERE / "config.example.yaml").read_text()
+    for key in ("cdi:", "  kind:", "  spec_dir:", "pre_start:", "pre_start_timeout:"):
+        text = text.replace(f"    # {key}", f"    {key}")
+    text = text.replace("/usr/local/bin/reset-gopher", sys.executable).replace("/dev/gopher{index}", "/dev/{id}")
+    uncommented = gp.parse_config(text).resources[0]
+    assert uncommented.cdi == gp.CDIConfig("example.com/gopher", "/var/run/cdi")
+    assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
 
 
 def resources(**fields):
@@ -586,7 +597,12 @@ BAD_CONFIGS = [
     ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
     ("resources: [{name: example.com/g}]", "cfg.yaml: resources[0].directory: is required"),
     (resources(directory="gophers"), "cfg.yaml: resources[0].directory: 'gophers' must be an absolute path"),
-    (resources(directory=7), "cfg.yaml: resources[0].directory: must be a non-empty string"),
+    (resources(directory=7), "cfg.yaml: resources[0].directory: must be a non-empty string, not 7 (put it in quotes)"),
+    (resources(directory=[]), "cfg.yaml: resources[0].directory: must be a non-empty string"),
+    (
+        resources(pre_start=[True]),
+        "cfg.yaml: resources[0].pre_start[0]: must be a non-empty string, not True (put it in quotes)",
+    ),
     (
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allowed_host_paths, annotations, cdi, "
