@@ -827,13 +827,15 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
             continue
         if entry.is_symlink():
             followed.add(os.path.realpath(entry.path))
+        unreachable = None
         try:
             status = os.stat(entry.path)
             mode, rdev = status.st_mode, status.st_rdev
-        except OSError:
-            mode = rdev = 0  # a dangling symlink, say: still a device, never a device node
+        except OSError as error:
+            mode = rdev = 0  # a dangling symlink, say: still a device (unhealthy), never a device node
+            unreachable = error
         is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        fields = {"id": name, "path": entry.path, "index": "{index}"}  # {index} waits for an allocation
+        fields = {"id": name, "path": entry.path}  # host paths only: {index} waits for an allocation
         specs: tuple[DeviceSpecTemplate, ...]
         if resource.device_specs is None:
             literal = entry.path.replace("{", "{{").replace("}", "}}")  # a container path is a template
@@ -854,7 +856,7 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
             why = f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
             skipped.append((name, why))
             continue
-        problem = _health_problem(entry.path, _access_needed(specs, is_node))
+        problem = _health_problem(entry.path, unreachable, _access_needed(specs, is_node))
         numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
         health = UNHEALTHY if problem else HEALTHY
         devices.append(DeviceEntry(name, entry.path, is_node, health, problem, numa_node, specs, mounts))
@@ -868,16 +870,14 @@ def _access_needed(specs: Iterable[DeviceSpecTemplate], is_node: bool) -> int:
     return (os.R_OK if "r" in letters else 0) | (os.W_OK if "w" in letters else 0)
 
 
-def _health_problem(path: str, access: int) -> str:
+def _health_problem(path: str, unreachable: OSError | None, access: int) -> str:
     """Why the device at ``path`` cannot be used as configured, or "" if it can."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
+    if isinstance(unreachable, FileNotFoundError):
         if os.path.islink(path):
             return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
         return f"{path} is gone"
-    except OSError as error:
-        return f"cannot stat {path}: {error.strerror}"
+    if unreachable is not None:
+        return f"cannot stat {path}: {unreachable.strerror}"
     if not os.access(path, access or os.F_OK):
         wanted = {os.R_OK: "reading", os.W_OK: "writing", os.R_OK | os.W_OK: "reading and writing"}
         return f"this process cannot open {path} for {wanted.get(access, 'use')}"
