@@ -117,6 +117,13 @@ API_VERSION = "v1beta1"
 #: (k3s and RKE2 use it too; microk8s and k0s do not, see the README).
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
+#: Where kubelets of the usual distributions keep it: Kubernetes (and k3s, RKE2), microk8s, k0s.
+KNOWN_DEVICE_PLUGIN_DIRS = (
+    DEFAULT_DEVICE_PLUGIN_DIR,
+    "/var/snap/microk8s/common/var/lib/kubelet/device-plugins",
+    "/var/lib/k0s/kubelet/device-plugins",
+)
+
 #: The kubelet's Registration socket, inside the device-plugin directory.
 KUBELET_SOCKET = "kubelet.sock"
 
@@ -455,7 +462,7 @@ class Config:
     """A whole validated configuration file."""
 
     resources: tuple[ResourceConfig, ...]
-    device_plugin_dir: str = DEFAULT_DEVICE_PLUGIN_DIR
+    device_plugin_dir: str | None = None  #: None: found at start, see find_device_plugin_dir()
     source: str = "<config>"  #: the file it came from, for messages
     sysfs_root: str = "/sys"  #: where NUMA nodes are read; tests point it at a fake tree
 
@@ -528,7 +535,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
     top = _mapping(data, source, "", {"device_plugin_dir", "resources", "sysfs_root"}, required={"resources"})
-    device_plugin_dir = DEFAULT_DEVICE_PLUGIN_DIR
+    device_plugin_dir = None
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
     sysfs_root = _absolute_path(top.get("sysfs_root", "/sys"), source, "sysfs_root")
@@ -1974,6 +1981,15 @@ def socket_name(resource: ResourceConfig, generation: int) -> str:
     return f"gopherplug-{resource.name.replace('/', '_')}-{generation}.sock"
 
 
+def parse_socket_name(name: str) -> tuple[str, int] | None:
+    """(resource name, generation) from a socket_name(), or None for any other file name.
+
+    Unambiguous: the domain of a resource name has no "_" (it is a DNS name), its name part may.
+    """
+    match = re.fullmatch(r"gopherplug-([^_/]+)_([^/]+)-(\d+)\.sock", name)
+    return (f"{match[1]}/{match[2]}", int(match[3])) if match else None
+
+
 async def serve_resource(
     resource: ResourceConfig,
     devices: Watched,
@@ -2015,6 +2031,26 @@ async def serve_resource(
         task_status = trio.TASK_STATUS_IGNORED
 
 
+def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
+    """The first of ``candidates`` holding a kubelet.sock socket, or (with a warning) the first one.
+
+    For a configuration that does not say: the kubelet of this node is the one whose socket exists.
+    """
+    candidates = list(candidates)
+    for directory in candidates:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.stat(os.path.join(directory, KUBELET_SOCKET)).st_mode):
+                log.info("kubelet.sock found in %s: using it (set device_plugin_dir to choose another)", directory)
+                return directory
+    log.warning(
+        "no kubelet.sock in %s: waiting for the kubelet in %s; if this node's kubelet uses another "
+        "directory, set device_plugin_dir in the configuration, --device-plugin-dir or GOPHERPLUG_DEVICE_PLUGIN_DIR",
+        ", ".join(candidates),
+        candidates[0],
+    )
+    return candidates[0]
+
+
 async def serve_plugin(config: Config, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the device plugin for every resource of ``config`` until cancelled.
 
@@ -2027,7 +2063,7 @@ async def serve_plugin(config: Config, *, task_status: trio.TaskStatus[None] = t
     Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
     the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
-    kubelet = KubeletWatch(config.device_plugin_dir)
+    kubelet = KubeletWatch(config.device_plugin_dir or find_device_plugin_dir())
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
         for resource in config.resources:
@@ -2227,6 +2263,81 @@ class KubeletSimulator:
                 self._changed.touch()
 
 
+# The probe: what the kubelet would see of running plugins, right now. `gopherplug probe`.
+PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
+
+
+@dataclass
+class ProbeResult:
+    """One resource as the kubelet would see it: its socket, options and device list, or an error."""
+
+    resource: str
+    endpoint: str = ""  #: the socket file probed ("" if none was found)
+    options: Any = None  #: DevicePluginOptions
+    devices: list[Any] = dataclasses.field(default_factory=list)  #: the first ListAndWatch message's devices
+    error: str = ""  #: why the resource did not answer ("" if it did)
+
+
+async def probe(device_plugin_dir: str, resource_names: Iterable[str] | None = None) -> list[ProbeResult]:
+    """Dial every gopherplug socket in the directory (or those of ``resource_names``) like the kubelet:
+    GetDevicePluginOptions, then the first ListAndWatch message. Never raises for a plugin's failure.
+    """
+    newest: dict[str, tuple[int, str]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(device_plugin_dir):
+            if (parsed := parse_socket_name(entry)) is not None and parsed[1] > newest.get(parsed[0], (0, ""))[0]:
+                newest[parsed[0]] = (parsed[1], entry)
+    names = sorted(newest) if resource_names is None else list(resource_names)
+    results = []
+    for name in names:
+        result = ProbeResult(name, newest.get(name, (0, ""))[1])
+        results.append(result)
+        if not result.endpoint:
+            result.error = f"no gopherplug socket in {device_plugin_dir}"
+            continue
+        path = os.path.join(device_plugin_dir, result.endpoint)
+        try:
+            result.options = await call_unary(
+                path,
+                METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
+                v1beta1.Empty(),
+                timeout=PROBE_TIMEOUT,
+            )
+            method = METHODS[f"/{API_VERSION}.DevicePlugin/ListAndWatch"]
+            with trio.fail_after(PROBE_TIMEOUT):
+                async with open_stream(path, method, v1beta1.Empty(), timeout=PROBE_TIMEOUT) as responses:
+                    async for response in responses:
+                        result.devices = list(response.devices)
+                        break
+        except (RPCError, trio.TooSlowError) as error:
+            result.error = f"did not answer on {result.endpoint}: {error or 'timed out'}"
+    return results
+
+
+def probe_report(results: list[ProbeResult]) -> str:
+    """The probe's results as text: a line per resource, then a table of its devices."""
+    lines = []
+    for result in results:
+        if result.error:
+            lines.append(f"{result.resource}: FAILED: {result.error}")
+            continue
+        healthy = sum(device.health == HEALTHY for device in result.devices)
+        features = [
+            f"preferred allocation {'yes' if result.options.get_preferred_allocation_available else 'no'}",
+            f"pre-start {'yes' if result.options.pre_start_required else 'no'}",
+        ]
+        lines.append(
+            f"{result.resource}: {result.endpoint}: {len(result.devices)} devices, {healthy} healthy; "
+            + ", ".join(features)
+        )
+        width = max([len("ID"), *(len(device.ID) for device in result.devices)])
+        lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  NUMA")
+        for device in result.devices:
+            numa = ",".join(str(node.ID) for node in device.topology.nodes) or "-"
+            lines.append(f"  {device.ID:<{width}}  {device.health:<9}  {numa}")
+    return "\n".join(lines)
+
+
 # The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
 DEMO_STEP_TIMEOUT = 10.0  # each step takes milliseconds; this only stops a broken demo from hanging
 DEMO_CONFIG = """\
@@ -2256,12 +2367,12 @@ async def run_demo(out: Callable[[str], None] = print) -> None:
             open(os.path.join(devices, name), "x").close()
         config = parse_config(DEMO_CONFIG.format(devices=devices), "<demo>")
         config = dataclasses.replace(config, device_plugin_dir=plugin_dir)
-        await _narrate_demo(config, devices, out)
+        await _narrate_demo(config, plugin_dir, devices, out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _narrate_demo(config: Config, devices: str, out: Callable[[str], None]) -> None:
+async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Callable[[str], None]) -> None:
     resource = config.resources[0].name
     start = trio.current_time()
 
@@ -2280,10 +2391,10 @@ async def _narrate_demo(config: Config, devices: str, out: Callable[[str], None]
 
     out(f"gopherplug demo: a simulated kubelet and the real plugin, in {os.path.dirname(devices)}")
     async with trio.open_nursery() as nursery:
-        kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+        kubelet = await nursery.start(KubeletSimulator(plugin_dir).run)
         say("kubelet", f"serving Registration on {kubelet.socket_path} (sockets of the directory wiped)")
         await nursery.start(serve_plugin, config)
-        say("plugin", f"watching {devices}; serving DevicePlugin on a socket in {config.device_plugin_dir}")
+        say("plugin", f"watching {devices}; serving DevicePlugin on a socket in {plugin_dir}")
         await wait_for("registration", lambda k: bool(k.registrations))
         registration = kubelet.registrations[-1]
         say(
@@ -2369,25 +2480,32 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Without a command, runs `serve`.",
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,demo}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
     check = commands.add_parser("check-config", help="validate a configuration file and summarise it")
+    probe_ = commands.add_parser(
+        "probe", help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
+    )
+    probe_.add_argument(
+        "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
+    )
     demo = commands.add_parser(
         "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
     )
-    for command in (serve, check):
+    for command in (serve, check, probe_):
         command.add_argument(
             "--config",
             default=env("GOPHERPLUG_CONFIG"),
             metavar="FILE",
             help="configuration file (env GOPHERPLUG_CONFIG)",
         )
-    serve.add_argument(
-        "--device-plugin-dir",
-        default=env("GOPHERPLUG_DEVICE_PLUGIN_DIR"),
-        metavar="DIR",
-        help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
-    )
+    for command in (serve, probe_):
+        command.add_argument(
+            "--device-plugin-dir",
+            default=env("GOPHERPLUG_DEVICE_PLUGIN_DIR"),
+            metavar="DIR",
+            help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
+        )
     for command, default in ((serve, "info"), (demo, "warning")):
         command.add_argument(
             "--log-level",
@@ -2402,7 +2520,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in {"serve", "check-config", "demo", "-h", "--help", "--version"}:
+    if not argv or argv[0] not in {"serve", "check-config", "probe", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
     parser = _parser()
     try:
@@ -2411,6 +2529,8 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     if args.command == "demo":
         return _run(args.log_level, run_demo)
+    if args.command == "probe":
+        return _probe(args)
     if not args.config:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
@@ -2421,11 +2541,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "check-config":
         names = ", ".join(f"{r.name} ({r.directory}/{r.pattern})" for r in config.resources)
-        print(
-            f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {config.device_plugin_dir}"
-        )
+        kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
+        print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
         return EXIT_OK
     return _run(args.log_level, _serve_until_signalled, config)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    config = None
+    if args.config:  # optional: without it, every gopherplug socket in the directory is probed
+        try:
+            config = load_config(args.config, args.device_plugin_dir)
+        except ConfigError as error:
+            print(f"gopherplug: {error}", file=sys.stderr)
+            return EXIT_USAGE
+    directory = args.device_plugin_dir or (config and config.device_plugin_dir) or find_device_plugin_dir()
+    names = args.resource or ([resource.name for resource in config.resources] if config else None)
+    results = trio.run(probe, directory, names)
+    print(probe_report(results) if results else f"no gopherplug socket in {directory}")
+    return EXIT_OK if results and not any(result.error for result in results) else EXIT_FAILURE
 
 
 def _run(log_level: str, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:

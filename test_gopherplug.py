@@ -558,8 +558,28 @@ MINIMAL = "resources:\n  - name: example.com/gopher\n    directory: /etc/gophers
 
 def test_minimal_config_gets_the_documented_defaults():
     config = gp.parse_config(MINIMAL, "cfg.yaml")
-    assert config.device_plugin_dir == "/var/lib/kubelet/device-plugins"
+    assert config.device_plugin_dir is None  # found at start: find_device_plugin_dir()
+    assert config.sysfs_root == "/sys"
     assert config.resources == (gp.ResourceConfig("example.com/gopher", "/etc/gophers", "*", "GOPHER_DEVICES", None),)
+
+
+def test_find_device_plugin_dir_picks_the_one_with_a_kubelet_socket(tmp_path, caplog):
+    candidates = [str(tmp_path / name) for name in ("default", "microk8s", "k0s")]
+    for directory in candidates:
+        os.mkdir(directory)
+    Path(candidates[0], "kubelet.sock").touch()  # a regular file is not a kubelet
+    with socket.socket(socket.AF_UNIX) as kubelet:
+        kubelet.bind(os.path.join(candidates[2], "kubelet.sock"))
+        with caplog.at_level("INFO", logger="gopherplug"):
+            assert gp.find_device_plugin_dir(candidates) == candidates[2]
+    assert f"kubelet.sock found in {candidates[2]}: using it" in caplog.text
+    os.unlink(os.path.join(candidates[2], "kubelet.sock"))
+    assert gp.find_device_plugin_dir(candidates) == candidates[0]
+    assert (
+        f"no kubelet.sock in {', '.join(candidates)}: waiting for the kubelet in {candidates[0]}; if this node's "
+        "kubelet uses another directory, set device_plugin_dir in the configuration, --device-plugin-dir or "
+        "GOPHERPLUG_DEVICE_PLUGIN_DIR"
+    ) in caplog.text
 
 
 def test_example_config_is_valid():
@@ -1620,6 +1640,60 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     assert os.listdir(sockdir) == []
 
 
+async def run_cli_async(*args):
+    """run_cli for tests whose plugin runs on this trio thread: the subprocess is awaited, not blocked on."""
+    return await trio.run_process(
+        [sys.executable, str(HERE / "gopherplug.py"), *args], capture_stdout=True, capture_stderr=True, check=False
+    )
+
+
+async def test_probe_shows_what_the_kubelet_sees(nursery, node, tmp_path):
+    os.symlink("/dev/null", os.path.join(node.devices, "g3"))
+    config = dataclasses.replace(node.config(), sysfs_root=fake_sysfs(tmp_path / "sys", {(1, 3): 1}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, config)
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+        result = await run_cli_async("probe", "--device-plugin-dir", node.plugin_dir)
+    assert (result.returncode, result.stderr) == (0, b"")
+    assert result.stdout.decode() == (
+        "example.com/gopher: gopherplug-example.com_gopher-1.sock: 3 devices, 3 healthy; "
+        "preferred allocation yes, pre-start no\n"
+        "  ID  HEALTH     NUMA\n"
+        "  g1  Healthy    -\n"
+        "  g2  Healthy    -\n"
+        "  g3  Healthy    1\n"
+    )
+
+
+async def test_probe_fails_for_a_configured_resource_that_does_not_answer(nursery, node, tmp_path):
+    text = yaml.safe_dump(
+        {
+            "device_plugin_dir": node.plugin_dir,
+            "resources": [
+                {"name": RESOURCE, "directory": node.devices},
+                {"name": "example.com/absent", "directory": node.devices},
+            ],
+        }
+    )
+    (tmp_path / "two.yaml").write_text(text)
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        assert simulator.resources[RESOURCE].streaming
+        result = await run_cli_async("probe", "--config", str(tmp_path / "two.yaml"))
+        only = await run_cli_async("probe", "--config", str(tmp_path / "two.yaml"), "--resource", RESOURCE)
+    assert result.returncode == 1
+    lines = result.stdout.decode().splitlines()
+    assert lines[0].startswith("example.com/gopher: gopherplug-example.com_gopher-1.sock: 2 devices, 2 healthy")
+    assert lines[-1] == f"example.com/absent: FAILED: no gopherplug socket in {node.plugin_dir}"
+    assert only.returncode == 0
+
+
+def test_probe_without_any_plugin_exits_1(node):
+    result = run_cli("probe", "--device-plugin-dir", node.plugin_dir)
+    assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
+
+
 def test_check_config_summarises_a_good_file(node, tmp_path):
     path = write_config(node, tmp_path)
     result = run_cli("check-config", "--config", str(path))
@@ -1694,3 +1768,50 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
             await process.wait()
     assert node.our_sockets() == []
     assert elapsed < 5, "generous bound; the README gives the measured figure"
+
+
+# ------------------------------------------------------------------------------------------------
+# The project's own checks: lint and types, the image and the manifest
+# ------------------------------------------------------------------------------------------------
+
+
+def check(*argv):
+    """Run a checking tool installed with the test extra (next to this Python), from the repository."""
+    tool = Path(sys.executable).parent / argv[0]
+    return subprocess.run([str(tool), *argv[1:]], cwd=HERE, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("ruff", "check", "."), ("ruff", "format", "--check", "."), ("mypy",)],
+    ids=["ruff-check", "ruff-format", "mypy"],
+)
+def test_code_is_lint_and_type_clean(argv):
+    result = check(*argv)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    result = check("hadolint", "Dockerfile")
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_daemonset_is_valid_against_the_kubernetes_schema():
+    result = check("kubernetes-validate", "--strict", "daemonset.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == 2  # the ConfigMap and the DaemonSet
+
+
+def test_daemonset_runs_least_privileged_with_the_probe():
+    with open(HERE / "daemonset.yaml", encoding="utf-8") as file:
+        config_map, daemon_set = yaml.safe_load_all(file)
+    gp.parse_config(config_map["data"]["config.yaml"], "daemonset.yaml ConfigMap")
+    pod = daemon_set["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["livenessProbe"]["exec"]["command"] == ["gopherplug", "probe"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["priorityClassName"] == "system-node-critical"
+    mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+    assert "/var/lib/kubelet/device-plugins" in mounts
