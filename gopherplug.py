@@ -103,6 +103,11 @@ __all__ = [
 log = logging.getLogger("gopherplug")
 
 
+def _log(resource: ResourceConfig) -> logging.LoggerAdapter[logging.Logger]:
+    """The log for one resource: its records carry the resource's name (see _LogFormatter)."""
+    return logging.LoggerAdapter(log, {"resource": resource.name})
+
+
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -1739,7 +1744,7 @@ async def watch_devices(
             scan = scan_directory(resource, sysfs_root)
         for name, why in scan.skipped:
             if warned.get(name) != why:  # once per name and reason, again if it goes away and comes back
-                log.warning("%s: skipping %r: %s", resource.name, name, why)
+                _log(resource).warning("skipping %r: %s", name, why)
         warned.clear()
         warned.update(scan.skipped)
         before = devices.value
@@ -1747,9 +1752,9 @@ async def watch_devices(
         for device in found.values():
             old = before.get(device.id)
             if device.health != HEALTHY and (old is None or old.problem != device.problem):
-                log.warning("%s: %s is unhealthy: %s", resource.name, device.id, device.problem)
+                _log(resource).warning("%s is unhealthy: %s", device.id, device.problem)
             elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
-                log.info("%s: %s is healthy again", resource.name, device.id)
+                _log(resource).info("%s is healthy again", device.id)
         if resource.cdi is not None and (spec := cdi_spec(resource, scan.devices)) != cdi_written:
             try:
                 write_cdi_spec(resource.cdi, spec)
@@ -1760,19 +1765,15 @@ async def watch_devices(
                 # Later (a full disk, say): a device the runtime cannot resolve must not be offered.
                 described = {device["name"] for device in (cdi_written or {}).get("devices", [])}
                 found = {device_id: device for device_id, device in found.items() if device_id in described}
-                log.error(
-                    "%s: %s; offering only the devices it describes until it can be written", resource.name, error
-                )
+                _log(resource).error("%s; offering only the devices it describes until it can be written", error)
         devices.set(found)
         if devices.value is not before:
-            log.info("%s: %d devices in %s", resource.name, len(found), resource.directory)
+            _log(resource).info("%d devices in %s", len(found), resource.directory)
 
     try:
         with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
             if not watch.exists:
-                log.warning(
-                    "%s: %s is not a directory (yet): no devices until it is", resource.name, resource.directory
-                )
+                _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
             rescan(watch)
             task_status.started()
             async for _events, _rescan in watch.batches():
@@ -1782,7 +1783,7 @@ async def watch_devices(
             try:
                 write_cdi_spec(resource.cdi, None)
             except GopherplugError as error:
-                log.error("%s: %s", resource.name, error)
+                _log(resource).error("%s", error)
 
 
 _NOT_YET = object()
@@ -1860,7 +1861,7 @@ def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc
         current = devices.value
         while True:
             yield list_and_watch_response(resource, current.values())
-            log.debug("%s: sent %d devices", resource.name, len(current))
+            _log(resource).debug("sent %d devices", len(current))
             current = await devices.wait_changed(current)
 
     async def get_preferred_allocation(request: Any) -> Any:
@@ -1869,7 +1870,7 @@ def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc
     async def allocate(request: Any) -> Any:
         response = allocate_response(resource, devices.value, request)
         for container in request.container_requests:
-            log.info("%s: allocated %s", resource.name, ",".join(container.devices_ids))
+            _log(resource).info("allocated %s", ",".join(container.devices_ids))
         return response
 
     async def pre_start_container(request: Any) -> Any:
@@ -1917,7 +1918,7 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> 
         how = f"exited with {result.returncode}" if result.returncode > 0 else f"killed by signal {-result.returncode}"
         said = f": {lines[-1].strip()}" if lines else " (nothing on stderr)"
         raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {how}{said}")
-    log.info("%s: pre_start %s done for %s", resource.name, command, ",".join(d.id for d in chosen))
+    _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
 
 
 async def register(
@@ -1941,7 +1942,7 @@ async def register(
         generation = kubelet.generation
         if not os.path.exists(kubelet.kubelet_socket):
             if not waiting_logged:
-                log.info("%s: waiting for the kubelet: no %s yet", resource.name, kubelet.kubelet_socket)
+                _log(resource).info("waiting for the kubelet: no %s yet", kubelet.kubelet_socket)
                 waiting_logged = True
             await kubelet.changed.wait_touched()
             continue
@@ -1951,7 +1952,7 @@ async def register(
         except RPCError as error:
             # Right after kubelet.sock appears, connecting can be refused for a moment: not worth a warning.
             level = logging.DEBUG if error.code == StatusCode.UNAVAILABLE and delay < 0.5 else logging.WARNING
-            log.log(level, "%s: registration failed, retrying in %.2g s: %s", resource.name, delay, error)
+            _log(resource).log(level, "registration failed, retrying in %.2g s: %s", delay, error)
         with trio.move_on_after(delay):
             while kubelet.generation == generation and still_serving():
                 await kubelet.changed.wait_touched()
@@ -2005,7 +2006,7 @@ async def serve_resource(
     directory = kubelet.device_plugin_dir
     for generation in itertools.count(1):
         while not os.path.isdir(directory):
-            log.warning("%s: waiting for the kubelet's directory %s to exist", resource.name, directory)
+            _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
             await kubelet.changed.wait_touched()
         endpoint = socket_name(resource, generation)
         async with trio.open_nursery() as nursery:
@@ -2021,11 +2022,11 @@ async def serve_resource(
             # The kubelet dials us back before Register returns: we are serving already.
             registered_with = await register(resource, endpoint, kubelet, server.owns_socket_file)
             if registered_with is not None:
-                log.info("%s: registered with the kubelet as %s", resource.name, endpoint)
+                _log(resource).info("registered with the kubelet as %s", endpoint)
                 while kubelet.generation == registered_with and server.owns_socket_file():
                     await kubelet.changed.wait_touched()
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
-            log.info("%s: %s: serving and registering again", resource.name, why)
+            _log(resource).info("%s: serving and registering again", why)
             # Stop this server before the next registration: its ListAndWatch stream ends now.
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
@@ -2514,6 +2515,13 @@ def _parser() -> argparse.ArgumentParser:
             choices=["debug", "info", "warning", "error"],
             help=f"log level (env GOPHERPLUG_LOG_LEVEL, default {default})",
         )
+        command.add_argument(
+            "--log-format",
+            default=env("GOPHERPLUG_LOG_FORMAT", "text"),
+            type=str.lower,
+            choices=["text", "json"],
+            help="one line per event, as text or as a JSON object (env GOPHERPLUG_LOG_FORMAT, default text)",
+        )
     return parser
 
 
@@ -2528,7 +2536,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     if args.command == "demo":
-        return _run(args.log_level, run_demo)
+        return _run(args, run_demo)
     if args.command == "probe":
         return _probe(args)
     if not args.config:
@@ -2544,7 +2552,7 @@ def main(argv: list[str] | None = None) -> int:
         kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
         return EXIT_OK
-    return _run(args.log_level, _serve_until_signalled, config)
+    return _run(args, _serve_until_signalled, config)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -2562,9 +2570,41 @@ def _probe(args: argparse.Namespace) -> int:
     return EXIT_OK if results and not any(result.error for result in results) else EXIT_FAILURE
 
 
-def _run(log_level: str, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:
+class _LogFormatter(logging.Formatter):
+    """One line per event: "time LEVEL resource: message", or the same as one JSON object."""
+
+    def __init__(self, json_lines: bool) -> None:
+        super().__init__()
+        self.json_lines = json_lines
+
+    def format(self, record: logging.LogRecord) -> str:
+        resource = getattr(record, "resource", None)
+        message = record.getMessage()
+        if self.json_lines:
+            event = {"time": self.formatTime(record), "level": record.levelname.lower(), "message": message}
+            if resource:
+                event["resource"] = resource
+            if record.exc_info:  # only a bug in gopherplug logs a traceback
+                event["traceback"] = self.formatException(record.exc_info)
+            return json.dumps(event)
+        line = f"{self.formatTime(record)} {record.levelname} {resource + ': ' if resource else ''}{message}"
+        return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        # ISO 8601 with milliseconds and the offset: sortable, and unambiguous across nodes.
+        stamp = datetime.datetime.fromtimestamp(record.created).astimezone()
+        return stamp.isoformat(timespec="milliseconds")
+
+
+def _configure_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter(json_lines=log_format == "json"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:
     """Run ``main_task(*args)`` under trio; a GopherplugError becomes one logged line and exit 1."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    _configure_logging(log_args.log_level, log_args.log_format)
     try:
         trio.run(main_task, *args)
     except Exception as error:

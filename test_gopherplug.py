@@ -1689,6 +1689,34 @@ async def test_probe_fails_for_a_configured_resource_that_does_not_answer(nurser
     assert only.returncode == 0
 
 
+async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, tmp_path):
+    path = write_config(node, tmp_path)
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
+            stderr=stderr,
+            env={**os.environ, "GOPHERPLUG_LOG_FORMAT": "json"},
+        )
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            await simulator.allocate(RESOURCE, ["g2"])
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    events = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines()]
+    assert {"level": "info", "resource": RESOURCE, "message": "allocated g2"}.items() <= events[-2].items()
+    assert {"level": "info", "message": "SIGTERM received: stopping"}.items() <= events[-1].items()
+    assert "resource" not in events[-1]
+    registered = [e for e in events if e["message"].startswith("registered with the kubelet as ")]
+    assert len(registered) == 1 and registered[0]["resource"] == RESOURCE
+    assert all(event["time"].endswith("+00:00") or event["time"][-6] in "+-" for event in events)
+
+
 def test_probe_without_any_plugin_exits_1(node):
     result = run_cli("probe", "--device-plugin-dir", node.plugin_dir)
     assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
