@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import datetime
 import fnmatch
+import inspect
 import itertools
 import json
 import logging
@@ -375,6 +376,7 @@ class ConfigError(GopherplugError):
     """
 
     def __init__(self, source: str, key_path: str, problem: str) -> None:
+        key_path = key_path.lstrip(".")  # a key of a resource given on its own, not in a list
         super().__init__(f"{source}: {key_path}: {problem}" if key_path else f"{source}: {problem}")
         self.source = source
         self.key_path = key_path
@@ -1849,7 +1851,14 @@ class KubeletWatch:
                 self.changed.touch()
 
 
-def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc.Service:
+#: An embedder's hook: called with a container's devices and the ContainerAllocateResponse that
+#: gopherplug filled in, to add to it or change it; may be a coroutine function.
+ShapeAllocation = Callable[[list[DeviceEntry], Any], Awaitable[None] | None]
+
+
+def device_plugin_service(
+    resource: ResourceConfig, devices: Watched, shape_allocation: ShapeAllocation | None = None
+) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set."""
 
     async def get_device_plugin_options(empty: Any) -> Any:
@@ -1868,8 +1877,13 @@ def device_plugin_service(resource: ResourceConfig, devices: Watched) -> purerpc
         return preferred_allocation_response(resource, devices.value, request)
 
     async def allocate(request: Any) -> Any:
-        response = allocate_response(resource, devices.value, request)
-        for container in request.container_requests:
+        current = devices.value  # one device set for the whole answer, even if the hook awaits
+        response = allocate_response(resource, current, request)
+        for container, answer in zip(request.container_requests, response.container_responses, strict=True):
+            if shape_allocation is not None:
+                shaped = shape_allocation(allocated_devices(resource, current, container.devices_ids), answer)
+                if inspect.isawaitable(shaped):
+                    await shaped
             _log(resource).info("allocated %s", ",".join(container.devices_ids))
         return response
 
@@ -1995,6 +2009,7 @@ async def serve_resource(
     resource: ResourceConfig,
     devices: Watched,
     kubelet: KubeletWatch,
+    shape_allocation: ShapeAllocation | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -2012,7 +2027,9 @@ async def serve_resource(
         async with trio.open_nursery() as nursery:
             try:
                 server = await nursery.start(
-                    serve_grpc, os.path.join(directory, endpoint), [device_plugin_service(resource, devices)]
+                    serve_grpc,
+                    os.path.join(directory, endpoint),
+                    [device_plugin_service(resource, devices, shape_allocation)],
                 )
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
@@ -2030,6 +2047,42 @@ async def serve_resource(
             # Stop this server before the next registration: its ListAndWatch stream ends now.
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
+
+
+def resource_config(name: str, **options: Any) -> ResourceConfig:
+    """A validated ResourceConfig for devices that come from your program instead of a directory.
+
+    ``options`` are the configuration file's resource keys that do not describe directory entries:
+    env, replicas, preferred, annotations, pre_start, pre_start_timeout. Your DeviceEntry objects
+    carry their own device_specs and mounts. Raises ConfigError like a configuration file would.
+    """
+    source = f"resource_config({name!r})"
+    unfit = sorted(options.keys() & {"directory", "pattern", "device_specs", "mounts", "allowed_host_paths", "cdi"})
+    if unfit:
+        raise ConfigError(source, unfit[0], "is about a directory's entries: give each DeviceEntry what it needs")
+    # The directory is never scanned: serve_devices() takes the devices from the caller.
+    return _parse_resource({"name": name, "directory": "/", **options}, source, "")
+
+
+async def serve_devices(
+    resource: ResourceConfig,
+    devices: Watched,
+    device_plugin_dir: str | None = None,
+    shape_allocation: ShapeAllocation | None = None,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve devices that your program supplies, until cancelled: the library entry point for them.
+
+    ``devices`` holds a dict of device ID -> DeviceEntry: ``devices.set(...)`` whenever they change,
+    and the kubelet hears of it at once. ``shape_allocation``, if given, may add to each container's
+    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin().
+    """
+    kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(kubelet.run)
+        await nursery.start(serve_resource, resource, devices, kubelet, shape_allocation)
+        task_status.started()
 
 
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:

@@ -1543,6 +1543,53 @@ async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path
     )
 
 
+def readme_example():
+    """The README's embedding example, as a module namespace (its code block after "## Embedding")."""
+    text = (HERE / "README.md").read_text()
+    code = text.split("## Embedding", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {"__name__": "readme_example"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
+def widgets(simulator):
+    found = simulator.resources.get("example.com/widget")
+    return found.devices if found is not None and found.streaming else None
+
+
+async def test_readme_embedding_example_serves_devices_from_code(nursery, node):
+    example = readme_example()
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        nursery.start_soon(example["main"], node.plugin_dir)
+        await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY, "w1": gp.HEALTHY})
+        answer = (await simulator.allocate("example.com/widget", ["w1"])).container_responses[0]
+        assert dict(answer.envs) == {"WIDGETS": "w1", "WIDGET_FIRMWARE": "2.1"}
+        assert [(d.host_path, d.container_path) for d in answer.devices] == [("/dev/w1", "/dev/w1")]
+        example["devices"].set({"w2": gp.DeviceEntry("w2", "/dev/w2", health=gp.UNHEALTHY)})
+        await simulator.wait_until(lambda s: widgets(s) == {"w2": gp.UNHEALTHY})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"env": "bad-name"},
+            "resource_config('example.com/widget'): env: 'bad-name' is not a valid environment variable name",
+        ),
+        (
+            {"directory": "/x"},
+            "resource_config('example.com/widget'): directory: is about a directory's entries: "
+            "give each DeviceEntry what it needs",
+        ),
+    ],
+)
+def test_resource_config_validates_like_a_file(options, message):
+    with pytest.raises(gp.ConfigError) as info:
+        gp.resource_config("example.com/widget", **options)
+    assert str(info.value) == message
+
+
 async def test_grpcio_kubelet_end_to_end(pb2, nursery, node):
     """grpcio plays the kubelet: Register dials back with grpcio, then ListAndWatch and Allocate."""
     kubelet_socket = os.path.join(node.plugin_dir, gp.KUBELET_SOCKET)
