@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import datetime
 import fnmatch
+import functools
 import inspect
 import itertools
 import json
@@ -44,6 +45,7 @@ import stat
 import string
 import sys
 import tempfile
+import types
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -1127,6 +1129,45 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
 # backend underneath purerpc); trio.Cancelled always propagates.
 ########################################################################################################
 
+
+class Watched:
+    """A value that changes over time, and a way to wait for its next change (any number of waiters)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._changed = trio.Event()
+
+    def set(self, value: Any) -> None:
+        """Publish a new value if it differs from the current one, waking every waiter."""
+        if value != self.value:
+            self.value = value
+            self.touch()
+
+    def replace(self, value: Any) -> None:
+        """Publish ``value`` even if it equals the current one: waiters compare by identity."""
+        self.value = value
+        self.touch()
+
+    def touch(self) -> None:
+        """Wake every waiter, e.g. because something it checks outside the value may have changed."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self, seen: Any) -> Any:
+        """Return the current value as soon as it is not ``seen`` (compared by identity)."""
+        while self.value is seen:
+            await self._changed.wait()
+        return self.value
+
+    async def wait_touched(self) -> None:
+        """Return at the next set() or touch()."""
+        await self._changed.wait()
+
+    def next_touch(self) -> trio.Event:
+        """The event the next set() or touch() sets: taken now, it cannot miss one that comes later."""
+        return self._changed
+
+
 # One read from the socket. HTTP/2 frames are reassembled by h2, so this only bounds memory per read.
 _RECEIVE_BUFFER_SIZE = 64 * 1024
 
@@ -1152,6 +1193,8 @@ class _UnixSocketWrapper(SocketWrapper):
     def __init__(self, connection: GRPCConnection, stream: anyio.abc.ByteStream) -> None:
         super().__init__(connection, stream)
         self._outgoing = bytearray()
+        self._drained = trio.Event()  # set while everything flushed has been written
+        self._drained.set()
 
     @staticmethod
     def _set_socket_options(stream: Any) -> None:
@@ -1161,7 +1204,13 @@ class _UnixSocketWrapper(SocketWrapper):
         data = self._grpc_connection.data_to_send()
         if data:
             self._outgoing += data
+            if self._drained.is_set():
+                self._drained = trio.Event()
             self._flush_event.set()
+
+    async def drained(self) -> None:
+        """Return once everything flushed so far has been written to the socket."""
+        await self._drained.wait()
 
     async def _writer_thread(self) -> None:
         while True:
@@ -1170,6 +1219,7 @@ class _UnixSocketWrapper(SocketWrapper):
                 self._outgoing.clear()
                 await self._stream.send(data)
             elif self._running:
+                self._drained.set()
                 await self._flush_event.wait()
                 self._flush_event = anyio.Event()
             else:
@@ -1236,9 +1286,15 @@ class _ServerConnection(_GRPCSocket):
     serve(), and the caller drops the connection.
     """
 
-    def __init__(self, stream: anyio.abc.ByteStream, services: Mapping[str, purerpc.Service]) -> None:
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        services: Mapping[str, purerpc.Service],
+        on_call_end: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(stream, _ResetAwareConnection(GRPCConfiguration(client_side=False)))
         self._services = services
+        self._on_call_end = on_call_end
         #: Calls in progress on this connection, by HTTP/2 stream id.
         self.calls: dict[int, trio.CancelScope] = {}
         #: Requests still arriving: their headers and the messages so far, by HTTP/2 stream id.
@@ -1314,6 +1370,7 @@ class _ServerConnection(_GRPCSocket):
         finally:
             del self.calls[stream.stream_id]
             _close_event_queues(stream)
+            self._on_call_end()
 
 
 async def _answer_call(
@@ -1370,6 +1427,7 @@ class GRPCServer:
     socket_path: str  #: the unix socket the server listens on
     inode: int  #: the socket file's inode: tells our own file from one created later at that path
     connections: set[_ServerConnection]  #: connections open right now
+    calls_ended: Watched  #: touched whenever a call ends (then see live_calls)
 
     def owns_socket_file(self) -> bool:
         """Whether the socket file is still ours: not deleted, not replaced by another file."""
@@ -1384,6 +1442,12 @@ class GRPCServer:
     def open_streams(self) -> int:
         """Stream entries purerpc still holds, over all connections (0 when all calls are over)."""
         return sum(connection.open_streams for connection in self.connections)
+
+    async def drained(self) -> None:
+        """Return once every connection has written all it was given to send: a call's last
+        message and status reach the peer before the server is stopped."""
+        for connection in list(self.connections):
+            await connection._socket.drained()
 
 
 async def serve_grpc(
@@ -1406,13 +1470,13 @@ async def serve_grpc(
     """
     by_name = {service.name: service for service in services}
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
-    server = GRPCServer(socket_path, os.stat(socket_path).st_ino, set())
+    server = GRPCServer(socket_path, os.stat(socket_path).st_ino, set(), Watched(None))
     try:
         async with listener, trio.open_nursery() as nursery:
             task_status.started(server)
             while True:
                 stream = await listener.accept()
-                nursery.start_soon(_serve_connection, stream, by_name, server.connections)
+                nursery.start_soon(_serve_connection, stream, by_name, server)
     finally:
         _remove_socket_file(server)
 
@@ -1432,11 +1496,10 @@ def _inode(path: str) -> int | None:
 
 
 async def _serve_connection(
-    stream: anyio.abc.ByteStream,
-    services: Mapping[str, purerpc.Service],
-    connections: set[_ServerConnection],
+    stream: anyio.abc.ByteStream, services: Mapping[str, purerpc.Service], server: GRPCServer
 ) -> None:
-    connection = _ServerConnection(stream, services)
+    connection = _ServerConnection(stream, services, server.calls_ended.touch)
+    connections = server.connections
     connections.add(connection)
     try:
         try:
@@ -1592,40 +1655,14 @@ REGISTER_TIMEOUT = 15.0
 # because inotify reports kubelet.sock at bind(), a moment before the kubelet listen()s on it.
 _REGISTER_BACKOFF = (0.01, 5.0)
 
+#: How long a removed resource's goodbye (the empty list) may take before its server is stopped anyway.
+RETIRE_GRACE = 2.0
+
 #: The path of the one call a plugin makes to the kubelet.
 REGISTER = f"/{API_VERSION}.Registration/Register"
 
 _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
-
-
-class Watched:
-    """A value that changes over time, and a way to wait for its next change (any number of waiters)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-        self._changed = trio.Event()
-
-    def set(self, value: Any) -> None:
-        """Publish a new value if it differs from the current one, waking every waiter."""
-        if value != self.value:
-            self.value = value
-            self.touch()
-
-    def touch(self) -> None:
-        """Wake every waiter, e.g. because something it checks outside the value may have changed."""
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_changed(self, seen: Any) -> Any:
-        """Return the current value as soon as it is not ``seen`` (compared by identity)."""
-        while self.value is seen:
-            await self._changed.wait()
-        return self.value
-
-    async def wait_touched(self) -> None:
-        """Return at the next set() or touch()."""
-        await self._changed.wait()
 
 
 class DirectoryWatch:
@@ -1696,7 +1733,7 @@ class DirectoryWatch:
                     return  # not even "/" can be watched: nothing more to do
                 child, ancestor = os.path.basename(ancestor), os.path.dirname(ancestor)
 
-    async def batches(self) -> AsyncIterator[tuple[list[tuple[str, int]], bool]]:
+    async def batches(self) -> AsyncGenerator[tuple[list[tuple[str, int]], bool], None]:
         """Yield, for each batch the kernel delivers: the directory's events as (name, mask), and
         whether everything must be rescanned (the directory came or went, a followed path changed,
         or the queue overflowed).
@@ -1851,6 +1888,10 @@ class KubeletWatch:
                 self.changed.touch()
 
 
+#: The device set of a resource being removed from the configuration: its ListAndWatch streams
+#: send this empty list (the kubelet drops the capacity to zero at once), then end.
+RETIRED: Mapping[str, DeviceEntry] = types.MappingProxyType({})
+
 #: An embedder's hook: called with a container's devices and the ContainerAllocateResponse that
 #: gopherplug filled in, to add to it or change it; may be a coroutine function.
 ShapeAllocation = Callable[[list[DeviceEntry], Any], Awaitable[None] | None]
@@ -1870,6 +1911,8 @@ def device_plugin_service(
         current = devices.value
         while True:
             yield list_and_watch_response(resource, current.values())
+            if current is RETIRED:
+                return
             _log(resource).debug("sent %d devices", len(current))
             current = await devices.wait_changed(current)
 
@@ -2010,16 +2053,19 @@ async def serve_resource(
     devices: Watched,
     kubelet: KubeletWatch,
     shape_allocation: ShapeAllocation | None = None,
+    generations: Iterator[int] | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve and register one resource, again after every kubelet restart, until cancelled.
+    """Serve and register one resource, again after every kubelet restart, until cancelled or
+    until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
 
     started() is called once the first socket is listening (registration may still be waiting
-    for the kubelet).
+    for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
+    again after a configuration change continues its numbering.
     """
     directory = kubelet.device_plugin_dir
-    for generation in itertools.count(1):
+    for generation in generations or itertools.count(1):
         while not os.path.isdir(directory):
             _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
             await kubelet.changed.wait_touched()
@@ -2041,12 +2087,34 @@ async def serve_resource(
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
                 while kubelet.generation == registered_with and server.owns_socket_file():
-                    await kubelet.changed.wait_touched()
+                    if devices.value is RETIRED:
+                        # The streams are sending the empty list and ending; let that reach the kubelet.
+                        with trio.move_on_after(RETIRE_GRACE):
+                            while server.live_calls:
+                                await server.calls_ended.wait_touched()
+                            await server.drained()
+                        _log(resource).info("removed from the configuration: stopped")
+                        nursery.cancel_scope.cancel()  # the server, whose socket goes with it
+                        return
+                    await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
             _log(resource).info("%s: serving and registering again", why)
             # Stop this server before the next registration: its ListAndWatch stream ends now.
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
+
+
+async def _any_touched(*watched: Watched) -> None:
+    """Return at the next set() or touch() of any of them."""
+    events = [one.next_touch() for one in watched]  # before any task switch: no touch is missed
+    async with trio.open_nursery() as nursery:
+        for event in events:
+
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)
 
 
 def resource_config(name: str, **options: Any) -> ResourceConfig:
@@ -2105,26 +2173,144 @@ def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS)
     return candidates[0]
 
 
-async def serve_plugin(config: Config, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_plugin(
+    config: Config,
+    *,
+    updates: AsyncGenerator[Config, None] | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Run the device plugin for every resource of ``config`` until cancelled.
 
     The library entry point: an embedding program starts it in its own nursery
     (``await nursery.start(serve_plugin, config)``) and cancels that nursery to stop it. started()
     is called once every resource's socket is listening. No signal handling here: that belongs to
-    the program (see main()).
+    the program (see main()). With ``updates`` (e.g. watch_config_file()), each new configuration
+    is applied as it comes: added resources start, removed ones send an empty list and stop,
+    changed ones are served and registered anew; the others are not touched.
 
     Resource handling: sockets are removed on the way out, whatever the reason.
     Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
     the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
     kubelet = KubeletWatch(config.device_plugin_dir or find_device_plugin_dir())
+    served: dict[str, _Served] = {}
+    generations: dict[str, Iterator[int]] = {}  # socket numbers go on across a resource's restarts
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
+
+        async def start(resource: ResourceConfig) -> None:
+            served[resource.name] = _Served(resource)
+            numbers = generations.setdefault(resource.name, itertools.count(1))
+            await nursery.start(_serve_one, served[resource.name], kubelet, config.sysfs_root, numbers)
+
         for resource in config.resources:
-            devices = Watched({})
-            await nursery.start(watch_devices, resource, devices, config.sysfs_root)
-            await nursery.start(serve_resource, resource, devices, kubelet)
+            await start(resource)
         task_status.started()
+        if updates is None:
+            return
+        async with contextlib.aclosing(updates):
+            async for new in updates:
+                if (new.device_plugin_dir, new.sysfs_root) != (config.device_plugin_dir, config.sysfs_root):
+                    log.warning("%s: device_plugin_dir and sysfs_root take effect at the next start", new.source)
+                wanted = {resource.name: resource for resource in new.resources}
+                removed = [name for name in served if name not in wanted]
+                changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
+                added = [name for name in wanted if name not in served]
+                for name in removed:
+                    await served.pop(name).retire()
+                for name in changed:
+                    await served.pop(name).stop()
+                    await start(wanted[name])
+                for name in added:
+                    await start(wanted[name])
+                summary = ", ".join(
+                    f"{what} {', '.join(names)}"
+                    for what, names in (("added", added), ("changed", changed), ("removed", removed))
+                    if names
+                )
+                log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+
+
+@dataclass
+class _Served:
+    """One resource of a running configuration, and the means to stop it."""
+
+    resource: ResourceConfig
+    devices: Watched = dataclasses.field(default_factory=lambda: Watched({}))
+    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  #: everything
+    watch_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  #: its directory watch
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+    async def retire(self) -> None:
+        """Removed from the configuration: stop watching, send the kubelet an empty list, stop."""
+        self.watch_scope.cancel()
+        self.devices.replace(RETIRED)
+        with trio.move_on_after(RETIRE_GRACE * 2):  # serve_resource returns by itself within RETIRE_GRACE
+            await self.done.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop at once: the stream ends, the socket goes; the kubelet marks the devices unhealthy."""
+        self.scope.cancel()
+        await self.done.wait()
+
+
+async def _serve_one(
+    served: _Served,
+    kubelet: KubeletWatch,
+    sysfs_root: str,
+    generations: Iterator[int],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        with served.scope:
+            async with trio.open_nursery() as nursery:
+
+                async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                    with served.watch_scope:
+                        await watch_devices(served.resource, served.devices, sysfs_root, task_status=task_status)
+
+                await nursery.start(watch)
+                await nursery.start(serve_resource, served.resource, served.devices, kubelet, None, generations)
+                task_status.started()
+    finally:
+        served.done.set()
+
+
+async def watch_config_file(path: str, device_plugin_dir: str | None = None) -> AsyncGenerator[Config, None]:
+    """Yield the configuration each time the file changes to a new valid one, until closed.
+
+    inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
+    rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
+    over); the file's own target, when it is a symlink, is followed too. An invalid file is logged
+    with its error, and the running configuration stays.
+    """
+    mask = _DIRECTORY_EVENTS | flags.CLOSE_WRITE
+    with DirectoryWatch(os.path.dirname(os.path.abspath(path)), mask) as watch:
+        watch.follow(frozenset({os.path.realpath(path)}))
+        last = _read_text(path)
+        async with contextlib.aclosing(watch.batches()) as batches:
+            async for _ in batches:
+                watch.follow(frozenset({os.path.realpath(path)}))
+                text = _read_text(path)
+                if text is None or text == last:
+                    continue
+                last = text
+                try:
+                    config = _config_from_text(text, path, device_plugin_dir)
+                except ConfigError as error:
+                    log.error("%s; keeping the running configuration", error)
+                    continue
+                yield config
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError):
+        return None  # gone for a moment (being replaced): the next event reads it again
 
 
 ########################################################################################################
@@ -2518,6 +2704,10 @@ def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
+    return _config_from_text(text, path, device_plugin_dir)
+
+
+def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Config:
     config = parse_config(text, path)
     if device_plugin_dir is not None:
         if not os.path.isabs(device_plugin_dir):
@@ -2605,7 +2795,7 @@ def main(argv: list[str] | None = None) -> int:
         kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
         return EXIT_OK
-    return _run(args, _serve_until_signalled, config)
+    return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -2668,12 +2858,13 @@ def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]]
     return EXIT_OK
 
 
-async def _serve_until_signalled(config: Config) -> None:
+async def _serve_until_signalled(config: Config, path: str, device_plugin_dir: str | None) -> None:
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
     # cancelling the nursery runs every `finally`, which removes our sockets.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve_plugin, config)
+            updates = watch_config_file(path, device_plugin_dir)  # edits are applied as they are saved
+            nursery.start_soon(functools.partial(serve_plugin, config, updates=updates))
             async for signum in signals:
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+import trio.testing
 import yaml
 from google.protobuf import descriptor_pb2
 from google.protobuf.json_format import MessageToDict
@@ -1321,6 +1323,89 @@ async def test_kubelet_refuses_an_invalid_resource_name_and_plugin_retries(nurse
     assert simulator.refusals[0] == 'the ResourceName "gopher" is invalid'
     assert not simulator.registrations
     assert 'registration failed, retrying in 0.01 s: UNKNOWN: the ResourceName "gopher" is invalid' in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration hot reload: the file watched with inotify, changes applied while serving
+# ------------------------------------------------------------------------------------------------
+
+OTHER = "example.com/other"
+
+
+def config_text(node, **resources):
+    """A configuration with the given resources: name -> extra keys."""
+    entries = [{"name": name, "directory": node.devices, **keys} for name, keys in resources.items()]
+    return yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": entries})
+
+
+def streaming(simulator, name):
+    resource = simulator.resources.get(name)
+    return resource.devices if resource is not None and resource.streaming else None
+
+
+async def reloading(nursery, node, path):
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    config = gp.load_config(str(path))
+    await nursery.start(functools.partial(gp.serve_plugin, config, updates=gp.watch_config_file(str(path))))
+    await simulator.wait_until(listed("g1", "g2"))
+    return simulator
+
+
+async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path, caplog):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {"pattern": "g1"}}))  # written in place
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY})
+        assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER]
+
+        path.write_text("resources: [")  # invalid: logged, nothing changes
+        await trio.testing.wait_all_tasks_blocked()  # the watcher has read it (inotify is already there)
+        assert f"{path}: invalid YAML (line 1, column 13: " in caplog.text
+        assert caplog.text.rstrip().endswith("; keeping the running configuration")
+        path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
+        await simulator.wait_until(lambda s: [r.resource_name for r in s.registrations].count(RESOURCE) == 2)
+        await simulator.wait_until(listed("g1", "g2"))
+        assert simulator.registrations[-1].endpoint == "gopherplug-example.com_gopher-2.sock"
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHERS": "g1"}
+
+        other_updates = simulator.resources[OTHER].updates
+        path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}}))
+        await simulator.wait_until(lambda s: not s.resources[OTHER].streaming)
+        await trio.testing.wait_all_tasks_blocked()  # its server stopped too
+    # Its goodbye was an empty list, then its stream ended and its socket went.
+    assert simulator.resources[OTHER].updates == other_updates + 1
+    assert simulator.resources[OTHER].devices == {}
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-2.sock"]
+    assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER, RESOURCE]
+
+
+async def test_reload_follows_rename_and_configmap_symlink_swap(nursery, node, tmp_path):
+    # A ConfigMap volume: config.yaml -> ..data/config.yaml, ..data -> ..<timestamp>, swapped by rename.
+    volume = tmp_path / "volume"
+    (volume / "..v1").mkdir(parents=True)
+    (volume / "..v1" / "config.yaml").write_text(config_text(node, **{RESOURCE: {}}))
+    os.symlink("..v1", volume / "..data")
+    os.symlink("..data/config.yaml", volume / "config.yaml")
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, volume / "config.yaml")
+        (volume / "..v2").mkdir()
+        (volume / "..v2" / "config.yaml").write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))
+        os.symlink("..v2", volume / "..data_tmp")
+        os.rename(volume / "..data_tmp", volume / "..data")
+        shutil.rmtree(volume / "..v1")
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
+
+        # An editor's save, or mv: a new file renamed over the old name.
+        plain = tmp_path / "plain.yaml"
+        (tmp_path / "new.yaml").write_text(config_text(node, **{OTHER: {}}))
+        os.rename(volume / "..v2" / "config.yaml", plain)  # the old target goes away too
+        os.rename(tmp_path / "new.yaml", volume / "..v2" / "config.yaml")
+        await simulator.wait_until(lambda s: not s.resources[RESOURCE].streaming)
+        await trio.testing.wait_all_tasks_blocked()
+    assert node.our_sockets() == ["gopherplug-example.com_other-1.sock"]
 
 
 # ------------------------------------------------------------------------------------------------
