@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_gopherplug.py [--idle-seconds 30]
 
-The plugin runs as a real subprocess (`gopherplug.py serve`) on a temporary node directory. This
+The plugin runs as a real subprocess (`python -m gopherplug serve`) on a temporary node directory. This
 script plays the kubelet with grpcio (C core, like the kubelet's grpc-go): a Registration server on
 kubelet.sock that dials the plugin back inside Register and keeps a ListAndWatch stream open, plus
 Allocate callers. It prints one line per figure: device added -> update seen; kubelet restart ->
@@ -206,8 +206,14 @@ def main():
     config.write_text(f"device_plugin_dir: {plugin_dir}\nresources:\n  - name: {RESOURCE}\n    directory: {devices}\n")
     kubelet = Kubelet(plugin_dir)
     kubelet.start()
+    # Run as the image runs it: imported, from bytecode. (`python gopherplug.py` compiles the
+    # module at every start, which leaves about 3 MB more in RSS.)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE / "gopherplug.py")], check=True, env=env)
     plugin = subprocess.Popen(
-        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(config), "--log-level", "warning"]
+        [sys.executable, "-m", "gopherplug", "serve", "--config", str(config), "--log-level", "warning"],
+        cwd=HERE,
+        env=env,
     )
     try:
         kubelet.registered.get(timeout=30)
