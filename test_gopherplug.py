@@ -1326,6 +1326,50 @@ async def test_kubelet_refuses_an_invalid_resource_name_and_plugin_retries(nurse
 
 
 # ------------------------------------------------------------------------------------------------
+# Scale: bursts beyond the kernel's inotify queue, lists near the kubelet's message limit
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_burst_beyond_the_inotify_queue_ends_in_the_exact_list(nursery, node):
+    # More events than the kernel queues (fs.inotify.max_queued_events, 16384 by default) while the
+    # plugin cannot read: IN_Q_OVERFLOW, then one rescan. Nothing is lost, and the kubelet gets a
+    # handful of messages, not one per event.
+    queue_limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    count = queue_limit // 2 + 100  # created and deleted: twice that many events
+    with trio.fail_after(TIMEOUT * 3):
+        simulator = await start(nursery, node)
+        updates = simulator.resources[RESOURCE].updates
+        for i in range(count):  # no checkpoint in between: the plugin reads nothing meanwhile
+            Path(node.devices, f"b{i}").touch()
+        for i in range(count):
+            os.unlink(os.path.join(node.devices, f"b{i}"))
+        Path(node.devices, "last").touch()
+        await simulator.wait_until(listed("g1", "g2", "last"))
+    assert simulator.resources[RESOURCE].updates - updates <= 3
+
+
+async def test_a_list_over_the_kubelets_message_limit_is_not_sent(nursery, node, caplog):
+    # 60 devices x 1000 replicas with 60-character IDs: a 4.5 MiB message, over the 4 MiB limit.
+    for name in ("g1", "g2"):
+        os.unlink(os.path.join(node.devices, name))
+    names = [f"{i:02d}".ljust(60, "x") for i in range(60)]
+    for name in names:
+        Path(node.devices, name).touch()
+    with trio.fail_after(TIMEOUT * 3):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(replicas=1000))
+        await simulator.wait_until(lambda s: RESOURCE in s.resources and s.resources[RESOURCE].streaming)
+        await trio.testing.wait_all_tasks_blocked()
+        assert simulator.resources[RESOURCE].updates == 0
+        assert "60 devices make a 4.5 MiB ListAndWatch message, over the kubelet's limit of 4 MiB: not sent" in (
+            caplog.text
+        )
+        for name in names[50:]:
+            os.unlink(os.path.join(node.devices, name))
+        await simulator.wait_until(lambda s: len(s.resources[RESOURCE].devices) == 50_000)
+
+
+# ------------------------------------------------------------------------------------------------
 # Configuration hot reload: the file watched with inotify, changes applied while serving
 # ------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""Scale benchmark: large directories, bursts and many resources, as the kubelet sees them. By hand:
+
+    .venv/bin/python bench/bench_scale.py [--sizes 10000 50000] [--burst 5000] [--resources 10]
+
+The plugin runs as a subprocess (`python -m gopherplug serve`, from bytecode); the kubelet is
+bench_gopherplug's grpcio Registration server, which dials back and reads ListAndWatch (grpcio's
+receive limit is 4 MiB per message, like the kubelet's). It prints one line per figure:
+  - N entries: start -> first full list at the kubelet; one entry added -> update seen (p50, p99);
+    the size of the ListAndWatch message
+  - a burst of B files created then deleted in one go: the final list exact or not, messages sent
+  - R resources in one process: registrations, idle CPU over the idle window, RSS
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "bench"))
+from bench_gopherplug import Kubelet, cpu_seconds, ms, percentile, rss_mib  # noqa: E402
+
+import gopherplug as gp  # noqa: E402
+
+RESOURCE = "example.com/gopher"
+
+
+class Node:
+    """A temporary node: the kubelet's directory, device directories, a config, the plugin process."""
+
+    def __init__(self, resources):
+        self.root = tempfile.mkdtemp(prefix="gps-", dir="/tmp")
+        self.plugin_dir = os.path.join(self.root, "dp")
+        os.mkdir(self.plugin_dir)
+        self.dirs = {}
+        lines = [f"device_plugin_dir: {self.plugin_dir}", "resources:"]
+        for i in range(resources):
+            name = RESOURCE if i == 0 else f"example.com/gopher{i}"
+            self.dirs[name] = os.path.join(self.root, f"dev{i}")
+            os.mkdir(self.dirs[name])
+            lines += [f"  - name: {name}", f"    directory: {self.dirs[name]}"]
+        self.config = os.path.join(self.root, "config.yaml")
+        Path(self.config).write_text("\n".join(lines) + "\n")
+        self.kubelet = Kubelet(self.plugin_dir)
+        self.plugin = None
+
+    def start(self):
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE / "gopherplug.py")], check=True, env=env)
+        self.kubelet.start()
+        started = time.perf_counter()
+        self.plugin = subprocess.Popen(
+            [sys.executable, "-m", "gopherplug", "serve", "--config", self.config, "--log-level", "warning"],
+            cwd=HERE,
+            env=env,
+        )
+        return started
+
+    def close(self):
+        if self.plugin is not None:
+            self.plugin.terminate()
+            self.plugin.wait(10)
+        self.kubelet.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def make_entries(directory, count, prefix="g"):
+    for i in range(count):
+        os.close(os.open(os.path.join(directory, f"{prefix}{i}"), os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+def size_of_list(count, prefix="g"):
+    ids = [f"{prefix}{i}" for i in range(count)]
+    message = gp.v1beta1.ListAndWatchResponse(devices=[gp.v1beta1.Device(ID=i, health=gp.HEALTHY) for i in ids])
+    return message.ByteSize()
+
+
+def large_directory(count, additions):
+    node = Node(1)
+    try:
+        make_entries(node.dirs[RESOURCE], count)
+        started = node.start()
+        first = node.kubelet.wait_for(lambda ids: len(ids) == count, timeout=60) - started
+        seen = []
+        for i in range(additions):
+            name = f"n{i}"
+            start = time.perf_counter()
+            Path(node.dirs[RESOURCE], name).touch()
+            seen.append(node.kubelet.wait_for(lambda ids, name=name: name in ids, timeout=30) - start)
+        size = size_of_list(count)
+        print(
+            f"{count} entries: start -> first full list {ms(first)} (includes starting Python); one added -> "
+            f"update seen p50 {ms(percentile(seen, 0.5))}, p99 {ms(percentile(seen, 0.99))} (n={additions}); "
+            f"ListAndWatch message {size / 1024:.0f} KiB; plugin RSS {rss_mib(node.plugin.pid):.1f} MiB"
+        )
+    finally:
+        node.close()
+
+
+def burst(count):
+    node = Node(1)
+    try:
+        make_entries(node.dirs[RESOURCE], 3)
+        node.start()
+        node.kubelet.wait_for(lambda ids: len(ids) == 3, timeout=30)
+        directory = node.dirs[RESOURCE]
+        start = time.perf_counter()
+        make_entries(directory, count, prefix="b")
+        for i in range(count):
+            os.unlink(os.path.join(directory, f"b{i}"))
+        Path(directory, "last").touch()
+        final = {"g0", "g1", "g2", "last"}
+        messages, largest = 0, 0
+        while True:
+            arrived, ids = node.kubelet.updates.get(timeout=60)
+            messages += 1
+            largest = max(largest, len(ids))
+            if ids == final:
+                break
+        print(
+            f"burst of {count} created, {count} deleted, 1 created ({2 * count + 1} events): final list exact "
+            f"{ms(arrived - start)} after the first file; {messages} ListAndWatch messages (largest {largest} devices)"
+        )
+    finally:
+        node.close()
+
+
+def many_resources(count, idle_seconds):
+    node = Node(count)
+    try:
+        for directory in node.dirs.values():
+            make_entries(directory, 4)
+        node.start()
+        for _ in range(count):
+            node.kubelet.registered.get(timeout=30)
+        time.sleep(1)  # let the start-up work settle before the idle window
+        cpu0 = cpu_seconds(node.plugin.pid)
+        time.sleep(idle_seconds)
+        cpu = cpu_seconds(node.plugin.pid) - cpu0
+        print(
+            f"{count} resources in one process: {count} registered; idle {idle_seconds:.0f} s: CPU {cpu:.2f} s, "
+            f"RSS {rss_mib(node.plugin.pid):.1f} MiB"
+        )
+    finally:
+        node.close()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10000, 50000])
+    parser.add_argument("--additions", type=int, default=20)
+    parser.add_argument("--burst", type=int, default=5000)
+    parser.add_argument("--resources", type=int, default=10)
+    parser.add_argument("--idle-seconds", type=float, default=10)
+    args = parser.parse_args()
+    print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, gopherplug {gp.__version__}")
+    for count in args.sizes:
+        large_directory(count, args.additions)
+    burst(args.burst)
+    many_resources(args.resources, args.idle_seconds)
+
+
+if __name__ == "__main__":
+    main()
