@@ -53,6 +53,7 @@ from typing import Any
 
 import anyio
 import h2.events
+import h2.frame_buffer
 import purerpc
 import trio
 import yaml
@@ -817,6 +818,7 @@ class Scan:
     devices: tuple[DeviceEntry, ...]  #: in natural order
     skipped: tuple[tuple[str, str], ...]  #: (entry name, why it is not a device), for the log
     followed: frozenset[str] = frozenset()  #: symlink targets: their coming and going changes health
+    problem: str = ""  #: why the directory itself could not be read ("" if it could, or is just missing)
 
 
 # CDI device names begin and end with a letter or digit (CDI specification, "CDI Devices").
@@ -833,6 +835,8 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
         names = os.listdir(resource.directory)
     except (FileNotFoundError, NotADirectoryError):
         return Scan((), ())
+    except OSError as error:  # e.g. no permission to list it: no devices, and a reason for the log
+        return Scan((), (), problem=f"cannot read {resource.directory}: {error.strerror}")
     roots = host_path_roots(resource)
     devices, skipped = [], []
     for name in names:
@@ -1138,8 +1142,11 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
 #     _reader_thread() task its __aenter__ starts on the client side
 #   - purerpc.grpc_socket.GRPCStream: _incoming_events (an anyio memory stream pair), _close_remote(),
 #     _flow_control_update_event (an anyio Event its sender waits on)
-#   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, and the
-#     _stream_reset(event) hook that turns h2's StreamReset into gRPC events (stock: none)
+#   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, the
+#     _stream_reset(event) hook that turns h2's StreamReset into gRPC events (stock: none), and
+#     the class attributes MAX_INBOUND_FRAME_SIZE and MAX_CONCURRENT_STREAMS it announces
+#   - h2 3.2.0: H2Connection.incoming_buffer, a h2.frame_buffer.FrameBuffer whose next(),
+#     data, _parse_frame_header() and _validate_frame_length() _EarlyLimitFrameBuffer uses
 #
 # Rules for this section: no knowledge of device plugins; everything runs under trio (anyio's trio
 # backend underneath purerpc); trio.Cancelled always propagates.
@@ -1183,6 +1190,9 @@ class Watched:
         """The event the next set() or touch() sets: taken now, it cannot miss one that comes later."""
         return self._changed
 
+
+#: How long a new connection may take to send the HTTP/2 preface and its SETTINGS.
+HANDSHAKE_TIMEOUT = 10.0
 
 # One read from the socket. HTTP/2 frames are reassembled by h2, so this only bounds memory per read.
 _RECEIVE_BUFFER_SIZE = 64 * 1024
@@ -1249,6 +1259,20 @@ class _UnixSocketWrapper(SocketWrapper):
                 return
 
 
+class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's frame reassembly, refusing an overlong frame as soon as its 9-byte header arrives.
+
+    h2 3.2 checks a frame's length only once the whole frame is buffered: a peer announcing a
+    16 MiB frame would have us hold 16 MiB, or wait for it forever.
+    """
+
+    def next(self) -> Any:
+        if len(self.data) >= 9:
+            _, length = self._parse_frame_header(self.data)
+            self._validate_frame_length(length)  # FrameTooLargeError: h2 sends GOAWAY, we close
+        return super().next()
+
+
 class _ResetAwareConnection(GRPCConnection):
     """purerpc's gRPC-over-h2 state machine, reporting RST_STREAM instead of dropping it.
 
@@ -1256,6 +1280,16 @@ class _ResetAwareConnection(GRPCConnection):
     RST_STREAM on that stream only; the connection stays open. Stock purerpc ignores it, so a
     ListAndWatch handler would live on until its next push tried to write, forever if none came.
     """
+
+    # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames and 65,536 concurrent streams:
+    # a peer could make us buffer 16 MiB per frame and thousands of calls. The kubelet's grpc-go
+    # sends 16 KiB frames (the HTTP/2 default) and uses one stream plus one call at a time.
+    MAX_INBOUND_FRAME_SIZE = 2**14
+    MAX_CONCURRENT_STREAMS = 32
+
+    def __init__(self, config: GRPCConfiguration) -> None:
+        super().__init__(config)
+        self.h2_connection.incoming_buffer.__class__ = _EarlyLimitFrameBuffer
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Any]:
         return [event]
@@ -1330,13 +1364,22 @@ class _ServerConnection(_GRPCSocket):
 
     async def serve(self) -> None:
         """Answer calls until the peer closes the connection, then cancel whatever is still running."""
+        # A peer must finish the HTTP/2 greeting (preface, then SETTINGS) in time; afterwards a
+        # connection may stay silent for months (the kubelet's ListAndWatch stream does).
+        greeting_deadline = trio.current_time() + HANDSHAKE_TIMEOUT
         async with trio.open_nursery() as nursery:
             while True:
-                try:
-                    data = await self._socket.recv(self._receive_buffer_size)
-                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                with trio.move_on_at(greeting_deadline) as waiting:
+                    try:
+                        data = await self._socket.recv(self._receive_buffer_size)
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        break
+                if waiting.cancelled_caught:
+                    log.debug("no HTTP/2 greeting within %g s: connection closed", HANDSHAKE_TIMEOUT)
                     break
                 events = self._grpc_connection.receive_data(data)  # raises on malformed input
+                if events:  # the peer's SETTINGS came through: greeted
+                    greeting_deadline = math.inf
                 reset = self._dispatch(events, nursery)
                 await self._socket.flush()  # a SETTINGS ack, a PING reply, WINDOW_UPDATEs...
                 # Only now, with the whole batch dispatched, forget the reset streams: an event of
@@ -1771,8 +1814,10 @@ class DirectoryWatch:
                 names = self._watches.get(event.wd, set())
                 if event.mask & flags.Q_OVERFLOW:
                     rescan = True  # the kernel dropped events: only a full rescan is safe
-                elif _DIR in names and not event.mask & _GONE:
+                elif _DIR in names and not event.mask & _GONE and event.name:
                     events.append((event.name, event.mask))
+                elif _DIR in names and not event.mask & _GONE:
+                    rescan = True  # about the directory itself (its mode changed, say): look at all
                 elif names and (event.mask & _GONE or event.name in names or _DIR in names):
                     rescan = True
             if rescan:
@@ -1826,6 +1871,7 @@ class _DeviceTracker:
         self.sysfs_root = sysfs_root
         self.roots = host_path_roots(resource)
         self.warned: dict[str, str] = {}  # skipped entry name -> why, as last warned
+        self.problem = ""  # why the directory could not be read, as last warned
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
 
     def rescan(self, watch: DirectoryWatch) -> None:
@@ -1834,6 +1880,9 @@ class _DeviceTracker:
         scan = scan_directory(self.resource, self.sysfs_root)
         while watch.follow(scan.followed):  # new symlink targets: watch them, then look again
             scan = scan_directory(self.resource, self.sysfs_root)
+        if scan.problem and scan.problem != self.problem:
+            _log(self.resource).warning("%s: no devices until it can", scan.problem)
+        self.problem = scan.problem
         skipped = dict(scan.skipped)
         for name in set(self.warned) - set(skipped):
             del self.warned[name]  # warn again about a name only if it comes back

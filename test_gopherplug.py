@@ -32,8 +32,11 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
 import pytest
 import trio
+import trio.socket
 import trio.testing
 import yaml
 from google.protobuf import descriptor_pb2
@@ -1367,6 +1370,182 @@ async def test_a_list_over_the_kubelets_message_limit_is_not_sent(nursery, node,
         for name in names[50:]:
             os.unlink(os.path.join(node.devices, name))
         await simulator.wait_until(lambda s: len(s.resources[RESOURCE].devices) == 50_000)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reliability: restart storms, deleted sockets, abandoned streams and connections, hostile peers
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_100_kubelet_restarts_each_get_a_registration_and_the_right_list(nursery, node):
+    await nursery.start(gp.serve_plugin, node.config())
+    expected, registrations = ["g1", "g2"], 0
+    with trio.fail_after(TIMEOUT * 6):
+        for i in range(100):
+            async with trio.open_nursery() as kubelet:
+                # A new kubelet wipes the directory's sockets and serves kubelet.sock again.
+                simulator = await kubelet.start(gp.KubeletSimulator(node.plugin_dir).run)
+                await simulator.wait_until(listed(*expected))
+                registrations += len(simulator.registrations)
+                if i % 2:  # and restarts in place, with a device added meanwhile
+                    expected.append(f"r{i}")
+                    Path(node.devices, f"r{i}").touch()
+                    simulator.restart()
+                    await simulator.wait_until(lambda s: s.starts == 2)
+                    await simulator.wait_until(listed(*expected))
+                    registrations += len(simulator.registrations) - 1
+                kubelet.cancel_scope.cancel()
+            if i % 10 == 9:  # the kubelet stays away while a device goes
+                os.unlink(os.path.join(node.devices, expected.pop()))
+    assert registrations == 150
+    assert len(node.our_sockets()) == 1
+
+
+async def test_our_socket_deleted_100_times_never_two_servers(nursery, node):
+    with trio.fail_after(TIMEOUT * 6):
+        simulator = await start(nursery, node)
+        for i in range(100):
+            [ours] = node.our_sockets()  # one server for the resource, always
+            os.unlink(os.path.join(node.plugin_dir, ours))
+            await simulator.wait_until(lambda s, n=i + 2: len(s.registrations) == n and s.resources[RESOURCE].streaming)
+            await simulator.wait_until(listed("g1", "g2"))
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-101.sock"]
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_kib():
+    return int(next(line for line in Path("/proc/self/status").read_text().splitlines() if "VmRSS" in line).split()[1])
+
+
+def half_request(path):
+    """The bytes of a client preface and the first half of an Allocate call: headers, no end."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    headers = [
+        (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
+        ("te", "trailers"), ("content-type", "application/grpc"),
+    ]  # fmt: skip
+    connection.send_headers(1, headers)
+    return connection.data_to_send()
+
+
+async def test_1000_abandoned_streams_and_connections_leave_nothing_behind(nursery, node):
+    with trio.fail_after(TIMEOUT * 6):
+        simulator = await start(nursery, node)
+        endpoint = os.path.join(node.plugin_dir, simulator.registrations[0].endpoint)
+        method = gp.METHODS["/v1beta1.DevicePlugin/ListAndWatch"]
+        request = half_request("/v1beta1.DevicePlugin/Allocate")
+
+        async def cycle(i):
+            if i % 2:  # a ListAndWatch stream opened, its first list read, then cancelled
+                async with gp.open_stream(endpoint, method, v1beta1.Empty(), timeout=TIMEOUT) as responses:
+                    async for _ in responses:
+                        break
+            else:  # a connection dropped in the middle of a call
+                sock = trio.socket.socket(trio.socket.AF_UNIX)
+                await sock.connect(endpoint)
+                await sock.send(request)
+                sock.close()
+
+        for i in range(100):  # warm up: caches, allocator arenas
+            await cycle(i)
+        await trio.testing.wait_all_tasks_blocked()
+        fds, rss = open_fds(), rss_kib()
+        for i in range(1000):
+            await cycle(i)
+        await trio.testing.wait_all_tasks_blocked()  # the plugin has seen every goodbye
+        assert open_fds() == fds
+        assert rss_kib() - rss < 4096, "a generous bound: leaking 1 KiB per cycle would cross it"
+        servers = [c for c in simulator.resources.values()]
+        assert servers[0].streaming, "the kubelet's own stream was served throughout"
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+
+
+def h2_frame(kind, flags, stream_id, payload):
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HOSTILE = {
+    "random bytes": random.Random(7).randbytes(4096),
+    "a truncated preface": PREFACE[:10],
+    "a preface and garbage": PREFACE + h2_frame(4, 0, 0, b"") + b"\xff" * 100,
+    "a huge header block": PREFACE
+    + h2_frame(4, 0, 0, b"")
+    + h2_frame(1, 0x4, 1, b"\x00\x0aabcdefghij" + b"\x7f" * 16000)
+    + b"".join(h2_frame(9, 0, 1, b"\x00" * 16000) for _ in range(200)),
+    "a message over the limit": half_request("/v1beta1.DevicePlugin/Allocate")
+    + h2_frame(0, 0, 1, b"\x00" + (64 * 1024 * 1024).to_bytes(4, "big") + b"\x00" * 1000),
+}
+
+
+@pytest.mark.parametrize("what", list(HOSTILE))
+async def test_hostile_bytes_get_the_connection_closed_and_the_kubelet_served(nursery, node, what, monkeypatch):
+    monkeypatch.setattr(gp, "HANDSHAKE_TIMEOUT", 0.5)  # for the truncated preface: 10 s in production
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        endpoint = os.path.join(node.plugin_dir, simulator.registrations[0].endpoint)
+        sock = trio.socket.socket(trio.socket.AF_UNIX)
+        await sock.connect(endpoint)
+        try:
+            await sock.send(HOSTILE[what])
+        except OSError:
+            pass  # closed on us while we were still sending: the point
+        try:
+            while await sock.recv(65536):  # whatever it answers (a GOAWAY), then end of file
+                pass
+        except ConnectionResetError:
+            pass  # closed with our bytes still unread: closed all the same
+        sock.close()
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+        assert simulator.resources[RESOURCE].streaming
+
+
+@pytest.mark.parametrize(
+    ("ids", "code"),
+    [
+        ([], None),
+        ([""], StatusCode.INVALID_ARGUMENT),
+        (["g1", "g1", "g1"], None),
+        ([f"x{i}" for i in range(5000)], StatusCode.INVALID_ARGUMENT),
+        (["g1", "\x00\xff" * 100], StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_absurd_requests_get_clean_answers(nursery, node, ids, code):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        endpoint = os.path.join(node.plugin_dir, simulator.registrations[0].endpoint)
+        calls = {
+            "Allocate": v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=ids)]),
+            "PreStartContainer": v1beta1.PreStartContainerRequest(devices_ids=ids),
+            "GetPreferredAllocation": v1beta1.PreferredAllocationRequest(
+                container_requests=[
+                    v1beta1.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=ids, must_include_deviceIDs=ids[::-1], allocation_size=2**31 - 1
+                    )
+                ]
+            ),
+            "GetDevicePluginOptions": v1beta1.Empty(),
+        }
+        for name, request in calls.items():
+            method = gp.METHODS[f"/v1beta1.DevicePlugin/{name}"]
+            try:
+                answer = await gp.call_unary(endpoint, method, request, timeout=TIMEOUT)
+            except gp.RPCError as error:
+                assert name == "Allocate" and error.code == code, error
+                assert error.message.startswith("unknown example.com/gopher device IDs: ")
+                continue
+            if name == "Allocate":
+                assert code is None
+                assert answer.container_responses[0].envs["GOPHER_DEVICES"] == ",".join(dict.fromkeys(ids))
+            if name == "GetPreferredAllocation":
+                assert set(answer.container_responses[0].deviceIDs) <= set(ids)
+        assert simulator.resources[RESOURCE].streaming
 
 
 # ------------------------------------------------------------------------------------------------
