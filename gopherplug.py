@@ -807,8 +807,13 @@ def _template(value: Any, source: str, where: str) -> str:
 
 
 def _natural_key(device_id: str) -> list[Any]:
-    """Sort "gopher2" before "gopher10": digits compare as numbers."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", device_id) if part]
+    """Sort "gopher2" before "gopher10": digits compare as numbers (ASCII digits: the kubelet may
+    send any string, and "²".isdigit() is true but int("²") fails)."""
+    return [
+        (0, int(part), "") if part[0] in "0123456789" else (1, 0, part)
+        for part in re.split(r"([0-9]+)", device_id)
+        if part
+    ]
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ import yaml
 from google.protobuf import descriptor_pb2
 from google.protobuf.json_format import MessageToDict
 from grpc_tools import protoc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gopherplug as gp
 from gopherplug import StatusCode, v1beta1
@@ -1109,6 +1111,88 @@ def test_preferred_allocation_keeps_to_one_numa_node(tmp_path, available, must_i
     assert preferred(resource, gp.scan_directory(resource, sysfs).devices, available, must_include, size) == expected
 
 
+# Properties of the pure core, over generated inputs (hypothesis)
+
+YAML_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+YAML_DATA = st.recursive(
+    YAML_SCALARS,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20,
+)
+RESOURCE_KEYS = sorted(gp._RESOURCE_KEYS)
+CONFIG_LIKE = st.fixed_dictionaries(
+    {"resources": st.lists(st.dictionaries(st.sampled_from(RESOURCE_KEYS), YAML_DATA, max_size=6), max_size=3)},
+    optional={"device_plugin_dir": YAML_DATA, "sysfs_root": YAML_DATA},
+)
+PROPERTIES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTIES
+@given(st.one_of(YAML_DATA, CONFIG_LIKE))
+def test_parse_config_raises_only_config_errors(data):
+    try:
+        config = gp.parse_config(yaml.safe_dump(data), "cfg.yaml")
+    except gp.ConfigError as error:
+        assert str(error).startswith("cfg.yaml: ") and "\n" not in str(error).strip()
+    else:
+        assert config.resources and all(gp.resource_name_problem(r.name) is None for r in config.resources)
+
+
+@PROPERTIES
+@given(st.text(max_size=200))
+def test_parse_config_of_any_text_raises_only_config_errors(text):
+    try:
+        gp.parse_config(text, "cfg.yaml")
+    except gp.ConfigError:
+        pass
+
+
+DEVICE_IDS = st.sampled_from([f"g{i}" for i in range(8)])
+REPLICA_IDS = st.builds(lambda device, n: f"{device}::{n}", DEVICE_IDS, st.integers(0, 3))
+KUBELET_IDS = st.one_of(DEVICE_IDS, REPLICA_IDS, st.text(max_size=8))
+
+
+@PROPERTIES
+@given(
+    present=st.sets(DEVICE_IDS),
+    replicas=st.integers(1, 3),
+    requested=st.lists(KUBELET_IDS, max_size=10),
+)
+def test_allocate_answers_only_with_requested_devices(present, replicas, requested):
+    resource = resource_in("/g", replicas=replicas)
+    devices = {i: gp.DeviceEntry(i, f"/g/{i}") for i in present}
+    request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=requested)])
+    try:
+        answer = gp.allocate_response(resource, devices, request).container_responses[0]
+    except gp.RPCError as error:
+        assert error.code == StatusCode.INVALID_ARGUMENT
+        return
+    given_ids = [i for i in answer.envs[resource.env].split(",") if i]
+    assert given_ids == list(dict.fromkeys(resource.underlying_id(i) for i in requested))
+    assert set(given_ids) <= present
+
+
+@PROPERTIES
+@given(
+    numa=st.dictionaries(DEVICE_IDS, st.integers(0, 2) | st.none()),
+    replicas=st.integers(1, 3),
+    policy=st.sampled_from(["packed", "spread"]),
+    available=st.lists(KUBELET_IDS, max_size=12),
+    must_include=st.lists(KUBELET_IDS, max_size=4),
+    size=st.integers(0, 2**31 - 1),
+)
+def test_preferred_allocation_picks_only_offered_ids(numa, replicas, policy, available, must_include, size):
+    resource = resource_in("/g", replicas=replicas, preferred=policy)
+    devices = [gp.DeviceEntry(i, f"/g/{i}", numa_node=node) for i, node in numa.items()]
+    picked = preferred(resource, devices, available, must_include, size)
+    again = preferred(resource, devices, available, must_include, size)
+    assert picked == again, "deterministic"
+    assert set(picked) <= set(available) and len(picked) == len(set(picked))
+    kept = [i for i in dict.fromkeys(must_include) if i in available]  # the kubelet needs them all
+    assert picked[: len(kept)] == kept
+    assert len(picked) == max(len(kept), min(size, len(set(available))))
+
+
 # ------------------------------------------------------------------------------------------------
 # The plugin end to end, against the kubelet simulator (the kubelet's behaviour, DESIGN §1.2)
 # ------------------------------------------------------------------------------------------------
@@ -1514,6 +1598,7 @@ async def test_hostile_bytes_get_the_connection_closed_and_the_kubelet_served(nu
         (["g1", "g1", "g1"], None),
         ([f"x{i}" for i in range(5000)], StatusCode.INVALID_ARGUMENT),
         (["g1", "\x00\xff" * 100], StatusCode.INVALID_ARGUMENT),
+        (["g1", "g²"], StatusCode.INVALID_ARGUMENT),  # found by hypothesis: a digit int() cannot read
     ],
 )
 async def test_absurd_requests_get_clean_answers(nursery, node, ids, code):
