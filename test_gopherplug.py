@@ -34,6 +34,7 @@ from pathlib import Path
 import grpc
 import h2.config
 import h2.connection
+import purerpc
 import pytest
 import trio
 import trio.socket
@@ -119,8 +120,6 @@ def device_plugin_service(recorder: Recorder):
                 yield v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID=device_id, health=gp.HEALTHY)])
         finally:
             recorder.finished_send.send_nowait("finished")
-
-    import purerpc
 
     service = purerpc.Service("v1beta1.DevicePlugin")
     for name, fn in [
@@ -1631,6 +1630,107 @@ async def test_absurd_requests_get_clean_answers(nursery, node, ids, code):
             if name == "GetPreferredAllocation":
                 assert set(answer.container_responses[0].deviceIDs) <= set(ids)
         assert simulator.resources[RESOURCE].streaming
+
+
+@pytest.mark.parametrize("behaviour", ["hangs in Register", "never dials back", "drops the stream at once"])
+async def test_a_misbehaving_kubelet_then_a_good_one(nursery, node, monkeypatch, caplog, behaviour):
+    monkeypatch.setattr(gp, "REGISTER_TIMEOUT", 0.3)  # 15 s in production
+    calls = gp.Watched(0)
+
+    async def register(request):
+        calls.set(calls.value + 1)
+        if behaviour == "hangs in Register":
+            await trio.sleep_forever()
+        if behaviour == "drops the stream at once":
+            endpoint = os.path.join(node.plugin_dir, request.endpoint)
+            method = gp.METHODS["/v1beta1.DevicePlugin/ListAndWatch"]
+            async with gp.open_stream(endpoint, method, v1beta1.Empty(), timeout=TIMEOUT) as responses:
+                async for _ in responses:
+                    break
+        return v1beta1.Empty()
+
+    service = purerpc.Service("v1beta1.Registration")
+    service.add_method("Register", register, gp.METHODS[gp.REGISTER].signature)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as bad:
+            await bad.start(gp.serve_grpc, os.path.join(node.plugin_dir, gp.KUBELET_SOCKET), [service])
+            await nursery.start(gp.serve_plugin, node.config())
+            while calls.value < (2 if behaviour == "hangs in Register" else 1):  # a hung one is retried
+                await calls.wait_touched()
+            bad.cancel_scope.cancel()
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)  # a good kubelet starts
+        await simulator.wait_until(listed("g1", "g2"))
+    if behaviour == "hangs in Register":
+        assert "registration failed, retrying in 0.01 s: DEADLINE_EXCEEDED" in caplog.text
+
+
+# Filesystem surprises
+
+
+async def test_device_directory_replaced_by_a_file_and_back(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        shutil.rmtree(node.devices)
+        Path(node.devices).write_text("not a directory")
+        await simulator.wait_until(listed())
+        os.unlink(node.devices)
+        os.mkdir(node.devices)
+        Path(node.devices, "g9").touch()
+        await simulator.wait_until(listed("g9"))
+
+
+async def test_odd_names_are_skipped_with_a_warning(nursery, node, caplog):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        for name in [b"new\nline", b"bad\xffbyte", b"tab\there", b"-x" * 40]:
+            os.close(os.open(os.path.join(os.fsencode(node.devices), name), os.O_CREAT | os.O_WRONLY))
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    for shown in ["'new\\nline'", "'bad\\udcffbyte'", "'tab\\there'", repr("-x" * 40)]:
+        assert f"skipping {shown}: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -" in caplog.text
+
+
+async def test_device_directory_on_its_own_mount(nursery, node):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "gopherplug-test", node.devices], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        with trio.fail_after(TIMEOUT):
+            simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+            await nursery.start(gp.serve_plugin, node.config())
+            await simulator.wait_until(listed())  # the mount hides g1 and g2
+            Path(node.devices, "m1").touch()
+            await simulator.wait_until(listed("m1"))
+            subprocess.run(["umount", node.devices], check=True)  # inotify: IN_UNMOUNT, the watch is gone
+            await simulator.wait_until(listed("g1", "g2"))
+            Path(node.devices, "g3").touch()  # watched again
+            await simulator.wait_until(listed("g1", "g2", "g3"))
+    finally:
+        subprocess.run(["umount", node.devices], capture_output=True, check=False)
+
+
+async def test_unreadable_device_directory_has_no_devices_until_readable(nursery, node, tmp_path):
+    path = write_config(node, tmp_path)
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    process = await trio.lowlevel.open_process(
+        [*without_dac_override(), sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            os.chmod(node.devices, 0)
+            await simulator.wait_until(listed())
+            os.chmod(node.devices, 0o755)
+            await simulator.wait_until(listed("g1", "g2"))
+    finally:
+        os.chmod(node.devices, 0o755)
+        process.terminate()
+        await process.wait()
 
 
 # ------------------------------------------------------------------------------------------------
