@@ -384,6 +384,8 @@ class ConfigError(GopherplugError):
 
     def __init__(self, source: str, key_path: str, problem: str) -> None:
         key_path = key_path.lstrip(".")  # a key of a resource given on its own, not in a list
+        if not key_path.isprintable():  # a key with a newline in it: still one line
+            key_path = repr(key_path)[1:-1]
         super().__init__(f"{source}: {key_path}: {problem}" if key_path else f"{source}: {problem}")
         self.source = source
         self.key_path = key_path
