@@ -27,6 +27,7 @@ Quick start:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -495,7 +496,7 @@ class DeviceEntry:
     numa_node: int | None = None  #: from sysfs, for device nodes; None: no topology
     device_specs: tuple[DeviceSpecTemplate, ...] = ()  #: host paths filled in; container paths may hold {index}
     mounts: tuple[MountTemplate, ...] = ()  #: the same, for mounts
-    target: str = ""  #: for a symlink, its target (resolved): watched, since it decides the health
+    followed: tuple[str, ...] = ()  #: for a symlink, every path it leads through: watched, they decide its health
 
 
 ########################################################################################################
@@ -567,6 +568,12 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                 raise ConfigError(
                     source, f"resources[{index}].name", f"{resource.name} is already used by resources[{earlier}]"
                 )
+            if resource.cdi and other.cdi and resource.cdi.spec_file == other.cdi.spec_file:
+                problem = (
+                    f"{resource.cdi.kind!r} would share the CDI spec file {resource.cdi.spec_file} with "
+                    f"resources[{earlier}]: give each resource its own kind"
+                )
+                raise ConfigError(source, f"resources[{index}].cdi.kind", problem)
         resources.append(resource)
     return Config(tuple(resources), device_plugin_dir, source, sysfs_root)
 
@@ -853,7 +860,7 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
         elif found is not None:
             skipped.append((name, found))
     devices.sort(key=lambda device: _natural_key(device.id))
-    return Scan(tuple(devices), tuple(sorted(skipped)), frozenset(d.target for d in devices if d.target))
+    return Scan(tuple(devices), tuple(sorted(skipped)), frozenset(p for d in devices for p in d.followed))
 
 
 def host_path_roots(resource: ResourceConfig) -> list[str]:
@@ -903,8 +910,22 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node))
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
-    target = os.path.realpath(path) if is_link else ""
-    return DeviceEntry(name, path, is_node, health, problem, numa_node, specs, mounts, target)
+    followed = _symlink_hops(path) if is_link else ()
+    return DeviceEntry(name, path, is_node, health, problem, numa_node, specs, mounts, followed)
+
+
+def _symlink_hops(path: str) -> tuple[str, ...]:
+    """Every path a symlink leads through (by-id -> by-path -> the node), and where it ends up:
+    udev replaces the links in between when a device is unplugged."""
+    hops, current = [], path
+    for _ in range(40):  # the kernel's own limit on links followed
+        try:
+            link = os.readlink(current)
+        except OSError:
+            break
+        current = os.path.normpath(os.path.join(os.path.dirname(current), link))
+        hops.append(current)
+    return tuple(dict.fromkeys([*hops, os.path.realpath(path)]))
 
 
 def _access_needed(specs: Iterable[DeviceSpecTemplate], is_node: bool) -> int:
@@ -1064,38 +1085,33 @@ def preferred_allocation_response(resource: ResourceConfig, devices: Mapping[str
 def _pick(
     resource: ResourceConfig, devices: Mapping[str, DeviceEntry], available: list[str], chosen: list[str], size: int
 ) -> list[str]:
-    def device_of(kubelet_id: str) -> str | None:
-        return resource.underlying_id(kubelet_id)
-
-    def numa_of(kubelet_id: str) -> int | None:
-        device = devices.get(device_of(kubelet_id) or "")
-        return device.numa_node if device is not None else None
-
+    # Each ID's device and NUMA node, worked out once: the loop below looks at every candidate
+    # for every pick.
+    device_of = {kubelet_id: resource.underlying_id(kubelet_id) for kubelet_id in available}
+    numa_of = {
+        kubelet_id: (entry.numa_node if (entry := devices.get(device or "")) is not None else None)
+        for kubelet_id, device in device_of.items()
+    }
     candidates = sorted(set(available) - set(chosen), key=_natural_key)
     # The NUMA node to fill first: the must-include devices' node, else the node offering the most.
-    nodes = [node for kubelet_id in chosen if (node := numa_of(kubelet_id)) is not None]
+    nodes = {node for kubelet_id in chosen if (node := numa_of[kubelet_id]) is not None}
     if not nodes:
-        counts: dict[int, int] = {}
-        for kubelet_id in candidates:
-            if (node := numa_of(kubelet_id)) is not None:
-                counts[node] = counts.get(node, 0) + 1
-        nodes = sorted(counts, key=lambda node: (-counts[node], node))[:1]
-    used: dict[str | None, int] = {}
-    for kubelet_id in chosen:
-        used[device_of(kubelet_id)] = used.get(device_of(kubelet_id), 0) + 1
+        counts = collections.Counter(node for i in candidates if (node := numa_of[i]) is not None)
+        nodes = set(sorted(counts, key=lambda node: (-counts[node], node))[:1])
+    used = collections.Counter(device_of[kubelet_id] for kubelet_id in chosen)
+    sign = -1 if resource.preferred == "packed" else 1
     while len(chosen) < size and candidates:
 
         def rank(kubelet_id: str) -> tuple[int, int]:
-            node_rank = 0 if numa_of(kubelet_id) in nodes or not nodes else 1
-            times = used.get(device_of(kubelet_id), 0)
-            return node_rank, (-times if resource.preferred == "packed" else times)
+            node_rank = 0 if not nodes or numa_of[kubelet_id] in nodes else 1
+            return node_rank, sign * used[device_of[kubelet_id]]
 
-        best = min(candidates, key=rank)  # min() keeps the first of equals: natural order
-        candidates.remove(best)
-        chosen.append(best)
-        used[device_of(best)] = used.get(device_of(best), 0) + 1
-        if (node := numa_of(best)) is not None and node not in nodes:
-            nodes.append(node)
+        best = min(range(len(candidates)), key=lambda i: rank(candidates[i]))  # the first of equals: natural order
+        kubelet_id = candidates.pop(best)
+        chosen.append(kubelet_id)
+        used[device_of[kubelet_id]] += 1
+        if (node := numa_of[kubelet_id]) is not None:
+            nodes.add(node)
     return chosen
 
 
@@ -1253,17 +1269,20 @@ class _UnixSocketWrapper(SocketWrapper):
         await self._drained.wait()
 
     async def _writer_thread(self) -> None:
-        while True:
-            if self._outgoing:
-                data = bytes(self._outgoing)
-                self._outgoing.clear()
-                await self._stream.send(data)
-            elif self._running:
-                self._drained.set()
-                await self._flush_event.wait()
-                self._flush_event = anyio.Event()
-            else:
-                return
+        try:
+            while True:
+                if self._outgoing:
+                    data = bytes(self._outgoing)
+                    self._outgoing.clear()
+                    await self._stream.send(data)
+                elif self._running:
+                    self._drained.set()
+                    await self._flush_event.wait()
+                    self._flush_event = anyio.Event()
+                else:
+                    return
+        finally:
+            self._drained.set()  # nothing more will be written: nobody should wait for it
 
 
 class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
@@ -1423,8 +1442,8 @@ class _ServerConnection(_GRPCSocket):
                 # Give the bytes back to the peer's flow-control window (sent by the next flush),
                 # or after enough requests it could not send us anything more.
                 self._grpc_connection.acknowledge_received_data(event.stream_id, event.flow_controlled_length)
-                if (request := self._requests.get(event.stream_id)) is not None:
-                    request[1].append(event.data)
+                if (request := self._requests.get(event.stream_id)) is not None and len(request[1]) < 2:
+                    request[1].append(event.data)  # two already make it wrong: keep no more
             elif isinstance(event, RequestEnded):
                 request = self._requests.pop(event.stream_id, None)
                 stream = self._streams.get(event.stream_id)
@@ -1462,7 +1481,8 @@ async def _answer_call(
         return
     try:
         if len(messages) != 1:  # grpc-go answers INTERNAL too
-            raise RPCError(StatusCode.INTERNAL, f"expected one request message, got {len(messages)}")
+            got = "none" if not messages else "more than one"
+            raise RPCError(StatusCode.INTERNAL, f"expected one request message, got {got}")
         try:
             message = bound.signature.request_type.FromString(messages[0])
         except DecodeError as error:
@@ -1543,7 +1563,11 @@ async def serve_grpc(
     """
     by_name = {service.name: service for service in services}
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
-    server = GRPCServer(socket_path, os.stat(socket_path).st_ino, set(), Watched(None))
+    try:
+        server = GRPCServer(socket_path, os.stat(socket_path).st_ino, set(), Watched(None))
+    except OSError:
+        await listener.aclose()  # the file went already (a kubelet wiping its directory)
+        raise
     try:
         async with listener, trio.open_nursery() as nursery:
             task_status.started(server)
@@ -1715,9 +1739,10 @@ async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, 
 ########################################################################################################
 # 6. I/O edges: inotify, registration, the DevicePlugin service
 #
-# Rules for this section: each piece waits on the kernel (inotify, sockets), never on a timer,
-# except the capped backoff between failed registrations. Long-running functions take
-# task_status and call started() only once their promise holds.
+# Rules for this section: each piece waits on the kernel (inotify, sockets); timers only bound
+# what another party may take (Register's deadline and backoff, pre_start's timeout, a removed
+# resource's goodbye) or space a stream's messages (LIST_PUSH_INTERVAL), never to poll.
+# Long-running functions take task_status and call started() only once their promise holds.
 ########################################################################################################
 
 #: Register may take a while: the kubelet dials the plugin back inside the call, allowing that 10 s.
@@ -1748,16 +1773,20 @@ class DirectoryWatch:
     (or a missing parent) appearing, vanishing or being replaced is seen too; watches are then
     re-armed, because a deleted directory's watch is gone for good (IN_DELETE_SELF, IN_IGNORED).
     ``follow(paths)`` adds paths elsewhere whose appearing, vanishing or changing attributes count
-    as a change too (a device's symlink target). Use as a context manager; iterate ``batches()``.
+    as a change too (a device's symlink targets). Use as a context manager; iterate ``batches()``.
     """
 
-    def __init__(self, path: str, mask: int) -> None:
+    def __init__(self, path: str, mask: int, follow_mask: int = 0) -> None:
         self.path = path
         self._mask = mask
+        self._follow_mask = _LEADING_EVENTS | follow_mask
         self._inotify = INotify(nonblocking=True)
-        # wd -> the names in that directory we care about; _DIR: every event (the directory itself)
-        self._watches: dict[int, set[str]] = {}
-        self._followed: frozenset[str] = frozenset()
+        # wd -> how many reasons we have to care about each name in that directory; _DIR: the
+        # watched directory itself, every event reported
+        self._watches: dict[int, collections.Counter[str]] = {}
+        self._dirs: dict[int, str] = {}  # wd -> the directory it watches
+        self._followed: dict[str, tuple[int, str]] = {}  # followed path -> (wd, name) leading to it
+        self._leading = (-1, "")  # (wd, name) leading to the directory itself
         self.exists = False  #: whether the directory itself is watched right now
         self.arm()
 
@@ -1769,68 +1798,97 @@ class DirectoryWatch:
         trio.lowlevel.notify_closing(self._inotify.fileno())
         self._inotify.close()
 
-    def follow(self, paths: frozenset[str]) -> bool:
-        """Watch these paths too (their nearest existing ancestor when missing), from now on.
-
-        Returns whether the watches were re-armed: what changed while they were being replaced
-        was not seen, so the caller must look again.
-        """
-        if paths == self._followed:
-            return False
-        self._followed = paths
-        self.arm()
-        return True
+    def follow(self, paths: Iterable[str]) -> set[str]:
+        """Watch exactly these paths besides the directory (their nearest existing ancestor when
+        missing), from now on. Returns the paths newly watched: what happened to them before now
+        was not seen, so the caller must look at them again."""
+        paths = set(paths)
+        for path in set(self._followed) - paths:
+            self._unwatch(*self._followed.pop(path))
+        new = paths - set(self._followed)
+        for path in new:
+            self._followed[path] = self._watch_leading_to(path)
+        return new
 
     def arm(self) -> None:
-        """(Re)place the watches: the directory if it exists, and for it and every followed path,
+        """(Re)place every watch: the directory if it exists, and for it and every followed path,
         the nearest existing ancestor, interested in the name that leads there."""
         for wd in self._watches:
             with contextlib.suppress(OSError):  # already removed by the kernel with its directory
                 self._inotify.rm_watch(wd)
         self._watches.clear()
+        self._dirs.clear()
         try:
-            self._watches[self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)] = {_DIR}
+            wd = self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)
+            self._watches[wd] = collections.Counter({_DIR: 1})
+            self._dirs[wd] = self.path
             self.exists = True
         except OSError:
             self.exists = False  # missing, or not a directory: no devices until that changes
-        for path in sorted({self.path, *self._followed}):
-            self._watch_leading_to(path)
+        self._leading = self._watch_leading_to(self.path)
+        for path in self._followed:
+            self._followed[path] = self._watch_leading_to(path)
 
-    def _watch_leading_to(self, path: str) -> None:
+    def _watch_leading_to(self, path: str) -> tuple[int, str]:
         child, ancestor = os.path.basename(path), os.path.dirname(path)
         while True:
             try:
                 # MASK_ADD: a directory watched for several reasons keeps every event it was asked for.
-                wd = self._inotify.add_watch(ancestor, _LEADING_EVENTS | flags.MASK_ADD)
-                self._watches.setdefault(wd, set()).add(child)
-                return
+                wd = self._inotify.add_watch(ancestor, self._follow_mask | flags.MASK_ADD)
+                self._watches.setdefault(wd, collections.Counter())[child] += 1
+                self._dirs[wd] = ancestor
+                return wd, child
             except OSError:
                 if ancestor == os.path.dirname(ancestor):
-                    return  # not even "/" can be watched: nothing more to do
+                    return -1, child  # not even "/" can be watched: nothing more to do
                 child, ancestor = os.path.basename(ancestor), os.path.dirname(ancestor)
 
-    async def batches(self) -> AsyncGenerator[tuple[list[tuple[str, int]], bool], None]:
-        """Yield, for each batch the kernel delivers: the directory's events as (name, mask), and
-        whether everything must be rescanned (the directory came or went, a followed path changed,
-        or the queue overflowed).
+    def _unwatch(self, wd: int, name: str) -> None:
+        names = self._watches.get(wd)
+        if names is None:
+            return  # gone with an arm()
+        names[name] -= 1
+        if names[name] <= 0:
+            del names[name]
+        if not names:
+            del self._watches[wd]
+            del self._dirs[wd]
+            with contextlib.suppress(OSError):
+                self._inotify.rm_watch(wd)
+
+    async def batches(self) -> AsyncGenerator[tuple[list[tuple[str, int]], set[str], bool], None]:
+        """Yield, for each batch the kernel delivers: the directory's events as (name, mask); the
+        followed paths (or their missing ancestors) that changed; and whether everything must be
+        rescanned (the directory came or went, a watched directory vanished, the queue overflowed).
         """
         while True:
             await trio.lowlevel.wait_readable(self._inotify.fileno())
-            events, rescan = [], False
+            events, touched, rescan = [], set(), False
             for event in self._inotify.read(timeout=0):
-                names = self._watches.get(event.wd, set())
-                if event.mask & flags.Q_OVERFLOW:
-                    rescan = True  # the kernel dropped events: only a full rescan is safe
-                elif _DIR in names and not event.mask & _GONE and event.name:
+                names = self._watches.get(event.wd, collections.Counter())
+                if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
+                    rescan = True  # events were lost, or a watch is gone for good: start afresh
+                elif _DIR in names and event.name:
                     events.append((event.name, event.mask))
-                elif _DIR in names and not event.mask & _GONE:
+                elif _DIR in names:
                     rescan = True  # about the directory itself (its mode changed, say): look at all
-                elif names and (event.mask & _GONE or event.name in names or _DIR in names):
-                    rescan = True
+                if (event.wd, event.name) == self._leading:
+                    rescan = True  # the directory (or a missing parent) came, went or was replaced
+                elif event.name in names and not rescan:
+                    touched.add(os.path.join(self._dirs[event.wd], event.name))
+                    self._refollow(event.wd, event.name)
             if rescan:
                 self.arm()
-            if events or rescan:
-                yield events, rescan
+            if events or touched or rescan:
+                yield events, touched, rescan
+
+    def _refollow(self, wd: int, name: str) -> None:
+        # Something appeared or went where followed paths lead: watch each from its nearest
+        # existing ancestor again, which may now lie deeper (or higher).
+        for path, leading in list(self._followed.items()):
+            if leading == (wd, name):
+                self._unwatch(wd, name)
+                self._followed[path] = self._watch_leading_to(path)
 
 
 _DIR = ""  # in DirectoryWatch._watches: the watched directory itself, every event reported
@@ -1860,32 +1918,40 @@ async def watch_devices(
                 _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
             tracker.rescan(watch)
             task_status.started()
-            async for events, rescan in watch.batches():
+            async for events, touched, rescan in watch.batches():
                 if rescan:
                     tracker.rescan(watch)
                 else:
-                    tracker.update(watch, [name for name, _ in events])
+                    tracker.update(watch, [name for name, _ in events], touched)
     finally:
         tracker.remove_cdi_spec()
 
 
 class _DeviceTracker:
-    """watch_devices' bookkeeping: the device set it publishes, the warnings it gave, its CDI spec."""
+    """watch_devices' bookkeeping: what the directory holds, the device set it publishes, the
+    warnings it gave, its CDI spec, and which symlinks each followed path decides on."""
 
     def __init__(self, resource: ResourceConfig, devices: Watched, sysfs_root: str) -> None:
         self.resource = resource
         self.devices = devices
         self.sysfs_root = sysfs_root
         self.roots = host_path_roots(resource)
+        self.real_directory = os.path.realpath(resource.directory)
+        self.found: dict[str, DeviceEntry] = {}  # the directory's devices, as last examined
+        self.pointing: dict[str, set[str]] = {}  # followed path -> the devices whose symlinks lead there
         self.warned: dict[str, str] = {}  # skipped entry name -> why, as last warned
         self.problem = ""  # why the directory could not be read, as last warned
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
+        self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
 
     def rescan(self, watch: DirectoryWatch) -> None:
         """Look at every entry again."""
+        if self.devices.value is RETIRED:
+            return  # removed from the configuration: its goodbye (an empty list) stands
         self.roots = host_path_roots(self.resource)
+        self.real_directory = os.path.realpath(self.resource.directory)
         scan = scan_directory(self.resource, self.sysfs_root)
-        while watch.follow(scan.followed):  # new symlink targets: watch them, then look again
+        while watch.follow(scan.followed):  # newly watched paths: look again, now that they are watched
             scan = scan_directory(self.resource, self.sysfs_root)
         if scan.problem and scan.problem != self.problem:
             _log(self.resource).warning("%s: no devices until it can", scan.problem)
@@ -1895,26 +1961,58 @@ class _DeviceTracker:
             del self.warned[name]  # warn again about a name only if it comes back
         for name, why in skipped.items():
             self._skipped(name, why)
-        self._publish({device.id: device for device in scan.devices}, None)
+        self.found = {device.id: device for device in scan.devices}
+        self.pointing = {}
+        for device in scan.devices:
+            self._index(device.id, (), device.followed)
+        self._publish(None)
 
-    def update(self, watch: DirectoryWatch, names: list[str]) -> None:
-        """Look again at these entries only."""
-        found = dict(self.devices.value)
-        examined, symlinks = dict.fromkeys(names), False
-        for name in examined:
-            result = examine_entry(self.resource, name, self.roots, self.sysfs_root)
-            old = found.get(name)
-            if isinstance(result, DeviceEntry):
-                found[name] = result
-            else:
-                found.pop(name, None)
-            self._skipped(name, result if isinstance(result, str) else None)
-            symlinks |= bool((old is not None and old.target) or (isinstance(result, DeviceEntry) and result.target))
-        # A symlink came, went or moved: its target is watched from now on, and looked at again.
-        if symlinks and watch.follow(frozenset(d.target for d in found.values() if d.target)):
-            self.rescan(watch)
+    def update(self, watch: DirectoryWatch, names: list[str], touched: Iterable[str] = ()) -> None:
+        """Look again at these entries only, and at the symlinks that lead through them or through
+        the ``touched`` paths (or under them)."""
+        if self.devices.value is RETIRED:
             return
-        self._publish(found, list(examined))
+        examine = dict.fromkeys(names)
+        touched = {*touched, *(os.path.join(self.real_directory, name) for name in names)}
+        for path, device_ids in self.pointing.items():
+            if path in touched or any(path.startswith(t + "/") for t in touched):
+                examine.update(dict.fromkeys(device_ids))
+        links_changed = self._examine(examine)
+        for _ in range(3):  # a symlink came or changed: watch where it leads, then look at it again
+            if not links_changed:
+                break
+            new = watch.follow(self.pointing)
+            links_changed = self._examine({device_id: None for path in new for device_id in self.pointing[path]})
+        else:
+            self.rescan(watch)  # links that keep changing under us: look at everything
+            return
+        self._publish(list(examine))
+
+    def _examine(self, names: Iterable[str]) -> bool:
+        """Examine these entries again; return whether any symlink's path changed."""
+        links_changed = False
+        for name in names:
+            result = examine_entry(self.resource, name, self.roots, self.sysfs_root)
+            old = self.found.get(name)
+            if isinstance(result, DeviceEntry):
+                self.found[name] = result
+            else:
+                self.found.pop(name, None)
+            self._skipped(name, result if isinstance(result, str) else None)
+            old_paths = old.followed if old is not None else ()
+            new_paths = result.followed if isinstance(result, DeviceEntry) else ()
+            if old_paths != new_paths:
+                self._index(name, old_paths, new_paths)
+                links_changed = True
+        return links_changed
+
+    def _index(self, device_id: str, old_paths: Iterable[str], new_paths: Iterable[str]) -> None:
+        for path in old_paths:
+            self.pointing[path].discard(device_id)
+            if not self.pointing[path]:
+                del self.pointing[path]
+        for path in new_paths:
+            self.pointing.setdefault(path, set()).add(device_id)
 
     def _skipped(self, name: str, why: str | None) -> None:
         if why is None:
@@ -1923,18 +2021,26 @@ class _DeviceTracker:
             _log(self.resource).warning("skipping %r: %s", name, why)
             self.warned[name] = why
 
-    def _publish(self, found: dict[str, DeviceEntry], names: list[str] | None) -> None:
-        """Make ``found`` the device set: log health changes (of ``names``, None: all), write the CDI spec."""
+    def _publish(self, names: list[str] | None) -> None:
+        """Publish what was found (a copy: streams hold on to it), log health changes (of
+        ``names``, None: all), write the CDI spec."""
         before = self.devices.value
-        for name in found if names is None else names:
-            device, old = found.get(name), before.get(name)
+        for name in self.found if names is None else names:
+            device, old = self.found.get(name), before.get(name)
             if device is None:
                 continue
             if device.health != HEALTHY and (old is None or old.problem != device.problem):
                 _log(self.resource).warning("%s is unhealthy: %s", device.id, device.problem)
             elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
                 _log(self.resource).info("%s is healthy again", device.id)
-        if self.resource.cdi is not None:
+        found = dict(self.found)
+        # The spec describes device nodes and mounts: a change of health alone leaves it as it is
+        # (and at 50,000 devices, building and comparing it costs half a second).
+        if self.resource.cdi is not None and (
+            names is None
+            or self.cdi_failed
+            or any(_cdi_part(before.get(name)) != _cdi_part(self.found.get(name)) for name in names)
+        ):
             found = self._write_cdi_spec(found)
         if found != before:
             self.devices.replace(found)
@@ -1948,11 +2054,12 @@ class _DeviceTracker:
             return found
         try:
             write_cdi_spec(self.resource.cdi, spec)
-            self.cdi_written = spec
+            self.cdi_written, self.cdi_failed = spec, False
             return found
         except GopherplugError as error:
             if self.cdi_written is _NOT_YET:
                 raise  # at start: stop with that one line
+            self.cdi_failed = True
             # Later (a full disk, say): a device the runtime cannot resolve must not be offered.
             described = {device["name"] for device in (self.cdi_written or {}).get("devices", [])}
             _log(self.resource).error("%s; offering only the devices it describes until it can be written", error)
@@ -1967,6 +2074,11 @@ class _DeviceTracker:
 
 
 _NOT_YET = object()
+
+
+def _cdi_part(device: DeviceEntry | None) -> Any:
+    """What of a device its CDI description depends on."""
+    return None if device is None else (device.path, device.device_specs, device.mounts)
 
 
 def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
@@ -2017,7 +2129,7 @@ class KubeletWatch:
         ) as w:
             inode = _inode(self.kubelet_socket)
             task_status.started()
-            async for events, rescan in w.batches():
+            async for events, _, rescan in w.batches():
                 created = any(
                     name == KUBELET_SOCKET and mask & (flags.CREATE | flags.MOVED_TO) for name, mask in events
                 )
@@ -2074,14 +2186,17 @@ class _ListEncoder:
 
 
 def device_plugin_service(
-    resource: ResourceConfig, devices: Watched, shape_allocation: ShapeAllocation | None = None
+    resource: ResourceConfig,
+    devices: Watched,
+    shape_allocation: ShapeAllocation | None = None,
+    encoder: _ListEncoder | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set."""
 
     async def get_device_plugin_options(empty: Any) -> Any:
         return device_plugin_options(resource)
 
-    encoder = _ListEncoder(resource)
+    encoder = encoder or _ListEncoder(resource)
 
     async def list_and_watch(empty: Any) -> AsyncIterator[Any]:
         # The kubelet keeps this one stream open for as long as we are registered: the full list
@@ -2142,6 +2257,11 @@ def device_plugin_service(
     return service
 
 
+async def _kill_process_group(process: trio.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> None:
     """Run the resource's pre_start command for a container about to start with ``chosen``.
 
@@ -2155,7 +2275,14 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> 
     try:
         with trio.fail_after(resource.pre_start_timeout):
             result = await trio.run_process(
-                list(resource.pre_start), env=env, stdin=b"", capture_stdout=True, capture_stderr=True, check=False
+                list(resource.pre_start),
+                env=env,
+                stdin=b"",
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                start_new_session=True,  # its own process group: what it starts is killed with it
+                deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
             )
     except trio.TooSlowError:
         raise RPCError(
@@ -2259,7 +2386,10 @@ async def serve_resource(
     again after a configuration change continues its numbering.
     """
     directory = kubelet.device_plugin_dir
+    encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
     for generation in generations or itertools.count(1):
+        if devices.value is RETIRED:
+            return  # removed from the configuration while not registered: nothing to say goodbye to
         while not os.path.isdir(directory):
             _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
             await kubelet.changed.wait_touched()
@@ -2269,15 +2399,22 @@ async def serve_resource(
                 server = await nursery.start(
                     serve_grpc,
                     os.path.join(directory, endpoint),
-                    [device_plugin_service(resource, devices, shape_allocation)],
+                    [device_plugin_service(resource, devices, shape_allocation, encoder)],
                 )
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
             except OSError as error:
                 raise GopherplugError(f"{resource.name}: cannot serve on {directory}: {_describe(error)}") from None
             task_status.started()
+
             # The kubelet dials us back before Register returns: we are serving already.
-            registered_with = await register(resource, endpoint, kubelet, server.owns_socket_file)
+            def still_serving(server: GRPCServer = server) -> bool:
+                return server.owns_socket_file() and devices.value is not RETIRED
+
+            registered_with = await register(resource, endpoint, kubelet, still_serving)
+            if registered_with is None and devices.value is RETIRED:
+                nursery.cancel_scope.cancel()
+                return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
                 while kubelet.generation == registered_with and server.owns_socket_file():
@@ -2392,16 +2529,28 @@ async def serve_plugin(
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
 
-        async def start(resource: ResourceConfig) -> None:
+        async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
             numbers = generations.setdefault(resource.name, itertools.count(1))
-            await nursery.start(_serve_one, served[resource.name], kubelet, config.sysfs_root, numbers)
+            try:
+                await nursery.start(_serve_one, served[resource.name], kubelet, config.sysfs_root, numbers)
+                return True
+            except Exception as error:
+                if not reloading or not isinstance(_innermost(error), GopherplugError):
+                    raise  # at start: the plugin stops with that one line
+                # On a reload, one resource that cannot start (its CDI directory unwritable, say)
+                # must not take the others down.
+                del served[resource.name]
+                log.error("%s: %s: not applied", resource.name, _innermost(error))
+                return False
 
+        reloading = False
         for resource in config.resources:
             await start(resource)
         task_status.started()
         if updates is None:
             return
+        reloading = True
         async with contextlib.aclosing(updates):
             async for new in updates:
                 if (new.device_plugin_dir, new.sysfs_root) != (config.device_plugin_dir, config.sysfs_root):
@@ -2413,8 +2562,10 @@ async def serve_plugin(
                 for name in removed:
                     await served.pop(name).retire()
                 for name in changed:
-                    await served.pop(name).stop()
-                    await start(wanted[name])
+                    old = served.pop(name)
+                    await old.stop()
+                    if not await start(wanted[name]):
+                        await start(old.resource)  # the new one failed: serve the old one again
                 for name in added:
                     await start(wanted[name])
                 summary = ", ".join(
@@ -2472,31 +2623,39 @@ async def _serve_one(
         served.done.set()
 
 
-async def watch_config_file(path: str, device_plugin_dir: str | None = None) -> AsyncGenerator[Config, None]:
+async def watch_config_file(
+    path: str, device_plugin_dir: str | None = None, current: Config | None = None
+) -> AsyncGenerator[Config, None]:
     """Yield the configuration each time the file changes to a new valid one, until closed.
 
     inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
     rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
-    over); the file's own target, when it is a symlink, is followed too. An invalid file is logged
-    with its error, and the running configuration stays.
+    over); where the file's symlinks lead is followed too. An invalid file is logged with its
+    error, and the running configuration stays. With ``current`` (the configuration running now),
+    the file is compared with it first: an edit made while the plugin was starting is not lost.
     """
-    mask = _DIRECTORY_EVENTS | flags.CLOSE_WRITE
-    with DirectoryWatch(os.path.dirname(os.path.abspath(path)), mask) as watch:
-        watch.follow(frozenset({os.path.realpath(path)}))
-        last = _read_text(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
+        last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
+        look_now = current is not None
         async with contextlib.aclosing(watch.batches()) as batches:
-            async for _ in batches:
-                watch.follow(frozenset({os.path.realpath(path)}))
+            while True:
+                watch.follow(_symlink_hops(path) if os.path.islink(path) else ())
+                if not look_now:
+                    await batches.__anext__()
+                look_now = False
                 text = _read_text(path)
-                if text is None or text == last:
+                if text is None or text == last_text:
                     continue
-                last = text
+                last_text = text
                 try:
                     config = _config_from_text(text, path, device_plugin_dir)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     continue
-                yield config
+                if config != last_config:
+                    last_config = config
+                    yield config
 
 
 def _read_text(path: str) -> str | None:
@@ -3058,7 +3217,7 @@ async def _serve_until_signalled(config: Config, path: str, device_plugin_dir: s
     # cancelling the nursery runs every `finally`, which removes our sockets.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            updates = watch_config_file(path, device_plugin_dir)  # edits are applied as they are saved
+            updates = watch_config_file(path, device_plugin_dir, config)  # edits are applied as they are saved
             nursery.start_soon(functools.partial(serve_plugin, config, updates=updates))
             async for signum in signals:
                 log.info("%s received: stopping", signal.Signals(signum).name)

@@ -14,6 +14,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -278,8 +279,8 @@ async def test_unknown_method_is_unimplemented(pb2, served, path):
 @pytest.mark.parametrize(
     ("messages", "details"),
     [
-        ([], "expected one request message, got 0"),
-        ([b"", b""], "expected one request message, got 2"),
+        ([], "expected one request message, got none"),
+        ([b"", b"", b""], "expected one request message, got more than one"),
         ([b"\xff"], "cannot parse the request: Error parsing message"),
     ],
 )
@@ -713,6 +714,18 @@ BAD_CONFIGS = [
     (resources(replicas=2.5), "cfg.yaml: resources[0].replicas: 2.5: must be a whole number from 1 to 1000"),
     (resources(preferred="dense"), "cfg.yaml: resources[0].preferred: 'dense': must be packed or spread"),
     (resources(cdi={}), "cfg.yaml: resources[0].cdi.kind: is required"),
+    (
+        yaml.safe_dump(
+            {
+                "resources": [
+                    {"name": "example.com/a", "directory": "/a", "cdi": {"kind": "a.b/c-d"}},
+                    {"name": "example.com/b", "directory": "/b", "cdi": {"kind": "a.b-c/d"}},
+                ]
+            }
+        ),
+        "cfg.yaml: resources[1].cdi.kind: 'a.b-c/d' would share the CDI spec file /var/run/cdi/a.b-c-d.json with "
+        "resources[0]: give each resource its own kind",
+    ),
     (
         resources(cdi={"kind": "gopher"}),
         "cfg.yaml: resources[0].cdi.kind: 'gopher': must be vendor/class, e.g. example.com/gopher "
@@ -1801,6 +1814,37 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER, RESOURCE]
 
 
+async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nursery, node, tmp_path, caplog):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    (tmp_path / "file").touch()
+    bad_cdi = {"cdi": {"kind": "example.com/other", "spec_dir": str(tmp_path / "file" / "cdi")}}
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: bad_cdi}))
+        await trio.testing.wait_all_tasks_blocked()
+        assert "example.com/other: cannot write the CDI spec" in caplog.text and ": not applied" in caplog.text
+        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))  # fixed: applied
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
+        assert simulator.resources[RESOURCE].streaming
+
+
+async def test_reload_sees_the_target_of_a_symlinked_file_rewritten_and_edits_made_while_starting(node, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "real.yaml").write_text(config_text(node, **{RESOURCE: {}}))
+    os.symlink(elsewhere / "real.yaml", tmp_path / "gopherplug.yaml")
+    running = gp.load_config(str(tmp_path / "gopherplug.yaml"))
+    (elsewhere / "real.yaml").write_text(config_text(node, **{RESOURCE: {"env": "EDITED"}}))  # while starting
+    updates = gp.watch_config_file(str(tmp_path / "gopherplug.yaml"), current=running)
+    async with contextlib.aclosing(updates):
+        with trio.fail_after(TIMEOUT):
+            assert (await updates.__anext__()).resources[0].env == "EDITED"
+            with open(elsewhere / "real.yaml", "w") as file:  # in place: IN_CLOSE_WRITE there
+                file.write(config_text(node, **{RESOURCE: {"env": "AGAIN"}}))
+            assert (await updates.__anext__()).resources[0].env == "AGAIN"
+
+
 async def test_reload_follows_rename_and_configmap_symlink_swap(nursery, node, tmp_path):
     # A ConfigMap volume: config.yaml -> ..data/config.yaml, ..data -> ..<timestamp>, swapped by rename.
     volume = tmp_path / "volume"
@@ -1858,6 +1902,36 @@ async def test_health_follows_a_symlink_target_elsewhere(nursery, node, tmp_path
         await simulator.wait_until(lambda s: health_of(s).get("g3") == gp.HEALTHY)
         os.unlink(os.path.join(node.devices, "g3"))  # an entry that disappears leaves the list
         await simulator.wait_until(listed("g1", "g2"))
+
+
+async def test_health_follows_a_symlink_to_an_entry_of_the_same_directory(nursery, node):
+    Path(node.devices, "node0").touch()
+    os.symlink("node0", os.path.join(node.devices, "gopher0"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(pattern="gopher*"))
+        await simulator.wait_until(listed("gopher0"))
+        os.unlink(os.path.join(node.devices, "node0"))  # an event about node0 decides on gopher0
+        await simulator.wait_until(lambda s: health_of(s) == {"gopher0": gp.UNHEALTHY})
+        Path(node.devices, "node0").touch()
+        await simulator.wait_until(listed("gopher0"))
+
+
+async def test_health_follows_every_hop_of_a_symlink_chain(nursery, node, tmp_path):
+    # gopher0 -> by-id/usb-gopher -> real/node0, as udev lays out /dev/serial/by-id.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "node0").touch()
+    (tmp_path / "by-id").mkdir()
+    os.symlink(tmp_path / "real" / "node0", tmp_path / "by-id" / "usb-gopher")
+    os.symlink(tmp_path / "by-id" / "usb-gopher", os.path.join(node.devices, "gopher0"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(pattern="gopher*"))
+        await simulator.wait_until(listed("gopher0"))
+        os.unlink(tmp_path / "by-id" / "usb-gopher")  # unplugged: the link in between goes
+        await simulator.wait_until(lambda s: health_of(s) == {"gopher0": gp.UNHEALTHY})
+        os.symlink(tmp_path / "real" / "node0", tmp_path / "by-id" / "usb-gopher")
+        await simulator.wait_until(listed("gopher0"))
 
 
 def without_dac_override():
@@ -1964,6 +2038,23 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
     assert not spec_file.exists(), "removed on exit"
 
 
+async def test_cdi_write_failure_holds_new_devices_back_until_it_works(nursery, node, tmp_path, caplog):
+    cdi_dir = tmp_path / "cdi"
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, cdi={"kind": "example.com/gopher", "spec_dir": str(cdi_dir)})
+        os.rename(cdi_dir, tmp_path / "away")
+        cdi_dir.write_text("a file where the directory was: every write fails")
+        Path(node.devices, "g3").touch()
+        await trio.testing.wait_all_tasks_blocked()
+        assert devices_of(simulator) == listed_ids("g1", "g2"), "g3 has no CDI description: not offered"
+        assert "offering only the devices it describes until it can be written" in caplog.text
+        cdi_dir.unlink()
+        os.rename(tmp_path / "away", cdi_dir)
+        Path(node.devices, "g4").touch()  # the next change writes again, g3 included
+        await simulator.wait_until(listed("g1", "g2", "g3", "g4"))
+    assert [d["name"] for d in read_spec(cdi_dir / "example.com-gopher.json")["devices"]] == ["g1", "g2", "g3", "g4"]
+
+
 async def test_without_cdi_nothing_of_cdi_appears(nursery, node, tmp_path):
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node)
@@ -2016,7 +2107,9 @@ if os.environ["GOPHER_DEVICES"] == "g2":
     print("g2 is not ready: firmware missing", file=sys.stderr)
     sys.exit(3)
 if os.environ["GOPHER_DEVICES"] == "g1,g2":
-    import time; time.sleep(30)
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn command: killed all the same
+    time.sleep(30)
 """
 
 
@@ -2035,8 +2128,10 @@ async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path
         assert said.read_text() == "example.com/gopher g1"
         with pytest.raises(gp.RPCError) as failed:
             await simulator.pre_start_container(RESOURCE, ["g2::0"])
+        asked = trio.current_time()
         with pytest.raises(gp.RPCError) as slow:
             await simulator.pre_start_container(RESOURCE, ["g1::0", "g2::1"])
+        assert trio.current_time() - asked < 3, "generous: trio's default would wait 5 s after SIGTERM"
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
         f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing",
