@@ -886,8 +886,13 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
     try:
         status = os.stat(path)
         mode, rdev = status.st_mode, status.st_rdev
+    except FileNotFoundError as error:
+        if not is_link:
+            return None  # deleted since lstat(): gone, not unhealthy
+        mode = rdev = 0  # a dangling symlink: still a device (unhealthy), never a device node
+        unreachable = error
     except OSError as error:
-        mode = rdev = 0  # a dangling symlink, say: still a device (unhealthy), never a device node
+        mode = rdev = 0  # cannot even stat it: a device, unhealthy
         unreachable = error
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
     fields = {"id": name, "path": path}  # host paths only: {index} waits for an allocation
