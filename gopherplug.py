@@ -882,7 +882,7 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
         return "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -"
     if resource.cdi is not None and not _CDI_NAME.fullmatch(name):
         return "a CDI device name must begin and end with a letter or digit"
-    unreachable = None
+    unreachable: OSError | None = None
     try:
         status = os.stat(path)
         mode, rdev = status.st_mode, status.st_rdev
