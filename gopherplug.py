@@ -12,16 +12,17 @@ Read it top to bottom; every section only uses the ones above it:
   3. Model                     frozen dataclasses: Config, ResourceConfig, DeviceEntry
   4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses
   5. purerpc on unix sockets   the fenced glue that makes purerpc serve and call like grpc-go
-  6. I/O edges                 inotify watches, the DevicePlugin service, Register with retries
-  7. Orchestration             serve_plugin: the nursery tree, kubelet restarts
-  8. A kubelet simulator       the kubelet's device manager in miniature, for tests and demos
+  6. I/O edges                 the config file, inotify watches, the DevicePlugin service, Register
+  7. Orchestration             serve_plugin: the nursery tree, kubelet restarts, configuration reloads
+  8. A kubelet simulator       the kubelet's device manager in miniature, for tests; probe and demo
   9. Command line              main(argv) -> exit code; signals
 
 Quick start:
 
     pip install .
+    gopherplug demo                                       # the protocol, narrated, no cluster needed
     gopherplug check-config --config config.example.yaml
-    gopherplug serve --config config.example.yaml
+    gopherplug serve --config config.example.yaml         # then: gopherplug probe
 """
 
 from __future__ import annotations
@@ -1742,7 +1743,7 @@ async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, 
 
 
 ########################################################################################################
-# 6. I/O edges: inotify, registration, the DevicePlugin service
+# 6. I/O edges: the config file, inotify, registration, the DevicePlugin service
 #
 # Rules for this section: each piece waits on the kernel (inotify, sockets); timers only bound
 # what another party may take (Register's deadline and backoff, pre_start's timeout, a removed
@@ -1769,6 +1770,25 @@ REGISTER = f"/{API_VERSION}.Registration/Register"
 
 _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
+
+
+def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
+    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
+    return _config_from_text(text, path, device_plugin_dir)
+
+
+def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Config:
+    config = parse_config(text, path)
+    if device_plugin_dir is not None:
+        if not os.path.isabs(device_plugin_dir):
+            raise ConfigError("--device-plugin-dir", "", f"{device_plugin_dir!r} must be an absolute path")
+        config = dataclasses.replace(config, device_plugin_dir=os.path.normpath(device_plugin_dir))
+    return config
 
 
 class DirectoryWatch:
@@ -3054,25 +3074,6 @@ def _one_line(message: Any) -> str:
 ########################################################################################################
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
-    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
-    return _config_from_text(text, path, device_plugin_dir)
-
-
-def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Config:
-    config = parse_config(text, path)
-    if device_plugin_dir is not None:
-        if not os.path.isabs(device_plugin_dir):
-            raise ConfigError("--device-plugin-dir", "", f"{device_plugin_dir!r} must be an absolute path")
-        config = dataclasses.replace(config, device_plugin_dir=os.path.normpath(device_plugin_dir))
-    return config
 
 
 def _parser() -> argparse.ArgumentParser:
