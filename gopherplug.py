@@ -1013,11 +1013,19 @@ def allocate_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntr
     annotations come from the templates, once per device, {index} being its position in that list;
     cdi_devices name the devices for a CDI-aware runtime.
     """
+    return allocate_with_devices(resource, devices, request)[0]
+
+
+def allocate_with_devices(
+    resource: ResourceConfig, devices: Mapping[str, DeviceEntry], request: Any
+) -> tuple[Any, list[list[DeviceEntry]]]:
+    """allocate_response, and the devices behind each container's answer (for an embedder's hook)."""
     if not request.container_requests:
         raise RPCError(StatusCode.INVALID_ARGUMENT, "AllocateRequest has no container requests")
-    response = v1beta1.AllocateResponse()
+    response, allocated = v1beta1.AllocateResponse(), []
     for container in request.container_requests:
         chosen = allocated_devices(resource, devices, container.devices_ids)
+        allocated.append(chosen)
         answer = response.container_responses.add()
         answer.envs[resource.env] = ",".join(device.id for device in chosen)
         specs: dict[str, Any] = {}
@@ -1055,7 +1063,7 @@ def allocate_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntr
         answer.annotations.update({key: ",".join(values) for key, values in annotations.items()})
         if resource.cdi is not None:
             answer.cdi_devices.extend(v1beta1.CDIDevice(name=f"{resource.cdi.kind}={d.id}") for d in chosen)
-    return response
+    return response, allocated
 
 
 def _add_once(added: dict[str, Any], what: str, item: Any) -> None:
@@ -2254,11 +2262,12 @@ def device_plugin_service(
         return preferred_allocation_response(resource, devices.value, request)
 
     async def allocate(request: Any) -> Any:
-        current = devices.value  # one device set for the whole answer, even if the hook awaits
-        response = allocate_response(resource, current, request)
-        for container, answer in zip(request.container_requests, response.container_responses, strict=True):
+        response, allocated = allocate_with_devices(resource, devices.value, request)
+        for container, chosen, answer in zip(
+            request.container_requests, allocated, response.container_responses, strict=True
+        ):
             if shape_allocation is not None:
-                shaped = shape_allocation(allocated_devices(resource, current, container.devices_ids), answer)
+                shaped = shape_allocation(chosen, answer)
                 if inspect.isawaitable(shaped):
                     await shaped
             _log(resource).info("allocated %s", ",".join(container.devices_ids))
