@@ -1168,7 +1168,7 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
 # 5. purerpc on unix sockets
 #
 # purerpc speaks gRPC over h2 on anyio streams, but its Server and channels are TCP-only, and its
-# connection handler does not fit a long-lived ListAndWatch (see DESIGN notes below). This fence
+# connection handler does not fit a long-lived ListAndWatch (_ServerConnection says why). This fence
 # keeps purerpc's message framing, HTTP/2 state machine and stream objects, and replaces the socket
 # plumbing and the per-connection dispatch. It relies on these purerpc 0.8.0 internals, pinned in
 # pyproject.toml:
@@ -1226,6 +1226,19 @@ class Watched:
     def next_touch(self) -> trio.Event:
         """The event the next set() or touch() sets: taken now, it cannot miss one that comes later."""
         return self._changed
+
+
+async def _any_touched(*watched: Watched) -> None:
+    """Return at the next set() or touch() of any of them."""
+    events = [one.next_touch() for one in watched]  # before any task switch: no touch is missed
+    async with trio.open_nursery() as nursery:
+        for event in events:
+
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)
 
 
 #: How long a new connection may take to send the HTTP/2 preface and its SETTINGS.
@@ -2334,15 +2347,21 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> 
 
 
 async def register(
-    resource: ResourceConfig, endpoint: str, kubelet: KubeletWatch, still_serving: Callable[[], bool]
+    resource: ResourceConfig,
+    endpoint: str,
+    kubelet: KubeletWatch,
+    still_serving: Callable[[], bool],
+    devices: Watched | None = None,
 ) -> int | None:
     """Register ``endpoint`` for ``resource`` with the kubelet, retrying until it succeeds.
 
     Returns the kubelet generation registered with, or None as soon as ``still_serving()`` turns
-    false (a starting kubelet deletes every socket, ours included: serve anew before registering).
+    false (a starting kubelet deletes every socket, ours included: serve anew before registering;
+    or the resource was removed from the configuration, which ``devices`` changing wakes us for).
     While kubelet.sock is absent, waits for it with inotify; after a failure, retries with a capped
     backoff, at once if a new kubelet.sock appears.
     """
+    wake = (kubelet.changed,) if devices is None else (kubelet.changed, devices)
     request = v1beta1.RegisterRequest(
         version=API_VERSION,
         endpoint=endpoint,
@@ -2356,7 +2375,7 @@ async def register(
             if not waiting_logged:
                 _log(resource).info("waiting for the kubelet: no %s yet", kubelet.kubelet_socket)
                 waiting_logged = True
-            await kubelet.changed.wait_touched()
+            await _any_touched(*wake)
             continue
         try:
             await call_unary(kubelet.kubelet_socket, METHODS[REGISTER], request, timeout=REGISTER_TIMEOUT)
@@ -2367,7 +2386,7 @@ async def register(
             _log(resource).log(level, "registration failed, retrying in %.2g s: %s", delay, error)
         with trio.move_on_after(delay):
             while kubelet.generation == generation and still_serving():
-                await kubelet.changed.wait_touched()
+                await _any_touched(*wake)
         delay = min(delay * 2, _REGISTER_BACKOFF[1])
     return None
 
@@ -2445,7 +2464,7 @@ async def serve_resource(
             def still_serving(server: GRPCServer = server) -> bool:
                 return server.owns_socket_file() and devices.value is not RETIRED
 
-            registered_with = await register(resource, endpoint, kubelet, still_serving)
+            registered_with = await register(resource, endpoint, kubelet, still_serving, devices)
             if registered_with is None and devices.value is RETIRED:
                 nursery.cancel_scope.cancel()
                 return
@@ -2467,19 +2486,6 @@ async def serve_resource(
             # Stop this server before the next registration: its ListAndWatch stream ends now.
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
-
-
-async def _any_touched(*watched: Watched) -> None:
-    """Return at the next set() or touch() of any of them."""
-    events = [one.next_touch() for one in watched]  # before any task switch: no touch is missed
-    async with trio.open_nursery() as nursery:
-        for event in events:
-
-            async def wait(event: trio.Event = event) -> None:
-                await event.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(wait)
 
 
 def resource_config(name: str, **options: Any) -> ResourceConfig:

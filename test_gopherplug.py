@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import logging
 import os
 import random
 import re
@@ -1217,10 +1218,43 @@ def test_preferred_allocation_picks_only_offered_ids(numa, replicas, policy, ava
 
 
 # ------------------------------------------------------------------------------------------------
-# The plugin end to end, against the kubelet simulator (the kubelet's behaviour, DESIGN §1.2)
+# The plugin end to end, against the kubelet simulator (the kubelet's behaviour as its sources show it)
 # ------------------------------------------------------------------------------------------------
 
 RESOURCE = "example.com/gopher"
+
+
+class _LogEvent(logging.Handler):
+    """A log handler that records gopherplug's lines containing some text, and says when one came."""
+
+    def __init__(self, text):
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self.lines = []
+        self.event = trio.Event()
+
+    def emit(self, record):
+        if self.text in (line := record.getMessage()):
+            self.lines.append(line)
+            self.event.set()
+
+    async def wait(self):
+        await self.event.wait()
+
+
+@contextlib.contextmanager
+def logged(text):
+    """Within the block, ``(await) handler.wait()`` returns once gopherplug logs a line with ``text``."""
+    handler = _LogEvent(text)
+    logger = logging.getLogger("gopherplug")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class Node:
@@ -1811,6 +1845,26 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     assert simulator.resources[OTHER].devices == {}
     assert node.our_sockets() == ["gopherplug-example.com_gopher-2.sock"]
     assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER, RESOURCE]
+
+
+async def test_removing_a_resource_that_waits_for_the_kubelet_stops_it_at_once(nursery, node, caplog):
+    # No kubelet yet: the resource's registration waits for kubelet.sock. Removing it from the
+    # configuration must wake that wait, not leave it to the retirement's fallback timer.
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for config in receive:
+            yield config
+
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        await nursery.start(functools.partial(gp.serve_plugin, node.config(), updates=updates()))
+        assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
+        await send.send(gp.parse_config(config_text(node, **{OTHER: {}}), "test.yaml"))
+        # Within a moment, not after the 2 s the retirement's fallback would wait.
+        with trio.move_on_after(gp.RETIRE_GRACE / 2):
+            await reloaded.wait()
+    assert reloaded.lines == ["test.yaml: configuration reloaded: added example.com/other, removed example.com/gopher"]
+    assert node.our_sockets() == ["gopherplug-example.com_other-1.sock"]
 
 
 async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nursery, node, tmp_path, caplog):
@@ -2489,3 +2543,15 @@ def test_daemonset_runs_least_privileged_with_the_probe():
     assert pod["priorityClassName"] == "system-node-critical"
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert "/var/lib/kubelet/device-plugins" in mounts
+
+
+def test_shipped_files_stand_alone():
+    # Users get the repository, not the team's design notes: the product states facts itself or
+    # names upstream sources by repository and path.
+    tracked = subprocess.run(["git", "ls-files"], cwd=HERE, capture_output=True, text=True, check=False).stdout.split()
+    shipped = tracked or [p.name for p in HERE.iterdir() if p.is_file()]  # not a git checkout: the top level
+    for name in shipped:
+        path = HERE / name
+        if path.suffix in {".py", ".md", ".toml", ".yaml", ".proto", ".go", ""} and path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            assert not re.search(r"DESIGN(\.md| §)|\.\./shared/", text), f"{name} cites the team's notes"
