@@ -32,8 +32,10 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import fnmatch
 import functools
+import hashlib
 import inspect
 import itertools
 import json
@@ -544,6 +546,58 @@ def default_env_name(resource_name: str) -> str:
     return f"{'_' if short[:1].isdigit() else ''}{short}_DEVICES"
 
 
+# Socket names. The kubelet's `endpoint` is a file name in its directory, and a unix socket's path
+# is at most 107 bytes (sun_path holds 108, the last a NUL): microk8s' directory alone takes 56.
+#: The longest path a unix socket can be bound or connected at.
+MAX_SOCKET_PATH = 107
+#: Socket numbers go round 1..SOCKET_NUMBERS: each registration needs a name other than the last
+#: one's, and a bounded number keeps the longest path known when the configuration is checked.
+SOCKET_NUMBERS = 9999
+_SOCKET_NAME = re.compile(r"gopherplug-([^/]+)-(\d+)\.sock")
+
+
+def socket_stem(resource_name: str, device_plugin_dir: str) -> str:
+    """What every socket (and the lock file) of a resource is named after, in a given directory.
+
+    "gopherplug-example.com_gopher" says whose it is; where that would make a socket path too long
+    (a long resource name in a long directory), a digest of the name stands in for it.
+    """
+    readable = f"gopherplug-{resource_name.replace('/', '_')}"
+    if len(os.path.join(device_plugin_dir, f"{readable}-{SOCKET_NUMBERS}.sock")) <= MAX_SOCKET_PATH:
+        return readable
+    return f"gopherplug-{hashlib.sha256(resource_name.encode()).hexdigest()[:16]}"
+
+
+def socket_name(resource_name: str, device_plugin_dir: str, number: int) -> str:
+    """The socket file for one registration: fresh per registration, never hidden."""
+    return f"{socket_stem(resource_name, device_plugin_dir)}-{(number - 1) % SOCKET_NUMBERS + 1}.sock"
+
+
+def parse_socket_name(name: str) -> tuple[str, int] | None:
+    """(stem, number) of a socket_name(), or None for any other file name."""
+    match = _SOCKET_NAME.fullmatch(name)
+    return (f"gopherplug-{match[1]}", int(match[2])) if match else None
+
+
+def resource_of_stem(stem: str) -> str | None:
+    """The resource name a readable stem spells ("gopherplug-example.com_gopher" -> example.com/gopher),
+    None for a digest. Unambiguous: a domain is a DNS name, without "_"; the name part may have one."""
+    domain, separator, name = stem.removeprefix("gopherplug-").partition("_")
+    return f"{domain}/{name}" if separator else None
+
+
+def device_plugin_dir_problem(directory: str) -> str | None:
+    """Why no socket can be served in ``directory`` (its path is too long), or None."""
+    longest = len(os.path.join(directory, f"gopherplug-{'0' * 16}-{SOCKET_NUMBERS}.sock"))  # a digest stem
+    if longest > MAX_SOCKET_PATH:
+        room = MAX_SOCKET_PATH - (longest - len(directory))
+        return (
+            f"{directory!r} is {len(directory)} characters long: a socket path in it would pass the "
+            f"{MAX_SOCKET_PATH} bytes unix sockets allow; use a directory of at most {room} characters"
+        )
+    return None
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
@@ -557,6 +611,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     device_plugin_dir = None
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
+        if (problem := device_plugin_dir_problem(device_plugin_dir)) is not None:
+            raise ConfigError(source, "device_plugin_dir", problem)
     sysfs_root = _absolute_path(top.get("sysfs_root", "/sys"), source, "sysfs_root")
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
@@ -1808,6 +1864,8 @@ def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Co
     if device_plugin_dir is not None:
         if not os.path.isabs(device_plugin_dir):
             raise ConfigError("--device-plugin-dir", "", f"{device_plugin_dir!r} must be an absolute path")
+        if (problem := device_plugin_dir_problem(os.path.normpath(device_plugin_dir))) is not None:
+            raise ConfigError("--device-plugin-dir", "", problem)
         config = dataclasses.replace(config, device_plugin_dir=os.path.normpath(device_plugin_dir))
     return config
 
@@ -2346,6 +2404,81 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> 
     _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
 
 
+class ResourceLock:
+    """One gopherplug per resource and node: an flock on ``<device-plugin dir>/.<socket stem>.lock``.
+
+    Two plugins serving one resource would take turns registering over each other, and a starting
+    one could not tell a live instance's sockets from a dead one's. The kernel drops an flock when
+    its process dies, SIGKILL and the OOM killer included, so this lock is never stale: holding it
+    means every other socket of the resource in the directory was left by a process that is gone.
+
+    Today's kubelets delete only the sockets of the directory when they start; older ones deleted
+    every file but their checkpoint (ManagerImpl.CleanupPluginDirectory in
+    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), this one too. So the lock is
+    checked, and taken again if need be, before every registration.
+    """
+
+    def __init__(self, resource_name: str, device_plugin_dir: str) -> None:
+        self.resource_name = resource_name
+        self.directory = device_plugin_dir
+        self.path = os.path.join(device_plugin_dir, f".{socket_stem(resource_name, device_plugin_dir)}.lock")
+        self._fd = -1
+
+    def held(self) -> bool:
+        """Whether we hold the lock on the file that is at its path now (a kubelet directory that was
+        deleted and made again has none)."""
+        return self._fd >= 0 and _inode(self.path) == os.fstat(self._fd).st_ino
+
+    def acquire(self) -> None:
+        """Take the lock, write who holds it, and remove the sockets that dead holders left behind.
+
+        Raises GopherplugError naming the holder when another live process has it.
+        """
+        self.release()
+        try:
+            while self._fd < 0:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
+                    os.close(fd)
+                    raise GopherplugError(
+                        f"{self.resource_name} is already served on this node by another gopherplug ({holder}, "
+                        f"lock file {self.path}): stop that one, or remove the resource from one configuration"
+                    ) from None
+                if os.fstat(fd).st_ino == _inode(self.path):  # else its last holder removed it meanwhile: again
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode())
+                    self._fd = fd
+                else:
+                    os.close(fd)
+        except OSError as error:
+            raise GopherplugError(
+                f"{self.resource_name}: cannot serve on {self.directory}: {_describe(error)}"
+            ) from None
+        stem = socket_stem(self.resource_name, self.directory)
+        for entry in os.scandir(self.directory):
+            parsed = parse_socket_name(entry.name)
+            with contextlib.suppress(OSError):
+                if (
+                    parsed is not None
+                    and parsed[0] == stem
+                    and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
+                ):
+                    os.unlink(entry.path)
+                    log.info("%s: removed %s, left by a gopherplug that did not exit cleanly", stem, entry.name)
+
+    def release(self) -> None:
+        """Give the lock up, removing its file (while still holding it, so no one takes a removed file)."""
+        if self._fd >= 0:
+            if self.held():
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            os.close(self._fd)
+            self._fd = -1
+
+
 async def register(
     resource: ResourceConfig,
     endpoint: str,
@@ -2404,24 +2537,6 @@ async def register(
 ########################################################################################################
 
 
-def socket_name(resource: ResourceConfig, generation: int) -> str:
-    """The socket file for one registration: fresh per registration, never hidden.
-
-    Old kubelets key a registration by resource name; a new name per registration keeps a closing
-    old stream from taking the new registration down with it.
-    """
-    return f"gopherplug-{resource.name.replace('/', '_')}-{generation}.sock"
-
-
-def parse_socket_name(name: str) -> tuple[str, int] | None:
-    """(resource name, generation) from a socket_name(), or None for any other file name.
-
-    Unambiguous: the domain of a resource name has no "_" (it is a DNS name), its name part may.
-    """
-    match = re.fullmatch(r"gopherplug-([^_/]+)_([^/]+)-(\d+)\.sock", name)
-    return (f"{match[1]}/{match[2]}", int(match[3])) if match else None
-
-
 async def serve_resource(
     resource: ResourceConfig,
     devices: Watched,
@@ -2439,6 +2554,23 @@ async def serve_resource(
     again after a configuration change continues its numbering.
     """
     directory = kubelet.device_plugin_dir
+    lock = ResourceLock(resource.name, directory)
+    try:
+        await _serve_generations(resource, devices, kubelet, lock, shape_allocation, generations, task_status)
+    finally:
+        lock.release()
+
+
+async def _serve_generations(
+    resource: ResourceConfig,
+    devices: Watched,
+    kubelet: KubeletWatch,
+    lock: ResourceLock,
+    shape_allocation: ShapeAllocation | None,
+    generations: Iterator[int] | None,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    directory = kubelet.device_plugin_dir
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
@@ -2446,7 +2578,9 @@ async def serve_resource(
         while not os.path.isdir(directory):
             _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
             await kubelet.changed.wait_touched()
-        endpoint = socket_name(resource, generation)
+        if not lock.held():
+            lock.acquire()  # before the first socket, and again if the directory was made anew
+        endpoint = socket_name(resource.name, directory, generation)
         async with trio.open_nursery() as nursery:
             try:
                 server = await nursery.start(
@@ -2912,39 +3046,54 @@ class ProbeResult:
 
 
 async def probe(device_plugin_dir: str, resource_names: Iterable[str] | None = None) -> list[ProbeResult]:
-    """Dial every gopherplug socket in the directory (or those of ``resource_names``) like the kubelet:
+    """Dial every gopherplug resource in the directory (or those of ``resource_names``) like the kubelet:
     GetDevicePluginOptions, then the first ListAndWatch message. Never raises for a plugin's failure.
+
+    A resource may have several sockets: a plugin killed before it could clean up leaves its own,
+    and numbers start again at 1 in every process. So each is tried, newest first, until one
+    answers: nothing listens on a dead one, which refuses the connection at once.
     """
-    newest: dict[str, tuple[int, str]] = {}
+    sockets: dict[str, list[tuple[float, int, str]]] = {}
     with contextlib.suppress(OSError):
-        for entry in os.listdir(device_plugin_dir):
-            if (parsed := parse_socket_name(entry)) is not None and parsed[1] > newest.get(parsed[0], (0, ""))[0]:
-                newest[parsed[0]] = (parsed[1], entry)
-    names = sorted(newest) if resource_names is None else list(resource_names)
+        for entry in os.scandir(device_plugin_dir):
+            if (parsed := parse_socket_name(entry.name)) is not None:
+                with contextlib.suppress(OSError):
+                    sockets.setdefault(parsed[0], []).append((entry.stat().st_mtime, parsed[1], entry.name))
+    if resource_names is None:
+        wanted = {resource_of_stem(stem) or stem: stem for stem in sockets}
+    else:
+        wanted = {name: socket_stem(name, device_plugin_dir) for name in resource_names}
     results = []
-    for name in names:
-        result = ProbeResult(name, newest.get(name, (0, ""))[1])
+    for name in sorted(wanted) if resource_names is None else wanted:
+        result = ProbeResult(name)
         results.append(result)
-        if not result.endpoint:
+        candidates = [entry for *_, entry in sorted(sockets.get(wanted[name], []), reverse=True)]
+        if not candidates:
             result.error = f"no gopherplug socket in {device_plugin_dir}"
-            continue
-        path = os.path.join(device_plugin_dir, result.endpoint)
-        try:
-            result.options = await call_unary(
-                path,
-                METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
-                v1beta1.Empty(),
-                timeout=PROBE_TIMEOUT,
-            )
-            method = METHODS[f"/{API_VERSION}.DevicePlugin/ListAndWatch"]
-            with trio.fail_after(PROBE_TIMEOUT):
-                async with open_stream(path, method, v1beta1.Empty(), timeout=PROBE_TIMEOUT) as responses:
-                    async for response in responses:
-                        result.devices = list(response.devices)
-                        break
-        except (RPCError, trio.TooSlowError) as error:
-            result.error = f"did not answer on {result.endpoint}: {error or 'timed out'}"
+        for endpoint in candidates:
+            result.endpoint, result.error = endpoint, ""
+            await _probe_socket(os.path.join(device_plugin_dir, endpoint), result)
+            if not result.error:
+                break
     return results
+
+
+async def _probe_socket(path: str, result: ProbeResult) -> None:
+    try:
+        result.options = await call_unary(
+            path,
+            METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
+            v1beta1.Empty(),
+            timeout=PROBE_TIMEOUT,
+        )
+        method = METHODS[f"/{API_VERSION}.DevicePlugin/ListAndWatch"]
+        with trio.fail_after(PROBE_TIMEOUT):
+            async with open_stream(path, method, v1beta1.Empty(), timeout=PROBE_TIMEOUT) as responses:
+                async for response in responses:
+                    result.devices = list(response.devices)
+                    break
+    except (RPCError, trio.TooSlowError) as error:
+        result.error = f"did not answer on {result.endpoint}: {error or 'timed out'}"
 
 
 def probe_report(results: list[ProbeResult]) -> str:

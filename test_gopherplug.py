@@ -641,6 +641,11 @@ BAD_CONFIGS = [
         "device_specs, directory, env, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
+    (
+        yaml.safe_dump({"device_plugin_dir": "/" + "d" * 70, "resources": [{"name": "e.com/g", "directory": "/g"}]}),
+        f"cfg.yaml: device_plugin_dir: '/{'d' * 70}' is 71 characters long: a socket path in it would pass the "
+        "107 bytes unix sockets allow; use a directory of at most 69 characters",
+    ),
     (resources(env="1GOPHER"), "cfg.yaml: resources[0].env: '1GOPHER' is not a valid environment variable name"),
     (resources(env="GO-PHER"), "cfg.yaml: resources[0].env: 'GO-PHER' is not a valid environment variable name"),
     (
@@ -2386,6 +2391,90 @@ async def test_probe_fails_for_a_configured_resource_that_does_not_answer(nurser
     assert lines[0].startswith("example.com/gopher: gopherplug-example.com_gopher-1.sock: 2 devices, 2 healthy")
     assert lines[-1] == f"example.com/absent: FAILED: no gopherplug socket in {node.plugin_dir}"
     assert only.returncode == 0
+
+
+def stale_socket(path):
+    """A socket file nothing listens on, as a process killed before its cleanup leaves it."""
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(path)
+
+
+async def test_probe_finds_the_live_socket_among_dead_ones(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        await start(nursery, node)
+        # Newer and higher-numbered than the live one: what a plugin SIGKILLed at -7 leaves.
+        stale_socket(os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-7.sock"))
+        [result] = await gp.probe(node.plugin_dir, [RESOURCE])
+    assert (result.endpoint, result.error, len(result.devices)) == ("gopherplug-example.com_gopher-1.sock", "", 2)
+
+
+async def test_a_killed_plugins_sockets_are_removed_by_the_next_one(nursery, node, tmp_path):
+    config = str(write_config(node, tmp_path))
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    first = await trio.lowlevel.open_process([sys.executable, str(HERE / "gopherplug.py"), "--config", config])
+    second = None
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            simulator.restart()
+            await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s))
+            first.kill()  # SIGKILL, as the OOM killer does: no cleanup
+            await first.wait()
+            await simulator.wait_until(lambda s: devices_of(s) is None)
+            assert node.our_sockets() == ["gopherplug-example.com_gopher-2.sock"]
+            second = await trio.lowlevel.open_process([sys.executable, str(HERE / "gopherplug.py"), "--config", config])
+            await simulator.wait_until(lambda s: len(s.registrations) == 3 and devices_of(s))
+            assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]  # numbers start again
+            probed = await run_cli_async("probe", "--config", config)
+    finally:
+        for process in (first, second):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert probed.returncode == 0, probed.stdout
+
+
+async def test_a_second_plugin_for_the_same_resource_refuses_and_leaves_the_first_alone(nursery, node, tmp_path):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        result = await run_cli_async("--config", str(write_config(node, tmp_path)))
+    assert result.returncode == 1
+    lock = os.path.join(node.plugin_dir, ".gopherplug-example.com_gopher.lock")
+    assert (
+        result.stderr.decode()
+        .splitlines()[-1]
+        .endswith(
+            f"ERROR example.com/gopher is already served on this node by another gopherplug (pid {os.getpid()} "
+            f"on host {os.uname().nodename}, lock file {lock}): stop that one, or remove the resource from one "
+            "configuration"
+        )
+    )
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
+    assert len(simulator.registrations) == 1 and simulator.resources[RESOURCE].streaming
+
+
+async def test_a_long_resource_name_gets_a_short_socket_name(nursery, node, tmp_path):
+    # The readable name would fit at socket number 1 and pass the 107-byte limit at 10.
+    name = "example.com/" + "n" * 57
+    assert len(os.path.join(node.plugin_dir, f"gopherplug-example.com_{'n' * 57}-10.sock")) > gp.MAX_SOCKET_PATH
+    path = tmp_path / "long.yaml"
+    path.write_text(
+        yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": [{"name": name, "directory": node.devices}]})
+    )
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, gp.load_config(str(path)))
+        for restarts in range(10):
+            await simulator.wait_until(
+                lambda s, n=restarts: len(s.registrations) == n + 1 and s.resources[name].streaming
+            )
+            simulator.restart()
+        await simulator.wait_until(lambda s: len(s.registrations) == 11 and s.resources[name].streaming)
+        probed = await run_cli_async("probe", "--config", str(path))
+    endpoint = simulator.registrations[-1].endpoint
+    assert re.fullmatch(r"gopherplug-[0-9a-f]{16}-11\.sock", endpoint), endpoint
+    assert probed.returncode == 0
+    assert probed.stdout.decode().startswith(f"{name}: {endpoint}: 2 devices, 2 healthy")
 
 
 async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, tmp_path):
