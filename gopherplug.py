@@ -1603,7 +1603,7 @@ class GRPCServer:
     socket_path: str  #: the unix socket the server listens on
     inode: int  #: the socket file's inode: tells our own file from one created later at that path
     connections: set[_ServerConnection]  #: connections open right now
-    calls_ended: Watched  #: touched whenever a call ends (then see live_calls)
+    calls_ended: Watched  #: touched whenever a call or a connection ends (then see live_calls, connections)
 
     def owns_socket_file(self) -> bool:
         """Whether the socket file is still ours: not deleted, not replaced by another file."""
@@ -1691,6 +1691,7 @@ async def _serve_connection(
         log.debug("dropped a connection: %s", _describe(error))
     finally:
         connections.discard(connection)
+        server.calls_ended.touch()
 
 
 def _innermost(error: BaseException) -> BaseException:
@@ -2294,8 +2295,13 @@ def device_plugin_service(
     devices: Watched,
     shape_allocation: ShapeAllocation | None = None,
     encoder: _ListEncoder | None = None,
+    ending: Watched | None = None,
 ) -> purerpc.Service:
-    """The DevicePlugin service for one resource, answering from the live device set."""
+    """The DevicePlugin service for one resource, answering from the live device set.
+
+    Its ListAndWatch streams end (status OK) once ``ending`` is set to True.
+    """
+    ending = ending or Watched(False)
 
     async def get_device_plugin_options(empty: Any) -> Any:
         return device_plugin_options(resource)
@@ -2327,7 +2333,11 @@ def device_plugin_service(
             # A burst (a driver creating thousands of device nodes) becomes a few messages, each
             # with the latest list; a change after a quiet moment still goes out at once.
             await trio.sleep(LIST_PUSH_INTERVAL)
-            current = await devices.wait_changed(current)
+            while devices.value is current and not ending.value:
+                await _any_touched(devices, ending)
+            if ending.value:
+                return  # the kubelet sees the stream end, and forgets this registration
+            current = devices.value
 
     async def get_preferred_allocation(request: Any) -> Any:
         return preferred_allocation_response(resource, devices.value, request)
@@ -2581,12 +2591,13 @@ async def _serve_generations(
         if not lock.held():
             lock.acquire()  # before the first socket, and again if the directory was made anew
         endpoint = socket_name(resource.name, directory, generation)
+        ending = Watched(False)
         async with trio.open_nursery() as nursery:
             try:
                 server = await nursery.start(
                     serve_grpc,
                     os.path.join(directory, endpoint),
-                    [device_plugin_service(resource, devices, shape_allocation, encoder)],
+                    [device_plugin_service(resource, devices, shape_allocation, encoder, ending)],
                 )
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
@@ -2617,7 +2628,17 @@ async def _serve_generations(
                     await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
             _log(resource).info("%s: serving and registering again", why)
-            # Stop this server before the next registration: its ListAndWatch stream ends now.
+            # This registration must be gone from the kubelet before the next Register. When a
+            # ListAndWatch stream ends, the kubelet disconnects whichever plugin is registered under
+            # the resource's *name* at that moment (runClient in kubernetes/kubernetes
+            # pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go): had we registered again
+            # already, the new registration would be the one dropped. So the stream ends first, and
+            # we wait for the kubelet to close its connection, which it does once it has forgotten
+            # the registration. A kubelet that restarted has closed its connections already.
+            ending.set(True)
+            with trio.move_on_after(RETIRE_GRACE):
+                while server.connections:
+                    await server.calls_ended.wait_touched()
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
 
@@ -2864,6 +2885,7 @@ class SimulatedResource:
     topology: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  #: device ID -> NUMA nodes
     updates: int = 0  #: ListAndWatch messages received since this registration
     streaming: bool = False  #: whether the ListAndWatch stream is open
+    stream: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope, repr=False)  #: cancel: disconnect
 
     @property
     def capacity(self) -> int:
@@ -2890,16 +2912,16 @@ class KubeletSimulator:
         self.registrations: list[Any] = []  #: every accepted RegisterRequest, in order
         self.refusals: list[str] = []  #: the error of every refused Register, in order
         self.starts = 0  #: how many times the simulated kubelet started
+        #: What happened, in order: ("registered" | "stream ended" | "disconnected", resource, endpoint)
+        self.events: list[tuple[str, str, str]] = []
         self._changed = Watched(None)
         self._restart = trio.Event()
-        self._streams: dict[str, trio.CancelScope] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         """Be the kubelet until cancelled; started() once kubelet.sock listens."""
         while True:
             self._wipe_sockets()
             self._restart = trio.Event()
-            self._streams.clear()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(serve_grpc, self.socket_path, [self._registration_service()])
@@ -2994,20 +3016,19 @@ class KubeletSimulator:
             )
         except RPCError as error:
             raise RPCError(StatusCode.UNKNOWN, f"failed to dial device plugin: {error.message}") from None
-        old = self._streams.pop(request.resource_name, None)
-        if old is not None:
-            old.cancel()  # a new registration replaces the old endpoint
+        # The kubelet keeps one client per resource *name* (registerClient): a new registration
+        # replaces the old one in that table without closing the old one's stream.
         resource = SimulatedResource(request.endpoint, options, {})
         self.resources[request.resource_name] = resource
         self.registrations.append(request)
-        scope = self._streams[request.resource_name] = trio.CancelScope()
-        self._nursery.start_soon(self._list_and_watch, resource, endpoint, scope)
+        self.events.append(("registered", request.resource_name, request.endpoint))
+        self._nursery.start_soon(self._list_and_watch, request.resource_name, resource, endpoint)
         self._changed.touch()
         return v1beta1.Empty()
 
-    async def _list_and_watch(self, resource: SimulatedResource, endpoint: str, scope: trio.CancelScope) -> None:
+    async def _list_and_watch(self, name: str, resource: SimulatedResource, endpoint: str) -> None:
         method = METHODS[f"/{API_VERSION}.DevicePlugin/ListAndWatch"]
-        with scope:
+        with resource.stream:
             try:
                 async with open_stream(endpoint, method, v1beta1.Empty(), timeout=KUBELET_DIAL_TIMEOUT) as responses:
                     resource.streaming = True
@@ -3024,9 +3045,19 @@ class KubeletSimulator:
             except RPCError as error:
                 log.debug("simulated kubelet: ListAndWatch on %s ended: %s", endpoint, error)
             finally:
-                # The stream is gone: every device of the resource turns unhealthy at once.
                 resource.streaming = False
+                self.events.append(("stream ended", name, resource.endpoint))
+                # runClient (kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/
+                # handler.go) looks the client up by resource *name* once a stream ends, and
+                # disconnects the one registered now: a plugin that registered again before its old
+                # stream ended loses the new registration here. Disconnecting marks every device of
+                # the resource unhealthy at once (ManagerImpl.markResourceUnhealthy).
+                current = self.resources[name]
+                current.stream.cancel()
+                current.streaming = False
+                current.devices = dict.fromkeys(current.devices, UNHEALTHY)
                 resource.devices = dict.fromkeys(resource.devices, UNHEALTHY)
+                self.events.append(("disconnected", name, current.endpoint))
                 self._changed.touch()
 
 

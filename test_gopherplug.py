@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -1392,6 +1393,25 @@ async def test_our_socket_deleted_brings_us_back(nursery, node):
         await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s) == listed_ids("g1", "g2"))
         [new] = node.our_sockets()
         assert new != old and simulator.registrations[1].endpoint == new
+
+
+async def test_the_old_registration_is_gone_before_the_next_register(nursery, node):
+    # The kubelet disconnects whichever plugin is registered under the resource's name when a
+    # stream ends (the simulator does too): a Register sent before the old stream's end was
+    # handled would have the new registration dropped. So the order must be exactly this.
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        for round_ in range(3):
+            [old] = node.our_sockets()
+            os.unlink(os.path.join(node.plugin_dir, old))
+            await simulator.wait_until(lambda s, n=round_ + 2: len(s.registrations) == n and devices_of(s))
+        await simulator.wait_until(listed("g1", "g2"))
+    endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2, 3, 4)]
+    expected = [("registered", RESOURCE, endpoints[0])]
+    for old, new in itertools.pairwise(endpoints):
+        expected += [("stream ended", RESOURCE, old), ("disconnected", RESOURCE, old), ("registered", RESOURCE, new)]
+    assert simulator.events == expected
+    assert simulator.resources[RESOURCE].streaming
 
 
 def listed_ids(*ids):
