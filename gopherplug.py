@@ -407,9 +407,11 @@ class ConfigError(GopherplugError):
 #: Between a device ID and its replica number in the IDs the kubelet sees ("gopher0::1").
 REPLICA_SEPARATOR = "::"
 
-#: The CDI specification version gopherplug's spec files declare (container-device-interface
-#: specs-go CurrentVersion); every field written here exists since 0.5.0.
-CDI_VERSION = "0.8.0"
+#: The CDI specification versions a spec may need, oldest first. A spec declares the lowest one
+#: whose features it uses, as CDI's own tooling does (MinimumRequiredVersion in
+#: container-device-interface specs-go/version.go): a CDI library refuses a version it does not
+#: know, and runtimes vendor old ones (containerd 1.7 shipped CDI 0.5.4 and 0.6.2).
+CDI_VERSIONS = ("0.3.0", "0.5.0", "0.6.0")
 
 
 @dataclass(frozen=True)
@@ -767,18 +769,25 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     return tuple(annotations)
 
 
-# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 1 to 63 of [A-Za-z0-9_.-],
-# beginning and ending with a letter or digit (CDI specification, "Kind").
-_CDI_CLASS = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 1 to 63 of [A-Za-z0-9_.-];
+# both begin with a letter and end with a letter or digit (ValidateVendorName and
+# ValidateClassName in container-device-interface pkg/parser/parser.go).
+_CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 
 
 def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
     data = _mapping(data, source, where, {"kind", "spec_dir"}, {"kind"})
     kind = _string(data["kind"], source, f"{where}.kind")
     vendor, _, device_class = kind.partition("/")
-    if not _DNS_SUBDOMAIN.fullmatch(vendor) or len(vendor) > 253 or not _CDI_CLASS.fullmatch(device_class):
+    if (
+        not _DNS_SUBDOMAIN.fullmatch(vendor)
+        or not vendor[:1].isalpha()
+        or len(vendor) > 253
+        or not _CDI_CLASS.fullmatch(device_class)
+    ):
         problem = (
-            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -)"
+            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; "
+            "each beginning with a letter)"
         )
         raise ConfigError(source, f"{where}.kind", problem)
     spec_dir = _absolute_path(data.get("spec_dir", "/var/run/cdi"), source, f"{where}.spec_dir")
@@ -1217,7 +1226,26 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
         described.append({"name": device.id, "containerEdits": edits})
     if not described:
         return None  # CDI refuses a spec without devices: the file is removed instead
-    return {"cdiVersion": CDI_VERSION, "kind": resource.cdi.kind, "devices": described}
+    spec = {"cdiVersion": "", "kind": resource.cdi.kind, "devices": described}
+    spec["cdiVersion"] = cdi_version(spec)
+    return spec
+
+
+def cdi_version(spec: Mapping[str, Any]) -> str:
+    """The lowest CDI version that has every feature ``spec`` uses (one of CDI_VERSIONS).
+
+    The rules of container-device-interface specs-go/version.go, for what gopherplug writes:
+    0.6.0 for a class with a "." in it; 0.5.0 for a device node's hostPath or a device name
+    that does not begin with a letter; 0.3.0 otherwise. (0.4.0 is for a mount's type, 0.6.0
+    also for annotations, 0.7.0 for intelRdt and additionalGIDs: gopherplug writes none.)
+    """
+    if "." in spec["kind"].partition("/")[2]:
+        return "0.6.0"
+    for device in spec["devices"]:
+        nodes = device["containerEdits"].get("deviceNodes", ())
+        if not device["name"][:1].isalpha() or any("hostPath" in node for node in nodes):
+            return "0.5.0"
+    return "0.3.0"
 
 
 ########################################################################################################
@@ -2014,22 +2042,22 @@ async def watch_devices(
     directory came or went, a followed symlink target changed, the kernel's queue overflowed)
     rescans everything. Either way a burst becomes one new device set: ListAndWatch streams send
     the latest set, never a backlog. With ``cdi``, the CDI spec is rewritten before the kubelet
-    hears of a new device (a container may be created with it at once) and removed on the way out.
+    hears of a new device (a container may be created with it at once). It stays when this
+    returns: the kubelet keeps the CDI names of its allocations and gives them to the runtime
+    again whenever a container restarts, plugin running or not (an update rolling through the
+    DaemonSet, an OOM kill). A device leaves the spec only when it leaves the directory.
     """
     tracker = _DeviceTracker(resource, devices, sysfs_root)
-    try:
-        with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
-            if not watch.exists:
-                _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
-            tracker.rescan(watch)
-            task_status.started()
-            async for events, touched, rescan in watch.batches():
-                if rescan:
-                    tracker.rescan(watch)
-                else:
-                    tracker.update(watch, [name for name, _ in events], touched)
-    finally:
-        tracker.remove_cdi_spec()
+    with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
+        if not watch.exists:
+            _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
+        tracker.rescan(watch)
+        task_status.started()
+        async for events, touched, rescan in watch.batches():
+            if rescan:
+                tracker.rescan(watch)
+            else:
+                tracker.update(watch, [name for name, _ in events], touched)
 
 
 class _DeviceTracker:
@@ -2169,13 +2197,6 @@ class _DeviceTracker:
             described = {device["name"] for device in (self.cdi_written or {}).get("devices", [])}
             _log(self.resource).error("%s; offering only the devices it describes until it can be written", error)
             return {device_id: device for device_id, device in found.items() if device_id in described}
-
-    def remove_cdi_spec(self) -> None:
-        if self.resource.cdi is not None and self.cdi_written not in (None, _NOT_YET):
-            try:
-                write_cdi_spec(self.resource.cdi, None)
-            except GopherplugError as error:
-                _log(self.resource).error("%s", error)
 
 
 _NOT_YET = object()

@@ -48,6 +48,8 @@ from google.protobuf.json_format import MessageToDict
 from grpc_tools import protoc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inotify_simple import INotify
+from inotify_simple import flags as inotify_flags
 
 import gopherplug as gp
 from gopherplug import StatusCode, v1beta1
@@ -736,7 +738,12 @@ BAD_CONFIGS = [
     (
         resources(cdi={"kind": "gopher"}),
         "cfg.yaml: resources[0].cdi.kind: 'gopher': must be vendor/class, e.g. example.com/gopher "
-        "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -)",
+        "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
+    ),
+    (
+        resources(cdi={"kind": "example.com/3d"}),  # CDI wants a letter first, where Kubernetes does not
+        "cfg.yaml: resources[0].cdi.kind: 'example.com/3d': must be vendor/class, e.g. example.com/gopher "
+        "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
     ),
     (
         resources(cdi={"kind": "example.com/gopher", "spec_dir": "cdi"}),
@@ -1041,7 +1048,7 @@ def test_cdi_spec(tmp_path):
         mounts=[{"host_path": "{path}", "container_path": "/run/{id}"}],
     )
     assert gp.cdi_spec(resource, gp.scan_directory(resource).devices) == {
-        "cdiVersion": "0.8.0",
+        "cdiVersion": "0.5.0",
         "kind": "example.com/gopher",
         "devices": [
             {
@@ -1066,6 +1073,80 @@ def test_cdi_spec(tmp_path):
         ],
     }
     assert gp.cdi_spec(resource, ()) is None
+
+
+# What each CDI spec version added that gopherplug may write, and what makes it the minimum
+# (container-device-interface specs-go/config.go over its releases, specs-go/version.go). CDI
+# libraries parse strictly: a field a version does not know fails the spec.
+CDI_ADDED = {
+    "0.3.0": {
+        "spec": {"cdiVersion", "kind", "devices"},
+        "device": {"name", "containerEdits"},
+        "edits": {"env", "deviceNodes", "mounts"},
+        "node": {"path", "permissions"},
+        "mount": {"hostPath", "containerPath", "options"},
+    },
+    "0.4.0": {"mount": {"type"}},
+    "0.5.0": {"node": {"hostPath"}},  # and device names beginning with a digit
+    "0.6.0": {"spec": {"annotations"}, "device": {"annotations"}},  # and classes with a "."
+}
+
+
+def cdi_problem(version, spec):
+    """Why a CDI library that knows ``version`` at most refuses ``spec``, or None."""
+    known = [v for v in CDI_ADDED if v <= version]
+    if spec["cdiVersion"] not in known:
+        return f"invalid version {spec['cdiVersion']!r}"
+    fields = {
+        part: set().union(*(CDI_ADDED[v].get(part, set()) for v in CDI_ADDED if v <= spec["cdiVersion"]))
+        for part in ("spec", "device", "edits", "node", "mount")
+    }
+    if set(spec) - fields["spec"] or not spec["devices"]:
+        return "unknown spec field, or no devices"
+    if "." in spec["kind"].partition("/")[2] and spec["cdiVersion"] < "0.6.0":
+        return "a class with '.' needs 0.6.0"
+    for device in spec["devices"]:
+        edits = device["containerEdits"]
+        if set(device) - fields["device"] or not edits or set(edits) - fields["edits"]:
+            return f"device {device['name']}: unknown field or empty edits"
+        if not device["name"][0].isalpha() and spec["cdiVersion"] < "0.5.0":
+            return f"device {device['name']}: a name beginning with a digit needs 0.5.0"
+        if any("=" not in env[1:] for env in edits.get("env", [])):
+            return "env without ="
+        for node in edits.get("deviceNodes", []):
+            if set(node) - fields["node"] or not node.get("path"):
+                return f"device node {node}: unknown field or no path"
+        for mount in edits.get("mounts", []):
+            if set(mount) - fields["mount"] or not (mount.get("hostPath") and mount.get("containerPath")):
+                return f"mount {mount}: unknown field or missing path"
+    return None
+
+
+@pytest.mark.parametrize(
+    ("names", "fields", "version"),
+    [
+        (["plain"], {"mounts": [{"host_path": "{path}", "container_path": "/run/{id}"}]}, "0.3.0"),
+        (["0plain"], {"mounts": [{"host_path": "{path}", "container_path": "/run/{id}"}]}, "0.5.0"),
+        (["null"], {"allowed_host_paths": ["/dev"]}, "0.5.0"),  # a device node: its hostPath
+        (
+            ["plain"],
+            {"cdi": {"kind": "example.com/gpu.v2"}, "mounts": [{"host_path": "{path}", "container_path": "/run/{id}"}]},
+            "0.6.0",
+        ),
+    ],
+)
+def test_cdi_spec_declares_the_lowest_version_its_features_need(tmp_path, names, fields, version):
+    for name in names:
+        if name == "null":
+            os.symlink("/dev/null", tmp_path / name)
+        else:
+            (tmp_path / name).touch()
+    resource = resource_in(tmp_path, **{"cdi": {"kind": "example.com/gopher"}, **fields})
+    spec = gp.cdi_spec(resource, gp.scan_directory(resource).devices)
+    assert spec["cdiVersion"] == version
+    assert json.loads(json.dumps(spec)) == spec  # what the file holds
+    for library in CDI_ADDED:  # a library that knows up to this version: accepts from `version` on
+        assert (cdi_problem(library, spec) is None) == (library >= version), (library, cdi_problem(library, spec))
 
 
 def preferred(resource, devices, available, must_include, size):
@@ -2092,7 +2173,7 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
             await nursery.start(gp.serve_plugin, config)
             await simulator.wait_until(listed("g1", "g2"))
             spec = read_spec(spec_file)
-            assert (spec["cdiVersion"], spec["kind"]) == ("0.8.0", "example.com/gopher")
+            assert (spec["cdiVersion"], spec["kind"]) == ("0.5.0", "example.com/gopher")
             assert [d["name"] for d in spec["devices"]] == ["g1", "g2"]
             assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [
                 {"path": "/dev/g1", "hostPath": f"{node.devices}/g1", "permissions": "rw"}
@@ -2113,7 +2194,33 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
             await simulator.wait_until(listed("g4"))
             assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g4"]
             nursery.cancel_scope.cancel()
-    assert not spec_file.exists(), "removed on exit"
+    # Kept: the kubelet gives the runtime the same CDI names again when a container restarts,
+    # whether the plugin runs or not.
+    assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g4"]
+
+
+async def test_cdi_spec_has_no_gap_across_a_reload_or_a_restart(node, tmp_path):
+    cdi_dir = tmp_path / "cdi"
+    path = tmp_path / "gopherplug.yaml"
+    cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(cdi_dir)}}
+    path.write_text(config_text(node, **{RESOURCE: cdi}))
+    spec_file = cdi_dir / "example.com-gopher.json"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            simulator = await reloading(nursery, node, path)
+            watcher = INotify()  # every change the spec's directory sees from here on
+            watcher.add_watch(str(cdi_dir), inotify_flags.DELETE | inotify_flags.MOVED_FROM | inotify_flags.MOVED_TO)
+            path.write_text(config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # changed: served anew
+            await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s))
+            nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as nursery:  # the plugin restarted, as a DaemonSet update does
+            simulator = await reloading(nursery, node, path)
+            nursery.cancel_scope.cancel()
+    events = [inotify_flags.from_mask(e.mask) for e in watcher.read(timeout=0) if e.name == spec_file.name]
+    watcher.close()
+    # Only atomic replacements (a temporary renamed over it); never a moment without the file.
+    assert events and all(flags == [inotify_flags.MOVED_TO] for flags in events), events
+    assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g1", "g2"]
 
 
 async def test_cdi_write_failure_holds_new_devices_back_until_it_works(nursery, node, tmp_path, caplog):
