@@ -517,6 +517,15 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 # paths, CDI names and log lines alike.
 _DEVICE_ID = re.compile(r"[A-Za-z0-9._-]{1,63}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The env var is set in the container's environment and in the pre_start command's, where some
+# names change how programs are found, loaded and run (PATH=g1,g2 and neither finds its programs):
+# every LD_* (the dynamic loader's: LD_PRELOAD, LD_LIBRARY_PATH...), the others of glibc's
+# UNSECURE_ENVVARS (what it drops for setuid programs), and the shell's own.
+_LOADER_ENV = frozenset(
+    "GCONV_PATH GETCONF_DIR HOSTALIASES LOCALDOMAIN LOCPATH MALLOC_TRACE NIS_PATH NLSPATH RESOLV_HOST_CONF "
+    "RES_OPTIONS TMPDIR TZDIR".split()
+)
+_SHELL_ENV = frozenset("PATH HOME SHELL IFS ENV BASH_ENV CDPATH SHELLOPTS BASHOPTS PS4 GLOBIGNORE PWD OLDPWD".split())
 _TEMPLATE_FIELDS = {"id": "gopher0", "path": "/dev/gopher0", "index": 0}
 
 
@@ -608,6 +617,11 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
     env = _string(data.get("env", default_env_name(name)), source, f"{where}.env")
     if not _ENV_NAME.fullmatch(env):
         raise ConfigError(source, f"{where}.env", f"{env!r} is not a valid environment variable name")
+    if env.startswith("LD_") or env in _LOADER_ENV or env in _SHELL_ENV:
+        problem = f"{env!r} is given meaning by the shell or the dynamic loader: choose another name"
+        raise ConfigError(source, f"{where}.env", problem)
+    if env == "GOPHERPLUG_RESOURCE":  # run_pre_start sets it after the env var: the devices would be lost
+        raise ConfigError(source, f"{where}.env", f"{env!r} is set by gopherplug for pre_start: choose another name")
     allowed = tuple(
         _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
         for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))

@@ -644,6 +644,18 @@ BAD_CONFIGS = [
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (resources(env="1GOPHER"), "cfg.yaml: resources[0].env: '1GOPHER' is not a valid environment variable name"),
     (resources(env="GO-PHER"), "cfg.yaml: resources[0].env: 'GO-PHER' is not a valid environment variable name"),
+    *(
+        (
+            resources(env=name),
+            f"cfg.yaml: resources[0].env: {name!r} is given meaning by the shell or the dynamic loader: "
+            "choose another name",
+        )
+        for name in ("PATH", "LD_PRELOAD")
+    ),
+    (
+        resources(env="GOPHERPLUG_RESOURCE"),
+        "cfg.yaml: resources[0].env: 'GOPHERPLUG_RESOURCE' is set by gopherplug for pre_start: choose another name",
+    ),
     (
         resources(device_specs={"a": 1}),
         "cfg.yaml: resources[0].device_specs: must be a list",
@@ -2296,6 +2308,11 @@ async def test_readme_embedding_example_serves_devices_from_code(nursery, node):
         (
             {"env": "bad-name"},
             "resource_config('example.com/widget'): env: 'bad-name' is not a valid environment variable name",
+        ),
+        (
+            {"env": "PATH"},
+            "resource_config('example.com/widget'): env: 'PATH' is given meaning by the shell or the dynamic loader: "
+            "choose another name",
         ),
         (
             {"directory": "/x"},
