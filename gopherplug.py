@@ -47,6 +47,7 @@ import shutil
 import signal
 import stat
 import string
+import subprocess
 import sys
 import tempfile
 import types
@@ -520,6 +521,15 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 # paths, CDI names and log lines alike.
 _DEVICE_ID = re.compile(r"[A-Za-z0-9._-]{1,63}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The env var is set in the container's environment and in the pre_start command's, where some
+# names change how programs are found, loaded and run (PATH=g1,g2 and neither finds its programs):
+# every LD_* (the dynamic loader's: LD_PRELOAD, LD_LIBRARY_PATH...), the others of glibc's
+# UNSECURE_ENVVARS (what it drops for setuid programs), and the shell's own.
+_LOADER_ENV = frozenset(
+    "GCONV_PATH GETCONF_DIR HOSTALIASES LOCALDOMAIN LOCPATH MALLOC_TRACE NIS_PATH NLSPATH RESOLV_HOST_CONF "
+    "RES_OPTIONS TMPDIR TZDIR".split()
+)
+_SHELL_ENV = frozenset("PATH HOME SHELL IFS ENV BASH_ENV CDPATH SHELLOPTS BASHOPTS PS4 GLOBIGNORE PWD OLDPWD".split())
 _TEMPLATE_FIELDS = {"id": "gopher0", "path": "/dev/gopher0", "index": 0}
 
 
@@ -665,6 +675,11 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
     env = _string(data.get("env", default_env_name(name)), source, f"{where}.env")
     if not _ENV_NAME.fullmatch(env):
         raise ConfigError(source, f"{where}.env", f"{env!r} is not a valid environment variable name")
+    if env.startswith("LD_") or env in _LOADER_ENV or env in _SHELL_ENV:
+        problem = f"{env!r} is given meaning by the shell or the dynamic loader: choose another name"
+        raise ConfigError(source, f"{where}.env", problem)
+    if env == "GOPHERPLUG_RESOURCE":  # run_pre_start sets it after the env var: the devices would be lost
+        raise ConfigError(source, f"{where}.env", f"{env!r} is set by gopherplug for pre_start: choose another name")
     allowed = tuple(
         _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
         for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))
@@ -1418,11 +1433,19 @@ class _ResetAwareConnection(GRPCConnection):
     ListAndWatch handler would live on until its next push tried to write, forever if none came.
     """
 
-    # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames and 65,536 concurrent streams:
-    # a peer could make us buffer 16 MiB per frame and thousands of calls. The kubelet's grpc-go
-    # sends 16 KiB frames (the HTTP/2 default) and uses one stream plus one call at a time.
+    # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames: a peer could make us buffer
+    # 16 MiB per frame. The kubelet's grpc-go sends 16 KiB frames (the HTTP/2 default).
     MAX_INBOUND_FRAME_SIZE = 2**14
-    MAX_CONCURRENT_STREAMS = 32
+    # The kubelet makes every call to a plugin on one connection, and grpc-go does not refuse a call
+    # over the streams we allow: it queues the call until a stream ends, its deadline running. The
+    # kubelet calls PreStartContainer for every container start, and starts pods in parallel (up
+    # to 110 per node by default, a few hundred at most); with 32 streams, 32 slow pre_start
+    # commands would hold every one, and the next PreStartContainer (30 s deadline) and Allocate
+    # behind them would time out in the kubelet's queue. So: far more streams than a kubelet can
+    # have in flight, each costing a task and its request (the kubelet's are a few bytes); how
+    # much work runs at once is for the handlers to limit where it costs (section 6 runs only a
+    # few pre_start commands at a time). purerpc's own 65,536 would let a peer pile up more.
+    MAX_CONCURRENT_STREAMS = 1024
 
     def __init__(self, config: GRPCConfiguration) -> None:
         super().__init__(config)
@@ -2375,10 +2398,15 @@ def device_plugin_service(
             _log(resource).info("allocated %s", ",".join(container.devices_ids))
         return response
 
+    # One server per resource and registration: the previous one, and the commands it ran, are
+    # stopped before the next serves, so these slots are the resource's.
+    pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
+
     async def pre_start_container(request: Any) -> Any:
         # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
         if resource.pre_start:
-            await run_pre_start(resource, allocated_devices(resource, devices.value, request.devices_ids))
+            chosen = allocated_devices(resource, devices.value, request.devices_ids)
+            await run_pre_start(resource, chosen, pre_start_slots)
         return v1beta1.PreStartContainerResponse()
 
     service = purerpc.Service(f"{API_VERSION}.DevicePlugin")
@@ -2393,46 +2421,92 @@ def device_plugin_service(
     return service
 
 
+#: At most this many pre_start commands of a resource run at once; the kubelet's further calls
+#: wait for a slot, the wait counting toward pre_start_timeout. The kubelet calls PreStartContainer
+#: for every container start, and starts pods in parallel: a node starting 110 pods (the default
+#: maximum) must not fork 110 hook processes at once, each perhaps resetting hardware or loading
+#: firmware. Eight let a burst of quick commands through in parallel, on any node's cores.
+PRE_START_CONCURRENCY = 8
+
+#: How much of a pre_start command's stderr is kept: its end, which holds the last line the
+#: kubelet shows in the pod's events. Whatever the command prints, this is all it costs us.
+PRE_START_STDERR_TAIL = 4096
+
+
 async def _kill_process_group(process: trio.Process) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
 
 
-async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry]) -> None:
+async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
     """Run the resource's pre_start command for a container about to start with ``chosen``.
 
     No shell: the argv as configured, with the env var of an allocation (and GOPHERPLUG_RESOURCE)
-    added to this process's environment. A non-zero exit or overrunning pre_start_timeout
-    becomes an RPCError carrying the command's last line of stderr: the kubelet then fails the
-    container start with it, in the pod's events.
+    added to this process's environment; stdin and stdout are /dev/null. The command waits for
+    one of ``slots`` first (see PRE_START_CONCURRENCY). A non-zero exit, or waiting and running
+    past pre_start_timeout, becomes an RPCError carrying the command's last line of stderr (or
+    what it waited for): the kubelet then fails the container start with it, in the pod's events.
     """
     command = resource.pre_start[0]
     env = {**os.environ, resource.env: ",".join(d.id for d in chosen), "GOPHERPLUG_RESOURCE": resource.name}
+    started = False
     try:
+        # One deadline for waiting and running: the kubelet's 30 s run from its call, not from
+        # when a slot came free.
         with trio.fail_after(resource.pre_start_timeout):
-            result = await trio.run_process(
-                list(resource.pre_start),
-                env=env,
-                stdin=b"",
-                capture_stdout=True,
-                capture_stderr=True,
-                check=False,
-                start_new_session=True,  # its own process group: what it starts is killed with it
-                deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-            )
+            async with slots:
+                started = True
+                returncode, stderr = await _run_for_stderr_tail(resource.pre_start, env)
     except trio.TooSlowError:
+        if not started:
+            raise RPCError(
+                StatusCode.DEADLINE_EXCEEDED,
+                f"pre_start {command} did not start within {resource.pre_start_timeout:g} s: it waited all that "
+                f"time for one of the {slots.total_tokens} pre_start commands already running for {resource.name} "
+                "to finish",
+            ) from None
         raise RPCError(
             StatusCode.DEADLINE_EXCEEDED,
             f"pre_start {command} did not finish within {resource.pre_start_timeout:g} s (killed)",
         ) from None
     except OSError as error:
         raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.decode(errors="replace").splitlines() if line.strip()]
-        how = f"exited with {result.returncode}" if result.returncode > 0 else f"killed by signal {-result.returncode}"
+    if returncode != 0:
+        lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
+        how = f"exited with {returncode}" if returncode > 0 else f"killed by signal {-returncode}"
         said = f": {lines[-1].strip()}" if lines else " (nothing on stderr)"
         raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {how}{said}")
     _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
+
+
+async def _run_for_stderr_tail(argv: Iterable[str], env: Mapping[str, str]) -> tuple[int, bytes]:
+    """Run ``argv`` to its end; return its exit status and the last PRE_START_STDERR_TAIL bytes of
+    its stderr. Its stdout goes to /dev/null: a command may print gigabytes, and capturing all of
+    it, as trio.run_process(capture_stderr=True) does, would hold them all in our memory."""
+    tail = bytearray()
+    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    list(argv),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    check=False,
+                    start_new_session=True,  # its own process group: what it starts is killed with it
+                    deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
+                )
+            )
+            assert process.stderr is not None  # stderr=PIPE
+            async with process.stderr:
+                async for chunk in process.stderr:
+                    tail += chunk
+                    del tail[:-PRE_START_STDERR_TAIL]
+    # The nursery waited for run_process, which waited for the command to exit.
+    assert process.returncode is not None
+    return process.returncode, bytes(tail)
 
 
 class ResourceLock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import importlib.util
 import itertools
@@ -33,6 +34,7 @@ import sys
 import tempfile
 from concurrent import futures
 from pathlib import Path
+from resource import RUSAGE_SELF, getrusage
 
 import grpc
 import h2.config
@@ -651,6 +653,18 @@ BAD_CONFIGS = [
     ),
     (resources(env="1GOPHER"), "cfg.yaml: resources[0].env: '1GOPHER' is not a valid environment variable name"),
     (resources(env="GO-PHER"), "cfg.yaml: resources[0].env: 'GO-PHER' is not a valid environment variable name"),
+    *(
+        (
+            resources(env=name),
+            f"cfg.yaml: resources[0].env: {name!r} is given meaning by the shell or the dynamic loader: "
+            "choose another name",
+        )
+        for name in ("PATH", "LD_PRELOAD")
+    ),
+    (
+        resources(env="GOPHERPLUG_RESOURCE"),
+        "cfg.yaml: resources[0].env: 'GOPHERPLUG_RESOURCE' is set by gopherplug for pre_start: choose another name",
+    ),
     (
         resources(device_specs={"a": 1}),
         "cfg.yaml: resources[0].device_specs: must be a list",
@@ -2327,6 +2341,126 @@ async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path
     )
 
 
+# A pre_start command the test holds back: it registers itself (a file named by its pid), tells
+# the test how many commands are registered (a line on a FIFO), then waits for a shared flock on a
+# file the test holds exclusively, and unregisters before it exits.
+HELD_HOOK = """
+import fcntl, os, sys
+running, fifo, lock = sys.argv[1:]
+mine = os.path.join(running, str(os.getpid()))
+open(mine, "x").close()
+with open(fifo, "w") as out:
+    out.write(f"{len(os.listdir(running))}\\n")
+with open(lock) as held:
+    fcntl.flock(held, fcntl.LOCK_SH)
+os.remove(mine)
+"""
+
+
+class Lines:
+    """The lines written to a FIFO, as they come: the read end, and a write end kept open so that
+    the FIFO never reaches end of file between two writers."""
+
+    def __init__(self, path):
+        self.stream = trio.lowlevel.FdStream(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        self.keep_open = os.open(path, os.O_WRONLY)
+        self.buffer = b""
+
+    async def next(self):
+        while b"\n" not in self.buffer:
+            self.buffer += await self.stream.receive_some()
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+    async def aclose(self):
+        os.close(self.keep_open)
+        await self.stream.aclose()
+
+
+async def test_slow_pre_starts_neither_starve_allocate_nor_all_run_at_once(pb2, nursery, node, tmp_path):
+    """40 containers starting at once, their pre_start commands all slow: the kubelet's one
+    connection must still carry an Allocate, and only a few commands may run at a time."""
+    hook, running, fifo, lock = tmp_path / "hook.py", tmp_path / "running", tmp_path / "fifo", tmp_path / "lock"
+    hook.write_text(HELD_HOOK)
+    running.mkdir()
+    os.mkfifo(fifo)
+    lock.touch()
+    calls, limit = 40, gp.PRE_START_CONCURRENCY
+    command = [sys.executable, str(hook), str(running), str(fifo), str(lock)]
+    held = open(lock)  # closed in the finally below
+    fcntl.flock(held, fcntl.LOCK_EX)
+    lines = Lines(fifo)
+    client = None
+    try:
+        with trio.fail_after(TIMEOUT):
+            simulator = await start(nursery, node, pre_start=command)
+            # One grpcio channel is one connection, like the kubelet's grpc-go one to each plugin:
+            # calls beyond the streams the server allows wait in the client for a free stream.
+            client = GrpcioClient(pb2, os.path.join(node.plugin_dir, simulator.registrations[0].endpoint))
+            pre_start = client.channel.unary_unary(
+                "/v1beta1.DevicePlugin/PreStartContainer",
+                request_serializer=pb2.PreStartContainerRequest.SerializeToString,
+                response_deserializer=pb2.PreStartContainerResponse.FromString,
+            )
+            request = pb2.PreStartContainerRequest(devices_ids=["g1"])
+            pending = await in_thread(lambda: [pre_start.future(request, timeout=TIMEOUT) for _ in range(calls)])
+            counts = [int(await lines.next()) for _ in range(limit)]  # that many commands are held
+            answer = await in_thread(client.allocate, allocate_request(pb2, "g2"), timeout=5)
+            assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g2"}
+            fcntl.flock(held, fcntl.LOCK_UN)
+            answers = await in_thread(lambda: [call.result() for call in pending])
+            assert answers == [pb2.PreStartContainerResponse()] * calls
+            counts += [int(await lines.next()) for _ in range(calls - limit)]  # every command reported
+    finally:
+        held.close()
+        if client is not None:
+            client.close()
+        await lines.aclose()
+    assert max(counts) == limit, counts
+    assert os.listdir(running) == []
+
+
+async def test_pre_start_that_waits_past_its_timeout_for_a_slot_says_so(node):
+    resource = node.config(pre_start=["true"], pre_start_timeout=0.2).resources[0]
+    slots = trio.CapacityLimiter(2)
+    with trio.fail_after(TIMEOUT):
+        for holder in ("one", "two"):  # two commands running: every slot taken
+            await slots.acquire_on_behalf_of(holder)
+        with pytest.raises(gp.RPCError) as info:
+            await gp.run_pre_start(resource, [gp.DeviceEntry("g1", f"{node.devices}/g1")], slots)
+    assert (info.value.code, info.value.message) == (
+        StatusCode.DEADLINE_EXCEEDED,
+        "pre_start true did not start within 0.2 s: it waited all that time for one of the 2 pre_start commands "
+        "already running for example.com/gopher to finish",
+    )
+
+
+# Writes 300 MiB to stdout and as much to stderr, then says what went wrong and fails.
+LOUD_HOOK = """
+import sys
+chunk = b"x" * 2**20 + b"\\n"
+for _ in range(300):
+    sys.stdout.buffer.write(chunk)
+    sys.stderr.buffer.write(chunk)
+sys.stderr.buffer.write(b"the disk is full\\n\\n")
+sys.exit(1)
+"""
+
+
+async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, pre_start=[sys.executable, "-c", LOUD_HOOK])
+        peak = getrusage(RUSAGE_SELF).ru_maxrss  # KiB
+        with pytest.raises(gp.RPCError) as failed:
+            await simulator.pre_start_container(RESOURCE, ["g1"])
+        grown = getrusage(RUSAGE_SELF).ru_maxrss - peak
+    assert (failed.value.code, failed.value.message) == (
+        StatusCode.UNKNOWN,
+        f"pre_start {sys.executable} exited with 1: the disk is full",
+    )
+    assert grown < 50 * 1024, f"the plugin's peak memory grew by {grown // 1024} MiB for 600 MiB of output"
+
+
 def readme_example():
     """The README's embedding example, as a module namespace (its code block after "## Embedding")."""
     text = (HERE / "README.md").read_text()
@@ -2360,6 +2494,11 @@ async def test_readme_embedding_example_serves_devices_from_code(nursery, node):
         (
             {"env": "bad-name"},
             "resource_config('example.com/widget'): env: 'bad-name' is not a valid environment variable name",
+        ),
+        (
+            {"env": "PATH"},
+            "resource_config('example.com/widget'): env: 'PATH' is given meaning by the shell or the dynamic loader: "
+            "choose another name",
         ),
         (
             {"directory": "/x"},
