@@ -684,7 +684,7 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
         _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
         for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))
     )
-    roots = (directory, "/dev", *allowed)
+    roots = (directory, *allowed, *(["/dev"] if _is_under(directory, ["/dev"]) else []))
     device_specs = None
     if "device_specs" in data:
         device_specs = tuple(
@@ -705,6 +705,12 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
     cdi = None
     if "cdi" in data:
         cdi = _parse_cdi(data["cdi"], source, f"{where}.cdi")
+        # The CDI spec sets <env>_<ID> per device: "LD" and a device "preload" would be LD_PRELOAD.
+        prefix = env + "_"
+        if prefix == "LD_" or any(name.startswith(prefix) for name in _LOADER_ENV | _SHELL_ENV):
+            problem = f"{env!r}: with cdi, each device sets {env}_<ID>, which could name a variable the shell or "
+            problem += "the dynamic loader give meaning to: choose another name"
+            raise ConfigError(source, f"{where}.env", problem)
         templates = [(f"device_specs[{i}]", spec.container_path) for i, spec in enumerate(device_specs or ())]
         templates += [(f"mounts[{i}]", mount.container_path) for i, mount in enumerate(mounts)]
         for key, template in templates:
@@ -945,8 +951,17 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
 
 
 def host_path_roots(resource: ResourceConfig) -> list[str]:
-    """Where the resource's host paths may lie, symlinks resolved: its directory, /dev, and what it allows."""
-    return [os.path.realpath(root) for root in (resource.directory, "/dev", *resource.allowed_host_paths)]
+    """Where the resource's host paths may lie, symlinks resolved: its directory, what it allows,
+    and /dev when the directory is in /dev.
+
+    /dev is not allowed implicitly to a directory elsewhere: whoever may write that directory could
+    link an entry to any disk (g0 -> /dev/vda) and have it handed to a container read-write. In
+    /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
+    """
+    roots = [resource.directory, *resource.allowed_host_paths]
+    if _is_under(os.path.realpath(resource.directory), ["/dev"]):
+        roots.append("/dev")
+    return [os.path.realpath(root) for root in roots]
 
 
 def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_root: str) -> DeviceEntry | str | None:
@@ -976,21 +991,8 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
         mode = rdev = 0  # cannot even stat it: a device, unhealthy
         unreachable = error
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-    fields = {"id": name, "path": path}  # host paths only: {index} waits for an allocation
-    specs: tuple[DeviceSpecTemplate, ...]
-    if resource.device_specs is None:
-        literal = path.replace("{", "{{").replace("}", "}}")  # a container path is a template
-        specs = (DeviceSpecTemplate(path, literal, "rw"),) if is_node else ()
-    else:
-        specs = tuple(
-            dataclasses.replace(spec, host_path=spec.host_path.format(**fields)) for spec in resource.device_specs
-        )
-    mounts = tuple(dataclasses.replace(mount, host_path=mount.host_path.format(**fields)) for mount in resource.mounts)
-    outside = [
-        host_path
-        for host_path in [*(s.host_path for s in specs), *(m.host_path for m in mounts)]
-        if not _is_under(os.path.realpath(host_path), roots)
-    ]
+    specs, mounts = _host_paths(resource, name, path, is_node)
+    outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node))
@@ -998,6 +1000,33 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(name, path, is_node, health, problem, numa_node, specs, mounts, followed)
+
+
+def _host_paths(
+    resource: ResourceConfig, name: str, path: str, is_node: bool
+) -> tuple[tuple[DeviceSpecTemplate, ...], tuple[MountTemplate, ...]]:
+    """A device's DeviceSpecs and mounts, host paths filled in and resolved, container paths templates.
+
+    The runtime opens a host path when it creates the container, and again at every restart of it,
+    from the allocation the kubelet stored: a symlink re-pointed in between would lead those to
+    another file than the one checked here. So the runtime gets the file itself (/dev/ttyUSB0),
+    and the stable name (the by-id link) is where the container finds it.
+    """
+    fields = {"id": name, "path": path}  # host paths only: {index} waits for an allocation
+    specs: tuple[DeviceSpecTemplate, ...]
+    if resource.device_specs is None:
+        literal = path.replace("{", "{{").replace("}", "}}")  # a container path is a template
+        specs = (DeviceSpecTemplate(os.path.realpath(path), literal, "rw"),) if is_node else ()
+    else:
+        specs = tuple(
+            dataclasses.replace(spec, host_path=os.path.realpath(spec.host_path.format(**fields)))
+            for spec in resource.device_specs
+        )
+    mounts = tuple(
+        dataclasses.replace(mount, host_path=os.path.realpath(mount.host_path.format(**fields)))
+        for mount in resource.mounts
+    )
+    return specs, mounts
 
 
 def _symlink_hops(path: str) -> tuple[str, ...]:
@@ -2340,10 +2369,13 @@ def device_plugin_service(
     shape_allocation: ShapeAllocation | None = None,
     encoder: _ListEncoder | None = None,
     ending: Watched | None = None,
+    examine: Callable[[str], DeviceEntry | str | None] | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
 
-    Its ListAndWatch streams end (status OK) once ``ending`` is set to True.
+    Its ListAndWatch streams end (status OK) once ``ending`` is set to True. With ``examine`` (a
+    device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
+    devices they are asked for again instead of trusting the set inotify last published.
     """
     ending = ending or Watched(False)
 
@@ -2386,8 +2418,25 @@ def device_plugin_service(
     async def get_preferred_allocation(request: Any) -> Any:
         return preferred_allocation_response(resource, devices.value, request)
 
+    def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
+        # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
+        # the container gets is decided from the file system as it is now (and confined again).
+        known = devices.value
+        if examine is None:
+            return known
+        now = {}
+        for device_id in {resource.underlying_id(kubelet_id) for kubelet_id in ids}:
+            if device_id is not None and device_id in known:
+                found = examine(device_id)
+                if isinstance(found, str):
+                    raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
+                if found is not None:
+                    now[device_id] = found
+        return now
+
     async def allocate(request: Any) -> Any:
-        response, allocated = allocate_with_devices(resource, devices.value, request)
+        ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
+        response, allocated = allocate_with_devices(resource, devices_now(ids), request)
         for container, chosen, answer in zip(
             request.container_requests, allocated, response.container_responses, strict=True
         ):
@@ -2405,7 +2454,7 @@ def device_plugin_service(
     async def pre_start_container(request: Any) -> Any:
         # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
         if resource.pre_start:
-            chosen = allocated_devices(resource, devices.value, request.devices_ids)
+            chosen = allocated_devices(resource, devices_now(request.devices_ids), request.devices_ids)
             await run_pre_start(resource, chosen, pre_start_slots)
         return v1beta1.PreStartContainerResponse()
 
@@ -2649,19 +2698,26 @@ async def serve_resource(
     shape_allocation: ShapeAllocation | None = None,
     generations: Iterator[int] | None = None,
     *,
+    examine: Callable[[str], DeviceEntry | str | None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
     until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
+    ``examine`` is for device_plugin_service().
 
     started() is called once the first socket is listening (registration may still be waiting
     for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
     again after a configuration change continues its numbering.
     """
     directory = kubelet.device_plugin_dir
+    encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
+
+    def service(ending: Watched) -> purerpc.Service:
+        return device_plugin_service(resource, devices, shape_allocation, encoder, ending, examine)
+
     lock = ResourceLock(resource.name, directory)
     try:
-        await _serve_generations(resource, devices, kubelet, lock, shape_allocation, generations, task_status)
+        await _serve_generations(resource, devices, kubelet, lock, service, generations, task_status)
     finally:
         lock.release()
 
@@ -2671,12 +2727,11 @@ async def _serve_generations(
     devices: Watched,
     kubelet: KubeletWatch,
     lock: ResourceLock,
-    shape_allocation: ShapeAllocation | None,
+    service: Callable[[Watched], purerpc.Service],
     generations: Iterator[int] | None,
     task_status: trio.TaskStatus[None],
 ) -> None:
     directory = kubelet.device_plugin_dir
-    encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
@@ -2692,7 +2747,7 @@ async def _serve_generations(
                 server = await nursery.start(
                     serve_grpc,
                     os.path.join(directory, endpoint),
-                    [device_plugin_service(resource, devices, shape_allocation, encoder, ending)],
+                    [service(ending)],
                 )
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
@@ -2907,10 +2962,16 @@ async def _serve_one(
                         await watch_devices(served.resource, served.devices, sysfs_root, task_status=task_status)
 
                 await nursery.start(watch)
-                await nursery.start(serve_resource, served.resource, served.devices, kubelet, None, generations)
+                examine = functools.partial(_examine_now, served.resource, sysfs_root)
+                serve = functools.partial(serve_resource, examine=examine)
+                await nursery.start(serve, served.resource, served.devices, kubelet, None, generations)
                 task_status.started()
     finally:
         served.done.set()
+
+
+def _examine_now(resource: ResourceConfig, sysfs_root: str, name: str) -> DeviceEntry | str | None:
+    return examine_entry(resource, name, host_path_roots(resource), sysfs_root)
 
 
 async def watch_config_file(

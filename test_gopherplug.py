@@ -683,7 +683,7 @@ BAD_CONFIGS = [
         "use {id}, {path} or {index}",
     ),
     (
-        resources(device_specs=[{"host_path": "/dev/x", "container_path": "/dev/x", "permissions": "rx"}]),
+        resources(device_specs=[{"host_path": "/g/x", "container_path": "/dev/x", "permissions": "rx"}]),
         "cfg.yaml: resources[0].device_specs[0].permissions: 'rx': use letters from r, w and m, each once",
     ),
     (
@@ -693,12 +693,17 @@ BAD_CONFIGS = [
     ),
     (
         resources(device_specs=[{"host_path": "/etc/shadow", "container_path": "/dev/x"}]),
-        "cfg.yaml: resources[0].device_specs[0].host_path: '/etc/shadow' is outside /g, /dev: add its directory "
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/etc/shadow' is outside /g: add its directory "
         "to allowed_host_paths",
     ),
     (
+        resources(directory="/dev/serial/by-id", device_specs=[{"host_path": "/etc/shadow", "container_path": "/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/etc/shadow' is outside /dev/serial/by-id, /dev: add "
+        "its directory to allowed_host_paths",
+    ),
+    (
         resources(mounts=[{"host_path": "/dev/../etc", "container_path": "/etc"}]),
-        "cfg.yaml: resources[0].mounts[0].host_path: '/dev/../etc' is outside /g, /dev: add its directory "
+        "cfg.yaml: resources[0].mounts[0].host_path: '/dev/../etc' is outside /g: add its directory "
         "to allowed_host_paths",
     ),
     (
@@ -753,6 +758,11 @@ BAD_CONFIGS = [
         resources(cdi={"kind": "gopher"}),
         "cfg.yaml: resources[0].cdi.kind: 'gopher': must be vendor/class, e.g. example.com/gopher "
         "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
+    ),
+    (
+        resources(cdi={"kind": "example.com/gopher"}, env="LD"),
+        "cfg.yaml: resources[0].env: 'LD': with cdi, each device sets LD_<ID>, which could name a variable the "
+        "shell or the dynamic loader give meaning to: choose another name",
     ),
     (
         resources(cdi={"kind": "example.com/3d"}),  # CDI wants a letter first, where Kubernetes does not
@@ -863,7 +873,11 @@ def test_scan_directory(tmp_path):
         (tmp_path / name).touch()
     os.symlink("/dev/null", tmp_path / "gnull")
     os.symlink(tmp_path / "missing", tmp_path / "gdangling")
-    scan = gp.scan_directory(resource_in(tmp_path))
+    # Outside /dev, a link into /dev is a device only where allowed (here: that one node).
+    assert ("gnull", f"host path /dev/null is outside {tmp_path}: add its directory to allowed_host_paths") in (
+        gp.scan_directory(resource_in(tmp_path)).skipped
+    )
+    scan = gp.scan_directory(resource_in(tmp_path, allowed_host_paths=["/dev/null"]))
     devices = scan.devices
     assert [d.id for d in devices] == ["g1", "g2", "g10", "gdangling", "gnull", "other.txt", "y" * 63]
     assert [name for name, _ in scan.skipped] == ["has space", "x" * 64]
@@ -910,7 +924,8 @@ def test_scan_numa_node_of_device_nodes_from_sysfs(tmp_path):
     (devices / "plain").touch()
     # /dev/null is 1:3, /dev/zero 1:5, /dev/full 1:7 on every Linux; /dev/random (1:8) gets no file.
     sysfs = fake_sysfs(tmp_path / "sys", {(1, 3): 0, (1, 5): 1, (1, 7): -1})
-    numa = {d.id: d.numa_node for d in gp.scan_directory(resource_in(devices), sysfs).devices}
+    resource = resource_in(devices, allowed_host_paths=["/dev"])
+    numa = {d.id: d.numa_node for d in gp.scan_directory(resource, sysfs).devices}
     assert numa == {"null": 0, "zero": 1, "full": None, "rand": None, "plain": None}
 
 
@@ -923,7 +938,7 @@ def test_scan_skips_devices_whose_host_paths_escape(tmp_path):
     scan = gp.scan_directory(resource)
     assert [d.id for d in scan.devices] == ["ok"]
     assert scan.skipped == (
-        ("escape", f"host path {devices}/escape is outside {devices}, /dev: add its directory to allowed_host_paths"),
+        ("escape", f"host path /etc/hostname is outside {devices}: add its directory to allowed_host_paths"),
     )
     allowed = resource_in(
         devices,
@@ -957,7 +972,10 @@ def gophers(tmp_path):
 
 def test_allocate_env_in_request_order_and_templated_device_specs(gophers):
     resource = resource_in(
-        gophers, env="G", device_specs=[{"host_path": "/dev/{id}", "container_path": "/dev/gopher{index}"}]
+        gophers,
+        env="G",
+        device_specs=[{"host_path": "/dev/{id}", "container_path": "/dev/gopher{index}"}],
+        allowed_host_paths=["/dev"],
     )
     answer = allocate(resource, gp.scan_directory(resource).devices, "g3", "g1").container_responses[0]
     assert dict(answer.envs) == {"G": "g3,g1"}
@@ -971,11 +989,12 @@ def test_allocate_env_in_request_order_and_templated_device_specs(gophers):
 def test_allocate_passes_device_nodes_through_when_no_templates(tmp_path):
     os.symlink("/dev/null", tmp_path / "null")
     (tmp_path / "plain").touch()
-    resource = resource_in(tmp_path)
+    resource = resource_in(tmp_path, allowed_host_paths=["/dev"])
     answer = allocate(resource, gp.scan_directory(resource).devices, "plain", "null").container_responses[0]
     assert dict(answer.envs) == {"GOPHER_DEVICES": "plain,null"}
+    # The runtime gets the node itself; the container finds it under the entry's stable name.
     assert [(s.host_path, s.container_path, s.permissions) for s in answer.devices] == [
-        (f"{tmp_path}/null", f"{tmp_path}/null", "rw")
+        ("/dev/null", f"{tmp_path}/null", "rw")
     ]
 
 
@@ -1060,6 +1079,7 @@ def test_cdi_spec(tmp_path):
         tmp_path,
         cdi={"kind": "example.com/gopher"},
         mounts=[{"host_path": "{path}", "container_path": "/run/{id}"}],
+        allowed_host_paths=["/dev"],
     )
     assert gp.cdi_spec(resource, gp.scan_directory(resource).devices) == {
         "cdiVersion": "0.5.0",
@@ -1069,10 +1089,8 @@ def test_cdi_spec(tmp_path):
                 "name": "null",
                 "containerEdits": {
                     "env": ["GOPHER_DEVICES_NULL=null"],
-                    "deviceNodes": [{"path": f"{tmp_path}/null", "hostPath": f"{tmp_path}/null", "permissions": "rw"}],
-                    "mounts": [
-                        {"hostPath": f"{tmp_path}/null", "containerPath": "/run/null", "options": ["bind", "ro"]}
-                    ],
+                    "deviceNodes": [{"path": f"{tmp_path}/null", "hostPath": "/dev/null", "permissions": "rw"}],
+                    "mounts": [{"hostPath": "/dev/null", "containerPath": "/run/null", "options": ["bind", "ro"]}],
                 },
             },
             {
@@ -1225,7 +1243,7 @@ def test_preferred_allocation_keeps_to_one_numa_node(tmp_path, available, must_i
     for name, target in [("null", "/dev/null"), ("zero", "/dev/zero"), ("full", "/dev/full"), ("rand", "/dev/random")]:
         os.symlink(target, devices / name)
     sysfs = fake_sysfs(tmp_path / "sys", {(1, 3): 0, (1, 5): 1, (1, 7): 1, (1, 8): 1})
-    resource = resource_in(devices)
+    resource = resource_in(devices, allowed_host_paths=["/dev"])
     assert preferred(resource, gp.scan_directory(resource, sysfs).devices, available, must_include, size) == expected
 
 
@@ -2157,7 +2175,7 @@ async def test_numa_topology_is_reported_and_preferred(nursery, node, tmp_path):
         os.unlink(os.path.join(node.devices, name))
     for name, target in [("null", "/dev/null"), ("zero", "/dev/zero"), ("full", "/dev/full")]:
         os.symlink(target, os.path.join(node.devices, name))
-    config = node.config()
+    config = node.config(allowed_host_paths=["/dev"])
     config = dataclasses.replace(config, sysfs_root=fake_sysfs(tmp_path / "sys", {(1, 3): 0, (1, 5): 1, (1, 7): 1}))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
@@ -2166,7 +2184,8 @@ async def test_numa_topology_is_reported_and_preferred(nursery, node, tmp_path):
         assert simulator.resources[RESOURCE].topology == {"null": (0,), "zero": (1,), "full": (1,)}
         assert await simulator.preferred_allocation(RESOURCE, ["null", "zero", "full"], [], 2) == ["full", "zero"]
         answer = await simulator.allocate(RESOURCE, ["zero"])
-        assert [s.host_path for s in answer.container_responses[0].devices] == [f"{node.devices}/zero"]
+        specs = answer.container_responses[0].devices
+    assert [(s.host_path, s.container_path) for s in specs] == [("/dev/zero", f"{node.devices}/zero")]
 
 
 def read_spec(path):
@@ -2271,6 +2290,80 @@ async def test_cdi_spec_dir_not_writable_stops_at_start(node, tmp_path):
                 await nursery.start(gp.serve_plugin, config)
     assert str(gp._innermost(info.value)).startswith(
         f"cannot write the CDI spec {blocker}/cdi/example.com-gopher.json: "
+    )
+
+
+async def test_host_paths_are_resolved_and_dev_is_not_allowed_from_elsewhere(nursery, node, caplog):
+    # g0 -> /dev/null stands for g0 -> /dev/vda: a link into /dev from a directory anyone may write.
+    os.symlink("/dev/null", os.path.join(node.devices, "g0"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+    assert f"skipping 'g0': host path /dev/null is outside {node.devices}: add its directory" in caplog.text
+
+    os.unlink(os.path.join(node.devices, "g0"))
+    os.symlink("../elsewhere/tty0", os.path.join(node.devices, "g0"))  # a by-id style relative link
+    os.mkdir(os.path.join(os.path.dirname(node.devices), "elsewhere"))
+    Path(os.path.dirname(node.devices), "elsewhere", "tty0").touch()
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(
+            gp.serve_plugin,
+            gp.parse_config(
+                yaml.safe_dump(
+                    {
+                        "device_plugin_dir": node.plugin_dir,
+                        "resources": [
+                            {
+                                "name": OTHER,
+                                "directory": node.devices,
+                                "pattern": "g0",
+                                "allowed_host_paths": [os.path.join(os.path.dirname(node.devices), "elsewhere")],
+                                "device_specs": [{"host_path": "{path}", "container_path": "{path}"}],
+                                "mounts": [{"host_path": "{path}", "container_path": "/run/{id}"}],
+                            }
+                        ],
+                    }
+                ),
+                "test.yaml",
+            ),
+        )
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g0": gp.HEALTHY})
+        answer = (await simulator.allocate(OTHER, ["g0"])).container_responses[0]
+    target = os.path.join(os.path.dirname(node.devices), "elsewhere", "tty0")
+    # The runtime opens the file that was checked, now and at every restart of the container; the
+    # container sees it under the link's stable name.
+    assert [(d.host_path, d.container_path) for d in answer.devices] == [(target, f"{node.devices}/g0")]
+    assert [(m.host_path, m.container_path) for m in answer.mounts] == [(target, "/run/g0")]
+
+
+async def test_allocate_checks_a_relinked_device_again(nursery, node, tmp_path):
+    # The link is re-pointed outside the allowed roots, and Allocate comes before the plugin has
+    # handled the event: the answer must come from the file system as it is, not the last list.
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "a").touch()
+    os.symlink(allowed / "a", os.path.join(node.devices, "g0"))
+    resource = node.config(
+        pattern="g0", allowed_host_paths=[str(allowed)], mounts=[{"host_path": "{path}", "container_path": "/run/{id}"}]
+    ).resources[0]
+    devices = gp.Watched({d.id: d for d in gp.scan_directory(resource).devices})
+    roots = gp.host_path_roots(resource)
+    service = gp.device_plugin_service(
+        resource, devices, examine=lambda name: gp.examine_entry(resource, name, roots, "/sys")
+    )
+    server = await nursery.start(gp.serve_grpc, os.path.join(node.plugin_dir, "p.sock"), [service])
+    request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=["g0"])])
+    method = gp.METHODS["/v1beta1.DevicePlugin/Allocate"]
+    with trio.fail_after(TIMEOUT):
+        answer = await gp.call_unary(server.socket_path, method, request, timeout=5)
+        assert [m.host_path for m in answer.container_responses[0].mounts] == [str(allowed / "a")]
+        os.unlink(os.path.join(node.devices, "g0"))
+        os.symlink("/etc/hostname", os.path.join(node.devices, "g0"))
+        with pytest.raises(gp.RPCError) as refused:
+            await gp.call_unary(server.socket_path, method, request, timeout=5)
+    assert (refused.value.code, refused.value.message) == (
+        StatusCode.FAILED_PRECONDITION,
+        f"example.com/gopher device g0: host path /etc/hostname is outside {node.devices}, {allowed}: add its "
+        "directory to allowed_host_paths",
     )
 
 
@@ -2619,7 +2712,8 @@ async def run_cli_async(*args):
 
 async def test_probe_shows_what_the_kubelet_sees(nursery, node, tmp_path):
     os.symlink("/dev/null", os.path.join(node.devices, "g3"))
-    config = dataclasses.replace(node.config(), sysfs_root=fake_sysfs(tmp_path / "sys", {(1, 3): 1}))
+    config = node.config(allowed_host_paths=["/dev"])
+    config = dataclasses.replace(config, sysfs_root=fake_sysfs(tmp_path / "sys", {(1, 3): 1}))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
         await nursery.start(gp.serve_plugin, config)
