@@ -32,6 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import errno
 import fcntl
 import fnmatch
 import functools
@@ -1735,10 +1736,45 @@ async def serve_grpc(
         async with listener, trio.open_nursery() as nursery:
             task_status.started(server)
             while True:
-                stream = await listener.accept()
+                stream = await _accept(listener, socket_path)
                 nursery.start_soon(_serve_connection, stream, by_name, server)
     finally:
         _remove_socket_file(server)
+
+
+#: How long to wait before accepting again when the process is out of file descriptors (trio's
+#: own serve_listeners waits as long): the connections waiting in the backlog are not lost.
+ACCEPT_RETRY_INTERVAL = 0.1
+
+# accept() errors that mean "out of a resource for now", not "this socket is broken".
+_ACCEPT_CAPACITY_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+async def _accept(listener: anyio.abc.SocketListener, socket_path: str) -> anyio.abc.ByteStream:
+    """The next connection. Running out of file descriptors (each connection takes one) must not
+    stop the server: say so once, and retry until a descriptor is free again."""
+    short_of = ""
+    while True:
+        try:
+            stream = await listener.accept()
+        except (OSError, anyio.BrokenResourceError) as error:
+            cause = error if isinstance(error, OSError) else error.__cause__  # anyio wraps the OSError
+            if not isinstance(cause, OSError) or cause.errno not in _ACCEPT_CAPACITY_ERRORS:
+                raise
+            if not short_of:
+                short_of = os.strerror(cause.errno or 0)
+                log.error(
+                    "cannot accept connections on %s: %s (raise the open-files limit: ulimit -n, LimitNOFILE, "
+                    "or the container runtime's default); retrying every %g s",
+                    socket_path,
+                    short_of,
+                    ACCEPT_RETRY_INTERVAL,
+                )
+            await trio.sleep(ACCEPT_RETRY_INTERVAL)
+            continue
+        if short_of:
+            log.warning("accepting connections on %s again", socket_path)
+        return stream
 
 
 def _remove_socket_file(server: GRPCServer) -> None:

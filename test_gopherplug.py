@@ -2837,6 +2837,46 @@ async def test_a_long_resource_name_gets_a_short_socket_name(nursery, node, tmp_
     assert probed.stdout.decode().startswith(f"{name}: {endpoint}: 2 devices, 2 healthy")
 
 
+async def read_until(stream, text, seen):
+    """Read a process's output into ``seen`` (a bytearray) until ``text`` has appeared in it."""
+    while text.encode() not in seen:
+        chunk = await stream.receive_some()
+        assert chunk, f"the process ended before saying {text!r}: {seen.decode(errors='replace')}"
+        seen += chunk
+
+
+async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, node, tmp_path):
+    config = str(write_config(node, tmp_path))
+    limited = "import resource, sys, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48)); "
+    limited += "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    plugin = await trio.lowlevel.open_process(
+        [sys.executable, "-c", limited, str(HERE / "gopherplug.py"), "--config", config], stderr=subprocess.PIPE
+    )
+    hogs, seen = [], bytearray()
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            endpoint = os.path.join(node.plugin_dir, simulator.registrations[-1].endpoint)
+            for _ in range(60):  # more connections than it has descriptors left; they wait in the backlog
+                hog = trio.socket.socket(socket.AF_UNIX)
+                await hog.connect(endpoint)
+                hogs.append(hog)
+            await read_until(plugin.stderr, "Too many open files (raise the open-files limit", seen)
+            for hog in hogs:
+                hog.close()
+            await read_until(plugin.stderr, "accepting connections on", seen)
+            answer = await simulator.allocate(RESOURCE, ["g1"])
+        assert plugin.returncode is None
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}
+        assert seen.count(b"cannot accept connections") == 1
+    finally:
+        for hog in hogs:
+            hog.close()
+        plugin.kill()
+        await plugin.wait()
+
+
 async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, tmp_path):
     path = write_config(node, tmp_path)
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
