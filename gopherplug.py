@@ -812,6 +812,8 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
             "each beginning with a letter)"
         )
         raise ConfigError(source, f"{where}.kind", problem)
+    if len(f".{kind}.json.lock") > 255:  # the spec file and its lock are named after the kind
+        raise ConfigError(source, f"{where}.kind", f"{kind!r} is too long to name a file after: at most 244 characters")
     spec_dir = _absolute_path(data.get("spec_dir", "/var/run/cdi"), source, f"{where}.spec_dir")
     return CDIConfig(kind, spec_dir)
 
@@ -2116,6 +2118,93 @@ _DIR = ""  # in DirectoryWatch._watches: the watched directory itself, every eve
 _LEADING_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB | _GONE | flags.ONLYDIR
 
 
+class FileLock:
+    """An flock on a file, held while this process does what only one process may do.
+
+    The kernel drops an flock when its process dies, SIGKILL and the OOM killer included, so a lock
+    is never stale, unlike a pid file. The file says who holds it, for the message a second
+    process gets; it is removed by its holder on the way out.
+    """
+
+    def __init__(self, path: str, taken: str, fix: str) -> None:
+        self.path = path
+        self._taken, self._fix = taken, fix  # for the message: "<taken> by another gopherplug (...): <fix>"
+        self._fd = -1
+
+    def held(self) -> bool:
+        """Whether we hold the lock on the file that is at its path now (it may have been deleted)."""
+        return self._fd >= 0 and _inode(self.path) == os.fstat(self._fd).st_ino
+
+    def acquire(self) -> None:
+        """Take the lock and write who holds it; raise GopherplugError naming the holder when another
+        live process has it."""
+        self.release()
+        try:
+            while self._fd < 0:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
+                    os.close(fd)
+                    raise GopherplugError(
+                        f"{self._taken} by another gopherplug ({holder}, lock file {self.path}): {self._fix}"
+                    ) from None
+                if os.fstat(fd).st_ino == _inode(self.path):  # else its last holder removed it meanwhile: again
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode())
+                    self._fd = fd
+                else:
+                    os.close(fd)
+        except OSError as error:
+            raise GopherplugError(f"cannot take the lock {self.path}: {_describe(error)}") from None
+
+    def release(self) -> None:
+        """Give the lock up, removing its file (while still holding it, so no one takes a removed file)."""
+        if self._fd >= 0:
+            if self.held():
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ResourceLock(FileLock):
+    """One gopherplug per resource and node: a FileLock on ``<device-plugin dir>/.<socket stem>.lock``.
+
+    Two plugins serving one resource would take turns registering over each other, and a starting
+    one could not tell a live instance's sockets from a dead one's. Holding this lock means every
+    other socket of the resource in the directory was left by a process that is gone: acquire()
+    removes them.
+
+    Today's kubelets delete only the sockets of the directory when they start; older ones deleted
+    every file but their checkpoint (ManagerImpl.CleanupPluginDirectory in
+    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), this one too. So the lock is
+    checked, and taken again if need be, before every registration.
+    """
+
+    def __init__(self, resource_name: str, device_plugin_dir: str) -> None:
+        self.directory = device_plugin_dir
+        self.stem = socket_stem(resource_name, device_plugin_dir)
+        taken = f"{resource_name} is already served on this node"
+        fix = "stop that one, or remove the resource from one configuration"
+        super().__init__(os.path.join(device_plugin_dir, f".{self.stem}.lock"), taken, fix)
+
+    def acquire(self) -> None:
+        """Take the lock, then remove the sockets that dead holders left behind."""
+        super().acquire()
+        for entry in os.scandir(self.directory):
+            parsed = parse_socket_name(entry.name)
+            with contextlib.suppress(OSError):
+                if (
+                    parsed is not None
+                    and parsed[0] == self.stem
+                    and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
+                ):
+                    os.unlink(entry.path)
+                    log.info("%s: removed %s, left by a gopherplug that did not exit cleanly", self.stem, entry.name)
+
+
 async def watch_devices(
     resource: ResourceConfig,
     devices: Watched,
@@ -2136,7 +2225,12 @@ async def watch_devices(
     DaemonSet, an OOM kill). A device leaves the spec only when it leaves the directory.
     """
     tracker = _DeviceTracker(resource, devices, sysfs_root)
-    with DirectoryWatch(resource.directory, _DIRECTORY_EVENTS) as watch:
+    with contextlib.ExitStack() as stack:
+        if resource.cdi is not None:
+            # Another process writing the same spec file (two plugins given the same kind) would
+            # drop this one's devices from it at each write: the runtime could not resolve them.
+            stack.enter_context(_cdi_lock(resource.cdi))
+        watch = stack.enter_context(DirectoryWatch(resource.directory, _DIRECTORY_EVENTS))
         if not watch.exists:
             _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
         tracker.rescan(watch)
@@ -2146,6 +2240,25 @@ async def watch_devices(
                 tracker.rescan(watch)
             else:
                 tracker.update(watch, [name for name, _ in events], touched)
+
+
+@contextlib.contextmanager
+def _cdi_lock(cdi: CDIConfig) -> Iterator[None]:
+    """Hold the lock on a CDI spec file: ``<spec_dir>/.<spec file name>.lock`` (runtimes read only
+    .json and .yaml files there)."""
+    try:
+        os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
+    except OSError as error:
+        raise GopherplugError(f"cannot write the CDI spec {cdi.spec_file}: {_describe(error)}") from None
+    name = f".{os.path.basename(cdi.spec_file)}.lock"
+    lock = FileLock(
+        os.path.join(cdi.spec_dir, name), f"the CDI spec {cdi.spec_file} is already kept", "give each its own cdi.kind"
+    )
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class _DeviceTracker:
@@ -2615,81 +2728,6 @@ async def _run_for_stderr_tail(argv: Iterable[str], env: Mapping[str, str]) -> t
     # The nursery waited for run_process, which waited for the command to exit.
     assert process.returncode is not None
     return process.returncode, bytes(tail)
-
-
-class ResourceLock:
-    """One gopherplug per resource and node: an flock on ``<device-plugin dir>/.<socket stem>.lock``.
-
-    Two plugins serving one resource would take turns registering over each other, and a starting
-    one could not tell a live instance's sockets from a dead one's. The kernel drops an flock when
-    its process dies, SIGKILL and the OOM killer included, so this lock is never stale: holding it
-    means every other socket of the resource in the directory was left by a process that is gone.
-
-    Today's kubelets delete only the sockets of the directory when they start; older ones deleted
-    every file but their checkpoint (ManagerImpl.CleanupPluginDirectory in
-    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), this one too. So the lock is
-    checked, and taken again if need be, before every registration.
-    """
-
-    def __init__(self, resource_name: str, device_plugin_dir: str) -> None:
-        self.resource_name = resource_name
-        self.directory = device_plugin_dir
-        self.path = os.path.join(device_plugin_dir, f".{socket_stem(resource_name, device_plugin_dir)}.lock")
-        self._fd = -1
-
-    def held(self) -> bool:
-        """Whether we hold the lock on the file that is at its path now (a kubelet directory that was
-        deleted and made again has none)."""
-        return self._fd >= 0 and _inode(self.path) == os.fstat(self._fd).st_ino
-
-    def acquire(self) -> None:
-        """Take the lock, write who holds it, and remove the sockets that dead holders left behind.
-
-        Raises GopherplugError naming the holder when another live process has it.
-        """
-        self.release()
-        try:
-            while self._fd < 0:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
-                    os.close(fd)
-                    raise GopherplugError(
-                        f"{self.resource_name} is already served on this node by another gopherplug ({holder}, "
-                        f"lock file {self.path}): stop that one, or remove the resource from one configuration"
-                    ) from None
-                if os.fstat(fd).st_ino == _inode(self.path):  # else its last holder removed it meanwhile: again
-                    os.ftruncate(fd, 0)
-                    os.write(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode())
-                    self._fd = fd
-                else:
-                    os.close(fd)
-        except OSError as error:
-            raise GopherplugError(
-                f"{self.resource_name}: cannot serve on {self.directory}: {_describe(error)}"
-            ) from None
-        stem = socket_stem(self.resource_name, self.directory)
-        for entry in os.scandir(self.directory):
-            parsed = parse_socket_name(entry.name)
-            with contextlib.suppress(OSError):
-                if (
-                    parsed is not None
-                    and parsed[0] == stem
-                    and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
-                ):
-                    os.unlink(entry.path)
-                    log.info("%s: removed %s, left by a gopherplug that did not exit cleanly", stem, entry.name)
-
-    def release(self) -> None:
-        """Give the lock up, removing its file (while still holding it, so no one takes a removed file)."""
-        if self._fd >= 0:
-            if self.held():
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
-            os.close(self._fd)
-            self._fd = -1
 
 
 async def register(

@@ -765,6 +765,11 @@ BAD_CONFIGS = [
         "shell or the dynamic loader give meaning to: choose another name",
     ),
     (
+        resources(cdi={"kind": "a" * 190 + ".com/" + "b" * 60}),
+        f"cfg.yaml: resources[0].cdi.kind: '{'a' * 190}.com/{'b' * 60}' is too long to name a file after: at most "
+        "244 characters",
+    ),
+    (
         resources(cdi={"kind": "example.com/3d"}),  # CDI wants a letter first, where Kubernetes does not
         "cfg.yaml: resources[0].cdi.kind: 'example.com/3d': must be vendor/class, e.g. example.com/gopher "
         "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
@@ -2218,7 +2223,11 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
             answer = await simulator.allocate(RESOURCE, ["g3", "g1"])
             names = [d.name for d in answer.container_responses[0].cdi_devices]
             assert names == ["example.com/gopher=g3", "example.com/gopher=g1"]
-            assert [p.name for p in cdi_dir.iterdir()] == ["example.com-gopher.json"]  # no temporary left
+            # No temporary left; the lock that keeps other processes from writing the same file.
+            assert sorted(p.name for p in cdi_dir.iterdir()) == [
+                ".example.com-gopher.json.lock",
+                "example.com-gopher.json",
+            ]
             for name in ("g1", "g2", "g3"):
                 os.unlink(os.path.join(node.devices, name))
             await simulator.wait_until(listed())
@@ -2278,6 +2287,23 @@ async def test_without_cdi_nothing_of_cdi_appears(nursery, node, tmp_path):
         simulator = await start(nursery, node)
         answer = await simulator.allocate(RESOURCE, ["g1"])
     assert not answer.container_responses[0].cdi_devices
+
+
+async def test_two_plugins_never_write_one_cdi_spec(nursery, node, tmp_path):
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")}
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, cdi=cdi)
+        other = gp.parse_config(config_text(node, **{OTHER: {"cdi": cdi}}), "other.yaml")  # another DaemonSet's
+        with pytest.raises(gp.GopherplugError) as info, gp._unwrap_single_errors():
+            async with trio.open_nursery() as second:
+                await second.start(gp.serve_plugin, other)
+    assert str(gp._innermost(info.value)) == (
+        f"the CDI spec {tmp_path}/cdi/example.com-gopher.json is already kept by another gopherplug (pid "
+        f"{os.getpid()} on host {os.uname().nodename}, lock file {tmp_path}/cdi/.example.com-gopher.json.lock): "
+        "give each its own cdi.kind"
+    )
+    assert [d["name"] for d in read_spec(tmp_path / "cdi" / "example.com-gopher.json")["devices"]] == ["g1", "g2"]
+    assert devices_of(simulator) == listed_ids("g1", "g2")
 
 
 async def test_cdi_spec_dir_not_writable_stops_at_start(node, tmp_path):
