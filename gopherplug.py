@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import string
 import subprocess
@@ -2927,16 +2928,22 @@ async def serve_devices(
 
 
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
-    """The first of ``candidates`` holding a kubelet.sock socket, or (with a warning) the first one.
+    """The first of ``candidates`` whose kubelet.sock accepts a connection, else the first holding
+    a kubelet.sock socket at all (a kubelet starting), else (with a warning) the first one.
 
-    For a configuration that does not say: the kubelet of this node is the one whose socket exists.
+    For a configuration that does not say: the kubelet of this node is the one listening. A node
+    that once ran another distribution keeps that kubelet's dead socket, which refuses at once.
     """
     candidates = list(candidates)
+    sockets = []
     for directory in candidates:
         with contextlib.suppress(OSError):
             if stat.S_ISSOCK(os.stat(os.path.join(directory, KUBELET_SOCKET)).st_mode):
-                log.info("kubelet.sock found in %s: using it (set device_plugin_dir to choose another)", directory)
-                return directory
+                sockets.append(directory)
+    if sockets:
+        directory = ([d for d in sockets if _accepts(os.path.join(d, KUBELET_SOCKET))] or sockets)[0]
+        log.info("kubelet.sock found in %s: using it (set device_plugin_dir to choose another)", directory)
+        return directory
     log.warning(
         "no kubelet.sock in %s: waiting for the kubelet in %s; if this node's kubelet uses another "
         "directory, set device_plugin_dir in the configuration, --device-plugin-dir or GOPHERPLUG_DEVICE_PLUGIN_DIR",
@@ -2944,6 +2951,17 @@ def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS)
         candidates[0],
     )
     return candidates[0]
+
+
+def _accepts(socket_path: str) -> bool:
+    """Whether something listens on a unix socket (a connection is made and closed at once)."""
+    with socket.socket(socket.AF_UNIX) as probe_socket:
+        probe_socket.settimeout(1.0)
+        try:
+            probe_socket.connect(socket_path)
+            return True
+        except OSError:
+            return False
 
 
 async def serve_plugin(

@@ -595,6 +595,18 @@ def test_find_device_plugin_dir_picks_the_one_with_a_kubelet_socket(tmp_path, ca
     ) in caplog.text
 
 
+def test_find_device_plugin_dir_prefers_a_live_kubelet(tmp_path):
+    candidates = [str(tmp_path / name) for name in ("default", "microk8s")]
+    for directory in candidates:
+        os.mkdir(directory)
+    with socket.socket(socket.AF_UNIX) as dead:  # what a kubelet that is gone leaves
+        dead.bind(os.path.join(candidates[0], "kubelet.sock"))
+    with socket.socket(socket.AF_UNIX) as kubelet:
+        kubelet.bind(os.path.join(candidates[1], "kubelet.sock"))
+        kubelet.listen()
+        assert gp.find_device_plugin_dir(candidates) == candidates[1]
+
+
 def test_example_config_is_valid():
     config = gp.load_config(str(HERE / "config.example.yaml"))
     assert [r.name for r in config.resources] == ["example.com/gopher"]
