@@ -2546,7 +2546,8 @@ def device_plugin_service(
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
 
-    Its ListAndWatch streams end (status OK) once ``ending`` is set to True. With ``examine`` (a
+    Its ListAndWatch streams end (status OK) once ``ending`` is set to True and ``devices`` touched
+    (which wakes them; one event to wait on keeps each push cheap). With ``examine`` (a
     device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
     devices they are asked for again instead of trusting the set inotify last published.
     """
@@ -2583,7 +2584,7 @@ def device_plugin_service(
             # with the latest list; a change after a quiet moment still goes out at once.
             await trio.sleep(LIST_PUSH_INTERVAL)
             while devices.value is current and not ending.value:
-                await _any_touched(devices, ending)
+                await devices.wait_touched()
             if ending.value:
                 return  # the kubelet sees the stream end, and forgets this registration
             current = devices.value
@@ -2876,17 +2877,20 @@ async def _serve_generations(
                     await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
             _log(resource).info("%s: serving and registering again", why)
-            # This registration must be gone from the kubelet before the next Register. When a
-            # ListAndWatch stream ends, the kubelet disconnects whichever plugin is registered under
-            # the resource's *name* at that moment (runClient in kubernetes/kubernetes
-            # pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go): had we registered again
-            # already, the new registration would be the one dropped. So the stream ends first, and
-            # we wait for the kubelet to close its connection, which it does once it has forgotten
-            # the registration. A kubelet that restarted has closed its connections already.
-            ending.set(True)
-            with trio.move_on_after(RETIRE_GRACE):
-                while server.connections:
-                    await server.calls_ended.wait_touched()
+            if registered_with is not None and kubelet.generation == registered_with:
+                # The same kubelet still knows this registration, and it must be gone before the
+                # next Register. When a ListAndWatch stream ends, the kubelet disconnects whichever
+                # plugin is registered under the resource's *name* at that moment (runClient in
+                # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go):
+                # had we registered again already, the new registration would be the one dropped.
+                # So the stream ends first, and we wait for the kubelet to close its connection,
+                # which it does once it has forgotten the registration. (A kubelet that restarted
+                # knows nothing of it: its successor starts afresh.)
+                ending.set(True)
+                devices.touch()
+                with trio.move_on_after(RETIRE_GRACE):
+                    while server.connections:
+                        await server.calls_ended.wait_touched()
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
 
