@@ -1242,6 +1242,37 @@ def _pick(
     return chosen
 
 
+# Filesystems a container runtime makes for a container itself: its root (overlay) and its own /dev
+# (a tmpfs). A host's /dev is devtmpfs, its root a disk's filesystem.
+_CONTAINER_ROOT_FILESYSTEMS = {"overlay", "aufs", "fuse-overlayfs"}
+
+
+def container_only_problem(directory: str, mountinfo: str) -> str | None:
+    """Why ``directory`` looks like a path of the plugin's own container rather than the host's,
+    given /proc/self/mountinfo's text; None when it is on a mount from the host (or no container).
+
+    The container runtime opens a DeviceSpec's host_path on the host: a directory the plugin sees
+    only inside its container offers devices whose paths lead nowhere, or elsewhere.
+    """
+    mounts = []
+    for line in mountinfo.splitlines():
+        mine, separator, theirs = line.partition(" - ")
+        if separator and len(fields := mine.split()) > 4 and theirs.split():
+            mount_point = fields[4].replace("\\040", " ")
+            mounts.append((mount_point, theirs.split()[0]))
+    under = [(point, fstype) for point, fstype in mounts if _is_under(directory, [point])]
+    if not under:
+        return None
+    point, fstype = max(reversed(under), key=lambda mount: len(mount[0]))  # the last of the longest: on top
+    if fstype in _CONTAINER_ROOT_FILESYSTEMS or (point == "/dev" and fstype == "tmpfs"):
+        return (
+            f"{directory} is on {point} ({fstype}), which looks like this container's own filesystem, not the "
+            f"host's: the container runtime opens device paths on the host, so mount the host's directory at "
+            f"the same path (a hostPath volume)"
+        )
+    return None
+
+
 def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[str, Any] | None:
     """The CDI spec describing the resource's devices, or None when there is none to describe.
 
@@ -1969,6 +2000,15 @@ _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
 
 
+def _read_text(path: str) -> str | None:
+    """A text file's content, or None if it cannot be read now."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError):
+        return None  # gone for a moment (being replaced): the next event reads it again
+
+
 def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
     """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's."""
     try:
@@ -2231,6 +2271,8 @@ async def watch_devices(
             # Another process writing the same spec file (two plugins given the same kind) would
             # drop this one's devices from it at each write: the runtime could not resolve them.
             stack.enter_context(_cdi_lock(resource.cdi))
+        if problem := container_only_problem(resource.directory, _read_text("/proc/self/mountinfo") or ""):
+            _log(resource).warning("%s", problem)
         watch = stack.enter_context(DirectoryWatch(resource.directory, _DIRECTORY_EVENTS))
         if not watch.exists:
             _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
@@ -3128,14 +3170,6 @@ async def watch_config_file(
                     yield config
 
 
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as file:
-            return file.read()
-    except (OSError, UnicodeDecodeError):
-        return None  # gone for a moment (being replaced): the next event reads it again
-
-
 ########################################################################################################
 # 8. A kubelet simulator
 #
@@ -3426,6 +3460,27 @@ def probe_report(results: list[ProbeResult]) -> str:
     return "\n".join(lines)
 
 
+def scan_report(resource: ResourceConfig, scan: Scan, container_problem: str | None = None) -> str:
+    """What `check-config` shows of a resource: the devices the kubelet would be offered now, each
+    with its health and the path it stands for, then every entry skipped and why."""
+    healthy = sum(device.health == HEALTHY for device in scan.devices)
+    replicas = f" (each offered {resource.replicas} times)" if resource.replicas > 1 else ""
+    lines = [f"{resource.name}: {len(scan.devices)} devices, {healthy} healthy{replicas}, from {resource.directory}"]
+    if container_problem:
+        lines.append(f"  warning: {container_problem}")
+    if scan.problem:
+        lines.append(f"  {scan.problem}")
+    if scan.devices:
+        width = max(len("ID"), *(len(device.id) for device in scan.devices))
+        lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  PATH")
+        for device in scan.devices:
+            path = device.path + (f" -> {device.followed[-1]}" if device.followed else "")
+            why = f" ({device.problem})" if device.problem else ""
+            lines.append(f"  {device.id:<{width}}  {device.health:<9}  {path}{why}")
+    lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
+    return "\n".join(lines)
+
+
 # The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
 DEMO_STEP_TIMEOUT = 10.0  # each step takes milliseconds; this only stops a broken demo from hanging
 DEMO_CONFIG = """\
@@ -3624,6 +3679,11 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{r.name} ({r.directory}/{r.pattern})" for r in config.resources)
         kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
+        # What the kubelet would be offered if the plugin started now, on this machine.
+        mountinfo = _read_text("/proc/self/mountinfo") or ""
+        for resource in config.resources:
+            problem = container_only_problem(resource.directory, mountinfo)
+            print(scan_report(resource, scan_directory(resource, config.sysfs_root), problem))
         return EXIT_OK
     return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
 

@@ -595,6 +595,42 @@ def test_find_device_plugin_dir_picks_the_one_with_a_kubelet_socket(tmp_path, ca
     ) in caplog.text
 
 
+# /proc/self/mountinfo of a container as containerd starts it: its own root (overlay) and /dev
+# (tmpfs), the kubelet's directory from the host, and in the second case the host's /dev too.
+CONTAINER_MOUNTS = """\
+1500 1400 0:120 / / rw,relatime master:1 - overlay overlay rw,lowerdir=/var/lib/containerd/l1:/l2,upperdir=/u
+1501 1500 0:121 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+1502 1500 0:122 / /dev rw,nosuid - tmpfs tmpfs rw,size=65536k,mode=755
+1503 1502 0:123 / /dev/pts rw,nosuid,noexec,relatime - devpts devpts rw,gid=5,mode=620,ptmxmode=666
+1510 1500 253:1 /var/lib/kubelet/device-plugins /var/lib/kubelet/device-plugins rw,relatime - ext4 /dev/vda1 rw
+1511 1500 253:1 /etc/my\\040gophers /etc/my\\040gophers rw,relatime - ext4 /dev/vda1 rw
+"""
+HOST_DEV = "1520 1502 0:6 / /dev rw,nosuid,relatime - devtmpfs devtmpfs rw,size=8135516k,mode=755\n"
+
+
+@pytest.mark.parametrize(
+    ("directory", "mountinfo", "on"),
+    [
+        ("/etc/gophers", CONTAINER_MOUNTS, "/ (overlay)"),  # the image's own /etc
+        ("/dev/serial/by-id", CONTAINER_MOUNTS, "/dev (tmpfs)"),  # the runtime's /dev, not the host's
+        ("/dev/serial/by-id", CONTAINER_MOUNTS + HOST_DEV, None),  # hostPath /dev at /dev, on top
+        ("/var/lib/kubelet/device-plugins", CONTAINER_MOUNTS, None),
+        ("/etc/my gophers/sub", CONTAINER_MOUNTS, None),  # a mount point with a space, escaped
+        ("/dev/serial/by-id", Path("/proc/self/mountinfo").read_text(), None),  # this machine, no container
+    ],
+)
+def test_container_only_paths_are_recognised(directory, mountinfo, on):
+    problem = gp.container_only_problem(directory, mountinfo)
+    if on is None:
+        assert problem is None
+    else:
+        assert problem == (
+            f"{directory} is on {on}, which looks like this container's own filesystem, not the host's: the "
+            "container runtime opens device paths on the host, so mount the host's directory at the same path "
+            "(a hostPath volume)"
+        )
+
+
 def test_find_device_plugin_dir_prefers_a_live_kubelet(tmp_path):
     candidates = [str(tmp_path / name) for name in ("default", "microk8s")]
     for directory in candidates:
@@ -2950,11 +2986,24 @@ def test_probe_without_any_plugin_exits_1(node):
 
 
 def test_check_config_summarises_a_good_file(node, tmp_path):
-    path = write_config(node, tmp_path)
+    os.symlink("/dev/null", os.path.join(node.devices, "null"))
+    os.symlink("/dev/zero", os.path.join(node.devices, "zero"))
+    os.symlink("/etc/hostname", os.path.join(node.devices, "host"))
+    Path(node.devices, "has space").touch()
+    path = write_config(node, tmp_path, allowed_host_paths=["/dev/null"])
     result = run_cli("check-config", "--config", str(path))
     assert (result.returncode, result.stderr) == (0, "")
+    outside = f"is outside {node.devices}, /dev/null: add its directory to allowed_host_paths"
     assert result.stdout == (
         f"{path}: OK: 1 resource(s): {RESOURCE} ({node.devices}/*); kubelet at {node.plugin_dir}\n"
+        f"{RESOURCE}: 4 devices, 4 healthy, from {node.devices}\n"
+        "  ID    HEALTH     PATH\n"
+        f"  g1    Healthy    {node.devices}/g1\n"
+        f"  g2    Healthy    {node.devices}/g2\n"
+        f"  host  Healthy    {node.devices}/host -> /etc/hostname\n"  # a file, not a node: no DeviceSpec
+        f"  null  Healthy    {node.devices}/null -> /dev/null\n"
+        "  skipped 'has space': a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -\n"
+        f"  skipped 'zero': host path /dev/zero {outside}\n"
     )
     via_env = run_cli("check-config", env={"GOPHERPLUG_CONFIG": str(path)})
     assert via_env.stdout == result.stdout
