@@ -3117,8 +3117,16 @@ def test_daemonset_runs_least_privileged_with_the_probe():
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["priorityClassName"] == "system-node-critical"
-    mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
-    assert "/var/lib/kubelet/device-plugins" in mounts
+    host_paths = {volume["name"]: volume.get("hostPath", {}).get("path") for volume in pod["volumes"]}
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    assert host_paths[mounts["/var/lib/kubelet/device-plugins"]["name"]] == "/var/lib/kubelet/device-plugins"
+    for path in ("/dev", "/sys"):
+        assert (host_paths[mounts[path]["name"]], mounts[path]["readOnly"]) == (path, True)
+    # The plugin must see each device at its host path: every configured directory is a host
+    # directory mounted at the same path.
+    for resource in gp.parse_config(config_map["data"]["config.yaml"]).resources:
+        covering = [p for p in mounts if gp._is_under(resource.directory, [p]) and host_paths[mounts[p]["name"]] == p]
+        assert covering, f"{resource.directory} is not a host directory mounted at the same path"
 
 
 def test_shipped_files_stand_alone():
