@@ -52,6 +52,7 @@ import string
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -229,6 +230,7 @@ _SCALARS = {
     "bool": descriptor_pb2.FieldDescriptorProto.TYPE_BOOL,
     "int32": descriptor_pb2.FieldDescriptorProto.TYPE_INT32,
     "int64": descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
+    "double": descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
 }
 
 
@@ -355,6 +357,36 @@ METHODS: dict[str, Method] = {
         for name, request, response, streaming in methods
     )
 }
+
+# Not the kubelet's: gopherplug's own status service, served on each resource's socket beside
+# DevicePlugin (the kubelet calls only what it knows). `gopherplug probe` asks it whether the
+# kubelet is using the resource, which no DevicePlugin call can tell: a plugin the kubelet never
+# registered again answers every call and still offers nothing.
+_STATUS_FIELDS = (
+    ("resource_name", 1, "string"),
+    ("registered", 2, "bool"),  # Register succeeded with the kubelet that runs now
+    ("streams", 3, "int32"),  # the kubelet's ListAndWatch streams open now
+    ("unstreamed_seconds", 4, "double"),  # with none open: for how long, counted from the kubelet's start
+)
+
+
+def _status_file_descriptor() -> descriptor_pb2.FileDescriptorProto:
+    file = descriptor_pb2.FileDescriptorProto(
+        name="gopherplug_status.proto", package="gopherplug", syntax="proto3", dependency=["gopherplug.proto"]
+    )
+    message = file.message_type.add(name="ResourceStatus")
+    for field_name, number, type_ in _STATUS_FIELDS:
+        _add_field(message, field_name, number, type_)
+    service = file.service.add(name="Status")
+    service.method.add(name="Get", input_type=f".{API_VERSION}.Empty", output_type=".gopherplug.ResourceStatus")
+    return file
+
+
+_POOL.Add(_status_file_descriptor())
+
+#: gopherplug's status message, and the one call of its status service.
+ResourceStatus = message_factory.GetMessageClass(_POOL.FindMessageTypeByName("gopherplug.ResourceStatus"))
+GET_STATUS = Method("gopherplug.Status", "Get", v1beta1.Empty, ResourceStatus, False)
 
 
 ########################################################################################################
@@ -1927,12 +1959,15 @@ async def call_unary(socket_path: str, method: Method, request: Any, *, timeout:
 
 
 @asynccontextmanager
-async def open_stream(socket_path: str, method: Method, request: Any, *, timeout: float) -> AsyncIterator[Any]:
+async def open_stream(
+    socket_path: str, method: Method, request: Any, *, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+) -> AsyncIterator[Any]:
     """Start a server-streaming call (ListAndWatch) on a unix socket; yield its responses as they come.
 
     ``timeout`` bounds connecting only: the stream itself lives until the server ends it, the
     connection breaks, or the caller leaves the ``async with``. Iterating raises RPCError when the
-    server ends the stream with an error status or the connection is lost.
+    server ends the stream with an error status or the connection is lost. ``metadata``: request
+    headers, (name, value) pairs.
     """
     service, _, name = method.path[1:].partition("/")
     try:
@@ -1944,7 +1979,12 @@ async def open_stream(socket_path: str, method: Method, request: Any, *, timeout
     with _unwrap_single_errors():
         async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
             stream = await grpc_socket.start_request(
-                "http", service, name, method.request_type.DESCRIPTOR.full_name, authority="localhost"
+                "http",
+                service,
+                name,
+                method.request_type.DESCRIPTOR.full_name,
+                authority="localhost",
+                custom_metadata=metadata,
             )
             try:
                 stream.expect_message_type(method.response_type)
@@ -2578,6 +2618,52 @@ class _ListEncoder:
         return _Encoded(b"".join(part for _, part in parts.values()))
 
 
+#: The request header `gopherplug probe` sends with its own ListAndWatch: a probe's stream is not
+#: the kubelet's, and must not count as one.
+PROBE_METADATA = ("gopherplug-probe", "1")
+
+
+@dataclass
+class StreamStatus:
+    """Whether the kubelet uses a resource's devices: registered, and reading a ListAndWatch stream.
+
+    Kept by serve_resource (registration, each kubelet) and the ListAndWatch handler (streams);
+    answered by the status service. Times are time.monotonic().
+    """
+
+    registered: bool = False
+    streams: int = 0  #: the kubelet's ListAndWatch streams open now
+    unstreamed_since: float = dataclasses.field(default_factory=time.monotonic)  #: when the last one ended
+
+    def new_kubelet(self) -> None:
+        """A (re)started kubelet, or our socket gone: not registered, and the wait for a stream starts now."""
+        self.registered = False
+        if not self.streams:
+            self.unstreamed_since = time.monotonic()
+
+    def stream_ended(self) -> None:
+        self.streams -= 1
+        if not self.streams:
+            self.unstreamed_since = time.monotonic()
+
+    def message(self, resource_name: str) -> Any:
+        unstreamed = 0.0 if self.streams else time.monotonic() - self.unstreamed_since
+        return ResourceStatus(
+            resource_name=resource_name, registered=self.registered, streams=self.streams, unstreamed_seconds=unstreamed
+        )
+
+
+def status_service(resource: ResourceConfig, status: StreamStatus) -> purerpc.Service:
+    """gopherplug's status service for one resource, on the same socket as its DevicePlugin service."""
+
+    async def get(empty: Any) -> Any:
+        return status.message(resource.name)
+
+    service = purerpc.Service(GET_STATUS.service)
+    service.add_method(GET_STATUS.name, get, GET_STATUS.signature)
+    return service
+
+
 def device_plugin_service(
     resource: ResourceConfig,
     devices: Watched,
@@ -2585,6 +2671,7 @@ def device_plugin_service(
     encoder: _ListEncoder | None = None,
     ending: Watched | None = None,
     examine: Callable[[str], DeviceEntry | str | None] | None = None,
+    status: StreamStatus | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
 
@@ -2592,44 +2679,53 @@ def device_plugin_service(
     (which wakes them; one event to wait on keeps each push cheap). With ``examine`` (a
     device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
     devices they are asked for again instead of trusting the set inotify last published.
+    ``status`` counts the kubelet's ListAndWatch streams.
     """
     ending = ending or Watched(False)
+    status = status or StreamStatus()
 
     async def get_device_plugin_options(empty: Any) -> Any:
         return device_plugin_options(resource)
 
     encoder = encoder or _ListEncoder(resource)
 
-    async def list_and_watch(empty: Any) -> AsyncIterator[Any]:
+    async def list_and_watch(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
         # The kubelet keeps this one stream open for as long as we are registered: the full list
         # now, then the full list again after every change. Each message replaces the last.
-        current = devices.value
-        while True:
-            message = encoder.encode(current)
-            if len(message.data) <= KUBELET_MAX_MESSAGE:
-                yield message
-                _log(resource).debug("sent %d devices", len(current))
-            else:
-                # The kubelet would drop the message and its stream (then every device turns
-                # unhealthy): keep its last list instead, and say what to do.
-                _log(resource).error(
-                    "%d devices make a %.1f MiB ListAndWatch message, over the kubelet's limit of %d MiB: "
-                    "not sent, the kubelet keeps the previous list; split the devices over several resources "
-                    "(pattern) or use fewer replicas",
-                    len(current),
-                    len(message.data) / 2**20,
-                    KUBELET_MAX_MESSAGE // 2**20,
-                )
-            if current is RETIRED:
-                return
-            # A burst (a driver creating thousands of device nodes) becomes a few messages, each
-            # with the latest list; a change after a quiet moment still goes out at once.
-            await trio.sleep(LIST_PUSH_INTERVAL)
-            while devices.value is current and not ending.value:
-                await devices.wait_touched()
-            if ending.value:
-                return  # the kubelet sees the stream end, and forgets this registration
+        counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
+        if counted:
+            status.streams += 1
+        try:
             current = devices.value
+            while True:
+                message = encoder.encode(current)
+                if len(message.data) <= KUBELET_MAX_MESSAGE:
+                    yield message
+                    _log(resource).debug("sent %d devices", len(current))
+                else:
+                    # The kubelet would drop the message and its stream (then every device turns
+                    # unhealthy): keep its last list instead, and say what to do.
+                    _log(resource).error(
+                        "%d devices make a %.1f MiB ListAndWatch message, over the kubelet's limit of %d MiB: "
+                        "not sent, the kubelet keeps the previous list; split the devices over several resources "
+                        "(pattern) or use fewer replicas",
+                        len(current),
+                        len(message.data) / 2**20,
+                        KUBELET_MAX_MESSAGE // 2**20,
+                    )
+                if current is RETIRED:
+                    return
+                # A burst (a driver creating thousands of device nodes) becomes a few messages, each
+                # with the latest list; a change after a quiet moment still goes out at once.
+                await trio.sleep(LIST_PUSH_INTERVAL)
+                while devices.value is current and not ending.value:
+                    await devices.wait_touched()
+                if ending.value:
+                    return  # the kubelet sees the stream end, and forgets this registration
+                current = devices.value
+        finally:
+            if counted:
+                status.stream_ended()
 
     async def get_preferred_allocation(request: Any) -> Any:
         return preferred_allocation_response(resource, devices.value, request)
@@ -2853,12 +2949,15 @@ async def serve_resource(
     directory = kubelet.device_plugin_dir
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
 
-    def service(ending: Watched) -> purerpc.Service:
-        return device_plugin_service(resource, devices, shape_allocation, encoder, ending, examine)
+    status = StreamStatus()
+
+    def services(ending: Watched) -> list[purerpc.Service]:
+        plugin = device_plugin_service(resource, devices, shape_allocation, encoder, ending, examine, status)
+        return [plugin, status_service(resource, status)]
 
     lock = ResourceLock(resource.name, directory)
     try:
-        await _serve_generations(resource, devices, kubelet, lock, service, generations, task_status)
+        await _serve_generations(resource, devices, kubelet, lock, services, status, generations, task_status)
     finally:
         lock.release()
 
@@ -2868,7 +2967,8 @@ async def _serve_generations(
     devices: Watched,
     kubelet: KubeletWatch,
     lock: ResourceLock,
-    service: Callable[[Watched], purerpc.Service],
+    services: Callable[[Watched], list[purerpc.Service]],
+    status: StreamStatus,
     generations: Iterator[int] | None,
     task_status: trio.TaskStatus[None],
 ) -> None:
@@ -2888,7 +2988,7 @@ async def _serve_generations(
                 server = await nursery.start(
                     serve_grpc,
                     os.path.join(directory, endpoint),
-                    [service(ending)],
+                    services(ending),
                 )
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
@@ -2900,7 +3000,9 @@ async def _serve_generations(
             def still_serving(server: GRPCServer = server) -> bool:
                 return server.owns_socket_file() and devices.value is not RETIRED
 
+            status.new_kubelet()
             registered_with = await register(resource, endpoint, kubelet, still_serving, devices)
+            status.registered = registered_with is not None
             if registered_with is None and devices.value is RETIRED:
                 nursery.cancel_scope.cancel()
                 return
@@ -3372,6 +3474,10 @@ class KubeletSimulator:
 
 # The probe: what the kubelet would see of running plugins, right now. `gopherplug probe`.
 PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
+#: How long a resource may go without a ListAndWatch stream from a running kubelet before the probe
+#: fails. The kubelet opens the stream within milliseconds of Register; a kubelet that never
+#: registered a plugin again (kubernetes issue #125501: resources stuck at 0) never opens one.
+PROBE_STREAM_GRACE = 60.0
 
 
 @dataclass
@@ -3381,13 +3487,20 @@ class ProbeResult:
     resource: str
     endpoint: str = ""  #: the socket file probed ("" if none was found)
     options: Any = None  #: DevicePluginOptions
+    status: Any = None  #: gopherplug's ResourceStatus (None: a plugin without the status service)
     devices: list[Any] = dataclasses.field(default_factory=list)  #: the first ListAndWatch message's devices
     error: str = ""  #: why the resource did not answer ("" if it did)
 
 
-async def probe(device_plugin_dir: str, resource_names: Iterable[str] | None = None) -> list[ProbeResult]:
+async def probe(
+    device_plugin_dir: str, resource_names: Iterable[str] | None = None, grace: float = PROBE_STREAM_GRACE
+) -> list[ProbeResult]:
     """Dial every gopherplug resource in the directory (or those of ``resource_names``) like the kubelet:
-    GetDevicePluginOptions, then the first ListAndWatch message. Never raises for a plugin's failure.
+    GetDevicePluginOptions, gopherplug's status, then the first ListAndWatch message. Never raises
+    for a plugin's failure.
+
+    A resource fails when it does not answer, or when the kubelet has had no ListAndWatch stream
+    open for more than ``grace`` seconds: it answers, but the kubelet is not using its devices.
 
     A resource may have several sockets: a plugin killed before it could clean up leaves its own,
     and numbers start again at 1 in every process. So each is tried, newest first, until one
@@ -3410,11 +3523,23 @@ async def probe(device_plugin_dir: str, resource_names: Iterable[str] | None = N
         candidates = [entry for *_, entry in sorted(sockets.get(wanted[name], []), reverse=True)]
         if not candidates:
             result.error = f"no gopherplug socket in {device_plugin_dir}"
+        errors = []
         for endpoint in candidates:
             result.endpoint, result.error = endpoint, ""
             await _probe_socket(os.path.join(device_plugin_dir, endpoint), result)
             if not result.error:
                 break
+            errors.append((endpoint, result.error))
+        else:
+            if errors:  # none answered: say why the newest did not
+                result.endpoint, result.error = errors[0]
+        status = result.status
+        if not result.error and status is not None and not status.streams and status.unstreamed_seconds > grace:
+            result.error = (
+                f"{result.endpoint} answers, but the kubelet has had no ListAndWatch stream from it for "
+                f"{status.unstreamed_seconds:.0f} s (registered: {'yes' if status.registered else 'no'}): "
+                "it is not using these devices"
+            )
     return results
 
 
@@ -3426,9 +3551,15 @@ async def _probe_socket(path: str, result: ProbeResult) -> None:
             v1beta1.Empty(),
             timeout=PROBE_TIMEOUT,
         )
+        try:  # before our own stream: the status is the kubelet's streams, not ours (not counted anyway)
+            result.status = await call_unary(path, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
+        except RPCError as error:
+            if error.code != StatusCode.UNIMPLEMENTED:  # else: a gopherplug older than its status service
+                raise
         method = METHODS[f"/{API_VERSION}.DevicePlugin/ListAndWatch"]
         with trio.fail_after(PROBE_TIMEOUT):
-            async with open_stream(path, method, v1beta1.Empty(), timeout=PROBE_TIMEOUT) as responses:
+            empty = v1beta1.Empty()
+            async with open_stream(path, method, empty, timeout=PROBE_TIMEOUT, metadata=(PROBE_METADATA,)) as responses:
                 async for response in responses:
                     result.devices = list(response.devices)
                     break
@@ -3448,6 +3579,10 @@ def probe_report(results: list[ProbeResult]) -> str:
             f"preferred allocation {'yes' if result.options.get_preferred_allocation_available else 'no'}",
             f"pre-start {'yes' if result.options.pre_start_required else 'no'}",
         ]
+        if (status := result.status) is not None:
+            features.append(f"registered {'yes' if status.registered else 'no'}")
+            streamed = "open" if status.streams else f"none for {status.unstreamed_seconds:.0f} s"
+            features.append(f"kubelet stream {streamed}")
         lines.append(
             f"{result.resource}: {result.endpoint}: {len(result.devices)} devices, {healthy} healthy; "
             + ", ".join(features)
@@ -3618,6 +3753,13 @@ def _parser() -> argparse.ArgumentParser:
     probe_.add_argument(
         "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
     )
+    probe_.add_argument(
+        "--grace",
+        type=float,
+        default=PROBE_STREAM_GRACE,
+        metavar="SECONDS",
+        help=f"fail a resource whose ListAndWatch the kubelet has not read for longer (default {PROBE_STREAM_GRACE:g})",
+    )
     demo = commands.add_parser(
         "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
     )
@@ -3698,7 +3840,7 @@ def _probe(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     directory = args.device_plugin_dir or (config and config.device_plugin_dir) or find_device_plugin_dir()
     names = args.resource or ([resource.name for resource in config.resources] if config else None)
-    results = trio.run(probe, directory, names)
+    results = trio.run(probe, directory, names, args.grace)
     print(probe_report(results) if results else f"no gopherplug socket in {directory}")
     return EXIT_OK if results and not any(result.error for result in results) else EXIT_FAILURE
 

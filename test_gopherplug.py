@@ -1449,6 +1449,10 @@ class Node:
         )
         return gp.parse_config(text, "test.yaml")
 
+    @property
+    def kubelet_socket(self):
+        return os.path.join(self.plugin_dir, "kubelet.sock")
+
     def our_sockets(self):
         return sorted(name for name in os.listdir(self.plugin_dir) if name.startswith("gopherplug-"))
 
@@ -2796,7 +2800,7 @@ async def test_probe_shows_what_the_kubelet_sees(nursery, node, tmp_path):
     assert (result.returncode, result.stderr) == (0, b"")
     assert result.stdout.decode() == (
         "example.com/gopher: gopherplug-example.com_gopher-1.sock: 3 devices, 3 healthy; "
-        "preferred allocation yes, pre-start no\n"
+        "preferred allocation yes, pre-start no, registered yes, kubelet stream open\n"
         "  ID  HEALTH     NUMA\n"
         "  g1  Healthy    -\n"
         "  g2  Healthy    -\n"
@@ -2949,6 +2953,40 @@ async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, n
             hog.close()
         plugin.kill()
         await plugin.wait()
+
+
+async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
+    # A kubelet that accepts Register but never opens ListAndWatch (one that dropped the plugin:
+    # resources stuck at 0). Every DevicePlugin call still answers; only the status tells.
+    async def register(request):
+        return v1beta1.Empty()
+
+    registration = purerpc.Service("v1beta1.Registration")
+    registration.add_method("Register", register, gp.METHODS[gp.REGISTER].signature)
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
+        async with trio.open_nursery() as nursery:
+            deaf = trio.CancelScope()
+
+            async def deaf_kubelet(task_status=trio.TASK_STATUS_IGNORED):
+                with deaf:
+                    await gp.serve_grpc(node.kubelet_socket, [registration], task_status=task_status)
+
+            await nursery.start(deaf_kubelet)
+            await nursery.start(gp.serve_plugin, node.config())
+            await registered.wait()
+            [patient] = await gp.probe(node.plugin_dir, [RESOURCE], grace=3600)
+            [strict] = await gp.probe(node.plugin_dir, [RESOURCE], grace=0)
+            deaf.cancel()  # a real kubelet starts: it registers the plugin again, and reads its list
+            simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+            await simulator.wait_until(listed("g1", "g2"))
+            [good] = await gp.probe(node.plugin_dir, [RESOURCE], grace=0)
+            nursery.cancel_scope.cancel()
+    assert (patient.error, patient.status.registered, patient.status.streams) == ("", True, 0)
+    assert strict.error.startswith(
+        "gopherplug-example.com_gopher-1.sock answers, but the kubelet has had no ListAndWatch stream from it for "
+    )
+    assert strict.error.endswith(" s (registered: yes): it is not using these devices")
+    assert (good.error, good.status.registered, good.status.streams) == ("", True, 1)
 
 
 async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, tmp_path):
