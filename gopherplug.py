@@ -1748,13 +1748,13 @@ class GRPCServer:
     """What ``serve_grpc`` reports once it listens: its socket and what is live on it."""
 
     socket_path: str  #: the unix socket the server listens on
-    inode: int  #: the socket file's inode: tells our own file from one created later at that path
+    identity: tuple[int, int, int]  #: the socket file's _identity(): ours, or one created later at that path
     connections: set[_ServerConnection]  #: connections open right now
     calls_ended: Watched  #: touched whenever a call or a connection ends (then see live_calls, connections)
 
     def owns_socket_file(self) -> bool:
         """Whether the socket file is still ours: not deleted, not replaced by another file."""
-        return _inode(self.socket_path) == self.inode
+        return _identity(self.socket_path) == self.identity
 
     @property
     def live_calls(self) -> int:
@@ -1794,7 +1794,10 @@ async def serve_grpc(
     by_name = {service.name: service for service in services}
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
     try:
-        server = GRPCServer(socket_path, os.stat(socket_path).st_ino, set(), Watched(None))
+        identity = _identity(socket_path)
+        if identity is None:
+            raise FileNotFoundError(errno.ENOENT, "deleted as soon as it was made", socket_path)
+        server = GRPCServer(socket_path, identity, set(), Watched(None))
     except OSError:
         await listener.aclose()  # the file went already (a kubelet wiping its directory)
         raise
@@ -1855,6 +1858,16 @@ def _inode(path: str) -> int | None:
         return os.stat(path).st_ino
     except OSError:
         return None
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    """Which file is at ``path`` now: device, inode and change time. The inode alone is not enough:
+    a file deleted and another created in its place often get the same inode number."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_ctime_ns
 
 
 async def _serve_connection(
@@ -2560,13 +2573,13 @@ class KubeletWatch:
         with DirectoryWatch(
             self.device_plugin_dir, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
         ) as w:
-            inode = _inode(self.kubelet_socket)
+            inode = _identity(self.kubelet_socket)
             task_status.started()
             async for events, _, rescan in w.batches():
                 created = any(
                     name == KUBELET_SOCKET and mask & (flags.CREATE | flags.MOVED_TO) for name, mask in events
                 )
-                now = _inode(self.kubelet_socket)
+                now = _identity(self.kubelet_socket)
                 if created or (rescan and now is not None and now != inode):
                     self.generation += 1
                     log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)

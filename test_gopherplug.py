@@ -398,7 +398,7 @@ async def test_socket_is_private_and_removed_on_exit(sockdir):
             server = await nursery.start(gp.serve_grpc, path, [])
             assert stat.S_ISSOCK(os.stat(path).st_mode)
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-            assert server.inode == os.stat(path).st_ino
+            assert server.identity[1] == os.stat(path).st_ino
             nursery.cancel_scope.cancel()
     assert not os.path.exists(path)
 
@@ -2965,18 +2965,14 @@ async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
     registration.add_method("Register", register, gp.METHODS[gp.REGISTER].signature)
     with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
         async with trio.open_nursery() as nursery:
-            deaf = trio.CancelScope()
-
-            async def deaf_kubelet(task_status=trio.TASK_STATUS_IGNORED):
-                with deaf:
-                    await gp.serve_grpc(node.kubelet_socket, [registration], task_status=task_status)
-
-            await nursery.start(deaf_kubelet)
-            await nursery.start(gp.serve_plugin, node.config())
-            await registered.wait()
-            [patient] = await gp.probe(node.plugin_dir, [RESOURCE], grace=3600)
-            [strict] = await gp.probe(node.plugin_dir, [RESOURCE], grace=0)
-            deaf.cancel()  # a real kubelet starts: it registers the plugin again, and reads its list
+            async with trio.open_nursery() as deaf:
+                await deaf.start(gp.serve_grpc, node.kubelet_socket, [registration])
+                await nursery.start(gp.serve_plugin, node.config())
+                await registered.wait()
+                [patient] = await gp.probe(node.plugin_dir, [RESOURCE], grace=3600)
+                [strict] = await gp.probe(node.plugin_dir, [RESOURCE], grace=0)
+                deaf.cancel_scope.cancel()
+            # A real kubelet starts: it registers the plugin again, and reads its list.
             simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
             await simulator.wait_until(listed("g1", "g2"))
             [good] = await gp.probe(node.plugin_dir, [RESOURCE], grace=0)
