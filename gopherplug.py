@@ -552,8 +552,10 @@ class DeviceEntry:
 _QUALIFIED_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # Device IDs: the kubelet wants at most 63 characters; these characters are safe in env values,
-# paths, CDI names and log lines alike.
-_DEVICE_ID = re.compile(r"[A-Za-z0-9._-]{1,63}")
+# paths, CDI names and log lines alike. ":" too (the kubelet accepts any string, and PCI addresses
+# and by-path names have it: the SR-IOV plugin's IDs are PCI addresses), but not "::", which
+# separates a replica's number.
+_DEVICE_ID = re.compile(r"(?!.*::)[A-Za-z0-9._:-]{1,63}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The env var is set in the container's environment and in the pre_start command's, where some
 # names change how programs are found, loaded and run (PATH=g1,g2 and neither finds its programs):
@@ -958,8 +960,9 @@ class Scan:
     problem: str = ""  #: why the directory itself could not be read ("" if it could, or is just missing)
 
 
-# CDI device names begin and end with a letter or digit (CDI specification, "CDI Devices").
-_CDI_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+# CDI device names begin and end with a letter or digit; ":" may stand between (ValidateDeviceName
+# in container-device-interface pkg/parser/parser.go).
+_CDI_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._:-]*[A-Za-z0-9])?")
 
 
 def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
@@ -1011,7 +1014,7 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
     except OSError:
         return None  # gone already: it leaves the list
     if not _DEVICE_ID.fullmatch(name):
-        return "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -"
+        return "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'"
     if resource.cdi is not None and not _CDI_NAME.fullmatch(name):
         return "a CDI device name must begin and end with a letter or digit"
     unreachable: OSError | None = None

@@ -1001,6 +1001,26 @@ def test_scan_skips_devices_whose_host_paths_escape(tmp_path):
     assert [d.id for d in gp.scan_directory(allowed).devices] == ["escape", "ok"]
 
 
+def test_ids_may_hold_colons_as_pci_addresses_do(tmp_path):
+    # /dev/dri/by-path names: the PCI address has ":" in it. "::" would be ambiguous with replicas.
+    for name in ["pci-0000:00:02.0-card", "pci-0000:00:02.0-render", "a::b", ":edge"]:
+        (tmp_path / name).touch()
+    resource = resource_in(tmp_path, replicas=2, cdi={"kind": "example.com/gpu"})
+    scan = gp.scan_directory(resource)
+    assert [d.id for d in scan.devices] == ["pci-0000:00:02.0-card", "pci-0000:00:02.0-render"]
+    assert scan.skipped == (
+        (":edge", "a CDI device name must begin and end with a letter or digit"),
+        ("a::b", "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'"),
+    )
+    answer = allocate(resource, scan.devices, "pci-0000:00:02.0-card::1", "pci-0000:00:02.0-card::0")
+    [container] = answer.container_responses
+    assert dict(container.envs) == {"GOPHER_DEVICES": "pci-0000:00:02.0-card"}
+    assert [d.name for d in container.cdi_devices] == ["example.com/gpu=pci-0000:00:02.0-card"]
+    spec = gp.cdi_spec(resource, scan.devices)
+    assert [d["name"] for d in spec["devices"]] == ["pci-0000:00:02.0-card", "pci-0000:00:02.0-render"]
+    assert cdi_problem(spec["cdiVersion"], spec) is None
+
+
 def test_scan_skips_names_cdi_refuses(tmp_path):
     for name in ["g0", "g1-", "_g2"]:
         (tmp_path / name).touch()
@@ -1939,7 +1959,7 @@ async def test_odd_names_are_skipped_with_a_warning(nursery, node, caplog):
         Path(node.devices, "g3").touch()
         await simulator.wait_until(listed("g1", "g2", "g3"))
     for shown in ["'new\\nline'", "'bad\\udcffbyte'", "'tab\\there'", repr("-x" * 40)]:
-        assert f"skipping {shown}: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -" in caplog.text
+        assert f"skipping {shown}: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'" in caplog.text
 
 
 async def test_device_directory_on_its_own_mount(nursery, node):
@@ -3036,7 +3056,7 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
         f"  g2    Healthy    {node.devices}/g2\n"
         f"  host  Healthy    {node.devices}/host -> /etc/hostname\n"  # a file, not a node: no DeviceSpec
         f"  null  Healthy    {node.devices}/null -> /dev/null\n"
-        "  skipped 'has space': a device ID must be 1 to 63 of A-Z a-z 0-9 . _ -\n"
+        "  skipped 'has space': a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'\n"
         f"  skipped 'zero': host path /dev/zero {outside}\n"
     )
     via_env = run_cli("check-config", env={"GOPHERPLUG_CONFIG": str(path)})
