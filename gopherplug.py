@@ -2031,7 +2031,9 @@ async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, 
 #
 # Rules for this section: each piece waits on the kernel (inotify, sockets); timers only bound
 # what another party may take (Register's deadline and backoff, pre_start's timeout, a removed
-# resource's goodbye) or space a stream's messages (LIST_PUSH_INTERVAL), never to poll.
+# resource's goodbye) or space a stream's messages (LIST_PUSH_INTERVAL), never to poll, with one
+# exception: while one of the node's inotify limits keeps something from being watched, it is
+# rescanned every INOTIFY_RETRY_INTERVAL (DirectoryWatch), and only until it can be watched again.
 # Long-running functions take task_status and call started() only once their promise holds.
 ########################################################################################################
 
@@ -2051,6 +2053,17 @@ RETIRE_GRACE = 2.0
 
 #: The path of the one call a plugin makes to the kubelet.
 REGISTER = f"/{API_VERSION}.Registration/Register"
+
+#: While an inotify limit keeps a directory from being watched, it is rescanned this often (seconds),
+#: and its watches are tried again. 5 s is what the most used generic device plugin does all the time
+#: (squat/generic-device-plugin, deviceCheckInterval in deviceplugin/generic.go), so the kubelet is
+#: told no later than it would be by that one; here only while the limit is reached.
+INOTIFY_RETRY_INTERVAL = 5.0
+
+# A directory that appears while its watch is placed is looked for again, this many times at most:
+# one that keeps coming and going could otherwise keep us there forever. After that, the watch stays
+# on its parent, whose next event about it places the watches again.
+_PLACING_TRIES = 8
 
 _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
@@ -2086,6 +2099,25 @@ def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Co
     return config
 
 
+def _inotify_limit(error: OSError, creating: bool) -> str | None:
+    """Which limit a failed inotify_init1() (``creating``) or inotify_add_watch() ran into, as the
+    log says it; None when the error is about the path instead (missing, not a directory, not
+    readable), which keeps its meaning: nothing there to watch yet."""
+    if creating and error.errno == errno.EMFILE:
+        try:  # EMFILE also means this process has no file descriptor left: has it one?
+            os.close(os.open("/", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            return "this process's limit of open files is reached (raise its RLIMIT_NOFILE)"
+        return "the node's limit of inotify instances is reached (raise the sysctl fs.inotify.max_user_instances)"
+    if creating and error.errno == errno.ENFILE:
+        return "the node's limit of open files is reached (raise the sysctl fs.file-max)"
+    if not creating and error.errno == errno.ENOSPC:
+        return "the node's limit of inotify watches is reached (raise the sysctl fs.inotify.max_user_watches)"
+    if error.errno == errno.ENOMEM:
+        return "the kernel has no memory left for inotify"
+    return None
+
+
 class DirectoryWatch:
     """inotify on a directory that may not exist yet, may be deleted, and may come back.
 
@@ -2094,74 +2126,157 @@ class DirectoryWatch:
     re-armed, because a deleted directory's watch is gone for good (IN_DELETE_SELF, IN_IGNORED).
     ``follow(paths)`` adds paths elsewhere whose appearing, vanishing or changing attributes count
     as a change too (a device's symlink targets). Use as a context manager; iterate ``batches()``.
+
+    inotify has limits per user, shared by all of that user's processes on the node (root's:
+    the container runtime's, the kubelet's, every other plugin's): fs.inotify.max_user_instances
+    for INotify(), fs.inotify.max_user_watches for add_watch(). What one of them keeps from being
+    watched is not missing, and must not be mistaken for it: the watch is then *degraded*
+    (``limit`` says why), which ``logger`` hears once, and batches() also wakes every
+    INOTIFY_RETRY_INTERVAL seconds to try the watches again and call for a rescan, until they all
+    hold again (``logger`` hears that too). Only then does no timer run.
     """
 
-    def __init__(self, path: str, mask: int, follow_mask: int = 0) -> None:
+    def __init__(
+        self,
+        path: str,
+        mask: int,
+        follow_mask: int = 0,
+        logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = log,
+    ) -> None:
         self.path = path
         self._mask = mask
         self._follow_mask = _LEADING_EVENTS | follow_mask
-        self._inotify = INotify(nonblocking=True)
+        self._log = logger
+        self._inotify: INotify | None = None  # None: not even an instance could be had
         # wd -> how many reasons we have to care about each name in that directory; _DIR: the
         # watched directory itself, every event reported
         self._watches: dict[int, collections.Counter[str]] = {}
         self._dirs: dict[int, str] = {}  # wd -> the directory it watches
         self._followed: dict[str, tuple[int, str]] = {}  # followed path -> (wd, name) leading to it
         self._leading = (-1, "")  # (wd, name) leading to the directory itself
-        self.exists = False  #: whether the directory itself is watched right now
+        self.exists = False  #: whether the directory itself exists, as the last arm() found
+        self.limit: str | None = None  #: the inotify limit that keeps something from being watched
+        self._said: str | None = None  # the limit the log last heard of
         self.arm()
 
     def __enter__(self) -> DirectoryWatch:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        # trio must forget the fd before it is closed, or a task waiting on it would never wake.
-        trio.lowlevel.notify_closing(self._inotify.fileno())
-        self._inotify.close()
+        if self._inotify is not None:
+            # trio must forget the fd before it is closed, or a task waiting on it would never wake.
+            trio.lowlevel.notify_closing(self._inotify.fileno())
+            self._inotify.close()
 
     def follow(self, paths: Iterable[str]) -> set[str]:
         """Watch exactly these paths besides the directory (their nearest existing ancestor when
         missing), from now on. Returns the paths newly watched: what happened to them before now
-        was not seen, so the caller must look at them again."""
+        was not seen, so the caller must look at them again. A path an inotify limit keeps from
+        being watched is followed all the same (the rescans stand in for its events): it is new
+        once, not at every call."""
         paths = set(paths)
         for path in set(self._followed) - paths:
             self._unwatch(*self._followed.pop(path))
         new = paths - set(self._followed)
         for path in new:
             self._followed[path] = self._watch_leading_to(path)
+        self._say()
         return new
 
     def arm(self) -> None:
         """(Re)place every watch: the directory if it exists, and for it and every followed path,
-        the nearest existing ancestor, interested in the name that leads there."""
-        for wd in self._watches:
-            with contextlib.suppress(OSError):  # already removed by the kernel with its directory
-                self._inotify.rm_watch(wd)
+        the nearest existing ancestor, interested in the name that leads there. Whatever an
+        inotify limit keeps from being watched sets ``limit``; a call that meets none clears it."""
+        self.limit = None
+        if self._inotify is None:
+            try:
+                self._inotify = INotify(nonblocking=True)
+            except OSError as error:
+                self.limit = _inotify_limit(error, creating=True)
+                if self.limit is None:
+                    raise
+        else:  # (a new instance has no watches yet)
+            for wd in self._watches:
+                with contextlib.suppress(OSError):  # already removed by the kernel with its directory
+                    self._inotify.rm_watch(wd)
         self._watches.clear()
         self._dirs.clear()
-        try:
-            wd = self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)
-            self._watches[wd] = collections.Counter({_DIR: 1})
-            self._dirs[wd] = self.path
-            self.exists = True
-        except OSError:
-            self.exists = False  # missing, or not a directory: no devices until that changes
-        self._leading = self._watch_leading_to(self.path)
+        for tries in range(1, _PLACING_TRIES + 1):
+            why_not = self._watch_directory()
+            self.exists = not why_not
+            self._leading = self._watch_leading_to(self.path)
+            if why_not not in _NOT_THERE or tries == _PLACING_TRIES or not os.path.isdir(self.path):
+                break
+            # It appeared after its own add_watch failed and before its parent's watch was placed:
+            # that watch never saw it come. Watch it again.
+            self._unwatch(*self._leading)
         for path in self._followed:
             self._followed[path] = self._watch_leading_to(path)
+        self._say()
+
+    def _watch_directory(self) -> int:
+        """Watch the directory itself. Returns 0 if it exists, else why not (an errno)."""
+        if self._inotify is None:
+            return 0 if os.path.isdir(self.path) else errno.ENOENT
+        try:
+            wd = self._inotify.add_watch(self.path, self._mask | flags.ONLYDIR)
+        except OSError as error:
+            # The kernel looks the path up before it counts the watch against a limit: a limit
+            # met means the directory is there. Any other error: missing, not a directory, or not
+            # readable; no devices until that changes.
+            return 0 if self._limited(error) else error.errno or errno.EIO
+        self._watches[wd] = collections.Counter({_DIR: 1})
+        self._dirs[wd] = self.path
+        return 0
 
     def _watch_leading_to(self, path: str) -> tuple[int, str]:
+        if self._inotify is None:
+            return -1, os.path.basename(path)
         child, ancestor = os.path.basename(path), os.path.dirname(path)
+        # child_was_there is False when add_watch() found no directory at ancestor/child: if there
+        # is one once ancestor is watched, it appeared in between. (path itself is not tried here.)
+        tries, child_was_there = 0, True
         while True:
             try:
                 # MASK_ADD: a directory watched for several reasons keeps every event it was asked for.
                 wd = self._inotify.add_watch(ancestor, self._follow_mask | flags.MASK_ADD)
-                self._watches.setdefault(wd, collections.Counter())[child] += 1
-                self._dirs[wd] = ancestor
-                return wd, child
-            except OSError:
-                if ancestor == os.path.dirname(ancestor):
-                    return -1, child  # not even "/" can be watched: nothing more to do
+            except OSError as error:
+                if self._limited(error) or ancestor == os.path.dirname(ancestor):
+                    return -1, child  # a limit (higher up would meet it too), or not even "/" can be watched
                 child, ancestor = os.path.basename(ancestor), os.path.dirname(ancestor)
+                child_was_there = error.errno not in _NOT_THERE
+                continue
+            self._watches.setdefault(wd, collections.Counter())[child] += 1
+            self._dirs[wd] = ancestor
+            tries += 1
+            if child_was_there or tries == _PLACING_TRIES or not os.path.isdir(os.path.join(ancestor, child)):
+                return wd, child
+            # ancestor/child appeared after its own add_watch failed and before this one was placed:
+            # this watch never saw it come. Start again from the bottom, which may now lie deeper.
+            self._unwatch(wd, child)
+            child, ancestor, child_was_there = os.path.basename(path), os.path.dirname(path), True
+
+    def _limited(self, error: OSError) -> bool:
+        """Whether a failed add_watch() met an inotify limit; if so, the watch is degraded."""
+        limit = _inotify_limit(error, creating=False)
+        if limit is not None:
+            self.limit = limit
+        return limit is not None
+
+    def _say(self) -> None:
+        """Tell the log when the watch is degraded (or by another limit), and when it is whole again."""
+        if self.limit == self._said:
+            return  # once, not at every retry
+        if self.limit is not None:
+            self._log.warning(
+                "cannot watch %s with inotify: %s; rescanning it every %g s until it can be watched",
+                self.path,
+                self.limit,
+                INOTIFY_RETRY_INTERVAL,
+            )
+        else:
+            self._log.info("watching %s with inotify again", self.path)
+        self._said = self.limit
 
     def _unwatch(self, wd: int, name: str) -> None:
         names = self._watches.get(wd)
@@ -2174,17 +2289,35 @@ class DirectoryWatch:
             del self._watches[wd]
             del self._dirs[wd]
             with contextlib.suppress(OSError):
-                self._inotify.rm_watch(wd)
+                if self._inotify is not None:  # (it is: there are no watches without one)
+                    self._inotify.rm_watch(wd)
 
     async def batches(self) -> AsyncGenerator[tuple[list[tuple[str, int]], set[str], bool], None]:
         """Yield, for each batch the kernel delivers: the directory's events as (name, mask); the
         followed paths (or their missing ancestors) that changed; and whether everything must be
         rescanned (the directory came or went, a watched directory vanished, the queue overflowed).
+
+        While degraded, also every INOTIFY_RETRY_INTERVAL seconds: the watches are placed again,
+        and a rescan is called for, since what could not be watched may have changed unseen.
         """
+        retry_at = math.inf  # no timer at all while every watch holds
         while True:
-            await trio.lowlevel.wait_readable(self._inotify.fileno())
+            if self.limit is None:
+                retry_at = math.inf
+            elif retry_at == math.inf:
+                retry_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
+            with trio.move_on_at(retry_at):
+                if self._inotify is None:
+                    await trio.sleep_forever()  # no instance to wait on: only the timer
+                await trio.lowlevel.wait_readable(self._inotify.fileno())
+            inotify = self._inotify
+            if inotify is None or trio.current_time() >= retry_at:
+                retry_at = math.inf
+                self.arm()
+                yield [], set(), True
+                continue
             events, touched, rescan = [], set(), False
-            for event in self._inotify.read(timeout=0):
+            for event in inotify.read(timeout=0):
                 names = self._watches.get(event.wd, collections.Counter())
                 if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
                     rescan = True  # events were lost, or a watch is gone for good: start afresh
@@ -2199,6 +2332,7 @@ class DirectoryWatch:
                     self._refollow(event.wd, event.name)
             if rescan:
                 self.arm()
+            self._say()
             if events or touched or rescan:
                 yield events, touched, rescan
 
@@ -2212,6 +2346,7 @@ class DirectoryWatch:
 
 
 _DIR = ""  # in DirectoryWatch._watches: the watched directory itself, every event reported
+_NOT_THERE = (errno.ENOENT, errno.ENOTDIR)  # add_watch() found no directory there (yet)
 _LEADING_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB | _GONE | flags.ONLYDIR
 
 
@@ -2314,12 +2449,14 @@ async def watch_devices(
     A batch of inotify events naming entries re-examines those entries only: one change in a
     directory of 50,000 costs a few system calls, not 50,000. A batch that calls for a rescan (the
     directory came or went, a followed symlink target changed, the kernel's queue overflowed)
-    rescans everything. Either way a burst becomes one new device set: ListAndWatch streams send
-    the latest set, never a backlog. With ``cdi``, the CDI spec is rewritten before the kubelet
-    hears of a new device (a container may be created with it at once). It stays when this
-    returns: the kubelet keeps the CDI names of its allocations and gives them to the runtime
-    again whenever a container restarts, plugin running or not (an update rolling through the
-    DaemonSet, an OOM kill). A device leaves the spec only when it leaves the directory.
+    rescans everything, and so does each of DirectoryWatch's retries while an inotify limit keeps
+    the directory or a followed path from being watched. Either way a burst becomes one new
+    device set: ListAndWatch streams send the latest set, never a backlog. With ``cdi``, the CDI
+    spec is rewritten before the kubelet hears of a new device (a container may be created with
+    it at once). It stays when this returns: the kubelet keeps the CDI names of its allocations
+    and gives them to the runtime again whenever a container restarts, plugin running or not (an
+    update rolling through the DaemonSet, an OOM kill). A device leaves the spec only when it
+    leaves the directory.
     """
     tracker = _DeviceTracker(resource, devices, sysfs_root)
     with contextlib.ExitStack() as stack:
@@ -2329,7 +2466,7 @@ async def watch_devices(
             stack.enter_context(_cdi_lock(resource.cdi))
         if problem := container_only_problem(resource.directory, _read_text("/proc/self/mountinfo") or ""):
             _log(resource).warning("%s", problem)
-        watch = stack.enter_context(DirectoryWatch(resource.directory, _DIRECTORY_EVENTS))
+        watch = stack.enter_context(DirectoryWatch(resource.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
         if not watch.exists:
             _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
         tracker.rescan(watch)
