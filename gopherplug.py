@@ -1114,6 +1114,124 @@ def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
     return node if node >= 0 else None
 
 
+# USB devices by vendor and product. sysfs lists every USB device and interface in bus/usb/devices,
+# as a symlink named by port path ("1-1.4": bus 1, root port 1, then port 4 of the hub there;
+# "usb1" for the root hub, a device too) or by interface ("1-1.4:1.0"). It leads into devices/,
+# where a device's directory holds its interfaces, they the class devices (tty, hidraw, video4linux,
+# input) whose uevent names a node in /dev, and a hub's directory its children's directories too.
+
+
+@dataclass(frozen=True)
+class UsbSelector:
+    """Which USB devices to find: vendor and product as lsusb prints them, and a serial if given."""
+
+    vendor: str  #: 4 hex digits, lower case ("1050")
+    product: str  #: 4 hex digits, lower case ("0407")
+    serial: str | None = None  #: None: any serial, or none at all
+
+
+@dataclass(frozen=True)
+class UsbDevice:
+    """A USB device a selector matched, and the device nodes a container needs to use it."""
+
+    id: str  #: its serial when that is a valid device ID and unique among the matches; else its port path
+    port: str  #: the port path ("1-1.4"), its name in bus/usb/devices: the same while it stays plugged there
+    vendor: str
+    product: str
+    serial: str | None  #: None: the device has none (many cheap ones)
+    members: tuple[str, ...]  #: its own node (bus/usb/BBB/DDD, what libusb opens) first, then its interfaces'
+
+
+def find_usb_devices(
+    selectors: Iterable[UsbSelector], sysfs_root: str = "/sys", dev_root: str = "/dev"
+) -> tuple[UsbDevice, ...]:
+    """The USB devices that a selector matches, in natural order of their IDs.
+
+    A device that cannot be read whole is left out, and a node that cannot be read is: either is
+    being unplugged, and the next scan finds it gone (or back).
+    """
+    selectors = tuple(selectors)
+    links = os.path.join(sysfs_root, "bus", "usb", "devices")
+    try:
+        names = os.listdir(links)
+    except OSError:
+        return ()  # no USB at all
+    found = []
+    for port in names:
+        if ":" in port:
+            continue  # an interface: read with its device
+        try:
+            device = _usb_device(os.path.realpath(os.path.join(links, port)), port, selectors, dev_root)
+        except OSError:
+            continue
+        if device is not None:
+            found.append(device)
+    # A serial names a device wherever it is plugged in, but cheap ones share theirs (a batch of
+    # adapters all "0001") or have one that is no valid ID: then its port path is its ID. A serial
+    # that is a matched device's port path is not used either, so that no two IDs are the same.
+    counts = collections.Counter(device.serial for device in found)
+    ports = {device.port for device in found}
+    found = [
+        dataclasses.replace(device, id=device.serial)
+        if device.serial is not None
+        and counts[device.serial] == 1
+        and device.serial not in ports
+        and _DEVICE_ID.fullmatch(device.serial)
+        else device
+        for device in found
+    ]
+    return tuple(sorted(found, key=lambda device: _natural_key(device.id)))
+
+
+def _usb_device(directory: str, port: str, selectors: tuple[UsbSelector, ...], dev_root: str) -> UsbDevice | None:
+    """The USB device in a sysfs directory (its ID the port path), or None if no selector matches it.
+
+    Raises OSError when the device cannot be read: a device being unplugged vanishes file by file.
+    """
+    vendor = _sysfs_text(os.path.join(directory, "idVendor")).strip().lower()
+    product = _sysfs_text(os.path.join(directory, "idProduct")).strip().lower()
+    try:
+        serial: str | None = _sysfs_text(os.path.join(directory, "serial")).removesuffix("\n")
+    except FileNotFoundError:
+        serial = None  # the device reports none
+    if not any(
+        (s.vendor, s.product) == (vendor, product) and (s.serial is None or s.serial == serial) for s in selectors
+    ):
+        return None
+    own = _uevent_devname(os.path.join(directory, "uevent"))
+    # Interfaces only (names with ':'): a hub's children sit beside them (1-1/1-1.4), not in them,
+    # and the rest (power, ep_81) has no node. Symlinks are never followed: sysfs links up
+    # (subsystem, a class device's device) and sideways (port, a hub port's device), so a walk
+    # following them would loop, or collect other devices' nodes.
+    with os.scandir(directory) as entries:
+        interfaces = [entry.path for entry in entries if ":" in entry.name and entry.is_dir(follow_symlinks=False)]
+    nodes = set()
+    for interface in interfaces:
+        for parent, _, files in os.walk(interface, followlinks=False):  # an unreadable directory is skipped
+            if "uevent" in files:
+                with contextlib.suppress(OSError):
+                    if name := _uevent_devname(os.path.join(parent, "uevent")):
+                        nodes.add(os.path.join(dev_root, name))
+    members = [os.path.join(dev_root, own)] if own else []
+    members += sorted(nodes, key=_natural_key)
+    return UsbDevice(port, port, vendor, product, serial, tuple(dict.fromkeys(members)))
+
+
+def _sysfs_text(path: str) -> str:
+    """A sysfs file's text; bytes that are no UTF-8 kept as they are (surrogate escapes), never an error."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as file:
+        return file.read()
+
+
+def _uevent_devname(path: str) -> str | None:
+    """The DEVNAME of a uevent file: the path of its node under /dev, or None when it has no node."""
+    for line in _sysfs_text(path).splitlines():
+        key, _, value = line.partition("=")
+        if key == "DEVNAME" and value:
+            return value
+    return None
+
+
 def list_and_watch_response(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> Any:
     """The ListAndWatch message for a device set: every replica of every device, with health and topology."""
     response = v1beta1.ListAndWatchResponse()

@@ -14,6 +14,7 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -1028,6 +1029,177 @@ def test_scan_skips_names_cdi_refuses(tmp_path):
     scan = gp.scan_directory(resource_in(tmp_path, cdi={"kind": "example.com/gopher"}))
     assert [d.id for d in scan.devices] == ["g0"]
     assert [name for name, _ in scan.skipped] == ["_g2", "g1-"]
+
+
+def fake_usb(sysfs, devices):
+    """A sysfs tree of USB devices as the kernel lays it out, with the links a walk must not follow.
+
+    `devices` maps a port path to (vendor, product, serial or None, {interface: [(dir, DEVNAME)]}),
+    a dir under the interface's directory and DEVNAME None for a uevent that names no node. A
+    device's directory nests in its hub's (usb1/1-1/1-1.4); bus/usb/devices links to every device
+    and interface; `subsystem` and a class device's `device` link back up (the latter into a
+    loop), a device's `port` and its hub port's `device` sideways. Device numbers count per bus.
+    """
+    controller = sysfs / "devices" / "pci0000:00" / "0000:00:14.0"
+    links = sysfs / "bus" / "usb" / "devices"
+    (sysfs / "bus" / "usb" / "drivers" / "usb").mkdir(parents=True)
+    links.mkdir()
+
+    def relative_link(target, link):
+        os.symlink(os.path.relpath(target, link.parent), link)
+
+    def interface_prefix(port):  # the root hub's interfaces are 1-0:1.0, not usb1:1.0
+        return f"{port.removeprefix('usb')}-0" if port.startswith("usb") else port
+
+    def directory(port):  # 1-1.3.2 is usb1/1-1/1-1.3/1-1.3.2
+        bus, _, path = port.removeprefix("usb").partition("-")
+        parts = path.split(".") if path else []
+        return controller.joinpath(f"usb{bus}", *(f"{bus}-{'.'.join(parts[:i])}" for i in range(1, len(parts) + 1)))
+
+    devnums = collections.Counter()
+    for port, (vendor, product, serial, interfaces) in devices.items():
+        bus = int(port.removeprefix("usb").partition("-")[0])
+        devnums[bus] += 1
+        device = directory(port)
+        device.mkdir(parents=True)
+        files = {"idVendor": vendor, "idProduct": product, "busnum": bus, "devnum": devnums[bus], "serial": serial}
+        for name, value in files.items():
+            if value is not None:
+                (device / name).write_text(f"{value}\n")
+        (device / "uevent").write_text(
+            f"MAJOR=189\nMINOR={(bus - 1) * 128 + devnums[bus] - 1}\n"
+            f"DEVNAME=bus/usb/{bus:03}/{devnums[bus]:03}\nDEVTYPE=usb_device\n"
+        )
+        (device / "power").mkdir()
+        relative_link(sysfs / "bus" / "usb", device / "subsystem")
+        relative_link(sysfs / "bus" / "usb" / "drivers" / "usb", device / "driver")
+        relative_link(device, links / port)
+        if not port.startswith("usb"):  # a hub port and the device in it link to each other
+            hub = device.parent.name  # its port 4 is 1-1:1.0/1-1-port4, for 1-1.4
+            hub_port = device.parent / f"{interface_prefix(hub)}:1.0" / f"{hub}-port{re.split('[.-]', port)[-1]}"
+            hub_port.mkdir(parents=True)
+            relative_link(device, hub_port / "device")
+            relative_link(hub_port, device / "port")
+        for number, nodes in interfaces.items():
+            interface = device / f"{interface_prefix(port)}:{number}"
+            interface.mkdir(exist_ok=True)
+            (interface / "uevent").write_text("DEVTYPE=usb_interface\n")
+            relative_link(sysfs / "bus" / "usb", interface / "subsystem")
+            relative_link(interface, links / interface.name)
+            for path, devname in nodes:
+                node = interface / path
+                node.mkdir(parents=True)
+                (node / "uevent").write_text(f"DEVNAME={devname}\n" if devname else "DRIVER=x\n")
+                relative_link(interface, node / "device")  # back up: a loop, if followed
+    return str(sysfs)
+
+
+HUB = ("05e3", "0610", None, {"1.0": []})
+TTY0 = [("ttyUSB0", None), ("ttyUSB0/tty/ttyUSB0", "ttyUSB0")]
+TTY1 = [("ttyUSB1", None), ("ttyUSB1/tty/ttyUSB1", "ttyUSB1")]
+
+
+def usb_tree(tmp_path, cp2102_serials=("0001", "0001"), yubikey_serial="87654321"):
+    """Two root hubs, a hub in a hub, two YubiKeys, two CP2102 serial adapters and a camera."""
+    return fake_usb(
+        tmp_path / "sys",
+        {
+            "usb1": ("1d6b", "0002", "0000:00:14.0", {"1.0": []}),  # 1-0:1.0, with the ports
+            "1-1": HUB,
+            "1-1.1": ("1050", "0407", "12345678", {"1.0": [("0003:1050:0407.0001/hidraw/hidraw0", "hidraw0")]}),
+            "1-1.2": ("1050", "0407", yubikey_serial, {"1.0": [("0003:1050:0407.0002/hidraw/hidraw1", "hidraw1")]}),
+            "1-1.3": HUB,
+            "1-1.3.2": ("10c4", "ea60", cp2102_serials[1], {"1.0": TTY1}),
+            "1-1.4": ("10c4", "ea60", cp2102_serials[0], {"1.0": TTY0}),
+            "usb2": ("1d6b", "0003", "0000:00:14.0", {"1.0": []}),
+            "2-3": (
+                "046d",
+                "0825",
+                None,
+                {
+                    "1.0": [
+                        ("video4linux/video0", "video0"),
+                        ("input/input7", None),
+                        ("input/input7/event3", "input/event3"),
+                    ],
+                    "1.1": [],  # the audio interface: no node of its own
+                },
+            ),
+        },
+    )
+
+
+def usb(device_id, port, vendor, product, serial, *members, dev="/dev"):
+    """The UsbDevice expected, its members given relative to `dev`."""
+    return gp.UsbDevice(device_id, port, vendor, product, serial, tuple(f"{dev}/{m}" for m in members))
+
+
+def test_find_usb_devices_by_serial(tmp_path):
+    sysfs = usb_tree(tmp_path)
+    yubikey = gp.UsbSelector("1050", "0407")
+    assert gp.find_usb_devices([yubikey], sysfs, "/host/dev") == (
+        usb("12345678", "1-1.1", "1050", "0407", "12345678", "bus/usb/001/003", "hidraw0", dev="/host/dev"),
+        usb("87654321", "1-1.2", "1050", "0407", "87654321", "bus/usb/001/004", "hidraw1", dev="/host/dev"),
+    )
+    chosen = dataclasses.replace(yubikey, serial="87654321")
+    assert gp.find_usb_devices([chosen], sysfs) == (
+        usb("87654321", "1-1.2", "1050", "0407", "87654321", "bus/usb/001/004", "hidraw1"),
+    )
+    assert gp.find_usb_devices([dataclasses.replace(yubikey, serial="8765432")], sysfs) == ()
+
+
+@pytest.mark.parametrize("serials", [("0001", "0001"), (None, None)])
+def test_find_usb_devices_by_port_without_unique_serials(tmp_path, serials):
+    sysfs = usb_tree(tmp_path, cp2102_serials=serials)
+    # The hubs match too: each has its own node only, not its children's (1-1.3 holds 1-1.3.2).
+    selectors = [gp.UsbSelector("10c4", "ea60"), gp.UsbSelector("05e3", "0610")]
+    assert gp.find_usb_devices(selectors, sysfs) == (
+        usb("1-1", "1-1", "05e3", "0610", None, "bus/usb/001/002"),
+        usb("1-1.3", "1-1.3", "05e3", "0610", None, "bus/usb/001/005"),
+        usb("1-1.3.2", "1-1.3.2", "10c4", "ea60", serials[1], "bus/usb/001/006", "ttyUSB1"),
+        usb("1-1.4", "1-1.4", "10c4", "ea60", serials[0], "bus/usb/001/007", "ttyUSB0"),
+    )
+
+
+def test_find_usb_devices_camera_with_several_nodes(tmp_path):
+    assert gp.find_usb_devices([gp.UsbSelector("046d", "0825")], usb_tree(tmp_path)) == (
+        usb("2-3", "2-3", "046d", "0825", None, "bus/usb/002/002", "input/event3", "video0"),
+    )
+
+
+def test_find_usb_devices_root_hubs_only_when_named(tmp_path):
+    sysfs = usb_tree(tmp_path)
+    everything_else = [gp.UsbSelector(*ids) for ids in [("05e3", "0610"), ("1050", "0407"), ("10c4", "ea60")]]
+    assert not {d.port for d in gp.find_usb_devices(everything_else, sysfs)} & {"usb1", "usb2"}
+    assert gp.find_usb_devices([gp.UsbSelector("1d6b", "0002")], sysfs) == (
+        usb("0000:00:14.0", "usb1", "1d6b", "0002", "0000:00:14.0", "bus/usb/001/001"),
+    )
+    both = [gp.UsbSelector("1d6b", "0002"), gp.UsbSelector("1d6b", "0003")]  # one controller's serial, twice
+    assert [d.id for d in gp.find_usb_devices(both, sysfs)] == ["usb1", "usb2"]
+
+
+@pytest.mark.parametrize("serial", ["has space", "a::b", "x" * 64, "", "1-1.1"])
+def test_find_usb_devices_serial_invalid_as_id(tmp_path, serial):
+    sysfs = usb_tree(tmp_path, yubikey_serial=serial)
+    assert [(d.id, d.serial) for d in gp.find_usb_devices([gp.UsbSelector("1050", "0407")], sysfs)] == [
+        ("1-1.2", serial),
+        ("12345678", "12345678"),
+    ]
+
+
+def test_find_usb_devices_skips_what_vanished(tmp_path):
+    sysfs = usb_tree(tmp_path)
+    root = Path(sysfs, "bus", "usb", "devices")
+    (root / "1-1.2").resolve().joinpath("uevent").unlink()  # being unplugged
+    shutil.rmtree((root / "1-1.4").resolve())  # gone, its link dangling
+    (root / "1-1.3.2:1.0").resolve().joinpath("ttyUSB1", "tty", "ttyUSB1", "uevent").unlink()  # one node gone
+    selectors = [gp.UsbSelector("1050", "0407"), gp.UsbSelector("10c4", "ea60")]
+    # The serial that 1-1.3.2 shared with 1-1.4 is its own again: its ID.
+    assert gp.find_usb_devices(selectors, sysfs) == (
+        usb("0001", "1-1.3.2", "10c4", "ea60", "0001", "bus/usb/001/006"),
+        usb("12345678", "1-1.1", "1050", "0407", "12345678", "bus/usb/001/003", "hidraw0"),
+    )
+    assert gp.find_usb_devices(selectors, str(tmp_path / "nothing")) == ()
 
 
 def allocate(resource, devices, *ids):
