@@ -1,6 +1,7 @@
 """Scale benchmark: large directories, bursts and many resources, as the kubelet sees them. By hand:
 
     .venv/bin/python bench/bench_scale.py [--sizes 10000 50000] [--burst 5000] [--resources 10]
+        [--preferred-sizes 1 100 1000 50000] (none: skip that figure)
 
 The plugin runs as a subprocess (`python -m gopherplug serve`, from bytecode); the kubelet is
 bench_gopherplug's grpcio Registration server, which dials back and reads ListAndWatch (grpcio's
@@ -9,13 +10,18 @@ receive limit is 4 MiB per message, like the kubelet's). It prints one line per 
     the size of the ListAndWatch message
   - a burst of B files created then deleted in one go: the final list exact or not, messages sent
   - R resources in one process: registrations, idle CPU over the idle window, RSS
+  - GetPreferredAllocation over 50,000 offered IDs, in-process (no gRPC): the median time of
+    gp.preferred_allocation_response per allocation size, for replicas packed and spread, and for
+    plain devices on two NUMA nodes. Everything else on the plugin's one event loop waits this long.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,6 +158,35 @@ def many_resources(count, idle_seconds):
         node.close()
 
 
+def preferred_allocation(sizes, runs):
+    """Time gp.preferred_allocation_response in-process: 50,000 IDs offered, nothing must be included."""
+    cases = []
+    for policy in ("packed", "spread"):
+        # 12,500 devices x 4 replicas: 50,000 IDs "g<i>::<n>", no NUMA topology.
+        resource = gp.ResourceConfig(name=RESOURCE, directory="/g", env="G", replicas=4, preferred=policy)
+        devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}") for i in range(12_500)}
+        ids = [kubelet_id for device_id in devices for kubelet_id in resource.replica_ids(device_id)]
+        cases.append((f"12,500 devices x 4 replicas, {policy}", resource, devices, ids))
+    # 50,000 plain devices, alternately on NUMA node 0 and 1: a pick must skip the other node's half.
+    resource = gp.ResourceConfig(name=RESOURCE, directory="/g", env="G")
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}", numa_node=i % 2) for i in range(50_000)}
+    cases.append(("50,000 devices on 2 NUMA nodes, packed", resource, devices, list(devices)))
+    for name, resource, devices, ids in cases:
+        random.Random(0).shuffle(ids)  # the kubelet sends a Go set's unsorted list
+        figures = []
+        for size in sizes:
+            request = gp.v1beta1.PreferredAllocationRequest()
+            request.container_requests.add(available_deviceIDs=ids, allocation_size=size)
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                answer = gp.preferred_allocation_response(resource, devices, request)
+                times.append(time.perf_counter() - start)
+            assert len(answer.container_responses[0].deviceIDs) == min(size, len(ids))
+            figures.append(f"size {size}: {ms(statistics.median(times))}")
+        print(f"GetPreferredAllocation, {len(ids)} IDs offered, {name} (median of {runs}): " + "; ".join(figures))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[10000, 50000])
@@ -159,12 +194,18 @@ def main():
     parser.add_argument("--burst", type=int, default=5000)
     parser.add_argument("--resources", type=int, default=10)
     parser.add_argument("--idle-seconds", type=float, default=10)
+    parser.add_argument(
+        "--preferred-sizes", type=int, nargs="*", default=[1, 100, 1000, 50000], help="none: skip this figure"
+    )
+    parser.add_argument("--preferred-runs", type=int, default=5)
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, gopherplug {gp.__version__}")
     for count in args.sizes:
         large_directory(count, args.additions)
     burst(args.burst)
     many_resources(args.resources, args.idle_seconds)
+    if args.preferred_sizes:
+        preferred_allocation(args.preferred_sizes, args.preferred_runs)
 
 
 if __name__ == "__main__":
