@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import trio
+
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
@@ -187,6 +189,44 @@ def preferred_allocation(sizes, runs):
         print(f"GetPreferredAllocation, {len(ids)} IDs offered, {name} (median of {runs}): " + "; ".join(figures))
 
 
+def scanning(count, runs):
+    """Time in-process what a start or a rescan costs for one directory of ``count`` entries, and
+    one batch of ``count`` inotify events next to ``count`` symlink devices (_DeviceTracker.update)."""
+    root = tempfile.mkdtemp(prefix="gps-", dir="/tmp")
+    try:
+        plain, links, targets = (os.path.join(root, name) for name in ("plain", "links", "targets"))
+        for directory in (plain, links, targets):
+            os.mkdir(directory)
+        make_entries(plain, count)
+        for i in range(count):
+            Path(targets, f"t{i}").touch()
+            os.symlink(os.path.join(targets, f"t{i}"), os.path.join(links, f"l{i}"))
+        for name, directory in (("files", plain), ("symlinks", links)):
+            text = f"resources: [{{name: {RESOURCE}, directory: {directory}, allowed_host_paths: [{targets}]}}]"
+            resource = gp.parse_config(text).resources[0]
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                scan = gp.scan_directory(resource)
+                times.append(time.perf_counter() - start)
+            assert len(scan.devices) == count
+            print(f"scan of {count} {name} (median of {runs}): {ms(statistics.median(times))}")
+        make_entries(links, count, prefix="f")  # files arriving next to the symlinks
+        resource = gp.parse_config(text).resources[0]
+
+        async def update():
+            tracker = gp._DeviceTracker(resource, gp.Watched({}), "/sys")
+            with gp.DirectoryWatch(links, gp._DIRECTORY_EVENTS) as watch:
+                tracker.rescan(watch)
+                start = time.perf_counter()
+                tracker.update(watch, [f"f{i}" for i in range(count)])
+                return time.perf_counter() - start
+
+        print(f"one batch of {count} events next to {count} symlink devices: {ms(trio.run(update))}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[10000, 50000])
@@ -198,6 +238,7 @@ def main():
         "--preferred-sizes", type=int, nargs="*", default=[1, 100, 1000, 50000], help="none: skip this figure"
     )
     parser.add_argument("--preferred-runs", type=int, default=5)
+    parser.add_argument("--scan", type=int, default=20000, help="entries for the in-process scan figures; 0: skip")
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, gopherplug {gp.__version__}")
     for count in args.sizes:
@@ -206,6 +247,8 @@ def main():
     many_resources(args.resources, args.idle_seconds)
     if args.preferred_sizes:
         preferred_allocation(args.preferred_sizes, args.preferred_runs)
+    if args.scan:
+        scanning(args.scan, 5)
 
 
 if __name__ == "__main__":
