@@ -8,6 +8,7 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table
+                               (and gopherplug's own status service, which the kubelet never calls)
   2. Errors                    one base class; config errors name the file and the key
   3. Model                     frozen dataclasses: Config, ResourceConfig, DeviceEntry
   4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses
@@ -85,6 +86,7 @@ __all__ = [
     "API_VERSION",
     "DEFAULT_DEVICE_PLUGIN_DIR",
     "FILE_DESCRIPTOR",
+    "GET_STATUS",
     "HEALTHY",
     "KUBELET_SOCKET",
     "METHODS",
@@ -100,9 +102,15 @@ __all__ = [
     "Method",
     "RPCError",
     "ResourceConfig",
+    "ResourceStatus",
     "StatusCode",
+    "UsbDevice",
+    "UsbSelector",
     "allocate_response",
     "call_unary",
+    "cdi_version",
+    "container_only_problem",
+    "find_usb_devices",
     "load_config",
     "main",
     "open_stream",
