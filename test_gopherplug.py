@@ -3627,6 +3627,103 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
 
 
 # ------------------------------------------------------------------------------------------------
+# Recipes: every examples/ configuration against a tree shaped like a node's /dev
+# ------------------------------------------------------------------------------------------------
+
+
+def make_node(path, major, minor):
+    """A character device node, as udev makes it (root can mknod); else a link to /dev/null."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o660, os.makedev(major, minor))
+    except PermissionError:
+        os.symlink("/dev/null", path)
+
+
+def camera_tree(dev):
+    # Two UVC cameras: each a capture node and a metadata node, and udev's by-id links to both.
+    for minor in range(4):
+        make_node(f"{dev}/video{minor}", 81, minor)
+    by_id = f"{dev}/v4l/by-id"
+    os.makedirs(by_id)
+    for camera, first in [
+        ("usb-046d_HD_Pro_Webcam_C920_ABCDEF12", 0),
+        ("usb-Microsoft_Microsoft_LifeCam_HD-3000-if00", 2),
+    ]:
+        for node in (0, 1):
+            os.symlink(f"../../video{first + node}", f"{by_id}/{camera}-video-index{node}")
+
+
+RECIPES = {
+    # example: (make the tree under a fake /dev, IDs the kubelet gets, IDs to allocate,
+    #           the DeviceSpecs that come back as (host path, container path) with /dev for the fake root)
+    "fuse": (
+        lambda dev: make_node(f"{dev}/fuse", 10, 229),
+        [f"fuse::{n}" for n in range(100)],
+        ["fuse::7"],
+        [("/dev/fuse", "/dev/fuse")],
+    ),
+    "tun": (
+        lambda dev: make_node(f"{dev}/net/tun", 10, 200),
+        [f"tun::{n}" for n in range(100)],
+        ["tun::0"],
+        [("/dev/net/tun", "/dev/net/tun")],
+    ),
+    "camera": (
+        camera_tree,
+        [
+            "usb-046d_HD_Pro_Webcam_C920_ABCDEF12-video-index0",
+            "usb-Microsoft_Microsoft_LifeCam_HD-3000-if00-video-index0",
+        ],
+        [
+            "usb-Microsoft_Microsoft_LifeCam_HD-3000-if00-video-index0",
+            "usb-046d_HD_Pro_Webcam_C920_ABCDEF12-video-index0",
+        ],
+        [("/dev/video2", "/dev/video0"), ("/dev/video0", "/dev/video1")],
+    ),
+}
+
+
+@pytest.mark.parametrize("example", sorted(RECIPES))
+async def test_recipe_serves_its_devices(example, nursery, sockdir):
+    make_tree, listed_ids_, allocate_ids, specs = RECIPES[example]
+    dev = os.path.join(sockdir, "dev")  # the node's /dev, in miniature
+    make_tree(dev)
+    plugin_dir = os.path.join(sockdir, "dp")
+    os.mkdir(plugin_dir)
+    config = yaml.safe_load((HERE / "examples" / example / "config.yaml").read_text())
+    for resource in config["resources"]:
+        # The recipe's directory is in /dev, which allows /dev implicitly; the fake tree stands for it.
+        resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        resource["allowed_host_paths"] = [dev, "/dev/null"]
+    config["device_plugin_dir"] = plugin_dir
+    parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config.yaml")
+    name = parsed.resources[0].name
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        await nursery.start(gp.serve_plugin, parsed)
+        await simulator.wait_until(lambda s: name in s.resources and s.resources[name].devices)
+        answer = (await simulator.allocate(name, allocate_ids)).container_responses[0]
+    assert simulator.resources[name].devices == dict.fromkeys(listed_ids_, gp.HEALTHY)
+    # The runtime gets the node itself (here: under the fake /dev, or /dev/null where mknod was refused).
+    assert [d.host_path for d in answer.devices] == [
+        os.path.realpath(dev + host.removeprefix("/dev")) for host, _ in specs
+    ]
+    assert [d.container_path for d in answer.devices] == [
+        container if example == "camera" else dev + container.removeprefix("/dev") for _, container in specs
+    ]
+    assert all(d.permissions == "rw" for d in answer.devices)
+
+
+def test_recipe_pods_are_valid_against_the_kubernetes_schema():
+    pods = sorted(str(path.relative_to(HERE)) for path in (HERE / "examples").glob("*/pod.yaml"))
+    assert len(pods) == len(RECIPES)
+    result = check("kubernetes-validate", "--strict", *pods)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(pods)
+
+
+# ------------------------------------------------------------------------------------------------
 # The project's own checks: lint and types, the image and the manifest
 # ------------------------------------------------------------------------------------------------
 
