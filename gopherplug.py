@@ -468,7 +468,7 @@ CDI_VERSIONS = ("0.3.0", "0.5.0", "0.6.0")
 
 @dataclass(frozen=True)
 class DeviceSpecTemplate:
-    """One ``device_specs`` entry: a DeviceSpec per allocated device, {id} {path} {index} filled in."""
+    """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in."""
 
     host_path: str
     container_path: str
@@ -477,7 +477,7 @@ class DeviceSpecTemplate:
 
 @dataclass(frozen=True)
 class MountTemplate:
-    """One ``mounts`` entry: a Mount per allocated device, {id} {path} {index} filled in."""
+    """One ``mounts`` entry: a Mount per allocated entry, {id} {path} {name} {target} {index} filled in."""
 
     host_path: str
     container_path: str
@@ -498,11 +498,34 @@ class CDIConfig:
 
 
 @dataclass(frozen=True)
+class Source:
+    """One ``match`` entry: the entries of ``directory`` whose names fit ``pattern``."""
+
+    directory: str  #: absolute
+    pattern: str = "*"  #: fnmatch glob on entry names; hidden entries never match
+
+
+@dataclass(frozen=True)
+class UsbSelector:
+    """One ``usb`` entry: which USB devices to find, by vendor and product as lsusb prints them,
+    and by serial if given."""
+
+    vendor: str  #: 4 hex digits, lower case ("1050")
+    product: str  #: 4 hex digits, lower case ("0407")
+    serial: str | None = None  #: None: any serial, or none at all
+
+
+@dataclass(frozen=True)
 class ResourceConfig:
-    """One extended resource: where its devices come from and what a container gets for them."""
+    """One extended resource: where its devices come from and what a container gets for them.
+
+    Devices come from directory entries (``directory`` and ``pattern``, or several ``match``
+    sources) and from USB devices (``usb``). An entry's ID is its name, or what ``id_pattern``
+    takes from it; entries with the same ID are one device, made of all of them.
+    """
 
     name: str  #: the extended resource name, e.g. "example.com/gopher"
-    directory: str  #: absolute; every matching entry is a device
+    directory: str  #: absolute; every matching entry is a device ("" when ``match`` or ``usb`` say it)
     pattern: str = "*"  #: fnmatch glob on entry names; hidden entries never match
     env: str = ""  #: env var given the allocated IDs, comma-joined ("" only before parse_config fills it)
     device_specs: tuple[DeviceSpecTemplate, ...] | None = None  #: None: device nodes pass through as they are
@@ -514,6 +537,20 @@ class ResourceConfig:
     pre_start: tuple[str, ...] = ()  #: argv run before each container start; empty: no PreStartContainer
     pre_start_timeout: float = 25.0  #: seconds; the kubelet gives PreStartContainer 30
     allowed_host_paths: tuple[str, ...] = ()  #: roots besides `directory` and /dev that host paths may use
+    match: tuple[Source, ...] = ()  #: the sources, when more than ``directory`` and ``pattern``
+    id_pattern: re.Pattern[str] | None = None  #: its group "id", from the whole name, is the entry's ID
+    usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """The directories whose entries are devices: ``match``, or ``directory`` and ``pattern``."""
+        return self.match or ((Source(self.directory, self.pattern),) if self.directory else ())
+
+    def origin(self) -> str:
+        """Where the devices come from, for messages: "/dev/ttyUSB*, /dev/ttyACM*, USB 1050:0407"."""
+        places = [os.path.join(source.directory, source.pattern) for source in self.sources]
+        places += [f"USB {usb.vendor}:{usb.product}" + (f" {usb.serial!r}" if usb.serial else "") for usb in self.usb]
+        return ", ".join(places)
 
     def replica_ids(self, device_id: str) -> list[str]:
         """The IDs the kubelet sees for one device: the ID itself, or "<id>::0" ... "<id>::<replicas-1>"."""
@@ -541,15 +578,21 @@ class Config:
     resources: tuple[ResourceConfig, ...]
     device_plugin_dir: str | None = None  #: None: found at start, see find_device_plugin_dir()
     source: str = "<config>"  #: the file it came from, for messages
-    sysfs_root: str = "/sys"  #: where NUMA nodes are read; tests point it at a fake tree
+    sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
+    dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
 
 
 @dataclass(frozen=True)
 class DeviceEntry:
-    """One device found in a resource's directory, and what it gives a container."""
+    """One device, and what it gives a container: a directory entry, or several made one device.
 
-    id: str  #: the entry's name, which is also the ID the kubelet knows it by
-    path: str  #: the entry's full path
+    A device of several entries (the same ID from ``id_pattern``, or a USB device's nodes) has
+    each in ``members``, and the sum of theirs in its own fields: every DeviceSpec and mount,
+    unhealthy while any is.
+    """
+
+    id: str  #: the ID the kubelet knows it by: the entry's name, or what id_pattern takes from it
+    path: str  #: the entry's full path (the first member's)
     is_device_node: bool = False  #: a character or block device node (then passed through by default)
     health: str = HEALTHY
     problem: str = ""  #: why it is unhealthy, for the log and for a refused Allocate
@@ -557,6 +600,7 @@ class DeviceEntry:
     device_specs: tuple[DeviceSpecTemplate, ...] = ()  #: host paths filled in; container paths may hold {index}
     mounts: tuple[MountTemplate, ...] = ()  #: the same, for mounts
     followed: tuple[str, ...] = ()  #: for a symlink, every path it leads through: watched, they decide its health
+    members: tuple[DeviceEntry, ...] = ()  #: the entries it is made of, when more than one
 
 
 ########################################################################################################
@@ -586,7 +630,10 @@ _LOADER_ENV = frozenset(
     "RES_OPTIONS TMPDIR TZDIR".split()
 )
 _SHELL_ENV = frozenset("PATH HOME SHELL IFS ENV BASH_ENV CDPATH SHELLOPTS BASHOPTS PS4 GLOBIGNORE PWD OLDPWD".split())
-_TEMPLATE_FIELDS = {"id": "gopher0", "path": "/dev/gopher0", "index": 0}
+# A template's placeholders: {id} the device's ID, {path} the entry's path, {name} its name (a
+# member's, in a device of several), {target} the file a symlink leads to (the path itself if it is
+# none), {index} the device's position in the allocation (container paths only).
+_TEMPLATE_FIELDS = {"id": "gopher0", "path": "/dev/gopher0", "name": "gopher0", "target": "/dev/gopher0", "index": 0}
 
 
 def resource_name_problem(name: str) -> str | None:
@@ -675,19 +722,22 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
-    top = _mapping(data, source, "", {"device_plugin_dir", "resources", "sysfs_root"}, required={"resources"})
+    top = _mapping(
+        data, source, "", {"device_plugin_dir", "resources", "sysfs_root", "dev_root"}, required={"resources"}
+    )
     device_plugin_dir = None
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
         if (problem := device_plugin_dir_problem(device_plugin_dir)) is not None:
             raise ConfigError(source, "device_plugin_dir", problem)
     sysfs_root = _absolute_path(top.get("sysfs_root", "/sys"), source, "sysfs_root")
+    dev_root = _absolute_path(top.get("dev_root", "/dev"), source, "dev_root")
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
         raise ConfigError(source, "resources", "must be a non-empty list of resources")
     resources: list[ResourceConfig] = []
     for index, entry in enumerate(entries):
-        resource = _parse_resource(entry, source, f"resources[{index}]")
+        resource = _parse_resource(entry, source, f"resources[{index}]", dev_root)
         for earlier, other in enumerate(resources):
             if other.name == resource.name:
                 raise ConfigError(
@@ -700,13 +750,16 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                 )
                 raise ConfigError(source, f"resources[{index}].cdi.kind", problem)
         resources.append(resource)
-    return Config(tuple(resources), device_plugin_dir, source, sysfs_root)
+    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root)
 
 
 _RESOURCE_KEYS = {
     "name",
     "directory",
     "pattern",
+    "match",
+    "id_pattern",
+    "usb",
     "env",
     "device_specs",
     "mounts",
@@ -721,13 +774,24 @@ _RESOURCE_KEYS = {
 MAX_REPLICAS = 1000
 
 
-def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
-    data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name", "directory"})
+def _parse_resource(entry: Any, source: str, where: str, dev_root: str = "/dev") -> ResourceConfig:
+    data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
         raise ConfigError(source, f"{where}.name", f"{name!r}: {problem}")
-    directory = _absolute_path(data["directory"], source, f"{where}.directory")
-    pattern = _string(data.get("pattern", "*"), source, f"{where}.pattern")
+    directory, pattern, match = _parse_sources(data, source, where)
+    usb = tuple(
+        _parse_usb(selector, source, f"{where}.usb[{i}]")
+        for i, selector in enumerate(_list(data.get("usb", []), source, f"{where}.usb"))
+    )
+    if not directory and not match and not usb:
+        raise ConfigError(source, f"{where}.directory", "is required, unless match or usb says where the devices are")
+    id_pattern = None
+    if "id_pattern" in data:
+        if not directory and not match:
+            problem = "names directory entries, and this resource has none: a USB device's ID is its serial or port"
+            raise ConfigError(source, f"{where}.id_pattern", problem)
+        id_pattern = _parse_id_pattern(data["id_pattern"], source, f"{where}.id_pattern")
     env = _string(data.get("env", default_env_name(name)), source, f"{where}.env")
     if not _ENV_NAME.fullmatch(env):
         raise ConfigError(source, f"{where}.env", f"{env!r} is not a valid environment variable name")
@@ -740,7 +804,9 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
         _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
         for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))
     )
-    roots = (directory, *allowed, *(["/dev"] if _is_under(directory, ["/dev"]) else []))
+    directories = [directory] if directory else [m.directory for m in match]
+    in_dev = usb or any(_is_under(d, [dev_root]) for d in directories)
+    roots = (*directories, *allowed, *([dev_root] if in_dev else []))
     device_specs = None
     if "device_specs" in data:
         device_specs = tuple(
@@ -797,7 +863,64 @@ def _parse_resource(entry: Any, source: str, where: str) -> ResourceConfig:
         pre_start,
         float(timeout),
         allowed,
+        match,
+        id_pattern,
+        usb,
     )
+
+
+def _parse_sources(data: dict[str, Any], source: str, where: str) -> tuple[str, str, tuple[Source, ...]]:
+    """``directory`` and ``pattern``, or ``match``: a list of them."""
+    if "match" not in data:
+        directory = _absolute_path(data["directory"], source, f"{where}.directory") if "directory" in data else ""
+        if "pattern" in data and not directory:
+            raise ConfigError(source, f"{where}.pattern", "names entries of a directory: give directory too")
+        return directory, _string(data.get("pattern", "*"), source, f"{where}.pattern"), ()
+    for key in ("directory", "pattern"):
+        if key in data:
+            problem = "goes in a match entry when match is given (directory and pattern are a match of one)"
+            raise ConfigError(source, f"{where}.{key}", problem)
+    entries = _list(data["match"], source, f"{where}.match")
+    if not entries:
+        raise ConfigError(source, f"{where}.match", "must list at least one {directory, pattern}")
+    match: list[Source] = []
+    for i, entry in enumerate(entries):
+        at = f"{where}.match[{i}]"
+        fields = _mapping(entry, source, at, {"directory", "pattern"}, {"directory"})
+        found = Source(
+            _absolute_path(fields["directory"], source, f"{at}.directory"),
+            _string(fields.get("pattern", "*"), source, f"{at}.pattern"),
+        )
+        if found in match:
+            raise ConfigError(source, at, f"repeats match[{match.index(found)}]")
+        match.append(found)
+    return "", "*", tuple(match)
+
+
+def _parse_id_pattern(value: Any, source: str, where: str) -> re.Pattern[str]:
+    text = _string(value, source, where)
+    try:
+        compiled = re.compile(text)
+    except re.error as error:
+        raise ConfigError(source, where, f"{text!r} is not a regular expression: {error}") from None
+    if "id" not in compiled.groupindex:
+        problem = f"{text!r} has no group named id: mark the part of the name that is the ID with (?P<id>...)"
+        raise ConfigError(source, where, problem)
+    return compiled
+
+
+def _parse_usb(entry: Any, source: str, where: str) -> UsbSelector:
+    data = _mapping(entry, source, where, {"vendor", "product", "serial"}, {"vendor", "product"})
+    ids = []
+    for key in ("vendor", "product"):
+        value = data[key]
+        if not isinstance(value, str) or not re.fullmatch(r"[0-9A-Fa-f]{4}", value):
+            # YAML reads 1050 as a number, and 0407 as the octal number 263: the user meant text.
+            problem = f'{value!r}: must be 4 hex digits in quotes, as lsusb prints them (e.g. "0407")'
+            raise ConfigError(source, f"{where}.{key}", problem)
+        ids.append(value.lower())
+    serial = _string(data["serial"], source, f"{where}.serial") if "serial" in data else None
+    return UsbSelector(ids[0], ids[1], serial)
 
 
 def _parse_device_spec(entry: Any, source: str, where: str, roots: tuple[str, ...]) -> DeviceSpecTemplate:
@@ -833,15 +956,17 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     annotations = []
     for key, value in data.items():
         key = _string(key, source, where)
-        if "path" in _placeholders(key, source, f"{where}.{key}"):
-            raise ConfigError(source, f"{where}.{key}", "a key can use {id} and {index}, not {path}")
+        if _placeholders(key, source, f"{where}.{key}") - {"id", "index"}:
+            raise ConfigError(source, f"{where}.{key}", "a key can use {id} and {index}, not a path or name")
         sample = key.format(**_TEMPLATE_FIELDS)
         if not _ANNOTATION_KEY.fullmatch(sample) or len(sample.rpartition("/")[2]) > 63:
             problem = "not a valid annotation key: [prefix/]name, a name of at most 63 letters, digits, '-', '_', '.'"
             raise ConfigError(source, f"{where}.{key}", problem)
         if not isinstance(value, str):
             raise ConfigError(source, f"{where}.{key}", f"{value!r}: must be a string (quote it)")
-        _placeholders(value, source, f"{where}.{key}")
+        if _placeholders(value, source, f"{where}.{key}") & {"name", "target"}:
+            problem = f"{value!r}: an annotation is per device, not per entry: use {{id}}, {{path}} or {{index}}"
+            raise ConfigError(source, f"{where}.{key}", problem)
         annotations.append((key, value))
     return tuple(annotations)
 
@@ -893,7 +1018,8 @@ def _host_path_template(value: Any, source: str, where: str, roots: tuple[str, .
     template = _template(value, source, where)
     fields = _placeholders(template)
     if "index" in fields:
-        raise ConfigError(source, where, f"{template!r}: a host path can use {{id}} and {{path}}, not {{index}}")
+        problem = f"{template!r}: a host path can use {{id}}, {{path}}, {{name}} and {{target}}, not {{index}}"
+        raise ConfigError(source, where, problem)
     if not fields and not _is_under(template, roots):
         # Checked again, after resolving symlinks, whenever devices are scanned.
         problem = f"{template!r} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
@@ -912,7 +1038,7 @@ def _placeholders(template: str, source: str = "", where: str = "") -> set[str]:
         template.format(**_TEMPLATE_FIELDS)
         return {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
     except (KeyError, IndexError, ValueError) as error:
-        problem = f"{template!r}: bad placeholder ({error}); use {{id}}, {{path}} or {{index}}"
+        problem = f"{template!r}: bad placeholder ({error}); use {{id}}, {{path}}, {{name}}, {{target}} or {{index}}"
         raise ConfigError(source, where, problem) from None
 
 
@@ -1037,58 +1163,174 @@ class Scan:
 _CDI_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._:-]*[A-Za-z0-9])?")
 
 
-def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys") -> Scan:
-    """The devices in the resource's directory, each with its health, NUMA node and host paths.
+def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> Scan:
+    """The resource's devices, each with its health, NUMA node and host paths: the entries of its
+    directories (``directory`` or every ``match``) and its USB devices' nodes, made into devices.
 
     A missing directory (or a file where the directory should be) has no devices: the kubelet then
     gets an empty list, which drops the resource's capacity to zero at once.
     """
+    roots = host_path_roots(resource, dev_root)
+    scans = [scan_source(resource, source, roots, sysfs_root) for source in resource.sources]
+    if resource.usb:
+        scans.append(scan_usb(resource, roots, sysfs_root, dev_root))
+    entries = [entry for scan in scans for entry in scan.devices]
+    skipped = sorted(skip for scan in scans for skip in scan.skipped)
+    problem = "; ".join(scan.problem for scan in scans if scan.problem)
+    devices = group_entries(entries)
+    return Scan(tuple(devices), tuple(skipped), frozenset(p for d in entries for p in d.followed), problem)
+
+
+def scan_source(resource: ResourceConfig, source: Source, roots: list[str], sysfs_root: str) -> Scan:
+    """The entries of one source's directory, each examined (not yet made into devices)."""
     try:
-        names = os.listdir(resource.directory)
+        names = os.listdir(source.directory)
     except (FileNotFoundError, NotADirectoryError):
         return Scan((), ())
     except OSError as error:  # e.g. no permission to list it: no devices, and a reason for the log
-        return Scan((), (), problem=f"cannot read {resource.directory}: {error.strerror}")
-    roots = host_path_roots(resource)
-    devices, skipped = [], []
+        return Scan((), (), problem=f"cannot read {source.directory}: {error.strerror}")
+    entries, skipped = [], []
     for name in names:
-        found = examine_entry(resource, name, roots, sysfs_root)
+        found = examine_entry(resource, source, name, roots, sysfs_root)
         if isinstance(found, DeviceEntry):
-            devices.append(found)
+            entries.append(found)
         elif found is not None:
             skipped.append((name, found))
-    devices.sort(key=lambda device: _natural_key(device.id))
-    return Scan(tuple(devices), tuple(sorted(skipped)), frozenset(p for d in devices for p in d.followed))
+    return Scan(tuple(entries), tuple(skipped), frozenset(p for d in entries for p in d.followed))
 
 
-def host_path_roots(resource: ResourceConfig) -> list[str]:
-    """Where the resource's host paths may lie, symlinks resolved: its directory, what it allows,
-    and /dev when the directory is in /dev.
+def scan_usb(resource: ResourceConfig, roots: list[str], sysfs_root: str, dev_root: str) -> Scan:
+    """The nodes of the resource's USB devices, each examined as an entry whose ID is its device's.
+    A node not in /dev yet is left out until it is (udev may still be making it)."""
+    entries, skipped = [], []
+    for usb in find_usb_devices(resource.usb, sysfs_root, dev_root):
+        if why := _id_problem(resource, usb.id):
+            skipped.append((usb.port, why))
+            continue
+        for node in usb.members:
+            found = examine_path(resource, usb.id, node, roots, sysfs_root)
+            if isinstance(found, DeviceEntry):
+                entries.append(found)
+            elif found is not None:
+                skipped.append((node, found))
+    return Scan(tuple(entries), tuple(skipped))
+
+
+def group_entries(entries: Iterable[DeviceEntry]) -> list[DeviceEntry]:
+    """The devices the entries make, in natural order of their IDs: entries with the same ID are
+    one device (merge_entries)."""
+    by_id: dict[str, list[DeviceEntry]] = {}
+    for entry in entries:
+        by_id.setdefault(entry.id, []).append(entry)
+    return [merge_entries(by_id[device_id]) for device_id in _natural_sorted(list(by_id))]
+
+
+def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
+    """One device made of entries with the same ID (one entry is that device itself).
+
+    It has every member's DeviceSpecs and mounts, and is unhealthy while any member is, with the
+    first such member's problem: a GPU without its render node, a serial adapter with one port of
+    two, is not a device a container can use. Its path and NUMA node are its first member's
+    (natural order of paths); each member keeps its own.
+    """
+    if len(entries) == 1:
+        return entries[0]
+    members = sorted({entry.path: entry for entry in entries}.values(), key=lambda entry: _natural_key(entry.path))
+    if len(members) == 1:
+        return members[0]
+    first = members[0]
+    problems = [member.problem for member in members if member.health != HEALTHY]
+    return DeviceEntry(
+        first.id,
+        first.path,
+        any(member.is_device_node for member in members),
+        UNHEALTHY if problems else HEALTHY,
+        problems[0] if problems else "",
+        next((member.numa_node for member in members if member.numa_node is not None), None),
+        tuple(spec for member in members for spec in member.device_specs),
+        tuple(mount for member in members for mount in member.mounts),
+        tuple(dict.fromkeys(path for member in members for path in member.followed)),
+        tuple(members),
+    )
+
+
+def examine_again(
+    resource: ResourceConfig, device: DeviceEntry, roots: list[str], sysfs_root: str
+) -> DeviceEntry | str | None:
+    """A device as its files are now: each member examined again at the path it was found at
+    (None: every one is gone; a string: why one may not be used)."""
+    entries = []
+    for member in device.members or (device,):
+        found = examine_path(resource, device.id, member.path, roots, sysfs_root)
+        if isinstance(found, str):
+            return found
+        if found is not None:
+            entries.append(found)
+    return merge_entries(entries) if entries else None
+
+
+def host_path_roots(resource: ResourceConfig, dev_root: str = "/dev") -> list[str]:
+    """Where the resource's host paths may lie, symlinks resolved: its directories, what it allows,
+    and /dev (``dev_root``) when a directory is in /dev or the devices are USB devices.
 
     /dev is not allowed implicitly to a directory elsewhere: whoever may write that directory could
     link an entry to any disk (g0 -> /dev/vda) and have it handed to a container read-write. In
     /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
     """
-    roots = [resource.directory, *resource.allowed_host_paths]
-    if _is_under(os.path.realpath(resource.directory), ["/dev"]):
-        roots.append("/dev")
-    return [os.path.realpath(root) for root in roots]
+    directories = [source.directory for source in resource.sources]
+    roots = [*directories, *resource.allowed_host_paths]
+    if resource.usb or any(_is_under(os.path.realpath(d), [os.path.realpath(dev_root)]) for d in directories):
+        roots.append(dev_root)
+    return list(dict.fromkeys(os.path.realpath(root) for root in roots))
 
 
-def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_root: str) -> DeviceEntry | str | None:
-    """One entry of the resource's directory: its DeviceEntry, why it is skipped, or None when it is
+def examine_entry(
+    resource: ResourceConfig, source: Source, name: str, roots: list[str], sysfs_root: str
+) -> DeviceEntry | str | None:
+    """One entry of a source's directory: its DeviceEntry, why it is skipped, or None when it is
     not a candidate at all (hidden, not matching the pattern, or not there)."""
-    if name.startswith(".") or not fnmatch.fnmatchcase(name, resource.pattern):
+    if name.startswith(".") or not fnmatch.fnmatchcase(name, source.pattern):
         return None
-    path = os.path.join(resource.directory, name)
+    path = os.path.join(source.directory, name)
     try:
-        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        found_status = os.lstat(path)
     except OSError:
         return None  # gone already: it leaves the list
-    if not _DEVICE_ID.fullmatch(name):
+    device_id = name
+    if resource.id_pattern is not None:
+        found = resource.id_pattern.fullmatch(name)
+        if found is None or not found["id"]:
+            return f"id_pattern {resource.id_pattern.pattern!r} finds no ID in the name"
+        device_id = found["id"]
+    if why := _id_problem(resource, device_id):
+        return why if device_id == name else f"its ID {device_id!r}: {why}"
+    return examine_path(resource, device_id, path, roots, sysfs_root, found_status)
+
+
+def _id_problem(resource: ResourceConfig, device_id: str) -> str:
+    """Why the kubelet (or CDI) would not take ``device_id`` as a device's ID, or ""."""
+    if not _DEVICE_ID.fullmatch(device_id):
         return "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'"
-    if resource.cdi is not None and not _CDI_NAME.fullmatch(name):
+    if resource.cdi is not None and not _CDI_NAME.fullmatch(device_id):
         return "a CDI device name must begin and end with a letter or digit"
+    return ""
+
+
+def examine_path(
+    resource: ResourceConfig,
+    device_id: str,
+    path: str,
+    roots: list[str],
+    sysfs_root: str,
+    link_status: os.stat_result | None = None,
+) -> DeviceEntry | str | None:
+    """The file at ``path`` as the entry ``device_id`` of the resource: its DeviceEntry, why it is
+    skipped (a host path outside ``roots``), or None when it is not there. ``link_status``: its
+    lstat(), if the caller has it already."""
+    try:
+        is_link = stat.S_ISLNK((link_status or os.lstat(path)).st_mode)
+    except OSError:
+        return None  # gone already: it leaves the list
     unreachable: OSError | None = None
     try:
         status = os.stat(path)
@@ -1102,7 +1344,7 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
         mode = rdev = 0  # cannot even stat it: a device, unhealthy
         unreachable = error
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-    specs, mounts = _host_paths(resource, name, path, is_node)
+    specs, mounts = _host_paths(resource, device_id, path, is_node)
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
@@ -1110,33 +1352,54 @@ def examine_entry(resource: ResourceConfig, name: str, roots: list[str], sysfs_r
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
-    return DeviceEntry(name, path, is_node, health, problem, numa_node, specs, mounts, followed)
+    return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed)
 
 
 def _host_paths(
-    resource: ResourceConfig, name: str, path: str, is_node: bool
+    resource: ResourceConfig, device_id: str, path: str, is_node: bool
 ) -> tuple[tuple[DeviceSpecTemplate, ...], tuple[MountTemplate, ...]]:
-    """A device's DeviceSpecs and mounts, host paths filled in and resolved, container paths templates.
+    """An entry's DeviceSpecs and mounts, host paths filled in and resolved, container paths
+    filled in but for {index}, which waits for an allocation.
 
     The runtime opens a host path when it creates the container, and again at every restart of it,
     from the allocation the kubelet stored: a symlink re-pointed in between would lead those to
     another file than the one checked here. So the runtime gets the file itself (/dev/ttyUSB0),
     and the stable name (the by-id link) is where the container finds it.
+
+    Without device_specs, a device node passes through at its own path. Without mounts, an
+    entry that is no device node gets nothing but the env var; in a device of several entries
+    (id_pattern), it is mounted read-only at its own path, like a node is passed through.
     """
-    fields = {"id": name, "path": path}  # host paths only: {index} waits for an allocation
+    default_mount = not resource.mounts and resource.id_pattern is not None and not is_node
+    if resource.device_specs is None and not resource.mounts and not is_node and not default_mount:
+        return (), ()  # the usual file that is not a node: nothing to fill in (and a scan of 50,000 is quicker)
+    fields = {"id": device_id, "path": path, "name": os.path.basename(path), "target": os.path.realpath(path)}
+    # The filled-in values go into a template again: their braces must stay text.
+    literal = {key: value.replace("{", "{{").replace("}", "}}") for key, value in fields.items()}
     specs: tuple[DeviceSpecTemplate, ...]
     if resource.device_specs is None:
-        literal = path.replace("{", "{{").replace("}", "}}")  # a container path is a template
-        specs = (DeviceSpecTemplate(os.path.realpath(path), literal, "rw"),) if is_node else ()
+        specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw"),) if is_node else ()
     else:
         specs = tuple(
-            dataclasses.replace(spec, host_path=os.path.realpath(spec.host_path.format(**fields)))
+            DeviceSpecTemplate(
+                os.path.realpath(spec.host_path.format(**fields)),
+                spec.container_path.format(**literal, index="{index}"),
+                spec.permissions,
+            )
             for spec in resource.device_specs
         )
-    mounts = tuple(
-        dataclasses.replace(mount, host_path=os.path.realpath(mount.host_path.format(**fields)))
-        for mount in resource.mounts
-    )
+    mounts: tuple[MountTemplate, ...]
+    if default_mount:
+        mounts = (MountTemplate(fields["target"], literal["path"], True),)
+    else:
+        mounts = tuple(
+            MountTemplate(
+                os.path.realpath(mount.host_path.format(**fields)),
+                mount.container_path.format(**literal, index="{index}"),
+                mount.read_only,
+            )
+            for mount in resource.mounts
+        )
     return specs, mounts
 
 
@@ -1191,15 +1454,6 @@ def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
 # "usb1" for the root hub, a device too) or by interface ("1-1.4:1.0"). It leads into devices/,
 # where a device's directory holds its interfaces, they the class devices (tty, hidraw, video4linux,
 # input) whose uevent names a node in /dev, and a hub's directory its children's directories too.
-
-
-@dataclass(frozen=True)
-class UsbSelector:
-    """Which USB devices to find: vendor and product as lsusb prints them, and a serial if given."""
-
-    vendor: str  #: 4 hex digits, lower case ("1050")
-    product: str  #: 4 hex digits, lower case ("0407")
-    serial: str | None = None  #: None: any serial, or none at all
 
 
 @dataclass(frozen=True)
@@ -2381,7 +2635,8 @@ class DirectoryWatch:
     (or a missing parent) appearing, vanishing or being replaced is seen too; watches are then
     re-armed, because a deleted directory's watch is gone for good (IN_DELETE_SELF, IN_IGNORED).
     ``follow(paths)`` adds paths elsewhere whose appearing, vanishing or changing attributes count
-    as a change too (a device's symlink targets). Use as a context manager; iterate ``batches()``.
+    as a change too (a device's symlink targets); ``watch_also(directories)`` adds directories
+    whose every entry does. Use as a context manager; iterate ``batches()``.
 
     inotify has limits per user, shared by all of that user's processes on the node (root's:
     the container runtime's, the kubelet's, every other plugin's): fs.inotify.max_user_instances
@@ -2410,6 +2665,7 @@ class DirectoryWatch:
         self._dirs: dict[int, str] = {}  # wd -> the directory it watches
         self._followed: dict[str, tuple[int, str]] = {}  # followed path -> (wd, name) leading to it
         self._leading = (-1, "")  # (wd, name) leading to the directory itself
+        self._also: dict[str, int] = {}  # a directory watched whole -> its wd (-1: not watched, e.g. missing)
         self.exists = False  #: whether the directory itself exists, as the last arm() found
         self.limit: str | None = None  #: the inotify limit that keeps something from being watched
         self._said: str | None = None  # the limit the log last heard of
@@ -2438,6 +2694,35 @@ class DirectoryWatch:
             self._followed[path] = self._watch_leading_to(path)
         self._say()
         return new
+
+    def watch_also(self, directories: Iterable[str]) -> set[str]:
+        """Watch exactly these directories whole besides, from now on: an event about any entry
+        in them is reported as that entry's path touched. A missing one is not watched (watch its
+        parent too, to see it come). Returns the directories newly watched: what happened in them
+        before now was not seen, so the caller must look at them again."""
+        directories = set(directories)
+        for path in set(self._also) - directories:
+            self._unwatch(self._also.pop(path), _ALL)
+        new = set()
+        for path in directories:
+            if self._also.get(path, -1) == -1:
+                self._also[path] = self._watch_whole(path)
+                if self._also[path] != -1:
+                    new.add(path)
+        self._say()
+        return new
+
+    def _watch_whole(self, path: str) -> int:
+        if self._inotify is None:
+            return -1
+        try:
+            wd = self._inotify.add_watch(path, _DIRECTORY_EVENTS | flags.ONLYDIR | flags.MASK_ADD)
+        except OSError as error:
+            self._limited(error)
+            return -1
+        self._watches.setdefault(wd, collections.Counter())[_ALL] += 1
+        self._dirs[wd] = path
+        return wd
 
     def arm(self) -> None:
         """(Re)place every watch: the directory if it exists, and for it and every followed path,
@@ -2468,6 +2753,8 @@ class DirectoryWatch:
             self._unwatch(*self._leading)
         for path in self._followed:
             self._followed[path] = self._watch_leading_to(path)
+        for path in self._also:
+            self._also[path] = self._watch_whole(path)
         self._say()
 
     def _watch_directory(self) -> int:
@@ -2586,6 +2873,8 @@ class DirectoryWatch:
                 elif event.name in names and not rescan:
                     touched.add(os.path.join(self._dirs[event.wd], event.name))
                     self._refollow(event.wd, event.name)
+                if _ALL in names and event.name and not rescan:
+                    touched.add(os.path.join(self._dirs[event.wd], event.name))
             if rescan:
                 self.arm()
             self._say()
@@ -2602,6 +2891,7 @@ class DirectoryWatch:
 
 
 _DIR = ""  # in DirectoryWatch._watches: the watched directory itself, every event reported
+_ALL = "/"  # in DirectoryWatch._watches: a directory watched whole (watch_also); no entry's name has a "/"
 _NOT_THERE = (errno.ENOENT, errno.ENOTDIR)  # add_watch() found no directory there (yet)
 _LEADING_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB | _GONE | flags.ONLYDIR
 
@@ -2697,41 +2987,65 @@ async def watch_devices(
     resource: ResourceConfig,
     devices: Watched,
     sysfs_root: str = "/sys",
+    dev_root: str = "/dev",
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Keep ``devices`` (a dict of id -> DeviceEntry) equal to the resource's directory, until cancelled.
+    """Keep ``devices`` (a dict of id -> DeviceEntry) equal to what the resource's directories and
+    USB devices make, until cancelled.
 
-    A batch of inotify events naming entries re-examines those entries only: one change in a
-    directory of 50,000 costs a few system calls, not 50,000. A batch that calls for a rescan (the
-    directory came or went, a followed symlink target changed, the kernel's queue overflowed)
-    rescans everything, and so does each of DirectoryWatch's retries while an inotify limit keeps
-    the directory or a followed path from being watched. Either way a burst becomes one new
-    device set: ListAndWatch streams send the latest set, never a backlog. With ``cdi``, the CDI
-    spec is rewritten before the kubelet hears of a new device (a container may be created with
-    it at once). It stays when this returns: the kubelet keeps the CDI names of its allocations
-    and gives them to the runtime again whenever a container restarts, plugin running or not (an
-    update rolling through the DaemonSet, an OOM kill). A device leaves the spec only when it
-    leaves the directory.
+    Each directory has its own inotify watch. A batch of events naming entries re-examines those
+    entries only: one change in a directory of 50,000 costs a few system calls, not 50,000. A
+    batch that calls for a rescan (the directory came or went, a followed symlink target changed,
+    the kernel's queue overflowed) rescans that directory, and so does each of DirectoryWatch's
+    retries while an inotify limit keeps it or a followed path from being watched. USB devices
+    are read from sysfs again whenever a node comes or goes in /dev (``dev_root``): sysfs itself
+    sends no inotify events, but the kernel makes each USB device's node in /dev/bus/usb when it
+    is plugged in, and its interfaces' nodes (ttyUSB0, hidraw0, video0) when a driver takes them.
+    Either way a burst becomes one new device set: ListAndWatch streams send the latest set,
+    never a backlog.
+
+    With ``cdi``, the CDI spec is rewritten before the kubelet hears of a new device (a container
+    may be created with it at once). It stays when this returns: the kubelet keeps the CDI names
+    of its allocations and gives them to the runtime again whenever a container restarts, plugin
+    running or not (an update rolling through the DaemonSet, an OOM kill). A device leaves the
+    spec only when it leaves the directory.
     """
-    tracker = _DeviceTracker(resource, devices, sysfs_root)
+    device_set = _DeviceSet(resource, devices)
+    mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         if resource.cdi is not None:
             # Another process writing the same spec file (two plugins given the same kind) would
             # drop this one's devices from it at each write: the runtime could not resolve them.
             stack.enter_context(_cdi_lock(resource.cdi))
-        if problem := container_only_problem(resource.directory, _read_text("/proc/self/mountinfo") or ""):
-            _log(resource).warning("%s", problem)
-        watch = stack.enter_context(DirectoryWatch(resource.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
-        if not watch.exists:
-            _log(resource).warning("%s is not a directory (yet): no devices until it is", resource.directory)
-        tracker.rescan(watch)
+        trackers: list[_SourceTracker | _UsbTracker] = []
+        for number, source in enumerate(resource.sources):
+            if problem := container_only_problem(source.directory, mountinfo):
+                _log(resource).warning("%s", problem)
+            watch = stack.enter_context(DirectoryWatch(source.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
+            if not watch.exists:
+                _log(resource).warning("%s is not a directory (yet): no devices until it is", source.directory)
+            trackers.append(_SourceTracker(resource, number, source, watch, sysfs_root, dev_root))
+        if resource.usb:
+            if problem := container_only_problem(dev_root, mountinfo):
+                _log(resource).warning("%s", problem)
+            watch = stack.enter_context(DirectoryWatch(dev_root, _DIRECTORY_EVENTS, logger=_log(resource)))
+            trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
+        # Every source first, then one device set: the CDI spec and the kubelet's first list
+        # describe them all.
+        device_set.update({key: entry for tracker in trackers for key, entry in tracker.rescan().items()})
         task_status.started()
-        async for events, touched, rescan in watch.batches():
-            if rescan:
-                tracker.rescan(watch)
-            else:
-                tracker.update(watch, [name for name, _ in events], touched)
+        async with trio.open_nursery() as nursery:
+            for tracker in trackers:
+                nursery.start_soon(_follow_source, tracker, device_set)
+
+
+async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
+    async for events, touched, rescan in tracker.watch.batches():
+        if rescan:
+            device_set.update(tracker.rescan())
+        else:
+            device_set.update(tracker.update([name for name, _ in events], touched))
 
 
 @contextlib.contextmanager
@@ -2753,37 +3067,50 @@ def _cdi_lock(cdi: CDIConfig) -> Iterator[None]:
         lock.release()
 
 
-class _DeviceTracker:
-    """watch_devices' bookkeeping: what the directory holds, the device set it publishes, the
-    warnings it gave, its CDI spec, and which symlinks each followed path decides on."""
+# An entry's key in a _DeviceSet: its source's number and its name in that directory (a USB
+# device's node: the number after the sources', and its path).
+_Key = tuple[int, str]
 
-    def __init__(self, resource: ResourceConfig, devices: Watched, sysfs_root: str) -> None:
+
+class _SourceTracker:
+    """watch_devices' bookkeeping for one source: what its directory holds, the warnings it gave,
+    and which symlinks each followed path decides on. It reports what changed, as entries by key
+    (None: gone), for the _DeviceSet to make into devices."""
+
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        number: int,
+        source: Source,
+        watch: DirectoryWatch,
+        sysfs_root: str,
+        dev_root: str,
+    ) -> None:
         self.resource = resource
-        self.devices = devices
+        self.number = number
+        self.source = source
+        self.watch = watch
         self.sysfs_root = sysfs_root
-        self.roots = host_path_roots(resource)
-        self.real_directory = os.path.realpath(resource.directory)
-        self.found: dict[str, DeviceEntry] = {}  # the directory's devices, as last examined
-        self.pointing: dict[str, set[str]] = {}  # followed path -> the devices whose symlinks lead there
-        # Each followed path and each of its ancestors -> the devices whose symlinks lead there or
-        # below: a batch touching T paths finds its devices in T lookups, where comparing every
+        self.dev_root = dev_root
+        self.roots = host_path_roots(resource, dev_root)
+        self.real_directory = os.path.realpath(source.directory)
+        self.found: dict[str, DeviceEntry] = {}  # the directory's entries by name, as last examined
+        self.pointing: dict[str, set[str]] = {}  # followed path -> the entries whose symlinks lead there
+        # Each followed path and each of its ancestors -> the entries whose symlinks lead there or
+        # below: a batch touching T paths finds its entries in T lookups, where comparing every
         # touched path with every followed one cost T x P (a burst of 10,000 events next to 10,000
         # symlinks: 100 million comparisons on the one event loop).
         self.under: dict[str, collections.Counter[str]] = {}
         self.warned: dict[str, str] = {}  # skipped entry name -> why, as last warned
         self.problem = ""  # why the directory could not be read, as last warned
-        self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
-        self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
 
-    def rescan(self, watch: DirectoryWatch) -> None:
+    def rescan(self) -> dict[_Key, DeviceEntry | None]:
         """Look at every entry again."""
-        if self.devices.value is RETIRED:
-            return  # removed from the configuration: its goodbye (an empty list) stands
-        self.roots = host_path_roots(self.resource)
-        self.real_directory = os.path.realpath(self.resource.directory)
-        scan = scan_directory(self.resource, self.sysfs_root)
-        while watch.follow(scan.followed):  # newly watched paths: look again, now that they are watched
-            scan = scan_directory(self.resource, self.sysfs_root)
+        self.roots = host_path_roots(self.resource, self.dev_root)  # a directory may be a symlink re-pointed
+        self.real_directory = os.path.realpath(self.source.directory)
+        scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
+        while self.watch.follow(scan.followed):  # newly watched paths: look again, now that they are watched
+            scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
         if scan.problem and scan.problem != self.problem:
             _log(self.resource).warning("%s: no devices until it can", scan.problem)
         self.problem = scan.problem
@@ -2792,17 +3119,17 @@ class _DeviceTracker:
             del self.warned[name]  # warn again about a name only if it comes back
         for name, why in skipped.items():
             self._skipped(name, why)
-        self.found = {device.id: device for device in scan.devices}
+        before, self.found = self.found, {_entry_name(entry): entry for entry in scan.devices}
         self.pointing, self.under = {}, {}
-        for device in scan.devices:
-            self._index(device.id, (), device.followed)
-        self._publish(None)
+        for name, entry in self.found.items():
+            self._index(name, (), entry.followed)
+        changes: dict[_Key, DeviceEntry | None] = {(self.number, name): None for name in before}
+        changes.update({(self.number, name): entry for name, entry in self.found.items()})
+        return changes
 
-    def update(self, watch: DirectoryWatch, names: list[str], touched: Iterable[str] = ()) -> None:
+    def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
         """Look again at these entries only, and at the symlinks that lead through them or through
         the ``touched`` paths (or under them)."""
-        if self.devices.value is RETIRED:
-            return
         examine = dict.fromkeys(names)
         touched = {*touched, *(os.path.join(self.real_directory, name) for name in names)}
         for path in touched:
@@ -2811,18 +3138,19 @@ class _DeviceTracker:
         for _ in range(3):  # a symlink came or changed: watch where it leads, then look at it again
             if not links_changed:
                 break
-            new = watch.follow(self.pointing)
-            links_changed = self._examine({device_id: None for path in new for device_id in self.pointing[path]})
+            new = self.watch.follow(self.pointing)
+            more = {name: None for path in new for name in self.pointing[path]}
+            examine.update(more)
+            links_changed = self._examine(more)
         else:
-            self.rescan(watch)  # links that keep changing under us: look at everything
-            return
-        self._publish(list(examine))
+            return self.rescan()  # links that keep changing under us: look at everything
+        return {(self.number, name): self.found.get(name) for name in examine}
 
     def _examine(self, names: Iterable[str]) -> bool:
         """Examine these entries again; return whether any symlink's path changed."""
         links_changed = False
         for name in names:
-            result = examine_entry(self.resource, name, self.roots, self.sysfs_root)
+            result = examine_entry(self.resource, self.source, name, self.roots, self.sysfs_root)
             old = self.found.get(name)
             if isinstance(result, DeviceEntry):
                 self.found[name] = result
@@ -2836,36 +3164,125 @@ class _DeviceTracker:
                 links_changed = True
         return links_changed
 
-    def _index(self, device_id: str, old_paths: Iterable[str], new_paths: Iterable[str]) -> None:
+    def _index(self, name: str, old_paths: Iterable[str], new_paths: Iterable[str]) -> None:
         for path in old_paths:
-            self.pointing[path].discard(device_id)
+            self.pointing[path].discard(name)
             if not self.pointing[path]:
                 del self.pointing[path]
             for ancestor in _self_and_ancestors(path):
                 counts = self.under[ancestor]
-                counts[device_id] -= 1
-                if counts[device_id] <= 0:
-                    del counts[device_id]
+                counts[name] -= 1
+                if counts[name] <= 0:
+                    del counts[name]
                     if not counts:
                         del self.under[ancestor]
         for path in new_paths:
-            self.pointing.setdefault(path, set()).add(device_id)
+            self.pointing.setdefault(path, set()).add(name)
             for ancestor in _self_and_ancestors(path):
-                self.under.setdefault(ancestor, collections.Counter())[device_id] += 1
+                self.under.setdefault(ancestor, collections.Counter())[name] += 1
 
     def _skipped(self, name: str, why: str | None) -> None:
-        if why is None:
-            self.warned.pop(name, None)
-        elif self.warned.get(name) != why:  # once per name and reason
-            _log(self.resource).warning("skipping %r: %s", name, why)
-            self.warned[name] = why
+        _warn_skipped(self.resource, self.warned, name, why)
 
-    def _publish(self, names: list[str] | None) -> None:
-        """Publish what was found (a copy: streams hold on to it), log health changes (of
-        ``names``, None: all), write the CDI spec."""
+
+def _entry_name(entry: DeviceEntry) -> str:
+    return os.path.basename(entry.path)
+
+
+def _warn_skipped(resource: ResourceConfig, warned: dict[str, str], name: str, why: str | None) -> None:
+    """Warn that an entry is skipped: once per name and reason."""
+    if why is None:
+        warned.pop(name, None)
+    elif warned.get(name) != why:
+        _log(resource).warning("skipping %r: %s", name, why)
+        warned[name] = why
+
+
+class _UsbTracker:
+    """watch_devices' bookkeeping for the resource's USB devices: their nodes, as sysfs last said.
+
+    Its watch is on /dev (``dev_root``), and also on /dev/bus, /dev/bus/usb and each bus's
+    directory in it, and on /dev/input: where the kernel makes the nodes of a USB device and of
+    its interfaces. Any event there reads sysfs again; the devices are few, and that costs a
+    couple of hundred small reads.
+    """
+
+    def __init__(self, resource: ResourceConfig, watch: DirectoryWatch, sysfs_root: str, dev_root: str) -> None:
+        self.resource = resource
+        self.number = len(resource.sources)
+        self.watch = watch
+        self.sysfs_root = sysfs_root
+        self.dev_root = dev_root
+        self.found: dict[str, DeviceEntry] = {}  # node path -> its entry
+        self.warned: dict[str, str] = {}
+
+    def rescan(self) -> dict[_Key, DeviceEntry | None]:
+        buses = os.path.join(self.dev_root, "bus", "usb")
+        while True:
+            roots = host_path_roots(self.resource, self.dev_root)
+            scan = scan_usb(self.resource, roots, self.sysfs_root, self.dev_root)
+            try:
+                numbered = [os.path.join(buses, name) for name in os.listdir(buses)]
+            except OSError:
+                numbered = []  # no USB bus (yet): /dev/bus/usb appearing is watched
+            directories = [os.path.join(self.dev_root, "bus"), buses, *numbered, os.path.join(self.dev_root, "input")]
+            if not self.watch.watch_also(directories):
+                break  # no newly watched directory: nothing made there went unseen
+        skipped = dict(scan.skipped)
+        for name in set(self.warned) - set(skipped):
+            del self.warned[name]
+        for name, why in skipped.items():
+            _warn_skipped(self.resource, self.warned, name, why)
+        before, self.found = self.found, {entry.path: entry for entry in scan.devices}
+        changes: dict[_Key, DeviceEntry | None] = {(self.number, path): None for path in before}
+        changes.update({(self.number, path): entry for path, entry in self.found.items()})
+        return changes
+
+    def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
+        return self.rescan()
+
+
+class _DeviceSet:
+    """watch_devices' devices: the entries its sources found, made into devices (entries with the
+    same ID are one), published, their health changes logged, their CDI spec written."""
+
+    def __init__(self, resource: ResourceConfig, devices: Watched) -> None:
+        self.resource = resource
+        self.devices = devices
+        self.entries: dict[str, dict[_Key, DeviceEntry]] = {}  # device ID -> its entries
+        self.ids: dict[_Key, str] = {}  # an entry's key -> its device's ID
+        self.found: dict[str, DeviceEntry] = {}  # the devices, as last made
+        self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
+        self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
+
+    def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
+        """Take these entries (None: gone) and publish the devices they make."""
+        if self.devices.value is RETIRED:
+            return  # removed from the configuration: its goodbye (an empty list) stands
+        changed: set[str] = set()
+        for key, entry in changes.items():
+            old_id = self.ids.pop(key, None)
+            if old_id is not None:
+                del self.entries[old_id][key]
+                changed.add(old_id)
+            if entry is not None:
+                self.ids[key] = entry.id
+                self.entries.setdefault(entry.id, {})[key] = entry
+                changed.add(entry.id)
+        for device_id in _natural_sorted(list(changed)):  # a new device joins the list in natural order
+            if entries := self.entries.get(device_id):
+                self.found[device_id] = merge_entries(list(entries.values()))
+            else:
+                self.entries.pop(device_id, None)
+                self.found.pop(device_id, None)
+        self._publish(changed)
+
+    def _publish(self, changed: set[str]) -> None:
+        """Publish what was found (a copy: streams hold on to it), log health changes of the
+        ``changed`` devices, write the CDI spec."""
         before = self.devices.value
-        for name in self.found if names is None else names:
-            device, old = self.found.get(name), before.get(name)
+        for device_id in changed:
+            device, old = self.found.get(device_id), before.get(device_id)
             if device is None:
                 continue
             if device.health != HEALTHY and (old is None or old.problem != device.problem):
@@ -2876,14 +3293,14 @@ class _DeviceTracker:
         # The spec describes device nodes and mounts: a change of health alone leaves it as it is
         # (and at 50,000 devices, building and comparing it costs half a second).
         if self.resource.cdi is not None and (
-            names is None
+            self.cdi_written is _NOT_YET
             or self.cdi_failed
-            or any(_cdi_part(before.get(name)) != _cdi_part(self.found.get(name)) for name in names)
+            or any(_cdi_part(before.get(i)) != _cdi_part(self.found.get(i)) for i in changed)
         ):
             found = self._write_cdi_spec(found)
         if found != before:
             self.devices.replace(found)
-            _log(self.resource).info("%d devices in %s", len(found), self.resource.directory)
+            _log(self.resource).info("%d devices from %s", len(found), self.resource.origin())
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
@@ -3079,7 +3496,7 @@ def device_plugin_service(
     shape_allocation: ShapeAllocation | None = None,
     encoder: _ListEncoder | None = None,
     ending: trio.Event | None = None,
-    examine: Callable[[str], DeviceEntry | str | None] | None = None,
+    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
     status: StreamStatus | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
@@ -3148,7 +3565,7 @@ def device_plugin_service(
         now = {}
         for device_id in {resource.underlying_id(kubelet_id) for kubelet_id in ids}:
             if device_id is not None and device_id in known:
-                found = examine(device_id)
+                found = examine(known[device_id])
                 if isinstance(found, str):
                     raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
                 if found is not None:
@@ -3344,7 +3761,7 @@ async def serve_resource(
     shape_allocation: ShapeAllocation | None = None,
     generations: Iterator[int] | None = None,
     *,
-    examine: Callable[[str], DeviceEntry | str | None] | None = None,
+    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
@@ -3550,7 +3967,9 @@ async def serve_plugin(
             served[resource.name] = _Served(resource)
             numbers = generations.setdefault(resource.name, itertools.count(1))
             try:
-                await nursery.start(_serve_one, served[resource.name], kubelet, config.sysfs_root, numbers)
+                await nursery.start(
+                    _serve_one, served[resource.name], kubelet, config.sysfs_root, config.dev_root, numbers
+                )
                 return True
             except Exception as error:
                 if not reloading or not isinstance(_innermost(error), GopherplugError):
@@ -3570,8 +3989,9 @@ async def serve_plugin(
         reloading = True
         async with contextlib.aclosing(updates):
             async for new in updates:
-                if (new.device_plugin_dir, new.sysfs_root) != (config.device_plugin_dir, config.sysfs_root):
-                    log.warning("%s: device_plugin_dir and sysfs_root take effect at the next start", new.source)
+                fixed = ("device_plugin_dir", "sysfs_root", "dev_root")
+                if any(getattr(new, key) != getattr(config, key) for key in fixed):
+                    log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
                 wanted = {resource.name: resource for resource in new.resources}
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
@@ -3621,6 +4041,7 @@ async def _serve_one(
     served: _Served,
     kubelet: KubeletWatch,
     sysfs_root: str,
+    dev_root: str,
     generations: Iterator[int],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -3631,10 +4052,12 @@ async def _serve_one(
 
                 async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                     with served.watch_scope:
-                        await watch_devices(served.resource, served.devices, sysfs_root, task_status=task_status)
+                        await watch_devices(
+                            served.resource, served.devices, sysfs_root, dev_root, task_status=task_status
+                        )
 
                 await nursery.start(watch)
-                examine = functools.partial(_examine_now, served.resource, sysfs_root)
+                examine = functools.partial(_examine_now, served.resource, sysfs_root, dev_root)
                 serve = functools.partial(serve_resource, examine=examine)
                 await nursery.start(serve, served.resource, served.devices, kubelet, None, generations)
                 task_status.started()
@@ -3642,8 +4065,10 @@ async def _serve_one(
         served.done.set()
 
 
-def _examine_now(resource: ResourceConfig, sysfs_root: str, name: str) -> DeviceEntry | str | None:
-    return examine_entry(resource, name, host_path_roots(resource), sysfs_root)
+def _examine_now(
+    resource: ResourceConfig, sysfs_root: str, dev_root: str, device: DeviceEntry
+) -> DeviceEntry | str | None:
+    return examine_again(resource, device, host_path_roots(resource, dev_root), sysfs_root)
 
 
 async def watch_config_file(
@@ -4004,23 +4429,25 @@ def probe_report(results: list[ProbeResult]) -> str:
     return "\n".join(lines)
 
 
-def scan_report(resource: ResourceConfig, scan: Scan, container_problem: str | None = None) -> str:
+def scan_report(resource: ResourceConfig, scan: Scan, *container_problems: str) -> str:
     """What `check-config` shows of a resource: the devices the kubelet would be offered now, each
-    with its health and the path it stands for, then every entry skipped and why."""
+    with its health and the paths of its members (a symlink with the file it leads to), then
+    every entry skipped and why."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
     replicas = f" (each offered {resource.replicas} times)" if resource.replicas > 1 else ""
-    lines = [f"{resource.name}: {len(scan.devices)} devices, {healthy} healthy{replicas}, from {resource.directory}"]
-    if container_problem:
-        lines.append(f"  warning: {container_problem}")
+    lines = [f"{resource.name}: {len(scan.devices)} devices, {healthy} healthy{replicas}, from {resource.origin()}"]
+    lines += [f"  warning: {problem}" for problem in container_problems]
     if scan.problem:
         lines.append(f"  {scan.problem}")
     if scan.devices:
         width = max(len("ID"), *(len(device.id) for device in scan.devices))
         lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  PATH")
         for device in scan.devices:
-            path = device.path + (f" -> {device.followed[-1]}" if device.followed else "")
-            why = f" ({device.problem})" if device.problem else ""
-            lines.append(f"  {device.id:<{width}}  {device.health:<9}  {path}{why}")
+            for number, member in enumerate(device.members or (device,)):
+                path = member.path + (f" -> {member.followed[-1]}" if member.followed else "")
+                why = f" ({member.problem})" if member.problem else ""
+                first = (device.id, device.health) if number == 0 else ("", "")
+                lines.append(f"  {first[0]:<{width}}  {first[1]:<9}  {path}{why}")
     lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
     return "\n".join(lines)
 
@@ -4227,14 +4654,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "check-config":
-        names = ", ".join(f"{r.name} ({r.directory}/{r.pattern})" for r in config.resources)
+        names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
         # What the kubelet would be offered if the plugin started now, on this machine.
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         for resource in config.resources:
-            problem = container_only_problem(resource.directory, mountinfo)
-            print(scan_report(resource, scan_directory(resource, config.sysfs_root), problem))
+            directories = [source.directory for source in resource.sources] + (
+                [config.dev_root] if resource.usb else []
+            )
+            problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
+            print(scan_report(resource, scan_directory(resource, config.sysfs_root, config.dev_root), *problems))
         return EXIT_OK
     return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
 

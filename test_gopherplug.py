@@ -675,15 +675,21 @@ BAD_CONFIGS = [
     ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
     ("resources: {}", "cfg.yaml: resources: must be a non-empty list of resources"),
     ("resources: [x]", "cfg.yaml: resources[0]: must be a mapping of keys to values"),
-    (MINIMAL + "extra: 1\n", "cfg.yaml: extra: unknown key; expected one of device_plugin_dir, resources, sysfs_root"),
+    (
+        MINIMAL + "extra: 1\n",
+        "cfg.yaml: extra: unknown key; expected one of dev_root, device_plugin_dir, resources, sysfs_root",
+    ),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
         yaml.safe_dump({"resources": [], "a\nb": 1}),
-        "cfg.yaml: a\\nb: unknown key; expected one of device_plugin_dir, resources, sysfs_root",
+        "cfg.yaml: a\\nb: unknown key; expected one of dev_root, device_plugin_dir, resources, sysfs_root",
     ),
     (MINIMAL + "device_plugin_dir: dp\n", "cfg.yaml: device_plugin_dir: 'dp' must be an absolute path"),
     ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
-    ("resources: [{name: example.com/g}]", "cfg.yaml: resources[0].directory: is required"),
+    (
+        "resources: [{name: example.com/g}]",
+        "cfg.yaml: resources[0].directory: is required, unless match or usb says where the devices are",
+    ),
     (resources(directory="gophers"), "cfg.yaml: resources[0].directory: 'gophers' must be an absolute path"),
     (resources(directory=7), "cfg.yaml: resources[0].directory: must be a non-empty string, not 7 (put it in quotes)"),
     (resources(directory=[]), "cfg.yaml: resources[0].directory: must be a non-empty string"),
@@ -694,7 +700,8 @@ BAD_CONFIGS = [
     (
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allowed_host_paths, annotations, cdi, "
-        "device_specs, directory, env, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas",
+        "device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, pre_start_timeout, "
+        "preferred, replicas, usb",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -729,9 +736,9 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[0].device_specs[0].host_path: 'dev/{id}' must be an absolute path",
     ),
     (
-        resources(device_specs=[{"host_path": "/dev/{name}", "container_path": "/dev/x"}]),
-        "cfg.yaml: resources[0].device_specs[0].host_path: '/dev/{name}': bad placeholder ('name'); "
-        "use {id}, {path} or {index}",
+        resources(device_specs=[{"host_path": "/dev/{nom}", "container_path": "/dev/x"}]),
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/dev/{nom}': bad placeholder ('nom'); "
+        "use {id}, {path}, {name}, {target} or {index}",
     ),
     (
         resources(device_specs=[{"host_path": "/g/x", "container_path": "/dev/x", "permissions": "rx"}]),
@@ -739,8 +746,8 @@ BAD_CONFIGS = [
     ),
     (
         resources(device_specs=[{"host_path": "/dev/g{index}", "container_path": "/dev/x"}]),
-        "cfg.yaml: resources[0].device_specs[0].host_path: '/dev/g{index}': a host path can use {id} and {path}, "
-        "not {index}",
+        "cfg.yaml: resources[0].device_specs[0].host_path: '/dev/g{index}': a host path can use {id}, {path}, "
+        "{name} and {target}, not {index}",
     ),
     (
         resources(device_specs=[{"host_path": "/etc/shadow", "container_path": "/dev/x"}]),
@@ -777,7 +784,7 @@ BAD_CONFIGS = [
     ),
     (
         resources(annotations={"example.com/{path}": "x"}),
-        "cfg.yaml: resources[0].annotations.example.com/{path}: a key can use {id} and {index}, not {path}",
+        "cfg.yaml: resources[0].annotations.example.com/{path}: a key can use {id} and {index}, not a path or name",
     ),
     (
         resources(annotations={"example.com/n": 3}),
@@ -786,7 +793,7 @@ BAD_CONFIGS = [
     (
         resources(annotations={"example.com/n": "{nope}"}),
         "cfg.yaml: resources[0].annotations.example.com/n: '{nope}': bad placeholder ('nope'); "
-        "use {id}, {path} or {index}",
+        "use {id}, {path}, {name}, {target} or {index}",
     ),
     (resources(replicas=0), "cfg.yaml: resources[0].replicas: 0: must be a whole number from 1 to 1000"),
     (resources(replicas=True), "cfg.yaml: resources[0].replicas: True: must be a whole number from 1 to 1000"),
@@ -860,6 +867,72 @@ BAD_CONFIGS = [
         resources(name="gopher"),
         "cfg.yaml: resources[0].name: 'gopher': must be an extended resource name, domain/name "
         "(e.g. example.com/gopher)",
+    ),
+    # Several sources, IDs from names, USB devices.
+    (
+        resources(match=[{"directory": "/h"}]),
+        "cfg.yaml: resources[0].directory: goes in a match entry when match is given "
+        "(directory and pattern are a match of one)",
+    ),
+    (
+        "resources: [{name: example.com/g, pattern: 'g*'}]",
+        "cfg.yaml: resources[0].pattern: names entries of a directory: give directory too",
+    ),
+    (
+        "resources: [{name: example.com/g, match: []}]",
+        "cfg.yaml: resources[0].match: must list at least one {directory, pattern}",
+    ),
+    (
+        "resources: [{name: example.com/g, match: [{pattern: 'g*'}]}]",
+        "cfg.yaml: resources[0].match[0].directory: is required",
+    ),
+    (
+        "resources: [{name: example.com/g, match: [{directory: g}]}]",
+        "cfg.yaml: resources[0].match[0].directory: 'g' must be an absolute path",
+    ),
+    (
+        "resources: [{name: example.com/g, match: [{directory: /g}, {directory: /g/}]}]",
+        "cfg.yaml: resources[0].match[1]: repeats match[0]",
+    ),
+    (
+        resources(id_pattern="pci-(?P<id>.*"),
+        "cfg.yaml: resources[0].id_pattern: 'pci-(?P<id>.*' is not a regular expression: "
+        "missing ), unterminated subpattern at position 4",
+    ),
+    (
+        resources(id_pattern="pci-(.*)-card"),
+        "cfg.yaml: resources[0].id_pattern: 'pci-(.*)-card' has no group named id: mark the part of the name "
+        "that is the ID with (?P<id>...)",
+    ),
+    (
+        "resources: [{name: example.com/g, id_pattern: '(?P<id>.*)', usb: [{vendor: '1050', product: '0407'}]}]",
+        "cfg.yaml: resources[0].id_pattern: names directory entries, and this resource has none: a USB device's ID "
+        "is its serial or port",
+    ),
+    (
+        "resources: [{name: example.com/g, usb: [{vendor: 1050, product: '0407'}]}]",
+        "cfg.yaml: resources[0].usb[0].vendor: 1050: must be 4 hex digits in quotes, as lsusb prints them "
+        '(e.g. "0407")',
+    ),
+    (
+        "resources: [{name: example.com/g, usb: [{vendor: '1050', product: 0407}]}]",
+        "cfg.yaml: resources[0].usb[0].product: 263: must be 4 hex digits in quotes, as lsusb prints them "
+        '(e.g. "0407")',
+    ),
+    (
+        "resources: [{name: example.com/g, usb: [{vendor: '1050', product: '0407', serial: 42}]}]",
+        "cfg.yaml: resources[0].usb[0].serial: must be a non-empty string, not 42 (put it in quotes)",
+    ),
+    (
+        "resources: [{name: example.com/g, usb: [{vendor: '1050', product: '0407', class: 3}]}]",
+        "cfg.yaml: resources[0].usb[0].class: unknown key; expected one of product, serial, vendor",
+    ),
+    ("resources: [{name: example.com/g, usb: {vendor: '1050'}}]", "cfg.yaml: resources[0].usb: must be a list"),
+    (MINIMAL + "dev_root: dev\n", "cfg.yaml: dev_root: 'dev' must be an absolute path"),
+    (
+        resources(annotations={"example.com/n": "{name}"}),
+        "cfg.yaml: resources[0].annotations.example.com/n: '{name}': an annotation is per device, not per entry: "
+        "use {id}, {path} or {index}",
     ),
 ]
 
@@ -1201,6 +1274,187 @@ def test_find_usb_devices_skips_what_vanished(tmp_path):
         usb("12345678", "1-1.1", "1050", "0407", "12345678", "bus/usb/001/003", "hidraw0"),
     )
     assert gp.find_usb_devices(selectors, str(tmp_path / "nothing")) == ()
+
+
+def config_with(top=(), **fields):
+    """A configuration of one resource with exactly `fields` (and `top`-level keys)."""
+    document = {**dict(top), "resources": [{"name": "example.com/gopher", **fields}]}
+    return gp.parse_config(yaml.safe_dump(document), "c")
+
+
+def test_sources_usb_and_dev_root_parsed():
+    shorthand = config_with(directory="/dev/serial/by-id", pattern="usb-*")
+    assert shorthand.dev_root == "/dev"
+    assert shorthand.resources[0].sources == (gp.Source("/dev/serial/by-id", "usb-*"),)
+    several = config_with(
+        match=[{"directory": "/dev", "pattern": "ttyUSB*"}, {"directory": "/dev/", "pattern": "ttyACM*"}]
+    )
+    assert several.resources[0].sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
+    assert several.resources[0].origin() == "/dev/ttyUSB*, /dev/ttyACM*"
+    keys = config_with(top={"dev_root": "/host/dev"}, usb=[{"vendor": "1050", "product": "040A", "serial": "0042"}])
+    assert keys.dev_root == "/host/dev"
+    assert keys.resources[0].usb == (gp.UsbSelector("1050", "040a", "0042"),)
+    assert keys.resources[0].sources == ()
+    assert keys.resources[0].origin() == "USB 1050:040a '0042'"
+    grouped = config_with(directory="/dev/dri/by-path", id_pattern=r"pci-(?P<id>.+)-(card|render)")
+    assert grouped.resources[0].id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
+
+
+def test_several_sources_make_one_list(tmp_path):
+    for name in ["ttyUSB0", "ttyUSB1", "ttyACM0", "ttyS0"]:
+        (tmp_path / name).touch()
+    (tmp_path / "more").mkdir()
+    (tmp_path / "more" / "ttyUSB9").touch()
+    match = [{"directory": str(tmp_path), "pattern": p} for p in ("ttyUSB*", "ttyACM*")]
+    match.append({"directory": str(tmp_path / "more")})
+    scan = gp.scan_directory(config_with(match=match).resources[0])
+    assert [(d.id, d.path) for d in scan.devices] == [
+        ("ttyACM0", f"{tmp_path}/ttyACM0"),
+        ("ttyUSB0", f"{tmp_path}/ttyUSB0"),
+        ("ttyUSB1", f"{tmp_path}/ttyUSB1"),
+        ("ttyUSB9", f"{tmp_path}/more/ttyUSB9"),
+    ]
+    # The same name in two directories is one ID: one device of both (id_pattern or not).
+    (tmp_path / "more" / "ttyUSB0").touch()
+    [usb0] = [d for d in gp.scan_directory(config_with(match=match).resources[0]).devices if d.id == "ttyUSB0"]
+    assert [m.path for m in usb0.members] == [f"{tmp_path}/more/ttyUSB0", f"{tmp_path}/ttyUSB0"]
+
+
+def gpu_by_path(dev):
+    """/dev/dri as udev makes it for one GPU, and a file beside its links: members of three kinds."""
+    make_node(f"{dev}/dri/card1", 226, 1)
+    make_node(f"{dev}/dri/renderD128", 226, 128)
+    os.makedirs(f"{dev}/dri/by-path")
+    os.symlink("../card1", f"{dev}/dri/by-path/pci-0000:00:02.0-card")
+    os.symlink("../renderD128", f"{dev}/dri/by-path/pci-0000:00:02.0-render")
+    Path(f"{dev}/dri/by-path/pci-0000:00:02.0-firmware").write_text("version 70.1\n")
+    Path(f"{dev}/dri/by-path/platform-simple-framebuffer.0-card").touch()  # no PCI address: skipped
+    return f"{dev}/dri/by-path"
+
+
+GPU_ID_PATTERN = r"pci-(?P<id>[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f])-[a-z]+"
+
+
+def test_id_pattern_makes_one_device_of_its_entries(tmp_path):
+    dev = str(tmp_path / "dev")
+    by_path = gpu_by_path(dev)
+    config = config_with(
+        top={"dev_root": dev}, directory=by_path, id_pattern=GPU_ID_PATTERN, allowed_host_paths=["/dev/null"]
+    )
+    resource = config.resources[0]
+    scan = gp.scan_directory(resource, dev_root=dev)
+    assert scan.skipped == (
+        ("platform-simple-framebuffer.0-card", f"id_pattern {GPU_ID_PATTERN!r} finds no ID in the name"),
+    )
+    [gpu] = scan.devices
+    assert (gpu.id, gpu.health, gpu.path) == ("0000:00:02.0", gp.HEALTHY, f"{by_path}/pci-0000:00:02.0-card")
+    names = ["pci-0000:00:02.0-card", "pci-0000:00:02.0-firmware", "pci-0000:00:02.0-render"]
+    assert [m.path for m in gpu.members] == [f"{by_path}/{name}" for name in names]
+    # Each node its DeviceSpec, at its stable name; the file that is no node its (read-only) mount.
+    answer = allocate(resource, scan.devices, "0000:00:02.0").container_responses[0]
+    assert dict(answer.envs) == {"GOPHER_DEVICES": "0000:00:02.0"}
+    assert [(d.host_path, d.container_path, d.permissions) for d in answer.devices] == [
+        (os.path.realpath(f"{dev}/dri/card1"), f"{by_path}/pci-0000:00:02.0-card", "rw"),
+        (os.path.realpath(f"{dev}/dri/renderD128"), f"{by_path}/pci-0000:00:02.0-render", "rw"),
+    ]
+    assert [(m.host_path, m.container_path, m.read_only) for m in answer.mounts] == [
+        (f"{by_path}/pci-0000:00:02.0-firmware", f"{by_path}/pci-0000:00:02.0-firmware", True)
+    ]
+    # {name} and {target} are each member's; {id} the device's.
+    templated = dataclasses.replace(
+        resource,
+        device_specs=(gp.DeviceSpecTemplate("{path}", "/gpu/{id}/{name}{index}"),),
+        mounts=(gp.MountTemplate("{target}", "/firmware/{name}"),),
+    )
+    answer = allocate(templated, gp.scan_directory(templated, dev_root=dev).devices, "0000:00:02.0")
+    assert sorted(d.container_path for d in answer.container_responses[0].devices) == [
+        f"/gpu/0000:00:02.0/{name}0" for name in names
+    ]
+    assert sorted(m.container_path for m in answer.container_responses[0].mounts) == [f"/firmware/{n}" for n in names]
+    # The device is unhealthy while one member is, and says which.
+    os.unlink(f"{dev}/dri/renderD128")
+    [gpu] = gp.scan_directory(resource, dev_root=dev).devices
+    problem = f"{by_path}/pci-0000:00:02.0-render is a symlink to ../renderD128, which does not exist"
+    assert (gpu.health, gpu.problem) == (gp.UNHEALTHY, problem)
+    with pytest.raises(gp.RPCError, match="renderD128, which does not exist"):
+        allocate(resource, [gpu], "0000:00:02.0")
+
+
+def test_cdi_spec_lists_every_member(tmp_path):
+    dev = str(tmp_path / "dev")
+    by_path = gpu_by_path(dev)
+    config = config_with(
+        top={"dev_root": dev},
+        directory=by_path,
+        id_pattern=GPU_ID_PATTERN,
+        allowed_host_paths=["/dev/null"],
+        cdi={"kind": "example.com/gpu", "spec_dir": str(tmp_path / "cdi")},
+    )
+    resource = config.resources[0]
+    devices = gp.scan_directory(resource, dev_root=dev).devices
+    spec = gp.cdi_spec(resource, devices)
+    [described] = spec["devices"]
+    assert described["name"] == "0000:00:02.0"
+    real = os.path.realpath
+    assert described["containerEdits"]["deviceNodes"] == [
+        {"path": f"{by_path}/pci-0000:00:02.0-card", "hostPath": real(f"{dev}/dri/card1"), "permissions": "rw"},
+        {"path": f"{by_path}/pci-0000:00:02.0-render", "hostPath": real(f"{dev}/dri/renderD128"), "permissions": "rw"},
+    ]
+    firmware = f"{by_path}/pci-0000:00:02.0-firmware"
+    assert described["containerEdits"]["mounts"] == [
+        {"hostPath": firmware, "containerPath": firmware, "options": ["bind", "ro"]}
+    ]
+    assert cdi_problem(spec["cdiVersion"], spec) is None
+    answer = allocate(resource, devices, "0000:00:02.0").container_responses[0]
+    assert [d.name for d in answer.cdi_devices] == ["example.com/gpu=0000:00:02.0"]
+
+
+def test_a_device_is_examined_again_member_by_member(tmp_path):
+    dev = str(tmp_path / "dev")
+    by_path = gpu_by_path(dev)
+    resource = config_with(
+        top={"dev_root": dev}, directory=by_path, id_pattern=GPU_ID_PATTERN, allowed_host_paths=["/dev/null"]
+    ).resources[0]
+    [gpu] = gp.scan_directory(resource, dev_root=dev).devices
+    roots = gp.host_path_roots(resource, dev)
+    assert gp.examine_again(resource, gpu, roots, "/sys") == gpu
+    os.unlink(f"{by_path}/pci-0000:00:02.0-firmware")  # a member gone: the device is what is left
+    assert [m.path for m in gp.examine_again(resource, gpu, roots, "/sys").members] == [
+        f"{by_path}/pci-0000:00:02.0-card",
+        f"{by_path}/pci-0000:00:02.0-render",
+    ]
+    os.unlink(f"{by_path}/pci-0000:00:02.0-card")
+    os.symlink("/etc/hostname", f"{by_path}/pci-0000:00:02.0-card")  # re-pointed out of bounds
+    assert "host path /etc/hostname is outside" in gp.examine_again(resource, gpu, roots, "/sys")
+    for name in os.listdir(by_path):
+        os.unlink(f"{by_path}/{name}")
+    assert gp.examine_again(resource, gpu, roots, "/sys") is None
+
+
+def usb_nodes(dev, *names):
+    """Device nodes under the fake /dev, as devtmpfs makes them when a USB device is plugged in."""
+    for number, name in enumerate(names):
+        make_node(f"{dev}/{name}", 189 if name.startswith("bus/") else 241, number)
+
+
+def test_usb_devices_are_devices_of_their_nodes(tmp_path):
+    sysfs = usb_tree(tmp_path)
+    dev = str(tmp_path / "dev")
+    usb_nodes(dev, "bus/usb/001/003", "hidraw0", "bus/usb/001/004")  # the second key's hidraw1: not yet
+    config = config_with(
+        top={"dev_root": dev, "sysfs_root": sysfs},
+        usb=[{"vendor": "1050", "product": "0407"}],
+        allowed_host_paths=["/dev/null"],
+    )
+    resource = config.resources[0]
+    scan = gp.scan_directory(resource, sysfs, dev)
+    assert [(d.id, [m.path for m in d.members] or [d.path]) for d in scan.devices] == [
+        ("12345678", [f"{dev}/bus/usb/001/003", f"{dev}/hidraw0"]),
+        ("87654321", [f"{dev}/bus/usb/001/004"]),
+    ]
+    answer = allocate(resource, scan.devices, "12345678").container_responses[0]
+    assert [d.container_path for d in answer.devices] == [f"{dev}/bus/usb/001/003", f"{dev}/hidraw0"]
+    assert dict(answer.envs) == {"GOPHER_DEVICES": "12345678"}
 
 
 def allocate(resource, devices, *ids):
@@ -1780,14 +2034,12 @@ class Node:
         for name in ("g1", "g2"):
             Path(self.devices, name).touch()
 
-    def config(self, **fields):
-        text = yaml.safe_dump(
-            {
-                "device_plugin_dir": self.plugin_dir,
-                "resources": [{"name": RESOURCE, "directory": self.devices, **fields}],
-            }
-        )
-        return gp.parse_config(text, "test.yaml")
+    def config(self, top=(), **fields):
+        """The node's configuration: one resource with `fields`, its directory the node's devices
+        unless `fields` give match or usb; `top`: top-level keys."""
+        resource = {"name": RESOURCE, **({} if fields.keys() & {"match", "usb"} else {"directory": self.devices})}
+        document = {"device_plugin_dir": self.plugin_dir, **dict(top), "resources": [{**resource, **fields}]}
+        return gp.parse_config(yaml.safe_dump(document), "test.yaml")
 
     @property
     def kubelet_socket(self):
@@ -1880,6 +2132,82 @@ async def test_attribute_change_is_seen(nursery, node):
         Path(node.devices, "g3").touch()
         await simulator.wait_until(listed("g1", "g2", "g3"))
         assert simulator.resources[RESOURCE].updates == updates + 1, "unchanged lists are not sent again"
+
+
+async def test_every_source_is_watched(nursery, node, tmp_path):
+    other = tmp_path / "other"
+    match = [{"directory": node.devices, "pattern": "g*"}, {"directory": str(other), "pattern": "h*"}]
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, match=match)  # "other" comes later
+        other.mkdir()
+        (other / "h1").touch()
+        (other / "g3").touch()  # not its pattern
+        await simulator.wait_until(listed("g1", "g2", "h1"))
+        Path(node.devices, "g1").unlink()
+        await simulator.wait_until(listed("g2", "h1"))
+        Path(node.devices, "h2").touch()  # not this directory's pattern
+        (other / "h1").rename(other / "h3")
+        await simulator.wait_until(listed("g2", "h3"))
+
+
+async def test_a_device_of_several_entries_is_unhealthy_while_one_is(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, id_pattern=r"(?P<id>g[0-9]+)(-[a-z]+)?")
+        updates = simulator.resources[RESOURCE].updates
+        with logged("2 devices from") as grouped:
+            Path(node.devices, "g1-render").touch()  # joins g1: the same list, a device of two
+            await grouped.wait()
+        answer = (await simulator.allocate(RESOURCE, ["g1"])).container_responses[0]
+        assert [(m.host_path, m.read_only) for m in answer.mounts] == [
+            (f"{node.devices}/g1", True),
+            (f"{node.devices}/g1-render", True),
+        ]
+        Path(node.devices, "g1-render").unlink()
+        os.symlink(".gone", Path(node.devices, "g1-render"))  # dangling (hidden names are no devices)
+        await simulator.wait_until(lambda s: devices_of(s) == {"g1": gp.UNHEALTHY, "g2": gp.HEALTHY})
+        with pytest.raises(gp.RPCError, match=r"g1-render is a symlink to \.gone, which does not exist"):
+            await simulator.allocate(RESOURCE, ["g1"])
+        Path(node.devices, ".gone").touch()
+        await simulator.wait_until(listed("g1", "g2"))
+        assert simulator.resources[RESOURCE].updates == updates + 2, "a member joining alone changes no list"
+
+
+async def test_usb_devices_come_and_go_with_their_nodes(nursery, node, tmp_path):
+    sysfs = usb_tree(tmp_path)
+    dev = os.path.join(node.devices, "host-dev")  # the node's /dev, with its USB buses
+    usb_nodes(dev, "bus/usb/001/003", "hidraw0")  # the first key is plugged in
+    os.makedirs(f"{dev}/bus/usb/002")
+    top = {"dev_root": dev, "sysfs_root": sysfs}
+    fields = {"usb": [{"vendor": "1050", "product": "0407"}], "allowed_host_paths": ["/dev/null"]}
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(top=top, **fields))
+        await simulator.wait_until(listed("12345678"))
+        # The second key: the kernel makes its USB node, then its HID interface's once bound.
+        make_node(f"{dev}/bus/usb/001/004", 189, 3)
+        await simulator.wait_until(listed("12345678", "87654321"))
+        with logged("2 devices from USB 1050:0407") as bound:
+            make_node(f"{dev}/hidraw1", 241, 1)
+            await bound.wait()
+        answer = (await simulator.allocate(RESOURCE, ["87654321"])).container_responses[0]
+        assert [d.container_path for d in answer.devices] == [f"{dev}/bus/usb/001/004", f"{dev}/hidraw1"]
+        # Unplugged: sysfs forgets it, the nodes go.
+        shutil.rmtree(Path(sysfs, "bus", "usb", "devices", "1-1.1").resolve())
+        os.unlink(Path(sysfs, "bus", "usb", "devices", "1-1.1"))
+        os.unlink(f"{dev}/hidraw0")
+        os.unlink(f"{dev}/bus/usb/001/003")
+        await simulator.wait_until(listed("87654321"))
+        # Buses that appear later (their controller's driver bound) are watched too: the second
+        # key comes back on bus 2 (its sysfs directory standing for the new one), without hidraw1.
+        shutil.rmtree(f"{dev}/bus")
+        os.unlink(f"{dev}/hidraw1")
+        await simulator.wait_until(listed())
+        with open(Path(sysfs, "bus", "usb", "devices", "1-1.2", "uevent"), "w") as uevent:
+            uevent.write("MAJOR=189\nMINOR=132\nDEVNAME=bus/usb/002/005\nDEVTYPE=usb_device\n")
+        make_node(f"{dev}/bus/usb/002/005", 189, 132)
+        await simulator.wait_until(listed("87654321"))
+        answer = (await simulator.allocate(RESOURCE, ["87654321"])).container_responses[0]
+        assert [d.container_path for d in answer.devices] == [f"{dev}/bus/usb/002/005"]
 
 
 async def test_kubelet_restart_reregisters_with_a_fresh_list(nursery, node):
@@ -2944,7 +3272,7 @@ async def test_allocate_checks_a_relinked_device_again(nursery, node, tmp_path):
     devices = gp.Watched({d.id: d for d in gp.scan_directory(resource).devices})
     roots = gp.host_path_roots(resource)
     service = gp.device_plugin_service(
-        resource, devices, examine=lambda name: gp.examine_entry(resource, name, roots, "/sys")
+        resource, devices, examine=lambda device: gp.examine_again(resource, device, roots, "/sys")
     )
     server = await nursery.start(gp.serve_grpc, os.path.join(node.plugin_dir, "p.sock"), [service])
     request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=["g0"])])
@@ -3548,7 +3876,7 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
     outside = f"is outside {node.devices}, /dev/null: add its directory to allowed_host_paths"
     assert result.stdout == (
         f"{path}: OK: 1 resource(s): {RESOURCE} ({node.devices}/*); kubelet at {node.plugin_dir}\n"
-        f"{RESOURCE}: 4 devices, 4 healthy, from {node.devices}\n"
+        f"{RESOURCE}: 4 devices, 4 healthy, from {node.devices}/*\n"
         "  ID    HEALTH     PATH\n"
         f"  g1    Healthy    {node.devices}/g1\n"
         f"  g2    Healthy    {node.devices}/g2\n"
@@ -3559,6 +3887,41 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
     )
     via_env = run_cli("check-config", env={"GOPHERPLUG_CONFIG": str(path)})
     assert via_env.stdout == result.stdout
+
+
+def test_check_config_shows_each_devices_members(tmp_path):
+    dev, plugin_dir = str(tmp_path / "dev"), str(tmp_path / "dp")
+    by_path = gpu_by_path(dev)
+    sysfs = usb_tree(tmp_path)
+    usb_nodes(dev, "bus/usb/001/003", "hidraw0")
+    path = tmp_path / "gopherplug.yaml"
+    resources = [
+        {"name": "example.com/gpu", "directory": by_path, "id_pattern": GPU_ID_PATTERN},
+        {"name": "example.com/yubikey", "usb": [{"vendor": "1050", "product": "0407"}]},
+    ]
+    for resource in resources:
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod is refused, nodes are links to it
+    top = {"device_plugin_dir": plugin_dir, "dev_root": dev, "sysfs_root": sysfs}
+    path.write_text(yaml.safe_dump({**top, "resources": resources}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    real = os.path.realpath
+    assert result.stdout == (
+        f"{path}: OK: 2 resource(s): example.com/gpu ({by_path}/*), example.com/yubikey (USB 1050:0407); "
+        f"kubelet at {plugin_dir}\n"
+        f"example.com/gpu: 1 devices, 1 healthy, from {by_path}/*\n"
+        "  ID            HEALTH     PATH\n"
+        f"  0000:00:02.0  Healthy    {by_path}/pci-0000:00:02.0-card -> {real(dev + '/dri/card1')}\n"
+        f"                           {by_path}/pci-0000:00:02.0-firmware\n"
+        f"                           {by_path}/pci-0000:00:02.0-render -> {real(dev + '/dri/renderD128')}\n"
+        f"  skipped 'platform-simple-framebuffer.0-card': id_pattern {GPU_ID_PATTERN!r} finds no ID in the name\n"
+        "example.com/yubikey: 1 devices, 1 healthy, from USB 1050:0407\n"
+        "  ID        HEALTH     PATH\n"
+        f"  12345678  Healthy    {dev}/bus/usb/001/003"
+        + (" -> /dev/null" if os.path.islink(f"{dev}/hidraw0") else "")
+        + "\n"
+        f"            {' ' * 9}  {dev}/hidraw0" + (" -> /dev/null" if os.path.islink(f"{dev}/hidraw0") else "") + "\n"
+    )
 
 
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
@@ -3640,7 +4003,7 @@ def make_node(path, major, minor):
         os.symlink("/dev/null", path)
 
 
-def camera_tree(dev):
+def camera_tree(dev, sysfs):
     # Two UVC cameras: each a capture node and a metadata node, and udev's by-id links to both.
     for minor in range(4):
         make_node(f"{dev}/video{minor}", 81, minor)
@@ -3654,17 +4017,54 @@ def camera_tree(dev):
             os.symlink(f"../../video{first + node}", f"{by_id}/{camera}-video-index{node}")
 
 
+SERIAL_BY_ID = {  # udev's names for three adapters (one with two ports) and a board; ttyUSB numbers as plugged
+    "usb-Silicon_Labs_CP2102N_USB_to_UART_Bridge_Controller_9c0b5d1c3e5aeb11a2b2c3d4-if00-port0": "ttyUSB0",
+    "usb-FTDI_Dual_RS232-HS_FT4LW2TQ-if00-port0": "ttyUSB1",
+    "usb-FTDI_Dual_RS232-HS_FT4LW2TQ-if01-port0": "ttyUSB2",
+    "usb-Arduino__www.arduino.cc__0043_85734323231351F0A0A1-if00": "ttyACM0",
+    "usb-1a86_USB_Serial-if00-port0": "ttyUSB3",  # a CH340 without a serial number: skipped
+}
+
+
+def serial_tree(dev, sysfs):
+    for minor, name in enumerate(["ttyUSB0", "ttyUSB1", "ttyUSB2", "ttyUSB3"]):
+        make_node(f"{dev}/{name}", 188, minor)
+    make_node(f"{dev}/ttyACM0", 166, 0)
+    for directory, names in [("by-id", SERIAL_BY_ID), ("by-path", {"pci-0000:00:14.0-usb-0:1.4:1.0-port0": "ttyUSB0"})]:
+        os.makedirs(f"{dev}/serial/{directory}")
+        for name, node in names.items():
+            os.symlink(f"../../{node}", f"{dev}/serial/{directory}/{name}")
+
+
+def gpu_tree(dev, sysfs):
+    # An integrated GPU and a discrete one, whose card and render numbers do not line up.
+    for minor, name in [(0, "card0"), (1, "card1"), (128, "renderD128"), (129, "renderD129")]:
+        make_node(f"{dev}/dri/{name}", 226, minor)
+    os.makedirs(f"{dev}/dri/by-path")
+    for address, card, render in [("0000:00:02.0", "card1", "renderD128"), ("0000:03:00.0", "card0", "renderD129")]:
+        os.symlink(f"../{card}", f"{dev}/dri/by-path/pci-{address}-card")
+        os.symlink(f"../{render}", f"{dev}/dri/by-path/pci-{address}-render")
+
+
+def usb_key_tree(dev, sysfs):
+    usb_tree(Path(sysfs).parent)  # two YubiKeys (1-1.1, 1-1.2), serial adapters, a camera, hubs
+    for minor, name in enumerate(["001/001", "001/002", "001/003", "001/004", "001/005", "001/006", "001/007"]):
+        make_node(f"{dev}/bus/usb/{name}", 189, minor)
+    make_node(f"{dev}/hidraw0", 241, 0)
+    make_node(f"{dev}/hidraw1", 241, 1)
+
+
 RECIPES = {
-    # example: (make the tree under a fake /dev, IDs the kubelet gets, IDs to allocate,
+    # example: (make the tree under a fake /dev (and /sys), IDs the kubelet gets, IDs to allocate,
     #           the DeviceSpecs that come back as (host path, container path) with /dev for the fake root)
     "fuse": (
-        lambda dev: make_node(f"{dev}/fuse", 10, 229),
+        lambda dev, sysfs: make_node(f"{dev}/fuse", 10, 229),
         [f"fuse::{n}" for n in range(100)],
         ["fuse::7"],
         [("/dev/fuse", "/dev/fuse")],
     ),
     "tun": (
-        lambda dev: make_node(f"{dev}/net/tun", 10, 200),
+        lambda dev, sysfs: make_node(f"{dev}/net/tun", 10, 200),
         [f"tun::{n}" for n in range(100)],
         ["tun::0"],
         [("/dev/net/tun", "/dev/net/tun")],
@@ -3681,22 +4081,45 @@ RECIPES = {
         ],
         [("/dev/video2", "/dev/video0"), ("/dev/video0", "/dev/video1")],
     ),
+    "serial": (
+        serial_tree,
+        ["9c0b5d1c3e5aeb11a2b2c3d4", "85734323231351F0A0A1", "FT4LW2TQ"],
+        ["FT4LW2TQ"],
+        [  # one adapter, both of its ports
+            ("/dev/ttyUSB1", "/dev/serial/by-id/usb-FTDI_Dual_RS232-HS_FT4LW2TQ-if00-port0"),
+            ("/dev/ttyUSB2", "/dev/serial/by-id/usb-FTDI_Dual_RS232-HS_FT4LW2TQ-if01-port0"),
+        ],
+    ),
+    "gpu": (
+        gpu_tree,
+        ["0000:00:02.0", "0000:03:00.0"],
+        ["0000:03:00.0"],
+        [("/dev/dri/card0", "/dev/dri/card0"), ("/dev/dri/renderD129", "/dev/dri/renderD129")],
+    ),
+    "usb-key": (
+        usb_key_tree,
+        ["12345678", "87654321"],
+        ["87654321"],
+        [("/dev/bus/usb/001/004", "/dev/bus/usb/001/004"), ("/dev/hidraw1", "/dev/hidraw1")],
+    ),
 }
 
 
 @pytest.mark.parametrize("example", sorted(RECIPES))
 async def test_recipe_serves_its_devices(example, nursery, sockdir):
     make_tree, listed_ids_, allocate_ids, specs = RECIPES[example]
-    dev = os.path.join(sockdir, "dev")  # the node's /dev, in miniature
-    make_tree(dev)
+    dev, sysfs = os.path.join(sockdir, "dev"), os.path.join(sockdir, "sys")  # the node's, in miniature
+    os.makedirs(dev)
+    make_tree(dev, sysfs)
     plugin_dir = os.path.join(sockdir, "dp")
     os.mkdir(plugin_dir)
     config = yaml.safe_load((HERE / "examples" / example / "config.yaml").read_text())
     for resource in config["resources"]:
-        # The recipe's directory is in /dev, which allows /dev implicitly; the fake tree stands for it.
-        resource["directory"] = dev + resource["directory"].removeprefix("/dev")
-        resource["allowed_host_paths"] = [dev, "/dev/null"]
-    config["device_plugin_dir"] = plugin_dir
+        # The recipe's directory is in /dev; the fake tree stands for it (dev_root below).
+        if "directory" in resource:
+            resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
+    config.update(device_plugin_dir=plugin_dir, dev_root=dev, sysfs_root=sysfs)
     parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config.yaml")
     name = parsed.resources[0].name
     with trio.fail_after(TIMEOUT):
@@ -3712,6 +4135,8 @@ async def test_recipe_serves_its_devices(example, nursery, sockdir):
     assert [d.container_path for d in answer.devices] == [
         container if example == "camera" else dev + container.removeprefix("/dev") for _, container in specs
     ]
+    devices = dict.fromkeys(kubelet_id.partition("::")[0] for kubelet_id in allocate_ids)  # replicas: the device
+    assert dict(answer.envs) == {parsed.resources[0].env: ",".join(devices)}
     assert all(d.permissions == "rw" for d in answer.devices)
 
 

@@ -191,7 +191,9 @@ def preferred_allocation(sizes, runs):
 
 def scanning(count, runs):
     """Time in-process what a start or a rescan costs for one directory of ``count`` entries, and
-    one batch of ``count`` inotify events next to ``count`` symlink devices (_DeviceTracker.update)."""
+    one batch of ``count`` inotify events next to ``count`` symlink devices (what watch_devices does
+    with it: _SourceTracker.update, then _DeviceSet.update). Also the same ``count`` entries made
+    into devices of two members each by id_pattern, and spread over two ``match`` sources."""
     root = tempfile.mkdtemp(prefix="gps-", dir="/tmp")
     try:
         plain, links, targets = (os.path.join(root, name) for name in ("plain", "links", "targets"))
@@ -211,15 +213,44 @@ def scanning(count, runs):
                 times.append(time.perf_counter() - start)
             assert len(scan.devices) == count
             print(f"scan of {count} {name} (median of {runs}): {ms(statistics.median(times))}")
+        # The same files, as devices of two members each ("g12" and "g12.b" are device 12), and in
+        # two directories named by two match sources.
+        pairs, halves = (os.path.join(root, name) for name in ("pairs", "halves"))
+        os.mkdir(pairs)
+        for i in range(count // 2):
+            Path(pairs, f"g{i}").touch()
+            Path(pairs, f"g{i}.b").touch()
+        os.mkdir(halves)
+        os.mkdir(os.path.join(halves, "a"))
+        os.mkdir(os.path.join(halves, "b"))
+        make_entries(os.path.join(halves, "a"), count // 2, prefix="a")
+        make_entries(os.path.join(halves, "b"), count // 2, prefix="b")
+        configs = (
+            (f"{count} files, 2 per device by id_pattern", f"directory: {pairs}, id_pattern: 'g(?P<id>[0-9]+)(.b)?'"),
+            (f"{count} files in 2 match sources", f"match: [{{directory: {halves}/a}}, {{directory: {halves}/b}}]"),
+        )
+        for name, keys in configs:
+            text = f"resources: [{{name: {RESOURCE}, {keys}}}]"
+            resource = gp.parse_config(text).resources[0]
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                scan = gp.scan_directory(resource)
+                times.append(time.perf_counter() - start)
+            assert len(scan.devices) == (count // 2 if "id_pattern" in keys else count), len(scan.devices)
+            print(f"scan of {name} (median of {runs}): {ms(statistics.median(times))}")
+
         make_entries(links, count, prefix="f")  # files arriving next to the symlinks
+        text = f"resources: [{{name: {RESOURCE}, directory: {links}, allowed_host_paths: [{targets}]}}]"
         resource = gp.parse_config(text).resources[0]
 
         async def update():
-            tracker = gp._DeviceTracker(resource, gp.Watched({}), "/sys")
+            device_set = gp._DeviceSet(resource, gp.Watched({}))
             with gp.DirectoryWatch(links, gp._DIRECTORY_EVENTS) as watch:
-                tracker.rescan(watch)
+                tracker = gp._SourceTracker(resource, 0, resource.sources[0], watch, "/sys", "/dev")
+                device_set.update(tracker.rescan())
                 start = time.perf_counter()
-                tracker.update(watch, [f"f{i}" for i in range(count)])
+                device_set.update(tracker.update([f"f{i}" for i in range(count)]))
                 return time.perf_counter() - start
 
         print(f"one batch of {count} events next to {count} symlink devices: {ms(trio.run(update))}")
@@ -239,8 +270,12 @@ def main():
     )
     parser.add_argument("--preferred-runs", type=int, default=5)
     parser.add_argument("--scan", type=int, default=20000, help="entries for the in-process scan figures; 0: skip")
+    parser.add_argument("--scan-only", action="store_true", help="only the in-process scan figures")
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, gopherplug {gp.__version__}")
+    if args.scan_only:
+        scanning(args.scan, 5)
+        return
     for count in args.sizes:
         large_directory(count, args.additions)
     burst(args.burst)
