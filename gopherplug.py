@@ -102,6 +102,7 @@ __all__ = [
     "RPCError",
     "ResourceConfig",
     "ResourceStatus",
+    "Source",
     "StatusCode",
     "UsbDevice",
     "UsbSelector",
@@ -109,9 +110,11 @@ __all__ = [
     "call_unary",
     "cdi_version",
     "container_only_problem",
+    "examine_again",
     "find_usb_devices",
     "load_config",
     "main",
+    "merge_entries",
     "open_stream",
     "parse_config",
     "preferred_allocation_response",
@@ -806,7 +809,7 @@ def _parse_resource(entry: Any, source: str, where: str, dev_root: str = "/dev")
     )
     directories = [directory] if directory else [m.directory for m in match]
     in_dev = usb or any(_is_under(d, [dev_root]) for d in directories)
-    roots = (*directories, *allowed, *([dev_root] if in_dev else []))
+    roots = tuple(dict.fromkeys([*directories, *allowed, *([dev_root] if in_dev else [])]))
     device_specs = None
     if "device_specs" in data:
         device_specs = tuple(
@@ -3873,7 +3876,8 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     carry their own device_specs and mounts. Raises ConfigError like a configuration file would.
     """
     source = f"resource_config({name!r})"
-    unfit = sorted(options.keys() & {"directory", "pattern", "device_specs", "mounts", "allowed_host_paths", "cdi"})
+    about_entries = {"directory", "pattern", "match", "id_pattern", "usb", "device_specs", "mounts"}
+    unfit = sorted(options.keys() & {*about_entries, "allowed_host_paths", "cdi"})
     if unfit:
         raise ConfigError(source, unfit[0], "is about a directory's entries: give each DeviceEntry what it needs")
     # The directory is never scanned: serve_devices() takes the devices from the caller.

@@ -661,6 +661,15 @@ def test_example_config_is_valid():
     uncommented = gp.parse_config(text).resources[0]
     assert uncommented.cdi == gp.CDIConfig("example.com/gopher", "/var/run/cdi")
     assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
+    # match, id_pattern and usb, each in place of directory and pattern.
+    sources = text.replace("    directory: /etc/gophers\n", "").replace('    pattern: "*"\n', "")
+    sources = sources.replace("allowed_host_paths: [/dev]", "allowed_host_paths: [/dev, /etc/gophers]")
+    for key in ("match:", "  - {directory: /dev, pattern:", "id_pattern:", "usb:", "  - {vendor:"):
+        sources = sources.replace(f"    # {key}", f"    {key}")
+    uncommented = gp.parse_config(sources).resources[0]
+    assert uncommented.sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
+    assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
+    assert uncommented.usb == (gp.UsbSelector("1050", "0407"),)
 
 
 def resources(**fields):
