@@ -1379,30 +1379,22 @@ def _host_paths(
     fields = {"id": device_id, "path": path, "name": os.path.basename(path), "target": os.path.realpath(path)}
     # The filled-in values go into a template again: their braces must stay text.
     literal = {key: value.replace("{", "{{").replace("}", "}}") for key, value in fields.items()}
+
+    def fill(host_path: str, container_path: str) -> tuple[str, str]:
+        return os.path.realpath(host_path.format(**fields)), container_path.format(**literal, index="{index}")
+
     specs: tuple[DeviceSpecTemplate, ...]
     if resource.device_specs is None:
         specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw"),) if is_node else ()
     else:
         specs = tuple(
-            DeviceSpecTemplate(
-                os.path.realpath(spec.host_path.format(**fields)),
-                spec.container_path.format(**literal, index="{index}"),
-                spec.permissions,
-            )
-            for spec in resource.device_specs
+            DeviceSpecTemplate(*fill(s.host_path, s.container_path), s.permissions) for s in resource.device_specs
         )
     mounts: tuple[MountTemplate, ...]
     if default_mount:
         mounts = (MountTemplate(fields["target"], literal["path"], True),)
     else:
-        mounts = tuple(
-            MountTemplate(
-                os.path.realpath(mount.host_path.format(**fields)),
-                mount.container_path.format(**literal, index="{index}"),
-                mount.read_only,
-            )
-            for mount in resource.mounts
-        )
+        mounts = tuple(MountTemplate(*fill(m.host_path, m.container_path), m.read_only) for m in resource.mounts)
     return specs, mounts
 
 

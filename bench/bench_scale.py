@@ -203,41 +203,38 @@ def scanning(count, runs):
         for i in range(count):
             Path(targets, f"t{i}").touch()
             os.symlink(os.path.join(targets, f"t{i}"), os.path.join(links, f"l{i}"))
-        for name, directory in (("files", plain), ("symlinks", links)):
-            text = f"resources: [{{name: {RESOURCE}, directory: {directory}, allowed_host_paths: [{targets}]}}]"
-            resource = gp.parse_config(text).resources[0]
-            times = []
-            for _ in range(runs):
-                start = time.perf_counter()
-                scan = gp.scan_directory(resource)
-                times.append(time.perf_counter() - start)
-            assert len(scan.devices) == count
-            print(f"scan of {count} {name} (median of {runs}): {ms(statistics.median(times))}")
-        # The same files, as devices of two members each ("g12" and "g12.b" are device 12), and in
-        # two directories named by two match sources.
+        # The same count of files as devices of two members each ("g12" and "g12.b" are device 12),
+        # and in two directories named by two match sources.
         pairs, halves = (os.path.join(root, name) for name in ("pairs", "halves"))
         os.mkdir(pairs)
         for i in range(count // 2):
             Path(pairs, f"g{i}").touch()
             Path(pairs, f"g{i}.b").touch()
-        os.mkdir(halves)
-        os.mkdir(os.path.join(halves, "a"))
-        os.mkdir(os.path.join(halves, "b"))
-        make_entries(os.path.join(halves, "a"), count // 2, prefix="a")
-        make_entries(os.path.join(halves, "b"), count // 2, prefix="b")
-        configs = (
-            (f"{count} files, 2 per device by id_pattern", f"directory: {pairs}, id_pattern: 'g(?P<id>[0-9]+)(.b)?'"),
-            (f"{count} files in 2 match sources", f"match: [{{directory: {halves}/a}}, {{directory: {halves}/b}}]"),
+        for half in ("a", "b"):
+            os.makedirs(os.path.join(halves, half))
+            make_entries(os.path.join(halves, half), count // 2, prefix=half)
+        cases = (  # (what, the resource's keys, devices found)
+            (f"{count} files", f"directory: {plain}", count),
+            (f"{count} symlinks", f"directory: {links}, allowed_host_paths: [{targets}]", count),
+            (
+                f"{count} files, 2 per device by id_pattern",
+                f"directory: {pairs}, id_pattern: 'g(?P<id>[0-9]+)(.b)?'",
+                count // 2,
+            ),
+            (
+                f"{count} files in 2 match sources",
+                f"match: [{{directory: {halves}/a}}, {{directory: {halves}/b}}]",
+                count,
+            ),
         )
-        for name, keys in configs:
-            text = f"resources: [{{name: {RESOURCE}, {keys}}}]"
-            resource = gp.parse_config(text).resources[0]
+        for name, keys, devices in cases:
+            resource = gp.parse_config(f"resources: [{{name: {RESOURCE}, {keys}}}]").resources[0]
             times = []
             for _ in range(runs):
                 start = time.perf_counter()
                 scan = gp.scan_directory(resource)
                 times.append(time.perf_counter() - start)
-            assert len(scan.devices) == (count // 2 if "id_pattern" in keys else count), len(scan.devices)
+            assert len(scan.devices) == devices, len(scan.devices)
             print(f"scan of {name} (median of {runs}): {ms(statistics.median(times))}")
 
         make_entries(links, count, prefix="f")  # files arriving next to the symlinks
