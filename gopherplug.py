@@ -3109,18 +3109,12 @@ class _SourceTracker:
         if scan.problem and scan.problem != self.problem:
             _log(self.resource).warning("%s: no devices until it can", scan.problem)
         self.problem = scan.problem
-        skipped = dict(scan.skipped)
-        for name in set(self.warned) - set(skipped):
-            del self.warned[name]  # warn again about a name only if it comes back
-        for name, why in skipped.items():
-            self._skipped(name, why)
+        _warn_skipped_now(self.resource, self.warned, scan.skipped)
         before, self.found = self.found, {_entry_name(entry): entry for entry in scan.devices}
         self.pointing, self.under = {}, {}
         for name, entry in self.found.items():
             self._index(name, (), entry.followed)
-        changes: dict[_Key, DeviceEntry | None] = {(self.number, name): None for name in before}
-        changes.update({(self.number, name): entry for name, entry in self.found.items()})
-        return changes
+        return _replaced(self.number, before, self.found)
 
     def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
         """Look again at these entries only, and at the symlinks that lead through them or through
@@ -3184,6 +3178,25 @@ def _entry_name(entry: DeviceEntry) -> str:
     return os.path.basename(entry.path)
 
 
+def _replaced(
+    number: int, before: Mapping[str, DeviceEntry], now: Mapping[str, DeviceEntry]
+) -> dict[_Key, DeviceEntry | None]:
+    """The changes, by key, that replace a source's entries ``before`` with those found ``now``."""
+    changes: dict[_Key, DeviceEntry | None] = {(number, name): None for name in before}
+    changes.update({(number, name): entry for name, entry in now.items()})
+    return changes
+
+
+def _warn_skipped_now(resource: ResourceConfig, warned: dict[str, str], skipped: Iterable[tuple[str, str]]) -> None:
+    """After a rescan: warn about what is skipped now, and forget what no longer is (a name
+    that comes back is warned about again)."""
+    now = dict(skipped)
+    for name in set(warned) - set(now):
+        del warned[name]
+    for name, why in now.items():
+        _warn_skipped(resource, warned, name, why)
+
+
 def _warn_skipped(resource: ResourceConfig, warned: dict[str, str], name: str, why: str | None) -> None:
     """Warn that an entry is skipped: once per name and reason."""
     if why is None:
@@ -3223,17 +3236,12 @@ class _UsbTracker:
             directories = [os.path.join(self.dev_root, "bus"), buses, *numbered, os.path.join(self.dev_root, "input")]
             if not self.watch.watch_also(directories):
                 break  # no newly watched directory: nothing made there went unseen
-        skipped = dict(scan.skipped)
-        for name in set(self.warned) - set(skipped):
-            del self.warned[name]
-        for name, why in skipped.items():
-            _warn_skipped(self.resource, self.warned, name, why)
+        _warn_skipped_now(self.resource, self.warned, scan.skipped)
         before, self.found = self.found, {entry.path: entry for entry in scan.devices}
-        changes: dict[_Key, DeviceEntry | None] = {(self.number, path): None for path in before}
-        changes.update({(self.number, path): entry for path, entry in self.found.items()})
-        return changes
+        return _replaced(self.number, before, self.found)
 
     def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
+        """Whatever the event was about: sysfs is read again (it tells which nodes are whose)."""
         return self.rescan()
 
 
