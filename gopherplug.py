@@ -8,14 +8,18 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table
-                               (and gopherplug's own status service, which the kubelet never calls)
+                               (and gopherplug's own status service, which the kubelet never calls);
+                               DRA's pluginregistration and DRAPlugin messages the same way
   2. Errors                    one base class; config errors name the file and the key
   3. Model                     frozen dataclasses: Config, ResourceConfig, DeviceEntry
-  4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses
+  4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses;
+                               devices -> ResourceSlices; a ResourceClaim -> its prepared devices
   5. purerpc on unix sockets   the fenced glue that makes purerpc serve and call like grpc-go
-  6. I/O edges                 the config file, inotify watches, the DevicePlugin service, Register
+  6. I/O edges                 the config file, inotify watches, the DevicePlugin service, Register;
+                               DRA: the registration socket, DRAPlugin, the checkpoint, the API server
   7. Orchestration             serve_plugin: the nursery tree, kubelet restarts, configuration reloads
-  8. A kubelet simulator       the kubelet's device manager in miniature, for tests; probe and demo
+  8. A kubelet simulator       the kubelet's device manager in miniature, for tests; probe and demo;
+                               its DRA side and an API server in miniature
   9. Command line              main(argv) -> exit code; signals
 
 Quick start:
@@ -56,6 +60,7 @@ import sys
 import tempfile
 import time
 import types
+import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -84,6 +89,7 @@ __version__ = "0.1.0"
 __all__ = [
     "API_VERSION",
     "DEFAULT_DEVICE_PLUGIN_DIR",
+    "DRA_METHODS",
     "FILE_DESCRIPTOR",
     "GET_STATUS",
     "HEALTHY",
@@ -91,12 +97,20 @@ __all__ = [
     "METHODS",
     "REGISTER",
     "UNHEALTHY",
+    "ApiError",
+    "ApiServerSimulator",
+    "ClaimCheckpoint",
+    "ClaimError",
     "Config",
     "ConfigError",
     "DeviceEntry",
     "DeviceSpecTemplate",
+    "DraConfig",
+    "DraKubeletSimulator",
+    "DraResources",
     "GRPCServer",
     "GopherplugError",
+    "KubeApi",
     "KubeletSimulator",
     "Method",
     "RPCError",
@@ -110,6 +124,9 @@ __all__ = [
     "call_unary",
     "cdi_version",
     "container_only_problem",
+    "dra_device_name",
+    "dra_pool_name",
+    "drapb",
     "examine_again",
     "find_usb_devices",
     "load_config",
@@ -117,8 +134,12 @@ __all__ = [
     "merge_entries",
     "open_stream",
     "parse_config",
+    "pluginregistration",
     "preferred_allocation_response",
+    "prepared_devices",
+    "resource_slices",
     "scan_directory",
+    "serve_dra",
     "serve_grpc",
     "serve_plugin",
     "v1beta1",
@@ -252,8 +273,8 @@ def _json_name(field_name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
-def _add_field(message: Any, name: str, number: int, type_: str) -> None:
-    """Append one field, described as in _MESSAGES, to a DescriptorProto."""
+def _add_field(message: Any, name: str, number: int, type_: str, package: str = API_VERSION) -> None:
+    """Append one field, described as in _MESSAGES, to a DescriptorProto of ``package``."""
     fdp = descriptor_pb2.FieldDescriptorProto
     field = message.field.add(name=name, number=number, json_name=_json_name(name))
     field.label = fdp.LABEL_OPTIONAL
@@ -262,12 +283,12 @@ def _add_field(message: Any, name: str, number: int, type_: str) -> None:
         # map_entry option: that is what protoc generates, and what the wire carries.
         key_type, value_type = (part.strip() for part in type_[4:-1].split(","))
         entry = message.nested_type.add(name=_json_name(name)[:1].upper() + _json_name(name)[1:] + "Entry")
-        _add_field(entry, "key", 1, key_type)
-        _add_field(entry, "value", 2, value_type)
+        _add_field(entry, "key", 1, key_type, package)
+        _add_field(entry, "value", 2, value_type, package)
         entry.options.map_entry = True
         field.label = fdp.LABEL_REPEATED
         field.type = fdp.TYPE_MESSAGE
-        field.type_name = f".{API_VERSION}.{message.name}.{entry.name}"
+        field.type_name = f".{package}.{message.name}.{entry.name}"
         return
     if type_.startswith("repeated "):
         field.label = fdp.LABEL_REPEATED
@@ -276,23 +297,28 @@ def _add_field(message: Any, name: str, number: int, type_: str) -> None:
         field.type = _SCALARS[type_]
     else:
         field.type = fdp.TYPE_MESSAGE
-        field.type_name = f".{API_VERSION}.{type_}"
+        field.type_name = f".{package}.{type_}"
 
 
-def _file_descriptor() -> descriptor_pb2.FileDescriptorProto:
-    """Build gopherplug.proto's descriptor from the tables above, as protoc would."""
-    file = descriptor_pb2.FileDescriptorProto(name="gopherplug.proto", package=API_VERSION, syntax="proto3")
-    for message_name, fields in _MESSAGES.items():
+def _file_descriptor(
+    name: str = "gopherplug.proto",
+    package: str = API_VERSION,
+    messages: Mapping[str, tuple[tuple[str, int, str], ...]] = _MESSAGES,
+    services: Mapping[str, tuple[tuple[str, str, str, bool], ...]] = _SERVICES,
+) -> descriptor_pb2.FileDescriptorProto:
+    """Build a .proto file's descriptor from tables like the ones above, as protoc would."""
+    file = descriptor_pb2.FileDescriptorProto(name=name, package=package, syntax="proto3")
+    for message_name, fields in messages.items():
         message = file.message_type.add(name=message_name)
         for field_name, number, type_ in fields:
-            _add_field(message, field_name, number, type_)
-    for service_name, methods in _SERVICES.items():
+            _add_field(message, field_name, number, type_, package)
+    for service_name, methods in services.items():
         service = file.service.add(name=service_name)
         for method_name, request, response, server_streaming in methods:
             method = service.method.add(
                 name=method_name,
-                input_type=f".{API_VERSION}.{request}",
-                output_type=f".{API_VERSION}.{response}",
+                input_type=f".{package}.{request}",
+                output_type=f".{package}.{response}",
             )
             method.options.SetInParent()  # protoc writes an empty MethodOptions for an `{}` body
             if server_streaming:
@@ -309,8 +335,8 @@ _POOL = descriptor_pool.DescriptorPool()
 _POOL.Add(FILE_DESCRIPTOR)
 
 
-def _message_class(name: str) -> Any:
-    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{API_VERSION}.{name}"))
+def _message_class(name: str, package: str = API_VERSION) -> Any:
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{package}.{name}"))
 
 
 class v1beta1:  # noqa: N801 - named after the protobuf package, as the kubelet's Go code imports it
@@ -399,6 +425,140 @@ _POOL.Add(_status_file_descriptor())
 #: gopherplug's status message, and the one call of its status service.
 ResourceStatus = message_factory.GetMessageClass(_POOL.FindMessageTypeByName("gopherplug.ResourceStatus"))
 GET_STATUS = Method("gopherplug.Status", "Get", v1beta1.Empty, ResourceStatus, False)
+
+# Dynamic Resource Allocation (DRA) speaks two more APIs with the kubelet, both gRPC on unix sockets
+# the plugin serves, neither through kubelet.sock:
+#
+# - pluginregistration (k8s.io/kubelet/pkg/apis/pluginregistration/v1, proto package
+#   "pluginregistration"): the kubelet's plugin watcher finds a socket in <kubelet root>/plugins_registry,
+#   calls GetInfo on it, and learns the plugin's type, name and the endpoint it really serves on;
+#   then it reports back with NotifyRegistrationStatus. pluginregistration.proto in this repository.
+# - DRAPlugin (k8s.io/kubelet/pkg/apis/dra/v1, proto package "k8s.io.kubelet.pkg.apis.dra.v1"; the
+#   same messages in ".v1beta1" for 1.32 and 1.33 kubelets): NodePrepareResources before a pod's
+#   containers start, NodeUnprepareResources after they are gone. dra.proto in this repository.
+#
+# The version names a plugin lists in PluginInfo.supported_versions are not gRPC paths: "v1.DRAPlugin"
+# (DRAPluginService in dra/v1/types.go) stands for the service at /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/.
+
+#: PluginInfo.type of a DRA driver (DRAPlugin in k8s.io/kubelet/pkg/apis/pluginregistration/v1/constants.go).
+DRA_PLUGIN_TYPE = "DRAPlugin"
+
+_REGISTRATION_PACKAGE = "pluginregistration"
+_REGISTRATION_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
+    "PluginInfo": (
+        ("type", 1, "string"),
+        ("name", 2, "string"),
+        ("endpoint", 3, "string"),
+        ("supported_versions", 4, "repeated string"),
+    ),
+    "RegistrationStatus": (
+        ("plugin_registered", 1, "bool"),
+        ("error", 2, "string"),
+    ),
+    "RegistrationStatusResponse": (),
+    "InfoRequest": (),
+}
+_REGISTRATION_SERVICES = {
+    "Registration": (
+        ("GetInfo", "InfoRequest", "PluginInfo", False),
+        ("NotifyRegistrationStatus", "RegistrationStatus", "RegistrationStatusResponse", False),
+    ),
+}
+
+_DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
+    "NodePrepareResourcesRequest": (("claims", 1, "repeated Claim"),),
+    "NodePrepareResourcesResponse": (("claims", 1, "map<string, NodePrepareResourceResponse>"),),
+    "NodePrepareResourceResponse": (
+        ("devices", 1, "repeated Device"),
+        ("error", 2, "string"),
+    ),
+    "Device": (
+        ("request_names", 1, "repeated string"),
+        ("pool_name", 2, "string"),
+        ("device_name", 3, "string"),
+        ("cdi_device_ids", 4, "repeated string"),
+    ),
+    "NodeUnprepareResourcesRequest": (("claims", 1, "repeated Claim"),),
+    "NodeUnprepareResourcesResponse": (("claims", 1, "map<string, NodeUnprepareResourceResponse>"),),
+    "NodeUnprepareResourceResponse": (("error", 1, "string"),),
+    "Claim": (
+        ("namespace", 1, "string"),
+        ("uid", 2, "string"),
+        ("name", 3, "string"),
+    ),
+}
+_DRA_SERVICES = {
+    "DRAPlugin": (
+        ("NodePrepareResources", "NodePrepareResourcesRequest", "NodePrepareResourcesResponse", False),
+        ("NodeUnprepareResources", "NodeUnprepareResourcesRequest", "NodeUnprepareResourcesResponse", False),
+    ),
+}
+
+#: The DRA API versions gopherplug serves, newest first: (name in supported_versions, proto package).
+DRA_VERSIONS = (
+    ("v1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1"),
+    ("v1beta1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1beta1"),
+)
+
+#: pluginregistration.proto and dra.proto (v1, then v1beta1) as protoc makes them.
+REGISTRATION_FILE_DESCRIPTOR = _file_descriptor(
+    "pluginregistration.proto", _REGISTRATION_PACKAGE, _REGISTRATION_MESSAGES, _REGISTRATION_SERVICES
+)
+DRA_FILE_DESCRIPTORS = tuple(
+    _file_descriptor(
+        "dra.proto" if i == 0 else f"dra_{package.rpartition('.')[2]}.proto", package, _DRA_MESSAGES, _DRA_SERVICES
+    )
+    for i, (_, package) in enumerate(DRA_VERSIONS)
+)
+for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS):
+    _POOL.Add(_file)
+
+
+class pluginregistration:  # noqa: N801 - named after the protobuf package
+    """The plugin watcher's messages, e.g. ``pluginregistration.PluginInfo(type="DRAPlugin", ...)``."""
+
+    PluginInfo = _message_class("PluginInfo", _REGISTRATION_PACKAGE)
+    RegistrationStatus = _message_class("RegistrationStatus", _REGISTRATION_PACKAGE)
+    RegistrationStatusResponse = _message_class("RegistrationStatusResponse", _REGISTRATION_PACKAGE)
+    InfoRequest = _message_class("InfoRequest", _REGISTRATION_PACKAGE)
+
+
+class drapb:  # noqa: N801 - named as the kubelet's Go code imports k8s.io/kubelet/pkg/apis/dra/v1
+    """The DRAPlugin messages of dra/v1 (v1beta1's are the same on the wire), e.g.
+    ``drapb.NodePrepareResourcesResponse(claims={uid: ...})``."""
+
+    _package = DRA_VERSIONS[0][1]
+    NodePrepareResourcesRequest = _message_class("NodePrepareResourcesRequest", _package)
+    NodePrepareResourcesResponse = _message_class("NodePrepareResourcesResponse", _package)
+    NodePrepareResourceResponse = _message_class("NodePrepareResourceResponse", _package)
+    Device = _message_class("Device", _package)
+    NodeUnprepareResourcesRequest = _message_class("NodeUnprepareResourcesRequest", _package)
+    NodeUnprepareResourcesResponse = _message_class("NodeUnprepareResourcesResponse", _package)
+    NodeUnprepareResourceResponse = _message_class("NodeUnprepareResourceResponse", _package)
+    Claim = _message_class("Claim", _package)
+
+
+def _methods(package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]]) -> dict[str, Method]:
+    """Each RPC of ``services`` by its path, with the message classes of DRA v1 for either version:
+    the kubelet's v1beta1 messages are the same on the wire, only its service path differs."""
+    messages = _REGISTRATION_PACKAGE if package == _REGISTRATION_PACKAGE else DRA_VERSIONS[0][1]
+    return {
+        method.path: method
+        for service_name, methods in services.items()
+        for method in (
+            Method(f"{package}.{service_name}", name, _message_class(req, messages), _message_class(resp, messages), s)
+            for name, req, resp, s in methods
+        )
+    }
+
+
+#: The RPCs of the plugin watcher (the plugin serves them) and of DRAPlugin in each version.
+DRA_METHODS: dict[str, Method] = {
+    **_methods(_REGISTRATION_PACKAGE, _REGISTRATION_SERVICES),
+    **{path: m for _, package in DRA_VERSIONS for path, m in _methods(package, _DRA_SERVICES).items()},
+}
+GET_INFO = "/pluginregistration.Registration/GetInfo"
+NOTIFY_REGISTRATION_STATUS = "/pluginregistration.Registration/NotifyRegistrationStatus"
 
 
 ########################################################################################################
@@ -500,6 +660,43 @@ class CDIConfig:
         return os.path.join(self.spec_dir, self.kind.replace("/", "-") + ".json")
 
 
+#: Where the kubelet keeps its state unless started with --root-dir: plugins_registry/ and plugins/
+#: are in it (k3s and RKE2 use it too; microk8s: /var/snap/microk8s/common/var/lib/kubelet).
+DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    """``dra``: also be a Dynamic Resource Allocation driver, for the resources whose ``api`` says so."""
+
+    driver: str  #: the driver's name, a DNS subdomain: ResourceSlices and DeviceClasses name it
+    kubelet_dir: str = DEFAULT_KUBELET_DIR  #: the kubelet's root directory
+
+    @property
+    def registration_socket(self) -> str:
+        """Where the kubelet's plugin watcher finds the driver: a socket in plugins_registry."""
+        return os.path.join(self.kubelet_dir, "plugins_registry", f"{self.driver}-reg.sock")
+
+    @property
+    def plugin_dir(self) -> str:
+        """The driver's own directory: the DRAPlugin socket and the checkpoint of prepared claims."""
+        return os.path.join(self.kubelet_dir, "plugins", self.driver)
+
+    @property
+    def endpoint(self) -> str:
+        """The socket serving DRAPlugin, as GetInfo tells the kubelet."""
+        return os.path.join(self.plugin_dir, "dra.sock")
+
+    @property
+    def checkpoint(self) -> str:
+        """The prepared claims, kept across restarts of the plugin."""
+        return os.path.join(self.plugin_dir, "checkpoint.json")
+
+
+#: A resource's ``api``: which of the kubelet's APIs offer its devices.
+APIS = ("device-plugin", "dra", "both")
+
+
 @dataclass(frozen=True)
 class Source:
     """One ``match`` entry: the entries of ``directory`` whose names fit ``pattern``."""
@@ -543,6 +740,17 @@ class ResourceConfig:
     match: tuple[Source, ...] = ()  #: the sources, when more than ``directory`` and ``pattern``
     id_pattern: re.Pattern[str] | None = None  #: its group "id", from the whole name, is the entry's ID
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
+    api: str = "device-plugin"  #: one of APIS: the device-plugin API, DRA, or both
+
+    @property
+    def device_plugin(self) -> bool:
+        """Whether the device-plugin API offers the devices (api device-plugin or both)."""
+        return self.api != "dra"
+
+    @property
+    def dra(self) -> bool:
+        """Whether ResourceSlices offer the devices to DRA (api dra or both)."""
+        return self.api != "device-plugin"
 
     @property
     def sources(self) -> tuple[Source, ...]:
@@ -583,6 +791,7 @@ class Config:
     source: str = "<config>"  #: the file it came from, for messages
     sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
     dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
+    dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra or both
 
 
 @dataclass(frozen=True)
@@ -726,7 +935,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
     top = _mapping(
-        data, source, "", {"device_plugin_dir", "resources", "sysfs_root", "dev_root"}, required={"resources"}
+        data, source, "", {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra"}, required={"resources"}
     )
     device_plugin_dir = None
     if "device_plugin_dir" in top:
@@ -735,12 +944,13 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             raise ConfigError(source, "device_plugin_dir", problem)
     sysfs_root = _absolute_path(top.get("sysfs_root", "/sys"), source, "sysfs_root")
     dev_root = _absolute_path(top.get("dev_root", "/dev"), source, "dev_root")
+    dra = _parse_dra(top["dra"], source, "dra") if "dra" in top else None
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
         raise ConfigError(source, "resources", "must be a non-empty list of resources")
     resources: list[ResourceConfig] = []
     for index, entry in enumerate(entries):
-        resource = _parse_resource(entry, source, f"resources[{index}]", dev_root)
+        resource = _parse_resource(entry, source, f"resources[{index}]", dev_root, dra)
         for earlier, other in enumerate(resources):
             if other.name == resource.name:
                 raise ConfigError(
@@ -752,8 +962,31 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                     f"resources[{earlier}]: give each resource its own kind"
                 )
                 raise ConfigError(source, f"resources[{index}].cdi.kind", problem)
+            if resource.dra and other.dra and dra_pool_suffix(resource.name) == dra_pool_suffix(other.name):
+                problem = f"{resource.name} would share a DRA pool name with {other.name} of resources[{earlier}]"
+                raise ConfigError(source, f"resources[{index}].name", problem)
         resources.append(resource)
-    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root)
+    if dra is not None and not any(resource.dra for resource in resources):
+        raise ConfigError(source, "dra", "no resource has api: dra or both, so the driver would offer nothing")
+    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra)
+
+
+def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
+    data = _mapping(data, source, where, {"driver", "kubelet_dir"}, {"driver"})
+    driver = _string(data["driver"], source, f"{where}.driver")
+    if not _DNS_SUBDOMAIN.fullmatch(driver) or len(driver) > MAX_DRIVER_NAME:
+        problem = f"{driver!r}: must be a lower-case DNS subdomain of at most {MAX_DRIVER_NAME} characters"
+        problem += ", e.g. gopherplug.example.com"
+        raise ConfigError(source, f"{where}.driver", problem)
+    config = DraConfig(
+        driver, _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir")
+    )
+    for path in (config.registration_socket, config.endpoint):
+        if len(path) > MAX_SOCKET_PATH:
+            problem = f"the socket {path} would pass the {MAX_SOCKET_PATH} bytes unix sockets allow: "
+            problem += "choose a shorter driver name"
+            raise ConfigError(source, where, problem)
+    return config
 
 
 _RESOURCE_KEYS = {
@@ -773,15 +1006,20 @@ _RESOURCE_KEYS = {
     "pre_start",
     "pre_start_timeout",
     "allowed_host_paths",
+    "api",
+    "allow_double_booking",
 }
 MAX_REPLICAS = 1000
 
 
-def _parse_resource(entry: Any, source: str, where: str, dev_root: str = "/dev") -> ResourceConfig:
+def _parse_resource(
+    entry: Any, source: str, where: str, dev_root: str = "/dev", dra: DraConfig | None = None
+) -> ResourceConfig:
     data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
         raise ConfigError(source, f"{where}.name", f"{name!r}: {problem}")
+    api = _parse_api(data, source, where, dra)
     directory, pattern, match = _parse_sources(data, source, where)
     usb = tuple(
         _parse_usb(selector, source, f"{where}.usb[{i}]")
@@ -830,6 +1068,10 @@ def _parse_resource(entry: Any, source: str, where: str, dev_root: str = "/dev")
     cdi = None
     if "cdi" in data:
         cdi = _parse_cdi(data["cdi"], source, f"{where}.cdi")
+    elif api != "device-plugin":
+        assert dra is not None
+        cdi = _parse_cdi({"kind": f"{dra.driver}/{name.partition('/')[2]}"}, source, f"{where}.cdi")
+    if cdi is not None:
         # The CDI spec sets <env>_<ID> per device: "LD" and a device "preload" would be LD_PRELOAD.
         prefix = env + "_"
         if prefix == "LD_" or any(name.startswith(prefix) for name in _LOADER_ENV | _SHELL_ENV):
@@ -852,6 +1094,14 @@ def _parse_resource(entry: Any, source: str, where: str, dev_root: str = "/dev")
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < KUBELET_PRE_START_TIMEOUT:
         problem = f"{timeout!r}: must be a number of seconds, more than 0 and less than the kubelet's 30"
         raise ConfigError(source, f"{where}.pre_start_timeout", problem)
+    if api == "dra":
+        # What the device-plugin API alone has: refused, so that nothing given is silently unused.
+        only = [
+            key for key in ("replicas", "preferred", "annotations", "pre_start", "pre_start_timeout") if key in data
+        ]
+        if only:
+            problem = f"is for the device-plugin API, and this resource has api: dra ({_DRA_INSTEAD[only[0]]})"
+            raise ConfigError(source, f"{where}.{only[0]}", problem)
     return ResourceConfig(
         name,
         directory,
@@ -869,7 +1119,46 @@ def _parse_resource(entry: Any, source: str, where: str, dev_root: str = "/dev")
         match,
         id_pattern,
         usb,
+        api,
     )
+
+
+# What DRA has instead of the device-plugin options it refuses.
+_DRA_INSTEAD = {
+    "replicas": "pods share a device by sharing one ResourceClaim",
+    "preferred": "the scheduler chooses devices, by the claim's selectors",
+    "annotations": "devices reach containers only as CDI devices",
+    "pre_start": "NodePrepareResources runs before a pod's containers; gopherplug runs no command there",
+    "pre_start_timeout": "there is no pre_start",
+}
+
+#: The longest DRA driver name the API server accepts in a ResourceSlice (a DNS subdomain of at most 63).
+MAX_DRIVER_NAME = 63
+
+
+def _parse_api(data: dict[str, Any], source: str, where: str, dra: DraConfig | None) -> str:
+    """``api``, with ``allow_double_booking``: which APIs offer the devices."""
+    api = data.get("api", "device-plugin")
+    if api not in APIS:
+        raise ConfigError(source, f"{where}.api", f"{api!r}: must be one of {', '.join(APIS)}")
+    if api != "device-plugin" and dra is None:
+        problem = f"{api} needs the DRA driver: add dra: {{driver: <name>}} at the top of the file"
+        raise ConfigError(source, f"{where}.api", problem)
+    allowed = data.get("allow_double_booking", False)
+    if not isinstance(allowed, bool):
+        raise ConfigError(source, f"{where}.allow_double_booking", f"{allowed!r}: must be true or false")
+    if api == "both" and not allowed:
+        problem = (
+            "both offers every device twice, to the device-plugin API and to DRA, and neither knows what the other "
+            "gave: one device can go to two pods at once. Add allow_double_booking: true if that is what you want"
+        )
+        raise ConfigError(source, f"{where}.api", problem)
+    if allowed and api != "both":
+        raise ConfigError(source, f"{where}.allow_double_booking", "is only for api: both")
+    if api != "device-plugin" and len(data["name"]) > DRA_ATTRIBUTE_MAX_LENGTH:
+        problem = f"with api: {api}, the name is a device attribute: at most {DRA_ATTRIBUTE_MAX_LENGTH} characters"
+        raise ConfigError(source, f"{where}.name", problem)
+    return str(api)
 
 
 def _parse_sources(data: dict[str, Any], source: str, where: str) -> tuple[str, str, tuple[Source, ...]]:
@@ -1867,6 +2156,158 @@ def cdi_version(spec: Mapping[str, Any]) -> str:
     return "0.3.0"
 
 
+# DRA: the same devices as ResourceSlices, and claims answered from them.
+#
+# The scheduler, not the kubelet, picks devices under DRA. It reads ResourceSlices (resource.k8s.io/v1)
+# from the API server: each names a driver, a node and a pool, and lists devices with attributes that
+# DeviceClasses and claims select by CEL. gopherplug gives each DRA resource a pool of its own on each
+# node ("<node>/<resource name>"), so that one resource's changes never touch another's slices.
+
+#: Limits of resource.k8s.io/v1 (k8s.io/api/resource/v1 types.go): devices in one ResourceSlice
+#: (ResourceSliceMaxDevices), characters of a string attribute (DeviceAttributeMaxValueLength).
+DRA_MAX_DEVICES_PER_SLICE = 128
+DRA_ATTRIBUTE_MAX_LENGTH = 64
+_DNS_LABEL_LENGTH = 63
+
+
+def _digest(text: str, length: int = 8) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def _dns_subdomain(text: str) -> str:
+    """``text`` made a DNS subdomain: lower case, other characters "-", labels trimmed of "-"."""
+    labels = re.sub(r"[^a-z0-9.-]", "-", text.lower()).split(".")
+    return ".".join(label.strip("-") for label in labels if label.strip("-"))
+
+
+def dra_pool_suffix(resource_name: str) -> str:
+    """What a resource's pool names end with: its name as DNS subdomains ("example.com/my_dev" ->
+    "example.com/my-dev"); pool names are DNS subdomains joined by "/" (validatePoolName in
+    kubernetes/kubernetes pkg/apis/resource/validation/validation.go)."""
+    return "/".join(_dns_subdomain(part) or _digest(part) for part in resource_name.split("/"))
+
+
+def dra_pool_name(node_name: str, resource_name: str) -> str:
+    """The pool of one resource's devices on one node: "node-1/example.com/serial"."""
+    return f"{node_name}/{dra_pool_suffix(resource_name)}"
+
+
+def dra_device_name(device_id: str) -> str:
+    """A device's name in its ResourceSlice: a DNS label (validateDeviceName), so lower case letters,
+    digits and "-". An ID that is one already is its own name; any other gets a digest of itself
+    appended, so that "ttyUSB0" and "ttyusb0" stay two devices: "ttyusb0-" + 8 hex digits."""
+    if re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", device_id) and len(device_id) <= _DNS_LABEL_LENGTH:
+        return device_id
+    readable = re.sub(r"[^a-z0-9]+", "-", device_id.lower()).strip("-")[: _DNS_LABEL_LENGTH - 9].strip("-")
+    return f"{readable}-{_digest(device_id)}" if readable else _digest(device_id, 16)
+
+
+def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
+    """One device of a ResourceSlice. Its attributes, under the driver's domain (a name without
+    one is in it), are what DeviceClasses and claims select by: ``resource`` (the resource's name),
+    ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
+    device-plugin API's health), and ``numaNode`` when the device node has one."""
+    attributes: dict[str, Any] = {
+        "resource": {"string": resource.name},
+        "id": {"string": device.id},
+        "healthy": {"bool": device.health == HEALTHY},
+    }
+    if device.numa_node is not None:
+        attributes["numaNode"] = {"int": device.numa_node}
+    return {"name": dra_device_name(device.id), "attributes": attributes}
+
+
+def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) -> str:
+    """The name of a pool's index-th ResourceSlice: fixed, so that a restarted plugin finds and
+    updates its slices instead of leaving old ones behind. A DNS subdomain of at most 253."""
+    base = _dns_subdomain(f"{node_name}-{driver}-{dra_pool_suffix(resource_name).replace('/', '-')}")
+    if len(base) > 240:
+        base = f"{base[:200].strip('.-')}-{_digest(base, 16)}"
+    return f"{base}-{index}"
+
+
+def resource_slices(
+    driver: str, node_name: str, resource: ResourceConfig, devices: Mapping[str, DeviceEntry], generation: int
+) -> list[dict[str, Any]]:
+    """The ResourceSlices of one resource's pool on one node, as the API server takes them.
+
+    At most DRA_MAX_DEVICES_PER_SLICE devices each; every slice of the pool carries the pool's
+    generation and how many slices it has, so that the scheduler uses a pool only once it has seen
+    all of one generation. A pool with no devices is one empty slice: the pool is there, and empty.
+    """
+    listed = [dra_device(resource, device) for device in devices.values()]
+    chunks = [listed[i : i + DRA_MAX_DEVICES_PER_SLICE] for i in range(0, len(listed), DRA_MAX_DEVICES_PER_SLICE)]
+    chunks = chunks or [[]]
+    pool = {
+        "name": dra_pool_name(node_name, resource.name),
+        "generation": generation,
+        "resourceSliceCount": len(chunks),
+    }
+    return [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": dra_slice_name(node_name, driver, resource.name, index)},
+            "spec": {"driver": driver, "nodeName": node_name, "pool": dict(pool), "devices": chunk},
+        }
+        for index, chunk in enumerate(chunks)
+    ]
+
+
+class ClaimError(GopherplugError):
+    """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
+
+
+def prepared_devices(
+    claim: Mapping[str, Any],
+    uid: str,
+    driver: str,
+    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
+) -> list[Any]:
+    """The devices a ResourceClaim (as the API server returns it) was allocated from this driver's
+    ``pools`` (pool name -> its resource and devices), as NodePrepareResources answers them.
+
+    The allocation is in status.allocation.devices.results: one result per device, naming its
+    request, driver, pool and device. Results of other drivers are theirs to prepare. Raises
+    ClaimError when the claim is another than the kubelet meant (its UID differs: deleted and made
+    again under the same name), is not allocated, was allocated on another node, or a device is
+    gone or unhealthy now.
+    """
+    metadata = claim.get("metadata") or {}
+    name = f"{metadata.get('namespace')}/{metadata.get('name')}"
+    if metadata.get("uid") != uid:
+        raise ClaimError(f"ResourceClaim {name} has UID {metadata.get('uid')}, not {uid}: it was replaced")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        raise ClaimError(f"ResourceClaim {name} is not allocated")
+    results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == driver]
+    if not results:
+        raise ClaimError(f"ResourceClaim {name} has no device of driver {driver}")
+    answer = []
+    for result in results:
+        pool, device_name = result.get("pool", ""), result.get("device", "")
+        if pool not in pools:
+            raise ClaimError(f"ResourceClaim {name}: device {device_name} is from pool {pool}, not one of this node's")
+        resource, devices = pools[pool]
+        device = next((d for d in devices.values() if dra_device_name(d.id) == device_name), None)
+        if device is None:
+            raise ClaimError(f"ResourceClaim {name}: device {device_name} of pool {pool} is not there any more")
+        if device.health != HEALTHY:
+            raise ClaimError(
+                f"ResourceClaim {name}: device {device.id} of {resource.name} is unhealthy: {device.problem}"
+            )
+        assert resource.cdi is not None  # parse_config gives every DRA resource one
+        answer.append(
+            drapb.Device(
+                request_names=[result.get("request", "")],
+                pool_name=pool,
+                device_name=device_name,
+                cdi_device_ids=[f"{resource.cdi.kind}={device.id}"],
+            )
+        )
+    return answer
+
+
 ########################################################################################################
 # 5. purerpc on unix sockets
 #
@@ -1931,9 +2372,8 @@ class Watched:
         return self._changed
 
 
-async def _any_touched(*watched: Watched) -> None:
-    """Return at the next set() or touch() of any of them."""
-    events = [one.next_touch() for one in watched]  # before any task switch: no touch is missed
+async def _any_event(events: list[trio.Event], then: trio.Event) -> None:
+    """Set ``then`` as soon as any of ``events`` is set."""
     async with trio.open_nursery() as nursery:
         for event in events:
 
@@ -1942,6 +2382,13 @@ async def _any_touched(*watched: Watched) -> None:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(wait)
+    then.set()
+
+
+async def _any_touched(*watched: Watched) -> None:
+    """Return at the next set() or touch() of any of them."""
+    events = [one.next_touch() for one in watched]  # before any task switch: no touch is missed
+    await _any_event(events, trio.Event())
 
 
 #: How long a new connection may take to send the HTTP/2 preface and its SETTINGS.
@@ -3744,14 +4191,555 @@ async def register(
     return None
 
 
+# DRA, the node side. Three sockets' worth of protocol and one HTTP client:
+#
+#   <kubelet root>/plugins_registry/<driver>-reg.sock   Registration: GetInfo, NotifyRegistrationStatus
+#   <kubelet root>/plugins/<driver>/dra.sock            DRAPlugin v1 and v1beta1: prepare, unprepare
+#   the API server                                      ResourceSlices written, ResourceClaims read
+#
+# The kubelet's plugin watcher finds the registration socket by inotify on plugins_registry and, when
+# it starts, by walking that directory: unlike the device-plugin directory, nothing wipes it, so a
+# kubelet restart needs nothing of the plugin but its socket still being there. A socket deleted from
+# under us is served again; the watcher sees it created and registers it anew.
+
+
+#: The deadline of each API server request. The kubelet gives NodePrepareResources 45 s
+#: (PluginClientTimeout in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin): a claim the API server
+#: is slow to return gets its error well before, and the kubelet asks again.
+API_REQUEST_TIMEOUT = 10.0
+
+# After a failed API server request: retry after 0.1 s, doubling up to 10 s.
+_API_BACKOFF = (0.1, 10.0)
+
+
+class ApiError(GopherplugError):
+    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ClaimCheckpoint:
+    """The claims prepared on this node and what each was answered, in a JSON file.
+
+    The kubelet may call NodeUnprepareResources after this plugin restarted, and
+    NodePrepareResources again for a claim prepared before (it retries, and a second pod may share
+    the claim): both are answered from here. Written whole to a temporary file, flushed to disk,
+    then renamed over the old one, so a crash leaves the old file or the new one, never half of one.
+    """
+
+    VERSION = 1
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.claims: dict[str, dict[str, Any]] = {}  # claim UID -> {"namespace", "name", "devices"}
+        text = _read_text(path)
+        if text is None:
+            return
+        try:
+            data = json.loads(text)
+            if data.get("version") != self.VERSION or not isinstance(data.get("claims"), dict):
+                raise ValueError(f"not a version {self.VERSION} checkpoint")
+            self.claims = data["claims"]
+        except (ValueError, AttributeError) as error:
+            # Kept for a person to look at, not overwritten: the claims in it cannot be unprepared by us.
+            aside = f"{path}.unreadable"
+            os.replace(path, aside)
+            log.error("%s is unreadable (%s): moved to %s; starting with no prepared claims", path, error, aside)
+
+    def answer(self, uid: str) -> list[Any] | None:
+        """The devices a claim was prepared with, or None if it was not."""
+        if (claim := self.claims.get(uid)) is None:
+            return None
+        return [drapb.Device(**device) for device in claim["devices"]]
+
+    def add(self, claim: Any, devices: list[Any]) -> None:
+        fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
+        listed = [{field: _plain(getattr(device, field)) for field in fields} for device in devices]
+        self.claims[claim.uid] = {"namespace": claim.namespace, "name": claim.name, "devices": listed}
+        self.save()
+
+    def remove(self, uid: str) -> None:
+        if self.claims.pop(uid, None) is not None:
+            self.save()
+
+    def save(self) -> None:
+        directory = os.path.dirname(self.path)
+        try:
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as file:
+                    json.dump({"version": self.VERSION, "claims": self.claims}, file, indent=1, sort_keys=True)
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(temporary, self.path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
+                raise
+            directory_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(directory_fd)  # the rename itself reaches the disk
+            finally:
+                os.close(directory_fd)
+        except OSError as error:
+            raise GopherplugError(f"cannot write the checkpoint {self.path}: {_describe(error)}") from None
+
+
+def _plain(value: Any) -> Any:
+    """A protobuf field's value as JSON takes it (repeated fields are not lists)."""
+    return value if isinstance(value, str) else list(value)
+
+
+@dataclass
+class DraResources:
+    """The resources a DRA driver offers right now: name -> (its configuration, its devices).
+
+    serve_plugin keeps it current across configuration reloads, and touches ``changed`` when a
+    resource comes or goes; each resource's devices Watched is touched by its own watch.
+    """
+
+    driver: str
+    node_name: str
+    served: dict[str, tuple[ResourceConfig, Watched]] = dataclasses.field(default_factory=dict)
+    changed: Watched = dataclasses.field(default_factory=lambda: Watched(None))
+
+    def attach(self, resource: ResourceConfig, devices: Watched) -> None:
+        self.served[resource.name] = (resource, devices)
+        self.changed.touch()
+
+    def detach(self, name: str) -> None:
+        if self.served.pop(name, None) is not None:
+            self.changed.touch()
+
+    def pools(self) -> dict[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]:
+        """Pool name -> the resource and its devices now (none while a resource is being removed)."""
+        return {
+            dra_pool_name(self.node_name, resource.name): (resource, devices.value)
+            for resource, devices in self.served.values()
+            if devices.value is not RETIRED
+        }
+
+    async def wait_changed(self) -> None:
+        """Return when a resource comes or goes, or a resource's devices change."""
+        await _any_touched(self.changed, *(devices for _, devices in self.served.values()))
+
+
+@dataclass
+class RegistrationState:
+    """What the kubelet last said in NotifyRegistrationStatus (for logs and `gopherplug probe`)."""
+
+    registered: bool = False
+    error: str = ""
+    notified: Watched = dataclasses.field(default_factory=lambda: Watched(0))  #: counts the notifications
+
+
+def registration_service(config: DraConfig, state: RegistrationState) -> purerpc.Service:
+    """pluginregistration.Registration: who we are, and where DRAPlugin is served."""
+
+    async def get_info(request: Any) -> Any:
+        return pluginregistration.PluginInfo(
+            type=DRA_PLUGIN_TYPE,
+            name=config.driver,
+            endpoint=config.endpoint,
+            supported_versions=[version for version, _ in DRA_VERSIONS],
+        )
+
+    async def notify_registration_status(status: Any) -> Any:
+        state.registered, state.error = status.plugin_registered, status.error
+        if status.plugin_registered:
+            log.info("the kubelet registered DRA driver %s", config.driver)
+        else:
+            log.error("the kubelet refused DRA driver %s: %s", config.driver, status.error)
+        state.notified.set(state.notified.value + 1)
+        return pluginregistration.RegistrationStatusResponse()
+
+    service = purerpc.Service(f"{_REGISTRATION_PACKAGE}.Registration")
+    for name, handler in (("GetInfo", get_info), ("NotifyRegistrationStatus", notify_registration_status)):
+        service.add_method(name, handler, DRA_METHODS[f"/{_REGISTRATION_PACKAGE}.Registration/{name}"].signature)
+    return service
+
+
+def dra_plugin_services(resources: DraResources, claims: ClaimPreparer) -> list[purerpc.Service]:
+    """DRAPlugin, once per version the kubelet may speak: the same handlers, the same messages."""
+    services = []
+    for _, package in DRA_VERSIONS:
+        service = purerpc.Service(f"{package}.DRAPlugin")
+        for name, handler in (("NodePrepareResources", claims.prepare), ("NodeUnprepareResources", claims.unprepare)):
+            service.add_method(name, handler, DRA_METHODS[f"/{package}.DRAPlugin/{name}"].signature)
+        services.append(service)
+    return services
+
+
+class ClaimPreparer:
+    """NodePrepareResources and NodeUnprepareResources, against the API server and the checkpoint.
+
+    Each claim is answered on its own: one that fails gets its error in the answer, and the
+    kubelet asks again for it alone. A prepared claim is in the checkpoint before it is answered,
+    so that whatever the kubelet was told survives a restart of this plugin.
+    """
+
+    def __init__(self, resources: DraResources, checkpoint: ClaimCheckpoint, api: Any) -> None:
+        self.resources = resources
+        self.checkpoint = checkpoint
+        self.api = api
+        self.prepare_seconds: list[float] = []  # for the benchmark: how long each claim took
+
+    async def prepare(self, request: Any) -> Any:
+        response = drapb.NodePrepareResourcesResponse()
+        async with trio.open_nursery() as nursery:
+            for claim in request.claims:
+                nursery.start_soon(self._prepare_one, claim, response)
+        return response
+
+    async def _prepare_one(self, claim: Any, response: Any) -> None:
+        answer = response.claims[claim.uid]
+        if (devices := self.checkpoint.answer(claim.uid)) is not None:
+            answer.devices.extend(devices)  # prepared before: the same answer again
+            return
+        try:
+            with trio.fail_after(API_REQUEST_TIMEOUT):
+                found = await self.api.get_claim(claim.namespace, claim.name)
+            devices = prepared_devices(found, claim.uid, self.resources.driver, self.resources.pools())
+            self.checkpoint.add(claim, devices)
+        except trio.TooSlowError:
+            answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
+        except GopherplugError as error:
+            answer.error = str(error)
+        else:
+            answer.devices.extend(devices)
+            names = ", ".join(device.device_name for device in devices)
+            log.info("prepared ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, names)
+            return
+        log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
+
+    async def unprepare(self, request: Any) -> Any:
+        response = drapb.NodeUnprepareResourcesResponse()
+        for claim in request.claims:
+            answer = response.claims[claim.uid]  # every claim gets an entry, even one we never knew
+            try:
+                self.checkpoint.remove(claim.uid)
+                log.info("unprepared ResourceClaim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
+            except GopherplugError as error:
+                answer.error = str(error)
+        return response
+
+
+#: Where a pod finds its service account's token and the API server's CA (in-cluster configuration).
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class KubeApi:
+    """The few requests a DRA driver makes to the API server, through lightkube.
+
+    lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra), and
+    the device-plugin path stays as small as it was. Objects go in and come out as plain dicts.
+    Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
+    reached or did not answer. In a pod, the configuration is the service account's
+    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); lightkube reads
+    the token file again when the server refuses it (401), which is what happens after the kubelet
+    rotates a bound token. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
+    """
+
+    def __init__(self, client: Any, slice_type: Any, claim_type: Any, errors: tuple[Any, Any]) -> None:
+        self._client = client
+        self._slice, self._claim = slice_type, claim_type
+        self._api_error, self._transport_error = errors
+
+    @classmethod
+    def connect(cls, service_account_dir: str = SERVICE_ACCOUNT_DIR, field_manager: str = "gopherplug") -> KubeApi:
+        """A client configured from the pod's service account, else from KUBECONFIG or ~/.kube/config."""
+        try:
+            import httpx2
+            import lightkube
+            from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+        except ImportError as error:
+            raise GopherplugError(
+                f"DRA needs the Kubernetes client lightkube ({error}): pip install 'gopherplug[dra]'"
+            ) from None
+        try:
+            if os.environ.get("KUBERNETES_SERVICE_HOST"):
+                config = lightkube.KubeConfig.from_service_account(service_account_dir)
+            else:
+                config = lightkube.KubeConfig.from_env()
+        except (lightkube.ConfigError, OSError, KeyError) as error:
+            raise GopherplugError(f"no Kubernetes API configuration: {error}") from None
+        client = lightkube.AsyncClient(
+            config, field_manager=field_manager, timeout=httpx2.Timeout(API_REQUEST_TIMEOUT), trust_env=False
+        )
+        slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
+        claims = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
+        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError))
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except self._api_error as error:
+            raise ApiError(error.status.code, f"{what}: {error.status.code} {error.status.message}") from None
+        except self._transport_error as error:
+            raise ApiError(None, f"{what}: {type(error).__name__}: {error or 'no answer'}") from None
+
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._errors(f"get ResourceClaim {namespace}/{name}"):
+            return dict(await self._client.get(self._claim, name, namespace=namespace))
+
+    def _fields(self, node_name: str, driver: str) -> dict[str, str]:
+        # Both are field selectors the API server supports for ResourceSlices.
+        return {"spec.nodeName": node_name, "spec.driver": driver}
+
+    async def list_slices(self, node_name: str, driver: str) -> tuple[list[dict[str, Any]], str]:
+        """This node's slices of the driver, and the resourceVersion to watch from."""
+        with self._errors("list ResourceSlices"):
+            listed = self._client.list(self._slice, fields=self._fields(node_name, driver))
+            items = [dict(item) async for item in listed]
+            return items, listed.resourceVersion
+
+    async def watch_slices(
+        self, node_name: str, driver: str, version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """ADDED, MODIFIED and DELETED events of this node's slices of the driver, from ``version``."""
+        with self._errors("watch ResourceSlices"):
+            async for event, item in self._client.watch(
+                self._slice, fields=self._fields(node_name, driver), resource_version=version
+            ):
+                yield event, dict(item)
+
+    async def create_slice(self, item: dict[str, Any]) -> dict[str, Any]:
+        with self._errors(f"create ResourceSlice {item['metadata']['name']}"):
+            return dict(await self._client.create(self._slice(item)))
+
+    async def replace_slice(self, item: dict[str, Any]) -> dict[str, Any]:
+        with self._errors(f"update ResourceSlice {item['metadata']['name']}"):
+            return dict(await self._client.replace(self._slice(item)))
+
+    async def delete_slice(self, name: str) -> None:
+        with self._errors(f"delete ResourceSlice {name}"):
+            await self._client.delete(self._slice, name)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+class SlicePublisher:
+    """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
+
+    Two tasks: ``watch`` follows the slices on the API server (a watch, narrowed by field selectors
+    to this node and driver) into ``known``, and ``publish`` wakes whenever a resource's devices or
+    ``known`` change, compares, and writes only what differs: the devices a pool should have, in
+    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A slice deleted by
+    someone else (an administrator, the kubelet cleaning up after a plugin it thought gone) is
+    written again. While the API server is down or slow, both retry with a capped backoff, and
+    the rest of the plugin serves on; the latest devices are written once it answers.
+    """
+
+    def __init__(self, resources: DraResources, api: Any) -> None:
+        self.resources = resources
+        self.api = api
+        self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
+        self.known_changed = Watched(None)
+        self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
+        self.listed = trio.Event()  # set once `known` holds a whole list
+        self._version = ""
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        delay = _API_BACKOFF[0]
+        node, driver = self.resources.node_name, self.resources.driver
+        while True:
+            try:
+                items, self._version = await self.api.list_slices(node, driver)
+                self.known = {item["metadata"]["name"]: item for item in items}
+                self.listed.set()
+                self.known_changed.touch()
+                delay = _API_BACKOFF[0]
+                async for event, item in self.api.watch_slices(node, driver, self._version):
+                    name = item["metadata"]["name"]
+                    if event == "DELETED":
+                        self.known.pop(name, None)
+                    elif _version_of(item) >= _version_of(self.known.get(name)):
+                        self.known[name] = item
+                    self.known_changed.touch()
+            except ApiError as error:
+                log.warning("DRA: watching ResourceSlices: %s; again in %.2g s", error, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, _API_BACKOFF[1])
+
+    async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        delay = _API_BACKOFF[0]
+        await self.listed.wait()
+        while True:
+            # Whatever changes while a pass is writing wakes the next pass.
+            woken = trio.Event()
+            watched = [self.known_changed, self.resources.changed, *self._devices()]
+            touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_any_event, touches, woken)
+                try:
+                    await self._sync()
+                    delay = _API_BACKOFF[0]
+                    self.synced.set(self.synced.value + 1)
+                except ApiError as error:
+                    log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, delay)
+                    with trio.move_on_after(delay):
+                        await woken.wait()
+                    delay = min(delay * 2, _API_BACKOFF[1])
+                    nursery.cancel_scope.cancel()
+                    continue
+                await woken.wait()
+
+    def _devices(self) -> list[Watched]:
+        return [devices for _, devices in self.resources.served.values()]
+
+    async def _sync(self) -> None:
+        """One pass: every pool's slices as they should be, stale ones deleted."""
+        node, driver = self.resources.node_name, self.resources.driver
+        wanted: set[str] = set()
+        for resource, devices in list(self.resources.served.values()):
+            if devices.value is RETIRED:
+                continue
+            pool = dra_pool_name(node, resource.name)
+            mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
+            generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
+            slices = resource_slices(driver, node, resource, devices.value, generation)
+            wanted.update(item["metadata"]["name"] for item in slices)
+            if all(_same_slice(item, mine.get(item["metadata"]["name"])) for item in slices) and len(mine) == len(
+                slices
+            ):
+                continue
+            # The pool changed: a new generation, so that the scheduler never mixes two.
+            for item in resource_slices(driver, node, resource, devices.value, generation + 1):
+                name = item["metadata"]["name"]
+                if name in self.known:
+                    item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
+                    written = await self.api.replace_slice(item)
+                else:
+                    written = await self.api.create_slice(item)
+                self.known[name] = written
+            log.info("DRA: %s: %d devices in pool %s", resource.name, len(devices.value), pool)
+        for name in [name for name in self.known if name not in wanted]:
+            await self.api.delete_slice(name)
+            self.known.pop(name, None)
+
+
+def _version_of(item: Mapping[str, Any] | None) -> int:
+    """An object's resourceVersion as a number, to drop a watch event older than what a write returned.
+    (The API server says to treat it as opaque; etcd's are increasing numbers, and anything else counts as newest.)"""
+    if item is None:
+        return -1
+    version = item.get("metadata", {}).get("resourceVersion", "")
+    return int(version) if version.isdigit() else 1 << 62
+
+
+def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+    """Whether a slice on the server already says what ``wanted`` says (the generation aside)."""
+    if known is None:
+        return False
+    a, b = dict(wanted["spec"]), dict(known["spec"])
+    a_pool, b_pool = dict(a.pop("pool")), dict(b.pop("pool"))
+    a_pool.pop("generation"), b_pool.pop("generation")
+    return a == {key: b.get(key) for key in a} and a_pool == b_pool
+
+
+@dataclass
+class DraDriver:
+    """What serve_dra reports once it serves: for tests, probes and the demo."""
+
+    config: DraConfig
+    resources: DraResources
+    registration: RegistrationState
+    claims: ClaimPreparer
+    slices: SlicePublisher
+
+
+async def serve_dra(
+    config: DraConfig,
+    resources: DraResources,
+    api: Any,
+    *,
+    task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Be the DRA driver ``config`` names until cancelled: slices published, DRAPlugin served,
+    the registration socket in plugins_registry for the kubelet to find.
+
+    started() is called once both sockets listen. The DRAPlugin socket comes first: the kubelet
+    dials it as soon as GetInfo has named it.
+    """
+    driver = DraDriver(
+        config,
+        resources,
+        RegistrationState(),
+        ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint), api),
+        SlicePublisher(resources, api),
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(driver.slices.watch)
+        await nursery.start(driver.slices.publish)
+        await nursery.start(_keep_serving, config.endpoint, lambda: dra_plugin_services(resources, driver.claims))
+        await nursery.start(
+            _keep_serving, config.registration_socket, lambda: [registration_service(config, driver.registration)]
+        )
+        log.info("DRA driver %s on node %s: %s", config.driver, resources.node_name, config.registration_socket)
+        task_status.started(driver)
+
+
+async def _keep_serving(
+    socket_path: str,
+    services: Callable[[], list[purerpc.Service]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve on ``socket_path``, and again whenever the socket file is deleted or replaced."""
+    directory = os.path.dirname(socket_path)
+    events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+    with DirectoryWatch(directory, events) as watch:
+        async with contextlib.aclosing(watch.batches()) as batches:
+            await _keep_serving_in(directory, socket_path, services, batches, task_status)
+
+
+async def _keep_serving_in(
+    directory: str,
+    socket_path: str,
+    services: Callable[[], list[purerpc.Service]],
+    batches: AsyncGenerator[Any, None],
+    task_status: trio.TaskStatus[None],
+) -> None:
+    while True:
+        try:
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+        except OSError as error:
+            raise GopherplugError(f"cannot make {directory}: {_describe(error)}") from None
+        async with trio.open_nursery() as nursery:
+            try:
+                server = await nursery.start(serve_grpc, socket_path, services())
+            except FileNotFoundError:
+                continue  # the directory went between makedirs and bind(): make it again
+            except OSError as error:
+                raise GopherplugError(f"cannot serve on {socket_path}: {_describe(error)}") from None
+            task_status.started()
+            task_status = trio.TASK_STATUS_IGNORED
+            while server.owns_socket_file():
+                await batches.__anext__()
+            log.warning("%s was deleted: serving it again", socket_path)
+            nursery.cancel_scope.cancel()
+
+
 ########################################################################################################
 # 7. Orchestration: the nursery tree
 #
 #   serve_plugin
 #   ├── KubeletWatch.run                         inotify on the device-plugin directory
+#   ├── serve_dra (with `dra`)                   the DRA driver, all its resources:
+#   │   ├── SlicePublisher.watch                 the node's ResourceSlices, watched on the API server
+#   │   ├── SlicePublisher.publish               devices -> ResourceSlices, on every change
+#   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources
+#   │   └── _keep_serving (plugins_registry)     Registration, for the kubelet's plugin watcher
 #   └── per resource:
 #       ├── watch_devices                        inotify on the resource's directory
-#       └── serve_resource                       one generation at a time:
+#       └── serve_resource (api: device-plugin)  one generation at a time:
 #           └── serve_grpc (socket N)            serve, register, wait for a kubelet restart
 #                                                or our socket's deletion, stop, N + 1
 ########################################################################################################
@@ -3946,6 +4934,8 @@ async def serve_plugin(
     config: Config,
     *,
     updates: AsyncGenerator[Config, None] | None = None,
+    node_name: str | None = None,
+    api: Any = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the device plugin for every resource of ``config`` until cancelled.
@@ -3957,6 +4947,10 @@ async def serve_plugin(
     is applied as it comes: added resources start, removed ones send an empty list and stop,
     changed ones are served and registered anew; the others are not touched.
 
+    With ``config.dra``, it is also that DRA driver (serve_dra): ``node_name`` is this node's name
+    (default: the NODE_NAME environment variable, which the DaemonSet sets from spec.nodeName),
+    ``api`` the API server client (default: KubeApi.connect()).
+
     Resource handling: sockets are removed on the way out, whatever the reason.
     Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
     the plugin cannot recover from (e.g. no permission to create its socket) raises.
@@ -3964,15 +4958,35 @@ async def serve_plugin(
     kubelet = KubeletWatch(config.device_plugin_dir or find_device_plugin_dir())
     served: dict[str, _Served] = {}
     generations: dict[str, Iterator[int]] = {}  # socket numbers go on across a resource's restarts
-    async with trio.open_nursery() as nursery:
+    if config.dra is not None:
+        node_name = node_name or os.environ.get("NODE_NAME", "")
+        if not node_name:
+            raise GopherplugError(
+                "NODE_NAME is not set: DRA needs this node's name (in a DaemonSet, from the downward API: "
+                "valueFrom.fieldRef.fieldPath: spec.nodeName)"
+            )
+    async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
+        dra_resources = None
+        if config.dra is not None and node_name:
+            if api is None:
+                api = KubeApi.connect()
+                stack.push_async_callback(api.aclose)
+            dra_resources = DraResources(config.dra.driver, node_name)
+            await nursery.start(serve_dra, config.dra, dra_resources, api)
 
         async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
             numbers = generations.setdefault(resource.name, itertools.count(1))
             try:
                 await nursery.start(
-                    _serve_one, served[resource.name], kubelet, config.sysfs_root, config.dev_root, numbers
+                    _serve_one,
+                    served[resource.name],
+                    kubelet,
+                    config.sysfs_root,
+                    config.dev_root,
+                    numbers,
+                    dra_resources,
                 )
                 return True
             except Exception as error:
@@ -3993,7 +5007,7 @@ async def serve_plugin(
         reloading = True
         async with contextlib.aclosing(updates):
             async for new in updates:
-                fixed = ("device_plugin_dir", "sysfs_root", "dev_root")
+                fixed = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
                 if any(getattr(new, key) != getattr(config, key) for key in fixed):
                     log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
                 wanted = {resource.name: resource for resource in new.resources}
@@ -4047,25 +5061,39 @@ async def _serve_one(
     sysfs_root: str,
     dev_root: str,
     generations: Iterator[int],
+    dra_resources: DraResources | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    resource = served.resource
     try:
         with served.scope:
             async with trio.open_nursery() as nursery:
 
                 async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                     with served.watch_scope:
-                        await watch_devices(
-                            served.resource, served.devices, sysfs_root, dev_root, task_status=task_status
-                        )
+                        await watch_devices(resource, served.devices, sysfs_root, dev_root, task_status=task_status)
 
                 await nursery.start(watch)
-                examine = functools.partial(_examine_now, served.resource, sysfs_root, dev_root)
-                serve = functools.partial(serve_resource, examine=examine)
-                await nursery.start(serve, served.resource, served.devices, kubelet, None, generations)
+                if resource.dra:
+                    if dra_resources is None:
+                        _log(resource).error(
+                            "api: %s takes effect at the next start (the DRA driver is not running)", resource.api
+                        )
+                    else:
+                        dra_resources.attach(resource, served.devices)
+                if resource.device_plugin:
+                    examine = functools.partial(_examine_now, resource, sysfs_root, dev_root)
+                    serve = functools.partial(serve_resource, examine=examine)
+                    await nursery.start(serve, resource, served.devices, kubelet, None, generations)
                 task_status.started()
+                if not resource.device_plugin:
+                    while served.devices.value is not RETIRED:  # then the pool empties, and we are done
+                        await served.devices.wait_touched()
+                    nursery.cancel_scope.cancel()
     finally:
+        if dra_resources is not None and dra_resources.served.get(resource.name, (None, None))[1] is served.devices:
+            dra_resources.detach(resource.name)
         served.done.set()
 
 
@@ -4563,6 +5591,339 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
 def _one_line(message: Any) -> str:
     # Not protobuf's text_format: importing it costs the plugin 2.7 MB of memory for one demo line.
     return ", ".join(f"{field.name}: {value}" for field, value in message.ListFields()) or "(defaults)"
+
+
+# The DRA side of the kubelet, and an API server, in miniature.
+#
+# DraKubeletSimulator is the kubelet's plugin watcher and DRA manager as a driver sees them: it
+# watches plugins_registry with inotify (and walks it when it starts), calls GetInfo on each new
+# socket, checks the answer, dials the endpoint, reports with NotifyRegistrationStatus, forgets a
+# driver whose socket is deleted, and calls NodePrepareResources and NodeUnprepareResources on
+# demand. ApiServerSimulator serves the handful of resource.k8s.io/v1 requests a driver makes
+# (claims read, slices written and watched) over HTTP/1.1, TLS and bearer tokens included.
+
+#: How long the kubelet gives each call to a DRA plugin (PluginClientTimeout in kubernetes/kubernetes
+#: pkg/kubelet/cm/dra/plugin).
+DRA_KUBELET_TIMEOUT = 45.0
+
+
+@dataclass
+class SimulatedDriver:
+    """What the simulated kubelet knows of one registered DRA driver."""
+
+    name: str
+    endpoint: str  #: the DRAPlugin socket GetInfo named
+    service: (
+        str  #: the DRAPlugin service chosen from supported_versions, e.g. "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+    )
+    registration_socket: str
+
+
+class DraKubeletSimulator:
+    """A stand-in for the kubelet's plugin watcher and DRA manager, on a kubelet directory of your choice.
+
+    ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart (which,
+    unlike the device manager's, deletes nothing: plugins_registry is walked again);
+    ``wait_until(predicate)`` waits without polling.
+    """
+
+    def __init__(self, kubelet_dir: str, versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")) -> None:
+        self.registry = os.path.join(kubelet_dir, "plugins_registry")
+        self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks, preferred first
+        self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name
+        self.events: list[tuple[str, str]] = []  #: ("registered" | "refused: why" | "deregistered", socket)
+        self.starts = 0
+        self._changed = Watched(None)
+        self._restart = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[DraKubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
+        os.makedirs(self.registry, exist_ok=True)
+        while True:
+            self.drivers.clear()
+            self._restart = trio.Event()
+            with DirectoryWatch(self.registry, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO) as w:
+                async with trio.open_nursery() as nursery:
+                    # At start, every socket already there; then each one created.
+                    for name in sorted(os.listdir(self.registry)):
+                        await self._register(os.path.join(self.registry, name))
+                    self.starts += 1
+                    self._changed.touch()
+                    task_status.started(self)
+                    task_status = trio.TASK_STATUS_IGNORED
+                    nursery.start_soon(self._follow, w)
+                    await self._restart.wait()
+                    nursery.cancel_scope.cancel()
+
+    async def _follow(self, watch: DirectoryWatch) -> None:
+        async with contextlib.aclosing(watch.batches()) as batches:
+            async for events, _, _ in batches:
+                self._forget(events)
+                for name, mask in events:
+                    if mask & (flags.CREATE | flags.MOVED_TO):
+                        await self._register(os.path.join(self.registry, name))
+                self._changed.touch()
+
+    def _forget(self, events: list[tuple[str, int]]) -> None:
+        """Deregister the drivers whose registration sockets went (the kubelet's watcher on Remove)."""
+        for name, mask in events:
+            path = os.path.join(self.registry, name)
+            if mask & (flags.DELETE | flags.MOVED_FROM):
+                for driver in [d for d in self.drivers.values() if d.registration_socket == path]:
+                    del self.drivers[driver.name]
+                    self.events.append(("deregistered", path))
+
+    async def _register(self, path: str) -> None:
+        # The plugin watcher skips hidden files and anything that is not a socket.
+        with contextlib.suppress(OSError):
+            if os.path.basename(path).startswith(".") or not stat.S_ISSOCK(os.stat(path).st_mode):
+                return
+        # The kubelet's reconciler registers what the watcher found once a second, and tries again
+        # after a failure: a socket seen at bind() is called once it listens. Here, sooner.
+        delay = 0.005
+        while True:
+            try:
+                info = await call_unary(
+                    path, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest(), timeout=DRA_KUBELET_TIMEOUT
+                )
+                break
+            except RPCError as error:
+                if error.code != StatusCode.UNAVAILABLE or delay > 1 or not os.path.exists(path):
+                    self.events.append((f"refused: GetInfo failed: {error}", path))
+                    return
+            await trio.sleep(delay)
+            delay *= 2
+        problem = None
+        chosen = next((v for v in self.versions if v in info.supported_versions), None)
+        if info.type != DRA_PLUGIN_TYPE:
+            problem = f"type {info.type!r} is not {DRA_PLUGIN_TYPE}"
+        elif chosen is None:
+            problem = f"none of the versions {list(info.supported_versions)} is supported"
+        elif not os.path.isabs(info.endpoint) or not os.path.exists(info.endpoint):
+            problem = f"endpoint {info.endpoint!r} does not exist"
+        status = pluginregistration.RegistrationStatus(plugin_registered=problem is None, error=problem or "")
+        with contextlib.suppress(RPCError):
+            await call_unary(path, DRA_METHODS[NOTIFY_REGISTRATION_STATUS], status, timeout=DRA_KUBELET_TIMEOUT)
+        if problem is not None:
+            self.events.append((f"refused: {problem}", path))
+            return
+        package = dict(DRA_VERSIONS)[str(chosen)]
+        self.drivers[info.name] = SimulatedDriver(info.name, info.endpoint, f"{package}.DRAPlugin", path)
+        self.events.append(("registered", path))
+        self._changed.touch()
+
+    def restart(self) -> None:
+        """Restart like the kubelet: forget every driver, find them again in plugins_registry."""
+        self._restart.set()
+
+    async def wait_until(self, predicate: Callable[[DraKubeletSimulator], bool]) -> None:
+        while not predicate(self):
+            await self._changed.wait_touched()
+
+    async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
+        """NodePrepareResources for (namespace, uid, name) claims; the response."""
+        return await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
+
+    async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
+        """NodeUnprepareResources for (namespace, uid, name) claims; the response."""
+        return await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
+
+    async def _call(self, driver: str, method: str, request_type: Any, claims: Iterable[tuple[str, str, str]]) -> Any:
+        known = self.drivers.get(driver)
+        if known is None:
+            raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} is not registered")
+        request = request_type(claims=[drapb.Claim(namespace=n, uid=u, name=m) for n, u, m in claims])
+        path = f"/{known.service}/{method}"
+        return await call_unary(known.endpoint, DRA_METHODS[path], request, timeout=DRA_KUBELET_TIMEOUT)
+
+
+class ApiServerSimulator:
+    """The few resource.k8s.io/v1 requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1.
+
+    Holds ResourceClaims (put them with ``put_claim``) and the ResourceSlices the driver writes
+    (``slices``, by name; ``writes`` lists each write). Lists and watches honour spec.nodeName and
+    spec.driver field selectors; a watch streams events as JSON lines, as the API server does.
+    ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
+    accepts, others get 401. ``down`` refuses every request by closing the connection; ``delay``
+    holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
+    """
+
+    PREFIX = "/apis/resource.k8s.io/v1"
+
+    def __init__(self, ssl_context: Any = None, tokens: set[str] | None = None) -> None:
+        self.ssl_context = ssl_context
+        self.tokens = tokens
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
+        self.refused_tokens = 0
+        self.down = False
+        self.delay = 0.0
+        self.port = 0
+        self._version = 0
+        self._events: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, slice)
+        self.changed = Watched(None)  #: touched at every write
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
+
+    async def run(self, *, task_status: trio.TaskStatus[ApiServerSimulator] = trio.TASK_STATUS_IGNORED) -> None:
+        tcp = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = tcp[0].socket.getsockname()[1]
+        listeners: list[Any] = list(tcp)
+        if self.ssl_context is not None:
+            listeners = [trio.SSLListener(one, self.ssl_context) for one in tcp]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(trio.serve_listeners, self._connection, listeners))
+            task_status.started(self)
+
+    def put_claim(self, claim: dict[str, Any]) -> None:
+        metadata = claim["metadata"]
+        self.claims[metadata["namespace"], metadata["name"]] = claim
+
+    def _bump(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
+        self._version += 1
+        item = json.loads(json.dumps(item))
+        item["metadata"]["resourceVersion"] = str(self._version)
+        self._events.append((self._version, kind, item))
+        self.changed.touch()
+        return item
+
+    def delete_slice(self, name: str) -> None:
+        """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
+        item = self.slices.pop(name)
+        self._bump("DELETED", item)
+
+    async def _connection(self, stream: Any) -> None:
+        import h11  # only the DRA tests and demo need it: the dra extra brings it
+
+        connection = h11.Connection(h11.SERVER)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError):
+            async with stream:
+                while True:
+                    request, body = await self._read_request(connection, stream, h11)
+                    if request is None or self.down:
+                        return
+                    if self.delay:
+                        await trio.sleep(self.delay)
+                    await self._answer(connection, stream, h11, request, body)
+                    if connection.our_state is not h11.DONE:
+                        return  # a watch that ended with the server going down, or a must-close
+                    connection.start_next_cycle()
+
+    async def _read_request(self, connection: Any, stream: Any, h11: Any) -> tuple[Any, bytes]:
+        request, body = None, b""
+        while True:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                connection.receive_data(data)
+                if not data and request is None:
+                    return None, b""
+            elif isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return request, body
+            elif isinstance(event, h11.ConnectionClosed):
+                return None, b""
+
+    async def _send(self, connection: Any, stream: Any, h11: Any, status: int, document: Any) -> None:
+        data = json.dumps(document).encode()
+        headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+        await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
+        await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
+
+    async def _answer(self, connection: Any, stream: Any, h11: Any, request: Any, body: bytes) -> None:
+        headers = {name.decode().lower(): value.decode() for name, value in request.headers}
+        if self.tokens is not None and headers.get("authorization", "").removeprefix("Bearer ") not in self.tokens:
+            self.refused_tokens += 1
+            await self._send(connection, stream, h11, 401, _status(401, "Unauthorized", "Unauthorized"))
+            return
+        url = urllib.parse.urlsplit(request.target.decode())
+        query = dict(urllib.parse.parse_qsl(url.query))
+        method, path = request.method.decode(), url.path
+        parts = path.removeprefix(self.PREFIX).strip("/").split("/")
+        if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
+            claim = self.claims.get((parts[1], parts[3]))
+            if claim is None:
+                await self._send(
+                    connection, stream, h11, 404, _status(404, "NotFound", f"resourceclaims {parts[3]!r} not found")
+                )
+            else:
+                await self._send(connection, stream, h11, 200, claim)
+            return
+        if parts[0] != "resourceslices":
+            await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"no route for {method} {path}"))
+            return
+        selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
+
+        def matches(item: dict[str, Any]) -> bool:
+            spec = item["spec"]
+            return all(spec.get(key.removeprefix("spec.")) == value for key, value in selected.items())
+
+        if method == "GET" and len(parts) == 1 and query.get("watch") in ("true", "1"):
+            await self._watch(connection, stream, h11, int(query.get("resourceVersion") or 0), matches)
+        elif method == "GET" and len(parts) == 1:
+            items = [item for item in self.slices.values() if matches(item)]
+            listed = {
+                "kind": "ResourceSliceList",
+                "apiVersion": "resource.k8s.io/v1",
+                "metadata": {"resourceVersion": str(self._version)},
+                "items": items,
+            }
+            await self._send(connection, stream, h11, 200, listed)
+        elif method == "POST" and len(parts) == 1:
+            item = json.loads(body)
+            name = item["metadata"]["name"]
+            if name in self.slices:
+                await self._send(connection, stream, h11, 409, _status(409, "AlreadyExists", f"{name} already exists"))
+                return
+            self.slices[name] = self._bump("ADDED", item)
+            self.writes.append(("create", name))
+            await self._send(connection, stream, h11, 201, self.slices[name])
+        elif method == "PUT" and len(parts) == 2:
+            item, name = json.loads(body), parts[1]
+            if name not in self.slices:
+                await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{name} not found"))
+            elif item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
+                await self._send(connection, stream, h11, 409, _status(409, "Conflict", f"{name} was modified"))
+            else:
+                self.slices[name] = self._bump("MODIFIED", item)
+                self.writes.append(("update", name))
+                await self._send(connection, stream, h11, 200, self.slices[name])
+        elif method == "DELETE" and len(parts) == 2 and parts[1] in self.slices:
+            item = self.slices.pop(parts[1])
+            self._bump("DELETED", item)
+            self.writes.append(("delete", parts[1]))
+            await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
+        else:
+            await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{method} {path}: not found"))
+
+    async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
+        headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
+        await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
+        while not self.down:
+            changed = self.changed.next_touch()
+            for version, kind, item in self._events:
+                if version > since and matches(item):
+                    line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
+                    await stream.send_all(connection.send(h11.Data(data=line)))
+                since = max(since, version)
+            await changed.wait()
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    """A meta/v1 Status, the API server's error document."""
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure" if code >= 400 else "Success",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 ########################################################################################################

@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -30,6 +31,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -686,12 +688,12 @@ BAD_CONFIGS = [
     ("resources: [x]", "cfg.yaml: resources[0]: must be a mapping of keys to values"),
     (
         MINIMAL + "extra: 1\n",
-        "cfg.yaml: extra: unknown key; expected one of dev_root, device_plugin_dir, resources, sysfs_root",
+        "cfg.yaml: extra: unknown key; expected one of dev_root, device_plugin_dir, dra, resources, sysfs_root",
     ),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
         yaml.safe_dump({"resources": [], "a\nb": 1}),
-        "cfg.yaml: a\\nb: unknown key; expected one of dev_root, device_plugin_dir, resources, sysfs_root",
+        "cfg.yaml: a\\nb: unknown key; expected one of dev_root, device_plugin_dir, dra, resources, sysfs_root",
     ),
     (MINIMAL + "device_plugin_dir: dp\n", "cfg.yaml: device_plugin_dir: 'dp' must be an absolute path"),
     ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
@@ -708,9 +710,9 @@ BAD_CONFIGS = [
     ),
     (
         resources(colour="blue"),
-        "cfg.yaml: resources[0].colour: unknown key; expected one of allowed_host_paths, annotations, cdi, "
-        "device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, pre_start_timeout, "
-        "preferred, replicas, usb",
+        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_double_booking, allowed_host_paths, "
+        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
+        "pre_start_timeout, preferred, replicas, usb",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -4222,3 +4224,510 @@ def test_shipped_files_stand_alone():
         if path.suffix in {".py", ".md", ".toml", ".yaml", ".proto", ".go", ""} and path.is_file():
             text = path.read_text(encoding="utf-8", errors="replace")
             assert not re.search(r"DESIGN(\.md| §)|\.\./shared/", text), f"{name} cites the team's notes"
+
+
+# ------------------------------------------------------------------------------------------------
+# DRA: the kubelet's plugin watcher and DRAPlugin, ResourceSlices and claims through an API server
+# ------------------------------------------------------------------------------------------------
+
+DRIVER = "gopherplug.example.com"
+
+
+def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
+    """pluginregistration.proto and dra.proto (and dra.proto in package v1beta1) against protoc."""
+    v1beta1_proto = (
+        (HERE / "dra.proto")
+        .read_text()
+        .replace("package k8s.io.kubelet.pkg.apis.dra.v1;", "package k8s.io.kubelet.pkg.apis.dra.v1beta1;")
+    )
+    (tmp_path / "dra_v1beta1.proto").write_text(v1beta1_proto)
+    cases = [
+        ("pluginregistration.proto", HERE, gp.REGISTRATION_FILE_DESCRIPTOR),
+        ("dra.proto", HERE, gp.DRA_FILE_DESCRIPTORS[0]),
+        ("dra_v1beta1.proto", tmp_path, gp.DRA_FILE_DESCRIPTORS[1]),
+    ]
+    for name, directory, ours in cases:
+        out = tmp_path / f"{name}.bin"
+        assert protoc.main(["protoc", f"-I{directory}", f"--descriptor_set_out={out}", name]) == 0, name
+        (theirs,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+        assert ours.SerializeToString() == theirs.SerializeToString(), name
+
+
+def test_dra_service_paths_are_the_kubelets():
+    assert sorted(gp.DRA_METHODS) == [
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
+        "/pluginregistration.Registration/GetInfo",
+        "/pluginregistration.Registration/NotifyRegistrationStatus",
+    ]
+
+
+def dra_config(devices, kubelet_dir, top=(), **fields):
+    """A DRA configuration of one resource over ``devices``, as YAML text."""
+    resource = {"name": "example.com/gopher", "directory": str(devices), "api": "dra", **fields}
+    config = {"dra": {"driver": DRIVER, "kubelet_dir": str(kubelet_dir)}, "resources": [resource], **dict(top)}
+    return yaml.safe_dump(config)
+
+
+def test_dra_config_defaults():
+    config = gp.parse_config(dra_config("/g", "/k"), "cfg.yaml")
+    assert config.dra == gp.DraConfig(DRIVER, "/k")
+    assert config.dra.registration_socket == f"/k/plugins_registry/{DRIVER}-reg.sock"
+    assert config.dra.endpoint == f"/k/plugins/{DRIVER}/dra.sock"
+    (resource,) = config.resources
+    assert (resource.dra, resource.device_plugin) == (True, False)
+    assert resource.cdi == gp.CDIConfig(f"{DRIVER}/gopher")  # DRA gives devices only as CDI devices
+    both = gp.parse_config(dra_config("/g", "/k", api="both", allow_double_booking=True), "cfg.yaml")
+    assert (both.resources[0].dra, both.resources[0].device_plugin) == (True, True)
+    assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
+
+
+DRA_BAD_CONFIGS = [
+    (
+        resources(api="dra"),
+        "cfg.yaml: resources[0].api: dra needs the DRA driver: add dra: {driver: <name>} at the top of the file",
+    ),
+    (resources(api="cdi"), "cfg.yaml: resources[0].api: 'cdi': must be one of device-plugin, dra, both"),
+    (
+        dra_config("/g", "/k", api="both"),
+        "cfg.yaml: resources[0].api: both offers every device twice, to the device-plugin API and to DRA, and "
+        "neither knows what the other gave: one device can go to two pods at once. Add allow_double_booking: true "
+        "if that is what you want",
+    ),
+    (
+        dra_config("/g", "/k", allow_double_booking=True),
+        "cfg.yaml: resources[0].allow_double_booking: is only for api: both",
+    ),
+    (
+        dra_config("/g", "/k", replicas=2),
+        "cfg.yaml: resources[0].replicas: is for the device-plugin API, and this resource has api: dra "
+        "(pods share a device by sharing one ResourceClaim)",
+    ),
+    (
+        dra_config("/g", "/k", pre_start=["true"]),
+        "cfg.yaml: resources[0].pre_start: is for the device-plugin API, and this resource has api: dra "
+        "(NodePrepareResources runs before a pod's containers; gopherplug runs no command there)",
+    ),
+    (
+        dra_config("/g", "/k", api="device-plugin"),
+        "cfg.yaml: dra: no resource has api: dra or both, so the driver would offer nothing",
+    ),
+    (
+        dra_config("/g", "/k").replace(DRIVER, "Gopherplug"),
+        "cfg.yaml: dra.driver: 'Gopherplug': must be a lower-case DNS subdomain of at most 63 characters, "
+        "e.g. gopherplug.example.com",
+    ),
+    (
+        dra_config("/g", "/" + "k" * 60),
+        f"cfg.yaml: dra: the socket /{'k' * 60}/plugins_registry/{DRIVER}-reg.sock would pass the 107 bytes unix "
+        "sockets allow: choose a shorter driver name",
+    ),
+    (
+        dra_config("/g", "/k", name="example.com/" + "g" * 60),
+        "cfg.yaml: resources[0].name: with api: dra, the name is a device attribute: at most 64 characters",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), DRA_BAD_CONFIGS)
+def test_dra_bad_config_names_file_key_and_fix(text, message):
+    with pytest.raises(gp.ConfigError) as info:
+        gp.parse_config(text, "cfg.yaml")
+    assert str(info.value) == message
+
+
+def hashlib_hex(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("device_id", "name"),
+    [
+        ("gopher0", "gopher0"),
+        ("ttyUSB0", "ttyusb0-" + hashlib_hex("ttyUSB0")[:8]),
+        ("0000:03:00.0", "0000-03-00-0-" + hashlib_hex("0000:03:00.0")[:8]),
+        ("x" * 63, "x" * 63),
+        ("_", hashlib_hex("_")[:16]),
+    ],
+)
+def test_dra_device_names_are_dns_labels_and_distinct(device_id, name):
+    assert gp.dra_device_name(device_id) == name
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name)
+
+
+def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
+    (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
+    devices = {
+        f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}", numa_node=i % 2) for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 2)
+    }
+    devices["g1"] = dataclasses.replace(devices["g1"], health=gp.UNHEALTHY, problem="gone")
+    slices = gp.resource_slices(DRIVER, "node-1", resource, devices, 7)
+    assert [len(item["spec"]["devices"]) for item in slices] == [128, 2]  # ResourceSliceMaxDevices in k8s.io/api
+    assert {json.dumps(item["spec"]["pool"]) for item in slices} == {
+        json.dumps({"name": "node-1/example.com/gopher", "generation": 7, "resourceSliceCount": 2})
+    }
+    assert slices[0]["spec"]["devices"][1] == {
+        "name": "g1",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "g1"},
+            "healthy": {"bool": False},
+            "numaNode": {"int": 1},
+        },
+    }
+    empty = gp.resource_slices(DRIVER, "node-1", resource, {}, 1)
+    assert [item["spec"]["devices"] for item in empty] == [[]]
+    path = tmp_path / "slices.yaml"
+    path.write_text(yaml.safe_dump_all([*slices, *empty]))
+    for version in ("1.34.0", "1.37.0"):  # resource.k8s.io/v1 is GA since 1.34
+        result = check("kubernetes-validate", "--strict", "-k", version, str(path))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("passed") == 3
+
+
+def claim(name, uid, *results, namespace="default"):
+    """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device)."""
+    allocated = [{"request": r, "driver": d, "pool": p, "device": n} for r, d, p, n in results]
+    status = {"allocation": {"devices": {"results": allocated}}} if results else {}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+        "status": status,
+    }
+
+
+class DraNode:
+    """One node under DRA: a device directory, the kubelet's directory with the simulated DRA
+    kubelet, an HTTPS API server simulator with a bearer token, and gopherplug started and stopped
+    at will, in process."""
+
+    POOL = "node-1/example.com/gopher"
+
+    def __init__(self, root, nursery):
+        import trustme
+
+        self.root = Path(root)
+        self.devices = self.root / "devs"
+        self.devices.mkdir()
+        self.kubelet_dir = self.root / "k"
+        self.nursery = nursery
+        ca = trustme.CA()
+        self.ca_file = self.root / "ca.crt"
+        ca.cert_pem.write_to_path(str(self.ca_file))
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("127.0.0.1").configure_cert(context)
+        self.token_file = self.root / "token"
+        self.token_file.write_text("token-1")
+        self.api = gp.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
+        self.kubelet = gp.DraKubeletSimulator(str(self.kubelet_dir))
+        self.scope = None
+
+    async def start_servers(self):
+        await self.nursery.start(self.api.run)
+        await self.nursery.start(self.kubelet.run)
+        self.kubeconfig = self.root / "kubeconfig"
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {"name": "c", "cluster": {"server": self.api.url, "certificate-authority": str(self.ca_file)}}
+                    ],
+                    "users": [{"name": "u", "user": {"tokenFile": str(self.token_file)}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+
+    def config(self, **fields):
+        top = {"device_plugin_dir": str(self.root / "dp")}
+        return gp.parse_config(dra_config(self.devices, self.kubelet_dir, top, **fields), "cfg.yaml")
+
+    async def start(self, config=None, node_name="node-1"):
+        """Start gopherplug; returns once it serves (registration may still be under way)."""
+        os.makedirs(self.root / "dp", exist_ok=True)
+        config = config or self.config(cdi={"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")})
+        os.environ["KUBECONFIG"] = str(self.kubeconfig)
+        os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+        self.scope = trio.CancelScope()
+
+        async def run(task_status):
+            with self.scope:
+                await gp.serve_plugin(config, node_name=node_name, task_status=task_status)
+
+        await self.nursery.start(run)
+
+    def stop(self):
+        self.scope.cancel()
+
+    def slice_devices(self):
+        """The device names of the pool on the API server, and its generation (None: no slice)."""
+        mine = [s for s in self.api.slices.values() if s["spec"]["pool"]["name"] == self.POOL]
+        if not mine:
+            return None
+        names = sorted(d["name"] for s in mine for d in s["spec"]["devices"])
+        return names, {s["spec"]["pool"]["generation"] for s in mine}
+
+    async def wait_for_slices(self, names):
+        while (self.slice_devices() or (None,))[0] != sorted(names):
+            await self.api.changed.wait_touched()
+
+    async def registered(self):
+        await self.kubelet.wait_until(lambda k: DRIVER in k.drivers)
+
+
+@pytest.fixture
+async def dra_node(nursery, sockdir, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent")
+    node = DraNode(sockdir, nursery)
+    await node.start_servers()
+    return node
+
+
+async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_node):
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        (dra_node.devices / "gopher2").touch()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        (dra_node.devices / "gopher0").unlink()
+        await dra_node.wait_for_slices(["gopher1", "gopher2"])
+    assert dra_node.kubelet.events == [
+        ("registered", str(dra_node.kubelet_dir / f"plugins_registry/{DRIVER}-reg.sock"))
+    ]
+    assert dra_node.slice_devices()[1] == {3}  # a new generation per change
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "update", "update"]
+
+
+async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dra_node):
+    (dra_node.devices / "gopher0").touch()
+    allocated = ("gopher", DRIVER, DraNode.POOL, "gopher0")
+    dra_node.api.put_claim(claim("c1", "uid-1", allocated))
+    dra_node.api.put_claim(claim("c2", "uid-2", allocated))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+        expected = {
+            "uid-1": {
+                "devices": [
+                    {
+                        "requestNames": ["gopher"],
+                        "poolName": DraNode.POOL,
+                        "deviceName": "gopher0",
+                        "cdiDeviceIds": ["example.com/gopher=gopher0"],
+                    }
+                ]
+            }
+        }
+        assert MessageToDict(answer)["claims"] == expected
+        spec = json.loads((dra_node.root / "cdi" / "example.com-gopher.json").read_text())
+        assert [d["name"] for d in spec["devices"]] == ["gopher0"]  # the CDI device exists before the answer
+        await dra_node.kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])
+        # The plugin restarts; the kubelet prepares c1 again (the same answer, not asked of the API
+        # server) and unprepares c2, which only the checkpoint remembers.
+        dra_node.stop()
+        await dra_node.kubelet.wait_until(lambda k: DRIVER not in k.drivers)
+        dra_node.api.claims.clear()
+        await dra_node.start()
+        await dra_node.registered()
+        again = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+        assert MessageToDict(again)["claims"] == expected
+        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-2", "c2"), ("default", "uid-9", "c9")])
+        assert sorted(gone.claims) == ["uid-2", "uid-9"]
+        assert all(not entry.error for entry in gone.claims.values())
+    checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
+    assert sorted(checkpoint["claims"]) == ["uid-1"]
+
+
+async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
+    (dra_node.devices / "gopher0").touch()
+    put = dra_node.api.put_claim
+    put(claim("other-node", "u1", ("gopher", DRIVER, "node-2/example.com/gopher", "gopher0")))
+    put(claim("other-driver", "u2", ("gopher", "gpu.example.com", DraNode.POOL, "gopher0")))
+    put(claim("unallocated", "u3"))
+    put(claim("replaced", "u4-new", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    put(claim("gone-device", "u5", ("gopher", DRIVER, DraNode.POOL, "gopher7")))
+    asked = [
+        ("other-node", "u1"),
+        ("other-driver", "u2"),
+        ("unallocated", "u3"),
+        ("replaced", "u4"),
+        ("gone-device", "u5"),
+        ("missing", "u6"),
+    ]
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", uid, name) for name, uid in asked])
+    errors = {uid: entry.error for uid, entry in answer.claims.items()}
+    assert errors == {
+        "u1": "ResourceClaim default/other-node: device gopher0 is from pool node-2/example.com/gopher, "
+        "not one of this node's",
+        "u2": f"ResourceClaim default/other-driver has no device of driver {DRIVER}",
+        "u3": "ResourceClaim default/unallocated is not allocated",
+        "u4": "ResourceClaim default/replaced has UID u4-new, not u4: it was replaced",
+        "u5": f"ResourceClaim default/gone-device: device gopher7 of pool {DraNode.POOL} is not there any more",
+        "u6": "get ResourceClaim default/missing: 404 resourceclaims 'missing' not found",
+    }
+    assert all(not entry.devices for entry in answer.claims.values())
+
+
+async def test_dra_kubelet_restart_and_a_deleted_socket_register_again(dra_node):
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        dra_node.kubelet.restart()  # the kubelet deletes nothing in plugins_registry: it walks it again
+        await dra_node.kubelet.wait_until(lambda k: k.starts == 2 and DRIVER in k.drivers)
+        registration = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock"
+        registration.unlink()
+        await dra_node.kubelet.wait_until(lambda k: [e for e, _ in k.events].count("registered") == 3)
+    assert [event for event, _ in dra_node.kubelet.events] == ["registered", "registered", "deregistered", "registered"]
+    assert stat.S_ISSOCK(registration.stat().st_mode)
+
+
+async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        (name,) = dra_node.api.slices
+        dra_node.api.delete_slice(name)  # e.g. the kubelet's cleanup after a plugin it thought gone
+        await dra_node.wait_for_slices(["gopher0"])
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
+
+
+async def test_dra_api_server_down_or_slow_keeps_the_plugin_serving(dra_node, caplog, monkeypatch):
+    monkeypatch.setattr(gp, "API_REQUEST_TIMEOUT", 0.5)  # the test need not wait 10 s for it
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    with trio.fail_after(TIMEOUT * 3):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.down = True
+        dra_node.api.changed.touch()  # ends the open watch: the server went away
+        (dra_node.devices / "gopher1").touch()
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+        assert answer.claims["uid-1"].error.startswith("get ResourceClaim default/c1: ")
+        dra_node.api.down = False
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])  # written once it answers again
+        dra_node.api.delay = gp.API_REQUEST_TIMEOUT + 1
+        slow = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+        assert slow.claims["uid-1"].error == f"the API server did not answer within {gp.API_REQUEST_TIMEOUT:g} s"
+        dra_node.api.delay = 0
+        ok = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+        assert ok.claims["uid-1"].devices[0].device_name == "gopher0"
+    assert "DRA: writing ResourceSlices" in caplog.text or "DRA: watching ResourceSlices" in caplog.text
+
+
+async def test_dra_in_cluster_configuration_rereads_a_rotated_token(dra_node, monkeypatch, tmp_path):
+    """The service account's files as the kubelet projects them: ..data a symlink to a timestamped
+    directory, swapped atomically when the token rotates."""
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    first = account / "..2026_11_23_01"
+    first.mkdir()
+    (first / "token").write_text("token-1")
+    (first / "ca.crt").write_text(dra_node.ca_file.read_text())
+    (first / "namespace").write_text("gopherplug")
+    (account / "..data").symlink_to(first.name)
+    for name in ("token", "ca.crt", "namespace"):
+        (account / name).symlink_to(f"..data/{name}")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    api = gp.KubeApi.connect(str(account))
+    try:
+        with trio.fail_after(TIMEOUT):
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+            second = account / "..2026_11_23_02"
+            shutil.copytree(first, second)
+            (second / "token").write_text("token-2")
+            (account / "..data_tmp").symlink_to(second.name)
+            os.replace(account / "..data_tmp", account / "..data")
+            dra_node.api.tokens = {"token-2"}  # the old one expired
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    assert dra_node.api.refused_tokens == 1  # refused once, then the file was read again
+
+
+async def test_dra_needs_the_node_name(dra_node):
+    with trio.fail_after(TIMEOUT), pytest.raises(gp.GopherplugError) as info:
+        await dra_node.start(node_name="")
+    assert str(info.value).startswith("NODE_NAME is not set: DRA needs this node's name")
+
+
+def test_lightkube_is_imported_only_for_dra(tmp_path):
+    program = (
+        "import sys, gopherplug; gopherplug.parse_config(open(sys.argv[1]).read()); "
+        "print('lightkube' in sys.modules, 'httpx2' in sys.modules)"
+    )
+    (tmp_path / "cfg.yaml").write_text(MINIMAL)
+    result = subprocess.run(
+        [sys.executable, "-c", program, str(tmp_path / "cfg.yaml")], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["False", "False"]
+
+
+async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
+    """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
+    registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1."""
+    for name in ("pluginregistration.proto", "dra.proto"):
+        assert protoc.main(["protoc", f"-I{HERE}", f"--python_out={tmp_path}", name]) == 0
+    modules = {}
+    for name in ("pluginregistration_pb2", "dra_pb2"):
+        spec = importlib.util.spec_from_file_location(f"grpcio_{name}", tmp_path / f"{name}.py")
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    reg, dra_pb2 = modules["pluginregistration_pb2"], modules["dra_pb2"]
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    config = dra_node.config(cdi={"kind": "example.com/gopher", "spec_dir": str(dra_node.root / "cdi")})
+
+    def kubelet():
+        with grpc.insecure_channel(f"unix://{config.dra.registration_socket}") as channel:
+            get_info = channel.unary_unary(
+                "/pluginregistration.Registration/GetInfo",
+                request_serializer=reg.InfoRequest.SerializeToString,
+                response_deserializer=reg.PluginInfo.FromString,
+            )
+            info = get_info(reg.InfoRequest(), timeout=5)
+        answers = []
+        with grpc.insecure_channel(f"unix://{info.endpoint}") as channel:
+            for package in ("v1", "v1beta1"):
+                prepare = channel.unary_unary(
+                    f"/k8s.io.kubelet.pkg.apis.dra.{package}.DRAPlugin/NodePrepareResources",
+                    request_serializer=dra_pb2.NodePrepareResourcesRequest.SerializeToString,
+                    response_deserializer=dra_pb2.NodePrepareResourcesResponse.FromString,
+                )
+                request = dra_pb2.NodePrepareResourcesRequest(
+                    claims=[dra_pb2.Claim(namespace="default", uid="uid-1", name="c1")]
+                )
+                answers.append(prepare(request, timeout=5))
+        return info, answers
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.wait_for_slices(["gopher0"])
+        info, answers = await in_thread(kubelet)
+    assert (info.type, info.name, list(info.supported_versions)) == (
+        "DRAPlugin",
+        DRIVER,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+    )
+    assert info.endpoint == config.dra.endpoint
+    for answer in answers:
+        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
