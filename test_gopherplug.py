@@ -672,6 +672,19 @@ def test_example_config_is_valid():
     assert uncommented.sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
     assert uncommented.usb == (gp.UsbSelector("1050", "0407"),)
+    # dra, api and allow_double_booking (without what DRA refuses).
+    dra = (
+        text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
+    )
+    dra = dra.replace("    # api: device-plugin", "    api: both").replace(
+        "    # allow_double_booking: false", "    allow_double_booking: true"
+    )
+    dra = re.sub(r"    annotations:\n(      .*\n)+", "", dra)
+    for key in ("pre_start", "pre_start_timeout"):
+        dra = re.sub(rf"    {key}:.*\n", "", dra)
+    parsed = gp.parse_config(dra)
+    assert parsed.dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet")
+    assert parsed.resources[0].api == "both"
 
 
 def resources(**fields):
