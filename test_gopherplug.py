@@ -4744,3 +4744,26 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
         assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
+
+
+def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
+    for version in ("1.34.0", "1.37.0"):
+        result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("passed") == 6
+    with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
+        objects = {item["kind"]: item for item in yaml.safe_load_all(file)}
+    config = gp.parse_config(objects["ConfigMap"]["data"]["config.yaml"], "daemonset-dra.yaml ConfigMap")
+    (resource,) = config.resources
+    expression = objects["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
+    assert f'device.driver == "{config.dra.driver}"' in expression
+    assert f'.resource == "{resource.name}"' in expression
+    rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
+    assert rules == {("resourceslices",): {"list", "watch", "create", "update", "delete"}, ("resourceclaims",): {"get"}}
+    pod = objects["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+    assert {f"{config.dra.kubelet_dir}/plugins_registry", f"{config.dra.kubelet_dir}/plugins"} <= mounts
+    assert resource.cdi.spec_dir in mounts
