@@ -4211,6 +4211,9 @@ API_REQUEST_TIMEOUT = 10.0
 # After a failed API server request: retry after 0.1 s, doubling up to 10 s.
 _API_BACKOFF = (0.1, 10.0)
 
+#: How long one watch of the ResourceSlices lasts before they are listed and watched again.
+API_WATCH_SECONDS = 300.0
+
 
 class ApiError(GopherplugError):
     """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came."""
@@ -4542,7 +4545,9 @@ class SlicePublisher:
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
         self.listed = trio.Event()  # set once `known` holds a whole list
-        self._version = ""
+        # The newest resourceVersion the list and the watch have told us of. A write's answer older
+        # than that is stale: the watch already brought it, or what came after it (a deletion).
+        self._seen = -1
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -4550,18 +4555,24 @@ class SlicePublisher:
         node, driver = self.resources.node_name, self.resources.driver
         while True:
             try:
-                items, self._version = await self.api.list_slices(node, driver)
+                items, version = await self.api.list_slices(node, driver)
                 self.known = {item["metadata"]["name"]: item for item in items}
+                self._seen = int(version) if version.isdigit() else -1
                 self.listed.set()
                 self.known_changed.touch()
                 delay = _API_BACKOFF[0]
-                async for event, item in self.api.watch_slices(node, driver, self._version):
-                    name = item["metadata"]["name"]
-                    if event == "DELETED":
-                        self.known.pop(name, None)
-                    elif _version_of(item) >= _version_of(self.known.get(name)):
-                        self.known[name] = item
-                    self.known_changed.touch()
+                # A watch on a connection that died without a word (a node's network cut, an API
+                # server host gone) would wait forever: each watch is bounded, then listed again.
+                with trio.move_on_after(API_WATCH_SECONDS):
+                    async for event, item in self.api.watch_slices(node, driver, version):
+                        if (number := _version_of(item)) is not None:
+                            self._seen = max(self._seen, number)
+                        name = item["metadata"]["name"]
+                        if event == "DELETED":
+                            self.known.pop(name, None)
+                        elif not _older(item, self.known.get(name)):
+                            self.known[name] = item
+                        self.known_changed.touch()
             except ApiError as error:
                 log.warning("DRA: watching ResourceSlices: %s; again in %.2g s", error, delay)
                 await trio.sleep(delay)
@@ -4618,20 +4629,32 @@ class SlicePublisher:
                     written = await self.api.replace_slice(item)
                 else:
                     written = await self.api.create_slice(item)
-                self.known[name] = written
+                # While the request was out, the watch may have brought this very write and a
+                # deletion after it: then the answer is history, and `known` is already right.
+                if (number := _version_of(written)) is None or number > self._seen:
+                    self.known[name] = written
             log.info("DRA: %s: %d devices in pool %s", resource.name, len(devices.value), pool)
         for name in [name for name in self.known if name not in wanted]:
             await self.api.delete_slice(name)
             self.known.pop(name, None)
 
 
-def _version_of(item: Mapping[str, Any] | None) -> int:
-    """An object's resourceVersion as a number, to drop a watch event older than what a write returned.
-    (The API server says to treat it as opaque; etcd's are increasing numbers, and anything else counts as newest.)"""
-    if item is None:
-        return -1
+def _version_of(item: Mapping[str, Any]) -> int | None:
+    """An object's resourceVersion as a number, None if it is not one. The API server asks clients
+    to treat it as opaque; etcd's are one increasing counter for every object, and gopherplug
+    compares them only to tell a watch event or a write's answer from an older one. A version that
+    is not a number is taken as the newest, which is how a client that never compares behaves."""
     version = item.get("metadata", {}).get("resourceVersion", "")
-    return int(version) if version.isdigit() else 1 << 62
+    return int(version) if version.isdigit() else None
+
+
+def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
+    """Whether ``item`` is an older version of the object ``than`` (a watch event that arrives after
+    the answer to our own later write)."""
+    if than is None:
+        return False
+    mine, theirs = _version_of(item), _version_of(than)
+    return mine is not None and theirs is not None and mine < theirs
 
 
 def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
