@@ -4755,7 +4755,8 @@ async def _keep_serving_in(
 #
 #   serve_plugin
 #   ├── KubeletWatch.run                         inotify on the device-plugin directory
-#   ├── serve_dra (with `dra`)                   the DRA driver, all its resources:
+#   ├── serve_dra (with `dra`)                   the DRA driver, all its resources (started once
+#   │                                            every resource's devices are attached):
 #   │   ├── SlicePublisher.watch                 the node's ResourceSlices, watched on the API server
 #   │   ├── SlicePublisher.publish               devices -> ResourceSlices, on every change
 #   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources
@@ -4996,7 +4997,6 @@ async def serve_plugin(
                 api = KubeApi.connect()
                 stack.push_async_callback(api.aclose)
             dra_resources = DraResources(config.dra.driver, node_name)
-            await nursery.start(serve_dra, config.dra, dra_resources, api)
 
         async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
@@ -5024,6 +5024,11 @@ async def serve_plugin(
         reloading = False
         for resource in config.resources:
             await start(resource)
+        if config.dra is not None and dra_resources is not None:
+            # Only now, with every resource's devices attached: the publisher's first pass compares
+            # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
+            # slices and write them again), and the kubelet learns of a driver whose pools exist.
+            await nursery.start(serve_dra, config.dra, dra_resources, api)
         task_status.started()
         if updates is None:
             return
@@ -5621,13 +5626,22 @@ def _one_line(message: Any) -> str:
 # DraKubeletSimulator is the kubelet's plugin watcher and DRA manager as a driver sees them: it
 # watches plugins_registry with inotify (and walks it when it starts), calls GetInfo on each new
 # socket, checks the answer, dials the endpoint, reports with NotifyRegistrationStatus, forgets a
-# driver whose socket is deleted, and calls NodePrepareResources and NodeUnprepareResources on
-# demand. ApiServerSimulator serves the handful of resource.k8s.io/v1 requests a driver makes
-# (claims read, slices written and watched) over HTTP/1.1, TLS and bearer tokens included.
+# driver whose socket is deleted, wipes ResourceSlices as the kubelet does, and calls
+# NodePrepareResources and NodeUnprepareResources on demand. ApiServerSimulator serves the
+# handful of resource.k8s.io/v1 requests a driver makes (claims read, slices written and
+# watched) over HTTP/1.1, TLS and bearer tokens included.
 
-#: How long the kubelet gives each call to a DRA plugin (PluginClientTimeout in kubernetes/kubernetes
-#: pkg/kubelet/cm/dra/plugin).
+#: How long the kubelet gives each call to a DRA plugin (defaultClientCallTimeout, formerly
+#: PluginClientTimeout, in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin.go).
 DRA_KUBELET_TIMEOUT = 45.0
+
+#: How long the kubelet's registration gives GetInfo, and NotifyRegistrationStatus (kubernetes/kubernetes
+#: pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go, GenerateRegisterPluginFunc).
+DRA_GET_INFO_TIMEOUT, DRA_NOTIFY_TIMEOUT = 1.0, 5.0
+
+#: How long a DRA driver has to register again before the kubelet deletes its ResourceSlices
+#: (defaultWipingDelay in kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go).
+DRA_WIPING_DELAY = 30.0
 
 
 @dataclass
@@ -5647,23 +5661,37 @@ class DraKubeletSimulator:
 
     ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart (which,
     unlike the device manager's, deletes nothing: plugins_registry is walked again);
-    ``wait_until(predicate)`` waits without polling.
+    ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
+    node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
+    and ``wiping_delay`` seconds after a driver went without registering again.
     """
 
-    def __init__(self, kubelet_dir: str, versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")) -> None:
+    def __init__(
+        self,
+        kubelet_dir: str,
+        versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
+        wipe: Callable[[str], None] | None = None,
+        wiping_delay: float = DRA_WIPING_DELAY,
+    ) -> None:
         self.registry = os.path.join(kubelet_dir, "plugins_registry")
-        self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks, preferred first
+        self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
+        self.wipe, self.wiping_delay = wipe, wiping_delay
         self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name
-        self.events: list[tuple[str, str]] = []  #: ("registered" | "refused: why" | "deregistered", socket)
+        #: ("registered" | "refused: why" | "deregistered", socket), and ("wiped", driver or "")
+        self.events: list[tuple[str, str]] = []
         self.starts = 0
         self._changed = Watched(None)
         self._restart = trio.Event()
+        self._pending_wipes: dict[str, trio.CancelScope] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[DraKubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(self.registry, exist_ok=True)
         while True:
             self.drivers.clear()
             self._restart = trio.Event()
+            # A starting kubelet knows no driver yet, so it advertises no local device: it deletes
+            # this node's slices of every driver, at once (NewDRAPluginManager, pkg/kubelet/cm/dra/plugin).
+            self._wipe("")
             with DirectoryWatch(self.registry, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO) as w:
                 async with trio.open_nursery() as nursery:
                     # At start, every socket already there; then each one created.
@@ -5678,45 +5706,71 @@ class DraKubeletSimulator:
                     nursery.cancel_scope.cancel()
 
     async def _follow(self, watch: DirectoryWatch) -> None:
-        async with contextlib.aclosing(watch.batches()) as batches:
+        async with trio.open_nursery() as wipes, contextlib.aclosing(watch.batches()) as batches:
             async for events, _, _ in batches:
-                self._forget(events)
+                for gone in self._forget(events):
+                    wipes.start_soon(self._wipe_later, gone)
                 for name, mask in events:
                     if mask & (flags.CREATE | flags.MOVED_TO):
                         await self._register(os.path.join(self.registry, name))
                 self._changed.touch()
 
-    def _forget(self, events: list[tuple[str, int]]) -> None:
+    def _forget(self, events: list[tuple[str, int]]) -> list[str]:
         """Deregister the drivers whose registration sockets went (the kubelet's watcher on Remove)."""
+        gone = []
         for name, mask in events:
             path = os.path.join(self.registry, name)
             if mask & (flags.DELETE | flags.MOVED_FROM):
                 for driver in [d for d in self.drivers.values() if d.registration_socket == path]:
                     del self.drivers[driver.name]
                     self.events.append(("deregistered", path))
+                    gone.append(driver.name)
+        return gone
+
+    async def _wipe_later(self, driver: str) -> None:
+        """A driver that went may have died without cleaning up; one that registers again in time
+        (a restart, a rolling update) keeps its slices (the DRA plugin manager's pendingWipes)."""
+        if (earlier := self._pending_wipes.get(driver)) is not None:
+            earlier.cancel()
+        with trio.CancelScope() as scope:
+            self._pending_wipes[driver] = scope
+            await trio.sleep(self.wiping_delay)
+            self._wipe(driver)
+        if self._pending_wipes.get(driver) is scope:
+            del self._pending_wipes[driver]
+
+    def _wipe(self, driver: str) -> None:
+        if self.wipe is not None:
+            self.wipe(driver)
+            self.events.append(("wiped", driver))
+            self._changed.touch()
 
     async def _register(self, path: str) -> None:
         # The plugin watcher skips hidden files and anything that is not a socket.
         with contextlib.suppress(OSError):
             if os.path.basename(path).startswith(".") or not stat.S_ISSOCK(os.stat(path).st_mode):
                 return
-        # The kubelet's reconciler registers what the watcher found once a second, and tries again
-        # after a failure: a socket seen at bind() is called once it listens. Here, sooner.
+        # The kubelet's reconciler registers what the watcher found once a second, and a failed
+        # registration starts again from GetInfo after a backoff: a socket seen at bind() is called
+        # once it listens. Here, sooner. GetInfo has one second each time.
         delay = 0.005
         while True:
             try:
                 info = await call_unary(
-                    path, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest(), timeout=DRA_KUBELET_TIMEOUT
+                    path, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest(), timeout=DRA_GET_INFO_TIMEOUT
                 )
                 break
             except RPCError as error:
-                if error.code != StatusCode.UNAVAILABLE or delay > 1 or not os.path.exists(path):
+                retried = error.code in (StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED)
+                if not retried or delay > 1 or not os.path.exists(path):
                     self.events.append((f"refused: GetInfo failed: {error}", path))
                     return
             await trio.sleep(delay)
             delay *= 2
         problem = None
-        chosen = next((v for v in self.versions if v in info.supported_versions), None)
+        # The first of the plugin's versions that the kubelet speaks (validateSupportedServices in
+        # pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go; 1.32 and 1.33 went by their own order).
+        chosen = next((v for v in info.supported_versions if v in self.versions), None)
         if info.type != DRA_PLUGIN_TYPE:
             problem = f"type {info.type!r} is not {DRA_PLUGIN_TYPE}"
         elif chosen is None:
@@ -5725,10 +5779,12 @@ class DraKubeletSimulator:
             problem = f"endpoint {info.endpoint!r} does not exist"
         status = pluginregistration.RegistrationStatus(plugin_registered=problem is None, error=problem or "")
         with contextlib.suppress(RPCError):
-            await call_unary(path, DRA_METHODS[NOTIFY_REGISTRATION_STATUS], status, timeout=DRA_KUBELET_TIMEOUT)
+            await call_unary(path, DRA_METHODS[NOTIFY_REGISTRATION_STATUS], status, timeout=DRA_NOTIFY_TIMEOUT)
         if problem is not None:
             self.events.append((f"refused: {problem}", path))
             return
+        if (pending := self._pending_wipes.pop(info.name, None)) is not None:
+            pending.cancel()  # back in time: its slices stay
         package = dict(DRA_VERSIONS)[str(chosen)]
         self.drivers[info.name] = SimulatedDriver(info.name, info.endpoint, f"{package}.DRAPlugin", path)
         self.events.append(("registered", path))
@@ -5816,6 +5872,13 @@ class ApiServerSimulator:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
         item = self.slices.pop(name)
         self._bump("DELETED", item)
+
+    def delete_node_slices(self, node_name: str, driver: str = "") -> None:
+        """What the kubelet's wipe does: DeleteCollection with field selectors spec.nodeName and,
+        unless "", spec.driver."""
+        for name, item in list(self.slices.items()):
+            if item["spec"].get("nodeName") == node_name and driver in ("", item["spec"]["driver"]):
+                self.delete_slice(name)
 
     async def _connection(self, stream: Any) -> None:
         import h11  # only the DRA tests and demo need it: the dra extra brings it

@@ -4436,7 +4436,9 @@ class DraNode:
         self.token_file = self.root / "token"
         self.token_file.write_text("token-1")
         self.api = gp.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
-        self.kubelet = gp.DraKubeletSimulator(str(self.kubelet_dir))
+        self.kubelet = gp.DraKubeletSimulator(
+            str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
+        )
         self.scope = None
 
     async def start_servers(self):
@@ -4516,7 +4518,8 @@ async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_
         (dra_node.devices / "gopher0").unlink()
         await dra_node.wait_for_slices(["gopher1", "gopher2"])
     assert dra_node.kubelet.events == [
-        ("registered", str(dra_node.kubelet_dir / f"plugins_registry/{DRIVER}-reg.sock"))
+        ("wiped", ""),  # the kubelet's start, before the driver was there
+        ("registered", str(dra_node.kubelet_dir / f"plugins_registry/{DRIVER}-reg.sock")),
     ]
     assert dra_node.slice_devices()[1] == {3}  # a new generation per change
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update", "update"]
@@ -4598,16 +4601,45 @@ async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
 
 
 async def test_dra_kubelet_restart_and_a_deleted_socket_register_again(dra_node):
+    (dra_node.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.registered()
-        dra_node.kubelet.restart()  # the kubelet deletes nothing in plugins_registry: it walks it again
+        await dra_node.wait_for_slices(["gopher0"])
+        # The kubelet deletes nothing in plugins_registry: it walks it again. But it wipes the
+        # node's slices as it starts, and the driver writes them again.
+        dra_node.kubelet.restart()
         await dra_node.kubelet.wait_until(lambda k: k.starts == 2 and DRIVER in k.drivers)
+        assert dra_node.slice_devices() is None or dra_node.api.writes[-1][0] == "create"
+        await dra_node.wait_for_slices(["gopher0"])
         registration = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock"
         registration.unlink()
         await dra_node.kubelet.wait_until(lambda k: [e for e, _ in k.events].count("registered") == 3)
-    assert [event for event, _ in dra_node.kubelet.events] == ["registered", "registered", "deregistered", "registered"]
+    events = [event for event, _ in dra_node.kubelet.events]
+    assert events == ["wiped", "registered", "wiped", "registered", "deregistered", "registered"]
     assert stat.S_ISSOCK(registration.stat().st_mode)
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]  # the second after the wipe
+
+
+async def test_dra_a_driver_back_in_time_keeps_its_slices_one_too_late_writes_them_again(dra_node):
+    """The kubelet deletes a driver's slices DRA_WIPING_DELAY after it went, unless it registers again
+    first: a plugin restart keeps them; a plugin away for longer finds them gone and writes them."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.stop()
+        await dra_node.kubelet.wait_until(lambda k: DRIVER not in k.drivers)
+        await dra_node.start()
+        await dra_node.registered()
+        assert ("wiped", DRIVER) not in dra_node.kubelet.events
+        dra_node.kubelet.wiping_delay = 0.05  # away for longer than the kubelet waits
+        dra_node.stop()
+        await dra_node.kubelet.wait_until(lambda k: ("wiped", DRIVER) in k.events)
+        assert dra_node.slice_devices() is None
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
 
 
 async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
