@@ -961,13 +961,6 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS)
-def test_bad_config_names_file_key_and_fix(text, message):
-    with pytest.raises(gp.ConfigError) as info:
-        gp.parse_config(text, "cfg.yaml")
-    assert str(info.value) == message
-
-
 @pytest.mark.parametrize(
     ("name", "problem"),
     [
@@ -4344,8 +4337,10 @@ DRA_BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(("text", "message"), DRA_BAD_CONFIGS)
-def test_dra_bad_config_names_file_key_and_fix(text, message):
+@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS + DRA_BAD_CONFIGS)
+def test_bad_config_names_file_key_and_fix(text, message):
+    """Every table of bad configurations, the device plugin's and DRA's: one line, naming the file,
+    the key and the fix."""
     with pytest.raises(gp.ConfigError) as info:
         gp.parse_config(text, "cfg.yaml")
     assert str(info.value) == message
@@ -4464,7 +4459,7 @@ class DraNode:
         top = {"device_plugin_dir": str(self.root / "dp")}
         return gp.parse_config(dra_config(self.devices, self.kubelet_dir, top, **fields), "cfg.yaml")
 
-    async def start(self, config=None, node_name="node-1"):
+    async def start(self, config=None, node_name="node-1", updates=None):
         """Start gopherplug; returns once it serves (registration may still be under way)."""
         os.makedirs(self.root / "dp", exist_ok=True)
         config = config or self.config(cdi={"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")})
@@ -4474,23 +4469,24 @@ class DraNode:
 
         async def run(task_status):
             with self.scope:
-                await gp.serve_plugin(config, node_name=node_name, task_status=task_status)
+                await gp.serve_plugin(config, node_name=node_name, updates=updates, task_status=task_status)
 
         await self.nursery.start(run)
 
     def stop(self):
         self.scope.cancel()
 
-    def slice_devices(self):
+    def slice_devices(self, pool=POOL):
         """The device names of the pool on the API server, and its generation (None: no slice)."""
-        mine = [s for s in self.api.slices.values() if s["spec"]["pool"]["name"] == self.POOL]
+        mine = [s for s in self.api.slices.values() if s["spec"]["pool"]["name"] == pool]
         if not mine:
             return None
         names = sorted(d["name"] for s in mine for d in s["spec"]["devices"])
         return names, {s["spec"]["pool"]["generation"] for s in mine}
 
-    async def wait_for_slices(self, names):
-        while (self.slice_devices() or (None,))[0] != sorted(names):
+    async def wait_for_slices(self, names, pool=POOL):
+        """Until the pool has these devices (None: until it has no slice)."""
+        while (self.slice_devices(pool) or (None,))[0] != (None if names is None else sorted(names)):
             await self.api.changed.wait_touched()
 
     async def registered(self):
@@ -4565,6 +4561,90 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1"]
+
+
+async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_on(dra_node, caplog):
+    """A checkpoint cut short (a full disk, a hand edit) must neither stop the driver nor be
+    overwritten: the claims in it are for a person to look at."""
+    checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text('{"version": 1, "claims": {"uid-0": ')
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/gopher=gopher0"]
+    aside = checkpoint.with_name("checkpoint.json.unreadable")
+    assert aside.read_text() == '{"version": 1, "claims": {"uid-0": '
+    assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-1"]
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert line.startswith(f"{checkpoint} is unreadable (") and line.endswith(
+        f"moved to {aside}; starting with no prepared claims"
+    )
+
+
+async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
+    other_devices = dra_node.root / "others"
+    other_devices.mkdir()
+    (other_devices / "o0").touch()
+    (dra_node.devices / "gopher0").touch()
+    other = {"name": "example.com/other", "directory": str(other_devices), "api": "dra"}
+
+    def config(*extra):
+        top = {"device_plugin_dir": str(dra_node.root / "dp")}
+        data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top))
+        data["resources"] = [*data["resources"], *extra]
+        return gp.parse_config(yaml.safe_dump(data), "cfg.yaml")
+
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    with trio.fail_after(TIMEOUT), logged("added example.com/other") as added, logged("removed") as removed:
+        await dra_node.start(config(), updates=updates())
+        await dra_node.wait_for_slices(["gopher0"])
+        await send.send(config(other))
+        await dra_node.wait_for_slices(["o0"], pool="node-1/example.com/other")
+        both = config(other)
+        await send.send(dataclasses.replace(both, resources=both.resources[1:]))  # example.com/gopher removed
+        await dra_node.wait_for_slices(None)
+        await added.wait()
+        await removed.wait()
+    assert dra_node.slice_devices("node-1/example.com/other")[0] == ["o0"]
+    assert added.lines == ["cfg.yaml: configuration reloaded: added example.com/other"]
+    assert removed.lines == ["cfg.yaml: configuration reloaded: removed example.com/gopher"]
+
+
+async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
+    """A pool over DRA_MAX_DEVICES_PER_SLICE devices is several slices; a change rewrites them
+    all under one new generation, and a pool that shrinks deletes the slices it no longer needs."""
+    limit = gp.DRA_MAX_DEVICES_PER_SLICE
+    names = [f"g{i}" for i in range(limit + 2)]
+    for name in names:
+        (dra_node.devices / name).touch()
+
+    def pool():
+        mine = [s for s in dra_node.api.slices.values() if s["spec"]["pool"]["name"] == DraNode.POOL]
+        return sorted(
+            (len(s["spec"]["devices"]), s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"])
+            for s in mine
+        )
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(names)
+        assert pool() == [(2, 1, 2), (limit, 1, 2)]
+        (dra_node.devices / "g-new").touch()
+        await dra_node.wait_for_slices([*names, "g-new"])
+        assert pool() == [(3, 2, 2), (limit, 2, 2)]
+        for name in names[:10]:
+            (dra_node.devices / name).unlink()
+        await dra_node.wait_for_slices([*names[10:], "g-new"])
+    assert pool() == [(limit - 7, 3, 1)]
 
 
 async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
