@@ -4452,8 +4452,14 @@ class KubeApi:
         self._api_error, self._transport_error = errors
 
     @classmethod
-    def connect(cls, service_account_dir: str = SERVICE_ACCOUNT_DIR, field_manager: str = "gopherplug") -> KubeApi:
-        """A client configured from the pod's service account, else from KUBECONFIG or ~/.kube/config."""
+    def connect(
+        cls,
+        service_account_dir: str = SERVICE_ACCOUNT_DIR,
+        field_manager: str = "gopherplug",
+        kubeconfig: str | None = None,
+    ) -> KubeApi:
+        """A client configured from ``kubeconfig`` if given, else from the pod's service account,
+        else from KUBECONFIG or ~/.kube/config."""
         try:
             import httpx2
             import lightkube
@@ -4463,7 +4469,9 @@ class KubeApi:
                 f"DRA needs the Kubernetes client lightkube ({error}): pip install 'gopherplug[dra]'"
             ) from None
         try:
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if kubeconfig is not None:
+                config = lightkube.KubeConfig.from_file(kubeconfig)
+            elif os.environ.get("KUBERNETES_SERVICE_HOST"):
                 config = lightkube.KubeConfig.from_service_account(service_account_dir)
             else:
                 config = lightkube.KubeConfig.from_env()
@@ -5548,10 +5556,7 @@ async def run_demo(out: Callable[[str], None] = print) -> None:
 
 async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Callable[[str], None]) -> None:
     resource = config.resources[0].name
-    start = trio.current_time()
-
-    def say(who: str, what: str) -> None:
-        out(f"{(trio.current_time() - start) * 1e3:8.1f} ms  {who:<8} {what}")
+    say = _demo_clock(out)
 
     def listed(kubelet: KubeletSimulator) -> str:
         known = kubelet.resources[resource].devices
@@ -5621,6 +5626,16 @@ def _one_line(message: Any) -> str:
     return ", ".join(f"{field.name}: {value}" for field, value in message.ListFields()) or "(defaults)"
 
 
+def _demo_clock(out: Callable[[str], None], width: int = 8) -> Callable[[str, str], None]:
+    """say(who, what): one narrated line, stamped with the milliseconds since the demo began."""
+    start = trio.current_time()
+
+    def say(who: str, what: str) -> None:
+        out(f"{(trio.current_time() - start) * 1e3:8.1f} ms  {who:<{width}} {what}")
+
+    return say
+
+
 # The DRA side of the kubelet, and an API server, in miniature.
 #
 # DraKubeletSimulator is the kubelet's plugin watcher and DRA manager as a driver sees them: it
@@ -5654,6 +5669,7 @@ class SimulatedDriver:
         str  #: the DRAPlugin service chosen from supported_versions, e.g. "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
     )
     registration_socket: str
+    supported_versions: tuple[str, ...] = ()  #: as GetInfo listed them
 
 
 class DraKubeletSimulator:
@@ -5786,7 +5802,9 @@ class DraKubeletSimulator:
         if (pending := self._pending_wipes.pop(info.name, None)) is not None:
             pending.cancel()  # back in time: its slices stay
         package = dict(DRA_VERSIONS)[str(chosen)]
-        self.drivers[info.name] = SimulatedDriver(info.name, info.endpoint, f"{package}.DRAPlugin", path)
+        self.drivers[info.name] = SimulatedDriver(
+            info.name, info.endpoint, f"{package}.DRAPlugin", path, tuple(info.supported_versions)
+        )
         self.events.append(("registered", path))
         self._changed.touch()
 
@@ -6000,6 +6018,150 @@ class ApiServerSimulator:
             await changed.wait()
 
 
+DEMO_DRA_CONFIG = """\
+# The DRA demo's configuration: every file in the temporary directory is one gopher device,
+# offered through DRA only; a container gets it as a CDI device (a mount and an env var).
+device_plugin_dir: {root}/device-plugins
+dra:
+  driver: gopherplug.example.com
+  kubelet_dir: {root}/kubelet
+resources:
+  - name: example.com/gopher
+    directory: {root}/gophers
+    api: dra
+    env: GOPHER
+    mounts:
+      - host_path: "{{path}}"
+        container_path: /run/gophers/{{id}}
+    cdi: {{kind: example.com/gopher, spec_dir: {root}/cdi}}
+"""
+
+
+async def run_dra_demo(out: Callable[[str], None] = print) -> None:
+    """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
+    simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
+    try:  # before anything starts: the API server simulator needs h11, the client lightkube
+        import h11  # noqa: F401
+        import lightkube  # noqa: F401
+    except ImportError as error:
+        raise GopherplugError(f"the DRA demo needs the dra extra ({error}): pip install 'gopherplug[dra]'") from None
+    root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
+    try:
+        for directory in ("device-plugins", "kubelet", "gophers"):
+            os.mkdir(os.path.join(root, directory))
+        for name in ("gopher0", "gopher1", "gopher2"):
+            open(os.path.join(root, "gophers", name), "x").close()
+        config = parse_config(DEMO_DRA_CONFIG.format(root=root), "<demo>")
+        await _narrate_dra_demo(config, root, out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None]) -> None:
+    assert config.dra is not None
+    driver, resource, node = config.dra.driver, config.resources[0], "demo-node"
+    pool = dra_pool_name(node, resource.name)
+    say = _demo_clock(out, width=9)
+
+    async def step(what: str, done: Callable[[], bool], changed: Watched) -> None:
+        with trio.move_on_after(DEMO_STEP_TIMEOUT):
+            while not done():
+                await changed.wait_touched()
+            return
+        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+
+    def slices() -> list[dict[str, Any]]:
+        return [item for item in api.slices.values() if item["spec"]["pool"]["name"] == pool]
+
+    def devices_in_slices() -> list[str]:
+        return sorted((d["name"] for item in slices() for d in item["spec"]["devices"]), key=_natural_key)
+
+    def slice_line() -> str:
+        (item,) = slices()
+        generation = item["spec"]["pool"]["generation"]
+        return f"ResourceSlice {item['metadata']['name']}: pool {pool} generation {generation}, " + (
+            f"devices {', '.join(devices_in_slices())}"
+        )
+
+    out(f"gopherplug demo --dra: a simulated kubelet and API server, and the real plugin, in {root}")
+    async with trio.open_nursery() as nursery:
+        api = await nursery.start(ApiServerSimulator().run)
+        kubeconfig = os.path.join(root, "kubeconfig")
+        with open(kubeconfig, "w", encoding="utf-8") as file:
+            cluster = {"name": "demo", "cluster": {"server": api.url}}
+            context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+            user = {"name": "demo", "user": {}}
+            document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo"}
+            yaml.safe_dump({**document, "clusters": [cluster], "contexts": [context], "users": [user]}, file)
+        say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
+        kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=lambda name: api.delete_node_slices(node, name))
+        await nursery.start(kubelet.run)
+        say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
+        client = KubeApi.connect(kubeconfig=kubeconfig)
+        try:
+            await nursery.start(functools.partial(serve_plugin, config, node_name=node, api=client))
+            say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
+            await step("registration", lambda: driver in kubelet.drivers, kubelet._changed)
+            known = kubelet.drivers[driver]
+            say("kubelet", f"GetInfo: type {DRA_PLUGIN_TYPE}, name {driver}, endpoint {known.endpoint}")
+            say("kubelet", f"  supported versions {', '.join(known.supported_versions)}: chose {known.service}")
+            say("kubelet", "NotifyRegistrationStatus(registered): the driver is known to this node")
+            await step("the first ResourceSlice", lambda: len(devices_in_slices()) == 3, api.changed)
+            say("plugin", slice_line())
+            first = slices()[0]["spec"]["devices"][0]
+            attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
+            say("plugin", f"  device {first['name']}: {attributes}")
+
+            added = os.path.join(resource.sources[0].directory, "gopher3")
+            open(added, "x").close()
+            touched = trio.current_time()
+            say("demo", f"created {added}")
+            await step("the slice's update", lambda: "gopher3" in devices_in_slices(), api.changed)
+            say("plugin", f"{slice_line()} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
+
+            # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
+            # selects by CEL and writes the result into the claim's status.allocation.
+            results = [{"request": "gopher", "driver": driver, "pool": pool, "device": "gopher1"}]
+            api.put_claim(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
+                    "status": {"allocation": {"devices": {"results": results}}},
+                }
+            )
+            say("scheduler", f"allocated ResourceClaim default/my-gopher: device gopher1 of pool {pool}")
+            answer = (await kubelet.prepare(driver, [("default", "7f3e-demo", "my-gopher")])).claims["7f3e-demo"]
+            say("kubelet", "NodePrepareResources(default/my-gopher, uid 7f3e-demo)")
+            for device in answer.devices:
+                say("plugin", f"  {device.device_name}: CDI device {', '.join(device.cdi_device_ids)}")
+            assert resource.cdi is not None
+            with open(resource.cdi.spec_file, encoding="utf-8") as file:
+                spec = json.load(file)
+            edits = next(d["containerEdits"] for d in spec["devices"] if d["name"] == "gopher1")
+            say("runtime", f"{resource.cdi.spec_file}: gopher1 is")
+            for env in edits.get("env", []):
+                say("runtime", f"  env {env}")
+            for mount in edits.get("mounts", []):
+                options = ",".join(mount["options"])
+                say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+            await kubelet.unprepare(driver, [("default", "7f3e-demo", "my-gopher")])
+            say("kubelet", "NodeUnprepareResources(default/my-gopher): the pod is gone; checkpoint updated")
+
+            restarted = trio.current_time()
+            kubelet.restart()
+            say("kubelet", "restarted: it wipes this node's slices, then walks plugins_registry again")
+            await step("registration", lambda: kubelet.starts == 2 and driver in kubelet.drivers, kubelet._changed)
+            await step("the slices", lambda: len(devices_in_slices()) == 4, api.changed)
+            elapsed = (trio.current_time() - restarted) * 1e3
+            say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
+            say("plugin", slice_line())
+            nursery.cancel_scope.cancel()
+        finally:
+            await client.aclose()
+    say("demo", "done: plugin stopped, its sockets removed")
+
+
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     """A meta/v1 Status, the API server's error document."""
     return {
@@ -6050,6 +6212,12 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
     )
+    demo.add_argument(
+        "--dra",
+        action="store_true",
+        help="the DRA flow instead: slices, claims, CDI, against a simulated kubelet and API server "
+        "(needs the dra extra)",
+    )
     for command in (serve, check, probe_):
         command.add_argument(
             "--config",
@@ -6093,7 +6261,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     if args.command == "demo":
-        return _run(args, run_demo)
+        return _run(args, run_dra_demo if args.dra else run_demo)
     if args.command == "probe":
         return _probe(args)
     if not args.config:

@@ -3644,6 +3644,28 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     assert os.listdir(sockdir) == []
 
 
+def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
+    result = run_cli("demo", "--dra", env={"TMPDIR": str(sockdir)})
+    assert (result.returncode, result.stderr) == (0, "")
+    steps = [line.split(None, 3)[2:] for line in result.stdout.splitlines()[1:]]
+    assert " ".join(who for who, _ in steps) == (
+        "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin demo plugin scheduler kubelet plugin "
+        "runtime runtime runtime kubelet kubelet plugin plugin demo"
+    )
+    said = "\n".join(what for _, what in steps)
+    assert re.search(r"endpoint /\S+/kubelet/plugins/gopherplug.example.com/dra.sock\n", said)
+    assert "supported versions v1.DRAPlugin, v1beta1.DRAPlugin: chose k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin" in said
+    pool = "pool demo-node/example.com/gopher"
+    assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
+    assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
+    assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
+    assert "gopher1: CDI device example.com/gopher=gopher1\n" in said
+    assert "env GOPHER_GOPHER1=gopher1\n" in said
+    assert re.search(r"mount /\S+/gophers/gopher1 -> /run/gophers/gopher1 \(bind,ro\)\n", said)
+    assert said.endswith("devices gopher0, gopher1, gopher2, gopher3\ndone: plugin stopped, its sockets removed")
+    assert os.listdir(sockdir) == []
+
+
 async def run_cli_async(*args):
     """run_cli for tests whose plugin runs on this trio thread: the subprocess is awaited, not blocked on."""
     return await trio.run_process(
