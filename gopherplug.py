@@ -9,7 +9,8 @@ Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table
                                (and gopherplug's own status service, which the kubelet never calls);
-                               DRA's pluginregistration and DRAPlugin messages the same way
+                               DRA's pluginregistration, DRAPlugin and DRAResourceHealth messages
+                               the same way
   2. Errors                    one base class; config errors name the file and the key
   3. Model                     frozen dataclasses: Config, ResourceConfig, DeviceEntry
   4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses;
@@ -125,7 +126,9 @@ __all__ = [
     "cdi_version",
     "container_only_problem",
     "dra_device_name",
+    "dra_health_response",
     "dra_pool_name",
+    "drahealth",
     "drapb",
     "examine_again",
     "find_usb_devices",
@@ -273,8 +276,11 @@ def _json_name(field_name: str) -> str:
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
-def _add_field(message: Any, name: str, number: int, type_: str, package: str = API_VERSION) -> None:
-    """Append one field, described as in _MESSAGES, to a DescriptorProto of ``package``."""
+def _add_field(
+    message: Any, name: str, number: int, type_: str, package: str = API_VERSION, enums: Iterable[str] = ()
+) -> None:
+    """Append one field, described as in _MESSAGES, to a DescriptorProto of ``package`` (whose enum
+    types are named in ``enums``)."""
     fdp = descriptor_pb2.FieldDescriptorProto
     field = message.field.add(name=name, number=number, json_name=_json_name(name))
     field.label = fdp.LABEL_OPTIONAL
@@ -296,7 +302,7 @@ def _add_field(message: Any, name: str, number: int, type_: str, package: str = 
     if type_ in _SCALARS:
         field.type = _SCALARS[type_]
     else:
-        field.type = fdp.TYPE_MESSAGE
+        field.type = fdp.TYPE_ENUM if type_ in enums else fdp.TYPE_MESSAGE
         field.type_name = f".{package}.{type_}"
 
 
@@ -305,13 +311,19 @@ def _file_descriptor(
     package: str = API_VERSION,
     messages: Mapping[str, tuple[tuple[str, int, str], ...]] = _MESSAGES,
     services: Mapping[str, tuple[tuple[str, str, str, bool], ...]] = _SERVICES,
+    enums: Mapping[str, tuple[str, ...]] | None = None,
 ) -> descriptor_pb2.FileDescriptorProto:
-    """Build a .proto file's descriptor from tables like the ones above, as protoc would."""
+    """Build a .proto file's descriptor from tables like the ones above, as protoc would. ``enums``:
+    enum name -> its value names, numbered from 0."""
     file = descriptor_pb2.FileDescriptorProto(name=name, package=package, syntax="proto3")
     for message_name, fields in messages.items():
         message = file.message_type.add(name=message_name)
         for field_name, number, type_ in fields:
-            _add_field(message, field_name, number, type_, package)
+            _add_field(message, field_name, number, type_, package, enums or {})
+    for enum_name, values in (enums or {}).items():
+        enum = file.enum_type.add(name=enum_name)
+        for number, value in enumerate(values):
+            enum.value.add(name=value, number=number)
     for service_name, methods in services.items():
         service = file.service.add(name=service_name)
         for method_name, request, response, server_streaming in methods:
@@ -500,7 +512,35 @@ DRA_VERSIONS = (
     ("v1beta1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1beta1"),
 )
 
-#: pluginregistration.proto and dra.proto (v1, then v1beta1) as protoc makes them.
+# Per-device health (k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto): a stream the kubelet
+# opens to the DRA socket when its ResourceHealthStatus feature gate is on (alpha in 1.34, on by
+# default from 1.36), to show each device's health in the pod status of the pods using it.
+_DRA_HEALTH_PACKAGE = "v1alpha1"
+_DRA_HEALTH_ENUMS = {"HealthStatus": ("UNKNOWN", "HEALTHY", "UNHEALTHY")}
+_DRA_HEALTH_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
+    "NodeWatchResourcesRequest": (),
+    "DeviceIdentifier": (
+        ("pool_name", 1, "string"),
+        ("device_name", 2, "string"),
+    ),
+    "DeviceHealth": (
+        ("device", 1, "DeviceIdentifier"),
+        ("health", 2, "HealthStatus"),
+        ("last_updated_time", 3, "int64"),
+        ("health_check_timeout_seconds", 4, "int64"),
+        ("message", 5, "string"),
+    ),
+    "NodeWatchResourcesResponse": (("devices", 1, "repeated DeviceHealth"),),
+}
+_DRA_HEALTH_SERVICES = {
+    "DRAResourceHealth": (("NodeWatchResources", "NodeWatchResourcesRequest", "NodeWatchResourcesResponse", True),),
+}
+
+#: The health service's name in supported_versions (DRAResourceHealthService in dra-health/v1alpha1/types.go).
+#: Kubelets before 1.37 ignore it and open the stream anyway; later ones open it only when it is listed.
+DRA_HEALTH_VERSION = f"{_DRA_HEALTH_PACKAGE}.DRAResourceHealth"
+
+#: pluginregistration.proto, dra.proto (v1, then v1beta1) and dra_health.proto as protoc makes them.
 REGISTRATION_FILE_DESCRIPTOR = _file_descriptor(
     "pluginregistration.proto", _REGISTRATION_PACKAGE, _REGISTRATION_MESSAGES, _REGISTRATION_SERVICES
 )
@@ -510,7 +550,10 @@ DRA_FILE_DESCRIPTORS = tuple(
     )
     for i, (_, package) in enumerate(DRA_VERSIONS)
 )
-for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS):
+DRA_HEALTH_FILE_DESCRIPTOR = _file_descriptor(
+    "dra_health.proto", _DRA_HEALTH_PACKAGE, _DRA_HEALTH_MESSAGES, _DRA_HEALTH_SERVICES, _DRA_HEALTH_ENUMS
+)
+for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS, DRA_HEALTH_FILE_DESCRIPTOR):
     _POOL.Add(_file)
 
 
@@ -538,10 +581,23 @@ class drapb:  # noqa: N801 - named as the kubelet's Go code imports k8s.io/kubel
     Claim = _message_class("Claim", _package)
 
 
-def _methods(package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]]) -> dict[str, Method]:
-    """Each RPC of ``services`` by its path, with the message classes of DRA v1 for either version:
-    the kubelet's v1beta1 messages are the same on the wire, only its service path differs."""
-    messages = _REGISTRATION_PACKAGE if package == _REGISTRATION_PACKAGE else DRA_VERSIONS[0][1]
+class drahealth:  # noqa: N801 - named after k8s.io/kubelet/pkg/apis/dra-health
+    """The DRAResourceHealth messages, e.g. ``drahealth.DeviceHealth(health=drahealth.HEALTHY, ...)``."""
+
+    NodeWatchResourcesRequest = _message_class("NodeWatchResourcesRequest", _DRA_HEALTH_PACKAGE)
+    DeviceIdentifier = _message_class("DeviceIdentifier", _DRA_HEALTH_PACKAGE)
+    DeviceHealth = _message_class("DeviceHealth", _DRA_HEALTH_PACKAGE)
+    NodeWatchResourcesResponse = _message_class("NodeWatchResourcesResponse", _DRA_HEALTH_PACKAGE)
+    UNKNOWN, HEALTHY, UNHEALTHY = range(3)  #: HealthStatus, as numbered in _DRA_HEALTH_ENUMS
+
+
+def _methods(
+    package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]], messages: str | None = None
+) -> dict[str, Method]:
+    """Each RPC of ``services`` by its path, with the message classes of package ``messages``
+    (default: ``package``). DRAPlugin's v1beta1 paths take DRA v1's classes: the kubelet's
+    v1beta1 messages are the same on the wire, only its service path differs."""
+    messages = messages or package
     return {
         method.path: method
         for service_name, methods in services.items()
@@ -552,13 +608,20 @@ def _methods(package: str, services: Mapping[str, tuple[tuple[str, str, str, boo
     }
 
 
-#: The RPCs of the plugin watcher (the plugin serves them) and of DRAPlugin in each version.
+#: The RPCs of the plugin watcher (the plugin serves them), of DRAPlugin in each version, and of
+#: DRAResourceHealth.
 DRA_METHODS: dict[str, Method] = {
     **_methods(_REGISTRATION_PACKAGE, _REGISTRATION_SERVICES),
-    **{path: m for _, package in DRA_VERSIONS for path, m in _methods(package, _DRA_SERVICES).items()},
+    **{
+        path: m
+        for _, package in DRA_VERSIONS
+        for path, m in _methods(package, _DRA_SERVICES, DRA_VERSIONS[0][1]).items()
+    },
+    **_methods(_DRA_HEALTH_PACKAGE, _DRA_HEALTH_SERVICES),
 }
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY_REGISTRATION_STATUS = "/pluginregistration.Registration/NotifyRegistrationStatus"
+NODE_WATCH_RESOURCES = f"/{DRA_HEALTH_VERSION}/NodeWatchResources"
 
 
 ########################################################################################################
@@ -2252,6 +2315,31 @@ def resource_slices(
         }
         for index, chunk in enumerate(chunks)
     ]
+
+
+#: How long the kubelet may trust one health report (DeviceHealth.health_check_timeout_seconds; the
+#: kubelet's own default, DefaultHealthTimeout in pkg/kubelet/cm/dra/healthinfo.go, is the same).
+DRA_HEALTH_TIMEOUT = 30
+#: The longest message the kubelet keeps; it cuts longer ones to 1021 characters and "...".
+_DRA_HEALTH_MESSAGE_LENGTH = 1024
+
+
+def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]], now: float) -> Any:
+    """Every device of ``pools`` (pool name -> its resource and devices) with its health, as
+    NodeWatchResources streams it: named as in its ResourceSlice, unhealthy with the reason."""
+    return drahealth.NodeWatchResourcesResponse(
+        devices=[
+            drahealth.DeviceHealth(
+                device=drahealth.DeviceIdentifier(pool_name=pool, device_name=dra_device_name(device.id)),
+                health=drahealth.HEALTHY if device.health == HEALTHY else drahealth.UNHEALTHY,
+                last_updated_time=int(now),
+                health_check_timeout_seconds=DRA_HEALTH_TIMEOUT,
+                message=device.problem[:_DRA_HEALTH_MESSAGE_LENGTH],
+            )
+            for pool, (_, devices) in sorted(pools.items())
+            for device in devices.values()
+        ]
+    )
 
 
 class ClaimError(GopherplugError):
@@ -4347,7 +4435,8 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
             type=DRA_PLUGIN_TYPE,
             name=config.driver,
             endpoint=config.endpoint,
-            supported_versions=[version for version, _ in DRA_VERSIONS],
+            # DRAPlugin v1 first: the kubelet speaks the first one listed that it knows.
+            supported_versions=[*(version for version, _ in DRA_VERSIONS), DRA_HEALTH_VERSION],
         )
 
     async def notify_registration_status(status: Any) -> Any:
@@ -4366,14 +4455,37 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
 
 
 def dra_plugin_services(resources: DraResources, claims: ClaimPreparer) -> list[purerpc.Service]:
-    """DRAPlugin, once per version the kubelet may speak: the same handlers, the same messages."""
+    """DRAPlugin, once per version the kubelet may speak (the same handlers, the same messages),
+    and DRAResourceHealth, all on the one socket the kubelet dials."""
     services = []
     for _, package in DRA_VERSIONS:
         service = purerpc.Service(f"{package}.DRAPlugin")
         for name, handler in (("NodePrepareResources", claims.prepare), ("NodeUnprepareResources", claims.unprepare)):
             service.add_method(name, handler, DRA_METHODS[f"/{package}.DRAPlugin/{name}"].signature)
         services.append(service)
-    return services
+    return [*services, dra_health_service(resources)]
+
+
+#: How often NodeWatchResources sends every device again when nothing changed: the kubelet takes a
+#: report as valid for DRA_HEALTH_TIMEOUT from when it received it, so a third of that leaves room
+#: for two lost or late ones. (This is the protocol's keep-alive; the devices are not polled.)
+DRA_HEALTH_RESEND = DRA_HEALTH_TIMEOUT / 3
+
+
+def dra_health_service(resources: DraResources) -> purerpc.Service:
+    """DRAResourceHealth: the health of every device, from the same watches as the slices."""
+
+    async def node_watch_resources(request: Any) -> AsyncIterator[Any]:
+        while True:
+            yield dra_health_response(resources.pools(), time.time())
+            with trio.move_on_after(DRA_HEALTH_RESEND):
+                await resources.wait_changed()
+                # A burst of changes (a driver making many device nodes) becomes a few reports.
+                await trio.sleep(LIST_PUSH_INTERVAL)
+
+    service = purerpc.Service(DRA_HEALTH_VERSION)
+    service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[NODE_WATCH_RESOURCES].signature)
+    return service
 
 
 class ClaimPreparer:
@@ -4767,7 +4879,8 @@ async def _keep_serving_in(
 #   │                                            every resource's devices are attached):
 #   │   ├── SlicePublisher.watch                 the node's ResourceSlices, watched on the API server
 #   │   ├── SlicePublisher.publish               devices -> ResourceSlices, on every change
-#   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources
+#   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources;
+#   │   │                                        DRAResourceHealth: NodeWatchResources
 #   │   └── _keep_serving (plugins_registry)     Registration, for the kubelet's plugin watcher
 #   └── per resource:
 #       ├── watch_devices                        inotify on the resource's directory
@@ -5824,10 +5937,25 @@ class DraKubeletSimulator:
         """NodeUnprepareResources for (namespace, uid, name) claims; the response."""
         return await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
 
-    async def _call(self, driver: str, method: str, request_type: Any, claims: Iterable[tuple[str, str, str]]) -> Any:
+    @asynccontextmanager
+    async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:
+        """The NodeWatchResources stream, as the kubelet opens it to a registered driver that lists
+        DRAResourceHealth (kubelets from 1.37 ask that; older ones open it regardless)."""
+        known = self._driver(driver)
+        if DRA_HEALTH_VERSION not in known.supported_versions:
+            raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} does not list {DRA_HEALTH_VERSION}")
+        method, request = DRA_METHODS[NODE_WATCH_RESOURCES], drahealth.NodeWatchResourcesRequest()
+        async with open_stream(known.endpoint, method, request, timeout=DRA_KUBELET_TIMEOUT) as responses:
+            yield responses
+
+    def _driver(self, driver: str) -> SimulatedDriver:
         known = self.drivers.get(driver)
         if known is None:
             raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} is not registered")
+        return known
+
+    async def _call(self, driver: str, method: str, request_type: Any, claims: Iterable[tuple[str, str, str]]) -> Any:
+        known = self._driver(driver)
         request = request_type(claims=[drapb.Claim(namespace=n, uid=u, name=m) for n, u, m in claims])
         path = f"/{known.service}/{method}"
         return await call_unary(known.endpoint, DRA_METHODS[path], request, timeout=DRA_KUBELET_TIMEOUT)
@@ -6111,6 +6239,11 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
             first = slices()[0]["spec"]["devices"][0]
             attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
             say("plugin", f"  device {first['name']}: {attributes}")
+            async with kubelet.watch_health(driver) as reports:
+                report = await reports.__anext__()
+            names = _DRA_HEALTH_ENUMS["HealthStatus"]
+            health = ", ".join(f"{d.device.device_name} {names[d.health]}" for d in report.devices)
+            say("plugin", f"NodeWatchResources: {health} (again at each change, and every {DRA_HEALTH_RESEND:g} s)")
 
             added = os.path.join(resource.sources[0].directory, "gopher3")
             open(added, "x").close()

@@ -3649,12 +3649,19 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert (result.returncode, result.stderr) == (0, "")
     steps = [line.split(None, 3)[2:] for line in result.stdout.splitlines()[1:]]
     assert " ".join(who for who, _ in steps) == (
-        "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin demo plugin scheduler kubelet plugin "
+        "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
         "runtime runtime runtime kubelet kubelet plugin plugin demo"
     )
     said = "\n".join(what for _, what in steps)
     assert re.search(r"endpoint /\S+/kubelet/plugins/gopherplug.example.com/dra.sock\n", said)
-    assert "supported versions v1.DRAPlugin, v1beta1.DRAPlugin: chose k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin" in said
+    assert (
+        "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1alpha1.DRAResourceHealth: "
+        "chose k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin\n"
+    ) in said
+    assert (
+        "NodeWatchResources: gopher0 HEALTHY, gopher1 HEALTHY, gopher2 HEALTHY (again at each change, and every 10 s)"
+        in said
+    )
     pool = "pool demo-node/example.com/gopher"
     assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
     assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
@@ -4262,7 +4269,8 @@ DRIVER = "gopherplug.example.com"
 
 
 def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
-    """pluginregistration.proto and dra.proto (and dra.proto in package v1beta1) against protoc."""
+    """pluginregistration.proto, dra.proto (and dra.proto in package v1beta1) and dra_health.proto
+    against protoc."""
     v1beta1_proto = (
         (HERE / "dra.proto")
         .read_text()
@@ -4273,6 +4281,7 @@ def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
         ("pluginregistration.proto", HERE, gp.REGISTRATION_FILE_DESCRIPTOR),
         ("dra.proto", HERE, gp.DRA_FILE_DESCRIPTORS[0]),
         ("dra_v1beta1.proto", tmp_path, gp.DRA_FILE_DESCRIPTORS[1]),
+        ("dra_health.proto", HERE, gp.DRA_HEALTH_FILE_DESCRIPTOR),
     ]
     for name, directory, ours in cases:
         out = tmp_path / f"{name}.bin"
@@ -4289,7 +4298,9 @@ def test_dra_service_paths_are_the_kubelets():
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
         "/pluginregistration.Registration/GetInfo",
         "/pluginregistration.Registration/NotifyRegistrationStatus",
+        "/v1alpha1.DRAResourceHealth/NodeWatchResources",
     ]
+    assert gp.DRA_METHODS[gp.NODE_WATCH_RESOURCES].server_streaming
 
 
 def dra_config(devices, kubelet_dir, top=(), **fields):
@@ -4897,17 +4908,51 @@ def test_lightkube_is_imported_only_for_dra(tmp_path):
     assert result.stdout.split() == ["False", "False"]
 
 
+async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node, monkeypatch):
+    """NodeWatchResources: every device at once, a device turning unhealthy (with why) at once,
+    and everything again after DRA_HEALTH_RESEND with nothing changed: the kubelet forgets a report
+    DRA_HEALTH_TIMEOUT after it came, and the device would read Unknown in the pod's status."""
+    monkeypatch.setattr(gp, "DRA_HEALTH_RESEND", 0.2)  # the test need not wait 10 s for the repeat
+    (dra_node.devices / "node0").touch()
+    (dra_node.devices / "gopher0").symlink_to("node0")
+    (dra_node.devices / "gopher1").touch()
+
+    def healths(report):
+        assert {d.device.pool_name for d in report.devices} == {DraNode.POOL}
+        assert {d.health_check_timeout_seconds for d in report.devices} == {gp.DRA_HEALTH_TIMEOUT}
+        assert all(abs(d.last_updated_time - time.time()) < TIMEOUT for d in report.devices)
+        return {d.device.device_name: (d.health, d.message) for d in report.devices}
+
+    ok = (gp.drahealth.HEALTHY, "")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(pattern="gopher*"))
+        await dra_node.registered()
+        async with dra_node.kubelet.watch_health(DRIVER) as reports:
+            assert healths(await reports.__anext__()) == {"gopher0": ok, "gopher1": ok}
+            (dra_node.devices / "node0").unlink()
+            while (now := healths(await reports.__anext__()))["gopher0"] == ok:
+                pass
+            assert now == {
+                "gopher0": (
+                    gp.drahealth.UNHEALTHY,
+                    f"{dra_node.devices}/gopher0 is a symlink to node0, which does not exist",
+                ),
+                "gopher1": ok,
+            }
+            assert healths(await reports.__anext__()) == now  # nothing changed: the same, sent again
+
+
 async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
     registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1."""
-    for name in ("pluginregistration.proto", "dra.proto"):
+    for name in ("pluginregistration.proto", "dra.proto", "dra_health.proto"):
         assert protoc.main(["protoc", f"-I{HERE}", f"--python_out={tmp_path}", name]) == 0
     modules = {}
-    for name in ("pluginregistration_pb2", "dra_pb2"):
+    for name in ("pluginregistration_pb2", "dra_pb2", "dra_health_pb2"):
         spec = importlib.util.spec_from_file_location(f"grpcio_{name}", tmp_path / f"{name}.py")
         modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules[name])
-    reg, dra_pb2 = modules["pluginregistration_pb2"], modules["dra_pb2"]
+    reg, dra_pb2, health_pb2 = modules["pluginregistration_pb2"], modules["dra_pb2"], modules["dra_health_pb2"]
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
     config = dra_node.config(cdi={"kind": "example.com/gopher", "spec_dir": str(dra_node.root / "cdi")})
@@ -4932,20 +4977,31 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
                     claims=[dra_pb2.Claim(namespace="default", uid="uid-1", name="c1")]
                 )
                 answers.append(prepare(request, timeout=5))
-        return info, answers
+            watch = channel.unary_stream(
+                "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+                request_serializer=health_pb2.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=health_pb2.NodeWatchResourcesResponse.FromString,
+            )
+            reports = watch(health_pb2.NodeWatchResourcesRequest(), timeout=5)
+            health = next(reports)
+            reports.cancel()
+        return info, answers, health
 
     with trio.fail_after(TIMEOUT):
         await dra_node.start(config)
         await dra_node.wait_for_slices(["gopher0"])
-        info, answers = await in_thread(kubelet)
+        info, answers, health = await in_thread(kubelet)
     assert (info.type, info.name, list(info.supported_versions)) == (
         "DRAPlugin",
         DRIVER,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"],
     )
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
         assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
+    (device,) = health.devices
+    assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")
+    assert (device.health, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, 30)
 
 
 def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
