@@ -4589,7 +4589,10 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         await dra_node.registered()
         again = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
         assert MessageToDict(again)["claims"] == expected
-        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-2", "c2"), ("default", "uid-9", "c9")])
+        with logged("unprepared ResourceClaim") as unprepared:
+            claims = [("default", "uid-2", "c2"), ("default", "uid-9", "c9")]
+            gone = await dra_node.kubelet.unprepare(DRIVER, claims)
+        assert unprepared.lines == ["unprepared ResourceClaim default/c2 (uid-2)"]  # c9 was never prepared here
         assert sorted(gone.claims) == ["uid-2", "uid-9"]
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
