@@ -1,22 +1,42 @@
-# gopherplug's image: a Python runtime, the pinned runtime dependencies and gopherplug.py, nothing else.
+# gopherplug's images: a Python runtime, the pinned dependencies and gopherplug.py, nothing else.
 #
-#   docker build -t gopherplug .
-#   docker run --rm gopherplug --version
+#   docker build -t gopherplug:0.1.0 .                    # the device plugin (daemonset.yaml)
+#   docker build --target dra -t gopherplug:0.1.0-dra .   # the DRA driver (daemonset-dra.yaml)
+#   docker run --rm gopherplug:0.1.0 --version
 #
-# Stage 1 builds wheels (all pure Python except protobuf and PyYAML, which ship binary wheels) and
-# installs them into /install, compiled to bytecode: the DaemonSet's root filesystem is read-only,
-# and without .pyc files Python would compile every module at each start (slower, and about 3 MB
-# more memory for gopherplug.py alone). Stage 2 copies that tree onto a clean runtime image, so no
-# pip cache, no build tools and no source tree reach the final image.
+# Two images because the DRA driver needs the dra extra (lightkube, its HTTP client and msgspec),
+# which a device plugin never imports: the default one stays small. Its stage is the last, so a
+# plain build gives it; BuildKit (docker's default builder) builds only the stages a target needs,
+# so that build never installs the extra.
+#
+# The build stages build wheels (all pure Python except protobuf, PyYAML and the extra's msgspec,
+# which ship binary wheels) and install them into /install, compiled to bytecode: the DaemonSet's
+# root filesystem is read-only, and without .pyc files Python would compile every module at each
+# start (slower, and about 3 MB more memory for gopherplug.py alone). Each final stage copies that
+# tree onto a clean runtime image, so no pip cache, no build tools and no source tree reach it.
 
-FROM python:3.11.14-slim-bookworm AS build
+FROM python:3.11.14-slim-bookworm AS source
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE gopherplug.py ./
+
+FROM source AS build
 RUN pip install --no-cache-dir --root-user-action=ignore --prefix=/install .
 
-FROM python:3.11.14-slim-bookworm
+# "/src[dra]" is ".[dra]", the project with its extra pinned in pyproject.toml, written so that
+# hadolint's DL3013 sees a path: it takes ".[dra]" for an unpinned package from the index, and
+# lets only a bare "." or a name with a "/" through.
+FROM source AS build-dra
+RUN pip install --no-cache-dir --root-user-action=ignore --prefix=/install "/src[dra]"
+
+# The kubelet's directories (device-plugins; plugins and plugins_registry for DRA) belong to root
+# on every distribution, and the plugin must create its sockets there: both images run as root,
+# confined by their DaemonSet's securityContext.
+FROM python:3.11.14-slim-bookworm AS dra
+COPY --from=build-dra /install /usr/local
+ENTRYPOINT ["gopherplug"]
+CMD ["serve"]
+
+FROM python:3.11.14-slim-bookworm AS device-plugin
 COPY --from=build /install /usr/local
-# The kubelet's device-plugin directory belongs to root on every distribution, and the plugin must
-# create its socket there: the container runs as root, confined by the DaemonSet's securityContext.
 ENTRYPOINT ["gopherplug"]
 CMD ["serve"]

@@ -5011,7 +5011,7 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     for version in ("1.34.0", "1.37.0"):
         result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
         assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.count("passed") == 6
+        assert result.stdout.count("passed") == 8
     with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
         objects = {item["kind"]: item for item in yaml.safe_load_all(file)}
     config = gp.parse_config(objects["ConfigMap"]["data"]["config.yaml"], "daemonset-dra.yaml ConfigMap")
