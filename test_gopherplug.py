@@ -4944,6 +4944,13 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
             }
             assert healths(await reports.__anext__()) == now  # nothing changed: the same, sent again
 
+        def healthy_in_slices():
+            (item,) = dra_node.api.slices.values()
+            return {d["name"]: d["attributes"]["healthy"]["bool"] for d in item["spec"]["devices"]}
+
+        while healthy_in_slices() != {"gopher0": False, "gopher1": True}:  # the slice says so too
+            await dra_node.api.changed.wait_touched()
+
 
 async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
