@@ -3626,15 +3626,21 @@ def write_config(node, tmp_path, **fields):
     return path
 
 
-def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
-    result = run_cli("demo", env={"TMPDIR": str(sockdir)})
+def narrated_demo(sockdir, *options):
+    """`gopherplug demo` with its temporary directory in ``sockdir``: who spoke, in order, and what
+    was said, a line each (the times left out)."""
+    result = run_cli("demo", *options, env={"TMPDIR": str(sockdir)})
     assert (result.returncode, result.stderr) == (0, "")
     steps = [line.split(None, 3)[2:] for line in result.stdout.splitlines()[1:]]
-    assert " ".join(who for who, _ in steps) == (
+    return " ".join(who for who, _ in steps), "\n".join(what for _, what in steps)
+
+
+def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
+    who, said = narrated_demo(sockdir)
+    assert who == (
         "kubelet plugin plugin kubelet kubelet plugin kubelet kubelet "
         "plugin plugin plugin demo plugin kubelet plugin plugin demo"
     )
-    said = "\n".join(what for _, what in steps)
     assert "Register(resource example.com/gopher, endpoint gopherplug-example.com_gopher-1.sock" in said
     assert "ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
     assert "Allocate(gopher0, gopher1)\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
@@ -3645,14 +3651,11 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
 
 
 def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
-    result = run_cli("demo", "--dra", env={"TMPDIR": str(sockdir)})
-    assert (result.returncode, result.stderr) == (0, "")
-    steps = [line.split(None, 3)[2:] for line in result.stdout.splitlines()[1:]]
-    assert " ".join(who for who, _ in steps) == (
+    who, said = narrated_demo(sockdir, "--dra")
+    assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
         "runtime runtime runtime kubelet kubelet plugin plugin demo"
     )
-    said = "\n".join(what for _, what in steps)
     assert re.search(r"endpoint /\S+/kubelet/plugins/gopherplug.example.com/dra.sock\n", said)
     assert (
         "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1alpha1.DRAResourceHealth: "
