@@ -3135,6 +3135,9 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
             await simulator.wait_until(listed("g1", "g2", "g3"))
             # Written before the kubelet heard of g3: a container may be created with it at once.
             assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g1", "g2", "g3"]
+            # One device a line, for a person reading the file: the head, three devices, the end.
+            lines = spec_file.read_text().splitlines()
+            assert [json.loads(line.rstrip(","))["name"] for line in lines[1:-1]] == ["g1", "g2", "g3"]
             answer = await simulator.allocate(RESOURCE, ["g3", "g1"])
             names = [d.name for d in answer.container_responses[0].cdi_devices]
             assert names == ["example.com/gopher=g3", "example.com/gopher=g1"]
