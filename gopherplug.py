@@ -4326,6 +4326,8 @@ class ClaimCheckpoint:
     NodePrepareResources again for a claim prepared before (it retries, and a second pod may share
     the claim): both are answered from here. Written whole to a temporary file, flushed to disk,
     then renamed over the old one, so a crash leaves the old file or the new one, never half of one.
+    Raises GopherplugError when the file is there but cannot be read: starting without it would
+    overwrite the claims in it.
     """
 
     VERSION = 1
@@ -4333,15 +4335,23 @@ class ClaimCheckpoint:
     def __init__(self, path: str) -> None:
         self.path = path
         self.claims: dict[str, dict[str, Any]] = {}  # claim UID -> {"namespace", "name", "devices"}
-        text = _read_text(path)
-        if text is None:
-            return
+        self._saving = trio.Lock()
+        try:
+            with open(path, "rb") as file:
+                text = file.read()
+        except FileNotFoundError:
+            return  # the first start on this node
+        except OSError as error:
+            raise GopherplugError(
+                f"cannot read the checkpoint {path}: {_describe(error)}: it holds the claims prepared on this "
+                "node; make it readable, or move it away to start without them"
+            ) from None
         try:
             data = json.loads(text)
             if data.get("version") != self.VERSION or not isinstance(data.get("claims"), dict):
                 raise ValueError(f"not a version {self.VERSION} checkpoint")
             self.claims = data["claims"]
-        except (ValueError, AttributeError) as error:
+        except (ValueError, AttributeError) as error:  # UnicodeDecodeError is a ValueError
             # Kept for a person to look at, not overwritten: the claims in it cannot be unprepared by us.
             aside = f"{path}.unreadable"
             os.replace(path, aside)
@@ -4353,29 +4363,48 @@ class ClaimCheckpoint:
             return None
         return [drapb.Device(**device) for device in claim["devices"]]
 
-    def add(self, claim: Any, devices: list[Any]) -> None:
+    async def add(self, claim: Any, devices: list[Any]) -> None:
+        """Remember a prepared claim, on disk when this returns. Raises GopherplugError, and
+        remembers nothing, when the file cannot be written: the claim is not prepared then."""
         fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
         listed = [{field: _plain(getattr(device, field)) for field in fields} for device in devices]
         self.claims[claim.uid] = {"namespace": claim.namespace, "name": claim.name, "devices": listed}
-        self.save()
+        try:
+            await self.save()
+        except GopherplugError:
+            self.claims.pop(claim.uid, None)
+            raise
 
-    def remove(self, uid: str) -> bool:
-        """Forget a claim; whether it was known."""
-        if self.claims.pop(uid, None) is None:
+    async def remove(self, uid: str) -> bool:
+        """Forget a claim, on disk when this returns; whether it was known. Raises GopherplugError,
+        and keeps the claim, when the file cannot be written."""
+        if (gone := self.claims.pop(uid, None)) is None:
             return False
-        self.save()
+        try:
+            await self.save()
+        except GopherplugError:
+            self.claims[uid] = gone  # still in the file: still prepared
+            raise
         return True
 
-    def save(self) -> None:
+    async def save(self) -> None:
+        """Write every claim known now. The writing and its fsyncs run in a worker thread: a slow
+        disk (an SD card on an edge node) must not stall every socket this process serves. One save
+        at a time, each taking what is known as it starts, so an older state never replaces a newer."""
+        async with self._saving:
+            # One compact line: the json module's C encoder writes that, while an indented file goes
+            # through its Python one, several times slower for every claim saved.
+            text = json.dumps({"version": self.VERSION, "claims": self.claims}, sort_keys=True)
+            await trio.to_thread.run_sync(self._write, text)
+
+    def _write(self, text: str) -> None:
         directory = os.path.dirname(self.path)
         try:
             os.makedirs(directory, mode=0o750, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as file:
-                    # One compact line: the json module's C encoder writes that, while an indented
-                    # file goes through its Python one, several times slower for every claim saved.
-                    file.write(json.dumps({"version": self.VERSION, "claims": self.claims}, sort_keys=True))
+                    file.write(text)
                     file.flush()
                     os.fsync(file.fileno())
                 os.replace(temporary, self.path)
@@ -4530,7 +4559,7 @@ class ClaimPreparer:
             with trio.fail_after(API_REQUEST_TIMEOUT):
                 found = await self.api.get_claim(claim.namespace, claim.name)
             devices = prepared_devices(found, claim.uid, self.resources.driver, self.resources.pools())
-            self.checkpoint.add(claim, devices)
+            await self.checkpoint.add(claim, devices)
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
         except GopherplugError as error:
@@ -4547,7 +4576,7 @@ class ClaimPreparer:
         for claim in request.claims:
             answer = response.claims[claim.uid]  # every claim gets an entry, even one we never knew
             try:
-                if self.checkpoint.remove(claim.uid):
+                if await self.checkpoint.remove(claim.uid):
                     log.info("unprepared ResourceClaim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
             except GopherplugError as error:
                 answer.error = str(error)

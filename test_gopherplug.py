@@ -4689,6 +4689,66 @@ async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     assert pool() == [(limit - 7, 3, 1)]
 
 
+async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node, monkeypatch):
+    """A disk that fails (EIO from fsync) fails the claim, and the claim is not remembered: asked
+    again, it is tried again, not answered as prepared from a file that never got it. An unprepare
+    that cannot be written keeps the claim."""
+    failing = False
+    fsync = os.fsync
+
+    def sometimes_failing_fsync(fd):
+        if failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", sometimes_failing_fsync)
+    checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    c1 = [("default", "uid-1", "c1")]
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        failing = True
+        for _ in range(2):
+            answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
+            assert (answer.error, list(answer.devices)) == (
+                f"cannot write the checkpoint {checkpoint}: OSError: [Errno 5] Input/output error",
+                [],
+            )
+        failing = False
+        answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
+        assert [d.device_name for d in answer.devices] == ["gopher0"]
+        failing = True
+        gone = (await dra_node.kubelet.unprepare(DRIVER, c1)).claims["uid-1"]
+        assert gone.error.startswith(f"cannot write the checkpoint {checkpoint}: ")
+        assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-1"]
+        failing = False
+        gone = (await dra_node.kubelet.unprepare(DRIVER, c1)).claims["uid-1"]
+        assert gone.error == ""
+    assert json.loads(checkpoint.read_text())["claims"] == {}
+
+
+async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
+    """Starting without it would write over the claims in it: `gopherplug serve` exits 1 with one
+    line naming it, and what to do."""
+    checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.mkdir(parents=True)  # e.g. a hostPath volume made of the file's path by mistake
+    config = dra_node.root / "cfg.yaml"
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+    monkeypatch.setenv("NODE_NAME", "node-1")
+    monkeypatch.setenv("KUBECONFIG", str(dra_node.kubeconfig))
+    with trio.fail_after(TIMEOUT):
+        result = await run_cli_async("serve", "--config", str(config))
+    (line,) = result.stderr.decode().splitlines()
+    assert result.returncode == 1
+    assert line.endswith(
+        f" ERROR cannot read the checkpoint {checkpoint}: IsADirectoryError: [Errno 21] Is a directory: "
+        f"'{checkpoint}': it holds the claims prepared on this node; make it readable, or move it away to start "
+        "without them"
+    )
+
+
 async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
     (dra_node.devices / "gopher0").touch()
     put = dra_node.api.put_claim

@@ -287,11 +287,11 @@ async def breakdown(node, args):
     added, removed = [], []
     for i in range(args.claims):
         began = time.perf_counter()
-        checkpoint.add(gp.drapb.Claim(namespace="default", uid=f"uid-{i}", name=f"c{i}"), [device])
+        await checkpoint.add(gp.drapb.Claim(namespace="default", uid=f"uid-{i}", name=f"c{i}"), [device])
         added.append(time.perf_counter() - began)
     for i in range(args.claims):
         began = time.perf_counter()
-        checkpoint.remove(f"uid-{i}")
+        await checkpoint.remove(f"uid-{i}")
         removed.append(time.perf_counter() - began)
     print(
         f"  ClaimCheckpoint.add (write, fsync, rename, fsync dir), 1 to {args.claims} claims: "
