@@ -417,6 +417,8 @@ _STATUS_FIELDS = (
     ("registered", 2, "bool"),  # Register succeeded with the kubelet that runs now
     ("streams", 3, "int32"),  # the kubelet's ListAndWatch streams open now
     ("unstreamed_seconds", 4, "double"),  # with none open: for how long, counted from the kubelet's start
+    ("registration_error", 5, "string"),  # DRA: why the kubelet refused the driver, as it said
+    ("unregistered_seconds", 6, "double"),  # DRA: not registered (yet): for how long, since serving
 )
 
 
@@ -4025,11 +4027,12 @@ class StreamStatus:
         )
 
 
-def status_service(resource: ResourceConfig, status: StreamStatus) -> purerpc.Service:
-    """gopherplug's status service for one resource, on the same socket as its DevicePlugin service."""
+def status_service(message: Callable[[], Any]) -> purerpc.Service:
+    """gopherplug's status service, on the same socket as a DevicePlugin or DRAPlugin service:
+    ``message()`` is the ResourceStatus it answers."""
 
     async def get(empty: Any) -> Any:
-        return status.message(resource.name)
+        return message()
 
     service = purerpc.Service(GET_STATUS.service)
     service.add_method(GET_STATUS.name, get, GET_STATUS.signature)
@@ -4462,11 +4465,23 @@ class DraResources:
 
 @dataclass
 class RegistrationState:
-    """What the kubelet last said in NotifyRegistrationStatus (for logs and `gopherplug probe`)."""
+    """What the kubelet last said in NotifyRegistrationStatus, and its health streams open now
+    (for logs and `gopherplug probe`)."""
 
     registered: bool = False
     error: str = ""
     notified: Watched = dataclasses.field(default_factory=lambda: Watched(0))  #: counts the notifications
+    health_streams: int = 0
+    serving_since: float = dataclasses.field(default_factory=time.monotonic)
+
+    def message(self, driver: str) -> Any:
+        return ResourceStatus(
+            resource_name=driver,
+            registered=self.registered,
+            registration_error=self.error,
+            streams=self.health_streams,
+            unregistered_seconds=0.0 if self.registered else time.monotonic() - self.serving_since,
+        )
 
 
 def registration_service(config: DraConfig, state: RegistrationState) -> purerpc.Service:
@@ -4496,16 +4511,20 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
     return service
 
 
-def dra_plugin_services(resources: DraResources, claims: ClaimPreparer) -> list[purerpc.Service]:
+def dra_plugin_services(
+    resources: DraResources, claims: ClaimPreparer, registration: RegistrationState
+) -> list[purerpc.Service]:
     """DRAPlugin, once per version the kubelet may speak (the same handlers, the same messages),
-    and DRAResourceHealth, all on the one socket the kubelet dials."""
+    DRAResourceHealth, and gopherplug's status for `gopherplug probe`, all on the one socket the
+    kubelet dials."""
     services = []
     for _, package in DRA_VERSIONS:
         service = purerpc.Service(f"{package}.DRAPlugin")
         for name, handler in (("NodePrepareResources", claims.prepare), ("NodeUnprepareResources", claims.unprepare)):
             service.add_method(name, handler, DRA_METHODS[f"/{package}.DRAPlugin/{name}"].signature)
         services.append(service)
-    return [*services, dra_health_service(resources)]
+    status = status_service(functools.partial(registration.message, resources.driver))
+    return [*services, dra_health_service(resources, registration), status]
 
 
 #: How often NodeWatchResources sends every device again when nothing changed: the kubelet takes a
@@ -4514,16 +4533,22 @@ def dra_plugin_services(resources: DraResources, claims: ClaimPreparer) -> list[
 DRA_HEALTH_RESEND = DRA_HEALTH_TIMEOUT / 3
 
 
-def dra_health_service(resources: DraResources) -> purerpc.Service:
-    """DRAResourceHealth: the health of every device, from the same watches as the slices."""
+def dra_health_service(resources: DraResources, registration: RegistrationState) -> purerpc.Service:
+    """DRAResourceHealth: the health of every device, from the same watches as the slices.
+    ``registration`` counts the kubelet's streams (a probe's is not counted)."""
 
-    async def node_watch_resources(request: Any) -> AsyncIterator[Any]:
-        while True:
-            yield dra_health_response(resources.pools(), time.time())
-            with trio.move_on_after(DRA_HEALTH_RESEND):
-                await resources.wait_changed()
-                # A burst of changes (a driver making many device nodes) becomes a few reports.
-                await trio.sleep(LIST_PUSH_INTERVAL)
+    async def node_watch_resources(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
+        counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
+        registration.health_streams += counted
+        try:
+            while True:
+                yield dra_health_response(resources.pools(), time.time())
+                with trio.move_on_after(DRA_HEALTH_RESEND):
+                    await resources.wait_changed()
+                    # A burst of changes (a driver making many device nodes) becomes a few reports.
+                    await trio.sleep(LIST_PUSH_INTERVAL)
+        finally:
+            registration.health_streams -= counted
 
     service = purerpc.Service(DRA_HEALTH_VERSION)
     service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[NODE_WATCH_RESOURCES].signature)
@@ -4866,7 +4891,9 @@ async def serve_dra(
     async with trio.open_nursery() as nursery:
         await nursery.start(driver.slices.watch)
         await nursery.start(driver.slices.publish)
-        await nursery.start(_keep_serving, config.endpoint, lambda: dra_plugin_services(resources, driver.claims))
+        await nursery.start(
+            _keep_serving, config.endpoint, lambda: dra_plugin_services(resources, driver.claims, driver.registration)
+        )
         await nursery.start(
             _keep_serving, config.registration_socket, lambda: [registration_service(config, driver.registration)]
         )
@@ -4960,7 +4987,7 @@ async def serve_resource(
 
     def services(ending: trio.Event) -> list[purerpc.Service]:
         plugin = device_plugin_service(resource, devices, shape_allocation, encoder, ending, examine, status)
-        return [plugin, status_service(resource, status)]
+        return [plugin, status_service(functools.partial(status.message, resource.name))]
 
     lock = ResourceLock(resource.name, directory)
     try:
@@ -5652,6 +5679,80 @@ def probe_report(results: list[ProbeResult]) -> str:
         for device in result.devices:
             numa = ",".join(str(node.ID) for node in device.topology.nodes) or "-"
             lines.append(f"  {device.ID:<{width}}  {device.health:<9}  {numa}")
+    return "\n".join(lines)
+
+
+@dataclass
+class DraProbeResult:
+    """The DRA driver as the kubelet sees it: its registration socket's GetInfo, gopherplug's
+    status on the endpoint, and the first health report (every device), or an error."""
+
+    driver: str
+    registration_socket: str
+    info: Any = None  #: PluginInfo
+    status: Any = None  #: ResourceStatus: registered, the kubelet's health streams
+    health: Any = None  #: the first NodeWatchResourcesResponse
+    error: str = ""
+
+
+async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> DraProbeResult:
+    """Call the DRA driver ``config`` names as the kubelet does. Never raises for the driver's failure.
+
+    It fails when a socket does not answer, when GetInfo names another driver, when the kubelet
+    refused the registration, or when no kubelet registered it for more than ``grace`` seconds
+    (the kubelet calls GetInfo within a second of the socket's creation: one that does not is
+    watching another directory).
+    """
+    result = DraProbeResult(config.driver, config.registration_socket)
+    try:
+        request = pluginregistration.InfoRequest()
+        result.info = await call_unary(
+            config.registration_socket, DRA_METHODS[GET_INFO], request, timeout=PROBE_TIMEOUT
+        )
+        endpoint = result.info.endpoint
+        result.status = await call_unary(endpoint, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
+        method, watch = DRA_METHODS[NODE_WATCH_RESOURCES], drahealth.NodeWatchResourcesRequest()
+        with trio.fail_after(PROBE_TIMEOUT):
+            async with open_stream(
+                endpoint, method, watch, timeout=PROBE_TIMEOUT, metadata=(PROBE_METADATA,)
+            ) as reports:
+                async for report in reports:
+                    result.health = report
+                    break
+    except (RPCError, trio.TooSlowError) as error:
+        result.error = f"did not answer: {error or 'timed out'}"
+        return result
+    status = result.status
+    if result.info.name != config.driver:
+        result.error = f"{config.registration_socket} is DRA driver {result.info.name}'s, not {config.driver}'s"
+    elif status.registration_error:
+        result.error = f"the kubelet refused the driver: {status.registration_error}"
+    elif not status.registered and status.unregistered_seconds > grace:
+        result.error = (
+            f"no kubelet has registered it in {status.unregistered_seconds:.0f} s: is {config.kubelet_dir} "
+            "the kubelet's root directory?"
+        )
+    return result
+
+
+def dra_probe_report(result: DraProbeResult) -> str:
+    """A DRA probe's result as text: a line for the driver, then a table of its devices."""
+    if result.error:
+        return f"DRA driver {result.driver}: FAILED: {result.error}"
+    devices = list(result.health.devices)
+    healthy = sum(device.health == drahealth.HEALTHY for device in devices)
+    status = result.status
+    streamed = f"{status.streams} open" if status.streams else "none"
+    lines = [
+        f"DRA driver {result.driver}: {result.registration_socket} -> {result.info.endpoint}: "
+        f"{len(devices)} devices, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
+        f"kubelet health streams {streamed}"
+    ]
+    rows = [("POOL", "DEVICE", "HEALTH")] + [
+        (d.device.pool_name, d.device.device_name, _DRA_HEALTH_ENUMS["HealthStatus"][d.health]) for d in devices
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    lines += [f"  {pool:<{widths[0]}}  {name:<{widths[1]}}  {health}" for pool, name, health in rows]
     return "\n".join(lines)
 
 
@@ -6474,11 +6575,22 @@ def _probe(args: argparse.Namespace) -> int:
         except ConfigError as error:
             print(f"gopherplug: {error}", file=sys.stderr)
             return EXIT_USAGE
+    if config is not None and config.dra is not None:
+        # A DRA driver: the driver as the kubelet sees it, and any resource it also serves (api: both,
+        # or a device-plugin resource beside it) as the device manager does.
+        dra = trio.run(probe_dra, config.dra, args.grace)
+        print(dra_probe_report(dra))
+        names = args.resource or [resource.name for resource in config.resources if resource.device_plugin]
+        if not names:
+            return EXIT_FAILURE if dra.error else EXIT_OK
+        failed = bool(dra.error)
+    else:
+        names = args.resource or ([resource.name for resource in config.resources] if config else None)
+        failed = False
     directory = args.device_plugin_dir or (config and config.device_plugin_dir) or find_device_plugin_dir()
-    names = args.resource or ([resource.name for resource in config.resources] if config else None)
     results = trio.run(probe, directory, names, args.grace)
     print(probe_report(results) if results else f"no gopherplug socket in {directory}")
-    return EXIT_OK if results and not any(result.error for result in results) else EXIT_FAILURE
+    return EXIT_OK if results and not failed and not any(result.error for result in results) else EXIT_FAILURE
 
 
 class _LogFormatter(logging.Formatter):

@@ -4965,6 +4965,52 @@ async def test_dra_needs_the_node_name(dra_node):
     assert str(info.value).startswith("NODE_NAME is not set: DRA needs this node's name")
 
 
+async def test_probe_shows_the_dra_driver_as_the_kubelet_sees_it(dra_node):
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
+    config = dra_node.root / "cfg.yaml"
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.load_config(str(config)))
+        await dra_node.registered()
+        result = await run_cli_async("probe", "--config", str(config))
+    assert (result.returncode, result.stderr) == (0, b"")
+    k = dra_node.kubelet_dir
+    assert result.stdout.decode() == (
+        f"DRA driver {DRIVER}: {k}/plugins_registry/{DRIVER}-reg.sock -> {k}/plugins/{DRIVER}/dra.sock: "
+        "2 devices, 1 healthy; registered yes, kubelet health streams none\n"
+        "  POOL                       DEVICE   HEALTH\n"
+        f"  {DraNode.POOL}  gopher0  HEALTHY\n"
+        f"  {DraNode.POOL}  gopher1  UNHEALTHY\n"
+    )
+
+
+async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_node, nursery):
+    refusing = dra_node.root / "refusing"
+    old_kubelet = await nursery.start(gp.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
+    unwatched = dra_node.root / "unwatched"  # e.g. microk8s's kubelet root, with the default in the config
+    results = {}
+    for kubelet_dir in (refusing, unwatched):
+        config = dra_node.root / f"{kubelet_dir.name}.yaml"
+        config.write_text(dra_config(dra_node.devices, kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+        with trio.fail_after(TIMEOUT):
+            await dra_node.start(gp.load_config(str(config)))
+            if kubelet_dir == refusing:  # refused once NotifyRegistrationStatus told the plugin so
+                await old_kubelet.wait_until(lambda k: any(e.startswith("refused") for e, _ in k.events))
+            results[kubelet_dir.name] = await run_cli_async("probe", "--config", str(config), "--grace", "0")
+        dra_node.stop()
+    assert [r.returncode for r in results.values()] == [1, 1]
+    assert results["refusing"].stdout.decode() == (
+        f"DRA driver {DRIVER}: FAILED: the kubelet refused the driver: none of the versions "
+        "['v1.DRAPlugin', 'v1beta1.DRAPlugin', 'v1alpha1.DRAResourceHealth'] is supported\n"
+    )
+    assert re.fullmatch(
+        rf"DRA driver {DRIVER}: FAILED: no kubelet has registered it in \d+ s: is {unwatched} the kubelet's "
+        r"root directory\?\n",
+        results["unwatched"].stdout.decode(),
+    )
+
+
 def test_lightkube_is_imported_only_for_dra(tmp_path):
     program = (
         "import sys, gopherplug; gopherplug.parse_config(open(sys.argv[1]).read()); "
