@@ -590,7 +590,8 @@ class drahealth:  # noqa: N801 - named after k8s.io/kubelet/pkg/apis/dra-health
     DeviceIdentifier = _message_class("DeviceIdentifier", _DRA_HEALTH_PACKAGE)
     DeviceHealth = _message_class("DeviceHealth", _DRA_HEALTH_PACKAGE)
     NodeWatchResourcesResponse = _message_class("NodeWatchResourcesResponse", _DRA_HEALTH_PACKAGE)
-    UNKNOWN, HEALTHY, UNHEALTHY = range(3)  #: HealthStatus, as numbered in _DRA_HEALTH_ENUMS
+    NAMES = _DRA_HEALTH_ENUMS["HealthStatus"]  #: a HealthStatus value's name, by its number
+    UNKNOWN, HEALTHY, UNHEALTHY = range(len(NAMES))
 
 
 def _methods(
@@ -5749,7 +5750,7 @@ def dra_probe_report(result: DraProbeResult) -> str:
         f"kubelet health streams {streamed}"
     ]
     rows = [("POOL", "DEVICE", "HEALTH")] + [
-        (d.device.pool_name, d.device.device_name, _DRA_HEALTH_ENUMS["HealthStatus"][d.health]) for d in devices
+        (d.device.pool_name, d.device.device_name, drahealth.NAMES[d.health]) for d in devices
     ]
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     lines += [f"  {pool:<{widths[0]}}  {name:<{widths[1]}}  {health}" for pool, name, health in rows]
@@ -6337,12 +6338,15 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     pool = dra_pool_name(node, resource.name)
     say = _demo_clock(out, width=9)
 
-    async def step(what: str, done: Callable[[], bool], changed: Watched) -> None:
+    async def step(what: str, happened: Awaitable[None]) -> None:
         with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            while not done():
-                await changed.wait_touched()
+            await happened
             return
         raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+
+    async def api_until(done: Callable[[], bool]) -> None:
+        while not done():
+            await api.changed.wait_touched()
 
     def slices() -> list[dict[str, Any]]:
         return [item for item in api.slices.values() if item["spec"]["pool"]["name"] == pool]
@@ -6375,27 +6379,26 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
         try:
             await nursery.start(functools.partial(serve_plugin, config, node_name=node, api=client))
             say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
-            await step("registration", lambda: driver in kubelet.drivers, kubelet._changed)
+            await step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
             known = kubelet.drivers[driver]
             say("kubelet", f"GetInfo: type {DRA_PLUGIN_TYPE}, name {driver}, endpoint {known.endpoint}")
             say("kubelet", f"  supported versions {', '.join(known.supported_versions)}: chose {known.service}")
             say("kubelet", "NotifyRegistrationStatus(registered): the driver is known to this node")
-            await step("the first ResourceSlice", lambda: len(devices_in_slices()) == 3, api.changed)
+            await step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
             say("plugin", slice_line())
             first = slices()[0]["spec"]["devices"][0]
             attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
             say("plugin", f"  device {first['name']}: {attributes}")
             async with kubelet.watch_health(driver) as reports:
                 report = await reports.__anext__()
-            names = _DRA_HEALTH_ENUMS["HealthStatus"]
-            health = ", ".join(f"{d.device.device_name} {names[d.health]}" for d in report.devices)
+            health = ", ".join(f"{d.device.device_name} {drahealth.NAMES[d.health]}" for d in report.devices)
             say("plugin", f"NodeWatchResources: {health} (again at each change, and every {DRA_HEALTH_RESEND:g} s)")
 
             added = os.path.join(resource.sources[0].directory, "gopher3")
             open(added, "x").close()
             touched = trio.current_time()
             say("demo", f"created {added}")
-            await step("the slice's update", lambda: "gopher3" in devices_in_slices(), api.changed)
+            await step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
             say("plugin", f"{slice_line()} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
 
             # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
@@ -6430,8 +6433,8 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
             restarted = trio.current_time()
             kubelet.restart()
             say("kubelet", "restarted: it wipes this node's slices, then walks plugins_registry again")
-            await step("registration", lambda: kubelet.starts == 2 and driver in kubelet.drivers, kubelet._changed)
-            await step("the slices", lambda: len(devices_in_slices()) == 4, api.changed)
+            await step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
+            await step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
             elapsed = (trio.current_time() - restarted) * 1e3
             say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
             say("plugin", slice_line())
@@ -6575,18 +6578,15 @@ def _probe(args: argparse.Namespace) -> int:
         except ConfigError as error:
             print(f"gopherplug: {error}", file=sys.stderr)
             return EXIT_USAGE
-    if config is not None and config.dra is not None:
-        # A DRA driver: the driver as the kubelet sees it, and any resource it also serves (api: both,
-        # or a device-plugin resource beside it) as the device manager does.
+    failed = False
+    if config is not None and config.dra is not None:  # the DRA driver, as the kubelet sees it
         dra = trio.run(probe_dra, config.dra, args.grace)
         print(dra_probe_report(dra))
-        names = args.resource or [resource.name for resource in config.resources if resource.device_plugin]
-        if not names:
-            return EXIT_FAILURE if dra.error else EXIT_OK
         failed = bool(dra.error)
-    else:
-        names = args.resource or ([resource.name for resource in config.resources] if config else None)
-        failed = False
+    # The resources served through the device-plugin API (all of them, without dra), as the device manager sees them.
+    names = args.resource or ([r.name for r in config.resources if r.device_plugin] if config else None)
+    if names == []:  # a DRA driver only
+        return EXIT_FAILURE if failed else EXIT_OK
     directory = args.device_plugin_dir or (config and config.device_plugin_dir) or find_device_plugin_dir()
     results = trio.run(probe, directory, names, args.grace)
     print(probe_report(results) if results else f"no gopherplug socket in {directory}")
