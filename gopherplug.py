@@ -37,6 +37,7 @@ import argparse
 import bisect
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import errno
@@ -1706,7 +1707,7 @@ def examine_path(
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
-    problem = _health_problem(path, unreachable, _access_needed(specs, is_node))
+    problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
@@ -1773,8 +1774,18 @@ def _access_needed(specs: Iterable[DeviceSpecTemplate], is_node: bool) -> int:
     return (os.R_OK if "r" in letters else 0) | (os.W_OK if "w" in letters else 0)
 
 
-def _health_problem(path: str, unreachable: OSError | None, access: int) -> str:
-    """Why the device at ``path`` cannot be used as configured, or "" if it can."""
+def _health_problem(path: str, unreachable: OSError | None, access: int, is_node: bool = False) -> str:
+    """Why the device at ``path`` cannot be used as configured, or "" if it can.
+
+    The check is access(): what this process may do with the file, by its mode, owner and this
+    process's capabilities (EACCES). For a device node the kernel then asks one more question, of
+    the *caller's* device cgroup (security/device_cgroup.c, devcgroup_inode_permission), and says
+    EPERM: an unprivileged container may open only the runtime's default nodes (null, zero,
+    random, tty, ...) and those its own spec lists. The plugin's container lists none of the devices
+    it offers, and the consumer's will, because the runtime adds each DeviceSpec to the consumer's
+    cgroup. So EPERM on a node is a fact about the plugin's cgroup, not about the device: the node
+    is there, and its mode let us through, which is all the plugin can know from outside.
+    """
     if isinstance(unreachable, FileNotFoundError):
         if os.path.islink(path):
             return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
@@ -1782,9 +1793,49 @@ def _health_problem(path: str, unreachable: OSError | None, access: int) -> str:
     if unreachable is not None:
         return f"cannot stat {path}: {unreachable.strerror}"
     if not os.access(path, access or os.F_OK):
+        if is_node and _access_errno(path, access) == errno.EPERM:
+            return ""  # the mode allowed it; only this process's own device cgroup refused
         wanted = {os.R_OK: "reading", os.W_OK: "writing", os.R_OK | os.W_OK: "reading and writing"}
         return f"this process cannot open {path} for {wanted.get(access, 'use')}"
     return ""
+
+
+def pod_mode_problem(path: str, access: int) -> str:
+    """Why the shipped DaemonSets' plugin, uid 0 and gid 0 with every capability dropped, would be
+    refused ``access`` on ``path`` by the file's mode and owner, or "".
+
+    Without CAP_DAC_OVERRIDE, root is a user like any other: the kernel takes the owner's bits if it
+    owns the file, else the group's if its group does, else the others' (never a union of them).
+    `check-config` run as root on the node keeps that capability, and would call healthy what the
+    pod calls unhealthy. POSIX ACLs are not looked at.
+    """
+    try:
+        status = os.stat(path)
+    except OSError:
+        return ""
+    shift = 6 if status.st_uid == 0 else 3 if status.st_gid == 0 else 0
+    need = (4 if access & os.R_OK else 0) | (2 if access & os.W_OK else 0)
+    if (status.st_mode >> shift) & need == need:
+        return ""
+    wanted = {4: "reading", 2: "writing", 6: "reading and writing"}[need]
+    return (
+        f"mode {stat.S_IMODE(status.st_mode):04o} and owner {status.st_uid}:{status.st_gid} refuse {wanted} "
+        "to root without capabilities"
+    )
+
+
+def _access_errno(path: str, access: int) -> int:
+    """Why access() refuses: its errno (0 if it does not). os.access() answers only yes or no."""
+    libc = _libc()
+    if libc.access(os.fsencode(path), access) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded when first asked for (most processes never need it)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
@@ -5757,10 +5808,13 @@ def dra_probe_report(result: DraProbeResult) -> str:
     return "\n".join(lines)
 
 
-def scan_report(resource: ResourceConfig, scan: Scan, *container_problems: str) -> str:
+def scan_report(
+    resource: ResourceConfig, scan: Scan, *container_problems: str, in_pod: Mapping[str, str] | None = None
+) -> str:
     """What `check-config` shows of a resource: the devices the kubelet would be offered now, each
     with its health and the paths of its members (a symlink with the file it leads to), then
-    every entry skipped and why."""
+    every entry skipped and why. ``in_pod``: for a member's path, why the shipped pod would find it
+    unhealthy although this process does not (see pod_mode_problem)."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
     replicas = f" (each offered {resource.replicas} times)" if resource.replicas > 1 else ""
     lines = [f"{resource.name}: {len(scan.devices)} devices, {healthy} healthy{replicas}, from {resource.origin()}"]
@@ -5774,6 +5828,8 @@ def scan_report(resource: ResourceConfig, scan: Scan, *container_problems: str) 
             for number, member in enumerate(device.members or (device,)):
                 path = member.path + (f" -> {member.followed[-1]}" if member.followed else "")
                 why = f" ({member.problem})" if member.problem else ""
+                if pod_problem := (in_pod or {}).get(member.path):
+                    why = f" (Unhealthy in the shipped pod: {pod_problem})"
                 first = (device.id, device.health) if number == 0 else ("", "")
                 lines.append(f"  {first[0]:<{width}}  {first[1]:<9}  {path}{why}")
     lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
@@ -6558,16 +6614,44 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
-        # What the kubelet would be offered if the plugin started now, on this machine.
+        # What the kubelet would be offered if the plugin started now, on this machine. Run by root
+        # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
+        # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
+        # would refuse to open device nodes, but the plugin takes that refusal for what it is (see
+        # _health_problem), so it changes nothing here.
         mountinfo = _read_text("/proc/self/mountinfo") or ""
+        dac_override = _has_capability(_CAP_DAC_OVERRIDE)
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
             )
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
-            print(scan_report(resource, scan_directory(resource, config.sysfs_root, config.dev_root), *problems))
+            scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+            print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
         return EXIT_OK
     return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
+
+
+_CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute permission checks
+
+
+def _has_capability(number: int) -> bool:
+    """Whether this process has capability ``number`` in effect (CapEff in /proc/self/status)."""
+    for line in (_read_text("/proc/self/status") or "").splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> number & 1)
+    return False
+
+
+def _pod_view(scan: Scan) -> dict[str, str]:
+    """For check-config: the healthy members the shipped pod would find unhealthy, by their mode."""
+    return {
+        member.path: why
+        for device in scan.devices
+        for member in device.members or (device,)
+        if member.health == HEALTHY
+        and (why := pod_mode_problem(member.path, _access_needed(member.device_specs, member.is_device_node)))
+    }
 
 
 def _probe(args: argparse.Namespace) -> int:

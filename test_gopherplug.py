@@ -3912,6 +3912,80 @@ async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, t
     assert all(event["time"].endswith("+00:00") or event["time"][-6] in "+-" for event in events)
 
 
+@contextlib.contextmanager
+def device_cgroup_denying(node_path):
+    """A cgroup v1 device cgroup whose processes may not open the device number of ``node_path``,
+    as an unprivileged container's may not open what its spec does not list: yields the argv prefix
+    that runs a command inside it. Needs root and the v1 devices controller (cgroup v2 does the
+    same with an eBPF program, which this test does not build)."""
+    devices = "/sys/fs/cgroup/devices"
+    if os.geteuid() != 0 or not os.path.isfile(os.path.join(devices, "devices.deny")):
+        pytest.skip("needs root and cgroup v1's devices controller")
+    rdev = os.stat(node_path).st_rdev
+    group = tempfile.mkdtemp(prefix="gopherplug-test-", dir=devices)
+    try:
+        Path(group, "devices.deny").write_text(f"c {os.major(rdev)}:{os.minor(rdev)} rwm\n")
+        yield ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+    finally:
+        os.rmdir(group)  # its processes have exited: run() waited for them
+
+
+def test_a_node_refused_only_by_the_plugins_own_device_cgroup_is_healthy(node, tmp_path):
+    # In an unprivileged pod, access() on every device node the plugin offers fails with EPERM:
+    # its device cgroup lists none of them (a real node: kvm, tun, ttyUSB0 were all Unhealthy).
+    # The consumer is given the node in its own cgroup, so that refusal says nothing of the device.
+    gpu = os.path.join(node.devices, "gpu0")
+    for name in os.listdir(node.devices):
+        os.unlink(os.path.join(node.devices, name))
+    os.mknod(gpu, 0o660 | stat.S_IFCHR, os.makedev(240, 0))  # no driver needed: nothing opens it
+    path = write_config(node, tmp_path)
+    with device_cgroup_denying(gpu) as inside:
+        script = f"import os\ntry: os.open({gpu!r}, os.O_RDWR)\nexcept OSError as e: print(e.errno)"
+        opened = subprocess.run([*inside, sys.executable, "-c", script], capture_output=True, text=True, check=True)
+        assert opened.stdout == f"{errno.EPERM}\n"  # the premise: the cgroup refuses, whatever the mode
+        result = subprocess.run(
+            [*inside, sys.executable, str(HERE / "gopherplug.py"), "check-config", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:] == [
+        f"{RESOURCE}: 1 devices, 1 healthy, from {node.devices}/*",
+        "  ID    HEALTH     PATH",
+        f"  gpu0  Healthy    {gpu}",
+    ]
+
+
+def test_check_config_as_root_shows_what_the_pod_would_refuse(node, tmp_path):
+    # Root on the node keeps CAP_DAC_OVERRIDE; the shipped pod (root, capabilities dropped) does not.
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the difference is root's CAP_DAC_OVERRIDE")
+    g1 = os.path.join(node.devices, "g1")
+    os.chmod(g1, 0o600)
+    os.chown(g1, 1000, 1000)
+    path = write_config(node, tmp_path)
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:] == [
+        f"{RESOURCE}: 2 devices, 2 healthy, from {node.devices}/*",
+        "  ID  HEALTH     PATH",
+        f"  g1  Healthy    {g1} (Unhealthy in the shipped pod: mode 0600 and owner 1000:1000 refuse reading "
+        "to root without capabilities)",
+        f"  g2  Healthy    {node.devices}/g2",
+    ]
+    # Without the capability, this process's own verdict is the pod's.
+    dropped = subprocess.run(
+        [*without_dac_override(), sys.executable, str(HERE / "gopherplug.py"), "check-config", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert f"  g1  Unhealthy  {g1} (this process cannot open {g1} for reading)" in dropped.stdout.splitlines()
+
+
 def test_probe_without_any_plugin_exits_1(node):
     result = run_cli("probe", "--device-plugin-dir", node.plugin_dir)
     assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
