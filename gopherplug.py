@@ -5367,11 +5367,18 @@ async def watch_config_file(
 # it wipes the sockets of its directory on start, serves Registration on kubelet.sock, validates
 # Register and dials the plugin back *before* answering, keeps one ListAndWatch stream per
 # resource, marks every device unhealthy when that stream ends, and calls Allocate and
-# GetPreferredAllocation on demand. gopherplug's own tests use it, and so can a plugin author's.
+# GetPreferredAllocation on demand, refusing them as the kubelet does while no device is healthy
+# (the pods it would reject are recorded). It makes its directory anew when it is removed.
+# gopherplug's own tests use it, and so can a plugin author's.
 ########################################################################################################
 
 #: How long the kubelet waits to dial a registering plugin back.
 KUBELET_DIAL_TIMEOUT = 10.0
+
+
+class UnexpectedAdmissionError(GopherplugError):
+    """A pod the simulated kubelet rejects while admitting it, as the real one does with the pod
+    status reason UnexpectedAdmissionError: the kubelet itself refused, the plugin was never asked."""
 
 
 @dataclass
@@ -5413,13 +5420,23 @@ class KubeletSimulator:
         self.starts = 0  #: how many times the simulated kubelet started
         #: What happened, in order: ("registered" | "stream ended" | "disconnected", resource, endpoint)
         self.events: list[tuple[str, str, str]] = []
+        #: (resource, message) of every allocation refused because none of the resource's devices
+        #: was healthy: a pod the real kubelet would have rejected for good. A plugin that keeps its
+        #: stream open across a reload never causes one.
+        self.rejections: list[tuple[str, str]] = []
         self._changed = Watched(None)
         self._restart = trio.Event()
+        self._remove_directory = False
 
     async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         """Be the kubelet until cancelled; started() once kubelet.sock listens."""
         while True:
-            self._wipe_sockets()
+            if self._remove_directory:
+                self._remove_directory = False
+                # A running plugin may be creating its socket in it meanwhile: until it is gone.
+                while os.path.lexists(self.device_plugin_dir):
+                    shutil.rmtree(self.device_plugin_dir, ignore_errors=True)
+            self._wipe_sockets()  # and the directory made again if it is missing, as the kubelet does
             self._restart = trio.Event()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -5431,8 +5448,14 @@ class KubeletSimulator:
                 await self._restart.wait()
                 nursery.cancel_scope.cancel()
 
-    def restart(self) -> None:
-        """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again."""
+    def restart(self, *, remove_directory: bool = False) -> None:
+        """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again.
+
+        With ``remove_directory``, the whole device-plugin directory is deleted while the kubelet is
+        down (an administrator cleaning up, a node's reprovisioning), and made anew as it starts:
+        a real kubelet creates its directory when missing (ManagerImpl.Start, os.MkdirAll).
+        """
+        self._remove_directory = remove_directory
         self._restart.set()
 
     async def wait_until(self, predicate: Callable[[KubeletSimulator], bool]) -> None:
@@ -5441,14 +5464,39 @@ class KubeletSimulator:
             await self._changed.wait_touched()
 
     async def allocate(self, resource_name: str, device_ids: Iterable[str]) -> Any:
-        """Call Allocate for one container, as the kubelet does while admitting a pod."""
+        """Call Allocate for one container, as the kubelet does while admitting a pod.
+
+        Raises UnexpectedAdmissionError, without calling the plugin, while none of the resource's
+        devices is healthy: between the end of its ListAndWatch stream and the next stream's first
+        list, say. Such a refusal is also recorded in ``rejections``.
+        """
+        self._admit(resource_name)
         request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=device_ids)])
         return await self._call(resource_name, "Allocate", request)
+
+    def _admit(self, resource_name: str) -> None:
+        # The device manager's checks before it asks the plugin (devicesToAllocate in
+        # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go): the resource must be
+        # registered and have a healthy device. The pod's admission then fails for good with
+        # "Allocate failed due to <error>, which is unexpected" (UnexpectedAdmissionError).
+        resource = self.resources.get(resource_name)
+        if resource is None:
+            why = f"cannot allocate unregistered device {resource_name}"
+        elif not resource.allocatable:
+            why = f"no healthy devices present; cannot allocate unhealthy devices {resource_name}"
+        else:
+            return
+        message = f"Allocate failed due to {why}, which is unexpected"
+        self.rejections.append((resource_name, message))
+        self._changed.touch()
+        raise UnexpectedAdmissionError(message)
 
     async def preferred_allocation(
         self, resource_name: str, available: Iterable[str], must_include: Iterable[str], size: int
     ) -> list[str]:
-        """Call GetPreferredAllocation for one container and return the plugin's pick."""
+        """Call GetPreferredAllocation for one container and return the plugin's pick (after the
+        same admission checks as allocate(): the kubelet asks only while allocating)."""
+        self._admit(resource_name)
         request = v1beta1.PreferredAllocationRequest(
             container_requests=[
                 v1beta1.ContainerPreferredAllocationRequest(

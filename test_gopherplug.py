@@ -2273,6 +2273,71 @@ def listed_ids(*ids):
     return dict.fromkeys(ids, gp.HEALTHY)
 
 
+def held_list_service(release):
+    """A DevicePlugin service whose ListAndWatch sends its first list (g1) only once ``release`` is set."""
+
+    async def get_options(empty):
+        return v1beta1.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    async def list_and_watch(empty):
+        await release.wait()
+        yield v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID="g1", health=gp.HEALTHY)])
+        await trio.sleep_forever()
+
+    async def allocate(request):
+        return v1beta1.AllocateResponse(container_responses=[v1beta1.ContainerAllocateResponse(envs={"HELD": "1"})])
+
+    service = purerpc.Service("v1beta1.DevicePlugin")
+    for name, fn in [("GetDevicePluginOptions", get_options), ("ListAndWatch", list_and_watch), ("Allocate", allocate)]:
+        service.add_method(name, fn, gp.METHODS[f"/v1beta1.DevicePlugin/{name}"].signature)
+    return service
+
+
+async def test_the_kubelet_stand_in_refuses_pods_from_a_streams_end_to_the_next_first_list(nursery, node):
+    # The real kubelet marks every device unhealthy the moment a stream ends, and they stay so
+    # until the next stream's first list: a pod admitted then is rejected for good, the plugin
+    # never asked. The stand-in must be as strict, or a plugin that opens such a window passes.
+    refused = (
+        "Allocate failed due to no healthy devices present; cannot allocate unhealthy devices "
+        f"{RESOURCE}, which is unexpected"
+    )
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        async with trio.open_nursery() as plugin:
+            await plugin.start(gp.serve_plugin, node.config())
+            await simulator.wait_until(listed("g1", "g2"))
+            await simulator.allocate(RESOURCE, ["g1"])
+            plugin.cancel_scope.cancel()  # the plugin stops: its stream ends
+        await simulator.wait_until(lambda s: not s.resources[RESOURCE].streaming)
+        assert simulator.resources[RESOURCE].devices == {"g1": gp.UNHEALTHY, "g2": gp.UNHEALTHY}
+        with pytest.raises(gp.UnexpectedAdmissionError) as info:
+            await simulator.allocate(RESOURCE, ["g1"])
+        assert str(info.value) == refused
+
+        # Registered again, its stream open, its first list not sent yet: still refused.
+        release = trio.Event()
+        await nursery.start(gp.serve_grpc, os.path.join(node.plugin_dir, "held.sock"), [held_list_service(release)])
+        request = v1beta1.RegisterRequest(version="v1beta1", endpoint="held.sock", resource_name=RESOURCE)
+        await gp.call_unary(node.kubelet_socket, gp.METHODS[gp.REGISTER], request, timeout=5)
+        await simulator.wait_until(lambda s: s.resources[RESOURCE].streaming)
+        with pytest.raises(gp.UnexpectedAdmissionError, match="no healthy devices present"):
+            await simulator.preferred_allocation(RESOURCE, ["g1"], [], 1)
+        release.set()
+        await simulator.wait_until(listed("g1"))
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+    assert dict(answer.container_responses[0].envs) == {"HELD": "1"}
+    assert simulator.rejections == [(RESOURCE, refused)] * 2
+
+
+async def test_the_kubelet_stand_in_makes_its_removed_directory_anew(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        Path(node.plugin_dir, "left-behind").touch()  # a restart alone removes only sockets
+        simulator.restart(remove_directory=True)
+        await simulator.wait_until(lambda s: s.starts == 2)
+    assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
+
+
 async def test_kubelet_absent_at_start(nursery, node):
     with trio.fail_after(TIMEOUT):
         await nursery.start(gp.serve_plugin, node.config())
