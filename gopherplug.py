@@ -3981,7 +3981,9 @@ class _ListEncoder:
         self.resource = resource
         self._parts: dict[str, tuple[DeviceEntry, bytes]] = {}
 
-    def encode(self, devices: Mapping[str, DeviceEntry]) -> _Encoded:
+    def encode(self, devices: Mapping[str, DeviceEntry], resource: ResourceConfig | None = None) -> _Encoded:
+        if resource is not None and resource is not self.resource:
+            self.resource, self._parts = resource, {}  # a reload applied in place: the replicas may differ
         parts = {}
         for device in devices.values():
             known = self._parts.get(device.id)
@@ -4048,6 +4050,8 @@ def device_plugin_service(
     ending: trio.Event | None = None,
     examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
     status: StreamStatus | None = None,
+    *,
+    config: Watched | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
 
@@ -4055,13 +4059,18 @@ def device_plugin_service(
     wakes them: one event to wait on keeps each push cheap). With ``examine`` (a
     device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
     devices they are asked for again instead of trusting the set inotify last published.
-    ``status`` counts the kubelet's ListAndWatch streams.
+    ``status`` counts the kubelet's ListAndWatch streams. ``config``, if given, holds the
+    resource's configuration as reloads change it in place (same name, same options): every answer
+    follows it from then on, and a stream sends the list anew once ``devices`` is replaced.
     """
     ending = trio.Event() if ending is None else ending
     status = status or StreamStatus()
 
+    def now() -> ResourceConfig:
+        return resource if config is None else config.value
+
     async def get_device_plugin_options(empty: Any) -> Any:
-        return device_plugin_options(resource)
+        return device_plugin_options(now())
 
     encoder = encoder or _ListEncoder(resource)
 
@@ -4074,7 +4083,7 @@ def device_plugin_service(
         try:
             current = devices.value
             while True:
-                message = encoder.encode(current)
+                message = encoder.encode(current, now())
                 if len(message.data) <= KUBELET_MAX_MESSAGE:
                     yield message
                     _log(resource).debug("sent %d devices", len(current))
@@ -4104,7 +4113,7 @@ def device_plugin_service(
                 status.stream_ended()
 
     async def get_preferred_allocation(request: Any) -> Any:
-        return preferred_allocation_response(resource, devices.value, request)
+        return preferred_allocation_response(now(), devices.value, request)
 
     def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
@@ -4112,19 +4121,19 @@ def device_plugin_service(
         known = devices.value
         if examine is None:
             return known
-        now = {}
-        for device_id in {resource.underlying_id(kubelet_id) for kubelet_id in ids}:
+        found_now = {}
+        for device_id in {now().underlying_id(kubelet_id) for kubelet_id in ids}:
             if device_id is not None and device_id in known:
                 found = examine(known[device_id])
                 if isinstance(found, str):
                     raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
                 if found is not None:
-                    now[device_id] = found
-        return now
+                    found_now[device_id] = found
+        return found_now
 
     async def allocate(request: Any) -> Any:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
-        response, allocated = allocate_with_devices(resource, devices_now(ids), request)
+        response, allocated = allocate_with_devices(now(), devices_now(ids), request)
         for container, chosen, answer in zip(
             request.container_requests, allocated, response.container_responses, strict=True
         ):
@@ -4141,9 +4150,9 @@ def device_plugin_service(
 
     async def pre_start_container(request: Any) -> Any:
         # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
-        if resource.pre_start:
-            chosen = allocated_devices(resource, devices_now(request.devices_ids), request.devices_ids)
-            await run_pre_start(resource, chosen, pre_start_slots)
+        if (current := now()).pre_start:
+            chosen = allocated_devices(current, devices_now(request.devices_ids), request.devices_ids)
+            await run_pre_start(current, chosen, pre_start_slots)
         return v1beta1.PreStartContainerResponse()
 
     service = purerpc.Service(f"{API_VERSION}.DevicePlugin")
@@ -4971,11 +4980,13 @@ async def serve_resource(
     generations: Iterator[int] | None = None,
     *,
     examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
+    config: Watched | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
     until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
-    ``examine`` is for device_plugin_service().
+    ``examine`` and ``config`` (its configuration as reloads change it in place, never its name
+    or options) are for device_plugin_service().
 
     started() is called once the first socket is listening (registration may still be waiting
     for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
@@ -4987,7 +4998,9 @@ async def serve_resource(
     status = StreamStatus()
 
     def services(ending: trio.Event) -> list[purerpc.Service]:
-        plugin = device_plugin_service(resource, devices, shape_allocation, encoder, ending, examine, status)
+        plugin = device_plugin_service(
+            resource, devices, shape_allocation, encoder, ending, examine, status, config=config
+        )
         return [plugin, status_service(functools.partial(status.message, resource.name))]
 
     lock = ResourceLock(resource.name, directory)
@@ -5163,7 +5176,9 @@ async def serve_plugin(
     is called once every resource's socket is listening. No signal handling here: that belongs to
     the program (see main()). With ``updates`` (e.g. watch_config_file()), each new configuration
     is applied as it comes: added resources start, removed ones send an empty list and stop,
-    changed ones are served and registered anew; the others are not touched.
+    changed ones are updated in place (their stream stays open and sends the new list) unless
+    what the kubelet was told at registration changed (register_again() says): those are served
+    and registered anew; the others are not touched.
 
     With ``config.dra``, it is also that DRA driver (serve_dra): ``node_name`` is this node's name
     (default: the NODE_NAME environment variable, which the DaemonSet sets from spec.nodeName),
@@ -5236,32 +5251,108 @@ async def serve_plugin(
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
+                updated, registered = [], []
                 for name in removed:
                     await served.pop(name).retire()
                 for name in changed:
+                    if not register_again(served[name].resource, wanted[name]):
+                        # Ending the stream would make the kubelet mark every device unhealthy until
+                        # the next stream's first list, and reject for good the pods it admits then.
+                        if await served[name].update(wanted[name]):
+                            updated.append(name)
+                        continue
                     old = served.pop(name)
                     await old.stop()
                     if not await start(wanted[name]):
                         await start(old.resource)  # the new one failed: serve the old one again
+                    else:
+                        registered.append(name)
                 for name in added:
                     await start(wanted[name])
                 summary = ", ".join(
                     f"{what} {', '.join(names)}"
-                    for what, names in (("added", added), ("changed", changed), ("removed", removed))
+                    for what, names in (
+                        ("added", added),
+                        ("updated in place", updated),
+                        ("re-registered", registered),
+                        ("removed", removed),
+                    )
                     if names
                 )
                 log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
 
 
+def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
+    """Whether a reload from ``old`` to ``new`` (the same resource name) must serve and register
+    the resource anew, rather than update it in place.
+
+    Only what the kubelet was told must: it takes the options from GetDevicePluginOptions during
+    Register and never asks again (pre_start_required: whether it calls PreStartContainer), and
+    the api decides whether there is a registration at all. The socket's name depends on the
+    resource name and the directory, neither of which a reload changes for a resource. Everything
+    else (env, replicas, preferred, device_specs, mounts, annotations, sources, cdi, pre_start's
+    command) is ours: the open stream sends the new list, and the answers follow the new
+    configuration from then on.
+    """
+    return old.api != new.api or device_plugin_options(old) != device_plugin_options(new)
+
+
 @dataclass
 class _Served:
-    """One resource of a running configuration, and the means to stop it."""
+    """One resource of a running configuration, and the means to update and stop it."""
 
-    resource: ResourceConfig
+    resource: ResourceConfig  #: as configured now
     devices: Watched = dataclasses.field(default_factory=lambda: Watched({}))
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  #: everything
     watch_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  #: its directory watch
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    #: ``resource`` for the running device-plugin service: its answers follow an update
+    config: Watched = dataclasses.field(init=False)
+    #: (re)starts the directory watch for a configuration; set by _serve_one
+    start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
+    watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    dra_resources: DraResources | None = None
+
+    def __post_init__(self) -> None:
+        self.config = Watched(self.resource)
+
+    async def update(self, new: ResourceConfig) -> bool:
+        """Apply a configuration with the same name and options, the stream left open. Returns
+        whether it was applied (if its watch cannot start, the old configuration goes on)."""
+        assert self.start_watch is not None  # _serve_one has started
+        old = self.resource
+        # The directory watch starts afresh: sources, patterns, templates (which make each entry's
+        # device specs and mounts) or the CDI kind may differ. The devices stay published in the
+        # meantime, and the new watch replaces them only if they differ; it writes the CDI spec
+        # before that, under the new kind if it changed. The old spec stays, as it does when the
+        # plugin stops: the kubelet keeps the CDI names of allocations made with it.
+        self.watch_scope.cancel()  # its CDI lock too: the new watch takes it again
+        await self.watch_done.wait()
+        self.resource = new
+        self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
+        if new.replicas != old.replicas:
+            # Other IDs for the same devices: the open stream sends the list again at once (it
+            # wakes when the device set is replaced, and encodes with the configuration then
+            # current). Until the kubelet has it, an Allocate for an ID of the old list is refused
+            # as for a removed device: a few milliseconds, for the pods of one resource.
+            self.devices.replace(dict(self.devices.value))
+        try:
+            await self.start_watch(new)
+        except Exception as error:
+            if not isinstance(_innermost(error), GopherplugError):
+                raise
+            log.error("%s: %s: not applied", new.name, _innermost(error))
+            self.resource = old
+            self.config.replace(old)
+            if new.replicas != old.replicas:
+                self.devices.replace(dict(self.devices.value))
+            await self.start_watch(old)
+            return False
+        if new.dra and self.dra_resources is not None:
+            # The pool's slices are compared and written again with the new configuration; the
+            # claims prepared until now keep their checkpointed answers.
+            self.dra_resources.attach(new, self.devices)
+        return True
 
     async def retire(self) -> None:
         """Removed from the configuration: stop watching, send the kubelet an empty list, stop."""
@@ -5292,11 +5383,26 @@ async def _serve_one(
         with served.scope:
             async with trio.open_nursery() as nursery:
 
-                async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                    with served.watch_scope:
-                        await watch_devices(resource, served.devices, sysfs_root, dev_root, task_status=task_status)
+                async def watch(
+                    resource: ResourceConfig,
+                    scope: trio.CancelScope,
+                    done: trio.Event,
+                    *,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                ) -> None:
+                    try:
+                        with scope:
+                            await watch_devices(resource, served.devices, sysfs_root, dev_root, task_status=task_status)
+                    finally:
+                        done.set()
 
-                await nursery.start(watch)
+                async def start_watch(resource: ResourceConfig) -> None:
+                    served.watch_scope, served.watch_done = trio.CancelScope(), trio.Event()
+                    await nursery.start(watch, resource, served.watch_scope, served.watch_done)
+
+                served.start_watch = start_watch
+                served.dra_resources = dra_resources
+                await start_watch(resource)
                 if resource.dra:
                     if dra_resources is None:
                         _log(resource).error(
@@ -5305,8 +5411,11 @@ async def _serve_one(
                     else:
                         dra_resources.attach(resource, served.devices)
                 if resource.device_plugin:
-                    examine = functools.partial(_examine_now, resource, sysfs_root, dev_root)
-                    serve = functools.partial(serve_resource, examine=examine)
+
+                    def examine(device: DeviceEntry) -> DeviceEntry | str | None:
+                        return _examine_now(served.config.value, sysfs_root, dev_root, device)
+
+                    serve = functools.partial(serve_resource, examine=examine, config=served.config)
                     await nursery.start(serve, resource, served.devices, kubelet, None, generations)
                 task_status.started()
                 if not resource.device_plugin:

@@ -2774,10 +2774,10 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
         await trio.testing.wait_all_tasks_blocked()  # the watcher has read it (inotify is already there)
         assert f"{path}: invalid YAML (line 1, column 13: " in caplog.text
         assert caplog.text.rstrip().endswith("; keeping the running configuration")
-        path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
-        await simulator.wait_until(lambda s: [r.resource_name for r in s.registrations].count(RESOURCE) == 2)
-        await simulator.wait_until(listed("g1", "g2"))
-        assert simulator.registrations[-1].endpoint == "gopherplug-example.com_gopher-2.sock"
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
+            await reloaded.wait()
+        assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
         answer = await simulator.allocate(RESOURCE, ["g1"])
         assert dict(answer.container_responses[0].envs) == {"GOPHERS": "g1"}
 
@@ -2788,8 +2788,84 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     # Its goodbye was an empty list, then its stream ended and its socket went.
     assert simulator.resources[OTHER].updates == other_updates + 1
     assert simulator.resources[OTHER].devices == {}
-    assert node.our_sockets() == ["gopherplug-example.com_gopher-2.sock"]
-    assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER, RESOURCE]
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
+    assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER], "an env change registers nothing"
+
+
+async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_new_list(nursery, node, tmp_path):
+    # The kubelet marks every device unhealthy from the end of a stream until the next stream's
+    # first list, and rejects the pods it admits then for good: a reload that the kubelet need
+    # not hear of (env, replicas, the sources, ...) must keep the stream open.
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    reloads = [
+        ({"env": "GOPHERS", "replicas": 2}, ("g1::0", "g1::1", "g2::0", "g2::1")),
+        ({"env": "GOPHERS", "replicas": 2, "pattern": "g2", "preferred": "spread"}, ("g2::0", "g2::1")),
+        ({"env": "AGAIN", "device_specs": [{"host_path": "{path}", "container_path": "/dev/gopher"}]}, ("g2",)),
+    ]
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        done = trio.Event()
+
+        async def pods_keep_coming():  # each admitted while the reloads are applied
+            while not done.is_set():
+                ids = [device_id for device_id, health in devices_of(simulator).items() if health == gp.HEALTHY]
+                try:
+                    await simulator.allocate(RESOURCE, ids[:1])
+                except gp.UnexpectedAdmissionError:
+                    pass  # counted in simulator.rejections
+                except gp.RPCError as error:
+                    # An ID of the list from before a change of replicas or pattern, asked for in
+                    # the moment before the new list reaches the kubelet: as for a removed device.
+                    assert "unknown example.com/gopher device IDs" in error.message
+
+        nursery.start_soon(pods_keep_coming)
+        for keys, ids in reloads:
+            with logged("configuration reloaded: ") as reloaded:
+                path.write_text(config_text(node, **{RESOURCE: keys}))
+                await reloaded.wait()
+            await simulator.wait_until(listed(*ids))
+            assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
+        done.set()
+        answer = (await simulator.allocate(RESOURCE, ["g2"])).container_responses[0]
+    assert dict(answer.envs) == {"AGAIN": "g2"}
+    assert [(d.host_path, d.container_path) for d in answer.devices] == [(f"{node.devices}/g2", "/dev/gopher")]
+    assert simulator.rejections == [], "a pod was admitted while every device was unhealthy"
+    assert simulator.events == [("registered", RESOURCE, "gopherplug-example.com_gopher-1.sock")]
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
+
+
+async def test_reload_that_changes_what_the_kubelet_was_told_registers_again(nursery, node, tmp_path):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"pre_start": ["/bin/true"]}}))  # pre_start_required
+            await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s) == listed_ids("g1", "g2"))
+            await reloaded.wait()
+    assert reloaded.lines == [f"{path}: configuration reloaded: re-registered {RESOURCE}"]
+    assert simulator.resources[RESOURCE].options.pre_start_required
+    assert simulator.registrations[1].endpoint == "gopherplug-example.com_gopher-2.sock"
+    # The old registration was gone before the new one (the kubelet would drop the new one otherwise).
+    assert [event for event, _, _ in simulator.events] == ["registered", "stream ended", "disconnected", "registered"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "again"),
+    [
+        ({"env": "A"}, {"env": "B", "replicas": 3, "preferred": "spread", "pattern": "x*"}, False),
+        ({}, {"cdi": {"kind": "example.com/gopher"}}, False),
+        ({}, {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}, False),
+        ({}, {"pre_start": ["/bin/true"]}, True),
+        ({"pre_start": ["/bin/true"]}, {"pre_start": ["/bin/false"], "pre_start_timeout": 3}, False),
+        ({"api": "dra"}, {"api": "both", "allow_double_booking": True}, True),
+    ],
+)
+def test_register_again_only_when_what_the_kubelet_was_told_changes(node, old, new, again):
+    top = {"dra": {"driver": "gopher.example.com"}} if "api" in new else {}
+    [before], [after] = node.config(top=top, **old).resources, node.config(top=top, **new).resources
+    assert gp.register_again(before, after) is again
 
 
 async def test_removing_a_resource_that_waits_for_the_kubelet_stops_it_at_once(nursery, node, caplog):
@@ -3235,7 +3311,11 @@ async def test_cdi_spec_has_no_gap_across_a_reload_or_a_restart(node, tmp_path):
             simulator = await reloading(nursery, node, path)
             watcher = INotify()  # every change the spec's directory sees from here on
             watcher.add_watch(str(cdi_dir), inotify_flags.DELETE | inotify_flags.MOVED_FROM | inotify_flags.MOVED_TO)
-            path.write_text(config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # changed: served anew
+            with logged("configuration reloaded: updated in place") as updated:
+                path.write_text(config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # its watch restarts
+                await updated.wait()
+            pre_start = {**cdi, "env": "GOPHERS", "pre_start": ["/bin/true"]}
+            path.write_text(config_text(node, **{RESOURCE: pre_start}))  # new options: served anew
             await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s))
             nursery.cancel_scope.cancel()
         async with trio.open_nursery() as nursery:  # the plugin restarted, as a DaemonSet update does
@@ -4724,6 +4804,37 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     assert dra_node.slice_devices("node-1/example.com/other")[0] == ["o0"]
     assert added.lines == ["cfg.yaml: configuration reloaded: added example.com/other"]
     assert removed.lines == ["cfg.yaml: configuration reloaded: removed example.com/gopher"]
+
+
+async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dra_node):
+    # Stopping and starting the resource would take its pool away for a moment: the publisher
+    # could delete its slices, and the scheduler would see no device of it until written again.
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(dra_node.root / "cdi")}
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        await dra_node.start(dra_node.config(cdi=cdi), updates=updates())
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await dra_node.registered()
+        writes = len(dra_node.api.writes)
+        other_cdi = {"kind": "example.com/other", "spec_dir": str(dra_node.root / "cdi")}
+        await send.send(dra_node.config(cdi=other_cdi, pattern="gopher1", env="GOPHERS"))
+        await dra_node.wait_for_slices(["gopher1"])
+        await reloaded.wait()
+        dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher1")))
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+    assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"], "the slice was rewritten, never deleted"
+    assert reloaded.lines == ["cfg.yaml: configuration reloaded: updated in place example.com/gopher"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/other=gopher1"]
+    spec = read_spec(dra_node.root / "cdi" / "example.com-other.json")
+    assert [d["name"] for d in spec["devices"]] == ["gopher1"]
+    assert spec["devices"][0]["containerEdits"]["env"] == ["GOPHERS_GOPHER1=gopher1"]
 
 
 async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
