@@ -119,12 +119,14 @@ __all__ = [
     "ResourceStatus",
     "Source",
     "StatusCode",
+    "UnexpectedAdmissionError",
     "UsbDevice",
     "UsbSelector",
     "allocate_response",
     "call_unary",
     "cdi_version",
     "container_only_problem",
+    "deleted_directory_problem",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -140,6 +142,7 @@ __all__ = [
     "pluginregistration",
     "preferred_allocation_response",
     "prepared_devices",
+    "register_again",
     "resource_slices",
     "scan_directory",
     "serve_dra",
@@ -2168,6 +2171,31 @@ def container_only_problem(directory: str, mountinfo: str) -> str | None:
     return None
 
 
+def deleted_directory_problem(directory: str, links: int | None, mountinfo: str) -> str | None:
+    """Why ``directory`` is a deleted directory that this process still sees through a mount,
+    given its link count (os.stat's st_nlink; None if it cannot be stat()ed) and
+    /proc/self/mountinfo's text; None when it is live, or simply missing.
+
+    A container's hostPath volume is a bind mount of the host's directory *as it was* when the
+    container started. When the directory is removed on the host (the kubelet makes its
+    device-plugin directory anew if it is missing), the mount keeps the deleted one: no link left,
+    mountinfo's root field ends in "//deleted", nothing can be created in it, and nothing made in
+    the new one ever shows. Only a new mount, that is a new container, sees the new directory.
+    """
+    deleted = links == 0
+    for line in mountinfo.splitlines():
+        fields = line.partition(" - ")[0].split()
+        if len(fields) > 4 and fields[3].endswith("//deleted"):
+            mount_point = fields[4].replace("\\040", " ")
+            deleted = deleted or _is_under(directory, [mount_point])
+    if not deleted:
+        return None
+    return (
+        f"the device-plugin directory {directory} was removed on the host, and this container still sees the "
+        "deleted one through its hostPath mount: exiting, so that the kubelet restarts it with a fresh mount"
+    )
+
+
 def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[str, Any] | None:
     """The CDI spec describing the resource's devices, or None when there is none to describe.
 
@@ -3504,7 +3532,11 @@ class ResourceLock(FileLock):
     def acquire(self) -> None:
         """Take the lock, then remove the sockets that dead holders left behind."""
         super().acquire()
-        for entry in os.scandir(self.directory):
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return  # removed meanwhile, our lock file with it: held() says so, and the caller waits
+        for entry in entries:
             parsed = parse_socket_name(entry.name)
             with contextlib.suppress(OSError):
                 if (
@@ -5024,11 +5056,14 @@ async def _serve_generations(
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
-        while not os.path.isdir(directory):
-            _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
-            await kubelet.changed.wait_touched()
+        seen = await _wait_for_directory(resource, kubelet)
         if not lock.held():
-            lock.acquire()  # before the first socket, and again if the directory was made anew
+            try:
+                lock.acquire()  # before the first socket, and again if the directory was made anew
+            except GopherplugError:
+                if _identity(directory) == seen:
+                    raise  # the same directory as a moment ago: a real reason (permissions, a holder)
+                continue  # the directory went (or was replaced) since we looked: wait for it again
         endpoint = socket_name(resource.name, directory, generation)
         ending = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -5085,6 +5120,33 @@ async def _serve_generations(
                         await server.calls_ended.wait_touched()
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
+
+
+async def _wait_for_directory(resource: ResourceConfig, kubelet: KubeletWatch) -> tuple[int, int, int] | None:
+    """Return once the kubelet's directory exists, with its identity then (see _identity).
+
+    A removed directory is normal on a host: the kubelet makes it anew when it starts (and an
+    administrator may have removed it), and KubeletWatch's inotify on its parent sees it come back.
+    But inside a container whose hostPath mount holds the deleted directory, it never comes back:
+    that raises GopherplugError (the container must be restarted to see the new one).
+    """
+    directory = kubelet.device_plugin_dir
+    logged = False
+    while True:
+        try:
+            links: int | None = os.stat(directory).st_nlink
+        except OSError:
+            links = None
+        problem = deleted_directory_problem(directory, links, _read_text("/proc/self/mountinfo") or "")
+        if problem is not None:
+            raise GopherplugError(problem)
+        seen = _identity(directory)
+        if links is not None and os.path.isdir(directory):
+            return seen
+        if not logged:
+            _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
+            logged = True
+        await kubelet.changed.wait_touched()
 
 
 def resource_config(name: str, **options: Any) -> ResourceConfig:

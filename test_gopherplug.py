@@ -636,6 +636,35 @@ def test_container_only_paths_are_recognised(directory, mountinfo, on):
         )
 
 
+def deleted_message(directory):
+    return (
+        f"the device-plugin directory {directory} was removed on the host, and this container still sees the "
+        "deleted one through its hostPath mount: exiting, so that the kubelet restarts it with a fresh mount"
+    )
+
+
+def test_a_deleted_directory_seen_through_a_mount_is_recognised(tmp_path):
+    gone = tmp_path / "device-plugins"
+    gone.mkdir()
+    fd = os.open(gone, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rmdir(gone)
+        # Like a hostPath mount of a directory removed on the host, this path still leads to it.
+        through = f"/proc/self/fd/{fd}"
+        links = os.stat(through).st_nlink
+        assert links == 0
+        assert gp.deleted_directory_problem(through, links, "") == deleted_message(through)
+    finally:
+        os.close(fd)
+    # mountinfo says so too, whatever link count a file system gives its directories.
+    kubelet_dir = "/var/lib/kubelet/device-plugins"
+    deleted = CONTAINER_MOUNTS.replace(f"{kubelet_dir} {kubelet_dir}", f"{kubelet_dir}//deleted {kubelet_dir}")
+    assert gp.deleted_directory_problem(kubelet_dir, 1, deleted) == deleted_message(kubelet_dir)
+    assert gp.deleted_directory_problem(kubelet_dir, 2, CONTAINER_MOUNTS) is None
+    assert gp.deleted_directory_problem(kubelet_dir, None, CONTAINER_MOUNTS) is None, "missing: to be waited for"
+    assert gp.deleted_directory_problem("/etc/gophers", 2, deleted) is None, "another mount's"
+
+
 def test_find_device_plugin_dir_prefers_a_live_kubelet(tmp_path):
     candidates = [str(tmp_path / name) for name in ("default", "microk8s")]
     for directory in candidates:
@@ -2360,6 +2389,49 @@ async def test_kubelet_stopped_for_a_while(nursery, node):
         await third.wait_until(listed("g1", "g2"))
 
 
+def lock_file(node):
+    return Path(node.plugin_dir, ".gopherplug-example.com_gopher.lock")
+
+
+async def test_device_plugin_directory_removed_and_made_anew_by_the_kubelet(nursery, node):
+    # On a host, the kubelet makes its directory anew at start when it was removed: the plugin
+    # waits for it (inotify on the parent), takes its lock there, serves and registers again.
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        for registrations in range(2, 7):
+            simulator.restart(remove_directory=True)
+            await simulator.wait_until(
+                lambda s, n=registrations: len(s.registrations) == n and devices_of(s) == listed_ids("g1", "g2")
+            )
+            assert lock_file(node).exists()
+    assert node.our_sockets() == [simulator.registrations[-1].endpoint]
+
+
+async def test_device_plugin_directory_removed_as_the_lock_is_taken_is_waited_for(nursery, node, monkeypatch):
+    # The worst moment: the directory was there when the plugin looked, and is gone when it
+    # opens its lock file. It must wait for the directory again, not stop.
+    acquire, armed, removed = gp.ResourceLock.acquire, [], trio.Event()
+
+    def removed_first(lock):
+        if armed and not removed.is_set():
+            shutil.rmtree(node.plugin_dir)
+            removed.set()
+        return acquire(lock)
+
+    monkeypatch.setattr(gp.ResourceLock, "acquire", removed_first)
+    with trio.fail_after(TIMEOUT), logged("waiting for the kubelet's directory") as waiting:
+        simulator = await start(nursery, node)
+        armed.append(True)
+        lock_file(node).unlink()  # so that the plugin takes its lock again when it serves again,
+        os.unlink(os.path.join(node.plugin_dir, node.our_sockets()[0]))  # which it does now
+        await removed.wait()
+        await waiting.wait()
+        simulator.restart(remove_directory=True)  # the kubelet, started again, makes it anew
+        await simulator.wait_until(lambda s: len(s.registrations) >= 2 and devices_of(s) == listed_ids("g1", "g2"))
+    assert len(simulator.registrations) == 2
+    assert lock_file(node).exists()
+
+
 async def test_device_directory_deleted_and_recreated(nursery, node):
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node)
@@ -2798,10 +2870,11 @@ async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_ne
     # not hear of (env, replicas, the sources, ...) must keep the stream open.
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
+    specs = [{"host_path": "{path}", "container_path": "/dev/gopher"}]
     reloads = [
         ({"env": "GOPHERS", "replicas": 2}, ("g1::0", "g1::1", "g2::0", "g2::1")),
         ({"env": "GOPHERS", "replicas": 2, "pattern": "g2", "preferred": "spread"}, ("g2::0", "g2::1")),
-        ({"env": "AGAIN", "device_specs": [{"host_path": "{path}", "container_path": "/dev/gopher"}]}, ("g2",)),
+        ({"env": "AGAIN", "pattern": "g2", "device_specs": specs}, ("g2",)),
     ]
     with trio.fail_after(TIMEOUT):
         simulator = await reloading(nursery, node, path)
@@ -3913,6 +3986,49 @@ async def test_a_killed_plugins_sockets_are_removed_by_the_next_one(nursery, nod
                 process.kill()
                 await process.wait()
     assert probed.returncode == 0, probed.stdout
+
+
+def can_unshare_mounts():
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and unshare --mount")
+async def test_device_plugin_directory_removed_on_the_host_exits_a_pod_with_one_line(nursery, node, tmp_path):
+    # A pod's hostPath volume is a bind mount in the pod's mount namespace: made here for real.
+    # Removed on the host and made anew by the kubelet, the directory the plugin sees is the
+    # deleted one, where nothing can be created and nothing new shows: only a restart helps.
+    in_pod = os.path.join(os.path.dirname(node.plugin_dir), "pod-dp")
+    os.mkdir(in_pod)
+    config = tmp_path / "gopherplug.yaml"
+    config.write_text(
+        yaml.safe_dump({"device_plugin_dir": in_pod, "resources": [{"name": RESOURCE, "directory": node.devices}]})
+    )
+    script = 'mount --bind "$0" "$1" && exec "$2" "$3" --config "$4"'
+    argv = [sys.executable, str(HERE / "gopherplug.py"), str(config)]
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    pod = await trio.lowlevel.open_process(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, node.plugin_dir, in_pod, *argv],
+        stderr=subprocess.PIPE,
+    )
+    stderr = b""
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))  # registered through the mount
+            simulator.restart(remove_directory=True)
+            async for chunk in pod.stderr:
+                stderr += chunk
+            await pod.wait()
+    finally:
+        if pod.returncode is None:
+            pod.kill()
+            await pod.wait()
+    lines = stderr.decode().splitlines()
+    assert pod.returncode == 1, lines
+    assert [line for line in lines if " ERROR " in line] == [lines[-1]]
+    assert lines[-1].endswith(f" ERROR {deleted_message(in_pod)}")
+    assert len(simulator.registrations) == 1
 
 
 async def test_a_second_plugin_for_the_same_resource_refuses_and_leaves_the_first_alone(nursery, node, tmp_path):
