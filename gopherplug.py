@@ -5313,22 +5313,24 @@ async def serve_plugin(
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
-                updated, registered = [], []
+                updated: list[str] = []
+                registered: list[str] = []
+                kept: list[str] = []
                 for name in removed:
                     await served.pop(name).retire()
                 for name in changed:
                     if not register_again(served[name].resource, wanted[name]):
                         # Ending the stream would make the kubelet mark every device unhealthy until
                         # the next stream's first list, and reject for good the pods it admits then.
-                        if await served[name].update(wanted[name]):
-                            updated.append(name)
+                        (updated if await served[name].update(wanted[name]) else kept).append(name)
                         continue
                     old = served.pop(name)
                     await old.stop()
-                    if not await start(wanted[name]):
-                        await start(old.resource)  # the new one failed: serve the old one again
-                    else:
+                    if await start(wanted[name]):
                         registered.append(name)
+                    else:
+                        await start(old.resource)  # the new one failed: serve the old one again
+                        kept.append(name)
                 for name in added:
                     await start(wanted[name])
                 summary = ", ".join(
@@ -5338,6 +5340,7 @@ async def serve_plugin(
                         ("updated in place", updated),
                         ("re-registered", registered),
                         ("removed", removed),
+                        ("not applied to", kept),
                     )
                     if names
                 )
@@ -5390,6 +5393,15 @@ class _Served:
         # plugin stops: the kubelet keeps the CDI names of allocations made with it.
         self.watch_scope.cancel()  # its CDI lock too: the new watch takes it again
         await self.watch_done.wait()
+        try:
+            await self.start_watch(new)
+        except Exception as error:
+            if not isinstance(_innermost(error), GopherplugError):
+                raise
+            log.error("%s: %s: not applied", new.name, _innermost(error))
+            await self.start_watch(old)
+            return False
+        # Only now, the new CDI spec written: Allocate may name the new kind's devices.
         self.resource = new
         self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
         if new.replicas != old.replicas:
@@ -5398,18 +5410,6 @@ class _Served:
             # current). Until the kubelet has it, an Allocate for an ID of the old list is refused
             # as for a removed device: a few milliseconds, for the pods of one resource.
             self.devices.replace(dict(self.devices.value))
-        try:
-            await self.start_watch(new)
-        except Exception as error:
-            if not isinstance(_innermost(error), GopherplugError):
-                raise
-            log.error("%s: %s: not applied", new.name, _innermost(error))
-            self.resource = old
-            self.config.replace(old)
-            if new.replicas != old.replicas:
-                self.devices.replace(dict(self.devices.value))
-            await self.start_watch(old)
-            return False
         if new.dra and self.dra_resources is not None:
             # The pool's slices are compared and written again with the new configuration; the
             # claims prepared until now keep their checkpointed answers.

@@ -2976,6 +2976,25 @@ async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nur
         assert simulator.resources[RESOURCE].streaming
 
 
+async def test_reload_that_cannot_be_applied_in_place_keeps_the_running_configuration(nursery, node, tmp_path, caplog):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    (tmp_path / "file").touch()
+    bad_cdi = {"env": "NEW", "cdi": {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "file" / "cdi")}}
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: bad_cdi}))
+            await reloaded.wait()
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        Path(node.devices, "g3").touch()  # still watched
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    assert reloaded.lines == [f"{path}: configuration reloaded: not applied to {RESOURCE}"]
+    assert f"{RESOURCE}: cannot write the CDI spec {tmp_path}/file/cdi/example.com-gopher.json: " in caplog.text
+    assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}, "the old configuration answers"
+    assert simulator.events == [("registered", RESOURCE, "gopherplug-example.com_gopher-1.sock")]
+
+
 async def test_reload_sees_the_target_of_a_symlinked_file_rewritten_and_edits_made_while_starting(node, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
