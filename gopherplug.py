@@ -4997,7 +4997,8 @@ async def _keep_serving_in(
 #   │   │                                        DRAResourceHealth: NodeWatchResources
 #   │   └── _keep_serving (plugins_registry)     Registration, for the kubelet's plugin watcher
 #   └── per resource:
-#       ├── watch_devices                        inotify on the resource's directory
+#       ├── watch_devices                        inotify on the resource's directory (started
+#       │                                        again by a reload applied in place: _Served.update)
 #       └── serve_resource (api: device-plugin)  one generation at a time:
 #           └── serve_grpc (socket N)            serve, register, wait for a kubelet restart
 #                                                or our socket's deletion, stop, N + 1
