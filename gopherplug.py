@@ -120,12 +120,14 @@ __all__ = [
     "ResourceStatus",
     "Source",
     "StatusCode",
+    "UnexpectedAdmissionError",
     "UsbDevice",
     "UsbSelector",
     "allocate_response",
     "call_unary",
     "cdi_version",
     "container_only_problem",
+    "deleted_directory_problem",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -141,6 +143,7 @@ __all__ = [
     "pluginregistration",
     "preferred_allocation_response",
     "prepared_devices",
+    "register_again",
     "resource_slices",
     "scan_directory",
     "serve_dra",
@@ -2219,6 +2222,31 @@ def container_only_problem(directory: str, mountinfo: str) -> str | None:
     return None
 
 
+def deleted_directory_problem(directory: str, links: int | None, mountinfo: str) -> str | None:
+    """Why ``directory`` is a deleted directory that this process still sees through a mount,
+    given its link count (os.stat's st_nlink; None if it cannot be stat()ed) and
+    /proc/self/mountinfo's text; None when it is live, or simply missing.
+
+    A container's hostPath volume is a bind mount of the host's directory *as it was* when the
+    container started. When the directory is removed on the host (the kubelet makes its
+    device-plugin directory anew if it is missing), the mount keeps the deleted one: no link left,
+    mountinfo's root field ends in "//deleted", nothing can be created in it, and nothing made in
+    the new one ever shows. Only a new mount, that is a new container, sees the new directory.
+    """
+    deleted = links == 0
+    for line in mountinfo.splitlines():
+        fields = line.partition(" - ")[0].split()
+        if len(fields) > 4 and fields[3].endswith("//deleted"):
+            mount_point = fields[4].replace("\\040", " ")
+            deleted = deleted or _is_under(directory, [mount_point])
+    if not deleted:
+        return None
+    return (
+        f"the device-plugin directory {directory} was removed on the host, and this container still sees the "
+        "deleted one through its hostPath mount: exiting, so that the kubelet restarts it with a fresh mount"
+    )
+
+
 def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[str, Any] | None:
     """The CDI spec describing the resource's devices, or None when there is none to describe.
 
@@ -3555,7 +3583,11 @@ class ResourceLock(FileLock):
     def acquire(self) -> None:
         """Take the lock, then remove the sockets that dead holders left behind."""
         super().acquire()
-        for entry in os.scandir(self.directory):
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return  # removed meanwhile, our lock file with it: held() says so, and the caller waits
+        for entry in entries:
             parsed = parse_socket_name(entry.name)
             with contextlib.suppress(OSError):
                 if (
@@ -4032,7 +4064,9 @@ class _ListEncoder:
         self.resource = resource
         self._parts: dict[str, tuple[DeviceEntry, bytes]] = {}
 
-    def encode(self, devices: Mapping[str, DeviceEntry]) -> _Encoded:
+    def encode(self, devices: Mapping[str, DeviceEntry], resource: ResourceConfig | None = None) -> _Encoded:
+        if resource is not None and resource is not self.resource:
+            self.resource, self._parts = resource, {}  # a reload applied in place: the replicas may differ
         parts = {}
         for device in devices.values():
             known = self._parts.get(device.id)
@@ -4099,6 +4133,8 @@ def device_plugin_service(
     ending: trio.Event | None = None,
     examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
     status: StreamStatus | None = None,
+    *,
+    config: Watched | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
 
@@ -4106,13 +4142,18 @@ def device_plugin_service(
     wakes them: one event to wait on keeps each push cheap). With ``examine`` (a
     device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
     devices they are asked for again instead of trusting the set inotify last published.
-    ``status`` counts the kubelet's ListAndWatch streams.
+    ``status`` counts the kubelet's ListAndWatch streams. ``config``, if given, holds the
+    resource's configuration as reloads change it in place (same name, same options): every answer
+    follows it from then on, and a stream sends the list anew once ``devices`` is replaced.
     """
     ending = trio.Event() if ending is None else ending
     status = status or StreamStatus()
 
+    def now() -> ResourceConfig:
+        return resource if config is None else config.value
+
     async def get_device_plugin_options(empty: Any) -> Any:
-        return device_plugin_options(resource)
+        return device_plugin_options(now())
 
     encoder = encoder or _ListEncoder(resource)
 
@@ -4125,7 +4166,7 @@ def device_plugin_service(
         try:
             current = devices.value
             while True:
-                message = encoder.encode(current)
+                message = encoder.encode(current, now())
                 if len(message.data) <= KUBELET_MAX_MESSAGE:
                     yield message
                     _log(resource).debug("sent %d devices", len(current))
@@ -4155,7 +4196,7 @@ def device_plugin_service(
                 status.stream_ended()
 
     async def get_preferred_allocation(request: Any) -> Any:
-        return preferred_allocation_response(resource, devices.value, request)
+        return preferred_allocation_response(now(), devices.value, request)
 
     def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
@@ -4163,19 +4204,19 @@ def device_plugin_service(
         known = devices.value
         if examine is None:
             return known
-        now = {}
-        for device_id in {resource.underlying_id(kubelet_id) for kubelet_id in ids}:
+        found_now = {}
+        for device_id in {now().underlying_id(kubelet_id) for kubelet_id in ids}:
             if device_id is not None and device_id in known:
                 found = examine(known[device_id])
                 if isinstance(found, str):
                     raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
                 if found is not None:
-                    now[device_id] = found
-        return now
+                    found_now[device_id] = found
+        return found_now
 
     async def allocate(request: Any) -> Any:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
-        response, allocated = allocate_with_devices(resource, devices_now(ids), request)
+        response, allocated = allocate_with_devices(now(), devices_now(ids), request)
         for container, chosen, answer in zip(
             request.container_requests, allocated, response.container_responses, strict=True
         ):
@@ -4192,9 +4233,9 @@ def device_plugin_service(
 
     async def pre_start_container(request: Any) -> Any:
         # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
-        if resource.pre_start:
-            chosen = allocated_devices(resource, devices_now(request.devices_ids), request.devices_ids)
-            await run_pre_start(resource, chosen, pre_start_slots)
+        if (current := now()).pre_start:
+            chosen = allocated_devices(current, devices_now(request.devices_ids), request.devices_ids)
+            await run_pre_start(current, chosen, pre_start_slots)
         return v1beta1.PreStartContainerResponse()
 
     service = purerpc.Service(f"{API_VERSION}.DevicePlugin")
@@ -5007,7 +5048,8 @@ async def _keep_serving_in(
 #   │   │                                        DRAResourceHealth: NodeWatchResources
 #   │   └── _keep_serving (plugins_registry)     Registration, for the kubelet's plugin watcher
 #   └── per resource:
-#       ├── watch_devices                        inotify on the resource's directory
+#       ├── watch_devices                        inotify on the resource's directory (started
+#       │                                        again by a reload applied in place: _Served.update)
 #       └── serve_resource (api: device-plugin)  one generation at a time:
 #           └── serve_grpc (socket N)            serve, register, wait for a kubelet restart
 #                                                or our socket's deletion, stop, N + 1
@@ -5022,11 +5064,13 @@ async def serve_resource(
     generations: Iterator[int] | None = None,
     *,
     examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
+    config: Watched | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
     until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
-    ``examine`` is for device_plugin_service().
+    ``examine`` and ``config`` (its configuration as reloads change it in place, never its name
+    or options) are for device_plugin_service().
 
     started() is called once the first socket is listening (registration may still be waiting
     for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
@@ -5038,7 +5082,9 @@ async def serve_resource(
     status = StreamStatus()
 
     def services(ending: trio.Event) -> list[purerpc.Service]:
-        plugin = device_plugin_service(resource, devices, shape_allocation, encoder, ending, examine, status)
+        plugin = device_plugin_service(
+            resource, devices, shape_allocation, encoder, ending, examine, status, config=config
+        )
         return [plugin, status_service(functools.partial(status.message, resource.name))]
 
     lock = ResourceLock(resource.name, directory)
@@ -5062,11 +5108,14 @@ async def _serve_generations(
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
-        while not os.path.isdir(directory):
-            _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
-            await kubelet.changed.wait_touched()
+        seen = await _wait_for_directory(resource, kubelet)
         if not lock.held():
-            lock.acquire()  # before the first socket, and again if the directory was made anew
+            try:
+                lock.acquire()  # before the first socket, and again if the directory was made anew
+            except GopherplugError:
+                if _identity(directory) == seen:
+                    raise  # the same directory as a moment ago: a real reason (permissions, a holder)
+                continue  # the directory went (or was replaced) since we looked: wait for it again
         endpoint = socket_name(resource.name, directory, generation)
         ending = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -5123,6 +5172,33 @@ async def _serve_generations(
                         await server.calls_ended.wait_touched()
             nursery.cancel_scope.cancel()
         task_status = trio.TASK_STATUS_IGNORED
+
+
+async def _wait_for_directory(resource: ResourceConfig, kubelet: KubeletWatch) -> tuple[int, int, int] | None:
+    """Return once the kubelet's directory exists, with its identity then (see _identity).
+
+    A removed directory is normal on a host: the kubelet makes it anew when it starts (and an
+    administrator may have removed it), and KubeletWatch's inotify on its parent sees it come back.
+    But inside a container whose hostPath mount holds the deleted directory, it never comes back:
+    that raises GopherplugError (the container must be restarted to see the new one).
+    """
+    directory = kubelet.device_plugin_dir
+    logged = False
+    while True:
+        try:
+            links: int | None = os.stat(directory).st_nlink
+        except OSError:
+            links = None
+        problem = deleted_directory_problem(directory, links, _read_text("/proc/self/mountinfo") or "")
+        if problem is not None:
+            raise GopherplugError(problem)
+        seen = _identity(directory)
+        if links is not None and os.path.isdir(directory):
+            return seen
+        if not logged:
+            _log(resource).warning("waiting for the kubelet's directory %s to exist", directory)
+            logged = True
+        await kubelet.changed.wait_touched()
 
 
 def resource_config(name: str, **options: Any) -> ResourceConfig:
@@ -5214,7 +5290,9 @@ async def serve_plugin(
     is called once every resource's socket is listening. No signal handling here: that belongs to
     the program (see main()). With ``updates`` (e.g. watch_config_file()), each new configuration
     is applied as it comes: added resources start, removed ones send an empty list and stop,
-    changed ones are served and registered anew; the others are not touched.
+    changed ones are updated in place (their stream stays open and sends the new list) unless
+    what the kubelet was told at registration changed (register_again() says): those are served
+    and registered anew; the others are not touched.
 
     With ``config.dra``, it is also that DRA driver (serve_dra): ``node_name`` is this node's name
     (default: the NODE_NAME environment variable, which the DaemonSet sets from spec.nodeName),
@@ -5287,32 +5365,108 @@ async def serve_plugin(
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
+                updated: list[str] = []
+                registered: list[str] = []
+                kept: list[str] = []
                 for name in removed:
                     await served.pop(name).retire()
                 for name in changed:
+                    if not register_again(served[name].resource, wanted[name]):
+                        # Ending the stream would make the kubelet mark every device unhealthy until
+                        # the next stream's first list, and reject for good the pods it admits then.
+                        (updated if await served[name].update(wanted[name]) else kept).append(name)
+                        continue
                     old = served.pop(name)
                     await old.stop()
-                    if not await start(wanted[name]):
+                    if await start(wanted[name]):
+                        registered.append(name)
+                    else:
                         await start(old.resource)  # the new one failed: serve the old one again
+                        kept.append(name)
                 for name in added:
                     await start(wanted[name])
                 summary = ", ".join(
                     f"{what} {', '.join(names)}"
-                    for what, names in (("added", added), ("changed", changed), ("removed", removed))
+                    for what, names in (
+                        ("added", added),
+                        ("updated in place", updated),
+                        ("re-registered", registered),
+                        ("removed", removed),
+                        ("not applied to", kept),
+                    )
                     if names
                 )
                 log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
 
 
+def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
+    """Whether a reload from ``old`` to ``new`` (the same resource name) must serve and register
+    the resource anew, rather than update it in place.
+
+    Only what the kubelet was told must: it takes the options from GetDevicePluginOptions during
+    Register and never asks again (pre_start_required: whether it calls PreStartContainer), and
+    the api decides whether there is a registration at all. The socket's name depends on the
+    resource name and the directory, neither of which a reload changes for a resource. Everything
+    else (env, replicas, preferred, device_specs, mounts, annotations, sources, cdi, pre_start's
+    command) is ours: the open stream sends the new list, and the answers follow the new
+    configuration from then on.
+    """
+    return old.api != new.api or device_plugin_options(old) != device_plugin_options(new)
+
+
 @dataclass
 class _Served:
-    """One resource of a running configuration, and the means to stop it."""
+    """One resource of a running configuration, and the means to update and stop it."""
 
-    resource: ResourceConfig
+    resource: ResourceConfig  #: as configured now
     devices: Watched = dataclasses.field(default_factory=lambda: Watched({}))
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  #: everything
     watch_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  #: its directory watch
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    #: ``resource`` for the running device-plugin service: its answers follow an update
+    config: Watched = dataclasses.field(init=False)
+    #: (re)starts the directory watch for a configuration; set by _serve_one
+    start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
+    watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    dra_resources: DraResources | None = None
+
+    def __post_init__(self) -> None:
+        self.config = Watched(self.resource)
+
+    async def update(self, new: ResourceConfig) -> bool:
+        """Apply a configuration with the same name and options, the stream left open. Returns
+        whether it was applied (if its watch cannot start, the old configuration goes on)."""
+        assert self.start_watch is not None  # _serve_one has started
+        old = self.resource
+        # The directory watch starts afresh: sources, patterns, templates (which make each entry's
+        # device specs and mounts) or the CDI kind may differ. The devices stay published in the
+        # meantime, and the new watch replaces them only if they differ; it writes the CDI spec
+        # before that, under the new kind if it changed. The old spec stays, as it does when the
+        # plugin stops: the kubelet keeps the CDI names of allocations made with it.
+        self.watch_scope.cancel()  # its CDI lock too: the new watch takes it again
+        await self.watch_done.wait()
+        try:
+            await self.start_watch(new)
+        except Exception as error:
+            if not isinstance(_innermost(error), GopherplugError):
+                raise
+            log.error("%s: %s: not applied", new.name, _innermost(error))
+            await self.start_watch(old)
+            return False
+        # Only now, the new CDI spec written: Allocate may name the new kind's devices.
+        self.resource = new
+        self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
+        if new.replicas != old.replicas:
+            # Other IDs for the same devices: the open stream sends the list again at once (it
+            # wakes when the device set is replaced, and encodes with the configuration then
+            # current). Until the kubelet has it, an Allocate for an ID of the old list is refused
+            # as for a removed device: a few milliseconds, for the pods of one resource.
+            self.devices.replace(dict(self.devices.value))
+        if new.dra and self.dra_resources is not None:
+            # The pool's slices are compared and written again with the new configuration; the
+            # claims prepared until now keep their checkpointed answers.
+            self.dra_resources.attach(new, self.devices)
+        return True
 
     async def retire(self) -> None:
         """Removed from the configuration: stop watching, send the kubelet an empty list, stop."""
@@ -5343,11 +5497,26 @@ async def _serve_one(
         with served.scope:
             async with trio.open_nursery() as nursery:
 
-                async def watch(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                    with served.watch_scope:
-                        await watch_devices(resource, served.devices, sysfs_root, dev_root, task_status=task_status)
+                async def watch(
+                    resource: ResourceConfig,
+                    scope: trio.CancelScope,
+                    done: trio.Event,
+                    *,
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                ) -> None:
+                    try:
+                        with scope:
+                            await watch_devices(resource, served.devices, sysfs_root, dev_root, task_status=task_status)
+                    finally:
+                        done.set()
 
-                await nursery.start(watch)
+                async def start_watch(resource: ResourceConfig) -> None:
+                    served.watch_scope, served.watch_done = trio.CancelScope(), trio.Event()
+                    await nursery.start(watch, resource, served.watch_scope, served.watch_done)
+
+                served.start_watch = start_watch
+                served.dra_resources = dra_resources
+                await start_watch(resource)
                 if resource.dra:
                     if dra_resources is None:
                         _log(resource).error(
@@ -5356,8 +5525,11 @@ async def _serve_one(
                     else:
                         dra_resources.attach(resource, served.devices)
                 if resource.device_plugin:
-                    examine = functools.partial(_examine_now, resource, sysfs_root, dev_root)
-                    serve = functools.partial(serve_resource, examine=examine)
+
+                    def examine(device: DeviceEntry) -> DeviceEntry | str | None:
+                        return _examine_now(served.config.value, sysfs_root, dev_root, device)
+
+                    serve = functools.partial(serve_resource, examine=examine, config=served.config)
                     await nursery.start(serve, resource, served.devices, kubelet, None, generations)
                 task_status.started()
                 if not resource.device_plugin:
@@ -5418,11 +5590,18 @@ async def watch_config_file(
 # it wipes the sockets of its directory on start, serves Registration on kubelet.sock, validates
 # Register and dials the plugin back *before* answering, keeps one ListAndWatch stream per
 # resource, marks every device unhealthy when that stream ends, and calls Allocate and
-# GetPreferredAllocation on demand. gopherplug's own tests use it, and so can a plugin author's.
+# GetPreferredAllocation on demand, refusing them as the kubelet does while no device is healthy
+# (the pods it would reject are recorded). It makes its directory anew when it is removed.
+# gopherplug's own tests use it, and so can a plugin author's.
 ########################################################################################################
 
 #: How long the kubelet waits to dial a registering plugin back.
 KUBELET_DIAL_TIMEOUT = 10.0
+
+
+class UnexpectedAdmissionError(GopherplugError):
+    """A pod the simulated kubelet rejects while admitting it, as the real one does with the pod
+    status reason UnexpectedAdmissionError: the kubelet itself refused, the plugin was never asked."""
 
 
 @dataclass
@@ -5464,13 +5643,23 @@ class KubeletSimulator:
         self.starts = 0  #: how many times the simulated kubelet started
         #: What happened, in order: ("registered" | "stream ended" | "disconnected", resource, endpoint)
         self.events: list[tuple[str, str, str]] = []
+        #: (resource, message) of every allocation refused because none of the resource's devices
+        #: was healthy: a pod the real kubelet would have rejected for good. A plugin that keeps its
+        #: stream open across a reload never causes one.
+        self.rejections: list[tuple[str, str]] = []
         self._changed = Watched(None)
         self._restart = trio.Event()
+        self._remove_directory = False
 
     async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         """Be the kubelet until cancelled; started() once kubelet.sock listens."""
         while True:
-            self._wipe_sockets()
+            if self._remove_directory:
+                self._remove_directory = False
+                # A running plugin may be creating its socket in it meanwhile: until it is gone.
+                while os.path.lexists(self.device_plugin_dir):
+                    shutil.rmtree(self.device_plugin_dir, ignore_errors=True)
+            self._wipe_sockets()  # and the directory made again if it is missing, as the kubelet does
             self._restart = trio.Event()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -5482,8 +5671,14 @@ class KubeletSimulator:
                 await self._restart.wait()
                 nursery.cancel_scope.cancel()
 
-    def restart(self) -> None:
-        """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again."""
+    def restart(self, *, remove_directory: bool = False) -> None:
+        """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again.
+
+        With ``remove_directory``, the whole device-plugin directory is deleted while the kubelet is
+        down (an administrator cleaning up, a node's reprovisioning), and made anew as it starts:
+        a real kubelet creates its directory when missing (ManagerImpl.Start, os.MkdirAll).
+        """
+        self._remove_directory = remove_directory
         self._restart.set()
 
     async def wait_until(self, predicate: Callable[[KubeletSimulator], bool]) -> None:
@@ -5492,14 +5687,39 @@ class KubeletSimulator:
             await self._changed.wait_touched()
 
     async def allocate(self, resource_name: str, device_ids: Iterable[str]) -> Any:
-        """Call Allocate for one container, as the kubelet does while admitting a pod."""
+        """Call Allocate for one container, as the kubelet does while admitting a pod.
+
+        Raises UnexpectedAdmissionError, without calling the plugin, while none of the resource's
+        devices is healthy: between the end of its ListAndWatch stream and the next stream's first
+        list, say. Such a refusal is also recorded in ``rejections``.
+        """
+        self._admit(resource_name)
         request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=device_ids)])
         return await self._call(resource_name, "Allocate", request)
+
+    def _admit(self, resource_name: str) -> None:
+        # The device manager's checks before it asks the plugin (devicesToAllocate in
+        # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go): the resource must be
+        # registered and have a healthy device. The pod's admission then fails for good with
+        # "Allocate failed due to <error>, which is unexpected" (UnexpectedAdmissionError).
+        resource = self.resources.get(resource_name)
+        if resource is None:
+            why = f"cannot allocate unregistered device {resource_name}"
+        elif not resource.allocatable:
+            why = f"no healthy devices present; cannot allocate unhealthy devices {resource_name}"
+        else:
+            return
+        message = f"Allocate failed due to {why}, which is unexpected"
+        self.rejections.append((resource_name, message))
+        self._changed.touch()
+        raise UnexpectedAdmissionError(message)
 
     async def preferred_allocation(
         self, resource_name: str, available: Iterable[str], must_include: Iterable[str], size: int
     ) -> list[str]:
-        """Call GetPreferredAllocation for one container and return the plugin's pick."""
+        """Call GetPreferredAllocation for one container and return the plugin's pick (after the
+        same admission checks as allocate(): the kubelet asks only while allocating)."""
+        self._admit(resource_name)
         request = v1beta1.PreferredAllocationRequest(
             container_requests=[
                 v1beta1.ContainerPreferredAllocationRequest(

@@ -636,6 +636,35 @@ def test_container_only_paths_are_recognised(directory, mountinfo, on):
         )
 
 
+def deleted_message(directory):
+    return (
+        f"the device-plugin directory {directory} was removed on the host, and this container still sees the "
+        "deleted one through its hostPath mount: exiting, so that the kubelet restarts it with a fresh mount"
+    )
+
+
+def test_a_deleted_directory_seen_through_a_mount_is_recognised(tmp_path):
+    gone = tmp_path / "device-plugins"
+    gone.mkdir()
+    fd = os.open(gone, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rmdir(gone)
+        # Like a hostPath mount of a directory removed on the host, this path still leads to it.
+        through = f"/proc/self/fd/{fd}"
+        links = os.stat(through).st_nlink
+        assert links == 0
+        assert gp.deleted_directory_problem(through, links, "") == deleted_message(through)
+    finally:
+        os.close(fd)
+    # mountinfo says so too, whatever link count a file system gives its directories.
+    kubelet_dir = "/var/lib/kubelet/device-plugins"
+    deleted = CONTAINER_MOUNTS.replace(f"{kubelet_dir} {kubelet_dir}", f"{kubelet_dir}//deleted {kubelet_dir}")
+    assert gp.deleted_directory_problem(kubelet_dir, 1, deleted) == deleted_message(kubelet_dir)
+    assert gp.deleted_directory_problem(kubelet_dir, 2, CONTAINER_MOUNTS) is None
+    assert gp.deleted_directory_problem(kubelet_dir, None, CONTAINER_MOUNTS) is None, "missing: to be waited for"
+    assert gp.deleted_directory_problem("/etc/gophers", 2, deleted) is None, "another mount's"
+
+
 def test_find_device_plugin_dir_prefers_a_live_kubelet(tmp_path):
     candidates = [str(tmp_path / name) for name in ("default", "microk8s")]
     for directory in candidates:
@@ -2273,6 +2302,71 @@ def listed_ids(*ids):
     return dict.fromkeys(ids, gp.HEALTHY)
 
 
+def held_list_service(release):
+    """A DevicePlugin service whose ListAndWatch sends its first list (g1) only once ``release`` is set."""
+
+    async def get_options(empty):
+        return v1beta1.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    async def list_and_watch(empty):
+        await release.wait()
+        yield v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID="g1", health=gp.HEALTHY)])
+        await trio.sleep_forever()
+
+    async def allocate(request):
+        return v1beta1.AllocateResponse(container_responses=[v1beta1.ContainerAllocateResponse(envs={"HELD": "1"})])
+
+    service = purerpc.Service("v1beta1.DevicePlugin")
+    for name, fn in [("GetDevicePluginOptions", get_options), ("ListAndWatch", list_and_watch), ("Allocate", allocate)]:
+        service.add_method(name, fn, gp.METHODS[f"/v1beta1.DevicePlugin/{name}"].signature)
+    return service
+
+
+async def test_the_kubelet_stand_in_refuses_pods_from_a_streams_end_to_the_next_first_list(nursery, node):
+    # The real kubelet marks every device unhealthy the moment a stream ends, and they stay so
+    # until the next stream's first list: a pod admitted then is rejected for good, the plugin
+    # never asked. The stand-in must be as strict, or a plugin that opens such a window passes.
+    refused = (
+        "Allocate failed due to no healthy devices present; cannot allocate unhealthy devices "
+        f"{RESOURCE}, which is unexpected"
+    )
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        async with trio.open_nursery() as plugin:
+            await plugin.start(gp.serve_plugin, node.config())
+            await simulator.wait_until(listed("g1", "g2"))
+            await simulator.allocate(RESOURCE, ["g1"])
+            plugin.cancel_scope.cancel()  # the plugin stops: its stream ends
+        await simulator.wait_until(lambda s: not s.resources[RESOURCE].streaming)
+        assert simulator.resources[RESOURCE].devices == {"g1": gp.UNHEALTHY, "g2": gp.UNHEALTHY}
+        with pytest.raises(gp.UnexpectedAdmissionError) as info:
+            await simulator.allocate(RESOURCE, ["g1"])
+        assert str(info.value) == refused
+
+        # Registered again, its stream open, its first list not sent yet: still refused.
+        release = trio.Event()
+        await nursery.start(gp.serve_grpc, os.path.join(node.plugin_dir, "held.sock"), [held_list_service(release)])
+        request = v1beta1.RegisterRequest(version="v1beta1", endpoint="held.sock", resource_name=RESOURCE)
+        await gp.call_unary(node.kubelet_socket, gp.METHODS[gp.REGISTER], request, timeout=5)
+        await simulator.wait_until(lambda s: s.resources[RESOURCE].streaming)
+        with pytest.raises(gp.UnexpectedAdmissionError, match="no healthy devices present"):
+            await simulator.preferred_allocation(RESOURCE, ["g1"], [], 1)
+        release.set()
+        await simulator.wait_until(listed("g1"))
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+    assert dict(answer.container_responses[0].envs) == {"HELD": "1"}
+    assert simulator.rejections == [(RESOURCE, refused)] * 2
+
+
+async def test_the_kubelet_stand_in_makes_its_removed_directory_anew(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        Path(node.plugin_dir, "left-behind").touch()  # a restart alone removes only sockets
+        simulator.restart(remove_directory=True)
+        await simulator.wait_until(lambda s: s.starts == 2)
+    assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
+
+
 async def test_kubelet_absent_at_start(nursery, node):
     with trio.fail_after(TIMEOUT):
         await nursery.start(gp.serve_plugin, node.config())
@@ -2293,6 +2387,49 @@ async def test_kubelet_stopped_for_a_while(nursery, node):
         await simulator.wait_until(lambda s: devices_of(s) is None)  # the first simulator lost its stream
         third = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
         await third.wait_until(listed("g1", "g2"))
+
+
+def lock_file(node):
+    return Path(node.plugin_dir, ".gopherplug-example.com_gopher.lock")
+
+
+async def test_device_plugin_directory_removed_and_made_anew_by_the_kubelet(nursery, node):
+    # On a host, the kubelet makes its directory anew at start when it was removed: the plugin
+    # waits for it (inotify on the parent), takes its lock there, serves and registers again.
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        for registrations in range(2, 7):
+            simulator.restart(remove_directory=True)
+            await simulator.wait_until(
+                lambda s, n=registrations: len(s.registrations) == n and devices_of(s) == listed_ids("g1", "g2")
+            )
+            assert lock_file(node).exists()
+    assert node.our_sockets() == [simulator.registrations[-1].endpoint]
+
+
+async def test_device_plugin_directory_removed_as_the_lock_is_taken_is_waited_for(nursery, node, monkeypatch):
+    # The worst moment: the directory was there when the plugin looked, and is gone when it
+    # opens its lock file. It must wait for the directory again, not stop.
+    acquire, armed, removed = gp.ResourceLock.acquire, [], trio.Event()
+
+    def removed_first(lock):
+        if armed and not removed.is_set():
+            shutil.rmtree(node.plugin_dir)
+            removed.set()
+        return acquire(lock)
+
+    monkeypatch.setattr(gp.ResourceLock, "acquire", removed_first)
+    with trio.fail_after(TIMEOUT), logged("waiting for the kubelet's directory") as waiting:
+        simulator = await start(nursery, node)
+        armed.append(True)
+        lock_file(node).unlink()  # so that the plugin takes its lock again when it serves again,
+        os.unlink(os.path.join(node.plugin_dir, node.our_sockets()[0]))  # which it does now
+        await removed.wait()
+        await waiting.wait()
+        simulator.restart(remove_directory=True)  # the kubelet, started again, makes it anew
+        await simulator.wait_until(lambda s: len(s.registrations) >= 2 and devices_of(s) == listed_ids("g1", "g2"))
+    assert len(simulator.registrations) == 2
+    assert lock_file(node).exists()
 
 
 async def test_device_directory_deleted_and_recreated(nursery, node):
@@ -2709,10 +2846,10 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
         await trio.testing.wait_all_tasks_blocked()  # the watcher has read it (inotify is already there)
         assert f"{path}: invalid YAML (line 1, column 13: " in caplog.text
         assert caplog.text.rstrip().endswith("; keeping the running configuration")
-        path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
-        await simulator.wait_until(lambda s: [r.resource_name for r in s.registrations].count(RESOURCE) == 2)
-        await simulator.wait_until(listed("g1", "g2"))
-        assert simulator.registrations[-1].endpoint == "gopherplug-example.com_gopher-2.sock"
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
+            await reloaded.wait()
+        assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
         answer = await simulator.allocate(RESOURCE, ["g1"])
         assert dict(answer.container_responses[0].envs) == {"GOPHERS": "g1"}
 
@@ -2723,8 +2860,85 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     # Its goodbye was an empty list, then its stream ended and its socket went.
     assert simulator.resources[OTHER].updates == other_updates + 1
     assert simulator.resources[OTHER].devices == {}
-    assert node.our_sockets() == ["gopherplug-example.com_gopher-2.sock"]
-    assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER, RESOURCE]
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
+    assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER], "an env change registers nothing"
+
+
+async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_new_list(nursery, node, tmp_path):
+    # The kubelet marks every device unhealthy from the end of a stream until the next stream's
+    # first list, and rejects the pods it admits then for good: a reload that the kubelet need
+    # not hear of (env, replicas, the sources, ...) must keep the stream open.
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    specs = [{"host_path": "{path}", "container_path": "/dev/gopher"}]
+    reloads = [
+        ({"env": "GOPHERS", "replicas": 2}, ("g1::0", "g1::1", "g2::0", "g2::1")),
+        ({"env": "GOPHERS", "replicas": 2, "pattern": "g2", "preferred": "spread"}, ("g2::0", "g2::1")),
+        ({"env": "AGAIN", "pattern": "g2", "device_specs": specs}, ("g2",)),
+    ]
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        done = trio.Event()
+
+        async def pods_keep_coming():  # each admitted while the reloads are applied
+            while not done.is_set():
+                ids = [device_id for device_id, health in devices_of(simulator).items() if health == gp.HEALTHY]
+                try:
+                    await simulator.allocate(RESOURCE, ids[:1])
+                except gp.UnexpectedAdmissionError:
+                    pass  # counted in simulator.rejections
+                except gp.RPCError as error:
+                    # An ID of the list from before a change of replicas or pattern, asked for in
+                    # the moment before the new list reaches the kubelet: as for a removed device.
+                    assert "unknown example.com/gopher device IDs" in error.message
+
+        nursery.start_soon(pods_keep_coming)
+        for keys, ids in reloads:
+            with logged("configuration reloaded: ") as reloaded:
+                path.write_text(config_text(node, **{RESOURCE: keys}))
+                await reloaded.wait()
+            await simulator.wait_until(listed(*ids))
+            assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
+        done.set()
+        answer = (await simulator.allocate(RESOURCE, ["g2"])).container_responses[0]
+    assert dict(answer.envs) == {"AGAIN": "g2"}
+    assert [(d.host_path, d.container_path) for d in answer.devices] == [(f"{node.devices}/g2", "/dev/gopher")]
+    assert simulator.rejections == [], "a pod was admitted while every device was unhealthy"
+    assert simulator.events == [("registered", RESOURCE, "gopherplug-example.com_gopher-1.sock")]
+    assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
+
+
+async def test_reload_that_changes_what_the_kubelet_was_told_registers_again(nursery, node, tmp_path):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"pre_start": ["/bin/true"]}}))  # pre_start_required
+            await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s) == listed_ids("g1", "g2"))
+            await reloaded.wait()
+    assert reloaded.lines == [f"{path}: configuration reloaded: re-registered {RESOURCE}"]
+    assert simulator.resources[RESOURCE].options.pre_start_required
+    assert simulator.registrations[1].endpoint == "gopherplug-example.com_gopher-2.sock"
+    # The old registration was gone before the new one (the kubelet would drop the new one otherwise).
+    assert [event for event, _, _ in simulator.events] == ["registered", "stream ended", "disconnected", "registered"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "again"),
+    [
+        ({"env": "A"}, {"env": "B", "replicas": 3, "preferred": "spread", "pattern": "x*"}, False),
+        ({}, {"cdi": {"kind": "example.com/gopher"}}, False),
+        ({}, {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}, False),
+        ({}, {"pre_start": ["/bin/true"]}, True),
+        ({"pre_start": ["/bin/true"]}, {"pre_start": ["/bin/false"], "pre_start_timeout": 3}, False),
+        ({"api": "dra"}, {"api": "both", "allow_double_booking": True}, True),
+    ],
+)
+def test_register_again_only_when_what_the_kubelet_was_told_changes(node, old, new, again):
+    top = {"dra": {"driver": "gopher.example.com"}} if "api" in new else {}
+    [before], [after] = node.config(top=top, **old).resources, node.config(top=top, **new).resources
+    assert gp.register_again(before, after) is again
 
 
 async def test_removing_a_resource_that_waits_for_the_kubelet_stops_it_at_once(nursery, node, caplog):
@@ -2760,6 +2974,25 @@ async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nur
         path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))  # fixed: applied
         await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
         assert simulator.resources[RESOURCE].streaming
+
+
+async def test_reload_that_cannot_be_applied_in_place_keeps_the_running_configuration(nursery, node, tmp_path, caplog):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    (tmp_path / "file").touch()
+    bad_cdi = {"env": "NEW", "cdi": {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "file" / "cdi")}}
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: bad_cdi}))
+            await reloaded.wait()
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        Path(node.devices, "g3").touch()  # still watched
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    assert reloaded.lines == [f"{path}: configuration reloaded: not applied to {RESOURCE}"]
+    assert f"{RESOURCE}: cannot write the CDI spec {tmp_path}/file/cdi/example.com-gopher.json: " in caplog.text
+    assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}, "the old configuration answers"
+    assert simulator.events == [("registered", RESOURCE, "gopherplug-example.com_gopher-1.sock")]
 
 
 async def test_reload_sees_the_target_of_a_symlinked_file_rewritten_and_edits_made_while_starting(node, tmp_path):
@@ -3170,7 +3403,11 @@ async def test_cdi_spec_has_no_gap_across_a_reload_or_a_restart(node, tmp_path):
             simulator = await reloading(nursery, node, path)
             watcher = INotify()  # every change the spec's directory sees from here on
             watcher.add_watch(str(cdi_dir), inotify_flags.DELETE | inotify_flags.MOVED_FROM | inotify_flags.MOVED_TO)
-            path.write_text(config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # changed: served anew
+            with logged("configuration reloaded: updated in place") as updated:
+                path.write_text(config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # its watch restarts
+                await updated.wait()
+            pre_start = {**cdi, "env": "GOPHERS", "pre_start": ["/bin/true"]}
+            path.write_text(config_text(node, **{RESOURCE: pre_start}))  # new options: served anew
             await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s))
             nursery.cancel_scope.cancel()
         async with trio.open_nursery() as nursery:  # the plugin restarted, as a DaemonSet update does
@@ -3768,6 +4005,49 @@ async def test_a_killed_plugins_sockets_are_removed_by_the_next_one(nursery, nod
                 process.kill()
                 await process.wait()
     assert probed.returncode == 0, probed.stdout
+
+
+def can_unshare_mounts():
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and unshare --mount")
+async def test_device_plugin_directory_removed_on_the_host_exits_a_pod_with_one_line(nursery, node, tmp_path):
+    # A pod's hostPath volume is a bind mount in the pod's mount namespace: made here for real.
+    # Removed on the host and made anew by the kubelet, the directory the plugin sees is the
+    # deleted one, where nothing can be created and nothing new shows: only a restart helps.
+    in_pod = os.path.join(os.path.dirname(node.plugin_dir), "pod-dp")
+    os.mkdir(in_pod)
+    config = tmp_path / "gopherplug.yaml"
+    config.write_text(
+        yaml.safe_dump({"device_plugin_dir": in_pod, "resources": [{"name": RESOURCE, "directory": node.devices}]})
+    )
+    script = 'mount --bind "$0" "$1" && exec "$2" "$3" --config "$4"'
+    argv = [sys.executable, str(HERE / "gopherplug.py"), str(config)]
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    pod = await trio.lowlevel.open_process(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, node.plugin_dir, in_pod, *argv],
+        stderr=subprocess.PIPE,
+    )
+    stderr = b""
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))  # registered through the mount
+            simulator.restart(remove_directory=True)
+            async for chunk in pod.stderr:
+                stderr += chunk
+            await pod.wait()
+    finally:
+        if pod.returncode is None:
+            pod.kill()
+            await pod.wait()
+    lines = stderr.decode().splitlines()
+    assert pod.returncode == 1, lines
+    assert [line for line in lines if " ERROR " in line] == [lines[-1]]
+    assert lines[-1].endswith(f" ERROR {deleted_message(in_pod)}")
+    assert len(simulator.registrations) == 1
 
 
 async def test_a_second_plugin_for_the_same_resource_refuses_and_leaves_the_first_alone(nursery, node, tmp_path):
@@ -4733,6 +5013,37 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     assert dra_node.slice_devices("node-1/example.com/other")[0] == ["o0"]
     assert added.lines == ["cfg.yaml: configuration reloaded: added example.com/other"]
     assert removed.lines == ["cfg.yaml: configuration reloaded: removed example.com/gopher"]
+
+
+async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dra_node):
+    # Stopping and starting the resource would take its pool away for a moment: the publisher
+    # could delete its slices, and the scheduler would see no device of it until written again.
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(dra_node.root / "cdi")}
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        await dra_node.start(dra_node.config(cdi=cdi), updates=updates())
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await dra_node.registered()
+        writes = len(dra_node.api.writes)
+        other_cdi = {"kind": "example.com/other", "spec_dir": str(dra_node.root / "cdi")}
+        await send.send(dra_node.config(cdi=other_cdi, pattern="gopher1", env="GOPHERS"))
+        await dra_node.wait_for_slices(["gopher1"])
+        await reloaded.wait()
+        dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher1")))
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+    assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"], "the slice was rewritten, never deleted"
+    assert reloaded.lines == ["cfg.yaml: configuration reloaded: updated in place example.com/gopher"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/other=gopher1"]
+    spec = read_spec(dra_node.root / "cdi" / "example.com-other.json")
+    assert [d["name"] for d in spec["devices"]] == ["gopher1"]
+    assert spec["devices"][0]["containerEdits"]["env"] == ["GOPHERS_GOPHER1=gopher1"]
 
 
 async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
