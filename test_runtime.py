@@ -1,0 +1,961 @@
+"""The runtime tier: gopherplug's shipped DaemonSets run in a real containerd, driven through the CRI as
+the kubelet drives it.
+
+    sudo GOPHERPLUG_RUNTIME=DIR .venv/bin/python -m pytest test_runtime.py
+
+DIR holds containerd >= 1.7 (CDI-capable) with containerd-shim-runc-v2 and ctr, runc, a static busybox and
+the CRI API (cri-api.proto); without root or without DIR (default /opt/gopherplug-runtime) the whole module
+is skipped with one line saying so. Every binary comes from DIR, never from PATH.
+
+Rules of this file:
+- Nothing of the machine is touched but what the run creates: containerd has a private root, state,
+  socket and CDI directory; the device nodes the tests make live in a directory of /dev unique to the run;
+  the pod cgroups under a parent unique to the run. Everything is removed at the end, also on failure,
+  containerd and every container by PID.
+- The pods are the manifests' own (daemonset.yaml, daemonset-dra.yaml, read as shipped). The translation
+  to CRI requests copies what the kubelet does (sources cited beside each piece); the only substitutions
+  are the image, the host side of hostPath volumes (private directories; /dev and /sys stay the host's),
+  the ConfigMap's contents, the API server's address and the service account's token, and the host's
+  network namespace for the sandboxes (no CNI here).
+- Assertions rest on what containerd or the container itself reports (ExecSync, ContainerStatus), and on
+  what the kubelet stand-ins received, never on gopherplug's word.
+- Every I/O has a bound; nothing sleeps to synchronise. Where no event exists (containerd's socket
+  answering, a container's state), a short bounded poll of the real thing stands in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import ssl
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import yaml
+
+import gopherplug as gp
+
+HERE = Path(__file__).resolve().parent
+RUNTIME_DIR = Path(os.environ.get("GOPHERPLUG_RUNTIME", "/opt/gopherplug-runtime"))
+NEEDED = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "busybox", "cri-api.proto")
+ENABLE = (
+    "run `sudo GOPHERPLUG_RUNTIME=DIR pytest test_runtime.py` with containerd >= 1.7 (its runc shim and ctr), "
+    "runc, a static busybox and cri-api.proto in DIR"
+)
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
+    if missing:
+        return f"{RUNTIME_DIR} lacks {', '.join(missing)}"
+    try:
+        version = subprocess.run(
+            [RUNTIME_DIR / "containerd", "--version"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{RUNTIME_DIR}/containerd does not run: {error}"
+    found = re.search(r" v?(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < (1, 7):
+        return f"{RUNTIME_DIR}/containerd is not 1.7 or later: {version.strip()}"
+    return None
+
+
+if (_WHY := _why_not()) is not None:
+    pytest.skip(f"runtime tier skipped ({_WHY}): {ENABLE}", allow_module_level=True)
+
+import grpc  # noqa: E402  (test-only dependencies, imported once the tier is known to run)
+
+#: Bound on one CRI call; creating the plugin's container (its image's snapshot) is the slowest one.
+CRI_TIMEOUT = 60.0
+#: Bound on one test's waits (a plugin's registration, a device's health, a container's start).
+TIMEOUT = 60.0
+#: The poll interval where no event exists (containerd's socket, a container's state).
+POLL = 0.05
+NODE_NAME = "tier-node"
+DRIVER = "gopherplug.example.com"
+RESOURCE = "example.com/gopher"
+#: A device outside the runtime's default device cgroup allowlist (null, zero, full, random, urandom,
+#: tty, ptmx, pts, and the rest of containerd's defaults): fuse's 10:229. Only a container whose spec
+#: lists it may open it.
+DEVICE_MAJOR, DEVICE_MINOR = 10, 229
+
+
+########################################################################################################
+# The CRI API, compiled at test time (no generated code in the repository)
+
+
+def compile_cri(into: Path) -> tuple[Any, Any]:
+    """cri-api.proto imports gogoproto only for Go code generation options: without them it is plain proto3."""
+    from grpc_tools import protoc
+
+    text = (RUNTIME_DIR / "cri-api.proto").read_text()
+    text = "\n".join(line for line in text.splitlines() if "gogoproto" not in line) + "\n"
+    (into / "tier_cri.proto").write_text(text)
+    include = str(Path(protoc.__file__).parent / "_proto")
+    status = protoc.main(
+        ["protoc", f"-I{into}", f"-I{include}", f"--python_out={into}", f"--grpc_python_out={into}", "tier_cri.proto"]
+    )
+    assert status == 0, "protoc could not compile cri-api.proto"
+    sys.path.insert(0, str(into))
+    try:
+        import tier_cri_pb2
+        import tier_cri_pb2_grpc
+    finally:
+        sys.path.remove(str(into))
+    return tier_cri_pb2, tier_cri_pb2_grpc
+
+
+########################################################################################################
+# Images without a registry: docker-archive tarballs made by hand
+
+
+def _add(
+    layer: tarfile.TarFile,
+    name: str,
+    *,
+    data: bytes | None = None,
+    source: str | None = None,
+    link: str | None = None,
+    mode: int = 0o755,
+) -> None:
+    info = tarfile.TarInfo(name.lstrip("/"))
+    info.mtime, info.uid, info.gid = 0, 0, 0
+    if link is not None:
+        info.type, info.linkname = tarfile.SYMTYPE, link
+        layer.addfile(info)
+    elif data is None and source is None:
+        info.type, info.mode = tarfile.DIRTYPE, mode
+        layer.addfile(info)
+    else:
+        if source is not None:
+            data = Path(source).read_bytes()
+            mode = stat.S_IMODE(os.stat(source).st_mode)
+        assert data is not None
+        info.size, info.mode = len(data), mode
+        layer.addfile(info, io.BytesIO(data))
+
+
+def docker_archive(path: Path, layer_files: Path, tags: list[str], config: dict[str, Any]) -> None:
+    """One layer, a config whose rootfs.diff_ids is the layer's sha256, a manifest.json with RepoTags:
+    what `docker save` writes, and what `ctr images import` reads."""
+    layer = layer_files.read_bytes()
+    diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
+    document = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "history": [{"created_by": "test_runtime.py"}],
+    }
+    config_bytes = json.dumps(document).encode()
+    config_name = hashlib.sha256(config_bytes).hexdigest() + ".json"
+    manifest = [{"Config": config_name, "RepoTags": tags, "Layers": ["layer.tar"]}]
+    with tarfile.open(path, "w") as archive:
+        _add(archive, config_name, data=config_bytes, mode=0o644)
+        _add(archive, "layer.tar", source=str(layer_files))
+        _add(archive, "manifest.json", data=json.dumps(manifest).encode(), mode=0o644)
+
+
+def busybox_layer(path: Path) -> None:
+    """A static busybox and its applets' links: the consumers' userland and the sandbox's."""
+    applets = subprocess.run(
+        [RUNTIME_DIR / "busybox", "--list-full"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.split()
+    with tarfile.open(path, "w") as layer:
+        for directory in ("bin", "sbin", "usr", "usr/bin", "usr/sbin", "etc", "dev", "proc", "sys", "tmp", "run"):
+            _add(layer, directory)
+        _add(layer, "bin/busybox", source=str((RUNTIME_DIR / "busybox").resolve()))
+        for applet in applets:
+            if applet != "bin/busybox":
+                _add(layer, applet, link="/bin/busybox")
+
+
+def _ldd(binary: str) -> set[str]:
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=30).stdout
+    return {m[1] for m in re.finditer(r"(?:=> )?(/\S+) \(0x", out)}
+
+
+def python_layer(path: Path, site_packages: Path) -> None:
+    """Debian's python3.11 (its packages' files and the shared libraries of the interpreter and its
+    extension modules), the project installed with its dra extra, and a `gopherplug` entry point."""
+    files: set[str] = set()
+    packages = ["python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib"]
+    listed = subprocess.run(["dpkg", "-L", *packages], capture_output=True, text=True, timeout=30, check=True)
+    for name in listed.stdout.splitlines():
+        if name.startswith("/usr/share/") or not os.path.isfile(name) or os.path.islink(name):
+            continue
+        files.add(name)
+        if name.endswith(".py"):  # Debian compiles at install time: take the host's bytecode too
+            cached = Path(name).parent / "__pycache__" / (Path(name).stem + ".cpython-311.pyc")
+            if cached.exists():
+                files.add(str(cached))
+    libraries = _ldd("/usr/bin/python3.11")
+    for name in list(files):
+        if name.endswith(".so"):
+            libraries |= _ldd(name)
+    with tarfile.open(path, "w") as layer:
+        made: set[str] = set()
+
+        def parents(name: str) -> None:
+            for parent in reversed(Path(name).parents):
+                if str(parent) != "/" and str(parent) not in made:
+                    made.add(str(parent))
+                    _add(layer, str(parent))
+
+        for directory in ("/dev", "/proc", "/sys", "/tmp", "/etc", "/run"):
+            parents(directory + "/x")
+        for name in sorted(files | libraries):
+            parents(name)
+            _add(layer, name, source=os.path.realpath(name))
+        for root, dirs, names in os.walk(site_packages):
+            dirs.sort()
+            relative = os.path.relpath(root, site_packages)
+            target = os.path.normpath(os.path.join("/usr/lib/python3/dist-packages", relative))
+            parents(target + "/x")
+            for name in sorted(names):
+                _add(layer, os.path.join(target, name), source=os.path.join(root, name))
+        parents("/usr/local/bin/x")
+        script = b"#!/usr/bin/python3.11\nimport sys\n\nfrom gopherplug import main\n\nsys.exit(main())\n"
+        _add(layer, "/usr/local/bin/gopherplug", data=script, mode=0o755)
+
+
+PAUSE_IMAGE = "gopherplug.test/pause:tier"
+BUSYBOX_IMAGE = "gopherplug.test/busybox:tier"
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def build_images(work: Path) -> dict[str, Path]:
+    """The three archives: pause (a shell waiting for SIGTERM), busybox, and the plugin (both tags)."""
+    busybox = work / "busybox.layer.tar"
+    busybox_layer(busybox)
+    archives = {"pause": work / "pause.tar", "busybox": work / "busybox.tar", "plugin": work / "plugin.tar"}
+    waiting = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
+    docker_archive(archives["pause"], busybox, [PAUSE_IMAGE], {"Entrypoint": waiting, "Env": [PATH_ENV]})
+    docker_archive(archives["busybox"], busybox, [BUSYBOX_IMAGE], {"Cmd": ["sh"], "Env": [PATH_ENV]})
+    site = work / "site-packages"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-cache-dir",
+            "--target",
+            str(site),
+            f"{HERE}[dra]",
+        ],
+        check=True,
+        timeout=600,
+        cwd=work,
+    )
+    shutil.rmtree(site / "bin", ignore_errors=True)
+    python = work / "plugin.layer.tar"
+    python_layer(python, site)
+    tags = [image_of(doc) for doc in (manifest_pod("daemonset.yaml"), manifest_pod("daemonset-dra.yaml"))]
+    config = {"Entrypoint": ["gopherplug"], "Cmd": ["serve"], "Env": [PATH_ENV]}
+    docker_archive(archives["plugin"], python, tags, config)
+    return archives
+
+
+########################################################################################################
+# containerd, private to the run
+
+
+class Containerd:
+    """One containerd with its own root, state, socket and CDI directory; every binary from RUNTIME_DIR."""
+
+    def __init__(self, root: Path, *, enable_cdi: bool = True) -> None:
+        self.root = root
+        self.socket = root / "c.sock"
+        self.cdi_dir = root / "cdi"
+        self.extra_cdi_dirs: list[Path] = []
+        self.enable_cdi = enable_cdi
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = root / "containerd.log"
+        self.channel: Any = None
+        self.runtime: Any = None
+        self.images: Any = None
+
+    def config(self) -> str:
+        text = subprocess.run(
+            [RUNTIME_DIR / "containerd", "config", "default"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+        cdi_dirs = json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])
+        edits = {
+            # The machines of this tier (and CI) refuse lowering oom_score_adj, which every sandbox's
+            # runc would try; NOTES: "can't get final child's PID from pipe: EOF".
+            r"restrict_oom_score_adj = false": "restrict_oom_score_adj = true",
+            r"disable_apparmor = false": "disable_apparmor = true",
+            r'sandbox_image = ".*"': f'sandbox_image = "{PAUSE_IMAGE}"',
+            r"enable_cdi = false": f"enable_cdi = {str(self.enable_cdi).lower()}",
+            r"cdi_spec_dirs = \[.*\]": f"cdi_spec_dirs = {cdi_dirs}",
+            r"SystemdCgroup = \w+": "SystemdCgroup = false",
+            r'(?m)^root = ".*"': f'root = "{self.root}/root"',
+            r'(?m)^state = ".*"': f'state = "{self.root}/state"',
+            r'address = "/run/containerd/containerd.sock"': f'address = "{self.socket}"',
+            r'path = "/opt/containerd"': f'path = "{self.root}/opt"',
+            r'conf_dir = "/etc/cni/net.d"': f'conf_dir = "{self.root}/cni"',
+        }
+        for pattern, replacement in edits.items():
+            text, count = re.subn(pattern, replacement, text)
+            assert count, f"containerd config default has no {pattern!r}"
+        return text
+
+    def start(self) -> None:
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        config = self.root / "config.toml"
+        config.write_text(self.config())
+        env = {"PATH": f"{RUNTIME_DIR}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root)}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    RUNTIME_DIR / "containerd",
+                    "--config",
+                    config,
+                    "--root",
+                    self.root / "root",
+                    "--state",
+                    self.root / "state",
+                    "--address",
+                    self.socket,
+                ],
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+        self.runtime = CRI.RuntimeServiceStub(self.channel)
+        self.images = CRI.ImageServiceStub(self.channel)
+        deadline = time.monotonic() + 30
+        # No event tells that containerd serves the CRI: poll its Status until the runtime is ready.
+        while True:
+            assert self.process.poll() is None, f"containerd exited: {self.log.read_text()[-2000:]}"
+            try:
+                status = self.runtime.Status(PB.StatusRequest(), timeout=2)
+                if any(c.type == "RuntimeReady" and c.status for c in status.status.conditions):
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"containerd did not serve the CRI: {self.log.read_text()[-2000:]}"
+            time.sleep(POLL)
+
+    def import_image(self, archive: Path) -> None:
+        subprocess.run(
+            [RUNTIME_DIR / "ctr", "-n", "k8s.io", "-a", self.socket, "images", "import", archive],
+            check=True,
+            timeout=300,
+            capture_output=True,
+        )
+
+    def stop(self) -> None:
+        """Every task's processes, the shims, then containerd itself, all by PID."""
+        if self.process is None:
+            return
+        with contextlib.suppress(Exception):
+            for sandbox in self.runtime.ListPodSandbox(PB.ListPodSandboxRequest(), timeout=10).items:
+                with contextlib.suppress(grpc.RpcError):
+                    self.runtime.StopPodSandbox(PB.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=30)
+                    self.runtime.RemovePodSandbox(PB.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=30)
+        if self.channel is not None:
+            self.channel.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=15)
+        # The shims outlive containerd by design (a node's containers survive a runtime restart): find
+        # them by their socket address, which names this containerd's state, and kill them and their
+        # children (runc's init of each container) by PID.
+        for pid in _pids_mentioning(str(self.root)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # The overlay snapshots and the sandboxes' /dev/shm are mounts under the private root.
+        mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for mount in sorted((m for m in mounts if m.startswith(str(self.root))), key=len, reverse=True):
+            subprocess.run(["umount", "-l", mount], check=False, timeout=10)
+        self.process = None
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+                    found.extend(_children(int(entry.name)))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return children + [g for c in children for g in _children(c)]
+    return []
+
+
+########################################################################################################
+# The run: one containerd, the images, private directories
+
+
+PB: Any = None
+CRI: Any = None
+
+
+class Run:
+    """Everything one run of the tier owns."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.id = root.name.rsplit("-", 1)[-1]
+        self.dev = Path(f"/dev/gp-{self.id}")  # device nodes live in the host's /dev, as on a node
+        self.cgroup_parent = f"/gopherplug-tier-{self.id}"
+        self.containerd: Containerd | None = None
+        self.archives: dict[str, Path] = {}
+        self.figures: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+        self.started = time.monotonic()
+
+    def host_dir(self, name: str) -> Path:
+        path = self.root / "host" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def mknod(self, name: str, major: int = DEVICE_MAJOR, minor: int = DEVICE_MINOR) -> Path:
+        path = self.dev / name
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        return path
+
+
+def _remove_cgroups(parent: str) -> None:
+    for controller in Path("/sys/fs/cgroup").iterdir():
+        top = controller / parent.lstrip("/")
+        if top.is_dir():
+            for directory in sorted((Path(d) for d, _, _ in os.walk(top)), key=lambda p: len(str(p)), reverse=True):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+
+
+@pytest.fixture(scope="session")
+def run(pytestconfig):
+    global PB, CRI
+    root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
+    tier = Run(root)
+    try:
+        PB, CRI = compile_cri(root)
+        tier.dev.mkdir(mode=0o755)
+        built = time.monotonic()
+        tier.archives = build_images(root)
+        tier.figures["image build (s)"] = round(time.monotonic() - built, 1)
+        tier.containerd = Containerd(root / "ctrd")
+        tier.containerd.start()
+        imported = time.monotonic()
+        for archive in tier.archives.values():
+            tier.containerd.import_image(archive)
+        tier.figures["image import (s)"] = round(time.monotonic() - imported, 1)
+        yield tier
+    finally:
+        for containerd in (tier.containerd, getattr(tier, "second", None)):
+            if containerd is not None:
+                containerd.stop()
+        _remove_cgroups(tier.cgroup_parent)
+        shutil.rmtree(tier.dev, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+        tier.figures["tier duration (s)"] = round(time.monotonic() - tier.started, 1)
+        report = {"figures": tier.figures, "consumer outputs": tier.outputs}
+        text = json.dumps(report, indent=2)
+        if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
+            Path(where).write_text(text + "\n")
+        reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("\nruntime tier results:\n" + text)
+
+
+########################################################################################################
+# The manifests, translated into CRI requests as the kubelet does
+
+
+def manifest_docs(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((HERE / name).read_text()) if doc]
+
+
+def manifest_pod(name: str) -> dict[str, Any]:
+    """The DaemonSet's pod template, as shipped."""
+    (daemonset,) = [doc for doc in manifest_docs(name) if doc["kind"] == "DaemonSet"]
+    return daemonset["spec"]["template"]
+
+
+def manifest_config(name: str) -> dict[str, Any]:
+    """The ConfigMap's config.yaml, parsed, as shipped."""
+    (config_map,) = [doc for doc in manifest_docs(name) if doc["kind"] == "ConfigMap"]
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+def image_of(template: dict[str, Any]) -> str:
+    return template["spec"]["containers"][0]["image"]
+
+
+def _quantity(text: str | int) -> int:
+    """A Kubernetes quantity in bytes (the manifests use Mi and plain numbers)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
+    found = re.fullmatch(r"(\d+)([A-Za-z]*)", str(text))
+    assert found is not None, text
+    return int(found[1]) * units.get(found[2], 1)
+
+
+def _milli_cpu(text: str) -> int:
+    return int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
+
+
+def atomic_dir(target: Path, files: dict[str, str | bytes]) -> Path:
+    """A volume as the kubelet's atomic writer lays it out (kubernetes/kubernetes
+    pkg/volume/util/atomic_writer.go): the files in a `..<timestamp>` directory, a `..data` symlink to
+    it, and a symlink per file through `..data`, so that an update swaps them all at once."""
+    target.mkdir(parents=True)
+    stamp = target / time.strftime("..%Y_%m_%d_%H_%M_%S.000000001", time.gmtime())
+    stamp.mkdir()
+    for name, content in files.items():
+        (stamp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+        (target / name).symlink_to(f"..data/{name}")
+    (target / "..data").symlink_to(stamp.name)
+    return target
+
+
+#: What the kubelet masks and makes read-only in every unprivileged container's /proc and /sys
+#: (kubernetes/kubernetes pkg/securitycontext/util.go, ConvertToRuntimeMaskedPaths and
+#: ConvertToRuntimeReadonlyPaths with the Default proc mount).
+MASKED_PATHS = [
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+class Pod:
+    """One pod as the kubelet runs it: its directory (kubernetes/kubernetes pkg/kubelet/kubelet_pods.go
+    keeps etc-hosts, volumes and each container's termination-log file under the pod's directory), the
+    sandbox's config, and its containers' configs."""
+
+    def __init__(self, tier: Run, name: str, namespace: str = "default") -> None:
+        self.tier, self.name, self.namespace = tier, name, namespace
+        self.uid = str(uuid.uuid4())
+        self.dir = tier.root / "pods" / self.uid
+        self.dir.mkdir(parents=True)
+        self.sandbox_id = ""
+        self.container_ids: dict[str, str] = {}
+
+    def sandbox_config(self, labels: dict[str, str] | None = None) -> Any:
+        # generatePodSandboxConfig (pkg/kubelet/kuberuntime/kuberuntime_sandbox.go): metadata, the
+        # pod's log directory, labels, and the pod's cgroup parent; the namespaces follow the pod
+        # spec. Host network: the tier has no CNI; hostname is left out for host-network pods.
+        log_dir = self.dir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        return PB.PodSandboxConfig(
+            metadata=PB.PodSandboxMetadata(name=self.name, uid=self.uid, namespace=self.namespace, attempt=0),
+            log_directory=str(log_dir),
+            labels={
+                **(labels or {}),
+                "io.kubernetes.pod.name": self.name,
+                "io.kubernetes.pod.namespace": self.namespace,
+                "io.kubernetes.pod.uid": self.uid,
+            },
+            linux=PB.LinuxPodSandboxConfig(
+                cgroup_parent=f"{self.tier.cgroup_parent}/pod{self.uid}",
+                security_context=PB.LinuxSandboxSecurityContext(
+                    namespace_options=PB.NamespaceOption(
+                        network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER, ipc=PB.NamespaceMode.POD
+                    ),
+                    seccomp=PB.SecurityProfile(profile_type=PB.SecurityProfile.ProfileType.RuntimeDefault),
+                ),
+            ),
+        )
+
+    def hosts_mount(self) -> Any:
+        # makeMounts: every container gets a kubelet-managed /etc/hosts; for a host-network pod it is
+        # a copy of the node's (ensureHostsFile in pkg/kubelet/kubelet_pods.go), writable.
+        hosts = self.dir / "etc-hosts"
+        if not hosts.exists():
+            shutil.copyfile("/etc/hosts", hosts)
+        return PB.Mount(container_path="/etc/hosts", host_path=str(hosts), readonly=False)
+
+    def termination_mount(self, container: dict[str, Any]) -> Any:
+        # makeMounts: a fresh file under the pod's containers/<name>/ bind-mounted at the container's
+        # terminationMessagePath, /dev/termination-log unless the spec says otherwise.
+        directory = self.dir / "containers" / container["name"]
+        directory.mkdir(parents=True, exist_ok=True)
+        log = directory / secrets.token_hex(4)
+        log.touch(mode=0o666)
+        path = container.get("terminationMessagePath", "/dev/termination-log")
+        return PB.Mount(container_path=path, host_path=str(log), readonly=False)
+
+
+def container_config(
+    pod: Pod,
+    spec: dict[str, Any],
+    container: dict[str, Any],
+    *,
+    volumes: dict[str, str],
+    service_env: dict[str, str],
+    extra_mounts: list[Any] = (),  # type: ignore[assignment]
+) -> Any:
+    """generateContainerConfig (kubernetes/kubernetes pkg/kubelet/kuberuntime/kuberuntime_container.go) for
+    one container of the pod spec: image, command and args, env (fieldRefs resolved, the service
+    variables), mounts (each volumeMount of a volume whose host side is ``volumes[name]``, /etc/hosts,
+    the termination log), resources and the security context (security_context.go)."""
+    env = dict(service_env)
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+            env[item["name"]] = NODE_NAME
+        else:
+            raise AssertionError(f"the tier does not resolve {item}")
+    mounts = []
+    for mount in container.get("volumeMounts", []):
+        # A mount without mountPropagation is private (pkg/kubelet/kubelet_pods.go, translateMountPropagation).
+        mounts.append(
+            PB.Mount(
+                container_path=mount["mountPath"],
+                host_path=volumes[mount["name"]],
+                readonly=bool(mount.get("readOnly", False)),
+                propagation=PB.MountPropagation.PROPAGATION_PRIVATE,
+            )
+        )
+    mounts.extend(extra_mounts)
+    mounts.append(pod.hosts_mount())
+    mounts.append(pod.termination_mount(container))
+    resources = container.get("resources", {})
+    limits, requests = resources.get("limits", {}), resources.get("requests", {})
+    # milliCPUToShares (pkg/kubelet/cm/helpers_linux.go): shares = milli * 1024 / 1000, at least 2.
+    shares = max(2, _milli_cpu(requests.get("cpu", "0")) * 1024 // 1000)
+    linux_resources = PB.LinuxContainerResources(cpu_shares=shares)
+    if "memory" in limits:
+        linux_resources.memory_limit_in_bytes = _quantity(limits["memory"])
+    sc = container.get("securityContext", {})
+    security = PB.LinuxContainerSecurityContext(
+        privileged=bool(sc.get("privileged", False)),
+        readonly_rootfs=bool(sc.get("readOnlyRootFilesystem", False)),
+        # allowPrivilegeEscalation false is no_new_privs (security_context.go, AddNoNewPrivileges).
+        no_new_privs=sc.get("allowPrivilegeEscalation") is False,
+        namespace_options=PB.NamespaceOption(
+            network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER, ipc=PB.NamespaceMode.POD
+        ),
+        capabilities=PB.Capability(
+            add_capabilities=sc.get("capabilities", {}).get("add", []),
+            drop_capabilities=sc.get("capabilities", {}).get("drop", []),
+        ),
+    )
+    if not security.privileged:
+        security.masked_paths.extend(MASKED_PATHS)
+        security.readonly_paths.extend(READONLY_PATHS)
+    if "runAsUser" in sc:
+        security.run_as_user.value = sc["runAsUser"]
+    seccomp = sc.get("seccompProfile", spec.get("securityContext", {}).get("seccompProfile", {}))
+    if seccomp.get("type") == "RuntimeDefault":
+        security.seccomp.profile_type = PB.SecurityProfile.ProfileType.RuntimeDefault
+    else:
+        security.seccomp.profile_type = PB.SecurityProfile.ProfileType.Unconfined
+    name = container["name"]
+    return PB.ContainerConfig(
+        metadata=PB.ContainerMetadata(name=name, attempt=0),
+        image=PB.ImageSpec(image=container["image"]),
+        command=container.get("command", []),
+        args=container.get("args", []),
+        working_dir=container.get("workingDir", ""),
+        envs=[PB.KeyValue(key=k, value=v) for k, v in env.items()],
+        mounts=mounts,
+        log_path=f"{name}/0.log",
+        labels={
+            "io.kubernetes.container.name": name,
+            "io.kubernetes.pod.name": pod.name,
+            "io.kubernetes.pod.namespace": pod.namespace,
+            "io.kubernetes.pod.uid": pod.uid,
+        },
+        annotations={"io.kubernetes.container.terminationMessagePath": mounts[-1].container_path},
+        linux=PB.LinuxContainerConfig(resources=linux_resources, security_context=security),
+    )
+
+
+########################################################################################################
+# Talking CRI from trio: grpcio is blocking, so every call runs in a worker thread with a deadline
+
+
+async def cri(containerd: Containerd, method: str, request: Any, timeout: float = CRI_TIMEOUT) -> Any:
+    call = getattr(containerd.runtime, method)
+    return await trio.to_thread.run_sync(functools.partial(call, request, timeout=timeout))
+
+
+@contextlib.asynccontextmanager
+async def running_pod(containerd: Containerd, pod: Pod, sandbox: Any, containers: list[Any]):
+    """RunPodSandbox, then CreateContainer and StartContainer for each container; on the way out,
+    StopPodSandbox and RemovePodSandbox (which stop and remove its containers), also on failure."""
+    try:
+        answer = await cri(containerd, "RunPodSandbox", PB.RunPodSandboxRequest(config=sandbox))
+        pod.sandbox_id = answer.pod_sandbox_id
+        for config in containers:
+            created = await cri(
+                containerd,
+                "CreateContainer",
+                PB.CreateContainerRequest(pod_sandbox_id=pod.sandbox_id, config=config, sandbox_config=sandbox),
+            )
+            pod.container_ids[config.metadata.name] = created.container_id
+            await cri(containerd, "StartContainer", PB.StartContainerRequest(container_id=created.container_id))
+        yield pod
+    finally:
+        if pod.sandbox_id:
+            with trio.CancelScope(shield=True), contextlib.suppress(grpc.RpcError):
+                await cri(containerd, "StopPodSandbox", PB.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id))
+                await cri(containerd, "RemovePodSandbox", PB.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox_id))
+
+
+async def exec_sync(containerd: Containerd, container_id: str, *cmd: str, timeout: int = 20) -> tuple[int, str]:
+    """ExecSync: what the container itself says, exit code and stdout+stderr."""
+    answer = await cri(
+        containerd, "ExecSync", PB.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
+    )
+    return answer.exit_code, (answer.stdout + answer.stderr).decode(errors="replace")
+
+
+async def container_status(containerd: Containerd, container_id: str, verbose: bool = False) -> Any:
+    return await cri(
+        containerd, "ContainerStatus", PB.ContainerStatusRequest(container_id=container_id, verbose=verbose)
+    )
+
+
+async def wait_exited(containerd: Containerd, container_id: str) -> Any:
+    """No CRI event here (GetContainerEvents needs the evented PLEG): a short bounded poll of ContainerStatus."""
+    with trio.fail_after(TIMEOUT):
+        while True:
+            status = (await container_status(containerd, container_id)).status
+            if status.state == PB.ContainerState.CONTAINER_EXITED:
+                return status
+            await trio.sleep(POLL)
+
+
+SLEEPER = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
+
+
+def consumer_config(pod: Pod, name: str = "consumer", **fields: Any) -> Any:
+    """A busybox container that waits, as the kubelet would create it for a pod with default security
+    (masked and read-only /proc paths); ``fields`` add what the device manager or DRA gave it."""
+    config = PB.ContainerConfig(
+        metadata=PB.ContainerMetadata(name=name, attempt=0),
+        image=PB.ImageSpec(image=BUSYBOX_IMAGE),
+        command=SLEEPER,
+        log_path=f"{name}/0.log",
+        linux=PB.LinuxContainerConfig(
+            security_context=PB.LinuxContainerSecurityContext(
+                masked_paths=MASKED_PATHS,
+                readonly_paths=READONLY_PATHS,
+                namespace_options=PB.NamespaceOption(network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER),
+            )
+        ),
+        **fields,
+    )
+    config.mounts.append(pod.hosts_mount())
+    config.mounts.append(pod.termination_mount({"name": name}))
+    return config
+
+
+async def consumer_report(containerd: Containerd, container_id: str, device: str) -> dict[str, Any]:
+    """What a consumer sees: its environment, its device node, and whether it opens it for reading and writing."""
+    _, env = await exec_sync(containerd, container_id, "env")
+    ls_code, ls = await exec_sync(containerd, container_id, "ls", "-l", device)
+    open_code, opened = await exec_sync(containerd, container_id, "sh", "-c", f"exec 3<>{device} && echo opened rw")
+    return {
+        "env": sorted(line for line in env.splitlines() if not line.startswith(("PATH=", "HOSTNAME=", "HOME="))),
+        "ls -l": ls.strip(),
+        "ls exit": ls_code,
+        "open rw": opened.strip(),
+        "open exit": open_code,
+    }
+
+
+########################################################################################################
+# The plugin's pod on a node of the run
+
+
+class Node:
+    """One test's node: private host directories standing in for the kubelet's, device nodes in the
+    run's directory of /dev, and the DaemonSet's pod translated for them."""
+
+    def __init__(self, tier: Run, manifest: str) -> None:
+        self.tier, self.manifest = tier, manifest
+        self.case = tier.root / "host" / secrets.token_hex(3)
+        self.devices = tier.dev / self.case.name
+        self.devices.mkdir()
+        self.kubelet_dir = self.case / "kubelet"
+        self.device_plugin_dir = self.kubelet_dir / "device-plugins"
+        self.device_plugin_dir.mkdir(parents=True)
+        self.template = manifest_pod(manifest)
+        self.config = manifest_config(manifest)
+        # The ConfigMap's one edit: the devices are the run's nodes in /dev.
+        self.config["resources"][0]["directory"] = str(self.devices)
+        # The host side of each hostPath volume; /dev and /sys are the host's own.
+        self.host_paths = {
+            "/var/lib/kubelet/device-plugins": str(self.device_plugin_dir),
+            "/var/lib/kubelet/plugins_registry": str(self.kubelet_dir / "plugins_registry"),
+            "/var/lib/kubelet/plugins": str(self.kubelet_dir / "plugins"),
+            "/var/run/cdi": str(tier.containerd.cdi_dir),
+            "/etc/gophers": str(self.case / "etc-gophers"),
+            "/dev": "/dev",
+            "/sys": "/sys",
+        }
+        self.service_env: dict[str, str] = {}
+        self.service_account: dict[str, str] | None = None
+        self.pod = Pod(
+            tier, f"{self.template['metadata']['labels']['app.kubernetes.io/name']}-{self.case.name}", "kube-system"
+        )
+
+    def mknod(self, name: str) -> Path:
+        path = self.devices / name
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(DEVICE_MAJOR, DEVICE_MINOR))
+        return path
+
+    def configs(self) -> tuple[Any, Any]:
+        spec = self.template["spec"]
+        volumes: dict[str, str] = {}
+        for volume in spec["volumes"]:
+            name = volume["name"]
+            if "hostPath" in volume:
+                # The kubelet's hostPath type checks (pkg/volume/hostpath/host_path.go): Directory
+                # must exist, DirectoryOrCreate is created.
+                host = Path(self.host_paths[volume["hostPath"]["path"]])
+                if volume["hostPath"].get("type") == "DirectoryOrCreate":
+                    host.mkdir(parents=True, exist_ok=True)
+                assert host.is_dir(), f"hostPath {host} (type Directory) does not exist"
+                volumes[name] = str(host)
+            elif "configMap" in volume:
+                where = self.pod.dir / "volumes" / "kubernetes.io~configmap" / name
+                volumes[name] = str(atomic_dir(where, {"config.yaml": yaml.safe_dump(self.config)}))
+            else:
+                raise AssertionError(f"the tier does not translate volume {volume}")
+        extra = []
+        if self.service_account is not None and spec.get("automountServiceAccountToken", True):
+            # The service account admission plugin adds a projected volume (token, ca.crt,
+            # namespace) mounted read-only at this path in every container; the kubelet writes it
+            # with the atomic writer.
+            where = self.pod.dir / "volumes" / "kubernetes.io~projected" / "kube-api-access"
+            extra.append(
+                PB.Mount(
+                    container_path=gp.SERVICE_ACCOUNT_DIR,
+                    host_path=str(atomic_dir(where, self.service_account)),
+                    readonly=True,
+                    propagation=PB.MountPropagation.PROPAGATION_PRIVATE,
+                )
+            )
+        (container,) = spec["containers"]
+        config = container_config(
+            self.pod, spec, container, volumes=volumes, service_env=self.service_env, extra_mounts=extra
+        )
+        return self.pod.sandbox_config(self.template["metadata"]["labels"]), config
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        sandbox, config = self.configs()
+        async with running_pod(self.tier.containerd, self.pod, sandbox, [config]) as pod:
+            yield pod.container_ids[config.metadata.name]
+
+
+@pytest.fixture
+def tier(run):
+    return run
+
+
+async def consumer(tier: Run, containerd: Containerd, name: str, **fields: Any):
+    pod = Pod(tier, name)
+    return pod, running_pod(containerd, pod, pod.sandbox_config(), [consumer_config(pod, **fields)])
+
+
+def allocated_fields(answer: Any) -> dict[str, Any]:
+    """What the kubelet puts into the consumer's CreateContainer from one ContainerAllocateResponse
+    (pkg/kubelet/cm/devicemanager/manager.go GetDeviceRunContainerOptions, then
+    kuberuntime_container.go): devices, env, mounts, annotations and CDI devices."""
+    return {
+        "devices": [
+            PB.Device(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+            for d in answer.devices
+        ],
+        "envs": [PB.KeyValue(key=k, value=v) for k, v in sorted(answer.envs.items())],
+        "annotations": dict(answer.annotations),
+        "CDI_devices": [PB.CDIDevice(name=d.name) for d in answer.cdi_devices],
+    }
+
+
+def allocated_mounts(answer: Any) -> list[Any]:
+    return [
+        PB.Mount(container_path=m.container_path, host_path=m.host_path, readonly=m.read_only) for m in answer.mounts
+    ]
+
+
+########################################################################################################
+# The device plugin, as daemonset.yaml ships it
+
+
+def _listed(kubelet: gp.KubeletSimulator, *ids: str) -> bool:
+    resource = kubelet.resources.get(RESOURCE)
+    return resource is not None and resource.streaming and all(i in resource.devices for i in ids)
+
+
+async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier, nursery):
+    """The shipped pod starts under the shipped security context (read-only root, no capability,
+    seccomp, no_new_privs), registers, and offers a device node its own device cgroup forbids it to
+    open (10:229 is not in the runtime's default allowlist) as Healthy."""
+    node = Node(tier, "daemonset.yaml")
+    node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            started = time.monotonic()
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            tier.figures["container started -> registered and listed (ms)"] = round(
+                (time.monotonic() - started) * 1e3, 1
+            )
+            status = await container_status(tier.containerd, plugin, verbose=True)
+            assert status.status.state == PB.ContainerState.CONTAINER_RUNNING
+            pid = json.loads(status.info["info"])["pid"]
+            rss = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+            tier.figures["plugin idle RSS in its container (MiB)"] = round(int(rss[1]) / 1024, 1)
+            # The plugin's own cgroup refuses the node: what makes the health question real.
+            code, said = await exec_sync(
+                tier.containerd, plugin, "python3.11", "-c", f"open({str(node.devices / 'gopher0')!r}, 'rb')"
+            )
+            assert code != 0 and "Operation not permitted" in said, said
+            created = time.monotonic()
+            node.mknod("gopher1")
+            await kubelet.wait_until(lambda k: _listed(k, "gopher1"))
+            tier.figures["mknod -> kubelet stand-in lists it (ms)"] = round((time.monotonic() - created) * 1e3, 1)
+            devices = kubelet.resources[RESOURCE].devices
+            assert devices == {"gopher0": gp.HEALTHY, "gopher1": gp.HEALTHY}
