@@ -959,3 +959,66 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
             tier.figures["mknod -> kubelet stand-in lists it (ms)"] = round((time.monotonic() - created) * 1e3, 1)
             devices = kubelet.resources[RESOURCE].devices
             assert devices == {"gopher0": gp.HEALTHY, "gopher1": gp.HEALTHY}
+
+
+async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_without_cannot(tier, nursery):
+    """The consumer is created with what the kubelet stand-in's Allocate got (DeviceSpecs, env, mounts,
+    annotations, CDI devices): the runtime puts the node in its /dev and its device cgroup, and it opens
+    it read-write. A control container that sees the same node through a bind mount but got no
+    DeviceSpec is refused by its device cgroup."""
+    node = Node(tier, "daemonset.yaml")
+    path = node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            # The manifest's liveness probe, as the kubelet runs it: ExecSync with the probe's command.
+            probe = manifest_pod("daemonset.yaml")["spec"]["containers"][0]["livenessProbe"]
+            code, said = await exec_sync(
+                tier.containerd, plugin, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
+            )
+            assert code == 0, said
+            tier.outputs["device plugin: liveness probe"] = said.strip().splitlines()
+            answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            fields = allocated_fields(answer)
+            assert [d.host_path for d in fields["devices"]] == [str(path)]
+            pod = Pod(tier, "consumer")
+            config = consumer_config(pod, **fields)
+            config.mounts.extend(allocated_mounts(answer))
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+            control = Pod(tier, "control")
+            config = consumer_config(control)
+            config.mounts.append(PB.Mount(container_path="/mnt/devices", host_path=str(node.devices), readonly=False))
+            async with running_pod(tier.containerd, control, control.sandbox_config(), [config]):
+                refused = await consumer_report(
+                    tier.containerd, control.container_ids["consumer"], "/mnt/devices/gopher0"
+                )
+    tier.outputs["device plugin: consumer"] = seen
+    tier.outputs["device plugin: control without the DeviceSpec"] = refused
+    assert "GOPHER_DEVICES=gopher0" in seen["env"]
+    assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+    assert refused["ls exit"] == 0 and refused["ls -l"].startswith("crw")
+    assert refused["open exit"] != 0 and "Operation not permitted" in refused["open rw"]
+
+
+def _without_termination_message_path(template: dict[str, Any]) -> dict[str, Any]:
+    template = json.loads(json.dumps(template))
+    del template["spec"]["containers"][0]["terminationMessagePath"]
+    return template
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+async def test_the_default_termination_message_path_cannot_start_under_the_read_only_dev(tier, manifest):
+    """Why the manifests set terminationMessagePath: with the default /dev/termination-log, runc must
+    create the kubelet's bind-mount target in the host's /dev, mounted read-only, and the container
+    never starts. The same pod with the shipped path is shown starting by the tests above and below."""
+    node = Node(tier, manifest)
+    node.template = _without_termination_message_path(node.template)
+    with trio.fail_after(TIMEOUT), pytest.raises(grpc.RpcError) as failed:
+        async with node.running():
+            pass
+    message = failed.value.details()
+    tier.outputs[f"{manifest} with /dev/termination-log"] = message
+    assert '"/dev/termination-log"' in message and "read-only file system" in message
