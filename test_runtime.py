@@ -97,6 +97,7 @@ RESOURCE = "example.com/gopher"
 #: tty, ptmx, pts, and the rest of containerd's defaults): fuse's 10:229. Only a container whose spec
 #: lists it may open it.
 DEVICE_MAJOR, DEVICE_MINOR = 10, 229
+DP_CDI_CASE = "dp-cdi"
 
 
 ########################################################################################################
@@ -209,7 +210,8 @@ def python_layer(path: Path, site_packages: Path) -> None:
             if cached.exists():
                 files.add(str(cached))
     libraries = _ldd("/usr/bin/python3.11")
-    for name in list(files):
+    # The extension modules' libraries: the standard library's and the wheels' (msgspec, PyYAML, protobuf).
+    for name in [*files, *(str(p) for p in site_packages.rglob("*.so"))]:
         if name.endswith(".so"):
             libraries |= _ldd(name)
     with tarfile.open(path, "w") as layer:
@@ -471,6 +473,10 @@ def run(pytestconfig):
         tier.archives = build_images(root)
         tier.figures["image build (s)"] = round(time.monotonic() - built, 1)
         tier.containerd = Containerd(root / "ctrd")
+        # The device-plugin resource with `cdi:` writes its spec where its pod can write (see
+        # test_a_device_plugin_cdi_device_reaches_a_consumer); the runtime reads that directory too.
+        tier.containerd.extra_cdi_dirs.append(root / "host" / DP_CDI_CASE / "kubelet" / "device-plugins" / "cdi")
+        tier.containerd.extra_cdi_dirs[-1].mkdir(parents=True)
         tier.containerd.start()
         imported = time.monotonic()
         for archive in tier.archives.values():
@@ -811,14 +817,14 @@ class Node:
     """One test's node: private host directories standing in for the kubelet's, device nodes in the
     run's directory of /dev, and the DaemonSet's pod translated for them."""
 
-    def __init__(self, tier: Run, manifest: str) -> None:
+    def __init__(self, tier: Run, manifest: str, case: str = "") -> None:
         self.tier, self.manifest = tier, manifest
-        self.case = tier.root / "host" / secrets.token_hex(3)
+        self.case = tier.root / "host" / (case or secrets.token_hex(3))
         self.devices = tier.dev / self.case.name
         self.devices.mkdir()
         self.kubelet_dir = self.case / "kubelet"
         self.device_plugin_dir = self.kubelet_dir / "device-plugins"
-        self.device_plugin_dir.mkdir(parents=True)
+        self.device_plugin_dir.mkdir(parents=True, exist_ok=True)
         self.template = manifest_pod(manifest)
         self.config = manifest_config(manifest)
         # The ConfigMap's one edit: the devices are the run's nodes in /dev.
@@ -885,8 +891,14 @@ class Node:
     @contextlib.asynccontextmanager
     async def running(self):
         sandbox, config = self.configs()
-        async with running_pod(self.tier.containerd, self.pod, sandbox, [config]) as pod:
-            yield pod.container_ids[config.metadata.name]
+        try:
+            async with running_pod(self.tier.containerd, self.pod, sandbox, [config]) as pod:
+                yield pod.container_ids[config.metadata.name]
+        except BaseException:
+            # The plugin's own log, as `kubectl logs` would show it, beside the failure.
+            with contextlib.suppress(OSError):
+                print(f"--- {config.metadata.name} log ---\n" + (self.pod.dir / "logs" / config.log_path).read_text())
+            raise
 
 
 @pytest.fixture
@@ -1022,3 +1034,159 @@ async def test_the_default_termination_message_path_cannot_start_under_the_read_
     message = failed.value.details()
     tier.outputs[f"{manifest} with /dev/termination-log"] = message
     assert '"/dev/termination-log"' in message and "read-only file system" in message
+
+
+@contextlib.contextmanager
+def _removed_afterwards(cdi_dir: Path):
+    """gopherplug keeps its CDI spec on exit (a restart must not take devices from running pods): the
+    test removes it, since the DRA driver's spec names the same devices (same kind, same IDs) and the
+    runtime would take the one of the later directory."""
+    try:
+        yield
+    finally:
+        for spec in cdi_dir.iterdir():
+            spec.unlink()
+
+
+async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery):
+    """The CDI spec gopherplug writes for a device-plugin resource loads in containerd: a consumer
+    created with nothing but the CDI device name of the Allocate answer gets the node and the env
+    through containerd's CDI handling.
+
+    daemonset.yaml mounts no CDI directory, so the spec goes where its pod can write: a `cdi`
+    directory in the device-plugin directory (a ConfigMap edit), which this containerd reads."""
+    node = Node(tier, "daemonset.yaml", DP_CDI_CASE)
+    node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": "/var/lib/kubelet/device-plugins/cdi"}
+    path = node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT), _removed_afterwards(tier.containerd.extra_cdi_dirs[-1]):
+        async with node.running():
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            fields = allocated_fields(answer)
+            tier.outputs["device plugin with cdi: Allocate answer"] = {
+                "devices": len(fields["devices"]),
+                "envs": dict(answer.envs),
+                "cdi_devices": [d.name for d in answer.cdi_devices],
+            }
+            assert [d.name for d in fields["CDI_devices"]] == [f"{RESOURCE}=gopher0"]
+            # Only the CDI device: what reaches the consumer then comes from the spec gopherplug wrote.
+            pod = Pod(tier, "cdi-consumer")
+            config = consumer_config(pod, CDI_devices=fields["CDI_devices"])
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+    tier.outputs["device plugin with cdi: consumer"] = seen
+    assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"])
+    assert seen["ls exit"] == 0 and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+
+
+########################################################################################################
+# The DRA driver, as daemonset-dra.yaml ships it
+
+
+async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
+    """The shipped DRA pod registers through plugins_registry, writes its ResourceSlice to the API
+    server stand-in over TLS with the projected token and ca.crt, prepares an allocated claim; a
+    consumer created with the claim's CDI device IDs (CRI CDI_devices, as the kubelet passes them)
+    gets the node through containerd's own CDI handling. A containerd with enable_cdi = false runs
+    the same consumer without device and without env, and says nothing."""
+    import trustme
+
+    node = Node(tier, "daemonset-dra.yaml")
+    path = node.mknod("gopher0")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    token = secrets.token_urlsafe(24)
+    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
+    # What the kubelet gives every pod of a cluster: the API server's service address in env
+    # (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes` service), and the service
+    # account's projected volume.
+    node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+    node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
+    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    # On a node the plugin's endpoint (GetInfo) is the same path for the kubelet as in the pod, as
+    # hostPath and mountPath are equal; here the host side is a private directory, so the kubelet
+    # stand-in reads that path on the host side: the translation's one concession.
+    in_pod = node.config["dra"]["kubelet_dir"]
+    call_unary = gp.call_unary
+
+    async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
+        answer = await call_unary(socket_path, method, request, timeout=timeout)
+        if method is gp.DRA_METHODS[gp.GET_INFO]:
+            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
+        return answer
+
+    monkeypatch.setattr(gp, "call_unary", host_view)
+    await nursery.start(kubelet.run)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    device = gp.dra_device_name("gopher0")
+
+    def published() -> bool:
+        return any(s["spec"]["pool"]["name"] == pool and s["spec"]["devices"] for s in api.slices.values())
+
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            started = time.monotonic()
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            tier.figures["DRA container started -> registered (ms)"] = round((time.monotonic() - started) * 1e3, 1)
+            while not published():
+                await api.changed.wait_touched()
+            tier.figures["DRA container started -> slice published (ms)"] = round((time.monotonic() - started) * 1e3, 1)
+            (written,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
+            assert written["spec"]["nodeName"] == NODE_NAME
+            assert [d["name"] for d in written["spec"]["devices"]] == [device]
+            probe = manifest_pod("daemonset-dra.yaml")["spec"]["containers"][0]["livenessProbe"]
+            code, said = await exec_sync(
+                tier.containerd, plugin, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
+            )
+            assert code == 0, said
+            tier.outputs["DRA: liveness probe"] = said.strip().splitlines()
+            uid = str(uuid.uuid4())
+            api.put_claim(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"namespace": "default", "name": "gopher", "uid": uid},
+                    "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+                    "status": {
+                        "allocation": {
+                            "devices": {
+                                "results": [{"request": "gopher", "driver": DRIVER, "pool": pool, "device": device}]
+                            }
+                        }
+                    },
+                }
+            )
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid, "gopher")])).claims[uid]
+            assert prepared.error == ""
+            ids = [i for d in prepared.devices for i in d.cdi_device_ids]
+            tier.outputs["DRA: CDI device IDs"] = ids
+            # The kubelet passes a claim's CDI devices in the CRI's CDI_devices field only
+            # (kuberuntime_container.go makeCDIDevices; no annotations).
+            cdi = [PB.CDIDevice(name=i) for i in ids]
+            pod = Pod(tier, "dra-consumer")
+            config = consumer_config(pod, CDI_devices=cdi)
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+            tier.outputs["DRA: consumer"] = seen
+            # enable_cdi = false (containerd 1.7's default), the same spec directory: nothing fails.
+            second = Containerd(tier.root / "ctrd2", enable_cdi=False)
+            second.extra_cdi_dirs.append(tier.containerd.cdi_dir)
+            tier.second = second
+            await trio.to_thread.run_sync(second.start)
+            for image in ("pause", "busybox"):
+                await trio.to_thread.run_sync(second.import_image, tier.archives[image])
+            pod = Pod(tier, "dra-consumer-no-cdi")
+            config = consumer_config(pod, CDI_devices=cdi)
+            async with running_pod(second, pod, pod.sandbox_config(), [config]):
+                state = (await container_status(second, pod.container_ids["consumer"])).status.state
+                unseen = await consumer_report(second, pod.container_ids["consumer"], str(path))
+            tier.outputs["DRA: consumer under enable_cdi = false"] = unseen
+    assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+    assert any(line.startswith("GOPHER") for line in seen["env"]), seen["env"]
+    assert state == PB.ContainerState.CONTAINER_RUNNING
+    assert unseen["ls exit"] != 0 and "No such file or directory" in unseen["ls -l"]
+    assert not any(line.startswith("GOPHER") for line in unseen["env"]), unseen["env"]
