@@ -800,7 +800,11 @@ async def consumer_report(containerd: Containerd, container_id: str, device: str
     _, env = await exec_sync(containerd, container_id, "env")
     ls_code, ls = await exec_sync(containerd, container_id, "ls", "-l", device)
     open_code, opened = await exec_sync(containerd, container_id, "sh", "-c", f"exec 3<>{device} && echo opened rw")
+    rules = "(no cgroup v1 devices controller)"
+    with contextlib.suppress(OSError):
+        rules = await cgroup_file(containerd, container_id, "devices", "devices.list")
     return {
+        "devices.list (host side)": [rule for rule in rules.splitlines() if rule.startswith("c 10:")],
         "env": sorted(line for line in env.splitlines() if not line.startswith(("PATH=", "HOSTNAME=", "HOME="))),
         "ls -l": ls.strip(),
         "ls exit": ls_code,
@@ -943,8 +947,9 @@ def _listed(kubelet: gp.KubeletSimulator, *ids: str) -> bool:
 
 async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier, nursery):
     """The shipped pod starts under the shipped security context (read-only root, no capability,
-    seccomp, no_new_privs), registers, and offers a device node its own device cgroup forbids it to
-    open (10:229 is not in the runtime's default allowlist) as Healthy."""
+    seccomp, no_new_privs, the memory limit: the container shows each), registers, and offers device
+    nodes its own device cgroup forbids it to open (10:229 is not in the runtime's default allowlist)
+    as Healthy."""
     node = Node(tier, "daemonset.yaml")
     node.mknod("gopher0")
     kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
@@ -952,25 +957,84 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
         async with node.running() as plugin:
             started = time.monotonic()
             await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
-            tier.figures["container started -> registered and listed (ms)"] = round(
-                (time.monotonic() - started) * 1e3, 1
-            )
-            status = await container_status(tier.containerd, plugin, verbose=True)
-            assert status.status.state == PB.ContainerState.CONTAINER_RUNNING
-            pid = json.loads(status.info["info"])["pid"]
-            rss = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
-            tier.figures["plugin idle RSS in its container (MiB)"] = round(int(rss[1]) / 1024, 1)
-            # The plugin's own cgroup refuses the node: what makes the health question real.
+            tier.figures["device plugin: container started -> registered, first list (ms)"] = _ms(started)
             code, said = await exec_sync(
-                tier.containerd, plugin, "python3.11", "-c", f"open({str(node.devices / 'gopher0')!r}, 'rb')"
+                tier.containerd, plugin, "python3.11", "-c", SHOW_CONFINEMENT, str(node.devices / "gopher0")
             )
-            assert code != 0 and "Operation not permitted" in said, said
-            created = time.monotonic()
-            node.mknod("gopher1")
-            await kubelet.wait_until(lambda k: _listed(k, "gopher1"))
-            tier.figures["mknod -> kubelet stand-in lists it (ms)"] = round((time.monotonic() - created) * 1e3, 1)
+            assert code == 0, said
+            confinement = json.loads(said)
+            tier.outputs["device plugin: the plugin's confinement, from inside"] = confinement
+            assert confinement["CapEff"] == "0000000000000000" and confinement["NoNewPrivs"] == "1"
+            assert confinement["Seccomp"] == "2"  # filter mode: RuntimeDefault
+            assert confinement["write /"].startswith("OSError: [Errno 30] Read-only file system")
+            # The cgroup, read on the host: in the pod, /sys is the host's own (the manifest's mount).
+            limit = _quantity(manifest_pod("daemonset.yaml")["spec"]["containers"][0]["resources"]["limits"]["memory"])
+            assert await cgroup_file(tier.containerd, plugin, "memory", "memory.limit_in_bytes") == str(limit)
+            # The plugin's own cgroup refuses the node: what makes the health question real.
+            assert confinement["open gopher0"] == "PermissionError: [Errno 1] Operation not permitted", confinement
+            listed = []
+            for number in range(1, 21):
+                # Not synchronisation: spacing the samples beyond gopherplug's push interval, so each
+                # one measures a lone change, not the interval left from the previous one.
+                await trio.sleep(2 * gp.LIST_PUSH_INTERVAL)
+                created = time.monotonic()
+                node.mknod(f"gopher{number}")
+                await kubelet.wait_until(lambda k, n=number: _listed(k, f"gopher{n}"))
+                listed.append(_ms(created))
+            tier.figures["device plugin: mknod -> kubelet stand-in lists it (ms, n=20)"] = _spread(listed)
             devices = kubelet.resources[RESOURCE].devices
-            assert devices == {"gopher0": gp.HEALTHY, "gopher1": gp.HEALTHY}
+            assert devices == {f"gopher{n}": gp.HEALTHY for n in range(21)}
+            tier.figures["device plugin: idle RSS, 21 devices (MiB)"] = await _rss(tier.containerd, plugin)
+
+
+#: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
+SHOW_CONFINEMENT = """
+import json, os, sys
+seen = {}
+for line in open("/proc/self/status"):
+    key, _, value = line.partition(":")
+    if key in ("CapEff", "CapBnd", "NoNewPrivs", "Seccomp", "Uid"):
+        seen[key] = value.strip()
+for what, action in (("write /", lambda: open("/tier-probe", "w")),
+                     ("open gopher0", lambda: open(sys.argv[1], "rb"))):
+    try:
+        action()
+        seen[what] = "ok"
+    except OSError as error:
+        seen[what] = f"{type(error).__name__}: {error}".split(": '")[0]
+print(json.dumps(seen))
+"""
+
+
+def _ms(since: float) -> float:
+    return round((time.monotonic() - since) * 1e3, 1)
+
+
+def _spread(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    return f"p50 {ordered[len(ordered) // 2]}, max {ordered[-1]}"
+
+
+async def cgroup_file(containerd: Containerd, container_id: str, controller: str, name: str) -> str:
+    """A file of the container's cgroup (v1), found through the runtime spec containerd reports."""
+    status = await container_status(containerd, container_id, verbose=True)
+    path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+    return (Path("/sys/fs/cgroup") / controller / path / name).read_text().strip()
+
+
+async def _rss(containerd: Containerd, container_id: str) -> dict[str, float]:
+    """The plugin's resident memory: its process's VmRSS (the container's init, whose PID the verbose
+    ContainerStatus gives) and its cgroup's rss (cgroup v1 memory.stat)."""
+    status = await container_status(containerd, container_id, verbose=True)
+    info = json.loads(status.info["info"])
+    found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{info['pid']}/status").read_text())
+    assert found is not None
+    figures = {"VmRSS": round(int(found[1]) / 1024, 1)}
+    cgroup = Path("/sys/fs/cgroup/memory") / info["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/") / "memory.stat"
+    with contextlib.suppress(OSError):
+        stats = dict(line.split() for line in cgroup.read_text().splitlines())
+        figures["cgroup rss"] = round(int(stats["total_rss"]) / 2**20, 1)
+    return figures
 
 
 async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_without_cannot(tier, nursery):
@@ -1130,10 +1194,13 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
         async with node.running() as plugin:
             started = time.monotonic()
             await kubelet.wait_until(lambda k: DRIVER in k.drivers)
-            tier.figures["DRA container started -> registered (ms)"] = round((time.monotonic() - started) * 1e3, 1)
+            tier.figures["DRA: container started -> registered (ms)"] = round((time.monotonic() - started) * 1e3, 1)
             while not published():
                 await api.changed.wait_touched()
-            tier.figures["DRA container started -> slice published (ms)"] = round((time.monotonic() - started) * 1e3, 1)
+            tier.figures["DRA: container started -> slice published (ms)"] = round(
+                (time.monotonic() - started) * 1e3, 1
+            )
+            tier.figures["DRA: idle RSS, 1 device (MiB)"] = await _rss(tier.containerd, plugin)
             (written,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
             assert written["spec"]["nodeName"] == NODE_NAME
             assert [d["name"] for d in written["spec"]["devices"]] == [device]
