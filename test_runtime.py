@@ -5,7 +5,9 @@ the kubelet drives it.
 
 DIR holds containerd >= 1.7 (CDI-capable) with containerd-shim-runc-v2 and ctr, runc, a static busybox and
 the CRI API (cri-api.proto); without root or without DIR (default /opt/gopherplug-runtime) the whole module
-is skipped with one line saying so. Every binary comes from DIR, never from PATH.
+is skipped with one line saying so (a failure instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI
+does). Every binary comes from DIR, never from PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the
+figures and the consumers' outputs, printed at the end of the run, to FILE as JSON.
 
 Rules of this file:
 - Nothing of the machine is touched but what the run creates: containerd has a private root, state,
@@ -80,6 +82,9 @@ def _why_not() -> str | None:
 
 
 if (_WHY := _why_not()) is not None:
+    # CI sets GOPHERPLUG_RUNTIME_REQUIRED: there, a tier that cannot run is a failure, not a skip.
+    if os.environ.get("GOPHERPLUG_RUNTIME_REQUIRED"):
+        pytest.fail(f"runtime tier required but cannot run ({_WHY}): {ENABLE}", pytrace=False)
     pytest.skip(f"runtime tier skipped ({_WHY}): {ENABLE}", allow_module_level=True)
 
 import grpc  # noqa: E402  (test-only dependencies, imported once the tier is known to run)
