@@ -805,8 +805,9 @@ async def consumer_report(containerd: Containerd, container_id: str, device: str
     _, env = await exec_sync(containerd, container_id, "env")
     ls_code, ls = await exec_sync(containerd, container_id, "ls", "-l", device)
     open_code, opened = await exec_sync(containerd, container_id, "sh", "-c", f"exec 3<>{device} && echo opened rw")
-    rules = "(no cgroup v1 devices controller)"
-    with contextlib.suppress(OSError):
+    # cgroup v1's devices.list; on v2 the same rules are an eBPF program, with no file to read.
+    rules = "(cgroup v2: the device rules are an eBPF program)"
+    if not CGROUP_V2:
         rules = await cgroup_file(containerd, container_id, "devices", "devices.list")
     return {
         "devices.list (host side)": [rule for rule in rules.splitlines() if rule.startswith("c 10:")],
@@ -974,7 +975,7 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
             assert confinement["write /"].startswith("OSError: [Errno 30] Read-only file system")
             # The cgroup, read on the host: in the pod, /sys is the host's own (the manifest's mount).
             limit = _quantity(manifest_pod("daemonset.yaml")["spec"]["containers"][0]["resources"]["limits"]["memory"])
-            assert await cgroup_file(tier.containerd, plugin, "memory", "memory.limit_in_bytes") == str(limit)
+            assert await memory_limit(tier.containerd, plugin) == limit
             # The plugin's own cgroup refuses the node: what makes the health question real.
             assert confinement["open gopher0"] == "PermissionError: [Errno 1] Operation not permitted", confinement
             listed = []
@@ -1020,25 +1021,38 @@ def _spread(samples: list[float]) -> str:
     return f"p50 {ordered[len(ordered) // 2]}, max {ordered[-1]}"
 
 
+#: cgroup v2 only (unified): no per-controller directories, and devices are an eBPF program, not a file.
+CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
 async def cgroup_file(containerd: Containerd, container_id: str, controller: str, name: str) -> str:
-    """A file of the container's cgroup (v1), found through the runtime spec containerd reports."""
+    """A file of the container's cgroup, found through the runtime spec containerd reports (with the
+    cgroupfs driver, cgroupsPath is a path under each hierarchy)."""
     status = await container_status(containerd, container_id, verbose=True)
     path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
-    return (Path("/sys/fs/cgroup") / controller / path / name).read_text().strip()
+    hierarchy = Path("/sys/fs/cgroup") if CGROUP_V2 else Path("/sys/fs/cgroup") / controller
+    return (hierarchy / path / name).read_text().strip()
+
+
+async def memory_limit(containerd: Containerd, container_id: str) -> int:
+    if CGROUP_V2:
+        return int(await cgroup_file(containerd, container_id, "memory", "memory.max"))
+    return int(await cgroup_file(containerd, container_id, "memory", "memory.limit_in_bytes"))
 
 
 async def _rss(containerd: Containerd, container_id: str) -> dict[str, float]:
     """The plugin's resident memory: its process's VmRSS (the container's init, whose PID the verbose
-    ContainerStatus gives) and its cgroup's rss (cgroup v1 memory.stat)."""
+    ContainerStatus gives) and its cgroup's anonymous memory (memory.stat: v1 total_rss, v2 anon)."""
     status = await container_status(containerd, container_id, verbose=True)
     info = json.loads(status.info["info"])
     found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{info['pid']}/status").read_text())
     assert found is not None
     figures = {"VmRSS": round(int(found[1]) / 1024, 1)}
-    cgroup = Path("/sys/fs/cgroup/memory") / info["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/") / "memory.stat"
-    with contextlib.suppress(OSError):
-        stats = dict(line.split() for line in cgroup.read_text().splitlines())
-        figures["cgroup rss"] = round(int(stats["total_rss"]) / 2**20, 1)
+    with contextlib.suppress(OSError, KeyError):
+        stats = dict(
+            line.split() for line in (await cgroup_file(containerd, container_id, "memory", "memory.stat")).splitlines()
+        )
+        figures["cgroup rss"] = round(int(stats["anon" if CGROUP_V2 else "total_rss"]) / 2**20, 1)
     return figures
 
 
@@ -1082,6 +1096,9 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
     assert refused["ls exit"] == 0 and refused["ls -l"].startswith("crw")
     assert refused["open exit"] != 0 and "Operation not permitted" in refused["open rw"]
+    if not CGROUP_V2:  # the DeviceSpec's rule, in the consumer's device cgroup only
+        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+        assert rule in seen["devices.list (host side)"] and rule not in refused["devices.list (host side)"]
 
 
 def _without_termination_message_path(template: dict[str, Any]) -> dict[str, Any]:
