@@ -56,6 +56,7 @@ import gopherplug as gp
 
 HERE = Path(__file__).resolve().parent
 RUNTIME_DIR = Path(os.environ.get("GOPHERPLUG_RUNTIME", "/opt/gopherplug-runtime"))
+DEBIAN_PYTHON = "/usr/bin/python3.11"
 NEEDED = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "busybox", "cri-api.proto")
 ENABLE = (
     "run `sudo GOPHERPLUG_RUNTIME=DIR pytest test_runtime.py` with containerd >= 1.7 (its runc shim and ctr), "
@@ -66,6 +67,10 @@ ENABLE = (
 def _why_not() -> str | None:
     if os.geteuid() != 0:
         return "not root"
+    # The plugin's image is the host's Debian python3.11 with the project pip-installed for this
+    # interpreter: both must be CPython 3.11, so that the binary wheels fit.
+    if sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or shutil.which("dpkg") is None:
+        return f"the plugin's image needs Debian's {DEBIAN_PYTHON} (dpkg) and pytest running on Python 3.11"
     missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
     if missing:
         return f"{RUNTIME_DIR} lacks {', '.join(missing)}"
@@ -214,7 +219,7 @@ def python_layer(path: Path, site_packages: Path) -> None:
             cached = Path(name).parent / "__pycache__" / (Path(name).stem + ".cpython-311.pyc")
             if cached.exists():
                 files.add(str(cached))
-    libraries = _ldd("/usr/bin/python3.11")
+    libraries = _ldd(DEBIAN_PYTHON)
     # The extension modules' libraries: the standard library's and the wheels' (msgspec, PyYAML, protobuf).
     for name in [*files, *(str(p) for p in site_packages.rglob("*.so"))]:
         if name.endswith(".so"):
@@ -241,8 +246,8 @@ def python_layer(path: Path, site_packages: Path) -> None:
             for name in sorted(names):
                 _add(layer, os.path.join(target, name), source=os.path.join(root, name))
         parents("/usr/local/bin/x")
-        script = b"#!/usr/bin/python3.11\nimport sys\n\nfrom gopherplug import main\n\nsys.exit(main())\n"
-        _add(layer, "/usr/local/bin/gopherplug", data=script, mode=0o755)
+        script = f"#!{DEBIAN_PYTHON}\nimport sys\n\nfrom gopherplug import main\n\nsys.exit(main())\n"
+        _add(layer, "/usr/local/bin/gopherplug", data=script.encode(), mode=0o755)
 
 
 PAUSE_IMAGE = "gopherplug.test/pause:tier"
@@ -622,8 +627,9 @@ class Pod:
         return PB.Mount(container_path="/etc/hosts", host_path=str(hosts), readonly=False)
 
     def termination_mount(self, container: dict[str, Any]) -> Any:
-        # makeMounts: a fresh file under the pod's containers/<name>/ bind-mounted at the container's
-        # terminationMessagePath, /dev/termination-log unless the spec says otherwise.
+        # makeMounts of pkg/kubelet/kuberuntime/kuberuntime_container.go: a fresh file in the pod's
+        # containers/<name>/ directory, bind-mounted read-write at the container's
+        # terminationMessagePath (the API server defaults it to /dev/termination-log).
         directory = self.dir / "containers" / container["name"]
         directory.mkdir(parents=True, exist_ok=True)
         log = directory / secrets.token_hex(4)
