@@ -45,6 +45,7 @@ import tarfile
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ import grpc  # noqa: E402  (test-only dependencies, imported once the tier is kn
 CRI_TIMEOUT = 60.0
 #: Bound on one test's waits (a plugin's registration, a device's health, a container's start).
 TIMEOUT = 60.0
-#: The poll interval where no event exists (containerd's socket, a container's state).
+#: The poll interval while containerd starts (nothing tells when it serves the CRI).
 POLL = 0.05
 NODE_NAME = "tier-node"
 DRIVER = "gopherplug.example.com"
@@ -310,7 +311,6 @@ class Containerd:
         self.log = root / "containerd.log"
         self.channel: Any = None
         self.runtime: Any = None
-        self.images: Any = None
 
     def config(self) -> str:
         text = subprocess.run(
@@ -318,8 +318,8 @@ class Containerd:
         ).stdout
         cdi_dirs = json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])
         edits = {
-            # The machines of this tier (and CI) refuse lowering oom_score_adj, which every sandbox's
-            # runc would try; NOTES: "can't get final child's PID from pipe: EOF".
+            # Some machines (CI's among them) refuse lowering oom_score_adj, which runc would try for
+            # every sandbox and fail with "can't get final child's PID from pipe: EOF".
             r"restrict_oom_score_adj = false": "restrict_oom_score_adj = true",
             r"disable_apparmor = false": "disable_apparmor = true",
             r'sandbox_image = ".*"': f'sandbox_image = "{PAUSE_IMAGE}"',
@@ -331,6 +331,8 @@ class Containerd:
             r'address = "/run/containerd/containerd.sock"': f'address = "{self.socket}"',
             r'path = "/opt/containerd"': f'path = "{self.root}/opt"',
             r'conf_dir = "/etc/cni/net.d"': f'conf_dir = "{self.root}/cni"',
+            # The shim finds runc on containerd's PATH, RUNTIME_DIR first; naming it leaves no doubt.
+            r'BinaryName = ""': f'BinaryName = "{RUNTIME_DIR / "runc"}"',
         }
         for pattern, replacement in edits.items():
             text, count = re.subn(pattern, replacement, text)
@@ -362,7 +364,6 @@ class Containerd:
             )
         self.channel = grpc.insecure_channel(f"unix://{self.socket}")
         self.runtime = CRI.RuntimeServiceStub(self.channel)
-        self.images = CRI.ImageServiceStub(self.channel)
         deadline = time.monotonic() + 30
         # No event tells that containerd serves the CRI: poll its Status until the runtime is ready.
         while True:
@@ -402,9 +403,9 @@ class Containerd:
             self.process.kill()
             self.process.wait(timeout=15)
         # The shims outlive containerd by design (a node's containers survive a runtime restart): find
-        # them by their socket address, which names this containerd's state, and kill them and their
-        # children (runc's init of each container) by PID.
-        for pid in _pids_mentioning(str(self.root)):
+        # them by the containerd address they were started with, and kill them and their children
+        # (each container's processes) by PID.
+        for pid in _shims_of(str(self.socket)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         # The overlay snapshots and the sandboxes' /dev/shm are mounts under the private root.
@@ -414,14 +415,15 @@ class Containerd:
         self.process = None
 
 
-def _pids_mentioning(text: str) -> list[int]:
+def _shims_of(address: str) -> list[int]:
+    """The PIDs of the runc shims serving the containerd at ``address``, and of their descendants."""
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-                    found.extend(_children(int(entry.name)))
+        with contextlib.suppress(OSError, ValueError):
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if Path(argv[0]).name == "containerd-shim-runc-v2" and argv[argv.index("-address") + 1] == address:
+                found.append(int(entry.name))
+                found.extend(_children(int(entry.name)))
     return found
 
 
@@ -449,24 +451,18 @@ class Run:
         self.dev = Path(f"/dev/gp-{self.id}")  # device nodes live in the host's /dev, as on a node
         self.cgroup_parent = f"/gopherplug-tier-{self.id}"
         self.containerd: Containerd | None = None
+        self.second: Containerd | None = None  # the enable_cdi = false one, once a test started it
         self.archives: dict[str, Path] = {}
         self.figures: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self.started = time.monotonic()
 
-    def host_dir(self, name: str) -> Path:
-        path = self.root / "host" / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def mknod(self, name: str, major: int = DEVICE_MAJOR, minor: int = DEVICE_MINOR) -> Path:
-        path = self.dev / name
-        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-        return path
-
 
 def _remove_cgroups(parent: str) -> None:
-    for controller in Path("/sys/fs/cgroup").iterdir():
+    """The run's pod cgroups, left by runc once their containers are gone: in every v1 hierarchy, or
+    in the unified one."""
+    hierarchies = [Path("/sys/fs/cgroup"), *(d for d in Path("/sys/fs/cgroup").iterdir() if d.is_dir())]
+    for controller in hierarchies:
         top = controller / parent.lstrip("/")
         if top.is_dir():
             for directory in sorted((Path(d) for d, _, _ in os.walk(top)), key=lambda p: len(str(p)), reverse=True):
@@ -475,7 +471,10 @@ def _remove_cgroups(parent: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def run(pytestconfig):
+def tier(pytestconfig):
+    """The run: the CRI compiled, the images built, containerd started and the images imported; at the
+    end, whatever happened, containerd and its containers stopped by PID, mounts, cgroups, the run's
+    /dev directory and files removed, and the figures and consumers' outputs printed."""
     global PB, CRI
     root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
     tier = Run(root)
@@ -497,9 +496,12 @@ def run(pytestconfig):
         tier.figures["image import (s)"] = round(time.monotonic() - imported, 1)
         yield tier
     finally:
-        for containerd in (tier.containerd, getattr(tier, "second", None)):
+        for containerd in (tier.containerd, tier.second):
             if containerd is not None:
-                containerd.stop()
+                try:
+                    containerd.stop()
+                except Exception as error:  # the rest of the cleanup must still happen
+                    print(f"stopping the containerd in {containerd.root}: {error!r}")
         _remove_cgroups(tier.cgroup_parent)
         shutil.rmtree(tier.dev, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
@@ -598,7 +600,9 @@ class Pod:
     def sandbox_config(self, labels: dict[str, str] | None = None) -> Any:
         # generatePodSandboxConfig (pkg/kubelet/kuberuntime/kuberuntime_sandbox.go): metadata, the
         # pod's log directory, labels, and the pod's cgroup parent; the namespaces follow the pod
-        # spec. Host network: the tier has no CNI; hostname is left out for host-network pods.
+        # spec. Host network: the tier has no CNI; hostname is left out for host-network pods. The
+        # sandbox's seccomp profile is the pod-level one, Unconfined when unset (the manifests set it
+        # per container) and the kubelet's seccompDefault is off, its default.
         log_dir = self.dir / "logs"
         log_dir.mkdir(exist_ok=True)
         return PB.PodSandboxConfig(
@@ -616,7 +620,7 @@ class Pod:
                     namespace_options=PB.NamespaceOption(
                         network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER, ipc=PB.NamespaceMode.POD
                     ),
-                    seccomp=PB.SecurityProfile(profile_type=PB.SecurityProfile.ProfileType.RuntimeDefault),
+                    seccomp=PB.SecurityProfile(profile_type=PB.SecurityProfile.ProfileType.Unconfined),
                 ),
             ),
         )
@@ -636,7 +640,8 @@ class Pod:
         directory = self.dir / "containers" / container["name"]
         directory.mkdir(parents=True, exist_ok=True)
         log = directory / secrets.token_hex(4)
-        log.touch(mode=0o666)
+        log.touch()
+        log.chmod(0o666)  # writable whatever user the container runs as, as the kubelet makes it
         path = container.get("terminationMessagePath", "/dev/termination-log")
         return PB.Mount(container_path=path, host_path=str(log), readonly=False)
 
@@ -648,7 +653,7 @@ def container_config(
     *,
     volumes: dict[str, str],
     service_env: dict[str, str],
-    extra_mounts: list[Any] = (),  # type: ignore[assignment]
+    extra_mounts: Iterable[Any] = (),
 ) -> Any:
     """generateContainerConfig (kubernetes/kubernetes pkg/kubelet/kuberuntime/kuberuntime_container.go) for
     one container of the pod spec: image, command and args, env (fieldRefs resolved, the service
@@ -927,16 +932,6 @@ class Node:
             with contextlib.suppress(OSError):
                 print(f"--- {config.metadata.name} log ---\n" + (self.pod.dir / "logs" / config.log_path).read_text())
             raise
-
-
-@pytest.fixture
-def tier(run):
-    return run
-
-
-async def consumer(tier: Run, containerd: Containerd, name: str, **fields: Any):
-    pod = Pod(tier, name)
-    return pod, running_pod(containerd, pod, pod.sandbox_config(), [consumer_config(pod, **fields)])
 
 
 def allocated_fields(answer: Any) -> dict[str, Any]:
