@@ -849,7 +849,7 @@ class Node:
         self.tier, self.manifest = tier, manifest
         self.case = tier.root / "host" / (case or secrets.token_hex(3))
         self.devices = tier.dev / self.case.name
-        self.devices.mkdir()
+        self.devices.mkdir(exist_ok=True)
         self.kubelet_dir = self.case / "kubelet"
         self.device_plugin_dir = self.kubelet_dir / "device-plugins"
         self.device_plugin_dir.mkdir(parents=True, exist_ok=True)
@@ -1203,6 +1203,44 @@ async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery, spec
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
 
 
+@pytest.mark.parametrize(
+    "through",
+    [
+        "device-spec",
+        pytest.param(
+            "cdi",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="gopherplug's CDI spec gives no fileMode: the runtime creates the node 0666",
+            ),
+        ),
+    ],
+)
+async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, through):
+    """A node the host keeps at 0660 (as udev does for serial ports and render nodes) must not become
+    writable by every user of the consumer. Given as a DeviceSpec, the runtime copies the host
+    node's mode; given as a CDI device, the spec's fileMode (or the runtime's default) decides."""
+    node = Node(tier, "daemonset.yaml", DP_CDI_CASE)
+    node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": "/var/lib/kubelet/device-plugins/cdi"}
+    name = f"serial-{through}"
+    path = node.mknod(name)
+    path.chmod(0o660)
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT), _removed_afterwards(tier.containerd.extra_cdi_dirs[-1]):
+        async with node.running():
+            await kubelet.wait_until(lambda k: _listed(k, name))
+            fields = allocated_fields((await kubelet.allocate(RESOURCE, [name])).container_responses[0])
+            if through == "cdi":
+                fields["devices"] = []
+            else:
+                fields["CDI_devices"] = []
+            pod = Pod(tier, "mode-consumer")
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [consumer_config(pod, **fields)]):
+                _, listed = await exec_sync(tier.containerd, pod.container_ids["consumer"], "ls", "-l", str(path))
+    tier.outputs[f"a 0660 node given through {through}"] = listed.strip()
+    assert listed.startswith("crw-rw---- "), listed
+
+
 ########################################################################################################
 # The DRA driver, as daemonset-dra.yaml ships it
 
@@ -1317,7 +1355,11 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
             tier.outputs["DRA: consumer under enable_cdi = false"] = unseen
     assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
-    assert any(line.startswith("GOPHER") for line in seen["env"]), seen["env"]
+    assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"]), seen
+    assert api.refused_tokens == 0  # every request from the pod carried the projected token
     assert state == PB.ContainerState.CONTAINER_RUNNING
     assert unseen["ls exit"] != 0 and "No such file or directory" in unseen["ls -l"]
     assert not any(line.startswith("GOPHER") for line in unseen["env"]), unseen["env"]
+    if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
+        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+        assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
