@@ -510,9 +510,10 @@ def tier(pytestconfig):
         text = json.dumps(report, indent=2)
         if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
             Path(where).write_text(text + "\n")
-        reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("\nruntime tier results:\n" + text)
+        # Shown whatever the outcome: pytest would keep a fixture's output for failures only.
+        capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print("\nruntime tier results:\n" + text, flush=True)
 
 
 ########################################################################################################
