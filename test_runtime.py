@@ -1,0 +1,1366 @@
+"""The runtime tier: gopherplug's shipped DaemonSets run in a real containerd, driven through the CRI as
+the kubelet drives it.
+
+    sudo GOPHERPLUG_RUNTIME=DIR .venv/bin/python -m pytest test_runtime.py
+
+DIR holds containerd >= 1.7 (CDI-capable) with containerd-shim-runc-v2 and ctr, runc, a static busybox and
+the CRI API (cri-api.proto); without root or without DIR (default /opt/gopherplug-runtime) the whole module
+is skipped with one line saying so (a failure instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI
+does). Every binary comes from DIR, never from PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the
+figures and the consumers' outputs, printed at the end of the run, to FILE as JSON.
+
+Rules of this file:
+- Nothing of the machine is touched but what the run creates: containerd has a private root, state,
+  socket and CDI directory; the device nodes the tests make live in a directory of /dev unique to the run;
+  the pod cgroups under a parent unique to the run. Everything is removed at the end, also on failure,
+  containerd and every container by PID.
+- The pods are the manifests' own (daemonset.yaml, daemonset-dra.yaml, read as shipped). The translation
+  to CRI requests copies what the kubelet does (sources cited beside each piece); the only substitutions
+  are the image, the host side of hostPath volumes (private directories; /dev and /sys stay the host's),
+  the ConfigMap's contents, the API server's address and the service account's token, and the host's
+  network namespace for the sandboxes (no CNI here).
+- Assertions rest on what containerd or the container itself reports (ExecSync, ContainerStatus), and on
+  what the kubelet stand-ins received, never on gopherplug's word.
+- Every I/O has a bound; nothing sleeps to synchronise. Where no event exists (containerd's socket
+  answering, a container's state), a short bounded poll of the real thing stands in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import ssl
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import yaml
+
+import gopherplug as gp
+
+HERE = Path(__file__).resolve().parent
+RUNTIME_DIR = Path(os.environ.get("GOPHERPLUG_RUNTIME", "/opt/gopherplug-runtime"))
+DEBIAN_PYTHON = "/usr/bin/python3.11"
+NEEDED = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "busybox", "cri-api.proto")
+ENABLE = (
+    "run `sudo GOPHERPLUG_RUNTIME=DIR pytest test_runtime.py` with containerd >= 1.7 (its runc shim and ctr), "
+    "runc, a static busybox and cri-api.proto in DIR"
+)
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    # The plugin's image is the host's Debian python3.11 with the project pip-installed for this
+    # interpreter: both must be CPython 3.11, so that the binary wheels fit.
+    if sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or shutil.which("dpkg") is None:
+        return f"the plugin's image needs Debian's {DEBIAN_PYTHON} (dpkg) and pytest running on Python 3.11"
+    missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
+    if missing:
+        return f"{RUNTIME_DIR} lacks {', '.join(missing)}"
+    try:
+        version = subprocess.run(
+            [RUNTIME_DIR / "containerd", "--version"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{RUNTIME_DIR}/containerd does not run: {error}"
+    found = re.search(r" v?(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < (1, 7):
+        return f"{RUNTIME_DIR}/containerd is not 1.7 or later: {version.strip()}"
+    return None
+
+
+if (_WHY := _why_not()) is not None:
+    # CI sets GOPHERPLUG_RUNTIME_REQUIRED: there, a tier that cannot run is a failure, not a skip.
+    if os.environ.get("GOPHERPLUG_RUNTIME_REQUIRED"):
+        pytest.fail(f"runtime tier required but cannot run ({_WHY}): {ENABLE}", pytrace=False)
+    pytest.skip(f"runtime tier skipped ({_WHY}): {ENABLE}", allow_module_level=True)
+
+import grpc  # noqa: E402  (test-only dependencies, imported once the tier is known to run)
+
+#: Bound on one CRI call; creating the plugin's container (its image's snapshot) is the slowest one.
+CRI_TIMEOUT = 60.0
+#: Bound on one test's waits (a plugin's registration, a device's health, a container's start).
+TIMEOUT = 60.0
+#: The poll interval while containerd starts (nothing tells when it serves the CRI).
+POLL = 0.05
+NODE_NAME = "tier-node"
+DRIVER = "gopherplug.example.com"
+RESOURCE = "example.com/gopher"
+#: A device outside the runtime's default device cgroup allowlist (null, zero, full, random, urandom,
+#: tty, ptmx, pts, and the rest of containerd's defaults): fuse's 10:229. Only a container whose spec
+#: lists it may open it.
+DEVICE_MAJOR, DEVICE_MINOR = 10, 229
+DP_CDI_CASE = "dp-cdi"
+
+
+########################################################################################################
+# The CRI API, compiled at test time (no generated code in the repository)
+
+
+def compile_cri(into: Path) -> tuple[Any, Any]:
+    """cri-api.proto imports gogoproto only for Go code generation options: without them it is plain proto3."""
+    from grpc_tools import protoc
+
+    text = (RUNTIME_DIR / "cri-api.proto").read_text()
+    text = "\n".join(line for line in text.splitlines() if "gogoproto" not in line) + "\n"
+    (into / "tier_cri.proto").write_text(text)
+    include = str(Path(protoc.__file__).parent / "_proto")
+    status = protoc.main(
+        ["protoc", f"-I{into}", f"-I{include}", f"--python_out={into}", f"--grpc_python_out={into}", "tier_cri.proto"]
+    )
+    assert status == 0, "protoc could not compile cri-api.proto"
+    sys.path.insert(0, str(into))
+    try:
+        import tier_cri_pb2
+        import tier_cri_pb2_grpc
+    finally:
+        sys.path.remove(str(into))
+    return tier_cri_pb2, tier_cri_pb2_grpc
+
+
+########################################################################################################
+# Images without a registry: docker-archive tarballs made by hand
+
+
+def _add(
+    layer: tarfile.TarFile,
+    name: str,
+    *,
+    data: bytes | None = None,
+    source: str | None = None,
+    link: str | None = None,
+    mode: int = 0o755,
+) -> None:
+    info = tarfile.TarInfo(name.lstrip("/"))
+    info.mtime, info.uid, info.gid = 0, 0, 0
+    if link is not None:
+        info.type, info.linkname = tarfile.SYMTYPE, link
+        layer.addfile(info)
+    elif data is None and source is None:
+        info.type, info.mode = tarfile.DIRTYPE, mode
+        layer.addfile(info)
+    else:
+        if source is not None:
+            data = Path(source).read_bytes()
+            # The source's mtime too: a .pyc is valid only for the mtime its .py had when compiled,
+            # and the plugin's read-only root cannot take a fresh one (it would compile in memory
+            # at every start: slower, and about 3 MB more).
+            mode, info.mtime = stat.S_IMODE(os.stat(source).st_mode), int(os.stat(source).st_mtime)
+        assert data is not None
+        info.size, info.mode = len(data), mode
+        layer.addfile(info, io.BytesIO(data))
+
+
+def docker_archive(path: Path, layer_files: Path, tags: list[str], config: dict[str, Any]) -> None:
+    """One layer, a config whose rootfs.diff_ids is the layer's sha256, a manifest.json with RepoTags:
+    what `docker save` writes, and what `ctr images import` reads."""
+    layer = layer_files.read_bytes()
+    diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
+    document = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "history": [{"created_by": "test_runtime.py"}],
+    }
+    config_bytes = json.dumps(document).encode()
+    config_name = hashlib.sha256(config_bytes).hexdigest() + ".json"
+    manifest = [{"Config": config_name, "RepoTags": tags, "Layers": ["layer.tar"]}]
+    with tarfile.open(path, "w") as archive:
+        _add(archive, config_name, data=config_bytes, mode=0o644)
+        _add(archive, "layer.tar", source=str(layer_files))
+        _add(archive, "manifest.json", data=json.dumps(manifest).encode(), mode=0o644)
+
+
+def busybox_layer(path: Path) -> None:
+    """A static busybox and its applets' links: the consumers' userland and the sandbox's."""
+    applets = subprocess.run(
+        [RUNTIME_DIR / "busybox", "--list-full"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.split()
+    with tarfile.open(path, "w") as layer:
+        for directory in ("bin", "sbin", "usr", "usr/bin", "usr/sbin", "etc", "dev", "proc", "sys", "tmp", "run"):
+            _add(layer, directory)
+        _add(layer, "bin/busybox", source=str((RUNTIME_DIR / "busybox").resolve()))
+        for applet in applets:
+            if applet != "bin/busybox":
+                _add(layer, applet, link="/bin/busybox")
+
+
+def _ldd(binary: str) -> set[str]:
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=30).stdout
+    return {m[1] for m in re.finditer(r"(?:=> )?(/\S+) \(0x", out)}
+
+
+def python_layer(path: Path, site_packages: Path) -> None:
+    """Debian's python3.11 (its packages' files and the shared libraries of the interpreter and its
+    extension modules), the project installed with its dra extra, and a `gopherplug` entry point."""
+    files: set[str] = set()
+    packages = ["python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib"]
+    listed = subprocess.run(["dpkg", "-L", *packages], capture_output=True, text=True, timeout=30, check=True)
+    for name in listed.stdout.splitlines():
+        if name.startswith("/usr/share/") or not os.path.isfile(name) or os.path.islink(name):
+            continue
+        files.add(name)
+        if name.endswith(".py"):  # Debian compiles at install time: take the host's bytecode too
+            cached = Path(name).parent / "__pycache__" / (Path(name).stem + ".cpython-311.pyc")
+            if cached.exists():
+                files.add(str(cached))
+    libraries = _ldd(DEBIAN_PYTHON)
+    # The extension modules' libraries: the standard library's and the wheels' (msgspec, PyYAML, protobuf).
+    for name in [*files, *(str(p) for p in site_packages.rglob("*.so"))]:
+        if name.endswith(".so"):
+            libraries |= _ldd(name)
+    with tarfile.open(path, "w") as layer:
+        made: set[str] = set()
+
+        def parents(name: str) -> None:
+            for parent in reversed(Path(name).parents):
+                if str(parent) != "/" and str(parent) not in made:
+                    made.add(str(parent))
+                    _add(layer, str(parent))
+
+        for directory in ("/dev", "/proc", "/sys", "/tmp", "/etc", "/run"):
+            parents(directory + "/x")
+        for name in sorted(files | libraries):
+            parents(name)
+            _add(layer, name, source=os.path.realpath(name))
+        for root, dirs, names in os.walk(site_packages):
+            dirs.sort()
+            relative = os.path.relpath(root, site_packages)
+            target = os.path.normpath(os.path.join("/usr/lib/python3/dist-packages", relative))
+            parents(target + "/x")
+            for name in sorted(names):
+                _add(layer, os.path.join(target, name), source=os.path.join(root, name))
+        parents("/usr/local/bin/x")
+        script = f"#!{DEBIAN_PYTHON}\nimport sys\n\nfrom gopherplug import main\n\nsys.exit(main())\n"
+        _add(layer, "/usr/local/bin/gopherplug", data=script.encode(), mode=0o755)
+
+
+PAUSE_IMAGE = "gopherplug.test/pause:tier"
+BUSYBOX_IMAGE = "gopherplug.test/busybox:tier"
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def build_images(work: Path) -> dict[str, Path]:
+    """The three archives: pause (a shell waiting for SIGTERM), busybox, and the plugin (both tags)."""
+    busybox = work / "busybox.layer.tar"
+    busybox_layer(busybox)
+    archives = {"pause": work / "pause.tar", "busybox": work / "busybox.tar", "plugin": work / "plugin.tar"}
+    waiting = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
+    docker_archive(archives["pause"], busybox, [PAUSE_IMAGE], {"Entrypoint": waiting, "Env": [PATH_ENV]})
+    docker_archive(archives["busybox"], busybox, [BUSYBOX_IMAGE], {"Cmd": ["sh"], "Env": [PATH_ENV]})
+    site = work / "site-packages"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-cache-dir",
+            "--target",
+            str(site),
+            f"{HERE}[dra]",
+        ],
+        check=True,
+        timeout=600,
+        cwd=work,
+    )
+    shutil.rmtree(site / "bin", ignore_errors=True)
+    python = work / "plugin.layer.tar"
+    python_layer(python, site)
+    tags = [image_of(doc) for doc in (manifest_pod("daemonset.yaml"), manifest_pod("daemonset-dra.yaml"))]
+    config = {"Entrypoint": ["gopherplug"], "Cmd": ["serve"], "Env": [PATH_ENV]}
+    docker_archive(archives["plugin"], python, tags, config)
+    return archives
+
+
+########################################################################################################
+# containerd, private to the run
+
+
+class Containerd:
+    """One containerd with its own root, state, socket and CDI directory; every binary from RUNTIME_DIR."""
+
+    def __init__(self, root: Path, *, enable_cdi: bool = True) -> None:
+        self.root = root
+        self.socket = root / "c.sock"
+        self.cdi_dir = root / "cdi"
+        self.extra_cdi_dirs: list[Path] = []
+        self.enable_cdi = enable_cdi
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = root / "containerd.log"
+        self.channel: Any = None
+        self.runtime: Any = None
+
+    def config(self) -> str:
+        text = subprocess.run(
+            [RUNTIME_DIR / "containerd", "config", "default"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+        cdi_dirs = json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])
+        edits = {
+            # Some machines (CI's among them) refuse lowering oom_score_adj, which runc would try for
+            # every sandbox and fail with "can't get final child's PID from pipe: EOF".
+            r"restrict_oom_score_adj = false": "restrict_oom_score_adj = true",
+            r"disable_apparmor = false": "disable_apparmor = true",
+            r'sandbox_image = ".*"': f'sandbox_image = "{PAUSE_IMAGE}"',
+            r"enable_cdi = false": f"enable_cdi = {str(self.enable_cdi).lower()}",
+            r"cdi_spec_dirs = \[.*\]": f"cdi_spec_dirs = {cdi_dirs}",
+            r"SystemdCgroup = \w+": "SystemdCgroup = false",
+            r'(?m)^root = ".*"': f'root = "{self.root}/root"',
+            r'(?m)^state = ".*"': f'state = "{self.root}/state"',
+            r'address = "/run/containerd/containerd.sock"': f'address = "{self.socket}"',
+            r'path = "/opt/containerd"': f'path = "{self.root}/opt"',
+            r'conf_dir = "/etc/cni/net.d"': f'conf_dir = "{self.root}/cni"',
+            # The shim finds runc on containerd's PATH, RUNTIME_DIR first; naming it leaves no doubt.
+            r'BinaryName = ""': f'BinaryName = "{RUNTIME_DIR / "runc"}"',
+        }
+        for pattern, replacement in edits.items():
+            text, count = re.subn(pattern, replacement, text)
+            assert count, f"containerd config default has no {pattern!r}"
+        return text
+
+    def start(self) -> None:
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        config = self.root / "config.toml"
+        config.write_text(self.config())
+        env = {"PATH": f"{RUNTIME_DIR}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root)}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    RUNTIME_DIR / "containerd",
+                    "--config",
+                    config,
+                    "--root",
+                    self.root / "root",
+                    "--state",
+                    self.root / "state",
+                    "--address",
+                    self.socket,
+                ],
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+        self.runtime = CRI.RuntimeServiceStub(self.channel)
+        deadline = time.monotonic() + 30
+        # No event tells that containerd serves the CRI: poll its Status until the runtime is ready.
+        while True:
+            assert self.process.poll() is None, f"containerd exited: {self.log.read_text()[-2000:]}"
+            try:
+                status = self.runtime.Status(PB.StatusRequest(), timeout=2)
+                if any(c.type == "RuntimeReady" and c.status for c in status.status.conditions):
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"containerd did not serve the CRI: {self.log.read_text()[-2000:]}"
+            time.sleep(POLL)
+
+    def import_image(self, archive: Path) -> None:
+        subprocess.run(
+            [RUNTIME_DIR / "ctr", "-n", "k8s.io", "-a", self.socket, "images", "import", archive],
+            check=True,
+            timeout=300,
+            capture_output=True,
+        )
+
+    def stop(self) -> None:
+        """Every task's processes, the shims, then containerd itself, all by PID."""
+        if self.process is None:
+            return
+        with contextlib.suppress(Exception):
+            for sandbox in self.runtime.ListPodSandbox(PB.ListPodSandboxRequest(), timeout=10).items:
+                with contextlib.suppress(grpc.RpcError):
+                    self.runtime.StopPodSandbox(PB.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=30)
+                    self.runtime.RemovePodSandbox(PB.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=30)
+        if self.channel is not None:
+            self.channel.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=15)
+        # The shims outlive containerd by design (a node's containers survive a runtime restart): find
+        # them by the containerd address they were started with, and kill them and their children
+        # (each container's processes) by PID.
+        for pid in _shims_of(str(self.socket)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # The overlay snapshots and the sandboxes' /dev/shm are mounts under the private root.
+        mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for mount in sorted((m for m in mounts if m.startswith(str(self.root))), key=len, reverse=True):
+            subprocess.run(["umount", "-l", mount], check=False, timeout=10)
+        self.process = None
+
+
+def _shims_of(address: str) -> list[int]:
+    """The PIDs of the runc shims serving the containerd at ``address``, and of their descendants."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if Path(argv[0]).name == "containerd-shim-runc-v2" and argv[argv.index("-address") + 1] == address:
+                found.append(int(entry.name))
+                found.extend(_children(int(entry.name)))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return children + [g for c in children for g in _children(c)]
+    return []
+
+
+########################################################################################################
+# The run: one containerd, the images, private directories
+
+
+PB: Any = None
+CRI: Any = None
+
+
+class Run:
+    """Everything one run of the tier owns."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.id = root.name.rsplit("-", 1)[-1]
+        self.dev = Path(f"/dev/gp-{self.id}")  # device nodes live in the host's /dev, as on a node
+        self.cgroup_parent = f"/gopherplug-tier-{self.id}"
+        self.containerd: Containerd | None = None
+        self.second: Containerd | None = None  # the enable_cdi = false one, once a test started it
+        self.archives: dict[str, Path] = {}
+        self.figures: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+        self.started = time.monotonic()
+
+
+def _remove_cgroups(parent: str) -> None:
+    """The run's pod cgroups, left by runc once their containers are gone: in every v1 hierarchy, or
+    in the unified one."""
+    hierarchies = [Path("/sys/fs/cgroup"), *(d for d in Path("/sys/fs/cgroup").iterdir() if d.is_dir())]
+    for controller in hierarchies:
+        top = controller / parent.lstrip("/")
+        if top.is_dir():
+            for directory in sorted((Path(d) for d, _, _ in os.walk(top)), key=lambda p: len(str(p)), reverse=True):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+
+
+@pytest.fixture(scope="session")
+def tier(pytestconfig):
+    """The run: the CRI compiled, the images built, containerd started and the images imported; at the
+    end, whatever happened, containerd and its containers stopped by PID, mounts, cgroups, the run's
+    /dev directory and files removed, and the figures and consumers' outputs printed."""
+    global PB, CRI
+    root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
+    tier = Run(root)
+    try:
+        PB, CRI = compile_cri(root)
+        tier.dev.mkdir(mode=0o755)
+        built = time.monotonic()
+        tier.archives = build_images(root)
+        tier.figures["image build (s)"] = round(time.monotonic() - built, 1)
+        tier.containerd = Containerd(root / "ctrd")
+        # The device-plugin resource with `cdi:` writes its spec where its pod can write (see
+        # test_a_device_plugin_cdi_device_reaches_a_consumer); the runtime reads that directory too.
+        tier.containerd.extra_cdi_dirs.append(root / "host" / DP_CDI_CASE / "kubelet" / "device-plugins" / "cdi")
+        tier.containerd.extra_cdi_dirs[-1].mkdir(parents=True)
+        tier.containerd.start()
+        imported = time.monotonic()
+        for archive in tier.archives.values():
+            tier.containerd.import_image(archive)
+        tier.figures["image import (s)"] = round(time.monotonic() - imported, 1)
+        yield tier
+    finally:
+        for containerd in (tier.containerd, tier.second):
+            if containerd is not None:
+                try:
+                    containerd.stop()
+                except Exception as error:  # the rest of the cleanup must still happen
+                    print(f"stopping the containerd in {containerd.root}: {error!r}")
+        _remove_cgroups(tier.cgroup_parent)
+        shutil.rmtree(tier.dev, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+        tier.figures["tier duration (s)"] = round(time.monotonic() - tier.started, 1)
+        report = {"figures": tier.figures, "consumer outputs": tier.outputs}
+        text = json.dumps(report, indent=2)
+        if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
+            Path(where).write_text(text + "\n")
+        # Shown whatever the outcome: pytest would keep a fixture's output for failures only.
+        capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print("\nruntime tier results:\n" + text, flush=True)
+
+
+########################################################################################################
+# The manifests, translated into CRI requests as the kubelet does
+
+
+def manifest_docs(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((HERE / name).read_text()) if doc]
+
+
+def manifest_pod(name: str) -> dict[str, Any]:
+    """The DaemonSet's pod template, as shipped."""
+    (daemonset,) = [doc for doc in manifest_docs(name) if doc["kind"] == "DaemonSet"]
+    return daemonset["spec"]["template"]
+
+
+def manifest_config(name: str) -> dict[str, Any]:
+    """The ConfigMap's config.yaml, parsed, as shipped."""
+    (config_map,) = [doc for doc in manifest_docs(name) if doc["kind"] == "ConfigMap"]
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+def image_of(template: dict[str, Any]) -> str:
+    return template["spec"]["containers"][0]["image"]
+
+
+def _quantity(text: str | int) -> int:
+    """A Kubernetes quantity in bytes (the manifests use Mi and plain numbers)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
+    found = re.fullmatch(r"(\d+)([A-Za-z]*)", str(text))
+    assert found is not None, text
+    return int(found[1]) * units.get(found[2], 1)
+
+
+def _milli_cpu(text: str) -> int:
+    return int(text[:-1]) if text.endswith("m") else int(float(text) * 1000)
+
+
+def atomic_dir(target: Path, files: dict[str, str | bytes]) -> Path:
+    """A volume as the kubelet's atomic writer lays it out (kubernetes/kubernetes
+    pkg/volume/util/atomic_writer.go): the files in a `..<timestamp>` directory, a `..data` symlink to
+    it, and a symlink per file through `..data`, so that an update swaps them all at once."""
+    target.mkdir(parents=True)
+    stamp = target / time.strftime("..%Y_%m_%d_%H_%M_%S.000000001", time.gmtime())
+    stamp.mkdir()
+    for name, content in files.items():
+        (stamp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+        (target / name).symlink_to(f"..data/{name}")
+    (target / "..data").symlink_to(stamp.name)
+    return target
+
+
+#: What the kubelet masks and makes read-only in every unprivileged container's /proc and /sys
+#: (kubernetes/kubernetes pkg/securitycontext/util.go, ConvertToRuntimeMaskedPaths and
+#: ConvertToRuntimeReadonlyPaths with the Default proc mount).
+MASKED_PATHS = [
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+class Pod:
+    """One pod as the kubelet runs it: its directory (kubernetes/kubernetes pkg/kubelet/kubelet_pods.go
+    keeps etc-hosts, volumes and each container's termination-log file under the pod's directory), the
+    sandbox's config, and its containers' configs."""
+
+    def __init__(self, tier: Run, name: str, namespace: str = "default") -> None:
+        self.tier, self.name, self.namespace = tier, name, namespace
+        self.uid = str(uuid.uuid4())
+        self.dir = tier.root / "pods" / self.uid
+        self.dir.mkdir(parents=True)
+        self.sandbox_id = ""
+        self.container_ids: dict[str, str] = {}
+
+    def sandbox_config(self, labels: dict[str, str] | None = None) -> Any:
+        # generatePodSandboxConfig (pkg/kubelet/kuberuntime/kuberuntime_sandbox.go): metadata, the
+        # pod's log directory, labels, and the pod's cgroup parent; the namespaces follow the pod
+        # spec. Host network: the tier has no CNI; hostname is left out for host-network pods. The
+        # sandbox's seccomp profile is the pod-level one, Unconfined when unset (the manifests set it
+        # per container) and the kubelet's seccompDefault is off, its default.
+        log_dir = self.dir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        return PB.PodSandboxConfig(
+            metadata=PB.PodSandboxMetadata(name=self.name, uid=self.uid, namespace=self.namespace, attempt=0),
+            log_directory=str(log_dir),
+            labels={
+                **(labels or {}),
+                "io.kubernetes.pod.name": self.name,
+                "io.kubernetes.pod.namespace": self.namespace,
+                "io.kubernetes.pod.uid": self.uid,
+            },
+            linux=PB.LinuxPodSandboxConfig(
+                cgroup_parent=f"{self.tier.cgroup_parent}/pod{self.uid}",
+                security_context=PB.LinuxSandboxSecurityContext(
+                    namespace_options=PB.NamespaceOption(
+                        network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER, ipc=PB.NamespaceMode.POD
+                    ),
+                    seccomp=PB.SecurityProfile(profile_type=PB.SecurityProfile.ProfileType.Unconfined),
+                ),
+            ),
+        )
+
+    def hosts_mount(self) -> Any:
+        # makeMounts: every container gets a kubelet-managed /etc/hosts; for a host-network pod it is
+        # a copy of the node's (ensureHostsFile in pkg/kubelet/kubelet_pods.go), writable.
+        hosts = self.dir / "etc-hosts"
+        if not hosts.exists():
+            shutil.copyfile("/etc/hosts", hosts)
+        return PB.Mount(container_path="/etc/hosts", host_path=str(hosts), readonly=False)
+
+    def termination_mount(self, container: dict[str, Any]) -> Any:
+        # makeMounts of pkg/kubelet/kuberuntime/kuberuntime_container.go: a fresh file in the pod's
+        # containers/<name>/ directory, bind-mounted read-write at the container's
+        # terminationMessagePath (the API server defaults it to /dev/termination-log).
+        directory = self.dir / "containers" / container["name"]
+        directory.mkdir(parents=True, exist_ok=True)
+        log = directory / secrets.token_hex(4)
+        log.touch()
+        log.chmod(0o666)  # writable whatever user the container runs as, as the kubelet makes it
+        path = container.get("terminationMessagePath", "/dev/termination-log")
+        return PB.Mount(container_path=path, host_path=str(log), readonly=False)
+
+
+def container_config(
+    pod: Pod,
+    spec: dict[str, Any],
+    container: dict[str, Any],
+    *,
+    volumes: dict[str, str],
+    service_env: dict[str, str],
+    extra_mounts: Iterable[Any] = (),
+) -> Any:
+    """generateContainerConfig (kubernetes/kubernetes pkg/kubelet/kuberuntime/kuberuntime_container.go) for
+    one container of the pod spec: image, command and args, env (fieldRefs resolved, the service
+    variables), mounts (each volumeMount of a volume whose host side is ``volumes[name]``, /etc/hosts,
+    the termination log), resources and the security context (security_context.go)."""
+    env = dict(service_env)
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+            env[item["name"]] = NODE_NAME
+        else:
+            raise AssertionError(f"the tier does not resolve {item}")
+    mounts = []
+    for mount in container.get("volumeMounts", []):
+        # A mount without mountPropagation is private (pkg/kubelet/kubelet_pods.go, translateMountPropagation).
+        mounts.append(
+            PB.Mount(
+                container_path=mount["mountPath"],
+                host_path=volumes[mount["name"]],
+                readonly=bool(mount.get("readOnly", False)),
+                propagation=PB.MountPropagation.PROPAGATION_PRIVATE,
+            )
+        )
+    mounts.extend(extra_mounts)
+    mounts.append(pod.hosts_mount())
+    mounts.append(pod.termination_mount(container))
+    resources = container.get("resources", {})
+    limits, requests = resources.get("limits", {}), resources.get("requests", {})
+    # milliCPUToShares (pkg/kubelet/cm/helpers_linux.go): shares = milli * 1024 / 1000, at least 2.
+    shares = max(2, _milli_cpu(requests.get("cpu", "0")) * 1024 // 1000)
+    linux_resources = PB.LinuxContainerResources(cpu_shares=shares)
+    if "memory" in limits:
+        linux_resources.memory_limit_in_bytes = _quantity(limits["memory"])
+    sc = container.get("securityContext", {})
+    security = PB.LinuxContainerSecurityContext(
+        privileged=bool(sc.get("privileged", False)),
+        readonly_rootfs=bool(sc.get("readOnlyRootFilesystem", False)),
+        # allowPrivilegeEscalation false is no_new_privs (security_context.go, AddNoNewPrivileges).
+        no_new_privs=sc.get("allowPrivilegeEscalation") is False,
+        namespace_options=PB.NamespaceOption(
+            network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER, ipc=PB.NamespaceMode.POD
+        ),
+        capabilities=PB.Capability(
+            add_capabilities=sc.get("capabilities", {}).get("add", []),
+            drop_capabilities=sc.get("capabilities", {}).get("drop", []),
+        ),
+    )
+    if not security.privileged:
+        security.masked_paths.extend(MASKED_PATHS)
+        security.readonly_paths.extend(READONLY_PATHS)
+    if "runAsUser" in sc:
+        security.run_as_user.value = sc["runAsUser"]
+    seccomp = sc.get("seccompProfile", spec.get("securityContext", {}).get("seccompProfile", {}))
+    if seccomp.get("type") == "RuntimeDefault":
+        security.seccomp.profile_type = PB.SecurityProfile.ProfileType.RuntimeDefault
+    else:
+        security.seccomp.profile_type = PB.SecurityProfile.ProfileType.Unconfined
+    name = container["name"]
+    return PB.ContainerConfig(
+        metadata=PB.ContainerMetadata(name=name, attempt=0),
+        image=PB.ImageSpec(image=container["image"]),
+        command=container.get("command", []),
+        args=container.get("args", []),
+        working_dir=container.get("workingDir", ""),
+        envs=[PB.KeyValue(key=k, value=v) for k, v in env.items()],
+        mounts=mounts,
+        log_path=f"{name}/0.log",
+        labels={
+            "io.kubernetes.container.name": name,
+            "io.kubernetes.pod.name": pod.name,
+            "io.kubernetes.pod.namespace": pod.namespace,
+            "io.kubernetes.pod.uid": pod.uid,
+        },
+        annotations={"io.kubernetes.container.terminationMessagePath": mounts[-1].container_path},
+        linux=PB.LinuxContainerConfig(resources=linux_resources, security_context=security),
+    )
+
+
+########################################################################################################
+# Talking CRI from trio: grpcio is blocking, so every call runs in a worker thread with a deadline
+
+
+async def cri(containerd: Containerd, method: str, request: Any, timeout: float = CRI_TIMEOUT) -> Any:
+    call = getattr(containerd.runtime, method)
+    return await trio.to_thread.run_sync(functools.partial(call, request, timeout=timeout))
+
+
+@contextlib.asynccontextmanager
+async def running_pod(containerd: Containerd, pod: Pod, sandbox: Any, containers: list[Any]):
+    """RunPodSandbox, then CreateContainer and StartContainer for each container; on the way out,
+    StopPodSandbox and RemovePodSandbox (which stop and remove its containers), also on failure."""
+    try:
+        answer = await cri(containerd, "RunPodSandbox", PB.RunPodSandboxRequest(config=sandbox))
+        pod.sandbox_id = answer.pod_sandbox_id
+        for config in containers:
+            created = await cri(
+                containerd,
+                "CreateContainer",
+                PB.CreateContainerRequest(pod_sandbox_id=pod.sandbox_id, config=config, sandbox_config=sandbox),
+            )
+            pod.container_ids[config.metadata.name] = created.container_id
+            await cri(containerd, "StartContainer", PB.StartContainerRequest(container_id=created.container_id))
+        yield pod
+    finally:
+        if pod.sandbox_id:
+            with trio.CancelScope(shield=True), contextlib.suppress(grpc.RpcError):
+                await cri(containerd, "StopPodSandbox", PB.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id))
+                await cri(containerd, "RemovePodSandbox", PB.RemovePodSandboxRequest(pod_sandbox_id=pod.sandbox_id))
+
+
+async def exec_sync(containerd: Containerd, container_id: str, *cmd: str, timeout: int = 20) -> tuple[int, str]:
+    """ExecSync: what the container itself says, exit code and stdout+stderr."""
+    answer = await cri(
+        containerd, "ExecSync", PB.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
+    )
+    return answer.exit_code, (answer.stdout + answer.stderr).decode(errors="replace")
+
+
+async def container_status(containerd: Containerd, container_id: str, verbose: bool = False) -> Any:
+    return await cri(
+        containerd, "ContainerStatus", PB.ContainerStatusRequest(container_id=container_id, verbose=verbose)
+    )
+
+
+#: How often the plugin's container state is looked at, to fail a test at once if it exits.
+EXIT_POLL = 0.2
+
+
+async def fail_if_exited(containerd: Containerd, container_id: str) -> None:
+    """Raise once the container has exited. No CRI event tells it here (GetContainerEvents needs
+    the kubelet's evented PLEG, off by default): a bounded-interval poll of ContainerStatus."""
+    while True:
+        status = (await container_status(containerd, container_id)).status
+        if status.state == PB.ContainerState.CONTAINER_EXITED:
+            raise AssertionError(f"the container exited with {status.exit_code} ({status.reason})")
+        await trio.sleep(EXIT_POLL)
+
+
+SLEEPER = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
+
+
+def consumer_config(pod: Pod, name: str = "consumer", **fields: Any) -> Any:
+    """A busybox container that waits, as the kubelet would create it for a pod with default security
+    (masked and read-only /proc paths); ``fields`` add what the device manager or DRA gave it."""
+    config = PB.ContainerConfig(
+        metadata=PB.ContainerMetadata(name=name, attempt=0),
+        image=PB.ImageSpec(image=BUSYBOX_IMAGE),
+        command=SLEEPER,
+        log_path=f"{name}/0.log",
+        linux=PB.LinuxContainerConfig(
+            security_context=PB.LinuxContainerSecurityContext(
+                masked_paths=MASKED_PATHS,
+                readonly_paths=READONLY_PATHS,
+                namespace_options=PB.NamespaceOption(network=PB.NamespaceMode.NODE, pid=PB.NamespaceMode.CONTAINER),
+            )
+        ),
+        **fields,
+    )
+    config.mounts.append(pod.hosts_mount())
+    config.mounts.append(pod.termination_mount({"name": name}))
+    return config
+
+
+async def consumer_report(containerd: Containerd, container_id: str, device: str) -> dict[str, Any]:
+    """What a consumer sees: its environment, its device node, and whether it opens it for reading and writing."""
+    _, env = await exec_sync(containerd, container_id, "env")
+    ls_code, ls = await exec_sync(containerd, container_id, "ls", "-l", device)
+    open_code, opened = await exec_sync(containerd, container_id, "sh", "-c", f"exec 3<>{device} && echo opened rw")
+    # cgroup v1's devices.list; on v2 the same rules are an eBPF program, with no file to read.
+    rules = "(cgroup v2: the device rules are an eBPF program)"
+    if not CGROUP_V2:
+        rules = await cgroup_file(containerd, container_id, "devices", "devices.list")
+    return {
+        "devices.list (host side)": [rule for rule in rules.splitlines() if rule.startswith("c 10:")],
+        "env": sorted(line for line in env.splitlines() if not line.startswith(("PATH=", "HOSTNAME=", "HOME="))),
+        "ls -l": ls.strip(),
+        "ls exit": ls_code,
+        "open rw": opened.strip(),
+        "open exit": open_code,
+    }
+
+
+########################################################################################################
+# The plugin's pod on a node of the run
+
+
+class Node:
+    """One test's node: private host directories standing in for the kubelet's, device nodes in the
+    run's directory of /dev, and the DaemonSet's pod translated for them."""
+
+    def __init__(self, tier: Run, manifest: str, case: str = "") -> None:
+        self.tier, self.manifest = tier, manifest
+        self.case = tier.root / "host" / (case or secrets.token_hex(3))
+        self.devices = tier.dev / self.case.name
+        self.devices.mkdir(exist_ok=True)
+        self.kubelet_dir = self.case / "kubelet"
+        self.device_plugin_dir = self.kubelet_dir / "device-plugins"
+        self.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.template = manifest_pod(manifest)
+        self.config = manifest_config(manifest)
+        # The ConfigMap's one edit: the devices are the run's nodes in /dev.
+        self.config["resources"][0]["directory"] = str(self.devices)
+        # The host side of each hostPath volume; /dev and /sys are the host's own.
+        self.host_paths = {
+            "/var/lib/kubelet/device-plugins": str(self.device_plugin_dir),
+            "/var/lib/kubelet/plugins_registry": str(self.kubelet_dir / "plugins_registry"),
+            "/var/lib/kubelet/plugins": str(self.kubelet_dir / "plugins"),
+            "/var/run/cdi": str(tier.containerd.cdi_dir),
+            "/etc/gophers": str(self.case / "etc-gophers"),
+            "/dev": "/dev",
+            "/sys": "/sys",
+        }
+        self.service_env: dict[str, str] = {}
+        self.service_account: dict[str, str] | None = None
+        self.pod = Pod(
+            tier, f"{self.template['metadata']['labels']['app.kubernetes.io/name']}-{self.case.name}", "kube-system"
+        )
+
+    def mknod(self, name: str) -> Path:
+        path = self.devices / name
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(DEVICE_MAJOR, DEVICE_MINOR))
+        return path
+
+    def configs(self) -> tuple[Any, Any]:
+        spec = self.template["spec"]
+        volumes: dict[str, str] = {}
+        for volume in spec["volumes"]:
+            name = volume["name"]
+            if "hostPath" in volume:
+                # The kubelet's hostPath type checks (pkg/volume/hostpath/host_path.go): Directory
+                # must exist, DirectoryOrCreate is created.
+                host = Path(self.host_paths[volume["hostPath"]["path"]])
+                if volume["hostPath"].get("type") == "DirectoryOrCreate":
+                    host.mkdir(parents=True, exist_ok=True)
+                assert host.is_dir(), f"hostPath {host} (type Directory) does not exist"
+                volumes[name] = str(host)
+            elif "configMap" in volume:
+                where = self.pod.dir / "volumes" / "kubernetes.io~configmap" / name
+                volumes[name] = str(atomic_dir(where, {"config.yaml": yaml.safe_dump(self.config)}))
+            else:
+                raise AssertionError(f"the tier does not translate volume {volume}")
+        extra = []
+        if self.service_account is not None and spec.get("automountServiceAccountToken", True):
+            # The service account admission plugin adds a projected volume (token, ca.crt,
+            # namespace) mounted read-only at this path in every container; the kubelet writes it
+            # with the atomic writer.
+            where = self.pod.dir / "volumes" / "kubernetes.io~projected" / "kube-api-access"
+            extra.append(
+                PB.Mount(
+                    container_path=gp.SERVICE_ACCOUNT_DIR,
+                    host_path=str(atomic_dir(where, self.service_account)),
+                    readonly=True,
+                    propagation=PB.MountPropagation.PROPAGATION_PRIVATE,
+                )
+            )
+        (container,) = spec["containers"]
+        config = container_config(
+            self.pod, spec, container, volumes=volumes, service_env=self.service_env, extra_mounts=extra
+        )
+        return self.pod.sandbox_config(self.template["metadata"]["labels"]), config
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """The pod, running; fails the test at once, with the plugin's log, if the plugin's container exits."""
+        sandbox, config = self.configs()
+        try:
+            async with running_pod(self.tier.containerd, self.pod, sandbox, [config]) as pod:
+                container_id = pod.container_ids[config.metadata.name]
+                async with trio.open_nursery() as watching:
+                    watching.start_soon(fail_if_exited, self.tier.containerd, container_id)
+                    yield container_id
+                    watching.cancel_scope.cancel()
+        except BaseException:
+            # The plugin's own log, as `kubectl logs` would show it, beside the failure.
+            with contextlib.suppress(OSError):
+                print(f"--- {config.metadata.name} log ---\n" + (self.pod.dir / "logs" / config.log_path).read_text())
+            raise
+
+
+def allocated_fields(answer: Any) -> dict[str, Any]:
+    """What the kubelet puts into the consumer's CreateContainer from one ContainerAllocateResponse
+    (pkg/kubelet/cm/devicemanager/manager.go GetDeviceRunContainerOptions, then
+    kuberuntime_container.go): devices, env, mounts, annotations and CDI devices."""
+    return {
+        "devices": [
+            PB.Device(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+            for d in answer.devices
+        ],
+        "envs": [PB.KeyValue(key=k, value=v) for k, v in sorted(answer.envs.items())],
+        "annotations": dict(answer.annotations),
+        "CDI_devices": [PB.CDIDevice(name=d.name) for d in answer.cdi_devices],
+    }
+
+
+def allocated_mounts(answer: Any) -> list[Any]:
+    return [
+        PB.Mount(container_path=m.container_path, host_path=m.host_path, readonly=m.read_only) for m in answer.mounts
+    ]
+
+
+########################################################################################################
+# The device plugin, as daemonset.yaml ships it
+
+
+def _listed(kubelet: gp.KubeletSimulator, *ids: str) -> bool:
+    resource = kubelet.resources.get(RESOURCE)
+    return resource is not None and resource.streaming and all(i in resource.devices for i in ids)
+
+
+async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier, nursery):
+    """The shipped pod starts under the shipped security context (read-only root, no capability,
+    seccomp, no_new_privs, the memory limit: the container shows each), registers, and offers device
+    nodes its own device cgroup forbids it to open (10:229 is not in the runtime's default allowlist)
+    as Healthy; a node its mode refuses to it as Unhealthy."""
+    node = Node(tier, "daemonset.yaml")
+    node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            started = time.monotonic()
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            tier.figures["device plugin: container started -> registered, first list (ms)"] = _ms(started)
+            code, said = await exec_sync(
+                tier.containerd, plugin, "python3.11", "-c", SHOW_CONFINEMENT, str(node.devices / "gopher0")
+            )
+            assert code == 0, said
+            confinement = json.loads(said)
+            tier.outputs["device plugin: the plugin's confinement, from inside"] = confinement
+            assert confinement["CapEff"] == "0000000000000000" and confinement["NoNewPrivs"] == "1"
+            assert confinement["Seccomp"] == "2"  # filter mode: RuntimeDefault
+            assert confinement["write /"].startswith("OSError: [Errno 30] Read-only file system")
+            # The cgroup, read on the host: in the pod, /sys is the host's own (the manifest's mount).
+            limit = _quantity(manifest_pod("daemonset.yaml")["spec"]["containers"][0]["resources"]["limits"]["memory"])
+            assert await memory_limit(tier.containerd, plugin) == limit
+            # The plugin's own cgroup refuses the node: what makes the health question real.
+            assert confinement["open gopher0"] == "PermissionError: [Errno 1] Operation not permitted", confinement
+            listed = []
+            for number in range(1, 21):
+                # Not synchronisation: spacing the samples beyond gopherplug's push interval, so each
+                # one measures a lone change, not the interval left from the previous one.
+                await trio.sleep(2 * gp.LIST_PUSH_INTERVAL)
+                created = time.monotonic()
+                node.mknod(f"gopher{number}")
+                await kubelet.wait_until(lambda k, n=number: _listed(k, f"gopher{n}"))
+                listed.append(_ms(created))
+            tier.figures["device plugin: mknod -> kubelet stand-in lists it (ms, n=20)"] = _spread(listed)
+            # A node whose mode refuses root without capabilities (EACCES, before the device cgroup is
+            # asked) is one the plugin, and any consumer running as it does, cannot use: Unhealthy.
+            locked = node.mknod("locked")
+            locked.chmod(0)
+            await kubelet.wait_until(lambda k: _listed(k, "locked"))
+            devices = kubelet.resources[RESOURCE].devices
+            assert devices == {**{f"gopher{n}": gp.HEALTHY for n in range(21)}, "locked": gp.UNHEALTHY}
+            tier.figures["device plugin: idle RSS, 21 devices (MiB)"] = await _rss(tier.containerd, plugin)
+
+
+#: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
+SHOW_CONFINEMENT = """
+import json, os, sys
+seen = {}
+for line in open("/proc/self/status"):
+    key, _, value = line.partition(":")
+    if key in ("CapEff", "CapBnd", "NoNewPrivs", "Seccomp", "Uid"):
+        seen[key] = value.strip()
+for what, action in (("write /", lambda: open("/tier-probe", "w")),
+                     ("open gopher0", lambda: open(sys.argv[1], "rb"))):
+    try:
+        action()
+        seen[what] = "ok"
+    except OSError as error:
+        seen[what] = f"{type(error).__name__}: {error}".split(": '")[0]
+print(json.dumps(seen))
+"""
+
+
+def _ms(since: float) -> float:
+    return round((time.monotonic() - since) * 1e3, 1)
+
+
+def _spread(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    return f"p50 {ordered[len(ordered) // 2]}, max {ordered[-1]}"
+
+
+#: cgroup v2 only (unified): no per-controller directories, and devices are an eBPF program, not a file.
+CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
+async def cgroup_file(containerd: Containerd, container_id: str, controller: str, name: str) -> str:
+    """A file of the container's cgroup, found through the runtime spec containerd reports (with the
+    cgroupfs driver, cgroupsPath is a path under each hierarchy)."""
+    status = await container_status(containerd, container_id, verbose=True)
+    path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+    hierarchy = Path("/sys/fs/cgroup") if CGROUP_V2 else Path("/sys/fs/cgroup") / controller
+    return (hierarchy / path / name).read_text().strip()
+
+
+async def memory_limit(containerd: Containerd, container_id: str) -> int:
+    if CGROUP_V2:
+        return int(await cgroup_file(containerd, container_id, "memory", "memory.max"))
+    return int(await cgroup_file(containerd, container_id, "memory", "memory.limit_in_bytes"))
+
+
+async def _rss(containerd: Containerd, container_id: str) -> dict[str, float]:
+    """The plugin's resident memory: its process's VmRSS (the container's init, whose PID the verbose
+    ContainerStatus gives) and its cgroup's anonymous memory (memory.stat: v1 total_rss, v2 anon)."""
+    status = await container_status(containerd, container_id, verbose=True)
+    info = json.loads(status.info["info"])
+    found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{info['pid']}/status").read_text())
+    assert found is not None
+    figures = {"VmRSS": round(int(found[1]) / 1024, 1)}
+    with contextlib.suppress(OSError, KeyError):
+        stats = dict(
+            line.split() for line in (await cgroup_file(containerd, container_id, "memory", "memory.stat")).splitlines()
+        )
+        figures["cgroup rss"] = round(int(stats["anon" if CGROUP_V2 else "total_rss"]) / 2**20, 1)
+    return figures
+
+
+async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_without_cannot(tier, nursery):
+    """The consumer is created with what the kubelet stand-in's Allocate got (DeviceSpecs, env, mounts,
+    annotations, CDI devices): the runtime puts the node in its /dev and its device cgroup, and it opens
+    it read-write. A control container that sees the same node through a bind mount but got no
+    DeviceSpec is refused by its device cgroup."""
+    node = Node(tier, "daemonset.yaml")
+    path = node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            # The manifest's liveness probe, as the kubelet runs it: ExecSync with the probe's command.
+            probe = manifest_pod("daemonset.yaml")["spec"]["containers"][0]["livenessProbe"]
+            code, said = await exec_sync(
+                tier.containerd, plugin, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
+            )
+            assert code == 0, said
+            tier.outputs["device plugin: liveness probe"] = said.strip().splitlines()
+            answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            fields = allocated_fields(answer)
+            assert [d.host_path for d in fields["devices"]] == [str(path)]
+            pod = Pod(tier, "consumer")
+            config = consumer_config(pod, **fields)
+            config.mounts.extend(allocated_mounts(answer))
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+            control = Pod(tier, "control")
+            config = consumer_config(control)
+            config.mounts.append(PB.Mount(container_path="/mnt/devices", host_path=str(node.devices), readonly=False))
+            async with running_pod(tier.containerd, control, control.sandbox_config(), [config]):
+                refused = await consumer_report(
+                    tier.containerd, control.container_ids["consumer"], "/mnt/devices/gopher0"
+                )
+    tier.outputs["device plugin: consumer"] = seen
+    tier.outputs["device plugin: control without the DeviceSpec"] = refused
+    assert "GOPHER_DEVICES=gopher0" in seen["env"]
+    assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+    assert refused["ls exit"] == 0 and refused["ls -l"].startswith("crw")
+    assert refused["open exit"] != 0 and "Operation not permitted" in refused["open rw"]
+    if not CGROUP_V2:  # the DeviceSpec's rule, in the consumer's device cgroup only
+        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+        assert rule in seen["devices.list (host side)"] and rule not in refused["devices.list (host side)"]
+
+
+def _without_termination_message_path(template: dict[str, Any]) -> dict[str, Any]:
+    template = json.loads(json.dumps(template))
+    del template["spec"]["containers"][0]["terminationMessagePath"]
+    return template
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+async def test_the_default_termination_message_path_cannot_start_under_the_read_only_dev(tier, manifest):
+    """Why the manifests set terminationMessagePath: with the default /dev/termination-log, runc must
+    create the kubelet's bind-mount target in the host's /dev, mounted read-only, and the container
+    never starts. The same pod with the shipped path is shown starting by the tests above and below."""
+    node = Node(tier, manifest)
+    node.template = _without_termination_message_path(node.template)
+    with trio.fail_after(TIMEOUT), pytest.raises(grpc.RpcError) as failed:
+        async with node.running():
+            pass
+    message = failed.value.details()
+    tier.outputs[f"{manifest} with /dev/termination-log"] = message
+    assert '"/dev/termination-log"' in message and "read-only file system" in message
+
+
+@contextlib.contextmanager
+def _removed_afterwards(cdi_dir: Path):
+    """gopherplug keeps its CDI spec on exit (a restart must not take devices from running pods): the
+    test removes it, since the DRA driver's spec names the same devices (same kind, same IDs) and the
+    runtime would take the one of the later directory."""
+    try:
+        yield
+    finally:
+        for spec in cdi_dir.iterdir():
+            spec.unlink()
+
+
+@pytest.mark.parametrize(
+    "spec_dir",
+    [
+        pytest.param(
+            gp.CDIConfig.spec_dir,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="daemonset.yaml mounts no CDI directory: the plugin exits with "
+                "'cannot write the CDI spec /var/run/cdi/...: Read-only file system'",
+            ),
+            id="default-spec-dir",
+        ),
+        pytest.param("/var/lib/kubelet/device-plugins/cdi", id="spec-dir-in-the-device-plugin-dir"),
+    ],
+)
+async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery, spec_dir):
+    """The CDI spec gopherplug writes for a device-plugin resource loads in containerd: a consumer
+    created with nothing but the CDI device name of the Allocate answer gets the node and the env
+    through containerd's CDI handling.
+
+    With `cdi:` at its default spec_dir the shipped pod cannot write its spec: daemonset.yaml mounts
+    no CDI directory (expected to fail until it does). A spec_dir in the device-plugin directory
+    (a ConfigMap edit), which this containerd reads too, shows the spec itself is right."""
+    default = spec_dir == gp.CDIConfig.spec_dir
+    node = Node(tier, "daemonset.yaml", "" if default else DP_CDI_CASE)
+    node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": spec_dir}
+    path = node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    host_cdi_dir = tier.containerd.cdi_dir if default else tier.containerd.extra_cdi_dirs[-1]
+    with trio.fail_after(TIMEOUT), _removed_afterwards(host_cdi_dir):
+        async with node.running():
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            fields = allocated_fields(answer)
+            tier.outputs[f"device plugin with cdi ({spec_dir}): Allocate answer"] = {
+                "devices": len(fields["devices"]),
+                "envs": dict(answer.envs),
+                "cdi_devices": [d.name for d in answer.cdi_devices],
+            }
+            assert [d.name for d in fields["CDI_devices"]] == [f"{RESOURCE}=gopher0"]
+            # Only the CDI device: what reaches the consumer then comes from the spec gopherplug wrote.
+            pod = Pod(tier, "cdi-consumer")
+            config = consumer_config(pod, CDI_devices=fields["CDI_devices"])
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+    tier.outputs[f"device plugin with cdi ({spec_dir}): consumer"] = seen
+    assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"])
+    assert seen["ls exit"] == 0 and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+
+
+@pytest.mark.parametrize(
+    "through",
+    [
+        "device-spec",
+        pytest.param(
+            "cdi",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="gopherplug's CDI spec gives no fileMode: the runtime creates the node 0666",
+            ),
+        ),
+    ],
+)
+async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, through):
+    """A node the host keeps at 0660 (as udev does for serial ports and render nodes) must not become
+    writable by every user of the consumer. Given as a DeviceSpec, the runtime copies the host
+    node's mode; given as a CDI device, the spec's fileMode (or the runtime's default) decides."""
+    node = Node(tier, "daemonset.yaml", DP_CDI_CASE)
+    node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": "/var/lib/kubelet/device-plugins/cdi"}
+    name = f"serial-{through}"
+    path = node.mknod(name)
+    path.chmod(0o660)
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT), _removed_afterwards(tier.containerd.extra_cdi_dirs[-1]):
+        async with node.running():
+            await kubelet.wait_until(lambda k: _listed(k, name))
+            fields = allocated_fields((await kubelet.allocate(RESOURCE, [name])).container_responses[0])
+            if through == "cdi":
+                fields["devices"] = []
+            else:
+                fields["CDI_devices"] = []
+            pod = Pod(tier, "mode-consumer")
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [consumer_config(pod, **fields)]):
+                _, listed = await exec_sync(tier.containerd, pod.container_ids["consumer"], "ls", "-l", str(path))
+    tier.outputs[f"a 0660 node given through {through}"] = listed.strip()
+    assert listed.startswith("crw-rw---- "), listed
+
+
+########################################################################################################
+# The DRA driver, as daemonset-dra.yaml ships it
+
+
+async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
+    """The shipped DRA pod registers through plugins_registry, writes its ResourceSlice to the API
+    server stand-in over TLS with the projected token and ca.crt, prepares an allocated claim; a
+    consumer created with the claim's CDI device IDs (CRI CDI_devices, as the kubelet passes them)
+    gets the node through containerd's own CDI handling. A containerd with enable_cdi = false runs
+    the same consumer without device and without env, and says nothing."""
+    import trustme
+
+    node = Node(tier, "daemonset-dra.yaml")
+    path = node.mknod("gopher0")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    token = secrets.token_urlsafe(24)
+    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
+    # What the kubelet gives every pod of a cluster: the API server's service address in env
+    # (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes` service), and the service
+    # account's projected volume.
+    node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+    node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
+    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    # On a node the plugin's endpoint (GetInfo) is the same path for the kubelet as in the pod, as
+    # hostPath and mountPath are equal; here the host side is a private directory, so the kubelet
+    # stand-in reads that path on the host side: the translation's one concession.
+    in_pod = node.config["dra"]["kubelet_dir"]
+    call_unary = gp.call_unary
+
+    async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
+        answer = await call_unary(socket_path, method, request, timeout=timeout)
+        if method is gp.DRA_METHODS[gp.GET_INFO]:
+            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
+        return answer
+
+    monkeypatch.setattr(gp, "call_unary", host_view)
+    await nursery.start(kubelet.run)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    device = gp.dra_device_name("gopher0")
+
+    def published() -> bool:
+        return any(s["spec"]["pool"]["name"] == pool and s["spec"]["devices"] for s in api.slices.values())
+
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            started = time.monotonic()
+
+            async def registered() -> None:
+                await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+                tier.figures["DRA: container started -> registered (ms)"] = _ms(started)
+
+            async def slice_published() -> None:
+                while not published():
+                    await api.changed.wait_touched()
+                tier.figures["DRA: container started -> slice published (ms)"] = _ms(started)
+
+            async with trio.open_nursery() as both:
+                both.start_soon(registered)
+                both.start_soon(slice_published)
+            tier.figures["DRA: idle RSS, 1 device (MiB)"] = await _rss(tier.containerd, plugin)
+            (written,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
+            assert written["spec"]["nodeName"] == NODE_NAME
+            assert [d["name"] for d in written["spec"]["devices"]] == [device]
+            probe = manifest_pod("daemonset-dra.yaml")["spec"]["containers"][0]["livenessProbe"]
+            code, said = await exec_sync(
+                tier.containerd, plugin, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
+            )
+            assert code == 0, said
+            tier.outputs["DRA: liveness probe"] = said.strip().splitlines()
+            uid = str(uuid.uuid4())
+            api.put_claim(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"namespace": "default", "name": "gopher", "uid": uid},
+                    "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+                    "status": {
+                        "allocation": {
+                            "devices": {
+                                "results": [{"request": "gopher", "driver": DRIVER, "pool": pool, "device": device}]
+                            }
+                        }
+                    },
+                }
+            )
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid, "gopher")])).claims[uid]
+            assert prepared.error == ""
+            ids = [i for d in prepared.devices for i in d.cdi_device_ids]
+            tier.outputs["DRA: CDI device IDs"] = ids
+            # The kubelet passes a claim's CDI devices in the CRI's CDI_devices field only
+            # (kuberuntime_container.go makeCDIDevices; no annotations).
+            cdi = [PB.CDIDevice(name=i) for i in ids]
+            pod = Pod(tier, "dra-consumer")
+            config = consumer_config(pod, CDI_devices=cdi)
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+            tier.outputs["DRA: consumer"] = seen
+            # enable_cdi = false (containerd 1.7's default), the same spec directory: nothing fails.
+            second = Containerd(tier.root / "ctrd2", enable_cdi=False)
+            second.extra_cdi_dirs.append(tier.containerd.cdi_dir)
+            tier.second = second
+            await trio.to_thread.run_sync(second.start)
+            for image in ("pause", "busybox"):
+                await trio.to_thread.run_sync(second.import_image, tier.archives[image])
+            pod = Pod(tier, "dra-consumer-no-cdi")
+            config = consumer_config(pod, CDI_devices=cdi)
+            async with running_pod(second, pod, pod.sandbox_config(), [config]):
+                state = (await container_status(second, pod.container_ids["consumer"])).status.state
+                unseen = await consumer_report(second, pod.container_ids["consumer"], str(path))
+            tier.outputs["DRA: consumer under enable_cdi = false"] = unseen
+    assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+    assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"]), seen
+    assert api.refused_tokens == 0  # every request from the pod carried the projected token
+    assert state == PB.ContainerState.CONTAINER_RUNNING
+    assert unseen["ls exit"] != 0 and "No such file or directory" in unseen["ls -l"]
+    assert not any(line.startswith("GOPHER") for line in unseen["env"]), unseen["env"]
+    if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
+        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+        assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
