@@ -1156,15 +1156,7 @@ def _removed_afterwards(cdi_dir: Path):
 @pytest.mark.parametrize(
     "spec_dir",
     [
-        pytest.param(
-            gp.CDIConfig.spec_dir,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="daemonset.yaml mounts no CDI directory: the plugin exits with "
-                "'cannot write the CDI spec /var/run/cdi/...: Read-only file system'",
-            ),
-            id="default-spec-dir",
-        ),
+        pytest.param(gp.CDIConfig.spec_dir, id="default-spec-dir"),
         pytest.param("/var/lib/kubelet/device-plugins/cdi", id="spec-dir-in-the-device-plugin-dir"),
     ],
 )
@@ -1173,9 +1165,9 @@ async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery, spec
     created with nothing but the CDI device name of the Allocate answer gets the node and the env
     through containerd's CDI handling.
 
-    With `cdi:` at its default spec_dir the shipped pod cannot write its spec: daemonset.yaml mounts
-    no CDI directory (expected to fail until it does). A spec_dir in the device-plugin directory
-    (a ConfigMap edit), which this containerd reads too, shows the spec itself is right."""
+    Both at the default spec_dir, which daemonset.yaml mounts from the host (before it did, the
+    shipped pod exited with "cannot write the CDI spec /var/run/cdi/...: Read-only file system"),
+    and at a spec_dir in the device-plugin directory, which this containerd reads too."""
     default = spec_dir == gp.CDIConfig.spec_dir
     node = Node(tier, "daemonset.yaml", "" if default else DP_CDI_CASE)
     node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": spec_dir}
