@@ -928,11 +928,31 @@ class Node:
                     watching.start_soon(fail_if_exited, self.tier.containerd, container_id)
                     yield container_id
                     watching.cancel_scope.cancel()
+                await self.stop(container_id)
         except BaseException:
             # The plugin's own log, as `kubectl logs` would show it, beside the failure.
             with contextlib.suppress(OSError):
                 print(f"--- {config.metadata.name} log ---\n" + (self.pod.dir / "logs" / config.log_path).read_text())
             raise
+
+    async def stop(self, container_id: str) -> None:
+        """StopContainer, as the kubelet stops a pod it deletes (and a rolling update each old pod):
+        SIGTERM, then SIGKILL after the grace period. The plugin must exit at once and cleanly: every
+        second it takes is a second of every rollout without the plugin on that node."""
+        stopping = time.monotonic()
+        await cri(
+            self.tier.containerd,
+            "StopContainer",
+            PB.StopContainerRequest(container_id=container_id, timeout=STOP_GRACE),
+            timeout=STOP_GRACE + 10,
+        )
+        self.tier.figures[f"{self.manifest}: SIGTERM -> exited (ms)"] = _ms(stopping)
+        status = (await container_status(self.tier.containerd, container_id)).status
+        assert (status.state, status.exit_code) == (PB.CONTAINER_EXITED, 0), status
+
+
+#: The grace period StopContainer gives (the pod's default terminationGracePeriodSeconds is 30).
+STOP_GRACE = 30
 
 
 def allocated_fields(answer: Any) -> dict[str, Any]:
