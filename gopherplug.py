@@ -1136,7 +1136,7 @@ def _parse_resource(
         cdi = _parse_cdi(data["cdi"], source, f"{where}.cdi")
     elif api != "device-plugin":
         assert dra is not None
-        cdi = _parse_cdi({"kind": f"{dra.driver}/{name.partition('/')[2]}"}, source, f"{where}.cdi")
+        cdi = _parse_cdi({"kind": dra_cdi_kind(dra.driver, name)}, source, f"{where}.cdi")
     if cdi is not None:
         # The CDI spec sets <env>_<ID> per device: "LD" and a device "preload" would be LD_PRELOAD.
         prefix = env + "_"
@@ -1329,10 +1329,25 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     return tuple(annotations)
 
 
-# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 1 to 63 of [A-Za-z0-9_.-];
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
 # both begin with a letter and end with a letter or digit (ValidateVendorName and
-# ValidateClassName in container-device-interface pkg/parser/parser.go).
+# ValidateClassName in container-device-interface pkg/parser/parser.go). Neither may be one
+# character, which CDI allows: CDI v1.1.0, which containerd 2.x bundles, slices such a name out of
+# range and panics, at every start of the runtime while the spec file is in its directory
+# (container-device-interface#320), and the spec stays there after gopherplug stops.
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+#: A vendor or class every CDI version takes: a letter, then at least one more character.
+_CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
+
+
+def dra_cdi_kind(driver: str, resource_name: str) -> str:
+    """The CDI kind of a DRA resource that sets no ``cdi``: "<driver>/<name part>", with an "x" in
+    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d", "example.com/a"
+    -> "<driver>/xa"): Kubernetes lets a name begin with a digit or be one character, CDI does not.
+    The others keep their names. One letter keeps the class within 63 characters, as a DRA
+    resource's whole name has at most 64."""
+    parts = (driver, resource_name.partition("/")[2])
+    return "/".join(part if _CDI_SAFE_PART.fullmatch(part) else "x" + part for part in parts)
 
 
 def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
@@ -1346,8 +1361,14 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
         or not _CDI_CLASS.fullmatch(device_class)
     ):
         problem = (
-            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; "
+            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; "
             "each beginning with a letter)"
+        )
+        raise ConfigError(source, f"{where}.kind", problem)
+    if len(vendor) == 1 or len(device_class) == 1:
+        problem = (
+            f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI library "
+            "v1.1.0 panics on such a spec file): use 2 characters or more"
         )
         raise ConfigError(source, f"{where}.kind", problem)
     if len(f".{kind}.json.lock") > 255:  # the spec file and its lock are named after the kind

@@ -828,18 +828,18 @@ BAD_CONFIGS = [
         yaml.safe_dump(
             {
                 "resources": [
-                    {"name": "example.com/a", "directory": "/a", "cdi": {"kind": "a.b/c-d"}},
-                    {"name": "example.com/b", "directory": "/b", "cdi": {"kind": "a.b-c/d"}},
+                    {"name": "example.com/a", "directory": "/a", "cdi": {"kind": "a.b/c-dd"}},
+                    {"name": "example.com/b", "directory": "/b", "cdi": {"kind": "a.b-c/dd"}},
                 ]
             }
         ),
-        "cfg.yaml: resources[1].cdi.kind: 'a.b-c/d' would share the CDI spec file /var/run/cdi/a.b-c-d.json with "
+        "cfg.yaml: resources[1].cdi.kind: 'a.b-c/dd' would share the CDI spec file /var/run/cdi/a.b-c-dd.json with "
         "resources[0]: give each resource its own kind",
     ),
     (
         resources(cdi={"kind": "gopher"}),
         "cfg.yaml: resources[0].cdi.kind: 'gopher': must be vendor/class, e.g. example.com/gopher "
-        "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
+        "(a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
     ),
     (
         resources(cdi={"kind": "example.com/gopher"}, env="LD"),
@@ -854,7 +854,12 @@ BAD_CONFIGS = [
     (
         resources(cdi={"kind": "example.com/3d"}),  # CDI wants a letter first, where Kubernetes does not
         "cfg.yaml: resources[0].cdi.kind: 'example.com/3d': must be vendor/class, e.g. example.com/gopher "
-        "(a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
+        "(a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; each beginning with a letter)",
+    ),
+    (
+        resources(cdi={"kind": "example.com/a"}),  # CDI v1.1.0 panics on it (container-device-interface#320)
+        "cfg.yaml: resources[0].cdi.kind: 'example.com/a': a one-character vendor or class crashes containerd 2.x "
+        "at every start (its CDI library v1.1.0 panics on such a spec file): use 2 characters or more",
     ),
     (
         resources(cdi={"kind": "example.com/gopher", "spec_dir": "cdi"}),
@@ -4327,6 +4332,104 @@ def test_dra_config_defaults():
     both = gp.parse_config(dra_config("/g", "/k", api="both", allow_double_booking=True), "cfg.yaml")
     assert (both.resources[0].dra, both.resources[0].device_plugin) == (True, True)
     assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
+
+
+def cdi_v110_verdict(kind):
+    """What CDI v1.1.0, the library containerd 2.x bundles, makes of a spec's ``kind``: "ok", "error"
+    or "panic". Written from ParseQualifier and validateVendorOrClassName in
+    container-device-interface pkg/parser/parser.go, bug included: it checks the first character,
+    then loops over name[1:len-1], which Go cannot slice for a one-character name."""
+    vendor, slash, device_class = kind.partition("/")
+    if not slash or not vendor or not device_class:
+        return "error"  # ParseQualifier gives an empty vendor: "empty name"
+    for name in (vendor, device_class):
+        if not (name[0].isascii() and name[0].isalpha()):
+            return "error"
+        if len(name) == 1:
+            return "panic"  # slice bounds out of range [1:0]
+        if any(not (c.isascii() and (c.isalnum() or c in "_-.")) for c in name[1:-1]):
+            return "error"
+        if not (name[-1].isascii() and name[-1].isalnum()):
+            return "error"
+    return "ok"
+
+
+def cdi_device_name_ok(name):
+    """ValidateDeviceName in the same file: one character is allowed there (it is guarded)."""
+    return (
+        bool(name)
+        and all(c.isascii() and (c.isalnum() or c in "_-.:") for c in name)
+        and (name[0].isalnum() and name[-1].isalnum())
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "accepted"),
+    [
+        ("example.com/gopher", True),
+        ("ab/cd", True),
+        ("example.com/gpu.v2_x-1", True),
+        ("example.com/" + "g" * 63, True),
+        ("example.com/a", False),  # CDI v1.1.0 panics: containerd 2.x would not start
+        ("a/gopher", False),
+        ("a/b", False),
+        ("example.com/3d", False),  # CDI wants a letter first
+        ("3com.example.com/gpu", False),
+        ("example.com/gpu-", False),
+        ("example.com/g/pu", False),
+        ("example.com/" + "g" * 64, False),  # gopherplug's own bound, for the file name
+    ],
+)
+def test_cdi_kinds_accepted_are_ones_cdi_takes(kind, accepted):
+    """A kind a user writes is accepted only if CDI takes it without crashing."""
+    text = resources(cdi={"kind": kind})
+    if accepted:
+        assert gp.parse_config(text).resources[0].cdi.kind == kind
+        assert cdi_v110_verdict(kind) == "ok"
+    else:
+        with pytest.raises(gp.ConfigError, match=r"^cfg\.yaml: resources\[0\]\.cdi\.kind: "):
+            gp.parse_config(text, "cfg.yaml")
+
+
+@pytest.mark.parametrize(
+    ("driver", "name", "kind"),
+    [
+        (DRIVER, "example.com/gopher", f"{DRIVER}/gopher"),  # valid names do not change
+        (DRIVER, "example.com/Gpu_2.x", f"{DRIVER}/Gpu_2.x"),
+        (DRIVER, "example.com/a", f"{DRIVER}/xa"),  # was DRIVER/a: containerd 2.x crashed
+        (DRIVER, "example.com/7", f"{DRIVER}/x7"),
+        (DRIVER, "example.com/3d", f"{DRIVER}/x3d"),  # was refused, though the user set no cdi
+        (DRIVER, "e/" + "3" * 62, f"{DRIVER}/x{'3' * 62}"),  # the longest such name: 63 characters
+        ("g", "example.com/gopher", "xg/gopher"),
+        ("3com.example.com", "example.com/gopher", "x3com.example.com/gopher"),
+    ],
+)
+def test_dra_derived_cdi_kinds_are_valid(driver, name, kind):
+    (resource,) = gp.parse_config(dra_config("/g", "/k", {"dra": {"driver": driver}}, name=name)).resources
+    assert resource.cdi.kind == kind
+    assert cdi_v110_verdict(kind) == "ok"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    driver=st.from_regex(r"[a-z0-9]([-a-z0-9]{0,8}[a-z0-9])?(\.[a-z0-9]{1,5}){0,2}", fullmatch=True),
+    short=st.from_regex(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,50}[A-Za-z0-9])?", fullmatch=True),
+    device_id=st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True),
+)
+def test_dra_derived_cdi_names_always_pass_cdi(driver, short, device_id):
+    """Over every driver and resource name Kubernetes allows: the derived kind is one CDI takes, and
+    unchanged where it was already; a device ID gopherplug takes is a CDI device name."""
+    name = f"example.com/{short}"
+    try:
+        (resource,) = gp.parse_config(dra_config("/g", "/k", {"dra": {"driver": driver}}, name=name)).resources
+    except gp.ConfigError as error:  # a name too long for a device attribute, a socket path too long
+        assert "at most 64 characters" in str(error) or "unix sockets allow" in str(error)
+        return
+    assert cdi_v110_verdict(resource.cdi.kind) == "ok"
+    if cdi_v110_verdict(f"{driver}/{short}") == "ok":
+        assert resource.cdi.kind == f"{driver}/{short}"
+    if not gp._id_problem(resource, device_id):
+        assert cdi_device_name_ok(device_id)
 
 
 DRA_BAD_CONFIGS = [
