@@ -5259,16 +5259,25 @@ async def serve_plugin(
                 added = [name for name in wanted if name not in served]
                 for name in removed:
                     await served.pop(name).retire()
+                kept, not_added = [], []  # logged as "not applied": the summary must not call them applied
                 for name in changed:
                     old = served.pop(name)
                     await old.stop()
                     if not await start(wanted[name]):
+                        kept.append(name)
                         await start(old.resource)  # the new one failed: serve the old one again
                 for name in added:
-                    await start(wanted[name])
+                    if not await start(wanted[name]):
+                        not_added.append(name)
                 summary = ", ".join(
-                    f"{what} {', '.join(names)}"
-                    for what, names in (("added", added), ("changed", changed), ("removed", removed))
+                    f"{what} {', '.join(names)}{after}"
+                    for what, names, after in (
+                        ("added", [name for name in added if name not in not_added], ""),
+                        ("changed", [name for name in changed if name not in kept], ""),
+                        ("removed", removed, ""),
+                        ("kept", kept, " as it was"),
+                        ("did not add", not_added, ""),
+                    )
                     if names
                 )
                 log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")

@@ -2757,14 +2757,31 @@ async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nur
     path.write_text(config_text(node, **{RESOURCE: {}}))
     (tmp_path / "file").touch()
     bad_cdi = {"cdi": {"kind": "example.com/other", "spec_dir": str(tmp_path / "file" / "cdi")}}
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
         simulator = await reloading(nursery, node, path)
         path.write_text(config_text(node, **{RESOURCE: {}, OTHER: bad_cdi}))
-        await trio.testing.wait_all_tasks_blocked()
+        await reloaded.wait()
         assert "example.com/other: cannot write the CDI spec" in caplog.text and ": not applied" in caplog.text
+        assert reloaded.lines == [f"{path}: configuration reloaded: did not add example.com/other"]
         path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))  # fixed: applied
         await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
         assert simulator.resources[RESOURCE].streaming
+
+
+async def test_reload_summary_says_a_refused_change_kept_the_resource_as_it_was(nursery, node, tmp_path, caplog):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))
+    (tmp_path / "file").touch()
+    bad_cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "file" / "cdi")}}
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        simulator = await reloading(nursery, node, path)
+        path.write_text(config_text(node, **{RESOURCE: bad_cdi, OTHER: {"env": "OTHERS"}}))
+        await reloaded.wait()
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
+    assert "example.com/gopher: cannot write the CDI spec" in caplog.text and ": not applied" in caplog.text
+    assert reloaded.lines == [
+        f"{path}: configuration reloaded: changed example.com/other, kept example.com/gopher as it was"
+    ]
 
 
 async def test_reload_sees_the_target_of_a_symlinked_file_rewritten_and_edits_made_while_starting(node, tmp_path):
