@@ -6652,7 +6652,10 @@ class _LogFormatter(logging.Formatter):
 def _configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LogFormatter(json_lines=log_format == "json"))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # Debug is for gopherplug's own lines: at DEBUG, h2 and hpack log every frame and header-table
+    # change (36 lines per Allocate, ~100 for a registration) and drown them. Other libraries: INFO at most.
+    logging.basicConfig(level=max(logging.getLevelName(level.upper()), logging.INFO), handlers=[handler], force=True)
+    log.setLevel(level.upper())
 
 
 def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:

@@ -3934,6 +3934,31 @@ async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, t
     assert all(event["time"].endswith("+00:00") or event["time"][-6] in "+-" for event in events)
 
 
+async def test_debug_logs_are_gopherplugs_own_not_the_http2_internals(nursery, node, tmp_path):
+    # At debug, h2 and hpack logged 36 lines per Allocate call (every frame, every header table change).
+    path = write_config(node, tmp_path)
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(HERE / "gopherplug.py"), "--config", str(path), "--log-level", "debug"], stderr=stderr
+        )
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            for _ in range(10):
+                await simulator.allocate(RESOURCE, ["g2"])
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert f" DEBUG {RESOURCE}: sent 2 devices" in "\n".join(lines)  # gopherplug's own debug lines are there
+    assert sum(" allocated g2" in line for line in lines) == 10
+    assert len(lines) < 40, "\n".join(lines[:60])  # about 20; each Allocate is one line
+
+
 def test_probe_without_any_plugin_exits_1(node):
     result = run_cli("probe", "--device-plugin-dir", node.plugin_dir)
     assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
