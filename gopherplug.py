@@ -5194,7 +5194,9 @@ async def serve_plugin(
     Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
     the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
-    kubelet = KubeletWatch(config.device_plugin_dir or find_device_plugin_dir())
+    # Only once a resource uses the device-plugin API: a DRA-only pod does not even mount that
+    # directory, and looking for kubelet.sock there would only warn about its absence.
+    kubelet: KubeletWatch | None = None
     served: dict[str, _Served] = {}
     generations: dict[str, Iterator[int]] = {}  # socket numbers go on across a resource's restarts
     if config.dra is not None:
@@ -5205,7 +5207,15 @@ async def serve_plugin(
                 "valueFrom.fieldRef.fieldPath: spec.nodeName)"
             )
     async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
-        await nursery.start(kubelet.run)
+
+        async def watch_kubelet(wanted: Config) -> None:
+            nonlocal kubelet, config
+            if kubelet is None and any(resource.device_plugin for resource in wanted.resources):
+                kubelet = KubeletWatch(wanted.device_plugin_dir or find_device_plugin_dir())
+                await nursery.start(kubelet.run)
+                config = dataclasses.replace(config, device_plugin_dir=wanted.device_plugin_dir)  # what now runs
+
+        await watch_kubelet(config)
         dra_resources = None
         if config.dra is not None and node_name:
             if api is None:
@@ -5250,13 +5260,16 @@ async def serve_plugin(
         reloading = True
         async with contextlib.aclosing(updates):
             async for new in updates:
-                fixed = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                if kubelet is None:  # not watched yet: it will be where the reload that needs it says
+                    fixed = fixed[1:]
                 if any(getattr(new, key) != getattr(config, key) for key in fixed):
                     log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
                 wanted = {resource.name: resource for resource in new.resources}
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
+                await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
                 for name in removed:
                     await served.pop(name).retire()
                 kept, not_added = [], []  # logged as "not applied": the summary must not call them applied
@@ -5309,7 +5322,7 @@ class _Served:
 
 async def _serve_one(
     served: _Served,
-    kubelet: KubeletWatch,
+    kubelet: KubeletWatch | None,
     sysfs_root: str,
     dev_root: str,
     generations: Iterator[int],
@@ -5335,6 +5348,7 @@ async def _serve_one(
                     else:
                         dra_resources.attach(resource, served.devices)
                 if resource.device_plugin:
+                    assert kubelet is not None  # serve_plugin watches it before such a resource starts
                     examine = functools.partial(_examine_now, resource, sysfs_root, dev_root)
                     serve = functools.partial(serve_resource, examine=examine)
                     await nursery.start(serve, resource, served.devices, kubelet, None, generations)

@@ -4806,6 +4806,36 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     assert removed.lines == ["cfg.yaml: configuration reloaded: removed example.com/gopher"]
 
 
+async def test_dra_only_reload_that_adds_a_device_plugin_resource_starts_the_kubelet_watch(dra_node, caplog):
+    """A DRA-only start neither looks for kubelet.sock nor watches its directory; a reload that
+    adds a device-plugin resource does, where that configuration says."""
+    (dra_node.devices / "gopher0").touch()
+    plugin_dir = dra_node.root / "dp"
+    plugin_dir.mkdir()
+    dra_only = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir))
+    both = {
+        **dra_only,
+        "device_plugin_dir": str(plugin_dir),
+        "resources": [*dra_only["resources"], {"name": "example.com/other", "directory": str(dra_node.devices)}],
+    }
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        await dra_node.start(gp.parse_config(yaml.safe_dump(dra_only), "cfg.yaml"), updates=updates())
+        await dra_node.wait_for_slices(["gopher0"])
+        assert "kubelet.sock" not in caplog.text
+        simulator = await dra_node.nursery.start(gp.KubeletSimulator(str(plugin_dir)).run)
+        await send.send(gp.parse_config(yaml.safe_dump(both), "cfg.yaml"))
+        await simulator.wait_until(lambda s: streaming(s, "example.com/other") == {"gopher0": gp.HEALTHY})
+        await reloaded.wait()
+    assert reloaded.lines == ["cfg.yaml: configuration reloaded: added example.com/other"]
+    assert "take effect at the next start" not in caplog.text
+
+
 async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     """A pool over DRA_MAX_DEVICES_PER_SLICE devices is several slices; a change rewrites them
     all under one new generation, and a pool that shrinks deletes the slices it no longer needs."""
@@ -4892,6 +4922,40 @@ async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, mo
         f"'{checkpoint}': it holds the claims prepared on this node; make it readable, or move it away to start "
         "without them"
     )
+
+
+@contextlib.asynccontextmanager
+async def dra_serve(dra_node, tmp_path):
+    """`gopherplug serve` of a DRA-only configuration as the DaemonSet's (no device_plugin_dir), in a
+    subprocess against the node's API server and DRA kubelet; yields it once the kubelet registered
+    it and its slice is published. Its stderr goes to tmp_path / "stderr"."""
+    (dra_node.devices / "gopher0").touch()
+    config = tmp_path / "cfg.yaml"
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir))
+    env = {**os.environ, "NODE_NAME": "node-1", "KUBECONFIG": str(dra_node.kubeconfig)}
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(config)], stderr=stderr, env=env
+        )
+    try:
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_dra_only_never_looks_for_kubelet_sock(dra_node, tmp_path):
+    # A DRA pod mounts no device-plugin directory: a warning that it has no kubelet.sock misleads.
+    with trio.fail_after(TIMEOUT):
+        async with dra_serve(dra_node, tmp_path) as process:
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    log_text = (tmp_path / "stderr").read_text()
+    assert "the kubelet registered DRA driver" in log_text
+    assert "kubelet.sock" not in log_text and "device-plugins" not in log_text
 
 
 async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
