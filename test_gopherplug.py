@@ -4947,6 +4947,18 @@ async def dra_serve(dra_node, tmp_path):
             await process.wait()
 
 
+async def test_dra_serve_exits_at_once_on_sigterm(dra_node, tmp_path):
+    """Every second between SIGTERM and exit is added to each pod of a rollout; the device-plugin
+    process takes ~0.06 s."""
+    with trio.fail_after(TIMEOUT):
+        async with dra_serve(dra_node, tmp_path) as process:
+            sent = trio.current_time()
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0, (tmp_path / "stderr").read_text()
+            elapsed = trio.current_time() - sent
+    assert elapsed < 1.5, f"{elapsed:.2f} s"  # generous: 0.13 to 0.17 s measured here
+
+
 async def test_dra_only_never_looks_for_kubelet_sock(dra_node, tmp_path):
     # A DRA pod mounts no device-plugin directory: a warning that it has no kubelet.sock misleads.
     with trio.fail_after(TIMEOUT):
