@@ -3477,14 +3477,15 @@ class FileLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
+                    holder = _lock_holder(os.read(fd, 256).decode(errors="replace").strip())
                     os.close(fd)
                     raise GopherplugError(
                         f"{self._taken} by another gopherplug ({holder}, lock file {self.path}): {self._fix}"
                     ) from None
                 if os.fstat(fd).st_ino == _inode(self.path):  # else its last holder removed it meanwhile: again
                     os.ftruncate(fd, 0)
-                    os.write(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode())
+                    holder = f"pid {os.getpid()} on host {os.uname().nodename}, pid namespace {_pid_namespace()}"
+                    os.write(fd, f"{holder}\n".encode())
                     self._fd = fd
                 else:
                     os.close(fd)
@@ -3499,6 +3500,53 @@ class FileLock:
                     os.unlink(self.path)
             os.close(self._fd)
             self._fd = -1
+
+
+#: The host's PID namespace: its inode number is fixed (PROC_PID_INIT_INO in the kernel's proc_ns.h).
+_HOST_PID_NAMESPACE = str(0xEFFFFFFC)
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace, as the number /proc shows for it ("" if /proc cannot say)."""
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return ""
+
+
+def _lock_holder(text: str) -> str:
+    """Who holds a lock, from the line its holder wrote, in words that let an operator find it.
+
+    A pid means something only in its own PID namespace, and in a container gopherplug is pid 1,
+    so "pid 1" alone sends nobody anywhere: a holder in another namespace is named by its
+    hostname (a pod's is its name), and by its pid here when this /proc shows it (a host's does).
+    """
+    found = re.fullmatch(r"pid ([0-9]+) on host (\S+), pid namespace ([0-9]+)", text)
+    if found is None:
+        return text or "a process"  # an older gopherplug's line, or none
+    pid, host, namespace = found.groups()
+    ours = _pid_namespace()
+    if not ours or namespace == ours:
+        return f"pid {pid} on host {host}"
+    if namespace == _HOST_PID_NAMESPACE:
+        return f"pid {pid} in the host's PID namespace, hostname {host}"
+    here = _pid_seen_here(pid, namespace)
+    seen = f"; pid {here} in this one" if here else ""
+    return f"pid {pid} in another PID namespace (a container{seen}), hostname {host}"
+
+
+def _pid_seen_here(pid: str, namespace: str) -> str:
+    """The pid that process ``pid`` of PID namespace ``namespace`` has in this /proc, or "" if it
+    is not in it. The last of the NSpid numbers in /proc/<pid>/status is its pid in its own namespace."""
+    with contextlib.suppress(OSError), os.scandir("/proc") as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and os.readlink(f"/proc/{entry.name}/ns/pid") == f"pid:[{namespace}]":
+                    with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as status:
+                        for line in status:
+                            if line.startswith("NSpid:") and line.split()[-1] == pid:
+                                return entry.name
+    return ""
 
 
 class ResourceLock(FileLock):

@@ -3811,6 +3811,46 @@ async def test_a_second_plugin_for_the_same_resource_refuses_and_leaves_the_firs
     assert len(simulator.registrations) == 1 and simulator.resources[RESOURCE].streaming
 
 
+# The holder of a lock, in a PID namespace and a UTS namespace of its own, as in a pod.
+LOCK_HOLDER = """
+import socket, sys
+socket.sethostname("gopherplug-abcde")
+sys.path.insert(0, sys.argv[1])
+import gopherplug
+gopherplug.FileLock(sys.argv[2], "taken", "fix").acquire()
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+async def test_a_lock_held_in_a_container_names_it_so_it_can_be_found(tmp_path):
+    """Its pid is 1 in its own namespace, which finds nothing from here: the message says so, gives
+    its hostname (a pod's name) and its pid as this process sees it."""
+    tried = subprocess.run(["unshare", "--pid", "--uts", "--fork", "true"], capture_output=True, check=False)
+    if tried.returncode != 0:
+        pytest.skip(f"cannot make PID and UTS namespaces here: {tried.stderr.decode().strip()}")
+    path = str(tmp_path / ".lock")
+    argv = ["unshare", "--pid", "--uts", "--fork", "--kill-child", sys.executable, "-c", LOCK_HOLDER, str(HERE), path]
+    holder = await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        said = b""
+        with trio.fail_after(TIMEOUT):
+            while not said.endswith(b"\n") and (chunk := await holder.stdout.receive_some()):
+                said += chunk
+        assert said == b"held\n"
+        with pytest.raises(gp.GopherplugError) as info:
+            gp.FileLock(path, "taken", "fix").acquire()
+        (child,) = Path(f"/proc/{holder.pid}/task/{holder.pid}/children").read_text().split()  # python, pid 1 there
+    finally:
+        await holder.stdin.aclose()
+        with trio.fail_after(TIMEOUT):
+            await holder.wait()
+    assert str(info.value) == (
+        f"taken by another gopherplug (pid 1 in another PID namespace (a container; pid {child} in this one), "
+        f"hostname gopherplug-abcde, lock file {path}): fix"
+    )
+
+
 async def test_a_long_resource_name_gets_a_short_socket_name(nursery, node, tmp_path):
     # The readable name would fit at socket number 1 and pass the 107-byte limit at 10.
     name = "example.com/" + "n" * 57
