@@ -4852,7 +4852,8 @@ async def test_dra_only_reload_that_adds_a_device_plugin_resource_starts_the_kub
     (dra_node.devices / "gopher0").touch()
     plugin_dir = dra_node.root / "dp"
     plugin_dir.mkdir()
-    dra_only = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir))
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(dra_node.root / "cdi")}  # never the machine's /var/run/cdi
+    dra_only = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, cdi=cdi))
     both = {
         **dra_only,
         "device_plugin_dir": str(plugin_dir),
@@ -4971,7 +4972,8 @@ async def dra_serve(dra_node, tmp_path):
     it and its slice is published. Its stderr goes to tmp_path / "stderr"."""
     (dra_node.devices / "gopher0").touch()
     config = tmp_path / "cfg.yaml"
-    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir))
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")}  # never the machine's /var/run/cdi
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, cdi=cdi))
     env = {**os.environ, "NODE_NAME": "node-1", "KUBECONFIG": str(dra_node.kubeconfig)}
     with open(tmp_path / "stderr", "wb") as stderr:
         process = await trio.lowlevel.open_process(
