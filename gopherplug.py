@@ -1140,7 +1140,7 @@ def _parse_resource(
         cdi = _parse_cdi(data["cdi"], source, f"{where}.cdi")
     elif api != "device-plugin":
         assert dra is not None
-        cdi = _parse_cdi({"kind": f"{dra.driver}/{name.partition('/')[2]}"}, source, f"{where}.cdi")
+        cdi = _parse_cdi({"kind": dra_cdi_kind(dra.driver, name)}, source, f"{where}.cdi")
     if cdi is not None:
         # The CDI spec sets <env>_<ID> per device: "LD" and a device "preload" would be LD_PRELOAD.
         prefix = env + "_"
@@ -1333,10 +1333,25 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     return tuple(annotations)
 
 
-# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 1 to 63 of [A-Za-z0-9_.-];
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
 # both begin with a letter and end with a letter or digit (ValidateVendorName and
-# ValidateClassName in container-device-interface pkg/parser/parser.go).
+# ValidateClassName in container-device-interface pkg/parser/parser.go). Neither may be one
+# character, which CDI allows: CDI v1.1.0, which containerd 2.x bundles, slices such a name out of
+# range and panics, at every start of the runtime while the spec file is in its directory
+# (container-device-interface#320), and the spec stays there after gopherplug stops.
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+#: A vendor or class every CDI version takes: a letter, then at least one more character.
+_CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
+
+
+def dra_cdi_kind(driver: str, resource_name: str) -> str:
+    """The CDI kind of a DRA resource that sets no ``cdi``: "<driver>/<name part>", with an "x" in
+    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d", "example.com/a"
+    -> "<driver>/xa"): Kubernetes lets a name begin with a digit or be one character, CDI does not.
+    The others keep their names. One letter keeps the class within 63 characters, as a DRA
+    resource's whole name has at most 64."""
+    parts = (driver, resource_name.partition("/")[2])
+    return "/".join(part if _CDI_SAFE_PART.fullmatch(part) else "x" + part for part in parts)
 
 
 def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
@@ -1350,8 +1365,14 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
         or not _CDI_CLASS.fullmatch(device_class)
     ):
         problem = (
-            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 1 to 63 of A-Z a-z 0-9 _ . -; "
+            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; "
             "each beginning with a letter)"
+        )
+        raise ConfigError(source, f"{where}.kind", problem)
+    if len(vendor) == 1 or len(device_class) == 1:
+        problem = (
+            f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI library "
+            "v1.1.0 panics on such a spec file): use 2 characters or more"
         )
         raise ConfigError(source, f"{where}.kind", problem)
     if len(f".{kind}.json.lock") > 255:  # the spec file and its lock are named after the kind
@@ -3535,14 +3556,15 @@ class FileLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = os.read(fd, 256).decode(errors="replace").strip() or "a process"
+                    holder = _lock_holder(os.read(fd, 256).decode(errors="replace").strip())
                     os.close(fd)
                     raise GopherplugError(
                         f"{self._taken} by another gopherplug ({holder}, lock file {self.path}): {self._fix}"
                     ) from None
                 if os.fstat(fd).st_ino == _inode(self.path):  # else its last holder removed it meanwhile: again
                     os.ftruncate(fd, 0)
-                    os.write(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode())
+                    holder = f"pid {os.getpid()} on host {os.uname().nodename}, pid namespace {_pid_namespace()}"
+                    os.write(fd, f"{holder}\n".encode())
                     self._fd = fd
                 else:
                     os.close(fd)
@@ -3557,6 +3579,53 @@ class FileLock:
                     os.unlink(self.path)
             os.close(self._fd)
             self._fd = -1
+
+
+#: The host's PID namespace: its inode number is fixed (PROC_PID_INIT_INO in the kernel's proc_ns.h).
+_HOST_PID_NAMESPACE = str(0xEFFFFFFC)
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace, as the number /proc shows for it ("" if /proc cannot say)."""
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return ""
+
+
+def _lock_holder(text: str) -> str:
+    """Who holds a lock, from the line its holder wrote, in words that let an operator find it.
+
+    A pid means something only in its own PID namespace, and in a container gopherplug is pid 1,
+    so "pid 1" alone sends nobody anywhere: a holder in another namespace is named by its
+    hostname (a pod's is its name), and by its pid here when this /proc shows it (a host's does).
+    """
+    found = re.fullmatch(r"pid ([0-9]+) on host (\S+), pid namespace ([0-9]+)", text)
+    if found is None:
+        return text or "a process"  # an older gopherplug's line, or none
+    pid, host, namespace = found.groups()
+    ours = _pid_namespace()
+    if not ours or namespace == ours:
+        return f"pid {pid} on host {host}"
+    if namespace == _HOST_PID_NAMESPACE:
+        return f"pid {pid} in the host's PID namespace, hostname {host}"
+    here = _pid_seen_here(pid, namespace)
+    seen = f"; pid {here} in this one" if here else ""
+    return f"pid {pid} in another PID namespace (a container{seen}), hostname {host}"
+
+
+def _pid_seen_here(pid: str, namespace: str) -> str:
+    """The pid that process ``pid`` of PID namespace ``namespace`` has in this /proc, or "" if it
+    is not in it. The last of the NSpid numbers in /proc/<pid>/status is its pid in its own namespace."""
+    with contextlib.suppress(OSError), os.scandir("/proc") as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and os.readlink(f"/proc/{entry.name}/ns/pid") == f"pid:[{namespace}]":
+                    with open(f"/proc/{entry.name}/status", encoding="ascii", errors="replace") as status:
+                        for line in status:
+                            if line.startswith("NSpid:") and line.split()[-1] == pid:
+                                return entry.name
+    return ""
 
 
 class ResourceLock(FileLock):
@@ -5302,7 +5371,9 @@ async def serve_plugin(
     Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
     the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
-    kubelet = KubeletWatch(config.device_plugin_dir or find_device_plugin_dir())
+    # Only once a resource uses the device-plugin API: a DRA-only pod does not even mount that
+    # directory, and looking for kubelet.sock there would only warn about its absence.
+    kubelet: KubeletWatch | None = None
     served: dict[str, _Served] = {}
     generations: dict[str, Iterator[int]] = {}  # socket numbers go on across a resource's restarts
     if config.dra is not None:
@@ -5313,7 +5384,15 @@ async def serve_plugin(
                 "valueFrom.fieldRef.fieldPath: spec.nodeName)"
             )
     async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
-        await nursery.start(kubelet.run)
+
+        async def watch_kubelet(wanted: Config) -> None:
+            nonlocal kubelet, config
+            if kubelet is None and any(resource.device_plugin for resource in wanted.resources):
+                kubelet = KubeletWatch(wanted.device_plugin_dir or find_device_plugin_dir())
+                await nursery.start(kubelet.run)
+                config = dataclasses.replace(config, device_plugin_dir=wanted.device_plugin_dir)  # what now runs
+
+        await watch_kubelet(config)
         dra_resources = None
         if config.dra is not None and node_name:
             if api is None:
@@ -5358,18 +5437,22 @@ async def serve_plugin(
         reloading = True
         async with contextlib.aclosing(updates):
             async for new in updates:
-                fixed = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                if kubelet is None:  # not watched yet: it will be where the reload that needs it says
+                    fixed = fixed[1:]
                 if any(getattr(new, key) != getattr(config, key) for key in fixed):
                     log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
                 wanted = {resource.name: resource for resource in new.resources}
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
-                updated: list[str] = []
-                registered: list[str] = []
-                kept: list[str] = []
+                await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
                 for name in removed:
                     await served.pop(name).retire()
+                updated: list[str] = []  # applied with the stream left open
+                registered: list[str] = []  # served and registered anew
+                kept: list[str] = []  # logged as "not applied": the summary must not call them applied
+                not_added: list[str] = []
                 for name in changed:
                     if not register_again(served[name].resource, wanted[name]):
                         # Ending the stream would make the kubelet mark every device unhealthy until
@@ -5384,15 +5467,17 @@ async def serve_plugin(
                         await start(old.resource)  # the new one failed: serve the old one again
                         kept.append(name)
                 for name in added:
-                    await start(wanted[name])
+                    if not await start(wanted[name]):
+                        not_added.append(name)
                 summary = ", ".join(
-                    f"{what} {', '.join(names)}"
-                    for what, names in (
-                        ("added", added),
-                        ("updated in place", updated),
-                        ("re-registered", registered),
-                        ("removed", removed),
-                        ("not applied to", kept),
+                    f"{what} {', '.join(names)}{after}"
+                    for what, names, after in (
+                        ("added", [name for name in added if name not in not_added], ""),
+                        ("updated in place", updated, ""),
+                        ("re-registered", registered, ""),
+                        ("removed", removed, ""),
+                        ("kept", kept, " as it was"),
+                        ("did not add", not_added, ""),
                     )
                     if names
                 )
@@ -5484,7 +5569,7 @@ class _Served:
 
 async def _serve_one(
     served: _Served,
-    kubelet: KubeletWatch,
+    kubelet: KubeletWatch | None,
     sysfs_root: str,
     dev_root: str,
     generations: Iterator[int],
@@ -5525,6 +5610,7 @@ async def _serve_one(
                     else:
                         dra_resources.attach(resource, served.devices)
                 if resource.device_plugin:
+                    assert kubelet is not None  # serve_plugin watches it before such a resource starts
 
                     def examine(device: DeviceEntry) -> DeviceEntry | str | None:
                         return _examine_now(served.config.value, sysfs_root, dev_root, device)
@@ -6926,7 +7012,10 @@ class _LogFormatter(logging.Formatter):
 def _configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LogFormatter(json_lines=log_format == "json"))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # Debug is for gopherplug's own lines: at DEBUG, h2 and hpack log every frame and header-table
+    # change (36 lines per Allocate, ~100 for a registration) and drown them. Other libraries: INFO at most.
+    logging.basicConfig(level=max(logging.getLevelName(level.upper()), logging.INFO), handlers=[handler], force=True)
+    log.setLevel(level.upper())
 
 
 def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:
