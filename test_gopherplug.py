@@ -4228,24 +4228,34 @@ async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
 async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, tmp_path):
     path = write_config(node, tmp_path)
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-    with open(tmp_path / "stderr", "wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
-            stderr=stderr,
-            env={**os.environ, "GOPHERPLUG_LOG_FORMAT": "json"},
-        )
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "GOPHERPLUG_LOG_FORMAT": "json"},
+    )
+    said = bytearray()
+
+    async def read_until(text: bytes) -> None:  # b"" reads to the end
+        while not text or text not in said:
+            if not (chunk := await process.stderr.receive_some()):
+                return
+            said.extend(chunk)
+
     try:
         with trio.fail_after(TIMEOUT):
             await simulator.wait_until(listed("g1", "g2"))
             await simulator.allocate(RESOURCE, ["g2"])
+            # The kubelet lists the devices before its Register call returns: the plugin logs its
+            # registration after the kubelet's first calls, so that line is waited for.
+            await read_until(b"registered with the kubelet as ")
             process.send_signal(signal.SIGTERM)
+            await read_until(b"")
             assert await process.wait() == 0
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
-    events = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines()]
-    # Order aside: the plugin may log its registration after the kubelet's first calls.
+    events = [json.loads(line) for line in said.decode().splitlines()]
     by_message = {event["message"]: event for event in events}
     assert by_message["allocated g2"] == {**by_message["allocated g2"], "level": "info", "resource": RESOURCE}
     assert "resource" not in by_message["SIGTERM received: stopping"]
