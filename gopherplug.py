@@ -6918,8 +6918,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "check-config":
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
-        kubelet = config.device_plugin_dir or f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
-        print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; kubelet at {kubelet}")
+        where = []
+        if any(resource.device_plugin for resource in config.resources):
+            found = f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
+            where.append(f"kubelet at {config.device_plugin_dir or found}")
+        if config.dra is not None:
+            where.append(f"DRA driver {config.dra.driver}, kubelet root {config.dra.kubelet_dir}")
+        print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
         # What the kubelet would be offered if the plugin started now, on this machine. Run by root
         # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
         # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup

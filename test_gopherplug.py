@@ -4782,6 +4782,20 @@ def test_dra_config_defaults():
     assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
 
 
+def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_plugin_dir(sockdir):
+    tmp_path = Path(sockdir)  # the kubelet root holds sockets: a short path
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "gopher0").touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", cdi={"kind": "example.com/gopher"}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[0] == (
+        f"{path}: OK: 1 resource(s): example.com/gopher ({tmp_path}/g/*); "
+        f"DRA driver {DRIVER}, kubelet root {tmp_path}/k"
+    )
+
+
 def cdi_v110_verdict(kind):
     """What CDI v1.1.0, the library containerd 2.x bundles, makes of a spec's ``kind``: "ok", "error"
     or "panic". Written from ParseQualifier and validateVendorOrClassName in
