@@ -701,11 +701,21 @@ CDI_VERSIONS = ("0.3.0", "0.5.0", "0.6.0")
 
 @dataclass(frozen=True)
 class DeviceSpecTemplate:
-    """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in."""
+    """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in.
+
+    In a scanned entry, also the host file's permission bits and owner, as the last look found them
+    (None: not a scanned entry, or the file could not be stat'ed). A DeviceSpec needs none of them
+    (the runtime copies the host node's); a CDI spec does (CDI gives a node 0666 root:root without).
+    They are part of the entry, so that a chmod or chown of the node changes the entry, and the
+    CDI spec is written again.
+    """
 
     host_path: str
     container_path: str
     permissions: str = "rw"
+    file_mode: int | None = None  #: the host file's mode without its type bits (stat.S_IMODE)
+    uid: int | None = None
+    gid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1715,6 +1725,7 @@ def examine_path(
     except OSError:
         return None  # gone already: it leaves the list
     unreachable: OSError | None = None
+    status: os.stat_result | None = None
     try:
         status = os.stat(path)
         mode, rdev = status.st_mode, status.st_rdev
@@ -1727,7 +1738,7 @@ def examine_path(
         mode = rdev = 0  # cannot even stat it: a device, unhealthy
         unreachable = error
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-    specs, mounts = _host_paths(resource, device_id, path, is_node)
+    specs, mounts = _host_paths(resource, device_id, path, is_node, status)
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
@@ -1739,10 +1750,12 @@ def examine_path(
 
 
 def _host_paths(
-    resource: ResourceConfig, device_id: str, path: str, is_node: bool
+    resource: ResourceConfig, device_id: str, path: str, is_node: bool, status: os.stat_result | None = None
 ) -> tuple[tuple[DeviceSpecTemplate, ...], tuple[MountTemplate, ...]]:
     """An entry's DeviceSpecs and mounts, host paths filled in and resolved, container paths
-    filled in but for {index}, which waits for an allocation.
+    filled in but for {index}, which waits for an allocation. Each DeviceSpec also has its host
+    file's mode and owner: ``status`` (the entry's stat(), the file a symlink leads to) for the
+    entry itself, one stat() more for a host path elsewhere.
 
     The runtime opens a host path when it creates the container, and again at every restart of it,
     from the allocation the kubelet stored: a symlink re-pointed in between would lead those to
@@ -1765,10 +1778,12 @@ def _host_paths(
 
     specs: tuple[DeviceSpecTemplate, ...]
     if resource.device_specs is None:
-        specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw"),) if is_node else ()
+        specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw", *_owner(status)),) if is_node else ()
     else:
+        filled = [(*fill(s.host_path, s.container_path), s.permissions) for s in resource.device_specs]
         specs = tuple(
-            DeviceSpecTemplate(*fill(s.host_path, s.container_path), s.permissions) for s in resource.device_specs
+            DeviceSpecTemplate(host, container, permissions, *_owner(status if host == fields["target"] else host))
+            for host, container, permissions in filled
         )
     mounts: tuple[MountTemplate, ...]
     if default_mount:
@@ -1776,6 +1791,19 @@ def _host_paths(
     else:
         mounts = tuple(MountTemplate(*fill(m.host_path, m.container_path), m.read_only) for m in resource.mounts)
     return specs, mounts
+
+
+def _owner(status: os.stat_result | str | None) -> tuple[int | None, int | None, int | None]:
+    """A file's mode without its type bits (what containerd copies of a DeviceSpec's host node),
+    uid and gid; from its stat() or its path. Nones when it cannot be stat'ed."""
+    if isinstance(status, str):
+        try:
+            status = os.stat(status)
+        except OSError:
+            status = None
+    if status is None:
+        return None, None, None
+    return stat.S_IMODE(status.st_mode), status.st_uid, status.st_gid
 
 
 def _symlink_hops(path: str) -> tuple[str, ...]:
@@ -2273,6 +2301,11 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
 
     One CDI device per device, named by its ID, with its device nodes and mounts. CDI refuses a
     device with no edits at all, so each also sets <env>_<ID>=<id> in the container.
+
+    A device node has its host node's mode and owner (fileMode, uid, gid), as a DeviceSpec gets
+    them from the runtime: CDI fills in only a node's type and numbers from the host (newer CDI
+    libraries the mode too, never the owner), and the runtime makes a node without them 0666
+    root:root, writable by every user of the container.
     """
     assert resource.cdi is not None
     described = []
@@ -2281,10 +2314,7 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
         edits: dict[str, Any] = {
             "env": [f"{resource.env}_{re.sub(r'[^A-Za-z0-9_]', '_', device.id).upper()}={device.id}"]
         }
-        nodes = [
-            {"path": spec.container_path.format(**fields), "hostPath": spec.host_path, "permissions": spec.permissions}
-            for spec in device.device_specs
-        ]
+        nodes = [_cdi_node(spec, fields) for spec in device.device_specs]
         mounts = [
             {
                 "hostPath": mount.host_path,
@@ -2305,13 +2335,29 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
     return spec
 
 
+def _cdi_node(spec: DeviceSpecTemplate, fields: Mapping[str, str]) -> dict[str, Any]:
+    """A DeviceSpec as a CDI deviceNode, with its host file's mode and owner when known. fileMode is
+    the mode without its type bits (JSON has no octal: a number), as containerd takes it from a
+    DeviceSpec's node and newer CDI libraries from the host: runc adds the node's type itself, and
+    older runc versions do not strip type bits they are given."""
+    node: dict[str, Any] = {
+        "path": spec.container_path.format(**fields),
+        "hostPath": spec.host_path,
+        "permissions": spec.permissions,
+    }
+    if spec.file_mode is not None:
+        node.update(fileMode=spec.file_mode, uid=spec.uid, gid=spec.gid)
+    return node
+
+
 def cdi_version(spec: Mapping[str, Any]) -> str:
     """The lowest CDI version that has every feature ``spec`` uses (one of CDI_VERSIONS).
 
     The rules of container-device-interface specs-go/version.go, for what gopherplug writes:
     0.6.0 for a class with a "." in it; 0.5.0 for a device node's hostPath or a device name
     that does not begin with a letter; 0.3.0 otherwise. (0.4.0 is for a mount's type, 0.6.0
-    also for annotations, 0.7.0 for intelRdt and additionalGIDs: gopherplug writes none.)
+    also for annotations, 0.7.0 for intelRdt and additionalGIDs: gopherplug writes none. A
+    device node's fileMode, uid and gid are in every version, 0.3.0 the earliest CDI accepts.)
     """
     if "." in spec["kind"].partition("/")[2]:
         return "0.6.0"

@@ -1448,8 +1448,10 @@ def test_cdi_spec_lists_every_member(tmp_path):
     assert described["name"] == "0000:00:02.0"
     real = os.path.realpath
     assert described["containerEdits"]["deviceNodes"] == [
-        {"path": f"{by_path}/pci-0000:00:02.0-card", "hostPath": real(f"{dev}/dri/card1"), "permissions": "rw"},
-        {"path": f"{by_path}/pci-0000:00:02.0-render", "hostPath": real(f"{dev}/dri/renderD128"), "permissions": "rw"},
+        {"path": f"{by_path}/pci-0000:00:02.0-card", "hostPath": real(f"{dev}/dri/card1"), "permissions": "rw"}
+        | host_mode(f"{dev}/dri/card1"),
+        {"path": f"{by_path}/pci-0000:00:02.0-render", "hostPath": real(f"{dev}/dri/renderD128"), "permissions": "rw"}
+        | host_mode(f"{dev}/dri/renderD128"),
     ]
     firmware = f"{by_path}/pci-0000:00:02.0-firmware"
     assert described["containerEdits"]["mounts"] == [
@@ -1641,7 +1643,10 @@ def test_cdi_spec(tmp_path):
                 "name": "null",
                 "containerEdits": {
                     "env": ["GOPHER_DEVICES_NULL=null"],
-                    "deviceNodes": [{"path": f"{tmp_path}/null", "hostPath": "/dev/null", "permissions": "rw"}],
+                    "deviceNodes": [
+                        {"path": f"{tmp_path}/null", "hostPath": "/dev/null", "permissions": "rw"}
+                        | host_mode("/dev/null")
+                    ],
                     "mounts": [{"hostPath": "/dev/null", "containerPath": "/run/null", "options": ["bind", "ro"]}],
                 },
             },
@@ -1659,6 +1664,52 @@ def test_cdi_spec(tmp_path):
     assert gp.cdi_spec(resource, ()) is None
 
 
+def host_mode(path):
+    """What a CDI spec's device node says of its host file: its mode without the type bits, and owner."""
+    status = os.stat(path)
+    return {"fileMode": stat.S_IMODE(status.st_mode), "uid": status.st_uid, "gid": status.st_gid}
+
+
+def test_cdi_spec_gives_a_node_the_host_mode_and_owner(tmp_path):
+    """A node udev keeps at 0660 root:dialout must not become 0666 root:root in the consumer, as it
+    does when the spec says nothing: the runtime makes it from the spec alone (CDI fills in its type
+    and numbers from the host, not its mode or owner), where a DeviceSpec gets the host node's."""
+    if os.geteuid() != 0:
+        pytest.skip("mknod and chown need root")
+    devices, targets = tmp_path / "devices", tmp_path / "targets"
+    devices.mkdir()
+    targets.mkdir()
+    os.mknod(devices / "ttyS0", stat.S_IFCHR | 0o600, os.makedev(4, 64))
+    os.chmod(devices / "ttyS0", 0o660)  # (mknod's mode passes through the umask)
+    os.chown(devices / "ttyS0", 1234, 5678)
+    os.mknod(targets / "renderD128", stat.S_IFCHR | 0o600, os.makedev(226, 128))
+    os.chmod(targets / "renderD128", 0o640)
+    os.chown(targets / "renderD128", 0, 4321)
+    os.symlink(targets / "renderD128", devices / "render")  # a symlink: its target's mode and owner
+    cdi = gp.CDIConfig("example.com/gopher", str(tmp_path / "cdi"))
+    resource = resource_in(devices, cdi={"kind": cdi.kind}, allowed_host_paths=[str(targets)])
+    gp.write_cdi_spec(cdi, gp.cdi_spec(resource, gp.scan_directory(resource).devices))
+    spec = read_spec(cdi.spec_file)
+    nodes = {device["name"]: device["containerEdits"]["deviceNodes"] for device in spec["devices"]}
+    assert nodes == {
+        "render": [
+            {"path": f"{devices}/render", "hostPath": f"{targets}/renderD128", "permissions": "rw"}
+            | {"fileMode": 0o640, "uid": 0, "gid": 4321}
+        ],
+        "ttyS0": [
+            {"path": f"{devices}/ttyS0", "hostPath": f"{devices}/ttyS0", "permissions": "rw"}
+            | {"fileMode": 0o660, "uid": 1234, "gid": 5678}
+        ],
+    }
+    # Fields of CDI 0.3.0, the earliest: the version stays what hostPath needs.
+    assert spec["cdiVersion"] == "0.5.0" and cdi_problem("0.5.0", spec) is None
+    # The DeviceSpecs of Allocate are as before: the runtime reads the host node itself.
+    answer = allocate(resource, gp.scan_directory(resource).devices, "ttyS0").container_responses[0]
+    assert [(d.host_path, d.container_path, d.permissions) for d in answer.devices] == [
+        (f"{devices}/ttyS0", f"{devices}/ttyS0", "rw")
+    ]
+
+
 # What each CDI spec version added that gopherplug may write, and what makes it the minimum
 # (container-device-interface specs-go/config.go over its releases, specs-go/version.go). CDI
 # libraries parse strictly: a field a version does not know fails the spec.
@@ -1667,7 +1718,7 @@ CDI_ADDED = {
         "spec": {"cdiVersion", "kind", "devices"},
         "device": {"name", "containerEdits"},
         "edits": {"env", "deviceNodes", "mounts"},
-        "node": {"path", "permissions"},
+        "node": {"path", "permissions", "fileMode", "uid", "gid"},
         "mount": {"hostPath", "containerPath", "options"},
     },
     "0.4.0": {"mount": {"type"}},
@@ -3385,6 +3436,7 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
             assert [d["name"] for d in spec["devices"]] == ["g1", "g2"]
             assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [
                 {"path": "/dev/g1", "hostPath": f"{node.devices}/g1", "permissions": "rw"}
+                | host_mode(f"{node.devices}/g1")
             ]
             Path(node.devices, "g3").touch()
             await simulator.wait_until(listed("g1", "g2", "g3"))
@@ -3412,6 +3464,56 @@ async def test_cdi_spec_follows_the_devices_and_allocate_names_them(node, tmp_pa
     # Kept: the kubelet gives the runtime the same CDI names again when a container restarts,
     # whether the plugin runs or not.
     assert [d["name"] for d in read_spec(spec_file)["devices"]] == ["g4"]
+
+
+async def test_cdi_spec_follows_a_chmod_or_chown_before_the_kubelet_hears(node, tmp_path):
+    """A node's mode and owner in the spec follow the host's: a chmod or chown of the entry, or of
+    where its symlink leads, rewrites the spec before the kubelet's next list (inotify IN_ATTRIB)."""
+    targets = tmp_path / "targets"
+    targets.mkdir()
+    (targets / "t2").touch()
+    os.unlink(os.path.join(node.devices, "g2"))
+    os.symlink(targets / "t2", os.path.join(node.devices, "g2"))
+    os.chmod(os.path.join(node.devices, "g1"), 0o660)
+    os.chmod(targets / "t2", 0o640)
+    config = node.config(
+        cdi={"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")},
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/{id}"}],  # files, as nodes would be
+        allowed_host_paths=[str(targets)],
+    )
+    spec_file = tmp_path / "cdi" / "example.com-gopher.json"
+
+    def described():
+        return {
+            device["name"]: {key: node[key] for key in ("fileMode", "uid", "gid") if key in node}
+            for device in read_spec(spec_file)["devices"]
+            for node in device["containerEdits"]["deviceNodes"]
+        }
+
+    me = {"uid": os.geteuid(), "gid": os.getegid()}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+            await nursery.start(gp.serve_plugin, config)
+            await simulator.wait_until(listed("g1", "g2"))
+            assert described() == {"g1": {"fileMode": 0o660, **me}, "g2": {"fileMode": 0o640, **me}}
+
+            async def changed(change):
+                updates = simulator.resources[RESOURCE].updates
+                change()
+                # The list the kubelet gets next is the same; the spec is already written when it comes.
+                await simulator.wait_until(lambda k: k.resources[RESOURCE].updates > updates)
+                return described()
+
+            after = await changed(lambda: os.chmod(os.path.join(node.devices, "g1"), 0o600))
+            assert after == {"g1": {"fileMode": 0o600, **me}, "g2": {"fileMode": 0o640, **me}}
+            after = await changed(lambda: os.chmod(targets / "t2", 0o660))  # the symlink's target
+            assert after == {"g1": {"fileMode": 0o600, **me}, "g2": {"fileMode": 0o660, **me}}
+            if os.geteuid() == 0:
+                after = await changed(lambda: os.chown(targets / "t2", 1234, 5678))
+                assert after["g2"] == {"fileMode": 0o660, "uid": 1234, "gid": 5678}
+            assert devices_of(simulator) == listed_ids("g1", "g2")
+            nursery.cancel_scope.cancel()
 
 
 async def test_cdi_spec_has_no_gap_across_a_reload_or_a_restart(node, tmp_path):
@@ -5123,6 +5225,41 @@ async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_
     ]
     assert dra_node.slice_devices()[1] == {3}  # a new generation per change
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update", "update"]
+
+
+async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
+    """A DRA device reaches a container only through the CDI spec: its nodes have the host's mode
+    and owner there too, and a chmod rewrites the spec, not the pool (a new generation for nothing)."""
+    device = dra_node.devices / "gopher0"
+    device.touch()
+    device.chmod(0o660)
+    cdi_dir = dra_node.root / "cdi"
+    config = dra_node.config(
+        cdi={"kind": "example.com/gopher", "spec_dir": str(cdi_dir)},
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/{id}"}],  # a file, as a node would be
+    )
+
+    def mode():
+        [described] = read_spec(cdi_dir / "example.com-gopher.json")["devices"]
+        return [(node["fileMode"], node["uid"], node["gid"]) for node in described["containerEdits"]["deviceNodes"]]
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        assert mode() == [(0o660, os.geteuid(), os.getegid())]
+        writes = len(dra_node.api.writes)
+        watcher = INotify()
+        watcher.add_watch(str(cdi_dir), inotify_flags.MOVED_TO)
+        try:
+            device.chmod(0o600)
+            await trio.lowlevel.wait_readable(watcher.fileno())  # the spec replaced
+        finally:
+            trio.lowlevel.notify_closing(watcher.fileno())
+            watcher.close()
+        assert mode() == [(0o600, os.geteuid(), os.getegid())]
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(dra_node.api.writes) == writes and dra_node.slice_devices() == (["gopher0"], {1})
 
 
 async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dra_node):
