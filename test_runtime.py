@@ -108,6 +108,10 @@ RESOURCE = "example.com/gopher"
 #: tty, ptmx, pts, and the rest of containerd's defaults): fuse's 10:229. Only a container whose spec
 #: lists it may open it.
 DEVICE_MAJOR, DEVICE_MINOR = 10, 229
+# The owner of a node that must keep it in the consumer: root:dialout, as udev makes a serial port.
+# (A runtime not told the owner makes it root:root. The owner stays root: the plugin's container runs
+# as root without CAP_DAC_OVERRIDE, so it can open only what root may by the node's mode.)
+HOST_UID, HOST_GID = 0, 20
 DP_CDI_CASE = "dp-cdi"
 
 
@@ -1216,28 +1220,18 @@ async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery, spec
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
 
 
-@pytest.mark.parametrize(
-    "through",
-    [
-        "device-spec",
-        pytest.param(
-            "cdi",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="gopherplug's CDI spec gives no fileMode: the runtime creates the node 0666",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("through", ["device-spec", "cdi"])
 async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, through):
     """A node the host keeps at 0660 (as udev does for serial ports and render nodes) must not become
     writable by every user of the consumer. Given as a DeviceSpec, the runtime copies the host
-    node's mode; given as a CDI device, the spec's fileMode (or the runtime's default) decides."""
+    node's mode and owner; given as a CDI device, the spec's fileMode, uid and gid decide (without
+    them: 0666 root:root, runc's default)."""
     node = Node(tier, "daemonset.yaml", DP_CDI_CASE)
     node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": "/var/lib/kubelet/device-plugins/cdi"}
     name = f"serial-{through}"
     path = node.mknod(name)
     path.chmod(0o660)
+    os.chown(path, HOST_UID, HOST_GID)
     kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
     with trio.fail_after(TIMEOUT), _removed_afterwards(tier.containerd.extra_cdi_dirs[-1]):
         async with node.running():
@@ -1249,9 +1243,10 @@ async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, throug
                 fields["CDI_devices"] = []
             pod = Pod(tier, "mode-consumer")
             async with running_pod(tier.containerd, pod, pod.sandbox_config(), [consumer_config(pod, **fields)]):
-                _, listed = await exec_sync(tier.containerd, pod.container_ids["consumer"], "ls", "-l", str(path))
+                _, listed = await exec_sync(tier.containerd, pod.container_ids["consumer"], "ls", "-ln", str(path))
     tier.outputs[f"a 0660 node given through {through}"] = listed.strip()
     assert listed.startswith("crw-rw---- "), listed
+    assert listed.split()[2:4] == [str(HOST_UID), str(HOST_GID)], listed  # the host node's owner and group
 
 
 ########################################################################################################
@@ -1268,6 +1263,8 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
 
     node = Node(tier, "daemonset-dra.yaml")
     path = node.mknod("gopher0")
+    path.chmod(0o660)  # the host's mode reaches the consumer through the CDI spec, as a DeviceSpec's would
+    os.chown(path, HOST_UID, HOST_GID)
     ca = trustme.CA()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(context)
@@ -1366,7 +1363,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
                 state = (await container_status(second, pod.container_ids["consumer"])).status.state
                 unseen = await consumer_report(second, pod.container_ids["consumer"], str(path))
             tier.outputs["DRA: consumer under enable_cdi = false"] = unseen
-    assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
+    assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw-rw---- ") and " 10, 229 " in seen["ls -l"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
     assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"]), seen
     assert api.refused_tokens == 0  # every request from the pod carried the projected token
