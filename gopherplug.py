@@ -703,19 +703,18 @@ CDI_VERSIONS = ("0.3.0", "0.5.0", "0.6.0")
 class DeviceSpecTemplate:
     """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in.
 
-    In a scanned entry, also the host file's permission bits and owner, as the last look found them
-    (None: not a scanned entry, or the file could not be stat'ed). A DeviceSpec needs none of them
-    (the runtime copies the host node's); a CDI spec does (CDI gives a node 0666 root:root without).
-    They are part of the entry, so that a chmod or chown of the node changes the entry, and the
-    CDI spec is written again.
+    In a scanned entry of a resource with ``cdi``, also the host file's mode and owner, as the last
+    look found them (None: no cdi, or the file could not be stat'ed). A DeviceSpec needs none of
+    them (the runtime copies the host node's); a CDI spec does (without them, the runtime makes
+    the node 0666 root:root). They are part of the entry, so that a chmod or chown of the node
+    changes the entry, and the CDI spec is written again. (One field, not three: each field of a
+    frozen dataclass costs every instance, and a scan of 50,000 nodes makes 50,000.)
     """
 
     host_path: str
     container_path: str
     permissions: str = "rw"
-    file_mode: int | None = None  #: the host file's mode without its type bits (stat.S_IMODE)
-    uid: int | None = None
-    gid: int | None = None
+    host_mode: tuple[int, int, int] | None = None  #: the host file's mode without its type bits, uid, gid
 
 
 @dataclass(frozen=True)
@@ -1753,9 +1752,10 @@ def _host_paths(
     resource: ResourceConfig, device_id: str, path: str, is_node: bool, status: os.stat_result | None = None
 ) -> tuple[tuple[DeviceSpecTemplate, ...], tuple[MountTemplate, ...]]:
     """An entry's DeviceSpecs and mounts, host paths filled in and resolved, container paths
-    filled in but for {index}, which waits for an allocation. Each DeviceSpec also has its host
-    file's mode and owner: ``status`` (the entry's stat(), the file a symlink leads to) for the
-    entry itself, one stat() more for a host path elsewhere.
+    filled in but for {index}, which waits for an allocation. With ``cdi``, each DeviceSpec also
+    has its host file's mode and owner, which the CDI spec needs (the kubelet's DeviceSpecs do
+    not): ``status`` (the entry's stat(), of the file a symlink leads to) for the entry itself,
+    one stat() more for a host path elsewhere.
 
     The runtime opens a host path when it creates the container, and again at every restart of it,
     from the allocation the kubelet stored: a symlink re-pointed in between would lead those to
@@ -1778,11 +1778,18 @@ def _host_paths(
 
     specs: tuple[DeviceSpecTemplate, ...]
     if resource.device_specs is None:
-        specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw", *_owner(status)),) if is_node else ()
+        specs = ()
+        if is_node and status is not None and resource.cdi is not None:  # (spelled out: the scan's hot path)
+            host_mode = (stat.S_IMODE(status.st_mode), status.st_uid, status.st_gid)
+            specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw", host_mode),)
+        elif is_node:
+            specs = (DeviceSpecTemplate(fields["target"], literal["path"], "rw"),)
     else:
         filled = [(*fill(s.host_path, s.container_path), s.permissions) for s in resource.device_specs]
         specs = tuple(
-            DeviceSpecTemplate(host, container, permissions, *_owner(status if host == fields["target"] else host))
+            DeviceSpecTemplate(host, container, permissions, _host_mode(status if host == fields["target"] else host))
+            if resource.cdi is not None
+            else DeviceSpecTemplate(host, container, permissions)
             for host, container, permissions in filled
         )
     mounts: tuple[MountTemplate, ...]
@@ -1793,17 +1800,15 @@ def _host_paths(
     return specs, mounts
 
 
-def _owner(status: os.stat_result | str | None) -> tuple[int | None, int | None, int | None]:
+def _host_mode(status: os.stat_result | str | None) -> tuple[int, int, int] | None:
     """A file's mode without its type bits (what containerd copies of a DeviceSpec's host node),
-    uid and gid; from its stat() or its path. Nones when it cannot be stat'ed."""
+    uid and gid; from its stat() or its path. None when it cannot be stat'ed."""
     if isinstance(status, str):
         try:
             status = os.stat(status)
         except OSError:
-            status = None
-    if status is None:
-        return None, None, None
-    return stat.S_IMODE(status.st_mode), status.st_uid, status.st_gid
+            return None
+    return None if status is None else (stat.S_IMODE(status.st_mode), status.st_uid, status.st_gid)
 
 
 def _symlink_hops(path: str) -> tuple[str, ...]:
@@ -2345,8 +2350,8 @@ def _cdi_node(spec: DeviceSpecTemplate, fields: Mapping[str, str]) -> dict[str, 
         "hostPath": spec.host_path,
         "permissions": spec.permissions,
     }
-    if spec.file_mode is not None:
-        node.update(fileMode=spec.file_mode, uid=spec.uid, gid=spec.gid)
+    if spec.host_mode is not None:
+        node["fileMode"], node["uid"], node["gid"] = spec.host_mode
     return node
 
 
