@@ -125,6 +125,7 @@ __all__ = [
     "call_unary",
     "cdi_version",
     "container_only_problem",
+    "dra_base_request",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -2349,6 +2350,16 @@ class ClaimError(GopherplugError):
     """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
 
 
+def dra_base_request(request: str) -> str:
+    """The request a container names for an allocation result's ``request``: "gpu" for "gpu" and
+    for "gpu/fast". With a prioritized list (firstAvailable) the scheduler writes the subrequest it
+    chose as "<request>/<subrequest>", but a container's resources.claims[].request names only the
+    main request, and the kubelet gives it the CDI devices whose request_names contain exactly that
+    (cdiDevicesAsList in pkg/kubelet/cm/dra/claiminfo.go): answered unstripped, the device reaches no
+    container and nothing reports an error. The Go helper strips them too (stripSubrequestNames)."""
+    return request.split("/", 1)[0]
+
+
 def prepared_devices(
     claim: Mapping[str, Any],
     uid: str,
@@ -2390,7 +2401,7 @@ def prepared_devices(
         assert resource.cdi is not None  # parse_config gives every DRA resource one
         answer.append(
             drapb.Device(
-                request_names=[result.get("request", "")],
+                request_names=[dra_base_request(result.get("request", ""))],
                 pool_name=pool,
                 device_name=device_name,
                 cdi_device_ids=[f"{resource.cdi.kind}={device.id}"],
@@ -4365,7 +4376,12 @@ class ClaimCheckpoint:
         """The devices a claim was prepared with, or None if it was not."""
         if (claim := self.claims.get(uid)) is None:
             return None
-        return [drapb.Device(**device) for device in claim["devices"]]
+        # Earlier versions stored a subrequest's result as "<request>/<subrequest>"; a claim they
+        # prepared is answered as the kubelet can match it (dra_base_request), the file left as it is.
+        return [
+            drapb.Device(**{**device, "request_names": [dra_base_request(r) for r in device["request_names"]]})
+            for device in claim["devices"]
+        ]
 
     async def add(self, claim: Any, devices: list[Any]) -> None:
         """Remember a prepared claim, on disk when this returns. Raises GopherplugError, and
@@ -4571,8 +4587,12 @@ class ClaimPreparer:
 
     async def prepare(self, request: Any) -> Any:
         response = drapb.NodePrepareResourcesResponse()
+        # The answer is a map by claim UID: a claim listed twice gets one entry, which two
+        # preparations would both fill, giving every device twice. One answer per claim, as the Go
+        # helper's (its result is a map too).
+        claims = {claim.uid: claim for claim in request.claims}
         async with trio.open_nursery() as nursery:
-            for claim in request.claims:
+            for claim in claims.values():
                 nursery.start_soon(self._prepare_one, claim, response)
         return response
 
@@ -5959,6 +5979,9 @@ class DraKubeletSimulator:
         self._changed = Watched(None)
         self._restart = trio.Event()
         self._pending_wipes: dict[str, trio.CancelScope] = {}
+        #: claim UID -> driver -> the devices its NodePrepareResources answered (the kubelet's
+        #: claim info cache, kept across its restarts in its checkpoint, as here)
+        self.prepared: dict[str, dict[str, list[Any]]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[DraKubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(self.registry, exist_ok=True)
@@ -6077,12 +6100,37 @@ class DraKubeletSimulator:
             await self._changed.wait_touched()
 
     async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
-        """NodePrepareResources for (namespace, uid, name) claims; the response."""
-        return await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
+        """NodePrepareResources for (namespace, uid, name) claims; the response. The devices of
+        each claim answered without error are kept for ``cdi_devices``."""
+        response = await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
+        for uid, answer in response.claims.items():
+            if not answer.error:
+                self.prepared.setdefault(uid, {})[driver] = list(answer.devices)
+        return response
+
+    def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
+        """The CDI device IDs the kubelet gives a container whose resources.claims[] entry names this
+        claim and ``request`` ("": the whole claim): those of every driver's devices whose request
+        names contain ``request`` exactly, or that name no request (cdiDevicesAsList in
+        pkg/kubelet/cm/dra/claiminfo.go). A name the container cannot spell ("gpu/fast") matches none."""
+        return [
+            cdi_id
+            for devices in self.prepared.get(claim_uid, {}).values()
+            for device in devices
+            if not request or not device.request_names or request in device.request_names
+            for cdi_id in device.cdi_device_ids
+        ]
 
     async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
-        """NodeUnprepareResources for (namespace, uid, name) claims; the response."""
-        return await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
+        """NodeUnprepareResources for (namespace, uid, name) claims; the response. A claim
+        unprepared without error is forgotten for ``cdi_devices``."""
+        response = await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
+        for uid, answer in response.claims.items():
+            if not answer.error and uid in self.prepared:
+                self.prepared[uid].pop(driver, None)
+                if not self.prepared[uid]:
+                    del self.prepared[uid]
+        return response
 
     @asynccontextmanager
     async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:

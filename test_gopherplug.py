@@ -4434,15 +4434,20 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         assert result.stdout.count("passed") == 3
 
 
-def claim(name, uid, *results, namespace="default"):
-    """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device)."""
-    allocated = [{"request": r, "driver": d, "pool": p, "device": n} for r, d, p, n in results]
+def claim(name, uid, *results, namespace="default", requests=None):
+    """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device),
+    optionally with a dict of further fields (e.g. {"adminAccess": True}); ``requests`` its spec's."""
+    allocated = [
+        {"request": r, "driver": d, "pool": p, "device": n, **(extra[0] if extra else {})}
+        for r, d, p, n, *extra in results
+    ]
     status = {"allocation": {"devices": {"results": allocated}}} if results else {}
+    requests = requests or [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": namespace, "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+        "spec": {"devices": {"requests": requests}},
         "status": status,
     }
 
@@ -4474,6 +4479,8 @@ class DraNode:
             str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
         )
         self.scope = None
+        #: the CDI spec directory of a test's own (the default, /var/run/cdi, is every test run's)
+        self.cdi = {"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")}
 
     async def start_servers(self):
         await self.nursery.start(self.api.run)
@@ -4501,7 +4508,7 @@ class DraNode:
     async def start(self, config=None, node_name="node-1", updates=None):
         """Start gopherplug; returns once it serves (registration may still be under way)."""
         os.makedirs(self.root / "dp", exist_ok=True)
-        config = config or self.config(cdi={"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")})
+        config = config or self.config(cdi=self.cdi)
         os.environ["KUBECONFIG"] = str(self.kubeconfig)
         os.environ.pop("KUBERNETES_SERVICE_HOST", None)
         self.scope = trio.CancelScope()
@@ -4605,6 +4612,92 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
     assert sorted(checkpoint["claims"]) == ["uid-1"]
 
 
+PRIORITIZED_REQUESTS = [
+    # "gpu" takes the first of its subrequests the node can satisfy (firstAvailable); the scheduler
+    # names the one it chose in each result as "gpu/<subrequest>".
+    {
+        "name": "gpu",
+        "firstAvailable": [
+            {"name": "big", "deviceClassName": "big-gopher", "count": 4},
+            {"name": "small", "deviceClassName": "gopher", "count": 2},
+        ],
+    },
+    {"name": "serial", "exactly": {"deviceClassName": "gopher"}},
+    {"name": "monitor", "exactly": {"deviceClassName": "gopher", "adminAccess": True}},
+]
+
+
+async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_its_request(dra_node):
+    """A container names the main request ("gpu"); results of a subrequest say "gpu/small". The
+    kubelet gives each container the CDI devices whose request names contain its request, so the
+    answer must name "gpu". Another driver's result is that driver's; an admin-access result is
+    prepared like any other."""
+    for name in ("gopher0", "gopher1", "gopher2"):
+        (dra_node.devices / name).touch()
+    results = [
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher0"),
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher1"),
+        ("gpu/small", "gpu.example.com", "node-1", "gpu0"),
+        ("serial", DRIVER, DraNode.POOL, "gopher2"),
+        ("monitor", DRIVER, DraNode.POOL, "gopher0", {"adminAccess": True}),
+    ]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=PRIORITIZED_REQUESTS))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert answer.error == ""
+    assert [(list(d.request_names), d.device_name) for d in answer.devices] == [
+        (["gpu"], "gopher0"),
+        (["gpu"], "gopher1"),
+        (["serial"], "gopher2"),
+        (["monitor"], "gopher0"),
+    ]
+    cdi = dra_node.kubelet.cdi_devices
+    assert cdi("uid-1", "gpu") == ["example.com/gopher=gopher0", "example.com/gopher=gopher1"]
+    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2"]
+    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0"]
+    assert cdi("uid-1", "gpu/small") == []  # no container can name a subrequest
+    assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
+
+
+async def test_dra_a_claim_prepared_by_an_earlier_version_is_answered_without_its_subrequest(dra_node):
+    """The checkpoint of an earlier gopherplug holds "gpu/small": answered from it again after an
+    upgrade, the claim must name "gpu", or the restarted container gets nothing."""
+    checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.parent.mkdir(parents=True)
+    device = {
+        "request_names": ["gpu/small"],
+        "pool_name": DraNode.POOL,
+        "device_name": "gopher0",
+        "cdi_device_ids": ["example.com/gopher=gopher0"],
+    }
+    old = {"namespace": "default", "name": "c1", "devices": [device]}
+    checkpoint.write_text(json.dumps({"version": 1, "claims": {"uid-1": old}}))
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert [list(d.request_names) for d in answer.devices] == [["gpu"]]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gpu") == ["example.com/gopher=gopher0"]
+
+
+async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node):
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    c1 = ("default", "uid-1", "c1")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        first = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]
+        again = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]  # from the checkpoint
+    assert [d.device_name for d in first.devices] == ["gopher0"]
+    assert [d.device_name for d in again.devices] == ["gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == ["example.com/gopher=gopher0"]
+
+
 async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_on(dra_node, caplog):
     """A checkpoint cut short (a full disk, a hand edit) must neither stop the driver nor be
     overwritten: the claims in it are for a person to look at."""
@@ -4632,11 +4725,18 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     other_devices.mkdir()
     (other_devices / "o0").touch()
     (dra_node.devices / "gopher0").touch()
-    other = {"name": "example.com/other", "directory": str(other_devices), "api": "dra"}
+    cdi_dir = str(dra_node.root / "cdi")  # not the default /var/run/cdi another test run may hold
+    other = {
+        "name": "example.com/other",
+        "directory": str(other_devices),
+        "api": "dra",
+        "cdi": {"kind": f"{DRIVER}/other", "spec_dir": cdi_dir},
+    }
 
     def config(*extra):
         top = {"device_plugin_dir": str(dra_node.root / "dp")}
-        data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top))
+        cdi = {"kind": f"{DRIVER}/gopher", "spec_dir": cdi_dir}
+        data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=cdi))
         data["resources"] = [*data["resources"], *extra]
         return gp.parse_config(yaml.safe_dump(data), "cfg.yaml")
 
@@ -4969,7 +5069,9 @@ async def test_probe_shows_the_dra_driver_as_the_kubelet_sees_it(dra_node):
     (dra_node.devices / "gopher0").touch()
     (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
     config = dra_node.root / "cfg.yaml"
-    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+    config.write_text(
+        dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}, cdi=dra_node.cdi)
+    )
     with trio.fail_after(TIMEOUT):
         await dra_node.start(gp.load_config(str(config)))
         await dra_node.registered()
@@ -4992,7 +5094,8 @@ async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_n
     results = {}
     for kubelet_dir in (refusing, unwatched):
         config = dra_node.root / f"{kubelet_dir.name}.yaml"
-        config.write_text(dra_config(dra_node.devices, kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+        top = {"device_plugin_dir": str(dra_node.root)}
+        config.write_text(dra_config(dra_node.devices, kubelet_dir, top, cdi=dra_node.cdi))
         with trio.fail_after(TIMEOUT):
             await dra_node.start(gp.load_config(str(config)))
             if kubelet_dir == refusing:  # refused once NotifyRegistrationStatus told the plugin so
@@ -5040,7 +5143,7 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
 
     ok = (gp.drahealth.HEALTHY, "")
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(dra_node.config(pattern="gopher*"))
+        await dra_node.start(dra_node.config(pattern="gopher*", cdi=dra_node.cdi))
         await dra_node.registered()
         async with dra_node.kubelet.watch_health(DRIVER) as reports:
             assert healths(await reports.__anext__()) == {"gopher0": ok, "gopher1": ok}
