@@ -2254,9 +2254,23 @@ def dra_pool_suffix(resource_name: str) -> str:
     return "/".join(_dns_subdomain(part) or _digest(part) for part in resource_name.split("/"))
 
 
+#: The longest pool name the API server takes (PoolNameMaxLength, k8s.io/api/resource/v1 types.go);
+#: and the longest object name (a DNS subdomain), a ResourceSlice's included.
+DRA_POOL_NAME_MAX_LENGTH = 253
+_DNS_SUBDOMAIN_LENGTH = 253
+
+
 def dra_pool_name(node_name: str, resource_name: str) -> str:
-    """The pool of one resource's devices on one node: "node-1/example.com/serial"."""
-    return f"{node_name}/{dra_pool_suffix(resource_name)}"
+    """The pool of one resource's devices on one node: "node-1/example.com/serial".
+
+    A node name may have 253 characters itself, and the API server refuses a longer pool name, on
+    every write, forever (validatePoolName). Such a name is cut and ends in a digest of the whole:
+    still a DNS subdomain per "/" part, still one pool per node and resource.
+    """
+    name = f"{node_name}/{dra_pool_suffix(resource_name)}"
+    if len(name) <= DRA_POOL_NAME_MAX_LENGTH:
+        return name
+    return f"{name[: DRA_POOL_NAME_MAX_LENGTH - 17].rstrip('/.-')}-{_digest(name, 16)}"
 
 
 def dra_device_name(device_id: str) -> str:
@@ -2286,11 +2300,17 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
 
 def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) -> str:
     """The name of a pool's index-th ResourceSlice: fixed, so that a restarted plugin finds and
-    updates its slices instead of leaving old ones behind. A DNS subdomain of at most 253."""
-    base = _dns_subdomain(f"{node_name}-{driver}-{dra_pool_suffix(resource_name).replace('/', '-')}")
-    if len(base) > 240:
-        base = f"{base[:200].strip('.-')}-{_digest(base, 16)}"
-    return f"{base}-{index}"
+    updates its slices instead of leaving old ones behind. A DNS subdomain of at most 253.
+
+    Readable, then a digest of the exact node, driver and resource name: the readable part alone
+    is not one name per pool ("example.com/foo-bar" and "example.com-foo/bar" both read
+    "example.com-foo-bar"), and two pools sharing a slice name fight forever, as the API server
+    refuses to move a slice to another pool (spec.pool.name is immutable).
+    """
+    readable = _dns_subdomain(f"{node_name}-{driver}-{dra_pool_suffix(resource_name).replace('/', '-')}")
+    digest = _digest(f"{node_name}\0{driver}\0{resource_name}", 10)
+    room = _DNS_SUBDOMAIN_LENGTH - len(f"-{digest}-{index}")
+    return f"{readable[:room].rstrip('.-')}-{digest}-{index}"
 
 
 def resource_slices(
@@ -4325,6 +4345,32 @@ _API_BACKOFF = (0.1, 10.0)
 #: How long one watch of the ResourceSlices lasts before they are listed and watched again.
 API_WATCH_SECONDS = 300.0
 
+#: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
+#: write that succeeds can still be undone at once (another writer, an admission webhook that
+#: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
+#: API server answers (972 writes in 2 s were seen). The Go controller's work queue is rate-limited
+#: for the same reason. The burst covers a start that writes every pool of a large node at once.
+DRA_WRITES_PER_SECOND = 5.0
+DRA_WRITE_BURST = 20
+
+
+class _TokenBucket:
+    """At most ``rate`` acquisitions a second on average, ``burst`` at once; on trio's clock."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._tokens = float(burst)
+        self._last: float | None = None
+
+    async def acquire(self) -> None:
+        now = trio.current_time()
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= 1
+        if self._tokens < 0:  # the debt is paid by waiting, so concurrent callers queue up fairly
+            await trio.sleep(-self._tokens / self.rate)
+
 
 class ApiError(GopherplugError):
     """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came."""
@@ -4744,7 +4790,8 @@ class SlicePublisher:
     slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A slice deleted by
     someone else (an administrator, the kubelet cleaning up after a plugin it thought gone) is
     written again. While the API server is down or slow, both retry with a capped backoff, and
-    the rest of the plugin serves on; the latest devices are written once it answers.
+    the rest of the plugin serves on; the latest devices are written once it answers. Writes that
+    succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
     """
 
     def __init__(self, resources: DraResources, api: Any) -> None:
@@ -4757,6 +4804,7 @@ class SlicePublisher:
         # The newest resourceVersion the list and the watch have told us of. A write's answer older
         # than that is stale: the watch already brought it, or what came after it (a deletion).
         self._seen = -1
+        self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -4835,6 +4883,7 @@ class SlicePublisher:
             for item in slices:
                 item["spec"]["pool"]["generation"] = generation + 1
                 name = item["metadata"]["name"]
+                await self._writes.acquire()
                 if name in self.known:
                     item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
                     written = await self.api.replace_slice(item)
@@ -4846,6 +4895,7 @@ class SlicePublisher:
                     self.known[name] = written
             log.info("DRA: %s: %d devices in pool %s", resource.name, len(devices.value), pool)
         for name in [name for name in self.known if name not in wanted]:
+            await self._writes.acquire()
             await self.api.delete_slice(name)
             self.known.pop(name, None)
 
@@ -6156,12 +6206,123 @@ class DraKubeletSimulator:
         return await call_unary(known.endpoint, DRA_METHODS[path], request, timeout=DRA_KUBELET_TIMEOUT)
 
 
+_DNS_SUBDOMAIN_PROBLEM = (
+    "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
+    "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
+    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+)
+_DNS_LABEL_PROBLEM = (
+    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
+    "end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
+    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+)
+
+
+def _cause(field: str, reason: str, body: str) -> dict[str, str]:
+    """One field error as a Status lists it in details.causes (k8s.io/apimachinery field.Error)."""
+    return {"reason": reason, "message": body, "field": field}
+
+
+def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[str, str]]:
+    causes = []
+    if len(value) > limit:
+        causes.append(
+            _cause(
+                field,
+                "FieldValueInvalid",
+                f"Invalid value: {json.dumps(value)}: must be no more than {limit} characters",
+            )
+        )
+    pattern = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?" if label else _DNS_SUBDOMAIN.pattern
+    if not re.fullmatch(pattern, value):
+        problem = _DNS_LABEL_PROBLEM if label else _DNS_SUBDOMAIN_PROBLEM
+        causes.append(_cause(field, "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: {problem}"))
+    return causes
+
+
+def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+    """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
+    would replace), as the causes of its 422: the checks of ValidateResourceSlice and
+    ValidateResourceSliceUpdate (kubernetes/kubernetes pkg/apis/resource/validation/validation.go)
+    that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
+    characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
+    at most 128 devices, each named by a DNS label; and pool name, driver and node immutable."""
+    causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
+    spec = item.get("spec") or {}
+    pool = spec.get("pool") or {}
+    pool_name = str(pool.get("name", ""))
+    if not pool_name:
+        causes.append(_cause("spec.pool.name", "FieldValueRequired", "Required value"))
+    else:
+        if len(pool_name) > DRA_POOL_NAME_MAX_LENGTH:
+            causes.append(
+                _cause(
+                    "spec.pool.name",
+                    "FieldValueTooLong",
+                    f"Too long: must have at most {DRA_POOL_NAME_MAX_LENGTH} bytes",
+                )
+            )
+        for part in pool_name.split("/"):
+            causes += _dns_causes("spec.pool.name", part, _DNS_SUBDOMAIN_LENGTH, False)
+    if (count := pool.get("resourceSliceCount", 0)) <= 0:
+        causes.append(
+            _cause(
+                "spec.pool.resourceSliceCount",
+                "FieldValueInvalid",
+                f"Invalid value: {count}: must be greater than zero",
+            )
+        )
+    if (generation := pool.get("generation", 0)) < 0:
+        causes.append(
+            _cause(
+                "spec.pool.generation",
+                "FieldValueInvalid",
+                f"Invalid value: {generation}: must be greater than or equal to zero",
+            )
+        )
+    devices = spec.get("devices") or []
+    if len(devices) > DRA_MAX_DEVICES_PER_SLICE:
+        causes.append(
+            _cause(
+                "spec.devices",
+                "FieldValueTooMany",
+                f"Too many: {len(devices)}: must have at most {DRA_MAX_DEVICES_PER_SLICE} items",
+            )
+        )
+    for index, device in enumerate(devices):
+        causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
+    if old is not None:
+        old_spec = old.get("spec") or {}
+        for field, new_value, old_value in (
+            ("spec.pool.name", pool_name, (old_spec.get("pool") or {}).get("name")),
+            ("spec.driver", spec.get("driver"), old_spec.get("driver")),
+            ("spec.nodeName", spec.get("nodeName"), old_spec.get("nodeName")),
+        ):
+            if new_value != old_value:
+                causes.append(
+                    _cause(field, "FieldValueInvalid", f"Invalid value: {json.dumps(new_value)}: field is immutable")
+                )
+    return causes
+
+
+def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> dict[str, Any]:
+    """The API server's 422 for an object that fails validation: one message naming every error
+    (apierrors.NewInvalid: one error bare, several in brackets), and each as a cause."""
+    errors = [f"{cause['field']}: {cause['message']}" for cause in causes]
+    listed = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
+    status = _status(422, "Invalid", f'{kind}.{group} "{name}" is invalid: {listed}')
+    status["details"] = {"name": name, "group": group, "kind": kind, "causes": causes}
+    return status
+
+
 class ApiServerSimulator:
     """The few resource.k8s.io/v1 requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1.
 
     Holds ResourceClaims (put them with ``put_claim``) and the ResourceSlices the driver writes
-    (``slices``, by name; ``writes`` lists each write). Lists and watches honour spec.nodeName and
-    spec.driver field selectors; a watch streams events as JSON lines, as the API server does.
+    (``slices``, by name; ``writes`` lists each write). It refuses a slice the real API server
+    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. Lists and
+    watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
+    lines, as the API server does.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
     accepts, others get 401. ``down`` refuses every request by closing the connection; ``delay``
     holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
@@ -6175,6 +6336,8 @@ class ApiServerSimulator:
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
+        #: (slice name, causes) of each write refused as invalid (422), in order
+        self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
         self.down = False
         self.delay = 0.0
@@ -6304,6 +6467,12 @@ class ApiServerSimulator:
         elif method == "POST" and len(parts) == 1:
             item = json.loads(body)
             name = item["metadata"]["name"]
+            if causes := resource_slice_causes(item):
+                self.refused.append((name, causes))
+                await self._send(
+                    connection, stream, h11, 422, _invalid("ResourceSlice", "resource.k8s.io", name, causes)
+                )
+                return
             if name in self.slices:
                 await self._send(connection, stream, h11, 409, _status(409, "AlreadyExists", f"{name} already exists"))
                 return
@@ -6316,6 +6485,11 @@ class ApiServerSimulator:
                 await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{name} not found"))
             elif item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
                 await self._send(connection, stream, h11, 409, _status(409, "Conflict", f"{name} was modified"))
+            elif causes := resource_slice_causes(item, self.slices[name]):
+                self.refused.append((name, causes))
+                await self._send(
+                    connection, stream, h11, 422, _invalid("ResourceSlice", "resource.k8s.io", name, causes)
+                )
             else:
                 self.slices[name] = self._bump("MODIFIED", item)
                 self.writes.append(("update", name))

@@ -4434,6 +4434,65 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         assert result.stdout.count("passed") == 3
 
 
+def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
+    """Two resource names that read alike get two slice names; a node name of 253 characters
+    still gives a pool name, and slices, the API server takes."""
+    names = {gp.dra_slice_name("node-1", DRIVER, name, 0) for name in ("example.com/foo-bar", "example.com-foo/bar")}
+    assert len(names) == 2
+    longest = "n" * 253  # a node name is a DNS subdomain: this is one
+    pools = {gp.dra_pool_name(longest, name) for name in ("example.com/gopher", "example.com/other")}
+    assert len(pools) == 2
+    assert all(len(pool) <= 253 for pool in pools)
+    resource = gp.resource_config("example.com/" + "g" * 50)
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}") for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 1)}
+    for node in ("node-1", longest):
+        slices = gp.resource_slices(DRIVER, node, resource, devices, 1)
+        assert [gp.resource_slice_causes(item) for item in slices] == [[], []]
+        assert all(len(item["metadata"]["name"]) <= 253 for item in slices)
+
+
+def test_dra_api_server_stand_in_refuses_slices_as_the_real_one_does():
+    """The checks of pkg/apis/resource/validation/validation.go a driver can fail, with the field
+    errors' own wording (k8s.io/apimachinery field.Error)."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    too_many = json.loads(json.dumps(item))
+    too_many["spec"]["devices"] = [{"name": f"d{i}"} for i in range(129)]
+    assert gp.resource_slice_causes(too_many) == [
+        {
+            "reason": "FieldValueTooMany",
+            "message": "Too many: 129: must have at most 128 items",
+            "field": "spec.devices",
+        }
+    ]
+    too_long = json.loads(json.dumps(item))
+    too_long["spec"]["pool"]["name"] = "n" * 240 + "/example.com/gopher"
+    assert gp.resource_slice_causes(too_long) == [
+        {"reason": "FieldValueTooLong", "message": "Too long: must have at most 253 bytes", "field": "spec.pool.name"}
+    ]
+    moved = json.loads(json.dumps(item))
+    moved["spec"]["pool"]["name"] = "node-1/example.com/other"
+    causes = gp.resource_slice_causes(moved, item)
+    assert causes == [
+        {
+            "reason": "FieldValueInvalid",
+            "message": 'Invalid value: "node-1/example.com/other": field is immutable',
+            "field": "spec.pool.name",
+        }
+    ]
+    name = item["metadata"]["name"]
+    assert gp._invalid("ResourceSlice", "resource.k8s.io", name, causes) == {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": f'ResourceSlice.resource.k8s.io "{name}" is invalid: spec.pool.name: Invalid value: '
+        '"node-1/example.com/other": field is immutable',
+        "reason": "Invalid",
+        "code": 422,
+        "details": {"name": name, "group": "resource.k8s.io", "kind": "ResourceSlice", "causes": causes},
+    }
+
+
 def claim(name, uid, *results, namespace="default", requests=None):
     """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device),
     optionally with a dict of further fields (e.g. {"adminAccess": True}); ``requests`` its spec's."""
@@ -4761,6 +4820,33 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     assert removed.lines == ["cfg.yaml: configuration reloaded: removed example.com/gopher"]
 
 
+async def test_dra_resources_whose_names_read_alike_get_slices_of_their_own(dra_node):
+    """example.com/foo-bar and example.com-foo/bar: once their slices shared a name, and the API
+    server refused, on every write, to move that slice from one pool to the other."""
+    others = dra_node.root / "others"
+    others.mkdir()
+    (others / "o0").touch()
+    (dra_node.devices / "gopher0").touch()
+    top = {"device_plugin_dir": str(dra_node.root / "dp")}
+    data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top))
+    cdi_dir = str(dra_node.root / "cdi")
+    data["resources"] = [
+        {**data["resources"][0], "name": "example.com/foo-bar", "cdi": {"kind": f"{DRIVER}/a", "spec_dir": cdi_dir}},
+        {
+            "name": "example.com-foo/bar",
+            "directory": str(others),
+            "api": "dra",
+            "cdi": {"kind": f"{DRIVER}/b", "spec_dir": cdi_dir},
+        },
+    ]
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.parse_config(yaml.safe_dump(data), "cfg.yaml"))
+        await dra_node.wait_for_slices(["gopher0"], pool="node-1/example.com/foo-bar")
+        await dra_node.wait_for_slices(["o0"], pool="node-1/example.com-foo/bar")
+    assert len(dra_node.api.slices) == 2
+    assert dra_node.api.refused == []
+
+
 async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     """A pool over DRA_MAX_DEVICES_PER_SLICE devices is several slices; a change rewrites them
     all under one new generation, and a pool that shrinks deletes the slices it no longer needs."""
@@ -4979,7 +5065,33 @@ async def test_dra_a_write_answered_after_the_watch_saw_it_deleted_is_not_believ
         await nursery.start(publisher.publish)
         while len(api.created) < 2:
             await publisher.synced.wait_touched()
-    assert [item["metadata"]["name"] for item in api.created] == [f"node-1-{DRIVER}-example.com-gopher-0"] * 2
+    name = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
+    assert [item["metadata"]["name"] for item in api.created] == [name] * 2
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_writes_that_succeed_and_are_undone_at_once_are_rate_limited(nursery, autojump_clock):
+    """Someone deletes each slice as soon as it is written (another writer, a webhook, a cleanup
+    that thinks the driver gone): every write succeeds and is needed again. Without a bound that is
+    a hot loop against the API server; with it, DRA_WRITES_PER_SECOND after a burst."""
+    resources = gp.DraResources(DRIVER, "node-1")
+    resources.attach(gp.resource_config("example.com/gopher"), gp.Watched({"g0": gp.DeviceEntry("g0", "/g/g0")}))
+
+    async def deleted_at_once(item):
+        deleted = {**item, "metadata": {**item["metadata"], "resourceVersion": str(len(api.created) * 10 + 1)}}
+        await api.events_in.send(("DELETED", deleted))
+        if len(api.created) >= 1000:
+            scope.cancel()  # a hot loop: enough seen
+
+    api = ScriptedSliceApi(deleted_at_once)
+    publisher = gp.SlicePublisher(resources, api)
+    seconds = 10  # virtual: the autojump clock
+    with trio.move_on_after(seconds) as scope:
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        await trio.sleep_forever()
+    assert len(api.created) <= gp.DRA_WRITE_BURST + seconds * gp.DRA_WRITES_PER_SECOND + 1
+    assert len(api.created) >= seconds * gp.DRA_WRITES_PER_SECOND  # and it kept trying
     nursery.cancel_scope.cancel()
 
 
