@@ -3,7 +3,9 @@
 The kubelet learns about hardware from device plugins. A plugin serves the DevicePlugin gRPC API
 (v1beta1) on a unix socket in the kubelet's device-plugin directory, registers through the kubelet's
 own socket there, streams its device list, and tells the kubelet what a container needs for the
-devices it was given. This file does all of that with trio, purerpc, protobuf and inotify.
+devices it was given. This file does all of that with trio, purerpc, protobuf and inotify. With a
+``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
+speaks resource.k8s.io/v1).
 
 Read it top to bottom; every section only uses the ones above it:
 
@@ -449,8 +451,12 @@ GET_STATUS = Method("gopherplug.Status", "Get", v1beta1.Empty, ResourceStatus, F
 #   calls GetInfo on it, and learns the plugin's type, name and the endpoint it really serves on;
 #   then it reports back with NotifyRegistrationStatus. pluginregistration.proto in this repository.
 # - DRAPlugin (k8s.io/kubelet/pkg/apis/dra/v1, proto package "k8s.io.kubelet.pkg.apis.dra.v1"; the
-#   same messages in ".v1beta1" for 1.32 and 1.33 kubelets): NodePrepareResources before a pod's
+#   same messages in ".v1beta1", which 1.34 kubelets also know): NodePrepareResources before a pod's
 #   containers start, NodeUnprepareResources after they are gone. dra.proto in this repository.
+#
+# DRA needs Kubernetes 1.34 or later: the driver reads ResourceClaims and writes ResourceSlices as
+# resource.k8s.io/v1 (GA in 1.34), the only version KubeApi speaks. 1.32 and 1.33 kubelets would
+# register the driver (through v1beta1.DRAPlugin), but their API servers serve only the beta APIs.
 #
 # The version names a plugin lists in PluginInfo.supported_versions are not gRPC paths: "v1.DRAPlugin"
 # (DRAPluginService in dra/v1/types.go) stands for the service at /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/.
@@ -2225,7 +2231,7 @@ def cdi_version(spec: Mapping[str, Any]) -> str:
 
 # DRA: the same devices as ResourceSlices, and claims answered from them.
 #
-# The scheduler, not the kubelet, picks devices under DRA. It reads ResourceSlices (resource.k8s.io/v1)
+# The scheduler, not the kubelet, picks devices under DRA. It reads ResourceSlices (resource.k8s.io/v1, 1.34+)
 # from the API server: each names a driver, a node and a pool, and lists devices with attributes that
 # DeviceClasses and claims select by CEL. gopherplug gives each DRA resource a pool of its own on each
 # node ("<node>/<resource name>"), so that one resource's changes never touch another's slices.
@@ -4680,7 +4686,8 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class KubeApi:
-    """The few requests a DRA driver makes to the API server, through lightkube.
+    """The few requests a DRA driver makes to the API server, through lightkube: resource.k8s.io/v1
+    only, so Kubernetes 1.34 or later (1.32 and 1.33 serve the beta versions alone).
 
     lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra), and
     the device-plugin path stays as small as it was. Objects go in and come out as plain dicts.

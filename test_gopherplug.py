@@ -5341,6 +5341,20 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     assert (device.health, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, 30)
 
 
+def test_dra_documents_the_kubernetes_version_its_api_client_needs():
+    """KubeApi speaks resource.k8s.io/v1 only, GA in 1.34: what a user reads first says so, and
+    nothing promises 1.32 or 1.33 (their API servers serve only the beta versions)."""
+    readme = (HERE / "README.md").read_text()
+    for where, text in [
+        ("the module docstring", gp.__doc__),
+        ("KubeApi", gp.KubeApi.__doc__),
+        ("README.md", readme),
+        ("daemonset-dra.yaml", (HERE / "daemonset-dra.yaml").read_text()),
+    ]:
+        assert re.search(r"Kubernetes\s+1\.34\s+or\s+later|1\.34\+", text), where
+    assert not re.search(r"1\.32 and 1\.33 with", readme)
+
+
 def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     for version in ("1.34.0", "1.37.0"):
         result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
