@@ -2319,14 +2319,27 @@ def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) 
     return f"{readable[:room].rstrip('.-')}-{digest}-{index}"
 
 
+def node_owner(node_name: str, node_uid: str) -> dict[str, Any]:
+    """The owner reference that makes a ResourceSlice its Node's: the garbage collector deletes the
+    slices of a Node that is deleted (a node scaled away for good), which nobody else would. The Go
+    helper's controller sets the same (resourceslice.Owner of kind Node, controller: true)."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}
+
+
 def resource_slices(
-    driver: str, node_name: str, resource: ResourceConfig, devices: Mapping[str, DeviceEntry], generation: int
+    driver: str,
+    node_name: str,
+    resource: ResourceConfig,
+    devices: Mapping[str, DeviceEntry],
+    generation: int,
+    node_uid: str = "",
 ) -> list[dict[str, Any]]:
     """The ResourceSlices of one resource's pool on one node, as the API server takes them.
 
     At most DRA_MAX_DEVICES_PER_SLICE devices each; every slice of the pool carries the pool's
     generation and how many slices it has, so that the scheduler uses a pool only once it has seen
     all of one generation. A pool with no devices is one empty slice: the pool is there, and empty.
+    With the Node's UID, each slice is owned by the Node (node_owner); without it, by nobody.
     """
     listed = [dra_device(resource, device) for device in devices.values()]
     chunks = [listed[i : i + DRA_MAX_DEVICES_PER_SLICE] for i in range(0, len(listed), DRA_MAX_DEVICES_PER_SLICE)]
@@ -2336,11 +2349,15 @@ def resource_slices(
         "generation": generation,
         "resourceSliceCount": len(chunks),
     }
+    owners = [node_owner(node_name, node_uid)] if node_uid else []
     return [
         {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceSlice",
-            "metadata": {"name": dra_slice_name(node_name, driver, resource.name, index)},
+            "metadata": {
+                "name": dra_slice_name(node_name, driver, resource.name, index),
+                **({"ownerReferences": [dict(owner) for owner in owners]} if owners else {}),
+            },
             "spec": {"driver": driver, "nodeName": node_name, "pool": dict(pool), "devices": chunk},
         }
         for index, chunk in enumerate(chunks)
@@ -4351,6 +4368,9 @@ _API_BACKOFF = (0.1, 10.0)
 #: How long one watch of the ResourceSlices lasts before they are listed and watched again.
 API_WATCH_SECONDS = 300.0
 
+#: How often the Node is asked for again while the slices are published without it as their owner.
+DRA_OWNER_RETRY_SECONDS = 60.0
+
 #: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
 #: write that succeeds can still be undone at once (another writer, an admission webhook that
 #: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
@@ -4698,9 +4718,11 @@ class KubeApi:
     rotates a bound token. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
     """
 
-    def __init__(self, client: Any, slice_type: Any, claim_type: Any, errors: tuple[Any, Any]) -> None:
+    def __init__(
+        self, client: Any, slice_type: Any, claim_type: Any, errors: tuple[Any, Any], node_type: Any = None
+    ) -> None:
         self._client = client
-        self._slice, self._claim = slice_type, claim_type
+        self._slice, self._claim, self._node = slice_type, claim_type, node_type
         self._api_error, self._transport_error = errors
 
     @classmethod
@@ -4736,7 +4758,11 @@ class KubeApi:
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
         claims = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
-        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError))
+        # The core group's Node as lightkube's own model: a generic resource of group "" is looked
+        # up under another key than it is registered under, so a second client would fail to make it.
+        from lightkube.resources.core_v1 import Node
+
+        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError), Node)
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
@@ -4750,6 +4776,12 @@ class KubeApi:
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
             return dict(await self._client.get(self._claim, name, namespace=namespace))
+
+    async def get_node(self, name: str) -> dict[str, Any]:
+        """The Node's name and UID (all a slice's owner reference needs), as its metadata."""
+        with self._errors(f"get Node {name}"):
+            node = await self._client.get(self._node, name)
+            return {"metadata": {"name": node.metadata.name, "uid": node.metadata.uid}}
 
     def _fields(self, node_name: str, driver: str) -> dict[str, str]:
         # Both are field selectors the API server supports for ResourceSlices.
@@ -4812,6 +4844,9 @@ class SlicePublisher:
         # than that is stale: the watch already brought it, or what came after it (a deletion).
         self._seen = -1
         self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
+        #: The Node's UID, for the slices' owner reference; None until the API server told it
+        self.node_uid: str | None = None
+        self._owner_warned = False
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -4834,6 +4869,9 @@ class SlicePublisher:
                         name = item["metadata"]["name"]
                         if event == "DELETED":
                             self.known.pop(name, None)
+                            # Deleted by the garbage collector, maybe: its Node is gone, and one of
+                            # the same name may have come back with another UID. Ask again.
+                            self.node_uid = None
                         elif not _older(item, self.known.get(name)):
                             self.known[name] = item
                         self.known_changed.touch()
@@ -4857,6 +4895,11 @@ class SlicePublisher:
                     await self._sync()
                     delay = _API_BACKOFF[0]
                     self.synced.set(self.synced.value + 1)
+                    if self.node_uid is None:  # published without an owner: ask for the Node again later
+                        with trio.move_on_after(DRA_OWNER_RETRY_SECONDS):
+                            await woken.wait()
+                        nursery.cancel_scope.cancel()
+                        continue
                 except ApiError as error:
                     log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, delay)
                     with trio.move_on_after(delay):
@@ -4869,9 +4912,43 @@ class SlicePublisher:
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
 
+    async def _owner(self) -> str:
+        """The Node's UID ("" when it cannot be had: the slices go out without an owner).
+
+        Asked of the API server once, and again after any of our slices was deleted. A 403 (the
+        ClusterRole of an older manifest has no `get` on nodes) or a 404 (NODE_NAME is not a
+        Node's name) must not stop the devices from being published: warned about once, and asked
+        again every DRA_OWNER_RETRY_SECONDS. Other failures are the API server's: raised, retried.
+        """
+        if self.node_uid is not None:
+            return self.node_uid
+        node = self.resources.node_name
+        try:
+            found = await self.api.get_node(node)
+        except ApiError as error:
+            if error.status not in (403, 404):
+                raise
+            if not self._owner_warned:
+                self._owner_warned = True
+                why = (
+                    "the ClusterRole needs get on nodes, as in daemonset-dra.yaml"
+                    if error.status == 403
+                    else (f"is {node} this node's name?")
+                )
+                log.warning(
+                    "DRA: %s (%s); the ResourceSlices are published without the Node as their owner, so "
+                    "nothing deletes them with the Node",
+                    error,
+                    why,
+                )
+            return ""
+        self.node_uid = str(found.get("metadata", {}).get("uid") or "")
+        return self.node_uid
+
     async def _sync(self) -> None:
         """One pass: every pool's slices as they should be, stale ones deleted."""
         node, driver = self.resources.node_name, self.resources.driver
+        owner = await self._owner()
         wanted: set[str] = set()
         for resource, devices in list(self.resources.served.values()):
             if devices.value is RETIRED:
@@ -4879,7 +4956,7 @@ class SlicePublisher:
             pool = dra_pool_name(node, resource.name)
             mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
             generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
-            slices = resource_slices(driver, node, resource, devices.value, generation)
+            slices = resource_slices(driver, node, resource, devices.value, generation, owner)
             wanted.update(item["metadata"]["name"] for item in slices)
             same = len(mine) == len(slices) and all(
                 _same_slice(item, mine.get(item["metadata"]["name"])) for item in slices
@@ -4893,6 +4970,9 @@ class SlicePublisher:
                 await self._writes.acquire()
                 if name in self.known:
                     item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
+                    if not owner and "ownerReferences" in self.known[name]["metadata"]:
+                        # The Node is unknown for now, not gone: an update keeps the owner it had.
+                        item["metadata"]["ownerReferences"] = self.known[name]["metadata"]["ownerReferences"]
                     written = await self.api.replace_slice(item)
                 else:
                     written = await self.api.create_slice(item)
@@ -4926,8 +5006,12 @@ def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
 
 
 def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
-    """Whether a slice on the server already says what ``wanted`` says (the generation aside)."""
+    """Whether a slice on the server already says what ``wanted`` says (the generation aside), and
+    is owned as wanted (a slice written by a version that set no owner is written again, once)."""
     if known is None:
+        return False
+    owners = wanted["metadata"].get("ownerReferences")
+    if owners is not None and known.get("metadata", {}).get("ownerReferences") != owners:
         return False
     a, b = dict(wanted["spec"]), dict(known["spec"])
     a_pool, b_pool = dict(a.pop("pool")), dict(b.pop("pool"))
@@ -6253,8 +6337,14 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
     ValidateResourceSliceUpdate (kubernetes/kubernetes pkg/apis/resource/validation/validation.go)
     that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
     characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
-    at most 128 devices, each named by a DNS label; and pool name, driver and node immutable."""
+    at most 128 devices, each named by a DNS label; pool name, driver and node immutable; an owner
+    reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
     causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
+    for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
+        if not owner.get("uid"):
+            causes.append(
+                _cause("metadata.ownerReferences.uid", "FieldValueInvalid", 'Invalid value: "": uid must not be empty')
+            )
     spec = item.get("spec") or {}
     pool = spec.get("pool") or {}
     pool_name = str(pool.get("name", ""))
@@ -6341,6 +6431,7 @@ class ApiServerSimulator:
         self.ssl_context = ssl_context
         self.tokens = tokens
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
         #: (slice name, causes) of each write refused as invalid (422), in order
@@ -6370,6 +6461,20 @@ class ApiServerSimulator:
     def put_claim(self, claim: dict[str, Any]) -> None:
         metadata = claim["metadata"]
         self.claims[metadata["namespace"], metadata["name"]] = claim
+
+    def put_node(self, name: str, uid: str) -> None:
+        """A Node, as the kubelet registers it: what a slice's owner reference names."""
+        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+
+    def delete_node(self, name: str) -> None:
+        """Delete a Node, and then what the garbage collector deletes: every slice whose owner
+        references name it (by UID) and no other object that still exists."""
+        uid = self.nodes.pop(name)["metadata"]["uid"]
+        alive = {node["metadata"]["uid"] for node in self.nodes.values()}
+        for slice_name, item in list(self.slices.items()):
+            owners = {owner.get("uid") for owner in item["metadata"].get("ownerReferences", [])}
+            if uid in owners and not owners & alive:
+                self.delete_slice(slice_name)
 
     def _bump(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
         self._version += 1
@@ -6441,6 +6546,13 @@ class ApiServerSimulator:
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))
         method, path = request.method.decode(), url.path
+        if method == "GET" and path.startswith("/api/v1/nodes/"):
+            name = path.removeprefix("/api/v1/nodes/")
+            if (node := self.nodes.get(name)) is None:
+                await self._send(connection, stream, h11, 404, _status(404, "NotFound", f'nodes "{name}" not found'))
+            else:
+                await self._send(connection, stream, h11, 200, node)
+            return
         parts = path.removeprefix(self.PREFIX).strip("/").split("/")
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
             claim = self.claims.get((parts[1], parts[3]))
@@ -6593,6 +6705,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     out(f"gopherplug demo --dra: a simulated kubelet and API server, and the real plugin, in {root}")
     async with trio.open_nursery() as nursery:
         api = await nursery.start(ApiServerSimulator().run)
+        api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
         kubeconfig = os.path.join(root, "kubeconfig")
         with open(kubeconfig, "w", encoding="utf-8") as file:
             cluster = {"name": "demo", "cluster": {"server": api.url}}

@@ -4511,6 +4511,9 @@ def claim(name, uid, *results, namespace="default", requests=None):
     }
 
 
+NODE_UID = "0b6f8a5e-4c1d-4e0a-9f3b-2d7c1e9a8b01"
+
+
 class DraNode:
     """One node under DRA: a device directory, the kubelet's directory with the simulated DRA
     kubelet, an HTTPS API server simulator with a bearer token, and gopherplug started and stopped
@@ -4534,6 +4537,7 @@ class DraNode:
         self.token_file = self.root / "token"
         self.token_file.write_text("token-1")
         self.api = gp.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
+        self.api.put_node("node-1", NODE_UID)
         self.kubelet = gp.DraKubeletSimulator(
             str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
         )
@@ -5021,6 +5025,59 @@ async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
 
 
+async def test_dra_slices_are_owned_by_their_node_and_go_with_it(dra_node):
+    """The Node owns its slices, as the Go helper makes it: deleting a Node (a node scaled away)
+    lets the garbage collector delete them. A Node registered again under the same name is
+    another object (another UID): the slices come back owned by it."""
+    (dra_node.devices / "gopher0").touch()
+
+    def owners():
+        return [item["metadata"].get("ownerReferences") for item in dra_node.api.slices.values()]
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        assert owners() == [[gp.node_owner("node-1", NODE_UID)]]
+        assert gp.node_owner("node-1", NODE_UID) == {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": "node-1",
+            "uid": NODE_UID,
+            "controller": True,
+        }
+        dra_node.api.delete_node("node-1")
+        assert dra_node.slice_devices() is None  # collected with their owner
+        dra_node.api.put_node("node-1", "new-uid")  # the kubelet registers its Node again
+        await dra_node.wait_for_slices(["gopher0"])
+        while owners() != [[gp.node_owner("node-1", "new-uid")]]:
+            await dra_node.api.changed.wait_touched()
+
+
+async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_later(dra_node, monkeypatch, caplog):
+    """A Node the driver cannot read (an older manifest's ClusterRole without get on nodes, or a
+    NODE_NAME that names none) must not keep the devices from the scheduler: the slices go out
+    unowned, with one warning, and get their owner once the Node can be read; slices an older
+    version wrote without an owner are rewritten the same way."""
+    monkeypatch.setattr(gp, "DRA_OWNER_RETRY_SECONDS", 0.05)
+    del dra_node.api.nodes["node-1"]
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        (item,) = dra_node.api.slices.values()
+        assert "ownerReferences" not in item["metadata"]
+        dra_node.api.put_node("node-1", NODE_UID)
+        while [i["metadata"].get("ownerReferences") for i in dra_node.api.slices.values()] != [
+            [gp.node_owner("node-1", NODE_UID)]
+        ]:
+            await dra_node.api.changed.wait_touched()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        'DRA: get Node node-1: 404 nodes "node-1" not found (is node-1 this node\'s name?); the ResourceSlices are '
+        "published without the Node as their owner, so nothing deletes them with the Node"
+    ]
+
+
 class ScriptedSliceApi:
     """The slice requests of KubeApi, scripted: the watch yields what the test sends down
     ``events``; create_slice answers only once ``before_answer`` (awaited with the item) returns."""
@@ -5032,6 +5089,9 @@ class ScriptedSliceApi:
 
     async def list_slices(self, node_name, driver):
         return [], "1"
+
+    async def get_node(self, name):
+        return {"metadata": {"name": name, "uid": NODE_UID}}
 
     async def watch_slices(self, node_name, driver, version):
         async for event in self.events:
@@ -5368,7 +5428,11 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert f'device.driver == "{config.dra.driver}"' in expression
     assert f'.resource == "{resource.name}"' in expression
     rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
-    assert rules == {("resourceslices",): {"list", "watch", "create", "update", "delete"}, ("resourceclaims",): {"get"}}
+    assert rules == {
+        ("resourceslices",): {"list", "watch", "create", "update", "delete"},
+        ("resourceclaims",): {"get"},
+        ("nodes",): {"get"},  # the UID of the slices' owner
+    }
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {item["name"]: item for item in container["env"]}
