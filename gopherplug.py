@@ -64,7 +64,7 @@ import tempfile
 import time
 import types
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -4705,6 +4705,46 @@ class ClaimPreparer:
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+#: How long a token read from a file is used before the file is read again (client-go's
+#: cachingTokenSource in transport/token_source.go: one minute). The kubelet refreshes a projected
+#: token at 80 % of its life, at least an hour: a minute-old token is never the expired one.
+TOKEN_REREAD_SECONDS = 60.0
+
+
+def _token_file_auth(httpx2: Any, path: str) -> Any:
+    """An httpx2 authentication that sends the bearer token in ``path``: read again once it is
+    TOKEN_REREAD_SECONDS old, and after a 401 or 403, when the request is sent once more if the
+    file holds another token (a refusal of the same token again is the server's last word)."""
+
+    class TokenFileAuth(httpx2.Auth):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            self.bearer: str | None = None
+            self.read_at = -math.inf
+
+        def read(self) -> None:
+            try:
+                with open(path, encoding="utf-8") as file:
+                    self.bearer = f"Bearer {file.read().strip()}"
+            except OSError:
+                pass  # being replaced, or gone: the last token, or none (the server says 401)
+            self.read_at = time.monotonic()
+
+        def auth_flow(self, request: Any) -> Generator[Any, Any, None]:
+            if time.monotonic() - self.read_at >= TOKEN_REREAD_SECONDS:
+                self.read()
+            sent = self.bearer
+            if sent is not None:
+                request.headers["Authorization"] = sent
+            response = yield request
+            if response.status_code in (401, 403):
+                self.read()
+                if self.bearer is not None and self.bearer != sent:
+                    request.headers["Authorization"] = self.bearer
+                    yield request
+
+    return TokenFileAuth()
+
+
 class KubeApi:
     """The few requests a DRA driver makes to the API server, through lightkube: resource.k8s.io/v1
     only, so Kubernetes 1.34 or later (1.32 and 1.33 serve the beta versions alone).
@@ -4713,9 +4753,9 @@ class KubeApi:
     the device-plugin path stays as small as it was. Objects go in and come out as plain dicts.
     Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
     reached or did not answer. In a pod, the configuration is the service account's
-    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); lightkube reads
-    the token file again when the server refuses it (401), which is what happens after the kubelet
-    rotates a bound token. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
+    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
+    is read again every TOKEN_REREAD_SECONDS and when the server refuses it (401 or 403), as the
+    kubelet rotates bound tokens. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
     """
 
     def __init__(
@@ -4754,6 +4794,15 @@ class KubeApi:
         client = lightkube.AsyncClient(
             config, field_manager=field_manager, timeout=httpx2.Timeout(API_REQUEST_TIMEOUT), trust_env=False
         )
+        # lightkube reads a token file again only after a 401. A projected token that the API server
+        # refuses with 403 (the manifest's admission policy refuses a token without its node, e.g.
+        # one issued before an upgrade) would then be sent forever, although the kubelet has already
+        # replaced the file. client-go reads the file again every minute; so does this, and after a
+        # 401 or 403. Set on lightkube 1.0.1's httpx2 client (GenericAsyncClient._client), pinned.
+        user = getattr(client._client.config, "user", None)
+        token_file = getattr(user, "token_file", None)
+        if token_file:
+            client._client._client.auth = _token_file_auth(httpx2, token_file)
         # httpx2 logs every request at INFO; gopherplug logs what each one was for, and failures.
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
@@ -6421,8 +6470,8 @@ class ApiServerSimulator:
     watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
     lines, as the API server does.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
-    accepts, others get 401. ``down`` refuses every request by closing the connection; ``delay``
-    holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
+    accepts, others get 401; ``forbidden_tokens`` get 403. ``down`` refuses every request by closing
+    the connection; ``delay`` holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
     """
 
     PREFIX = "/apis/resource.k8s.io/v1"
@@ -6437,6 +6486,10 @@ class ApiServerSimulator:
         #: (slice name, causes) of each write refused as invalid (422), in order
         self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
+        #: tokens the server knows but refuses with 403 and this message, as an admission policy
+        #: refuses a token that names no node (the manifest's), or RBAC a user without the right
+        self.forbidden_tokens: dict[str, str] = {}
+        self.bearers: list[str] = []  #: the bearer token of each request, in order ("" without one)
         self.down = False
         self.delay = 0.0
         self.port = 0
@@ -6539,9 +6592,15 @@ class ApiServerSimulator:
 
     async def _answer(self, connection: Any, stream: Any, h11: Any, request: Any, body: bytes) -> None:
         headers = {name.decode().lower(): value.decode() for name, value in request.headers}
-        if self.tokens is not None and headers.get("authorization", "").removeprefix("Bearer ") not in self.tokens:
+        token = headers.get("authorization", "").removeprefix("Bearer ")
+        self.bearers.append(token)
+        if self.tokens is not None and token not in self.tokens:
             self.refused_tokens += 1
             await self._send(connection, stream, h11, 401, _status(401, "Unauthorized", "Unauthorized"))
+            return
+        if token in self.forbidden_tokens:
+            self.refused_tokens += 1
+            await self._send(connection, stream, h11, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
             return
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))

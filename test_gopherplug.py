@@ -5231,6 +5231,77 @@ async def test_dra_in_cluster_configuration_rereads_a_rotated_token(dra_node, mo
     assert dra_node.api.refused_tokens == 1  # refused once, then the file was read again
 
 
+def projected_account(directory, ca_text, token):
+    """A service account directory as the kubelet projects it: ..data a symlink to a timestamped
+    directory; ``rotate(token)`` swaps in a new one atomically, as the kubelet does."""
+    directory.mkdir()
+    generation = iter(range(1, 100))
+
+    def rotate(token):
+        files = directory / f"..2026_11_24_{next(generation):02}"
+        files.mkdir()
+        (files / "token").write_text(token)
+        (files / "ca.crt").write_text(ca_text)
+        (files / "namespace").write_text("gopherplug")
+        (directory / "..data_tmp").symlink_to(files.name)
+        os.replace(directory / "..data_tmp", directory / "..data")
+
+    rotate(token)
+    for name in ("token", "ca.crt", "namespace"):
+        (directory / name).symlink_to(f"..data/{name}")
+    return rotate
+
+
+async def test_dra_a_token_refused_with_403_is_read_again(dra_node, monkeypatch, tmp_path):
+    """The manifest's admission policy answers 403, not 401, to a token that names no node (one
+    issued before an API server upgrade). lightkube reads the file again only after a 401, so the
+    refused token was sent forever although the kubelet had already replaced it."""
+    rotate = projected_account(tmp_path / "serviceaccount", dra_node.ca_file.read_text(), "token-1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    dra_node.api.tokens = {"token-1", "token-2"}
+    api = gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+    try:
+        with trio.fail_after(TIMEOUT):
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+            rotate("token-2")
+            dra_node.api.forbidden_tokens = {
+                "token-1": "gopherplug-dra writes ResourceSlices only with a token that names its node"
+            }
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+            # A 403 for the token the file still holds is the answer: sent once, not twice.
+            dra_node.api.forbidden_tokens = {"token-2": "resourceclaims is forbidden"}
+            with pytest.raises(gp.ApiError) as refused:
+                await api.get_claim("default", "c1")
+    finally:
+        await api.aclose()
+    assert refused.value.status == 403
+    assert dra_node.api.bearers == ["token-1", "token-1", "token-2", "token-2"]
+
+
+async def test_dra_a_token_file_is_read_again_every_minute(dra_node, monkeypatch, tmp_path):
+    """client-go reads a token file again every minute, refused or not: a token the kubelet replaced
+    is not used until it expires, or until the API server starts refusing it."""
+    rotate = projected_account(tmp_path / "serviceaccount", dra_node.ca_file.read_text(), "token-1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    dra_node.api.tokens = {"token-1", "token-2"}
+    api = gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+    try:
+        with trio.fail_after(TIMEOUT):
+            await api.get_claim("default", "c1")
+            rotate("token-2")
+            await api.get_claim("default", "c1")  # within the minute: the token read before
+            monkeypatch.setattr(gp, "TOKEN_REREAD_SECONDS", 0.0)  # the minute is over
+            await api.get_claim("default", "c1")
+    finally:
+        await api.aclose()
+    assert dra_node.api.bearers == ["token-1", "token-1", "token-2"]
+    assert dra_node.api.refused_tokens == 0
+
+
 async def test_dra_needs_the_node_name(dra_node):
     with trio.fail_after(TIMEOUT), pytest.raises(gp.GopherplugError) as info:
         await dra_node.start(node_name="")
