@@ -2339,9 +2339,13 @@ def resource_slices(
     At most DRA_MAX_DEVICES_PER_SLICE devices each; every slice of the pool carries the pool's
     generation and how many slices it has, so that the scheduler uses a pool only once it has seen
     all of one generation. A pool with no devices is one empty slice: the pool is there, and empty.
-    With the Node's UID, each slice is owned by the Node (node_owner); without it, by nobody.
+    The devices are in natural order of their IDs. With the Node's UID, each slice is owned by the
+    Node (node_owner); without it, by nobody.
     """
-    listed = [dra_device(resource, device) for device in devices.values()]
+    # In one order whatever order the devices were found in (natural: "g2" before "g10"): the
+    # publisher compares slices as lists, and a restarted plugin that scanned the directory in
+    # another order would otherwise rewrite unchanged pools under a new generation.
+    listed = [dra_device(resource, devices[i]) for i in _natural_sorted(list(devices))]
     chunks = [listed[i : i + DRA_MAX_DEVICES_PER_SLICE] for i in range(0, len(listed), DRA_MAX_DEVICES_PER_SLICE)]
     chunks = chunks or [[]]
     pool = {

@@ -5155,6 +5155,39 @@ async def test_dra_writes_that_succeed_and_are_undone_at_once_are_rate_limited(n
     nursery.cancel_scope.cancel()
 
 
+async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_nothing(nursery):
+    """The README promises that a restarted plugin leaves unchanged slices alone; a directory read
+    in another order (or USB devices enumerated anew) must not count as a change."""
+    resource = gp.resource_config("example.com/gopher")
+    names = [f"g{i}" for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 12)]
+    found = {name: gp.DeviceEntry(name, f"/g/{name}") for name in names}
+    before = gp.resource_slices(DRIVER, "node-1", resource, found, 3, NODE_UID)
+    shuffled = {name: found[name] for name in reversed(names)}
+    assert gp.resource_slices(DRIVER, "node-1", resource, shuffled, 3, NODE_UID) == before
+    for version, item in enumerate(before, 1):
+        item["metadata"]["resourceVersion"] = str(version)
+
+    class Restarted(ScriptedSliceApi):
+        async def list_slices(self, node_name, driver):
+            return [json.loads(json.dumps(item)) for item in before], "2"
+
+        async def replace_slice(self, item):
+            self.created.append(item)
+            return item
+
+    resources = gp.DraResources(DRIVER, "node-1")
+    resources.attach(resource, gp.Watched(shuffled))
+    api = Restarted(None)
+    publisher = gp.SlicePublisher(resources, api)
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        while publisher.synced.value < 1:
+            await publisher.synced.wait_touched()
+    assert api.created == []
+    nursery.cancel_scope.cancel()
+
+
 async def test_dra_a_quiet_watch_is_listed_again_after_a_while(nursery, autojump_clock, caplog):
     """A watch whose connection died without a word brings nothing forever: each lasts
     API_WATCH_SECONDS, then the slices are listed again, quietly (no warning: nothing failed)."""
