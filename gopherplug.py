@@ -422,6 +422,7 @@ _STATUS_FIELDS = (
     ("unstreamed_seconds", 4, "double"),  # with none open: for how long, counted from the kubelet's start
     ("registration_error", 5, "string"),  # DRA: why the kubelet refused the driver, as it said
     ("unregistered_seconds", 6, "double"),  # DRA: not registered (yet): for how long, since serving
+    ("dropped", 7, "string"),  # DRA: why the kubelet seems to have dropped the driver it registered
 )
 
 
@@ -3032,7 +3033,9 @@ async def _client_connection(socket_path: str) -> AsyncIterator[_GRPCSocket]:
         yield grpc_socket
 
 
-async def call_unary(socket_path: str, method: Method, request: Any, *, timeout: float) -> Any:
+async def call_unary(
+    socket_path: str, method: Method, request: Any, *, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+) -> Any:
     """Make one unary call on a unix socket, the way grpc-go (the kubelet) does, and return the answer.
 
     Sends ``:authority: localhost`` (what the kubelet sends; purerpc's channel would send
@@ -3042,6 +3045,7 @@ async def call_unary(socket_path: str, method: Method, request: Any, *, timeout:
 
     Raises RPCError: the server's status if it answered with one, UNAVAILABLE if the socket could
     not be reached or the connection broke, DEADLINE_EXCEEDED if no answer came in time.
+    ``metadata``: request headers, (name, value) pairs.
     """
     service, _, name = method.path[1:].partition("/")
     try:
@@ -3056,6 +3060,7 @@ async def call_unary(socket_path: str, method: Method, request: Any, *, timeout:
                     # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which
                     # purerpc's microsecond unit reaches at 100 s.
                     timeout=datetime.timedelta(seconds=math.ceil(timeout)),
+                    custom_metadata=metadata,
                 )
                 try:
                     stream.expect_message_type(method.response_type)
@@ -4566,21 +4571,61 @@ class RegistrationState:
     notified: Watched = dataclasses.field(default_factory=lambda: Watched(0))  #: counts the notifications
     health_streams: int = 0
     serving_since: float = dataclasses.field(default_factory=time.monotonic)
+    # Since the last notification: the kubelet's GetInfo calls (not a probe's) and the last one's
+    # time; whether a kubelet health stream was opened, and when the last one ended.
+    info_calls: int = 0
+    last_info: float = 0.0
+    health_opened: bool = False
+    health_ended: float = 0.0
+
+    def notify(self, registered: bool, error: str) -> None:
+        self.registered, self.error = registered, error
+        self.info_calls, self.health_opened = 0, False
+        self.notified.set(self.notified.value + 1)
+
+    def dropped(self, now: float) -> tuple[str, float]:
+        """Why the kubelet seems to have dropped the driver it registered, and since when ("" if it
+        does not). The kubelet says nothing when it drops a plugin (a directory it stopped watching,
+        a restart that found our socket gone, its own bug), and a probe that trusts the last
+        notification says "registered" forever. What it does observably is stop what it did: the
+        newest plugin watcher calls GetInfo every 10 s while a plugin is registered, and a kubelet
+        with ResourceHealthStatus keeps a health stream open. Either one gone quiet for
+        DRA_KUBELET_SILENCE means dropped. Older kubelets call GetInfo only to register: one call
+        seen after the notification is what shows this kubelet asks again."""
+        if not self.registered:
+            return "", 0.0
+        if self.info_calls and now - self.last_info > DRA_KUBELET_SILENCE:
+            return f"it has not called GetInfo for {now - self.last_info:.0f} s", self.last_info
+        if self.health_opened and not self.health_streams and now - self.health_ended > DRA_KUBELET_SILENCE:
+            return f"its health stream ended {now - self.health_ended:.0f} s ago", self.health_ended
+        return "", 0.0
 
     def message(self, driver: str) -> Any:
+        now = time.monotonic()
+        dropped, since = self.dropped(now)
+        registered = self.registered and not dropped
         return ResourceStatus(
             resource_name=driver,
-            registered=self.registered,
+            registered=registered,
             registration_error=self.error,
             streams=self.health_streams,
-            unregistered_seconds=0.0 if self.registered else time.monotonic() - self.serving_since,
+            unregistered_seconds=0.0 if registered else now - (since or self.serving_since),
+            dropped=dropped,
         )
+
+
+#: How long the kubelet may be quiet before a registered driver counts as dropped: three of the
+#: plugin watcher's 10 s GetInfo calls missed, and a health stream not opened again.
+DRA_KUBELET_SILENCE = 30.0
 
 
 def registration_service(config: DraConfig, state: RegistrationState) -> purerpc.Service:
     """pluginregistration.Registration: who we are, and where DRAPlugin is served."""
 
-    async def get_info(request: Any) -> Any:
+    async def get_info(info: Any, request: RequestReceived) -> Any:
+        if PROBE_METADATA not in request.custom_metadata:  # a probe's call is not the kubelet's
+            state.info_calls += state.registered
+            state.last_info = time.monotonic()
         return pluginregistration.PluginInfo(
             type=DRA_PLUGIN_TYPE,
             name=config.driver,
@@ -4590,12 +4635,11 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
         )
 
     async def notify_registration_status(status: Any) -> Any:
-        state.registered, state.error = status.plugin_registered, status.error
         if status.plugin_registered:
             log.info("the kubelet registered DRA driver %s", config.driver)
         else:
             log.error("the kubelet refused DRA driver %s: %s", config.driver, status.error)
-        state.notified.set(state.notified.value + 1)
+        state.notify(status.plugin_registered, status.error)
         return pluginregistration.RegistrationStatusResponse()
 
     service = purerpc.Service(f"{_REGISTRATION_PACKAGE}.Registration")
@@ -4633,6 +4677,7 @@ def dra_health_service(resources: DraResources, registration: RegistrationState)
     async def node_watch_resources(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
         registration.health_streams += counted
+        registration.health_opened |= counted
         try:
             while True:
                 yield dra_health_response(resources.pools(), time.time())
@@ -4642,6 +4687,8 @@ def dra_health_service(resources: DraResources, registration: RegistrationState)
                     await trio.sleep(LIST_PUSH_INTERVAL)
         finally:
             registration.health_streams -= counted
+            if counted:
+                registration.health_ended = time.monotonic()
 
     service = purerpc.Service(DRA_HEALTH_VERSION)
     service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[NODE_WATCH_RESOURCES].signature)
@@ -5922,7 +5969,11 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
     try:
         request = pluginregistration.InfoRequest()
         result.info = await call_unary(
-            config.registration_socket, DRA_METHODS[GET_INFO], request, timeout=PROBE_TIMEOUT
+            config.registration_socket,
+            DRA_METHODS[GET_INFO],
+            request,
+            timeout=PROBE_TIMEOUT,
+            metadata=(PROBE_METADATA,),
         )
         endpoint = result.info.endpoint
         result.status = await call_unary(endpoint, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
@@ -5942,6 +5993,8 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
         result.error = f"{config.registration_socket} is DRA driver {result.info.name}'s, not {config.driver}'s"
     elif status.registration_error:
         result.error = f"the kubelet refused the driver: {status.registration_error}"
+    elif status.dropped and status.unregistered_seconds > grace:
+        result.error = f"the kubelet registered it, then seems to have dropped it: {status.dropped}"
     elif not status.registered and status.unregistered_seconds > grace:
         result.error = (
             f"no kubelet has registered it in {status.unregistered_seconds:.0f} s: is {config.kubelet_dir} "
@@ -6153,7 +6206,8 @@ class DraKubeletSimulator:
     unlike the device manager's, deletes nothing: plugins_registry is walked again);
     ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
     node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
-    and ``wiping_delay`` seconds after a driver went without registering again.
+    and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
+    forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
     """
 
     def __init__(
@@ -6162,12 +6216,17 @@ class DraKubeletSimulator:
         versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
         wipe: Callable[[str], None] | None = None,
         wiping_delay: float = DRA_WIPING_DELAY,
+        info_interval: float | None = None,
     ) -> None:
         self.registry = os.path.join(kubelet_dir, "plugins_registry")
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
         self.wipe, self.wiping_delay = wipe, wiping_delay
+        #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
+        #: every 10 s; None: only to register, as kubelets up to 1.36 do)
+        self.info_interval = info_interval
         self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name
-        #: ("registered" | "refused: why" | "deregistered", socket), and ("wiped", driver or "")
+        #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), and
+        #: ("wiped", driver or "")
         self.events: list[tuple[str, str]] = []
         self.starts = 0
         self._changed = Watched(None)
@@ -6195,6 +6254,8 @@ class DraKubeletSimulator:
                     task_status.started(self)
                     task_status = trio.TASK_STATUS_IGNORED
                     nursery.start_soon(self._follow, w)
+                    if self.info_interval is not None:
+                        nursery.start_soon(self._ask_again, self.info_interval)
                     await self._restart.wait()
                     nursery.cancel_scope.cancel()
 
@@ -6219,6 +6280,25 @@ class DraKubeletSimulator:
                     self.events.append(("deregistered", path))
                     gone.append(driver.name)
         return gone
+
+    async def _ask_again(self, interval: float) -> None:
+        """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
+        that a plugin it registered is still there (its answer is not looked at here)."""
+        while True:
+            await trio.sleep(interval)
+            for driver in list(self.drivers.values()):
+                with contextlib.suppress(RPCError):
+                    request = pluginregistration.InfoRequest()
+                    path = driver.registration_socket
+                    await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
+                    self.events.append(("asked", path))
+                    self._changed.touch()
+
+    def drop(self, driver: str) -> None:
+        """Forget a registered driver without a word to it: no more GetInfo, no more calls."""
+        dropped = self.drivers.pop(driver)
+        self.events.append(("dropped", dropped.registration_socket))
+        self._changed.touch()
 
     async def _wipe_later(self, driver: str) -> None:
         """A driver that went may have died without cleaning up; one that registers again in time

@@ -5363,6 +5363,62 @@ async def test_probe_shows_the_dra_driver_as_the_kubelet_sees_it(dra_node):
     )
 
 
+async def dra_status(dra_node):
+    """gopherplug's status on the DRAPlugin socket, as the probe reads it."""
+    endpoint = str(dra_node.kubelet_dir / "plugins" / DRIVER / "dra.sock")
+    return await gp.call_unary(endpoint, gp.GET_STATUS, gp.v1beta1.Empty(), timeout=TIMEOUT)
+
+
+async def test_probe_fails_a_dra_driver_the_kubelet_stopped_asking_after(dra_node, monkeypatch):
+    """The kubelet says nothing when it drops a driver; the newest plugin watcher calls GetInfo on
+    a registered one every 10 s, and stops. A driver that goes unasked for DRA_KUBELET_SILENCE is
+    dropped, and the probe fails with the reason; one that is asked stays registered."""
+    monkeypatch.setattr(gp, "DRA_KUBELET_SILENCE", 0.3)
+    dra_node.kubelet.info_interval = 0.02  # the newest kubelets' 10 s, sped up
+    dra_node.kubelet.restart()
+    registration = str(dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock")
+    config = dra_node.root / "cfg.yaml"
+    top = {"device_plugin_dir": str(dra_node.root)}
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.load_config(str(config)))
+        await dra_node.registered()
+        await dra_node.kubelet.wait_until(lambda k: ("asked", registration) in k.events)
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # time itself is what is tested: asked all along
+        assert (await dra_status(dra_node)).registered
+        dra_node.kubelet.drop(DRIVER)
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # unasked for longer than the silence
+        status = await dra_status(dra_node)
+        result = await run_cli_async("probe", "--config", str(config), "--grace", "0")
+    assert not status.registered
+    assert re.fullmatch(r"it has not called GetInfo for \d+ s", status.dropped)
+    assert result.returncode == 1
+    assert re.fullmatch(
+        rf"DRA driver {DRIVER}: FAILED: the kubelet registered it, then seems to have dropped it: it has not called "
+        r"GetInfo for \d+ s\n",
+        result.stdout.decode(),
+    )
+
+
+async def test_dra_a_driver_whose_health_stream_the_kubelet_ended_counts_as_dropped(dra_node, monkeypatch):
+    """A kubelet that does not call GetInfo again (up to 1.36) but streams health: the stream ending
+    for good is the sign. A kubelet that did neither leaves the driver registered."""
+    monkeypatch.setattr(gp, "DRA_KUBELET_SILENCE", 0.3)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # no sign either way: registered stays
+        assert (await dra_status(dra_node)).registered
+        async with dra_node.kubelet.watch_health(DRIVER) as reports:
+            await reports.__anext__()
+            await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # a stream open all along: registered
+            assert (await dra_status(dra_node)).registered
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)
+        status = await dra_status(dra_node)
+    assert not status.registered
+    assert re.fullmatch(r"its health stream ended \d+ s ago", status.dropped)
+
+
 async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_node, nursery):
     refusing = dra_node.root / "refusing"
     old_kubelet = await nursery.start(gp.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
