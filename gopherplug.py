@@ -550,6 +550,18 @@ _DRA_HEALTH_SERVICES = {
 #: Kubelets before 1.37 ignore it and open the stream anyway; later ones open it only when it is listed.
 DRA_HEALTH_VERSION = f"{_DRA_HEALTH_PACKAGE}.DRAResourceHealth"
 
+#: Every DRAResourceHealth version served, newest first: (name in supported_versions, proto package).
+#: v1.36 kubelets read only v1alpha1. The kubelet's main branch (planned for 1.37) defines v1beta1
+#: and v1 in k8s.io/kubelet/pkg/apis/dra-health (packages "v1beta1" and "v1", the same messages,
+#: names and numbers as v1alpha1; DRAResourceHealthService in each types.go), opens the newest one
+#: a driver lists, and keeps v1alpha1 as a fallback for a few releases: so a newer kubelet gets
+#: health without an upgrade of gopherplug, and an older one still finds v1alpha1.
+DRA_HEALTH_VERSIONS = (
+    ("v1.DRAResourceHealth", "v1"),
+    ("v1beta1.DRAResourceHealth", "v1beta1"),
+    (DRA_HEALTH_VERSION, _DRA_HEALTH_PACKAGE),
+)
+
 #: pluginregistration.proto, dra.proto (v1, then v1beta1) and dra_health.proto as protoc makes them.
 REGISTRATION_FILE_DESCRIPTOR = _file_descriptor(
     "pluginregistration.proto", _REGISTRATION_PACKAGE, _REGISTRATION_MESSAGES, _REGISTRATION_SERVICES
@@ -560,10 +572,21 @@ DRA_FILE_DESCRIPTORS = tuple(
     )
     for i, (_, package) in enumerate(DRA_VERSIONS)
 )
-DRA_HEALTH_FILE_DESCRIPTOR = _file_descriptor(
-    "dra_health.proto", _DRA_HEALTH_PACKAGE, _DRA_HEALTH_MESSAGES, _DRA_HEALTH_SERVICES, _DRA_HEALTH_ENUMS
+# dra_health.proto in each package (v1, v1beta1, v1alpha1). Package "v1beta1" is the device-plugin
+# API's too: the health file only adds names that API does not have, as in the kubelet's own
+# registry, where both are linked into one binary.
+DRA_HEALTH_FILE_DESCRIPTORS = tuple(
+    _file_descriptor(
+        "dra_health.proto" if package == _DRA_HEALTH_PACKAGE else f"dra_health_{package}.proto",
+        package,
+        _DRA_HEALTH_MESSAGES,
+        _DRA_HEALTH_SERVICES,
+        _DRA_HEALTH_ENUMS,
+    )
+    for _, package in DRA_HEALTH_VERSIONS
 )
-for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS, DRA_HEALTH_FILE_DESCRIPTOR):
+DRA_HEALTH_FILE_DESCRIPTOR = DRA_HEALTH_FILE_DESCRIPTORS[-1]  #: v1alpha1's, dra_health.proto
+for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS, *DRA_HEALTH_FILE_DESCRIPTORS):
     _POOL.Add(_file)
 
 
@@ -620,7 +643,7 @@ def _methods(
 
 
 #: The RPCs of the plugin watcher (the plugin serves them), of DRAPlugin in each version, and of
-#: DRAResourceHealth.
+#: DRAResourceHealth in each version (all with v1alpha1's classes: drahealth).
 DRA_METHODS: dict[str, Method] = {
     **_methods(_REGISTRATION_PACKAGE, _REGISTRATION_SERVICES),
     **{
@@ -628,7 +651,11 @@ DRA_METHODS: dict[str, Method] = {
         for _, package in DRA_VERSIONS
         for path, m in _methods(package, _DRA_SERVICES, DRA_VERSIONS[0][1]).items()
     },
-    **_methods(_DRA_HEALTH_PACKAGE, _DRA_HEALTH_SERVICES),
+    **{
+        path: m
+        for _, package in DRA_HEALTH_VERSIONS
+        for path, m in _methods(package, _DRA_HEALTH_SERVICES, _DRA_HEALTH_PACKAGE).items()
+    },
 }
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY_REGISTRATION_STATUS = "/pluginregistration.Registration/NotifyRegistrationStatus"
@@ -4630,8 +4657,9 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
             type=DRA_PLUGIN_TYPE,
             name=config.driver,
             endpoint=config.endpoint,
-            # DRAPlugin v1 first: the kubelet speaks the first one listed that it knows.
-            supported_versions=[*(version for version, _ in DRA_VERSIONS), DRA_HEALTH_VERSION],
+            # DRAPlugin v1 first: the kubelet speaks the first one listed that it knows. Then
+            # DRAResourceHealth, newest first; a kubelet ignores the names it does not know.
+            supported_versions=[*(v for v, _ in DRA_VERSIONS), *(v for v, _ in DRA_HEALTH_VERSIONS)],
         )
 
     async def notify_registration_status(status: Any) -> Any:
@@ -4661,7 +4689,7 @@ def dra_plugin_services(
             service.add_method(name, handler, DRA_METHODS[f"/{package}.DRAPlugin/{name}"].signature)
         services.append(service)
     status = status_service(functools.partial(registration.message, resources.driver))
-    return [*services, dra_health_service(resources, registration), status]
+    return [*services, *dra_health_services(resources, registration), status]
 
 
 #: How often NodeWatchResources sends every device again when nothing changed: the kubelet takes a
@@ -4670,9 +4698,10 @@ def dra_plugin_services(
 DRA_HEALTH_RESEND = DRA_HEALTH_TIMEOUT / 3
 
 
-def dra_health_service(resources: DraResources, registration: RegistrationState) -> purerpc.Service:
-    """DRAResourceHealth: the health of every device, from the same watches as the slices.
-    ``registration`` counts the kubelet's streams (a probe's is not counted)."""
+def dra_health_services(resources: DraResources, registration: RegistrationState) -> list[purerpc.Service]:
+    """DRAResourceHealth in every version of DRA_HEALTH_VERSIONS: the health of every device, from
+    the same watches as the slices. ``registration`` counts the kubelet's streams (a probe's is not
+    counted)."""
 
     async def node_watch_resources(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
@@ -4690,9 +4719,13 @@ def dra_health_service(resources: DraResources, registration: RegistrationState)
             if counted:
                 registration.health_ended = time.monotonic()
 
-    service = purerpc.Service(DRA_HEALTH_VERSION)
-    service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[NODE_WATCH_RESOURCES].signature)
-    return service
+    services = []
+    for version, _ in DRA_HEALTH_VERSIONS:  # the same stream under each version's name
+        service = purerpc.Service(version)
+        path = f"/{version}/NodeWatchResources"
+        service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[path].signature)
+        services.append(service)
+    return services
 
 
 class ClaimPreparer:
@@ -6217,6 +6250,7 @@ class DraKubeletSimulator:
         wipe: Callable[[str], None] | None = None,
         wiping_delay: float = DRA_WIPING_DELAY,
         info_interval: float | None = None,
+        health_versions: Iterable[str] = (DRA_HEALTH_VERSION,),
     ) -> None:
         self.registry = os.path.join(kubelet_dir, "plugins_registry")
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
@@ -6224,6 +6258,10 @@ class DraKubeletSimulator:
         #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
         #: every 10 s; None: only to register, as kubelets up to 1.36 do)
         self.info_interval = info_interval
+        #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first (1.36:
+        #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
+        self.health_versions = list(health_versions)
+        self.health_paths: list[str] = []  #: each NodeWatchResources stream opened, by its path
         self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name
         #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), and
         #: ("wiped", driver or "")
@@ -6408,12 +6446,19 @@ class DraKubeletSimulator:
 
     @asynccontextmanager
     async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:
-        """The NodeWatchResources stream, as the kubelet opens it to a registered driver that lists
-        DRAResourceHealth (kubelets from 1.37 ask that; older ones open it regardless)."""
+        """The NodeWatchResources stream, as the kubelet opens it to a registered driver: in the
+        first of ``health_versions`` (this kubelet's, newest first) that the driver lists
+        (kubelets from 1.37 ask that; older ones open v1alpha1 regardless). The path it opened is
+        appended to ``health_paths``."""
         known = self._driver(driver)
-        if DRA_HEALTH_VERSION not in known.supported_versions:
-            raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} does not list {DRA_HEALTH_VERSION}")
-        method, request = DRA_METHODS[NODE_WATCH_RESOURCES], drahealth.NodeWatchResourcesRequest()
+        chosen = next((v for v in self.health_versions if v in known.supported_versions), None)
+        if chosen is None:
+            raise RPCError(
+                StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} lists none of {', '.join(self.health_versions)}"
+            )
+        path = f"/{chosen}/NodeWatchResources"
+        self.health_paths.append(path)
+        method, request = DRA_METHODS[path], drahealth.NodeWatchResourcesRequest()
         async with open_stream(known.endpoint, method, request, timeout=DRA_KUBELET_TIMEOUT) as responses:
             yield responses
 

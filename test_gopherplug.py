@@ -3661,7 +3661,8 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     )
     assert re.search(r"endpoint /\S+/kubelet/plugins/gopherplug.example.com/dra.sock\n", said)
     assert (
-        "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1alpha1.DRAResourceHealth: "
+        "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1.DRAResourceHealth, v1beta1.DRAResourceHealth, "
+        "v1alpha1.DRAResourceHealth: "
         "chose k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin\n"
     ) in said
     assert (
@@ -4276,17 +4277,23 @@ DRIVER = "gopherplug.example.com"
 
 def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
     """pluginregistration.proto, dra.proto (and dra.proto in package v1beta1) and dra_health.proto
-    against protoc."""
+    (and in packages v1beta1 and v1) against protoc."""
     v1beta1_proto = (
         (HERE / "dra.proto")
         .read_text()
         .replace("package k8s.io.kubelet.pkg.apis.dra.v1;", "package k8s.io.kubelet.pkg.apis.dra.v1beta1;")
     )
     (tmp_path / "dra_v1beta1.proto").write_text(v1beta1_proto)
+    # DRAResourceHealth v1beta1 and v1: dra_health.proto's messages in their own packages.
+    for package in ("v1beta1", "v1"):
+        health = (HERE / "dra_health.proto").read_text().replace("package v1alpha1;", f"package {package};")
+        (tmp_path / f"dra_health_{package}.proto").write_text(health)
     cases = [
         ("pluginregistration.proto", HERE, gp.REGISTRATION_FILE_DESCRIPTOR),
         ("dra.proto", HERE, gp.DRA_FILE_DESCRIPTORS[0]),
         ("dra_v1beta1.proto", tmp_path, gp.DRA_FILE_DESCRIPTORS[1]),
+        ("dra_health_v1.proto", tmp_path, gp.DRA_HEALTH_FILE_DESCRIPTORS[0]),
+        ("dra_health_v1beta1.proto", tmp_path, gp.DRA_HEALTH_FILE_DESCRIPTORS[1]),
         ("dra_health.proto", HERE, gp.DRA_HEALTH_FILE_DESCRIPTOR),
     ]
     for name, directory, ours in cases:
@@ -4304,7 +4311,9 @@ def test_dra_service_paths_are_the_kubelets():
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
         "/pluginregistration.Registration/GetInfo",
         "/pluginregistration.Registration/NotifyRegistrationStatus",
+        "/v1.DRAResourceHealth/NodeWatchResources",
         "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+        "/v1beta1.DRAResourceHealth/NodeWatchResources",
     ]
     assert gp.DRA_METHODS[gp.NODE_WATCH_RESOURCES].server_streaming
 
@@ -4512,6 +4521,7 @@ def claim(name, uid, *results, namespace="default", requests=None):
 
 
 NODE_UID = "0b6f8a5e-4c1d-4e0a-9f3b-2d7c1e9a8b01"
+DRA_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 
 
 class DraNode:
@@ -5437,7 +5447,8 @@ async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_n
     assert [r.returncode for r in results.values()] == [1, 1]
     assert results["refusing"].stdout.decode() == (
         f"DRA driver {DRIVER}: FAILED: the kubelet refused the driver: none of the versions "
-        "['v1.DRAPlugin', 'v1beta1.DRAPlugin', 'v1alpha1.DRAResourceHealth'] is supported\n"
+        "['v1.DRAPlugin', 'v1beta1.DRAPlugin', 'v1.DRAResourceHealth', 'v1beta1.DRAResourceHealth', "
+        "'v1alpha1.DRAResourceHealth'] is supported\n"
     )
     assert re.fullmatch(
         rf"DRA driver {DRIVER}: FAILED: no kubelet has registered it in \d+ s: is {unwatched} the kubelet's "
@@ -5456,6 +5467,38 @@ def test_lightkube_is_imported_only_for_dra(tmp_path):
         [sys.executable, "-c", program, str(tmp_path / "cfg.yaml")], capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("kubelet_versions", "path"),
+    [
+        # the kubelet's main branch (planned for 1.37): the newest the driver lists
+        (
+            ["v1.DRAResourceHealth", "v1beta1.DRAResourceHealth", DRA_V1ALPHA1],
+            "/v1.DRAResourceHealth/NodeWatchResources",
+        ),
+        (["v1beta1.DRAResourceHealth", DRA_V1ALPHA1], "/v1beta1.DRAResourceHealth/NodeWatchResources"),
+        ([DRA_V1ALPHA1], f"/{DRA_V1ALPHA1}/NodeWatchResources"),  # 1.34 to 1.36
+    ],
+)
+async def test_dra_health_is_served_in_the_newest_version_a_kubelet_speaks(dra_node, kubelet_versions, path):
+    """GetInfo lists DRAResourceHealth v1, v1beta1 and v1alpha1, newest first; each kubelet streams
+    health in the version it prefers, and gets every device."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.kubelet.health_versions = kubelet_versions
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        listed = dra_node.kubelet.drivers[DRIVER].supported_versions
+        async with dra_node.kubelet.watch_health(DRIVER) as reports:
+            report = await reports.__anext__()
+    assert [v for v in listed if v.endswith(".DRAResourceHealth")] == [
+        "v1.DRAResourceHealth",
+        "v1beta1.DRAResourceHealth",
+        "v1alpha1.DRAResourceHealth",
+    ]
+    assert dra_node.kubelet.health_paths == [path]
+    assert [(d.device.device_name, d.health) for d in report.devices] == [("gopher0", gp.drahealth.HEALTHY)]
 
 
 async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node, monkeypatch):
@@ -5501,7 +5544,8 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
 
 async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
-    registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1."""
+    registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1, and
+    NodeWatchResources in v1, v1beta1 and v1alpha1."""
     for name in ("pluginregistration.proto", "dra.proto", "dra_health.proto"):
         assert protoc.main(["protoc", f"-I{HERE}", f"--python_out={tmp_path}", name]) == 0
     modules = {}
@@ -5534,31 +5578,40 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
                     claims=[dra_pb2.Claim(namespace="default", uid="uid-1", name="c1")]
                 )
                 answers.append(prepare(request, timeout=5))
-            watch = channel.unary_stream(
-                "/v1alpha1.DRAResourceHealth/NodeWatchResources",
-                request_serializer=health_pb2.NodeWatchResourcesRequest.SerializeToString,
-                response_deserializer=health_pb2.NodeWatchResourcesResponse.FromString,
-            )
-            reports = watch(health_pb2.NodeWatchResourcesRequest(), timeout=5)
-            health = next(reports)
-            reports.cancel()
-        return info, answers, health
+            healths = []
+            for version in ("v1", "v1beta1", "v1alpha1"):  # the same messages in each version
+                watch = channel.unary_stream(
+                    f"/{version}.DRAResourceHealth/NodeWatchResources",
+                    request_serializer=health_pb2.NodeWatchResourcesRequest.SerializeToString,
+                    response_deserializer=health_pb2.NodeWatchResourcesResponse.FromString,
+                )
+                reports = watch(health_pb2.NodeWatchResourcesRequest(), timeout=5)
+                healths.append(next(reports))
+                reports.cancel()
+        return info, answers, healths
 
     with trio.fail_after(TIMEOUT):
         await dra_node.start(config)
         await dra_node.wait_for_slices(["gopher0"])
-        info, answers, health = await in_thread(kubelet)
+        info, answers, healths = await in_thread(kubelet)
     assert (info.type, info.name, list(info.supported_versions)) == (
         "DRAPlugin",
         DRIVER,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"],
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1beta1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth",
+        ],
     )
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
         assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
-    (device,) = health.devices
-    assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")
-    assert (device.health, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, 30)
+    for health in healths:
+        (device,) = health.devices
+        assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")
+        assert (device.health, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, 30)
 
 
 def test_dra_documents_the_kubernetes_version_its_api_client_needs():
