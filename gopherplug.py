@@ -4435,11 +4435,13 @@ class _TokenBucket:
 
 
 class ApiError(GopherplugError):
-    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came."""
+    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came;
+    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any."""
 
-    def __init__(self, status: int | None, message: str) -> None:
+    def __init__(self, status: int | None, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class ClaimCheckpoint:
@@ -4902,7 +4904,13 @@ class KubeApi:
         try:
             yield
         except self._api_error as error:
-            raise ApiError(error.status.code, f"{what}: {error.status.code} {error.status.message}") from None
+            # The API server's priority and fairness answers 429 with Retry-After (seconds); a client
+            # that comes back sooner only adds to the load it was refused for.
+            response = getattr(error, "response", None)
+            header = response.headers.get("retry-after", "") if response is not None else ""
+            retry_after = float(header) if header.isdigit() else None
+            message = f"{what}: {error.status.code} {error.status.message}"
+            raise ApiError(error.status.code, message, retry_after) from None
         except self._transport_error as error:
             raise ApiError(None, f"{what}: {type(error).__name__}: {error or 'no answer'}") from None
 
@@ -4959,11 +4967,14 @@ class SlicePublisher:
     Two tasks: ``watch`` follows the slices on the API server (a watch, narrowed by field selectors
     to this node and driver) into ``known``, and ``publish`` wakes whenever a resource's devices or
     ``known`` change, compares, and writes only what differs: the devices a pool should have, in
-    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A slice deleted by
-    someone else (an administrator, the kubelet cleaning up after a plugin it thought gone) is
-    written again. While the API server is down or slow, both retry with a capped backoff, and
-    the rest of the plugin serves on; the latest devices are written once it answers. Writes that
-    succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
+    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation; a pool with a slice of
+    an older generation is written again whole. A slice deleted by someone else (an administrator,
+    the kubelet cleaning up after a plugin it thought gone) is written again. Each pool, and each
+    stale slice, is written on its own: one the API server refuses is retried after its own
+    capped backoff (or its Retry-After) while the others go on. While the API server is down or
+    slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
+    that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
+    A watch that expired (410) is followed by a new list at once.
     """
 
     def __init__(self, resources: DraResources, api: Any) -> None:
@@ -4977,6 +4988,8 @@ class SlicePublisher:
         # than that is stale: the watch already brought it, or what came after it (a deletion).
         self._seen = -1
         self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
+        # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
+        self._retries: dict[str, tuple[float, float]] = {}
         #: The Node's UID, for the slices' owner reference; None until the API server told it
         self.node_uid: str | None = None
         self._owner_warned = False
@@ -5009,6 +5022,11 @@ class SlicePublisher:
                             self.known[name] = item
                         self.known_changed.touch()
             except ApiError as error:
+                if error.status == 410:
+                    # Expired: the resourceVersion we watched from left the API server's history (etcd
+                    # compaction, a restarted API server). Routine, and nothing failed: list again now.
+                    log.debug("DRA: watching ResourceSlices: %s; listing them again", error)
+                    continue
                 log.warning("DRA: watching ResourceSlices: %s; again in %.2g s", error, delay)
                 await trio.sleep(delay)
                 delay = min(delay * 2, _API_BACKOFF[1])
@@ -5025,15 +5043,20 @@ class SlicePublisher:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
                 try:
-                    await self._sync()
+                    retry_at = await self._sync()
                     delay = _API_BACKOFF[0]
+                    if retry_at is not None:  # a pool or a stale slice waits for its retry
+                        with trio.move_on_at(retry_at):
+                            await woken.wait()
+                        nursery.cancel_scope.cancel()
+                        continue
                     self.synced.set(self.synced.value + 1)
                     if self.node_uid is None:  # published without an owner: ask for the Node again later
                         with trio.move_on_after(DRA_OWNER_RETRY_SECONDS):
                             await woken.wait()
                         nursery.cancel_scope.cancel()
                         continue
-                except ApiError as error:
+                except ApiError as error:  # the Node could not be asked for: nothing was written
                     log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, delay)
                     with trio.move_on_after(delay):
                         await woken.wait()
@@ -5078,46 +5101,83 @@ class SlicePublisher:
         self.node_uid = str(found.get("metadata", {}).get("uid") or "")
         return self.node_uid
 
-    async def _sync(self) -> None:
-        """One pass: every pool's slices as they should be, stale ones deleted."""
+    async def _sync(self) -> float | None:
+        """One pass: every pool's slices as they should be, stale ones deleted; each pool, and each
+        stale slice, on its own (the Go controller's per-pool work queue): one the API server
+        refuses is retried after its own backoff (longer if the server said Retry-After), while
+        the others are written. Returns when the next retry is due (trio's clock), None if none is."""
         node, driver = self.resources.node_name, self.resources.driver
         owner = await self._owner()
-        wanted: set[str] = set()
+        now = trio.current_time()
+        pools = []
         for resource, devices in list(self.resources.served.values()):
-            if devices.value is RETIRED:
-                continue
-            pool = dra_pool_name(node, resource.name)
-            mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
-            generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
-            slices = resource_slices(driver, node, resource, devices.value, generation, owner)
-            wanted.update(item["metadata"]["name"] for item in slices)
-            same = len(mine) == len(slices) and all(
-                _same_slice(item, mine.get(item["metadata"]["name"])) for item in slices
-            )
-            if same:
-                continue
-            # The pool changed: a new generation, so that the scheduler never mixes two.
-            for item in slices:
-                item["spec"]["pool"]["generation"] = generation + 1
-                name = item["metadata"]["name"]
-                await self._writes.acquire()
-                if name in self.known:
-                    item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
-                    if not owner and "ownerReferences" in self.known[name]["metadata"]:
-                        # The Node is unknown for now, not gone: an update keeps the owner it had.
-                        item["metadata"]["ownerReferences"] = self.known[name]["metadata"]["ownerReferences"]
-                    written = await self.api.replace_slice(item)
-                else:
-                    written = await self.api.create_slice(item)
-                # While the request was out, the watch may have brought this very write and a
-                # deletion after it: then the answer is history, and `known` is already right.
-                if (number := _version_of(written)) is None or number > self._seen:
-                    self.known[name] = written
-            log.info("DRA: %s: %d devices in pool %s", resource.name, len(devices.value), pool)
-        for name in [name for name in self.known if name not in wanted]:
+            if devices.value is not RETIRED:
+                pool = dra_pool_name(node, resource.name)
+                slices = resource_slices(driver, node, resource, devices.value, 0, owner)
+                pools.append((pool, resource, len(devices.value), slices))
+        # Every pool's slices are wanted, also those of a pool waiting for its retry.
+        wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
+        jobs: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            (pool, functools.partial(self._sync_pool, pool, resource.name, count, slices, owner))
+            for pool, resource, count, slices in pools
+        ]
+        jobs += [(f"stale {name}", functools.partial(self._delete, name)) for name in self.known if name not in wanted]
+        for key, job in jobs:
+            if (retry := self._retries.get(key)) is not None and retry[1] > now:
+                continue  # not yet: its backoff is running
+            try:
+                await job()
+            except ApiError as error:
+                delay = retry[0] if retry is not None else _API_BACKOFF[0]
+                wait = max(delay, error.retry_after or 0.0)
+                self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
+                log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, wait)
+            else:
+                self._retries.pop(key, None)
+        # Retries of pools or slices no longer there are forgotten.
+        keys = {key for key, _ in jobs}
+        self._retries = {key: retry for key, retry in self._retries.items() if key in keys}
+        return min((due for _, due in self._retries.values()), default=None)
+
+    async def _delete(self, name: str) -> None:
+        await self._writes.acquire()
+        await self.api.delete_slice(name)
+        self.known.pop(name, None)
+
+    async def _sync_pool(
+        self, pool: str, resource_name: str, count: int, slices: list[dict[str, Any]], owner: str
+    ) -> None:
+        """One pool's slices as ``slices`` say, all of one generation."""
+        mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
+        generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
+        same = len(mine) == len(slices) and all(
+            _same_slice(item, mine.get(item["metadata"]["name"])) for item in slices
+        )
+        # A slice of an older generation than its pool's newest is obsolete even when its devices
+        # are right: the scheduler takes only a pool's newest generation, and treats it as
+        # incomplete until it has resourceSliceCount slices of it (structured/pools.go). So a
+        # write that failed after its pool's first slice went to the new generation (a 409, a 429, a
+        # timeout, the plugin killed between the two) leaves the pool to be written again.
+        if same and all(item["spec"]["pool"]["generation"] == generation for item in mine.values()):
+            return
+        # The pool changed: a new generation, so that the scheduler never mixes two.
+        for item in slices:
+            item["spec"]["pool"]["generation"] = generation + 1
+            name = item["metadata"]["name"]
             await self._writes.acquire()
-            await self.api.delete_slice(name)
-            self.known.pop(name, None)
+            if name in self.known:
+                item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
+                if not owner and "ownerReferences" in self.known[name]["metadata"]:
+                    # The Node is unknown for now, not gone: an update keeps the owner it had.
+                    item["metadata"]["ownerReferences"] = self.known[name]["metadata"]["ownerReferences"]
+                written = await self.api.replace_slice(item)
+            else:
+                written = await self.api.create_slice(item)
+            # While the request was out, the watch may have brought this very write and a
+            # deletion after it: then the answer is history, and `known` is already right.
+            if (number := _version_of(written)) is None or number > self._seen:
+                self.known[name] = written
+        log.info("DRA: %s: %d devices in pool %s", resource_name, count, pool)
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
@@ -6619,6 +6679,10 @@ class ApiServerSimulator:
         #: refuses a token that names no node (the manifest's), or RBAC a user without the right
         self.forbidden_tokens: dict[str, str] = {}
         self.bearers: list[str] = []  #: the bearer token of each request, in order ("" without one)
+        #: each slice write: (trio time, verb, slice name, the status answered; 0: none)
+        self.attempts: list[tuple[float, str, str, int]] = []
+        self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
+        self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
         self.down = False
         self.delay = 0.0
         self.port = 0
@@ -6644,6 +6708,50 @@ class ApiServerSimulator:
         metadata = claim["metadata"]
         self.claims[metadata["namespace"], metadata["name"]] = claim
 
+    def fail(self, verb: str, name: str = "", status: int = 500, *, times: int = 1, retry_after: int = 0) -> None:
+        """Fail the next ``times`` writes of ``verb`` ("create", "update", "delete") to slice
+        ``name`` ("": any) with ``status``, as the real server can: 409 (someone else's write came
+        first), 429 (priority and fairness; with a Retry-After header when ``retry_after``), 500, or
+        0: no answer at all, until the client gives up (a timeout, or the plugin killed mid-write)."""
+        self._failures.append(
+            {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
+        )
+
+    def expire_watches(self) -> None:
+        """End every open watch with the ERROR event of a 410 Gone, as the API server does when the
+        watch's resourceVersion fell out of its history (etcd compaction, an API server restart)."""
+        self._expired += 1
+        self.changed.touch()
+
+    def _failure(self, verb: str, name: str) -> dict[str, Any] | None:
+        for failure in self._failures:
+            if failure["verb"] == verb and failure["name"] in ("", name):
+                failure["times"] -= 1
+                if failure["times"] <= 0:
+                    self._failures.remove(failure)
+                return failure
+        return None
+
+    async def _fail(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
+        """Answer a write that fail() asked to fail, and say so; False for any other."""
+        if (failure := self._failure(verb, name)) is None:
+            return False
+        status = failure["status"]
+        self.attempts.append((trio.current_time(), verb, name, status))
+        if status == 0:
+            await trio.sleep_forever()  # until the client closes the connection, giving up
+        reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
+        messages = {
+            409: f'Operation cannot be fulfilled on resourceslices.resource.k8s.io "{name}": the object has been '
+            "modified; please apply your changes to the latest version and try again",
+            429: "storage is (re)initializing",
+            500: "Internal error occurred: etcdserver: request timed out",
+        }
+        document = _status(status, reasons.get(status, "InternalError"), messages.get(status, "failed"))
+        extra = [("retry-after", str(failure["retry_after"]))] if failure["retry_after"] else []
+        await self._send(connection, stream, h11, status, document, extra)
+        return True
+
     def put_node(self, name: str, uid: str) -> None:
         """A Node, as the kubelet registers it: what a slice's owner reference names."""
         self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
@@ -6665,6 +6773,10 @@ class ApiServerSimulator:
         self._events.append((self._version, kind, item))
         self.changed.touch()
         return item
+
+    def put_slice(self, item: dict[str, Any]) -> None:
+        """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
+        self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
@@ -6713,9 +6825,11 @@ class ApiServerSimulator:
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
 
-    async def _send(self, connection: Any, stream: Any, h11: Any, status: int, document: Any) -> None:
+    async def _send(
+        self, connection: Any, stream: Any, h11: Any, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()
+    ) -> None:
         data = json.dumps(document).encode()
-        headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+        headers = [("content-type", "application/json"), ("content-length", str(len(data))), *extra]
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
 
@@ -6771,6 +6885,14 @@ class ApiServerSimulator:
                 "items": items,
             }
             await self._send(connection, stream, h11, 200, listed)
+        elif method in ("POST", "PUT", "DELETE") and await self._fail(
+            connection,
+            stream,
+            h11,
+            {"POST": "create", "PUT": "update", "DELETE": "delete"}[method],
+            parts[1] if len(parts) == 2 else json.loads(body)["metadata"]["name"],
+        ):
+            return
         elif method == "POST" and len(parts) == 1:
             item = json.loads(body)
             name = item["metadata"]["name"]
@@ -6785,6 +6907,7 @@ class ApiServerSimulator:
                 return
             self.slices[name] = self._bump("ADDED", item)
             self.writes.append(("create", name))
+            self.attempts.append((trio.current_time(), "create", name, 201))
             await self._send(connection, stream, h11, 201, self.slices[name])
         elif method == "PUT" and len(parts) == 2:
             item, name = json.loads(body), parts[1]
@@ -6800,11 +6923,13 @@ class ApiServerSimulator:
             else:
                 self.slices[name] = self._bump("MODIFIED", item)
                 self.writes.append(("update", name))
+                self.attempts.append((trio.current_time(), "update", name, 200))
                 await self._send(connection, stream, h11, 200, self.slices[name])
         elif method == "DELETE" and len(parts) == 2 and parts[1] in self.slices:
             item = self.slices.pop(parts[1])
             self._bump("DELETED", item)
             self.writes.append(("delete", parts[1]))
+            self.attempts.append((trio.current_time(), "delete", parts[1], 200))
             await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
         else:
             await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{method} {path}: not found"))
@@ -6812,7 +6937,13 @@ class ApiServerSimulator:
     async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
         headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
         await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
+        expired = self._expired
         while not self.down:
+            if self._expired != expired:
+                message = f"too old resource version: {since} ({self._version})"
+                line = json.dumps({"type": "ERROR", "object": _status(410, "Expired", message)}).encode() + b"\n"
+                await stream.send_all(connection.send(h11.Data(data=line)) + connection.send(h11.EndOfMessage()))
+                return
             changed = self.changed.next_touch()
             for version, kind, item in self._events:
                 if version > since and matches(item):

@@ -4889,6 +4889,86 @@ async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     assert pool() == [(limit - 7, 3, 1)]
 
 
+@pytest.mark.parametrize(("status", "retry_after"), [(409, 0), (429, 1), (500, 0), (0, 0)])
+async def test_dra_a_pool_whose_second_slice_failed_is_written_again_whole(dra_node, monkeypatch, status, retry_after):
+    """A pool of two slices changes in its first only: both go to a new generation, and the write of
+    the second fails (a conflict, the API server's 429 with Retry-After, a 500, no answer). The
+    scheduler keeps only a pool's newest generation and counts it incomplete without both slices:
+    the pool must be written again, however equal the second slice's devices look."""
+    monkeypatch.setattr(gp, "API_REQUEST_TIMEOUT", 0.5)  # "no answer" need not take 10 s
+    names = [f"g{i}" for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 2)]
+    for name in names[1:]:
+        (dra_node.devices / name).touch()
+    target = dra_node.root / "target"
+    target.touch()
+    (dra_node.devices / "g0").symlink_to(target)
+    second = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 1)
+
+    def pool():
+        """(generations of the pool's slices, whether g0 is healthy in them)"""
+        mine = [s for s in dra_node.api.slices.values() if s["spec"]["pool"]["name"] == DraNode.POOL]
+        g0 = [d for s in mine for d in s["spec"]["devices"] if d["name"] == "g0"]
+        return {s["spec"]["pool"]["generation"] for s in mine}, g0[0]["attributes"]["healthy"]["bool"]
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(names)
+        assert pool() == ({1}, True)
+        dra_node.api.fail("update", second, status, retry_after=retry_after)
+        target.unlink()  # g0, in the first slice, turns unhealthy
+        while not (len(pool()[0]) == 1 and pool()[1] is False):
+            await dra_node.api.changed.wait_touched()
+    (generation,) = pool()[0]
+    assert generation == 3  # the failed pass's generation 2, then the whole pool again
+    tries = [
+        (time, answer) for time, verb, name, answer in dra_node.api.attempts if name == second and verb == "update"
+    ]
+    assert [answer for _, answer in tries] == [status, 200]
+    assert tries[1][0] - tries[0][0] >= retry_after  # Retry-After is honoured
+
+
+async def test_dra_a_pool_the_api_server_keeps_refusing_blocks_no_other(dra_node, caplog):
+    """Each pool is written on its own, with its own backoff: one whose writes keep failing must
+    not keep another's devices, or the deletion of a stale slice, from the API server."""
+    others = dra_node.root / "others"
+    others.mkdir()
+    (others / "o0").touch()
+    (dra_node.devices / "gopher0").touch()
+    top = {"device_plugin_dir": str(dra_node.root / "dp")}
+    data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
+    other_cdi = {**dra_node.cdi, "kind": "example.com/other"}
+    data["resources"].append({"name": "example.com/other", "directory": str(others), "api": "dra", "cdi": other_cdi})
+    other_pool = "node-1/example.com/other"
+    (stale,) = gp.resource_slices(DRIVER, "node-1", gp.resource_config("example.com/gone"), {}, 1, NODE_UID)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.parse_config(yaml.safe_dump(data), "cfg.yaml"))
+        await dra_node.wait_for_slices(["gopher0"])
+        await dra_node.wait_for_slices(["o0"], pool=other_pool)
+        refused = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
+        dra_node.api.fail("update", refused, 500, times=1000)  # example.com/gopher: refused from now on
+        (dra_node.devices / "gopher1").touch()
+        (others / "o1").touch()
+        dra_node.api.put_slice(stale)  # a pool this driver no longer has, e.g. from a removed resource
+        await dra_node.wait_for_slices(["o0", "o1"], pool=other_pool)
+        await dra_node.wait_for_slices(None, pool="node-1/example.com/gone")
+    assert dra_node.slice_devices()[0] == ["gopher0"]  # still refused, retried on its own
+    assert "DRA: writing ResourceSlices: update ResourceSlice " + refused + ": 500 " in caplog.text
+
+
+async def test_dra_a_watch_that_expired_is_listed_again_quietly(dra_node, caplog):
+    """The API server ends a watch with 410 Gone when its resourceVersion left the history: routine.
+    The slices are listed again at once (a slice deleted after it is written again), no warning."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.expire_watches()
+        (name,) = dra_node.api.slices
+        dra_node.api.delete_slice(name)
+        await dra_node.wait_for_slices(["gopher0"])
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node, monkeypatch):
     """A disk that fails (EIO from fsync) fails the claim, and the claim is not remembered: asked
     again, it is tried again, not answered as prepared from a file that never got it. An unprepare
