@@ -6640,6 +6640,40 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
     return causes
 
 
+def resource_claim_causes(claim: Mapping[str, Any]) -> list[dict[str, str]]:
+    """What the API server refuses in a resource.k8s.io/v1 ResourceClaim's allocation, as the causes
+    of its 422 (validateDeviceRequestAllocationResult in pkg/apis/resource/validation/validation.go):
+    each result names a request of the claim, or "<request>/<subrequest>" of a request with
+    firstAvailable (the scheduler's choice from a prioritized list), a pool name as slices have
+    them, and a device by a DNS label."""
+    requests: dict[str, set[str] | None] = {}
+    for request in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []:
+        subrequests = request.get("firstAvailable")
+        requests[request.get("name", "")] = {sub.get("name", "") for sub in subrequests} if subrequests else None
+    causes = []
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    for index, result in enumerate((allocation.get("devices") or {}).get("results") or []):
+        where = f"status.allocation.devices.results[{index}]"
+        name = str(result.get("request", ""))
+        main, _, sub = name.partition("/")
+        known = main in requests and (sub == "" if requests[main] is None else sub in (requests[main] or ()))
+        if not known or name.count("/") > 1:
+            causes.append(
+                _cause(
+                    f"{where}.request",
+                    "FieldValueInvalid",
+                    f"Invalid value: {json.dumps(name)}: must be the name of a request in the claim or the name of a "
+                    "request and a subrequest separated by '/'",
+                )
+            )
+        if not result.get("driver"):
+            causes.append(_cause(f"{where}.driver", "FieldValueRequired", "Required value"))
+        for part in str(result.get("pool", "")).split("/"):
+            causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
+        causes += _dns_causes(f"{where}.device", str(result.get("device", "")), _DNS_LABEL_LENGTH, True)
+    return causes
+
+
 def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> dict[str, Any]:
     """The API server's 422 for an object that fails validation: one message naming every error
     (apierrors.NewInvalid: one error bare, several in brackets), and each as a cause."""
@@ -6705,7 +6739,12 @@ class ApiServerSimulator:
             task_status.started(self)
 
     def put_claim(self, claim: dict[str, Any]) -> None:
+        """Store a claim as the scheduler left it. Raises ValueError, with the API server's 422
+        message, for an allocation the real one would refuse (resource_claim_causes): a test's
+        claim must be one a cluster can have."""
         metadata = claim["metadata"]
+        if causes := resource_claim_causes(claim):
+            raise ValueError(_invalid("ResourceClaim", "resource.k8s.io", metadata["name"], causes)["message"])
         self.claims[metadata["namespace"], metadata["name"]] = claim
 
     def fail(self, verb: str, name: str = "", status: int = 500, *, times: int = 1, retry_after: int = 0) -> None:
@@ -7070,6 +7109,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                     "apiVersion": "resource.k8s.io/v1",
                     "kind": "ResourceClaim",
                     "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
+                    "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
                     "status": {"allocation": {"devices": {"results": results}}},
                 }
             )

@@ -4700,6 +4700,25 @@ PRIORITIZED_REQUESTS = [
 ]
 
 
+def test_dra_api_server_stand_in_refuses_claims_a_cluster_cannot_have():
+    """A result must name a request of the claim, or a subrequest of one with firstAvailable, as
+    the API server checks when the scheduler writes the allocation."""
+    api = gp.ApiServerSimulator()
+    ok = ("gpu/small", DRIVER, DraNode.POOL, "gopher0")
+    serial = ("serial", DRIVER, DraNode.POOL, "gopher1")
+    api.put_claim(claim("c1", "uid-1", ok, serial, requests=PRIORITIZED_REQUESTS))
+    for bad, field in [
+        (("gpu/huge", DRIVER, DraNode.POOL, "gopher0"), "request"),  # no such subrequest
+        (("serial/x", DRIVER, DraNode.POOL, "gopher0"), "request"),  # serial has no firstAvailable
+        (("gpu/small", DRIVER, DraNode.POOL, "Gopher0"), "device"),  # not a DNS label
+    ]:
+        with pytest.raises(ValueError) as refused:
+            api.put_claim(claim("c2", "uid-2", ok, bad, requests=PRIORITIZED_REQUESTS))
+        where = f"status.allocation.devices.results[1].{field}"
+        assert str(refused.value).startswith(f'ResourceClaim.resource.k8s.io "c2" is invalid: {where}: Invalid value: ')
+    assert sorted(api.claims) == [("default", "c1")]
+
+
 async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_its_request(dra_node):
     """A container names the main request ("gpu"); results of a subrequest say "gpu/small". The
     kubelet gives each container the CDI devices whose request names contain its request, so the
