@@ -5134,6 +5134,24 @@ async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
 
 
+async def test_dra_slices_named_by_an_earlier_version_are_replaced(dra_node):
+    """Slices written by a version that named them without a digest ("<node>-<driver>-<pool>-0") are
+    no longer wanted: the pool is written under the new names at a newer generation, and the old
+    slice deleted, so the scheduler never sees two slices of one generation."""
+    (dra_node.devices / "gopher0").touch()
+    (old,) = gp.resource_slices(DRIVER, "node-1", gp.resource_config("example.com/gopher"), {}, 4, NODE_UID)
+    old["metadata"]["name"] = f"node-1-{DRIVER}-example.com-gopher-0"
+    dra_node.api.put_slice(old)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while old["metadata"]["name"] in dra_node.api.slices:
+            await dra_node.api.changed.wait_touched()
+    (item,) = dra_node.api.slices.values()
+    assert item["metadata"]["name"] == gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
+    assert item["spec"]["pool"]["generation"] == 5
+
+
 async def test_dra_slices_are_owned_by_their_node_and_go_with_it(dra_node):
     """The Node owns its slices, as the Go helper makes it: deleting a Node (a node scaled away)
     lets the garbage collector delete them. A Node registered again under the same name is
