@@ -4590,6 +4590,11 @@ class DraResources:
         await _any_touched(self.changed, *(devices for _, devices in self.served.values()))
 
 
+#: How long the kubelet may be quiet before a registered driver counts as dropped: three of the
+#: plugin watcher's 10 s GetInfo calls missed, and a health stream not opened again.
+DRA_KUBELET_SILENCE = 30.0
+
+
 @dataclass
 class RegistrationState:
     """What the kubelet last said in NotifyRegistrationStatus, and its health streams open now
@@ -4641,11 +4646,6 @@ class RegistrationState:
             unregistered_seconds=0.0 if registered else now - (since or self.serving_since),
             dropped=dropped,
         )
-
-
-#: How long the kubelet may be quiet before a registered driver counts as dropped: three of the
-#: plugin watcher's 10 s GetInfo calls missed, and a health stream not opened again.
-DRA_KUBELET_SILENCE = 30.0
 
 
 def registration_service(config: DraConfig, state: RegistrationState) -> purerpc.Service:
@@ -4998,6 +4998,7 @@ class SlicePublisher:
         task_status.started()
         delay = _API_BACKOFF[0]
         node, driver = self.resources.node_name, self.resources.driver
+        expired = False  # the last watch ended with 410 before it brought anything
         while True:
             try:
                 items, version = await self.api.list_slices(node, driver)
@@ -5005,11 +5006,13 @@ class SlicePublisher:
                 self._seen = int(version) if version.isdigit() else -1
                 self.listed.set()
                 self.known_changed.touch()
-                delay = _API_BACKOFF[0]
                 # A watch on a connection that died without a word (a node's network cut, an API
                 # server host gone) would wait forever: each watch is bounded, then listed again.
                 with trio.move_on_after(API_WATCH_SECONDS):
                     async for event, item in self.api.watch_slices(node, driver, version):
+                        # The backoff ends when a watch brings something, not when a list works: a
+                        # watch that fails right after each list would otherwise list 10 times a second.
+                        expired, delay = False, _API_BACKOFF[0]
                         if (number := _version_of(item)) is not None:
                             self._seen = max(self._seen, number)
                         name = item["metadata"]["name"]
@@ -5021,10 +5024,13 @@ class SlicePublisher:
                         elif not _older(item, self.known.get(name)):
                             self.known[name] = item
                         self.known_changed.touch()
+                delay = _API_BACKOFF[0]  # a watch that lasted its time: nothing failed
             except ApiError as error:
-                if error.status == 410:
+                if error.status == 410 and not expired:
                     # Expired: the resourceVersion we watched from left the API server's history (etcd
                     # compaction, a restarted API server). Routine, and nothing failed: list again now.
+                    # Twice in a row with nothing between is no longer routine: warned, backed off.
+                    expired = True
                     log.debug("DRA: watching ResourceSlices: %s; listing them again", error)
                     continue
                 log.warning("DRA: watching ResourceSlices: %s; again in %.2g s", error, delay)
@@ -5086,11 +5092,10 @@ class SlicePublisher:
                 raise
             if not self._owner_warned:
                 self._owner_warned = True
-                why = (
-                    "the ClusterRole needs get on nodes, as in daemonset-dra.yaml"
-                    if error.status == 403
-                    else (f"is {node} this node's name?")
-                )
+                if error.status == 403:
+                    why = "the ClusterRole needs get on nodes, as in daemonset-dra.yaml"
+                else:
+                    why = f"is {node} this node's name?"
                 log.warning(
                     "DRA: %s (%s); the ResourceSlices are published without the Node as their owner, so "
                     "nothing deletes them with the Node",

@@ -5315,6 +5315,32 @@ async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_noth
     nursery.cancel_scope.cancel()
 
 
+async def test_dra_a_watch_that_expires_at_once_again_and_again_backs_off(nursery, autojump_clock, caplog):
+    """One 410 is routine and listed again at once; a watch that expires again before it brings
+    anything is not, and must not become a hot loop of lists: warned about, and backed off."""
+    lists = []
+
+    class Expiring(ScriptedSliceApi):
+        async def list_slices(self, node_name, driver):
+            lists.append(trio.current_time())
+            if len(lists) >= 1000:
+                scope.cancel()  # a hot loop: enough seen
+            await trio.lowlevel.checkpoint()  # as a request would: cancellable
+            return [], "1"
+
+        async def watch_slices(self, node_name, driver, version):
+            raise gp.ApiError(410, "watch ResourceSlices: 410 too old resource version: 1 (7)")
+            yield  # an async generator, as the real one is
+
+    publisher = gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), Expiring(None))
+    with trio.move_on_after(5) as scope:  # virtual seconds: the autojump clock
+        await nursery.start(publisher.watch)
+        await trio.sleep_forever()
+    assert 5 <= len(lists) <= 12  # 0.1 s doubling: about log2(50) lists, not thousands
+    assert "DRA: watching ResourceSlices: watch ResourceSlices: 410 too old resource version" in caplog.text
+    nursery.cancel_scope.cancel()
+
+
 async def test_dra_a_quiet_watch_is_listed_again_after_a_while(nursery, autojump_clock, caplog):
     """A watch whose connection died without a word brings nothing forever: each lasts
     API_WATCH_SECONDS, then the slices are listed again, quietly (no warning: nothing failed)."""
