@@ -4411,9 +4411,10 @@ DRA_OWNER_RETRY_SECONDS = 60.0
 #: write that succeeds can still be undone at once (another writer, an admission webhook that
 #: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
 #: API server answers (972 writes in 2 s were seen). The Go controller's work queue is rate-limited
-#: for the same reason. The burst covers a start that writes every pool of a large node at once.
-DRA_WRITES_PER_SECOND = 5.0
-DRA_WRITE_BURST = 20
+#: for the same reason, with client-go's default overall bucket: 10 a second, bursts of 100 (here
+#: per write, not per pool). The burst covers a start that writes every pool of a large node at once.
+DRA_WRITES_PER_SECOND = 10.0
+DRA_WRITE_BURST = 100
 
 
 class _TokenBucket:
