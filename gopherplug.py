@@ -4991,6 +4991,11 @@ class SlicePublisher:
         self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
         # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
         self._retries: dict[str, tuple[float, float]] = {}
+        # Slice name -> (what we wrote, what the API server stored), both as _slice_key, when the two
+        # differ: the server dropped fields it does not know (feature gates off). What it stored
+        # then counts as what we wrote, or every pass would write the same slice again.
+        self._stored_as: dict[str, tuple[str, str]] = {}
+        self._dropped_warned: set[str] = set()
         #: The Node's UID, for the slices' owner reference; None until the API server told it
         self.node_uid: str | None = None
         self._owner_warned = False
@@ -5157,7 +5162,7 @@ class SlicePublisher:
         mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
         generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
         same = len(mine) == len(slices) and all(
-            _same_slice(item, mine.get(item["metadata"]["name"])) for item in slices
+            self._written(item, mine.get(item["metadata"]["name"])) for item in slices
         )
         # A slice of an older generation than its pool's newest is obsolete even when its devices
         # are right: the scheduler takes only a pool's newest generation, and treats it as
@@ -5183,7 +5188,27 @@ class SlicePublisher:
             # deletion after it: then the answer is history, and `known` is already right.
             if (number := _version_of(written)) is None or number > self._seen:
                 self.known[name] = written
+            self._stored_as.pop(name, None)
+            if not _same_slice(item, written):
+                # Stored other than written: an API server whose feature gates are off drops the
+                # fields it does not know, on every write. Said once per pool, as the Go controller
+                # does (DroppedFieldsError), and what it stored counts as written from now on.
+                self._stored_as[name] = (_slice_key(item), _slice_key(written))
+                if pool not in self._dropped_warned:
+                    self._dropped_warned.add(pool)
+                    log.warning(
+                        "DRA: the API server stored ResourceSlice %s without some of what was written (fields it "
+                        "does not know: are the feature gates they need off?); it is not written again for them",
+                        name,
+                    )
         log.info("DRA: %s: %d devices in pool %s", resource_name, count, pool)
+
+    def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+        """Whether the slice on the server is ``wanted`` as written, or as the server stored it."""
+        if _same_slice(wanted, known):
+            return True
+        stored = self._stored_as.get(wanted["metadata"]["name"])
+        return known is not None and stored == (_slice_key(wanted), _slice_key(known))
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
@@ -5202,6 +5227,14 @@ def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
         return False
     mine, theirs = _version_of(item), _version_of(than)
     return mine is not None and theirs is not None and mine < theirs
+
+
+def _slice_key(item: Mapping[str, Any]) -> str:
+    """A slice's spec and owners, its generation aside, as one comparable text."""
+    spec = dict(item["spec"])
+    spec["pool"] = {key: value for key, value in spec["pool"].items() if key != "generation"}
+    owners = item.get("metadata", {}).get("ownerReferences")
+    return json.dumps({"spec": spec, "owners": owners}, sort_keys=True)
 
 
 def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:

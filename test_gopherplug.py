@@ -5282,6 +5282,58 @@ async def test_dra_writes_that_succeed_and_are_undone_at_once_are_rate_limited(n
     nursery.cancel_scope.cancel()
 
 
+async def test_dra_fields_the_api_server_drops_are_said_once_and_not_written_again(nursery, caplog):
+    """An API server whose feature gates are off stores a slice without the fields it does not
+    know, on every write. Compared with what was written, the slice would be written again forever;
+    what the server stored counts as written, and it is said once."""
+    resources = gp.DraResources(DRIVER, "node-1")
+    devices = gp.Watched({"g0": gp.DeviceEntry("g0", "/g/g0")})
+    resources.attach(gp.resource_config("example.com/gopher"), devices)
+
+    def stored(item):
+        """The item as a server that does not know the attribute "healthy" stores it."""
+        item = json.loads(json.dumps(item))
+        for device in item["spec"]["devices"]:
+            device["attributes"].pop("healthy", None)
+        item["metadata"]["resourceVersion"] = str(10 * (len(api.created) + len(api.replaced)))
+        return item
+
+    class Dropping(ScriptedSliceApi):
+        def __init__(self):
+            super().__init__(None)
+            self.replaced = []
+
+        async def create_slice(self, item):
+            self.created.append(item)
+            kept = stored(item)
+            await self.events_in.send(("ADDED", kept))
+            return kept
+
+        async def replace_slice(self, item):
+            self.replaced.append(item)
+            kept = stored(item)
+            await self.events_in.send(("MODIFIED", kept))
+            return kept
+
+    api = Dropping()
+    publisher = gp.SlicePublisher(resources, api)
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        # The pass that wrote, then the one the watch's ADDED woke (it began after the event).
+        while publisher.synced.value < 2:
+            await publisher.synced.wait_touched()
+        assert (len(api.created), len(api.replaced)) == (1, 0)
+        count = publisher.synced.value
+        devices.set({**devices.value, "g1": gp.DeviceEntry("g1", "/g/g1")})  # a real change: written
+        while publisher.synced.value < count + 2:  # the same two passes again
+            await publisher.synced.wait_touched()
+    assert (len(api.created), len(api.replaced)) == (1, 1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "without some of what was written" in warnings[0]
+    nursery.cancel_scope.cancel()
+
+
 async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_nothing(nursery):
     """The README promises that a restarted plugin leaves unchanged slices alone; a directory read
     in another order (or USB devices enumerated anew) must not count as a change."""
