@@ -3,7 +3,9 @@
 The kubelet learns about hardware from device plugins. A plugin serves the DevicePlugin gRPC API
 (v1beta1) on a unix socket in the kubelet's device-plugin directory, registers through the kubelet's
 own socket there, streams its device list, and tells the kubelet what a container needs for the
-devices it was given. This file does all of that with trio, purerpc, protobuf and inotify.
+devices it was given. This file does all of that with trio, purerpc, protobuf and inotify. With a
+``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
+speaks resource.k8s.io/v1).
 
 Read it top to bottom; every section only uses the ones above it:
 
@@ -63,7 +65,7 @@ import tempfile
 import time
 import types
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +130,7 @@ __all__ = [
     "cdi_version",
     "container_only_problem",
     "deleted_directory_problem",
+    "dra_base_request",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -423,6 +426,7 @@ _STATUS_FIELDS = (
     ("unstreamed_seconds", 4, "double"),  # with none open: for how long, counted from the kubelet's start
     ("registration_error", 5, "string"),  # DRA: why the kubelet refused the driver, as it said
     ("unregistered_seconds", 6, "double"),  # DRA: not registered (yet): for how long, since serving
+    ("dropped", 7, "string"),  # DRA: why the kubelet seems to have dropped the driver it registered
 )
 
 
@@ -452,8 +456,12 @@ GET_STATUS = Method("gopherplug.Status", "Get", v1beta1.Empty, ResourceStatus, F
 #   calls GetInfo on it, and learns the plugin's type, name and the endpoint it really serves on;
 #   then it reports back with NotifyRegistrationStatus. pluginregistration.proto in this repository.
 # - DRAPlugin (k8s.io/kubelet/pkg/apis/dra/v1, proto package "k8s.io.kubelet.pkg.apis.dra.v1"; the
-#   same messages in ".v1beta1" for 1.32 and 1.33 kubelets): NodePrepareResources before a pod's
+#   same messages in ".v1beta1", which 1.34 kubelets also know): NodePrepareResources before a pod's
 #   containers start, NodeUnprepareResources after they are gone. dra.proto in this repository.
+#
+# DRA needs Kubernetes 1.34 or later: the driver reads ResourceClaims and writes ResourceSlices as
+# resource.k8s.io/v1 (GA in 1.34), the only version KubeApi speaks. 1.32 and 1.33 kubelets would
+# register the driver (through v1beta1.DRAPlugin), but their API servers serve only the beta APIs.
 #
 # The version names a plugin lists in PluginInfo.supported_versions are not gRPC paths: "v1.DRAPlugin"
 # (DRAPluginService in dra/v1/types.go) stands for the service at /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/.
@@ -546,6 +554,18 @@ _DRA_HEALTH_SERVICES = {
 #: Kubelets before 1.37 ignore it and open the stream anyway; later ones open it only when it is listed.
 DRA_HEALTH_VERSION = f"{_DRA_HEALTH_PACKAGE}.DRAResourceHealth"
 
+#: Every DRAResourceHealth version served, newest first: (name in supported_versions, proto package).
+#: v1.36 kubelets read only v1alpha1. The kubelet's main branch (planned for 1.37) defines v1beta1
+#: and v1 in k8s.io/kubelet/pkg/apis/dra-health (packages "v1beta1" and "v1", the same messages,
+#: names and numbers as v1alpha1; DRAResourceHealthService in each types.go), opens the newest one
+#: a driver lists, and keeps v1alpha1 as a fallback for a few releases: so a newer kubelet gets
+#: health without an upgrade of gopherplug, and an older one still finds v1alpha1.
+DRA_HEALTH_VERSIONS = (
+    ("v1.DRAResourceHealth", "v1"),
+    ("v1beta1.DRAResourceHealth", "v1beta1"),
+    (DRA_HEALTH_VERSION, _DRA_HEALTH_PACKAGE),
+)
+
 #: pluginregistration.proto, dra.proto (v1, then v1beta1) and dra_health.proto as protoc makes them.
 REGISTRATION_FILE_DESCRIPTOR = _file_descriptor(
     "pluginregistration.proto", _REGISTRATION_PACKAGE, _REGISTRATION_MESSAGES, _REGISTRATION_SERVICES
@@ -556,10 +576,21 @@ DRA_FILE_DESCRIPTORS = tuple(
     )
     for i, (_, package) in enumerate(DRA_VERSIONS)
 )
-DRA_HEALTH_FILE_DESCRIPTOR = _file_descriptor(
-    "dra_health.proto", _DRA_HEALTH_PACKAGE, _DRA_HEALTH_MESSAGES, _DRA_HEALTH_SERVICES, _DRA_HEALTH_ENUMS
+# dra_health.proto in each package (v1, v1beta1, v1alpha1). Package "v1beta1" is the device-plugin
+# API's too: the health file only adds names that API does not have, as in the kubelet's own
+# registry, where both are linked into one binary.
+DRA_HEALTH_FILE_DESCRIPTORS = tuple(
+    _file_descriptor(
+        "dra_health.proto" if package == _DRA_HEALTH_PACKAGE else f"dra_health_{package}.proto",
+        package,
+        _DRA_HEALTH_MESSAGES,
+        _DRA_HEALTH_SERVICES,
+        _DRA_HEALTH_ENUMS,
+    )
+    for _, package in DRA_HEALTH_VERSIONS
 )
-for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS, DRA_HEALTH_FILE_DESCRIPTOR):
+DRA_HEALTH_FILE_DESCRIPTOR = DRA_HEALTH_FILE_DESCRIPTORS[-1]  #: v1alpha1's, dra_health.proto
+for _file in (REGISTRATION_FILE_DESCRIPTOR, *DRA_FILE_DESCRIPTORS, *DRA_HEALTH_FILE_DESCRIPTORS):
     _POOL.Add(_file)
 
 
@@ -616,7 +647,7 @@ def _methods(
 
 
 #: The RPCs of the plugin watcher (the plugin serves them), of DRAPlugin in each version, and of
-#: DRAResourceHealth.
+#: DRAResourceHealth in each version (all with v1alpha1's classes: drahealth).
 DRA_METHODS: dict[str, Method] = {
     **_methods(_REGISTRATION_PACKAGE, _REGISTRATION_SERVICES),
     **{
@@ -624,7 +655,11 @@ DRA_METHODS: dict[str, Method] = {
         for _, package in DRA_VERSIONS
         for path, m in _methods(package, _DRA_SERVICES, DRA_VERSIONS[0][1]).items()
     },
-    **_methods(_DRA_HEALTH_PACKAGE, _DRA_HEALTH_SERVICES),
+    **{
+        path: m
+        for _, package in DRA_HEALTH_VERSIONS
+        for path, m in _methods(package, _DRA_HEALTH_SERVICES, _DRA_HEALTH_PACKAGE).items()
+    },
 }
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY_REGISTRATION_STATUS = "/pluginregistration.Registration/NotifyRegistrationStatus"
@@ -2375,7 +2410,7 @@ def cdi_version(spec: Mapping[str, Any]) -> str:
 
 # DRA: the same devices as ResourceSlices, and claims answered from them.
 #
-# The scheduler, not the kubelet, picks devices under DRA. It reads ResourceSlices (resource.k8s.io/v1)
+# The scheduler, not the kubelet, picks devices under DRA. It reads ResourceSlices (resource.k8s.io/v1, 1.34+)
 # from the API server: each names a driver, a node and a pool, and lists devices with attributes that
 # DeviceClasses and claims select by CEL. gopherplug gives each DRA resource a pool of its own on each
 # node ("<node>/<resource name>"), so that one resource's changes never touch another's slices.
@@ -2404,9 +2439,23 @@ def dra_pool_suffix(resource_name: str) -> str:
     return "/".join(_dns_subdomain(part) or _digest(part) for part in resource_name.split("/"))
 
 
+#: The longest pool name the API server takes (PoolNameMaxLength, k8s.io/api/resource/v1 types.go);
+#: and the longest object name (a DNS subdomain), a ResourceSlice's included.
+DRA_POOL_NAME_MAX_LENGTH = 253
+_DNS_SUBDOMAIN_LENGTH = 253
+
+
 def dra_pool_name(node_name: str, resource_name: str) -> str:
-    """The pool of one resource's devices on one node: "node-1/example.com/serial"."""
-    return f"{node_name}/{dra_pool_suffix(resource_name)}"
+    """The pool of one resource's devices on one node: "node-1/example.com/serial".
+
+    A node name may have 253 characters itself, and the API server refuses a longer pool name, on
+    every write, forever (validatePoolName). Such a name is cut and ends in a digest of the whole:
+    still a DNS subdomain per "/" part, still one pool per node and resource.
+    """
+    name = f"{node_name}/{dra_pool_suffix(resource_name)}"
+    if len(name) <= DRA_POOL_NAME_MAX_LENGTH:
+        return name
+    return f"{name[: DRA_POOL_NAME_MAX_LENGTH - 17].rstrip('/.-')}-{_digest(name, 16)}"
 
 
 def dra_device_name(device_id: str) -> str:
@@ -2436,23 +2485,46 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
 
 def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) -> str:
     """The name of a pool's index-th ResourceSlice: fixed, so that a restarted plugin finds and
-    updates its slices instead of leaving old ones behind. A DNS subdomain of at most 253."""
-    base = _dns_subdomain(f"{node_name}-{driver}-{dra_pool_suffix(resource_name).replace('/', '-')}")
-    if len(base) > 240:
-        base = f"{base[:200].strip('.-')}-{_digest(base, 16)}"
-    return f"{base}-{index}"
+    updates its slices instead of leaving old ones behind. A DNS subdomain of at most 253.
+
+    Readable, then a digest of the exact node, driver and resource name: the readable part alone
+    is not one name per pool ("example.com/foo-bar" and "example.com-foo/bar" both read
+    "example.com-foo-bar"), and two pools sharing a slice name fight forever, as the API server
+    refuses to move a slice to another pool (spec.pool.name is immutable).
+    """
+    readable = _dns_subdomain(f"{node_name}-{driver}-{dra_pool_suffix(resource_name).replace('/', '-')}")
+    digest = _digest(f"{node_name}\0{driver}\0{resource_name}", 10)
+    room = _DNS_SUBDOMAIN_LENGTH - len(f"-{digest}-{index}")
+    return f"{readable[:room].rstrip('.-')}-{digest}-{index}"
+
+
+def node_owner(node_name: str, node_uid: str) -> dict[str, Any]:
+    """The owner reference that makes a ResourceSlice its Node's: the garbage collector deletes the
+    slices of a Node that is deleted (a node scaled away for good), which nobody else would. The Go
+    helper's controller sets the same (resourceslice.Owner of kind Node, controller: true)."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}
 
 
 def resource_slices(
-    driver: str, node_name: str, resource: ResourceConfig, devices: Mapping[str, DeviceEntry], generation: int
+    driver: str,
+    node_name: str,
+    resource: ResourceConfig,
+    devices: Mapping[str, DeviceEntry],
+    generation: int,
+    node_uid: str = "",
 ) -> list[dict[str, Any]]:
     """The ResourceSlices of one resource's pool on one node, as the API server takes them.
 
     At most DRA_MAX_DEVICES_PER_SLICE devices each; every slice of the pool carries the pool's
     generation and how many slices it has, so that the scheduler uses a pool only once it has seen
     all of one generation. A pool with no devices is one empty slice: the pool is there, and empty.
+    The devices are in natural order of their IDs. With the Node's UID, each slice is owned by the
+    Node (node_owner); without it, by nobody.
     """
-    listed = [dra_device(resource, device) for device in devices.values()]
+    # In one order whatever order the devices were found in (natural: "g2" before "g10"): the
+    # publisher compares slices as lists, and a restarted plugin that scanned the directory in
+    # another order would otherwise rewrite unchanged pools under a new generation.
+    listed = [dra_device(resource, devices[i]) for i in _natural_sorted(list(devices))]
     chunks = [listed[i : i + DRA_MAX_DEVICES_PER_SLICE] for i in range(0, len(listed), DRA_MAX_DEVICES_PER_SLICE)]
     chunks = chunks or [[]]
     pool = {
@@ -2460,11 +2532,15 @@ def resource_slices(
         "generation": generation,
         "resourceSliceCount": len(chunks),
     }
+    owners = [node_owner(node_name, node_uid)] if node_uid else []
     return [
         {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceSlice",
-            "metadata": {"name": dra_slice_name(node_name, driver, resource.name, index)},
+            "metadata": {
+                "name": dra_slice_name(node_name, driver, resource.name, index),
+                **({"ownerReferences": [dict(owner) for owner in owners]} if owners else {}),
+            },
             "spec": {"driver": driver, "nodeName": node_name, "pool": dict(pool), "devices": chunk},
         }
         for index, chunk in enumerate(chunks)
@@ -2498,6 +2574,16 @@ def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, D
 
 class ClaimError(GopherplugError):
     """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
+
+
+def dra_base_request(request: str) -> str:
+    """The request a container names for an allocation result's ``request``: "gpu" for "gpu" and
+    for "gpu/fast". With a prioritized list (firstAvailable) the scheduler writes the subrequest it
+    chose as "<request>/<subrequest>", but a container's resources.claims[].request names only the
+    main request, and the kubelet gives it the CDI devices whose request_names contain exactly that
+    (cdiDevicesAsList in pkg/kubelet/cm/dra/claiminfo.go): answered unstripped, the device reaches no
+    container and nothing reports an error. The Go helper strips them too (stripSubrequestNames)."""
+    return request.split("/", 1)[0]
 
 
 def prepared_devices(
@@ -2541,7 +2627,7 @@ def prepared_devices(
         assert resource.cdi is not None  # parse_config gives every DRA resource one
         answer.append(
             drapb.Device(
-                request_names=[result.get("request", "")],
+                request_names=[dra_base_request(result.get("request", ""))],
                 pool_name=pool,
                 device_name=device_name,
                 cdi_device_ids=[f"{resource.cdi.kind}={device.id}"],
@@ -3125,7 +3211,9 @@ async def _client_connection(socket_path: str) -> AsyncIterator[_GRPCSocket]:
         yield grpc_socket
 
 
-async def call_unary(socket_path: str, method: Method, request: Any, *, timeout: float) -> Any:
+async def call_unary(
+    socket_path: str, method: Method, request: Any, *, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
+) -> Any:
     """Make one unary call on a unix socket, the way grpc-go (the kubelet) does, and return the answer.
 
     Sends ``:authority: localhost`` (what the kubelet sends; purerpc's channel would send
@@ -3135,6 +3223,7 @@ async def call_unary(socket_path: str, method: Method, request: Any, *, timeout:
 
     Raises RPCError: the server's status if it answered with one, UNAVAILABLE if the socket could
     not be reached or the connection broke, DEADLINE_EXCEEDED if no answer came in time.
+    ``metadata``: request headers, (name, value) pairs.
     """
     service, _, name = method.path[1:].partition("/")
     try:
@@ -3149,6 +3238,7 @@ async def call_unary(socket_path: str, method: Method, request: Any, *, timeout:
                     # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which
                     # purerpc's microsecond unit reaches at 100 s.
                     timeout=datetime.timedelta(seconds=math.ceil(timeout)),
+                    custom_metadata=metadata,
                 )
                 try:
                     stream.expect_message_type(method.response_type)
@@ -4526,13 +4616,45 @@ _API_BACKOFF = (0.1, 10.0)
 #: How long one watch of the ResourceSlices lasts before they are listed and watched again.
 API_WATCH_SECONDS = 300.0
 
+#: How often the Node is asked for again while the slices are published without it as their owner.
+DRA_OWNER_RETRY_SECONDS = 60.0
+
+#: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
+#: write that succeeds can still be undone at once (another writer, an admission webhook that
+#: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
+#: API server answers (972 writes in 2 s were seen). The Go controller's work queue is rate-limited
+#: for the same reason, with client-go's default overall bucket: 10 a second, bursts of 100 (here
+#: per write, not per pool). The burst covers a start that writes every pool of a large node at once.
+DRA_WRITES_PER_SECOND = 10.0
+DRA_WRITE_BURST = 100
+
+
+class _TokenBucket:
+    """At most ``rate`` acquisitions a second on average, ``burst`` at once; on trio's clock."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._tokens = float(burst)
+        self._last: float | None = None
+
+    async def acquire(self) -> None:
+        now = trio.current_time()
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= 1
+        if self._tokens < 0:  # the debt is paid by waiting, so concurrent callers queue up fairly
+            await trio.sleep(-self._tokens / self.rate)
+
 
 class ApiError(GopherplugError):
-    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came."""
+    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came;
+    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any."""
 
-    def __init__(self, status: int | None, message: str) -> None:
+    def __init__(self, status: int | None, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class ClaimCheckpoint:
@@ -4577,7 +4699,12 @@ class ClaimCheckpoint:
         """The devices a claim was prepared with, or None if it was not."""
         if (claim := self.claims.get(uid)) is None:
             return None
-        return [drapb.Device(**device) for device in claim["devices"]]
+        # Earlier versions stored a subrequest's result as "<request>/<subrequest>"; a claim they
+        # prepared is answered as the kubelet can match it (dra_base_request), the file left as it is.
+        return [
+            drapb.Device(**{**device, "request_names": [dra_base_request(r) for r in device["request_names"]]})
+            for device in claim["devices"]
+        ]
 
     async def add(self, claim: Any, devices: list[Any]) -> None:
         """Remember a prepared claim, on disk when this returns. Raises GopherplugError, and
@@ -4676,6 +4803,11 @@ class DraResources:
         await _any_touched(self.changed, *(devices for _, devices in self.served.values()))
 
 
+#: How long the kubelet may be quiet before a registered driver counts as dropped: three of the
+#: plugin watcher's 10 s GetInfo calls missed, and a health stream not opened again.
+DRA_KUBELET_SILENCE = 30.0
+
+
 @dataclass
 class RegistrationState:
     """What the kubelet last said in NotifyRegistrationStatus, and its health streams open now
@@ -4686,36 +4818,71 @@ class RegistrationState:
     notified: Watched = dataclasses.field(default_factory=lambda: Watched(0))  #: counts the notifications
     health_streams: int = 0
     serving_since: float = dataclasses.field(default_factory=time.monotonic)
+    # Since the last notification: the kubelet's GetInfo calls (not a probe's) and the last one's
+    # time; whether a kubelet health stream was opened, and when the last one ended.
+    info_calls: int = 0
+    last_info: float = 0.0
+    health_opened: bool = False
+    health_ended: float = 0.0
+
+    def notify(self, registered: bool, error: str) -> None:
+        self.registered, self.error = registered, error
+        self.info_calls, self.health_opened = 0, False
+        self.notified.set(self.notified.value + 1)
+
+    def dropped(self, now: float) -> tuple[str, float]:
+        """Why the kubelet seems to have dropped the driver it registered, and since when ("" if it
+        does not). The kubelet says nothing when it drops a plugin (a directory it stopped watching,
+        a restart that found our socket gone, its own bug), and a probe that trusts the last
+        notification says "registered" forever. What it does observably is stop what it did: the
+        newest plugin watcher calls GetInfo every 10 s while a plugin is registered, and a kubelet
+        with ResourceHealthStatus keeps a health stream open. Either one gone quiet for
+        DRA_KUBELET_SILENCE means dropped. Older kubelets call GetInfo only to register: one call
+        seen after the notification is what shows this kubelet asks again."""
+        if not self.registered:
+            return "", 0.0
+        if self.info_calls and now - self.last_info > DRA_KUBELET_SILENCE:
+            return f"it has not called GetInfo for {now - self.last_info:.0f} s", self.last_info
+        if self.health_opened and not self.health_streams and now - self.health_ended > DRA_KUBELET_SILENCE:
+            return f"its health stream ended {now - self.health_ended:.0f} s ago", self.health_ended
+        return "", 0.0
 
     def message(self, driver: str) -> Any:
+        now = time.monotonic()
+        dropped, since = self.dropped(now)
+        registered = self.registered and not dropped
         return ResourceStatus(
             resource_name=driver,
-            registered=self.registered,
+            registered=registered,
             registration_error=self.error,
             streams=self.health_streams,
-            unregistered_seconds=0.0 if self.registered else time.monotonic() - self.serving_since,
+            unregistered_seconds=0.0 if registered else now - (since or self.serving_since),
+            dropped=dropped,
         )
 
 
 def registration_service(config: DraConfig, state: RegistrationState) -> purerpc.Service:
     """pluginregistration.Registration: who we are, and where DRAPlugin is served."""
 
-    async def get_info(request: Any) -> Any:
+    async def get_info(info: Any, request: RequestReceived) -> Any:
+        if PROBE_METADATA not in request.custom_metadata:  # a probe's call is not the kubelet's
+            state.info_calls += state.registered
+            state.last_info = time.monotonic()
         return pluginregistration.PluginInfo(
             type=DRA_PLUGIN_TYPE,
             name=config.driver,
             endpoint=config.endpoint,
-            # DRAPlugin v1 first: the kubelet speaks the first one listed that it knows.
-            supported_versions=[*(version for version, _ in DRA_VERSIONS), DRA_HEALTH_VERSION],
+            # DRAPlugin v1 first: the kubelet speaks the first one listed that it knows. Then
+            # DRAResourceHealth, newest first; a kubelet ignores the names it does not know.
+            supported_versions=[*(v for v, _ in DRA_VERSIONS), *(v for v, _ in DRA_HEALTH_VERSIONS)],
         )
 
     async def notify_registration_status(status: Any) -> Any:
-        state.registered, state.error = status.plugin_registered, status.error
         if status.plugin_registered:
             log.info("the kubelet registered DRA driver %s", config.driver)
         else:
             log.error("the kubelet refused DRA driver %s: %s", config.driver, status.error)
-        state.notified.set(state.notified.value + 1)
+        state.notify(status.plugin_registered, status.error)
         return pluginregistration.RegistrationStatusResponse()
 
     service = purerpc.Service(f"{_REGISTRATION_PACKAGE}.Registration")
@@ -4737,7 +4904,7 @@ def dra_plugin_services(
             service.add_method(name, handler, DRA_METHODS[f"/{package}.DRAPlugin/{name}"].signature)
         services.append(service)
     status = status_service(functools.partial(registration.message, resources.driver))
-    return [*services, dra_health_service(resources, registration), status]
+    return [*services, *dra_health_services(resources, registration), status]
 
 
 #: How often NodeWatchResources sends every device again when nothing changed: the kubelet takes a
@@ -4746,13 +4913,15 @@ def dra_plugin_services(
 DRA_HEALTH_RESEND = DRA_HEALTH_TIMEOUT / 3
 
 
-def dra_health_service(resources: DraResources, registration: RegistrationState) -> purerpc.Service:
-    """DRAResourceHealth: the health of every device, from the same watches as the slices.
-    ``registration`` counts the kubelet's streams (a probe's is not counted)."""
+def dra_health_services(resources: DraResources, registration: RegistrationState) -> list[purerpc.Service]:
+    """DRAResourceHealth in every version of DRA_HEALTH_VERSIONS: the health of every device, from
+    the same watches as the slices. ``registration`` counts the kubelet's streams (a probe's is not
+    counted)."""
 
     async def node_watch_resources(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
         registration.health_streams += counted
+        registration.health_opened |= counted
         try:
             while True:
                 yield dra_health_response(resources.pools(), time.time())
@@ -4762,10 +4931,16 @@ def dra_health_service(resources: DraResources, registration: RegistrationState)
                     await trio.sleep(LIST_PUSH_INTERVAL)
         finally:
             registration.health_streams -= counted
+            if counted:
+                registration.health_ended = time.monotonic()
 
-    service = purerpc.Service(DRA_HEALTH_VERSION)
-    service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[NODE_WATCH_RESOURCES].signature)
-    return service
+    services = []
+    for version, _ in DRA_HEALTH_VERSIONS:  # the same stream under each version's name
+        service = purerpc.Service(version)
+        path = f"/{version}/NodeWatchResources"
+        service.add_method("NodeWatchResources", node_watch_resources, DRA_METHODS[path].signature)
+        services.append(service)
+    return services
 
 
 class ClaimPreparer:
@@ -4783,8 +4958,12 @@ class ClaimPreparer:
 
     async def prepare(self, request: Any) -> Any:
         response = drapb.NodePrepareResourcesResponse()
+        # The answer is a map by claim UID: a claim listed twice gets one entry, which two
+        # preparations would both fill, giving every device twice. One answer per claim, as the Go
+        # helper's (its result is a map too).
+        claims = {claim.uid: claim for claim in request.claims}
         async with trio.open_nursery() as nursery:
-            for claim in request.claims:
+            for claim in claims.values():
                 nursery.start_soon(self._prepare_one, claim, response)
         return response
 
@@ -4825,21 +5004,64 @@ class ClaimPreparer:
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+#: How long a token read from a file is used before the file is read again (client-go's
+#: cachingTokenSource in transport/token_source.go: one minute). The kubelet refreshes a projected
+#: token at 80 % of its life, at least an hour: a minute-old token is never the expired one.
+TOKEN_REREAD_SECONDS = 60.0
+
+
+def _token_file_auth(httpx2: Any, path: str) -> Any:
+    """An httpx2 authentication that sends the bearer token in ``path``: read again once it is
+    TOKEN_REREAD_SECONDS old, and after a 401 or 403, when the request is sent once more if the
+    file holds another token (a refusal of the same token again is the server's last word)."""
+
+    class TokenFileAuth(httpx2.Auth):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            self.bearer: str | None = None
+            self.read_at = -math.inf
+
+        def read(self) -> None:
+            try:
+                with open(path, encoding="utf-8") as file:
+                    self.bearer = f"Bearer {file.read().strip()}"
+            except OSError:
+                pass  # being replaced, or gone: the last token, or none (the server says 401)
+            self.read_at = time.monotonic()
+
+        def auth_flow(self, request: Any) -> Generator[Any, Any, None]:
+            if time.monotonic() - self.read_at >= TOKEN_REREAD_SECONDS:
+                self.read()
+            sent = self.bearer
+            if sent is not None:
+                request.headers["Authorization"] = sent
+            response = yield request
+            if response.status_code in (401, 403):
+                self.read()
+                if self.bearer is not None and self.bearer != sent:
+                    request.headers["Authorization"] = self.bearer
+                    yield request
+
+    return TokenFileAuth()
+
+
 class KubeApi:
-    """The few requests a DRA driver makes to the API server, through lightkube.
+    """The few requests a DRA driver makes to the API server, through lightkube: resource.k8s.io/v1
+    only, so Kubernetes 1.34 or later (1.32 and 1.33 serve the beta versions alone).
 
     lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra), and
     the device-plugin path stays as small as it was. Objects go in and come out as plain dicts.
     Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
     reached or did not answer. In a pod, the configuration is the service account's
-    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); lightkube reads
-    the token file again when the server refuses it (401), which is what happens after the kubelet
-    rotates a bound token. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
+    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
+    is read again every TOKEN_REREAD_SECONDS and when the server refuses it (401 or 403), as the
+    kubelet rotates bound tokens. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
     """
 
-    def __init__(self, client: Any, slice_type: Any, claim_type: Any, errors: tuple[Any, Any]) -> None:
+    def __init__(
+        self, client: Any, slice_type: Any, claim_type: Any, errors: tuple[Any, Any], node_type: Any = None
+    ) -> None:
         self._client = client
-        self._slice, self._claim = slice_type, claim_type
+        self._slice, self._claim, self._node = slice_type, claim_type, node_type
         self._api_error, self._transport_error = errors
 
     @classmethod
@@ -4871,24 +5093,49 @@ class KubeApi:
         client = lightkube.AsyncClient(
             config, field_manager=field_manager, timeout=httpx2.Timeout(API_REQUEST_TIMEOUT), trust_env=False
         )
+        # lightkube reads a token file again only after a 401. A projected token that the API server
+        # refuses with 403 (the manifest's admission policy refuses a token without its node, e.g.
+        # one issued before an upgrade) would then be sent forever, although the kubelet has already
+        # replaced the file. client-go reads the file again every minute; so does this, and after a
+        # 401 or 403. Set on lightkube 1.0.1's httpx2 client (GenericAsyncClient._client), pinned.
+        user = getattr(client._client.config, "user", None)
+        token_file = getattr(user, "token_file", None)
+        if token_file:
+            client._client._client.auth = _token_file_auth(httpx2, token_file)
         # httpx2 logs every request at INFO; gopherplug logs what each one was for, and failures.
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
         claims = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
-        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError))
+        # The core group's Node as lightkube's own model: a generic resource of group "" is looked
+        # up under another key than it is registered under, so a second client would fail to make it.
+        from lightkube.resources.core_v1 import Node
+
+        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError), Node)
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
         try:
             yield
         except self._api_error as error:
-            raise ApiError(error.status.code, f"{what}: {error.status.code} {error.status.message}") from None
+            # The API server's priority and fairness answers 429 with Retry-After (seconds); a client
+            # that comes back sooner only adds to the load it was refused for.
+            response = getattr(error, "response", None)
+            header = response.headers.get("retry-after", "") if response is not None else ""
+            retry_after = float(header) if header.isdigit() else None
+            message = f"{what}: {error.status.code} {error.status.message}"
+            raise ApiError(error.status.code, message, retry_after) from None
         except self._transport_error as error:
             raise ApiError(None, f"{what}: {type(error).__name__}: {error or 'no answer'}") from None
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
             return dict(await self._client.get(self._claim, name, namespace=namespace))
+
+    async def get_node(self, name: str) -> dict[str, Any]:
+        """The Node's name and UID (all a slice's owner reference needs), as its metadata."""
+        with self._errors(f"get Node {name}"):
+            node = await self._client.get(self._node, name)
+            return {"metadata": {"name": node.metadata.name, "uid": node.metadata.uid}}
 
     def _fields(self, node_name: str, driver: str) -> dict[str, str]:
         # Both are field selectors the API server supports for ResourceSlices.
@@ -4933,10 +5180,14 @@ class SlicePublisher:
     Two tasks: ``watch`` follows the slices on the API server (a watch, narrowed by field selectors
     to this node and driver) into ``known``, and ``publish`` wakes whenever a resource's devices or
     ``known`` change, compares, and writes only what differs: the devices a pool should have, in
-    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A slice deleted by
-    someone else (an administrator, the kubelet cleaning up after a plugin it thought gone) is
-    written again. While the API server is down or slow, both retry with a capped backoff, and
-    the rest of the plugin serves on; the latest devices are written once it answers.
+    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation; a pool with a slice of
+    an older generation is written again whole. A slice deleted by someone else (an administrator,
+    the kubelet cleaning up after a plugin it thought gone) is written again. Each pool, and each
+    stale slice, is written on its own: one the API server refuses is retried after its own
+    capped backoff (or its Retry-After) while the others go on. While the API server is down or
+    slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
+    that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
+    A watch that expired (410) is followed by a new list at once.
     """
 
     def __init__(self, resources: DraResources, api: Any) -> None:
@@ -4949,11 +5200,23 @@ class SlicePublisher:
         # The newest resourceVersion the list and the watch have told us of. A write's answer older
         # than that is stale: the watch already brought it, or what came after it (a deletion).
         self._seen = -1
+        self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
+        # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
+        self._retries: dict[str, tuple[float, float]] = {}
+        # Slice name -> (what we wrote, what the API server stored), both as _slice_key, when the two
+        # differ: the server dropped fields it does not know (feature gates off). What it stored
+        # then counts as what we wrote, or every pass would write the same slice again.
+        self._stored_as: dict[str, tuple[str, str]] = {}
+        self._dropped_warned: set[str] = set()
+        #: The Node's UID, for the slices' owner reference; None until the API server told it
+        self.node_uid: str | None = None
+        self._owner_warned = False
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         delay = _API_BACKOFF[0]
         node, driver = self.resources.node_name, self.resources.driver
+        expired = False  # the last watch ended with 410 before it brought anything
         while True:
             try:
                 items, version = await self.api.list_slices(node, driver)
@@ -4961,20 +5224,33 @@ class SlicePublisher:
                 self._seen = int(version) if version.isdigit() else -1
                 self.listed.set()
                 self.known_changed.touch()
-                delay = _API_BACKOFF[0]
                 # A watch on a connection that died without a word (a node's network cut, an API
                 # server host gone) would wait forever: each watch is bounded, then listed again.
                 with trio.move_on_after(API_WATCH_SECONDS):
                     async for event, item in self.api.watch_slices(node, driver, version):
+                        # The backoff ends when a watch brings something, not when a list works: a
+                        # watch that fails right after each list would otherwise list 10 times a second.
+                        expired, delay = False, _API_BACKOFF[0]
                         if (number := _version_of(item)) is not None:
                             self._seen = max(self._seen, number)
                         name = item["metadata"]["name"]
                         if event == "DELETED":
                             self.known.pop(name, None)
+                            # Deleted by the garbage collector, maybe: its Node is gone, and one of
+                            # the same name may have come back with another UID. Ask again.
+                            self.node_uid = None
                         elif not _older(item, self.known.get(name)):
                             self.known[name] = item
                         self.known_changed.touch()
+                delay = _API_BACKOFF[0]  # a watch that lasted its time: nothing failed
             except ApiError as error:
+                if error.status == 410 and not expired:
+                    # Expired: the resourceVersion we watched from left the API server's history (etcd
+                    # compaction, a restarted API server). Routine, and nothing failed: list again now.
+                    # Twice in a row with nothing between is no longer routine: warned, backed off.
+                    expired = True
+                    log.debug("DRA: watching ResourceSlices: %s; listing them again", error)
+                    continue
                 log.warning("DRA: watching ResourceSlices: %s; again in %.2g s", error, delay)
                 await trio.sleep(delay)
                 delay = min(delay * 2, _API_BACKOFF[1])
@@ -4991,10 +5267,20 @@ class SlicePublisher:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
                 try:
-                    await self._sync()
+                    retry_at = await self._sync()
                     delay = _API_BACKOFF[0]
+                    if retry_at is not None:  # a pool or a stale slice waits for its retry
+                        with trio.move_on_at(retry_at):
+                            await woken.wait()
+                        nursery.cancel_scope.cancel()
+                        continue
                     self.synced.set(self.synced.value + 1)
-                except ApiError as error:
+                    if self.node_uid is None:  # published without an owner: ask for the Node again later
+                        with trio.move_on_after(DRA_OWNER_RETRY_SECONDS):
+                            await woken.wait()
+                        nursery.cancel_scope.cancel()
+                        continue
+                except ApiError as error:  # the Node could not be asked for: nothing was written
                     log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, delay)
                     with trio.move_on_after(delay):
                         await woken.wait()
@@ -5006,40 +5292,135 @@ class SlicePublisher:
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
 
-    async def _sync(self) -> None:
-        """One pass: every pool's slices as they should be, stale ones deleted."""
-        node, driver = self.resources.node_name, self.resources.driver
-        wanted: set[str] = set()
-        for resource, devices in list(self.resources.served.values()):
-            if devices.value is RETIRED:
-                continue
-            pool = dra_pool_name(node, resource.name)
-            mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
-            generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
-            slices = resource_slices(driver, node, resource, devices.value, generation)
-            wanted.update(item["metadata"]["name"] for item in slices)
-            same = len(mine) == len(slices) and all(
-                _same_slice(item, mine.get(item["metadata"]["name"])) for item in slices
-            )
-            if same:
-                continue
-            # The pool changed: a new generation, so that the scheduler never mixes two.
-            for item in slices:
-                item["spec"]["pool"]["generation"] = generation + 1
-                name = item["metadata"]["name"]
-                if name in self.known:
-                    item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
-                    written = await self.api.replace_slice(item)
+    async def _owner(self) -> str:
+        """The Node's UID ("" when it cannot be had: the slices go out without an owner).
+
+        Asked of the API server once, and again after any of our slices was deleted. A 403 (the
+        ClusterRole of an older manifest has no `get` on nodes) or a 404 (NODE_NAME is not a
+        Node's name) must not stop the devices from being published: warned about once, and asked
+        again every DRA_OWNER_RETRY_SECONDS. Other failures are the API server's: raised, retried.
+        """
+        if self.node_uid is not None:
+            return self.node_uid
+        node = self.resources.node_name
+        try:
+            found = await self.api.get_node(node)
+        except ApiError as error:
+            if error.status not in (403, 404):
+                raise
+            if not self._owner_warned:
+                self._owner_warned = True
+                if error.status == 403:
+                    why = "the ClusterRole needs get on nodes, as in daemonset-dra.yaml"
                 else:
-                    written = await self.api.create_slice(item)
-                # While the request was out, the watch may have brought this very write and a
-                # deletion after it: then the answer is history, and `known` is already right.
-                if (number := _version_of(written)) is None or number > self._seen:
-                    self.known[name] = written
-            log.info("DRA: %s: %d devices in pool %s", resource.name, len(devices.value), pool)
-        for name in [name for name in self.known if name not in wanted]:
-            await self.api.delete_slice(name)
-            self.known.pop(name, None)
+                    why = f"is {node} this node's name?"
+                log.warning(
+                    "DRA: %s (%s); the ResourceSlices are published without the Node as their owner, so "
+                    "nothing deletes them with the Node",
+                    error,
+                    why,
+                )
+            return ""
+        self.node_uid = str(found.get("metadata", {}).get("uid") or "")
+        return self.node_uid
+
+    async def _sync(self) -> float | None:
+        """One pass: every pool's slices as they should be, stale ones deleted; each pool, and each
+        stale slice, on its own (the Go controller's per-pool work queue): one the API server
+        refuses is retried after its own backoff (longer if the server said Retry-After), while
+        the others are written. Returns when the next retry is due (trio's clock), None if none is."""
+        node, driver = self.resources.node_name, self.resources.driver
+        owner = await self._owner()
+        now = trio.current_time()
+        pools = []
+        for resource, devices in list(self.resources.served.values()):
+            if devices.value is not RETIRED:
+                pool = dra_pool_name(node, resource.name)
+                slices = resource_slices(driver, node, resource, devices.value, 0, owner)
+                pools.append((pool, resource, len(devices.value), slices))
+        # Every pool's slices are wanted, also those of a pool waiting for its retry.
+        wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
+        jobs: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            (pool, functools.partial(self._sync_pool, pool, resource.name, count, slices, owner))
+            for pool, resource, count, slices in pools
+        ]
+        jobs += [(f"stale {name}", functools.partial(self._delete, name)) for name in self.known if name not in wanted]
+        for key, job in jobs:
+            if (retry := self._retries.get(key)) is not None and retry[1] > now:
+                continue  # not yet: its backoff is running
+            try:
+                await job()
+            except ApiError as error:
+                delay = retry[0] if retry is not None else _API_BACKOFF[0]
+                wait = max(delay, error.retry_after or 0.0)
+                self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
+                log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, wait)
+            else:
+                self._retries.pop(key, None)
+        # Retries of pools or slices no longer there are forgotten.
+        keys = {key for key, _ in jobs}
+        self._retries = {key: retry for key, retry in self._retries.items() if key in keys}
+        return min((due for _, due in self._retries.values()), default=None)
+
+    async def _delete(self, name: str) -> None:
+        await self._writes.acquire()
+        await self.api.delete_slice(name)
+        self.known.pop(name, None)
+
+    async def _sync_pool(
+        self, pool: str, resource_name: str, count: int, slices: list[dict[str, Any]], owner: str
+    ) -> None:
+        """One pool's slices as ``slices`` say, all of one generation."""
+        mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
+        generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
+        same = len(mine) == len(slices) and all(
+            self._written(item, mine.get(item["metadata"]["name"])) for item in slices
+        )
+        # A slice of an older generation than its pool's newest is obsolete even when its devices
+        # are right: the scheduler takes only a pool's newest generation, and treats it as
+        # incomplete until it has resourceSliceCount slices of it (structured/pools.go). So a
+        # write that failed after its pool's first slice went to the new generation (a 409, a 429, a
+        # timeout, the plugin killed between the two) leaves the pool to be written again.
+        if same and all(item["spec"]["pool"]["generation"] == generation for item in mine.values()):
+            return
+        # The pool changed: a new generation, so that the scheduler never mixes two.
+        for item in slices:
+            item["spec"]["pool"]["generation"] = generation + 1
+            name = item["metadata"]["name"]
+            await self._writes.acquire()
+            if name in self.known:
+                item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
+                if not owner and "ownerReferences" in self.known[name]["metadata"]:
+                    # The Node is unknown for now, not gone: an update keeps the owner it had.
+                    item["metadata"]["ownerReferences"] = self.known[name]["metadata"]["ownerReferences"]
+                written = await self.api.replace_slice(item)
+            else:
+                written = await self.api.create_slice(item)
+            # While the request was out, the watch may have brought this very write and a
+            # deletion after it: then the answer is history, and `known` is already right.
+            if (number := _version_of(written)) is None or number > self._seen:
+                self.known[name] = written
+            self._stored_as.pop(name, None)
+            if not _same_slice(item, written):
+                # Stored other than written: an API server whose feature gates are off drops the
+                # fields it does not know, on every write. Said once per pool, as the Go controller
+                # does (DroppedFieldsError), and what it stored counts as written from now on.
+                self._stored_as[name] = (_slice_key(item), _slice_key(written))
+                if pool not in self._dropped_warned:
+                    self._dropped_warned.add(pool)
+                    log.warning(
+                        "DRA: the API server stored ResourceSlice %s without some of what was written (fields it "
+                        "does not know: are the feature gates they need off?); it is not written again for them",
+                        name,
+                    )
+        log.info("DRA: %s: %d devices in pool %s", resource_name, count, pool)
+
+    def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+        """Whether the slice on the server is ``wanted`` as written, or as the server stored it."""
+        if _same_slice(wanted, known):
+            return True
+        stored = self._stored_as.get(wanted["metadata"]["name"])
+        return known is not None and stored == (_slice_key(wanted), _slice_key(known))
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
@@ -5060,9 +5441,21 @@ def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
     return mine is not None and theirs is not None and mine < theirs
 
 
+def _slice_key(item: Mapping[str, Any]) -> str:
+    """A slice's spec and owners, its generation aside, as one comparable text."""
+    spec = dict(item["spec"])
+    spec["pool"] = {key: value for key, value in spec["pool"].items() if key != "generation"}
+    owners = item.get("metadata", {}).get("ownerReferences")
+    return json.dumps({"spec": spec, "owners": owners}, sort_keys=True)
+
+
 def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
-    """Whether a slice on the server already says what ``wanted`` says (the generation aside)."""
+    """Whether a slice on the server already says what ``wanted`` says (the generation aside), and
+    is owned as wanted (a slice written by a version that set no owner is written again, once)."""
     if known is None:
+        return False
+    owners = wanted["metadata"].get("ownerReferences")
+    if owners is not None and known.get("metadata", {}).get("ownerReferences") != owners:
         return False
     a, b = dict(wanted["spec"]), dict(known["spec"])
     a_pool, b_pool = dict(a.pop("pool")), dict(b.pop("pool"))
@@ -6116,7 +6509,11 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
     try:
         request = pluginregistration.InfoRequest()
         result.info = await call_unary(
-            config.registration_socket, DRA_METHODS[GET_INFO], request, timeout=PROBE_TIMEOUT
+            config.registration_socket,
+            DRA_METHODS[GET_INFO],
+            request,
+            timeout=PROBE_TIMEOUT,
+            metadata=(PROBE_METADATA,),
         )
         endpoint = result.info.endpoint
         result.status = await call_unary(endpoint, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
@@ -6136,6 +6533,8 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
         result.error = f"{config.registration_socket} is DRA driver {result.info.name}'s, not {config.driver}'s"
     elif status.registration_error:
         result.error = f"the kubelet refused the driver: {status.registration_error}"
+    elif status.dropped and status.unregistered_seconds > grace:
+        result.error = f"the kubelet registered it, then seems to have dropped it: {status.dropped}"
     elif not status.registered and status.unregistered_seconds > grace:
         result.error = (
             f"no kubelet has registered it in {status.unregistered_seconds:.0f} s: is {config.kubelet_dir} "
@@ -6352,7 +6751,8 @@ class DraKubeletSimulator:
     unlike the device manager's, deletes nothing: plugins_registry is walked again);
     ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
     node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
-    and ``wiping_delay`` seconds after a driver went without registering again.
+    and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
+    forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
     """
 
     def __init__(
@@ -6361,17 +6761,30 @@ class DraKubeletSimulator:
         versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
         wipe: Callable[[str], None] | None = None,
         wiping_delay: float = DRA_WIPING_DELAY,
+        info_interval: float | None = None,
+        health_versions: Iterable[str] = (DRA_HEALTH_VERSION,),
     ) -> None:
         self.registry = os.path.join(kubelet_dir, "plugins_registry")
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
         self.wipe, self.wiping_delay = wipe, wiping_delay
+        #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
+        #: every 10 s; None: only to register, as kubelets up to 1.36 do)
+        self.info_interval = info_interval
+        #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first (1.36:
+        #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
+        self.health_versions = list(health_versions)
+        self.health_paths: list[str] = []  #: each NodeWatchResources stream opened, by its path
         self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name
-        #: ("registered" | "refused: why" | "deregistered", socket), and ("wiped", driver or "")
+        #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), and
+        #: ("wiped", driver or "")
         self.events: list[tuple[str, str]] = []
         self.starts = 0
         self._changed = Watched(None)
         self._restart = trio.Event()
         self._pending_wipes: dict[str, trio.CancelScope] = {}
+        #: claim UID -> driver -> the devices its NodePrepareResources answered (the kubelet's
+        #: claim info cache, kept across its restarts in its checkpoint, as here)
+        self.prepared: dict[str, dict[str, list[Any]]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[DraKubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(self.registry, exist_ok=True)
@@ -6391,6 +6804,8 @@ class DraKubeletSimulator:
                     task_status.started(self)
                     task_status = trio.TASK_STATUS_IGNORED
                     nursery.start_soon(self._follow, w)
+                    if self.info_interval is not None:
+                        nursery.start_soon(self._ask_again, self.info_interval)
                     await self._restart.wait()
                     nursery.cancel_scope.cancel()
 
@@ -6415,6 +6830,25 @@ class DraKubeletSimulator:
                     self.events.append(("deregistered", path))
                     gone.append(driver.name)
         return gone
+
+    async def _ask_again(self, interval: float) -> None:
+        """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
+        that a plugin it registered is still there (its answer is not looked at here)."""
+        while True:
+            await trio.sleep(interval)
+            for driver in list(self.drivers.values()):
+                with contextlib.suppress(RPCError):
+                    request = pluginregistration.InfoRequest()
+                    path = driver.registration_socket
+                    await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
+                    self.events.append(("asked", path))
+                    self._changed.touch()
+
+    def drop(self, driver: str) -> None:
+        """Forget a registered driver without a word to it: no more GetInfo, no more calls."""
+        dropped = self.drivers.pop(driver)
+        self.events.append(("dropped", dropped.registration_socket))
+        self._changed.touch()
 
     async def _wipe_later(self, driver: str) -> None:
         """A driver that went may have died without cleaning up; one that registers again in time
@@ -6490,21 +6924,53 @@ class DraKubeletSimulator:
             await self._changed.wait_touched()
 
     async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
-        """NodePrepareResources for (namespace, uid, name) claims; the response."""
-        return await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
+        """NodePrepareResources for (namespace, uid, name) claims; the response. The devices of
+        each claim answered without error are kept for ``cdi_devices``."""
+        response = await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
+        for uid, answer in response.claims.items():
+            if not answer.error:
+                self.prepared.setdefault(uid, {})[driver] = list(answer.devices)
+        return response
+
+    def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
+        """The CDI device IDs the kubelet gives a container whose resources.claims[] entry names this
+        claim and ``request`` ("": the whole claim): those of every driver's devices whose request
+        names contain ``request`` exactly, or that name no request (cdiDevicesAsList in
+        pkg/kubelet/cm/dra/claiminfo.go). A name the container cannot spell ("gpu/fast") matches none."""
+        return [
+            cdi_id
+            for devices in self.prepared.get(claim_uid, {}).values()
+            for device in devices
+            if not request or not device.request_names or request in device.request_names
+            for cdi_id in device.cdi_device_ids
+        ]
 
     async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
-        """NodeUnprepareResources for (namespace, uid, name) claims; the response."""
-        return await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
+        """NodeUnprepareResources for (namespace, uid, name) claims; the response. A claim
+        unprepared without error is forgotten for ``cdi_devices``."""
+        response = await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
+        for uid, answer in response.claims.items():
+            if not answer.error and uid in self.prepared:
+                self.prepared[uid].pop(driver, None)
+                if not self.prepared[uid]:
+                    del self.prepared[uid]
+        return response
 
     @asynccontextmanager
     async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:
-        """The NodeWatchResources stream, as the kubelet opens it to a registered driver that lists
-        DRAResourceHealth (kubelets from 1.37 ask that; older ones open it regardless)."""
+        """The NodeWatchResources stream, as the kubelet opens it to a registered driver: in the
+        first of ``health_versions`` (this kubelet's, newest first) that the driver lists
+        (kubelets from 1.37 ask that; older ones open v1alpha1 regardless). The path it opened is
+        appended to ``health_paths``."""
         known = self._driver(driver)
-        if DRA_HEALTH_VERSION not in known.supported_versions:
-            raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} does not list {DRA_HEALTH_VERSION}")
-        method, request = DRA_METHODS[NODE_WATCH_RESOURCES], drahealth.NodeWatchResourcesRequest()
+        chosen = next((v for v in self.health_versions if v in known.supported_versions), None)
+        if chosen is None:
+            raise RPCError(
+                StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} lists none of {', '.join(self.health_versions)}"
+            )
+        path = f"/{chosen}/NodeWatchResources"
+        self.health_paths.append(path)
+        method, request = DRA_METHODS[path], drahealth.NodeWatchResourcesRequest()
         async with open_stream(known.endpoint, method, request, timeout=DRA_KUBELET_TIMEOUT) as responses:
             yield responses
 
@@ -6521,15 +6987,166 @@ class DraKubeletSimulator:
         return await call_unary(known.endpoint, DRA_METHODS[path], request, timeout=DRA_KUBELET_TIMEOUT)
 
 
+_DNS_SUBDOMAIN_PROBLEM = (
+    "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
+    "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
+    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+)
+_DNS_LABEL_PROBLEM = (
+    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
+    "end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
+    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+)
+
+
+def _cause(field: str, reason: str, body: str) -> dict[str, str]:
+    """One field error as a Status lists it in details.causes (k8s.io/apimachinery field.Error)."""
+    return {"reason": reason, "message": body, "field": field}
+
+
+def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[str, str]]:
+    causes = []
+    if len(value) > limit:
+        causes.append(
+            _cause(
+                field,
+                "FieldValueInvalid",
+                f"Invalid value: {json.dumps(value)}: must be no more than {limit} characters",
+            )
+        )
+    pattern = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?" if label else _DNS_SUBDOMAIN.pattern
+    if not re.fullmatch(pattern, value):
+        problem = _DNS_LABEL_PROBLEM if label else _DNS_SUBDOMAIN_PROBLEM
+        causes.append(_cause(field, "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: {problem}"))
+    return causes
+
+
+def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+    """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
+    would replace), as the causes of its 422: the checks of ValidateResourceSlice and
+    ValidateResourceSliceUpdate (kubernetes/kubernetes pkg/apis/resource/validation/validation.go)
+    that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
+    characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
+    at most 128 devices, each named by a DNS label; pool name, driver and node immutable; an owner
+    reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
+    causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
+    for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
+        if not owner.get("uid"):
+            causes.append(
+                _cause("metadata.ownerReferences.uid", "FieldValueInvalid", 'Invalid value: "": uid must not be empty')
+            )
+    spec = item.get("spec") or {}
+    pool = spec.get("pool") or {}
+    pool_name = str(pool.get("name", ""))
+    if not pool_name:
+        causes.append(_cause("spec.pool.name", "FieldValueRequired", "Required value"))
+    else:
+        if len(pool_name) > DRA_POOL_NAME_MAX_LENGTH:
+            causes.append(
+                _cause(
+                    "spec.pool.name",
+                    "FieldValueTooLong",
+                    f"Too long: must have at most {DRA_POOL_NAME_MAX_LENGTH} bytes",
+                )
+            )
+        for part in pool_name.split("/"):
+            causes += _dns_causes("spec.pool.name", part, _DNS_SUBDOMAIN_LENGTH, False)
+    if (count := pool.get("resourceSliceCount", 0)) <= 0:
+        causes.append(
+            _cause(
+                "spec.pool.resourceSliceCount",
+                "FieldValueInvalid",
+                f"Invalid value: {count}: must be greater than zero",
+            )
+        )
+    if (generation := pool.get("generation", 0)) < 0:
+        causes.append(
+            _cause(
+                "spec.pool.generation",
+                "FieldValueInvalid",
+                f"Invalid value: {generation}: must be greater than or equal to zero",
+            )
+        )
+    devices = spec.get("devices") or []
+    if len(devices) > DRA_MAX_DEVICES_PER_SLICE:
+        causes.append(
+            _cause(
+                "spec.devices",
+                "FieldValueTooMany",
+                f"Too many: {len(devices)}: must have at most {DRA_MAX_DEVICES_PER_SLICE} items",
+            )
+        )
+    for index, device in enumerate(devices):
+        causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
+    if old is not None:
+        old_spec = old.get("spec") or {}
+        for field, new_value, old_value in (
+            ("spec.pool.name", pool_name, (old_spec.get("pool") or {}).get("name")),
+            ("spec.driver", spec.get("driver"), old_spec.get("driver")),
+            ("spec.nodeName", spec.get("nodeName"), old_spec.get("nodeName")),
+        ):
+            if new_value != old_value:
+                causes.append(
+                    _cause(field, "FieldValueInvalid", f"Invalid value: {json.dumps(new_value)}: field is immutable")
+                )
+    return causes
+
+
+def resource_claim_causes(claim: Mapping[str, Any]) -> list[dict[str, str]]:
+    """What the API server refuses in a resource.k8s.io/v1 ResourceClaim's allocation, as the causes
+    of its 422 (validateDeviceRequestAllocationResult in pkg/apis/resource/validation/validation.go):
+    each result names a request of the claim, or "<request>/<subrequest>" of a request with
+    firstAvailable (the scheduler's choice from a prioritized list), a pool name as slices have
+    them, and a device by a DNS label."""
+    requests: dict[str, set[str] | None] = {}
+    for request in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []:
+        subrequests = request.get("firstAvailable")
+        requests[request.get("name", "")] = {sub.get("name", "") for sub in subrequests} if subrequests else None
+    causes = []
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    for index, result in enumerate((allocation.get("devices") or {}).get("results") or []):
+        where = f"status.allocation.devices.results[{index}]"
+        name = str(result.get("request", ""))
+        main, _, sub = name.partition("/")
+        known = main in requests and (sub == "" if requests[main] is None else sub in (requests[main] or ()))
+        if not known or name.count("/") > 1:
+            causes.append(
+                _cause(
+                    f"{where}.request",
+                    "FieldValueInvalid",
+                    f"Invalid value: {json.dumps(name)}: must be the name of a request in the claim or the name of a "
+                    "request and a subrequest separated by '/'",
+                )
+            )
+        if not result.get("driver"):
+            causes.append(_cause(f"{where}.driver", "FieldValueRequired", "Required value"))
+        for part in str(result.get("pool", "")).split("/"):
+            causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
+        causes += _dns_causes(f"{where}.device", str(result.get("device", "")), _DNS_LABEL_LENGTH, True)
+    return causes
+
+
+def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> dict[str, Any]:
+    """The API server's 422 for an object that fails validation: one message naming every error
+    (apierrors.NewInvalid: one error bare, several in brackets), and each as a cause."""
+    errors = [f"{cause['field']}: {cause['message']}" for cause in causes]
+    listed = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
+    status = _status(422, "Invalid", f'{kind}.{group} "{name}" is invalid: {listed}')
+    status["details"] = {"name": name, "group": group, "kind": kind, "causes": causes}
+    return status
+
+
 class ApiServerSimulator:
     """The few resource.k8s.io/v1 requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1.
 
     Holds ResourceClaims (put them with ``put_claim``) and the ResourceSlices the driver writes
-    (``slices``, by name; ``writes`` lists each write). Lists and watches honour spec.nodeName and
-    spec.driver field selectors; a watch streams events as JSON lines, as the API server does.
+    (``slices``, by name; ``writes`` lists each write). It refuses a slice the real API server
+    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. Lists and
+    watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
+    lines, as the API server does.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
-    accepts, others get 401. ``down`` refuses every request by closing the connection; ``delay``
-    holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
+    accepts, others get 401; ``forbidden_tokens`` get 403. ``down`` refuses every request by closing
+    the connection; ``delay`` holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
     """
 
     PREFIX = "/apis/resource.k8s.io/v1"
@@ -6538,9 +7155,20 @@ class ApiServerSimulator:
         self.ssl_context = ssl_context
         self.tokens = tokens
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
+        #: (slice name, causes) of each write refused as invalid (422), in order
+        self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
+        #: tokens the server knows but refuses with 403 and this message, as an admission policy
+        #: refuses a token that names no node (the manifest's), or RBAC a user without the right
+        self.forbidden_tokens: dict[str, str] = {}
+        self.bearers: list[str] = []  #: the bearer token of each request, in order ("" without one)
+        #: each slice write: (trio time, verb, slice name, the status answered; 0: none)
+        self.attempts: list[tuple[float, str, str, int]] = []
+        self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
+        self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
         self.down = False
         self.delay = 0.0
         self.port = 0
@@ -6563,8 +7191,71 @@ class ApiServerSimulator:
             task_status.started(self)
 
     def put_claim(self, claim: dict[str, Any]) -> None:
+        """Store a claim as the scheduler left it. Raises ValueError, with the API server's 422
+        message, for an allocation the real one would refuse (resource_claim_causes): a test's
+        claim must be one a cluster can have."""
         metadata = claim["metadata"]
+        if causes := resource_claim_causes(claim):
+            raise ValueError(_invalid("ResourceClaim", "resource.k8s.io", metadata["name"], causes)["message"])
         self.claims[metadata["namespace"], metadata["name"]] = claim
+
+    def fail(self, verb: str, name: str = "", status: int = 500, *, times: int = 1, retry_after: int = 0) -> None:
+        """Fail the next ``times`` writes of ``verb`` ("create", "update", "delete") to slice
+        ``name`` ("": any) with ``status``, as the real server can: 409 (someone else's write came
+        first), 429 (priority and fairness; with a Retry-After header when ``retry_after``), 500, or
+        0: no answer at all, until the client gives up (a timeout, or the plugin killed mid-write)."""
+        self._failures.append(
+            {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
+        )
+
+    def expire_watches(self) -> None:
+        """End every open watch with the ERROR event of a 410 Gone, as the API server does when the
+        watch's resourceVersion fell out of its history (etcd compaction, an API server restart)."""
+        self._expired += 1
+        self.changed.touch()
+
+    def _failure(self, verb: str, name: str) -> dict[str, Any] | None:
+        for failure in self._failures:
+            if failure["verb"] == verb and failure["name"] in ("", name):
+                failure["times"] -= 1
+                if failure["times"] <= 0:
+                    self._failures.remove(failure)
+                return failure
+        return None
+
+    async def _fail(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
+        """Answer a write that fail() asked to fail, and say so; False for any other."""
+        if (failure := self._failure(verb, name)) is None:
+            return False
+        status = failure["status"]
+        self.attempts.append((trio.current_time(), verb, name, status))
+        if status == 0:
+            await trio.sleep_forever()  # until the client closes the connection, giving up
+        reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
+        messages = {
+            409: f'Operation cannot be fulfilled on resourceslices.resource.k8s.io "{name}": the object has been '
+            "modified; please apply your changes to the latest version and try again",
+            429: "storage is (re)initializing",
+            500: "Internal error occurred: etcdserver: request timed out",
+        }
+        document = _status(status, reasons.get(status, "InternalError"), messages.get(status, "failed"))
+        extra = [("retry-after", str(failure["retry_after"]))] if failure["retry_after"] else []
+        await self._send(connection, stream, h11, status, document, extra)
+        return True
+
+    def put_node(self, name: str, uid: str) -> None:
+        """A Node, as the kubelet registers it: what a slice's owner reference names."""
+        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+
+    def delete_node(self, name: str) -> None:
+        """Delete a Node, and then what the garbage collector deletes: every slice whose owner
+        references name it (by UID) and no other object that still exists."""
+        uid = self.nodes.pop(name)["metadata"]["uid"]
+        alive = {node["metadata"]["uid"] for node in self.nodes.values()}
+        for slice_name, item in list(self.slices.items()):
+            owners = {owner.get("uid") for owner in item["metadata"].get("ownerReferences", [])}
+            if uid in owners and not owners & alive:
+                self.delete_slice(slice_name)
 
     def _bump(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
         self._version += 1
@@ -6573,6 +7264,10 @@ class ApiServerSimulator:
         self._events.append((self._version, kind, item))
         self.changed.touch()
         return item
+
+    def put_slice(self, item: dict[str, Any]) -> None:
+        """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
+        self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
@@ -6621,21 +7316,36 @@ class ApiServerSimulator:
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
 
-    async def _send(self, connection: Any, stream: Any, h11: Any, status: int, document: Any) -> None:
+    async def _send(
+        self, connection: Any, stream: Any, h11: Any, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()
+    ) -> None:
         data = json.dumps(document).encode()
-        headers = [("content-type", "application/json"), ("content-length", str(len(data)))]
+        headers = [("content-type", "application/json"), ("content-length", str(len(data))), *extra]
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
 
     async def _answer(self, connection: Any, stream: Any, h11: Any, request: Any, body: bytes) -> None:
         headers = {name.decode().lower(): value.decode() for name, value in request.headers}
-        if self.tokens is not None and headers.get("authorization", "").removeprefix("Bearer ") not in self.tokens:
+        token = headers.get("authorization", "").removeprefix("Bearer ")
+        self.bearers.append(token)
+        if self.tokens is not None and token not in self.tokens:
             self.refused_tokens += 1
             await self._send(connection, stream, h11, 401, _status(401, "Unauthorized", "Unauthorized"))
+            return
+        if token in self.forbidden_tokens:
+            self.refused_tokens += 1
+            await self._send(connection, stream, h11, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
             return
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))
         method, path = request.method.decode(), url.path
+        if method == "GET" and path.startswith("/api/v1/nodes/"):
+            name = path.removeprefix("/api/v1/nodes/")
+            if (node := self.nodes.get(name)) is None:
+                await self._send(connection, stream, h11, 404, _status(404, "NotFound", f'nodes "{name}" not found'))
+            else:
+                await self._send(connection, stream, h11, 200, node)
+            return
         parts = path.removeprefix(self.PREFIX).strip("/").split("/")
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
             claim = self.claims.get((parts[1], parts[3]))
@@ -6666,14 +7376,29 @@ class ApiServerSimulator:
                 "items": items,
             }
             await self._send(connection, stream, h11, 200, listed)
+        elif method in ("POST", "PUT", "DELETE") and await self._fail(
+            connection,
+            stream,
+            h11,
+            {"POST": "create", "PUT": "update", "DELETE": "delete"}[method],
+            parts[1] if len(parts) == 2 else json.loads(body)["metadata"]["name"],
+        ):
+            return
         elif method == "POST" and len(parts) == 1:
             item = json.loads(body)
             name = item["metadata"]["name"]
+            if causes := resource_slice_causes(item):
+                self.refused.append((name, causes))
+                await self._send(
+                    connection, stream, h11, 422, _invalid("ResourceSlice", "resource.k8s.io", name, causes)
+                )
+                return
             if name in self.slices:
                 await self._send(connection, stream, h11, 409, _status(409, "AlreadyExists", f"{name} already exists"))
                 return
             self.slices[name] = self._bump("ADDED", item)
             self.writes.append(("create", name))
+            self.attempts.append((trio.current_time(), "create", name, 201))
             await self._send(connection, stream, h11, 201, self.slices[name])
         elif method == "PUT" and len(parts) == 2:
             item, name = json.loads(body), parts[1]
@@ -6681,14 +7406,21 @@ class ApiServerSimulator:
                 await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{name} not found"))
             elif item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
                 await self._send(connection, stream, h11, 409, _status(409, "Conflict", f"{name} was modified"))
+            elif causes := resource_slice_causes(item, self.slices[name]):
+                self.refused.append((name, causes))
+                await self._send(
+                    connection, stream, h11, 422, _invalid("ResourceSlice", "resource.k8s.io", name, causes)
+                )
             else:
                 self.slices[name] = self._bump("MODIFIED", item)
                 self.writes.append(("update", name))
+                self.attempts.append((trio.current_time(), "update", name, 200))
                 await self._send(connection, stream, h11, 200, self.slices[name])
         elif method == "DELETE" and len(parts) == 2 and parts[1] in self.slices:
             item = self.slices.pop(parts[1])
             self._bump("DELETED", item)
             self.writes.append(("delete", parts[1]))
+            self.attempts.append((trio.current_time(), "delete", parts[1], 200))
             await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
         else:
             await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{method} {path}: not found"))
@@ -6696,7 +7428,13 @@ class ApiServerSimulator:
     async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
         headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
         await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
+        expired = self._expired
         while not self.down:
+            if self._expired != expired:
+                message = f"too old resource version: {since} ({self._version})"
+                line = json.dumps({"type": "ERROR", "object": _status(410, "Expired", message)}).encode() + b"\n"
+                await stream.send_all(connection.send(h11.Data(data=line)) + connection.send(h11.EndOfMessage()))
+                return
             changed = self.changed.next_touch()
             for version, kind, item in self._events:
                 if version > since and matches(item):
@@ -6777,6 +7515,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     out(f"gopherplug demo --dra: a simulated kubelet and API server, and the real plugin, in {root}")
     async with trio.open_nursery() as nursery:
         api = await nursery.start(ApiServerSimulator().run)
+        api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
         kubeconfig = os.path.join(root, "kubeconfig")
         with open(kubeconfig, "w", encoding="utf-8") as file:
             cluster = {"name": "demo", "cluster": {"server": api.url}}
@@ -6822,6 +7561,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                     "apiVersion": "resource.k8s.io/v1",
                     "kind": "ResourceClaim",
                     "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
+                    "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
                     "status": {"allocation": {"devices": {"results": results}}},
                 }
             )

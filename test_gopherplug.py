@@ -4022,7 +4022,8 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     )
     assert re.search(r"endpoint /\S+/kubelet/plugins/gopherplug.example.com/dra.sock\n", said)
     assert (
-        "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1alpha1.DRAResourceHealth: "
+        "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1.DRAResourceHealth, v1beta1.DRAResourceHealth, "
+        "v1alpha1.DRAResourceHealth: "
         "chose k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin\n"
     ) in said
     assert (
@@ -4831,17 +4832,23 @@ DRIVER = "gopherplug.example.com"
 
 def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
     """pluginregistration.proto, dra.proto (and dra.proto in package v1beta1) and dra_health.proto
-    against protoc."""
+    (and in packages v1beta1 and v1) against protoc."""
     v1beta1_proto = (
         (HERE / "dra.proto")
         .read_text()
         .replace("package k8s.io.kubelet.pkg.apis.dra.v1;", "package k8s.io.kubelet.pkg.apis.dra.v1beta1;")
     )
     (tmp_path / "dra_v1beta1.proto").write_text(v1beta1_proto)
+    # DRAResourceHealth v1beta1 and v1: dra_health.proto's messages in their own packages.
+    for package in ("v1beta1", "v1"):
+        health = (HERE / "dra_health.proto").read_text().replace("package v1alpha1;", f"package {package};")
+        (tmp_path / f"dra_health_{package}.proto").write_text(health)
     cases = [
         ("pluginregistration.proto", HERE, gp.REGISTRATION_FILE_DESCRIPTOR),
         ("dra.proto", HERE, gp.DRA_FILE_DESCRIPTORS[0]),
         ("dra_v1beta1.proto", tmp_path, gp.DRA_FILE_DESCRIPTORS[1]),
+        ("dra_health_v1.proto", tmp_path, gp.DRA_HEALTH_FILE_DESCRIPTORS[0]),
+        ("dra_health_v1beta1.proto", tmp_path, gp.DRA_HEALTH_FILE_DESCRIPTORS[1]),
         ("dra_health.proto", HERE, gp.DRA_HEALTH_FILE_DESCRIPTOR),
     ]
     for name, directory, ours in cases:
@@ -4859,7 +4866,9 @@ def test_dra_service_paths_are_the_kubelets():
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
         "/pluginregistration.Registration/GetInfo",
         "/pluginregistration.Registration/NotifyRegistrationStatus",
+        "/v1.DRAResourceHealth/NodeWatchResources",
         "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+        "/v1beta1.DRAResourceHealth/NodeWatchResources",
     ]
     assert gp.DRA_METHODS[gp.NODE_WATCH_RESOURCES].server_streaming
 
@@ -5101,17 +5110,85 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         assert result.stdout.count("passed") == 3
 
 
-def claim(name, uid, *results, namespace="default"):
-    """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device)."""
-    allocated = [{"request": r, "driver": d, "pool": p, "device": n} for r, d, p, n in results]
+def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
+    """Two resource names that read alike get two slice names; a node name of 253 characters
+    still gives a pool name, and slices, the API server takes."""
+    names = {gp.dra_slice_name("node-1", DRIVER, name, 0) for name in ("example.com/foo-bar", "example.com-foo/bar")}
+    assert len(names) == 2
+    longest = "n" * 253  # a node name is a DNS subdomain: this is one
+    pools = {gp.dra_pool_name(longest, name) for name in ("example.com/gopher", "example.com/other")}
+    assert len(pools) == 2
+    assert all(len(pool) <= 253 for pool in pools)
+    resource = gp.resource_config("example.com/" + "g" * 50)
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}") for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 1)}
+    for node in ("node-1", longest):
+        slices = gp.resource_slices(DRIVER, node, resource, devices, 1)
+        assert [gp.resource_slice_causes(item) for item in slices] == [[], []]
+        assert all(len(item["metadata"]["name"]) <= 253 for item in slices)
+
+
+def test_dra_api_server_stand_in_refuses_slices_as_the_real_one_does():
+    """The checks of pkg/apis/resource/validation/validation.go a driver can fail, with the field
+    errors' own wording (k8s.io/apimachinery field.Error)."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    too_many = json.loads(json.dumps(item))
+    too_many["spec"]["devices"] = [{"name": f"d{i}"} for i in range(129)]
+    assert gp.resource_slice_causes(too_many) == [
+        {
+            "reason": "FieldValueTooMany",
+            "message": "Too many: 129: must have at most 128 items",
+            "field": "spec.devices",
+        }
+    ]
+    too_long = json.loads(json.dumps(item))
+    too_long["spec"]["pool"]["name"] = "n" * 240 + "/example.com/gopher"
+    assert gp.resource_slice_causes(too_long) == [
+        {"reason": "FieldValueTooLong", "message": "Too long: must have at most 253 bytes", "field": "spec.pool.name"}
+    ]
+    moved = json.loads(json.dumps(item))
+    moved["spec"]["pool"]["name"] = "node-1/example.com/other"
+    causes = gp.resource_slice_causes(moved, item)
+    assert causes == [
+        {
+            "reason": "FieldValueInvalid",
+            "message": 'Invalid value: "node-1/example.com/other": field is immutable',
+            "field": "spec.pool.name",
+        }
+    ]
+    name = item["metadata"]["name"]
+    assert gp._invalid("ResourceSlice", "resource.k8s.io", name, causes) == {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": f'ResourceSlice.resource.k8s.io "{name}" is invalid: spec.pool.name: Invalid value: '
+        '"node-1/example.com/other": field is immutable',
+        "reason": "Invalid",
+        "code": 422,
+        "details": {"name": name, "group": "resource.k8s.io", "kind": "ResourceSlice", "causes": causes},
+    }
+
+
+def claim(name, uid, *results, namespace="default", requests=None):
+    """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device),
+    optionally with a dict of further fields (e.g. {"adminAccess": True}); ``requests`` its spec's."""
+    allocated = [
+        {"request": r, "driver": d, "pool": p, "device": n, **(extra[0] if extra else {})}
+        for r, d, p, n, *extra in results
+    ]
     status = {"allocation": {"devices": {"results": allocated}}} if results else {}
+    requests = requests or [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": namespace, "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+        "spec": {"devices": {"requests": requests}},
         "status": status,
     }
+
+
+NODE_UID = "0b6f8a5e-4c1d-4e0a-9f3b-2d7c1e9a8b01"
+DRA_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 
 
 class DraNode:
@@ -5137,10 +5214,13 @@ class DraNode:
         self.token_file = self.root / "token"
         self.token_file.write_text("token-1")
         self.api = gp.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
+        self.api.put_node("node-1", NODE_UID)
         self.kubelet = gp.DraKubeletSimulator(
             str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
         )
         self.scope = None
+        #: the CDI spec directory of a test's own (the default, /var/run/cdi, is every test run's)
+        self.cdi = {"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")}
 
     async def start_servers(self):
         await self.nursery.start(self.api.run)
@@ -5168,7 +5248,7 @@ class DraNode:
     async def start(self, config=None, node_name="node-1", updates=None):
         """Start gopherplug; returns once it serves (registration may still be under way)."""
         os.makedirs(self.root / "dp", exist_ok=True)
-        config = config or self.config(cdi={"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")})
+        config = config or self.config(cdi=self.cdi)
         os.environ["KUBECONFIG"] = str(self.kubeconfig)
         os.environ.pop("KUBERNETES_SERVICE_HOST", None)
         self.scope = trio.CancelScope()
@@ -5307,6 +5387,111 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
     assert sorted(checkpoint["claims"]) == ["uid-1"]
 
 
+PRIORITIZED_REQUESTS = [
+    # "gpu" takes the first of its subrequests the node can satisfy (firstAvailable); the scheduler
+    # names the one it chose in each result as "gpu/<subrequest>".
+    {
+        "name": "gpu",
+        "firstAvailable": [
+            {"name": "big", "deviceClassName": "big-gopher", "count": 4},
+            {"name": "small", "deviceClassName": "gopher", "count": 2},
+        ],
+    },
+    {"name": "serial", "exactly": {"deviceClassName": "gopher"}},
+    {"name": "monitor", "exactly": {"deviceClassName": "gopher", "adminAccess": True}},
+]
+
+
+def test_dra_api_server_stand_in_refuses_claims_a_cluster_cannot_have():
+    """A result must name a request of the claim, or a subrequest of one with firstAvailable, as
+    the API server checks when the scheduler writes the allocation."""
+    api = gp.ApiServerSimulator()
+    ok = ("gpu/small", DRIVER, DraNode.POOL, "gopher0")
+    serial = ("serial", DRIVER, DraNode.POOL, "gopher1")
+    api.put_claim(claim("c1", "uid-1", ok, serial, requests=PRIORITIZED_REQUESTS))
+    for bad, field in [
+        (("gpu/huge", DRIVER, DraNode.POOL, "gopher0"), "request"),  # no such subrequest
+        (("serial/x", DRIVER, DraNode.POOL, "gopher0"), "request"),  # serial has no firstAvailable
+        (("gpu/small", DRIVER, DraNode.POOL, "Gopher0"), "device"),  # not a DNS label
+    ]:
+        with pytest.raises(ValueError) as refused:
+            api.put_claim(claim("c2", "uid-2", ok, bad, requests=PRIORITIZED_REQUESTS))
+        where = f"status.allocation.devices.results[1].{field}"
+        assert str(refused.value).startswith(f'ResourceClaim.resource.k8s.io "c2" is invalid: {where}: Invalid value: ')
+    assert sorted(api.claims) == [("default", "c1")]
+
+
+async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_its_request(dra_node):
+    """A container names the main request ("gpu"); results of a subrequest say "gpu/small". The
+    kubelet gives each container the CDI devices whose request names contain its request, so the
+    answer must name "gpu". Another driver's result is that driver's; an admin-access result is
+    prepared like any other."""
+    for name in ("gopher0", "gopher1", "gopher2"):
+        (dra_node.devices / name).touch()
+    results = [
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher0"),
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher1"),
+        ("gpu/small", "gpu.example.com", "node-1", "gpu0"),
+        ("serial", DRIVER, DraNode.POOL, "gopher2"),
+        ("monitor", DRIVER, DraNode.POOL, "gopher0", {"adminAccess": True}),
+    ]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=PRIORITIZED_REQUESTS))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert answer.error == ""
+    assert [(list(d.request_names), d.device_name) for d in answer.devices] == [
+        (["gpu"], "gopher0"),
+        (["gpu"], "gopher1"),
+        (["serial"], "gopher2"),
+        (["monitor"], "gopher0"),
+    ]
+    cdi = dra_node.kubelet.cdi_devices
+    assert cdi("uid-1", "gpu") == ["example.com/gopher=gopher0", "example.com/gopher=gopher1"]
+    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2"]
+    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0"]
+    assert cdi("uid-1", "gpu/small") == []  # no container can name a subrequest
+    assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
+
+
+async def test_dra_a_claim_prepared_by_an_earlier_version_is_answered_without_its_subrequest(dra_node):
+    """The checkpoint of an earlier gopherplug holds "gpu/small": answered from it again after an
+    upgrade, the claim must name "gpu", or the restarted container gets nothing."""
+    checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.parent.mkdir(parents=True)
+    device = {
+        "request_names": ["gpu/small"],
+        "pool_name": DraNode.POOL,
+        "device_name": "gopher0",
+        "cdi_device_ids": ["example.com/gopher=gopher0"],
+    }
+    old = {"namespace": "default", "name": "c1", "devices": [device]}
+    checkpoint.write_text(json.dumps({"version": 1, "claims": {"uid-1": old}}))
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert [list(d.request_names) for d in answer.devices] == [["gpu"]]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gpu") == ["example.com/gopher=gopher0"]
+
+
+async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node):
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    c1 = ("default", "uid-1", "c1")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        first = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]
+        again = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]  # from the checkpoint
+    assert [d.device_name for d in first.devices] == ["gopher0"]
+    assert [d.device_name for d in again.devices] == ["gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == ["example.com/gopher=gopher0"]
+
+
 async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_on(dra_node, caplog):
     """A checkpoint cut short (a full disk, a hand edit) must neither stop the driver nor be
     overwritten: the claims in it are for a person to look at."""
@@ -5334,11 +5519,18 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     other_devices.mkdir()
     (other_devices / "o0").touch()
     (dra_node.devices / "gopher0").touch()
-    other = {"name": "example.com/other", "directory": str(other_devices), "api": "dra"}
+    cdi_dir = str(dra_node.root / "cdi")  # not the default /var/run/cdi another test run may hold
+    other = {
+        "name": "example.com/other",
+        "directory": str(other_devices),
+        "api": "dra",
+        "cdi": {"kind": f"{DRIVER}/other", "spec_dir": cdi_dir},
+    }
 
     def config(*extra):
         top = {"device_plugin_dir": str(dra_node.root / "dp")}
-        data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top))
+        cdi = {"kind": f"{DRIVER}/gopher", "spec_dir": cdi_dir}
+        data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=cdi))
         data["resources"] = [*data["resources"], *extra]
         return gp.parse_config(yaml.safe_dump(data), "cfg.yaml")
 
@@ -5425,6 +5617,33 @@ async def test_dra_only_reload_that_adds_a_device_plugin_resource_starts_the_kub
     assert "take effect at the next start" not in caplog.text
 
 
+async def test_dra_resources_whose_names_read_alike_get_slices_of_their_own(dra_node):
+    """example.com/foo-bar and example.com-foo/bar: once their slices shared a name, and the API
+    server refused, on every write, to move that slice from one pool to the other."""
+    others = dra_node.root / "others"
+    others.mkdir()
+    (others / "o0").touch()
+    (dra_node.devices / "gopher0").touch()
+    top = {"device_plugin_dir": str(dra_node.root / "dp")}
+    data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top))
+    cdi_dir = str(dra_node.root / "cdi")
+    data["resources"] = [
+        {**data["resources"][0], "name": "example.com/foo-bar", "cdi": {"kind": f"{DRIVER}/aa", "spec_dir": cdi_dir}},
+        {
+            "name": "example.com-foo/bar",
+            "directory": str(others),
+            "api": "dra",
+            "cdi": {"kind": f"{DRIVER}/bb", "spec_dir": cdi_dir},
+        },
+    ]
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.parse_config(yaml.safe_dump(data), "cfg.yaml"))
+        await dra_node.wait_for_slices(["gopher0"], pool="node-1/example.com/foo-bar")
+        await dra_node.wait_for_slices(["o0"], pool="node-1/example.com-foo/bar")
+    assert len(dra_node.api.slices) == 2
+    assert dra_node.api.refused == []
+
+
 async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     """A pool over DRA_MAX_DEVICES_PER_SLICE devices is several slices; a change rewrites them
     all under one new generation, and a pool that shrinks deletes the slices it no longer needs."""
@@ -5451,6 +5670,86 @@ async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
             (dra_node.devices / name).unlink()
         await dra_node.wait_for_slices([*names[10:], "g-new"])
     assert pool() == [(limit - 7, 3, 1)]
+
+
+@pytest.mark.parametrize(("status", "retry_after"), [(409, 0), (429, 1), (500, 0), (0, 0)])
+async def test_dra_a_pool_whose_second_slice_failed_is_written_again_whole(dra_node, monkeypatch, status, retry_after):
+    """A pool of two slices changes in its first only: both go to a new generation, and the write of
+    the second fails (a conflict, the API server's 429 with Retry-After, a 500, no answer). The
+    scheduler keeps only a pool's newest generation and counts it incomplete without both slices:
+    the pool must be written again, however equal the second slice's devices look."""
+    monkeypatch.setattr(gp, "API_REQUEST_TIMEOUT", 0.5)  # "no answer" need not take 10 s
+    names = [f"g{i}" for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 2)]
+    for name in names[1:]:
+        (dra_node.devices / name).touch()
+    target = dra_node.root / "target"
+    target.touch()
+    (dra_node.devices / "g0").symlink_to(target)
+    second = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 1)
+
+    def pool():
+        """(generations of the pool's slices, whether g0 is healthy in them)"""
+        mine = [s for s in dra_node.api.slices.values() if s["spec"]["pool"]["name"] == DraNode.POOL]
+        g0 = [d for s in mine for d in s["spec"]["devices"] if d["name"] == "g0"]
+        return {s["spec"]["pool"]["generation"] for s in mine}, g0[0]["attributes"]["healthy"]["bool"]
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(names)
+        assert pool() == ({1}, True)
+        dra_node.api.fail("update", second, status, retry_after=retry_after)
+        target.unlink()  # g0, in the first slice, turns unhealthy
+        while not (len(pool()[0]) == 1 and pool()[1] is False):
+            await dra_node.api.changed.wait_touched()
+    (generation,) = pool()[0]
+    assert generation == 3  # the failed pass's generation 2, then the whole pool again
+    tries = [
+        (time, answer) for time, verb, name, answer in dra_node.api.attempts if name == second and verb == "update"
+    ]
+    assert [answer for _, answer in tries] == [status, 200]
+    assert tries[1][0] - tries[0][0] >= retry_after  # Retry-After is honoured
+
+
+async def test_dra_a_pool_the_api_server_keeps_refusing_blocks_no_other(dra_node, caplog):
+    """Each pool is written on its own, with its own backoff: one whose writes keep failing must
+    not keep another's devices, or the deletion of a stale slice, from the API server."""
+    others = dra_node.root / "others"
+    others.mkdir()
+    (others / "o0").touch()
+    (dra_node.devices / "gopher0").touch()
+    top = {"device_plugin_dir": str(dra_node.root / "dp")}
+    data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
+    other_cdi = {**dra_node.cdi, "kind": "example.com/other"}
+    data["resources"].append({"name": "example.com/other", "directory": str(others), "api": "dra", "cdi": other_cdi})
+    other_pool = "node-1/example.com/other"
+    (stale,) = gp.resource_slices(DRIVER, "node-1", gp.resource_config("example.com/gone"), {}, 1, NODE_UID)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.parse_config(yaml.safe_dump(data), "cfg.yaml"))
+        await dra_node.wait_for_slices(["gopher0"])
+        await dra_node.wait_for_slices(["o0"], pool=other_pool)
+        refused = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
+        dra_node.api.fail("update", refused, 500, times=1000)  # example.com/gopher: refused from now on
+        (dra_node.devices / "gopher1").touch()
+        (others / "o1").touch()
+        dra_node.api.put_slice(stale)  # a pool this driver no longer has, e.g. from a removed resource
+        await dra_node.wait_for_slices(["o0", "o1"], pool=other_pool)
+        await dra_node.wait_for_slices(None, pool="node-1/example.com/gone")
+    assert dra_node.slice_devices()[0] == ["gopher0"]  # still refused, retried on its own
+    assert "DRA: writing ResourceSlices: update ResourceSlice " + refused + ": 500 " in caplog.text
+
+
+async def test_dra_a_watch_that_expired_is_listed_again_quietly(dra_node, caplog):
+    """The API server ends a watch with 410 Gone when its resourceVersion left the history: routine.
+    The slices are listed again at once (a slice deleted after it is written again), no warning."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.expire_watches()
+        (name,) = dra_node.api.slices
+        dra_node.api.delete_slice(name)
+        await dra_node.wait_for_slices(["gopher0"])
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node, monkeypatch):
@@ -5646,6 +5945,77 @@ async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
 
 
+async def test_dra_slices_named_by_an_earlier_version_are_replaced(dra_node):
+    """Slices written by a version that named them without a digest ("<node>-<driver>-<pool>-0") are
+    no longer wanted: the pool is written under the new names at a newer generation, and the old
+    slice deleted, so the scheduler never sees two slices of one generation."""
+    (dra_node.devices / "gopher0").touch()
+    (old,) = gp.resource_slices(DRIVER, "node-1", gp.resource_config("example.com/gopher"), {}, 4, NODE_UID)
+    old["metadata"]["name"] = f"node-1-{DRIVER}-example.com-gopher-0"
+    dra_node.api.put_slice(old)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while old["metadata"]["name"] in dra_node.api.slices:
+            await dra_node.api.changed.wait_touched()
+    (item,) = dra_node.api.slices.values()
+    assert item["metadata"]["name"] == gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
+    assert item["spec"]["pool"]["generation"] == 5
+
+
+async def test_dra_slices_are_owned_by_their_node_and_go_with_it(dra_node):
+    """The Node owns its slices, as the Go helper makes it: deleting a Node (a node scaled away)
+    lets the garbage collector delete them. A Node registered again under the same name is
+    another object (another UID): the slices come back owned by it."""
+    (dra_node.devices / "gopher0").touch()
+
+    def owners():
+        return [item["metadata"].get("ownerReferences") for item in dra_node.api.slices.values()]
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        assert owners() == [[gp.node_owner("node-1", NODE_UID)]]
+        assert gp.node_owner("node-1", NODE_UID) == {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": "node-1",
+            "uid": NODE_UID,
+            "controller": True,
+        }
+        dra_node.api.delete_node("node-1")
+        assert dra_node.slice_devices() is None  # collected with their owner
+        dra_node.api.put_node("node-1", "new-uid")  # the kubelet registers its Node again
+        await dra_node.wait_for_slices(["gopher0"])
+        while owners() != [[gp.node_owner("node-1", "new-uid")]]:
+            await dra_node.api.changed.wait_touched()
+
+
+async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_later(dra_node, monkeypatch, caplog):
+    """A Node the driver cannot read (an older manifest's ClusterRole without get on nodes, or a
+    NODE_NAME that names none) must not keep the devices from the scheduler: the slices go out
+    unowned, with one warning, and get their owner once the Node can be read; slices an older
+    version wrote without an owner are rewritten the same way."""
+    monkeypatch.setattr(gp, "DRA_OWNER_RETRY_SECONDS", 0.05)
+    del dra_node.api.nodes["node-1"]
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        (item,) = dra_node.api.slices.values()
+        assert "ownerReferences" not in item["metadata"]
+        dra_node.api.put_node("node-1", NODE_UID)
+        while [i["metadata"].get("ownerReferences") for i in dra_node.api.slices.values()] != [
+            [gp.node_owner("node-1", NODE_UID)]
+        ]:
+            await dra_node.api.changed.wait_touched()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        'DRA: get Node node-1: 404 nodes "node-1" not found (is node-1 this node\'s name?); the ResourceSlices are '
+        "published without the Node as their owner, so nothing deletes them with the Node"
+    ]
+
+
 class ScriptedSliceApi:
     """The slice requests of KubeApi, scripted: the watch yields what the test sends down
     ``events``; create_slice answers only once ``before_answer`` (awaited with the item) returns."""
@@ -5657,6 +6027,9 @@ class ScriptedSliceApi:
 
     async def list_slices(self, node_name, driver):
         return [], "1"
+
+    async def get_node(self, name):
+        return {"metadata": {"name": name, "uid": NODE_UID}}
 
     async def watch_slices(self, node_name, driver, version):
         async for event in self.events:
@@ -5690,7 +6063,144 @@ async def test_dra_a_write_answered_after_the_watch_saw_it_deleted_is_not_believ
         await nursery.start(publisher.publish)
         while len(api.created) < 2:
             await publisher.synced.wait_touched()
-    assert [item["metadata"]["name"] for item in api.created] == [f"node-1-{DRIVER}-example.com-gopher-0"] * 2
+    name = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
+    assert [item["metadata"]["name"] for item in api.created] == [name] * 2
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_writes_that_succeed_and_are_undone_at_once_are_rate_limited(nursery, autojump_clock):
+    """Someone deletes each slice as soon as it is written (another writer, a webhook, a cleanup
+    that thinks the driver gone): every write succeeds and is needed again. Without a bound that is
+    a hot loop against the API server; with it, DRA_WRITES_PER_SECOND after a burst."""
+    resources = gp.DraResources(DRIVER, "node-1")
+    resources.attach(gp.resource_config("example.com/gopher"), gp.Watched({"g0": gp.DeviceEntry("g0", "/g/g0")}))
+
+    async def deleted_at_once(item):
+        deleted = {**item, "metadata": {**item["metadata"], "resourceVersion": str(len(api.created) * 10 + 1)}}
+        await api.events_in.send(("DELETED", deleted))
+        if len(api.created) >= 1000:
+            scope.cancel()  # a hot loop: enough seen
+
+    api = ScriptedSliceApi(deleted_at_once)
+    publisher = gp.SlicePublisher(resources, api)
+    seconds = 10  # virtual: the autojump clock
+    with trio.move_on_after(seconds) as scope:
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        await trio.sleep_forever()
+    assert len(api.created) <= gp.DRA_WRITE_BURST + seconds * gp.DRA_WRITES_PER_SECOND + 1
+    assert len(api.created) >= seconds * gp.DRA_WRITES_PER_SECOND  # and it kept trying
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_fields_the_api_server_drops_are_said_once_and_not_written_again(nursery, caplog):
+    """An API server whose feature gates are off stores a slice without the fields it does not
+    know, on every write. Compared with what was written, the slice would be written again forever;
+    what the server stored counts as written, and it is said once."""
+    resources = gp.DraResources(DRIVER, "node-1")
+    devices = gp.Watched({"g0": gp.DeviceEntry("g0", "/g/g0")})
+    resources.attach(gp.resource_config("example.com/gopher"), devices)
+
+    def stored(item):
+        """The item as a server that does not know the attribute "healthy" stores it."""
+        item = json.loads(json.dumps(item))
+        for device in item["spec"]["devices"]:
+            device["attributes"].pop("healthy", None)
+        item["metadata"]["resourceVersion"] = str(10 * (len(api.created) + len(api.replaced)))
+        return item
+
+    class Dropping(ScriptedSliceApi):
+        def __init__(self):
+            super().__init__(None)
+            self.replaced = []
+
+        async def create_slice(self, item):
+            self.created.append(item)
+            kept = stored(item)
+            await self.events_in.send(("ADDED", kept))
+            return kept
+
+        async def replace_slice(self, item):
+            self.replaced.append(item)
+            kept = stored(item)
+            await self.events_in.send(("MODIFIED", kept))
+            return kept
+
+    api = Dropping()
+    publisher = gp.SlicePublisher(resources, api)
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        # The pass that wrote, then the one the watch's ADDED woke (it began after the event).
+        while publisher.synced.value < 2:
+            await publisher.synced.wait_touched()
+        assert (len(api.created), len(api.replaced)) == (1, 0)
+        count = publisher.synced.value
+        devices.set({**devices.value, "g1": gp.DeviceEntry("g1", "/g/g1")})  # a real change: written
+        while publisher.synced.value < count + 2:  # the same two passes again
+            await publisher.synced.wait_touched()
+    assert (len(api.created), len(api.replaced)) == (1, 1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "without some of what was written" in warnings[0]
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_nothing(nursery):
+    """The README promises that a restarted plugin leaves unchanged slices alone; a directory read
+    in another order (or USB devices enumerated anew) must not count as a change."""
+    resource = gp.resource_config("example.com/gopher")
+    names = [f"g{i}" for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 12)]
+    found = {name: gp.DeviceEntry(name, f"/g/{name}") for name in names}
+    before = gp.resource_slices(DRIVER, "node-1", resource, found, 3, NODE_UID)
+    shuffled = {name: found[name] for name in reversed(names)}
+    assert gp.resource_slices(DRIVER, "node-1", resource, shuffled, 3, NODE_UID) == before
+    for version, item in enumerate(before, 1):
+        item["metadata"]["resourceVersion"] = str(version)
+
+    class Restarted(ScriptedSliceApi):
+        async def list_slices(self, node_name, driver):
+            return [json.loads(json.dumps(item)) for item in before], "2"
+
+        async def replace_slice(self, item):
+            self.created.append(item)
+            return item
+
+    resources = gp.DraResources(DRIVER, "node-1")
+    resources.attach(resource, gp.Watched(shuffled))
+    api = Restarted(None)
+    publisher = gp.SlicePublisher(resources, api)
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        while publisher.synced.value < 1:
+            await publisher.synced.wait_touched()
+    assert api.created == []
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_a_watch_that_expires_at_once_again_and_again_backs_off(nursery, autojump_clock, caplog):
+    """One 410 is routine and listed again at once; a watch that expires again before it brings
+    anything is not, and must not become a hot loop of lists: warned about, and backed off."""
+    lists = []
+
+    class Expiring(ScriptedSliceApi):
+        async def list_slices(self, node_name, driver):
+            lists.append(trio.current_time())
+            if len(lists) >= 1000:
+                scope.cancel()  # a hot loop: enough seen
+            await trio.lowlevel.checkpoint()  # as a request would: cancellable
+            return [], "1"
+
+        async def watch_slices(self, node_name, driver, version):
+            raise gp.ApiError(410, "watch ResourceSlices: 410 too old resource version: 1 (7)")
+            yield  # an async generator, as the real one is
+
+    publisher = gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), Expiring(None))
+    with trio.move_on_after(5) as scope:  # virtual seconds: the autojump clock
+        await nursery.start(publisher.watch)
+        await trio.sleep_forever()
+    assert 5 <= len(lists) <= 12  # 0.1 s doubling: about log2(50) lists, not thousands
+    assert "DRA: watching ResourceSlices: watch ResourceSlices: 410 too old resource version" in caplog.text
     nursery.cancel_scope.cancel()
 
 
@@ -5770,6 +6280,77 @@ async def test_dra_in_cluster_configuration_rereads_a_rotated_token(dra_node, mo
     assert dra_node.api.refused_tokens == 1  # refused once, then the file was read again
 
 
+def projected_account(directory, ca_text, token):
+    """A service account directory as the kubelet projects it: ..data a symlink to a timestamped
+    directory; ``rotate(token)`` swaps in a new one atomically, as the kubelet does."""
+    directory.mkdir()
+    generation = iter(range(1, 100))
+
+    def rotate(token):
+        files = directory / f"..2026_11_24_{next(generation):02}"
+        files.mkdir()
+        (files / "token").write_text(token)
+        (files / "ca.crt").write_text(ca_text)
+        (files / "namespace").write_text("gopherplug")
+        (directory / "..data_tmp").symlink_to(files.name)
+        os.replace(directory / "..data_tmp", directory / "..data")
+
+    rotate(token)
+    for name in ("token", "ca.crt", "namespace"):
+        (directory / name).symlink_to(f"..data/{name}")
+    return rotate
+
+
+async def test_dra_a_token_refused_with_403_is_read_again(dra_node, monkeypatch, tmp_path):
+    """The manifest's admission policy answers 403, not 401, to a token that names no node (one
+    issued before an API server upgrade). lightkube reads the file again only after a 401, so the
+    refused token was sent forever although the kubelet had already replaced it."""
+    rotate = projected_account(tmp_path / "serviceaccount", dra_node.ca_file.read_text(), "token-1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    dra_node.api.tokens = {"token-1", "token-2"}
+    api = gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+    try:
+        with trio.fail_after(TIMEOUT):
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+            rotate("token-2")
+            dra_node.api.forbidden_tokens = {
+                "token-1": "gopherplug-dra writes ResourceSlices only with a token that names its node"
+            }
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+            # A 403 for the token the file still holds is the answer: sent once, not twice.
+            dra_node.api.forbidden_tokens = {"token-2": "resourceclaims is forbidden"}
+            with pytest.raises(gp.ApiError) as refused:
+                await api.get_claim("default", "c1")
+    finally:
+        await api.aclose()
+    assert refused.value.status == 403
+    assert dra_node.api.bearers == ["token-1", "token-1", "token-2", "token-2"]
+
+
+async def test_dra_a_token_file_is_read_again_every_minute(dra_node, monkeypatch, tmp_path):
+    """client-go reads a token file again every minute, refused or not: a token the kubelet replaced
+    is not used until it expires, or until the API server starts refusing it."""
+    rotate = projected_account(tmp_path / "serviceaccount", dra_node.ca_file.read_text(), "token-1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    dra_node.api.tokens = {"token-1", "token-2"}
+    api = gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+    try:
+        with trio.fail_after(TIMEOUT):
+            await api.get_claim("default", "c1")
+            rotate("token-2")
+            await api.get_claim("default", "c1")  # within the minute: the token read before
+            monkeypatch.setattr(gp, "TOKEN_REREAD_SECONDS", 0.0)  # the minute is over
+            await api.get_claim("default", "c1")
+    finally:
+        await api.aclose()
+    assert dra_node.api.bearers == ["token-1", "token-1", "token-2"]
+    assert dra_node.api.refused_tokens == 0
+
+
 async def test_dra_needs_the_node_name(dra_node):
     with trio.fail_after(TIMEOUT), pytest.raises(gp.GopherplugError) as info:
         await dra_node.start(node_name="")
@@ -5780,7 +6361,9 @@ async def test_probe_shows_the_dra_driver_as_the_kubelet_sees_it(dra_node):
     (dra_node.devices / "gopher0").touch()
     (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
     config = dra_node.root / "cfg.yaml"
-    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+    config.write_text(
+        dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}, cdi=dra_node.cdi)
+    )
     with trio.fail_after(TIMEOUT):
         await dra_node.start(gp.load_config(str(config)))
         await dra_node.registered()
@@ -5796,6 +6379,62 @@ async def test_probe_shows_the_dra_driver_as_the_kubelet_sees_it(dra_node):
     )
 
 
+async def dra_status(dra_node):
+    """gopherplug's status on the DRAPlugin socket, as the probe reads it."""
+    endpoint = str(dra_node.kubelet_dir / "plugins" / DRIVER / "dra.sock")
+    return await gp.call_unary(endpoint, gp.GET_STATUS, gp.v1beta1.Empty(), timeout=TIMEOUT)
+
+
+async def test_probe_fails_a_dra_driver_the_kubelet_stopped_asking_after(dra_node, monkeypatch):
+    """The kubelet says nothing when it drops a driver; the newest plugin watcher calls GetInfo on
+    a registered one every 10 s, and stops. A driver that goes unasked for DRA_KUBELET_SILENCE is
+    dropped, and the probe fails with the reason; one that is asked stays registered."""
+    monkeypatch.setattr(gp, "DRA_KUBELET_SILENCE", 0.3)
+    dra_node.kubelet.info_interval = 0.02  # the newest kubelets' 10 s, sped up
+    dra_node.kubelet.restart()
+    registration = str(dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock")
+    config = dra_node.root / "cfg.yaml"
+    top = {"device_plugin_dir": str(dra_node.root)}
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.load_config(str(config)))
+        await dra_node.registered()
+        await dra_node.kubelet.wait_until(lambda k: ("asked", registration) in k.events)
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # time itself is what is tested: asked all along
+        assert (await dra_status(dra_node)).registered
+        dra_node.kubelet.drop(DRIVER)
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # unasked for longer than the silence
+        status = await dra_status(dra_node)
+        result = await run_cli_async("probe", "--config", str(config), "--grace", "0")
+    assert not status.registered
+    assert re.fullmatch(r"it has not called GetInfo for \d+ s", status.dropped)
+    assert result.returncode == 1
+    assert re.fullmatch(
+        rf"DRA driver {DRIVER}: FAILED: the kubelet registered it, then seems to have dropped it: it has not called "
+        r"GetInfo for \d+ s\n",
+        result.stdout.decode(),
+    )
+
+
+async def test_dra_a_driver_whose_health_stream_the_kubelet_ended_counts_as_dropped(dra_node, monkeypatch):
+    """A kubelet that does not call GetInfo again (up to 1.36) but streams health: the stream ending
+    for good is the sign. A kubelet that did neither leaves the driver registered."""
+    monkeypatch.setattr(gp, "DRA_KUBELET_SILENCE", 0.3)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # no sign either way: registered stays
+        assert (await dra_status(dra_node)).registered
+        async with dra_node.kubelet.watch_health(DRIVER) as reports:
+            await reports.__anext__()
+            await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)  # a stream open all along: registered
+            assert (await dra_status(dra_node)).registered
+        await trio.sleep(2 * gp.DRA_KUBELET_SILENCE)
+        status = await dra_status(dra_node)
+    assert not status.registered
+    assert re.fullmatch(r"its health stream ended \d+ s ago", status.dropped)
+
+
 async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_node, nursery):
     refusing = dra_node.root / "refusing"
     old_kubelet = await nursery.start(gp.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
@@ -5803,7 +6442,8 @@ async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_n
     results = {}
     for kubelet_dir in (refusing, unwatched):
         config = dra_node.root / f"{kubelet_dir.name}.yaml"
-        config.write_text(dra_config(dra_node.devices, kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+        top = {"device_plugin_dir": str(dra_node.root)}
+        config.write_text(dra_config(dra_node.devices, kubelet_dir, top, cdi=dra_node.cdi))
         with trio.fail_after(TIMEOUT):
             await dra_node.start(gp.load_config(str(config)))
             if kubelet_dir == refusing:  # refused once NotifyRegistrationStatus told the plugin so
@@ -5813,7 +6453,8 @@ async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_n
     assert [r.returncode for r in results.values()] == [1, 1]
     assert results["refusing"].stdout.decode() == (
         f"DRA driver {DRIVER}: FAILED: the kubelet refused the driver: none of the versions "
-        "['v1.DRAPlugin', 'v1beta1.DRAPlugin', 'v1alpha1.DRAResourceHealth'] is supported\n"
+        "['v1.DRAPlugin', 'v1beta1.DRAPlugin', 'v1.DRAResourceHealth', 'v1beta1.DRAResourceHealth', "
+        "'v1alpha1.DRAResourceHealth'] is supported\n"
     )
     assert re.fullmatch(
         rf"DRA driver {DRIVER}: FAILED: no kubelet has registered it in \d+ s: is {unwatched} the kubelet's "
@@ -5834,6 +6475,38 @@ def test_lightkube_is_imported_only_for_dra(tmp_path):
     assert result.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.parametrize(
+    ("kubelet_versions", "path"),
+    [
+        # the kubelet's main branch (planned for 1.37): the newest the driver lists
+        (
+            ["v1.DRAResourceHealth", "v1beta1.DRAResourceHealth", DRA_V1ALPHA1],
+            "/v1.DRAResourceHealth/NodeWatchResources",
+        ),
+        (["v1beta1.DRAResourceHealth", DRA_V1ALPHA1], "/v1beta1.DRAResourceHealth/NodeWatchResources"),
+        ([DRA_V1ALPHA1], f"/{DRA_V1ALPHA1}/NodeWatchResources"),  # 1.34 to 1.36
+    ],
+)
+async def test_dra_health_is_served_in_the_newest_version_a_kubelet_speaks(dra_node, kubelet_versions, path):
+    """GetInfo lists DRAResourceHealth v1, v1beta1 and v1alpha1, newest first; each kubelet streams
+    health in the version it prefers, and gets every device."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.kubelet.health_versions = kubelet_versions
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        listed = dra_node.kubelet.drivers[DRIVER].supported_versions
+        async with dra_node.kubelet.watch_health(DRIVER) as reports:
+            report = await reports.__anext__()
+    assert [v for v in listed if v.endswith(".DRAResourceHealth")] == [
+        "v1.DRAResourceHealth",
+        "v1beta1.DRAResourceHealth",
+        "v1alpha1.DRAResourceHealth",
+    ]
+    assert dra_node.kubelet.health_paths == [path]
+    assert [(d.device.device_name, d.health) for d in report.devices] == [("gopher0", gp.drahealth.HEALTHY)]
+
+
 async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node, monkeypatch):
     """NodeWatchResources: every device at once, a device turning unhealthy (with why) at once,
     and everything again after DRA_HEALTH_RESEND with nothing changed: the kubelet forgets a report
@@ -5851,7 +6524,7 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
 
     ok = (gp.drahealth.HEALTHY, "")
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(dra_node.config(pattern="gopher*"))
+        await dra_node.start(dra_node.config(pattern="gopher*", cdi=dra_node.cdi))
         await dra_node.registered()
         async with dra_node.kubelet.watch_health(DRIVER) as reports:
             assert healths(await reports.__anext__()) == {"gopher0": ok, "gopher1": ok}
@@ -5877,7 +6550,8 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
 
 async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
-    registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1."""
+    registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1, and
+    NodeWatchResources in v1, v1beta1 and v1alpha1."""
     for name in ("pluginregistration.proto", "dra.proto", "dra_health.proto"):
         assert protoc.main(["protoc", f"-I{HERE}", f"--python_out={tmp_path}", name]) == 0
     modules = {}
@@ -5910,31 +6584,54 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
                     claims=[dra_pb2.Claim(namespace="default", uid="uid-1", name="c1")]
                 )
                 answers.append(prepare(request, timeout=5))
-            watch = channel.unary_stream(
-                "/v1alpha1.DRAResourceHealth/NodeWatchResources",
-                request_serializer=health_pb2.NodeWatchResourcesRequest.SerializeToString,
-                response_deserializer=health_pb2.NodeWatchResourcesResponse.FromString,
-            )
-            reports = watch(health_pb2.NodeWatchResourcesRequest(), timeout=5)
-            health = next(reports)
-            reports.cancel()
-        return info, answers, health
+            healths = []
+            for version in ("v1", "v1beta1", "v1alpha1"):  # the same messages in each version
+                watch = channel.unary_stream(
+                    f"/{version}.DRAResourceHealth/NodeWatchResources",
+                    request_serializer=health_pb2.NodeWatchResourcesRequest.SerializeToString,
+                    response_deserializer=health_pb2.NodeWatchResourcesResponse.FromString,
+                )
+                reports = watch(health_pb2.NodeWatchResourcesRequest(), timeout=5)
+                healths.append(next(reports))
+                reports.cancel()
+        return info, answers, healths
 
     with trio.fail_after(TIMEOUT):
         await dra_node.start(config)
         await dra_node.wait_for_slices(["gopher0"])
-        info, answers, health = await in_thread(kubelet)
+        info, answers, healths = await in_thread(kubelet)
     assert (info.type, info.name, list(info.supported_versions)) == (
         "DRAPlugin",
         DRIVER,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"],
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1beta1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth",
+        ],
     )
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
         assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
-    (device,) = health.devices
-    assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")
-    assert (device.health, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, 30)
+    for health in healths:
+        (device,) = health.devices
+        assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")
+        assert (device.health, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, 30)
+
+
+def test_dra_documents_the_kubernetes_version_its_api_client_needs():
+    """KubeApi speaks resource.k8s.io/v1 only, GA in 1.34: what a user reads first says so, and
+    nothing promises 1.32 or 1.33 (their API servers serve only the beta versions)."""
+    readme = (HERE / "README.md").read_text()
+    for where, text in [
+        ("the module docstring", gp.__doc__),
+        ("KubeApi", gp.KubeApi.__doc__),
+        ("README.md", readme),
+        ("daemonset-dra.yaml", (HERE / "daemonset-dra.yaml").read_text()),
+    ]:
+        assert re.search(r"Kubernetes\s+1\.34\s+or\s+later|1\.34\+", text), where
+    assert not re.search(r"1\.32 and 1\.33 with", readme)
 
 
 def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
@@ -5950,7 +6647,11 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert f'device.driver == "{config.dra.driver}"' in expression
     assert f'.resource == "{resource.name}"' in expression
     rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
-    assert rules == {("resourceslices",): {"list", "watch", "create", "update", "delete"}, ("resourceclaims",): {"get"}}
+    assert rules == {
+        ("resourceslices",): {"list", "watch", "create", "update", "delete"},
+        ("resourceclaims",): {"get"},
+        ("nodes",): {"get"},  # the UID of the slices' owner
+    }
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {item["name"]: item for item in container["env"]}
