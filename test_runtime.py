@@ -1328,11 +1328,26 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
                     "apiVersion": "resource.k8s.io/v1",
                     "kind": "ResourceClaim",
                     "metadata": {"namespace": "default", "name": "gopher", "uid": uid},
-                    "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+                    # A prioritized list (firstAvailable, GA in 1.36): the scheduler names the
+                    # subrequest it satisfied in the result, "gopher/any"; the pod's container asks
+                    # for the claim's request "gopher" only.
+                    "spec": {
+                        "devices": {
+                            "requests": [
+                                {
+                                    "name": "gopher",
+                                    "firstAvailable": [
+                                        {"name": "fast", "deviceClassName": "fast-gopher"},
+                                        {"name": "any", "deviceClassName": "gopher"},
+                                    ],
+                                }
+                            ]
+                        }
+                    },
                     "status": {
                         "allocation": {
                             "devices": {
-                                "results": [{"request": "gopher", "driver": DRIVER, "pool": pool, "device": device}]
+                                "results": [{"request": "gopher/any", "driver": DRIVER, "pool": pool, "device": device}]
                             }
                         }
                     },
@@ -1340,7 +1355,11 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
             )
             prepared = (await kubelet.prepare(DRIVER, [("default", uid, "gopher")])).claims[uid]
             assert prepared.error == ""
-            ids = [i for d in prepared.devices for i in d.cdi_device_ids]
+            # What the kubelet gives a container whose resources.claims[] entry names request
+            # "gopher": the CDI IDs of the devices whose request names contain it (cdiDevicesAsList
+            # in pkg/kubelet/cm/dra/claiminfo.go). Had the driver answered "gopher/any", none.
+            ids = kubelet.cdi_devices(uid, "gopher")
+            assert ids == [i for d in prepared.devices for i in d.cdi_device_ids] != []
             tier.outputs["DRA: CDI device IDs"] = ids
             # The kubelet passes a claim's CDI devices in the CRI's CDI_devices field only
             # (kuberuntime_container.go makeCDIDevices; no annotations).
