@@ -6301,16 +6301,22 @@ def projected_account(directory, ca_text, token):
     return rotate
 
 
-async def test_dra_a_token_refused_with_403_is_read_again(dra_node, monkeypatch, tmp_path):
-    """The manifest's admission policy answers 403, not 401, to a token that names no node (one
-    issued before an API server upgrade). lightkube reads the file again only after a 401, so the
-    refused token was sent forever although the kubelet had already replaced it."""
+def in_cluster_client(dra_node, monkeypatch, tmp_path):
+    """A KubeApi as a pod connects, token-1 in its projected service account (the API server
+    takes token-1 and token-2), and claim c1 on the server: the account's rotate() and the client."""
     rotate = projected_account(tmp_path / "serviceaccount", dra_node.ca_file.read_text(), "token-1")
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
     dra_node.api.put_claim(claim("c1", "uid-1"))
     dra_node.api.tokens = {"token-1", "token-2"}
-    api = gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+    return rotate, gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+
+
+async def test_dra_a_token_refused_with_403_is_read_again(dra_node, monkeypatch, tmp_path):
+    """The manifest's admission policy answers 403, not 401, to a token that names no node (one
+    issued before an API server upgrade). lightkube reads the file again only after a 401, so the
+    refused token was sent forever although the kubelet had already replaced it."""
+    rotate, api = in_cluster_client(dra_node, monkeypatch, tmp_path)
     try:
         with trio.fail_after(TIMEOUT):
             assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
@@ -6332,12 +6338,7 @@ async def test_dra_a_token_refused_with_403_is_read_again(dra_node, monkeypatch,
 async def test_dra_a_token_file_is_read_again_every_minute(dra_node, monkeypatch, tmp_path):
     """client-go reads a token file again every minute, refused or not: a token the kubelet replaced
     is not used until it expires, or until the API server starts refusing it."""
-    rotate = projected_account(tmp_path / "serviceaccount", dra_node.ca_file.read_text(), "token-1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(dra_node.api.port))
-    dra_node.api.put_claim(claim("c1", "uid-1"))
-    dra_node.api.tokens = {"token-1", "token-2"}
-    api = gp.KubeApi.connect(str(tmp_path / "serviceaccount"))
+    rotate, api = in_cluster_client(dra_node, monkeypatch, tmp_path)
     try:
         with trio.fail_after(TIMEOUT):
             await api.get_claim("default", "c1")
