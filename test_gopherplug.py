@@ -5242,6 +5242,7 @@ class DraNode:
         )
 
     def config(self, **fields):
+        fields.setdefault("cdi", self.cdi)  # never the machine's /var/run/cdi
         top = {"device_plugin_dir": str(self.root / "dp")}
         return gp.parse_config(dra_config(self.devices, self.kubelet_dir, top, **fields), "cfg.yaml")
 
@@ -5798,7 +5799,8 @@ async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, mo
     checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
     checkpoint.mkdir(parents=True)  # e.g. a hostPath volume made of the file's path by mistake
     config = dra_node.root / "cfg.yaml"
-    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root)}))
+    top = {"device_plugin_dir": str(dra_node.root)}
+    config.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
     monkeypatch.setenv("NODE_NAME", "node-1")
     monkeypatch.setenv("KUBECONFIG", str(dra_node.kubeconfig))
     with trio.fail_after(TIMEOUT):
