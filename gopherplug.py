@@ -6592,6 +6592,22 @@ def scan_report(
     return "\n".join(lines)
 
 
+def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[str]:
+    """For check-config: each place the resource's devices come from that is not there, a line each.
+    ``serve`` waits for a missing directory and offers no devices until it appears, which is right
+    for hardware not plugged in yet and the same as for a typo: check-config says which."""
+    places = [source.directory for source in resource.sources] + ([dev_root] if resource.usb else [])
+    problems = []
+    for place in dict.fromkeys(places):
+        if not os.path.exists(place):
+            problems.append(f"{place} does not exist (yet): serve waits for it")
+        elif not os.path.isdir(place):
+            problems.append(f"{place} is not a directory: serve finds no devices until it is one")
+    if resource.usb and not os.path.isdir(usb := os.path.join(sysfs_root, "bus", "usb", "devices")):
+        problems.append(f"{usb} does not exist: this machine has no USB bus (yet)")
+    return problems
+
+
 # The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
 DEMO_STEP_TIMEOUT = 10.0  # each step takes milliseconds; this only stops a broken demo from hanging
 DEMO_CONFIG = """\
@@ -7630,7 +7646,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,demo}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
-    check = commands.add_parser("check-config", help="validate a configuration file and summarise it")
+    check = commands.add_parser(
+        "check-config",
+        help="validate a configuration file and show what each resource finds and gives a container (exit 2 if "
+        "invalid)",
+    )
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a resource has a warning or no healthy device (default: exit 0 if the file is valid, "
+        "as serve would run)",
+    )
     probe_ = commands.add_parser(
         "probe", help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
     )
@@ -7723,14 +7749,21 @@ def main(argv: list[str] | None = None) -> int:
         # _health_problem), so it changes nothing here.
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
+        strict_failed = False
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
             )
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
+            problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
-        return EXIT_OK
+            reasons = ["a warning"] if problems or scan.problem else []
+            reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
+            if args.strict and reasons:
+                print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
+                strict_failed = True
+        return EXIT_FAILURE if strict_failed else EXIT_OK
     return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
 
 

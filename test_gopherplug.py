@@ -4530,6 +4530,38 @@ def test_check_config_shows_each_devices_members(tmp_path):
     )
 
 
+def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
+    # A directory not there (yet) or a machine without USB used to print "0 devices, 0 healthy", like a typo.
+    missing, plugin_dir, sysfs = str(tmp_path / "gophers"), str(tmp_path / "dp"), str(tmp_path / "sys")
+    path = tmp_path / "gopherplug.yaml"
+    resources = [
+        {"name": RESOURCE, "directory": missing},
+        {"name": "example.com/yubikey", "usb": [{"vendor": "1050", "product": "0407"}]},
+    ]
+    top = {"device_plugin_dir": plugin_dir, "sysfs_root": sysfs, "dev_root": str(tmp_path)}
+    path.write_text(yaml.safe_dump({**top, "resources": resources}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")  # valid: serve would run, and wait
+    assert result.stdout == (
+        f"{path}: OK: 2 resource(s): {RESOURCE} ({missing}/*), example.com/yubikey (USB 1050:0407); "
+        f"kubelet at {plugin_dir}\n"
+        f"{RESOURCE}: 0 devices, 0 healthy, from {missing}/*\n"
+        f"  warning: {missing} does not exist (yet): serve waits for it\n"
+        "example.com/yubikey: 0 devices, 0 healthy, from USB 1050:0407\n"
+        f"  warning: {sysfs}/bus/usb/devices does not exist: this machine has no USB bus (yet)\n"
+    )
+    strict = run_cli("check-config", "--strict", "--config", str(path))
+    assert (strict.returncode, strict.stdout) == (1, result.stdout)
+    assert strict.stderr == (
+        f"gopherplug: --strict: {RESOURCE}: a warning and no healthy device\n"
+        "gopherplug: --strict: example.com/yubikey: a warning and no healthy device\n"
+    )
+    os.mkdir(missing)
+    Path(missing, "g0").touch()
+    path.write_text(yaml.safe_dump({**top, "resources": resources[:1]}))
+    assert run_cli("check-config", "--strict", "--config", str(path)).returncode == 0
+
+
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     path = write_config(node, tmp_path, directory="relative")
     result = run_cli("check-config", "--config", str(path))
