@@ -6608,6 +6608,60 @@ def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", 
     return problems
 
 
+def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", node_name: str = "") -> str:
+    """For check-config: what a container gets for the resource's first healthy device, from the code
+    that answers the kubelet: Allocate for one kubelet ID of it (the device-plugin API), and for DRA
+    (given the ``driver``) the CDI IDs NodePrepareResources gives for a claim allocated that device,
+    with the CDI spec's containerEdits for it and its ResourceSlice pool and attributes."""
+    device = next((d for d in scan.devices if d.health == HEALTHY), None)
+    if device is None:
+        return "  a container: none, no healthy device to give"
+    devices, lines = {d.id: d for d in scan.devices}, []
+    if resource.device_plugin:
+        kubelet_id = resource.replica_ids(device.id)[0]
+        request = v1beta1.AllocateRequest(
+            container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=[kubelet_id])]
+        )
+        try:
+            answer = allocate_response(resource, devices, request).container_responses[0]
+        except RPCError as error:
+            lines.append(f"  Allocate {kubelet_id} fails: {error.message}")
+        else:
+            lines.append(f"  Allocate {kubelet_id} gives a container:")
+            lines += [f"    device {d.container_path} <- {d.host_path} {d.permissions}" for d in answer.devices]
+            lines += [
+                f"    mount {m.container_path} <- {m.host_path} {'ro' if m.read_only else 'rw'}" for m in answer.mounts
+            ]
+            lines += [f"    env {name}={value}" for name, value in sorted(answer.envs.items())]
+            lines += [f"    annotation {key}={value}" for key, value in sorted(answer.annotations.items())]
+            lines += [f"    cdi {cdi.name}" for cdi in answer.cdi_devices]
+    if resource.dra and driver:
+        pool, name = dra_pool_name(node_name, resource.name), dra_device_name(device.id)
+        result = {"request": "device", "driver": driver, "pool": pool, "device": name}
+        claim = {
+            "metadata": {"namespace": "check-config", "name": "claim", "uid": "check-config"},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        }
+        prepared = prepared_devices(claim, "check-config", driver, {pool: (resource, devices)})
+        spec = cdi_spec(resource, [device])
+        edits = spec["devices"][0]["containerEdits"] if spec else {}
+        attributes = dra_device(resource, device)["attributes"]
+        shown = ", ".join(
+            f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
+            for key, typed in attributes.items()
+            for value in typed.values()
+        )
+        lines.append(f"  a claim for device {name} of pool {pool} gives a container:")
+        lines.append(f"    attributes {shown}")
+        lines += [f"    cdi {cdi_id}" for each in prepared for cdi_id in each.cdi_device_ids]
+        lines += [f"    device {n['path']} <- {n['hostPath']} {n['permissions']}" for n in edits.get("deviceNodes", ())]
+        lines += [
+            f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
+        ]
+        lines += [f"    env {env}" for env in edits.get("env", ())]
+    return "\n".join(lines)
+
+
 # The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
 DEMO_STEP_TIMEOUT = 10.0  # each step takes milliseconds; this only stops a broken demo from hanging
 DEMO_CONFIG = """\
@@ -7750,6 +7804,7 @@ def main(argv: list[str] | None = None) -> int:
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
         strict_failed = False
+        node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
@@ -7758,6 +7813,7 @@ def main(argv: list[str] | None = None) -> int:
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
+            print(container_report(resource, scan, config.dra.driver if config.dra else "", node_name))
             reasons = ["a warning"] if problems or scan.problem else []
             reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
             if args.strict and reasons:
