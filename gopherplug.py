@@ -6608,14 +6608,16 @@ def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", 
     return problems
 
 
-def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", node_name: str = "") -> str:
+def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", node_name: str = "") -> tuple[str, bool]:
     """For check-config: what a container gets for the resource's first healthy device, from the code
     that answers the kubelet: Allocate for one kubelet ID of it (the device-plugin API), and for DRA
     (given the ``driver``) the CDI IDs NodePrepareResources gives for a claim allocated that device,
-    with the CDI spec's containerEdits for it and its ResourceSlice pool and attributes."""
+    with the CDI spec's containerEdits for it and its ResourceSlice pool and attributes. And whether
+    Allocate would refuse it (a warning: every pod given that device would fail)."""
     device = next((d for d in scan.devices if d.health == HEALTHY), None)
     if device is None:
-        return "  a container: none, no healthy device to give"
+        return "  a container: none, no healthy device to give", False
+    refused = False
     devices, lines = {d.id: d for d in scan.devices}, []
     if resource.device_plugin:
         kubelet_id = resource.replica_ids(device.id)[0]
@@ -6625,7 +6627,8 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
         try:
             answer = allocate_response(resource, devices, request).container_responses[0]
         except RPCError as error:
-            lines.append(f"  Allocate {kubelet_id} fails: {error.message}")
+            lines.append(f"  warning: Allocate {kubelet_id} fails, and so would every pod given it: {error.message}")
+            refused = True
         else:
             lines.append(f"  Allocate {kubelet_id} gives a container:")
             lines += [f"    device {d.container_path} <- {d.host_path} {d.permissions}" for d in answer.devices]
@@ -6659,7 +6662,7 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
         ]
         lines += [f"    env {env}" for env in edits.get("env", ())]
-    return "\n".join(lines)
+    return "\n".join(lines), refused
 
 
 # The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
@@ -7813,8 +7816,9 @@ def main(argv: list[str] | None = None) -> int:
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
-            print(container_report(resource, scan, config.dra.driver if config.dra else "", node_name))
-            reasons = ["a warning"] if problems or scan.problem else []
+            view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)
+            print(view)
+            reasons = ["a warning"] if problems or scan.problem or refused else []
             reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
             if args.strict and reasons:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)

@@ -4609,6 +4609,22 @@ def test_check_config_shows_what_a_container_gets_for_one_device(node, tmp_path)
     )
 
 
+def test_check_config_warns_when_allocate_would_refuse_every_pod(node, tmp_path):
+    # Two members of one device share {index}: the file is valid, and every Allocate of g1 fails.
+    for name in ("g1", "g2"):
+        os.unlink(os.path.join(node.devices, name))
+    for name in ("g1-a", "g1-b"):
+        Path(node.devices, name).touch()
+    specs = [{"host_path": "{path}", "container_path": "/dev/gopher{index}"}]
+    path = write_config(node, tmp_path, id_pattern="(?P<id>g[0-9]+)-[a-z]", device_specs=specs)
+    result = run_cli("check-config", "--strict", "--config", str(path))
+    assert result.stdout.splitlines()[-1] == (
+        f"  warning: Allocate g1 fails, and so would every pod given it: two devices for container path "
+        f"/dev/gopher0, from {node.devices}/g1-a and {node.devices}/g1-b: put {{id}} or {{index}} in the container path"
+    )
+    assert (result.returncode, result.stderr) == (1, f"gopherplug: --strict: {RESOURCE}: a warning\n")
+
+
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     path = write_config(node, tmp_path, directory="relative")
     result = run_cli("check-config", "--config", str(path))
