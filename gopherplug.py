@@ -6592,6 +6592,79 @@ def scan_report(
     return "\n".join(lines)
 
 
+def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[str]:
+    """For check-config: each place the resource's devices come from that is not there, a line each.
+    ``serve`` waits for a missing directory and offers no devices until it appears, which is right
+    for hardware not plugged in yet and the same as for a typo: check-config says which."""
+    places = [source.directory for source in resource.sources] + ([dev_root] if resource.usb else [])
+    problems = []
+    for place in dict.fromkeys(places):
+        if not os.path.exists(place):
+            problems.append(f"{place} does not exist (yet): serve waits for it")
+        elif not os.path.isdir(place):
+            problems.append(f"{place} is not a directory: serve finds no devices until it is one")
+    if resource.usb and not os.path.isdir(usb := os.path.join(sysfs_root, "bus", "usb", "devices")):
+        problems.append(f"{usb} does not exist: this machine has no USB bus (yet)")
+    return problems
+
+
+def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", node_name: str = "") -> tuple[str, bool]:
+    """For check-config: what a container gets for the resource's first healthy device, from the code
+    that answers the kubelet: Allocate for one kubelet ID of it (the device-plugin API), and for DRA
+    (given the ``driver``) the CDI IDs NodePrepareResources gives for a claim allocated that device,
+    with the CDI spec's containerEdits for it and its ResourceSlice pool and attributes. And whether
+    Allocate would refuse it (a warning: every pod given that device would fail)."""
+    device = next((d for d in scan.devices if d.health == HEALTHY), None)
+    if device is None:
+        return "  a container: none, no healthy device to give", False
+    refused = False
+    devices, lines = {d.id: d for d in scan.devices}, []
+    if resource.device_plugin:
+        kubelet_id = resource.replica_ids(device.id)[0]
+        request = v1beta1.AllocateRequest(
+            container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=[kubelet_id])]
+        )
+        try:
+            answer = allocate_response(resource, devices, request).container_responses[0]
+        except RPCError as error:
+            lines.append(f"  warning: Allocate {kubelet_id} fails, and so would every pod given it: {error.message}")
+            refused = True
+        else:
+            lines.append(f"  Allocate {kubelet_id} gives a container:")
+            lines += [f"    device {d.container_path} <- {d.host_path} {d.permissions}" for d in answer.devices]
+            lines += [
+                f"    mount {m.container_path} <- {m.host_path} {'ro' if m.read_only else 'rw'}" for m in answer.mounts
+            ]
+            lines += [f"    env {name}={value}" for name, value in sorted(answer.envs.items())]
+            lines += [f"    annotation {key}={value}" for key, value in sorted(answer.annotations.items())]
+            lines += [f"    cdi {cdi.name}" for cdi in answer.cdi_devices]
+    if resource.dra and driver:
+        pool, name = dra_pool_name(node_name, resource.name), dra_device_name(device.id)
+        result = {"request": "device", "driver": driver, "pool": pool, "device": name}
+        claim = {
+            "metadata": {"namespace": "check-config", "name": "claim", "uid": "check-config"},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        }
+        prepared = prepared_devices(claim, "check-config", driver, {pool: (resource, devices)})
+        spec = cdi_spec(resource, [device])
+        edits = spec["devices"][0]["containerEdits"] if spec else {}
+        attributes = dra_device(resource, device)["attributes"]
+        shown = ", ".join(
+            f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
+            for key, typed in attributes.items()
+            for value in typed.values()
+        )
+        lines.append(f"  a claim for device {name} of pool {pool} gives a container:")
+        lines.append(f"    attributes {shown}")
+        lines += [f"    cdi {cdi_id}" for each in prepared for cdi_id in each.cdi_device_ids]
+        lines += [f"    device {n['path']} <- {n['hostPath']} {n['permissions']}" for n in edits.get("deviceNodes", ())]
+        lines += [
+            f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
+        ]
+        lines += [f"    env {env}" for env in edits.get("env", ())]
+    return "\n".join(lines), refused
+
+
 # The demo: the simulator above and the real plugin, side by side, narrated. `gopherplug demo`.
 DEMO_STEP_TIMEOUT = 10.0  # each step takes milliseconds; this only stops a broken demo from hanging
 DEMO_CONFIG = """\
@@ -7630,7 +7703,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,demo}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
-    check = commands.add_parser("check-config", help="validate a configuration file and summarise it")
+    check = commands.add_parser(
+        "check-config",
+        help="validate a configuration file and show what each resource finds and gives a container (exit 2 if "
+        "invalid)",
+    )
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a resource has a warning or no healthy device (default: exit 0 if the file is valid, "
+        "as serve would run)",
+    )
     probe_ = commands.add_parser(
         "probe", help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
     )
@@ -7723,14 +7806,24 @@ def main(argv: list[str] | None = None) -> int:
         # _health_problem), so it changes nothing here.
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
+        strict_failed = False
+        node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
             )
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
+            problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
-        return EXIT_OK
+            view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)
+            print(view)
+            reasons = ["a warning"] if problems or scan.problem or refused else []
+            reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
+            if args.strict and reasons:
+                print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
+                strict_failed = True
+        return EXIT_FAILURE if strict_failed else EXIT_OK
     return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
 
 

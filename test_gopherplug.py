@@ -4410,6 +4410,9 @@ def test_a_node_refused_only_by_the_plugins_own_device_cgroup_is_healthy(node, t
         f"{RESOURCE}: 1 devices, 1 healthy, from {node.devices}/*",
         "  ID    HEALTH     PATH",
         f"  gpu0  Healthy    {gpu}",
+        "  Allocate gpu0 gives a container:",
+        f"    device {gpu} <- {gpu} rw",
+        "    env GOPHER_DEVICES=gpu0",
     ]
 
 
@@ -4429,6 +4432,8 @@ def test_check_config_as_root_shows_what_the_pod_would_refuse(node, tmp_path):
         f"  g1  Healthy    {g1} (Unhealthy in the shipped pod: mode 0600 and owner 1000:1000 refuse reading "
         "to root without capabilities)",
         f"  g2  Healthy    {node.devices}/g2",
+        "  Allocate g1 gives a container:",
+        "    env GOPHER_DEVICES=g1",
     ]
     # Without the capability, this process's own verdict is the pod's.
     dropped = subprocess.run(
@@ -4490,6 +4495,8 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
         f"  null  Healthy    {node.devices}/null -> /dev/null\n"
         "  skipped 'has space': a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'\n"
         f"  skipped 'zero': host path /dev/zero {outside}\n"
+        "  Allocate g1 gives a container:\n"  # a file, not a node: no DeviceSpec
+        "    env GOPHER_DEVICES=g1\n"
     )
     via_env = run_cli("check-config", env={"GOPHERPLUG_CONFIG": str(path)})
     assert via_env.stdout == result.stdout
@@ -4521,13 +4528,101 @@ def test_check_config_shows_each_devices_members(tmp_path):
         f"                           {by_path}/pci-0000:00:02.0-firmware\n"
         f"                           {by_path}/pci-0000:00:02.0-render -> {real(dev + '/dri/renderD128')}\n"
         f"  skipped 'platform-simple-framebuffer.0-card': id_pattern {GPU_ID_PATTERN!r} finds no ID in the name\n"
+        "  Allocate 0000:00:02.0 gives a container:\n"
+        f"    device {by_path}/pci-0000:00:02.0-card <- {real(dev + '/dri/card1')} rw\n"
+        f"    device {by_path}/pci-0000:00:02.0-render <- {real(dev + '/dri/renderD128')} rw\n"
+        f"    mount {by_path}/pci-0000:00:02.0-firmware <- {by_path}/pci-0000:00:02.0-firmware ro\n"
+        "    env GPU_DEVICES=0000:00:02.0\n"
         "example.com/yubikey: 1 devices, 1 healthy, from USB 1050:0407\n"
         "  ID        HEALTH     PATH\n"
         f"  12345678  Healthy    {dev}/bus/usb/001/003"
         + (" -> /dev/null" if os.path.islink(f"{dev}/hidraw0") else "")
         + "\n"
         f"            {' ' * 9}  {dev}/hidraw0" + (" -> /dev/null" if os.path.islink(f"{dev}/hidraw0") else "") + "\n"
+        "  Allocate 12345678 gives a container:\n"
+        f"    device {dev}/bus/usb/001/003 <- {real(dev + '/bus/usb/001/003')} rw\n"
+        f"    device {dev}/hidraw0 <- {real(dev + '/hidraw0')} rw\n"
+        "    env YUBIKEY_DEVICES=12345678\n"
     )
+
+
+def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
+    # A directory not there (yet) or a machine without USB used to print "0 devices, 0 healthy", like a typo.
+    missing, plugin_dir, sysfs = str(tmp_path / "gophers"), str(tmp_path / "dp"), str(tmp_path / "sys")
+    path = tmp_path / "gopherplug.yaml"
+    resources = [
+        {"name": RESOURCE, "directory": missing},
+        {"name": "example.com/yubikey", "usb": [{"vendor": "1050", "product": "0407"}]},
+    ]
+    top = {"device_plugin_dir": plugin_dir, "sysfs_root": sysfs, "dev_root": str(tmp_path)}
+    path.write_text(yaml.safe_dump({**top, "resources": resources}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")  # valid: serve would run, and wait
+    assert result.stdout == (
+        f"{path}: OK: 2 resource(s): {RESOURCE} ({missing}/*), example.com/yubikey (USB 1050:0407); "
+        f"kubelet at {plugin_dir}\n"
+        f"{RESOURCE}: 0 devices, 0 healthy, from {missing}/*\n"
+        f"  warning: {missing} does not exist (yet): serve waits for it\n"
+        "  a container: none, no healthy device to give\n"
+        "example.com/yubikey: 0 devices, 0 healthy, from USB 1050:0407\n"
+        f"  warning: {sysfs}/bus/usb/devices does not exist: this machine has no USB bus (yet)\n"
+        "  a container: none, no healthy device to give\n"
+    )
+    strict = run_cli("check-config", "--strict", "--config", str(path))
+    assert (strict.returncode, strict.stdout) == (1, result.stdout)
+    assert strict.stderr == (
+        f"gopherplug: --strict: {RESOURCE}: a warning and no healthy device\n"
+        "gopherplug: --strict: example.com/yubikey: a warning and no healthy device\n"
+    )
+    os.mkdir(missing)
+    Path(missing, "g0").touch()
+    path.write_text(yaml.safe_dump({**top, "resources": resources[:1]}))
+    assert run_cli("check-config", "--strict", "--config", str(path)).returncode == 0
+
+
+def test_check_config_shows_what_a_container_gets_for_one_device(node, tmp_path):
+    # Allocate's own answer for the first healthy device: the user had to script the simulator to see it.
+    path = write_config(
+        node,
+        tmp_path,
+        env="GOPHERS",
+        replicas=2,
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/gopher-{id}", "permissions": "r"}],
+        mounts=[{"host_path": "/etc/gophers", "container_path": "/run/{id}", "read_only": True}],
+        allowed_host_paths=["/etc/gophers"],
+        annotations={"example.com/gophers": "{id}"},
+        cdi={"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")},
+    )
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.split("\n", 1)[1] == (
+        f"{RESOURCE}: 2 devices, 2 healthy (each offered 2 times), from {node.devices}/*\n"
+        "  ID  HEALTH     PATH\n"
+        f"  g1  Healthy    {node.devices}/g1\n"
+        f"  g2  Healthy    {node.devices}/g2\n"
+        "  Allocate g1::0 gives a container:\n"
+        f"    device /dev/gopher-g1 <- {node.devices}/g1 r\n"
+        "    mount /run/g1 <- /etc/gophers ro\n"
+        "    env GOPHERS=g1\n"
+        "    annotation example.com/gophers=g1\n"
+        "    cdi example.com/gopher=g1\n"
+    )
+
+
+def test_check_config_warns_when_allocate_would_refuse_every_pod(node, tmp_path):
+    # Two members of one device share {index}: the file is valid, and every Allocate of g1 fails.
+    for name in ("g1", "g2"):
+        os.unlink(os.path.join(node.devices, name))
+    for name in ("g1-a", "g1-b"):
+        Path(node.devices, name).touch()
+    specs = [{"host_path": "{path}", "container_path": "/dev/gopher{index}"}]
+    path = write_config(node, tmp_path, id_pattern="(?P<id>g[0-9]+)-[a-z]", device_specs=specs)
+    result = run_cli("check-config", "--strict", "--config", str(path))
+    assert result.stdout.splitlines()[-1] == (
+        f"  warning: Allocate g1 fails, and so would every pod given it: two devices for container path "
+        f"/dev/gopher0, from {node.devices}/g1-a and {node.devices}/g1-b: put {{id}} or {{index}} in the container path"
+    )
+    assert (result.returncode, result.stderr) == (1, f"gopherplug: --strict: {RESOURCE}: a warning\n")
 
 
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
@@ -4905,6 +5000,34 @@ def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_
         f"{path}: OK: 1 resource(s): example.com/gopher ({tmp_path}/g/*); "
         f"DRA driver {DRIVER}, kubelet root {tmp_path}/k"
     )
+
+
+def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
+    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool.
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "Gopher0").touch()
+    path = tmp_path / "cfg.yaml"
+    mounts = [{"host_path": "/etc/gophers", "container_path": "/run/{id}", "read_only": True}]
+    specs = [{"host_path": "{path}", "container_path": "/dev/{id}", "permissions": "rw"}]
+    both = {"api": "both", "allow_double_booking": True, "allowed_host_paths": ["/etc/gophers"]}
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", mounts=mounts, device_specs=specs, **both))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert (result.returncode, result.stderr) == (0, "")
+    name = gp.dra_device_name("Gopher0")
+    assert result.stdout.splitlines()[4:] == [
+        "  Allocate Gopher0 gives a container:",  # api: both: the device-plugin API's answer too
+        f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
+        "    mount /run/Gopher0 <- /etc/gophers ro",
+        "    env GOPHER_DEVICES=Gopher0",
+        f"    cdi {DRIVER}/gopher=Gopher0",
+        f"  a claim for device {name} of pool node-1/example.com/gopher gives a container:",
+        "    attributes resource=example.com/gopher, id=Gopher0, healthy=true",
+        f"    cdi {DRIVER}/gopher=Gopher0",
+        f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
+        "    mount /run/Gopher0 <- /etc/gophers ro",
+        "    env GOPHER_DEVICES_GOPHER0=Gopher0",
+    ]
 
 
 def cdi_v110_verdict(kind):
