@@ -7794,7 +7794,7 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
         if any(resource.device_plugin for resource in config.resources):
-            found = f"found at start among {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}"
+            found = f"the first of {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)} to hold kubelet.sock at start"
             where.append(f"kubelet at {config.device_plugin_dir or found}")
         if config.dra is not None:
             where.append(f"DRA driver {config.dra.driver}, kubelet root {config.dra.kubelet_dir}")

@@ -4988,6 +4988,16 @@ def test_dra_config_defaults():
     assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
 
 
+def test_check_config_without_a_device_plugin_dir_says_where_serve_will_look(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
+    result = run_cli("check-config", "--config", str(path))
+    assert result.stdout.splitlines()[0] == (
+        f"{path}: OK: 1 resource(s): {RESOURCE} ({tmp_path}/*); kubelet at the first of "
+        f"{', '.join(gp.KNOWN_DEVICE_PLUGIN_DIRS)} to hold kubelet.sock at start"
+    )
+
+
 def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_plugin_dir(sockdir):
     tmp_path = Path(sockdir)  # the kubelet root holds sockets: a short path
     (tmp_path / "g").mkdir()
