@@ -927,6 +927,17 @@ class DeviceEntry:
     mounts: tuple[MountTemplate, ...] = ()  #: the same, for mounts
     followed: tuple[str, ...] = ()  #: for a symlink, every path it leads through: watched, they decide its health
     members: tuple[DeviceEntry, ...] = ()  #: the entries it is made of, when more than one
+    pci: PciAddress | None = None  #: from sysfs, for a device node of a PCI device; None: not one
+    usb: UsbDevice | None = None  #: the USB device it is a node of (usb entries); None: not one
+
+
+@dataclass(frozen=True)
+class PciAddress:
+    """Where a PCI device sits: its bus ID ("0000:03:00.0", extended BDF notation) and its PCIe
+    root complex ("pci0000:00"), the names sysfs gives both."""
+
+    bus_id: str
+    root: str
 
 
 ########################################################################################################
@@ -1637,7 +1648,7 @@ def scan_usb(resource: ResourceConfig, roots: list[str], sysfs_root: str, dev_ro
         for node in usb.members:
             found = examine_path(resource, usb.id, node, roots, sysfs_root)
             if isinstance(found, DeviceEntry):
-                entries.append(found)
+                entries.append(dataclasses.replace(found, usb=usb))
             elif found is not None:
                 skipped.append((node, found))
     return Scan(tuple(entries), tuple(skipped))
@@ -1678,6 +1689,8 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
         tuple(mount for member in members for mount in member.mounts),
         tuple(dict.fromkeys(path for member in members for path in member.followed)),
         tuple(members),
+        next((member.pci for member in members if member.pci is not None), None),
+        next((member.usb for member in members if member.usb is not None), None),
     )
 
 
@@ -1778,9 +1791,10 @@ def examine_path(
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
+    pci = _pci_address(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
-    return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed)
+    return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
 
 
 def _host_paths(
@@ -1940,6 +1954,40 @@ def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
+
+
+# A PCI function's directory name in sysfs: domain, bus, device and function in hex ("0000:03:00.0"),
+# the extended BDF notation of resource.kubernetes.io/pciBusID (k8s.io/dynamic-resource-allocation
+# deviceattribute/pci.go).
+_PCI_BUS_ID = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]")
+
+
+def _pci_address(sysfs_root: str, mode: int, rdev: int) -> PciAddress | None:
+    """The PCI device a device node belongs to, from sysfs: dev/char/MAJ:MIN/device leads into
+    devices/, where the device (a GPU's function, or a class device under it, as nvme0 is) sits
+    under its PCI function's directory, and that under its root complex: devices/pci0000:00/
+    0000:00:01.0/0000:03:00.0. The nearest directory above whose subsystem is pci is the function;
+    one whose subsystem is usb first means the node is a USB device's, not a PCI device's (the
+    host controller is PCI, the adapter is not). The root is the first directory under devices/,
+    as deviceattribute/pci.go reads it. None for anything else."""
+    kind = "char" if stat.S_ISCHR(mode) else "block"
+    devices = os.path.realpath(os.path.join(sysfs_root, "devices"))
+    try:
+        here = os.path.realpath(os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device"))
+    except OSError:
+        return None
+    while here.startswith(devices + os.sep):
+        try:
+            subsystem = os.path.basename(os.readlink(os.path.join(here, "subsystem")))
+        except OSError:
+            subsystem = ""
+        if subsystem == "usb":
+            return None
+        if subsystem == "pci" and _PCI_BUS_ID.fullmatch(os.path.basename(here)):
+            root = os.path.relpath(here, devices).split(os.sep)[0]
+            return PciAddress(os.path.basename(here), root) if root.startswith("pci") else None
+        here = os.path.dirname(here)
+    return None
 
 
 # USB devices by vendor and product. sysfs lists every USB device and interface in bus/usb/devices,
@@ -2468,11 +2516,25 @@ def dra_device_name(device_id: str) -> str:
     return f"{readable}-{_digest(device_id)}" if readable else _digest(device_id, 16)
 
 
+#: The domain of the attributes Kubernetes defines for every driver (StandardDeviceAttributePrefix in
+#: kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute).
+DRA_STANDARD_DOMAIN = "resource.kubernetes.io"
+
+
 def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
     """One device of a ResourceSlice. Its attributes, under the driver's domain (a name without
     one is in it), are what DeviceClasses and claims select by: ``resource`` (the resource's name),
     ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
-    device-plugin API's health), and ``numaNode`` when the device node has one."""
+    device-plugin API's health), and ``numaNode`` when the device node has one.
+
+    Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
+    across drivers: ``numaNode`` (an int; the kubelet's topology hints for DRA read an attribute
+    whose name ends in "/numaNode"), and for a device node of a PCI device ``pciBusID``
+    ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
+    them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
+    lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
+    ``usbBus`` (an int) and ``usbPort`` (its port path, "1-1.4") are in the driver's domain.
+    """
     attributes: dict[str, Any] = {
         "resource": {"string": resource.name},
         "id": {"string": device.id},
@@ -2480,6 +2542,23 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
     }
     if device.numa_node is not None:
         attributes["numaNode"] = {"int": device.numa_node}
+        attributes[f"{DRA_STANDARD_DOMAIN}/numaNode"] = {"int": device.numa_node}
+    if device.pci is not None:
+        attributes[f"{DRA_STANDARD_DOMAIN}/pciBusID"] = {"string": device.pci.bus_id}
+        attributes[f"{DRA_STANDARD_DOMAIN}/pcieRoot"] = {"string": device.pci.root}
+    if (usb := device.usb) is not None:
+        attributes["usbVendor"] = {"string": usb.vendor}
+        attributes["usbProduct"] = {"string": usb.product}
+        if (
+            usb.serial
+            and usb.serial.isprintable()
+            and len(usb.serial.encode(errors="replace")) <= DRA_ATTRIBUTE_MAX_LENGTH
+        ):
+            attributes["usbSerial"] = {"string": usb.serial}
+        bus = usb.port.removeprefix("usb").partition("-")[0]
+        if bus.isdigit():
+            attributes["usbBus"] = {"int": int(bus)}
+        attributes["usbPort"] = {"string": usb.port}
     return {"name": dra_device_name(device.id), "attributes": attributes}
 
 
@@ -7021,13 +7100,84 @@ def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[st
     return causes
 
 
+#: An attribute name's parts (k8s.io/api/resource/v1 types.go): the domain at most DeviceMaxDomainLength
+#: (a driver name's limit), the name a C identifier of at most DeviceMaxIDLength.
+_DRA_DOMAIN_LENGTH = 63
+_DRA_ID_LENGTH = 32
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SEMVER = re.compile(
+    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
+)
+
+
+def _attribute_causes(field: str, name: str, value: Any) -> list[dict[str, str]]:
+    """What the API server refuses in one device attribute (validateQualifiedName and
+    validateDeviceAttribute in pkg/apis/resource/validation/validation.go): the name a C identifier
+    of at most 32 characters, optionally after a domain and "/" (a DNS subdomain of at most 63,
+    validateDriverName); the value exactly one of bool, int, string and version, a string or
+    version at most 64 characters, a version a semantic version (semver.org 2.0.0)."""
+    causes = []
+    parts = name.split("/")
+    identifier = parts[-1]
+    if len(parts) == 2:
+        domain = parts[0]
+        if not domain:
+            causes.append(_cause(field, "FieldValueInvalid", 'Invalid value: "": the domain must not be empty'))
+        else:
+            if len(domain) > _DRA_DOMAIN_LENGTH:
+                causes.append(
+                    _cause(field, "FieldValueTooLong", f"Too long: may not be more than {_DRA_DOMAIN_LENGTH} bytes")
+                )
+            causes += _dns_causes(field, domain.lower(), _DNS_SUBDOMAIN_LENGTH, False)
+        if not identifier:
+            causes.append(_cause(field, "FieldValueInvalid", 'Invalid value: "": the name must not be empty'))
+    if identifier or len(parts) != 2:
+        if len(identifier) > _DRA_ID_LENGTH:
+            causes.append(_cause(field, "FieldValueTooLong", f"Too long: may not be more than {_DRA_ID_LENGTH} bytes"))
+        if not _C_IDENTIFIER.fullmatch(identifier):
+            causes.append(
+                _cause(
+                    field,
+                    "FieldValueInvalid",
+                    f"Invalid value: {json.dumps(identifier)}: a valid C identifier must start with alphabetic "
+                    "character or '_', followed by a string of alphanumeric characters or '_' (e.g. 'my_name',  or "
+                    "'MY_NAME',  or 'MyName', regex used for validation is '[A-Za-z_][A-Za-z0-9_]*')",
+                )
+            )
+    kinds = [kind for kind in ("bool", "int", "string", "version") if kind in (value or {})]
+    for kind in ("string", "version"):
+        text = str((value or {}).get(kind, ""))
+        if kind == "version" and kind in kinds and not _SEMVER.fullmatch(text):
+            causes.append(
+                _cause(
+                    f"{field}.version",
+                    "FieldValueInvalid",
+                    f"Invalid value: {json.dumps(text)}: must be a string compatible with semver.org spec 2.0.0",
+                )
+            )
+        if len(text.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
+            causes.append(
+                _cause(
+                    f"{field}.{kind}",
+                    "FieldValueTooLong",
+                    f"Too long: may not be more than {DRA_ATTRIBUTE_MAX_LENGTH} bytes",
+                )
+            )
+    if len(kinds) != 1:
+        causes.append(_cause(field, "FieldValueInvalid", "Invalid value: exactly one value must be specified"))
+    return causes
+
+
 def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
     """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
     would replace), as the causes of its 422: the checks of ValidateResourceSlice and
     ValidateResourceSliceUpdate (kubernetes/kubernetes pkg/apis/resource/validation/validation.go)
     that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
     characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
-    at most 128 devices, each named by a DNS label; pool name, driver and node immutable; an owner
+    at most 128 devices, each named by a DNS label, each attribute's name and value as
+    _attribute_causes says; pool name, driver and node immutable; an owner
     reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
     causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
     for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
@@ -7078,6 +7228,8 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
         )
     for index, device in enumerate(devices):
         causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
+        for name, value in (device.get("attributes") or {}).items():
+            causes += _attribute_causes(f"spec.devices[{index}].attributes[{name}]", name, value)
     if old is not None:
         old_spec = old.get("spec") or {}
         for field, new_value, old_value in (

@@ -5098,6 +5098,7 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
             "id": {"string": "g1"},
             "healthy": {"bool": False},
             "numaNode": {"int": 1},
+            "resource.kubernetes.io/numaNode": {"int": 1},
         },
     }
     empty = gp.resource_slices(DRIVER, "node-1", resource, {}, 1)
@@ -5108,6 +5109,129 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         result = check("kubernetes-validate", "--strict", "-k", version, str(path))
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("passed") == 3
+
+
+def pci_sysfs(root):
+    """A sysfs tree with a GPU at 0000:03:00.0 behind the bridge 0000:00:01.0 of root complex
+    pci0000:00 (NUMA node 1), whose drm class device card0 is /dev/null's (1:3); and a USB serial
+    adapter on the host controller 0000:00:14.0, whose tty is /dev/zero's (1:5). /dev/full (1:7)
+    has no entry. Links as the kernel makes them: dev/char/MAJ:MIN to the class device, its
+    `device` to its parent, each device's `subsystem` to its bus."""
+    devices = root / "devices" / "pci0000:00"
+    gpu = devices / "0000:00:01.0" / "0000:03:00.0"
+    tty = devices / "0000:00:14.0" / "usb1" / "1-1" / "1-1:1.0" / "ttyUSB0" / "tty" / "ttyUSB0"
+    for directory, bus in [
+        (devices / "0000:00:01.0", "pci"),
+        (gpu, "pci"),
+        (devices / "0000:00:14.0", "pci"),
+        (devices / "0000:00:14.0" / "usb1", "usb"),
+        (devices / "0000:00:14.0" / "usb1" / "1-1", "usb"),
+        (devices / "0000:00:14.0" / "usb1" / "1-1" / "1-1:1.0", "usb"),
+        (tty.parent.parent, "usb-serial"),
+    ]:
+        directory.mkdir(parents=True, exist_ok=True)
+        (root / "bus" / bus).mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(root / "bus" / bus, directory), directory / "subsystem")
+    (gpu / "numa_node").write_text("1\n")
+    card = gpu / "drm" / "card0"
+    card.mkdir(parents=True)
+    os.symlink("../..", card / "device")
+    tty.mkdir(parents=True)
+    os.symlink("../../../ttyUSB0", tty / "device")
+    (root / "dev" / "char").mkdir(parents=True)
+    os.symlink(os.path.relpath(card, root / "dev" / "char"), root / "dev" / "char" / "1:3")
+    os.symlink(os.path.relpath(tty, root / "dev" / "char"), root / "dev" / "char" / "1:5")
+    return str(root)
+
+
+def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
+    """resource.kubernetes.io/pciBusID and pcieRoot as deviceattribute/pci.go (kubernetes/kubernetes
+    staging/src/k8s.io/dynamic-resource-allocation) makes them, for a PCI device's node only, and
+    resource.kubernetes.io/numaNode beside gopherplug's own numaNode."""
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("gpu", "/dev/null"), ("serial", "/dev/zero"), ("full", "/dev/full")]:
+        os.symlink(target, devices / name)
+    sysfs = pci_sysfs(tmp_path / "sys")
+    resource = resource_in(devices, allowed_host_paths=["/dev"])
+    found = {d.id: d for d in gp.scan_directory(resource, sysfs).devices}
+    assert {i: d.pci for i, d in found.items()} == {
+        "full": None,
+        "gpu": gp.PciAddress("0000:03:00.0", "pci0000:00"),
+        "serial": None,  # its host controller is PCI, the adapter is USB
+    }
+    (dra,) = gp.parse_config(dra_config(str(devices), "/k", allowed_host_paths=["/dev"])).resources
+    (item,) = gp.resource_slices(DRIVER, "node-1", dra, found, 1)
+    assert item["spec"]["devices"][1] == {
+        "name": "gpu",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "gpu"},
+            "healthy": {"bool": True},
+            "numaNode": {"int": 1},
+            "resource.kubernetes.io/numaNode": {"int": 1},
+            "resource.kubernetes.io/pciBusID": {"string": "0000:03:00.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+        },
+    }
+    assert gp.resource_slice_causes(item) == []
+
+
+def test_dra_usb_attributes_in_the_drivers_domain(tmp_path):
+    sysfs = usb_tree(tmp_path)
+    dev = str(tmp_path / "dev")
+    usb_nodes(dev, "bus/usb/001/003", "hidraw0", "bus/usb/002/002", "video0")
+    config = config_with(
+        top={"dev_root": dev, "sysfs_root": sysfs},
+        usb=[{"vendor": "1050", "product": "0407"}, {"vendor": "046d", "product": "0825"}],
+        allowed_host_paths=["/dev/null"],
+    )
+    scan = gp.scan_directory(config.resources[0], sysfs, dev)
+    attributes = {d.id: gp.dra_device(config.resources[0], d)["attributes"] for d in scan.devices}
+    assert {i: {k: v for k, v in a.items() if k.startswith("usb")} for i, a in attributes.items()} == {
+        "12345678": {
+            "usbVendor": {"string": "1050"},
+            "usbProduct": {"string": "0407"},
+            "usbSerial": {"string": "12345678"},
+            "usbBus": {"int": 1},
+            "usbPort": {"string": "1-1.1"},
+        },
+        "2-3": {  # no serial
+            "usbVendor": {"string": "046d"},
+            "usbProduct": {"string": "0825"},
+            "usbBus": {"int": 2},
+            "usbPort": {"string": "2-3"},
+        },
+    }
+    assert not any(k.startswith("resource.kubernetes.io/pci") for a in attributes.values() for k in a)
+
+
+def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
+    """validateQualifiedName and validateDeviceAttribute (pkg/apis/resource/validation/validation.go):
+    a wrong attribute name or value is a 422 with these causes."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    attributes = item["spec"]["devices"][0]["attributes"]
+    attributes.update(
+        {
+            "resource.kubernetes.io/pci-bus-id": {"string": "0000:03:00.0"},
+            "d" * 64 + "/x": {"int": 1},
+            "a" * 33: {"bool": True},
+            "long": {"string": "s" * 65},
+            "two": {"int": 1, "bool": True},
+            "version": {"version": "1.2"},
+        }
+    )
+    prefix = "spec.devices[0].attributes"
+    assert [(c["field"], c["reason"]) for c in gp.resource_slice_causes(item)] == [
+        (f"{prefix}[resource.kubernetes.io/pci-bus-id]", "FieldValueInvalid"),
+        (f"{prefix}[{'d' * 64}/x]", "FieldValueTooLong"),
+        (f"{prefix}[{'a' * 33}]", "FieldValueTooLong"),
+        (f"{prefix}[long].string", "FieldValueTooLong"),
+        (f"{prefix}[two]", "FieldValueInvalid"),
+        (f"{prefix}[version].version", "FieldValueInvalid"),
+    ]
+    assert gp.resource_slice_causes(item)[0]["message"].startswith('Invalid value: "pci-bus-id": a valid C identifier')
 
 
 def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
