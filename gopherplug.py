@@ -2679,6 +2679,15 @@ def prepared_devices(
     ClaimError when the claim is another than the kubelet meant (its UID differs: deleted and made
     again under the same name), is not allocated, was allocated on another node, or a device is
     gone or unhealthy now.
+
+    A result with ``adminAccess: true`` (KEP-5018, GA in 1.36: the scheduler gave the device to a
+    claim in a namespace labelled resource.kubernetes.io/admin-access, for monitoring or
+    maintenance, although other claims may have it) is prepared also when the device is unhealthy,
+    which is when an administrator most needs to look at it. Nothing here keeps one device to one
+    claim: the scheduler does, and it is the scheduler that lets an admin-access result share a
+    device that other claims hold, so such a claim is prepared beside theirs. The kubelet does
+    nothing of its own for admin access: NodePrepareResources names the claim only
+    (pkg/kubelet/cm/dra), and the driver reads the result.
     """
     metadata = claim.get("metadata") or {}
     name = f"{metadata.get('namespace')}/{metadata.get('name')}"
@@ -2699,7 +2708,7 @@ def prepared_devices(
         device = next((d for d in devices.values() if dra_device_name(d.id) == device_name), None)
         if device is None:
             raise ClaimError(f"ResourceClaim {name}: device {device_name} of pool {pool} is not there any more")
-        if device.health != HEALTHY:
+        if device.health != HEALTHY and result.get("adminAccess") is not True:
             raise ClaimError(
                 f"ResourceClaim {name}: device {device.id} of {resource.name} is unhealthy: {device.problem}"
             )

@@ -5580,6 +5580,42 @@ async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_it
     assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
 
 
+ADMIN_REQUESTS = [
+    {"name": "gopher", "exactly": {"deviceClassName": "gopher"}},
+    {"name": "monitor", "exactly": {"deviceClassName": "gopher", "adminAccess": True, "count": 2}},
+]
+
+
+async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra_node):
+    """KEP-5018: the scheduler gives an adminAccess request devices other claims hold, and
+    unhealthy ones; the driver prepares them, where a claim without admin access is refused the
+    unhealthy device. The kubelet passes only the claim's name (pkg/kubelet/cm/dra): the result's
+    adminAccess is the driver's to read."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0"), requests=ADMIN_REQUESTS))
+    admin = {"adminAccess": True}
+    monitor = [("monitor", DRIVER, DraNode.POOL, "gopher0", admin), ("monitor", DRIVER, DraNode.POOL, "gopher1", admin)]
+    dra_node.api.put_claim(claim("c2", "uid-2", *monitor, requests=ADMIN_REQUESTS))
+    dra_node.api.put_claim(claim("c3", "uid-3", ("gopher", DRIVER, DraNode.POOL, "gopher1"), requests=ADMIN_REQUESTS))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1"), ("default", "uid-2", "c2")])
+        refused = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-3", "c3")])).claims["uid-3"]
+    assert {uid: (a.error, [d.device_name for d in a.devices]) for uid, a in answer.claims.items()} == {
+        "uid-1": ("", ["gopher0"]),
+        "uid-2": ("", ["gopher0", "gopher1"]),  # gopher0 beside c1, gopher1 although unhealthy
+    }
+    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=gopher1",
+    ]
+    assert refused.error.startswith("ResourceClaim default/c3: device gopher1 of example.com/gopher is unhealthy: ")
+    assert not refused.devices
+
+
 async def test_dra_a_claim_prepared_by_an_earlier_version_is_answered_without_its_subrequest(dra_node):
     """The checkpoint of an earlier gopherplug holds "gpu/small": answered from it again after an
     upgrade, the claim must name "gpu", or the restarted container gets nothing."""
