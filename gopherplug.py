@@ -2655,6 +2655,35 @@ class ClaimError(GopherplugError):
     """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
 
 
+#: The most bytes of one device's status data the API server takes (AllocatedDeviceStatusDataMaxLength
+#: in k8s.io/api/resource/v1 types.go).
+DRA_STATUS_DATA_MAX_LENGTH = 10 * 1024
+
+
+def claim_device_status(
+    claim: Mapping[str, Any], driver: str, pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]
+) -> list[dict[str, Any]]:
+    """The claim's status.devices entries for ``driver``'s results (KEP-4817, AllocatedDeviceStatus
+    in k8s.io/api/resource/v1): one per device of this driver's pools, named by driver, pool and
+    device as its result is (the API server refuses an entry that matches no result), with
+    ``data`` a JSON object: the device's ID and its paths on the node (each member's, for a device
+    of several entries). Paths are left out if they would make data longer than the API takes."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    for result in results:
+        pool, name = result.get("pool", ""), result.get("device", "")
+        if result.get("driver") != driver or pool not in pools or (pool, name) in entries:
+            continue
+        device = next((d for d in pools[pool][1].values() if dra_device_name(d.id) == name), None)
+        if device is None:
+            continue
+        data: dict[str, Any] = {"id": device.id, "paths": [m.path for m in device.members] or [device.path]}
+        if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
+            data = {"id": device.id}
+        entries[pool, name] = {"driver": driver, "pool": pool, "device": name, "data": data}
+    return list(entries.values())
+
+
 def dra_base_request(request: str) -> str:
     """The request a container names for an allocation result's ``request``: "gpu" for "gpu" and
     for "gpu/fast". With a prioritized list (firstAvailable) the scheduler writes the subrequest it
@@ -5073,8 +5102,36 @@ class ClaimPreparer:
             answer.devices.extend(devices)
             names = ", ".join(device.device_name for device in devices)
             log.info("prepared ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, names)
+            await self._write_status(claim, claim_device_status(found, self.resources.driver, self.resources.pools()))
             return
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
+
+    async def _write_status(self, claim: Any, devices: list[dict[str, Any]]) -> None:
+        """The claim's status.devices for this driver (claim_device_status), once it is prepared.
+        Information only, for people and controllers reading the claim: a failure is logged, and
+        the prepare stands (the kubelet has nothing to retry, and the device is the pod's either way).
+        The answer waits for it, API_REQUEST_TIMEOUT at most: with the claim's read before it, 20 s
+        of the kubelet's 45."""
+        if not devices:
+            return
+        try:
+            with trio.fail_after(API_REQUEST_TIMEOUT):
+                await self.api.apply_claim_status(
+                    claim.namespace, claim.name, claim.uid, devices, self.resources.driver
+                )
+        except trio.TooSlowError:
+            problem = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
+        except GopherplugError as error:
+            problem = str(error)
+        else:
+            return
+        log.warning(
+            "ResourceClaim %s/%s (%s) is prepared, but its device status is not written: %s",
+            claim.namespace,
+            claim.name,
+            claim.uid,
+            problem,
+        )
 
     async def unprepare(self, request: Any) -> Any:
         response = drapb.NodeUnprepareResourcesResponse()
@@ -5218,6 +5275,33 @@ class KubeApi:
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
             return dict(await self._client.get(self._claim, name, namespace=namespace))
+
+    async def apply_claim_status(
+        self, namespace: str, name: str, uid: str, devices: list[dict[str, Any]], field_manager: str
+    ) -> None:
+        """Write ``devices`` as the claim's status.devices by server-side apply to its status
+        subresource, as ``field_manager``: the entries are a list map (keys driver, pool, device,
+        shareID), so each driver's apply owns and replaces its own entries and leaves other
+        drivers' alone. The UID in the applied object makes the API server refuse (409) a claim
+        that was replaced under the same name."""
+        from lightkube.types import PatchType
+
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "status": {"devices": devices},
+        }
+        with self._errors(f"apply the status of ResourceClaim {namespace}/{name}"):
+            await self._client.patch(
+                self._claim.Status,
+                name,
+                body,
+                namespace=namespace,
+                patch_type=PatchType.APPLY,
+                field_manager=field_manager,
+                force=True,
+            )
 
     async def get_node(self, name: str) -> dict[str, Any]:
         """The Node's name and UID (all a slice's owner reference needs), as its metadata."""
@@ -7287,6 +7371,55 @@ def resource_claim_causes(claim: Mapping[str, Any]) -> list[dict[str, str]]:
     return causes
 
 
+def resource_claim_status_causes(claim: Mapping[str, Any], devices: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """What the API server refuses in a ResourceClaim's status.devices, as the causes of its 422
+    (validateDeviceStatus in pkg/apis/resource/validation/validation.go): each entry names a
+    driver (a DNS subdomain of at most 63 characters), a pool and a device as slices do, and must
+    be an allocated device of the claim (a result with the same driver, pool and device); its data,
+    when given, a JSON object of at most 10 KiB; no entry twice."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    allocated = {(r.get("driver"), r.get("pool"), r.get("device")) for r in results}
+    causes, seen = [], set()
+    for index, entry in enumerate(devices):
+        where = f"status.devices[{index}]"
+        driver, pool, device = str(entry.get("driver", "")), str(entry.get("pool", "")), str(entry.get("device", ""))
+        causes += _dns_causes(f"{where}.driver", driver, _DRA_DOMAIN_LENGTH, False)
+        for part in pool.split("/"):
+            causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
+        causes += _dns_causes(f"{where}.device", device, _DNS_LABEL_LENGTH, True)
+        key = (driver, pool, device)
+        if key not in allocated:
+            causes.append(
+                _cause(
+                    where,
+                    "FieldValueInvalid",
+                    f'Invalid value: "{driver}/{pool}/{device}": must be an allocated device in the claim',
+                )
+            )
+        if key in seen:
+            causes.append(_cause(where, "FieldValueDuplicate", f'Duplicate value: "{driver}/{pool}/{device}"'))
+        seen.add(key)
+        if "data" in entry:
+            data = entry["data"]
+            if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
+                causes.append(
+                    _cause(
+                        f"{where}.data",
+                        "FieldValueTooLong",
+                        f"Too long: may not be more than {DRA_STATUS_DATA_MAX_LENGTH} bytes",
+                    )
+                )
+            elif not isinstance(data, dict):
+                causes.append(
+                    _cause(
+                        f"{where}.data",
+                        "FieldValueInvalid",
+                        "Invalid value: <value omitted>: must be a valid JSON object",
+                    )
+                )
+    return causes
+
+
 def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> dict[str, Any]:
     """The API server's 422 for an object that fails validation: one message naming every error
     (apierrors.NewInvalid: one error bare, several in brackets), and each as a cause."""
@@ -7319,6 +7452,9 @@ class ApiServerSimulator:
         self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
+        #: (namespace, claim name, field manager) of each status.devices applied, in order
+        self.status_writes: list[tuple[str, str, str]] = []
+        self._status_owners: dict[tuple[str, str], dict[tuple[str, str, str], str]] = {}
         #: (slice name, causes) of each write refused as invalid (422), in order
         self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
@@ -7362,9 +7498,10 @@ class ApiServerSimulator:
 
     def fail(self, verb: str, name: str = "", status: int = 500, *, times: int = 1, retry_after: int = 0) -> None:
         """Fail the next ``times`` writes of ``verb`` ("create", "update", "delete") to slice
-        ``name`` ("": any) with ``status``, as the real server can: 409 (someone else's write came
-        first), 429 (priority and fairness; with a Retry-After header when ``retry_after``), 500, or
-        0: no answer at all, until the client gives up (a timeout, or the plugin killed mid-write)."""
+        ``name`` ("": any), or ("status") to claim ``name``'s status, with ``status``, as the real
+        server can: 409 (someone else's write came first), 429 (priority and fairness; with a
+        Retry-After header when ``retry_after``), 500, or 0: no answer at all, until the client
+        gives up (a timeout, or the plugin killed mid-write)."""
         self._failures.append(
             {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
         )
@@ -7403,6 +7540,57 @@ class ApiServerSimulator:
         extra = [("retry-after", str(failure["retry_after"]))] if failure["retry_after"] else []
         await self._send(connection, stream, h11, status, document, extra)
         return True
+
+    async def _apply_claim_status(
+        self,
+        connection: Any,
+        stream: Any,
+        h11: Any,
+        namespace: str,
+        name: str,
+        headers: Mapping[str, str],
+        query: Mapping[str, str],
+        body: bytes,
+    ) -> None:
+        """Server-side apply to a claim's status subresource, as a driver writes status.devices:
+        415 for another patch type, 404 for no such claim, 409 for another UID, 422 for entries
+        the real server refuses (resource_claim_status_causes). status.devices is a list map: the
+        field manager's entries replace those it applied before; other managers' stay."""
+        if await self._fail(connection, stream, h11, "status", name):
+            return
+        if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
+            await self._send(connection, stream, h11, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
+            return
+        manager = query.get("fieldManager", "")
+        claim = self.claims.get((namespace, name))
+        applied = json.loads(body)
+        if claim is None:
+            await self._send(
+                connection, stream, h11, 404, _status(404, "NotFound", f'resourceclaims "{name}" not found')
+            )
+            return
+        uid = (applied.get("metadata") or {}).get("uid")
+        if uid is not None and uid != claim["metadata"]["uid"]:
+            message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {claim['metadata']['uid']}"
+            await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
+            return
+        devices = (applied.get("status") or {}).get("devices") or []
+        owners = self._status_owners.setdefault((namespace, name), {})  # (driver, pool, device) -> manager
+        kept = [
+            entry
+            for entry in (claim.get("status") or {}).get("devices") or []
+            if owners.get((entry["driver"], entry["pool"], entry["device"])) != manager
+        ]
+        new = [*kept, *devices]
+        if causes := resource_claim_status_causes(claim, new):
+            self.refused.append((name, causes))
+            await self._send(connection, stream, h11, 422, _invalid("ResourceClaim", "resource.k8s.io", name, causes))
+            return
+        claim.setdefault("status", {})["devices"] = new
+        for entry in devices:
+            owners[entry["driver"], entry["pool"], entry["device"]] = manager
+        self.status_writes.append((namespace, name, manager))
+        await self._send(connection, stream, h11, 200, claim)
 
     def put_node(self, name: str, uid: str) -> None:
         """A Node, as the kubelet registers it: what a slice's owner reference names."""
@@ -7508,6 +7696,9 @@ class ApiServerSimulator:
                 await self._send(connection, stream, h11, 200, node)
             return
         parts = path.removeprefix(self.PREFIX).strip("/").split("/")
+        if method == "PATCH" and len(parts) == 5 and parts[2] == "resourceclaims" and parts[4] == "status":
+            await self._apply_claim_status(connection, stream, h11, parts[1], parts[3], headers, query, body)
+            return
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
             claim = self.claims.get((parts[1], parts[3]))
             if claim is None:

@@ -5616,6 +5616,71 @@ async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra
     assert not refused.devices
 
 
+async def test_dra_prepare_writes_the_claims_device_status(dra_node):
+    """KEP-4817: after preparing, the driver applies status.devices for its own results (driver,
+    pool, device, and the device's paths as data) to the claim's status subresource, as the example
+    driver does (kubernetes-sigs/dra-example-driver status_updater.go). Another driver's result
+    gets no entry from it, and another driver's entry stays (each applies its own)."""
+    (dra_node.devices / "gopher0").touch()
+    results = [("gopher", DRIVER, DraNode.POOL, "gopher0"), ("gopher", "gpu.example.com", "node-1", "gpu0")]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results))
+    theirs = {"driver": "gpu.example.com", "pool": "node-1", "device": "gpu0", "data": {"uuid": "GPU-1"}}
+    dra_node.api.claims["default", "c1"]["status"]["devices"] = [theirs]
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert answer.error == ""
+    assert dra_node.api.status_writes == [("default", "c1", DRIVER)]
+    assert dra_node.api.claims["default", "c1"]["status"]["devices"] == [
+        theirs,
+        {
+            "driver": DRIVER,
+            "pool": DraNode.POOL,
+            "device": "gopher0",
+            "data": {"id": "gopher0", "paths": [str(dra_node.devices / "gopher0")]},
+        },
+    ]
+
+
+@pytest.mark.parametrize("status", [403, 500])
+async def test_dra_a_device_status_that_cannot_be_written_never_fails_the_prepare(dra_node, status):
+    """Refused (RBAC without resourceclaims/status) or failed: the claim is prepared all the same,
+    and the log says what was not written."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    dra_node.api.fail("status", "c1", status)
+    with trio.fail_after(TIMEOUT), logged("its device status is not written") as warned:
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
+    assert len(warned.lines) == 1
+    assert "devices" not in dra_node.api.claims["default", "c1"]["status"]
+
+
+def test_dra_api_server_stand_in_refuses_device_status_as_the_real_one_does():
+    """validateDeviceStatus (pkg/apis/resource/validation/validation.go): an entry must be an
+    allocated device of the claim; data a JSON object of at most 10 KiB."""
+    allocated = claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0"))
+    ok = {"driver": DRIVER, "pool": DraNode.POOL, "device": "gopher0", "data": {"id": "gopher0"}}
+    assert gp.resource_claim_status_causes(allocated, [ok]) == []
+    other = {**ok, "device": "gopher1"}
+    listed = {**ok, "data": ["gopher0"]}
+    big = {**ok, "data": {"x": "y" * gp.DRA_STATUS_DATA_MAX_LENGTH}}
+    assert [(c["field"], c["reason"]) for c in gp.resource_claim_status_causes(allocated, [other, listed, big])] == [
+        ("status.devices[0]", "FieldValueInvalid"),
+        ("status.devices[1].data", "FieldValueInvalid"),
+        ("status.devices[2]", "FieldValueDuplicate"),
+        ("status.devices[2].data", "FieldValueTooLong"),
+    ]
+    assert gp.resource_claim_status_causes(allocated, [other])[0]["message"] == (
+        f'Invalid value: "{DRIVER}/{DraNode.POOL}/gopher1": must be an allocated device in the claim'
+    )
+
+
 async def test_dra_a_claim_prepared_by_an_earlier_version_is_answered_without_its_subrequest(dra_node):
     """The checkpoint of an earlier gopherplug holds "gpu/small": answered from it again after an
     upgrade, the claim must name "gpu", or the restarted container gets nothing."""
@@ -6811,6 +6876,8 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert rules == {
         ("resourceslices",): {"list", "watch", "create", "update", "delete"},
         ("resourceclaims",): {"get"},
+        ("resourceclaims/status",): {"patch"},  # status.devices, by server-side apply
+        ("resourceclaims/driver",): {"associated-node:patch"},  # 1.36+: the same write, for its driver
         ("nodes",): {"get"},  # the UID of the slices' owner
     }
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
