@@ -2529,7 +2529,8 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
 
     Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
     across drivers: ``numaNode`` (an int; the kubelet's topology hints for DRA read an attribute
-    whose name ends in "/numaNode"), and for a device node of a PCI device ``pciBusID``
+    whose name ends in "/numaNode", topologyNUMAAttributeSuffix in pkg/kubelet/cm/dra; gopherplug's
+    own is stored without a domain, so this is the one they find), and for a device node of a PCI device ``pciBusID``
     ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
     them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
     lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
@@ -7435,7 +7436,9 @@ class ApiServerSimulator:
 
     Holds ResourceClaims (put them with ``put_claim``) and the ResourceSlices the driver writes
     (``slices``, by name; ``writes`` lists each write). It refuses a slice the real API server
-    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. Lists and
+    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. A claim's
+    status.devices takes server-side apply on its status subresource (``status_writes`` lists
+    each), refused as the real server refuses it (resource_claim_status_causes). Lists and
     watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
     lines, as the API server does.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
