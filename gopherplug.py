@@ -927,6 +927,17 @@ class DeviceEntry:
     mounts: tuple[MountTemplate, ...] = ()  #: the same, for mounts
     followed: tuple[str, ...] = ()  #: for a symlink, every path it leads through: watched, they decide its health
     members: tuple[DeviceEntry, ...] = ()  #: the entries it is made of, when more than one
+    pci: PciAddress | None = None  #: from sysfs, for a device node of a PCI device; None: not one
+    usb: UsbDevice | None = None  #: the USB device it is a node of (usb entries); None: not one
+
+
+@dataclass(frozen=True)
+class PciAddress:
+    """Where a PCI device sits: its bus ID ("0000:03:00.0", extended BDF notation) and its PCIe
+    root complex ("pci0000:00"), the names sysfs gives both."""
+
+    bus_id: str
+    root: str
 
 
 ########################################################################################################
@@ -1637,7 +1648,7 @@ def scan_usb(resource: ResourceConfig, roots: list[str], sysfs_root: str, dev_ro
         for node in usb.members:
             found = examine_path(resource, usb.id, node, roots, sysfs_root)
             if isinstance(found, DeviceEntry):
-                entries.append(found)
+                entries.append(dataclasses.replace(found, usb=usb))
             elif found is not None:
                 skipped.append((node, found))
     return Scan(tuple(entries), tuple(skipped))
@@ -1678,6 +1689,8 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
         tuple(mount for member in members for mount in member.mounts),
         tuple(dict.fromkeys(path for member in members for path in member.followed)),
         tuple(members),
+        next((member.pci for member in members if member.pci is not None), None),
+        next((member.usb for member in members if member.usb is not None), None),
     )
 
 
@@ -1778,9 +1791,10 @@ def examine_path(
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
+    pci = _pci_address(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
-    return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed)
+    return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
 
 
 def _host_paths(
@@ -1940,6 +1954,40 @@ def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
+
+
+# A PCI function's directory name in sysfs: domain, bus, device and function in hex ("0000:03:00.0"),
+# the extended BDF notation of resource.kubernetes.io/pciBusID (k8s.io/dynamic-resource-allocation
+# deviceattribute/pci.go).
+_PCI_BUS_ID = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]")
+
+
+def _pci_address(sysfs_root: str, mode: int, rdev: int) -> PciAddress | None:
+    """The PCI device a device node belongs to, from sysfs: dev/char/MAJ:MIN/device leads into
+    devices/, where the device (a GPU's function, or a class device under it, as nvme0 is) sits
+    under its PCI function's directory, and that under its root complex: devices/pci0000:00/
+    0000:00:01.0/0000:03:00.0. The nearest directory above whose subsystem is pci is the function;
+    one whose subsystem is usb first means the node is a USB device's, not a PCI device's (the
+    host controller is PCI, the adapter is not). The root is the first directory under devices/,
+    as deviceattribute/pci.go reads it. None for anything else."""
+    kind = "char" if stat.S_ISCHR(mode) else "block"
+    devices = os.path.realpath(os.path.join(sysfs_root, "devices"))
+    try:
+        here = os.path.realpath(os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device"))
+    except OSError:
+        return None
+    while here.startswith(devices + os.sep):
+        try:
+            subsystem = os.path.basename(os.readlink(os.path.join(here, "subsystem")))
+        except OSError:
+            subsystem = ""
+        if subsystem == "usb":
+            return None
+        if subsystem == "pci" and _PCI_BUS_ID.fullmatch(os.path.basename(here)):
+            root = os.path.relpath(here, devices).split(os.sep)[0]
+            return PciAddress(os.path.basename(here), root) if root.startswith("pci") else None
+        here = os.path.dirname(here)
+    return None
 
 
 # USB devices by vendor and product. sysfs lists every USB device and interface in bus/usb/devices,
@@ -2468,11 +2516,26 @@ def dra_device_name(device_id: str) -> str:
     return f"{readable}-{_digest(device_id)}" if readable else _digest(device_id, 16)
 
 
+#: The domain of the attributes Kubernetes defines for every driver (StandardDeviceAttributePrefix in
+#: kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute).
+DRA_STANDARD_DOMAIN = "resource.kubernetes.io"
+
+
 def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
     """One device of a ResourceSlice. Its attributes, under the driver's domain (a name without
     one is in it), are what DeviceClasses and claims select by: ``resource`` (the resource's name),
     ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
-    device-plugin API's health), and ``numaNode`` when the device node has one."""
+    device-plugin API's health), and ``numaNode`` when the device node has one.
+
+    Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
+    across drivers: ``numaNode`` (an int; the kubelet's topology hints for DRA read an attribute
+    whose name ends in "/numaNode", topologyNUMAAttributeSuffix in pkg/kubelet/cm/dra; gopherplug's
+    own is stored without a domain, so this is the one they find), and for a device node of a PCI device ``pciBusID``
+    ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
+    them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
+    lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
+    ``usbBus`` (an int) and ``usbPort`` (its port path, "1-1.4") are in the driver's domain.
+    """
     attributes: dict[str, Any] = {
         "resource": {"string": resource.name},
         "id": {"string": device.id},
@@ -2480,6 +2543,23 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
     }
     if device.numa_node is not None:
         attributes["numaNode"] = {"int": device.numa_node}
+        attributes[f"{DRA_STANDARD_DOMAIN}/numaNode"] = {"int": device.numa_node}
+    if device.pci is not None:
+        attributes[f"{DRA_STANDARD_DOMAIN}/pciBusID"] = {"string": device.pci.bus_id}
+        attributes[f"{DRA_STANDARD_DOMAIN}/pcieRoot"] = {"string": device.pci.root}
+    if (usb := device.usb) is not None:
+        attributes["usbVendor"] = {"string": usb.vendor}
+        attributes["usbProduct"] = {"string": usb.product}
+        if (
+            usb.serial
+            and usb.serial.isprintable()
+            and len(usb.serial.encode(errors="replace")) <= DRA_ATTRIBUTE_MAX_LENGTH
+        ):
+            attributes["usbSerial"] = {"string": usb.serial}
+        bus = usb.port.removeprefix("usb").partition("-")[0]
+        if bus.isdigit():
+            attributes["usbBus"] = {"int": int(bus)}
+        attributes["usbPort"] = {"string": usb.port}
     return {"name": dra_device_name(device.id), "attributes": attributes}
 
 
@@ -2576,6 +2656,35 @@ class ClaimError(GopherplugError):
     """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
 
 
+#: The most bytes of one device's status data the API server takes (AllocatedDeviceStatusDataMaxLength
+#: in k8s.io/api/resource/v1 types.go).
+DRA_STATUS_DATA_MAX_LENGTH = 10 * 1024
+
+
+def claim_device_status(
+    claim: Mapping[str, Any], driver: str, pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]
+) -> list[dict[str, Any]]:
+    """The claim's status.devices entries for ``driver``'s results (KEP-4817, AllocatedDeviceStatus
+    in k8s.io/api/resource/v1): one per device of this driver's pools, named by driver, pool and
+    device as its result is (the API server refuses an entry that matches no result), with
+    ``data`` a JSON object: the device's ID and its paths on the node (each member's, for a device
+    of several entries). Paths are left out if they would make data longer than the API takes."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    for result in results:
+        pool, name = result.get("pool", ""), result.get("device", "")
+        if result.get("driver") != driver or pool not in pools or (pool, name) in entries:
+            continue
+        device = next((d for d in pools[pool][1].values() if dra_device_name(d.id) == name), None)
+        if device is None:
+            continue
+        data: dict[str, Any] = {"id": device.id, "paths": [m.path for m in device.members] or [device.path]}
+        if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
+            data = {"id": device.id}
+        entries[pool, name] = {"driver": driver, "pool": pool, "device": name, "data": data}
+    return list(entries.values())
+
+
 def dra_base_request(request: str) -> str:
     """The request a container names for an allocation result's ``request``: "gpu" for "gpu" and
     for "gpu/fast". With a prioritized list (firstAvailable) the scheduler writes the subrequest it
@@ -2600,6 +2709,15 @@ def prepared_devices(
     ClaimError when the claim is another than the kubelet meant (its UID differs: deleted and made
     again under the same name), is not allocated, was allocated on another node, or a device is
     gone or unhealthy now.
+
+    A result with ``adminAccess: true`` (KEP-5018, GA in 1.36: the scheduler gave the device to a
+    claim in a namespace labelled resource.kubernetes.io/admin-access, for monitoring or
+    maintenance, although other claims may have it) is prepared also when the device is unhealthy,
+    which is when an administrator most needs to look at it. Nothing here keeps one device to one
+    claim: the scheduler does, and it is the scheduler that lets an admin-access result share a
+    device that other claims hold, so such a claim is prepared beside theirs. The kubelet does
+    nothing of its own for admin access: NodePrepareResources names the claim only
+    (pkg/kubelet/cm/dra), and the driver reads the result.
     """
     metadata = claim.get("metadata") or {}
     name = f"{metadata.get('namespace')}/{metadata.get('name')}"
@@ -2620,7 +2738,7 @@ def prepared_devices(
         device = next((d for d in devices.values() if dra_device_name(d.id) == device_name), None)
         if device is None:
             raise ClaimError(f"ResourceClaim {name}: device {device_name} of pool {pool} is not there any more")
-        if device.health != HEALTHY:
+        if device.health != HEALTHY and result.get("adminAccess") is not True:
             raise ClaimError(
                 f"ResourceClaim {name}: device {device.id} of {resource.name} is unhealthy: {device.problem}"
             )
@@ -4985,8 +5103,36 @@ class ClaimPreparer:
             answer.devices.extend(devices)
             names = ", ".join(device.device_name for device in devices)
             log.info("prepared ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, names)
+            await self._write_status(claim, claim_device_status(found, self.resources.driver, self.resources.pools()))
             return
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
+
+    async def _write_status(self, claim: Any, devices: list[dict[str, Any]]) -> None:
+        """The claim's status.devices for this driver (claim_device_status), once it is prepared.
+        Information only, for people and controllers reading the claim: a failure is logged, and
+        the prepare stands (the kubelet has nothing to retry, and the device is the pod's either way).
+        The answer waits for it, API_REQUEST_TIMEOUT at most: with the claim's read before it, 20 s
+        of the kubelet's 45."""
+        if not devices:
+            return
+        try:
+            with trio.fail_after(API_REQUEST_TIMEOUT):
+                await self.api.apply_claim_status(
+                    claim.namespace, claim.name, claim.uid, devices, self.resources.driver
+                )
+        except trio.TooSlowError:
+            problem = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
+        except GopherplugError as error:
+            problem = str(error)
+        else:
+            return
+        log.warning(
+            "ResourceClaim %s/%s (%s) is prepared, but its device status is not written: %s",
+            claim.namespace,
+            claim.name,
+            claim.uid,
+            problem,
+        )
 
     async def unprepare(self, request: Any) -> Any:
         response = drapb.NodeUnprepareResourcesResponse()
@@ -5130,6 +5276,33 @@ class KubeApi:
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
             return dict(await self._client.get(self._claim, name, namespace=namespace))
+
+    async def apply_claim_status(
+        self, namespace: str, name: str, uid: str, devices: list[dict[str, Any]], field_manager: str
+    ) -> None:
+        """Write ``devices`` as the claim's status.devices by server-side apply to its status
+        subresource, as ``field_manager``: the entries are a list map (keys driver, pool, device,
+        shareID), so each driver's apply owns and replaces its own entries and leaves other
+        drivers' alone. The UID in the applied object makes the API server refuse (409) a claim
+        that was replaced under the same name."""
+        from lightkube.types import PatchType
+
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "status": {"devices": devices},
+        }
+        with self._errors(f"apply the status of ResourceClaim {namespace}/{name}"):
+            await self._client.patch(
+                self._claim.Status,
+                name,
+                body,
+                namespace=namespace,
+                patch_type=PatchType.APPLY,
+                field_manager=field_manager,
+                force=True,
+            )
 
     async def get_node(self, name: str) -> dict[str, Any]:
         """The Node's name and UID (all a slice's owner reference needs), as its metadata."""
@@ -7094,13 +7267,84 @@ def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[st
     return causes
 
 
+#: An attribute name's parts (k8s.io/api/resource/v1 types.go): the domain at most DeviceMaxDomainLength
+#: (a driver name's limit), the name a C identifier of at most DeviceMaxIDLength.
+_DRA_DOMAIN_LENGTH = 63
+_DRA_ID_LENGTH = 32
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SEMVER = re.compile(
+    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
+)
+
+
+def _attribute_causes(field: str, name: str, value: Any) -> list[dict[str, str]]:
+    """What the API server refuses in one device attribute (validateQualifiedName and
+    validateDeviceAttribute in pkg/apis/resource/validation/validation.go): the name a C identifier
+    of at most 32 characters, optionally after a domain and "/" (a DNS subdomain of at most 63,
+    validateDriverName); the value exactly one of bool, int, string and version, a string or
+    version at most 64 characters, a version a semantic version (semver.org 2.0.0)."""
+    causes = []
+    parts = name.split("/")
+    identifier = parts[-1]
+    if len(parts) == 2:
+        domain = parts[0]
+        if not domain:
+            causes.append(_cause(field, "FieldValueInvalid", 'Invalid value: "": the domain must not be empty'))
+        else:
+            if len(domain) > _DRA_DOMAIN_LENGTH:
+                causes.append(
+                    _cause(field, "FieldValueTooLong", f"Too long: may not be more than {_DRA_DOMAIN_LENGTH} bytes")
+                )
+            causes += _dns_causes(field, domain.lower(), _DNS_SUBDOMAIN_LENGTH, False)
+        if not identifier:
+            causes.append(_cause(field, "FieldValueInvalid", 'Invalid value: "": the name must not be empty'))
+    if identifier or len(parts) != 2:
+        if len(identifier) > _DRA_ID_LENGTH:
+            causes.append(_cause(field, "FieldValueTooLong", f"Too long: may not be more than {_DRA_ID_LENGTH} bytes"))
+        if not _C_IDENTIFIER.fullmatch(identifier):
+            causes.append(
+                _cause(
+                    field,
+                    "FieldValueInvalid",
+                    f"Invalid value: {json.dumps(identifier)}: a valid C identifier must start with alphabetic "
+                    "character or '_', followed by a string of alphanumeric characters or '_' (e.g. 'my_name',  or "
+                    "'MY_NAME',  or 'MyName', regex used for validation is '[A-Za-z_][A-Za-z0-9_]*')",
+                )
+            )
+    kinds = [kind for kind in ("bool", "int", "string", "version") if kind in (value or {})]
+    for kind in ("string", "version"):
+        text = str((value or {}).get(kind, ""))
+        if kind == "version" and kind in kinds and not _SEMVER.fullmatch(text):
+            causes.append(
+                _cause(
+                    f"{field}.version",
+                    "FieldValueInvalid",
+                    f"Invalid value: {json.dumps(text)}: must be a string compatible with semver.org spec 2.0.0",
+                )
+            )
+        if len(text.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
+            causes.append(
+                _cause(
+                    f"{field}.{kind}",
+                    "FieldValueTooLong",
+                    f"Too long: may not be more than {DRA_ATTRIBUTE_MAX_LENGTH} bytes",
+                )
+            )
+    if len(kinds) != 1:
+        causes.append(_cause(field, "FieldValueInvalid", "Invalid value: exactly one value must be specified"))
+    return causes
+
+
 def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
     """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
     would replace), as the causes of its 422: the checks of ValidateResourceSlice and
     ValidateResourceSliceUpdate (kubernetes/kubernetes pkg/apis/resource/validation/validation.go)
     that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
     characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
-    at most 128 devices, each named by a DNS label; pool name, driver and node immutable; an owner
+    at most 128 devices, each named by a DNS label, each attribute's name and value as
+    _attribute_causes says; pool name, driver and node immutable; an owner
     reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
     causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
     for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
@@ -7151,6 +7395,8 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
         )
     for index, device in enumerate(devices):
         causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
+        for name, value in (device.get("attributes") or {}).items():
+            causes += _attribute_causes(f"spec.devices[{index}].attributes[{name}]", name, value)
     if old is not None:
         old_spec = old.get("spec") or {}
         for field, new_value, old_value in (
@@ -7199,6 +7445,55 @@ def resource_claim_causes(claim: Mapping[str, Any]) -> list[dict[str, str]]:
     return causes
 
 
+def resource_claim_status_causes(claim: Mapping[str, Any], devices: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """What the API server refuses in a ResourceClaim's status.devices, as the causes of its 422
+    (validateDeviceStatus in pkg/apis/resource/validation/validation.go): each entry names a
+    driver (a DNS subdomain of at most 63 characters), a pool and a device as slices do, and must
+    be an allocated device of the claim (a result with the same driver, pool and device); its data,
+    when given, a JSON object of at most 10 KiB; no entry twice."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    allocated = {(r.get("driver"), r.get("pool"), r.get("device")) for r in results}
+    causes, seen = [], set()
+    for index, entry in enumerate(devices):
+        where = f"status.devices[{index}]"
+        driver, pool, device = str(entry.get("driver", "")), str(entry.get("pool", "")), str(entry.get("device", ""))
+        causes += _dns_causes(f"{where}.driver", driver, _DRA_DOMAIN_LENGTH, False)
+        for part in pool.split("/"):
+            causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
+        causes += _dns_causes(f"{where}.device", device, _DNS_LABEL_LENGTH, True)
+        key = (driver, pool, device)
+        if key not in allocated:
+            causes.append(
+                _cause(
+                    where,
+                    "FieldValueInvalid",
+                    f'Invalid value: "{driver}/{pool}/{device}": must be an allocated device in the claim',
+                )
+            )
+        if key in seen:
+            causes.append(_cause(where, "FieldValueDuplicate", f'Duplicate value: "{driver}/{pool}/{device}"'))
+        seen.add(key)
+        if "data" in entry:
+            data = entry["data"]
+            if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
+                causes.append(
+                    _cause(
+                        f"{where}.data",
+                        "FieldValueTooLong",
+                        f"Too long: may not be more than {DRA_STATUS_DATA_MAX_LENGTH} bytes",
+                    )
+                )
+            elif not isinstance(data, dict):
+                causes.append(
+                    _cause(
+                        f"{where}.data",
+                        "FieldValueInvalid",
+                        "Invalid value: <value omitted>: must be a valid JSON object",
+                    )
+                )
+    return causes
+
+
 def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> dict[str, Any]:
     """The API server's 422 for an object that fails validation: one message naming every error
     (apierrors.NewInvalid: one error bare, several in brackets), and each as a cause."""
@@ -7214,7 +7509,9 @@ class ApiServerSimulator:
 
     Holds ResourceClaims (put them with ``put_claim``) and the ResourceSlices the driver writes
     (``slices``, by name; ``writes`` lists each write). It refuses a slice the real API server
-    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. Lists and
+    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. A claim's
+    status.devices takes server-side apply on its status subresource (``status_writes`` lists
+    each), refused as the real server refuses it (resource_claim_status_causes). Lists and
     watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
     lines, as the API server does.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
@@ -7231,6 +7528,9 @@ class ApiServerSimulator:
         self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
+        #: (namespace, claim name, field manager) of each status.devices applied, in order
+        self.status_writes: list[tuple[str, str, str]] = []
+        self._status_owners: dict[tuple[str, str], dict[tuple[str, str, str], str]] = {}
         #: (slice name, causes) of each write refused as invalid (422), in order
         self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
@@ -7274,9 +7574,10 @@ class ApiServerSimulator:
 
     def fail(self, verb: str, name: str = "", status: int = 500, *, times: int = 1, retry_after: int = 0) -> None:
         """Fail the next ``times`` writes of ``verb`` ("create", "update", "delete") to slice
-        ``name`` ("": any) with ``status``, as the real server can: 409 (someone else's write came
-        first), 429 (priority and fairness; with a Retry-After header when ``retry_after``), 500, or
-        0: no answer at all, until the client gives up (a timeout, or the plugin killed mid-write)."""
+        ``name`` ("": any), or ("status") to claim ``name``'s status, with ``status``, as the real
+        server can: 409 (someone else's write came first), 429 (priority and fairness; with a
+        Retry-After header when ``retry_after``), 500, or 0: no answer at all, until the client
+        gives up (a timeout, or the plugin killed mid-write)."""
         self._failures.append(
             {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
         )
@@ -7315,6 +7616,57 @@ class ApiServerSimulator:
         extra = [("retry-after", str(failure["retry_after"]))] if failure["retry_after"] else []
         await self._send(connection, stream, h11, status, document, extra)
         return True
+
+    async def _apply_claim_status(
+        self,
+        connection: Any,
+        stream: Any,
+        h11: Any,
+        namespace: str,
+        name: str,
+        headers: Mapping[str, str],
+        query: Mapping[str, str],
+        body: bytes,
+    ) -> None:
+        """Server-side apply to a claim's status subresource, as a driver writes status.devices:
+        415 for another patch type, 404 for no such claim, 409 for another UID, 422 for entries
+        the real server refuses (resource_claim_status_causes). status.devices is a list map: the
+        field manager's entries replace those it applied before; other managers' stay."""
+        if await self._fail(connection, stream, h11, "status", name):
+            return
+        if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
+            await self._send(connection, stream, h11, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
+            return
+        manager = query.get("fieldManager", "")
+        claim = self.claims.get((namespace, name))
+        applied = json.loads(body)
+        if claim is None:
+            await self._send(
+                connection, stream, h11, 404, _status(404, "NotFound", f'resourceclaims "{name}" not found')
+            )
+            return
+        uid = (applied.get("metadata") or {}).get("uid")
+        if uid is not None and uid != claim["metadata"]["uid"]:
+            message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {claim['metadata']['uid']}"
+            await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
+            return
+        devices = (applied.get("status") or {}).get("devices") or []
+        owners = self._status_owners.setdefault((namespace, name), {})  # (driver, pool, device) -> manager
+        kept = [
+            entry
+            for entry in (claim.get("status") or {}).get("devices") or []
+            if owners.get((entry["driver"], entry["pool"], entry["device"])) != manager
+        ]
+        new = [*kept, *devices]
+        if causes := resource_claim_status_causes(claim, new):
+            self.refused.append((name, causes))
+            await self._send(connection, stream, h11, 422, _invalid("ResourceClaim", "resource.k8s.io", name, causes))
+            return
+        claim.setdefault("status", {})["devices"] = new
+        for entry in devices:
+            owners[entry["driver"], entry["pool"], entry["device"]] = manager
+        self.status_writes.append((namespace, name, manager))
+        await self._send(connection, stream, h11, 200, claim)
 
     def put_node(self, name: str, uid: str) -> None:
         """A Node, as the kubelet registers it: what a slice's owner reference names."""
@@ -7420,6 +7772,9 @@ class ApiServerSimulator:
                 await self._send(connection, stream, h11, 200, node)
             return
         parts = path.removeprefix(self.PREFIX).strip("/").split("/")
+        if method == "PATCH" and len(parts) == 5 and parts[2] == "resourceclaims" and parts[4] == "status":
+            await self._apply_claim_status(connection, stream, h11, parts[1], parts[3], headers, query, body)
+            return
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
             claim = self.claims.get((parts[1], parts[3]))
             if claim is None:

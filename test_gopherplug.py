@@ -5231,6 +5231,7 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
             "id": {"string": "g1"},
             "healthy": {"bool": False},
             "numaNode": {"int": 1},
+            "resource.kubernetes.io/numaNode": {"int": 1},
         },
     }
     empty = gp.resource_slices(DRIVER, "node-1", resource, {}, 1)
@@ -5241,6 +5242,129 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         result = check("kubernetes-validate", "--strict", "-k", version, str(path))
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("passed") == 3
+
+
+def pci_sysfs(root):
+    """A sysfs tree with a GPU at 0000:03:00.0 behind the bridge 0000:00:01.0 of root complex
+    pci0000:00 (NUMA node 1), whose drm class device card0 is /dev/null's (1:3); and a USB serial
+    adapter on the host controller 0000:00:14.0, whose tty is /dev/zero's (1:5). /dev/full (1:7)
+    has no entry. Links as the kernel makes them: dev/char/MAJ:MIN to the class device, its
+    `device` to its parent, each device's `subsystem` to its bus."""
+    devices = root / "devices" / "pci0000:00"
+    gpu = devices / "0000:00:01.0" / "0000:03:00.0"
+    tty = devices / "0000:00:14.0" / "usb1" / "1-1" / "1-1:1.0" / "ttyUSB0" / "tty" / "ttyUSB0"
+    for directory, bus in [
+        (devices / "0000:00:01.0", "pci"),
+        (gpu, "pci"),
+        (devices / "0000:00:14.0", "pci"),
+        (devices / "0000:00:14.0" / "usb1", "usb"),
+        (devices / "0000:00:14.0" / "usb1" / "1-1", "usb"),
+        (devices / "0000:00:14.0" / "usb1" / "1-1" / "1-1:1.0", "usb"),
+        (tty.parent.parent, "usb-serial"),
+    ]:
+        directory.mkdir(parents=True, exist_ok=True)
+        (root / "bus" / bus).mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(root / "bus" / bus, directory), directory / "subsystem")
+    (gpu / "numa_node").write_text("1\n")
+    card = gpu / "drm" / "card0"
+    card.mkdir(parents=True)
+    os.symlink("../..", card / "device")
+    tty.mkdir(parents=True)
+    os.symlink("../../../ttyUSB0", tty / "device")
+    (root / "dev" / "char").mkdir(parents=True)
+    os.symlink(os.path.relpath(card, root / "dev" / "char"), root / "dev" / "char" / "1:3")
+    os.symlink(os.path.relpath(tty, root / "dev" / "char"), root / "dev" / "char" / "1:5")
+    return str(root)
+
+
+def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
+    """resource.kubernetes.io/pciBusID and pcieRoot as deviceattribute/pci.go (kubernetes/kubernetes
+    staging/src/k8s.io/dynamic-resource-allocation) makes them, for a PCI device's node only, and
+    resource.kubernetes.io/numaNode beside gopherplug's own numaNode."""
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("gpu", "/dev/null"), ("serial", "/dev/zero"), ("full", "/dev/full")]:
+        os.symlink(target, devices / name)
+    sysfs = pci_sysfs(tmp_path / "sys")
+    resource = resource_in(devices, allowed_host_paths=["/dev"])
+    found = {d.id: d for d in gp.scan_directory(resource, sysfs).devices}
+    assert {i: d.pci for i, d in found.items()} == {
+        "full": None,
+        "gpu": gp.PciAddress("0000:03:00.0", "pci0000:00"),
+        "serial": None,  # its host controller is PCI, the adapter is USB
+    }
+    (dra,) = gp.parse_config(dra_config(str(devices), "/k", allowed_host_paths=["/dev"])).resources
+    (item,) = gp.resource_slices(DRIVER, "node-1", dra, found, 1)
+    assert item["spec"]["devices"][1] == {
+        "name": "gpu",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "gpu"},
+            "healthy": {"bool": True},
+            "numaNode": {"int": 1},
+            "resource.kubernetes.io/numaNode": {"int": 1},
+            "resource.kubernetes.io/pciBusID": {"string": "0000:03:00.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+        },
+    }
+    assert gp.resource_slice_causes(item) == []
+
+
+def test_dra_usb_attributes_in_the_drivers_domain(tmp_path):
+    sysfs = usb_tree(tmp_path)
+    dev = str(tmp_path / "dev")
+    usb_nodes(dev, "bus/usb/001/003", "hidraw0", "bus/usb/002/002", "video0")
+    config = config_with(
+        top={"dev_root": dev, "sysfs_root": sysfs},
+        usb=[{"vendor": "1050", "product": "0407"}, {"vendor": "046d", "product": "0825"}],
+        allowed_host_paths=["/dev/null"],
+    )
+    scan = gp.scan_directory(config.resources[0], sysfs, dev)
+    attributes = {d.id: gp.dra_device(config.resources[0], d)["attributes"] for d in scan.devices}
+    assert {i: {k: v for k, v in a.items() if k.startswith("usb")} for i, a in attributes.items()} == {
+        "12345678": {
+            "usbVendor": {"string": "1050"},
+            "usbProduct": {"string": "0407"},
+            "usbSerial": {"string": "12345678"},
+            "usbBus": {"int": 1},
+            "usbPort": {"string": "1-1.1"},
+        },
+        "2-3": {  # no serial
+            "usbVendor": {"string": "046d"},
+            "usbProduct": {"string": "0825"},
+            "usbBus": {"int": 2},
+            "usbPort": {"string": "2-3"},
+        },
+    }
+    assert not any(k.startswith("resource.kubernetes.io/pci") for a in attributes.values() for k in a)
+
+
+def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
+    """validateQualifiedName and validateDeviceAttribute (pkg/apis/resource/validation/validation.go):
+    a wrong attribute name or value is a 422 with these causes."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    attributes = item["spec"]["devices"][0]["attributes"]
+    attributes.update(
+        {
+            "resource.kubernetes.io/pci-bus-id": {"string": "0000:03:00.0"},
+            "d" * 64 + "/x": {"int": 1},
+            "a" * 33: {"bool": True},
+            "long": {"string": "s" * 65},
+            "two": {"int": 1, "bool": True},
+            "version": {"version": "1.2"},
+        }
+    )
+    prefix = "spec.devices[0].attributes"
+    assert [(c["field"], c["reason"]) for c in gp.resource_slice_causes(item)] == [
+        (f"{prefix}[resource.kubernetes.io/pci-bus-id]", "FieldValueInvalid"),
+        (f"{prefix}[{'d' * 64}/x]", "FieldValueTooLong"),
+        (f"{prefix}[{'a' * 33}]", "FieldValueTooLong"),
+        (f"{prefix}[long].string", "FieldValueTooLong"),
+        (f"{prefix}[two]", "FieldValueInvalid"),
+        (f"{prefix}[version].version", "FieldValueInvalid"),
+    ]
+    assert gp.resource_slice_causes(item)[0]["message"].startswith('Invalid value: "pci-bus-id": a valid C identifier')
 
 
 def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
@@ -5588,6 +5712,107 @@ async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_it
     assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0"]
     assert cdi("uid-1", "gpu/small") == []  # no container can name a subrequest
     assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
+
+
+ADMIN_REQUESTS = [
+    {"name": "gopher", "exactly": {"deviceClassName": "gopher"}},
+    {"name": "monitor", "exactly": {"deviceClassName": "gopher", "adminAccess": True, "count": 2}},
+]
+
+
+async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra_node):
+    """KEP-5018: the scheduler gives an adminAccess request devices other claims hold, and
+    unhealthy ones; the driver prepares them, where a claim without admin access is refused the
+    unhealthy device. The kubelet passes only the claim's name (pkg/kubelet/cm/dra): the result's
+    adminAccess is the driver's to read."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0"), requests=ADMIN_REQUESTS))
+    admin = {"adminAccess": True}
+    monitor = [("monitor", DRIVER, DraNode.POOL, "gopher0", admin), ("monitor", DRIVER, DraNode.POOL, "gopher1", admin)]
+    dra_node.api.put_claim(claim("c2", "uid-2", *monitor, requests=ADMIN_REQUESTS))
+    dra_node.api.put_claim(claim("c3", "uid-3", ("gopher", DRIVER, DraNode.POOL, "gopher1"), requests=ADMIN_REQUESTS))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1"), ("default", "uid-2", "c2")])
+        refused = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-3", "c3")])).claims["uid-3"]
+    assert {uid: (a.error, [d.device_name for d in a.devices]) for uid, a in answer.claims.items()} == {
+        "uid-1": ("", ["gopher0"]),
+        "uid-2": ("", ["gopher0", "gopher1"]),  # gopher0 beside c1, gopher1 although unhealthy
+    }
+    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=gopher1",
+    ]
+    assert refused.error.startswith("ResourceClaim default/c3: device gopher1 of example.com/gopher is unhealthy: ")
+    assert not refused.devices
+
+
+async def test_dra_prepare_writes_the_claims_device_status(dra_node):
+    """KEP-4817: after preparing, the driver applies status.devices for its own results (driver,
+    pool, device, and the device's paths as data) to the claim's status subresource, as the example
+    driver does (kubernetes-sigs/dra-example-driver status_updater.go). Another driver's result
+    gets no entry from it, and another driver's entry stays (each applies its own)."""
+    (dra_node.devices / "gopher0").touch()
+    results = [("gopher", DRIVER, DraNode.POOL, "gopher0"), ("gopher", "gpu.example.com", "node-1", "gpu0")]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results))
+    theirs = {"driver": "gpu.example.com", "pool": "node-1", "device": "gpu0", "data": {"uuid": "GPU-1"}}
+    dra_node.api.claims["default", "c1"]["status"]["devices"] = [theirs]
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert answer.error == ""
+    assert dra_node.api.status_writes == [("default", "c1", DRIVER)]
+    assert dra_node.api.claims["default", "c1"]["status"]["devices"] == [
+        theirs,
+        {
+            "driver": DRIVER,
+            "pool": DraNode.POOL,
+            "device": "gopher0",
+            "data": {"id": "gopher0", "paths": [str(dra_node.devices / "gopher0")]},
+        },
+    ]
+
+
+@pytest.mark.parametrize("status", [403, 500])
+async def test_dra_a_device_status_that_cannot_be_written_never_fails_the_prepare(dra_node, status):
+    """Refused (RBAC without resourceclaims/status) or failed: the claim is prepared all the same,
+    and the log says what was not written."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    dra_node.api.fail("status", "c1", status)
+    with trio.fail_after(TIMEOUT), logged("its device status is not written") as warned:
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+    assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
+    assert len(warned.lines) == 1
+    assert "devices" not in dra_node.api.claims["default", "c1"]["status"]
+
+
+def test_dra_api_server_stand_in_refuses_device_status_as_the_real_one_does():
+    """validateDeviceStatus (pkg/apis/resource/validation/validation.go): an entry must be an
+    allocated device of the claim; data a JSON object of at most 10 KiB."""
+    allocated = claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0"))
+    ok = {"driver": DRIVER, "pool": DraNode.POOL, "device": "gopher0", "data": {"id": "gopher0"}}
+    assert gp.resource_claim_status_causes(allocated, [ok]) == []
+    other = {**ok, "device": "gopher1"}
+    listed = {**ok, "data": ["gopher0"]}
+    big = {**ok, "data": {"x": "y" * gp.DRA_STATUS_DATA_MAX_LENGTH}}
+    assert [(c["field"], c["reason"]) for c in gp.resource_claim_status_causes(allocated, [other, listed, big])] == [
+        ("status.devices[0]", "FieldValueInvalid"),
+        ("status.devices[1].data", "FieldValueInvalid"),
+        ("status.devices[2]", "FieldValueDuplicate"),
+        ("status.devices[2].data", "FieldValueTooLong"),
+    ]
+    assert gp.resource_claim_status_causes(allocated, [other])[0]["message"] == (
+        f'Invalid value: "{DRIVER}/{DraNode.POOL}/gopher1": must be an allocated device in the claim'
+    )
 
 
 async def test_dra_a_claim_prepared_by_an_earlier_version_is_answered_without_its_subrequest(dra_node):
@@ -6786,6 +7011,8 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert rules == {
         ("resourceslices",): {"list", "watch", "create", "update", "delete"},
         ("resourceclaims",): {"get"},
+        ("resourceclaims/status",): {"patch"},  # status.devices, by server-side apply
+        ("resourceclaims/driver",): {"associated-node:patch"},  # 1.36+: the same write, for its driver
         ("nodes",): {"get"},  # the UID of the slices' owner
     }
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
