@@ -5073,6 +5073,9 @@ class ClaimPreparer:
         self.resources = resources
         self.checkpoint = checkpoint
         self.api = api
+        # Prepared claims whose device status is still to be written: write_statuses() writes them
+        # after their answers went, so that a slow API server delays no pod's start.
+        self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
 
     async def prepare(self, request: Any) -> Any:
         response = drapb.NodePrepareResourcesResponse()
@@ -5103,16 +5106,24 @@ class ClaimPreparer:
             answer.devices.extend(devices)
             names = ", ".join(device.device_name for device in devices)
             log.info("prepared ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, names)
-            await self._write_status(claim, claim_device_status(found, self.resources.driver, self.resources.pools()))
+            self._statuses.send_nowait(
+                (claim, claim_device_status(found, self.resources.driver, self.resources.pools()))
+            )
             return
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
+    async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write the device status of each claim prepared, one at a time, in the order prepared,
+        until cancelled (serve_dra runs it). The kubelet waits for NodePrepareResources' answer,
+        and the pod's start with it; the status is for people and controllers reading the claim."""
+        task_status.started()
+        async for claim, devices in self._status_queue:
+            await self._write_status(claim, devices)
+
     async def _write_status(self, claim: Any, devices: list[dict[str, Any]]) -> None:
         """The claim's status.devices for this driver (claim_device_status), once it is prepared.
-        Information only, for people and controllers reading the claim: a failure is logged, and
-        the prepare stands (the kubelet has nothing to retry, and the device is the pod's either way).
-        The answer waits for it, API_REQUEST_TIMEOUT at most: with the claim's read before it, 20 s
-        of the kubelet's 45."""
+        Information only: a failure is logged, and the prepare stands (the kubelet has nothing to
+        retry, and the device is the pod's either way)."""
         if not devices:
             return
         try:
@@ -5670,6 +5681,7 @@ async def serve_dra(
     async with trio.open_nursery() as nursery:
         await nursery.start(driver.slices.watch)
         await nursery.start(driver.slices.publish)
+        await nursery.start(driver.claims.write_statuses)
         await nursery.start(
             _keep_serving, config.endpoint, lambda: dra_plugin_services(resources, driver.claims, driver.registration)
         )
@@ -7666,6 +7678,7 @@ class ApiServerSimulator:
         for entry in devices:
             owners[entry["driver"], entry["pool"], entry["device"]] = manager
         self.status_writes.append((namespace, name, manager))
+        self.changed.touch()
         await self._send(connection, stream, h11, 200, claim)
 
     def put_node(self, name: str, uid: str) -> None:

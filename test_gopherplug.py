@@ -5765,6 +5765,8 @@ async def test_dra_prepare_writes_the_claims_device_status(dra_node):
         await dra_node.registered()
         await dra_node.wait_for_slices(["gopher0"])
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        while not dra_node.api.status_writes:  # written after the answer, which it must not delay
+            await dra_node.api.changed.wait_touched()
     assert answer.error == ""
     assert dra_node.api.status_writes == [("default", "c1", DRIVER)]
     assert dra_node.api.claims["default", "c1"]["status"]["devices"] == [
@@ -5790,9 +5792,25 @@ async def test_dra_a_device_status_that_cannot_be_written_never_fails_the_prepar
         await dra_node.registered()
         await dra_node.wait_for_slices(["gopher0"])
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        await warned.wait()  # written after the answer
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
     assert len(warned.lines) == 1
     assert "devices" not in dra_node.api.claims["default", "c1"]["status"]
+
+
+async def test_dra_a_device_status_the_api_server_does_not_answer_delays_no_prepare(dra_node):
+    """The kubelet waits for NodePrepareResources' answer, and the pod's start with it: the status
+    is written after the answer, so an API server that never answers that write delays nothing."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    dra_node.api.fail("status", "c1", 0)  # no answer, until the driver gives up
+    with trio.fail_after(TIMEOUT), logged("its device status is not written") as warned:
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        unanswered = warned.lines[:]  # the write is still waiting for its answer
+    assert (answer.error, [d.device_name for d in answer.devices], unanswered) == ("", ["gopher0"], [])
 
 
 def test_dra_api_server_stand_in_refuses_device_status_as_the_real_one_does():
