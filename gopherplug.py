@@ -3362,23 +3362,28 @@ def _read_text(path: str) -> str | None:
         return None  # gone for a moment (being replaced): the next event reads it again
 
 
-def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
-    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's."""
+def load_config(
+    path: str, device_plugin_dir: str | None = None, device_plugin_dir_from: str = "--device-plugin-dir"
+) -> Config:
+    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's
+    (``device_plugin_dir_from`` names where it was given, for a message about it)."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
-    return _config_from_text(text, path, device_plugin_dir)
+    return _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
 
 
-def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Config:
+def _config_from_text(
+    text: str, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str = "--device-plugin-dir"
+) -> Config:
     config = parse_config(text, path)
     if device_plugin_dir is not None:
         if not os.path.isabs(device_plugin_dir):
-            raise ConfigError("--device-plugin-dir", "", f"{device_plugin_dir!r} must be an absolute path")
+            raise ConfigError(device_plugin_dir_from, "", f"{device_plugin_dir!r} must be an absolute path")
         if (problem := device_plugin_dir_problem(os.path.normpath(device_plugin_dir))) is not None:
-            raise ConfigError("--device-plugin-dir", "", problem)
+            raise ConfigError(device_plugin_dir_from, "", problem)
         config = dataclasses.replace(config, device_plugin_dir=os.path.normpath(device_plugin_dir))
     return config
 
@@ -6079,7 +6084,10 @@ def _examine_now(
 
 
 async def watch_config_file(
-    path: str, device_plugin_dir: str | None = None, current: Config | None = None
+    path: str,
+    device_plugin_dir: str | None = None,
+    current: Config | None = None,
+    device_plugin_dir_from: str = "--device-plugin-dir",
 ) -> AsyncGenerator[Config, None]:
     """Yield the configuration each time the file changes to a new valid one, until closed.
 
@@ -6104,7 +6112,7 @@ async def watch_config_file(
                     continue
                 last_text = text
                 try:
-                    config = _config_from_text(text, path, device_plugin_dir)
+                    config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     continue
@@ -7618,6 +7626,7 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 ########################################################################################################
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+LOG_LEVELS, LOG_FORMATS = ["debug", "info", "warning", "error"], ["text", "json"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -7663,7 +7672,7 @@ def _parser() -> argparse.ArgumentParser:
     for command in (serve, probe_):
         command.add_argument(
             "--device-plugin-dir",
-            default=env("GOPHERPLUG_DEVICE_PLUGIN_DIR"),
+            default=None,  # the env var is read in main, so that a message about it can name it
             metavar="DIR",
             help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
         )
@@ -7672,14 +7681,14 @@ def _parser() -> argparse.ArgumentParser:
             "--log-level",
             default=env("GOPHERPLUG_LOG_LEVEL", default),
             type=str.lower,
-            choices=["debug", "info", "warning", "error"],
+            choices=LOG_LEVELS,
             help=f"log level (env GOPHERPLUG_LOG_LEVEL, default {default})",
         )
         command.add_argument(
             "--log-format",
             default=env("GOPHERPLUG_LOG_FORMAT", "text"),
             type=str.lower,
-            choices=["text", "json"],
+            choices=LOG_FORMATS,
             help="one line per event, as text or as a JSON object (env GOPHERPLUG_LOG_FORMAT, default text)",
         )
     return parser
@@ -7695,6 +7704,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    # argparse checks an option's choices only when it is given, not the default it took from the
+    # environment: a value that passed unchecked came from the variable, which the message names.
+    for option, choices, variable in (
+        ("log_level", LOG_LEVELS, "GOPHERPLUG_LOG_LEVEL"),
+        ("log_format", LOG_FORMATS, "GOPHERPLUG_LOG_FORMAT"),
+    ):
+        if (value := getattr(args, option, None)) is not None and value not in choices:
+            print(f"gopherplug: {variable}: {value!r}: use one of {', '.join(choices)}", file=sys.stderr)
+            return EXIT_USAGE
+    if getattr(args, "device_plugin_dir", "") is None and os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
+        args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
+        args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
         return _run(args, run_dra_demo if args.dra else run_demo)
     if args.command == "probe":
@@ -7703,7 +7724,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config, getattr(args, "device_plugin_dir", None))
+        config = load_config(args.config, getattr(args, "device_plugin_dir", None), _device_plugin_dir_from(args))
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -7731,7 +7752,13 @@ def main(argv: list[str] | None = None) -> int:
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
         return EXIT_OK
-    return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
+    given = (args.device_plugin_dir, _device_plugin_dir_from(args))
+    return _run(args, _serve_until_signalled, config, args.config, *given)
+
+
+def _device_plugin_dir_from(args: argparse.Namespace) -> str:
+    """Where the device-plugin directory was given: the option or the environment variable."""
+    return getattr(args, "device_plugin_dir_from", "--device-plugin-dir")
 
 
 _CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute permission checks
@@ -7760,7 +7787,7 @@ def _probe(args: argparse.Namespace) -> int:
     config = None
     if args.config:  # optional: without it, every gopherplug socket in the directory is probed
         try:
-            config = load_config(args.config, args.device_plugin_dir)
+            config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args))
         except ConfigError as error:
             print(f"gopherplug: {error}", file=sys.stderr)
             return EXIT_USAGE
@@ -7827,12 +7854,15 @@ def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]]
     return EXIT_OK
 
 
-async def _serve_until_signalled(config: Config, path: str, device_plugin_dir: str | None) -> None:
+async def _serve_until_signalled(
+    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+) -> None:
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
     # cancelling the nursery runs every `finally`, which removes our sockets.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            updates = watch_config_file(path, device_plugin_dir, config)  # edits are applied as they are saved
+            # edits are applied as they are saved
+            updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from)
             nursery.start_soon(functools.partial(serve_plugin, config, updates=updates))
             async for signum in signals:
                 log.info("%s received: stopping", signal.Signals(signum).name)

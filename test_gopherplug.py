@@ -4559,6 +4559,37 @@ def test_bad_usage_exits_2():
     assert "invalid choice: 'loud'" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "stderr"),
+    [
+        ("GOPHERPLUG_LOG_LEVEL", "verbose", "GOPHERPLUG_LOG_LEVEL: 'verbose': use one of debug, info, warning, error"),
+        ("GOPHERPLUG_LOG_FORMAT", "yaml", "GOPHERPLUG_LOG_FORMAT: 'yaml': use one of text, json"),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_a_bad_log_setting_from_the_environment_is_one_line_and_exit_2(
+    node, tmp_path, command, variable, value, stderr
+):
+    # argparse checks choices only on the command line: the variable's value was used unchecked.
+    path = write_config(node, tmp_path)
+    result = run_cli(command, env={"GOPHERPLUG_CONFIG": str(path), variable: value})
+    assert (result.returncode, result.stderr) == (2, f"gopherplug: {stderr}\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (("--device-plugin-dir", "relative"), {}, "--device-plugin-dir"),
+        ((), {"GOPHERPLUG_DEVICE_PLUGIN_DIR": "relative"}, "GOPHERPLUG_DEVICE_PLUGIN_DIR"),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "probe"])
+def test_a_relative_device_plugin_dir_is_named_where_it_was_given(node, tmp_path, command, args, env, named):
+    path = write_config(node, tmp_path)
+    result = run_cli(command, "--config", str(path), *args, env=env)
+    assert (result.returncode, result.stderr) == (2, f"gopherplug: {named}: 'relative' must be an absolute path\n")
+
+
 def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
     # Something that is not a socket occupies our socket's path: nothing gopherplug can fix.
     os.mkdir(os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-1.sock"))
