@@ -163,6 +163,11 @@ def _log(resource: ResourceConfig) -> logging.LoggerAdapter[logging.Logger]:
     return logging.LoggerAdapter(log, {"resource": resource.name})
 
 
+def _devices(count: int) -> str:
+    """ "1 device", "2 devices": a count as a user reads it."""
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -1303,14 +1308,22 @@ def _parse_sources(data: dict[str, Any], source: str, where: str) -> tuple[str, 
     return "", "*", tuple(match)
 
 
+def _as_written(text: str) -> str:
+    """A pattern quoted as the user wrote it: repr() would double each backslash of a regex (a
+    pattern with a newline or the like is still shown by repr, to stay on one line)."""
+    return f"'{text}'" if text.isprintable() else repr(text)
+
+
 def _parse_id_pattern(value: Any, source: str, where: str) -> re.Pattern[str]:
     text = _string(value, source, where)
     try:
         compiled = re.compile(text)
     except re.error as error:
-        raise ConfigError(source, where, f"{text!r} is not a regular expression: {error}") from None
+        raise ConfigError(source, where, f"{_as_written(text)} is not a regular expression: {error}") from None
     if "id" not in compiled.groupindex:
-        problem = f"{text!r} has no group named id: mark the part of the name that is the ID with (?P<id>...)"
+        problem = (
+            f"{_as_written(text)} has no group named id: mark the part of the name that is the ID with (?P<id>...)"
+        )
         raise ConfigError(source, where, problem)
     return compiled
 
@@ -1727,7 +1740,7 @@ def examine_entry(
     if resource.id_pattern is not None:
         found = resource.id_pattern.fullmatch(name)
         if found is None or not found["id"]:
-            return f"id_pattern {resource.id_pattern.pattern!r} finds no ID in the name"
+            return f"id_pattern {_as_written(resource.id_pattern.pattern)} finds no ID in the name"
         device_id = found["id"]
     if why := _id_problem(resource, device_id):
         return why if device_id == name else f"its ID {device_id!r}: {why}"
@@ -3196,11 +3209,15 @@ def _unwrap_single_errors() -> Iterator[None]:
         raise error from None
 
 
-def _describe(error: BaseException) -> str:
-    """One line for an error, for a log line or an RPCError message."""
+def _describe(error: BaseException, silent: str = "") -> str:
+    """One line for an error, for a log line or an RPCError message: for a system call, the system's
+    words ("Permission denied"), not Python's class name and errno, which tell a user nothing more.
+    ``silent``: what to say of an error that says nothing (else its class name, for a developer)."""
     error = _innermost(error)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return lines[0] if lines else silent or type(error).__name__
 
 
 @asynccontextmanager
@@ -3714,6 +3731,14 @@ class FileLock:
                     self._fd = fd
                 else:
                     os.close(fd)
+        except PermissionError:
+            # Where the DaemonSet drops every capability, root may write only where the owner's bits
+            # allow: say what to do, not just errno 13.
+            directory = os.path.dirname(self.path)
+            raise GopherplugError(
+                f"cannot take the lock {self.path}: permission denied: run gopherplug as root, "
+                f"and {directory} must belong to root"
+            ) from None
         except OSError as error:
             raise GopherplugError(f"cannot take the lock {self.path}: {_describe(error)}") from None
 
@@ -3790,6 +3815,7 @@ class ResourceLock(FileLock):
 
     def __init__(self, resource_name: str, device_plugin_dir: str) -> None:
         self.directory = device_plugin_dir
+        self.resource_name = resource_name
         self.stem = socket_stem(resource_name, device_plugin_dir)
         taken = f"{resource_name} is already served on this node"
         fix = "stop that one, or remove the resource from one configuration"
@@ -3811,7 +3837,10 @@ class ResourceLock(FileLock):
                     and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
                 ):
                     os.unlink(entry.path)
-                    log.info("%s: removed %s, left by a gopherplug that did not exit cleanly", self.stem, entry.name)
+                    # Under the resource's name, as every other line about it (the stem is a file name).
+                    logging.LoggerAdapter(log, {"resource": self.resource_name}).info(
+                        "removed %s, left by a gopherplug that did not exit cleanly", entry.name
+                    )
 
 
 async def watch_devices(
@@ -4139,7 +4168,7 @@ class _DeviceSet:
             found = self._write_cdi_spec(found)
         if found != before:
             self.devices.replace(found)
-            _log(self.resource).info("%d devices from %s", len(found), self.resource.origin())
+            _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
@@ -4384,7 +4413,7 @@ def device_plugin_service(
                 message = encoder.encode(current, now())
                 if len(message.data) <= KUBELET_MAX_MESSAGE:
                     yield message
-                    _log(resource).debug("sent %d devices", len(current))
+                    _log(resource).debug("sent %s", _devices(len(current)))
                 else:
                     # The kubelet would drop the message and its stream (then every device turns
                     # unhealthy): keep its last list instead, and say what to do.
@@ -5130,7 +5159,7 @@ class KubeApi:
             message = f"{what}: {error.status.code} {error.status.message}"
             raise ApiError(error.status.code, message, retry_after) from None
         except self._transport_error as error:
-            raise ApiError(None, f"{what}: {type(error).__name__}: {error or 'no answer'}") from None
+            raise ApiError(None, f"{what}: {_describe(error, silent='no answer')}") from None
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
@@ -5418,7 +5447,7 @@ class SlicePublisher:
                         "does not know: are the feature gates they need off?); it is not written again for them",
                         name,
                     )
-        log.info("DRA: %s: %d devices in pool %s", resource_name, count, pool)
+        log.info("DRA: %s: %s in pool %s", resource_name, _devices(count), pool)
 
     def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
         """Whether the slice on the server is ``wanted`` as written, or as the server stored it."""
@@ -6481,7 +6510,7 @@ def probe_report(results: list[ProbeResult]) -> str:
             streamed = "open" if status.streams else f"none for {status.unstreamed_seconds:.0f} s"
             features.append(f"kubelet stream {streamed}")
         lines.append(
-            f"{result.resource}: {result.endpoint}: {len(result.devices)} devices, {healthy} healthy; "
+            f"{result.resource}: {result.endpoint}: {_devices(len(result.devices))}, {healthy} healthy; "
             + ", ".join(features)
         )
         width = max([len("ID"), *(len(device.ID) for device in result.devices)])
@@ -6561,7 +6590,7 @@ def dra_probe_report(result: DraProbeResult) -> str:
     streamed = f"{status.streams} open" if status.streams else "none"
     lines = [
         f"DRA driver {result.driver}: {result.registration_socket} -> {result.info.endpoint}: "
-        f"{len(devices)} devices, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
+        f"{_devices(len(devices))}, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
         f"kubelet health streams {streamed}"
     ]
     rows = [("POOL", "DEVICE", "HEALTH")] + [
