@@ -1044,15 +1044,61 @@ def device_plugin_dir_problem(directory: str) -> str | None:
     return None
 
 
+class _Octal(int):
+    """An integer YAML 1.1 read as octal (010 is 8), with the text it was written as."""
+
+    written = ""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader, except that an integer written with a leading zero comes out as an _Octal: PyYAML
+    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means."""
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    value = loader.construct_yaml_int(node)
+    if isinstance(node.value, str) and re.fullmatch(r"[-+]?0[0-7_]+", node.value):
+        octal = _Octal(value)
+        octal.written = node.value
+        return octal
+    return value
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _octal_numbers(data: Any, where: str = "") -> Iterator[tuple[str, _Octal]]:
+    """Every _Octal in the loaded data, with its key path ("resources[0].replicas")."""
+    seen: set[int] = set()  # anchors and aliases can make a list that holds itself
+    stack = [(where, data)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, _Octal):
+            yield at, item
+        elif isinstance(item, dict | list) and id(item) not in seen:
+            seen.add(id(item))
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            keys = [(f"{at}.{key}" if isinstance(item, dict) else f"{at}[{key}]", value) for key, value in pairs]
+            stack += reversed(keys)
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
+    for at, octal in _octal_numbers(data):
+        read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
+        if re.search(r"\.usb\[[0-9]+\]\.(vendor|product)$", at):
+            problem = f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")'
+        else:
+            decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"
+            problem = f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
+        raise ConfigError(source, at, problem)
     top = _mapping(
         data, source, "", {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra"}, required={"resources"}
     )
@@ -1334,7 +1380,7 @@ def _parse_usb(entry: Any, source: str, where: str) -> UsbSelector:
     for key in ("vendor", "product"):
         value = data[key]
         if not isinstance(value, str) or not re.fullmatch(r"[0-9A-Fa-f]{4}", value):
-            # YAML reads 1050 as a number, and 0407 as the octal number 263: the user meant text.
+            # YAML reads 1050 as a number (0407, octal, is refused before: see _ConfigLoader): the user meant text.
             problem = f'{value!r}: must be 4 hex digits in quotes, as lsusb prints them (e.g. "0407")'
             raise ConfigError(source, f"{where}.{key}", problem)
         ids.append(value.lower())

@@ -851,6 +851,11 @@ BAD_CONFIGS = [
     (resources(replicas=0), "cfg.yaml: resources[0].replicas: 0: must be a whole number from 1 to 1000"),
     (resources(replicas=True), "cfg.yaml: resources[0].replicas: True: must be a whole number from 1 to 1000"),
     (resources(replicas=2.5), "cfg.yaml: resources[0].replicas: 2.5: must be a whole number from 1 to 1000"),
+    (  # YAML 1.1 octal: PyYAML reads 010 as 8, which no one means
+        "resources: [{name: example.com/g, directory: /g, replicas: 010}]",
+        "cfg.yaml: resources[0].replicas: 010 is read by YAML as an octal number, 8: write 8 if you meant that, "
+        "or 10 without the leading zero",
+    ),
     (resources(preferred="dense"), "cfg.yaml: resources[0].preferred: 'dense': must be packed or spread"),
     (resources(cdi={}), "cfg.yaml: resources[0].cdi.kind: is required"),
     (
@@ -979,8 +984,8 @@ BAD_CONFIGS = [
     ),
     (
         "resources: [{name: example.com/g, usb: [{vendor: '1050', product: 0407}]}]",
-        "cfg.yaml: resources[0].usb[0].product: 263: must be 4 hex digits in quotes, as lsusb prints them "
-        '(e.g. "0407")',
+        "cfg.yaml: resources[0].usb[0].product: 0407 is read by YAML as an octal number, 263: write it in quotes, "
+        'as lsusb prints it ("0407")',
     ),
     (
         "resources: [{name: example.com/g, usb: [{vendor: '1050', product: '0407', serial: 42}]}]",
@@ -4564,6 +4569,17 @@ def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     result = run_cli("check-config", "--config", str(path))
     assert result.returncode == 2
     assert result.stderr == f"gopherplug: {path}: resources[0].directory: 'relative' must be an absolute path\n"
+
+
+def test_check_config_refuses_octal_looking_numbers_with_what_they_became(node, tmp_path):
+    path = write_config(node, tmp_path, replicas=10)
+    path.write_text(path.read_text().replace("replicas: 10", "replicas: 010"))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"gopherplug: {path}: resources[0].replicas: 010 is read by YAML as an octal number, 8: write 8 if you "
+        "meant that, or 10 without the leading zero\n",
+    )
 
 
 @pytest.mark.parametrize(
