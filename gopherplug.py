@@ -860,6 +860,7 @@ class ResourceConfig:
     id_pattern: re.Pattern[str] | None = None  #: its group "id", from the whole name, is the entry's ID
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
     api: str = "device-plugin"  #: one of APIS: the device-plugin API, DRA, or both
+    allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
 
     @property
     def device_plugin(self) -> bool:
@@ -1173,6 +1174,8 @@ _RESOURCE_KEYS = {
     "allowed_host_paths",
     "api",
     "allow_double_booking",
+    "whole_dev",
+    "allow_mounted",
 }
 MAX_REPLICAS = 1000
 
@@ -1210,6 +1213,26 @@ def _parse_resource(
         _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
         for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))
     )
+    whole_dev, allow_mounted = (_flag(data, key, source, where) for key in ("whole_dev", "allow_mounted"))
+    # All of /dev offered read-write hands a pod the disks, kmsg and mem: never by a default pattern.
+    written = [(f"{where}.match[{i}]", entry) for i, entry in enumerate(data["match"])] if match else [(where, data)]
+    everything = [
+        (f"{at}.pattern", src.pattern, "" if "pattern" in entry else " (the default)")
+        for (at, entry), src in zip(
+            written, match or ((Source(directory, pattern),) if directory else ()), strict=False
+        )
+        if os.path.normpath(src.directory) == os.path.normpath(dev_root) and not src.pattern.strip("*")
+    ]
+    if everything and not whole_dev:
+        key, glob, default = everything[0]
+        problem = (
+            f"{_as_written(glob)}{default} in {dev_root} offers every entry there read-write, disks, kmsg and mem "
+            "among them: name the devices (e.g. 'ttyUSB*'), or set whole_dev: true"
+        )
+        raise ConfigError(source, key, problem)
+    if whole_dev and not everything:
+        problem = f"is for a pattern that matches every entry of {dev_root}, and this resource has none: remove it"
+        raise ConfigError(source, f"{where}.whole_dev", problem)
     directories = [directory] if directory else [m.directory for m in match]
     in_dev = usb or any(_is_under(d, [dev_root]) for d in directories)
     roots = tuple(dict.fromkeys([*directories, *allowed, *([dev_root] if in_dev else [])]))
@@ -1285,7 +1308,16 @@ def _parse_resource(
         id_pattern,
         usb,
         api,
+        allow_mounted,
     )
+
+
+def _flag(data: dict[str, Any], key: str, source: str, where: str) -> bool:
+    """An optional true/false key, default false."""
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(source, f"{where}.{key}", f"{value!r}: must be true or false")
+    return value
 
 
 # What DRA has instead of the device-plugin options it refuses.
@@ -1835,11 +1867,43 @@ def examine_path(
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
+    if stat.S_ISBLK(mode) and not resource.allow_mounted and (mounted := _mounted_at(rdev, sysfs_root)):
+        # A pod that writes to it would corrupt the filesystem under the node's feet.
+        number = f"{os.major(rdev)}:{os.minor(rdev)}"
+        return f"block device {number} holds the filesystem mounted at {mounted}: set allow_mounted: true to offer it"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed)
+
+
+def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mountinfo") -> str:
+    """Where a filesystem on block device ``rdev`` is mounted, or "": the device itself, one of its
+    partitions, or a device built on it (device-mapper, LVM, md: its holders in sysfs). The mount
+    table's third field is the device number of each mount's filesystem."""
+    mounted: dict[str, str] = {}  # device number -> the first mount point of its filesystem
+    for line in (_read_text(mountinfo_path) or "").splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            mounted.setdefault(fields[2], fields[4])
+    todo, seen = [f"{os.major(rdev)}:{os.minor(rdev)}"], set()
+    while todo:
+        number = todo.pop()
+        if number in mounted:
+            return mounted[number]
+        if number in seen:
+            continue
+        seen.add(number)
+        block = os.path.join(sysfs_root, "dev", "block", number)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(block):  # its partitions: directories with a "partition" file
+                if os.path.exists(os.path.join(entry.path, "partition")):
+                    todo.append(_sysfs_text(os.path.join(entry.path, "dev")).strip())
+        with contextlib.suppress(OSError):
+            for holder in os.listdir(os.path.join(block, "holders")):
+                todo.append(_sysfs_text(os.path.join(block, "holders", holder, "dev")).strip())
+    return ""
 
 
 def _host_paths(

@@ -752,9 +752,9 @@ BAD_CONFIGS = [
     ),
     (
         resources(colour="blue"),
-        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_double_booking, allowed_host_paths, "
-        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, usb",
+        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_double_booking, allow_mounted, "
+        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
+        "pattern, pre_start, pre_start_timeout, preferred, replicas, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -4569,6 +4569,72 @@ def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     result = run_cli("check-config", "--config", str(path))
     assert result.returncode == 2
     assert result.stderr == f"gopherplug: {path}: resources[0].directory: 'relative' must be an absolute path\n"
+
+
+@pytest.mark.parametrize(
+    ("fields", "stderr"),
+    [
+        (
+            {"directory": "{dev}"},
+            "resources[0].pattern: '*' (the default) in {dev} offers every entry there read-write, disks, kmsg and "
+            "mem among them: name the devices (e.g. 'ttyUSB*'), or set whole_dev: true",
+        ),
+        (
+            {"match": [{"directory": "{devices}"}, {"directory": "{dev}/", "pattern": "**"}]},
+            "resources[0].match[1].pattern: '**' in {dev} offers every entry there read-write, disks, kmsg and mem "
+            "among them: name the devices (e.g. 'ttyUSB*'), or set whole_dev: true",
+        ),
+        (
+            {"whole_dev": True},
+            "resources[0].whole_dev: is for a pattern that matches every entry of {dev}, and this resource has "
+            "none: remove it",
+        ),
+        ({"directory": "{dev}", "whole_dev": True}, None),  # asked for: offered
+    ],
+)
+def test_a_pattern_that_offers_the_whole_dev_root_needs_whole_dev(node, tmp_path, fields, stderr):
+    dev = str(tmp_path / "dev")  # dev_root: the same rule as for /dev itself
+    os.mkdir(dev)
+    fill = {"dev": dev, "devices": node.devices}
+    resource = json.loads(
+        json.dumps({"name": RESOURCE, **fields}).replace("{dev}", dev).replace("{devices}", node.devices)
+    )
+    if "match" not in resource and "directory" not in resource:
+        resource["directory"] = node.devices
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "dev_root": dev, "resources": [resource]}))
+    result = run_cli("check-config", "--config", str(path))
+    if stderr is None:
+        assert (result.returncode, result.stderr) == (0, "")
+    else:
+        assert (result.returncode, result.stderr) == (2, f"gopherplug: {path}: {stderr.format(**fill)}\n")
+
+
+def a_mounted_block_device():
+    """The device number of a filesystem mounted here that is on a block device (major not 0)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        number, mount_point = line.split()[2], line.split()[4]
+        if not number.startswith("0:"):
+            return tuple(map(int, number.split(":"))), mount_point
+    pytest.skip("no filesystem here is mounted from a block device")
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_block_device_that_holds_a_mounted_filesystem_is_skipped_unless_allowed(node, tmp_path, allowed):
+    (major, minor), mount_point = a_mounted_block_device()
+    try:
+        os.mknod(os.path.join(node.devices, "disk"), 0o600 | stat.S_IFBLK, os.makedev(major, minor))
+    except PermissionError:
+        pytest.skip("mknod is refused here")
+    path = write_config(node, tmp_path, **({"allow_mounted": True} if allowed else {}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    skipped = (
+        f"  skipped 'disk': block device {major}:{minor} holds the filesystem mounted at {mount_point}: "
+        "set allow_mounted: true to offer it\n"
+    )
+    assert (skipped in result.stdout) is not allowed
+    assert (f"  disk  Healthy    {node.devices}/disk\n" in result.stdout) is allowed
 
 
 def test_check_config_refuses_octal_looking_numbers_with_what_they_became(node, tmp_path):
