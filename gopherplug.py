@@ -912,6 +912,8 @@ class Config:
     sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
     dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
     dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra or both
+    #: likely mistakes that are valid all the same, each a line like a ConfigError's ("file: key: problem")
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -1134,7 +1136,46 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         resources.append(resource)
     if dra is not None and not any(resource.dra for resource in resources):
         raise ConfigError(source, "dra", "no resource has api: dra or both, so the driver would offer nothing")
-    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra)
+    warnings = tuple(
+        str(ConfigError(source, f"resources[{index}].{key}", problem))
+        for index, entry in enumerate(entries)
+        for key, problem in _pattern_warnings(entry)
+    )
+    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra, warnings)
+
+
+# Regular-expression syntax that a glob (fnmatch) takes as the characters themselves: "tty\d+"
+# matches only a name with a backslash and a plus in it, so it finds nothing, and says nothing.
+_REGEX_SIGNS = re.compile(r"\\[dwsDWS.]|[+{}()|^$]|\.\*")
+# The usual regex pieces, and the glob that says (nearly) the same.
+_GLOB_FOR_REGEX: tuple[tuple[str, str], ...] = (
+    (r"\d+", "[0-9]*"),
+    ("[0-9]+", "[0-9]*"),
+    (r"\d*", "*"),
+    (r"\d", "[0-9]"),
+    (r"\w+", "*"),
+)
+_GLOB_FOR_REGEX += ((".*", "*"), (".+", "?*"), (r"\.", "."))
+
+
+def _pattern_warnings(entry: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(key, problem) for each glob of a (valid) resource that looks like a regular expression."""
+    patterns = [("pattern", entry.get("pattern"))]
+    patterns += [(f"match[{i}].pattern", m.get("pattern")) for i, m in enumerate(entry.get("match") or [])]
+    for key, pattern in patterns:
+        if isinstance(pattern, str) and _REGEX_SIGNS.search(pattern):
+            glob = pattern.removeprefix("^").removesuffix("$")
+            for regex, instead in _GLOB_FOR_REGEX:
+                glob = glob.replace(regex, instead)
+            write = (
+                f"write {_as_written(glob)}"
+                if not _REGEX_SIGNS.search(glob)
+                else "write it as a glob (alternatives: a match entry each)"
+            )
+            problem = (
+                f"{_as_written(pattern)} looks like a regular expression, but pattern is a glob (fnmatch): {write}"
+            )
+            yield key, problem
 
 
 def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
@@ -6257,6 +6298,8 @@ async def watch_config_file(
                     continue
                 if config != last_config:
                     last_config = config
+                    for warning in config.warnings:
+                        log.warning("%s", warning)
                     yield config
 
 
@@ -7868,6 +7911,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "check-config":
+        for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
+            print(f"gopherplug: warning: {warning}", file=sys.stderr)
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
         if any(resource.device_plugin for resource in config.resources):
@@ -7998,6 +8043,8 @@ async def _serve_until_signalled(
 ) -> None:
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
     # cancelling the nursery runs every `finally`, which removes our sockets.
+    for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
+        log.warning("%s", warning)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             # edits are applied as they are saved

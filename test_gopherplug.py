@@ -4610,6 +4610,25 @@ def test_a_pattern_that_offers_the_whole_dev_root_needs_whole_dev(node, tmp_path
         assert (result.returncode, result.stderr) == (2, f"gopherplug: {path}: {stderr.format(**fill)}\n")
 
 
+@pytest.mark.parametrize(
+    ("pattern", "glob"),
+    [
+        (r"tty\d+", "'tty[0-9]*'"),
+        ("^ttyUSB.*$", "'ttyUSB*'"),
+        ("(a|b)", "it as a glob (alternatives: a match entry each)"),
+    ],
+)
+def test_a_glob_that_looks_like_a_regex_is_warned_about(node, tmp_path, pattern, glob):
+    # Valid, so not refused; but as a glob it matches only names with a backslash or a plus in them.
+    path = write_config(node, tmp_path, pattern=pattern)
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (
+        0,
+        f"gopherplug: warning: {path}: resources[0].pattern: '{pattern}' looks like a regular expression, but "
+        f"pattern is a glob (fnmatch): write {glob}\n",
+    )
+
+
 def a_mounted_block_device():
     """The device number of a filesystem mounted here that is on a block device (major not 0)."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
