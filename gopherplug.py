@@ -3616,10 +3616,20 @@ class DirectoryWatch:
         self.exists = False  #: whether the directory itself exists, as the last arm() found
         self.limit: str | None = None  #: the inotify limit that keeps something from being watched
         self._said: str | None = None  # the limit the log last heard of
+        self._poke_pending = False  # poke() was called and batches() has not answered it yet
+        self._waiting: trio.CancelScope | None = None  # batches() waiting for the kernel
+        self.poked = False  #: whether the last batch was the answer to poke(), not the kernel's
         self.arm()
 
     def __enter__(self) -> DirectoryWatch:
         return self
+
+    def poke(self) -> None:
+        """Have batches() yield a rescan now, as if the kernel had said something changed: for a
+        change inotify cannot see, on request (SIGHUP). Called from a task of the same trio run."""
+        self._poke_pending = True
+        if self._waiting is not None:
+            self._waiting.cancel()
 
     def __exit__(self, *exc_info: object) -> None:
         if self._inotify is not None:
@@ -3796,10 +3806,17 @@ class DirectoryWatch:
                 retry_at = math.inf
             elif retry_at == math.inf:
                 retry_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
-            with trio.move_on_at(retry_at):
-                if self._inotify is None:
-                    await trio.sleep_forever()  # no instance to wait on: only the timer
-                await trio.lowlevel.wait_readable(self._inotify.fileno())
+            if not self._poke_pending:
+                with trio.move_on_at(retry_at) as self._waiting:
+                    if self._inotify is None:
+                        await trio.sleep_forever()  # no instance to wait on: only the timer
+                    await trio.lowlevel.wait_readable(self._inotify.fileno())
+                self._waiting = None
+            self.poked = self._poke_pending
+            if self._poke_pending:
+                self._poke_pending = False
+                yield [], set(), True
+                continue
             inotify = self._inotify
             if inotify is None or trio.current_time() >= retry_at:
                 retry_at = math.inf
@@ -6268,6 +6285,7 @@ async def watch_config_file(
     device_plugin_dir: str | None = None,
     current: Config | None = None,
     device_plugin_dir_from: str = "--device-plugin-dir",
+    on_watch: Callable[[DirectoryWatch], None] | None = None,
 ) -> AsyncGenerator[Config, None]:
     """Yield the configuration each time the file changes to a new valid one, until closed.
 
@@ -6276,9 +6294,12 @@ async def watch_config_file(
     over); where the file's symlinks lead is followed too. An invalid file is logged with its
     error, and the running configuration stays. With ``current`` (the configuration running now),
     the file is compared with it first: an edit made while the plugin was starting is not lost.
+    ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
+        if on_watch is not None:
+            on_watch(watch)
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
         async with contextlib.aclosing(watch.batches()) as batches:
@@ -6289,6 +6310,8 @@ async def watch_config_file(
                 look_now = False
                 text = _read_text(path)
                 if text is None or text == last_text:
+                    if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
+                        log.info("%s unchanged", path) if text is not None else log.warning("cannot read %s", path)
                     continue
                 last_text = text
                 try:
@@ -8042,15 +8065,24 @@ async def _serve_until_signalled(
     config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
 ) -> None:
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
-    # cancelling the nursery runs every `finally`, which removes our sockets.
+    # cancelling the nursery runs every `finally`, which removes our sockets. SIGHUP, which would
+    # kill the process and leave them behind, asks daemons by convention to read their
+    # configuration again: the file is read as if inotify had seen it change (it may not have: a
+    # write through a hard link elsewhere, a filesystem without inotify such as NFS).
+    watches: list[DirectoryWatch] = []
     for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
         log.warning("%s", warning)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
             # edits are applied as they are saved
-            updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from)
+            updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
             nursery.start_soon(functools.partial(serve_plugin, config, updates=updates))
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    log.info("SIGHUP received: reading %s again", path)
+                    for watch in watches:
+                        watch.poke()
+                    continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break

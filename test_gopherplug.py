@@ -4755,6 +4755,42 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
     assert elapsed < 5, "generous bound; the README gives the measured figure"
 
 
+async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, node, tmp_path):
+    path = write_config(node, tmp_path)
+    # Written through a hard link in another directory, the file changes without an event for the
+    # watch on its own directory (inotify reports to the parent of the name written through): only
+    # SIGHUP can make the plugin see this change.
+    os.mkdir(tmp_path / "elsewhere")
+    os.link(path, tmp_path / "elsewhere" / "same.yaml")
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)], stderr=subprocess.PIPE
+    )
+    stderr = StderrLines(process.stderr)
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            with open(tmp_path / "elsewhere" / "same.yaml", "r+") as same:  # in place: the same inode
+                resource = {"name": RESOURCE, "directory": node.devices, "pattern": "g1"}
+                same.write(yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": [resource]}))
+                same.truncate()
+            process.send_signal(signal.SIGHUP)
+            await simulator.wait_until(listed("g1"))
+            await stderr.wait_for(f"configuration reloaded: updated in place {RESOURCE}")
+            assert process.returncode is None  # not killed (129), still serving
+            said = stderr.text
+            assert said.index(f"INFO SIGHUP received: reading {path} again") < said.index("configuration reloaded")
+            process.send_signal(signal.SIGHUP)  # nothing changed since: said so
+            await stderr.wait_for(f"INFO {path} unchanged")
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert node.our_sockets() == []
+
+
 # ------------------------------------------------------------------------------------------------
 # Recipes: every examples/ configuration against a tree shaped like a node's /dev
 # ------------------------------------------------------------------------------------------------
