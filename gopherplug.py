@@ -1096,7 +1096,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
     for at, octal in _octal_numbers(data):
         read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
-        if re.search(r"\.usb\[[0-9]+\]\.(vendor|product)$", at):
+        if re.search(r"\.usb\[[0-9]+\]\.(vendor|product|serial)$", at):
             problem = f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")'
         else:
             decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"

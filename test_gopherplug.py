@@ -988,6 +988,11 @@ BAD_CONFIGS = [
         'as lsusb prints it ("0407")',
     ),
     (
+        "resources: [{name: example.com/g, usb: [{vendor: '1050', product: '0407', serial: 0042}]}]",
+        "cfg.yaml: resources[0].usb[0].serial: 0042 is read by YAML as an octal number, 34: write it in quotes, "
+        'as lsusb prints it ("0042")',
+    ),
+    (
         "resources: [{name: example.com/g, usb: [{vendor: '1050', product: '0407', serial: 42}]}]",
         "cfg.yaml: resources[0].usb[0].serial: must be a non-empty string, not 42 (put it in quotes)",
     ),
