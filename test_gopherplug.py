@@ -4083,6 +4083,20 @@ async def test_probe_shows_what_the_kubelet_sees(nursery, node, tmp_path):
     )
 
 
+async def test_probe_says_one_device_in_the_singular(nursery, node):
+    os.unlink(os.path.join(node.devices, "g2"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config())
+        await simulator.wait_until(listed("g1"))
+        result = await run_cli_async("probe", "--device-plugin-dir", node.plugin_dir)
+    assert (result.returncode, result.stderr) == (0, b"")
+    assert result.stdout.decode().splitlines()[0] == (
+        "example.com/gopher: gopherplug-example.com_gopher-1.sock: 1 device, 1 healthy; "
+        "preferred allocation yes, pre-start no, registered yes, kubelet stream open"
+    )
+
+
 async def test_probe_fails_for_a_configured_resource_that_does_not_answer(nursery, node, tmp_path):
     text = yaml.safe_dump(
         {
