@@ -4648,6 +4648,18 @@ def test_a_glob_that_looks_like_a_regex_is_warned_about(node, tmp_path, pattern,
     )
 
 
+def test_serve_logs_the_warning_about_a_regex_like_glob(node, tmp_path):
+    # A directory where the socket would be ends serve at once (exit 1): the warning came first.
+    os.mkdir(os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-1.sock"))
+    path = write_config(node, tmp_path, pattern=r"g\d+")
+    result = run_cli("serve", "--config", str(path), timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0].split(" ", 1)[1] == (
+        rf"WARNING {path}: resources[0].pattern: 'g\d+' looks like a regular expression, but pattern is a glob "
+        "(fnmatch): write 'g[0-9]*'"
+    )
+
+
 def a_mounted_block_device():
     """The device number of a filesystem mounted here that is on a block device (major not 0)."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
