@@ -163,6 +163,11 @@ def _log(resource: ResourceConfig) -> logging.LoggerAdapter[logging.Logger]:
     return logging.LoggerAdapter(log, {"resource": resource.name})
 
 
+def _devices(count: int) -> str:
+    """ "1 device", "2 devices": a count as a user reads it."""
+    return f"{count} device" if count == 1 else f"{count} devices"
+
+
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -855,6 +860,7 @@ class ResourceConfig:
     id_pattern: re.Pattern[str] | None = None  #: its group "id", from the whole name, is the entry's ID
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
     api: str = "device-plugin"  #: one of APIS: the device-plugin API, DRA, or both
+    allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
 
     @property
     def device_plugin(self) -> bool:
@@ -906,6 +912,8 @@ class Config:
     sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
     dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
     dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra or both
+    #: likely mistakes that are valid all the same, each a line like a ConfigError's ("file: key: problem")
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -1050,15 +1058,61 @@ def device_plugin_dir_problem(directory: str) -> str | None:
     return None
 
 
+class _Octal(int):
+    """An integer YAML 1.1 read as octal (010 is 8), with the text it was written as."""
+
+    written = ""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader, except that an integer written with a leading zero comes out as an _Octal: PyYAML
+    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means."""
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    value = loader.construct_yaml_int(node)
+    if isinstance(node.value, str) and re.fullmatch(r"[-+]?0[0-7_]+", node.value):
+        octal = _Octal(value)
+        octal.written = node.value
+        return octal
+    return value
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _octal_numbers(data: Any, where: str = "") -> Iterator[tuple[str, _Octal]]:
+    """Every _Octal in the loaded data, with its key path ("resources[0].replicas")."""
+    seen: set[int] = set()  # anchors and aliases can make a list that holds itself
+    stack = [(where, data)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, _Octal):
+            yield at, item
+        elif isinstance(item, dict | list) and id(item) not in seen:
+            seen.add(id(item))
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            keys = [(f"{at}.{key}" if isinstance(item, dict) else f"{at}[{key}]", value) for key, value in pairs]
+            stack += reversed(keys)
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
+    for at, octal in _octal_numbers(data):
+        read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
+        if re.search(r"\.usb\[[0-9]+\]\.(vendor|product|serial)$", at):
+            problem = f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")'
+        else:
+            decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"
+            problem = f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
+        raise ConfigError(source, at, problem)
     top = _mapping(
         data, source, "", {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra"}, required={"resources"}
     )
@@ -1093,7 +1147,46 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         resources.append(resource)
     if dra is not None and not any(resource.dra for resource in resources):
         raise ConfigError(source, "dra", "no resource has api: dra or both, so the driver would offer nothing")
-    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra)
+    warnings = tuple(
+        str(ConfigError(source, f"resources[{index}].{key}", problem))
+        for index, entry in enumerate(entries)
+        for key, problem in _pattern_warnings(entry)
+    )
+    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra, warnings)
+
+
+# Regular-expression syntax that a glob (fnmatch) takes as the characters themselves: "tty\d+"
+# matches only a name with a backslash and a plus in it, so it finds nothing, and says nothing.
+_REGEX_SIGNS = re.compile(r"\\[dwsDWS.]|[+{}()|^$]|\.\*")
+# The usual regex pieces, and the glob that says (nearly) the same.
+_GLOB_FOR_REGEX: tuple[tuple[str, str], ...] = (
+    (r"\d+", "[0-9]*"),
+    ("[0-9]+", "[0-9]*"),
+    (r"\d*", "*"),
+    (r"\d", "[0-9]"),
+    (r"\w+", "*"),
+)
+_GLOB_FOR_REGEX += ((".*", "*"), (".+", "?*"), (r"\.", "."))
+
+
+def _pattern_warnings(entry: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(key, problem) for each glob of a (valid) resource that looks like a regular expression."""
+    patterns = [("pattern", entry.get("pattern"))]
+    patterns += [(f"match[{i}].pattern", m.get("pattern")) for i, m in enumerate(entry.get("match") or [])]
+    for key, pattern in patterns:
+        if isinstance(pattern, str) and _REGEX_SIGNS.search(pattern):
+            glob = pattern.removeprefix("^").removesuffix("$")
+            for regex, instead in _GLOB_FOR_REGEX:
+                glob = glob.replace(regex, instead)
+            write = (
+                f"write {_as_written(glob)}"
+                if not _REGEX_SIGNS.search(glob)
+                else "write it as a glob (alternatives: a match entry each)"
+            )
+            problem = (
+                f"{_as_written(pattern)} looks like a regular expression, but pattern is a glob (fnmatch): {write}"
+            )
+            yield key, problem
 
 
 def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
@@ -1133,6 +1226,8 @@ _RESOURCE_KEYS = {
     "allowed_host_paths",
     "api",
     "allow_double_booking",
+    "whole_dev",
+    "allow_mounted",
 }
 MAX_REPLICAS = 1000
 
@@ -1170,6 +1265,26 @@ def _parse_resource(
         _allowed_root(path, source, f"{where}.allowed_host_paths[{i}]")
         for i, path in enumerate(_list(data.get("allowed_host_paths", []), source, f"{where}.allowed_host_paths"))
     )
+    whole_dev, allow_mounted = (_flag(data, key, source, where) for key in ("whole_dev", "allow_mounted"))
+    # All of /dev offered read-write hands a pod the disks, kmsg and mem: never by a default pattern.
+    written = [(f"{where}.match[{i}]", entry) for i, entry in enumerate(data["match"])] if match else [(where, data)]
+    everything = [
+        (f"{at}.pattern", src.pattern, "" if "pattern" in entry else " (the default)")
+        for (at, entry), src in zip(
+            written, match or ((Source(directory, pattern),) if directory else ()), strict=False
+        )
+        if os.path.normpath(src.directory) == os.path.normpath(dev_root) and not src.pattern.strip("*")
+    ]
+    if everything and not whole_dev:
+        key, glob, default = everything[0]
+        problem = (
+            f"{_as_written(glob)}{default} in {dev_root} offers every entry there read-write, disks, kmsg and mem "
+            "among them: name the devices (e.g. 'ttyUSB*'), or set whole_dev: true"
+        )
+        raise ConfigError(source, key, problem)
+    if whole_dev and not everything:
+        problem = f"is for a pattern that matches every entry of {dev_root}, and this resource has none: remove it"
+        raise ConfigError(source, f"{where}.whole_dev", problem)
     directories = [directory] if directory else [m.directory for m in match]
     in_dev = usb or any(_is_under(d, [dev_root]) for d in directories)
     roots = tuple(dict.fromkeys([*directories, *allowed, *([dev_root] if in_dev else [])]))
@@ -1245,7 +1360,16 @@ def _parse_resource(
         id_pattern,
         usb,
         api,
+        allow_mounted,
     )
+
+
+def _flag(data: dict[str, Any], key: str, source: str, where: str) -> bool:
+    """An optional true/false key, default false."""
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(source, f"{where}.{key}", f"{value!r}: must be true or false")
+    return value
 
 
 # What DRA has instead of the device-plugin options it refuses.
@@ -1314,14 +1438,22 @@ def _parse_sources(data: dict[str, Any], source: str, where: str) -> tuple[str, 
     return "", "*", tuple(match)
 
 
+def _as_written(text: str) -> str:
+    """A pattern quoted as the user wrote it: repr() would double each backslash of a regex (a
+    pattern with a newline or the like is still shown by repr, to stay on one line)."""
+    return f"'{text}'" if text.isprintable() else repr(text)
+
+
 def _parse_id_pattern(value: Any, source: str, where: str) -> re.Pattern[str]:
     text = _string(value, source, where)
     try:
         compiled = re.compile(text)
     except re.error as error:
-        raise ConfigError(source, where, f"{text!r} is not a regular expression: {error}") from None
+        raise ConfigError(source, where, f"{_as_written(text)} is not a regular expression: {error}") from None
     if "id" not in compiled.groupindex:
-        problem = f"{text!r} has no group named id: mark the part of the name that is the ID with (?P<id>...)"
+        problem = (
+            f"{_as_written(text)} has no group named id: mark the part of the name that is the ID with (?P<id>...)"
+        )
         raise ConfigError(source, where, problem)
     return compiled
 
@@ -1332,7 +1464,7 @@ def _parse_usb(entry: Any, source: str, where: str) -> UsbSelector:
     for key in ("vendor", "product"):
         value = data[key]
         if not isinstance(value, str) or not re.fullmatch(r"[0-9A-Fa-f]{4}", value):
-            # YAML reads 1050 as a number, and 0407 as the octal number 263: the user meant text.
+            # YAML reads 1050 as a number (0407, octal, is refused before: see _ConfigLoader): the user meant text.
             problem = f'{value!r}: must be 4 hex digits in quotes, as lsusb prints them (e.g. "0407")'
             raise ConfigError(source, f"{where}.{key}", problem)
         ids.append(value.lower())
@@ -1740,7 +1872,7 @@ def examine_entry(
     if resource.id_pattern is not None:
         found = resource.id_pattern.fullmatch(name)
         if found is None or not found["id"]:
-            return f"id_pattern {resource.id_pattern.pattern!r} finds no ID in the name"
+            return f"id_pattern {_as_written(resource.id_pattern.pattern)} finds no ID in the name"
         device_id = found["id"]
     if why := _id_problem(resource, device_id):
         return why if device_id == name else f"its ID {device_id!r}: {why}"
@@ -1789,12 +1921,44 @@ def examine_path(
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
+    if stat.S_ISBLK(mode) and not resource.allow_mounted and (mounted := _mounted_at(rdev, sysfs_root)):
+        # A pod that writes to it would corrupt the filesystem under the node's feet.
+        number = f"{os.major(rdev)}:{os.minor(rdev)}"
+        return f"block device {number} holds the filesystem mounted at {mounted}: set allow_mounted: true to offer it"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
     pci = _pci_address(sysfs_root, mode, rdev) if is_node else None
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
+
+
+def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mountinfo") -> str:
+    """Where a filesystem on block device ``rdev`` is mounted, or "": the device itself, one of its
+    partitions, or a device built on it (device-mapper, LVM, md: its holders in sysfs). The mount
+    table's third field is the device number of each mount's filesystem."""
+    mounted: dict[str, str] = {}  # device number -> the first mount point of its filesystem
+    for line in (_read_text(mountinfo_path) or "").splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            mounted.setdefault(fields[2], fields[4])
+    todo, seen = [f"{os.major(rdev)}:{os.minor(rdev)}"], set()
+    while todo:
+        number = todo.pop()
+        if number in mounted:
+            return mounted[number]
+        if number in seen:
+            continue
+        seen.add(number)
+        block = os.path.join(sysfs_root, "dev", "block", number)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(block):  # its partitions: directories with a "partition" file
+                if os.path.exists(os.path.join(entry.path, "partition")):
+                    todo.append(_sysfs_text(os.path.join(entry.path, "dev")).strip())
+        with contextlib.suppress(OSError):
+            for holder in os.listdir(os.path.join(block, "holders")):
+                todo.append(_sysfs_text(os.path.join(block, "holders", holder, "dev")).strip())
+    return ""
 
 
 def _host_paths(
@@ -3314,11 +3478,15 @@ def _unwrap_single_errors() -> Iterator[None]:
         raise error from None
 
 
-def _describe(error: BaseException) -> str:
-    """One line for an error, for a log line or an RPCError message."""
+def _describe(error: BaseException, silent: str = "") -> str:
+    """One line for an error, for a log line or an RPCError message: for a system call, the system's
+    words ("Permission denied"), not Python's class name and errno, which tell a user nothing more.
+    ``silent``: what to say of an error that says nothing (else its class name, for a developer)."""
     error = _innermost(error)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return lines[0] if lines else silent or type(error).__name__
 
 
 @asynccontextmanager
@@ -3480,23 +3648,28 @@ def _read_text(path: str) -> str | None:
         return None  # gone for a moment (being replaced): the next event reads it again
 
 
-def load_config(path: str, device_plugin_dir: str | None = None) -> Config:
-    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's."""
+def load_config(
+    path: str, device_plugin_dir: str | None = None, device_plugin_dir_from: str = "--device-plugin-dir"
+) -> Config:
+    """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's
+    (``device_plugin_dir_from`` names where it was given, for a message about it)."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
-    return _config_from_text(text, path, device_plugin_dir)
+    return _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
 
 
-def _config_from_text(text: str, path: str, device_plugin_dir: str | None) -> Config:
+def _config_from_text(
+    text: str, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str = "--device-plugin-dir"
+) -> Config:
     config = parse_config(text, path)
     if device_plugin_dir is not None:
         if not os.path.isabs(device_plugin_dir):
-            raise ConfigError("--device-plugin-dir", "", f"{device_plugin_dir!r} must be an absolute path")
+            raise ConfigError(device_plugin_dir_from, "", f"{device_plugin_dir!r} must be an absolute path")
         if (problem := device_plugin_dir_problem(os.path.normpath(device_plugin_dir))) is not None:
-            raise ConfigError("--device-plugin-dir", "", problem)
+            raise ConfigError(device_plugin_dir_from, "", problem)
         config = dataclasses.replace(config, device_plugin_dir=os.path.normpath(device_plugin_dir))
     return config
 
@@ -3561,10 +3734,20 @@ class DirectoryWatch:
         self.exists = False  #: whether the directory itself exists, as the last arm() found
         self.limit: str | None = None  #: the inotify limit that keeps something from being watched
         self._said: str | None = None  # the limit the log last heard of
+        self._poke_pending = False  # poke() was called and batches() has not answered it yet
+        self._waiting: trio.CancelScope | None = None  # batches() waiting for the kernel
+        self.poked = False  #: whether the last batch was the answer to poke(), not the kernel's
         self.arm()
 
     def __enter__(self) -> DirectoryWatch:
         return self
+
+    def poke(self) -> None:
+        """Have batches() yield a rescan now, as if the kernel had said something changed: for a
+        change inotify cannot see, on request (SIGHUP). Called from a task of the same trio run."""
+        self._poke_pending = True
+        if self._waiting is not None:
+            self._waiting.cancel()
 
     def __exit__(self, *exc_info: object) -> None:
         if self._inotify is not None:
@@ -3741,10 +3924,17 @@ class DirectoryWatch:
                 retry_at = math.inf
             elif retry_at == math.inf:
                 retry_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
-            with trio.move_on_at(retry_at):
-                if self._inotify is None:
-                    await trio.sleep_forever()  # no instance to wait on: only the timer
-                await trio.lowlevel.wait_readable(self._inotify.fileno())
+            if not self._poke_pending:
+                with trio.move_on_at(retry_at) as self._waiting:
+                    if self._inotify is None:
+                        await trio.sleep_forever()  # no instance to wait on: only the timer
+                    await trio.lowlevel.wait_readable(self._inotify.fileno())
+                self._waiting = None
+            self.poked = self._poke_pending
+            if self._poke_pending:
+                self._poke_pending = False
+                yield [], set(), True
+                continue
             inotify = self._inotify
             if inotify is None or trio.current_time() >= retry_at:
                 retry_at = math.inf
@@ -3827,6 +4017,14 @@ class FileLock:
                     self._fd = fd
                 else:
                     os.close(fd)
+        except PermissionError:
+            # Where the DaemonSet drops every capability, root may write only where the owner's bits
+            # allow: say what to do, not just errno 13.
+            directory = os.path.dirname(self.path)
+            raise GopherplugError(
+                f"cannot take the lock {self.path}: permission denied: run gopherplug as root, "
+                f"and {directory} must belong to root"
+            ) from None
         except OSError as error:
             raise GopherplugError(f"cannot take the lock {self.path}: {_describe(error)}") from None
 
@@ -3903,6 +4101,7 @@ class ResourceLock(FileLock):
 
     def __init__(self, resource_name: str, device_plugin_dir: str) -> None:
         self.directory = device_plugin_dir
+        self.resource_name = resource_name
         self.stem = socket_stem(resource_name, device_plugin_dir)
         taken = f"{resource_name} is already served on this node"
         fix = "stop that one, or remove the resource from one configuration"
@@ -3924,7 +4123,10 @@ class ResourceLock(FileLock):
                     and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
                 ):
                     os.unlink(entry.path)
-                    log.info("%s: removed %s, left by a gopherplug that did not exit cleanly", self.stem, entry.name)
+                    # Under the resource's name, as every other line about it (the stem is a file name).
+                    logging.LoggerAdapter(log, {"resource": self.resource_name}).info(
+                        "removed %s, left by a gopherplug that did not exit cleanly", entry.name
+                    )
 
 
 async def watch_devices(
@@ -4252,7 +4454,7 @@ class _DeviceSet:
             found = self._write_cdi_spec(found)
         if found != before:
             self.devices.replace(found)
-            _log(self.resource).info("%d devices from %s", len(found), self.resource.origin())
+            _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
@@ -4497,7 +4699,7 @@ def device_plugin_service(
                 message = encoder.encode(current, now())
                 if len(message.data) <= KUBELET_MAX_MESSAGE:
                     yield message
-                    _log(resource).debug("sent %d devices", len(current))
+                    _log(resource).debug("sent %s", _devices(len(current)))
                 else:
                     # The kubelet would drop the message and its stream (then every device turns
                     # unhealthy): keep its last list instead, and say what to do.
@@ -5282,7 +5484,7 @@ class KubeApi:
             message = f"{what}: {error.status.code} {error.status.message}"
             raise ApiError(error.status.code, message, retry_after) from None
         except self._transport_error as error:
-            raise ApiError(None, f"{what}: {type(error).__name__}: {error or 'no answer'}") from None
+            raise ApiError(None, f"{what}: {_describe(error, silent='no answer')}") from None
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
@@ -5597,7 +5799,7 @@ class SlicePublisher:
                         "does not know: are the feature gates they need off?); it is not written again for them",
                         name,
                     )
-        log.info("DRA: %s: %d devices in pool %s", resource_name, count, pool)
+        log.info("DRA: %s: %s in pool %s", resource_name, _devices(count), pool)
 
     def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
         """Whether the slice on the server is ``wanted`` as written, or as the server stored it."""
@@ -6264,7 +6466,11 @@ def _examine_now(
 
 
 async def watch_config_file(
-    path: str, device_plugin_dir: str | None = None, current: Config | None = None
+    path: str,
+    device_plugin_dir: str | None = None,
+    current: Config | None = None,
+    device_plugin_dir_from: str = "--device-plugin-dir",
+    on_watch: Callable[[DirectoryWatch], None] | None = None,
 ) -> AsyncGenerator[Config, None]:
     """Yield the configuration each time the file changes to a new valid one, until closed.
 
@@ -6273,9 +6479,12 @@ async def watch_config_file(
     over); where the file's symlinks lead is followed too. An invalid file is logged with its
     error, and the running configuration stays. With ``current`` (the configuration running now),
     the file is compared with it first: an edit made while the plugin was starting is not lost.
+    ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
+        if on_watch is not None:
+            on_watch(watch)
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
         async with contextlib.aclosing(watch.batches()) as batches:
@@ -6286,15 +6495,19 @@ async def watch_config_file(
                 look_now = False
                 text = _read_text(path)
                 if text is None or text == last_text:
+                    if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
+                        log.info("%s unchanged", path) if text is not None else log.warning("cannot read %s", path)
                     continue
                 last_text = text
                 try:
-                    config = _config_from_text(text, path, device_plugin_dir)
+                    config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     continue
                 if config != last_config:
                     last_config = config
+                    for warning in config.warnings:
+                        log.warning("%s", warning)
                     yield config
 
 
@@ -6658,7 +6871,7 @@ def probe_report(results: list[ProbeResult]) -> str:
             streamed = "open" if status.streams else f"none for {status.unstreamed_seconds:.0f} s"
             features.append(f"kubelet stream {streamed}")
         lines.append(
-            f"{result.resource}: {result.endpoint}: {len(result.devices)} devices, {healthy} healthy; "
+            f"{result.resource}: {result.endpoint}: {_devices(len(result.devices))}, {healthy} healthy; "
             + ", ".join(features)
         )
         width = max([len("ID"), *(len(device.ID) for device in result.devices)])
@@ -6738,7 +6951,7 @@ def dra_probe_report(result: DraProbeResult) -> str:
     streamed = f"{status.streams} open" if status.streams else "none"
     lines = [
         f"DRA driver {result.driver}: {result.registration_socket} -> {result.info.endpoint}: "
-        f"{len(devices)} devices, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
+        f"{_devices(len(devices))}, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
         f"kubelet health streams {streamed}"
     ]
     rows = [("POOL", "DEVICE", "HEALTH")] + [
@@ -8059,6 +8272,7 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 ########################################################################################################
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+LOG_LEVELS, LOG_FORMATS = ["debug", "info", "warning", "error"], ["text", "json"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -8114,7 +8328,7 @@ def _parser() -> argparse.ArgumentParser:
     for command in (serve, probe_):
         command.add_argument(
             "--device-plugin-dir",
-            default=env("GOPHERPLUG_DEVICE_PLUGIN_DIR"),
+            default=None,  # the env var is read in main, so that a message about it can name it
             metavar="DIR",
             help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
         )
@@ -8123,14 +8337,14 @@ def _parser() -> argparse.ArgumentParser:
             "--log-level",
             default=env("GOPHERPLUG_LOG_LEVEL", default),
             type=str.lower,
-            choices=["debug", "info", "warning", "error"],
+            choices=LOG_LEVELS,
             help=f"log level (env GOPHERPLUG_LOG_LEVEL, default {default})",
         )
         command.add_argument(
             "--log-format",
             default=env("GOPHERPLUG_LOG_FORMAT", "text"),
             type=str.lower,
-            choices=["text", "json"],
+            choices=LOG_FORMATS,
             help="one line per event, as text or as a JSON object (env GOPHERPLUG_LOG_FORMAT, default text)",
         )
     return parser
@@ -8146,6 +8360,18 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    # argparse checks an option's choices only when it is given, not the default it took from the
+    # environment: a value that passed unchecked came from the variable, which the message names.
+    for option, choices, variable in (
+        ("log_level", LOG_LEVELS, "GOPHERPLUG_LOG_LEVEL"),
+        ("log_format", LOG_FORMATS, "GOPHERPLUG_LOG_FORMAT"),
+    ):
+        if (value := getattr(args, option, None)) is not None and value not in choices:
+            print(f"gopherplug: {variable}: {value!r}: use one of {', '.join(choices)}", file=sys.stderr)
+            return EXIT_USAGE
+    if getattr(args, "device_plugin_dir", "") is None and os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
+        args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
+        args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
         return _run(args, run_dra_demo if args.dra else run_demo)
     if args.command == "probe":
@@ -8154,11 +8380,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config, getattr(args, "device_plugin_dir", None))
+        config = load_config(args.config, getattr(args, "device_plugin_dir", None), _device_plugin_dir_from(args))
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "check-config":
+        for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
+            print(f"gopherplug: warning: {warning}", file=sys.stderr)
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
         if any(resource.device_plugin for resource in config.resources):
@@ -8192,7 +8420,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
-    return _run(args, _serve_until_signalled, config, args.config, args.device_plugin_dir)
+    given = (args.device_plugin_dir, _device_plugin_dir_from(args))
+    return _run(args, _serve_until_signalled, config, args.config, *given)
+
+
+def _device_plugin_dir_from(args: argparse.Namespace) -> str:
+    """Where the device-plugin directory was given: the option or the environment variable."""
+    return getattr(args, "device_plugin_dir_from", "--device-plugin-dir")
 
 
 _CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute permission checks
@@ -8221,7 +8455,7 @@ def _probe(args: argparse.Namespace) -> int:
     config = None
     if args.config:  # optional: without it, every gopherplug socket in the directory is probed
         try:
-            config = load_config(args.config, args.device_plugin_dir)
+            config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args))
         except ConfigError as error:
             print(f"gopherplug: {error}", file=sys.stderr)
             return EXIT_USAGE
@@ -8288,14 +8522,28 @@ def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]]
     return EXIT_OK
 
 
-async def _serve_until_signalled(config: Config, path: str, device_plugin_dir: str | None) -> None:
+async def _serve_until_signalled(
+    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+) -> None:
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
-    # cancelling the nursery runs every `finally`, which removes our sockets.
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    # cancelling the nursery runs every `finally`, which removes our sockets. SIGHUP, which would
+    # kill the process and leave them behind, asks daemons by convention to read their
+    # configuration again: the file is read as if inotify had seen it change (it may not have: a
+    # write through a hard link elsewhere, a filesystem without inotify such as NFS).
+    watches: list[DirectoryWatch] = []
+    for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
+        log.warning("%s", warning)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-            updates = watch_config_file(path, device_plugin_dir, config)  # edits are applied as they are saved
+            # edits are applied as they are saved
+            updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
             nursery.start_soon(functools.partial(serve_plugin, config, updates=updates))
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    log.info("SIGHUP received: reading %s again", path)
+                    for watch in watches:
+                        watch.poke()
+                    continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
