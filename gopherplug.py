@@ -6971,7 +6971,7 @@ def scan_report(
     unhealthy although this process does not (see pod_mode_problem)."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
     replicas = f" (each offered {resource.replicas} times)" if resource.replicas > 1 else ""
-    lines = [f"{resource.name}: {len(scan.devices)} devices, {healthy} healthy{replicas}, from {resource.origin()}"]
+    lines = [f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy{replicas}, from {resource.origin()}"]
     lines += [f"  warning: {problem}" for problem in container_problems]
     if scan.problem:
         lines.append(f"  {scan.problem}")

@@ -4459,7 +4459,7 @@ def test_a_node_refused_only_by_the_plugins_own_device_cgroup_is_healthy(node, t
         )
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout.splitlines()[1:] == [
-        f"{RESOURCE}: 1 devices, 1 healthy, from {node.devices}/*",
+        f"{RESOURCE}: 1 device, 1 healthy, from {node.devices}/*",
         "  ID    HEALTH     PATH",
         f"  gpu0  Healthy    {gpu}",
         "  Allocate gpu0 gives a container:",
@@ -4574,7 +4574,7 @@ def test_check_config_shows_each_devices_members(tmp_path):
     assert result.stdout == (
         f"{path}: OK: 2 resource(s): example.com/gpu ({by_path}/*), example.com/yubikey (USB 1050:0407); "
         f"kubelet at {plugin_dir}\n"
-        f"example.com/gpu: 1 devices, 1 healthy, from {by_path}/*\n"
+        f"example.com/gpu: 1 device, 1 healthy, from {by_path}/*\n"
         "  ID            HEALTH     PATH\n"
         f"  0000:00:02.0  Healthy    {by_path}/pci-0000:00:02.0-card -> {real(dev + '/dri/card1')}\n"
         f"                           {by_path}/pci-0000:00:02.0-firmware\n"
@@ -4586,7 +4586,7 @@ def test_check_config_shows_each_devices_members(tmp_path):
         f"    device {by_path}/pci-0000:00:02.0-render <- {real(dev + '/dri/renderD128')} rw\n"
         f"    mount {by_path}/pci-0000:00:02.0-firmware <- {by_path}/pci-0000:00:02.0-firmware ro\n"
         "    env GPU_DEVICES=0000:00:02.0\n"
-        "example.com/yubikey: 1 devices, 1 healthy, from USB 1050:0407\n"
+        "example.com/yubikey: 1 device, 1 healthy, from USB 1050:0407\n"
         "  ID        HEALTH     PATH\n"
         f"  12345678  Healthy    {dev}/bus/usb/001/003"
         + (" -> /dev/null" if os.path.islink(f"{dev}/hidraw0") else "")
