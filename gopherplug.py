@@ -1927,7 +1927,7 @@ def examine_path(
         return f"block device {number} holds the filesystem mounted at {mounted}: set allow_mounted: true to offer it"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
-    pci = _pci_address(sysfs_root, mode, rdev) if is_node else None
+    pci = _pci_address(sysfs_root, mode, rdev) if is_node and resource.dra else None  # slices only
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)

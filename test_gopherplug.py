@@ -5513,14 +5513,16 @@ def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
     for name, target in [("gpu", "/dev/null"), ("serial", "/dev/zero"), ("full", "/dev/full")]:
         os.symlink(target, devices / name)
     sysfs = pci_sysfs(tmp_path / "sys")
-    resource = resource_in(devices, allowed_host_paths=["/dev"])
-    found = {d.id: d for d in gp.scan_directory(resource, sysfs).devices}
+    (dra,) = gp.parse_config(dra_config(str(devices), "/k", allowed_host_paths=["/dev"])).resources
+    found = {d.id: d for d in gp.scan_directory(dra, sysfs).devices}
     assert {i: d.pci for i, d in found.items()} == {
         "full": None,
         "gpu": gp.PciAddress("0000:03:00.0", "pci0000:00"),
         "serial": None,  # its host controller is PCI, the adapter is USB
     }
-    (dra,) = gp.parse_config(dra_config(str(devices), "/k", allowed_host_paths=["/dev"])).resources
+    # Only slices show it: a device plugin's scan does not walk sysfs for it.
+    plugin = resource_in(devices, allowed_host_paths=["/dev"])
+    assert all(d.pci is None for d in gp.scan_directory(plugin, sysfs).devices)
     (item,) = gp.resource_slices(DRIVER, "node-1", dra, found, 1)
     assert item["spec"]["devices"][1] == {
         "name": "gpu",
