@@ -5438,7 +5438,8 @@ class KubeApi:
             from lightkube.generic_resource import create_global_resource, create_namespaced_resource
         except ImportError as error:
             raise GopherplugError(
-                f"DRA needs the Kubernetes client lightkube ({error}): pip install 'gopherplug[dra]'"
+                f"DRA needs the Kubernetes client lightkube ({error}): install gopherplug with its dra extra, "
+                "pip install '.[dra]' in a checkout"
             ) from None
         try:
             if kubeconfig is not None:
@@ -8124,7 +8125,9 @@ async def run_dra_demo(out: Callable[[str], None] = print) -> None:
         import h11  # noqa: F401
         import lightkube  # noqa: F401
     except ImportError as error:
-        raise GopherplugError(f"the DRA demo needs the dra extra ({error}): pip install 'gopherplug[dra]'") from None
+        raise GopherplugError(
+            f"the DRA demo needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+        ) from None
     root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
     try:
         for directory in ("device-plugins", "kubelet", "gophers"):
