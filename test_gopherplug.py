@@ -7308,3 +7308,23 @@ def test_readme_configuration_table_lists_every_key_the_parser_accepts():
         where = f"resources[0].{parent}" + ("[0]" if isinstance(fields[parent], list) else "")
         for key in _accepted_keys({"resources": [entry]}, where):
             assert re.search(rf"\b{key}\b", rows[f"resources[].{parent}"]), f"resources[].{parent} row lacks {key}"
+
+
+def test_readme_generic_device_plugin_configurations_are_valid():
+    """The "Coming from generic-device-plugin" section: each gopherplug configuration beside a
+    generic-device-plugin one parses, and the id_pattern its table suggests pairs a sound card's
+    control and capture nodes as one device."""
+    readme = (HERE / "README.md").read_text()
+    section = readme.split("## Coming from generic-device-plugin", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+    theirs, ours = blocks[0::2], blocks[1::2]
+    assert len(theirs) == len(ours) == 3
+    for their, our in zip(theirs, ours, strict=True):
+        device = yaml.safe_load(their)
+        (resource,) = gp.parse_config(our, "README.md").resources
+        assert resource.name == f"squat.ai/{device['name']}"
+        count = device["groups"][0].get("count", 1)
+        assert resource.replicas == count
+    pattern = re.search(r'`"(\[a-z\]\+\(\?P<id>[^`]*)"`', section).group(1)
+    ids = {name: re.fullmatch(pattern, name).group("id") for name in ("controlC0", "pcmC0D0c", "controlC1")}
+    assert ids == {"controlC0": "C0", "pcmC0D0c": "C0", "controlC1": "C1"}
