@@ -7328,3 +7328,13 @@ def test_readme_generic_device_plugin_configurations_are_valid():
     pattern = re.search(r'`"(\[a-z\]\+\(\?P<id>[^`]*)"`', section).group(1)
     ids = {name: re.fullmatch(pattern, name).group("id") for name in ("controlC0", "pcmC0D0c", "controlC1")}
     assert ids == {"controlC0": "C0", "pcmC0D0c": "C0", "controlC1": "C1"}
+
+
+def test_dra_extra_messages_say_how_to_install_from_a_checkout(monkeypatch):
+    """gopherplug is on no package index: the message for a missing dra extra says to install it
+    from a checkout, and nothing tells a user to `pip install 'gopherplug[dra]'`."""
+    monkeypatch.setitem(sys.modules, "lightkube", None)  # import lightkube raises ImportError
+    with pytest.raises(gp.GopherplugError, match=re.escape("pip install '.[dra]' in a checkout")):
+        trio.run(gp.run_dra_demo, lambda line: None)
+    for name in ("README.md", "config.example.yaml", "gopherplug.py"):
+        assert "pip install 'gopherplug[" not in (HERE / name).read_text(), name
