@@ -25,6 +25,40 @@ Read it top to bottom; every section only uses the ones above it:
                                its DRA side and an API server in miniature
   9. Command line              main(argv) -> exit code; signals
 
+Or take one of two lessons, each a list of definitions to read in order (search for the name). Both
+skip section 5, the purerpc plumbing, but for Watched: what else the rest uses of it (serve_grpc,
+call_unary, open_stream) does what its name says.
+
+  The device-plugin lesson
+     1. METHODS, REGISTER              the v1beta1 calls the plugin serves, and the one it makes
+     2. ResourceConfig, DeviceEntry    a resource as configured; one device and its health
+     3. parse_config                   YAML -> Config, every mistake one ConfigError
+     4. scan_directory, examine_entry  a directory -> entries -> devices, healthy or not and why
+     5. list_and_watch_response,       the answers, as pure functions of the devices
+        allocate_response,
+        preferred_allocation_response
+     6. Watched, watch_devices         inotify keeps the devices current, with no polling
+     7. device_plugin_service          ListAndWatch, Allocate, PreStartContainer served
+     8. register                       Register, through the kubelet's kubelet.sock
+     9. KubeletWatch,                  the restart handling: a kubelet restart creates a new
+        _serve_generations             kubelet.sock; each one gets a new socket and registration
+    10. serve_plugin, register_again   the nursery tree; reloads in place or anew
+    11. KubeletSimulator               the kubelet's side, as the tests and the demo drive it
+
+  The DRA lesson (after steps 1-6 above)
+     1. DRA_METHODS, drapb,            the kubelet's DRAPlugin and plugin-registration calls
+        pluginregistration
+     2. DraConfig, dra_device,         devices -> this node's ResourceSlices, a pool per resource
+        resource_slices
+     3. prepared_devices               a ResourceClaim's results -> its devices and CDI names
+     4. registration_service,          the registration socket; DRAPlugin and DRAResourceHealth on
+        dra_plugin_services            the driver's own socket
+     5. ClaimPreparer, ClaimCheckpoint NodePrepareResources and NodeUnprepareResources, remembered
+     6. KubeApi, SlicePublisher        the API server; the slice publisher, one pool at a time
+     7. serve_dra, _keep_serving       the driver's sockets, served again when the kubelet wipes them
+     8. DraKubeletSimulator,           the kubelet's DRA side and an API server, in miniature
+        ApiServerSimulator
+
 Quick start:
 
     pip install .
@@ -5438,7 +5472,8 @@ class KubeApi:
             from lightkube.generic_resource import create_global_resource, create_namespaced_resource
         except ImportError as error:
             raise GopherplugError(
-                f"DRA needs the Kubernetes client lightkube ({error}): pip install 'gopherplug[dra]'"
+                f"DRA needs the Kubernetes client lightkube ({error}): install gopherplug with its dra extra, "
+                "pip install '.[dra]' in a checkout"
             ) from None
         try:
             if kubeconfig is not None:
@@ -8124,7 +8159,9 @@ async def run_dra_demo(out: Callable[[str], None] = print) -> None:
         import h11  # noqa: F401
         import lightkube  # noqa: F401
     except ImportError as error:
-        raise GopherplugError(f"the DRA demo needs the dra extra ({error}): pip install 'gopherplug[dra]'") from None
+        raise GopherplugError(
+            f"the DRA demo needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+        ) from None
     root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
     try:
         for directory in ("device-plugins", "kubelet", "gophers"):

@@ -7268,3 +7268,75 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert {f"{config.dra.kubelet_dir}/plugins_registry", f"{config.dra.kubelet_dir}/plugins"} <= mounts
     assert resource.cdi.spec_dir in mounts
+
+
+def _accepted_keys(config: dict[str, object], where: str) -> set[str]:
+    """The keys the parser accepts at `where`, read from its own "unknown key" error."""
+    with pytest.raises(gp.ConfigError) as caught:
+        gp.parse_config(yaml.safe_dump(config), "t.yaml")
+    assert caught.value.key_path == f"{where}.zzz".lstrip("."), caught.value
+    return set(caught.value.problem.split("expected one of ", 1)[1].split(", "))
+
+
+def test_readme_configuration_table_lists_every_key_the_parser_accepts():
+    """Each key of the top level, of `dra` and of a resource has its own row in the README's
+    configuration table; the keys of the nested mappings (cdi, usb, match, device_specs, mounts)
+    are named in their parent's row. The key sets come from the parser, so a new key fails here
+    until it is documented."""
+    readme = (HERE / "README.md").read_text()
+    table = readme.split("## Configuration", 1)[1].split("### The device model", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \|(.*)$", table, re.MULTILINE)}
+    resource = {"name": "example.com/g", "directory": "/dev/g"}
+    top = _accepted_keys({"zzz": 1, "resources": [resource]}, "")
+    dra = _accepted_keys({"dra": {"zzz": 1}, "resources": [resource]}, "dra")
+    per_resource = _accepted_keys({"resources": [{**resource, "zzz": 1}]}, "resources[0]")
+    assert {"device_plugin_dir", "dra", "resources", "api", "allow_double_booking"} <= top | per_resource
+    assert {"driver", "kubelet_dir"} <= dra
+    for key in top:
+        assert key in rows, f"README's configuration table lacks {key}"
+    for key in dra:
+        assert f"dra.{key}" in rows, f"README's configuration table lacks dra.{key}"
+    for key in per_resource:
+        assert f"resources[].{key}" in rows, f"README's configuration table lacks resources[].{key}"
+    nested = {
+        "cdi": {"cdi": {"kind": "example.com/g", "zzz": 1}},
+        "usb": {"usb": [{"vendor": "1234", "product": "5678", "zzz": 1}], "directory": None},
+        "match": {"match": [{"directory": "/dev/g", "zzz": 1}], "directory": None},
+        "device_specs": {"device_specs": [{"host_path": "/dev/g/{id}", "container_path": "/dev/g", "zzz": 1}]},
+        "mounts": {"mounts": [{"host_path": "/dev/g/{id}", "container_path": "/g", "zzz": 1}]},
+    }
+    for parent, fields in nested.items():
+        entry = {k: v for k, v in {**resource, **fields}.items() if v is not None}
+        where = f"resources[0].{parent}" + ("[0]" if isinstance(fields[parent], list) else "")
+        for key in _accepted_keys({"resources": [entry]}, where):
+            assert re.search(rf"\b{key}\b", rows[f"resources[].{parent}"]), f"resources[].{parent} row lacks {key}"
+
+
+def test_readme_generic_device_plugin_configurations_are_valid():
+    """The "Coming from generic-device-plugin" section: each gopherplug configuration beside a
+    generic-device-plugin one parses, and the id_pattern its table suggests pairs a sound card's
+    control and capture nodes as one device."""
+    readme = (HERE / "README.md").read_text()
+    section = readme.split("## Coming from generic-device-plugin", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+    theirs, ours = blocks[0::2], blocks[1::2]
+    assert len(theirs) == len(ours) == 3
+    for their, our in zip(theirs, ours, strict=True):
+        device = yaml.safe_load(their)
+        (resource,) = gp.parse_config(our, "README.md").resources
+        assert resource.name == f"squat.ai/{device['name']}"
+        count = device["groups"][0].get("count", 1)
+        assert resource.replicas == count
+    pattern = re.search(r'`"(\[a-z\]\+\(\?P<id>[^`]*)"`', section).group(1)
+    ids = {name: re.fullmatch(pattern, name).group("id") for name in ("controlC0", "pcmC0D0c", "controlC1")}
+    assert ids == {"controlC0": "C0", "pcmC0D0c": "C0", "controlC1": "C1"}
+
+
+def test_dra_extra_messages_say_how_to_install_from_a_checkout(monkeypatch):
+    """gopherplug is on no package index: the message for a missing dra extra says to install it
+    from a checkout, and nothing tells a user to `pip install 'gopherplug[dra]'`."""
+    monkeypatch.setitem(sys.modules, "lightkube", None)  # import lightkube raises ImportError
+    with pytest.raises(gp.GopherplugError, match=re.escape("pip install '.[dra]' in a checkout")):
+        trio.run(gp.run_dra_demo, lambda line: None)
+    for name in ("README.md", "config.example.yaml", "gopherplug.py"):
+        assert "pip install 'gopherplug[" not in (HERE / name).read_text(), name
