@@ -7374,6 +7374,9 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     expression = objects["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
     assert f'device.driver == "{config.dra.driver}"' in expression
     assert f'.resource == "{resource.name}"' in expression
+    # Unhealthy devices are kept off by their taint, not by the class: a class that selected on
+    # `healthy` would keep them from an admin-access claim that tolerates the taint too.
+    assert "healthy" not in expression
     rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
     assert rules == {
         ("resourceslices",): {"list", "watch", "create", "update", "delete"},
