@@ -691,6 +691,11 @@ def test_example_config_is_valid():
     text = text.replace("/usr/local/bin/reset-gopher", sys.executable).replace("/dev/gopher{index}", "/dev/{id}")
     uncommented = gp.parse_config(text).resources[0]
     assert uncommented.cdi == gp.CDIConfig("example.com/gopher", "/var/run/cdi")
+    # The dra block, uncommented, with a resource of its own.
+    block = text[text.index("# dra:\n") :].split("\n\n")[0]
+    dra = "\n".join(line.removeprefix("# ") for line in block.splitlines())
+    dra += "\nresources: [{name: example.com/gopher, directory: /etc/gophers, api: dra}]\n"
+    assert gp.parse_config(dra).dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet", "NoSchedule")
     assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
     # match, id_pattern and usb, each in place of directory and pattern.
     sources = text.replace("    directory: /etc/gophers\n", "").replace('    pattern: "*"\n', "")
