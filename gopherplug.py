@@ -824,6 +824,8 @@ class DraConfig:
 
     driver: str  #: the driver's name, a DNS subdomain: ResourceSlices and DeviceClasses name it
     kubelet_dir: str = DEFAULT_KUBELET_DIR  #: the kubelet's root directory
+    #: the effect of an unhealthy device's taint in its ResourceSlice: NoSchedule, or NoExecute to evict
+    unhealthy_taint: str = "NoSchedule"
 
     @property
     def registration_socket(self) -> str:
@@ -1224,14 +1226,20 @@ def _pattern_warnings(entry: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
-    data = _mapping(data, source, where, {"driver", "kubelet_dir"}, {"driver"})
+    data = _mapping(data, source, where, {"driver", "kubelet_dir", "unhealthy_taint"}, {"driver"})
     driver = _string(data["driver"], source, f"{where}.driver")
     if not _DNS_SUBDOMAIN.fullmatch(driver) or len(driver) > MAX_DRIVER_NAME:
         problem = f"{driver!r}: must be a lower-case DNS subdomain of at most {MAX_DRIVER_NAME} characters"
         problem += ", e.g. gopherplug.example.com"
         raise ConfigError(source, f"{where}.driver", problem)
+    effect = data.get("unhealthy_taint", "NoSchedule")
+    if effect not in DRA_TAINT_EFFECTS:
+        problem = f"{effect!r}: must be NoSchedule (keep new claims off an unhealthy device) or NoExecute (also evict)"
+        raise ConfigError(source, f"{where}.unhealthy_taint", problem)
     config = DraConfig(
-        driver, _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir")
+        driver,
+        _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir"),
+        effect,
     )
     for path in (config.registration_socket, config.endpoint):
         if len(path) > MAX_SOCKET_PATH:
@@ -2664,6 +2672,16 @@ def cdi_version(spec: Mapping[str, Any]) -> str:
 #: Limits of resource.k8s.io/v1 (k8s.io/api/resource/v1 types.go): devices in one ResourceSlice
 #: (ResourceSliceMaxDevices), characters of a string attribute (DeviceAttributeMaxValueLength).
 DRA_MAX_DEVICES_PER_SLICE = 128
+#: ... and in a slice where any device has a taint (ResourceSliceMaxDevicesWithTaintsOrConsumesCounters in
+#: k8s.io/api/resource/v1 types.go; validateResourceSliceSpec applies it)
+DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64
+#: At most this many taints on one device (DeviceTaintsMaxLength)
+DRA_MAX_TAINTS_PER_DEVICE = 16
+#: The effects ``dra.unhealthy_taint`` may ask for: NoSchedule keeps new claims off an unhealthy
+#: device, NoExecute also evicts the pods whose claims have it (KEP-5055, device taints)
+DRA_TAINT_EFFECTS = ("NoSchedule", "NoExecute")
+#: A taint's value when the reason is no label value (its full text is in the health stream)
+DRA_UNHEALTHY_TAINT_VALUE = "unhealthy"
 DRA_ATTRIBUTE_MAX_LENGTH = 64
 _DNS_LABEL_LENGTH = 63
 
@@ -2719,7 +2737,23 @@ def dra_device_name(device_id: str) -> str:
 DRA_STANDARD_DOMAIN = "resource.kubernetes.io"
 
 
-def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_LABEL_VALUE_LENGTH = 63
+
+
+def dra_unhealthy_taint(driver: str, device: DeviceEntry, effect: str = "NoSchedule") -> dict[str, str]:
+    """The taint of an unhealthy device in its ResourceSlice: key ``<driver>/unhealthy``, the
+    configured effect, and the reason as its value when the reason is a label value (at most 63
+    letters, digits, "-", "_" and "."; validateDeviceTaint), else DRA_UNHEALTHY_TAINT_VALUE. The
+    full reason stays in the health stream and the log. No timeAdded: the API server adds it."""
+    reason = device.problem
+    value = reason if reason and len(reason) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(reason) else ""
+    return {"key": f"{driver}/unhealthy", "value": value or DRA_UNHEALTHY_TAINT_VALUE, "effect": effect}
+
+
+def dra_device(
+    resource: ResourceConfig, device: DeviceEntry, driver: str = "", unhealthy_taint: str = "NoSchedule"
+) -> dict[str, Any]:
     """One device of a ResourceSlice. Its attributes, under the driver's domain (a name without
     one is in it), are what DeviceClasses and claims select by: ``resource`` (the resource's name),
     ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
@@ -2733,6 +2767,10 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
     them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
     lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
     ``usbBus`` (an int) and ``usbPort`` (its port path, "1-1.4") are in the driver's domain.
+
+    With ``driver``, an unhealthy device carries dra_unhealthy_taint with the ``unhealthy_taint``
+    effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
+    in k8s.io/dynamic-resource-allocation structured), which is how an admin-access claim reaches it.
     """
     attributes: dict[str, Any] = {
         "resource": {"string": resource.name},
@@ -2758,7 +2796,10 @@ def dra_device(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
         if bus.isdigit():
             attributes["usbBus"] = {"int": int(bus)}
         attributes["usbPort"] = {"string": usb.port}
-    return {"name": dra_device_name(device.id), "attributes": attributes}
+    listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
+    if driver and device.health != HEALTHY:
+        listed["taints"] = [dra_unhealthy_taint(driver, device, unhealthy_taint)]
+    return listed
 
 
 def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) -> str:
@@ -2790,6 +2831,7 @@ def resource_slices(
     devices: Mapping[str, DeviceEntry],
     generation: int,
     node_uid: str = "",
+    unhealthy_taint: str = "NoSchedule",
 ) -> list[dict[str, Any]]:
     """The ResourceSlices of one resource's pool on one node, as the API server takes them.
 
@@ -2797,13 +2839,16 @@ def resource_slices(
     generation and how many slices it has, so that the scheduler uses a pool only once it has seen
     all of one generation. A pool with no devices is one empty slice: the pool is there, and empty.
     The devices are in natural order of their IDs. With the Node's UID, each slice is owned by the
-    Node (node_owner); without it, by nobody.
+    Node (node_owner); without it, by nobody. An unhealthy device carries a taint with the
+    ``unhealthy_taint`` effect (dra_device); while any device of the pool has one, its slices hold
+    at most DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS devices, as the API server requires.
     """
     # In one order whatever order the devices were found in (natural: "g2" before "g10"): the
     # publisher compares slices as lists, and a restarted plugin that scanned the directory in
     # another order would otherwise rewrite unchanged pools under a new generation.
-    listed = [dra_device(resource, devices[i]) for i in _natural_sorted(list(devices))]
-    chunks = [listed[i : i + DRA_MAX_DEVICES_PER_SLICE] for i in range(0, len(listed), DRA_MAX_DEVICES_PER_SLICE)]
+    listed = [dra_device(resource, devices[i], driver, unhealthy_taint) for i in _natural_sorted(list(devices))]
+    size = DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS if any("taints" in d for d in listed) else DRA_MAX_DEVICES_PER_SLICE
+    chunks = [listed[i : i + size] for i in range(0, len(listed), size)]
     chunks = chunks or [[]]
     pool = {
         "name": dra_pool_name(node_name, resource.name),
@@ -5135,6 +5180,7 @@ class DraResources:
     node_name: str
     served: dict[str, tuple[ResourceConfig, Watched]] = dataclasses.field(default_factory=dict)
     changed: Watched = dataclasses.field(default_factory=lambda: Watched(None))
+    unhealthy_taint: str = "NoSchedule"  #: the effect of an unhealthy device's taint (DraConfig)
 
     def attach(self, resource: ResourceConfig, devices: Watched) -> None:
         self.served[resource.name] = (resource, devices)
@@ -5757,7 +5803,9 @@ class SlicePublisher:
         for resource, devices in list(self.resources.served.values()):
             if devices.value is not RETIRED:
                 pool = dra_pool_name(node, resource.name)
-                slices = resource_slices(driver, node, resource, devices.value, 0, owner)
+                slices = resource_slices(
+                    driver, node, resource, devices.value, 0, owner, self.resources.unhealthy_taint
+                )
                 pools.append((pool, resource, len(devices.value), slices))
         # Every pool's slices are wanted, also those of a pool waiting for its retry.
         wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
@@ -5862,9 +5910,23 @@ def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
     return mine is not None and theirs is not None and mine < theirs
 
 
+def _untimed(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A slice's spec without its taints' timeAdded: the API server adds one to a taint written
+    without it, which gopherplug's are, so a taint as stored reads as written."""
+    spec = dict(spec)
+    if any("taints" in device for device in spec.get("devices") or []):
+        spec["devices"] = [
+            {**device, "taints": [{k: v for k, v in taint.items() if k != "timeAdded"} for taint in device["taints"]]}
+            if "taints" in device
+            else device
+            for device in spec["devices"]
+        ]
+    return spec
+
+
 def _slice_key(item: Mapping[str, Any]) -> str:
-    """A slice's spec and owners, its generation aside, as one comparable text."""
-    spec = dict(item["spec"])
+    """A slice's spec and owners, its generation (and taints' timeAdded) aside, as one comparable text."""
+    spec = _untimed(item["spec"])
     spec["pool"] = {key: value for key, value in spec["pool"].items() if key != "generation"}
     owners = item.get("metadata", {}).get("ownerReferences")
     return json.dumps({"spec": spec, "owners": owners}, sort_keys=True)
@@ -5878,7 +5940,7 @@ def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> b
     owners = wanted["metadata"].get("ownerReferences")
     if owners is not None and known.get("metadata", {}).get("ownerReferences") != owners:
         return False
-    a, b = dict(wanted["spec"]), dict(known["spec"])
+    a, b = _untimed(wanted["spec"]), _untimed(known["spec"])
     a_pool, b_pool = dict(a.pop("pool")), dict(b.pop("pool"))
     a_pool.pop("generation"), b_pool.pop("generation")
     return a == {key: b.get(key) for key in a} and a_pool == b_pool
@@ -6264,7 +6326,7 @@ async def serve_plugin(
             if api is None:
                 api = KubeApi.connect()
                 stack.push_async_callback(api.aclose)
-            dra_resources = DraResources(config.dra.driver, node_name)
+            dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
 
         async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
@@ -7597,6 +7659,58 @@ def _attribute_causes(field: str, name: str, value: Any) -> list[dict[str, str]]
     return causes
 
 
+_QUALIFIED_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+#: validDeviceTaintEffects in validation.go ("None" is valid from Kubernetes 1.35 on)
+_DRA_TAINT_EFFECTS_VALID = ("NoExecute", "NoSchedule", "None")
+
+
+def _taint_causes(field: str, taint: Mapping[str, Any]) -> list[dict[str, str]]:
+    """What the API server refuses in one device taint (validateDeviceTaint in
+    pkg/apis/resource/validation/validation.go): the key a label name (ValidateLabelName: a name
+    part of at most 63 letters, digits, "-", "_" and "." starting and ending alphanumeric, after an
+    optional DNS subdomain prefix and "/"), the value when given a label value, the effect one of
+    validDeviceTaintEffects."""
+    causes = []
+    key = str(taint.get("key", ""))
+    prefix, _, name = key.rpartition("/")
+    if key.count("/") > 1 or not name or len(name) > _LABEL_VALUE_LENGTH or not _QUALIFIED_NAME_PART.fullmatch(name):
+        causes.append(
+            _cause(
+                f"{field}.key",
+                "FieldValueInvalid",
+                f"Invalid value: {json.dumps(key)}: name part must consist of alphanumeric characters, '-', '_' or "
+                f"'.', and must start and end with an alphanumeric character, at most {_LABEL_VALUE_LENGTH} "
+                "characters, with an optional DNS subdomain prefix and '/'",
+            )
+        )
+    elif "/" in key:
+        causes += _dns_causes(f"{field}.key", prefix, _DNS_SUBDOMAIN_LENGTH, False)
+    value = str(taint.get("value", ""))
+    if value and (len(value) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(value)):
+        causes.append(
+            _cause(
+                f"{field}.value",
+                "FieldValueInvalid",
+                f"Invalid value: {json.dumps(value)}: a valid label must be an empty string or consist of alphanumeric "
+                f"characters, '-', '_' or '.', and must start and end with an alphanumeric character, at most "
+                f"{_LABEL_VALUE_LENGTH} characters",
+            )
+        )
+    effect = str(taint.get("effect", ""))
+    if not effect:
+        causes.append(_cause(f"{field}.effect", "FieldValueRequired", "Required value"))
+    elif effect not in _DRA_TAINT_EFFECTS_VALID:
+        supported = ", ".join(json.dumps(e) for e in _DRA_TAINT_EFFECTS_VALID)
+        causes.append(
+            _cause(
+                f"{field}.effect",
+                "FieldValueNotSupported",
+                f"Unsupported value: {json.dumps(effect)}: supported values: {supported}",
+            )
+        )
+    return causes
+
+
 def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
     """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
     would replace), as the causes of its 422: the checks of ValidateResourceSlice and
@@ -7604,7 +7718,8 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
     that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
     characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
     at most 128 devices, each named by a DNS label, each attribute's name and value as
-    _attribute_causes says; pool name, driver and node immutable; an owner
+    _attribute_causes says, at most 16 taints each as _taint_causes says (and at most 64 devices
+    in a slice where any has taints); pool name, driver and node immutable; an owner
     reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
     causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
     for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
@@ -7645,18 +7760,27 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
             )
         )
     devices = spec.get("devices") or []
-    if len(devices) > DRA_MAX_DEVICES_PER_SLICE:
+    tainted = any(device.get("taints") for device in devices)
+    most = DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS if tainted else DRA_MAX_DEVICES_PER_SLICE
+    if len(devices) > most:
         causes.append(
-            _cause(
-                "spec.devices",
-                "FieldValueTooMany",
-                f"Too many: {len(devices)}: must have at most {DRA_MAX_DEVICES_PER_SLICE} items",
-            )
+            _cause("spec.devices", "FieldValueTooMany", f"Too many: {len(devices)}: must have at most {most} items")
         )
     for index, device in enumerate(devices):
         causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
         for name, value in (device.get("attributes") or {}).items():
             causes += _attribute_causes(f"spec.devices[{index}].attributes[{name}]", name, value)
+        taints = device.get("taints") or []
+        if len(taints) > DRA_MAX_TAINTS_PER_DEVICE:
+            causes.append(
+                _cause(
+                    f"spec.devices[{index}].taints",
+                    "FieldValueTooMany",
+                    f"Too many: {len(taints)}: must have at most {DRA_MAX_TAINTS_PER_DEVICE} items",
+                )
+            )
+        for number, taint in enumerate(taints):
+            causes += _taint_causes(f"spec.devices[{index}].taints[{number}]", taint)
     if old is not None:
         old_spec = old.get("spec") or {}
         for field, new_value, old_value in (
@@ -7774,6 +7898,10 @@ class ApiServerSimulator:
     each), refused as the real server refuses it (resource_claim_status_causes). Lists and
     watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
     lines, as the API server does.
+    ``disabled_gates`` names feature gates that are off: with DRADeviceTaints among them, a write
+    loses its devices' taints unless the stored slice has some already, as dropDisabledFields in
+    pkg/registry/resource/resourceslice/strategy.go does; a taint written without timeAdded gets one
+    (the API's documentation of DeviceTaint.timeAdded), the stored one if the old slice has that taint.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
     accepts, others get 401; ``forbidden_tokens`` get 403. ``down`` refuses every request by closing
     the connection; ``delay`` holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
@@ -7804,6 +7932,7 @@ class ApiServerSimulator:
         self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
         self.down = False
         self.delay = 0.0
+        self.disabled_gates: set[str] = set()
         self.port = 0
         self._version = 0
         self._events: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, slice)
@@ -7951,6 +8080,24 @@ class ApiServerSimulator:
         self.changed.touch()
         return item
 
+    def _prepare_slice(self, item: dict[str, Any], old: Mapping[str, Any] | None) -> None:
+        """What the server does to a slice before validating and storing it: drop the fields of
+        disabled gates, add timeAdded to taints without one."""
+        old_taints = {
+            (taint.get("key"), taint.get("value"), taint.get("effect")): taint.get("timeAdded")
+            for device in ((old or {}).get("spec") or {}).get("devices") or []
+            for taint in device.get("taints") or []
+        }
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for device in (item.get("spec") or {}).get("devices") or []:
+            if "DRADeviceTaints" in self.disabled_gates and not old_taints:
+                device.pop("taints", None)
+            for taint in device.get("taints") or []:
+                if isinstance(taint, dict) and not taint.get("timeAdded"):
+                    taint["timeAdded"] = (
+                        old_taints.get((taint.get("key"), taint.get("value"), taint.get("effect"))) or now
+                    )
+
     def put_slice(self, item: dict[str, Any]) -> None:
         """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
         self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
@@ -8076,6 +8223,7 @@ class ApiServerSimulator:
         elif method == "POST" and len(parts) == 1:
             item = json.loads(body)
             name = item["metadata"]["name"]
+            self._prepare_slice(item, None)
             if causes := resource_slice_causes(item):
                 self.refused.append((name, causes))
                 await self._send(
@@ -8091,6 +8239,8 @@ class ApiServerSimulator:
             await self._send(connection, stream, h11, 201, self.slices[name])
         elif method == "PUT" and len(parts) == 2:
             item, name = json.loads(body), parts[1]
+            if name in self.slices:
+                self._prepare_slice(item, self.slices[name])
             if name not in self.slices:
                 await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{name} not found"))
             elif item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:

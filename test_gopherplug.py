@@ -691,6 +691,11 @@ def test_example_config_is_valid():
     text = text.replace("/usr/local/bin/reset-gopher", sys.executable).replace("/dev/gopher{index}", "/dev/{id}")
     uncommented = gp.parse_config(text).resources[0]
     assert uncommented.cdi == gp.CDIConfig("example.com/gopher", "/var/run/cdi")
+    # The dra block, uncommented, with a resource of its own.
+    block = text[text.index("# dra:\n") :].split("\n\n")[0]
+    dra = "\n".join(line.removeprefix("# ") for line in block.splitlines())
+    dra += "\nresources: [{name: example.com/gopher, directory: /etc/gophers, api: dra}]\n"
+    assert gp.parse_config(dra).dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet", "NoSchedule")
     assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
     # match, id_pattern and usb, each in place of directory and pattern.
     sources = text.replace("    directory: /etc/gophers\n", "").replace('    pattern: "*"\n', "")
@@ -5445,11 +5450,14 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
     devices = {
         f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}", numa_node=i % 2) for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 2)
     }
+    healthy = gp.resource_slices(DRIVER, "node-1", resource, devices, 7)
+    assert [len(item["spec"]["devices"]) for item in healthy] == [128, 2]  # ResourceSliceMaxDevices in k8s.io/api
     devices["g1"] = dataclasses.replace(devices["g1"], health=gp.UNHEALTHY, problem="gone")
     slices = gp.resource_slices(DRIVER, "node-1", resource, devices, 7)
-    assert [len(item["spec"]["devices"]) for item in slices] == [128, 2]  # ResourceSliceMaxDevices in k8s.io/api
+    # A device with a taint: ResourceSliceMaxDevicesWithTaintsOrConsumesCounters
+    assert [len(item["spec"]["devices"]) for item in slices] == [64, 64, 2]
     assert {json.dumps(item["spec"]["pool"]) for item in slices} == {
-        json.dumps({"name": "node-1/example.com/gopher", "generation": 7, "resourceSliceCount": 2})
+        json.dumps({"name": "node-1/example.com/gopher", "generation": 7, "resourceSliceCount": 3})
     }
     assert slices[0]["spec"]["devices"][1] == {
         "name": "g1",
@@ -5460,6 +5468,7 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
             "numaNode": {"int": 1},
             "resource.kubernetes.io/numaNode": {"int": 1},
         },
+        "taints": [{"key": f"{DRIVER}/unhealthy", "value": "gone", "effect": "NoSchedule"}],
     }
     empty = gp.resource_slices(DRIVER, "node-1", resource, {}, 1)
     assert [item["spec"]["devices"] for item in empty] == [[]]
@@ -5468,7 +5477,7 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
     for version in ("1.34.0", "1.37.0"):  # resource.k8s.io/v1 is GA since 1.34
         result = check("kubernetes-validate", "--strict", "-k", version, str(path))
         assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.count("passed") == 3
+        assert result.stdout.count("passed") == 4
 
 
 def pci_sysfs(root):
@@ -5653,6 +5662,43 @@ def test_dra_api_server_stand_in_refuses_slices_as_the_real_one_does():
         "code": 422,
         "details": {"name": name, "group": "resource.k8s.io", "kind": "ResourceSlice", "causes": causes},
     }
+
+
+def test_dra_api_server_stand_in_refuses_taints_as_the_real_one_does():
+    """validateDeviceTaint: the key a label name, the value a label value, the effect one the API
+    knows; at most 16 taints a device, at most 64 devices in a slice with a taint."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
+    sick = gp.DeviceEntry("g0", "/g/g0", health=gp.UNHEALTHY, problem="gone")
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": sick}, 1)
+    assert item["spec"]["devices"][0]["taints"] == [
+        {"key": f"{DRIVER}/unhealthy", "value": "gone", "effect": "NoSchedule"}
+    ]
+    assert gp.resource_slice_causes(item) == []
+
+    def causes(**taint):
+        bad = json.loads(json.dumps(item))
+        bad["spec"]["devices"][0]["taints"] = [{"key": f"{DRIVER}/unhealthy", "effect": "NoSchedule", **taint}]
+        return [(cause["field"], cause["reason"]) for cause in gp.resource_slice_causes(bad)]
+
+    where = "spec.devices[0].taints[0]"
+    assert causes(key="Not A Key") == [(f"{where}.key", "FieldValueInvalid")]
+    assert causes(key="Example.COM/unhealthy") == [(f"{where}.key", "FieldValueInvalid")]  # no DNS prefix
+    assert causes(key=f"{DRIVER}/" + "k" * 64) == [(f"{where}.key", "FieldValueInvalid")]
+    assert causes(value="file is gone") == [(f"{where}.value", "FieldValueInvalid")]
+    assert causes(value="v" * 64) == [(f"{where}.value", "FieldValueInvalid")]
+    assert causes(value="") == []  # a taint needs no value
+    assert causes(effect="PreferNoSchedule") == [(f"{where}.effect", "FieldValueNotSupported")]
+    assert causes(effect="") == [(f"{where}.effect", "FieldValueRequired")]
+    assert causes(effect="NoExecute") == []
+    many = json.loads(json.dumps(item))
+    many["spec"]["devices"][0]["taints"] *= 17
+    assert [c["message"] for c in gp.resource_slice_causes(many)] == ["Too many: 17: must have at most 16 items"]
+    crowded = json.loads(json.dumps(item))
+    crowded["spec"]["devices"] += [{"name": f"d{i}"} for i in range(64)]
+    assert [c["message"] for c in gp.resource_slice_causes(crowded)] == ["Too many: 65: must have at most 64 items"]
+    # The reason is the value only when it is a label value: a sentence is not
+    long = dataclasses.replace(sick, problem="/g/g0 is a symlink to node0, which does not exist")
+    assert gp.dra_unhealthy_taint(DRIVER, long)["value"] == gp.DRA_UNHEALTHY_TAINT_VALUE
 
 
 def claim(name, uid, *results, namespace="default", requests=None):
@@ -6751,6 +6797,30 @@ async def test_dra_fields_the_api_server_drops_are_said_once_and_not_written_aga
     nursery.cancel_scope.cancel()
 
 
+async def test_dra_taints_an_api_server_without_device_taints_drops_are_not_written_again(dra_node, caplog):
+    """An API server whose DRADeviceTaints gate is off drops the taints of every write: the slice
+    with the unhealthy device is written once (said once), not again and again; the healthy
+    attribute still says it."""
+    dra_node.api.disabled_gates.add("DRADeviceTaints")
+    (dra_node.devices / "gopher0").symlink_to("node0")  # dangling: unhealthy from the start
+    (dra_node.devices / "gopher1").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        (item,) = dra_node.api.slices.values()
+        assert [d.get("taints") for d in item["spec"]["devices"]] == [None, None]
+        assert [d["attributes"]["healthy"]["bool"] for d in item["spec"]["devices"]] == [False, True]
+        (dra_node.devices / "gopher2").touch()  # a real change, written; and the watch's events after it
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+    with trio.move_on_after(1):  # a write loop would write many times in a second (DRA_WRITES_PER_SECOND)
+        while True:
+            await dra_node.api.changed.wait_touched()
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "update"]
+    warnings = [r.getMessage() for r in caplog.records if "without some of what was written" in r.getMessage()]
+    assert len(warnings) == 1
+    dra_node.stop()
+
+
 async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_nothing(nursery):
     """The README promises that a restarted plugin leaves unchanged slices alone; a directory read
     in another order (or USB devices enumerated anew) must not count as a change."""
@@ -7155,6 +7225,64 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
             await dra_node.api.changed.wait_touched()
 
 
+async def test_dra_an_unhealthy_device_is_tainted_in_its_slice_until_it_recovers(dra_node):
+    """An unhealthy device carries a NoSchedule taint under the driver's domain: the scheduler
+    allocates it only to a claim that tolerates the taint. The reason, a sentence, is no label
+    value: the value is a fixed word, the reason in the health stream. Healthy again: no taint."""
+    (dra_node.devices / "node0").touch()
+    (dra_node.devices / "gopher0").symlink_to("node0")
+    (dra_node.devices / "gopher1").touch()
+
+    def taints():
+        if len(dra_node.api.slices) != 1:
+            return None
+        (item,) = dra_node.api.slices.values()
+        return {d["name"]: d.get("taints") for d in item["spec"]["devices"]}
+
+    async def until(wanted):
+        while taints() != wanted:
+            await dra_node.api.changed.wait_touched()
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(pattern="gopher*", cdi=dra_node.cdi))
+        await until({"gopher0": None, "gopher1": None})
+        (dra_node.devices / "node0").unlink()
+        while not (taints() or {}).get("gopher0"):
+            await dra_node.api.changed.wait_touched()
+        (taint,) = taints()["gopher0"]
+        assert taint["timeAdded"]  # the API server adds it
+        wanted = {"key": f"{DRIVER}/unhealthy", "value": "unhealthy", "effect": "NoSchedule"}
+        assert {k: v for k, v in taint.items() if k != "timeAdded"} == wanted
+        assert taints()["gopher1"] is None
+        (dra_node.devices / "node0").touch()
+        await until({"gopher0": None, "gopher1": None})
+
+
+async def test_dra_unhealthy_taint_noexecute_from_the_configuration(dra_node):
+    """dra.unhealthy_taint: NoExecute taints an unhealthy device so that its pods are evicted; any
+    other value is one clear error line."""
+    text = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": "/dp"}))
+    assert gp.parse_config(yaml.safe_dump(text), "cfg.yaml").dra.unhealthy_taint == "NoSchedule"
+    text["dra"]["unhealthy_taint"] = "Evict"
+    with pytest.raises(gp.ConfigError) as info:
+        gp.parse_config(yaml.safe_dump(text), "cfg.yaml")
+    assert str(info.value) == (
+        "cfg.yaml: dra.unhealthy_taint: 'Evict': must be NoSchedule (keep new claims off an unhealthy device) "
+        "or NoExecute (also evict)"
+    )
+    text["dra"]["unhealthy_taint"] = "NoExecute"
+    text["device_plugin_dir"] = str(dra_node.root / "dp")
+    text["resources"][0]["cdi"] = dra_node.cdi
+    config = gp.parse_config(yaml.safe_dump(text), "cfg.yaml")
+    assert config.dra.unhealthy_taint == "NoExecute"
+    (dra_node.devices / "gopher0").symlink_to("node0")  # dangling: unhealthy from the start
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.wait_for_slices(["gopher0"])
+        (item,) = dra_node.api.slices.values()
+        assert [t["effect"] for t in item["spec"]["devices"][0]["taints"]] == ["NoExecute"]
+
+
 async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
     registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1, and
@@ -7253,6 +7381,9 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     expression = objects["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
     assert f'device.driver == "{config.dra.driver}"' in expression
     assert f'.resource == "{resource.name}"' in expression
+    # Unhealthy devices are kept off by their taint, not by the class: a class that selected on
+    # `healthy` would keep them from an admin-access claim that tolerates the taint too.
+    assert "healthy" not in expression
     rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
     assert rules == {
         ("resourceslices",): {"list", "watch", "create", "update", "delete"},
