@@ -948,6 +948,7 @@ class Config:
     sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
     dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
     dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra or both
+    metrics_address: str | None = None  #: "host:port" to serve Prometheus metrics on; None: no metrics
     #: likely mistakes that are valid all the same, each a line like a ConfigError's ("file: key: problem")
     warnings: tuple[str, ...] = ()
 
@@ -1150,7 +1151,11 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             problem = f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
         raise ConfigError(source, at, problem)
     top = _mapping(
-        data, source, "", {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra"}, required={"resources"}
+        data,
+        source,
+        "",
+        {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra", "metrics_address"},
+        required={"resources"},
     )
     device_plugin_dir = None
     if "device_plugin_dir" in top:
@@ -1160,6 +1165,11 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     sysfs_root = _absolute_path(top.get("sysfs_root", "/sys"), source, "sysfs_root")
     dev_root = _absolute_path(top.get("dev_root", "/dev"), source, "dev_root")
     dra = _parse_dra(top["dra"], source, "dra") if "dra" in top else None
+    metrics_address = None
+    if "metrics_address" in top:
+        metrics_address = _string(top["metrics_address"], source, "metrics_address")
+        if (problem := metrics_address_problem(metrics_address)) is not None:
+            raise ConfigError(source, "metrics_address", problem)
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
         raise ConfigError(source, "resources", "must be a non-empty list of resources")
@@ -1188,7 +1198,17 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         for index, entry in enumerate(entries)
         for key, problem in _pattern_warnings(entry)
     )
-    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra, warnings)
+    return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra, metrics_address, warnings)
+
+
+def metrics_address_problem(address: str) -> str | None:
+    """What is wrong with a metrics address ("host:port", "[::1]:port"), or None."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        return f'{address!r} is not host:port, e.g. "0.0.0.0:9400" (all addresses) or "127.0.0.1:9400"'
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return f'{address!r}: write an IPv6 address in brackets, e.g. "[::]:{port}"'
+    return None
 
 
 # Regular-expression syntax that a glob (fnmatch) takes as the characters themselves: "tty\d+"
@@ -3772,6 +3792,91 @@ def _inotify_limit(error: OSError, creating: bool) -> str | None:
     return None
 
 
+class Metrics:
+    """Prometheus metrics, served over HTTP by prometheus_client (the ``metrics`` extra).
+
+    prometheus_client is imported here, not at the top: only a plugin with ``metrics_address``
+    needs it. The metrics live in their own CollectorRegistry, not the library's global one, so
+    that several plugins (tests, an embedding program) each serve their own. The hooks elsewhere
+    are ``if _metrics is not None: ...``: with metrics off, Allocate and ListAndWatch pay one
+    global lookup.
+    """
+
+    def __init__(self, address: str) -> None:
+        try:
+            import prometheus_client as prometheus
+        except ImportError as error:
+            raise GopherplugError(
+                f"metrics_address needs prometheus_client ({error}): install gopherplug with its metrics extra, "
+                "pip install '.[metrics]' in a checkout"
+            ) from None
+        self.registry = registry = prometheus.CollectorRegistry()
+        labels = ("resource",)
+        # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
+        self.devices = prometheus.Gauge(
+            "gopherplug_devices", "Devices found, by resource and health", ("resource", "health"), registry=registry
+        )
+        # A registration that keeps repeating means the kubelet keeps dropping us.
+        self.registrations = prometheus.Counter(
+            "gopherplug_registrations", "Successful registrations with the kubelet", labels, registry=registry
+        )
+        # Each restart wipes every plugin socket: with registrations, tells whether we followed.
+        self.kubelet_restarts = prometheus.Counter(
+            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)", registry=registry
+        )
+        # Each is a full device list to the kubelet: a high rate is a flapping device.
+        self.list_sends = prometheus.Counter(
+            "gopherplug_list_and_watch_sends",
+            "ListAndWatch device lists sent to the kubelet",
+            labels,
+            registry=registry,
+        )
+        # The calls a pod's start waits for.
+        self.allocate = prometheus.Histogram(
+            "gopherplug_allocate_seconds", "Allocate latency", labels, registry=registry
+        )
+        self.pre_start = prometheus.Histogram(
+            "gopherplug_pre_start_container_seconds",
+            "PreStartContainer latency (the pre_start command included)",
+            labels,
+            registry=registry,
+        )
+        self.prepare = prometheus.Histogram(
+            "gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency", registry=registry
+        )
+        # Rescans are the expensive path; overflows mean inotify could not keep up with a burst.
+        self.rescans = prometheus.Counter(
+            "gopherplug_rescans", "Full rescans of a watched directory", registry=registry
+        )
+        self.overflows = prometheus.Counter(
+            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)", registry=registry
+        )
+        # Slices that cannot be written leave the scheduler with a stale view of the node.
+        self.api_errors = prometheus.Counter(
+            "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
+        )
+        host, _, port = address.rpartition(":")
+        try:
+            self.server, self.thread = prometheus.start_http_server(int(port), host.strip("[]"), registry=registry)
+        except OSError as error:
+            raise GopherplugError(f"metrics_address {address}: cannot serve: {_describe(error)}") from None
+        self.port = self.server.server_address[1]  # the one chosen, for port 0
+
+    def set_devices(self, resource: str, devices: Mapping[str, DeviceEntry]) -> None:
+        healthy = sum(1 for device in devices.values() if device.health == HEALTHY)
+        self.devices.labels(resource, HEALTHY).set(healthy)
+        self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+#: The running plugin's metrics, or None when metrics are off (the hooks then do nothing).
+_metrics: Metrics | None = None
+
+
 class DirectoryWatch:
     """inotify on a directory that may not exist yet, may be deleted, and may come back.
 
@@ -4024,6 +4129,8 @@ class DirectoryWatch:
             for event in inotify.read(timeout=0):
                 names = self._watches.get(event.wd, collections.Counter())
                 if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
+                    if event.mask & flags.Q_OVERFLOW and _metrics is not None:
+                        _metrics.overflows.inc()
                     rescan = True  # events were lost, or a watch is gone for good: start afresh
                 elif _DIR in names and event.name:
                     events.append((event.name, event.mask))
@@ -4037,6 +4144,8 @@ class DirectoryWatch:
                 if _ALL in names and event.name and not rescan:
                     touched.add(os.path.join(self._dirs[event.wd], event.name))
             if rescan:
+                if _metrics is not None:
+                    _metrics.rescans.inc()
                 self.arm()
             self._say()
             if events or touched or rescan:
@@ -4533,6 +4642,8 @@ class _DeviceSet:
             found = self._write_cdi_spec(found)
         if found != before:
             self.devices.replace(found)
+            if _metrics is not None:
+                _metrics.set_devices(self.resource.name, found)
             _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
@@ -4636,6 +4747,8 @@ class KubeletWatch:
                 now = _identity(self.kubelet_socket)
                 if created or (rescan and now is not None and now != inode):
                     self.generation += 1
+                    if _metrics is not None:
+                        _metrics.kubelet_restarts.inc()
                     log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)
                 inode = now
                 self.changed.touch()
@@ -4779,6 +4892,8 @@ def device_plugin_service(
                 if len(message.data) <= KUBELET_MAX_MESSAGE:
                     yield message
                     _log(resource).debug("sent %s", _devices(len(current)))
+                    if _metrics is not None:
+                        _metrics.list_sends.labels(resource.name).inc()
                 else:
                     # The kubelet would drop the message and its stream (then every device turns
                     # unhealthy): keep its last list instead, and say what to do.
@@ -4824,6 +4939,12 @@ def device_plugin_service(
         return found_now
 
     async def allocate(request: Any) -> Any:
+        if _metrics is None:
+            return await answer_allocate(request)
+        with _metrics.allocate.labels(resource.name).time():
+            return await answer_allocate(request)
+
+    async def answer_allocate(request: Any) -> Any:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
         response, allocated = allocate_with_devices(now(), devices_now(ids), request)
         for container, chosen, answer in zip(
@@ -4841,6 +4962,12 @@ def device_plugin_service(
     pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
 
     async def pre_start_container(request: Any) -> Any:
+        if _metrics is None:
+            return await answer_pre_start(request)
+        with _metrics.pre_start.labels(resource.name).time():
+            return await answer_pre_start(request)
+
+    async def answer_pre_start(request: Any) -> Any:
         # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
         if (current := now()).pre_start:
             chosen = allocated_devices(current, devices_now(request.devices_ids), request.devices_ids)
@@ -5360,6 +5487,12 @@ class ClaimPreparer:
         self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
 
     async def prepare(self, request: Any) -> Any:
+        if _metrics is None:
+            return await self._prepare(request)
+        with _metrics.prepare.time():
+            return await self._prepare(request)
+
+    async def _prepare(self, request: Any) -> Any:
         response = drapb.NodePrepareResourcesResponse()
         # The answer is a map by claim UID: a claim listed twice gets one entry, which two
         # preparations would both fill, giving every device twice. One answer per claim, as the Go
@@ -5820,6 +5953,8 @@ class SlicePublisher:
             try:
                 await job()
             except ApiError as error:
+                if _metrics is not None:  # a stale slice's delete belongs to no configured pool: ""
+                    _metrics.api_errors.labels("" if key.startswith("stale ") else key).inc()
                 delay = retry[0] if retry is not None else _API_BACKOFF[0]
                 wait = max(delay, error.retry_after or 0.0)
                 self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
@@ -6140,6 +6275,8 @@ async def _serve_generations(
                 return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
+                if _metrics is not None:
+                    _metrics.registrations.labels(resource.name).inc()
                 while kubelet.generation == registered_with and server.owns_socket_file():
                     if devices.value is RETIRED:
                         # The streams are sending the empty list and ending; let that reach the kubelet.
@@ -6312,6 +6449,8 @@ async def serve_plugin(
                 "valueFrom.fieldRef.fieldPath: spec.nodeName)"
             )
     async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        if config.metrics_address is not None:  # read at start only: a reload does not move the server
+            stack.push_async_callback(_stop_metrics, _start_metrics(config.metrics_address))
 
         async def watch_kubelet(wanted: Config) -> None:
             nonlocal kubelet, config
@@ -6410,6 +6549,25 @@ async def serve_plugin(
                     if names
                 )
                 log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+
+
+def _start_metrics(address: str) -> Metrics:
+    global _metrics  # the hooks read it: passing it down would touch every caller
+    if _metrics is not None:
+        raise GopherplugError("metrics are served already: one plugin with metrics_address per process")
+    _metrics = Metrics(address)
+    host = address.rpartition(":")[0]
+    log.info("serving Prometheus metrics on http://%s:%d/metrics", host, _metrics.port)
+    return _metrics
+
+
+async def _stop_metrics(metrics: Metrics) -> None:
+    global _metrics
+    _metrics = None
+    # Run while the plugin is being cancelled: shielded, or the port would stay open. shutdown()
+    # waits for the server thread's next poll, up to 0.5 s.
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(metrics.close)
 
 
 def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
@@ -8519,6 +8677,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="DIR",
             help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
         )
+    serve.add_argument(
+        "--metrics-address",
+        default=env("GOPHERPLUG_METRICS_ADDRESS"),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics there, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; "
+        "needs the metrics extra)",
+    )
     for command, default in ((serve, "info"), (demo, "warning")):
         command.add_argument(
             "--log-level",
@@ -8607,6 +8772,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
+    if args.metrics_address:
+        if (problem := metrics_address_problem(args.metrics_address)) is not None:
+            given_as = "--metrics-address" if "--metrics-address" in " ".join(argv) else "GOPHERPLUG_METRICS_ADDRESS"
+            print(f"gopherplug: {given_as}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        config = dataclasses.replace(config, metrics_address=args.metrics_address)
     given = (args.device_plugin_dir, _device_plugin_dir_from(args))
     return _run(args, _serve_until_signalled, config, args.config, *given)
 

@@ -696,6 +696,8 @@ def test_example_config_is_valid():
     dra = "\n".join(line.removeprefix("# ") for line in block.splitlines())
     dra += "\nresources: [{name: example.com/gopher, directory: /etc/gophers, api: dra}]\n"
     assert gp.parse_config(dra).dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet", "NoSchedule")
+    metrics = text.replace('# metrics_address: "0.0.0.0:9400"', 'metrics_address: "0.0.0.0:9400"')
+    assert gp.parse_config(metrics).metrics_address == "0.0.0.0:9400"
     assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
     # match, id_pattern and usb, each in place of directory and pattern.
     sources = text.replace("    directory: /etc/gophers\n", "").replace('    pattern: "*"\n', "")
@@ -735,12 +737,14 @@ BAD_CONFIGS = [
     ("resources: [x]", "cfg.yaml: resources[0]: must be a mapping of keys to values"),
     (
         MINIMAL + "extra: 1\n",
-        "cfg.yaml: extra: unknown key; expected one of dev_root, device_plugin_dir, dra, resources, sysfs_root",
+        "cfg.yaml: extra: unknown key; expected one of "
+        "dev_root, device_plugin_dir, dra, metrics_address, resources, sysfs_root",
     ),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
         yaml.safe_dump({"resources": [], "a\nb": 1}),
-        "cfg.yaml: a\\nb: unknown key; expected one of dev_root, device_plugin_dir, dra, resources, sysfs_root",
+        "cfg.yaml: a\\nb: unknown key; expected one of "
+        "dev_root, device_plugin_dir, dra, metrics_address, resources, sysfs_root",
     ),
     (MINIMAL + "device_plugin_dir: dp\n", "cfg.yaml: device_plugin_dir: 'dp' must be an absolute path"),
     ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
@@ -7471,3 +7475,98 @@ def test_dra_extra_messages_say_how_to_install_from_a_checkout(monkeypatch):
         trio.run(gp.run_dra_demo, lambda line: None)
     for name in ("README.md", "config.example.yaml", "gopherplug.py"):
         assert "pip install 'gopherplug[" not in (HERE / name).read_text(), name
+
+
+# Prometheus metrics (the metrics extra)
+
+
+def _free_loopback_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def _scrape(port):
+    """The metrics page, fetched over HTTP as Prometheus would (urllib blocks: in a thread)."""
+    import urllib.request
+
+    def fetch():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT) as answer:
+            return answer.read().decode()
+
+    return await trio.to_thread.run_sync(fetch)
+
+
+def _samples(page):
+    """The page's samples, name{labels} -> value, without the comment lines."""
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+async def test_metrics_served_over_http_count_devices_registrations_and_allocations(nursery, node):
+    port = _free_loopback_port()
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"})
+        await simulator.allocate(RESOURCE, ["g1"])
+        await simulator.allocate(RESOURCE, ["g2"])
+        samples = _samples(await _scrape(port))
+    assert samples[f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}'] == 2
+    assert samples[f'gopherplug_devices{{health="Unhealthy",resource="{RESOURCE}"}}'] == 0
+    assert samples[f'gopherplug_registrations_total{{resource="{RESOURCE}"}}'] == 1
+    assert samples[f'gopherplug_allocate_seconds_count{{resource="{RESOURCE}"}}'] == 2
+    assert samples[f'gopherplug_list_and_watch_sends_total{{resource="{RESOURCE}"}}'] >= 1
+    assert samples["gopherplug_kubelet_restarts_total"] == 0
+
+
+async def test_metrics_off_by_default_and_stopped_with_the_plugin(node):
+    port = _free_loopback_port()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"})
+            assert gp._metrics is not None
+            nursery.cancel_scope.cancel()
+    assert gp._metrics is None
+    with pytest.raises(OSError):  # the server went with the plugin: connection refused
+        await _scrape(port)
+    assert node.config().metrics_address is None
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("9400", "'9400' is not host:port"),
+        ("localhost:http", "'localhost:http' is not host:port"),
+        ("0.0.0.0:70000", "'0.0.0.0:70000' is not host:port"),
+        ("::1:9400", "write an IPv6 address in brackets"),
+    ],
+)
+def test_metrics_address_mistake_is_one_config_error(value, problem):
+    with pytest.raises(gp.ConfigError) as caught:
+        config_with(top={"metrics_address": value}, directory="/dev/g")
+    assert caught.value.key_path == "metrics_address"
+    assert problem in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
+    assert gp.main(["serve", "--config", str(config), "--metrics-address", "9400"]) == gp.EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "gopherplug: --metrics-address: '9400' is not host:port, e.g. \"0.0.0.0:9400\" (all addresses) or "
+        '"127.0.0.1:9400"\n'
+    )
+
+
+async def test_metrics_without_the_extra_say_how_to_install_it(node, monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import prometheus_client raises ImportError
+    with trio.fail_after(TIMEOUT), pytest.raises(gp.GopherplugError) as caught, gp._unwrap_single_errors():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(gp.serve_plugin, node.config(top={"metrics_address": "127.0.0.1:0"}))
+    line = str(gp._innermost(caught.value))
+    assert line.startswith("metrics_address needs prometheus_client (")
+    assert line.endswith("install gopherplug with its metrics extra, pip install '.[metrics]' in a checkout")
+    assert gp._metrics is None
