@@ -4,6 +4,9 @@
 #   docker build --target dra -t gopherplug:0.1.0-dra .   # the DRA driver (daemonset-dra.yaml)
 #   docker run --rm gopherplug:0.1.0 --version
 #
+# Both install the metrics extra (prometheus_client, pure Python, no dependencies): the shipped
+# DaemonSets turn metrics on (metrics_address).
+#
 # Two images because the DRA driver needs the dra extra (lightkube, its HTTP client and msgspec),
 # which a device plugin never imports: the default one stays small. Its stage is the last, so a
 # plain build gives it; BuildKit (docker's default builder) builds only the stages a target needs,
@@ -19,14 +22,14 @@ FROM python:3.11.14-slim-bookworm AS source
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE gopherplug.py ./
 
+# "/src[metrics]" is ".[metrics]", the project with its extras pinned in pyproject.toml, written so
+# that hadolint's DL3013 sees a path: it takes ".[metrics]" for an unpinned package from the index,
+# and lets only a bare "." or a name with a "/" through.
 FROM source AS build
-RUN pip install --no-cache-dir --root-user-action=ignore --prefix=/install .
+RUN pip install --no-cache-dir --root-user-action=ignore --prefix=/install "/src[metrics]"
 
-# "/src[dra]" is ".[dra]", the project with its extra pinned in pyproject.toml, written so that
-# hadolint's DL3013 sees a path: it takes ".[dra]" for an unpinned package from the index, and
-# lets only a bare "." or a name with a "/" through.
 FROM source AS build-dra
-RUN pip install --no-cache-dir --root-user-action=ignore --prefix=/install "/src[dra]"
+RUN pip install --no-cache-dir --root-user-action=ignore --prefix=/install "/src[dra,metrics]"
 
 # The kubelet's directories (device-plugins; plugins and plugins_registry for DRA) belong to root
 # on every distribution, and the plugin must create its sockets there: both images run as root,

@@ -7570,3 +7570,31 @@ async def test_metrics_without_the_extra_say_how_to_install_it(node, monkeypatch
     assert line.startswith("metrics_address needs prometheus_client (")
     assert line.endswith("install gopherplug with its metrics extra, pip install '.[metrics]' in a checkout")
     assert gp._metrics is None
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+def test_daemonsets_serve_metrics_on_their_named_port_and_the_podmonitor_scrapes_it(manifest):
+    """Each shipped DaemonSet turns metrics on at the container port named `metrics`, and the
+    PodMonitor example (a CRD kind, which kubernetes-validate cannot check) selects its pods in
+    its namespace by that port's name."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / manifest).read_text()) if doc}
+    config = gp.parse_config(docs["ConfigMap"]["data"]["config.yaml"], f"{manifest} ConfigMap")
+    assert config.metrics_address is not None
+    host, _, port = config.metrics_address.rpartition(":")
+    assert host == "0.0.0.0"  # the pod's own network: every address of the pod
+    pod = docs["DaemonSet"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": int(port), "protocol": "TCP"} in container["ports"]
+    assert not pod["spec"].get("hostNetwork")  # else the two DaemonSets' ports would be the node's
+    monitor = yaml.safe_load((HERE / "examples" / "monitoring" / "podmonitor.yaml").read_text())
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert docs["DaemonSet"]["metadata"]["namespace"] in monitor["spec"]["namespaceSelector"]["matchNames"]
+    (expression,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert pod["metadata"]["labels"][expression["key"]] in expression["values"]
+    assert [endpoint["port"] for endpoint in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+
+def test_images_install_the_metrics_extra_the_daemonsets_use():
+    dockerfile = (HERE / "Dockerfile").read_text()
+    assert '--prefix=/install "/src[metrics]"' in dockerfile
+    assert '--prefix=/install "/src[dra,metrics]"' in dockerfile
