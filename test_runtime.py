@@ -283,7 +283,7 @@ def build_images(work: Path) -> dict[str, Path]:
             "--no-cache-dir",
             "--target",
             str(site),
-            f"{HERE}[dra]",
+            f"{HERE}[dra,metrics]",  # as the Dockerfile's images, which both hold the metrics extra
         ],
         check=True,
         timeout=600,
@@ -1037,6 +1037,13 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
 
 
 #: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
+#: The plugin's metrics page, fetched over loopback from inside its container.
+SCRAPE = """
+import sys, urllib.request
+with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10) as answer:
+    sys.stdout.write(answer.read().decode())
+"""
+
 SHOW_CONFINEMENT = """
 import json, os, sys
 seen = {}
@@ -1118,6 +1125,15 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
             assert code == 0, said
             tier.outputs["device plugin: liveness probe"] = said.strip().splitlines()
             answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            # The metrics the manifest turns on, scraped from inside the plugin's container as a
+            # Prometheus in the pod network would (here the sandbox has the host's network).
+            port = manifest_config("daemonset.yaml")["metrics_address"].rpartition(":")[2]
+            code, page = await exec_sync(tier.containerd, plugin, "python3.11", "-c", SCRAPE, port)
+            assert code == 0, page
+            metrics = [line for line in page.splitlines() if line.startswith("gopherplug_")]
+            tier.outputs["device plugin: metrics"] = metrics[:15]
+            assert f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}} 1.0' in metrics, page
+            assert f'gopherplug_allocate_seconds_count{{resource="{RESOURCE}"}} 1.0' in metrics, page
             fields = allocated_fields(answer)
             assert [d.host_path for d in fields["devices"]] == [str(path)]
             pod = Pod(tier, "consumer")
