@@ -7598,3 +7598,49 @@ def test_images_install_the_metrics_extra_the_daemonsets_use():
     dockerfile = (HERE / "Dockerfile").read_text()
     assert '--prefix=/install "/src[metrics]"' in dockerfile
     assert '--prefix=/install "/src[dra,metrics]"' in dockerfile
+
+
+async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, node):
+    port = _free_loopback_port()
+    pre_start = [sys.executable, "-c", "pass"]
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"}, pre_start=pre_start)
+        await gp.call_unary(
+            os.path.join(node.plugin_dir, simulator.registrations[0].endpoint),
+            gp.METHODS["/v1beta1.DevicePlugin/PreStartContainer"],
+            v1beta1.PreStartContainerRequest(devices_ids=["g1"]),
+            timeout=TIMEOUT,
+        )
+        simulator.restart()
+        await simulator.wait_until(lambda s: len(s.registrations) == 2)
+        moved = node.devices + ".away"  # the directory gone, then back: each time a rescan
+        os.rename(node.devices, moved)
+        await simulator.wait_until(listed())
+        os.rename(moved, node.devices)
+        await simulator.wait_until(listed("g1", "g2"))
+        samples = _samples(await _scrape(port))
+    assert samples[f'gopherplug_pre_start_container_seconds_count{{resource="{RESOURCE}"}}'] == 1
+    assert samples["gopherplug_kubelet_restarts_total"] == 1
+    assert samples[f'gopherplug_registrations_total{{resource="{RESOURCE}"}}'] == 2
+    assert samples["gopherplug_rescans_total"] >= 2
+    assert samples["gopherplug_inotify_overflows_total"] == 0
+
+
+async def test_metrics_of_a_dra_driver_count_prepares_and_api_errors_per_pool(dra_node):
+    port = _free_loopback_port()
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    config = dataclasses.replace(dra_node.config(), metrics_address=f"127.0.0.1:{port}")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.fail("update", gp.dra_slice_name("node-1", DRIVER, RESOURCE, 0), 500)
+        (dra_node.devices / "gopher1").touch()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])  # refused once, then written
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+        samples = _samples(await _scrape(port))
+    assert answer.claims["uid-1"].error == ""
+    assert samples["gopherplug_node_prepare_resources_seconds_count"] == 1
+    assert samples[f'gopherplug_api_errors_total{{pool="{DraNode.POOL}"}}'] == 1
+    assert samples[f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}'] == 2
