@@ -8679,7 +8679,7 @@ def _parser() -> argparse.ArgumentParser:
         )
     serve.add_argument(
         "--metrics-address",
-        default=env("GOPHERPLUG_METRICS_ADDRESS"),
+        default=None,  # the env var is read in main, so that a message about it can name it
         metavar="HOST:PORT",
         help="serve Prometheus metrics there, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; "
         "needs the metrics extra)",
@@ -8772,9 +8772,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
-    if args.metrics_address:
+    given_as = "--metrics-address"
+    if args.metrics_address is None and os.environ.get("GOPHERPLUG_METRICS_ADDRESS"):
+        args.metrics_address, given_as = os.environ["GOPHERPLUG_METRICS_ADDRESS"], "GOPHERPLUG_METRICS_ADDRESS"
+    if args.metrics_address is not None:
         if (problem := metrics_address_problem(args.metrics_address)) is not None:
-            given_as = "--metrics-address" if "--metrics-address" in " ".join(argv) else "GOPHERPLUG_METRICS_ADDRESS"
             print(f"gopherplug: {given_as}: {problem}", file=sys.stderr)
             return EXIT_USAGE
         config = dataclasses.replace(config, metrics_address=args.metrics_address)

@@ -7551,13 +7551,23 @@ def test_metrics_address_mistake_is_one_config_error(value, problem):
     assert "\n" not in str(caught.value)
 
 
-def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("given", "env", "named"),
+    [
+        (["--metrics-address", "9400"], "127.0.0.1:9400", "--metrics-address"),  # the flag wins over the env
+        (["--metrics-address=9400"], None, "--metrics-address"),
+        (["--metrics", "9400"], None, "--metrics-address"),  # argparse takes an unambiguous abbreviation
+        ([], "9400", "GOPHERPLUG_METRICS_ADDRESS"),
+    ],
+)
+def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys, monkeypatch, given, env, named):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
-    assert gp.main(["serve", "--config", str(config), "--metrics-address", "9400"]) == gp.EXIT_USAGE
+    if env is not None:
+        monkeypatch.setenv("GOPHERPLUG_METRICS_ADDRESS", env)
+    assert gp.main(["serve", "--config", str(config), *given]) == gp.EXIT_USAGE
     assert capsys.readouterr().err == (
-        "gopherplug: --metrics-address: '9400' is not host:port, e.g. \"0.0.0.0:9400\" (all addresses) or "
-        '"127.0.0.1:9400"\n'
+        f'gopherplug: {named}: \'9400\' is not host:port, e.g. "0.0.0.0:9400" (all addresses) or "127.0.0.1:9400"\n'
     )
 
 
