@@ -3877,6 +3877,11 @@ class Metrics:
 _metrics: Metrics | None = None
 
 
+def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextManager[Any]:
+    """Time the block into ``histogram(_metrics)``, or do nothing while metrics are off."""
+    return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
+
+
 class DirectoryWatch:
     """inotify on a directory that may not exist yet, may be deleted, and may come back.
 
@@ -4939,9 +4944,7 @@ def device_plugin_service(
         return found_now
 
     async def allocate(request: Any) -> Any:
-        if _metrics is None:
-            return await answer_allocate(request)
-        with _metrics.allocate.labels(resource.name).time():
+        with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
             return await answer_allocate(request)
 
     async def answer_allocate(request: Any) -> Any:
@@ -4962,9 +4965,7 @@ def device_plugin_service(
     pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
 
     async def pre_start_container(request: Any) -> Any:
-        if _metrics is None:
-            return await answer_pre_start(request)
-        with _metrics.pre_start.labels(resource.name).time():
+        with _timed(lambda metrics: metrics.pre_start.labels(resource.name)):
             return await answer_pre_start(request)
 
     async def answer_pre_start(request: Any) -> Any:
@@ -5487,9 +5488,7 @@ class ClaimPreparer:
         self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
 
     async def prepare(self, request: Any) -> Any:
-        if _metrics is None:
-            return await self._prepare(request)
-        with _metrics.prepare.time():
+        with _timed(lambda metrics: metrics.prepare):
             return await self._prepare(request)
 
     async def _prepare(self, request: Any) -> Any:
