@@ -345,6 +345,13 @@ def _add_field(
     if type_.startswith("repeated "):
         field.label = fdp.LABEL_REPEATED
         type_ = type_.removeprefix("repeated ")
+    if type_.startswith("optional "):
+        # proto3 `optional`: protoc wraps the field in a synthetic oneof named "_<field>", so that
+        # an empty value and no value are told apart.
+        field.proto3_optional = True
+        field.oneof_index = len(message.oneof_decl)
+        message.oneof_decl.add(name=f"_{name}")
+        type_ = type_.removeprefix("optional ")
     if type_ in _SCALARS:
         field.type = _SCALARS[type_]
     else:
@@ -542,6 +549,10 @@ _DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("pool_name", 2, "string"),
         ("device_name", 3, "string"),
         ("cdi_device_ids", 4, "repeated string"),
+        # Which share of the device (KEP-5075, consumable capacity): the allocation result's
+        # shareID. In v1 since Kubernetes 1.35 (k8s.io/kubelet pkg/apis/dra/v1/api.proto); a
+        # v1beta1 kubelet, which has no field 5, skips it as protobuf skips unknown fields.
+        ("share_id", 5, "optional string"),
     ),
     "NodeUnprepareResourcesRequest": (("claims", 1, "repeated Claim"),),
     "NodeUnprepareResourcesResponse": (("claims", 1, "map<string, NodeUnprepareResourceResponse>"),),
