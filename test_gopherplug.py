@@ -5085,6 +5085,69 @@ def test_recipe_pods_are_valid_against_the_kubernetes_schema():
     assert result.stdout.count("passed") == len(pods)
 
 
+DRA_RECIPES = ["fuse", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+
+
+def test_dra_recipes_are_valid_against_the_kubernetes_schema():
+    """Each DRA recipe's DeviceClass, ResourceClaimTemplate and Deployment, in the versions that
+    serve resource.k8s.io/v1."""
+    recipes = sorted(str(path.relative_to(HERE)) for path in (HERE / "examples").glob("*/pod-dra.yaml"))
+    assert recipes == [f"examples/{example}/pod-dra.yaml" for example in DRA_RECIPES]
+    for version in ("1.34.0", "1.37.0"):
+        result = check("kubernetes-validate", "--strict", "-k", version, *recipes)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("passed") == 3 * len(recipes)
+
+
+@pytest.mark.parametrize("example", DRA_RECIPES)
+async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
+    """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
+    is published shared by 100 claims; the Deployment's pods each get a claim from the template,
+    allocated one share (as the scheduler would: the class's device, a shareID each), and each is
+    prepared with a CDI device of its own whose node is the one node."""
+    make_tree, _, _, specs = RECIPES[example]
+    dev = dra_node.root / "dev"
+    make_tree(str(dev), str(dra_node.root / "sys"))
+    config = yaml.safe_load((HERE / "examples" / example / "config-dra.yaml").read_text())
+    (resource,) = config["resources"]
+    resource["directory"] = str(dev) + resource["directory"].removeprefix("/dev")
+    resource["cdi"] = {"kind": f"{DRIVER}/{example}", "spec_dir": dra_node.cdi["spec_dir"]}  # the default kind
+    config["dra"]["kubelet_dir"] = str(dra_node.kubelet_dir)
+    config.update(device_plugin_dir=str(dra_node.root / "dp"), dev_root=str(dev))
+    parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config-dra.yaml")
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / "examples" / example / "pod-dra.yaml").read_text())}
+    selector = docs["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
+    assert f'device.driver == "{DRIVER}"' in selector and f'.resource == "{resource["name"]}"' in selector
+    pods = docs["Deployment"]["spec"]["replicas"]
+    (template_claim,) = docs["Deployment"]["spec"]["template"]["spec"]["resourceClaims"]
+    assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
+    (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == docs["DeviceClass"]["metadata"]["name"]
+    pool = gp.dra_pool_name("node-1", resource["name"])
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(parsed)
+        await dra_node.registered()
+        await dra_node.wait_for_slices([example], pool=pool)
+        (published,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+        assert published["allowMultipleAllocations"] is True
+        assert published["capacity"]["shares"]["value"] == "100"
+        shares = [f"5b0e1c2a-8f4d-4c3e-9a1b-{n:012x}" for n in range(pods)]
+        for number, share in enumerate(shares):
+            made = claim(f"{example}-{number}", f"uid-{number}", requests=[request])
+            result = {"request": request["name"], "driver": DRIVER, "pool": pool, "device": published["name"]}
+            made["status"] = {"allocation": {"devices": {"results": [{**result, "shareID": share}]}}}
+            dra_node.api.put_claim(made)
+        claims = [("default", f"uid-{n}", f"{example}-{n}") for n in range(pods)]
+        answer = await dra_node.kubelet.prepare(DRIVER, claims)
+    assert all(not answer.claims[uid].error for _, uid, _ in claims)
+    names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for _, uid, _ in claims]
+    assert names == [[f"{DRIVER}/{example}={example}-{share}"] for share in shares]
+    for _, uid, _ in claims:
+        [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+        [node] = described["containerEdits"]["deviceNodes"]
+        assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
+
+
 # ------------------------------------------------------------------------------------------------
 # The project's own checks: lint and types, the image and the manifest
 # ------------------------------------------------------------------------------------------------
