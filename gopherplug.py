@@ -7413,7 +7413,10 @@ def scan_report(
     every entry skipped and why. ``in_pod``: for a member's path, why the shipped pod would find it
     unhealthy although this process does not (see pod_mode_problem)."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
-    replicas = f" (each offered {resource.replicas} times)" if resource.replicas > 1 else ""
+    replicas = ""
+    if resource.replicas > 1:  # under DRA alone, replicas are shares of the device (dra_shares)
+        replicas = f" (each {'offered' if resource.device_plugin else 'shared by'} {resource.replicas} "
+        replicas += f"{'times' if resource.device_plugin else 'claims'})"
     lines = [f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy{replicas}, from {resource.origin()}"]
     lines += [f"  warning: {problem}" for problem in container_problems]
     if scan.problem:
@@ -7482,12 +7485,17 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
     if resource.dra and driver:
         pool, name = dra_pool_name(node_name, resource.name), dra_device_name(device.id)
         result = {"request": "device", "driver": driver, "pool": pool, "device": name}
+        # A shared device's claim holds a share of it: shown with "<shareID>" for the scheduler's UUID.
+        share = "00000000-0000-4000-8000-000000000000" if resource.replicas > 1 else ""
+        if share:
+            result["shareID"] = share
         claim = {
             "metadata": {"namespace": "check-config", "name": "claim", "uid": "check-config"},
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
         prepared = prepared_devices(claim, "check-config", driver, {pool: (resource, devices)})
-        spec = cdi_spec(resource, [device])
+        shared = claim_cdi_specs(claim, driver, {pool: (resource, devices)})
+        spec = shared[0][1] if shared else cdi_spec(resource, [device])
         edits = spec["devices"][0]["containerEdits"] if spec else {}
         attributes = dra_device(resource, device)["attributes"]
         shown = ", ".join(
@@ -7495,7 +7503,9 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             for key, typed in attributes.items()
             for value in typed.values()
         )
-        lines.append(f"  a claim for device {name} of pool {pool} gives a container:")
+        first = len(lines)
+        held = f"a share of device {name} (1 of {resource.replicas})" if share else f"device {name}"
+        lines.append(f"  a claim for {held} of pool {pool} gives a container:")
         lines.append(f"    attributes {shown}")
         lines += [f"    cdi {cdi_id}" for each in prepared for cdi_id in each.cdi_device_ids]
         lines += [f"    device {n['path']} <- {n['hostPath']} {n['permissions']}" for n in edits.get("deviceNodes", ())]
@@ -7503,6 +7513,8 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
         ]
         lines += [f"    env {env}" for env in edits.get("env", ())]
+        if share:
+            lines[first:] = [line.replace(share, "<shareID>") for line in lines[first:]]
     return "\n".join(lines), refused
 
 

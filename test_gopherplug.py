@@ -5339,6 +5339,27 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     ]
 
 
+def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_container(sockdir):
+    # replicas under DRA alone: each device shared by that many claims; a claim's container gets its
+    # share's CDI device and env var (the scheduler's shareID shown as <shareID>).
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "gopher0").touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", replicas=5))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert (result.returncode, result.stderr) == (0, "")
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"example.com/gopher: 1 device, 1 healthy (each shared by 5 claims), from {tmp_path}/g/*"
+    assert lines[4:] == [
+        "  a claim for a share of device gopher0 (1 of 5) of pool node-1/example.com/gopher gives a container:",
+        "    attributes resource=example.com/gopher, id=gopher0, healthy=true",
+        f"    cdi {DRIVER}/gopher=gopher0-<shareID>",
+        "    env GOPHER_DEVICES_GOPHER0=gopher0",
+        "    env GOPHER_DEVICES_GOPHER0_SHARE=<shareID>",
+    ]
+
+
 def cdi_v110_verdict(kind):
     """What CDI v1.1.0, the library containerd 2.x bundles, makes of a spec's ``kind``: "ok", "error"
     or "panic". Written from ParseQualifier and validateVendorOrClassName in
