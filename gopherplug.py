@@ -2723,7 +2723,8 @@ def claim_cdi_specs(
 
 def write_claim_cdi_spec(cdi: ClaimCDISpec, spec: dict[str, Any] | None) -> None:
     """Write (None: remove) a claim's CDI spec, through the same lock and atomic write as every
-    spec gopherplug writes."""
+    spec gopherplug writes. ClaimPreparer runs it in a worker thread, as the checkpoint's writes:
+    a slow disk must not stall the sockets this process serves."""
     with _cdi_lock(cdi):
         write_cdi_spec(cdi, spec)
 
@@ -5335,7 +5336,8 @@ class ClaimCheckpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.claims: dict[str, dict[str, Any]] = {}  # claim UID -> {"namespace", "name", "devices"}
+        # claim UID -> {"namespace", "name", "devices", and "cdi_specs" for a claim with shares}
+        self.claims: dict[str, dict[str, Any]] = {}
         self._saving = trio.Lock()
         try:
             with open(path, "rb") as file:
@@ -5661,7 +5663,7 @@ class ClaimPreparer:
             try:  # prepared before: the same answer again, its shares' CDI devices there again
                 for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
                     if not os.path.exists(cdi.spec_file):
-                        write_claim_cdi_spec(cdi, spec)
+                        await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
             except GopherplugError as error:
                 answer.error = str(error)
                 return
@@ -5677,7 +5679,7 @@ class ClaimPreparer:
             # container at once), and the checkpoint names them before they exist for long.
             for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
                 specs.append((cdi, spec))
-                write_claim_cdi_spec(cdi, spec)
+                await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
             await self.checkpoint.add(claim, devices, specs)
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
@@ -5693,7 +5695,7 @@ class ClaimPreparer:
             return
         for cdi, _ in specs:  # not prepared: its CDI devices go (the kubelet asks again)
             with contextlib.suppress(GopherplugError):
-                write_claim_cdi_spec(cdi, None)
+                await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, None)
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
     async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -5737,7 +5739,7 @@ class ClaimPreparer:
                 # Its shares' CDI devices first: should that fail, the claim stays in the checkpoint,
                 # and the kubelet's next try removes them.
                 for cdi, _ in self.checkpoint.cdi_specs(claim.uid):
-                    write_claim_cdi_spec(cdi, None)
+                    await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, None)
                 if await self.checkpoint.remove(claim.uid):
                     log.info("unprepared ResourceClaim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
             except GopherplugError as error:

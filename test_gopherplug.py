@@ -6722,6 +6722,35 @@ async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node
     assert json.loads(checkpoint.read_text())["claims"] == {}
 
 
+async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_device_behind(dra_node, monkeypatch):
+    """A share's CDI spec is written before the checkpoint: when the checkpoint then fails, the
+    claim is not prepared, and its spec goes too (nothing would ever remove it: the checkpoint
+    does not name it). Asked again, it is prepared, spec and all."""
+    failing = True
+    fsync = os.fsync
+
+    def sometimes_failing_fsync(fd):
+        if failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", sometimes_failing_fsync)
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0", {"shareID": SHARE_1})))
+    c1 = [("default", "uid-1", "c1")]
+    spec = Path(dra_node.cdi["spec_dir"]) / "example.com-gopher_uid-1.json"
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=2))
+        await dra_node.registered()
+        answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
+        assert answer.error.startswith("cannot write the checkpoint ")
+        assert not spec.exists()
+        failing = False
+        answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
+    assert list(answer.devices[0].cdi_device_ids) == [f"example.com/gopher=gopher0-{SHARE_1}"]
+    assert read_spec(spec)["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+
+
 async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
     """Starting without it would write over the claims in it: `gopherplug serve` exits 1 with one
     line naming it, and what to do."""
