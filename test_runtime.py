@@ -1534,5 +1534,7 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
         assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}"], reported[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
+        if not CGROUP_V2:  # each share's CDI device node rule, in each consumer's device cgroup
+            assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["devices.list (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
