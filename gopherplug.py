@@ -5676,7 +5676,7 @@ class ClaimPreparer:
             pools = self.resources.pools()
             devices = prepared_devices(found, claim.uid, self.resources.driver, pools)
             # The shares' CDI devices exist before the kubelet hears their names (it may create the
-            # container at once), and the checkpoint names them before they exist for long.
+            # container at once); should the checkpoint then fail, they are removed below.
             for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
                 specs.append((cdi, spec))
                 await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
