@@ -102,6 +102,7 @@ import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -345,6 +346,13 @@ def _add_field(
     if type_.startswith("repeated "):
         field.label = fdp.LABEL_REPEATED
         type_ = type_.removeprefix("repeated ")
+    if type_.startswith("optional "):
+        # proto3 `optional`: protoc wraps the field in a synthetic oneof named "_<field>", so that
+        # an empty value and no value are told apart.
+        field.proto3_optional = True
+        field.oneof_index = len(message.oneof_decl)
+        message.oneof_decl.add(name=f"_{name}")
+        type_ = type_.removeprefix("optional ")
     if type_ in _SCALARS:
         field.type = _SCALARS[type_]
     else:
@@ -542,6 +550,10 @@ _DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("pool_name", 2, "string"),
         ("device_name", 3, "string"),
         ("cdi_device_ids", 4, "repeated string"),
+        # Which share of the device (KEP-5075, consumable capacity): the allocation result's
+        # shareID. In v1 since Kubernetes 1.35 (k8s.io/kubelet pkg/apis/dra/v1/api.proto); a
+        # v1beta1 kubelet, which has no field 5, skips it as protobuf skips unknown fields.
+        ("share_id", 5, "optional string"),
     ),
     "NodeUnprepareResourcesRequest": (("claims", 1, "repeated Claim"),),
     "NodeUnprepareResourcesResponse": (("claims", 1, "map<string, NodeUnprepareResourceResponse>"),),
@@ -811,6 +823,21 @@ class CDIConfig:
     def spec_file(self) -> str:
         """The spec file gopherplug owns: "<vendor>-<class>.json", the CDI tools' naming."""
         return os.path.join(self.spec_dir, self.kind.replace("/", "-") + ".json")
+
+
+@dataclass(frozen=True)
+class ClaimCDISpec(CDIConfig):
+    """The CDI spec file of one prepared claim's shares of devices (dra_share_cdi_name), beside the
+    resource's own spec: "<vendor>-<class>_<claim UID>.json". A file per claim is written once at
+    NodePrepareResources and removed at NodeUnprepareResources, so that claims prepared at once
+    never rewrite each other's devices, and the resource's spec stays the devices the watch sees."""
+
+    claim_uid: str = ""
+
+    @property
+    def spec_file(self) -> str:
+        # The kind is cut so that the lock file (".<name>.lock") stays within 255 bytes.
+        return os.path.join(self.spec_dir, f"{self.kind.replace('/', '-')[:200]}_{self.claim_uid}.json")
 
 
 #: Where the kubelet keeps its state unless started with --root-dir: plugins_registry/ and plugins/
@@ -1398,9 +1425,8 @@ def _parse_resource(
         raise ConfigError(source, f"{where}.pre_start_timeout", problem)
     if api == "dra":
         # What the device-plugin API alone has: refused, so that nothing given is silently unused.
-        only = [
-            key for key in ("replicas", "preferred", "annotations", "pre_start", "pre_start_timeout") if key in data
-        ]
+        # (replicas is DRA's too: shares of each device, dra_device.)
+        only = [key for key in ("preferred", "annotations", "pre_start", "pre_start_timeout") if key in data]
         if only:
             problem = f"is for the device-plugin API, and this resource has api: dra ({_DRA_INSTEAD[only[0]]})"
             raise ConfigError(source, f"{where}.{only[0]}", problem)
@@ -1436,7 +1462,6 @@ def _flag(data: dict[str, Any], key: str, source: str, where: str) -> bool:
 
 # What DRA has instead of the device-plugin options it refuses.
 _DRA_INSTEAD = {
-    "replicas": "pods share a device by sharing one ResourceClaim",
     "preferred": "the scheduler chooses devices, by the claim's selectors",
     "annotations": "devices reach containers only as CDI devices",
     "pre_start": "NodePrepareResources runs before a pod's containers; gopherplug runs no command there",
@@ -2622,31 +2647,86 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
     root:root, writable by every user of the container.
     """
     assert resource.cdi is not None
-    described = []
-    for device in devices:
-        fields = {"id": device.id, "path": device.path}
-        edits: dict[str, Any] = {
-            "env": [f"{resource.env}_{re.sub(r'[^A-Za-z0-9_]', '_', device.id).upper()}={device.id}"]
-        }
-        nodes = [_cdi_node(spec, fields) for spec in device.device_specs]
-        mounts = [
-            {
-                "hostPath": mount.host_path,
-                "containerPath": mount.container_path.format(**fields),
-                "options": ["bind", "ro" if mount.read_only else "rw"],
-            }
-            for mount in device.mounts
-        ]
-        if nodes:
-            edits["deviceNodes"] = nodes
-        if mounts:
-            edits["mounts"] = mounts
-        described.append({"name": device.id, "containerEdits": edits})
+    described = [{"name": device.id, "containerEdits": _cdi_edits(resource, device)} for device in devices]
     if not described:
         return None  # CDI refuses a spec without devices: the file is removed instead
     spec = {"cdiVersion": "", "kind": resource.cdi.kind, "devices": described}
     spec["cdiVersion"] = cdi_version(spec)
     return spec
+
+
+def _cdi_edits(resource: ResourceConfig, device: DeviceEntry) -> dict[str, Any]:
+    """One device's CDI containerEdits: <env>_<ID>=<id>, its device nodes and its mounts."""
+    fields = {"id": device.id, "path": device.path}
+    edits: dict[str, Any] = {"env": [f"{_device_env(resource, device.id)}={device.id}"]}
+    nodes = [_cdi_node(spec, fields) for spec in device.device_specs]
+    mounts = [
+        {
+            "hostPath": mount.host_path,
+            "containerPath": mount.container_path.format(**fields),
+            "options": ["bind", "ro" if mount.read_only else "rw"],
+        }
+        for mount in device.mounts
+    ]
+    if nodes:
+        edits["deviceNodes"] = nodes
+    if mounts:
+        edits["mounts"] = mounts
+    return edits
+
+
+def _device_env(resource: ResourceConfig, device_id: str) -> str:
+    """The variable a CDI device sets: <env>_<ID>, the ID upper-cased, other characters "_"."""
+    return f"{resource.env}_{re.sub(r'[^A-Za-z0-9_]', '_', device_id).upper()}"
+
+
+def dra_share_cdi_name(device_id: str, share_id: str) -> str:
+    """The CDI device name of one share of a shared device: "<id>-<shareID>". The shareID is a
+    lower-case UUID (validateUID in kubernetes/kubernetes pkg/apis/resource/validation), so the
+    name keeps to CDI's rules (letters, digits, "_", "-", ".", ":"; a letter or digit at each end)
+    wherever the ID does, and no two shares, of one claim or of two, have the same name."""
+    return f"{device_id}-{share_id}"
+
+
+def claim_cdi_specs(
+    claim: Mapping[str, Any],
+    driver: str,
+    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
+) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
+    """The CDI specs of a claim's shares of this driver's devices (results with a shareID), one
+    per CDI kind, as prepared_devices names them. Each share is its device's edits, plus
+    <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
+    part of a shared resource), and two containers of one device differ in their CDI devices."""
+    uid = str((claim.get("metadata") or {}).get("uid", ""))
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    specs: dict[CDIConfig, list[dict[str, Any]]] = {}
+    for result in results:
+        share, pool = result.get("shareID"), result.get("pool", "")
+        if not share or result.get("driver") != driver or pool not in pools:
+            continue
+        resource, devices = pools[pool]
+        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
+        if device is None or resource.cdi is None:
+            continue  # prepared_devices refuses the claim
+        edits = _cdi_edits(resource, device)
+        edits["env"] = [*edits["env"], f"{_device_env(resource, device.id)}_SHARE={share}"]
+        specs.setdefault(resource.cdi, []).append(
+            {"name": dra_share_cdi_name(device.id, share), "containerEdits": edits}
+        )
+    answer = []
+    for cdi, described in specs.items():
+        spec = {"cdiVersion": "", "kind": cdi.kind, "devices": described}
+        spec["cdiVersion"] = cdi_version(spec)
+        answer.append((ClaimCDISpec(cdi.kind, cdi.spec_dir, uid), spec))
+    return answer
+
+
+def write_claim_cdi_spec(cdi: ClaimCDISpec, spec: dict[str, Any] | None) -> None:
+    """Write (None: remove) a claim's CDI spec, through the same lock and atomic write as every
+    spec gopherplug writes. ClaimPreparer runs it in a worker thread, as the checkpoint's writes:
+    a slow disk must not stall the sockets this process serves."""
+    with _cdi_lock(cdi):
+        write_cdi_spec(cdi, spec)
 
 
 def _cdi_node(spec: DeviceSpecTemplate, fields: Mapping[str, str]) -> dict[str, Any]:
@@ -2791,6 +2871,8 @@ def dra_device(
     With ``driver``, an unhealthy device carries dra_unhealthy_taint with the ``unhealthy_taint``
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
     in k8s.io/dynamic-resource-allocation structured), which is how an admin-access claim reaches it.
+
+    With ``replicas`` above 1, the device is shared (KEP-5075, consumable capacity): dra_shares.
     """
     attributes: dict[str, Any] = {
         "resource": {"string": resource.name},
@@ -2817,9 +2899,44 @@ def dra_device(
             attributes["usbBus"] = {"int": int(bus)}
         attributes["usbPort"] = {"string": usb.port}
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
+    if resource.replicas > 1:
+        listed.update(dra_shares(resource.replicas))
     if driver and device.health != HEALTHY:
         listed["taints"] = [dra_unhealthy_taint(driver, device, unhealthy_taint)]
     return listed
+
+
+#: The capacity a shared device offers, in shares; each claim's allocation consumes some of it.
+DRA_SHARES_CAPACITY = "shares"
+
+
+def dra_shares(replicas: int) -> dict[str, Any]:
+    """What makes a device shared among ``replicas`` claims (KEP-5075, consumable capacity;
+    Device.allowMultipleAllocations and Device.capacity in k8s.io/api resource/v1):
+
+    - ``allowMultipleAllocations: true``: the scheduler may allocate the device to several claims
+      at once, each allocation a share with its own shareID (a UUID) in the claim's result;
+    - a capacity "shares" of value ``replicas``, which the allocations consume: the scheduler
+      gives the device to another claim only while the shares consumed leave enough;
+    - its requestPolicy: a claim that asks for no capacity (``capacity.requests``) consumes the
+      default, 1, so ``replicas`` claims at most share the device; one may ask for more, whole
+      shares from 1 to ``replicas`` (validRange, step 1).
+
+    The API server takes a requestPolicy only on a device that allows multiple allocations, and
+    checks it against the value (validateRequestPolicyRange in kubernetes/kubernetes
+    pkg/apis/resource/validation/validation.go): min and max within the value, min plus one step
+    too, default and max whole steps from min. Capacities count with the attributes towards the 32
+    a device may have, not towards the devices of a slice (only taints and consumesCounters lower
+    that to 64). With the DRAConsumableCapacity feature gate off (alpha in 1.34 and 1.35, beta and
+    on from 1.36) the API server drops both fields and keeps the value: the device is then one
+    claim's at a time, and SlicePublisher says so.
+    """
+    whole = str(replicas)
+    policy = {"default": "1", "validRange": {"min": "1", "max": whole, "step": "1"}}
+    return {
+        "allowMultipleAllocations": True,
+        "capacity": {DRA_SHARES_CAPACITY: {"value": whole, "requestPolicy": policy}},
+    }
 
 
 def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) -> str:
@@ -2933,10 +3050,12 @@ def claim_device_status(
     ``data`` a JSON object: the device's ID and its paths on the node (each member's, for a device
     of several entries). Paths are left out if they would make data longer than the API takes."""
     results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
-    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    # A share's entry names its shareID too: the API server matches an entry to a result by
+    # driver, pool, device and shareID (validateDeviceStatus), so each share of a device has one.
+    entries: dict[tuple[str, str, str], dict[str, Any]] = {}
     for result in results:
-        pool, name = result.get("pool", ""), result.get("device", "")
-        if result.get("driver") != driver or pool not in pools or (pool, name) in entries:
+        pool, name, share = result.get("pool", ""), result.get("device", ""), result.get("shareID") or ""
+        if result.get("driver") != driver or pool not in pools or (pool, name, share) in entries:
             continue
         device = next((d for d in pools[pool][1].values() if dra_device_name(d.id) == name), None)
         if device is None:
@@ -2944,7 +3063,13 @@ def claim_device_status(
         data: dict[str, Any] = {"id": device.id, "paths": [m.path for m in device.members] or [device.path]}
         if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
             data = {"id": device.id}
-        entries[pool, name] = {"driver": driver, "pool": pool, "device": name, "data": data}
+        entries[pool, name, share] = {
+            "driver": driver,
+            "pool": pool,
+            "device": name,
+            **({"shareID": share} if share else {}),
+            "data": data,
+        }
     return list(entries.values())
 
 
@@ -3006,15 +3131,27 @@ def prepared_devices(
                 f"ResourceClaim {name}: device {device.id} of {resource.name} is unhealthy: {device.problem}"
             )
         assert resource.cdi is not None  # parse_config gives every DRA resource one
+        # A share of a shared device (dra_shares): the scheduler gave this claim one allocation of
+        # it, named by shareID, and the answer carries it (the kubelet keeps it with the device).
+        # Its own CDI device (claim_cdi_specs) is the device's plus the share's ID.
+        share = result.get("shareID")
+        if share is not None and not _UUID.fullmatch(str(share)):
+            raise ClaimError(f"ResourceClaim {name}: device {device_name} has shareID {share!r}, not a lower-case UUID")
+        cdi_name = dra_share_cdi_name(device.id, share) if share else device.id
         answer.append(
             drapb.Device(
                 request_names=[dra_base_request(result.get("request", ""))],
                 pool_name=pool,
                 device_name=device_name,
-                cdi_device_ids=[f"{resource.cdi.kind}={device.id}"],
+                cdi_device_ids=[f"{resource.cdi.kind}={cdi_name}"],
+                **({"share_id": share} if share else {}),
             )
         )
     return answer
+
+
+#: A UID as the API server takes one (validateUID): RFC 4122 form, lower-case hexadecimal digits
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 ########################################################################################################
@@ -5199,7 +5336,8 @@ class ClaimCheckpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.claims: dict[str, dict[str, Any]] = {}  # claim UID -> {"namespace", "name", "devices"}
+        # claim UID -> {"namespace", "name", "devices", and "cdi_specs" for a claim with shares}
+        self.claims: dict[str, dict[str, Any]] = {}
         self._saving = trio.Lock()
         try:
             with open(path, "rb") as file:
@@ -5222,6 +5360,13 @@ class ClaimCheckpoint:
             os.replace(path, aside)
             log.error("%s is unreadable (%s): moved to %s; starting with no prepared claims", path, error, aside)
 
+    def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
+        """The claim's own CDI specs, as add() was given them (none for a claim without shares)."""
+        return [
+            (ClaimCDISpec(stored["kind"], stored["spec_dir"], uid), stored["spec"])
+            for stored in (self.claims.get(uid) or {}).get("cdi_specs", [])
+        ]
+
     def answer(self, uid: str) -> list[Any] | None:
         """The devices a claim was prepared with, or None if it was not."""
         if (claim := self.claims.get(uid)) is None:
@@ -5233,12 +5378,22 @@ class ClaimCheckpoint:
             for device in claim["devices"]
         ]
 
-    async def add(self, claim: Any, devices: list[Any]) -> None:
+    async def add(self, claim: Any, devices: list[Any], cdi_specs: Iterable[tuple[CDIConfig, Any]] = ()) -> None:
         """Remember a prepared claim, on disk when this returns. Raises GopherplugError, and
-        remembers nothing, when the file cannot be written: the claim is not prepared then."""
+        remembers nothing, when the file cannot be written: the claim is not prepared then.
+        ``cdi_specs``: the claim's own CDI specs (claim_cdi_specs), kept whole, so that an
+        unprepare after a restart removes them, and a prepare after a reboot (the kubelet
+        prepares every claim of its pods again; /var/run/cdi is a tmpfs) writes them again."""
         fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
-        listed = [{field: _plain(getattr(device, field)) for field in fields} for device in devices]
+        listed = []
+        for device in devices:
+            entry = {field: _plain(getattr(device, field)) for field in fields}
+            if device.HasField("share_id"):
+                entry["share_id"] = device.share_id
+            listed.append(entry)
         self.claims[claim.uid] = {"namespace": claim.namespace, "name": claim.name, "devices": listed}
+        if specs := [{"kind": cdi.kind, "spec_dir": cdi.spec_dir, "spec": spec} for cdi, spec in cdi_specs]:
+            self.claims[claim.uid]["cdi_specs"] = specs
         try:
             await self.save()
         except GopherplugError:
@@ -5505,13 +5660,27 @@ class ClaimPreparer:
     async def _prepare_one(self, claim: Any, response: Any) -> None:
         answer = response.claims[claim.uid]
         if (devices := self.checkpoint.answer(claim.uid)) is not None:
-            answer.devices.extend(devices)  # prepared before: the same answer again
+            try:  # prepared before: the same answer again, its shares' CDI devices there again
+                for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
+                    if not os.path.exists(cdi.spec_file):
+                        await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
+            except GopherplugError as error:
+                answer.error = str(error)
+                return
+            answer.devices.extend(devices)
             return
+        specs: list[tuple[ClaimCDISpec, dict[str, Any]]] = []
         try:
             with trio.fail_after(API_REQUEST_TIMEOUT):
                 found = await self.api.get_claim(claim.namespace, claim.name)
-            devices = prepared_devices(found, claim.uid, self.resources.driver, self.resources.pools())
-            await self.checkpoint.add(claim, devices)
+            pools = self.resources.pools()
+            devices = prepared_devices(found, claim.uid, self.resources.driver, pools)
+            # The shares' CDI devices exist before the kubelet hears their names (it may create the
+            # container at once); should the checkpoint then fail, they are removed below.
+            for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
+                specs.append((cdi, spec))
+                await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
+            await self.checkpoint.add(claim, devices, specs)
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
         except GopherplugError as error:
@@ -5524,6 +5693,9 @@ class ClaimPreparer:
                 (claim, claim_device_status(found, self.resources.driver, self.resources.pools()))
             )
             return
+        for cdi, _ in specs:  # not prepared: its CDI devices go (the kubelet asks again)
+            with contextlib.suppress(GopherplugError):
+                await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, None)
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
     async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -5564,6 +5736,10 @@ class ClaimPreparer:
         for claim in request.claims:
             answer = response.claims[claim.uid]  # every claim gets an entry, even one we never knew
             try:
+                # Its shares' CDI devices first: should that fail, the claim stays in the checkpoint,
+                # and the kubelet's next try removes them.
+                for cdi, _ in self.checkpoint.cdi_specs(claim.uid):
+                    await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, None)
                 if await self.checkpoint.remove(claim.uid):
                     log.info("unprepared ResourceClaim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
             except GopherplugError as error:
@@ -6016,6 +6192,14 @@ class SlicePublisher:
                         "does not know: are the feature gates they need off?); it is not written again for them",
                         name,
                     )
+                    if _unshared(item, written):
+                        log.warning(
+                            "DRA: the API server dropped allowMultipleAllocations from the devices of %s: its "
+                            "feature gate DRAConsumableCapacity is off (beta and on by default from Kubernetes "
+                            "1.36): each device goes to one claim at a time, and its replicas share nothing until "
+                            "the gate is on",
+                            resource_name,
+                        )
         log.info("DRA: %s: %s in pool %s", resource_name, _devices(count), pool)
 
     def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
@@ -6024,6 +6208,13 @@ class SlicePublisher:
             return True
         stored = self._stored_as.get(wanted["metadata"]["name"])
         return known is not None and stored == (_slice_key(wanted), _slice_key(known))
+
+
+def _unshared(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether the API server stored a slice's shared devices (dra_shares) as not shared."""
+    mine = [device for device in written["spec"].get("devices") or [] if device.get("allowMultipleAllocations")]
+    theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
+    return any(not theirs.get(device["name"], {}).get("allowMultipleAllocations") for device in mine)
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
@@ -7224,7 +7415,10 @@ def scan_report(
     every entry skipped and why. ``in_pod``: for a member's path, why the shipped pod would find it
     unhealthy although this process does not (see pod_mode_problem)."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
-    replicas = f" (each offered {resource.replicas} times)" if resource.replicas > 1 else ""
+    replicas = ""
+    if resource.replicas > 1:  # under DRA alone, replicas are shares of the device (dra_shares)
+        replicas = f" (each {'offered' if resource.device_plugin else 'shared by'} {resource.replicas} "
+        replicas += f"{'times' if resource.device_plugin else 'claims'})"
     lines = [f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy{replicas}, from {resource.origin()}"]
     lines += [f"  warning: {problem}" for problem in container_problems]
     if scan.problem:
@@ -7293,12 +7487,17 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
     if resource.dra and driver:
         pool, name = dra_pool_name(node_name, resource.name), dra_device_name(device.id)
         result = {"request": "device", "driver": driver, "pool": pool, "device": name}
+        # A shared device's claim holds a share of it: shown with "<shareID>" for the scheduler's UUID.
+        share = "00000000-0000-4000-8000-000000000000" if resource.replicas > 1 else ""
+        if share:
+            result["shareID"] = share
         claim = {
             "metadata": {"namespace": "check-config", "name": "claim", "uid": "check-config"},
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
         prepared = prepared_devices(claim, "check-config", driver, {pool: (resource, devices)})
-        spec = cdi_spec(resource, [device])
+        shared = claim_cdi_specs(claim, driver, {pool: (resource, devices)})
+        spec = shared[0][1] if shared else cdi_spec(resource, [device])
         edits = spec["devices"][0]["containerEdits"] if spec else {}
         attributes = dra_device(resource, device)["attributes"]
         shown = ", ".join(
@@ -7306,7 +7505,9 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             for key, typed in attributes.items()
             for value in typed.values()
         )
-        lines.append(f"  a claim for device {name} of pool {pool} gives a container:")
+        first = len(lines)
+        held = f"a share of device {name} (1 of {resource.replicas})" if share else f"device {name}"
+        lines.append(f"  a claim for {held} of pool {pool} gives a container:")
         lines.append(f"    attributes {shown}")
         lines += [f"    cdi {cdi_id}" for each in prepared for cdi_id in each.cdi_device_ids]
         lines += [f"    device {n['path']} <- {n['hostPath']} {n['permissions']}" for n in edits.get("deviceNodes", ())]
@@ -7314,6 +7515,8 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
         ]
         lines += [f"    env {env}" for env in edits.get("env", ())]
+        if share:
+            lines[first:] = [line.replace(share, "<shareID>") for line in lines[first:]]
     return "\n".join(lines), refused
 
 
@@ -7868,6 +8071,115 @@ def _taint_causes(field: str, taint: Mapping[str, Any]) -> list[dict[str, str]]:
     return causes
 
 
+#: A resource.Quantity as the API server parses one (k8s.io/apimachinery pkg/api/resource
+#: quantity.go): a signed decimal number, then a binary (Ki ... Ei), decimal (n u m k M G T P E) or
+#: exponent (e3, E-2) suffix, or none.
+_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?")
+_QUANTITY_SUFFIXES = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9))},
+    **{s: Decimal(10) ** e for s, e in (("T", 12), ("P", 15), ("E", 18))},
+}
+
+
+def _quantity(value: Any) -> Decimal | None:
+    """A quantity's value, None when the API server would not parse it (a number is taken as the
+    JSON decoder takes it, a string by quantity.go's grammar)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return Decimal(str(value))
+    match = _QUANTITY.fullmatch(str(value))
+    if match is None:
+        return None
+    number, suffix = Decimal(match[1]), match[2] or ""
+    if suffix[:1] in ("e", "E"):
+        return number.scaleb(int(suffix[1:]))
+    return number * _QUANTITY_SUFFIXES.get(suffix, Decimal(1))
+
+
+#: The most attributes and capacities one device may have together
+#: (ResourceSliceMaxAttributesAndCapacitiesPerDevice in k8s.io/api resource/v1)
+_DRA_MAX_ATTRIBUTES_AND_CAPACITIES = 32
+
+
+def _capacity_causes(field: str, capacity: Any, shared: bool) -> list[dict[str, str]]:
+    """What the API server refuses in one device capacity (validateMultiAllocatableDeviceCapacity,
+    validateSingleAllocatableDeviceCapacity and validateRequestPolicy in
+    pkg/apis/resource/validation/validation.go): a quantity as its value; a requestPolicy only on
+    a device that allows multiple allocations (``shared``), then validValues or validRange, not
+    both, with a default that is one of the values, or within the range: min required and within
+    the value, default at least min, max within the value and not below min or the default, min
+    plus a step within the value, default and max whole steps from min."""
+    capacity = capacity if isinstance(capacity, dict) else {}
+    value = _quantity(capacity.get("value"))
+    if value is None:
+        return [_cause(f"{field}.value", "FieldValueInvalid", f"Invalid value: {json.dumps(capacity.get('value'))}")]
+    policy = capacity.get("requestPolicy")
+    if policy is None:
+        return []
+    where = f"{field}.requestPolicy"
+    if not shared:
+        return [_cause(where, "FieldValueForbidden", "Forbidden: allowMultipleAllocations must be true")]
+    causes = []
+    default = _quantity(policy.get("default")) if "default" in policy else None
+    values, valid_range = policy.get("validValues") or [], policy.get("validRange")
+
+    def invalid(at: str, shown: Any, why: str) -> None:
+        causes.append(_cause(f"{where}.{at}", "FieldValueInvalid", f"Invalid value: {json.dumps(str(shown))}: {why}"))
+
+    if values and valid_range is not None:
+        message = "Forbidden: exactly one policy can be specified, cannot specify "
+        message += '"validValues" and "validRange" at the same time'
+        return [_cause(where, "FieldValueForbidden", message)]
+    if (values or valid_range is not None) and default is None:
+        which = "validValues" if values else "validRange"
+        return [_cause(f"{where}.default", "FieldValueRequired", f"Required value: required when {which} is defined")]
+    if values:
+        numbers = [_quantity(v) for v in values]
+        for index, (a, b) in enumerate(itertools.pairwise(numbers)):
+            if a is not None and b is not None and a > b:
+                invalid(f"validValues[{index + 1}]", values[index + 1], "values must be sorted in ascending order")
+        for index, number in enumerate(numbers):
+            if number is not None and number > value:
+                invalid(
+                    f"validValues[{index}]", values[index], f"option is larger than capacity value: {capacity['value']}"
+                )
+        if default not in numbers:
+            invalid("validValues", policy["default"], "default value is not valid according to the requestPolicy")
+    elif valid_range is not None:
+        low = _quantity(valid_range.get("min")) if "min" in valid_range else None
+        if low is None:
+            message = "Required value: required when validRange is defined"
+            return [_cause(f"{where}.validRange.min", "FieldValueRequired", message)]
+        assert default is not None
+        if low > value:
+            invalid("validRange.min", valid_range["min"], f"min is larger than capacity value: {capacity['value']}")
+        if default < low:
+            invalid("validRange.min", policy["default"], f"default is less than min: {valid_range['min']}")
+        high = _quantity(valid_range["max"]) if "max" in valid_range else None
+        if high is not None:
+            if low > high:
+                invalid("validRange.max", valid_range["min"], f"min is larger than max: {valid_range['max']}")
+            if high > value:
+                invalid("validRange.max", valid_range["max"], f"max is larger than capacity value: {capacity['value']}")
+            if default > high:
+                invalid("validRange.max", policy["default"], f"default is more than max: {valid_range['max']}")
+        step = _quantity(valid_range["step"]) if "step" in valid_range else None
+        if step:
+            if low + step > value:
+                invalid(
+                    "validRange.step",
+                    valid_range["step"],
+                    f"one step {low + step} is larger than capacity value: {capacity['value']}",
+                )
+            for checked in [default, *([high] if high is not None else [])]:
+                if (checked - low) % step:
+                    why = f"value is not a multiple of a given step ({valid_range['step']}) from ({valid_range['min']})"
+                    invalid("validRange.step", checked, why)
+    return causes
+
+
 def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
     """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
     would replace), as the causes of its 422: the checks of ValidateResourceSlice and
@@ -7876,7 +8188,8 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
     characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
     at most 128 devices, each named by a DNS label, each attribute's name and value as
     _attribute_causes says, at most 16 taints each as _taint_causes says (and at most 64 devices
-    in a slice where any has taints); pool name, driver and node immutable; an owner
+    in a slice where any has taints), capacities as _capacity_causes says, named as attributes
+    are, at most 32 attributes and capacities together; pool name, driver and node immutable; an owner
     reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
     causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
     for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
@@ -7927,6 +8240,22 @@ def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None
         causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
         for name, value in (device.get("attributes") or {}).items():
             causes += _attribute_causes(f"spec.devices[{index}].attributes[{name}]", name, value)
+        capacities = device.get("capacity") or {}
+        shared = device.get("allowMultipleAllocations") is True
+        for name, capacity in capacities.items():
+            field = f"spec.devices[{index}].capacity[{name}]"
+            # A capacity's name is an attribute's (validateQualifiedName): the causes of the name alone
+            causes += [c for c in _attribute_causes(field, name, {"bool": True}) if c["field"] == field]
+            causes += _capacity_causes(field, capacity, shared)
+        if (together := len(device.get("attributes") or {}) + len(capacities)) > _DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
+            causes.append(
+                _cause(
+                    f"spec.devices[{index}]",
+                    "FieldValueInvalid",
+                    f"Invalid value: {together}: the total number of attributes and capacities must not exceed "
+                    f"{_DRA_MAX_ATTRIBUTES_AND_CAPACITIES}",
+                )
+            )
         taints = device.get("taints") or []
         if len(taints) > DRA_MAX_TAINTS_PER_DEVICE:
             causes.append(
@@ -7983,17 +8312,41 @@ def resource_claim_causes(claim: Mapping[str, Any]) -> list[dict[str, str]]:
         for part in str(result.get("pool", "")).split("/"):
             causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
         causes += _dns_causes(f"{where}.device", str(result.get("device", "")), _DNS_LABEL_LENGTH, True)
+        if "shareID" in result:
+            causes += _share_id_causes(f"{where}.shareID", result["shareID"])
+        for name, quantity in (result.get("consumedCapacity") or {}).items():
+            if _quantity(quantity) is None:
+                causes.append(
+                    _cause(
+                        f"{where}.consumedCapacity[{name}]",
+                        "FieldValueInvalid",
+                        f"Invalid value: {json.dumps(quantity)}",
+                    )
+                )
     return causes
+
+
+def _share_id_causes(field: str, share: Any) -> list[dict[str, str]]:
+    """A shareID the API server refuses (validateUID in pkg/apis/resource/validation/validation.go):
+    anything but a UUID in RFC 4122 form with lower-case hexadecimal digits."""
+    if _UUID.fullmatch(str(share)):
+        return []
+    message = (
+        f"Invalid value: {json.dumps(share)}: uid must be in RFC 4122 normalized form, "
+        "`xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` with lowercase hexadecimal characters"
+    )
+    return [_cause(field, "FieldValueInvalid", message)]
 
 
 def resource_claim_status_causes(claim: Mapping[str, Any], devices: list[Mapping[str, Any]]) -> list[dict[str, str]]:
     """What the API server refuses in a ResourceClaim's status.devices, as the causes of its 422
     (validateDeviceStatus in pkg/apis/resource/validation/validation.go): each entry names a
     driver (a DNS subdomain of at most 63 characters), a pool and a device as slices do, and must
-    be an allocated device of the claim (a result with the same driver, pool and device); its data,
-    when given, a JSON object of at most 10 KiB; no entry twice."""
+    be an allocated device of the claim (a result with the same driver, pool, device and shareID,
+    a share of a shared device being its own entry); its data, when given, a JSON object of at most
+    10 KiB; no entry twice."""
     results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
-    allocated = {(r.get("driver"), r.get("pool"), r.get("device")) for r in results}
+    allocated = {(r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID")) for r in results}
     causes, seen = [], set()
     for index, entry in enumerate(devices):
         where = f"status.devices[{index}]"
@@ -8002,17 +8355,19 @@ def resource_claim_status_causes(claim: Mapping[str, Any], devices: list[Mapping
         for part in pool.split("/"):
             causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
         causes += _dns_causes(f"{where}.device", device, _DNS_LABEL_LENGTH, True)
-        key = (driver, pool, device)
+        share = entry.get("shareID")
+        if share is not None:
+            causes += _share_id_causes(f"{where}.shareID", share)
+        key = (driver, pool, device, share)
+        shown = f"{driver}/{pool}/{device}" + (f"/{share}" if share else "")  # structured.SharedDeviceID
         if key not in allocated:
             causes.append(
                 _cause(
-                    where,
-                    "FieldValueInvalid",
-                    f'Invalid value: "{driver}/{pool}/{device}": must be an allocated device in the claim',
+                    where, "FieldValueInvalid", f'Invalid value: "{shown}": must be an allocated device in the claim'
                 )
             )
         if key in seen:
-            causes.append(_cause(where, "FieldValueDuplicate", f'Duplicate value: "{driver}/{pool}/{device}"'))
+            causes.append(_cause(where, "FieldValueDuplicate", f'Duplicate value: "{shown}"'))
         seen.add(key)
         if "data" in entry:
             data = entry["data"]
@@ -8056,8 +8411,10 @@ class ApiServerSimulator:
     watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
     lines, as the API server does.
     ``disabled_gates`` names feature gates that are off: with DRADeviceTaints among them, a write
-    loses its devices' taints unless the stored slice has some already, as dropDisabledFields in
-    pkg/registry/resource/resourceslice/strategy.go does; a taint written without timeAdded gets one
+    loses its devices' taints unless the stored slice has some already, with DRAConsumableCapacity
+    allowMultipleAllocations and each capacity's requestPolicy (its value stays), unless the
+    stored slice has one, as dropDisabledFields in pkg/registry/resource/resourceslice/strategy.go
+    does; a taint written without timeAdded gets one
     (the API's documentation of DeviceTaint.timeAdded), the stored one if the old slice has that taint.
     ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
     accepts, others get 401; ``forbidden_tokens`` get 403. ``down`` refuses every request by closing
@@ -8075,7 +8432,7 @@ class ApiServerSimulator:
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
         #: (namespace, claim name, field manager) of each status.devices applied, in order
         self.status_writes: list[tuple[str, str, str]] = []
-        self._status_owners: dict[tuple[str, str], dict[tuple[str, str, str], str]] = {}
+        self._status_owners: dict[tuple[str, str], dict[tuple[str, str, str, str], str]] = {}
         #: (slice name, causes) of each write refused as invalid (422), in order
         self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
@@ -8197,11 +8554,12 @@ class ApiServerSimulator:
             await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
             return
         devices = (applied.get("status") or {}).get("devices") or []
-        owners = self._status_owners.setdefault((namespace, name), {})  # (driver, pool, device) -> manager
+        # (driver, pool, device, shareID) -> manager: the list map's keys
+        owners = self._status_owners.setdefault((namespace, name), {})
         kept = [
             entry
             for entry in (claim.get("status") or {}).get("devices") or []
-            if owners.get((entry["driver"], entry["pool"], entry["device"])) != manager
+            if owners.get((entry["driver"], entry["pool"], entry["device"], entry.get("shareID", ""))) != manager
         ]
         new = [*kept, *devices]
         if causes := resource_claim_status_causes(claim, new):
@@ -8210,7 +8568,7 @@ class ApiServerSimulator:
             return
         claim.setdefault("status", {})["devices"] = new
         for entry in devices:
-            owners[entry["driver"], entry["pool"], entry["device"]] = manager
+            owners[entry["driver"], entry["pool"], entry["device"], entry.get("shareID", "")] = manager
         self.status_writes.append((namespace, name, manager))
         self.changed.touch()
         await self._send(connection, stream, h11, 200, claim)
@@ -8246,9 +8604,20 @@ class ApiServerSimulator:
             for taint in device.get("taints") or []
         }
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        # dropDisabledDRAConsumableCapacityFields: unless the old slice used them already
+        old_devices = ((old or {}).get("spec") or {}).get("devices") or []
+        consumable_in_use = any(
+            "allowMultipleAllocations" in device
+            or any("requestPolicy" in capacity for capacity in (device.get("capacity") or {}).values())
+            for device in old_devices
+        )
         for device in (item.get("spec") or {}).get("devices") or []:
             if "DRADeviceTaints" in self.disabled_gates and not old_taints:
                 device.pop("taints", None)
+            if "DRAConsumableCapacity" in self.disabled_gates and not consumable_in_use:
+                device.pop("allowMultipleAllocations", None)
+                for capacity in (device.get("capacity") or {}).values():
+                    capacity.pop("requestPolicy", None)
             for taint in device.get("taints") or []:
                 if isinstance(taint, dict) and not taint.get("timeAdded"):
                     taint["timeAdded"] = (

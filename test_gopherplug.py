@@ -5085,6 +5085,69 @@ def test_recipe_pods_are_valid_against_the_kubernetes_schema():
     assert result.stdout.count("passed") == len(pods)
 
 
+DRA_RECIPES = ["fuse", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+
+
+def test_dra_recipes_are_valid_against_the_kubernetes_schema():
+    """Each DRA recipe's DeviceClass, ResourceClaimTemplate and Deployment, in the versions that
+    serve resource.k8s.io/v1."""
+    recipes = sorted(str(path.relative_to(HERE)) for path in (HERE / "examples").glob("*/pod-dra.yaml"))
+    assert recipes == [f"examples/{example}/pod-dra.yaml" for example in DRA_RECIPES]
+    for version in ("1.34.0", "1.37.0"):
+        result = check("kubernetes-validate", "--strict", "-k", version, *recipes)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("passed") == 3 * len(recipes)
+
+
+@pytest.mark.parametrize("example", DRA_RECIPES)
+async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
+    """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
+    is published shared by 100 claims; the Deployment's pods each get a claim from the template,
+    allocated one share (as the scheduler would: the class's device, a shareID each), and each is
+    prepared with a CDI device of its own whose node is the one node."""
+    make_tree, _, _, specs = RECIPES[example]
+    dev = dra_node.root / "dev"
+    make_tree(str(dev), str(dra_node.root / "sys"))
+    config = yaml.safe_load((HERE / "examples" / example / "config-dra.yaml").read_text())
+    (resource,) = config["resources"]
+    resource["directory"] = str(dev) + resource["directory"].removeprefix("/dev")
+    resource["cdi"] = {"kind": f"{DRIVER}/{example}", "spec_dir": dra_node.cdi["spec_dir"]}  # the default kind
+    config["dra"]["kubelet_dir"] = str(dra_node.kubelet_dir)
+    config.update(device_plugin_dir=str(dra_node.root / "dp"), dev_root=str(dev))
+    parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config-dra.yaml")
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / "examples" / example / "pod-dra.yaml").read_text())}
+    selector = docs["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
+    assert f'device.driver == "{DRIVER}"' in selector and f'.resource == "{resource["name"]}"' in selector
+    pods = docs["Deployment"]["spec"]["replicas"]
+    (template_claim,) = docs["Deployment"]["spec"]["template"]["spec"]["resourceClaims"]
+    assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
+    (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == docs["DeviceClass"]["metadata"]["name"]
+    pool = gp.dra_pool_name("node-1", resource["name"])
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(parsed)
+        await dra_node.registered()
+        await dra_node.wait_for_slices([example], pool=pool)
+        (published,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+        assert published["allowMultipleAllocations"] is True
+        assert published["capacity"]["shares"]["value"] == "100"
+        shares = [f"5b0e1c2a-8f4d-4c3e-9a1b-{n:012x}" for n in range(pods)]
+        for number, share in enumerate(shares):
+            made = claim(f"{example}-{number}", f"uid-{number}", requests=[request])
+            result = {"request": request["name"], "driver": DRIVER, "pool": pool, "device": published["name"]}
+            made["status"] = {"allocation": {"devices": {"results": [{**result, "shareID": share}]}}}
+            dra_node.api.put_claim(made)
+        claims = [("default", f"uid-{n}", f"{example}-{n}") for n in range(pods)]
+        answer = await dra_node.kubelet.prepare(DRIVER, claims)
+    assert all(not answer.claims[uid].error for _, uid, _ in claims)
+    names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for _, uid, _ in claims]
+    assert names == [[f"{DRIVER}/{example}={example}-{share}"] for share in shares]
+    for _, uid, _ in claims:
+        [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+        [node] = described["containerEdits"]["deviceNodes"]
+        assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
+
+
 # ------------------------------------------------------------------------------------------------
 # The project's own checks: lint and types, the image and the manifest
 # ------------------------------------------------------------------------------------------------
@@ -5276,6 +5339,27 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     ]
 
 
+def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_container(sockdir):
+    # replicas under DRA alone: each device shared by that many claims; a claim's container gets its
+    # share's CDI device and env var (the scheduler's shareID shown as <shareID>).
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "gopher0").touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", replicas=5))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert (result.returncode, result.stderr) == (0, "")
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"example.com/gopher: 1 device, 1 healthy (each shared by 5 claims), from {tmp_path}/g/*"
+    assert lines[4:] == [
+        "  a claim for a share of device gopher0 (1 of 5) of pool node-1/example.com/gopher gives a container:",
+        "    attributes resource=example.com/gopher, id=gopher0, healthy=true",
+        f"    cdi {DRIVER}/gopher=gopher0-<shareID>",
+        "    env GOPHER_DEVICES_GOPHER0=gopher0",
+        "    env GOPHER_DEVICES_GOPHER0_SHARE=<shareID>",
+    ]
+
+
 def cdi_v110_verdict(kind):
     """What CDI v1.1.0, the library containerd 2.x bundles, makes of a spec's ``kind``: "ok", "error"
     or "panic". Written from ParseQualifier and validateVendorOrClassName in
@@ -5391,9 +5475,9 @@ DRA_BAD_CONFIGS = [
         "cfg.yaml: resources[0].allow_double_booking: is only for api: both",
     ),
     (
-        dra_config("/g", "/k", replicas=2),
-        "cfg.yaml: resources[0].replicas: is for the device-plugin API, and this resource has api: dra "
-        "(pods share a device by sharing one ResourceClaim)",
+        dra_config("/g", "/k", replicas=2, preferred="spread"),
+        "cfg.yaml: resources[0].preferred: is for the device-plugin API, and this resource has api: dra "
+        "(the scheduler chooses devices, by the claim's selectors)",
     ),
     (
         dra_config("/g", "/k", pre_start=["true"]),
@@ -5482,6 +5566,40 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         result = check("kubernetes-validate", "--strict", "-k", version, str(path))
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("passed") == 4
+
+
+def test_dra_replicas_publish_each_device_shared_by_that_many_claims(tmp_path):
+    """replicas: 3 under DRA (KEP-5075): each device allows multiple allocations and has a capacity
+    of 3 shares, of which a claim that asks for nothing consumes 1. The API server takes it (the
+    stand-in, and kubernetes-validate's schema of the versions that have the fields); capacity does
+    not lower the 128 devices a slice may hold, as taints do."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k", replicas=3)).resources
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}") for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 1)}
+    slices = gp.resource_slices(DRIVER, "node-1", resource, devices, 1)
+    assert [len(item["spec"]["devices"]) for item in slices] == [128, 1]
+    assert slices[0]["spec"]["devices"][0] == {
+        "name": "g0",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "g0"},
+            "healthy": {"bool": True},
+        },
+        "allowMultipleAllocations": True,
+        "capacity": {
+            "shares": {
+                "value": "3",
+                "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "3", "step": "1"}},
+            }
+        },
+    }
+    assert [gp.resource_slice_causes(item) for item in slices] == [[], []]
+    (alone,) = gp.parse_config(dra_config("/g", "/k")).resources  # replicas: 1, the default: not shared
+    assert set(gp.dra_device(alone, devices["g0"])) == {"name", "attributes"}
+    path = tmp_path / "slices.yaml"
+    path.write_text(yaml.safe_dump_all(slices))
+    for version in ("1.34.0", "1.37.0"):  # the fields are in resource.k8s.io/v1 since 1.34 (alpha then)
+        result = check("kubernetes-validate", "--strict", "-k", version, str(path))
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def pci_sysfs(root):
@@ -5705,6 +5823,85 @@ def test_dra_api_server_stand_in_refuses_taints_as_the_real_one_does():
     assert gp.dra_unhealthy_taint(DRIVER, long)["value"] == gp.DRA_UNHEALTHY_TAINT_VALUE
 
 
+SHARE_1 = "5b0e1c2a-8f4d-4c3e-9a1b-0d2e3f4a5b61"
+SHARE_2 = "5b0e1c2a-8f4d-4c3e-9a1b-0d2e3f4a5b62"
+SHARE_3 = "5b0e1c2a-8f4d-4c3e-9a1b-0d2e3f4a5b63"
+
+
+def test_dra_api_server_stand_in_refuses_shared_devices_as_the_real_one_does():
+    """validateDevice, validateRequestPolicy (slices), validateUID (results' shareID) and
+    validateDeviceStatus (status entries by shareID) in kubernetes/kubernetes
+    pkg/apis/resource/validation/validation.go."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k", replicas=4)).resources
+    good = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)[0]
+
+    def causes(**device_fields):
+        item = json.loads(json.dumps(good))
+        item["spec"]["devices"][0].update(device_fields)
+        return [f"{c['field']}: {c['message']}" for c in gp.resource_slice_causes(item)]
+
+    def policy(**fields):
+        return {"shares": {"value": "4", "requestPolicy": fields}}
+
+    at = "spec.devices[0].capacity[shares].requestPolicy"
+    assert causes() == []
+    assert causes(allowMultipleAllocations=False) == [f"{at}: Forbidden: allowMultipleAllocations must be true"]
+    assert causes(allowMultipleAllocations=False, capacity={"shares": {"value": "4"}}) == []  # a plain capacity
+    assert causes(capacity={"shares": {"value": "four"}}) == [
+        'spec.devices[0].capacity[shares].value: Invalid value: "four"'
+    ]
+    assert causes(capacity=policy(default="1", validRange={"min": "1"}, validValues=["1"])) == [
+        f'{at}: Forbidden: exactly one policy can be specified, cannot specify "validValues" and "validRange" at '
+        "the same time"
+    ]
+    assert causes(capacity=policy(validRange={"min": "1"})) == [
+        f"{at}.default: Required value: required when validRange is defined"
+    ]
+    assert causes(capacity=policy(default="1", validRange={"max": "4"})) == [
+        f"{at}.validRange.min: Required value: required when validRange is defined"
+    ]
+    assert causes(capacity=policy(default="1", validRange={"min": "1", "max": "5", "step": "1"})) == [
+        f'{at}.validRange.max: Invalid value: "5": max is larger than capacity value: 4'
+    ]
+    assert causes(capacity=policy(default="2", validRange={"min": "1", "max": "4", "step": "2"})) == [
+        f'{at}.validRange.step: Invalid value: "2": value is not a multiple of a given step (2) from (1)',
+        f'{at}.validRange.step: Invalid value: "4": value is not a multiple of a given step (2) from (1)',
+    ]
+    assert causes(capacity=policy(default="1", validRange={"min": "1", "step": "4"})) == [
+        f'{at}.validRange.step: Invalid value: "4": one step 5 is larger than capacity value: 4'
+    ]
+    assert causes(capacity=policy(default="3", validValues=["2", "1"])) == [
+        f'{at}.validValues[1]: Invalid value: "1": values must be sorted in ascending order',
+        f'{at}.validValues: Invalid value: "3": default value is not valid according to the requestPolicy',
+    ]
+    assert causes(capacity={"1shares": {"value": "4"}})[0].startswith(
+        'spec.devices[0].capacity[1shares]: Invalid value: "1shares": a valid C identifier'
+    )
+    crowded = {f"a{i}": {"int": i} for i in range(30)}
+    assert causes(attributes=crowded, capacity={"b": {"value": "1"}, "c": {"value": "1"}, "d": {"value": "1"}}) == [
+        "spec.devices[0]: Invalid value: 33: the total number of attributes and capacities must not exceed 32"
+    ]
+    # Results: a shareID is a lower-case UUID; status entries name theirs.
+    api = gp.ApiServerSimulator()
+    shared = ("gopher", DRIVER, DraNode.POOL, "g0", {"shareID": SHARE_1, "consumedCapacity": {"shares": "1"}})
+    api.put_claim(claim("c1", "uid-1", shared))
+    for bad in (SHARE_1.upper(), "share-1"):
+        with pytest.raises(ValueError) as refused:
+            api.put_claim(claim("c2", "uid-2", ("gopher", DRIVER, DraNode.POOL, "g0", {"shareID": bad})))
+        assert str(refused.value) == (
+            f'ResourceClaim.resource.k8s.io "c2" is invalid: status.allocation.devices.results[0].shareID: Invalid '
+            f'value: "{bad}": uid must be in RFC 4122 normalized form, `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` with '
+            "lowercase hexadecimal characters"
+        )
+    stored = api.claims["default", "c1"]
+    entry = {"driver": DRIVER, "pool": DraNode.POOL, "device": "g0"}
+    assert gp.resource_claim_status_causes(stored, [{**entry, "shareID": SHARE_1}]) == []
+    [unshared] = gp.resource_claim_status_causes(stored, [entry])  # the share is the allocated device
+    assert unshared["message"] == (
+        f'Invalid value: "{DRIVER}/{DraNode.POOL}/g0": must be an allocated device in the claim'
+    )
+
+
 def claim(name, uid, *results, namespace="default", requests=None):
     """A ResourceClaim as the API server returns it; ``results`` are (request, driver, pool, device),
     optionally with a dict of further fields (e.g. {"adminAccess": True}); ``requests`` its spec's."""
@@ -5922,6 +6119,83 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1"]
+
+
+async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across_a_restart(dra_node):
+    """replicas: 3 under DRA: three claims, each allocated one share of gopher0 (a shareID each, as
+    the scheduler writes them), are prepared with a CDI device per share, "<id>-<shareID>", in a
+    spec file of the claim's own: the device's edits plus <ENV>_<ID>_SHARE. The answer carries the
+    shareID. Prepared again, the same answer. Across a plugin restart the checkpoint still names
+    each claim's spec: an unprepare removes it, and a prepare after a reboot (the spec directory
+    is a tmpfs) writes it again. The claims' status entries name their shares."""
+    (dra_node.devices / "gopher0").touch()
+    cdi_dir = dra_node.root / "cdi"
+    config = dra_node.config(replicas=3, device_specs=[{"host_path": "{path}", "container_path": "/dev/{id}"}])
+    shares = {"uid-1": SHARE_1, "uid-2": SHARE_2, "uid-3": SHARE_3}
+    for number, (uid, share) in enumerate(shares.items(), 1):
+        result = ("gopher", DRIVER, DraNode.POOL, "gopher0", {"shareID": share, "consumedCapacity": {"shares": "1"}})
+        dra_node.api.put_claim(claim(f"c{number}", uid, result))
+    claims = [("default", uid, f"c{number}") for number, uid in enumerate(shares, 1)]
+
+    def claim_spec(uid):
+        return cdi_dir / f"example.com-gopher_{uid}.json"
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = MessageToDict(await dra_node.kubelet.prepare(DRIVER, claims))["claims"]
+        assert answer == {
+            uid: {
+                "devices": [
+                    {
+                        "requestNames": ["gopher"],
+                        "poolName": DraNode.POOL,
+                        "deviceName": "gopher0",
+                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}"],
+                        "shareId": share,
+                    }
+                ]
+            }
+            for uid, share in shares.items()
+        }
+        for uid, share in shares.items():
+            [described] = read_spec(claim_spec(uid))["devices"]
+            assert described["name"] == f"gopher0-{share}"
+            assert described["containerEdits"]["env"] == [
+                "GOPHER_DEVICES_GOPHER0=gopher0",
+                f"GOPHER_DEVICES_GOPHER0_SHARE={share}",
+            ]
+            assert [n["path"] for n in described["containerEdits"]["deviceNodes"]] == ["/dev/gopher0"]
+        # The resource's own spec is the device, as before
+        assert [d["name"] for d in read_spec(cdi_dir / "example.com-gopher.json")["devices"]] == ["gopher0"]
+        again = MessageToDict(await dra_node.kubelet.prepare(DRIVER, claims[:1]))["claims"]
+        assert again == {"uid-1": answer["uid-1"]}
+        while len(dra_node.api.status_writes) < 3:
+            await dra_node.api.changed.wait_touched()
+        assert [dra_node.api.claims["default", f"c{n}"]["status"]["devices"][0]["shareID"] for n in (1, 2, 3)] == [
+            SHARE_1,
+            SHARE_2,
+            SHARE_3,
+        ]
+        dra_node.stop()
+        await dra_node.kubelet.wait_until(lambda k: DRIVER not in k.drivers)
+        dra_node.api.claims.clear()  # the checkpoint alone answers now
+        claim_spec("uid-1").unlink()  # a reboot emptied the spec directory
+        await dra_node.start(config)
+        await dra_node.registered()
+        after = MessageToDict(await dra_node.kubelet.prepare(DRIVER, claims[:1]))["claims"]
+        assert after == {"uid-1": answer["uid-1"]}
+        assert read_spec(claim_spec("uid-1"))["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+        gone = await dra_node.kubelet.unprepare(DRIVER, claims[1:2])
+        assert not gone.claims["uid-2"].error
+    assert sorted(p.name for p in cdi_dir.glob("*.json")) == [
+        "example.com-gopher.json",
+        "example.com-gopher_uid-1.json",
+        "example.com-gopher_uid-3.json",
+    ]
+    checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
+    assert sorted(checkpoint["claims"]) == ["uid-1", "uid-3"]
 
 
 PRIORITIZED_REQUESTS = [
@@ -6448,6 +6722,35 @@ async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node
     assert json.loads(checkpoint.read_text())["claims"] == {}
 
 
+async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_device_behind(dra_node, monkeypatch):
+    """A share's CDI spec is written before the checkpoint: when the checkpoint then fails, the
+    claim is not prepared, and its spec goes too (nothing would ever remove it: the checkpoint
+    does not name it). Asked again, it is prepared, spec and all."""
+    failing = True
+    fsync = os.fsync
+
+    def sometimes_failing_fsync(fd):
+        if failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", sometimes_failing_fsync)
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0", {"shareID": SHARE_1})))
+    c1 = [("default", "uid-1", "c1")]
+    spec = Path(dra_node.cdi["spec_dir"]) / "example.com-gopher_uid-1.json"
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=2))
+        await dra_node.registered()
+        answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
+        assert answer.error.startswith("cannot write the checkpoint ")
+        assert not spec.exists()
+        failing = False
+        answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
+    assert list(answer.devices[0].cdi_device_ids) == [f"example.com/gopher=gopher0-{SHARE_1}"]
+    assert read_spec(spec)["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+
+
 async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
     """Starting without it would write over the claims in it: `gopherplug serve` exits 1 with one
     line naming it, and what to do."""
@@ -6822,6 +7125,33 @@ async def test_dra_taints_an_api_server_without_device_taints_drops_are_not_writ
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update"]
     warnings = [r.getMessage() for r in caplog.records if "without some of what was written" in r.getMessage()]
     assert len(warnings) == 1
+    dra_node.stop()
+
+
+async def test_dra_shares_an_api_server_without_consumable_capacity_drops_are_said_once(dra_node, caplog):
+    """An API server whose DRAConsumableCapacity gate is off (before 1.36, or turned off) drops
+    allowMultipleAllocations and the requestPolicy, keeping the capacity's value: the slice is
+    written once, and the log says, once, that the devices are not shared."""
+    dra_node.api.disabled_gates.add("DRAConsumableCapacity")
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=2))
+        await dra_node.wait_for_slices(["gopher0"])
+        (item,) = dra_node.api.slices.values()
+        [device] = item["spec"]["devices"]
+        assert "allowMultipleAllocations" not in device and device["capacity"] == {"shares": {"value": "2"}}
+        (dra_node.devices / "gopher1").touch()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+    with trio.move_on_after(1):  # a write loop would write many times in a second (DRA_WRITES_PER_SECOND)
+        while True:
+            await dra_node.api.changed.wait_touched()
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "update"]
+    said = [r.getMessage() for r in caplog.records if "DRAConsumableCapacity" in r.getMessage()]
+    assert said == [
+        "DRA: the API server dropped allowMultipleAllocations from the devices of example.com/gopher: its feature "
+        "gate DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device goes to one "
+        "claim at a time, and its replicas share nothing until the gate is on"
+    ]
     dra_node.stop()
 
 

@@ -37,6 +37,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import stat
 import subprocess
@@ -1408,3 +1409,132 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
         rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
         assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
+
+
+async def dra_api_and_kubelet(tier: Run, nursery: Any, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
+    """What the test above sets up around the DRA pod: the API server stand-in over TLS with the
+    pod's projected token and service env, and the DRA kubelet stand-in, reading the plugin's
+    endpoint on the host side (the translation's one concession, as said there)."""
+    import trustme
+
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    token = secrets.token_urlsafe(24)
+    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
+    node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+    node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
+    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    in_pod = node.config["dra"]["kubelet_dir"]
+    call_unary = gp.call_unary
+
+    async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
+        answer = await call_unary(socket_path, method, request, timeout=timeout)
+        if method is gp.DRA_METHODS[gp.GET_INFO]:
+            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
+        return answer
+
+    monkeypatch.setattr(gp, "call_unary", host_view)
+    await nursery.start(kubelet.run)
+    return api, kubelet
+
+
+#: How many consumers share the one device in the test below
+SHARES = 3
+
+
+async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_each_with_its_share(
+    tier, nursery, monkeypatch
+):
+    """replicas: 3 in the shipped DRA pod's configuration (its one edit besides the directory): the
+    slice offers gopher0 to 3 claims at once (KEP-5075). Three claims, each allocated one share as
+    the scheduler writes it (a shareID of its own, 1 share consumed), are prepared; three consumer
+    pods, each created with its claim's CDI devices, all open the one node, and containerd reports
+    for each another CDI device, whose env names that consumer's share. Unprepared, the shares'
+    CDI devices are gone from the runtime's spec directory."""
+    node = Node(tier, "daemonset-dra.yaml")
+    node.config["resources"][0]["replicas"] = SHARES
+    # The tier's pods are on the host's network, where another run of the tier may hold the
+    # manifest's metrics port: a free one (metrics are not what this test is about).
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        node.config["metrics_address"] = f"127.0.0.1:{free.getsockname()[1]}"
+    path = node.mknod("gopher0")
+    api, kubelet = await dra_api_and_kubelet(tier, nursery, monkeypatch, node)
+    pool, device = gp.dra_pool_name(NODE_NAME, RESOURCE), gp.dra_device_name("gopher0")
+    kind = node.config["resources"][0]["cdi"]["kind"]
+    claims = [(f"gopher-{n}", str(uuid.uuid4()), str(uuid.uuid4())) for n in range(SHARES)]  # name, UID, shareID
+
+    def shared() -> list[dict[str, Any]]:
+        mine = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
+        return [d for s in mine for d in s["spec"]["devices"] if d.get("allowMultipleAllocations")]
+
+    seen: dict[str, dict[str, Any]] = {}
+    reported: dict[str, dict[str, Any]] = {}
+    with trio.fail_after(TIMEOUT):
+        async with node.running():
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            while not shared():
+                await api.changed.wait_touched()
+            (published,) = shared()
+            tier.outputs["DRA shares: the slice's device as stored"] = published
+            results = {}
+            for name, uid, share in claims:
+                result = {
+                    "request": "gopher",
+                    "driver": DRIVER,
+                    "pool": pool,
+                    "device": device,
+                    "shareID": share,
+                    "consumedCapacity": {gp.DRA_SHARES_CAPACITY: "1"},
+                }
+                api.put_claim(
+                    {
+                        "apiVersion": "resource.k8s.io/v1",
+                        "kind": "ResourceClaim",
+                        "metadata": {"namespace": "default", "name": name, "uid": uid},
+                        "spec": {
+                            "devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}
+                        },
+                        "status": {"allocation": {"devices": {"results": [result]}}},
+                    }
+                )
+                results[name] = result
+            tier.outputs["DRA shares: allocation results"] = list(results.values())
+            answer = await kubelet.prepare(DRIVER, [("default", uid, name) for name, uid, _ in claims])
+            assert all(not answer.claims[uid].error for _, uid, _ in claims), answer
+            async with contextlib.AsyncExitStack() as pods:
+                for name, uid, _ in claims:
+                    pod = Pod(tier, f"dra-{name}")
+                    cdi = [PB.CDIDevice(name=i) for i in kubelet.cdi_devices(uid, "gopher")]
+                    await pods.enter_async_context(
+                        running_pod(tier.containerd, pod, pod.sandbox_config(), [consumer_config(pod, CDI_devices=cdi)])
+                    )
+                    container = pod.container_ids["consumer"]
+                    seen[name] = await consumer_report(tier.containerd, container, str(path))
+                    info = json.loads((await container_status(tier.containerd, container, verbose=True)).info["info"])
+                    reported[name] = {
+                        "CDI devices": [d["name"] for d in info["config"].get("CDI_devices", [])],
+                        "env": sorted(e for e in info["runtimeSpec"]["process"]["env"] if e.startswith("GOPHER")),
+                    }
+            tier.outputs["DRA shares: consumers"] = seen
+            tier.outputs["DRA shares: containerd's report"] = reported
+            gone = await kubelet.unprepare(DRIVER, [("default", uid, name) for name, uid, _ in claims])
+            assert all(not gone.claims[uid].error for _, uid, _ in claims), gone
+            left = sorted(p.name for p in tier.containerd.cdi_dir.iterdir() if any(u in p.name for _, u, _ in claims))
+    assert published["capacity"] == {
+        gp.DRA_SHARES_CAPACITY: {
+            "value": str(SHARES),
+            "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": str(SHARES), "step": "1"}},
+        }
+    }
+    for name, _, share in claims:
+        assert seen[name]["ls exit"] == 0 and f" {DEVICE_MAJOR}, {DEVICE_MINOR} " in seen[name]["ls -l"], seen[name]
+        assert (seen[name]["open exit"], seen[name]["open rw"]) == (0, "opened rw"), seen[name]
+        assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
+        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}"], reported[name]
+        assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
+        if not CGROUP_V2:  # each share's CDI device node rule, in each consumer's device cgroup
+            assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["devices.list (host side)"], seen[name]
+    assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
+    assert left == []
