@@ -848,8 +848,21 @@ class DraConfig:
         return os.path.join(self.plugin_dir, "checkpoint.json")
 
 
-#: A resource's ``api``: which of the kubelet's APIs offer its devices.
-APIS = ("device-plugin", "dra", "both")
+#: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
+#: the two would each give the same device to a pod, neither knowing what the other gave. A cluster
+#: moves a resource from one to the other node by node (the README's "Moving a resource from the
+#: device plugin to DRA"): the scheduler lets DRA serve an extended resource on a node only where the
+#: node's allocatable for it is 0 (kubernetes/kubernetes
+#: pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go), so pods that ask
+#: for it in resources.limits are served by whichever API the node runs.
+APIS = ("device-plugin", "dra")
+
+#: What a file that still says ``api: both`` or ``allow_double_booking`` is told to do instead.
+_ONE_API = (
+    "a node serves a resource through one API: api: device-plugin or api: dra, with the DRA DeviceClass's "
+    "extendedResourceName for pods that ask for it in resources.limits (README: Moving a resource from the "
+    "device plugin to DRA)"
+)
 
 
 @dataclass(frozen=True)
@@ -895,18 +908,18 @@ class ResourceConfig:
     match: tuple[Source, ...] = ()  #: the sources, when more than ``directory`` and ``pattern``
     id_pattern: re.Pattern[str] | None = None  #: its group "id", from the whole name, is the entry's ID
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
-    api: str = "device-plugin"  #: one of APIS: the device-plugin API, DRA, or both
+    api: str = "device-plugin"  #: one of APIS: the device-plugin API or DRA
     allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
 
     @property
     def device_plugin(self) -> bool:
-        """Whether the device-plugin API offers the devices (api device-plugin or both)."""
-        return self.api != "dra"
+        """Whether the device-plugin API offers the devices (api: device-plugin)."""
+        return self.api == "device-plugin"
 
     @property
     def dra(self) -> bool:
-        """Whether ResourceSlices offer the devices to DRA (api dra or both)."""
-        return self.api != "device-plugin"
+        """Whether ResourceSlices offer the devices to DRA (api: dra)."""
+        return self.api == "dra"
 
     @property
     def sources(self) -> tuple[Source, ...]:
@@ -947,7 +960,7 @@ class Config:
     source: str = "<config>"  #: the file it came from, for messages
     sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
     dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
-    dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra or both
+    dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra
     metrics_address: str | None = None  #: "host:port" to serve Prometheus metrics on; None: no metrics
     #: likely mistakes that are valid all the same, each a line like a ConfigError's ("file: key: problem")
     warnings: tuple[str, ...] = ()
@@ -1192,7 +1205,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                 raise ConfigError(source, f"resources[{index}].name", problem)
         resources.append(resource)
     if dra is not None and not any(resource.dra for resource in resources):
-        raise ConfigError(source, "dra", "no resource has api: dra or both, so the driver would offer nothing")
+        raise ConfigError(source, "dra", "no resource has api: dra, so the driver would offer nothing")
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
@@ -1287,7 +1300,6 @@ _RESOURCE_KEYS = {
     "pre_start_timeout",
     "allowed_host_paths",
     "api",
-    "allow_double_booking",
     "whole_dev",
     "allow_mounted",
 }
@@ -1297,6 +1309,8 @@ MAX_REPLICAS = 1000
 def _parse_resource(
     entry: Any, source: str, where: str, dev_root: str = "/dev", dra: DraConfig | None = None
 ) -> ResourceConfig:
+    if isinstance(entry, dict) and "allow_double_booking" in entry:  # before _mapping's "unknown key"
+        raise ConfigError(source, f"{where}.allow_double_booking", f"is no longer accepted: {_ONE_API}")
     data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
@@ -1448,24 +1462,15 @@ MAX_DRIVER_NAME = 63
 
 
 def _parse_api(data: dict[str, Any], source: str, where: str, dra: DraConfig | None) -> str:
-    """``api``, with ``allow_double_booking``: which APIs offer the devices."""
+    """``api``: which API offers the devices on this node."""
     api = data.get("api", "device-plugin")
+    if api == "both":
+        raise ConfigError(source, f"{where}.api", f"both is no longer accepted: {_ONE_API}")
     if api not in APIS:
         raise ConfigError(source, f"{where}.api", f"{api!r}: must be one of {', '.join(APIS)}")
     if api != "device-plugin" and dra is None:
         problem = f"{api} needs the DRA driver: add dra: {{driver: <name>}} at the top of the file"
         raise ConfigError(source, f"{where}.api", problem)
-    allowed = data.get("allow_double_booking", False)
-    if not isinstance(allowed, bool):
-        raise ConfigError(source, f"{where}.allow_double_booking", f"{allowed!r}: must be true or false")
-    if api == "both" and not allowed:
-        problem = (
-            "both offers every device twice, to the device-plugin API and to DRA, and neither knows what the other "
-            "gave: one device can go to two pods at once. Add allow_double_booking: true if that is what you want"
-        )
-        raise ConfigError(source, f"{where}.api", problem)
-    if allowed and api != "both":
-        raise ConfigError(source, f"{where}.allow_double_booking", "is only for api: both")
     if api != "device-plugin" and len(data["name"]) > DRA_ATTRIBUTE_MAX_LENGTH:
         problem = f"with api: {api}, the name is a device attribute: at most {DRA_ATTRIBUTE_MAX_LENGTH} characters"
         raise ConfigError(source, f"{where}.name", problem)

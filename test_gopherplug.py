@@ -708,19 +708,17 @@ def test_example_config_is_valid():
     assert uncommented.sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
     assert uncommented.usb == (gp.UsbSelector("1050", "0407"),)
-    # dra, api and allow_double_booking (without what DRA refuses).
+    # dra and api (without what DRA refuses).
     dra = (
         text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
     )
-    dra = dra.replace("    # api: device-plugin", "    api: both").replace(
-        "    # allow_double_booking: false", "    allow_double_booking: true"
-    )
+    dra = dra.replace("    # api: device-plugin", "    api: dra")
     dra = re.sub(r"    annotations:\n(      .*\n)+", "", dra)
-    for key in ("pre_start", "pre_start_timeout"):
+    for key in ("pre_start", "pre_start_timeout", "replicas", "preferred"):
         dra = re.sub(rf"    {key}:.*\n", "", dra)
     parsed = gp.parse_config(dra)
     assert parsed.dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet")
-    assert parsed.resources[0].api == "both"
+    assert parsed.resources[0].api == "dra"
 
 
 def resources(**fields):
@@ -761,9 +759,9 @@ BAD_CONFIGS = [
     ),
     (
         resources(colour="blue"),
-        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_double_booking, allow_mounted, "
-        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, usb, whole_dev",
+        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
+        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
+        "pre_start_timeout, preferred, replicas, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -3012,12 +3010,13 @@ async def test_reload_that_changes_what_the_kubelet_was_told_registers_again(nur
         ({}, {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}, False),
         ({}, {"pre_start": ["/bin/true"]}, True),
         ({"pre_start": ["/bin/true"]}, {"pre_start": ["/bin/false"], "pre_start_timeout": 3}, False),
-        ({"api": "dra"}, {"api": "both", "allow_double_booking": True}, True),
+        ({}, {"api": "dra"}, True),
     ],
 )
 def test_register_again_only_when_what_the_kubelet_was_told_changes(node, old, new, again):
-    top = {"dra": {"driver": "gopher.example.com"}} if "api" in new else {}
-    [before], [after] = node.config(top=top, **old).resources, node.config(top=top, **new).resources
+    top = {"dra": {"driver": "gopher.example.com"}}
+    before = node.config(top=top if "api" in old else (), **old).resources[0]
+    after = node.config(top=top if "api" in new else (), **new).resources[0]
     assert gp.register_again(before, after) is again
 
 
@@ -5219,8 +5218,6 @@ def test_dra_config_defaults():
     (resource,) = config.resources
     assert (resource.dra, resource.device_plugin) == (True, False)
     assert resource.cdi == gp.CDIConfig(f"{DRIVER}/gopher")  # DRA gives devices only as CDI devices
-    both = gp.parse_config(dra_config("/g", "/k", api="both", allow_double_booking=True), "cfg.yaml")
-    assert (both.resources[0].dra, both.resources[0].device_plugin) == (True, True)
     assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
 
 
@@ -5256,17 +5253,12 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     path = tmp_path / "cfg.yaml"
     mounts = [{"host_path": "/etc/gophers", "container_path": "/run/{id}", "read_only": True}]
     specs = [{"host_path": "{path}", "container_path": "/dev/{id}", "permissions": "rw"}]
-    both = {"api": "both", "allow_double_booking": True, "allowed_host_paths": ["/etc/gophers"]}
-    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", mounts=mounts, device_specs=specs, **both))
+    allowed = {"allowed_host_paths": ["/etc/gophers"]}
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", mounts=mounts, device_specs=specs, **allowed))
     result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
     assert (result.returncode, result.stderr) == (0, "")
     name = gp.dra_device_name("Gopher0")
     assert result.stdout.splitlines()[4:] == [
-        "  Allocate Gopher0 gives a container:",  # api: both: the device-plugin API's answer too
-        f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
-        "    mount /run/Gopher0 <- /etc/gophers ro",
-        "    env GOPHER_DEVICES=Gopher0",
-        f"    cdi {DRIVER}/gopher=Gopher0",
         f"  a claim for device {name} of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=Gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=Gopher0",
@@ -5379,16 +5371,19 @@ DRA_BAD_CONFIGS = [
         resources(api="dra"),
         "cfg.yaml: resources[0].api: dra needs the DRA driver: add dra: {driver: <name>} at the top of the file",
     ),
-    (resources(api="cdi"), "cfg.yaml: resources[0].api: 'cdi': must be one of device-plugin, dra, both"),
+    (resources(api="cdi"), "cfg.yaml: resources[0].api: 'cdi': must be one of device-plugin, dra"),
+    # Accepted before 0.2: what a node that served a resource twice is told to do instead.
     (
-        dra_config("/g", "/k", api="both"),
-        "cfg.yaml: resources[0].api: both offers every device twice, to the device-plugin API and to DRA, and "
-        "neither knows what the other gave: one device can go to two pods at once. Add allow_double_booking: true "
-        "if that is what you want",
+        dra_config("/g", "/k", api="both", allow_double_booking=True),
+        "cfg.yaml: resources[0].allow_double_booking: is no longer accepted: a node serves a resource through one "
+        "API: api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for "
+        "it in resources.limits (README: Moving a resource from the device plugin to DRA)",
     ),
     (
-        dra_config("/g", "/k", allow_double_booking=True),
-        "cfg.yaml: resources[0].allow_double_booking: is only for api: both",
+        dra_config("/g", "/k", api="both"),
+        "cfg.yaml: resources[0].api: both is no longer accepted: a node serves a resource through one API: "
+        "api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for it "
+        "in resources.limits (README: Moving a resource from the device plugin to DRA)",
     ),
     (
         dra_config("/g", "/k", replicas=2),
@@ -5402,7 +5397,7 @@ DRA_BAD_CONFIGS = [
     ),
     (
         dra_config("/g", "/k", api="device-plugin"),
-        "cfg.yaml: dra: no resource has api: dra or both, so the driver would offer nothing",
+        "cfg.yaml: dra: no resource has api: dra, so the driver would offer nothing",
     ),
     (
         dra_config("/g", "/k").replace(DRIVER, "Gopherplug"),
@@ -7425,7 +7420,7 @@ def test_readme_configuration_table_lists_every_key_the_parser_accepts():
     top = _accepted_keys({"zzz": 1, "resources": [resource]}, "")
     dra = _accepted_keys({"dra": {"zzz": 1}, "resources": [resource]}, "dra")
     per_resource = _accepted_keys({"resources": [{**resource, "zzz": 1}]}, "resources[0]")
-    assert {"device_plugin_dir", "dra", "resources", "api", "allow_double_booking"} <= top | per_resource
+    assert {"device_plugin_dir", "dra", "resources", "api"} <= top | per_resource
     assert {"driver", "kubelet_dir"} <= dra
     for key in top:
         assert key in rows, f"README's configuration table lacks {key}"
