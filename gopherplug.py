@@ -5151,6 +5151,11 @@ API_WATCH_SECONDS = 300.0
 #: How often the Node is asked for again while the slices are published without it as their owner.
 DRA_OWNER_RETRY_SECONDS = 60.0
 
+#: How often the Node is asked for again while a resource is held back because the Node's
+#: allocatable still has it: the kubelet writes its node status every 10 s
+#: (nodeStatusUpdateFrequency), so once the device plugin is gone this sees 0 within about as long.
+DRA_HELD_RECHECK_SECONDS = 10.0
+
 #: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
 #: write that succeeds can still be undone at once (another writer, an admission webhook that
 #: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
@@ -5736,10 +5741,15 @@ class KubeApi:
             )
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        """The Node's name and UID (all a slice's owner reference needs), as its metadata."""
+        """The Node's name and UID (what a slice's owner reference needs), as its metadata, and its
+        status.allocatable (whether a device plugin still serves a resource here)."""
         with self._errors(f"get Node {name}"):
             node = await self._client.get(self._node, name)
-            return {"metadata": {"name": node.metadata.name, "uid": node.metadata.uid}}
+            allocatable = dict((node.status.allocatable if node.status else None) or {})
+            return {
+                "metadata": {"name": node.metadata.name, "uid": node.metadata.uid},
+                "status": {"allocatable": {key: str(value) for key, value in allocatable.items()}},
+            }
 
     def _fields(self, node_name: str, driver: str) -> dict[str, str]:
         # Both are field selectors the API server supports for ResourceSlices.
@@ -5792,6 +5802,16 @@ class SlicePublisher:
     slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
     that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
     A watch that expired (410) is followed by a new list at once.
+
+    A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
+    device plugin serves it on this node, so pods that ask for it in resources.limits get its
+    devices from there, and the scheduler would give the same devices to claims through DRA. Its
+    slices are not written (and any left are deleted) until the allocatable is 0, which the kubelet
+    reports at once when the device plugin's endpoint is gone (GetCapacity in kubernetes/kubernetes
+    pkg/kubelet/cm/devicemanager/manager.go); the Node is read again every DRA_HELD_RECHECK_SECONDS
+    meanwhile. The scheduler follows the same rule from the other side: it serves an extended
+    resource through DRA on a node only where the allocatable for it is 0 (filterExtendedResources in
+    pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
     """
 
     def __init__(self, resources: DraResources, api: Any) -> None:
@@ -5815,6 +5835,10 @@ class SlicePublisher:
         #: The Node's UID, for the slices' owner reference; None until the API server told it
         self.node_uid: str | None = None
         self._owner_warned = False
+        #: Resource name -> the Node's allocatable for it, while it is more than 0 and the resource's
+        #: devices are held back from DRA
+        self.held: dict[str, str] = {}
+        self._weighed: set[str] = set()  # the resources the last read of the Node was held against
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -5879,8 +5903,9 @@ class SlicePublisher:
                         nursery.cancel_scope.cancel()
                         continue
                     self.synced.set(self.synced.value + 1)
-                    if self.node_uid is None:  # published without an owner: ask for the Node again later
-                        with trio.move_on_after(DRA_OWNER_RETRY_SECONDS):
+                    if self.node_uid is None or self.held:
+                        # Published without an owner, or a resource held back: ask for the Node again later.
+                        with trio.move_on_after(DRA_HELD_RECHECK_SECONDS if self.held else DRA_OWNER_RETRY_SECONDS):
                             await woken.wait()
                         nursery.cancel_scope.cancel()
                         continue
@@ -5899,12 +5924,14 @@ class SlicePublisher:
     async def _owner(self) -> str:
         """The Node's UID ("" when it cannot be had: the slices go out without an owner).
 
-        Asked of the API server once, and again after any of our slices was deleted. A 403 (the
+        Asked of the API server once, again after any of our slices was deleted, and at every pass
+        while a resource is held back or one came that the last answer was not held against (its
+        allocatable is read from the same Node). A 403 (the
         ClusterRole of an older manifest has no `get` on nodes) or a 404 (NODE_NAME is not a
         Node's name) must not stop the devices from being published: warned about once, and asked
         again every DRA_OWNER_RETRY_SECONDS. Other failures are the API server's: raised, retried.
         """
-        if self.node_uid is not None:
+        if self.node_uid is not None and not self.held and self._weighed >= self.resources.served.keys():
             return self.node_uid
         node = self.resources.node_name
         try:
@@ -5926,7 +5953,34 @@ class SlicePublisher:
                 )
             return ""
         self.node_uid = str(found.get("metadata", {}).get("uid") or "")
+        self._hold(node, found)
         return self.node_uid
+
+    def _hold(self, node: str, found: Mapping[str, Any]) -> None:
+        """Hold back the resources the Node's allocatable still counts; release those it no longer does."""
+        allocatable = (found.get("status") or {}).get("allocatable") or {}
+        held = {}
+        for resource, _ in self.resources.served.values():
+            # A quantity ("2", "0", "1k") is more than 0 when it has a digit other than 0: the
+            # kubelet writes a device plugin's healthy count there, a whole number.
+            quantity = str(allocatable.get(resource.name, "0"))
+            if any(digit in quantity for digit in "123456789"):
+                held[resource.name] = quantity
+        self._weighed = set(self.resources.served)
+        for name, quantity in held.items():
+            if name not in self.held:
+                log.warning(
+                    "DRA: %s: node %s's allocatable still has %s of it: a device plugin serves it on this node, "
+                    "so its devices are held back from DRA until that is 0 (a node serves a resource through "
+                    "one API: stop the device plugin here, see the README's Moving a resource from the device "
+                    "plugin to DRA)",
+                    name,
+                    node,
+                    quantity,
+                )
+        for name in self.held.keys() - held.keys():
+            log.info("DRA: %s: node %s's allocatable for it is 0 now: its devices are offered to DRA", name, node)
+        self.held = held
 
     async def _sync(self) -> float | None:
         """One pass: every pool's slices as they should be, stale ones deleted; each pool, and each
@@ -5938,7 +5992,7 @@ class SlicePublisher:
         now = trio.current_time()
         pools = []
         for resource, devices in list(self.resources.served.values()):
-            if devices.value is not RETIRED:
+            if devices.value is not RETIRED and resource.name not in self.held:
                 pool = dra_pool_name(node, resource.name)
                 slices = resource_slices(
                     driver, node, resource, devices.value, 0, owner, self.resources.unhealthy_taint
@@ -6872,6 +6926,14 @@ class KubeletSimulator:
         """Return once ``predicate(self)`` is true; checked after every change the simulator sees."""
         while not predicate(self):
             await self._changed.wait_touched()
+
+    def allocatable(self) -> dict[str, str]:
+        """The node's status.allocatable for the device plugins' resources, as the kubelet writes it:
+        each registered name with its healthy devices, 0 at once when its plugin's stream ended (the
+        device manager marks them all unhealthy; GetCapacity in kubernetes/kubernetes
+        pkg/kubelet/cm/devicemanager/manager.go keeps the name at 0 until endpointStopGracePeriod,
+        5 minutes, has passed, then removes it: that removal is not modelled)."""
+        return {name: str(resource.allocatable) for name, resource in self.resources.items()}
 
     async def allocate(self, resource_name: str, device_ids: Iterable[str]) -> Any:
         """Call Allocate for one container, as the kubelet does while admitting a pod.
@@ -8076,6 +8138,7 @@ class ApiServerSimulator:
         self.tokens = tokens
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
+        self.node_reads: list[str] = []  #: the name of each Node read (GET), in order
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
         #: (namespace, claim name, field manager) of each status.devices applied, in order
@@ -8220,9 +8283,13 @@ class ApiServerSimulator:
         self.changed.touch()
         await self._send(connection, stream, h11, 200, claim)
 
-    def put_node(self, name: str, uid: str) -> None:
-        """A Node, as the kubelet registers it: what a slice's owner reference names."""
+    def put_node(self, name: str, uid: str, allocatable: Mapping[str, str] | None = None) -> None:
+        """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
+        is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
+        the extended resources of device plugins); None: no status."""
         self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+        if allocatable is not None:
+            self.nodes[name]["status"] = {"allocatable": dict(allocatable)}
 
     def delete_node(self, name: str) -> None:
         """Delete a Node, and then what the garbage collector deletes: every slice whose owner
@@ -8336,6 +8403,8 @@ class ApiServerSimulator:
         method, path = request.method.decode(), url.path
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             name = path.removeprefix("/api/v1/nodes/")
+            self.node_reads.append(name)
+            self.changed.touch()
             if (node := self.nodes.get(name)) is None:
                 await self._send(connection, stream, h11, 404, _status(404, "NotFound", f'nodes "{name}" not found'))
             else:

@@ -6667,6 +6667,31 @@ async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_lat
     ]
 
 
+async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_until_it_is_0(
+    dra_node, monkeypatch, caplog
+):
+    """A node serves a resource through one API. While the Node's allocatable still counts it (a
+    device plugin serves it there, and pods that ask for it in resources.limits get its devices
+    from that plugin), its slices are not published: the scheduler would give the same devices to
+    claims. Once the kubelet reports 0 (the device plugin gone), they are, with no restart."""
+    monkeypatch.setattr(gp, "DRA_HELD_RECHECK_SECONDS", 0.05)
+    dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "2"})
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        while len(dra_node.api.node_reads) < 3:  # each pass reads the Node first: two passes done
+            await dra_node.api.changed.wait_touched()
+        assert dra_node.api.slices == {}
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "0"})
+        await dra_node.wait_for_slices(["gopher0"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "DRA: example.com/gopher: node node-1's allocatable still has 2 of it: a device plugin serves it on this "
+        "node, so its devices are held back from DRA until that is 0 (a node serves a resource through one API: "
+        "stop the device plugin here, see the README's Moving a resource from the device plugin to DRA)"
+    ]
+
+
 class ScriptedSliceApi:
     """The slice requests of KubeApi, scripted: the watch yields what the test sends down
     ``events``; create_slice answers only once ``before_answer`` (awaited with the item) returns."""
