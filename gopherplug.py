@@ -99,6 +99,7 @@ import tempfile
 import time
 import types
 import urllib.parse
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -151,12 +152,15 @@ __all__ = [
     "KubeApi",
     "KubeletSimulator",
     "Method",
+    "Placement",
     "RPCError",
     "ResourceConfig",
     "ResourceStatus",
+    "SchedulerSimulator",
     "Source",
     "StatusCode",
     "UnexpectedAdmissionError",
+    "UnschedulableError",
     "UsbDevice",
     "UsbSelector",
     "allocate_response",
@@ -7737,6 +7741,39 @@ class DraKubeletSimulator:
             for cdi_id in device.cdi_device_ids
         ]
 
+    async def prepare_extended_resources(self, pod: Mapping[str, Any], claim: Mapping[str, Any]) -> None:
+        """Prepare the claim the scheduler made for ``pod``'s extended resources (the one its
+        status.extendedResourceClaimStatus names), as the kubelet's DRA manager prepares a pod's
+        claims before its containers start: NodePrepareResources to each driver of its results
+        (PrepareResources in kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Raises
+        ClaimError with the driver's error for the claim, which fails the pod's start."""
+        status = pod["status"]["extendedResourceClaimStatus"]
+        metadata = claim["metadata"]
+        if metadata["name"] != status["resourceClaimName"]:
+            raise ValueError(f"pod {pod['metadata']['name']} names claim {status['resourceClaimName']}")
+        results = claim["status"]["allocation"]["devices"]["results"]
+        for driver in sorted({result["driver"] for result in results}):
+            response = await self.prepare(driver, [(metadata["namespace"], metadata["uid"], metadata["name"])])
+            if error := response.claims[metadata["uid"]].error:
+                raise ClaimError(error)
+
+    def extended_resource_cdi_devices(
+        self, pod: Mapping[str, Any], claim: Mapping[str, Any], container_name: str
+    ) -> list[str]:
+        """The CDI device IDs a container of ``pod`` gets for the extended resources DRA serves it:
+        for each such name it asks for, the prepared devices of every request the pod's
+        extendedResourceClaimStatus maps that container and name to (GetResources in
+        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; cdi_devices per request)."""
+        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == container_name]
+        mappings = pod["status"]["extendedResourceClaimStatus"]["requestMappings"]
+        return [
+            cdi_id
+            for name in _extended_requests(container)
+            for mapping in mappings
+            if mapping["containerName"] == container_name and mapping["resourceName"] == name
+            for cdi_id in self.cdi_devices(claim["metadata"]["uid"], mapping["requestName"])
+        ]
+
     async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
         """NodeUnprepareResources for (namespace, uid, name) claims; the response. A claim
         unprepared without error is forgotten for ``cdi_devices``."""
@@ -8512,6 +8549,259 @@ class ApiServerSimulator:
                     await stream.send_all(connection.send(h11.Data(data=line)))
                 since = max(since, version)
             await changed.wait()
+
+
+#: The extended resource name every DeviceClass answers to without extendedResourceName:
+#: "deviceclass.resource.kubernetes.io/<class name>" (k8s.io/api resource/v1 types.go,
+#: ResourceDeviceClassPrefix).
+IMPLICIT_EXTENDED_RESOURCE_PREFIX = "deviceclass.resource.kubernetes.io/"
+
+#: The annotation that marks the claim the scheduler makes for a pod's extended resources
+#: (ExtendedResourceClaimAnnotation in k8s.io/api resource/v1 types.go).
+EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
+
+
+class UnschedulableError(GopherplugError):
+    """The simulated scheduler's verdict that a pod does not fit the node: it stays Pending, and
+    the reason is its plugin's, as the pod's FailedScheduling event shows it."""
+
+
+@dataclass
+class Placement:
+    """Where SchedulerSimulator put a pod's extended resources on its node."""
+
+    node: str
+    device_plugin: dict[str, int]  #: name -> count, left to the node's device plugin (noderesources fit)
+    claim: dict[str, Any] | None  #: the claim made and allocated for the rest (DRA), as stored; None: none
+
+
+class SchedulerSimulator:
+    """A stand-in for kube-scheduler's decision about a pod's extended resources on one node
+    (KEP-5004, extended resources served by DRA), following
+    kubernetes/kubernetes pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go:
+
+    - each extended resource a container asks for (requests, or limits as the API server defaults
+      requests from them) goes to DRA when a DeviceClass maps it (``spec.extendedResourceName``,
+      or the implicit "deviceclass.resource.kubernetes.io/<class>") and the node's allocatable for
+      it is 0 or absent; to the device plugin when the allocatable has it (the noderesources fit
+      plugin then wants as many as asked: "Insufficient <name>"); neither: "cannot fit resource";
+    - the names DRA serves become one ResourceClaim owned by the pod, generateName
+      "<pod>-extended-resources-", annotated EXTENDED_RESOURCE_CLAIM_ANNOTATION, one request per
+      container and name, "container-<i>-request-<j>" (i: the container's index, j: the name's
+      index among the container's sorted request names), exactly that many devices of the class;
+    - the claim is allocated from the node's ResourceSlices (newest generation of each pool,
+      structured/pools.go) as the allocator does: a device the class's and the request's CEL
+      selectors select (evaluated for real, with cel-python from the test extra); not one already
+      allocated to another claim, unless the request or that result has admin access; not one with
+      a NoSchedule or NoExecute taint the request does not tolerate (allTaintsTolerated in
+      k8s.io/dynamic-resource-allocation structured); too few: "cannot allocate all claims";
+    - the claim is stored in ``api`` (ApiServerSimulator.put_claim), and the pod's
+      status.extendedResourceClaimStatus names it with the request of each container and name
+      (patchPodExtendedResourceClaimStatus).
+
+    Init containers with extended resources are refused (ValueError): the scheduler's sharing of
+    requests between them and the containers is not modelled; neither are other pods on the node.
+    """
+
+    def __init__(self, api: ApiServerSimulator, device_classes: Iterable[Mapping[str, Any]]) -> None:
+        self.api = api
+        self.device_classes = list(device_classes)  #: DeviceClass objects, e.g. daemonset-dra.yaml's
+        self._cel: dict[str, Any] = {}  # expression -> compiled program
+
+    def device_class(self, resource_name: str) -> Mapping[str, Any] | None:
+        """The DeviceClass that serves an extended resource name, explicitly or implicitly."""
+        for device_class in self.device_classes:
+            implicit = IMPLICIT_EXTENDED_RESOURCE_PREFIX + device_class["metadata"]["name"]
+            if resource_name in (device_class["spec"].get("extendedResourceName"), implicit):
+                return device_class
+        return None
+
+    def schedule(self, pod: dict[str, Any], node: str) -> Placement:
+        """Place ``pod`` (a Pod object: metadata with name, namespace and uid; spec.containers) on
+        ``node``, or raise UnschedulableError. Writes spec.nodeName, and the claim's status into
+        status.extendedResourceClaimStatus, into ``pod``, as the scheduler's bind and status patch do."""
+        if any(_extended_requests(c) for c in pod["spec"].get("initContainers") or []):
+            raise ValueError("SchedulerSimulator does not model init containers with extended resources")
+        containers = pod["spec"]["containers"]
+        asked: dict[str, int] = {}
+        for container in containers:
+            for name, count in _extended_requests(container).items():
+                asked[name] = asked.get(name, 0) + count
+        allocatable = ((self.api.nodes[node].get("status") or {}).get("allocatable")) or {}
+        device_plugin, dra = {}, {}
+        for name, count in sorted(asked.items()):
+            has = int(allocatable.get(name, "0"))
+            if self.device_class(name) is not None and has == 0:
+                dra[name] = count
+            elif name not in allocatable:
+                raise UnschedulableError(f"cannot fit resource {name}")
+            elif count > has:
+                raise UnschedulableError(f"Insufficient {name}")
+            else:
+                device_plugin[name] = count
+        claim = None
+        if dra:
+            claim = self._claim(pod, node, containers, dra)
+        pod["spec"]["nodeName"] = node
+        return Placement(node, device_plugin, claim)
+
+    def _claim(
+        self, pod: dict[str, Any], node: str, containers: list[dict[str, Any]], dra: dict[str, int]
+    ) -> dict[str, Any]:
+        metadata = pod["metadata"]
+        requests: list[dict[str, Any]] = []
+        mappings: list[dict[str, str]] = []
+        for index, container in enumerate(containers):
+            names = sorted(_container_requests(container))
+            for name, count in sorted(_extended_requests(container).items()):
+                if name not in dra:
+                    continue
+                device_class = self.device_class(name)
+                assert device_class is not None
+                request = f"container-{index}-request-{names.index(name)}"
+                exactly = {"deviceClassName": device_class["metadata"]["name"], "allocationMode": "ExactCount"}
+                requests.append({"name": request, "exactly": {**exactly, "count": count}})
+                mappings.append({"containerName": container["name"], "resourceName": name, "requestName": request})
+        requests.sort(key=lambda request: str(request["name"]))
+        claim: dict[str, Any] = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {
+                # generateName: the API server appends five random characters
+                "name": f"{metadata['name']}-extended-resources-{uuid.uuid4().hex[:5]}",
+                "namespace": metadata["namespace"],
+                "uid": str(uuid.uuid4()),
+                "annotations": {EXTENDED_RESOURCE_CLAIM_ANNOTATION: "true"},
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": metadata["name"], "uid": metadata["uid"]}
+                    | {"controller": True}
+                ],
+            },
+            "spec": {"devices": {"requests": requests}},
+        }
+        claim["status"] = {"allocation": self.allocate(claim, node)}
+        self.api.put_claim(claim)
+        pod.setdefault("status", {})["extendedResourceClaimStatus"] = {
+            "resourceClaimName": claim["metadata"]["name"],
+            "requestMappings": mappings,
+        }
+        return claim
+
+    def allocate(self, claim: Mapping[str, Any], node: str) -> dict[str, Any]:
+        """The allocation of ``claim``'s exactly-requests on ``node`` as the allocator makes it (see
+        the class), or UnschedulableError("cannot allocate all claims")."""
+        in_use = {
+            (result["driver"], result["pool"], result["device"])
+            for other in self.api.claims.values()
+            if other["metadata"]["uid"] != claim["metadata"]["uid"]
+            for result in (((other.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")
+            or []
+            if not result.get("adminAccess")
+        }
+        devices = self._node_devices(node)
+        results: list[dict[str, Any]] = []
+        for request in claim["spec"]["devices"]["requests"]:
+            exactly = request["exactly"]
+            admin = bool(exactly.get("adminAccess"))
+            device_class = next(
+                (c for c in self.device_classes if c["metadata"]["name"] == exactly["deviceClassName"]), None
+            )
+            if device_class is None:
+                raise UnschedulableError(
+                    f"request {request['name']}: DeviceClass {exactly['deviceClassName']} not found"
+                )
+            selectors = [*(device_class["spec"].get("selectors") or []), *(exactly.get("selectors") or [])]
+            taken = {(r["driver"], r["pool"], r["device"]) for r in results}
+            chosen: list[tuple[str, str, str]] = []
+            for key, device, cel in devices:
+                if len(chosen) == exactly.get("count", 1):
+                    break
+                if key in taken or (key in in_use and not admin):
+                    continue
+                if not all(self._selects(selector["cel"]["expression"], cel) for selector in selectors):
+                    continue
+                if not _tolerates_all(exactly.get("tolerations") or [], device.get("taints") or []):
+                    continue
+                chosen.append(key)
+            if len(chosen) < exactly.get("count", 1):
+                raise UnschedulableError("cannot allocate all claims")
+            for driver, pool, name in chosen:
+                result = {"request": request["name"], "driver": driver, "pool": pool, "device": name}
+                results.append(result | ({"adminAccess": True} if admin else {}))
+        selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        return {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": [selector]}}
+
+    def _node_devices(self, node: str) -> list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]]:
+        """(driver, pool, device), the device, and the device as CEL sees it, of the node's slices
+        of each pool's newest generation, in slice and device order."""
+        slices = [item for item in self.api.slices.values() if item["spec"].get("nodeName") == node]
+        newest: dict[tuple[str, str], int] = {}
+        for item in slices:
+            pool = (item["spec"]["driver"], item["spec"]["pool"]["name"])
+            newest[pool] = max(newest.get(pool, 0), item["spec"]["pool"]["generation"])
+        found = []
+        for item in sorted(slices, key=lambda item: item["metadata"]["name"]):
+            driver, pool = item["spec"]["driver"], item["spec"]["pool"]
+            if pool["generation"] != newest[driver, pool["name"]]:
+                continue
+            for device in item["spec"].get("devices") or []:
+                attributes: dict[str, dict[str, Any]] = {}
+                for qualified, value in (device.get("attributes") or {}).items():
+                    domain, _, short = qualified.rpartition("/")  # no domain: the driver's
+                    attributes.setdefault(domain or driver, {})[short] = next(iter(value.values()))
+                cel = {"driver": driver, "attributes": attributes}
+                found.append(((driver, pool["name"], device["name"]), device, cel))
+        return found
+
+    def _selects(self, expression: str, device: dict[str, Any]) -> bool:
+        import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
+
+        if expression not in self._cel:
+            environment = celpy.Environment()
+            self._cel[expression] = environment.program(environment.compile(expression))
+        result = self._cel[expression].evaluate({"device": celpy.json_to_cel(device)})
+        if isinstance(result, celpy.CELEvalError):
+            # The allocator fails the claim on a CEL runtime error; here the test learns why.
+            raise UnschedulableError(f"CEL {expression!r}: {result}")
+        return bool(result)
+
+
+def _container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's resource requests: limits, then requests over them (the API server defaults
+    requests from limits; an extended resource's must equal its limit)."""
+    resources = container.get("resources") or {}
+    return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+
+
+def _extended_requests(container: Mapping[str, Any]) -> dict[str, int]:
+    """The extended resources a container asks for, more than 0 of each."""
+    return {
+        name: int(count)
+        for name, count in _container_requests(container).items()
+        if int(count) > 0
+        and (name.startswith(IMPLICIT_EXTENDED_RESOURCE_PREFIX) or resource_name_problem(name) is None)
+    }
+
+
+def _tolerates_all(tolerations: list[Mapping[str, Any]], taints: list[Mapping[str, Any]]) -> bool:
+    """Whether a request's tolerations tolerate every NoSchedule and NoExecute taint of a device
+    (allTaintsTolerated in k8s.io/dynamic-resource-allocation structured; the matching rules of a
+    toleration are a pod's: an empty key with Exists matches every taint, an empty effect every effect)."""
+
+    def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+            return False
+        if toleration.get("key") and toleration["key"] != taint.get("key"):
+            return False
+        if toleration.get("operator", "Equal") == "Exists":
+            return True
+        return bool(toleration.get("value", "") == taint.get("value", ""))
+
+    return all(
+        any(tolerates(toleration, taint) for toleration in tolerations)
+        for taint in taints
+        if taint.get("effect") in ("NoSchedule", "NoExecute")
+    )
 
 
 DEMO_DRA_CONFIG = """\
