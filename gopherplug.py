@@ -99,6 +99,7 @@ import tempfile
 import time
 import types
 import urllib.parse
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -152,12 +153,15 @@ __all__ = [
     "KubeApi",
     "KubeletSimulator",
     "Method",
+    "Placement",
     "RPCError",
     "ResourceConfig",
     "ResourceStatus",
+    "SchedulerSimulator",
     "Source",
     "StatusCode",
     "UnexpectedAdmissionError",
+    "UnschedulableError",
     "UsbDevice",
     "UsbSelector",
     "allocate_response",
@@ -875,8 +879,21 @@ class DraConfig:
         return os.path.join(self.plugin_dir, "checkpoint.json")
 
 
-#: A resource's ``api``: which of the kubelet's APIs offer its devices.
-APIS = ("device-plugin", "dra", "both")
+#: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
+#: the two would each give the same device to a pod, neither knowing what the other gave. A cluster
+#: moves a resource from one to the other node by node (the README's "Moving a resource from the
+#: device plugin to DRA"): the scheduler lets DRA serve an extended resource on a node only where the
+#: node's allocatable for it is 0 (kubernetes/kubernetes
+#: pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go), so pods that ask
+#: for it in resources.limits are served by whichever API the node runs.
+APIS = ("device-plugin", "dra")
+
+#: What a file that still says ``api: both`` or ``allow_double_booking`` is told to do instead.
+_ONE_API = (
+    "a node serves a resource through one API: api: device-plugin or api: dra, with the DRA DeviceClass's "
+    "extendedResourceName for pods that ask for it in resources.limits (README: Moving a resource from the "
+    "device plugin to DRA)"
+)
 
 
 @dataclass(frozen=True)
@@ -922,18 +939,18 @@ class ResourceConfig:
     match: tuple[Source, ...] = ()  #: the sources, when more than ``directory`` and ``pattern``
     id_pattern: re.Pattern[str] | None = None  #: its group "id", from the whole name, is the entry's ID
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
-    api: str = "device-plugin"  #: one of APIS: the device-plugin API, DRA, or both
+    api: str = "device-plugin"  #: one of APIS: the device-plugin API or DRA
     allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
 
     @property
     def device_plugin(self) -> bool:
-        """Whether the device-plugin API offers the devices (api device-plugin or both)."""
-        return self.api != "dra"
+        """Whether the device-plugin API offers the devices (api: device-plugin)."""
+        return self.api == "device-plugin"
 
     @property
     def dra(self) -> bool:
-        """Whether ResourceSlices offer the devices to DRA (api dra or both)."""
-        return self.api != "device-plugin"
+        """Whether ResourceSlices offer the devices to DRA (api: dra)."""
+        return self.api == "dra"
 
     @property
     def sources(self) -> tuple[Source, ...]:
@@ -974,7 +991,7 @@ class Config:
     source: str = "<config>"  #: the file it came from, for messages
     sysfs_root: str = "/sys"  #: the host's sysfs (NUMA nodes, USB devices); tests point it at a fake tree
     dev_root: str = "/dev"  #: the host's /dev: where USB devices' nodes are, and implicitly allowed host paths
-    dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra or both
+    dra: DraConfig | None = None  #: the DRA driver, when a resource's api is dra
     metrics_address: str | None = None  #: "host:port" to serve Prometheus metrics on; None: no metrics
     #: likely mistakes that are valid all the same, each a line like a ConfigError's ("file: key: problem")
     warnings: tuple[str, ...] = ()
@@ -1219,7 +1236,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                 raise ConfigError(source, f"resources[{index}].name", problem)
         resources.append(resource)
     if dra is not None and not any(resource.dra for resource in resources):
-        raise ConfigError(source, "dra", "no resource has api: dra or both, so the driver would offer nothing")
+        raise ConfigError(source, "dra", "no resource has api: dra, so the driver would offer nothing")
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
@@ -1314,7 +1331,6 @@ _RESOURCE_KEYS = {
     "pre_start_timeout",
     "allowed_host_paths",
     "api",
-    "allow_double_booking",
     "whole_dev",
     "allow_mounted",
 }
@@ -1324,6 +1340,8 @@ MAX_REPLICAS = 1000
 def _parse_resource(
     entry: Any, source: str, where: str, dev_root: str = "/dev", dra: DraConfig | None = None
 ) -> ResourceConfig:
+    if isinstance(entry, dict) and "allow_double_booking" in entry:  # before _mapping's "unknown key"
+        raise ConfigError(source, f"{where}.allow_double_booking", f"is no longer accepted: {_ONE_API}")
     data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
@@ -1473,24 +1491,15 @@ MAX_DRIVER_NAME = 63
 
 
 def _parse_api(data: dict[str, Any], source: str, where: str, dra: DraConfig | None) -> str:
-    """``api``, with ``allow_double_booking``: which APIs offer the devices."""
+    """``api``: which API offers the devices on this node."""
     api = data.get("api", "device-plugin")
+    if api == "both":
+        raise ConfigError(source, f"{where}.api", f"both is no longer accepted: {_ONE_API}")
     if api not in APIS:
         raise ConfigError(source, f"{where}.api", f"{api!r}: must be one of {', '.join(APIS)}")
     if api != "device-plugin" and dra is None:
         problem = f"{api} needs the DRA driver: add dra: {{driver: <name>}} at the top of the file"
         raise ConfigError(source, f"{where}.api", problem)
-    allowed = data.get("allow_double_booking", False)
-    if not isinstance(allowed, bool):
-        raise ConfigError(source, f"{where}.allow_double_booking", f"{allowed!r}: must be true or false")
-    if api == "both" and not allowed:
-        problem = (
-            "both offers every device twice, to the device-plugin API and to DRA, and neither knows what the other "
-            "gave: one device can go to two pods at once. Add allow_double_booking: true if that is what you want"
-        )
-        raise ConfigError(source, f"{where}.api", problem)
-    if allowed and api != "both":
-        raise ConfigError(source, f"{where}.allow_double_booking", "is only for api: both")
     if api != "device-plugin" and len(data["name"]) > DRA_ATTRIBUTE_MAX_LENGTH:
         problem = f"with api: {api}, the name is a device attribute: at most {DRA_ATTRIBUTE_MAX_LENGTH} characters"
         raise ConfigError(source, f"{where}.name", problem)
@@ -5283,6 +5292,11 @@ API_WATCH_SECONDS = 300.0
 #: How often the Node is asked for again while the slices are published without it as their owner.
 DRA_OWNER_RETRY_SECONDS = 60.0
 
+#: How often the Node is asked for again while a resource is held back because the Node's
+#: allocatable still has it: the kubelet writes its node status every 10 s
+#: (nodeStatusUpdateFrequency), so once the device plugin is gone this sees 0 within about as long.
+DRA_HELD_RECHECK_SECONDS = 10.0
+
 #: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
 #: write that succeeds can still be undone at once (another writer, an admission webhook that
 #: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
@@ -5907,10 +5921,15 @@ class KubeApi:
             )
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        """The Node's name and UID (all a slice's owner reference needs), as its metadata."""
+        """The Node's name and UID (what a slice's owner reference needs), as its metadata, and its
+        status.allocatable (whether a device plugin still serves a resource here)."""
         with self._errors(f"get Node {name}"):
             node = await self._client.get(self._node, name)
-            return {"metadata": {"name": node.metadata.name, "uid": node.metadata.uid}}
+            allocatable = dict((node.status.allocatable if node.status else None) or {})
+            return {
+                "metadata": {"name": node.metadata.name, "uid": node.metadata.uid},
+                "status": {"allocatable": {key: str(value) for key, value in allocatable.items()}},
+            }
 
     def _fields(self, node_name: str, driver: str) -> dict[str, str]:
         # Both are field selectors the API server supports for ResourceSlices.
@@ -5963,6 +5982,16 @@ class SlicePublisher:
     slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
     that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
     A watch that expired (410) is followed by a new list at once.
+
+    A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
+    device plugin serves it on this node, so pods that ask for it in resources.limits get its
+    devices from there, and the scheduler would give the same devices to claims through DRA. Its
+    slices are not written (and any left are deleted) until the allocatable is 0, which the kubelet
+    reports at once when the device plugin's endpoint is gone (GetCapacity in kubernetes/kubernetes
+    pkg/kubelet/cm/devicemanager/manager.go); the Node is read again every DRA_HELD_RECHECK_SECONDS
+    meanwhile. The scheduler follows the same rule from the other side: it serves an extended
+    resource through DRA on a node only where the allocatable for it is 0 (filterExtendedResources in
+    pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
     """
 
     def __init__(self, resources: DraResources, api: Any) -> None:
@@ -5986,6 +6015,10 @@ class SlicePublisher:
         #: The Node's UID, for the slices' owner reference; None until the API server told it
         self.node_uid: str | None = None
         self._owner_warned = False
+        #: Resource name -> the Node's allocatable for it, while it is more than 0 and the resource's
+        #: devices are held back from DRA
+        self.held: dict[str, str] = {}
+        self._weighed: set[str] = set()  # the resources the last read of the Node was held against
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -6050,8 +6083,9 @@ class SlicePublisher:
                         nursery.cancel_scope.cancel()
                         continue
                     self.synced.set(self.synced.value + 1)
-                    if self.node_uid is None:  # published without an owner: ask for the Node again later
-                        with trio.move_on_after(DRA_OWNER_RETRY_SECONDS):
+                    if self.node_uid is None or self.held:
+                        # Published without an owner, or a resource held back: ask for the Node again later.
+                        with trio.move_on_after(DRA_HELD_RECHECK_SECONDS if self.held else DRA_OWNER_RETRY_SECONDS):
                             await woken.wait()
                         nursery.cancel_scope.cancel()
                         continue
@@ -6070,12 +6104,14 @@ class SlicePublisher:
     async def _owner(self) -> str:
         """The Node's UID ("" when it cannot be had: the slices go out without an owner).
 
-        Asked of the API server once, and again after any of our slices was deleted. A 403 (the
+        Asked of the API server once, again after any of our slices was deleted, and at every pass
+        while a resource is held back or one came that the last answer was not held against (its
+        allocatable is read from the same Node). A 403 (the
         ClusterRole of an older manifest has no `get` on nodes) or a 404 (NODE_NAME is not a
         Node's name) must not stop the devices from being published: warned about once, and asked
         again every DRA_OWNER_RETRY_SECONDS. Other failures are the API server's: raised, retried.
         """
-        if self.node_uid is not None:
+        if self.node_uid is not None and not self.held and self._weighed >= self.resources.served.keys():
             return self.node_uid
         node = self.resources.node_name
         try:
@@ -6097,7 +6133,34 @@ class SlicePublisher:
                 )
             return ""
         self.node_uid = str(found.get("metadata", {}).get("uid") or "")
+        self._hold(node, found)
         return self.node_uid
+
+    def _hold(self, node: str, found: Mapping[str, Any]) -> None:
+        """Hold back the resources the Node's allocatable still counts; release those it no longer does."""
+        allocatable = (found.get("status") or {}).get("allocatable") or {}
+        held = {}
+        for resource, _ in self.resources.served.values():
+            # A quantity ("2", "0", "1k") is more than 0 when it has a digit other than 0: the
+            # kubelet writes a device plugin's healthy count there, a whole number.
+            quantity = str(allocatable.get(resource.name, "0"))
+            if any(digit in quantity for digit in "123456789"):
+                held[resource.name] = quantity
+        self._weighed = set(self.resources.served)
+        for name, quantity in held.items():
+            if name not in self.held:
+                log.warning(
+                    "DRA: %s: node %s's allocatable still has %s of it: a device plugin serves it on this node, "
+                    "so its devices are held back from DRA until that is 0 (a node serves a resource through "
+                    "one API: stop the device plugin here, see the README's Moving a resource from the device "
+                    "plugin to DRA)",
+                    name,
+                    node,
+                    quantity,
+                )
+        for name in self.held.keys() - held.keys():
+            log.info("DRA: %s: node %s's allocatable for it is 0 now: its devices are offered to DRA", name, node)
+        self.held = held
 
     async def _sync(self) -> float | None:
         """One pass: every pool's slices as they should be, stale ones deleted; each pool, and each
@@ -6109,7 +6172,7 @@ class SlicePublisher:
         now = trio.current_time()
         pools = []
         for resource, devices in list(self.resources.served.values()):
-            if devices.value is not RETIRED:
+            if devices.value is not RETIRED and resource.name not in self.held:
                 pool = dra_pool_name(node, resource.name)
                 slices = resource_slices(
                     driver, node, resource, devices.value, 0, owner, self.resources.unhealthy_taint
@@ -7059,6 +7122,14 @@ class KubeletSimulator:
         while not predicate(self):
             await self._changed.wait_touched()
 
+    def allocatable(self) -> dict[str, str]:
+        """The node's status.allocatable for the device plugins' resources, as the kubelet writes it:
+        each registered name with its healthy devices, 0 at once when its plugin's stream ended (the
+        device manager marks them all unhealthy; GetCapacity in kubernetes/kubernetes
+        pkg/kubelet/cm/devicemanager/manager.go keeps the name at 0 until endpointStopGracePeriod,
+        5 minutes, has passed, then removes it: that removal is not modelled)."""
+        return {name: str(resource.allocatable) for name, resource in self.resources.items()}
+
     async def allocate(self, resource_name: str, device_ids: Iterable[str]) -> Any:
         """Call Allocate for one container, as the kubelet does while admitting a pod.
 
@@ -7873,6 +7944,39 @@ class DraKubeletSimulator:
             for cdi_id in device.cdi_device_ids
         ]
 
+    async def prepare_extended_resources(self, pod: Mapping[str, Any], claim: Mapping[str, Any]) -> None:
+        """Prepare the claim the scheduler made for ``pod``'s extended resources (the one its
+        status.extendedResourceClaimStatus names), as the kubelet's DRA manager prepares a pod's
+        claims before its containers start: NodePrepareResources to each driver of its results
+        (PrepareResources in kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Raises
+        ClaimError with the driver's error for the claim, which fails the pod's start."""
+        status = pod["status"]["extendedResourceClaimStatus"]
+        metadata = claim["metadata"]
+        if metadata["name"] != status["resourceClaimName"]:
+            raise ValueError(f"pod {pod['metadata']['name']} names claim {status['resourceClaimName']}")
+        results = claim["status"]["allocation"]["devices"]["results"]
+        for driver in sorted({result["driver"] for result in results}):
+            response = await self.prepare(driver, [(metadata["namespace"], metadata["uid"], metadata["name"])])
+            if error := response.claims[metadata["uid"]].error:
+                raise ClaimError(error)
+
+    def extended_resource_cdi_devices(
+        self, pod: Mapping[str, Any], claim: Mapping[str, Any], container_name: str
+    ) -> list[str]:
+        """The CDI device IDs a container of ``pod`` gets for the extended resources DRA serves it:
+        for each such name it asks for, the prepared devices of every request the pod's
+        extendedResourceClaimStatus maps that container and name to (GetResources in
+        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; cdi_devices per request)."""
+        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == container_name]
+        mappings = pod["status"]["extendedResourceClaimStatus"]["requestMappings"]
+        return [
+            cdi_id
+            for name in _extended_requests(container)
+            for mapping in mappings
+            if mapping["containerName"] == container_name and mapping["resourceName"] == name
+            for cdi_id in self.cdi_devices(claim["metadata"]["uid"], mapping["requestName"])
+        ]
+
     async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
         """NodeUnprepareResources for (namespace, uid, name) claims; the response. A claim
         unprepared without error is forgotten for ``cdi_devices``."""
@@ -8428,6 +8532,7 @@ class ApiServerSimulator:
         self.tokens = tokens
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
+        self.node_reads: list[str] = []  #: the name of each Node read (GET), in order
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
         #: (namespace, claim name, field manager) of each status.devices applied, in order
@@ -8573,9 +8678,13 @@ class ApiServerSimulator:
         self.changed.touch()
         await self._send(connection, stream, h11, 200, claim)
 
-    def put_node(self, name: str, uid: str) -> None:
-        """A Node, as the kubelet registers it: what a slice's owner reference names."""
+    def put_node(self, name: str, uid: str, allocatable: Mapping[str, str] | None = None) -> None:
+        """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
+        is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
+        the extended resources of device plugins); None: no status."""
         self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+        if allocatable is not None:
+            self.nodes[name]["status"] = {"allocatable": dict(allocatable)}
 
     def delete_node(self, name: str) -> None:
         """Delete a Node, and then what the garbage collector deletes: every slice whose owner
@@ -8700,6 +8809,8 @@ class ApiServerSimulator:
         method, path = request.method.decode(), url.path
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             name = path.removeprefix("/api/v1/nodes/")
+            self.node_reads.append(name)
+            self.changed.touch()
             if (node := self.nodes.get(name)) is None:
                 await self._send(connection, stream, h11, 404, _status(404, "NotFound", f'nodes "{name}" not found'))
             else:
@@ -8807,6 +8918,259 @@ class ApiServerSimulator:
                     await stream.send_all(connection.send(h11.Data(data=line)))
                 since = max(since, version)
             await changed.wait()
+
+
+#: The extended resource name every DeviceClass answers to without extendedResourceName:
+#: "deviceclass.resource.kubernetes.io/<class name>" (k8s.io/api resource/v1 types.go,
+#: ResourceDeviceClassPrefix).
+IMPLICIT_EXTENDED_RESOURCE_PREFIX = "deviceclass.resource.kubernetes.io/"
+
+#: The annotation that marks the claim the scheduler makes for a pod's extended resources
+#: (ExtendedResourceClaimAnnotation in k8s.io/api resource/v1 types.go).
+EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
+
+
+class UnschedulableError(GopherplugError):
+    """The simulated scheduler's verdict that a pod does not fit the node: it stays Pending, and
+    the reason is its plugin's, as the pod's FailedScheduling event shows it."""
+
+
+@dataclass
+class Placement:
+    """Where SchedulerSimulator put a pod's extended resources on its node."""
+
+    node: str
+    device_plugin: dict[str, int]  #: name -> count, left to the node's device plugin (noderesources fit)
+    claim: dict[str, Any] | None  #: the claim made and allocated for the rest (DRA), as stored; None: none
+
+
+class SchedulerSimulator:
+    """A stand-in for kube-scheduler's decision about a pod's extended resources on one node
+    (KEP-5004, extended resources served by DRA), following
+    kubernetes/kubernetes pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go:
+
+    - each extended resource a container asks for (requests, or limits as the API server defaults
+      requests from them) goes to DRA when a DeviceClass maps it (``spec.extendedResourceName``,
+      or the implicit "deviceclass.resource.kubernetes.io/<class>") and the node's allocatable for
+      it is 0 or absent; to the device plugin when the allocatable has it (the noderesources fit
+      plugin then wants as many as asked: "Insufficient <name>"); neither: "cannot fit resource";
+    - the names DRA serves become one ResourceClaim owned by the pod, generateName
+      "<pod>-extended-resources-", annotated EXTENDED_RESOURCE_CLAIM_ANNOTATION, one request per
+      container and name, "container-<i>-request-<j>" (i: the container's index, j: the name's
+      index among the container's sorted request names), exactly that many devices of the class;
+    - the claim is allocated from the node's ResourceSlices (newest generation of each pool,
+      structured/pools.go) as the allocator does: a device the class's and the request's CEL
+      selectors select (evaluated for real, with cel-python from the test extra); not one already
+      allocated to another claim, unless the request or that result has admin access; not one with
+      a NoSchedule or NoExecute taint the request does not tolerate (allTaintsTolerated in
+      k8s.io/dynamic-resource-allocation structured); too few: "cannot allocate all claims";
+    - the claim is stored in ``api`` (ApiServerSimulator.put_claim), and the pod's
+      status.extendedResourceClaimStatus names it with the request of each container and name
+      (patchPodExtendedResourceClaimStatus).
+
+    Init containers with extended resources are refused (ValueError): the scheduler's sharing of
+    requests between them and the containers is not modelled; neither are other pods on the node.
+    """
+
+    def __init__(self, api: ApiServerSimulator, device_classes: Iterable[Mapping[str, Any]]) -> None:
+        self.api = api
+        self.device_classes = list(device_classes)  #: DeviceClass objects, e.g. daemonset-dra.yaml's
+        self._cel: dict[str, Any] = {}  # expression -> compiled program
+
+    def device_class(self, resource_name: str) -> Mapping[str, Any] | None:
+        """The DeviceClass that serves an extended resource name, explicitly or implicitly."""
+        for device_class in self.device_classes:
+            implicit = IMPLICIT_EXTENDED_RESOURCE_PREFIX + device_class["metadata"]["name"]
+            if resource_name in (device_class["spec"].get("extendedResourceName"), implicit):
+                return device_class
+        return None
+
+    def schedule(self, pod: dict[str, Any], node: str) -> Placement:
+        """Place ``pod`` (a Pod object: metadata with name, namespace and uid; spec.containers) on
+        ``node``, or raise UnschedulableError. Writes spec.nodeName, and the claim's status into
+        status.extendedResourceClaimStatus, into ``pod``, as the scheduler's bind and status patch do."""
+        if any(_extended_requests(c) for c in pod["spec"].get("initContainers") or []):
+            raise ValueError("SchedulerSimulator does not model init containers with extended resources")
+        containers = pod["spec"]["containers"]
+        asked: dict[str, int] = {}
+        for container in containers:
+            for name, count in _extended_requests(container).items():
+                asked[name] = asked.get(name, 0) + count
+        allocatable = ((self.api.nodes[node].get("status") or {}).get("allocatable")) or {}
+        device_plugin, dra = {}, {}
+        for name, count in sorted(asked.items()):
+            has = int(allocatable.get(name, "0"))
+            if self.device_class(name) is not None and has == 0:
+                dra[name] = count
+            elif name not in allocatable:
+                raise UnschedulableError(f"cannot fit resource {name}")
+            elif count > has:
+                raise UnschedulableError(f"Insufficient {name}")
+            else:
+                device_plugin[name] = count
+        claim = None
+        if dra:
+            claim = self._claim(pod, node, containers, dra)
+        pod["spec"]["nodeName"] = node
+        return Placement(node, device_plugin, claim)
+
+    def _claim(
+        self, pod: dict[str, Any], node: str, containers: list[dict[str, Any]], dra: dict[str, int]
+    ) -> dict[str, Any]:
+        metadata = pod["metadata"]
+        requests: list[dict[str, Any]] = []
+        mappings: list[dict[str, str]] = []
+        for index, container in enumerate(containers):
+            names = sorted(_container_requests(container))
+            for name, count in sorted(_extended_requests(container).items()):
+                if name not in dra:
+                    continue
+                device_class = self.device_class(name)
+                assert device_class is not None
+                request = f"container-{index}-request-{names.index(name)}"
+                exactly = {"deviceClassName": device_class["metadata"]["name"], "allocationMode": "ExactCount"}
+                requests.append({"name": request, "exactly": {**exactly, "count": count}})
+                mappings.append({"containerName": container["name"], "resourceName": name, "requestName": request})
+        requests.sort(key=lambda request: str(request["name"]))
+        claim: dict[str, Any] = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {
+                # generateName: the API server appends five random characters
+                "name": f"{metadata['name']}-extended-resources-{uuid.uuid4().hex[:5]}",
+                "namespace": metadata["namespace"],
+                "uid": str(uuid.uuid4()),
+                "annotations": {EXTENDED_RESOURCE_CLAIM_ANNOTATION: "true"},
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": metadata["name"], "uid": metadata["uid"]}
+                    | {"controller": True}
+                ],
+            },
+            "spec": {"devices": {"requests": requests}},
+        }
+        claim["status"] = {"allocation": self.allocate(claim, node)}
+        self.api.put_claim(claim)
+        pod.setdefault("status", {})["extendedResourceClaimStatus"] = {
+            "resourceClaimName": claim["metadata"]["name"],
+            "requestMappings": mappings,
+        }
+        return claim
+
+    def allocate(self, claim: Mapping[str, Any], node: str) -> dict[str, Any]:
+        """The allocation of ``claim``'s exactly-requests on ``node`` as the allocator makes it (see
+        the class), or UnschedulableError("cannot allocate all claims")."""
+        in_use = {
+            (result["driver"], result["pool"], result["device"])
+            for other in self.api.claims.values()
+            if other["metadata"]["uid"] != claim["metadata"]["uid"]
+            for result in (((other.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")
+            or []
+            if not result.get("adminAccess")
+        }
+        devices = self._node_devices(node)
+        results: list[dict[str, Any]] = []
+        for request in claim["spec"]["devices"]["requests"]:
+            exactly = request["exactly"]
+            admin = bool(exactly.get("adminAccess"))
+            device_class = next(
+                (c for c in self.device_classes if c["metadata"]["name"] == exactly["deviceClassName"]), None
+            )
+            if device_class is None:
+                raise UnschedulableError(
+                    f"request {request['name']}: DeviceClass {exactly['deviceClassName']} not found"
+                )
+            selectors = [*(device_class["spec"].get("selectors") or []), *(exactly.get("selectors") or [])]
+            taken = {(r["driver"], r["pool"], r["device"]) for r in results}
+            chosen: list[tuple[str, str, str]] = []
+            for key, device, cel in devices:
+                if len(chosen) == exactly.get("count", 1):
+                    break
+                if key in taken or (key in in_use and not admin):
+                    continue
+                if not all(self._selects(selector["cel"]["expression"], cel) for selector in selectors):
+                    continue
+                if not _tolerates_all(exactly.get("tolerations") or [], device.get("taints") or []):
+                    continue
+                chosen.append(key)
+            if len(chosen) < exactly.get("count", 1):
+                raise UnschedulableError("cannot allocate all claims")
+            for driver, pool, name in chosen:
+                result = {"request": request["name"], "driver": driver, "pool": pool, "device": name}
+                results.append(result | ({"adminAccess": True} if admin else {}))
+        selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        return {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": [selector]}}
+
+    def _node_devices(self, node: str) -> list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]]:
+        """(driver, pool, device), the device, and the device as CEL sees it, of the node's slices
+        of each pool's newest generation, in slice and device order."""
+        slices = [item for item in self.api.slices.values() if item["spec"].get("nodeName") == node]
+        newest: dict[tuple[str, str], int] = {}
+        for item in slices:
+            pool = (item["spec"]["driver"], item["spec"]["pool"]["name"])
+            newest[pool] = max(newest.get(pool, 0), item["spec"]["pool"]["generation"])
+        found = []
+        for item in sorted(slices, key=lambda item: item["metadata"]["name"]):
+            driver, pool = item["spec"]["driver"], item["spec"]["pool"]
+            if pool["generation"] != newest[driver, pool["name"]]:
+                continue
+            for device in item["spec"].get("devices") or []:
+                attributes: dict[str, dict[str, Any]] = {}
+                for qualified, value in (device.get("attributes") or {}).items():
+                    domain, _, short = qualified.rpartition("/")  # no domain: the driver's
+                    attributes.setdefault(domain or driver, {})[short] = next(iter(value.values()))
+                cel = {"driver": driver, "attributes": attributes}
+                found.append(((driver, pool["name"], device["name"]), device, cel))
+        return found
+
+    def _selects(self, expression: str, device: dict[str, Any]) -> bool:
+        import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
+
+        if expression not in self._cel:
+            environment = celpy.Environment()
+            self._cel[expression] = environment.program(environment.compile(expression))
+        result = self._cel[expression].evaluate({"device": celpy.json_to_cel(device)})
+        if isinstance(result, celpy.CELEvalError):
+            # The allocator fails the claim on a CEL runtime error; here the test learns why.
+            raise UnschedulableError(f"CEL {expression!r}: {result}")
+        return bool(result)
+
+
+def _container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's resource requests: limits, then requests over them (the API server defaults
+    requests from limits; an extended resource's must equal its limit)."""
+    resources = container.get("resources") or {}
+    return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+
+
+def _extended_requests(container: Mapping[str, Any]) -> dict[str, int]:
+    """The extended resources a container asks for, more than 0 of each."""
+    return {
+        name: int(count)
+        for name, count in _container_requests(container).items()
+        if int(count) > 0
+        and (name.startswith(IMPLICIT_EXTENDED_RESOURCE_PREFIX) or resource_name_problem(name) is None)
+    }
+
+
+def _tolerates_all(tolerations: list[Mapping[str, Any]], taints: list[Mapping[str, Any]]) -> bool:
+    """Whether a request's tolerations tolerate every NoSchedule and NoExecute taint of a device
+    (allTaintsTolerated in k8s.io/dynamic-resource-allocation structured; the matching rules of a
+    toleration are a pod's: an empty key with Exists matches every taint, an empty effect every effect)."""
+
+    def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+            return False
+        if toleration.get("key") and toleration["key"] != taint.get("key"):
+            return False
+        if toleration.get("operator", "Equal") == "Exists":
+            return True
+        return bool(toleration.get("value", "") == taint.get("value", ""))
+
+    return all(
+        any(tolerates(toleration, taint) for toleration in tolerations)
+        for taint in taints
+        if taint.get("effect") in ("NoSchedule", "NoExecute")
+    )
 
 
 DEMO_DRA_CONFIG = """\

@@ -708,19 +708,17 @@ def test_example_config_is_valid():
     assert uncommented.sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
     assert uncommented.usb == (gp.UsbSelector("1050", "0407"),)
-    # dra, api and allow_double_booking (without what DRA refuses).
+    # dra and api (without what DRA refuses).
     dra = (
         text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
     )
-    dra = dra.replace("    # api: device-plugin", "    api: both").replace(
-        "    # allow_double_booking: false", "    allow_double_booking: true"
-    )
+    dra = dra.replace("    # api: device-plugin", "    api: dra")
     dra = re.sub(r"    annotations:\n(      .*\n)+", "", dra)
-    for key in ("pre_start", "pre_start_timeout"):
+    for key in ("pre_start", "pre_start_timeout", "replicas", "preferred"):
         dra = re.sub(rf"    {key}:.*\n", "", dra)
     parsed = gp.parse_config(dra)
     assert parsed.dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet")
-    assert parsed.resources[0].api == "both"
+    assert parsed.resources[0].api == "dra"
 
 
 def resources(**fields):
@@ -761,9 +759,9 @@ BAD_CONFIGS = [
     ),
     (
         resources(colour="blue"),
-        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_double_booking, allow_mounted, "
-        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, usb, whole_dev",
+        "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
+        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
+        "pre_start_timeout, preferred, replicas, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -3012,12 +3010,13 @@ async def test_reload_that_changes_what_the_kubelet_was_told_registers_again(nur
         ({}, {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}, False),
         ({}, {"pre_start": ["/bin/true"]}, True),
         ({"pre_start": ["/bin/true"]}, {"pre_start": ["/bin/false"], "pre_start_timeout": 3}, False),
-        ({"api": "dra"}, {"api": "both", "allow_double_booking": True}, True),
+        ({}, {"api": "dra"}, True),
     ],
 )
 def test_register_again_only_when_what_the_kubelet_was_told_changes(node, old, new, again):
-    top = {"dra": {"driver": "gopher.example.com"}} if "api" in new else {}
-    [before], [after] = node.config(top=top, **old).resources, node.config(top=top, **new).resources
+    top = {"dra": {"driver": "gopher.example.com"}}
+    before = node.config(top=top if "api" in old else (), **old).resources[0]
+    after = node.config(top=top if "api" in new else (), **new).resources[0]
     assert gp.register_again(before, after) is again
 
 
@@ -5282,8 +5281,6 @@ def test_dra_config_defaults():
     (resource,) = config.resources
     assert (resource.dra, resource.device_plugin) == (True, False)
     assert resource.cdi == gp.CDIConfig(f"{DRIVER}/gopher")  # DRA gives devices only as CDI devices
-    both = gp.parse_config(dra_config("/g", "/k", api="both", allow_double_booking=True), "cfg.yaml")
-    assert (both.resources[0].dra, both.resources[0].device_plugin) == (True, True)
     assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
 
 
@@ -5319,17 +5316,12 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     path = tmp_path / "cfg.yaml"
     mounts = [{"host_path": "/etc/gophers", "container_path": "/run/{id}", "read_only": True}]
     specs = [{"host_path": "{path}", "container_path": "/dev/{id}", "permissions": "rw"}]
-    both = {"api": "both", "allow_double_booking": True, "allowed_host_paths": ["/etc/gophers"]}
-    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", mounts=mounts, device_specs=specs, **both))
+    allowed = {"allowed_host_paths": ["/etc/gophers"]}
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k", mounts=mounts, device_specs=specs, **allowed))
     result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
     assert (result.returncode, result.stderr) == (0, "")
     name = gp.dra_device_name("Gopher0")
     assert result.stdout.splitlines()[4:] == [
-        "  Allocate Gopher0 gives a container:",  # api: both: the device-plugin API's answer too
-        f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
-        "    mount /run/Gopher0 <- /etc/gophers ro",
-        "    env GOPHER_DEVICES=Gopher0",
-        f"    cdi {DRIVER}/gopher=Gopher0",
         f"  a claim for device {name} of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=Gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=Gopher0",
@@ -5463,16 +5455,19 @@ DRA_BAD_CONFIGS = [
         resources(api="dra"),
         "cfg.yaml: resources[0].api: dra needs the DRA driver: add dra: {driver: <name>} at the top of the file",
     ),
-    (resources(api="cdi"), "cfg.yaml: resources[0].api: 'cdi': must be one of device-plugin, dra, both"),
+    (resources(api="cdi"), "cfg.yaml: resources[0].api: 'cdi': must be one of device-plugin, dra"),
+    # Accepted before 0.2: what a node that served a resource twice is told to do instead.
     (
-        dra_config("/g", "/k", api="both"),
-        "cfg.yaml: resources[0].api: both offers every device twice, to the device-plugin API and to DRA, and "
-        "neither knows what the other gave: one device can go to two pods at once. Add allow_double_booking: true "
-        "if that is what you want",
+        dra_config("/g", "/k", api="both", allow_double_booking=True),
+        "cfg.yaml: resources[0].allow_double_booking: is no longer accepted: a node serves a resource through one "
+        "API: api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for "
+        "it in resources.limits (README: Moving a resource from the device plugin to DRA)",
     ),
     (
-        dra_config("/g", "/k", allow_double_booking=True),
-        "cfg.yaml: resources[0].allow_double_booking: is only for api: both",
+        dra_config("/g", "/k", api="both"),
+        "cfg.yaml: resources[0].api: both is no longer accepted: a node serves a resource through one API: "
+        "api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for it "
+        "in resources.limits (README: Moving a resource from the device plugin to DRA)",
     ),
     (
         dra_config("/g", "/k", replicas=2, preferred="spread"),
@@ -5486,7 +5481,7 @@ DRA_BAD_CONFIGS = [
     ),
     (
         dra_config("/g", "/k", api="device-plugin"),
-        "cfg.yaml: dra: no resource has api: dra or both, so the driver would offer nothing",
+        "cfg.yaml: dra: no resource has api: dra, so the driver would offer nothing",
     ),
     (
         dra_config("/g", "/k").replace(DRIVER, "Gopherplug"),
@@ -6975,6 +6970,207 @@ async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_lat
     ]
 
 
+async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_until_it_is_0(
+    dra_node, monkeypatch, caplog
+):
+    """A node serves a resource through one API. While the Node's allocatable still counts it (a
+    device plugin serves it there, and pods that ask for it in resources.limits get its devices
+    from that plugin), its slices are not published: the scheduler would give the same devices to
+    claims. Once the kubelet reports 0 (the device plugin gone), they are, with no restart."""
+    monkeypatch.setattr(gp, "DRA_HELD_RECHECK_SECONDS", 0.05)
+    dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "2"})
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        while len(dra_node.api.node_reads) < 3:  # each pass reads the Node first: two passes done
+            await dra_node.api.changed.wait_touched()
+        assert dra_node.api.slices == {}
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "0"})
+        await dra_node.wait_for_slices(["gopher0"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "DRA: example.com/gopher: node node-1's allocatable still has 2 of it: a device plugin serves it on this "
+        "node, so its devices are held back from DRA until that is 0 (a node serves a resource through one API: "
+        "stop the device plugin here, see the README's Moving a resource from the device plugin to DRA)"
+    ]
+
+
+def shipped_device_class():
+    """The DeviceClass of daemonset-dra.yaml, as shipped."""
+    with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
+        return next(item for item in yaml.safe_load_all(file) if item["kind"] == "DeviceClass")
+
+
+def gopher_pod(name, *containers):
+    """A Pod as a user writes it for the device plugin: each container a (name, limits) pair."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+        "spec": {
+            "containers": [
+                {"name": container, "image": "busybox", "resources": {"limits": limits}}
+                for container, limits in containers
+            ]
+        },
+    }
+
+
+def scheduler_on(node_allocatable, device_ids=("gopher0", "gopher1"), taints=None, classes=None):
+    """A SchedulerSimulator over an API server stand-in (not serving: the scheduler reads its
+    objects) whose node-1 has this allocatable and a slice of gopherplug's devices."""
+    api = gp.ApiServerSimulator()
+    api.put_node("node-1", NODE_UID, allocatable=node_allocatable)
+    devices = {device_id: gp.DeviceEntry(device_id, f"/dev/{device_id}", health=gp.HEALTHY) for device_id in device_ids}
+    resource = gp.resource_config("example.com/gopher")
+    for item in gp.resource_slices(DRIVER, "node-1", resource, devices, 1, NODE_UID):
+        for device in item["spec"]["devices"]:
+            device["taints"] = (taints or {}).get(device["name"], [])
+        api.put_slice(item)
+    return gp.SchedulerSimulator(api, [shipped_device_class()] if classes is None else classes)
+
+
+async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once_the_node_is_switched(dra_node):
+    """Migration without touching pods: a pod asking for example.com/gopher in resources.limits gets
+    its device from gopherplug's device plugin while the node runs it, and, once the node is switched
+    (the device-plugin pod stopped, the DRA pod started: what the DaemonSets' node affinity does
+    when the node is labelled gopherplug.example.com/api=dra), the same spec gets it through the
+    claim the scheduler makes from the shipped DeviceClass's extendedResourceName."""
+    (dra_node.devices / "gopher0").touch()
+    kubelet = gp.KubeletSimulator(str(dra_node.root / "dp"))
+    scheduler = gp.SchedulerSimulator(dra_node.api, [shipped_device_class()])
+    device_plugin = {
+        "device_plugin_dir": str(dra_node.root / "dp"),
+        "resources": [{"name": "example.com/gopher", "directory": str(dra_node.devices), "env": "GOPHER"}],
+    }
+
+    def node_status():  # the kubelet's node status update
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", **kubelet.allocatable()})
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.nursery.start(kubelet.run)
+        await dra_node.start(gp.parse_config(yaml.safe_dump(device_plugin), "daemonset.yaml ConfigMap"))
+        await kubelet.wait_until(lambda k: k.allocatable() == {"example.com/gopher": "1"})
+        node_status()
+        first = gopher_pod("first", ("consumer", {"example.com/gopher": "1"}))
+        placement = scheduler.schedule(first, "node-1")
+        assert (placement.device_plugin, placement.claim) == ({"example.com/gopher": 1}, None)
+        answer = await kubelet.allocate("example.com/gopher", ["gopher0"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER": "gopher0"}
+        # The node is switched. The device manager reports 0 at once when the plugin's endpoint is gone.
+        dra_node.stop()
+        await kubelet.wait_until(lambda k: k.allocatable() == {"example.com/gopher": "0"})
+        node_status()
+        await dra_node.start(dra_node.config(env="GOPHER"))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        second = gopher_pod("second", ("consumer", {"example.com/gopher": "1"}))
+        assert second["spec"]["containers"] == first["spec"]["containers"]  # the same spec
+        placement = scheduler.schedule(second, "node-1")
+        assert placement.device_plugin == {}
+        await dra_node.kubelet.prepare_extended_resources(second, placement.claim)
+        cdi = dra_node.kubelet.extended_resource_cdi_devices(second, placement.claim, "consumer")
+        assert cdi == ["example.com/gopher=gopher0"]
+
+
+def test_scheduler_stand_in_leaves_a_name_the_nodes_allocatable_has_to_the_device_plugin():
+    """The scheduler's rule for extended resources backed by DRA: where the node's allocatable has the
+    name (a device plugin serves it), the pod is the device plugin's, however many devices DRA would
+    have; DRA serves it only where the allocatable is 0 or absent."""
+    scheduler = scheduler_on({"cpu": "4", "example.com/gopher": "1"})
+    pod = gopher_pod("p", ("consumer", {"example.com/gopher": "1"}))
+    placement = scheduler.schedule(pod, "node-1")
+    assert (placement.device_plugin, placement.claim) == ({"example.com/gopher": 1}, None)
+    assert "status" not in pod and scheduler.api.claims == {}
+    # Two asked, one allocatable: noderesources fit refuses; the two devices in the slice do not help.
+    with pytest.raises(gp.UnschedulableError, match=r"^Insufficient example.com/gopher$"):
+        scheduler.schedule(gopher_pod("q", ("consumer", {"example.com/gopher": "2"})), "node-1")
+    assert scheduler.api.claims == {}
+
+
+def test_scheduler_stand_in_makes_the_pods_claim_when_the_allocatable_is_0():
+    """Allocatable 0 (the device plugin gone) and a DeviceClass with the name: one claim for the pod,
+    owned by it, a request per container and name as the scheduler names them, allocated from the
+    node's slices; the pod's status maps each container to its request."""
+    scheduler = scheduler_on({"cpu": "4", "example.com/gopher": "0"})
+    pod = gopher_pod(
+        "p", ("a", {"example.com/gopher": "1"}), ("b", {"cpu": "1", "example.com/gopher": "1"}), ("c", {"cpu": "1"})
+    )
+    placement = scheduler.schedule(pod, "node-1")
+    claim = placement.claim
+    assert placement.device_plugin == {}
+    assert claim["metadata"]["name"].startswith("p-extended-resources-")
+    assert claim["metadata"]["annotations"] == {"resource.kubernetes.io/extended-resource-claim": "true"}
+    assert claim["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "uid-p", "controller": True}
+    ]
+    exactly = {"deviceClassName": "gopher.example.com", "allocationMode": "ExactCount", "count": 1}
+    assert claim["spec"]["devices"]["requests"] == [
+        {"name": "container-0-request-0", "exactly": exactly},
+        {"name": "container-1-request-1", "exactly": exactly},  # cpu sorts before example.com/gopher
+    ]
+    results = [(r["request"], r["pool"], r["device"]) for r in claim["status"]["allocation"]["devices"]["results"]]
+    assert results == [
+        ("container-0-request-0", DraNode.POOL, "gopher0"),
+        ("container-1-request-1", DraNode.POOL, "gopher1"),
+    ]
+    assert pod["status"]["extendedResourceClaimStatus"] == {
+        "resourceClaimName": claim["metadata"]["name"],
+        "requestMappings": [
+            {"containerName": "a", "resourceName": "example.com/gopher", "requestName": "container-0-request-0"},
+            {"containerName": "b", "resourceName": "example.com/gopher", "requestName": "container-1-request-1"},
+        ],
+    }
+    assert scheduler.api.claims == {("default", claim["metadata"]["name"]): claim}
+    # Both devices are now allocated: the next pod's claim cannot be.
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.schedule(gopher_pod("q", ("a", {"example.com/gopher": "1"})), "node-1")
+
+
+def test_scheduler_stand_in_allocates_as_the_allocator_does():
+    """A device another claim holds goes only to a request with admin access; a device tainted
+    NoSchedule only to a request that tolerates the taint; the class's CEL selector is evaluated."""
+    unhealthy = [{"key": f"{DRIVER}/unhealthy", "value": "gone", "effect": "NoSchedule"}]
+    scheduler = scheduler_on({}, taints={"gopher1": unhealthy})
+    held = claim("held", "uid-held", ("gopher", DRIVER, DraNode.POOL, "gopher0"))
+    scheduler.api.put_claim(held)
+
+    def wanted(name, **exactly):
+        request = {"name": "r", "exactly": {"deviceClassName": "gopher.example.com", "count": 1, **exactly}}
+        return claim(name, f"uid-{name}", requests=[request])
+
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(wanted("plain"), "node-1")  # gopher0 held, gopher1 tainted
+    toleration = {"key": f"{DRIVER}/unhealthy", "operator": "Exists"}
+    tolerating = scheduler.allocate(wanted("tolerant", tolerations=[toleration]), "node-1")
+    assert [r["device"] for r in tolerating["devices"]["results"]] == ["gopher1"]
+    admin = scheduler.allocate(wanted("admin", adminAccess=True), "node-1")
+    assert admin["devices"]["results"] == [
+        {"request": "r", "driver": DRIVER, "pool": DraNode.POOL, "device": "gopher0", "adminAccess": True}
+    ]
+    # A class whose selector selects another resource's devices selects none of these.
+    other = shipped_device_class()
+    other["spec"]["selectors"][0]["cel"]["expression"] = other["spec"]["selectors"][0]["cel"]["expression"].replace(
+        "example.com/gopher", "example.com/other"
+    )
+    scheduler.device_classes = [other]
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(wanted("admin2", adminAccess=True), "node-1")
+
+
+def test_scheduler_stand_in_finds_neither_api_unschedulable():
+    """No DeviceClass maps the name and the node's allocatable lacks it: the pod fits nowhere on this
+    node, with the dynamicresources plugin's reason; the implicit name of a class works without
+    extendedResourceName."""
+    without = shipped_device_class()
+    del without["spec"]["extendedResourceName"]
+    scheduler = scheduler_on({"cpu": "4"}, classes=[without])
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot fit resource example.com/gopher$"):
+        scheduler.schedule(gopher_pod("p", ("a", {"example.com/gopher": "1"})), "node-1")
+    implicit = gopher_pod("q", ("a", {"deviceclass.resource.kubernetes.io/gopher.example.com": "1"}))
+    assert scheduler.schedule(implicit, "node-1").claim is not None
+
+
 class ScriptedSliceApi:
     """The slice requests of KubeApi, scripted: the watch yields what the test sends down
     ``events``; create_slice answers only once ``before_answer`` (awaited with the item) returns."""
@@ -7703,6 +7899,30 @@ def test_dra_documents_the_kubernetes_version_its_api_client_needs():
     assert not re.search(r"1\.32 and 1\.33 with", readme)
 
 
+def test_the_two_daemonsets_share_the_nodes_by_the_api_label():
+    """A node serves a resource through one API: the device-plugin DaemonSet runs where the label
+    gopherplug.example.com/api is not dra (so every node of an existing cluster keeps it), the DRA
+    one only where it is; any value of the label runs exactly one of them."""
+
+    def node_affinity(manifest):
+        with open(HERE / manifest, encoding="utf-8") as file:
+            (daemon_set,) = [item for item in yaml.safe_load_all(file) if item["kind"] == "DaemonSet"]
+        required = daemon_set["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+        (term,) = required["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        (requirement,) = term["matchExpressions"]
+        return requirement
+
+    def runs(term, labels):  # the NotIn and In of a node selector requirement (k8s.io/api core/v1)
+        value = labels.get(term["key"])
+        return value in term["values"] if term["operator"] == "In" else value not in term["values"]
+
+    device_plugin, dra = node_affinity("daemonset.yaml"), node_affinity("daemonset-dra.yaml")
+    assert device_plugin == {"key": "gopherplug.example.com/api", "operator": "NotIn", "values": ["dra"]}
+    assert dra == {"key": "gopherplug.example.com/api", "operator": "In", "values": ["dra"]}
+    for labels in ({}, {"gopherplug.example.com/api": "dra"}, {"gopherplug.example.com/api": "device-plugin"}):
+        assert runs(device_plugin, labels) != runs(dra, labels), labels
+
+
 def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     for version in ("1.34.0", "1.37.0"):
         result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
@@ -7715,6 +7935,8 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     expression = objects["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
     assert f'device.driver == "{config.dra.driver}"' in expression
     assert f'.resource == "{resource.name}"' in expression
+    # Pods that ask for the resource in resources.limits are served by DRA where the driver runs.
+    assert objects["DeviceClass"]["spec"]["extendedResourceName"] == resource.name
     # Unhealthy devices are kept off by their taint, not by the class: a class that selected on
     # `healthy` would keep them from an admin-access claim that tolerates the taint too.
     assert "healthy" not in expression
@@ -7755,7 +7977,7 @@ def test_readme_configuration_table_lists_every_key_the_parser_accepts():
     top = _accepted_keys({"zzz": 1, "resources": [resource]}, "")
     dra = _accepted_keys({"dra": {"zzz": 1}, "resources": [resource]}, "dra")
     per_resource = _accepted_keys({"resources": [{**resource, "zzz": 1}]}, "resources[0]")
-    assert {"device_plugin_dir", "dra", "resources", "api", "allow_double_booking"} <= top | per_resource
+    assert {"device_plugin_dir", "dra", "resources", "api"} <= top | per_resource
     assert {"driver", "kubelet_dir"} <= dra
     for key in top:
         assert key in rows, f"README's configuration table lacks {key}"

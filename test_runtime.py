@@ -1411,10 +1411,11 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
         assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
 
 
-async def dra_api_and_kubelet(tier: Run, nursery: Any, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
-    """What the test above sets up around the DRA pod: the API server stand-in over TLS with the
-    pod's projected token and service env, and the DRA kubelet stand-in, reading the plugin's
-    endpoint on the host side (the translation's one concession, as said there)."""
+async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An API server stand-in over TLS, with what the kubelet gives the DRA pod to reach it: the
+    service's address in env and the service account's projected token and ca.crt. The kubelet
+    stand-ins read the DRA plugin's endpoint on the host side of its hostPath (the translation's
+    one concession, as in test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device)."""
     import trustme
 
     ca = trustme.CA()
@@ -1424,9 +1425,7 @@ async def dra_api_and_kubelet(tier: Run, nursery: Any, monkeypatch: Any, node: N
     api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
     node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
     node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
-    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
-    in_pod = node.config["dra"]["kubelet_dir"]
-    call_unary = gp.call_unary
+    in_pod, call_unary = node.config["dra"]["kubelet_dir"], gp.call_unary
 
     async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
         answer = await call_unary(socket_path, method, request, timeout=timeout)
@@ -1435,6 +1434,13 @@ async def dra_api_and_kubelet(tier: Run, nursery: Any, monkeypatch: Any, node: N
         return answer
 
     monkeypatch.setattr(gp, "call_unary", host_view)
+    return api
+
+
+async def dra_api_and_kubelet(tier: Run, nursery: Any, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
+    """The API server stand-in of _api_server_for, and the DRA kubelet stand-in running beside it."""
+    api = await _api_server_for(node, nursery, monkeypatch)
+    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(kubelet.run)
     return api, kubelet
 
@@ -1538,3 +1544,110 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
             assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["devices.list (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
+
+
+########################################################################################################
+# Moving a node from the device plugin to DRA: the same pod spec, served by each in turn
+
+
+def _limits_pod(name: str) -> dict[str, Any]:
+    """The pod spec a user wrote for the device plugin: one container, example.com/gopher: 1 in limits."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": str(uuid.uuid4())},
+        "spec": {
+            "containers": [{"name": "consumer", "image": BUSYBOX_IMAGE, "resources": {"limits": {RESOURCE: "1"}}}]
+        },
+    }
+
+
+async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_from_dra_after_the_switch(
+    tier, nursery, monkeypatch
+):
+    """Migration without touching pods. A pod spec with example.com/gopher: 1 in resources.limits is
+    placed by the scheduler stand-in on a node that runs daemonset.yaml's pod: the node's allocatable
+    has the name, so the device plugin serves it, and the consumer created with the Allocate answer
+    opens the node. The node is then switched as the DaemonSets' node affinity does when it is
+    labelled gopherplug.example.com/api=dra: the device-plugin pod stopped (the kubelet reports 0
+    allocatable at once), daemonset-dra.yaml's pod started. The same spec is now placed through the
+    shipped DeviceClass's extendedResourceName: a claim allocated from the slice the DRA pod published,
+    prepared by the DRA pod, and the consumer created with the CDI devices of its mapped request opens
+    the same node through containerd's CDI."""
+    plugin_node = Node(tier, "daemonset.yaml", "switch")
+    dra_node = Node(tier, "daemonset-dra.yaml", "switch")  # the same node: its kubelet dir and devices
+    path = plugin_node.mknod("gopher0")
+    for node in (plugin_node, dra_node):
+        # The pods share the host's network here, and other tests (or runs) may hold the metrics
+        # ports; metrics are not what this test is about.
+        del node.config["metrics_address"]
+    api = await _api_server_for(dra_node, nursery, monkeypatch)
+    device_class = next(doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass")
+    scheduler = gp.SchedulerSimulator(api, [device_class])
+    kubelet = await nursery.start(gp.KubeletSimulator(str(plugin_node.device_plugin_dir)).run)
+    dra_kubelet = gp.DraKubeletSimulator(str(dra_node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    await nursery.start(dra_kubelet.run)
+    node_uid = str(uuid.uuid4())
+
+    def node_status() -> None:  # the kubelet's node status update: the device plugins' allocatable
+        api.put_node(NODE_NAME, node_uid, allocatable={"cpu": "2", **kubelet.allocatable()})
+
+    # Twice the DRA pod's Node re-read, for the hold below.
+    with trio.fail_after(TIMEOUT + 2 * gp.DRA_HELD_RECHECK_SECONDS):
+        async with plugin_node.running():
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            node_status()
+            first = _limits_pod("before")
+            placed = scheduler.schedule(first, NODE_NAME)
+            assert (placed.device_plugin, placed.claim) == ({RESOURCE: 1}, None)
+            answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            pod = Pod(tier, "limits-device-plugin")
+            config = consumer_config(pod, **allocated_fields(answer))
+            config.mounts.extend(allocated_mounts(answer))
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                by_device_plugin = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+        # The switch: the device-plugin pod is gone (stopped above), and the device manager marks its
+        # devices unhealthy at once; the Node still says 1 until the kubelet's next status update
+        # (every 10 s). The DRA pod, started meanwhile, holds the resource back: no slice while the
+        # Node counts it, so no claim can get the device the device plugin may have given.
+        await kubelet.wait_until(lambda k: k.allocatable() == {RESOURCE: "0"})
+        assert api.nodes[NODE_NAME]["status"]["allocatable"][RESOURCE] == "1"
+        async with dra_node.running():
+            await dra_kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            while len(api.node_reads) < 2:  # read, held, and read again after DRA_HELD_RECHECK_SECONDS
+                await api.changed.wait_touched()
+            pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+            held = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
+            node_status()  # now 0
+            while not any(s["spec"]["pool"]["name"] == pool and s["spec"]["devices"] for s in api.slices.values()):
+                await api.changed.wait_touched()
+            (published,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
+            second = _limits_pod("after")
+            assert second["spec"]["containers"] == first["spec"]["containers"]  # the same spec
+            placed = scheduler.schedule(second, NODE_NAME)
+            assert placed.device_plugin == {} and placed.claim is not None
+            await dra_kubelet.prepare_extended_resources(second, placed.claim)
+            ids = dra_kubelet.extended_resource_cdi_devices(second, placed.claim, "consumer")
+            pod = Pod(tier, "limits-dra")
+            config = consumer_config(pod, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                by_dra = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+            # The plugin's log as `kubectl logs` shows it (the runtime's file of its stderr).
+            dra_log = (dra_node.pod.dir / "logs" / "gopherplug" / "0.log").read_text()
+    warned = [line.split(" ", 3)[3] for line in dra_log.splitlines() if "held back" in line or "is 0 now" in line]
+    tier.outputs["switch: the DRA pod's log while the Node still counted the device plugin's"] = warned
+    assert held == [] and len(warned) == 2, dra_log
+    assert "example.com/gopher: node tier-node's allocatable still has 1 of it" in warned[0]
+    assert "example.com/gopher: node tier-node's allocatable for it is 0 now" in warned[1]
+    tier.outputs["switch: ResourceSlice device as stored"] = published["spec"]["devices"]
+    tier.outputs["switch: claim allocation"] = placed.claim["status"]["allocation"]
+    tier.outputs["switch: pod extendedResourceClaimStatus"] = second["status"]["extendedResourceClaimStatus"]
+    tier.outputs["switch: CDI device IDs"] = ids
+    tier.outputs["switch: consumer served by the device plugin"] = by_device_plugin
+    tier.outputs["switch: consumer served by DRA"] = by_dra
+    assert "GOPHER_DEVICES=gopher0" in by_device_plugin["env"]
+    assert by_device_plugin["ls -l"].startswith("crw") and " 10, 229 " in by_device_plugin["ls -l"]
+    assert (by_device_plugin["open exit"], by_device_plugin["open rw"]) == (0, "opened rw")
+    assert any(line.startswith("GOPHER_DEVICES_") and line.endswith("=gopher0") for line in by_dra["env"]), by_dra
+    assert by_dra["ls -l"].startswith("crw") and " 10, 229 " in by_dra["ls -l"]
+    assert (by_dra["open exit"], by_dra["open rw"]) == (0, "opened rw")
