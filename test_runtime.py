@@ -1408,3 +1408,191 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
         rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
         assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
+
+
+async def dra_cluster(tier: Run, nursery: trio.Nursery, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
+    """Around the shipped DRA pod on ``node``: the API server stand-in over TLS, the pod's service
+    environment and projected service account, and the DRA kubelet stand-in, running. The same as
+    test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device sets up inline."""
+    import trustme
+
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    token = secrets.token_urlsafe(24)
+    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
+    # The kubernetes service's address in env (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap) and
+    # the service account's projected volume, as the kubelet gives every pod.
+    node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
+    node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
+    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    # The endpoint GetInfo names is the pod's path; the kubelet stand-in reads it on the host side
+    # (hostPath and mountPath are equal on a node, not here).
+    in_pod = node.config["dra"]["kubelet_dir"]
+    call_unary = gp.call_unary
+
+    async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
+        answer = await call_unary(socket_path, method, request, timeout=timeout)
+        if method is gp.DRA_METHODS[gp.GET_INFO]:
+            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
+        return answer
+
+    monkeypatch.setattr(gp, "call_unary", host_view)
+    await nursery.start(kubelet.run)
+    return api, kubelet
+
+
+async def stored_devices(api: Any, pool: str, wanted: Any) -> dict[str, dict[str, Any]]:
+    """The devices of ``pool`` as the API server stand-in stores them (by name, across the pool's
+    slices), once ``wanted(devices)`` holds; woken by each write."""
+    while True:
+        devices = {
+            device["name"]: device
+            for item in api.slices.values()
+            if item["spec"]["pool"]["name"] == pool
+            for device in item["spec"]["devices"]
+        }
+        if wanted(devices):
+            return devices
+        await api.changed.wait_touched()
+
+
+def dra_claim(name: str, requests: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ResourceClaim in namespace default as the scheduler leaves it: its requests, and the
+    allocation's results (each a request's name, the driver, pool and device, and what the scheduler
+    copies from the request: adminAccess, tolerations)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": str(uuid.uuid4())},
+        "spec": {"devices": {"requests": requests}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def _device_class() -> str:
+    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
+    return device_class["metadata"]["name"]
+
+
+async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it(tier, nursery, monkeypatch):
+    """The DRA rows the unit tests show with stand-ins, on the shipped pod in a real containerd:
+
+    - claim c1 on gopher0 is prepared, its consumer opens gopher0, and the claim's status.devices
+      as the API server stand-in stores it says which node file it is (KEP-4817);
+    - gopher1 becomes unhealthy as the pod's health check sees it (mode 0000: root without
+      capabilities may not open it): the stored slice gives it the taint <driver>/unhealthy,
+      NoSchedule (KEP-5055);
+    - an admin-access claim (KEP-5018) whose request tolerates the taint, allocated gopher0 (in use
+      by c1) and gopher1 (tainted), is prepared, and its consumer, running beside c1's, opens both
+      (the runtime's root keeps CAP_DAC_OVERRIDE, which the plugin's drops);
+    - claim c3, allocated gopher1 while it was healthy (NoSchedule takes no allocation away), is
+      refused with the reason;
+    - gopher1 recovers (its mode back): the stored slice has no taint on it any more, and c3's
+      prepare, tried again as the kubelet does, succeeds."""
+    node = Node(tier, "daemonset-dra.yaml")
+    paths = {name: node.mknod(name) for name in ("gopher0", "gopher1", "gopher2")}
+    for path in paths.values():
+        path.chmod(0o660)
+        os.chown(path, HOST_UID, HOST_GID)
+    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    a, b = gp.dra_device_name("gopher0"), gp.dra_device_name("gopher1")
+    taint_key = f"{DRIVER}/unhealthy"
+    device_class = _device_class()
+    plain = {"name": "gopher", "exactly": {"deviceClassName": device_class}}
+    tolerations = [{"key": taint_key, "operator": "Exists"}]
+    monitor = {
+        "name": "monitor",
+        "exactly": {
+            "deviceClassName": device_class,
+            "adminAccess": True,
+            "count": 2,
+            "selectors": [{"cel": {"expression": f'device.attributes["{DRIVER}"].id in ["gopher0", "gopher1"]'}}],
+            "tolerations": tolerations,
+        },
+    }
+
+    def result(request: str, device: str, **copied: Any) -> dict[str, Any]:
+        return {"request": request, "driver": DRIVER, "pool": pool, "device": device, **copied}
+
+    c1 = dra_claim("c1", [plain], [result("gopher", a)])
+    c3 = dra_claim("c3", [plain], [result("gopher", b)])
+    admin = dra_claim(
+        "admin",
+        [monitor],
+        [result("monitor", d, adminAccess=True, tolerations=tolerations) for d in (a, b)],
+    )
+    for claim in (c1, c3, admin):
+        api.put_claim(claim)
+    uid = {claim["metadata"]["name"]: claim["metadata"]["uid"] for claim in (c1, c3, admin)}
+    seen: dict[str, Any] = {}
+    with trio.fail_after(2 * TIMEOUT), _removed_afterwards(tier.containerd.cdi_dir):
+        async with node.running():
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            healthy = await stored_devices(api, pool, lambda found: len(found) == 3)
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid["c1"], "c1")])).claims[uid["c1"]]
+            assert prepared.error == ""
+            first = Pod(tier, "c1-consumer")
+            config = consumer_config(first, CDI_devices=[PB.CDIDevice(name=i) for i in kubelet.cdi_devices(uid["c1"])])
+            async with running_pod(tier.containerd, first, first.sandbox_config(), [config]):
+                seen["c1: gopher0"] = await consumer_report(
+                    tier.containerd, first.container_ids["consumer"], str(paths["gopher0"])
+                )
+                paths["gopher1"].chmod(0)
+                tainted = await stored_devices(api, pool, lambda found: "taints" in found[b])
+                answer = await kubelet.prepare(DRIVER, [("default", uid["admin"], "admin")])
+                assert answer.claims[uid["admin"]].error == ""
+                ids = kubelet.cdi_devices(uid["admin"], "monitor")
+                second = Pod(tier, "admin-consumer")
+                config = consumer_config(second, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+                async with running_pod(tier.containerd, second, second.sandbox_config(), [config]):
+                    for name in ("gopher0", "gopher1"):
+                        seen[f"admin: {name}"] = await consumer_report(
+                            tier.containerd, second.container_ids["consumer"], str(paths[name])
+                        )
+                    state = (await container_status(tier.containerd, first.container_ids["consumer"])).status.state
+            refused = (await kubelet.prepare(DRIVER, [("default", uid["c3"], "c3")])).claims[uid["c3"]]
+            # status.devices is written after the kubelet has its answer: wait for the stored claims.
+            while not all("devices" in api.claims["default", n]["status"] for n in ("c1", "admin")):
+                await api.changed.wait_touched()
+            statuses = {n: api.claims["default", n]["status"]["devices"] for n in ("c1", "admin")}
+            paths["gopher1"].chmod(0o660)
+            recovered = await stored_devices(api, pool, lambda found: "taints" not in found[b])
+            # The kubelet retries a failed prepare while the pod waits: now it gets the device.
+            retried = (await kubelet.prepare(DRIVER, [("default", uid["c3"], "c3")])).claims[uid["c3"]]
+    tier.outputs["DRA rows: slice devices before"] = healthy
+    tier.outputs["DRA rows: slice device gopher1, unhealthy"] = tainted[b]
+    tier.outputs["DRA rows: slice device gopher1, recovered"] = recovered[b]
+    tier.outputs["DRA rows: allocations"] = {
+        n: api.claims["default", n]["status"]["allocation"] for n in ("c1", "admin", "c3")
+    }
+    tier.outputs["DRA rows: admin claim CDI device IDs"] = ids
+    tier.outputs["DRA rows: c3 refused"] = refused.error
+    tier.outputs["DRA rows: claim status.devices"] = statuses
+    tier.outputs["DRA rows: consumers"] = seen
+    assert not any("taints" in device for device in healthy.values())
+    (taint,) = tainted[b]["taints"]
+    assert taint["timeAdded"]  # the API server's
+    assert {k: v for k, v in taint.items() if k != "timeAdded"} == {
+        "key": taint_key,
+        "value": "unhealthy",
+        "effect": "NoSchedule",
+    }
+    assert tainted[b]["attributes"]["healthy"] == {"bool": False}
+    assert not any("taints" in tainted[n] for n in (a, gp.dra_device_name("gopher2")))
+    assert recovered[b]["attributes"]["healthy"] == {"bool": True}
+    # Both consumers open their devices, c1's still running beside the admin's.
+    for what in ("c1: gopher0", "admin: gopher0", "admin: gopher1"):
+        assert (seen[what]["ls exit"], seen[what]["open exit"], seen[what]["open rw"]) == (0, 0, "opened rw"), what
+    assert state == PB.ContainerState.CONTAINER_RUNNING
+    env = seen["admin: gopher0"]["env"]
+    assert {"GOPHER_DEVICES_GOPHER0=gopher0", "GOPHER_DEVICES_GOPHER1=gopher1"} <= set(env), env
+    assert refused.error.startswith(f"ResourceClaim default/c3: device gopher1 of {RESOURCE} is unhealthy: "), refused
+    assert str(paths["gopher1"]) in refused.error and not refused.devices
+    assert (retried.error, [d.device_name for d in retried.devices]) == ("", [b])
+
+    def entry(device: str, name: str) -> dict[str, Any]:
+        return {"driver": DRIVER, "pool": pool, "device": device, "data": {"id": name, "paths": [str(paths[name])]}}
+
+    assert statuses == {"c1": [entry(a, "gopher0")], "admin": [entry(a, "gopher0"), entry(b, "gopher1")]}
