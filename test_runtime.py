@@ -1475,22 +1475,28 @@ def _device_class() -> str:
     return device_class["metadata"]["name"]
 
 
-async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it(tier, nursery, monkeypatch):
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
+async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it(
+    tier, nursery, monkeypatch, effect
+):
     """The DRA rows the unit tests show with stand-ins, on the shipped pod in a real containerd:
 
     - claim c1 on gopher0 is prepared, its consumer opens gopher0, and the claim's status.devices
       as the API server stand-in stores it says which node file it is (KEP-4817);
     - gopher1 becomes unhealthy as the pod's health check sees it (mode 0000: root without
       capabilities may not open it): the stored slice gives it the taint <driver>/unhealthy,
-      NoSchedule (KEP-5055);
+      NoSchedule as shipped, NoExecute with dra.unhealthy_taint in the ConfigMap (KEP-5055);
     - an admin-access claim (KEP-5018) whose request tolerates the taint, allocated gopher0 (in use
       by c1) and gopher1 (tainted), is prepared, and its consumer, running beside c1's, opens both
       (the runtime's root keeps CAP_DAC_OVERRIDE, which the plugin's drops);
-    - claim c3, allocated gopher1 while it was healthy (NoSchedule takes no allocation away), is
-      refused with the reason;
+    - claim c3, allocated gopher1 while it was healthy, is refused with the reason (NoSchedule
+      takes no allocation away; NoExecute has the eviction controller delete c3's pod, but a
+      prepare the kubelet asks before that is refused all the same);
     - gopher1 recovers (its mode back): the stored slice has no taint on it any more, and c3's
       prepare, tried again as the kubelet does, succeeds."""
     node = Node(tier, "daemonset-dra.yaml")
+    if effect != "NoSchedule":  # the default, and the shipped ConfigMap's
+        node.config["dra"]["unhealthy_taint"] = effect
     paths = {name: node.mknod(name) for name in ("gopher0", "gopher1", "gopher2")}
     for path in paths.values():
         path.chmod(0o660)
@@ -1561,23 +1567,23 @@ async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reach
             recovered = await stored_devices(api, pool, lambda found: "taints" not in found[b])
             # The kubelet retries a failed prepare while the pod waits: now it gets the device.
             retried = (await kubelet.prepare(DRIVER, [("default", uid["c3"], "c3")])).claims[uid["c3"]]
-    tier.outputs["DRA rows: slice devices before"] = healthy
-    tier.outputs["DRA rows: slice device gopher1, unhealthy"] = tainted[b]
-    tier.outputs["DRA rows: slice device gopher1, recovered"] = recovered[b]
-    tier.outputs["DRA rows: allocations"] = {
+    tier.outputs[f"DRA rows ({effect}): slice devices before"] = healthy
+    tier.outputs[f"DRA rows ({effect}): slice device gopher1, unhealthy"] = tainted[b]
+    tier.outputs[f"DRA rows ({effect}): slice device gopher1, recovered"] = recovered[b]
+    tier.outputs[f"DRA rows ({effect}): allocations"] = {
         n: api.claims["default", n]["status"]["allocation"] for n in ("c1", "admin", "c3")
     }
-    tier.outputs["DRA rows: admin claim CDI device IDs"] = ids
-    tier.outputs["DRA rows: c3 refused"] = refused.error
-    tier.outputs["DRA rows: claim status.devices"] = statuses
-    tier.outputs["DRA rows: consumers"] = seen
+    tier.outputs[f"DRA rows ({effect}): admin claim CDI device IDs"] = ids
+    tier.outputs[f"DRA rows ({effect}): c3 refused"] = refused.error
+    tier.outputs[f"DRA rows ({effect}): claim status.devices"] = statuses
+    tier.outputs[f"DRA rows ({effect}): consumers"] = seen
     assert not any("taints" in device for device in healthy.values())
     (taint,) = tainted[b]["taints"]
     assert taint["timeAdded"]  # the API server's
     assert {k: v for k, v in taint.items() if k != "timeAdded"} == {
         "key": taint_key,
         "value": "unhealthy",
-        "effect": "NoSchedule",
+        "effect": effect,
     }
     assert tainted[b]["attributes"]["healthy"] == {"bool": False}
     assert not any("taints" in tainted[n] for n in (a, gp.dra_device_name("gopher2")))
