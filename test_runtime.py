@@ -1269,23 +1269,18 @@ async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, throug
 # The DRA driver, as daemonset-dra.yaml ships it
 
 
-async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
-    """The shipped DRA pod registers through plugins_registry, writes its ResourceSlice to the API
-    server stand-in over TLS with the projected token and ca.crt, prepares an allocated claim; a
-    consumer created with the claim's CDI device IDs (CRI CDI_devices, as the kubelet passes them)
-    gets the node through containerd's own CDI handling. A containerd with enable_cdi = false runs
-    the same consumer without device and without env, and says nothing."""
+async def dra_cluster(tier: Run, nursery: trio.Nursery, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
+    """Around the shipped DRA pod on ``node``: the API server stand-in over TLS with the node's
+    Node, the pod's service environment and projected service account, and the DRA kubelet
+    stand-in, running."""
     import trustme
 
-    node = Node(tier, "daemonset-dra.yaml")
-    path = node.mknod("gopher0")
-    path.chmod(0o660)  # the host's mode reaches the consumer through the CDI spec, as a DeviceSpec's would
-    os.chown(path, HOST_UID, HOST_GID)
     ca = trustme.CA()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(context)
     token = secrets.token_urlsafe(24)
     api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
+    api.put_node(NODE_NAME, str(uuid.uuid4()))  # registered by the kubelet: the slices' owner
     # What the kubelet gives every pod of a cluster: the API server's service address in env
     # (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes` service), and the service
     # account's projected volume.
@@ -1306,6 +1301,53 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
 
     monkeypatch.setattr(gp, "call_unary", host_view)
     await nursery.start(kubelet.run)
+    return api, kubelet
+
+
+async def stored_devices(api: Any, pool: str, wanted: Any) -> dict[str, dict[str, Any]]:
+    """The devices of ``pool`` as the API server stand-in stores them (by name, across the pool's
+    slices), once ``wanted(devices)`` holds; woken by each write."""
+    while True:
+        devices = {
+            device["name"]: device
+            for item in api.slices.values()
+            if item["spec"]["pool"]["name"] == pool
+            for device in item["spec"]["devices"]
+        }
+        if wanted(devices):
+            return devices
+        await api.changed.wait_touched()
+
+
+def dra_claim(name: str, requests: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ResourceClaim in namespace default as the scheduler leaves it: its requests, and the
+    allocation's results (each a request's name, the driver, pool and device, and what the scheduler
+    copies from the request: adminAccess, tolerations)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": str(uuid.uuid4())},
+        "spec": {"devices": {"requests": requests}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def _device_class() -> str:
+    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
+    return device_class["metadata"]["name"]
+
+
+async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
+    """The shipped DRA pod registers through plugins_registry, writes its ResourceSlice to the API
+    server stand-in over TLS with the projected token and ca.crt, prepares an allocated claim; a
+    consumer created with the claim's CDI device IDs (CRI CDI_devices, as the kubelet passes them)
+    gets the node through containerd's own CDI handling. A containerd with enable_cdi = false runs
+    the same consumer without device and without env, and says nothing."""
+    node = Node(tier, "daemonset-dra.yaml")
+    path = node.mknod("gopher0")
+    path.chmod(0o660)  # the host's mode reaches the consumer through the CDI spec, as a DeviceSpec's would
+    os.chown(path, HOST_UID, HOST_GID)
+    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
     pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
     device = gp.dra_device_name("gopher0")
 
@@ -1408,71 +1450,6 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
         rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
         assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
-
-
-async def dra_cluster(tier: Run, nursery: trio.Nursery, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
-    """Around the shipped DRA pod on ``node``: the API server stand-in over TLS, the pod's service
-    environment and projected service account, and the DRA kubelet stand-in, running. The same as
-    test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device sets up inline."""
-    import trustme
-
-    ca = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    token = secrets.token_urlsafe(24)
-    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
-    # The kubernetes service's address in env (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap) and
-    # the service account's projected volume, as the kubelet gives every pod.
-    node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
-    node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
-    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
-    # The endpoint GetInfo names is the pod's path; the kubelet stand-in reads it on the host side
-    # (hostPath and mountPath are equal on a node, not here).
-    in_pod = node.config["dra"]["kubelet_dir"]
-    call_unary = gp.call_unary
-
-    async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
-        answer = await call_unary(socket_path, method, request, timeout=timeout)
-        if method is gp.DRA_METHODS[gp.GET_INFO]:
-            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
-        return answer
-
-    monkeypatch.setattr(gp, "call_unary", host_view)
-    await nursery.start(kubelet.run)
-    return api, kubelet
-
-
-async def stored_devices(api: Any, pool: str, wanted: Any) -> dict[str, dict[str, Any]]:
-    """The devices of ``pool`` as the API server stand-in stores them (by name, across the pool's
-    slices), once ``wanted(devices)`` holds; woken by each write."""
-    while True:
-        devices = {
-            device["name"]: device
-            for item in api.slices.values()
-            if item["spec"]["pool"]["name"] == pool
-            for device in item["spec"]["devices"]
-        }
-        if wanted(devices):
-            return devices
-        await api.changed.wait_touched()
-
-
-def dra_claim(name: str, requests: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ResourceClaim in namespace default as the scheduler leaves it: its requests, and the
-    allocation's results (each a request's name, the driver, pool and device, and what the scheduler
-    copies from the request: adminAccess, tolerations)."""
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"namespace": "default", "name": name, "uid": str(uuid.uuid4())},
-        "spec": {"devices": {"requests": requests}},
-        "status": {"allocation": {"devices": {"results": results}}},
-    }
-
-
-def _device_class() -> str:
-    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
-    return device_class["metadata"]["name"]
 
 
 @pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
