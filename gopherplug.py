@@ -2024,6 +2024,11 @@ def examine_path(
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
     numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
     pci = _pci_address(sysfs_root, mode, rdev) if is_node and resource.dra else None  # slices only
+    if numa_node is None and pci is not None:
+        # The node's sysfs device is a child of the PCI function (virtio-blk's virtio1, a
+        # virtio-console port's virtio2), with no numa_node of its own: the function's is the
+        # device's, and the one deviceattribute reads for the standard numaNode of a PCI device.
+        numa_node = _read_numa_node(os.path.join(sysfs_root, "bus", "pci", "devices", pci.bus_id, "numa_node"))
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
@@ -2207,7 +2212,15 @@ def _libc() -> ctypes.CDLL:
 def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
     """The NUMA node of a device node from sysfs; None when the kernel gives none (-1) or no file."""
     kind = "char" if stat.S_ISCHR(mode) else "block"
-    path = os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device", "numa_node")
+    return _read_numa_node(
+        os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device", "numa_node")
+    )
+
+
+def _read_numa_node(path: str) -> int | None:
+    """A sysfs numa_node file; None when the kernel gives none (-1) or there is no file. A PCI
+    function's is bus/pci/devices/<bus ID>/numa_node (GetNUMANodeAttributeByPCIBusID in
+    kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute/numa_linux.go)."""
     try:
         with open(path, encoding="ascii") as file:
             node = int(file.read().strip())

@@ -5665,6 +5665,42 @@ def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
     assert gp.resource_slice_causes(item) == []
 
 
+def test_dra_numa_node_of_a_node_under_a_pci_function_is_the_functions(tmp_path):
+    """A virtio device's node (a virtio-console port here; virtio-blk's disks alike) has as its
+    sysfs device the virtio device, which has no numa_node of its own; the PCI function above it
+    has. deviceattribute reads the standard numaNode of a PCI device from the function
+    (kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute/
+    numa_linux.go, GetNUMANodeAttributeByPCIBusID: bus/pci/devices/<bus ID>/numa_node)."""
+    root = tmp_path / "sys"
+    function = root / "devices" / "pci0000:00" / "0000:00:04.0"
+    virtio = function / "virtio2"
+    port = virtio / "virtio-ports" / "vport2p1"
+    for directory, bus in [(function, "pci"), (virtio, "virtio")]:
+        directory.mkdir(parents=True, exist_ok=True)
+        (root / "bus" / bus / "devices").mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(root / "bus" / bus, directory), directory / "subsystem")
+        os.symlink(
+            os.path.relpath(directory, root / "bus" / bus / "devices"), root / "bus" / bus / "devices" / directory.name
+        )
+    (function / "numa_node").write_text("1\n")
+    port.mkdir(parents=True)
+    os.symlink("../../../virtio2", port / "device")
+    (root / "dev" / "char").mkdir(parents=True)
+    os.symlink(os.path.relpath(port, root / "dev" / "char"), root / "dev" / "char" / "1:7")
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    os.symlink("/dev/full", devices / "port")
+    (dra,) = gp.parse_config(dra_config(str(devices), "/k", allowed_host_paths=["/dev"])).resources
+    (device,) = gp.scan_directory(dra, str(root)).devices
+    attributes = gp.dra_device(dra, device)["attributes"]
+    assert {k: v for k, v in attributes.items() if k not in ("resource", "id", "healthy")} == {
+        "numaNode": {"int": 1},
+        "resource.kubernetes.io/numaNode": {"int": 1},
+        "resource.kubernetes.io/pciBusID": {"string": "0000:00:04.0"},
+        "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+    }
+
+
 def test_dra_usb_attributes_in_the_drivers_domain(tmp_path):
     sysfs = usb_tree(tmp_path)
     dev = str(tmp_path / "dev")

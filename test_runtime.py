@@ -1270,34 +1270,23 @@ async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, throug
 # The DRA driver, as daemonset-dra.yaml ships it
 
 
-async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
-    """The shipped DRA pod registers through plugins_registry, writes its ResourceSlice to the API
-    server stand-in over TLS with the projected token and ca.crt, prepares an allocated claim; a
-    consumer created with the claim's CDI device IDs (CRI CDI_devices, as the kubelet passes them)
-    gets the node through containerd's own CDI handling. A containerd with enable_cdi = false runs
-    the same consumer without device and without env, and says nothing."""
+async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An API server stand-in over TLS, with what the kubelet gives the DRA pod to reach it: the
+    service's address in env (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes`
+    service), and the service account's projected token and ca.crt."""
     import trustme
 
-    node = Node(tier, "daemonset-dra.yaml")
-    path = node.mknod("gopher0")
-    path.chmod(0o660)  # the host's mode reaches the consumer through the CDI spec, as a DeviceSpec's would
-    os.chown(path, HOST_UID, HOST_GID)
     ca = trustme.CA()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(context)
     token = secrets.token_urlsafe(24)
     api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
-    # What the kubelet gives every pod of a cluster: the API server's service address in env
-    # (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes` service), and the service
-    # account's projected volume.
     node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
     node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
-    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     # On a node the plugin's endpoint (GetInfo) is the same path for the kubelet as in the pod, as
     # hostPath and mountPath are equal; here the host side is a private directory, so the kubelet
-    # stand-in reads that path on the host side: the translation's one concession.
-    in_pod = node.config["dra"]["kubelet_dir"]
-    call_unary = gp.call_unary
+    # stand-ins read that path on the host side: the translation's one concession.
+    in_pod, call_unary = node.config["dra"]["kubelet_dir"], gp.call_unary
 
     async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
         answer = await call_unary(socket_path, method, request, timeout=timeout)
@@ -1306,7 +1295,63 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
         return answer
 
     monkeypatch.setattr(gp, "call_unary", host_view)
+    return api
+
+
+async def dra_cluster(tier: Run, nursery: trio.Nursery, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
+    """Around the shipped DRA pod on ``node``: the API server stand-in of _api_server_for with the
+    node's Node, and the DRA kubelet stand-in, running."""
+    api = await _api_server_for(node, nursery, monkeypatch)
+    api.put_node(NODE_NAME, str(uuid.uuid4()))  # registered by the kubelet: the slices' owner
+    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(kubelet.run)
+    return api, kubelet
+
+
+async def stored_devices(api: Any, pool: str, wanted: Any) -> dict[str, dict[str, Any]]:
+    """The devices of ``pool`` as the API server stand-in stores them (by name, across the pool's
+    slices), once ``wanted(devices)`` holds; woken by each write."""
+    while True:
+        devices = {
+            device["name"]: device
+            for item in api.slices.values()
+            if item["spec"]["pool"]["name"] == pool
+            for device in item["spec"]["devices"]
+        }
+        if wanted(devices):
+            return devices
+        await api.changed.wait_touched()
+
+
+def dra_claim(name: str, requests: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ResourceClaim in namespace default as the scheduler leaves it: its requests, and the
+    allocation's results (each a request's name, the driver, pool and device, and what the scheduler
+    copies from the request: adminAccess, tolerations)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": str(uuid.uuid4())},
+        "spec": {"devices": {"requests": requests}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
+
+
+def _device_class() -> str:
+    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
+    return device_class["metadata"]["name"]
+
+
+async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
+    """The shipped DRA pod registers through plugins_registry, writes its ResourceSlice to the API
+    server stand-in over TLS with the projected token and ca.crt, prepares an allocated claim; a
+    consumer created with the claim's CDI device IDs (CRI CDI_devices, as the kubelet passes them)
+    gets the node through containerd's own CDI handling. A containerd with enable_cdi = false runs
+    the same consumer without device and without env, and says nothing."""
+    node = Node(tier, "daemonset-dra.yaml")
+    path = node.mknod("gopher0")
+    path.chmod(0o660)  # the host's mode reaches the consumer through the CDI spec, as a DeviceSpec's would
+    os.chown(path, HOST_UID, HOST_GID)
+    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
     pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
     device = gp.dra_device_name("gopher0")
 
@@ -1411,40 +1456,6 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
         assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
 
 
-async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """An API server stand-in over TLS, with what the kubelet gives the DRA pod to reach it: the
-    service's address in env and the service account's projected token and ca.crt. The kubelet
-    stand-ins read the DRA plugin's endpoint on the host side of its hostPath (the translation's
-    one concession, as in test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device)."""
-    import trustme
-
-    ca = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    token = secrets.token_urlsafe(24)
-    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
-    node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
-    node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
-    in_pod, call_unary = node.config["dra"]["kubelet_dir"], gp.call_unary
-
-    async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
-        answer = await call_unary(socket_path, method, request, timeout=timeout)
-        if method is gp.DRA_METHODS[gp.GET_INFO]:
-            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
-        return answer
-
-    monkeypatch.setattr(gp, "call_unary", host_view)
-    return api
-
-
-async def dra_api_and_kubelet(tier: Run, nursery: Any, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
-    """The API server stand-in of _api_server_for, and the DRA kubelet stand-in running beside it."""
-    api = await _api_server_for(node, nursery, monkeypatch)
-    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
-    await nursery.start(kubelet.run)
-    return api, kubelet
-
-
 #: How many consumers share the one device in the test below
 SHARES = 3
 
@@ -1466,7 +1477,7 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         free.bind(("127.0.0.1", 0))
         node.config["metrics_address"] = f"127.0.0.1:{free.getsockname()[1]}"
     path = node.mknod("gopher0")
-    api, kubelet = await dra_api_and_kubelet(tier, nursery, monkeypatch, node)
+    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
     pool, device = gp.dra_pool_name(NODE_NAME, RESOURCE), gp.dra_device_name("gopher0")
     kind = node.config["resources"][0]["cdi"]["kind"]
     claims = [(f"gopher-{n}", str(uuid.uuid4()), str(uuid.uuid4())) for n in range(SHARES)]  # name, UID, shareID
@@ -1544,6 +1555,198 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
             assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["devices.list (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
+async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it(
+    tier, nursery, monkeypatch, effect
+):
+    """The DRA rows the unit tests show with stand-ins, on the shipped pod in a real containerd:
+
+    - claim c1 on gopher0 is prepared, its consumer opens gopher0, and the claim's status.devices
+      as the API server stand-in stores it says which node file it is (KEP-4817);
+    - gopher1 becomes unhealthy as the pod's health check sees it (mode 0000: root without
+      capabilities may not open it): the stored slice gives it the taint <driver>/unhealthy,
+      NoSchedule as shipped, NoExecute with dra.unhealthy_taint in the ConfigMap (KEP-5055);
+    - an admin-access claim (KEP-5018) whose request tolerates the taint, allocated gopher0 (in use
+      by c1) and gopher1 (tainted), is prepared, and its consumer, running beside c1's, opens both
+      (the runtime's root keeps CAP_DAC_OVERRIDE, which the plugin's drops);
+    - claim c3, allocated gopher1 while it was healthy, is refused with the reason (NoSchedule
+      takes no allocation away; NoExecute has the eviction controller delete c3's pod, but a
+      prepare the kubelet asks before that is refused all the same);
+    - gopher1 recovers (its mode back): the stored slice has no taint on it any more, and c3's
+      prepare, tried again as the kubelet does, succeeds."""
+    node = Node(tier, "daemonset-dra.yaml")
+    if effect != "NoSchedule":  # the default, and the shipped ConfigMap's
+        node.config["dra"]["unhealthy_taint"] = effect
+    paths = {name: node.mknod(name) for name in ("gopher0", "gopher1", "gopher2")}
+    for path in paths.values():
+        path.chmod(0o660)
+        os.chown(path, HOST_UID, HOST_GID)
+    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    a, b = gp.dra_device_name("gopher0"), gp.dra_device_name("gopher1")
+    taint_key = f"{DRIVER}/unhealthy"
+    device_class = _device_class()
+    plain = {"name": "gopher", "exactly": {"deviceClassName": device_class}}
+    tolerations = [{"key": taint_key, "operator": "Exists"}]
+    monitor = {
+        "name": "monitor",
+        "exactly": {
+            "deviceClassName": device_class,
+            "adminAccess": True,
+            "count": 2,
+            "selectors": [{"cel": {"expression": f'device.attributes["{DRIVER}"].id in ["gopher0", "gopher1"]'}}],
+            "tolerations": tolerations,
+        },
+    }
+
+    def result(request: str, device: str, **copied: Any) -> dict[str, Any]:
+        return {"request": request, "driver": DRIVER, "pool": pool, "device": device, **copied}
+
+    c1 = dra_claim("c1", [plain], [result("gopher", a)])
+    c3 = dra_claim("c3", [plain], [result("gopher", b)])
+    admin = dra_claim(
+        "admin",
+        [monitor],
+        [result("monitor", d, adminAccess=True, tolerations=tolerations) for d in (a, b)],
+    )
+    for claim in (c1, c3, admin):
+        api.put_claim(claim)
+    uid = {claim["metadata"]["name"]: claim["metadata"]["uid"] for claim in (c1, c3, admin)}
+    seen: dict[str, Any] = {}
+    with trio.fail_after(2 * TIMEOUT), _removed_afterwards(tier.containerd.cdi_dir):
+        async with node.running():
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            healthy = await stored_devices(api, pool, lambda found: len(found) == 3)
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid["c1"], "c1")])).claims[uid["c1"]]
+            assert prepared.error == ""
+            first = Pod(tier, "c1-consumer")
+            config = consumer_config(first, CDI_devices=[PB.CDIDevice(name=i) for i in kubelet.cdi_devices(uid["c1"])])
+            async with running_pod(tier.containerd, first, first.sandbox_config(), [config]):
+                seen["c1: gopher0"] = await consumer_report(
+                    tier.containerd, first.container_ids["consumer"], str(paths["gopher0"])
+                )
+                paths["gopher1"].chmod(0)
+                tainted = await stored_devices(api, pool, lambda found: "taints" in found[b])
+                answer = await kubelet.prepare(DRIVER, [("default", uid["admin"], "admin")])
+                assert answer.claims[uid["admin"]].error == ""
+                ids = kubelet.cdi_devices(uid["admin"], "monitor")
+                second = Pod(tier, "admin-consumer")
+                config = consumer_config(second, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+                async with running_pod(tier.containerd, second, second.sandbox_config(), [config]):
+                    for name in ("gopher0", "gopher1"):
+                        seen[f"admin: {name}"] = await consumer_report(
+                            tier.containerd, second.container_ids["consumer"], str(paths[name])
+                        )
+                    state = (await container_status(tier.containerd, first.container_ids["consumer"])).status.state
+            refused = (await kubelet.prepare(DRIVER, [("default", uid["c3"], "c3")])).claims[uid["c3"]]
+            # status.devices is written after the kubelet has its answer: wait for the stored claims.
+            while not all("devices" in api.claims["default", n]["status"] for n in ("c1", "admin")):
+                await api.changed.wait_touched()
+            statuses = {n: api.claims["default", n]["status"]["devices"] for n in ("c1", "admin")}
+            paths["gopher1"].chmod(0o660)
+            recovered = await stored_devices(api, pool, lambda found: "taints" not in found[b])
+            # The kubelet retries a failed prepare while the pod waits: now it gets the device.
+            retried = (await kubelet.prepare(DRIVER, [("default", uid["c3"], "c3")])).claims[uid["c3"]]
+    tier.outputs[f"DRA rows ({effect}): slice devices before"] = healthy
+    tier.outputs[f"DRA rows ({effect}): slice device gopher1, unhealthy"] = tainted[b]
+    tier.outputs[f"DRA rows ({effect}): slice device gopher1, recovered"] = recovered[b]
+    tier.outputs[f"DRA rows ({effect}): allocations"] = {
+        n: api.claims["default", n]["status"]["allocation"] for n in ("c1", "admin", "c3")
+    }
+    tier.outputs[f"DRA rows ({effect}): admin claim CDI device IDs"] = ids
+    tier.outputs[f"DRA rows ({effect}): c3 refused"] = refused.error
+    tier.outputs[f"DRA rows ({effect}): claim status.devices"] = statuses
+    tier.outputs[f"DRA rows ({effect}): consumers"] = seen
+    assert not any("taints" in device for device in healthy.values())
+    (taint,) = tainted[b]["taints"]
+    assert taint["timeAdded"]  # the API server's
+    assert {k: v for k, v in taint.items() if k != "timeAdded"} == {
+        "key": taint_key,
+        "value": "unhealthy",
+        "effect": effect,
+    }
+    assert tainted[b]["attributes"]["healthy"] == {"bool": False}
+    assert not any("taints" in tainted[n] for n in (a, gp.dra_device_name("gopher2")))
+    assert recovered[b]["attributes"]["healthy"] == {"bool": True}
+    # Both consumers open their devices, c1's still running beside the admin's.
+    for what in ("c1: gopher0", "admin: gopher0", "admin: gopher1"):
+        assert (seen[what]["ls exit"], seen[what]["open exit"], seen[what]["open rw"]) == (0, 0, "opened rw"), what
+    assert state == PB.ContainerState.CONTAINER_RUNNING
+    env = seen["admin: gopher0"]["env"]
+    assert {"GOPHER_DEVICES_GOPHER0=gopher0", "GOPHER_DEVICES_GOPHER1=gopher1"} <= set(env), env
+    assert refused.error.startswith(f"ResourceClaim default/c3: device gopher1 of {RESOURCE} is unhealthy: "), refused
+    assert str(paths["gopher1"]) in refused.error and not refused.devices
+    assert (retried.error, [d.device_name for d in retried.devices]) == ("", [b])
+
+    def entry(device: str, name: str) -> dict[str, Any]:
+        return {"driver": DRIVER, "pool": pool, "device": device, "data": {"id": name, "paths": [str(paths[name])]}}
+
+    assert statuses == {"c1": [entry(a, "gopher0")], "admin": [entry(a, "gopher0"), entry(b, "gopher1")]}
+
+
+def host_pci_backed_node() -> tuple[int, int, int, dict[str, Any]] | None:
+    """A device node of this machine whose device is a PCI function's (a char device preferred: a
+    block one is a disk), read from the host's sysfs apart from gopherplug's own walk: its type
+    (stat.S_IFCHR or S_IFBLK), major and minor, and the standard attributes it must get
+    (kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute/pci.go):
+    pciBusID the nearest function above it that /sys/bus/pci/devices lists, pcieRoot the directory
+    under /sys/devices it hangs from, numaNode the function's when it has one. A node under a USB
+    device has none (USB is not PCI even when its host controller is). None when there is no such node."""
+    functions = Path("/sys/bus/pci/devices")
+    listed = {entry.name for entry in functions.iterdir()} if functions.is_dir() else set()
+    for kind, file_type in (("char", stat.S_IFCHR), ("block", stat.S_IFBLK)):
+        for entry in sorted(Path("/sys/dev", kind).iterdir()):
+            try:
+                parts = (entry / "device").resolve(strict=True).relative_to("/sys/devices").parts
+            except (OSError, ValueError):
+                continue
+            above = [Path("/sys/devices", *parts[: i + 1]) for i in range(len(parts))]
+            if any((d / "subsystem").resolve().name == "usb" for d in above) or not listed & set(parts):
+                continue
+            bus_id = [part for part in parts if part in listed][-1]
+            attributes: dict[str, Any] = {
+                "resource.kubernetes.io/pciBusID": {"string": bus_id},
+                "resource.kubernetes.io/pcieRoot": {"string": parts[0]},
+            }
+            numa = int((functions / bus_id / "numa_node").read_text())
+            if numa >= 0:
+                attributes["resource.kubernetes.io/numaNode"] = {"int": numa}
+            major, minor = map(int, entry.name.split(":"))
+            return file_type, major, minor, attributes
+    return None
+
+
+async def test_dra_pod_publishes_the_pci_address_of_a_host_device_node(tier, nursery, monkeypatch):
+    """The standard attributes resource.kubernetes.io/pciBusID and pcieRoot (and numaNode) of a real
+    PCI device's node, as the shipped pod finds them through its own /sys mount (the host's), in the
+    slice the API server stand-in stores. The node is made in the run's directory of /dev with the
+    real device's numbers, mode 0600: the plugin only looks at it (its device cgroup refuses it any
+    open), and no consumer is given it."""
+    found = host_pci_backed_node()
+    if found is None:
+        pytest.skip("this machine has no device node of a PCI device in /sys/dev (char or block)")
+    file_type, major, minor, wanted = found
+    node = Node(tier, "daemonset-dra.yaml")
+    if file_type == stat.S_IFBLK:
+        # A disk holds a mounted filesystem (here the one behind the pod's volumes), which gopherplug
+        # skips unless told: told, in the ConfigMap, as the test gives the node to no consumer.
+        node.config["resources"][0]["allow_mounted"] = True
+    path = node.devices / "pci0"
+    os.mknod(path, 0o600 | file_type, os.makedev(major, minor))
+    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    name = gp.dra_device_name("pci0")
+    with trio.fail_after(TIMEOUT), _removed_afterwards(tier.containerd.cdi_dir):
+        async with node.running():
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            stored = (await stored_devices(api, pool, lambda devices: name in devices))[name]
+    kind = "char" if file_type == stat.S_IFCHR else "block"
+    tier.outputs["DRA standard attributes: host node"] = f"{kind} {major}:{minor} -> {wanted}"
+    tier.outputs["DRA standard attributes: slice device"] = stored
+    standard = {k: v for k, v in stored["attributes"].items() if k.startswith("resource.kubernetes.io/")}
+    assert standard == wanted
 
 
 ########################################################################################################
