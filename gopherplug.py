@@ -3152,6 +3152,20 @@ def prepared_devices(
             raise ClaimError(
                 f"ResourceClaim {name}: device {device.id} of {resource.name} is unhealthy: {device.problem}"
             )
+        # Admin access reaches an unhealthy device, but only one that is there to give. A node or
+        # file whose host path is gone (a dangling symlink, a device unplugged) would not stop the
+        # container: the runtime starts it without the node, the env still naming the device, and
+        # nothing reports it. Refused, the kubelet fails the pod's start with this line instead.
+        gone = (
+            [e.path for e in device.members or (device,) if not os.path.exists(e.path)]
+            if device.health != HEALTHY
+            else []
+        )
+        if gone:
+            raise ClaimError(
+                f"ResourceClaim {name}: device {device.id} of {resource.name} is unhealthy ({device.problem}) and "
+                f"{gone[0]} is not there: nothing to give a container, even with admin access"
+            )
         assert resource.cdi is not None  # parse_config gives every DRA resource one
         # A share of a shared device (dra_shares): the scheduler gave this claim one allocation of
         # it, named by shareID, and the answer carries it (the kubelet keeps it with the device).

@@ -6308,30 +6308,41 @@ async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra
     """KEP-5018: the scheduler gives an adminAccess request devices other claims hold, and
     unhealthy ones; the driver prepares them, where a claim without admin access is refused the
     unhealthy device. The kubelet passes only the claim's name (pkg/kubelet/cm/dra): the result's
-    adminAccess is the driver's to read."""
+    adminAccess is the driver's to read. An unhealthy device whose node is gone has nothing to give:
+    the runtime would start the admin pod without it, so even admin access is refused it, saying so.
+    (An unhealthy device that is there, which root here cannot make: the runtime tier's
+    test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it.)"""
     (dra_node.devices / "gopher0").touch()
-    (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
+    (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy, and nothing to give
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0"), requests=ADMIN_REQUESTS))
     admin = {"adminAccess": True}
-    monitor = [("monitor", DRIVER, DraNode.POOL, "gopher0", admin), ("monitor", DRIVER, DraNode.POOL, "gopher1", admin)]
-    dra_node.api.put_claim(claim("c2", "uid-2", *monitor, requests=ADMIN_REQUESTS))
+    dra_node.api.put_claim(
+        claim("c2", "uid-2", ("monitor", DRIVER, DraNode.POOL, "gopher0", admin), requests=ADMIN_REQUESTS)
+    )
     dra_node.api.put_claim(claim("c3", "uid-3", ("gopher", DRIVER, DraNode.POOL, "gopher1"), requests=ADMIN_REQUESTS))
+    dra_node.api.put_claim(
+        claim("c4", "uid-4", ("monitor", DRIVER, DraNode.POOL, "gopher1", admin), requests=ADMIN_REQUESTS)
+    )
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.registered()
         await dra_node.wait_for_slices(["gopher0", "gopher1"])
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1"), ("default", "uid-2", "c2")])
         refused = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-3", "c3")])).claims["uid-3"]
+        gone = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-4", "c4")])).claims["uid-4"]
     assert {uid: (a.error, [d.device_name for d in a.devices]) for uid, a in answer.claims.items()} == {
         "uid-1": ("", ["gopher0"]),
-        "uid-2": ("", ["gopher0", "gopher1"]),  # gopher0 beside c1, gopher1 although unhealthy
+        "uid-2": ("", ["gopher0"]),  # beside c1
     }
-    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == [
-        "example.com/gopher=gopher0",
-        "example.com/gopher=gopher1",
-    ]
+    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == ["example.com/gopher=gopher0"]
     assert refused.error.startswith("ResourceClaim default/c3: device gopher1 of example.com/gopher is unhealthy: ")
     assert not refused.devices
+    gopher1 = dra_node.devices / "gopher1"
+    assert gone.error == (
+        f"ResourceClaim default/c4: device gopher1 of example.com/gopher is unhealthy ({gopher1} is a symlink to "
+        f"gone, which does not exist) and {gopher1} is not there: nothing to give a container, even with admin access"
+    )
+    assert not gone.devices
 
 
 async def test_dra_prepare_writes_the_claims_device_status(dra_node):
