@@ -885,12 +885,6 @@ class DraConfig:
         directory)."""
         return os.path.join(self.plugin_dir, "serialize.lock")
 
-    @property
-    def instance_lock(self) -> str:
-        """Without a pod UID, the flock held for a whole run: two instances would serve on the same
-        socket paths, each replacing the other's (with one, their paths differ)."""
-        return os.path.join(self.plugin_dir, ".gopherplug.lock")
-
 
 def _url_safe_digest(text: str, length: int) -> str:
     """The first ``length`` bytes of text's SHA-256, in unpadded URL-safe base64 (a file name)."""
@@ -6235,21 +6229,20 @@ async def serve_dra(
     sockets carry the pod's UID; the checkpoint, the CDI spec and the slices are shared, each
     written under its own rules (ClaimCheckpoint, write_cdi_spec, SlicePublisher), and nothing of
     them is removed on the way out: only this pod's sockets go. Without a pod UID, one driver runs
-    per node: a second one is refused at start, naming the first.
+    per node: a second one is refused at start while the first one's registration socket answers.
     """
-    with contextlib.ExitStack() as stack:
-        try:
-            os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
-        except OSError as error:
-            raise GopherplugError(f"cannot make {config.plugin_dir}: {_describe(error)}") from None
-        if not config.pod_uid:
-            taken = f"DRA driver {config.driver} is already served on this node"
-            fix = f"stop that one (for two at once during a rolling update, give each its pod's UID in {POD_UID_ENV})"
-            lock = FileLock(config.instance_lock, taken, fix)
-            lock.acquire()
-            stack.callback(lock.release)
-        _remove_dead_sockets(config)
-        await _serve_dra(config, resources, api, task_status)
+    try:
+        os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
+    except OSError as error:
+        raise GopherplugError(f"cannot make {config.plugin_dir}: {_describe(error)}") from None
+    if not config.pod_uid and _accepts(config.registration_socket):
+        # Two would serve on the same paths, each replacing the other's sockets as _keep_serving does.
+        raise GopherplugError(
+            f"DRA driver {config.driver} is already served on this node ({config.registration_socket} answers): "
+            f"stop that one, or give each its pod's UID in {POD_UID_ENV} to run two at once (a rolling update)"
+        )
+    _remove_dead_sockets(config)
+    await _serve_dra(config, resources, api, task_status)
 
 
 def _remove_dead_sockets(config: DraConfig) -> None:

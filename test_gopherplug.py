@@ -6012,6 +6012,22 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
     ]
 
 
+async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_serves(dra_node):
+    """Without POD_UID both would serve on the same socket paths, each replacing the other's."""
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        with pytest.raises(gp.GopherplugError) as info, gp._unwrap_single_errors():
+            async with trio.open_nursery() as second:
+                await second.start(functools.partial(gp.serve_plugin, dra_node.config(), node_name="node-1"))
+    registration = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock"
+    assert str(gp._innermost(info.value)) == (
+        f"DRA driver {DRIVER} is already served on this node ({registration} answers): stop that one, or give "
+        "each its pod's UID in POD_UID to run two at once (a rolling update)"
+    )
+    assert [p.registration_socket for p in dra_node.kubelet.plugins[DRIVER]] == [str(registration)]
+
+
 async def test_dra_two_pods_publishing_the_same_slices_do_not_fight(dra_node, monkeypatch):
     """During the overlap both pods keep the node's slices. Each writes only what differs from what
     the API server holds, so once one wrote a change the other finds it written: a change makes a
