@@ -7574,6 +7574,10 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     (container,) = pod["containers"]
     env = {item["name"]: item for item in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # Zero-gap upgrades: the new pod next to the old one, its sockets named after its UID.
+    assert env[gp.POD_UID_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    strategy = objects["DaemonSet"]["spec"]["updateStrategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert {f"{config.dra.kubelet_dir}/plugins_registry", f"{config.dra.kubelet_dir}/plugins"} <= mounts
     assert resource.cdi.spec_dir in mounts
