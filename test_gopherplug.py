@@ -6012,6 +6012,38 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
     ]
 
 
+def dead_socket(path):
+    """A unix socket file that nothing listens on: what a process killed by SIGKILL leaves."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as bound:
+        bound.bind(str(path))
+    return path
+
+
+async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_node):
+    """A pod killed before it removed its sockets leaves them: the kubelet would try the
+    registration socket at every start, and keep the dead endpoint among the driver's plugins. The
+    next driver removes the driver's sockets nobody listens on; a live one and other drivers' stay."""
+    registry = dra_node.kubelet_dir / "plugins_registry"
+    plugins = dra_node.kubelet_dir / "plugins" / DRIVER
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-live"))
+        await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 1)
+        dead = [dead_socket(registry / f"{DRIVER}-pod-killed-reg.sock"), dead_socket(plugins / "dra-pod-killed.sock")]
+        other = dead_socket(registry / "other.example.com-reg.sock")
+        with logged("left by a DRA driver that did not exit cleanly") as removed:
+            await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-new"))
+        await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
+    assert not any(path.exists() for path in dead)
+    assert sorted(removed.lines) == sorted(
+        f"removed {path}, left by a DRA driver that did not exit cleanly" for path in dead
+    )
+    assert other.exists()  # not this driver's
+    assert sorted(os.listdir(registry)) == sorted(
+        ["other.example.com-reg.sock", f"{DRIVER}-pod-live-reg.sock", f"{DRIVER}-pod-new-reg.sock"]
+    )
+
+
 async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_serves(dra_node):
     """Without POD_UID both would serve on the same socket paths, each replacing the other's."""
     with trio.fail_after(TIMEOUT):
