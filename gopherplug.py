@@ -5893,6 +5893,54 @@ class KubeApi:
         await self._client.close()
 
 
+class DriverPeers:
+    """The other pods of this DRA driver on the node, seen through their registration sockets, for
+    the slices: during a rolling update the old and the new pod both keep them, and the new one may
+    describe the devices otherwise (another version, another configuration). Both writing what they
+    see would rewrite each other's slices, a new generation each time, until the old pod is gone.
+    So the newest pod writes them: a pod whose registration socket is older than a live one of the
+    driver leaves them to it, and writes again once that one is gone (its socket removed).
+
+    Newest: the later socket's change time (each pod makes its socket as it starts). Live: its
+    socket accepts a connection (a killed pod's does not, see _remove_dead_sockets). Sockets named
+    "<driver>-reg.sock" or "<driver>-*-reg.sock"; a pod whose name had to be hashed whole
+    ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
+    """
+
+    def __init__(self, config: DraConfig) -> None:
+        self.config = config
+        self.changed = Watched(None)  #: touched when a socket comes or goes in plugins_registry
+
+    def newer(self) -> str | None:
+        """The registration socket of a live pod of the driver newer than this one, or None (also
+        while this one has no socket yet: it starts by publishing)."""
+        ours = self.config.registration_socket
+        try:
+            mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
+        except OSError:
+            return None
+        registry = os.path.dirname(ours)
+        driver = self.config.driver
+        for name in _listing(registry):
+            path = os.path.join(registry, name)
+            if path == ours or not (name == f"{driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{driver}-*-reg.sock")):
+                continue
+            with contextlib.suppress(OSError):
+                status = os.lstat(path)
+                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > mine and _accepts(path):
+                    return path
+        return None
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Touch ``changed`` at every change of plugins_registry, until cancelled."""
+        events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+        with DirectoryWatch(os.path.dirname(self.config.registration_socket), events) as watch:
+            task_status.started()
+            async with contextlib.aclosing(watch.batches()) as batches:
+                async for _ in batches:
+                    self.changed.touch()
+
+
 class SlicePublisher:
     """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
 
@@ -5906,12 +5954,16 @@ class SlicePublisher:
     capped backoff (or its Retry-After) while the others go on. While the API server is down or
     slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
     that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
-    A watch that expired (410) is followed by a new list at once.
+    A watch that expired (410) is followed by a new list at once. With ``peers``, nothing is written
+    while a newer pod of the driver serves (DriverPeers).
     """
 
-    def __init__(self, resources: DraResources, api: Any) -> None:
+    def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
         self.resources = resources
         self.api = api
+        self.peers = peers
+        #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
+        self.deferring = Watched("")
         self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
@@ -5982,9 +6034,14 @@ class SlicePublisher:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()
             watched = [self.known_changed, self.resources.changed, *self._devices()]
+            watched += [self.peers.changed] if self.peers is not None else []
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
+                if self._defer():
+                    await woken.wait()  # until a socket goes (or anything else changes): asked again
+                    nursery.cancel_scope.cancel()
+                    continue
                 try:
                     retry_at = await self._sync()
                     delay = _API_BACKOFF[0]
@@ -6010,6 +6067,22 @@ class SlicePublisher:
 
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
+
+    def _defer(self) -> bool:
+        """Whether a newer pod of the driver writes the slices now; said in the log when that changes."""
+        newer = (self.peers.newer() if self.peers is not None else None) or ""
+        if newer != self.deferring.value:
+            if newer:
+                log.info(
+                    "DRA: a newer pod of driver %s serves (%s): the slices are left to it", self.resources.driver, newer
+                )
+            else:
+                log.info(
+                    "DRA: no newer pod of driver %s serves any more: writing the slices again", self.resources.driver
+                )
+            self._retries.clear()  # whatever was due is compared again from scratch
+            self.deferring.set(newer)
+        return bool(newer)
 
     async def _owner(self) -> str:
         """The Node's UID ("" when it cannot be had: the slices go out without an owner).
@@ -6285,14 +6358,16 @@ def _listing(directory: str) -> list[str]:
 async def _serve_dra(
     config: DraConfig, resources: DraResources, api: Any, task_status: trio.TaskStatus[DraDriver]
 ) -> None:
+    peers = DriverPeers(config)
     driver = DraDriver(
         config,
         resources,
         RegistrationState(),
         ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint, config.serialize_lock), api),
-        SlicePublisher(resources, api),
+        SlicePublisher(resources, api, peers),
     )
     async with trio.open_nursery() as nursery:
+        await nursery.start(peers.watch)
         await nursery.start(driver.slices.watch)
         await nursery.start(driver.slices.publish)
         await nursery.start(driver.claims.write_statuses)
@@ -6354,6 +6429,7 @@ async def _keep_serving_in(
 #   ├── KubeletWatch.run                         inotify on the device-plugin directory
 #   ├── serve_dra (with `dra`)                   the DRA driver, all its resources (started once
 #   │                                            every resource's devices are attached):
+#   │   ├── DriverPeers.watch                    inotify on plugins_registry: the driver's other pods
 #   │   ├── SlicePublisher.watch                 the node's ResourceSlices, watched on the API server
 #   │   ├── SlicePublisher.publish               devices -> ResourceSlices, on every change
 #   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources;

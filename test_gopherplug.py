@@ -6060,10 +6060,12 @@ async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_
     assert [p.registration_socket for p in dra_node.kubelet.plugins[DRIVER]] == [str(registration)]
 
 
-async def test_dra_two_pods_publishing_the_same_slices_do_not_fight(dra_node, monkeypatch):
-    """During the overlap both pods keep the node's slices. Each writes only what differs from what
-    the API server holds, so once one wrote a change the other finds it written: a change makes a
-    generation or two, not an endless exchange of rewrites."""
+async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra_node, monkeypatch):
+    """During the overlap both pods keep the node's slices, and the new one may see the devices
+    otherwise (here: its configuration takes every gopher, the old one's only gopher0). The newest
+    pod writes them; the old one leaves them to it, even as the new one's writes reach its watch,
+    rather than writing its own view back (a new generation each time, until the old pod is gone).
+    Once the new pod is gone (a rollback), the old one writes them again."""
     publishers = []
 
     class Recorded(gp.SlicePublisher):
@@ -6072,34 +6074,34 @@ async def test_dra_two_pods_publishing_the_same_slices_do_not_fight(dra_node, mo
             publishers.append(self)
 
     monkeypatch.setattr(gp, "SlicePublisher", Recorded)
-    (dra_node.devices / "gopher0").touch()
-
-    async def both_synced_since(counts):
-        for publisher, count in zip(publishers, counts, strict=True):
-            while publisher.synced.value <= count:
-                await publisher.synced.wait_touched()
-
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-old"))
+        await dra_node.start(gp.with_pod_uid(dra_node.config(pattern="gopher0"), "pod-old"))
         await dra_node.wait_for_slices(["gopher0"])
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-new"))
-        await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
-        await both_synced_since([0, 0])
-        assert dra_node.api.writes == [("create", next(iter(dra_node.api.slices)))]  # the new pod found it written
-        for name in ("gopher1", "gopher2"):
-            counts = [publisher.synced.value for publisher in publishers]
-            writes = len(dra_node.api.writes)
-            (dra_node.devices / name).touch()
-            await both_synced_since(counts)
-            await dra_node.wait_for_slices(sorted(p.name for p in dra_node.devices.iterdir()))
-            await trio.testing.wait_all_tasks_blocked()
-            # One write, or two when each pod's watch saw the device before the other's write arrived.
-            assert 1 <= len(dra_node.api.writes) - writes <= 2
-            (generation,) = dra_node.slice_devices()[1]
-            # Idle now: nothing is written again, and both agree that the slices are right.
-            await trio.testing.wait_all_tasks_blocked()
-            assert dra_node.slice_devices()[1] == {generation}
-            assert all(not publisher._retries for publisher in publishers)
+        with logged("the slices are left to it") as left:
+            new = await dra_node.start(new_config)
+            old_publisher, new_publisher = publishers
+            while old_publisher.deferring.value != new_config.dra.registration_socket:
+                await old_publisher.deferring.wait_touched()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await trio.testing.wait_all_tasks_blocked()
+        writes = len(dra_node.api.writes)
+        (dra_node.devices / "gopher2").touch()  # the new pod writes it; the old one, its watch woken, does not undo it
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert dra_node.slice_devices()[0] == ["gopher0", "gopher1", "gopher2"]
+        assert len(dra_node.api.writes) - writes == 1
+        assert new_publisher.deferring.value == ""
+        new.cancel()  # the new pod goes, say the rollout is undone: the old one writes its view again
+        await dra_node.wait_for_slices(["gopher0"])
+        assert old_publisher.deferring.value == ""
+    assert left.lines == [
+        f"DRA: a newer pod of driver {DRIVER} serves ({new_config.dra.registration_socket}): the slices are left to it"
+    ]
+    # Before the old pod stepped aside, at most one write of each view per pod; none after.
+    assert len(dra_node.api.writes) <= 6, dra_node.api.writes
 
 
 PRIORITIZED_REQUESTS = [
@@ -6782,6 +6784,7 @@ async def test_dra_a_driver_back_in_time_keeps_its_slices_one_too_late_writes_th
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.wait_for_slices(["gopher0"])
+        await dra_node.registered()  # else "deregistered" below could be "not registered yet"
         dra_node.stop()
         await dra_node.kubelet.wait_until(lambda k: DRIVER not in k.drivers)
         await dra_node.start()
