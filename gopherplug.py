@@ -5893,6 +5893,17 @@ class KubeApi:
         await self._client.close()
 
 
+#: How soon a newer pod's registration socket that did not answer is asked again, at first and at
+#: most (doubling in between): a starting pod listens within milliseconds of making it; a killed
+#: one's never does, and is asked about twice a minute until the next driver's start removes it.
+DRA_PEER_RECHECK = (0.05, 30.0)
+
+
+async def _set_after(delay: float, event: trio.Event) -> None:
+    await trio.sleep(delay)
+    event.set()
+
+
 class DriverPeers:
     """The other pods of this DRA driver on the node, seen through their registration sockets, for
     the slices: during a rolling update the old and the new pod both keep them, and the new one may
@@ -5911,25 +5922,30 @@ class DriverPeers:
         self.config = config
         self.changed = Watched(None)  #: touched when a socket comes or goes in plugins_registry
 
-    def newer(self) -> str | None:
-        """The registration socket of a live pod of the driver newer than this one, or None (also
-        while this one has no socket yet: it starts by publishing)."""
+    def newer(self) -> tuple[str, bool]:
+        """The registration socket of a live pod of the driver newer than this one ("" if none, also
+        while this one has no socket yet: it starts by publishing), and whether a newer socket did
+        not answer: one made a moment ago refuses until its pod listens on it (bind() comes first),
+        and no inotify event says when it does, so it is asked again (SlicePublisher)."""
         ours = self.config.registration_socket
         try:
             mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
         except OSError:
-            return None
+            return "", False
         registry = os.path.dirname(ours)
         driver = self.config.driver
+        unanswered = False
         for name in _listing(registry):
             path = os.path.join(registry, name)
             if path == ours or not (name == f"{driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{driver}-*-reg.sock")):
                 continue
             with contextlib.suppress(OSError):
                 status = os.lstat(path)
-                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > mine and _accepts(path):
-                    return path
-        return None
+                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > mine:
+                    if _accepts(path):
+                        return path, False
+                    unanswered = True
+        return "", unanswered
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Touch ``changed`` at every change of plugins_registry, until cancelled."""
@@ -5964,6 +5980,7 @@ class SlicePublisher:
         self.peers = peers
         #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
         self.deferring = Watched("")
+        self._peer_delay = DRA_PEER_RECHECK[0]  # until a newer socket that did not answer is asked again
         self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
@@ -6038,7 +6055,13 @@ class SlicePublisher:
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
-                if self._defer():
+                deferring, unanswered = self._defer()
+                if unanswered:  # a newer pod's socket, maybe not listened on yet: asked again, less and less often
+                    nursery.start_soon(_set_after, self._peer_delay, woken)
+                    self._peer_delay = min(self._peer_delay * 2, DRA_PEER_RECHECK[1])
+                else:
+                    self._peer_delay = DRA_PEER_RECHECK[0]
+                if deferring:
                     await woken.wait()  # until a socket goes (or anything else changes): asked again
                     nursery.cancel_scope.cancel()
                     continue
@@ -6064,13 +6087,15 @@ class SlicePublisher:
                     nursery.cancel_scope.cancel()
                     continue
                 await woken.wait()
+                nursery.cancel_scope.cancel()  # whichever woke it, the other waiter (a recheck's timer) goes
 
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
 
-    def _defer(self) -> bool:
-        """Whether a newer pod of the driver writes the slices now; said in the log when that changes."""
-        newer = (self.peers.newer() if self.peers is not None else None) or ""
+    def _defer(self) -> tuple[bool, bool]:
+        """Whether a newer pod of the driver writes the slices now (said in the log when that
+        changes), and whether a newer socket did not answer (DriverPeers.newer)."""
+        newer, unanswered = self.peers.newer() if self.peers is not None else ("", False)
         if newer != self.deferring.value:
             if newer:
                 log.info(
@@ -6082,7 +6107,7 @@ class SlicePublisher:
                 )
             self._retries.clear()  # whatever was due is compared again from scratch
             self.deferring.set(newer)
-        return bool(newer)
+        return bool(newer), unanswered
 
     async def _owner(self) -> str:
         """The Node's UID ("" when it cannot be had: the slices go out without an owner).

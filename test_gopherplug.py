@@ -6104,6 +6104,43 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
     assert len(dra_node.api.writes) <= 6, dra_node.api.writes
 
 
+async def test_dra_a_newer_pod_is_seen_once_it_listens_on_its_socket(dra_node, monkeypatch):
+    """A pod makes its registration socket (bind) a moment before it listens on it: seen at once
+    by inotify, it refuses a connection then, and nothing tells the old pod when it stops refusing.
+    The old pod asks again, and leaves the slices to the new one once it answers; once its socket
+    goes, the old pod writes them again."""
+    publishers = []
+
+    class Recorded(gp.SlicePublisher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.decisions = gp.Watched([])  # each _defer() answer: (deferring, a newer socket refused)
+            publishers.append(self)
+
+        def _defer(self):
+            decision = super()._defer()
+            self.decisions.set([*self.decisions.value, decision])
+            return decision
+
+    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
+    (dra_node.devices / "gopher0").touch()
+    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-pod-new-reg.sock"
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-old"))
+        await dra_node.registered()
+        (publisher,) = publishers
+        with socket.socket(socket.AF_UNIX) as starting:
+            starting.bind(str(newer))  # made, not listened on yet
+            while (False, True) not in publisher.decisions.value:  # seen, refusing: not deferred to
+                await publisher.decisions.wait_touched()
+            starting.listen()  # no inotify event for this
+            while publisher.deferring.value != str(newer):
+                await publisher.deferring.wait_touched()
+            newer.unlink()  # the new pod gone, its socket with it
+            while publisher.deferring.value:
+                await publisher.deferring.wait_touched()
+
+
 PRIORITIZED_REQUESTS = [
     # "gpu" takes the first of its subrequests the node can satisfy (firstAvailable); the scheduler
     # names the one it chose in each result as "gpu/<subrequest>".

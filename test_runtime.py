@@ -1543,6 +1543,7 @@ async def test_dra_rolling_update_two_pods_overlap_and_a_claim_prepared_meanwhil
                 )
                 left = sorted(os.listdir(registry))
                 events = list(kubelet.events)  # the new pod still serving: its own stop is not the update's
+                (old_log,) = (node.pod.dir / "logs").glob("*/0.log")  # the old pod's, as the runtime kept it
                 (stored,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
     tier.outputs["DRA rolling update: ResourceSlice devices as stored"] = stored["spec"]["devices"]
     tier.outputs["DRA rolling update: allocation used"] = during["status"]["allocation"]
@@ -1568,3 +1569,7 @@ async def test_dra_rolling_update_two_pods_overlap_and_a_claim_prepared_meanwhil
             assert not (seen_one and count == 0), events
     assert seen_one and ("deregistered", str(registry_seen / old_socket)) in events
     assert ("wiped", DRIVER) not in events
+    # The old pod left the slices to the new one once it saw it (both write them otherwise).
+    said_old = [line for line in old_log.read_text().splitlines() if "the slices are left to it" in line]
+    tier.outputs["DRA rolling update: the old pod's log"] = said_old
+    assert len(said_old) == 1 and f"/var/lib/kubelet/plugins_registry/{new_socket}" in said_old[0], old_log.read_text()
