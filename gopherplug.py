@@ -70,6 +70,7 @@ Quick start:
 from __future__ import annotations
 
 import argparse
+import base64
 import bisect
 import collections
 import contextlib
@@ -857,11 +858,32 @@ class DraConfig:
     kubelet_dir: str = DEFAULT_KUBELET_DIR  #: the kubelet's root directory
     #: the effect of an unhealthy device's taint in its ResourceSlice: NoSchedule, or NoExecute to evict
     unhealthy_taint: str = "NoSchedule"
+    #: this pod's UID (the POD_UID environment variable, from the downward API), "" if not known.
+    #: With it, the sockets carry it, so that two pods of the DaemonSet can serve side by side
+    #: during a rolling update (maxSurge: 1): the old one until the new one is registered.
+    pod_uid: str = ""
 
     @property
     def registration_socket(self) -> str:
-        """Where the kubelet's plugin watcher finds the driver: a socket in plugins_registry."""
-        return os.path.join(self.kubelet_dir, "plugins_registry", f"{self.driver}-reg.sock")
+        """Where the kubelet's plugin watcher finds the driver: a socket in plugins_registry,
+        "<driver>-reg.sock", or with a pod UID the first of these that fits in a unix socket's path,
+        the names the Go helper's RollingUpdate option gives (RollingUpdateRegistrarSocketFile in
+        kubernetes/dynamic-resource-allocation kubeletplugin/draplugin.go):
+        "<driver>-<pod UID>-reg.sock", "<driver>-<hash of the UID>-reg.sock",
+        "dra-<hash of the driver and UID>-reg.sock". The plugin watcher registers every socket in the
+        directory, whatever its name: the name only has to differ from the other pod's."""
+        registry = os.path.join(self.kubelet_dir, "plugins_registry")
+        if not self.pod_uid:
+            return os.path.join(registry, f"{self.driver}-reg.sock")
+        uid_hash = _url_safe_digest(self.pod_uid, 8)
+        both_hash = _url_safe_digest(f"{self.driver}\0{self.pod_uid}", 16)
+        names = (
+            f"{self.driver}-{self.pod_uid}-reg.sock",
+            f"{self.driver}-{uid_hash}-reg.sock",
+            f"dra-{both_hash}-reg.sock",
+        )
+        paths = [os.path.join(registry, name) for name in names]
+        return next((path for path in paths if len(path) <= MAX_SOCKET_PATH), paths[-1])
 
     @property
     def plugin_dir(self) -> str:
@@ -870,13 +892,40 @@ class DraConfig:
 
     @property
     def endpoint(self) -> str:
-        """The socket serving DRAPlugin, as GetInfo tells the kubelet."""
-        return os.path.join(self.plugin_dir, "dra.sock")
+        """The socket serving DRAPlugin, as GetInfo tells the kubelet: "dra.sock", or with a pod UID
+        "dra-<pod UID>.sock" (the Go helper's name), "dra-<hash of the UID>.sock" where that is too
+        long for a unix socket (the kubelet dials whatever GetInfo names)."""
+        if not self.pod_uid:
+            return os.path.join(self.plugin_dir, "dra.sock")
+        path = os.path.join(self.plugin_dir, f"dra-{self.pod_uid}.sock")
+        return (
+            path
+            if len(path) <= MAX_SOCKET_PATH
+            else os.path.join(self.plugin_dir, f"dra-{_url_safe_digest(self.pod_uid, 8)}.sock")
+        )
 
     @property
     def checkpoint(self) -> str:
-        """The prepared claims, kept across restarts of the plugin."""
+        """The prepared claims, kept across restarts of the plugin; both pods of a rolling update share it."""
         return os.path.join(self.plugin_dir, "checkpoint.json")
+
+    @property
+    def serialize_lock(self) -> str:
+        """The flock that NodePrepareResources and NodeUnprepareResources take around their change of
+        the checkpoint, in every pod of the driver (the Go helper's "serialize.lock", in the same
+        directory)."""
+        return os.path.join(self.plugin_dir, "serialize.lock")
+
+
+def _url_safe_digest(text: str, length: int) -> str:
+    """The first ``length`` bytes of text's SHA-256, in unpadded URL-safe base64 (a file name)."""
+    return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()[:length]).decode().rstrip("=")
+
+
+#: The environment variable that gives a DRA driver its pod's UID (downward API: metadata.uid).
+POD_UID_ENV = "POD_UID"
+#: What a pod UID may be here: the API server makes UUIDs; anything that is one path component.
+_POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 #: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
@@ -1305,12 +1354,32 @@ def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
         _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir"),
         effect,
     )
+    if too_long := dra_socket_problem(config):
+        raise ConfigError(source, where, too_long)
+    return config
+
+
+def dra_socket_problem(config: DraConfig) -> str | None:
+    """Why the driver's sockets cannot be made (a path too long for a unix socket), or None."""
     for path in (config.registration_socket, config.endpoint):
         if len(path) > MAX_SOCKET_PATH:
             problem = f"the socket {path} would pass the {MAX_SOCKET_PATH} bytes unix sockets allow: "
-            problem += "choose a shorter driver name"
-            raise ConfigError(source, where, problem)
-    return config
+            return problem + "choose a shorter driver name"
+    return None
+
+
+def with_pod_uid(config: Config, pod_uid: str, source: str = POD_UID_ENV) -> Config:
+    """``config`` with its DRA driver told this pod's UID (see DraConfig.pod_uid); as it is without
+    ``dra`` or a UID. Raises ConfigError naming ``source`` when the UID cannot be part of a file name."""
+    if config.dra is None or not pod_uid:
+        return config
+    if not _POD_UID.fullmatch(pod_uid):
+        problem = f"{pod_uid!r} is not a pod UID: set it from the downward API (valueFrom.fieldRef.fieldPath: "
+        raise ConfigError(source, "", problem + "metadata.uid), or leave it unset")
+    dra = dataclasses.replace(config.dra, pod_uid=pod_uid)
+    if too_long := dra_socket_problem(dra):
+        raise ConfigError(source, "", too_long)
+    return dataclasses.replace(config, dra=dra)
 
 
 _RESOURCE_KEYS = {
@@ -2743,14 +2812,6 @@ def claim_cdi_specs(
     return answer
 
 
-def write_claim_cdi_spec(cdi: ClaimCDISpec, spec: dict[str, Any] | None) -> None:
-    """Write (None: remove) a claim's CDI spec, through the same lock and atomic write as every
-    spec gopherplug writes. ClaimPreparer runs it in a worker thread, as the checkpoint's writes:
-    a slow disk must not stall the sockets this process serves."""
-    with _cdi_lock(cdi):
-        write_cdi_spec(cdi, spec)
-
-
 def _cdi_node(spec: DeviceSpecTemplate, fields: Mapping[str, str]) -> dict[str, Any]:
     """A DeviceSpec as a CDI deviceNode, with its host file's mode and owner when known. fileMode is
     the mode without its type bits (JSON has no octal: a number), as containerd takes it from a
@@ -3936,7 +3997,9 @@ def load_config(
 def _config_from_text(
     text: str, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str = "--device-plugin-dir"
 ) -> Config:
-    config = parse_config(text, path)
+    # The pod's UID comes with the pod, not the file: every reading of the file gets it, so that a
+    # reload compares the same driver.
+    config = with_pod_uid(parse_config(text, path), os.environ.get(POD_UID_ENV, ""))
     if device_plugin_dir is not None:
         if not os.path.isabs(device_plugin_dir):
             raise ConfigError(device_plugin_dir_from, "", f"{device_plugin_dir!r} must be an absolute path")
@@ -4526,10 +4589,6 @@ async def watch_devices(
     device_set = _DeviceSet(resource, devices)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
-        if resource.cdi is not None:
-            # Another process writing the same spec file (two plugins given the same kind) would
-            # drop this one's devices from it at each write: the runtime could not resolve them.
-            stack.enter_context(_cdi_lock(resource.cdi))
         trackers: list[_SourceTracker | _UsbTracker] = []
         for number, source in enumerate(resource.sources):
             if problem := container_only_problem(source.directory, mountinfo):
@@ -4558,25 +4617,6 @@ async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _Dev
             device_set.update(tracker.rescan())
         else:
             device_set.update(tracker.update([name for name, _ in events], touched))
-
-
-@contextlib.contextmanager
-def _cdi_lock(cdi: CDIConfig) -> Iterator[None]:
-    """Hold the lock on a CDI spec file: ``<spec_dir>/.<spec file name>.lock`` (runtimes read only
-    .json and .yaml files there)."""
-    try:
-        os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
-    except OSError as error:
-        raise GopherplugError(f"cannot write the CDI spec {cdi.spec_file}: {_describe(error)}") from None
-    name = f".{os.path.basename(cdi.spec_file)}.lock"
-    lock = FileLock(
-        os.path.join(cdi.spec_dir, name), f"the CDI spec {cdi.spec_file} is already kept", "give each its own cdi.kind"
-    )
-    lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 # An entry's key in a _DeviceSet: its source's number and its name in that directory (a USB
@@ -4867,25 +4907,40 @@ def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
 
     Raises GopherplugError when the directory cannot be written: the kubelet would hand out CDI
     devices that no runtime can find.
+
+    Written under an flock on ``<spec_dir>/.<spec file name>.lock`` (runtimes read only .json and
+    .yaml files there), held for this write only: during a rolling update the DaemonSet's old and
+    new pod both keep the spec, writing the same devices, and neither may keep the other from
+    starting. The lock file stays: an flock on a file removed and made again could have two holders.
     """
     try:
-        if spec is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cdi.spec_file)
-            return
         os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
-        # A name without .json or .yaml: CDI runtimes watching the directory ignore it until renamed.
-        fd, temporary = tempfile.mkstemp(dir=cdi.spec_dir, prefix=".gopherplug-", suffix=".tmp")
+        lock = os.open(os.path.join(cdi.spec_dir, f".{os.path.basename(cdi.spec_file)}.lock"), _LOCK_FLAGS, 0o600)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as file:
-                file.write(_cdi_json(spec))
-            os.chmod(temporary, 0o644)
-            os.replace(temporary, cdi.spec_file)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+            # The other holder writes one file, in milliseconds: waited for here, on the event loop.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if spec is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(cdi.spec_file)
+                return
+            # A name without .json or .yaml: CDI runtimes watching the directory ignore it until renamed.
+            fd, temporary = tempfile.mkstemp(dir=cdi.spec_dir, prefix=".gopherplug-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as file:
+                    file.write(_cdi_json(spec))
+                os.chmod(temporary, 0o644)
+                os.replace(temporary, cdi.spec_file)
+            except BaseException:
+                os.unlink(temporary)
+                raise
+        finally:
+            os.close(lock)
     except OSError as error:
         raise GopherplugError(f"cannot write the CDI spec {cdi.spec_file}: {_describe(error)}") from None
+
+
+#: How a lock file is opened: made if missing, never through a symlink, not inherited by a pre_start command.
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _cdi_json(spec: Mapping[str, Any]) -> str:
@@ -5371,45 +5426,79 @@ class ClaimCheckpoint:
     then renamed over the old one, so a crash leaves the old file or the new one, never half of one.
     Raises GopherplugError when the file is there but cannot be read: starting without it would
     overwrite the claims in it.
+
+    During a rolling update two pods of the driver share the file, and the kubelet calls either
+    of them: a claim one prepared may be unprepared by the other (the Go helper's RollingUpdate
+    says so, kubernetes/dynamic-resource-allocation kubeletplugin/draplugin.go). So each change is
+    a transaction across processes: the flock on ``lock_path`` taken, the file read again if the
+    other wrote it, the change made, the file written, the flock given up. Neither pod loses the
+    other's claims.
     """
 
     VERSION = 1
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lock_path: str | None = None) -> None:
         self.path = path
+        self.lock_path = lock_path or os.path.join(os.path.dirname(path), "serialize.lock")
         # claim UID -> {"namespace", "name", "devices", and "cdi_specs" for a claim with shares}
         self.claims: dict[str, dict[str, Any]] = {}
+        self._read_as: tuple[int, int, int, int] | None = None  # the file last read (or written): which, and when
         self._saving = trio.Lock()
+        self._read()
+
+    def _read(self) -> None:
+        """Read the file again if it is not the one last read or written (another pod replaced it).
+        A stat() when nothing changed: cheap enough for every call of the kubelet. Whole files only:
+        every writer renames a complete file into place."""
         try:
-            with open(path, "rb") as file:
+            status = os.stat(self.path)
+        except FileNotFoundError:
+            self.claims, self._read_as = {}, None  # the first start on this node
+            return
+        except OSError as error:
+            raise self._unreadable(error) from None
+        identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
+        if identity == self._read_as:
+            return
+        try:
+            with open(self.path, "rb") as file:
                 text = file.read()
         except FileNotFoundError:
-            return  # the first start on this node
+            self.claims, self._read_as = {}, None
+            return
         except OSError as error:
-            raise GopherplugError(
-                f"cannot read the checkpoint {path}: {_describe(error)}: it holds the claims prepared on this "
-                "node; make it readable, or move it away to start without them"
-            ) from None
+            raise self._unreadable(error) from None
         try:
             data = json.loads(text)
             if data.get("version") != self.VERSION or not isinstance(data.get("claims"), dict):
                 raise ValueError(f"not a version {self.VERSION} checkpoint")
-            self.claims = data["claims"]
+            self.claims, self._read_as = data["claims"], identity  # a new dict: never changed in place
         except (ValueError, AttributeError) as error:  # UnicodeDecodeError is a ValueError
             # Kept for a person to look at, not overwritten: the claims in it cannot be unprepared by us.
-            aside = f"{path}.unreadable"
-            os.replace(path, aside)
-            log.error("%s is unreadable (%s): moved to %s; starting with no prepared claims", path, error, aside)
+            aside = f"{self.path}.unreadable"
+            os.replace(self.path, aside)
+            log.error("%s is unreadable (%s): moved to %s; starting with no prepared claims", self.path, error, aside)
+            self.claims, self._read_as = {}, None
+
+    def _unreadable(self, error: OSError) -> GopherplugError:
+        return GopherplugError(
+            f"cannot read the checkpoint {self.path}: {_describe(error)}: it holds the claims prepared on this "
+            "node; make it readable, or move it away to start without them"
+        )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-        """The claim's own CDI specs, as add() was given them (none for a claim without shares)."""
+        """The claim's own CDI specs, as add() was given them (none for a claim without shares), by
+        this pod or the other of a rolling update."""
+        self._read()
         return [
             (ClaimCDISpec(stored["kind"], stored["spec_dir"], uid), stored["spec"])
             for stored in (self.claims.get(uid) or {}).get("cdi_specs", [])
         ]
 
     def answer(self, uid: str) -> list[Any] | None:
-        """The devices a claim was prepared with, or None if it was not."""
+        """The devices a claim was prepared with (by this pod or the other of a rolling update), or
+        None if it was not."""
+        self._read()
         if (claim := self.claims.get(uid)) is None:
             return None
         # Earlier versions stored a subrequest's result as "<request>/<subrequest>"; a claim they
@@ -5419,12 +5508,14 @@ class ClaimCheckpoint:
             for device in claim["devices"]
         ]
 
-    async def add(self, claim: Any, devices: list[Any], cdi_specs: Iterable[tuple[CDIConfig, Any]] = ()) -> None:
-        """Remember a prepared claim, on disk when this returns. Raises GopherplugError, and
-        remembers nothing, when the file cannot be written: the claim is not prepared then.
-        ``cdi_specs``: the claim's own CDI specs (claim_cdi_specs), kept whole, so that an
-        unprepare after a restart removes them, and a prepare after a reboot (the kubelet
-        prepares every claim of its pods again; /var/run/cdi is a tmpfs) writes them again."""
+    async def add(self, claim: Any, devices: list[Any], cdi_specs: Iterable[tuple[CDIConfig, Any]] = ()) -> list[Any]:
+        """Remember a prepared claim, on disk when this returns; the devices to answer: ``devices``,
+        or those the other pod of a rolling update answered if it prepared the claim meanwhile (the
+        kubelet must be told one thing). Raises GopherplugError, and remembers nothing, when the file
+        cannot be written: the claim is not prepared then. ``cdi_specs``: the claim's own CDI specs
+        (claim_cdi_specs), kept whole, so that an unprepare after a restart removes them, and a
+        prepare after a reboot (the kubelet prepares every claim of its pods again; /var/run/cdi is
+        a tmpfs) writes them again."""
         fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
         listed = []
         for device in devices:
@@ -5432,52 +5523,74 @@ class ClaimCheckpoint:
             if device.HasField("share_id"):
                 entry["share_id"] = device.share_id
             listed.append(entry)
-        self.claims[claim.uid] = {"namespace": claim.namespace, "name": claim.name, "devices": listed}
+        entry = {"namespace": claim.namespace, "name": claim.name, "devices": listed}
         if specs := [{"kind": cdi.kind, "spec_dir": cdi.spec_dir, "spec": spec} for cdi, spec in cdi_specs]:
-            self.claims[claim.uid]["cdi_specs"] = specs
-        try:
-            await self.save()
-        except GopherplugError:
-            self.claims.pop(claim.uid, None)
-            raise
+            entry["cdi_specs"] = specs
+
+        def change(claims: dict[str, dict[str, Any]]) -> bool:
+            if claim.uid in claims:
+                return False
+            claims[claim.uid] = entry
+            return True
+
+        await self._change(change)
+        return self.answer(claim.uid) or devices
 
     async def remove(self, uid: str) -> bool:
         """Forget a claim, on disk when this returns; whether it was known. Raises GopherplugError,
         and keeps the claim, when the file cannot be written."""
-        if (gone := self.claims.pop(uid, None)) is None:
-            return False
-        try:
-            await self.save()
-        except GopherplugError:
-            self.claims[uid] = gone  # still in the file: still prepared
-            raise
-        return True
+        return await self._change(lambda claims: claims.pop(uid, None) is not None)
 
-    async def save(self) -> None:
-        """Write every claim known now. The writing and its fsyncs run in a worker thread: a slow
-        disk (an SD card on an edge node) must not stall every socket this process serves. One save
-        at a time, each taking what is known as it starts, so an older state never replaces a newer."""
+    async def _change(self, change: Callable[[dict[str, dict[str, Any]]], bool]) -> bool:
+        """Apply ``change`` (True: it changed something) to the claims as the file holds them now, and
+        write them if it did; whether it did. The flock, the reading and the writing (with its
+        fsyncs) run in a worker thread: a slow disk (an SD card on an edge node), or the other pod's
+        write, must not stall every socket this process serves. One change at a time here."""
         async with self._saving:
+            return await trio.to_thread.run_sync(self._change_locked, change)
+
+    def _change_locked(self, change: Callable[[dict[str, dict[str, Any]]], bool]) -> bool:
+        directory = os.path.dirname(self.path)
+        try:
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+            lock = os.open(self.lock_path, _LOCK_FLAGS, 0o600)
+        except OSError as error:
+            raise GopherplugError(f"cannot take the lock {self.lock_path}: {_describe(error)}") from None
+        try:
+            # Blocks while the other pod holds it: for one write of this file. The file stays: an
+            # flock on a file that is removed and made again would let two holders in at once.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._read()
+            claims = dict(self.claims)
+            if not change(claims):
+                return False
             # One compact line: the json module's C encoder writes that, while an indented file goes
             # through its Python one, several times slower for every claim saved.
-            text = json.dumps({"version": self.VERSION, "claims": self.claims}, sort_keys=True)
-            await trio.to_thread.run_sync(self._write, text)
+            self._write(json.dumps({"version": self.VERSION, "claims": claims}, sort_keys=True))
+            self.claims = claims
+            return True
+        except GopherplugError:
+            self._read_as = None  # whatever reached the file is read again next time
+            raise
+        finally:
+            os.close(lock)  # the flock goes with it
 
     def _write(self, text: str) -> None:
         directory = os.path.dirname(self.path)
         try:
-            os.makedirs(directory, mode=0o750, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as file:
                     file.write(text)
                     file.flush()
                     os.fsync(file.fileno())
+                    status = os.fstat(file.fileno())
                 os.replace(temporary, self.path)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temporary)
                 raise
+            self._read_as = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
             directory_fd = os.open(directory, os.O_RDONLY)
             try:
                 os.fsync(directory_fd)  # the rename itself reaches the disk
@@ -5700,18 +5813,18 @@ class ClaimPreparer:
 
     async def _prepare_one(self, claim: Any, response: Any) -> None:
         answer = response.claims[claim.uid]
-        if (devices := self.checkpoint.answer(claim.uid)) is not None:
-            try:  # prepared before: the same answer again, its shares' CDI devices there again
-                for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
-                    if not os.path.exists(cdi.spec_file):
-                        await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
-            except GopherplugError as error:
-                answer.error = str(error)
-                return
-            answer.devices.extend(devices)
-            return
         specs: list[tuple[ClaimCDISpec, dict[str, Any]]] = []
         try:
+            if (devices := self.checkpoint.answer(claim.uid)) is not None:
+                # Prepared before (maybe by the other pod of a rolling update): the same answer
+                # again, and its shares' CDI devices there again (a reboot empties /var/run/cdi).
+                for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
+                    if not os.path.exists(cdi.spec_file):
+                        await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
+                answer.devices.extend(devices)
+                return
+            # The API server is asked outside the checkpoint's flock, as the Go helper does its slow
+            # calls before serializing: the other pod of a rolling update waits for a write, not this.
             with trio.fail_after(API_REQUEST_TIMEOUT):
                 found = await self.api.get_claim(claim.namespace, claim.name)
             pools = self.resources.pools()
@@ -5720,8 +5833,8 @@ class ClaimPreparer:
             # container at once); should the checkpoint then fail, they are removed below.
             for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
                 specs.append((cdi, spec))
-                await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, spec)
-            await self.checkpoint.add(claim, devices, specs)
+                await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
+            devices = await self.checkpoint.add(claim, devices, specs)
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
         except GopherplugError as error:
@@ -5736,7 +5849,7 @@ class ClaimPreparer:
             return
         for cdi, _ in specs:  # not prepared: its CDI devices go (the kubelet asks again)
             with contextlib.suppress(GopherplugError):
-                await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, None)
+                await trio.to_thread.run_sync(write_cdi_spec, cdi, None)
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
     async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -5780,7 +5893,7 @@ class ClaimPreparer:
                 # Its shares' CDI devices first: should that fail, the claim stays in the checkpoint,
                 # and the kubelet's next try removes them.
                 for cdi, _ in self.checkpoint.cdi_specs(claim.uid):
-                    await trio.to_thread.run_sync(write_claim_cdi_spec, cdi, None)
+                    await trio.to_thread.run_sync(write_cdi_spec, cdi, None)
                 if await self.checkpoint.remove(claim.uid):
                     log.info("unprepared ResourceClaim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
             except GopherplugError as error:
@@ -5995,6 +6108,70 @@ class KubeApi:
         await self._client.close()
 
 
+#: How soon a newer pod's registration socket that did not answer is asked again, at first and at
+#: most (doubling in between): a starting pod listens within milliseconds of making it; a killed
+#: one's never does, and is asked about twice a minute until the next driver's start removes it.
+DRA_PEER_RECHECK = (0.05, 30.0)
+
+
+async def _set_after(delay: float, event: trio.Event) -> None:
+    await trio.sleep(delay)
+    event.set()
+
+
+class DriverPeers:
+    """The other pods of this DRA driver on the node, seen through their registration sockets, for
+    the slices: during a rolling update the old and the new pod both keep them, and the new one may
+    describe the devices otherwise (another version, another configuration). Both writing what they
+    see would rewrite each other's slices, a new generation each time, until the old pod is gone.
+    So the newest pod writes them: a pod whose registration socket is older than a live one of the
+    driver leaves them to it, and writes again once that one is gone (its socket removed).
+
+    Newest: the later socket's change time (each pod makes its socket as it starts). Live: its
+    socket accepts a connection (a killed pod's does not, see _remove_dead_sockets). Sockets named
+    "<driver>-reg.sock" or "<driver>-*-reg.sock"; a pod whose name had to be hashed whole
+    ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
+    """
+
+    def __init__(self, config: DraConfig) -> None:
+        self.config = config
+        self.changed = Watched(None)  #: touched when a socket comes or goes in plugins_registry
+
+    def newer(self) -> tuple[str, bool]:
+        """The registration socket of a live pod of the driver newer than this one ("" if none, also
+        while this one has no socket yet: it starts by publishing), and whether a newer socket did
+        not answer: one made a moment ago refuses until its pod listens on it (bind() comes first),
+        and no inotify event says when it does, so it is asked again (SlicePublisher)."""
+        ours = self.config.registration_socket
+        try:
+            mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
+        except OSError:
+            return "", False
+        registry = os.path.dirname(ours)
+        driver = self.config.driver
+        unanswered = False
+        for name in _listing(registry):
+            path = os.path.join(registry, name)
+            if path == ours or not (name == f"{driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{driver}-*-reg.sock")):
+                continue
+            with contextlib.suppress(OSError):
+                status = os.lstat(path)
+                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > mine:
+                    if _accepts(path):
+                        return path, False
+                    unanswered = True
+        return "", unanswered
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Touch ``changed`` at every change of plugins_registry, until cancelled."""
+        events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+        with DirectoryWatch(os.path.dirname(self.config.registration_socket), events) as watch:
+            task_status.started()
+            async with contextlib.aclosing(watch.batches()) as batches:
+                async for _ in batches:
+                    self.changed.touch()
+
+
 class SlicePublisher:
     """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
 
@@ -6019,11 +6196,17 @@ class SlicePublisher:
     meanwhile. The scheduler follows the same rule from the other side: it serves an extended
     resource through DRA on a node only where the allocatable for it is 0 (filterExtendedResources in
     pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
+
+    With ``peers``, nothing is written while a newer pod of the driver serves (DriverPeers).
     """
 
-    def __init__(self, resources: DraResources, api: Any) -> None:
+    def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
         self.resources = resources
         self.api = api
+        self.peers = peers
+        #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
+        self.deferring = Watched("")
+        self._peer_delay = DRA_PEER_RECHECK[0]  # until a newer socket that did not answer is asked again
         self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
@@ -6098,9 +6281,20 @@ class SlicePublisher:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()
             watched = [self.known_changed, self.resources.changed, *self._devices()]
+            watched += [self.peers.changed] if self.peers is not None else []
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
+                deferring, unanswered = self._defer()
+                if unanswered:  # a newer pod's socket, maybe not listened on yet: asked again, less and less often
+                    nursery.start_soon(_set_after, self._peer_delay, woken)
+                    self._peer_delay = min(self._peer_delay * 2, DRA_PEER_RECHECK[1])
+                else:
+                    self._peer_delay = DRA_PEER_RECHECK[0]
+                if deferring:
+                    await woken.wait()  # until a socket goes (or anything else changes): asked again
+                    nursery.cancel_scope.cancel()
+                    continue
                 try:
                     retry_at = await self._sync()
                     delay = _API_BACKOFF[0]
@@ -6124,9 +6318,27 @@ class SlicePublisher:
                     nursery.cancel_scope.cancel()
                     continue
                 await woken.wait()
+                nursery.cancel_scope.cancel()  # whichever woke it, the other waiter (a recheck's timer) goes
 
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
+
+    def _defer(self) -> tuple[bool, bool]:
+        """Whether a newer pod of the driver writes the slices now (said in the log when that
+        changes), and whether a newer socket did not answer (DriverPeers.newer)."""
+        newer, unanswered = self.peers.newer() if self.peers is not None else ("", False)
+        if newer != self.deferring.value:
+            if newer:
+                log.info(
+                    "DRA: a newer pod of driver %s serves (%s): the slices are left to it", self.resources.driver, newer
+                )
+            else:
+                log.info(
+                    "DRA: no newer pod of driver %s serves any more: writing the slices again", self.resources.driver
+                )
+            self._retries.clear()  # whatever was due is compared again from scratch
+            self.deferring.set(newer)
+        return bool(newer), unanswered
 
     async def _owner(self) -> str:
         """The Node's UID ("" when it cannot be had: the slices go out without an owner).
@@ -6384,15 +6596,78 @@ async def serve_dra(
 
     started() is called once both sockets listen. The DRAPlugin socket comes first: the kubelet
     dials it as soon as GetInfo has named it.
+
+    With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
+    one: during a rolling update with maxSurge the new pod starts before the old one stops. The
+    sockets carry the pod's UID; the checkpoint, the CDI spec and the slices are shared, each
+    written under its own rules (ClaimCheckpoint, write_cdi_spec, SlicePublisher), and nothing of
+    them is removed on the way out: only this pod's sockets go. Without a pod UID, one driver runs
+    per node: a second one is refused at start while the first one's registration socket answers.
     """
+    try:
+        os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
+    except OSError as error:
+        raise GopherplugError(f"cannot make {config.plugin_dir}: {_describe(error)}") from None
+    if not config.pod_uid and _accepts(config.registration_socket):
+        # Two would serve on the same paths, each replacing the other's sockets as _keep_serving does.
+        raise GopherplugError(
+            f"DRA driver {config.driver} is already served on this node ({config.registration_socket} answers): "
+            f"stop that one, or give each its pod's UID in {POD_UID_ENV} to run two at once (a rolling update)"
+        )
+    _remove_dead_sockets(config)
+    await _serve_dra(config, resources, api, task_status)
+
+
+def _remove_dead_sockets(config: DraConfig) -> None:
+    """Remove the driver's sockets that no process listens on: left by a pod of the driver that was
+    killed (SIGKILL, the OOM killer) before it could remove them.
+
+    The kubelet keeps registering a socket in plugins_registry that does not answer (the plugin
+    watcher retries it after every start), and keeps a dead endpoint in its list of the driver's
+    plugins (it prefers a connected one, so calls still reach a live pod: GetPlugin in
+    kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go). The Go helper leaves
+    them; a socket nobody accepts on is dead for certain (a live pod listens from bind() until it
+    removes it), so they go here. Only this driver's names: "<driver>-reg.sock", "<driver>-*-reg.sock",
+    and in the driver's own directory "dra.sock", "dra-*.sock"."""
+    registry = os.path.dirname(config.registration_socket)
+    candidates = [
+        os.path.join(registry, name)
+        for name in _listing(registry)
+        if name == f"{config.driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{config.driver}-*-reg.sock")
+    ]
+    candidates += [
+        os.path.join(config.plugin_dir, name)
+        for name in _listing(config.plugin_dir)
+        if name == "dra.sock" or fnmatch.fnmatchcase(name, "dra-*.sock")
+    ]
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            if path not in (config.registration_socket, config.endpoint) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                if not _accepts(path):
+                    os.unlink(path)
+                    log.info("removed %s, left by a DRA driver that did not exit cleanly", path)
+
+
+def _listing(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
+async def _serve_dra(
+    config: DraConfig, resources: DraResources, api: Any, task_status: trio.TaskStatus[DraDriver]
+) -> None:
+    peers = DriverPeers(config)
     driver = DraDriver(
         config,
         resources,
         RegistrationState(),
-        ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint), api),
-        SlicePublisher(resources, api),
+        ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint, config.serialize_lock), api),
+        SlicePublisher(resources, api, peers),
     )
     async with trio.open_nursery() as nursery:
+        await nursery.start(peers.watch)
         await nursery.start(driver.slices.watch)
         await nursery.start(driver.slices.publish)
         await nursery.start(driver.claims.write_statuses)
@@ -6454,6 +6729,7 @@ async def _keep_serving_in(
 #   ├── KubeletWatch.run                         inotify on the device-plugin directory
 #   ├── serve_dra (with `dra`)                   the DRA driver, all its resources (started once
 #   │                                            every resource's devices are attached):
+#   │   ├── DriverPeers.watch                    inotify on plugins_registry: the driver's other pods
 #   │   ├── SlicePublisher.watch                 the node's ResourceSlices, watched on the API server
 #   │   ├── SlicePublisher.publish               devices -> ResourceSlices, on every change
 #   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources;
@@ -6894,7 +7170,7 @@ class _Served:
         # meantime, and the new watch replaces them only if they differ; it writes the CDI spec
         # before that, under the new kind if it changed. The old spec stays, as it does when the
         # plugin stops: the kubelet keeps the CDI names of allocations made with it.
-        self.watch_scope.cancel()  # its CDI lock too: the new watch takes it again
+        self.watch_scope.cancel()
         await self.watch_done.wait()
         try:
             await self.start_watch(new)
@@ -7779,6 +8055,14 @@ class DraKubeletSimulator:
     node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
     and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
     forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
+
+    A driver may register more than once, from several registration sockets (the two pods of a
+    rolling update), as the kubelet's DRA plugin manager allows (kubernetes/kubernetes
+    pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): ``plugins`` keeps them in the order they
+    registered; a second registration of an endpoint already registered is refused; calls go to the
+    newest one that is connected (here: whose endpoint accepts a connection), else the newest
+    (``drivers``); when one deregisters the others go on, and the driver's slices are wiped
+    ``wiping_delay`` later only if none that is left is connected.
     """
 
     def __init__(
@@ -7800,7 +8084,9 @@ class DraKubeletSimulator:
         #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
         self.health_versions = list(health_versions)
         self.health_paths: list[str] = []  #: each NodeWatchResources stream opened, by its path
-        self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name
+        self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name: the plugin last registered
+        #: every registered plugin of each driver, in the order they registered
+        self.plugins: dict[str, list[SimulatedDriver]] = {}
         #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), and
         #: ("wiped", driver or "")
         self.events: list[tuple[str, str]] = []
@@ -7816,6 +8102,7 @@ class DraKubeletSimulator:
         os.makedirs(self.registry, exist_ok=True)
         while True:
             self.drivers.clear()
+            self.plugins.clear()
             self._restart = trio.Event()
             # A starting kubelet knows no driver yet, so it advertises no local device: it deletes
             # this node's slices of every driver, at once (NewDRAPluginManager, pkg/kubelet/cm/dra/plugin).
@@ -7851,18 +8138,31 @@ class DraKubeletSimulator:
         for name, mask in events:
             path = os.path.join(self.registry, name)
             if mask & (flags.DELETE | flags.MOVED_FROM):
-                for driver in [d for d in self.drivers.values() if d.registration_socket == path]:
-                    del self.drivers[driver.name]
-                    self.events.append(("deregistered", path))
-                    gone.append(driver.name)
+                for plugins in list(self.plugins.values()):
+                    for plugin in [p for p in plugins if p.registration_socket == path]:
+                        plugins.remove(plugin)
+                        self.events.append(("deregistered", path))
+                        self._sync(plugin.name)
+                        # DRAPluginManager.sync: slices wait for their wipe only when no plugin of
+                        # the driver that is left is usable (connected).
+                        if not any(_accepts(p.endpoint) for p in plugins):
+                            gone.append(plugin.name)
         return gone
+
+    def _sync(self, driver: str) -> None:
+        """``drivers`` after a plugin of ``driver`` came or went: its newest plugin, if any."""
+        if plugins := self.plugins.get(driver):
+            self.drivers[driver] = plugins[-1]
+        else:
+            self.plugins.pop(driver, None)
+            self.drivers.pop(driver, None)
 
     async def _ask_again(self, interval: float) -> None:
         """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
         that a plugin it registered is still there (its answer is not looked at here)."""
         while True:
             await trio.sleep(interval)
-            for driver in list(self.drivers.values()):
+            for driver in [plugin for plugins in self.plugins.values() for plugin in plugins]:
                 with contextlib.suppress(RPCError):
                     request = pluginregistration.InfoRequest()
                     path = driver.registration_socket
@@ -7872,8 +8172,9 @@ class DraKubeletSimulator:
 
     def drop(self, driver: str) -> None:
         """Forget a registered driver without a word to it: no more GetInfo, no more calls."""
-        dropped = self.drivers.pop(driver)
-        self.events.append(("dropped", dropped.registration_socket))
+        for dropped in self.plugins.pop(driver):
+            self.events.append(("dropped", dropped.registration_socket))
+        self._sync(driver)
         self._changed.touch()
 
     async def _wipe_later(self, driver: str) -> None:
@@ -7926,6 +8227,9 @@ class DraKubeletSimulator:
             problem = f"none of the versions {list(info.supported_versions)} is supported"
         elif not os.path.isabs(info.endpoint) or not os.path.exists(info.endpoint):
             problem = f"endpoint {info.endpoint!r} does not exist"
+        elif any(p.endpoint == info.endpoint for p in self.plugins.get(info.name, [])):
+            # One plugin instance cannot take over another's endpoint (DRAPluginManager.add).
+            problem = f"endpoint {info.endpoint} already registered for DRA driver plugin {info.name}"
         status = pluginregistration.RegistrationStatus(plugin_registered=problem is None, error=problem or "")
         with contextlib.suppress(RPCError):
             await call_unary(path, DRA_METHODS[NOTIFY_REGISTRATION_STATUS], status, timeout=DRA_NOTIFY_TIMEOUT)
@@ -7935,9 +8239,9 @@ class DraKubeletSimulator:
         if (pending := self._pending_wipes.pop(info.name, None)) is not None:
             pending.cancel()  # back in time: its slices stay
         package = dict(DRA_VERSIONS)[str(chosen)]
-        self.drivers[info.name] = SimulatedDriver(
-            info.name, info.endpoint, f"{package}.DRAPlugin", path, tuple(info.supported_versions)
-        )
+        plugin = SimulatedDriver(info.name, info.endpoint, f"{package}.DRAPlugin", path, tuple(info.supported_versions))
+        self.plugins.setdefault(info.name, []).append(plugin)
+        self._sync(info.name)
         self.events.append(("registered", path))
         self._changed.touch()
 
@@ -8034,10 +8338,11 @@ class DraKubeletSimulator:
             yield responses
 
     def _driver(self, driver: str) -> SimulatedDriver:
-        known = self.drivers.get(driver)
-        if known is None:
+        """The plugin a call goes to: the newest connected one, else the newest (DRAPluginManager.get)."""
+        plugins = self.plugins.get(driver)
+        if not plugins:
             raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} is not registered")
-        return known
+        return next((p for p in reversed(plugins) if _accepts(p.endpoint)), plugins[-1])
 
     async def _call(self, driver: str, method: str, request_type: Any, claims: Iterable[tuple[str, str, str]]) -> Any:
         known = self._driver(driver)

@@ -14,6 +14,7 @@ Rules:
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -3591,23 +3592,6 @@ async def test_without_cdi_nothing_of_cdi_appears(nursery, node, tmp_path):
     assert not answer.container_responses[0].cdi_devices
 
 
-async def test_two_plugins_never_write_one_cdi_spec(nursery, node, tmp_path):
-    cdi = {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")}
-    with trio.fail_after(TIMEOUT):
-        simulator = await start(nursery, node, cdi=cdi)
-        other = gp.parse_config(config_text(node, **{OTHER: {"cdi": cdi}}), "other.yaml")  # another DaemonSet's
-        with pytest.raises(gp.GopherplugError) as info, gp._unwrap_single_errors():
-            async with trio.open_nursery() as second:
-                await second.start(gp.serve_plugin, other)
-    assert str(gp._innermost(info.value)) == (
-        f"the CDI spec {tmp_path}/cdi/example.com-gopher.json is already kept by another gopherplug (pid "
-        f"{os.getpid()} on host {os.uname().nodename}, lock file {tmp_path}/cdi/.example.com-gopher.json.lock): "
-        "give each its own cdi.kind"
-    )
-    assert [d["name"] for d in read_spec(tmp_path / "cdi" / "example.com-gopher.json")["devices"]] == ["g1", "g2"]
-    assert devices_of(simulator) == listed_ids("g1", "g2")
-
-
 async def test_cdi_spec_dir_not_writable_stops_at_start(node, tmp_path):
     blocker = tmp_path / "file"
     blocker.touch()
@@ -5284,6 +5268,42 @@ def test_dra_config_defaults():
     assert gp.parse_config(MINIMAL).resources[0].api == "device-plugin"
 
 
+POD_UID = "6f1e3c2a-9b7d-4e5f-8a1c-0d2b3e4f5a6b"
+
+
+def test_dra_socket_names_carry_the_pod_uid_as_the_go_helpers_do(monkeypatch, tmp_path):
+    """With POD_UID, two pods of the driver can serve side by side: their sockets differ, named as
+    the Go helper's RollingUpdate names them; the flock and checkpoint stay the driver's."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config("/g", "/k"))
+    monkeypatch.setenv("POD_UID", POD_UID)
+    dra = gp.load_config(str(path)).dra
+    assert dra.registration_socket == f"/k/plugins_registry/{DRIVER}-{POD_UID}-reg.sock"
+    assert dra.endpoint == f"/k/plugins/{DRIVER}/dra-{POD_UID}.sock"
+    assert (dra.checkpoint, dra.serialize_lock) == (
+        f"/k/plugins/{DRIVER}/checkpoint.json",
+        f"/k/plugins/{DRIVER}/serialize.lock",
+    )
+    # Too long for a unix socket: the UID's hash, then the hash of both (RollingUpdateRegistrarSocketFile).
+    uid_hash = base64.urlsafe_b64encode(hashlib.sha256(POD_UID.encode()).digest()[:8]).decode().rstrip("=")
+    deep = "/" + "k" * 25
+    path.write_text(dra_config("/g", deep))
+    assert gp.load_config(str(path)).dra.registration_socket == f"{deep}/plugins_registry/{DRIVER}-{uid_hash}-reg.sock"
+    both = base64.urlsafe_b64encode(hashlib.sha256(f"{DRIVER}\0{POD_UID}".encode()).digest()[:16]).decode()
+    deeper = "/" + "k" * 49
+    path.write_text(dra_config("/g", deeper))
+    dra = gp.load_config(str(path)).dra
+    assert dra.registration_socket == f"{deeper}/plugins_registry/dra-{both.rstrip('=')}-reg.sock"
+    assert dra.endpoint == f"{deeper}/plugins/{DRIVER}/dra-{uid_hash}.sock"
+    monkeypatch.setenv("POD_UID", "../x")
+    with pytest.raises(gp.ConfigError) as info:
+        gp.load_config(str(path))
+    assert str(info.value) == (
+        "POD_UID: '../x' is not a pod UID: set it from the downward API (valueFrom.fieldRef.fieldPath: "
+        "metadata.uid), or leave it unset"
+    )
+
+
 def test_check_config_without_a_device_plugin_dir_says_where_serve_will_look(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
@@ -6023,6 +6043,7 @@ class DraNode:
                 await gp.serve_plugin(config, node_name=node_name, updates=updates, task_status=task_status)
 
         await self.nursery.start(run)
+        return self.scope  # for a test running two: a pod's, to stop it alone
 
     def stop(self):
         self.scope.cancel()
@@ -6227,6 +6248,202 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
     ]
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1", "uid-3"]
+
+
+def registered_throughout(events, driver_sockets):
+    """Whether, from the first registration on, some plugin of the driver was registered at every
+    event: the kubelet's registrations and deregistrations replayed in their order."""
+    count, began = 0, False
+    for event, path in events:
+        if path in driver_sockets and event in ("registered", "deregistered"):
+            count += 1 if event == "registered" else -1
+            began |= count > 0
+            if began and count == 0:
+                return False
+    return began
+
+
+async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered_throughout(dra_node, monkeypatch):
+    """maxSurge: 1: the new pod starts while the old one serves and holds everything (the CDI spec,
+    the checkpoint, the slices). Both register; a claim prepared during the overlap goes to the
+    newest; the old pod stops; the new one unprepares every claim, those the old one prepared too.
+    At no moment is the driver without a registered plugin, and its slices are never wiped."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").touch()
+    for name, uid, device in (("c0", "uid-0", "gopher0"), ("c1", "uid-1", "gopher1")):
+        dra_node.api.put_claim(claim(name, uid, ("gopher", DRIVER, DraNode.POOL, device)))
+    old_config = gp.with_pod_uid(dra_node.config(), "pod-old")
+    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
+    old_socket, new_socket = old_config.dra.registration_socket, new_config.dra.registration_socket
+    kubelet = dra_node.kubelet
+    with trio.fail_after(TIMEOUT):
+        old = await dra_node.start(old_config)
+        await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [old_socket])
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        c0 = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]
+        assert (c0.error, [d.device_name for d in c0.devices]) == ("", ["gopher0"])
+        await dra_node.start(new_config)  # refused before: the old pod held the CDI spec's lock
+        await kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
+        assert kubelet.drivers[DRIVER].registration_socket == new_socket  # the newest gets the calls
+        c1 = (await kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert (c1.error, [d.device_name for d in c1.devices]) == ("", ["gopher1"])
+        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+        checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+        assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-0", "uid-1"]
+        kubelet.wiping_delay = 0  # a wipe, were it due, would come at once
+        old.cancel()  # the DaemonSet controller deletes the old pod once the new one is available
+        await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [new_socket])
+        with logged("unprepared ResourceClaim") as unprepared:
+            gone = await kubelet.unprepare(DRIVER, [("default", "uid-0", "c0"), ("default", "uid-1", "c1")])
+        assert [(uid, answer.error) for uid, answer in sorted(gone.claims.items())] == [("uid-0", ""), ("uid-1", "")]
+        assert sorted(unprepared.lines) == [
+            "unprepared ResourceClaim default/c0 (uid-0)",  # prepared by the old pod
+            "unprepared ResourceClaim default/c1 (uid-1)",
+        ]
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+    assert json.loads(checkpoint.read_text())["claims"] == {}
+    assert registered_throughout(kubelet.events, {old_socket, new_socket})
+    assert ("deregistered", old_socket) in kubelet.events and ("wiped", DRIVER) not in kubelet.events
+    # Only the old pod's sockets went; the CDI spec the new one keeps is there.
+    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins_registry")) == [os.path.basename(new_socket)]
+    assert sorted(p.name for p in (dra_node.kubelet_dir / "plugins" / DRIVER).iterdir()) == [
+        "checkpoint.json",
+        "dra-pod-new.sock",
+        "serialize.lock",
+    ]
+    assert [d["name"] for d in read_spec(dra_node.root / "cdi" / "example.com-gopher.json")["devices"]] == [
+        "gopher0",
+        "gopher1",
+    ]
+
+
+def dead_socket(path):
+    """A unix socket file that nothing listens on: what a process killed by SIGKILL leaves."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as bound:
+        bound.bind(str(path))
+    return path
+
+
+async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_node):
+    """A pod killed before it removed its sockets leaves them: the kubelet would try the
+    registration socket at every start, and keep the dead endpoint among the driver's plugins. The
+    next driver removes the driver's sockets nobody listens on; a live one and other drivers' stay."""
+    registry = dra_node.kubelet_dir / "plugins_registry"
+    plugins = dra_node.kubelet_dir / "plugins" / DRIVER
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-live"))
+        await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 1)
+        dead = [dead_socket(registry / f"{DRIVER}-pod-killed-reg.sock"), dead_socket(plugins / "dra-pod-killed.sock")]
+        other = dead_socket(registry / "other.example.com-reg.sock")
+        with logged("left by a DRA driver that did not exit cleanly") as removed:
+            await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-new"))
+        await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
+    assert not any(path.exists() for path in dead)
+    assert sorted(removed.lines) == sorted(
+        f"removed {path}, left by a DRA driver that did not exit cleanly" for path in dead
+    )
+    assert other.exists()  # not this driver's
+    assert sorted(os.listdir(registry)) == sorted(
+        ["other.example.com-reg.sock", f"{DRIVER}-pod-live-reg.sock", f"{DRIVER}-pod-new-reg.sock"]
+    )
+
+
+async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_serves(dra_node):
+    """Without POD_UID both would serve on the same socket paths, each replacing the other's."""
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        with pytest.raises(gp.GopherplugError) as info, gp._unwrap_single_errors():
+            async with trio.open_nursery() as second:
+                await second.start(functools.partial(gp.serve_plugin, dra_node.config(), node_name="node-1"))
+    registration = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock"
+    assert str(gp._innermost(info.value)) == (
+        f"DRA driver {DRIVER} is already served on this node ({registration} answers): stop that one, or give "
+        "each its pod's UID in POD_UID to run two at once (a rolling update)"
+    )
+    assert [p.registration_socket for p in dra_node.kubelet.plugins[DRIVER]] == [str(registration)]
+
+
+async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra_node, monkeypatch):
+    """During the overlap both pods keep the node's slices, and the new one may see the devices
+    otherwise (here: its configuration takes every gopher, the old one's only gopher0). The newest
+    pod writes them; the old one leaves them to it, even as the new one's writes reach its watch,
+    rather than writing its own view back (a new generation each time, until the old pod is gone).
+    Once the new pod is gone (a rollback), the old one writes them again."""
+    publishers = []
+
+    class Recorded(gp.SlicePublisher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            publishers.append(self)
+
+    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.with_pod_uid(dra_node.config(pattern="gopher0"), "pod-old"))
+        await dra_node.wait_for_slices(["gopher0"])
+        with logged("the slices are left to it") as left:
+            new = await dra_node.start(new_config)
+            old_publisher, new_publisher = publishers
+            while old_publisher.deferring.value != new_config.dra.registration_socket:
+                await old_publisher.deferring.wait_touched()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await trio.testing.wait_all_tasks_blocked()
+        writes = len(dra_node.api.writes)
+        (dra_node.devices / "gopher2").touch()  # the new pod writes it; the old one, its watch woken, does not undo it
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        await trio.testing.wait_all_tasks_blocked()
+        assert dra_node.slice_devices()[0] == ["gopher0", "gopher1", "gopher2"]
+        assert len(dra_node.api.writes) - writes == 1
+        assert new_publisher.deferring.value == ""
+        new.cancel()  # the new pod goes, say the rollout is undone: the old one writes its view again
+        await dra_node.wait_for_slices(["gopher0"])
+        assert old_publisher.deferring.value == ""
+    assert left.lines == [
+        f"DRA: a newer pod of driver {DRIVER} serves ({new_config.dra.registration_socket}): the slices are left to it"
+    ]
+    # Before the old pod stepped aside, at most one write of each view per pod; none after.
+    assert len(dra_node.api.writes) <= 6, dra_node.api.writes
+
+
+async def test_dra_a_newer_pod_is_seen_once_it_listens_on_its_socket(dra_node, monkeypatch):
+    """A pod makes its registration socket (bind) a moment before it listens on it: seen at once
+    by inotify, it refuses a connection then, and nothing tells the old pod when it stops refusing.
+    The old pod asks again, and leaves the slices to the new one once it answers; once its socket
+    goes, the old pod writes them again."""
+    publishers = []
+
+    class Recorded(gp.SlicePublisher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.decisions = gp.Watched([])  # each _defer() answer: (deferring, a newer socket refused)
+            publishers.append(self)
+
+        def _defer(self):
+            decision = super()._defer()
+            self.decisions.set([*self.decisions.value, decision])
+            return decision
+
+    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
+    (dra_node.devices / "gopher0").touch()
+    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-pod-new-reg.sock"
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-old"))
+        await dra_node.registered()
+        (publisher,) = publishers
+        with socket.socket(socket.AF_UNIX) as starting:
+            starting.bind(str(newer))  # made, not listened on yet
+            while (False, True) not in publisher.decisions.value:  # seen, refusing: not deferred to
+                await publisher.decisions.wait_touched()
+            starting.listen()  # no inotify event for this
+            while publisher.deferring.value != str(newer):
+                await publisher.deferring.wait_touched()
+            newer.unlink()  # the new pod gone, its socket with it
+            while publisher.deferring.value:
+                await publisher.deferring.wait_touched()
 
 
 PRIORITIZED_REQUESTS = [
@@ -6462,6 +6679,34 @@ async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node
     assert [d.device_name for d in first.devices] == ["gopher0"]
     assert [d.device_name for d in again.devices] == ["gopher0"]
     assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == ["example.com/gopher=gopher0"]
+
+
+async def test_dra_two_pods_sharing_the_checkpoint_keep_each_others_claims(tmp_path):
+    """The old and the new pod of a rolling update each prepare and unprepare claims in one file,
+    in either order: each change is made to the file as it is now, under the flock, so neither
+    writes over what the other added, and one unprepares what the other prepared."""
+    path = str(tmp_path / "plugins" / DRIVER / "checkpoint.json")
+    old, new = gp.ClaimCheckpoint(path), gp.ClaimCheckpoint(path)
+
+    def device(name):
+        return gp.drapb.Device(request_names=["gopher"], pool_name=DraNode.POOL, device_name=name)
+
+    with trio.fail_after(TIMEOUT):
+        await old.add(gp.drapb.Claim(namespace="default", uid="uid-0", name="c0"), [device("gopher0")])
+        await new.add(gp.drapb.Claim(namespace="default", uid="uid-1", name="c1"), [device("gopher1")])
+        await old.add(gp.drapb.Claim(namespace="default", uid="uid-2", name="c2"), [device("gopher2")])
+        assert sorted(json.loads(Path(path).read_text())["claims"]) == ["uid-0", "uid-1", "uid-2"]
+        # Asked for a claim the other prepared, each answers what the other told the kubelet.
+        assert [d.device_name for d in old.answer("uid-1")] == ["gopher1"]
+        assert [d.device_name for d in new.answer("uid-0")] == ["gopher0"]
+        # The same claim prepared by both (the new one asked the API server before the old one wrote):
+        # the answer written first stands.
+        answered = await new.add(gp.drapb.Claim(namespace="default", uid="uid-2", name="c2"), [device("gopher9")])
+        assert [d.device_name for d in answered] == ["gopher2"]
+        assert await new.remove("uid-0") and await old.remove("uid-1")
+        assert not await old.remove("uid-0")  # gone already: the other pod unprepared it
+    assert sorted(json.loads(Path(path).read_text())["claims"]) == ["uid-2"]
+    assert sorted(os.listdir(os.path.dirname(path))) == ["checkpoint.json", "serialize.lock"]
 
 
 async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_on(dra_node, caplog):
@@ -6921,6 +7166,7 @@ async def test_dra_a_driver_back_in_time_keeps_its_slices_one_too_late_writes_th
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.wait_for_slices(["gopher0"])
+        await dra_node.registered()  # else "deregistered" below could be "not registered yet"
         dra_node.stop()
         await dra_node.kubelet.wait_until(lambda k: DRIVER not in k.drivers)
         await dra_node.start()
@@ -7999,6 +8245,10 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     (container,) = pod["containers"]
     env = {item["name"]: item for item in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # Zero-gap upgrades: the new pod next to the old one, its sockets named after its UID.
+    assert env[gp.POD_UID_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    strategy = objects["DaemonSet"]["spec"]["updateStrategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert {f"{config.dra.kubelet_dir}/plugins_registry", f"{config.dra.kubelet_dir}/plugins"} <= mounts
     assert resource.cdi.spec_dir in mounts

@@ -461,6 +461,8 @@ class Run:
         self.figures: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self.started = time.monotonic()
+        #: short symlinks to the nodes' kubelet directories (see dra_cluster), removed at the end
+        self.links: list[Path] = []
 
 
 def _remove_cgroups(parent: str) -> None:
@@ -509,6 +511,8 @@ def tier(pytestconfig):
                     print(f"stopping the containerd in {containerd.root}: {error!r}")
         _remove_cgroups(tier.cgroup_parent)
         shutil.rmtree(tier.dev, ignore_errors=True)
+        for link in tier.links:
+            link.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
         tier.figures["tier duration (s)"] = round(time.monotonic() - tier.started, 1)
         report = {"figures": tier.figures, "consumer outputs": tier.outputs}
@@ -671,6 +675,8 @@ def container_config(
             env[item["name"]] = item["value"]
         elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
             env[item["name"]] = NODE_NAME
+        elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.uid":
+            env[item["name"]] = pod.uid  # podFieldSelectorRuntimeValue, pkg/kubelet/kubelet_pods.go
         else:
             raise AssertionError(f"the tier does not resolve {item}")
     mounts = []
@@ -863,6 +869,12 @@ class Node:
         self.config = manifest_config(manifest)
         # The ConfigMap's one edit: the devices are the run's nodes in /dev.
         self.config["resources"][0]["directory"] = str(self.devices)
+        if manifest == "daemonset-dra.yaml" and "metrics_address" in self.config:
+            # And for the DRA pod a second one: its metrics on a port of the kernel's choosing. A
+            # real pod has a network namespace of its own; the tier's share the host's (no CNI), so
+            # two DRA pods at once (a rolling update's, or another run's on this machine) would both
+            # want the manifest's port.
+            self.config["metrics_address"] = "127.0.0.1:0"
         # The host side of each hostPath volume; /dev and /sys are the host's own.
         self.host_paths = {
             "/var/lib/kubelet/device-plugins": str(self.device_plugin_dir),
@@ -875,6 +887,8 @@ class Node:
         }
         self.service_env: dict[str, str] = {}
         self.service_account: dict[str, str] | None = None
+        self.watchers: dict[str, trio.CancelScope] = {}  # container ID -> its fail_if_exited watch
+        self.stopped: set[str] = set()  # containers the test stopped itself (stop_now)
         self.pod = Pod(
             tier, f"{self.template['metadata']['labels']['app.kubernetes.io/name']}-{self.case.name}", "kube-system"
         )
@@ -884,7 +898,14 @@ class Node:
         os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(DEVICE_MAJOR, DEVICE_MINOR))
         return path
 
-    def configs(self) -> tuple[Any, Any]:
+    def surge(self) -> Pod:
+        """Another pod of the same DaemonSet on this node, with a UID of its own: the one a rolling
+        update with maxSurge: 1 creates beside the running one (the DaemonSet controller's
+        surging pod, pkg/controller/daemon/update.go)."""
+        return Pod(self.tier, f"{self.pod.name}-surge", self.pod.namespace)
+
+    def configs(self, pod: Pod | None = None) -> tuple[Any, Any]:
+        pod = pod or self.pod
         spec = self.template["spec"]
         volumes: dict[str, str] = {}
         for volume in spec["volumes"]:
@@ -898,7 +919,7 @@ class Node:
                 assert host.is_dir(), f"hostPath {host} (type Directory) does not exist"
                 volumes[name] = str(host)
             elif "configMap" in volume:
-                where = self.pod.dir / "volumes" / "kubernetes.io~configmap" / name
+                where = pod.dir / "volumes" / "kubernetes.io~configmap" / name
                 volumes[name] = str(atomic_dir(where, {"config.yaml": yaml.safe_dump(self.config)}))
             else:
                 raise AssertionError(f"the tier does not translate volume {volume}")
@@ -907,7 +928,7 @@ class Node:
             # The service account admission plugin adds a projected volume (token, ca.crt,
             # namespace) mounted read-only at this path in every container; the kubelet writes it
             # with the atomic writer.
-            where = self.pod.dir / "volumes" / "kubernetes.io~projected" / "kube-api-access"
+            where = pod.dir / "volumes" / "kubernetes.io~projected" / "kube-api-access"
             extra.append(
                 PB.Mount(
                     container_path=gp.SERVICE_ACCOUNT_DIR,
@@ -918,27 +939,46 @@ class Node:
             )
         (container,) = spec["containers"]
         config = container_config(
-            self.pod, spec, container, volumes=volumes, service_env=self.service_env, extra_mounts=extra
+            pod, spec, container, volumes=volumes, service_env=self.service_env, extra_mounts=extra
         )
-        return self.pod.sandbox_config(self.template["metadata"]["labels"]), config
+        return pod.sandbox_config(self.template["metadata"]["labels"]), config
 
     @contextlib.asynccontextmanager
-    async def running(self):
-        """The pod, running; fails the test at once, with the plugin's log, if the plugin's container exits."""
-        sandbox, config = self.configs()
+    async def running(self, pod: Pod | None = None):
+        """The pod (``pod``: another of the DaemonSet's, see surge()), running; fails the test at
+        once, with the plugin's log, if the plugin's container exits."""
+        sandbox, config = self.configs(pod)
+        pod = pod or self.pod
         try:
-            async with running_pod(self.tier.containerd, self.pod, sandbox, [config]) as pod:
+            async with running_pod(self.tier.containerd, pod, sandbox, [config]) as pod:
                 container_id = pod.container_ids[config.metadata.name]
+                watch = self.watchers[container_id] = trio.CancelScope()  # its own: the test's body runs in the nursery
+
+                async def watched() -> None:
+                    with watch:
+                        await fail_if_exited(self.tier.containerd, container_id)
+
                 async with trio.open_nursery() as watching:
-                    watching.start_soon(fail_if_exited, self.tier.containerd, container_id)
+                    watching.start_soon(watched)
                     yield container_id
                     watching.cancel_scope.cancel()
-                await self.stop(container_id)
+                if container_id not in self.stopped:
+                    await self.stop(container_id)
         except BaseException:
             # The plugin's own log, as `kubectl logs` would show it, beside the failure.
             with contextlib.suppress(OSError):
-                print(f"--- {config.metadata.name} log ---\n" + (self.pod.dir / "logs" / config.log_path).read_text())
+                print(
+                    f"--- {pod.name} {config.metadata.name} log ---\n"
+                    + (pod.dir / "logs" / config.log_path).read_text()
+                )
             raise
+
+    async def stop_now(self, container_id: str) -> None:
+        """Stop a pod's plugin while the test goes on (the old pod of a rolling update): its exit is
+        expected, not a failure."""
+        self.watchers[container_id].cancel()
+        self.stopped.add(container_id)
+        await self.stop(container_id)
 
     async def stop(self, container_id: str) -> None:
         """StopContainer, as the kubelet stops a pod it deletes (and a rolling update each old pod):
@@ -1270,10 +1310,11 @@ async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, throug
 # The DRA driver, as daemonset-dra.yaml ships it
 
 
-async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Any:
+async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
     """An API server stand-in over TLS, with what the kubelet gives the DRA pod to reach it: the
     service's address in env (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes`
-    service), and the service account's projected token and ca.crt."""
+    service), and the service account's projected token and ca.crt. And where a kubelet stand-in
+    finds the node's kubelet directory (below)."""
     import trustme
 
     ca = trustme.CA()
@@ -1283,27 +1324,37 @@ async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest
     api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
     node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
     node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
-    # On a node the plugin's endpoint (GetInfo) is the same path for the kubelet as in the pod, as
-    # hostPath and mountPath are equal; here the host side is a private directory, so the kubelet
-    # stand-ins read that path on the host side: the translation's one concession.
-    in_pod, call_unary = node.config["dra"]["kubelet_dir"], gp.call_unary
+    # On a node the kubelet sees the plugin's sockets at the paths the pod made them, as hostPath
+    # and mountPath are equal; here the host side is a private directory, so the kubelet stand-in
+    # works on the host side: the translation's one concession. Through a symlink no longer than
+    # the pod's kubelet root: the pod names its sockets to fit a unix socket's 108 bytes from there
+    # (with POD_UID, "<driver>-<pod UID>-reg.sock" leaves little room), and the run's directory is
+    # longer. The endpoint GetInfo names is read on the same side.
+    in_pod = node.config["dra"]["kubelet_dir"]
+    host_side = Path("/tmp") / f"gk{secrets.token_hex(4)}"
+    host_side.symlink_to(node.kubelet_dir)
+    node.tier.links.append(host_side)
+    assert len(str(host_side)) <= len(in_pod)
+    call_unary = gp.call_unary
 
     async def host_view(socket_path: str, method: Any, request: Any, *, timeout: float) -> Any:
         answer = await call_unary(socket_path, method, request, timeout=timeout)
         if method is gp.DRA_METHODS[gp.GET_INFO]:
-            answer.endpoint = answer.endpoint.replace(in_pod, str(node.kubelet_dir), 1)
+            answer.endpoint = answer.endpoint.replace(in_pod, str(host_side), 1)
         return answer
 
     monkeypatch.setattr(gp, "call_unary", host_view)
-    return api
+    return api, host_side
 
 
-async def dra_cluster(tier: Run, nursery: trio.Nursery, monkeypatch: Any, node: Node) -> tuple[Any, Any]:
+async def dra_cluster(
+    node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> tuple[gp.ApiServerSimulator, gp.DraKubeletSimulator]:
     """Around the shipped DRA pod on ``node``: the API server stand-in of _api_server_for with the
-    node's Node, and the DRA kubelet stand-in, running."""
-    api = await _api_server_for(node, nursery, monkeypatch)
+    node's Node, and the DRA kubelet stand-in on the node's kubelet directory, running."""
+    api, host_side = await _api_server_for(node, nursery, monkeypatch)
     api.put_node(NODE_NAME, str(uuid.uuid4()))  # registered by the kubelet: the slices' owner
-    kubelet = gp.DraKubeletSimulator(str(node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    kubelet = gp.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(kubelet.run)
     return api, kubelet
 
@@ -1351,7 +1402,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     path = node.mknod("gopher0")
     path.chmod(0o660)  # the host's mode reaches the consumer through the CDI spec, as a DeviceSpec's would
     os.chown(path, HOST_UID, HOST_GID)
-    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
     device = gp.dra_device_name("gopher0")
 
@@ -1364,6 +1415,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
 
             async def registered() -> None:
                 await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+
                 tier.figures["DRA: container started -> registered (ms)"] = _ms(started)
 
             async def slice_published() -> None:
@@ -1477,7 +1529,7 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         free.bind(("127.0.0.1", 0))
         node.config["metrics_address"] = f"127.0.0.1:{free.getsockname()[1]}"
     path = node.mknod("gopher0")
-    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool, device = gp.dra_pool_name(NODE_NAME, RESOURCE), gp.dra_device_name("gopher0")
     kind = node.config["resources"][0]["cdi"]["kind"]
     claims = [(f"gopher-{n}", str(uuid.uuid4()), str(uuid.uuid4())) for n in range(SHARES)]  # name, UID, shareID
@@ -1583,7 +1635,7 @@ async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reach
     for path in paths.values():
         path.chmod(0o660)
         os.chown(path, HOST_UID, HOST_GID)
-    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
     a, b = gp.dra_device_name("gopher0"), gp.dra_device_name("gopher1")
     taint_key = f"{DRIVER}/unhealthy"
@@ -1735,7 +1787,7 @@ async def test_dra_pod_publishes_the_pci_address_of_a_host_device_node(tier, nur
         node.config["resources"][0]["allow_mounted"] = True
     path = node.devices / "pci0"
     os.mknod(path, 0o600 | file_type, os.makedev(major, minor))
-    api, kubelet = await dra_cluster(tier, nursery, monkeypatch, node)
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
     name = gp.dra_device_name("pci0")
     with trio.fail_after(TIMEOUT), _removed_afterwards(tier.containerd.cdi_dir):
@@ -1747,6 +1799,113 @@ async def test_dra_pod_publishes_the_pci_address_of_a_host_device_node(tier, nur
     tier.outputs["DRA standard attributes: slice device"] = stored
     standard = {k: v for k, v in stored["attributes"].items() if k.startswith("resource.kubernetes.io/")}
     assert standard == wanted
+
+
+def allocated_claim(name: str, uid: str, pool: str, device: str) -> dict[str, Any]:
+    """A ResourceClaim as the scheduler leaves it: one request, allocated one device of the pool."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
+        "status": {
+            "allocation": {
+                "devices": {"results": [{"request": "gopher", "driver": DRIVER, "pool": pool, "device": device}]}
+            }
+        },
+    }
+
+
+async def test_dra_rolling_update_two_pods_overlap_and_a_claim_prepared_meanwhile_reaches_a_consumer(
+    tier, nursery, monkeypatch
+):
+    """daemonset-dra.yaml's rolling update (maxSurge: 1, maxUnavailable: 0) as the DaemonSet
+    controller runs it on one node: the new pod starts while the old one serves, each with its own
+    UID; both register, so the driver is never without a registered plugin. A claim prepared
+    during the overlap reaches a consumer through containerd's CDI handling; the old pod then
+    stops (SIGTERM, exit 0) and the new one unprepares both claims, the one the old pod prepared
+    too, and still answers its liveness probe."""
+    node = Node(tier, "daemonset-dra.yaml")
+    (daemonset,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DaemonSet"]
+    strategy = daemonset["spec"]["updateStrategy"]
+    assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}  # else this overlap would not happen
+    path = node.mknod("gopher0")
+    node.mknod("gopher1")
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    registry = node.kubelet_dir / "plugins_registry"
+    registry_seen = Path(kubelet.registry)  # the same directory, as the kubelet stand-in names it
+
+    def registered_sockets() -> list[str]:
+        return [os.path.basename(p.registration_socket) for p in kubelet.plugins.get(DRIVER, [])]
+
+    new_pod = node.surge()
+    old_socket, new_socket = (f"{DRIVER}-{pod.uid}-reg.sock" for pod in (node.pod, new_pod))
+    with trio.fail_after(TIMEOUT * 3):
+        async with node.running() as old:
+            await kubelet.wait_until(lambda k: registered_sockets() == [old_socket])
+            while not any(s["spec"]["pool"]["name"] == pool for s in api.slices.values()):
+                await api.changed.wait_touched()
+            before = gp.dra_device_name("gopher0")
+            api.put_claim(allocated_claim("before", "uid-before", pool, before))
+            first = (await kubelet.prepare(DRIVER, [("default", "uid-before", "before")])).claims["uid-before"]
+            assert first.error == ""
+            async with node.running(new_pod) as new:
+                await kubelet.wait_until(lambda k: registered_sockets() == [old_socket, new_socket])
+                device = gp.dra_device_name("gopher1")
+                during = allocated_claim("during", "uid-during", pool, device)
+                api.put_claim(during)
+                prepared = (await kubelet.prepare(DRIVER, [("default", "uid-during", "during")])).claims["uid-during"]
+                assert prepared.error == ""
+                ids = kubelet.cdi_devices("uid-during", "gopher")
+                pod = Pod(tier, "dra-consumer-during-update")
+                config = consumer_config(pod, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+                async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                    seen = await consumer_report(
+                        tier.containerd, pod.container_ids["consumer"], str(path.with_name("gopher1"))
+                    )
+                kubelet.wiping_delay = 0  # were the driver left without a plugin, its slices would go at once
+                await node.stop_now(old)  # the controller deletes the old pod once the new one is ready
+                await kubelet.wait_until(lambda k: registered_sockets() == [new_socket])
+                gone = await kubelet.unprepare(
+                    DRIVER, [("default", "uid-before", "before"), ("default", "uid-during", "during")]
+                )
+                probe = manifest_pod("daemonset-dra.yaml")["spec"]["containers"][0]["livenessProbe"]
+                code, said = await exec_sync(
+                    tier.containerd, new, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
+                )
+                left = sorted(os.listdir(registry))
+                events = list(kubelet.events)  # the new pod still serving: its own stop is not the update's
+                (old_log,) = (node.pod.dir / "logs").glob("*/0.log")  # the old pod's, as the runtime kept it
+                (stored,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
+    tier.outputs["DRA rolling update: ResourceSlice devices as stored"] = stored["spec"]["devices"]
+    tier.outputs["DRA rolling update: allocation used"] = during["status"]["allocation"]
+    tier.outputs["DRA rolling update: registrations"] = [(e, os.path.basename(p)) for e, p in events]
+    tier.outputs["DRA rolling update: consumer"] = seen
+    tier.outputs["DRA rolling update: new pod's liveness probe"] = said.strip().splitlines()
+    assert ids == [i for d in prepared.devices for i in d.cdi_device_ids] != []
+    assert seen["ls exit"] == 0 and " 10, 229 " in seen["ls -l"]
+    assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
+    assert any(line.endswith("=gopher1") for line in seen["env"]), seen["env"]
+    assert [(uid, answer.error) for uid, answer in sorted(gone.claims.items())] == [
+        ("uid-before", ""),
+        ("uid-during", ""),
+    ]
+    assert code == 0, said
+    assert left == [new_socket]  # the old pod removed its own socket, not the new one's
+    # The kubelet's view, event by event: from the first registration on, never no plugin of the driver.
+    count, seen_one = 0, False
+    for event, _ in events:
+        if event in ("registered", "deregistered"):
+            count += 1 if event == "registered" else -1
+            seen_one |= count > 0
+            assert not (seen_one and count == 0), events
+    assert seen_one and ("deregistered", str(registry_seen / old_socket)) in events
+    assert ("wiped", DRIVER) not in events
+    # The old pod left the slices to the new one once it saw it (both write them otherwise).
+    said_old = [line for line in old_log.read_text().splitlines() if "the slices are left to it" in line]
+    tier.outputs["DRA rolling update: the old pod's log"] = said_old
+    assert len(said_old) == 1 and f"/var/lib/kubelet/plugins_registry/{new_socket}" in said_old[0], old_log.read_text()
 
 
 ########################################################################################################
@@ -1784,11 +1943,11 @@ async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_f
         # The pods share the host's network here, and other tests (or runs) may hold the metrics
         # ports; metrics are not what this test is about.
         del node.config["metrics_address"]
-    api = await _api_server_for(dra_node, nursery, monkeypatch)
+    api, host_side = await _api_server_for(dra_node, nursery, monkeypatch)
     device_class = next(doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass")
     scheduler = gp.SchedulerSimulator(api, [device_class])
     kubelet = await nursery.start(gp.KubeletSimulator(str(plugin_node.device_plugin_dir)).run)
-    dra_kubelet = gp.DraKubeletSimulator(str(dra_node.kubelet_dir), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    dra_kubelet = gp.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(dra_kubelet.run)
     node_uid = str(uuid.uuid4())
 
