@@ -829,6 +829,12 @@ class CDIConfig:
         """The spec file gopherplug owns: "<vendor>-<class>.json", the CDI tools' naming."""
         return os.path.join(self.spec_dir, self.kind.replace("/", "-") + ".json")
 
+    @property
+    def lock_file(self) -> str:
+        """What write_cdi_spec flocks: ".<vendor>-<class>.json.lock", one per kind, for the
+        resource's spec and its claims' (runtimes read only .json and .yaml files there)."""
+        return os.path.join(self.spec_dir, f".{self.kind.replace('/', '-')[:200]}.json.lock")
+
 
 @dataclass(frozen=True)
 class ClaimCDISpec(CDIConfig):
@@ -841,7 +847,7 @@ class ClaimCDISpec(CDIConfig):
 
     @property
     def spec_file(self) -> str:
-        # The kind is cut so that the lock file (".<name>.lock") stays within 255 bytes.
+        # The kind is cut so that the name stays within 255 bytes.
         return os.path.join(self.spec_dir, f"{self.kind.replace('/', '-')[:200]}_{self.claim_uid}.json")
 
 
@@ -4908,14 +4914,15 @@ def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
     Raises GopherplugError when the directory cannot be written: the kubelet would hand out CDI
     devices that no runtime can find.
 
-    Written under an flock on ``<spec_dir>/.<spec file name>.lock`` (runtimes read only .json and
-    .yaml files there), held for this write only: during a rolling update the DaemonSet's old and
-    new pod both keep the spec, writing the same devices, and neither may keep the other from
-    starting. The lock file stays: an flock on a file removed and made again could have two holders.
+    Written under an flock on ``cdi.lock_file``, held for this write only: during a rolling update
+    the DaemonSet's old and new pod both keep the spec, writing the same devices, and neither may
+    keep the other from starting. The lock file stays: an flock on a file removed and made again
+    could have two holders. So it is one per kind, shared by the claims' specs of that kind (a lock
+    file per claim would be left behind by every claim ever prepared).
     """
     try:
         os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
-        lock = os.open(os.path.join(cdi.spec_dir, f".{os.path.basename(cdi.spec_file)}.lock"), _LOCK_FLAGS, 0o600)
+        lock = os.open(cdi.lock_file, _LOCK_FLAGS, 0o600)
         try:
             # The other holder writes one file, in milliseconds: waited for here, on the event loop.
             fcntl.flock(lock, fcntl.LOCK_EX)
