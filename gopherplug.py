@@ -5106,7 +5106,8 @@ def device_plugin_service(
     devices they are asked for again instead of trusting the set inotify last published.
     ``status`` counts the kubelet's ListAndWatch streams. ``config``, if given, holds the
     resource's configuration as reloads change it in place (same name, same options): every answer
-    follows it from then on, and a stream sends the list anew once ``devices`` is replaced.
+    follows it from then on, and a stream sends the list anew once ``devices`` is replaced
+    (unless the kubelet's list it makes is the one that stream sent last).
     """
     ending = trio.Event() if ending is None else ending
     status = status or StreamStatus()
@@ -5127,10 +5128,20 @@ def device_plugin_service(
             status.streams += 1
         try:
             current = devices.value
+            sent = None  # what this stream's kubelet was sent last (the serialized list)
             while True:
                 message = encoder.encode(current, now())
-                if len(message.data) <= KUBELET_MAX_MESSAGE:
+                if message.data == sent:
+                    # The entries changed but not what the kubelet is told (a member joining a device
+                    # of several, a mode, another reason to be unhealthy), or changed and changed
+                    # back within one push interval. Each message makes the kubelet rebuild the
+                    # resource's device sets and write its checkpoint (genericDeviceUpdateCallback,
+                    # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go): for the same
+                    # list, that is work for nothing.
+                    _log(resource).debug("the kubelet's list is unchanged: not sent again")
+                elif len(message.data) <= KUBELET_MAX_MESSAGE:
                     yield message
+                    sent = message.data
                     _log(resource).debug("sent %s", _devices(len(current)))
                     if _metrics is not None:
                         _metrics.list_sends.labels(resource.name).inc()
