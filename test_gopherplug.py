@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from concurrent import futures
 from pathlib import Path
 from resource import RUSAGE_SELF, getrusage
@@ -6981,19 +6982,25 @@ async def test_dra_a_watch_that_expired_is_listed_again_quietly(dra_node, caplog
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
-async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node, monkeypatch):
-    """A disk that fails (EIO from fsync) fails the claim, and the claim is not remembered: asked
-    again, it is tried again, not answered as prepared from a file that never got it. An unprepare
-    that cannot be written keeps the claim."""
-    failing = False
+def failing_fsync(monkeypatch):
+    """A disk that fails: os.fsync raises EIO while the returned switch's ``failing`` is true."""
+    disk = types.SimpleNamespace(failing=False)
     fsync = os.fsync
 
     def sometimes_failing_fsync(fd):
-        if failing:
+        if disk.failing:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return fsync(fd)
 
     monkeypatch.setattr(os, "fsync", sometimes_failing_fsync)
+    return disk
+
+
+async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node, monkeypatch):
+    """A disk that fails (EIO from fsync) fails the claim, and the claim is not remembered: asked
+    again, it is tried again, not answered as prepared from a file that never got it. An unprepare
+    that cannot be written keeps the claim."""
+    disk = failing_fsync(monkeypatch)
     checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
@@ -7001,21 +7008,21 @@ async def test_dra_a_checkpoint_that_cannot_be_written_prepares_nothing(dra_node
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.registered()
-        failing = True
+        disk.failing = True
         for _ in range(2):
             answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
             assert (answer.error, list(answer.devices)) == (
                 f"cannot write the checkpoint {checkpoint}: Input/output error",
                 [],
             )
-        failing = False
+        disk.failing = False
         answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
         assert [d.device_name for d in answer.devices] == ["gopher0"]
-        failing = True
+        disk.failing = True
         gone = (await dra_node.kubelet.unprepare(DRIVER, c1)).claims["uid-1"]
         assert gone.error.startswith(f"cannot write the checkpoint {checkpoint}: ")
         assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-1"]
-        failing = False
+        disk.failing = False
         gone = (await dra_node.kubelet.unprepare(DRIVER, c1)).claims["uid-1"]
         assert gone.error == ""
     assert json.loads(checkpoint.read_text())["claims"] == {}
@@ -7025,15 +7032,8 @@ async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_devi
     """A share's CDI spec is written before the checkpoint: when the checkpoint then fails, the
     claim is not prepared, and its spec goes too (nothing would ever remove it: the checkpoint
     does not name it). Asked again, it is prepared, spec and all."""
-    failing = True
-    fsync = os.fsync
-
-    def sometimes_failing_fsync(fd):
-        if failing:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", sometimes_failing_fsync)
+    disk = failing_fsync(monkeypatch)
+    disk.failing = True
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0", {"shareID": SHARE_1})))
     c1 = [("default", "uid-1", "c1")]
@@ -7044,7 +7044,7 @@ async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_devi
         answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
         assert answer.error.startswith("cannot write the checkpoint ")
         assert not spec.exists()
-        failing = False
+        disk.failing = False
         answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
     assert list(answer.devices[0].cdi_device_ids) == [f"example.com/gopher=gopher0-{SHARE_1}"]
     assert read_spec(spec)["devices"][0]["name"] == f"gopher0-{SHARE_1}"
