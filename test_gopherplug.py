@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import types
+import uuid
 from concurrent import futures
 from pathlib import Path
 from resource import RUSAGE_SELF, getrusage
@@ -7461,6 +7462,89 @@ def test_scheduler_stand_in_allocates_as_the_allocator_does():
     scheduler.device_classes = [other]
     with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(wanted("admin2", adminAccess=True), "node-1")
+
+
+def test_scheduler_stand_in_rounds_capacity_requests_as_the_allocator_does():
+    """Consumable capacity (KEP-5075) on a hand-made slice, by the allocator's rules
+    (consumable_capacity.go in k8s.io/dynamic-resource-allocation structured): a shared device goes
+    to claim after claim, each a share with a UUID of its own; a request asking 2 of a step-1 range
+    consumes 2, one asking nothing the policy's default; a capacity without a requestPolicy costs
+    the whole value when not asked for, what is asked when asked; validValues round up; what would
+    pass a value, a max or a capacity the device lacks is not allocated."""
+    api = gp.ApiServerSimulator()
+    policy = {"default": "1", "validRange": {"min": "1", "max": "3", "step": "1"}}
+    devices = [
+        {
+            "name": "ranged",
+            "allowMultipleAllocations": True,
+            "capacity": {"shares": {"value": "4", "requestPolicy": policy}},
+        },
+        {"name": "plain", "allowMultipleAllocations": True, "capacity": {"bandwidth": {"value": "10"}}},
+        {"name": "listed", "allowMultipleAllocations": True}
+        | {
+            "capacity": {"memory": {"value": "8Gi", "requestPolicy": {"default": "1Gi", "validValues": ["1Gi", "4Gi"]}}}
+        },
+    ]
+    item = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-1-hand-made"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": "node-1",
+            "pool": {"name": "p", "generation": 1, "resourceSliceCount": 1},
+        }
+        | {"devices": devices},
+    }
+    assert gp.resource_slice_causes(item) == []  # a slice the API server takes
+    api.put_slice(item)
+    every = {
+        "metadata": {"name": "every"},
+        "spec": {"selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}]},
+    }
+    scheduler = gp.SchedulerSimulator(api, [every])
+
+    def has(capacity):  # the CEL the allocator evaluates: device.capacity by domain, then name
+        return [{"cel": {"expression": f'"{capacity}" in device.capacity["{DRIVER}"]'}}]
+
+    def allocated(name, capacity, asked=None, **exactly):
+        """The (device, consumedCapacity) of a claim asking ``asked`` of a device with ``capacity``."""
+        request = {"name": "r", "exactly": {"deviceClassName": "every", "selectors": has(capacity), **exactly}}
+        if asked is not None:
+            request["exactly"]["capacity"] = {"requests": {capacity: asked}}
+        made = claim(name, f"uid-{name}", requests=[request])
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        api.put_claim(made)
+        [result] = made["status"]["allocation"]["devices"]["results"]
+        assert str(uuid.UUID(result["shareID"])) == result["shareID"]  # a UUID, lower-case
+        return result["device"], result["consumedCapacity"], result["shareID"]
+
+    two = allocated("two", "shares", "2")
+    assert two[:2] == ("ranged", {"shares": "2"})
+    default = allocated("default", "shares")
+    assert default[:2] == ("ranged", {"shares": "1"})
+    assert two[2] != default[2]
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("over", "shares", "2")  # 2 + 1 held, 2 more would pass the value 4
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("above-max", "shares", "4")  # above validRange.max, whatever is free
+    assert allocated("last", "shares")[:2] == ("ranged", {"shares": "1"})  # the fourth share fits
+    assert allocated("half", "bandwidth", "3")[:2] == ("plain", {"bandwidth": "3"})  # no policy: as asked
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("whole", "bandwidth")  # no policy, nothing asked: the whole 10, and 3 are held
+    assert allocated("rounded", "memory", "2Gi")[:2] == ("listed", {"memory": "4Gi"})
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("too-big", "memory", "5Gi")  # no valid value holds it
+    unknown = {"deviceClassName": "every", "capacity": {"requests": {"cores": "1"}}}  # no device has it
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(claim("unknown", "uid-unknown", requests=[{"name": "r", "exactly": unknown}]), "node-1")
+    # The CEL quantity library on device.capacity, as a selector may use it.
+    # (A missing name is a runtime error that fails the allocation, in the allocator as here: test first.)
+    memory = f'device.capacity["{DRIVER}"]'
+    bigger = f'"memory" in {memory} && {memory}["memory"].compareTo(quantity("4Gi")) > 0'
+    request = {"name": "r", "exactly": {"deviceClassName": "every", "selectors": [{"cel": {"expression": bigger}}]}}
+    result = scheduler.allocate(claim("cel", "uid-cel", requests=[request]), "node-1")
+    assert [r["device"] for r in result["devices"]["results"]] == ["listed"]
 
 
 def test_scheduler_stand_in_finds_neither_api_unschedulable():
