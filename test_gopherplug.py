@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import copy
 import dataclasses
 import errno
 import fcntl
@@ -5098,9 +5099,10 @@ def test_dra_recipes_are_valid_against_the_kubernetes_schema():
 @pytest.mark.parametrize("example", DRA_RECIPES)
 async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
     """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
-    is published shared by 100 claims; the Deployment's pods each get a claim from the template,
-    allocated one share (as the scheduler would: the class's device, a shareID each), and each is
-    prepared with a CDI device of its own whose node is the one node."""
+    is published shared by ``replicas`` claims; the Deployment's pods each get a claim made from the
+    template, which the scheduler stand-in allocates from the slice with the recipe's DeviceClass (a
+    share each of the one device, a shareID each), and each is prepared with a CDI device of its
+    own whose node is the one node. The device then takes claims up to ``replicas``, and no more."""
     make_tree, _, _, specs = RECIPES[example]
     dev = dra_node.root / "dev"
     make_tree(str(dev), str(dra_node.root / "sys"))
@@ -5112,36 +5114,54 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     config.update(device_plugin_dir=str(dra_node.root / "dp"), dev_root=str(dev))
     parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config-dra.yaml")
     docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / "examples" / example / "pod-dra.yaml").read_text())}
-    selector = docs["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
-    assert f'device.driver == "{DRIVER}"' in selector and f'.resource == "{resource["name"]}"' in selector
     pods = docs["Deployment"]["spec"]["replicas"]
     (template_claim,) = docs["Deployment"]["spec"]["template"]["spec"]["resourceClaims"]
     assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
     (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
-    assert request["exactly"]["deviceClassName"] == docs["DeviceClass"]["metadata"]["name"]
+    scheduler = gp.SchedulerSimulator(dra_node.api, [docs["DeviceClass"]])
     pool = gp.dra_pool_name("node-1", resource["name"])
+
+    def claim_from_template(number):
+        """The claim the resource claim controller makes for a pod from the template (its spec)."""
+        made = claim(f"{example}-{number}", f"uid-{number}")
+        made["spec"] = copy.deepcopy(docs["ResourceClaimTemplate"]["spec"]["spec"])
+        return made
+
+    def scheduled(made):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return made
+
     with trio.fail_after(TIMEOUT):
         await dra_node.start(parsed)
         await dra_node.registered()
         await dra_node.wait_for_slices([example], pool=pool)
         (published,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
-        assert published["allowMultipleAllocations"] is True
-        assert published["capacity"]["shares"]["value"] == "100"
-        shares = [f"5b0e1c2a-8f4d-4c3e-9a1b-{n:012x}" for n in range(pods)]
-        for number, share in enumerate(shares):
-            made = claim(f"{example}-{number}", f"uid-{number}", requests=[request])
-            result = {"request": request["name"], "driver": DRIVER, "pool": pool, "device": published["name"]}
-            made["status"] = {"allocation": {"devices": {"results": [{**result, "shareID": share}]}}}
-            dra_node.api.put_claim(made)
-        claims = [("default", f"uid-{n}", f"{example}-{n}") for n in range(pods)]
-        answer = await dra_node.kubelet.prepare(DRIVER, claims)
-    assert all(not answer.claims[uid].error for _, uid, _ in claims)
-    names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for _, uid, _ in claims]
+        claims = [scheduled(claim_from_template(n)) for n in range(pods)]
+        results = [c["status"]["allocation"]["devices"]["results"] for c in claims]
+        assert all(len(r) == 1 for r in results)
+        shares = [result["shareID"] for [result] in results]
+        assert len(set(shares)) == pods  # one device, a share of its own for each claim
+        assert {(r["request"], r["pool"], r["device"]) for [r] in results} == {
+            (request["name"], pool, published["name"])
+        }
+        assert [r["consumedCapacity"] for [r] in results] == [{"shares": "1"}] * pods  # the policy's default
+        answer = await dra_node.kubelet.prepare(
+            DRIVER, [("default", c["metadata"]["uid"], c["metadata"]["name"]) for c in claims]
+        )
+    uids = [c["metadata"]["uid"] for c in claims]
+    assert all(not answer.claims[uid].error for uid in uids)
+    names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
     assert names == [[f"{DRIVER}/{example}={example}-{share}"] for share in shares]
-    for _, uid, _ in claims:
+    for uid in uids:
         [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
         [node] = described["containerEdits"]["deviceNodes"]
         assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
+    # The device takes claims up to the recipe's replicas; the one after them is unschedulable.
+    for number in range(pods, resource["replicas"]):
+        scheduled(claim_from_template(number))
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(claim_from_template(resource["replicas"]), "node-1")
 
 
 # ------------------------------------------------------------------------------------------------
