@@ -9314,6 +9314,13 @@ class SchedulerSimulator:
       allocated to another claim, unless the request or that result has admin access; not one with
       a NoSchedule or NoExecute taint the request does not tolerate (allTaintsTolerated in
       k8s.io/dynamic-resource-allocation structured); too few: "cannot allocate all claims";
+    - consumable capacity (KEP-5075) as the allocator has it with DRAConsumableCapacity on (see
+      ``_consumes``): a device with ``allowMultipleAllocations: true`` is not taken by a claim but
+      shared, each result a share with a fresh ``shareID`` and the ``consumedCapacity`` the
+      request's ``capacity.requests`` round to by the requestPolicy; it goes to another request
+      while the sums consumed stay within the values; CEL sees ``device.allowMultipleAllocations``
+      and ``device.capacity`` (domain, then name: a quantity, with the quantity library's
+      ``quantity()``, ``compareTo`` and the like; ``_cel_quantity_functions``);
     - the claim is stored in ``api`` (ApiServerSimulator.put_claim), and the pod's
       status.extendedResourceClaimStatus names it with the request of each container and name
       (patchPodExtendedResourceClaimStatus).
@@ -9409,19 +9416,33 @@ class SchedulerSimulator:
     def allocate(self, claim: Mapping[str, Any], node: str) -> dict[str, Any]:
         """The allocation of ``claim``'s exactly-requests on ``node`` as the allocator makes it (see
         the class), or UnschedulableError("cannot allocate all claims")."""
-        in_use = {
-            (result["driver"], result["pool"], result["device"])
-            for other in self.api.claims.values()
-            if other["metadata"]["uid"] != claim["metadata"]["uid"]
-            for result in (((other.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")
-            or []
-            if not result.get("adminAccess")
-        }
+        # What the other claims hold (foreachAllocatedDevice in kubernetes/kubernetes
+        # pkg/scheduler/framework/plugins/dynamicresources/allocateddevices.go): a result with admin
+        # access holds nothing; one with a shareID holds its consumedCapacity of a shared device,
+        # summed per device (AggregatedCapacity); any other result holds its device whole.
+        in_use: set[tuple[str, str, str]] = set()
+        consumed: dict[tuple[str, str, str], dict[str, Decimal]] = {}
+        for other in self.api.claims.values():
+            if other["metadata"]["uid"] == claim["metadata"]["uid"]:
+                continue
+            for result in (((other.get("status") or {}).get("allocation") or {}).get("devices") or {}).get(
+                "results"
+            ) or []:
+                key = (result["driver"], result["pool"], result["device"])
+                if result.get("adminAccess"):
+                    continue
+                if not result.get("shareID"):
+                    in_use.add(key)
+                    continue
+                held = consumed.setdefault(key, {})
+                for name, quantity in (result.get("consumedCapacity") or {}).items():
+                    held[name] = held.get(name, Decimal(0)) + (_quantity(quantity) or Decimal(0))
         devices = self._node_devices(node)
         results: list[dict[str, Any]] = []
         for request in claim["spec"]["devices"]["requests"]:
             exactly = request["exactly"]
             admin = bool(exactly.get("adminAccess"))
+            asked = (exactly.get("capacity") or {}).get("requests") or {}
             device_class = next(
                 (c for c in self.device_classes if c["metadata"]["name"] == exactly["deviceClassName"]), None
             )
@@ -9431,21 +9452,41 @@ class SchedulerSimulator:
                 )
             selectors = [*(device_class["spec"].get("selectors") or []), *(exactly.get("selectors") or [])]
             taken = {(r["driver"], r["pool"], r["device"]) for r in results}
-            chosen: list[tuple[str, str, str]] = []
+            chosen: list[tuple[tuple[str, str, str], dict[str, str] | None]] = []
             for key, device, cel in devices:
                 if len(chosen) == exactly.get("count", 1):
                     break
-                if key in taken or (key in in_use and not admin):
+                shared = device.get("allowMultipleAllocations") is True
+                # A shared device is never in use, only full; one request still takes a device
+                # once (allocateOne goes on from the next device), another request may take it again.
+                if any(key == k for k, _ in chosen):
+                    continue
+                if not shared and (key in taken or (key in in_use and not admin)):
                     continue
                 if not all(self._selects(selector["cel"]["expression"], cel) for selector in selectors):
                     continue
                 if not _tolerates_all(exactly.get("tolerations") or [], device.get("taints") or []):
                     continue
-                chosen.append(key)
+                # Every device's capacity is checked, a shared one's against what the others hold
+                # and what this claim's earlier results took of it (allocatingCapacity).
+                already = dict(consumed.get(key) or {}) if shared else {}
+                for result in results if shared else []:
+                    if (result["driver"], result["pool"], result["device"]) == key:
+                        for name, quantity in (result.get("consumedCapacity") or {}).items():
+                            already[name] = already.get(name, Decimal(0)) + (_quantity(quantity) or Decimal(0))
+                wants = _consumes(asked, device.get("capacity") or {}, already)
+                if wants is None:
+                    continue
+                chosen.append((key, wants if shared else None))
             if len(chosen) < exactly.get("count", 1):
                 raise UnschedulableError("cannot allocate all claims")
-            for driver, pool, name in chosen:
+            for (driver, pool, name), wants in chosen:
                 result = {"request": request["name"], "driver": driver, "pool": pool, "device": name}
+                if wants is not None:
+                    # Each allocation of a shared device is a share of its own, named by a fresh
+                    # UUID (GenerateShareID, uuid.NewUUID: random, lower-case), with what it consumes.
+                    result["shareID"] = str(uuid.uuid4())
+                    result["consumedCapacity"] = wants
                 results.append(result | ({"adminAccess": True} if admin else {}))
         selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
         return {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": [selector]}}
@@ -9468,7 +9509,18 @@ class SchedulerSimulator:
                 for qualified, value in (device.get("attributes") or {}).items():
                     domain, _, short = qualified.rpartition("/")  # no domain: the driver's
                     attributes.setdefault(domain or driver, {})[short] = next(iter(value.values()))
-                cel = {"driver": driver, "attributes": attributes}
+                # device.capacity as cel/compile.go in k8s.io/dynamic-resource-allocation has it:
+                # domain (the driver's when the name has none), then name, then the value as a quantity.
+                capacity: dict[str, dict[str, _CelQuantity]] = {}
+                for qualified, held in (device.get("capacity") or {}).items():
+                    domain, _, short = qualified.rpartition("/")
+                    capacity.setdefault(domain or driver, {})[short] = _CelQuantity(_quantity(held["value"]))
+                cel = {
+                    "driver": driver,
+                    "allowMultipleAllocations": device.get("allowMultipleAllocations") is True,
+                    "attributes": attributes,
+                    "capacity": capacity,
+                }
                 found.append(((driver, pool["name"], device["name"]), device, cel))
         return found
 
@@ -9477,8 +9529,24 @@ class SchedulerSimulator:
 
         if expression not in self._cel:
             environment = celpy.Environment()
-            self._cel[expression] = environment.program(environment.compile(expression))
-        result = self._cel[expression].evaluate({"device": celpy.json_to_cel(device)})
+            functions = _cel_quantity_functions()
+            self._cel[expression] = environment.program(environment.compile(expression), functions=functions)
+        capacity = celpy.celtypes.MapType(
+            {
+                celpy.celtypes.StringType(domain): celpy.celtypes.MapType(
+                    {celpy.celtypes.StringType(name): value for name, value in names.items()}
+                )
+                for domain, names in device["capacity"].items()
+            }
+        )
+        cel_device = celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): celpy.json_to_cel(v) for k, v in device.items() if k != "capacity"}
+            | {celpy.celtypes.StringType("capacity"): capacity}
+        )
+        try:
+            result = self._cel[expression].evaluate({"device": cel_device})
+        except celpy.CELEvalError as error:  # cel-python raises what it does not return
+            result = error
         if isinstance(result, celpy.CELEvalError):
             # The allocator fails the claim on a CEL runtime error; here the test learns why.
             raise UnschedulableError(f"CEL {expression!r}: {result}")
@@ -9499,6 +9567,126 @@ def _extended_requests(container: Mapping[str, Any]) -> dict[str, int]:
         for name, count in _container_requests(container).items()
         if int(count) > 0
         and (name.startswith(IMPLICIT_EXTENDED_RESOURCE_PREFIX) or resource_name_problem(name) is None)
+    }
+
+
+def _consumes(
+    asked: Mapping[str, Any], capacity: Mapping[str, Mapping[str, Any]], already: Mapping[str, Decimal]
+) -> dict[str, str] | None:
+    """What a request consumes of each capacity of a device, as the result's consumedCapacity
+    writes it, or None when the device cannot give it (CmpRequestOverCapacity,
+    calculateConsumedCapacity and violatesPolicy in kubernetes/kubernetes
+    staging/src/k8s.io/dynamic-resource-allocation/structured/internal/incubating/consumable_capacity.go):
+
+    - a request naming a capacity the device lacks: not this device (the allocator tries the next);
+    - every capacity of the device is consumed, asked for or not: a capacity not asked for costs its
+      requestPolicy's default, or, with none, the whole value (the device is then full);
+    - an amount asked for is rounded up by the requestPolicy: to min, then to a whole step above min
+      (validRange), or to the first of validValues not below it; with no requestPolicy it stays;
+    - the rounded amount must keep to the policy (the default always does): not above max, whole
+      steps from min, one of validValues; and, with ``already`` (what the other allocations hold),
+      within the capacity's value.
+    """
+    if any(name not in capacity for name in asked):
+        return None
+    consumes = {}
+    for name, held in capacity.items():
+        value = _quantity(held.get("value")) or Decimal(0)
+        policy = held.get("requestPolicy")
+        if name not in asked:
+            # A copy of a quantity keeps how it was written ("1Gi" stays "1Gi").
+            text = str(held.get("value") if policy is None or "default" not in policy else policy["default"])
+        else:
+            text = _round_up(str(asked[name]), policy) if policy is not None else str(asked[name])
+        amount = _quantity(text) or Decimal(0)
+        if policy is not None and _violates(amount, policy):
+            return None
+        if already.get(name, Decimal(0)) + amount > value:
+            return None
+        consumes[name] = text
+    return consumes
+
+
+def _round_up(asked: str, policy: Mapping[str, Any]) -> str:
+    """An amount asked for, rounded up by a requestPolicy (roundUpRange, roundUpValidValues): a
+    bound or valid value as written, a step computed as a whole number in the binary-SI format
+    (resource.NewQuantity(n, BinarySI): 2048 is "2Ki")."""
+    amount = _quantity(asked) or Decimal(0)
+    valid_range, values = policy.get("validRange"), policy.get("validValues")
+    if valid_range is not None and "min" in valid_range:
+        low = _quantity(valid_range["min"]) or Decimal(0)
+        if amount < low:
+            return str(valid_range["min"])
+        step = _quantity(valid_range["step"]) if "step" in valid_range else None
+        if not step:
+            return asked
+        whole = int(low + step * math.ceil((amount - low) / step))
+        suffixes = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+        power = next((p for p in range(len(suffixes), 0, -1) if whole and whole % 1024**p == 0), 0)
+        return f"{whole // 1024**power}{suffixes[power - 1]}" if power else str(whole)
+    if values:
+        return next((str(v) for v in values if amount <= (_quantity(v) or Decimal(0))), asked)
+    return asked
+
+
+def _violates(amount: Decimal, policy: Mapping[str, Any]) -> bool:
+    """Whether a rounded amount breaks its requestPolicy (violatesPolicy, violateValidRange,
+    violateValidValues): the default never does."""
+    if "default" in policy and amount == _quantity(policy["default"]):
+        return False
+    valid_range, values = policy.get("validRange"), policy.get("validValues")
+    if valid_range is not None:
+        high = _quantity(valid_range["max"]) if "max" in valid_range else None
+        if high is not None and amount > high:
+            return True
+        step = _quantity(valid_range["step"]) if "step" in valid_range else None
+        low = _quantity(valid_range.get("min")) or Decimal(0)
+        return step is not None and step != 0 and (amount - low) % step != 0
+    if values:
+        return amount not in [_quantity(v) for v in values]
+    return False
+
+
+@dataclass(frozen=True)
+class _CelQuantity:
+    """A resource.Quantity as CEL holds one: compared by value, never equal to a string or number."""
+
+    value: Decimal | None
+
+
+def _cel_quantity_functions() -> dict[str, Callable[..., Any]]:
+    """The part of the Kubernetes CEL quantity library (k8s.io/apiserver pkg/cel/library/quantity.go)
+    a selector on device.capacity needs: quantity("10Gi"), isQuantity, and on a quantity
+    compareTo, isGreaterThan, isLessThan, add, sub, sign, isInteger, asInteger."""
+    import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
+
+    types = celpy.celtypes
+
+    def parse(text: Any) -> Any:
+        value = _quantity(str(text))
+        return _CelQuantity(value) if value is not None else celpy.CELEvalError(f"invalid quantity {text!r}")
+
+    def number(quantity: Any) -> Decimal:
+        if isinstance(quantity, _CelQuantity) and quantity.value is not None:
+            return quantity.value
+        if isinstance(quantity, types.IntType):
+            return Decimal(int(quantity))
+        raise TypeError(f"not a quantity: {quantity!r}")
+
+    def compare(a: Any, b: Any) -> int:
+        return (number(a) > number(b)) - (number(a) < number(b))
+
+    return {
+        "quantity": parse,
+        "isQuantity": lambda text: types.BoolType(_quantity(str(text)) is not None),
+        "compareTo": lambda a, b: types.IntType(compare(a, b)),
+        "isGreaterThan": lambda a, b: types.BoolType(compare(a, b) > 0),
+        "isLessThan": lambda a, b: types.BoolType(compare(a, b) < 0),
+        "add": lambda a, b: _CelQuantity(number(a) + number(b)),
+        "sub": lambda a, b: _CelQuantity(number(a) - number(b)),
+        "sign": lambda a: types.IntType(compare(a, types.IntType(0))),
+        "isInteger": lambda a: types.BoolType(number(a) == number(a).to_integral_value()),
+        "asInteger": lambda a: types.IntType(int(number(a))),
     }
 
 

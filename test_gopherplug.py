@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import copy
 import dataclasses
 import errno
 import fcntl
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 import types
+import uuid
 from concurrent import futures
 from pathlib import Path
 from resource import RUSAGE_SELF, getrusage
@@ -5097,9 +5099,10 @@ def test_dra_recipes_are_valid_against_the_kubernetes_schema():
 @pytest.mark.parametrize("example", DRA_RECIPES)
 async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
     """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
-    is published shared by 100 claims; the Deployment's pods each get a claim from the template,
-    allocated one share (as the scheduler would: the class's device, a shareID each), and each is
-    prepared with a CDI device of its own whose node is the one node."""
+    is published shared by ``replicas`` claims; the Deployment's pods each get a claim made from the
+    template, which the scheduler stand-in allocates from the slice with the recipe's DeviceClass (a
+    share each of the one device, a shareID each), and each is prepared with a CDI device of its
+    own whose node is the one node. The device then takes claims up to ``replicas``, and no more."""
     make_tree, _, _, specs = RECIPES[example]
     dev = dra_node.root / "dev"
     make_tree(str(dev), str(dra_node.root / "sys"))
@@ -5111,36 +5114,54 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     config.update(device_plugin_dir=str(dra_node.root / "dp"), dev_root=str(dev))
     parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config-dra.yaml")
     docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / "examples" / example / "pod-dra.yaml").read_text())}
-    selector = docs["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
-    assert f'device.driver == "{DRIVER}"' in selector and f'.resource == "{resource["name"]}"' in selector
     pods = docs["Deployment"]["spec"]["replicas"]
     (template_claim,) = docs["Deployment"]["spec"]["template"]["spec"]["resourceClaims"]
     assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
     (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
-    assert request["exactly"]["deviceClassName"] == docs["DeviceClass"]["metadata"]["name"]
+    scheduler = gp.SchedulerSimulator(dra_node.api, [docs["DeviceClass"]])
     pool = gp.dra_pool_name("node-1", resource["name"])
+
+    def claim_from_template(number):
+        """The claim the resource claim controller makes for a pod from the template (its spec)."""
+        made = claim(f"{example}-{number}", f"uid-{number}")
+        made["spec"] = copy.deepcopy(docs["ResourceClaimTemplate"]["spec"]["spec"])
+        return made
+
+    def scheduled(made):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return made
+
     with trio.fail_after(TIMEOUT):
         await dra_node.start(parsed)
         await dra_node.registered()
         await dra_node.wait_for_slices([example], pool=pool)
         (published,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
-        assert published["allowMultipleAllocations"] is True
-        assert published["capacity"]["shares"]["value"] == "100"
-        shares = [f"5b0e1c2a-8f4d-4c3e-9a1b-{n:012x}" for n in range(pods)]
-        for number, share in enumerate(shares):
-            made = claim(f"{example}-{number}", f"uid-{number}", requests=[request])
-            result = {"request": request["name"], "driver": DRIVER, "pool": pool, "device": published["name"]}
-            made["status"] = {"allocation": {"devices": {"results": [{**result, "shareID": share}]}}}
-            dra_node.api.put_claim(made)
-        claims = [("default", f"uid-{n}", f"{example}-{n}") for n in range(pods)]
-        answer = await dra_node.kubelet.prepare(DRIVER, claims)
-    assert all(not answer.claims[uid].error for _, uid, _ in claims)
-    names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for _, uid, _ in claims]
+        claims = [scheduled(claim_from_template(n)) for n in range(pods)]
+        results = [c["status"]["allocation"]["devices"]["results"] for c in claims]
+        assert all(len(r) == 1 for r in results)
+        shares = [result["shareID"] for [result] in results]
+        assert len(set(shares)) == pods  # one device, a share of its own for each claim
+        assert {(r["request"], r["pool"], r["device"]) for [r] in results} == {
+            (request["name"], pool, published["name"])
+        }
+        assert [r["consumedCapacity"] for [r] in results] == [{"shares": "1"}] * pods  # the policy's default
+        answer = await dra_node.kubelet.prepare(
+            DRIVER, [("default", c["metadata"]["uid"], c["metadata"]["name"]) for c in claims]
+        )
+    uids = [c["metadata"]["uid"] for c in claims]
+    assert all(not answer.claims[uid].error for uid in uids)
+    names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
     assert names == [[f"{DRIVER}/{example}={example}-{share}"] for share in shares]
-    for _, uid, _ in claims:
+    for uid in uids:
         [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
         [node] = described["containerEdits"]["deviceNodes"]
         assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
+    # The device takes claims up to the recipe's replicas; the one after them is unschedulable.
+    for number in range(pods, resource["replicas"]):
+        scheduled(claim_from_template(number))
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(claim_from_template(resource["replicas"]), "node-1")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -7461,6 +7482,89 @@ def test_scheduler_stand_in_allocates_as_the_allocator_does():
     scheduler.device_classes = [other]
     with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(wanted("admin2", adminAccess=True), "node-1")
+
+
+def test_scheduler_stand_in_rounds_capacity_requests_as_the_allocator_does():
+    """Consumable capacity (KEP-5075) on a hand-made slice, by the allocator's rules
+    (consumable_capacity.go in k8s.io/dynamic-resource-allocation structured): a shared device goes
+    to claim after claim, each a share with a UUID of its own; a request asking 2 of a step-1 range
+    consumes 2, one asking nothing the policy's default; a capacity without a requestPolicy costs
+    the whole value when not asked for, what is asked when asked; validValues round up; what would
+    pass a value, a max or a capacity the device lacks is not allocated."""
+    api = gp.ApiServerSimulator()
+    policy = {"default": "1", "validRange": {"min": "1", "max": "3", "step": "1"}}
+    devices = [
+        {
+            "name": "ranged",
+            "allowMultipleAllocations": True,
+            "capacity": {"shares": {"value": "4", "requestPolicy": policy}},
+        },
+        {"name": "plain", "allowMultipleAllocations": True, "capacity": {"bandwidth": {"value": "10"}}},
+        {"name": "listed", "allowMultipleAllocations": True}
+        | {
+            "capacity": {"memory": {"value": "8Gi", "requestPolicy": {"default": "1Gi", "validValues": ["1Gi", "4Gi"]}}}
+        },
+    ]
+    item = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-1-hand-made"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": "node-1",
+            "pool": {"name": "p", "generation": 1, "resourceSliceCount": 1},
+        }
+        | {"devices": devices},
+    }
+    assert gp.resource_slice_causes(item) == []  # a slice the API server takes
+    api.put_slice(item)
+    every = {
+        "metadata": {"name": "every"},
+        "spec": {"selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}]},
+    }
+    scheduler = gp.SchedulerSimulator(api, [every])
+
+    def has(capacity):  # the CEL the allocator evaluates: device.capacity by domain, then name
+        return [{"cel": {"expression": f'"{capacity}" in device.capacity["{DRIVER}"]'}}]
+
+    def allocated(name, capacity, asked=None, **exactly):
+        """The (device, consumedCapacity) of a claim asking ``asked`` of a device with ``capacity``."""
+        request = {"name": "r", "exactly": {"deviceClassName": "every", "selectors": has(capacity), **exactly}}
+        if asked is not None:
+            request["exactly"]["capacity"] = {"requests": {capacity: asked}}
+        made = claim(name, f"uid-{name}", requests=[request])
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        api.put_claim(made)
+        [result] = made["status"]["allocation"]["devices"]["results"]
+        assert str(uuid.UUID(result["shareID"])) == result["shareID"]  # a UUID, lower-case
+        return result["device"], result["consumedCapacity"], result["shareID"]
+
+    two = allocated("two", "shares", "2")
+    assert two[:2] == ("ranged", {"shares": "2"})
+    default = allocated("default", "shares")
+    assert default[:2] == ("ranged", {"shares": "1"})
+    assert two[2] != default[2]
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("over", "shares", "2")  # 2 + 1 held, 2 more would pass the value 4
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("above-max", "shares", "4")  # above validRange.max, whatever is free
+    assert allocated("last", "shares")[:2] == ("ranged", {"shares": "1"})  # the fourth share fits
+    assert allocated("half", "bandwidth", "3")[:2] == ("plain", {"bandwidth": "3"})  # no policy: as asked
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("whole", "bandwidth")  # no policy, nothing asked: the whole 10, and 3 are held
+    assert allocated("rounded", "memory", "2Gi")[:2] == ("listed", {"memory": "4Gi"})
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        allocated("too-big", "memory", "5Gi")  # no valid value holds it
+    unknown = {"deviceClassName": "every", "capacity": {"requests": {"cores": "1"}}}  # no device has it
+    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(claim("unknown", "uid-unknown", requests=[{"name": "r", "exactly": unknown}]), "node-1")
+    # The CEL quantity library on device.capacity, as a selector may use it.
+    # (A missing name is a runtime error that fails the allocation, in the allocator as here: test first.)
+    memory = f'device.capacity["{DRIVER}"]'
+    bigger = f'"memory" in {memory} && {memory}["memory"].compareTo(quantity("4Gi")) > 0'
+    request = {"name": "r", "exactly": {"deviceClassName": "every", "selectors": [{"cel": {"expression": bigger}}]}}
+    result = scheduler.allocate(claim("cel", "uid-cel", requests=[request]), "node-1")
+    assert [r["device"] for r in result["devices"]["results"]] == ["listed"]
 
 
 def test_scheduler_stand_in_finds_neither_api_unschedulable():

@@ -1516,8 +1516,9 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
     tier, nursery, monkeypatch
 ):
     """replicas: 3 in the shipped DRA pod's configuration (its one edit besides the directory): the
-    slice offers gopher0 to 3 claims at once (KEP-5075). Three claims, each allocated one share as
-    the scheduler writes it (a shareID of its own, 1 share consumed), are prepared; three consumer
+    slice offers gopher0 to 3 claims at once (KEP-5075). Three claims of the shipped DeviceClass,
+    each allocated by the scheduler stand-in from the stored slice (a share of its own: a shareID,
+    1 share consumed), are prepared, and a fourth is not allocated; three consumer
     pods, each created with its claim's CDI devices, all open the one node, and containerd reports
     for each another CDI device, whose env names that consumer's share. Unprepared, the shares'
     CDI devices are gone from the runtime's spec directory."""
@@ -1532,7 +1533,20 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
     api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool, device = gp.dra_pool_name(NODE_NAME, RESOURCE), gp.dra_device_name("gopher0")
     kind = node.config["resources"][0]["cdi"]["kind"]
-    claims = [(f"gopher-{n}", str(uuid.uuid4()), str(uuid.uuid4())) for n in range(SHARES)]  # name, UID, shareID
+    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
+    scheduler = gp.SchedulerSimulator(api, [device_class])
+
+    def made(name: str) -> dict[str, Any]:
+        """A claim for one device of the shipped class, asking no capacity: the policy's default."""
+        request = {"name": "gopher", "exactly": {"deviceClassName": device_class["metadata"]["name"]}}
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": name, "uid": str(uuid.uuid4())},
+            "spec": {"devices": {"requests": [request]}},
+        }
+
+    claims: list[tuple[str, str, str]] = []  # name, UID, shareID
 
     def shared() -> list[dict[str, Any]]:
         mine = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
@@ -1548,27 +1562,16 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
             (published,) = shared()
             tier.outputs["DRA shares: the slice's device as stored"] = published
             results = {}
-            for name, uid, share in claims:
-                result = {
-                    "request": "gopher",
-                    "driver": DRIVER,
-                    "pool": pool,
-                    "device": device,
-                    "shareID": share,
-                    "consumedCapacity": {gp.DRA_SHARES_CAPACITY: "1"},
-                }
-                api.put_claim(
-                    {
-                        "apiVersion": "resource.k8s.io/v1",
-                        "kind": "ResourceClaim",
-                        "metadata": {"namespace": "default", "name": name, "uid": uid},
-                        "spec": {
-                            "devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}
-                        },
-                        "status": {"allocation": {"devices": {"results": [result]}}},
-                    }
-                )
-                results[name] = result
+            for number in range(SHARES):
+                claim = made(f"gopher-{number}")
+                claim["status"] = {"allocation": scheduler.allocate(claim, NODE_NAME)}
+                api.put_claim(claim)
+                (result,) = claim["status"]["allocation"]["devices"]["results"]
+                assert (result["pool"], result["device"]) == (pool, device), result
+                claims.append((claim["metadata"]["name"], claim["metadata"]["uid"], result["shareID"]))
+                results[claim["metadata"]["name"]] = result
+            with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+                scheduler.allocate(made(f"gopher-{SHARES}"), NODE_NAME)  # the device's shares are all taken
             tier.outputs["DRA shares: allocation results"] = list(results.values())
             answer = await kubelet.prepare(DRIVER, [("default", uid, name) for name, uid, _ in claims])
             assert all(not answer.claims[uid].error for _, uid, _ in claims), answer
