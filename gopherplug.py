@@ -21,8 +21,9 @@ Read it top to bottom; every section only uses the ones above it:
   6. I/O edges                 the config file, inotify watches, the DevicePlugin service, Register;
                                DRA: the registration socket, DRAPlugin, the checkpoint, the API server
   7. Orchestration             serve_plugin: the nursery tree, kubelet restarts, configuration reloads
-  8. A kubelet simulator       the kubelet's device manager in miniature, for tests; probe and demo;
-                               its DRA side and an API server in miniature
+  8. A kubelet simulator       the kubelet's device manager in miniature; probe and demo; its DRA
+                               side and a lenient API server, what the DRA demo needs (the strict
+                               stand-ins that only tests need are in gopherplug_standins.py)
   9. Command line              main(argv) -> exit code; signals
 
 Or take one of two lessons, each a list of definitions to read in order (search for the name). Both
@@ -57,7 +58,7 @@ call_unary, open_stream) does what its name says.
      6. KubeApi, SlicePublisher        the API server; the slice publisher, one pool at a time
      7. serve_dra, _keep_serving       the driver's sockets, served again when the kubelet wipes them
      8. DraKubeletSimulator,           the kubelet's DRA side and an API server, in miniature
-        ApiServerSimulator
+        LenientApiServer
 
 Quick start:
 
@@ -100,11 +101,9 @@ import tempfile
 import time
 import types
 import urllib.parse
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -139,7 +138,6 @@ __all__ = [
     "REGISTER",
     "UNHEALTHY",
     "ApiError",
-    "ApiServerSimulator",
     "ClaimCheckpoint",
     "ClaimError",
     "Config",
@@ -153,16 +151,14 @@ __all__ = [
     "GopherplugError",
     "KubeApi",
     "KubeletSimulator",
+    "LenientApiServer",
     "Method",
-    "Placement",
     "RPCError",
     "ResourceConfig",
     "ResourceStatus",
-    "SchedulerSimulator",
     "Source",
     "StatusCode",
     "UnexpectedAdmissionError",
-    "UnschedulableError",
     "UsbDevice",
     "UsbSelector",
     "allocate_response",
@@ -2864,8 +2860,6 @@ DRA_MAX_DEVICES_PER_SLICE = 128
 #: ... and in a slice where any device has a taint (ResourceSliceMaxDevicesWithTaintsOrConsumesCounters in
 #: k8s.io/api/resource/v1 types.go; validateResourceSliceSpec applies it)
 DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64
-#: At most this many taints on one device (DeviceTaintsMaxLength)
-DRA_MAX_TAINTS_PER_DEVICE = 16
 #: The effects ``dra.unhealthy_taint`` may ask for: NoSchedule keeps new claims off an unhealthy
 #: device, NoExecute also evicts the pods whose claims have it (KEP-5055, device taints)
 DRA_TAINT_EFFECTS = ("NoSchedule", "NoExecute")
@@ -7349,7 +7343,12 @@ async def watch_config_file(
 # resource, marks every device unhealthy when that stream ends, and calls Allocate and
 # GetPreferredAllocation on demand, refusing them as the kubelet does while no device is healthy
 # (the pods it would reject are recorded). It makes its directory anew when it is removed.
-# gopherplug's own tests use it, and so can a plugin author's.
+# The demo runs it; gopherplug's own tests use it (gopherplug_standins names it with the others),
+# and so can a plugin author's.
+#
+# Only what the product and its demo need is here. A node runs this file and a learner reads it:
+# the stand-ins that serve tests alone (the API server's validation, its failures on demand, the
+# scheduler with its CEL) live beside the tests in gopherplug_standins.py, never in an image.
 ########################################################################################################
 
 #: How long the kubelet waits to dial a registering plugin back.
@@ -8034,9 +8033,9 @@ def _demo_clock(out: Callable[[str], None], width: int = 8) -> Callable[[str, st
 # watches plugins_registry with inotify (and walks it when it starts), calls GetInfo on each new
 # socket, checks the answer, dials the endpoint, reports with NotifyRegistrationStatus, forgets a
 # driver whose socket is deleted, wipes ResourceSlices as the kubelet does, and calls
-# NodePrepareResources and NodeUnprepareResources on demand. ApiServerSimulator serves the
-# handful of resource.k8s.io/v1 requests a driver makes (claims read, slices written and
-# watched) over HTTP/1.1, TLS and bearer tokens included.
+# NodePrepareResources and NodeUnprepareResources on demand. LenientApiServer serves the
+# handful of resource.k8s.io/v1 requests a driver makes (its Node and claims read, slices written
+# and watched, claim status applied) over HTTP/1.1, checking nothing: the demo's needs.
 
 #: How long the kubelet gives each call to a DRA plugin (defaultClientCallTimeout, formerly
 #: PluginClientTimeout, in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin.go).
@@ -8293,39 +8292,6 @@ class DraKubeletSimulator:
             for cdi_id in device.cdi_device_ids
         ]
 
-    async def prepare_extended_resources(self, pod: Mapping[str, Any], claim: Mapping[str, Any]) -> None:
-        """Prepare the claim the scheduler made for ``pod``'s extended resources (the one its
-        status.extendedResourceClaimStatus names), as the kubelet's DRA manager prepares a pod's
-        claims before its containers start: NodePrepareResources to each driver of its results
-        (PrepareResources in kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Raises
-        ClaimError with the driver's error for the claim, which fails the pod's start."""
-        status = pod["status"]["extendedResourceClaimStatus"]
-        metadata = claim["metadata"]
-        if metadata["name"] != status["resourceClaimName"]:
-            raise ValueError(f"pod {pod['metadata']['name']} names claim {status['resourceClaimName']}")
-        results = claim["status"]["allocation"]["devices"]["results"]
-        for driver in sorted({result["driver"] for result in results}):
-            response = await self.prepare(driver, [(metadata["namespace"], metadata["uid"], metadata["name"])])
-            if error := response.claims[metadata["uid"]].error:
-                raise ClaimError(error)
-
-    def extended_resource_cdi_devices(
-        self, pod: Mapping[str, Any], claim: Mapping[str, Any], container_name: str
-    ) -> list[str]:
-        """The CDI device IDs a container of ``pod`` gets for the extended resources DRA serves it:
-        for each such name it asks for, the prepared devices of every request the pod's
-        extendedResourceClaimStatus maps that container and name to (GetResources in
-        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; cdi_devices per request)."""
-        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == container_name]
-        mappings = pod["status"]["extendedResourceClaimStatus"]["requestMappings"]
-        return [
-            cdi_id
-            for name in _extended_requests(container)
-            for mapping in mappings
-            if mapping["containerName"] == container_name and mapping["resourceName"] == name
-            for cdi_id in self.cdi_devices(claim["metadata"]["uid"], mapping["requestName"])
-        ]
-
     async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
         """NodeUnprepareResources for (namespace, uid, name) claims; the response. A claim
         unprepared without error is forgotten for ``cdi_devices``."""
@@ -8369,539 +8335,47 @@ class DraKubeletSimulator:
         return await call_unary(known.endpoint, DRA_METHODS[path], request, timeout=DRA_KUBELET_TIMEOUT)
 
 
-_DNS_SUBDOMAIN_PROBLEM = (
-    "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
-    "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
-    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
-)
-_DNS_LABEL_PROBLEM = (
-    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
-    "end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
-    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
-)
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    """A meta/v1 Status, the API server's error document."""
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure" if code >= 400 else "Success",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
-def _cause(field: str, reason: str, body: str) -> dict[str, str]:
-    """One field error as a Status lists it in details.causes (k8s.io/apimachinery field.Error)."""
-    return {"reason": reason, "message": body, "field": field}
+class LenientApiServer:
+    """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
+    It holds Nodes (``put_node``), ResourceClaims as the scheduler left them (``put_claim``) and
+    the ResourceSlices the driver writes (``slices``, by name; ``writes`` lists each write). What a
+    driver asks of the API server, it answers as the real one does: GET a Node or a claim;
+    server-side apply of a claim's status.devices on its status subresource (``status_writes``);
+    list, watch, create, update and delete slices, with spec.nodeName and spec.driver field
+    selectors, a watch streaming its events as JSON lines from a resourceVersion, an update of a
+    stale resourceVersion refused with 409. Every write touches ``changed``.
 
-def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[str, str]]:
-    causes = []
-    if len(value) > limit:
-        causes.append(
-            _cause(
-                field,
-                "FieldValueInvalid",
-                f"Invalid value: {json.dumps(value)}: must be no more than {limit} characters",
-            )
-        )
-    pattern = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?" if label else _DNS_SUBDOMAIN.pattern
-    if not re.fullmatch(pattern, value):
-        problem = _DNS_LABEL_PROBLEM if label else _DNS_SUBDOMAIN_PROBLEM
-        causes.append(_cause(field, "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: {problem}"))
-    return causes
-
-
-#: An attribute name's parts (k8s.io/api/resource/v1 types.go): the domain at most DeviceMaxDomainLength
-#: (a driver name's limit), the name a C identifier of at most DeviceMaxIDLength.
-_DRA_DOMAIN_LENGTH = 63
-_DRA_ID_LENGTH = 32
-_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SEMVER = re.compile(
-    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
-    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
-)
-
-
-def _attribute_causes(field: str, name: str, value: Any) -> list[dict[str, str]]:
-    """What the API server refuses in one device attribute (validateQualifiedName and
-    validateDeviceAttribute in pkg/apis/resource/validation/validation.go): the name a C identifier
-    of at most 32 characters, optionally after a domain and "/" (a DNS subdomain of at most 63,
-    validateDriverName); the value exactly one of bool, int, string and version, a string or
-    version at most 64 characters, a version a semantic version (semver.org 2.0.0)."""
-    causes = []
-    parts = name.split("/")
-    identifier = parts[-1]
-    if len(parts) == 2:
-        domain = parts[0]
-        if not domain:
-            causes.append(_cause(field, "FieldValueInvalid", 'Invalid value: "": the domain must not be empty'))
-        else:
-            if len(domain) > _DRA_DOMAIN_LENGTH:
-                causes.append(
-                    _cause(field, "FieldValueTooLong", f"Too long: may not be more than {_DRA_DOMAIN_LENGTH} bytes")
-                )
-            causes += _dns_causes(field, domain.lower(), _DNS_SUBDOMAIN_LENGTH, False)
-        if not identifier:
-            causes.append(_cause(field, "FieldValueInvalid", 'Invalid value: "": the name must not be empty'))
-    if identifier or len(parts) != 2:
-        if len(identifier) > _DRA_ID_LENGTH:
-            causes.append(_cause(field, "FieldValueTooLong", f"Too long: may not be more than {_DRA_ID_LENGTH} bytes"))
-        if not _C_IDENTIFIER.fullmatch(identifier):
-            causes.append(
-                _cause(
-                    field,
-                    "FieldValueInvalid",
-                    f"Invalid value: {json.dumps(identifier)}: a valid C identifier must start with alphabetic "
-                    "character or '_', followed by a string of alphanumeric characters or '_' (e.g. 'my_name',  or "
-                    "'MY_NAME',  or 'MyName', regex used for validation is '[A-Za-z_][A-Za-z0-9_]*')",
-                )
-            )
-    kinds = [kind for kind in ("bool", "int", "string", "version") if kind in (value or {})]
-    for kind in ("string", "version"):
-        text = str((value or {}).get(kind, ""))
-        if kind == "version" and kind in kinds and not _SEMVER.fullmatch(text):
-            causes.append(
-                _cause(
-                    f"{field}.version",
-                    "FieldValueInvalid",
-                    f"Invalid value: {json.dumps(text)}: must be a string compatible with semver.org spec 2.0.0",
-                )
-            )
-        if len(text.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
-            causes.append(
-                _cause(
-                    f"{field}.{kind}",
-                    "FieldValueTooLong",
-                    f"Too long: may not be more than {DRA_ATTRIBUTE_MAX_LENGTH} bytes",
-                )
-            )
-    if len(kinds) != 1:
-        causes.append(_cause(field, "FieldValueInvalid", "Invalid value: exactly one value must be specified"))
-    return causes
-
-
-_QUALIFIED_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-#: validDeviceTaintEffects in validation.go ("None" is valid from Kubernetes 1.35 on)
-_DRA_TAINT_EFFECTS_VALID = ("NoExecute", "NoSchedule", "None")
-
-
-def _taint_causes(field: str, taint: Mapping[str, Any]) -> list[dict[str, str]]:
-    """What the API server refuses in one device taint (validateDeviceTaint in
-    pkg/apis/resource/validation/validation.go): the key a label name (ValidateLabelName: a name
-    part of at most 63 letters, digits, "-", "_" and "." starting and ending alphanumeric, after an
-    optional DNS subdomain prefix and "/"), the value when given a label value, the effect one of
-    validDeviceTaintEffects."""
-    causes = []
-    key = str(taint.get("key", ""))
-    prefix, _, name = key.rpartition("/")
-    if key.count("/") > 1 or not name or len(name) > _LABEL_VALUE_LENGTH or not _QUALIFIED_NAME_PART.fullmatch(name):
-        causes.append(
-            _cause(
-                f"{field}.key",
-                "FieldValueInvalid",
-                f"Invalid value: {json.dumps(key)}: name part must consist of alphanumeric characters, '-', '_' or "
-                f"'.', and must start and end with an alphanumeric character, at most {_LABEL_VALUE_LENGTH} "
-                "characters, with an optional DNS subdomain prefix and '/'",
-            )
-        )
-    elif "/" in key:
-        causes += _dns_causes(f"{field}.key", prefix, _DNS_SUBDOMAIN_LENGTH, False)
-    value = str(taint.get("value", ""))
-    if value and (len(value) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(value)):
-        causes.append(
-            _cause(
-                f"{field}.value",
-                "FieldValueInvalid",
-                f"Invalid value: {json.dumps(value)}: a valid label must be an empty string or consist of alphanumeric "
-                f"characters, '-', '_' or '.', and must start and end with an alphanumeric character, at most "
-                f"{_LABEL_VALUE_LENGTH} characters",
-            )
-        )
-    effect = str(taint.get("effect", ""))
-    if not effect:
-        causes.append(_cause(f"{field}.effect", "FieldValueRequired", "Required value"))
-    elif effect not in _DRA_TAINT_EFFECTS_VALID:
-        supported = ", ".join(json.dumps(e) for e in _DRA_TAINT_EFFECTS_VALID)
-        causes.append(
-            _cause(
-                f"{field}.effect",
-                "FieldValueNotSupported",
-                f"Unsupported value: {json.dumps(effect)}: supported values: {supported}",
-            )
-        )
-    return causes
-
-
-#: A resource.Quantity as the API server parses one (k8s.io/apimachinery pkg/api/resource
-#: quantity.go): a signed decimal number, then a binary (Ki ... Ei), decimal (n u m k M G T P E) or
-#: exponent (e3, E-2) suffix, or none.
-_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?")
-_QUANTITY_SUFFIXES = {
-    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
-    **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9))},
-    **{s: Decimal(10) ** e for s, e in (("T", 12), ("P", 15), ("E", 18))},
-}
-
-
-def _quantity(value: Any) -> Decimal | None:
-    """A quantity's value, None when the API server would not parse it (a number is taken as the
-    JSON decoder takes it, a string by quantity.go's grammar)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return Decimal(str(value))
-    match = _QUANTITY.fullmatch(str(value))
-    if match is None:
-        return None
-    number, suffix = Decimal(match[1]), match[2] or ""
-    if suffix[:1] in ("e", "E"):
-        return number.scaleb(int(suffix[1:]))
-    return number * _QUANTITY_SUFFIXES.get(suffix, Decimal(1))
-
-
-#: The most attributes and capacities one device may have together
-#: (ResourceSliceMaxAttributesAndCapacitiesPerDevice in k8s.io/api resource/v1)
-_DRA_MAX_ATTRIBUTES_AND_CAPACITIES = 32
-
-
-def _capacity_causes(field: str, capacity: Any, shared: bool) -> list[dict[str, str]]:
-    """What the API server refuses in one device capacity (validateMultiAllocatableDeviceCapacity,
-    validateSingleAllocatableDeviceCapacity and validateRequestPolicy in
-    pkg/apis/resource/validation/validation.go): a quantity as its value; a requestPolicy only on
-    a device that allows multiple allocations (``shared``), then validValues or validRange, not
-    both, with a default that is one of the values, or within the range: min required and within
-    the value, default at least min, max within the value and not below min or the default, min
-    plus a step within the value, default and max whole steps from min."""
-    capacity = capacity if isinstance(capacity, dict) else {}
-    value = _quantity(capacity.get("value"))
-    if value is None:
-        return [_cause(f"{field}.value", "FieldValueInvalid", f"Invalid value: {json.dumps(capacity.get('value'))}")]
-    policy = capacity.get("requestPolicy")
-    if policy is None:
-        return []
-    where = f"{field}.requestPolicy"
-    if not shared:
-        return [_cause(where, "FieldValueForbidden", "Forbidden: allowMultipleAllocations must be true")]
-    causes = []
-    default = _quantity(policy.get("default")) if "default" in policy else None
-    values, valid_range = policy.get("validValues") or [], policy.get("validRange")
-
-    def invalid(at: str, shown: Any, why: str) -> None:
-        causes.append(_cause(f"{where}.{at}", "FieldValueInvalid", f"Invalid value: {json.dumps(str(shown))}: {why}"))
-
-    if values and valid_range is not None:
-        message = "Forbidden: exactly one policy can be specified, cannot specify "
-        message += '"validValues" and "validRange" at the same time'
-        return [_cause(where, "FieldValueForbidden", message)]
-    if (values or valid_range is not None) and default is None:
-        which = "validValues" if values else "validRange"
-        return [_cause(f"{where}.default", "FieldValueRequired", f"Required value: required when {which} is defined")]
-    if values:
-        numbers = [_quantity(v) for v in values]
-        for index, (a, b) in enumerate(itertools.pairwise(numbers)):
-            if a is not None and b is not None and a > b:
-                invalid(f"validValues[{index + 1}]", values[index + 1], "values must be sorted in ascending order")
-        for index, number in enumerate(numbers):
-            if number is not None and number > value:
-                invalid(
-                    f"validValues[{index}]", values[index], f"option is larger than capacity value: {capacity['value']}"
-                )
-        if default not in numbers:
-            invalid("validValues", policy["default"], "default value is not valid according to the requestPolicy")
-    elif valid_range is not None:
-        low = _quantity(valid_range.get("min")) if "min" in valid_range else None
-        if low is None:
-            message = "Required value: required when validRange is defined"
-            return [_cause(f"{where}.validRange.min", "FieldValueRequired", message)]
-        assert default is not None
-        if low > value:
-            invalid("validRange.min", valid_range["min"], f"min is larger than capacity value: {capacity['value']}")
-        if default < low:
-            invalid("validRange.min", policy["default"], f"default is less than min: {valid_range['min']}")
-        high = _quantity(valid_range["max"]) if "max" in valid_range else None
-        if high is not None:
-            if low > high:
-                invalid("validRange.max", valid_range["min"], f"min is larger than max: {valid_range['max']}")
-            if high > value:
-                invalid("validRange.max", valid_range["max"], f"max is larger than capacity value: {capacity['value']}")
-            if default > high:
-                invalid("validRange.max", policy["default"], f"default is more than max: {valid_range['max']}")
-        step = _quantity(valid_range["step"]) if "step" in valid_range else None
-        if step:
-            if low + step > value:
-                invalid(
-                    "validRange.step",
-                    valid_range["step"],
-                    f"one step {low + step} is larger than capacity value: {capacity['value']}",
-                )
-            for checked in [default, *([high] if high is not None else [])]:
-                if (checked - low) % step:
-                    why = f"value is not a multiple of a given step ({valid_range['step']}) from ({valid_range['min']})"
-                    invalid("validRange.step", checked, why)
-    return causes
-
-
-def resource_slice_causes(item: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
-    """What the API server refuses in a resource.k8s.io/v1 ResourceSlice (``old``: the stored one it
-    would replace), as the causes of its 422: the checks of ValidateResourceSlice and
-    ValidateResourceSliceUpdate (kubernetes/kubernetes pkg/apis/resource/validation/validation.go)
-    that a driver's slices can fail. The name is a DNS subdomain; the pool name at most 253
-    characters, each "/" part a DNS subdomain; resourceSliceCount above 0, generation not below;
-    at most 128 devices, each named by a DNS label, each attribute's name and value as
-    _attribute_causes says, at most 16 taints each as _taint_causes says (and at most 64 devices
-    in a slice where any has taints), capacities as _capacity_causes says, named as attributes
-    are, at most 32 attributes and capacities together; pool name, driver and node immutable; an owner
-    reference's UID not empty (ValidateOwnerReferences in apimachinery's api/validation)."""
-    causes = _dns_causes("metadata.name", str(item.get("metadata", {}).get("name", "")), _DNS_SUBDOMAIN_LENGTH, False)
-    for owner in item.get("metadata", {}).get("ownerReferences", []):  # ValidateOwnerReferences
-        if not owner.get("uid"):
-            causes.append(
-                _cause("metadata.ownerReferences.uid", "FieldValueInvalid", 'Invalid value: "": uid must not be empty')
-            )
-    spec = item.get("spec") or {}
-    pool = spec.get("pool") or {}
-    pool_name = str(pool.get("name", ""))
-    if not pool_name:
-        causes.append(_cause("spec.pool.name", "FieldValueRequired", "Required value"))
-    else:
-        if len(pool_name) > DRA_POOL_NAME_MAX_LENGTH:
-            causes.append(
-                _cause(
-                    "spec.pool.name",
-                    "FieldValueTooLong",
-                    f"Too long: must have at most {DRA_POOL_NAME_MAX_LENGTH} bytes",
-                )
-            )
-        for part in pool_name.split("/"):
-            causes += _dns_causes("spec.pool.name", part, _DNS_SUBDOMAIN_LENGTH, False)
-    if (count := pool.get("resourceSliceCount", 0)) <= 0:
-        causes.append(
-            _cause(
-                "spec.pool.resourceSliceCount",
-                "FieldValueInvalid",
-                f"Invalid value: {count}: must be greater than zero",
-            )
-        )
-    if (generation := pool.get("generation", 0)) < 0:
-        causes.append(
-            _cause(
-                "spec.pool.generation",
-                "FieldValueInvalid",
-                f"Invalid value: {generation}: must be greater than or equal to zero",
-            )
-        )
-    devices = spec.get("devices") or []
-    tainted = any(device.get("taints") for device in devices)
-    most = DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS if tainted else DRA_MAX_DEVICES_PER_SLICE
-    if len(devices) > most:
-        causes.append(
-            _cause("spec.devices", "FieldValueTooMany", f"Too many: {len(devices)}: must have at most {most} items")
-        )
-    for index, device in enumerate(devices):
-        causes += _dns_causes(f"spec.devices[{index}].name", str(device.get("name", "")), _DNS_LABEL_LENGTH, True)
-        for name, value in (device.get("attributes") or {}).items():
-            causes += _attribute_causes(f"spec.devices[{index}].attributes[{name}]", name, value)
-        capacities = device.get("capacity") or {}
-        shared = device.get("allowMultipleAllocations") is True
-        for name, capacity in capacities.items():
-            field = f"spec.devices[{index}].capacity[{name}]"
-            # A capacity's name is an attribute's (validateQualifiedName): the causes of the name alone
-            causes += [c for c in _attribute_causes(field, name, {"bool": True}) if c["field"] == field]
-            causes += _capacity_causes(field, capacity, shared)
-        if (together := len(device.get("attributes") or {}) + len(capacities)) > _DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
-            causes.append(
-                _cause(
-                    f"spec.devices[{index}]",
-                    "FieldValueInvalid",
-                    f"Invalid value: {together}: the total number of attributes and capacities must not exceed "
-                    f"{_DRA_MAX_ATTRIBUTES_AND_CAPACITIES}",
-                )
-            )
-        taints = device.get("taints") or []
-        if len(taints) > DRA_MAX_TAINTS_PER_DEVICE:
-            causes.append(
-                _cause(
-                    f"spec.devices[{index}].taints",
-                    "FieldValueTooMany",
-                    f"Too many: {len(taints)}: must have at most {DRA_MAX_TAINTS_PER_DEVICE} items",
-                )
-            )
-        for number, taint in enumerate(taints):
-            causes += _taint_causes(f"spec.devices[{index}].taints[{number}]", taint)
-    if old is not None:
-        old_spec = old.get("spec") or {}
-        for field, new_value, old_value in (
-            ("spec.pool.name", pool_name, (old_spec.get("pool") or {}).get("name")),
-            ("spec.driver", spec.get("driver"), old_spec.get("driver")),
-            ("spec.nodeName", spec.get("nodeName"), old_spec.get("nodeName")),
-        ):
-            if new_value != old_value:
-                causes.append(
-                    _cause(field, "FieldValueInvalid", f"Invalid value: {json.dumps(new_value)}: field is immutable")
-                )
-    return causes
-
-
-def resource_claim_causes(claim: Mapping[str, Any]) -> list[dict[str, str]]:
-    """What the API server refuses in a resource.k8s.io/v1 ResourceClaim's allocation, as the causes
-    of its 422 (validateDeviceRequestAllocationResult in pkg/apis/resource/validation/validation.go):
-    each result names a request of the claim, or "<request>/<subrequest>" of a request with
-    firstAvailable (the scheduler's choice from a prioritized list), a pool name as slices have
-    them, and a device by a DNS label."""
-    requests: dict[str, set[str] | None] = {}
-    for request in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []:
-        subrequests = request.get("firstAvailable")
-        requests[request.get("name", "")] = {sub.get("name", "") for sub in subrequests} if subrequests else None
-    causes = []
-    allocation = (claim.get("status") or {}).get("allocation") or {}
-    for index, result in enumerate((allocation.get("devices") or {}).get("results") or []):
-        where = f"status.allocation.devices.results[{index}]"
-        name = str(result.get("request", ""))
-        main, _, sub = name.partition("/")
-        known = main in requests and (sub == "" if requests[main] is None else sub in (requests[main] or ()))
-        if not known or name.count("/") > 1:
-            causes.append(
-                _cause(
-                    f"{where}.request",
-                    "FieldValueInvalid",
-                    f"Invalid value: {json.dumps(name)}: must be the name of a request in the claim or the name of a "
-                    "request and a subrequest separated by '/'",
-                )
-            )
-        if not result.get("driver"):
-            causes.append(_cause(f"{where}.driver", "FieldValueRequired", "Required value"))
-        for part in str(result.get("pool", "")).split("/"):
-            causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
-        causes += _dns_causes(f"{where}.device", str(result.get("device", "")), _DNS_LABEL_LENGTH, True)
-        if "shareID" in result:
-            causes += _share_id_causes(f"{where}.shareID", result["shareID"])
-        for name, quantity in (result.get("consumedCapacity") or {}).items():
-            if _quantity(quantity) is None:
-                causes.append(
-                    _cause(
-                        f"{where}.consumedCapacity[{name}]",
-                        "FieldValueInvalid",
-                        f"Invalid value: {json.dumps(quantity)}",
-                    )
-                )
-    return causes
-
-
-def _share_id_causes(field: str, share: Any) -> list[dict[str, str]]:
-    """A shareID the API server refuses (validateUID in pkg/apis/resource/validation/validation.go):
-    anything but a UUID in RFC 4122 form with lower-case hexadecimal digits."""
-    if _UUID.fullmatch(str(share)):
-        return []
-    message = (
-        f"Invalid value: {json.dumps(share)}: uid must be in RFC 4122 normalized form, "
-        "`xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` with lowercase hexadecimal characters"
-    )
-    return [_cause(field, "FieldValueInvalid", message)]
-
-
-def resource_claim_status_causes(claim: Mapping[str, Any], devices: list[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """What the API server refuses in a ResourceClaim's status.devices, as the causes of its 422
-    (validateDeviceStatus in pkg/apis/resource/validation/validation.go): each entry names a
-    driver (a DNS subdomain of at most 63 characters), a pool and a device as slices do, and must
-    be an allocated device of the claim (a result with the same driver, pool, device and shareID,
-    a share of a shared device being its own entry); its data, when given, a JSON object of at most
-    10 KiB; no entry twice."""
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
-    allocated = {(r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID")) for r in results}
-    causes, seen = [], set()
-    for index, entry in enumerate(devices):
-        where = f"status.devices[{index}]"
-        driver, pool, device = str(entry.get("driver", "")), str(entry.get("pool", "")), str(entry.get("device", ""))
-        causes += _dns_causes(f"{where}.driver", driver, _DRA_DOMAIN_LENGTH, False)
-        for part in pool.split("/"):
-            causes += _dns_causes(f"{where}.pool", part, _DNS_SUBDOMAIN_LENGTH, False)
-        causes += _dns_causes(f"{where}.device", device, _DNS_LABEL_LENGTH, True)
-        share = entry.get("shareID")
-        if share is not None:
-            causes += _share_id_causes(f"{where}.shareID", share)
-        key = (driver, pool, device, share)
-        shown = f"{driver}/{pool}/{device}" + (f"/{share}" if share else "")  # structured.SharedDeviceID
-        if key not in allocated:
-            causes.append(
-                _cause(
-                    where, "FieldValueInvalid", f'Invalid value: "{shown}": must be an allocated device in the claim'
-                )
-            )
-        if key in seen:
-            causes.append(_cause(where, "FieldValueDuplicate", f'Duplicate value: "{shown}"'))
-        seen.add(key)
-        if "data" in entry:
-            data = entry["data"]
-            if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
-                causes.append(
-                    _cause(
-                        f"{where}.data",
-                        "FieldValueTooLong",
-                        f"Too long: may not be more than {DRA_STATUS_DATA_MAX_LENGTH} bytes",
-                    )
-                )
-            elif not isinstance(data, dict):
-                causes.append(
-                    _cause(
-                        f"{where}.data",
-                        "FieldValueInvalid",
-                        "Invalid value: <value omitted>: must be a valid JSON object",
-                    )
-                )
-    return causes
-
-
-def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> dict[str, Any]:
-    """The API server's 422 for an object that fails validation: one message naming every error
-    (apierrors.NewInvalid: one error bare, several in brackets), and each as a cause."""
-    errors = [f"{cause['field']}: {cause['message']}" for cause in causes]
-    listed = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
-    status = _status(422, "Invalid", f'{kind}.{group} "{name}" is invalid: {listed}')
-    status["details"] = {"name": name, "group": group, "kind": kind, "causes": causes}
-    return status
-
-
-class ApiServerSimulator:
-    """The few resource.k8s.io/v1 requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1.
-
-    Holds ResourceClaims (put them with ``put_claim``) and the ResourceSlices the driver writes
-    (``slices``, by name; ``writes`` lists each write). It refuses a slice the real API server
-    refuses (resource_slice_causes) with the same 422, and lists it in ``refused``. A claim's
-    status.devices takes server-side apply on its status subresource (``status_writes`` lists
-    each), refused as the real server refuses it (resource_claim_status_causes). Lists and
-    watches honour spec.nodeName and spec.driver field selectors; a watch streams events as JSON
-    lines, as the API server does.
-    ``disabled_gates`` names feature gates that are off: with DRADeviceTaints among them, a write
-    loses its devices' taints unless the stored slice has some already, with DRAConsumableCapacity
-    allowMultipleAllocations and each capacity's requestPolicy (its value stays), unless the
-    stored slice has one, as dropDisabledFields in pkg/registry/resource/resourceslice/strategy.go
-    does; a taint written without timeAdded gets one
-    (the API's documentation of DeviceTaint.timeAdded), the stored one if the old slice has that taint.
-    ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
-    accepts, others get 401; ``forbidden_tokens`` get 403. ``down`` refuses every request by closing
-    the connection; ``delay`` holds every answer back that many seconds. Needs h11 (the `dra` extra brings it).
+    Lenient: it stores whatever it is given. That is enough for ``gopherplug demo --dra``, which
+    shows what a driver writes. Tests need more: the strict stand-in,
+    gopherplug_standins.ApiServerSimulator, refuses what the real API server refuses with the same
+    422, drops the fields of disabled feature gates, checks bearer tokens, speaks TLS and fails
+    writes on demand, through the hooks below (each says what it does here). Needs h11 (the `dra`
+    extra brings it).
     """
 
     PREFIX = "/apis/resource.k8s.io/v1"
 
-    def __init__(self, ssl_context: Any = None, tokens: set[str] | None = None) -> None:
-        self.ssl_context = ssl_context
-        self.tokens = tokens
+    def __init__(self) -> None:
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
-        self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node, delete_node)
-        self.node_reads: list[str] = []  #: the name of each Node read (GET), in order
+        self.nodes: dict[str, dict[str, Any]] = {}  #: Node objects by name (put_node)
         self.slices: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []  #: (verb, slice name), in order
         #: (namespace, claim name, field manager) of each status.devices applied, in order
         self.status_writes: list[tuple[str, str, str]] = []
         self._status_owners: dict[tuple[str, str], dict[tuple[str, str, str, str], str]] = {}
-        #: (slice name, causes) of each write refused as invalid (422), in order
-        self.refused: list[tuple[str, list[dict[str, str]]]] = []
-        self.refused_tokens = 0
-        #: tokens the server knows but refuses with 403 and this message, as an admission policy
-        #: refuses a token that names no node (the manifest's), or RBAC a user without the right
-        self.forbidden_tokens: dict[str, str] = {}
-        self.bearers: list[str] = []  #: the bearer token of each request, in order ("" without one)
-        #: each slice write: (trio time, verb, slice name, the status answered; 0: none)
-        self.attempts: list[tuple[float, str, str, int]] = []
-        self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
-        self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
-        self.down = False
-        self.delay = 0.0
-        self.disabled_gates: set[str] = set()
         self.port = 0
         self._version = 0
         self._events: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, slice)
@@ -8909,124 +8383,19 @@ class ApiServerSimulator:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
 
-    async def run(self, *, task_status: trio.TaskStatus[ApiServerSimulator] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         tcp = await trio.open_tcp_listeners(0, host="127.0.0.1")
         self.port = tcp[0].socket.getsockname()[1]
-        listeners: list[Any] = list(tcp)
-        if self.ssl_context is not None:
-            listeners = [trio.SSLListener(one, self.ssl_context) for one in tcp]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(trio.serve_listeners, self._connection, listeners))
+            nursery.start_soon(functools.partial(trio.serve_listeners, self._connection, self._listeners(tcp)))
             task_status.started(self)
 
     def put_claim(self, claim: dict[str, Any]) -> None:
-        """Store a claim as the scheduler left it. Raises ValueError, with the API server's 422
-        message, for an allocation the real one would refuse (resource_claim_causes): a test's
-        claim must be one a cluster can have."""
+        """Store a claim as the scheduler left it (allocated, in status.allocation)."""
         metadata = claim["metadata"]
-        if causes := resource_claim_causes(claim):
-            raise ValueError(_invalid("ResourceClaim", "resource.k8s.io", metadata["name"], causes)["message"])
         self.claims[metadata["namespace"], metadata["name"]] = claim
-
-    def fail(self, verb: str, name: str = "", status: int = 500, *, times: int = 1, retry_after: int = 0) -> None:
-        """Fail the next ``times`` writes of ``verb`` ("create", "update", "delete") to slice
-        ``name`` ("": any), or ("status") to claim ``name``'s status, with ``status``, as the real
-        server can: 409 (someone else's write came first), 429 (priority and fairness; with a
-        Retry-After header when ``retry_after``), 500, or 0: no answer at all, until the client
-        gives up (a timeout, or the plugin killed mid-write)."""
-        self._failures.append(
-            {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
-        )
-
-    def expire_watches(self) -> None:
-        """End every open watch with the ERROR event of a 410 Gone, as the API server does when the
-        watch's resourceVersion fell out of its history (etcd compaction, an API server restart)."""
-        self._expired += 1
-        self.changed.touch()
-
-    def _failure(self, verb: str, name: str) -> dict[str, Any] | None:
-        for failure in self._failures:
-            if failure["verb"] == verb and failure["name"] in ("", name):
-                failure["times"] -= 1
-                if failure["times"] <= 0:
-                    self._failures.remove(failure)
-                return failure
-        return None
-
-    async def _fail(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
-        """Answer a write that fail() asked to fail, and say so; False for any other."""
-        if (failure := self._failure(verb, name)) is None:
-            return False
-        status = failure["status"]
-        self.attempts.append((trio.current_time(), verb, name, status))
-        if status == 0:
-            await trio.sleep_forever()  # until the client closes the connection, giving up
-        reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
-        messages = {
-            409: f'Operation cannot be fulfilled on resourceslices.resource.k8s.io "{name}": the object has been '
-            "modified; please apply your changes to the latest version and try again",
-            429: "storage is (re)initializing",
-            500: "Internal error occurred: etcdserver: request timed out",
-        }
-        document = _status(status, reasons.get(status, "InternalError"), messages.get(status, "failed"))
-        extra = [("retry-after", str(failure["retry_after"]))] if failure["retry_after"] else []
-        await self._send(connection, stream, h11, status, document, extra)
-        return True
-
-    async def _apply_claim_status(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        namespace: str,
-        name: str,
-        headers: Mapping[str, str],
-        query: Mapping[str, str],
-        body: bytes,
-    ) -> None:
-        """Server-side apply to a claim's status subresource, as a driver writes status.devices:
-        415 for another patch type, 404 for no such claim, 409 for another UID, 422 for entries
-        the real server refuses (resource_claim_status_causes). status.devices is a list map: the
-        field manager's entries replace those it applied before; other managers' stay."""
-        if await self._fail(connection, stream, h11, "status", name):
-            return
-        if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
-            await self._send(connection, stream, h11, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
-            return
-        manager = query.get("fieldManager", "")
-        claim = self.claims.get((namespace, name))
-        applied = json.loads(body)
-        if claim is None:
-            await self._send(
-                connection, stream, h11, 404, _status(404, "NotFound", f'resourceclaims "{name}" not found')
-            )
-            return
-        uid = (applied.get("metadata") or {}).get("uid")
-        if uid is not None and uid != claim["metadata"]["uid"]:
-            message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {claim['metadata']['uid']}"
-            await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
-            return
-        devices = (applied.get("status") or {}).get("devices") or []
-        # (driver, pool, device, shareID) -> manager: the list map's keys
-        owners = self._status_owners.setdefault((namespace, name), {})
-        kept = [
-            entry
-            for entry in (claim.get("status") or {}).get("devices") or []
-            if owners.get((entry["driver"], entry["pool"], entry["device"], entry.get("shareID", ""))) != manager
-        ]
-        new = [*kept, *devices]
-        if causes := resource_claim_status_causes(claim, new):
-            self.refused.append((name, causes))
-            await self._send(connection, stream, h11, 422, _invalid("ResourceClaim", "resource.k8s.io", name, causes))
-            return
-        claim.setdefault("status", {})["devices"] = new
-        for entry in devices:
-            owners[entry["driver"], entry["pool"], entry["device"], entry.get("shareID", "")] = manager
-        self.status_writes.append((namespace, name, manager))
-        self.changed.touch()
-        await self._send(connection, stream, h11, 200, claim)
 
     def put_node(self, name: str, uid: str, allocatable: Mapping[str, str] | None = None) -> None:
         """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
@@ -9035,53 +8404,6 @@ class ApiServerSimulator:
         self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
         if allocatable is not None:
             self.nodes[name]["status"] = {"allocatable": dict(allocatable)}
-
-    def delete_node(self, name: str) -> None:
-        """Delete a Node, and then what the garbage collector deletes: every slice whose owner
-        references name it (by UID) and no other object that still exists."""
-        uid = self.nodes.pop(name)["metadata"]["uid"]
-        alive = {node["metadata"]["uid"] for node in self.nodes.values()}
-        for slice_name, item in list(self.slices.items()):
-            owners = {owner.get("uid") for owner in item["metadata"].get("ownerReferences", [])}
-            if uid in owners and not owners & alive:
-                self.delete_slice(slice_name)
-
-    def _bump(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
-        self._version += 1
-        item = json.loads(json.dumps(item))
-        item["metadata"]["resourceVersion"] = str(self._version)
-        self._events.append((self._version, kind, item))
-        self.changed.touch()
-        return item
-
-    def _prepare_slice(self, item: dict[str, Any], old: Mapping[str, Any] | None) -> None:
-        """What the server does to a slice before validating and storing it: drop the fields of
-        disabled gates, add timeAdded to taints without one."""
-        old_taints = {
-            (taint.get("key"), taint.get("value"), taint.get("effect")): taint.get("timeAdded")
-            for device in ((old or {}).get("spec") or {}).get("devices") or []
-            for taint in device.get("taints") or []
-        }
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        # dropDisabledDRAConsumableCapacityFields: unless the old slice used them already
-        old_devices = ((old or {}).get("spec") or {}).get("devices") or []
-        consumable_in_use = any(
-            "allowMultipleAllocations" in device
-            or any("requestPolicy" in capacity for capacity in (device.get("capacity") or {}).values())
-            for device in old_devices
-        )
-        for device in (item.get("spec") or {}).get("devices") or []:
-            if "DRADeviceTaints" in self.disabled_gates and not old_taints:
-                device.pop("taints", None)
-            if "DRAConsumableCapacity" in self.disabled_gates and not consumable_in_use:
-                device.pop("allowMultipleAllocations", None)
-                for capacity in (device.get("capacity") or {}).values():
-                    capacity.pop("requestPolicy", None)
-            for taint in device.get("taints") or []:
-                if isinstance(taint, dict) and not taint.get("timeAdded"):
-                    taint["timeAdded"] = (
-                        old_taints.get((taint.get("key"), taint.get("value"), taint.get("effect"))) or now
-                    )
 
     def put_slice(self, item: dict[str, Any]) -> None:
         """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
@@ -9099,6 +8421,48 @@ class ApiServerSimulator:
             if item["spec"].get("nodeName") == node_name and driver in ("", item["spec"]["driver"]):
                 self.delete_slice(name)
 
+    # The hooks: what the strict stand-in adds, a no-op here.
+
+    def _listeners(self, tcp: list[trio.SocketListener]) -> list[Any]:
+        """The listeners to serve on: plain TCP here (the strict one may wrap them in TLS)."""
+        return list(tcp)
+
+    async def _refuse(self, connection: Any, stream: Any, h11: Any, request: Any, headers: Mapping[str, str]) -> bool:
+        """Answer a request before it is routed, and say so (authentication); none here."""
+        return False
+
+    async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
+        """Answer a write ("create", "update", "delete" of a slice, "status" of a claim) instead of
+        doing it, and say so (a failure on demand); none here."""
+        return False
+
+    def _check_slice(self, item: dict[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """Change a slice about to be stored as the server would, or refuse it with the Status to
+        answer (422); neither here."""
+        return None
+
+    def _check_claim_status(self, claim: Mapping[str, Any], devices: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+        """Refuse a claim's status.devices about to be stored with the Status to answer; never here."""
+        return None
+
+    def _written(self, verb: str, name: str, status: int) -> None:
+        """A slice write done, with the status answered."""
+        self.writes.append((verb, name))
+
+    async def _hold(self) -> bool:
+        """Before each answer: True closes the connection without one (a server going down)."""
+        return False
+
+    # HTTP, one request after another on each connection (h11 keeps HTTP/1.1's state).
+
+    def _bump(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
+        self._version += 1
+        item = json.loads(json.dumps(item))
+        item["metadata"]["resourceVersion"] = str(self._version)
+        self._events.append((self._version, kind, item))
+        self.changed.touch()
+        return item
+
     async def _connection(self, stream: Any) -> None:
         import h11  # only the DRA tests and demo need it: the dra extra brings it
 
@@ -9107,10 +8471,8 @@ class ApiServerSimulator:
             async with stream:
                 while True:
                     request, body = await self._read_request(connection, stream, h11)
-                    if request is None or self.down:
+                    if request is None or await self._hold():
                         return
-                    if self.delay:
-                        await trio.sleep(self.delay)
                     await self._answer(connection, stream, h11, request, body)
                     if connection.our_state is not h11.DONE:
                         return  # a watch that ended with the server going down, or a must-close
@@ -9142,27 +8504,20 @@ class ApiServerSimulator:
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
 
+    async def _not_found(self, connection: Any, stream: Any, h11: Any, message: str) -> None:
+        await self._send(connection, stream, h11, 404, _status(404, "NotFound", message))
+
     async def _answer(self, connection: Any, stream: Any, h11: Any, request: Any, body: bytes) -> None:
         headers = {name.decode().lower(): value.decode() for name, value in request.headers}
-        token = headers.get("authorization", "").removeprefix("Bearer ")
-        self.bearers.append(token)
-        if self.tokens is not None and token not in self.tokens:
-            self.refused_tokens += 1
-            await self._send(connection, stream, h11, 401, _status(401, "Unauthorized", "Unauthorized"))
-            return
-        if token in self.forbidden_tokens:
-            self.refused_tokens += 1
-            await self._send(connection, stream, h11, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
+        if await self._refuse(connection, stream, h11, request, headers):
             return
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))
         method, path = request.method.decode(), url.path
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             name = path.removeprefix("/api/v1/nodes/")
-            self.node_reads.append(name)
-            self.changed.touch()
             if (node := self.nodes.get(name)) is None:
-                await self._send(connection, stream, h11, 404, _status(404, "NotFound", f'nodes "{name}" not found'))
+                await self._not_found(connection, stream, h11, f'nodes "{name}" not found')
             else:
                 await self._send(connection, stream, h11, 200, node)
             return
@@ -9171,17 +8526,26 @@ class ApiServerSimulator:
             await self._apply_claim_status(connection, stream, h11, parts[1], parts[3], headers, query, body)
             return
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
-            claim = self.claims.get((parts[1], parts[3]))
-            if claim is None:
-                await self._send(
-                    connection, stream, h11, 404, _status(404, "NotFound", f"resourceclaims {parts[3]!r} not found")
-                )
+            if (claim := self.claims.get((parts[1], parts[3]))) is None:
+                await self._not_found(connection, stream, h11, f"resourceclaims {parts[3]!r} not found")
             else:
                 await self._send(connection, stream, h11, 200, claim)
             return
         if parts[0] != "resourceslices":
-            await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"no route for {method} {path}"))
+            await self._not_found(connection, stream, h11, f"no route for {method} {path}")
             return
+        await self._answer_slices(connection, stream, h11, method, parts, query, body)
+
+    async def _answer_slices(
+        self,
+        connection: Any,
+        stream: Any,
+        h11: Any,
+        method: str,
+        parts: list[str],
+        query: Mapping[str, str],
+        body: bytes,
+    ) -> None:
         selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
 
         def matches(item: dict[str, Any]) -> bool:
@@ -9190,7 +8554,8 @@ class ApiServerSimulator:
 
         if method == "GET" and len(parts) == 1 and query.get("watch") in ("true", "1"):
             await self._watch(connection, stream, h11, int(query.get("resourceVersion") or 0), matches)
-        elif method == "GET" and len(parts) == 1:
+            return
+        if method == "GET" and len(parts) == 1:
             items = [item for item in self.slices.values() if matches(item)]
             listed = {
                 "kind": "ResourceSliceList",
@@ -9199,516 +8564,110 @@ class ApiServerSimulator:
                 "items": items,
             }
             await self._send(connection, stream, h11, 200, listed)
-        elif method in ("POST", "PUT", "DELETE") and await self._fail(
-            connection,
-            stream,
-            h11,
-            {"POST": "create", "PUT": "update", "DELETE": "delete"}[method],
-            parts[1] if len(parts) == 2 else json.loads(body)["metadata"]["name"],
-        ):
             return
-        elif method == "POST" and len(parts) == 1:
+        verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method)
+        name = parts[1] if len(parts) == 2 else json.loads(body)["metadata"]["name"] if verb == "create" else ""
+        if verb is None or (verb == "create") != (len(parts) == 1) or len(parts) > 2:
+            await self._not_found(connection, stream, h11, f"{method} {self.PREFIX}/{'/'.join(parts)}: not found")
+        elif await self._intercept(connection, stream, h11, verb, name):
+            return
+        elif verb == "create":
             item = json.loads(body)
-            name = item["metadata"]["name"]
-            self._prepare_slice(item, None)
-            if causes := resource_slice_causes(item):
-                self.refused.append((name, causes))
-                await self._send(
-                    connection, stream, h11, 422, _invalid("ResourceSlice", "resource.k8s.io", name, causes)
-                )
-                return
-            if name in self.slices:
+            if (refusal := self._check_slice(item, None)) is not None:
+                await self._send(connection, stream, h11, refusal["code"], refusal)
+            elif name in self.slices:
                 await self._send(connection, stream, h11, 409, _status(409, "AlreadyExists", f"{name} already exists"))
-                return
-            self.slices[name] = self._bump("ADDED", item)
-            self.writes.append(("create", name))
-            self.attempts.append((trio.current_time(), "create", name, 201))
-            await self._send(connection, stream, h11, 201, self.slices[name])
-        elif method == "PUT" and len(parts) == 2:
-            item, name = json.loads(body), parts[1]
-            if name in self.slices:
-                self._prepare_slice(item, self.slices[name])
-            if name not in self.slices:
-                await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{name} not found"))
-            elif item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
+            else:
+                self.slices[name] = self._bump("ADDED", item)
+                self._written("create", name, 201)
+                await self._send(connection, stream, h11, 201, self.slices[name])
+        elif name not in self.slices:
+            await self._not_found(connection, stream, h11, f"{name} not found")
+        elif verb == "update":
+            item = json.loads(body)
+            if item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
                 await self._send(connection, stream, h11, 409, _status(409, "Conflict", f"{name} was modified"))
-            elif causes := resource_slice_causes(item, self.slices[name]):
-                self.refused.append((name, causes))
-                await self._send(
-                    connection, stream, h11, 422, _invalid("ResourceSlice", "resource.k8s.io", name, causes)
-                )
+            elif (refusal := self._check_slice(item, self.slices[name])) is not None:
+                await self._send(connection, stream, h11, refusal["code"], refusal)
             else:
                 self.slices[name] = self._bump("MODIFIED", item)
-                self.writes.append(("update", name))
-                self.attempts.append((trio.current_time(), "update", name, 200))
+                self._written("update", name, 200)
                 await self._send(connection, stream, h11, 200, self.slices[name])
-        elif method == "DELETE" and len(parts) == 2 and parts[1] in self.slices:
-            item = self.slices.pop(parts[1])
-            self._bump("DELETED", item)
-            self.writes.append(("delete", parts[1]))
-            self.attempts.append((trio.current_time(), "delete", parts[1], 200))
-            await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
         else:
-            await self._send(connection, stream, h11, 404, _status(404, "NotFound", f"{method} {path}: not found"))
+            self._bump("DELETED", self.slices.pop(name))
+            self._written("delete", name, 200)
+            await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
 
-    async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
+    async def _apply_claim_status(
+        self,
+        connection: Any,
+        stream: Any,
+        h11: Any,
+        namespace: str,
+        name: str,
+        headers: Mapping[str, str],
+        query: Mapping[str, str],
+        body: bytes,
+    ) -> None:
+        """Server-side apply to a claim's status subresource, as a driver writes status.devices:
+        415 for another patch type, 404 for no such claim, 409 for another UID. status.devices is
+        a list map: the field manager's entries replace those it applied before; other managers' stay."""
+        if await self._intercept(connection, stream, h11, "status", name):
+            return
+        if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
+            await self._send(connection, stream, h11, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
+            return
+        manager = query.get("fieldManager", "")
+        claim = self.claims.get((namespace, name))
+        applied = json.loads(body)
+        if claim is None:
+            await self._not_found(connection, stream, h11, f'resourceclaims "{name}" not found')
+            return
+        uid = (applied.get("metadata") or {}).get("uid")
+        if uid is not None and uid != claim["metadata"]["uid"]:
+            message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {claim['metadata']['uid']}"
+            await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
+            return
+        devices = (applied.get("status") or {}).get("devices") or []
+        # (driver, pool, device, shareID) -> manager: the list map's keys
+        owners = self._status_owners.setdefault((namespace, name), {})
+        kept = [
+            entry
+            for entry in (claim.get("status") or {}).get("devices") or []
+            if owners.get((entry["driver"], entry["pool"], entry["device"], entry.get("shareID", ""))) != manager
+        ]
+        new = [*kept, *devices]
+        if (refusal := self._check_claim_status(claim, new)) is not None:
+            await self._send(connection, stream, h11, refusal["code"], refusal)
+            return
+        claim.setdefault("status", {})["devices"] = new
+        for entry in devices:
+            owners[entry["driver"], entry["pool"], entry["device"], entry.get("shareID", "")] = manager
+        self.status_writes.append((namespace, name, manager))
+        self.changed.touch()
+        await self._send(connection, stream, h11, 200, claim)
+
+    async def _start_watch(self, connection: Any, stream: Any, h11: Any) -> None:
         headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
         await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
-        expired = self._expired
-        while not self.down:
-            if self._expired != expired:
-                message = f"too old resource version: {since} ({self._version})"
-                line = json.dumps({"type": "ERROR", "object": _status(410, "Expired", message)}).encode() + b"\n"
-                await stream.send_all(connection.send(h11.Data(data=line)) + connection.send(h11.EndOfMessage()))
-                return
+
+    async def _send_events(
+        self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]
+    ) -> int:
+        """Send a watch every event after resourceVersion ``since`` that it selects; the newest version."""
+        for version, kind, item in self._events:
+            if version > since and matches(item):
+                line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
+                await stream.send_all(connection.send(h11.Data(data=line)))
+            since = max(since, version)
+        return since
+
+    async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
+        await self._start_watch(connection, stream, h11)
+        while True:
             changed = self.changed.next_touch()
-            for version, kind, item in self._events:
-                if version > since and matches(item):
-                    line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
-                    await stream.send_all(connection.send(h11.Data(data=line)))
-                since = max(since, version)
+            since = await self._send_events(connection, stream, h11, since, matches)
             await changed.wait()
-
-
-#: The extended resource name every DeviceClass answers to without extendedResourceName:
-#: "deviceclass.resource.kubernetes.io/<class name>" (k8s.io/api resource/v1 types.go,
-#: ResourceDeviceClassPrefix).
-IMPLICIT_EXTENDED_RESOURCE_PREFIX = "deviceclass.resource.kubernetes.io/"
-
-#: The annotation that marks the claim the scheduler makes for a pod's extended resources
-#: (ExtendedResourceClaimAnnotation in k8s.io/api resource/v1 types.go).
-EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
-
-
-class UnschedulableError(GopherplugError):
-    """The simulated scheduler's verdict that a pod does not fit the node: it stays Pending, and
-    the reason is its plugin's, as the pod's FailedScheduling event shows it."""
-
-
-@dataclass
-class Placement:
-    """Where SchedulerSimulator put a pod's extended resources on its node."""
-
-    node: str
-    device_plugin: dict[str, int]  #: name -> count, left to the node's device plugin (noderesources fit)
-    claim: dict[str, Any] | None  #: the claim made and allocated for the rest (DRA), as stored; None: none
-
-
-class SchedulerSimulator:
-    """A stand-in for kube-scheduler's decision about a pod's extended resources on one node
-    (KEP-5004, extended resources served by DRA), following
-    kubernetes/kubernetes pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go:
-
-    - each extended resource a container asks for (requests, or limits as the API server defaults
-      requests from them) goes to DRA when a DeviceClass maps it (``spec.extendedResourceName``,
-      or the implicit "deviceclass.resource.kubernetes.io/<class>") and the node's allocatable for
-      it is 0 or absent; to the device plugin when the allocatable has it (the noderesources fit
-      plugin then wants as many as asked: "Insufficient <name>"); neither: "cannot fit resource";
-    - the names DRA serves become one ResourceClaim owned by the pod, generateName
-      "<pod>-extended-resources-", annotated EXTENDED_RESOURCE_CLAIM_ANNOTATION, one request per
-      container and name, "container-<i>-request-<j>" (i: the container's index, j: the name's
-      index among the container's sorted request names), exactly that many devices of the class;
-    - the claim is allocated from the node's ResourceSlices (newest generation of each pool,
-      structured/pools.go) as the allocator does: a device the class's and the request's CEL
-      selectors select (evaluated for real, with cel-python from the test extra); not one already
-      allocated to another claim, unless the request or that result has admin access; not one with
-      a NoSchedule or NoExecute taint the request does not tolerate (allTaintsTolerated in
-      k8s.io/dynamic-resource-allocation structured); too few: "cannot allocate all claims";
-    - consumable capacity (KEP-5075) as the allocator has it with DRAConsumableCapacity on (see
-      ``_consumes``): a device with ``allowMultipleAllocations: true`` is not taken by a claim but
-      shared, each result a share with a fresh ``shareID`` and the ``consumedCapacity`` the
-      request's ``capacity.requests`` round to by the requestPolicy; it goes to another request
-      while the sums consumed stay within the values; CEL sees ``device.allowMultipleAllocations``
-      and ``device.capacity`` (domain, then name: a quantity, with the quantity library's
-      ``quantity()``, ``compareTo`` and the like; ``_cel_quantity_functions``);
-    - the claim is stored in ``api`` (ApiServerSimulator.put_claim), and the pod's
-      status.extendedResourceClaimStatus names it with the request of each container and name
-      (patchPodExtendedResourceClaimStatus).
-
-    Init containers with extended resources are refused (ValueError): the scheduler's sharing of
-    requests between them and the containers is not modelled; neither are other pods on the node.
-    """
-
-    def __init__(self, api: ApiServerSimulator, device_classes: Iterable[Mapping[str, Any]]) -> None:
-        self.api = api
-        self.device_classes = list(device_classes)  #: DeviceClass objects, e.g. daemonset-dra.yaml's
-        self._cel: dict[str, Any] = {}  # expression -> compiled program
-
-    def device_class(self, resource_name: str) -> Mapping[str, Any] | None:
-        """The DeviceClass that serves an extended resource name, explicitly or implicitly."""
-        for device_class in self.device_classes:
-            implicit = IMPLICIT_EXTENDED_RESOURCE_PREFIX + device_class["metadata"]["name"]
-            if resource_name in (device_class["spec"].get("extendedResourceName"), implicit):
-                return device_class
-        return None
-
-    def schedule(self, pod: dict[str, Any], node: str) -> Placement:
-        """Place ``pod`` (a Pod object: metadata with name, namespace and uid; spec.containers) on
-        ``node``, or raise UnschedulableError. Writes spec.nodeName, and the claim's status into
-        status.extendedResourceClaimStatus, into ``pod``, as the scheduler's bind and status patch do."""
-        if any(_extended_requests(c) for c in pod["spec"].get("initContainers") or []):
-            raise ValueError("SchedulerSimulator does not model init containers with extended resources")
-        containers = pod["spec"]["containers"]
-        asked: dict[str, int] = {}
-        for container in containers:
-            for name, count in _extended_requests(container).items():
-                asked[name] = asked.get(name, 0) + count
-        allocatable = ((self.api.nodes[node].get("status") or {}).get("allocatable")) or {}
-        device_plugin, dra = {}, {}
-        for name, count in sorted(asked.items()):
-            has = int(allocatable.get(name, "0"))
-            if self.device_class(name) is not None and has == 0:
-                dra[name] = count
-            elif name not in allocatable:
-                raise UnschedulableError(f"cannot fit resource {name}")
-            elif count > has:
-                raise UnschedulableError(f"Insufficient {name}")
-            else:
-                device_plugin[name] = count
-        claim = None
-        if dra:
-            claim = self._claim(pod, node, containers, dra)
-        pod["spec"]["nodeName"] = node
-        return Placement(node, device_plugin, claim)
-
-    def _claim(
-        self, pod: dict[str, Any], node: str, containers: list[dict[str, Any]], dra: dict[str, int]
-    ) -> dict[str, Any]:
-        metadata = pod["metadata"]
-        requests: list[dict[str, Any]] = []
-        mappings: list[dict[str, str]] = []
-        for index, container in enumerate(containers):
-            names = sorted(_container_requests(container))
-            for name, count in sorted(_extended_requests(container).items()):
-                if name not in dra:
-                    continue
-                device_class = self.device_class(name)
-                assert device_class is not None
-                request = f"container-{index}-request-{names.index(name)}"
-                exactly = {"deviceClassName": device_class["metadata"]["name"], "allocationMode": "ExactCount"}
-                requests.append({"name": request, "exactly": {**exactly, "count": count}})
-                mappings.append({"containerName": container["name"], "resourceName": name, "requestName": request})
-        requests.sort(key=lambda request: str(request["name"]))
-        claim: dict[str, Any] = {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {
-                # generateName: the API server appends five random characters
-                "name": f"{metadata['name']}-extended-resources-{uuid.uuid4().hex[:5]}",
-                "namespace": metadata["namespace"],
-                "uid": str(uuid.uuid4()),
-                "annotations": {EXTENDED_RESOURCE_CLAIM_ANNOTATION: "true"},
-                "ownerReferences": [
-                    {"apiVersion": "v1", "kind": "Pod", "name": metadata["name"], "uid": metadata["uid"]}
-                    | {"controller": True}
-                ],
-            },
-            "spec": {"devices": {"requests": requests}},
-        }
-        claim["status"] = {"allocation": self.allocate(claim, node)}
-        self.api.put_claim(claim)
-        pod.setdefault("status", {})["extendedResourceClaimStatus"] = {
-            "resourceClaimName": claim["metadata"]["name"],
-            "requestMappings": mappings,
-        }
-        return claim
-
-    def allocate(self, claim: Mapping[str, Any], node: str) -> dict[str, Any]:
-        """The allocation of ``claim``'s exactly-requests on ``node`` as the allocator makes it (see
-        the class), or UnschedulableError("cannot allocate all claims")."""
-        # What the other claims hold (foreachAllocatedDevice in kubernetes/kubernetes
-        # pkg/scheduler/framework/plugins/dynamicresources/allocateddevices.go): a result with admin
-        # access holds nothing; one with a shareID holds its consumedCapacity of a shared device,
-        # summed per device (AggregatedCapacity); any other result holds its device whole.
-        in_use: set[tuple[str, str, str]] = set()
-        consumed: dict[tuple[str, str, str], dict[str, Decimal]] = {}
-        for other in self.api.claims.values():
-            if other["metadata"]["uid"] == claim["metadata"]["uid"]:
-                continue
-            for result in (((other.get("status") or {}).get("allocation") or {}).get("devices") or {}).get(
-                "results"
-            ) or []:
-                key = (result["driver"], result["pool"], result["device"])
-                if result.get("adminAccess"):
-                    continue
-                if not result.get("shareID"):
-                    in_use.add(key)
-                    continue
-                held = consumed.setdefault(key, {})
-                for name, quantity in (result.get("consumedCapacity") or {}).items():
-                    held[name] = held.get(name, Decimal(0)) + (_quantity(quantity) or Decimal(0))
-        devices = self._node_devices(node)
-        results: list[dict[str, Any]] = []
-        for request in claim["spec"]["devices"]["requests"]:
-            exactly = request["exactly"]
-            admin = bool(exactly.get("adminAccess"))
-            asked = (exactly.get("capacity") or {}).get("requests") or {}
-            device_class = next(
-                (c for c in self.device_classes if c["metadata"]["name"] == exactly["deviceClassName"]), None
-            )
-            if device_class is None:
-                raise UnschedulableError(
-                    f"request {request['name']}: DeviceClass {exactly['deviceClassName']} not found"
-                )
-            selectors = [*(device_class["spec"].get("selectors") or []), *(exactly.get("selectors") or [])]
-            taken = {(r["driver"], r["pool"], r["device"]) for r in results}
-            chosen: list[tuple[tuple[str, str, str], dict[str, str] | None]] = []
-            for key, device, cel in devices:
-                if len(chosen) == exactly.get("count", 1):
-                    break
-                shared = device.get("allowMultipleAllocations") is True
-                # A shared device is never in use, only full; one request still takes a device
-                # once (allocateOne goes on from the next device), another request may take it again.
-                if any(key == k for k, _ in chosen):
-                    continue
-                if not shared and (key in taken or (key in in_use and not admin)):
-                    continue
-                if not all(self._selects(selector["cel"]["expression"], cel) for selector in selectors):
-                    continue
-                if not _tolerates_all(exactly.get("tolerations") or [], device.get("taints") or []):
-                    continue
-                # Every device's capacity is checked, a shared one's against what the others hold
-                # and what this claim's earlier results took of it (allocatingCapacity).
-                already = dict(consumed.get(key) or {}) if shared else {}
-                for result in results if shared else []:
-                    if (result["driver"], result["pool"], result["device"]) == key:
-                        for name, quantity in (result.get("consumedCapacity") or {}).items():
-                            already[name] = already.get(name, Decimal(0)) + (_quantity(quantity) or Decimal(0))
-                wants = _consumes(asked, device.get("capacity") or {}, already)
-                if wants is None:
-                    continue
-                chosen.append((key, wants if shared else None))
-            if len(chosen) < exactly.get("count", 1):
-                raise UnschedulableError("cannot allocate all claims")
-            for (driver, pool, name), wants in chosen:
-                result = {"request": request["name"], "driver": driver, "pool": pool, "device": name}
-                if wants is not None:
-                    # Each allocation of a shared device is a share of its own, named by a fresh
-                    # UUID (GenerateShareID, uuid.NewUUID: random, lower-case), with what it consumes.
-                    result["shareID"] = str(uuid.uuid4())
-                    result["consumedCapacity"] = wants
-                results.append(result | ({"adminAccess": True} if admin else {}))
-        selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
-        return {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": [selector]}}
-
-    def _node_devices(self, node: str) -> list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]]:
-        """(driver, pool, device), the device, and the device as CEL sees it, of the node's slices
-        of each pool's newest generation, in slice and device order."""
-        slices = [item for item in self.api.slices.values() if item["spec"].get("nodeName") == node]
-        newest: dict[tuple[str, str], int] = {}
-        for item in slices:
-            pool = (item["spec"]["driver"], item["spec"]["pool"]["name"])
-            newest[pool] = max(newest.get(pool, 0), item["spec"]["pool"]["generation"])
-        found = []
-        for item in sorted(slices, key=lambda item: item["metadata"]["name"]):
-            driver, pool = item["spec"]["driver"], item["spec"]["pool"]
-            if pool["generation"] != newest[driver, pool["name"]]:
-                continue
-            for device in item["spec"].get("devices") or []:
-                attributes: dict[str, dict[str, Any]] = {}
-                for qualified, value in (device.get("attributes") or {}).items():
-                    domain, _, short = qualified.rpartition("/")  # no domain: the driver's
-                    attributes.setdefault(domain or driver, {})[short] = next(iter(value.values()))
-                # device.capacity as cel/compile.go in k8s.io/dynamic-resource-allocation has it:
-                # domain (the driver's when the name has none), then name, then the value as a quantity.
-                capacity: dict[str, dict[str, _CelQuantity]] = {}
-                for qualified, held in (device.get("capacity") or {}).items():
-                    domain, _, short = qualified.rpartition("/")
-                    capacity.setdefault(domain or driver, {})[short] = _CelQuantity(_quantity(held["value"]))
-                cel = {
-                    "driver": driver,
-                    "allowMultipleAllocations": device.get("allowMultipleAllocations") is True,
-                    "attributes": attributes,
-                    "capacity": capacity,
-                }
-                found.append(((driver, pool["name"], device["name"]), device, cel))
-        return found
-
-    def _selects(self, expression: str, device: dict[str, Any]) -> bool:
-        import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
-
-        if expression not in self._cel:
-            environment = celpy.Environment()
-            functions = _cel_quantity_functions()
-            self._cel[expression] = environment.program(environment.compile(expression), functions=functions)
-        capacity = celpy.celtypes.MapType(
-            {
-                celpy.celtypes.StringType(domain): celpy.celtypes.MapType(
-                    {celpy.celtypes.StringType(name): value for name, value in names.items()}
-                )
-                for domain, names in device["capacity"].items()
-            }
-        )
-        cel_device = celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): celpy.json_to_cel(v) for k, v in device.items() if k != "capacity"}
-            | {celpy.celtypes.StringType("capacity"): capacity}
-        )
-        try:
-            result = self._cel[expression].evaluate({"device": cel_device})
-        except celpy.CELEvalError as error:  # cel-python raises what it does not return
-            result = error
-        if isinstance(result, celpy.CELEvalError):
-            # The allocator fails the claim on a CEL runtime error; here the test learns why.
-            raise UnschedulableError(f"CEL {expression!r}: {result}")
-        return bool(result)
-
-
-def _container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
-    """A container's resource requests: limits, then requests over them (the API server defaults
-    requests from limits; an extended resource's must equal its limit)."""
-    resources = container.get("resources") or {}
-    return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-
-
-def _extended_requests(container: Mapping[str, Any]) -> dict[str, int]:
-    """The extended resources a container asks for, more than 0 of each."""
-    return {
-        name: int(count)
-        for name, count in _container_requests(container).items()
-        if int(count) > 0
-        and (name.startswith(IMPLICIT_EXTENDED_RESOURCE_PREFIX) or resource_name_problem(name) is None)
-    }
-
-
-def _consumes(
-    asked: Mapping[str, Any], capacity: Mapping[str, Mapping[str, Any]], already: Mapping[str, Decimal]
-) -> dict[str, str] | None:
-    """What a request consumes of each capacity of a device, as the result's consumedCapacity
-    writes it, or None when the device cannot give it (CmpRequestOverCapacity,
-    calculateConsumedCapacity and violatesPolicy in kubernetes/kubernetes
-    staging/src/k8s.io/dynamic-resource-allocation/structured/internal/incubating/consumable_capacity.go):
-
-    - a request naming a capacity the device lacks: not this device (the allocator tries the next);
-    - every capacity of the device is consumed, asked for or not: a capacity not asked for costs its
-      requestPolicy's default, or, with none, the whole value (the device is then full);
-    - an amount asked for is rounded up by the requestPolicy: to min, then to a whole step above min
-      (validRange), or to the first of validValues not below it; with no requestPolicy it stays;
-    - the rounded amount must keep to the policy (the default always does): not above max, whole
-      steps from min, one of validValues; and, with ``already`` (what the other allocations hold),
-      within the capacity's value.
-    """
-    if any(name not in capacity for name in asked):
-        return None
-    consumes = {}
-    for name, held in capacity.items():
-        value = _quantity(held.get("value")) or Decimal(0)
-        policy = held.get("requestPolicy")
-        if name not in asked:
-            # A copy of a quantity keeps how it was written ("1Gi" stays "1Gi").
-            text = str(held.get("value") if policy is None or "default" not in policy else policy["default"])
-        else:
-            text = _round_up(str(asked[name]), policy) if policy is not None else str(asked[name])
-        amount = _quantity(text) or Decimal(0)
-        if policy is not None and _violates(amount, policy):
-            return None
-        if already.get(name, Decimal(0)) + amount > value:
-            return None
-        consumes[name] = text
-    return consumes
-
-
-def _round_up(asked: str, policy: Mapping[str, Any]) -> str:
-    """An amount asked for, rounded up by a requestPolicy (roundUpRange, roundUpValidValues): a
-    bound or valid value as written, a step computed as a whole number in the binary-SI format
-    (resource.NewQuantity(n, BinarySI): 2048 is "2Ki")."""
-    amount = _quantity(asked) or Decimal(0)
-    valid_range, values = policy.get("validRange"), policy.get("validValues")
-    if valid_range is not None and "min" in valid_range:
-        low = _quantity(valid_range["min"]) or Decimal(0)
-        if amount < low:
-            return str(valid_range["min"])
-        step = _quantity(valid_range["step"]) if "step" in valid_range else None
-        if not step:
-            return asked
-        whole = int(low + step * math.ceil((amount - low) / step))
-        suffixes = ("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
-        power = next((p for p in range(len(suffixes), 0, -1) if whole and whole % 1024**p == 0), 0)
-        return f"{whole // 1024**power}{suffixes[power - 1]}" if power else str(whole)
-    if values:
-        return next((str(v) for v in values if amount <= (_quantity(v) or Decimal(0))), asked)
-    return asked
-
-
-def _violates(amount: Decimal, policy: Mapping[str, Any]) -> bool:
-    """Whether a rounded amount breaks its requestPolicy (violatesPolicy, violateValidRange,
-    violateValidValues): the default never does."""
-    if "default" in policy and amount == _quantity(policy["default"]):
-        return False
-    valid_range, values = policy.get("validRange"), policy.get("validValues")
-    if valid_range is not None:
-        high = _quantity(valid_range["max"]) if "max" in valid_range else None
-        if high is not None and amount > high:
-            return True
-        step = _quantity(valid_range["step"]) if "step" in valid_range else None
-        low = _quantity(valid_range.get("min")) or Decimal(0)
-        return step is not None and step != 0 and (amount - low) % step != 0
-    if values:
-        return amount not in [_quantity(v) for v in values]
-    return False
-
-
-@dataclass(frozen=True)
-class _CelQuantity:
-    """A resource.Quantity as CEL holds one: compared by value, never equal to a string or number."""
-
-    value: Decimal | None
-
-
-def _cel_quantity_functions() -> dict[str, Callable[..., Any]]:
-    """The part of the Kubernetes CEL quantity library (k8s.io/apiserver pkg/cel/library/quantity.go)
-    a selector on device.capacity needs: quantity("10Gi"), isQuantity, and on a quantity
-    compareTo, isGreaterThan, isLessThan, add, sub, sign, isInteger, asInteger."""
-    import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
-
-    types = celpy.celtypes
-
-    def parse(text: Any) -> Any:
-        value = _quantity(str(text))
-        return _CelQuantity(value) if value is not None else celpy.CELEvalError(f"invalid quantity {text!r}")
-
-    def number(quantity: Any) -> Decimal:
-        if isinstance(quantity, _CelQuantity) and quantity.value is not None:
-            return quantity.value
-        if isinstance(quantity, types.IntType):
-            return Decimal(int(quantity))
-        raise TypeError(f"not a quantity: {quantity!r}")
-
-    def compare(a: Any, b: Any) -> int:
-        return (number(a) > number(b)) - (number(a) < number(b))
-
-    return {
-        "quantity": parse,
-        "isQuantity": lambda text: types.BoolType(_quantity(str(text)) is not None),
-        "compareTo": lambda a, b: types.IntType(compare(a, b)),
-        "isGreaterThan": lambda a, b: types.BoolType(compare(a, b) > 0),
-        "isLessThan": lambda a, b: types.BoolType(compare(a, b) < 0),
-        "add": lambda a, b: _CelQuantity(number(a) + number(b)),
-        "sub": lambda a, b: _CelQuantity(number(a) - number(b)),
-        "sign": lambda a: types.IntType(compare(a, types.IntType(0))),
-        "isInteger": lambda a: types.BoolType(number(a) == number(a).to_integral_value()),
-        "asInteger": lambda a: types.IntType(int(number(a))),
-    }
-
-
-def _tolerates_all(tolerations: list[Mapping[str, Any]], taints: list[Mapping[str, Any]]) -> bool:
-    """Whether a request's tolerations tolerate every NoSchedule and NoExecute taint of a device
-    (allTaintsTolerated in k8s.io/dynamic-resource-allocation structured; the matching rules of a
-    toleration are a pod's: an empty key with Exists matches every taint, an empty effect every effect)."""
-
-    def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
-        if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
-            return False
-        if toleration.get("key") and toleration["key"] != taint.get("key"):
-            return False
-        if toleration.get("operator", "Equal") == "Exists":
-            return True
-        return bool(toleration.get("value", "") == taint.get("value", ""))
-
-    return all(
-        any(tolerates(toleration, taint) for toleration in tolerations)
-        for taint in taints
-        if taint.get("effect") in ("NoSchedule", "NoExecute")
-    )
 
 
 DEMO_DRA_CONFIG = """\
@@ -9783,7 +8742,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
 
     out(f"gopherplug demo --dra: a simulated kubelet and API server, and the real plugin, in {root}")
     async with trio.open_nursery() as nursery:
-        api = await nursery.start(ApiServerSimulator().run)
+        api = await nursery.start(LenientApiServer().run)
         api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
         kubeconfig = os.path.join(root, "kubeconfig")
         with open(kubeconfig, "w", encoding="utf-8") as file:
@@ -9864,18 +8823,6 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
         finally:
             await client.aclose()
     say("demo", "done: plugin stopped, its sockets removed")
-
-
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    """A meta/v1 Status, the API server's error document."""
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "status": "Failure" if code >= 400 else "Success",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
 
 
 ########################################################################################################

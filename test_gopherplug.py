@@ -63,6 +63,7 @@ from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
 
 import gopherplug as gp
+import gopherplug_standins as standins
 from gopherplug import StatusCode, v1beta1
 
 HERE = Path(__file__).resolve().parent
@@ -549,21 +550,53 @@ async def test_call_unary_to_a_missing_socket_is_unavailable(sockdir):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_module_copied_alone_runs(tmp_path):
+#: What only tests need, made unimportable for the module copied alone: the images have none of it.
+TEST_ONLY_MODULES = ("grpc", "grpc_tools", "pytest", "test_gopherplug", "gopherplug_standins", "celpy")
+
+
+@pytest.mark.parametrize(
+    "argv, last_line",
+    [
+        (["--version"], f"gopherplug {gp.__version__}"),
+        (["demo"], "done: plugin stopped, its sockets removed"),
+        (["demo", "--dra"], "done: plugin stopped, its sockets removed"),
+    ],
+    ids=["version", "demo", "dra-demo"],
+)
+def test_module_copied_alone_runs(tmp_path, sockdir, argv, last_line):
+    """gopherplug.py is what users copy into an image: alone, with only the runtime dependencies
+    (and the dra extra for the DRA demo), it runs, and both demos run without the stand-ins that
+    only tests need (gopherplug_standins, cel-python)."""
     shutil.copy(HERE / "gopherplug.py", tmp_path / "gopherplug.py")
-    # Test-only packages are made unimportable: the copy must need only the runtime dependencies.
     script = (
         "import sys, runpy\n"
-        "for name in ('grpc', 'grpc_tools', 'pytest', 'test_gopherplug'): sys.modules[name] = None\n"
-        "sys.argv = ['gopherplug.py', '--version']\n"
+        f"for name in {TEST_ONLY_MODULES!r}: sys.modules[name] = None\n"
+        f"sys.argv = ['gopherplug.py', *{argv!r}]\n"
         "runpy.run_path('gopherplug.py', run_name='__main__')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TMPDIR": sockdir}
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"gopherplug {gp.__version__}\n"
+    assert result.stdout.rstrip("\n").endswith(last_line), result.stdout
+
+
+def test_the_product_module_carries_none_of_the_test_only_stand_ins():
+    """The line between the product and its stand-ins: what gopherplug_standins defines itself
+    (validation, the strict API server, the scheduler) is nowhere in gopherplug, and the Dockerfile
+    copies gopherplug.py alone into the images."""
+    test_only = set(standins.__all__) - {"KubeletSimulator", "UnexpectedAdmissionError", "DraKubeletSimulator"}
+    assert {"ApiServerSimulator", "SchedulerSimulator", "resource_slice_causes"} <= test_only
+    assert [name for name in sorted(test_only) if hasattr(gp, name)] == []
+    # The kubelet stand-ins are the product's (the demo runs them); the tests' DRA kubelet adds to it.
+    assert standins.KubeletSimulator is gp.KubeletSimulator
+    assert issubclass(standins.DraKubeletSimulator, gp.DraKubeletSimulator)
+    source = (HERE / "gopherplug.py").read_text()
+    assert "celpy" not in source
+    assert "gopherplug_standins" not in re.findall(r"^(?:import|from) (\S+)", source, re.M)
+    copies = [line for line in (HERE / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    assert not [line for line in copies if "standins" in line]
 
 
 def test_main_version(capsys):
@@ -5118,7 +5151,7 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     (template_claim,) = docs["Deployment"]["spec"]["template"]["spec"]["resourceClaims"]
     assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
     (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
-    scheduler = gp.SchedulerSimulator(dra_node.api, [docs["DeviceClass"]])
+    scheduler = standins.SchedulerSimulator(dra_node.api, [docs["DeviceClass"]])
     pool = gp.dra_pool_name("node-1", resource["name"])
 
     def claim_from_template(number):
@@ -5160,7 +5193,7 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     # The device takes claims up to the recipe's replicas; the one after them is unschedulable.
     for number in range(pods, resource["replicas"]):
         scheduled(claim_from_template(number))
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(claim_from_template(resource["replicas"]), "node-1")
 
 
@@ -5640,7 +5673,7 @@ def test_dra_replicas_publish_each_device_shared_by_that_many_claims(tmp_path):
             }
         },
     }
-    assert [gp.resource_slice_causes(item) for item in slices] == [[], []]
+    assert [standins.resource_slice_causes(item) for item in slices] == [[], []]
     (alone,) = gp.parse_config(dra_config("/g", "/k")).resources  # replicas: 1, the default: not shared
     assert set(gp.dra_device(alone, devices["g0"])) == {"name", "attributes"}
     path = tmp_path / "slices.yaml"
@@ -5715,7 +5748,7 @@ def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
             "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
         },
     }
-    assert gp.resource_slice_causes(item) == []
+    assert standins.resource_slice_causes(item) == []
 
 
 def test_dra_numa_node_of_a_node_under_a_pci_function_is_the_functions(tmp_path):
@@ -5800,7 +5833,7 @@ def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
         }
     )
     prefix = "spec.devices[0].attributes"
-    assert [(c["field"], c["reason"]) for c in gp.resource_slice_causes(item)] == [
+    assert [(c["field"], c["reason"]) for c in standins.resource_slice_causes(item)] == [
         (f"{prefix}[resource.kubernetes.io/pci-bus-id]", "FieldValueInvalid"),
         (f"{prefix}[{'d' * 64}/x]", "FieldValueTooLong"),
         (f"{prefix}[{'a' * 33}]", "FieldValueTooLong"),
@@ -5808,7 +5841,9 @@ def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
         (f"{prefix}[two]", "FieldValueInvalid"),
         (f"{prefix}[version].version", "FieldValueInvalid"),
     ]
-    assert gp.resource_slice_causes(item)[0]["message"].startswith('Invalid value: "pci-bus-id": a valid C identifier')
+    assert standins.resource_slice_causes(item)[0]["message"].startswith(
+        'Invalid value: "pci-bus-id": a valid C identifier'
+    )
 
 
 def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
@@ -5824,7 +5859,7 @@ def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
     devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}") for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 1)}
     for node in ("node-1", longest):
         slices = gp.resource_slices(DRIVER, node, resource, devices, 1)
-        assert [gp.resource_slice_causes(item) for item in slices] == [[], []]
+        assert [standins.resource_slice_causes(item) for item in slices] == [[], []]
         assert all(len(item["metadata"]["name"]) <= 253 for item in slices)
 
 
@@ -5835,7 +5870,7 @@ def test_dra_api_server_stand_in_refuses_slices_as_the_real_one_does():
     (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
     too_many = json.loads(json.dumps(item))
     too_many["spec"]["devices"] = [{"name": f"d{i}"} for i in range(129)]
-    assert gp.resource_slice_causes(too_many) == [
+    assert standins.resource_slice_causes(too_many) == [
         {
             "reason": "FieldValueTooMany",
             "message": "Too many: 129: must have at most 128 items",
@@ -5844,12 +5879,12 @@ def test_dra_api_server_stand_in_refuses_slices_as_the_real_one_does():
     ]
     too_long = json.loads(json.dumps(item))
     too_long["spec"]["pool"]["name"] = "n" * 240 + "/example.com/gopher"
-    assert gp.resource_slice_causes(too_long) == [
+    assert standins.resource_slice_causes(too_long) == [
         {"reason": "FieldValueTooLong", "message": "Too long: must have at most 253 bytes", "field": "spec.pool.name"}
     ]
     moved = json.loads(json.dumps(item))
     moved["spec"]["pool"]["name"] = "node-1/example.com/other"
-    causes = gp.resource_slice_causes(moved, item)
+    causes = standins.resource_slice_causes(moved, item)
     assert causes == [
         {
             "reason": "FieldValueInvalid",
@@ -5858,7 +5893,7 @@ def test_dra_api_server_stand_in_refuses_slices_as_the_real_one_does():
         }
     ]
     name = item["metadata"]["name"]
-    assert gp._invalid("ResourceSlice", "resource.k8s.io", name, causes) == {
+    assert standins._invalid("ResourceSlice", "resource.k8s.io", name, causes) == {
         "kind": "Status",
         "apiVersion": "v1",
         "status": "Failure",
@@ -5879,12 +5914,12 @@ def test_dra_api_server_stand_in_refuses_taints_as_the_real_one_does():
     assert item["spec"]["devices"][0]["taints"] == [
         {"key": f"{DRIVER}/unhealthy", "value": "gone", "effect": "NoSchedule"}
     ]
-    assert gp.resource_slice_causes(item) == []
+    assert standins.resource_slice_causes(item) == []
 
     def causes(**taint):
         bad = json.loads(json.dumps(item))
         bad["spec"]["devices"][0]["taints"] = [{"key": f"{DRIVER}/unhealthy", "effect": "NoSchedule", **taint}]
-        return [(cause["field"], cause["reason"]) for cause in gp.resource_slice_causes(bad)]
+        return [(cause["field"], cause["reason"]) for cause in standins.resource_slice_causes(bad)]
 
     where = "spec.devices[0].taints[0]"
     assert causes(key="Not A Key") == [(f"{where}.key", "FieldValueInvalid")]
@@ -5898,10 +5933,12 @@ def test_dra_api_server_stand_in_refuses_taints_as_the_real_one_does():
     assert causes(effect="NoExecute") == []
     many = json.loads(json.dumps(item))
     many["spec"]["devices"][0]["taints"] *= 17
-    assert [c["message"] for c in gp.resource_slice_causes(many)] == ["Too many: 17: must have at most 16 items"]
+    assert [c["message"] for c in standins.resource_slice_causes(many)] == ["Too many: 17: must have at most 16 items"]
     crowded = json.loads(json.dumps(item))
     crowded["spec"]["devices"] += [{"name": f"d{i}"} for i in range(64)]
-    assert [c["message"] for c in gp.resource_slice_causes(crowded)] == ["Too many: 65: must have at most 64 items"]
+    assert [c["message"] for c in standins.resource_slice_causes(crowded)] == [
+        "Too many: 65: must have at most 64 items"
+    ]
     # The reason is the value only when it is a label value: a sentence is not
     long = dataclasses.replace(sick, problem="/g/g0 is a symlink to node0, which does not exist")
     assert gp.dra_unhealthy_taint(DRIVER, long)["value"] == gp.DRA_UNHEALTHY_TAINT_VALUE
@@ -5922,7 +5959,7 @@ def test_dra_api_server_stand_in_refuses_shared_devices_as_the_real_one_does():
     def causes(**device_fields):
         item = json.loads(json.dumps(good))
         item["spec"]["devices"][0].update(device_fields)
-        return [f"{c['field']}: {c['message']}" for c in gp.resource_slice_causes(item)]
+        return [f"{c['field']}: {c['message']}" for c in standins.resource_slice_causes(item)]
 
     def policy(**fields):
         return {"shares": {"value": "4", "requestPolicy": fields}}
@@ -5966,7 +6003,7 @@ def test_dra_api_server_stand_in_refuses_shared_devices_as_the_real_one_does():
         "spec.devices[0]: Invalid value: 33: the total number of attributes and capacities must not exceed 32"
     ]
     # Results: a shareID is a lower-case UUID; status entries name theirs.
-    api = gp.ApiServerSimulator()
+    api = standins.ApiServerSimulator()
     shared = ("gopher", DRIVER, DraNode.POOL, "g0", {"shareID": SHARE_1, "consumedCapacity": {"shares": "1"}})
     api.put_claim(claim("c1", "uid-1", shared))
     for bad in (SHARE_1.upper(), "share-1"):
@@ -5979,8 +6016,8 @@ def test_dra_api_server_stand_in_refuses_shared_devices_as_the_real_one_does():
         )
     stored = api.claims["default", "c1"]
     entry = {"driver": DRIVER, "pool": DraNode.POOL, "device": "g0"}
-    assert gp.resource_claim_status_causes(stored, [{**entry, "shareID": SHARE_1}]) == []
-    [unshared] = gp.resource_claim_status_causes(stored, [entry])  # the share is the allocated device
+    assert standins.resource_claim_status_causes(stored, [{**entry, "shareID": SHARE_1}]) == []
+    [unshared] = standins.resource_claim_status_causes(stored, [entry])  # the share is the allocated device
     assert unshared["message"] == (
         f'Invalid value: "{DRIVER}/{DraNode.POOL}/g0": must be an allocated device in the claim'
     )
@@ -6030,9 +6067,9 @@ class DraNode:
         ca.issue_cert("127.0.0.1").configure_cert(context)
         self.token_file = self.root / "token"
         self.token_file.write_text("token-1")
-        self.api = gp.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
+        self.api = standins.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
         self.api.put_node("node-1", NODE_UID)
-        self.kubelet = gp.DraKubeletSimulator(
+        self.kubelet = standins.DraKubeletSimulator(
             str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
         )
         self.scope = None
@@ -6498,7 +6535,7 @@ PRIORITIZED_REQUESTS = [
 def test_dra_api_server_stand_in_refuses_claims_a_cluster_cannot_have():
     """A result must name a request of the claim, or a subrequest of one with firstAvailable, as
     the API server checks when the scheduler writes the allocation."""
-    api = gp.ApiServerSimulator()
+    api = standins.ApiServerSimulator()
     ok = ("gpu/small", DRIVER, DraNode.POOL, "gopher0")
     serial = ("serial", DRIVER, DraNode.POOL, "gopher1")
     api.put_claim(claim("c1", "uid-1", ok, serial, requests=PRIORITIZED_REQUESTS))
@@ -6664,17 +6701,19 @@ def test_dra_api_server_stand_in_refuses_device_status_as_the_real_one_does():
     allocated device of the claim; data a JSON object of at most 10 KiB."""
     allocated = claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0"))
     ok = {"driver": DRIVER, "pool": DraNode.POOL, "device": "gopher0", "data": {"id": "gopher0"}}
-    assert gp.resource_claim_status_causes(allocated, [ok]) == []
+    assert standins.resource_claim_status_causes(allocated, [ok]) == []
     other = {**ok, "device": "gopher1"}
     listed = {**ok, "data": ["gopher0"]}
     big = {**ok, "data": {"x": "y" * gp.DRA_STATUS_DATA_MAX_LENGTH}}
-    assert [(c["field"], c["reason"]) for c in gp.resource_claim_status_causes(allocated, [other, listed, big])] == [
+    assert [
+        (c["field"], c["reason"]) for c in standins.resource_claim_status_causes(allocated, [other, listed, big])
+    ] == [
         ("status.devices[0]", "FieldValueInvalid"),
         ("status.devices[1].data", "FieldValueInvalid"),
         ("status.devices[2]", "FieldValueDuplicate"),
         ("status.devices[2].data", "FieldValueTooLong"),
     ]
-    assert gp.resource_claim_status_causes(allocated, [other])[0]["message"] == (
+    assert standins.resource_claim_status_causes(allocated, [other])[0]["message"] == (
         f'Invalid value: "{DRIVER}/{DraNode.POOL}/gopher1": must be an allocated device in the claim'
     )
 
@@ -7345,7 +7384,7 @@ def gopher_pod(name, *containers):
 def scheduler_on(node_allocatable, device_ids=("gopher0", "gopher1"), taints=None, classes=None):
     """A SchedulerSimulator over an API server stand-in (not serving: the scheduler reads its
     objects) whose node-1 has this allocatable and a slice of gopherplug's devices."""
-    api = gp.ApiServerSimulator()
+    api = standins.ApiServerSimulator()
     api.put_node("node-1", NODE_UID, allocatable=node_allocatable)
     devices = {device_id: gp.DeviceEntry(device_id, f"/dev/{device_id}", health=gp.HEALTHY) for device_id in device_ids}
     resource = gp.resource_config("example.com/gopher")
@@ -7353,7 +7392,7 @@ def scheduler_on(node_allocatable, device_ids=("gopher0", "gopher1"), taints=Non
         for device in item["spec"]["devices"]:
             device["taints"] = (taints or {}).get(device["name"], [])
         api.put_slice(item)
-    return gp.SchedulerSimulator(api, [shipped_device_class()] if classes is None else classes)
+    return standins.SchedulerSimulator(api, [shipped_device_class()] if classes is None else classes)
 
 
 async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once_the_node_is_switched(dra_node):
@@ -7364,7 +7403,7 @@ async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once
     claim the scheduler makes from the shipped DeviceClass's extendedResourceName."""
     (dra_node.devices / "gopher0").touch()
     kubelet = gp.KubeletSimulator(str(dra_node.root / "dp"))
-    scheduler = gp.SchedulerSimulator(dra_node.api, [shipped_device_class()])
+    scheduler = standins.SchedulerSimulator(dra_node.api, [shipped_device_class()])
     device_plugin = {
         "device_plugin_dir": str(dra_node.root / "dp"),
         "resources": [{"name": "example.com/gopher", "directory": str(dra_node.devices), "env": "GOPHER"}],
@@ -7409,7 +7448,7 @@ def test_scheduler_stand_in_leaves_a_name_the_nodes_allocatable_has_to_the_devic
     assert (placement.device_plugin, placement.claim) == ({"example.com/gopher": 1}, None)
     assert "status" not in pod and scheduler.api.claims == {}
     # Two asked, one allocatable: noderesources fit refuses; the two devices in the slice do not help.
-    with pytest.raises(gp.UnschedulableError, match=r"^Insufficient example.com/gopher$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^Insufficient example.com/gopher$"):
         scheduler.schedule(gopher_pod("q", ("consumer", {"example.com/gopher": "2"})), "node-1")
     assert scheduler.api.claims == {}
 
@@ -7449,7 +7488,7 @@ def test_scheduler_stand_in_makes_the_pods_claim_when_the_allocatable_is_0():
     }
     assert scheduler.api.claims == {("default", claim["metadata"]["name"]): claim}
     # Both devices are now allocated: the next pod's claim cannot be.
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.schedule(gopher_pod("q", ("a", {"example.com/gopher": "1"})), "node-1")
 
 
@@ -7465,7 +7504,7 @@ def test_scheduler_stand_in_allocates_as_the_allocator_does():
         request = {"name": "r", "exactly": {"deviceClassName": "gopher.example.com", "count": 1, **exactly}}
         return claim(name, f"uid-{name}", requests=[request])
 
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(wanted("plain"), "node-1")  # gopher0 held, gopher1 tainted
     toleration = {"key": f"{DRIVER}/unhealthy", "operator": "Exists"}
     tolerating = scheduler.allocate(wanted("tolerant", tolerations=[toleration]), "node-1")
@@ -7480,7 +7519,7 @@ def test_scheduler_stand_in_allocates_as_the_allocator_does():
         "example.com/gopher", "example.com/other"
     )
     scheduler.device_classes = [other]
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(wanted("admin2", adminAccess=True), "node-1")
 
 
@@ -7491,7 +7530,7 @@ def test_scheduler_stand_in_rounds_capacity_requests_as_the_allocator_does():
     consumes 2, one asking nothing the policy's default; a capacity without a requestPolicy costs
     the whole value when not asked for, what is asked when asked; validValues round up; what would
     pass a value, a max or a capacity the device lacks is not allocated."""
-    api = gp.ApiServerSimulator()
+    api = standins.ApiServerSimulator()
     policy = {"default": "1", "validRange": {"min": "1", "max": "3", "step": "1"}}
     devices = [
         {
@@ -7516,13 +7555,13 @@ def test_scheduler_stand_in_rounds_capacity_requests_as_the_allocator_does():
         }
         | {"devices": devices},
     }
-    assert gp.resource_slice_causes(item) == []  # a slice the API server takes
+    assert standins.resource_slice_causes(item) == []  # a slice the API server takes
     api.put_slice(item)
     every = {
         "metadata": {"name": "every"},
         "spec": {"selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}]},
     }
-    scheduler = gp.SchedulerSimulator(api, [every])
+    scheduler = standins.SchedulerSimulator(api, [every])
 
     def has(capacity):  # the CEL the allocator evaluates: device.capacity by domain, then name
         return [{"cel": {"expression": f'"{capacity}" in device.capacity["{DRIVER}"]'}}]
@@ -7544,19 +7583,19 @@ def test_scheduler_stand_in_rounds_capacity_requests_as_the_allocator_does():
     default = allocated("default", "shares")
     assert default[:2] == ("ranged", {"shares": "1"})
     assert two[2] != default[2]
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         allocated("over", "shares", "2")  # 2 + 1 held, 2 more would pass the value 4
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         allocated("above-max", "shares", "4")  # above validRange.max, whatever is free
     assert allocated("last", "shares")[:2] == ("ranged", {"shares": "1"})  # the fourth share fits
     assert allocated("half", "bandwidth", "3")[:2] == ("plain", {"bandwidth": "3"})  # no policy: as asked
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         allocated("whole", "bandwidth")  # no policy, nothing asked: the whole 10, and 3 are held
     assert allocated("rounded", "memory", "2Gi")[:2] == ("listed", {"memory": "4Gi"})
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         allocated("too-big", "memory", "5Gi")  # no valid value holds it
     unknown = {"deviceClassName": "every", "capacity": {"requests": {"cores": "1"}}}  # no device has it
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(claim("unknown", "uid-unknown", requests=[{"name": "r", "exactly": unknown}]), "node-1")
     # The CEL quantity library on device.capacity, as a selector may use it.
     # (A missing name is a runtime error that fails the allocation, in the allocator as here: test first.)
@@ -7574,7 +7613,7 @@ def test_scheduler_stand_in_finds_neither_api_unschedulable():
     without = shipped_device_class()
     del without["spec"]["extendedResourceName"]
     scheduler = scheduler_on({"cpu": "4"}, classes=[without])
-    with pytest.raises(gp.UnschedulableError, match=r"^cannot fit resource example.com/gopher$"):
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot fit resource example.com/gopher$"):
         scheduler.schedule(gopher_pod("p", ("a", {"example.com/gopher": "1"})), "node-1")
     implicit = gopher_pod("q", ("a", {"deviceclass.resource.kubernetes.io/gopher.example.com": "1"}))
     assert scheduler.schedule(implicit, "node-1").claim is not None
@@ -8053,7 +8092,7 @@ async def test_dra_a_driver_whose_health_stream_the_kubelet_ended_counts_as_drop
 
 async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_node, nursery):
     refusing = dra_node.root / "refusing"
-    old_kubelet = await nursery.start(gp.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
+    old_kubelet = await nursery.start(standins.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
     unwatched = dra_node.root / "unwatched"  # e.g. microk8s's kubelet root, with the default in the config
     results = {}
     for kubelet_dir in (refusing, unwatched):

@@ -55,6 +55,7 @@ import trio
 import yaml
 
 import gopherplug as gp
+import gopherplug_standins as standins
 
 HERE = Path(__file__).resolve().parent
 RUNTIME_DIR = Path(os.environ.get("GOPHERPLUG_RUNTIME", "/opt/gopherplug-runtime"))
@@ -1321,7 +1322,7 @@ async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(context)
     token = secrets.token_urlsafe(24)
-    api = await nursery.start(gp.ApiServerSimulator(ssl_context=context, tokens={token}).run)
+    api = await nursery.start(standins.ApiServerSimulator(ssl_context=context, tokens={token}).run)
     node.service_env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api.port)}
     node.service_account = {"token": token, "ca.crt": ca.cert_pem.bytes().decode(), "namespace": "kube-system"}
     # On a node the kubelet sees the plugin's sockets at the paths the pod made them, as hostPath
@@ -1349,12 +1350,12 @@ async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest
 
 async def dra_cluster(
     node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
-) -> tuple[gp.ApiServerSimulator, gp.DraKubeletSimulator]:
+) -> tuple[standins.ApiServerSimulator, standins.DraKubeletSimulator]:
     """Around the shipped DRA pod on ``node``: the API server stand-in of _api_server_for with the
     node's Node, and the DRA kubelet stand-in on the node's kubelet directory, running."""
     api, host_side = await _api_server_for(node, nursery, monkeypatch)
     api.put_node(NODE_NAME, str(uuid.uuid4()))  # registered by the kubelet: the slices' owner
-    kubelet = gp.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    kubelet = standins.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(kubelet.run)
     return api, kubelet
 
@@ -1534,7 +1535,7 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
     pool, device = gp.dra_pool_name(NODE_NAME, RESOURCE), gp.dra_device_name("gopher0")
     kind = node.config["resources"][0]["cdi"]["kind"]
     (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
-    scheduler = gp.SchedulerSimulator(api, [device_class])
+    scheduler = standins.SchedulerSimulator(api, [device_class])
 
     def made(name: str) -> dict[str, Any]:
         """A claim for one device of the shipped class, asking no capacity: the policy's default."""
@@ -1570,7 +1571,7 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
                 assert (result["pool"], result["device"]) == (pool, device), result
                 claims.append((claim["metadata"]["name"], claim["metadata"]["uid"], result["shareID"]))
                 results[claim["metadata"]["name"]] = result
-            with pytest.raises(gp.UnschedulableError, match=r"^cannot allocate all claims$"):
+            with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
                 scheduler.allocate(made(f"gopher-{SHARES}"), NODE_NAME)  # the device's shares are all taken
             tier.outputs["DRA shares: allocation results"] = list(results.values())
             answer = await kubelet.prepare(DRIVER, [("default", uid, name) for name, uid, _ in claims])
@@ -1948,9 +1949,9 @@ async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_f
         del node.config["metrics_address"]
     api, host_side = await _api_server_for(dra_node, nursery, monkeypatch)
     device_class = next(doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass")
-    scheduler = gp.SchedulerSimulator(api, [device_class])
+    scheduler = standins.SchedulerSimulator(api, [device_class])
     kubelet = await nursery.start(gp.KubeletSimulator(str(plugin_node.device_plugin_dir)).run)
-    dra_kubelet = gp.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
+    dra_kubelet = standins.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(dra_kubelet.run)
     node_uid = str(uuid.uuid4())
 

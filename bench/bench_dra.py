@@ -48,6 +48,7 @@ sys.path.insert(0, str(HERE / "bench"))
 from bench_gopherplug import cpu_seconds, ms, percentile, rss_mib  # noqa: E402
 
 import gopherplug as gp  # noqa: E402
+import gopherplug_standins as standins  # noqa: E402
 
 RESOURCE = "example.com/gopher"
 DRIVER = "gopherplug.example.com"
@@ -96,8 +97,8 @@ class Node:
         self.device_plugin_dir = self.root / "dp"
         self.device_plugin_dir.mkdir()
         self.kubelet_dir = self.root / "k"
-        self.api = gp.ApiServerSimulator(tokens={TOKEN})
-        self.dra_kubelet = gp.DraKubeletSimulator(str(self.kubelet_dir))
+        self.api = standins.ApiServerSimulator(tokens={TOKEN})
+        self.dra_kubelet = standins.DraKubeletSimulator(str(self.kubelet_dir))
         self.dp_kubelet = gp.KubeletSimulator(str(self.device_plugin_dir))
         self.plugin = None
         self.log = None
