@@ -5223,6 +5223,35 @@ def test_dockerfile_passes_hadolint():
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
+RELEASE_WORKFLOW = HERE / ".github" / "workflows" / "release.yml"
+
+
+def test_the_release_workflow_is_valid_against_githubs_workflow_schema(tmp_path):
+    result = check("check-jsonschema", "--builtin-schema", "vendor.github-workflows", str(RELEASE_WORKFLOW))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The check bites: a job with its steps misspelt is refused.
+    broken = tmp_path / "release.yml"
+    broken.write_text(RELEASE_WORKFLOW.read_text().replace("    steps:\n", "    stepz:\n", 1))
+    result = check("check-jsonschema", "--builtin-schema", "vendor.github-workflows", str(broken))
+    assert result.returncode == 1, result.stdout + result.stderr
+
+
+def test_the_version_is_the_same_everywhere():
+    """__version__ is the one place the version is written: the image tags of both manifests and the
+    examples in the Dockerfile and the README say the same, and the release workflow's check that
+    the tag names it reads that very value."""
+    found = {
+        name: re.findall(r"gopherplug:(\d+\.\d+\.\d+\S*)", (HERE / name).read_text())
+        for name in ("Dockerfile", "daemonset.yaml", "daemonset-dra.yaml", "README.md")
+    }
+    assert all(found.values()), found
+    tags = {tag.split("-")[0].rstrip("`.") for tags in found.values() for tag in tags}
+    assert tags == {gp.__version__}, found
+    step = RELEASE_WORKFLOW.read_text().split("version=$(", 1)[1].split(")\n", 1)[0]
+    result = subprocess.run(["sh", "-c", step], cwd=HERE, capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"{gp.__version__}\n", "")
+
+
 def test_daemonset_is_valid_against_the_kubernetes_schema():
     result = check("kubernetes-validate", "--strict", "daemonset.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
