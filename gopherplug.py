@@ -9099,9 +9099,24 @@ def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]]
     return EXIT_OK
 
 
+def _release_freed_memory() -> None:
+    """Give the memory that start-up freed back to the kernel, where the C library can.
+
+    A start without bytecode (a copy of this file in a read-only image, or PYTHONDONTWRITEBYTECODE)
+    compiles the module: about 13 MiB of syntax tree and compiler state, freed once the module
+    exists, which glibc's malloc keeps in its heap for reuse that never comes, so it would stay
+    in the process's RSS for its whole life. malloc_trim(0) returns free heap pages to the
+    kernel (glibc only: other C libraries have no such call). From bytecode it finds little.
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 async def _serve_until_signalled(
     config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
 ) -> None:
+    _release_freed_memory()  # what compiling the module and reading the configuration left behind
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
     # cancelling the nursery runs every `finally`, which removes our sockets. SIGHUP, which would
     # kill the process and leave them behind, asks daemons by convention to read their
@@ -9126,7 +9141,35 @@ async def _serve_until_signalled(
                 break
 
 
+def _run_as_module(script: str) -> None:
+    """Start again as ``import gopherplug``, in this same process: what `python gopherplug.py` runs.
+
+    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
+    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
+    after the module's code has run): for a plugin that serves until it is stopped, never. For
+    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
+    copy run as a sidecar binary), and growing with every line. An import compiles the file and
+    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
+    environment and interpreter options) with a Python that imports this file and runs main().
+    The console script and `python -m gopherplug` import the module already, and a debugger or
+    profiler (a trace or profile function set) keeps the script as it is.
+    """
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return
+    directory = os.path.dirname(os.path.abspath(script))
+    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
+    code = (
+        f"import sys; sys.path.insert(0, {directory!r}); sys.argv[0] = {script!r}; "
+        "import gopherplug; sys.exit(gopherplug.main())"
+    )
+    os.execv(sys.executable, [sys.executable, *options, "-c", code, *sys.argv[1:]])
+
+
 if __name__ == "__main__":
+    # The interpreter was started on this file (python [options] gopherplug.py args): a file
+    # loader and no module spec; -m has a spec, runpy.run_path neither.
+    if __spec__ is None and type(sys.modules[__name__].__loader__).__name__ == "SourceFileLoader":
+        _run_as_module(__file__)
     # Run as a script, this file is both __main__ and (for anything importing it) gopherplug:
     # register it under its own name so that there is one module object, not two.
     sys.modules.setdefault("gopherplug", sys.modules[__name__])

@@ -582,6 +582,50 @@ def test_module_copied_alone_runs(tmp_path, sockdir, argv, last_line):
     assert result.stdout.rstrip("\n").endswith(last_line), result.stdout
 
 
+async def _serving_rss(argv, cwd, env, sockdir):
+    """Start ``argv serve`` on a node without a kubelet yet; once it says it waits for one (its
+    start is over), the OS's word on the process: its VmRSS in MiB and its command line."""
+    plugin_dir = os.path.join(sockdir, "dp")
+    os.makedirs(plugin_dir, exist_ok=True)
+    config = Path(cwd, "config.yaml")
+    config.write_text(f"device_plugin_dir: {plugin_dir}\nresources:\n  - name: {RESOURCE}\n    directory: {cwd}\n")
+    command = [*argv, "serve", "--config", str(config), "--log-level", "info"]
+    process = await trio.lowlevel.open_process(command, cwd=cwd, env=env, stderr=subprocess.PIPE)
+    try:
+        with trio.fail_after(TIMEOUT * 3):
+            await read_until(process.stderr, "waiting for the kubelet", bytearray())
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+        return rss, Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")
+    finally:
+        process.kill()
+        await process.wait()
+
+
+async def test_a_copy_started_as_a_script_keeps_no_compiler_memory(tmp_path, sockdir):
+    """`python gopherplug.py serve` from a copy without bytecode (a read-only image) costs what an
+    install with bytecode costs, within 4 MiB: CPython would keep the script's syntax tree (about
+    18 MiB) for the whole run, so the script starts again as an import in the same process; and
+    what compiling it freed goes back to the kernel (about 10 MiB that glibc would keep)."""
+    copy = tmp_path / "gopherplug.py"
+    shutil.copy(HERE / "gopherplug.py", copy)
+    bare = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    imported = [sys.executable, "-c", "import sys, gopherplug; sys.exit(gopherplug.main())"]
+    compiled = subprocess.run([sys.executable, "-m", "compileall", "-q", str(copy)], env=bare, check=False)
+    assert compiled.returncode == 0
+    reference, _ = await _serving_rss(imported, tmp_path, bare, sockdir)
+    shutil.rmtree(tmp_path / "__pycache__")
+    no_bytecode = bare | {"PYTHONDONTWRITEBYTECODE": "1"}
+    script, cmdline = await _serving_rss([sys.executable, str(copy)], tmp_path, no_bytecode, sockdir)
+    compiled_at_start, _ = await _serving_rss(imported, tmp_path, no_bytecode, sockdir)
+    assert not (tmp_path / "__pycache__").exists()
+    # The same process (its PID), now running the file as an imported module.
+    assert cmdline[1] == b"-c" and b"import gopherplug" in cmdline[2], cmdline
+    assert cmdline[3:5] == [b"serve", b"--config"], cmdline
+    assert script < reference + 4, (script, reference)
+    assert compiled_at_start < reference + 4, (compiled_at_start, reference)
+
+
 def test_the_product_module_carries_none_of_the_test_only_stand_ins():
     """The line between the product and its stand-ins: what gopherplug_standins defines itself
     (validation, the strict API server, the scheduler) is nowhere in gopherplug, and the Dockerfile
