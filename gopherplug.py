@@ -314,6 +314,7 @@ _SCALARS = {
     "bool": descriptor_pb2.FieldDescriptorProto.TYPE_BOOL,
     "int32": descriptor_pb2.FieldDescriptorProto.TYPE_INT32,
     "int64": descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
+    "uint64": descriptor_pb2.FieldDescriptorProto.TYPE_UINT64,
     "double": descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
 }
 
@@ -716,6 +717,100 @@ DRA_METHODS: dict[str, Method] = {
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY_REGISTRATION_STATUS = "/pluginregistration.Registration/NotifyRegistrationStatus"
 NODE_WATCH_RESOURCES = f"/{DRA_HEALTH_VERSION}/NodeWatchResources"
+
+# The kubelet's PodResources API (k8s.io/kubelet/pkg/apis/podresources/v1/api.proto): who holds
+# which device, from the kubelet's own books. gopherplug does not serve it; `gopherplug who` reads it.
+_PODRESOURCES_PACKAGE = "v1"
+_PODRESOURCES_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
+    "AllocatableResourcesRequest": (),
+    "AllocatableResourcesResponse": (
+        ("devices", 1, "repeated ContainerDevices"),
+        ("cpu_ids", 2, "repeated int64"),
+        ("memory", 3, "repeated ContainerMemory"),
+    ),
+    "ListPodResourcesRequest": (),
+    "ListPodResourcesResponse": (("pod_resources", 1, "repeated PodResources"),),
+    "PodResources": (
+        ("name", 1, "string"),
+        ("namespace", 2, "string"),
+        ("containers", 3, "repeated ContainerResources"),
+    ),
+    "ContainerResources": (
+        ("name", 1, "string"),
+        ("devices", 2, "repeated ContainerDevices"),
+        ("cpu_ids", 3, "repeated int64"),
+        ("memory", 4, "repeated ContainerMemory"),
+        ("dynamic_resources", 5, "repeated DynamicResource"),
+    ),
+    "ContainerMemory": (
+        ("memory_type", 1, "string"),
+        ("size", 2, "uint64"),
+        ("topology", 3, "TopologyInfo"),
+    ),
+    "ContainerDevices": (
+        ("resource_name", 1, "string"),
+        ("device_ids", 2, "repeated string"),
+        ("topology", 3, "TopologyInfo"),
+    ),
+    "TopologyInfo": (("nodes", 1, "repeated NUMANode"),),
+    "NUMANode": (("ID", 1, "int64"),),
+    "DynamicResource": (
+        ("claim_name", 2, "string"),  # 1 was class_name, removed in Kubernetes 1.31
+        ("claim_namespace", 3, "string"),
+        ("claim_resources", 4, "repeated ClaimResource"),
+    ),
+    "ClaimResource": (
+        ("cdi_devices", 1, "repeated CDIDevice"),
+        ("driver_name", 2, "string"),
+        ("pool_name", 3, "string"),
+        ("device_name", 4, "string"),
+        ("share_id", 5, "optional string"),
+    ),
+    "CDIDevice": (("name", 1, "string"),),
+    "GetPodResourcesRequest": (
+        ("pod_name", 1, "string"),
+        ("pod_namespace", 2, "string"),
+    ),
+    "GetPodResourcesResponse": (("pod_resources", 1, "PodResources"),),
+}
+_PODRESOURCES_SERVICES = {
+    "PodResourcesLister": (
+        ("List", "ListPodResourcesRequest", "ListPodResourcesResponse", False),
+        ("GetAllocatableResources", "AllocatableResourcesRequest", "AllocatableResourcesResponse", False),
+        ("Get", "GetPodResourcesRequest", "GetPodResourcesResponse", False),
+    ),
+}
+#: podresources.proto as protoc makes it. Package "v1" is the DRA health API's v1 too: no name is in both.
+PODRESOURCES_FILE_DESCRIPTOR = _file_descriptor(
+    "podresources.proto", _PODRESOURCES_PACKAGE, _PODRESOURCES_MESSAGES, _PODRESOURCES_SERVICES
+)
+_POOL.Add(PODRESOURCES_FILE_DESCRIPTOR)
+
+
+class podresourcespb:  # noqa: N801 - named as the kubelet's Go code imports k8s.io/kubelet/pkg/apis/podresources/v1
+    """The PodResources messages, e.g. ``podresourcespb.ListPodResourcesResponse(pod_resources=[...])``."""
+
+    ListPodResourcesRequest = _message_class("ListPodResourcesRequest", _PODRESOURCES_PACKAGE)
+    ListPodResourcesResponse = _message_class("ListPodResourcesResponse", _PODRESOURCES_PACKAGE)
+    PodResources = _message_class("PodResources", _PODRESOURCES_PACKAGE)
+    ContainerResources = _message_class("ContainerResources", _PODRESOURCES_PACKAGE)
+    ContainerDevices = _message_class("ContainerDevices", _PODRESOURCES_PACKAGE)
+    DynamicResource = _message_class("DynamicResource", _PODRESOURCES_PACKAGE)
+    ClaimResource = _message_class("ClaimResource", _PODRESOURCES_PACKAGE)
+    CDIDevice = _message_class("CDIDevice", _PODRESOURCES_PACKAGE)
+    AllocatableResourcesRequest = _message_class("AllocatableResourcesRequest", _PODRESOURCES_PACKAGE)
+    AllocatableResourcesResponse = _message_class("AllocatableResourcesResponse", _PODRESOURCES_PACKAGE)
+    GetPodResourcesRequest = _message_class("GetPodResourcesRequest", _PODRESOURCES_PACKAGE)
+    GetPodResourcesResponse = _message_class("GetPodResourcesResponse", _PODRESOURCES_PACKAGE)
+
+
+#: The PodResourcesLister RPCs by path, e.g. PODRESOURCES_METHODS[LIST_POD_RESOURCES].
+PODRESOURCES_METHODS: dict[str, Method] = _methods(_PODRESOURCES_PACKAGE, _PODRESOURCES_SERVICES)
+LIST_POD_RESOURCES = "/v1.PodResourcesLister/List"
+#: The kubelet's PodResources socket, under its root directory (podresources.Socket + ".sock" in
+#: kubernetes/kubernetes pkg/kubelet/apis/podresources/constants.go; the directory is the
+#: kubelet's pod-resources/).
+POD_RESOURCES_SOCKET = os.path.join("pod-resources", "kubelet.sock")
 
 
 ########################################################################################################
@@ -3249,6 +3344,96 @@ def prepared_devices(
 
 #: A UID as the API server takes one (validateUID): RFC 4122 form, lower-case hexadecimal digits
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+# Who holds which device: the kubelet's PodResources answer, read against the configuration.
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A container that holds a device, as the kubelet's PodResources List tells it."""
+
+    namespace: str
+    pod: str
+    container: str
+    via: str  #: "device plugin", or "claim <namespace>/<name>" (DRA)
+    share: str = ""  #: the replica (device plugin) or shareID (DRA) when the device is shared
+
+
+@dataclass(frozen=True)
+class HeldDevice:
+    """One device of a configured resource, and every container holding it (none: free)."""
+
+    resource: str
+    device_id: str
+    path: str
+    health: str
+    problem: str
+    holders: tuple[Holder, ...]
+
+
+def device_holders(
+    resources: Iterable[tuple[ResourceConfig, Iterable[DeviceEntry]]],
+    pods: Iterable[Any],
+    driver: str = "",
+    node_name: str = "",
+) -> list[HeldDevice]:
+    """Each device of each resource with the containers that hold it, from PodResources' pods.
+
+    The kubelet knows a device-plugin device by the ID it was offered under (a replica's
+    "<id>::<n>"), per container that Allocate was called for; a DRA device by driver, pool and
+    device name, per claim and container that names the claim. Not by CDI device: the kubelet fills
+    a claim's ClaimResource.cdi_devices from a list it does not reset between one driver's devices
+    (GetDynamicResources in kubernetes/kubernetes pkg/kubelet/cm/container_manager_linux.go), so the
+    second device of a claim also carries the first one's. A device a pod holds that the
+    configuration no longer has (removed, or gone from its directory) is not listed: who holds it
+    is the kubelet's to say (``gopherplug who`` shows only this configuration's devices).
+    """
+    found: dict[tuple[str, str], list[Holder]] = collections.defaultdict(list)
+    by_name = {}  # for DRA: (pool, device name) -> (resource, device ID)
+    resources = [(resource, list(devices)) for resource, devices in resources]
+    for resource, devices in resources:
+        if resource.dra:
+            pool = dra_pool_name(node_name, resource.name)
+            by_name.update({(pool, dra_device_name(d.id)): (resource.name, d.id) for d in devices})
+    configured = {resource.name: resource for resource, _ in resources}
+    for pod in pods:
+        for container in pod.containers:
+            where = (pod.namespace, pod.name, container.name)
+            for held in container.devices:
+                plugin = configured.get(held.resource_name)
+                if plugin is None or not plugin.device_plugin:
+                    continue
+                for kubelet_id in held.device_ids:
+                    device_id = plugin.underlying_id(kubelet_id) or kubelet_id
+                    share = kubelet_id.rpartition(REPLICA_SEPARATOR)[2] if plugin.replicas > 1 else ""
+                    found[plugin.name, device_id].append(Holder(*where, "device plugin", share))
+            for claim in container.dynamic_resources:
+                via = f"claim {claim.claim_namespace}/{claim.claim_name}"
+                for result in claim.claim_resources:
+                    if result.driver_name != driver:
+                        continue
+                    if (known := by_name.get((result.pool_name, result.device_name))) is not None:
+                        share = result.share_id if result.HasField("share_id") else ""
+                        found[known].append(Holder(*where, via, share))
+    return [
+        HeldDevice(resource.name, d.id, d.path, d.health, d.problem, tuple(found.get((resource.name, d.id), ())))
+        for resource, devices in resources
+        for d in devices
+    ]
+
+
+def who_report(held: Iterable[HeldDevice]) -> str:
+    """`gopherplug who`: a line per device, its health, its path and who holds it (or free)."""
+    lines = []
+    for device in held:
+        health = device.health if not device.problem else f"{device.health} ({device.problem})"
+        holders = [
+            f"{h.namespace}/{h.pod}/{h.container} ({h.via}{f', share {h.share}' if h.share else ''})"
+            for h in device.holders
+        ]
+        lines.append(f"{device.resource} {device.device_id} {device.path}: {health}: {', '.join(holders) or 'free'}")
+    return "\n".join(lines)
 
 
 ########################################################################################################
@@ -7403,6 +7588,9 @@ class KubeletSimulator:
         #: was healthy: a pod the real kubelet would have rejected for good. A plugin that keeps its
         #: stream open across a reload never causes one.
         self.rejections: list[tuple[str, str]] = []
+        #: (namespace, pod) -> container -> resource -> the device IDs allocated to it: the device
+        #: manager's podDevices, what PodResources List reports (allocate(..., container=...))
+        self.pod_devices: dict[tuple[str, str], dict[str, dict[str, list[str]]]] = {}
         self._changed = Watched(None)
         self._restart = trio.Event()
         self._remove_directory = False
@@ -7450,16 +7638,32 @@ class KubeletSimulator:
         5 minutes, has passed, then removes it: that removal is not modelled)."""
         return {name: str(resource.allocatable) for name, resource in self.resources.items()}
 
-    async def allocate(self, resource_name: str, device_ids: Iterable[str]) -> Any:
+    async def allocate(
+        self, resource_name: str, device_ids: Iterable[str], container: tuple[str, str, str] | None = None
+    ) -> Any:
         """Call Allocate for one container, as the kubelet does while admitting a pod.
 
         Raises UnexpectedAdmissionError, without calling the plugin, while none of the resource's
         devices is healthy: between the end of its ListAndWatch stream and the next stream's first
-        list, say. Such a refusal is also recorded in ``rejections``.
+        list, say. Such a refusal is also recorded in ``rejections``. With ``container``
+        (namespace, pod, container name), an allocation the plugin answered is booked to it in
+        ``pod_devices``, until remove_pod() (the pod is gone).
         """
         self._admit(resource_name)
+        device_ids = list(device_ids)
         request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=device_ids)])
-        return await self._call(resource_name, "Allocate", request)
+        response = await self._call(resource_name, "Allocate", request)
+        if container is not None:
+            namespace, pod, name = container
+            held = self.pod_devices.setdefault((namespace, pod), {}).setdefault(name, {})
+            held.setdefault(resource_name, []).extend(device_ids)
+            self._changed.touch()
+        return response
+
+    def remove_pod(self, namespace: str, pod: str) -> None:
+        """A pod that ended: the device manager frees its devices (no plugin call)."""
+        self.pod_devices.pop((namespace, pod), None)
+        self._changed.touch()
 
     def _admit(self, resource_name: str) -> None:
         # The device manager's checks before it asks the plugin (devicesToAllocate in
@@ -7798,6 +8002,62 @@ def dra_probe_report(result: DraProbeResult) -> str:
     return "\n".join(lines)
 
 
+# `gopherplug who`: which container holds which device, from the kubelet's PodResources API.
+
+#: How long `who` keeps asking a kubelet that refuses it past its rate limit (100 calls a second
+#: for the whole socket, in bursts of 10: other clients are using it up) before it gives up.
+POD_RESOURCES_PATIENCE = 10.0
+
+
+def pod_resources_socket(config: Config) -> str:
+    """Where this node's kubelet serves PodResources: pod-resources/kubelet.sock in its root
+    directory, the DRA section's kubelet_dir or the parent of the device-plugin directory (the
+    first known one that holds kubelet.sock when the configuration names none)."""
+    if config.dra is not None:
+        return os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
+    directory = config.device_plugin_dir or next(
+        (d for d in KNOWN_DEVICE_PLUGIN_DIRS if os.path.exists(os.path.join(d, KUBELET_SOCKET))),
+        DEFAULT_DEVICE_PLUGIN_DIR,
+    )
+    return os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
+
+
+async def list_pod_resources(socket_path: str, waiting: Callable[[str], None] = log.warning) -> list[Any]:
+    """The kubelet's PodResources List: every active pod, with each container's devices and claims.
+
+    The kubelet refuses calls past its rate limit at once with RESOURCE_EXHAUSTED ("rejected by
+    rate limit", pkg/kubelet/apis/grpc/ratelimit.go; a token bucket, not a queue): so ask again a
+    little later, saying so through ``waiting``, for POD_RESOURCES_PATIENCE seconds at most.
+    Raises GopherplugError with one line to act on when the socket cannot be reached.
+    """
+    method = PODRESOURCES_METHODS[LIST_POD_RESOURCES]
+    delay, waited = 0.05, 0.0
+    while True:
+        try:
+            response = await call_unary(
+                socket_path, method, podresourcespb.ListPodResourcesRequest(), timeout=PROBE_TIMEOUT
+            )
+            return list(response.pod_resources)
+        except RPCError as error:
+            if error.code == StatusCode.RESOURCE_EXHAUSTED and waited < POD_RESOURCES_PATIENCE:
+                waiting(f"the kubelet refused PodResources List past its rate limit ({error.message}): asking again")
+                await trio.sleep(delay)  # the bucket refills a token every 10 ms
+                waited, delay = waited + delay, min(delay * 2, 1.0)
+                continue
+            if error.code == StatusCode.RESOURCE_EXHAUSTED:
+                raise GopherplugError(
+                    f"the kubelet's PodResources API at {socket_path} refused every call for {waited:.0f} s past its "
+                    "rate limit (100 a second for the whole node): another client is using it up"
+                ) from None
+            if not os.path.exists(socket_path):
+                raise GopherplugError(
+                    f"no kubelet PodResources socket at {socket_path}: in a pod, mount the kubelet's "
+                    f"{os.path.dirname(socket_path)} read-only at that path (the shipped manifests do); elsewhere, "
+                    "give --pod-resources-socket"
+                ) from None
+            raise GopherplugError(f"the kubelet's PodResources API at {socket_path}: {error.message}") from None
+
+
 def scan_report(
     resource: ResourceConfig, scan: Scan, *container_problems: str, in_pod: Mapping[str, str] | None = None
 ) -> str:
@@ -7980,12 +8240,21 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
         say("kubelet", f"node capacity {resource}: {kubelet.resources[resource].capacity}")
 
         ids = sorted(kubelet.resources[resource].devices, key=_natural_key)[:2]
-        say("kubelet", f"a pod asks for 2 {resource}: Allocate({', '.join(ids)})")
-        answer = (await kubelet.allocate(resource, ids)).container_responses[0]
+        say("kubelet", f"pod default/demo-pod asks for 2 {resource}: Allocate({', '.join(ids)})")
+        answer = (await kubelet.allocate(resource, ids, container=("default", "demo-pod", "app"))).container_responses[
+            0
+        ]
         for name, value in sorted(answer.envs.items()):
             say("plugin", f"  env {name}={value}")
         for spec in answer.devices:
             say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+        # `gopherplug who`: the kubelet's PodResources answer, read against the configuration.
+        socket_path = os.path.join(os.path.dirname(plugin_dir), POD_RESOURCES_SOCKET)
+        await nursery.start(PodResourcesSimulator(socket_path, kubelet).run)
+        pods = await list_pod_resources(socket_path)
+        scanned = [(r, scan_directory(r).devices) for r in config.resources]
+        for line in who_report(device_holders(scanned, pods)).splitlines():
+            say("who", line.replace(devices + os.sep, ""))
 
         added = os.path.join(devices, "gopher3")
         open(added, "x").close()
@@ -8114,6 +8383,9 @@ class DraKubeletSimulator:
         #: claim UID -> driver -> the devices its NodePrepareResources answered (the kubelet's
         #: claim info cache, kept across its restarts in its checkpoint, as here)
         self.prepared: dict[str, dict[str, list[Any]]] = {}
+        #: (namespace, pod) -> container -> the claims (namespace, name, UID) it names in
+        #: resources.claims: the pod specs PodResources reads (use_claims, remove_pod)
+        self.pod_claims: dict[tuple[str, str], dict[str, list[tuple[str, str, str]]]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[DraKubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(self.registry, exist_ok=True)
@@ -8292,6 +8564,40 @@ class DraKubeletSimulator:
             for cdi_id in device.cdi_device_ids
         ]
 
+    def use_claims(self, namespace: str, pod: str, container: str, claims: Iterable[tuple[str, str, str]]) -> None:
+        """A container of a running pod names these claims (namespace, name, UID) in resources.claims."""
+        self.pod_claims.setdefault((namespace, pod), {}).setdefault(container, []).extend(claims)
+
+    def remove_pod(self, namespace: str, pod: str) -> None:
+        """A pod that ended: no longer listed (unprepare its claims as the kubelet would)."""
+        self.pod_claims.pop((namespace, pod), None)
+
+    def dynamic_resources(self, namespace: str, pod: str, container: str) -> list[Any]:
+        """PodResources' DynamicResource entries of one container: per claim it names, each prepared
+        device with driver, pool and device name, its share, and CDI devices as the kubelet fills
+        them, from one list per driver that it does not reset between devices (GetDynamicResources
+        in kubernetes/kubernetes pkg/kubelet/cm/container_manager_linux.go): a claim's second
+        device of a driver carries the first one's CDI devices too."""
+        entries = []
+        for claim_namespace, claim_name, uid in self.pod_claims.get((namespace, pod), {}).get(container, []):
+            results = []
+            for driver, devices in self.prepared.get(uid, {}).items():
+                cdi: list[Any] = []
+                for device in devices:
+                    cdi += [podresourcespb.CDIDevice(name=cdi_id) for cdi_id in device.cdi_device_ids]
+                    result = podresourcespb.ClaimResource(
+                        cdi_devices=cdi, driver_name=driver, pool_name=device.pool_name, device_name=device.device_name
+                    )
+                    if device.HasField("share_id"):
+                        result.share_id = device.share_id
+                    results.append(result)
+            entries.append(
+                podresourcespb.DynamicResource(
+                    claim_name=claim_name, claim_namespace=claim_namespace, claim_resources=results
+                )
+            )
+        return entries
+
     async def unprepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
         """NodeUnprepareResources for (namespace, uid, name) claims; the response. A claim
         unprepared without error is forgotten for ``cdi_devices``."""
@@ -8333,6 +8639,92 @@ class DraKubeletSimulator:
         request = request_type(claims=[drapb.Claim(namespace=n, uid=u, name=m) for n, u, m in claims])
         path = f"/{known.service}/{method}"
         return await call_unary(known.endpoint, DRA_METHODS[path], request, timeout=DRA_KUBELET_TIMEOUT)
+
+
+class PodResourcesSimulator:
+    """The kubelet's PodResources API on a socket of your choice, answered from the books of the
+    kubelet stand-ins as the kubelet answers from its device and DRA managers
+    (kubernetes/kubernetes pkg/kubelet/apis/podresources/server_v1.go): List gives every pod they
+    know, each container with its device-plugin devices (KubeletSimulator.allocate(...,
+    container=...)) and its DRA claims' prepared devices (DraKubeletSimulator.use_claims);
+    Get one pod; GetAllocatableResources every healthy device-plugin device. ``calls`` lists the
+    method of each call answered. ``await nursery.start(simulator.run)``.
+
+    Lenient: no rate limit (the demo's needs); gopherplug_standins.PodResourcesSimulator adds the
+    kubelet's.
+    """
+
+    def __init__(
+        self,
+        socket_path: str,
+        kubelet: KubeletSimulator | None = None,
+        dra_kubelet: DraKubeletSimulator | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.kubelet, self.dra_kubelet = kubelet, dra_kubelet
+        self.calls: list[str] = []  #: "List", "Get" or "GetAllocatableResources", per call answered
+
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_grpc, self.socket_path, [self._service()])
+            task_status.started(self)
+
+    def pods(self) -> list[Any]:
+        """What List answers: every pod either kubelet stand-in knows, in the order they came."""
+        books: dict[tuple[str, str], set[str]] = {}
+        for known in (self.kubelet and self.kubelet.pod_devices, self.dra_kubelet and self.dra_kubelet.pod_claims):
+            for pod, containers in (known or {}).items():
+                books.setdefault(pod, set()).update(containers)
+        return [self._pod(namespace, pod, sorted(containers)) for (namespace, pod), containers in books.items()]
+
+    def _pod(self, namespace: str, pod: str, containers: Iterable[str]) -> Any:
+        answer = podresourcespb.PodResources(name=pod, namespace=namespace)
+        for name in containers:
+            held = (self.kubelet.pod_devices if self.kubelet else {}).get((namespace, pod), {}).get(name, {})
+            answer.containers.add(
+                name=name,
+                devices=[podresourcespb.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in held.items()],
+                dynamic_resources=self.dra_kubelet.dynamic_resources(namespace, pod, name) if self.dra_kubelet else [],
+            )
+        return answer
+
+    async def _admit(self, method: str) -> None:
+        """Before each call: raise RPCError to refuse it; nothing here (the strict one rate-limits)."""
+
+    def _service(self) -> purerpc.Service:
+        async def list_(request: Any) -> Any:
+            await self._answering("List")
+            return podresourcespb.ListPodResourcesResponse(pod_resources=self.pods())
+
+        async def get(request: Any) -> Any:
+            await self._answering("Get")
+            for pod in self.pods():
+                if (pod.namespace, pod.name) == (request.pod_namespace, request.pod_name):
+                    return podresourcespb.GetPodResourcesResponse(pod_resources=pod)
+            # The kubelet's words, through a plain Go error: grpc-go sends it with code UNKNOWN.
+            raise RPCError(StatusCode.UNKNOWN, f"pod {request.pod_name} in namespace {request.pod_namespace} not found")
+
+        async def allocatable(request: Any) -> Any:
+            await self._answering("GetAllocatableResources")
+            resources = self.kubelet.resources if self.kubelet else {}
+            return podresourcespb.AllocatableResourcesResponse(
+                devices=[
+                    podresourcespb.ContainerDevices(resource_name=name, device_ids=[device_id])
+                    for name, resource in resources.items()
+                    for device_id, health in resource.devices.items()
+                    if health == HEALTHY
+                ]
+            )
+
+        service = purerpc.Service(f"{_PODRESOURCES_PACKAGE}.PodResourcesLister")
+        for name, handler in (("List", list_), ("Get", get), ("GetAllocatableResources", allocatable)):
+            service.add_method(name, handler, PODRESOURCES_METHODS[f"/{service.name}/{name}"].signature)
+        return service
+
+    async def _answering(self, method: str) -> None:
+        await self._admit(method)
+        self.calls.append(method)
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -8808,6 +9200,14 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
             for mount in edits.get("mounts", []):
                 options = ",".join(mount["options"])
                 say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+            kubelet.use_claims("default", "my-pod", "app", [("default", "my-gopher", "7f3e-demo")])
+            socket_path = os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
+            await nursery.start(PodResourcesSimulator(socket_path, None, kubelet).run)
+            scanned = [(r, scan_directory(r).devices) for r in config.resources]
+            held = device_holders(scanned, await list_pod_resources(socket_path), driver, node)
+            for line in who_report(held).splitlines():
+                say("who", line.replace(resource.sources[0].directory + os.sep, ""))
+            kubelet.remove_pod("default", "my-pod")
             await kubelet.unprepare(driver, [("default", "7f3e-demo", "my-gopher")])
             say("kubelet", "NodeUnprepareResources(default/my-gopher): the pod is gone; checkpoint updated")
 
@@ -8845,7 +9245,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Without a command, runs `serve`.",
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
     check = commands.add_parser(
         "check-config",
@@ -8871,6 +9271,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"fail a resource whose ListAndWatch the kubelet has not read for longer (default {PROBE_STREAM_GRACE:g})",
     )
+    who = commands.add_parser(
+        "who", help="each configured device with its health, its path and the pod and container holding it"
+    )
+    who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+    who.add_argument(
+        "--pod-resources-socket",
+        default=env("GOPHERPLUG_POD_RESOURCES_SOCKET"),
+        metavar="PATH",
+        help="the kubelet's PodResources socket (env GOPHERPLUG_POD_RESOURCES_SOCKET; default: "
+        "pod-resources/kubelet.sock in the kubelet's root directory)",
+    )
     demo = commands.add_parser(
         "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
     )
@@ -8880,7 +9291,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the DRA flow instead: slices, claims, CDI, against a simulated kubelet and API server "
         "(needs the dra extra)",
     )
-    for command in (serve, check, probe_):
+    for command in (serve, check, probe_, who):
         command.add_argument(
             "--config",
             default=env("GOPHERPLUG_CONFIG"),
@@ -8922,7 +9333,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in {"serve", "check-config", "probe", "demo", "-h", "--help", "--version"}:
+    if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
     parser = _parser()
     try:
@@ -8953,6 +9364,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "who":
+        return _who(args, config)
     if args.command == "check-config":
         for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
@@ -9007,6 +9420,21 @@ def _device_plugin_dir_from(args: argparse.Namespace) -> str:
 
 
 _CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute permission checks
+
+
+def _who(args: argparse.Namespace, config: Config) -> int:
+    """`gopherplug who`: this configuration's devices, scanned now, and their holders, from the kubelet."""
+    socket_path = args.pod_resources_socket or pod_resources_socket(config)
+    node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
+    devices = [(r, scan_directory(r, config.sysfs_root, config.dev_root).devices) for r in config.resources]
+    try:
+        pods = trio.run(list_pod_resources, socket_path, lambda line: print(f"gopherplug: {line}", file=sys.stderr))
+    except GopherplugError as error:
+        print(f"gopherplug: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    held = device_holders(devices, pods, config.dra.driver if config.dra else "", node_name)
+    print(json.dumps([dataclasses.asdict(device) for device in held]) if args.json else who_report(held))
+    return EXIT_OK
 
 
 def _has_capability(number: int) -> bool:

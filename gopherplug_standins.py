@@ -12,6 +12,7 @@ runs, and a reader of the product reads, none of it (as trio.testing stands besi
   3. SchedulerSimulator kube-scheduler's allocation of claims and extended resources, with CEL
                        evaluated for real (cel-python, from the test extra) and consumable capacity
   4. DraKubeletSimulator the product's, with the kubelet's handling of extended resources
+  5. PodResourcesSimulator the product's, with the kubelet's rate limit
 
 KubeletSimulator and UnexpectedAdmissionError are the product's, named here too, so that a test
 takes every stand-in from one place. The wheel ships this module for users' own tests; the images
@@ -52,6 +53,8 @@ from gopherplug import (
     GopherplugError,
     KubeletSimulator,
     LenientApiServer,
+    RPCError,
+    StatusCode,
     UnexpectedAdmissionError,
     _status,
     resource_name_problem,
@@ -64,6 +67,7 @@ __all__ = [
     "DraKubeletSimulator",
     "KubeletSimulator",
     "Placement",
+    "PodResourcesSimulator",
     "SchedulerSimulator",
     "UnexpectedAdmissionError",
     "UnschedulableError",
@@ -1269,3 +1273,48 @@ class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
             if mapping["containerName"] == container_name and mapping["resourceName"] == name
             for cdi_id in self.cdi_devices(claim["metadata"]["uid"], mapping["requestName"])
         ]
+
+
+########################################################################################################
+# 5. The kubelet's PodResources API, rate-limited
+#
+# gopherplug.PodResourcesSimulator answers from the kubelet stand-ins' books; this one refuses as
+# the kubelet does when its clients call too often.
+########################################################################################################
+
+#: The kubelet's limit on its PodResources socket: 100 calls a second, bursts of 10, all clients
+#: together (DefaultQPS, DefaultBurstTokens in kubernetes/kubernetes pkg/kubelet/apis/podresources/constants.go).
+POD_RESOURCES_QPS, POD_RESOURCES_BURST = 100.0, 10
+
+
+class PodResourcesSimulator(gopherplug.PodResourcesSimulator):
+    """gopherplug.PodResourcesSimulator (read its docstring first) with the kubelet's rate limit: a
+    token bucket of ``qps`` tokens a second and ``burst`` at most, a call without a token refused at
+    once with RESOURCE_EXHAUSTED "rejected by rate limit" (LimiterUnaryServerInterceptor in
+    kubernetes/kubernetes pkg/kubelet/apis/grpc/ratelimit.go: golang.org/x/time/rate's Allow, no
+    waiting). ``refused`` counts the calls refused."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        kubelet: gopherplug.KubeletSimulator | None = None,
+        dra_kubelet: gopherplug.DraKubeletSimulator | None = None,
+        *,
+        qps: float = POD_RESOURCES_QPS,
+        burst: int = POD_RESOURCES_BURST,
+    ) -> None:
+        super().__init__(socket_path, kubelet, dra_kubelet)
+        self.qps, self.burst = qps, burst
+        self.refused = 0
+        self._tokens = float(burst)
+        self._last: float | None = None  # when a token was last taken (trio's clock)
+
+    async def _admit(self, method: str) -> None:
+        now = trio.current_time()
+        if self._last is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.qps)
+        self._last = now
+        if self._tokens < 1:
+            self.refused += 1
+            raise RPCError(StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+        self._tokens -= 1

@@ -4101,8 +4101,13 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir)
     assert who == (
         "kubelet plugin plugin kubelet kubelet plugin kubelet kubelet "
-        "plugin plugin plugin demo plugin kubelet plugin plugin demo"
+        "plugin plugin plugin who who who demo plugin kubelet plugin plugin demo"
     )
+    assert (
+        "who example.com/gopher gopher0 gopher0: Healthy: default/demo-pod/app (device plugin)\n"
+        "who example.com/gopher gopher1 gopher1: Healthy: default/demo-pod/app (device plugin)\n"
+        "who example.com/gopher gopher2 gopher2: Healthy: free\n"
+    ).replace("who ", "") in said
     assert "Register(resource example.com/gopher, endpoint gopherplug-example.com_gopher-1.sock" in said
     assert "ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
     assert "Allocate(gopher0, gopher1)\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
@@ -4116,8 +4121,10 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
-        "runtime runtime runtime kubelet kubelet plugin plugin demo"
+        "runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
     )
+    assert "gopher1 gopher1: Healthy: default/my-pod/app (claim default/my-gopher)\n" in said
+    assert "gopher3 gopher3: Healthy: free\n" in said
     assert re.search(r"endpoint /\S+/kubelet/plugins/gopherplug.example.com/dra.sock\n", said)
     assert (
         "supported versions v1.DRAPlugin, v1beta1.DRAPlugin, v1.DRAResourceHealth, v1beta1.DRAResourceHealth, "
@@ -4431,6 +4438,101 @@ async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, n
             hog.close()
         plugin.kill()
         await plugin.wait()
+
+
+# `gopherplug who`: the kubelet's PodResources answer, read against the configuration
+
+
+async def test_who_names_the_pod_and_container_holding_each_device(nursery, node, tmp_path):
+    """A device plugin's devices: the kubelet books an Allocate to the container it was for, and
+    PodResources List tells; `who` (a subprocess, as an operator runs it) reads it against the
+    configuration: each device with its health, path and holder, or free; --json the same."""
+    config = write_config(node, tmp_path, replicas=2)
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, gp.load_config(str(config)))
+        await simulator.wait_until(lambda s: len(devices_of(s) or ()) == 4)
+        await simulator.allocate(RESOURCE, ["g1::0"], container=("default", "web", "app"))
+        await simulator.allocate(RESOURCE, ["g1::1"], container=("jobs", "batch-1", "main"))
+        socket_path = os.path.join(node.plugin_dir, "..", "pod-resources", "kubelet.sock")
+        pod_resources = await nursery.start(standins.PodResourcesSimulator(socket_path, simulator).run)
+        text = await run_cli_async("who", "--config", str(config), "--pod-resources-socket", socket_path)
+        as_json = await run_cli_async("who", "--config", str(config), "--json", "--pod-resources-socket", socket_path)
+    assert (text.returncode, text.stderr) == (0, b"")
+    g1, g2 = os.path.join(node.devices, "g1"), os.path.join(node.devices, "g2")
+    assert text.stdout.decode().splitlines() == [
+        f"{RESOURCE} g1 {g1}: Healthy: default/web/app (device plugin, share 0), jobs/batch-1/main (device plugin, "
+        "share 1)",
+        f"{RESOURCE} g2 {g2}: Healthy: free",
+    ]
+    documents = json.loads(as_json.stdout)
+    assert [(d["device_id"], d["health"], [h["pod"] for h in d["holders"]]) for d in documents] == [
+        ("g1", "Healthy", ["web", "batch-1"]),
+        ("g2", "Healthy", []),
+    ]
+    assert documents[0]["holders"][0] == {
+        "namespace": "default",
+        "pod": "web",
+        "container": "app",
+        "via": "device plugin",
+        "share": "0",
+    }
+    assert pod_resources.calls == ["List", "List"]
+    # The pod ends: its devices are free again, as the kubelet says.
+    simulator.remove_pod("default", "web")
+    [held, free] = gp.device_holders(
+        [(node.config(replicas=2).resources[0], gp.scan_directory(node.config(replicas=2).resources[0]).devices)],
+        pod_resources.pods(),
+    )
+    assert [h.pod for h in held.holders] == ["batch-1"] and free.holders == ()
+
+
+async def test_who_waits_while_the_kubelet_refuses_past_its_rate_limit_and_says_so(nursery, node):
+    """The kubelet refuses a PodResources call past its rate limit at once (RESOURCE_EXHAUSTED,
+    "rejected by rate limit"), 100 a second in bursts of 10 for every client together: who asks
+    again, saying so, and gets its answer."""
+    socket_path = os.path.join(node.plugin_dir, "pr", "kubelet.sock")
+    with trio.fail_after(TIMEOUT):
+        # The kubelet's burst, with a bucket that refills slowly (a token in 2 s, not 10 ms), so
+        # that the call after the burst is refused however slow this machine is.
+        strict = await nursery.start(standins.PodResourcesSimulator(socket_path, qps=0.5).run)
+        method = gp.PODRESOURCES_METHODS[gp.LIST_POD_RESOURCES]
+        request = gp.podresourcespb.ListPodResourcesRequest()
+        for _ in range(standins.POD_RESOURCES_BURST):  # the burst, at once: each answered
+            await gp.call_unary(socket_path, method, request, timeout=TIMEOUT)
+        with pytest.raises(gp.RPCError) as refused:
+            await gp.call_unary(socket_path, method, request, timeout=TIMEOUT)
+        said = []
+        pods = await gp.list_pod_resources(socket_path, said.append)
+    assert (refused.value.code, refused.value.message) == (gp.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+    assert pods == [] and strict.calls == ["List"] * (standins.POD_RESOURCES_BURST + 1)
+    assert said and set(said) == {
+        "the kubelet refused PodResources List past its rate limit (rejected by rate limit): asking again"
+    }
+    assert strict.refused == 1 + len(said)
+
+
+async def test_who_without_the_kubelets_socket_says_what_to_mount(node, tmp_path):
+    config = write_config(node, tmp_path)
+    missing = os.path.join(node.plugin_dir, "nowhere", "kubelet.sock")
+    result = await run_cli_async("who", "--config", str(config), "--pod-resources-socket", missing)
+    assert (result.returncode, result.stdout) == (1, b"")
+    assert result.stderr.decode() == (
+        f"gopherplug: no kubelet PodResources socket at {missing}: in a pod, mount the kubelet's "
+        f"{os.path.dirname(missing)} read-only at that path (the shipped manifests do); elsewhere, give "
+        "--pod-resources-socket\n"
+    )
+
+
+def test_who_finds_the_kubelets_socket_in_its_root_directory():
+    resources = "resources: [{name: example.com/serial, directory: /dev, pattern: 'ttyS*', api: dra}]\n"
+    plain = gp.parse_config(
+        "device_plugin_dir: /var/snap/microk8s/common/var/lib/kubelet/device-plugins\n"
+        + resources.replace(", api: dra", "")
+    )
+    assert gp.pod_resources_socket(plain) == "/var/snap/microk8s/common/var/lib/kubelet/pod-resources/kubelet.sock"
+    dra = gp.parse_config(f"dra: {{driver: {DRIVER}, kubelet_dir: /var/lib/k0s/kubelet}}\n" + resources)
+    assert gp.pod_resources_socket(dra) == "/var/lib/k0s/kubelet/pod-resources/kubelet.sock"
 
 
 async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
@@ -5347,8 +5449,8 @@ DRIVER = "gopherplug.example.com"
 
 
 def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
-    """pluginregistration.proto, dra.proto (and dra.proto in package v1beta1) and dra_health.proto
-    (and in packages v1beta1 and v1) against protoc."""
+    """pluginregistration.proto, dra.proto (and dra.proto in package v1beta1), dra_health.proto
+    (and in packages v1beta1 and v1) and the kubelet's podresources.proto against protoc."""
     v1beta1_proto = (
         (HERE / "dra.proto")
         .read_text()
@@ -5366,6 +5468,7 @@ def test_dra_descriptors_are_byte_identical_to_protoc(tmp_path):
         ("dra_health_v1.proto", tmp_path, gp.DRA_HEALTH_FILE_DESCRIPTORS[0]),
         ("dra_health_v1beta1.proto", tmp_path, gp.DRA_HEALTH_FILE_DESCRIPTORS[1]),
         ("dra_health.proto", HERE, gp.DRA_HEALTH_FILE_DESCRIPTOR),
+        ("podresources.proto", HERE, gp.PODRESOURCES_FILE_DESCRIPTOR),
     ]
     for name, directory, ours in cases:
         out = tmp_path / f"{name}.bin"
@@ -6215,6 +6318,49 @@ async def dra_node(nursery, sockdir, monkeypatch):
     node = DraNode(sockdir, nursery)
     await node.start_servers()
     return node
+
+
+async def test_who_names_the_container_of_each_claims_device_in_a_dra_only_configuration(dra_node):
+    """DRA: the kubelet lists, per container, the claims it names with each prepared device by
+    driver, pool and device name; `who` (a subprocess with a DRA-only file, as in the DRA pod)
+    finds the device of each. A claim of two devices: the kubelet gives the second one the first
+    one's CDI device too, which must not make it the first device's holder twice."""
+    for name in ("gopher0", "gopher1", "gopher2"):
+        (dra_node.devices / name).touch()
+    path = dra_node.root / "cfg.yaml"
+    path.write_text(dra_config(dra_node.devices, dra_node.kubelet_dir, cdi=dra_node.cdi))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.load_config(str(path)))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        both = ("gopher", DRIVER, DraNode.POOL)
+        dra_node.api.put_claim(claim("pair", "uid-pair", (*both, "gopher0"), (*both, "gopher2")))
+        await dra_node.kubelet.prepare(DRIVER, [("default", "uid-pair", "pair")])
+        dra_node.kubelet.use_claims("default", "trainer", "worker", [("default", "pair", "uid-pair")])
+        socket_path = str(dra_node.kubelet_dir / "pod-resources" / "kubelet.sock")
+        kubelet = dra_node.kubelet
+        pod_resources = await dra_node.nursery.start(standins.PodResourcesSimulator(socket_path, None, kubelet).run)
+        result = await trio.run_process(
+            [sys.executable, str(HERE / "gopherplug.py"), "who", "--config", str(path)],
+            env={**os.environ, "NODE_NAME": "node-1"},
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        dra_node.stop()
+    [listed] = pod_resources.pods()
+    [dynamic] = listed.containers[0].dynamic_resources
+    assert [[c.name for c in r.cdi_devices] for r in dynamic.claim_resources] == [
+        ["example.com/gopher=gopher0"],
+        ["example.com/gopher=gopher0", "example.com/gopher=gopher2"],  # as the kubelet fills them
+    ]
+    assert (result.returncode, result.stderr) == (0, b"")
+    holder = "default/trainer/worker (claim default/pair)"
+    assert result.stdout.decode().splitlines() == [
+        f"example.com/gopher gopher0 {dra_node.devices / 'gopher0'}: Healthy: {holder}",
+        f"example.com/gopher gopher1 {dra_node.devices / 'gopher1'}: Healthy: free",
+        f"example.com/gopher gopher2 {dra_node.devices / 'gopher2'}: Healthy: {holder}",
+    ]
 
 
 async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_node):
