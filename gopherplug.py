@@ -1228,23 +1228,108 @@ def _octal_numbers(data: Any, where: str = "") -> Iterator[tuple[str, _Octal]]:
             stack += reversed(keys)
 
 
+# PyYAML says where it stopped, in the parser's words ("expected <block end>, but found '<block
+# mapping start>'"), and often a line after the mistake: a key without a space after its colon is
+# read as one word with its value, and only the next line's key is found out of place. The common
+# mistakes are told in a sentence of their own, at the line where they are; a fix is proposed only
+# when the text parses with it (or gets past the line PyYAML stopped at).
+#: What YAML takes for a line break (PyYAML's reader counts lines by these; str.splitlines by more).
+_YAML_LINE_BREAK = re.compile(r"\r\n|[\r\n\x85\u2028\u2029]")
+# A key written without a space after its colon: "name:example.com/gopher", "- directory:/dev".
+_KEY_WITHOUT_SPACE = re.compile(r"(?:[ ]*-[ ]+)*[ ]*[^\s#'\"\[\]{}:,&*!|>%@`-][^\s:]*:(?=[^\s:])")
+# A content line's indentation, and (after any "- ") where its key or value begins.
+_INDENTED = re.compile(r"([ ]*)((?:-[ ]+)*)\S")
+
+
+def _yaml_problem(text: str, error: yaml.YAMLError) -> str:
+    """A YAML syntax error as one line: where PyYAML stopped and what it said, and for a common
+    mistake (a tab, a key without a space after its colon, a list item among a mapping's keys, a
+    line indented unlike the lines above it) the mistake in a plain sentence first."""
+    mark = getattr(error, "problem_mark", None)
+    said = getattr(error, "problem", None) or str(error)
+    if mark is None:
+        return f"invalid YAML ({said})"
+    said = f"line {mark.line + 1}, column {mark.column + 1}: {said}"
+    mistake = _yaml_mistake(_YAML_LINE_BREAK.split(text), error, mark.line, mark.column)
+    if mistake is None:
+        return f"invalid YAML ({said})"
+    line, column, sentence = mistake
+    return f"invalid YAML at line {line + 1}, column {column + 1}: {sentence} (PyYAML at {said})"
+
+
+def _yaml_mistake(lines: list[str], error: Any, at: int, column: int) -> tuple[int, int, str] | None:
+    """(line, column, sentence) of a common mistake that explains ``error``, which PyYAML raised
+    at line ``at`` of ``lines`` (0-based), or None."""
+    problem = getattr(error, "problem", None) or ""
+    if not isinstance(error, yaml.scanner.ScannerError | yaml.parser.ParserError) or not 0 <= at < len(lines):
+        return None  # not a syntax error (an unknown tag, an undefined alias): PyYAML's words say it
+    if "'\\t'" in problem:  # "found character '\t' that cannot start any token"
+        return at, column, "a tab: YAML takes only spaces, to indent and after a key's colon: replace it with spaces"
+    # The content lines above, nearest first (blank lines and comments say nothing about structure).
+    above = [n for n in range(at - 1, -1, -1) if lines[n].strip() and not lines[n].lstrip().startswith("#")]
+    # A key without its space is found out on its own line or at the next key, below it.
+    context = getattr(error, "context_mark", None)
+    suspects = [at, *above[:1], *([context.line] if context is not None and context.line < at else [])]
+    for n in dict.fromkeys(suspects):
+        if (glued := _KEY_WITHOUT_SPACE.match(lines[n])) is not None:
+            fixed = lines[n][: glued.end()] + " " + lines[n][glued.end() :]
+            if _parses_past([*lines[:n], fixed, *lines[n + 1 :]], at):
+                written = fixed.strip().lstrip("- ")
+                return n, glued.end() - 1, f"a key needs a space after its colon: write {written!r}"
+    if problem.endswith("but found '-'") and "mapping" in (getattr(error, "context", None) or ""):
+        sentence = "a list item ('- ') among the keys of a mapping (key: value): remove its '- ', or begin the "
+        return at, column, sentence + "mapping's first key with '- ' too, for a list of mappings"
+    if not above or not (problem.startswith("mapping values are not allowed") or "expected <block end>" in problem):
+        return None
+    this, over = _INDENTED.match(lines[at]), _INDENTED.match(lines[above[0]])
+    if this is None or over is None or len(this[1]) == over.end() - 1:
+        return None  # as far in as the key above it: the mistake is not the indentation
+    spaces = len(this[1])
+    sentence = f"this line is indented by {_spaces(spaces)}, unlike the lines above it"
+    # The indentations of the lines above, nearest first: each line's key (after any "- "), then its
+    # "- ". The first that makes the text parse is the one to propose.
+    widths: dict[int, int] = {}  # indentation -> the nearest line above that has it
+    for n in above:
+        if (other := _INDENTED.match(lines[n])) is not None:
+            widths.setdefault(other.end() - 1, n)
+            widths.setdefault(len(other[1]), n)
+    for width, n in itertools.islice(widths.items(), 8):
+        if width != spaces and _parses_past([*lines[:at], " " * width + lines[at].lstrip(" "), *lines[at + 1 :]], at):
+            key = lines[n].strip().lstrip("- ").partition(":")[0]
+            return at, spaces, f"{sentence}: indent it as far as {key!r} on line {n + 1} ({_spaces(width)})"
+    return at, spaces, f"{sentence}: indent a key as far as the other keys of its mapping"
+
+
+def _spaces(count: int) -> str:
+    """ "1 space", "4 spaces"."""
+    return f"{count} space" if count == 1 else f"{count} spaces"
+
+
+def _parses_past(lines: list[str], at: int) -> bool:
+    """Whether YAML text of ``lines`` parses, or fails only after line ``at``."""
+    try:
+        yaml.compose("\n".join(lines), Loader=_ConfigLoader)
+    except yaml.MarkedYAMLError as error:
+        return error.problem_mark is not None and error.problem_mark.line > at
+    except yaml.YAMLError:
+        return False
+    return True
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
         data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
+        raise ConfigError(source, "", _yaml_problem(text, error)) from None
     for at, octal in _octal_numbers(data):
         read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
         if re.search(r"\.usb\[[0-9]+\]\.(vendor|product|serial)$", at):
-            problem = f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")'
-        else:
-            decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"
-            problem = f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
-        raise ConfigError(source, at, problem)
+            raise ConfigError(source, at, f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")')
+        decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"
+        raise ConfigError(
+            source, at, f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
+        )
     top = _mapping(
         data,
         source,
@@ -1787,7 +1872,13 @@ def _list(value: Any, source: str, where: str) -> list[Any]:
 
 def _mapping(data: Any, source: str, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise ConfigError(source, where, "must be a mapping of keys to values")
+        problem = "must be a mapping of keys to values"
+        key, colon, value = data.partition(":") if isinstance(data, str) else ("", "", "")
+        if colon and key in allowed and value[:1] not in ("", " ") and data.isprintable():  # YAML: "kind:x", one word
+            problem += f": write {key}: {value}, with a space after the colon ({data!r} is one word to YAML)"
+        elif isinstance(data, list):
+            problem += ", not a list: a key of a mapping takes no '- '"
+        raise ConfigError(source, where, problem)
     for key in data:
         if key not in allowed:
             raise ConfigError(

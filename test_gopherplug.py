@@ -765,7 +765,7 @@ def resources(**fields):
 
 BAD_CONFIGS = [
     ("", "cfg.yaml: must be a mapping of keys to values"),
-    ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values"),
+    ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '"),
     ("{}", "cfg.yaml: resources: is required"),
     ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
     ("resources: {}", "cfg.yaml: resources: must be a non-empty list of resources"),
@@ -970,6 +970,77 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
     ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
+    # The common YAML mistakes, told in a sentence at the line where they are, PyYAML's words after it.
+    (  # a key indented more than its neighbours
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n     pattern: 'g*'\n",
+        "cfg.yaml: invalid YAML at line 4, column 6: this line is indented by 5 spaces, unlike the lines above it: "
+        "indent it as far as 'directory' on line 3 (4 spaces) "
+        "(PyYAML at line 4, column 13: mapping values are not allowed here)",
+    ),
+    (  # ... less: the "expected <block end>, but found '<block mapping start>'" of issue 26
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n   pattern: 'g*'\n",
+        "cfg.yaml: invalid YAML at line 4, column 4: this line is indented by 3 spaces, unlike the lines above it: "
+        "indent it as far as 'directory' on line 3 (4 spaces) "
+        "(PyYAML at line 4, column 4: expected <block end>, but found '<block mapping start>')",
+    ),
+    (  # ... as far as the list's "- ", without one
+        "resources:\n  - name: example.com/gopher\n  directory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 3: this line is indented by 2 spaces, unlike the lines above it: "
+        "indent it as far as 'name' on line 2 (4 spaces) "
+        "(PyYAML at line 3, column 3: expected <block end>, but found '?')",
+    ),
+    (  # a top-level key indented
+        "device_plugin_dir: /dp\n  resources:\n  - name: example.com/gopher\n",
+        "cfg.yaml: invalid YAML at line 2, column 3: this line is indented by 2 spaces, unlike the lines above it: "
+        "indent it as far as 'device_plugin_dir' on line 1 (0 spaces) "
+        "(PyYAML at line 2, column 12: mapping values are not allowed here)",
+    ),
+    (  # a tab to indent
+        "resources:\n  - name: example.com/gopher\n\tdirectory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 1: a tab: YAML takes only spaces, to indent and after a key's colon: "
+        "replace it with spaces (PyYAML at line 3, column 1: found character '\\t' that cannot start any token)",
+    ),
+    (  # a tab after a colon
+        "resources:\n  - name: example.com/gopher\n    directory:\t/dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 15: a tab: YAML takes only spaces, to indent and after a key's "
+        "colon: replace it with spaces "
+        "(PyYAML at line 3, column 15: found character '\\t' that cannot start any token)",
+    ),
+    (  # no space after a colon: PyYAML finds out at the next key, a line below
+        "resources:\n  - name:example.com/gopher\n    directory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 2, column 9: a key needs a space after its colon: write "
+        "'name: example.com/gopher' (PyYAML at line 3, column 14: mapping values are not allowed here)",
+    ),
+    (  # ... or at the end of the text
+        "resources:\n  - name: example.com/gopher\n    directory:/dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 14: a key needs a space after its colon: write 'directory: /dev/g' "
+        "(PyYAML at line 4, column 1: could not find expected ':')",
+    ),
+    (  # ... or not at all: valid YAML, a string where a mapping belongs
+        "resources:\n  - name:example.com/gopher\n",
+        "cfg.yaml: resources[0]: must be a mapping of keys to values: write name: example.com/gopher, with a space "
+        "after the colon ('name:example.com/gopher' is one word to YAML)",
+    ),
+    (  # a list item where a mapping was expected
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n    - pattern: 'g*'\n",
+        "cfg.yaml: invalid YAML at line 4, column 5: a list item ('- ') among the keys of a mapping (key: value): "
+        "remove its '- ', or begin the mapping's first key with '- ' too, for a list of mappings "
+        "(PyYAML at line 4, column 5: expected <block end>, but found '-')",
+    ),
+    (  # ... the first key without its "- "
+        "resources:\n  name: example.com/gopher\n  - directory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 3: a list item ('- ') among the keys of a mapping (key: value): "
+        "remove its '- ', or begin the mapping's first key with '- ' too, for a list of mappings "
+        "(PyYAML at line 3, column 3: expected <block end>, but found '-')",
+    ),
+    (  # ... valid YAML: a list where a mapping belongs
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n    cdi:\n      - kind: example.com/gopher\n",
+        "cfg.yaml: resources[0].cdi: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '",
+    ),
+    (  # not one of the common mistakes: PyYAML's words alone, not a wrong guess
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g: x\n",
+        "cfg.yaml: invalid YAML (line 3, column 22: mapping values are not allowed here)",
+    ),
     (
         resources(name="gopher"),
         "cfg.yaml: resources[0].name: 'gopher': must be an extended resource name, domain/name "
