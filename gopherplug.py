@@ -1330,6 +1330,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         raise ConfigError(
             source, at, f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
         )
+    _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
         data,
         source,
@@ -1379,6 +1380,26 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         for key, problem in _pattern_warnings(entry)
     )
     return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra, metrics_address, warnings)
+
+
+# generic-device-plugin's keys (squat/generic-device-plugin, config.go: a --config file's `devices`,
+# each --device document's `groups`, a group's `paths`), with what gopherplug has instead. A file
+# carried over from it is told where its translation is, not only that its keys are unknown.
+_GENERIC_DEVICE_PLUGIN_KEYS = {
+    "devices": "gopherplug's configuration lists resources instead, one for each of its devices",
+    "device": "gopherplug's configuration lists resources instead, one for each --device",
+    "groups": "a resource here has directory and pattern, match or usb instead, and replicas for count",
+    "paths": "a resource here has directory and pattern instead, a glob of the entries of one directory",
+}
+
+
+def _refuse_generic_device_plugin_keys(data: Any, source: str, where: str) -> None:
+    """Raise ConfigError for the first of generic-device-plugin's keys in the mapping ``data``."""
+    for key in data if isinstance(data, dict) else ():
+        if key in _GENERIC_DEVICE_PLUGIN_KEYS:
+            problem = f"is generic-device-plugin's, not gopherplug's: {_GENERIC_DEVICE_PLUGIN_KEYS[key]} "
+            problem += '(the README\'s "Coming from generic-device-plugin" translates each of its keys)'
+            raise ConfigError(source, f"{where}.{key}", problem)
 
 
 def metrics_address_problem(address: str) -> str | None:
@@ -1498,6 +1519,7 @@ def _parse_resource(
 ) -> ResourceConfig:
     if isinstance(entry, dict) and "allow_double_booking" in entry:  # before _mapping's "unknown key"
         raise ConfigError(source, f"{where}.allow_double_booking", f"is no longer accepted: {_ONE_API}")
+    _refuse_generic_device_plugin_keys(entry, source, where)
     data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
@@ -1974,6 +1996,24 @@ def _sorted_by_numbers(ids: list[str]) -> list[str] | None:
     if len(by_key) != len(ids):
         return None  # equal numbers written differently ("g01", "g1"): the strings decide
     return [by_key[key] for key in sorted(by_key)]
+
+
+def directory_mistake(directory: str, mode: int | None) -> str | None:
+    """Why a source's ``directory`` will never give devices, and what to write instead, when it names
+    a device itself (/dev/fuse) or a glob of them (/dev/ttyUSB*), as generic-device-plugin's `path`
+    does; ``mode`` is what is at the path (its st_mode; None: nothing). None for a directory, or for
+    a path that is simply not there (yet): hardware not plugged in."""
+    parent, name = os.path.split(directory)
+    instead = f"write directory: {parent} and pattern: {_as_written(name)}"
+    if mode is None:
+        if not re.search(r"[*?[]", name):
+            return None
+        return f"{directory} does not exist, and a directory is not a glob: for the entries it matches, {instead}"
+    if stat.S_ISDIR(mode):
+        return None
+    kinds = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFREG: "a file"}
+    kind = kinds.get(stat.S_IFMT(mode), "no directory")
+    return f"{directory} is {kind}, not a directory of devices: to offer it, {instead}"
 
 
 @dataclass(frozen=True)
@@ -4063,6 +4103,14 @@ _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
 
 
+def _mode(path: str) -> int | None:
+    """What is at ``path`` (its st_mode, following symlinks), None when nothing or it cannot be seen."""
+    try:
+        return os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+
+
 def _read_text(path: str) -> str | None:
     """A text file's content, or None if it cannot be read now."""
     try:
@@ -4686,7 +4734,10 @@ async def watch_devices(
                 _log(resource).warning("%s", problem)
             watch = stack.enter_context(DirectoryWatch(source.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
             if not watch.exists:
-                _log(resource).warning("%s is not a directory (yet): no devices until it is", source.directory)
+                mistake = directory_mistake(source.directory, _mode(source.directory))
+                _log(resource).warning(
+                    "%s", mistake or f"{source.directory} is not a directory (yet): no devices until it is"
+                )
             trackers.append(_SourceTracker(resource, number, source, watch, sysfs_root, dev_root))
         if resource.usb:
             if problem := container_only_problem(dev_root, mountinfo):
@@ -7923,11 +7974,14 @@ def scan_report(
 def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[str]:
     """For check-config: each place the resource's devices come from that is not there, a line each.
     ``serve`` waits for a missing directory and offers no devices until it appears, which is right
-    for hardware not plugged in yet and the same as for a typo: check-config says which."""
-    places = [source.directory for source in resource.sources] + ([dev_root] if resource.usb else [])
+    for hardware not plugged in yet and the same as for a typo: check-config says which. A
+    directory that names a device or a glob says what to write instead (directory_mistake)."""
+    directories = [source.directory for source in resource.sources]
     problems = []
-    for place in dict.fromkeys(places):
-        if not os.path.exists(place):
+    for place in dict.fromkeys(directories + ([dev_root] if resource.usb else [])):
+        if place in directories and (mistake := directory_mistake(place, _mode(place))):
+            problems.append(mistake)
+        elif not os.path.exists(place):
             problems.append(f"{place} does not exist (yet): serve waits for it")
         elif not os.path.isdir(place):
             problems.append(f"{place} is not a directory: serve finds no devices until it is one")

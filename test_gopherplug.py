@@ -970,6 +970,31 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
     ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
+    # generic-device-plugin's configuration, carried over: its keys point to the README's translation.
+    (
+        "devices:\n  - name: fuse\n    groups:\n      - count: 10\n        paths:\n          - path: /dev/fuse\n",
+        "cfg.yaml: devices: is generic-device-plugin's, not gopherplug's: gopherplug's configuration lists resources "
+        "instead, one for each of its devices "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    (  # one --device document
+        "name: serial\ngroups:\n  - paths:\n      - path: /dev/ttyUSB*\n",
+        "cfg.yaml: groups: is generic-device-plugin's, not gopherplug's: a resource here has directory and pattern, "
+        "match or usb instead, and replicas for count "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    (  # ... in a resource
+        resources(groups=[{"count": 10, "paths": [{"path": "/dev/fuse"}]}]),
+        "cfg.yaml: resources[0].groups: is generic-device-plugin's, not gopherplug's: a resource here has directory "
+        "and pattern, match or usb instead, and replicas for count "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    (
+        resources(paths=[{"path": "/dev/ttyUSB*"}]),
+        "cfg.yaml: resources[0].paths: is generic-device-plugin's, not gopherplug's: a resource here has directory "
+        "and pattern instead, a glob of the entries of one directory "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
     # The common YAML mistakes, told in a sentence at the line where they are, PyYAML's words after it.
     (  # a key indented more than its neighbours
         "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n     pattern: 'g*'\n",
@@ -4741,6 +4766,45 @@ def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
     Path(missing, "g0").touch()
     path.write_text(yaml.safe_dump({**top, "resources": resources[:1]}))
     assert run_cli("check-config", "--strict", "--config", str(path)).returncode == 0
+
+
+def test_check_config_says_what_to_write_for_a_directory_that_is_a_device_or_a_glob(tmp_path):
+    # generic-device-plugin's `path: /dev/fuse` and `path: /dev/ttyUSB*`, carried over as directories:
+    # serve would never find a device, and check-config only said "is not a directory".
+    glob, plain = str(tmp_path / "ttyUSB*"), str(tmp_path / "gophers")
+    path = tmp_path / "gopherplug.yaml"
+    resources = [
+        {"name": "example.com/null", "directory": "/dev/null"},
+        {"name": "example.com/serial", "match": [{"directory": glob}, {"directory": plain}]},
+    ]
+    path.write_text(yaml.safe_dump({"device_plugin_dir": str(tmp_path / "dp"), "resources": resources}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")  # valid: serve would run, and wait
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("  warning: ")]
+    assert warnings == [
+        "  warning: /dev/null is a character device, not a directory of devices: to offer it, write directory: /dev "
+        "and pattern: 'null'",
+        f"  warning: {glob} does not exist, and a directory is not a glob: for the entries it matches, write "
+        f"directory: {tmp_path} and pattern: 'ttyUSB*'",
+        f"  warning: {plain} does not exist (yet): serve waits for it",  # maybe not plugged in yet: no advice
+    ]
+    Path(plain).write_text("")
+    result = run_cli("check-config", "--config", str(path))
+    assert (
+        f"  warning: {plain} is a file, not a directory of devices: to offer it, write directory: {tmp_path} and "
+        "pattern: 'gophers'"
+    ) in result.stdout.splitlines()
+
+
+async def test_serve_says_what_to_write_for_a_directory_that_is_a_device(nursery, node, caplog):
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(directory="/dev/null"))
+        await simulator.wait_until(listed())
+    assert (
+        "/dev/null is a character device, not a directory of devices: to offer it, write directory: /dev and "
+        "pattern: 'null'"
+    ) in caplog.messages
 
 
 def test_check_config_shows_what_a_container_gets_for_one_device(node, tmp_path):
