@@ -8994,8 +8994,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
     check = commands.add_parser(
         "check-config",
-        help="validate a configuration file and show what each resource finds and gives a container (exit 2 if "
-        "invalid)",
+        help="validate a configuration file, and the options and environment serve would read, and show what each "
+        "resource finds and gives a container (exit 2 if invalid)",
     )
     check.add_argument(
         "--strict",
@@ -9032,20 +9032,21 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="configuration file (env GOPHERPLUG_CONFIG)",
         )
-    for command in (serve, probe_):
+    for command in (serve, check, probe_):
         command.add_argument(
             "--device-plugin-dir",
             default=None,  # the env var is read in main, so that a message about it can name it
             metavar="DIR",
             help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
         )
-    serve.add_argument(
-        "--metrics-address",
-        default=None,  # the env var is read in main, so that a message about it can name it
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics there, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; "
-        "needs the metrics extra)",
-    )
+    for command, does in ((serve, "serve Prometheus metrics there"), (check, "check it as serve would take it")):
+        command.add_argument(
+            "--metrics-address",
+            default=None,  # the env var is read in main, so that a message about it can name it
+            metavar="HOST:PORT",
+            help=f"{does}, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; serving needs the "
+            "metrics extra)",
+        )
     for command, default in ((serve, "info"), (demo, "warning")):
         command.add_argument(
             "--log-level",
@@ -9061,6 +9062,13 @@ def _parser() -> argparse.ArgumentParser:
             choices=LOG_FORMATS,
             help="one line per event, as text or as a JSON object (env GOPHERPLUG_LOG_FORMAT, default text)",
         )
+    # check-config logs nothing, but the log settings serve would take from the environment are
+    # checked (in main) as serve's are: lower-cased, as the options' type makes them.
+    level, log_format = env("GOPHERPLUG_LOG_LEVEL"), env("GOPHERPLUG_LOG_FORMAT")
+    check.set_defaults(
+        log_level=None if level is None else level.lower(),
+        log_format=None if log_format is None else log_format.lower(),
+    )
     return parser
 
 
@@ -9094,10 +9102,19 @@ def main(argv: list[str] | None = None) -> int:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config, getattr(args, "device_plugin_dir", None), _device_plugin_dir_from(args))
+        config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args))
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
+    # check-config checks what serve would read, so that it refuses what serve refuses.
+    given_as = "--metrics-address"
+    if args.metrics_address is None and os.environ.get("GOPHERPLUG_METRICS_ADDRESS"):
+        args.metrics_address, given_as = os.environ["GOPHERPLUG_METRICS_ADDRESS"], "GOPHERPLUG_METRICS_ADDRESS"
+    if args.metrics_address is not None:
+        if (problem := metrics_address_problem(args.metrics_address)) is not None:
+            print(f"gopherplug: {given_as}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        config = dataclasses.replace(config, metrics_address=args.metrics_address)
     if args.command == "check-config":
         for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
@@ -9118,6 +9135,16 @@ def main(argv: list[str] | None = None) -> int:
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
         strict_failed = False
         node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
+        if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
+            print(
+                "gopherplug: warning: NODE_NAME is not set: serve would stop at start, as the DRA driver names "
+                f"this node's pools after it (in a DaemonSet from spec.nodeName); shown here with the host name, "
+                f"{node_name}",
+                file=sys.stderr,
+            )
+            if args.strict:
+                print(f"gopherplug: --strict: DRA driver {config.dra.driver}: NODE_NAME is not set", file=sys.stderr)
+                strict_failed = True
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
@@ -9134,14 +9161,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
-    given_as = "--metrics-address"
-    if args.metrics_address is None and os.environ.get("GOPHERPLUG_METRICS_ADDRESS"):
-        args.metrics_address, given_as = os.environ["GOPHERPLUG_METRICS_ADDRESS"], "GOPHERPLUG_METRICS_ADDRESS"
-    if args.metrics_address is not None:
-        if (problem := metrics_address_problem(args.metrics_address)) is not None:
-            print(f"gopherplug: {given_as}: {problem}", file=sys.stderr)
-            return EXIT_USAGE
-        config = dataclasses.replace(config, metrics_address=args.metrics_address)
     given = (args.device_plugin_dir, _device_plugin_dir_from(args))
     return _run(args, _serve_until_signalled, config, args.config, *given)
 

@@ -4995,7 +4995,7 @@ def test_bad_usage_exits_2():
         ("GOPHERPLUG_LOG_FORMAT", "yaml", "GOPHERPLUG_LOG_FORMAT: 'yaml': use one of text, json"),
     ],
 )
-@pytest.mark.parametrize("command", ["serve", "demo"])
+@pytest.mark.parametrize("command", ["serve", "demo", "check-config"])  # check-config: what serve would refuse
 def test_a_bad_log_setting_from_the_environment_is_one_line_and_exit_2(
     node, tmp_path, command, variable, value, stderr
 ):
@@ -5012,11 +5012,29 @@ def test_a_bad_log_setting_from_the_environment_is_one_line_and_exit_2(
         ((), {"GOPHERPLUG_DEVICE_PLUGIN_DIR": "relative"}, "GOPHERPLUG_DEVICE_PLUGIN_DIR"),
     ],
 )
-@pytest.mark.parametrize("command", ["serve", "probe"])
+@pytest.mark.parametrize("command", ["serve", "probe", "check-config"])
 def test_a_relative_device_plugin_dir_is_named_where_it_was_given(node, tmp_path, command, args, env, named):
     path = write_config(node, tmp_path)
     result = run_cli(command, "--config", str(path), *args, env=env)
     assert (result.returncode, result.stderr) == (2, f"gopherplug: {named}: 'relative' must be an absolute path\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [(("--device-plugin-dir", "{dir}"), {}), ((), {"GOPHERPLUG_DEVICE_PLUGIN_DIR": "{dir}"})],
+)
+def test_check_config_says_where_serve_would_find_the_kubelet_given_the_option_or_the_variable(
+    node, tmp_path, args, env
+):
+    # serve takes the directory from either; check-config named the file's (or none) all the same.
+    other = node.plugin_dir + "-other"  # short: a socket path must fit in it
+    path = write_config(node, tmp_path)
+    args = [arg.format(dir=other) for arg in args]
+    result = run_cli("check-config", "--config", str(path), *args, env={k: v.format(dir=other) for k, v in env.items()})
+    assert (result.returncode, result.stderr) == (0, "")
+    assert (
+        result.stdout.splitlines()[0] == f"{path}: OK: 1 resource(s): {RESOURCE} ({node.devices}/*); kubelet at {other}"
+    )
 
 
 def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
@@ -5521,12 +5539,34 @@ def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_
     (tmp_path / "g" / "gopher0").touch()
     path = tmp_path / "cfg.yaml"
     path.write_text(dra_config(tmp_path / "g", tmp_path / "k", cdi={"kind": "example.com/gopher"}))
-    result = run_cli("check-config", "--config", str(path))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout.splitlines()[0] == (
         f"{path}: OK: 1 resource(s): example.com/gopher ({tmp_path}/g/*); "
         f"DRA driver {DRIVER}, kubelet root {tmp_path}/k"
     )
+
+
+def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(sockdir):
+    # serve stops at start without it (exit 1); check-config named the pools after the host name, silently.
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "gopher0").touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k"))
+    warning = (
+        "gopherplug: warning: NODE_NAME is not set: serve would stop at start, as the DRA driver names this node's "
+        f"pools after it (in a DaemonSet from spec.nodeName); shown here with the host name, {socket.gethostname()}\n"
+    )
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": ""})
+    assert (result.returncode, result.stderr) == (0, warning)
+    assert f"of pool {socket.gethostname()}/example.com/gopher gives a container:" in result.stdout
+    strict = run_cli("check-config", "--strict", "--config", str(path), env={"NODE_NAME": ""})
+    assert (strict.returncode, strict.stderr) == (
+        1,
+        f"{warning}gopherplug: --strict: DRA driver {DRIVER}: NODE_NAME is not set\n",
+    )
+    assert run_cli("check-config", "--strict", "--config", str(path), env={"NODE_NAME": "node-1"}).returncode == 0
 
 
 def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
@@ -8699,12 +8739,13 @@ def test_metrics_address_mistake_is_one_config_error(value, problem):
         ([], "9400", "GOPHERPLUG_METRICS_ADDRESS"),
     ],
 )
-def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys, monkeypatch, given, env, named):
+@pytest.mark.parametrize("command", ["serve", "check-config"])  # check-config: what serve would refuse
+def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys, monkeypatch, given, env, named, command):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
     if env is not None:
         monkeypatch.setenv("GOPHERPLUG_METRICS_ADDRESS", env)
-    assert gp.main(["serve", "--config", str(config), *given]) == gp.EXIT_USAGE
+    assert gp.main([command, "--config", str(config), *given]) == gp.EXIT_USAGE
     assert capsys.readouterr().err == (
         f'gopherplug: {named}: \'9400\' is not host:port, e.g. "0.0.0.0:9400" (all addresses) or "127.0.0.1:9400"\n'
     )
