@@ -7944,9 +7944,10 @@ def scan_report(
     resource: ResourceConfig, scan: Scan, *container_problems: str, in_pod: Mapping[str, str] | None = None
 ) -> str:
     """What `check-config` shows of a resource: the devices the kubelet would be offered now, each
-    with its health and the paths of its members (a symlink with the file it leads to), then
-    every entry skipped and why. ``in_pod``: for a member's path, why the shipped pod would find it
-    unhealthy although this process does not (see pod_mode_problem)."""
+    with its health and the paths of its members (a symlink with the file it leads to), and under
+    DRA its name in the ResourceSlice, then every entry skipped and why. ``in_pod``: for a member's
+    path, why the shipped pod would find it unhealthy although this process does not (see
+    pod_mode_problem)."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
     replicas = ""
     if resource.replicas > 1:  # under DRA alone, replicas are shares of the device (dra_shares)
@@ -7958,15 +7959,21 @@ def scan_report(
         lines.append(f"  {scan.problem}")
     if scan.devices:
         width = max(len("ID"), *(len(device.id) for device in scan.devices))
-        lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  PATH")
+        # Under DRA a device is known by its name in the ResourceSlice, which claims' results and
+        # `kubectl get resourceslices` show: its ID only when that is a DNS label (dra_device_name).
+        names = {device.id: dra_device_name(device.id) for device in scan.devices} if resource.dra else {}
+        named = max(len("DRA NAME"), *map(len, names.values())) if names else 0
+        column = f"{'DRA NAME':<{named}}  " if names else ""
+        lines.append(f"  {'ID':<{width}}  {column}{'HEALTH':<9}  PATH")
         for device in scan.devices:
             for number, member in enumerate(device.members or (device,)):
                 path = member.path + (f" -> {member.followed[-1]}" if member.followed else "")
                 why = f" ({member.problem})" if member.problem else ""
                 if pod_problem := (in_pod or {}).get(member.path):
                     why = f" (Unhealthy in the shipped pod: {pod_problem})"
-                first = (device.id, device.health) if number == 0 else ("", "")
-                lines.append(f"  {first[0]:<{width}}  {first[1]:<9}  {path}{why}")
+                first = (device.id, names.get(device.id, ""), device.health) if number == 0 else ("", "", "")
+                column = f"{first[1]:<{named}}  " if names else ""
+                lines.append(f"  {first[0]:<{width}}  {column}{first[2]:<9}  {path}{why}")
     lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
     return "\n".join(lines)
 

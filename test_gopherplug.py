@@ -5592,6 +5592,26 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     ]
 
 
+def test_check_config_shows_each_devices_dra_name(sockdir):
+    # A ResourceSlice names a device by a DNS label: ttyS0 is ttys0-45b83132 there, in claims' results
+    # and in `kubectl get resourceslices`; check-config named only the first healthy device's.
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    for name in ("ttyS0", "g1", "0000:00:02.0"):
+        (tmp_path / "g" / name).touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k"))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:6] == [
+        f"example.com/gopher: 3 devices, 3 healthy, from {tmp_path}/g/*",
+        "  ID            DRA NAME               HEALTH     PATH",
+        f"  0000:00:02.0  0000-00-02-0-537acfdf  Healthy    {tmp_path}/g/0000:00:02.0",
+        f"  g1            g1                     Healthy    {tmp_path}/g/g1",
+        f"  ttyS0         ttys0-45b83132         Healthy    {tmp_path}/g/ttyS0",
+    ]
+
+
 def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_container(sockdir):
     # replicas under DRA alone: each device shared by that many claims; a claim's container gets its
     # share's CDI device and env var (the scheduler's shareID shown as <shareID>).
