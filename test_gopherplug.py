@@ -5405,6 +5405,25 @@ def test_daemonset_runs_least_privileged_with_the_probe():
         assert covering, f"{resource.directory} is not a host directory mounted at the same path"
 
 
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+def test_the_manifests_create_no_device_directory_on_the_nodes(manifest):
+    """A DaemonSet lands on every node: the example's device directory, a DirectoryOrCreate volume,
+    made an empty /etc/gophers on each. The volume of every directory the configuration names must
+    be there already (type Directory: the pod waits, with an event, where it is not); only the
+    kubelet's and the container runtime's own directories may be created."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / manifest).read_text()) if doc}
+    config = gp.parse_config(docs["ConfigMap"]["data"]["config.yaml"], f"{manifest} ConfigMap")
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    host_paths = {volume["name"]: volume["hostPath"] for volume in pod["volumes"] if "hostPath" in volume}
+    created = {v["path"] for v in host_paths.values() if v.get("type") in ("DirectoryOrCreate", "FileOrCreate")}
+    assert created <= {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"}
+    for source in (source for resource in config.resources for source in resource.sources):
+        mounted = [m for m in container["volumeMounts"] if gp._is_under(source.directory, [m["mountPath"]])]
+        mount = max(mounted, key=lambda m: len(m["mountPath"]))
+        assert host_paths[mount["name"]].get("type") == "Directory", (source.directory, host_paths[mount["name"]])
+
+
 def test_shipped_files_stand_alone():
     # Users get the repository, not the team's design notes: the product states facts itself or
     # names upstream sources by repository and path.
