@@ -1895,8 +1895,9 @@ def _list(value: Any, source: str, where: str) -> list[Any]:
 def _mapping(data: Any, source: str, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         problem = "must be a mapping of keys to values"
+        # A key without the space after its colon: YAML reads "kind:x" as one word, a string.
         key, colon, value = data.partition(":") if isinstance(data, str) else ("", "", "")
-        if colon and key in allowed and value[:1] not in ("", " ") and data.isprintable():  # YAML: "kind:x", one word
+        if colon and key in allowed and value[:1] not in ("", " ") and data.isprintable():
             problem += f": write {key}: {value}, with a space after the colon ({data!r} is one word to YAML)"
         elif isinstance(data, list):
             problem += ", not a list: a key of a mapping takes no '- '"
@@ -2012,8 +2013,10 @@ def directory_mistake(directory: str, mode: int | None) -> str | None:
     if stat.S_ISDIR(mode):
         return None
     kinds = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFREG: "a file"}
-    kind = kinds.get(stat.S_IFMT(mode), "no directory")
-    return f"{directory} is {kind}, not a directory of devices: to offer it, {instead}"
+    kinds |= {stat.S_IFSOCK: "a socket", stat.S_IFIFO: "a FIFO"}
+    return (
+        f"{directory} is {kinds.get(stat.S_IFMT(mode), 'a file')}, not a directory of devices: to offer it, {instead}"
+    )
 
 
 @dataclass(frozen=True)
@@ -9046,7 +9049,10 @@ def _parser() -> argparse.ArgumentParser:
             metavar="DIR",
             help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
         )
-    for command, does in ((serve, "serve Prometheus metrics there"), (check, "check it as serve would take it")):
+    for command, does in (
+        (serve, "serve Prometheus metrics there"),
+        (check, "the metrics address serve would use, checked"),
+    ):
         command.add_argument(
             "--metrics-address",
             default=None,  # the env var is read in main, so that a message about it can name it
