@@ -1323,23 +1323,109 @@ def _octal_numbers(data: Any, where: str = "") -> Iterator[tuple[str, _Octal]]:
             stack += reversed(keys)
 
 
+# PyYAML says where it stopped, in the parser's words ("expected <block end>, but found '<block
+# mapping start>'"), and often a line after the mistake: a key without a space after its colon is
+# read as one word with its value, and only the next line's key is found out of place. The common
+# mistakes are told in a sentence of their own, at the line where they are; a fix is proposed only
+# when the text parses with it (or gets past the line PyYAML stopped at).
+#: What YAML takes for a line break (PyYAML's reader counts lines by these; str.splitlines by more).
+_YAML_LINE_BREAK = re.compile(r"\r\n|[\r\n\x85\u2028\u2029]")
+# A key written without a space after its colon: "name:example.com/gopher", "- directory:/dev".
+_KEY_WITHOUT_SPACE = re.compile(r"(?:[ ]*-[ ]+)*[ ]*[^\s#'\"\[\]{}:,&*!|>%@`-][^\s:]*:(?=[^\s:])")
+# A content line's indentation, and (after any "- ") where its key or value begins.
+_INDENTED = re.compile(r"([ ]*)((?:-[ ]+)*)\S")
+
+
+def _yaml_problem(text: str, error: yaml.YAMLError) -> str:
+    """A YAML syntax error as one line: where PyYAML stopped and what it said, and for a common
+    mistake (a tab, a key without a space after its colon, a list item among a mapping's keys, a
+    line indented unlike the lines above it) the mistake in a plain sentence first."""
+    mark = getattr(error, "problem_mark", None)
+    said = getattr(error, "problem", None) or str(error)
+    if mark is None:
+        return f"invalid YAML ({said})"
+    said = f"line {mark.line + 1}, column {mark.column + 1}: {said}"
+    mistake = _yaml_mistake(_YAML_LINE_BREAK.split(text), error, mark.line, mark.column)
+    if mistake is None:
+        return f"invalid YAML ({said})"
+    line, column, sentence = mistake
+    return f"invalid YAML at line {line + 1}, column {column + 1}: {sentence} (PyYAML at {said})"
+
+
+def _yaml_mistake(lines: list[str], error: Any, at: int, column: int) -> tuple[int, int, str] | None:
+    """(line, column, sentence) of a common mistake that explains ``error``, which PyYAML raised
+    at line ``at`` of ``lines`` (0-based), or None."""
+    problem = getattr(error, "problem", None) or ""
+    if not isinstance(error, yaml.scanner.ScannerError | yaml.parser.ParserError) or not 0 <= at < len(lines):
+        return None  # not a syntax error (an unknown tag, an undefined alias): PyYAML's words say it
+    if "'\\t'" in problem:  # "found character '\t' that cannot start any token"
+        return at, column, "a tab: YAML takes only spaces, to indent and after a key's colon: replace it with spaces"
+    # The content lines above, nearest first (blank lines and comments say nothing about structure).
+    above = [n for n in range(at - 1, -1, -1) if lines[n].strip() and not lines[n].lstrip().startswith("#")]
+    # A key without its space is found out on its own line or at the next key, below it.
+    context = getattr(error, "context_mark", None)
+    suspects = [at, *above[:1], *([context.line] if context is not None and context.line < at else [])]
+    for n in dict.fromkeys(suspects):
+        if (glued := _KEY_WITHOUT_SPACE.match(lines[n])) is not None:
+            fixed = lines[n][: glued.end()] + " " + lines[n][glued.end() :]
+            if _parses_past([*lines[:n], fixed, *lines[n + 1 :]], at):
+                written = fixed.strip().lstrip("- ")
+                return n, glued.end() - 1, f"a key needs a space after its colon: write {written!r}"
+    if problem.endswith("but found '-'") and "mapping" in (getattr(error, "context", None) or ""):
+        sentence = "a list item ('- ') among the keys of a mapping (key: value): remove its '- ', or begin the "
+        return at, column, sentence + "mapping's first key with '- ' too, for a list of mappings"
+    if not above or not (problem.startswith("mapping values are not allowed") or "expected <block end>" in problem):
+        return None
+    this, over = _INDENTED.match(lines[at]), _INDENTED.match(lines[above[0]])
+    if this is None or over is None or len(this[1]) == over.end() - 1:
+        return None  # as far in as the key above it: the mistake is not the indentation
+    spaces = len(this[1])
+    sentence = f"this line is indented by {_spaces(spaces)}, unlike the lines above it"
+    # The indentations of the lines above, nearest first: each line's key (after any "- "), then its
+    # "- ". The first that makes the text parse is the one to propose.
+    widths: dict[int, int] = {}  # indentation -> the nearest line above that has it
+    for n in above:
+        if (other := _INDENTED.match(lines[n])) is not None:
+            widths.setdefault(other.end() - 1, n)
+            widths.setdefault(len(other[1]), n)
+    for width, n in itertools.islice(widths.items(), 8):
+        if width != spaces and _parses_past([*lines[:at], " " * width + lines[at].lstrip(" "), *lines[at + 1 :]], at):
+            key = lines[n].strip().lstrip("- ").partition(":")[0]
+            return at, spaces, f"{sentence}: indent it as far as {key!r} on line {n + 1} ({_spaces(width)})"
+    return at, spaces, f"{sentence}: indent a key as far as the other keys of its mapping"
+
+
+def _spaces(count: int) -> str:
+    """ "1 space", "4 spaces"."""
+    return f"{count} space" if count == 1 else f"{count} spaces"
+
+
+def _parses_past(lines: list[str], at: int) -> bool:
+    """Whether YAML text of ``lines`` parses, or fails only after line ``at``."""
+    try:
+        yaml.compose("\n".join(lines), Loader=_ConfigLoader)
+    except yaml.MarkedYAMLError as error:
+        return error.problem_mark is not None and error.problem_mark.line > at
+    except yaml.YAMLError:
+        return False
+    return True
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
         data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(source, "", f"invalid YAML ({where}{problem})") from None
+        raise ConfigError(source, "", _yaml_problem(text, error)) from None
     for at, octal in _octal_numbers(data):
         read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
         if re.search(r"\.usb\[[0-9]+\]\.(vendor|product|serial)$", at):
-            problem = f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")'
-        else:
-            decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"
-            problem = f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
-        raise ConfigError(source, at, problem)
+            raise ConfigError(source, at, f'{read}: write it in quotes, as lsusb prints it ("{octal.written}")')
+        decimal = octal.written.replace("_", "").lstrip("+-").lstrip("0") or "0"
+        raise ConfigError(
+            source, at, f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
+        )
+    _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
         data,
         source,
@@ -1389,6 +1475,26 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         for key, problem in _pattern_warnings(entry)
     )
     return Config(tuple(resources), device_plugin_dir, source, sysfs_root, dev_root, dra, metrics_address, warnings)
+
+
+# generic-device-plugin's keys (squat/generic-device-plugin, config.go: a --config file's `devices`,
+# each --device document's `groups`, a group's `paths`), with what gopherplug has instead. A file
+# carried over from it is told where its translation is, not only that its keys are unknown.
+_GENERIC_DEVICE_PLUGIN_KEYS = {
+    "devices": "gopherplug's configuration lists resources instead, one for each of its devices",
+    "device": "gopherplug's configuration lists resources instead, one for each --device",
+    "groups": "a resource here has directory and pattern, match or usb instead, and replicas for count",
+    "paths": "a resource here has directory and pattern instead, a glob of the entries of one directory",
+}
+
+
+def _refuse_generic_device_plugin_keys(data: Any, source: str, where: str) -> None:
+    """Raise ConfigError for the first of generic-device-plugin's keys in the mapping ``data``."""
+    for key in data if isinstance(data, dict) else ():
+        if key in _GENERIC_DEVICE_PLUGIN_KEYS:
+            problem = f"is generic-device-plugin's, not gopherplug's: {_GENERIC_DEVICE_PLUGIN_KEYS[key]} "
+            problem += '(the README\'s "Coming from generic-device-plugin" translates each of its keys)'
+            raise ConfigError(source, f"{where}.{key}", problem)
 
 
 def metrics_address_problem(address: str) -> str | None:
@@ -1508,6 +1614,7 @@ def _parse_resource(
 ) -> ResourceConfig:
     if isinstance(entry, dict) and "allow_double_booking" in entry:  # before _mapping's "unknown key"
         raise ConfigError(source, f"{where}.allow_double_booking", f"is no longer accepted: {_ONE_API}")
+    _refuse_generic_device_plugin_keys(entry, source, where)
     data = _mapping(entry, source, where, _RESOURCE_KEYS, required={"name"})
     name = _string(data["name"], source, f"{where}.name")
     if (problem := resource_name_problem(name)) is not None:
@@ -1882,7 +1989,14 @@ def _list(value: Any, source: str, where: str) -> list[Any]:
 
 def _mapping(data: Any, source: str, where: str, allowed: set[str], required: set[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise ConfigError(source, where, "must be a mapping of keys to values")
+        problem = "must be a mapping of keys to values"
+        # A key without the space after its colon: YAML reads "kind:x" as one word, a string.
+        key, colon, value = data.partition(":") if isinstance(data, str) else ("", "", "")
+        if colon and key in allowed and value[:1] not in ("", " ") and data.isprintable():
+            problem += f": write {key}: {value}, with a space after the colon ({data!r} is one word to YAML)"
+        elif isinstance(data, list):
+            problem += ", not a list: a key of a mapping takes no '- '"
+        raise ConfigError(source, where, problem)
     for key in data:
         if key not in allowed:
             raise ConfigError(
@@ -1978,6 +2092,26 @@ def _sorted_by_numbers(ids: list[str]) -> list[str] | None:
     if len(by_key) != len(ids):
         return None  # equal numbers written differently ("g01", "g1"): the strings decide
     return [by_key[key] for key in sorted(by_key)]
+
+
+def directory_mistake(directory: str, mode: int | None) -> str | None:
+    """Why a source's ``directory`` will never give devices, and what to write instead, when it names
+    a device itself (/dev/fuse) or a glob of them (/dev/ttyUSB*), as generic-device-plugin's `path`
+    does; ``mode`` is what is at the path (its st_mode; None: nothing). None for a directory, or for
+    a path that is simply not there (yet): hardware not plugged in."""
+    parent, name = os.path.split(directory)
+    instead = f"write directory: {parent} and pattern: {_as_written(name)}"
+    if mode is None:
+        if not re.search(r"[*?[]", name):
+            return None
+        return f"{directory} does not exist, and a directory is not a glob: for the entries it matches, {instead}"
+    if stat.S_ISDIR(mode):
+        return None
+    kinds = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFREG: "a file"}
+    kinds |= {stat.S_IFSOCK: "a socket", stat.S_IFIFO: "a FIFO"}
+    return (
+        f"{directory} is {kinds.get(stat.S_IFMT(mode), 'a file')}, not a directory of devices: to offer it, {instead}"
+    )
 
 
 @dataclass(frozen=True)
@@ -4157,6 +4291,14 @@ _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
 
 
+def _mode(path: str) -> int | None:
+    """What is at ``path`` (its st_mode, following symlinks), None when nothing or it cannot be seen."""
+    try:
+        return os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+
+
 def _read_text(path: str) -> str | None:
     """A text file's content, or None if it cannot be read now."""
     try:
@@ -4780,7 +4922,10 @@ async def watch_devices(
                 _log(resource).warning("%s", problem)
             watch = stack.enter_context(DirectoryWatch(source.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
             if not watch.exists:
-                _log(resource).warning("%s is not a directory (yet): no devices until it is", source.directory)
+                mistake = directory_mistake(source.directory, _mode(source.directory))
+                _log(resource).warning(
+                    "%s", mistake or f"{source.directory} is not a directory (yet): no devices until it is"
+                )
             trackers.append(_SourceTracker(resource, number, source, watch, sysfs_root, dev_root))
         if resource.usb:
             if problem := container_only_problem(dev_root, mountinfo):
@@ -8062,9 +8207,10 @@ def scan_report(
     resource: ResourceConfig, scan: Scan, *container_problems: str, in_pod: Mapping[str, str] | None = None
 ) -> str:
     """What `check-config` shows of a resource: the devices the kubelet would be offered now, each
-    with its health and the paths of its members (a symlink with the file it leads to), then
-    every entry skipped and why. ``in_pod``: for a member's path, why the shipped pod would find it
-    unhealthy although this process does not (see pod_mode_problem)."""
+    with its health and the paths of its members (a symlink with the file it leads to), and under
+    DRA its name in the ResourceSlice, then every entry skipped and why. ``in_pod``: for a member's
+    path, why the shipped pod would find it unhealthy although this process does not (see
+    pod_mode_problem)."""
     healthy = sum(device.health == HEALTHY for device in scan.devices)
     replicas = ""
     if resource.replicas > 1:  # under DRA alone, replicas are shares of the device (dra_shares)
@@ -8076,15 +8222,21 @@ def scan_report(
         lines.append(f"  {scan.problem}")
     if scan.devices:
         width = max(len("ID"), *(len(device.id) for device in scan.devices))
-        lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  PATH")
+        # Under DRA a device is known by its name in the ResourceSlice, which claims' results and
+        # `kubectl get resourceslices` show: its ID only when that is a DNS label (dra_device_name).
+        names = {device.id: dra_device_name(device.id) for device in scan.devices} if resource.dra else {}
+        named = max(len("DRA NAME"), *map(len, names.values())) if names else 0
+        column = f"{'DRA NAME':<{named}}  " if names else ""
+        lines.append(f"  {'ID':<{width}}  {column}{'HEALTH':<9}  PATH")
         for device in scan.devices:
             for number, member in enumerate(device.members or (device,)):
                 path = member.path + (f" -> {member.followed[-1]}" if member.followed else "")
                 why = f" ({member.problem})" if member.problem else ""
                 if pod_problem := (in_pod or {}).get(member.path):
                     why = f" (Unhealthy in the shipped pod: {pod_problem})"
-                first = (device.id, device.health) if number == 0 else ("", "")
-                lines.append(f"  {first[0]:<{width}}  {first[1]:<9}  {path}{why}")
+                first = (device.id, names.get(device.id, ""), device.health) if number == 0 else ("", "", "")
+                column = f"{first[1]:<{named}}  " if names else ""
+                lines.append(f"  {first[0]:<{width}}  {column}{first[2]:<9}  {path}{why}")
     lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
     return "\n".join(lines)
 
@@ -8092,11 +8244,14 @@ def scan_report(
 def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[str]:
     """For check-config: each place the resource's devices come from that is not there, a line each.
     ``serve`` waits for a missing directory and offers no devices until it appears, which is right
-    for hardware not plugged in yet and the same as for a typo: check-config says which."""
-    places = [source.directory for source in resource.sources] + ([dev_root] if resource.usb else [])
+    for hardware not plugged in yet and the same as for a typo: check-config says which. A
+    directory that names a device or a glob says what to write instead (directory_mistake)."""
+    directories = [source.directory for source in resource.sources]
     problems = []
-    for place in dict.fromkeys(places):
-        if not os.path.exists(place):
+    for place in dict.fromkeys(directories + ([dev_root] if resource.usb else [])):
+        if place in directories and (mistake := directory_mistake(place, _mode(place))):
+            problems.append(mistake)
+        elif not os.path.exists(place):
             problems.append(f"{place} does not exist (yet): serve waits for it")
         elif not os.path.isdir(place):
             problems.append(f"{place} is not a directory: serve finds no devices until it is one")
@@ -9249,8 +9404,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the device plugin (the default)")
     check = commands.add_parser(
         "check-config",
-        help="validate a configuration file and show what each resource finds and gives a container (exit 2 if "
-        "invalid)",
+        help="validate a configuration file, and the options and environment serve would read, and show what each "
+        "resource finds and gives a container (exit 2 if invalid)",
     )
     check.add_argument(
         "--strict",
@@ -9298,20 +9453,24 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="configuration file (env GOPHERPLUG_CONFIG)",
         )
-    for command in (serve, probe_):
+    for command in (serve, check, probe_, who):
         command.add_argument(
             "--device-plugin-dir",
             default=None,  # the env var is read in main, so that a message about it can name it
             metavar="DIR",
             help="the kubelet's device-plugin directory, overriding the file's (env GOPHERPLUG_DEVICE_PLUGIN_DIR)",
         )
-    serve.add_argument(
-        "--metrics-address",
-        default=None,  # the env var is read in main, so that a message about it can name it
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics there, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; "
-        "needs the metrics extra)",
-    )
+    for command, does in (
+        (serve, "serve Prometheus metrics there"),
+        (check, "the metrics address serve would use, checked"),
+    ):
+        command.add_argument(
+            "--metrics-address",
+            default=None,  # the env var is read in main, so that a message about it can name it
+            metavar="HOST:PORT",
+            help=f"{does}, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; serving needs the "
+            "metrics extra)",
+        )
     for command, default in ((serve, "info"), (demo, "warning")):
         command.add_argument(
             "--log-level",
@@ -9327,6 +9486,13 @@ def _parser() -> argparse.ArgumentParser:
             choices=LOG_FORMATS,
             help="one line per event, as text or as a JSON object (env GOPHERPLUG_LOG_FORMAT, default text)",
         )
+    # check-config logs nothing, but the log settings serve would take from the environment are
+    # checked (in main) as serve's are: lower-cased, as the options' type makes them.
+    level, log_format = env("GOPHERPLUG_LOG_LEVEL"), env("GOPHERPLUG_LOG_FORMAT")
+    check.set_defaults(
+        log_level=None if level is None else level.lower(),
+        log_format=None if log_format is None else log_format.lower(),
+    )
     return parser
 
 
@@ -9360,12 +9526,21 @@ def main(argv: list[str] | None = None) -> int:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config, getattr(args, "device_plugin_dir", None), _device_plugin_dir_from(args))
+        config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args))
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.command == "who":
         return _who(args, config)
+    # check-config checks what serve would read, so that it refuses what serve refuses.
+    given_as = "--metrics-address"
+    if args.metrics_address is None and os.environ.get("GOPHERPLUG_METRICS_ADDRESS"):
+        args.metrics_address, given_as = os.environ["GOPHERPLUG_METRICS_ADDRESS"], "GOPHERPLUG_METRICS_ADDRESS"
+    if args.metrics_address is not None:
+        if (problem := metrics_address_problem(args.metrics_address)) is not None:
+            print(f"gopherplug: {given_as}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        config = dataclasses.replace(config, metrics_address=args.metrics_address)
     if args.command == "check-config":
         for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
@@ -9386,6 +9561,16 @@ def main(argv: list[str] | None = None) -> int:
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
         strict_failed = False
         node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
+        if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
+            print(
+                "gopherplug: warning: NODE_NAME is not set: serve would stop at start, as the DRA driver names "
+                f"this node's pools after it (in a DaemonSet from spec.nodeName); shown here with the host name, "
+                f"{node_name}",
+                file=sys.stderr,
+            )
+            if args.strict:
+                print(f"gopherplug: --strict: DRA driver {config.dra.driver}: NODE_NAME is not set", file=sys.stderr)
+                strict_failed = True
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
@@ -9402,14 +9587,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
-    given_as = "--metrics-address"
-    if args.metrics_address is None and os.environ.get("GOPHERPLUG_METRICS_ADDRESS"):
-        args.metrics_address, given_as = os.environ["GOPHERPLUG_METRICS_ADDRESS"], "GOPHERPLUG_METRICS_ADDRESS"
-    if args.metrics_address is not None:
-        if (problem := metrics_address_problem(args.metrics_address)) is not None:
-            print(f"gopherplug: {given_as}: {problem}", file=sys.stderr)
-            return EXIT_USAGE
-        config = dataclasses.replace(config, metrics_address=args.metrics_address)
     given = (args.device_plugin_dir, _device_plugin_dir_from(args))
     return _run(args, _serve_until_signalled, config, args.config, *given)
 

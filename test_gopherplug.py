@@ -809,7 +809,7 @@ def resources(**fields):
 
 BAD_CONFIGS = [
     ("", "cfg.yaml: must be a mapping of keys to values"),
-    ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values"),
+    ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '"),
     ("{}", "cfg.yaml: resources: is required"),
     ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
     ("resources: {}", "cfg.yaml: resources: must be a non-empty list of resources"),
@@ -1014,6 +1014,102 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
     ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
+    # generic-device-plugin's configuration, carried over: its keys point to the README's translation.
+    (
+        "devices:\n  - name: fuse\n    groups:\n      - count: 10\n        paths:\n          - path: /dev/fuse\n",
+        "cfg.yaml: devices: is generic-device-plugin's, not gopherplug's: gopherplug's configuration lists resources "
+        "instead, one for each of its devices "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    (  # one --device document
+        "name: serial\ngroups:\n  - paths:\n      - path: /dev/ttyUSB*\n",
+        "cfg.yaml: groups: is generic-device-plugin's, not gopherplug's: a resource here has directory and pattern, "
+        "match or usb instead, and replicas for count "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    (  # ... in a resource
+        resources(groups=[{"count": 10, "paths": [{"path": "/dev/fuse"}]}]),
+        "cfg.yaml: resources[0].groups: is generic-device-plugin's, not gopherplug's: a resource here has directory "
+        "and pattern, match or usb instead, and replicas for count "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    (
+        resources(paths=[{"path": "/dev/ttyUSB*"}]),
+        "cfg.yaml: resources[0].paths: is generic-device-plugin's, not gopherplug's: a resource here has directory "
+        "and pattern instead, a glob of the entries of one directory "
+        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+    ),
+    # The common YAML mistakes, told in a sentence at the line where they are, PyYAML's words after it.
+    (  # a key indented more than its neighbours
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n     pattern: 'g*'\n",
+        "cfg.yaml: invalid YAML at line 4, column 6: this line is indented by 5 spaces, unlike the lines above it: "
+        "indent it as far as 'directory' on line 3 (4 spaces) "
+        "(PyYAML at line 4, column 13: mapping values are not allowed here)",
+    ),
+    (  # ... less: the "expected <block end>, but found '<block mapping start>'" of issue 26
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n   pattern: 'g*'\n",
+        "cfg.yaml: invalid YAML at line 4, column 4: this line is indented by 3 spaces, unlike the lines above it: "
+        "indent it as far as 'directory' on line 3 (4 spaces) "
+        "(PyYAML at line 4, column 4: expected <block end>, but found '<block mapping start>')",
+    ),
+    (  # ... as far as the list's "- ", without one
+        "resources:\n  - name: example.com/gopher\n  directory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 3: this line is indented by 2 spaces, unlike the lines above it: "
+        "indent it as far as 'name' on line 2 (4 spaces) "
+        "(PyYAML at line 3, column 3: expected <block end>, but found '?')",
+    ),
+    (  # a top-level key indented
+        "device_plugin_dir: /dp\n  resources:\n  - name: example.com/gopher\n",
+        "cfg.yaml: invalid YAML at line 2, column 3: this line is indented by 2 spaces, unlike the lines above it: "
+        "indent it as far as 'device_plugin_dir' on line 1 (0 spaces) "
+        "(PyYAML at line 2, column 12: mapping values are not allowed here)",
+    ),
+    (  # a tab to indent
+        "resources:\n  - name: example.com/gopher\n\tdirectory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 1: a tab: YAML takes only spaces, to indent and after a key's colon: "
+        "replace it with spaces (PyYAML at line 3, column 1: found character '\\t' that cannot start any token)",
+    ),
+    (  # a tab after a colon
+        "resources:\n  - name: example.com/gopher\n    directory:\t/dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 15: a tab: YAML takes only spaces, to indent and after a key's "
+        "colon: replace it with spaces "
+        "(PyYAML at line 3, column 15: found character '\\t' that cannot start any token)",
+    ),
+    (  # no space after a colon: PyYAML finds out at the next key, a line below
+        "resources:\n  - name:example.com/gopher\n    directory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 2, column 9: a key needs a space after its colon: write "
+        "'name: example.com/gopher' (PyYAML at line 3, column 14: mapping values are not allowed here)",
+    ),
+    (  # ... or at the end of the text
+        "resources:\n  - name: example.com/gopher\n    directory:/dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 14: a key needs a space after its colon: write 'directory: /dev/g' "
+        "(PyYAML at line 4, column 1: could not find expected ':')",
+    ),
+    (  # ... or not at all: valid YAML, a string where a mapping belongs
+        "resources:\n  - name:example.com/gopher\n",
+        "cfg.yaml: resources[0]: must be a mapping of keys to values: write name: example.com/gopher, with a space "
+        "after the colon ('name:example.com/gopher' is one word to YAML)",
+    ),
+    (  # a list item where a mapping was expected
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n    - pattern: 'g*'\n",
+        "cfg.yaml: invalid YAML at line 4, column 5: a list item ('- ') among the keys of a mapping (key: value): "
+        "remove its '- ', or begin the mapping's first key with '- ' too, for a list of mappings "
+        "(PyYAML at line 4, column 5: expected <block end>, but found '-')",
+    ),
+    (  # ... the first key without its "- "
+        "resources:\n  name: example.com/gopher\n  - directory: /dev/g\n",
+        "cfg.yaml: invalid YAML at line 3, column 3: a list item ('- ') among the keys of a mapping (key: value): "
+        "remove its '- ', or begin the mapping's first key with '- ' too, for a list of mappings "
+        "(PyYAML at line 3, column 3: expected <block end>, but found '-')",
+    ),
+    (  # ... valid YAML: a list where a mapping belongs
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n    cdi:\n      - kind: example.com/gopher\n",
+        "cfg.yaml: resources[0].cdi: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '",
+    ),
+    (  # not one of the common mistakes: PyYAML's words alone, not a wrong guess
+        "resources:\n  - name: example.com/gopher\n    directory: /dev/g: x\n",
+        "cfg.yaml: invalid YAML (line 3, column 22: mapping values are not allowed here)",
+    ),
     (
         resources(name="gopher"),
         "cfg.yaml: resources[0].name: 'gopher': must be an extended resource name, domain/name "
@@ -4818,6 +4914,45 @@ def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
     assert run_cli("check-config", "--strict", "--config", str(path)).returncode == 0
 
 
+def test_check_config_says_what_to_write_for_a_directory_that_is_a_device_or_a_glob(tmp_path):
+    # generic-device-plugin's `path: /dev/fuse` and `path: /dev/ttyUSB*`, carried over as directories:
+    # serve would never find a device, and check-config only said "is not a directory".
+    glob, plain = str(tmp_path / "ttyUSB*"), str(tmp_path / "gophers")
+    path = tmp_path / "gopherplug.yaml"
+    resources = [
+        {"name": "example.com/null", "directory": "/dev/null"},
+        {"name": "example.com/serial", "match": [{"directory": glob}, {"directory": plain}]},
+    ]
+    path.write_text(yaml.safe_dump({"device_plugin_dir": str(tmp_path / "dp"), "resources": resources}))
+    result = run_cli("check-config", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")  # valid: serve would run, and wait
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("  warning: ")]
+    assert warnings == [
+        "  warning: /dev/null is a character device, not a directory of devices: to offer it, write directory: /dev "
+        "and pattern: 'null'",
+        f"  warning: {glob} does not exist, and a directory is not a glob: for the entries it matches, write "
+        f"directory: {tmp_path} and pattern: 'ttyUSB*'",
+        f"  warning: {plain} does not exist (yet): serve waits for it",  # maybe not plugged in yet: no advice
+    ]
+    Path(plain).write_text("")
+    result = run_cli("check-config", "--config", str(path))
+    assert (
+        f"  warning: {plain} is a file, not a directory of devices: to offer it, write directory: {tmp_path} and "
+        "pattern: 'gophers'"
+    ) in result.stdout.splitlines()
+
+
+async def test_serve_says_what_to_write_for_a_directory_that_is_a_device(nursery, node, caplog):
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, node.config(directory="/dev/null"))
+        await simulator.wait_until(listed())
+    assert (
+        "/dev/null is a character device, not a directory of devices: to offer it, write directory: /dev and "
+        "pattern: 'null'"
+    ) in caplog.messages
+
+
 def test_check_config_shows_what_a_container_gets_for_one_device(node, tmp_path):
     # Allocate's own answer for the first healthy device: the user had to script the simulator to see it.
     path = write_config(
@@ -5006,7 +5141,7 @@ def test_bad_usage_exits_2():
         ("GOPHERPLUG_LOG_FORMAT", "yaml", "GOPHERPLUG_LOG_FORMAT: 'yaml': use one of text, json"),
     ],
 )
-@pytest.mark.parametrize("command", ["serve", "demo"])
+@pytest.mark.parametrize("command", ["serve", "demo", "check-config"])  # check-config: what serve would refuse
 def test_a_bad_log_setting_from_the_environment_is_one_line_and_exit_2(
     node, tmp_path, command, variable, value, stderr
 ):
@@ -5023,11 +5158,29 @@ def test_a_bad_log_setting_from_the_environment_is_one_line_and_exit_2(
         ((), {"GOPHERPLUG_DEVICE_PLUGIN_DIR": "relative"}, "GOPHERPLUG_DEVICE_PLUGIN_DIR"),
     ],
 )
-@pytest.mark.parametrize("command", ["serve", "probe"])
+@pytest.mark.parametrize("command", ["serve", "probe", "check-config"])
 def test_a_relative_device_plugin_dir_is_named_where_it_was_given(node, tmp_path, command, args, env, named):
     path = write_config(node, tmp_path)
     result = run_cli(command, "--config", str(path), *args, env=env)
     assert (result.returncode, result.stderr) == (2, f"gopherplug: {named}: 'relative' must be an absolute path\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [(("--device-plugin-dir", "{dir}"), {}), ((), {"GOPHERPLUG_DEVICE_PLUGIN_DIR": "{dir}"})],
+)
+def test_check_config_says_where_serve_would_find_the_kubelet_given_the_option_or_the_variable(
+    node, tmp_path, args, env
+):
+    # serve takes the directory from either; check-config named the file's (or none) all the same.
+    other = node.plugin_dir + "-other"  # short: a socket path must fit in it
+    path = write_config(node, tmp_path)
+    args = [arg.format(dir=other) for arg in args]
+    result = run_cli("check-config", "--config", str(path), *args, env={k: v.format(dir=other) for k, v in env.items()})
+    assert (result.returncode, result.stderr) == (0, "")
+    assert (
+        result.stdout.splitlines()[0] == f"{path}: OK: 1 resource(s): {RESOURCE} ({node.devices}/*); kubelet at {other}"
+    )
 
 
 def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
@@ -5427,6 +5580,25 @@ def test_daemonset_runs_least_privileged_with_the_probe():
         assert covering, f"{resource.directory} is not a host directory mounted at the same path"
 
 
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+def test_the_manifests_create_no_device_directory_on_the_nodes(manifest):
+    """A DaemonSet lands on every node: the example's device directory, a DirectoryOrCreate volume,
+    made an empty /etc/gophers on each. The volume of every directory the configuration names must
+    be there already (type Directory: the pod waits, with an event, where it is not); only the
+    kubelet's and the container runtime's own directories may be created."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / manifest).read_text()) if doc}
+    config = gp.parse_config(docs["ConfigMap"]["data"]["config.yaml"], f"{manifest} ConfigMap")
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    host_paths = {volume["name"]: volume["hostPath"] for volume in pod["volumes"] if "hostPath" in volume}
+    created = {v["path"] for v in host_paths.values() if v.get("type") in ("DirectoryOrCreate", "FileOrCreate")}
+    assert created <= {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"}
+    for source in (source for resource in config.resources for source in resource.sources):
+        mounted = [m for m in container["volumeMounts"] if gp._is_under(source.directory, [m["mountPath"]])]
+        mount = max(mounted, key=lambda m: len(m["mountPath"]))
+        assert host_paths[mount["name"]].get("type") == "Directory", (source.directory, host_paths[mount["name"]])
+
+
 def test_shipped_files_stand_alone():
     # Users get the repository, not the team's design notes: the product states facts itself or
     # names upstream sources by repository and path.
@@ -5562,12 +5734,34 @@ def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_
     (tmp_path / "g" / "gopher0").touch()
     path = tmp_path / "cfg.yaml"
     path.write_text(dra_config(tmp_path / "g", tmp_path / "k", cdi={"kind": "example.com/gopher"}))
-    result = run_cli("check-config", "--config", str(path))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout.splitlines()[0] == (
         f"{path}: OK: 1 resource(s): example.com/gopher ({tmp_path}/g/*); "
         f"DRA driver {DRIVER}, kubelet root {tmp_path}/k"
     )
+
+
+def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(sockdir):
+    # serve stops at start without it (exit 1); check-config named the pools after the host name, silently.
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "gopher0").touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k"))
+    warning = (
+        "gopherplug: warning: NODE_NAME is not set: serve would stop at start, as the DRA driver names this node's "
+        f"pools after it (in a DaemonSet from spec.nodeName); shown here with the host name, {socket.gethostname()}\n"
+    )
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": ""})
+    assert (result.returncode, result.stderr) == (0, warning)
+    assert f"of pool {socket.gethostname()}/example.com/gopher gives a container:" in result.stdout
+    strict = run_cli("check-config", "--strict", "--config", str(path), env={"NODE_NAME": ""})
+    assert (strict.returncode, strict.stderr) == (
+        1,
+        f"{warning}gopherplug: --strict: DRA driver {DRIVER}: NODE_NAME is not set\n",
+    )
+    assert run_cli("check-config", "--strict", "--config", str(path), env={"NODE_NAME": "node-1"}).returncode == 0
 
 
 def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
@@ -5590,6 +5784,26 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
         f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
         "    mount /run/Gopher0 <- /etc/gophers ro",
         "    env GOPHER_DEVICES_GOPHER0=Gopher0",
+    ]
+
+
+def test_check_config_shows_each_devices_dra_name(sockdir):
+    # A ResourceSlice names a device by a DNS label: ttyS0 is ttys0-45b83132 there, in claims' results
+    # and in `kubectl get resourceslices`; check-config named only the first healthy device's.
+    tmp_path = Path(sockdir)
+    (tmp_path / "g").mkdir()
+    for name in ("ttyS0", "g1", "0000:00:02.0"):
+        (tmp_path / "g" / name).touch()
+    path = tmp_path / "cfg.yaml"
+    path.write_text(dra_config(tmp_path / "g", tmp_path / "k"))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:6] == [
+        f"example.com/gopher: 3 devices, 3 healthy, from {tmp_path}/g/*",
+        "  ID            DRA NAME               HEALTH     PATH",
+        f"  0000:00:02.0  0000-00-02-0-537acfdf  Healthy    {tmp_path}/g/0000:00:02.0",
+        f"  g1            g1                     Healthy    {tmp_path}/g/g1",
+        f"  ttyS0         ttys0-45b83132         Healthy    {tmp_path}/g/ttyS0",
     ]
 
 
@@ -8783,12 +8997,13 @@ def test_metrics_address_mistake_is_one_config_error(value, problem):
         ([], "9400", "GOPHERPLUG_METRICS_ADDRESS"),
     ],
 )
-def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys, monkeypatch, given, env, named):
+@pytest.mark.parametrize("command", ["serve", "check-config"])  # check-config: what serve would refuse
+def test_metrics_address_flag_mistake_is_one_line(tmp_path, capsys, monkeypatch, given, env, named, command):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
     if env is not None:
         monkeypatch.setenv("GOPHERPLUG_METRICS_ADDRESS", env)
-    assert gp.main(["serve", "--config", str(config), *given]) == gp.EXIT_USAGE
+    assert gp.main([command, "--config", str(config), *given]) == gp.EXIT_USAGE
     assert capsys.readouterr().err == (
         f'gopherplug: {named}: \'9400\' is not host:port, e.g. "0.0.0.0:9400" (all addresses) or "127.0.0.1:9400"\n'
     )

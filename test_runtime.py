@@ -863,6 +863,10 @@ class Node:
         self.case = tier.root / "host" / (case or secrets.token_hex(3))
         self.devices = tier.dev / self.case.name
         self.devices.mkdir(exist_ok=True)
+        # The host side of the manifests' device directory (/etc/gophers), made as an operator would:
+        # its hostPath is of type Directory, so the kubelet creates nothing (configs() checks it is
+        # there). The ConfigMap's directory is replaced below: it stays empty.
+        (self.case / "etc-gophers").mkdir(parents=True, exist_ok=True)
         self.kubelet_dir = self.case / "kubelet"
         self.device_plugin_dir = self.kubelet_dir / "device-plugins"
         self.device_plugin_dir.mkdir(parents=True, exist_ok=True)
