@@ -4103,6 +4103,40 @@ class Metrics:
         self.devices.labels(resource, HEALTHY).set(healthy)
         self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
 
+    # A resource's series live as long as it is configured. Prometheus cannot tell a series that is
+    # absent from a plugin that is down: an alert on `gopherplug_devices == 0` never fires for a
+    # resource with no series, and one for a resource removed from the configuration would go on
+    # with its last value. So each series appears at 0 when its resource starts, and goes with it.
+
+    def serve(self, resource: ResourceConfig, pool: str | None) -> None:
+        """Give a resource that starts every series that applies to it, at 0 where it has none yet
+        (a resource served anew after a reload keeps its counts); ``pool``: its DRA pool, if the
+        DRA driver publishes one for it."""
+        for health in (HEALTHY, UNHEALTHY):
+            self.devices.labels(resource.name, health)
+        if resource.device_plugin:
+            for metric in self._device_plugin_series():
+                metric.labels(resource.name)
+        if pool is not None:
+            self.api_errors.labels(pool)
+
+    def forget(self, name: str, pool: str | None, now: ResourceConfig | None) -> None:
+        """Remove the series of resource ``name`` that no longer apply after a reload: all of them
+        when it is not served any more (``now`` is None), else those of the API it left."""
+        gone: list[tuple[Any, tuple[str, ...]]] = []
+        if now is None:
+            gone += [(self.devices, (name, health)) for health in (HEALTHY, UNHEALTHY)]
+        if now is None or not now.device_plugin:
+            gone += [(metric, (name,)) for metric in self._device_plugin_series()]
+        if pool is not None and (now is None or not now.dra):
+            gone.append((self.api_errors, (pool,)))
+        for metric, labels in gone:
+            with contextlib.suppress(KeyError):  # never made: a resource that failed to start, say
+                metric.remove(*labels)
+
+    def _device_plugin_series(self) -> tuple[Any, ...]:
+        return (self.registrations, self.list_sends, self.allocate, self.pre_start)
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -6442,8 +6476,12 @@ class SlicePublisher:
             try:
                 await job()
             except ApiError as error:
-                if _metrics is not None:  # a stale slice's delete belongs to no configured pool: ""
-                    _metrics.api_errors.labels("" if key.startswith("stale ") else key).inc()
+                if _metrics is not None:
+                    # A stale slice's delete belongs to no configured pool: "". So does the write of
+                    # a pool whose resource was removed while it was under way: its series is gone
+                    # with the resource (Metrics.forget), and must not come back.
+                    mine = key in {dra_pool_name(node, name) for name in self.resources.served}
+                    _metrics.api_errors.labels(key if mine else "").inc()
                 delay = retry[0] if retry is not None else _API_BACKOFF[0]
                 wait = max(delay, error.retry_after or 0.0)
                 self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
@@ -7078,6 +7116,7 @@ async def serve_plugin(
                 if any(getattr(new, key) != getattr(config, key) for key in fixed):
                     log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
                 wanted = {resource.name: resource for resource in new.resources}
+                before = list(served)
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
@@ -7104,6 +7143,12 @@ async def serve_plugin(
                 for name in added:
                     if not await start(wanted[name]):
                         not_added.append(name)
+                if _metrics is not None:
+                    # Every task of a removed (or stopped) resource has ended, its goodbye sent and
+                    # counted: nothing can bring its series back after this.
+                    for name in dict.fromkeys([*before, *added]):
+                        pool = dra_pool_name(dra_resources.node_name, name) if dra_resources else None
+                        _metrics.forget(name, pool, served[name].resource if name in served else None)
                 summary = ", ".join(
                     f"{what} {', '.join(names)}{after}"
                     for what, names, after in (
@@ -7255,6 +7300,9 @@ async def _serve_one(
 
                 served.start_watch = start_watch
                 served.dra_resources = dra_resources
+                if _metrics is not None:  # before the first scan: a resource with no device has its 0
+                    pool = dra_pool_name(dra_resources.node_name, resource.name) if dra_resources else None
+                    _metrics.serve(resource, pool if resource.dra else None)
                 await start_watch(resource)
                 if resource.dra:
                     if dra_resources is None:
