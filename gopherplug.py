@@ -4848,6 +4848,7 @@ class _DeviceSet:
         self.found: dict[str, DeviceEntry] = {}  # the devices, as last made
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
         self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
+        self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
 
     def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
         """Take these entries (None: gone) and publish the devices they make."""
@@ -4896,7 +4897,15 @@ class _DeviceSet:
             self.devices.replace(found)
             if _metrics is not None:
                 _metrics.set_devices(self.resource.name, found)
+        # Nothing found is worth a warning, once: at start (a pattern that matches nothing, a USB
+        # key not plugged in, a machine with no USB; again after a reload applied in place, whose
+        # watch looks afresh) and whenever the last device goes, not at each rescan that finds
+        # nothing again. The line when devices come back says how many.
+        if not self.found and self.empty is not True:
+            _log(self.resource).warning("no device from %s: none is offered until one appears", self.resource.origin())
+        elif found != before:
             _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
+        self.empty = not self.found
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
@@ -7358,6 +7367,7 @@ async def watch_config_file(
             on_watch(watch)
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
+        invalid: ConfigError | None = None  # the error of the file as last read, while it is invalid
         async with contextlib.aclosing(watch.batches()) as batches:
             while True:
                 watch.follow(_symlink_hops(path) if os.path.islink(path) else ())
@@ -7367,14 +7377,28 @@ async def watch_config_file(
                 text = _read_text(path)
                 if text is None or text == last_text:
                     if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
-                        log.info("%s unchanged", path) if text is not None else log.warning("cannot read %s", path)
+                        if text is None:
+                            log.warning("cannot read %s", path)
+                        elif invalid is not None:  # "unchanged" would read as all is well
+                            log.error("%s; keeping the running configuration", invalid)
+                        else:
+                            log.info("%s unchanged", path)
                     continue
                 last_text = text
                 try:
                     config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
+                    invalid = error
                     continue
+                if invalid is not None:
+                    # The ERROR above must not stay the last word on the file: say that it is
+                    # fixed, and (the reload's own line follows) what was applied.
+                    invalid = None
+                    if config == last_config:
+                        log.info("%s is valid again, the same as the running configuration: nothing to apply", path)
+                    else:
+                        log.info("%s is valid again: applying it", path)
                 if config != last_config:
                     last_config = config
                     for warning in config.warnings:

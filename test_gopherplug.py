@@ -2396,6 +2396,36 @@ def nothing_found(node, tmp_path, top=()):
     return gp.parse_config(yaml.safe_dump({**document, "resources": resources}), "test.yaml")
 
 
+async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_has(nursery, node, tmp_path):
+    """Issue: with a pattern that matches nothing, or a USB key on a machine without USB, serve only
+    said that it waited for the kubelet. It warns once at start, once each time the last device
+    goes, never at an update or a rescan that finds nothing again; the line when devices come says
+    how many."""
+    resource_dir = f"{node.devices}/k*"
+    with trio.fail_after(TIMEOUT), logged("no device from") as empty, logged(f"from {resource_dir}") as found:
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, nothing_found(node, tmp_path))
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {} and streaming(s, YUBIKEY) == {})
+        assert empty.lines[1:] == ["no device from USB 1050:0407: none is offered until one appears"]
+        with logged("skipping 'k::1'") as skipped:  # an update that finds no device again
+            Path(node.devices, "k::1").touch()
+            await skipped.wait()
+            moved = node.devices + ".away"  # a rescan each time: the directory gone, then back
+            os.rename(node.devices, moved)
+            await trio.testing.wait_all_tasks_blocked()  # its rescan is done (inotify is already there)
+            os.rename(moved, node.devices)
+            await trio.testing.wait_all_tasks_blocked()
+        assert len(skipped.lines) == 2, "warned again after the rescan that did not find it"
+        Path(node.devices, "k1").touch()
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k1": gp.HEALTHY})
+        os.unlink(Path(node.devices, "k1"))
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
+        Path(node.devices, "k2").touch()
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k2": gp.HEALTHY})
+    warning, came = f"no device from {resource_dir}: none is offered until one appears", f"1 device from {resource_dir}"
+    assert found.lines == [warning, came, warning, came]
+
+
 async def test_kubelet_restart_reregisters_with_a_fresh_list(nursery, node):
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node)
@@ -3002,6 +3032,54 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     assert simulator.resources[OTHER].devices == {}
     assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
     assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER], "an env change registers nothing"
+
+
+async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applied(nursery, node, tmp_path):
+    """Issue: after an invalid file was fixed, its ERROR stayed the last word on it. The next valid
+    reading says the file is valid again, then what was applied (or that there is nothing to)."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    both = config_text(node, **{RESOURCE: {}, OTHER: {}})
+    with trio.fail_after(TIMEOUT), logged(str(path)) as said:
+        await reloading(nursery, node, path)
+        for text, line in [
+            ("resources: [", "keeping the running configuration"),
+            (both, "configuration reloaded: "),  # fixed, and different: applied
+            ("resources: [", "keeping the running configuration"),
+            (both, "nothing to apply"),  # fixed, the same as what runs
+        ]:
+            with logged(line) as done:
+                path.write_text(text)
+                await done.wait()
+    error = f"{path}: invalid YAML (line 1, column 13: "
+    assert [line[: len(error)] if line.startswith(error) else line for line in said.lines] == [
+        error,
+        f"{path} is valid again: applying it",
+        f"{path}: configuration reloaded: added {OTHER}",
+        error,
+        f"{path} is valid again, the same as the running configuration: nothing to apply",
+    ]
+
+
+async def test_sighup_on_an_invalid_file_repeats_its_error(tmp_path):
+    """Read again on request, an invalid file that did not change says its error again, not
+    "unchanged", which would read as all is well."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(MINIMAL)
+    watches = []
+    updates = gp.watch_config_file(str(path), current=gp.load_config(str(path)), on_watch=watches.append)
+    with trio.fail_after(TIMEOUT), logged(str(path)) as said:
+        async with contextlib.aclosing(updates), trio.open_nursery() as nursery:
+            nursery.start_soon(updates.__anext__)  # yields nothing here: the file is never valid and new
+            with logged("keeping the running configuration") as refused:
+                path.write_text("resources: [")
+                await refused.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the watch waits for the next event
+            watches[0].poke()  # what SIGHUP does
+            await trio.testing.wait_all_tasks_blocked()  # the file has been read again
+            nursery.cancel_scope.cancel()
+    assert len(said.lines) == 2 and said.lines[0] == said.lines[1], said.lines
+    assert said.lines[0].endswith("; keeping the running configuration")
 
 
 async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_new_list(nursery, node, tmp_path):
