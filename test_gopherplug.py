@@ -8611,10 +8611,11 @@ def _samples(page):
 
 async def test_metrics_served_over_http_count_devices_registrations_and_allocations(nursery, node):
     port = _free_loopback_port()
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
         simulator = await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"})
         await simulator.allocate(RESOURCE, ["g1"])
         await simulator.allocate(RESOURCE, ["g2"])
+        await registered.wait()  # counted once Register's answer is back, maybe after the kubelet's first list
         samples = _samples(await _scrape(port))
     assert samples[f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}'] == 2
     assert samples[f'gopherplug_devices{{health="Unhealthy",resource="{RESOURCE}"}}'] == 0
@@ -8716,7 +8717,7 @@ def test_images_install_the_metrics_extra_the_daemonsets_use():
 async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, node):
     port = _free_loopback_port()
     pre_start = [sys.executable, "-c", "pass"]
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
         simulator = await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"}, pre_start=pre_start)
         await gp.call_unary(
             os.path.join(node.plugin_dir, simulator.registrations[0].endpoint),
@@ -8725,7 +8726,8 @@ async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, nod
             timeout=TIMEOUT,
         )
         simulator.restart()
-        await simulator.wait_until(lambda s: len(s.registrations) == 2)
+        # Counted once Register's answer is back, which can be after the kubelet's first list.
+        await registered.wait(2)
         moved = node.devices + ".away"  # the directory gone, then back: each time a rescan
         os.rename(node.devices, moved)
         await simulator.wait_until(listed())
