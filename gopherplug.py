@@ -4109,9 +4109,9 @@ class Metrics:
     # with its last value. So each series appears at 0 when its resource starts, and goes with it.
 
     def serve(self, resource: ResourceConfig, pool: str | None) -> None:
-        """Give a resource that starts every series that applies to it, at 0 where it has none yet
-        (a resource served anew after a reload keeps its counts); ``pool``: its DRA pool, if the
-        DRA driver publishes one for it."""
+        """Give a starting resource every series that applies to it, at 0 where it has none yet (a
+        resource served anew after a reload keeps its counts); ``pool``: its DRA pool, if the DRA
+        driver publishes one for it."""
         for health in (HEALTHY, UNHEALTHY):
             self.devices.labels(resource.name, health)
         if resource.device_plugin:
@@ -7156,7 +7156,7 @@ async def serve_plugin(
                     # Every task of a removed (or stopped) resource has ended, its goodbye sent and
                     # counted: nothing can bring its series back after this.
                     for name in dict.fromkeys([*before, *added]):
-                        pool = dra_pool_name(dra_resources.node_name, name) if dra_resources else None
+                        pool = dra_pool_name(dra_resources.node_name, name) if dra_resources is not None else None
                         _metrics.forget(name, pool, served[name].resource if name in served else None)
                 summary = ", ".join(
                     f"{what} {', '.join(names)}{after}"
@@ -7310,7 +7310,7 @@ async def _serve_one(
                 served.start_watch = start_watch
                 served.dra_resources = dra_resources
                 if _metrics is not None:  # before the first scan: a resource with no device has its 0
-                    pool = dra_pool_name(dra_resources.node_name, resource.name) if dra_resources else None
+                    pool = dra_pool_name(dra_resources.node_name, resource.name) if dra_resources is not None else None
                     _metrics.serve(resource, pool if resource.dra else None)
                 await start_watch(resource)
                 if resource.dra:
@@ -7357,8 +7357,9 @@ async def watch_config_file(
     inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
     rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
     over); where the file's symlinks lead is followed too. An invalid file is logged with its
-    error, and the running configuration stays. With ``current`` (the configuration running now),
-    the file is compared with it first: an edit made while the plugin was starting is not lost.
+    error, and the running configuration stays; the next valid reading is logged as valid again.
+    With ``current`` (the configuration running now), the file is compared with it first: an
+    edit made while the plugin was starting is not lost.
     ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
     """
     directory = os.path.dirname(os.path.abspath(path))
@@ -7392,8 +7393,8 @@ async def watch_config_file(
                     invalid = error
                     continue
                 if invalid is not None:
-                    # The ERROR above must not stay the last word on the file: say that it is
-                    # fixed, and (the reload's own line follows) what was applied.
+                    # The ERROR logged for the file must not stay the last word on it: say that it
+                    # is fixed; the reload's own line, which follows, says what was applied.
                     invalid = None
                     if config == last_config:
                         log.info("%s is valid again, the same as the running configuration: nothing to apply", path)
