@@ -4430,6 +4430,40 @@ class Metrics:
         self.devices.labels(resource, HEALTHY).set(healthy)
         self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
 
+    # A resource's series live as long as it is configured. Prometheus cannot tell a series that is
+    # absent from a plugin that is down: an alert on `gopherplug_devices == 0` never fires for a
+    # resource with no series, and one for a resource removed from the configuration would go on
+    # with its last value. So each series appears at 0 when its resource starts, and goes with it.
+
+    def serve(self, resource: ResourceConfig, pool: str | None) -> None:
+        """Give a starting resource every series that applies to it, at 0 where it has none yet (a
+        resource served anew after a reload keeps its counts); ``pool``: its DRA pool, if the DRA
+        driver publishes one for it."""
+        for health in (HEALTHY, UNHEALTHY):
+            self.devices.labels(resource.name, health)
+        if resource.device_plugin:
+            for metric in self._device_plugin_series():
+                metric.labels(resource.name)
+        if pool is not None:
+            self.api_errors.labels(pool)
+
+    def forget(self, name: str, pool: str | None, now: ResourceConfig | None) -> None:
+        """Remove the series of resource ``name`` that no longer apply after a reload: all of them
+        when it is not served any more (``now`` is None), else those of the API it left."""
+        gone: list[tuple[Any, tuple[str, ...]]] = []
+        if now is None:
+            gone += [(self.devices, (name, health)) for health in (HEALTHY, UNHEALTHY)]
+        if now is None or not now.device_plugin:
+            gone += [(metric, (name,)) for metric in self._device_plugin_series()]
+        if pool is not None and (now is None or not now.dra):
+            gone.append((self.api_errors, (pool,)))
+        for metric, labels in gone:
+            with contextlib.suppress(KeyError):  # never made: a resource that failed to start, say
+                metric.remove(*labels)
+
+    def _device_plugin_series(self) -> tuple[Any, ...]:
+        return (self.registrations, self.list_sends, self.allocate, self.pre_start)
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -5144,6 +5178,7 @@ class _DeviceSet:
         self.found: dict[str, DeviceEntry] = {}  # the devices, as last made
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
         self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
+        self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
 
     def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
         """Take these entries (None: gone) and publish the devices they make."""
@@ -5192,7 +5227,15 @@ class _DeviceSet:
             self.devices.replace(found)
             if _metrics is not None:
                 _metrics.set_devices(self.resource.name, found)
+        # Nothing found is worth a warning, once: at start (a pattern that matches nothing, a USB
+        # key not plugged in, a machine with no USB; again after a reload applied in place, whose
+        # watch looks afresh) and whenever the last device goes, not at each rescan that finds
+        # nothing again. The line when devices come back says how many.
+        if not self.found and self.empty is not True:
+            _log(self.resource).warning("no device from %s: none is offered until one appears", self.resource.origin())
+        elif found != before:
             _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
+        self.empty = not self.found
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
@@ -6772,8 +6815,12 @@ class SlicePublisher:
             try:
                 await job()
             except ApiError as error:
-                if _metrics is not None:  # a stale slice's delete belongs to no configured pool: ""
-                    _metrics.api_errors.labels("" if key.startswith("stale ") else key).inc()
+                if _metrics is not None:
+                    # A stale slice's delete belongs to no configured pool: "". So does the write of
+                    # a pool whose resource was removed while it was under way: its series is gone
+                    # with the resource (Metrics.forget), and must not come back.
+                    mine = key in {dra_pool_name(node, name) for name in self.resources.served}
+                    _metrics.api_errors.labels(key if mine else "").inc()
                 delay = retry[0] if retry is not None else _API_BACKOFF[0]
                 wait = max(delay, error.retry_after or 0.0)
                 self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
@@ -7408,6 +7455,7 @@ async def serve_plugin(
                 if any(getattr(new, key) != getattr(config, key) for key in fixed):
                     log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
                 wanted = {resource.name: resource for resource in new.resources}
+                before = list(served)
                 removed = [name for name in served if name not in wanted]
                 changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
                 added = [name for name in wanted if name not in served]
@@ -7434,6 +7482,12 @@ async def serve_plugin(
                 for name in added:
                     if not await start(wanted[name]):
                         not_added.append(name)
+                if _metrics is not None:
+                    # Every task of a removed (or stopped) resource has ended, its goodbye sent and
+                    # counted: nothing can bring its series back after this.
+                    for name in dict.fromkeys([*before, *added]):
+                        pool = dra_pool_name(dra_resources.node_name, name) if dra_resources is not None else None
+                        _metrics.forget(name, pool, served[name].resource if name in served else None)
                 summary = ", ".join(
                     f"{what} {', '.join(names)}{after}"
                     for what, names, after in (
@@ -7585,6 +7639,9 @@ async def _serve_one(
 
                 served.start_watch = start_watch
                 served.dra_resources = dra_resources
+                if _metrics is not None:  # before the first scan: a resource with no device has its 0
+                    pool = dra_pool_name(dra_resources.node_name, resource.name) if dra_resources is not None else None
+                    _metrics.serve(resource, pool if resource.dra else None)
                 await start_watch(resource)
                 if resource.dra:
                     if dra_resources is None:
@@ -7630,8 +7687,9 @@ async def watch_config_file(
     inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
     rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
     over); where the file's symlinks lead is followed too. An invalid file is logged with its
-    error, and the running configuration stays. With ``current`` (the configuration running now),
-    the file is compared with it first: an edit made while the plugin was starting is not lost.
+    error, and the running configuration stays; the next valid reading is logged as valid again.
+    With ``current`` (the configuration running now), the file is compared with it first: an
+    edit made while the plugin was starting is not lost.
     ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
     """
     directory = os.path.dirname(os.path.abspath(path))
@@ -7640,6 +7698,7 @@ async def watch_config_file(
             on_watch(watch)
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
+        invalid: ConfigError | None = None  # the error of the file as last read, while it is invalid
         async with contextlib.aclosing(watch.batches()) as batches:
             while True:
                 watch.follow(_symlink_hops(path) if os.path.islink(path) else ())
@@ -7649,14 +7708,28 @@ async def watch_config_file(
                 text = _read_text(path)
                 if text is None or text == last_text:
                     if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
-                        log.info("%s unchanged", path) if text is not None else log.warning("cannot read %s", path)
+                        if text is None:
+                            log.warning("cannot read %s", path)
+                        elif invalid is not None:  # "unchanged" would read as all is well
+                            log.error("%s; keeping the running configuration", invalid)
+                        else:
+                            log.info("%s unchanged", path)
                     continue
                 last_text = text
                 try:
                     config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
+                    invalid = error
                     continue
+                if invalid is not None:
+                    # The ERROR logged for the file must not stay the last word on it: say that it
+                    # is fixed; the reload's own line, which follows, says what was applied.
+                    invalid = None
+                    if config == last_config:
+                        log.info("%s is valid again, the same as the running configuration: nothing to apply", path)
+                    else:
+                        log.info("%s is valid again: applying it", path)
                 if config != last_config:
                     last_config = config
                     for warning in config.warnings:

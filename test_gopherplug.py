@@ -2305,9 +2305,12 @@ class _LogEvent(logging.Handler):
         if self.text in (line := record.getMessage()):
             self.lines.append(line)
             self.event.set()
+            self.event = trio.Event()  # for the next line
 
-    async def wait(self):
-        await self.event.wait()
+    async def wait(self, count=1):
+        """Until ``count`` lines have come."""
+        while len(self.lines) < count:
+            await self.event.wait()
 
 
 @contextlib.contextmanager
@@ -2515,6 +2518,53 @@ async def test_usb_devices_come_and_go_with_their_nodes(nursery, node, tmp_path)
         await simulator.wait_until(listed("87654321"))
         answer = (await simulator.allocate(RESOURCE, ["87654321"])).container_responses[0]
         assert [d.container_path for d in answer.devices] == [f"{dev}/bus/usb/002/005"]
+
+
+YUBIKEY = "example.com/yubikey"
+
+
+def nothing_found(node, tmp_path, top=()):
+    """A configuration of two resources that find no device: a pattern that matches nothing in the
+    node's directory, and a USB key on a machine without USB (no sysfs bus, no /dev/bus/usb)."""
+    sysfs, dev = tmp_path / "sys", tmp_path / "host-dev"
+    sysfs.mkdir()
+    dev.mkdir()
+    resources = [
+        {"name": RESOURCE, "directory": node.devices, "pattern": "k*"},
+        {"name": YUBIKEY, "usb": [{"vendor": "1050", "product": "0407"}]},
+    ]
+    document = {"device_plugin_dir": node.plugin_dir, "sysfs_root": str(sysfs), "dev_root": str(dev), **dict(top)}
+    return gp.parse_config(yaml.safe_dump({**document, "resources": resources}), "test.yaml")
+
+
+async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_has(nursery, node, tmp_path):
+    """Issue: with a pattern that matches nothing, or a USB key on a machine without USB, serve only
+    said that it waited for the kubelet. It warns once at start, once each time the last device
+    goes, never at an update or a rescan that finds nothing again; the line when devices come says
+    how many."""
+    resource_dir = f"{node.devices}/k*"
+    with trio.fail_after(TIMEOUT), logged("no device from") as empty, logged(f"from {resource_dir}") as found:
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, nothing_found(node, tmp_path))
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {} and streaming(s, YUBIKEY) == {})
+        assert empty.lines[1:] == ["no device from USB 1050:0407: none is offered until one appears"]
+        with logged("skipping 'k::1'") as skipped:  # an update that finds no device again
+            Path(node.devices, "k::1").touch()
+            await skipped.wait()
+            moved = node.devices + ".away"  # a rescan each time: the directory gone, then back
+            os.rename(node.devices, moved)
+            await trio.testing.wait_all_tasks_blocked()  # its rescan is done (inotify is already there)
+            os.rename(moved, node.devices)
+            await trio.testing.wait_all_tasks_blocked()
+        assert len(skipped.lines) == 2, "warned again after the rescan that did not find it"
+        Path(node.devices, "k1").touch()
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k1": gp.HEALTHY})
+        os.unlink(Path(node.devices, "k1"))
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
+        Path(node.devices, "k2").touch()
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k2": gp.HEALTHY})
+    warning, came = f"no device from {resource_dir}: none is offered until one appears", f"1 device from {resource_dir}"
+    assert found.lines == [warning, came, warning, came]
 
 
 async def test_kubelet_restart_reregisters_with_a_fresh_list(nursery, node):
@@ -3123,6 +3173,54 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     assert simulator.resources[OTHER].devices == {}
     assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
     assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER], "an env change registers nothing"
+
+
+async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applied(nursery, node, tmp_path):
+    """Issue: after an invalid file was fixed, its ERROR stayed the last word on it. The next valid
+    reading says the file is valid again, then what was applied (or that there is nothing to)."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    both = config_text(node, **{RESOURCE: {}, OTHER: {}})
+    with trio.fail_after(TIMEOUT), logged(str(path)) as said:
+        await reloading(nursery, node, path)
+        for text, line in [
+            ("resources: [", "keeping the running configuration"),
+            (both, "configuration reloaded: "),  # fixed, and different: applied
+            ("resources: [", "keeping the running configuration"),
+            (both, "nothing to apply"),  # fixed, the same as what runs
+        ]:
+            with logged(line) as done:
+                path.write_text(text)
+                await done.wait()
+    error = f"{path}: invalid YAML (line 1, column 13: "
+    assert [line[: len(error)] if line.startswith(error) else line for line in said.lines] == [
+        error,
+        f"{path} is valid again: applying it",
+        f"{path}: configuration reloaded: added {OTHER}",
+        error,
+        f"{path} is valid again, the same as the running configuration: nothing to apply",
+    ]
+
+
+async def test_sighup_on_an_invalid_file_repeats_its_error(tmp_path):
+    """Read again on request, an invalid file that did not change says its error again, not
+    "unchanged", which would read as all is well."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(MINIMAL)
+    watches = []
+    updates = gp.watch_config_file(str(path), current=gp.load_config(str(path)), on_watch=watches.append)
+    with trio.fail_after(TIMEOUT), logged(str(path)) as said:
+        async with contextlib.aclosing(updates), trio.open_nursery() as nursery:
+            nursery.start_soon(updates.__anext__)  # yields nothing here: the file is never valid and new
+            with logged("keeping the running configuration") as refused:
+                path.write_text("resources: [")
+                await refused.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the watch waits for the next event
+            watches[0].poke()  # what SIGHUP does
+            await trio.testing.wait_all_tasks_blocked()  # the file has been read again
+            nursery.cancel_scope.cancel()
+    assert len(said.lines) == 2 and said.lines[0] == said.lines[1], said.lines
+    assert said.lines[0].endswith("; keeping the running configuration")
 
 
 async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_new_list(nursery, node, tmp_path):
@@ -7556,9 +7654,10 @@ async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, mo
     monkeypatch.setenv("KUBECONFIG", str(dra_node.kubeconfig))
     with trio.fail_after(TIMEOUT):
         result = await run_cli_async("serve", "--config", str(config))
-    (line,) = result.stderr.decode().splitlines()
+    lines = result.stderr.decode().splitlines()  # the resource's "no device" warning came first
     assert result.returncode == 1
-    assert line.endswith(
+    assert [line for line in lines if " ERROR " in line] == lines[-1:]
+    assert lines[-1].endswith(
         f" ERROR cannot read the checkpoint {checkpoint}: Is a directory: it holds the claims prepared on this "
         "node; make it readable, or move it away to start without them"
     )
@@ -8946,10 +9045,11 @@ def _samples(page):
 
 async def test_metrics_served_over_http_count_devices_registrations_and_allocations(nursery, node):
     port = _free_loopback_port()
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
         simulator = await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"})
         await simulator.allocate(RESOURCE, ["g1"])
         await simulator.allocate(RESOURCE, ["g2"])
+        await registered.wait()  # counted once Register's answer is back, maybe after the kubelet's first list
         samples = _samples(await _scrape(port))
     assert samples[f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}'] == 2
     assert samples[f'gopherplug_devices{{health="Unhealthy",resource="{RESOURCE}"}}'] == 0
@@ -9052,7 +9152,7 @@ def test_images_install_the_metrics_extra_the_daemonsets_use():
 async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, node):
     port = _free_loopback_port()
     pre_start = [sys.executable, "-c", "pass"]
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
         simulator = await start(nursery, node, top={"metrics_address": f"127.0.0.1:{port}"}, pre_start=pre_start)
         await gp.call_unary(
             os.path.join(node.plugin_dir, simulator.registrations[0].endpoint),
@@ -9061,7 +9161,8 @@ async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, nod
             timeout=TIMEOUT,
         )
         simulator.restart()
-        await simulator.wait_until(lambda s: len(s.registrations) == 2)
+        # Counted once Register's answer is back, which can be after the kubelet's first list.
+        await registered.wait(2)
         moved = node.devices + ".away"  # the directory gone, then back: each time a rescan
         os.rename(node.devices, moved)
         await simulator.wait_until(listed())
@@ -9093,3 +9194,145 @@ async def test_metrics_of_a_dra_driver_count_prepares_and_api_errors_per_pool(dr
     assert samples["gopherplug_node_prepare_resources_seconds_count"] == 1
     assert samples[f'gopherplug_api_errors_total{{pool="{DraNode.POOL}"}}'] == 1
     assert samples[f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}'] == 2
+
+
+def _about(samples, value):
+    """The samples with a label of this value (a resource's name, a pool's)."""
+    return {name: number for name, number in samples.items() if f'="{value}"' in name}
+
+
+async def test_metrics_of_a_resource_with_no_device_are_there_at_0(nursery, node, tmp_path):
+    """Issue: an unplugged USB key's resource had no gopherplug_devices line, so an alert on == 0
+    never fired. Every series of a resource is there from its start, at 0 until it counts."""
+    port = _free_loopback_port()
+    config = nothing_found(node, tmp_path, top={"metrics_address": f"127.0.0.1:{port}"})
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, config)
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {} and streaming(s, YUBIKEY) == {})
+        await registered.wait(2)  # and counted: the kubelet may list before Register's answer is back
+        samples = _samples(await _scrape(port))
+    for name in (RESOURCE, YUBIKEY):
+        assert samples[f'gopherplug_devices{{health="Healthy",resource="{name}"}}'] == 0
+        assert samples[f'gopherplug_devices{{health="Unhealthy",resource="{name}"}}'] == 0
+        assert samples[f'gopherplug_registrations_total{{resource="{name}"}}'] == 1
+        assert samples[f'gopherplug_list_and_watch_sends_total{{resource="{name}"}}'] >= 1
+        assert samples[f'gopherplug_allocate_seconds_count{{resource="{name}"}}'] == 0
+        assert samples[f'gopherplug_pre_start_container_seconds_count{{resource="{name}"}}'] == 0
+
+
+async def test_metrics_of_a_removed_resource_go_with_it_and_the_others_stay(nursery, node, tmp_path):
+    """Issue: after a reload removed a resource, /metrics still showed its devices. Every series
+    labelled with its name goes with it; the other resources' stay as they were."""
+    port = _free_loopback_port()
+    path = tmp_path / "gopherplug.yaml"
+
+    def text(**resources):
+        return yaml.safe_dump(
+            {**yaml.safe_load(config_text(node, **resources)), "metrics_address": f"127.0.0.1:{port}"}
+        )
+
+    path.write_text(text(**{RESOURCE: {}, OTHER: {"pre_start": [sys.executable, "-c", "pass"]}}))
+    with trio.fail_after(TIMEOUT), logged("registered with the kubelet as") as registered:
+        simulator = await reloading(nursery, node, path)
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
+        await registered.wait(2)  # and counted
+        await simulator.allocate(OTHER, ["g1"])
+        await simulator.pre_start_container(OTHER, ["g1"])
+        await simulator.allocate(RESOURCE, ["g2"])
+        before = _samples(await _scrape(port))
+        with logged("configuration reloaded: ") as reloaded:
+            path.write_text(text(**{RESOURCE: {}}))
+            await reloaded.wait()
+        after = _samples(await _scrape(port))
+    assert reloaded.lines == [f"{path}: configuration reloaded: removed {OTHER}"]
+    assert before[f'gopherplug_devices{{health="Healthy",resource="{OTHER}"}}'] == 2
+    assert before[f'gopherplug_allocate_seconds_count{{resource="{OTHER}"}}'] == 1
+    assert before[f'gopherplug_pre_start_container_seconds_count{{resource="{OTHER}"}}'] == 1
+    assert _about(after, OTHER) == {}
+    assert _about(after, RESOURCE) == _about(before, RESOURCE)
+    assert after[f'gopherplug_allocate_seconds_count{{resource="{RESOURCE}"}}'] == 1
+
+
+async def test_metrics_of_a_dra_pool_are_there_at_0_and_go_with_its_resource_or_its_api(dra_node):
+    """The DRA driver's per-resource series follow the same rules: a resource with no device has
+    its devices at 0 and its pool's API errors at 0; a removed one loses them all, its pool's too.
+    The device-plugin API's series are not made for a DRA resource, and a resource moved to the
+    device-plugin API gets those and loses its pool's."""
+    port = _free_loopback_port()
+    other_devices = dra_node.root / "other-devs"  # empty
+    other_devices.mkdir()
+    (dra_node.devices / "gopher0").touch()
+    cdi_dir = str(dra_node.root / "cdi")
+    other = {
+        "name": OTHER,
+        "directory": str(other_devices),
+        "api": "dra",
+        "cdi": {"kind": f"{DRIVER}/other", "spec_dir": cdi_dir},
+    }
+    other_pool = f"node-1/{OTHER}"
+
+    def config(*resources, gopher=True):
+        top = {"device_plugin_dir": str(dra_node.root / "dp"), "metrics_address": f"127.0.0.1:{port}"}
+        data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
+        data["resources"] = [*(data["resources"] if gopher else []), *resources]
+        return gp.parse_config(yaml.safe_dump(data), "cfg.yaml")
+
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config(other), updates=updates())
+        await dra_node.wait_for_slices(["gopher0"])
+        await dra_node.wait_for_slices([], pool=other_pool)  # an empty pool: one empty slice
+        dra_node.api.fail("update", gp.dra_slice_name("node-1", DRIVER, RESOURCE, 0), 500)
+        (dra_node.devices / "gopher1").touch()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])  # refused once, then written
+        before = _samples(await _scrape(port))
+        with logged("configuration reloaded: ") as reloaded:
+            await send.send(config(other, gopher=False))
+            await reloaded.wait()
+        after = _samples(await _scrape(port))
+        simulator = await dra_node.nursery.start(gp.KubeletSimulator(str(dra_node.root / "dp")).run)
+        with logged("configuration reloaded: ") as moved, logged("registered with the kubelet as") as registered:
+            await send.send(config({**other, "api": "device-plugin"}))  # example.com/gopher back, anew
+            await moved.wait()
+            await registered.wait()  # and counted
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {})
+        device_plugin = _samples(await _scrape(port))
+    assert reloaded.lines == [f"cfg.yaml: configuration reloaded: removed {RESOURCE}"]
+    assert _about(before, OTHER) == {
+        f'gopherplug_devices{{health="Healthy",resource="{OTHER}"}}': 0,
+        f'gopherplug_devices{{health="Unhealthy",resource="{OTHER}"}}': 0,
+    }
+    assert before[f'gopherplug_api_errors_total{{pool="{other_pool}"}}'] == 0
+    assert before[f'gopherplug_api_errors_total{{pool="{DraNode.POOL}"}}'] == 1
+    assert before[f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}'] == 2
+    assert _about(after, RESOURCE) == {} and _about(after, DraNode.POOL) == {}
+    assert _about(after, OTHER) == _about(before, OTHER)
+    assert after[f'gopherplug_api_errors_total{{pool="{other_pool}"}}'] == 0
+    assert moved.lines == [f"cfg.yaml: configuration reloaded: added {RESOURCE}, re-registered {OTHER}"]
+    assert _about(device_plugin, other_pool) == {}
+    assert device_plugin[f'gopherplug_api_errors_total{{pool="{DraNode.POOL}"}}'] == 0  # counted anew
+    assert device_plugin[f'gopherplug_devices{{health="Healthy",resource="{OTHER}"}}'] == 0
+    assert device_plugin[f'gopherplug_registrations_total{{resource="{OTHER}"}}'] == 1
+
+
+async def test_metrics_of_a_resource_moved_to_dra_lose_the_device_plugin_apis_series():
+    metrics = gp.Metrics("127.0.0.1:0")
+    try:
+        served = gp.resource_config(RESOURCE)
+        metrics.serve(served, None)
+        metrics.registrations.labels(RESOURCE).inc()
+        metrics.forget(RESOURCE, DraNode.POOL, dataclasses.replace(served, api="dra"))
+        with trio.fail_after(TIMEOUT):
+            samples = _samples(await _scrape(metrics.port))
+    finally:
+        metrics.close()
+    assert _about(samples, RESOURCE) == {
+        f'gopherplug_devices{{health="Healthy",resource="{RESOURCE}"}}': 0,
+        f'gopherplug_devices{{health="Unhealthy",resource="{RESOURCE}"}}': 0,
+    }
