@@ -870,6 +870,7 @@ class Node:
         self.kubelet_dir = self.case / "kubelet"
         self.device_plugin_dir = self.kubelet_dir / "device-plugins"
         self.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+        (self.kubelet_dir / "pod-resources").mkdir(exist_ok=True)  # the kubelet makes it at its start
         self.template = manifest_pod(manifest)
         self.config = manifest_config(manifest)
         # The ConfigMap's one edit: the devices are the run's nodes in /dev.
@@ -885,6 +886,7 @@ class Node:
             "/var/lib/kubelet/device-plugins": str(self.device_plugin_dir),
             "/var/lib/kubelet/plugins_registry": str(self.kubelet_dir / "plugins_registry"),
             "/var/lib/kubelet/plugins": str(self.kubelet_dir / "plugins"),
+            "/var/lib/kubelet/pod-resources": str(self.kubelet_dir / "pod-resources"),
             "/var/run/cdi": str(tier.containerd.cdi_dir),
             "/etc/gophers": str(self.case / "etc-gophers"),
             "/dev": "/dev",
@@ -1170,7 +1172,9 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
             )
             assert code == 0, said
             tier.outputs["device plugin: liveness probe"] = said.strip().splitlines()
-            answer = (await kubelet.allocate(RESOURCE, ["gopher0"])).container_responses[0]
+            pod = Pod(tier, "consumer")
+            holder = (pod.namespace, pod.name, "consumer")
+            answer = (await kubelet.allocate(RESOURCE, ["gopher0"], container=holder)).container_responses[0]
             # The metrics the manifest turns on, scraped from inside the plugin's container as a
             # Prometheus in the pod network would (here the sandbox has the host's network).
             port = manifest_config("daemonset.yaml")["metrics_address"].rpartition(":")[2]
@@ -1182,11 +1186,16 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
             assert f'gopherplug_allocate_seconds_count{{resource="{RESOURCE}"}} 1.0' in metrics, page
             fields = allocated_fields(answer)
             assert [d.host_path for d in fields["devices"]] == [str(path)]
-            pod = Pod(tier, "consumer")
             config = consumer_config(pod, **fields)
             config.mounts.extend(allocated_mounts(answer))
             async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
                 seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+                # Who holds it, as an operator asks: `gopherplug who` in the plugin's container,
+                # through the manifest's read-only mount of the kubelet's PodResources socket.
+                socket_path = str(node.kubelet_dir / gp.POD_RESOURCES_SOCKET)
+                await nursery.start(standins.PodResourcesSimulator(socket_path, kubelet).run)
+                code, who = await exec_sync(tier.containerd, plugin, "gopherplug", "who")
+                assert code == 0, who
             control = Pod(tier, "control")
             config = consumer_config(control)
             config.mounts.append(PB.Mount(container_path="/mnt/devices", host_path=str(node.devices), readonly=False))
@@ -1195,6 +1204,8 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
                     tier.containerd, control.container_ids["consumer"], "/mnt/devices/gopher0"
                 )
     tier.outputs["device plugin: consumer"] = seen
+    tier.outputs["device plugin: gopherplug who, while the consumer runs"] = who.strip().splitlines()
+    assert who.strip() == f"{RESOURCE} gopher0 {path}: Healthy: {pod.namespace}/{pod.name}/consumer (device plugin)"
     tier.outputs["device plugin: control without the DeviceSpec"] = refused
     assert "GOPHER_DEVICES=gopher0" in seen["env"]
     assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw") and " 10, 229 " in seen["ls -l"]
