@@ -6537,11 +6537,11 @@ DRA_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 class DraNode:
     """One node under DRA: a device directory, the kubelet's directory with the simulated DRA
     kubelet, an HTTPS API server simulator with a bearer token, and gopherplug started and stopped
-    at will, in process."""
+    at will, in process. The API server and the kubelet speak for one Kubernetes ``version``."""
 
     POOL = "node-1/example.com/gopher"
 
-    def __init__(self, root, nursery):
+    def __init__(self, root, nursery, version="1.36"):
         import trustme
 
         self.root = Path(root)
@@ -6556,10 +6556,11 @@ class DraNode:
         ca.issue_cert("127.0.0.1").configure_cert(context)
         self.token_file = self.root / "token"
         self.token_file.write_text("token-1")
-        self.api = standins.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
+        self.version = version
+        self.api = standins.ApiServerSimulator(ssl_context=context, tokens={"token-1"}, version=version)
         self.api.put_node("node-1", NODE_UID)
         self.kubelet = standins.DraKubeletSimulator(
-            str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
+            str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver), version=version
         )
         self.scope = None
         #: the CDI spec directory of a test's own (the default, /var/run/cdi, is every test run's)
@@ -6625,10 +6626,11 @@ class DraNode:
 
 
 @pytest.fixture
-async def dra_node(nursery, sockdir, monkeypatch):
+async def dra_node(request, nursery, sockdir, monkeypatch):
+    """A DraNode of Kubernetes 1.36, or of the version a test parametrizes it with (indirect)."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", "/nonexistent")
-    node = DraNode(sockdir, nursery)
+    node = DraNode(sockdir, nursery, getattr(request, "param", "1.36"))
     await node.start_servers()
     return node
 
@@ -7893,10 +7895,15 @@ async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_un
     ]
 
 
-def shipped_device_class():
-    """The DeviceClass of daemonset-dra.yaml, as shipped."""
+def shipped_device_classes():
+    """The DeviceClasses of daemonset-dra.yaml, as shipped."""
     with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
-        return next(item for item in yaml.safe_load_all(file) if item["kind"] == "DeviceClass")
+        return [item for item in yaml.safe_load_all(file) if item["kind"] == "DeviceClass"]
+
+
+def shipped_device_class():
+    """The DeviceClass of daemonset-dra.yaml that ordinary claims name, as shipped."""
+    return next(item for item in shipped_device_classes() if item["metadata"]["name"] == "gopher.example.com")
 
 
 def gopher_pod(name, *containers):
@@ -8150,6 +8157,83 @@ def test_scheduler_stand_in_finds_neither_api_unschedulable():
         scheduler.schedule(gopher_pod("p", ("a", {"example.com/gopher": "1"})), "node-1")
     implicit = gopher_pod("q", ("a", {"deviceclass.resource.kubernetes.io/gopher.example.com": "1"}))
     assert scheduler.schedule(implicit, "node-1").claim is not None
+
+
+########################################################################################################
+# Versions: each flow a user meets, against each Kubernetes release gopherplug supports, with the
+# release's default feature gates (standins.FEATURE_GATE_HISTORY; the README's version table)
+########################################################################################################
+
+VERSIONS = standins.KUBERNETES_VERSIONS
+
+
+def test_versions_each_release_has_its_default_feature_gates():
+    """The stand-ins' releases and their default gates, as kube_features.go has them (the table of
+    issue 25, and the README's version table): what every versioned test below stands on."""
+    table = {version: standins.release(version).gates for version in VERSIONS}
+    on_from = {
+        "DRAPrioritizedList": "1.34",
+        "DRAAdminAccess": "1.34",
+        "DRAResourceClaimDeviceStatus": "1.34",
+        "DRADeviceTaints": "1.36",
+        "DRAConsumableCapacity": "1.36",
+        "DRAExtendedResource": "1.36",
+        "ResourceHealthStatus": "1.36",
+        "KubeletPodResourcesDynamicResources": "1.34",
+        "KubeletPodResourcesGet": "1.34",
+    }
+    assert table == {
+        version: {gate: VERSIONS.index(version) >= VERSIONS.index(since) for gate, since in on_from.items()}
+        for version in VERSIONS
+    }
+    assert standins.gate_spec("DRADeviceTaints", "1.35") == ("alpha", False, False)
+    assert standins.gate_spec("DRAExtendedResource", "1.37") == ("GA", True, True)
+
+
+def test_versions_an_admin_turns_gates_on_as_the_components_allow():
+    """Alpha gates can be turned on (``--feature-gates``); a gate locked to its default cannot be
+    changed, an unknown one is refused, in the words of k8s.io/component-base featuregate."""
+    assert standins.release("1.35", DRADeviceTaints=True).enabled("DRADeviceTaints")
+    assert not standins.release("1.36", ResourceHealthStatus=False).enabled("ResourceHealthStatus")
+    with pytest.raises(ValueError, match=r"^cannot set feature gate DRAExtendedResource to false, feature is locked"):
+        standins.release("1.37", DRAExtendedResource=False)
+    with pytest.raises(ValueError, match=r"^unrecognized feature gate: DRAMagic$"):
+        standins.release("1.36", DRAMagic=True)
+    with pytest.raises(ValueError, match=r"^Kubernetes 1.33: the stand-ins speak for 1.34, 1.35, 1.36, 1.37$"):
+        standins.release("1.33")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_versions_the_api_server_drops_extended_resource_name_without_its_gate(version):
+    """A DeviceClass's extendedResourceName is dropped on write while DRAExtendedResource is off
+    (1.34, 1.35), kept from 1.36, and kept on a class that had it (deviceclass/strategy.go); the
+    scheduler then sends a pod's resources.limits to DRA only from 1.36."""
+    api = standins.ApiServerSimulator(version=version)
+    stored = api.put_device_class(shipped_device_class())
+    on = version >= "1.36"
+    assert ("extendedResourceName" in stored["spec"]) is on
+    turned_on = standins.ApiServerSimulator(version=standins.release(version, DRAExtendedResource=True))
+    turned_on.put_device_class(shipped_device_class())
+    turned_on.disabled_gates.add("DRAExtendedResource")  # the gate turned off again: a class that has it keeps it
+    assert "extendedResourceName" in turned_on.put_device_class(shipped_device_class())["spec"]
+    scheduler = standins.SchedulerSimulator(api)
+    assert (scheduler.device_class("example.com/gopher") is not None) is on
+
+
+def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
+    """A claim as a user's ResourceClaimTemplate makes it: ``count`` devices of ``device_class``."""
+    request = {"name": "gopher", "exactly": {"deviceClassName": device_class, "count": count, **exactly}}
+    return claim(name, f"uid-{name}", requests=[request])
+
+
+async def publish_unhealthy_and_healthy(dra_node):
+    """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy); then stops."""
+    (dra_node.devices / "gopher0").symlink_to("node0")
+    (dra_node.devices / "gopher1").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+    dra_node.stop()
 
 
 class ScriptedSliceApi:
