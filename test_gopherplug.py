@@ -8227,12 +8227,70 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
 
 
 async def publish_unhealthy_and_healthy(dra_node):
-    """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy); then stops."""
+    """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy), and is registered."""
     (dra_node.devices / "gopher0").symlink_to("node0")
     (dra_node.devices / "gopher1").touch()
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
+        await dra_node.registered()
         await dra_node.wait_for_slices(["gopher0", "gopher1"])
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_node):
+    """On every release, a claim of the shipped DeviceClass never gets an unhealthy device. Before
+    1.36 (DRADeviceTaints off) the API server drops the unhealthy taint and the allocator ignores
+    taints: only the class's selector on the ``healthy`` attribute keeps the device out (issue 25's
+    review finding 1: without it the pod held the broken device and never started)."""
+    await publish_unhealthy_and_healthy(dra_node)
+    tainted = [d.get("taints") is not None for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+    assert tainted == [dra_node.api.release.enabled("DRADeviceTaints"), False]
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    one = scheduler.allocate(ordinary_claim("one"), "node-1")
+    assert [r["device"] for r in one["devices"]["results"]] == ["gopher1"]
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(ordinary_claim("two", count=2), "node-1")
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_use(dra_node):
+    """On every release, an admin-access claim of the shipped ``-admin`` class is allocated an
+    unhealthy device: the class selects every device, and the request's toleration of the unhealthy
+    taint is what 1.36 and later need (before, there is no taint). Without the toleration, from 1.36
+    the taint keeps it off; through the ordinary class, never on any release. And it gets a device
+    an ordinary claim holds, which gopherplug prepares beside that claim. (Preparing an unhealthy
+    device that is there needs a node root cannot fail to open: the runtime tier's
+    test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it.)"""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+
+    def admin_claim(name, device, device_class="gopher.example.com-admin", **exactly):
+        selectors = [{"cel": {"expression": f'device.attributes["{DRIVER}"].id == "{device}"'}}]
+        return ordinary_claim(name, device_class=device_class, adminAccess=True, selectors=selectors, **exactly)
+
+    tolerations = [{"key": f"{DRIVER}/unhealthy", "operator": "Exists"}]
+    unhealthy = scheduler.allocate(admin_claim("admin", "gopher0", tolerations=tolerations), "node-1")
+    assert [(r["device"], r.get("adminAccess")) for r in unhealthy["devices"]["results"]] == [("gopher0", True)]
+    untolerated = admin_claim("untolerated", "gopher0")
+    if dra_node.api.release.enabled("DRADeviceTaints"):
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(untolerated, "node-1")
+    else:
+        assert scheduler.allocate(untolerated, "node-1")["devices"]["results"][0]["device"] == "gopher0"
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(admin_claim("ordinary", "gopher0", "gopher.example.com", tolerations=tolerations), "node-1")
+    for made in (ordinary_claim("holder"), admin_claim("monitor", "gopher1")):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+    with trio.fail_after(TIMEOUT):
+        response = await dra_node.kubelet.prepare(
+            DRIVER, [("default", "uid-holder", "holder"), ("default", "uid-monitor", "monitor")]
+        )
+    assert {uid: (a.error, [d.device_name for d in a.devices]) for uid, a in response.claims.items()} == {
+        "uid-holder": ("", ["gopher1"]),
+        "uid-monitor": ("", ["gopher1"]),
+    }
     dra_node.stop()
 
 
@@ -8992,19 +9050,26 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     for version in ("1.34.0", "1.37.0"):
         result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
         assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.count("passed") == 8
+        assert result.stdout.count("passed") == 9
     with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
-        objects = {item["kind"]: item for item in yaml.safe_load_all(file)}
+        objects = {item["kind"]: item for item in yaml.safe_load_all(file) if item["kind"] != "DeviceClass"}
     config = gp.parse_config(objects["ConfigMap"]["data"]["config.yaml"], "daemonset-dra.yaml ConfigMap")
     (resource,) = config.resources
-    expression = objects["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
-    assert f'device.driver == "{config.dra.driver}"' in expression
-    assert f'.resource == "{resource.name}"' in expression
-    # Pods that ask for the resource in resources.limits are served by DRA where the driver runs.
-    assert objects["DeviceClass"]["spec"]["extendedResourceName"] == resource.name
-    # Unhealthy devices are kept off by their taint, not by the class: a class that selected on
-    # `healthy` would keep them from an admin-access claim that tolerates the taint too.
-    assert "healthy" not in expression
+    classes = {item["metadata"]["name"]: item["spec"] for item in shipped_device_classes()}
+    assert list(classes) == ["gopher.example.com", "gopher.example.com-admin"]
+    for spec in classes.values():
+        expression = spec["selectors"][0]["cel"]["expression"]
+        assert f'device.driver == "{config.dra.driver}"' in expression
+        assert f'.resource == "{resource.name}"' in expression
+    # Pods that ask for the resource in resources.limits are served by DRA where the driver runs,
+    # through the ordinary class; it selects healthy devices only, which every version honours (the
+    # unhealthy taint is dropped before 1.36), so admin-access claims have a class of their own.
+    assert classes["gopher.example.com"]["extendedResourceName"] == resource.name
+    assert classes["gopher.example.com"]["selectors"][0]["cel"]["expression"].endswith(
+        f'device.attributes["{config.dra.driver}"].healthy'
+    )
+    assert "extendedResourceName" not in classes["gopher.example.com-admin"]
+    assert "healthy" not in classes["gopher.example.com-admin"]["selectors"][0]["cel"]["expression"]
     rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
     assert rules == {
         ("resourceslices",): {"list", "watch", "create", "update", "delete"},
