@@ -6868,11 +6868,13 @@ def registered_throughout(events, driver_sockets):
     return began
 
 
+@pytest.mark.parametrize("dra_node", standins.KUBERNETES_VERSIONS, indirect=True)
 async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered_throughout(dra_node, monkeypatch):
     """maxSurge: 1: the new pod starts while the old one serves and holds everything (the CDI spec,
     the checkpoint, the slices). Both register; a claim prepared during the overlap goes to the
     newest; the old pod stops; the new one unprepares every claim, those the old one prepared too.
-    At no moment is the driver without a registered plugin, and its slices are never wiped."""
+    At no moment is the driver without a registered plugin, and its slices are never wiped. The
+    same on every release (kubelets register two plugins of one driver since 1.33)."""
     (dra_node.devices / "gopher0").touch()
     (dra_node.devices / "gopher1").touch()
     for name, uid, device in (("c0", "uid-0", "gopher0"), ("c1", "uid-1", "gopher1")):
@@ -8291,6 +8293,131 @@ async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_us
         "uid-holder": ("", ["gopher1"]),
         "uid-monitor": ("", ["gopher1"]),
     }
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_container(dra_node):
+    """On every release: a claim of the shipped class gets the healthy device, gopherplug prepares
+    it, and the container gets its CDI device."""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    made = ordinary_claim("c1")
+    made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+    dra_node.api.put_claim(made)
+    with trio.fail_after(TIMEOUT):
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-c1", "c1")])).claims["uid-c1"]
+    assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher1"])
+    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == ["example.com/gopher=gopher1"]
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(dra_node):
+    """On every release (DRAPrioritizedList is on from 1.34): a request with firstAvailable gets the
+    first subrequest the node can give, here the second (no device is gopher9), as
+    "<request>/<subrequest>"; gopherplug prepares it and the container naming the request gets it."""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    only = [{"cel": {"expression": f'device.attributes["{DRIVER}"].id == "gopher9"'}}]
+    subrequests = [
+        {"name": "best", "deviceClassName": "gopher.example.com", "selectors": only},
+        {"name": "any", "deviceClassName": "gopher.example.com"},
+    ]
+    made = claim("listed", "uid-listed", requests=[{"name": "gopher", "firstAvailable": subrequests}])
+    made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+    dra_node.api.put_claim(made)
+    assert [(r["request"], r["device"]) for r in made["status"]["allocation"]["devices"]["results"]] == [
+        ("gopher/any", "gopher1")
+    ]
+    with trio.fail_after(TIMEOUT):
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-listed", "listed")])).claims["uid-listed"]
+    assert answer.error == ""
+    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == ["example.com/gopher=gopher1"]
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
+    """``replicas: 2``: from 1.36 (DRAConsumableCapacity on) two claims share gopher0, each with a
+    share of its own, both prepared; before, the API server stores the device unshared, the second
+    claim finds no device, and gopherplug says once why."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=2))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    first, second = ordinary_claim("first"), ordinary_claim("second")
+    first["status"] = {"allocation": scheduler.allocate(first, "node-1")}
+    dra_node.api.put_claim(first)
+    said = [r.getMessage() for r in caplog.records if "DRAConsumableCapacity is off" in r.getMessage()]
+    if dra_node.api.release.enabled("DRAConsumableCapacity"):
+        second["status"] = {"allocation": scheduler.allocate(second, "node-1")}
+        dra_node.api.put_claim(second)
+        with trio.fail_after(TIMEOUT):
+            answer = await dra_node.kubelet.prepare(
+                DRIVER, [("default", "uid-first", "first"), ("default", "uid-second", "second")]
+            )
+        shares = {uid: [(d.device_name, d.share_id) for d in a.devices] for uid, a in answer.claims.items()}
+        assert {uid: [name for name, _ in devices] for uid, devices in shares.items()} == {
+            "uid-first": ["gopher0"],
+            "uid-second": ["gopher0"],
+        }
+        assert shares["uid-first"][0][1] != shares["uid-second"][0][1]
+        assert said == []
+    else:
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(second, "node-1")
+        assert len(said) == 1
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(dra_node):
+    """A pod asking for example.com/gopher in resources.limits on a node without the device plugin:
+    from 1.36 (DRAExtendedResource on) the scheduler makes its claim from the shipped class's
+    extendedResourceName and the container gets the healthy device; before, the API server dropped
+    the field and the pod fits nowhere here (it needs the device plugin on such a cluster)."""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    pod = gopher_pod("p", ("consumer", {"example.com/gopher": "1"}))
+    if not dra_node.api.release.enabled("DRAExtendedResource"):
+        assert "extendedResourceName" not in dra_node.api.device_classes["gopher.example.com"]["spec"]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot fit resource example.com/gopher$"):
+            scheduler.schedule(pod, "node-1")
+        dra_node.stop()
+        return
+    placement = scheduler.schedule(pod, "node-1")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.kubelet.prepare_extended_resources(pod, placement.claim)
+    assert dra_node.kubelet.extended_resource_cdi_devices(pod, placement.claim, "consumer") == [
+        "example.com/gopher=gopher1"
+    ]
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_the_kubelet_watches_health_only_from_1_36(dra_node):
+    """The health stream (pods' status.allocatedResourcesStatus): kubelets open NodeWatchResources
+    only with ResourceHealthStatus (on from 1.36; dra_plugin_manager.go), in v1alpha1 up to 1.36
+    and the newest gopherplug lists from 1.37. Before 1.36 they never call it: health reaches
+    nobody but the slices' healthy attribute and the log."""
+    await publish_unhealthy_and_healthy(dra_node)
+    expected = {"1.36": f"/{DRA_V1ALPHA1}/NodeWatchResources", "1.37": "/v1.DRAResourceHealth/NodeWatchResources"}
+    with trio.fail_after(TIMEOUT):
+        if dra_node.version not in expected:
+            with pytest.raises(gp.RPCError, match="ResourceHealthStatus off never opens NodeWatchResources"):
+                async with dra_node.kubelet.watch_health(DRIVER):
+                    pass
+        else:
+            async with dra_node.kubelet.watch_health(DRIVER) as reports:
+                report = await reports.__anext__()
+            assert [(d.device.device_name, d.health) for d in report.devices] == [
+                ("gopher0", gp.drahealth.UNHEALTHY),
+                ("gopher1", gp.drahealth.HEALTHY),
+            ]
+    assert dra_node.kubelet.health_paths == ([expected[dra_node.version]] if dra_node.version in expected else [])
     dra_node.stop()
 
 
