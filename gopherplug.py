@@ -3157,7 +3157,8 @@ def dra_unhealthy_taint(driver: str, device: DeviceEntry, effect: str = "NoSched
     """The taint of an unhealthy device in its ResourceSlice: key ``<driver>/unhealthy``, the
     configured effect, and the reason as its value when the reason is a label value (at most 63
     letters, digits, "-", "_" and "."; validateDeviceTaint), else DRA_UNHEALTHY_TAINT_VALUE. The
-    full reason stays in the health stream and the log. No timeAdded: the API server adds it."""
+    full reason stays in the health stream and the log. No timeAdded: the API server adds it when
+    the taint is first written, and the publisher keeps that one in every rewrite (_keep_taint_times)."""
     reason = device.problem
     value = reason if reason and len(reason) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(reason) else ""
     return {"key": f"{driver}/unhealthy", "value": value or DRA_UNHEALTHY_TAINT_VALUE, "effect": effect}
@@ -6856,6 +6857,7 @@ class SlicePublisher:
         # The pool changed: a new generation, so that the scheduler never mixes two.
         for item in slices:
             item["spec"]["pool"]["generation"] = generation + 1
+            _keep_taint_times(item, mine.values())
             name = item["metadata"]["name"]
             await self._writes.acquire()
             if name in self.known:
@@ -6938,6 +6940,29 @@ def _untimed(spec: Mapping[str, Any]) -> dict[str, Any]:
             for device in spec["devices"]
         ]
     return spec
+
+
+def _keep_taint_times(item: dict[str, Any], stored: Iterable[Mapping[str, Any]]) -> None:
+    """Give each taint of ``item`` the timeAdded its device's same taint (key, value, effect) has in
+    the pool's ``stored`` slices. The API server sets timeAdded to now on every write of a taint
+    without one (SetDefaults_DeviceTaint in kubernetes/kubernetes pkg/apis/resource/v1/defaults.go),
+    and a NoExecute taint evicts at timeAdded + tolerationSeconds: without this, every rewrite of
+    the pool (another device added, another turned unhealthy) would restart the eviction clock of
+    the devices already tainted. The Go helper does the same (copyTaintTimeAdded in
+    staging/src/k8s.io/dynamic-resource-allocation/resourceslice); here across the pool's slices, so
+    that a device moved to another slice keeps its time too."""
+    times = {
+        (device.get("name"), taint.get("key"), taint.get("value"), taint.get("effect")): taint["timeAdded"]
+        for known in stored
+        for device in known.get("spec", {}).get("devices") or []
+        for taint in device.get("taints") or []
+        if taint.get("timeAdded")
+    }
+    for device in item["spec"].get("devices") or []:
+        for taint in device.get("taints") or []:
+            kept = times.get((device["name"], taint.get("key"), taint.get("value"), taint.get("effect")))
+            if kept and not taint.get("timeAdded"):
+                taint["timeAdded"] = kept
 
 
 def _slice_key(item: Mapping[str, Any]) -> str:

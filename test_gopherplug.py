@@ -8421,6 +8421,38 @@ async def test_versions_the_kubelet_watches_health_only_from_1_36(dra_node):
     dra_node.stop()
 
 
+async def test_dra_a_pool_rewrite_keeps_the_unhealthy_taints_time_added(dra_node):
+    """The eviction clock: NoExecute evicts at timeAdded + tolerationSeconds, and the API server sets
+    timeAdded to now on every write of a taint without one (SetDefaults_DeviceTaint). A pool
+    rewritten for another device (gopher2 added) keeps gopher0's taint's timeAdded, as the Go
+    helper does (copyTaintTimeAdded in k8s.io/dynamic-resource-allocation resourceslice); a taint
+    that is new gets the server's now."""
+    times = iter([1_700_000_000, 1_700_000_600])
+    now = next(times)
+    dra_node.api.clock = lambda: now
+    (dra_node.devices / "gopher0").symlink_to("node0")
+    (dra_node.devices / "gopher1").touch()
+
+    def taint_times():
+        return {
+            device["name"]: [taint["timeAdded"] for taint in device.get("taints", [])]
+            for item in dra_node.api.slices.values()
+            for device in item["spec"]["devices"]
+        }
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        first = taint_times()
+        assert first == {"gopher0": ["2023-11-14T22:13:20Z"], "gopher1": []}
+        now = next(times)  # ten minutes later
+        (dra_node.devices / "gopher2").symlink_to("node2")  # a new unhealthy device: the pool is rewritten
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "update"]
+    assert taint_times() == {"gopher0": ["2023-11-14T22:13:20Z"], "gopher1": [], "gopher2": ["2023-11-14T22:23:20Z"]}
+    dra_node.stop()
+
+
 class ScriptedSliceApi:
     """The slice requests of KubeApi, scripted: the watch yields what the test sends down
     ``events``; create_slice answers only once ``before_answer`` (awaited with the item) returns."""
