@@ -6505,6 +6505,21 @@ async def _set_after(delay: float, event: trio.Event) -> None:
     event.set()
 
 
+def dra_registration_socket_of(driver: str, name: str) -> bool:
+    """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
+    DraConfig.registration_socket names them: "<driver>-reg.sock", "<driver>-<pod UID>-reg.sock"
+    with a UUID (the API server's pod UIDs), "<driver>-<11 characters>-reg.sock" (the digest of a
+    UID, where the UID makes the path too long). Not any "<driver>-*-reg.sock": another driver's
+    name may begin with ours and a "-" (gopherplug.example.com-nic), and its sockets are not ours
+    to defer to or to remove. (The names hashed whole, "dra-<hash>-reg.sock", are not told apart.)"""
+    if name == f"{driver}-reg.sock":
+        return True
+    middle = name.removeprefix(f"{driver}-").removesuffix("-reg.sock")
+    if len(middle) != len(name) - len(driver) - len("--reg.sock"):
+        return False
+    return bool(_UUID.fullmatch(middle) or re.fullmatch(r"[A-Za-z0-9_-]{11}", middle))
+
+
 class DriverPeers:
     """The other pods of this DRA driver on the node, seen through their registration sockets, for
     the slices: during a rolling update the old and the new pod both keep them, and the new one may
@@ -6515,7 +6530,7 @@ class DriverPeers:
 
     Newest: the later socket's change time (each pod makes its socket as it starts). Live: its
     socket accepts a connection (a killed pod's does not, see _remove_dead_sockets). Sockets named
-    "<driver>-reg.sock" or "<driver>-*-reg.sock"; a pod whose name had to be hashed whole
+    as dra_registration_socket_of says; a pod whose name had to be hashed whole
     ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
     """
 
@@ -6538,7 +6553,7 @@ class DriverPeers:
         unanswered = False
         for name in _listing(registry):
             path = os.path.join(registry, name)
-            if path == ours or not (name == f"{driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{driver}-*-reg.sock")):
+            if path == ours or not dra_registration_socket_of(driver, name):
                 continue
             with contextlib.suppress(OSError):
                 status = os.lstat(path)
@@ -7041,13 +7056,11 @@ def _remove_dead_sockets(config: DraConfig) -> None:
     plugins (it prefers a connected one, so calls still reach a live pod: GetPlugin in
     kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go). The Go helper leaves
     them; a socket nobody accepts on is dead for certain (a live pod listens from bind() until it
-    removes it), so they go here. Only this driver's names: "<driver>-reg.sock", "<driver>-*-reg.sock",
-    and in the driver's own directory "dra.sock", "dra-*.sock"."""
+    removes it), so they go here. Only this driver's names (dra_registration_socket_of), and in the
+    driver's own directory "dra.sock", "dra-*.sock"."""
     registry = os.path.dirname(config.registration_socket)
     candidates = [
-        os.path.join(registry, name)
-        for name in _listing(registry)
-        if name == f"{config.driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{config.driver}-*-reg.sock")
+        os.path.join(registry, name) for name in _listing(registry) if dra_registration_socket_of(config.driver, name)
     ]
     candidates += [
         os.path.join(config.plugin_dir, name)

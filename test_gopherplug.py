@@ -6879,8 +6879,8 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
     (dra_node.devices / "gopher1").touch()
     for name, uid, device in (("c0", "uid-0", "gopher0"), ("c1", "uid-1", "gopher1")):
         dra_node.api.put_claim(claim(name, uid, ("gopher", DRIVER, DraNode.POOL, device)))
-    old_config = gp.with_pod_uid(dra_node.config(), "pod-old")
-    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
+    old_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a")
+    new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
     old_socket, new_socket = old_config.dra.registration_socket, new_config.dra.registration_socket
     kubelet = dra_node.kubelet
     with trio.fail_after(TIMEOUT):
@@ -6915,7 +6915,7 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
     assert sorted(os.listdir(dra_node.kubelet_dir / "plugins_registry")) == [os.path.basename(new_socket)]
     assert sorted(p.name for p in (dra_node.kubelet_dir / "plugins" / DRIVER).iterdir()) == [
         "checkpoint.json",
-        "dra-pod-new.sock",
+        "dra-0a1b2c3d-0000-4000-8000-00000000002b.sock",
         "serialize.lock",
     ]
     assert [d["name"] for d in read_spec(dra_node.root / "cdi" / "example.com-gopher.json")["devices"]] == [
@@ -6939,12 +6939,15 @@ async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_
     registry = dra_node.kubelet_dir / "plugins_registry"
     plugins = dra_node.kubelet_dir / "plugins" / DRIVER
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-live"))
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000003c"))
         await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 1)
-        dead = [dead_socket(registry / f"{DRIVER}-pod-killed-reg.sock"), dead_socket(plugins / "dra-pod-killed.sock")]
+        dead = [
+            dead_socket(registry / f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000004d-reg.sock"),
+            dead_socket(plugins / "dra-0a1b2c3d-0000-4000-8000-00000000004d.sock"),
+        ]
         other = dead_socket(registry / "other.example.com-reg.sock")
         with logged("left by a DRA driver that did not exit cleanly") as removed:
-            await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-new"))
+            await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b"))
         await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
     assert not any(path.exists() for path in dead)
     assert sorted(removed.lines) == sorted(
@@ -6952,8 +6955,38 @@ async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_
     )
     assert other.exists()  # not this driver's
     assert sorted(os.listdir(registry)) == sorted(
-        ["other.example.com-reg.sock", f"{DRIVER}-pod-live-reg.sock", f"{DRIVER}-pod-new-reg.sock"]
+        [
+            "other.example.com-reg.sock",
+            f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000003c-reg.sock",
+            f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000002b-reg.sock",
+        ]
     )
+
+
+def test_dra_another_driver_whose_name_extends_ours_is_neither_a_peer_nor_removed(sockdir):
+    """Issue 25, finding 4: a driver named gopherplug.example.com-nic has sockets that begin with
+    our name and a "-". Its live socket is no newer pod of ours (we would stop publishing), its dead
+    one is not ours to remove: only "<driver>-<pod UID>-reg.sock" with a UUID (or the 11-character
+    digest the name falls back to) is one of ours."""
+    config = gp.DraConfig(DRIVER, kubelet_dir=sockdir, pod_uid=POD_UID)
+    registry = Path(sockdir) / "plugins_registry"
+    ours = dead_socket(Path(config.registration_socket))
+    other_uid = "fa1b2c3d-0000-4000-8000-0000000000ff"  # made later, and sorts after ours on a tie
+    with contextlib.ExitStack() as stack:
+        for name in (f"{DRIVER}-nic-reg.sock", f"{DRIVER}-nic-{other_uid}-reg.sock"):
+            live = stack.enter_context(socket.socket(socket.AF_UNIX))
+            live.bind(str(registry / name))
+            live.listen()
+        assert gp.DriverPeers(config).newer() == ("", False)
+        newer = stack.enter_context(socket.socket(socket.AF_UNIX))
+        newer.bind(str(registry / f"{DRIVER}-{other_uid}-reg.sock"))
+        newer.listen()
+        assert gp.DriverPeers(config).newer() == (str(registry / f"{DRIVER}-{other_uid}-reg.sock"), False)
+    # Closed now: what each pod leaves when killed.
+    theirs = [registry / f"{DRIVER}-nic-reg.sock", registry / f"{DRIVER}-nic-{other_uid}-reg.sock"]
+    mine = registry / f"{DRIVER}-{other_uid}-reg.sock"
+    gp._remove_dead_sockets(config)
+    assert all(path.exists() for path in theirs) and ours.exists() and not mine.exists()
 
 
 async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_serves(dra_node):
@@ -6988,9 +7021,11 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
     monkeypatch.setattr(gp, "SlicePublisher", Recorded)
     for name in ("gopher0", "gopher1"):
         (dra_node.devices / name).touch()
-    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
+    new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(pattern="gopher0"), "pod-old"))
+        await dra_node.start(
+            gp.with_pod_uid(dra_node.config(pattern="gopher0"), "0a1b2c3d-0000-4000-8000-00000000001a")
+        )
         await dra_node.wait_for_slices(["gopher0"])
         with logged("the slices are left to it") as left:
             new = await dra_node.start(new_config)
@@ -7036,9 +7071,9 @@ async def test_dra_a_newer_pod_is_seen_once_it_listens_on_its_socket(dra_node, m
 
     monkeypatch.setattr(gp, "SlicePublisher", Recorded)
     (dra_node.devices / "gopher0").touch()
-    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-pod-new-reg.sock"
+    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000002b-reg.sock"
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-old"))
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a"))
         await dra_node.registered()
         (publisher,) = publishers
         with socket.socket(socket.AF_UNIX) as starting:
