@@ -3173,9 +3173,12 @@ def dra_device(
     device-plugin API's health), and ``numaNode`` when the device node has one.
 
     Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
-    across drivers: ``numaNode`` (an int; the kubelet's topology hints for DRA read an attribute
-    whose name ends in "/numaNode", topologyNUMAAttributeSuffix in pkg/kubelet/cm/dra; gopherplug's
-    own is stored without a domain, so this is the one they find), and for a device node of a PCI device ``pciBusID``
+    across drivers: ``numaNode`` (an int, for selectors and matchAttribute constraints; no released
+    kubelet reads it: 1.36 has no DRA topology hints, its standard attributes are pcieRoot and
+    pciBusID, k8s.io/dynamic-resource-allocation deviceattribute. The kubelet's main branch adds
+    hints that read an attribute whose name ends in "/numaNode", topologyNUMAAttributeSuffix in
+    kubernetes/kubernetes pkg/kubelet/cm/dra/topology_hints.go; gopherplug's own is stored without
+    a domain, so this is the one they would find), and for a device node of a PCI device ``pciBusID``
     ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
     them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
     lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
