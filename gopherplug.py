@@ -3157,7 +3157,8 @@ def dra_unhealthy_taint(driver: str, device: DeviceEntry, effect: str = "NoSched
     """The taint of an unhealthy device in its ResourceSlice: key ``<driver>/unhealthy``, the
     configured effect, and the reason as its value when the reason is a label value (at most 63
     letters, digits, "-", "_" and "."; validateDeviceTaint), else DRA_UNHEALTHY_TAINT_VALUE. The
-    full reason stays in the health stream and the log. No timeAdded: the API server adds it."""
+    full reason stays in the health stream and the log. No timeAdded: the API server adds it when
+    the taint is first written, and the publisher keeps that one in every rewrite (_keep_taint_times)."""
     reason = device.problem
     value = reason if reason and len(reason) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(reason) else ""
     return {"key": f"{driver}/unhealthy", "value": value or DRA_UNHEALTHY_TAINT_VALUE, "effect": effect}
@@ -3172,9 +3173,12 @@ def dra_device(
     device-plugin API's health), and ``numaNode`` when the device node has one.
 
     Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
-    across drivers: ``numaNode`` (an int; the kubelet's topology hints for DRA read an attribute
-    whose name ends in "/numaNode", topologyNUMAAttributeSuffix in pkg/kubelet/cm/dra; gopherplug's
-    own is stored without a domain, so this is the one they find), and for a device node of a PCI device ``pciBusID``
+    across drivers: ``numaNode`` (an int, for selectors and matchAttribute constraints; no released
+    kubelet reads it: 1.36 has no DRA topology hints, its standard attributes are pcieRoot and
+    pciBusID, k8s.io/dynamic-resource-allocation deviceattribute. The kubelet's main branch adds
+    hints that read an attribute whose name ends in "/numaNode", topologyNUMAAttributeSuffix in
+    kubernetes/kubernetes pkg/kubelet/cm/dra/topology_hints.go; gopherplug's own is stored without
+    a domain, so this is the one they would find), and for a device node of a PCI device ``pciBusID``
     ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
     them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
     lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
@@ -6504,6 +6508,21 @@ async def _set_after(delay: float, event: trio.Event) -> None:
     event.set()
 
 
+def dra_registration_socket_of(driver: str, name: str) -> bool:
+    """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
+    DraConfig.registration_socket names them: "<driver>-reg.sock", "<driver>-<pod UID>-reg.sock"
+    with a UUID (the API server's pod UIDs), "<driver>-<11 characters>-reg.sock" (the digest of a
+    UID, where the UID makes the path too long). Not any "<driver>-*-reg.sock": another driver's
+    name may begin with ours and a "-" (gopherplug.example.com-nic), and its sockets are not ours
+    to defer to or to remove. (The names hashed whole, "dra-<hash>-reg.sock", are not told apart.)"""
+    if name == f"{driver}-reg.sock":
+        return True
+    middle = name.removeprefix(f"{driver}-").removesuffix("-reg.sock")
+    if len(middle) != len(name) - len(driver) - len("--reg.sock"):
+        return False
+    return bool(_UUID.fullmatch(middle) or re.fullmatch(r"[A-Za-z0-9_-]{11}", middle))
+
+
 class DriverPeers:
     """The other pods of this DRA driver on the node, seen through their registration sockets, for
     the slices: during a rolling update the old and the new pod both keep them, and the new one may
@@ -6514,7 +6533,7 @@ class DriverPeers:
 
     Newest: the later socket's change time (each pod makes its socket as it starts). Live: its
     socket accepts a connection (a killed pod's does not, see _remove_dead_sockets). Sockets named
-    "<driver>-reg.sock" or "<driver>-*-reg.sock"; a pod whose name had to be hashed whole
+    as dra_registration_socket_of says; a pod whose name had to be hashed whole
     ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
     """
 
@@ -6537,7 +6556,7 @@ class DriverPeers:
         unanswered = False
         for name in _listing(registry):
             path = os.path.join(registry, name)
-            if path == ours or not (name == f"{driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{driver}-*-reg.sock")):
+            if path == ours or not dra_registration_socket_of(driver, name):
                 continue
             with contextlib.suppress(OSError):
                 status = os.lstat(path)
@@ -6856,6 +6875,7 @@ class SlicePublisher:
         # The pool changed: a new generation, so that the scheduler never mixes two.
         for item in slices:
             item["spec"]["pool"]["generation"] = generation + 1
+            _keep_taint_times(item, mine.values())
             name = item["metadata"]["name"]
             await self._writes.acquire()
             if name in self.known:
@@ -6940,6 +6960,29 @@ def _untimed(spec: Mapping[str, Any]) -> dict[str, Any]:
     return spec
 
 
+def _keep_taint_times(item: dict[str, Any], stored: Iterable[Mapping[str, Any]]) -> None:
+    """Give each taint of ``item`` the timeAdded its device's same taint (key, value, effect) has in
+    the pool's ``stored`` slices. The API server sets timeAdded to now on every write of a taint
+    without one (SetDefaults_DeviceTaint in kubernetes/kubernetes pkg/apis/resource/v1/defaults.go),
+    and a NoExecute taint evicts at timeAdded + tolerationSeconds: without this, every rewrite of
+    the pool (another device added, another turned unhealthy) would restart the eviction clock of
+    the devices already tainted. The Go helper does the same (copyTaintTimeAdded in
+    staging/src/k8s.io/dynamic-resource-allocation/resourceslice); here across the pool's slices, so
+    that a device moved to another slice keeps its time too."""
+    times = {
+        (device.get("name"), taint.get("key"), taint.get("value"), taint.get("effect")): taint["timeAdded"]
+        for known in stored
+        for device in known.get("spec", {}).get("devices") or []
+        for taint in device.get("taints") or []
+        if taint.get("timeAdded")
+    }
+    for device in item["spec"].get("devices") or []:
+        for taint in device.get("taints") or []:
+            kept = times.get((device["name"], taint.get("key"), taint.get("value"), taint.get("effect")))
+            if kept and not taint.get("timeAdded"):
+                taint["timeAdded"] = kept
+
+
 def _slice_key(item: Mapping[str, Any]) -> str:
     """A slice's spec and owners, its generation (and taints' timeAdded) aside, as one comparable text."""
     spec = _untimed(item["spec"])
@@ -7016,13 +7059,11 @@ def _remove_dead_sockets(config: DraConfig) -> None:
     plugins (it prefers a connected one, so calls still reach a live pod: GetPlugin in
     kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go). The Go helper leaves
     them; a socket nobody accepts on is dead for certain (a live pod listens from bind() until it
-    removes it), so they go here. Only this driver's names: "<driver>-reg.sock", "<driver>-*-reg.sock",
-    and in the driver's own directory "dra.sock", "dra-*.sock"."""
+    removes it), so they go here. Only this driver's names (dra_registration_socket_of), and in the
+    driver's own directory "dra.sock", "dra-*.sock"."""
     registry = os.path.dirname(config.registration_socket)
     candidates = [
-        os.path.join(registry, name)
-        for name in _listing(registry)
-        if name == f"{config.driver}-reg.sock" or fnmatch.fnmatchcase(name, f"{config.driver}-*-reg.sock")
+        os.path.join(registry, name) for name in _listing(registry) if dra_registration_socket_of(config.driver, name)
     ]
     candidates += [
         os.path.join(config.plugin_dir, name)

@@ -5,14 +5,20 @@ the scheduler. gopherplug.py carries the lenient stand-ins its ``demo`` runs (Ku
 DraKubeletSimulator, LenientApiServer); this module carries what only tests need, so that a node
 runs, and a reader of the product reads, none of it (as trio.testing stands beside trio):
 
-  1. Validation        the API server's own checks of ResourceSlices and ResourceClaims, with its
+  1. Releases          the Kubernetes versions the stand-ins speak for (1.34 to 1.37), each with
+                       its default feature gates and an admin's overrides: every stand-in below
+                       takes one and behaves as that release does
+  2. Validation        the API server's own checks of ResourceSlices and ResourceClaims, with its
                        words: a test's object is one a cluster can have, or it fails as there
-  2. ApiServerSimulator LenientApiServer made strict: the 422s, disabled feature gates, TLS,
-                       tokens, failures on demand, watches that expire
-  3. SchedulerSimulator kube-scheduler's allocation of claims and extended resources, with CEL
-                       evaluated for real (cel-python, from the test extra) and consumable capacity
-  4. DraKubeletSimulator the product's, with the kubelet's handling of extended resources
-  5. PodResourcesSimulator the product's, with the kubelet's rate limit
+  3. ApiServerSimulator LenientApiServer made strict: the 422s, the fields of disabled feature gates
+                       dropped, DeviceClasses, /version, TLS, tokens, failures on demand, watches
+                       that expire
+  4. SchedulerSimulator kube-scheduler's allocation of claims and extended resources, with CEL
+                       evaluated for real (cel-python, from the test extra), consumable capacity,
+                       taints and prioritized lists as the release's gates have them
+  5. DraKubeletSimulator the product's, with the kubelet's handling of extended resources, and the
+                       health stream opened only where ResourceHealthStatus is on
+  6. PodResourcesSimulator the product's, with the kubelet's rate limit
 
 KubeletSimulator and UnexpectedAdmissionError are the product's, named here too, so that a test
 takes every stand-in from one place. The wheel ships this module for users' own tests; the images
@@ -22,6 +28,7 @@ scheduler's CEL, the `test` extra.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -29,7 +36,7 @@ import re
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -62,15 +69,20 @@ from gopherplug import (
 
 __all__ = [
     "EXTENDED_RESOURCE_CLAIM_ANNOTATION",
+    "FEATURE_GATE_HISTORY",
     "IMPLICIT_EXTENDED_RESOURCE_PREFIX",
+    "KUBERNETES_VERSIONS",
     "ApiServerSimulator",
     "DraKubeletSimulator",
     "KubeletSimulator",
     "Placement",
     "PodResourcesSimulator",
+    "Release",
     "SchedulerSimulator",
     "UnexpectedAdmissionError",
     "UnschedulableError",
+    "gate_spec",
+    "release",
     "resource_claim_causes",
     "resource_claim_status_causes",
     "resource_slice_causes",
@@ -78,7 +90,129 @@ __all__ = [
 
 
 ########################################################################################################
-# 1. Validation, as the API server does it
+# 1. Releases
+#
+# A stand-in speaks for one Kubernetes release with its default feature gates, as a cluster of that
+# release runs unless its admin changed them: a test says which release it is about, and the same
+# flow runs against each. Pure data, and one function that checks an admin's overrides.
+########################################################################################################
+
+#: The Kubernetes releases gopherplug supports (resource.k8s.io/v1 is served from 1.34), oldest first.
+KUBERNETES_VERSIONS = ("1.34", "1.35", "1.36", "1.37")
+
+#: The feature gates the stand-ins follow, each as its versioned defaults: (from release, stage,
+#: on by default, locked to its default). Copied from defaultVersionedKubernetesFeatureGates in
+#: kubernetes/kubernetes pkg/features/kube_features.go as of v1.36.2; the 1.37 entries from the main
+#: branch (where the DRA gates are listed alike), planned for 1.37: DRADeviceTaints GA, DRAExtendedResource
+#: GA and locked, DRAPrioritizedList locked.
+FEATURE_GATE_HISTORY: dict[str, tuple[tuple[str, str, bool, bool], ...]] = {
+    # firstAvailable: a request's prioritized list of subrequests
+    "DRAPrioritizedList": (
+        ("1.33", "alpha", False, False),
+        ("1.34", "beta", True, False),
+        ("1.36", "GA", True, False),
+        ("1.37", "GA", True, True),
+    ),
+    # adminAccess in a claim's request (in a namespace labelled resource.kubernetes.io/admin-access)
+    "DRAAdminAccess": (("1.32", "alpha", False, False), ("1.34", "beta", True, False), ("1.36", "GA", True, True)),
+    # a claim's status.devices, written by the driver
+    "DRAResourceClaimDeviceStatus": (("1.32", "alpha", False, False), ("1.33", "beta", True, False)),
+    # a device's taints in a ResourceSlice, and the allocator's respect for them
+    "DRADeviceTaints": (("1.33", "alpha", False, False), ("1.36", "beta", True, False), ("1.37", "GA", True, False)),
+    # allowMultipleAllocations and a capacity's requestPolicy: a device shared among claims
+    "DRAConsumableCapacity": (("1.34", "alpha", False, False), ("1.36", "beta", True, False)),
+    # a DeviceClass's extendedResourceName: pods asking through resources.limits get a claim
+    "DRAExtendedResource": (
+        ("1.34", "alpha", False, False),
+        ("1.36", "beta", True, False),
+        ("1.37", "GA", True, True),
+    ),
+    # the kubelet's DRA health stream (NodeWatchResources) and a pod's status.allocatedResourcesStatus
+    "ResourceHealthStatus": (("1.31", "alpha", False, False), ("1.36", "beta", True, False)),
+    # the kubelet's PodResources API lists DRA devices (`gopherplug who`), and answers Get
+    "KubeletPodResourcesDynamicResources": (
+        ("1.27", "alpha", False, False),
+        ("1.34", "beta", True, False),
+        ("1.36", "GA", True, True),
+    ),
+    "KubeletPodResourcesGet": (
+        ("1.27", "alpha", False, False),
+        ("1.34", "beta", True, False),
+        ("1.36", "GA", True, True),
+    ),
+}
+
+
+def _minor(version: str) -> int:
+    return int(version.split(".")[1])
+
+
+def gate_spec(gate: str, version: str) -> tuple[str, bool, bool]:
+    """A gate's (stage, default, locked) in a release: its newest entry from that release or before."""
+    entries = [entry for entry in FEATURE_GATE_HISTORY[gate] if _minor(entry[0]) <= _minor(version)]
+    _, stage, default, locked = entries[-1]
+    return stage, default, locked
+
+
+@dataclass(frozen=True)
+class Release:
+    """One Kubernetes release as a cluster runs it: its version ("1.35") and its feature gates, the
+    release's defaults with what an admin changed (``--feature-gates``). Make one with release()."""
+
+    version: str
+    gates: Mapping[str, bool]
+
+    def enabled(self, gate: str) -> bool:
+        """Whether a gate of FEATURE_GATE_HISTORY is on."""
+        return self.gates[gate]
+
+    @property
+    def git_version(self) -> str:
+        """The version as components report it (/version's gitVersion, a Node's kubeletVersion)."""
+        return f"v{self.version}.0"
+
+    def version_info(self) -> dict[str, str]:
+        """What the API server answers on /version (k8s.io/apimachinery pkg/version Info)."""
+        major, minor = self.version.split(".")
+        return {
+            "major": major,
+            "minor": minor,
+            "gitVersion": self.git_version,
+            "gitCommit": "0" * 40,
+            "gitTreeState": "clean",
+            "buildDate": "2026-01-01T00:00:00Z",
+            "goVersion": "go1.25.0",
+            "compiler": "gc",
+            "platform": "linux/amd64",
+        }
+
+
+def release(version: str | Release = "1.36", **overrides: bool) -> Release:
+    """A Release of ``version`` (one of KUBERNETES_VERSIONS; a Release is returned as it is) with its
+    default gates, and ``overrides`` as an admin sets them (``release("1.35", DRADeviceTaints=True)``).
+    ValueError, in the component's words (k8s.io/component-base featuregate), for a gate the stand-ins
+    do not know or one locked to its default."""
+    if isinstance(version, Release):
+        if overrides:
+            return release(version.version, **{**version.gates, **overrides})
+        return version
+    if version not in KUBERNETES_VERSIONS:
+        raise ValueError(f"Kubernetes {version}: the stand-ins speak for {', '.join(KUBERNETES_VERSIONS)}")
+    gates = {gate: gate_spec(gate, version)[1] for gate in FEATURE_GATE_HISTORY}
+    for gate, value in overrides.items():
+        if gate not in gates:
+            raise ValueError(f"unrecognized feature gate: {gate}")
+        _, default, locked = gate_spec(gate, version)
+        if locked and value != default:
+            raise ValueError(
+                f"cannot set feature gate {gate} to {str(value).lower()}, feature is locked to {str(default).lower()}"
+            )
+        gates[gate] = value
+    return Release(version, gates)
+
+
+########################################################################################################
+# 2. Validation, as the API server does it
 #
 # Each function returns the causes a 422 lists (field, reason, message), in the API server's words
 # (kubernetes/kubernetes pkg/apis/resource/validation/validation.go): a test's object is one a
@@ -574,7 +708,7 @@ def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> 
 
 
 ########################################################################################################
-# 2. The API server, strict
+# 3. The API server, strict
 #
 # gopherplug.LenientApiServer serves the requests; this class fills in its hooks.
 ########################################################################################################
@@ -588,12 +722,21 @@ class ApiServerSimulator(LenientApiServer):
     - It refuses a slice the real API server refuses (``resource_slice_causes``) with the same 422,
       and lists it in ``refused``; likewise a claim's status.devices (``resource_claim_status_causes``),
       and ``put_claim`` raises ValueError for an allocation the real one would refuse.
-    - ``disabled_gates`` names feature gates that are off: with DRADeviceTaints among them, a write
-      loses its devices' taints unless the stored slice has some already, with DRAConsumableCapacity
-      allowMultipleAllocations and each capacity's requestPolicy (its value stays), unless the
-      stored slice has one, as dropDisabledFields in pkg/registry/resource/resourceslice/strategy.go
-      does; a taint written without timeAdded gets one (the API's documentation of
-      DeviceTaint.timeAdded), the stored one if the old slice has that taint.
+    - It speaks for one Kubernetes release (``version``: "1.36" unless told, or a Release with an
+      admin's gates; ``release``) and serves its /version. ``disabled_gates`` names the gates
+      that are off, the release's to begin with (a test may add to it): with DRADeviceTaints among
+      them, a write loses its devices' taints unless the stored slice has some already, with
+      DRAConsumableCapacity allowMultipleAllocations and each capacity's requestPolicy (its value
+      stays), unless the stored slice has one, as dropDisabledFields in
+      pkg/registry/resource/resourceslice/strategy.go does; with DRAExtendedResource a DeviceClass
+      loses its extendedResourceName unless the stored one has it
+      (pkg/registry/resource/deviceclass/strategy.go).
+    - A taint written without timeAdded gets ``clock()``, to the second, on every create and update:
+      SetDefaults_DeviceTaint (pkg/apis/resource/v1/defaults.go) knows no old object. Keeping an
+      old value is the writer's part (copyTaintTimeAdded in the Go helper's resourceslice controller).
+    - ``put_device_class`` stores a DeviceClass as an admin's kubectl apply would (``device_classes``,
+      by name); ``put_node`` gives a Node the status.nodeInfo a kubelet of ``kubelet_version``
+      reports (the release's unless told: a kubelet may be up to three minor versions older).
     - ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
       accepts, others get 401; ``forbidden_tokens`` get 403; ``bearers`` lists each request's token.
     - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
@@ -603,8 +746,15 @@ class ApiServerSimulator(LenientApiServer):
     - ``delete_node`` deletes a Node and, as the garbage collector does, the slices it owns.
     """
 
-    def __init__(self, ssl_context: Any = None, tokens: set[str] | None = None) -> None:
+    def __init__(
+        self, ssl_context: Any = None, tokens: set[str] | None = None, version: str | Release = "1.36"
+    ) -> None:
         super().__init__()
+        self.release = release(version)  #: the Kubernetes release it speaks for
+        #: DeviceClass objects by name, as stored (put_device_class)
+        self.device_classes: dict[str, dict[str, Any]] = {}
+        #: when now is, for a taint's timeAdded (time.time unless a test sets its own)
+        self.clock: Callable[[], float] = time.time
         self.ssl_context = ssl_context
         self.tokens = tokens
         self.node_reads: list[str] = []  #: the name of each Node read (GET), in order
@@ -621,7 +771,7 @@ class ApiServerSimulator(LenientApiServer):
         self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
         self.down = False
         self.delay = 0.0
-        self.disabled_gates: set[str] = set()
+        self.disabled_gates: set[str] = {gate for gate, on in self.release.gates.items() if not on}
 
     @property
     def url(self) -> str:
@@ -634,6 +784,39 @@ class ApiServerSimulator(LenientApiServer):
         if causes := resource_claim_causes(claim):
             raise ValueError(_invalid("ResourceClaim", "resource.k8s.io", claim["metadata"]["name"], causes)["message"])
         super().put_claim(claim)
+
+    def put_node(
+        self, name: str, uid: str, allocatable: Mapping[str, str] | None = None, kubelet_version: str = ""
+    ) -> None:
+        """A Node as LenientApiServer.put_node makes it, with the status.nodeInfo its kubelet reports:
+        kubeletVersion ``kubelet_version`` ("v1.35.0"; "": the release's) and the other fields of
+        NodeSystemInfo, which a client's model of a Node requires."""
+        super().put_node(name, uid, allocatable)
+        self.nodes[name].setdefault("status", {})["nodeInfo"] = {
+            "architecture": "amd64",
+            "bootID": str(uuid.uuid5(uuid.NAMESPACE_OID, f"boot-{name}")),
+            "containerRuntimeVersion": "containerd://2.1.0",
+            "kernelVersion": "6.12.0",
+            "kubeProxyVersion": "",
+            "kubeletVersion": kubelet_version or self.release.git_version,
+            "machineID": uuid.uuid5(uuid.NAMESPACE_OID, f"machine-{name}").hex,
+            "operatingSystem": "linux",
+            "osImage": "Debian GNU/Linux 13 (trixie)",
+            "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_OID, f"system-{name}")),
+        }
+
+    def put_device_class(self, device_class: Mapping[str, Any]) -> dict[str, Any]:
+        """Store a DeviceClass (a copy) as the API server does: without extendedResourceName while
+        DRAExtendedResource is off, unless the stored class of that name has one
+        (dropDisabledDRAExtendedResourceFields in pkg/registry/resource/deviceclass/strategy.go). The
+        class as stored."""
+        item = json.loads(json.dumps(device_class))
+        old = self.device_classes.get(item["metadata"]["name"])
+        in_use = old is not None and "extendedResourceName" in old.get("spec", {})
+        if "DRAExtendedResource" in self.disabled_gates and not in_use:
+            item.get("spec", {}).pop("extendedResourceName", None)
+        self.device_classes[item["metadata"]["name"]] = item
+        return item
 
     def delete_node(self, name: str) -> None:
         """Delete a Node, and then what the garbage collector deletes: every slice whose owner
@@ -687,6 +870,9 @@ class ApiServerSimulator(LenientApiServer):
             await self._send(connection, stream, h11, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
             return True
         path = urllib.parse.urlsplit(request.target.decode()).path
+        if request.method == b"GET" and path == "/version":
+            await self._send(connection, stream, h11, 200, self.release.version_info())
+            return True
         if request.method == b"GET" and path.startswith("/api/v1/nodes/"):
             self.node_reads.append(path.removeprefix("/api/v1/nodes/"))
             self.changed.touch()
@@ -741,14 +927,15 @@ class ApiServerSimulator(LenientApiServer):
         self.attempts.append((trio.current_time(), verb, name, status))
 
     def _prepare_slice(self, item: dict[str, Any], old: Mapping[str, Any] | None) -> None:
-        """What the server does to a slice before validating and storing it: drop the fields of
-        disabled gates, add timeAdded to taints without one."""
-        old_taints = {
-            (taint.get("key"), taint.get("value"), taint.get("effect")): taint.get("timeAdded")
+        """What the server does to a slice before validating and storing it: default timeAdded to
+        now in taints without one (SetDefaults_DeviceTaint, at decoding: the old slice plays no
+        part), drop the fields of disabled gates."""
+        old_taints = any(
+            taint
             for device in ((old or {}).get("spec") or {}).get("devices") or []
             for taint in device.get("taints") or []
-        }
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        )
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
         # dropDisabledDRAConsumableCapacityFields: unless the old slice used them already
         old_devices = ((old or {}).get("spec") or {}).get("devices") or []
         consumable_in_use = any(
@@ -765,9 +952,7 @@ class ApiServerSimulator(LenientApiServer):
                     capacity.pop("requestPolicy", None)
             for taint in device.get("taints") or []:
                 if isinstance(taint, dict) and not taint.get("timeAdded"):
-                    taint["timeAdded"] = (
-                        old_taints.get((taint.get("key"), taint.get("value"), taint.get("effect"))) or now
-                    )
+                    taint["timeAdded"] = now
 
     async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
         await self._start_watch(connection, stream, h11)
@@ -784,7 +969,7 @@ class ApiServerSimulator(LenientApiServer):
 
 
 ########################################################################################################
-# 3. The scheduler
+# 4. The scheduler
 #
 # kube-scheduler's allocation of claims and of the extended resources DRA serves, on one node.
 ########################################################################################################
@@ -844,17 +1029,50 @@ class SchedulerSimulator:
       status.extendedResourceClaimStatus names it with the request of each container and name
       (patchPodExtendedResourceClaimStatus).
 
+    - a request with ``firstAvailable`` (a prioritized list, DRAPrioritizedList) gets its first
+      subrequest that can be allocated, the result's request "<request>/<subrequest>"; the choice is
+      greedy, request by request, where the allocator backtracks across a claim's requests;
+    - as one release does (``version``, else the API server's): a device's taints count only
+      with DRADeviceTaints on, allowMultipleAllocations and capacities only with
+      DRAConsumableCapacity, extended resources go to DRA only with DRAExtendedResource, and
+      adminAccess only with DRAAdminAccess.
+
     Init containers with extended resources are refused (ValueError): the scheduler's sharing of
     requests between them and the containers is not modelled; neither are other pods on the node.
     """
 
-    def __init__(self, api: ApiServerSimulator, device_classes: Iterable[Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        api: ApiServerSimulator,
+        device_classes: Iterable[Mapping[str, Any]] | None = None,
+        version: str | Release | None = None,
+    ) -> None:
         self.api = api
-        self.device_classes = list(device_classes)  #: DeviceClass objects, e.g. daemonset-dra.yaml's
+        #: the release it speaks for: ``version``, else the API server's (one control plane)
+        self.release = api.release if version is None else release(version)
         self._cel: dict[str, Any] = {}  # expression -> compiled program
+        if device_classes is not None:
+            self.device_classes = list(device_classes)
+
+    @property
+    def device_classes(self) -> list[dict[str, Any]]:
+        """The DeviceClasses of the cluster, as the API server stored them. Set: the classes an admin
+        applies (e.g. daemonset-dra.yaml's), in place of those there were, through the API server
+        (which drops what its gates do not know)."""
+        return list(self.api.device_classes.values())
+
+    @device_classes.setter
+    def device_classes(self, classes: Iterable[Mapping[str, Any]]) -> None:
+        self.api.device_classes.clear()
+        for device_class in classes:
+            self.api.put_device_class(device_class)
 
     def device_class(self, resource_name: str) -> Mapping[str, Any] | None:
-        """The DeviceClass that serves an extended resource name, explicitly or implicitly."""
+        """The DeviceClass that serves an extended resource name, explicitly or implicitly: none
+        while DRAExtendedResource is off (the scheduler's DynamicResources plugin then leaves
+        extended resources to the node's allocatable, pkg/scheduler/framework/plugins/dynamicresources)."""
+        if not self.release.enabled("DRAExtendedResource"):
+            return None
         for device_class in self.device_classes:
             implicit = IMPLICIT_EXTENDED_RESOURCE_PREFIX + device_class["metadata"]["name"]
             if resource_name in (device_class["spec"].get("extendedResourceName"), implicit):
@@ -933,8 +1151,8 @@ class SchedulerSimulator:
         return claim
 
     def allocate(self, claim: Mapping[str, Any], node: str) -> dict[str, Any]:
-        """The allocation of ``claim``'s exactly-requests on ``node`` as the allocator makes it (see
-        the class), or UnschedulableError("cannot allocate all claims")."""
+        """The allocation of ``claim``'s requests on ``node`` as the allocator makes it (see the
+        class), or UnschedulableError("cannot allocate all claims")."""
         # What the other claims hold (foreachAllocatedDevice in kubernetes/kubernetes
         # pkg/scheduler/framework/plugins/dynamicresources/allocateddevices.go): a result with admin
         # access holds nothing; one with a shareID holds its consumedCapacity of a shared device,
@@ -959,56 +1177,89 @@ class SchedulerSimulator:
         devices = self._node_devices(node)
         results: list[dict[str, Any]] = []
         for request in claim["spec"]["devices"]["requests"]:
-            exactly = request["exactly"]
-            admin = bool(exactly.get("adminAccess"))
-            asked = (exactly.get("capacity") or {}).get("requests") or {}
-            device_class = next(
-                (c for c in self.device_classes if c["metadata"]["name"] == exactly["deviceClassName"]), None
-            )
-            if device_class is None:
-                raise UnschedulableError(
-                    f"request {request['name']}: DeviceClass {exactly['deviceClassName']} not found"
-                )
-            selectors = [*(device_class["spec"].get("selectors") or []), *(exactly.get("selectors") or [])]
-            taken = {(r["driver"], r["pool"], r["device"]) for r in results}
-            chosen: list[tuple[tuple[str, str, str], dict[str, str] | None]] = []
-            for key, device, cel in devices:
-                if len(chosen) == exactly.get("count", 1):
+            # A prioritized list (DRAPrioritizedList, KEP-4816): the first subrequest that can be
+            # allocated, its result named "<request>/<subrequest>"; a plain request is its own one.
+            if "firstAvailable" in request:
+                if not self.release.enabled("DRAPrioritizedList"):
+                    # The API server of such a cluster drops firstAvailable and then refuses the claim.
+                    raise ValueError(f"request {request['name']}: firstAvailable needs DRAPrioritizedList")
+                tries = [(f"{request['name']}/{sub['name']}", sub) for sub in request["firstAvailable"]]
+            else:
+                tries = [(request["name"], request["exactly"])]
+            for name, exactly in tries:
+                chosen = self._allocate_one(name, exactly, devices, in_use, consumed, results)
+                if chosen is not None:
+                    results += chosen
                     break
-                shared = device.get("allowMultipleAllocations") is True
-                # A shared device is never in use, only full; one request still takes a device
-                # once (allocateOne goes on from the next device), another request may take it again.
-                if any(key == k for k, _ in chosen):
-                    continue
-                if not shared and (key in taken or (key in in_use and not admin)):
-                    continue
-                if not all(self._selects(selector["cel"]["expression"], cel) for selector in selectors):
-                    continue
-                if not _tolerates_all(exactly.get("tolerations") or [], device.get("taints") or []):
-                    continue
+            else:
+                raise UnschedulableError("cannot allocate all claims")
+        selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        return {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": [selector]}}
+
+    def _allocate_one(
+        self,
+        name: str,
+        exactly: Mapping[str, Any],
+        devices: list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]],
+        in_use: set[tuple[str, str, str]],
+        consumed: Mapping[tuple[str, str, str], Mapping[str, Decimal]],
+        results: list[dict[str, Any]],
+    ) -> list[dict[str, Any]] | None:
+        """The results of one request (or subrequest) ``name`` asking ``exactly``, given what other
+        claims hold and this claim's earlier ``results``; None when the node cannot give it."""
+        admin = bool(exactly.get("adminAccess")) and self.release.enabled("DRAAdminAccess")
+        # Without their gates the allocator knows neither taints nor shared devices: the API server
+        # dropped them (a slice written before the gate went off may still have them), and the
+        # stable allocator, used while no alpha feature is on, has no code for them
+        # (staging/src/k8s.io/dynamic-resource-allocation/structured/internal: stable, incubating).
+        taints_count = self.release.enabled("DRADeviceTaints")
+        consumable = self.release.enabled("DRAConsumableCapacity")
+        asked = (exactly.get("capacity") or {}).get("requests") or {}
+        device_class = self.api.device_classes.get(exactly["deviceClassName"])
+        if device_class is None:
+            raise UnschedulableError(f"request {name}: DeviceClass {exactly['deviceClassName']} not found")
+        selectors = [*(device_class["spec"].get("selectors") or []), *(exactly.get("selectors") or [])]
+        taken = {(r["driver"], r["pool"], r["device"]) for r in results}
+        chosen: list[tuple[tuple[str, str, str], dict[str, str] | None]] = []
+        for key, device, cel in devices:
+            if len(chosen) == exactly.get("count", 1):
+                break
+            shared = consumable and device.get("allowMultipleAllocations") is True
+            # A shared device is never in use, only full; one request still takes a device
+            # once (allocateOne goes on from the next device), another request may take it again.
+            if any(key == k for k, _ in chosen):
+                continue
+            if not shared and (key in taken or (key in in_use and not admin)):
+                continue
+            if not all(self._selects(selector["cel"]["expression"], cel) for selector in selectors):
+                continue
+            if taints_count and not _tolerates_all(exactly.get("tolerations") or [], device.get("taints") or []):
+                continue
+            wants = None
+            if consumable:
                 # Every device's capacity is checked, a shared one's against what the others hold
                 # and what this claim's earlier results took of it (allocatingCapacity).
                 already = dict(consumed.get(key) or {}) if shared else {}
                 for result in results if shared else []:
                     if (result["driver"], result["pool"], result["device"]) == key:
-                        for name, quantity in (result.get("consumedCapacity") or {}).items():
-                            already[name] = already.get(name, Decimal(0)) + (_quantity(quantity) or Decimal(0))
+                        for capacity, quantity in (result.get("consumedCapacity") or {}).items():
+                            already[capacity] = already.get(capacity, Decimal(0)) + (_quantity(quantity) or Decimal(0))
                 wants = _consumes(asked, device.get("capacity") or {}, already)
                 if wants is None:
                     continue
-                chosen.append((key, wants if shared else None))
-            if len(chosen) < exactly.get("count", 1):
-                raise UnschedulableError("cannot allocate all claims")
-            for (driver, pool, name), wants in chosen:
-                result = {"request": request["name"], "driver": driver, "pool": pool, "device": name}
-                if wants is not None:
-                    # Each allocation of a shared device is a share of its own, named by a fresh
-                    # UUID (GenerateShareID, uuid.NewUUID: random, lower-case), with what it consumes.
-                    result["shareID"] = str(uuid.uuid4())
-                    result["consumedCapacity"] = wants
-                results.append(result | ({"adminAccess": True} if admin else {}))
-        selector = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
-        return {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": [selector]}}
+            chosen.append((key, wants if shared else None))
+        if len(chosen) < exactly.get("count", 1):
+            return None
+        made = []
+        for (driver, pool, device_name), wants in chosen:
+            result = {"request": name, "driver": driver, "pool": pool, "device": device_name}
+            if wants is not None:
+                # Each allocation of a shared device is a share of its own, named by a fresh
+                # UUID (GenerateShareID, uuid.NewUUID: random, lower-case), with what it consumes.
+                result["shareID"] = str(uuid.uuid4())
+                result["consumedCapacity"] = wants
+            made.append(result | ({"adminAccess": True} if admin else {}))
+        return made
 
     def _node_devices(self, node: str) -> list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]]:
         """(driver, pool, device), the device, and the device as CEL sees it, of the node's slices
@@ -1231,7 +1482,7 @@ def _tolerates_all(tolerations: list[Mapping[str, Any]], taints: list[Mapping[st
 
 
 ########################################################################################################
-# 4. The kubelet's DRA side, with extended resources
+# 5. The kubelet's DRA side, with extended resources
 #
 # What the kubelet does with the claim SchedulerSimulator made for a pod's extended resources.
 ########################################################################################################
@@ -1239,7 +1490,32 @@ def _tolerates_all(tolerations: list[Mapping[str, Any]], taints: list[Mapping[st
 
 class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
     """gopherplug.DraKubeletSimulator (the plugin watcher and DRA manager: read its docstring
-    first), with what the kubelet does for a pod whose extended resources DRA serves."""
+    first), with what the kubelet does for a pod whose extended resources DRA serves, as a kubelet of
+    one release (``version``: "1.36" unless told, or a Release with an admin's gates; ``release``):
+
+    - it opens the health stream (``watch_health``) only with ResourceHealthStatus on (alpha and off
+      in 1.34 and 1.35): the DRA plugin manager starts NodeWatchResources only then
+      (kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go), so a kubelet without
+      it never calls, and ``watch_health`` raises RPCError FAILED_PRECONDITION saying so;
+    - it speaks DRAResourceHealth v1alpha1 alone up to 1.36 and, from 1.37, v1, v1beta1 and
+      v1alpha1, the first the driver lists (unless ``health_versions`` is given).
+    """
+
+    def __init__(self, *args: Any, version: str | Release = "1.36", **options: Any) -> None:
+        self.release = release(version)
+        if "health_versions" not in options and _minor(self.release.version) >= 37:
+            options["health_versions"] = [name for name, _ in gopherplug.DRA_HEALTH_VERSIONS]
+        super().__init__(*args, **options)
+
+    @contextlib.asynccontextmanager
+    async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:
+        if not self.release.enabled("ResourceHealthStatus"):
+            raise RPCError(
+                StatusCode.FAILED_PRECONDITION,
+                f"a kubelet {self.release.git_version} with ResourceHealthStatus off never opens NodeWatchResources",
+            )
+        async with super().watch_health(driver) as responses:
+            yield responses
 
     async def prepare_extended_resources(self, pod: Mapping[str, Any], claim: Mapping[str, Any]) -> None:
         """Prepare the claim the scheduler made for ``pod``'s extended resources (the one its
@@ -1276,7 +1552,7 @@ class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
 
 
 ########################################################################################################
-# 5. The kubelet's PodResources API, rate-limited
+# 6. The kubelet's PodResources API, rate-limited
 #
 # gopherplug.PodResourcesSimulator answers from the kubelet stand-ins' books; this one refuses as
 # the kubelet does when its clients call too often.

@@ -6537,11 +6537,11 @@ DRA_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 class DraNode:
     """One node under DRA: a device directory, the kubelet's directory with the simulated DRA
     kubelet, an HTTPS API server simulator with a bearer token, and gopherplug started and stopped
-    at will, in process."""
+    at will, in process. The API server and the kubelet speak for one Kubernetes ``version``."""
 
     POOL = "node-1/example.com/gopher"
 
-    def __init__(self, root, nursery):
+    def __init__(self, root, nursery, version="1.36"):
         import trustme
 
         self.root = Path(root)
@@ -6556,10 +6556,11 @@ class DraNode:
         ca.issue_cert("127.0.0.1").configure_cert(context)
         self.token_file = self.root / "token"
         self.token_file.write_text("token-1")
-        self.api = standins.ApiServerSimulator(ssl_context=context, tokens={"token-1"})
+        self.version = version
+        self.api = standins.ApiServerSimulator(ssl_context=context, tokens={"token-1"}, version=version)
         self.api.put_node("node-1", NODE_UID)
         self.kubelet = standins.DraKubeletSimulator(
-            str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver)
+            str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver), version=version
         )
         self.scope = None
         #: the CDI spec directory of a test's own (the default, /var/run/cdi, is every test run's)
@@ -6625,10 +6626,11 @@ class DraNode:
 
 
 @pytest.fixture
-async def dra_node(nursery, sockdir, monkeypatch):
+async def dra_node(request, nursery, sockdir, monkeypatch):
+    """A DraNode of Kubernetes 1.36, or of the version a test parametrizes it with (indirect)."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", "/nonexistent")
-    node = DraNode(sockdir, nursery)
+    node = DraNode(sockdir, nursery, getattr(request, "param", "1.36"))
     await node.start_servers()
     return node
 
@@ -6866,17 +6868,19 @@ def registered_throughout(events, driver_sockets):
     return began
 
 
+@pytest.mark.parametrize("dra_node", standins.KUBERNETES_VERSIONS, indirect=True)
 async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered_throughout(dra_node, monkeypatch):
     """maxSurge: 1: the new pod starts while the old one serves and holds everything (the CDI spec,
     the checkpoint, the slices). Both register; a claim prepared during the overlap goes to the
     newest; the old pod stops; the new one unprepares every claim, those the old one prepared too.
-    At no moment is the driver without a registered plugin, and its slices are never wiped."""
+    At no moment is the driver without a registered plugin, and its slices are never wiped. The
+    same on every release (kubelets register two plugins of one driver since 1.33)."""
     (dra_node.devices / "gopher0").touch()
     (dra_node.devices / "gopher1").touch()
     for name, uid, device in (("c0", "uid-0", "gopher0"), ("c1", "uid-1", "gopher1")):
         dra_node.api.put_claim(claim(name, uid, ("gopher", DRIVER, DraNode.POOL, device)))
-    old_config = gp.with_pod_uid(dra_node.config(), "pod-old")
-    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
+    old_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a")
+    new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
     old_socket, new_socket = old_config.dra.registration_socket, new_config.dra.registration_socket
     kubelet = dra_node.kubelet
     with trio.fail_after(TIMEOUT):
@@ -6911,7 +6915,7 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
     assert sorted(os.listdir(dra_node.kubelet_dir / "plugins_registry")) == [os.path.basename(new_socket)]
     assert sorted(p.name for p in (dra_node.kubelet_dir / "plugins" / DRIVER).iterdir()) == [
         "checkpoint.json",
-        "dra-pod-new.sock",
+        "dra-0a1b2c3d-0000-4000-8000-00000000002b.sock",
         "serialize.lock",
     ]
     assert [d["name"] for d in read_spec(dra_node.root / "cdi" / "example.com-gopher.json")["devices"]] == [
@@ -6935,12 +6939,15 @@ async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_
     registry = dra_node.kubelet_dir / "plugins_registry"
     plugins = dra_node.kubelet_dir / "plugins" / DRIVER
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-live"))
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000003c"))
         await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 1)
-        dead = [dead_socket(registry / f"{DRIVER}-pod-killed-reg.sock"), dead_socket(plugins / "dra-pod-killed.sock")]
+        dead = [
+            dead_socket(registry / f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000004d-reg.sock"),
+            dead_socket(plugins / "dra-0a1b2c3d-0000-4000-8000-00000000004d.sock"),
+        ]
         other = dead_socket(registry / "other.example.com-reg.sock")
         with logged("left by a DRA driver that did not exit cleanly") as removed:
-            await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-new"))
+            await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b"))
         await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
     assert not any(path.exists() for path in dead)
     assert sorted(removed.lines) == sorted(
@@ -6948,8 +6955,38 @@ async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_
     )
     assert other.exists()  # not this driver's
     assert sorted(os.listdir(registry)) == sorted(
-        ["other.example.com-reg.sock", f"{DRIVER}-pod-live-reg.sock", f"{DRIVER}-pod-new-reg.sock"]
+        [
+            "other.example.com-reg.sock",
+            f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000003c-reg.sock",
+            f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000002b-reg.sock",
+        ]
     )
+
+
+def test_dra_another_driver_whose_name_extends_ours_is_neither_a_peer_nor_removed(sockdir):
+    """Issue 25, finding 4: a driver named gopherplug.example.com-nic has sockets that begin with
+    our name and a "-". Its live socket is no newer pod of ours (we would stop publishing), its dead
+    one is not ours to remove: only "<driver>-<pod UID>-reg.sock" with a UUID (or the 11-character
+    digest the name falls back to) is one of ours."""
+    config = gp.DraConfig(DRIVER, kubelet_dir=sockdir, pod_uid=POD_UID)
+    registry = Path(sockdir) / "plugins_registry"
+    ours = dead_socket(Path(config.registration_socket))
+    other_uid = "fa1b2c3d-0000-4000-8000-0000000000ff"  # made later, and sorts after ours on a tie
+    with contextlib.ExitStack() as stack:
+        for name in (f"{DRIVER}-nic-reg.sock", f"{DRIVER}-nic-{other_uid}-reg.sock"):
+            live = stack.enter_context(socket.socket(socket.AF_UNIX))
+            live.bind(str(registry / name))
+            live.listen()
+        assert gp.DriverPeers(config).newer() == ("", False)
+        newer = stack.enter_context(socket.socket(socket.AF_UNIX))
+        newer.bind(str(registry / f"{DRIVER}-{other_uid}-reg.sock"))
+        newer.listen()
+        assert gp.DriverPeers(config).newer() == (str(registry / f"{DRIVER}-{other_uid}-reg.sock"), False)
+    # Closed now: what each pod leaves when killed.
+    theirs = [registry / f"{DRIVER}-nic-reg.sock", registry / f"{DRIVER}-nic-{other_uid}-reg.sock"]
+    mine = registry / f"{DRIVER}-{other_uid}-reg.sock"
+    gp._remove_dead_sockets(config)
+    assert all(path.exists() for path in theirs) and ours.exists() and not mine.exists()
 
 
 async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_serves(dra_node):
@@ -6984,9 +7021,11 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
     monkeypatch.setattr(gp, "SlicePublisher", Recorded)
     for name in ("gopher0", "gopher1"):
         (dra_node.devices / name).touch()
-    new_config = gp.with_pod_uid(dra_node.config(), "pod-new")
+    new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(pattern="gopher0"), "pod-old"))
+        await dra_node.start(
+            gp.with_pod_uid(dra_node.config(pattern="gopher0"), "0a1b2c3d-0000-4000-8000-00000000001a")
+        )
         await dra_node.wait_for_slices(["gopher0"])
         with logged("the slices are left to it") as left:
             new = await dra_node.start(new_config)
@@ -7032,9 +7071,9 @@ async def test_dra_a_newer_pod_is_seen_once_it_listens_on_its_socket(dra_node, m
 
     monkeypatch.setattr(gp, "SlicePublisher", Recorded)
     (dra_node.devices / "gopher0").touch()
-    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-pod-new-reg.sock"
+    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000002b-reg.sock"
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "pod-old"))
+        await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a"))
         await dra_node.registered()
         (publisher,) = publishers
         with socket.socket(socket.AF_UNIX) as starting:
@@ -7893,10 +7932,15 @@ async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_un
     ]
 
 
-def shipped_device_class():
-    """The DeviceClass of daemonset-dra.yaml, as shipped."""
+def shipped_device_classes():
+    """The DeviceClasses of daemonset-dra.yaml, as shipped."""
     with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
-        return next(item for item in yaml.safe_load_all(file) if item["kind"] == "DeviceClass")
+        return [item for item in yaml.safe_load_all(file) if item["kind"] == "DeviceClass"]
+
+
+def shipped_device_class():
+    """The DeviceClass of daemonset-dra.yaml that ordinary claims name, as shipped."""
+    return next(item for item in shipped_device_classes() if item["metadata"]["name"] == "gopher.example.com")
 
 
 def gopher_pod(name, *containers):
@@ -8150,6 +8194,298 @@ def test_scheduler_stand_in_finds_neither_api_unschedulable():
         scheduler.schedule(gopher_pod("p", ("a", {"example.com/gopher": "1"})), "node-1")
     implicit = gopher_pod("q", ("a", {"deviceclass.resource.kubernetes.io/gopher.example.com": "1"}))
     assert scheduler.schedule(implicit, "node-1").claim is not None
+
+
+########################################################################################################
+# Versions: each flow a user meets, against each Kubernetes release gopherplug supports, with the
+# release's default feature gates (standins.FEATURE_GATE_HISTORY; the README's version table)
+########################################################################################################
+
+VERSIONS = standins.KUBERNETES_VERSIONS
+
+
+def test_versions_each_release_has_its_default_feature_gates():
+    """The stand-ins' releases and their default gates, as kube_features.go has them (the table of
+    issue 25, and the README's version table): what every versioned test below stands on."""
+    table = {version: standins.release(version).gates for version in VERSIONS}
+    on_from = {
+        "DRAPrioritizedList": "1.34",
+        "DRAAdminAccess": "1.34",
+        "DRAResourceClaimDeviceStatus": "1.34",
+        "DRADeviceTaints": "1.36",
+        "DRAConsumableCapacity": "1.36",
+        "DRAExtendedResource": "1.36",
+        "ResourceHealthStatus": "1.36",
+        "KubeletPodResourcesDynamicResources": "1.34",
+        "KubeletPodResourcesGet": "1.34",
+    }
+    assert table == {
+        version: {gate: VERSIONS.index(version) >= VERSIONS.index(since) for gate, since in on_from.items()}
+        for version in VERSIONS
+    }
+    assert standins.gate_spec("DRADeviceTaints", "1.35") == ("alpha", False, False)
+    assert standins.gate_spec("DRAExtendedResource", "1.37") == ("GA", True, True)
+
+
+def test_versions_an_admin_turns_gates_on_as_the_components_allow():
+    """Alpha gates can be turned on (``--feature-gates``); a gate locked to its default cannot be
+    changed, an unknown one is refused, in the words of k8s.io/component-base featuregate."""
+    assert standins.release("1.35", DRADeviceTaints=True).enabled("DRADeviceTaints")
+    assert not standins.release("1.36", ResourceHealthStatus=False).enabled("ResourceHealthStatus")
+    with pytest.raises(ValueError, match=r"^cannot set feature gate DRAExtendedResource to false, feature is locked"):
+        standins.release("1.37", DRAExtendedResource=False)
+    with pytest.raises(ValueError, match=r"^unrecognized feature gate: DRAMagic$"):
+        standins.release("1.36", DRAMagic=True)
+    with pytest.raises(ValueError, match=r"^Kubernetes 1.33: the stand-ins speak for 1.34, 1.35, 1.36, 1.37$"):
+        standins.release("1.33")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_versions_the_api_server_drops_extended_resource_name_without_its_gate(version):
+    """A DeviceClass's extendedResourceName is dropped on write while DRAExtendedResource is off
+    (1.34, 1.35), kept from 1.36, and kept on a class that had it (deviceclass/strategy.go); the
+    scheduler then sends a pod's resources.limits to DRA only from 1.36."""
+    api = standins.ApiServerSimulator(version=version)
+    stored = api.put_device_class(shipped_device_class())
+    on = version >= "1.36"
+    assert ("extendedResourceName" in stored["spec"]) is on
+    turned_on = standins.ApiServerSimulator(version=standins.release(version, DRAExtendedResource=True))
+    turned_on.put_device_class(shipped_device_class())
+    turned_on.disabled_gates.add("DRAExtendedResource")  # the gate turned off again: a class that has it keeps it
+    assert "extendedResourceName" in turned_on.put_device_class(shipped_device_class())["spec"]
+    scheduler = standins.SchedulerSimulator(api)
+    assert (scheduler.device_class("example.com/gopher") is not None) is on
+
+
+def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
+    """A claim as a user's ResourceClaimTemplate makes it: ``count`` devices of ``device_class``."""
+    request = {"name": "gopher", "exactly": {"deviceClassName": device_class, "count": count, **exactly}}
+    return claim(name, f"uid-{name}", requests=[request])
+
+
+async def publish_unhealthy_and_healthy(dra_node):
+    """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy), and is registered."""
+    (dra_node.devices / "gopher0").symlink_to("node0")
+    (dra_node.devices / "gopher1").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_node):
+    """On every release, a claim of the shipped DeviceClass never gets an unhealthy device. Before
+    1.36 (DRADeviceTaints off) the API server drops the unhealthy taint and the allocator ignores
+    taints: only the class's selector on the ``healthy`` attribute keeps the device out (issue 25's
+    review finding 1: without it the pod held the broken device and never started)."""
+    await publish_unhealthy_and_healthy(dra_node)
+    tainted = [d.get("taints") is not None for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+    assert tainted == [dra_node.api.release.enabled("DRADeviceTaints"), False]
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    one = scheduler.allocate(ordinary_claim("one"), "node-1")
+    assert [r["device"] for r in one["devices"]["results"]] == ["gopher1"]
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(ordinary_claim("two", count=2), "node-1")
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_use(dra_node):
+    """On every release, an admin-access claim of the shipped ``-admin`` class is allocated an
+    unhealthy device: the class selects every device, and the request's toleration of the unhealthy
+    taint is what 1.36 and later need (before, there is no taint). Without the toleration, from 1.36
+    the taint keeps it off; through the ordinary class, never on any release. And it gets a device
+    an ordinary claim holds, which gopherplug prepares beside that claim. (Preparing an unhealthy
+    device that is there needs a node root cannot fail to open: the runtime tier's
+    test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reaches_it.)"""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+
+    def admin_claim(name, device, device_class="gopher.example.com-admin", **exactly):
+        selectors = [{"cel": {"expression": f'device.attributes["{DRIVER}"].id == "{device}"'}}]
+        return ordinary_claim(name, device_class=device_class, adminAccess=True, selectors=selectors, **exactly)
+
+    tolerations = [{"key": f"{DRIVER}/unhealthy", "operator": "Exists"}]
+    unhealthy = scheduler.allocate(admin_claim("admin", "gopher0", tolerations=tolerations), "node-1")
+    assert [(r["device"], r.get("adminAccess")) for r in unhealthy["devices"]["results"]] == [("gopher0", True)]
+    untolerated = admin_claim("untolerated", "gopher0")
+    if dra_node.api.release.enabled("DRADeviceTaints"):
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(untolerated, "node-1")
+    else:
+        assert scheduler.allocate(untolerated, "node-1")["devices"]["results"][0]["device"] == "gopher0"
+    with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+        scheduler.allocate(admin_claim("ordinary", "gopher0", "gopher.example.com", tolerations=tolerations), "node-1")
+    for made in (ordinary_claim("holder"), admin_claim("monitor", "gopher1")):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+    with trio.fail_after(TIMEOUT):
+        response = await dra_node.kubelet.prepare(
+            DRIVER, [("default", "uid-holder", "holder"), ("default", "uid-monitor", "monitor")]
+        )
+    assert {uid: (a.error, [d.device_name for d in a.devices]) for uid, a in response.claims.items()} == {
+        "uid-holder": ("", ["gopher1"]),
+        "uid-monitor": ("", ["gopher1"]),
+    }
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_container(dra_node):
+    """On every release: a claim of the shipped class gets the healthy device, gopherplug prepares
+    it, and the container gets its CDI device."""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    made = ordinary_claim("c1")
+    made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+    dra_node.api.put_claim(made)
+    with trio.fail_after(TIMEOUT):
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-c1", "c1")])).claims["uid-c1"]
+    assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher1"])
+    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == ["example.com/gopher=gopher1"]
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(dra_node):
+    """On every release (DRAPrioritizedList is on from 1.34): a request with firstAvailable gets the
+    first subrequest the node can give, here the second (no device is gopher9), as
+    "<request>/<subrequest>"; gopherplug prepares it and the container naming the request gets it."""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    only = [{"cel": {"expression": f'device.attributes["{DRIVER}"].id == "gopher9"'}}]
+    subrequests = [
+        {"name": "best", "deviceClassName": "gopher.example.com", "selectors": only},
+        {"name": "any", "deviceClassName": "gopher.example.com"},
+    ]
+    made = claim("listed", "uid-listed", requests=[{"name": "gopher", "firstAvailable": subrequests}])
+    made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+    dra_node.api.put_claim(made)
+    assert [(r["request"], r["device"]) for r in made["status"]["allocation"]["devices"]["results"]] == [
+        ("gopher/any", "gopher1")
+    ]
+    with trio.fail_after(TIMEOUT):
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-listed", "listed")])).claims["uid-listed"]
+    assert answer.error == ""
+    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == ["example.com/gopher=gopher1"]
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
+    """``replicas: 2``: from 1.36 (DRAConsumableCapacity on) two claims share gopher0, each with a
+    share of its own, both prepared; before, the API server stores the device unshared, the second
+    claim finds no device, and gopherplug says once why."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=2))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    first, second = ordinary_claim("first"), ordinary_claim("second")
+    first["status"] = {"allocation": scheduler.allocate(first, "node-1")}
+    dra_node.api.put_claim(first)
+    said = [r.getMessage() for r in caplog.records if "DRAConsumableCapacity is off" in r.getMessage()]
+    if dra_node.api.release.enabled("DRAConsumableCapacity"):
+        second["status"] = {"allocation": scheduler.allocate(second, "node-1")}
+        dra_node.api.put_claim(second)
+        with trio.fail_after(TIMEOUT):
+            answer = await dra_node.kubelet.prepare(
+                DRIVER, [("default", "uid-first", "first"), ("default", "uid-second", "second")]
+            )
+        shares = {uid: [(d.device_name, d.share_id) for d in a.devices] for uid, a in answer.claims.items()}
+        assert {uid: [name for name, _ in devices] for uid, devices in shares.items()} == {
+            "uid-first": ["gopher0"],
+            "uid-second": ["gopher0"],
+        }
+        assert shares["uid-first"][0][1] != shares["uid-second"][0][1]
+        assert said == []
+    else:
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(second, "node-1")
+        assert len(said) == 1
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(dra_node):
+    """A pod asking for example.com/gopher in resources.limits on a node without the device plugin:
+    from 1.36 (DRAExtendedResource on) the scheduler makes its claim from the shipped class's
+    extendedResourceName and the container gets the healthy device; before, the API server dropped
+    the field and the pod fits nowhere here (it needs the device plugin on such a cluster)."""
+    await publish_unhealthy_and_healthy(dra_node)
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    pod = gopher_pod("p", ("consumer", {"example.com/gopher": "1"}))
+    if not dra_node.api.release.enabled("DRAExtendedResource"):
+        assert "extendedResourceName" not in dra_node.api.device_classes["gopher.example.com"]["spec"]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot fit resource example.com/gopher$"):
+            scheduler.schedule(pod, "node-1")
+        dra_node.stop()
+        return
+    placement = scheduler.schedule(pod, "node-1")
+    with trio.fail_after(TIMEOUT):
+        await dra_node.kubelet.prepare_extended_resources(pod, placement.claim)
+    assert dra_node.kubelet.extended_resource_cdi_devices(pod, placement.claim, "consumer") == [
+        "example.com/gopher=gopher1"
+    ]
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_the_kubelet_watches_health_only_from_1_36(dra_node):
+    """The health stream (pods' status.allocatedResourcesStatus): kubelets open NodeWatchResources
+    only with ResourceHealthStatus (on from 1.36; dra_plugin_manager.go), in v1alpha1 up to 1.36
+    and the newest gopherplug lists from 1.37. Before 1.36 they never call it: health reaches
+    nobody but the slices' healthy attribute and the log."""
+    await publish_unhealthy_and_healthy(dra_node)
+    expected = {"1.36": f"/{DRA_V1ALPHA1}/NodeWatchResources", "1.37": "/v1.DRAResourceHealth/NodeWatchResources"}
+    with trio.fail_after(TIMEOUT):
+        if dra_node.version not in expected:
+            with pytest.raises(gp.RPCError, match="ResourceHealthStatus off never opens NodeWatchResources"):
+                async with dra_node.kubelet.watch_health(DRIVER):
+                    pass
+        else:
+            async with dra_node.kubelet.watch_health(DRIVER) as reports:
+                report = await reports.__anext__()
+            assert [(d.device.device_name, d.health) for d in report.devices] == [
+                ("gopher0", gp.drahealth.UNHEALTHY),
+                ("gopher1", gp.drahealth.HEALTHY),
+            ]
+    assert dra_node.kubelet.health_paths == ([expected[dra_node.version]] if dra_node.version in expected else [])
+    dra_node.stop()
+
+
+async def test_dra_a_pool_rewrite_keeps_the_unhealthy_taints_time_added(dra_node):
+    """The eviction clock: NoExecute evicts at timeAdded + tolerationSeconds, and the API server sets
+    timeAdded to now on every write of a taint without one (SetDefaults_DeviceTaint). A pool
+    rewritten for another device (gopher2 added) keeps gopher0's taint's timeAdded, as the Go
+    helper does (copyTaintTimeAdded in k8s.io/dynamic-resource-allocation resourceslice); a taint
+    that is new gets the server's now."""
+    times = iter([1_700_000_000, 1_700_000_600])
+    now = next(times)
+    dra_node.api.clock = lambda: now
+    (dra_node.devices / "gopher0").symlink_to("node0")
+    (dra_node.devices / "gopher1").touch()
+
+    def taint_times():
+        return {
+            device["name"]: [taint["timeAdded"] for taint in device.get("taints", [])]
+            for item in dra_node.api.slices.values()
+            for device in item["spec"]["devices"]
+        }
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        first = taint_times()
+        assert first == {"gopher0": ["2023-11-14T22:13:20Z"], "gopher1": []}
+        now = next(times)  # ten minutes later
+        (dra_node.devices / "gopher2").symlink_to("node2")  # a new unhealthy device: the pool is rewritten
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+    assert [verb for verb, _ in dra_node.api.writes] == ["create", "update"]
+    assert taint_times() == {"gopher0": ["2023-11-14T22:13:20Z"], "gopher1": [], "gopher2": ["2023-11-14T22:23:20Z"]}
+    dra_node.stop()
 
 
 class ScriptedSliceApi:
@@ -8908,19 +9244,26 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     for version in ("1.34.0", "1.37.0"):
         result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
         assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.count("passed") == 8
+        assert result.stdout.count("passed") == 9
     with open(HERE / "daemonset-dra.yaml", encoding="utf-8") as file:
-        objects = {item["kind"]: item for item in yaml.safe_load_all(file)}
+        objects = {item["kind"]: item for item in yaml.safe_load_all(file) if item["kind"] != "DeviceClass"}
     config = gp.parse_config(objects["ConfigMap"]["data"]["config.yaml"], "daemonset-dra.yaml ConfigMap")
     (resource,) = config.resources
-    expression = objects["DeviceClass"]["spec"]["selectors"][0]["cel"]["expression"]
-    assert f'device.driver == "{config.dra.driver}"' in expression
-    assert f'.resource == "{resource.name}"' in expression
-    # Pods that ask for the resource in resources.limits are served by DRA where the driver runs.
-    assert objects["DeviceClass"]["spec"]["extendedResourceName"] == resource.name
-    # Unhealthy devices are kept off by their taint, not by the class: a class that selected on
-    # `healthy` would keep them from an admin-access claim that tolerates the taint too.
-    assert "healthy" not in expression
+    classes = {item["metadata"]["name"]: item["spec"] for item in shipped_device_classes()}
+    assert list(classes) == ["gopher.example.com", "gopher.example.com-admin"]
+    for spec in classes.values():
+        expression = spec["selectors"][0]["cel"]["expression"]
+        assert f'device.driver == "{config.dra.driver}"' in expression
+        assert f'.resource == "{resource.name}"' in expression
+    # Pods that ask for the resource in resources.limits are served by DRA where the driver runs,
+    # through the ordinary class; it selects healthy devices only, which every version honours (the
+    # unhealthy taint is dropped before 1.36), so admin-access claims have a class of their own.
+    assert classes["gopher.example.com"]["extendedResourceName"] == resource.name
+    assert classes["gopher.example.com"]["selectors"][0]["cel"]["expression"].endswith(
+        f'device.attributes["{config.dra.driver}"].healthy'
+    )
+    assert "extendedResourceName" not in classes["gopher.example.com-admin"]
+    assert "healthy" not in classes["gopher.example.com-admin"]["selectors"][0]["cel"]["expression"]
     rules = {tuple(rule["resources"]): set(rule["verbs"]) for rule in objects["ClusterRole"]["rules"]}
     assert rules == {
         ("resourceslices",): {"list", "watch", "create", "update", "delete"},

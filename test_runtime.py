@@ -1403,9 +1403,16 @@ def dra_claim(name: str, requests: list[dict[str, Any]], results: list[dict[str,
     }
 
 
+def _shipped_device_class() -> dict[str, Any]:
+    """The shipped DeviceClass that ordinary claims name (the manifest's first; the second,
+    "<name>-admin", is for admin-access claims)."""
+    classes = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == ["gopher.example.com", "gopher.example.com-admin"]
+    return classes[0]
+
+
 def _device_class() -> str:
-    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
-    return device_class["metadata"]["name"]
+    return str(_shipped_device_class()["metadata"]["name"])
 
 
 async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_device(tier, nursery, monkeypatch):
@@ -1549,12 +1556,11 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
     api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool, device = gp.dra_pool_name(NODE_NAME, RESOURCE), gp.dra_device_name("gopher0")
     kind = node.config["resources"][0]["cdi"]["kind"]
-    (device_class,) = [doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass"]
-    scheduler = standins.SchedulerSimulator(api, [device_class])
+    scheduler = standins.SchedulerSimulator(api, [_shipped_device_class()])
 
     def made(name: str) -> dict[str, Any]:
         """A claim for one device of the shipped class, asking no capacity: the policy's default."""
-        request = {"name": "gopher", "exactly": {"deviceClassName": device_class["metadata"]["name"]}}
+        request = {"name": "gopher", "exactly": {"deviceClassName": _device_class()}}
         return {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
@@ -1664,7 +1670,7 @@ async def test_dra_pod_taints_an_unhealthy_device_and_an_admin_claim_still_reach
     monitor = {
         "name": "monitor",
         "exactly": {
-            "deviceClassName": device_class,
+            "deviceClassName": f"{device_class}-admin",  # the shipped class for admin access
             "adminAccess": True,
             "count": 2,
             "selectors": [{"cel": {"expression": f'device.attributes["{DRIVER}"].id in ["gopher0", "gopher1"]'}}],
@@ -1963,8 +1969,7 @@ async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_f
         # ports; metrics are not what this test is about.
         del node.config["metrics_address"]
     api, host_side = await _api_server_for(dra_node, nursery, monkeypatch)
-    device_class = next(doc for doc in manifest_docs("daemonset-dra.yaml") if doc["kind"] == "DeviceClass")
-    scheduler = standins.SchedulerSimulator(api, [device_class])
+    scheduler = standins.SchedulerSimulator(api, [_shipped_device_class()])
     kubelet = await nursery.start(gp.KubeletSimulator(str(plugin_node.device_plugin_dir)).run)
     dra_kubelet = standins.DraKubeletSimulator(str(host_side), wipe=lambda d: api.delete_node_slices(NODE_NAME, d))
     await nursery.start(dra_kubelet.run)
