@@ -7228,24 +7228,30 @@ async def test_dra_serve_stop_leaves_behind_a_part_that_never_ends_and_exits_in_
     """A NodePrepareResources in flight waits for a thread that no cancellation interrupts: its
     checkpoint's flock, held by the other pod of a rolling update (here: for good, as a hung disk
     would). Its part of the stop is left behind after STOP_PART_TIMEOUT, with a warning naming it,
-    while the others stop; the process exits 0 after STOP_TIMEOUT, its sockets gone."""
-    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    while the others stop; the process exits 0 after STOP_TIMEOUT, its sockets gone. Neither the
+    kubelet's health stream nor a claim status write the API server never answers holds up theirs."""
+    for name, uid in (("c0", "uid-0"), ("c1", "uid-1")):
+        dra_node.api.put_claim(claim(name, uid, ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    dra_node.api.fail("status", "c0", status=0)
     lock = dra_node.kubelet_dir / "plugins" / DRIVER / "serialize.lock"
-    lock.parent.mkdir(parents=True)
-    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(held, fcntl.LOCK_EX)
-    opened = INotify()
-    opened.add_watch(str(lock), inotify_flags.OPEN)
 
     async def prepare():
         with contextlib.suppress(gp.RPCError):  # the connection breaks as the process exits
             await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
 
-    try:
-        with trio.fail_after(TIMEOUT):
-            async with dra_serve(dra_node, tmp_path, "--log-level", "debug") as process:
-                async with dra_node.kubelet.watch_health(DRIVER) as health:
-                    await health.__anext__()
+    with trio.fail_after(TIMEOUT):
+        async with dra_serve(dra_node, tmp_path, "--log-level", "debug") as process:
+            async with dra_node.kubelet.watch_health(DRIVER) as health:
+                await health.__anext__()
+                answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])
+                assert answer.claims["uid-0"].error == ""
+                while ("status", "c0") not in [(verb, name) for _, verb, name, _ in dra_node.api.attempts]:
+                    await dra_node.api.changed.wait_touched()  # the status write, never to be answered
+                held = os.open(lock, os.O_RDWR)
+                opened = INotify()
+                try:
+                    fcntl.flock(held, fcntl.LOCK_EX)
+                    opened.add_watch(str(lock), inotify_flags.OPEN)
                     nursery.start_soon(prepare)
                     # The driver opens the lock file in the thread that then waits for the flock.
                     await trio.lowlevel.wait_readable(opened.fileno())
@@ -7253,10 +7259,10 @@ async def test_dra_serve_stop_leaves_behind_a_part_that_never_ends_and_exits_in_
                     process.send_signal(signal.SIGTERM)
                     assert await process.wait() == 0, (tmp_path / "stderr").read_text()
                     elapsed = trio.current_time() - sent
-    finally:
-        trio.lowlevel.notify_closing(opened.fileno())
-        opened.close()
-        os.close(held)
+                finally:
+                    trio.lowlevel.notify_closing(opened.fileno())
+                    opened.close()
+                    os.close(held)
     assert elapsed < gp.STOP_TIMEOUT + 1.5, f"{elapsed:.2f} s"  # generous: 3.02 s measured here
     assert stop_trace((tmp_path / "stderr").read_text()) == [
         *stopped("configuration reloads"),
