@@ -104,7 +104,7 @@ import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import h2.events
@@ -3991,11 +3991,10 @@ async def _stop_part(part: str, stop: Callable[[], Awaitable[Any]], bound: float
     Shielded: it runs while whatever is stopping us is cancelled (the command line's SIGTERM).
     """
     log.debug("stop: %s: waiting", part)
-    began = time.monotonic()
-    with trio.CancelScope(shield=True) as scope:
-        scope.deadline = trio.current_time() + bound
+    began = trio.current_time()
+    with trio.CancelScope(shield=True, deadline=began + bound) as scope:
         await stop()
-    took = 1000 * (time.monotonic() - began)
+    took = 1000 * (trio.current_time() - began)
     if scope.cancelled_caught:
         log.warning("stop: %s: not done after %g s: stopping the rest without it", part, bound)
     elif took > 1000 * bound:
@@ -9144,10 +9143,7 @@ def main(argv: list[str] | None = None) -> int:
         # are thousands of classes): 30 to 150 ms of CPU here, longer where the pod's share of the
         # CPU is small (the DaemonSets request 10m), and every pod of a rollout waits for it. Nothing
         # in it matters to a process about to end, so it ends here, its output flushed.
-        logging.shutdown()
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
-            sys.stdout.flush()
-        os._exit(code)
+        _exit_now(code)
     return code
 
 
@@ -9289,7 +9285,7 @@ async def _serve_until_signalled(
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 break
-            began = time.monotonic()
+            began = trio.current_time()
             serving.cancel()
             with trio.move_on_after(STOP_TIMEOUT):
                 await stopped.wait()
@@ -9297,9 +9293,17 @@ async def _serve_until_signalled(
                 # trio cannot leave a task behind, and the one left is stuck where no cancellation
                 # reaches (the warnings above name it): end the process as SIGKILL would, only sooner.
                 log.warning("stop: not done after %g s: exiting without waiting for the rest", STOP_TIMEOUT)
-                logging.shutdown()
-                os._exit(EXIT_OK)
-    log.debug("stop: done in %.0f ms", 1000 * (time.monotonic() - began))
+                _exit_now(EXIT_OK)
+    log.debug("stop: done in %.0f ms", 1000 * (trio.current_time() - began))
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` at once, its log and output flushed: no atexit handler, no
+    interpreter teardown."""
+    logging.shutdown()
+    with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
+        sys.stdout.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -7181,6 +7181,54 @@ DRA_PARTS = (
 )
 
 
+async def test_parts_stop_one_at_a_time_the_last_started_first_each_within_its_bound(autojump_clock, caplog):
+    """_Parts shields each part once it has started: a cancel from outside reaches none of them, and
+    stop() ends them in turn, the last started first. A part that is slow to end where no cancel
+    reaches (a thread; here a shielded sleep) is cut off at its bound with a warning naming it, and
+    the next one stops meanwhile; the nursery still waits for it. One that overruns its bound
+    where it cannot be cut off (the metrics server's thread) is named too."""
+    caplog.set_level(logging.DEBUG, "gopherplug")
+    ended = []
+
+    async def part(name, lingers, *, task_status):
+        try:
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(lingers)  # how long it takes to end once told to
+            ended.append(name)
+
+    with trio.CancelScope() as outside:
+        async with trio.open_nursery() as nursery:
+            parts = gp._Parts(nursery)
+            try:
+                for name, lingers in (("a", 0), ("b", 5), ("c", 0.2)):
+                    await parts.start(name, part, name, lingers)
+                outside.cancel()
+                await trio.sleep_forever()
+            finally:
+                assert ended == []  # the cancel from outside reached none of them
+                await parts.stop()
+
+    async def overrun():
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1.5)
+
+    await gp._stop_part("metrics server", overrun)
+    assert ended == ["c", "a", "b"]  # b ended in the end, on its own
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("stop: ")] == [
+        ("DEBUG", "stop: c: waiting"),
+        ("DEBUG", "stop: c: done in 200 ms"),
+        ("DEBUG", "stop: b: waiting"),
+        ("WARNING", "stop: b: not done after 1 s: stopping the rest without it"),
+        ("DEBUG", "stop: a: waiting"),
+        ("DEBUG", "stop: a: done in 0 ms"),
+        ("DEBUG", "stop: metrics server: waiting"),
+        ("WARNING", "stop: metrics server: done in 1500 ms, more than its 1 s"),
+    ]
+
+
 async def test_dra_serve_stops_part_by_part_and_at_once_on_sigterm(dra_node, tmp_path):
     """Every second between SIGTERM and exit is added to each pod of a rollout; the device-plugin
     process takes ~0.06 s. The kubelet keeps its connection to the driver, and its health stream,
