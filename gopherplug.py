@@ -7175,6 +7175,7 @@ async def serve_plugin(
         async def reload(updates: AsyncGenerator[Config, None], *, task_status: trio.TaskStatus[None]) -> None:
             nonlocal reloading
             reloading = True
+            # This task runs on from started() without yielding, into the first step of ``updates``.
             task_status.started()
             async with contextlib.aclosing(updates):
                 async for new in updates:
@@ -7241,9 +7242,11 @@ async def serve_plugin(
                 # driver behind too, a part's bound later, and the rest of the plugin stops meanwhile.
                 bound = 2 * STOP_PART_TIMEOUT
                 await parts.start("DRA driver", serve_dra, config.dra, dra_resources, api, bound=bound)
-            task_status.started()
             if updates is not None:
+                # Before our started(): the first step of ``updates`` places its inotify watch and
+                # reads the file, and a change made once we have started must not come before it.
                 await reloads.start("configuration reloads", reload, updates)
+            task_status.started()
             await trio.sleep_forever()
         finally:
             await reloads.stop()
