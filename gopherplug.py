@@ -104,7 +104,7 @@ import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import h2.events
@@ -4022,14 +4022,16 @@ async def serve_grpc(
     except OSError:
         await listener.aclose()  # the file went already (a kubelet wiping its directory)
         raise
-    try:
-        async with listener, trio.open_nursery() as nursery:
+    async with listener, trio.open_nursery() as nursery:
+        try:
             task_status.started(server)
             while True:
                 stream = await _accept(listener, socket_path)
                 nursery.start_soon(_serve_connection, stream, by_name, server)
-    finally:
-        _remove_socket_file(server)
+        finally:
+            # At once, before the connections' tasks are waited for: one that does not end at once
+            # (a call waiting for a thread) must not leave a socket behind that nobody accepts on.
+            _remove_socket_file(server)
 
 
 #: How long to wait before accepting again when the process is out of file descriptors (trio's
@@ -4293,6 +4295,87 @@ _PLACING_TRIES = 8
 
 _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
 _GONE = flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF
+
+#: How long one part of a stop (a socket's server, a watch, the API client) may take once told to
+#: stop. Each ends in milliseconds: its task is cancelled, its sockets and inotify descriptors are
+#: closed, nothing waits for a peer. What can take longer is work no cancellation interrupts: a
+#: thread writing the claim checkpoint (its fsync on a slow disk, or its flock while the other pod
+#: of a rolling update writes), or the metrics server's thread (up to half a second). A second
+#: is several times what those take when they go well, and short beside the kubelet's grace period.
+STOP_PART_TIMEOUT = 1.0
+
+
+async def _stop_part(part: str, stop: Callable[[], Awaitable[Any]], bound: float = STOP_PART_TIMEOUT) -> None:
+    """Run ``stop()``, one part of a stop, for at most ``bound`` seconds, between two lines of the
+    stop's trace at debug level: "stop: <part>: waiting" and "stop: <part>: done in N ms". A part
+    cut off at its bound, or one that overran it where nothing can interrupt it (a thread), gets a
+    warning naming it instead: with the trace, one stop on a real node says where its time went.
+
+    Shielded: it runs while whatever is stopping us is cancelled (the command line's SIGTERM).
+    """
+    log.debug("stop: %s: waiting", part)
+    began = trio.current_time()
+    with trio.CancelScope(shield=True, deadline=began + bound) as scope:
+        await stop()
+    took = 1000 * (trio.current_time() - began)
+    if scope.cancelled_caught:
+        log.warning("stop: %s: not done after %g s: stopping the rest without it", part, bound)
+    elif took > 1000 * bound:
+        log.warning("stop: %s: done in %.0f ms, more than its %g s", part, took, bound)
+    else:
+        log.debug("stop: %s: done in %.0f ms", part, took)
+
+
+async def _cancel_and_wait(scope: trio.CancelScope, done: trio.Event) -> None:
+    scope.cancel()
+    await done.wait()
+
+
+class _Parts:
+    """The long-running tasks of one nursery, stopped one at a time, the last started first.
+
+    trio cancels every task under a cancelled scope at once, and the time each takes to end is lost
+    in the others'. So each part here runs shielded once it has started: a cancel from outside does
+    not reach it, and stop(), which the nursery's owner calls in a `finally`, cancels each one in
+    turn through _stop_part: its own trace, its own bound. A part still running at its bound (a
+    thread the kernel holds) is left to end by itself while the next ones stop; the nursery then
+    waits for it, and the command line waits no longer than STOP_TIMEOUT. A part that raises
+    cancels the nursery's owner, whose `finally` stops the others.
+
+    Not shielded while it starts: a part that waits for something before started() (a directory
+    that is not there yet) is cancelled with its starter.
+    """
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._parts: list[tuple[str, trio.CancelScope, trio.Event, float]] = []
+
+    async def start(
+        self, part: str, function: Callable[..., Awaitable[Any]], *args: Any, bound: float = STOP_PART_TIMEOUT
+    ) -> Any:
+        """``await nursery.start(function, *args)``, as the part named ``part``; what it started with."""
+        scope, done = trio.CancelScope(), trio.Event()
+
+        async def run(*, task_status: trio.TaskStatus[Any]) -> None:
+            try:
+                with scope:
+                    await function(*args, task_status=task_status)
+            finally:
+                done.set()
+
+        started = await self._nursery.start(run)
+        scope.shield = True
+        # Parts that ended (a resource a reload stopped) are forgotten: they are not part of a stop.
+        self._parts = [entry for entry in self._parts if not entry[2].is_set()]
+        self._parts.append((part, scope, done, bound))
+        return started
+
+    async def stop(self) -> None:
+        """Stop every part still running, the last started first, each within its bound."""
+        while self._parts:
+            part, scope, done, bound = self._parts.pop()
+            if not done.is_set():
+                await _stop_part(part, functools.partial(_cancel_and_wait, scope, done), bound)
 
 
 def _mode(path: str) -> int | None:
@@ -7035,6 +7118,10 @@ async def serve_dra(
     written under its own rules (ClaimCheckpoint, write_cdi_spec, SlicePublisher), and nothing of
     them is removed on the way out: only this pod's sockets go. Without a pod UID, one driver runs
     per node: a second one is refused at start while the first one's registration socket answers.
+
+    Cancelled, it stops its parts one at a time, each within STOP_PART_TIMEOUT (see _Parts): the
+    registration socket, the DRAPlugin socket, the claim status writer, the slice publisher, the
+    slice watch, the watch on the driver's other pods.
     """
     try:
         os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
@@ -7097,18 +7184,32 @@ async def _serve_dra(
         SlicePublisher(resources, api, peers),
     )
     async with trio.open_nursery() as nursery:
-        await nursery.start(peers.watch)
-        await nursery.start(driver.slices.watch)
-        await nursery.start(driver.slices.publish)
-        await nursery.start(driver.claims.write_statuses)
-        await nursery.start(
-            _keep_serving, config.endpoint, lambda: dra_plugin_services(resources, driver.claims, driver.registration)
-        )
-        await nursery.start(
-            _keep_serving, config.registration_socket, lambda: [registration_service(config, driver.registration)]
-        )
-        log.info("DRA driver %s on node %s: %s", config.driver, resources.node_name, config.registration_socket)
-        task_status.started(driver)
+        # Stopped in the reverse order: the registration socket first, so that the kubelet's plugin
+        # watcher deregisters this pod (and a rolling update's other pod gets the kubelet's calls)
+        # before the DRAPlugin socket goes; the API server's side after the kubelet's.
+        parts = _Parts(nursery)
+        try:
+            await parts.start("peer watch", peers.watch)
+            await parts.start("slice watch", driver.slices.watch)
+            await parts.start("slice publisher", driver.slices.publish)
+            await parts.start("claim status writer", driver.claims.write_statuses)
+            await parts.start(
+                "DRAPlugin server",
+                _keep_serving,
+                config.endpoint,
+                lambda: dra_plugin_services(resources, driver.claims, driver.registration),
+            )
+            await parts.start(
+                "registration server",
+                _keep_serving,
+                config.registration_socket,
+                lambda: [registration_service(config, driver.registration)],
+            )
+            log.info("DRA driver %s on node %s: %s", config.driver, resources.node_name, config.registration_socket)
+            task_status.started(driver)
+            await trio.sleep_forever()
+        finally:
+            await parts.stop()
 
 
 async def _keep_serving(
@@ -7157,20 +7258,26 @@ async def _keep_serving_in(
 #
 #   serve_plugin
 #   ├── KubeletWatch.run                         inotify on the device-plugin directory
+#   ├── per resource:
+#   │   ├── watch_devices                        inotify on the resource's directory (started
+#   │   │                                        again by a reload applied in place: _Served.update)
+#   │   └── serve_resource (api: device-plugin)  one generation at a time:
+#   │       └── serve_grpc (socket N)            serve, register, wait for a kubelet restart
+#   │                                            or our socket's deletion, stop, N + 1
 #   ├── serve_dra (with `dra`)                   the DRA driver, all its resources (started once
 #   │                                            every resource's devices are attached):
 #   │   ├── DriverPeers.watch                    inotify on plugins_registry: the driver's other pods
 #   │   ├── SlicePublisher.watch                 the node's ResourceSlices, watched on the API server
 #   │   ├── SlicePublisher.publish               devices -> ResourceSlices, on every change
+#   │   ├── ClaimPreparer.write_statuses         prepared claims' status.devices, after their answers
 #   │   ├── _keep_serving (plugins/<driver>)     DRAPlugin: NodePrepareResources, NodeUnprepareResources;
 #   │   │                                        DRAResourceHealth: NodeWatchResources
 #   │   └── _keep_serving (plugins_registry)     Registration, for the kubelet's plugin watcher
-#   └── per resource:
-#       ├── watch_devices                        inotify on the resource's directory (started
-#       │                                        again by a reload applied in place: _Served.update)
-#       └── serve_resource (api: device-plugin)  one generation at a time:
-#           └── serve_grpc (socket N)            serve, register, wait for a kubelet restart
-#                                                or our socket's deletion, stop, N + 1
+#   └── configuration reloads (with `updates`)   each new configuration applied as it comes
+#
+# A cancel stops the children one at a time, the last started first in each nursery (_Parts), each
+# within STOP_PART_TIMEOUT, then the API client and the metrics server; at debug level the log
+# traces each one's stop.
 ########################################################################################################
 
 
@@ -7418,7 +7525,12 @@ async def serve_plugin(
     (default: the NODE_NAME environment variable, which the DaemonSet sets from spec.nodeName),
     ``api`` the API server client (default: KubeApi.connect()).
 
-    Resource handling: sockets are removed on the way out, whatever the reason.
+    Resource handling: sockets are removed on the way out, whatever the reason. A cancel stops the
+    parts one at a time (_Parts): the reloads, the DRA driver, each resource, the kubelet watch, then
+    the API client it made and the metrics server, each within STOP_PART_TIMEOUT and traced at debug
+    level ("stop: <part>: waiting", "stop: <part>: done in N ms"); a part still running then is
+    named in a warning, and waited for at the end. An ``api`` of the caller's is the caller's to
+    close, once this has returned: the DRA driver uses it until its own parts are stopped.
     Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
     the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
@@ -7435,29 +7547,31 @@ async def serve_plugin(
                 "valueFrom.fieldRef.fieldPath: spec.nodeName)"
             )
     async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        # What the stop does after the tasks (before the nursery waits for any part left behind), in
+        # the reverse order: the API client, the metrics.
         if config.metrics_address is not None:  # read at start only: a reload does not move the server
-            stack.push_async_callback(_stop_metrics, _start_metrics(config.metrics_address))
+            metrics = _start_metrics(config.metrics_address)
+            stack.push_async_callback(_stop_part, "metrics server", functools.partial(_stop_metrics, metrics))
+        # The tasks, stopped the last started first: the DRA driver, the resources, the kubelet watch;
+        # before them the reloads, so that none starts a resource while the others stop.
+        parts, reloads = _Parts(nursery), _Parts(nursery)
 
         async def watch_kubelet(wanted: Config) -> None:
             nonlocal kubelet, config
             if kubelet is None and any(resource.device_plugin for resource in wanted.resources):
                 kubelet = KubeletWatch(wanted.device_plugin_dir or find_device_plugin_dir())
-                await nursery.start(kubelet.run)
+                await parts.start("kubelet watch", kubelet.run)
                 config = dataclasses.replace(config, device_plugin_dir=wanted.device_plugin_dir)  # what now runs
 
-        await watch_kubelet(config)
-        dra_resources = None
-        if config.dra is not None and node_name:
-            if api is None:
-                api = KubeApi.connect()
-                stack.push_async_callback(api.aclose)
-            dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
+        dra_resources: DraResources | None = None
+        reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
 
         async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
             numbers = generations.setdefault(resource.name, itertools.count(1))
             try:
-                await nursery.start(
+                await parts.start(
+                    resource.name,
                     _serve_one,
                     served[resource.name],
                     kubelet,
@@ -7476,72 +7590,93 @@ async def serve_plugin(
                 log.error("%s: %s: not applied", resource.name, _innermost(error))
                 return False
 
-        reloading = False
-        for resource in config.resources:
-            await start(resource)
-        if config.dra is not None and dra_resources is not None:
-            # Only now, with every resource's devices attached: the publisher's first pass compares
-            # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
-            # slices and write them again), and the kubelet learns of a driver whose pools exist.
-            await nursery.start(serve_dra, config.dra, dra_resources, api)
-        task_status.started()
-        if updates is None:
-            return
-        reloading = True
-        async with contextlib.aclosing(updates):
-            async for new in updates:
-                fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
-                if kubelet is None:  # not watched yet: it will be where the reload that needs it says
-                    fixed = fixed[1:]
-                if any(getattr(new, key) != getattr(config, key) for key in fixed):
-                    log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
-                wanted = {resource.name: resource for resource in new.resources}
-                before = list(served)
-                removed = [name for name in served if name not in wanted]
-                changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
-                added = [name for name in wanted if name not in served]
-                await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
-                for name in removed:
-                    await served.pop(name).retire()
-                updated: list[str] = []  # applied with the stream left open
-                registered: list[str] = []  # served and registered anew
-                kept: list[str] = []  # logged as "not applied": the summary must not call them applied
-                not_added: list[str] = []
-                for name in changed:
-                    if not register_again(served[name].resource, wanted[name]):
-                        # Ending the stream would make the kubelet mark every device unhealthy until
-                        # the next stream's first list, and reject for good the pods it admits then.
-                        (updated if await served[name].update(wanted[name]) else kept).append(name)
-                        continue
-                    old = served.pop(name)
-                    await old.stop()
-                    if await start(wanted[name]):
-                        registered.append(name)
-                    else:
-                        await start(old.resource)  # the new one failed: serve the old one again
-                        kept.append(name)
-                for name in added:
-                    if not await start(wanted[name]):
-                        not_added.append(name)
-                if _metrics is not None:
-                    # Every task of a removed (or stopped) resource has ended, its goodbye sent and
-                    # counted: nothing can bring its series back after this.
-                    for name in dict.fromkeys([*before, *added]):
-                        pool = dra_pool_name(dra_resources.node_name, name) if dra_resources is not None else None
-                        _metrics.forget(name, pool, served[name].resource if name in served else None)
-                summary = ", ".join(
-                    f"{what} {', '.join(names)}{after}"
-                    for what, names, after in (
-                        ("added", [name for name in added if name not in not_added], ""),
-                        ("updated in place", updated, ""),
-                        ("re-registered", registered, ""),
-                        ("removed", removed, ""),
-                        ("kept", kept, " as it was"),
-                        ("did not add", not_added, ""),
+        async def reload(updates: AsyncGenerator[Config, None], *, task_status: trio.TaskStatus[None]) -> None:
+            nonlocal reloading
+            reloading = True
+            # This task runs on from started() without yielding, into the first step of ``updates``.
+            task_status.started()
+            async with contextlib.aclosing(updates):
+                async for new in updates:
+                    fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                    if kubelet is None:  # not watched yet: it will be where the reload that needs it says
+                        fixed = fixed[1:]
+                    if any(getattr(new, key) != getattr(config, key) for key in fixed):
+                        log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
+                    wanted = {resource.name: resource for resource in new.resources}
+                    before = list(served)
+                    removed = [name for name in served if name not in wanted]
+                    changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
+                    added = [name for name in wanted if name not in served]
+                    await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
+                    for name in removed:
+                        await served.pop(name).retire()
+                    updated: list[str] = []  # applied with the stream left open
+                    registered: list[str] = []  # served and registered anew
+                    kept: list[str] = []  # logged as "not applied": the summary must not call them applied
+                    not_added: list[str] = []
+                    for name in changed:
+                        if not register_again(served[name].resource, wanted[name]):
+                            # Ending the stream would make the kubelet mark every device unhealthy until
+                            # the next stream's first list, and reject for good the pods it admits then.
+                            (updated if await served[name].update(wanted[name]) else kept).append(name)
+                            continue
+                        old = served.pop(name)
+                        await old.stop()
+                        if await start(wanted[name]):
+                            registered.append(name)
+                        else:
+                            await start(old.resource)  # the new one failed: serve the old one again
+                            kept.append(name)
+                    for name in added:
+                        if not await start(wanted[name]):
+                            not_added.append(name)
+                    if _metrics is not None:
+                        # Every task of a removed (or stopped) resource has ended, its goodbye sent
+                        # and counted: nothing can bring its series back after this.
+                        for name in dict.fromkeys([*before, *added]):
+                            pool = dra_pool_name(dra_resources.node_name, name) if dra_resources is not None else None
+                            _metrics.forget(name, pool, served[name].resource if name in served else None)
+                    summary = ", ".join(
+                        f"{what} {', '.join(names)}{after}"
+                        for what, names, after in (
+                            ("added", [name for name in added if name not in not_added], ""),
+                            ("updated in place", updated, ""),
+                            ("re-registered", registered, ""),
+                            ("removed", removed, ""),
+                            ("kept", kept, " as it was"),
+                            ("did not add", not_added, ""),
+                        )
+                        if names
                     )
-                    if names
-                )
-                log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+                    log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+
+        try:
+            await watch_kubelet(config)
+            if config.dra is not None and node_name:
+                if api is None:
+                    api = KubeApi.connect()
+                    stack.push_async_callback(_stop_part, "API client", api.aclose)
+                dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
+            for resource in config.resources:
+                await start(resource)
+            if config.dra is not None and dra_resources is not None:
+                # Only now, with every resource's devices attached: the publisher's first pass compares
+                # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
+                # slices and write them again), and the kubelet learns of a driver whose pools exist.
+                # Its own parts are stopped each within its bound: one of them left behind leaves the
+                # driver behind too, a part's bound later, and the rest of the plugin stops meanwhile.
+                bound = 2 * STOP_PART_TIMEOUT
+                await parts.start("DRA driver", serve_dra, config.dra, dra_resources, api, bound=bound)
+            if updates is not None:
+                # Before our started(): the first step of ``updates`` places its inotify watch and
+                # reads the file, and a change made once we have started must not come before it.
+                await reloads.start("configuration reloads", reload, updates)
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            await reloads.stop()
+            await parts.stop()
+            await stack.aclose()
 
 
 def _start_metrics(address: str) -> Metrics:
@@ -9418,79 +9553,83 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
         say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
         client = KubeApi.connect(kubeconfig=kubeconfig)
         try:
-            await nursery.start(functools.partial(serve_plugin, config, node_name=node, api=client))
-            say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
-            await step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
-            known = kubelet.drivers[driver]
-            say("kubelet", f"GetInfo: type {DRA_PLUGIN_TYPE}, name {driver}, endpoint {known.endpoint}")
-            say("kubelet", f"  supported versions {', '.join(known.supported_versions)}: chose {known.service}")
-            say("kubelet", "NotifyRegistrationStatus(registered): the driver is known to this node")
-            await step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
-            say("plugin", slice_line())
-            first = slices()[0]["spec"]["devices"][0]
-            attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
-            say("plugin", f"  device {first['name']}: {attributes}")
-            async with kubelet.watch_health(driver) as reports:
-                report = await reports.__anext__()
-            health = ", ".join(f"{d.device.device_name} {drahealth.NAMES[d.health]}" for d in report.devices)
-            say("plugin", f"NodeWatchResources: {health} (again at each change, and every {DRA_HEALTH_RESEND:g} s)")
+            # A nursery of its own: the plugin stops, part by part, before its API client is closed.
+            async with trio.open_nursery() as plugin:
+                await plugin.start(functools.partial(serve_plugin, config, node_name=node, api=client))
+                say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
+                await step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
+                known = kubelet.drivers[driver]
+                say("kubelet", f"GetInfo: type {DRA_PLUGIN_TYPE}, name {driver}, endpoint {known.endpoint}")
+                say("kubelet", f"  supported versions {', '.join(known.supported_versions)}: chose {known.service}")
+                say("kubelet", "NotifyRegistrationStatus(registered): the driver is known to this node")
+                await step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
+                say("plugin", slice_line())
+                first = slices()[0]["spec"]["devices"][0]
+                attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
+                say("plugin", f"  device {first['name']}: {attributes}")
+                async with kubelet.watch_health(driver) as reports:
+                    report = await reports.__anext__()
+                health = ", ".join(f"{d.device.device_name} {drahealth.NAMES[d.health]}" for d in report.devices)
+                say("plugin", f"NodeWatchResources: {health} (again at each change, and every {DRA_HEALTH_RESEND:g} s)")
 
-            added = os.path.join(resource.sources[0].directory, "gopher3")
-            open(added, "x").close()
-            touched = trio.current_time()
-            say("demo", f"created {added}")
-            await step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
-            say("plugin", f"{slice_line()} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
+                added = os.path.join(resource.sources[0].directory, "gopher3")
+                open(added, "x").close()
+                touched = trio.current_time()
+                say("demo", f"created {added}")
+                await step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
+                say("plugin", f"{slice_line()} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
 
-            # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
-            # selects by CEL and writes the result into the claim's status.allocation.
-            results = [{"request": "gopher", "driver": driver, "pool": pool, "device": "gopher1"}]
-            api.put_claim(
-                {
-                    "apiVersion": "resource.k8s.io/v1",
-                    "kind": "ResourceClaim",
-                    "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
-                    "spec": {"devices": {"requests": [{"name": "gopher", "exactly": {"deviceClassName": "gopher"}}]}},
-                    "status": {"allocation": {"devices": {"results": results}}},
-                }
-            )
-            say("scheduler", f"allocated ResourceClaim default/my-gopher: device gopher1 of pool {pool}")
-            answer = (await kubelet.prepare(driver, [("default", "7f3e-demo", "my-gopher")])).claims["7f3e-demo"]
-            say("kubelet", "NodePrepareResources(default/my-gopher, uid 7f3e-demo)")
-            for device in answer.devices:
-                say("plugin", f"  {device.device_name}: CDI device {', '.join(device.cdi_device_ids)}")
-            assert resource.cdi is not None
-            with open(resource.cdi.spec_file, encoding="utf-8") as file:
-                spec = json.load(file)
-            edits = next(d["containerEdits"] for d in spec["devices"] if d["name"] == "gopher1")
-            say("runtime", f"{resource.cdi.spec_file}: gopher1 is")
-            for env in edits.get("env", []):
-                say("runtime", f"  env {env}")
-            for mount in edits.get("mounts", []):
-                options = ",".join(mount["options"])
-                say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
-            kubelet.use_claims("default", "my-pod", "app", [("default", "my-gopher", "7f3e-demo")])
-            socket_path = os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
-            await nursery.start(PodResourcesSimulator(socket_path, None, kubelet).run)
-            scanned = [(r, scan_directory(r).devices) for r in config.resources]
-            held = device_holders(scanned, await list_pod_resources(socket_path), driver, node)
-            for line in who_report(held).splitlines():
-                say("who", line.replace(resource.sources[0].directory + os.sep, ""))
-            kubelet.remove_pod("default", "my-pod")
-            await kubelet.unprepare(driver, [("default", "7f3e-demo", "my-gopher")])
-            say("kubelet", "NodeUnprepareResources(default/my-gopher): the pod is gone; checkpoint updated")
+                # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
+                # selects by CEL and writes the result into the claim's status.allocation.
+                results = [{"request": "gopher", "driver": driver, "pool": pool, "device": "gopher1"}]
+                gopher_class = {"deviceClassName": "gopher"}
+                api.put_claim(
+                    {
+                        "apiVersion": "resource.k8s.io/v1",
+                        "kind": "ResourceClaim",
+                        "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
+                        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": gopher_class}]}},
+                        "status": {"allocation": {"devices": {"results": results}}},
+                    }
+                )
+                say("scheduler", f"allocated ResourceClaim default/my-gopher: device gopher1 of pool {pool}")
+                answer = (await kubelet.prepare(driver, [("default", "7f3e-demo", "my-gopher")])).claims["7f3e-demo"]
+                say("kubelet", "NodePrepareResources(default/my-gopher, uid 7f3e-demo)")
+                for device in answer.devices:
+                    say("plugin", f"  {device.device_name}: CDI device {', '.join(device.cdi_device_ids)}")
+                assert resource.cdi is not None
+                with open(resource.cdi.spec_file, encoding="utf-8") as file:
+                    spec = json.load(file)
+                edits = next(d["containerEdits"] for d in spec["devices"] if d["name"] == "gopher1")
+                say("runtime", f"{resource.cdi.spec_file}: gopher1 is")
+                for env in edits.get("env", []):
+                    say("runtime", f"  env {env}")
+                for mount in edits.get("mounts", []):
+                    options = ",".join(mount["options"])
+                    say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+                kubelet.use_claims("default", "my-pod", "app", [("default", "my-gopher", "7f3e-demo")])
+                socket_path = os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
+                await nursery.start(PodResourcesSimulator(socket_path, None, kubelet).run)
+                scanned = [(r, scan_directory(r).devices) for r in config.resources]
+                held = device_holders(scanned, await list_pod_resources(socket_path), driver, node)
+                for line in who_report(held).splitlines():
+                    say("who", line.replace(resource.sources[0].directory + os.sep, ""))
+                kubelet.remove_pod("default", "my-pod")
+                await kubelet.unprepare(driver, [("default", "7f3e-demo", "my-gopher")])
+                say("kubelet", "NodeUnprepareResources(default/my-gopher): the pod is gone; checkpoint updated")
 
-            restarted = trio.current_time()
-            kubelet.restart()
-            say("kubelet", "restarted: it wipes this node's slices, then walks plugins_registry again")
-            await step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
-            await step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
-            elapsed = (trio.current_time() - restarted) * 1e3
-            say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
-            say("plugin", slice_line())
-            nursery.cancel_scope.cancel()
+                restarted = trio.current_time()
+                kubelet.restart()
+                say("kubelet", "restarted: it wipes this node's slices, then walks plugins_registry again")
+                await step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
+                await step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
+                elapsed = (trio.current_time() - restarted) * 1e3
+                say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
+                say("plugin", slice_line())
+                plugin.cancel_scope.cancel()
         finally:
             await client.aclose()
+        nursery.cancel_scope.cancel()  # the API server and the kubelet
     say("demo", "done: plugin stopped, its sockets removed")
 
 
@@ -9611,7 +9750,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``gopherplug`` command. Returns the process exit code."""
+    """The ``gopherplug`` command. Returns the process exit code, but for ``serve`` stopped as asked
+    (SIGTERM, SIGINT), which ends the process itself once everything is closed, without the
+    interpreter's teardown (atexit handlers do not run)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
@@ -9702,7 +9843,15 @@ def main(argv: list[str] | None = None) -> int:
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args))
-    return _run(args, _serve_until_signalled, config, args.config, *given)
+    code = _run(args, _serve_until_signalled, config, args.config, *given)
+    if code == EXIT_OK:
+        # Stopped as asked: every socket, watch and connection is closed, and the log says so. The
+        # interpreter's teardown would now collect every object of every module (lightkube's models
+        # are thousands of classes): 30 to 150 ms of CPU here, longer where the pod's share of the
+        # CPU is small (the DaemonSets request 10m), and every pod of a rollout waits for it. Nothing
+        # in it matters to a process about to end, so it ends here, its output flushed.
+        _exit_now(code)
+    return code
 
 
 def _device_plugin_dir_from(args: argparse.Namespace) -> str:
@@ -9832,23 +9981,39 @@ def _release_freed_memory() -> None:
         trim(0)
 
 
+#: How long the command line waits, from SIGTERM, for the plugin to stop. Every part of it is
+#: stopped in turn within STOP_PART_TIMEOUT, in milliseconds when all goes well; a part still running
+#: after that (a thread the kernel holds) would keep the process alive until it ends, maybe for
+#: good, and the kubelet would kill it only after the pod's terminationGracePeriodSeconds (30 s by
+#: default). Every rollout of the DaemonSet pays the stop once per node: three parts' bounds, then
+#: the process exits without what is still running (its sockets are gone already: serve_grpc).
+STOP_TIMEOUT = 3 * STOP_PART_TIMEOUT
+
+
 async def _serve_until_signalled(
     config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
 ) -> None:
     _release_freed_memory()  # what compiling the module and reading the configuration left behind
     # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
-    # cancelling the nursery runs every `finally`, which removes our sockets. SIGHUP, which would
-    # kill the process and leave them behind, asks daemons by convention to read their
+    # cancelling serve_plugin stops its parts one by one, each `finally` removing its sockets. SIGHUP,
+    # which would kill the process and leave them behind, asks daemons by convention to read their
     # configuration again: the file is read as if inotify had seen it change (it may not have: a
     # write through a hard link elsewhere, a filesystem without inotify such as NFS).
     watches: list[DirectoryWatch] = []
     for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
         log.warning("%s", warning)
+    serving, stopped = trio.CancelScope(), trio.Event()
+
+    async def serve() -> None:
+        # edits are applied as they are saved
+        updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
+        with serving:
+            await serve_plugin(config, updates=updates)
+        stopped.set()
+
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-            # edits are applied as they are saved
-            updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
-            nursery.start_soon(functools.partial(serve_plugin, config, updates=updates))
+            nursery.start_soon(serve)
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     log.info("SIGHUP received: reading %s again", path)
@@ -9856,8 +10021,26 @@ async def _serve_until_signalled(
                         watch.poke()
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
                 break
+            began = trio.current_time()
+            serving.cancel()
+            with trio.move_on_after(STOP_TIMEOUT):
+                await stopped.wait()
+            if not stopped.is_set():
+                # trio cannot leave a task behind, and the one left is stuck where no cancellation
+                # reaches (the warnings above name it): end the process as SIGKILL would, only sooner.
+                log.warning("stop: not done after %g s: exiting without waiting for the rest", STOP_TIMEOUT)
+                _exit_now(EXIT_OK)
+    log.debug("stop: done in %.0f ms", 1000 * (trio.current_time() - began))
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` at once, its log and output flushed: no atexit handler, no
+    interpreter teardown."""
+    logging.shutdown()
+    with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
+        sys.stdout.flush()
+    os._exit(code)
 
 
 def _run_as_module(script: str) -> None:

@@ -741,7 +741,8 @@ class ApiServerSimulator(LenientApiServer):
       accepts, others get 401; ``forbidden_tokens`` get 403; ``bearers`` lists each request's token.
     - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
-      that many seconds; ``attempts`` lists each slice write with its time and status, and
+      that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
+      with its time and status (each touches ``changed``, also one that gets no answer), and
       ``node_reads`` each Node read.
     - ``delete_node`` deletes a Node and, as the garbage collector does, the slices it owns.
     """
@@ -884,6 +885,7 @@ class ApiServerSimulator(LenientApiServer):
             return False
         status = failure["status"]
         self.attempts.append((trio.current_time(), verb, name, status))
+        self.changed.touch()  # a test can wait for a write that will get no answer
         if status == 0:
             await trio.sleep_forever()  # until the client closes the connection, giving up
         reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
