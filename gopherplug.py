@@ -98,6 +98,7 @@ import string
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import urllib.parse
@@ -4552,7 +4553,17 @@ class Metrics:
         return (self.registrations, self.list_sends, self.allocate, self.pre_start)
 
     def close(self) -> None:
-        self.server.shutdown()
+        # The server's thread looks for shutdown() only between two select() calls of 0.5 s each
+        # (socketserver's serve_forever): ask it from another thread, and wake the select with a
+        # connection until it has seen the request. A stop with metrics took 0.4 s more for it.
+        asking = threading.Thread(target=self.server.shutdown)
+        asking.start()
+        host, port = str(self.server.server_address[0]), self.port
+        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a listener on every address
+        while asking.is_alive():
+            with contextlib.suppress(OSError), socket.create_connection((local, port), timeout=0.1):
+                pass
+            asking.join(0.01)
         self.server.server_close()
         self.thread.join()
 
