@@ -7395,6 +7395,9 @@ class KubeletSimulator:
         self.socket_path = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.resources: dict[str, SimulatedResource] = {}  #: by resource name
         self.registrations: list[Any] = []  #: every accepted RegisterRequest, in order
+        #: for each of ``registrations``, the start of the kubelet that accepted it (1 for the first):
+        #: a kubelet instance must get exactly one registration per resource from a plugin that keeps serving
+        self.registered_in: list[int] = []
         self.refusals: list[str] = []  #: the error of every refused Register, in order
         self.starts = 0  #: how many times the simulated kubelet started
         #: What happened, in order: ("registered" | "stream ended" | "disconnected", resource, endpoint)
@@ -7406,6 +7409,7 @@ class KubeletSimulator:
         self._changed = Watched(None)
         self._restart = trio.Event()
         self._remove_directory = False
+        self._hold: trio.Event | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         """Be the kubelet until cancelled; started() once kubelet.sock listens."""
@@ -7417,9 +7421,12 @@ class KubeletSimulator:
                     shutil.rmtree(self.device_plugin_dir, ignore_errors=True)
             self._wipe_sockets()  # and the directory made again if it is missing, as the kubelet does
             self._restart = trio.Event()
+            if self._hold is not None:
+                hold, self._hold = self._hold, None
+                await hold.wait()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                await nursery.start(serve_grpc, self.socket_path, [self._registration_service()])
+                await nursery.start(serve_grpc, self.socket_path, [self._registration_service(self.starts + 1)])
                 self.starts += 1
                 self._changed.touch()
                 task_status.started(self)
@@ -7427,14 +7434,22 @@ class KubeletSimulator:
                 await self._restart.wait()
                 nursery.cancel_scope.cancel()
 
-    def restart(self, *, remove_directory: bool = False) -> None:
+    def restart(self, *, remove_directory: bool = False, hold: trio.Event | None = None) -> None:
         """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again.
 
         With ``remove_directory``, the whole device-plugin directory is deleted while the kubelet is
         down (an administrator cleaning up, a node's reprovisioning), and made anew as it starts:
         a real kubelet creates its directory when missing (ManagerImpl.Start, os.MkdirAll).
+
+        With ``hold``, the new kubelet.sock is made only once ``hold`` is set, the sockets wiped
+        already: a plugin that notices may serve again before the kubelet listens. A real kubelet
+        has that moment too: its registration server wipes the directory, then listens from
+        another goroutine (server.Start in kubernetes/kubernetes
+        pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go); and anyio binds in a worker
+        thread, so this simulator has it for a moment even without ``hold``.
         """
         self._remove_directory = remove_directory
+        self._hold = hold
         self._restart.set()
 
     async def wait_until(self, predicate: Callable[[KubeletSimulator], bool]) -> None:
@@ -7516,10 +7531,10 @@ class KubeletSimulator:
                 if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
                     os.unlink(entry.path)
 
-    def _registration_service(self) -> purerpc.Service:
+    def _registration_service(self, start: int) -> purerpc.Service:
         async def register_handler(request: Any) -> Any:
             try:
-                return await self._register(request)
+                return await self._register(request, start)
             except RPCError as error:
                 self.refusals.append(error.message)
                 self._changed.touch()
@@ -7529,7 +7544,7 @@ class KubeletSimulator:
         service.add_method("Register", register_handler, METHODS[REGISTER].signature)
         return service
 
-    async def _register(self, request: Any) -> Any:
+    async def _register(self, request: Any, start: int) -> Any:
         # The kubelet's checks, with its own words; grpc-go reports them with code UNKNOWN.
         if request.version != API_VERSION:
             raise RPCError(
@@ -7555,6 +7570,7 @@ class KubeletSimulator:
         resource = SimulatedResource(request.endpoint, options, {})
         self.resources[request.resource_name] = resource
         self.registrations.append(request)
+        self.registered_in.append(start)
         self.events.append(("registered", request.resource_name, request.endpoint))
         self._nursery.start_soon(self._list_and_watch, request.resource_name, resource, endpoint)
         self._changed.touch()

@@ -2487,6 +2487,20 @@ async def test_the_kubelet_stand_in_makes_its_removed_directory_anew(nursery, no
     assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
 
 
+async def test_the_kubelet_stand_in_listens_when_told_and_records_which_start_each_registration_came_to(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        listening = trio.Event()
+        with logged("waiting for the kubelet: no") as waiting:
+            simulator.restart(hold=listening)
+            await waiting.wait()  # the plugin saw its socket wiped, and serves again
+        assert not os.path.exists(node.kubelet_socket)
+        assert simulator.starts == 1
+        listening.set()
+        await simulator.wait_until(lambda s: s.starts == 2 and len(s.registrations) == 2 and listed("g1", "g2")(s))
+    assert simulator.registered_in == [1, 2]
+
+
 async def test_kubelet_absent_at_start(nursery, node):
     with trio.fail_after(TIMEOUT):
         await nursery.start(gp.serve_plugin, node.config())
