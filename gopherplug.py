@@ -4366,31 +4366,43 @@ class DirectoryWatch:
                 self.arm()
                 yield [], set(), True
                 continue
-            events, touched, rescan = [], set(), False
-            for event in inotify.read(timeout=0):
-                names = self._watches.get(event.wd, collections.Counter())
-                if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
-                    if event.mask & flags.Q_OVERFLOW and _metrics is not None:
-                        _metrics.overflows.inc()
-                    rescan = True  # events were lost, or a watch is gone for good: start afresh
-                elif _DIR in names and event.name:
-                    events.append((event.name, event.mask))
-                elif _DIR in names:
-                    rescan = True  # about the directory itself (its mode changed, say): look at all
-                if (event.wd, event.name) == self._leading:
-                    rescan = True  # the directory (or a missing parent) came, went or was replaced
-                elif event.name in names and not rescan:
-                    touched.add(os.path.join(self._dirs[event.wd], event.name))
-                    self._refollow(event.wd, event.name)
-                if _ALL in names and event.name and not rescan:
-                    touched.add(os.path.join(self._dirs[event.wd], event.name))
-            if rescan:
-                if _metrics is not None:
-                    _metrics.rescans.inc()
-                self.arm()
-            self._say()
-            if events or touched or rescan:
-                yield events, touched, rescan
+            batch = self.pending()
+            if batch is not None:
+                yield batch
+
+    def pending(self) -> tuple[list[tuple[str, int]], set[str], bool] | None:
+        """What the kernel has queued and batches() has not yielded yet, read now without waiting,
+        as batches() would yield it; None if nothing. For a reader that must be up to date before
+        it acts (KubeletWatch.current): batches() then goes on with what comes after."""
+        inotify = self._inotify
+        if inotify is None:
+            return None
+        events: list[tuple[str, int]] = []
+        touched: set[str] = set()
+        rescan = False
+        for event in inotify.read(timeout=0):
+            names = self._watches.get(event.wd, collections.Counter())
+            if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
+                if event.mask & flags.Q_OVERFLOW and _metrics is not None:
+                    _metrics.overflows.inc()
+                rescan = True  # events were lost, or a watch is gone for good: start afresh
+            elif _DIR in names and event.name:
+                events.append((event.name, event.mask))
+            elif _DIR in names:
+                rescan = True  # about the directory itself (its mode changed, say): look at all
+            if (event.wd, event.name) == self._leading:
+                rescan = True  # the directory (or a missing parent) came, went or was replaced
+            elif event.name in names and not rescan:
+                touched.add(os.path.join(self._dirs[event.wd], event.name))
+                self._refollow(event.wd, event.name)
+            if _ALL in names and event.name and not rescan:
+                touched.add(os.path.join(self._dirs[event.wd], event.name))
+        if rescan:
+            if _metrics is not None:
+                _metrics.rescans.inc()
+            self.arm()
+        self._say()
+        return (events, touched, rescan) if events or touched or rescan else None
 
     def _refollow(self, wd: int, name: str) -> None:
         # Something appeared or went where followed paths lead: watch each from its nearest
@@ -4957,8 +4969,9 @@ class KubeletWatch:
     """What inotify says about the kubelet's device-plugin directory.
 
     ``generation`` counts the kubelet.sock files created since we started watching: every kubelet
-    (re)start creates one, and each calls for a new registration. ``changed`` is touched on every
-    event in the directory, so that each resource can check whether its own socket is still there.
+    (re)start creates one, and each calls for a new registration. ``current()`` says whether
+    kubelet.sock is there, and of which generation. ``changed`` is touched on every event in the
+    directory, so that each resource can check whether its own socket is still there.
     """
 
     def __init__(self, device_plugin_dir: str) -> None:
@@ -4966,26 +4979,71 @@ class KubeletWatch:
         self.kubelet_socket = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.generation = 0
         self.changed = Watched(None)
+        self._watch: DirectoryWatch | None = None
+        self._present = False  # whether kubelet.sock is there, by the events taken so far
+        self._seen: tuple[int, int] | None = None  # which file it was at the last look, for a rescan
+
+    def current(self) -> int | None:
+        """The generation of the kubelet.sock there now, or None while there is none: what the
+        kernel has queued until now taken first, so that this is up to date.
+
+        Register under this generation, read just before the call. A kubelet can answer only once
+        it listens, after bind() queued kubelet.sock's IN_CREATE: whichever kubelet the call then
+        reaches is counted already, or started after this, wiping our socket (its dial-back fails).
+        The generation alone would lag behind inotify's queue: a registration made with a new
+        kubelet under the generation before it looked outdated once the event came, and was made
+        again, a second one for the same kubelet (issue 26).
+        """
+        batch = self._watch.pending() if self._watch is not None else None
+        if batch is not None:
+            events, _, rescan = batch
+            self._take(events, rescan)
+        return self.generation if self._present else None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled."""
         with DirectoryWatch(
             self.device_plugin_dir, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
         ) as w:
-            inode = _identity(self.kubelet_socket)
-            task_status.started()
-            async for events, _, rescan in w.batches():
-                created = any(
-                    name == KUBELET_SOCKET and mask & (flags.CREATE | flags.MOVED_TO) for name, mask in events
-                )
-                now = _identity(self.kubelet_socket)
-                if created or (rescan and now is not None and now != inode):
-                    self.generation += 1
-                    if _metrics is not None:
-                        _metrics.kubelet_restarts.inc()
-                    log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)
-                inode = now
-                self.changed.touch()
+            # Looked at once the watch is placed: a kubelet.sock made from now on is reported too,
+            # even one made before this look, which _take() then knows to be the same.
+            self._seen = self._file()
+            self._present = self._seen is not None
+            self._watch = w
+            try:
+                task_status.started()
+                async for events, _, rescan in w.batches():
+                    self._take(events, rescan)
+            finally:
+                self._watch = None
+
+    def _take(self, events: list[tuple[str, int]], rescan: bool) -> None:
+        # kubelet.sock's own events come in order, each creation after a deletion: one that finds
+        # it present already is about the file we have (made between the watch and our first
+        # look), not a new kubelet. A rescan means events were lost: the file there says then.
+        new = False
+        for name, mask in events:
+            if name == KUBELET_SOCKET:
+                created = bool(mask & (flags.CREATE | flags.MOVED_TO))
+                new = new or (created and not self._present)
+                self._present = created
+        now = self._file()
+        if rescan:
+            new = new or (now is not None and (not self._present or now != self._seen))
+            self._present = now is not None
+        self._seen = now
+        if new:
+            self.generation += 1
+            if _metrics is not None:
+                _metrics.kubelet_restarts.inc()
+            log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)
+        self.changed.touch()
+
+    def _file(self) -> tuple[int, int] | None:
+        # Which file kubelet.sock is: device and inode number. Not the change time: anyio changes
+        # it right after bind() (chmod), so the same socket would look new to a later rescan.
+        identity = _identity(self.kubelet_socket)
+        return None if identity is None else identity[:2]
 
 
 #: The device set of a resource being removed from the configuration: its ListAndWatch streams
@@ -5339,9 +5397,9 @@ async def register(
     )
     delay, waiting_logged = _REGISTER_BACKOFF[0], False
     while still_serving():
-        generation = kubelet.generation
-        if not os.path.exists(kubelet.kubelet_socket):
-            if not waiting_logged:
+        generation = kubelet.current()  # just before the call: see there why
+        if generation is None:
+            if not waiting_logged and not os.path.lexists(kubelet.kubelet_socket):
                 _log(resource).info("waiting for the kubelet: no %s yet", kubelet.kubelet_socket)
                 waiting_logged = True
             await _any_touched(*wake)

@@ -2418,6 +2418,114 @@ async def test_the_old_registration_is_gone_before_the_next_register(nursery, no
     assert simulator.resources[RESOURCE].streaming
 
 
+class HeldBatches:
+    """inotify's batches for one directory, held on demand once read, before their reader gets
+    them (DirectoryWatch.batches is wrapped): a reader slow to get to them, made on purpose.
+
+    While ``closed``, the batch read waits, and so does the reading of any later one; ``held`` is
+    touched when one starts waiting. ``open()`` lets them through. ``handed`` lists the names in
+    each batch once its reader is done with it (it asks for the next one), and is touched then."""
+
+    def __init__(self, monkeypatch, directory):
+        self.closed = False
+        self.waiting = False
+        self.held = gp.Watched(None)
+        self.handed = gp.Watched([])
+        self._opened = trio.Event()
+        batches = gp.DirectoryWatch.batches
+
+        async def held_batches(watch):
+            async with contextlib.aclosing(batches(watch)) as inner:
+                async for batch in inner:
+                    if watch.path == directory and self.closed:
+                        self.waiting = True
+                        self.held.touch()
+                        await self._opened.wait()
+                        self.waiting = False
+                    yield batch
+                    if watch.path == directory:
+                        self.handed.value.append({name for name, _ in batch[0]})
+                        self.handed.touch()
+
+        monkeypatch.setattr(gp.DirectoryWatch, "batches", held_batches)
+
+    async def wait_held(self):
+        while not self.waiting:
+            await self.held.wait_touched()
+
+    def open(self):
+        self.closed = False
+        self._opened.set()
+
+    async def wait_handed(self, name):
+        """Until a batch with ``name`` is handed over: every batch before it is, by inotify's order."""
+        while not any(name in names for names in self.handed.value):
+            await self.handed.wait_touched()
+
+
+async def test_a_kubelet_sock_not_yet_reported_by_inotify_is_registered_with_once(nursery, node, monkeypatch):
+    # Issue 26, item 3. A restarting kubelet wipes our socket and, a moment later, listens on a new
+    # kubelet.sock. We serve socket 2 in that moment and wait for kubelet.sock. It appears while
+    # KubeletWatch is busy elsewhere (here: held with the batch of the kubelet's checkpoint file),
+    # and something else wakes register() (a device added). It used to find kubelet.sock there and
+    # register under the generation before it; once inotify's report of kubelet.sock came, that
+    # registration looked outdated and was made again (socket 3): two for one kubelet, the first
+    # one's stream dropped without waiting for the kubelet to let it go.
+    held = HeldBatches(monkeypatch, node.plugin_dir)
+    with trio.fail_after(TIMEOUT), logged("serving and registering again") as again:
+        simulator = await start(nursery, node)
+        listening = trio.Event()
+        with logged("waiting for the kubelet: no") as waiting:
+            simulator.restart(hold=listening)
+            await waiting.wait()  # socket 2 served, the kubelet's sockets wiped, no kubelet.sock yet
+        held.closed = True
+        Path(node.plugin_dir, "kubelet_internal_checkpoint").touch()
+        await held.wait_held()
+        listening.set()
+        await simulator.wait_until(lambda s: s.starts == 2)  # kubelet.sock made: not read by KubeletWatch
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(lambda s: s.registered_in == [1, 2] and listed("g1", "g2", "g3")(s))
+        held.open()
+        Path(node.plugin_dir, "fence").touch()
+        await held.wait_handed("fence")  # and everything inotify said before it: kubelet.sock's creation
+        await trio.testing.wait_all_tasks_blocked()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    assert again.lines == ["our socket was deleted: serving and registering again"]
+    assert simulator.registered_in == [1, 2], "one registration for each kubelet"
+    endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2)]
+    assert simulator.events == [
+        ("registered", RESOURCE, endpoints[0]),
+        ("stream ended", RESOURCE, endpoints[0]),
+        ("disconnected", RESOURCE, endpoints[0]),
+        ("registered", RESOURCE, endpoints[1]),
+    ]
+    assert node.our_sockets() == [endpoints[1]]
+
+
+async def test_a_kubelet_sock_made_as_the_watch_starts_is_one_generation(nursery, node, monkeypatch):
+    # KubeletWatch places its watch, then looks at kubelet.sock: a kubelet that starts in between
+    # is there when it looks, and inotify reports its socket's creation too. One kubelet: counted once.
+    arm, made = gp.DirectoryWatch.arm, []
+
+    def kubelet_starts_meanwhile(watch):
+        arm(watch)
+        if watch.path == node.plugin_dir and not made:
+            made.append(socket.socket(socket.AF_UNIX))
+            made[0].bind(node.kubelet_socket)
+
+    monkeypatch.setattr(gp.DirectoryWatch, "arm", kubelet_starts_meanwhile)
+    held = HeldBatches(monkeypatch, node.plugin_dir)
+    kubelet = gp.KubeletWatch(node.plugin_dir)
+    try:
+        with trio.fail_after(TIMEOUT):
+            await nursery.start(kubelet.run)
+            Path(node.plugin_dir, "fence").touch()
+            await held.wait_handed("fence")
+    finally:
+        made[0].close()
+    assert kubelet.generation == 0
+
+
 def listed_ids(*ids):
     return dict.fromkeys(ids, gp.HEALTHY)
 
