@@ -6916,17 +6916,22 @@ async def _serve_generations(
                     await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
             _log(resource).info("%s: serving and registering again", why)
-            if registered_with is not None and kubelet.generation == registered_with:
-                # The same kubelet still knows this registration, and it must be gone before the
-                # next Register. When a ListAndWatch stream ends, the kubelet disconnects whichever
+            if registered_with is not None:
+                # The kubelet that has this registration must be done with it before the next
+                # Register. When a ListAndWatch stream ends, the kubelet disconnects whichever
                 # plugin is registered under the resource's *name* at that moment (runClient in
                 # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go):
                 # had we registered again already, the new registration would be the one dropped.
                 # So the stream ends first, and we wait for the kubelet to close its connection,
-                # which it does once it has forgotten the registration. (A kubelet that restarted
-                # knows nothing of it: its successor starts afresh.)
+                # which it does once it has forgotten the registration. After a kubelet restart
+                # too: the old kubelet's connections are closed then, and this costs nothing; but
+                # a kubelet still alive under a new kubelet.sock (one moved away and back, say)
+                # would drop the next registration, as the new kubelet did when a registration
+                # read an outdated generation and this wait was skipped for it (issue 26).
                 ending.set()
                 devices.touch()
+                if server.connections:
+                    _log(resource).debug("waiting for the kubelet to let %s go", endpoint)
                 with trio.move_on_after(RETIRE_GRACE):
                     while server.connections:
                         await server.calls_ended.wait_touched()

@@ -2526,6 +2526,57 @@ async def test_a_kubelet_sock_made_as_the_watch_starts_is_one_generation(nursery
     assert kubelet.generation == 0
 
 
+async def test_a_new_kubelet_sock_with_the_old_kubelet_alive_lets_it_drop_the_old_stream_first(
+    nursery, node, monkeypatch
+):
+    # kubelet.sock made anew (moved away and back) while the kubelet that has our registration
+    # still runs, our socket untouched: a new generation as KubeletWatch sees it, the same kubelet
+    # in fact. It must let our old stream go before the next Register, as after our socket's
+    # deletion: the kubelet disconnects by name when a stream ends, the new registration otherwise.
+    # The kubelet here is slow to let it go: it closes the stream's connection only on `release`.
+    opened, release, armed = gp.open_stream, trio.Event(), []
+
+    @contextlib.asynccontextmanager
+    async def slow_to_let_go(*args, **kwargs):
+        async with opened(*args, **kwargs) as responses:
+            try:
+                yield responses
+            finally:
+                if armed:
+                    await release.wait()
+
+    monkeypatch.setattr(gp, "open_stream", slow_to_let_go)
+    with trio.fail_after(TIMEOUT), logged("serving and registering again") as again:
+        simulator = await start(nursery, node)
+        armed.append(True)
+        with logged("waiting for the kubelet to let") as waiting:
+            os.rename(node.kubelet_socket, node.kubelet_socket + ".away")
+            os.rename(node.kubelet_socket + ".away", node.kubelet_socket)
+            async with trio.open_nursery() as first:  # the plugin waits, or registers again at once
+
+                async def then_stop(what):
+                    await what()
+                    first.cancel_scope.cancel()
+
+                first.start_soon(then_stop, waiting.wait)
+                first.start_soon(then_stop, functools.partial(simulator.wait_until, lambda s: len(s.registrations) > 1))
+        armed.clear()
+        release.set()
+        endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2)]
+        ended = ("stream ended", RESOURCE, endpoints[0])
+        await simulator.wait_until(lambda s: len(s.registrations) == 2 and ended in s.events)
+        assert simulator.events == [
+            ("registered", RESOURCE, endpoints[0]),
+            ended,
+            ("disconnected", RESOURCE, endpoints[0]),
+            ("registered", RESOURCE, endpoints[1]),
+        ]
+        await simulator.wait_until(listed("g1", "g2"))
+        await simulator.allocate(RESOURCE, ["g1"])
+    assert again.lines == ["the kubelet restarted: serving and registering again"]
+    assert simulator.rejections == []
+
+
 def listed_ids(*ids):
     return dict.fromkeys(ids, gp.HEALTHY)
 
