@@ -3884,9 +3884,9 @@ async def open_stream(
     """Start a server-streaming call (ListAndWatch) on a unix socket; yield its responses as they come.
 
     ``timeout`` bounds connecting only: the stream itself lives until the server ends it, the
-    connection breaks, or the caller leaves the ``async with``. Iterating raises RPCError when the
-    server ends the stream with an error status or the connection is lost. ``metadata``: request
-    headers, (name, value) pairs.
+    connection breaks, or the caller leaves the ``async with``. Iterating (or leaving) raises
+    RPCError when the server ends the stream with an error status or the connection is lost.
+    ``metadata``: request headers, (name, value) pairs.
     """
     service, _, name = method.path[1:].partition("/")
     try:
@@ -3895,24 +3895,35 @@ async def open_stream(
     except (OSError, trio.TooSlowError) as error:
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from None
     connection = GRPCConnection(_grpc_configuration(client_side=True))
-    with _unwrap_single_errors():
-        async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
-            stream = await grpc_socket.start_request(
-                "http",
-                service,
-                name,
-                method.request_type.DESCRIPTOR.full_name,
-                authority="localhost",
-                custom_metadata=metadata,
-            )
-            try:
-                stream.expect_message_type(method.response_type)
-                await stream.send_message(request)
-                await stream.close()
-                async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
-                    yield responses
-            finally:
-                _close_event_queues(stream)
+    try:
+        with _unwrap_single_errors():
+            async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
+                stream = await grpc_socket.start_request(
+                    "http",
+                    service,
+                    name,
+                    method.request_type.DESCRIPTOR.full_name,
+                    authority="localhost",
+                    custom_metadata=metadata,
+                )
+                try:
+                    stream.expect_message_type(method.response_type)
+                    await stream.send_message(request)
+                    await stream.close()
+                    async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
+                        yield responses
+                finally:
+                    _close_event_queues(stream)
+    except _GOODBYE:
+        raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: connection lost") from None
+    except BaseExceptionGroup as group:
+        # The server hung up while our writer was sending (a SETTINGS ack, a WINDOW_UPDATE): the
+        # writer's goodbye comes with what the caller's side raised meanwhile, the lost stream's
+        # RPCError or a cancellation. That is what the caller must get, not the group.
+        rest = group.subgroup(lambda error: not isinstance(error, (BaseExceptionGroup, *_GOODBYE)))
+        if rest is None:
+            raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: connection lost") from None
+        raise _innermost(rest) from None
 
 
 async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, None]:

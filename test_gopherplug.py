@@ -545,6 +545,38 @@ async def test_call_unary_to_a_missing_socket_is_unavailable(sockdir):
     assert info.value.message.endswith(": No such file or directory")  # the system's words, not Python's class
 
 
+async def test_open_stream_to_a_server_that_hangs_up_on_our_writer_is_unavailable(sockdir):
+    # The server greets (SETTINGS, which the client must acknowledge) and hangs up at once: the
+    # client's writer then fails (EPIPE), beside the stream that lost its connection. The caller
+    # gets one RPCError, as for any lost connection; the writer's error escaped instead, alone or
+    # grouped, and took the simulated kubelet down with it (a stress test saw it, 1 run in 30).
+    path = os.path.join(sockdir, "rude.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    listener.setblocking(False)
+
+    async def greet_and_hang_up():
+        await trio.lowlevel.wait_readable(listener)
+        connection, _ = listener.accept()
+        connection.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an empty SETTINGS frame
+        connection.close()  # in the same step: before the client can answer
+
+    method = gp.METHODS["/v1beta1.DevicePlugin/ListAndWatch"]
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(greet_and_hang_up)
+                with pytest.raises(gp.RPCError) as info:
+                    async with gp.open_stream(path, method, v1beta1.Empty(), timeout=TIMEOUT) as responses:
+                        async for _ in responses:
+                            pass
+    finally:
+        listener.close()
+    assert info.value.code == StatusCode.UNAVAILABLE
+    assert info.value.message.startswith(f"{method.path} on {path}: connection ")
+
+
 # ------------------------------------------------------------------------------------------------
 # The module as users run it
 # ------------------------------------------------------------------------------------------------
