@@ -7484,10 +7484,12 @@ class KubeletSimulator:
         self._restart = trio.Event()
         self._remove_directory = False
         self._hold: trio.Event | None = None
+        self._asked = self._done = 0  # restarts asked for; of those, carried out
 
     async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         """Be the kubelet until cancelled; started() once kubelet.sock listens."""
         while True:
+            asked = self._asked  # the restarts this start carries out
             if self._remove_directory:
                 self._remove_directory = False
                 # A running plugin may be creating its socket in it meanwhile: until it is gone.
@@ -7502,6 +7504,7 @@ class KubeletSimulator:
                 self._nursery = nursery
                 await nursery.start(serve_grpc, self.socket_path, [self._registration_service(self.starts + 1)])
                 self.starts += 1
+                self._done = asked
                 self._changed.touch()
                 task_status.started(self)
                 task_status = trio.TASK_STATUS_IGNORED
@@ -7524,7 +7527,13 @@ class KubeletSimulator:
         """
         self._remove_directory = remove_directory
         self._hold = hold
+        self._asked += 1
         self._restart.set()
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a restart() is not carried out yet: the kubelet.sock it makes does not listen yet."""
+        return self._done < self._asked
 
     async def wait_until(self, predicate: Callable[[KubeletSimulator], bool]) -> None:
         """Return once ``predicate(self)`` is true; checked after every change the simulator sees."""
