@@ -4210,9 +4210,9 @@ async def open_stream(
     """Start a server-streaming call (ListAndWatch) on a unix socket; yield its responses as they come.
 
     ``timeout`` bounds connecting only: the stream itself lives until the server ends it, the
-    connection breaks, or the caller leaves the ``async with``. Iterating raises RPCError when the
-    server ends the stream with an error status or the connection is lost. ``metadata``: request
-    headers, (name, value) pairs.
+    connection breaks, or the caller leaves the ``async with``. Iterating (or leaving) raises
+    RPCError when the server ends the stream with an error status or the connection is lost.
+    ``metadata``: request headers, (name, value) pairs.
     """
     service, _, name = method.path[1:].partition("/")
     try:
@@ -4221,24 +4221,35 @@ async def open_stream(
     except (OSError, trio.TooSlowError) as error:
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from None
     connection = GRPCConnection(_grpc_configuration(client_side=True))
-    with _unwrap_single_errors():
-        async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
-            stream = await grpc_socket.start_request(
-                "http",
-                service,
-                name,
-                method.request_type.DESCRIPTOR.full_name,
-                authority="localhost",
-                custom_metadata=metadata,
-            )
-            try:
-                stream.expect_message_type(method.response_type)
-                await stream.send_message(request)
-                await stream.close()
-                async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
-                    yield responses
-            finally:
-                _close_event_queues(stream)
+    try:
+        with _unwrap_single_errors():
+            async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
+                stream = await grpc_socket.start_request(
+                    "http",
+                    service,
+                    name,
+                    method.request_type.DESCRIPTOR.full_name,
+                    authority="localhost",
+                    custom_metadata=metadata,
+                )
+                try:
+                    stream.expect_message_type(method.response_type)
+                    await stream.send_message(request)
+                    await stream.close()
+                    async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
+                        yield responses
+                finally:
+                    _close_event_queues(stream)
+    except _GOODBYE:
+        raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: connection lost") from None
+    except BaseExceptionGroup as group:
+        # The server hung up while our writer was sending (a SETTINGS ack, a WINDOW_UPDATE): the
+        # writer's goodbye comes with what the caller's side raised meanwhile, the lost stream's
+        # RPCError or a cancellation. That is what the caller must get, not the group.
+        rest = group.subgroup(lambda error: not isinstance(error, (BaseExceptionGroup, *_GOODBYE)))
+        if rest is None:
+            raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: connection lost") from None
+        raise _innermost(rest) from None
 
 
 async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, None]:
@@ -4825,31 +4836,43 @@ class DirectoryWatch:
                 self.arm()
                 yield [], set(), True
                 continue
-            events, touched, rescan = [], set(), False
-            for event in inotify.read(timeout=0):
-                names = self._watches.get(event.wd, collections.Counter())
-                if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
-                    if event.mask & flags.Q_OVERFLOW and _metrics is not None:
-                        _metrics.overflows.inc()
-                    rescan = True  # events were lost, or a watch is gone for good: start afresh
-                elif _DIR in names and event.name:
-                    events.append((event.name, event.mask))
-                elif _DIR in names:
-                    rescan = True  # about the directory itself (its mode changed, say): look at all
-                if (event.wd, event.name) == self._leading:
-                    rescan = True  # the directory (or a missing parent) came, went or was replaced
-                elif event.name in names and not rescan:
-                    touched.add(os.path.join(self._dirs[event.wd], event.name))
-                    self._refollow(event.wd, event.name)
-                if _ALL in names and event.name and not rescan:
-                    touched.add(os.path.join(self._dirs[event.wd], event.name))
-            if rescan:
-                if _metrics is not None:
-                    _metrics.rescans.inc()
-                self.arm()
-            self._say()
-            if events or touched or rescan:
-                yield events, touched, rescan
+            batch = self.pending()
+            if batch is not None:
+                yield batch
+
+    def pending(self) -> tuple[list[tuple[str, int]], set[str], bool] | None:
+        """What the kernel has queued and batches() has not yielded yet, read now without waiting,
+        as batches() would yield it; None if nothing. For a reader that must be up to date before
+        it acts (KubeletWatch.current): batches() then goes on with what comes after."""
+        inotify = self._inotify
+        if inotify is None:
+            return None
+        events: list[tuple[str, int]] = []
+        touched: set[str] = set()
+        rescan = False
+        for event in inotify.read(timeout=0):
+            names = self._watches.get(event.wd, collections.Counter())
+            if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
+                if event.mask & flags.Q_OVERFLOW and _metrics is not None:
+                    _metrics.overflows.inc()
+                rescan = True  # events were lost, or a watch is gone for good: start afresh
+            elif _DIR in names and event.name:
+                events.append((event.name, event.mask))
+            elif _DIR in names:
+                rescan = True  # about the directory itself (its mode changed, say): look at all
+            if (event.wd, event.name) == self._leading:
+                rescan = True  # the directory (or a missing parent) came, went or was replaced
+            elif event.name in names and not rescan:
+                touched.add(os.path.join(self._dirs[event.wd], event.name))
+                self._refollow(event.wd, event.name)
+            if _ALL in names and event.name and not rescan:
+                touched.add(os.path.join(self._dirs[event.wd], event.name))
+        if rescan:
+            if _metrics is not None:
+                _metrics.rescans.inc()
+            self.arm()
+        self._say()
+        return (events, touched, rescan) if events or touched or rescan else None
 
     def _refollow(self, wd: int, name: str) -> None:
         # Something appeared or went where followed paths lead: watch each from its nearest
@@ -5428,8 +5451,9 @@ class KubeletWatch:
     """What inotify says about the kubelet's device-plugin directory.
 
     ``generation`` counts the kubelet.sock files created since we started watching: every kubelet
-    (re)start creates one, and each calls for a new registration. ``changed`` is touched on every
-    event in the directory, so that each resource can check whether its own socket is still there.
+    (re)start creates one, and each calls for a new registration. ``current()`` says whether
+    kubelet.sock is there, and of which generation. ``changed`` is touched on every event in the
+    directory, so that each resource can check whether its own socket is still there.
     """
 
     def __init__(self, device_plugin_dir: str) -> None:
@@ -5437,26 +5461,71 @@ class KubeletWatch:
         self.kubelet_socket = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.generation = 0
         self.changed = Watched(None)
+        self._watch: DirectoryWatch | None = None
+        self._present = False  # whether kubelet.sock is there, by the events taken so far
+        self._seen: tuple[int, int] | None = None  # which file it was at the last look, for a rescan
+
+    def current(self) -> int | None:
+        """The generation of the kubelet.sock there now, or None while there is none: what the
+        kernel has queued until now taken first, so that this is up to date.
+
+        Register under this generation, read just before the call. A kubelet can answer only once
+        it listens, after bind() queued kubelet.sock's IN_CREATE: whichever kubelet the call then
+        reaches is counted already, or started after this, wiping our socket (its dial-back fails).
+        The generation alone would lag behind inotify's queue: a registration made with a new
+        kubelet under the generation before it looked outdated once the event came, and was made
+        again, a second one for the same kubelet (issue 26).
+        """
+        batch = self._watch.pending() if self._watch is not None else None
+        if batch is not None:
+            events, _, rescan = batch
+            self._take(events, rescan)
+        return self.generation if self._present else None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch until cancelled."""
         with DirectoryWatch(
             self.device_plugin_dir, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
         ) as w:
-            inode = _identity(self.kubelet_socket)
-            task_status.started()
-            async for events, _, rescan in w.batches():
-                created = any(
-                    name == KUBELET_SOCKET and mask & (flags.CREATE | flags.MOVED_TO) for name, mask in events
-                )
-                now = _identity(self.kubelet_socket)
-                if created or (rescan and now is not None and now != inode):
-                    self.generation += 1
-                    if _metrics is not None:
-                        _metrics.kubelet_restarts.inc()
-                    log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)
-                inode = now
-                self.changed.touch()
+            # Looked at once the watch is placed: a kubelet.sock made from now on is reported too,
+            # even one made before this look, which _take() then knows to be the same.
+            self._seen = self._file()
+            self._present = self._seen is not None
+            self._watch = w
+            try:
+                task_status.started()
+                async for events, _, rescan in w.batches():
+                    self._take(events, rescan)
+            finally:
+                self._watch = None
+
+    def _take(self, events: list[tuple[str, int]], rescan: bool) -> None:
+        # kubelet.sock's own events come in order, each creation after a deletion: one that finds
+        # it present already is about the file we have (made between the watch and our first
+        # look), not a new kubelet. A rescan means events were lost: the file there says then.
+        new = False
+        for name, mask in events:
+            if name == KUBELET_SOCKET:
+                created = bool(mask & (flags.CREATE | flags.MOVED_TO))
+                new = new or (created and not self._present)
+                self._present = created
+        now = self._file()
+        if rescan:
+            new = new or (now is not None and (not self._present or now != self._seen))
+            self._present = now is not None
+        self._seen = now
+        if new:
+            self.generation += 1
+            if _metrics is not None:
+                _metrics.kubelet_restarts.inc()
+            log.info("kubelet.sock created in %s: the kubelet (re)started", self.device_plugin_dir)
+        self.changed.touch()
+
+    def _file(self) -> tuple[int, int] | None:
+        # Which file kubelet.sock is: device and inode number. Not the change time: anyio changes
+        # it right after bind() (chmod), so the same socket would look new to a later rescan.
+        identity = _identity(self.kubelet_socket)
+        return None if identity is None else identity[:2]
 
 
 #: The device set of a resource being removed from the configuration: its ListAndWatch streams
@@ -5810,9 +5879,9 @@ async def register(
     )
     delay, waiting_logged = _REGISTER_BACKOFF[0], False
     while still_serving():
-        generation = kubelet.generation
-        if not os.path.exists(kubelet.kubelet_socket):
-            if not waiting_logged:
+        generation = kubelet.current()  # just before the call: see there why
+        if generation is None:
+            if not waiting_logged and not os.path.lexists(kubelet.kubelet_socket):
                 _log(resource).info("waiting for the kubelet: no %s yet", kubelet.kubelet_socket)
                 waiting_logged = True
             await _any_touched(*wake)
@@ -7394,17 +7463,22 @@ async def _serve_generations(
                     await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
             _log(resource).info("%s: serving and registering again", why)
-            if registered_with is not None and kubelet.generation == registered_with:
-                # The same kubelet still knows this registration, and it must be gone before the
-                # next Register. When a ListAndWatch stream ends, the kubelet disconnects whichever
+            if registered_with is not None:
+                # The kubelet that has this registration must be done with it before the next
+                # Register. When a ListAndWatch stream ends, the kubelet disconnects whichever
                 # plugin is registered under the resource's *name* at that moment (runClient in
                 # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go):
                 # had we registered again already, the new registration would be the one dropped.
                 # So the stream ends first, and we wait for the kubelet to close its connection,
-                # which it does once it has forgotten the registration. (A kubelet that restarted
-                # knows nothing of it: its successor starts afresh.)
+                # which it does once it has forgotten the registration. After a kubelet restart
+                # too: the old kubelet's connections are closed then, and this costs nothing; but
+                # a kubelet still alive under a new kubelet.sock (one moved away and back, say)
+                # would drop the next registration, as the new kubelet did when a registration
+                # read an outdated generation and this wait was skipped for it (issue 26).
                 ending.set()
                 devices.touch()
+                if server.connections:
+                    _log(resource).debug("waiting for the kubelet to let %s go", endpoint)
                 with trio.move_on_after(RETIRE_GRACE):
                     while server.connections:
                         await server.calls_ended.wait_touched()
@@ -7985,6 +8059,9 @@ class KubeletSimulator:
         self.socket_path = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.resources: dict[str, SimulatedResource] = {}  #: by resource name
         self.registrations: list[Any] = []  #: every accepted RegisterRequest, in order
+        #: for each of ``registrations``, the start of the kubelet that accepted it (1 for the first):
+        #: a kubelet instance must get exactly one registration per resource from a plugin that keeps serving
+        self.registered_in: list[int] = []
         self.refusals: list[str] = []  #: the error of every refused Register, in order
         self.starts = 0  #: how many times the simulated kubelet started
         #: What happened, in order: ("registered" | "stream ended" | "disconnected", resource, endpoint)
@@ -7999,10 +8076,13 @@ class KubeletSimulator:
         self._changed = Watched(None)
         self._restart = trio.Event()
         self._remove_directory = False
+        self._hold: trio.Event | None = None
+        self._asked = self._done = 0  # restarts asked for; of those, carried out
 
     async def run(self, *, task_status: trio.TaskStatus[KubeletSimulator] = trio.TASK_STATUS_IGNORED) -> None:
         """Be the kubelet until cancelled; started() once kubelet.sock listens."""
         while True:
+            asked = self._asked  # the restarts this start carries out
             if self._remove_directory:
                 self._remove_directory = False
                 # A running plugin may be creating its socket in it meanwhile: until it is gone.
@@ -8010,25 +8090,43 @@ class KubeletSimulator:
                     shutil.rmtree(self.device_plugin_dir, ignore_errors=True)
             self._wipe_sockets()  # and the directory made again if it is missing, as the kubelet does
             self._restart = trio.Event()
+            if self._hold is not None:
+                hold, self._hold = self._hold, None
+                await hold.wait()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                await nursery.start(serve_grpc, self.socket_path, [self._registration_service()])
+                await nursery.start(serve_grpc, self.socket_path, [self._registration_service(self.starts + 1)])
                 self.starts += 1
+                self._done = asked
                 self._changed.touch()
                 task_status.started(self)
                 task_status = trio.TASK_STATUS_IGNORED
                 await self._restart.wait()
                 nursery.cancel_scope.cancel()
 
-    def restart(self, *, remove_directory: bool = False) -> None:
+    def restart(self, *, remove_directory: bool = False, hold: trio.Event | None = None) -> None:
         """Restart like the kubelet: drop every stream, delete every socket, serve kubelet.sock again.
 
         With ``remove_directory``, the whole device-plugin directory is deleted while the kubelet is
         down (an administrator cleaning up, a node's reprovisioning), and made anew as it starts:
         a real kubelet creates its directory when missing (ManagerImpl.Start, os.MkdirAll).
+
+        With ``hold``, the new kubelet.sock is made only once ``hold`` is set, the sockets wiped
+        already: a plugin that notices may serve again before the kubelet listens. A real kubelet
+        has that moment too: its registration server wipes the directory, then listens from
+        another goroutine (server.Start in kubernetes/kubernetes
+        pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go); and anyio binds in a worker
+        thread, so this simulator has it for a moment even without ``hold``.
         """
         self._remove_directory = remove_directory
+        self._hold = hold
+        self._asked += 1
         self._restart.set()
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a restart() is not carried out yet: the kubelet.sock it makes does not listen yet."""
+        return self._done < self._asked
 
     async def wait_until(self, predicate: Callable[[KubeletSimulator], bool]) -> None:
         """Return once ``predicate(self)`` is true; checked after every change the simulator sees."""
@@ -8125,10 +8223,10 @@ class KubeletSimulator:
                 if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
                     os.unlink(entry.path)
 
-    def _registration_service(self) -> purerpc.Service:
+    def _registration_service(self, start: int) -> purerpc.Service:
         async def register_handler(request: Any) -> Any:
             try:
-                return await self._register(request)
+                return await self._register(request, start)
             except RPCError as error:
                 self.refusals.append(error.message)
                 self._changed.touch()
@@ -8138,7 +8236,7 @@ class KubeletSimulator:
         service.add_method("Register", register_handler, METHODS[REGISTER].signature)
         return service
 
-    async def _register(self, request: Any) -> Any:
+    async def _register(self, request: Any, start: int) -> Any:
         # The kubelet's checks, with its own words; grpc-go reports them with code UNKNOWN.
         if request.version != API_VERSION:
             raise RPCError(
@@ -8164,6 +8262,7 @@ class KubeletSimulator:
         resource = SimulatedResource(request.endpoint, options, {})
         self.resources[request.resource_name] = resource
         self.registrations.append(request)
+        self.registered_in.append(start)
         self.events.append(("registered", request.resource_name, request.endpoint))
         self._nursery.start_soon(self._list_and_watch, request.resource_name, resource, endpoint)
         self._changed.touch()

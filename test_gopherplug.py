@@ -545,6 +545,38 @@ async def test_call_unary_to_a_missing_socket_is_unavailable(sockdir):
     assert info.value.message.endswith(": No such file or directory")  # the system's words, not Python's class
 
 
+async def test_open_stream_to_a_server_that_hangs_up_on_our_writer_is_unavailable(sockdir):
+    # The server greets (SETTINGS, which the client must acknowledge) and hangs up at once: the
+    # client's writer then fails (EPIPE), beside the stream that lost its connection. The caller
+    # gets one RPCError, as for any lost connection; the writer's error escaped instead, alone or
+    # grouped, and took the simulated kubelet down with it (a stress test saw it, 1 run in 30).
+    path = os.path.join(sockdir, "rude.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    listener.setblocking(False)
+
+    async def greet_and_hang_up():
+        await trio.lowlevel.wait_readable(listener)
+        connection, _ = listener.accept()
+        connection.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an empty SETTINGS frame
+        connection.close()  # in the same step: before the client can answer
+
+    method = gp.METHODS["/v1beta1.DevicePlugin/ListAndWatch"]
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(greet_and_hang_up)
+                with pytest.raises(gp.RPCError) as info:
+                    async with gp.open_stream(path, method, v1beta1.Empty(), timeout=TIMEOUT) as responses:
+                        async for _ in responses:
+                            pass
+    finally:
+        listener.close()
+    assert info.value.code == StatusCode.UNAVAILABLE
+    assert info.value.message.startswith(f"{method.path} on {path}: connection ")
+
+
 # ------------------------------------------------------------------------------------------------
 # The module as users run it
 # ------------------------------------------------------------------------------------------------
@@ -2312,6 +2344,12 @@ class _LogEvent(logging.Handler):
         while len(self.lines) < count:
             await self.event.wait()
 
+    async def wait_for_lines(self, count):
+        """Return once ``count`` lines have come."""
+        while len(self.lines) < count:
+            self.event = trio.Event()
+            await self.event.wait()
+
 
 @contextlib.contextmanager
 def logged(text):
@@ -2609,6 +2647,174 @@ async def test_the_old_registration_is_gone_before_the_next_register(nursery, no
     assert simulator.resources[RESOURCE].streaming
 
 
+class HeldBatches:
+    """The reading of inotify's batches for one directory, held on demand (DirectoryWatch.batches
+    is wrapped): a reader slow to be scheduled, the kernel queueing the events meanwhile.
+
+    ``close()``: once the batch being waited for (if any) is handed over, the next is not read
+    until ``open()``; ``held`` is touched when that wait begins. ``handed`` lists the names in each
+    batch once its reader is done with it (it asks for the next one), and is touched then."""
+
+    def __init__(self, monkeypatch, directory):
+        self.closed = False
+        self.waiting = False
+        self.held = gp.Watched(None)
+        self.handed = gp.Watched([])
+        self._opened = trio.Event()
+        batches = gp.DirectoryWatch.batches
+
+        async def held_batches(watch):
+            async with contextlib.aclosing(batches(watch)) as inner:
+                while True:
+                    while watch.path == directory and self.closed:
+                        self.waiting = True
+                        self.held.touch()
+                        await self._opened.wait()
+                        self.waiting = False
+                    batch = await anext(inner)
+                    yield batch
+                    if watch.path == directory:
+                        self.handed.value.append({name for name, _ in batch[0]})
+                        self.handed.touch()
+
+        monkeypatch.setattr(gp.DirectoryWatch, "batches", held_batches)
+
+    def close(self):
+        if not self.closed:
+            self.closed, self._opened = True, trio.Event()
+
+    def open(self):
+        self.closed = False
+        self._opened.set()
+
+    async def wait_held(self):
+        while not self.waiting:
+            await self.held.wait_touched()
+
+    async def wait_handed(self, name):
+        """Until a batch with ``name`` is handed over: every batch before it is, by inotify's order."""
+        while not any(name in names for names in self.handed.value):
+            await self.handed.wait_touched()
+
+
+async def test_a_kubelet_sock_not_yet_reported_by_inotify_is_registered_with_once(nursery, node, monkeypatch):
+    # Issue 26, item 3. A restarting kubelet wipes our socket and, a moment later, listens on a new
+    # kubelet.sock. We serve socket 2 in that moment and wait for kubelet.sock. It appears while
+    # KubeletWatch is slow to read (here: held from reading after the kubelet's checkpoint file),
+    # and something else wakes register() (a device added). It used to find kubelet.sock there and
+    # register under the generation before it; once inotify's report of kubelet.sock came, that
+    # registration looked outdated and was made again (socket 3): two for one kubelet, the first
+    # one's stream dropped without waiting for the kubelet to let it go.
+    held = HeldBatches(monkeypatch, node.plugin_dir)
+    with trio.fail_after(TIMEOUT), logged("serving and registering again") as again:
+        simulator = await start(nursery, node, top={"metrics_address": "127.0.0.1:0"})
+        listening = trio.Event()
+        with logged("waiting for the kubelet: no") as waiting:
+            simulator.restart(hold=listening)
+            await waiting.wait()  # socket 2 served, the kubelet's sockets wiped, no kubelet.sock yet
+        held.close()
+        Path(node.plugin_dir, "kubelet_internal_checkpoint").touch()  # read, and then nothing more
+        await held.wait_held()
+        listening.set()
+        await simulator.wait_until(lambda s: s.starts == 2)  # kubelet.sock made: not read by KubeletWatch
+        Path(node.devices, "g3").touch()
+        await simulator.wait_until(lambda s: s.registered_in == [1, 2] and listed("g1", "g2", "g3")(s))
+        held.open()
+        Path(node.plugin_dir, "fence").touch()
+        await held.wait_handed("fence")  # and everything inotify said before it: kubelet.sock's creation
+        await trio.testing.wait_all_tasks_blocked()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+        registry = gp._metrics.registry
+        restarts = registry.get_sample_value("gopherplug_kubelet_restarts_total")
+        registrations = registry.get_sample_value("gopherplug_registrations_total", {"resource": RESOURCE})
+    assert (restarts, registrations) == (1, 2), "the metrics count one registration per kubelet too"
+    assert again.lines == ["our socket was deleted: serving and registering again"]
+    assert simulator.registered_in == [1, 2], "one registration for each kubelet"
+    endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2)]
+    assert simulator.events == [
+        ("registered", RESOURCE, endpoints[0]),
+        ("stream ended", RESOURCE, endpoints[0]),
+        ("disconnected", RESOURCE, endpoints[0]),
+        ("registered", RESOURCE, endpoints[1]),
+    ]
+    assert node.our_sockets() == [endpoints[1]]
+
+
+async def test_a_kubelet_sock_made_as_the_watch_starts_is_one_generation(nursery, node, monkeypatch):
+    # KubeletWatch places its watch, then looks at kubelet.sock: a kubelet that starts in between
+    # is there when it looks, and inotify reports its socket's creation too. One kubelet: counted once.
+    arm, made = gp.DirectoryWatch.arm, []
+
+    def kubelet_starts_meanwhile(watch):
+        arm(watch)
+        if watch.path == node.plugin_dir and not made:
+            made.append(socket.socket(socket.AF_UNIX))
+            made[0].bind(node.kubelet_socket)
+
+    monkeypatch.setattr(gp.DirectoryWatch, "arm", kubelet_starts_meanwhile)
+    held = HeldBatches(monkeypatch, node.plugin_dir)
+    kubelet = gp.KubeletWatch(node.plugin_dir)
+    try:
+        with trio.fail_after(TIMEOUT):
+            await nursery.start(kubelet.run)
+            Path(node.plugin_dir, "fence").touch()
+            await held.wait_handed("fence")
+    finally:
+        made[0].close()
+    assert kubelet.generation == 0
+
+
+async def test_a_new_kubelet_sock_with_the_old_kubelet_alive_lets_it_drop_the_old_stream_first(
+    nursery, node, monkeypatch
+):
+    # kubelet.sock made anew (moved away and back) while the kubelet that has our registration
+    # still runs, our socket untouched: a new generation as KubeletWatch sees it, the same kubelet
+    # in fact. It must let our old stream go before the next Register, as after our socket's
+    # deletion: the kubelet disconnects by name when a stream ends, the new registration otherwise.
+    # The kubelet here is slow to let it go: it closes the stream's connection only on `release`.
+    opened, release, armed = gp.open_stream, trio.Event(), []
+
+    @contextlib.asynccontextmanager
+    async def slow_to_let_go(*args, **kwargs):
+        async with opened(*args, **kwargs) as responses:
+            try:
+                yield responses
+            finally:
+                if armed:
+                    await release.wait()
+
+    monkeypatch.setattr(gp, "open_stream", slow_to_let_go)
+    with trio.fail_after(TIMEOUT), logged("serving and registering again") as again:
+        simulator = await start(nursery, node)
+        armed.append(True)
+        with logged("waiting for the kubelet to let") as waiting:
+            os.rename(node.kubelet_socket, node.kubelet_socket + ".away")
+            os.rename(node.kubelet_socket + ".away", node.kubelet_socket)
+            async with trio.open_nursery() as first:  # the plugin waits, or registers again at once
+
+                async def then_stop(what):
+                    await what()
+                    first.cancel_scope.cancel()
+
+                first.start_soon(then_stop, waiting.wait)
+                first.start_soon(then_stop, functools.partial(simulator.wait_until, lambda s: len(s.registrations) > 1))
+        armed.clear()
+        release.set()
+        endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2)]
+        ended = ("stream ended", RESOURCE, endpoints[0])
+        await simulator.wait_until(lambda s: len(s.registrations) == 2 and ended in s.events)
+        assert simulator.events == [
+            ("registered", RESOURCE, endpoints[0]),
+            ended,
+            ("disconnected", RESOURCE, endpoints[0]),
+            ("registered", RESOURCE, endpoints[1]),
+        ]
+        await simulator.wait_until(listed("g1", "g2"))
+        await simulator.allocate(RESOURCE, ["g1"])
+    assert again.lines == ["the kubelet restarted: serving and registering again"]
+    assert simulator.rejections == []
+
+
 def listed_ids(*ids):
     return dict.fromkeys(ids, gp.HEALTHY)
 
@@ -2676,6 +2882,21 @@ async def test_the_kubelet_stand_in_makes_its_removed_directory_anew(nursery, no
         simulator.restart(remove_directory=True)
         await simulator.wait_until(lambda s: s.starts == 2)
     assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
+
+
+async def test_the_kubelet_stand_in_listens_when_told_and_records_which_start_each_registration_came_to(nursery, node):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        listening = trio.Event()
+        with logged("waiting for the kubelet: no") as waiting:
+            simulator.restart(hold=listening)
+            await waiting.wait()  # the plugin saw its socket wiped, and serves again
+        assert not os.path.exists(node.kubelet_socket)
+        assert (simulator.starts, simulator.restarting) == (1, True)
+        listening.set()
+        await simulator.wait_until(lambda s: s.starts == 2 and len(s.registrations) == 2 and listed("g1", "g2")(s))
+        assert not simulator.restarting
+    assert simulator.registered_in == [1, 2]
 
 
 async def test_kubelet_absent_at_start(nursery, node):
@@ -2868,6 +3089,194 @@ async def test_100_kubelet_restarts_each_get_a_registration_and_the_right_list(n
                 os.unlink(os.path.join(node.devices, expected.pop()))
     assert registrations == 150
     assert len(node.our_sockets()) == 1
+
+
+class Incarnations:
+    """Which serving of a resource made each socket (serve_resource is wrapped): a resource
+    re-registered by a reload, or served by the next plugin, is another incarnation of it."""
+
+    def __init__(self, monkeypatch):
+        self.of_endpoint = {}  #: socket file name -> incarnation, for the running plugin
+        self.latest = {}  #: resource name -> its latest incarnation
+        numbers = itertools.count(1)
+        serve = gp.serve_resource
+
+        async def counted(resource, devices, kubelet, shape_allocation=None, generations=None, **kwargs):
+            number = self.latest[resource.name] = next(numbers)
+
+            def numbered():
+                for n in generations:
+                    self.of_endpoint[gp.socket_name(resource.name, kubelet.device_plugin_dir, n)] = number
+                    yield n
+
+            await serve(resource, devices, kubelet, shape_allocation, numbered(), **kwargs)
+
+        monkeypatch.setattr(gp, "serve_resource", counted)
+
+
+STRESS_ROUNDS = 24
+STRESS_NAMES = [f"example.com/r{i}" for i in range(4)]
+
+
+def stress_config(node, resources):
+    """resources: name -> (env, pre_start_required)."""
+    entries = [
+        {"name": name, "directory": node.devices, "env": env, **({"pre_start": ["/bin/true"]} if pre else {})}
+        for name, (env, pre) in sorted(resources.items())
+    ]
+    document = {"device_plugin_dir": node.plugin_dir, "resources": entries}
+    return gp.parse_config(yaml.safe_dump(document), "stress.yaml")
+
+
+def stress_reload(rng, resources):
+    """A reload: resources added, removed, changed in place (env) or re-registered (pre_start)."""
+    new = dict(resources)
+    for name in STRESS_NAMES:
+        roll = rng.random()
+        if name not in new:
+            if roll < 0.4:
+                new[name] = (f"E{rng.randrange(99)}", rng.random() < 0.3)
+        elif roll < 0.25 and len(new) > 1:
+            del new[name]
+        elif roll < 0.5:
+            new[name] = (f"E{rng.randrange(99)}", new[name][1])
+        elif roll < 0.7:
+            new[name] = (new[name][0], not new[name][1])
+    return new
+
+
+def stress_settled(resources, incarnations, first, devices):
+    """A predicate: each of ``resources`` registered by its latest incarnation with the kubelet
+    running now (registrations from index ``first`` on), streaming ``devices``, healthy."""
+
+    def settled(simulator):
+        for name in resources:
+            registered = simulator.resources.get(name)
+            if registered is None or not registered.streaming or registered.devices != listed_ids(*devices):
+                return False
+            if incarnations.of_endpoint.get(registered.endpoint) != incarnations.latest[name]:
+                return False
+            starts = [
+                start
+                for request, start in zip(simulator.registrations[first:], simulator.registered_in[first:], strict=True)
+                if request.endpoint == registered.endpoint
+            ]
+            if starts[-1:] != [simulator.starts]:
+                return False
+        return not simulator.restarting
+
+    return settled
+
+
+def merged(rng, *scripts):
+    """The steps of ``scripts`` in one random order that keeps each script's own order."""
+    scripts = [list(script) for script in scripts if script]
+    steps = []
+    while scripts:
+        script = rng.choices(scripts, [len(script) for script in scripts])[0]
+        steps.append(script.pop(0))
+        scripts = [script for script in scripts if script]
+    return steps
+
+
+async def stress_round(rng, simulator, node, incarnations, held, reloaded):
+    """One round of the stress test below: its actions, and (kubelet start, incarnation) for each
+    registration made in it."""
+    resources = {name: ("E", False) for name in rng.sample(STRESS_NAMES, rng.randint(1, 3))}
+    send, receive = trio.open_memory_channel(8)
+    reloads, holds, first, reloaded_before = 0, [], len(simulator.registrations), len(reloaded.lines)
+    incarnations.of_endpoint.clear()
+
+    async def updates():
+        async for config in receive:
+            yield config
+
+    plugin_steps = ["start", *["reload"] * rng.randint(0, 2), *["device"] * rng.randint(2, 4)]
+    rng.shuffle(plugin_steps)
+    kubelet_steps = []
+    for _ in range(rng.randint(1, 2)):
+        kubelet_steps += rng.choice([["restart"], ["remove directory"], ["hold", "release"]])
+    slow = rng.random() < 0.75  # the reader is behind from the start
+    reader_steps = rng.choice([[], ["catch up"]] if slow else [[], ["slow inotify"], ["slow inotify", "catch up"]])
+    actions = (["slow inotify"] if slow else []) + merged(rng, plugin_steps, kubelet_steps, reader_steps)
+    async with trio.open_nursery() as plugin:
+        for action in actions:
+            pause = rng.choice(["none", "switches", "quiet"])
+            if pause == "switches":
+                for _ in range(rng.randint(1, 30)):
+                    await trio.lowlevel.checkpoint()
+            elif pause == "quiet":
+                await trio.testing.wait_all_tasks_blocked()
+            if action == "start":
+                plugin.start_soon(functools.partial(gp.serve_plugin, stress_config(node, resources), updates=updates()))
+            elif action == "restart":
+                simulator.restart()
+            elif action == "hold":  # the sockets wiped, kubelet.sock made only at "release" (or at the end)
+                holds.append(trio.Event())
+                simulator.restart(hold=holds[-1])
+            elif action == "release":  # that kubelet listens at last
+                holds.pop(0).set()
+            elif action == "remove directory":
+                simulator.restart(remove_directory=True)
+            elif action == "reload":
+                resources = stress_reload(rng, resources)
+                send.send_nowait(stress_config(node, resources))
+                reloads += 1
+            elif action == "slow inotify":  # the plugin's reader of the kubelet's directory falls behind,
+                held.close()  # once it has read the kubelet's checkpoint, written anew
+                with contextlib.suppress(FileNotFoundError):  # (the directory removed meanwhile)
+                    Path(node.plugin_dir, "checkpoint.tmp").touch()
+                    os.rename(
+                        Path(node.plugin_dir, "checkpoint.tmp"), Path(node.plugin_dir, "kubelet_internal_checkpoint")
+                    )
+            elif action == "catch up":
+                held.open()
+            elif action == "device":  # a device comes or goes, which wakes a registration waiting, too
+                device = Path(node.devices, "g3")
+                if device.exists():
+                    device.unlink()
+                else:
+                    device.touch()
+        for hold in holds:
+            hold.set()
+        held.open()
+        await reloaded.wait_for_lines(reloaded_before + reloads)  # every reload applied
+        await simulator.wait_until(stress_settled(resources, incarnations, first, sorted(os.listdir(node.devices))))
+        for name in resources:
+            with contextlib.suppress(gp.UnexpectedAdmissionError):  # recorded in simulator.rejections
+                await simulator.allocate(name, ["g1"])
+        made = [
+            (start, incarnations.of_endpoint[request.endpoint])
+            for request, start in zip(simulator.registrations[first:], simulator.registered_in[first:], strict=True)
+        ]
+        plugin.cancel_scope.cancel()
+    return actions, made
+
+
+async def test_kubelet_restarts_interleaved_with_starts_and_reloads_register_once_per_kubelet(
+    nursery, node, monkeypatch
+):
+    # Issue 26, item 3, as a stress test. In each round a plugin starts, the kubelet restarts (at
+    # once; or wiping our sockets, then listening only later; or with its directory removed), the
+    # configuration is reloaded (resources added, removed, changed in place, re-registered), a
+    # device comes or goes, and the plugin's inotify reader falls behind and catches up: in a
+    # random order, with random pauses (task switches, or until everything waits), seeded. Once it
+    # has settled, each configured resource must be registered with the kubelet running then,
+    # streaming its devices healthy, and a pod must get one; and no kubelet may ever have had two
+    # registrations from one serving of a resource.
+    incarnations = Incarnations(monkeypatch)
+    held = HeldBatches(monkeypatch, node.plugin_dir)
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    seen = collections.Counter()  # (kubelet start, incarnation) -> registrations
+    with trio.fail_after(TIMEOUT * 6), logged("configuration reloaded") as reloaded:
+        for round_ in range(STRESS_ROUNDS):
+            rng = random.Random(round_)
+            actions, made = await stress_round(rng, simulator, node, incarnations, held, reloaded)
+            seen.update(made)
+            twice = {key: count for key, count in seen.items() if count > 1}
+            assert not twice, f"round {round_} ({', '.join(actions)}): one serving registered twice: {twice}"
+            assert not simulator.rejections, f"round {round_} ({', '.join(actions)}): {simulator.rejections}"
+    assert simulator.starts > STRESS_ROUNDS
 
 
 async def test_our_socket_deleted_100_times_never_two_servers(nursery, node):
