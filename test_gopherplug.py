@@ -9103,7 +9103,7 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
         ("resourceclaims",): {"get"},
         ("resourceclaims/status",): {"patch"},  # status.devices, by server-side apply
         ("resourceclaims/driver",): {"associated-node:patch"},  # 1.36+: the same write, for its driver
-        ("nodes",): {"get"},  # the UID of the slices' owner
+        ("nodes",): {"get", "list", "watch"},  # its Node, watched: the slices' owner, the allocatable
     }
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
