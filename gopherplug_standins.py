@@ -644,6 +644,7 @@ class ApiServerSimulator(LenientApiServer):
       ``min_request_timeout`` and twice it (--min-request-timeout). A watch that asked for bookmarks
       gets one every ``bookmark_seconds`` and one just before it ends. ``compact()`` forgets the
       history (etcd's compaction): a watch from an older resourceVersion is answered 410 Gone.
+      ``end_watches()`` ends the open watches now, as their timeout does.
       ``restart()`` is the API server restarting: every connection cut, the history gone.
     - ``delete_node`` deletes a Node and, as the garbage collector does, the slices it owns.
     """
@@ -659,7 +660,8 @@ class ApiServerSimulator(LenientApiServer):
         self.min_request_timeout = MIN_REQUEST_TIMEOUT
         self.bookmark_seconds = BOOKMARK_SECONDS
         self._oldest = 0  # compact(): the oldest resourceVersion a watch may start from
-        self._restarts = 0  # restart() counts up: a watch or a connection of an earlier one ends
+        self._restarts = 0  # restart() counts up: a watch of an earlier one is cut
+        self._ends = 0  # end_watches() counts up: a watch opened before ends as at its timeout
         #: (slice or claim name, causes) of each write refused as invalid (422), in order
         self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
@@ -694,6 +696,12 @@ class ApiServerSimulator(LenientApiServer):
             for (v, r, a), number in self.requests.items()
             if verb in ("", v) and resource in ("", r) and agent in ("", a)
         )
+
+    def end_watches(self) -> None:
+        """End every open watch as its timeout does: a last bookmark if it asked for them, then the
+        end of the response."""
+        self._ends += 1
+        self.changed.touch()
 
     def compact(self) -> None:
         """Forget every resourceVersion before now, as etcd's compaction does: a watch from one of
@@ -871,7 +879,7 @@ class ApiServerSimulator(LenientApiServer):
             await self._send(connection, stream, h11, 410, _status(410, "Expired", message))
             return
         await self._start_watch(connection, stream, h11)
-        expired, restarts = self._expired, self._restarts
+        expired, restarts, ends_seen = self._expired, self._restarts, self._ends
         timeout = float(query.get("timeoutSeconds") or 0) or self.min_request_timeout * (random.random() + 1.0)
         ends = trio.current_time() + timeout
         bookmarks = query.get("allowWatchBookmarks") == "true"
@@ -892,7 +900,7 @@ class ApiServerSimulator(LenientApiServer):
             changed = self.changed.next_touch()
             since = await self._send_events(connection, stream, h11, resource, since, matches)
             now = trio.current_time()
-            if now >= ends:
+            if now >= ends or self._ends != ends_seen:
                 if bookmarks:
                     await bookmark()  # the real one's comes 2 s before the end: here, just before it
                 await stream.send_all(connection.send(h11.EndOfMessage()))
