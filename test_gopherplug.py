@@ -8289,7 +8289,7 @@ class ScriptedSliceApi:
         self.before_answer = before_answer
         self.created = []
 
-    async def list_slices(self, node_name, driver, version):
+    async def list_slices(self, node_name, driver, version="0"):
         return [], "1"
 
     async def watch_slices(self, node_name, driver, version):
@@ -8552,6 +8552,29 @@ async def test_dra_two_drivers_that_fail_together_do_not_retry_in_step(nursery, 
         for before, after in itertools.pairwise(times):
             assert delay <= after - before <= delay * (1 + gp.DRA_JITTER)
             delay = min(delay * 2, gp.DRA_WATCH_BACKOFF[1])
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_a_watch_the_server_ends_at_once_every_time_is_backed_off(nursery, autojump_clock, caplog):
+    """A server (or a proxy) that ends each watch as soon as it opens, with nothing in it, must not
+    make a hot loop of watches: as the reflector's "very short watch", it counts as a failure,
+    backed off and said."""
+    watches = []
+
+    class Ending(ScriptedSliceApi):
+        async def watch_slices(self, node_name, driver, version):
+            watches.append(trio.current_time())
+            if len(watches) >= 1000:
+                scope.cancel()  # a hot loop: enough seen
+            await trio.lowlevel.checkpoint()
+            return
+            yield  # an async generator, as the real one is
+
+    with trio.move_on_after(30) as scope:  # virtual seconds: the autojump clock
+        await nursery.start(gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), Ending(None)).watch)
+        await trio.sleep_forever()
+    assert 4 <= len(watches) <= 7  # 0.8 s doubling, jittered: not thousands
+    assert "DRA: watching ResourceSlices: watch ResourceSlices: ended by the server at once" in caplog.text
     nursery.cancel_scope.cancel()
 
 
