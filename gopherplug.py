@@ -6384,8 +6384,9 @@ class KubeApi:
     Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
     reached or did not answer. In a pod, the configuration is the service account's
     (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
-    is read again every TOKEN_REREAD_SECONDS and when the server refuses it (401 or 403), as the
-    kubelet rotates bound tokens. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
+    is read again every TOKEN_REREAD_SECONDS (to twice that, jittered) and when the server refuses
+    it (401 or 403), as the kubelet rotates bound tokens. Outside a pod (a developer's machine, the
+    demo), KUBECONFIG's.
     Every request says who sends it (user_agent()).
 
     Lists and watches are made as client-go's reflector makes them (list_and_watch() says how and
@@ -6518,8 +6519,9 @@ class KubeApi:
         self, resource: Any, what: str, fields: Mapping[str, str], version: str
     ) -> tuple[list[dict[str, Any]], str]:
         """The objects of ``resource`` the field selector selects, as of ``version`` or newer ("0":
-        any, "": the newest), and the list's resourceVersion. No limit: a list with one is served
-        from etcd, never from the watch cache (reflector.go says so), and these lists are short."""
+        any, "": the newest), and the list's resourceVersion. No limit: a list with one at a version
+        other than "0" bypasses the watch cache for etcd (the reflector turns pagination off for the
+        same reason, reflector.go), and these lists are short."""
         inner = self._client._client  # lightkube 1.0.1's GenericAsyncClient, pinned
         params = {"fieldSelector": _field_selector(fields), "resourceVersion": version or None}
         with self._errors(f"list {what}"):
