@@ -872,6 +872,8 @@ class ApiServerSimulator(LenientApiServer):
         query: Mapping[str, str],
         matches: Callable[[Any], bool],
     ) -> None:
+        # What ends this watch is what happens from its request on: taken before any await.
+        expired, restarts, ends_seen = self._expired, self._restarts, self._ends
         since = int(query.get("resourceVersion") or 0)
         if query.get("resourceVersion") not in (None, "", "0") and since < self._oldest:
             # The watch cache answers before the watch starts: an HTTP 410, not an ERROR event.
@@ -879,7 +881,6 @@ class ApiServerSimulator(LenientApiServer):
             await self._send(connection, stream, h11, 410, _status(410, "Expired", message))
             return
         await self._start_watch(connection, stream, h11)
-        expired, restarts, ends_seen = self._expired, self._restarts, self._ends
         timeout = float(query.get("timeoutSeconds") or 0) or self.min_request_timeout * (random.random() + 1.0)
         ends = trio.current_time() + timeout
         bookmarks = query.get("allowWatchBookmarks") == "true"

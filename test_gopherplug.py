@@ -7568,12 +7568,14 @@ async def test_dra_a_watch_that_expired_is_listed_again_quietly(dra_node, caplog
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1 or dra_node.api.count("watch", "resourceslices") < 1:
+            await dra_node.api.changed.wait_touched()  # a watch opened after this would not expire
         dra_node.api.expire_watches()
         (name,) = dra_node.api.slices
         dra_node.api.delete_slice(name)
         await dra_node.wait_for_slices(["gopher0"])
-        while dra_node.api.count("watch", "nodes") < 2:
-            await dra_node.api.changed.wait_touched()
+        while dra_node.api.count("watch", "nodes") < 2 or dra_node.api.count("watch", "resourceslices") < 2:
+            await dra_node.api.changed.wait_touched()  # each listed again, and watched from there
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert (dra_node.api.count("list", "resourceslices"), dra_node.api.count("list", "nodes")) == (2, 2)
 
