@@ -89,6 +89,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -5917,19 +5918,56 @@ async def register(
 #: is slow to return gets its error well before, and the kubelet asks again.
 API_REQUEST_TIMEOUT = 10.0
 
-# After a failed API server request: retry after 0.1 s, doubling up to 10 s.
+# After a failed write of a pool (or of a stale slice): retry after 0.1 s, doubling up to 10 s, each
+# wait jittered. Writes are per pool and rare; lists and watches back off longer (DRA_WATCH_BACKOFF).
 _API_BACKOFF = (0.1, 10.0)
 
-#: How long one watch of the ResourceSlices lasts before they are listed and watched again.
-API_WATCH_SECONDS = 300.0
+#: How far a wait is spread at random: a wait of d seconds lasts from d to d * (1 + DRA_JITTER), as
+#: client-go's wait.Jitter(d, maxFactor) makes it (k8s.io/apimachinery pkg/util/wait; the reflector's
+#: backoff uses 1.0). Every backoff and every periodic timer of the driver is jittered: drivers on
+#: 5,000 nodes that saw the same API server restart would otherwise retry, and list, in step.
+DRA_JITTER = 1.0
 
-#: How often the Node is asked for again while the slices are published without it as their owner.
-DRA_OWNER_RETRY_SECONDS = 60.0
+#: After a failed list or watch: retry after 0.8 s, doubling up to 30 s, jittered, and the first wait
+#: again once a watch brings something. The reflector's own (NewExponentialBackoffManager(800ms, 30s,
+#: ...) in kubernetes/kubernetes staging/src/k8s.io/client-go/tools/cache/reflector.go): an API
+#: server that is down gets about one request per 45 s per watch from each node, not a storm.
+DRA_WATCH_BACKOFF = (0.8, 30.0)
 
-#: How often the Node is asked for again while a resource is held back because the Node's
-#: allocatable still has it: the kubelet writes its node status every 10 s
-#: (nodeStatusUpdateFrequency), so once the device plugin is gone this sees 0 within about as long.
-DRA_HELD_RECHECK_SECONDS = 10.0
+#: How long an open watch may bring nothing, not even a bookmark, before it is taken for a dead
+#: connection (a node's network cut, an API server host gone: no FIN ever comes) and opened again
+#: from the last resourceVersion seen. The API server's watch cache sends a watch that asked for
+#: bookmarks one about every minute, and one 2 s before it ends the watch (nextBookmarkTime in
+#: kubernetes/kubernetes staging/src/k8s.io/apiserver/pkg/storage/cacher/cache_watcher.go): three
+#: missed ones are not a quiet cluster. A server that sends none (its watch cache off) costs one
+#: watch request per this long per watch; never a list.
+DRA_WATCH_QUIET_SECONDS = 180.0
+
+#: How often the Node is read (GET) when it cannot be watched: an older manifest's ClusterRole has
+#: get on nodes but not list and watch. Jittered; a change of its allocatable is then seen that late.
+DRA_NODE_POLL_SECONDS = 60.0
+
+
+def jittered(seconds: float, factor: float = DRA_JITTER) -> float:
+    """``seconds`` spread at random to between itself and (1 + ``factor``) times itself, as client-go's
+    wait.Jitter: waits that began together end apart."""
+    return seconds * (1.0 + factor * random.random())
+
+
+#: Go's names of the machine architectures Python's os.uname() calls otherwise (runtime.GOARCH).
+_GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "i686": "386", "i386": "386", "armv7l": "arm", "armv6l": "arm"}
+
+
+def user_agent(node_name: str = "") -> str:
+    """What gopherplug calls itself in each request to the API server, in client-go's form
+    ("<command>/<version> (<os>/<arch>) kubernetes/<commit>", DefaultKubernetesUserAgent in
+    kubernetes/kubernetes staging/src/k8s.io/client-go/rest/config.go), with the node in place of
+    the commit: the API server's audit log and its per-client metrics then tell gopherplug's requests
+    from any other Python client's (httpx's own says only python-httpx), and one node's from another's."""
+    machine = os.uname().machine
+    agent = f"gopherplug/{__version__} ({sys.platform}/{_GO_ARCH.get(machine, machine)})"
+    return f"{agent} node/{node_name}" if node_name else agent
+
 
 #: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
 #: write that succeeds can still be undone at once (another writer, an admission webhook that
@@ -6465,13 +6503,14 @@ TOKEN_REREAD_SECONDS = 60.0
 
 def _token_file_auth(httpx2: Any, path: str) -> Any:
     """An httpx2 authentication that sends the bearer token in ``path``: read again once it is
-    TOKEN_REREAD_SECONDS old, and after a 401 or 403, when the request is sent once more if the
+    TOKEN_REREAD_SECONDS old (jittered), and after a 401 or 403, when the request is sent once more if the
     file holds another token (a refusal of the same token again is the server's last word)."""
 
     class TokenFileAuth(httpx2.Auth):  # type: ignore[misc,name-defined]
         def __init__(self) -> None:
             self.bearer: str | None = None
             self.read_at = -math.inf
+            self.spread = 1.0  # this read's jitter: TOKEN_REREAD_SECONDS times this, until the next read
 
         def read(self) -> None:
             try:
@@ -6480,9 +6519,10 @@ def _token_file_auth(httpx2: Any, path: str) -> Any:
             except OSError:
                 pass  # being replaced, or gone: the last token, or none (the server says 401)
             self.read_at = time.monotonic()
+            self.spread = jittered(1.0)
 
         def auth_flow(self, request: Any) -> Generator[Any, Any, None]:
-            if time.monotonic() - self.read_at >= TOKEN_REREAD_SECONDS:
+            if time.monotonic() - self.read_at >= TOKEN_REREAD_SECONDS * self.spread:
                 self.read()
             sent = self.bearer
             if sent is not None:
@@ -6497,6 +6537,11 @@ def _token_file_auth(httpx2: Any, path: str) -> Any:
     return TokenFileAuth()
 
 
+def _field_selector(fields: Mapping[str, str]) -> str:
+    """A field selector of equalities, as the API server reads one ("spec.nodeName=node-1,...")."""
+    return ",".join(f"{key}={value}" for key, value in fields.items())
+
+
 class KubeApi:
     """The few requests a DRA driver makes to the API server, through lightkube: resource.k8s.io/v1
     only, so Kubernetes 1.34 or later (1.32 and 1.33 serve the beta versions alone).
@@ -6506,8 +6551,16 @@ class KubeApi:
     Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
     reached or did not answer. In a pod, the configuration is the service account's
     (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
-    is read again every TOKEN_REREAD_SECONDS and when the server refuses it (401 or 403), as the
-    kubelet rotates bound tokens. Outside a pod (a developer's machine, the demo), KUBECONFIG's.
+    is read again every TOKEN_REREAD_SECONDS (to twice that, jittered) and when the server refuses
+    it (401 or 403), as the kubelet rotates bound tokens. Outside a pod (a developer's machine, the
+    demo), KUBECONFIG's.
+    Every request says who sends it (user_agent()).
+
+    Lists and watches are made as client-go's reflector makes them (list_and_watch() says how and
+    why), with the API server's query parameters, through lightkube's request building and its
+    httpx2 client: lightkube 1.0.1's own list cannot ask for a resourceVersion, and its watch
+    neither asks for bookmarks nor lets its caller see the server end a watch (it opens the next
+    one itself).
     """
 
     def __init__(
@@ -6523,9 +6576,10 @@ class KubeApi:
         service_account_dir: str = SERVICE_ACCOUNT_DIR,
         field_manager: str = "gopherplug",
         kubeconfig: str | None = None,
+        node_name: str = "",
     ) -> KubeApi:
         """A client configured from ``kubeconfig`` if given, else from the pod's service account,
-        else from KUBECONFIG or ~/.kube/config."""
+        else from KUBECONFIG or ~/.kube/config; its user agent names ``node_name``."""
         try:
             import httpx2
             import lightkube
@@ -6556,6 +6610,7 @@ class KubeApi:
         token_file = getattr(user, "token_file", None)
         if token_file:
             client._client._client.auth = _token_file_auth(httpx2, token_file)
+        client._client._client.headers["User-Agent"] = user_agent(node_name)
         # httpx2 logs every request at INFO; gopherplug logs what each one was for, and failures.
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
@@ -6627,22 +6682,76 @@ class KubeApi:
         # Both are field selectors the API server supports for ResourceSlices.
         return {"spec.nodeName": node_name, "spec.driver": driver}
 
-    async def list_slices(self, node_name: str, driver: str) -> tuple[list[dict[str, Any]], str]:
-        """This node's slices of the driver, and the resourceVersion to watch from."""
-        with self._errors("list ResourceSlices"):
-            listed = self._client.list(self._slice, fields=self._fields(node_name, driver))
-            items = [dict(item) async for item in listed]
-            return items, listed.resourceVersion
+    async def _list(
+        self, resource: Any, what: str, fields: Mapping[str, str], version: str
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The objects of ``resource`` the field selector selects, as of ``version`` or newer ("0":
+        any, "": the newest), and the list's resourceVersion. No limit: a list with one at a version
+        other than "0" bypasses the watch cache for etcd (the reflector turns pagination off for the
+        same reason, reflector.go), and these lists are short."""
+        inner = self._client._client  # lightkube 1.0.1's GenericAsyncClient, pinned
+        params = {"fieldSelector": _field_selector(fields), "resourceVersion": version or None}
+        with self._errors(f"list {what}"):
+            response = await inner.send(
+                inner.build_adapter_request(inner.prepare_request("list", resource, params=params))
+            )
+            inner.raise_for_status(response)
+            listed = response.json()
+        return list(listed.get("items") or []), str((listed.get("metadata") or {}).get("resourceVersion") or "")
 
-    async def watch_slices(
+    async def _watch(
+        self, resource: Any, what: str, fields: Mapping[str, str], version: str
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """One watch request of ``resource`` from ``version``, with bookmarks: its events (ADDED,
+        MODIFIED, DELETED, BOOKMARK) until the server ends it. An ERROR event (410 Gone, the
+        version left the server's history) raises ApiError, as an error answer does."""
+        inner = self._client._client
+        params = {"fieldSelector": _field_selector(fields), "resourceVersion": version or None}
+        # Bookmarks carry the newest resourceVersion even when nothing selected changed, so the
+        # next watch starts from there, not from a version the server may have forgotten. No
+        # timeoutSeconds: the server ends the watch after its --min-request-timeout (list_and_watch).
+        params["allowWatchBookmarks"] = "true"
+        with self._errors(f"watch {what}"):
+            built = inner.prepare_request("list", resource, watch=True, params=params)
+            request = inner._client.build_request(
+                built.method, built.url, params=built.params, timeout=inner._watch_timeout
+            )
+            response = await inner.send(request, stream=True)
+            try:
+                if response.status_code >= 400:
+                    await response.aread()
+                    inner.raise_for_status(response)
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object") or {}
+                        code = status.get("code")
+                        raise ApiError(code, f"watch {what}: {code} {status.get('message', '')}")
+                    yield event["type"], event["object"]
+            finally:
+                await response.aclose()
+
+    async def list_slices(self, node_name: str, driver: str, version: str = "0") -> tuple[list[dict[str, Any]], str]:
+        """This node's slices of the driver as of ``version`` or newer, and the version to watch from."""
+        return await self._list(self._slice, "ResourceSlices", self._fields(node_name, driver), version)
+
+    def watch_slices(
         self, node_name: str, driver: str, version: str
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """ADDED, MODIFIED and DELETED events of this node's slices of the driver, from ``version``."""
-        with self._errors("watch ResourceSlices"):
-            async for event, item in self._client.watch(
-                self._slice, fields=self._fields(node_name, driver), resource_version=version
-            ):
-                yield event, dict(item)
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """One watch of this node's slices of the driver from ``version`` (_watch)."""
+        return self._watch(self._slice, "ResourceSlices", self._fields(node_name, driver), version)
+
+    async def list_node(self, name: str, version: str = "0") -> tuple[list[dict[str, Any]], str]:
+        """The Node named ``name``, as a list of it alone (none if there is no such Node): a
+        field selector on metadata.name, as the kubelet's own informer of its Node has (in
+        kubernetes/kubernetes pkg/kubelet/kubelet.go), so that it can be watched from the list's version."""
+        return await self._list(self._node, f"Node {name}", {"metadata.name": name}, version)
+
+    def watch_node(self, name: str, version: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        """One watch of the Node named ``name`` from ``version`` (_watch)."""
+        return self._watch(self._node, f"Node {name}", {"metadata.name": name}, version)
 
     async def create_slice(self, item: dict[str, Any]) -> dict[str, Any]:
         with self._errors(f"create ResourceSlice {item['metadata']['name']}"):
@@ -6658,6 +6767,91 @@ class KubeApi:
 
     async def aclose(self) -> None:
         await self._client.close()
+
+
+#: A watch that the server ends this soon after it opened, with nothing in it (not even a
+#: bookmark), did not work: the reflector counts it as a failure ("very short watch"), and so does
+#: list_and_watch, so that a proxy that ends each watch at once cannot make a hot loop of them.
+DRA_SHORT_WATCH_SECONDS = 1.0
+
+
+async def list_and_watch(
+    what: str,
+    list_from: Callable[[str], Awaitable[tuple[list[dict[str, Any]], str]]],
+    watch_from: Callable[[str], AsyncGenerator[tuple[str, dict[str, Any]], None]],
+    replace: Callable[[list[dict[str, Any]], str], None],
+    update: Callable[[str, dict[str, Any]], None],
+    *,
+    stop_when_forbidden: bool = False,
+) -> None:
+    """Keep a copy of some objects of the API server, as client-go's reflector does (ListAndWatch in
+    kubernetes/kubernetes staging/src/k8s.io/client-go/tools/cache/reflector.go), until cancelled:
+    ``replace`` gets each list's items and version, ``update`` each watch event (ADDED, MODIFIED,
+    DELETED, and BOOKMARK, whose object carries a resourceVersion alone). ``list_from(version)``
+    and ``watch_from(version)`` make one request each (KubeApi).
+
+    1. List once, at resourceVersion "0": whatever the API server's watch cache holds, served
+       without a read from etcd (relistResourceVersion).
+    2. Watch from the list's version, asking for bookmarks. Every event's version, a bookmark's
+       included, is where the next watch starts.
+    3. The server ends each watch after a while: a random time between its --min-request-timeout
+       and twice that, 30 to 60 minutes by default. Watched again from the last version, with no
+       list: nothing was missed. No timeoutSeconds is asked for; the reflector asks for 5 to 10
+       minutes, which would make one node's two watches 16 requests an hour instead of 2 to 4.
+       A dead connection is found by the bookmarks' silence instead (DRA_WATCH_QUIET_SECONDS).
+    4. A watch answered 410 Gone (its version left the server's history: etcd compacted it, or the
+       API server restarted): list again, from that version (at least as new as what was seen,
+       still from the cache); a list answered 410 too is made at "", a quorum read. A 410 right
+       after a list, with nothing in between, is no longer routine: warned about, backed off.
+    5. Any other failure (no answer, a 429, a 5xx): backed off (DRA_WATCH_BACKOFF, jittered), then
+       watched again from the last version; never a list, which costs the server much more.
+
+    A 403 (RBAC gives no list or watch) is raised when ``stop_when_forbidden``, for a caller that
+    can do without; otherwise backed off and retried as the others."""
+    version = ""  # the last resourceVersion seen; "" before the first list
+    list_at: str | None = "0"  # list before the next watch, at this version; None: watch
+    delay = DRA_WATCH_BACKOFF[0]
+    expired = 0  # 410s in a row, each right after a list, with nothing from the server in between
+    while True:
+        try:
+            if list_at is not None:
+                try:
+                    items, version = await list_from(list_at)
+                except ApiError as error:
+                    if error.status != 410 or not list_at:
+                        raise
+                    log.debug("DRA: listing %s: %s; listing the newest", what, error)
+                    items, version = await list_from("")
+                replace(items, version)
+                list_at = None
+            opened, brought = trio.current_time(), False
+            with trio.CancelScope() as quiet:
+                quiet.deadline = trio.current_time() + jittered(DRA_WATCH_QUIET_SECONDS)
+                async with contextlib.aclosing(watch_from(version)) as events:
+                    async for kind, item in events:
+                        quiet.deadline = trio.current_time() + jittered(DRA_WATCH_QUIET_SECONDS)
+                        version = str(item.get("metadata", {}).get("resourceVersion") or version)
+                        update(kind, item)
+                        # The backoff ends when a watch brings something, not when a list works: a
+                        # watch that fails right after each list would otherwise list again and again.
+                        brought, expired, delay = True, 0, DRA_WATCH_BACKOFF[0]
+            expired = 0
+            if quiet.cancelled_caught:
+                log.debug("DRA: watching %s: nothing, not even a bookmark, for a while; watching again", what)
+            elif not brought and trio.current_time() - opened < DRA_SHORT_WATCH_SECONDS:
+                raise ApiError(None, f"watch {what}: ended by the server at once, with nothing in it")
+        except ApiError as error:
+            if error.status == 410 and list_at is None:
+                list_at, expired = version, expired + 1
+                if expired == 1:  # routine, and nothing failed: listed again at once
+                    log.debug("DRA: watching %s: %s; listing again", what, error)
+                    continue
+            if error.status == 403 and stop_when_forbidden:
+                raise
+            wait = jittered(max(delay, error.retry_after or 0.0))
+            log.warning("DRA: watching %s: %s; again in %.2g s", what, error, wait)
+            await trio.sleep(wait)
+            delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
 
 
 #: How soon a newer pod's registration socket that did not answer is asked again, at first and at
@@ -6743,8 +6937,10 @@ class SlicePublisher:
     """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
 
     Two tasks: ``watch`` follows the slices on the API server (a watch, narrowed by field selectors
-    to this node and driver) into ``known``, and ``publish`` wakes whenever a resource's devices or
-    ``known`` change, compares, and writes only what differs: the devices a pool should have, in
+    to this node and driver) into ``known``, and this node's Node into ``node`` (list_and_watch
+    says how: a node costs the API server two watch requests an hour when nothing changes), and
+    ``publish`` wakes whenever a resource's devices, ``known`` or ``node`` change, compares, and
+    writes only what differs: the devices a pool should have, in
     slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation; a pool with a slice of
     an older generation is written again whole. A slice deleted by someone else (an administrator,
     the kubelet cleaning up after a plugin it thought gone) is written again. Each pool, and each
@@ -6752,17 +6948,25 @@ class SlicePublisher:
     capped backoff (or its Retry-After) while the others go on. While the API server is down or
     slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
     that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
-    A watch that expired (410) is followed by a new list at once.
+    A watch that expired (410) is followed by a new list at once; nothing else lists again.
 
     A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
     device plugin serves it on this node, so pods that ask for it in resources.limits get its
     devices from there, and the scheduler would give the same devices to claims through DRA. Its
     slices are not written (and any left are deleted) until the allocatable is 0, which the kubelet
     reports at once when the device plugin's endpoint is gone (GetCapacity in kubernetes/kubernetes
-    pkg/kubelet/cm/devicemanager/manager.go); the Node is read again every DRA_HELD_RECHECK_SECONDS
-    meanwhile. The scheduler follows the same rule from the other side: it serves an extended
-    resource through DRA on a node only where the allocatable for it is 0 (filterExtendedResources in
-    pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
+    pkg/kubelet/cm/devicemanager/manager.go), and the kubelet writes to its Node's status within
+    about 10 s (nodeStatusUpdateFrequency). The watch of the Node brings that, and a device plugin
+    that starts serving the resource on this node later (its allocatable above 0 again), within
+    moments, in either direction, at any time. The scheduler follows the same rule from the other
+    side: it serves an extended resource through DRA on a node only where the allocatable for it is
+    0 (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
+
+    The Node also owns the slices (their owner reference names its UID), so that they go with it.
+    A Node that cannot be read or is not there (a NODE_NAME that names none) must not keep the
+    devices from the scheduler: the slices go out without an owner, with one warning, and get it
+    once the Node is seen. An older manifest's ClusterRole may give get on nodes without list and
+    watch: then the Node is read every DRA_NODE_POLL_SECONDS (jittered), said once.
 
     With ``peers``, nothing is written while a newer pod of the driver serves (DriverPeers).
     """
@@ -6789,65 +6993,115 @@ class SlicePublisher:
         # then counts as what we wrote, or every pass would write the same slice again.
         self._stored_as: dict[str, tuple[str, str]] = {}
         self._dropped_warned: set[str] = set()
-        #: The Node's UID, for the slices' owner reference; None until the API server told it
-        self.node_uid: str | None = None
+        #: What the slices need of this node's Node: {"uid": ..., "allocatable": {name: quantity}},
+        #: or None when there is none or it cannot be read (_node_problem says why)
+        self.node = Watched(None)
+        self.node_known = trio.Event()  # set once the Node was listed or read, or failed to be
+        self._node_problem = ""
         self._owner_warned = False
         #: Resource name -> the Node's allocatable for it, while it is more than 0 and the resource's
         #: devices are held back from DRA
         self.held: dict[str, str] = {}
-        self._weighed: set[str] = set()  # the resources the last read of the Node was held against
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        delay = _API_BACKOFF[0]
+        """Follow the slices into ``known`` and the Node into ``node``, until cancelled."""
         node, driver = self.resources.node_name, self.resources.driver
-        expired = False  # the last watch ended with 410 before it brought anything
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_node)
+            task_status.started()
+            await list_and_watch(
+                "ResourceSlices",
+                functools.partial(self.api.list_slices, node, driver),
+                functools.partial(self.api.watch_slices, node, driver),
+                self._listed_slices,
+                self._slice_event,
+            )
+
+    def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
+        self.known = {item["metadata"]["name"]: item for item in items}
+        self._seen = int(version) if version.isdigit() else -1
+        self.listed.set()
+        self.known_changed.touch()
+
+    def _slice_event(self, kind: str, item: dict[str, Any]) -> None:
+        # A bookmark's version counts as seen: every event before it has come.
+        if (number := _version_of(item)) is not None:
+            self._seen = max(self._seen, number)
+        if kind == "BOOKMARK":
+            return
+        name = item["metadata"]["name"]
+        if kind == "DELETED":
+            self.known.pop(name, None)
+        elif not _older(item, self.known.get(name)):
+            self.known[name] = item
+        self.known_changed.touch()
+
+    async def _watch_node(self) -> None:
+        name = self.resources.node_name
+        try:
+            await list_and_watch(
+                f"Node {name}",
+                functools.partial(self.api.list_node, name),
+                functools.partial(self.api.watch_node, name),
+                lambda items, version: self._set_node(items[0] if items else None, ""),
+                self._node_event,
+                stop_when_forbidden=True,
+            )
+        except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
+            log.warning(
+                "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s is "
+                "read every %g to %g s instead, and a change of its allocatable is seen that late",
+                error,
+                name,
+                DRA_NODE_POLL_SECONDS,
+                DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
+            )
+            await self._poll_node()
+
+    def _node_event(self, kind: str, item: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self._set_node(None, f"Node {self.resources.node_name} was deleted")
+        elif kind != "BOOKMARK":
+            self._set_node(item, "")
+
+    async def _poll_node(self) -> None:
+        """Read the Node every DRA_NODE_POLL_SECONDS (jittered) into ``node``, until cancelled."""
+        name = self.resources.node_name
+        delay = DRA_WATCH_BACKOFF[0]
         while True:
             try:
-                items, version = await self.api.list_slices(node, driver)
-                self.known = {item["metadata"]["name"]: item for item in items}
-                self._seen = int(version) if version.isdigit() else -1
-                self.listed.set()
-                self.known_changed.touch()
-                # A watch on a connection that died without a word (a node's network cut, an API
-                # server host gone) would wait forever: each watch is bounded, then listed again.
-                with trio.move_on_after(API_WATCH_SECONDS):
-                    async for event, item in self.api.watch_slices(node, driver, version):
-                        # The backoff ends when a watch brings something, not when a list works: a
-                        # watch that fails right after each list would otherwise list 10 times a second.
-                        expired, delay = False, _API_BACKOFF[0]
-                        if (number := _version_of(item)) is not None:
-                            self._seen = max(self._seen, number)
-                        name = item["metadata"]["name"]
-                        if event == "DELETED":
-                            self.known.pop(name, None)
-                            # Deleted by the garbage collector, maybe: its Node is gone, and one of
-                            # the same name may have come back with another UID. Ask again.
-                            self.node_uid = None
-                        elif not _older(item, self.known.get(name)):
-                            self.known[name] = item
-                        self.known_changed.touch()
-                delay = _API_BACKOFF[0]  # a watch that lasted its time: nothing failed
+                self._set_node(await self.api.get_node(name), "")
+                wait = jittered(DRA_NODE_POLL_SECONDS)
             except ApiError as error:
-                if error.status == 410 and not expired:
-                    # Expired: the resourceVersion we watched from left the API server's history (etcd
-                    # compaction, a restarted API server). Routine, and nothing failed: list again now.
-                    # Twice in a row with nothing between is no longer routine: warned, backed off.
-                    expired = True
-                    log.debug("DRA: watching ResourceSlices: %s; listing them again", error)
-                    continue
-                log.warning("DRA: watching ResourceSlices: %s; again in %.2g s", error, delay)
-                await trio.sleep(delay)
-                delay = min(delay * 2, _API_BACKOFF[1])
+                if error.status in (403, 404):
+                    why = "the ClusterRole needs get on nodes, as in daemonset-dra.yaml" if error.status == 403 else ""
+                    self._set_node(None, f"{error} ({why})" if why else str(error))
+                    wait = jittered(DRA_NODE_POLL_SECONDS)
+                else:  # the API server's failure: asked again sooner
+                    log.warning("DRA: %s; again in %.2g s", error, wait := jittered(delay))
+                    delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
+            await trio.sleep(wait)
+
+    def _set_node(self, found: Mapping[str, Any] | None, problem: str) -> None:
+        """What the slices need of the Node (``node``), or None and why not."""
+        self._node_problem = problem or f"Node {self.resources.node_name} not found"
+        if found is None:
+            self.node.set(None)
+        else:
+            allocatable = (found.get("status") or {}).get("allocatable") or {}
+            uid = str(found.get("metadata", {}).get("uid") or "")
+            self.node.set({"uid": uid, "allocatable": {key: str(value) for key, value in allocatable.items()}})
+        self.node_known.set()
 
     async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        delay = _API_BACKOFF[0]
+        # Not before the Node is known: a resource its allocatable counts must not be published first.
         await self.listed.wait()
+        await self.node_known.wait()
         while True:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()
-            watched = [self.known_changed, self.resources.changed, *self._devices()]
+            watched = [self.known_changed, self.node, self.resources.changed, *self._devices()]
             watched += [self.peers.changed] if self.peers is not None else []
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
@@ -6862,28 +7116,13 @@ class SlicePublisher:
                     await woken.wait()  # until a socket goes (or anything else changes): asked again
                     nursery.cancel_scope.cancel()
                     continue
-                try:
-                    retry_at = await self._sync()
-                    delay = _API_BACKOFF[0]
-                    if retry_at is not None:  # a pool or a stale slice waits for its retry
-                        with trio.move_on_at(retry_at):
-                            await woken.wait()
-                        nursery.cancel_scope.cancel()
-                        continue
-                    self.synced.set(self.synced.value + 1)
-                    if self.node_uid is None or self.held:
-                        # Published without an owner, or a resource held back: ask for the Node again later.
-                        with trio.move_on_after(DRA_HELD_RECHECK_SECONDS if self.held else DRA_OWNER_RETRY_SECONDS):
-                            await woken.wait()
-                        nursery.cancel_scope.cancel()
-                        continue
-                except ApiError as error:  # the Node could not be asked for: nothing was written
-                    log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, delay)
-                    with trio.move_on_after(delay):
+                retry_at = await self._sync()
+                if retry_at is not None:  # a pool or a stale slice waits for its retry
+                    with trio.move_on_at(retry_at):
                         await woken.wait()
-                    delay = min(delay * 2, _API_BACKOFF[1])
                     nursery.cancel_scope.cancel()
                     continue
+                self.synced.set(self.synced.value + 1)
                 await woken.wait()
                 nursery.cancel_scope.cancel()  # whichever woke it, the other waiter (a recheck's timer) goes
 
@@ -6907,44 +7146,28 @@ class SlicePublisher:
             self.deferring.set(newer)
         return bool(newer), unanswered
 
-    async def _owner(self) -> str:
-        """The Node's UID ("" when it cannot be had: the slices go out without an owner).
-
-        Asked of the API server once, again after any of our slices was deleted, and at every pass
-        while a resource is held back or one came that the last answer was not held against (its
-        allocatable is read from the same Node). A 403 (the
-        ClusterRole of an older manifest has no `get` on nodes) or a 404 (NODE_NAME is not a
-        Node's name) must not stop the devices from being published: warned about once, and asked
-        again every DRA_OWNER_RETRY_SECONDS. Other failures are the API server's: raised, retried.
-        """
-        if self.node_uid is not None and not self.held and self._weighed >= self.resources.served.keys():
-            return self.node_uid
-        node = self.resources.node_name
-        try:
-            found = await self.api.get_node(node)
-        except ApiError as error:
-            if error.status not in (403, 404):
-                raise
+    def _owner(self) -> str:
+        """The Node's UID ("" when it is not known: the slices go out without an owner, said once),
+        once the resources its allocatable counts are held back (_hold)."""
+        node = self.node.value
+        if node is None:
             if not self._owner_warned:
                 self._owner_warned = True
-                if error.status == 403:
-                    why = "the ClusterRole needs get on nodes, as in daemonset-dra.yaml"
-                else:
-                    why = f"is {node} this node's name?"
+                name = self.resources.node_name
+                why = f" (is {name} this node's name?)" if self._node_problem.endswith("not found") else ""
                 log.warning(
-                    "DRA: %s (%s); the ResourceSlices are published without the Node as their owner, so "
-                    "nothing deletes them with the Node",
-                    error,
+                    "DRA: %s%s; the ResourceSlices are published without the Node as their owner, so nothing "
+                    "deletes them with the Node",
+                    self._node_problem,
                     why,
                 )
-            return ""
-        self.node_uid = str(found.get("metadata", {}).get("uid") or "")
-        self._hold(node, found)
-        return self.node_uid
+            return ""  # what is held back stays so until the Node is seen again
+        self._hold(node["allocatable"])
+        return str(node["uid"])
 
-    def _hold(self, node: str, found: Mapping[str, Any]) -> None:
+    def _hold(self, allocatable: Mapping[str, str]) -> None:
         """Hold back the resources the Node's allocatable still counts; release those it no longer does."""
-        allocatable = (found.get("status") or {}).get("allocatable") or {}
+        node = self.resources.node_name
         held = {}
         for resource, _ in self.resources.served.values():
             # A quantity ("2", "0", "1k") is more than 0 when it has a digit other than 0: the
@@ -6952,7 +7175,6 @@ class SlicePublisher:
             quantity = str(allocatable.get(resource.name, "0"))
             if any(digit in quantity for digit in "123456789"):
                 held[resource.name] = quantity
-        self._weighed = set(self.resources.served)
         for name, quantity in held.items():
             if name not in self.held:
                 log.warning(
@@ -6974,7 +7196,7 @@ class SlicePublisher:
         refuses is retried after its own backoff (longer if the server said Retry-After), while
         the others are written. Returns when the next retry is due (trio's clock), None if none is."""
         node, driver = self.resources.node_name, self.resources.driver
-        owner = await self._owner()
+        owner = self._owner()
         now = trio.current_time()
         pools = []
         for resource, devices in list(self.resources.served.values()):
@@ -7004,7 +7226,7 @@ class SlicePublisher:
                     mine = key in {dra_pool_name(node, name) for name in self.resources.served}
                     _metrics.api_errors.labels(key if mine else "").inc()
                 delay = retry[0] if retry is not None else _API_BACKOFF[0]
-                wait = max(delay, error.retry_after or 0.0)
+                wait = jittered(max(delay, error.retry_after or 0.0))
                 self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
                 log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, wait)
             else:
@@ -7739,7 +7961,7 @@ async def serve_plugin(
             await watch_kubelet(config)
             if config.dra is not None and node_name:
                 if api is None:
-                    api = KubeApi.connect()
+                    api = KubeApi.connect(node_name=node_name)
                     stack.push_async_callback(_stop_part, "API client", api.aclose)
                 dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
             for resource in config.resources:
@@ -9258,17 +9480,19 @@ class LenientApiServer:
 
     It holds Nodes (``put_node``), ResourceClaims as the scheduler left them (``put_claim``) and
     the ResourceSlices the driver writes (``slices``, by name; ``writes`` lists each write). What a
-    driver asks of the API server, it answers as the real one does: GET a Node or a claim;
-    server-side apply of a claim's status.devices on its status subresource (``status_writes``);
-    list, watch, create, update and delete slices, with spec.nodeName and spec.driver field
-    selectors, a watch streaming its events as JSON lines from a resourceVersion, an update of a
-    stale resourceVersion refused with 409. Every write touches ``changed``.
+    driver asks of the API server, it answers as the real one does: GET a Node or a claim; list and
+    watch Nodes by a metadata.name field selector; server-side apply of a claim's status.devices on
+    its status subresource (``status_writes``); list, watch, create, update and delete slices, with
+    spec.nodeName and spec.driver field selectors, a watch streaming its events as JSON lines from
+    a resourceVersion, an update of a stale resourceVersion refused with 409. Every write touches
+    ``changed``.
 
     Lenient: it stores whatever it is given. That is enough for ``gopherplug demo --dra``, which
     shows what a driver writes. Tests need more: the strict stand-in,
     gopherplug_standins.ApiServerSimulator, refuses what the real API server refuses with the same
-    422, drops the fields of disabled feature gates, checks bearer tokens, speaks TLS and fails
-    writes on demand, through the hooks below (each says what it does here). Needs h11 (the `dra`
+    422, drops the fields of disabled feature gates, checks bearer tokens, speaks TLS, fails
+    writes on demand, counts requests, sends bookmarks and ends watches as the real one does, through
+    the hooks below (each says what it does here). Needs h11 (the `dra`
     extra brings it).
     """
 
@@ -9284,7 +9508,7 @@ class LenientApiServer:
         self._status_owners: dict[tuple[str, str], dict[tuple[str, str, str, str], str]] = {}
         self.port = 0
         self._version = 0
-        self._events: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, slice)
+        self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (version, resource, type, object)
         self.changed = Watched(None)  #: touched at every write
 
     @property
@@ -9307,13 +9531,22 @@ class LenientApiServer:
         """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
         is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
         the extended resources of device plugins); None: no status."""
-        self.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
-        if allocatable is not None:
-            self.nodes[name]["status"] = {"allocatable": dict(allocatable)}
+        self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)})
+
+    def _put_node(self, name: str, uid: str, status: Mapping[str, Any]) -> None:
+        """Store a Node with this status ({}: none), and its watch event."""
+        node: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+        if status:
+            node["status"] = dict(status)
+        self.nodes[name] = self._bump("MODIFIED" if name in self.nodes else "ADDED", node, "nodes")
 
     def put_slice(self, item: dict[str, Any]) -> None:
         """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
         self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
+
+    def delete_node(self, name: str) -> None:
+        """Delete a Node (and nothing else: the strict stand-in adds the garbage collector)."""
+        self._bump("DELETED", self.nodes.pop(name), "nodes")
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
@@ -9361,11 +9594,11 @@ class LenientApiServer:
 
     # HTTP, one request after another on each connection (h11 keeps HTTP/1.1's state).
 
-    def _bump(self, kind: str, item: dict[str, Any]) -> dict[str, Any]:
+    def _bump(self, kind: str, item: dict[str, Any], resource: str = "resourceslices") -> dict[str, Any]:
         self._version += 1
         item = json.loads(json.dumps(item))
         item["metadata"]["resourceVersion"] = str(self._version)
-        self._events.append((self._version, kind, item))
+        self._events.append((self._version, resource, kind, item))
         self.changed.touch()
         return item
 
@@ -9420,6 +9653,9 @@ class LenientApiServer:
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))
         method, path = request.method.decode(), url.path
+        if method == "GET" and path == "/api/v1/nodes":
+            await self._answer_nodes(connection, stream, h11, query)
+            return
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             name = path.removeprefix("/api/v1/nodes/")
             if (node := self.nodes.get(name)) is None:
@@ -9442,6 +9678,20 @@ class LenientApiServer:
             return
         await self._answer_slices(connection, stream, h11, method, parts, query, body)
 
+    async def _answer_nodes(self, connection: Any, stream: Any, h11: Any, query: Mapping[str, str]) -> None:
+        """List or watch Nodes, narrowed by a metadata.name field selector if there is one."""
+        selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
+
+        def matches(item: dict[str, Any]) -> bool:
+            return selected.get("metadata.name", item["metadata"]["name"]) == item["metadata"]["name"]
+
+        if query.get("watch") in ("true", "1"):
+            await self._watch(connection, stream, h11, "nodes", query, matches)
+            return
+        items = [item for item in self.nodes.values() if matches(item)]
+        listed = {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._version)}}
+        await self._send(connection, stream, h11, 200, {**listed, "items": items})
+
     async def _answer_slices(
         self,
         connection: Any,
@@ -9459,7 +9709,7 @@ class LenientApiServer:
             return all(spec.get(key.removeprefix("spec.")) == value for key, value in selected.items())
 
         if method == "GET" and len(parts) == 1 and query.get("watch") in ("true", "1"):
-            await self._watch(connection, stream, h11, int(query.get("resourceVersion") or 0), matches)
+            await self._watch(connection, stream, h11, "resourceslices", query, matches)
             return
         if method == "GET" and len(parts) == 1:
             items = [item for item in self.slices.values() if matches(item)]
@@ -9558,21 +9808,33 @@ class LenientApiServer:
         await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
 
     async def _send_events(
-        self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]
+        self, connection: Any, stream: Any, h11: Any, resource: str, since: int, matches: Callable[[Any], bool]
     ) -> int:
-        """Send a watch every event after resourceVersion ``since`` that it selects; the newest version."""
-        for version, kind, item in self._events:
-            if version > since and matches(item):
+        """Send a watch every event of ``resource`` after resourceVersion ``since`` that it selects;
+        the newest version."""
+        for version, of, kind, item in self._events:
+            if version > since and of == resource and matches(item):
                 line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
                 await stream.send_all(connection.send(h11.Data(data=line)))
             since = max(since, version)
         return since
 
-    async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
+    async def _watch(
+        self,
+        connection: Any,
+        stream: Any,
+        h11: Any,
+        resource: str,
+        query: Mapping[str, str],
+        matches: Callable[[Any], bool],
+    ) -> None:
+        """Stream the events of ``resource`` that ``matches`` selects after the query's
+        resourceVersion, for ever: no bookmarks, no end (the strict stand-in has both)."""
         await self._start_watch(connection, stream, h11)
+        since = int(query.get("resourceVersion") or 0)
         while True:
             changed = self.changed.next_touch()
-            since = await self._send_events(connection, stream, h11, since, matches)
+            since = await self._send_events(connection, stream, h11, resource, since, matches)
             await changed.wait()
 
 
@@ -9661,7 +9923,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
         kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=lambda name: api.delete_node_slices(node, name))
         await nursery.start(kubelet.run)
         say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
-        client = KubeApi.connect(kubeconfig=kubeconfig)
+        client = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
         try:
             # A nursery of its own: the plugin stops, part by part, before its API client is closed.
             async with trio.open_nursery() as plugin:

@@ -12,7 +12,8 @@ runs, and a reader of the product reads, none of it (as trio.testing stands besi
                        words: a test's object is one a cluster can have, or it fails as there
   3. ApiServerSimulator LenientApiServer made strict: the 422s, the fields of disabled feature gates
                        dropped, DeviceClasses, /version, TLS, tokens, failures on demand, watches
-                       that expire
+                       that end and expire as the real ones do, bookmarks, RBAC refusals,
+                       requests counted by client
   4. SchedulerSimulator kube-scheduler's allocation of claims and extended resources, with CEL
                        evaluated for real (cel-python, from the test extra), consumable capacity,
                        taints and prioritized lists as the release's gates have them
@@ -28,10 +29,12 @@ scheduler's CEL, the `test` extra.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
 import math
+import random
 import re
 import time
 import urllib.parse
@@ -714,6 +717,41 @@ def _invalid(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> 
 ########################################################################################################
 
 
+#: The API server's --min-request-timeout by default (seconds): a watch that asks for no
+#: timeoutSeconds is ended after a random time between this and twice this (getTimeout in
+#: kubernetes/kubernetes staging/src/k8s.io/apiserver/pkg/endpoints/handlers/watch.go).
+MIN_REQUEST_TIMEOUT = 1800.0
+
+#: How often the watch cache sends a bookmark to a watch that asked for them; it sends one more 2 s
+#: before it ends the watch (defaultBookmarkFrequency in staging/src/k8s.io/apiserver/pkg/storage/
+#: cacher/cacher.go; nextBookmarkTime in cache_watcher.go).
+BOOKMARK_SECONDS = 60.0
+
+#: What the API server calls each resource a driver asks for, by the path's last part.
+_KINDS = {"resourceslices": ("resource.k8s.io/v1", "ResourceSlice"), "nodes": ("v1", "Node")}
+
+
+def request_verb_and_resource(method: str, target: str) -> tuple[str, str]:
+    """The API server's verb and resource of a request, as its audit log and its
+    apiserver_request_total metric name them (RequestInfoFactory in kubernetes/kubernetes
+    staging/src/k8s.io/apiserver/pkg/endpoints/request/requestinfo.go): a GET of a collection is
+    "list", or "watch" with watch=true; of one object "get"; POST "create", PUT "update", PATCH
+    "patch", DELETE "delete". The resource is its plural, with its subresource ("resourceclaims/status")."""
+    url = urllib.parse.urlsplit(target)
+    parts = url.path.strip("/").split("/")
+    parts = parts[2:] if parts[0] == "api" else parts[3:]  # /api/v1/..., /apis/<group>/<version>/...
+    if len(parts) >= 2 and parts[0] == "namespaces":
+        parts = parts[2:]
+    named = len(parts) >= 2
+    resource = "/".join(parts[0:1] + parts[2:3])
+    query = dict(urllib.parse.parse_qsl(url.query))
+    if method == "GET":
+        verb = "get" if named else "watch" if query.get("watch") in ("true", "1") else "list"
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
+    return verb, resource
+
+
 class ApiServerSimulator(LenientApiServer):
     """The API server a DRA driver talks to, as strict as the real one: gopherplug.LenientApiServer
     (Nodes, claims, slices; list, watch, writes, status apply: read its docstring first) with every
@@ -742,8 +780,16 @@ class ApiServerSimulator(LenientApiServer):
     - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
       that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
-      with its time and status (each touches ``changed``, also one that gets no answer), and
-      ``node_reads`` each Node read.
+      with its time and status (each touches ``changed``, also one that gets no answer).
+    - ``requests`` counts every request by (verb, resource, user agent), as the audit log or the
+      apiserver_request_total metric does (request_verb_and_resource); ``watches`` lists each watch's
+      query. ``forbidden`` holds the (verb, resource) pairs RBAC refuses, with the API server's 403.
+    - Watches end as the real ones do: after timeoutSeconds if asked, else after a random time between
+      ``min_request_timeout`` and twice it (--min-request-timeout). A watch that asked for bookmarks
+      gets one every ``bookmark_seconds`` and one just before it ends. ``compact()`` forgets the
+      history (etcd's compaction): a watch from an older resourceVersion is answered 410 Gone.
+      ``end_watches()`` ends the open watches now, as their timeout does.
+      ``restart()`` is the API server restarting: every connection cut, the history gone.
     - ``delete_node`` deletes a Node and, as the garbage collector does, the slices it owns.
     """
 
@@ -758,7 +804,15 @@ class ApiServerSimulator(LenientApiServer):
         self.clock: Callable[[], float] = time.time
         self.ssl_context = ssl_context
         self.tokens = tokens
-        self.node_reads: list[str] = []  #: the name of each Node read (GET), in order
+        #: (verb, resource, user agent) -> requests, each counted as it comes in
+        self.requests: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.watches: list[dict[str, str]] = []  #: the query of each watch request, in order
+        self.forbidden: set[tuple[str, str]] = set()  #: (verb, resource) pairs answered 403
+        self.min_request_timeout = MIN_REQUEST_TIMEOUT
+        self.bookmark_seconds = BOOKMARK_SECONDS
+        self._oldest = 0  # compact(): the oldest resourceVersion a watch may start from
+        self._restarts = 0  # restart() counts up: a watch of an earlier one is cut
+        self._ends = 0  # end_watches() counts up: a watch opened before ends as at its timeout
         #: (slice or claim name, causes) of each write refused as invalid (422), in order
         self.refused: list[tuple[str, list[dict[str, str]]]] = []
         self.refused_tokens = 0
@@ -792,8 +846,8 @@ class ApiServerSimulator(LenientApiServer):
         """A Node as LenientApiServer.put_node makes it, with the status.nodeInfo its kubelet reports:
         kubeletVersion ``kubelet_version`` ("v1.35.0"; "": the release's) and the other fields of
         NodeSystemInfo, which a client's model of a Node requires."""
-        super().put_node(name, uid, allocatable)
-        self.nodes[name].setdefault("status", {})["nodeInfo"] = {
+        status: dict[str, Any] = {} if allocatable is None else {"allocatable": dict(allocatable)}
+        status["nodeInfo"] = {
             "architecture": "amd64",
             "bootID": str(uuid.uuid5(uuid.NAMESPACE_OID, f"boot-{name}")),
             "containerRuntimeVersion": "containerd://2.1.0",
@@ -805,6 +859,7 @@ class ApiServerSimulator(LenientApiServer):
             "osImage": "Debian GNU/Linux 13 (trixie)",
             "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_OID, f"system-{name}")),
         }
+        self._put_node(name, uid, status)  # its watch event has the nodeInfo too
 
     def put_device_class(self, device_class: Mapping[str, Any]) -> dict[str, Any]:
         """Store a DeviceClass (a copy) as the API server does: without extendedResourceName while
@@ -819,10 +874,40 @@ class ApiServerSimulator(LenientApiServer):
         self.device_classes[item["metadata"]["name"]] = item
         return item
 
+    def count(self, verb: str = "", resource: str = "", agent: str = "") -> int:
+        """How many requests came of this verb, resource and user agent ("": any)."""
+        return sum(
+            number
+            for (v, r, a), number in self.requests.items()
+            if verb in ("", v) and resource in ("", r) and agent in ("", a)
+        )
+
+    def end_watches(self) -> None:
+        """End every open watch as its timeout does: a last bookmark if it asked for them, then the
+        end of the response."""
+        self._ends += 1
+        self.changed.touch()
+
+    def compact(self) -> None:
+        """Forget every resourceVersion before now, as etcd's compaction does: a watch from one of
+        them is answered 410 Gone ("too old resource version"), as the watch cache answers it."""
+        self._oldest = self._version
+
+    def restart(self) -> None:
+        """The API server restarts: every open watch and connection is cut without a word, and the
+        new one's watch cache starts at a version newer than any a client saw (etcd went on
+        meanwhile: the nodes' leases), so that a watch resumed from before is answered 410. (Since
+        KEP-1904 a real one may resume some of them: this is the worst case.)"""
+        self._restarts += 1
+        self._version += 1
+        self.compact()
+        self.changed.touch()
+
     def delete_node(self, name: str) -> None:
         """Delete a Node, and then what the garbage collector deletes: every slice whose owner
         references name it (by UID) and no other object that still exists."""
-        uid = self.nodes.pop(name)["metadata"]["uid"]
+        uid = self.nodes[name]["metadata"]["uid"]
+        super().delete_node(name)
         alive = {node["metadata"]["uid"] for node in self.nodes.values()}
         for slice_name, item in list(self.slices.items()):
             owners = {owner.get("uid") for owner in item["metadata"].get("ownerReferences", [])}
@@ -860,6 +945,11 @@ class ApiServerSimulator(LenientApiServer):
         return False
 
     async def _refuse(self, connection: Any, stream: Any, h11: Any, request: Any, headers: Mapping[str, str]) -> bool:
+        target = request.target.decode()
+        verb, resource = request_verb_and_resource(request.method.decode(), target)
+        self.requests[verb, resource, headers.get("user-agent", "")] += 1
+        if verb == "watch":
+            self.watches.append(dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(target).query)))
         token = headers.get("authorization", "").removeprefix("Bearer ")
         self.bearers.append(token)
         if self.tokens is not None and token not in self.tokens:
@@ -870,13 +960,18 @@ class ApiServerSimulator(LenientApiServer):
             self.refused_tokens += 1
             await self._send(connection, stream, h11, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
             return True
-        path = urllib.parse.urlsplit(request.target.decode()).path
-        if request.method == b"GET" and path == "/version":
+        if request.method == b"GET" and urllib.parse.urlsplit(target).path == "/version":
             await self._send(connection, stream, h11, 200, self.release.version_info())
             return True
-        if request.method == b"GET" and path.startswith("/api/v1/nodes/"):
-            self.node_reads.append(path.removeprefix("/api/v1/nodes/"))
-            self.changed.touch()
+        if (verb, resource) in self.forbidden:
+            group = "resource.k8s.io" if "/apis/resource.k8s.io/" in target else ""
+            message = (
+                f'{resource} is forbidden: User "system:serviceaccount:kube-system:gopherplug-dra" cannot {verb} '
+                f'resource "{resource}" in API group "{group}" at the cluster scope'
+            )
+            await self._send(connection, stream, h11, 403, _status(403, "Forbidden", message))
+            return True
+        self.changed.touch()  # a request came: a test waiting for one may look
         return False
 
     async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
@@ -956,18 +1051,54 @@ class ApiServerSimulator(LenientApiServer):
                 if isinstance(taint, dict) and not taint.get("timeAdded"):
                     taint["timeAdded"] = now
 
-    async def _watch(self, connection: Any, stream: Any, h11: Any, since: int, matches: Callable[[Any], bool]) -> None:
+    async def _watch(
+        self,
+        connection: Any,
+        stream: Any,
+        h11: Any,
+        resource: str,
+        query: Mapping[str, str],
+        matches: Callable[[Any], bool],
+    ) -> None:
+        # What ends this watch is what happens from its request on: taken before any await.
+        expired, restarts, ends_seen = self._expired, self._restarts, self._ends
+        since = int(query.get("resourceVersion") or 0)
+        if query.get("resourceVersion") not in (None, "", "0") and since < self._oldest:
+            # The watch cache answers before the watch starts: an HTTP 410, not an ERROR event.
+            message = f"too old resource version: {since} ({self._oldest})"
+            await self._send(connection, stream, h11, 410, _status(410, "Expired", message))
+            return
         await self._start_watch(connection, stream, h11)
-        expired = self._expired
-        while not self.down:
+        timeout = float(query.get("timeoutSeconds") or 0) or self.min_request_timeout * (random.random() + 1.0)
+        ends = trio.current_time() + timeout
+        bookmarks = query.get("allowWatchBookmarks") == "true"
+        api_version, kind = _KINDS[resource]
+
+        async def bookmark() -> None:
+            metadata = {"resourceVersion": str(self._version)}
+            event = {"type": "BOOKMARK", "object": {"apiVersion": api_version, "kind": kind, "metadata": metadata}}
+            await stream.send_all(connection.send(h11.Data(data=json.dumps(event).encode() + b"\n")))
+
+        next_bookmark = trio.current_time() + self.bookmark_seconds
+        while not self.down and self._restarts == restarts:
             if self._expired != expired:
                 message = f"too old resource version: {since} ({self._version})"
                 line = json.dumps({"type": "ERROR", "object": _status(410, "Expired", message)}).encode() + b"\n"
                 await stream.send_all(connection.send(h11.Data(data=line)) + connection.send(h11.EndOfMessage()))
                 return
             changed = self.changed.next_touch()
-            since = await self._send_events(connection, stream, h11, since, matches)
-            await changed.wait()
+            since = await self._send_events(connection, stream, h11, resource, since, matches)
+            now = trio.current_time()
+            if now >= ends or self._ends != ends_seen:
+                if bookmarks:
+                    await bookmark()  # the real one's comes 2 s before the end: here, just before it
+                await stream.send_all(connection.send(h11.EndOfMessage()))
+                return
+            if bookmarks and now >= next_bookmark:
+                await bookmark()
+                next_bookmark = now + self.bookmark_seconds
+            with trio.move_on_at(min(ends, next_bookmark) if bookmarks else ends):
+                await changed.wait()
 
 
 ########################################################################################################

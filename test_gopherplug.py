@@ -8010,16 +8010,82 @@ async def test_dra_a_pool_the_api_server_keeps_refusing_blocks_no_other(dra_node
 
 async def test_dra_a_watch_that_expired_is_listed_again_quietly(dra_node, caplog):
     """The API server ends a watch with 410 Gone when its resourceVersion left the history: routine.
-    The slices are listed again at once (a slice deleted after it is written again), no warning."""
+    The slices are listed again at once (a slice deleted after it is written again), no warning;
+    the Node's watch too. One list each, then watches again."""
     (dra_node.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
         await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1 or dra_node.api.count("watch", "resourceslices") < 1:
+            await dra_node.api.changed.wait_touched()  # a watch opened after this would not expire
         dra_node.api.expire_watches()
         (name,) = dra_node.api.slices
         dra_node.api.delete_slice(name)
         await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 2 or dra_node.api.count("watch", "resourceslices") < 2:
+            await dra_node.api.changed.wait_touched()  # each listed again, and watched from there
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert (dra_node.api.count("list", "resourceslices"), dra_node.api.count("list", "nodes")) == (2, 2)
+
+
+async def test_dra_every_watch_asks_for_bookmarks_and_resumes_where_the_last_one_ended(dra_node):
+    """The API server ends every watch after a while (--min-request-timeout, here a short one), with
+    a bookmark just before if asked: the driver opens the next one from that bookmark's version, so
+    ends of watches cost one request each and never a list. Before, each watch lasted 300 s, asked
+    for no bookmarks, and was followed by a list."""
+    dra_node.api.min_request_timeout = 0.2
+    dra_node.api.bookmark_seconds = 0.05
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.put_node("node-2", "uid-2")  # another node's change: a newer version, nothing selected
+        newest = str(dra_node.api._version)
+        while (
+            not {"resourceslices", "nodes"}
+            <= {resource for (verb, resource, _), _ in dra_node.api.requests.items() if verb == "watch"}
+            or sum(watch["resourceVersion"] == newest for watch in dra_node.api.watches) < 2
+        ):
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.compact()  # the history before now is gone: nothing resumes from before it
+        started = len(dra_node.api.watches)
+        while len(dra_node.api.watches) < started + 4:
+            await dra_node.api.changed.wait_touched()
+    assert all(watch["allowWatchBookmarks"] == "true" for watch in dra_node.api.watches)
+    assert not any("timeoutSeconds" in watch for watch in dra_node.api.watches)
+    assert (dra_node.api.count("list", "resourceslices"), dra_node.api.count("list", "nodes")) == (1, 1)
+
+
+async def test_dra_after_an_api_server_restart_each_watch_lists_once(dra_node, caplog):
+    """An API server restart cuts every watch, and the new one's watch cache starts after the
+    versions the driver saw: each watch, opened again, is answered 410 Gone, and leads to exactly
+    one list; the slices stay as they were (nothing written)."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1 or dra_node.api.count("watch", "resourceslices") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.restart()
+        while dra_node.api.count("watch", "nodes") < 3 or dra_node.api.count("watch", "resourceslices") < 3:
+            await dra_node.api.changed.wait_touched()  # cut, answered 410, and watched after the list
+    assert (dra_node.api.count("list", "resourceslices"), dra_node.api.count("list", "nodes")) == (2, 2)
+    assert [verb for verb, _ in dra_node.api.writes] == ["create"]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert all(message.startswith("DRA: watching ") for message in said)  # the cut watches, retried
+
+
+async def test_dra_requests_name_gopherplug_its_version_and_the_node(dra_node):
+    """The API server's audit log and per-client metrics tell gopherplug's requests apart by their
+    user agent, in client-go's form. Before, they said python-httpx2/<version>."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+    expected = f"gopherplug/{gp.__version__} (linux/{arch}) node/node-1"
+    assert {agent for _, _, agent in dra_node.api.requests} == {expected}
+    assert gp.user_agent("node-1") == expected
 
 
 def failing_fsync(monkeypatch):
@@ -8452,13 +8518,12 @@ async def test_dra_slices_are_owned_by_their_node_and_go_with_it(dra_node):
             await dra_node.api.changed.wait_touched()
 
 
-async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_later(dra_node, monkeypatch, caplog):
-    """A Node the driver cannot read (an older manifest's ClusterRole without get on nodes, or a
-    NODE_NAME that names none) must not keep the devices from the scheduler: the slices go out
-    unowned, with one warning, and get their owner once the Node can be read; slices an older
-    version wrote without an owner are rewritten the same way."""
-    monkeypatch.setattr(gp, "DRA_OWNER_RETRY_SECONDS", 0.05)
-    del dra_node.api.nodes["node-1"]
+async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_later(dra_node, caplog):
+    """A Node the driver cannot find (a NODE_NAME that names none, or a Node not registered yet)
+    must not keep the devices from the scheduler: the slices go out unowned, with one warning, and
+    get their owner once the Node's watch brings it; slices an older version wrote without an
+    owner are rewritten the same way. The Node is never polled."""
+    dra_node.api.delete_node("node-1")
     (dra_node.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
         await dra_node.start()
@@ -8472,33 +8537,97 @@ async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_lat
             await dra_node.api.changed.wait_touched()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        'DRA: get Node node-1: 404 nodes "node-1" not found (is node-1 this node\'s name?); the ResourceSlices are '
-        "published without the Node as their owner, so nothing deletes them with the Node"
+        "DRA: Node node-1 not found (is node-1 this node's name?); the ResourceSlices are published without the "
+        "Node as their owner, so nothing deletes them with the Node"
     ]
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("get", "nodes")) == (1, 0)
 
 
-async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_until_it_is_0(
-    dra_node, monkeypatch, caplog
-):
+def two_resource_config(dra_node):
+    """example.com/gopher over dra_node.devices, and example.com/other over others/ with o0 in it:
+    a pass that wrote the other's pool has also weighed gopher's, so a test can tell "held back"
+    from "not written yet"."""
+    others = dra_node.root / "others"
+    others.mkdir()
+    (others / "o0").touch()
+    top = {"device_plugin_dir": str(dra_node.root / "dp")}
+    data = yaml.safe_load(dra_config(dra_node.devices, dra_node.kubelet_dir, top, cdi=dra_node.cdi))
+    other_cdi = {**dra_node.cdi, "kind": "example.com/other"}
+    data["resources"].append({"name": "example.com/other", "directory": str(others), "api": "dra", "cdi": other_cdi})
+    return gp.parse_config(yaml.safe_dump(data), "cfg.yaml"), "node-1/example.com/other"
+
+
+HELD_BACK = (
+    "DRA: example.com/gopher: node node-1's allocatable still has {} of it: a device plugin serves it on this "
+    "node, so its devices are held back from DRA until that is 0 (a node serves a resource through one API: "
+    "stop the device plugin here, see the README's Moving a resource from the device plugin to DRA)"
+)
+
+
+async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_until_it_is_0(dra_node, caplog):
     """A node serves a resource through one API. While the Node's allocatable still counts it (a
     device plugin serves it there, and pods that ask for it in resources.limits get its devices
     from that plugin), its slices are not published: the scheduler would give the same devices to
-    claims. Once the kubelet reports 0 (the device plugin gone), they are, with no restart."""
-    monkeypatch.setattr(gp, "DRA_HELD_RECHECK_SECONDS", 0.05)
+    claims. Once the kubelet reports 0 (the device plugin gone), they are, with no restart, and
+    with no request but the Node's watch (before, the Node was read every 10 s meanwhile)."""
     dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "2"})
     (dra_node.devices / "gopher0").touch()
+    config, other_pool = two_resource_config(dra_node)
     with trio.fail_after(TIMEOUT):
-        await dra_node.start()
-        while len(dra_node.api.node_reads) < 3:  # each pass reads the Node first: two passes done
-            await dra_node.api.changed.wait_touched()
-        assert dra_node.api.slices == {}
+        await dra_node.start(config)
+        await dra_node.wait_for_slices(["o0"], pool=other_pool)  # the pass that held gopher back
+        assert dra_node.slice_devices() is None
         dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "0"})
         await dra_node.wait_for_slices(["gopher0"])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [HELD_BACK.format(2)]
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("get", "nodes")) == (1, 0)
+
+
+async def test_dra_a_node_allocatable_that_changes_after_start_holds_back_and_releases_within_seconds(dra_node, caplog):
+    """A device plugin that starts serving the resource on a node after the DRA driver (a rollback
+    of the node-by-node switch, or the two DaemonSets' labels edited): the Node's allocatable counts
+    it again, and the devices must leave the slices within seconds, or both APIs offer them and one
+    device can be given twice. Released, they come back as fast. Before, the Node was read at start
+    only, and the slices stayed."""
+    caplog.set_level(logging.INFO, logger="gopherplug")
+    dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4"})
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+    with trio.fail_after(5):  # the issue's bound: within 5 s
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)
+    with trio.fail_after(5):
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "0"})
+        await dra_node.wait_for_slices(["gopher0"])
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [HELD_BACK.format(1)]
+    assert "DRA: example.com/gopher: node node-1's allocatable for it is 0 now: its devices are offered" in caplog.text
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("get", "nodes")) == (1, 0)
+
+
+async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(dra_node, monkeypatch, caplog):
+    """An older manifest's ClusterRole gives get on nodes, not list and watch: the Node is read
+    every DRA_NODE_POLL_SECONDS instead (jittered), said once however often it is read, and a change
+    of its allocatable is still seen."""
+    monkeypatch.setattr(gp, "DRA_NODE_POLL_SECONDS", 0.1)
+    dra_node.api.forbidden = {("list", "nodes"), ("watch", "nodes")}
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)
+        while dra_node.api.count("get", "nodes") < 5:
+            await dra_node.api.changed.wait_touched()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "DRA: example.com/gopher: node node-1's allocatable still has 2 of it: a device plugin serves it on this "
-        "node, so its devices are held back from DRA until that is 0 (a node serves a resource through one API: "
-        "stop the device plugin here, see the README's Moving a resource from the device plugin to DRA)"
+        'DRA: list Node node-1: 403 nodes is forbidden: User "system:serviceaccount:kube-system:gopherplug-dra" '
+        'cannot list resource "nodes" in API group "" at the cluster scope (the ClusterRole needs list and watch '
+        "on nodes, as in daemonset-dra.yaml); Node node-1 is read every 0.1 to 0.2 s instead, and a change of its "
+        "allocatable is seen that late",
+        HELD_BACK.format(1),
     ]
 
 
@@ -9059,23 +9188,28 @@ async def test_dra_a_pool_rewrite_keeps_the_unhealthy_taints_time_added(dra_node
 
 
 class ScriptedSliceApi:
-    """The slice requests of KubeApi, scripted: the watch yields what the test sends down
-    ``events``; create_slice answers only once ``before_answer`` (awaited with the item) returns."""
+    """The slice and Node requests of KubeApi, scripted: the slices' watch yields what the test
+    sends down ``events``; create_slice answers only once ``before_answer`` (awaited with the item)
+    returns. The Node is there, and its watch brings nothing."""
 
     def __init__(self, before_answer):
         self.events_in, self.events = trio.open_memory_channel(10)
         self.before_answer = before_answer
         self.created = []
 
-    async def list_slices(self, node_name, driver):
+    async def list_slices(self, node_name, driver, version="0"):
         return [], "1"
-
-    async def get_node(self, name):
-        return {"metadata": {"name": name, "uid": NODE_UID}}
 
     async def watch_slices(self, node_name, driver, version):
         async for event in self.events:
             yield event
+
+    async def list_node(self, name, version):
+        return [{"metadata": {"name": name, "uid": NODE_UID, "resourceVersion": "1"}}], "1"
+
+    async def watch_node(self, name, version):
+        await trio.sleep_forever()
+        yield  # an async generator, as the real one is
 
     async def create_slice(self, item):
         self.created.append(item)
@@ -9251,7 +9385,7 @@ async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_noth
         item["metadata"]["resourceVersion"] = str(version)
 
     class Restarted(ScriptedSliceApi):
-        async def list_slices(self, node_name, driver):
+        async def list_slices(self, node_name, driver, version):
             return [json.loads(json.dumps(item)) for item in before], "2"
 
         async def replace_slice(self, item):
@@ -9277,7 +9411,7 @@ async def test_dra_a_watch_that_expires_at_once_again_and_again_backs_off(nurser
     lists = []
 
     class Expiring(ScriptedSliceApi):
-        async def list_slices(self, node_name, driver):
+        async def list_slices(self, node_name, driver, version):
             lists.append(trio.current_time())
             if len(lists) >= 1000:
                 scope.cancel()  # a hot loop: enough seen
@@ -9289,31 +9423,98 @@ async def test_dra_a_watch_that_expires_at_once_again_and_again_backs_off(nurser
             yield  # an async generator, as the real one is
 
     publisher = gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), Expiring(None))
-    with trio.move_on_after(5) as scope:  # virtual seconds: the autojump clock
+    with trio.move_on_after(30) as scope:  # virtual seconds: the autojump clock
         await nursery.start(publisher.watch)
         await trio.sleep_forever()
-    assert 5 <= len(lists) <= 12  # 0.1 s doubling: about log2(50) lists, not thousands
+    # Two at once, then 0.8 s doubling, each wait jittered up to twice: about 7 lists, not thousands.
+    assert 5 <= len(lists) <= 9
+    assert lists[1] == lists[0] and lists[2] - lists[1] >= gp.DRA_WATCH_BACKOFF[0]
     assert "DRA: watching ResourceSlices: watch ResourceSlices: 410 too old resource version" in caplog.text
     nursery.cancel_scope.cancel()
 
 
-async def test_dra_a_quiet_watch_is_listed_again_after_a_while(nursery, autojump_clock, caplog):
-    """A watch whose connection died without a word brings nothing forever: each lasts
-    API_WATCH_SECONDS, then the slices are listed again, quietly (no warning: nothing failed)."""
-    listed = gp.Watched(0)
+async def test_dra_two_drivers_that_fail_together_do_not_retry_in_step(nursery, autojump_clock):
+    """After an API server restart, every node's driver fails at the same moment; without jitter
+    they would all retry, and list, at the same moments, for ever. Each wait is jittered as
+    client-go's wait.Jitter: between the backoff and twice it."""
+    tries = {1: [], 2: []}
 
-    class CountingApi(ScriptedSliceApi):
-        async def list_slices(self, node_name, driver):
-            listed.set(listed.value + 1)
+    class Down(ScriptedSliceApi):
+        def __init__(self, number):
+            super().__init__(None)
+            self.number = number
+
+        async def list_slices(self, node_name, driver, version="0"):
+            tries[self.number].append(trio.current_time())
+            raise gp.ApiError(None, "list ResourceSlices: the API server did not answer")
+
+    with trio.move_on_after(60):  # virtual seconds: the autojump clock
+        for number in tries:
+            await nursery.start(gp.SlicePublisher(gp.DraResources(DRIVER, f"node-{number}"), Down(number)).watch)
+        await trio.sleep_forever()
+    assert len(tries[1]) >= 5 and len(tries[2]) >= 5
+    assert tries[1][0] == tries[2][0]  # failed together
+    assert tries[1][1:5] != tries[2][1:5]  # and retried apart
+    for times in tries.values():
+        delay = gp.DRA_WATCH_BACKOFF[0]
+        for before, after in itertools.pairwise(times):
+            assert delay <= after - before <= delay * (1 + gp.DRA_JITTER)
+            delay = min(delay * 2, gp.DRA_WATCH_BACKOFF[1])
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_a_watch_the_server_ends_at_once_every_time_is_backed_off(nursery, autojump_clock, caplog):
+    """A server (or a proxy) that ends each watch as soon as it opens, with nothing in it, must not
+    make a hot loop of watches: as the reflector's "very short watch", it counts as a failure,
+    backed off and said."""
+    watches = []
+
+    class Ending(ScriptedSliceApi):
+        async def watch_slices(self, node_name, driver, version):
+            watches.append(trio.current_time())
+            if len(watches) >= 1000:
+                scope.cancel()  # a hot loop: enough seen
+            await trio.lowlevel.checkpoint()
+            return
+            yield  # an async generator, as the real one is
+
+    with trio.move_on_after(30) as scope:  # virtual seconds: the autojump clock
+        await nursery.start(gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), Ending(None)).watch)
+        await trio.sleep_forever()
+    assert 4 <= len(watches) <= 7  # 0.8 s doubling, jittered: not thousands
+    assert "DRA: watching ResourceSlices: watch ResourceSlices: ended by the server at once" in caplog.text
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_a_quiet_watch_is_opened_again_from_its_last_version_and_nothing_is_listed(
+    nursery, autojump_clock, caplog
+):
+    """A watch whose connection died without a word brings nothing forever, not even the bookmark
+    the API server sends about every minute: after DRA_WATCH_QUIET_SECONDS of that it is opened
+    again, from the last version seen (a bookmark's), quietly. Nothing is listed again (before, the
+    slices were listed again every 300 s)."""
+    lists, watches = [], gp.Watched([])
+
+    class SilentApi(ScriptedSliceApi):
+        async def list_slices(self, node_name, driver, version="0"):
+            lists.append(version)
             return [], "1"
 
-    publisher = gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), CountingApi(None))
+        async def watch_slices(self, node_name, driver, version):
+            watches.set([*watches.value, version])
+            yield "BOOKMARK", {"kind": "ResourceSlice", "metadata": {"resourceVersion": "5"}}
+            await trio.sleep_forever()  # the connection is dead
+
+    publisher = gp.SlicePublisher(gp.DraResources(DRIVER, "node-1"), SilentApi(None))
     await nursery.start(publisher.watch)
-    with trio.fail_after(gp.API_WATCH_SECONDS * 2.5):  # the autojump clock: virtual seconds
-        while listed.value < 3:
-            await listed.wait_touched()
-    assert trio.current_time() >= gp.API_WATCH_SECONDS * 2
-    assert "DRA" not in caplog.text
+    quiet = gp.DRA_WATCH_QUIET_SECONDS
+    with trio.fail_after(quiet * (1 + gp.DRA_JITTER) * 3 + 1):  # the autojump clock: virtual seconds
+        while len(watches.value) < 4:
+            await watches.wait_touched()
+    assert watches.value == ["1", "5", "5", "5"]
+    assert lists == ["0"]  # once, from the watch cache
+    assert trio.current_time() >= quiet * 3
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     nursery.cancel_scope.cancel()
 
 
@@ -9840,7 +10041,7 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
         ("resourceclaims",): {"get"},
         ("resourceclaims/status",): {"patch"},  # status.devices, by server-side apply
         ("resourceclaims/driver",): {"associated-node:patch"},  # 1.36+: the same write, for its driver
-        ("nodes",): {"get"},  # the UID of the slices' owner
+        ("nodes",): {"get", "list", "watch"},  # its Node, watched: the slices' owner, the allocatable
     }
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
