@@ -6678,6 +6678,20 @@ class KubeApi:
                 "status": {"allocatable": {key: str(value) for key, value in allocatable.items()}},
             }
 
+    async def server_version(self) -> str:
+        """The API server's version as its /version says it ("v1.35.2"), for a log line that must
+        name it; "" when it cannot be had (no answer, no permission: /version is open to every
+        authenticated client by default, system:public-info-viewer). Decisions go by what the
+        server stored, never by this: an admin may have turned a gate on before its default."""
+        inner = self._client._client
+        try:
+            response = await inner.send(inner._client.build_request("GET", "/version"))
+            inner.raise_for_status(response)
+            return str(response.json().get("gitVersion") or "")
+        except Exception as error:  # a log line's detail: never a reason to fail
+            log.debug("DRA: the API server's /version: %s", _describe(error))
+            return ""
+
     def _fields(self, node_name: str, driver: str) -> dict[str, str]:
         # Both are field selectors the API server supports for ResourceSlices.
         return {"spec.nodeName": node_name, "spec.driver": driver}
@@ -6993,6 +7007,7 @@ class SlicePublisher:
         # then counts as what we wrote, or every pass would write the same slice again.
         self._stored_as: dict[str, tuple[str, str]] = {}
         self._dropped_warned: set[str] = set()
+        self._server_version: str | None = None  #: the API server's /version, once a warning needs it
         #: What the slices need of this node's Node: {"uid": ..., "allocatable": {name: quantity}},
         #: or None when there is none or it cannot be read (_node_problem says why)
         self.node = Watched(None)
@@ -7283,17 +7298,31 @@ class SlicePublisher:
                 self._stored_as[name] = (_slice_key(item), _slice_key(written))
                 if pool not in self._dropped_warned:
                     self._dropped_warned.add(pool)
+                    # Which release drops them, for the lines below: asked only now, once.
+                    if self._server_version is None:
+                        self._server_version = await self.api.server_version() or "of a version it does not say"
+                    server = f"the API server ({self._server_version})"
                     log.warning(
-                        "DRA: the API server stored ResourceSlice %s without some of what was written (fields it "
-                        "does not know: are the feature gates they need off?); it is not written again for them",
+                        "DRA: %s stored ResourceSlice %s without some of what was written (fields it does not "
+                        "know: are the feature gates they need off?); it is not written again for them",
+                        server,
                         name,
                     )
                     if _unshared(item, written):
                         log.warning(
-                            "DRA: the API server dropped allowMultipleAllocations from the devices of %s: its "
-                            "feature gate DRAConsumableCapacity is off (beta and on by default from Kubernetes "
-                            "1.36): each device goes to one claim at a time, and its replicas share nothing until "
-                            "the gate is on",
+                            "DRA: %s dropped allowMultipleAllocations from the devices of %s: its feature gate "
+                            "DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device "
+                            "goes to one claim at a time, and its replicas share nothing until the gate is on",
+                            server,
+                            resource_name,
+                        )
+                    if _untainted(item, written):
+                        log.warning(
+                            "DRA: %s dropped the taints of the unhealthy devices of %s: its feature gate "
+                            "DRADeviceTaints is off (beta and on by default from Kubernetes 1.36). A DeviceClass "
+                            "that selects on the healthy attribute (the shipped ones do) still keeps them from "
+                            "claims; one that does not gives them out, and the pods that get them never start",
+                            server,
                             resource_name,
                         )
         log.info("DRA: %s: %s in pool %s", resource_name, _devices(count), pool)
@@ -7304,6 +7333,13 @@ class SlicePublisher:
             return True
         stored = self._stored_as.get(wanted["metadata"]["name"])
         return known is not None and stored == (_slice_key(wanted), _slice_key(known))
+
+
+def _untainted(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether the API server stored a slice's tainted devices without their taints."""
+    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get("taints")]
+    theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
+    return any(not theirs.get(name, {}).get("taints") for name in mine)
 
 
 def _unshared(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:

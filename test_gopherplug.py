@@ -8973,14 +8973,25 @@ async def publish_unhealthy_and_healthy(dra_node):
 
 
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
-async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_node):
+async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_node, caplog):
     """On every release, a claim of the shipped DeviceClass never gets an unhealthy device. Before
     1.36 (DRADeviceTaints off) the API server drops the unhealthy taint and the allocator ignores
     taints: only the class's selector on the ``healthy`` attribute keeps the device out (issue 25's
-    review finding 1: without it the pod held the broken device and never started)."""
+    review finding 1: without it the pod held the broken device and never started). gopherplug
+    says so once, naming the gate and the version the API server gave (its /version)."""
     await publish_unhealthy_and_healthy(dra_node)
     tainted = [d.get("taints") is not None for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
     assert tainted == [dra_node.api.release.enabled("DRADeviceTaints"), False]
+    said = [r.getMessage() for r in caplog.records if "DRADeviceTaints" in r.getMessage()]
+    if dra_node.api.release.enabled("DRADeviceTaints"):
+        assert said == []
+    else:
+        assert said == [
+            f"DRA: the API server (v{dra_node.api.release.version}.0) dropped the taints of the unhealthy devices "
+            "of example.com/gopher: its feature gate DRADeviceTaints is off (beta and on by default from "
+            "Kubernetes 1.36). A DeviceClass that selects on the healthy attribute (the shipped ones do) still "
+            "keeps them from claims; one that does not gives them out, and the pods that get them never start"
+        ]
     scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
     one = scheduler.allocate(ordinary_claim("one"), "node-1")
     assert [r["device"] for r in one["devices"]["results"]] == ["gopher1"]
@@ -9211,6 +9222,9 @@ class ScriptedSliceApi:
         await trio.sleep_forever()
         yield  # an async generator, as the real one is
 
+    async def server_version(self):
+        return ""  # as KubeApi answers when /version cannot be had
+
     async def create_slice(self, item):
         self.created.append(item)
         item = {**item, "metadata": {**item["metadata"], "resourceVersion": str(len(self.created) * 10)}}
@@ -9365,9 +9379,9 @@ async def test_dra_shares_an_api_server_without_consumable_capacity_drops_are_sa
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update"]
     said = [r.getMessage() for r in caplog.records if "DRAConsumableCapacity" in r.getMessage()]
     assert said == [
-        "DRA: the API server dropped allowMultipleAllocations from the devices of example.com/gopher: its feature "
-        "gate DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device goes to one "
-        "claim at a time, and its replicas share nothing until the gate is on"
+        "DRA: the API server (v1.36.0) dropped allowMultipleAllocations from the devices of example.com/gopher: its "
+        "feature gate DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device goes "
+        "to one claim at a time, and its replicas share nothing until the gate is on"
     ]
     dra_node.stop()
 
