@@ -45,6 +45,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import tomllib
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,10 +62,43 @@ HERE = Path(__file__).resolve().parent
 RUNTIME_DIR = Path(os.environ.get("GOPHERPLUG_RUNTIME", "/opt/gopherplug-runtime"))
 DEBIAN_PYTHON = "/usr/bin/python3.11"
 NEEDED = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "busybox", "cri-api.proto")
+#: containerd's own binaries: DIR has them (1.7 or later), and DIR/containerd-2 a 2.x's, run with DIR's runc.
+CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
+CONTAINERD_2_DIR = RUNTIME_DIR / "containerd-2"
 ENABLE = (
     "run `sudo GOPHERPLUG_RUNTIME=DIR pytest test_runtime.py` with containerd >= 1.7 (its runc shim and ctr), "
-    "runc, a static busybox and cri-api.proto in DIR"
+    "runc, a static busybox and cri-api.proto in DIR, and a containerd 2.x with its shim and ctr in DIR/containerd-2"
 )
+
+#: The cgroup mode of the run. runc and containerd pick theirs from the filesystem mounted at
+#: /sys/fs/cgroup, as this process sees it: cgroup2 there is the unified hierarchy (v2), where a
+#: container's device rules are an eBPF program attached to its cgroup, not a devices.list file.
+CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+#: The controllers the v2 hierarchy has (its root's cgroup.controllers); empty under v1.
+V2_CONTROLLERS = frozenset(Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()) if CGROUP_V2 else frozenset()
+#: A container spec's resources each v2 controller enforces. A limit whose controller the hierarchy
+#: lacks makes runc fail (it writes e.g. cpu.weight, which is not there): see RuncWithoutLimits.
+V2_RESOURCES = {"cpu": "cpu", "memory": "memory", "pids": "pids", "blockIO": "io"}
+#: Under v2 on a machine whose hierarchy lacks them, the resources the tier drops before runc sees them.
+DROPPED_RESOURCES = tuple(
+    key for key, controller in V2_RESOURCES.items() if CGROUP_V2 and controller not in V2_CONTROLLERS
+)
+#: How to run the tier in cgroup v2 on a machine that boots v1 (or hybrid): in a private mount
+#: namespace with cgroup2 mounted at /sys/fs/cgroup, where runc, containerd and pytest all see v2.
+V2_HOW = (
+    "unshare -m --propagation private sh -c 'mount -t cgroup2 none /sys/fs/cgroup && "
+    "exec env GOPHERPLUG_TIER_CGROUP=v2 pytest test_runtime.py'"
+)
+
+
+def containerd_version(directory: Path) -> tuple[int, int]:
+    """The version `containerd --version` of ``directory`` reports, as (major, minor)."""
+    said = subprocess.run(
+        [directory / "containerd", "--version"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+    found = re.search(r" v?(\d+)\.(\d+)", said)
+    assert found is not None, f"{directory}/containerd --version says {said.strip()!r}"
+    return int(found[1]), int(found[2])
 
 
 def _why_not() -> str | None:
@@ -75,17 +109,25 @@ def _why_not() -> str | None:
     if sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or shutil.which("dpkg") is None:
         return f"the plugin's image needs Debian's {DEBIAN_PYTHON} (dpkg) and pytest running on Python 3.11"
     missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
+    missing += [f"containerd-2/{name}" for name in CONTAINERD_BINARIES if not (CONTAINERD_2_DIR / name).exists()]
     if missing:
         return f"{RUNTIME_DIR} lacks {', '.join(missing)}"
-    try:
-        version = subprocess.run(
-            [RUNTIME_DIR / "containerd", "--version"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"{RUNTIME_DIR}/containerd does not run: {error}"
-    found = re.search(r" v?(\d+)\.(\d+)", version)
-    if found is None or (int(found[1]), int(found[2])) < (1, 7):
-        return f"{RUNTIME_DIR}/containerd is not 1.7 or later: {version.strip()}"
+    for directory, wanted in ((RUNTIME_DIR, "1.7 or later"), (CONTAINERD_2_DIR, "2.x")):
+        try:
+            version = containerd_version(directory)
+        except (OSError, subprocess.SubprocessError, AssertionError) as error:
+            return f"{directory}/containerd does not run: {error}"
+        if version < (1, 7) or (directory == CONTAINERD_2_DIR and version[0] != 2):
+            return f"{directory}/containerd is {version[0]}.{version[1]}, not {wanted}"
+    wanted_mode = os.environ.get("GOPHERPLUG_TIER_CGROUP")
+    if wanted_mode not in (None, "", "v1", "v2"):
+        return f"GOPHERPLUG_TIER_CGROUP is {wanted_mode!r}: say v1 or v2"
+    if wanted_mode and wanted_mode != ("v2" if CGROUP_V2 else "v1"):
+        return f"GOPHERPLUG_TIER_CGROUP={wanted_mode} but /sys/fs/cgroup is cgroup {'v2' if CGROUP_V2 else 'v1'}" + (
+            f" (for v2 here: {V2_HOW})" if wanted_mode == "v2" else ""
+        )
+    if CGROUP_V2 and shutil.which("bpftool") is None:
+        return "cgroup v2 shows each container's device program with bpftool (Debian's bpftool): not on PATH"
     return None
 
 
@@ -96,6 +138,14 @@ if (_WHY := _why_not()) is not None:
     pytest.skip(f"runtime tier skipped ({_WHY}): {ENABLE}", allow_module_level=True)
 
 import grpc  # noqa: E402  (test-only dependencies, imported once the tier is known to run)
+
+#: The containerds every test runs under (the session fixture `tier` is parametrized by them):
+#: DIR's own and the 2.x in DIR/containerd-2, each by its version.
+CONTAINERDS = {
+    f"containerd-{major}.{minor}": directory
+    for directory in (RUNTIME_DIR, CONTAINERD_2_DIR)
+    for major, minor in [containerd_version(directory)]
+}
 
 #: Bound on one CRI call; creating the plugin's container (its image's snapshot) is the slowest one.
 CRI_TIMEOUT = 60.0
@@ -305,10 +355,17 @@ def build_images(work: Path) -> dict[str, Path]:
 
 
 class Containerd:
-    """One containerd with its own root, state, socket and CDI directory; every binary from RUNTIME_DIR."""
+    """One containerd with its own root, state, socket and CDI directory. containerd, its runc shim and
+    ctr come from ``bin_dir`` (RUNTIME_DIR, or the 2.x of CONTAINERDS), runc is RUNTIME_DIR's (or
+    ``runc``: RuncWithoutLimits in front of it); nothing from PATH."""
 
-    def __init__(self, root: Path, *, enable_cdi: bool = True) -> None:
+    def __init__(
+        self, root: Path, bin_dir: Path = RUNTIME_DIR, *, runc: Path = RUNTIME_DIR / "runc", enable_cdi: bool = True
+    ) -> None:
         self.root = root
+        self.bin_dir = bin_dir
+        self.version = containerd_version(bin_dir)
+        self.runc = runc
         self.socket = root / "c.sock"
         self.cdi_dir = root / "cdi"
         self.extra_cdi_dirs: list[Path] = []
@@ -318,10 +375,17 @@ class Containerd:
         self.channel: Any = None
         self.runtime: Any = None
 
-    def config(self) -> str:
-        text = subprocess.run(
-            [RUNTIME_DIR / "containerd", "config", "default"], capture_output=True, text=True, timeout=10, check=True
+    def default_config(self) -> str:
+        return subprocess.run(
+            [self.bin_dir / "containerd", "config", "default"], capture_output=True, text=True, timeout=10, check=True
         ).stdout
+
+    def config(self) -> str:
+        return self.config_v3() if self.version[0] >= 2 else self.config_v2()
+
+    def config_v2(self) -> str:
+        """containerd 1.7's configuration (version 2): its `config default`, edited."""
+        text = self.default_config()
         cdi_dirs = json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])
         edits = {
             # Some machines (CI's among them) refuse lowering oom_score_adj, which runc would try for
@@ -338,22 +402,75 @@ class Containerd:
             r'path = "/opt/containerd"': f'path = "{self.root}/opt"',
             r'conf_dir = "/etc/cni/net.d"': f'conf_dir = "{self.root}/cni"',
             # The shim finds runc on containerd's PATH, RUNTIME_DIR first; naming it leaves no doubt.
-            r'BinaryName = ""': f'BinaryName = "{RUNTIME_DIR / "runc"}"',
+            r'BinaryName = ""': f'BinaryName = "{self.runc}"',
         }
         for pattern, replacement in edits.items():
             text, count = re.subn(pattern, replacement, text)
             assert count, f"containerd config default has no {pattern!r}"
         return text
 
+    def config_v3(self) -> str:
+        """containerd 2.x's configuration (version 3), written for it: the CRI plugin of 1.7
+        (io.containerd.grpc.v1.cri) is split into io.containerd.cri.v1.images (the sandbox image,
+        now a pinned image) and io.containerd.cri.v1.runtime (CDI, on by default, the runtimes, CNI),
+        so 1.7's edits mostly find nothing to edit. Every key is checked against the binary's
+        `config default`: containerd ignores a key it does not know, and the setting with it."""
+        runtime = "plugins.'io.containerd.cri.v1.runtime'"
+        text = f"""\
+version = 3
+root = {json.dumps(str(self.root / "root"))}
+state = {json.dumps(str(self.root / "state"))}
+
+[grpc]
+  address = {json.dumps(str(self.socket))}
+
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = {json.dumps(PAUSE_IMAGE)}
+
+[{runtime}]
+  # As for 1.7: machines that refuse lowering oom_score_adj, no AppArmor, a private CDI directory.
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  enable_cdi = {str(self.enable_cdi).lower()}
+  cdi_spec_dirs = {json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])}
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+
+[{runtime}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  sandboxer = "podsandbox"
+
+[{runtime}.containerd.runtimes.runc.options]
+  BinaryName = {json.dumps(str(self.runc))}
+  SystemdCgroup = false
+
+[{runtime}.cni]
+  bin_dirs = [{json.dumps(str(self.root / "cni-bin"))}]
+  conf_dir = {json.dumps(str(self.root / "cni"))}
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = {json.dumps(str(self.root / "opt"))}
+
+# NRI, on by default since 2.0, serves a socket at a path of the machine's (/var/run/nri/nri.sock):
+# the tier has no NRI plugin, and two containerds of a run would want the one path.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+"""
+        unknown = _toml_keys(tomllib.loads(text)) - _toml_keys(tomllib.loads(self.default_config()))
+        assert not unknown, f"containerd {self.version} does not know {sorted(unknown)}"
+        return text
+
     def start(self) -> None:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         config = self.root / "config.toml"
         config.write_text(self.config())
-        env = {"PATH": f"{RUNTIME_DIR}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root)}
+        # bin_dir first: containerd starts the shim it finds on its PATH (2.x's own for 2.x).
+        env = {"PATH": f"{self.bin_dir}:{RUNTIME_DIR}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root)}
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [
-                    RUNTIME_DIR / "containerd",
+                    self.bin_dir / "containerd",
                     "--config",
                     config,
                     "--root",
@@ -385,7 +502,7 @@ class Containerd:
 
     def import_image(self, archive: Path) -> None:
         subprocess.run(
-            [RUNTIME_DIR / "ctr", "-n", "k8s.io", "-a", self.socket, "images", "import", archive],
+            [self.bin_dir / "ctr", "-n", "k8s.io", "-a", self.socket, "images", "import", archive],
             check=True,
             timeout=300,
             capture_output=True,
@@ -440,30 +557,96 @@ def _children(pid: int) -> list[int]:
     return []
 
 
+def _toml_keys(table: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """Every key of a parsed TOML document, as the path of tables that leads to it."""
+    found = set()
+    for key, value in table.items():
+        if isinstance(value, dict) and value:
+            found |= _toml_keys(value, (*prefix, key))
+        else:
+            found.add((*prefix, key))
+    return found
+
+
+class RuncWithoutLimits:
+    """What runc gets under cgroup v2 on a machine whose v2 hierarchy lacks the cpu, memory, pids or
+    io controller (the tier's CI machine, whose v2 hierarchy has only hugetlb): a script named as the
+    runtime's binary (the runc runtime's BinaryName) that removes the resources of DROPPED_RESOURCES
+    from the bundle's config.json before it runs runc, and records what it removed.
+
+    runc would fail on any of them (`openat2 .../cpu.weight: no such file or directory`), and they
+    cannot be left out upstream: containerd's CRI gives every sandbox cpu shares (2), and the kubelet
+    sends shares with every container (milliCPUToShares). Only runc's create and run take a bundle;
+    every other call (start, exec, state, kill, delete) passes through untouched. The device rules
+    (`linux.resources.devices`) stay: they are what the tier is about."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / "runc-without-limits"
+        self.log = root / "runc-without-limits.log"
+        script = f"""#!{sys.executable} -S
+import json, os, sys
+args = sys.argv[1:]
+if "--bundle" in args:
+    spec_path = os.path.join(args[args.index("--bundle") + 1], "config.json")
+    with open(spec_path) as file:
+        spec = json.load(file)
+    resources = spec.get("linux", {{}}).get("resources", {{}})
+    dropped = {{key: resources.pop(key) for key in {list(DROPPED_RESOURCES)!r} if key in resources}}
+    with open(spec_path, "w") as file:
+        json.dump(spec, file)
+    with open({str(self.log)!r}, "a") as log:
+        log.write(json.dumps({{"id": args[-1], "dropped": dropped}}) + "\\n")
+os.execv({str(RUNTIME_DIR / "runc")!r}, [{str(RUNTIME_DIR / "runc")!r}, *args])
+"""
+        self.path.write_text(script)
+        self.path.chmod(0o755)
+
+    def dropped(self, container_id: str) -> dict[str, Any]:
+        """What the script removed from the container's spec."""
+        for line in self.log.read_text().splitlines():
+            if (record := json.loads(line))["id"] == container_id:
+                return record["dropped"]
+        raise AssertionError(f"runc never created {container_id} through {self.path}")
+
+
 ########################################################################################################
-# The run: one containerd, the images, private directories
+# The run: the images, and one containerd with its private directories per containerd of CONTAINERDS
 
 
 PB: Any = None
 CRI: Any = None
+#: What the runs measured and saw, by containerd, with the images' figures and the cgroup mode: printed
+#: at the end of each (and written to GOPHERPLUG_TIER_RESULTS as JSON).
+RESULTS: dict[str, Any] = {
+    "cgroup": "v2" if CGROUP_V2 else "v1",
+    "v2 controllers": sorted(V2_CONTROLLERS),
+    "resources dropped before runc": list(DROPPED_RESOURCES),
+}
 
 
 class Run:
-    """Everything one run of the tier owns."""
+    """Everything one run of the tier owns: under one containerd of CONTAINERDS."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, name: str, archives: dict[str, Path]) -> None:
         self.root = root
+        self.name = name  # containerd-<major>.<minor>, the key of CONTAINERDS
         self.id = root.name.rsplit("-", 1)[-1]
         self.dev = Path(f"/dev/gp-{self.id}")  # device nodes live in the host's /dev, as on a node
         self.cgroup_parent = f"/gopherplug-tier-{self.id}"
         self.containerd: Containerd | None = None
         self.second: Containerd | None = None  # the enable_cdi = false one, once a test started it
-        self.archives: dict[str, Path] = {}
+        self.runc: RuncWithoutLimits | None = None  # under cgroup v2 without the controllers
+        self.archives = archives
         self.figures: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self.started = time.monotonic()
         #: short symlinks to the nodes' kubelet directories (see dra_cluster), removed at the end
         self.links: list[Path] = []
+
+    def containerd_for(self, root: Path, *, enable_cdi: bool = True) -> Containerd:
+        """A containerd of the run's kind: its binaries, and runc or the run's RuncWithoutLimits."""
+        runc = self.runc.path if self.runc is not None else RUNTIME_DIR / "runc"
+        return Containerd(root, CONTAINERDS[self.name], runc=runc, enable_cdi=enable_cdi)
 
 
 def _remove_cgroups(parent: str) -> None:
@@ -478,21 +661,46 @@ def _remove_cgroups(parent: str) -> None:
                     directory.rmdir()
 
 
+def _report(pytestconfig: pytest.Config, title: str, results: Any) -> None:
+    """Print ``results`` (shown whatever the outcome: pytest keeps a fixture's output for failures
+    only), and write everything so far to GOPHERPLUG_TIER_RESULTS."""
+    if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
+        Path(where).write_text(json.dumps(RESULTS, indent=2) + "\n")
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\n{title}:\n" + json.dumps(results, indent=2), flush=True)
+
+
 @pytest.fixture(scope="session")
-def tier(pytestconfig):
-    """The run: the CRI compiled, the images built, containerd started and the images imported; at the
-    end, whatever happened, containerd and its containers stopped by PID, mounts, cgroups, the run's
-    /dev directory and files removed, and the figures and consumers' outputs printed."""
+def images(pytestconfig):
+    """The CRI compiled and the images' archives built, once for every containerd of the run."""
     global PB, CRI
-    root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
-    tier = Run(root)
+    root = Path(tempfile.mkdtemp(prefix=f"gpimg-{secrets.token_hex(3)}-", dir="/tmp"))
     try:
         PB, CRI = compile_cri(root)
-        tier.dev.mkdir(mode=0o755)
         built = time.monotonic()
-        tier.archives = build_images(root)
-        tier.figures["image build (s)"] = round(time.monotonic() - built, 1)
-        tier.containerd = Containerd(root / "ctrd")
+        archives = build_images(root)
+        RESULTS["image build (s)"] = round(time.monotonic() - built, 1)
+        RESULTS["image sizes (MB, archive)"] = {k: round(v.stat().st_size / 1e6, 1) for k, v in archives.items()}
+        yield archives
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        _report(pytestconfig, "runtime tier", {k: v for k, v in RESULTS.items() if k not in CONTAINERDS})
+
+
+@pytest.fixture(scope="session", params=sorted(CONTAINERDS))
+def tier(request, images, pytestconfig):
+    """The run under one containerd of CONTAINERDS (every test runs under each): containerd started
+    and the images imported; at the end, whatever happened, containerd and its containers stopped by
+    PID, mounts, cgroups, the run's /dev directory and files removed, and the figures and consumers'
+    outputs printed."""
+    root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
+    tier = Run(root, request.param, images)
+    try:
+        tier.dev.mkdir(mode=0o755)
+        if DROPPED_RESOURCES:
+            tier.runc = RuncWithoutLimits(root)
+        tier.containerd = tier.containerd_for(root / "ctrd")
         # The device-plugin resource with `cdi:` writes its spec where its pod can write (see
         # test_a_device_plugin_cdi_device_reaches_a_consumer); the runtime reads that directory too.
         tier.containerd.extra_cdi_dirs.append(root / "host" / DP_CDI_CASE / "kubelet" / "device-plugins" / "cdi")
@@ -516,14 +724,14 @@ def tier(pytestconfig):
             link.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
         tier.figures["tier duration (s)"] = round(time.monotonic() - tier.started, 1)
-        report = {"figures": tier.figures, "consumer outputs": tier.outputs}
-        text = json.dumps(report, indent=2)
-        if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
-            Path(where).write_text(text + "\n")
-        # Shown whatever the outcome: pytest would keep a fixture's output for failures only.
-        capture = pytestconfig.pluginmanager.getplugin("capturemanager")
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            print("\nruntime tier results:\n" + text, flush=True)
+        version = containerd_version(CONTAINERDS[tier.name])
+        RESULTS[tier.name] = {
+            "containerd": f"{version[0]}.{version[1]}",
+            "cgroup": RESULTS["cgroup"],
+            "figures": tier.figures,
+            "consumer outputs": tier.outputs,
+        }
+        _report(pytestconfig, f"runtime tier results ({tier.name}, cgroup {RESULTS['cgroup']})", RESULTS[tier.name])
 
 
 ########################################################################################################
@@ -1119,10 +1327,6 @@ def _spread(samples: list[float]) -> str:
     return f"p50 {ordered[len(ordered) // 2]}, max {ordered[-1]}"
 
 
-#: cgroup v2 only (unified): no per-controller directories, and devices are an eBPF program, not a file.
-CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
-
-
 async def cgroup_file(containerd: Containerd, container_id: str, controller: str, name: str) -> str:
     """A file of the container's cgroup, found through the runtime spec containerd reports (with the
     cgroupfs driver, cgroupsPath is a path under each hierarchy)."""
@@ -1500,7 +1704,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
                 seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
             tier.outputs["DRA: consumer"] = seen
             # enable_cdi = false (containerd 1.7's default), the same spec directory: nothing fails.
-            second = Containerd(tier.root / "ctrd2", enable_cdi=False)
+            second = tier.containerd_for(tier.root / "ctrd2", enable_cdi=False)
             second.extra_cdi_dirs.append(tier.containerd.cdi_dir)
             tier.second = second
             await trio.to_thread.run_sync(second.start)
