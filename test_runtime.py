@@ -4,10 +4,15 @@ the kubelet drives it.
     sudo GOPHERPLUG_RUNTIME=DIR .venv/bin/python -m pytest test_runtime.py
 
 DIR holds containerd >= 1.7 (CDI-capable) with containerd-shim-runc-v2 and ctr, runc, a static busybox and
-the CRI API (cri-api.proto); without root or without DIR (default /opt/gopherplug-runtime) the whole module
+the CRI API (cri-api.proto), and DIR/containerd-2 a containerd 2.x with its shim and ctr; every test runs
+under each containerd. Without root or without DIR (default /opt/gopherplug-runtime) the whole module
 is skipped with one line saying so (a failure instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI
 does). Every binary comes from DIR, never from PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the
 figures and the consumers' outputs, printed at the end of the run, to FILE as JSON.
+
+The cgroup mode is the one this process sees at /sys/fs/cgroup (cgroup2 there: v2), as runc's and
+containerd's is; GOPHERPLUG_TIER_CGROUP=v1 or v2 says which one the run is meant for (V2_HOW: v2 on a
+machine that boots v1).
 
 Rules of this file:
 - Nothing of the machine is touched but what the run creates: containerd has a private root, state,
@@ -1039,23 +1044,123 @@ def consumer_config(pod: Pod, name: str = "consumer", **fields: Any) -> Any:
     return config
 
 
+#: A node no consumer is granted: the tier's device's neighbour, made by the consumer itself with
+#: mknod (runc allows every container to make nodes, `c *:* m`; opening one is the device rules' call).
+NOT_GRANTED_PATH, NOT_GRANTED = "/tmp/not-granted", (DEVICE_MAJOR, DEVICE_MINOR + 1)
+
+
 async def consumer_report(containerd: Containerd, container_id: str, device: str) -> dict[str, Any]:
-    """What a consumer sees: its environment, its device node, and whether it opens it for reading and writing."""
+    """What a consumer sees: its environment, its device node, whether it opens it for reading and
+    writing, and whether it opens a node it was not granted (NOT_GRANTED); and the device rules of its
+    cgroup (the major 10 ones: the tier's device's), from the host."""
     _, env = await exec_sync(containerd, container_id, "env")
     ls_code, ls = await exec_sync(containerd, container_id, "ls", "-l", device)
     open_code, opened = await exec_sync(containerd, container_id, "sh", "-c", f"exec 3<>{device} && echo opened rw")
-    # cgroup v1's devices.list; on v2 the same rules are an eBPF program, with no file to read.
-    rules = "(cgroup v2: the device rules are an eBPF program)"
-    if not CGROUP_V2:
-        rules = await cgroup_file(containerd, container_id, "devices", "devices.list")
+    major, minor = NOT_GRANTED
+    _, refused = await exec_sync(
+        containerd,
+        container_id,
+        "sh",
+        "-c",
+        f"mknod {NOT_GRANTED_PATH} c {major} {minor} && exec 3<>{NOT_GRANTED_PATH} && echo opened rw",
+    )
+    rules = await device_rules(containerd, container_id)
     return {
-        "devices.list (host side)": [rule for rule in rules.splitlines() if rule.startswith("c 10:")],
+        "device rules (host side)": [rule for rule in rules["rules"] if rule.startswith(f"c {DEVICE_MAJOR}:")],
+        **({"device program (host side)": rules["program"]} if "program" in rules else {}),
         "env": sorted(line for line in env.splitlines() if not line.startswith(("PATH=", "HOSTNAME=", "HOME="))),
         "ls -l": ls.strip(),
         "ls exit": ls_code,
         "open rw": opened.strip(),
         "open exit": open_code,
+        f"not granted (c {major}:{minor}, made inside): mknod, open rw": refused.strip(),
     }
+
+
+def not_granted_refused(seen: dict[str, Any]) -> bool:
+    """Whether the consumer of ``seen`` (consumer_report) made the node it was not granted and was
+    refused opening it by its device rules: EPERM, as busybox's sh says it."""
+    (said,) = [value for key, value in seen.items() if key.startswith("not granted")]
+    return bool(said == f"sh: can't create {NOT_GRANTED_PATH}: Operation not permitted")
+
+
+async def container_cgroup(containerd: Containerd, container_id: str) -> str:
+    """The container's cgroup, as the runtime spec containerd reports names it (with the cgroupfs
+    driver, cgroupsPath is a path under each hierarchy)."""
+    status = await container_status(containerd, container_id, verbose=True)
+    return json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+
+
+async def device_rules(containerd: Containerd, container_id: str) -> dict[str, Any]:
+    """The device rules the kernel applies to the container, in devices.list's form ("c 10:229 rw").
+
+    cgroup v1: its devices cgroup's devices.list. cgroup v2 has no such file: runc attaches an eBPF
+    program of type cgroup_device to the container's cgroup, which the kernel runs at every open(),
+    access() and mknod() of a device node (security/device_cgroup.c, devcgroup_check_permission).
+    bpftool (Debian's) names the programs attached to the cgroup and dumps each one's instructions
+    as the kernel verified them; the rules are read back from them (see program_rules)."""
+    cgroup = await container_cgroup(containerd, container_id)
+    if not CGROUP_V2:
+        listed = (Path("/sys/fs/cgroup/devices") / cgroup / "devices.list").read_text()
+        return {"rules": listed.split("\n")[:-1]}
+    attached = json.loads(_bpftool("-j", "cgroup", "show", f"/sys/fs/cgroup/{cgroup}"))
+    programs = [p for p in attached if p["attach_type"] == "cgroup_device"]
+    assert len(programs) == 1, f"cgroup {cgroup}: device programs {attached}"
+    (program,) = programs
+    dumped = _bpftool("prog", "dump", "xlated", "id", str(program["id"]))
+    return {
+        "program": f"bpftool cgroup show: {program['id']} {program['attach_type']} {program['attach_flags']}",
+        "rules": program_rules(dumped),
+    }
+
+
+def _bpftool(*args: str) -> str:
+    return subprocess.run(["bpftool", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+#: The instructions of runc's device program (opencontainers/runc libcontainer/cgroups/devices/
+#: devicefilter.go, DeviceFilter), as `bpftool prog dump xlated` prints them. The prologue loads the
+#: device's type (r2: 1 block, 2 char), the access asked (r3: 1 mknod, 2 read, 4 write), major (r4)
+#: and minor (r5); then one block per rule, most specific last, each falling through to the next
+#: when a check fails, and ending in `w0 = <1 allow, 0 deny>; exit`; the last block is the default.
+_PROLOGUE = re.compile(r"r[2-5] = \*\(u32 \*\)\(r1 \+\d+\)|w2 &= 65535|w3 >>= 16|w1 = w3|if r1 != r3 goto pc\+\d+")
+_TYPE, _ACCESS = re.compile(r"if r2 != 0x(\d) goto pc\+\d+"), re.compile(r"w1 &= (\d+)")
+_MAJOR = re.compile(r"if r4 != 0x([0-9a-f]+) goto pc\+\d+")
+_MINOR = re.compile(r"if r5 != 0x([0-9a-f]+) goto pc\+\d+")
+_VERDICT = re.compile(r"w0 = ([01])")
+
+
+def program_rules(dumped: str) -> list[str]:
+    """The allow rules of a runc device program dumped by bpftool, as devices.list lines ("c 10:229
+    rw", "c *:* m"), in the program's order. An instruction runc does not emit fails the test: the
+    reading would no longer be sure."""
+    rules, denied = [], False
+    kind, access, major, minor = "a", "rwm", "*", "*"
+    for line in dumped.splitlines():
+        found = re.match(r"\s*\d+: \([0-9a-f]{2}\) (.*)$", line)
+        if found is None:
+            continue
+        instruction = found[1]
+        if (match := _TYPE.fullmatch(instruction)) is not None:
+            kind = {"1": "b", "2": "c"}[match[1]]
+        elif (match := _ACCESS.fullmatch(instruction)) is not None:
+            access = "".join(letter for bit, letter in ((2, "r"), (4, "w"), (1, "m")) if int(match[1]) & bit)
+        elif (match := _MAJOR.fullmatch(instruction)) is not None:
+            major = str(int(match[1], 16))
+        elif (match := _MINOR.fullmatch(instruction)) is not None:
+            minor = str(int(match[1], 16))
+        elif (match := _VERDICT.fullmatch(instruction)) is not None:
+            # runc emits a deny block before an allow one only for a default-allow list (which no
+            # container of the CRI gets): the allow rules are then no longer the whole story.
+            assert not (denied and match[1] == "1"), f"a deny rule before an allow rule: {dumped}"
+            denied |= match[1] == "0"
+            if match[1] == "1":
+                rules.append(f"{kind} {major}:{minor} {access}")
+        elif instruction == "exit":
+            kind, access, major, minor = "a", "rwm", "*", "*"
+        else:
+            assert _PROLOGUE.fullmatch(instruction), f"an instruction runc's device program has not: {line!r}"
+    return rules
 
 
 ########################################################################################################
@@ -1269,7 +1374,16 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
             assert confinement["write /"].startswith("OSError: [Errno 30] Read-only file system")
             # The cgroup, read on the host: in the pod, /sys is the host's own (the manifest's mount).
             limit = _quantity(manifest_pod("daemonset.yaml")["spec"]["containers"][0]["resources"]["limits"]["memory"])
-            assert await memory_limit(tier.containerd, plugin) == limit
+            if "memory" in DROPPED_RESOURCES:
+                # Cannot hold here: this machine's cgroup v2 hierarchy has no memory controller, so
+                # RuncWithoutLimits took the limit out of the spec before runc (which would fail on
+                # it) and nothing enforces it. What holds: the spec containerd handed runc had it.
+                assert tier.runc is not None and tier.runc.dropped(plugin)["memory"]["limit"] == limit
+                enforced = "not enforced: this cgroup v2 hierarchy has no memory controller (dropped before runc)"
+            else:
+                assert await memory_limit(tier.containerd, plugin) == limit
+                enforced = "memory.max" if CGROUP_V2 else "memory.limit_in_bytes"
+            tier.outputs["device plugin: memory limit"] = f"{limit} in the spec given to runc; {enforced}"
             # The plugin's own cgroup refuses the node: what makes the health question real.
             assert confinement["open gopher0"] == "PermissionError: [Errno 1] Operation not permitted", confinement
             listed = []
@@ -1289,10 +1403,27 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
             await kubelet.wait_until(lambda k: _listed(k, "locked"))
             devices = kubelet.resources[RESOURCE].devices
             assert devices == {**{f"gopher{n}": gp.HEALTHY for n in range(21)}, "locked": gp.UNHEALTHY}
+            # gopherplug's health check is access(): what the kernel says to it in the plugin's
+            # container, in either cgroup mode (v1: devices.list; v2: the eBPF program), beside the
+            # verdicts the kubelet got and the plugin's own device rules (no 10:229 among them).
+            code, said = await exec_sync(
+                tier.containerd, plugin, "python3.11", "-c", SHOW_ACCESS, str(node.devices / "gopher0"), str(locked)
+            )
+            assert code == 0, said
+            errnos = json.loads(said)
+            own_rules = await device_rules(tier.containerd, plugin)
+            tier.outputs["device plugin: access() in the plugin's container -> the kubelet's verdict"] = {
+                name: f"{errnos[str(node.devices / name)]} -> {devices[name]}" for name in ("gopher0", "locked")
+            }
+            tier.outputs["device plugin: the plugin's own device rules (host side)"] = {
+                **{k: v for k, v in own_rules.items() if k == "program"},
+                "rules": [rule for rule in own_rules["rules"] if rule.startswith(f"c {DEVICE_MAJOR}:")],
+            }
+            assert errnos == {str(node.devices / "gopher0"): "EPERM", str(locked): "EACCES"}, errnos
+            assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" not in own_rules["rules"]
             tier.figures["device plugin: idle RSS, 21 devices (MiB)"] = await _rss(tier.containerd, plugin)
 
 
-#: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
 #: The plugin's metrics page, fetched over loopback from inside its container.
 SCRAPE = """
 import sys, urllib.request
@@ -1300,6 +1431,18 @@ with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=1
     sys.stdout.write(answer.read().decode())
 """
 
+#: Run by the plugin's own Python in its container: access(R_OK | W_OK) of each path, as gopherplug's
+#: health check asks it (0, or the errno's name).
+SHOW_ACCESS = """
+import ctypes, errno, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+said = {}
+for path in sys.argv[1:]:
+    said[path] = "0" if libc.access(path.encode(), os.R_OK | os.W_OK) == 0 else errno.errorcode[ctypes.get_errno()]
+print(json.dumps(said))
+"""
+
+#: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
 SHOW_CONFINEMENT = """
 import json, os, sys
 seen = {}
@@ -1330,8 +1473,7 @@ def _spread(samples: list[float]) -> str:
 async def cgroup_file(containerd: Containerd, container_id: str, controller: str, name: str) -> str:
     """A file of the container's cgroup, found through the runtime spec containerd reports (with the
     cgroupfs driver, cgroupsPath is a path under each hierarchy)."""
-    status = await container_status(containerd, container_id, verbose=True)
-    path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+    path = await container_cgroup(containerd, container_id)
     hierarchy = Path("/sys/fs/cgroup") if CGROUP_V2 else Path("/sys/fs/cgroup") / controller
     return (hierarchy / path / name).read_text().strip()
 
@@ -1416,9 +1558,10 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
     assert refused["ls exit"] == 0 and refused["ls -l"].startswith("crw")
     assert refused["open exit"] != 0 and "Operation not permitted" in refused["open rw"]
-    if not CGROUP_V2:  # the DeviceSpec's rule, in the consumer's device cgroup only
-        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
-        assert rule in seen["devices.list (host side)"] and rule not in refused["devices.list (host side)"]
+    assert not_granted_refused(seen) and not_granted_refused(refused)
+    # The DeviceSpec's rule, in the consumer's device rules only (v1: devices.list; v2: its eBPF program).
+    rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+    assert rule in seen["device rules (host side)"] and rule not in refused["device rules (host side)"]
 
 
 def _without_termination_message_path(template: dict[str, Any]) -> dict[str, Any]:
@@ -1723,9 +1866,10 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     assert state == PB.ContainerState.CONTAINER_RUNNING
     assert unseen["ls exit"] != 0 and "No such file or directory" in unseen["ls -l"]
     assert not any(line.startswith("GOPHER") for line in unseen["env"]), unseen["env"]
-    if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
-        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
-        assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
+    assert not_granted_refused(seen) and not_granted_refused(unseen)
+    # The CDI spec's device node rule, under the CDI-enabled containerd only.
+    rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+    assert rule in seen["device rules (host side)"] and rule not in unseen["device rules (host side)"]
 
 
 #: How many consumers share the one device in the test below
@@ -1826,8 +1970,8 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
         assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}"], reported[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
-        if not CGROUP_V2:  # each share's CDI device node rule, in each consumer's device cgroup
-            assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["devices.list (host side)"], seen[name]
+        # Each share's CDI device node rule, in each consumer's device rules.
+        assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["device rules (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
 
