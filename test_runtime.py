@@ -109,9 +109,10 @@ def containerd_version(directory: Path) -> tuple[int, int]:
 def _why_not() -> str | None:
     if os.geteuid() != 0:
         return "not root"
-    # The plugin's image is the host's Debian python3.11 with the project pip-installed for this
-    # interpreter: both must be CPython 3.11, so that the binary wheels fit.
-    if sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or shutil.which("dpkg") is None:
+    # Unless it is the Dockerfile's, the plugin's image is the host's Debian python3.11 with the project
+    # pip-installed for this interpreter: both must be CPython 3.11, so that the binary wheels fit.
+    made_here = not os.environ.get("GOPHERPLUG_TIER_IMAGES")
+    if made_here and (sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or not shutil.which("dpkg")):
         return f"the plugin's image needs Debian's {DEBIAN_PYTHON} (dpkg) and pytest running on Python 3.11"
     missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
     missing += [f"containerd-2/{name}" for name in CONTAINERD_BINARIES if not (CONTAINERD_2_DIR / name).exists()]
@@ -320,14 +321,41 @@ BUSYBOX_IMAGE = "gopherplug.test/busybox:tier"
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+#: The Dockerfile's images, as a builder made them: DIR/device-plugin.tar and DIR/dra.tar (its
+#: targets), docker archives tagged with the manifests' image names; .ci/images builds them with
+#: buildah. Unset, the tier makes the plugin's image itself (python_layer).
+DOCKERFILE_IMAGES = os.environ.get("GOPHERPLUG_TIER_IMAGES") or None
+
+
+def dockerfile_images() -> dict[str, Path]:
+    """The archives of DOCKERFILE_IMAGES, each checked to carry its manifest's image name."""
+    assert DOCKERFILE_IMAGES is not None
+    archives = {}
+    for target, manifest in (("device-plugin", "daemonset.yaml"), ("dra", "daemonset-dra.yaml")):
+        archive = Path(DOCKERFILE_IMAGES) / f"{target}.tar"
+        assert archive.is_file(), f"GOPHERPLUG_TIER_IMAGES: no {archive} (the Dockerfile's {target} target)"
+        with tarfile.open(archive) as opened:
+            member = opened.extractfile("manifest.json")
+            assert member is not None
+            tags = [tag for image in json.load(member) for tag in image["RepoTags"]]
+        wanted = image_of(manifest_pod(manifest))
+        assert any(tag in (wanted, f"docker.io/library/{wanted}") for tag in tags), f"{archive} is {tags}, not {wanted}"
+        archives[target] = archive
+    return archives
+
+
 def build_images(work: Path) -> dict[str, Path]:
-    """The three archives: pause (a shell waiting for SIGTERM), busybox, and the plugin (both tags)."""
+    """The archives: pause (a shell waiting for SIGTERM), busybox, and the plugin's, either the
+    Dockerfile's two (DOCKERFILE_IMAGES) or one made here under both of the manifests' names."""
     busybox = work / "busybox.layer.tar"
     busybox_layer(busybox)
-    archives = {"pause": work / "pause.tar", "busybox": work / "busybox.tar", "plugin": work / "plugin.tar"}
+    archives = {"pause": work / "pause.tar", "busybox": work / "busybox.tar"}
     waiting = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
     docker_archive(archives["pause"], busybox, [PAUSE_IMAGE], {"Entrypoint": waiting, "Env": [PATH_ENV]})
     docker_archive(archives["busybox"], busybox, [BUSYBOX_IMAGE], {"Cmd": ["sh"], "Env": [PATH_ENV]})
+    if DOCKERFILE_IMAGES is not None:
+        return {**archives, **dockerfile_images()}
+    archives["plugin"] = work / "plugin.tar"
     site = work / "site-packages"
     subprocess.run(
         [
@@ -686,6 +714,12 @@ def images(pytestconfig):
         built = time.monotonic()
         archives = build_images(root)
         RESULTS["image build (s)"] = round(time.monotonic() - built, 1)
+        RESULTS["plugin images"] = (
+            f"the Dockerfile's (GOPHERPLUG_TIER_IMAGES={DOCKERFILE_IMAGES})"
+            if DOCKERFILE_IMAGES is not None
+            else "made by the tier (the host's python3.11 and the project)"
+        )
+        # A docker archive holds its layers uncompressed: about the image's size on a node.
         RESULTS["image sizes (MB, archive)"] = {k: round(v.stat().st_size / 1e6, 1) for k, v in archives.items()}
         yield archives
     finally:
