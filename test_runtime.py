@@ -72,7 +72,8 @@ CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
 CONTAINERD_2_DIR = RUNTIME_DIR / "containerd-2"
 ENABLE = (
     "run `sudo GOPHERPLUG_RUNTIME=DIR pytest test_runtime.py` with containerd >= 1.7 (its runc shim and ctr), "
-    "runc, a static busybox and cri-api.proto in DIR, and a containerd 2.x with its shim and ctr in DIR/containerd-2"
+    "runc, a static busybox and cri-api.proto in DIR, and (optional but under GOPHERPLUG_RUNTIME_REQUIRED) a "
+    "containerd 2.x with its shim and ctr in DIR/containerd-2"
 )
 
 #: The cgroup mode of the run. runc and containerd pick theirs from the filesystem mounted at
@@ -106,6 +107,11 @@ def containerd_version(directory: Path) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
+#: Whether the tier runs under a containerd 2.x too: when DIR/containerd-2 exists, and always under
+#: GOPHERPLUG_RUNTIME_REQUIRED (CI's matrix has both; its absence there is a failure).
+WITH_CONTAINERD_2 = CONTAINERD_2_DIR.exists() or bool(os.environ.get("GOPHERPLUG_RUNTIME_REQUIRED"))
+
+
 def _why_not() -> str | None:
     if os.geteuid() != 0:
         return "not root"
@@ -115,10 +121,11 @@ def _why_not() -> str | None:
     if made_here and (sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or not shutil.which("dpkg")):
         return f"the plugin's image needs Debian's {DEBIAN_PYTHON} (dpkg) and pytest running on Python 3.11"
     missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
-    missing += [f"containerd-2/{name}" for name in CONTAINERD_BINARIES if not (CONTAINERD_2_DIR / name).exists()]
+    if WITH_CONTAINERD_2:
+        missing += [f"containerd-2/{name}" for name in CONTAINERD_BINARIES if not (CONTAINERD_2_DIR / name).exists()]
     if missing:
         return f"{RUNTIME_DIR} lacks {', '.join(missing)}"
-    for directory, wanted in ((RUNTIME_DIR, "1.7 or later"), (CONTAINERD_2_DIR, "2.x")):
+    for directory, wanted in ((RUNTIME_DIR, "1.7 or later"), (CONTAINERD_2_DIR, "2.x"))[: 1 + WITH_CONTAINERD_2]:
         try:
             version = containerd_version(directory)
         except (OSError, subprocess.SubprocessError, AssertionError) as error:
@@ -146,10 +153,10 @@ if (_WHY := _why_not()) is not None:
 import grpc  # noqa: E402  (test-only dependencies, imported once the tier is known to run)
 
 #: The containerds every test runs under (the session fixture `tier` is parametrized by them):
-#: DIR's own and the 2.x in DIR/containerd-2, each by its version.
+#: DIR's own and the 2.x in DIR/containerd-2 (WITH_CONTAINERD_2), each by its version.
 CONTAINERDS = {
     f"containerd-{major}.{minor}": directory
-    for directory in (RUNTIME_DIR, CONTAINERD_2_DIR)
+    for directory in (RUNTIME_DIR, CONTAINERD_2_DIR)[: 1 + WITH_CONTAINERD_2]
     for major, minor in [containerd_version(directory)]
 }
 
@@ -651,6 +658,7 @@ CRI: Any = None
 #: What the runs measured and saw, by containerd, with the images' figures and the cgroup mode: printed
 #: at the end of each (and written to GOPHERPLUG_TIER_RESULTS as JSON).
 RESULTS: dict[str, Any] = {
+    "containerds": sorted(CONTAINERDS) + ([] if WITH_CONTAINERD_2 else [f"(no containerd 2.x: {CONTAINERD_2_DIR})"]),
     "cgroup": "v2" if CGROUP_V2 else "v1",
     "v2 controllers": sorted(V2_CONTROLLERS),
     "resources dropped before runc": list(DROPPED_RESOURCES),
