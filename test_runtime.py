@@ -4,11 +4,12 @@ the kubelet drives it.
     sudo GOPHERPLUG_RUNTIME=DIR .venv/bin/python -m pytest test_runtime.py
 
 DIR holds containerd >= 1.7 (CDI-capable) with containerd-shim-runc-v2 and ctr, runc, a static busybox and
-the CRI API (cri-api.proto), and DIR/containerd-2 a containerd 2.x with its shim and ctr; every test runs
-under each containerd. Without root or without DIR (default /opt/gopherplug-runtime) the whole module
-is skipped with one line saying so (a failure instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI
-does). Every binary comes from DIR, never from PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the
-figures and the consumers' outputs, printed at the end of the run, to FILE as JSON.
+the CRI API (cri-api.proto), and DIR/containerd-2 a containerd 2.x with its shim and ctr (CI's matrix
+has both; by hand it may be left out); every test runs under each containerd. Without root or without
+DIR (default /opt/gopherplug-runtime) the whole module is skipped with one line saying so (a failure
+instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI does). Every binary comes from DIR, never from
+PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the figures and the consumers' outputs, printed at the
+end of the run, to FILE as JSON.
 
 The cgroup mode is the one this process sees at /sys/fs/cgroup (cgroup2 there: v2), as runc's and
 containerd's is; GOPHERPLUG_TIER_CGROUP=v1 or v2 says which one the run is meant for (V2_HOW: v2 on a
