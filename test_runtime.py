@@ -4,10 +4,16 @@ the kubelet drives it.
     sudo GOPHERPLUG_RUNTIME=DIR .venv/bin/python -m pytest test_runtime.py
 
 DIR holds containerd >= 1.7 (CDI-capable) with containerd-shim-runc-v2 and ctr, runc, a static busybox and
-the CRI API (cri-api.proto); without root or without DIR (default /opt/gopherplug-runtime) the whole module
-is skipped with one line saying so (a failure instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI
-does). Every binary comes from DIR, never from PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the
-figures and the consumers' outputs, printed at the end of the run, to FILE as JSON.
+the CRI API (cri-api.proto), and DIR/containerd-2 a containerd 2.x with its shim and ctr (CI's matrix
+has both; by hand it may be left out); every test runs under each containerd. Without root or without
+DIR (default /opt/gopherplug-runtime) the whole module is skipped with one line saying so (a failure
+instead when GOPHERPLUG_RUNTIME_REQUIRED is set, as CI does). Every binary comes from DIR, never from
+PATH. GOPHERPLUG_TIER_RESULTS=FILE also writes the figures and the consumers' outputs, printed at the
+end of the run, to FILE as JSON.
+
+The cgroup mode is the one this process sees at /sys/fs/cgroup (cgroup2 there: v2), as runc's and
+containerd's is; GOPHERPLUG_TIER_CGROUP=v1 or v2 says which one the run is meant for (V2_HOW: v2 on a
+machine that boots v1).
 
 Rules of this file:
 - Nothing of the machine is touched but what the run creates: containerd has a private root, state,
@@ -45,6 +51,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import tomllib
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,31 +68,80 @@ HERE = Path(__file__).resolve().parent
 RUNTIME_DIR = Path(os.environ.get("GOPHERPLUG_RUNTIME", "/opt/gopherplug-runtime"))
 DEBIAN_PYTHON = "/usr/bin/python3.11"
 NEEDED = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "busybox", "cri-api.proto")
+#: containerd's own binaries: DIR has them (1.7 or later), and DIR/containerd-2 a 2.x's, run with DIR's runc.
+CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
+CONTAINERD_2_DIR = RUNTIME_DIR / "containerd-2"
 ENABLE = (
     "run `sudo GOPHERPLUG_RUNTIME=DIR pytest test_runtime.py` with containerd >= 1.7 (its runc shim and ctr), "
-    "runc, a static busybox and cri-api.proto in DIR"
+    "runc, a static busybox and cri-api.proto in DIR, and (optional but under GOPHERPLUG_RUNTIME_REQUIRED) a "
+    "containerd 2.x with its shim and ctr in DIR/containerd-2"
 )
+
+#: The cgroup mode of the run. runc and containerd pick theirs from the filesystem mounted at
+#: /sys/fs/cgroup, as this process sees it: cgroup2 there is the unified hierarchy (v2), where a
+#: container's device rules are an eBPF program attached to its cgroup, not a devices.list file.
+CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+#: The controllers the v2 hierarchy has (its root's cgroup.controllers); empty under v1.
+V2_CONTROLLERS = frozenset(Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()) if CGROUP_V2 else frozenset()
+#: A container spec's resources each v2 controller enforces. A limit whose controller the hierarchy
+#: lacks makes runc fail (it writes e.g. cpu.weight, which is not there): see RuncWithoutLimits.
+V2_RESOURCES = {"cpu": "cpu", "memory": "memory", "pids": "pids", "blockIO": "io"}
+#: Under v2 on a machine whose hierarchy lacks them, the resources the tier drops before runc sees them.
+DROPPED_RESOURCES = tuple(
+    key for key, controller in V2_RESOURCES.items() if CGROUP_V2 and controller not in V2_CONTROLLERS
+)
+#: How to run the tier in cgroup v2 on a machine that boots v1 (or hybrid): in a private mount
+#: namespace with cgroup2 mounted at /sys/fs/cgroup, where runc, containerd and pytest all see v2.
+V2_HOW = (
+    "unshare -m --propagation private sh -c 'mount -t cgroup2 none /sys/fs/cgroup && "
+    "exec env GOPHERPLUG_TIER_CGROUP=v2 pytest test_runtime.py'"
+)
+
+
+def containerd_version(directory: Path) -> tuple[int, int]:
+    """The version `containerd --version` of ``directory`` reports, as (major, minor)."""
+    said = subprocess.run(
+        [directory / "containerd", "--version"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+    found = re.search(r" v?(\d+)\.(\d+)", said)
+    assert found is not None, f"{directory}/containerd --version says {said.strip()!r}"
+    return int(found[1]), int(found[2])
+
+
+#: Whether the tier runs under a containerd 2.x too: when DIR/containerd-2 exists, and always under
+#: GOPHERPLUG_RUNTIME_REQUIRED (CI's matrix has both; its absence there is a failure).
+WITH_CONTAINERD_2 = CONTAINERD_2_DIR.exists() or bool(os.environ.get("GOPHERPLUG_RUNTIME_REQUIRED"))
 
 
 def _why_not() -> str | None:
     if os.geteuid() != 0:
         return "not root"
-    # The plugin's image is the host's Debian python3.11 with the project pip-installed for this
-    # interpreter: both must be CPython 3.11, so that the binary wheels fit.
-    if sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or shutil.which("dpkg") is None:
+    # Unless it is the Dockerfile's, the plugin's image is the host's Debian python3.11 with the project
+    # pip-installed for this interpreter: both must be CPython 3.11, so that the binary wheels fit.
+    made_here = not os.environ.get("GOPHERPLUG_TIER_IMAGES")
+    if made_here and (sys.version_info[:2] != (3, 11) or not Path(DEBIAN_PYTHON).exists() or not shutil.which("dpkg")):
         return f"the plugin's image needs Debian's {DEBIAN_PYTHON} (dpkg) and pytest running on Python 3.11"
     missing = [name for name in NEEDED if not (RUNTIME_DIR / name).exists()]
+    if WITH_CONTAINERD_2:
+        missing += [f"containerd-2/{name}" for name in CONTAINERD_BINARIES if not (CONTAINERD_2_DIR / name).exists()]
     if missing:
         return f"{RUNTIME_DIR} lacks {', '.join(missing)}"
-    try:
-        version = subprocess.run(
-            [RUNTIME_DIR / "containerd", "--version"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"{RUNTIME_DIR}/containerd does not run: {error}"
-    found = re.search(r" v?(\d+)\.(\d+)", version)
-    if found is None or (int(found[1]), int(found[2])) < (1, 7):
-        return f"{RUNTIME_DIR}/containerd is not 1.7 or later: {version.strip()}"
+    for directory, wanted in ((RUNTIME_DIR, "1.7 or later"), (CONTAINERD_2_DIR, "2.x"))[: 1 + WITH_CONTAINERD_2]:
+        try:
+            version = containerd_version(directory)
+        except (OSError, subprocess.SubprocessError, AssertionError) as error:
+            return f"{directory}/containerd does not run: {error}"
+        if version < (1, 7) or (directory == CONTAINERD_2_DIR and version[0] != 2):
+            return f"{directory}/containerd is {version[0]}.{version[1]}, not {wanted}"
+    wanted_mode = os.environ.get("GOPHERPLUG_TIER_CGROUP")
+    if wanted_mode not in (None, "", "v1", "v2"):
+        return f"GOPHERPLUG_TIER_CGROUP is {wanted_mode!r}: say v1 or v2"
+    if wanted_mode and wanted_mode != ("v2" if CGROUP_V2 else "v1"):
+        return f"GOPHERPLUG_TIER_CGROUP={wanted_mode} but /sys/fs/cgroup is cgroup {'v2' if CGROUP_V2 else 'v1'}" + (
+            f" (for v2 here: {V2_HOW})" if wanted_mode == "v2" else ""
+        )
+    if CGROUP_V2 and shutil.which("bpftool") is None:
+        return "cgroup v2 shows each container's device program with bpftool (Debian's bpftool): not on PATH"
     return None
 
 
@@ -96,6 +152,14 @@ if (_WHY := _why_not()) is not None:
     pytest.skip(f"runtime tier skipped ({_WHY}): {ENABLE}", allow_module_level=True)
 
 import grpc  # noqa: E402  (test-only dependencies, imported once the tier is known to run)
+
+#: The containerds every test runs under (the session fixture `tier` is parametrized by them):
+#: DIR's own and the 2.x in DIR/containerd-2 (WITH_CONTAINERD_2), each by its version.
+CONTAINERDS = {
+    f"containerd-{major}.{minor}": directory
+    for directory in (RUNTIME_DIR, CONTAINERD_2_DIR)[: 1 + WITH_CONTAINERD_2]
+    for major, minor in [containerd_version(directory)]
+}
 
 #: Bound on one CRI call; creating the plugin's container (its image's snapshot) is the slowest one.
 CRI_TIMEOUT = 60.0
@@ -265,14 +329,41 @@ BUSYBOX_IMAGE = "gopherplug.test/busybox:tier"
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+#: The Dockerfile's images, as a builder made them: DIR/device-plugin.tar and DIR/dra.tar (its
+#: targets), docker archives tagged with the manifests' image names; .ci/images builds them with
+#: buildah. Unset, the tier makes the plugin's image itself (python_layer).
+DOCKERFILE_IMAGES = os.environ.get("GOPHERPLUG_TIER_IMAGES") or None
+
+
+def dockerfile_images() -> dict[str, Path]:
+    """The archives of DOCKERFILE_IMAGES, each checked to carry its manifest's image name."""
+    assert DOCKERFILE_IMAGES is not None
+    archives = {}
+    for target, manifest in (("device-plugin", "daemonset.yaml"), ("dra", "daemonset-dra.yaml")):
+        archive = Path(DOCKERFILE_IMAGES) / f"{target}.tar"
+        assert archive.is_file(), f"GOPHERPLUG_TIER_IMAGES: no {archive} (the Dockerfile's {target} target)"
+        with tarfile.open(archive) as opened:
+            member = opened.extractfile("manifest.json")
+            assert member is not None
+            tags = [tag for image in json.load(member) for tag in image["RepoTags"]]
+        wanted = image_of(manifest_pod(manifest))
+        assert any(tag in (wanted, f"docker.io/library/{wanted}") for tag in tags), f"{archive} is {tags}, not {wanted}"
+        archives[target] = archive
+    return archives
+
+
 def build_images(work: Path) -> dict[str, Path]:
-    """The three archives: pause (a shell waiting for SIGTERM), busybox, and the plugin (both tags)."""
+    """The archives: pause (a shell waiting for SIGTERM), busybox, and the plugin's, either the
+    Dockerfile's two (DOCKERFILE_IMAGES) or one made here under both of the manifests' names."""
     busybox = work / "busybox.layer.tar"
     busybox_layer(busybox)
-    archives = {"pause": work / "pause.tar", "busybox": work / "busybox.tar", "plugin": work / "plugin.tar"}
+    archives = {"pause": work / "pause.tar", "busybox": work / "busybox.tar"}
     waiting = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
     docker_archive(archives["pause"], busybox, [PAUSE_IMAGE], {"Entrypoint": waiting, "Env": [PATH_ENV]})
     docker_archive(archives["busybox"], busybox, [BUSYBOX_IMAGE], {"Cmd": ["sh"], "Env": [PATH_ENV]})
+    if DOCKERFILE_IMAGES is not None:
+        return {**archives, **dockerfile_images()}
+    archives["plugin"] = work / "plugin.tar"
     site = work / "site-packages"
     subprocess.run(
         [
@@ -305,10 +396,17 @@ def build_images(work: Path) -> dict[str, Path]:
 
 
 class Containerd:
-    """One containerd with its own root, state, socket and CDI directory; every binary from RUNTIME_DIR."""
+    """One containerd with its own root, state, socket and CDI directory. containerd, its runc shim and
+    ctr come from ``bin_dir`` (RUNTIME_DIR, or the 2.x of CONTAINERDS), runc is RUNTIME_DIR's (or
+    ``runc``: RuncWithoutLimits in front of it); nothing from PATH."""
 
-    def __init__(self, root: Path, *, enable_cdi: bool = True) -> None:
+    def __init__(
+        self, root: Path, bin_dir: Path = RUNTIME_DIR, *, runc: Path = RUNTIME_DIR / "runc", enable_cdi: bool = True
+    ) -> None:
         self.root = root
+        self.bin_dir = bin_dir
+        self.version = containerd_version(bin_dir)
+        self.runc = runc
         self.socket = root / "c.sock"
         self.cdi_dir = root / "cdi"
         self.extra_cdi_dirs: list[Path] = []
@@ -318,10 +416,17 @@ class Containerd:
         self.channel: Any = None
         self.runtime: Any = None
 
-    def config(self) -> str:
-        text = subprocess.run(
-            [RUNTIME_DIR / "containerd", "config", "default"], capture_output=True, text=True, timeout=10, check=True
+    def default_config(self) -> str:
+        return subprocess.run(
+            [self.bin_dir / "containerd", "config", "default"], capture_output=True, text=True, timeout=10, check=True
         ).stdout
+
+    def config(self) -> str:
+        return self.config_v3() if self.version[0] >= 2 else self.config_v2()
+
+    def config_v2(self) -> str:
+        """containerd 1.7's configuration (version 2): its `config default`, edited."""
+        text = self.default_config()
         cdi_dirs = json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])
         edits = {
             # Some machines (CI's among them) refuse lowering oom_score_adj, which runc would try for
@@ -338,22 +443,75 @@ class Containerd:
             r'path = "/opt/containerd"': f'path = "{self.root}/opt"',
             r'conf_dir = "/etc/cni/net.d"': f'conf_dir = "{self.root}/cni"',
             # The shim finds runc on containerd's PATH, RUNTIME_DIR first; naming it leaves no doubt.
-            r'BinaryName = ""': f'BinaryName = "{RUNTIME_DIR / "runc"}"',
+            r'BinaryName = ""': f'BinaryName = "{self.runc}"',
         }
         for pattern, replacement in edits.items():
             text, count = re.subn(pattern, replacement, text)
             assert count, f"containerd config default has no {pattern!r}"
         return text
 
+    def config_v3(self) -> str:
+        """containerd 2.x's configuration (version 3), written for it: the CRI plugin of 1.7
+        (io.containerd.grpc.v1.cri) is split into io.containerd.cri.v1.images (the sandbox image,
+        now a pinned image) and io.containerd.cri.v1.runtime (CDI, on by default, the runtimes, CNI),
+        so 1.7's edits mostly find nothing to edit. Every key is checked against the binary's
+        `config default`: containerd ignores a key it does not know, and the setting with it."""
+        runtime = "plugins.'io.containerd.cri.v1.runtime'"
+        text = f"""\
+version = 3
+root = {json.dumps(str(self.root / "root"))}
+state = {json.dumps(str(self.root / "state"))}
+
+[grpc]
+  address = {json.dumps(str(self.socket))}
+
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = {json.dumps(PAUSE_IMAGE)}
+
+[{runtime}]
+  # As for 1.7: machines that refuse lowering oom_score_adj, no AppArmor, a private CDI directory.
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  enable_cdi = {str(self.enable_cdi).lower()}
+  cdi_spec_dirs = {json.dumps([str(d) for d in (self.cdi_dir, *self.extra_cdi_dirs)])}
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+
+[{runtime}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  sandboxer = "podsandbox"
+
+[{runtime}.containerd.runtimes.runc.options]
+  BinaryName = {json.dumps(str(self.runc))}
+  SystemdCgroup = false
+
+[{runtime}.cni]
+  bin_dirs = [{json.dumps(str(self.root / "cni-bin"))}]
+  conf_dir = {json.dumps(str(self.root / "cni"))}
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = {json.dumps(str(self.root / "opt"))}
+
+# NRI, on by default since 2.0, serves a socket at a path of the machine's (/var/run/nri/nri.sock):
+# the tier has no NRI plugin, and two containerds of a run would want the one path.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+"""
+        unknown = _toml_keys(tomllib.loads(text)) - _toml_keys(tomllib.loads(self.default_config()))
+        assert not unknown, f"containerd {self.version} does not know {sorted(unknown)}"
+        return text
+
     def start(self) -> None:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         config = self.root / "config.toml"
         config.write_text(self.config())
-        env = {"PATH": f"{RUNTIME_DIR}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root)}
+        # bin_dir first: containerd starts the shim it finds on its PATH (2.x's own for 2.x).
+        env = {"PATH": f"{self.bin_dir}:{RUNTIME_DIR}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root)}
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [
-                    RUNTIME_DIR / "containerd",
+                    self.bin_dir / "containerd",
                     "--config",
                     config,
                     "--root",
@@ -385,7 +543,7 @@ class Containerd:
 
     def import_image(self, archive: Path) -> None:
         subprocess.run(
-            [RUNTIME_DIR / "ctr", "-n", "k8s.io", "-a", self.socket, "images", "import", archive],
+            [self.bin_dir / "ctr", "-n", "k8s.io", "-a", self.socket, "images", "import", archive],
             check=True,
             timeout=300,
             capture_output=True,
@@ -440,30 +598,97 @@ def _children(pid: int) -> list[int]:
     return []
 
 
+def _toml_keys(table: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """Every key of a parsed TOML document, as the path of tables that leads to it."""
+    found = set()
+    for key, value in table.items():
+        if isinstance(value, dict) and value:
+            found |= _toml_keys(value, (*prefix, key))
+        else:
+            found.add((*prefix, key))
+    return found
+
+
+class RuncWithoutLimits:
+    """What runc gets under cgroup v2 on a machine whose v2 hierarchy lacks the cpu, memory, pids or
+    io controller (the tier's CI machine, whose v2 hierarchy has only hugetlb): a script named as the
+    runtime's binary (the runc runtime's BinaryName) that removes the resources of DROPPED_RESOURCES
+    from the bundle's config.json before it runs runc, and records what it removed.
+
+    runc would fail on any of them (`openat2 .../cpu.weight: no such file or directory`), and they
+    cannot be left out upstream: containerd's CRI gives every sandbox cpu shares (2), and the kubelet
+    sends shares with every container (milliCPUToShares). Only runc's create and run take a bundle;
+    every other call (start, exec, state, kill, delete) passes through untouched. The device rules
+    (`linux.resources.devices`) stay: they are what the tier is about."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / "runc-without-limits"
+        self.log = root / "runc-without-limits.log"
+        script = f"""#!{sys.executable} -S
+import json, os, sys
+args = sys.argv[1:]
+if "--bundle" in args:
+    spec_path = os.path.join(args[args.index("--bundle") + 1], "config.json")
+    with open(spec_path) as file:
+        spec = json.load(file)
+    resources = spec.get("linux", {{}}).get("resources", {{}})
+    dropped = {{key: resources.pop(key) for key in {list(DROPPED_RESOURCES)!r} if key in resources}}
+    with open(spec_path, "w") as file:
+        json.dump(spec, file)
+    with open({str(self.log)!r}, "a") as log:
+        log.write(json.dumps({{"id": args[-1], "dropped": dropped}}) + "\\n")
+os.execv({str(RUNTIME_DIR / "runc")!r}, [{str(RUNTIME_DIR / "runc")!r}, *args])
+"""
+        self.path.write_text(script)
+        self.path.chmod(0o755)
+
+    def dropped(self, container_id: str) -> dict[str, Any]:
+        """What the script removed from the container's spec."""
+        for line in self.log.read_text().splitlines():
+            if (record := json.loads(line))["id"] == container_id:
+                return record["dropped"]
+        raise AssertionError(f"runc never created {container_id} through {self.path}")
+
+
 ########################################################################################################
-# The run: one containerd, the images, private directories
+# The run: the images, and one containerd with its private directories per containerd of CONTAINERDS
 
 
 PB: Any = None
 CRI: Any = None
+#: What the runs measured and saw, by containerd, with the images' figures and the cgroup mode: printed
+#: at the end of each (and written to GOPHERPLUG_TIER_RESULTS as JSON).
+RESULTS: dict[str, Any] = {
+    "containerds": sorted(CONTAINERDS) + ([] if WITH_CONTAINERD_2 else [f"(no containerd 2.x: {CONTAINERD_2_DIR})"]),
+    "cgroup": "v2" if CGROUP_V2 else "v1",
+    "v2 controllers": sorted(V2_CONTROLLERS),
+    "resources dropped before runc": list(DROPPED_RESOURCES),
+}
 
 
 class Run:
-    """Everything one run of the tier owns."""
+    """Everything one run of the tier owns: under one containerd of CONTAINERDS."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, name: str, archives: dict[str, Path]) -> None:
         self.root = root
+        self.name = name  # containerd-<major>.<minor>, the key of CONTAINERDS
         self.id = root.name.rsplit("-", 1)[-1]
         self.dev = Path(f"/dev/gp-{self.id}")  # device nodes live in the host's /dev, as on a node
         self.cgroup_parent = f"/gopherplug-tier-{self.id}"
         self.containerd: Containerd | None = None
         self.second: Containerd | None = None  # the enable_cdi = false one, once a test started it
-        self.archives: dict[str, Path] = {}
+        self.runc: RuncWithoutLimits | None = None  # under cgroup v2 without the controllers
+        self.archives = archives
         self.figures: dict[str, Any] = {}
         self.outputs: dict[str, Any] = {}
         self.started = time.monotonic()
         #: short symlinks to the nodes' kubelet directories (see dra_cluster), removed at the end
         self.links: list[Path] = []
+
+    def containerd_for(self, root: Path, *, enable_cdi: bool = True) -> Containerd:
+        """A containerd of the run's kind: its binaries, and runc or the run's RuncWithoutLimits."""
+        runc = self.runc.path if self.runc is not None else RUNTIME_DIR / "runc"
+        return Containerd(root, CONTAINERDS[self.name], runc=runc, enable_cdi=enable_cdi)
 
 
 def _remove_cgroups(parent: str) -> None:
@@ -478,21 +703,52 @@ def _remove_cgroups(parent: str) -> None:
                     directory.rmdir()
 
 
+def _report(pytestconfig: pytest.Config, title: str, results: Any) -> None:
+    """Print ``results`` (shown whatever the outcome: pytest keeps a fixture's output for failures
+    only), and write everything so far to GOPHERPLUG_TIER_RESULTS."""
+    if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
+        Path(where).write_text(json.dumps(RESULTS, indent=2) + "\n")
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\n{title}:\n" + json.dumps(results, indent=2), flush=True)
+
+
 @pytest.fixture(scope="session")
-def tier(pytestconfig):
-    """The run: the CRI compiled, the images built, containerd started and the images imported; at the
-    end, whatever happened, containerd and its containers stopped by PID, mounts, cgroups, the run's
-    /dev directory and files removed, and the figures and consumers' outputs printed."""
+def images(pytestconfig):
+    """The CRI compiled and the images' archives built, once for every containerd of the run."""
     global PB, CRI
-    root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
-    tier = Run(root)
+    root = Path(tempfile.mkdtemp(prefix=f"gpimg-{secrets.token_hex(3)}-", dir="/tmp"))
     try:
         PB, CRI = compile_cri(root)
-        tier.dev.mkdir(mode=0o755)
         built = time.monotonic()
-        tier.archives = build_images(root)
-        tier.figures["image build (s)"] = round(time.monotonic() - built, 1)
-        tier.containerd = Containerd(root / "ctrd")
+        archives = build_images(root)
+        RESULTS["image build (s)"] = round(time.monotonic() - built, 1)
+        RESULTS["plugin images"] = (
+            f"the Dockerfile's (GOPHERPLUG_TIER_IMAGES={DOCKERFILE_IMAGES})"
+            if DOCKERFILE_IMAGES is not None
+            else "made by the tier (the host's python3.11 and the project)"
+        )
+        # A docker archive holds its layers uncompressed: about the image's size on a node.
+        RESULTS["image sizes (MB, archive)"] = {k: round(v.stat().st_size / 1e6, 1) for k, v in archives.items()}
+        yield archives
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        _report(pytestconfig, "runtime tier", {k: v for k, v in RESULTS.items() if k not in CONTAINERDS})
+
+
+@pytest.fixture(scope="session", params=sorted(CONTAINERDS))
+def tier(request, images, pytestconfig):
+    """The run under one containerd of CONTAINERDS (every test runs under each): containerd started
+    and the images imported; at the end, whatever happened, containerd and its containers stopped by
+    PID, mounts, cgroups, the run's /dev directory and files removed, and the figures and consumers'
+    outputs printed."""
+    root = Path(tempfile.mkdtemp(prefix=f"gprt-{secrets.token_hex(3)}-", dir="/tmp"))
+    tier = Run(root, request.param, images)
+    try:
+        tier.dev.mkdir(mode=0o755)
+        if DROPPED_RESOURCES:
+            tier.runc = RuncWithoutLimits(root)
+        tier.containerd = tier.containerd_for(root / "ctrd")
         # The device-plugin resource with `cdi:` writes its spec where its pod can write (see
         # test_a_device_plugin_cdi_device_reaches_a_consumer); the runtime reads that directory too.
         tier.containerd.extra_cdi_dirs.append(root / "host" / DP_CDI_CASE / "kubelet" / "device-plugins" / "cdi")
@@ -516,14 +772,14 @@ def tier(pytestconfig):
             link.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
         tier.figures["tier duration (s)"] = round(time.monotonic() - tier.started, 1)
-        report = {"figures": tier.figures, "consumer outputs": tier.outputs}
-        text = json.dumps(report, indent=2)
-        if (where := os.environ.get("GOPHERPLUG_TIER_RESULTS")) is not None:
-            Path(where).write_text(text + "\n")
-        # Shown whatever the outcome: pytest would keep a fixture's output for failures only.
-        capture = pytestconfig.pluginmanager.getplugin("capturemanager")
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            print("\nruntime tier results:\n" + text, flush=True)
+        version = containerd_version(CONTAINERDS[tier.name])
+        RESULTS[tier.name] = {
+            "containerd": f"{version[0]}.{version[1]}",
+            "cgroup": RESULTS["cgroup"],
+            "figures": tier.figures,
+            "consumer outputs": tier.outputs,
+        }
+        _report(pytestconfig, f"runtime tier results ({tier.name}, cgroup {RESULTS['cgroup']})", RESULTS[tier.name])
 
 
 ########################################################################################################
@@ -831,23 +1087,123 @@ def consumer_config(pod: Pod, name: str = "consumer", **fields: Any) -> Any:
     return config
 
 
+#: A node no consumer is granted: the tier's device's neighbour, made by the consumer itself with
+#: mknod (runc allows every container to make nodes, `c *:* m`; opening one is the device rules' call).
+NOT_GRANTED_PATH, NOT_GRANTED = "/tmp/not-granted", (DEVICE_MAJOR, DEVICE_MINOR + 1)
+
+
 async def consumer_report(containerd: Containerd, container_id: str, device: str) -> dict[str, Any]:
-    """What a consumer sees: its environment, its device node, and whether it opens it for reading and writing."""
+    """What a consumer sees: its environment, its device node, whether it opens it for reading and
+    writing, and whether it opens a node it was not granted (NOT_GRANTED); and the device rules of its
+    cgroup (the major 10 ones: the tier's device's), from the host."""
     _, env = await exec_sync(containerd, container_id, "env")
     ls_code, ls = await exec_sync(containerd, container_id, "ls", "-l", device)
     open_code, opened = await exec_sync(containerd, container_id, "sh", "-c", f"exec 3<>{device} && echo opened rw")
-    # cgroup v1's devices.list; on v2 the same rules are an eBPF program, with no file to read.
-    rules = "(cgroup v2: the device rules are an eBPF program)"
-    if not CGROUP_V2:
-        rules = await cgroup_file(containerd, container_id, "devices", "devices.list")
+    major, minor = NOT_GRANTED
+    _, refused = await exec_sync(
+        containerd,
+        container_id,
+        "sh",
+        "-c",
+        f"mknod {NOT_GRANTED_PATH} c {major} {minor} && exec 3<>{NOT_GRANTED_PATH} && echo opened rw",
+    )
+    rules = await device_rules(containerd, container_id)
     return {
-        "devices.list (host side)": [rule for rule in rules.splitlines() if rule.startswith("c 10:")],
+        "device rules (host side)": [rule for rule in rules["rules"] if rule.startswith(f"c {DEVICE_MAJOR}:")],
+        **({"device program (host side)": rules["program"]} if "program" in rules else {}),
         "env": sorted(line for line in env.splitlines() if not line.startswith(("PATH=", "HOSTNAME=", "HOME="))),
         "ls -l": ls.strip(),
         "ls exit": ls_code,
         "open rw": opened.strip(),
         "open exit": open_code,
+        f"not granted (c {major}:{minor}, made inside): mknod, open rw": refused.strip(),
     }
+
+
+def not_granted_refused(seen: dict[str, Any]) -> bool:
+    """Whether the consumer of ``seen`` (consumer_report) made the node it was not granted and was
+    refused opening it by its device rules: EPERM, as busybox's sh says it."""
+    (said,) = [value for key, value in seen.items() if key.startswith("not granted")]
+    return bool(said == f"sh: can't create {NOT_GRANTED_PATH}: Operation not permitted")
+
+
+async def container_cgroup(containerd: Containerd, container_id: str) -> str:
+    """The container's cgroup, as the runtime spec containerd reports names it (with the cgroupfs
+    driver, cgroupsPath is a path under each hierarchy)."""
+    status = await container_status(containerd, container_id, verbose=True)
+    return json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+
+
+async def device_rules(containerd: Containerd, container_id: str) -> dict[str, Any]:
+    """The device rules the kernel applies to the container, in devices.list's form ("c 10:229 rw").
+
+    cgroup v1: its devices cgroup's devices.list. cgroup v2 has no such file: runc attaches an eBPF
+    program of type cgroup_device to the container's cgroup, which the kernel runs at every open(),
+    access() and mknod() of a device node (security/device_cgroup.c, devcgroup_check_permission).
+    bpftool (Debian's) names the programs attached to the cgroup and dumps each one's instructions
+    as the kernel verified them; the rules are read back from them (see program_rules)."""
+    cgroup = await container_cgroup(containerd, container_id)
+    if not CGROUP_V2:
+        listed = (Path("/sys/fs/cgroup/devices") / cgroup / "devices.list").read_text()
+        return {"rules": listed.split("\n")[:-1]}
+    attached = json.loads(_bpftool("-j", "cgroup", "show", f"/sys/fs/cgroup/{cgroup}"))
+    programs = [p for p in attached if p["attach_type"] == "cgroup_device"]
+    assert len(programs) == 1, f"cgroup {cgroup}: device programs {attached}"
+    (program,) = programs
+    dumped = _bpftool("prog", "dump", "xlated", "id", str(program["id"]))
+    return {
+        "program": f"bpftool cgroup show: {program['id']} {program['attach_type']} {program['attach_flags']}",
+        "rules": program_rules(dumped),
+    }
+
+
+def _bpftool(*args: str) -> str:
+    return subprocess.run(["bpftool", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+#: The instructions of runc's device program (opencontainers/runc libcontainer/cgroups/devices/
+#: devicefilter.go, DeviceFilter), as `bpftool prog dump xlated` prints them. The prologue loads the
+#: device's type (r2: 1 block, 2 char), the access asked (r3: 1 mknod, 2 read, 4 write), major (r4)
+#: and minor (r5); then one block per rule, most specific last, each falling through to the next
+#: when a check fails, and ending in `w0 = <1 allow, 0 deny>; exit`; the last block is the default.
+_PROLOGUE = re.compile(r"r[2-5] = \*\(u32 \*\)\(r1 \+\d+\)|w2 &= 65535|w3 >>= 16|w1 = w3|if r1 != r3 goto pc\+\d+")
+_TYPE, _ACCESS = re.compile(r"if r2 != 0x(\d) goto pc\+\d+"), re.compile(r"w1 &= (\d+)")
+_MAJOR = re.compile(r"if r4 != 0x([0-9a-f]+) goto pc\+\d+")
+_MINOR = re.compile(r"if r5 != 0x([0-9a-f]+) goto pc\+\d+")
+_VERDICT = re.compile(r"w0 = ([01])")
+
+
+def program_rules(dumped: str) -> list[str]:
+    """The allow rules of a runc device program dumped by bpftool, as devices.list lines ("c 10:229
+    rw", "c *:* m"), in the program's order. An instruction runc does not emit fails the test: the
+    reading would no longer be sure."""
+    rules, denied = [], False
+    kind, access, major, minor = "a", "rwm", "*", "*"
+    for line in dumped.splitlines():
+        found = re.match(r"\s*\d+: \([0-9a-f]{2}\) (.*)$", line)
+        if found is None:
+            continue
+        instruction = found[1]
+        if (match := _TYPE.fullmatch(instruction)) is not None:
+            kind = {"1": "b", "2": "c"}[match[1]]
+        elif (match := _ACCESS.fullmatch(instruction)) is not None:
+            access = "".join(letter for bit, letter in ((2, "r"), (4, "w"), (1, "m")) if int(match[1]) & bit)
+        elif (match := _MAJOR.fullmatch(instruction)) is not None:
+            major = str(int(match[1], 16))
+        elif (match := _MINOR.fullmatch(instruction)) is not None:
+            minor = str(int(match[1], 16))
+        elif (match := _VERDICT.fullmatch(instruction)) is not None:
+            # runc emits a deny block before an allow one only for a default-allow list (which no
+            # container of the CRI gets): the allow rules are then no longer the whole story.
+            assert not (denied and match[1] == "1"), f"a deny rule before an allow rule: {dumped}"
+            denied |= match[1] == "0"
+            if match[1] == "1":
+                rules.append(f"{kind} {major}:{minor} {access}")
+        elif instruction == "exit":
+            kind, access, major, minor = "a", "rwm", "*", "*"
+        else:
+            assert _PROLOGUE.fullmatch(instruction), f"an instruction runc's device program has not: {line!r}"
+    return rules
 
 
 ########################################################################################################
@@ -1061,7 +1417,16 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
             assert confinement["write /"].startswith("OSError: [Errno 30] Read-only file system")
             # The cgroup, read on the host: in the pod, /sys is the host's own (the manifest's mount).
             limit = _quantity(manifest_pod("daemonset.yaml")["spec"]["containers"][0]["resources"]["limits"]["memory"])
-            assert await memory_limit(tier.containerd, plugin) == limit
+            if "memory" in DROPPED_RESOURCES:
+                # Cannot hold here: this machine's cgroup v2 hierarchy has no memory controller, so
+                # RuncWithoutLimits took the limit out of the spec before runc (which would fail on
+                # it) and nothing enforces it. What holds: the spec containerd handed runc had it.
+                assert tier.runc is not None and tier.runc.dropped(plugin)["memory"]["limit"] == limit
+                enforced = "not enforced: this cgroup v2 hierarchy has no memory controller (dropped before runc)"
+            else:
+                assert await memory_limit(tier.containerd, plugin) == limit
+                enforced = "memory.max" if CGROUP_V2 else "memory.limit_in_bytes"
+            tier.outputs["device plugin: memory limit"] = f"{limit} in the spec given to runc; {enforced}"
             # The plugin's own cgroup refuses the node: what makes the health question real.
             assert confinement["open gopher0"] == "PermissionError: [Errno 1] Operation not permitted", confinement
             listed = []
@@ -1081,10 +1446,27 @@ async def test_device_plugin_pod_registers_and_offers_a_mknod_node_healthy(tier,
             await kubelet.wait_until(lambda k: _listed(k, "locked"))
             devices = kubelet.resources[RESOURCE].devices
             assert devices == {**{f"gopher{n}": gp.HEALTHY for n in range(21)}, "locked": gp.UNHEALTHY}
+            # gopherplug's health check is access(): what the kernel says to it in the plugin's
+            # container, in either cgroup mode (v1: devices.list; v2: the eBPF program), beside the
+            # verdicts the kubelet got and the plugin's own device rules (no 10:229 among them).
+            code, said = await exec_sync(
+                tier.containerd, plugin, "python3.11", "-c", SHOW_ACCESS, str(node.devices / "gopher0"), str(locked)
+            )
+            assert code == 0, said
+            errnos = json.loads(said)
+            own_rules = await device_rules(tier.containerd, plugin)
+            tier.outputs["device plugin: access() in the plugin's container -> the kubelet's verdict"] = {
+                name: f"{errnos[str(node.devices / name)]} -> {devices[name]}" for name in ("gopher0", "locked")
+            }
+            tier.outputs["device plugin: the plugin's own device rules (host side)"] = {
+                **{k: v for k, v in own_rules.items() if k == "program"},
+                "rules": [rule for rule in own_rules["rules"] if rule.startswith(f"c {DEVICE_MAJOR}:")],
+            }
+            assert errnos == {str(node.devices / "gopher0"): "EPERM", str(locked): "EACCES"}, errnos
+            assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" not in own_rules["rules"]
             tier.figures["device plugin: idle RSS, 21 devices (MiB)"] = await _rss(tier.containerd, plugin)
 
 
-#: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
 #: The plugin's metrics page, fetched over loopback from inside its container.
 SCRAPE = """
 import sys, urllib.request
@@ -1092,6 +1474,18 @@ with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=1
     sys.stdout.write(answer.read().decode())
 """
 
+#: Run by the plugin's own Python in its container: access(R_OK | W_OK) of each path, as gopherplug's
+#: health check asks it (0, or the errno's name).
+SHOW_ACCESS = """
+import ctypes, errno, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+said = {}
+for path in sys.argv[1:]:
+    said[path] = "0" if libc.access(path.encode(), os.R_OK | os.W_OK) == 0 else errno.errorcode[ctypes.get_errno()]
+print(json.dumps(said))
+"""
+
+#: Run by the plugin's own Python in its container: what confines it, as the kernel reports it.
 SHOW_CONFINEMENT = """
 import json, os, sys
 seen = {}
@@ -1119,15 +1513,10 @@ def _spread(samples: list[float]) -> str:
     return f"p50 {ordered[len(ordered) // 2]}, max {ordered[-1]}"
 
 
-#: cgroup v2 only (unified): no per-controller directories, and devices are an eBPF program, not a file.
-CGROUP_V2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
-
-
 async def cgroup_file(containerd: Containerd, container_id: str, controller: str, name: str) -> str:
     """A file of the container's cgroup, found through the runtime spec containerd reports (with the
     cgroupfs driver, cgroupsPath is a path under each hierarchy)."""
-    status = await container_status(containerd, container_id, verbose=True)
-    path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"].lstrip("/")
+    path = await container_cgroup(containerd, container_id)
     hierarchy = Path("/sys/fs/cgroup") if CGROUP_V2 else Path("/sys/fs/cgroup") / controller
     return (hierarchy / path / name).read_text().strip()
 
@@ -1212,9 +1601,10 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
     assert refused["ls exit"] == 0 and refused["ls -l"].startswith("crw")
     assert refused["open exit"] != 0 and "Operation not permitted" in refused["open rw"]
-    if not CGROUP_V2:  # the DeviceSpec's rule, in the consumer's device cgroup only
-        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
-        assert rule in seen["devices.list (host side)"] and rule not in refused["devices.list (host side)"]
+    assert not_granted_refused(seen) and not_granted_refused(refused)
+    # The DeviceSpec's rule, in the consumer's device rules only (v1: devices.list; v2: its eBPF program).
+    rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+    assert rule in seen["device rules (host side)"] and rule not in refused["device rules (host side)"]
 
 
 def _without_termination_message_path(template: dict[str, Any]) -> dict[str, Any]:
@@ -1507,7 +1897,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
                 seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
             tier.outputs["DRA: consumer"] = seen
             # enable_cdi = false (containerd 1.7's default), the same spec directory: nothing fails.
-            second = Containerd(tier.root / "ctrd2", enable_cdi=False)
+            second = tier.containerd_for(tier.root / "ctrd2", enable_cdi=False)
             second.extra_cdi_dirs.append(tier.containerd.cdi_dir)
             tier.second = second
             await trio.to_thread.run_sync(second.start)
@@ -1526,9 +1916,10 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     assert state == PB.ContainerState.CONTAINER_RUNNING
     assert unseen["ls exit"] != 0 and "No such file or directory" in unseen["ls -l"]
     assert not any(line.startswith("GOPHER") for line in unseen["env"]), unseen["env"]
-    if not CGROUP_V2:  # the CDI spec's device node rule, under the CDI-enabled containerd only
-        rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
-        assert rule in seen["devices.list (host side)"] and rule not in unseen["devices.list (host side)"]
+    assert not_granted_refused(seen) and not_granted_refused(unseen)
+    # The CDI spec's device node rule, under the CDI-enabled containerd only.
+    rule = f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw"
+    assert rule in seen["device rules (host side)"] and rule not in unseen["device rules (host side)"]
 
 
 #: How many consumers share the one device in the test below
@@ -1628,8 +2019,8 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
         assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}"], reported[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
-        if not CGROUP_V2:  # each share's CDI device node rule, in each consumer's device cgroup
-            assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["devices.list (host side)"], seen[name]
+        # Each share's CDI device node rule, in each consumer's device rules.
+        assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["device rules (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
 
