@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import py_compile
 import queue
 import shutil
 import stat
@@ -122,6 +123,23 @@ class Kubelet:
 def cpu_seconds(pid):
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def revision_module(rev, directory, bytecode=True):
+    """gopherplug.py as git revision ``rev`` has it ("tree": the work tree's), alone in ``directory``
+    (made here), compiled to bytecode as the images ship it unless ``bytecode`` is false; its path."""
+    if rev == "tree":
+        text = (HERE / "gopherplug.py").read_text()
+    else:
+        show = ["git", "show", f"{rev}:gopherplug.py"]
+        text = subprocess.run(show, cwd=HERE, capture_output=True, text=True, check=True).stdout
+    module = Path(directory) / "gopherplug.py"
+    module.parent.mkdir(parents=True, exist_ok=True)
+    module.write_text(text)
+    if bytecode:
+        cached = module.parent / "__pycache__" / f"gopherplug.{sys.implementation.cache_tag}.pyc"
+        py_compile.compile(str(module), cfile=str(cached))
+    return module
 
 
 def rss_mib(pid):

@@ -13,7 +13,6 @@ of the import time and the RSS. The same third-party packages (this venv's) serv
 from __future__ import annotations
 
 import argparse
-import py_compile
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE / "bench"))
+from bench_gopherplug import revision_module  # noqa: E402
 
 PROBE = (
     "import time\n"
@@ -32,14 +33,6 @@ PROBE = (
 )
 
 
-def source(rev: str) -> str:
-    if rev == "tree":
-        return (HERE / "gopherplug.py").read_text()
-    return subprocess.run(
-        ["git", "show", f"{rev}:gopherplug.py"], cwd=HERE, capture_output=True, text=True, check=True
-    ).stdout
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("revs", nargs="*", default=["HEAD~1", "tree"])
@@ -48,11 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gp-import-") as root:
         places = {}
         for rev in args.revs:
-            place = Path(root, rev.replace("/", "_").replace("~", "-"))
-            place.mkdir()
-            (place / "gopherplug.py").write_text(source(rev))
-            py_compile.compile(str(place / "gopherplug.py"), cfile=str(place / "__pycache__" / _pyc_name()))
-            places[rev] = place
+            places[rev] = revision_module(rev, Path(root, rev.replace("/", "_").replace("~", "-"))).parent
         times: dict[str, list[float]] = {rev: [] for rev in args.revs}
         rss: dict[str, list[float]] = {rev: [] for rev in args.revs}
         for _ in range(args.runs):
@@ -70,10 +59,6 @@ def main() -> None:
                 f"{rev:<12} {lines:>6} {statistics.median(t):>15.1f}, {min(t):>6.1f} "
                 f"{statistics.median(r):>14.2f}, {min(r):>5.2f}"
             )
-
-
-def _pyc_name() -> str:
-    return f"gopherplug.{sys.implementation.cache_tag}.pyc"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import py_compile
 import shutil
 import statistics
 import subprocess
@@ -35,19 +34,11 @@ import grpc
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
-from bench_gopherplug import Kubelet, rss_mib  # noqa: E402
+from bench_gopherplug import Kubelet, revision_module, rss_mib  # noqa: E402
 
 import gopherplug as gp  # noqa: E402
 
 RESOURCE = "example.com/gopher"
-
-
-def source(rev: str) -> str:
-    if rev == "tree":
-        return (HERE / "gopherplug.py").read_text()
-    return subprocess.run(
-        ["git", "show", f"{rev}:gopherplug.py"], cwd=HERE, capture_output=True, text=True, check=True
-    ).stdout
 
 
 def peak_mib(pid: int) -> float:
@@ -132,15 +123,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpm-src-") as place:
         modules = {}
         for rev in args.revs:
-            module = Path(place, rev.replace("/", "_").replace("~", "-"), "gopherplug.py")
-            module.parent.mkdir()
-            module.write_text(source(rev))
-            if not args.source:
-                py_compile.compile(
-                    str(module),
-                    cfile=str(module.parent / "__pycache__" / f"gopherplug.{sys.implementation.cache_tag}.pyc"),
-                )
-            modules[rev] = module
+            directory = Path(place, rev.replace("/", "_").replace("~", "-"))
+            modules[rev] = revision_module(rev, directory, bytecode=not args.source)
         results: dict[str, list[tuple[float, float, float]]] = {rev: [] for rev in args.revs}
         for run in range(args.runs):
             for rev, module in modules.items():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import py_compile
 import re
 import signal
 import ssl
@@ -41,19 +40,14 @@ import yaml
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "bench"))
+from bench_gopherplug import revision_module  # noqa: E402
+
 import gopherplug_standins as standins  # noqa: E402
 
 DRIVER = "gopherplug.example.com"
 NODE = "node-1"
 WAIT = 30  # seconds: the bound of any one wait
-
-
-def source(rev: str) -> str:
-    if rev == "tree":
-        return (HERE / "gopherplug.py").read_text()
-    return subprocess.run(
-        ["git", "show", f"{rev}:gopherplug.py"], cwd=HERE, capture_output=True, text=True, check=True
-    ).stdout
 
 
 def figures(values: list[float]) -> str:
@@ -186,14 +180,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gps-", dir="/tmp") as root:  # short: unix socket paths
         places = {}
         for rev in args.revs:
-            place = Path(root, "rev-" + rev.replace("/", "_").replace("~", "-"))
-            place.mkdir()
-            (place / "gopherplug.py").write_text(source(rev))
-            cache_tag = sys.implementation.cache_tag
-            py_compile.compile(
-                str(place / "gopherplug.py"), cfile=str(place / "__pycache__" / f"gopherplug.{cache_tag}.pyc")
-            )
-            places[rev] = place
+            places[rev] = revision_module(rev, Path(root, "rev-" + rev.replace("/", "_").replace("~", "-"))).parent
         trio.run(main_async, args, places, Path(root))
 
 
