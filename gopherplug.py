@@ -5046,6 +5046,7 @@ async def watch_devices(
     devices: Watched,
     sysfs_root: str = "/sys",
     dev_root: str = "/dev",
+    turn: CDISpecTurn | None = None,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -5067,9 +5068,10 @@ async def watch_devices(
     may be created with it at once). It stays when this returns: the kubelet keeps the CDI names
     of its allocations and gives them to the runtime again whenever a container restarts, plugin
     running or not (an update rolling through the DaemonSet, an OOM kill). A device leaves the
-    spec only when it leaves the directory.
+    spec only when it leaves the directory. With ``turn`` (a DRA driver's pod), the spec is written
+    in this pod's turn only (CDISpecTurn), and again whenever the turn changes.
     """
-    device_set = _DeviceSet(resource, devices)
+    device_set = _DeviceSet(resource, devices, turn)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
@@ -5095,6 +5097,8 @@ async def watch_devices(
         async with trio.open_nursery() as nursery:
             for tracker in trackers:
                 nursery.start_soon(_follow_source, tracker, device_set)
+            if turn is not None:
+                nursery.start_soon(_follow_turn, turn, device_set)
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
@@ -5103,6 +5107,13 @@ async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _Dev
             device_set.update(tracker.rescan())
         else:
             device_set.update(tracker.update([name for name, _ in events], touched))
+
+
+async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
+    while True:
+        touched = turn.changed.next_touch()  # before the check: a change while it runs is not missed
+        device_set.check_turn()
+        await touched.wait()
 
 
 # An entry's key in a _DeviceSet: its source's number and its name in that directory (a USB
@@ -5292,9 +5303,12 @@ class _DeviceSet:
     """watch_devices' devices: the entries its sources found, made into devices (entries with the
     same ID are one), published, their health changes logged, their CDI spec written."""
 
-    def __init__(self, resource: ResourceConfig, devices: Watched) -> None:
+    def __init__(self, resource: ResourceConfig, devices: Watched, turn: CDISpecTurn | None = None) -> None:
         self.resource = resource
         self.devices = devices
+        self.turn = turn  # with a DRA driver: the spec is written in this pod's turn only
+        self.taken = turn.changed.value if turn is not None else 0  # the turn's take() count last seen
+        self.deferred_to = ""  # the newer pod's registration socket the spec is left to ("": written here)
         self.entries: dict[str, dict[_Key, DeviceEntry]] = {}  # device ID -> its entries
         self.ids: dict[_Key, str] = {}  # an entry's key -> its device's ID
         self.found: dict[str, DeviceEntry] = {}  # the devices, as last made
@@ -5324,9 +5338,17 @@ class _DeviceSet:
                 self.found.pop(device_id, None)
         self._publish(changed)
 
-    def _publish(self, changed: set[str]) -> None:
+    def check_turn(self) -> None:
+        """The turn changed (CDISpecTurn): write the spec again if this pod took it, or if it had
+        left the spec to a newer pod (which may be gone); written or not, write_cdi_spec decides."""
+        assert self.turn is not None
+        taken, self.taken = self.turn.changed.value != self.taken, self.turn.changed.value
+        if self.devices.value is not RETIRED and (taken or self.deferred_to):
+            self._publish(set(), rewrite=True)
+
+    def _publish(self, changed: set[str], rewrite: bool = False) -> None:
         """Publish what was found (a copy: streams hold on to it), log health changes of the
-        ``changed`` devices, write the CDI spec."""
+        ``changed`` devices, write the CDI spec (``rewrite``: even if it is as last written)."""
         before = self.devices.value
         for device_id in changed:
             device, old = self.found.get(device_id), before.get(device_id)
@@ -5342,9 +5364,10 @@ class _DeviceSet:
         if self.resource.cdi is not None and (
             self.cdi_written is _NOT_YET
             or self.cdi_failed
+            or rewrite
             or any(_cdi_part(before.get(i)) != _cdi_part(self.found.get(i)) for i in changed)
         ):
-            found = self._write_cdi_spec(found)
+            found = self._write_cdi_spec(found, rewrite)
         if found != before:
             self.devices.replace(found)
             if _metrics is not None:
@@ -5359,14 +5382,34 @@ class _DeviceSet:
             _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
         self.empty = not self.found
 
-    def _write_cdi_spec(self, found: dict[str, DeviceEntry]) -> dict[str, DeviceEntry]:
+    def _write_cdi_spec(self, found: dict[str, DeviceEntry], rewrite: bool = False) -> dict[str, DeviceEntry]:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
         assert self.resource.cdi is not None
         spec = cdi_spec(self.resource, found.values())
-        if spec == self.cdi_written:
+        if spec == self.cdi_written and not rewrite and not self.deferred_to:
             return found
         try:
-            write_cdi_spec(self.resource.cdi, spec)
+            yield_to = self.turn.newer if self.turn is not None else None
+            newer = write_cdi_spec(self.resource.cdi, spec, yield_to)
+            if newer:
+                # A newer pod of the driver writes the spec from its own configuration: every
+                # device is offered here (the newer pod publishes the slices and prepares new claims).
+                if newer != self.deferred_to:
+                    _log(self.resource).info(
+                        "a newer pod of the DRA driver serves (%s): the CDI spec %s is left to it",
+                        newer,
+                        self.resource.cdi.spec_file,
+                    )
+                self.deferred_to, self.cdi_failed = newer, False
+                if self.cdi_written is _NOT_YET:
+                    self.cdi_written = None  # not a start that failed: later failures are logged, not raised
+                return found
+            if self.deferred_to:
+                _log(self.resource).info(
+                    "no newer pod of the DRA driver serves any more: writing the CDI spec %s again",
+                    self.resource.cdi.spec_file,
+                )
+            self.deferred_to = ""
             self.cdi_written, self.cdi_failed = spec, False
             return found
         except GopherplugError as error:
@@ -5397,17 +5440,20 @@ def _cdi_part(device: DeviceEntry | None) -> Any:
     return None if device is None else (device.path, device.device_specs, device.mounts)
 
 
-def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
+def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None, yield_to: Callable[[], str] | None = None) -> str:
     """Replace the CDI spec file atomically (a runtime never reads half a file), or remove it (None).
+    Returns "", or what ``yield_to`` named: then nothing was written.
 
     Raises GopherplugError when the directory cannot be written: the kubelet would hand out CDI
     devices that no runtime can find.
 
     Written under an flock on ``cdi.lock_file``, held for this write only: during a rolling update
-    the DaemonSet's old and new pod both keep the spec, writing the same devices, and neither may
-    keep the other from starting. The lock file stays: an flock on a file removed and made again
-    could have two holders. So it is one per kind, shared by the claims' specs of that kind (a lock
-    file per claim would be left behind by every claim ever prepared).
+    the DaemonSet's old and new pod both run, and neither may keep the other from starting. The
+    lock file stays: an flock on a file removed and made again could have two holders. So it is
+    one per kind, shared by the claims' specs of that kind (a lock file per claim would be left
+    behind by every claim ever prepared). ``yield_to`` (CDISpecTurn.newer) is asked under the
+    flock: a newer pod that took its turn under it before is seen listening now, and one that takes
+    it after this write writes last.
     """
     try:
         os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
@@ -5415,10 +5461,12 @@ def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
         try:
             # The other holder writes one file, in milliseconds: waited for here, on the event loop.
             fcntl.flock(lock, fcntl.LOCK_EX)
+            if yield_to is not None and (newer := yield_to()):
+                return newer
             if spec is None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(cdi.spec_file)
-                return
+                return ""
             # A name without .json or .yaml: CDI runtimes watching the directory ignore it until renamed.
             fd, temporary = tempfile.mkstemp(dir=cdi.spec_dir, prefix=".gopherplug-", suffix=".tmp")
             try:
@@ -5429,6 +5477,7 @@ def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None) -> None:
             except BaseException:
                 os.unlink(temporary)
                 raise
+            return ""
         finally:
             os.close(lock)
     except OSError as error:
@@ -5446,6 +5495,33 @@ def _cdi_json(spec: Mapping[str, Any]) -> str:
     head = json.dumps({key: value for key, value in spec.items() if key != "devices"})[:-1]
     devices = ",\n    ".join(json.dumps(device) for device in spec["devices"])
     return f'{head}, "devices": [\n    {devices}\n  ]}}\n'
+
+
+class CDISpecTurn:
+    """Whose turn it is to write the CDI specs (<vendor>-<class>.json) that the pods of a DRA driver
+    share on a node: one writer, the newest pod, as for the slices (DriverPeers).
+
+    During a rolling update the DaemonSet's old and new pod both watch the devices, and each would
+    write the spec from its own configuration (env, mounts, device_specs): the last write wins, so
+    a spec the old pod wrote could outlive it, and containers the new pod prepares would get the old
+    settings until its own devices next changed. So a pod writes only while ``newer()`` names no
+    newer live pod of the driver (its registration socket, as DriverPeers.newer; "" until serve_dra
+    listens on ours, so a pod writes at start), and writes again once that pod is gone.
+
+    serve_dra calls ``take(newer)`` once its registration socket listens: each resource's spec is
+    then written again, under the flock (write_cdi_spec), whatever an older pod wrote before it saw
+    this one. ``changed`` is also touched whenever a socket comes or goes in plugins_registry: an
+    older pod that left the spec to a newer one writes it again once that one is gone.
+    """
+
+    def __init__(self) -> None:
+        self.newer: Callable[[], str] = str  #: the registration socket of a newer live pod ("": none)
+        self.changed = Watched(0)  #: counts take(); touched when a peer may have come or gone
+
+    def take(self, newer: Callable[[], str]) -> None:
+        """This pod's registration socket listens: ask ``newer`` from now on, and write every spec again."""
+        self.newer = newer
+        self.changed.set(self.changed.value + 1)
 
 
 class KubeletWatch:
@@ -6208,6 +6284,8 @@ class DraResources:
     served: dict[str, tuple[ResourceConfig, Watched]] = dataclasses.field(default_factory=dict)
     changed: Watched = dataclasses.field(default_factory=lambda: Watched(None))
     unhealthy_taint: str = "NoSchedule"  #: the effect of an unhealthy device's taint (DraConfig)
+    #: whose turn it is to write the resources' CDI specs (this pod's or a newer one's): serve_dra takes it
+    cdi_turn: CDISpecTurn = dataclasses.field(default_factory=CDISpecTurn)
 
     def attach(self, resource: ResourceConfig, devices: Watched) -> None:
         self.served[resource.name] = (resource, devices)
@@ -6908,9 +6986,11 @@ class DriverPeers:
     ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
     """
 
-    def __init__(self, config: DraConfig) -> None:
+    def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
         self.config = config
-        self.changed = Watched(None)  #: touched when a socket comes or goes in plugins_registry
+        #: touched when a socket comes or goes in plugins_registry (``changed``, shared with the CDI
+        #: specs' CDISpecTurn, when given)
+        self.changed = changed if changed is not None else Watched(None)
 
     def newer(self) -> tuple[str, bool]:
         """The registration socket of a live pod of the driver newer than this one ("" if none, also
@@ -7513,7 +7593,7 @@ def _listing(directory: str) -> list[str]:
 async def _serve_dra(
     config: DraConfig, resources: DraResources, api: Any, task_status: trio.TaskStatus[DraDriver]
 ) -> None:
-    peers = DriverPeers(config)
+    peers = DriverPeers(config, resources.cdi_turn.changed)
     driver = DraDriver(
         config,
         resources,
@@ -7543,6 +7623,8 @@ async def _serve_dra(
                 config.registration_socket,
                 lambda: [registration_service(config, driver.registration)],
             )
+            # Listening: from now on an older pod sees this one, and leaves the CDI specs to it.
+            resources.cdi_turn.take(lambda: peers.newer()[0])
             log.info("DRA driver %s on node %s: %s", config.driver, resources.node_name, config.registration_socket)
             task_status.started(driver)
             await trio.sleep_forever()
@@ -8148,7 +8230,10 @@ async def _serve_one(
                 ) -> None:
                     try:
                         with scope:
-                            await watch_devices(resource, served.devices, sysfs_root, dev_root, task_status=task_status)
+                            turn = dra_resources.cdi_turn if dra_resources is not None else None
+                            await watch_devices(
+                                resource, served.devices, sysfs_root, dev_root, turn, task_status=task_status
+                            )
                     finally:
                         done.set()
 

@@ -7497,6 +7497,89 @@ async def test_dra_a_newer_pod_is_seen_once_it_listens_on_its_socket(dra_node, m
                 await publisher.deferring.wait_touched()
 
 
+def spec_env(path):
+    """The CDI spec's devices, each as (name, its env)."""
+    return [(device["name"], device["containerEdits"]["env"]) for device in read_spec(path)["devices"]]
+
+
+async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(dra_node, monkeypatch):
+    """Issue 25, finding 3: the old and the new pod of a rolling update share the CDI spec
+    (<vendor>-<class>.json), each with its own configuration (here env: OLD, then NEW). The newest
+    pod writes it; the old one, seeing a device the new one does not take (its pattern is wider),
+    leaves the spec as the new one wrote it, rather than its own settings reaching the containers
+    the new pod prepares. Once the new pod is gone (a rollback), the old one writes its own again."""
+    publishers = []
+
+    class Recorded(gp.SlicePublisher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            publishers.append(self)
+
+    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    spec = dra_node.root / "cdi" / "example.com-gopher.json"
+    old_config = gp.with_pod_uid(dra_node.config(env="OLD"), "0a1b2c3d-0000-4000-8000-00000000001a")
+    new_config = gp.with_pod_uid(
+        dra_node.config(env="NEW", pattern="gopher[01]"), "0a1b2c3d-0000-4000-8000-00000000002b"
+    )
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(old_config)
+        assert spec_env(spec) == [("gopher0", ["OLD_GOPHER0=gopher0"]), ("gopher1", ["OLD_GOPHER1=gopher1"])]
+        new = await dra_node.start(new_config)
+        assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"]), ("gopher1", ["NEW_GOPHER1=gopher1"])]
+        old_devices = publishers[0].resources.served["example.com/gopher"][1]
+        with logged("the CDI spec") as left:
+            (dra_node.devices / "gopher2").touch()  # the old pod's device only
+            while "gopher2" not in old_devices.value:  # its spec, were it to write it, is written by now
+                await old_devices.wait_touched()
+        assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"]), ("gopher1", ["NEW_GOPHER1=gopher1"])]
+        assert left.lines == [
+            f"a newer pod of the DRA driver serves ({new_config.dra.registration_socket}): the CDI spec {spec} is "
+            "left to it"
+        ]
+        with logged("writing the CDI spec") as again:
+            new.cancel()  # the rollout undone: the old pod is the newest again
+            await again.wait()
+    assert again.lines == [f"no newer pod of the DRA driver serves any more: writing the CDI spec {spec} again"]
+    assert spec_env(spec) == [
+        ("gopher0", ["OLD_GOPHER0=gopher0"]),
+        ("gopher1", ["OLD_GOPHER1=gopher1"]),
+        ("gopher2", ["OLD_GOPHER2=gopher2"]),
+    ]
+
+
+async def test_a_pod_that_takes_the_cdi_turn_writes_its_spec_again(nursery, tmp_path):
+    """A pod of a rolling update writes the CDI spec as it starts, before its registration socket
+    listens: until then the old pod does not see it, and may write its own spec over it (a device
+    came in between). So once the socket listens (CDISpecTurn.take), the new pod writes its spec
+    again, under the flock the old one asks for the newer pod under."""
+    (tmp_path / "devs").mkdir()
+    (tmp_path / "devs" / "gopher0").touch()
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")}
+    config = gp.parse_config(dra_config(tmp_path / "devs", "/k", env="NEW", cdi=cdi), "cfg.yaml")
+    (resource,) = config.resources
+    turn = gp.CDISpecTurn()
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(gp.watch_devices, resource, gp.Watched({}), "/sys", "/dev", turn)
+        spec = tmp_path / "cdi" / "example.com-gopher.json"
+        assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+        stale = gp.cdi_spec(dataclasses.replace(resource, env="OLD"), gp.scan_directory(resource).devices)
+        gp.write_cdi_spec(resource.cdi, stale)  # an older pod, before it saw this one
+        with gp.DirectoryWatch(str(tmp_path / "cdi"), inotify_flags.MOVED_TO) as watch:
+            turn.take(lambda: "")
+            async with contextlib.aclosing(watch.batches()) as batches:
+                async for events, _, _ in batches:
+                    if any(name == spec.name for name, _ in events):
+                        break
+        assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+        # A newer pod named under the flock: nothing is written, and who it is comes back.
+        assert gp.write_cdi_spec(resource.cdi, stale, lambda: "/k/plugins_registry/newer-reg.sock") == (
+            "/k/plugins_registry/newer-reg.sock"
+        )
+        assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+
+
 PRIORITIZED_REQUESTS = [
     # "gpu" takes the first of its subrequests the node can satisfy (firstAvailable); the scheduler
     # names the one it chose in each result as "gpu/<subrequest>".
