@@ -6454,12 +6454,18 @@ class ClaimPreparer:
     Each claim is answered on its own: one that fails gets its error in the answer, and the
     kubelet asks again for it alone. A prepared claim is in the checkpoint before it is answered,
     so that whatever the kubelet was told survives a restart of this plugin.
+
+    With ``peers``, a claim not prepared yet is refused while a newer pod of the driver serves
+    (_prepare_one says why): only the newest pod's configuration reaches new containers.
     """
 
-    def __init__(self, resources: DraResources, checkpoint: ClaimCheckpoint, api: Any) -> None:
+    def __init__(
+        self, resources: DraResources, checkpoint: ClaimCheckpoint, api: Any, peers: DriverPeers | None = None
+    ) -> None:
         self.resources = resources
         self.checkpoint = checkpoint
         self.api = api
+        self.peers = peers
         # Prepared claims whose device status is still to be written: write_statuses() writes them
         # after their answers went, so that a slow API server delays no pod's start.
         self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
@@ -6491,6 +6497,21 @@ class ClaimPreparer:
                         await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
                 answer.devices.extend(devices)
                 return
+            # During a rolling update the kubelet calls the driver's most recently registered pod
+            # whose connection is up (GetPlugin in kubernetes/kubernetes
+            # pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go), and after a kubelet restart the pods
+            # register in the order its plugin watcher meets them: the old pod may be asked. Its
+            # configuration (env, mounts, device_specs, cdi) may not be the newest's, whose CDI spec
+            # is the one on the node (CDISpecTurn), and its shares' specs would carry its own edits.
+            # So it hands over: the claim's answer is an error, and the kubelet asks again ("will be
+            # called again for those that are not prepared", NodePrepareResourcesResponse in
+            # kubernetes/kubelet pkg/apis/dra/v1/api.proto; the pod's sync is retried with backoff),
+            # by then of the newest pod, or of this one once the newer pod is gone.
+            if self.peers is not None and (newer := self.peers.newer()[0]):
+                raise GopherplugError(
+                    f"a newer pod of DRA driver {self.resources.driver} serves on this node ({newer}): it prepares "
+                    "new claims, and the kubelet asks again"
+                )
             # The API server is asked outside the checkpoint's flock, as the Go helper does its slow
             # calls before serializing: the other pod of a rolling update waits for a write, not this.
             with trio.fail_after(API_REQUEST_TIMEOUT):
@@ -7598,7 +7619,7 @@ async def _serve_dra(
         config,
         resources,
         RegistrationState(),
-        ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint, config.serialize_lock), api),
+        ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint, config.serialize_lock), api, peers),
         SlicePublisher(resources, api, peers),
     )
     async with trio.open_nursery() as nursery:
@@ -9187,6 +9208,15 @@ class SimulatedDriver:
     )
     registration_socket: str
     supported_versions: tuple[str, ...] = ()  #: as GetInfo listed them
+    #: whether the kubelet's connection to the endpoint is up (DraKubeletSimulator._connect)
+    connected: bool = dataclasses.field(default=False, compare=False)
+    #: the kept connection's scope: cancelled when the plugin is deregistered or dropped
+    connection: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope, compare=False, repr=False)
+
+
+#: What a gRPC client sends first on a connection: HTTP/2's preface and an empty SETTINGS frame (a
+#: server closes a connection that does not greet it, as gopherplug's does after HANDSHAKE_TIMEOUT).
+_HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 class DraKubeletSimulator:
@@ -9203,9 +9233,22 @@ class DraKubeletSimulator:
     rolling update), as the kubelet's DRA plugin manager allows (kubernetes/kubernetes
     pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): ``plugins`` keeps them in the order they
     registered; a second registration of an endpoint already registered is refused; calls go to the
-    newest one that is connected (here: whose endpoint accepts a connection), else the newest
-    (``drivers``); when one deregisters the others go on, and the driver's slices are wiped
-    ``wiping_delay`` later only if none that is left is connected.
+    newest one that is connected, else the newest (``drivers``); when one deregisters the others go
+    on, and the driver's slices are wiped ``wiping_delay`` later only if none that is left is connected.
+
+    Connected is the state of a connection the kubelet keeps to each registered plugin (its gRPC
+    client's: the stats handler's ConnBegin and ConnEnd set it, DRAPlugin.HandleConn in
+    pkg/kubelet/cm/dra/plugin), not whether the endpoint would accept one now: here, a unix socket
+    connection made as the plugin registers (the kubelet connects at once), greeted as HTTP/2, and
+    kept until the plugin closes it (its server stopped) or the plugin is deregistered. A call to a
+    plugin that is not connected connects it again, as an RPC on an idle gRPC channel does.
+
+    At start the kubelet registers the sockets already in plugins_registry in no set order: its
+    plugin watcher puts them in a map that the reconciler walks (desired_state_of_world_cache.go
+    and reconciler.go in pkg/kubelet/pluginmanager), and Go walks a map in random order. So does
+    this one: ``order`` (a list of names -> the order to register them in) shuffles them with a
+    random.Random of ``seed`` (one drawn at random, kept in ``seed``, unless given); a test may set
+    ``order`` to a function of its own.
     """
 
     def __init__(
@@ -9216,8 +9259,14 @@ class DraKubeletSimulator:
         wiping_delay: float = DRA_WIPING_DELAY,
         info_interval: float | None = None,
         health_versions: Iterable[str] = (DRA_HEALTH_VERSION,),
+        seed: int | None = None,
     ) -> None:
         self.registry = os.path.join(kubelet_dir, "plugins_registry")
+        self.seed = seed if seed is not None else random.randrange(2**32)  #: of the registration order at start
+        shuffler = random.Random(self.seed)
+        #: the order the sockets found at start are registered in (see the class's docstring)
+        self.order: Callable[[list[str]], list[str]] = lambda names: shuffler.sample(names, len(names))
+        self._connections: trio.Nursery | None = None  # the kept connections' nursery, while running
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
         self.wipe, self.wiping_delay = wipe, wiping_delay
         #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
@@ -9255,8 +9304,9 @@ class DraKubeletSimulator:
             self._wipe("")
             with DirectoryWatch(self.registry, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO) as w:
                 async with trio.open_nursery() as nursery:
-                    # At start, every socket already there; then each one created.
-                    for name in sorted(os.listdir(self.registry)):
+                    self._connections = nursery  # a restart closes every connection with it
+                    # At start, every socket already there, in no set order; then each one created.
+                    for name in self.order(os.listdir(self.registry)):
                         await self._register(os.path.join(self.registry, name))
                     self.starts += 1
                     self._changed.touch()
@@ -9287,11 +9337,12 @@ class DraKubeletSimulator:
                 for plugins in list(self.plugins.values()):
                     for plugin in [p for p in plugins if p.registration_socket == path]:
                         plugins.remove(plugin)
+                        plugin.connection.cancel()
                         self.events.append(("deregistered", path))
                         self._sync(plugin.name)
                         # DRAPluginManager.sync: slices wait for their wipe only when no plugin of
                         # the driver that is left is usable (connected).
-                        if not any(_accepts(p.endpoint) for p in plugins):
+                        if not any(p.connected for p in plugins):
                             gone.append(plugin.name)
         return gone
 
@@ -9319,6 +9370,7 @@ class DraKubeletSimulator:
     def drop(self, driver: str) -> None:
         """Forget a registered driver without a word to it: no more GetInfo, no more calls."""
         for dropped in self.plugins.pop(driver):
+            dropped.connection.cancel()
             self.events.append(("dropped", dropped.registration_socket))
         self._sync(driver)
         self._changed.touch()
@@ -9386,10 +9438,32 @@ class DraKubeletSimulator:
             pending.cancel()  # back in time: its slices stay
         package = dict(DRA_VERSIONS)[str(chosen)]
         plugin = SimulatedDriver(info.name, info.endpoint, f"{package}.DRAPlugin", path, tuple(info.supported_versions))
+        assert self._connections is not None
+        await self._connections.start(self._connect, plugin)
         self.plugins.setdefault(info.name, []).append(plugin)
         self._sync(info.name)
         self.events.append(("registered", path))
         self._changed.touch()
+
+    async def _connect(self, plugin: SimulatedDriver, *, task_status: trio.TaskStatus[None]) -> None:
+        """Connect to the plugin's endpoint and keep the connection: ``connected`` while it is up.
+        started() once it is up, or could not be made."""
+        started = False
+        with plugin.connection:
+            try:
+                async with await trio.open_unix_socket(plugin.endpoint) as stream:
+                    await stream.send_all(_HTTP2_GREETING)
+                    plugin.connected = started = True
+                    task_status.started()
+                    while await stream.receive_some():
+                        pass  # the server's SETTINGS and their ack: not looked at
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # refused, or closed by the plugin
+            finally:
+                plugin.connected = False
+                self._changed.touch()
+        if not started:
+            task_status.started()
 
     def restart(self) -> None:
         """Restart like the kubelet: forget every driver, find them again in plugins_registry."""
@@ -9485,11 +9559,16 @@ class DraKubeletSimulator:
             yield responses
 
     def _driver(self, driver: str) -> SimulatedDriver:
-        """The plugin a call goes to: the newest connected one, else the newest (DRAPluginManager.get)."""
+        """The plugin a call goes to: the newest connected one, else the newest (DRAPluginManager.get),
+        whose channel the call connects again."""
         plugins = self.plugins.get(driver)
         if not plugins:
             raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} is not registered")
-        return next((p for p in reversed(plugins) if _accepts(p.endpoint)), plugins[-1])
+        chosen = next((p for p in reversed(plugins) if p.connected), plugins[-1])
+        if not chosen.connected and self._connections is not None:
+            chosen.connection = trio.CancelScope()
+            self._connections.start_soon(functools.partial(self._connect, chosen, task_status=trio.TASK_STATUS_IGNORED))
+        return chosen
 
     async def _call(self, driver: str, method: str, request_type: Any, claims: Iterable[tuple[str, str, str]]) -> Any:
         known = self._driver(driver)

@@ -7580,6 +7580,69 @@ async def test_a_pod_that_takes_the_cdi_turn_writes_its_spec_again(nursery, tmp_
         assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
 
 
+async def test_dra_kubelet_stand_in_registers_at_start_in_random_order_and_keeps_a_connection(dra_node):
+    """Issue 25, finding 5: the kubelet registers the sockets it finds at start in no set order
+    (a Go map), and a plugin is "connected" while the connection the kubelet keeps to it is up, not
+    when its endpoint would accept one. The stand-in's order is a seeded shuffle, the same for one
+    seed; its connection ends when the plugin's server closes it, with no call made."""
+    names = [f"{DRIVER}-{index}-reg.sock" for index in range(8)]
+    orders = {
+        tuple(standins.DraKubeletSimulator(str(dra_node.kubelet_dir), seed=seed).order(names)) for seed in range(8)
+    }
+    assert len(orders) > 1 and all(sorted(order) == names for order in orders)
+    first = standins.DraKubeletSimulator(str(dra_node.kubelet_dir), seed=3).order(names)
+    assert standins.DraKubeletSimulator(str(dra_node.kubelet_dir), seed=3).order(names) == first
+    kubelet = dra_node.kubelet
+    with trio.fail_after(TIMEOUT):
+        pod = await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a"))
+        await kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 1)
+        (plugin,) = kubelet.plugins[DRIVER]
+        assert plugin.connected
+        pod.cancel()
+        await kubelet.wait_until(lambda k: not plugin.connected)
+
+
+async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_newest(dra_node):
+    """Issue 25, finding 5, with finding 3: after a kubelet restart during a rolling update, the
+    kubelet may register the old pod last, and then calls it (the newest registered and connected
+    plugin). The old pod's configuration (env OLD) is not the new one's, whose CDI spec is on the
+    node: it refuses the claim it has not prepared, naming the newer pod, and writes nothing; the
+    kubelet asks again, and once the old pod is gone, the new one prepares it with its own settings."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c0", "uid-0", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    old_config = gp.with_pod_uid(dra_node.config(env="OLD"), "0a1b2c3d-0000-4000-8000-00000000001a")
+    new_config = gp.with_pod_uid(dra_node.config(env="NEW"), "0a1b2c3d-0000-4000-8000-00000000002b")
+    old_socket, new_socket = old_config.dra.registration_socket, new_config.dra.registration_socket
+    spec = dra_node.root / "cdi" / "example.com-gopher.json"
+    kubelet = dra_node.kubelet
+    with trio.fail_after(TIMEOUT):
+        old = await dra_node.start(old_config)
+        await dra_node.start(new_config)
+        await kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
+        kubelet.order = lambda names: sorted(names, key=lambda name: name == os.path.basename(old_socket))
+        kubelet.restart()  # the new pod's socket registered first, the old one's last
+        await kubelet.wait_until(lambda k: k.starts == 2 and len(k.plugins.get(DRIVER, [])) == 2)
+        assert [p.registration_socket for p in kubelet.plugins[DRIVER]] == [new_socket, old_socket]
+        assert all(p.connected for p in kubelet.plugins[DRIVER])
+        assert kubelet.drivers[DRIVER].registration_socket == old_socket  # the kubelet calls the old pod
+        with logged("cannot prepare ResourceClaim") as refused:
+            answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]
+        assert (answer.error, list(answer.devices)) == (
+            f"a newer pod of DRA driver {DRIVER} serves on this node ({new_socket}): it prepares new claims, and the "
+            "kubelet asks again",
+            [],
+        )
+        assert refused.lines == [f"cannot prepare ResourceClaim default/c0 (uid-0): {answer.error}"]
+        checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
+        assert not checkpoint.exists()  # nothing prepared
+        old.cancel()  # the rollout goes on: the old pod is deleted
+        await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [new_socket])
+        answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]  # the kubelet's retry
+    assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
+    assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+
+
 PRIORITIZED_REQUESTS = [
     # "gpu" takes the first of its subrequests the node can satisfy (firstAvailable); the scheduler
     # names the one it chose in each result as "gpu/<subrequest>".
