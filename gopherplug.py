@@ -56,6 +56,7 @@ call_unary, open_stream) does what its name says.
         dra_plugin_services            the driver's own socket
      5. ClaimPreparer, ClaimCheckpoint NodePrepareResources and NodeUnprepareResources, remembered
      6. KubeApi, SlicePublisher        the API server; the slice publisher, one pool at a time
+        DriverPeers, CDISpecTurn       a rolling update's newest pod writes the slices and CDI specs
      7. serve_dra, _keep_serving       the driver's sockets, served again when the kubelet wipes them
      8. DraKubeletSimulator,           the kubelet's DRA side and an API server, in miniature
         LenientApiServer
@@ -6999,7 +7000,9 @@ class DriverPeers:
     describe the devices otherwise (another version, another configuration). Both writing what they
     see would rewrite each other's slices, a new generation each time, until the old pod is gone.
     So the newest pod writes them: a pod whose registration socket is older than a live one of the
-    driver leaves them to it, and writes again once that one is gone (its socket removed).
+    driver leaves them to it, and writes again once that one is gone (its socket removed). The same
+    notion picks the CDI specs' one writer (CDISpecTurn) and the pod that prepares new claims
+    (ClaimPreparer).
 
     Newest: the later socket's change time (each pod makes its socket as it starts). Live: its
     socket accepts a connection (a killed pod's does not, see _remove_dead_sockets). Sockets named
@@ -7554,7 +7557,7 @@ async def serve_dra(
     With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
     one: during a rolling update with maxSurge the new pod starts before the old one stops. The
     sockets carry the pod's UID; the checkpoint, the CDI spec and the slices are shared, each
-    written under its own rules (ClaimCheckpoint, write_cdi_spec, SlicePublisher), and nothing of
+    written under its own rules (ClaimCheckpoint, CDISpecTurn, SlicePublisher), and nothing of
     them is removed on the way out: only this pod's sockets go. Without a pod UID, one driver runs
     per node: a second one is refused at start while the first one's registration socket answers.
 
