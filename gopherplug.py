@@ -9244,7 +9244,8 @@ class DraKubeletSimulator:
     pkg/kubelet/cm/dra/plugin), not whether the endpoint would accept one now: here, a unix socket
     connection made as the plugin registers (the kubelet connects at once), greeted as HTTP/2, and
     kept until the plugin closes it (its server stopped) or the plugin is deregistered. A call to a
-    plugin that is not connected connects it again, as an RPC on an idle gRPC channel does.
+    plugin that is not connected connects it again, as an RPC on an idle gRPC channel does. (Calls
+    themselves go on a connection of their own, call_unary's: the kept one says only "connected".)
 
     At start the kubelet registers the sockets already in plugins_registry in no set order: its
     plugin watcher puts them in a map that the reconciler walks (desired_state_of_world_cache.go

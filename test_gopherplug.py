@@ -7602,6 +7602,25 @@ async def test_dra_kubelet_stand_in_registers_at_start_in_random_order_and_keeps
         await kubelet.wait_until(lambda k: not plugin.connected)
 
 
+async def test_dra_kubelet_stand_in_connects_again_when_it_calls_a_plugin_not_connected(dra_node):
+    """A registered plugin whose connection ended (here: closed from the kubelet's side) stays
+    registered; with no plugin of the driver connected, a call goes to the newest, and connects it
+    again, as an RPC on an idle gRPC channel does."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c0", "uid-0", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    kubelet = dra_node.kubelet
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        (plugin,) = kubelet.plugins[DRIVER]
+        plugin.connection.cancel()
+        await kubelet.wait_until(lambda k: not plugin.connected)
+        answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]
+        assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
+        await kubelet.wait_until(lambda k: plugin.connected)
+    assert kubelet.plugins[DRIVER] == [plugin]
+
+
 async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_newest(dra_node):
     """Issue 25, finding 5, with finding 3: after a kubelet restart during a rolling update, the
     kubelet may register the old pod last, and then calls it (the newest registered and connected
