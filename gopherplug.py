@@ -7112,6 +7112,7 @@ class SlicePublisher:
         self._stored_as: dict[str, tuple[str, str]] = {}
         self._dropped_warned: set[str] = set()
         self._server_version: str | None = None  #: the API server's /version, once a warning needs it
+        self._kubelet_version = ""  #: the node's kubeletVersion last said (_say_kubelet_version)
         #: What the slices need of this node's Node: {"uid": ..., "allocatable": {name: quantity}},
         #: or None when there is none or it cannot be read (_node_problem says why)
         self.node = Watched(None)
@@ -7210,7 +7211,28 @@ class SlicePublisher:
             allocatable = (found.get("status") or {}).get("allocatable") or {}
             uid = str(found.get("metadata", {}).get("uid") or "")
             self.node.set({"uid": uid, "allocatable": {key: str(value) for key, value in allocatable.items()}})
+            self._say_kubelet_version(
+                str(((found.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion") or "")
+            )
         self.node_known.set()
+
+    def _say_kubelet_version(self, version: str) -> None:
+        """What this node's kubelet (its Node's status.nodeInfo.kubeletVersion; it may be up to three
+        minor versions older than the API server) cannot do of what gopherplug serves: said once per
+        version it reports. A kubelet before 1.36 opens the DRA health stream only with its
+        ResourceHealthStatus gate, alpha and off by default (dra_plugin_manager.go in
+        kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
+        if not version or version == self._kubelet_version:
+            return
+        self._kubelet_version = version
+        if (found := re.match(r"v?1\.(\d+)\.", version)) is not None and int(found[1]) < 36:
+            log.warning(
+                "DRA: node %s's kubelet is %s: before 1.36 it opens the devices' health stream only with its "
+                "feature gate ResourceHealthStatus on (off by default), so per-device health reaches the pods' "
+                "status only then; unhealthy devices are still kept from claims by the slices' healthy attribute",
+                self.resources.node_name,
+                version,
+            )
 
     async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

@@ -9143,7 +9143,8 @@ async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_
     1.36 (DRADeviceTaints off) the API server drops the unhealthy taint and the allocator ignores
     taints: only the class's selector on the ``healthy`` attribute keeps the device out (issue 25's
     review finding 1: without it the pod held the broken device and never started). gopherplug
-    says so once, naming the gate and the version the API server gave (its /version)."""
+    says so once, naming the gate and the version the API server gave (its /version); and what the
+    node's kubelet of that release cannot do, with the version it reports."""
     await publish_unhealthy_and_healthy(dra_node)
     tainted = [d.get("taints") is not None for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
     assert tainted == [dra_node.api.release.enabled("DRADeviceTaints"), False]
@@ -9156,6 +9157,18 @@ async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_
             "of example.com/gopher: its feature gate DRADeviceTaints is off (beta and on by default from "
             "Kubernetes 1.36). A DeviceClass that selects on the healthy attribute (the shipped ones do) still "
             "keeps them from claims; one that does not gives them out, and the pods that get them never start"
+        ]
+    # The node's kubelet (its Node's nodeInfo) is of the same release here: before 1.36 it opens no
+    # health stream unless its gate is on, which is said once, with the version it reports.
+    kubelet = [r.getMessage() for r in caplog.records if "'s kubelet is " in r.getMessage()]
+    if dra_node.api.release.enabled("ResourceHealthStatus"):
+        assert kubelet == []
+    else:
+        assert kubelet == [
+            f"DRA: node node-1's kubelet is v{dra_node.api.release.version}.0: before 1.36 it opens the devices' "
+            "health stream only with its feature gate ResourceHealthStatus on (off by default), so per-device "
+            "health reaches the pods' status only then; unhealthy devices are still kept from claims by the "
+            "slices' healthy attribute"
         ]
     scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
     one = scheduler.allocate(ordinary_claim("one"), "node-1")
