@@ -7414,20 +7414,26 @@ async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_
     assert [p.registration_socket for p in dra_node.kubelet.plugins[DRIVER]] == [str(registration)]
 
 
-async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra_node, monkeypatch):
+@pytest.fixture
+def publishers(monkeypatch):
+    """Every SlicePublisher the plugin makes in this test, in the order made (one per DRA pod)."""
+    made = []
+
+    class Recorded(gp.SlicePublisher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
+    return made
+
+
+async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra_node, publishers):
     """During the overlap both pods keep the node's slices, and the new one may see the devices
     otherwise (here: its configuration takes every gopher, the old one's only gopher0). The newest
     pod writes them; the old one leaves them to it, even as the new one's writes reach its watch,
     rather than writing its own view back (a new generation each time, until the old pod is gone).
     Once the new pod is gone (a rollback), the old one writes them again."""
-    publishers = []
-
-    class Recorded(gp.SlicePublisher):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            publishers.append(self)
-
-    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
     for name in ("gopher0", "gopher1"):
         (dra_node.devices / name).touch()
     new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
@@ -7502,20 +7508,12 @@ def spec_env(path):
     return [(device["name"], device["containerEdits"]["env"]) for device in read_spec(path)["devices"]]
 
 
-async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(dra_node, monkeypatch):
+async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(dra_node, publishers):
     """Issue 25, finding 3: the old and the new pod of a rolling update share the CDI spec
     (<vendor>-<class>.json), each with its own configuration (here env: OLD, then NEW). The newest
     pod writes it; the old one, seeing a device the new one does not take (its pattern is wider),
     leaves the spec as the new one wrote it, rather than its own settings reaching the containers
     the new pod prepares. Once the new pod is gone (a rollback), the old one writes its own again."""
-    publishers = []
-
-    class Recorded(gp.SlicePublisher):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            publishers.append(self)
-
-    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
     for name in ("gopher0", "gopher1"):
         (dra_node.devices / name).touch()
     spec = dra_node.root / "cdi" / "example.com-gopher.json"
