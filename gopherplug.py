@@ -7936,6 +7936,17 @@ async def serve_devices(
         task_status.started()
 
 
+def _kubelets_directory(candidates: Iterable[str]) -> str | None:
+    """The first of ``candidates`` whose kubelet.sock accepts a connection, else the first holding a
+    kubelet.sock socket at all; None if none holds one."""
+    sockets = []
+    for directory in candidates:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.stat(os.path.join(directory, KUBELET_SOCKET)).st_mode):
+                sockets.append(directory)
+    return next((d for d in sockets if _accepts(os.path.join(d, KUBELET_SOCKET))), sockets[0] if sockets else None)
+
+
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
     """The first of ``candidates`` whose kubelet.sock accepts a connection, else the first holding
     a kubelet.sock socket at all (a kubelet starting), else (with a warning) the first one.
@@ -7944,13 +7955,7 @@ def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS)
     that once ran another distribution keeps that kubelet's dead socket, which refuses at once.
     """
     candidates = list(candidates)
-    sockets = []
-    for directory in candidates:
-        with contextlib.suppress(OSError):
-            if stat.S_ISSOCK(os.stat(os.path.join(directory, KUBELET_SOCKET)).st_mode):
-                sockets.append(directory)
-    if sockets:
-        directory = ([d for d in sockets if _accepts(os.path.join(d, KUBELET_SOCKET))] or sockets)[0]
+    if (directory := _kubelets_directory(candidates)) is not None:
         log.info("kubelet.sock found in %s: using it (set device_plugin_dir to choose another)", directory)
         return directory
     log.warning(
@@ -8908,10 +8913,7 @@ def pod_resources_socket(config: Config) -> str:
     first known one that holds kubelet.sock when the configuration names none)."""
     if config.dra is not None:
         return os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
-    directory = config.device_plugin_dir or next(
-        (d for d in KNOWN_DEVICE_PLUGIN_DIRS if os.path.exists(os.path.join(d, KUBELET_SOCKET))),
-        DEFAULT_DEVICE_PLUGIN_DIR,
-    )
+    directory = config.device_plugin_dir or _kubelets_directory(KNOWN_DEVICE_PLUGIN_DIRS) or DEFAULT_DEVICE_PLUGIN_DIR
     return os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
 
 
