@@ -112,12 +112,20 @@ from typing import Any, NoReturn
 import anyio
 import h2.events
 import h2.frame_buffer
-import purerpc
 import trio
 import yaml
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 from inotify_simple import INotify, flags
+
+# purerpc 0.8.0 names h2 3's PingAcknowledged event, which h2 4.0 renamed PingAckReceived; without
+# the old name purerpc cannot even be imported under h2 4. The alias only adds a name to h2.events
+# (the same class under both), so other h2 users in the process (httpx, grpclib) see no change.
+# Section 5 lists every h2 and purerpc internal the glue relies on, for both h2 3.2 and 4.x.
+if not hasattr(h2.events, "PingAcknowledged"):
+    h2.events.PingAcknowledged = h2.events.PingAckReceived  # type: ignore[attr-defined]
+
+import purerpc  # after the alias above
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
 from purerpc.grpc_socket import SocketWrapper
 from purerpc.grpclib.config import GRPCConfiguration
@@ -3583,8 +3591,8 @@ def who_report(held: Iterable[HeldDevice]) -> str:
 # purerpc speaks gRPC over h2 on anyio streams, but its Server and channels are TCP-only, and its
 # connection handler does not fit a long-lived ListAndWatch (_ServerConnection says why). This fence
 # keeps purerpc's message framing, HTTP/2 state machine and stream objects, and replaces the socket
-# plumbing and the per-connection dispatch. It relies on these purerpc 0.8.0 internals, pinned in
-# pyproject.toml:
+# plumbing and the per-connection dispatch. It relies on these purerpc 0.8.x internals (pyproject.toml
+# holds purerpc to 0.8.x; h2 3.2 through 4.x, each tested by CI):
 #
 #   - purerpc.grpc_socket.SocketWrapper: the writer task; its static _set_socket_options(stream)
 #   - purerpc.grpc_socket.GRPCSocket attributes _grpc_connection, _socket, _receive_buffer_size,
@@ -3595,8 +3603,14 @@ def who_report(held: Iterable[HeldDevice]) -> str:
 #   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, the
 #     _stream_reset(event) hook that turns h2's StreamReset into gRPC events (stock: none), and
 #     the class attributes MAX_INBOUND_FRAME_SIZE and MAX_CONCURRENT_STREAMS it announces
-#   - h2 3.2.0: H2Connection.incoming_buffer, a h2.frame_buffer.FrameBuffer whose next(),
-#     data, _parse_frame_header() and _validate_frame_length() _EarlyLimitFrameBuffer uses
+#   - h2 3.2 and 4.x: H2Connection.incoming_buffer, a h2.frame_buffer.FrameBuffer whose iteration
+#     (next() in 3.2, __next__() in 4.x), unparsed bytes (data in 3.2, _data in 4.x) and
+#     _validate_frame_length() _EarlyLimitFrameBuffer uses; h2.events.PingAckReceived, aliased
+#     under the 3.x name PingAcknowledged that purerpc's GRPCConnection names (the imports above)
+#   - purerpc's own h2 patches (grpclib/_h2_monkeypatch.py, applied when it is imported) replace
+#     H2Connection.data_to_send and clear_outbound_data_buffer with equivalents, and set two
+#     stream-state transitions to the values h2 3.2 and 4.x already have: other h2 users in the
+#     process see no difference (a test compares them)
 #
 # Rules for this section: no knowledge of device plugins; everything runs under trio (anyio's trio
 # backend underneath purerpc); trio.Cancelled always propagates.
@@ -3734,15 +3748,18 @@ class _UnixSocketWrapper(SocketWrapper):
 class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's frame reassembly, refusing an overlong frame as soon as its 9-byte header arrives.
 
-    h2 3.2 checks a frame's length only once the whole frame is buffered: a peer announcing a
-    16 MiB frame would have us hold 16 MiB, or wait for it forever.
+    h2 (3.2 and 4.x alike) checks a frame's length only once the whole frame is buffered: a peer
+    announcing a 16 MiB frame would have us hold 16 MiB, or wait for it forever. A frame header
+    starts with the payload length, 24 bits big-endian (RFC 9113, section 4.1).
     """
 
-    def next(self) -> Any:
-        if len(self.data) >= 9:
-            _, length = self._parse_frame_header(self.data)
-            self._validate_frame_length(length)  # FrameTooLargeError: h2 sends GOAWAY, we close
-        return super().next()
+    def __next__(self) -> Any:
+        # The bytes not yet parsed: `_data` in h2 4.x, `data` in h2 3.2 (empty either way: b"").
+        buffered = getattr(self, "_data", b"") or getattr(self, "data", b"")
+        if len(buffered) >= 9:
+            # FrameTooLargeError: h2 sends GOAWAY, and the connection is closed
+            self._validate_frame_length(int.from_bytes(buffered[:3], "big"))
+        return super().__next__()  # h2 3.2's __next__ calls its next(), which does the parsing
 
 
 class _ResetAwareConnection(GRPCConnection):

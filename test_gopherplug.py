@@ -48,7 +48,6 @@ from resource import RUSAGE_SELF, getrusage
 import grpc
 import h2.config
 import h2.connection
-import purerpc
 import pytest
 import trio
 import trio.socket
@@ -65,6 +64,10 @@ from inotify_simple import flags as inotify_flags
 import gopherplug as gp
 import gopherplug_standins as standins
 from gopherplug import StatusCode, v1beta1
+
+# purerpc through gopherplug, never imported first: under h2 4, purerpc 0.8 can be imported only once
+# gopherplug has given h2.events the 3.x name purerpc uses (gopherplug.py's imports say why).
+purerpc = gp.purerpc
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 10  # generous bound for any single test's I/O on a loaded 2-core CI machine
@@ -399,6 +402,50 @@ async def test_random_bytes_drop_only_that_connection(pb2, served, grpcio_client
             await in_thread(fresh.get_options, pb2.Empty(), timeout=TIMEOUT)
         finally:
             fresh.close()
+
+
+async def test_an_overlong_frame_is_refused_at_its_header(pb2, served, grpcio_client):
+    """A frame announced longer than the 16 KiB we allow ends the connection as soon as its 9-byte
+    header arrives: h2 itself (3.2 and 4.x) would buffer up to 16 MiB and wait for the rest."""
+    server, _ = served
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an empty SETTINGS frame: a well-greeted peer
+    data_header = (2**20).to_bytes(3, "big") + bytes([0, 0, 0, 0, 0, 1])  # DATA, 1 MiB, stream 1
+    with trio.fail_after(TIMEOUT):
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with sock:
+            await sock.connect(server.socket_path)
+            await sock.send(preface + settings + data_header)  # and nothing more, the socket left open
+            while await sock.recv(65536):  # SETTINGS, maybe GOAWAY; then the server hangs up
+                pass
+        await in_thread(grpcio_client.get_options, pb2.Empty(), timeout=TIMEOUT)  # others go on
+
+
+def test_importing_gopherplug_leaves_h2_as_other_users_know_it():
+    """Other HTTP/2 users in the process (httpx, grpclib) keep the h2 they imported: purerpc's own
+    patches, applied at its import, only restate what h2 3.2 and 4.x do, and gopherplug only adds
+    h2 3's event name PingAcknowledged where h2 4 lacks it. Run in a fresh interpreter."""
+    code = """
+import json, h2.config, h2.connection, h2.events, h2.stream
+
+def observe():
+    transitions = sorted((str(k), str(v[1])) for k, v in h2.stream._transitions.items())
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.send_headers(1, [(":method", "GET"), (":path", "/"), (":scheme", "http"), (":authority", "x")])
+    first = connection.data_to_send(10)
+    return transitions, (first + connection.data_to_send()).hex(), connection.data_to_send().hex()
+
+events = set(dir(h2.events))
+before = observe()
+import gopherplug
+after = observe()
+print(json.dumps([before == after, sorted(set(dir(h2.events)) - events), h2.__version__]))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=HERE)
+    same, added, version = json.loads(result.stdout)
+    assert same
+    assert added == ([] if version.startswith("3.") else ["PingAcknowledged"])
 
 
 async def test_socket_is_private_and_removed_on_exit(sockdir):
