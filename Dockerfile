@@ -1,4 +1,4 @@
-# gopherplug's images: Debian's Python 3.11, the pinned dependencies and gopherplug.py, nothing else.
+# gopherplug's images: Debian's Python 3.11, the locked dependencies and gopherplug.py, nothing else.
 #
 #   docker build -t gopherplug:0.1.0 .                    # the device plugin (daemonset.yaml)
 #   docker build --target dra -t gopherplug:0.1.0-dra .   # the DRA driver (daemonset-dra.yaml)
@@ -12,7 +12,8 @@
 # plain build gives it; BuildKit (docker's default builder) builds only the stages a target needs,
 # so that build never installs the extra.
 #
-# Everything comes from Debian packages and the project's pinned wheels, on debian:bookworm-slim,
+# Everything comes from Debian packages and the wheels the project's locks name (requirements/*.lock,
+# exact versions with their hashes, written by .ci/lock from pyproject.toml's ranges), on debian:bookworm-slim,
 # an image made from Debian's packages by Debian's own tool (debuerreotype): CI makes the same base
 # from the same packages and builds this file with buildah, and the runtime tier runs what it built.
 # The build stages install Debian's python3.11 and pip, then the project, compiled to bytecode (the
@@ -37,10 +38,12 @@ RUN apt-get update \
 FROM python AS source
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE gopherplug.py ./
+COPY requirements/device-plugin.lock requirements/dra.lock requirements/
 
-# The image's root filesystem, assembled in /rootfs. "/src[metrics]" is ".[metrics]", the project
-# with its extras pinned in pyproject.toml, written so that hadolint's DL3013 sees a path (it takes
-# ".[metrics]" for an unpinned package from the index). pip installs into
+# The image's root filesystem, assembled in /rootfs. The dependencies come from the lock alone:
+# --require-hashes refuses any file whose hash the lock does not list, and --no-deps resolves
+# nothing (the lock is complete; it also lifts purerpc's h2<4, requirements/overrides.txt says
+# why). Then the project itself, with no dependencies. pip installs into
 # /usr/local/lib/python3.11/dist-packages (Debian's scheme for the system's Python;
 # --break-system-packages is Debian's consent to install beside its own packages, here in a stage
 # that is thrown away), with a `gopherplug` script in /usr/local/bin (run by python3.11, whose path
@@ -53,7 +56,9 @@ COPY pyproject.toml README.md LICENSE gopherplug.py ./
 # start: the root filesystem is read-only).
 FROM source AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages "/src[metrics]" \
+RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages \
+      --require-hashes --no-deps -r requirements/device-plugin.lock \
+ && python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages --no-deps /src \
  && mkdir -p /rootfs/tmp && chmod 1777 /rootfs/tmp \
  && tar -C / -cf - --exclude=usr/lib/python3.11/{test,idlelib,tkinter,turtledemo,lib2to3,pydoc_data,ensurepip,distutils} \
       usr/bin/python3.11 usr/lib/python3.11 usr/local/lib/python3.11 usr/local/bin/gopherplug | tar -C /rootfs -xf - \
@@ -63,7 +68,8 @@ RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-s
 
 FROM build AS build-dra
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages "/src[dra,metrics]" \
+RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages \
+      --require-hashes --no-deps -r requirements/dra.lock \
  && tar -C / -cf - usr/local/lib/python3.11 | tar -C /rootfs -xf - \
  && find /rootfs/usr/local/lib/python3.11 -name '*.so' -exec ldd {} \; \
   | awk '$2 == "=>" && $3 ~ /^\// {print substr($3, 2)} $1 ~ /^\// {print substr($1, 2)}' | sort -u \

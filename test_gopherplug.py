@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import types
 import uuid
 from concurrent import futures
@@ -60,6 +61,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 import gopherplug as gp
 import gopherplug_standins as standins
@@ -726,6 +730,135 @@ def test_the_product_module_carries_none_of_the_test_only_stand_ins():
 def test_main_version(capsys):
     assert gp.main(["--version"]) == 0
     assert capsys.readouterr().out == f"gopherplug {gp.__version__}\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# The package: a version pip reads without the module, ranges for embedders, locks for images
+# ------------------------------------------------------------------------------------------------
+
+
+def project_table():
+    return tomllib.loads((HERE / "pyproject.toml").read_text())["project"]
+
+
+def test_the_package_version_is_the_module_version():
+    assert project_table()["version"] == gp.__version__
+
+
+def lock(name):
+    """A lock's pins: name -> (version, its hashes), the whole text parsed as pip reads it."""
+    pins = {}
+    lines = (HERE / "requirements" / name).read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))  # uv's "# via ..."
+    for entry in re.split(r"\n(?=\S)", text):
+        requirement, *hashes = (part.strip() for part in entry.split("\\\n"))
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)( ; .*)?", requirement)
+        assert found, f"requirements/{name}: {requirement!r} is not an exact pin"
+        assert hashes and all(re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", h) for h in hashes), requirement
+        pins[canonicalize_name(found[1])] = (Version(found[2]), found[3])
+    return pins
+
+
+@pytest.mark.parametrize(
+    ("lock_name", "extras"),
+    [("device-plugin.lock", ["metrics"]), ("dra.lock", ["dra", "metrics"]), ("test.lock", ["test", "dra", "metrics"])],
+)
+def test_ranges_for_embedders_exact_versions_with_hashes_in_the_locks(lock_name, extras):
+    """The wheel declares ranges (a lower bound CI tests, below the next major), never a pin, so
+    that it installs beside an embedder's own versions; each lock pins, with hashes, versions
+    inside those ranges. The test extra's tools are pinned on purpose (pyproject.toml says why)."""
+    project = project_table()
+    wheel = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["dra"],
+        *project["optional-dependencies"]["metrics"],
+    ]
+    for requirement in map(Requirement, wheel):
+        operators = sorted(spec.operator for spec in requirement.specifier)
+        assert operators == ["<", ">="], f"{requirement}: a range from a tested version to the next major"
+    pins = lock(lock_name)
+    declared = [*project["dependencies"], *(r for extra in extras for r in project["optional-dependencies"][extra])]
+    for requirement in map(Requirement, declared):
+        name = canonicalize_name(requirement.name)
+        if name == "gopherplug":
+            continue
+        assert name in pins, f"{lock_name} lacks {name}"
+        assert requirement.specifier.contains(pins[name][0]), (
+            f"{lock_name}: {name} {pins[name][0]} not in {requirement}"
+        )
+    assert pins["purerpc"][0].release[:2] == (0, 8)
+    assert pins["h2"][0].major == 4, "the images run the current h2 (requirements/overrides.txt)"
+
+
+def test_beside_grpclib_and_httpx_in_one_process(sockdir):
+    """An embedder's own HTTP/2 stack works in the process that imported gopherplug: grpclib serves
+    and calls gRPC health checks, and httpx (HTTP/2 with prior knowledge) calls the same server.
+    CI's "beside" venv runs this with h2 4.4.1 (.ci/run); where they are not installed, it skips."""
+    asyncio = pytest.importorskip("asyncio")
+    grpclib_server = pytest.importorskip("grpclib.server")
+    grpclib_client = pytest.importorskip("grpclib.client")
+    health = pytest.importorskip("grpclib.health.service")
+    health_pb2 = pytest.importorskip("grpclib.health.v1.health_pb2")
+    health_grpc = pytest.importorskip("grpclib.health.v1.health_grpc")
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("h2")
+    path = os.path.join(sockdir, "grpclib.sock")
+
+    async def exchange():
+        server = grpclib_server.Server([health.Health()])
+        await server.start(path=path)
+        try:
+            async with grpclib_client.Channel(path=path) as channel:
+                checked = await health_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+            transport = httpx.AsyncHTTPTransport(uds=path, http1=False, http2=True)
+            async with httpx.AsyncClient(transport=transport, timeout=TIMEOUT) as client:
+                answer = await client.post(
+                    "http://localhost/grpc.health.v1.Health/Check",
+                    content=b"\0\0\0\0\0",  # one uncompressed, empty HealthCheckRequest
+                    headers={"content-type": "application/grpc", "te": "trailers"},
+                )
+        finally:
+            server.close()
+            await server.wait_closed()
+        return checked, answer
+
+    checked, answer = asyncio.run(exchange())
+    assert checked.status == health_pb2.HealthCheckResponse.SERVING
+    assert (answer.http_version, answer.status_code) == ("HTTP/2", 200)
+    assert health_pb2.HealthCheckResponse.FromString(answer.content[5:]).status == checked.status
+
+
+def test_python_before_3_11_is_refused_by_pip_in_one_line(tmp_path):
+    """pip reads the version and Requires-Python without running setuptools over gopherplug.py,
+    whose syntax (except*) a Python 3.10 cannot parse: pip's own refusal, not a traceback."""
+    candidates = [*sorted(map(str, Path.home().glob(".pyenv/versions/3.10.*/bin/python"))), shutil.which("python3.10")]
+    python = next((c for c in candidates if c and python_version(c)), None)
+    if python is None:
+        pytest.skip("no Python 3.10 on this machine")
+    source = tmp_path / "src"
+    shutil.copytree(HERE, source, ignore=shutil.ignore_patterns(".venv*", ".git", "__pycache__", "build", "*.egg-info"))
+    result = subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--no-deps", str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    assert result.returncode != 0
+    assert errors == [
+        f"ERROR: Package 'gopherplug' requires a different Python: {python_version(python)} not in '>=3.11'"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def python_version(python):
+    """The version of the interpreter at ``python``, or None where it does not run (a pyenv shim of
+    a version not selected)."""
+    found = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip() if found.returncode == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -10495,8 +10628,11 @@ def test_daemonsets_serve_metrics_on_their_named_port_and_the_podmonitor_scrapes
 
 
 def test_images_install_the_metrics_extra_the_daemonsets_use():
-    installs = re.findall(r'pip install .*"(/src\[[a-z,]+\])"', (HERE / "Dockerfile").read_text())
-    assert installs == ["/src[metrics]", "/src[dra,metrics]"], installs
+    """Each image installs from its hashed lock, which holds the extras its DaemonSet turns on."""
+    installs = re.findall(r"--require-hashes --no-deps -r (requirements/\S+)", (HERE / "Dockerfile").read_text())
+    assert installs == ["requirements/device-plugin.lock", "requirements/dra.lock"], installs
+    assert "prometheus-client" in lock("device-plugin.lock")
+    assert {"prometheus-client", "lightkube"} <= lock("dra.lock").keys()
 
 
 async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, node):
