@@ -10661,7 +10661,7 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def _run_as_module(script: str) -> None:
-    """Start again as ``import gopherplug``, in this same process: what `python gopherplug.py` runs.
+    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
 
     CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
     only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
@@ -10672,16 +10672,31 @@ def _run_as_module(script: str) -> None:
     environment and interpreter options) with a Python that imports this file and runs main().
     The console script and `python -m gopherplug` import the module already, and a debugger or
     profiler (a trace or profile function set) keeps the script as it is.
+
+    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
+    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
+    installed in site-packages and run it instead, or fail where none is. The loader is named,
+    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
+    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
+    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
+    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
+    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
+    place of PyYAML, by a process that often runs as root), and the directory Python gave the
+    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
+    script had none either (-P, -I, PYTHONSAFEPATH).
     """
     if sys.gettrace() is not None or sys.getprofile() is not None:
         return
-    directory = os.path.dirname(os.path.abspath(script))
     options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
+    script_directory = [] if sys.flags.safe_path else sys.path[:1]
     code = (
-        f"import sys; sys.path.insert(0, {directory!r}); sys.argv[0] = {script!r}; "
-        "import gopherplug; sys.exit(gopherplug.main())"
+        f"import importlib.machinery, importlib.util, sys; sys.path[:0] = {script_directory!r}; "
+        f"sys.argv[0] = {script!r}; "
+        f"loader = importlib.machinery.SourceFileLoader('gopherplug', {os.path.realpath(script)!r}); "
+        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader)); "
+        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug); sys.exit(gopherplug.main())"
     )
-    os.execv(sys.executable, [sys.executable, *options, "-c", code, *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -702,11 +702,110 @@ async def test_a_copy_started_as_a_script_keeps_no_compiler_memory(tmp_path, soc
     script, cmdline = await _serving_rss([sys.executable, str(copy)], tmp_path, no_bytecode, sockdir)
     compiled_at_start, _ = await _serving_rss(imported, tmp_path, no_bytecode, sockdir)
     assert not (tmp_path / "__pycache__").exists()
-    # The same process (its PID), now running the file as an imported module.
-    assert cmdline[1] == b"-c" and b"import gopherplug" in cmdline[2], cmdline
-    assert cmdline[3:5] == [b"serve", b"--config"], cmdline
+    # The same process (its PID), now running the file as an imported module (-P: the current
+    # directory kept off sys.path).
+    assert cmdline[1:3] == [b"-P", b"-c"] and f"{str(copy)!r}".encode() in cmdline[3], cmdline
+    assert cmdline[4:6] == [b"serve", b"--config"], cmdline
     assert script < reference + 4, (script, reference)
     assert compiled_at_start < reference + 4, (compiled_at_start, reference)
+
+
+#: The environment a user's shell gives `python anyname.py`: no PYTHONPATH of the test run's, no
+#: safe-path, bytecode written as usual.
+SCRIPT_ENV = {
+    k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE")
+}
+
+
+def _marked_copy(path):
+    """gopherplug.py copied to ``path``, its ``__version__`` made a marker of its own followed by the
+    sys.path it runs with: `--version` then tells which code ran (this copy's, or an installed
+    gopherplug's) and where it looks for modules. The marker, and a probe script beside the copy
+    that prints what a script in its place gets: what the copy's `--version` must print."""
+    marker = f"copy-{uuid.uuid4().hex[:12]}"
+    source = (HERE / "gopherplug.py").read_text()
+    marked = re.sub(
+        r'^__version__ = ".*"$',
+        f'__version__ = "{marker} " + __import__("os").pathsep.join(__import__("sys").path)',
+        source,
+        count=1,
+        flags=re.M,
+    )
+    assert marked != source
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(marked)
+    probe = path.parent / "probe_sys_path.py"
+    probe.write_text("import os, sys\nprint(os.pathsep.join(sys.path))\n")
+    return marker, probe
+
+
+def _assert_ran_the_copy(result, marker, sys_path):
+    """``result`` is the marked copy's `--version`, run with ``sys_path`` (argparse wraps the line
+    to the terminal's width: compared without white space)."""
+    said, expected = ("".join(text.split()) for text in (result.stdout, f"gopherplug {marker} {sys_path}"))
+    assert (result.returncode, said) == (0, expected), result.stderr
+
+
+def _run_python(args, cwd, env=SCRIPT_ENV):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["anyname.py", "anyname"])
+def test_a_copy_under_another_name_runs_its_own_code_with_a_scripts_sys_path(tmp_path, name):
+    """`python anyname.py` runs that file, not the gopherplug installed in this test's venv (which
+    an `import gopherplug` would find), with the sys.path Python gives a script there, and caches
+    its bytecode beside it as an import would."""
+    copy = tmp_path / "app" / name
+    marker, probe = _marked_copy(copy)
+    (tmp_path / "elsewhere").mkdir()
+    for options in ([], ["-P"]):  # -P: not even the script's own directory on sys.path
+        result = _run_python([*options, str(copy), "--version"], tmp_path / "elsewhere")
+        expected = _run_python([*options, str(probe)], tmp_path / "elsewhere").stdout.strip()
+        _assert_ran_the_copy(result, marker, expected)
+        assert (expected.split(os.pathsep)[0] == str(copy.parent)) == (not options), expected
+    assert Path(importlib.util.cache_from_source(str(copy))).is_file()
+
+
+def test_a_symlink_to_a_copy_runs_the_copy_with_the_resolved_files_directory_on_sys_path(tmp_path):
+    """A link to the copy (in a bin directory, say) runs the copy's code, with the directory
+    CPython gives a script reached through a link: the linked file's."""
+    copy = tmp_path / "opt" / "anyname.py"
+    marker, probe = _marked_copy(copy)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "gp.py").symlink_to(copy)
+    (tmp_path / "bin" / "probe.py").symlink_to(probe)
+    expected = _run_python(["probe.py"], tmp_path / "bin").stdout.strip()
+    result = _run_python(["gp.py", "--version"], tmp_path / "bin")
+    _assert_ran_the_copy(result, marker, expected)
+    assert expected.split(os.pathsep)[0] == str(copy.parent), expected  # CPython's rule: the target's directory
+
+
+def test_a_copy_never_runs_an_older_gopherplug_found_on_sys_path(tmp_path):
+    older = tmp_path / "older" / "gopherplug.py"
+    older.parent.mkdir()
+    older.write_text('print("WRONG")\nraise SystemExit(3)\n')
+    copy = tmp_path / "app" / "newer.py"  # not copy.py: that would be the stdlib `copy`
+    marker, probe = _marked_copy(copy)
+    env = SCRIPT_ENV | {"PYTHONPATH": str(older.parent)}
+    expected = _run_python([str(probe)], tmp_path, env).stdout.strip()
+    result = _run_python([str(copy), "--version"], tmp_path, env)
+    assert "WRONG" not in result.stdout
+    _assert_ran_the_copy(result, marker, expected)
+
+
+def test_a_copy_run_as_a_script_imports_nothing_from_the_current_directory(tmp_path):
+    """The current directory is not the script's: a `yaml.py` or `trio.py` left there (by anyone
+    who can write to it) is never imported by `python /path/to/gopherplug.py`, often run as root."""
+    copy = tmp_path / "app" / "gopherplug.py"
+    marker, probe = _marked_copy(copy)
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    for name in ("yaml", "trio"):
+        (hostile / f"{name}.py").write_text(f"open({str(hostile / f'imported-{name}')!r}, 'w').close()\n")
+    expected = _run_python([str(probe)], hostile).stdout.strip()
+    result = _run_python([str(copy), "--version"], hostile)
+    assert sorted(path.name for path in hostile.glob("imported-*")) == []
+    _assert_ran_the_copy(result, marker, expected)
 
 
 def test_the_product_module_carries_none_of_the_test_only_stand_ins():
