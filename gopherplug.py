@@ -197,9 +197,32 @@ __all__ = [
 log = logging.getLogger("gopherplug")
 
 
+class _ResourceLog(logging.LoggerAdapter[logging.Logger]):
+    """The log of one resource: each message begins with the resource's name ("example.com/gopher:
+    allocated g1"), and the record carries it in ``record.resource`` too.
+
+    In the message itself, because an embedding program formats the records with its own handlers
+    (logging.basicConfig, a JSON formatter of its own) that know nothing of ``resource``: a line
+    without the name would not say which of its resources it is about. _LogFormatter, which has the
+    field, leaves the text as it is and takes the name out of a JSON line's message, where the
+    field holds it. A resource name has no "%" (resource_name_problem), so the prefix cannot disturb
+    the message's own %-formatting.
+    """
+
+    def __init__(self, resource_name: str) -> None:
+        super().__init__(log, {"resource": resource_name})
+        self.resource_name = resource_name
+
+    def process(
+        self, msg: Any, kwargs: collections.abc.MutableMapping[str, Any]
+    ) -> tuple[Any, collections.abc.MutableMapping[str, Any]]:
+        msg, kwargs = super().process(msg, kwargs)
+        return f"{self.resource_name}: {msg}", kwargs
+
+
 def _log(resource: ResourceConfig) -> logging.LoggerAdapter[logging.Logger]:
-    """The log for one resource: its records carry the resource's name (see _LogFormatter)."""
-    return logging.LoggerAdapter(log, {"resource": resource.name})
+    """The log for one resource: its messages begin with the resource's name (_ResourceLog)."""
+    return _ResourceLog(resource.name)
 
 
 def _devices(count: int) -> str:
@@ -5037,7 +5060,7 @@ class ResourceLock(FileLock):
                 ):
                     os.unlink(entry.path)
                     # Under the resource's name, as every other line about it (the stem is a file name).
-                    logging.LoggerAdapter(log, {"resource": self.resource_name}).info(
+                    _ResourceLog(self.resource_name).info(
                         "removed %s, left by a gopherplug that did not exit cleanly", entry.name
                     )
 
@@ -10520,7 +10543,8 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 class _LogFormatter(logging.Formatter):
-    """One line per event: "time LEVEL resource: message", or the same as one JSON object."""
+    """One line per event: "time LEVEL message" (a resource's message begins with its name), or
+    the same as one JSON object, the resource's name in its own field."""
 
     def __init__(self, json_lines: bool) -> None:
         super().__init__()
@@ -10528,15 +10552,17 @@ class _LogFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         resource = getattr(record, "resource", None)
-        message = record.getMessage()
+        message = record.getMessage()  # a resource's line begins with its name already (_ResourceLog)
         if self.json_lines:
             event = {"time": self.formatTime(record), "level": record.levelname.lower(), "message": message}
             if resource:
+                # The name once, in its own field, where a log pipeline filters on it.
+                event["message"] = message.removeprefix(f"{resource}: ")
                 event["resource"] = resource
             if record.exc_info:  # only a bug in gopherplug logs a traceback
                 event["traceback"] = self.formatException(record.exc_info)
             return json.dumps(event)
-        line = f"{self.formatTime(record)} {record.levelname} {resource + ': ' if resource else ''}{message}"
+        line = f"{self.formatTime(record)} {record.levelname} {message}"
         return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802

@@ -2503,7 +2503,7 @@ async def test_a_device_of_several_entries_is_unhealthy_while_one_is(nursery, no
             Path(node.devices, "g1-render").touch()  # joins g1: the same list, a device of two
             await grouped.wait()
             await pushed.wait()
-        assert pushed.lines == ["the kubelet's list is unchanged: not sent again"]
+        assert pushed.lines == [f"{RESOURCE}: the kubelet's list is unchanged: not sent again"]
         assert simulator.resources[RESOURCE].updates == updates
         answer = (await simulator.allocate(RESOURCE, ["g1"])).container_responses[0]
         assert [(m.host_path, m.read_only) for m in answer.mounts] == [
@@ -2585,7 +2585,7 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
         await nursery.start(gp.serve_plugin, nothing_found(node, tmp_path))
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {} and streaming(s, YUBIKEY) == {})
-        assert empty.lines[1:] == ["no device from USB 1050:0407: none is offered until one appears"]
+        assert empty.lines[1:] == [f"{YUBIKEY}: no device from USB 1050:0407: none is offered until one appears"]
         with logged("skipping 'k::1'") as skipped:  # an update that finds no device again
             Path(node.devices, "k::1").touch()
             await skipped.wait()
@@ -2601,7 +2601,8 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
         Path(node.devices, "k2").touch()
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k2": gp.HEALTHY})
-    warning, came = f"no device from {resource_dir}: none is offered until one appears", f"1 device from {resource_dir}"
+    warning = f"{RESOURCE}: no device from {resource_dir}: none is offered until one appears"
+    came = f"{RESOURCE}: 1 device from {resource_dir}"
     assert found.lines == [warning, came, warning, came]
 
 
@@ -2728,7 +2729,7 @@ async def test_a_kubelet_sock_not_yet_reported_by_inotify_is_registered_with_onc
         restarts = registry.get_sample_value("gopherplug_kubelet_restarts_total")
         registrations = registry.get_sample_value("gopherplug_registrations_total", {"resource": RESOURCE})
     assert (restarts, registrations) == (1, 2), "the metrics count one registration per kubelet too"
-    assert again.lines == ["our socket was deleted: serving and registering again"]
+    assert again.lines == [f"{RESOURCE}: our socket was deleted: serving and registering again"]
     assert simulator.registered_in == [1, 2], "one registration for each kubelet"
     endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2)]
     assert simulator.events == [
@@ -2811,7 +2812,7 @@ async def test_a_new_kubelet_sock_with_the_old_kubelet_alive_lets_it_drop_the_ol
         ]
         await simulator.wait_until(listed("g1", "g2"))
         await simulator.allocate(RESOURCE, ["g1"])
-    assert again.lines == ["the kubelet restarted: serving and registering again"]
+    assert again.lines == [f"{RESOURCE}: the kubelet restarted: serving and registering again"]
     assert simulator.rejections == []
 
 
@@ -3950,8 +3951,8 @@ async def test_reload_adding_a_resource_beyond_the_inotify_instance_limit_serves
         both = {name: {**devices, "g4": gp.HEALTHY} for name, devices in both.items()}
         await simulator.wait_until(lambda s: {name: streaming(s, name) for name in both} == both)
     assert degraded.lines == [
-        f"cannot watch {node.devices} with inotify: the node's limit of inotify instances is reached (raise the "
-        "sysctl fs.inotify.max_user_instances); rescanning it every 0.05 s until it can be watched"
+        f"{OTHER}: cannot watch {node.devices} with inotify: the node's limit of inotify instances is reached "
+        "(raise the sysctl fs.inotify.max_user_instances); rescanning it every 0.05 s until it can be watched"
     ]
     [record] = [r for r in caplog.records if r.getMessage() == degraded.lines[0]]
     assert record.resource == OTHER
@@ -4220,7 +4221,7 @@ async def test_cdi_spec_follows_a_chmod_or_chown_before_the_kubelet_hears(node, 
                     # already written when the stream sees the new set.
                     await pushed.wait()
                     spec = described()
-                assert set(pushed.lines) == {"the kubelet's list is unchanged: not sent again"}
+                assert set(pushed.lines) == {f"{RESOURCE}: the kubelet's list is unchanged: not sent again"}
                 assert simulator.resources[RESOURCE].updates == updates
                 return spec
 
@@ -5456,8 +5457,8 @@ async def test_serve_says_what_to_write_for_a_directory_that_is_a_device(nursery
         await nursery.start(gp.serve_plugin, node.config(directory="/dev/null"))
         await simulator.wait_until(listed())
     assert (
-        "/dev/null is a character device, not a directory of devices: to offer it, write directory: /dev and "
-        "pattern: 'null'"
+        f"{RESOURCE}: /dev/null is a character device, not a directory of devices: to offer it, write directory: "
+        "/dev and pattern: 'null'"
     ) in caplog.messages
 
 
@@ -7533,13 +7534,16 @@ async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(d
                 await old_devices.wait_touched()
         assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"]), ("gopher1", ["NEW_GOPHER1=gopher1"])]
         assert left.lines == [
-            f"a newer pod of the DRA driver serves ({new_config.dra.registration_socket}): the CDI spec {spec} is "
+            f"{RESOURCE}: a newer pod of the DRA driver serves ({new_config.dra.registration_socket}): the CDI spec "
+            f"{spec} is "
             "left to it"
         ]
         with logged("writing the CDI spec") as again:
             new.cancel()  # the rollout undone: the old pod is the newest again
             await again.wait()
-    assert again.lines == [f"no newer pod of the DRA driver serves any more: writing the CDI spec {spec} again"]
+    assert again.lines == [
+        f"{RESOURCE}: no newer pod of the DRA driver serves any more: writing the CDI spec {spec} again"
+    ]
     assert spec_env(spec) == [
         ("gopher0", ["OLD_GOPHER0=gopher0"]),
         ("gopher1", ["OLD_GOPHER1=gopher1"]),
