@@ -5374,14 +5374,7 @@ class _DeviceSet:
         """Publish what was found (a copy: streams hold on to it), log health changes of the
         ``changed`` devices, write the CDI spec (``rewrite``: even if it is as last written)."""
         before = self.devices.value
-        for device_id in changed:
-            device, old = self.found.get(device_id), before.get(device_id)
-            if device is None:
-                continue
-            if device.health != HEALTHY and (old is None or old.problem != device.problem):
-                _log(self.resource).warning("%s is unhealthy: %s", device.id, device.problem)
-            elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
-                _log(self.resource).info("%s is healthy again", device.id)
+        _log_health_changes(self.resource, before, self.found, changed)
         found = dict(self.found)
         # The spec describes device nodes and mounts: a change of health alone leaves it as it is
         # (and at 50,000 devices, building and comparing it costs half a second).
@@ -5444,6 +5437,27 @@ class _DeviceSet:
             described = {device["name"] for device in (self.cdi_written or {}).get("devices", [])}
             _log(self.resource).error("%s; offering only the devices it describes until it can be written", error)
             return {device_id: device for device_id, device in found.items() if device_id in described}
+
+
+def _log_health_changes(
+    resource: ResourceConfig, before: Mapping[str, DeviceEntry], now: Mapping[str, DeviceEntry], ids: Iterable[str]
+) -> None:
+    """Log each of the devices ``ids`` whose health changed from ``before`` to ``now``: a warning
+    with the reason when it is unhealthy (new, turned so, or for another reason), a line when it is
+    healthy again. A device that comes healthy, or goes, is in the count line instead.
+
+    The kubelet logs none of this (it counts a resource's healthy devices in the node's status): the
+    plugin's log is where an operator learns which device went, and why. The same lines whether the
+    devices come from a directory (_DeviceSet) or from an embedding program (serve_devices)."""
+    for device_id in ids:
+        device, old = now.get(device_id), before.get(device_id)
+        if device is None:
+            continue
+        if device.health != HEALTHY and (old is None or old.problem != device.problem or old.health == HEALTHY):
+            reason = f": {device.problem}" if device.problem else " (no reason given)"
+            _log(resource).warning("%s is unhealthy%s", device.id, reason)
+        elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
+            _log(resource).info("%s is healthy again", device.id)
 
 
 _NOT_YET = object()
@@ -7950,13 +7964,66 @@ async def serve_devices(
 
     ``devices`` holds a dict of device ID -> DeviceEntry: ``devices.set(...)`` whenever they change,
     and the kubelet hears of it at once. ``shape_allocation``, if given, may add to each container's
-    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin().
+    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin():
+    cancelled, it removes its socket and its lock file, leaving the kubelet's directory as it was.
+    ``device_plugin_dir`` None: GOPHERPLUG_DEVICE_PLUGIN_DIR, else the directory whose kubelet.sock
+    answers (find_device_plugin_dir).
+
+    The devices are checked as a directory's entries are (_checked_devices): an ID the kubelet
+    would refuse (empty, a space, "::", which replicas use, over 63 characters), a key that is not
+    its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning, not sent.
+    A change of a device's health is logged as the directory watcher logs it.
     """
     kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
+    warned: dict[str, str] = {}  # skipped key -> why, as last warned
+    given = devices.value
+    checked = Watched(_checked_devices(resource, given, warned))
+    _log_health_changes(resource, {}, checked.value, checked.value)  # those unhealthy from the start
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
-        await nursery.start(serve_resource, resource, devices, kubelet, shape_allocation)
+        nursery.start_soon(_follow_given_devices, resource, devices, given, checked, warned)
+        await nursery.start(serve_resource, resource, checked, kubelet, shape_allocation)
         task_status.started()
+
+
+def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str]) -> dict[str, DeviceEntry]:
+    """The devices of ``given`` (an embedding program's dict of ID -> DeviceEntry) that the kubelet
+    can be sent, each skipped one warned about once (_warn_skipped_now), as scan_directory's are.
+
+    The kubelet checks none of it: an ID with "::" would be taken for a replica of another device
+    (REPLICA_SEPARATOR), one the CDI spec cannot name would fail every container given it, and a
+    key that is not its entry's ID makes Allocate answer for a device other than the one the
+    kubelet asked for."""
+    found: dict[str, DeviceEntry] = {}
+    skipped: list[tuple[str, str]] = []
+    if not isinstance(given, Mapping):
+        _log(resource).warning("devices: %r is not a dict of device ID -> DeviceEntry: no devices", given)
+        return found
+    for key, entry in given.items():
+        if not isinstance(entry, DeviceEntry):
+            why = f"{type(entry).__name__} is not a DeviceEntry"
+        elif not isinstance(key, str) or key != entry.id:
+            why = f"the key must be its DeviceEntry's id, {entry.id!r}"
+        else:
+            why = _id_problem(resource, key)
+        if why:
+            skipped.append((repr(key) if not isinstance(key, str) else key, why))
+        else:
+            found[key] = entry
+    _warn_skipped_now(resource, warned, skipped)
+    return found
+
+
+async def _follow_given_devices(
+    resource: ResourceConfig, devices: Watched, seen: Any, checked: Watched, warned: dict[str, str]
+) -> None:
+    """Check each new value the program sets, publish what may be sent, and log health changes."""
+    while True:
+        seen = await devices.wait_changed(seen)
+        now = _checked_devices(resource, seen, warned)
+        before = checked.value
+        _log_health_changes(resource, before, now, now.keys())
+        checked.set(now)
 
 
 def _kubelets_directory(candidates: Iterable[str]) -> str | None:
@@ -7971,12 +8038,22 @@ def _kubelets_directory(candidates: Iterable[str]) -> str | None:
 
 
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
-    """The first of ``candidates`` whose kubelet.sock accepts a connection, else the first holding
-    a kubelet.sock socket at all (a kubelet starting), else (with a warning) the first one.
+    """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the first of ``candidates`` whose kubelet.sock
+    accepts a connection, else the first holding a kubelet.sock socket at all (a kubelet starting),
+    else (with a warning) the first one.
 
     For a configuration that does not say: the kubelet of this node is the one listening. A node
     that once ran another distribution keeps that kubelet's dead socket, which refuses at once.
     """
+    if given := os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
+        # The command line's variable, read here too so that an embedding program (serve_devices,
+        # serve_plugin) is pointed at a kubelet the same way, with the same checks.
+        if not os.path.isabs(given):
+            raise ConfigError("GOPHERPLUG_DEVICE_PLUGIN_DIR", "", f"{given!r} must be an absolute path")
+        if (problem := device_plugin_dir_problem(os.path.normpath(given))) is not None:
+            raise ConfigError("GOPHERPLUG_DEVICE_PLUGIN_DIR", "", problem)
+        log.info("GOPHERPLUG_DEVICE_PLUGIN_DIR: the kubelet's directory is %s", os.path.normpath(given))
+        return os.path.normpath(given)
     candidates = list(candidates)
     if (directory := _kubelets_directory(candidates)) is not None:
         log.info("kubelet.sock found in %s: using it (set device_plugin_dir to choose another)", directory)
