@@ -10693,35 +10693,45 @@ def _release_freed_memory() -> None:
 STOP_TIMEOUT = 3 * STOP_PART_TIMEOUT
 
 
-async def _serve_until_signalled(
-    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+async def serve_until_signalled(
+    async_fn: Callable[..., Awaitable[object]],
+    *args: Any,
+    on_sighup: Callable[[], object] | None = None,
 ) -> None:
-    _release_freed_memory()  # what compiling the module and reading the configuration left behind
-    # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
-    # cancelling serve_plugin stops its parts one by one, each `finally` removing its sockets. SIGHUP,
-    # which would kill the process and leave them behind, asks daemons by convention to read their
-    # configuration again: the file is read as if inotify had seen it change (it may not have: a
-    # write through a hard link elsewhere, a filesystem without inotify such as NFS).
-    watches: list[DirectoryWatch] = []
-    for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
-        log.warning("%s", warning)
+    """Run ``async_fn(*args)`` until SIGTERM or SIGINT, then stop it as the command line stops:
+    the entry point for a program of your own (``trio.run(serve_until_signalled, main)``).
+
+    A signal cancels ``async_fn``: serve_plugin() and serve_devices() then stop their parts one at
+    a time, each ``finally`` removing what it made (sockets, lock files), and this returns once
+    they have. A stop not done after STOP_TIMEOUT (a part stuck where no cancellation reaches, a
+    thread the kernel holds) ends the process at once with exit code 0, its log flushed, as the
+    kubelet's SIGKILL would 30 s later: the sockets are gone by then (serve_grpc removes its own
+    first). If ``async_fn`` returns or raises first, so does this.
+
+    SIGTERM is how the kubelet deletes a pod (and docker stop, systemctl stop), SIGINT is Ctrl-C;
+    without this, either kills the process and leaves its sockets and lock files behind for the
+    next start to clear. SIGHUP, which would kill it too, is taken only with ``on_sighup`` (called
+    at each one: the command line reads its configuration again, as daemons do by convention).
+
+    The signals are received from before ``async_fn`` starts: one sent as soon as it has started
+    is not lost. Trio receives signals only in the main thread (also in guest mode, under asyncio).
+    """
+    asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
     serving, stopped = trio.CancelScope(), trio.Event()
-
-    async def serve() -> None:
-        # edits are applied as they are saved
-        updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
-        with serving:
-            await serve_plugin(config, updates=updates)
-        stopped.set()
-
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    began: float | None = None
+    with trio.open_signal_receiver(*asked) as signals:
         async with trio.open_nursery() as nursery:
+
+            async def serve() -> None:
+                with serving:
+                    await async_fn(*args)
+                stopped.set()
+                nursery.cancel_scope.cancel()  # stopped as asked, or done on its own: no signal to wait for
+
             nursery.start_soon(serve)
             async for signum in signals:
-                if signum == signal.SIGHUP:
-                    log.info("SIGHUP received: reading %s again", path)
-                    for watch in watches:
-                        watch.poke()
+                if signum == signal.SIGHUP and on_sighup is not None:
+                    on_sighup()
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 break
@@ -10734,7 +10744,30 @@ async def _serve_until_signalled(
                 # reaches (the warnings above name it): end the process as SIGKILL would, only sooner.
                 log.warning("stop: not done after %g s: exiting without waiting for the rest", STOP_TIMEOUT)
                 _exit_now(EXIT_OK)
-    log.debug("stop: done in %.0f ms", 1000 * (trio.current_time() - began))
+    if began is not None:
+        log.debug("stop: done in %.0f ms", 1000 * (trio.current_time() - began))
+
+
+async def _serve_until_signalled(
+    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+) -> None:
+    """`gopherplug serve`: serve_plugin() with the file's edits applied as they are saved, until
+    SIGTERM or SIGINT, stopped by serve_until_signalled() as an embedding program's plugin is."""
+    _release_freed_memory()  # what compiling the module and reading the configuration left behind
+    watches: list[DirectoryWatch] = []
+    for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
+        log.warning("%s", warning)
+
+    def read_again() -> None:
+        # SIGHUP asks daemons by convention to read their configuration again: the file is read as
+        # if inotify had seen it change (it may not have: a write through a hard link elsewhere, a
+        # filesystem without inotify such as NFS).
+        log.info("SIGHUP received: reading %s again", path)
+        for watch in watches:
+            watch.poke()
+
+    updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
+    await serve_until_signalled(functools.partial(serve_plugin, config, updates=updates), on_sighup=read_again)
 
 
 def _exit_now(code: int) -> NoReturn:
