@@ -205,9 +205,32 @@ __all__ = [
 log = logging.getLogger("gopherplug")
 
 
+class _ResourceLog(logging.LoggerAdapter[logging.Logger]):
+    """The log of one resource: each message begins with the resource's name ("example.com/gopher:
+    allocated g1"), and the record carries it in ``record.resource`` too.
+
+    In the message itself, because an embedding program formats the records with its own handlers
+    (logging.basicConfig, a JSON formatter of its own) that know nothing of ``resource``: a line
+    without the name would not say which of its resources it is about. _LogFormatter, which has the
+    field, leaves the text as it is and takes the name out of a JSON line's message, where the
+    field holds it. A resource name has no "%" (resource_name_problem), so the prefix cannot disturb
+    the message's own %-formatting.
+    """
+
+    def __init__(self, resource_name: str) -> None:
+        super().__init__(log, {"resource": resource_name})
+        self.resource_name = resource_name
+
+    def process(
+        self, msg: Any, kwargs: collections.abc.MutableMapping[str, Any]
+    ) -> tuple[Any, collections.abc.MutableMapping[str, Any]]:
+        msg, kwargs = super().process(msg, kwargs)
+        return f"{self.resource_name}: {msg}", kwargs
+
+
 def _log(resource: ResourceConfig) -> logging.LoggerAdapter[logging.Logger]:
-    """The log for one resource: its records carry the resource's name (see _LogFormatter)."""
-    return logging.LoggerAdapter(log, {"resource": resource.name})
+    """The log for one resource: its messages begin with the resource's name (_ResourceLog)."""
+    return _ResourceLog(resource.name)
 
 
 def _devices(count: int) -> str:
@@ -5054,7 +5077,7 @@ class ResourceLock(FileLock):
                 ):
                     os.unlink(entry.path)
                     # Under the resource's name, as every other line about it (the stem is a file name).
-                    logging.LoggerAdapter(log, {"resource": self.resource_name}).info(
+                    _ResourceLog(self.resource_name).info(
                         "removed %s, left by a gopherplug that did not exit cleanly", entry.name
                     )
 
@@ -5368,14 +5391,7 @@ class _DeviceSet:
         """Publish what was found (a copy: streams hold on to it), log health changes of the
         ``changed`` devices, write the CDI spec (``rewrite``: even if it is as last written)."""
         before = self.devices.value
-        for device_id in changed:
-            device, old = self.found.get(device_id), before.get(device_id)
-            if device is None:
-                continue
-            if device.health != HEALTHY and (old is None or old.problem != device.problem):
-                _log(self.resource).warning("%s is unhealthy: %s", device.id, device.problem)
-            elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
-                _log(self.resource).info("%s is healthy again", device.id)
+        _log_health_changes(self.resource, before, self.found, changed)
         found = dict(self.found)
         # The spec describes device nodes and mounts: a change of health alone leaves it as it is
         # (and at 50,000 devices, building and comparing it costs half a second).
@@ -5438,6 +5454,27 @@ class _DeviceSet:
             described = {device["name"] for device in (self.cdi_written or {}).get("devices", [])}
             _log(self.resource).error("%s; offering only the devices it describes until it can be written", error)
             return {device_id: device for device_id, device in found.items() if device_id in described}
+
+
+def _log_health_changes(
+    resource: ResourceConfig, before: Mapping[str, DeviceEntry], now: Mapping[str, DeviceEntry], ids: Iterable[str]
+) -> None:
+    """Log each of the devices ``ids`` whose health changed from ``before`` to ``now``: a warning
+    with the reason when it is unhealthy (new, turned so, or for another reason), a line when it is
+    healthy again. A device that comes healthy, or goes, is in the count line instead.
+
+    The kubelet logs none of this (it counts a resource's healthy devices in the node's status): the
+    plugin's log is where an operator learns which device went, and why. The same lines whether the
+    devices come from a directory (_DeviceSet) or from an embedding program (serve_devices)."""
+    for device_id in ids:
+        device, old = now.get(device_id), before.get(device_id)
+        if device is None:
+            continue
+        if device.health != HEALTHY and (old is None or old.problem != device.problem or old.health == HEALTHY):
+            reason = f": {device.problem}" if device.problem else " (no reason given)"
+            _log(resource).warning("%s is unhealthy%s", device.id, reason)
+        elif device.health == HEALTHY and old is not None and old.health != HEALTHY:
+            _log(resource).info("%s is healthy again", device.id)
 
 
 _NOT_YET = object()
@@ -7944,13 +7981,66 @@ async def serve_devices(
 
     ``devices`` holds a dict of device ID -> DeviceEntry: ``devices.set(...)`` whenever they change,
     and the kubelet hears of it at once. ``shape_allocation``, if given, may add to each container's
-    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin().
+    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin():
+    cancelled, it removes its socket and its lock file, leaving the kubelet's directory as it was.
+    ``device_plugin_dir`` None: GOPHERPLUG_DEVICE_PLUGIN_DIR, else the directory whose kubelet.sock
+    answers (find_device_plugin_dir).
+
+    The devices are checked as a directory's entries are (_checked_devices): an ID the kubelet
+    would refuse (empty, a space, "::", which replicas use, over 63 characters), a key that is not
+    its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning, not sent.
+    A change of a device's health is logged as the directory watcher logs it.
     """
     kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
+    warned: dict[str, str] = {}  # skipped key -> why, as last warned
+    given = devices.value
+    checked = Watched(_checked_devices(resource, given, warned))
+    _log_health_changes(resource, {}, checked.value, checked.value)  # those unhealthy from the start
     async with trio.open_nursery() as nursery:
         await nursery.start(kubelet.run)
-        await nursery.start(serve_resource, resource, devices, kubelet, shape_allocation)
+        nursery.start_soon(_follow_given_devices, resource, devices, given, checked, warned)
+        await nursery.start(serve_resource, resource, checked, kubelet, shape_allocation)
         task_status.started()
+
+
+def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str]) -> dict[str, DeviceEntry]:
+    """The devices of ``given`` (an embedding program's dict of ID -> DeviceEntry) that the kubelet
+    can be sent, each skipped one warned about once (_warn_skipped_now), as scan_directory's are.
+
+    The kubelet checks none of it: an ID with "::" would be taken for a replica of another device
+    (REPLICA_SEPARATOR), one the CDI spec cannot name would fail every container given it, and a
+    key that is not its entry's ID makes Allocate answer for a device other than the one the
+    kubelet asked for."""
+    found: dict[str, DeviceEntry] = {}
+    skipped: list[tuple[str, str]] = []
+    if not isinstance(given, Mapping):
+        _log(resource).warning("devices: %r is not a dict of device ID -> DeviceEntry: no devices", given)
+        return found
+    for key, entry in given.items():
+        if not isinstance(entry, DeviceEntry):
+            why = f"{type(entry).__name__} is not a DeviceEntry"
+        elif not isinstance(key, str) or key != entry.id:
+            why = f"the key must be its DeviceEntry's id, {entry.id!r}"
+        else:
+            why = _id_problem(resource, key)
+        if why:
+            skipped.append((repr(key) if not isinstance(key, str) else key, why))
+        else:
+            found[key] = entry
+    _warn_skipped_now(resource, warned, skipped)
+    return found
+
+
+async def _follow_given_devices(
+    resource: ResourceConfig, devices: Watched, seen: Any, checked: Watched, warned: dict[str, str]
+) -> None:
+    """Check each new value the program sets, publish what may be sent, and log health changes."""
+    while True:
+        seen = await devices.wait_changed(seen)
+        now = _checked_devices(resource, seen, warned)
+        before = checked.value
+        _log_health_changes(resource, before, now, now.keys())
+        checked.set(now)
 
 
 def _kubelets_directory(candidates: Iterable[str]) -> str | None:
@@ -7965,12 +8055,22 @@ def _kubelets_directory(candidates: Iterable[str]) -> str | None:
 
 
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
-    """The first of ``candidates`` whose kubelet.sock accepts a connection, else the first holding
-    a kubelet.sock socket at all (a kubelet starting), else (with a warning) the first one.
+    """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the first of ``candidates`` whose kubelet.sock
+    accepts a connection, else the first holding a kubelet.sock socket at all (a kubelet starting),
+    else (with a warning) the first one.
 
     For a configuration that does not say: the kubelet of this node is the one listening. A node
     that once ran another distribution keeps that kubelet's dead socket, which refuses at once.
     """
+    if given := os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
+        # The command line's variable, read here too so that an embedding program (serve_devices,
+        # serve_plugin) is pointed at a kubelet the same way, with the same checks.
+        if not os.path.isabs(given):
+            raise ConfigError("GOPHERPLUG_DEVICE_PLUGIN_DIR", "", f"{given!r} must be an absolute path")
+        if (problem := device_plugin_dir_problem(os.path.normpath(given))) is not None:
+            raise ConfigError("GOPHERPLUG_DEVICE_PLUGIN_DIR", "", problem)
+        log.info("GOPHERPLUG_DEVICE_PLUGIN_DIR: the kubelet's directory is %s", os.path.normpath(given))
+        return os.path.normpath(given)
     candidates = list(candidates)
     if (directory := _kubelets_directory(candidates)) is not None:
         log.info("kubelet.sock found in %s: using it (set device_plugin_dir to choose another)", directory)
@@ -10537,7 +10637,8 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 class _LogFormatter(logging.Formatter):
-    """One line per event: "time LEVEL resource: message", or the same as one JSON object."""
+    """One line per event: "time LEVEL message" (a resource's message begins with its name), or
+    the same as one JSON object, the resource's name in its own field."""
 
     def __init__(self, json_lines: bool) -> None:
         super().__init__()
@@ -10545,15 +10646,17 @@ class _LogFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         resource = getattr(record, "resource", None)
-        message = record.getMessage()
+        message = record.getMessage()  # a resource's line begins with its name already (_ResourceLog)
         if self.json_lines:
             event = {"time": self.formatTime(record), "level": record.levelname.lower(), "message": message}
             if resource:
+                # The name once, in its own field, where a log pipeline filters on it.
+                event["message"] = message.removeprefix(f"{resource}: ")
                 event["resource"] = resource
             if record.exc_info:  # only a bug in gopherplug logs a traceback
                 event["traceback"] = self.formatException(record.exc_info)
             return json.dumps(event)
-        line = f"{self.formatTime(record)} {record.levelname} {resource + ': ' if resource else ''}{message}"
+        line = f"{self.formatTime(record)} {record.levelname} {message}"
         return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
@@ -10607,35 +10710,45 @@ def _release_freed_memory() -> None:
 STOP_TIMEOUT = 3 * STOP_PART_TIMEOUT
 
 
-async def _serve_until_signalled(
-    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+async def serve_until_signalled(
+    async_fn: Callable[..., Awaitable[object]],
+    *args: Any,
+    on_sighup: Callable[[], object] | None = None,
 ) -> None:
-    _release_freed_memory()  # what compiling the module and reading the configuration left behind
-    # SIGTERM (the kubelet deleting the pod, docker stop) and SIGINT (Ctrl-C) are requests to stop:
-    # cancelling serve_plugin stops its parts one by one, each `finally` removing its sockets. SIGHUP,
-    # which would kill the process and leave them behind, asks daemons by convention to read their
-    # configuration again: the file is read as if inotify had seen it change (it may not have: a
-    # write through a hard link elsewhere, a filesystem without inotify such as NFS).
-    watches: list[DirectoryWatch] = []
-    for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
-        log.warning("%s", warning)
+    """Run ``async_fn(*args)`` until SIGTERM or SIGINT, then stop it as the command line stops:
+    the entry point for a program of your own (``trio.run(serve_until_signalled, main)``).
+
+    A signal cancels ``async_fn``: serve_plugin() and serve_devices() then stop their parts one at
+    a time, each ``finally`` removing what it made (sockets, lock files), and this returns once
+    they have. A stop not done after STOP_TIMEOUT (a part stuck where no cancellation reaches, a
+    thread the kernel holds) ends the process at once with exit code 0, its log flushed, as the
+    kubelet's SIGKILL would 30 s later: the sockets are gone by then (serve_grpc removes its own
+    first). If ``async_fn`` returns or raises first, so does this.
+
+    SIGTERM is how the kubelet deletes a pod (and docker stop, systemctl stop), SIGINT is Ctrl-C;
+    without this, either kills the process and leaves its sockets and lock files behind for the
+    next start to clear. SIGHUP, which would kill it too, is taken only with ``on_sighup`` (called
+    at each one: the command line reads its configuration again, as daemons do by convention).
+
+    The signals are received from before ``async_fn`` starts: one sent as soon as it has started
+    is not lost. Trio receives signals only in the main thread (also in guest mode, under asyncio).
+    """
+    asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
     serving, stopped = trio.CancelScope(), trio.Event()
-
-    async def serve() -> None:
-        # edits are applied as they are saved
-        updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
-        with serving:
-            await serve_plugin(config, updates=updates)
-        stopped.set()
-
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    began: float | None = None
+    with trio.open_signal_receiver(*asked) as signals:
         async with trio.open_nursery() as nursery:
+
+            async def serve() -> None:
+                with serving:
+                    await async_fn(*args)
+                stopped.set()
+                nursery.cancel_scope.cancel()  # stopped as asked, or done on its own: no signal to wait for
+
             nursery.start_soon(serve)
             async for signum in signals:
-                if signum == signal.SIGHUP:
-                    log.info("SIGHUP received: reading %s again", path)
-                    for watch in watches:
-                        watch.poke()
+                if signum == signal.SIGHUP and on_sighup is not None:
+                    on_sighup()
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 break
@@ -10648,7 +10761,30 @@ async def _serve_until_signalled(
                 # reaches (the warnings above name it): end the process as SIGKILL would, only sooner.
                 log.warning("stop: not done after %g s: exiting without waiting for the rest", STOP_TIMEOUT)
                 _exit_now(EXIT_OK)
-    log.debug("stop: done in %.0f ms", 1000 * (trio.current_time() - began))
+    if began is not None:
+        log.debug("stop: done in %.0f ms", 1000 * (trio.current_time() - began))
+
+
+async def _serve_until_signalled(
+    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+) -> None:
+    """`gopherplug serve`: serve_plugin() with the file's edits applied as they are saved, until
+    SIGTERM or SIGINT, stopped by serve_until_signalled() as an embedding program's plugin is."""
+    _release_freed_memory()  # what compiling the module and reading the configuration left behind
+    watches: list[DirectoryWatch] = []
+    for warning in config.warnings:  # valid, but likely not what was meant (a reload logs its own)
+        log.warning("%s", warning)
+
+    def read_again() -> None:
+        # SIGHUP asks daemons by convention to read their configuration again: the file is read as
+        # if inotify had seen it change (it may not have: a write through a hard link elsewhere, a
+        # filesystem without inotify such as NFS).
+        log.info("SIGHUP received: reading %s again", path)
+        for watch in watches:
+            watch.poke()
+
+    updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
+    await serve_until_signalled(functools.partial(serve_plugin, config, updates=updates), on_sighup=read_again)
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -2782,7 +2782,7 @@ async def test_a_device_of_several_entries_is_unhealthy_while_one_is(nursery, no
             Path(node.devices, "g1-render").touch()  # joins g1: the same list, a device of two
             await grouped.wait()
             await pushed.wait()
-        assert pushed.lines == ["the kubelet's list is unchanged: not sent again"]
+        assert pushed.lines == [f"{RESOURCE}: the kubelet's list is unchanged: not sent again"]
         assert simulator.resources[RESOURCE].updates == updates
         answer = (await simulator.allocate(RESOURCE, ["g1"])).container_responses[0]
         assert [(m.host_path, m.read_only) for m in answer.mounts] == [
@@ -2864,7 +2864,7 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
         await nursery.start(gp.serve_plugin, nothing_found(node, tmp_path))
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {} and streaming(s, YUBIKEY) == {})
-        assert empty.lines[1:] == ["no device from USB 1050:0407: none is offered until one appears"]
+        assert empty.lines[1:] == [f"{YUBIKEY}: no device from USB 1050:0407: none is offered until one appears"]
         with logged("skipping 'k::1'") as skipped:  # an update that finds no device again
             Path(node.devices, "k::1").touch()
             await skipped.wait()
@@ -2880,7 +2880,8 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
         Path(node.devices, "k2").touch()
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k2": gp.HEALTHY})
-    warning, came = f"no device from {resource_dir}: none is offered until one appears", f"1 device from {resource_dir}"
+    warning = f"{RESOURCE}: no device from {resource_dir}: none is offered until one appears"
+    came = f"{RESOURCE}: 1 device from {resource_dir}"
     assert found.lines == [warning, came, warning, came]
 
 
@@ -3007,7 +3008,7 @@ async def test_a_kubelet_sock_not_yet_reported_by_inotify_is_registered_with_onc
         restarts = registry.get_sample_value("gopherplug_kubelet_restarts_total")
         registrations = registry.get_sample_value("gopherplug_registrations_total", {"resource": RESOURCE})
     assert (restarts, registrations) == (1, 2), "the metrics count one registration per kubelet too"
-    assert again.lines == ["our socket was deleted: serving and registering again"]
+    assert again.lines == [f"{RESOURCE}: our socket was deleted: serving and registering again"]
     assert simulator.registered_in == [1, 2], "one registration for each kubelet"
     endpoints = [f"gopherplug-example.com_gopher-{n}.sock" for n in (1, 2)]
     assert simulator.events == [
@@ -3090,7 +3091,7 @@ async def test_a_new_kubelet_sock_with_the_old_kubelet_alive_lets_it_drop_the_ol
         ]
         await simulator.wait_until(listed("g1", "g2"))
         await simulator.allocate(RESOURCE, ["g1"])
-    assert again.lines == ["the kubelet restarted: serving and registering again"]
+    assert again.lines == [f"{RESOURCE}: the kubelet restarted: serving and registering again"]
     assert simulator.rejections == []
 
 
@@ -4229,8 +4230,8 @@ async def test_reload_adding_a_resource_beyond_the_inotify_instance_limit_serves
         both = {name: {**devices, "g4": gp.HEALTHY} for name, devices in both.items()}
         await simulator.wait_until(lambda s: {name: streaming(s, name) for name in both} == both)
     assert degraded.lines == [
-        f"cannot watch {node.devices} with inotify: the node's limit of inotify instances is reached (raise the "
-        "sysctl fs.inotify.max_user_instances); rescanning it every 0.05 s until it can be watched"
+        f"{OTHER}: cannot watch {node.devices} with inotify: the node's limit of inotify instances is reached "
+        "(raise the sysctl fs.inotify.max_user_instances); rescanning it every 0.05 s until it can be watched"
     ]
     [record] = [r for r in caplog.records if r.getMessage() == degraded.lines[0]]
     assert record.resource == OTHER
@@ -4499,7 +4500,7 @@ async def test_cdi_spec_follows_a_chmod_or_chown_before_the_kubelet_hears(node, 
                     # already written when the stream sees the new set.
                     await pushed.wait()
                     spec = described()
-                assert set(pushed.lines) == {"the kubelet's list is unchanged: not sent again"}
+                assert set(pushed.lines) == {f"{RESOURCE}: the kubelet's list is unchanged: not sent again"}
                 assert simulator.resources[RESOURCE].updates == updates
                 return spec
 
@@ -4840,12 +4841,16 @@ async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
     assert grown < 50 * 1024, f"the plugin's peak memory grew by {grown // 1024} MiB for 600 MiB of output"
 
 
+def readme_example_text():
+    """The README's embedding example as written (its code block after "## Embedding")."""
+    text = (HERE / "README.md").read_text()
+    return text.split("## Embedding", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def readme_example():
     """The README's embedding example, as a module namespace (its code block after "## Embedding")."""
-    text = (HERE / "README.md").read_text()
-    code = text.split("## Embedding", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {"__name__": "readme_example"}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(readme_example_text(), "README.md", "exec"), namespace)
     return namespace
 
 
@@ -4865,6 +4870,205 @@ async def test_readme_embedding_example_serves_devices_from_code(nursery, node):
         assert [(d.host_path, d.container_path) for d in answer.devices] == [("/dev/w1", "/dev/w1")]
         example["devices"].set({"w2": gp.DeviceEntry("w2", "/dev/w2", health=gp.UNHEALTHY)})
         await simulator.wait_until(lambda s: widgets(s) == {"w2": gp.UNHEALTHY})
+
+
+EMBEDDING_EXAMPLES = HERE / "examples" / "embedding"
+WIDGET = "example.com/widget"
+WIDGET_SOCKET = "gopherplug-example.com_widget-1.sock"
+
+
+def test_readme_embedding_example_is_the_example_file():
+    # One program, shown in the README and shipped as a file to copy: they must not drift apart.
+    assert readme_example_text() == (EMBEDDING_EXAMPLES / "device_plugin.py").read_text()
+
+
+async def open_example(script, plugin_dir, stderr, **kwargs):
+    """An embedding example as its own process, pointed at ``plugin_dir`` as a user would point it,
+    importing gopherplug from this checkout."""
+    env = {**os.environ, "GOPHERPLUG_DEVICE_PLUGIN_DIR": plugin_dir, "PYTHONPATH": str(HERE)}
+    return await trio.lowlevel.open_process([sys.executable, str(script)], env=env, stderr=stderr, **kwargs)
+
+
+async def stop_example(process, stop):
+    """``stop`` it (a signal, or a coroutine function of the example's own way), then its exit code
+    and how long it took; killed if it outlives the test."""
+    try:
+        asked = trio.current_time()
+        if isinstance(stop, signal.Signals):
+            process.send_signal(stop)
+        else:
+            await stop()
+        code = await process.wait()
+        return code, trio.current_time() - asked
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@pytest.mark.parametrize("source", ["README.md", "examples/embedding/device_plugin.py"])
+async def test_embedding_example_serves_then_stops_cleanly_on_sigterm(nursery, node, tmp_path, source):
+    """The README's program, run verbatim as its own process: it serves, and SIGTERM (the kubelet
+    deleting its pod) stops it with exit code 0, leaving nothing of its own in the kubelet's
+    directory, its log lines naming the resource under the program's own logging.basicConfig."""
+    script = tmp_path / "example.py"
+    script.write_text(readme_example_text() if source == "README.md" else (HERE / source).read_text())
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    process = await open_example(script, node.plugin_dir, subprocess.PIPE)
+    said = StderrLines(process.stderr)
+    with trio.fail_after(TIMEOUT):
+        try:
+            await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY, "w1": gp.HEALTHY})
+            # Logged once Register has returned, after the kubelet's first list: waited for.
+            await said.wait_for(f"\nINFO:gopherplug:{WIDGET}: registered with the kubelet as {WIDGET_SOCKET}\n")
+            assert sorted(os.listdir(node.plugin_dir)) == [
+                ".gopherplug-example.com_widget.lock",
+                WIDGET_SOCKET,
+                "kubelet.sock",
+            ]
+        finally:
+            code, took = await stop_example(process, signal.SIGTERM)
+        await said.wait_for("\nINFO:gopherplug:SIGTERM received: stopping\n")
+    assert code == 0, said.text
+    assert took < 5, "generous: the stop takes milliseconds"
+    assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "end of input"])
+async def test_asyncio_host_example_serves_what_asyncio_says_then_stops_cleanly(nursery, node, tmp_path, stop):
+    """examples/embedding/asyncio_host.py: gopherplug in trio's guest mode inside asyncio, the devices
+    from the asyncio side (a line of standard input each), stopped by SIGTERM through
+    serve_until_signalled or by the asyncio side itself at the end of its input."""
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = await open_example(
+            EMBEDDING_EXAMPLES / "asyncio_host.py", node.plugin_dir, stderr, stdin=subprocess.PIPE
+        )
+    with trio.fail_after(TIMEOUT):
+        try:
+            await process.stdin.send_all(b"w0 w1\n")
+            await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY, "w1": gp.HEALTHY})
+            await process.stdin.send_all(b"w1 w2!\n")
+            await simulator.wait_until(lambda s: widgets(s) == {"w1": gp.HEALTHY, "w2": gp.UNHEALTHY})
+            assert len(simulator.registrations) == 1, "one registration: the changes go down its stream"
+        finally:
+            code, _ = await stop_example(process, signal.SIGTERM if stop == "SIGTERM" else process.stdin.aclose)
+    said = (tmp_path / "stderr").read_text()
+    assert code == 0, said
+    assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
+    assert "WARNING:gopherplug:example.com/widget: w2 is unhealthy: said so" in said.splitlines()
+
+
+async def test_serve_until_signalled_passes_sighup_on_and_returns_with_its_function():
+    """SIGHUP goes to ``on_sighup`` and stops nothing; a function that returns on its own ends it.
+    (SIGTERM and SIGINT: the tests of the examples and of `gopherplug serve`, in their own processes.)"""
+    hangups, done = Calls(), trio.Event()
+
+    async def serve(started):
+        started.set()
+        await done.wait()
+
+    started = trio.Event()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(functools.partial(gp.serve_until_signalled, serve, started, on_sighup=hangups.add))
+            await started.wait()  # the signals are received from before serve() starts
+            for count in (1, 2):
+                os.kill(os.getpid(), signal.SIGHUP)
+                await hangups.wait_for(count)
+            done.set()  # serve() returns: so does serve_until_signalled, no signal needed
+    assert hangups.value == 2
+
+
+class Calls:
+    """A callback that counts its calls, and a way to wait for them."""
+
+    def __init__(self):
+        self.value = 0
+        self.changed = trio.Event()
+
+    def add(self):
+        self.value += 1
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_for(self, count):
+        while self.value < count:
+            await self.changed.wait()
+
+
+async def serve_widgets(nursery, node, given):
+    """serve_devices for WIDGET with ``given`` (a Watched), against a KubeletSimulator streaming."""
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    await nursery.start(gp.serve_devices, gp.resource_config(WIDGET), given, node.plugin_dir)
+    return simulator
+
+
+def skipped_warnings(caplog):
+    return sorted(message for r in caplog.records if " skipping " in (message := r.getMessage()))
+
+
+async def test_serve_devices_skips_what_a_directory_would_skip_warning_once_each(nursery, node, caplog):
+    """An embedding program's devices are checked as a directory's entries are: an ID the kubelet
+    would refuse or misread ("x::1" reads as replica 1 of x), and a key that is not its entry's ID,
+    are skipped, each with one warning however often the program sets them again."""
+    bad = {name: gp.DeviceEntry(name, f"/dev/w{n}") for n, name in enumerate(("bad id", "x::1", ""))}
+    bad["alias"] = gp.DeviceEntry("w9", "/dev/w9")  # the kubelet would ask for "alias" and get w9
+    given = gp.Watched({"w0": gp.DeviceEntry("w0", "/dev/w0"), **bad})
+    with trio.fail_after(TIMEOUT):
+        simulator = await serve_widgets(nursery, node, given)
+        await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY})
+        given.set({**given.value, "w1": gp.DeviceEntry("w1", "/dev/w1")})  # the same bad ones, set again
+        await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY, "w1": gp.HEALTHY})
+        rule = "a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'"
+        assert skipped_warnings(caplog) == [
+            f"{WIDGET}: skipping '': {rule}",
+            f"{WIDGET}: skipping 'alias': the key must be its DeviceEntry's id, 'w9'",
+            f"{WIDGET}: skipping 'bad id': {rule}",
+            f"{WIDGET}: skipping 'x::1': {rule}",
+        ]
+        given.set({"w1": given.value["w1"]})  # gone: one that comes back is warned about again
+        await simulator.wait_until(lambda s: widgets(s) == {"w1": gp.HEALTHY})
+        with logged("skipping 'x::1'") as again:
+            given.set({"w1": given.value["w1"], "x::1": bad["x::1"]})
+            await again.wait()
+    assert skipped_warnings(caplog).count(f"{WIDGET}: skipping 'x::1': {rule}") == 2
+    assert widgets(simulator) == {"w1": gp.HEALTHY}
+
+
+async def test_serve_devices_logs_the_health_changes_the_program_publishes(nursery, node, caplog):
+    """One line per device whose health changed, naming the resource in the message itself: what a
+    plain handler (caplog here, logging.basicConfig in a program) shows."""
+    healthy = {name: gp.DeviceEntry(name, f"/dev/{name}") for name in ("w0", "w1")}
+    given = gp.Watched(healthy)
+    caplog.set_level(logging.INFO, "gopherplug")
+    with trio.fail_after(TIMEOUT):
+        simulator = await serve_widgets(nursery, node, given)
+        await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY, "w1": gp.HEALTHY})
+        caplog.clear()
+        broken = dataclasses.replace(healthy["w0"], health=gp.UNHEALTHY, problem="firmware crashed")
+        given.set({**healthy, "w0": broken})
+        await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.UNHEALTHY, "w1": gp.HEALTHY})
+        with logged("no reason given") as said:  # unhealthy still, for another reason: said again
+            given.set({**healthy, "w0": dataclasses.replace(broken, problem="")})
+            await said.wait()
+        given.set(healthy)
+        await simulator.wait_until(lambda s: widgets(s) == {"w0": gp.HEALTHY, "w1": gp.HEALTHY})
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if " w0 " in r.getMessage()] == [
+        ("WARNING", f"{WIDGET}: w0 is unhealthy: firmware crashed"),
+        ("WARNING", f"{WIDGET}: w0 is unhealthy (no reason given)"),
+        ("INFO", f"{WIDGET}: w0 is healthy again"),
+    ]
+    assert all(r.resource == WIDGET for r in caplog.records if r.getMessage().startswith(f"{WIDGET}: "))
+
+
+def test_find_device_plugin_dir_takes_the_environment_variable_as_the_command_line_does(monkeypatch, tmp_path):
+    monkeypatch.setenv("GOPHERPLUG_DEVICE_PLUGIN_DIR", f"{tmp_path}/dp/")
+    assert gp.find_device_plugin_dir([]) == f"{tmp_path}/dp"
+    monkeypatch.setenv("GOPHERPLUG_DEVICE_PLUGIN_DIR", "dp")
+    with pytest.raises(gp.ConfigError) as info:
+        gp.find_device_plugin_dir([])
+    assert str(info.value) == "GOPHERPLUG_DEVICE_PLUGIN_DIR: 'dp' must be an absolute path"
 
 
 @pytest.mark.parametrize(
@@ -5735,8 +5939,8 @@ async def test_serve_says_what_to_write_for_a_directory_that_is_a_device(nursery
         await nursery.start(gp.serve_plugin, node.config(directory="/dev/null"))
         await simulator.wait_until(listed())
     assert (
-        "/dev/null is a character device, not a directory of devices: to offer it, write directory: /dev and "
-        "pattern: 'null'"
+        f"{RESOURCE}: /dev/null is a character device, not a directory of devices: to offer it, write directory: "
+        "/dev and pattern: 'null'"
     ) in caplog.messages
 
 
@@ -7812,13 +8016,16 @@ async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(d
                 await old_devices.wait_touched()
         assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"]), ("gopher1", ["NEW_GOPHER1=gopher1"])]
         assert left.lines == [
-            f"a newer pod of the DRA driver serves ({new_config.dra.registration_socket}): the CDI spec {spec} is "
+            f"{RESOURCE}: a newer pod of the DRA driver serves ({new_config.dra.registration_socket}): the CDI spec "
+            f"{spec} is "
             "left to it"
         ]
         with logged("writing the CDI spec") as again:
             new.cancel()  # the rollout undone: the old pod is the newest again
             await again.wait()
-    assert again.lines == [f"no newer pod of the DRA driver serves any more: writing the CDI spec {spec} again"]
+    assert again.lines == [
+        f"{RESOURCE}: no newer pod of the DRA driver serves any more: writing the CDI spec {spec} again"
+    ]
     assert spec_env(spec) == [
         ("gopher0", ["OLD_GOPHER0=gopher0"]),
         ("gopher1", ["OLD_GOPHER1=gopher1"]),
