@@ -1141,7 +1141,7 @@ class ResourceConfig:
         """Where the devices come from, for messages: "/dev/ttyUSB*, /dev/ttyACM*, USB 1050:0407"."""
         places = [os.path.join(source.directory, source.pattern) for source in self.sources]
         places += [f"USB {usb.vendor}:{usb.product}" + (f" {usb.serial!r}" if usb.serial else "") for usb in self.usb]
-        return ", ".join(places)
+        return ", ".join(places) or "the embedding program"  # serve_dra_devices: the program's own devices
 
     def replica_ids(self, device_id: str) -> list[str]:
         """The IDs the kubelet sees for one device: the ID itself, or "<id>::0" ... "<id>::<replicas-1>"."""
@@ -8017,18 +8017,22 @@ def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str
         _log(resource).warning("devices: %r is not a dict of device ID -> DeviceEntry: no devices", given)
         return found
     for key, entry in given.items():
-        if not isinstance(entry, DeviceEntry):
-            why = f"{type(entry).__name__} is not a DeviceEntry"
-        elif not isinstance(key, str) or key != entry.id:
-            why = f"the key must be its DeviceEntry's id, {entry.id!r}"
-        else:
-            why = _id_problem(resource, key)
-        if why:
+        if why := _given_device_problem(resource, key, entry):
             skipped.append((repr(key) if not isinstance(key, str) else key, why))
         else:
             found[key] = entry
     _warn_skipped_now(resource, warned, skipped)
     return found
+
+
+def _given_device_problem(resource: ResourceConfig, key: Any, entry: Any) -> str:
+    """Why a device an embedding program gives (``key`` -> ``entry``) cannot be served, or "": a
+    DeviceEntry under its own ID, an ID that passes a directory entry's checks (_id_problem)."""
+    if not isinstance(entry, DeviceEntry):
+        return f"{type(entry).__name__} is not a DeviceEntry"
+    if not isinstance(key, str) or key != entry.id:
+        return f"the key must be its DeviceEntry's id, {entry.id!r}"
+    return _id_problem(resource, key)
 
 
 async def _follow_given_devices(
@@ -8041,6 +8045,199 @@ async def _follow_given_devices(
         before = checked.value
         _log_health_changes(resource, before, now, now.keys())
         checked.set(now)
+
+
+async def serve_dra_devices(
+    resource: ResourceConfig,
+    devices: Watched,
+    *,
+    driver: str,
+    node_name: str | None = None,
+    api: Any = None,
+    kubeconfig: str | None = None,
+    kubelet_dir: str = DEFAULT_KUBELET_DIR,
+    cdi_dir: str | None = None,
+    cdi_kind: str | None = None,
+    unhealthy_taint: str = "NoSchedule",
+    pod_uid: str = "",
+    task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve devices that your program supplies through DRA, as the driver ``driver``, until
+    cancelled: serve_devices' counterpart, on the same ``resource`` (resource_config()) and the same
+    ``devices`` (a Watched dict of device ID -> DeviceEntry, set() whenever they change).
+
+    It is serve_dra, as a configuration file's ``dra:`` section runs it: the devices published as
+    ResourceSlices of this node's pool, NodePrepareResources answered with CDI devices (the spec
+    written before a device is published, as for a directory's devices), health changes in the
+    slices (an unhealthy device's taint) and in the kubelet's health stream. The keywords are that
+    section's and the resource's ``cdi``, with the same defaults:
+
+    - ``driver``: the driver's name (``dra.driver``), a DNS subdomain; DeviceClasses select by it;
+    - ``node_name``: this node's name (default: the NODE_NAME environment variable, which a
+      DaemonSet sets from spec.nodeName): the pool's name and the slices' owner;
+    - ``api``: an API client (KubeApi, or a stand-in with its methods), yours to close once this has
+      returned; default KubeApi.connect(kubeconfig=``kubeconfig``): the pod's service account in a
+      pod, else KUBECONFIG's or ~/.kube/config;
+    - ``kubelet_dir``: the kubelet's root directory (``dra.kubelet_dir``), plugins_registry and
+      plugins/<driver> in it;
+    - ``cdi_dir`` and ``cdi_kind``: where the CDI spec goes and its kind (``cdi.spec_dir``,
+      ``cdi.kind``; default /var/run/cdi and dra_cdi_kind(driver, resource name));
+    - ``unhealthy_taint``: NoSchedule or NoExecute (``dra.unhealthy_taint``);
+    - ``pod_uid``: this pod's UID, for a DaemonSet whose rolling update runs two pods at once
+      (DraConfig.pod_uid; the POD_UID environment variable in serve).
+
+    A device reaches DRA only if its ID passes the checks a directory entry's does (a device ID,
+    and a CDI device name), its key is its DeviceEntry's ID, and its container paths need no more
+    than {id} and {path} (a CDI device is described once, not per allocation): any other is
+    skipped, with a warning, until it is fixed. The resource's device-plugin options (preferred,
+    annotations, pre_start) have no meaning under DRA and are refused. Every problem with the
+    arguments raises ConfigError before anything starts. started() is called with the DraDriver once
+    its sockets listen.
+    """
+    config, dra_resource, node = _embedded_dra(
+        resource, driver, node_name, kubelet_dir, cdi_dir, cdi_kind, unhealthy_taint, pod_uid
+    )
+    resources = DraResources(config.driver, node, unhealthy_taint=config.unhealthy_taint)
+    offered = Watched({})  # the devices that passed the checks, their CDI spec written
+    async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        if api is None:
+            api = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
+            stack.push_async_callback(_stop_part, "API client", api.aclose)
+        # Stopped the last started first, as serve_plugin's: the driver (the kubelet's side, then the
+        # API server's), then the devices, then the API client.
+        parts = _Parts(nursery)
+        try:
+            await parts.start(dra_resource.name, _offer_devices, dra_resource, devices, offered, resources.cdi_turn)
+            # Attached before serve_dra starts: its first pass compares the slices with the pool.
+            resources.attach(dra_resource, offered)
+            served = await parts.start("DRA driver", serve_dra, config, resources, api, bound=2 * STOP_PART_TIMEOUT)
+            task_status.started(served)
+            await trio.sleep_forever()
+        finally:
+            await parts.stop()
+            await stack.aclose()
+
+
+def _embedded_dra(
+    resource: ResourceConfig,
+    driver: str,
+    node_name: str | None,
+    kubelet_dir: str,
+    cdi_dir: str | None,
+    cdi_kind: str | None,
+    unhealthy_taint: str,
+    pod_uid: str,
+) -> tuple[DraConfig, ResourceConfig, str]:
+    """serve_dra_devices' arguments as a configuration file would have them: its DraConfig, the
+    resource with api: dra, and the node's name; checked by the file's own parsers, so that each
+    mistake is the file's one line, naming the keyword instead of the key."""
+    source = f"serve_dra_devices({resource.name!r})"
+    if not isinstance(driver, str):
+        raise ConfigError(source, "driver", f"{driver!r}: must be the driver's name, e.g. gopherplug.example.com")
+    config = _parse_dra({"driver": driver, "kubelet_dir": kubelet_dir, "unhealthy_taint": unhealthy_taint}, source, "")
+    config = with_pod_uid(Config((), dra=config), pod_uid, f"{source}: pod_uid").dra or config
+    node = node_name if node_name is not None else os.environ.get("NODE_NAME", "")
+    if not node:
+        problem = "is required: this node's name (default: NODE_NAME, in a DaemonSet from the downward API: "
+        raise ConfigError(source, "node_name", problem + "valueFrom.fieldRef.fieldPath: spec.nodeName)")
+    if not isinstance(node, str) or not _DNS_SUBDOMAIN.fullmatch(node) or len(node) > _DNS_SUBDOMAIN_LENGTH:
+        raise ConfigError(source, "node_name", f"{node!r} is not a node's name (a lower-case DNS subdomain)")
+    # The resource as a file's resource with api: dra: name, env and replicas are DRA's too; the
+    # device-plugin options are passed on only when set, for _parse_resource to refuse them with
+    # what DRA has instead.
+    cdi = {"kind": cdi_kind if cdi_kind is not None else dra_cdi_kind(config.driver, resource.name)}
+    if cdi_dir is not None:
+        cdi["spec_dir"] = cdi_dir
+    entry: dict[str, Any] = {
+        "name": resource.name,
+        "directory": "/",  # never scanned, as resource_config's
+        "env": resource.env,
+        "replicas": resource.replicas,
+        "api": "dra",
+        "cdi": cdi,
+    }
+    defaults = {field.name: field.default for field in dataclasses.fields(ResourceConfig)}
+    for key, value in (
+        ("preferred", resource.preferred),
+        ("annotations", dict(resource.annotations)),
+        ("pre_start", list(resource.pre_start)),
+        ("pre_start_timeout", resource.pre_start_timeout),
+    ):
+        if getattr(resource, key) != defaults[key]:
+            entry[key] = value
+    try:
+        parsed = _parse_resource(entry, source, "", dra=config)
+    except ConfigError as error:  # named by the keyword, not by the file's key
+        keyword = {"cdi.kind": "cdi_kind", "cdi.spec_dir": "cdi_dir"}.get(error.key_path, error.key_path)
+        raise ConfigError(source, keyword, error.problem) from None
+    # No directory: the devices are the program's (origin() says so in the log).
+    return config, dataclasses.replace(parsed, directory=""), node
+
+
+def _embedded_problem(resource: ResourceConfig, key: Any, entry: Any) -> str:
+    """Why an embedding program's device cannot reach DRA, or "": serve_devices' checks
+    (_given_device_problem), and container paths that a CDI spec can fill in (only {id} and {path};
+    the configuration refuses {index} with cdi, and fills in {name} and {target} at the scan)."""
+    if why := _given_device_problem(resource, key, entry):
+        return why
+    paths = [spec.container_path for spec in entry.device_specs] + [mount.container_path for mount in entry.mounts]
+    for path in paths:
+        try:
+            path.format(id=key, path=entry.path)
+        except (KeyError, IndexError, ValueError, AttributeError):
+            return (
+                f"container path {path!r}: a CDI device is described once, not per allocation: "
+                "only {id} and {path} can be filled in"
+            )
+    return ""
+
+
+async def _offer_devices(
+    resource: ResourceConfig,
+    devices: Watched,
+    offered: Watched,
+    turn: CDISpecTurn,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep ``offered`` equal to the embedding program's ``devices`` that pass _embedded_problem,
+    through the _DeviceSet a directory's watch_devices has: the CDI spec written first (in this
+    pod's turn), health changes logged, the devices published. started() once the first set is
+    offered (a CDI directory that cannot be written raises then, as it does for a directory)."""
+    device_set = _DeviceSet(resource, offered, turn)
+    warned: dict[str, str] = {}  # device ID -> why it is skipped, as last warned
+    taken: dict[str, DeviceEntry] = {}  # what the device set has now
+
+    def take(value: Any) -> None:
+        nonlocal taken
+        if not isinstance(value, Mapping):
+            raise GopherplugError(
+                f"{resource.name}: devices must hold a dict of device ID -> DeviceEntry, not {value!r}"
+            )
+        wanted: dict[str, DeviceEntry] = {}
+        skipped: list[tuple[str, str]] = []
+        for key, entry in value.items():
+            if why := _embedded_problem(resource, key, entry):
+                skipped.append((str(key), why))
+            else:
+                wanted[key] = entry
+        _warn_skipped_now(resource, warned, skipped)
+        # Only what changed: the device set compares the CDI parts of these alone.
+        changes: dict[_Key, DeviceEntry | None] = {(0, key): None for key in taken if key not in wanted}
+        changes.update({(0, key): entry for key, entry in wanted.items() if taken.get(key) != entry})
+        taken = wanted
+        if changes or device_set.cdi_written is _NOT_YET:
+            device_set.update(changes)
+
+    touched = devices.next_touch()  # before each look: a set() while it runs is not missed
+    take(devices.value)
+    task_status.started()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_follow_turn, turn, device_set)
+        while True:
+            await touched.wait()
+            touched = devices.next_touch()
+            take(devices.value)
 
 
 def _kubelets_directory(candidates: Iterable[str]) -> str | None:

@@ -7897,6 +7897,214 @@ async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_
     assert [p.registration_socket for p in dra_node.kubelet.plugins[DRIVER]] == [str(registration)]
 
 
+# DRA for embedders: serve_dra_devices, on the devices a program gives serve_devices (issue 30).
+
+WIDGET_POOL = "node-1/example.com/widget"
+
+
+def widget(name, directory, container_path="/dev/{id}", **fields):
+    """An embedding program's DeviceEntry: a node under ``directory``, /dev/<id> in the container."""
+    path = str(directory / name)
+    return gp.DeviceEntry(name, path, device_specs=(gp.DeviceSpecTemplate(path, container_path),), **fields)
+
+
+def widget_claim(driver, device):
+    """ResourceClaim default/c1 (uid-1), its request "widget" allocated ``device`` of the widget pool."""
+    requests = [{"name": "widget", "exactly": {"deviceClassName": "widget"}}]
+    return claim("c1", "uid-1", ("widget", driver, WIDGET_POOL, device), requests=requests)
+
+
+async def serve_dra_widgets(dra_node, devices, resource=None, **options):
+    """serve_dra_devices in process, as an embedding program calls it, against the node's API server
+    (through a kubeconfig) and DRA kubelet; returns its cancel scope and what it started with."""
+    resource = resource or gp.resource_config("example.com/widget", env="WIDGETS")
+    scope = trio.CancelScope()
+    options = {
+        "driver": DRIVER,
+        "node_name": "node-1",
+        "kubeconfig": str(dra_node.kubeconfig),
+        "kubelet_dir": str(dra_node.kubelet_dir),
+        "cdi_dir": str(dra_node.root / "cdi"),  # never the machine's /var/run/cdi
+        **options,
+    }
+
+    async def run(task_status):
+        with scope:
+            await gp.serve_dra_devices(resource, devices, **options, task_status=task_status)
+
+    return scope, await dra_node.nursery.start(run)
+
+
+async def test_dra_embedded_devices_are_published_prepared_and_their_health_followed(dra_node):
+    """The devices a program sets are the pool's, a claim prepared gets their CDI devices, a device
+    the program calls unhealthy is tainted in the slice and reported so in the health stream, one
+    it removes leaves both; entries that a directory's checks would skip are skipped, and said."""
+    widgets = dra_node.root / "widgets"
+    good = {name: widget(name, widgets) for name in ("w0", "w1")}
+    bad = {
+        "w/2": widget("w/2", widgets),  # not a device ID
+        "w3": widget("w4", widgets),  # under another ID than its own
+        "w5": widget("w5", widgets, "/dev/widget{index}"),  # a container path per allocation
+    }
+    devices = gp.Watched({**good, **bad})
+    kind = gp.dra_cdi_kind(DRIVER, "example.com/widget")
+
+    def healths(report):
+        assert {d.device.pool_name for d in report.devices} == {WIDGET_POOL}
+        return {d.device.device_name: (d.health, d.message) for d in report.devices}
+
+    def taints():
+        (item,) = dra_node.api.slices.values()
+        return {d["name"]: [(t["key"], t["value"]) for t in d.get("taints", [])] for d in item["spec"]["devices"]}
+
+    ok = (gp.drahealth.HEALTHY, "")
+    with trio.fail_after(TIMEOUT), logged("skipping") as skipped:
+        scope, driver = await serve_dra_widgets(dra_node, devices)
+        assert driver.config.registration_socket == str(
+            dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-reg.sock"
+        )
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["w0", "w1"], WIDGET_POOL)
+        dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        spec = read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")
+        assert {d["name"]: d["containerEdits"] for d in spec["devices"]} == {
+            name: {
+                "env": [f"WIDGETS_{name.upper()}={name}"],
+                "deviceNodes": [{"path": f"/dev/{name}", "hostPath": str(widgets / name), "permissions": "rw"}],
+            }
+            for name in ("w0", "w1")
+        }
+        async with dra_node.kubelet.watch_health(DRIVER) as reports:
+            assert healths(await reports.__anext__()) == {"w0": ok, "w1": ok}
+            devices.set({**devices.value, "w0": widget("w0", widgets, health=gp.UNHEALTHY, problem="overheated")})
+            while (now := healths(await reports.__anext__()))["w0"] == ok:
+                pass
+        assert now == {"w0": (gp.drahealth.UNHEALTHY, "overheated"), "w1": ok}
+        while taints() != {"w0": [(f"{DRIVER}/unhealthy", "overheated")], "w1": []}:
+            await dra_node.api.changed.wait_touched()
+        devices.set({"w1": good["w1"]})
+        await dra_node.wait_for_slices(["w1"], WIDGET_POOL)
+        assert [d["name"] for d in read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")["devices"]] == [
+            "w1"
+        ]
+        await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
+        scope.cancel()
+        await dra_node.kubelet.wait_until(lambda k: DRIVER not in k.drivers)
+    assert (
+        skipped.lines
+        == [  # each once, though the devices were set again with them
+            f"{WIDGET}: skipping 'w/2': a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'",
+            f"{WIDGET}: skipping 'w3': the key must be its DeviceEntry's id, 'w4'",
+            WIDGET + ": skipping 'w5': container path '/dev/widget{index}': a CDI device is described once, not per "
+            "allocation: only {id} and {path} can be filled in",
+        ]
+    )
+    assert os.listdir(dra_node.kubelet_dir / "plugins_registry") == []
+
+
+@pytest.mark.parametrize(
+    ("resource_options", "options", "message"),
+    [
+        (
+            {},
+            {"driver": "Widget_Driver"},
+            "driver: 'Widget_Driver': must be a lower-case DNS subdomain of at most 63 characters, "
+            "e.g. gopherplug.example.com",
+        ),
+        (
+            {},
+            {"node_name": None},
+            "node_name: is required: this node's name (default: NODE_NAME, in a DaemonSet from the downward API: "
+            "valueFrom.fieldRef.fieldPath: spec.nodeName)",
+        ),
+        ({}, {"node_name": "Node_1"}, "node_name: 'Node_1' is not a node's name (a lower-case DNS subdomain)"),
+        ({}, {"kubelet_dir": "var/lib/kubelet"}, "kubelet_dir: 'var/lib/kubelet' must be an absolute path"),
+        (
+            {},
+            {"unhealthy_taint": "Evict"},
+            "unhealthy_taint: 'Evict': must be NoSchedule (keep new claims off an unhealthy device) or NoExecute "
+            "(also evict)",
+        ),
+        (
+            {},
+            {"pod_uid": "a/b"},
+            "pod_uid: 'a/b' is not a pod UID: set it from the downward API (valueFrom.fieldRef.fieldPath: "
+            "metadata.uid), or leave it unset",
+        ),
+        ({}, {"cdi_dir": "cdi"}, "cdi_dir: 'cdi' must be an absolute path"),
+        (
+            {},
+            {"cdi_kind": "widgets"},
+            "cdi_kind: 'widgets': must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of "
+            "A-Z a-z 0-9 _ . -; each beginning with a letter)",
+        ),
+        (
+            {"annotations": {"widget": "{id}"}},
+            {},
+            "annotations: is for the device-plugin API, and this resource has api: dra (devices reach containers "
+            "only as CDI devices)",
+        ),
+        (
+            {"env": "LD"},
+            {},
+            "env: 'LD': with cdi, each device sets LD_<ID>, which could name a variable the shell or the dynamic "
+            "loader give meaning to: choose another name",
+        ),
+    ],
+)
+async def test_serve_dra_devices_refuses_arguments_a_configuration_file_would_refuse(
+    resource_options, options, message, sockdir, monkeypatch
+):
+    """One line each, naming the keyword, before anything starts (no socket, no API client)."""
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    resource = gp.resource_config("example.com/widget", **resource_options)
+    arguments = {"driver": DRIVER, "node_name": "node-1", "kubelet_dir": str(sockdir), "cdi_dir": str(sockdir)}
+    with trio.fail_after(TIMEOUT), pytest.raises(gp.ConfigError) as info:
+        await gp.serve_dra_devices(resource, gp.Watched({}), **{**arguments, **options})
+    assert str(info.value) == f"serve_dra_devices('example.com/widget'): {message}"
+    assert os.listdir(sockdir) == []
+
+
+async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets_files_on_sigterm(dra_node, tmp_path):
+    """examples/embedding/dra_driver.py, run as a user would outside a pod (NODE_NAME, KUBECONFIG,
+    the directories as options) against the API server and DRA kubelet stand-ins: its widgets are
+    published, a claim prepared gets a widget's CDI device, a widget removed leaves the pool, and
+    SIGTERM stops it with its sockets gone (the checkpoint stays, for the next pod of the driver)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("widget0", "widget1", "other"):
+        (dev / name).touch()
+    driver, kind = "widget.example.com", "widget.example.com/widget"
+    env = {**os.environ, "NODE_NAME": "node-1", "KUBECONFIG": str(dra_node.kubeconfig), "PYTHONPATH": str(HERE)}
+    argv = [sys.executable, str(HERE / "examples" / "embedding" / "dra_driver.py")]
+    argv += ["--kubelet-dir", str(dra_node.kubelet_dir), "--cdi-dir", str(tmp_path / "cdi"), "--dev-dir", str(dev)]
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = await trio.lowlevel.open_process(argv, stderr=stderr, env=env)
+    try:
+        with trio.fail_after(TIMEOUT):
+            await dra_node.kubelet.wait_until(lambda k: driver in k.drivers)
+            await dra_node.wait_for_slices(["widget0", "widget1"], WIDGET_POOL)
+            dra_node.api.put_claim(widget_claim(driver, "widget1"))
+            answer = (await dra_node.kubelet.prepare(driver, [("default", "uid-1", "c1")])).claims["uid-1"]
+            assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [[f"{kind}=widget1"]])
+            (dev / "widget0").unlink()
+            await dra_node.wait_for_slices(["widget1"], WIDGET_POOL)
+            await dra_node.kubelet.unprepare(driver, [("default", "uid-1", "c1")])
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0, (tmp_path / "stderr").read_text()
+            await dra_node.kubelet.wait_until(lambda k: driver not in k.drivers)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert os.listdir(dra_node.kubelet_dir / "plugins_registry") == []
+    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins")) == [driver]
+    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins" / driver)) == ["checkpoint.json", "serialize.lock"]
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+
 @pytest.fixture
 def publishers(monkeypatch):
     """Every SlicePublisher the plugin makes in this test, in the order made (one per DRA pod)."""
