@@ -61,6 +61,27 @@ call_unary, open_stream) does what its name says.
      8. DraKubeletSimulator,           the kubelet's DRA side and an API server, in miniature
         LenientApiServer
 
+The public API is __all__, what the README's "Embedding" section lists too (a test keeps the
+three equal). A minor version (0.x) keeps it, or says in CHANGELOG.md what it changes and why;
+every other name, underscored or not, may change in any release.
+
+  Run it             main, serve_plugin, serve_devices, serve_dra_devices, serve_dra,
+                     serve_until_signalled, STOP_TIMEOUT
+  Configure it       load_config, parse_config, resource_config, find_device_plugin_dir, Config,
+                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector
+  Devices            DeviceEntry, Watched, ShapeAllocation, ContainerAllocateResponse, HEALTHY,
+                     UNHEALTHY, scan_directory, find_usb_devices, UsbDevice
+  Answers (pure)     list_and_watch_response, allocate_response, preferred_allocation_response,
+                     resource_slices, prepared_devices, dra_device_name, dra_pool_name,
+                     dra_health_response
+  Kubernetes API     KubeApi, ApiError, DraDriver, DraResources, ClaimCheckpoint
+  Errors             GopherplugError, ConfigError, RPCError, ClaimError, StatusCode,
+                     UnexpectedAdmissionError
+  The wire           API_VERSION, KUBELET_SOCKET, DEFAULT_DEVICE_PLUGIN_DIR, FILE_DESCRIPTOR,
+                     METHODS, REGISTER, DRA_METHODS, GET_STATUS, Method, v1beta1, drapb, drahealth,
+                     pluginregistration, serve_grpc, GRPCServer, call_unary, open_stream
+  Stand-ins          KubeletSimulator, DraKubeletSimulator, PodResourcesSimulator, LenientApiServer
+
 Quick start:
 
     pip install .
@@ -104,10 +125,20 @@ import threading
 import time
 import types
 import urllib.parse
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+)
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import anyio
 import h2.events
@@ -122,8 +153,8 @@ from inotify_simple import INotify, flags
 # the old name purerpc cannot even be imported under h2 4. The alias only adds a name to h2.events
 # (the same class under both), so other h2 users in the process (httpx, grpclib) see no change.
 # Section 5 lists every h2 and purerpc internal the glue relies on, for both h2 3.2 and 4.x.
-if not hasattr(h2.events, "PingAcknowledged"):
-    h2.events.PingAcknowledged = h2.events.PingAckReceived  # type: ignore[attr-defined]
+if "PingAcknowledged" not in vars(h2.events):
+    vars(h2.events)["PingAcknowledged"] = h2.events.PingAckReceived
 
 import purerpc  # after the alias above
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
@@ -147,15 +178,18 @@ __all__ = [
     "KUBELET_SOCKET",
     "METHODS",
     "REGISTER",
+    "STOP_TIMEOUT",
     "UNHEALTHY",
     "ApiError",
     "ClaimCheckpoint",
     "ClaimError",
     "Config",
     "ConfigError",
+    "ContainerAllocateResponse",
     "DeviceEntry",
     "DeviceSpecTemplate",
     "DraConfig",
+    "DraDriver",
     "DraKubeletSimulator",
     "DraResources",
     "GRPCServer",
@@ -164,41 +198,41 @@ __all__ = [
     "KubeletSimulator",
     "LenientApiServer",
     "Method",
+    "PodResourcesSimulator",
     "RPCError",
     "ResourceConfig",
-    "ResourceStatus",
-    "Source",
+    "ShapeAllocation",
     "StatusCode",
     "UnexpectedAdmissionError",
     "UsbDevice",
     "UsbSelector",
+    "Watched",
     "allocate_response",
     "call_unary",
-    "cdi_version",
-    "container_only_problem",
-    "deleted_directory_problem",
-    "dra_base_request",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
     "drahealth",
     "drapb",
-    "examine_again",
+    "find_device_plugin_dir",
     "find_usb_devices",
+    "list_and_watch_response",
     "load_config",
     "main",
-    "merge_entries",
     "open_stream",
     "parse_config",
     "pluginregistration",
     "preferred_allocation_response",
     "prepared_devices",
-    "register_again",
+    "resource_config",
     "resource_slices",
     "scan_directory",
+    "serve_devices",
     "serve_dra",
+    "serve_dra_devices",
     "serve_grpc",
     "serve_plugin",
+    "serve_until_signalled",
     "v1beta1",
 ]
 
@@ -1331,7 +1365,7 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
-    value = loader.construct_yaml_int(node)
+    value: int = loader.construct_yaml_int(node)
     if isinstance(node.value, str) and re.fullmatch(r"[-+]?0[0-7_]+", node.value):
         octal = _Octal(value)
         octal.written = node.value
@@ -4728,7 +4762,7 @@ class DirectoryWatch:
         if self._inotify is None:
             return -1
         try:
-            wd = self._inotify.add_watch(path, _DIRECTORY_EVENTS | flags.ONLYDIR | flags.MASK_ADD)
+            wd: int = self._inotify.add_watch(path, _DIRECTORY_EVENTS | flags.ONLYDIR | flags.MASK_ADD)
         except OSError as error:
             self._limited(error)
             return -1
@@ -5664,9 +5698,35 @@ class KubeletWatch:
 #: send this empty list (the kubelet drops the capacity to zero at once), then end.
 RETIRED: Mapping[str, DeviceEntry] = types.MappingProxyType({})
 
+
+class _RepeatedMessages(Protocol):
+    """A repeated message field (a response's mounts, devices, cdi_devices) as a type checker sees
+    it: add(**fields) appends an element with those fields and returns it."""
+
+    def add(self, **fields: Any) -> Any: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __len__(self) -> int: ...
+
+
+class ContainerAllocateResponse(Protocol):
+    """v1beta1.ContainerAllocateResponse as a type checker sees it, for ShapeAllocation hooks.
+
+    The message classes of section 1 are built when the module is imported, from descriptors, so
+    no type checker can see their fields: this Protocol names them. At run time the hook gets the
+    message itself (v1beta1.ContainerAllocateResponse), whose maps and repeated fields work so."""
+
+    envs: MutableMapping[str, str]
+    annotations: MutableMapping[str, str]
+    mounts: _RepeatedMessages  # Mount: container_path, host_path, read_only
+    devices: _RepeatedMessages  # DeviceSpec: container_path, host_path, permissions ("rw", "rwm"...)
+    cdi_devices: _RepeatedMessages  # CDIDevice: name, fully qualified (vendor.com/class=name)
+
+
 #: An embedder's hook: called with a container's devices and the ContainerAllocateResponse that
 #: gopherplug filled in, to add to it or change it; may be a coroutine function.
-ShapeAllocation = Callable[[list[DeviceEntry], Any], Awaitable[None] | None]
+ShapeAllocation = Callable[[list[DeviceEntry], ContainerAllocateResponse], Awaitable[None] | None]
 
 
 class _Encoded:
@@ -5842,7 +5902,7 @@ def device_plugin_service(
     def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
         # the container gets is decided from the file system as it is now (and confined again).
-        known = devices.value
+        known: Mapping[str, DeviceEntry] = devices.value
         if examine is None:
             return known
         found_now = {}
@@ -10225,7 +10285,7 @@ class LenientApiServer:
         selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
 
         def matches(item: dict[str, Any]) -> bool:
-            return selected.get("metadata.name", item["metadata"]["name"]) == item["metadata"]["name"]
+            return bool(selected.get("metadata.name", item["metadata"]["name"]) == item["metadata"]["name"])
 
         if query.get("watch") in ("true", "1"):
             await self._watch(connection, stream, h11, "nodes", query, matches)

@@ -866,7 +866,7 @@ class ApiServerSimulator(LenientApiServer):
         DRAExtendedResource is off, unless the stored class of that name has one
         (dropDisabledDRAExtendedResourceFields in pkg/registry/resource/deviceclass/strategy.go). The
         class as stored."""
-        item = json.loads(json.dumps(device_class))
+        item: dict[str, Any] = json.loads(json.dumps(device_class))
         old = self.device_classes.get(item["metadata"]["name"])
         in_use = old is not None and "extendedResourceName" in old.get("spec", {})
         if "DRAExtendedResource" in self.disabled_gates and not in_use:
@@ -1429,6 +1429,8 @@ class SchedulerSimulator:
 
     def _selects(self, expression: str, device: dict[str, Any]) -> bool:
         import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
+        from celpy.adapter import json_to_cel
+        from celpy.evaluation import CELEvalError
 
         if expression not in self._cel:
             environment = celpy.Environment()
@@ -1443,14 +1445,14 @@ class SchedulerSimulator:
             }
         )
         cel_device = celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): celpy.json_to_cel(v) for k, v in device.items() if k != "capacity"}
+            {celpy.celtypes.StringType(k): json_to_cel(v) for k, v in device.items() if k != "capacity"}
             | {celpy.celtypes.StringType("capacity"): capacity}
         )
         try:
             result = self._cel[expression].evaluate({"device": cel_device})
-        except celpy.CELEvalError as error:  # cel-python raises what it does not return
+        except CELEvalError as error:  # cel-python raises what it does not return
             result = error
-        if isinstance(result, celpy.CELEvalError):
+        if isinstance(result, CELEvalError):
             # The allocator fails the claim on a CEL runtime error; here the test learns why.
             raise UnschedulableError(f"CEL {expression!r}: {result}")
         return bool(result)
@@ -1562,12 +1564,13 @@ def _cel_quantity_functions() -> dict[str, Callable[..., Any]]:
     a selector on device.capacity needs: quantity("10Gi"), isQuantity, and on a quantity
     compareTo, isGreaterThan, isLessThan, add, sub, sign, isInteger, asInteger."""
     import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
+    from celpy.evaluation import CELEvalError
 
     types = celpy.celtypes
 
     def parse(text: Any) -> Any:
         value = _quantity(str(text))
-        return _CelQuantity(value) if value is not None else celpy.CELEvalError(f"invalid quantity {text!r}")
+        return _CelQuantity(value) if value is not None else CELEvalError(f"invalid quantity {text!r}")
 
     def number(quantity: Any) -> Decimal:
         if isinstance(quantity, _CelQuantity) and quantity.value is not None:

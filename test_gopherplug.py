@@ -24,6 +24,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import logging
@@ -824,6 +825,27 @@ def test_the_product_module_carries_none_of_the_test_only_stand_ins():
     assert "gopherplug_standins" not in re.findall(r"^(?:import|from) (\S+)", source, re.M)
     copies = [line for line in (HERE / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
     assert not [line for line in copies if "standins" in line]
+
+
+def test_the_public_api_is_all_the_readme_and_the_docstring_alike():
+    """__all__ is the contract: the module's docstring and the README's "The public API" list the
+    same names, each of them exists, says what it is, and (for a function) types every parameter."""
+    docstring = gp.__doc__.split("The public API is __all__", 1)[1].split("Quick start:", 1)[0]
+    table = docstring.split("\n\n", 1)[1]
+    in_docstring = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(line[21:] for line in table.splitlines()))
+    readme = (HERE / "README.md").read_text()
+    section = readme.split("### The public API", 1)[1].split("\n### ", 1)[0]
+    in_readme = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", section.split("| --- | --- |", 1)[1])
+    assert sorted(in_docstring) == sorted(in_readme) == sorted(gp.__all__)
+    assert len(set(gp.__all__)) == len(gp.__all__)
+    for name in gp.__all__:
+        value = getattr(gp, name)
+        if inspect.isfunction(value) or inspect.isclass(value):
+            assert inspect.getdoc(value), f"{name} has no docstring"
+        if inspect.isfunction(value):
+            signature = inspect.signature(value)
+            untyped = [p.name for p in signature.parameters.values() if p.annotation is inspect.Parameter.empty]
+            assert not untyped and signature.return_annotation is not inspect.Signature.empty, name
 
 
 def test_main_version(capsys):
@@ -4878,8 +4900,12 @@ WIDGET_SOCKET = "gopherplug-example.com_widget-1.sock"
 
 
 def test_readme_embedding_example_is_the_example_file():
-    # One program, shown in the README and shipped as a file to copy: they must not drift apart.
+    """The README's example is examples/embedding/device_plugin.py, which mypy --strict checks
+    (pyproject.toml's [tool.mypy] files) against the typed public API: the shape hook's answer is a
+    ContainerAllocateResponse."""
     assert readme_example_text() == (EMBEDDING_EXAMPLES / "device_plugin.py").read_text()
+    assert "examples/embedding" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    assert "response: gopherplug.ContainerAllocateResponse" in readme_example_text()
 
 
 async def open_example(script, plugin_dir, stderr, **kwargs):

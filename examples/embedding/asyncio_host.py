@@ -22,17 +22,19 @@ side: it cancels the trio side, and the same cleanup runs.
 import asyncio
 import logging
 import sys
+from typing import Any
 
 import trio
+from outcome import Outcome
 
 import gopherplug
 
 resource = gopherplug.resource_config("example.com/widget", env="WIDGETS")
 
 
-def widgets(line):
+def widgets(line: str) -> dict[str, gopherplug.DeviceEntry]:
     """The devices one line of input names: "w0 w1!" is w0, healthy, and w1, unhealthy."""
-    found = {}
+    found: dict[str, gopherplug.DeviceEntry] = {}
     for word in line.split():
         name = word.removesuffix("!")
         if word.endswith("!"):
@@ -42,7 +44,7 @@ def widgets(line):
     return found
 
 
-async def follow_input(token, devices):
+async def follow_input(token: trio.lowlevel.TrioToken, devices: gopherplug.Watched) -> None:
     """The asyncio side: each line of standard input is the devices there now, until its end."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -51,14 +53,14 @@ async def follow_input(token, devices):
         token.run_sync_soon(devices.set, widgets(line.decode()))  # set() runs in trio, as it must
 
 
-async def main():
+async def main() -> None:
     loop = asyncio.get_running_loop()
     devices = gopherplug.Watched({})
-    started = loop.create_future()  # trio's token, once the trio side runs
-    finished = loop.create_future()  # the trio side's outcome
+    started: asyncio.Future[trio.lowlevel.TrioToken] = loop.create_future()  # trio's token, once it runs
+    finished: asyncio.Future[Outcome[None]] = loop.create_future()  # the trio side's outcome
     stop = trio.CancelScope()  # the asyncio side's way to stop the trio side
 
-    async def trio_side():
+    async def trio_side() -> None:
         started.set_result(trio.lowlevel.current_trio_token())
         with stop:
             await gopherplug.serve_until_signalled(gopherplug.serve_devices, resource, devices)
@@ -71,7 +73,8 @@ async def main():
     )
     token = await started
     reading = asyncio.ensure_future(follow_input(token, devices))
-    await asyncio.wait([reading, finished], return_when=asyncio.FIRST_COMPLETED)
+    either: list[asyncio.Future[Any]] = [reading, finished]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if not finished.done():  # the input ended first: stop gopherplug from here
         token.run_sync_soon(stop.cancel)
     outcome = await finished  # the trio side has stopped: its socket and lock file are gone
