@@ -1706,6 +1706,8 @@ def _parse_resource(
         raise ConfigError(source, f"{where}.env", f"{env!r} is not a valid environment variable name")
     if env.startswith("LD_") or env in _LOADER_ENV or env in _SHELL_ENV:
         problem = f"{env!r} is given meaning by the shell or the dynamic loader: choose another name"
+        if "env" not in data:  # the name's own: the user wrote no env to change
+            problem = f"{env!r}, the default for {name!r}, is given meaning by the shell or the dynamic loader: set env"
         raise ConfigError(source, f"{where}.env", problem)
     if env == "GOPHERPLUG_RESOURCE":  # run_pre_start sets it after the env var: the devices would be lost
         raise ConfigError(source, f"{where}.env", f"{env!r} is set by gopherplug for pre_start: choose another name")

@@ -6921,6 +6921,17 @@ def test_dra_derived_cdi_kinds_are_valid(driver, name, kind):
     assert cdi_v110_verdict(kind) == "ok"
 
 
+def test_a_default_env_var_the_loader_reads_says_to_set_env():
+    """example.com/ld would get LD_DEVICES, which the dynamic loader may read: the user wrote no env,
+    so the line says where the name came from and what to do (hypothesis found it)."""
+    with pytest.raises(gp.ConfigError) as error:
+        gp.parse_config(resources(name="example.com/ld"))
+    assert str(error.value) == (
+        "<config>: resources[0].env: 'LD_DEVICES', the default for 'example.com/ld', is given meaning by the "
+        "shell or the dynamic loader: set env"
+    )
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     driver=st.from_regex(r"[a-z0-9]([-a-z0-9]{0,8}[a-z0-9])?(\.[a-z0-9]{1,5}){0,2}", fullmatch=True),
@@ -6933,8 +6944,10 @@ def test_dra_derived_cdi_names_always_pass_cdi(driver, short, device_id):
     name = f"example.com/{short}"
     try:
         (resource,) = gp.parse_config(dra_config("/g", "/k", {"dra": {"driver": driver}}, name=name)).resources
-    except gp.ConfigError as error:  # a name too long for a device attribute, a socket path too long
-        assert "at most 64 characters" in str(error) or "unix sockets allow" in str(error)
+    except gp.ConfigError as error:  # a name too long for a device attribute, a socket path too long,
+        # a default env var the dynamic loader reads (example.com/ld: LD_DEVICES)
+        problems = ("at most 64 characters", "unix sockets allow", "the dynamic loader: set env")
+        assert any(problem in str(error) for problem in problems), str(error)
         return
     assert cdi_v110_verdict(resource.cdi.kind) == "ok"
     if cdi_v110_verdict(f"{driver}/{short}") == "ok":
