@@ -6864,7 +6864,10 @@ class KubeApi:
                 inner.build_adapter_request(inner.prepare_request("list", resource, params=params))
             )
             inner.raise_for_status(response)
-            listed = response.json()
+            try:
+                listed = response.json()
+            except ValueError as error:  # mangled on its way: a failure like any other, retried
+                raise ApiError(None, f"list {what}: an answer that is not JSON ({error})") from None
         return list(listed.get("items") or []), str((listed.get("metadata") or {}).get("resourceVersion") or "")
 
     async def _watch(
@@ -6872,7 +6875,8 @@ class KubeApi:
     ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """One watch request of ``resource`` from ``version``, with bookmarks: its events (ADDED,
         MODIFIED, DELETED, BOOKMARK) until the server ends it. An ERROR event (410 Gone, the
-        version left the server's history) raises ApiError, as an error answer does."""
+        version left the server's history) raises ApiError, as an error answer does; a line that is
+        not an event, WatchEventError (_watch_event)."""
         inner = self._client._client
         params = {"fieldSelector": _field_selector(fields), "resourceVersion": version or None}
         # Bookmarks carry the newest resourceVersion even when nothing selected changed, so the
@@ -6889,15 +6893,23 @@ class KubeApi:
                 if response.status_code >= 400:
                     await response.aread()
                     inner.raise_for_status(response)
-                async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue
-                    event = json.loads(line)
-                    if event.get("type") == "ERROR":
-                        status = event.get("object") or {}
-                        code = status.get("code")
-                        raise ApiError(code, f"watch {what}: {code} {status.get('message', '')}")
-                    yield event["type"], event["object"]
+                # One event per line, and a line ends at the byte "\\n" alone: the API server writes
+                # each event with Go's json.Encoder, which ends it with "\\n" and escapes no other
+                # line break but U+2028 and U+2029 (go_json). httpx's aiter_lines() (and lightkube's
+                # own watch, through it) splits where str.splitlines() does, also at U+0085, U+000B,
+                # U+001C..U+001E raw in UTF-8: a Node annotation holding one cut its event in two.
+                # client-go frames a watch by JSON document, not by line (the json framer of
+                # apimachinery's pkg/util/framer); in a stream of one-line documents, the same.
+                pending = bytearray()
+                async for chunk in response.aiter_bytes():
+                    pending += chunk
+                    while (end := pending.find(b"\n")) >= 0:
+                        line = bytes(pending[:end])
+                        del pending[: end + 1]
+                        if line.strip():
+                            yield _watch_event(what, line)
+                # What is left was cut off mid-event by the connection's end: the next watch starts
+                # from the last whole event's version, and brings this one again.
             finally:
                 await response.aclose()
 
@@ -6935,6 +6947,43 @@ class KubeApi:
 
     async def aclose(self) -> None:
         await self._client.close()
+
+
+class WatchEventError(ApiError):
+    """A watch brought a line that is not an event (not JSON, or not of an event's shape): something
+    between the API server and here mangled the stream. list_and_watch says so in one line and lists
+    again, as what the event said is lost."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
+#: The kinds of event a watch brings (k8s.io/apimachinery pkg/watch): ERROR ends it.
+_WATCH_EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"})
+
+
+def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
+    """One line of a watch stream as its event: (type, object). An ERROR event (a 410 Gone: the
+    version left the server's history) raises ApiError, as an error answer does; a line that is
+    not an event raises WatchEventError, never what json.loads raises: the caller's handling
+    of a failed watch must see it, or one bad line would stop the driver."""
+    try:
+        event = json.loads(line)
+    except ValueError as error:  # UnicodeDecodeError included
+        shown = line[:80].decode(errors="replace") + ("…" if len(line) > 80 else "")
+        raise WatchEventError(f"watch {what}: a line that is not JSON ({error}): {shown}") from None
+    kind = event.get("type") if isinstance(event, dict) else None
+    item = event.get("object") if isinstance(event, dict) else None
+    metadata = item.get("metadata", {}) if isinstance(item, dict) else None
+    if kind not in _WATCH_EVENT_TYPES or not isinstance(item, dict) or not isinstance(metadata, dict):
+        shown = line[:80].decode(errors="replace") + ("…" if len(line) > 80 else "")
+        raise WatchEventError(f"watch {what}: a line that is not a watch event: {shown}")
+    if kind == "ERROR":
+        code = item.get("code")
+        raise ApiError(code if isinstance(code, int) else None, f"watch {what}: {code} {item.get('message', '')}")
+    if kind != "BOOKMARK" and not isinstance(metadata.get("name"), str):
+        raise WatchEventError(f"watch {what}: a {kind} event of an object without a name")
+    return str(kind), item
 
 
 #: A watch that the server ends this soon after it opened, with nothing in it (not even a
@@ -7009,7 +7058,12 @@ async def list_and_watch(
             elif not brought and trio.current_time() - opened < DRA_SHORT_WATCH_SECONDS:
                 raise ApiError(None, f"watch {what}: ended by the server at once, with nothing in it")
         except ApiError as error:
-            if error.status == 410 and list_at is None:
+            if isinstance(error, WatchEventError):
+                # What the lost event said is unknown, and watching again from the last version
+                # would bring the same line again: list again (from the cache, at least as new as
+                # what was seen), after the backoff, so that a stream mangled every time is no hot loop.
+                list_at = version
+            elif error.status == 410 and list_at is None:
                 list_at, expired = version, expired + 1
                 if expired == 1:  # routine, and nothing failed: listed again at once
                     log.debug("DRA: watching %s: %s; listing again", what, error)
@@ -10017,6 +10071,21 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
+def go_json(document: Any) -> bytes:
+    """``document`` as the API server writes it: Go's encoding/json (its Encoder, which the API
+    server's JSON serializer uses), compact and in UTF-8. Unlike Python's json.dumps, Go writes every
+    character raw except ``"``, ``\\``, those below U+0020, U+2028 and U+2029 (which JavaScript reads
+    as line ends), and, as HTML-safe output, ``<``, ``>`` and ``&`` (encodeState.string in Go's
+    src/encoding/json/encode.go). So U+0085 (NEXT LINE) and the other line breaks of
+    str.splitlines() come raw, inside a watch event's one line: a client must split a watch stream
+    on the byte "\\n" alone (KubeApi._watch). The characters Go escapes can appear in JSON only
+    inside strings, so escaping them in the whole text escapes them in the strings."""
+    text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text.encode()
+
+
 class LenientApiServer:
     """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
@@ -10069,15 +10138,26 @@ class LenientApiServer:
         metadata = claim["metadata"]
         self.claims[metadata["namespace"], metadata["name"]] = claim
 
-    def put_node(self, name: str, uid: str, allocatable: Mapping[str, str] | None = None) -> None:
+    def put_node(
+        self,
+        name: str,
+        uid: str,
+        allocatable: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
         """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
         is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
-        the extended resources of device plugins); None: no status."""
-        self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)})
+        the extended resources of device plugins); None: no status. ``annotations``: its
+        metadata.annotations, as anyone with patch on nodes may write them (any text at all)."""
+        self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)}, annotations)
 
-    def _put_node(self, name: str, uid: str, status: Mapping[str, Any]) -> None:
-        """Store a Node with this status ({}: none), and its watch event."""
+    def _put_node(
+        self, name: str, uid: str, status: Mapping[str, Any], annotations: Mapping[str, str] | None = None
+    ) -> None:
+        """Store a Node with this status ({}: none) and annotations, and its watch event."""
         node: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+        if annotations:
+            node["metadata"]["annotations"] = dict(annotations)
         if status:
             node["status"] = dict(status)
         self.nodes[name] = self._bump("MODIFIED" if name in self.nodes else "ADDED", node, "nodes")
@@ -10180,7 +10260,7 @@ class LenientApiServer:
     async def _send(
         self, connection: Any, stream: Any, h11: Any, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()
     ) -> None:
-        data = json.dumps(document).encode()
+        data = go_json(document)
         headers = [("content-type", "application/json"), ("content-length", str(len(data))), *extra]
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
@@ -10356,7 +10436,7 @@ class LenientApiServer:
         the newest version."""
         for version, of, kind, item in self._events:
             if version > since and of == resource and matches(item):
-                line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
+                line = go_json({"type": kind, "object": item}) + b"\n"
                 await stream.send_all(connection.send(h11.Data(data=line)))
             since = max(since, version)
         return since

@@ -67,6 +67,7 @@ from gopherplug import (
     StatusCode,
     UnexpectedAdmissionError,
     _status,
+    go_json,
     resource_name_problem,
 )
 
@@ -778,6 +779,7 @@ class ApiServerSimulator(LenientApiServer):
     - ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
       accepts, others get 401; ``forbidden_tokens`` get 403; ``bearers`` lists each request's token.
     - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
+      ``mangle_watches()`` writes bytes of its caller's into them (a mangling proxy),
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
       that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
       with its time and status (each touches ``changed``, also one that gets no answer).
@@ -824,6 +826,7 @@ class ApiServerSimulator(LenientApiServer):
         self.attempts: list[tuple[float, str, str, int]] = []
         self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
         self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
+        self._mangles: list[bytes] = []  # mangle_watches(): what was written into the open watches
         self.down = False
         self.delay = 0.0
         self.disabled_gates: set[str] = {gate for gate, on in self.release.gates.items() if not on}
@@ -841,7 +844,12 @@ class ApiServerSimulator(LenientApiServer):
         super().put_claim(claim)
 
     def put_node(
-        self, name: str, uid: str, allocatable: Mapping[str, str] | None = None, kubelet_version: str = ""
+        self,
+        name: str,
+        uid: str,
+        allocatable: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        kubelet_version: str = "",
     ) -> None:
         """A Node as LenientApiServer.put_node makes it, with the status.nodeInfo its kubelet reports:
         kubeletVersion ``kubelet_version`` ("v1.35.0"; "": the release's) and the other fields of
@@ -859,7 +867,7 @@ class ApiServerSimulator(LenientApiServer):
             "osImage": "Debian GNU/Linux 13 (trixie)",
             "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_OID, f"system-{name}")),
         }
-        self._put_node(name, uid, status)  # its watch event has the nodeInfo too
+        self._put_node(name, uid, status, annotations)  # its watch event has the nodeInfo too
 
     def put_device_class(self, device_class: Mapping[str, Any]) -> dict[str, Any]:
         """Store a DeviceClass (a copy) as the API server does: without extendedResourceName while
@@ -923,6 +931,12 @@ class ApiServerSimulator(LenientApiServer):
         self._failures.append(
             {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
         )
+
+    def mangle_watches(self, data: bytes) -> None:
+        """Write ``data`` into every open watch's stream, between two events, as a proxy or a
+        broken middlebox that mangles a stream might (the API server itself never does)."""
+        self._mangles.append(data)
+        self.changed.touch()
 
     def expire_watches(self) -> None:
         """End every open watch with the ERROR event of a 410 Gone, as the API server does when the
@@ -1062,6 +1076,7 @@ class ApiServerSimulator(LenientApiServer):
     ) -> None:
         # What ends this watch is what happens from its request on: taken before any await.
         expired, restarts, ends_seen = self._expired, self._restarts, self._ends
+        mangled = len(self._mangles)
         since = int(query.get("resourceVersion") or 0)
         if query.get("resourceVersion") not in (None, "", "0") and since < self._oldest:
             # The watch cache answers before the watch starts: an HTTP 410, not an ERROR event.
@@ -1077,16 +1092,19 @@ class ApiServerSimulator(LenientApiServer):
         async def bookmark() -> None:
             metadata = {"resourceVersion": str(self._version)}
             event = {"type": "BOOKMARK", "object": {"apiVersion": api_version, "kind": kind, "metadata": metadata}}
-            await stream.send_all(connection.send(h11.Data(data=json.dumps(event).encode() + b"\n")))
+            await stream.send_all(connection.send(h11.Data(data=go_json(event) + b"\n")))
 
         next_bookmark = trio.current_time() + self.bookmark_seconds
         while not self.down and self._restarts == restarts:
             if self._expired != expired:
                 message = f"too old resource version: {since} ({self._version})"
-                line = json.dumps({"type": "ERROR", "object": _status(410, "Expired", message)}).encode() + b"\n"
+                line = go_json({"type": "ERROR", "object": _status(410, "Expired", message)}) + b"\n"
                 await stream.send_all(connection.send(h11.Data(data=line)) + connection.send(h11.EndOfMessage()))
                 return
             changed = self.changed.next_touch()
+            for data in self._mangles[mangled:]:
+                await stream.send_all(connection.send(h11.Data(data=data)))
+            mangled = len(self._mangles)
             since = await self._send_events(connection, stream, h11, resource, since, matches)
             now = trio.current_time()
             if now >= ends or self._ends != ends_seen:

@@ -9464,6 +9464,70 @@ async def test_dra_a_node_allocatable_that_changes_after_start_holds_back_and_re
     assert (dra_node.api.count("list", "nodes"), dra_node.api.count("get", "nodes")) == (1, 0)
 
 
+def test_dra_the_api_server_stand_ins_write_json_as_go_does():
+    """Go's encoding/json, as the API server writes every answer and watch event: compact, UTF-8,
+    every character raw but those below U+0020, U+2028, U+2029 and the HTML-safe <, >, &. Python's
+    json.dumps escapes everything outside ASCII instead, which hid a client that splits lines on
+    U+0085 (issue 31, finding 8)."""
+    text = 'a\u0085b\u2028c\u2029d<e>f&g\nh\x7fi\u00e9\U0001f439"j\\k\x01'
+    written = gp.go_json({"k": text, "n": [1, None, True]})
+    assert written == (
+        b'{"k":"a\xc2\x85b\\u2028c\\u2029d\\u003ce\\u003ef\\u0026g\\nh\x7fi\xc3\xa9\xf0\x9f\x90\xb9\\"j\\\\k'
+        b'\\u0001","n":[1,null,true]}'
+    )
+    assert json.loads(written) == {"k": text, "n": [1, None, True]}
+    assert written.count(b"\n") == 0
+
+
+async def test_dra_a_node_annotation_holding_a_next_line_character_is_one_watch_event(dra_node, caplog):
+    """The API server writes U+0085 (NEXT LINE) raw inside a watch event (Go escapes only U+2028 and
+    U+2029 of the line breaks str.splitlines() knows), and anyone with patch on nodes can put one in
+    an annotation. The watch stream is framed by the byte "\\n" alone, so the event is read whole.
+    Before, the stream was split as str.splitlines() splits (httpx's line decoder): the event came
+    in two halves, json.loads raised outside list_and_watch's handling, and the driver stopped."""
+    odd = {"example.com/note": "first line\u0085second line, \u2028 and <&>"}
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "1"}, annotations=odd)
+        await dra_node.wait_for_slices(None)  # the event was read: held back
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "0"}, annotations=odd)
+        await dra_node.wait_for_slices(["gopher0"])  # and so was the next one of the same Node
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [HELD_BACK.format(1)]
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("watch", "nodes")) == (1, 1)
+
+
+async def test_dra_a_watch_line_that_is_no_event_is_said_in_one_line_and_listed_again(dra_node, caplog):
+    """Whatever a watch brings, the driver goes on: a line that is not an event (a proxy that
+    mangles the stream) is said in one line, and the objects are listed again after the backoff,
+    as what the lost event said is unknown. Before, json.loads raised out of the watch, and the
+    driver stopped."""
+    mangled = b'{"type":"MODIFIED","object":{"metadata":'
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1 or dra_node.api.count("watch", "resourceslices") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.mangle_watches(mangled + b"\n")
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)  # the Node's change was seen, by the new list
+        while dra_node.api.count("list", "resourceslices") < 2:
+            await dra_node.api.changed.wait_touched()
+    with pytest.raises(ValueError) as raised:
+        json.loads(mangled)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said[-1] == HELD_BACK.format(1)
+    assert sorted(message.rsplit("; again in ", 1)[0] for message in said[:-1]) == [
+        f"DRA: watching {what}: watch {what}: a line that is not JSON ({raised.value}): {mangled.decode()}"
+        for what in ("Node node-1", "ResourceSlices")
+    ]
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("list", "resourceslices")) == (2, 2)
+
+
 async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(dra_node, monkeypatch, caplog):
     """An older manifest's ClusterRole gives get on nodes, not list and watch: the Node is read
     every DRA_NODE_POLL_SECONDS instead (jittered), said once however often it is read, and a change
