@@ -6130,12 +6130,16 @@ class _TokenBucket:
 
 class ApiError(GopherplugError):
     """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came;
-    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any."""
+    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any; ``causes``
+    the reasons of the answer's details.causes ("ResourceVersionTooLarge", "FieldValueInvalid")."""
 
-    def __init__(self, status: int | None, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, status: int | None, message: str, retry_after: float | None = None, causes: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.causes = causes
 
 
 class ClaimCheckpoint:
@@ -6786,7 +6790,9 @@ class KubeApi:
             header = response.headers.get("retry-after", "") if response is not None else ""
             retry_after = float(header) if header.isdigit() else None
             message = f"{what}: {error.status.code} {error.status.message}"
-            raise ApiError(error.status.code, message, retry_after) from None
+            details = error.status.details
+            causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
+            raise ApiError(error.status.code, message, retry_after, causes) from None
         except self._transport_error as error:
             raise ApiError(None, f"{what}: {_describe(error, silent='no answer')}") from None
 
@@ -6986,6 +6992,17 @@ def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
     return str(kind), item
 
 
+def _too_large_version(error: ApiError) -> bool:
+    """Whether the API server answered that a request's resourceVersion is newer than it has: its
+    watch cache waited (up to 3 s) and did not catch up. A 504 whose details name the cause
+    ResourceVersionTooLarge (storage.NewTooLargeResourceVersionError in kubernetes/kubernetes
+    staging/src/k8s.io/apiserver); its message alone, as client-go's isTooLargeResourceVersionError
+    also reads it, for a server that names no cause."""
+    return "ResourceVersionTooLarge" in error.causes or (
+        error.status == 504 and "Too large resource version" in str(error)
+    )
+
+
 #: A watch that the server ends this soon after it opened, with nothing in it (not even a
 #: bookmark), did not work: the reflector counts it as a failure ("very short watch"), and so does
 #: list_and_watch, so that a proxy that ends each watch at once cannot make a hot loop of them.
@@ -7018,7 +7035,8 @@ async def list_and_watch(
        A dead connection is found by the bookmarks' silence instead (DRA_WATCH_QUIET_SECONDS).
     4. A watch answered 410 Gone (its version left the server's history: etcd compacted it, or the
        API server restarted): list again, from that version (at least as new as what was seen,
-       still from the cache); a list answered 410 too is made at "", a quorum read. A 410 right
+       still from the cache); a list answered 410 too, or "too large resource version" (an API
+       server whose cache is behind that version), is made at "", a quorum read. A 410 right
        after a list, with nothing in between, is no longer routine: warned about, backed off.
     5. Any other failure (no answer, a 429, a 5xx): backed off (DRA_WATCH_BACKOFF, jittered), then
        watched again from the last version; never a list, which costs the server much more.
@@ -7035,9 +7053,16 @@ async def list_and_watch(
                 try:
                     items, version = await list_from(list_at)
                 except ApiError as error:
-                    if error.status != 410 or not list_at:
+                    if not list_at or not (error.status == 410 or _too_large_version(error)):
                         raise
+                    # The version is gone from the history (410), or newer than what the API server
+                    # that answered has (its watch cache behind: another API server of the control
+                    # plane, or one just restarted, served the watch): either way it cannot be
+                    # listed at, and asking again would get the same answer for as long as the cache
+                    # stays behind. So list the newest, a quorum read from etcd, and keep listing at
+                    # "" until a list works, as the reflector's isLastSyncResourceVersionUnavailable.
                     log.debug("DRA: listing %s: %s; listing the newest", what, error)
+                    list_at = ""
                     items, version = await list_from("")
                 replace(items, version)
                 list_at = None

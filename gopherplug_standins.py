@@ -779,13 +779,15 @@ class ApiServerSimulator(LenientApiServer):
     - ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
       accepts, others get 401; ``forbidden_tokens`` get 403; ``bearers`` lists each request's token.
     - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
-      ``mangle_watches()`` writes bytes of its caller's into them (a mangling proxy),
+      ``mangle_watches()`` writes bytes of its caller's into them (a mangling proxy), ``hold_cache()``
+      keeps the watch cache behind (a list at a newer version: 504 Too large resource version),
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
       that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
       with its time and status (each touches ``changed``, also one that gets no answer).
     - ``requests`` counts every request by (verb, resource, user agent), as the audit log or the
       apiserver_request_total metric does (request_verb_and_resource); ``watches`` lists each watch's
-      query. ``forbidden`` holds the (verb, resource) pairs RBAC refuses, with the API server's 403.
+      query, ``lists`` each list's. ``forbidden`` holds the (verb, resource) pairs RBAC refuses,
+      with the API server's 403.
     - Watches end as the real ones do: after timeoutSeconds if asked, else after a random time between
       ``min_request_timeout`` and twice it (--min-request-timeout). A watch that asked for bookmarks
       gets one every ``bookmark_seconds`` and one just before it ends. ``compact()`` forgets the
@@ -827,6 +829,8 @@ class ApiServerSimulator(LenientApiServer):
         self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
         self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
         self._mangles: list[bytes] = []  # mangle_watches(): what was written into the open watches
+        self._cache_held: int | None = None  # hold_cache(): the version the watch cache stays at
+        self.lists: list[dict[str, str]] = []  #: the query of each list request, in order
         self.down = False
         self.delay = 0.0
         self.disabled_gates: set[str] = {gate for gate, on in self.release.gates.items() if not on}
@@ -938,6 +942,15 @@ class ApiServerSimulator(LenientApiServer):
         self._mangles.append(data)
         self.changed.touch()
 
+    def hold_cache(self, held: bool = True) -> None:
+        """Hold the watch cache at the version of now (``held``), or let it catch up again: an API
+        server of an HA control plane whose cache is behind the others' (its etcd watch lagging,
+        or just restarted). A list at a newer resourceVersion (other than "0" and "", which ask for
+        any version and for a quorum read from etcd) is answered as the real one answers it once it
+        has waited for its cache in vain: 504 "Too large resource version", with the cause
+        ResourceVersionTooLarge and a Retry-After of 1 s (storage.NewTooLargeResourceVersionError)."""
+        self._cache_held = self._version if held else None
+
     def expire_watches(self) -> None:
         """End every open watch with the ERROR event of a 410 Gone, as the API server does when the
         watch's resourceVersion fell out of its history (etcd compaction, an API server restart)."""
@@ -962,8 +975,11 @@ class ApiServerSimulator(LenientApiServer):
         target = request.target.decode()
         verb, resource = request_verb_and_resource(request.method.decode(), target)
         self.requests[verb, resource, headers.get("user-agent", "")] += 1
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(target).query))
         if verb == "watch":
-            self.watches.append(dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(target).query)))
+            self.watches.append(query)
+        elif verb == "list":
+            self.lists.append(query)
         token = headers.get("authorization", "").removeprefix("Bearer ")
         self.bearers.append(token)
         if self.tokens is not None and token not in self.tokens:
@@ -986,6 +1002,15 @@ class ApiServerSimulator(LenientApiServer):
             await self._send(connection, stream, h11, 403, _status(403, "Forbidden", message))
             return True
         self.changed.touch()  # a request came: a test waiting for one may look
+        asked = query.get("resourceVersion", "")
+        if verb == "list" and self._cache_held is not None and asked.isdigit() and int(asked) > self._cache_held:
+            status = _status(504, "Timeout", f"Too large resource version: {asked}, current: {self._cache_held}")
+            status["details"] = {
+                "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                "retryAfterSeconds": 1,
+            }
+            await self._send(connection, stream, h11, 504, status, [("retry-after", "1")])
+            return True
         return False
 
     async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:

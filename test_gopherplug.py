@@ -8932,6 +8932,34 @@ async def test_dra_after_an_api_server_restart_each_watch_lists_once(dra_node, c
     assert all(message.startswith("DRA: watching ") for message in said)  # the cut watches, retried
 
 
+async def test_dra_a_relist_the_api_server_finds_too_new_for_its_cache_falls_back_to_a_quorum_list(dra_node, caplog):
+    """A watch answered 410 is followed by a list at the last version seen; an API server whose
+    watch cache is behind that version (another of an HA control plane, or one just restarted)
+    answers it 504 "Too large resource version", and would for as long as its cache lags. As
+    client-go's reflector, the driver lists at "" then (a quorum read), and watches on from there.
+    Before, it asked for the same version again and again, backed off, and saw nothing meanwhile."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.hold_cache()
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)  # the watch brought a version newer than the cache holds
+        seen = dra_node.api.nodes["node-1"]["metadata"]["resourceVersion"]
+        dra_node.api.expire_watches()
+        while dra_node.api.count("watch", "nodes") < 2:
+            await dra_node.api.changed.wait_touched()  # listed, and watched again
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "0"})
+        await dra_node.wait_for_slices(["gopher0"])  # and that watch works
+    node_lists = [
+        query.get("resourceVersion", "") for query in dra_node.api.lists if "metadata.name" in query["fieldSelector"]
+    ]
+    assert node_lists == ["0", seen, ""]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [HELD_BACK.format(1)]
+
+
 async def test_dra_requests_name_gopherplug_its_version_and_the_node(dra_node):
     """The API server's audit log and per-client metrics tell gopherplug's requests apart by their
     user agent, in client-go's form. Before, they said python-httpx2/<version>."""
