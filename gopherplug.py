@@ -7283,9 +7283,20 @@ class SlicePublisher:
         if kind == "BOOKMARK":
             return
         name = item["metadata"]["name"]
-        if kind == "DELETED":
+        # The watch brings events in order; what can be newer than an event is `known`'s own entry,
+        # when it is the answer to our write (publish puts it there at once). Every event older
+        # than it is history, a deletion too: a slice we created at version W after its name was
+        # deleted at D < W (the kubelet's wipe, an earlier pod's slice cleaned up) is not the one
+        # that DELETED at D describes, and dropping it made the next pass create it again, for a
+        # 409 AlreadyExists and a backoff. A deletion of what we wrote comes later than W. Versions
+        # are opaque to clients, and client-go's informers never compare them, as they never take
+        # a write's answer in; its MutationCache, which does, compares them as numbers (etcd's
+        # revision), as _older does, and so keeps a written object until the watch brings a newer one.
+        if _older(item, self.known.get(name)):
+            pass
+        elif kind == "DELETED":
             self.known.pop(name, None)
-        elif not _older(item, self.known.get(name)):
+        else:
             self.known[name] = item
         self.known_changed.touch()
 

@@ -10220,6 +10220,37 @@ async def test_dra_a_write_answered_after_the_watch_saw_it_deleted_is_not_believ
     nursery.cancel_scope.cancel()
 
 
+async def test_dra_a_deletion_older_than_our_write_leaves_the_written_slice_known(nursery):
+    """The other order: a slice's name was deleted (an earlier pod's slice, the kubelet's wipe) just
+    before our create, and the watch brings that DELETED only after our create's answer. The
+    deletion is of the earlier slice: the one we wrote lives on. Before, the publisher dropped it
+    from what it knew, created it again, and got 409 AlreadyExists and a backoff."""
+    resources = gp.DraResources(DRIVER, "node-1")
+    resources.attach(gp.resource_config("example.com/gopher"), gp.Watched({"g0": gp.DeviceEntry("g0", "/g/g0")}))
+
+    async def answered_at_once(item):
+        pass
+
+    api = ScriptedSliceApi(answered_at_once)
+    publisher = gp.SlicePublisher(resources, api)
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        while publisher.synced.value < 1:
+            await publisher.synced.wait_touched()
+        (written,) = api.created  # answered with resourceVersion 10
+        passes = publisher.synced.value
+        earlier = {**written, "metadata": {**written["metadata"], "resourceVersion": "5"}}
+        await api.events_in.send(("DELETED", earlier))
+        while publisher._seen < 5:
+            await publisher.known_changed.wait_touched()
+        while publisher.synced.value == passes:  # the pass the event woke
+            await publisher.synced.wait_touched()
+    assert len(api.created) == 1
+    assert publisher.known[written["metadata"]["name"]]["metadata"]["resourceVersion"] == "10"
+    nursery.cancel_scope.cancel()
+
+
 async def test_dra_writes_that_succeed_and_are_undone_at_once_are_rate_limited(nursery, autojump_clock):
     """Someone deletes each slice as soon as it is written (another writer, a webhook, a cleanup
     that thinks the driver gone): every write succeeds and is needed again. Without a bound that is
