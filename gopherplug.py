@@ -6078,6 +6078,11 @@ DRA_WATCH_QUIET_SECONDS = 180.0
 #: get on nodes but not list and watch. Jittered; a change of its allocatable is then seen that late.
 DRA_NODE_POLL_SECONDS = 60.0
 
+#: While the Node is read instead of watched (403 on list or watch), the watch is tried again after
+#: this long, at first and at most (doubling in between, jittered): a ClusterRole fixed later is
+#: noticed within minutes, and a refused list costs the API server little (RBAC answers it).
+DRA_NODE_WATCH_RETRY = (60.0, 600.0)
+
 
 def jittered(seconds: float, factor: float = DRA_JITTER) -> float:
     """``seconds`` spread at random to between itself and (1 + ``factor``) times itself, as client-go's
@@ -7301,26 +7306,48 @@ class SlicePublisher:
         self.known_changed.touch()
 
     async def _watch_node(self) -> None:
+        """Watch the Node; while RBAC refuses that (403), read it every DRA_NODE_POLL_SECONDS, and
+        try the watch again after DRA_NODE_WATCH_RETRY (doubling, jittered): a ClusterRole fixed
+        later is noticed without a restart, as the reflector, which retries a refused list for ever,
+        would notice it."""
         name = self.resources.node_name
-        try:
-            await list_and_watch(
-                f"Node {name}",
-                functools.partial(self.api.list_node, name),
-                functools.partial(self.api.watch_node, name),
-                lambda items, version: self._set_node(items[0] if items else None, ""),
-                self._node_event,
-                stop_when_forbidden=True,
-            )
-        except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
-            log.warning(
-                "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s is "
-                "read every %g to %g s instead, and a change of its allocatable is seen that late",
-                error,
-                name,
-                DRA_NODE_POLL_SECONDS,
-                DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
-            )
-            await self._poll_node()
+        polled = False  # the Node is being read instead of watched, and it was said
+        retry = DRA_NODE_WATCH_RETRY[0]
+
+        def listed(items: list[dict[str, Any]], version: str) -> None:
+            nonlocal polled, retry
+            if polled:
+                log.info("DRA: Node %s can be listed and watched again: it is watched instead of read", name)
+                polled, retry = False, DRA_NODE_WATCH_RETRY[0]
+            self._set_node(items[0] if items else None, "")
+
+        while True:
+            try:
+                await list_and_watch(
+                    f"Node {name}",
+                    functools.partial(self.api.list_node, name),
+                    functools.partial(self.api.watch_node, name),
+                    listed,
+                    self._node_event,
+                    stop_when_forbidden=True,
+                )
+            except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
+                if not polled:
+                    log.warning(
+                        "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s "
+                        "is read every %g to %g s instead, and a change of its allocatable is seen that late; "
+                        "watching it is tried again from time to time",
+                        error,
+                        name,
+                        DRA_NODE_POLL_SECONDS,
+                        DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
+                    )
+                else:  # said once: the same answer again is no news
+                    log.debug("DRA: %s; Node %s is still read instead", error, name)
+                polled = True
+                with trio.move_on_after(jittered(retry)):
+                    await self._poll_node()
+                retry = min(retry * 2, DRA_NODE_WATCH_RETRY[1])
 
     def _node_event(self, kind: str, item: dict[str, Any]) -> None:
         if kind == "DELETED":

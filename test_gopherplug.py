@@ -9575,9 +9575,37 @@ async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(
         'DRA: list Node node-1: 403 nodes is forbidden: User "system:serviceaccount:kube-system:gopherplug-dra" '
         'cannot list resource "nodes" in API group "" at the cluster scope (the ClusterRole needs list and watch '
         "on nodes, as in daemonset-dra.yaml); Node node-1 is read every 0.1 to 0.2 s instead, and a change of its "
-        "allocatable is seen that late",
+        "allocatable is seen that late; watching it is tried again from time to time",
         HELD_BACK.format(1),
     ]
+
+
+async def test_dra_a_node_read_for_want_of_rbac_is_watched_again_once_rbac_allows_it(dra_node, monkeypatch, caplog):
+    """A 403 on the Node's list or watch (a ClusterRole without them) is not for the life of the
+    process: the watch is tried again after a backoff, quietly while it is still refused, and once
+    RBAC allows it (the ClusterRole applied) the Node is watched and no longer read. Before, one
+    403 made the driver read the Node every minute until its restart."""
+    caplog.set_level(logging.INFO, logger="gopherplug")
+    monkeypatch.setattr(gp, "DRA_NODE_POLL_SECONDS", 0.1)
+    monkeypatch.setattr(gp, "DRA_NODE_WATCH_RETRY", (0.2, 0.4), raising=False)  # absent before the fix
+    dra_node.api.forbidden = {("list", "nodes"), ("watch", "nodes")}
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("list", "nodes") < 3:  # tried again, and refused again
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.forbidden = set()  # the ClusterRole of daemonset-dra.yaml applied
+        while dra_node.api.count("watch", "nodes") < 1:
+            await dra_node.api.changed.wait_touched()
+        read = dra_node.api.count("get", "nodes")
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)  # seen through the watch
+    assert dra_node.api.count("get", "nodes") == read  # no more reads
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and warnings[0].startswith("DRA: list Node node-1: 403 ")  # once
+    assert warnings[1] == HELD_BACK.format(1)
+    assert "DRA: Node node-1 can be listed and watched again: it is watched instead of read" in caplog.text
 
 
 def shipped_device_classes():
