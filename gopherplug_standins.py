@@ -108,7 +108,7 @@ KUBERNETES_VERSIONS = ("1.34", "1.35", "1.36", "1.37")
 #: on by default, locked to its default). Copied from defaultVersionedKubernetesFeatureGates in
 #: kubernetes/kubernetes pkg/features/kube_features.go as of v1.36.2; the 1.37 entries from the main
 #: branch (where the DRA gates are listed alike), planned for 1.37: DRADeviceTaints GA, DRAExtendedResource
-#: GA and locked, DRAPrioritizedList locked.
+#: GA and locked, DRAResourceClaimDeviceStatus GA and locked, DRAPrioritizedList locked.
 FEATURE_GATE_HISTORY: dict[str, tuple[tuple[str, str, bool, bool], ...]] = {
     # firstAvailable: a request's prioritized list of subrequests
     "DRAPrioritizedList": (
@@ -120,7 +120,11 @@ FEATURE_GATE_HISTORY: dict[str, tuple[tuple[str, str, bool, bool], ...]] = {
     # adminAccess in a claim's request (in a namespace labelled resource.kubernetes.io/admin-access)
     "DRAAdminAccess": (("1.32", "alpha", False, False), ("1.34", "beta", True, False), ("1.36", "GA", True, True)),
     # a claim's status.devices, written by the driver
-    "DRAResourceClaimDeviceStatus": (("1.32", "alpha", False, False), ("1.33", "beta", True, False)),
+    "DRAResourceClaimDeviceStatus": (
+        ("1.32", "alpha", False, False),
+        ("1.33", "beta", True, False),
+        ("1.37", "GA", True, True),
+    ),
     # a device's taints in a ResourceSlice, and the allocator's respect for them
     "DRADeviceTaints": (("1.33", "alpha", False, False), ("1.36", "beta", True, False), ("1.37", "GA", True, False)),
     # allowMultipleAllocations and a capacity's requestPolicy: a device shared among claims

@@ -9901,6 +9901,8 @@ def test_versions_each_release_has_its_default_feature_gates():
     }
     assert standins.gate_spec("DRADeviceTaints", "1.35") == ("alpha", False, False)
     assert standins.gate_spec("DRAExtendedResource", "1.37") == ("GA", True, True)
+    assert standins.gate_spec("DRAResourceClaimDeviceStatus", "1.36") == ("beta", True, False)
+    assert standins.gate_spec("DRAResourceClaimDeviceStatus", "1.37") == ("GA", True, True)
 
 
 def test_versions_an_admin_turns_gates_on_as_the_components_allow():
@@ -9910,6 +9912,9 @@ def test_versions_an_admin_turns_gates_on_as_the_components_allow():
     assert not standins.release("1.36", ResourceHealthStatus=False).enabled("ResourceHealthStatus")
     with pytest.raises(ValueError, match=r"^cannot set feature gate DRAExtendedResource to false, feature is locked"):
         standins.release("1.37", DRAExtendedResource=False)
+    assert not standins.release("1.36", DRAResourceClaimDeviceStatus=False).enabled("DRAResourceClaimDeviceStatus")
+    with pytest.raises(ValueError, match=r"^cannot set feature gate DRAResourceClaimDeviceStatus to false, feature is"):
+        standins.release("1.37", DRAResourceClaimDeviceStatus=False)
     with pytest.raises(ValueError, match=r"^unrecognized feature gate: DRAMagic$"):
         standins.release("1.36", DRAMagic=True)
     with pytest.raises(ValueError, match=r"^Kubernetes 1.33: the stand-ins speak for 1.34, 1.35, 1.36, 1.37$"):
