@@ -6140,6 +6140,11 @@ DRA_WATCH_QUIET_SECONDS = 180.0
 #: get on nodes but not list and watch. Jittered; a change of its allocatable is then seen that late.
 DRA_NODE_POLL_SECONDS = 60.0
 
+#: While the Node is read instead of watched (403 on list or watch), the watch is tried again after
+#: this long, at first and at most (doubling in between, jittered): a ClusterRole fixed later is
+#: noticed within minutes, and a refused list costs the API server little (RBAC answers it).
+DRA_NODE_WATCH_RETRY = (60.0, 600.0)
+
 
 def jittered(seconds: float, factor: float = DRA_JITTER) -> float:
     """``seconds`` spread at random to between itself and (1 + ``factor``) times itself, as client-go's
@@ -6192,12 +6197,16 @@ class _TokenBucket:
 
 class ApiError(GopherplugError):
     """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came;
-    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any."""
+    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any; ``causes``
+    the reasons of the answer's details.causes ("ResourceVersionTooLarge", "FieldValueInvalid")."""
 
-    def __init__(self, status: int | None, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, status: int | None, message: str, retry_after: float | None = None, causes: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.causes = causes
 
 
 class ClaimCheckpoint:
@@ -6848,7 +6857,9 @@ class KubeApi:
             header = response.headers.get("retry-after", "") if response is not None else ""
             retry_after = float(header) if header.isdigit() else None
             message = f"{what}: {error.status.code} {error.status.message}"
-            raise ApiError(error.status.code, message, retry_after) from None
+            details = error.status.details
+            causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
+            raise ApiError(error.status.code, message, retry_after, causes) from None
         except self._transport_error as error:
             raise ApiError(None, f"{what}: {_describe(error, silent='no answer')}") from None
 
@@ -6926,7 +6937,10 @@ class KubeApi:
                 inner.build_adapter_request(inner.prepare_request("list", resource, params=params))
             )
             inner.raise_for_status(response)
-            listed = response.json()
+            try:
+                listed = response.json()
+            except ValueError as error:  # mangled on its way: a failure like any other, retried
+                raise ApiError(None, f"list {what}: an answer that is not JSON ({error})") from None
         return list(listed.get("items") or []), str((listed.get("metadata") or {}).get("resourceVersion") or "")
 
     async def _watch(
@@ -6934,7 +6948,8 @@ class KubeApi:
     ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """One watch request of ``resource`` from ``version``, with bookmarks: its events (ADDED,
         MODIFIED, DELETED, BOOKMARK) until the server ends it. An ERROR event (410 Gone, the
-        version left the server's history) raises ApiError, as an error answer does."""
+        version left the server's history) raises ApiError, as an error answer does; a line that is
+        not an event, WatchEventError (_watch_event)."""
         inner = self._client._client
         params = {"fieldSelector": _field_selector(fields), "resourceVersion": version or None}
         # Bookmarks carry the newest resourceVersion even when nothing selected changed, so the
@@ -6951,15 +6966,23 @@ class KubeApi:
                 if response.status_code >= 400:
                     await response.aread()
                     inner.raise_for_status(response)
-                async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue
-                    event = json.loads(line)
-                    if event.get("type") == "ERROR":
-                        status = event.get("object") or {}
-                        code = status.get("code")
-                        raise ApiError(code, f"watch {what}: {code} {status.get('message', '')}")
-                    yield event["type"], event["object"]
+                # One event per line, and a line ends at the byte "\\n" alone: the API server writes
+                # each event with Go's json.Encoder, which ends it with "\\n" and escapes no other
+                # line break but U+2028 and U+2029 (go_json). httpx's aiter_lines() (and lightkube's
+                # own watch, through it) splits where str.splitlines() does, also at U+0085, U+000B,
+                # U+001C..U+001E raw in UTF-8: a Node annotation holding one cut its event in two.
+                # client-go frames a watch by JSON document, not by line (the json framer of
+                # apimachinery's pkg/util/framer); in a stream of one-line documents, the same.
+                pending = bytearray()
+                async for chunk in response.aiter_bytes():
+                    pending += chunk
+                    while (end := pending.find(b"\n")) >= 0:
+                        line = bytes(pending[:end])
+                        del pending[: end + 1]
+                        if line.strip():
+                            yield _watch_event(what, line)
+                # What is left was cut off mid-event by the connection's end: the next watch starts
+                # from the last whole event's version, and brings this one again.
             finally:
                 await response.aclose()
 
@@ -6999,6 +7022,54 @@ class KubeApi:
         await self._client.close()
 
 
+class WatchEventError(ApiError):
+    """A watch brought a line that is not an event (not JSON, or not of an event's shape): something
+    between the API server and here mangled the stream. list_and_watch says so in one line and lists
+    again, as what the event said is lost."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
+#: The kinds of event a watch brings (k8s.io/apimachinery pkg/watch): ERROR ends it.
+_WATCH_EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"})
+
+
+def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
+    """One line of a watch stream as its event: (type, object). An ERROR event (a 410 Gone: the
+    version left the server's history) raises ApiError, as an error answer does; a line that is
+    not an event raises WatchEventError, never what json.loads raises: the caller's handling
+    of a failed watch must see it, or one bad line would stop the driver."""
+    try:
+        event = json.loads(line)
+    except ValueError as error:  # UnicodeDecodeError included
+        shown = line[:80].decode(errors="replace") + ("…" if len(line) > 80 else "")
+        raise WatchEventError(f"watch {what}: a line that is not JSON ({error}): {shown}") from None
+    kind = event.get("type") if isinstance(event, dict) else None
+    item = event.get("object") if isinstance(event, dict) else None
+    metadata = item.get("metadata", {}) if isinstance(item, dict) else None
+    if kind not in _WATCH_EVENT_TYPES or not isinstance(item, dict) or not isinstance(metadata, dict):
+        shown = line[:80].decode(errors="replace") + ("…" if len(line) > 80 else "")
+        raise WatchEventError(f"watch {what}: a line that is not a watch event: {shown}")
+    if kind == "ERROR":
+        code = item.get("code")
+        raise ApiError(code if isinstance(code, int) else None, f"watch {what}: {code} {item.get('message', '')}")
+    if kind != "BOOKMARK" and not isinstance(metadata.get("name"), str):
+        raise WatchEventError(f"watch {what}: a {kind} event of an object without a name")
+    return str(kind), item
+
+
+def _too_large_version(error: ApiError) -> bool:
+    """Whether the API server answered that a request's resourceVersion is newer than it has: its
+    watch cache waited (up to 3 s) and did not catch up. A 504 whose details name the cause
+    ResourceVersionTooLarge (storage.NewTooLargeResourceVersionError in kubernetes/kubernetes
+    staging/src/k8s.io/apiserver); its message alone, as client-go's isTooLargeResourceVersionError
+    also reads it, for a server that names no cause."""
+    return "ResourceVersionTooLarge" in error.causes or (
+        error.status == 504 and "Too large resource version" in str(error)
+    )
+
+
 #: A watch that the server ends this soon after it opened, with nothing in it (not even a
 #: bookmark), did not work: the reflector counts it as a failure ("very short watch"), and so does
 #: list_and_watch, so that a proxy that ends each watch at once cannot make a hot loop of them.
@@ -7031,7 +7102,8 @@ async def list_and_watch(
        A dead connection is found by the bookmarks' silence instead (DRA_WATCH_QUIET_SECONDS).
     4. A watch answered 410 Gone (its version left the server's history: etcd compacted it, or the
        API server restarted): list again, from that version (at least as new as what was seen,
-       still from the cache); a list answered 410 too is made at "", a quorum read. A 410 right
+       still from the cache); a list answered 410 too, or "too large resource version" (an API
+       server whose cache is behind that version), is made at "", a quorum read. A 410 right
        after a list, with nothing in between, is no longer routine: warned about, backed off.
     5. Any other failure (no answer, a 429, a 5xx): backed off (DRA_WATCH_BACKOFF, jittered), then
        watched again from the last version; never a list, which costs the server much more.
@@ -7048,9 +7120,16 @@ async def list_and_watch(
                 try:
                     items, version = await list_from(list_at)
                 except ApiError as error:
-                    if error.status != 410 or not list_at:
+                    if not list_at or not (error.status == 410 or _too_large_version(error)):
                         raise
+                    # The version is gone from the history (410), or newer than what the API server
+                    # that answered has (its watch cache behind: another API server of the control
+                    # plane, or one just restarted, served the watch): either way it cannot be
+                    # listed at, and asking again would get the same answer for as long as the cache
+                    # stays behind. So list the newest, a quorum read from etcd, and keep listing at
+                    # "" until a list works, as the reflector's isLastSyncResourceVersionUnavailable.
                     log.debug("DRA: listing %s: %s; listing the newest", what, error)
+                    list_at = ""
                     items, version = await list_from("")
                 replace(items, version)
                 list_at = None
@@ -7071,7 +7150,12 @@ async def list_and_watch(
             elif not brought and trio.current_time() - opened < DRA_SHORT_WATCH_SECONDS:
                 raise ApiError(None, f"watch {what}: ended by the server at once, with nothing in it")
         except ApiError as error:
-            if error.status == 410 and list_at is None:
+            if isinstance(error, WatchEventError):
+                # What the lost event said is unknown, and watching again from the last version
+                # would bring the same line again: list again (from the cache, at least as new as
+                # what was seen), after the backoff, so that a stream mangled every time is no hot loop.
+                list_at = version
+            elif error.status == 410 and list_at is None:
                 list_at, expired = version, expired + 1
                 if expired == 1:  # routine, and nothing failed: listed again at once
                     log.debug("DRA: watching %s: %s; listing again", what, error)
@@ -7266,33 +7350,66 @@ class SlicePublisher:
         if kind == "BOOKMARK":
             return
         name = item["metadata"]["name"]
-        if kind == "DELETED":
+        # The watch brings events in order; what can be newer than an event is `known`'s own entry,
+        # when it is the answer to our write (publish puts it there at once). Every event older
+        # than it is history, a deletion too: a slice we created at version W after its name was
+        # deleted at D < W (the kubelet's wipe, an earlier pod's slice cleaned up) is not the one
+        # that DELETED at D describes, and dropping it made the next pass create it again, for a
+        # 409 AlreadyExists and a backoff. A deletion of what we wrote comes later than W. Versions
+        # are opaque to clients, and client-go's informers never compare them, as they never take
+        # a write's answer in; its MutationCache, which does, compares them as numbers (etcd's
+        # revision), as _older does, and so keeps a written object until the watch brings a newer one.
+        if _older(item, self.known.get(name)):
+            pass
+        elif kind == "DELETED":
             self.known.pop(name, None)
-        elif not _older(item, self.known.get(name)):
+        else:
             self.known[name] = item
         self.known_changed.touch()
 
     async def _watch_node(self) -> None:
+        """Watch the Node; while RBAC refuses that (403), read it every DRA_NODE_POLL_SECONDS, and
+        try the watch again after DRA_NODE_WATCH_RETRY (doubling, jittered): a ClusterRole fixed
+        later is noticed without a restart, as the reflector, which retries a refused list for ever,
+        would notice it."""
         name = self.resources.node_name
-        try:
-            await list_and_watch(
-                f"Node {name}",
-                functools.partial(self.api.list_node, name),
-                functools.partial(self.api.watch_node, name),
-                lambda items, version: self._set_node(items[0] if items else None, ""),
-                self._node_event,
-                stop_when_forbidden=True,
-            )
-        except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
-            log.warning(
-                "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s is "
-                "read every %g to %g s instead, and a change of its allocatable is seen that late",
-                error,
-                name,
-                DRA_NODE_POLL_SECONDS,
-                DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
-            )
-            await self._poll_node()
+        polled = False  # the Node is being read instead of watched, and it was said
+        retry = DRA_NODE_WATCH_RETRY[0]
+
+        def listed(items: list[dict[str, Any]], version: str) -> None:
+            nonlocal polled, retry
+            if polled:
+                log.info("DRA: Node %s can be listed and watched again: it is watched instead of read", name)
+                polled, retry = False, DRA_NODE_WATCH_RETRY[0]
+            self._set_node(items[0] if items else None, "")
+
+        while True:
+            try:
+                await list_and_watch(
+                    f"Node {name}",
+                    functools.partial(self.api.list_node, name),
+                    functools.partial(self.api.watch_node, name),
+                    listed,
+                    self._node_event,
+                    stop_when_forbidden=True,
+                )
+            except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
+                if not polled:
+                    log.warning(
+                        "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s "
+                        "is read every %g to %g s instead, and a change of its allocatable is seen that late; "
+                        "watching it is tried again from time to time",
+                        error,
+                        name,
+                        DRA_NODE_POLL_SECONDS,
+                        DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
+                    )
+                else:  # said once: the same answer again is no news
+                    log.debug("DRA: %s; Node %s is still read instead", error, name)
+                polled = True
+                with trio.move_on_after(jittered(retry)):
+                    await self._poll_node()
+                retry = min(retry * 2, DRA_NODE_WATCH_RETRY[1])
 
     def _node_event(self, kind: str, item: dict[str, Any]) -> None:
         if kind == "DELETED":
@@ -10079,6 +10196,21 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     }
 
 
+def go_json(document: Any) -> bytes:
+    """``document`` as the API server writes it: Go's encoding/json (its Encoder, which the API
+    server's JSON serializer uses), compact and in UTF-8. Unlike Python's json.dumps, Go writes every
+    character raw except ``"``, ``\\``, those below U+0020, U+2028 and U+2029 (which JavaScript reads
+    as line ends), and, as HTML-safe output, ``<``, ``>`` and ``&`` (encodeState.string in Go's
+    src/encoding/json/encode.go). So U+0085 (NEXT LINE) and the other line breaks of
+    str.splitlines() come raw, inside a watch event's one line: a client must split a watch stream
+    on the byte "\\n" alone (KubeApi._watch). The characters Go escapes can appear in JSON only
+    inside strings, so escaping them in the whole text escapes them in the strings."""
+    text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text.encode()
+
+
 class LenientApiServer:
     """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
@@ -10131,15 +10263,26 @@ class LenientApiServer:
         metadata = claim["metadata"]
         self.claims[metadata["namespace"], metadata["name"]] = claim
 
-    def put_node(self, name: str, uid: str, allocatable: Mapping[str, str] | None = None) -> None:
+    def put_node(
+        self,
+        name: str,
+        uid: str,
+        allocatable: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
         """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
         is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
-        the extended resources of device plugins); None: no status."""
-        self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)})
+        the extended resources of device plugins); None: no status. ``annotations``: its
+        metadata.annotations, as anyone with patch on nodes may write them (any text at all)."""
+        self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)}, annotations)
 
-    def _put_node(self, name: str, uid: str, status: Mapping[str, Any]) -> None:
-        """Store a Node with this status ({}: none), and its watch event."""
+    def _put_node(
+        self, name: str, uid: str, status: Mapping[str, Any], annotations: Mapping[str, str] | None = None
+    ) -> None:
+        """Store a Node with this status ({}: none) and annotations, and its watch event."""
         node: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": uid}}
+        if annotations:
+            node["metadata"]["annotations"] = dict(annotations)
         if status:
             node["status"] = dict(status)
         self.nodes[name] = self._bump("MODIFIED" if name in self.nodes else "ADDED", node, "nodes")
@@ -10242,7 +10385,7 @@ class LenientApiServer:
     async def _send(
         self, connection: Any, stream: Any, h11: Any, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()
     ) -> None:
-        data = json.dumps(document).encode()
+        data = go_json(document)
         headers = [("content-type", "application/json"), ("content-length", str(len(data))), *extra]
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
@@ -10418,7 +10561,7 @@ class LenientApiServer:
         the newest version."""
         for version, of, kind, item in self._events:
             if version > since and of == resource and matches(item):
-                line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
+                line = go_json({"type": kind, "object": item}) + b"\n"
                 await stream.send_all(connection.send(h11.Data(data=line)))
             since = max(since, version)
         return since

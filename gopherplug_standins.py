@@ -67,6 +67,7 @@ from gopherplug import (
     StatusCode,
     UnexpectedAdmissionError,
     _status,
+    go_json,
     resource_name_problem,
 )
 
@@ -107,7 +108,7 @@ KUBERNETES_VERSIONS = ("1.34", "1.35", "1.36", "1.37")
 #: on by default, locked to its default). Copied from defaultVersionedKubernetesFeatureGates in
 #: kubernetes/kubernetes pkg/features/kube_features.go as of v1.36.2; the 1.37 entries from the main
 #: branch (where the DRA gates are listed alike), planned for 1.37: DRADeviceTaints GA, DRAExtendedResource
-#: GA and locked, DRAPrioritizedList locked.
+#: GA and locked, DRAResourceClaimDeviceStatus GA and locked, DRAPrioritizedList locked.
 FEATURE_GATE_HISTORY: dict[str, tuple[tuple[str, str, bool, bool], ...]] = {
     # firstAvailable: a request's prioritized list of subrequests
     "DRAPrioritizedList": (
@@ -119,7 +120,11 @@ FEATURE_GATE_HISTORY: dict[str, tuple[tuple[str, str, bool, bool], ...]] = {
     # adminAccess in a claim's request (in a namespace labelled resource.kubernetes.io/admin-access)
     "DRAAdminAccess": (("1.32", "alpha", False, False), ("1.34", "beta", True, False), ("1.36", "GA", True, True)),
     # a claim's status.devices, written by the driver
-    "DRAResourceClaimDeviceStatus": (("1.32", "alpha", False, False), ("1.33", "beta", True, False)),
+    "DRAResourceClaimDeviceStatus": (
+        ("1.32", "alpha", False, False),
+        ("1.33", "beta", True, False),
+        ("1.37", "GA", True, True),
+    ),
     # a device's taints in a ResourceSlice, and the allocator's respect for them
     "DRADeviceTaints": (("1.33", "alpha", False, False), ("1.36", "beta", True, False), ("1.37", "GA", True, False)),
     # allowMultipleAllocations and a capacity's requestPolicy: a device shared among claims
@@ -778,12 +783,15 @@ class ApiServerSimulator(LenientApiServer):
     - ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
       accepts, others get 401; ``forbidden_tokens`` get 403; ``bearers`` lists each request's token.
     - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
+      ``mangle_watches()`` writes bytes of its caller's into them (a mangling proxy), ``hold_cache()``
+      keeps the watch cache behind (a list at a newer version: 504 Too large resource version),
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
       that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
       with its time and status (each touches ``changed``, also one that gets no answer).
     - ``requests`` counts every request by (verb, resource, user agent), as the audit log or the
       apiserver_request_total metric does (request_verb_and_resource); ``watches`` lists each watch's
-      query. ``forbidden`` holds the (verb, resource) pairs RBAC refuses, with the API server's 403.
+      query, ``lists`` each list's. ``forbidden`` holds the (verb, resource) pairs RBAC refuses,
+      with the API server's 403.
     - Watches end as the real ones do: after timeoutSeconds if asked, else after a random time between
       ``min_request_timeout`` and twice it (--min-request-timeout). A watch that asked for bookmarks
       gets one every ``bookmark_seconds`` and one just before it ends. ``compact()`` forgets the
@@ -824,6 +832,9 @@ class ApiServerSimulator(LenientApiServer):
         self.attempts: list[tuple[float, str, str, int]] = []
         self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
         self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
+        self._mangles: list[bytes] = []  # mangle_watches(): what was written into the open watches
+        self._cache_held: int | None = None  # hold_cache(): the version the watch cache stays at
+        self.lists: list[dict[str, str]] = []  #: the query of each list request, in order
         self.down = False
         self.delay = 0.0
         self.disabled_gates: set[str] = {gate for gate, on in self.release.gates.items() if not on}
@@ -841,7 +852,12 @@ class ApiServerSimulator(LenientApiServer):
         super().put_claim(claim)
 
     def put_node(
-        self, name: str, uid: str, allocatable: Mapping[str, str] | None = None, kubelet_version: str = ""
+        self,
+        name: str,
+        uid: str,
+        allocatable: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        kubelet_version: str = "",
     ) -> None:
         """A Node as LenientApiServer.put_node makes it, with the status.nodeInfo its kubelet reports:
         kubeletVersion ``kubelet_version`` ("v1.35.0"; "": the release's) and the other fields of
@@ -859,7 +875,7 @@ class ApiServerSimulator(LenientApiServer):
             "osImage": "Debian GNU/Linux 13 (trixie)",
             "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_OID, f"system-{name}")),
         }
-        self._put_node(name, uid, status)  # its watch event has the nodeInfo too
+        self._put_node(name, uid, status, annotations)  # its watch event has the nodeInfo too
 
     def put_device_class(self, device_class: Mapping[str, Any]) -> dict[str, Any]:
         """Store a DeviceClass (a copy) as the API server does: without extendedResourceName while
@@ -924,6 +940,21 @@ class ApiServerSimulator(LenientApiServer):
             {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
         )
 
+    def mangle_watches(self, data: bytes) -> None:
+        """Write ``data`` into every open watch's stream, between two events, as a proxy or a
+        broken middlebox that mangles a stream might (the API server itself never does)."""
+        self._mangles.append(data)
+        self.changed.touch()
+
+    def hold_cache(self, held: bool = True) -> None:
+        """Hold the watch cache at the version of now (``held``), or let it catch up again: an API
+        server of an HA control plane whose cache is behind the others' (its etcd watch lagging,
+        or just restarted). A list at a newer resourceVersion (other than "0" and "", which ask for
+        any version and for a quorum read from etcd) is answered as the real one answers it once it
+        has waited for its cache in vain: 504 "Too large resource version", with the cause
+        ResourceVersionTooLarge and a Retry-After of 1 s (storage.NewTooLargeResourceVersionError)."""
+        self._cache_held = self._version if held else None
+
     def expire_watches(self) -> None:
         """End every open watch with the ERROR event of a 410 Gone, as the API server does when the
         watch's resourceVersion fell out of its history (etcd compaction, an API server restart)."""
@@ -948,8 +979,11 @@ class ApiServerSimulator(LenientApiServer):
         target = request.target.decode()
         verb, resource = request_verb_and_resource(request.method.decode(), target)
         self.requests[verb, resource, headers.get("user-agent", "")] += 1
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(target).query))
         if verb == "watch":
-            self.watches.append(dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(target).query)))
+            self.watches.append(query)
+        elif verb == "list":
+            self.lists.append(query)
         token = headers.get("authorization", "").removeprefix("Bearer ")
         self.bearers.append(token)
         if self.tokens is not None and token not in self.tokens:
@@ -972,6 +1006,15 @@ class ApiServerSimulator(LenientApiServer):
             await self._send(connection, stream, h11, 403, _status(403, "Forbidden", message))
             return True
         self.changed.touch()  # a request came: a test waiting for one may look
+        asked = query.get("resourceVersion", "")
+        if verb == "list" and self._cache_held is not None and asked.isdigit() and int(asked) > self._cache_held:
+            status = _status(504, "Timeout", f"Too large resource version: {asked}, current: {self._cache_held}")
+            status["details"] = {
+                "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                "retryAfterSeconds": 1,
+            }
+            await self._send(connection, stream, h11, 504, status, [("retry-after", "1")])
+            return True
         return False
 
     async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
@@ -1062,6 +1105,7 @@ class ApiServerSimulator(LenientApiServer):
     ) -> None:
         # What ends this watch is what happens from its request on: taken before any await.
         expired, restarts, ends_seen = self._expired, self._restarts, self._ends
+        mangled = len(self._mangles)
         since = int(query.get("resourceVersion") or 0)
         if query.get("resourceVersion") not in (None, "", "0") and since < self._oldest:
             # The watch cache answers before the watch starts: an HTTP 410, not an ERROR event.
@@ -1077,16 +1121,19 @@ class ApiServerSimulator(LenientApiServer):
         async def bookmark() -> None:
             metadata = {"resourceVersion": str(self._version)}
             event = {"type": "BOOKMARK", "object": {"apiVersion": api_version, "kind": kind, "metadata": metadata}}
-            await stream.send_all(connection.send(h11.Data(data=json.dumps(event).encode() + b"\n")))
+            await stream.send_all(connection.send(h11.Data(data=go_json(event) + b"\n")))
 
         next_bookmark = trio.current_time() + self.bookmark_seconds
         while not self.down and self._restarts == restarts:
             if self._expired != expired:
                 message = f"too old resource version: {since} ({self._version})"
-                line = json.dumps({"type": "ERROR", "object": _status(410, "Expired", message)}).encode() + b"\n"
+                line = go_json({"type": "ERROR", "object": _status(410, "Expired", message)}) + b"\n"
                 await stream.send_all(connection.send(h11.Data(data=line)) + connection.send(h11.EndOfMessage()))
                 return
             changed = self.changed.next_touch()
+            for data in self._mangles[mangled:]:
+                await stream.send_all(connection.send(h11.Data(data=data)))
+            mangled = len(self._mangles)
             since = await self._send_events(connection, stream, h11, resource, since, matches)
             now = trio.current_time()
             if now >= ends or self._ends != ends_seen:

@@ -8971,6 +8971,34 @@ async def test_dra_after_an_api_server_restart_each_watch_lists_once(dra_node, c
     assert all(message.startswith("DRA: watching ") for message in said)  # the cut watches, retried
 
 
+async def test_dra_a_relist_the_api_server_finds_too_new_for_its_cache_falls_back_to_a_quorum_list(dra_node, caplog):
+    """A watch answered 410 is followed by a list at the last version seen; an API server whose
+    watch cache is behind that version (another of an HA control plane, or one just restarted)
+    answers it 504 "Too large resource version", and would for as long as its cache lags. As
+    client-go's reflector, the driver lists at "" then (a quorum read), and watches on from there.
+    Before, it asked for the same version again and again, backed off, and saw nothing meanwhile."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.hold_cache()
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)  # the watch brought a version newer than the cache holds
+        seen = dra_node.api.nodes["node-1"]["metadata"]["resourceVersion"]
+        dra_node.api.expire_watches()
+        while dra_node.api.count("watch", "nodes") < 2:
+            await dra_node.api.changed.wait_touched()  # listed, and watched again
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "0"})
+        await dra_node.wait_for_slices(["gopher0"])  # and that watch works
+    node_lists = [
+        query.get("resourceVersion", "") for query in dra_node.api.lists if "metadata.name" in query["fieldSelector"]
+    ]
+    assert node_lists == ["0", seen, ""]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [HELD_BACK.format(1)]
+
+
 async def test_dra_requests_name_gopherplug_its_version_and_the_node(dra_node):
     """The API server's audit log and per-client metrics tell gopherplug's requests apart by their
     user agent, in client-go's form. Before, they said python-httpx2/<version>."""
@@ -9503,6 +9531,70 @@ async def test_dra_a_node_allocatable_that_changes_after_start_holds_back_and_re
     assert (dra_node.api.count("list", "nodes"), dra_node.api.count("get", "nodes")) == (1, 0)
 
 
+def test_dra_the_api_server_stand_ins_write_json_as_go_does():
+    """Go's encoding/json, as the API server writes every answer and watch event: compact, UTF-8,
+    every character raw but those below U+0020, U+2028, U+2029 and the HTML-safe <, >, &. Python's
+    json.dumps escapes everything outside ASCII instead, which hid a client that splits lines on
+    U+0085 (issue 31, finding 8)."""
+    text = 'a\u0085b\u2028c\u2029d<e>f&g\nh\x7fi\u00e9\U0001f439"j\\k\x01'
+    written = gp.go_json({"k": text, "n": [1, None, True]})
+    assert written == (
+        b'{"k":"a\xc2\x85b\\u2028c\\u2029d\\u003ce\\u003ef\\u0026g\\nh\x7fi\xc3\xa9\xf0\x9f\x90\xb9\\"j\\\\k'
+        b'\\u0001","n":[1,null,true]}'
+    )
+    assert json.loads(written) == {"k": text, "n": [1, None, True]}
+    assert written.count(b"\n") == 0
+
+
+async def test_dra_a_node_annotation_holding_a_next_line_character_is_one_watch_event(dra_node, caplog):
+    """The API server writes U+0085 (NEXT LINE) raw inside a watch event (Go escapes only U+2028 and
+    U+2029 of the line breaks str.splitlines() knows), and anyone with patch on nodes can put one in
+    an annotation. The watch stream is framed by the byte "\\n" alone, so the event is read whole.
+    Before, the stream was split as str.splitlines() splits (httpx's line decoder): the event came
+    in two halves, json.loads raised outside list_and_watch's handling, and the driver stopped."""
+    odd = {"example.com/note": "first line\u0085second line, \u2028 and <&>"}
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "1"}, annotations=odd)
+        await dra_node.wait_for_slices(None)  # the event was read: held back
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "0"}, annotations=odd)
+        await dra_node.wait_for_slices(["gopher0"])  # and so was the next one of the same Node
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [HELD_BACK.format(1)]
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("watch", "nodes")) == (1, 1)
+
+
+async def test_dra_a_watch_line_that_is_no_event_is_said_in_one_line_and_listed_again(dra_node, caplog):
+    """Whatever a watch brings, the driver goes on: a line that is not an event (a proxy that
+    mangles the stream) is said in one line, and the objects are listed again after the backoff,
+    as what the lost event said is unknown. Before, json.loads raised out of the watch, and the
+    driver stopped."""
+    mangled = b'{"type":"MODIFIED","object":{"metadata":'
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("watch", "nodes") < 1 or dra_node.api.count("watch", "resourceslices") < 1:
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.mangle_watches(mangled + b"\n")
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)  # the Node's change was seen, by the new list
+        while dra_node.api.count("list", "resourceslices") < 2:
+            await dra_node.api.changed.wait_touched()
+    with pytest.raises(ValueError) as raised:
+        json.loads(mangled)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said[-1] == HELD_BACK.format(1)
+    assert sorted(message.rsplit("; again in ", 1)[0] for message in said[:-1]) == [
+        f"DRA: watching {what}: watch {what}: a line that is not JSON ({raised.value}): {mangled.decode()}"
+        for what in ("Node node-1", "ResourceSlices")
+    ]
+    assert (dra_node.api.count("list", "nodes"), dra_node.api.count("list", "resourceslices")) == (2, 2)
+
+
 async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(dra_node, monkeypatch, caplog):
     """An older manifest's ClusterRole gives get on nodes, not list and watch: the Node is read
     every DRA_NODE_POLL_SECONDS instead (jittered), said once however often it is read, and a change
@@ -9522,9 +9614,37 @@ async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(
         'DRA: list Node node-1: 403 nodes is forbidden: User "system:serviceaccount:kube-system:gopherplug-dra" '
         'cannot list resource "nodes" in API group "" at the cluster scope (the ClusterRole needs list and watch '
         "on nodes, as in daemonset-dra.yaml); Node node-1 is read every 0.1 to 0.2 s instead, and a change of its "
-        "allocatable is seen that late",
+        "allocatable is seen that late; watching it is tried again from time to time",
         HELD_BACK.format(1),
     ]
+
+
+async def test_dra_a_node_read_for_want_of_rbac_is_watched_again_once_rbac_allows_it(dra_node, monkeypatch, caplog):
+    """A 403 on the Node's list or watch (a ClusterRole without them) is not for the life of the
+    process: the watch is tried again after a backoff, quietly while it is still refused, and once
+    RBAC allows it (the ClusterRole applied) the Node is watched and no longer read. Before, one
+    403 made the driver read the Node every minute until its restart."""
+    caplog.set_level(logging.INFO, logger="gopherplug")
+    monkeypatch.setattr(gp, "DRA_NODE_POLL_SECONDS", 0.1)
+    monkeypatch.setattr(gp, "DRA_NODE_WATCH_RETRY", (0.2, 0.4), raising=False)  # absent before the fix
+    dra_node.api.forbidden = {("list", "nodes"), ("watch", "nodes")}
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        while dra_node.api.count("list", "nodes") < 3:  # tried again, and refused again
+            await dra_node.api.changed.wait_touched()
+        dra_node.api.forbidden = set()  # the ClusterRole of daemonset-dra.yaml applied
+        while dra_node.api.count("watch", "nodes") < 1:
+            await dra_node.api.changed.wait_touched()
+        read = dra_node.api.count("get", "nodes")
+        dra_node.api.put_node("node-1", NODE_UID, allocatable={"cpu": "4", "example.com/gopher": "1"})
+        await dra_node.wait_for_slices(None)  # seen through the watch
+    assert dra_node.api.count("get", "nodes") == read  # no more reads
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and warnings[0].startswith("DRA: list Node node-1: 403 ")  # once
+    assert warnings[1] == HELD_BACK.format(1)
+    assert "DRA: Node node-1 can be listed and watched again: it is watched instead of read" in caplog.text
 
 
 def shipped_device_classes():
@@ -9820,6 +9940,8 @@ def test_versions_each_release_has_its_default_feature_gates():
     }
     assert standins.gate_spec("DRADeviceTaints", "1.35") == ("alpha", False, False)
     assert standins.gate_spec("DRAExtendedResource", "1.37") == ("GA", True, True)
+    assert standins.gate_spec("DRAResourceClaimDeviceStatus", "1.36") == ("beta", True, False)
+    assert standins.gate_spec("DRAResourceClaimDeviceStatus", "1.37") == ("GA", True, True)
 
 
 def test_versions_an_admin_turns_gates_on_as_the_components_allow():
@@ -9829,6 +9951,9 @@ def test_versions_an_admin_turns_gates_on_as_the_components_allow():
     assert not standins.release("1.36", ResourceHealthStatus=False).enabled("ResourceHealthStatus")
     with pytest.raises(ValueError, match=r"^cannot set feature gate DRAExtendedResource to false, feature is locked"):
         standins.release("1.37", DRAExtendedResource=False)
+    assert not standins.release("1.36", DRAResourceClaimDeviceStatus=False).enabled("DRAResourceClaimDeviceStatus")
+    with pytest.raises(ValueError, match=r"^cannot set feature gate DRAResourceClaimDeviceStatus to false, feature is"):
+        standins.release("1.37", DRAResourceClaimDeviceStatus=False)
     with pytest.raises(ValueError, match=r"^unrecognized feature gate: DRAMagic$"):
         standins.release("1.36", DRAMagic=True)
     with pytest.raises(ValueError, match=r"^Kubernetes 1.33: the stand-ins speak for 1.34, 1.35, 1.36, 1.37$"):
@@ -10164,6 +10289,37 @@ async def test_dra_a_write_answered_after_the_watch_saw_it_deleted_is_not_believ
             await publisher.synced.wait_touched()
     name = gp.dra_slice_name("node-1", DRIVER, "example.com/gopher", 0)
     assert [item["metadata"]["name"] for item in api.created] == [name] * 2
+    nursery.cancel_scope.cancel()
+
+
+async def test_dra_a_deletion_older_than_our_write_leaves_the_written_slice_known(nursery):
+    """The other order: a slice's name was deleted (an earlier pod's slice, the kubelet's wipe) just
+    before our create, and the watch brings that DELETED only after our create's answer. The
+    deletion is of the earlier slice: the one we wrote lives on. Before, the publisher dropped it
+    from what it knew, created it again, and got 409 AlreadyExists and a backoff."""
+    resources = gp.DraResources(DRIVER, "node-1")
+    resources.attach(gp.resource_config("example.com/gopher"), gp.Watched({"g0": gp.DeviceEntry("g0", "/g/g0")}))
+
+    async def answered_at_once(item):
+        pass
+
+    api = ScriptedSliceApi(answered_at_once)
+    publisher = gp.SlicePublisher(resources, api)
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(publisher.watch)
+        await nursery.start(publisher.publish)
+        while publisher.synced.value < 1:
+            await publisher.synced.wait_touched()
+        (written,) = api.created  # answered with resourceVersion 10
+        passes = publisher.synced.value
+        earlier = {**written, "metadata": {**written["metadata"], "resourceVersion": "5"}}
+        await api.events_in.send(("DELETED", earlier))
+        while publisher._seen < 5:
+            await publisher.known_changed.wait_touched()
+        while publisher.synced.value == passes:  # the pass the event woke
+            await publisher.synced.wait_touched()
+    assert len(api.created) == 1
+    assert publisher.known[written["metadata"]["name"]]["metadata"]["resourceVersion"] == "10"
     nursery.cancel_scope.cancel()
 
 
