@@ -3642,6 +3642,96 @@ def who_report(held: Iterable[HeldDevice]) -> str:
     return "\n".join(lines)
 
 
+# Devices held under another plugin's IDs: a node switched from generic-device-plugin.
+#
+# The kubelet's device manager keeps one plugin per resource name (ManagerImpl.PluginConnected in
+# kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go sets endpoints[resourceName]: a
+# later registration replaces the earlier), and it knows devices by ID alone. The pods a previous
+# plugin served keep their allocation (podDevices, saved in kubelet_internal_checkpoint): their
+# containers run on, and the IDs stay "in use" until the pod ends. But a new plugin's list
+# replaces the old one's (genericDeviceUpdateCallback), and devicesToAllocate picks from the
+# healthy IDs minus the IDs in use: a port generic-device-plugin gave a running pod as
+# sha1("0/dev/ttyUSB0") is, to the kubelet, not the `ttyUSB0` gopherplug offers, which it may hand
+# to the next pod. Nothing in the API lets a plugin say "in use"; it can only tell the operator.
+
+#: generic-device-plugin's `count` values tried when recognising its IDs (its default is 1; a
+#: shared device such as /dev/fuse is given a count of 10 or so)
+GENERIC_DEVICE_PLUGIN_COUNTS = 128
+
+
+def generic_device_plugin_ids(device: DeviceEntry, counts: int = GENERIC_DEVICE_PLUGIN_COUNTS) -> set[str]:
+    """The IDs generic-device-plugin gives the same device node(s): for a `paths` group, the
+    hexadecimal SHA-1 of the copy's number (0 up to the group's count) followed by each path the
+    group matched, in the group's order (discoverPath in squat/generic-device-plugin
+    deviceplugin/path.go). A device of several entries is tried with its members in gopherplug's
+    order, which is the group's when its paths are listed in that order. A `usb` group's IDs are
+    made otherwise and are not recognised."""
+    paths = "".join(member.path for member in device.members or (device,)).encode()
+    return {hashlib.sha1(str(copy).encode() + paths, usedforsecurity=False).hexdigest() for copy in range(counts)}
+
+
+@dataclass(frozen=True)
+class ForeignHold:
+    """A device of a resource a running container holds under an ID this plugin does not offer."""
+
+    holder: Holder
+    kubelet_id: str  #: the ID the kubelet booked it under
+    device_id: str  #: this plugin's device it is (recognised as generic-device-plugin's ID); "" unknown
+
+
+def foreign_holds(resource: ResourceConfig, devices: Iterable[DeviceEntry], pods: Iterable[Any]) -> list[ForeignHold]:
+    """The containers of PodResources' ``pods`` holding a device of ``resource`` (a device-plugin
+    resource) under an ID none of ``devices`` is offered under: another plugin's, or a device gone
+    since; each with the device it is, where its ID is generic-device-plugin's for one of them."""
+    devices = list(devices)
+    offered = {device.id for device in devices}
+    found: list[tuple[Holder, str]] = []
+    for pod in pods:
+        for container in pod.containers:
+            for held in container.devices:
+                if held.resource_name != resource.name:
+                    continue
+                for kubelet_id in held.device_ids:
+                    if resource.underlying_id(kubelet_id) not in offered:
+                        found.append((Holder(pod.namespace, pod.name, container.name, "device plugin"), kubelet_id))
+    if not found:
+        return []  # the common case: no hash computed
+    known = {gdp_id: device.id for device in devices for gdp_id in generic_device_plugin_ids(device)}
+    return [ForeignHold(holder, kubelet_id, known.get(kubelet_id, "")) for holder, kubelet_id in found]
+
+
+def foreign_holds_report(holds: Iterable[ForeignHold]) -> str:
+    """One line for the log: who holds what under other IDs, what the kubelet may do, what to do."""
+    holds, named = list(holds), []
+    for hold in holds:
+        what = f"the device {hold.device_id} here" if hold.device_id else "a device this plugin cannot tell"
+        short = hold.kubelet_id if len(hold.kubelet_id) <= 16 else f"{hold.kubelet_id[:12]}…"
+        named.append(f"{hold.holder.namespace}/{hold.holder.pod}/{hold.holder.container} ({short}: {what})")
+    return (
+        f"{_devices(len(holds))} held by running pods under IDs this plugin does not offer (another plugin's, "
+        f"such as generic-device-plugin's, or a device gone since): {', '.join(named)}; the kubelet counts only those "
+        "IDs as in use and may give the same device to another pod: drain the node, or keep new pods of this "
+        "resource off it, until they end (README: Switching a node from generic-device-plugin)"
+    )
+
+
+async def warn_of_foreign_holds(resource: ResourceConfig, devices: Watched, socket_path: str) -> None:
+    """Once registered (our list now replaces any other plugin's): ask the kubelet's PodResources
+    which devices of the resource running pods hold under IDs we do not offer, and warn in one
+    line naming them. Quiet where there is no PodResources socket (a plugin embedded without one);
+    a failed call is logged at debug: it is advice, not the plugin's work."""
+    if not os.path.exists(socket_path) or not isinstance(devices.value, dict):
+        return
+    try:
+        pods = await list_pod_resources(socket_path, waiting=_log(resource).debug)
+    except GopherplugError as error:
+        _log(resource).debug("cannot look for devices held under other IDs: %s", error)
+        return
+    holds = foreign_holds(resource, devices.value.values(), pods)
+    if holds:
+        _log(resource).warning("%s", foreign_holds_report(holds))
+
+
 ########################################################################################################
 # 5. purerpc on unix sockets
 #
@@ -7910,6 +8000,7 @@ async def _serve_generations(
     task_status: trio.TaskStatus[None],
 ) -> None:
     directory = kubelet.device_plugin_dir
+    looked = False  # for devices held under other IDs (warn_of_foreign_holds): once, at the first registration
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
@@ -7948,6 +8039,12 @@ async def _serve_generations(
                 return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
+                if not looked:
+                    # Our list has replaced any other plugin's for this name: a node switched from
+                    # generic-device-plugin may have pods holding our devices under its IDs.
+                    looked = True
+                    pod_resources = os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
+                    nursery.start_soon(warn_of_foreign_holds, resource, devices, pod_resources)
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
                 while kubelet.generation == registered_with and server.owns_socket_file():
@@ -8935,6 +9032,21 @@ class KubeletSimulator:
         """A pod that ended: the device manager frees its devices (no plugin call)."""
         self.pod_devices.pop((namespace, pod), None)
         self._changed.touch()
+
+    def available(self, resource_name: str) -> list[str]:
+        """The device IDs the kubelet would choose from for the next pod: the resource's healthy
+        devices less every ID a pod holds (devicesToAllocate in kubernetes/kubernetes
+        pkg/kubelet/cm/devicemanager/manager.go). By ID alone: a device a pod got from another
+        plugin under another ID is "available" here, as it is to the kubelet."""
+        resource = self.resources.get(resource_name)
+        in_use = {
+            device_id
+            for containers in self.pod_devices.values()
+            for held in containers.values()
+            for device_id in held.get(resource_name, ())
+        }
+        healthy = (d for d, health in (resource.devices.items() if resource else ()) if health == HEALTHY)
+        return sorted(d for d in healthy if d not in in_use)
 
     def _admit(self, resource_name: str) -> None:
         # The device manager's checks before it asks the plugin (devicesToAllocate in

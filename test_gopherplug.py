@@ -5648,6 +5648,130 @@ def test_who_finds_the_kubelets_socket_in_its_root_directory():
     assert gp.pod_resources_socket(dra) == "/var/lib/k0s/kubelet/pod-resources/kubelet.sock"
 
 
+def generic_device_plugin_service(paths):
+    """A stand-in for generic-device-plugin serving one `paths` group of ``paths`` (count 1): each
+    device's ID is its sha1 of "0" and the path (squat/generic-device-plugin deviceplugin/path.go),
+    Allocate gives the path as a DeviceSpec. Returns the IDs by path and the service."""
+    ids = {path: hashlib.sha1(f"0{path}".encode()).hexdigest() for path in paths}
+
+    async def get_options(empty):
+        return v1beta1.DevicePluginOptions()
+
+    async def list_and_watch(empty):
+        yield v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID=i, health=gp.HEALTHY) for i in ids.values()])
+        await trio.sleep_forever()
+
+    async def allocate(request):
+        by_id = {i: path for path, i in ids.items()}
+        specs = [
+            v1beta1.DeviceSpec(host_path=by_id[i], container_path=by_id[i], permissions="mrw")
+            for c in request.container_requests
+            for i in c.devices_ids
+        ]
+        return v1beta1.AllocateResponse(container_responses=[v1beta1.ContainerAllocateResponse(devices=specs)])
+
+    service = purerpc.Service("v1beta1.DevicePlugin")
+    for name, fn in [("GetDevicePluginOptions", get_options), ("ListAndWatch", list_and_watch), ("Allocate", allocate)]:
+        service.add_method(name, fn, gp.METHODS[f"/v1beta1.DevicePlugin/{name}"].signature)
+    return ids, service
+
+
+async def test_a_node_switched_from_generic_device_plugin_keeps_the_pods_device_and_names_it(nursery, sockdir):
+    """README, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
+    generic-device-plugin under its hashed ID; generic-device-plugin stops, gopherplug starts for
+    the same resource name. As the kubelet does, the stand-in keeps the pod's allocation (its
+    podDevices) and lists gopherplug's devices in place of the old ones; it chooses the next pod's
+    device by ID alone, so ttyUSB0 is "available" again. gopherplug cannot tell the kubelet
+    otherwise: it asks PodResources and says, in one line, which pod holds which of its devices."""
+    resource = "squat.ai/serial"
+    kubelet_dir = os.path.join(sockdir, "kubelet")
+    plugin_dir, devices = os.path.join(kubelet_dir, "device-plugins"), os.path.join(sockdir, "dev")
+    os.makedirs(plugin_dir)
+    os.mkdir(devices)
+    paths = [os.path.join(devices, name) for name in ("ttyUSB0", "ttyUSB1")]
+    for path in paths:
+        Path(path).touch()
+    gdp_ids, service = generic_device_plugin_service(paths)
+    config = {
+        "device_plugin_dir": plugin_dir,
+        "resources": [{"name": resource, "directory": devices, "pattern": "ttyUSB*"}],
+    }
+    with trio.fail_after(TIMEOUT):
+        kubelet = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        socket_path = os.path.join(kubelet_dir, gp.POD_RESOURCES_SOCKET)
+        pod_resources = await nursery.start(standins.PodResourcesSimulator(socket_path, kubelet).run)
+        async with trio.open_nursery() as generic_device_plugin:
+            await generic_device_plugin.start(gp.serve_grpc, os.path.join(plugin_dir, "serial.sock"), [service])
+            request = v1beta1.RegisterRequest(version="v1beta1", endpoint="serial.sock", resource_name=resource)
+            await gp.call_unary(kubelet.socket_path, gp.METHODS[gp.REGISTER], request, timeout=TIMEOUT)
+            await kubelet.wait_until(
+                lambda k: k.resources[resource].devices == dict.fromkeys(gdp_ids.values(), "Healthy")
+            )
+            answer = await kubelet.allocate(resource, [gdp_ids[paths[0]]], container=("default", "modem", "app"))
+            assert [d.host_path for d in answer.container_responses[0].devices] == [paths[0]]
+            generic_device_plugin.cancel_scope.cancel()  # its DaemonSet's pod leaves the node
+        await kubelet.wait_until(lambda k: not k.resources[resource].streaming)
+        with logged("held by running pods") as warned:
+            await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "gopherplug.yaml"))
+            await kubelet.wait_until(
+                lambda k: k.resources[resource].devices == dict.fromkeys(["ttyUSB0", "ttyUSB1"], "Healthy")
+            )
+            await warned.wait()
+    # The pod runs on with its device, booked under generic-device-plugin's ID...
+    assert kubelet.pod_devices == {("default", "modem"): {"app": {resource: [gdp_ids[paths[0]]]}}}
+    # ...which is not gopherplug's: to the kubelet, both of gopherplug's devices are free.
+    assert kubelet.available(resource) == ["ttyUSB0", "ttyUSB1"]
+    short = gdp_ids[paths[0]][:12]
+    assert warned.lines == [
+        f"{resource}: 1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
+        f"generic-device-plugin's, or a device gone since): default/modem/app ({short}…: the device ttyUSB0 here); the "
+        "kubelet counts only those IDs as in use and may give the same device to another pod: drain the node, or "
+        "keep new pods of this resource off it, until they end (README: Switching a node from generic-device-plugin)"
+    ]
+    assert pod_resources.calls == ["List"]
+    # The pod ends: the kubelet frees its ID, and nothing of the resource is held any more.
+    kubelet.remove_pod("default", "modem")
+    assert gp.foreign_holds(gp.parse_config(yaml.safe_dump(config)).resources[0], [], pod_resources.pods()) == []
+
+
+def test_foreign_holds_tell_generic_device_plugins_ids_from_unknown_ones():
+    """A held ID that is generic-device-plugin's for a device (a count above 1 too; a device of
+    several entries by its members' paths) is named; ours (a replica's too) is not a foreign hold;
+    any other is held by "a device this plugin cannot tell"."""
+    resource = gp.parse_config(
+        "resources: [{name: squat.ai/fuse, directory: /dev, pattern: fuse, replicas: 2}]"
+    ).resources[0]
+    fuse = gp.DeviceEntry("fuse", "/dev/fuse")
+    pair = gp.DeviceEntry(
+        "C0",
+        "/dev/snd/controlC0",
+        members=(gp.DeviceEntry("C0", "/dev/snd/controlC0"), gp.DeviceEntry("C0", "/dev/snd/pcmC0D0c")),
+    )
+    third = hashlib.sha1(b"3/dev/fuse").hexdigest()
+    both = hashlib.sha1(b"0/dev/snd/controlC0/dev/snd/pcmC0D0c").hexdigest()
+    pod = gp.podresourcespb.PodResources(name="p", namespace="ns")
+    pod.containers.add(
+        name="c",
+        devices=[
+            gp.podresourcespb.ContainerDevices(resource_name=resource.name, device_ids=["fuse::1", third, both, "zz"])
+        ],
+    )
+    other = gp.podresourcespb.PodResources(name="q", namespace="ns")
+    other.containers.add(
+        name="c", devices=[gp.podresourcespb.ContainerDevices(resource_name="squat.ai/x", device_ids=["y"])]
+    )
+    holds = gp.foreign_holds(resource, [fuse, pair], [pod, other])
+    assert [(h.holder.pod, h.kubelet_id, h.device_id) for h in holds] == [
+        ("p", third, "fuse"),
+        ("p", both, "C0"),
+        ("p", "zz", ""),
+    ]
+    assert gp.foreign_holds_report(holds[2:]).startswith(
+        "1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
+        "generic-device-plugin's, or a device gone since): ns/p/c (zz: a device this plugin cannot tell); "
+    )
+
+
 async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
     # A kubelet that accepts Register but never opens ListAndWatch (one that dropped the plugin:
     # resources stuck at 0). Every DevicePlugin call still answers; only the status tells.
