@@ -6740,6 +6740,35 @@ def test_the_manifests_create_no_device_directory_on_the_nodes(manifest):
         assert host_paths[mount["name"]].get("type") == "Directory", (source.directory, host_paths[mount["name"]])
 
 
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+def test_the_manifests_mount_dev_and_sys_recursively_read_only_and_the_cdi_directory_only_where_used(manifest):
+    """/dev and /sys read-only with the mounts beneath them (recursiveReadOnly: IfPossible, which
+    the API server accepts only with readOnly and no propagation). The CDI spec directory is
+    mounted, read-write and made where missing, exactly when a resource of the shipped
+    configuration has `cdi:` (every DRA resource does): the device-plugin example has none, so
+    its DaemonSet creates no /var/run/cdi on the nodes."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / manifest).read_text()) if doc}
+    config = gp.parse_config(docs["ConfigMap"]["data"]["config.yaml"], f"{manifest} ConfigMap")
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    for path in ("/dev", "/sys"):
+        assert mounts[path]["readOnly"] is True and mounts[path]["recursiveReadOnly"] == "IfPossible", path
+        assert mounts[path].get("mountPropagation", "None") == "None", path
+    assert [m for m in mounts.values() if "recursiveReadOnly" in m and not m.get("readOnly")] == []
+    host_paths = {volume["name"]: volume["hostPath"] for volume in pod["volumes"] if "hostPath" in volume}
+    spec_dirs = {resource.cdi.spec_dir for resource in config.resources if resource.cdi is not None}
+    assert spec_dirs == ({"/var/run/cdi"} if manifest == "daemonset-dra.yaml" else set())
+    cdi_mounts = {path for path in mounts if path in spec_dirs or "cdi" in path}
+    assert cdi_mounts == spec_dirs
+    for path in spec_dirs:
+        assert not mounts[path].get("readOnly") and host_paths[mounts[path]["name"]] == {
+            "path": path,
+            "type": "DirectoryOrCreate",
+        }
+    assert [v["path"] for v in host_paths.values() if "cdi" in v["path"]] == sorted(spec_dirs)
+
+
 def test_shipped_files_stand_alone():
     # Users get the repository, not the team's design notes: the product states facts itself or
     # names upstream sources by repository and path.
