@@ -3603,6 +3603,9 @@ def device_holders(
             pool = dra_pool_name(node_name, resource.name)
             by_name.update({(pool, dra_device_name(d.id)): (resource.name, d.id) for d in devices})
     configured = {resource.name: resource for resource, _ in resources}
+    listed = {resource.name: devices for resource, devices in resources}
+    offered = {resource.name: {d.id for d in devices} for resource, devices in resources}
+    others: dict[str, dict[str, str]] = {}  # per resource, generic-device-plugin's ID -> our device's, when needed
     for pod in pods:
         for container in pod.containers:
             where = (pod.namespace, pod.name, container.name)
@@ -3613,7 +3616,18 @@ def device_holders(
                 for kubelet_id in held.device_ids:
                     device_id = plugin.underlying_id(kubelet_id) or kubelet_id
                     share = kubelet_id.rpartition(REPLICA_SEPARATOR)[2] if plugin.replicas > 1 else ""
-                    found[plugin.name, device_id].append(Holder(*where, "device plugin", share))
+                    via = "device plugin"
+                    if device_id not in offered[plugin.name]:
+                        # Held since before a switch from generic-device-plugin, under its ID
+                        # (hold_back_foreign_holds): our device it is, where that can be told.
+                        if plugin.name not in others:
+                            others[plugin.name] = {
+                                gdp_id: d.id for d in listed[plugin.name] for gdp_id in generic_device_plugin_ids(d)
+                            }
+                        if (ours := others[plugin.name].get(kubelet_id)) is not None:
+                            device_id, via = ours, f"device plugin, under another plugin's ID {kubelet_id[:12]}…"
+                            share = ""
+                    found[plugin.name, device_id].append(Holder(*where, via, share))
             for claim in container.dynamic_resources:
                 via = f"claim {claim.claim_namespace}/{claim.claim_name}"
                 for result in claim.claim_resources:
@@ -3652,7 +3666,8 @@ def who_report(held: Iterable[HeldDevice]) -> str:
 # replaces the old one's (genericDeviceUpdateCallback), and devicesToAllocate picks from the
 # healthy IDs minus the IDs in use: a port generic-device-plugin gave a running pod as
 # sha1("0/dev/ttyUSB0") is, to the kubelet, not the `ttyUSB0` gopherplug offers, which it may hand
-# to the next pod. Nothing in the API lets a plugin say "in use"; it can only tell the operator.
+# to the next pod. Nothing in the API lets a plugin say "in use": it can report the device
+# Unhealthy, which the kubelet does not choose, until the pod ends (hold_back_foreign_holds).
 
 #: generic-device-plugin's `count` values tried when recognising its IDs (its default is 1; a
 #: shared device such as /dev/fuse is given a count of 10 or so)
@@ -3700,36 +3715,120 @@ def foreign_holds(resource: ResourceConfig, devices: Iterable[DeviceEntry], pods
     return [ForeignHold(holder, kubelet_id, known.get(kubelet_id, "")) for holder, kubelet_id in found]
 
 
-def foreign_holds_report(holds: Iterable[ForeignHold]) -> str:
-    """One line for the log: who holds what under other IDs, what the kubelet may do, what to do."""
-    holds, named = list(holds), []
+def foreign_holds_report(holds: Iterable[ForeignHold], held_back: bool) -> str:
+    """One line for the log: who holds which device under another ID, and what follows. With
+    ``held_back``, the devices recognised are reported Unhealthy until their pods end."""
+    holds, named, unsafe = list(holds), [], False
     for hold in holds:
-        what = f"the device {hold.device_id} here" if hold.device_id else "a device this plugin cannot tell"
+        who = f"{hold.holder.namespace}/{hold.holder.pod}/{hold.holder.container}"
         short = hold.kubelet_id if len(hold.kubelet_id) <= 16 else f"{hold.kubelet_id[:12]}…"
-        named.append(f"{hold.holder.namespace}/{hold.holder.pod}/{hold.holder.container} ({short}: {what})")
+        if hold.device_id and held_back:
+            named.append(f"{who} holds {hold.device_id} as {short}: Unhealthy here until that pod ends")
+        else:
+            unsafe = True
+            what = f"{hold.device_id}, a share of it" if hold.device_id else "a device this plugin cannot tell"
+            named.append(f"{who} holds {short}, {what}")
+    advice = (
+        ": the kubelet counts only the IDs it gave as in use and may give the same device to another pod: drain "
+        "the node, or keep new pods of this resource off it, until they end"
+        if unsafe
+        else ""
+    )
     return (
-        f"{_devices(len(holds))} held by running pods under IDs this plugin does not offer (another plugin's, "
-        f"such as generic-device-plugin's, or a device gone since): {', '.join(named)}; the kubelet counts only those "
-        "IDs as in use and may give the same device to another pod: drain the node, or keep new pods of this "
-        "resource off it, until they end (README: Switching a node from generic-device-plugin)"
+        f"{_devices(len(holds))} held by running pods under IDs this plugin does not offer (another plugin's, such "
+        f"as generic-device-plugin's, or a device gone since): {'; '.join(named)}{advice} (README: Switching a "
+        "node from generic-device-plugin)"
     )
 
 
-async def warn_of_foreign_holds(resource: ResourceConfig, devices: Watched, socket_path: str) -> None:
-    """Once registered (our list now replaces any other plugin's): ask the kubelet's PodResources
-    which devices of the resource running pods hold under IDs we do not offer, and warn in one
-    line naming them. Quiet where there is no PodResources socket (a plugin embedded without one);
-    a failed call is logged at debug: it is advice, not the plugin's work."""
-    if not os.path.exists(socket_path) or not isinstance(devices.value, dict):
-        return
-    try:
-        pods = await list_pod_resources(socket_path, waiting=_log(resource).debug)
-    except GopherplugError as error:
-        _log(resource).debug("cannot look for devices held under other IDs: %s", error)
-        return
-    holds = foreign_holds(resource, devices.value.values(), pods)
+def held_back(devices: Any, holds: Iterable[ForeignHold]) -> Any:
+    """``devices`` (ID -> DeviceEntry) with each device that ``holds`` name reported Unhealthy, the
+    pods holding it in its problem: the kubelet chooses no unhealthy device for a new pod. The
+    same object when none is held (or ``devices`` is RETIRED)."""
+    if not isinstance(devices, dict):
+        return devices
+    holders: dict[str, list[str]] = {}
+    for hold in holds:
+        if hold.device_id in devices:
+            holders.setdefault(hold.device_id, []).append(f"{hold.holder.namespace}/{hold.holder.pod}")
+    if not holders:
+        return devices
+    kept = dict(devices)
+    for device_id, pods in holders.items():
+        problem = f"held by pod {', '.join(dict.fromkeys(pods))} under another plugin's ID, until that pod ends"
+        kept[device_id] = dataclasses.replace(devices[device_id], health=UNHEALTHY, problem=problem)
+    return kept
+
+
+#: While running pods hold devices under other IDs, PodResources is asked again this often: a
+#: device held back is offered again at most this long after its pod has ended.
+FOREIGN_HOLDS_POLL = 10.0
+#: How long serve waits for PodResources' answer before it registers a resource: the kubelet
+#: answers in milliseconds; a kubelet that does not is not allowed to hold the registration up.
+FOREIGN_HOLDS_PATIENCE = 5.0
+
+
+async def _pods_holding(resource: ResourceConfig, socket_path: str) -> list[Any] | None:
+    """PodResources' pods, or None where it cannot tell (no socket: a plugin embedded without a
+    kubelet's; an error or no answer in FOREIGN_HOLDS_PATIENCE, logged at debug: advice only)."""
+    if not os.path.exists(socket_path):
+        return None
+    with trio.move_on_after(FOREIGN_HOLDS_PATIENCE):
+        try:
+            return await list_pod_resources(socket_path, waiting=_log(resource).debug)
+        except GopherplugError as error:
+            _log(resource).debug("cannot look for devices held under other IDs: %s", error)
+            return None
+    _log(resource).debug("cannot look for devices held under other IDs: PodResources did not answer")
+    return None
+
+
+async def hold_back_foreign_holds(
+    resource: ResourceConfig,
+    devices: Watched,
+    socket_path: str,
+    *,
+    task_status: trio.TaskStatus[Watched] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Before a resource registers: the devices to offer the kubelet, started() with ``devices``
+    itself when no running pod holds one of them under another ID (the common case: then this
+    returns), else with a Watched that follows ``devices`` with each held device reported
+    Unhealthy (held_back) until PodResources, asked every FOREIGN_HOLDS_POLL seconds, shows its
+    pod gone. Logs one warning line naming the holds (foreign_holds_report) and a line per device
+    offered again.
+
+    A shared resource (replicas) holds nothing back: the other pod has one share of the device,
+    and every share the kubelet gives is a share of it too.
+    """
+    pods = await _pods_holding(resource, socket_path)
+    holds = foreign_holds(resource, devices.value.values(), pods) if pods and isinstance(devices.value, dict) else []
+    shared = resource.replicas > 1
     if holds:
-        _log(resource).warning("%s", foreign_holds_report(holds))
+        _log(resource).warning("%s", foreign_holds_report(holds, held_back=not shared))
+    if not holds or shared:
+        task_status.started(devices)
+        return
+    offered = Watched(held_back(devices.value, holds))
+    task_status.started(offered)
+    deadline = trio.current_time() + FOREIGN_HOLDS_POLL
+    while True:
+        touched = devices.next_touch()
+        with trio.move_on_at(deadline if holds else math.inf):
+            await touched.wait()
+        if devices.value is RETIRED:
+            offered.replace(RETIRED)
+            return
+        if holds and trio.current_time() >= deadline:
+            pods = await _pods_holding(resource, socket_path)
+            if pods is not None:  # when it cannot tell, the devices stay held back
+                before = {hold.device_id for hold in holds if hold.device_id}
+                holds = foreign_holds(resource, devices.value.values(), pods)
+                for device_id in sorted(before - {hold.device_id for hold in holds}):
+                    _log(resource).info(
+                        "%s: the pod holding it under another plugin's ID has ended: offered", device_id
+                    )
+            deadline = trio.current_time() + FOREIGN_HOLDS_POLL
+        offered.replace(held_back(devices.value, holds))  # every touch passes on, as the streams wait on it
 
 
 ########################################################################################################
@@ -7975,16 +8074,23 @@ async def serve_resource(
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
 
     status = StreamStatus()
-
-    def services(ending: trio.Event) -> list[purerpc.Service]:
-        plugin = device_plugin_service(
-            resource, devices, shape_allocation, encoder, ending, examine, status, config=config
-        )
-        return [plugin, status_service(functools.partial(status.message, resource.name))]
-
     lock = ResourceLock(resource.name, directory)
+    # A node switched from another plugin (generic-device-plugin) may have running pods holding
+    # our devices under its IDs: those are offered Unhealthy until the pods end, from the first
+    # list the kubelet gets (hold_back_foreign_holds). Usually ``offered`` is ``devices`` itself.
+    pod_resources = os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
     try:
-        await _serve_generations(resource, devices, kubelet, lock, services, status, generations, task_status)
+        async with trio.open_nursery() as holding:
+            offered = await holding.start(hold_back_foreign_holds, resource, devices, pod_resources)
+
+            def services(ending: trio.Event) -> list[purerpc.Service]:
+                plugin = device_plugin_service(
+                    resource, offered, shape_allocation, encoder, ending, examine, status, config=config
+                )
+                return [plugin, status_service(functools.partial(status.message, resource.name))]
+
+            await _serve_generations(resource, offered, kubelet, lock, services, status, generations, task_status)
+            holding.cancel_scope.cancel()
     finally:
         lock.release()
 
@@ -8000,7 +8106,6 @@ async def _serve_generations(
     task_status: trio.TaskStatus[None],
 ) -> None:
     directory = kubelet.device_plugin_dir
-    looked = False  # for devices held under other IDs (warn_of_foreign_holds): once, at the first registration
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
@@ -8039,12 +8144,6 @@ async def _serve_generations(
                 return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
-                if not looked:
-                    # Our list has replaced any other plugin's for this name: a node switched from
-                    # generic-device-plugin may have pods holding our devices under its IDs.
-                    looked = True
-                    pod_resources = os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
-                    nursery.start_soon(warn_of_foreign_holds, resource, devices, pod_resources)
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
                 while kubelet.generation == registered_with and server.owns_socket_file():

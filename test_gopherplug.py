@@ -5676,13 +5676,17 @@ def generic_device_plugin_service(paths):
     return ids, service
 
 
-async def test_a_node_switched_from_generic_device_plugin_keeps_the_pods_device_and_names_it(nursery, sockdir):
+async def test_a_node_switched_from_generic_device_plugin_holds_the_pods_device_back_until_it_ends(
+    nursery, sockdir, monkeypatch
+):
     """README, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
     generic-device-plugin under its hashed ID; generic-device-plugin stops, gopherplug starts for
     the same resource name. As the kubelet does, the stand-in keeps the pod's allocation (its
-    podDevices) and lists gopherplug's devices in place of the old ones; it chooses the next pod's
-    device by ID alone, so ttyUSB0 is "available" again. gopherplug cannot tell the kubelet
-    otherwise: it asks PodResources and says, in one line, which pod holds which of its devices."""
+    podDevices) and lists gopherplug's devices in place of the old ones, and chooses the next
+    pod's device by ID alone: ttyUSB0 would be free to it. gopherplug, told by PodResources before
+    it registers, offers ttyUSB0 Unhealthy from its first list, says so in one line, and offers it
+    again once the pod has ended."""
+    monkeypatch.setattr(gp, "FOREIGN_HOLDS_POLL", 0.05)  # PodResources asked again every 50 ms, not 10 s
     resource = "squat.ai/serial"
     kubelet_dir = os.path.join(sockdir, "kubelet")
     plugin_dir, devices = os.path.join(kubelet_dir, "device-plugins"), os.path.join(sockdir, "dev")
@@ -5696,6 +5700,7 @@ async def test_a_node_switched_from_generic_device_plugin_keeps_the_pods_device_
         "device_plugin_dir": plugin_dir,
         "resources": [{"name": resource, "directory": devices, "pattern": "ttyUSB*"}],
     }
+    lists = []  # every device list the kubelet got from gopherplug, in order
     with trio.fail_after(TIMEOUT):
         kubelet = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
         socket_path = os.path.join(kubelet_dir, gp.POD_RESOURCES_SOCKET)
@@ -5711,27 +5716,54 @@ async def test_a_node_switched_from_generic_device_plugin_keeps_the_pods_device_
             assert [d.host_path for d in answer.container_responses[0].devices] == [paths[0]]
             generic_device_plugin.cancel_scope.cancel()  # its DaemonSet's pod leaves the node
         await kubelet.wait_until(lambda k: not k.resources[resource].streaming)
-        with logged("held by running pods") as warned:
+        assert kubelet.available(resource) == []  # every old ID unhealthy: nothing to choose from
+
+        def seen(k):
+            """Records each new list of gopherplug's; true once one offers ttyUSB0 healthy."""
+            current = k.resources[resource]
+            if current.endpoint != "serial.sock" and current.updates and (not lists or lists[-1] != current.devices):
+                lists.append(dict(current.devices))
+            return bool(lists) and lists[-1].get("ttyUSB0") == "Healthy"
+
+        recorded = trio.Event()
+
+        async def record():
+            await kubelet.wait_until(seen)
+            recorded.set()
+
+        nursery.start_soon(record)
+        with logged("held by running pods") as warned, logged("offered") as offered:
             await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "gopherplug.yaml"))
-            await kubelet.wait_until(
-                lambda k: k.resources[resource].devices == dict.fromkeys(["ttyUSB0", "ttyUSB1"], "Healthy")
+            await kubelet.wait_until(lambda k: k.resources[resource].devices.get("ttyUSB1") == "Healthy")
+            # The pod runs on with its device, booked under generic-device-plugin's ID; gopherplug
+            # reports ttyUSB0 Unhealthy, so the kubelet cannot choose it for another pod.
+            assert kubelet.pod_devices == {("default", "modem"): {"app": {resource: [gdp_ids[paths[0]]]}}}
+            assert kubelet.resources[resource].devices == {"ttyUSB0": "Unhealthy", "ttyUSB1": "Healthy"}
+            assert kubelet.available(resource) == ["ttyUSB1"]
+            # `who` tells it too: ttyUSB0 is the modem pod's, under generic-device-plugin's ID.
+            configured = gp.parse_config(yaml.safe_dump(config)).resources[0]
+            [usb0, usb1] = gp.device_holders(
+                [(configured, gp.scan_directory(configured).devices)], pod_resources.pods()
             )
-            await warned.wait()
-    # The pod runs on with its device, booked under generic-device-plugin's ID...
-    assert kubelet.pod_devices == {("default", "modem"): {"app": {resource: [gdp_ids[paths[0]]]}}}
-    # ...which is not gopherplug's: to the kubelet, both of gopherplug's devices are free.
+            assert [(h.pod, h.via, h.share) for h in usb0.holders] == [
+                ("modem", f"device plugin, under another plugin's ID {gdp_ids[paths[0]][:12]}…", "")
+            ]
+            assert usb1.holders == ()
+            # The pod ends: the kubelet frees its ID, and gopherplug offers ttyUSB0 again.
+            kubelet.remove_pod("default", "modem")
+            await recorded.wait()
+            await offered.wait()
     assert kubelet.available(resource) == ["ttyUSB0", "ttyUSB1"]
+    # Never offered healthy while the pod held it: from the first list the kubelet got.
+    assert lists == [{"ttyUSB0": "Unhealthy", "ttyUSB1": "Healthy"}, {"ttyUSB0": "Healthy", "ttyUSB1": "Healthy"}]
     short = gdp_ids[paths[0]][:12]
     assert warned.lines == [
         f"{resource}: 1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
-        f"generic-device-plugin's, or a device gone since): default/modem/app ({short}…: the device ttyUSB0 here); the "
-        "kubelet counts only those IDs as in use and may give the same device to another pod: drain the node, or "
-        "keep new pods of this resource off it, until they end (README: Switching a node from generic-device-plugin)"
+        f"generic-device-plugin's, or a device gone since): default/modem/app holds ttyUSB0 as {short}…: Unhealthy "
+        "here until that pod ends (README: Switching a node from generic-device-plugin)"
     ]
-    assert pod_resources.calls == ["List"]
-    # The pod ends: the kubelet frees its ID, and nothing of the resource is held any more.
-    kubelet.remove_pod("default", "modem")
-    assert gp.foreign_holds(gp.parse_config(yaml.safe_dump(config)).resources[0], [], pod_resources.pods()) == []
+    assert offered.lines[-1] == f"{resource}: ttyUSB0: the pod holding it under another plugin's ID has ended: offered"
+    assert pod_resources.calls[0] == "List" and set(pod_resources.calls) == {"List"}
 
 
 def test_foreign_holds_tell_generic_device_plugins_ids_from_unknown_ones():
@@ -5766,10 +5798,24 @@ def test_foreign_holds_tell_generic_device_plugins_ids_from_unknown_ones():
         ("p", both, "C0"),
         ("p", "zz", ""),
     ]
-    assert gp.foreign_holds_report(holds[2:]).startswith(
-        "1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
-        "generic-device-plugin's, or a device gone since): ns/p/c (zz: a device this plugin cannot tell); "
+    # A shared resource holds nothing back (each pod has a share); an ID it cannot tell, neither:
+    # both are named, with what the kubelet may do and what to do.
+    assert gp.foreign_holds_report(holds, held_back=False) == (
+        f"3 devices held by running pods under IDs this plugin does not offer (another plugin's, such as "
+        f"generic-device-plugin's, or a device gone since): ns/p/c holds {third[:12]}…, fuse, a share of it; "
+        f"ns/p/c holds {both[:12]}…, C0, a share of it; ns/p/c holds zz, a device this plugin cannot tell: the "
+        "kubelet counts only the IDs it gave as in use and may give the same device to another pod: drain the node, "
+        "or keep new pods of this resource off it, until they end (README: Switching a node from "
+        "generic-device-plugin)"
     )
+    kept = gp.held_back({"fuse": fuse, "C0": pair}, holds)
+    assert (kept["fuse"].health, kept["fuse"].problem) == (
+        gp.UNHEALTHY,
+        "held by pod ns/p under another plugin's ID, until that pod ends",
+    )
+    assert kept["C0"].health == gp.UNHEALTHY and kept["C0"].members == pair.members
+    nothing = {"fuse": fuse}
+    assert gp.held_back(nothing, holds[2:]) is nothing and gp.held_back(gp.RETIRED, holds) is gp.RETIRED
 
 
 async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
