@@ -3605,6 +3605,9 @@ def device_holders(
             pool = dra_pool_name(node_name, resource.name)
             by_name.update({(pool, dra_device_name(d.id)): (resource.name, d.id) for d in devices})
     configured = {resource.name: resource for resource, _ in resources}
+    listed = {resource.name: devices for resource, devices in resources}
+    offered = {resource.name: {d.id for d in devices} for resource, devices in resources}
+    others: dict[str, dict[str, str]] = {}  # per resource, generic-device-plugin's ID -> our device's, when needed
     for pod in pods:
         for container in pod.containers:
             where = (pod.namespace, pod.name, container.name)
@@ -3615,7 +3618,18 @@ def device_holders(
                 for kubelet_id in held.device_ids:
                     device_id = plugin.underlying_id(kubelet_id) or kubelet_id
                     share = kubelet_id.rpartition(REPLICA_SEPARATOR)[2] if plugin.replicas > 1 else ""
-                    found[plugin.name, device_id].append(Holder(*where, "device plugin", share))
+                    via = "device plugin"
+                    if device_id not in offered[plugin.name]:
+                        # Held since before a switch from generic-device-plugin, under its ID
+                        # (hold_back_foreign_holds): our device it is, where that can be told.
+                        if plugin.name not in others:
+                            others[plugin.name] = {
+                                gdp_id: d.id for d in listed[plugin.name] for gdp_id in generic_device_plugin_ids(d)
+                            }
+                        if (ours := others[plugin.name].get(kubelet_id)) is not None:
+                            device_id, via = ours, f"device plugin, under another plugin's ID {kubelet_id[:12]}…"
+                            share = ""
+                    found[plugin.name, device_id].append(Holder(*where, via, share))
             for claim in container.dynamic_resources:
                 via = f"claim {claim.claim_namespace}/{claim.claim_name}"
                 for result in claim.claim_resources:
@@ -3642,6 +3656,181 @@ def who_report(held: Iterable[HeldDevice]) -> str:
         ]
         lines.append(f"{device.resource} {device.device_id} {device.path}: {health}: {', '.join(holders) or 'free'}")
     return "\n".join(lines)
+
+
+# Devices held under another plugin's IDs: a node switched from generic-device-plugin.
+#
+# The kubelet's device manager keeps one plugin per resource name (ManagerImpl.PluginConnected in
+# kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go sets endpoints[resourceName]: a
+# later registration replaces the earlier), and it knows devices by ID alone. The pods a previous
+# plugin served keep their allocation (podDevices, saved in kubelet_internal_checkpoint): their
+# containers run on, and the IDs stay "in use" until the pod ends. But a new plugin's list
+# replaces the old one's (genericDeviceUpdateCallback), and devicesToAllocate picks from the
+# healthy IDs minus the IDs in use: a port generic-device-plugin gave a running pod as
+# sha1("0/dev/ttyUSB0") is, to the kubelet, not the `ttyUSB0` gopherplug offers, which it may hand
+# to the next pod. Nothing in the API lets a plugin say "in use": it can report the device
+# Unhealthy, which the kubelet does not choose, until the pod ends (hold_back_foreign_holds).
+
+#: generic-device-plugin's `count` values tried when recognising its IDs (its default is 1; a
+#: shared device such as /dev/fuse is given a count of 10 or so)
+GENERIC_DEVICE_PLUGIN_COUNTS = 128
+
+
+def generic_device_plugin_ids(device: DeviceEntry, counts: int = GENERIC_DEVICE_PLUGIN_COUNTS) -> set[str]:
+    """The IDs generic-device-plugin gives the same device node(s): for a `paths` group, the
+    hexadecimal SHA-1 of the copy's number (0 up to the group's count) followed by each path the
+    group matched, in the group's order (discoverPath in squat/generic-device-plugin
+    deviceplugin/path.go). A device of several entries is tried with its members in gopherplug's
+    order, which is the group's when its paths are listed in that order. A `usb` group's IDs are
+    made otherwise and are not recognised."""
+    paths = "".join(member.path for member in device.members or (device,)).encode()
+    return {hashlib.sha1(str(copy).encode() + paths, usedforsecurity=False).hexdigest() for copy in range(counts)}
+
+
+@dataclass(frozen=True)
+class ForeignHold:
+    """A device of a resource a running container holds under an ID this plugin does not offer."""
+
+    holder: Holder
+    kubelet_id: str  #: the ID the kubelet booked it under
+    device_id: str  #: this plugin's device it is (recognised as generic-device-plugin's ID); "" unknown
+
+
+def foreign_holds(resource: ResourceConfig, devices: Iterable[DeviceEntry], pods: Iterable[Any]) -> list[ForeignHold]:
+    """The containers of PodResources' ``pods`` holding a device of ``resource`` (a device-plugin
+    resource) under an ID none of ``devices`` is offered under: another plugin's, or a device gone
+    since; each with the device it is, where its ID is generic-device-plugin's for one of them."""
+    devices = list(devices)
+    offered = {device.id for device in devices}
+    found: list[tuple[Holder, str]] = []
+    for pod in pods:
+        for container in pod.containers:
+            for held in container.devices:
+                if held.resource_name != resource.name:
+                    continue
+                for kubelet_id in held.device_ids:
+                    if resource.underlying_id(kubelet_id) not in offered:
+                        found.append((Holder(pod.namespace, pod.name, container.name, "device plugin"), kubelet_id))
+    if not found:
+        return []  # the common case: no hash computed
+    known = {gdp_id: device.id for device in devices for gdp_id in generic_device_plugin_ids(device)}
+    return [ForeignHold(holder, kubelet_id, known.get(kubelet_id, "")) for holder, kubelet_id in found]
+
+
+def foreign_holds_report(holds: Iterable[ForeignHold], held_back: bool) -> str:
+    """One line for the log: who holds which device under another ID, and what follows. With
+    ``held_back``, the devices recognised are reported Unhealthy until their pods end."""
+    holds, named, unsafe = list(holds), [], False
+    for hold in holds:
+        who = f"{hold.holder.namespace}/{hold.holder.pod}/{hold.holder.container}"
+        short = hold.kubelet_id if len(hold.kubelet_id) <= 16 else f"{hold.kubelet_id[:12]}…"
+        if hold.device_id and held_back:
+            named.append(f"{who} holds {hold.device_id} as {short}: Unhealthy here until that pod ends")
+        else:
+            unsafe = True
+            what = f"{hold.device_id}, a share of it" if hold.device_id else "a device this plugin cannot tell"
+            named.append(f"{who} holds {short}, {what}")
+    advice = (
+        ": the kubelet counts only the IDs it gave as in use and may give the same device to another pod: drain "
+        "the node, or keep new pods of this resource off it, until they end"
+        if unsafe
+        else ""
+    )
+    return (
+        f"{_devices(len(holds))} held by running pods under IDs this plugin does not offer (another plugin's, such "
+        f"as generic-device-plugin's, or a device gone since): {'; '.join(named)}{advice} (README: Switching a "
+        "node from generic-device-plugin)"
+    )
+
+
+def held_back(devices: Any, holds: Iterable[ForeignHold]) -> Any:
+    """``devices`` (ID -> DeviceEntry) with each device that ``holds`` name reported Unhealthy, the
+    pods holding it in its problem: the kubelet chooses no unhealthy device for a new pod. The
+    same object when none is held (or ``devices`` is RETIRED)."""
+    if not isinstance(devices, dict):
+        return devices
+    holders: dict[str, list[str]] = {}
+    for hold in holds:
+        if hold.device_id in devices:
+            holders.setdefault(hold.device_id, []).append(f"{hold.holder.namespace}/{hold.holder.pod}")
+    if not holders:
+        return devices
+    kept = dict(devices)
+    for device_id, pods in holders.items():
+        problem = f"held by pod {', '.join(dict.fromkeys(pods))} under another plugin's ID, until that pod ends"
+        kept[device_id] = dataclasses.replace(devices[device_id], health=UNHEALTHY, problem=problem)
+    return kept
+
+
+#: While running pods hold devices under other IDs, PodResources is asked again this often: a
+#: device held back is offered again at most this long after its pod has ended.
+FOREIGN_HOLDS_POLL = 10.0
+#: How long serve waits for PodResources' answer before it registers a resource: the kubelet
+#: answers in milliseconds; a kubelet that does not is not allowed to hold the registration up.
+FOREIGN_HOLDS_PATIENCE = 5.0
+
+
+async def _pods_holding(resource: ResourceConfig, socket_path: str) -> list[Any] | None:
+    """PodResources' pods, or None where it cannot tell (no socket: a plugin embedded without a
+    kubelet's; an error or no answer in FOREIGN_HOLDS_PATIENCE, logged at debug: advice only)."""
+    if not os.path.exists(socket_path):
+        return None
+    with trio.move_on_after(FOREIGN_HOLDS_PATIENCE):
+        try:
+            return await list_pod_resources(socket_path, waiting=_log(resource).debug)
+        except GopherplugError as error:
+            _log(resource).debug("cannot look for devices held under other IDs: %s", error)
+            return None
+    _log(resource).debug("cannot look for devices held under other IDs: PodResources did not answer")
+    return None
+
+
+async def hold_back_foreign_holds(
+    resource: ResourceConfig,
+    devices: Watched,
+    socket_path: str,
+    *,
+    task_status: trio.TaskStatus[Watched] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Before a resource registers: the devices to offer the kubelet, started() with ``devices``
+    itself when no running pod holds one of them under another ID (the common case: then this
+    returns), else with a Watched that follows ``devices`` with each held device reported
+    Unhealthy (held_back) until PodResources, asked every FOREIGN_HOLDS_POLL seconds, shows its
+    pod gone. Logs one warning line naming the holds (foreign_holds_report) and a line per device
+    offered again.
+
+    A shared resource (replicas) holds nothing back: the other pod has one share of the device,
+    and every share the kubelet gives is a share of it too.
+    """
+    pods = await _pods_holding(resource, socket_path)
+    holds = foreign_holds(resource, devices.value.values(), pods) if pods and isinstance(devices.value, dict) else []
+    shared = resource.replicas > 1
+    if holds:
+        _log(resource).warning("%s", foreign_holds_report(holds, held_back=not shared))
+    if not holds or shared:
+        task_status.started(devices)
+        return
+    offered = Watched(held_back(devices.value, holds))
+    task_status.started(offered)
+    deadline = trio.current_time() + FOREIGN_HOLDS_POLL
+    while True:
+        touched = devices.next_touch()
+        with trio.move_on_at(deadline if holds else math.inf):
+            await touched.wait()
+        if devices.value is RETIRED:
+            offered.replace(RETIRED)
+            return
+        if holds and trio.current_time() >= deadline:
+            pods = await _pods_holding(resource, socket_path)
+            if pods is not None:  # when it cannot tell, the devices stay held back
+                before = {hold.device_id for hold in holds if hold.device_id}
+                holds = foreign_holds(resource, devices.value.values(), pods)
+                for device_id in sorted(before - {hold.device_id for hold in holds}):
+                    _log(resource).info(
+                        "%s: the pod holding it under another plugin's ID has ended: offered", device_id
+                    )
+            deadline = trio.current_time() + FOREIGN_HOLDS_POLL
+        offered.replace(held_back(devices.value, holds))  # every touch passes on, as the streams wait on it
 
 
 ########################################################################################################
@@ -8004,16 +8193,23 @@ async def serve_resource(
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
 
     status = StreamStatus()
-
-    def services(ending: trio.Event) -> list[purerpc.Service]:
-        plugin = device_plugin_service(
-            resource, devices, shape_allocation, encoder, ending, examine, status, config=config
-        )
-        return [plugin, status_service(functools.partial(status.message, resource.name))]
-
     lock = ResourceLock(resource.name, directory)
+    # A node switched from another plugin (generic-device-plugin) may have running pods holding
+    # our devices under its IDs: those are offered Unhealthy until the pods end, from the first
+    # list the kubelet gets (hold_back_foreign_holds). Usually ``offered`` is ``devices`` itself.
+    pod_resources = os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
     try:
-        await _serve_generations(resource, devices, kubelet, lock, services, status, generations, task_status)
+        async with trio.open_nursery() as holding:
+            offered = await holding.start(hold_back_foreign_holds, resource, devices, pod_resources)
+
+            def services(ending: trio.Event) -> list[purerpc.Service]:
+                plugin = device_plugin_service(
+                    resource, offered, shape_allocation, encoder, ending, examine, status, config=config
+                )
+                return [plugin, status_service(functools.partial(status.message, resource.name))]
+
+            await _serve_generations(resource, offered, kubelet, lock, services, status, generations, task_status)
+            holding.cancel_scope.cancel()
     finally:
         lock.release()
 
@@ -9054,6 +9250,21 @@ class KubeletSimulator:
         """A pod that ended: the device manager frees its devices (no plugin call)."""
         self.pod_devices.pop((namespace, pod), None)
         self._changed.touch()
+
+    def available(self, resource_name: str) -> list[str]:
+        """The device IDs the kubelet would choose from for the next pod: the resource's healthy
+        devices less every ID a pod holds (devicesToAllocate in kubernetes/kubernetes
+        pkg/kubelet/cm/devicemanager/manager.go). By ID alone: a device a pod got from another
+        plugin under another ID is "available" here, as it is to the kubelet."""
+        resource = self.resources.get(resource_name)
+        in_use = {
+            device_id
+            for containers in self.pod_devices.values()
+            for held in containers.values()
+            for device_id in held.get(resource_name, ())
+        }
+        healthy = (d for d, health in (resource.devices.items() if resource else ()) if health == HEALTHY)
+        return sorted(d for d in healthy if d not in in_use)
 
     def _admit(self, resource_name: str) -> None:
         # The device manager's checks before it asks the plugin (devicesToAllocate in

@@ -5648,6 +5648,176 @@ def test_who_finds_the_kubelets_socket_in_its_root_directory():
     assert gp.pod_resources_socket(dra) == "/var/lib/k0s/kubelet/pod-resources/kubelet.sock"
 
 
+def generic_device_plugin_service(paths):
+    """A stand-in for generic-device-plugin serving one `paths` group of ``paths`` (count 1): each
+    device's ID is its sha1 of "0" and the path (squat/generic-device-plugin deviceplugin/path.go),
+    Allocate gives the path as a DeviceSpec. Returns the IDs by path and the service."""
+    ids = {path: hashlib.sha1(f"0{path}".encode()).hexdigest() for path in paths}
+
+    async def get_options(empty):
+        return v1beta1.DevicePluginOptions()
+
+    async def list_and_watch(empty):
+        yield v1beta1.ListAndWatchResponse(devices=[v1beta1.Device(ID=i, health=gp.HEALTHY) for i in ids.values()])
+        await trio.sleep_forever()
+
+    async def allocate(request):
+        by_id = {i: path for path, i in ids.items()}
+        specs = [
+            v1beta1.DeviceSpec(host_path=by_id[i], container_path=by_id[i], permissions="mrw")
+            for c in request.container_requests
+            for i in c.devices_ids
+        ]
+        return v1beta1.AllocateResponse(container_responses=[v1beta1.ContainerAllocateResponse(devices=specs)])
+
+    service = purerpc.Service("v1beta1.DevicePlugin")
+    for name, fn in [("GetDevicePluginOptions", get_options), ("ListAndWatch", list_and_watch), ("Allocate", allocate)]:
+        service.add_method(name, fn, gp.METHODS[f"/v1beta1.DevicePlugin/{name}"].signature)
+    return ids, service
+
+
+async def test_a_node_switched_from_generic_device_plugin_holds_the_pods_device_back_until_it_ends(
+    nursery, sockdir, monkeypatch
+):
+    """README, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
+    generic-device-plugin under its hashed ID; generic-device-plugin stops, gopherplug starts for
+    the same resource name. As the kubelet does, the stand-in keeps the pod's allocation (its
+    podDevices) and lists gopherplug's devices in place of the old ones, and chooses the next
+    pod's device by ID alone: ttyUSB0 would be free to it. gopherplug, told by PodResources before
+    it registers, offers ttyUSB0 Unhealthy from its first list, says so in one line, and offers it
+    again once the pod has ended."""
+    monkeypatch.setattr(gp, "FOREIGN_HOLDS_POLL", 0.05)  # PodResources asked again every 50 ms, not 10 s
+    resource = "squat.ai/serial"
+    kubelet_dir = os.path.join(sockdir, "kubelet")
+    plugin_dir, devices = os.path.join(kubelet_dir, "device-plugins"), os.path.join(sockdir, "dev")
+    os.makedirs(plugin_dir)
+    os.mkdir(devices)
+    paths = [os.path.join(devices, name) for name in ("ttyUSB0", "ttyUSB1")]
+    for path in paths:
+        Path(path).touch()
+    gdp_ids, service = generic_device_plugin_service(paths)
+    config = {
+        "device_plugin_dir": plugin_dir,
+        "resources": [{"name": resource, "directory": devices, "pattern": "ttyUSB*"}],
+    }
+    lists = []  # every device list the kubelet got from gopherplug, in order
+    with trio.fail_after(TIMEOUT):
+        kubelet = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        socket_path = os.path.join(kubelet_dir, gp.POD_RESOURCES_SOCKET)
+        pod_resources = await nursery.start(standins.PodResourcesSimulator(socket_path, kubelet).run)
+        async with trio.open_nursery() as generic_device_plugin:
+            await generic_device_plugin.start(gp.serve_grpc, os.path.join(plugin_dir, "serial.sock"), [service])
+            request = v1beta1.RegisterRequest(version="v1beta1", endpoint="serial.sock", resource_name=resource)
+            await gp.call_unary(kubelet.socket_path, gp.METHODS[gp.REGISTER], request, timeout=TIMEOUT)
+            await kubelet.wait_until(
+                lambda k: k.resources[resource].devices == dict.fromkeys(gdp_ids.values(), "Healthy")
+            )
+            answer = await kubelet.allocate(resource, [gdp_ids[paths[0]]], container=("default", "modem", "app"))
+            assert [d.host_path for d in answer.container_responses[0].devices] == [paths[0]]
+            generic_device_plugin.cancel_scope.cancel()  # its DaemonSet's pod leaves the node
+        await kubelet.wait_until(lambda k: not k.resources[resource].streaming)
+        assert kubelet.available(resource) == []  # every old ID unhealthy: nothing to choose from
+
+        def seen(k):
+            """Records each new list of gopherplug's; true once one offers ttyUSB0 healthy."""
+            current = k.resources[resource]
+            if current.endpoint != "serial.sock" and current.updates and (not lists or lists[-1] != current.devices):
+                lists.append(dict(current.devices))
+            return bool(lists) and lists[-1].get("ttyUSB0") == "Healthy"
+
+        recorded = trio.Event()
+
+        async def record():
+            await kubelet.wait_until(seen)
+            recorded.set()
+
+        nursery.start_soon(record)
+        with logged("held by running pods") as warned, logged("offered") as offered:
+            await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "gopherplug.yaml"))
+            await kubelet.wait_until(lambda k: k.resources[resource].devices.get("ttyUSB1") == "Healthy")
+            # The pod runs on with its device, booked under generic-device-plugin's ID; gopherplug
+            # reports ttyUSB0 Unhealthy, so the kubelet cannot choose it for another pod.
+            assert kubelet.pod_devices == {("default", "modem"): {"app": {resource: [gdp_ids[paths[0]]]}}}
+            assert kubelet.resources[resource].devices == {"ttyUSB0": "Unhealthy", "ttyUSB1": "Healthy"}
+            assert kubelet.available(resource) == ["ttyUSB1"]
+            # `who` tells it too: ttyUSB0 is the modem pod's, under generic-device-plugin's ID.
+            configured = gp.parse_config(yaml.safe_dump(config)).resources[0]
+            [usb0, usb1] = gp.device_holders(
+                [(configured, gp.scan_directory(configured).devices)], pod_resources.pods()
+            )
+            assert [(h.pod, h.via, h.share) for h in usb0.holders] == [
+                ("modem", f"device plugin, under another plugin's ID {gdp_ids[paths[0]][:12]}…", "")
+            ]
+            assert usb1.holders == ()
+            # The pod ends: the kubelet frees its ID, and gopherplug offers ttyUSB0 again.
+            kubelet.remove_pod("default", "modem")
+            await recorded.wait()
+            await offered.wait()
+    assert kubelet.available(resource) == ["ttyUSB0", "ttyUSB1"]
+    # Never offered healthy while the pod held it: from the first list the kubelet got.
+    assert lists == [{"ttyUSB0": "Unhealthy", "ttyUSB1": "Healthy"}, {"ttyUSB0": "Healthy", "ttyUSB1": "Healthy"}]
+    short = gdp_ids[paths[0]][:12]
+    assert warned.lines == [
+        f"{resource}: 1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
+        f"generic-device-plugin's, or a device gone since): default/modem/app holds ttyUSB0 as {short}…: Unhealthy "
+        "here until that pod ends (README: Switching a node from generic-device-plugin)"
+    ]
+    assert offered.lines[-1] == f"{resource}: ttyUSB0: the pod holding it under another plugin's ID has ended: offered"
+    assert pod_resources.calls[0] == "List" and set(pod_resources.calls) == {"List"}
+
+
+def test_foreign_holds_tell_generic_device_plugins_ids_from_unknown_ones():
+    """A held ID that is generic-device-plugin's for a device (a count above 1 too; a device of
+    several entries by its members' paths) is named; ours (a replica's too) is not a foreign hold;
+    any other is held by "a device this plugin cannot tell"."""
+    resource = gp.parse_config(
+        "resources: [{name: squat.ai/fuse, directory: /dev, pattern: fuse, replicas: 2}]"
+    ).resources[0]
+    fuse = gp.DeviceEntry("fuse", "/dev/fuse")
+    pair = gp.DeviceEntry(
+        "C0",
+        "/dev/snd/controlC0",
+        members=(gp.DeviceEntry("C0", "/dev/snd/controlC0"), gp.DeviceEntry("C0", "/dev/snd/pcmC0D0c")),
+    )
+    third = hashlib.sha1(b"3/dev/fuse").hexdigest()
+    both = hashlib.sha1(b"0/dev/snd/controlC0/dev/snd/pcmC0D0c").hexdigest()
+    pod = gp.podresourcespb.PodResources(name="p", namespace="ns")
+    pod.containers.add(
+        name="c",
+        devices=[
+            gp.podresourcespb.ContainerDevices(resource_name=resource.name, device_ids=["fuse::1", third, both, "zz"])
+        ],
+    )
+    other = gp.podresourcespb.PodResources(name="q", namespace="ns")
+    other.containers.add(
+        name="c", devices=[gp.podresourcespb.ContainerDevices(resource_name="squat.ai/x", device_ids=["y"])]
+    )
+    holds = gp.foreign_holds(resource, [fuse, pair], [pod, other])
+    assert [(h.holder.pod, h.kubelet_id, h.device_id) for h in holds] == [
+        ("p", third, "fuse"),
+        ("p", both, "C0"),
+        ("p", "zz", ""),
+    ]
+    # A shared resource holds nothing back (each pod has a share); an ID it cannot tell, neither:
+    # both are named, with what the kubelet may do and what to do.
+    assert gp.foreign_holds_report(holds, held_back=False) == (
+        f"3 devices held by running pods under IDs this plugin does not offer (another plugin's, such as "
+        f"generic-device-plugin's, or a device gone since): ns/p/c holds {third[:12]}…, fuse, a share of it; "
+        f"ns/p/c holds {both[:12]}…, C0, a share of it; ns/p/c holds zz, a device this plugin cannot tell: the "
+        "kubelet counts only the IDs it gave as in use and may give the same device to another pod: drain the node, "
+        "or keep new pods of this resource off it, until they end (README: Switching a node from "
+        "generic-device-plugin)"
+    )
+    kept = gp.held_back({"fuse": fuse, "C0": pair}, holds)
+    assert (kept["fuse"].health, kept["fuse"].problem) == (
+        gp.UNHEALTHY,
+        "held by pod ns/p under another plugin's ID, until that pod ends",
+    )
+    assert kept["C0"].health == gp.UNHEALTHY and kept["C0"].members == pair.members
+    nothing = {"fuse": fuse}
+    assert gp.held_back(nothing, holds[2:]) is nothing and gp.held_back(gp.RETIRED, holds) is gp.RETIRED
+
+
 async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
     # A kubelet that accepts Register but never opens ListAndWatch (one that dropped the plugin:
     # resources stuck at 0). Every DevicePlugin call still answers; only the status tells.
@@ -6614,6 +6784,35 @@ def test_the_manifests_create_no_device_directory_on_the_nodes(manifest):
         mounted = [m for m in container["volumeMounts"] if gp._is_under(source.directory, [m["mountPath"]])]
         mount = max(mounted, key=lambda m: len(m["mountPath"]))
         assert host_paths[mount["name"]].get("type") == "Directory", (source.directory, host_paths[mount["name"]])
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+def test_the_manifests_mount_dev_and_sys_recursively_read_only_and_the_cdi_directory_only_where_used(manifest):
+    """/dev and /sys read-only with the mounts beneath them (recursiveReadOnly: IfPossible, which
+    the API server accepts only with readOnly and no propagation). The CDI spec directory is
+    mounted, read-write and made where missing, exactly when a resource of the shipped
+    configuration has `cdi:` (every DRA resource does): the device-plugin example has none, so
+    its DaemonSet creates no /var/run/cdi on the nodes."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / manifest).read_text()) if doc}
+    config = gp.parse_config(docs["ConfigMap"]["data"]["config.yaml"], f"{manifest} ConfigMap")
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    for path in ("/dev", "/sys"):
+        assert mounts[path]["readOnly"] is True and mounts[path]["recursiveReadOnly"] == "IfPossible", path
+        assert mounts[path].get("mountPropagation", "None") == "None", path
+    assert [m for m in mounts.values() if "recursiveReadOnly" in m and not m.get("readOnly")] == []
+    host_paths = {volume["name"]: volume["hostPath"] for volume in pod["volumes"] if "hostPath" in volume}
+    spec_dirs = {resource.cdi.spec_dir for resource in config.resources if resource.cdi is not None}
+    assert spec_dirs == ({"/var/run/cdi"} if manifest == "daemonset-dra.yaml" else set())
+    cdi_mounts = {path for path in mounts if path in spec_dirs or "cdi" in path}
+    assert cdi_mounts == spec_dirs
+    for path in spec_dirs:
+        assert not mounts[path].get("readOnly") and host_paths[mounts[path]["name"]] == {
+            "path": path,
+            "type": "DirectoryOrCreate",
+        }
+    assert [v["path"] for v in host_paths.values() if "cdi" in v["path"]] == sorted(spec_dirs)
 
 
 def test_shipped_files_stand_alone():

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import textwrap
 import time
 import tomllib
 import uuid
@@ -411,6 +412,7 @@ class Containerd:
         self.cdi_dir = root / "cdi"
         self.extra_cdi_dirs: list[Path] = []
         self.enable_cdi = enable_cdi
+        self.recursive_read_only = False  #: the default runtime handler's, from Status once ready (start())
         self.process: subprocess.Popen[bytes] | None = None
         self.log = root / "containerd.log"
         self.channel: Any = None
@@ -535,6 +537,11 @@ state = {json.dumps(str(self.root / "state"))}
             try:
                 status = self.runtime.Status(PB.StatusRequest(), timeout=2)
                 if any(c.type == "RuntimeReady" and c.status for c in status.status.conditions):
+                    # Whether the default runtime handler (a pod without a RuntimeClass) makes
+                    # recursively read-only mounts, as the kubelet learns it: containerd 2.x says
+                    # so where runc and the kernel (mount_setattr, 5.12+) can; 1.7 has no such field.
+                    handlers = status.runtime_handlers if "runtime_handlers" in status.DESCRIPTOR.fields_by_name else []
+                    self.recursive_read_only = any(h.name == "" and h.features.recursive_read_only for h in handlers)
                     return
             except grpc.RpcError:
                 pass
@@ -921,6 +928,7 @@ def container_config(
     volumes: dict[str, str],
     service_env: dict[str, str],
     extra_mounts: Iterable[Any] = (),
+    recursive_read_only: bool = False,
 ) -> Any:
     """generateContainerConfig (kubernetes/kubernetes pkg/kubelet/kuberuntime/kuberuntime_container.go) for
     one container of the pod spec: image, command and args, env (fieldRefs resolved, the service
@@ -939,12 +947,20 @@ def container_config(
     mounts = []
     for mount in container.get("volumeMounts", []):
         # A mount without mountPropagation is private (pkg/kubelet/kubelet_pods.go, translateMountPropagation).
+        assert mount.get("mountPropagation", "None") == "None", f"the tier does not translate {mount}"
+        # recursiveReadOnly (makeMounts, pkg/kubelet/kubelet_pods.go): IfPossible asks the runtime
+        # for a recursively read-only mount where the runtime handler reports that it can (the CRI
+        # Status's runtime_handlers features), and is plain read-only elsewhere.
+        rro = mount.get("recursiveReadOnly", "Disabled")
+        assert rro in ("Disabled", "IfPossible"), f"the tier does not translate recursiveReadOnly {rro}"
+        recursive = {"recursive_read_only": True} if rro == "IfPossible" and recursive_read_only else {}
         mounts.append(
             PB.Mount(
                 container_path=mount["mountPath"],
                 host_path=volumes[mount["name"]],
                 readonly=bool(mount.get("readOnly", False)),
                 propagation=PB.MountPropagation.PROPAGATION_PRIVATE,
+                **recursive,
             )
         )
     mounts.extend(extra_mounts)
@@ -1256,6 +1272,16 @@ class Node:
             tier, f"{self.template['metadata']['labels']['app.kubernetes.io/name']}-{self.case.name}", "kube-system"
         )
 
+    def add_readme_cdi_mount(self) -> None:
+        """What the README's Deployment step 4 says to add to daemonset.yaml for a resource with
+        `cdi:` at the default spec_dir: its YAML block's volumeMounts and volumes, as written there."""
+        step = (HERE / "README.md").read_text().split("4. With `cdi`, mount", 1)[1].split("\n5. ", 1)[0]
+        block = textwrap.dedent(step.split("```yaml\n", 1)[1].split("```", 1)[0])
+        addition = yaml.safe_load(block)
+        spec = self.template["spec"]
+        spec["containers"][0]["volumeMounts"].extend(addition["volumeMounts"])
+        spec["volumes"].extend(addition["volumes"])
+
     def mknod(self, name: str) -> Path:
         path = self.devices / name
         os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(DEVICE_MAJOR, DEVICE_MINOR))
@@ -1302,7 +1328,13 @@ class Node:
             )
         (container,) = spec["containers"]
         config = container_config(
-            pod, spec, container, volumes=volumes, service_env=self.service_env, extra_mounts=extra
+            pod,
+            spec,
+            container,
+            volumes=volumes,
+            service_env=self.service_env,
+            extra_mounts=extra,
+            recursive_read_only=self.tier.containerd.recursive_read_only,
         )
         return pod.sandbox_config(self.template["metadata"]["labels"]), config
 
@@ -1652,12 +1684,16 @@ async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery, spec
     created with nothing but the CDI device name of the Allocate answer gets the node and the env
     through containerd's CDI handling.
 
-    Both at the default spec_dir, which daemonset.yaml mounts from the host (before it did, the
-    shipped pod exited with "cannot write the CDI spec /var/run/cdi/...: Read-only file system"),
-    and at a spec_dir in the device-plugin directory, which this containerd reads too."""
+    Both at the default spec_dir, mounted from the host with the lines the README's Deployment
+    step 4 gives (daemonset.yaml's example has no `cdi:` and leaves it out, so nothing is created
+    on nodes without CDI; without them the pod exits with "cannot write the CDI spec
+    /var/run/cdi/...: Read-only file system"), and at a spec_dir in the device-plugin directory,
+    which this containerd reads too."""
     default = spec_dir == gp.CDIConfig.spec_dir
     node = Node(tier, "daemonset.yaml", "" if default else DP_CDI_CASE)
     node.config["resources"][0]["cdi"] = {"kind": RESOURCE, "spec_dir": spec_dir}
+    if default:
+        node.add_readme_cdi_mount()
     path = node.mknod("gopher0")
     kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
     host_cdi_dir = tier.containerd.cdi_dir if default else tier.containerd.extra_cdi_dirs[-1]
