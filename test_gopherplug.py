@@ -5208,7 +5208,7 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
-        "runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
+        "runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
     )
     assert "gopher1 gopher1: Healthy: default/my-pod/app (claim default/my-gopher)\n" in said
     assert "gopher3 gopher3: Healthy: free\n" in said
@@ -5226,7 +5226,13 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
     assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
     assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
-    assert "gopher1: CDI device example.com/gopher=gopher1\n" in said
+    assert "gopher1: CDI device example.com/gopher=gopher1, gopherplug.example.com/metadata=7f3e-demo_gopher\n" in said
+    assert re.search(
+        r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/metadata.json "
+        r"-> /var/run/kubernetes.io/dra-device-attributes/resourceclaims/my-gopher/gopher/"
+        r"gopherplug.example.com-metadata.json \(ro,bind\)\n",
+        said,
+    )
     assert "env GOPHER_GOPHER1=gopher1\n" in said
     assert re.search(r"mount /\S+/gophers/gopher1 -> /run/gophers/gopher1 \(bind,ro\)\n", said)
     assert said.endswith("devices gopher0, gopher1, gopher2, gopher3\ndone: plugin stopped, its sockets removed")
@@ -6475,7 +6481,11 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     uids = [c["metadata"]["uid"] for c in claims]
     assert all(not answer.claims[uid].error for uid in uids)
     names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
-    assert names == [[f"{DRIVER}/{example}={example}-{share}"] for share in shares]
+    # Each claim's share, and its device metadata's mount (dra.device_metadata is on by default).
+    assert names == [
+        [f"{DRIVER}/{example}={example}-{share}", f"{DRIVER}/metadata={uid}_{request['name']}"]
+        for uid, share in zip(uids, shares, strict=True)
+    ]
     for uid in uids:
         [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
         [node] = described["containerEdits"]["deviceNodes"]
@@ -6655,16 +6665,24 @@ def test_dra_service_paths_are_the_kubelets():
     assert gp.DRA_METHODS[gp.NODE_WATCH_RESOURCES].server_streaming
 
 
-def dra_config(devices, kubelet_dir, top=(), **fields):
-    """A DRA configuration of one resource over ``devices``, as YAML text."""
+def dra_config(devices, kubelet_dir, top=(), device_metadata=False, **fields):
+    """A DRA configuration of one resource over ``devices``, as YAML text. Without device metadata
+    unless asked for (it is on by default): the tests of other things compare whole answers, whose
+    CDI devices it would add to; the device metadata tests (test_dra_device_metadata_*) and those
+    of the shipped configurations run with the default."""
     resource = {"name": "example.com/gopher", "directory": str(devices), "api": "dra", **fields}
-    config = {"dra": {"driver": DRIVER, "kubelet_dir": str(kubelet_dir)}, "resources": [resource], **dict(top)}
+    dra = {"driver": DRIVER, "kubelet_dir": str(kubelet_dir)}
+    if device_metadata is not None:
+        dra["device_metadata"] = device_metadata
+    config = {"dra": dra, "resources": [resource], **dict(top)}
     return yaml.safe_dump(config)
 
 
 def test_dra_config_defaults():
-    config = gp.parse_config(dra_config("/g", "/k"), "cfg.yaml")
+    config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
+    assert config.dra.device_metadata is True  # KEP-5304's files, unless dra.device_metadata: false
+    assert config.dra.metadata_dir == f"/k/plugins/{DRIVER}/dra-device-metadata"
     assert config.dra.registration_socket == f"/k/plugins_registry/{DRIVER}-reg.sock"
     assert config.dra.endpoint == f"/k/plugins/{DRIVER}/dra.sock"
     (resource,) = config.resources
@@ -7967,7 +7985,8 @@ async def test_dra_embedded_devices_are_published_prepared_and_their_health_foll
         await dra_node.wait_for_slices(["w0", "w1"], WIDGET_POOL)
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        metadata = f"{DRIVER}/metadata=uid-1_widget"  # on by default in serve_dra_devices too
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1", metadata])]
         spec = read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")
         assert {d["name"]: d["containerEdits"] for d in spec["devices"]} == {
             name: {
@@ -8088,7 +8107,11 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             await dra_node.wait_for_slices(["widget0", "widget1"], WIDGET_POOL)
             dra_node.api.put_claim(widget_claim(driver, "widget1"))
             answer = (await dra_node.kubelet.prepare(driver, [("default", "uid-1", "c1")])).claims["uid-1"]
-            assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [[f"{kind}=widget1"]])
+            metadata = f"{driver}/metadata=uid-1_widget"  # the example's driver mounts device metadata
+            assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
+                "",
+                [[f"{kind}=widget1", metadata]],
+            )
             (dev / "widget0").unlink()
             await dra_node.wait_for_slices(["widget1"], WIDGET_POOL)
             await dra_node.kubelet.unprepare(driver, [("default", "uid-1", "c1")])
@@ -8101,7 +8124,12 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             await process.wait()
     assert os.listdir(dra_node.kubelet_dir / "plugins_registry") == []
     assert sorted(os.listdir(dra_node.kubelet_dir / "plugins")) == [driver]
-    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins" / driver)) == ["checkpoint.json", "serialize.lock"]
+    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins" / driver)) == [
+        "checkpoint.json",
+        "dra-device-metadata",
+        "serialize.lock",
+    ]
+    assert os.listdir(dra_node.kubelet_dir / "plugins" / driver / "dra-device-metadata") == []  # the claim's went
     assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 
