@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import glob
 import hashlib
 import importlib.util
 import itertools
@@ -5228,7 +5229,8 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
     assert "gopher1: CDI device example.com/gopher=gopher1, gopherplug.example.com/metadata=7f3e-demo_gopher\n" in said
     assert re.search(
-        r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/metadata.json "
+        r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/"
+        r"metadata.json "
         r"-> /var/run/kubernetes.io/dra-device-attributes/resourceclaims/my-gopher/gopher/"
         r"gopherplug.example.com-metadata.json \(ro,bind\)\n",
         said,
@@ -7685,6 +7687,135 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1"]
+
+
+def metadata_stream(text):
+    """The objects of a device metadata file, a JSON stream, in order (as a consumer walks it)."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        found, at = decoder.raw_decode(text, at)
+        objects.append(found)
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return objects
+
+
+async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_spec_and_removed_at_unprepare(
+    dra_node,
+):
+    """KEP-5304, on by default: a claim prepared through the kubelet gets, for each request, a CDI
+    device that bind-mounts its metadata file read-only at the path the protocol gives ("resourceclaims/
+    <claim>/<request>/<driver>-metadata.json", or "resourceclaimtemplates/<pod's name for it>/..." for a
+    claim made from a template). The host file is a stream of DeviceMetadata, v1beta1 then v1alpha1,
+    whose devices carry the attributes the API server holds in the ResourceSlice. Unprepare removes a
+    claim's files and spec; at start, files no checkpointed claim names are removed."""
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher1")))
+    from_template = claim("pod-0-gpus-x7k2p", "uid-2", ("gpu/small", DRIVER, DraNode.POOL, "gopher0"))
+    from_template["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "gpus"}
+    from_template["spec"]["devices"]["requests"] = PRIORITIZED_REQUESTS
+    dra_node.api.put_claim(from_template)
+    config = dra_node.config(device_metadata=None)  # the default
+    cdi_dir = Path(dra_node.cdi["spec_dir"])
+    metadata_dir = dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata"
+    stray = metadata_dir / "default_gone_uid-9" / "gopher" / "metadata.json"  # a claim no checkpoint names
+    stray.parent.mkdir(parents=True)
+    stray.write_text("{}")
+    with trio.fail_after(TIMEOUT):
+        with logged("the device metadata of a claim") as swept:
+            await dra_node.start(config)
+            await dra_node.registered()  # the sweep comes before the registration
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        claims = [("default", "uid-1", "c1"), ("default", "uid-2", "pod-0-gpus-x7k2p")]
+        answer = await dra_node.kubelet.prepare(DRIVER, claims)
+    assert swept.lines == [
+        f"removed {stray.parent.parent}, the device metadata of a claim that is not prepared any more"
+    ]
+    assert {uid: entry.error for uid, entry in answer.claims.items()} == {"uid-1": "", "uid-2": ""}
+    mounts = {"uid-1": ("c1", "gopher", "gopher1"), "uid-2": ("pod-0-gpus-x7k2p", "gpu", "gopher0")}
+    for uid, (name, request, device) in mounts.items():
+        # The kubelet gives the container that names the request the device and its metadata's mount.
+        assert dra_node.kubelet.cdi_devices(uid, request) == [
+            f"example.com/gopher={device}",
+            f"{DRIVER}/metadata={uid}_{request}",
+        ]
+        spec = read_spec(cdi_dir / f"{DRIVER}-metadata_{uid}.json")
+        assert cdi_problem(spec["cdiVersion"], spec) is None
+        assert (spec["kind"], [d["name"] for d in spec["devices"]]) == (f"{DRIVER}/metadata", [f"{uid}_{request}"])
+        [mount] = spec["devices"][0]["containerEdits"]["mounts"]
+        host = metadata_dir / f"default_{name}_{uid}" / request / "metadata.json"
+        inside = "resourceclaims/c1" if uid == "uid-1" else "resourceclaimtemplates/gpus"
+        assert mount == {
+            "hostPath": str(host),
+            "containerPath": f"/var/run/kubernetes.io/dra-device-attributes/{inside}/{request}/{DRIVER}-metadata.json",
+            "options": ["ro", "bind"],
+        }
+        assert stat.S_IMODE(host.stat().st_mode) == 0o644
+        text = host.read_text()
+        assert text.startswith('{\n  "kind": "DeviceMetadata",\n  "apiVersion": "metadata.resource.k8s.io/v1beta1",\n')
+        beta, alpha = metadata_stream(text)
+        assert alpha == {**beta, "apiVersion": "metadata.resource.k8s.io/v1alpha1"}
+        [published] = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"] if d["name"] == device]
+        expected = {
+            "kind": "DeviceMetadata",
+            "apiVersion": "metadata.resource.k8s.io/v1beta1",
+            "metadata": {"name": name, "namespace": "default", "uid": uid, "generation": 1},
+            **({"podClaimName": "gpus"} if uid == "uid-2" else {}),
+            "requests": [
+                {
+                    # The subrequest the scheduler chose is in the file; the path has its request.
+                    "name": "gopher" if uid == "uid-1" else "gpu/small",
+                    "devices": [
+                        {"driver": DRIVER, "pool": DraNode.POOL, "name": device, "attributes": published["attributes"]}
+                    ],
+                }
+            ],
+        }
+        assert beta == expected
+    assert published["attributes"]["id"] == {"string": "gopher0"}  # the device's own, not just any
+    with trio.fail_after(TIMEOUT):
+        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
+        dra_node.stop()
+    assert not gone.claims["uid-1"].error
+    assert sorted(os.listdir(metadata_dir)) == ["default_pod-0-gpus-x7k2p_uid-2"]  # c1's went, c2's stays
+    assert not (cdi_dir / f"{DRIVER}-metadata_uid-1.json").exists()
+    assert (cdi_dir / f"{DRIVER}-metadata_uid-2.json").exists()
+
+
+async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(dra_node):
+    """dra.device_metadata: false: the answer names the device's CDI device alone, and neither a
+    metadata file nor its CDI spec is written."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    config = dra_node.config(device_metadata=False)
+    assert config.dra.device_metadata is False
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        dra_node.stop()
+    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [["example.com/gopher=gopher0"]])
+    assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists()
+    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == ["example.com-gopher.json"]
+
+
+def test_dra_device_metadata_key_is_true_or_false_and_its_cdi_kind_is_its_own():
+    with pytest.raises(gp.ConfigError) as refused:
+        gp.parse_config(dra_config("/g", "/k", device_metadata="no"), "cfg.yaml")
+    assert str(refused.value) == (
+        "cfg.yaml: dra.device_metadata: 'no': must be true (the default: each claim's containers get a file "
+        "describing their devices) or false"
+    )
+    with pytest.raises(gp.ConfigError) as taken:
+        gp.parse_config(dra_config("/g", "/k", device_metadata=None, name="example.com/metadata"), "cfg.yaml")
+    assert str(taken.value) == (
+        f"cfg.yaml: resources[0].name: '{DRIVER}/metadata' is the CDI kind of the device metadata gopherplug mounts "
+        "into claims' containers (dra.device_metadata): give the resource another cdi.kind"
+    )
+    # Turned off, the kind is free.
+    parsed = gp.parse_config(dra_config("/g", "/k", name="example.com/metadata"), "cfg.yaml")
+    assert parsed.resources[0].cdi.kind == f"{DRIVER}/metadata"
 
 
 async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across_a_restart(dra_node):
