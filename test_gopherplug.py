@@ -1090,6 +1090,8 @@ def test_example_config_is_valid():
     dra = "\n".join(line.removeprefix("# ") for line in block.splitlines())
     dra += "\nresources: [{name: example.com/gopher, directory: /etc/gophers, api: dra}]\n"
     assert gp.parse_config(dra).dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet", "NoSchedule")
+    assert "  device_metadata: true\n" in dra  # the default, written out; false turns it off
+    assert gp.parse_config(dra.replace("device_metadata: true", "device_metadata: false")).dra.device_metadata is False
     metrics = text.replace('# metrics_address: "0.0.0.0:9400"', 'metrics_address: "0.0.0.0:9400"')
     assert gp.parse_config(metrics).metrics_address == "0.0.0.0:9400"
     assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
