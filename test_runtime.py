@@ -2053,11 +2053,13 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
             "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": str(SHARES), "step": "1"}},
         }
     }
-    for name, _, share in claims:
+    for name, uid, share in claims:
         assert seen[name]["ls exit"] == 0 and f" {DEVICE_MAJOR}, {DEVICE_MINOR} " in seen[name]["ls -l"], seen[name]
         assert (seen[name]["open exit"], seen[name]["open rw"]) == (0, "opened rw"), seen[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
-        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}"], reported[name]
+        # Its share's CDI device, and its device metadata's mount (dra.device_metadata, on by default).
+        metadata = f"{DRIVER}/metadata={uid}_gopher"
+        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}", metadata], reported[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
         # Each share's CDI device node rule, in each consumer's device rules.
         assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["device rules (host side)"], seen[name]
