@@ -7775,7 +7775,12 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
         }
         assert beta == expected
     assert published["attributes"]["id"] == {"string": "gopher0"}  # the device's own, not just any
+    # Prepared again (answered from the checkpoint): a metadata file that went missing is written again.
+    kept = host.read_text()
+    host.unlink()
     with trio.fail_after(TIMEOUT):
+        again = await dra_node.kubelet.prepare(DRIVER, claims[1:])
+        assert (again.claims["uid-2"].error, host.read_text()) == ("", kept)
         gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
         dra_node.stop()
     assert not gone.claims["uid-1"].error
