@@ -1027,6 +1027,9 @@ class DraConfig:
     #: With it, the sockets carry it, so that two pods of the DaemonSet can serve side by side
     #: during a rolling update (maxSurge: 1): the old one until the new one is registered.
     pod_uid: str = ""
+    #: write each prepared claim's device metadata file and mount it into its containers (KEP-5304;
+    #: device_metadata_files): on unless ``dra: {device_metadata: false}``
+    device_metadata: bool = True
 
     @property
     def registration_socket(self) -> str:
@@ -1073,6 +1076,14 @@ class DraConfig:
     def checkpoint(self) -> str:
         """The prepared claims, kept across restarts of the plugin; both pods of a rolling update share it."""
         return os.path.join(self.plugin_dir, "checkpoint.json")
+
+    @property
+    def metadata_dir(self) -> str:
+        """Where the device metadata files of prepared claims are kept on the host, to be bind-mounted
+        into containers: "dra-device-metadata" in the driver's directory, where the Go helper keeps
+        them (metadataSubDir in kubernetes/dynamic-resource-allocation kubeletplugin/metadata.go).
+        Shared by both pods of a rolling update, as the checkpoint that says which are current."""
+        return os.path.join(self.plugin_dir, "dra-device-metadata")
 
     @property
     def serialize_lock(self) -> str:
@@ -1534,6 +1545,18 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             if resource.dra and other.dra and dra_pool_suffix(resource.name) == dra_pool_suffix(other.name):
                 problem = f"{resource.name} would share a DRA pool name with {other.name} of resources[{earlier}]"
                 raise ConfigError(source, f"resources[{index}].name", problem)
+        if (
+            dra
+            and dra.device_metadata
+            and resource.dra
+            and resource.cdi
+            and resource.cdi.kind == dra_metadata_cdi_kind(dra.driver)
+        ):
+            # Its claims' CDI spec files would have the metadata's names (ClaimCDISpec), each overwriting the other.
+            at = f"resources[{index}].cdi.kind" if "cdi" in entry else f"resources[{index}].name"
+            problem = f"{resource.cdi.kind!r} is the CDI kind of the device metadata gopherplug mounts into claims' "
+            problem += "containers (dra.device_metadata): give the resource another cdi.kind"
+            raise ConfigError(source, at, problem)
         resources.append(resource)
     if dra is not None and not any(resource.dra for resource in resources):
         raise ConfigError(source, "dra", "no resource has api: dra, so the driver would offer nothing")
@@ -1610,7 +1633,8 @@ def _pattern_warnings(entry: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
-    data = _mapping(data, source, where, {"driver", "kubelet_dir", "unhealthy_taint"}, {"driver"})
+    keys = {"driver", "kubelet_dir", "unhealthy_taint", "device_metadata"}
+    data = _mapping(data, source, where, keys, {"driver"})
     driver = _string(data["driver"], source, f"{where}.driver")
     if not _DNS_SUBDOMAIN.fullmatch(driver) or len(driver) > MAX_DRIVER_NAME:
         problem = f"{driver!r}: must be a lower-case DNS subdomain of at most {MAX_DRIVER_NAME} characters"
@@ -1620,10 +1644,16 @@ def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
     if effect not in DRA_TAINT_EFFECTS:
         problem = f"{effect!r}: must be NoSchedule (keep new claims off an unhealthy device) or NoExecute (also evict)"
         raise ConfigError(source, f"{where}.unhealthy_taint", problem)
+    device_metadata = data.get("device_metadata", True)
+    if not isinstance(device_metadata, bool):
+        problem = f"{device_metadata!r}: must be true (the default: each claim's containers get a file describing "
+        problem += "their devices) or false"
+        raise ConfigError(source, f"{where}.device_metadata", problem)
     config = DraConfig(
         driver,
         _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir"),
         effect,
+        device_metadata=device_metadata,
     )
     if too_long := dra_socket_problem(config):
         raise ConfigError(source, where, too_long)
@@ -3552,6 +3582,195 @@ def prepared_devices(
 
 #: A UID as the API server takes one (validateUID): RFC 4122 form, lower-case hexadecimal digits
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+# Device metadata (KEP-5304): what a container was given, in a file it reads.
+
+#: Where a container finds the metadata files of the devices it holds: ContainerDir in
+#: kubernetes/dynamic-resource-allocation api/metadata/types.go, a path consumers build themselves.
+DRA_METADATA_CONTAINER_DIR = "/var/run/kubernetes.io/dra-device-attributes"
+#: The API versions each file holds, one object per version, newest first: a reader takes the first
+#: it can decode. v1beta1 is the one Kubernetes 1.37's helper must write; v1alpha1 is 1.36's, kept
+#: for readers built against it (the fields are the same).
+DRA_METADATA_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
+#: The annotation of a claim made from a ResourceClaimTemplate that names it as the pod does
+#: (pod.spec.resourceClaims[].name; PodResourceClaimAnnotation in k8s.io/api resource/v1).
+DRA_POD_CLAIM_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
+
+
+def dra_metadata_cdi_kind(driver: str) -> str:
+    """The CDI kind of the metadata mounts: "<driver>/metadata", the Go helper's."""
+    return f"{driver}/metadata"
+
+
+@dataclass(frozen=True)
+class DeviceMetadataFile:
+    """One request's device metadata file: where it is on the host and in the container, and its text."""
+
+    request: str  #: the request as containers name it (dra_base_request)
+    host_path: str
+    container_path: str
+    text: str
+
+
+def dra_claim_metadata_dir(metadata_dir: str, namespace: str, name: str, uid: str) -> str:
+    """A claim's directory of metadata files on the host: "<namespace>_<name>_<uid>" (neither a
+    namespace nor a name has a "_"). The Go helper's is "<namespace>_<name>"; the UID is added here
+    because a claim deleted and made again under its name may be prepared before the kubelet
+    unprepares the old one, and the old one's unprepare must not remove the new one's files."""
+    return os.path.join(metadata_dir, f"{namespace}_{name}_{uid}")
+
+
+def device_metadata_files(
+    claim: Mapping[str, Any],
+    driver: str,
+    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
+    metadata_dir: str,
+) -> list[DeviceMetadataFile]:
+    """The device metadata files of a claim that prepared_devices accepted (KEP-5304, the protocol
+    of kubernetes/dynamic-resource-allocation api/metadata, as its kubeletplugin writes it):
+
+    - one file per request, with this driver's devices of it: ``driver``, ``pool``, ``name`` and
+      ``attributes``, the attributes the device has in its ResourceSlice (dra_device's, the same
+      function: a container sees what the scheduler selected by), keys in order as Go writes a map;
+    - on the host "<metadata_dir>/<namespace>_<name>_<uid>/<request>/metadata.json"; in the
+      container ".../resourceclaims/<claim>/<request>/<driver>-metadata.json", or for a claim made
+      from a template ".../resourceclaimtemplates/<pod's name for it>/<request>/..." (its generated
+      name is nothing the pod's author knows). A subrequest of a prioritized list
+      ("gpu/fast") is in the file's ``requests[].name``, its main request in the path;
+    - the text a stream of one DeviceMetadata per DRA_METADATA_VERSIONS, each indented by two
+      spaces as the helper's pretty JSON serializer writes it, each ended by a newline;
+      ``metadata`` the claim's name, namespace and UID, and ``generation`` 1 (gopherplug writes a
+      file once: a later change would be generation 2, which consumers watch for).
+    """
+    metadata = claim.get("metadata") or {}
+    namespace, name, uid = str(metadata.get("namespace", "")), str(metadata.get("name", "")), str(metadata.get("uid"))
+    pod_claim_name = (metadata.get("annotations") or {}).get(DRA_POD_CLAIM_ANNOTATION) or None
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    by_request: dict[str, list[dict[str, Any]]] = {}  # full request reference -> its devices
+    for result in results:
+        pool, device_name = result.get("pool", ""), result.get("device", "")
+        if result.get("driver") != driver or pool not in pools:
+            continue
+        resource, devices = pools[pool]
+        device = next((d for d in devices.values() if dra_device_name(d.id) == device_name), None)
+        if device is None:
+            continue  # prepared_devices refuses the claim
+        attributes = dra_device(resource, device)["attributes"]
+        by_request.setdefault(str(result.get("request", "")), []).append(
+            {
+                "driver": driver,
+                "pool": pool,
+                "name": device_name,
+                "attributes": {key: attributes[key] for key in sorted(attributes)},
+            }
+        )
+    files = []
+    for request, listed in by_request.items():
+        base = dra_base_request(request)
+        if pod_claim_name:
+            inside = os.path.join(DRA_METADATA_CONTAINER_DIR, "resourceclaimtemplates", pod_claim_name)
+        else:
+            inside = os.path.join(DRA_METADATA_CONTAINER_DIR, "resourceclaims", name)
+        objects = []
+        for version in DRA_METADATA_VERSIONS:
+            document: dict[str, Any] = {
+                "kind": "DeviceMetadata",
+                "apiVersion": version,
+                "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": 1},
+            }
+            if pod_claim_name:
+                document["podClaimName"] = pod_claim_name
+            document["requests"] = [{"name": request, "devices": listed}]
+            objects.append(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+        host = os.path.join(dra_claim_metadata_dir(metadata_dir, namespace, name, uid), base, "metadata.json")
+        files.append(
+            DeviceMetadataFile(base, host, os.path.join(inside, base, f"{driver}-metadata.json"), "".join(objects))
+        )
+    return files
+
+
+def device_metadata_cdi_spec(
+    uid: str, driver: str, files: Iterable[DeviceMetadataFile], spec_dir: str
+) -> tuple[ClaimCDISpec, dict[str, Any]] | None:
+    """The claim's CDI spec that mounts its metadata files: kind dra_metadata_cdi_kind, a device
+    "<claim UID>_<request>" per file whose only edit is the file bind-mounted read-only at its
+    container path (options "ro", "bind", as the Go helper's). A file of the claim's own beside
+    its shares' (ClaimCDISpec), kept in the checkpoint with them; None without files."""
+    described = [
+        {
+            "name": f"{uid}_{each.request}",
+            "containerEdits": {
+                "mounts": [
+                    {"hostPath": each.host_path, "containerPath": each.container_path, "options": ["ro", "bind"]}
+                ]
+            },
+        }
+        for each in files
+    ]
+    if not described:
+        return None
+    kind = dra_metadata_cdi_kind(driver)
+    spec = {"cdiVersion": "", "kind": kind, "devices": described}
+    spec["cdiVersion"] = cdi_version(spec)
+    return ClaimCDISpec(kind, spec_dir, uid), spec
+
+
+def add_metadata_cdi_devices(devices: list[Any], driver: str, uid: str, files: Iterable[DeviceMetadataFile]) -> None:
+    """Name each request's metadata CDI device in the answer, on the first device of the request
+    only, as the Go helper does: the kubelet gives a container the CDI devices of every device of
+    the request it names, and one mount is enough."""
+    pending = {each.request for each in files}
+    for device in devices:
+        for request in device.request_names:
+            if request in pending:
+                device.cdi_device_ids.append(f"{dra_metadata_cdi_kind(driver)}={uid}_{request}")
+                pending.discard(request)
+
+
+def write_device_metadata(path: str, text: str) -> None:
+    """Write one metadata file whole: a temporary file beside it, flushed, renamed into place, so a
+    container never reads half of one. Mode 0644 and directories 0755, the Go helper's: the
+    container may run as any user, and the mount is read-only. Raises OSError."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".metadata-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+            os.fchmod(file.fileno(), 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def _ensure_device_metadata(path: str, text: str) -> None:
+    """Write a metadata file again unless it is there with ``text``. Raises GopherplugError."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            if file.read() == text:
+                return
+    except (OSError, ValueError):
+        pass  # gone or unreadable: written again
+    try:
+        write_device_metadata(path, text)
+    except OSError as error:
+        raise GopherplugError(f"cannot write the device metadata {path}: {_describe(error)}") from None
+
+
+def remove_claim_metadata(metadata_dir: str, namespace: str, name: str, uid: str) -> None:
+    """Remove a claim's metadata files, if any. Raises GopherplugError naming what could not go."""
+    directory = dra_claim_metadata_dir(metadata_dir, namespace, name, uid)
+    try:
+        shutil.rmtree(directory)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise GopherplugError(f"cannot remove the device metadata {directory}: {_describe(error)}") from None
 
 
 # Who holds which device: the kubelet's PodResources answer, read against the configuration.
@@ -6489,14 +6708,28 @@ class ClaimCheckpoint:
             for device in claim["devices"]
         ]
 
-    async def add(self, claim: Any, devices: list[Any], cdi_specs: Iterable[tuple[CDIConfig, Any]] = ()) -> list[Any]:
+    def metadata_files(self, uid: str) -> list[tuple[str, str]]:
+        """The claim's device metadata files as add() wrote them: (host path, text) each."""
+        self._read()
+        return [(stored["path"], stored["text"]) for stored in (self.claims.get(uid) or {}).get("metadata_files", [])]
+
+    async def add(
+        self,
+        claim: Any,
+        devices: list[Any],
+        cdi_specs: Iterable[tuple[CDIConfig, Any]] = (),
+        metadata: Iterable[DeviceMetadataFile] = (),
+    ) -> list[Any]:
         """Remember a prepared claim, on disk when this returns; the devices to answer: ``devices``,
         or those the other pod of a rolling update answered if it prepared the claim meanwhile (the
         kubelet must be told one thing). Raises GopherplugError, and remembers nothing, when the file
         cannot be written: the claim is not prepared then. ``cdi_specs``: the claim's own CDI specs
         (claim_cdi_specs), kept whole, so that an unprepare after a restart removes them, and a
         prepare after a reboot (the kubelet prepares every claim of its pods again; /var/run/cdi is
-        a tmpfs) writes them again."""
+        a tmpfs) writes them again. ``metadata``: its device metadata files, written here under the
+        flock with the entry that names them, so that remove_stale_metadata in the other pod sees
+        both or neither, and kept so that a prepare again writes a file that went missing."""
+        metadata = list(metadata)
         fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
         listed = []
         for device in devices:
@@ -6507,15 +6740,51 @@ class ClaimCheckpoint:
         entry = {"namespace": claim.namespace, "name": claim.name, "devices": listed}
         if specs := [{"kind": cdi.kind, "spec_dir": cdi.spec_dir, "spec": spec} for cdi, spec in cdi_specs]:
             entry["cdi_specs"] = specs
+        if metadata:
+            entry["metadata_files"] = [{"path": each.host_path, "text": each.text} for each in metadata]
 
         def change(claims: dict[str, dict[str, Any]]) -> bool:
             if claim.uid in claims:
-                return False
+                return False  # the other pod's files and answer stand
+            for each in metadata:
+                try:
+                    write_device_metadata(each.host_path, each.text)
+                except OSError as error:
+                    raise GopherplugError(
+                        f"cannot write the device metadata {each.host_path}: {_describe(error)}"
+                    ) from None
             claims[claim.uid] = entry
             return True
 
         await self._change(change)
         return self.answer(claim.uid) or devices
+
+    async def remove_stale_metadata(self, metadata_dir: str) -> list[str]:
+        """Remove the claims' metadata directories in ``metadata_dir`` that no claim in the file
+        names (dra_claim_metadata_dir): left by a plugin that stopped between writing them and
+        being told to unprepare, or by a claim unprepared while device_metadata was off. Under the
+        flock, where add() writes them: a claim the other pod is preparing is never taken for a
+        stale one. The directories removed; one that cannot be is logged and left."""
+
+        def sweep(claims: dict[str, dict[str, Any]]) -> bool:
+            current = {
+                os.path.basename(dra_claim_metadata_dir(metadata_dir, entry["namespace"], entry["name"], uid))
+                for uid, entry in claims.items()
+            }
+            for name in _listing(metadata_dir):
+                if name not in current:
+                    path = os.path.join(metadata_dir, name)
+                    try:
+                        shutil.rmtree(path)
+                    except OSError as error:
+                        log.warning("cannot remove the stale device metadata %s: %s", path, _describe(error))
+                    else:
+                        removed.append(path)
+            return False  # the checkpoint itself is not changed
+
+        removed: list[str] = []
+        await self._change(sweep)
+        return removed
 
     async def remove(self, uid: str) -> bool:
         """Forget a claim, on disk when this returns; whether it was known. Raises GopherplugError,
@@ -6772,15 +7041,28 @@ class ClaimPreparer:
 
     With ``peers``, a claim not prepared yet is refused while a newer pod of the driver serves
     (_prepare_one says why): only the newest pod's configuration reaches new containers.
+
+    With ``metadata_dir`` (DraConfig.metadata_dir) and ``device_metadata``, each claim prepared
+    gets its device metadata files there (device_metadata_files) and a CDI device per request that
+    mounts its file into the containers; an unprepare removes a claim's files there whether
+    ``device_metadata`` is on or not (it may have been on when the claim was prepared).
     """
 
     def __init__(
-        self, resources: DraResources, checkpoint: ClaimCheckpoint, api: Any, peers: DriverPeers | None = None
+        self,
+        resources: DraResources,
+        checkpoint: ClaimCheckpoint,
+        api: Any,
+        peers: DriverPeers | None = None,
+        metadata_dir: str = "",
+        device_metadata: bool = True,
     ) -> None:
         self.resources = resources
         self.checkpoint = checkpoint
         self.api = api
         self.peers = peers
+        self.metadata_dir = metadata_dir
+        self.device_metadata = device_metadata and bool(metadata_dir)
         # Prepared claims whose device status is still to be written: write_statuses() writes them
         # after their answers went, so that a slow API server delays no pod's start.
         self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
@@ -6803,6 +7085,7 @@ class ClaimPreparer:
     async def _prepare_one(self, claim: Any, response: Any) -> None:
         answer = response.claims[claim.uid]
         specs: list[tuple[ClaimCDISpec, dict[str, Any]]] = []
+        metadata: list[DeviceMetadataFile] = []
         try:
             if (devices := self.checkpoint.answer(claim.uid)) is not None:
                 # Prepared before (maybe by the other pod of a rolling update): the same answer
@@ -6810,6 +7093,10 @@ class ClaimPreparer:
                 for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
                     if not os.path.exists(cdi.spec_file):
                         await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
+                # Its metadata files too, should one be gone: the CDI mount of a missing file fails
+                # the container's start.
+                for path, text in self.checkpoint.metadata_files(claim.uid):
+                    await trio.to_thread.run_sync(_ensure_device_metadata, path, text)
                 answer.devices.extend(devices)
                 return
             # During a rolling update the kubelet calls the driver's most recently registered pod
@@ -6838,7 +7125,19 @@ class ClaimPreparer:
             for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
                 specs.append((cdi, spec))
                 await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
-            devices = await self.checkpoint.add(claim, devices, specs)
+            if self.device_metadata:
+                # KEP-5304: the files are written by checkpoint.add, with the entry naming them;
+                # their CDI spec before, as the shares' are. It goes to the spec directory of the
+                # claim's first device's resource: one the runtime reads, or that device would not
+                # reach the container either.
+                metadata = device_metadata_files(found, self.resources.driver, pools, self.metadata_dir)
+                first = pools[devices[0].pool_name][0].cdi
+                assert first is not None  # parse_config gives every DRA resource one
+                if made := device_metadata_cdi_spec(claim.uid, self.resources.driver, metadata, first.spec_dir):
+                    specs.append(made)
+                    await trio.to_thread.run_sync(write_cdi_spec, *made)
+                add_metadata_cdi_devices(devices, self.resources.driver, claim.uid, metadata)
+            devices = await self.checkpoint.add(claim, devices, specs, metadata)
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
         except GopherplugError as error:
@@ -6854,6 +7153,11 @@ class ClaimPreparer:
         for cdi, _ in specs:  # not prepared: its CDI devices go (the kubelet asks again)
             with contextlib.suppress(GopherplugError):
                 await trio.to_thread.run_sync(write_cdi_spec, cdi, None)
+        if metadata and self.checkpoint.answer(claim.uid) is None:  # and its metadata, unless the other pod's
+            with contextlib.suppress(GopherplugError):
+                await trio.to_thread.run_sync(
+                    remove_claim_metadata, self.metadata_dir, claim.namespace, claim.name, claim.uid
+                )
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
     async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -6898,6 +7202,10 @@ class ClaimPreparer:
                 # and the kubelet's next try removes them.
                 for cdi, _ in self.checkpoint.cdi_specs(claim.uid):
                     await trio.to_thread.run_sync(write_cdi_spec, cdi, None)
+                if self.metadata_dir:  # its device metadata files, once no container can mount them
+                    await trio.to_thread.run_sync(
+                        remove_claim_metadata, self.metadata_dir, claim.namespace, claim.name, claim.uid
+                    )
                 if await self.checkpoint.remove(claim.uid):
                     log.info("unprepared ResourceClaim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
             except GopherplugError as error:
@@ -8062,13 +8370,14 @@ async def _serve_dra(
     config: DraConfig, resources: DraResources, api: Any, task_status: trio.TaskStatus[DraDriver]
 ) -> None:
     peers = DriverPeers(config, resources.cdi_turn.changed)
-    driver = DraDriver(
-        config,
-        resources,
-        RegistrationState(),
-        ClaimPreparer(resources, ClaimCheckpoint(config.checkpoint, config.serialize_lock), api, peers),
-        SlicePublisher(resources, api, peers),
-    )
+    checkpoint = ClaimCheckpoint(config.checkpoint, config.serialize_lock)
+    try:
+        for path in await checkpoint.remove_stale_metadata(config.metadata_dir):
+            log.info("removed %s, the device metadata of a claim that is not prepared any more", path)
+    except GopherplugError as error:  # the flock: the first prepare will say it again
+        log.warning("DRA: cannot look for stale device metadata: %s", error)
+    claims = ClaimPreparer(resources, checkpoint, api, peers, config.metadata_dir, config.device_metadata)
+    driver = DraDriver(config, resources, RegistrationState(), claims, SlicePublisher(resources, api, peers))
     async with trio.open_nursery() as nursery:
         # Stopped in the reverse order: the registration socket first, so that the kubelet's plugin
         # watcher deregisters this pod (and a rolling update's other pod gets the kubelet's calls)
@@ -10937,6 +11246,14 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 for mount in edits.get("mounts", []):
                     options = ",".join(mount["options"])
                     say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+                metadata = ClaimCDISpec(dra_metadata_cdi_kind(driver), resource.cdi.spec_dir, "7f3e-demo")
+                if os.path.exists(metadata.spec_file):  # dra.device_metadata, on by default
+                    with open(metadata.spec_file, encoding="utf-8") as file:
+                        [described] = json.load(file)["devices"]
+                    say("runtime", f"{metadata.kind}={described['name']} is the claim's device metadata (KEP-5304):")
+                    for mount in described["containerEdits"]["mounts"]:
+                        options = ",".join(mount["options"])
+                        say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
                 kubelet.use_claims("default", "my-pod", "app", [("default", "my-gopher", "7f3e-demo")])
                 socket_path = os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
                 await nursery.start(PodResourcesSimulator(socket_path, None, kubelet).run)

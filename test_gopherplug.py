@@ -22,6 +22,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import glob
 import hashlib
 import importlib.util
 import inspect
@@ -1111,6 +1112,8 @@ def test_example_config_is_valid():
     dra = "\n".join(line.removeprefix("# ") for line in block.splitlines())
     dra += "\nresources: [{name: example.com/gopher, directory: /etc/gophers, api: dra}]\n"
     assert gp.parse_config(dra).dra == gp.DraConfig("gopherplug.example.com", "/var/lib/kubelet", "NoSchedule")
+    assert "  device_metadata: true\n" in dra  # the default, written out; false turns it off
+    assert gp.parse_config(dra.replace("device_metadata: true", "device_metadata: false")).dra.device_metadata is False
     metrics = text.replace('# metrics_address: "0.0.0.0:9400"', 'metrics_address: "0.0.0.0:9400"')
     assert gp.parse_config(metrics).metrics_address == "0.0.0.0:9400"
     assert (uncommented.pre_start, uncommented.pre_start_timeout) == ((sys.executable, "--quick"), 25.0)
@@ -5234,7 +5237,7 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
-        "runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
+        "runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
     )
     assert "gopher1 gopher1: Healthy: default/my-pod/app (claim default/my-gopher)\n" in said
     assert "gopher3 gopher3: Healthy: free\n" in said
@@ -5252,7 +5255,14 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
     assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
     assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
-    assert "gopher1: CDI device example.com/gopher=gopher1\n" in said
+    assert "gopher1: CDI device example.com/gopher=gopher1, gopherplug.example.com/metadata=7f3e-demo_gopher\n" in said
+    assert re.search(
+        r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/"
+        r"metadata.json "
+        r"-> /var/run/kubernetes.io/dra-device-attributes/resourceclaims/my-gopher/gopher/"
+        r"gopherplug.example.com-metadata.json \(ro,bind\)\n",
+        said,
+    )
     assert "env GOPHER_GOPHER1=gopher1\n" in said
     assert re.search(r"mount /\S+/gophers/gopher1 -> /run/gophers/gopher1 \(bind,ro\)\n", said)
     assert said.endswith("devices gopher0, gopher1, gopher2, gopher3\ndone: plugin stopped, its sockets removed")
@@ -6671,7 +6681,11 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     uids = [c["metadata"]["uid"] for c in claims]
     assert all(not answer.claims[uid].error for uid in uids)
     names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
-    assert names == [[f"{DRIVER}/{example}={example}-{share}"] for share in shares]
+    # Each claim's share, and its device metadata's mount (dra.device_metadata is on by default).
+    assert names == [
+        [f"{DRIVER}/{example}={example}-{share}", f"{DRIVER}/metadata={uid}_{request['name']}"]
+        for uid, share in zip(uids, shares, strict=True)
+    ]
     for uid in uids:
         [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
         [node] = described["containerEdits"]["deviceNodes"]
@@ -6880,16 +6894,24 @@ def test_dra_service_paths_are_the_kubelets():
     assert gp.DRA_METHODS[gp.NODE_WATCH_RESOURCES].server_streaming
 
 
-def dra_config(devices, kubelet_dir, top=(), **fields):
-    """A DRA configuration of one resource over ``devices``, as YAML text."""
+def dra_config(devices, kubelet_dir, top=(), device_metadata=False, **fields):
+    """A DRA configuration of one resource over ``devices``, as YAML text. Without device metadata
+    unless asked for (it is on by default): the tests of other things compare whole answers, whose
+    CDI devices it would add to; the device metadata tests (test_dra_device_metadata_*) and those
+    of the shipped configurations run with the default."""
     resource = {"name": "example.com/gopher", "directory": str(devices), "api": "dra", **fields}
-    config = {"dra": {"driver": DRIVER, "kubelet_dir": str(kubelet_dir)}, "resources": [resource], **dict(top)}
+    dra = {"driver": DRIVER, "kubelet_dir": str(kubelet_dir)}
+    if device_metadata is not None:
+        dra["device_metadata"] = device_metadata
+    config = {"dra": dra, "resources": [resource], **dict(top)}
     return yaml.safe_dump(config)
 
 
 def test_dra_config_defaults():
-    config = gp.parse_config(dra_config("/g", "/k"), "cfg.yaml")
+    config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
+    assert config.dra.device_metadata is True  # KEP-5304's files, unless dra.device_metadata: false
+    assert config.dra.metadata_dir == f"/k/plugins/{DRIVER}/dra-device-metadata"
     assert config.dra.registration_socket == f"/k/plugins_registry/{DRIVER}-reg.sock"
     assert config.dra.endpoint == f"/k/plugins/{DRIVER}/dra.sock"
     (resource,) = config.resources
@@ -7907,6 +7929,140 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
     assert sorted(checkpoint["claims"]) == ["uid-1"]
 
 
+def metadata_stream(text):
+    """The objects of a device metadata file, a JSON stream, in order (as a consumer walks it)."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        found, at = decoder.raw_decode(text, at)
+        objects.append(found)
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return objects
+
+
+async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_spec_and_removed_at_unprepare(
+    dra_node,
+):
+    """KEP-5304, on by default: a claim prepared through the kubelet gets, for each request, a CDI
+    device that bind-mounts its metadata file read-only at the path the protocol gives ("resourceclaims/
+    <claim>/<request>/<driver>-metadata.json", or "resourceclaimtemplates/<pod's name for it>/..." for a
+    claim made from a template). The host file is a stream of DeviceMetadata, v1beta1 then v1alpha1,
+    whose devices carry the attributes the API server holds in the ResourceSlice. Unprepare removes a
+    claim's files and spec; at start, files no checkpointed claim names are removed."""
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher1")))
+    from_template = claim("pod-0-gpus-x7k2p", "uid-2", ("gpu/small", DRIVER, DraNode.POOL, "gopher0"))
+    from_template["metadata"]["annotations"] = {"resource.kubernetes.io/pod-claim-name": "gpus"}
+    from_template["spec"]["devices"]["requests"] = PRIORITIZED_REQUESTS
+    dra_node.api.put_claim(from_template)
+    config = dra_node.config(device_metadata=None)  # the default
+    cdi_dir = Path(dra_node.cdi["spec_dir"])
+    metadata_dir = dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata"
+    stray = metadata_dir / "default_gone_uid-9" / "gopher" / "metadata.json"  # a claim no checkpoint names
+    stray.parent.mkdir(parents=True)
+    stray.write_text("{}")
+    with trio.fail_after(TIMEOUT):
+        with logged("the device metadata of a claim") as swept:
+            await dra_node.start(config)
+            await dra_node.registered()  # the sweep comes before the registration
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        claims = [("default", "uid-1", "c1"), ("default", "uid-2", "pod-0-gpus-x7k2p")]
+        answer = await dra_node.kubelet.prepare(DRIVER, claims)
+    assert swept.lines == [
+        f"removed {stray.parent.parent}, the device metadata of a claim that is not prepared any more"
+    ]
+    assert {uid: entry.error for uid, entry in answer.claims.items()} == {"uid-1": "", "uid-2": ""}
+    mounts = {"uid-1": ("c1", "gopher", "gopher1"), "uid-2": ("pod-0-gpus-x7k2p", "gpu", "gopher0")}
+    for uid, (name, request, device) in mounts.items():
+        # The kubelet gives the container that names the request the device and its metadata's mount.
+        assert dra_node.kubelet.cdi_devices(uid, request) == [
+            f"example.com/gopher={device}",
+            f"{DRIVER}/metadata={uid}_{request}",
+        ]
+        spec = read_spec(cdi_dir / f"{DRIVER}-metadata_{uid}.json")
+        assert cdi_problem(spec["cdiVersion"], spec) is None
+        assert (spec["kind"], [d["name"] for d in spec["devices"]]) == (f"{DRIVER}/metadata", [f"{uid}_{request}"])
+        [mount] = spec["devices"][0]["containerEdits"]["mounts"]
+        host = metadata_dir / f"default_{name}_{uid}" / request / "metadata.json"
+        inside = "resourceclaims/c1" if uid == "uid-1" else "resourceclaimtemplates/gpus"
+        assert mount == {
+            "hostPath": str(host),
+            "containerPath": f"/var/run/kubernetes.io/dra-device-attributes/{inside}/{request}/{DRIVER}-metadata.json",
+            "options": ["ro", "bind"],
+        }
+        assert stat.S_IMODE(host.stat().st_mode) == 0o644
+        text = host.read_text()
+        assert text.startswith('{\n  "kind": "DeviceMetadata",\n  "apiVersion": "metadata.resource.k8s.io/v1beta1",\n')
+        beta, alpha = metadata_stream(text)
+        assert alpha == {**beta, "apiVersion": "metadata.resource.k8s.io/v1alpha1"}
+        [published] = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"] if d["name"] == device]
+        expected = {
+            "kind": "DeviceMetadata",
+            "apiVersion": "metadata.resource.k8s.io/v1beta1",
+            "metadata": {"name": name, "namespace": "default", "uid": uid, "generation": 1},
+            **({"podClaimName": "gpus"} if uid == "uid-2" else {}),
+            "requests": [
+                {
+                    # The subrequest the scheduler chose is in the file; the path has its request.
+                    "name": "gopher" if uid == "uid-1" else "gpu/small",
+                    "devices": [
+                        {"driver": DRIVER, "pool": DraNode.POOL, "name": device, "attributes": published["attributes"]}
+                    ],
+                }
+            ],
+        }
+        assert beta == expected
+    assert published["attributes"]["id"] == {"string": "gopher0"}  # the device's own, not just any
+    # Prepared again (answered from the checkpoint): a metadata file that went missing is written again.
+    kept = host.read_text()
+    host.unlink()
+    with trio.fail_after(TIMEOUT):
+        again = await dra_node.kubelet.prepare(DRIVER, claims[1:])
+        assert (again.claims["uid-2"].error, host.read_text()) == ("", kept)
+        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
+        dra_node.stop()
+    assert not gone.claims["uid-1"].error
+    assert sorted(os.listdir(metadata_dir)) == ["default_pod-0-gpus-x7k2p_uid-2"]  # c1's went, c2's stays
+    assert not (cdi_dir / f"{DRIVER}-metadata_uid-1.json").exists()
+    assert (cdi_dir / f"{DRIVER}-metadata_uid-2.json").exists()
+
+
+async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(dra_node):
+    """dra.device_metadata: false: the answer names the device's CDI device alone, and neither a
+    metadata file nor its CDI spec is written."""
+    (dra_node.devices / "gopher0").touch()
+    dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    config = dra_node.config(device_metadata=False)
+    assert config.dra.device_metadata is False
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        dra_node.stop()
+    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [["example.com/gopher=gopher0"]])
+    assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists()
+    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == ["example.com-gopher.json"]
+
+
+def test_dra_device_metadata_key_is_true_or_false_and_its_cdi_kind_is_its_own():
+    with pytest.raises(gp.ConfigError) as refused:
+        gp.parse_config(dra_config("/g", "/k", device_metadata="no"), "cfg.yaml")
+    assert str(refused.value) == (
+        "cfg.yaml: dra.device_metadata: 'no': must be true (the default: each claim's containers get a file "
+        "describing their devices) or false"
+    )
+    with pytest.raises(gp.ConfigError) as taken:
+        gp.parse_config(dra_config("/g", "/k", device_metadata=None, name="example.com/metadata"), "cfg.yaml")
+    assert str(taken.value) == (
+        f"cfg.yaml: resources[0].name: '{DRIVER}/metadata' is the CDI kind of the device metadata gopherplug mounts "
+        "into claims' containers (dra.device_metadata): give the resource another cdi.kind"
+    )
+    # Turned off, the kind is free.
+    parsed = gp.parse_config(dra_config("/g", "/k", name="example.com/metadata"), "cfg.yaml")
+    assert parsed.resources[0].cdi.kind == f"{DRIVER}/metadata"
+
+
 async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across_a_restart(dra_node):
     """replicas: 3 under DRA: three claims, each allocated one share of gopher0 (a shareID each, as
     the scheduler writes them), are prepared with a CDI device per share, "<id>-<shareID>", in a
@@ -8205,7 +8361,8 @@ async def test_dra_embedded_devices_are_published_prepared_and_their_health_foll
         await dra_node.wait_for_slices(["w0", "w1"], WIDGET_POOL)
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        metadata = f"{DRIVER}/metadata=uid-1_widget"  # on by default in serve_dra_devices too
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1", metadata])]
         spec = read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")
         assert {d["name"]: d["containerEdits"] for d in spec["devices"]} == {
             name: {
@@ -8326,7 +8483,11 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             await dra_node.wait_for_slices(["widget0", "widget1"], WIDGET_POOL)
             dra_node.api.put_claim(widget_claim(driver, "widget1"))
             answer = (await dra_node.kubelet.prepare(driver, [("default", "uid-1", "c1")])).claims["uid-1"]
-            assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [[f"{kind}=widget1"]])
+            metadata = f"{driver}/metadata=uid-1_widget"  # the example's driver mounts device metadata
+            assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
+                "",
+                [[f"{kind}=widget1", metadata]],
+            )
             (dev / "widget0").unlink()
             await dra_node.wait_for_slices(["widget1"], WIDGET_POOL)
             await dra_node.kubelet.unprepare(driver, [("default", "uid-1", "c1")])
@@ -8339,7 +8500,12 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             await process.wait()
     assert os.listdir(dra_node.kubelet_dir / "plugins_registry") == []
     assert sorted(os.listdir(dra_node.kubelet_dir / "plugins")) == [driver]
-    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins" / driver)) == ["checkpoint.json", "serialize.lock"]
+    assert sorted(os.listdir(dra_node.kubelet_dir / "plugins" / driver)) == [
+        "checkpoint.json",
+        "dra-device-metadata",
+        "serialize.lock",
+    ]
+    assert os.listdir(dra_node.kubelet_dir / "plugins" / driver / "dra-device-metadata") == []  # the claim's went
     assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 

@@ -1752,6 +1752,21 @@ async def test_a_consumer_sees_the_node_with_the_host_mode(tier, nursery, throug
 # The DRA driver, as daemonset-dra.yaml ships it
 
 
+def metadata_spec_host_view(cdi_dir: Path, in_pod: str, host_side: Path) -> None:
+    """The DRA pod's device metadata CDI specs (kind <driver>/metadata) in ``cdi_dir``, with each
+    mount's hostPath under the pod's kubelet root read through ``host_side`` (_api_server_for).
+    Replaced by rename, as gopherplug writes them: containerd's CDI cache sees whole files only."""
+    for path in cdi_dir.glob(f"{DRIVER.replace('/', '-')}-metadata_*.json"):
+        spec = json.loads(path.read_text())
+        for device in spec["devices"]:
+            for mount in device["containerEdits"].get("mounts", []):
+                if mount["hostPath"].startswith(in_pod + "/"):
+                    mount["hostPath"] = str(host_side) + mount["hostPath"][len(in_pod) :]
+        temporary = path.with_name(f".{path.name}.host-view")
+        temporary.write_text(json.dumps(spec))
+        temporary.replace(path)
+
+
 async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
     """An API server stand-in over TLS, with what the kubelet gives the DRA pod to reach it: the
     service's address in env (pkg/kubelet/kubelet_pods.go getServiceEnvVarMap, the `kubernetes`
@@ -1772,6 +1787,10 @@ async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest
     # the pod's kubelet root: the pod names its sockets to fit a unix socket's 108 bytes from there
     # (with POD_UID, "<driver>-<pod UID>-reg.sock" leaves little room), and the run's directory is
     # longer. The endpoint GetInfo names is read on the same side.
+    # The second concession, for the same reason: a claim's device metadata CDI spec names the
+    # metadata file's hostPath as the pod sees it (/var/lib/kubelet/plugins/...), which on a node is
+    # the host's path too; here it is read through the same symlink. The spec is rewritten in the
+    # CDI directory once the claim is prepared, before any consumer is created, only that prefix.
     in_pod = node.config["dra"]["kubelet_dir"]
     host_side = Path("/tmp") / f"gk{secrets.token_hex(4)}"
     host_side.symlink_to(node.kubelet_dir)
@@ -1783,6 +1802,8 @@ async def _api_server_for(node: Node, nursery: trio.Nursery, monkeypatch: pytest
         answer = await call_unary(socket_path, method, request, timeout=timeout)
         if method is gp.DRA_METHODS[gp.GET_INFO]:
             answer.endpoint = answer.endpoint.replace(in_pod, str(host_side), 1)
+        if method.name == "NodePrepareResources":
+            metadata_spec_host_view(node.tier.containerd.cdi_dir, in_pod, host_side)
         return answer
 
     monkeypatch.setattr(gp, "call_unary", host_view)
@@ -1930,8 +1951,15 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
             pod = Pod(tier, "dra-consumer")
             config = consumer_config(pod, CDI_devices=cdi)
             async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
-                seen = await consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+                consumer = pod.container_ids["consumer"]
+                seen = await consumer_report(tier.containerd, consumer, str(path))
+                # Its device metadata (KEP-5304), as the container itself reads it at the path the
+                # protocol gives; and read-only there.
+                metadata_path = f"{gp.DRA_METADATA_CONTAINER_DIR}/resourceclaims/gopher/gopher/{DRIVER}-metadata.json"
+                read_code, metadata_text = await exec_sync(tier.containerd, consumer, "cat", metadata_path)
+                write_code, refused = await exec_sync(tier.containerd, consumer, "sh", "-c", f"echo >> {metadata_path}")
             tier.outputs["DRA: consumer"] = seen
+            tier.outputs["DRA: the consumer's device metadata"] = metadata_text.splitlines()
             # enable_cdi = false (containerd 1.7's default), the same spec directory: nothing fails.
             second = tier.containerd_for(tier.root / "ctrd2", enable_cdi=False)
             second.extra_cdi_dirs.append(tier.containerd.cdi_dir)
@@ -1948,6 +1976,18 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
     assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw-rw---- ") and " 10, 229 " in seen["ls -l"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
     assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"]), seen
+    # The metadata file, through containerd's CDI handling: the claim, the subrequest the scheduler
+    # chose, and the device with the attributes the API server stand-in stored in its slice.
+    assert read_code == 0, metadata_text
+    beta = json.JSONDecoder().raw_decode(metadata_text)[0]
+    assert (beta["kind"], beta["apiVersion"]) == ("DeviceMetadata", "metadata.resource.k8s.io/v1beta1")
+    assert beta["metadata"] == {"name": "gopher", "namespace": "default", "uid": uid, "generation": 1}
+    [request] = beta["requests"]
+    assert request["name"] == "gopher/any"
+    assert request["devices"] == [
+        {"driver": DRIVER, "pool": pool, "name": device, "attributes": written["spec"]["devices"][0]["attributes"]}
+    ]
+    assert write_code != 0 and "Read-only file system" in refused, refused
     assert api.refused_tokens == 0  # every request from the pod carried the projected token
     assert state == PB.ContainerState.CONTAINER_RUNNING
     assert unseen["ls exit"] != 0 and "No such file or directory" in unseen["ls -l"]
@@ -2049,11 +2089,13 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
             "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": str(SHARES), "step": "1"}},
         }
     }
-    for name, _, share in claims:
+    for name, uid, share in claims:
         assert seen[name]["ls exit"] == 0 and f" {DEVICE_MAJOR}, {DEVICE_MINOR} " in seen[name]["ls -l"], seen[name]
         assert (seen[name]["open exit"], seen[name]["open rw"]) == (0, "opened rw"), seen[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
-        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}"], reported[name]
+        # Its share's CDI device, and its device metadata's mount (dra.device_metadata, on by default).
+        metadata = f"{DRIVER}/metadata={uid}_gopher"
+        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}", metadata], reported[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
         # Each share's CDI device node rule, in each consumer's device rules.
         assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["device rules (host side)"], seen[name]
