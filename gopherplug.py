@@ -8744,6 +8744,7 @@ async def serve_dra_devices(
     cdi_kind: str | None = None,
     unhealthy_taint: str = "NoSchedule",
     pod_uid: str = "",
+    device_metadata: bool = True,
     task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve devices that your program supplies through DRA, as the driver ``driver``, until
@@ -8768,7 +8769,9 @@ async def serve_dra_devices(
       ``cdi.kind``; default /var/run/cdi and dra_cdi_kind(driver, resource name));
     - ``unhealthy_taint``: NoSchedule or NoExecute (``dra.unhealthy_taint``);
     - ``pod_uid``: this pod's UID, for a DaemonSet whose rolling update runs two pods at once
-      (DraConfig.pod_uid; the POD_UID environment variable in serve).
+      (DraConfig.pod_uid; the POD_UID environment variable in serve);
+    - ``device_metadata``: each prepared claim's containers get a file describing their devices
+      (KEP-5304; ``dra.device_metadata``), on by default.
 
     A device reaches DRA only if its ID passes the checks a directory entry's does (a device ID,
     and a CDI device name), its key is its DeviceEntry's ID, and its container paths need no more
@@ -8779,7 +8782,7 @@ async def serve_dra_devices(
     its sockets listen.
     """
     config, dra_resource, node = _embedded_dra(
-        resource, driver, node_name, kubelet_dir, cdi_dir, cdi_kind, unhealthy_taint, pod_uid
+        resource, driver, node_name, kubelet_dir, cdi_dir, cdi_kind, unhealthy_taint, pod_uid, device_metadata
     )
     resources = DraResources(config.driver, node, unhealthy_taint=config.unhealthy_taint)
     offered = Watched({})  # the devices that passed the checks, their CDI spec written
@@ -8811,6 +8814,7 @@ def _embedded_dra(
     cdi_kind: str | None,
     unhealthy_taint: str,
     pod_uid: str,
+    device_metadata: bool = True,
 ) -> tuple[DraConfig, ResourceConfig, str]:
     """serve_dra_devices' arguments as a configuration file would have them: its DraConfig, the
     resource with api: dra, and the node's name; checked by the file's own parsers, so that each
@@ -8818,7 +8822,13 @@ def _embedded_dra(
     source = f"serve_dra_devices({resource.name!r})"
     if not isinstance(driver, str):
         raise ConfigError(source, "driver", f"{driver!r}: must be the driver's name, e.g. gopherplug.example.com")
-    config = _parse_dra({"driver": driver, "kubelet_dir": kubelet_dir, "unhealthy_taint": unhealthy_taint}, source, "")
+    given = {
+        "driver": driver,
+        "kubelet_dir": kubelet_dir,
+        "unhealthy_taint": unhealthy_taint,
+        "device_metadata": device_metadata,
+    }
+    config = _parse_dra(given, source, "")
     config = with_pod_uid(Config((), dra=config), pod_uid, f"{source}: pod_uid").dra or config
     node = node_name if node_name is not None else os.environ.get("NODE_NAME", "")
     if not node:

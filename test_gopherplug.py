@@ -8329,6 +8329,26 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
     return scope, await dra_node.nursery.start(run)
 
 
+async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
+    """serve_dra_devices(device_metadata=False) is dra: {device_metadata: false}: the claim's devices
+    get their own CDI device alone, and no metadata file is written."""
+    widgets = dra_node.root / "widgets"
+    devices = gp.Watched({"w1": widget("w1", widgets)})
+    kind = gp.dra_cdi_kind(DRIVER, "example.com/widget")
+    with trio.fail_after(TIMEOUT):
+        scope, driver = await serve_dra_widgets(dra_node, devices, device_metadata=False)
+        assert driver.config.device_metadata is False
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["w1"], WIDGET_POOL)
+        dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        scope.cancel()
+    assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists() or not any(
+        (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").iterdir()
+    )
+
+
 async def test_dra_embedded_devices_are_published_prepared_and_their_health_followed(dra_node):
     """The devices a program sets are the pool's, a claim prepared gets their CDI devices, a device
     the program calls unhealthy is tainted in the slice and reported so in the health stream, one
