@@ -3621,7 +3621,11 @@ def device_holders(
                         continue
                     if (known := by_name.get((result.pool_name, result.device_name))) is not None:
                         share = result.share_id if result.HasField("share_id") else ""
-                        found[known].append(Holder(*where, via, share))
+                        # The kubelet may list a claim's device more than once: it appends a claim's
+                        # devices at every try of a batch that failed (ClaimInfo.addDevice in
+                        # pkg/kubelet/cm/dra/claiminfo.go). One container holds it once.
+                        if (holder := Holder(*where, via, share)) not in found[known]:
+                            found[known].append(holder)
     return [
         HeldDevice(resource.name, d.id, d.path, d.health, d.problem, tuple(found.get((resource.name, d.id), ())))
         for resource, devices in resources
@@ -6566,9 +6570,16 @@ def dra_health_services(resources: DraResources, registration: RegistrationState
 class ClaimPreparer:
     """NodePrepareResources and NodeUnprepareResources, against the API server and the checkpoint.
 
-    Each claim is answered on its own: one that fails gets its error in the answer, and the
-    kubelet asks again for it alone. A prepared claim is in the checkpoint before it is answered,
-    so that whatever the kubelet was told survives a restart of this plugin.
+    Each claim is prepared on its own, and one that fails gets its error in the answer. The kubelet
+    then asks again for the whole batch, every claim of the pod not marked prepared, and it marks
+    none prepared until a batch comes back without an error; meanwhile it appends the devices of
+    each claim answered without one to that claim's list, at every try (prepareResources in
+    kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; ClaimInfo.addDevice in claiminfo.go): the
+    container would get every CDI device once per try, and PodResources would list each device as
+    often. So when a claim of a batch fails, the others are answered with an error too, naming it:
+    they stay prepared here, and the retry answers them again from the checkpoint, the same devices
+    (idempotent), once the whole batch succeeds. A prepared claim is in the checkpoint before it is
+    answered, so that whatever the kubelet was told survives a restart of this plugin.
 
     With ``peers``, a claim not prepared yet is refused while a newer pod of the driver serves
     (_prepare_one says why): only the newest pod's configuration reaches new containers.
@@ -6598,6 +6609,19 @@ class ClaimPreparer:
         async with trio.open_nursery() as nursery:
             for claim in claims.values():
                 nursery.start_soon(self._prepare_one, claim, response)
+        failed = [claim for claim in claims.values() if response.claims[claim.uid].error]
+        if failed:
+            # The kubelet would keep the others' devices from this try and add them again at the
+            # next (the class's docstring): none is handed over until every claim of the batch is.
+            first = failed[0]
+            why = (
+                f"held back until ResourceClaim {first.namespace}/{first.name} ({first.uid}) of the same request "
+                f"is prepared too: {response.claims[first.uid].error}"
+            )
+            for claim in claims.values():
+                if not response.claims[claim.uid].error:
+                    del response.claims[claim.uid].devices[:]
+                    response.claims[claim.uid].error = why
         return response
 
     async def _prepare_one(self, claim: Any, response: Any) -> None:
@@ -9814,6 +9838,7 @@ class DraKubeletSimulator:
         #: claim UID -> driver -> the devices its NodePrepareResources answered (the kubelet's
         #: claim info cache, kept across its restarts in its checkpoint, as here)
         self.prepared: dict[str, dict[str, list[Any]]] = {}
+        self._marked: set[str] = set()  # claim UIDs of batches that succeeded: prepared, for the kubelet
         #: (namespace, pod) -> container -> the claims (namespace, name, UID) it names in
         #: resources.claims: the pod specs PodResources reads (use_claims, remove_pod)
         self.pod_claims: dict[tuple[str, str], dict[str, list[tuple[str, str, str]]]] = {}
@@ -9999,12 +10024,26 @@ class DraKubeletSimulator:
             await self._changed.wait_touched()
 
     async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
-        """NodePrepareResources for (namespace, uid, name) claims; the response. The devices of
-        each claim answered without error are kept for ``cdi_devices``."""
+        """NodePrepareResources for (namespace, uid, name) claims, one batch as the kubelet sends a
+        pod's; the response. Calling it again with the same claims is the kubelet's retry: after
+        any claim's error it sends the whole batch again, and marks no claim prepared until a batch
+        succeeds. It takes the answers in a Go map's order, appending each claim's devices to what
+        it holds (ClaimInfo.addDevice) until it meets an error, where it stops (prepareResources in
+        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Go's order is random: here the
+        claims answered without an error come first, the order that keeps the most. A claim whose
+        batch succeeded before (the kubelet would not send it again; a test may) gets its devices
+        as answered now."""
+        claims = list(claims)
         response = await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
-        for uid, answer in response.claims.items():
-            if not answer.error:
-                self.prepared.setdefault(uid, {})[driver] = list(answer.devices)
+        for uid, answer in sorted(response.claims.items(), key=lambda item: bool(item[1].error)):
+            if answer.error:
+                return response  # the kubelet returns here: no claim of the batch is marked prepared
+            held = self.prepared.setdefault(uid, {})
+            if uid in self._marked:
+                held[driver] = list(answer.devices)
+            else:
+                held.setdefault(driver, []).extend(answer.devices)
+        self._marked.update(uid for _, uid, _ in claims)
         return response
 
     def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
@@ -10059,6 +10098,8 @@ class DraKubeletSimulator:
         unprepared without error is forgotten for ``cdi_devices``."""
         response = await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
         for uid, answer in response.claims.items():
+            if not answer.error:
+                self._marked.discard(uid)
             if not answer.error and uid in self.prepared:
                 self.prepared[uid].pop(driver, None)
                 if not self.prepared[uid]:

@@ -7793,6 +7793,55 @@ def registered_throughout(events, driver_sockets):
 
 
 @pytest.mark.parametrize("dra_node", standins.KUBERNETES_VERSIONS, indirect=True)
+async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dra_node):
+    """Issue 31, item 11: the 1.36 kubelet sends a pod's claims in one batch, and after any claim's
+    error sends the whole batch again, appending the devices of each claim answered without an
+    error at every try (the stand-in does as it does). So no claim's devices go out while another
+    of the batch fails: the retry answers the prepared one again from the checkpoint, and the
+    container gets its CDI device once, `who` its holder once."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").touch()
+    dra_node.api.put_claim(claim("c0", "uid-0", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    batch = [("default", "uid-0", "c0"), ("default", "uid-1", "c1")]  # c1 not on the API server yet
+    kubelet = dra_node.kubelet
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        for _ in range(2):  # the kubelet's tries, while c1 cannot be prepared
+            first = (await kubelet.prepare(DRIVER, batch)).claims
+            assert first["uid-1"].error and not first["uid-1"].devices
+            assert first["uid-0"].error == (
+                f"held back until ResourceClaim default/c1 (uid-1) of the same request is prepared too: "
+                f"{first['uid-1'].error}"
+            )
+            assert list(first["uid-0"].devices) == []
+        dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher1")))
+        answers = (await kubelet.prepare(DRIVER, batch)).claims  # the retry: the whole batch
+    assert [(answers[uid].error, [d.device_name for d in answers[uid].devices]) for uid in ("uid-0", "uid-1")] == [
+        ("", ["gopher0"]),
+        ("", ["gopher1"]),
+    ]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
+    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+
+
+def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
+    """Issue 31, item 11: a kubelet that retried a batch (with a driver that answers a batch's
+    claims one by one) holds a claim's devices once per try, and PodResources lists each as often."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k"), "cfg.yaml").resources
+    device = gp.DeviceEntry("gopher0", "/g/gopher0")
+    pool = gp.dra_pool_name("node-1", resource.name)
+    result = gp.podresourcespb.ClaimResource(driver_name=DRIVER, pool_name=pool, device_name="gopher0")
+    dynamic = gp.podresourcespb.DynamicResource(
+        claim_name="c0", claim_namespace="default", claim_resources=[result, result]
+    )
+    container = gp.podresourcespb.ContainerResources(name="worker", dynamic_resources=[dynamic])
+    pod = gp.podresourcespb.PodResources(name="trainer", namespace="default", containers=[container])
+    (held,) = gp.device_holders([(resource, [device])], [pod], DRIVER, "node-1")
+    assert held.holders == (gp.Holder("default", "trainer", "worker", "claim default/c0"),)
+
+
 async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered_throughout(dra_node, monkeypatch):
     """maxSurge: 1: the new pod starts while the old one serves and holds everything (the CDI spec,
     the checkpoint, the slices). Both register; a claim prepared during the overlap goes to the
