@@ -7508,7 +7508,7 @@ class SlicePublisher:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
                 deferring, unanswered = self._defer()
-                if unanswered:  # a newer pod not seen serving yet (DriverPeers asks it): looked at again, less and less often
+                if unanswered:  # a newer pod not seen serving yet (DriverPeers asks it): looked at again, less often
                     nursery.start_soon(_set_after, self._peer_delay, woken)
                     self._peer_delay = min(self._peer_delay * 2, DRA_PEER_RECHECK[1])
                 else:

@@ -8350,9 +8350,7 @@ async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_t
     for name in ("gopher0", "gopher1"):
         (dra_node.devices / name).touch()
     spec = dra_node.root / "cdi" / "example.com-gopher.json"
-    old_config = gp.with_pod_uid(
-        dra_node.config(env="OLD", pattern="gopher0"), "0a1b2c3d-0000-4000-8000-00000000001a"
-    )
+    old_config = gp.with_pod_uid(dra_node.config(env="OLD", pattern="gopher0"), "0a1b2c3d-0000-4000-8000-00000000001a")
     new_config = gp.with_pod_uid(dra_node.config(env="NEW"), "0a1b2c3d-0000-4000-8000-00000000002b")
     new_socket = new_config.dra.registration_socket
     with trio.fail_after(TIMEOUT):
