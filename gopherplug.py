@@ -7115,11 +7115,6 @@ async def list_and_watch(
 DRA_PEER_RECHECK = (0.05, 30.0)
 
 
-async def _set_after(delay: float, event: trio.Event) -> None:
-    await trio.sleep(delay)
-    event.set()
-
-
 def dra_registration_socket_of(driver: str, name: str) -> bool:
     """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
     DraConfig.registration_socket names them: "<driver>-reg.sock", "<driver>-<pod UID>-reg.sock"
@@ -7355,7 +7350,6 @@ class SlicePublisher:
         self.peers = peers
         #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
         self.deferring = Watched("")
-        self._peer_delay = DRA_PEER_RECHECK[0]  # until a newer socket that did not answer is asked again
         self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
@@ -7507,13 +7501,9 @@ class SlicePublisher:
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
-                deferring, unanswered = self._defer()
-                if unanswered:  # a newer pod not seen serving yet (DriverPeers asks it): looked at again, less often
-                    nursery.start_soon(_set_after, self._peer_delay, woken)
-                    self._peer_delay = min(self._peer_delay * 2, DRA_PEER_RECHECK[1])
-                else:
-                    self._peer_delay = DRA_PEER_RECHECK[0]
-                if deferring:
+                # A newer pod not seen serving yet is DriverPeers' to ask again: it touches
+                # peers.changed when the answer changes.
+                if self._defer():
                     await woken.wait()  # until a socket goes (or anything else changes): asked again
                     nursery.cancel_scope.cancel()
                     continue
@@ -7525,15 +7515,15 @@ class SlicePublisher:
                     continue
                 self.synced.set(self.synced.value + 1)
                 await woken.wait()
-                nursery.cancel_scope.cancel()  # whichever woke it, the other waiter (a recheck's timer) goes
+                nursery.cancel_scope.cancel()
 
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
 
-    def _defer(self) -> tuple[bool, bool]:
+    def _defer(self) -> bool:
         """Whether a newer pod of the driver writes the slices now (said in the log when that
-        changes), and whether a newer socket did not answer (DriverPeers.newer)."""
-        newer, unanswered = self.peers.newer() if self.peers is not None else ("", False)
+        changes; DriverPeers.newer)."""
+        newer = self.peers.newer()[0] if self.peers is not None else ""
         if newer != self.deferring.value:
             if newer:
                 log.info(
@@ -7545,7 +7535,7 @@ class SlicePublisher:
                 )
             self._retries.clear()  # whatever was due is compared again from scratch
             self.deferring.set(newer)
-        return bool(newer), unanswered
+        return bool(newer)
 
     def _owner(self) -> str:
         """The Node's UID ("" when it is not known: the slices go out without an owner, said once),
