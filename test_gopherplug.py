@@ -8346,13 +8346,17 @@ async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(d
 async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_the_new_one(dra_node, publishers):
     """Issue 31, item 9: at the end of a rolling update the old pod stops, its registration socket
     first. It must not take the turn back then (its own socket gone, no newer one would be seen):
-    the CDI spec (env) and the slices (pattern) stay the new pod's, and the old pod writes neither."""
+    the CDI spec (env) and the slices (pattern) stay the new pod's, and the old pod writes neither.
+    Here the old pod left both to the new one (a device came during the overlap) before it stops."""
     for name in ("gopher0", "gopher1"):
         (dra_node.devices / name).touch()
     spec = dra_node.root / "cdi" / "example.com-gopher.json"
-    old_config = gp.with_pod_uid(dra_node.config(env="OLD", pattern="gopher0"), "0a1b2c3d-0000-4000-8000-00000000001a")
+    old_config = gp.with_pod_uid(
+        dra_node.config(env="OLD", pattern="gopher[02]"), "0a1b2c3d-0000-4000-8000-00000000001a"
+    )
     new_config = gp.with_pod_uid(dra_node.config(env="NEW"), "0a1b2c3d-0000-4000-8000-00000000002b")
     new_socket = new_config.dra.registration_socket
+    new_env = [(f"gopher{n}", [f"NEW_GOPHER{n}=gopher{n}"]) for n in range(3)]
     with trio.fail_after(TIMEOUT):
         old = await dra_node.start(old_config)
         await dra_node.wait_for_slices(["gopher0"])
@@ -8361,8 +8365,12 @@ async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_t
         old_publisher, _ = publishers
         while old_publisher.deferring.value != new_socket:
             await old_publisher.deferring.wait_touched()
-        await dra_node.wait_for_slices(["gopher0", "gopher1"])
-        assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"]), ("gopher1", ["NEW_GOPHER1=gopher1"])]
+        old_devices = old_publisher.resources.served["example.com/gopher"][1]
+        with logged("is left to it") as left:
+            (dra_node.devices / "gopher2").touch()  # both pods' device: the old one leaves its spec to the new
+            await left.wait()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        assert "gopher2" in old_devices.value and spec_env(spec) == new_env
         await trio.testing.wait_all_tasks_blocked()
         writes = len(dra_node.api.writes)
         with logged("again") as again:
@@ -8370,8 +8378,8 @@ async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_t
             await dra_node.ended[old].wait()
         await trio.testing.wait_all_tasks_blocked()
     assert again.lines == []
-    assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"]), ("gopher1", ["NEW_GOPHER1=gopher1"])]
-    assert dra_node.slice_devices()[0] == ["gopher0", "gopher1"]
+    assert spec_env(spec) == new_env
+    assert dra_node.slice_devices()[0] == ["gopher0", "gopher1", "gopher2"]
     assert dra_node.api.writes[writes:] == []
 
 
