@@ -3856,7 +3856,11 @@ def device_holders(
                         continue
                     if (known := by_name.get((result.pool_name, result.device_name))) is not None:
                         share = result.share_id if result.HasField("share_id") else ""
-                        found[known].append(Holder(*where, via, share))
+                        # The kubelet may list a claim's device more than once: it appends a claim's
+                        # devices at every try of a batch that failed (ClaimInfo.addDevice in
+                        # pkg/kubelet/cm/dra/claiminfo.go). One container holds it once.
+                        if (holder := Holder(*where, via, share)) not in found[known]:
+                            found[known].append(holder)
     return [
         HeldDevice(resource.name, d.id, d.path, d.health, d.problem, tuple(found.get((resource.name, d.id), ())))
         for resource, devices in resources
@@ -7035,9 +7039,16 @@ def dra_health_services(resources: DraResources, registration: RegistrationState
 class ClaimPreparer:
     """NodePrepareResources and NodeUnprepareResources, against the API server and the checkpoint.
 
-    Each claim is answered on its own: one that fails gets its error in the answer, and the
-    kubelet asks again for it alone. A prepared claim is in the checkpoint before it is answered,
-    so that whatever the kubelet was told survives a restart of this plugin.
+    Each claim is prepared on its own, and one that fails gets its error in the answer. The kubelet
+    then asks again for the whole batch, every claim of the pod not marked prepared, and it marks
+    none prepared until a batch comes back without an error; meanwhile it appends the devices of
+    each claim answered without one to that claim's list, at every try (prepareResources in
+    kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; ClaimInfo.addDevice in claiminfo.go): the
+    container would get every CDI device once per try, and PodResources would list each device as
+    often. So when a claim of a batch fails, the others are answered with an error too, naming it:
+    they stay prepared here, and the retry answers them again from the checkpoint, the same devices
+    (idempotent), once the whole batch succeeds. A prepared claim is in the checkpoint before it is
+    answered, so that whatever the kubelet was told survives a restart of this plugin.
 
     With ``peers``, a claim not prepared yet is refused while a newer pod of the driver serves
     (_prepare_one says why): only the newest pod's configuration reaches new containers.
@@ -7080,6 +7091,19 @@ class ClaimPreparer:
         async with trio.open_nursery() as nursery:
             for claim in claims.values():
                 nursery.start_soon(self._prepare_one, claim, response)
+        failed = [claim for claim in claims.values() if response.claims[claim.uid].error]
+        if failed:
+            # The kubelet would keep the others' devices from this try and add them again at the
+            # next (the class's docstring): none is handed over until every claim of the batch is.
+            first = failed[0]
+            why = (
+                f"held back until ResourceClaim {first.namespace}/{first.name} ({first.uid}) of the same request "
+                f"is prepared too: {response.claims[first.uid].error}"
+            )
+            for claim in claims.values():
+                if not response.claims[claim.uid].error:
+                    del response.claims[claim.uid].devices[:]
+                    response.claims[claim.uid].error = why
         return response
 
     async def _prepare_one(self, claim: Any, response: Any) -> None:
@@ -7108,8 +7132,10 @@ class ClaimPreparer:
             # So it hands over: the claim's answer is an error, and the kubelet asks again ("will be
             # called again for those that are not prepared", NodePrepareResourcesResponse in
             # kubernetes/kubelet pkg/apis/dra/v1/api.proto; the pod's sync is retried with backoff),
-            # by then of the newest pod, or of this one once the newer pod is gone.
-            if self.peers is not None and (newer := self.peers.newer()[0]):
+            # by then of the newest pod, or of this one once the newer pod is gone. Only a newer pod
+            # the kubelet registered counts (DriverPeers): one wedged or not registered gets no
+            # calls, and the kubelet keeps calling this pod, which must then prepare (issue 31).
+            if self.peers is not None and (newer := self.peers.newer(registered=True)[0]):
                 raise GopherplugError(
                     f"a newer pod of DRA driver {self.resources.driver} serves on this node ({newer}): it prepares "
                     "new claims, and the kubelet asks again"
@@ -7665,15 +7691,11 @@ async def list_and_watch(
             delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
 
 
-#: How soon a newer pod's registration socket that did not answer is asked again, at first and at
-#: most (doubling in between): a starting pod listens within milliseconds of making it; a killed
-#: one's never does, and is asked about twice a minute until the next driver's start removes it.
+#: How soon a newer pod that does not serve is asked again (DriverPeers), at first and at most
+#: (doubling in between): a starting pod listens within milliseconds of making its socket, and the
+#: kubelet registers it within a second or two; a killed, wedged or unregistered one never does,
+#: and is asked about twice a minute (a killed one's socket until the next driver's start removes it).
 DRA_PEER_RECHECK = (0.05, 30.0)
-
-
-async def _set_after(delay: float, event: trio.Event) -> None:
-    await trio.sleep(delay)
-    event.set()
 
 
 def dra_registration_socket_of(driver: str, name: str) -> bool:
@@ -7691,61 +7713,180 @@ def dra_registration_socket_of(driver: str, name: str) -> bool:
     return bool(_UUID.fullmatch(middle) or re.fullmatch(r"[A-Za-z0-9_-]{11}", middle))
 
 
+#: How long a newer pod's registration socket and its endpoint have to answer the questions that
+#: tell whether it serves (DriverPeers._serves): the kubelet gives GetInfo one second too.
+DRA_PEER_TIMEOUT = 1.0
+
+
 class DriverPeers:
     """The other pods of this DRA driver on the node, seen through their registration sockets, for
     the slices: during a rolling update the old and the new pod both keep them, and the new one may
     describe the devices otherwise (another version, another configuration). Both writing what they
     see would rewrite each other's slices, a new generation each time, until the old pod is gone.
-    So the newest pod writes them: a pod whose registration socket is older than a live one of the
-    driver leaves them to it, and writes again once that one is gone (its socket removed). The same
-    notion picks the CDI specs' one writer (CDISpecTurn) and the pod that prepares new claims
-    (ClaimPreparer).
+    So the newest pod that serves writes them: a pod whose registration socket is older than that of
+    a serving pod of the driver leaves them to it, and writes again once that one is gone (its socket
+    removed). The same notion picks the CDI specs' one writer (CDISpecTurn) and the pod that
+    prepares new claims (ClaimPreparer).
 
-    Newest: the later socket's change time (each pod makes its socket as it starts). Live: its
-    socket accepts a connection (a killed pod's does not, see _remove_dead_sockets). Sockets named
-    as dra_registration_socket_of says; a pod whose name had to be hashed whole
+    Newest: the later socket's change time (each pod makes its socket as it starts). This pod's own
+    is remembered: it removes its socket first as it stops (so that the kubelet deregisters it
+    before its endpoint goes), and with nothing left to compare, a stopping old pod would take the
+    turn back and write the spec and the slices from its own configuration once more, after the new
+    pod had written them (issue 31). And a stopping pod (``stopping``, set by serve_dra) never takes
+    the turn back whatever it sees: it is going.
+
+    Serving, not merely a socket that accepts a connection: the kernel accepts one into the listen
+    backlog of a pod that is wedged, which writes nothing and answers nothing. What this pod can
+    observe, ``watch`` asks in the background whenever a socket comes or goes, and again with a
+    backoff (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers
+    GetInfo as this driver within DRA_PEER_TIMEOUT (it runs: it writes the slices and the CDI spec,
+    ``newer()``), and whether its endpoint's gopherplug status says the kubelet registered it
+    (NotifyRegistrationStatus, and not dropped since: RegistrationState; ``newer(registered=True)``).
+    The kubelet calls the newest plugin that is registered and connected (GetPlugin in
+    kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): until the newer pod is
+    registered, the kubelet calls this one, which prepares new claims (ClaimPreparer), while the
+    slices and the spec stay the newer pod's (both writing their own view would rewrite each other's
+    without end). An endpoint without that status (another implementation, an older gopherplug)
+    counts as registered once it answers at all. Once seen registered a pod counts until its socket
+    goes. A killed pod's socket accepts nothing, and _remove_dead_sockets removes it at the next start.
+
+    Sockets named as dra_registration_socket_of says; a pod whose name had to be hashed whole
     ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
     """
 
     def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
         self.config = config
-        #: touched when a socket comes or goes in plugins_registry (``changed``, shared with the CDI
-        #: specs' CDISpecTurn, when given)
+        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to
+        #: serve (``changed``, shared with the CDI specs' CDISpecTurn, when given)
         self.changed = changed if changed is not None else Watched(None)
+        #: set by serve_dra as it stops: from then on newer() never answers "none" after naming one
+        self.stopping = False
+        self._mine: tuple[int, str] | None = None  # our socket's (change time, name), as last seen
+        # A newer socket -> (its (inode, change time), how far its pod serves: _ANSWERS, _REGISTERED
+        # or 0), as _check last found.
+        self._serving: dict[str, tuple[tuple[int, int], int]] = {}
+        self._said = ["", ""]  # newer()'s last answers before stopping, without and with ``registered``
 
-    def newer(self) -> tuple[str, bool]:
-        """The registration socket of a live pod of the driver newer than this one ("" if none, also
-        while this one has no socket yet: it starts by publishing), and whether a newer socket did
-        not answer: one made a moment ago refuses until its pod listens on it (bind() comes first),
-        and no inotify event says when it does, so it is asked again (SlicePublisher)."""
+    def _newer_sockets(self) -> list[tuple[str, tuple[int, int]]]:
+        """The driver's registration sockets newer than ours, each with its (inode, change time);
+        none while ours was never seen (this pod starts by publishing)."""
         ours = self.config.registration_socket
-        try:
-            mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
-        except OSError:
-            return "", False
+        with contextlib.suppress(OSError):  # gone: compared as it was (this pod stops)
+            self._mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
+        if self._mine is None:
+            return []
         registry = os.path.dirname(ours)
-        driver = self.config.driver
-        unanswered = False
+        found = []
         for name in _listing(registry):
             path = os.path.join(registry, name)
-            if path == ours or not dra_registration_socket_of(driver, name):
+            if path == ours or not dra_registration_socket_of(self.config.driver, name):
                 continue
             with contextlib.suppress(OSError):
                 status = os.lstat(path)
-                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > mine:
-                    if _accepts(path):
-                        return path, False
-                    unanswered = True
-        return "", unanswered
+                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > self._mine:
+                    found.append((path, (status.st_ino, status.st_ctime_ns)))
+        return found
+
+    def newer(self, registered: bool = False) -> tuple[str, bool]:
+        """The registration socket of a running pod of the driver newer than this one ("" if none;
+        ``registered``: one the kubelet registered), and whether a newer socket's pod is not (yet)
+        seen so: one that starts, is wedged, or is not registered (``watch`` asks again). No I/O but
+        a directory listing: asked under the CDI spec's flock, and from the event loop."""
+        level = _REGISTERED if registered else _ANSWERS
+        answer, unserved = "", False
+        for path, identity in self._newer_sockets():
+            known = self._serving.get(path)
+            if known is not None and known[0] == identity:
+                serves = known[1] >= level
+            else:
+                # Not asked yet (_check is on its way): one that accepts counts as running for now,
+                # or this pod would write over a new pod's first slices and spec in the meantime.
+                serves = not registered and _accepts(path)
+            if serves:
+                answer, unserved = path, False
+                break
+            unserved = True
+        if self.stopping:
+            # A stopping pod that left the turn to a newer one does not take it back on its way out.
+            said = self._said[registered]
+            return (said, False) if said and not answer else (answer, unserved)
+        self._said[registered] = answer
+        return answer, unserved
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Touch ``changed`` at every change of plugins_registry, until cancelled."""
+        """Touch ``changed`` at every change of plugins_registry, and find out which newer pods
+        serve (_check), until cancelled."""
         events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+        registry = Watched(None)  # touched at every change of plugins_registry
         with DirectoryWatch(os.path.dirname(self.config.registration_socket), events) as watch:
-            task_status.started()
-            async with contextlib.aclosing(watch.batches()) as batches:
-                async for _ in batches:
-                    self.changed.touch()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_checking, registry)
+                task_status.started()
+                async with contextlib.aclosing(watch.batches()) as batches:
+                    async for _ in batches:
+                        registry.touch()
+                        self.changed.touch()
+                nursery.cancel_scope.cancel()
+
+    async def _keep_checking(self, registry: Watched) -> None:
+        """_check at every change of plugins_registry; while a newer pod does not serve, again after
+        DRA_PEER_RECHECK's backoff (registering takes the kubelet up to a second or two after the
+        socket appears, and nothing in plugins_registry changes when it has)."""
+        delay = DRA_PEER_RECHECK[0]
+        while True:
+            touched = registry.next_touch()  # taken before _check: a change during it is not missed
+            if await self._check():
+                with trio.move_on_after(delay):
+                    await touched.wait()
+                delay = DRA_PEER_RECHECK[0] if touched.is_set() else min(delay * 2, DRA_PEER_RECHECK[1])
+            else:
+                await touched.wait()
+                delay = DRA_PEER_RECHECK[0]
+
+    async def _check(self) -> bool:
+        """Ask each newer socket not seen registered yet how far its pod serves; touch ``changed``
+        when an answer is new. Returns whether one is not registered (yet)."""
+        verdicts, unregistered, changed = {}, False, False
+        for path, identity in self._newer_sockets():
+            known = self._serving.get(path)
+            if known is not None and known == (identity, _REGISTERED):
+                verdicts[path] = known
+                continue
+            level = await self._serves(path)
+            verdicts[path] = (identity, level)
+            unregistered |= level < _REGISTERED
+            changed |= verdicts[path] != known
+        self._serving = verdicts  # sockets gone are forgotten
+        if changed:
+            self.changed.touch()
+        return unregistered
+
+    async def _serves(self, path: str) -> int:
+        """How far the pod behind the registration socket ``path`` serves (the class's docstring):
+        0, _ANSWERS or _REGISTERED. Asked as a probe (PROBE_METADATA): the other pod does not count
+        our GetInfo as its kubelet's."""
+        try:
+            info = await call_unary(
+                path,
+                DRA_METHODS[GET_INFO],
+                pluginregistration.InfoRequest(),
+                timeout=DRA_PEER_TIMEOUT,
+                metadata=(PROBE_METADATA,),
+            )
+        except RPCError:
+            return 0  # wedged, still starting, or dead
+        if info.name != self.config.driver:
+            return 0
+        try:
+            status = await call_unary(info.endpoint, GET_STATUS, v1beta1.Empty(), timeout=DRA_PEER_TIMEOUT)
+        except RPCError as error:
+            # UNIMPLEMENTED: it answers, but says nothing of its registration
+            return _REGISTERED if error.code == StatusCode.UNIMPLEMENTED else _ANSWERS
+        return _REGISTERED if status.registered else _ANSWERS
+
+
+#: How far a newer pod serves (DriverPeers): its socket answers GetInfo; the kubelet registered it.
+_ANSWERS, _REGISTERED = 1, 2
 
 
 class SlicePublisher:
@@ -7792,7 +7933,6 @@ class SlicePublisher:
         self.peers = peers
         #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
         self.deferring = Watched("")
-        self._peer_delay = DRA_PEER_RECHECK[0]  # until a newer socket that did not answer is asked again
         self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
@@ -7977,13 +8117,9 @@ class SlicePublisher:
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_any_event, touches, woken)
-                deferring, unanswered = self._defer()
-                if unanswered:  # a newer pod's socket, maybe not listened on yet: asked again, less and less often
-                    nursery.start_soon(_set_after, self._peer_delay, woken)
-                    self._peer_delay = min(self._peer_delay * 2, DRA_PEER_RECHECK[1])
-                else:
-                    self._peer_delay = DRA_PEER_RECHECK[0]
-                if deferring:
+                # A newer pod not seen serving yet is DriverPeers' to ask again: it touches
+                # peers.changed when the answer changes.
+                if self._defer():
                     await woken.wait()  # until a socket goes (or anything else changes): asked again
                     nursery.cancel_scope.cancel()
                     continue
@@ -7995,15 +8131,15 @@ class SlicePublisher:
                     continue
                 self.synced.set(self.synced.value + 1)
                 await woken.wait()
-                nursery.cancel_scope.cancel()  # whichever woke it, the other waiter (a recheck's timer) goes
+                nursery.cancel_scope.cancel()
 
     def _devices(self) -> list[Watched]:
         return [devices for _, devices in self.resources.served.values()]
 
-    def _defer(self) -> tuple[bool, bool]:
+    def _defer(self) -> bool:
         """Whether a newer pod of the driver writes the slices now (said in the log when that
-        changes), and whether a newer socket did not answer (DriverPeers.newer)."""
-        newer, unanswered = self.peers.newer() if self.peers is not None else ("", False)
+        changes; DriverPeers.newer)."""
+        newer = self.peers.newer()[0] if self.peers is not None else ""
         if newer != self.deferring.value:
             if newer:
                 log.info(
@@ -8015,7 +8151,7 @@ class SlicePublisher:
                 )
             self._retries.clear()  # whatever was due is compared again from scratch
             self.deferring.set(newer)
-        return bool(newer), unanswered
+        return bool(newer)
 
     def _owner(self) -> str:
         """The Node's UID ("" when it is not known: the slices go out without an owner, said once),
@@ -8406,6 +8542,7 @@ async def _serve_dra(
             task_status.started(driver)
             await trio.sleep_forever()
         finally:
+            peers.stopping = True  # its registration socket goes first: no turn taken back on the way out
             await parts.stop()
 
 
@@ -10340,6 +10477,7 @@ class DraKubeletSimulator:
         #: claim UID -> driver -> the devices its NodePrepareResources answered (the kubelet's
         #: claim info cache, kept across its restarts in its checkpoint, as here)
         self.prepared: dict[str, dict[str, list[Any]]] = {}
+        self._marked: set[str] = set()  # claim UIDs of batches that succeeded: prepared, for the kubelet
         #: (namespace, pod) -> container -> the claims (namespace, name, UID) it names in
         #: resources.claims: the pod specs PodResources reads (use_claims, remove_pod)
         self.pod_claims: dict[tuple[str, str], dict[str, list[tuple[str, str, str]]]] = {}
@@ -10525,12 +10663,26 @@ class DraKubeletSimulator:
             await self._changed.wait_touched()
 
     async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
-        """NodePrepareResources for (namespace, uid, name) claims; the response. The devices of
-        each claim answered without error are kept for ``cdi_devices``."""
+        """NodePrepareResources for (namespace, uid, name) claims, one batch as the kubelet sends a
+        pod's; the response. Calling it again with the same claims is the kubelet's retry: after
+        any claim's error it sends the whole batch again, and marks no claim prepared until a batch
+        succeeds. It takes the answers in a Go map's order, appending each claim's devices to what
+        it holds (ClaimInfo.addDevice) until it meets an error, where it stops (prepareResources in
+        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Go's order is random: here the
+        claims answered without an error come first, the order that keeps the most. A claim whose
+        batch succeeded before (the kubelet would not send it again; a test may) gets its devices
+        as answered now."""
+        claims = list(claims)
         response = await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
-        for uid, answer in response.claims.items():
-            if not answer.error:
-                self.prepared.setdefault(uid, {})[driver] = list(answer.devices)
+        for uid, answer in sorted(response.claims.items(), key=lambda item: bool(item[1].error)):
+            if answer.error:
+                return response  # the kubelet returns here: no claim of the batch is marked prepared
+            held = self.prepared.setdefault(uid, {})
+            if uid in self._marked:
+                held[driver] = list(answer.devices)
+            else:
+                held.setdefault(driver, []).extend(answer.devices)
+        self._marked.update(uid for _, uid, _ in claims)
         return response
 
     def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
@@ -10585,6 +10737,8 @@ class DraKubeletSimulator:
         unprepared without error is forgotten for ``cdi_devices``."""
         response = await self._call(driver, "NodeUnprepareResources", drapb.NodeUnprepareResourcesRequest, claims)
         for uid, answer in response.claims.items():
+            if not answer.error:
+                self._marked.discard(uid)
             if not answer.error and uid in self.prepared:
                 self.prepared[uid].pop(driver, None)
                 if not self.prepared[uid]:

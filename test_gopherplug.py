@@ -7715,6 +7715,8 @@ class DraNode:
             str(self.kubelet_dir), wipe=lambda driver: self.api.delete_node_slices("node-1", driver), version=version
         )
         self.scope = None
+        #: each start()'s scope -> set once that gopherplug has stopped, every part of it
+        self.ended = {}
         #: the CDI spec directory of a test's own (the default, /var/run/cdi, is every test run's)
         self.cdi = {"kind": "example.com/gopher", "spec_dir": str(self.root / "cdi")}
 
@@ -7748,11 +7750,15 @@ class DraNode:
         config = config or self.config(cdi=self.cdi)
         os.environ["KUBECONFIG"] = str(self.kubeconfig)
         os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-        self.scope = trio.CancelScope()
+        self.scope = scope = trio.CancelScope()
+        ended = self.ended[scope] = trio.Event()
 
         async def run(task_status):
-            with self.scope:
-                await gp.serve_plugin(config, node_name=node_name, updates=updates, task_status=task_status)
+            try:
+                with scope:
+                    await gp.serve_plugin(config, node_name=node_name, updates=updates, task_status=task_status)
+            finally:
+                ended.set()
 
         await self.nursery.start(run)
         return self.scope  # for a test running two: a pod's, to stop it alone
@@ -8155,6 +8161,55 @@ def registered_throughout(events, driver_sockets):
 
 
 @pytest.mark.parametrize("dra_node", standins.KUBERNETES_VERSIONS, indirect=True)
+async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dra_node):
+    """Issue 31, item 11: the 1.36 kubelet sends a pod's claims in one batch, and after any claim's
+    error sends the whole batch again, appending the devices of each claim answered without an
+    error at every try (the stand-in does as it does). So no claim's devices go out while another
+    of the batch fails: the retry answers the prepared one again from the checkpoint, and the
+    container gets its CDI device once, `who` its holder once."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").touch()
+    dra_node.api.put_claim(claim("c0", "uid-0", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    batch = [("default", "uid-0", "c0"), ("default", "uid-1", "c1")]  # c1 not on the API server yet
+    kubelet = dra_node.kubelet
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        for _ in range(2):  # the kubelet's tries, while c1 cannot be prepared
+            first = (await kubelet.prepare(DRIVER, batch)).claims
+            assert first["uid-1"].error and not first["uid-1"].devices
+            assert first["uid-0"].error == (
+                f"held back until ResourceClaim default/c1 (uid-1) of the same request is prepared too: "
+                f"{first['uid-1'].error}"
+            )
+            assert list(first["uid-0"].devices) == []
+        dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher1")))
+        answers = (await kubelet.prepare(DRIVER, batch)).claims  # the retry: the whole batch
+    assert [(answers[uid].error, [d.device_name for d in answers[uid].devices]) for uid in ("uid-0", "uid-1")] == [
+        ("", ["gopher0"]),
+        ("", ["gopher1"]),
+    ]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
+    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+
+
+def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
+    """Issue 31, item 11: a kubelet that retried a batch (with a driver that answers a batch's
+    claims one by one) holds a claim's devices once per try, and PodResources lists each as often."""
+    (resource,) = gp.parse_config(dra_config("/g", "/k"), "cfg.yaml").resources
+    device = gp.DeviceEntry("gopher0", "/g/gopher0")
+    pool = gp.dra_pool_name("node-1", resource.name)
+    result = gp.podresourcespb.ClaimResource(driver_name=DRIVER, pool_name=pool, device_name="gopher0")
+    dynamic = gp.podresourcespb.DynamicResource(
+        claim_name="c0", claim_namespace="default", claim_resources=[result, result]
+    )
+    container = gp.podresourcespb.ContainerResources(name="worker", dynamic_resources=[dynamic])
+    pod = gp.podresourcespb.PodResources(name="trainer", namespace="default", containers=[container])
+    (held,) = gp.device_holders([(resource, [device])], [pod], DRIVER, "node-1")
+    assert held.holders == (gp.Holder("default", "trainer", "worker", "claim default/c0"),)
+
+
 async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered_throughout(dra_node, monkeypatch):
     """maxSurge: 1: the new pod starts while the old one serves and holds everything (the CDI spec,
     the checkpoint, the slices). Both register; a claim prepared during the overlap goes to the
@@ -8268,6 +8323,8 @@ def test_dra_another_driver_whose_name_extends_ours_is_neither_a_peer_nor_remove
         newer.bind(str(registry / f"{DRIVER}-{other_uid}-reg.sock"))
         newer.listen()
         assert gp.DriverPeers(config).newer() == (str(registry / f"{DRIVER}-{other_uid}-reg.sock"), False)
+        # Not asked yet whether the kubelet registered it: no pod that prepares claims (issue 31).
+        assert gp.DriverPeers(config).newer(registered=True) == ("", True)
     # Closed now: what each pod leaves when killed.
     theirs = [registry / f"{DRIVER}-nic-reg.sock", registry / f"{DRIVER}-nic-{other_uid}-reg.sock"]
     mine = registry / f"{DRIVER}-{other_uid}-reg.sock"
@@ -8581,41 +8638,60 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
     assert len(dra_node.api.writes) <= 6, dra_node.api.writes
 
 
-async def test_dra_a_newer_pod_is_seen_once_it_listens_on_its_socket(dra_node, monkeypatch):
-    """A pod makes its registration socket (bind) a moment before it listens on it: seen at once
-    by inotify, it refuses a connection then, and nothing tells the old pod when it stops refusing.
-    The old pod asks again, and leaves the slices to the new one once it answers; once its socket
-    goes, the old pod writes them again."""
-    publishers = []
-
-    class Recorded(gp.SlicePublisher):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.decisions = gp.Watched([])  # each _defer() answer: (deferring, a newer socket refused)
-            publishers.append(self)
-
-        def _defer(self):
-            decision = super()._defer()
-            self.decisions.set([*self.decisions.value, decision])
-            return decision
-
-    monkeypatch.setattr(gp, "SlicePublisher", Recorded)
+async def test_dra_a_newer_pod_counts_once_it_answers_and_the_kubelet_registered_it(dra_node, publishers, monkeypatch):
+    """Issue 31, item 10: the kubelet calls the newest pod of a driver that is registered and
+    connected, not one whose socket merely accepts. A wedged newer pod (its socket accepts into the
+    backlog, nothing answers) is no newer pod at all: the old one keeps writing the slices and
+    prepares new claims. A running newer pod the kubelet has not registered (here: it refused it)
+    writes the slices, but the kubelet calls the old pod, which must prepare; once the kubelet
+    registers the new pod, the old one hands new claims over."""
+    monkeypatch.setattr(gp, "DRA_PEER_TIMEOUT", 0.3)
+    monkeypatch.setattr(gp, "DRA_PEER_RECHECK", (0.05, 0.2))
     (dra_node.devices / "gopher0").touch()
-    newer = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000002b-reg.sock"
+    for index in range(3):
+        dra_node.api.put_claim(claim(f"c{index}", f"uid-{index}", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
+    old_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a")
+    new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
+    old_socket, new_socket = old_config.dra.registration_socket, new_config.dra.registration_socket
+    wedged = dra_node.kubelet_dir / "plugins_registry" / f"{DRIVER}-0a1b2c3d-0000-4000-8000-00000000003c-reg.sock"
+    kubelet = dra_node.kubelet
+
+    async def until(predicate):
+        while not predicate():
+            await peers.changed.wait_touched()
+
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000001a"))
+        await dra_node.start(old_config)
         await dra_node.registered()
         (publisher,) = publishers
-        with socket.socket(socket.AF_UNIX) as starting:
-            starting.bind(str(newer))  # made, not listened on yet
-            while (False, True) not in publisher.decisions.value:  # seen, refusing: not deferred to
-                await publisher.decisions.wait_touched()
-            starting.listen()  # no inotify event for this
-            while publisher.deferring.value != str(newer):
-                await publisher.deferring.wait_touched()
-            newer.unlink()  # the new pod gone, its socket with it
-            while publisher.deferring.value:
-                await publisher.deferring.wait_touched()
+        peers = publisher.peers
+        with socket.socket(socket.AF_UNIX) as stuck:
+            stuck.bind(str(wedged))
+            stuck.listen()  # accepts, never answers
+            await until(lambda: peers.newer() == ("", True) and peers.newer(registered=True) == ("", True))
+            answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]
+            assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
+            assert publisher.deferring.value == ""
+        wedged.unlink()
+        kubelet.versions = []  # this kubelet refuses the new pod's registration
+        await dra_node.start(new_config)
+        await kubelet.wait_until(lambda k: any(new_socket == path for _, path in k.events))
+        await until(lambda: peers.newer()[0] == new_socket and peers.newer(registered=True) == ("", True))
+        while publisher.deferring.value != new_socket:  # the slices are the running new pod's
+            await publisher.deferring.wait_touched()
+        assert kubelet.drivers[DRIVER].registration_socket == old_socket
+        answer = (await kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
+        kubelet.versions = ["v1.DRAPlugin"]
+        kubelet.order = lambda names: sorted(names, key=lambda name: name == os.path.basename(old_socket))
+        kubelet.restart()  # both registered, the old pod last: the kubelet calls it
+        await kubelet.wait_until(lambda k: k.starts == 2 and len(k.plugins.get(DRIVER, [])) == 2)
+        await until(lambda: peers.newer(registered=True)[0] == new_socket)
+        answer = (await kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])).claims["uid-2"]
+    assert answer.error == (
+        f"a newer pod of DRA driver {DRIVER} serves on this node ({new_socket}): it prepares new claims, and the "
+        "kubelet asks again"
+    )
 
 
 def spec_env(path):
@@ -8663,6 +8739,46 @@ async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(d
         ("gopher1", ["OLD_GOPHER1=gopher1"]),
         ("gopher2", ["OLD_GOPHER2=gopher2"]),
     ]
+
+
+async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_the_new_one(dra_node, publishers):
+    """Issue 31, item 9: at the end of a rolling update the old pod stops, its registration socket
+    first. It must not take the turn back then (its own socket gone, no newer one would be seen):
+    the CDI spec (env) and the slices (pattern) stay the new pod's, and the old pod writes neither.
+    Here the old pod left both to the new one (a device came during the overlap) before it stops."""
+    for name in ("gopher0", "gopher1"):
+        (dra_node.devices / name).touch()
+    spec = dra_node.root / "cdi" / "example.com-gopher.json"
+    old_config = gp.with_pod_uid(
+        dra_node.config(env="OLD", pattern="gopher[02]"), "0a1b2c3d-0000-4000-8000-00000000001a"
+    )
+    new_config = gp.with_pod_uid(dra_node.config(env="NEW"), "0a1b2c3d-0000-4000-8000-00000000002b")
+    new_socket = new_config.dra.registration_socket
+    new_env = [(f"gopher{n}", [f"NEW_GOPHER{n}=gopher{n}"]) for n in range(3)]
+    with trio.fail_after(TIMEOUT):
+        old = await dra_node.start(old_config)
+        await dra_node.wait_for_slices(["gopher0"])
+        await dra_node.start(new_config)
+        await dra_node.kubelet.wait_until(lambda k: len(k.plugins.get(DRIVER, [])) == 2)
+        old_publisher, _ = publishers
+        while old_publisher.deferring.value != new_socket:
+            await old_publisher.deferring.wait_touched()
+        old_devices = old_publisher.resources.served["example.com/gopher"][1]
+        with logged("is left to it") as left:
+            (dra_node.devices / "gopher2").touch()  # both pods' device: the old one leaves its spec to the new
+            await left.wait()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        assert "gopher2" in old_devices.value and spec_env(spec) == new_env
+        await trio.testing.wait_all_tasks_blocked()
+        writes = len(dra_node.api.writes)
+        with logged("again") as again:
+            old.cancel()  # the DaemonSet controller deletes the old pod
+            await dra_node.ended[old].wait()
+        await trio.testing.wait_all_tasks_blocked()
+    assert again.lines == []
+    assert spec_env(spec) == new_env
+    assert dra_node.slice_devices()[0] == ["gopher0", "gopher1", "gopher2"]
+    assert dra_node.api.writes[writes:] == []
 
 
 async def test_a_pod_that_takes_the_cdi_turn_writes_its_spec_again(nursery, tmp_path):
@@ -8737,7 +8853,7 @@ async def test_dra_kubelet_stand_in_connects_again_when_it_calls_a_plugin_not_co
     assert kubelet.plugins[DRIVER] == [plugin]
 
 
-async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_newest(dra_node):
+async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_newest(dra_node, publishers):
     """Issue 25, finding 5, with finding 3: after a kubelet restart during a rolling update, the
     kubelet may register the old pod last, and then calls it (the newest registered and connected
     plugin). The old pod's configuration (env OLD) is not the new one's, whose CDI spec is on the
@@ -8760,6 +8876,9 @@ async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_ne
         assert [p.registration_socket for p in kubelet.plugins[DRIVER]] == [new_socket, old_socket]
         assert all(p.connected for p in kubelet.plugins[DRIVER])
         assert kubelet.drivers[DRIVER].registration_socket == old_socket  # the kubelet calls the old pod
+        peers = publishers[0].peers
+        while peers.newer(registered=True)[0] != new_socket:  # the old pod has seen the kubelet register it
+            await peers.changed.wait_touched()
         with logged("cannot prepare ResourceClaim") as refused:
             answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]
         assert (answer.error, list(answer.devices)) == (
