@@ -2834,7 +2834,9 @@ def _add_once(added: dict[str, Any], what: str, item: Any) -> None:
         )
 
 
-def preferred_allocation_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntry], request: Any) -> Any:
+def preferred_allocation_response(
+    resource: ResourceConfig, devices: Mapping[str, DeviceEntry], request: Any, *, order: _PreferredOrder | None = None
+) -> Any:
     """Answer GetPreferredAllocation: the best ``allocation_size`` of the available IDs.
 
     The must-include IDs first (the kubelet has already given those to the pod's other containers);
@@ -2842,15 +2844,81 @@ def preferred_allocation_response(resource: ResourceConfig, devices: Mapping[str
     then (packed) on replicas of devices already chosen or (spread) on the least used devices, then
     in natural order. Deterministic, and never an ID that was not offered. When the request cannot
     be met, the answer is short, and the kubelet falls back to its own choice.
+
+    ``order``: a _PreferredOrder of this very ``resource`` and ``devices``, kept by the caller
+    across requests (the service keeps one per device set): where it can answer, the answer costs
+    what reading the request costs, not a sort of every offered ID. The answer is the same.
     """
     response = v1beta1.PreferredAllocationResponse()
     for container in request.container_requests:
+        if order is not None and (fast := order.answer(container)) is not None:
+            response.container_responses.add(deviceIDs=fast)
+            continue
         available = dict.fromkeys(container.available_deviceIDs)  # a dict: each `in` below is one lookup
         chosen = list(dict.fromkeys(i for i in container.must_include_deviceIDs if i in available))
         response.container_responses.add(
             deviceIDs=_pick(resource, devices, available, chosen, container.allocation_size)
         )
     return response
+
+
+class _PreferredOrder:
+    """The order in which _pick takes a device set's IDs, worked out once for every request that
+    cannot change it, and the answer to such a request taken from it.
+
+    The kubelet sends GetPreferredAllocation every available ID of the resource (all the healthy
+    ones not allocated yet: tens of thousands with replicas), and _pick sorts them each time:
+    2.2 us an ID, 157 ms for 50,000, on the one event loop. But when no rank can differ between two
+    candidates except by natural order, the rule's picks are the available IDs in natural order, and
+    that is the natural order of *all* the IDs listed, with those not offered skipped: sorted once
+    per device set, the answer is a walk of that list that stops after ``allocation_size`` offered
+    IDs. That holds when:
+
+    - the devices are on one NUMA node, or none has one: every candidate has node rank 0;
+    - replicas is 1: uses count only devices already chosen, and those have no other ID; or
+      replicas are packed, nothing must be included (every use is 0), and each device's IDs are
+      together in natural order (device "g1" gives "g1::0".."g1::3", all before "g2::0"): packed
+      takes devices whole in the order of their first candidate, which is then natural order too.
+
+    Other requests (several NUMA nodes, spread replicas, an ID not listed now) return None from
+    answer(), and _pick answers them. Costs: set() of the offered IDs and a subset test, C loops over
+    the request's IDs; the walk, a C loop that stops early. Building it costs about what one _pick
+    did, once per change of the device set.
+    """
+
+    def __init__(self, resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> None:
+        self.resource, self.devices = resource, devices  # what it was made for (the service compares)
+        self.order: list[str] | None = None  # None: no request can be answered from an order
+        self.listed: frozenset[str] = frozenset()
+        if len({device.numa_node for device in devices.values()}) > 1:
+            return  # the node to fill first depends on what is offered: _pick
+        if resource.replicas == 1:
+            ids = list(devices)
+        elif resource.preferred == "packed":
+            ids = [kubelet_id for device_id in devices for kubelet_id in resource.replica_ids(device_id)]
+        else:
+            return  # spread replicas: a device's j-th candidate depends on what is offered
+        order = _natural_sorted(ids) if ids else []
+        owners = resource.underlying_ids(order)
+        if resource.replicas > 1 and sum(1 for _ in itertools.groupby(owners)) != len(devices):
+            return  # a device's IDs apart ("a1::0" .. "a1::9", then "a1::10" after "a10::0"...): _pick
+        self.order, self.listed = order, frozenset(ids)
+
+    def answer(self, container: Any) -> list[str] | None:
+        """_pick's answer to one ContainerPreferredAllocationRequest, or None if this order cannot give it."""
+        if self.order is None:
+            return None
+        available = set(container.available_deviceIDs)
+        if not available <= self.listed:
+            return None  # an ID we do not list (any more): the rule ranks it among the others
+        chosen = list(dict.fromkeys(i for i in container.must_include_deviceIDs if i in available))
+        need = container.allocation_size - len(chosen)
+        if need <= 0:
+            return chosen
+        if chosen and self.resource.replicas > 1:
+            return None  # packed replicas of the chosen devices come first: _pick
+        available.difference_update(chosen)
+        return chosen + list(itertools.islice(filter(available.__contains__, self.order), need))
 
 
 def _pick(
@@ -6019,8 +6087,14 @@ def device_plugin_service(
             if counted:
                 status.stream_ended()
 
+    preferred: _PreferredOrder | None = None  # the current device set's, made at the first request after a change
+
     async def get_preferred_allocation(request: Any) -> Any:
-        return preferred_allocation_response(now(), devices.value, request)
+        nonlocal preferred
+        resource, known = now(), devices.value
+        if preferred is None or preferred.resource is not resource or preferred.devices is not known:
+            preferred = _PreferredOrder(resource, known)  # a device set is replaced, never changed in place
+        return preferred_allocation_response(resource, known, request, order=preferred)
 
     def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what

@@ -2567,6 +2567,58 @@ def test_preferred_allocation_picks_as_one_at_a_time(inputs):
     assert gp._pick(resource, devices, available, list(chosen), size) == expected
 
 
+def _container_request(available, must_include, size):
+    return v1beta1.ContainerPreferredAllocationRequest(
+        available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
+    )
+
+
+@PROPERTIES
+@given(pick_inputs(), st.booleans())
+def test_preferred_order_answers_as_one_at_a_time_or_not_at_all(inputs, listed_only):
+    """_PreferredOrder, the service's precomputed answer: where it answers, it is the rule's pick;
+    where it cannot (several NUMA nodes, spread replicas, an ID not listed), it says None."""
+    resource, devices, available, chosen, size = inputs
+    if listed_only:  # the usual request: only IDs the plugin lists, so that the order may answer
+        listed = {i for d in devices for i in resource.replica_ids(d)}
+        available, chosen = [i for i in available if i in listed], [i for i in chosen if i in listed]
+        size = min(size, len(available) + 2)
+    expected = pick_one_at_a_time(resource, devices, available, list(chosen), size)
+    fast = gp._PreferredOrder(resource, devices).answer(_container_request(available, chosen, size))
+    assert fast is None or fast == expected
+
+
+@pytest.mark.parametrize(
+    ("replicas", "policy", "nodes", "must_include", "answers"),
+    [
+        (1, "packed", [None], 0, True),  # plain devices, no topology: the usual large resource
+        (1, "spread", [None], 3, True),
+        (1, "packed", [1], 3, True),  # every device on one NUMA node
+        (4, "packed", [0], 0, True),  # packed replicas, nothing to include
+        (4, "packed", [0], 3, False),  # the chosen devices' replicas come first: _pick
+        (4, "spread", [None], 0, False),  # round robin over the devices: _pick
+        (1, "packed", [0, 1], 0, False),  # the node offering the most fills first: _pick
+    ],
+)
+def test_preferred_allocation_from_the_order_where_it_applies(replicas, policy, nodes, must_include, answers):
+    """Which requests the order answers, on 2,000 devices with the kubelet's shuffled IDs; the
+    answer, from the order or not, is the rule's (_pick, itself checked against the literal rule)."""
+    rng = random.Random(replicas)
+    resource = resource_in("/g", replicas=replicas, preferred=policy)
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}", numa_node=nodes[i % len(nodes)]) for i in range(2000)}
+    ids = [kubelet_id for device in devices for kubelet_id in resource.replica_ids(device)]
+    available = rng.sample(ids, len(ids) * 3 // 4)  # a quarter allocated already
+    must = rng.sample(available, must_include)
+    order = gp._PreferredOrder(resource, devices)
+    for size in (must_include + 1, must_include + 2, 500, len(available)):
+        fast = order.answer(_container_request(available, must, size))
+        assert (fast is not None) == answers
+        expected = gp._pick(resource, devices, dict.fromkeys(available), must, size)
+        assert (expected if fast is None else fast) == expected
+    # An ID the plugin does not list (a device gone since the kubelet's last list): the rule ranks it.
+    assert order.answer(_container_request([*available, "g99999"], must, 3)) is None
+
+
 @pytest.mark.parametrize("policy", ["packed", "spread"])
 @pytest.mark.parametrize("seed", range(4))
 def test_preferred_allocation_picks_as_one_at_a_time_at_scale(policy, seed):
