@@ -2908,7 +2908,8 @@ class _PreferredOrder:
         """_pick's answer to one ContainerPreferredAllocationRequest, or None if this order cannot give it."""
         if self.order is None:
             return None
-        available = set(container.available_deviceIDs)
+        # Sliced first: one C call makes the list, and set() of a list is faster than of the field.
+        available = set(container.available_deviceIDs[:])
         if not available <= self.listed:
             return None  # an ID we do not list (any more): the rule ranks it among the others
         chosen = list(dict.fromkeys(i for i in container.must_include_deviceIDs if i in available))
