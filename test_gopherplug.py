@@ -1154,13 +1154,13 @@ BAD_CONFIGS = [
     (
         MINIMAL + "extra: 1\n",
         "cfg.yaml: extra: unknown key; expected one of "
-        "dev_root, device_plugin_dir, dra, metrics_address, resources, sysfs_root",
+        "dev_root, device_plugin_dir, dra, health_address, metrics_address, resources, sysfs_root",
     ),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
         yaml.safe_dump({"resources": [], "a\nb": 1}),
         "cfg.yaml: a\\nb: unknown key; expected one of "
-        "dev_root, device_plugin_dir, dra, metrics_address, resources, sysfs_root",
+        "dev_root, device_plugin_dir, dra, health_address, metrics_address, resources, sysfs_root",
     ),
     (MINIMAL + "device_plugin_dir: dp\n", "cfg.yaml: device_plugin_dir: 'dp' must be an absolute path"),
     ("resources: [{directory: /g}]", "cfg.yaml: resources[0].name: is required"),
@@ -2590,6 +2590,58 @@ def test_preferred_allocation_picks_as_one_at_a_time(inputs):
     resource, devices, available, chosen, size = inputs
     expected = pick_one_at_a_time(resource, devices, available, list(chosen), size)
     assert gp._pick(resource, devices, available, list(chosen), size) == expected
+
+
+def _container_request(available, must_include, size):
+    return v1beta1.ContainerPreferredAllocationRequest(
+        available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
+    )
+
+
+@PROPERTIES
+@given(pick_inputs(), st.booleans())
+def test_preferred_order_answers_as_one_at_a_time_or_not_at_all(inputs, listed_only):
+    """_PreferredOrder, the service's precomputed answer: where it answers, it is the rule's pick;
+    where it cannot (several NUMA nodes, spread replicas, an ID not listed), it says None."""
+    resource, devices, available, chosen, size = inputs
+    if listed_only:  # the usual request: only IDs the plugin lists, so that the order may answer
+        listed = {i for d in devices for i in resource.replica_ids(d)}
+        available, chosen = [i for i in available if i in listed], [i for i in chosen if i in listed]
+        size = min(size, len(available) + 2)
+    expected = pick_one_at_a_time(resource, devices, available, list(chosen), size)
+    fast = gp._PreferredOrder(resource, devices).answer(_container_request(available, chosen, size))
+    assert fast is None or fast == expected
+
+
+@pytest.mark.parametrize(
+    ("replicas", "policy", "nodes", "must_include", "answers"),
+    [
+        (1, "packed", [None], 0, True),  # plain devices, no topology: the usual large resource
+        (1, "spread", [None], 3, True),
+        (1, "packed", [1], 3, True),  # every device on one NUMA node
+        (4, "packed", [0], 0, True),  # packed replicas, nothing to include
+        (4, "packed", [0], 3, False),  # the chosen devices' replicas come first: _pick
+        (4, "spread", [None], 0, False),  # round robin over the devices: _pick
+        (1, "packed", [0, 1], 0, False),  # the node offering the most fills first: _pick
+    ],
+)
+def test_preferred_allocation_from_the_order_where_it_applies(replicas, policy, nodes, must_include, answers):
+    """Which requests the order answers, on 2,000 devices with the kubelet's shuffled IDs; the
+    answer, from the order or not, is the rule's (_pick, itself checked against the literal rule)."""
+    rng = random.Random(replicas)
+    resource = resource_in("/g", replicas=replicas, preferred=policy)
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}", numa_node=nodes[i % len(nodes)]) for i in range(2000)}
+    ids = [kubelet_id for device in devices for kubelet_id in resource.replica_ids(device)]
+    available = rng.sample(ids, len(ids) * 3 // 4)  # a quarter allocated already
+    must = rng.sample(available, must_include)
+    order = gp._PreferredOrder(resource, devices)
+    for size in (must_include + 1, must_include + 2, 500, len(available)):
+        fast = order.answer(_container_request(available, must, size))
+        assert (fast is not None) == answers
+        expected = gp._pick(resource, devices, dict.fromkeys(available), must, size)
+        assert (expected if fast is None else fast) == expected
+    # An ID the plugin does not list (a device gone since the kubelet's last list): the rule ranks it.
+    assert order.answer(_container_request([*available, "g99999"], must, 3)) is None
 
 
 @pytest.mark.parametrize("policy", ["packed", "spread"])
@@ -6764,7 +6816,7 @@ def test_daemonset_runs_least_privileged_with_the_probe():
     gp.parse_config(config_map["data"]["config.yaml"], "daemonset.yaml ConfigMap")
     pod = daemon_set["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["livenessProbe"]["exec"]["command"] == ["gopherplug", "probe"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
@@ -11341,6 +11393,31 @@ async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_n
     )
 
 
+async def test_liveness_check_of_a_dra_driver_passes_registered_and_fails_refused(dra_node, nursery):
+    """GET /healthz of a DRA driver: 200 once the kubelet registered it; a kubelet that refused it
+    (none of its versions known) makes the check fail, with the kubelet's reason."""
+    refusing = dra_node.root / "refusing"
+    old_kubelet = await nursery.start(standins.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
+    answers = {}
+    for kubelet_dir in (dra_node.kubelet_dir, refusing):
+        port = _free_loopback_port()
+        top = {"device_plugin_dir": str(dra_node.root), "health_address": f"127.0.0.1:{port}"}
+        config = gp.parse_config(dra_config(dra_node.devices, kubelet_dir, top, cdi=dra_node.cdi), "cfg.yaml")
+        with trio.fail_after(TIMEOUT):
+            await dra_node.start(config)
+            if kubelet_dir == refusing:
+                await old_kubelet.wait_until(lambda k: any(e.startswith("refused") for e, _ in k.events))
+            else:
+                await dra_node.registered()
+            answers[kubelet_dir.name] = await _healthz(port)
+        dra_node.stop()
+    assert answers[dra_node.kubelet_dir.name] == (200, "ok\n")
+    code, said = answers["refusing"]
+    assert code == 503
+    assert said.startswith(f"DRA driver {DRIVER}: the kubelet refused it: none of the versions ['v1.DRAPlugin'")
+    assert said.endswith(" is supported\n") and said.count("\n") == 1
+
+
 def test_lightkube_is_imported_only_for_dra(tmp_path):
     program = (
         "import sys, gopherplug; gopherplug.parse_config(open(sys.argv[1]).read()); "
@@ -11838,6 +11915,168 @@ def test_daemonsets_serve_metrics_on_their_named_port_and_the_podmonitor_scrapes
     (expression,) = monitor["spec"]["selector"]["matchExpressions"]
     assert pod["metadata"]["labels"][expression["key"]] in expression["values"]
     assert [endpoint["port"] for endpoint in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+
+async def _healthz(port, path="/healthz", method="GET"):
+    """(status code, body) of one request as the kubelet's httpGet probe makes it: HTTP/1.1, its
+    User-Agent, keep-alive off (Connection: close), the answer read to the end."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(
+            f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUser-Agent: kube-probe/1.34\r\n"
+            "Accept: */*\r\nConnection: close\r\n\r\n".encode()
+        )
+        answer = b""
+        while chunk := await stream.receive_some():
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *headers = head.decode().split("\r\n")
+    length = next(int(h.split(":")[1]) for h in headers if h.lower().startswith("content-length:"))
+    assert method == "HEAD" or length == len(body), answer
+    return int(status_line.split()[1]), body.decode()
+
+
+async def test_liveness_check_fails_once_our_socket_is_wiped_and_passes_once_registered_again(nursery, node):
+    """GET /healthz: 200 while registered with the running kubelet; a kubelet that restarted and
+    holds off (its new kubelet.sock not there yet: registration cannot succeed) fails it at the next
+    check, the kubelet's stand-in wiped our socket meanwhile; registered again, it passes."""
+    port = _free_loopback_port()
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, top={"health_address": f"127.0.0.1:{port}"})
+        assert await _healthz(port) == (200, "ok\n")
+        hold = trio.Event()
+        with logged("waiting for the kubelet: no") as waiting:
+            simulator.restart(hold=hold)
+            await waiting.wait()  # our socket served anew, the kubelet's sockets wiped, no kubelet.sock
+        code, said = await _healthz(port)
+        assert code == 503
+        assert said == f"{RESOURCE}: not registered with the kubelet, which is not running (no {node.kubelet_socket})\n"
+        hold.set()
+        await simulator.wait_until(lambda s: s.registered_in == [1, 2] and listed("g1", "g2")(s))
+        assert await _healthz(port) == (200, "ok\n")
+
+
+async def test_liveness_check_fails_when_the_kubelet_stops_or_a_new_one_does_not_take_the_registration(
+    nursery, node, monkeypatch
+):
+    """Our socket left alone: the kubelet stops (kubelet.sock goes), then a new kubelet.sock is made
+    by one that never answers Register (it takes the connection and says nothing). The registration
+    we hold is the old kubelet's: the check fails at once, with the reason, and goes on failing
+    while registering cannot succeed."""
+    monkeypatch.setattr(gp, "REGISTER_TIMEOUT", 0.5)  # the silent kubelet's Register times out soon
+    port = _free_loopback_port()
+    with trio.fail_after(TIMEOUT):
+        kubelet_scope = trio.CancelScope()
+
+        async def kubelet(*, task_status):
+            with kubelet_scope:
+                await gp.KubeletSimulator(node.plugin_dir).run(task_status=task_status)
+
+        simulator = await nursery.start(kubelet)
+        await nursery.start(gp.serve_plugin, node.config(top={"health_address": f"127.0.0.1:{port}"}))
+        await simulator.wait_until(listed("g1", "g2"))
+        assert await _healthz(port) == (200, "ok\n")
+        kubelet_scope.cancel()  # kubelet.sock goes with it; our socket stays
+        await trio.testing.wait_all_tasks_blocked()
+        assert not os.path.exists(node.kubelet_socket)
+        stopped = await _healthz(port)
+        assert len(node.our_sockets()) == 1  # not wiped: the registration is what is missing
+        silent = trio.socket.socket(trio.socket.AF_UNIX)
+        with silent, logged("registration failed") as failed:
+            await silent.bind(node.kubelet_socket)
+            silent.listen(8)  # a connection is taken into the backlog, and never answered
+            await failed.wait()  # Register timed out
+            refused = await _healthz(port)
+    assert stopped == (503, f"{RESOURCE}: the kubelet it registered with stopped (no {node.kubelet_socket})\n")
+    assert refused == (503, f"{RESOURCE}: not registered with the kubelet\n")
+
+
+async def test_liveness_check_of_a_resource_compares_kubelet_generations_read_from_inotify_now(nursery, node):
+    """StreamStatus.problem, each reason in turn, on real files: a kubelet.sock made anew since the
+    registration fails the check at once (inotify's queue is read by the check itself, not when the
+    event loop gets to it), as does our socket deleted; registered but never streamed fails after
+    the grace, as `gopherplug probe` does."""
+    first = trio.socket.socket(trio.socket.AF_UNIX)
+    await first.bind(node.kubelet_socket)
+    with trio.fail_after(TIMEOUT):
+        kubelet = gp.KubeletWatch(node.plugin_dir)
+        await nursery.start(kubelet.run)
+        ours = os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-1.sock")
+        server = await nursery.start(gp.serve_grpc, ours, [])
+        status = gp.StreamStatus()
+        assert status.problem(kubelet) == "not serving yet"
+        status.server = server
+        assert status.problem(kubelet) == "not registered with the kubelet"
+        status.registered, status.registered_with = True, kubelet.current()
+        assert status.problem(kubelet) == ""
+        unstreamed = "registered, but the kubelet has opened no ListAndWatch stream for 0 s"
+        assert status.problem(kubelet, grace=-1) == unstreamed
+        status.streams = 1
+        assert status.problem(kubelet, grace=-1) == ""
+        first.close()
+        os.unlink(node.kubelet_socket)
+        second = trio.socket.socket(trio.socket.AF_UNIX)
+        with second:
+            await second.bind(node.kubelet_socket)  # no checkpoint: the check runs before KubeletWatch's task
+            restarted = status.problem(kubelet)
+            os.unlink(ours)
+            deleted = status.problem(kubelet)
+    assert restarted == "the kubelet restarted since it registered: not registered with the one running now"
+    assert deleted == f"its socket {ours} was deleted or replaced (serving it again)"
+
+
+async def test_liveness_check_answers_only_its_paths_and_methods_and_stops_with_the_plugin(node):
+    port = _free_loopback_port()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await start(nursery, node, top={"health_address": f"127.0.0.1:{port}"})
+            assert await _healthz(port, "/livez?verbose") == (200, "ok\n")
+            assert await _healthz(port, "/healthz", "HEAD") == (200, "")
+            assert await _healthz(port, "/metrics") == (404, "not found: ask /healthz\n")
+            assert await _healthz(port, "/healthz", "POST") == (405, "only GET and HEAD\n")
+            nursery.cancel_scope.cancel()
+        with pytest.raises(OSError):  # the listener went with the plugin: connection refused
+            await _healthz(port)
+
+
+def test_health_answer_says_each_failing_check_on_its_own_line():
+    health = gp.Health()
+    request = b"GET /healthz HTTP/1.1\r\n\r\n"
+    with health.check("a", lambda: ""), health.check("b", lambda: "lost"), health.check("c", lambda: 1 / 0):
+        answer = gp.health_answer(health, request)
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert answer.endswith(b"\r\n\r\nb: lost\nc: the check failed: division by zero\n")
+    assert gp.health_answer(health, request).endswith(b"\r\n\r\nok\n")  # the checks went with their blocks
+    assert gp.health_answer(health, b"hello\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("9402", "'9402' is not host:port, e.g. \"0.0.0.0:9402\""), ("::1:9402", "write an IPv6 address in brackets")],
+)
+def test_health_address_mistake_is_one_config_error(value, problem):
+    with pytest.raises(gp.ConfigError) as caught:
+        config_with(top={"health_address": value}, directory="/dev/g")
+    assert caught.value.key_path == "health_address"
+    assert problem in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-dra.yaml"])
+def test_daemonsets_liveness_probe_asks_the_health_port_the_config_serves(manifest):
+    """The shipped liveness probe is the kubelet's httpGet of /healthz on the container port named
+    `health`, which is the ConfigMap's health_address port, on every address of the pod."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((HERE / manifest).read_text()) if doc}
+    config = gp.parse_config(docs["ConfigMap"]["data"]["config.yaml"], f"{manifest} ConfigMap")
+    assert config.health_address is not None
+    host, _, port = config.health_address.rpartition(":")
+    assert host == "0.0.0.0"
+    (container,) = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    assert {"name": "health", "containerPort": int(port), "protocol": "TCP"} in container["ports"]
+    probe = container["livenessProbe"]
+    assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert probe["httpGet"]["path"] in gp.HEALTH_PATHS
+    assert "exec" not in probe
 
 
 def test_images_install_the_metrics_extra_the_daemonsets_use():

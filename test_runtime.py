@@ -24,7 +24,8 @@ Rules of this file:
   to CRI requests copies what the kubelet does (sources cited beside each piece); the only substitutions
   are the image, the host side of hostPath volumes (private directories; /dev and /sys stay the host's),
   the ConfigMap's contents, the API server's address and the service account's token, and the host's
-  network namespace for the sandboxes (no CNI here).
+  network namespace for the sandboxes (no CNI here), which makes each pod's liveness port one of its
+  own (the ConfigMap's health_address and the port the probe names, together).
 - Assertions rest on what containerd or the container itself reports (ExecSync, ContainerStatus), and on
   what the kubelet stand-ins received, never on gopherplug's word.
 - Every I/O has a bound; nothing sleeps to synchronise. Where no event exists (containerd's socket
@@ -809,6 +810,46 @@ def manifest_config(name: str) -> dict[str, Any]:
     return yaml.safe_load(config_map["data"]["config.yaml"])
 
 
+def free_loopback_port() -> int:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return int(free.getsockname()[1])
+
+
+#: The request the kubelet's HTTP prober sends (kubernetes/kubernetes pkg/probe/http/request.go: its
+#: User-Agent, Accept "*/*"; the transport has keep-alive off, so Go adds Connection: close).
+KUBE_PROBE_REQUEST = (
+    "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: kube-probe/1.34\r\nAccept: */*\r\n"
+    "Connection: close\r\n\r\n"
+)
+
+
+async def liveness_probe(node: Node, pod: Pod | None = None) -> tuple[int, str]:
+    """The manifest's liveness probe as the kubelet makes it: an HTTP GET of its httpGet path on the
+    pod's IP and the port it names, the name resolved through the container's ports (findPortByName,
+    pkg/kubelet/prober/prober.go), within its timeoutSeconds; 200-399 is success. The sandboxes are on
+    the host's network here: the pod's IP is the host's, loopback, and the port the pod's own (see
+    Node.health_ports). Returns (status code, body)."""
+    pod = pod or node.pod
+    (container,) = node.template["spec"]["containers"]
+    probe = container["livenessProbe"]
+    get = probe["httpGet"]
+    named = {port["name"]: port["containerPort"] for port in container.get("ports", ())}
+    port = named[get["port"]] if isinstance(get["port"], str) else get["port"]
+    # The manifest's own consistency: the port the probe asks is the one its ConfigMap serves on.
+    assert port == int(manifest_config(node.manifest)["health_address"].rpartition(":")[2]), (port, named)
+    host, port = "127.0.0.1", node.health_ports[pod.name]
+    with trio.fail_after(probe["timeoutSeconds"]):
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            await stream.send_all(KUBE_PROBE_REQUEST.format(path=get["path"], host=host, port=port).encode())
+            answer = b""
+            while chunk := await stream.receive_some():
+                answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body.decode()
+
+
 def image_of(template: dict[str, Any]) -> str:
     return template["spec"]["containers"][0]["image"]
 
@@ -1266,6 +1307,11 @@ class Node:
         }
         self.service_env: dict[str, str] = {}
         self.service_account: dict[str, str] | None = None
+        #: pod name -> its liveness port. A real pod has a network namespace of its own, where the
+        #: manifest's port is free; the tier's share the host's, where two pods of a rolling update
+        #: (or another run on this machine) would both want it: each gets a free one, in its
+        #: ConfigMap's health_address, and liveness_probe() asks that one.
+        self.health_ports: dict[str, int] = {}
         self.watchers: dict[str, trio.CancelScope] = {}  # container ID -> its fail_if_exited watch
         self.stopped: set[str] = set()  # containers the test stopped itself (stop_now)
         self.pod = Pod(
@@ -1309,7 +1355,11 @@ class Node:
                 volumes[name] = str(host)
             elif "configMap" in volume:
                 where = pod.dir / "volumes" / "kubernetes.io~configmap" / name
-                volumes[name] = str(atomic_dir(where, {"config.yaml": yaml.safe_dump(self.config)}))
+                config = dict(self.config)
+                if "health_address" in config:
+                    port = self.health_ports.setdefault(pod.name, free_loopback_port())
+                    config["health_address"] = f"127.0.0.1:{port}"
+                volumes[name] = str(atomic_dir(where, {"config.yaml": yaml.safe_dump(config)}))
             else:
                 raise AssertionError(f"the tier does not translate volume {volume}")
         extra = []
@@ -1586,13 +1636,14 @@ async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_witho
     with trio.fail_after(TIMEOUT):
         async with node.running() as plugin:
             await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
-            # The manifest's liveness probe, as the kubelet runs it: ExecSync with the probe's command.
-            probe = manifest_pod("daemonset.yaml")["spec"]["containers"][0]["livenessProbe"]
-            code, said = await exec_sync(
-                tier.containerd, plugin, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
-            )
+            # The manifest's liveness probe, as the kubelet makes it: an HTTP GET from the host.
+            code, said = await liveness_probe(node)
+            assert code == 200, said
+            tier.outputs["device plugin: liveness probe"] = f"{code} {said.strip()}"
+            # And the operator's full check, `gopherplug probe`, in the plugin's container.
+            code, said = await exec_sync(tier.containerd, plugin, "gopherplug", "probe", timeout=10)
             assert code == 0, said
-            tier.outputs["device plugin: liveness probe"] = said.strip().splitlines()
+            tier.outputs["device plugin: gopherplug probe"] = said.strip().splitlines()
             pod = Pod(tier, "consumer")
             holder = (pod.namespace, pod.name, "consumer")
             answer = (await kubelet.allocate(RESOURCE, ["gopher0"], container=holder)).container_responses[0]
@@ -1900,12 +1951,12 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
             (written,) = [s for s in api.slices.values() if s["spec"]["pool"]["name"] == pool]
             assert written["spec"]["nodeName"] == NODE_NAME
             assert [d["name"] for d in written["spec"]["devices"]] == [device]
-            probe = manifest_pod("daemonset-dra.yaml")["spec"]["containers"][0]["livenessProbe"]
-            code, said = await exec_sync(
-                tier.containerd, plugin, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
-            )
+            code, said = await liveness_probe(node)
+            assert code == 200, said
+            tier.outputs["DRA: liveness probe"] = f"{code} {said.strip()}"
+            code, said = await exec_sync(tier.containerd, plugin, "gopherplug", "probe", timeout=10)
             assert code == 0, said
-            tier.outputs["DRA: liveness probe"] = said.strip().splitlines()
+            tier.outputs["DRA: gopherplug probe"] = said.strip().splitlines()
             uid = str(uuid.uuid4())
             api.put_claim(
                 {
@@ -2364,10 +2415,8 @@ async def test_dra_rolling_update_two_pods_overlap_and_a_claim_prepared_meanwhil
                 gone = await kubelet.unprepare(
                     DRIVER, [("default", "uid-before", "before"), ("default", "uid-during", "during")]
                 )
-                probe = manifest_pod("daemonset-dra.yaml")["spec"]["containers"][0]["livenessProbe"]
-                code, said = await exec_sync(
-                    tier.containerd, new, *probe["exec"]["command"], timeout=probe["timeoutSeconds"]
-                )
+                code, said = await liveness_probe(node, new_pod)  # the new pod's own port
+                full, full_said = await exec_sync(tier.containerd, new, "gopherplug", "probe", timeout=10)
                 left = sorted(os.listdir(registry))
                 events = list(kubelet.events)  # the new pod still serving: its own stop is not the update's
                 (old_log,) = (node.pod.dir / "logs").glob("*/0.log")  # the old pod's, as the runtime kept it
@@ -2376,7 +2425,7 @@ async def test_dra_rolling_update_two_pods_overlap_and_a_claim_prepared_meanwhil
     tier.outputs["DRA rolling update: allocation used"] = during["status"]["allocation"]
     tier.outputs["DRA rolling update: registrations"] = [(e, os.path.basename(p)) for e, p in events]
     tier.outputs["DRA rolling update: consumer"] = seen
-    tier.outputs["DRA rolling update: new pod's liveness probe"] = said.strip().splitlines()
+    tier.outputs["DRA rolling update: new pod's liveness probe"] = f"{code} {said.strip()}"
     assert ids == [i for d in prepared.devices for i in d.cdi_device_ids] != []
     assert seen["ls exit"] == 0 and " 10, 229 " in seen["ls -l"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
@@ -2385,7 +2434,8 @@ async def test_dra_rolling_update_two_pods_overlap_and_a_claim_prepared_meanwhil
         ("uid-before", ""),
         ("uid-during", ""),
     ]
-    assert code == 0, said
+    assert code == 200, said
+    assert full == 0, full_said
     assert left == [new_socket]  # the old pod removed its own socket, not the new one's
     # The kubelet's view, event by event: from the first registration on, never no plugin of the driver.
     count, seen_one = 0, False

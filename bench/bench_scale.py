@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_scale.py [--sizes 10000 50000] [--burst 5000] [--resources 10]
         [--preferred-sizes 1 100 1000 50000] (none: skip that figure)
+        [--grpc-preferred 10000 50000] [--grpc-calls 50] [--preferred-only]
 
 The plugin runs as a subprocess (`python -m gopherplug serve`, from bytecode); the kubelet is
 bench_gopherplug's grpcio Registration server, which dials back and reads ListAndWatch (grpcio's
@@ -11,8 +12,13 @@ receive limit is 4 MiB per message, like the kubelet's). It prints one line per 
   - a burst of B files created then deleted in one go: the final list exact or not, messages sent
   - R resources in one process: registrations, idle CPU over the idle window, RSS
   - GetPreferredAllocation over 50,000 offered IDs, in-process (no gRPC): the median time of
-    gp.preferred_allocation_response per allocation size, for replicas packed and spread, and for
-    plain devices on two NUMA nodes. Everything else on the plugin's one event loop waits this long.
+    gp.preferred_allocation_response per allocation size, for replicas packed and spread, plain
+    devices on two NUMA nodes and without topology; and the same with the order the service keeps
+    per device set (gp._PreferredOrder, its making timed alone). Everything else on the plugin's
+    one event loop waits this long.
+  - the kubelet's sequence over gRPC at 10,000 and 50,000 plain devices (--grpc-preferred): every
+    ID available to GetPreferredAllocation for a pod that wants 2, then Allocate of those, from
+    grpcio and, when grpc_go_client.go builds, from grpc-go (the kubelet's library).
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import trio
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
-from bench_gopherplug import Kubelet, cpu_seconds, ms, percentile, rss_mib  # noqa: E402
+from bench_gopherplug import Kubelet, build_go_client, cpu_seconds, ms, percentile, rss_mib  # noqa: E402
 
 import gopherplug as gp  # noqa: E402
 
@@ -173,20 +180,111 @@ def preferred_allocation(sizes, runs):
     resource = gp.ResourceConfig(name=RESOURCE, directory="/g", env="G")
     devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}", numa_node=i % 2) for i in range(50_000)}
     cases.append(("50,000 devices on 2 NUMA nodes, packed", resource, devices, list(devices)))
+    # 50,000 plain devices without topology: files in a directory, the usual large resource.
+    devices = {f"g{i}": gp.DeviceEntry(f"g{i}", f"/g/g{i}") for i in range(50_000)}
+    cases.append(("50,000 devices, no topology", resource, devices, list(devices)))
     for name, resource, devices, ids in cases:
         random.Random(0).shuffle(ids)  # the kubelet sends a Go set's unsorted list
-        figures = []
+        # The service keeps one _PreferredOrder per device set, made at the first request after a
+        # change: its making is timed alone, then each request with it (None: it cannot answer).
+        start = time.perf_counter()
+        order = gp._PreferredOrder(resource, devices) if hasattr(gp, "_PreferredOrder") else None  # an older revision
+        made = time.perf_counter() - start
+        figures, with_order = [], []
         for size in sizes:
             request = gp.v1beta1.PreferredAllocationRequest()
             request.container_requests.add(available_deviceIDs=ids, allocation_size=size)
-            times = []
+            times, ordered = [], []
             for _ in range(runs):
                 start = time.perf_counter()
                 answer = gp.preferred_allocation_response(resource, devices, request)
                 times.append(time.perf_counter() - start)
+                if order is not None:
+                    start = time.perf_counter()
+                    fast = gp.preferred_allocation_response(resource, devices, request, order=order)
+                    ordered.append(time.perf_counter() - start)
+                    assert fast == answer
             assert len(answer.container_responses[0].deviceIDs) == min(size, len(ids))
             figures.append(f"size {size}: {ms(statistics.median(times))}")
+            with_order.append(f"{ms(statistics.median(ordered))}" if ordered else "-")
         print(f"GetPreferredAllocation, {len(ids)} IDs offered, {name} (median of {runs}): " + "; ".join(figures))
+        if order is None:
+            continue
+        answers = "answers" if order.order is not None else "cannot answer, _pick does"
+        print(f"  with the service's order ({answers}; made in {ms(made)}): " + " / ".join(with_order))
+
+
+def preferred_over_grpc(counts, calls, go_binary=None):
+    """The kubelet's sequence over gRPC against the plugin process: GetPreferredAllocation with every
+    one of ``count`` plain devices available (shuffled, as the kubelet's Go set gives them) for a
+    pod that wants 2, then Allocate of those 2. From grpcio (one connection, as the kubelet keeps
+    one), and from grpc-go (grpc_go_client.go, the request read from a file) when it is built."""
+    for count in counts:
+        node = Node(1)
+        try:
+            make_entries(node.dirs[RESOURCE], count)
+            node.start()
+            node.kubelet.wait_for(lambda ids, count=count: len(ids) == count, timeout=120)
+            endpoint = next(
+                os.path.join(node.plugin_dir, n) for n in os.listdir(node.plugin_dir) if n.startswith("gopherplug-")
+            )
+            ids = [f"g{i}" for i in range(count)]
+            random.Random(0).shuffle(ids)
+            request = gp.v1beta1.PreferredAllocationRequest()
+            request.container_requests.add(available_deviceIDs=ids, allocation_size=2)
+            allocate = gp.v1beta1.AllocateRequest()
+            channel = grpc.insecure_channel(f"unix:{endpoint}", options=[("grpc.max_send_message_length", 16 * 2**20)])
+            prefer = channel.unary_unary(
+                "/v1beta1.DevicePlugin/GetPreferredAllocation",
+                request_serializer=gp.v1beta1.PreferredAllocationRequest.SerializeToString,
+                response_deserializer=gp.v1beta1.PreferredAllocationResponse.FromString,
+            )
+            allocate_call = channel.unary_unary(
+                "/v1beta1.DevicePlugin/Allocate",
+                request_serializer=gp.v1beta1.AllocateRequest.SerializeToString,
+                response_deserializer=gp.v1beta1.AllocateResponse.FromString,
+            )
+            picked = list(prefer(request, timeout=30).container_responses[0].deviceIDs)
+            assert picked == ["g0", "g1"], picked
+            allocate.container_requests.add(devices_ids=picked)
+            cpu0 = cpu_seconds(node.plugin.pid)
+            alone, sequence = [], []
+            for _ in range(calls):
+                start = time.perf_counter()
+                prefer(request, timeout=30)
+                middle = time.perf_counter()
+                allocate_call(allocate, timeout=30)
+                sequence.append(time.perf_counter() - start)
+                alone.append(middle - start)
+            cpu = (cpu_seconds(node.plugin.pid) - cpu0) / calls
+            channel.close()
+            line = (
+                f"{count} devices, over gRPC from grpcio (n={calls}): GetPreferredAllocation p50 "
+                f"{ms(percentile(alone, 0.5))}; preferred then Allocate p50 {ms(percentile(sequence, 0.5))}; "
+                f"the plugin's CPU {ms(cpu)} per sequence"
+            )
+            if go_binary is not None:
+                with tempfile.NamedTemporaryFile("w", suffix=".hex", delete=False) as file:
+                    file.write(request.SerializeToString().hex())
+                try:
+                    p50, _, _ = go_call(go_binary, endpoint, "GetPreferredAllocation", f"@{file.name}", calls)
+                finally:
+                    os.unlink(file.name)
+                a50, _, _ = go_call(go_binary, endpoint, "Allocate", allocate.SerializeToString().hex(), calls)
+                line += f"; from grpc-go: GetPreferredAllocation p50 {ms(p50)}, Allocate p50 {ms(a50)}"
+            print(line)
+        finally:
+            node.close()
+
+
+def go_call(binary, endpoint, method, request_hex, calls):
+    out = subprocess.run(
+        [binary, endpoint, f"/v1beta1.DevicePlugin/{method}", request_hex, str(calls), "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return float(out[0]), float(out[1]), float(out[2])
 
 
 def scanning(count, runs):
@@ -266,6 +364,11 @@ def main():
         "--preferred-sizes", type=int, nargs="*", default=[1, 100, 1000, 50000], help="none: skip this figure"
     )
     parser.add_argument("--preferred-runs", type=int, default=5)
+    parser.add_argument(
+        "--grpc-preferred", type=int, nargs="*", default=[10000, 50000], help="device counts; none: skip that figure"
+    )
+    parser.add_argument("--grpc-calls", type=int, default=50)
+    parser.add_argument("--preferred-only", action="store_true", help="only the GetPreferredAllocation figures")
     parser.add_argument("--scan", type=int, default=20000, help="entries for the in-process scan figures; 0: skip")
     parser.add_argument("--scan-only", action="store_true", help="only the in-process scan figures")
     args = parser.parse_args()
@@ -273,14 +376,30 @@ def main():
     if args.scan_only:
         scanning(args.scan, 5)
         return
+    if args.preferred_only:
+        preferred_figures(args)
+        return
     for count in args.sizes:
         large_directory(count, args.additions)
     burst(args.burst)
     many_resources(args.resources, args.idle_seconds)
-    if args.preferred_sizes:
-        preferred_allocation(args.preferred_sizes, args.preferred_runs)
+    preferred_figures(args)
     if args.scan:
         scanning(args.scan, 5)
+
+
+def preferred_figures(args):
+    if args.preferred_sizes:
+        preferred_allocation(args.preferred_sizes, args.preferred_runs)
+    if args.grpc_preferred:
+        root = tempfile.mkdtemp(prefix="gpgo-", dir="/tmp")
+        try:
+            go_binary, why_not = build_go_client(root)
+            if go_binary is None:
+                print(f"grpc-go figures skipped: {why_not}")
+            preferred_over_grpc(args.grpc_preferred, args.grpc_calls, go_binary)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

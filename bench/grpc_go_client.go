@@ -1,7 +1,7 @@
 // A kubelet-side caller for the benchmark: grpc-go, as in the kubelet's device manager.
 // It dials the plugin's unix socket the way the kubelet does and times unary calls.
 //
-//	grpc_go_client SOCKET METHOD REQUEST_HEX CALLS CONCURRENCY
+//	grpc_go_client SOCKET METHOD REQUEST_HEX|@FILE CALLS CONCURRENCY
 //
 // prints: p50_seconds p99_seconds calls_per_second
 package main
@@ -10,10 +10,12 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
+	"io/ioutil"
 	"net"
 	"os"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -37,7 +39,15 @@ func main() {
 		os.Exit(2)
 	}
 	socket, method := os.Args[1], os.Args[2]
-	request, err := hex.DecodeString(os.Args[3])
+	hexRequest := os.Args[3]
+	if strings.HasPrefix(hexRequest, "@") {
+		// A request larger than one argument may be (the kernel's 128 KiB), e.g. a
+		// GetPreferredAllocation with 10,000 available IDs: its hex read from the file named.
+		data, err := ioutil.ReadFile(hexRequest[1:])
+		check(err)
+		hexRequest = strings.TrimSpace(string(data))
+	}
+	request, err := hex.DecodeString(hexRequest)
 	check(err)
 	calls, err := strconv.Atoi(os.Args[4])
 	check(err)
