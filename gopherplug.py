@@ -100,6 +100,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import difflib
 import errno
 import fcntl
 import fnmatch
@@ -1413,11 +1414,40 @@ def _yaml_problem(text: str, error: yaml.YAMLError) -> str:
     if mark is None:
         return f"invalid YAML ({said})"
     said = f"line {mark.line + 1}, column {mark.column + 1}: {said}"
-    mistake = _yaml_mistake(_YAML_LINE_BREAK.split(text), error, mark.line, mark.column)
+    lines = _YAML_LINE_BREAK.split(text)
+    mistake = _unquoted_star(lines, error) or _yaml_mistake(lines, error, mark.line, mark.column)
     if mistake is None:
         return f"invalid YAML ({said})"
     line, column, sentence = mistake
     return f"invalid YAML at line {line + 1}, column {column + 1}: {sentence} (PyYAML at {said})"
+
+
+# A value that begins with "*" is an alias to YAML (a reference to an "&anchor"), not text: a glob
+# written bare, `pattern: *` or `pattern: *.sock`, is a syntax error ("expected alphabetic or
+# numeric character") and `pattern: *abc` an undefined alias.
+_STAR_VALUE = re.compile(r"\*[^\s,\]}]*")
+_KEY_BEFORE = re.compile(r"([^\s#'\"\[\]{}:,]+):[ ]+$")
+
+
+def _unquoted_star(lines: list[str], error: Any) -> tuple[int, int, str] | None:
+    """(line, column, sentence) when ``error`` is PyYAML reading a glob that begins with "*" as an
+    alias, else None."""
+    if "while scanning an alias" in (getattr(error, "context", None) or ""):
+        mark = getattr(error, "context_mark", None)
+    elif (getattr(error, "problem", None) or "").startswith("found undefined alias"):
+        mark = getattr(error, "problem_mark", None)
+    else:
+        return None
+    if mark is None or not 0 <= mark.line < len(lines):
+        return None
+    line = lines[mark.line]
+    value = _STAR_VALUE.match(line, mark.column)
+    if value is None:
+        return None
+    key = _KEY_BEFORE.search(line[: mark.column])
+    quoted = f'{key[1]}: "{value[0]}"' if key else f'"{value[0]}"'
+    sentence = f"{_as_written(value[0])} is read by YAML as an alias (a reference to an &anchor): put it in quotes, {quoted}"
+    return mark.line, mark.column, sentence
 
 
 def _yaml_mistake(lines: list[str], error: Any, at: int, column: int) -> tuple[int, int, str] | None:
@@ -1493,6 +1523,9 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         raise ConfigError(
             source, at, f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
         )
+    if data is None:  # nothing, or only comments: "must be a mapping" would not say what is wrong
+        problem = "is empty: it needs resources, a list of the devices to offer (the README's Configuration)"
+        raise ConfigError(source, "", problem)
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
         data,
@@ -2067,10 +2100,13 @@ def _mapping(data: Any, source: str, where: str, allowed: set[str], required: se
         raise ConfigError(source, where, problem)
     for key in data:
         if key not in allowed:
+            # A typo (pattren, device_plugins_dir) is told the key it most likely meant.
+            close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            meant = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
                 source,
                 f"{where}.{key}" if where else str(key),
-                f"unknown key; expected one of {', '.join(sorted(allowed))}",
+                f"unknown key; {meant}expected one of {', '.join(sorted(allowed))}",
             )
     for key in sorted(required - data.keys()):
         raise ConfigError(source, f"{where}.{key}" if where else key, "is required")
@@ -10621,16 +10657,21 @@ LOG_LEVELS, LOG_FORMATS = ["debug", "info", "warning", "error"], ["text", "json"
 
 def _parser() -> argparse.ArgumentParser:
     env = os.environ.get
+    # allow_abbrev=False everywhere: argparse would otherwise take any unambiguous prefix of an
+    # option for the option, and generic-device-plugin's --device would be read as
+    # --device-plugin-dir (a JSON document "must be an absolute path"). An option is spelt out.
     parser = argparse.ArgumentParser(
         prog="gopherplug",
         description="A Kubernetes device plugin: the entries of a directory become schedulable devices.",
         epilog="Without a command, runs `serve`.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo}")
-    serve = commands.add_parser("serve", help="run the device plugin (the default)")
+    serve = commands.add_parser("serve", help="run the device plugin (the default)", allow_abbrev=False)
     check = commands.add_parser(
         "check-config",
+        allow_abbrev=False,
         help="validate a configuration file, and the options and environment serve would read, and show what each "
         "resource finds and gives a container (exit 2 if invalid)",
     )
@@ -10641,7 +10682,9 @@ def _parser() -> argparse.ArgumentParser:
         "as serve would run)",
     )
     probe_ = commands.add_parser(
-        "probe", help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
+        "probe",
+        allow_abbrev=False,
+        help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
     )
     probe_.add_argument(
         "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
@@ -10654,7 +10697,9 @@ def _parser() -> argparse.ArgumentParser:
         help=f"fail a resource whose ListAndWatch the kubelet has not read for longer (default {PROBE_STREAM_GRACE:g})",
     )
     who = commands.add_parser(
-        "who", help="each configured device with its health, its path and the pod and container holding it"
+        "who",
+        allow_abbrev=False,
+        help="each configured device with its health, its path and the pod and container holding it"
     )
     who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     who.add_argument(
@@ -10665,7 +10710,9 @@ def _parser() -> argparse.ArgumentParser:
         "pod-resources/kubelet.sock in the kubelet's root directory)",
     )
     demo = commands.add_parser(
-        "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
+        "demo",
+        allow_abbrev=False,
+        help="run the plugin against a simulated kubelet in a temporary directory, step by step"
     )
     demo.add_argument(
         "--dra",
@@ -10723,6 +10770,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_GENERIC_DEVICE_FLAG = (
+    "is generic-device-plugin's option, not gopherplug's: write each --device as a resource of the "
+    'configuration file given by --config (the README\'s "Coming from generic-device-plugin" translates it)'
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code, but for ``serve`` stopped as asked
     (SIGTERM, SIGINT), which ends the process itself once everything is closed, without the
@@ -10730,6 +10783,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
+    # generic-device-plugin's own option, carried over from its DaemonSet: not an abbreviation
+    # (there are none, see _parser), and not unrecognized without a word on where its meaning went.
+    for arg in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        if arg == "--device" or arg.startswith("--device="):
+            print(f"gopherplug: --device: {_GENERIC_DEVICE_FLAG}", file=sys.stderr)
+            return EXIT_USAGE
     parser = _parser()
     try:
         args = parser.parse_args(argv)

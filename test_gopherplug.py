@@ -1142,7 +1142,10 @@ def resources(**fields):
 
 
 BAD_CONFIGS = [
-    ("", "cfg.yaml: must be a mapping of keys to values"),
+    *(
+        (empty, "cfg.yaml: is empty: it needs resources, a list of the devices to offer (the README's Configuration)")
+        for empty in ("", "# only a comment\n", "---\n")
+    ),
     ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '"),
     ("{}", "cfg.yaml: resources: is required"),
     ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
@@ -1152,6 +1155,37 @@ BAD_CONFIGS = [
         MINIMAL + "extra: 1\n",
         "cfg.yaml: extra: unknown key; expected one of "
         "dev_root, device_plugin_dir, dra, metrics_address, resources, sysfs_root",
+    ),
+    (
+        MINIMAL + "device_plugins_dir: /var/lib/kubelet/device-plugins\n",
+        "cfg.yaml: device_plugins_dir: unknown key; did you mean device_plugin_dir? expected one of "
+        "dev_root, device_plugin_dir, dra, metrics_address, resources, sysfs_root",
+    ),
+    (
+        resources(pattren="ttyUSB*"),
+        "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
+        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
+        "pattern, pre_start, pre_start_timeout, preferred, replicas, usb, whole_dev",
+    ),
+    # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
+    # undefined one): the line says to quote it, with the quoted key and value to write.
+    *(
+        (
+            f"resources:\n  - name: example.com/g\n    directory: /dev\n    pattern: {glob}\n",
+            f"cfg.yaml: invalid YAML at line 4, column 14: '{glob}' is read by YAML as an alias (a reference to an "
+            f'&anchor): put it in quotes, pattern: "{glob}" (PyYAML at line 4, {said})',
+        )
+        for glob, said in (
+            ("*", "column 15: expected alphabetic or numeric character, but found '\\n'"),
+            ("*.sock", "column 15: expected alphabetic or numeric character, but found '.'"),
+            ("*USB0", "column 14: found undefined alias 'USB0'"),
+        )
+    ),
+    (
+        "resources: [{name: example.com/g, match: [{directory: /dev, pattern: *}]}]",
+        "cfg.yaml: invalid YAML at line 1, column 70: '*' is read by YAML as an alias (a reference to an &anchor): "
+        'put it in quotes, pattern: "*" (PyYAML at line 1, column 71: expected alphabetic or numeric character, '
+        "but found '}')",
     ),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
