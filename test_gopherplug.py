@@ -6049,6 +6049,27 @@ def test_check_config_warns_when_allocate_would_refuse_every_pod(node, tmp_path)
     assert (result.returncode, result.stderr) == (1, f"gopherplug: --strict: {RESOURCE}: a warning\n")
 
 
+def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_the_readme(node, tmp_path):
+    # argparse took generic-device-plugin's --device for an abbreviation of --device-plugin-dir:
+    # "--device-plugin-dir: '{"name":"serial",…}' must be an absolute path".
+    document = '{"name": "serial", "groups": [{"paths": [{"path": "/dev/ttyUSB*"}]}]}'
+    for args in (["--device", document], ["serve", f"--device={document}"], ["check-config", "--device", document]):
+        result = run_cli(*args)
+        assert (result.returncode, result.stdout) == (2, "")
+        assert result.stderr == (
+            "gopherplug: --device: is generic-device-plugin's option, not gopherplug's: write each --device as a "
+            "resource of the configuration file given by --config (the README's \"Coming from generic-device-plugin\" "
+            "translates it)\n"
+        )
+    assert "\n## Coming from generic-device-plugin\n" in (HERE / "README.md").read_text()
+    # No other prefix of an option is taken for it either, on any command.
+    path = write_config(node, tmp_path)
+    for args in (["check-config", "--conf", str(path)], ["probe", "--device-plugin", node.plugin_dir]):
+        result = run_cli(*args)
+        assert result.returncode == 2
+        assert result.stderr.splitlines()[-1] == f"gopherplug: error: unrecognized arguments: {' '.join(args[1:])}"
+
+
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     path = write_config(node, tmp_path, directory="relative")
     result = run_cli("check-config", "--config", str(path))
