@@ -2416,6 +2416,10 @@ def examine_path(
     except OSError as error:
         mode = rdev = 0  # cannot even stat it: a device, unhealthy
         unreachable = error
+    if stat.S_ISDIR(mode):
+        # /dev/dri without a pattern has by-path beside card1 and renderD128: offered, a pod would
+        # get "DRI_DEVICES=by-path" and no GPU. A directory is where devices are, never one.
+        return _directory_entry(path)
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
     specs, mounts = _host_paths(resource, device_id, path, is_node, status)
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
@@ -2436,6 +2440,14 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
+
+
+def _directory_entry(path: str) -> str:
+    """Why a directory (or a symlink to one) found among a resource's entries is skipped."""
+    return (
+        f"a directory, not a device: for the devices in it, write directory: {path} (or a match entry for it); "
+        "a pattern that leaves it out silences this line"
+    )
 
 
 def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mountinfo") -> str:

@@ -1676,6 +1676,52 @@ def test_scan_numa_node_of_device_nodes_from_sysfs(tmp_path):
     assert numa == {"null": 0, "zero": 1, "full": None, "rand": None, "plain": None}
 
 
+def test_scan_skips_a_sub_directory_and_a_symlink_to_one(tmp_path):
+    # /dev/dri without a pattern: by-path was offered as a Healthy device, DRI_DEVICES=by-path, no GPU.
+    dri = tmp_path / "dri"
+    (dri / "by-path").mkdir(parents=True)
+    (dri / "card1").touch()
+    os.symlink(dri / "by-path", dri / "by-id")
+    scan = gp.scan_directory(resource_in(dri))
+    assert [d.id for d in scan.devices] == ["card1"]
+    assert scan.skipped == tuple(
+        (
+            name,
+            f"a directory, not a device: for the devices in it, write directory: {dri}/{name} (or a match entry "
+            "for it); a pattern that leaves it out silences this line",
+        )
+        for name in ("by-id", "by-path")
+    )
+    assert gp.scan_directory(resource_in(dri, pattern="card*")).skipped == ()
+
+
+def test_check_config_says_a_sub_directory_is_skipped_and_how_to_offer_what_is_in_it(tmp_path):
+    dri = tmp_path / "dri"
+    (dri / "by-path").mkdir(parents=True)
+    (dri / "card1").touch()
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"resources": [{"name": "example.com/gpu", "directory": str(dri)}]}))
+    result = run_cli("check-config", "--strict", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:5] == [
+        f"example.com/gpu: 1 device, 1 healthy, from {dri}/*",
+        "  ID     HEALTH     PATH",
+        f"  card1  Healthy    {dri}/card1",
+        f"  skipped 'by-path': a directory, not a device: for the devices in it, write directory: {dri}/by-path "
+        "(or a match entry for it); a pattern that leaves it out silences this line",
+    ]
+
+
+async def test_serve_offers_no_sub_directory_and_warns_once(nursery, node, caplog):
+    os.mkdir(os.path.join(node.devices, "by-path"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)  # g1 and g2 alone
+        Path(node.devices, "g3").touch()  # a rescan of the directory finds by-path again
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    warned = [m for m in caplog.messages if m.startswith(f"{RESOURCE}: skipping 'by-path': a directory, not a device")]
+    assert len(warned) == 1
+
+
 def test_scan_skips_devices_whose_host_paths_escape(tmp_path):
     devices = tmp_path / "devices"
     devices.mkdir()
