@@ -1156,6 +1156,8 @@ class ResourceConfig:
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
     api: str = "device-plugin"  #: one of APIS: the device-plugin API or DRA
     allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
+    #: other resources of the configuration that may offer the same device nodes as this one (shared_nodes)
+    shared_with: tuple[str, ...] = ()
 
     @property
     def device_plugin(self) -> bool:
@@ -1568,6 +1570,13 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                 problem = f"{resource.name} would share a DRA pool name with {other.name} of resources[{earlier}]"
                 raise ConfigError(source, f"resources[{index}].name", problem)
         resources.append(resource)
+    names = [resource.name for resource in resources]
+    for index, resource in enumerate(resources):
+        for i, other in enumerate(resource.shared_with):
+            if other == resource.name or other not in names:
+                what = "is this resource itself" if other == resource.name else "names no resource of this file"
+                problem = f"{other!r} {what}: list the resources that may offer the same device nodes as this one"
+                raise ConfigError(source, f"resources[{index}].shared_with[{i}]", problem)
     if dra is not None and not any(resource.dra for resource in resources):
         raise ConfigError(source, "dra", "no resource has api: dra, so the driver would offer nothing")
     warnings = tuple(
@@ -1706,6 +1715,7 @@ _RESOURCE_KEYS = {
     "api",
     "whole_dev",
     "allow_mounted",
+    "shared_with",
 }
 MAX_REPLICAS = 1000
 
@@ -1728,6 +1738,11 @@ def _parse_resource(
     )
     if not directory and not match and not usb:
         raise ConfigError(source, f"{where}.directory", "is required, unless match or usb says where the devices are")
+    if usb and (directory or match):
+        # Each would silently add to the other's devices: a resource says where its devices are once.
+        problem = f"and {'directory' if directory else 'match'} in one resource would offer both kinds of device "
+        problem += "as one list: give the USB devices a resource of their own"
+        raise ConfigError(source, f"{where}.usb", problem)
     id_pattern = None
     if "id_pattern" in data:
         if not directory and not match:
@@ -1822,6 +1837,10 @@ def _parse_resource(
         if only:
             problem = f"is for the device-plugin API, and this resource has api: dra ({_DRA_INSTEAD[only[0]]})"
             raise ConfigError(source, f"{where}.{only[0]}", problem)
+    shared_with = tuple(
+        _string(other, source, f"{where}.shared_with[{i}]")
+        for i, other in enumerate(_list(data.get("shared_with", []), source, f"{where}.shared_with"))
+    )
     return ResourceConfig(
         name,
         directory,
@@ -1841,6 +1860,7 @@ def _parse_resource(
         usb,
         api,
         allow_mounted,
+        shared_with,
     )
 
 
@@ -2324,6 +2344,35 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
         next((member.pci for member in members if member.pci is not None), None),
         next((member.usb for member in members if member.usb is not None), None),
     )
+
+
+def shared_nodes(offered: Iterable[tuple[ResourceConfig, Iterable[DeviceEntry]]]) -> list[str]:
+    """A line for each file that two resources offer (where symlinks lead: /dev/serial/by-id/... is
+    /dev/ttyUSB0), unless one lists the other in ``shared_with``.
+
+    Neither the kubelet nor the scheduler knows that two resource names (or a device-plugin resource
+    and a DRA pool) stand for one device node: each counts its own, so two pods can be given one
+    serial port at once. A migrated generic-device-plugin set-up does it easily: a ``ttyUSB*`` glob
+    beside a ``usb: 1a86:7523`` resource both find /dev/ttyUSB0."""
+    resources: dict[str, ResourceConfig] = {}
+    holders: dict[str, dict[str, str]] = {}  # file -> resource name -> the ID of its device there
+    for resource, devices in offered:
+        resources[resource.name] = resource
+        for device in devices:
+            for member in device.members or (device,):
+                target = member.followed[-1] if member.followed else member.path
+                holders.setdefault(target, {}).setdefault(resource.name, device.id)
+    lines = []
+    for target, by in sorted(holders.items()):
+        for first, second in itertools.combinations(by, 2):  # in the configuration's order
+            if second in resources[first].shared_with or first in resources[second].shared_with:
+                continue
+            lines.append(
+                f"{target} is offered by both {first} (device {by[first]}) and {second} (device {by[second]}): "
+                f"two pods could be given it at once; leave it out of one, or, if they are meant to share it, "
+                f"list {second} in shared_with of {first}"
+            )
+    return lines
 
 
 def examine_again(
@@ -8463,6 +8512,7 @@ async def serve_plugin(
 
         dra_resources: DraResources | None = None
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
+        roster = Watched(None)  # touched when a reload has changed what is served
 
         async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
@@ -8547,6 +8597,7 @@ async def serve_plugin(
                         if names
                     )
                     log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+                    roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
 
         try:
             await watch_kubelet(config)
@@ -8557,6 +8608,7 @@ async def serve_plugin(
                 dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
             for resource in config.resources:
                 await start(resource)
+            await parts.start("shared device nodes", _warn_shared_nodes, served, roster)
             if config.dra is not None and dra_resources is not None:
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
@@ -8575,6 +8627,26 @@ async def serve_plugin(
             await reloads.stop()
             await parts.stop()
             await stack.aclose()
+
+
+async def _warn_shared_nodes(
+    served: Mapping[str, _Served], roster: Watched, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Warn once about each device node two served resources offer (shared_nodes), as their devices
+    come and go: a node plugged in later is told when it appears, and again if it comes back after
+    it stopped being shared."""
+    said: set[str] = set()
+    task_status.started()
+    while True:
+        # The events before the look: a change made while looking is not missed.
+        events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
+        offered = [(one.resource, one.devices.value.values()) for one in served.values()]
+        lines = shared_nodes(offered) if len(offered) > 1 else []
+        for line in lines:
+            if line not in said:
+                log.warning("%s", line)
+        said = set(lines)
+        await _any_event(events, trio.Event())
 
 
 def _start_metrics(address: str) -> Metrics:
@@ -10871,6 +10943,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.strict:
                 print(f"gopherplug: --strict: DRA driver {config.dra.driver}: NODE_NAME is not set", file=sys.stderr)
                 strict_failed = True
+        offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
@@ -10878,6 +10951,7 @@ def main(argv: list[str] | None = None) -> int:
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+            offered.append((resource, scan.devices))
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
             view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)
             print(view)
@@ -10885,6 +10959,11 @@ def main(argv: list[str] | None = None) -> int:
             reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
             if args.strict and reasons:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
+                strict_failed = True
+        for line in shared_nodes(offered):  # what serve warns about too, once each
+            print(f"gopherplug: warning: {line}", file=sys.stderr)
+            if args.strict:
+                print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args))

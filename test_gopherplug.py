@@ -1165,7 +1165,7 @@ BAD_CONFIGS = [
         resources(pattren="ttyUSB*"),
         "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
         "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, usb, whole_dev",
+        "pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
     # undefined one): the line says to quote it, with the quoted key and value to write.
@@ -1187,6 +1187,29 @@ BAD_CONFIGS = [
         'put it in quotes, pattern: "*" (PyYAML at line 1, column 71: expected alphabetic or numeric character, '
         "but found '}')",
     ),
+    # directory (or match) and usb in one resource gave the union of both, silently.
+    *(
+        (
+            yaml.safe_dump({"resources": [{"name": "example.com/g", **sources, "usb": [{"vendor": "1a86", "product": "7523"}]}]}),
+            f"cfg.yaml: resources[0].usb: and {key} in one resource would offer both kinds of device as one list: "
+            "give the USB devices a resource of their own",
+        )
+        for key, sources in (
+            ("directory", {"directory": "/dev", "pattern": "ttyUSB*"}),
+            ("match", {"match": [{"directory": "/dev", "pattern": "ttyUSB*"}]}),
+        )
+    ),
+    (
+        resources(shared_with=["example.com/other"]),
+        "cfg.yaml: resources[0].shared_with[0]: 'example.com/other' names no resource of this file: list the "
+        "resources that may offer the same device nodes as this one",
+    ),
+    (
+        resources(shared_with=["example.com/gopher"]),
+        "cfg.yaml: resources[0].shared_with[0]: 'example.com/gopher' is this resource itself: list the resources "
+        "that may offer the same device nodes as this one",
+    ),
+    (resources(shared_with="example.com/x"), "cfg.yaml: resources[0].shared_with: must be a list"),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
         yaml.safe_dump({"resources": [], "a\nb": 1}),
@@ -1210,7 +1233,7 @@ BAD_CONFIGS = [
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
         "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, usb, whole_dev",
+        "pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -1720,6 +1743,80 @@ async def test_serve_offers_no_sub_directory_and_warns_once(nursery, node, caplo
         await simulator.wait_until(listed("g1", "g2", "g3"))
     warned = [m for m in caplog.messages if m.startswith(f"{RESOURCE}: skipping 'by-path': a directory, not a device")]
     assert len(warned) == 1
+
+
+def serial_and_ch340(tmp_path, **ch340):
+    """/dev/ttyUSB0 as a migrated generic-device-plugin set-up finds it twice: by a ttyUSB* glob, and
+    through the udev link of the adapter (the same node a usb: 1a86:7523 resource finds)."""
+    dev = tmp_path / "dev"
+    if not dev.exists():
+        (dev / "serial" / "by-id").mkdir(parents=True)
+        for name in ("ttyUSB0", "ttyUSB1"):
+            (dev / name).touch()
+        os.symlink(dev / "ttyUSB0", dev / "serial" / "by-id" / "usb-1a86_USB_Serial-if00")
+    return [
+        {"name": "example.com/serial", "directory": str(dev), "pattern": "ttyUSB*"},
+        {"name": "example.com/ch340", "directory": str(dev / "serial" / "by-id"), **ch340},
+    ]
+
+
+SHARED_TTYUSB0 = (
+    "{dev}/ttyUSB0 is offered by both example.com/serial (device ttyUSB0) and example.com/ch340 (device "
+    "usb-1a86_USB_Serial-if00): two pods could be given it at once; leave it out of one, or, if they are meant to "
+    "share it, list example.com/ch340 in shared_with of example.com/serial"
+)
+
+
+@pytest.mark.parametrize(
+    ("serial", "ch340", "lines"),
+    [
+        ({}, {}, [SHARED_TTYUSB0]),
+        ({"shared_with": ["example.com/ch340"]}, {}, []),  # either one saying so is enough
+        ({}, {"shared_with": ["example.com/serial"]}, []),
+        ({"pattern": "ttyUSB1"}, {}, []),
+    ],
+)
+def test_shared_nodes_names_the_node_and_both_resources_unless_one_allows_it(tmp_path, serial, ch340, lines):
+    document = serial_and_ch340(tmp_path, **ch340)
+    document[0].update(serial)
+    config = gp.parse_config(yaml.safe_dump({"resources": document}), "c")
+    offered = [(r, gp.scan_directory(r).devices) for r in config.resources]
+    assert gp.shared_nodes(offered) == [line.format(dev=tmp_path / "dev") for line in lines]
+
+
+def test_check_config_says_once_that_two_resources_offer_one_node_and_strict_fails(tmp_path):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"resources": serial_and_ch340(tmp_path)}))
+    result = run_cli("check-config", "--config", str(path))
+    warning = f"gopherplug: warning: {SHARED_TTYUSB0}\n".format(dev=tmp_path / "dev")
+    assert (result.returncode, result.stderr) == (0, warning)
+    strict = run_cli("check-config", "--strict", "--config", str(path))
+    assert (strict.returncode, strict.stderr.splitlines()[1:]) == (
+        1,
+        [f"gopherplug: --strict: {tmp_path}/dev/ttyUSB0: offered twice"],
+    )
+    path.write_text(yaml.safe_dump({"resources": serial_and_ch340(tmp_path, shared_with=["example.com/serial"])}))
+    allowed = run_cli("check-config", "--strict", "--config", str(path))
+    assert (allowed.returncode, allowed.stderr) == (0, "")
+
+
+async def test_serve_says_once_that_two_resources_offer_one_node(nursery, tmp_path, sockdir, caplog):
+    plugin_dir = os.path.join(sockdir, "dp")
+    os.mkdir(plugin_dir)
+    document = {"device_plugin_dir": plugin_dir, "resources": serial_and_ch340(tmp_path)}
+    os.unlink(tmp_path / "dev" / "ttyUSB0")  # not plugged in yet: nothing is shared
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(document), "c"))
+        await simulator.wait_until(lambda s: "example.com/serial" in s.resources)
+        shared = SHARED_TTYUSB0.format(dev=tmp_path / "dev")
+        assert shared not in caplog.messages
+        with logged(shared) as said:
+            (tmp_path / "dev" / "ttyUSB0").touch()  # plugged in: both resources find it
+            await said.wait()
+        (tmp_path / "dev" / "ttyUSB2").touch()  # another change of both: nothing new to say
+        await simulator.wait_until(lambda s: "ttyUSB2" in s.resources["example.com/serial"].devices)
+    assert caplog.messages.count(shared) == 1
 
 
 def test_scan_skips_devices_whose_host_paths_escape(tmp_path):
