@@ -4627,6 +4627,36 @@ def _inotify_limit(error: OSError, creating: bool) -> str | None:
     return None
 
 
+# What serve says, and check-config before it (missing_extras), when an extra is not installed.
+_METRICS_EXTRA = (
+    "metrics_address needs prometheus_client ({error}): install gopherplug with its metrics extra, "
+    "pip install '.[metrics]' in a checkout"
+)
+_DRA_EXTRA = (
+    "DRA needs the Kubernetes client lightkube ({error}): install gopherplug with its dra extra, "
+    "pip install '.[dra]' in a checkout"
+)
+
+
+def missing_extras(config: Config) -> list[str]:
+    """For check-config: a line for each extra the configuration needs that cannot be imported
+    (serve would stop at start with that line): prometheus_client for ``metrics_address``, lightkube
+    and httpx2 for ``dra``. Imported as serve imports them, so a broken install is found too."""
+    problems = []
+    if config.metrics_address is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError as error:
+            problems.append(_METRICS_EXTRA.format(error=error))
+    if config.dra is not None:
+        try:
+            import httpx2  # noqa: F401
+            import lightkube  # noqa: F401
+        except ImportError as error:
+            problems.append(_DRA_EXTRA.format(error=error))
+    return problems
+
+
 class Metrics:
     """Prometheus metrics, served over HTTP by prometheus_client (the ``metrics`` extra).
 
@@ -4641,10 +4671,7 @@ class Metrics:
         try:
             import prometheus_client as prometheus
         except ImportError as error:
-            raise GopherplugError(
-                f"metrics_address needs prometheus_client ({error}): install gopherplug with its metrics extra, "
-                "pip install '.[metrics]' in a checkout"
-            ) from None
+            raise GopherplugError(_METRICS_EXTRA.format(error=error)) from None
         self.registry = registry = prometheus.CollectorRegistry()
         labels = ("resource",)
         # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
@@ -6896,10 +6923,7 @@ class KubeApi:
             import lightkube
             from lightkube.generic_resource import create_global_resource, create_namespaced_resource
         except ImportError as error:
-            raise GopherplugError(
-                f"DRA needs the Kubernetes client lightkube ({error}): install gopherplug with its dra extra, "
-                "pip install '.[dra]' in a checkout"
-            ) from None
+            raise GopherplugError(_DRA_EXTRA.format(error=error)) from None
         try:
             if kubeconfig is not None:
                 config = lightkube.KubeConfig.from_file(kubeconfig)
@@ -10959,6 +10983,11 @@ def main(argv: list[str] | None = None) -> int:
             reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
             if args.strict and reasons:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
+                strict_failed = True
+        for problem in missing_extras(config):  # serve would stop at start
+            print(f"gopherplug: warning: {problem}: serve would stop at start", file=sys.stderr)
+            if args.strict:
+                print(f"gopherplug: --strict: {problem.split(' (')[0]}", file=sys.stderr)
                 strict_failed = True
         for line in shared_nodes(offered):  # what serve warns about too, once each
             print(f"gopherplug: warning: {line}", file=sys.stderr)

@@ -1190,7 +1190,9 @@ BAD_CONFIGS = [
     # directory (or match) and usb in one resource gave the union of both, silently.
     *(
         (
-            yaml.safe_dump({"resources": [{"name": "example.com/g", **sources, "usb": [{"vendor": "1a86", "product": "7523"}]}]}),
+            yaml.safe_dump(
+                {"resources": [{"name": "example.com/g", **sources, "usb": [{"vendor": "1a86", "product": "7523"}]}]}
+            ),
             f"cfg.yaml: resources[0].usb: and {key} in one resource would offer both kinds of device as one list: "
             "give the USB devices a resource of their own",
         )
@@ -6201,7 +6203,7 @@ def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_th
         assert (result.returncode, result.stdout) == (2, "")
         assert result.stderr == (
             "gopherplug: --device: is generic-device-plugin's option, not gopherplug's: write each --device as a "
-            "resource of the configuration file given by --config (the README's \"Coming from generic-device-plugin\" "
+            'resource of the configuration file given by --config (the README\'s "Coming from generic-device-plugin" '
             "translates it)\n"
         )
     assert "\n## Coming from generic-device-plugin\n" in (HERE / "README.md").read_text()
@@ -6211,6 +6213,41 @@ def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_th
         result = run_cli(*args)
         assert result.returncode == 2
         assert result.stderr.splitlines()[-1] == f"gopherplug: error: unrecognized arguments: {' '.join(args[1:])}"
+
+
+def test_check_config_says_serve_would_stop_for_an_extra_that_is_not_installed(node, sockdir, tmp_path):
+    # check-config --strict exited 0 for metrics_address or dra without their extra, and serve exited 1.
+    blocked = tmp_path / "blocked"  # modules that fail to import, as an absent extra does
+    blocked.mkdir()
+    for module in ("prometheus_client", "lightkube"):
+        (blocked / f"{module}.py").write_text(f'raise ImportError("No module named {module!r}")\n')
+    env = {"PYTHONPATH": str(blocked), "NODE_NAME": "node-1"}
+    metrics = "metrics_address needs prometheus_client (No module named 'prometheus_client')"
+    path = write_config(node, tmp_path)
+    (g := Path(sockdir, "g")).mkdir()
+    (g / "gopher0").touch()
+    dra = tmp_path / "dra.yaml"
+    dra.write_text(dra_config(g, Path(sockdir, "k"), cdi={"kind": "example.com/gopher"}))
+    for config, args, problem, extra in (
+        (path, ["--metrics-address", "127.0.0.1:0"], metrics, "metrics"),
+        (dra, [], "DRA needs the Kubernetes client lightkube (No module named 'lightkube')", "dra"),
+    ):
+        warning = (
+            f"gopherplug: warning: {problem}: install gopherplug with its {extra} extra, pip install '.[{extra}]' "
+            "in a checkout: serve would stop at start"
+        )
+        result = run_cli("check-config", "--config", str(config), *args, env=env)
+        assert (result.returncode, result.stderr.splitlines()) == (0, [warning])
+        strict = run_cli("check-config", "--strict", "--config", str(config), *args, env=env)
+        assert (strict.returncode, strict.stderr.splitlines()) == (
+            1,
+            [warning, f"gopherplug: --strict: {problem.split(' (')[0]}"],
+        )
+    served = run_cli("serve", "--config", str(path), "--metrics-address", "127.0.0.1:0", env=env)
+    assert served.returncode == 1
+    assert served.stderr.splitlines()[-1].endswith(
+        f"ERROR {metrics}: install gopherplug with its metrics extra, pip install '.[metrics]' in a checkout"
+    )
 
 
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
