@@ -8854,6 +8854,7 @@ async def watch_config_file(
     current: Config | None = None,
     device_plugin_dir_from: str = "--device-plugin-dir",
     on_watch: Callable[[DirectoryWatch], None] | None = None,
+    metrics_address: str | None = None,
 ) -> AsyncGenerator[Config, None]:
     """Yield the configuration each time the file changes to a new valid one, until closed.
 
@@ -8864,6 +8865,9 @@ async def watch_config_file(
     With ``current`` (the configuration running now), the file is compared with it first: an
     edit made while the plugin was starting is not lost.
     ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
+    ``metrics_address`` (the command line's --metrics-address) overrides the file's in every reading,
+    as ``device_plugin_dir`` does: the running configuration has it, and a reading without it would
+    differ from it, a reload of nothing at every start.
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
@@ -8891,6 +8895,8 @@ async def watch_config_file(
                 last_text = text
                 try:
                     config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+                    if metrics_address is not None:
+                        config = dataclasses.replace(config, metrics_address=metrics_address)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     invalid = error
@@ -10995,7 +11001,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
-    given = (args.device_plugin_dir, _device_plugin_dir_from(args))
+    given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     code = _run(args, _serve_until_signalled, config, args.config, *given)
     if code == EXIT_OK:
         # Stopped as asked: every socket, watch and connection is closed, and the log says so. The
@@ -11202,7 +11208,11 @@ async def serve_until_signalled(
 
 
 async def _serve_until_signalled(
-    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+    config: Config,
+    path: str,
+    device_plugin_dir: str | None,
+    device_plugin_dir_from: str,
+    metrics_address: str | None = None,
 ) -> None:
     """`gopherplug serve`: serve_plugin() with the file's edits applied as they are saved, until
     SIGTERM or SIGINT, stopped by serve_until_signalled() as an embedding program's plugin is."""
@@ -11219,7 +11229,9 @@ async def _serve_until_signalled(
         for watch in watches:
             watch.poke()
 
-    updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
+    updates = watch_config_file(
+        path, device_plugin_dir, config, device_plugin_dir_from, watches.append, metrics_address=metrics_address
+    )
     await serve_until_signalled(functools.partial(serve_plugin, config, updates=updates), on_sighup=read_again)
 
 
