@@ -2629,10 +2629,17 @@ def _health_problem(path: str, unreachable: OSError | None, access: int, is_node
     if unreachable is not None:
         return f"cannot stat {path}: {unreachable.strerror}"
     if not os.access(path, access or os.F_OK):
-        if is_node and _access_errno(path, access) == errno.EPERM:
+        refused = _access_errno(path, access)
+        if is_node and refused == errno.EPERM:
             return ""  # the mode allowed it; only this process's own device cgroup refused
         wanted = {os.R_OK: "reading", os.W_OK: "writing", os.R_OK | os.W_OK: "reading and writing"}
-        return f"this process cannot open {path} for {wanted.get(access, 'use')}"
+        problem = f"this process cannot open {path} for {wanted.get(access, 'use')}"
+        # What to change, as check-config says it: the mode and owner, for the user this process is.
+        uid = os.geteuid()
+        who = "root without capabilities" if uid == 0 else f"uid {uid}"
+        if why := _mode_refusal(path, access, uid, {os.getegid(), *os.getgroups()}, who):
+            return f"{problem}: {why}: fix the mode or owner on the host (a udev rule, for nodes that come and go)"
+        return f"{problem}: {os.strerror(refused)}" if refused else problem  # not the mode: EROFS, an ACL
     return ""
 
 
@@ -2645,19 +2652,23 @@ def pod_mode_problem(path: str, access: int) -> str:
     `check-config` run as root on the node keeps that capability, and would call healthy what the
     pod calls unhealthy. POSIX ACLs are not looked at.
     """
+    return _mode_refusal(path, access, 0, {0}, "root without capabilities")
+
+
+def _mode_refusal(path: str, access: int, uid: int, gids: Iterable[int], who: str) -> str:
+    """Why the mode and owner of ``path`` refuse ``access`` to ``uid`` in the groups ``gids``
+    (named ``who`` in the line), capabilities aside, or "": the kernel takes the owner's bits if
+    the user owns the file, else the group's if one of its groups does, else the others'."""
     try:
         status = os.stat(path)
     except OSError:
         return ""
-    shift = 6 if status.st_uid == 0 else 3 if status.st_gid == 0 else 0
+    shift = 6 if status.st_uid == uid else 3 if status.st_gid in set(gids) else 0
     need = (4 if access & os.R_OK else 0) | (2 if access & os.W_OK else 0)
-    if (status.st_mode >> shift) & need == need:
+    if not need or (status.st_mode >> shift) & need == need:
         return ""
     wanted = {4: "reading", 2: "writing", 6: "reading and writing"}[need]
-    return (
-        f"mode {stat.S_IMODE(status.st_mode):04o} and owner {status.st_uid}:{status.st_gid} refuse {wanted} "
-        "to root without capabilities"
-    )
+    return f"mode {stat.S_IMODE(status.st_mode):04o} and owner {status.st_uid}:{status.st_gid} refuse {wanted} to {who}"
 
 
 def _access_errno(path: str, access: int) -> int:

@@ -4563,14 +4563,23 @@ async def test_health_follows_permissions(nursery, node, tmp_path):
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
     process = await trio.lowlevel.open_process(
         [*without_dac_override(), sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
+    stderr = StderrLines(process.stderr)
     g1 = os.path.join(node.devices, "g1")
+    status = os.stat(g1)
+    who = "root without capabilities" if os.geteuid() == 0 else f"uid {os.geteuid()}"
     try:
         with trio.fail_after(TIMEOUT):
             await simulator.wait_until(listed("g1", "g2"))
             os.chmod(g1, 0o200)  # write only; plain files need reading
             await simulator.wait_until(lambda s: health_of(s) == {"g1": gp.UNHEALTHY, "g2": gp.HEALTHY})
+            # The line says what refuses, and what to change (it gave neither mode, owner nor fix).
+            await stderr.wait_for(
+                f"WARNING {RESOURCE}: g1 is unhealthy: this process cannot open {g1} for reading: mode 0200 and owner "
+                f"{status.st_uid}:{status.st_gid} refuse reading to {who}: fix the mode or owner on the host (a udev "
+                "rule, for nodes that come and go)\n"
+            )
             os.chmod(g1, 0o644)
             await simulator.wait_until(listed("g1", "g2"))
     finally:
@@ -5972,7 +5981,11 @@ def test_check_config_as_root_shows_what_the_pod_would_refuse(node, tmp_path):
         timeout=60,
         check=False,
     )
-    assert f"  g1  Unhealthy  {g1} (this process cannot open {g1} for reading)" in dropped.stdout.splitlines()
+    assert (
+        f"  g1  Unhealthy  {g1} (this process cannot open {g1} for reading: mode 0600 and owner 1000:1000 refuse "
+        "reading to root without capabilities: fix the mode or owner on the host (a udev rule, for nodes that come and "
+        "go))"
+    ) in dropped.stdout.splitlines()
 
 
 async def test_debug_logs_are_gopherplugs_own_not_the_http2_internals(nursery, node, tmp_path):
