@@ -10829,7 +10829,7 @@ def _parser() -> argparse.ArgumentParser:
     who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     who.add_argument(
         "--pod-resources-socket",
-        default=env("GOPHERPLUG_POD_RESOURCES_SOCKET"),
+        default=None,  # the env var is read in _who, so that a message about it can name it
         metavar="PATH",
         help="the kubelet's PodResources socket (env GOPHERPLUG_POD_RESOURCES_SOCKET; default: "
         "pod-resources/kubelet.sock in the kubelet's root directory)",
@@ -11034,7 +11034,19 @@ _CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute
 
 def _who(args: argparse.Namespace, config: Config) -> int:
     """`gopherplug who`: this configuration's devices, scanned now, and their holders, from the kubelet."""
-    socket_path = args.pod_resources_socket or pod_resources_socket(config)
+    socket_path, given_as = args.pod_resources_socket, "--pod-resources-socket"
+    if socket_path is None and os.environ.get("GOPHERPLUG_POD_RESOURCES_SOCKET"):
+        socket_path, given_as = os.environ["GOPHERPLUG_POD_RESOURCES_SOCKET"], "GOPHERPLUG_POD_RESOURCES_SOCKET"
+    if socket_path is not None and not os.path.exists(socket_path):
+        # Given, and wrong: list_pod_resources' advice (mount it, or give the option) is for the default path.
+        print(
+            f"gopherplug: {given_as}: {socket_path} does not exist: give the kubelet's PodResources socket, "
+            f"{POD_RESOURCES_SOCKET} in its root directory ({os.path.join(DEFAULT_KUBELET_DIR, POD_RESOURCES_SOCKET)} "
+            "by default)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    socket_path = socket_path or pod_resources_socket(config)
     node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
     devices = [(r, scan_directory(r, config.sysfs_root, config.dev_root).devices) for r in config.resources]
     try:

@@ -5447,10 +5447,14 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert os.listdir(sockdir) == []
 
 
-async def run_cli_async(*args):
+async def run_cli_async(*args, env=None):
     """run_cli for tests whose plugin runs on this trio thread: the subprocess is awaited, not blocked on."""
     return await trio.run_process(
-        [sys.executable, str(HERE / "gopherplug.py"), *args], capture_stdout=True, capture_stderr=True, check=False
+        [sys.executable, str(HERE / "gopherplug.py"), *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -5815,13 +5819,28 @@ async def test_who_waits_while_the_kubelet_refuses_past_its_rate_limit_and_says_
 
 async def test_who_without_the_kubelets_socket_says_what_to_mount(node, tmp_path):
     config = write_config(node, tmp_path)
-    missing = os.path.join(node.plugin_dir, "nowhere", "kubelet.sock")
-    result = await run_cli_async("who", "--config", str(config), "--pod-resources-socket", missing)
+    missing = os.path.join(os.path.dirname(node.plugin_dir), "pod-resources", "kubelet.sock")  # the default
+    result = await run_cli_async("who", "--config", str(config))
     assert (result.returncode, result.stdout) == (1, b"")
     assert result.stderr.decode() == (
         f"gopherplug: no kubelet PodResources socket at {missing}: in a pod, mount the kubelet's "
         f"{os.path.dirname(missing)} read-only at that path (the shipped manifests do); elsewhere, give "
         "--pod-resources-socket\n"
+    )
+
+
+@pytest.mark.parametrize("given_as", ["--pod-resources-socket", "GOPHERPLUG_POD_RESOURCES_SOCKET"])
+async def test_who_with_a_socket_given_that_does_not_exist_says_so(node, tmp_path, given_as):
+    # It told the user who had given --pod-resources-socket to give --pod-resources-socket.
+    config = write_config(node, tmp_path)
+    missing = os.path.join(node.plugin_dir, "nowhere", "kubelet.sock")
+    given = ["--pod-resources-socket", missing] if given_as.startswith("--") else []
+    env = {} if given else {given_as: missing}
+    result = await run_cli_async("who", "--config", str(config), *given, env=env)
+    assert (result.returncode, result.stdout) == (1, b"")
+    assert result.stderr.decode() == (
+        f"gopherplug: {given_as}: {missing} does not exist: give the kubelet's PodResources socket, "
+        "pod-resources/kubelet.sock in its root directory (/var/lib/kubelet/pod-resources/kubelet.sock by default)\n"
     )
 
 
