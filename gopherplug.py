@@ -11095,7 +11095,20 @@ def _probe(args: argparse.Namespace) -> int:
     names = args.resource or ([r.name for r in config.resources if r.device_plugin] if config else None)
     if names == []:  # a DRA driver only
         return EXIT_FAILURE if failed else EXIT_OK
-    directory = args.device_plugin_dir or (config and config.device_plugin_dir) or find_device_plugin_dir()
+    # Not find_device_plugin_dir(): serve waits for a kubelet that is not there yet, and says so;
+    # probe has nothing to wait for, and fails with the one line that says why.
+    directory = (
+        args.device_plugin_dir
+        or (config and config.device_plugin_dir)
+        or _kubelets_directory(KNOWN_DEVICE_PLUGIN_DIRS)
+    )
+    if not directory:
+        print(
+            f"gopherplug: no kubelet.sock in {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}: no kubelet runs here, or it uses "
+            "another directory: give --device-plugin-dir (or --config)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     results = trio.run(probe, directory, names, args.grace)
     print(probe_report(results) if results else f"no gopherplug socket in {directory}")
     return EXIT_OK if results and not failed and not any(result.error for result in results) else EXIT_FAILURE

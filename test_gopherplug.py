@@ -6037,6 +6037,24 @@ def test_probe_without_any_plugin_exits_1(node):
     assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
 
 
+def test_plain_probe_says_which_directories_hold_no_kubelet_not_that_it_waits(tmp_path, capsys, monkeypatch):
+    # Plain `probe` said "waiting for the kubelet in ..." (serve's line), and then exited 1.
+    known = (str(tmp_path / "a"), str(tmp_path / "b"))
+    monkeypatch.setattr(gp, "KNOWN_DEVICE_PLUGIN_DIRS", known)
+    monkeypatch.delenv("GOPHERPLUG_DEVICE_PLUGIN_DIR", raising=False)
+    assert gp.main(["probe"]) == gp.EXIT_FAILURE
+    assert capsys.readouterr() == (
+        "",
+        f"gopherplug: no kubelet.sock in {known[0]}, {known[1]}: no kubelet runs here, or it uses another "
+        "directory: give --device-plugin-dir (or --config)\n",
+    )
+    os.mkdir(known[1])  # a kubelet's directory, and no plugin in it
+    with socket.socket(socket.AF_UNIX) as kubelet:
+        kubelet.bind(os.path.join(known[1], "kubelet.sock"))
+        assert gp.main(["probe"]) == gp.EXIT_FAILURE
+    assert capsys.readouterr() == (f"no gopherplug socket in {known[1]}\n", "")
+
+
 def test_check_config_summarises_a_good_file(node, tmp_path):
     os.symlink("/dev/null", os.path.join(node.devices, "null"))
     os.symlink("/dev/zero", os.path.join(node.devices, "zero"))
