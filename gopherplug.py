@@ -8473,6 +8473,25 @@ def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS)
     return candidates[0]
 
 
+def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str | None:
+    """For check-config: why ``directory``, given as the kubelet's, looks wrong, or None. serve would
+    wait in it for a kubelet.sock that never comes: it does not exist (a typo), or it holds none
+    while one of the known directories does. The nearest known directory is proposed."""
+    candidates = list(candidates)
+    if os.path.exists(os.path.join(directory, KUBELET_SOCKET)):
+        return None
+    elsewhere = _kubelets_directory(candidates)
+    if os.path.isdir(directory) and elsewhere is None:
+        return None  # no kubelet on this machine (yet): nothing to compare with
+    state = "does not exist" if not os.path.isdir(directory) else "holds no kubelet.sock"
+    problem = f"{directory} {state}: serve would wait there for the kubelet"
+    if elsewhere is not None and elsewhere != directory:
+        return f"{problem}; this machine's kubelet is in {elsewhere}"
+    if close := difflib.get_close_matches(directory, candidates, n=1):
+        return f"{problem}; did you mean {close[0]}?"
+    return problem
+
+
 def _accepts(socket_path: str) -> bool:
     """Whether something listens on a unix socket (a connection is made and closed at once)."""
     with socket.socket(socket.AF_UNIX) as probe_socket:
@@ -10959,12 +10978,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
+        mistaken = None
         if any(resource.device_plugin for resource in config.resources):
             found = f"the first of {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)} to hold kubelet.sock at start"
             where.append(f"kubelet at {config.device_plugin_dir or found}")
+            if config.device_plugin_dir is not None:
+                mistaken = device_plugin_dir_mistake(config.device_plugin_dir)
         if config.dra is not None:
             where.append(f"DRA driver {config.dra.driver}, kubelet root {config.dra.kubelet_dir}")
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
+        named = _device_plugin_dir_from(args) if args.device_plugin_dir is not None else "device_plugin_dir"
+        if mistaken is not None:  # a typo: serve would wait for the kubelet for ever
+            print(f"gopherplug: warning: {named}: {mistaken}", file=sys.stderr)
         # What the kubelet would be offered if the plugin started now, on this machine. Run by root
         # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
         # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
@@ -10973,6 +10998,9 @@ def main(argv: list[str] | None = None) -> int:
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
         strict_failed = False
+        if mistaken is not None and args.strict:
+            print(f"gopherplug: --strict: {named}: no kubelet.sock", file=sys.stderr)
+            strict_failed = True
         node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
         if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
             print(

@@ -6083,6 +6083,7 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
 
 def test_check_config_shows_each_devices_members(tmp_path):
     dev, plugin_dir = str(tmp_path / "dev"), str(tmp_path / "dp")
+    os.mkdir(plugin_dir)  # a kubelet's directory (a missing one is warned about)
     by_path = gpu_by_path(dev)
     sysfs = usb_tree(tmp_path)
     usb_nodes(dev, "bus/usb/001/003", "hidraw0")
@@ -6129,6 +6130,7 @@ def test_check_config_shows_each_devices_members(tmp_path):
 def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
     # A directory not there (yet) or a machine without USB used to print "0 devices, 0 healthy", like a typo.
     missing, plugin_dir, sysfs = str(tmp_path / "gophers"), str(tmp_path / "dp"), str(tmp_path / "sys")
+    os.mkdir(plugin_dir)  # a kubelet's directory (a missing one is warned about)
     path = tmp_path / "gopherplug.yaml"
     resources = [
         {"name": RESOURCE, "directory": missing},
@@ -6169,6 +6171,7 @@ def test_check_config_says_what_to_write_for_a_directory_that_is_a_device_or_a_g
         {"name": "example.com/null", "directory": "/dev/null"},
         {"name": "example.com/serial", "match": [{"directory": glob}, {"directory": plain}]},
     ]
+    os.mkdir(tmp_path / "dp")  # a kubelet's directory (a missing one is warned about)
     path.write_text(yaml.safe_dump({"device_plugin_dir": str(tmp_path / "dp"), "resources": resources}))
     result = run_cli("check-config", "--config", str(path))
     assert (result.returncode, result.stderr) == (0, "")  # valid: serve would run, and wait
@@ -6298,6 +6301,59 @@ def test_check_config_says_serve_would_stop_for_an_extra_that_is_not_installed(n
     assert served.stderr.splitlines()[-1].endswith(
         f"ERROR {metrics}: install gopherplug with its metrics extra, pip install '.[metrics]' in a checkout"
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "kubelet_in", "problem"),
+    [
+        ("{0}", None, None),  # there, no kubelet on this machine yet: nothing to say
+        ("{0}", 0, None),
+        ("{0}-typo", None, "{0}-typo does not exist: serve would wait there for the kubelet; did you mean {0}?"),
+        ("/nowhere-like-it", None, "/nowhere-like-it does not exist: serve would wait there for the kubelet"),
+        (
+            "{0}-typo",
+            1,
+            "{0}-typo does not exist: serve would wait there for the kubelet; this machine's kubelet is in {1}",
+        ),
+        (
+            "{0}",
+            1,
+            "{0} holds no kubelet.sock: serve would wait there for the kubelet; this machine's kubelet is in {1}",
+        ),
+    ],
+)
+def test_device_plugin_dir_mistake_proposes_the_kubelets_directory(sockdir, given, kubelet_in, problem):
+    known = [os.path.join(sockdir, "k", "device-plugins"), os.path.join(sockdir, "mk", "device-plugins")]
+    for directory in known:
+        os.makedirs(directory)
+    with socket.socket(socket.AF_UNIX) as kubelet:
+        if kubelet_in is not None:
+            kubelet.bind(os.path.join(known[kubelet_in], "kubelet.sock"))
+            kubelet.listen()
+        expected = problem.format(*known) if problem else None
+        assert gp.device_plugin_dir_mistake(given.format(*known), known) == expected
+
+
+def test_check_config_warns_of_a_device_plugin_dir_that_is_not_there(node, tmp_path):
+    # A typo in device_plugin_dir: serve waits for the kubelet for ever, and check-config said nothing.
+    if gp._kubelets_directory(gp.KNOWN_DEVICE_PLUGIN_DIRS) is not None:
+        pytest.skip("a kubelet runs on this machine: the line names its directory instead")
+    path = write_config(node, tmp_path)
+    typo = "/var/lib/kubelet/device-plugin"
+    for args, named in (([], "device_plugin_dir"), (["--device-plugin-dir", typo], "--device-plugin-dir")):
+        if not args:
+            path.write_text(path.read_text().replace(node.plugin_dir, typo))
+        result = run_cli("check-config", "--config", str(path), *args)
+        warning = (
+            f"gopherplug: warning: {named}: {typo} does not exist: serve would wait there for the kubelet; did you "
+            "mean /var/lib/kubelet/device-plugins?"
+        )
+        assert (result.returncode, result.stderr.splitlines()) == (0, [warning])
+        strict = run_cli("check-config", "--strict", "--config", str(path), *args)
+        assert (strict.returncode, strict.stderr.splitlines()) == (
+            1,
+            [warning, f"gopherplug: --strict: {named}: no kubelet.sock"],
+        )
 
 
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
@@ -6476,6 +6532,7 @@ def test_check_config_says_where_serve_would_find_the_kubelet_given_the_option_o
 ):
     # serve takes the directory from either; check-config named the file's (or none) all the same.
     other = node.plugin_dir + "-other"  # short: a socket path must fit in it
+    os.mkdir(other)  # a kubelet's directory (a missing one is warned about)
     path = write_config(node, tmp_path)
     args = [arg.format(dir=other) for arg in args]
     result = run_cli("check-config", "--config", str(path), *args, env={k: v.format(dir=other) for k, v in env.items()})
