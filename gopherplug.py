@@ -1448,8 +1448,8 @@ def _unquoted_star(lines: list[str], error: Any) -> tuple[int, int, str] | None:
         return None
     key = _KEY_BEFORE.search(line[: mark.column])
     quoted = f'{key[1]}: "{value[0]}"' if key else f'"{value[0]}"'
-    sentence = f"{_as_written(value[0])} is read by YAML as an alias (a reference to an &anchor): put it in quotes, {quoted}"
-    return mark.line, mark.column, sentence
+    read = f"{_as_written(value[0])} is read by YAML as an alias (a reference to an &anchor)"
+    return mark.line, mark.column, f"{read}: put it in quotes, {quoted}"
 
 
 def _yaml_mistake(lines: list[str], error: Any, at: int, column: int) -> tuple[int, int, str] | None:
@@ -1526,8 +1526,9 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             source, at, f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
         )
     if data is None:  # nothing, or only comments: "must be a mapping" would not say what is wrong
-        problem = "is empty: it needs resources, a list of the devices to offer (the README's Configuration)"
-        raise ConfigError(source, "", problem)
+        raise ConfigError(
+            source, "", "is empty: it needs resources, a list of the devices to offer (the README's Configuration)"
+        )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
         data,
@@ -1572,11 +1573,11 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         resources.append(resource)
     names = [resource.name for resource in resources]
     for index, resource in enumerate(resources):
-        for i, other in enumerate(resource.shared_with):
-            if other == resource.name or other not in names:
-                what = "is this resource itself" if other == resource.name else "names no resource of this file"
-                problem = f"{other!r} {what}: list the resources that may offer the same device nodes as this one"
-                raise ConfigError(source, f"resources[{index}].shared_with[{i}]", problem)
+        for i, sharer in enumerate(resource.shared_with):
+            if sharer == resource.name or sharer not in names:
+                what = "is this resource itself" if sharer == resource.name else "names no resource of this file"
+                why = f"{sharer!r} {what}: list the resources that may offer the same device nodes as this one"
+                raise ConfigError(source, f"resources[{index}].shared_with[{i}]", why)
     if dra is not None and not any(resource.dra for resource in resources):
         raise ConfigError(source, "dra", "no resource has api: dra, so the driver would offer nothing")
     warnings = tuple(
@@ -10828,7 +10829,7 @@ def _parser() -> argparse.ArgumentParser:
     probe_ = commands.add_parser(
         "probe",
         allow_abbrev=False,
-        help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
+        help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)",
     )
     probe_.add_argument(
         "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
@@ -10843,7 +10844,7 @@ def _parser() -> argparse.ArgumentParser:
     who = commands.add_parser(
         "who",
         allow_abbrev=False,
-        help="each configured device with its health, its path and the pod and container holding it"
+        help="each configured device with its health, its path and the pod and container holding it",
     )
     who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     who.add_argument(
@@ -10856,7 +10857,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         allow_abbrev=False,
-        help="run the plugin against a simulated kubelet in a temporary directory, step by step"
+        help="run the plugin against a simulated kubelet in a temporary directory, step by step",
     )
     demo.add_argument(
         "--dra",
@@ -11126,9 +11127,7 @@ def _probe(args: argparse.Namespace) -> int:
     # Not find_device_plugin_dir(): serve waits for a kubelet that is not there yet, and says so;
     # probe has nothing to wait for, and fails with the one line that says why.
     directory = (
-        args.device_plugin_dir
-        or (config and config.device_plugin_dir)
-        or _kubelets_directory(KNOWN_DEVICE_PLUGIN_DIRS)
+        args.device_plugin_dir or (config and config.device_plugin_dir) or _kubelets_directory(KNOWN_DEVICE_PLUGIN_DIRS)
     )
     if not directory:
         print(
