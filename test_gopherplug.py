@@ -1117,12 +1117,15 @@ def test_example_config_is_valid():
     # match, id_pattern and usb, each in place of directory and pattern.
     sources = text.replace("    directory: /etc/gophers\n", "").replace('    pattern: "*"\n', "")
     sources = sources.replace("allowed_host_paths: [/dev]", "allowed_host_paths: [/dev, /etc/gophers]")
-    for key in ("match:", "  - {directory: /dev, pattern:", "id_pattern:", "usb:", "  - {vendor:"):
+    usb = sources
+    for key in ("match:", "  - {directory: /dev, pattern:", "id_pattern:"):
         sources = sources.replace(f"    # {key}", f"    {key}")
     uncommented = gp.parse_config(sources).resources[0]
     assert uncommented.sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
-    assert uncommented.usb == (gp.UsbSelector("1050", "0407"),)
+    for key in ("usb:", "  - {vendor:"):  # a resource of USB devices: beside directory or match, refused
+        usb = usb.replace(f"    # {key}", f"    {key}")
+    assert gp.parse_config(usb).resources[0].usb == (gp.UsbSelector("1050", "0407"),)
     # dra and api (without what DRA refuses).
     dra = (
         text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
