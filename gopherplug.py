@@ -8663,7 +8663,8 @@ async def serve_plugin(
                 dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
             for resource in config.resources:
                 await start(resource)
-            await parts.start("shared device nodes", _warn_shared_nodes, served, roster)
+            # Not a part: it holds nothing, and a stop cancels it at once, with the rest of the nursery.
+            nursery.start_soon(_warn_shared_nodes, served, roster)
             if config.dra is not None and dra_resources is not None:
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
@@ -8684,14 +8685,11 @@ async def serve_plugin(
             await stack.aclose()
 
 
-async def _warn_shared_nodes(
-    served: Mapping[str, _Served], roster: Watched, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
+async def _warn_shared_nodes(served: Mapping[str, _Served], roster: Watched) -> None:
     """Warn once about each device node two served resources offer (shared_nodes), as their devices
     come and go: a node plugged in later is told when it appears, and again if it comes back after
     it stopped being shared."""
     said: set[str] = set()
-    task_status.started()
     while True:
         # The events before the look: a change made while looking is not missed.
         events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
