@@ -101,6 +101,7 @@ import contextvars
 import ctypes
 import dataclasses
 import datetime
+import difflib
 import errno
 import fcntl
 import fnmatch
@@ -1167,6 +1168,8 @@ class ResourceConfig:
     usb: tuple[UsbSelector, ...] = ()  #: USB devices that are devices of this resource
     api: str = "device-plugin"  #: one of APIS: the device-plugin API or DRA
     allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
+    #: other resources of the configuration that may offer the same device nodes as this one (shared_nodes)
+    shared_with: tuple[str, ...] = ()
 
     @property
     def device_plugin(self) -> bool:
@@ -1427,11 +1430,40 @@ def _yaml_problem(text: str, error: yaml.YAMLError) -> str:
     if mark is None:
         return f"invalid YAML ({said})"
     said = f"line {mark.line + 1}, column {mark.column + 1}: {said}"
-    mistake = _yaml_mistake(_YAML_LINE_BREAK.split(text), error, mark.line, mark.column)
+    lines = _YAML_LINE_BREAK.split(text)
+    mistake = _unquoted_star(lines, error) or _yaml_mistake(lines, error, mark.line, mark.column)
     if mistake is None:
         return f"invalid YAML ({said})"
     line, column, sentence = mistake
     return f"invalid YAML at line {line + 1}, column {column + 1}: {sentence} (PyYAML at {said})"
+
+
+# A value that begins with "*" is an alias to YAML (a reference to an "&anchor"), not text: a glob
+# written bare, `pattern: *` or `pattern: *.sock`, is a syntax error ("expected alphabetic or
+# numeric character") and `pattern: *abc` an undefined alias.
+_STAR_VALUE = re.compile(r"\*[^\s,\]}]*")
+_KEY_BEFORE = re.compile(r"([^\s#'\"\[\]{}:,]+):[ ]+$")
+
+
+def _unquoted_star(lines: list[str], error: Any) -> tuple[int, int, str] | None:
+    """(line, column, sentence) when ``error`` is PyYAML reading a glob that begins with "*" as an
+    alias, else None."""
+    if "while scanning an alias" in (getattr(error, "context", None) or ""):
+        mark = getattr(error, "context_mark", None)
+    elif (getattr(error, "problem", None) or "").startswith("found undefined alias"):
+        mark = getattr(error, "problem_mark", None)
+    else:
+        return None
+    if mark is None or not 0 <= mark.line < len(lines):
+        return None
+    line = lines[mark.line]
+    value = _STAR_VALUE.match(line, mark.column)
+    if value is None:
+        return None
+    key = _KEY_BEFORE.search(line[: mark.column])
+    quoted = f'{key[1]}: "{value[0]}"' if key else f'"{value[0]}"'
+    read = f"{_as_written(value[0])} is read by YAML as an alias (a reference to an &anchor)"
+    return mark.line, mark.column, f"{read}: put it in quotes, {quoted}"
 
 
 def _yaml_mistake(lines: list[str], error: Any, at: int, column: int) -> tuple[int, int, str] | None:
@@ -1507,6 +1539,10 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         raise ConfigError(
             source, at, f"{read}: write {int(octal)} if you meant that, or {decimal} without the leading zero"
         )
+    if data is None:  # nothing, or only comments: "must be a mapping" would not say what is wrong
+        raise ConfigError(
+            source, "", "is empty: it needs resources, a list of the devices to offer (the README's Configuration)"
+        )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
         data,
@@ -1565,6 +1601,13 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             problem += "containers (dra.device_metadata): give the resource another cdi.kind"
             raise ConfigError(source, at, problem)
         resources.append(resource)
+    names = [resource.name for resource in resources]
+    for index, resource in enumerate(resources):
+        for i, sharer in enumerate(resource.shared_with):
+            if sharer == resource.name or sharer not in names:
+                what = "is this resource itself" if sharer == resource.name else "names no resource of this file"
+                why = f"{sharer!r} {what}: list the resources that may offer the same device nodes as this one"
+                raise ConfigError(source, f"resources[{index}].shared_with[{i}]", why)
     if dra is not None and not any(resource.dra for resource in resources):
         raise ConfigError(source, "dra", "no resource has api: dra, so the driver would offer nothing")
     warnings = tuple(
@@ -1720,6 +1763,7 @@ _RESOURCE_KEYS = {
     "api",
     "whole_dev",
     "allow_mounted",
+    "shared_with",
 }
 MAX_REPLICAS = 1000
 
@@ -1742,6 +1786,11 @@ def _parse_resource(
     )
     if not directory and not match and not usb:
         raise ConfigError(source, f"{where}.directory", "is required, unless match or usb says where the devices are")
+    if usb and (directory or match):
+        # Each would silently add to the other's devices: a resource says where its devices are once.
+        problem = f"and {'directory' if directory else 'match'} in one resource would offer both kinds of device "
+        problem += "as one list: give the USB devices a resource of their own"
+        raise ConfigError(source, f"{where}.usb", problem)
     id_pattern = None
     if "id_pattern" in data:
         if not directory and not match:
@@ -1838,6 +1887,10 @@ def _parse_resource(
         if only:
             problem = f"is for the device-plugin API, and this resource has api: dra ({_DRA_INSTEAD[only[0]]})"
             raise ConfigError(source, f"{where}.{only[0]}", problem)
+    shared_with = tuple(
+        _string(other, source, f"{where}.shared_with[{i}]")
+        for i, other in enumerate(_list(data.get("shared_with", []), source, f"{where}.shared_with"))
+    )
     return ResourceConfig(
         name,
         directory,
@@ -1857,6 +1910,7 @@ def _parse_resource(
         usb,
         api,
         allow_mounted,
+        shared_with,
     )
 
 
@@ -2116,10 +2170,13 @@ def _mapping(data: Any, source: str, where: str, allowed: set[str], required: se
         raise ConfigError(source, where, problem)
     for key in data:
         if key not in allowed:
+            # A typo (pattren, device_plugins_dir) is told the key it most likely meant.
+            close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            meant = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
                 source,
                 f"{where}.{key}" if where else str(key),
-                f"unknown key; expected one of {', '.join(sorted(allowed))}",
+                f"unknown key; {meant}expected one of {', '.join(sorted(allowed))}",
             )
     for key in sorted(required - data.keys()):
         raise ConfigError(source, f"{where}.{key}" if where else key, "is required")
@@ -2339,6 +2396,35 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
     )
 
 
+def shared_nodes(offered: Iterable[tuple[ResourceConfig, Iterable[DeviceEntry]]]) -> list[str]:
+    """A line for each file that two resources offer (where symlinks lead: /dev/serial/by-id/... is
+    /dev/ttyUSB0), unless one lists the other in ``shared_with``.
+
+    Neither the kubelet nor the scheduler knows that two resource names (or a device-plugin resource
+    and a DRA pool) stand for one device node: each counts its own, so two pods can be given one
+    serial port at once. A migrated generic-device-plugin set-up does it easily: a ``ttyUSB*`` glob
+    beside a ``usb: 1a86:7523`` resource both find /dev/ttyUSB0."""
+    resources: dict[str, ResourceConfig] = {}
+    holders: dict[str, dict[str, str]] = {}  # file -> resource name -> the ID of its device there
+    for resource, devices in offered:
+        resources[resource.name] = resource
+        for device in devices:
+            for member in device.members or (device,):
+                target = member.followed[-1] if member.followed else member.path
+                holders.setdefault(target, {}).setdefault(resource.name, device.id)
+    lines = []
+    for target, by in sorted(holders.items()):
+        for first, second in itertools.combinations(by, 2):  # in the configuration's order
+            if second in resources[first].shared_with or first in resources[second].shared_with:
+                continue
+            lines.append(
+                f"{target} is offered by both {first} (device {by[first]}) and {second} (device {by[second]}): "
+                f"two pods could be given it at once; leave it out of one, or, if they are meant to share it, "
+                f"list {second} in shared_with of {first}"
+            )
+    return lines
+
+
 def examine_again(
     resource: ResourceConfig, device: DeviceEntry, roots: list[str], sysfs_root: str
 ) -> DeviceEntry | str | None:
@@ -2429,6 +2515,10 @@ def examine_path(
     except OSError as error:
         mode = rdev = 0  # cannot even stat it: a device, unhealthy
         unreachable = error
+    if stat.S_ISDIR(mode):
+        # /dev/dri without a pattern has by-path beside card1 and renderD128: offered, a pod would
+        # get "DRI_DEVICES=by-path" and no GPU. A directory is where devices are, never one.
+        return _directory_entry(path)
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
     specs, mounts = _host_paths(resource, device_id, path, is_node, status)
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
@@ -2449,6 +2539,14 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
+
+
+def _directory_entry(path: str) -> str:
+    """Why a directory (or a symlink to one) found among a resource's entries is skipped."""
+    return (
+        f"a directory, not a device: for the devices in it, write directory: {path} (or a match entry for it); "
+        "a pattern that leaves it out silences this line"
+    )
 
 
 def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mountinfo") -> str:
@@ -2581,10 +2679,17 @@ def _health_problem(path: str, unreachable: OSError | None, access: int, is_node
     if unreachable is not None:
         return f"cannot stat {path}: {unreachable.strerror}"
     if not os.access(path, access or os.F_OK):
-        if is_node and _access_errno(path, access) == errno.EPERM:
+        refused = _access_errno(path, access)
+        if is_node and refused == errno.EPERM:
             return ""  # the mode allowed it; only this process's own device cgroup refused
         wanted = {os.R_OK: "reading", os.W_OK: "writing", os.R_OK | os.W_OK: "reading and writing"}
-        return f"this process cannot open {path} for {wanted.get(access, 'use')}"
+        problem = f"this process cannot open {path} for {wanted.get(access, 'use')}"
+        # What to change, as check-config says it: the mode and owner, for the user this process is.
+        uid = os.geteuid()
+        who = "root without capabilities" if uid == 0 else f"uid {uid}"
+        if why := _mode_refusal(path, access, uid, {os.getegid(), *os.getgroups()}, who):
+            return f"{problem}: {why}: fix the mode or owner on the host (a udev rule, for nodes that come and go)"
+        return f"{problem}: {os.strerror(refused)}" if refused else problem  # not the mode: EROFS, an ACL
     return ""
 
 
@@ -2597,19 +2702,23 @@ def pod_mode_problem(path: str, access: int) -> str:
     `check-config` run as root on the node keeps that capability, and would call healthy what the
     pod calls unhealthy. POSIX ACLs are not looked at.
     """
+    return _mode_refusal(path, access, 0, {0}, "root without capabilities")
+
+
+def _mode_refusal(path: str, access: int, uid: int, gids: Iterable[int], who: str) -> str:
+    """Why the mode and owner of ``path`` refuse ``access`` to ``uid`` in the groups ``gids``
+    (named ``who`` in the line), capabilities aside, or "": the kernel takes the owner's bits if
+    the user owns the file, else the group's if one of its groups does, else the others'."""
     try:
         status = os.stat(path)
     except OSError:
         return ""
-    shift = 6 if status.st_uid == 0 else 3 if status.st_gid == 0 else 0
+    shift = 6 if status.st_uid == uid else 3 if status.st_gid in set(gids) else 0
     need = (4 if access & os.R_OK else 0) | (2 if access & os.W_OK else 0)
-    if (status.st_mode >> shift) & need == need:
+    if not need or (status.st_mode >> shift) & need == need:
         return ""
     wanted = {4: "reading", 2: "writing", 6: "reading and writing"}[need]
-    return (
-        f"mode {stat.S_IMODE(status.st_mode):04o} and owner {status.st_uid}:{status.st_gid} refuse {wanted} "
-        "to root without capabilities"
-    )
+    return f"mode {stat.S_IMODE(status.st_mode):04o} and owner {status.st_uid}:{status.st_gid} refuse {wanted} to {who}"
 
 
 def _access_errno(path: str, access: int) -> int:
@@ -5030,6 +5139,36 @@ def _inotify_limit(error: OSError, creating: bool) -> str | None:
     return None
 
 
+# What serve says, and check-config before it (missing_extras), when an extra is not installed.
+_METRICS_EXTRA = (
+    "metrics_address needs prometheus_client ({error}): install gopherplug with its metrics extra, "
+    "pip install '.[metrics]' in a checkout"
+)
+_DRA_EXTRA = (
+    "DRA needs the Kubernetes client lightkube ({error}): install gopherplug with its dra extra, "
+    "pip install '.[dra]' in a checkout"
+)
+
+
+def missing_extras(config: Config) -> list[str]:
+    """For check-config: a line for each extra the configuration needs that cannot be imported
+    (serve would stop at start with that line): prometheus_client for ``metrics_address``, lightkube
+    and httpx2 for ``dra``. Imported as serve imports them, so a broken install is found too."""
+    problems = []
+    if config.metrics_address is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError as error:
+            problems.append(_METRICS_EXTRA.format(error=error))
+    if config.dra is not None:
+        try:
+            import httpx2  # noqa: F401
+            import lightkube  # noqa: F401
+        except ImportError as error:
+            problems.append(_DRA_EXTRA.format(error=error))
+    return problems
+
+
 class Metrics:
     """Prometheus metrics, served over HTTP by prometheus_client (the ``metrics`` extra).
 
@@ -5044,10 +5183,7 @@ class Metrics:
         try:
             import prometheus_client as prometheus
         except ImportError as error:
-            raise GopherplugError(
-                f"metrics_address needs prometheus_client ({error}): install gopherplug with its metrics extra, "
-                "pip install '.[metrics]' in a checkout"
-            ) from None
+            raise GopherplugError(_METRICS_EXTRA.format(error=error)) from None
         self.registry = registry = prometheus.CollectorRegistry()
         labels = ("resource",)
         # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
@@ -7591,10 +7727,7 @@ class KubeApi:
             import lightkube
             from lightkube.generic_resource import create_global_resource, create_namespaced_resource
         except ImportError as error:
-            raise GopherplugError(
-                f"DRA needs the Kubernetes client lightkube ({error}): install gopherplug with its dra extra, "
-                "pip install '.[dra]' in a checkout"
-            ) from None
+            raise GopherplugError(_DRA_EXTRA.format(error=error)) from None
         try:
             if kubeconfig is not None:
                 config = lightkube.KubeConfig.from_file(kubeconfig)
@@ -9387,6 +9520,25 @@ def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS)
     return candidates[0]
 
 
+def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str | None:
+    """For check-config: why ``directory``, given as the kubelet's, looks wrong, or None. serve would
+    wait in it for a kubelet.sock that never comes: it does not exist (a typo), or it holds none
+    while one of the known directories does. The nearest known directory is proposed."""
+    candidates = list(candidates)
+    if os.path.exists(os.path.join(directory, KUBELET_SOCKET)):
+        return None
+    elsewhere = _kubelets_directory(candidates)
+    if os.path.isdir(directory) and elsewhere is None:
+        return None  # no kubelet on this machine (yet): nothing to compare with
+    state = "does not exist" if not os.path.isdir(directory) else "holds no kubelet.sock"
+    problem = f"{directory} {state}: serve would wait there for the kubelet"
+    if elsewhere is not None and elsewhere != directory:
+        return f"{problem}; this machine's kubelet is in {elsewhere}"
+    if close := difflib.get_close_matches(directory, candidates, n=1):
+        return f"{problem}; did you mean {close[0]}?"
+    return problem
+
+
 def _accepts(socket_path: str) -> bool:
     """Whether something listens on a unix socket (a connection is made and closed at once)."""
     with socket.socket(socket.AF_UNIX) as probe_socket:
@@ -9466,6 +9618,7 @@ async def serve_plugin(
 
         dra_resources: DraResources | None = None
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
+        roster = Watched(None)  # touched when a reload has changed what is served
 
         async def start(resource: ResourceConfig) -> bool:
             served[resource.name] = _Served(resource)
@@ -9550,6 +9703,7 @@ async def serve_plugin(
                         if names
                     )
                     log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+                    roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics
@@ -9562,6 +9716,8 @@ async def serve_plugin(
                 dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
             for resource in config.resources:
                 await start(resource)
+            # Not a part: it holds nothing, and a stop cancels it at once, with the rest of the nursery.
+            nursery.start_soon(_warn_shared_nodes, served, roster)
             if config.dra is not None and dra_resources is not None:
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
@@ -9580,6 +9736,23 @@ async def serve_plugin(
             await reloads.stop()
             await parts.stop()
             await stack.aclose()
+
+
+async def _warn_shared_nodes(served: Mapping[str, _Served], roster: Watched) -> None:
+    """Warn once about each device node two served resources offer (shared_nodes), as their devices
+    come and go: a node plugged in later is told when it appears, and again if it comes back after
+    it stopped being shared."""
+    said: set[str] = set()
+    while True:
+        # The events before the look: a change made while looking is not missed.
+        events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
+        offered = [(one.resource, one.devices.value.values()) for one in served.values()]
+        lines = shared_nodes(offered) if len(offered) > 1 else []
+        for line in lines:
+            if line not in said:
+                log.warning("%s", line)
+        said = set(lines)
+        await _any_event(events, trio.Event())
 
 
 def _start_metrics(address: str) -> Metrics:
@@ -9763,6 +9936,7 @@ async def watch_config_file(
     current: Config | None = None,
     device_plugin_dir_from: str = "--device-plugin-dir",
     on_watch: Callable[[DirectoryWatch], None] | None = None,
+    metrics_address: str | None = None,
 ) -> AsyncGenerator[Config, None]:
     """Yield the configuration each time the file changes to a new valid one, until closed.
 
@@ -9773,6 +9947,9 @@ async def watch_config_file(
     With ``current`` (the configuration running now), the file is compared with it first: an
     edit made while the plugin was starting is not lost.
     ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
+    ``metrics_address`` (the command line's --metrics-address) overrides the file's in every reading,
+    as ``device_plugin_dir`` does: the running configuration has it, and a reading without it would
+    differ from it, a reload of nothing at every start.
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
@@ -9800,6 +9977,8 @@ async def watch_config_file(
                 last_text = text
                 try:
                     config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+                    if metrics_address is not None:
+                        config = dataclasses.replace(config, metrics_address=metrics_address)
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     invalid = error
@@ -11740,16 +11919,21 @@ LOG_LEVELS, LOG_FORMATS = ["debug", "info", "warning", "error"], ["text", "json"
 
 def _parser() -> argparse.ArgumentParser:
     env = os.environ.get
+    # allow_abbrev=False everywhere: argparse would otherwise take any unambiguous prefix of an
+    # option for the option, and generic-device-plugin's --device would be read as
+    # --device-plugin-dir (a JSON document "must be an absolute path"). An option is spelt out.
     parser = argparse.ArgumentParser(
         prog="gopherplug",
         description="A Kubernetes device plugin: the entries of a directory become schedulable devices.",
         epilog="Without a command, runs `serve`.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo}")
-    serve = commands.add_parser("serve", help="run the device plugin (the default)")
+    serve = commands.add_parser("serve", help="run the device plugin (the default)", allow_abbrev=False)
     check = commands.add_parser(
         "check-config",
+        allow_abbrev=False,
         help="validate a configuration file, and the options and environment serve would read, and show what each "
         "resource finds and gives a container (exit 2 if invalid)",
     )
@@ -11760,7 +11944,9 @@ def _parser() -> argparse.ArgumentParser:
         "as serve would run)",
     )
     probe_ = commands.add_parser(
-        "probe", help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
+        "probe",
+        allow_abbrev=False,
+        help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)",
     )
     probe_.add_argument(
         "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
@@ -11773,18 +11959,22 @@ def _parser() -> argparse.ArgumentParser:
         help=f"fail a resource whose ListAndWatch the kubelet has not read for longer (default {PROBE_STREAM_GRACE:g})",
     )
     who = commands.add_parser(
-        "who", help="each configured device with its health, its path and the pod and container holding it"
+        "who",
+        allow_abbrev=False,
+        help="each configured device with its health, its path and the pod and container holding it",
     )
     who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     who.add_argument(
         "--pod-resources-socket",
-        default=env("GOPHERPLUG_POD_RESOURCES_SOCKET"),
+        default=None,  # the env var is read in _who, so that a message about it can name it
         metavar="PATH",
         help="the kubelet's PodResources socket (env GOPHERPLUG_POD_RESOURCES_SOCKET; default: "
         "pod-resources/kubelet.sock in the kubelet's root directory)",
     )
     demo = commands.add_parser(
-        "demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step"
+        "demo",
+        allow_abbrev=False,
+        help="run the plugin against a simulated kubelet in a temporary directory, step by step",
     )
     demo.add_argument(
         "--dra",
@@ -11842,6 +12032,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_GENERIC_DEVICE_FLAG = (
+    "is generic-device-plugin's option, not gopherplug's: write each --device as a resource of the "
+    'configuration file given by --config (the README\'s "Coming from generic-device-plugin" translates it)'
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code, but for ``serve`` stopped as asked
     (SIGTERM, SIGINT), which ends the process itself once everything is closed, without the
@@ -11849,6 +12045,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
+    # generic-device-plugin's own option, carried over from its DaemonSet: not an abbreviation
+    # (there are none, see _parser), and not unrecognized without a word on where its meaning went.
+    for arg in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        if arg == "--device" or arg.startswith("--device="):
+            print(f"gopherplug: --device: {_GENERIC_DEVICE_FLAG}", file=sys.stderr)
+            return EXIT_USAGE
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -11894,12 +12096,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
+        mistaken = None
         if any(resource.device_plugin for resource in config.resources):
             found = f"the first of {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)} to hold kubelet.sock at start"
             where.append(f"kubelet at {config.device_plugin_dir or found}")
+            if config.device_plugin_dir is not None:
+                mistaken = device_plugin_dir_mistake(config.device_plugin_dir)
         if config.dra is not None:
             where.append(f"DRA driver {config.dra.driver}, kubelet root {config.dra.kubelet_dir}")
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
+        named = _device_plugin_dir_from(args) if args.device_plugin_dir is not None else "device_plugin_dir"
+        if mistaken is not None:  # a typo: serve would wait for the kubelet for ever
+            print(f"gopherplug: warning: {named}: {mistaken}", file=sys.stderr)
         # What the kubelet would be offered if the plugin started now, on this machine. Run by root
         # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
         # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
@@ -11908,6 +12116,9 @@ def main(argv: list[str] | None = None) -> int:
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
         strict_failed = False
+        if mistaken is not None and args.strict:
+            print(f"gopherplug: --strict: {named}: no kubelet.sock", file=sys.stderr)
+            strict_failed = True
         node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
         if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
             print(
@@ -11919,6 +12130,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.strict:
                 print(f"gopherplug: --strict: DRA driver {config.dra.driver}: NODE_NAME is not set", file=sys.stderr)
                 strict_failed = True
+        offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
                 [config.dev_root] if resource.usb else []
@@ -11926,6 +12138,7 @@ def main(argv: list[str] | None = None) -> int:
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+            offered.append((resource, scan.devices))
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
             view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)
             print(view)
@@ -11934,8 +12147,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.strict and reasons:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
+        for problem in missing_extras(config):  # serve would stop at start
+            print(f"gopherplug: warning: {problem}: serve would stop at start", file=sys.stderr)
+            if args.strict:
+                print(f"gopherplug: --strict: {problem.split(' (')[0]}", file=sys.stderr)
+                strict_failed = True
+        for line in shared_nodes(offered):  # what serve warns about too, once each
+            print(f"gopherplug: warning: {line}", file=sys.stderr)
+            if args.strict:
+                print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
+                strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
-    given = (args.device_plugin_dir, _device_plugin_dir_from(args))
+    given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     code = _run(args, _serve_until_signalled, config, args.config, *given)
     if code == EXIT_OK:
         # Stopped as asked: every socket, watch and connection is closed, and the log says so. The
@@ -11957,7 +12180,19 @@ _CAP_DAC_OVERRIDE = 1  # linux/capability.h: bypass file read, write and execute
 
 def _who(args: argparse.Namespace, config: Config) -> int:
     """`gopherplug who`: this configuration's devices, scanned now, and their holders, from the kubelet."""
-    socket_path = args.pod_resources_socket or pod_resources_socket(config)
+    socket_path, given_as = args.pod_resources_socket, "--pod-resources-socket"
+    if socket_path is None and os.environ.get("GOPHERPLUG_POD_RESOURCES_SOCKET"):
+        socket_path, given_as = os.environ["GOPHERPLUG_POD_RESOURCES_SOCKET"], "GOPHERPLUG_POD_RESOURCES_SOCKET"
+    if socket_path is not None and not os.path.exists(socket_path):
+        # Given, and wrong: list_pod_resources' advice (mount it, or give the option) is for the default path.
+        print(
+            f"gopherplug: {given_as}: {socket_path} does not exist: give the kubelet's PodResources socket, "
+            f"{POD_RESOURCES_SOCKET} in its root directory ({os.path.join(DEFAULT_KUBELET_DIR, POD_RESOURCES_SOCKET)} "
+            "by default)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    socket_path = socket_path or pod_resources_socket(config)
     node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
     devices = [(r, scan_directory(r, config.sysfs_root, config.dev_root).devices) for r in config.resources]
     try:
@@ -12006,7 +12241,18 @@ def _probe(args: argparse.Namespace) -> int:
     names = args.resource or ([r.name for r in config.resources if r.device_plugin] if config else None)
     if names == []:  # a DRA driver only
         return EXIT_FAILURE if failed else EXIT_OK
-    directory = args.device_plugin_dir or (config and config.device_plugin_dir) or find_device_plugin_dir()
+    # Not find_device_plugin_dir(): serve waits for a kubelet that is not there yet, and says so;
+    # probe has nothing to wait for, and fails with the one line that says why.
+    directory = (
+        args.device_plugin_dir or (config and config.device_plugin_dir) or _kubelets_directory(KNOWN_DEVICE_PLUGIN_DIRS)
+    )
+    if not directory:
+        print(
+            f"gopherplug: no kubelet.sock in {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)}: no kubelet runs here, or it uses "
+            "another directory: give --device-plugin-dir (or --config)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     results = trio.run(probe, directory, names, args.grace)
     print(probe_report(results) if results else f"no gopherplug socket in {directory}")
     return EXIT_OK if results and not failed and not any(result.error for result in results) else EXIT_FAILURE
@@ -12142,7 +12388,11 @@ async def serve_until_signalled(
 
 
 async def _serve_until_signalled(
-    config: Config, path: str, device_plugin_dir: str | None, device_plugin_dir_from: str
+    config: Config,
+    path: str,
+    device_plugin_dir: str | None,
+    device_plugin_dir_from: str,
+    metrics_address: str | None = None,
 ) -> None:
     """`gopherplug serve`: serve_plugin() with the file's edits applied as they are saved, until
     SIGTERM or SIGINT, stopped by serve_until_signalled() as an embedding program's plugin is."""
@@ -12159,7 +12409,9 @@ async def _serve_until_signalled(
         for watch in watches:
             watch.poke()
 
-    updates = watch_config_file(path, device_plugin_dir, config, device_plugin_dir_from, watches.append)
+    updates = watch_config_file(
+        path, device_plugin_dir, config, device_plugin_dir_from, watches.append, metrics_address=metrics_address
+    )
     await serve_until_signalled(functools.partial(serve_plugin, config, updates=updates), on_sighup=read_again)
 
 

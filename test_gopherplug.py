@@ -1120,12 +1120,15 @@ def test_example_config_is_valid():
     # match, id_pattern and usb, each in place of directory and pattern.
     sources = text.replace("    directory: /etc/gophers\n", "").replace('    pattern: "*"\n', "")
     sources = sources.replace("allowed_host_paths: [/dev]", "allowed_host_paths: [/dev, /etc/gophers]")
-    for key in ("match:", "  - {directory: /dev, pattern:", "id_pattern:", "usb:", "  - {vendor:"):
+    usb = sources
+    for key in ("match:", "  - {directory: /dev, pattern:", "id_pattern:"):
         sources = sources.replace(f"    # {key}", f"    {key}")
     uncommented = gp.parse_config(sources).resources[0]
     assert uncommented.sources == (gp.Source("/dev", "ttyUSB*"), gp.Source("/dev", "ttyACM*"))
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
-    assert uncommented.usb == (gp.UsbSelector("1050", "0407"),)
+    for key in ("usb:", "  - {vendor:"):  # a resource of USB devices: beside directory or match, refused
+        usb = usb.replace(f"    # {key}", f"    {key}")
+    assert gp.parse_config(usb).resources[0].usb == (gp.UsbSelector("1050", "0407"),)
     # dra and api (without what DRA refuses).
     dra = (
         text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
@@ -1145,7 +1148,10 @@ def resources(**fields):
 
 
 BAD_CONFIGS = [
-    ("", "cfg.yaml: must be a mapping of keys to values"),
+    *(
+        (empty, "cfg.yaml: is empty: it needs resources, a list of the devices to offer (the README's Configuration)")
+        for empty in ("", "# only a comment\n", "---\n")
+    ),
     ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '"),
     ("{}", "cfg.yaml: resources: is required"),
     ("resources: []", "cfg.yaml: resources: must be a non-empty list of resources"),
@@ -1156,6 +1162,62 @@ BAD_CONFIGS = [
         "cfg.yaml: extra: unknown key; expected one of "
         "dev_root, device_plugin_dir, dra, health_address, metrics_address, resources, sysfs_root",
     ),
+    (
+        MINIMAL + "device_plugins_dir: /var/lib/kubelet/device-plugins\n",
+        "cfg.yaml: device_plugins_dir: unknown key; did you mean device_plugin_dir? expected one of "
+        "dev_root, device_plugin_dir, dra, health_address, metrics_address, resources, sysfs_root",
+    ),
+    (
+        resources(pattren="ttyUSB*"),
+        "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
+        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
+        "pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+    ),
+    # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
+    # undefined one): the line says to quote it, with the quoted key and value to write.
+    *(
+        (
+            f"resources:\n  - name: example.com/g\n    directory: /dev\n    pattern: {glob}\n",
+            f"cfg.yaml: invalid YAML at line 4, column 14: '{glob}' is read by YAML as an alias (a reference to an "
+            f'&anchor): put it in quotes, pattern: "{glob}" (PyYAML at line 4, {said})',
+        )
+        for glob, said in (
+            ("*", "column 15: expected alphabetic or numeric character, but found '\\n'"),
+            ("*.sock", "column 15: expected alphabetic or numeric character, but found '.'"),
+            ("*USB0", "column 14: found undefined alias 'USB0'"),
+        )
+    ),
+    (
+        "resources: [{name: example.com/g, match: [{directory: /dev, pattern: *}]}]",
+        "cfg.yaml: invalid YAML at line 1, column 70: '*' is read by YAML as an alias (a reference to an &anchor): "
+        'put it in quotes, pattern: "*" (PyYAML at line 1, column 71: expected alphabetic or numeric character, '
+        "but found '}')",
+    ),
+    # directory (or match) and usb in one resource gave the union of both, silently.
+    *(
+        (
+            yaml.safe_dump(
+                {"resources": [{"name": "example.com/g", **sources, "usb": [{"vendor": "1a86", "product": "7523"}]}]}
+            ),
+            f"cfg.yaml: resources[0].usb: and {key} in one resource would offer both kinds of device as one list: "
+            "give the USB devices a resource of their own",
+        )
+        for key, sources in (
+            ("directory", {"directory": "/dev", "pattern": "ttyUSB*"}),
+            ("match", {"match": [{"directory": "/dev", "pattern": "ttyUSB*"}]}),
+        )
+    ),
+    (
+        resources(shared_with=["example.com/other"]),
+        "cfg.yaml: resources[0].shared_with[0]: 'example.com/other' names no resource of this file: list the "
+        "resources that may offer the same device nodes as this one",
+    ),
+    (
+        resources(shared_with=["example.com/gopher"]),
+        "cfg.yaml: resources[0].shared_with[0]: 'example.com/gopher' is this resource itself: list the resources "
+        "that may offer the same device nodes as this one",
+    ),
+    (resources(shared_with="example.com/x"), "cfg.yaml: resources[0].shared_with: must be a list"),
     (MINIMAL + "sysfs_root: sys\n", "cfg.yaml: sysfs_root: 'sys' must be an absolute path"),
     (  # found by hypothesis: a key with a newline made a two-line message
         yaml.safe_dump({"resources": [], "a\nb": 1}),
@@ -1179,7 +1241,7 @@ BAD_CONFIGS = [
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
         "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, usb, whole_dev",
+        "pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -1643,6 +1705,126 @@ def test_scan_numa_node_of_device_nodes_from_sysfs(tmp_path):
     resource = resource_in(devices, allowed_host_paths=["/dev"])
     numa = {d.id: d.numa_node for d in gp.scan_directory(resource, sysfs).devices}
     assert numa == {"null": 0, "zero": 1, "full": None, "rand": None, "plain": None}
+
+
+def test_scan_skips_a_sub_directory_and_a_symlink_to_one(tmp_path):
+    # /dev/dri without a pattern: by-path was offered as a Healthy device, DRI_DEVICES=by-path, no GPU.
+    dri = tmp_path / "dri"
+    (dri / "by-path").mkdir(parents=True)
+    (dri / "card1").touch()
+    os.symlink(dri / "by-path", dri / "by-id")
+    scan = gp.scan_directory(resource_in(dri))
+    assert [d.id for d in scan.devices] == ["card1"]
+    assert scan.skipped == tuple(
+        (
+            name,
+            f"a directory, not a device: for the devices in it, write directory: {dri}/{name} (or a match entry "
+            "for it); a pattern that leaves it out silences this line",
+        )
+        for name in ("by-id", "by-path")
+    )
+    assert gp.scan_directory(resource_in(dri, pattern="card*")).skipped == ()
+
+
+def test_check_config_says_a_sub_directory_is_skipped_and_how_to_offer_what_is_in_it(tmp_path):
+    dri = tmp_path / "dri"
+    (dri / "by-path").mkdir(parents=True)
+    (dri / "card1").touch()
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"resources": [{"name": "example.com/gpu", "directory": str(dri)}]}))
+    result = run_cli("check-config", "--strict", "--config", str(path))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:5] == [
+        f"example.com/gpu: 1 device, 1 healthy, from {dri}/*",
+        "  ID     HEALTH     PATH",
+        f"  card1  Healthy    {dri}/card1",
+        f"  skipped 'by-path': a directory, not a device: for the devices in it, write directory: {dri}/by-path "
+        "(or a match entry for it); a pattern that leaves it out silences this line",
+    ]
+
+
+async def test_serve_offers_no_sub_directory_and_warns_once(nursery, node, caplog):
+    os.mkdir(os.path.join(node.devices, "by-path"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)  # g1 and g2 alone
+        Path(node.devices, "g3").touch()  # a rescan of the directory finds by-path again
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    warned = [m for m in caplog.messages if m.startswith(f"{RESOURCE}: skipping 'by-path': a directory, not a device")]
+    assert len(warned) == 1
+
+
+def serial_and_ch340(tmp_path, **ch340):
+    """/dev/ttyUSB0 as a migrated generic-device-plugin set-up finds it twice: by a ttyUSB* glob, and
+    through the udev link of the adapter (the same node a usb: 1a86:7523 resource finds)."""
+    dev = tmp_path / "dev"
+    if not dev.exists():
+        (dev / "serial" / "by-id").mkdir(parents=True)
+        for name in ("ttyUSB0", "ttyUSB1"):
+            (dev / name).touch()
+        os.symlink(dev / "ttyUSB0", dev / "serial" / "by-id" / "usb-1a86_USB_Serial-if00")
+    return [
+        {"name": "example.com/serial", "directory": str(dev), "pattern": "ttyUSB*"},
+        {"name": "example.com/ch340", "directory": str(dev / "serial" / "by-id"), **ch340},
+    ]
+
+
+SHARED_TTYUSB0 = (
+    "{dev}/ttyUSB0 is offered by both example.com/serial (device ttyUSB0) and example.com/ch340 (device "
+    "usb-1a86_USB_Serial-if00): two pods could be given it at once; leave it out of one, or, if they are meant to "
+    "share it, list example.com/ch340 in shared_with of example.com/serial"
+)
+
+
+@pytest.mark.parametrize(
+    ("serial", "ch340", "lines"),
+    [
+        ({}, {}, [SHARED_TTYUSB0]),
+        ({"shared_with": ["example.com/ch340"]}, {}, []),  # either one saying so is enough
+        ({}, {"shared_with": ["example.com/serial"]}, []),
+        ({"pattern": "ttyUSB1"}, {}, []),
+    ],
+)
+def test_shared_nodes_names_the_node_and_both_resources_unless_one_allows_it(tmp_path, serial, ch340, lines):
+    document = serial_and_ch340(tmp_path, **ch340)
+    document[0].update(serial)
+    config = gp.parse_config(yaml.safe_dump({"resources": document}), "c")
+    offered = [(r, gp.scan_directory(r).devices) for r in config.resources]
+    assert gp.shared_nodes(offered) == [line.format(dev=tmp_path / "dev") for line in lines]
+
+
+def test_check_config_says_once_that_two_resources_offer_one_node_and_strict_fails(tmp_path):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"resources": serial_and_ch340(tmp_path)}))
+    result = run_cli("check-config", "--config", str(path))
+    warning = f"gopherplug: warning: {SHARED_TTYUSB0}\n".format(dev=tmp_path / "dev")
+    assert (result.returncode, result.stderr) == (0, warning)
+    strict = run_cli("check-config", "--strict", "--config", str(path))
+    assert (strict.returncode, strict.stderr.splitlines()[1:]) == (
+        1,
+        [f"gopherplug: --strict: {tmp_path}/dev/ttyUSB0: offered twice"],
+    )
+    path.write_text(yaml.safe_dump({"resources": serial_and_ch340(tmp_path, shared_with=["example.com/serial"])}))
+    allowed = run_cli("check-config", "--strict", "--config", str(path))
+    assert (allowed.returncode, allowed.stderr) == (0, "")
+
+
+async def test_serve_says_once_that_two_resources_offer_one_node(nursery, tmp_path, sockdir, caplog):
+    plugin_dir = os.path.join(sockdir, "dp")
+    os.mkdir(plugin_dir)
+    document = {"device_plugin_dir": plugin_dir, "resources": serial_and_ch340(tmp_path)}
+    os.unlink(tmp_path / "dev" / "ttyUSB0")  # not plugged in yet: nothing is shared
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(document), "c"))
+        await simulator.wait_until(lambda s: "example.com/serial" in s.resources)
+        shared = SHARED_TTYUSB0.format(dev=tmp_path / "dev")
+        assert shared not in caplog.messages
+        with logged(shared) as said:
+            (tmp_path / "dev" / "ttyUSB0").touch()  # plugged in: both resources find it
+            await said.wait()
+        (tmp_path / "dev" / "ttyUSB2").touch()  # another change of both: nothing new to say
+        await simulator.wait_until(lambda s: "ttyUSB2" in s.resources["example.com/serial"].devices)
+    assert caplog.messages.count(shared) == 1
 
 
 def test_scan_skips_devices_whose_host_paths_escape(tmp_path):
@@ -4439,14 +4621,23 @@ async def test_health_follows_permissions(nursery, node, tmp_path):
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
     process = await trio.lowlevel.open_process(
         [*without_dac_override(), sys.executable, str(HERE / "gopherplug.py"), "--config", str(path)],
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
+    stderr = StderrLines(process.stderr)
     g1 = os.path.join(node.devices, "g1")
+    status = os.stat(g1)
+    who = "root without capabilities" if os.geteuid() == 0 else f"uid {os.geteuid()}"
     try:
         with trio.fail_after(TIMEOUT):
             await simulator.wait_until(listed("g1", "g2"))
             os.chmod(g1, 0o200)  # write only; plain files need reading
             await simulator.wait_until(lambda s: health_of(s) == {"g1": gp.UNHEALTHY, "g2": gp.HEALTHY})
+            # The line says what refuses, and what to change (it gave neither mode, owner nor fix).
+            await stderr.wait_for(
+                f"WARNING {RESOURCE}: g1 is unhealthy: this process cannot open {g1} for reading: mode 0200 and owner "
+                f"{status.st_uid}:{status.st_gid} refuse reading to {who}: fix the mode or owner on the host (a udev "
+                "rule, for nodes that come and go)\n"
+            )
             os.chmod(g1, 0o644)
             await simulator.wait_until(listed("g1", "g2"))
     finally:
@@ -5321,10 +5512,14 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert os.listdir(sockdir) == []
 
 
-async def run_cli_async(*args):
+async def run_cli_async(*args, env=None):
     """run_cli for tests whose plugin runs on this trio thread: the subprocess is awaited, not blocked on."""
     return await trio.run_process(
-        [sys.executable, str(HERE / "gopherplug.py"), *args], capture_stdout=True, capture_stderr=True, check=False
+        [sys.executable, str(HERE / "gopherplug.py"), *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -5689,13 +5884,28 @@ async def test_who_waits_while_the_kubelet_refuses_past_its_rate_limit_and_says_
 
 async def test_who_without_the_kubelets_socket_says_what_to_mount(node, tmp_path):
     config = write_config(node, tmp_path)
-    missing = os.path.join(node.plugin_dir, "nowhere", "kubelet.sock")
-    result = await run_cli_async("who", "--config", str(config), "--pod-resources-socket", missing)
+    missing = os.path.join(os.path.dirname(node.plugin_dir), "pod-resources", "kubelet.sock")  # the default
+    result = await run_cli_async("who", "--config", str(config))
     assert (result.returncode, result.stdout) == (1, b"")
     assert result.stderr.decode() == (
         f"gopherplug: no kubelet PodResources socket at {missing}: in a pod, mount the kubelet's "
         f"{os.path.dirname(missing)} read-only at that path (the shipped manifests do); elsewhere, give "
         "--pod-resources-socket\n"
+    )
+
+
+@pytest.mark.parametrize("given_as", ["--pod-resources-socket", "GOPHERPLUG_POD_RESOURCES_SOCKET"])
+async def test_who_with_a_socket_given_that_does_not_exist_says_so(node, tmp_path, given_as):
+    # It told the user who had given --pod-resources-socket to give --pod-resources-socket.
+    config = write_config(node, tmp_path)
+    missing = os.path.join(node.plugin_dir, "nowhere", "kubelet.sock")
+    given = ["--pod-resources-socket", missing] if given_as.startswith("--") else []
+    env = {} if given else {given_as: missing}
+    result = await run_cli_async("who", "--config", str(config), *given, env=env)
+    assert (result.returncode, result.stdout) == (1, b"")
+    assert result.stderr.decode() == (
+        f"gopherplug: {given_as}: {missing} does not exist: give the kubelet's PodResources socket, "
+        "pod-resources/kubelet.sock in its root directory (/var/lib/kubelet/pod-resources/kubelet.sock by default)\n"
     )
 
 
@@ -6025,7 +6235,11 @@ def test_check_config_as_root_shows_what_the_pod_would_refuse(node, tmp_path):
         timeout=60,
         check=False,
     )
-    assert f"  g1  Unhealthy  {g1} (this process cannot open {g1} for reading)" in dropped.stdout.splitlines()
+    assert (
+        f"  g1  Unhealthy  {g1} (this process cannot open {g1} for reading: mode 0600 and owner 1000:1000 refuse "
+        "reading to root without capabilities: fix the mode or owner on the host (a udev rule, for nodes that come and "
+        "go))"
+    ) in dropped.stdout.splitlines()
 
 
 async def test_debug_logs_are_gopherplugs_own_not_the_http2_internals(nursery, node, tmp_path):
@@ -6058,6 +6272,24 @@ def test_probe_without_any_plugin_exits_1(node):
     assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
 
 
+def test_plain_probe_says_which_directories_hold_no_kubelet_not_that_it_waits(tmp_path, capsys, monkeypatch):
+    # Plain `probe` said "waiting for the kubelet in ..." (serve's line), and then exited 1.
+    known = (str(tmp_path / "a"), str(tmp_path / "b"))
+    monkeypatch.setattr(gp, "KNOWN_DEVICE_PLUGIN_DIRS", known)
+    monkeypatch.delenv("GOPHERPLUG_DEVICE_PLUGIN_DIR", raising=False)
+    assert gp.main(["probe"]) == gp.EXIT_FAILURE
+    assert capsys.readouterr() == (
+        "",
+        f"gopherplug: no kubelet.sock in {known[0]}, {known[1]}: no kubelet runs here, or it uses another "
+        "directory: give --device-plugin-dir (or --config)\n",
+    )
+    os.mkdir(known[1])  # a kubelet's directory, and no plugin in it
+    with socket.socket(socket.AF_UNIX) as kubelet:
+        kubelet.bind(os.path.join(known[1], "kubelet.sock"))
+        assert gp.main(["probe"]) == gp.EXIT_FAILURE
+    assert capsys.readouterr() == (f"no gopherplug socket in {known[1]}\n", "")
+
+
 def test_check_config_summarises_a_good_file(node, tmp_path):
     os.symlink("/dev/null", os.path.join(node.devices, "null"))
     os.symlink("/dev/zero", os.path.join(node.devices, "zero"))
@@ -6086,6 +6318,7 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
 
 def test_check_config_shows_each_devices_members(tmp_path):
     dev, plugin_dir = str(tmp_path / "dev"), str(tmp_path / "dp")
+    os.mkdir(plugin_dir)  # a kubelet's directory (a missing one is warned about)
     by_path = gpu_by_path(dev)
     sysfs = usb_tree(tmp_path)
     usb_nodes(dev, "bus/usb/001/003", "hidraw0")
@@ -6132,6 +6365,7 @@ def test_check_config_shows_each_devices_members(tmp_path):
 def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
     # A directory not there (yet) or a machine without USB used to print "0 devices, 0 healthy", like a typo.
     missing, plugin_dir, sysfs = str(tmp_path / "gophers"), str(tmp_path / "dp"), str(tmp_path / "sys")
+    os.mkdir(plugin_dir)  # a kubelet's directory (a missing one is warned about)
     path = tmp_path / "gopherplug.yaml"
     resources = [
         {"name": RESOURCE, "directory": missing},
@@ -6172,6 +6406,7 @@ def test_check_config_says_what_to_write_for_a_directory_that_is_a_device_or_a_g
         {"name": "example.com/null", "directory": "/dev/null"},
         {"name": "example.com/serial", "match": [{"directory": glob}, {"directory": plain}]},
     ]
+    os.mkdir(tmp_path / "dp")  # a kubelet's directory (a missing one is warned about)
     path.write_text(yaml.safe_dump({"device_plugin_dir": str(tmp_path / "dp"), "resources": resources}))
     result = run_cli("check-config", "--config", str(path))
     assert (result.returncode, result.stderr) == (0, "")  # valid: serve would run, and wait
@@ -6245,6 +6480,115 @@ def test_check_config_warns_when_allocate_would_refuse_every_pod(node, tmp_path)
         f"/dev/gopher0, from {node.devices}/g1-a and {node.devices}/g1-b: put {{id}} or {{index}} in the container path"
     )
     assert (result.returncode, result.stderr) == (1, f"gopherplug: --strict: {RESOURCE}: a warning\n")
+
+
+def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_the_readme(node, tmp_path):
+    # argparse took generic-device-plugin's --device for an abbreviation of --device-plugin-dir:
+    # "--device-plugin-dir: '{"name":"serial",…}' must be an absolute path".
+    document = '{"name": "serial", "groups": [{"paths": [{"path": "/dev/ttyUSB*"}]}]}'
+    for args in (["--device", document], ["serve", f"--device={document}"], ["check-config", "--device", document]):
+        result = run_cli(*args)
+        assert (result.returncode, result.stdout) == (2, "")
+        assert result.stderr == (
+            "gopherplug: --device: is generic-device-plugin's option, not gopherplug's: write each --device as a "
+            'resource of the configuration file given by --config (the README\'s "Coming from generic-device-plugin" '
+            "translates it)\n"
+        )
+    assert "\n## Coming from generic-device-plugin\n" in (HERE / "README.md").read_text()
+    # No other prefix of an option is taken for it either, on any command.
+    path = write_config(node, tmp_path)
+    for args in (["check-config", "--conf", str(path)], ["probe", "--device-plugin", node.plugin_dir]):
+        result = run_cli(*args)
+        assert result.returncode == 2
+        assert result.stderr.splitlines()[-1] == f"gopherplug: error: unrecognized arguments: {' '.join(args[1:])}"
+
+
+def test_check_config_says_serve_would_stop_for_an_extra_that_is_not_installed(node, sockdir, tmp_path):
+    # check-config --strict exited 0 for metrics_address or dra without their extra, and serve exited 1.
+    blocked = tmp_path / "blocked"  # modules that fail to import, as an absent extra does
+    blocked.mkdir()
+    for module in ("prometheus_client", "lightkube"):
+        (blocked / f"{module}.py").write_text(f'raise ImportError("No module named {module!r}")\n')
+    env = {"PYTHONPATH": str(blocked), "NODE_NAME": "node-1"}
+    metrics = "metrics_address needs prometheus_client (No module named 'prometheus_client')"
+    path = write_config(node, tmp_path)
+    (g := Path(sockdir, "g")).mkdir()
+    (g / "gopher0").touch()
+    dra = tmp_path / "dra.yaml"
+    dra.write_text(dra_config(g, Path(sockdir, "k"), cdi={"kind": "example.com/gopher"}))
+    for config, args, problem, extra in (
+        (path, ["--metrics-address", "127.0.0.1:0"], metrics, "metrics"),
+        (dra, [], "DRA needs the Kubernetes client lightkube (No module named 'lightkube')", "dra"),
+    ):
+        warning = (
+            f"gopherplug: warning: {problem}: install gopherplug with its {extra} extra, pip install '.[{extra}]' "
+            "in a checkout: serve would stop at start"
+        )
+        result = run_cli("check-config", "--config", str(config), *args, env=env)
+        assert (result.returncode, result.stderr.splitlines()) == (0, [warning])
+        strict = run_cli("check-config", "--strict", "--config", str(config), *args, env=env)
+        assert (strict.returncode, strict.stderr.splitlines()) == (
+            1,
+            [warning, f"gopherplug: --strict: {problem.split(' (')[0]}"],
+        )
+    served = run_cli("serve", "--config", str(path), "--metrics-address", "127.0.0.1:0", env=env)
+    assert served.returncode == 1
+    assert served.stderr.splitlines()[-1].endswith(
+        f"ERROR {metrics}: install gopherplug with its metrics extra, pip install '.[metrics]' in a checkout"
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "kubelet_in", "problem"),
+    [
+        ("{0}", None, None),  # there, no kubelet on this machine yet: nothing to say
+        ("{0}", 0, None),
+        ("{0}-typo", None, "{0}-typo does not exist: serve would wait there for the kubelet; did you mean {0}?"),
+        ("/nowhere-like-it", None, "/nowhere-like-it does not exist: serve would wait there for the kubelet"),
+        (
+            "{0}-typo",
+            1,
+            "{0}-typo does not exist: serve would wait there for the kubelet; this machine's kubelet is in {1}",
+        ),
+        (
+            "{0}",
+            1,
+            "{0} holds no kubelet.sock: serve would wait there for the kubelet; this machine's kubelet is in {1}",
+        ),
+    ],
+)
+def test_device_plugin_dir_mistake_proposes_the_kubelets_directory(sockdir, given, kubelet_in, problem):
+    known = [os.path.join(sockdir, "k", "device-plugins"), os.path.join(sockdir, "mk", "device-plugins")]
+    for directory in known:
+        os.makedirs(directory)
+    with socket.socket(socket.AF_UNIX) as kubelet:
+        if kubelet_in is not None:
+            kubelet.bind(os.path.join(known[kubelet_in], "kubelet.sock"))
+            kubelet.listen()
+        expected = problem.format(*known) if problem else None
+        assert gp.device_plugin_dir_mistake(given.format(*known), known) == expected
+
+
+def test_check_config_warns_of_a_device_plugin_dir_that_is_not_there(node, tmp_path):
+    # A typo in device_plugin_dir: serve waits for the kubelet for ever, and check-config said nothing.
+    if gp._kubelets_directory(gp.KNOWN_DEVICE_PLUGIN_DIRS) is not None:
+        pytest.skip("a kubelet runs on this machine: the line names its directory instead")
+    path = write_config(node, tmp_path)
+    typo = "/var/lib/kubelet/device-plugin"
+    for args, named in (([], "device_plugin_dir"), (["--device-plugin-dir", typo], "--device-plugin-dir")):
+        if not args:
+            path.write_text(path.read_text().replace(node.plugin_dir, typo))
+        result = run_cli("check-config", "--config", str(path), *args)
+        warning = (
+            f"gopherplug: warning: {named}: {typo} does not exist: serve would wait there for the kubelet; did you "
+            "mean /var/lib/kubelet/device-plugins?"
+        )
+        assert (result.returncode, result.stderr.splitlines()) == (0, [warning])
+        strict = run_cli("check-config", "--strict", "--config", str(path), *args)
+        assert (strict.returncode, strict.stderr.splitlines()) == (
+            1,
+            [warning, f"gopherplug: --strict: {named}: no kubelet.sock"],
+        )
 
 
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
@@ -6423,6 +6767,7 @@ def test_check_config_says_where_serve_would_find_the_kubelet_given_the_option_o
 ):
     # serve takes the directory from either; check-config named the file's (or none) all the same.
     other = node.plugin_dir + "-other"  # short: a socket path must fit in it
+    os.mkdir(other)  # a kubelet's directory (a missing one is warned about)
     path = write_config(node, tmp_path)
     args = [arg.format(dir=other) for arg in args]
     result = run_cli("check-config", "--config", str(path), *args, env={k: v.format(dir=other) for k, v in env.items()})
@@ -6502,6 +6847,34 @@ async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, n
             process.kill()
             await process.wait()
     assert node.our_sockets() == []
+
+
+@pytest.mark.parametrize("given", [["--metrics-address", "127.0.0.1:0"], []])
+async def test_serve_with_a_metrics_address_reloads_nothing_at_start(nursery, node, tmp_path, given):
+    # The option made the running configuration differ from the file's first reading: "configuration
+    # reloaded: no resource changed" 100 ms after every start.
+    path = write_config(node, tmp_path)
+    env = {**os.environ, "GOPHERPLUG_METRICS_ADDRESS": "127.0.0.1:0"} if not given else None
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path), *given],
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    stderr = StderrLines(process.stderr)
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            await stderr.wait_for("serving Prometheus metrics on http://127.0.0.1:")
+            process.send_signal(signal.SIGHUP)  # read after the first reading, and said after anything it did
+            await stderr.wait_for(f"INFO {path} unchanged")
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert "configuration reloaded" not in stderr.text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -11868,7 +12241,6 @@ def test_metrics_address_mistake_is_one_config_error(value, problem):
     [
         (["--metrics-address", "9400"], "127.0.0.1:9400", "--metrics-address"),  # the flag wins over the env
         (["--metrics-address=9400"], None, "--metrics-address"),
-        (["--metrics", "9400"], None, "--metrics-address"),  # argparse takes an unambiguous abbreviation
         ([], "9400", "GOPHERPLUG_METRICS_ADDRESS"),
     ],
 )
