@@ -542,7 +542,9 @@ state = {json.dumps(str(self.root / "state"))}
                     # recursively read-only mounts, as the kubelet learns it: containerd 2.x says
                     # so where runc and the kernel (mount_setattr, 5.12+) can; 1.7 has no such field.
                     handlers = status.runtime_handlers if "runtime_handlers" in status.DESCRIPTOR.fields_by_name else []
-                    self.recursive_read_only = any(h.name == "" and h.features.recursive_read_only_mounts for h in handlers)
+                    self.recursive_read_only = any(
+                        h.name == "" and h.features.recursive_read_only_mounts for h in handlers
+                    )
                     return
             except grpc.RpcError:
                 pass
