@@ -3923,24 +3923,37 @@ def add_metadata_cdi_devices(devices: list[Any], driver: str, uid: str, files: I
                 pending.discard(request)
 
 
-def write_device_metadata(path: str, text: str) -> None:
-    """Write one metadata file whole: a temporary file beside it, flushed, renamed into place, so a
-    container never reads half of one. Mode 0644 and directories 0755, the Go helper's: the
-    container may run as any user, and the mount is read-only. Raises OSError."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".metadata-", suffix=".tmp")
+def _replace_whole(
+    path: str, text: str, prefix: str, mode: int | None = None, *, durable: bool = True
+) -> os.stat_result:
+    """Write ``text`` to ``path`` whole: a temporary file beside it (named ``prefix``...``.tmp``,
+    which CDI runtimes watching a spec directory ignore), on the disk first if ``durable``, then
+    renamed over ``path``, so a reader (a runtime, a container, our next start) never sees half of
+    it. Returns the new file's status; raises OSError, leaving no temporary file behind."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=prefix, suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()
-            os.fsync(file.fileno())
-            os.fchmod(file.fileno(), 0o644)
+            if durable:
+                os.fsync(file.fileno())
+            if mode is not None:
+                os.fchmod(file.fileno(), mode)
+            status = os.fstat(file.fileno())
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+    return status
+
+
+def write_device_metadata(path: str, text: str) -> None:
+    """Write one metadata file whole (_replace_whole), so a container never reads half of one. Mode
+    0644 and directories 0755, the Go helper's: the container may run as any user, and the mount
+    is read-only. Raises OSError."""
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    _replace_whole(path, text, ".metadata-", 0o644)
 
 
 def _ensure_device_metadata(path: str, text: str) -> None:
@@ -6332,15 +6345,8 @@ def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None, yield_to: Callab
                     os.unlink(cdi.spec_file)
                 return ""
             # A name without .json or .yaml: CDI runtimes watching the directory ignore it until renamed.
-            fd, temporary = tempfile.mkstemp(dir=cdi.spec_dir, prefix=".gopherplug-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as file:
-                    file.write(_cdi_json(spec))
-                os.chmod(temporary, 0o644)
-                os.replace(temporary, cdi.spec_file)
-            except BaseException:
-                os.unlink(temporary)
-                raise
+            # Not forced to the disk: every start writes the spec again from the devices it finds.
+            _replace_whole(cdi.spec_file, _cdi_json(spec), ".gopherplug-", 0o644, durable=False)
             return ""
         finally:
             os.close(lock)
@@ -7226,18 +7232,7 @@ class ClaimCheckpoint:
     def _write(self, text: str) -> None:
         directory = os.path.dirname(self.path)
         try:
-            fd, temporary = tempfile.mkstemp(dir=directory, prefix=".checkpoint-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as file:
-                    file.write(text)
-                    file.flush()
-                    os.fsync(file.fileno())
-                    status = os.fstat(file.fileno())
-                os.replace(temporary, self.path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temporary)
-                raise
+            status = _replace_whole(self.path, text, ".checkpoint-")
             self._read_as = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
             directory_fd = os.open(directory, os.O_RDONLY)
             try:
