@@ -6591,6 +6591,11 @@ class StreamStatus:
             return f"its socket {server.socket_path} was deleted or replaced (serving it again)"
         now = kubelet.current()  # inotify's queue taken first: a kubelet restart a moment ago counts
         if self.registered_with is None:
+            if self.streams and now is not None:
+                # The kubelet opens ListAndWatch on this generation's socket once it has accepted
+                # Register, from its own goroutine: the stream can be open before Register's answer
+                # reaches us. A kubelet streaming our devices has registered us.
+                return ""
             waiting = "" if now is not None else f", which is not running (no {kubelet.kubelet_socket})"
             return f"not registered with the kubelet{waiting}"
         if now is None:
