@@ -7449,6 +7449,18 @@ def test_the_charts_schema_keeps_the_mode_and_the_resources_api_together(helm, t
         assert result.returncode == 1 and says in result.stderr, (mode, result.stderr)
 
 
+def test_the_chart_refuses_mode_dra_before_kubernetes_1_34(helm):
+    """resource.k8s.io/v1 is served from 1.34: an older cluster gets one line saying what to do,
+    not objects its API server refuses one by one. 1.34 itself renders."""
+    values = "chart/gopherplug/ci/dra-values.yaml"
+    old = helm_template(helm, values, "gopherplug-dra", "--kube-version", "1.33.0")
+    assert old.returncode == 1 and old.stdout == "", old.stdout
+    said = "mode dra needs Kubernetes 1.34 or later (resource.k8s.io/v1); this cluster is v1.33.0: "
+    said += "use mode device-plugin"
+    assert said in old.stderr, old.stderr
+    assert helm_template(helm, values, "gopherplug-dra", "--kube-version", "1.34.0").returncode == 0
+
+
 def test_ci_helm_refuses_a_cached_binary_that_is_not_the_one_it_checks(helm, tmp_path):
     """.ci/helm uses a cached helm only when its sha256 is the one written in the script: a binary
     put in its place is replaced by the checked one, fetched again."""
