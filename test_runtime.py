@@ -20,8 +20,9 @@ Rules of this file:
   socket and CDI directory; the device nodes the tests make live in a directory of /dev unique to the run;
   the pod cgroups under a parent unique to the run. Everything is removed at the end, also on failure,
   containerd and every container by PID.
-- The pods are the manifests' own (daemonset.yaml, daemonset-dra.yaml, read as shipped). The translation
-  to CRI requests copies what the kubelet does (sources cited beside each piece); the only substitutions
+- The pods are the manifests' own (daemonset.yaml, daemonset-dra.yaml, read as shipped: the Helm
+  chart's renders, which test_gopherplug.py keeps equal to `helm template`). The translation to CRI
+  requests copies what the kubelet does (sources cited beside each piece); the only substitutions
   are the image, the host side of hostPath volumes (private directories; /dev and /sys stay the host's),
   the ConfigMap's contents, the API server's address and the service account's token, and the host's
   network namespace for the sandboxes (no CNI here), which makes each pod's liveness port one of its
