@@ -23,27 +23,52 @@
 # modules load, the standard library without what a service never imports, and the installed
 # project. No shell, no package manager, no pip: about a third of the Debian base alone.
 
-# Debian's interpreter and standard library (with their bytecode, which the packages compile when
-# installed), and pip, used only to build. Not pinned to a version: bookworm's archive keeps only
-# the latest of each package (a security update replaces it), so a pin would break every build
-# after the next update; one release's updates are fixes only.
+# Debian's interpreter and standard library, and pip, used only to build: the packages of
+# requirements/debian-python.lock (written by .ci/lock-debian). bookworm's archive keeps only the
+# newest version of each package, so the lock is two things. With DEBIAN_SNAPSHOT=<the lock's
+# date> (its first line), the build reads snapshot.debian.org's copy of the archive at that date and
+# installs exactly the locked versions: any other version, a package the lock does not name or a
+# locked one missing fails the build, naming it (the image is then the one the lock describes, byte
+# for byte). Without it, the same package names come from today's archive: a security update or a
+# point release since the lock gives newer versions, and the build says which on one warning line
+# and goes on (an image that cannot be built after Debian's next security update would not be
+# deployable); .ci/lock-debian moves the lock to them.
 FROM debian:bookworm-slim AS python
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11-minimal libpython3.11-stdlib python3-pip \
- && rm -rf /var/lib/apt/lists/*
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG DEBIAN_SNAPSHOT=
+COPY requirements/debian-python.lock /tmp/
+RUN if [ -n "$DEBIAN_SNAPSHOT" ]; then \
+      rm -f /etc/apt/sources.list.d/debian.sources; \
+      echo "deb [check-valid-until=no] http://snapshot.debian.org/archive/debian/$DEBIAN_SNAPSHOT bookworm main" >/etc/apt/sources.list; \
+    fi \
+ && installed() { dpkg-query -W -f '${Package}=${Version}\n' | LC_ALL=C sort; } \
+ && installed >/tmp/before && grep -v '^#' /tmp/debian-python.lock | LC_ALL=C sort >/tmp/locked \
+ && if [ -n "$DEBIAN_SNAPSHOT" ]; then cp /tmp/locked /tmp/wanted; else cut -d= -f1 /tmp/locked >/tmp/wanted; fi \
+ && apt-get update \
+ && xargs apt-get install -y --no-install-recommends </tmp/wanted \
+ && extra=$(installed | LC_ALL=C comm -23 - /tmp/before | LC_ALL=C comm -23 - /tmp/locked | tr '\n' ' ') \
+ && missing=$(installed | LC_ALL=C comm -13 - /tmp/locked | tr '\n' ' ') \
+ && if [ -n "$extra$missing" ]; then \
+      differs="installed ${extra:-nothing more} and not ${missing:-less} than requirements/debian-python.lock"; \
+      if [ -n "$DEBIAN_SNAPSHOT" ]; then echo "error: $differs: run .ci/lock-debian" >&2; exit 1; fi; \
+      echo "warning: $differs (Debian's archive has moved since the lock): the image is not the locked one; DEBIAN_SNAPSHOT builds that, .ci/lock-debian moves the lock" >&2; \
+    fi \
+ && rm -rf /var/lib/apt/lists/* /tmp/before /tmp/locked /tmp/wanted /tmp/debian-python.lock
 
 # gopherplug.py alone: gopherplug_standins.py, the stand-ins for tests that pyproject.toml's
 # py-modules also names, is left out on purpose (setuptools says it is not found and builds without it).
 FROM python AS source
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE gopherplug.py ./
-COPY requirements/device-plugin.lock requirements/dra.lock requirements/
+COPY requirements/device-plugin.lock requirements/dra.lock requirements/build.lock requirements/
 
 # The image's root filesystem, assembled in /rootfs. The dependencies come from the lock alone:
 # --require-hashes refuses any file whose hash the lock does not list, and --no-deps resolves
 # nothing (the lock is complete; it also lifts purerpc's h2<4, requirements/overrides.txt says
-# why). Then the project itself, with no dependencies. pip installs into
+# why). Then the project itself, with no dependencies, built by the setuptools of
+# requirements/build.lock (pyproject.toml's build-system; bookworm's is too old), installed beside
+# the build and not in the image: pip's own build isolation would fetch whatever setuptools is
+# newest that day, and what it writes (the metadata) would change with it. pip installs into
 # /usr/local/lib/python3.11/dist-packages (Debian's scheme for the system's Python;
 # --break-system-packages is Debian's consent to install beside its own packages, here in a stage
 # that is thrown away), with a `gopherplug` script in /usr/local/bin (run by python3.11, whose path
@@ -51,29 +76,55 @@ COPY requirements/device-plugin.lock requirements/dra.lock requirements/
 # interpreter; the standard library less its tests, IDLE, tkinter, turtle's demos, lib2to3, pydoc's
 # topics, ensurepip and distutils (never imported by a service); the installed project; every shared
 # library the interpreter and the extension modules (the standard library's and the wheels') link,
-# as ldd finds them, with the dynamic loader; and /tmp. tar copies them, keeping each file's mtime,
-# which its .pyc records (a .pyc whose source's mtime differs is compiled again, in memory, at every
-# start: the root filesystem is read-only).
+# as ldd finds them, with the dynamic loader; and /tmp.
+#
+# Then what makes two builds the same, byte for byte (.ci/images checks it): every file's time is
+# SOURCE_DATE_EPOCH (the commit's time, passed by .ci/images and the release; 0 when not given),
+# and the bytecode is compiled again here, by one process with a fixed hash seed, in a fixed order:
+# the .pyc files Debian's packages and pip compile differ from build to build (set constants
+# follow the process's random string hashes, and pip compiles in parallel). Each .pyc records its
+# source's time and size, and a .pyc whose source's time differs is compiled again, in memory, at
+# every start (the root filesystem is read-only): so the sources get their time first, and every
+# builder keeps it (COPY keeps a file's time; buildah's --timestamp and BuildKit's
+# rewrite-timestamp set or clamp it to this same time). -s/-p record each module's path as the
+# image has it, not under /rootfs (tracebacks name it).
 FROM source AS build
+ARG SOURCE_DATE_EPOCH=0
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages \
+RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages --no-compile \
       --require-hashes --no-deps -r requirements/device-plugin.lock \
- && python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages --no-deps /src \
+ && python3.11 -m pip install --no-cache-dir --root-user-action=ignore --no-compile \
+      --require-hashes --no-deps --target /tmp/build-tools -r requirements/build.lock \
+ && PYTHONPATH=/tmp/build-tools python3.11 -m pip install --no-cache-dir --root-user-action=ignore \
+      --break-system-packages --no-compile --no-deps --no-build-isolation /src \
  && mkdir -p /rootfs/tmp && chmod 1777 /rootfs/tmp \
  && tar -C / -cf - --exclude=usr/lib/python3.11/{test,idlelib,tkinter,turtledemo,lib2to3,pydoc_data,ensurepip,distutils} \
       usr/bin/python3.11 usr/lib/python3.11 usr/local/lib/python3.11 usr/local/bin/gopherplug | tar -C /rootfs -xf - \
  && { ldd /usr/bin/python3.11; find /rootfs/usr -name '*.so' -exec ldd {} \; ; } \
   | awk '$2 == "=>" && $3 ~ /^\// {print substr($3, 2)} $1 ~ /^\// {print substr($1, 2)}' | sort -u \
-  | tar -C / -chf - -T - | tar -C /rootfs -xf -
+  | tar -C / -chf - -T - | tar -C /rootfs -xf - \
+ && find /rootfs -name __pycache__ -prune -exec rm -rf {} + \
+ && find /rootfs -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} + \
+ && PYTHONHASHSEED=0 python3.11 -m compileall -q -f -s /rootfs -p / --invalidation-mode timestamp \
+      /rootfs/usr/lib/python3.11 /rootfs/usr/local/lib/python3.11 \
+ && find /rootfs -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 
+# The DRA driver's dependencies over the device plugin's files, and the same steps for the same
+# reasons (the bytecode of every module compiled again: the same order and the same process).
 FROM build AS build-dra
+ARG SOURCE_DATE_EPOCH=0
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages \
+RUN python3.11 -m pip install --no-cache-dir --root-user-action=ignore --break-system-packages --no-compile \
       --require-hashes --no-deps -r requirements/dra.lock \
  && tar -C / -cf - usr/local/lib/python3.11 | tar -C /rootfs -xf - \
  && find /rootfs/usr/local/lib/python3.11 -name '*.so' -exec ldd {} \; \
   | awk '$2 == "=>" && $3 ~ /^\// {print substr($3, 2)} $1 ~ /^\// {print substr($1, 2)}' | sort -u \
-  | tar -C / -chf - -T - | tar -C /rootfs -xf -
+  | tar -C / -chf - -T - | tar -C /rootfs -xf - \
+ && find /rootfs -name __pycache__ -prune -exec rm -rf {} + \
+ && find /rootfs -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} + \
+ && PYTHONHASHSEED=0 python3.11 -m compileall -q -f -s /rootfs -p / --invalidation-mode timestamp \
+      /rootfs/usr/lib/python3.11 /rootfs/usr/local/lib/python3.11 \
+ && find /rootfs -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 
 # The kubelet's directories (device-plugins; plugins and plugins_registry for DRA) belong to root
 # on every distribution, and the plugin must create its sockets there: both images run as root,
