@@ -46,10 +46,10 @@ RUN if [ -n "$DEBIAN_SNAPSHOT" ]; then \
  && if [ -n "$DEBIAN_SNAPSHOT" ]; then cp /tmp/locked /tmp/wanted; else cut -d= -f1 /tmp/locked >/tmp/wanted; fi \
  && apt-get update \
  && xargs apt-get install -y --no-install-recommends </tmp/wanted \
- && extra=$(installed | LC_ALL=C comm -23 - /tmp/before | LC_ALL=C comm -23 - /tmp/locked | tr '\n' ' ') \
- && missing=$(installed | LC_ALL=C comm -13 - /tmp/locked | tr '\n' ' ') \
+ && extra=$(installed | LC_ALL=C comm -23 - /tmp/before | LC_ALL=C comm -23 - /tmp/locked | paste -sd ' ') \
+ && missing=$(installed | LC_ALL=C comm -13 - /tmp/locked | paste -sd ' ') \
  && if [ -n "$extra$missing" ]; then \
-      differs="installed ${extra:-nothing more} and not ${missing:-less} than requirements/debian-python.lock"; \
+      differs="requirements/debian-python.lock is not what apt installed (installed, not locked: ${extra:-none}; locked, not installed: ${missing:-none})"; \
       if [ -n "$DEBIAN_SNAPSHOT" ]; then echo "error: $differs: run .ci/lock-debian" >&2; exit 1; fi; \
       echo "warning: $differs (Debian's archive has moved since the lock): the image is not the locked one; DEBIAN_SNAPSHOT builds that, .ci/lock-debian moves the lock" >&2; \
     fi \
