@@ -184,7 +184,6 @@ import contextvars
 import ctypes
 import dataclasses
 import datetime
-import difflib
 import errno
 import fcntl
 import fnmatch
@@ -2251,7 +2250,10 @@ def _mapping(data: Any, source: str, where: str, allowed: set[str], required: se
         raise ConfigError(source, where, problem)
     for key in data:
         if key not in allowed:
-            # A typo (pattren, device_plugins_dir) is told the key it most likely meant.
+            # A typo (pattren, device_plugins_dir) is told the key it most likely meant. difflib is
+            # imported here, where a mistake is: a plugin whose configuration is right never needs it.
+            import difflib
+
             close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
             meant = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
@@ -9615,6 +9617,8 @@ def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_
     problem = f"{directory} {state}: serve would wait there for the kubelet"
     if elsewhere is not None and elsewhere != directory:
         return f"{problem}; this machine's kubelet is in {elsewhere}"
+    import difflib  # here, not at the top: only for a directory that looks mistaken
+
     if close := difflib.get_close_matches(directory, candidates, n=1):
         return f"{problem}; did you mean {close[0]}?"
     return problem

@@ -5806,6 +5806,44 @@ async def read_until(stream, text, seen):
         seen += chunk
 
 
+#: What a device plugin's serve never needs, imported where first needed: the DRA driver's API client
+#: (lightkube, httpx2 and theirs), the metrics server's prometheus_client, the "did you mean" of a
+#: mistaken configuration (difflib), and what only tests and the demos use.
+ONLY_WHEN_NEEDED = ("lightkube", "httpx2", "httpcore2", "h11", "prometheus_client", "difflib", "gopherplug_standins")
+
+
+async def test_a_device_plugin_serves_without_importing_what_only_dra_metrics_or_mistakes_need(nursery, node, tmp_path):
+    """Every module a process imports costs its start-up time and keeps its code in memory for the
+    process's life: a device plugin's serve, to its first list and an Allocate, imports none of
+    ONLY_WHEN_NEEDED. An audit hook started before gopherplug logs each import of those, and of
+    yaml (imported at every start: the hook is seen to work)."""
+    config = str(write_config(node, tmp_path))
+    imports = tmp_path / "imports"
+    watched = (*ONLY_WHEN_NEEDED, "yaml")
+    hooked = (
+        "import sys\n"
+        f"def hook(event, args, log=open({str(imports)!r}, 'a', buffering=1)):\n"
+        f"    if event == 'import' and args[0] in {watched!r}:\n"
+        "        log.write(args[0] + '\\n')\n"
+        "sys.addaudithook(hook)\n"
+        "import gopherplug\n"
+        "sys.exit(gopherplug.main())\n"
+    )
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    plugin = await trio.lowlevel.open_process(
+        [sys.executable, "-c", hooked, "serve", "--config", config], cwd=HERE, stderr=subprocess.DEVNULL
+    )
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            answer = await simulator.allocate(RESOURCE, ["g1"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}
+    finally:
+        plugin.kill()
+        await plugin.wait()
+    assert imports.read_text().split() == ["yaml"]
+
+
 async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, node, tmp_path):
     config = str(write_config(node, tmp_path))
     limited = "import resource, sys, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48)); "
