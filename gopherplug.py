@@ -9799,7 +9799,7 @@ async def serve_plugin(
                     api = KubeApi.connect(node_name=node_name)
                     stack.push_async_callback(_stop_part, "API client", api.aclose)
                     # Importing lightkube, httpx2 and httpcore2 (about 11 MiB that stay) also freed
-                    # what their import made and dropped: about 0.3 MiB that glibc would keep.
+                    # what their import made and dropped: 0.1 to 0.3 MiB that glibc would keep.
                     _release_freed_memory()
                 dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
             for resource in config.resources:
