@@ -92,6 +92,89 @@ Quick start:
 
 from __future__ import annotations
 
+import os
+import sys
+
+
+def _run_as_module(script: str) -> None:
+    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
+
+    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
+    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
+    after the module's code has run): for a plugin that serves until it is stopped, never. For
+    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
+    copy run as a sidecar binary), and growing with every line. An import compiles the file and
+    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
+    environment and interpreter options) with a Python that imports this file and runs main().
+    The console script and `python -m gopherplug` import the module already, and a debugger or
+    profiler (a trace or profile function set) keeps the script as it is.
+
+    It is called from the top of the file, before any other import: the script's process would
+    throw away whatever it imported (the dependencies alone take 150 ms). And it hands the import
+    the code it has already compiled (the script was compiled whole before its first line ran,
+    about 350 ms for this file): marshalled into a memory file the new process inherits, used in
+    place of compiling the file again where no valid bytecode is cached beside it (a read-only
+    copy, PYTHONDONTWRITEBYTECODE), and written to that cache where one may be written, as the
+    import would have. Only if the file is as it was: a file changed in the last 2 s (maybe since
+    the interpreter read it), or whose size or time differs when the import reads it, is compiled
+    again from what is on disk.
+
+    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
+    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
+    installed in site-packages and run it instead, or fail where none is. The loader is named,
+    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
+    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
+    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
+    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
+    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
+    place of PyYAML, by a process that often runs as root), and the directory Python gave the
+    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
+    script had none either (-P, -I, PYTHONSAFEPATH).
+    """
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return
+    import marshal
+    import time
+
+    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
+    script_directory = [] if sys.flags.safe_path else sys.path[:1]
+    path = os.path.realpath(script)
+    handed = "None"
+    try:
+        status = os.stat(path)
+        if time.time_ns() - status.st_mtime_ns > 2_000_000_000:
+            compiled = os.memfd_create("gopherplug-code", 0)  # inherited across execv
+            os.write(compiled, marshal.dumps(sys._getframe(1).f_code))  # the module's: our caller's
+            os.lseek(compiled, 0, os.SEEK_SET)
+            handed = repr((compiled, status.st_size, status.st_mtime_ns))
+    except (OSError, ValueError):  # no memfd (an old kernel, a seccomp profile): compiled again
+        pass
+    code = (
+        "import importlib.machinery, importlib.util, os, sys\n"
+        f"sys.path[:0] = {script_directory!r}; sys.argv[0] = {script!r}; handed = {handed}\n"
+        "class Loader(importlib.machinery.SourceFileLoader):\n"
+        "    def source_to_code(self, data, path, *, _optimize=-1):  # the script's code, if the file is as it was\n"
+        "        if handed and (len(data), os.stat(path).st_mtime_ns) == handed[1:]:\n"
+        "            import _imp, marshal\n"
+        "            code = marshal.loads(os.pread(handed[0], os.fstat(handed[0]).st_size, 0))\n"
+        "            _imp._fix_co_filename(code, path)  # as for a .pyc: the file's path, not the name typed\n"
+        "            return code\n"
+        "        return super().source_to_code(data, path, _optimize=_optimize)\n"
+        f"loader = Loader('gopherplug', {path!r})\n"
+        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
+        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug)\n"
+        "if handed: os.close(handed[0])\n"
+        "sys.exit(gopherplug.main())"
+    )
+    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
+
+
+# The interpreter was started on this file (python [options] gopherplug.py args): a file loader and
+# no module spec; -m has a spec, runpy.run_path neither.
+if __name__ == "__main__" and __spec__ is None:
+    if type(sys.modules[__name__].__loader__).__name__ == "SourceFileLoader":
+        _run_as_module(__file__)
+
 import argparse
 import base64
 import bisect
@@ -101,7 +184,6 @@ import contextvars
 import ctypes
 import dataclasses
 import datetime
-import difflib
 import errno
 import fcntl
 import fnmatch
@@ -112,7 +194,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import random
 import re
 import shutil
@@ -121,7 +202,6 @@ import socket
 import stat
 import string
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -2170,7 +2250,10 @@ def _mapping(data: Any, source: str, where: str, allowed: set[str], required: se
         raise ConfigError(source, where, problem)
     for key in data:
         if key not in allowed:
-            # A typo (pattren, device_plugins_dir) is told the key it most likely meant.
+            # A typo (pattren, device_plugins_dir) is told the key it most likely meant. difflib is
+            # imported here, where a mistake is: a plugin whose configuration is right never needs it.
+            import difflib
+
             close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
             meant = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
@@ -9534,6 +9617,8 @@ def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_
     problem = f"{directory} {state}: serve would wait there for the kubelet"
     if elsewhere is not None and elsewhere != directory:
         return f"{problem}; this machine's kubelet is in {elsewhere}"
+    import difflib  # here, not at the top: only for a directory that looks mistaken
+
     if close := difflib.get_close_matches(directory, candidates, n=1):
         return f"{problem}; did you mean {close[0]}?"
     return problem
@@ -9713,6 +9798,9 @@ async def serve_plugin(
                 if api is None:
                     api = KubeApi.connect(node_name=node_name)
                     stack.push_async_callback(_stop_part, "API client", api.aclose)
+                    # Importing lightkube, httpx2 and httpcore2 (about 11 MiB that stay) also freed
+                    # what their import made and dropped: 0.1 to 0.3 MiB that glibc would keep.
+                    _release_freed_memory()
                 dra_resources = DraResources(config.dra.driver, node_name, unhealthy_taint=config.dra.unhealthy_taint)
             for resource in config.resources:
                 await start(resource)
@@ -12424,51 +12512,9 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _run_as_module(script: str) -> None:
-    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
-
-    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
-    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
-    after the module's code has run): for a plugin that serves until it is stopped, never. For
-    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
-    copy run as a sidecar binary), and growing with every line. An import compiles the file and
-    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
-    environment and interpreter options) with a Python that imports this file and runs main().
-    The console script and `python -m gopherplug` import the module already, and a debugger or
-    profiler (a trace or profile function set) keeps the script as it is.
-
-    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
-    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
-    installed in site-packages and run it instead, or fail where none is. The loader is named,
-    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
-    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
-    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
-    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
-    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
-    place of PyYAML, by a process that often runs as root), and the directory Python gave the
-    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
-    script had none either (-P, -I, PYTHONSAFEPATH).
-    """
-    if sys.gettrace() is not None or sys.getprofile() is not None:
-        return
-    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
-    script_directory = [] if sys.flags.safe_path else sys.path[:1]
-    code = (
-        f"import importlib.machinery, importlib.util, sys; sys.path[:0] = {script_directory!r}; "
-        f"sys.argv[0] = {script!r}; "
-        f"loader = importlib.machinery.SourceFileLoader('gopherplug', {os.path.realpath(script)!r}); "
-        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader)); "
-        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug); sys.exit(gopherplug.main())"
-    )
-    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
-
-
 if __name__ == "__main__":
-    # The interpreter was started on this file (python [options] gopherplug.py args): a file
-    # loader and no module spec; -m has a spec, runpy.run_path neither.
-    if __spec__ is None and type(sys.modules[__name__].__loader__).__name__ == "SourceFileLoader":
-        _run_as_module(__file__)
     # Run as a script, this file is both __main__ and (for anything importing it) gopherplug:
-    # register it under its own name so that there is one module object, not two.
+    # register it under its own name so that there is one module object, not two. (A plain
+    # `python gopherplug.py` has started again as an import at the top of the file already.)
     sys.modules.setdefault("gopherplug", sys.modules[__name__])
     sys.exit(main())

@@ -810,6 +810,34 @@ def test_a_copy_run_as_a_script_imports_nothing_from_the_current_directory(tmp_p
     _assert_ran_the_copy(result, marker, expected)
 
 
+def test_a_copy_run_as_a_script_is_compiled_once_unless_it_just_changed(tmp_path):
+    """The script's process hands the code it compiled to the import it starts again as: where no
+    bytecode is cached (a read-only copy), the file is not compiled a second time (about 350 ms for
+    this file). A file changed in the last 2 s may have changed since the interpreter read it: it is
+    compiled again from the disk. Each compile of the copy is counted by an audit hook."""
+    copy = tmp_path / "app" / "anyname.py"
+    marker, _ = _marked_copy(copy)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import sys\n"
+        "def hook(event, args):\n"
+        "    if event == 'compile' and str(args[1]).endswith('anyname.py'):\n"
+        "        print('compiled', args[1], file=sys.stderr)\n"
+        "sys.addaudithook(hook)\n"
+    )
+    env = SCRIPT_ENV | {"PYTHONPATH": str(hooks), "PYTHONDONTWRITEBYTECODE": "1"}
+    compiles = {}
+    for age in (0, 60):
+        now = time.time()
+        os.utime(copy, (now - age, now - age))
+        result = _run_python([str(copy), "--version"], tmp_path, env)
+        assert result.returncode == 0 and marker in result.stdout, result.stderr
+        compiles[age] = result.stderr.count("compiled ")
+    assert compiles == {0: 2, 60: 1}, compiles  # the first: the interpreter's, running the script
+    assert not (copy.parent / "__pycache__").exists()
+
+
 def test_the_product_module_carries_none_of_the_test_only_stand_ins():
     """The line between the product and its stand-ins: what gopherplug_standins defines itself
     (validation, the strict API server, the scheduler) is nowhere in gopherplug, and the Dockerfile
@@ -5776,6 +5804,44 @@ async def read_until(stream, text, seen):
         chunk = await stream.receive_some()
         assert chunk, f"the process ended before saying {text!r}: {seen.decode(errors='replace')}"
         seen += chunk
+
+
+#: What a device plugin's serve never needs, imported where first needed: the DRA driver's API client
+#: (lightkube, httpx2 and theirs), the metrics server's prometheus_client, the "did you mean" of a
+#: mistaken configuration (difflib), and what only tests and the demos use.
+ONLY_WHEN_NEEDED = ("lightkube", "httpx2", "httpcore2", "h11", "prometheus_client", "difflib", "gopherplug_standins")
+
+
+async def test_a_device_plugin_serves_without_importing_what_only_dra_metrics_or_mistakes_need(nursery, node, tmp_path):
+    """Every module a process imports costs its start-up time and keeps its code in memory for the
+    process's life: a device plugin's serve, to its first list and an Allocate, imports none of
+    ONLY_WHEN_NEEDED. An audit hook started before gopherplug logs each import of those, and of
+    yaml (imported at every start: the hook is seen to work)."""
+    config = str(write_config(node, tmp_path))
+    imports = tmp_path / "imports"
+    watched = (*ONLY_WHEN_NEEDED, "yaml")
+    hooked = (
+        "import sys\n"
+        f"def hook(event, args, log=open({str(imports)!r}, 'a', buffering=1)):\n"
+        f"    if event == 'import' and args[0] in {watched!r}:\n"
+        "        log.write(args[0] + '\\n')\n"
+        "sys.addaudithook(hook)\n"
+        "import gopherplug\n"
+        "sys.exit(gopherplug.main())\n"
+    )
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    plugin = await trio.lowlevel.open_process(
+        [sys.executable, "-c", hooked, "serve", "--config", config], cwd=HERE, stderr=subprocess.DEVNULL
+    )
+    try:
+        with trio.fail_after(TIMEOUT):
+            await simulator.wait_until(listed("g1", "g2"))
+            answer = await simulator.allocate(RESOURCE, ["g1"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}
+    finally:
+        plugin.kill()
+        await plugin.wait()
+    assert imports.read_text().split() == ["yaml"]
 
 
 async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, node, tmp_path):

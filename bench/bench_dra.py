@@ -1,6 +1,7 @@
 """Benchmark gopherplug's DRA driver the way the kubelet and the API server see it. Run by hand, not by CI:
 
     .venv/bin/python bench/bench_dra.py [--additions 50] [--claims 200] [--idle-seconds 10] [--devices 8]
+        [--memory-only] [--plugin-dir DIR] [--python PYTHON]
 
 The plugin runs as a real subprocess (`python -m gopherplug serve`, from bytecode, at the image's
 default log level, info) on a temporary node directory. This script plays, in one trio process,
@@ -88,7 +89,8 @@ def claim(name, uid, device):
 class Node:
     """A temporary node: device directory, kubelet directories, the simulators, the plugin process."""
 
-    def __init__(self, devices):
+    def __init__(self, devices, plugin_dir=HERE, python=sys.executable):
+        self.plugin_dir, self.python = plugin_dir, python  # whose gopherplug.py runs, and with what
         self.root = Path(tempfile.mkdtemp(prefix="gpd-", dir="/tmp"))  # short: unix socket paths
         self.devices = self.root / "dev"
         self.devices.mkdir()
@@ -136,8 +138,8 @@ class Node:
         gp.parse_config(config.read_text(), str(config))  # a mistake here, not in the plugin's log
         self.log = open(self.root / f"plugin-{api}.log", "wb")  # closed in stop()
         self.plugin = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "gopherplug", "serve", "--config", str(config), "--log-level", log_level],
-            cwd=HERE,
+            [self.python, "-m", "gopherplug", "serve", "--config", str(config), "--log-level", log_level],
+            cwd=self.plugin_dir,
             env=self.env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -206,11 +208,11 @@ async def memory_device_plugin(node, args):
 
 
 async def main_async(args):
-    node = Node(args.devices)
+    node = Node(args.devices, args.plugin_dir, args.python)
     try:
         async with trio.open_nursery() as nursery:
             await node.start_servers(nursery)
-            print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, gopherplug {gp.__version__}")
+            print(f"machine: {os.cpu_count()} cores; the plugin: {args.python}, {args.plugin_dir / 'gopherplug.py'}")
 
             try:
                 await figures(node, args, nursery)
@@ -248,6 +250,8 @@ async def figures(node, args, nursery):
     if node.health_messages:
         print(f"  NodeWatchResources messages while settling and idle: {node.health_messages - health}")
     print(f"DRA costs {rss_dra - rss_dp:+.1f} MiB of RSS over the device-plugin API alone")
+    if args.memory_only:
+        return
     await slice_latency(node, args)
     await prepare_latency(node, args)
     print(f"after all that: RSS {rss_mib(node.plugin.pid):.1f} MiB")
@@ -381,10 +385,18 @@ def main():
     parser.add_argument("--idle-seconds", type=float, default=10)
     parser.add_argument("--log-level", default="info", help="the plugin's (default info, as the image runs it)")
     parser.add_argument("--show-log", action="store_true", help="print the plugin's whole log at the end")
+    parser.add_argument("--memory-only", action="store_true", help="stop after the memory figures")
+    parser.add_argument(
+        "--plugin-dir",
+        type=Path,
+        default=HERE,
+        help="the directory whose gopherplug.py the plugin runs (default: this checkout's)",
+    )
+    parser.add_argument("--python", default=sys.executable, help="the plugin's interpreter (default: this one)")
     args = parser.parse_args()
     # Run as the image runs it: imported, from bytecode.
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE / "gopherplug.py")], check=True, env=env)
+    subprocess.run([args.python, "-m", "compileall", "-q", str(args.plugin_dir / "gopherplug.py")], check=True, env=env)
     trio.run(main_async, args)
 
 

@@ -1,0 +1,239 @@
+"""Where a device plugin's start-up time and idle memory go: the interpreter, each dependency, the
+module, the work. Run by hand, not by CI:
+
+    .venv/bin/python bench/bench_floor.py [--runs 11] [--devices 8] [--idle 2] [--python PYTHON]
+        [--no-layers] [REV ...]        # default revisions: the work tree only ("tree")
+
+Every figure is a fresh process of ``--python`` (default: this one; the image's is Debian
+bookworm's python3.11), run ``--runs`` times, the rows taking turns run by run so that a machine's
+load drifts over all of them alike; printed: the median and the spread (min-max) of the time, and
+the median VmRSS and VmHWM (the peak) from /proc. The rows:
+
+- the layers (once, whatever the revisions): `python -S -c pass`, `python -c pass`, each design
+  dependency imported alone (trio; purerpc with h2, anyio and attrs; google.protobuf's descriptor
+  modules; inotify_simple; yaml), then all of them together: what any plugin built on them pays.
+  Time: from the fork to the process's line on its pipe, written once the imports are done
+  (the interpreter's teardown is not counted: `serve` never exits that way).
+- per revision, ``import gopherplug`` the same way (its bytecode compiled beforehand, as the
+  images ship it);
+- with ``--dra``: what a DRA driver's API client adds, its imports (lightkube, httpx2, as
+  KubeApi.connect makes them) alone and over the five, and per revision `import gopherplug` and
+  KubeApi.connect, the client made for a plain-HTTP kubeconfig as bench_dra.py's stand-in
+  serves (no certificate authority named: httpx2 loads the default trust store, which a pod's
+  service account configuration, naming its ca.crt, does not);
+- per revision and start mode, `serve` with one resource of ``--devices`` files: time from the
+  fork until the kubelet (bench_gopherplug's grpcio kubelet in this process, which dials back
+  inside Register and opens ListAndWatch, as the kubelet does) has the first list of every
+  device; then, ``--idle`` seconds later, VmRSS and VmHWM. The modes: the console script (pip's
+  script, as the images run it), `python -m gopherplug`, `python gopherplug.py` with the bytecode
+  cached beside it, and `python gopherplug.py` with none anywhere (PYTHONDONTWRITEBYTECODE=1: a
+  copy in a read-only image, or this sandbox), which compiles the file at every start.
+
+Each revision's gopherplug.py (``git show REV:gopherplug.py``; "tree": the work tree's) is written
+alone into a temporary directory, its time set an hour back (a file changed in the last 2 s is one
+`python gopherplug.py` does not trust its compiled code for), then compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "bench"))
+from bench_gopherplug import Kubelet  # noqa: E402
+
+RESOURCE = "example.com/gopher"
+
+#: purerpc 0.8 cannot be imported under h2 4 without the name gopherplug adds (see its top).
+PURERPC = (
+    "import h2.events\n"
+    "if not hasattr(h2.events, 'PingAcknowledged'): h2.events.PingAcknowledged = h2.events.PingAckReceived\n"
+    "import purerpc\n"
+)
+DEPENDENCIES = {
+    "trio": "import trio\n",
+    "purerpc (h2, anyio, attrs)": PURERPC,
+    "google.protobuf (descriptor modules)": (
+        "from google.protobuf import descriptor_pb2, descriptor_pool, message_factory\n"
+    ),
+    "inotify_simple": "import inotify_simple\n",
+    "yaml": "import yaml\n",
+}
+#: What KubeApi.connect imports for a DRA driver (the dra extra), and a client made as it makes one.
+DRA_IMPORTS = (
+    "import httpx2, lightkube\n"
+    "from lightkube.generic_resource import create_global_resource, create_namespaced_resource\n"
+    "from lightkube.resources.core_v1 import Node\n"
+    "from lightkube.types import PatchType\n"
+)
+KUBECONFIG = (  # the API server as bench_dra.py's stand-in serves it: plain HTTP, a bearer token
+    "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'http://127.0.0.1:1'}}]\n"
+    "users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
+    "current-context: x\n"
+)
+
+#: Appended to every probe: the process's memory once its imports are done, then out without teardown.
+REPORT = (
+    "import os as _os\n"
+    "_s = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+    "print(_s['VmRSS'].split()[0], _s['VmHWM'].split()[0], flush=True)\n"
+    "_os._exit(0)\n"
+)
+CONSOLE_SCRIPT = (  # what pip writes for [project.scripts] gopherplug = "gopherplug:main"
+    "import re\nimport sys\nfrom gopherplug import main\nif __name__ == '__main__':\n"
+    "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit(main())\n"
+)
+
+
+def environment(bytecode: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
+    if not bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def probe(python: str, options: list[str], code: str, cwd: Path | None = None) -> tuple[float, float, float]:
+    """(ms from the fork to the report, VmRSS MiB, VmHWM MiB) of `python [options] -c code`."""
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        [python, *options, "-c", code + REPORT], cwd=cwd, env=environment(True), stdout=subprocess.PIPE, text=True
+    )
+    line = process.stdout.readline()
+    took = time.perf_counter() - start
+    process.wait()
+    rss, hwm = line.split()
+    return took * 1e3, int(rss) / 1024, int(hwm) / 1024
+
+
+def place_revision(rev: str, directory: Path, python: str) -> Path:
+    if rev == "tree":
+        text = (HERE / "gopherplug.py").read_text()
+    else:
+        show = ["git", "show", f"{rev}:gopherplug.py"]
+        text = subprocess.run(show, cwd=HERE, capture_output=True, text=True, check=True).stdout
+    directory.mkdir(parents=True)
+    module = directory / "gopherplug.py"
+    module.write_text(text)
+    an_hour_ago = time.time() - 3600
+    os.utime(module, (an_hour_ago, an_hour_ago))
+    (directory / "gopherplug-script").write_text(CONSOLE_SCRIPT)
+    bare = directory / "bare"  # the same file, never compiled: `python gopherplug.py` with no bytecode
+    bare.mkdir()
+    shutil.copy2(module, bare / "gopherplug.py")
+    # Compiled by the interpreter measured, where it caches it: `python -m gopherplug` finds it there.
+    subprocess.run([python, "-c", f"import py_compile; py_compile.compile({str(module)!r})"], check=True)
+    return directory
+
+
+def serve(python: str, directory: Path, mode: str, devices: int, idle: float) -> tuple[float, float, float]:
+    """(ms from the fork to the kubelet's first full list, VmRSS MiB and VmHWM MiB ``idle`` s later)."""
+    root = Path(tempfile.mkdtemp(prefix="gpf-", dir="/tmp"))  # short: unix socket paths
+    kubelet = Kubelet(str(root / "dp"))
+    plugin = None
+    try:
+        (root / "dp").mkdir()
+        (root / "dev").mkdir()
+        for i in range(devices):
+            (root / "dev" / f"g{i}").touch()
+        config = root / "config.yaml"
+        config.write_text(
+            f"device_plugin_dir: {root / 'dp'}\nresources:\n  - name: {RESOURCE}\n    directory: {root / 'dev'}\n"
+        )
+        kubelet.start()
+        start = {
+            "console script": [str(directory / "gopherplug-script")],
+            "python -m gopherplug": ["-m", "gopherplug"],
+            "python gopherplug.py": [str(directory / "gopherplug.py")],
+            "python gopherplug.py, no bytecode": [str(directory / "bare" / "gopherplug.py")],
+        }[mode]
+        argv = [python, *start, "serve", "--config", str(config), "--log-level", "warning"]
+        began = time.perf_counter()
+        plugin = subprocess.Popen(argv, cwd=directory, env=environment("no bytecode" not in mode))
+        listed = kubelet.wait_for(lambda ids: len(ids) == devices, timeout=60)
+        time.sleep(idle)
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{plugin.pid}/status").read_text().splitlines())
+        rss, hwm = (int(status[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))
+        return (listed - began) * 1e3, rss, hwm
+    finally:
+        if plugin is not None:
+            plugin.terminate()
+            plugin.wait(30)
+        kubelet.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+MODES = ("console script", "python -m gopherplug", "python gopherplug.py", "python gopherplug.py, no bytecode")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("revs", nargs="*", default=["tree"])
+    parser.add_argument("--runs", type=int, default=11)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--idle", type=float, default=2.0, help="seconds between the first list and the RSS")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter measured (default: this one)")
+    parser.add_argument("--no-layers", action="store_true", help="only the module and serve rows")
+    parser.add_argument("--modes", default=";".join(MODES), help="serve's start modes, separated by ; (none: '')")
+    parser.add_argument("--dra", action="store_true", help="rows for the DRA driver's API client (the dra extra)")
+    args = parser.parse_args()
+    version = subprocess.run([args.python, "-VV"], capture_output=True, text=True, check=True).stdout.split("\n")[0]
+    print(f"{args.python}: {version}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}", flush=True)
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    jobs = []
+    if not args.no_layers:
+        jobs.append(("python -S -c pass", lambda: probe(args.python, ["-S"], "")))
+        jobs.append(("python -c pass", lambda: probe(args.python, [], "")))
+        for name, code in DEPENDENCIES.items():
+            jobs.append((f"{name} alone", lambda code=code: probe(args.python, [], code)))
+        jobs.append(("all five together", lambda: probe(args.python, [], "".join(DEPENDENCIES.values()))))
+        if args.dra:
+            five = "".join(DEPENDENCIES.values())
+            jobs.append(("lightkube, httpx2 alone", lambda: probe(args.python, [], DRA_IMPORTS)))
+            jobs.append(("the five + lightkube, httpx2", lambda: probe(args.python, [], five + DRA_IMPORTS)))
+    with tempfile.TemporaryDirectory(prefix="gp-floor-") as place:
+        for rev in args.revs:
+            directory = place_revision(rev, Path(place, rev.replace("/", "_").replace("~", "-")), args.python)
+            jobs.append(
+                (f"{rev}: import gopherplug", lambda d=directory: probe(args.python, [], "import gopherplug\n", d))
+            )
+            if args.dra:
+                kubeconfig = directory / "kubeconfig"
+                kubeconfig.write_text(KUBECONFIG)
+                code = f"import gopherplug\ngopherplug.KubeApi.connect(kubeconfig={str(kubeconfig)!r})\n"
+                jobs.append(
+                    (
+                        f"{rev}: import gopherplug, KubeApi.connect",
+                        lambda c=code, d=directory: probe(args.python, [], c, d),
+                    )
+                )
+            for mode in filter(None, args.modes.split(";")):
+                jobs.append(
+                    (
+                        f"{rev}: serve, {mode}",
+                        lambda d=directory, m=mode: serve(args.python, d, m, args.devices, args.idle),
+                    )
+                )
+        for run in range(args.runs):
+            for name, job in jobs:
+                rows.setdefault(name, []).append(job())
+            print(f"run {run + 1} of {args.runs} done, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    print("\n| what | ms, median (min-max) | VmRSS MiB | VmHWM MiB |\n| --- | --- | --- | --- |")
+    for name, figures in rows.items():
+        took, rss, hwm = ([f[i] for f in figures] for i in range(3))
+        print(
+            f"| {name} | {statistics.median(took):.1f} ({min(took):.1f}-{max(took):.1f}) "
+            f"| {statistics.median(rss):.1f} | {statistics.median(hwm):.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
