@@ -2531,11 +2531,14 @@ def host_path_roots(resource: ResourceConfig, dev_root: str = "/dev") -> list[st
     link an entry to any disk (g0 -> /dev/vda) and have it handed to a container read-write. In
     /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
     """
-    directories = [source.directory for source in resource.sources]
-    roots = [*directories, *resource.allowed_host_paths]
-    if resource.usb or any(_is_under(os.path.realpath(d), [os.path.realpath(dev_root)]) for d in directories):
-        roots.append(dev_root)
-    return list(dict.fromkeys(os.path.realpath(root) for root in roots))
+    # Each path resolved once (realpath is an lstat() per component): the directories' resolved
+    # forms serve both as roots and for the /dev test.
+    directories = [os.path.realpath(source.directory) for source in resource.sources]
+    roots = [*directories, *(os.path.realpath(root) for root in resource.allowed_host_paths)]
+    resolved_dev = os.path.realpath(dev_root)
+    if resource.usb or any(_is_under(directory, [resolved_dev]) for directory in directories):
+        roots.append(resolved_dev)
+    return list(dict.fromkeys(roots))
 
 
 def examine_entry(
@@ -2686,7 +2689,10 @@ def _host_paths(
     literal = {key: value.replace("{", "{{").replace("}", "}}") for key, value in fields.items()}
 
     def fill(host_path: str, container_path: str) -> tuple[str, str]:
-        return os.path.realpath(host_path.format(**fields)), container_path.format(**literal, index="{index}")
+        host = host_path.format(**fields)
+        # "{path}" (the usual template) is the entry itself, resolved already: one realpath less.
+        resolved = fields["target"] if host == path else os.path.realpath(host)
+        return resolved, container_path.format(**literal, index="{index}")
 
     specs: tuple[DeviceSpecTemplate, ...]
     if resource.device_specs is None:
@@ -6719,13 +6725,16 @@ def device_plugin_service(
     status: StreamStatus | None = None,
     *,
     config: Watched | None = None,
+    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
 ) -> purerpc.Service:
     """The DevicePlugin service for one resource, answering from the live device set.
 
     Its ListAndWatch streams end (status OK) once ``ending`` is set and ``devices`` touched (which
     wakes them: one event to wait on keeps each push cheap). With ``examine`` (a
     device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
-    devices they are asked for again instead of trusting the set inotify last published.
+    devices they are asked for again instead of trusting the set inotify last published;
+    ``examiner``, instead, is called once per Allocate or PreStartContainer and gives that call's
+    ``examine`` (what every device's examination needs, such as the resolved roots, resolved once).
     ``status`` counts the kubelet's ListAndWatch streams. ``config``, if given, holds the
     resource's configuration as reloads change it in place (same name, same options): every answer
     follows it from then on, and a stream sends the list anew once ``devices`` is replaced
@@ -6805,12 +6814,13 @@ def device_plugin_service(
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
         # the container gets is decided from the file system as it is now (and confined again).
         known: Mapping[str, DeviceEntry] = devices.value
-        if examine is None:
+        check = examiner() if examiner is not None else examine
+        if check is None:
             return known
         found_now = {}
         for device_id in {now().underlying_id(kubelet_id) for kubelet_id in ids}:
             if device_id is not None and device_id in known:
-                found = examine(known[device_id])
+                found = check(known[device_id])
                 if isinstance(found, str):
                     raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
                 if found is not None:
@@ -9113,12 +9123,13 @@ async def serve_resource(
     *,
     examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
     config: Watched | None = None,
+    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
     until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
-    ``examine`` and ``config`` (its configuration as reloads change it in place, never its name
-    or options) are for device_plugin_service().
+    ``examine``, ``examiner`` and ``config`` (its configuration as reloads change it in place,
+    never its name or options) are for device_plugin_service().
 
     started() is called once the first socket is listening (registration may still be waiting
     for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
@@ -9139,7 +9150,15 @@ async def serve_resource(
 
             def services(ending: trio.Event) -> list[purerpc.Service]:
                 plugin = device_plugin_service(
-                    resource, offered, shape_allocation, encoder, ending, examine, status, config=config
+                    resource,
+                    offered,
+                    shape_allocation,
+                    encoder,
+                    ending,
+                    examine,
+                    status,
+                    config=config,
+                    examiner=examiner,
                 )
                 return [plugin, status_service(functools.partial(status.message, resource.name))]
 
@@ -9996,10 +10015,15 @@ async def _serve_one(
                 if resource.device_plugin:
                     assert kubelet is not None  # serve_plugin watches it before such a resource starts
 
-                    def examine(device: DeviceEntry) -> DeviceEntry | str | None:
-                        return _examine_now(served.config.value, sysfs_root, dev_root, device)
+                    def examiner() -> Callable[[DeviceEntry], DeviceEntry | str | None]:
+                        # Once per Allocate: the configuration as it is now, its roots resolved
+                        # now (a directory may be a symlink re-pointed since the scan), then
+                        # each device asked for examined against them.
+                        current = served.config.value
+                        roots = host_path_roots(current, dev_root)
+                        return lambda device: examine_again(current, device, roots, sysfs_root)
 
-                    serve = functools.partial(serve_resource, examine=examine, config=served.config)
+                    serve = functools.partial(serve_resource, examiner=examiner, config=served.config)
                     await nursery.start(serve, resource, served.devices, kubelet, None, generations)
                 task_status.started()
                 if not resource.device_plugin:
@@ -10010,12 +10034,6 @@ async def _serve_one(
         if dra_resources is not None and dra_resources.served.get(resource.name, (None, None))[1] is served.devices:
             dra_resources.detach(resource.name)
         served.done.set()
-
-
-def _examine_now(
-    resource: ResourceConfig, sysfs_root: str, dev_root: str, device: DeviceEntry
-) -> DeviceEntry | str | None:
-    return examine_again(resource, device, host_path_roots(resource, dev_root), sysfs_root)
 
 
 async def watch_config_file(

@@ -4950,6 +4950,34 @@ async def test_allocate_checks_a_relinked_device_again(nursery, node, tmp_path):
     )
 
 
+async def test_serve_plugin_resolves_the_allowed_roots_at_each_allocate(nursery, node, tmp_path):
+    # serve_plugin resolves a resource's roots once per Allocate (not per device): still at each
+    # call, so an allowed directory that is a symlink re-pointed since the last one counts as it
+    # is now. Its target's file stays where it was; only the root moved away from it.
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "a").touch()
+    allowed = tmp_path / "allowed"
+    os.symlink(first, allowed)
+    os.symlink(first / "a", os.path.join(node.devices, "g0"))
+    config = node.config(
+        pattern="g0", allowed_host_paths=[str(allowed)], mounts=[{"host_path": "{path}", "container_path": "/run/{id}"}]
+    )
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, config)
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"g0": gp.HEALTHY})
+        answer = await simulator.allocate(RESOURCE, ["g0"])
+        assert [m.host_path for m in answer.container_responses[0].mounts] == [str(first / "a")]
+        os.unlink(allowed)
+        os.symlink(second, allowed)
+        with pytest.raises(gp.RPCError) as refused:
+            await simulator.allocate(RESOURCE, ["g0"])
+    assert refused.value.code == StatusCode.FAILED_PRECONDITION
+    assert f"host path {first / 'a'} is outside {node.devices}, {second}" in refused.value.message
+
+
 async def test_allocate_gives_mounts_annotations_and_cdi_together(nursery, node):
     with trio.fail_after(TIMEOUT):
         simulator = await start(

@@ -174,12 +174,17 @@ def unary_latency(stub, request, calls, concurrency):
 
 def build_go_client(root):
     """Build grpc_go_client.go (GOPATH mode, Debian's grpc-go); return its path, or why not."""
+    return build_go_program(root, "grpc_go_client")
+
+
+def build_go_program(root, name):
+    """Build bench/NAME.go into ``root`` (GOPATH mode, Debian's grpc-go); return its path, or why not."""
     if shutil.which("go") is None or not os.path.isdir(os.path.join(GO_SOURCES, "src/google.golang.org/grpc")):
         return None, "no go toolchain or grpc-go sources (apt-get install golang-go golang-google-grpc-dev)"
-    binary = os.path.join(root, "grpc_go_client")
+    binary = os.path.join(root, name)
     env = dict(os.environ, GO111MODULE="off", GOPATH=GO_SOURCES, GOCACHE=os.path.join(root, "gocache"))
     built = subprocess.run(
-        ["go", "build", "-o", binary, str(HERE / "bench" / "grpc_go_client.go")],
+        ["go", "build", "-o", binary, str(HERE / "bench" / f"{name}.go")],
         env=env,
         capture_output=True,
         text=True,

@@ -1,7 +1,11 @@
 // A kubelet-side caller for the benchmark: grpc-go, as in the kubelet's device manager.
 // It dials the plugin's unix socket the way the kubelet does and times unary calls.
 //
-//	grpc_go_client SOCKET METHOD REQUEST_HEX|@FILE CALLS CONCURRENCY
+//	grpc_go_client SOCKET METHOD[,METHOD...] REQUEST_HEX|@FILE[,...] CALLS CONCURRENCY [WARMUP]
+//
+// Several methods (and as many requests) make one timed call a sequence, one after the other, as the
+// kubelet calls GetPreferredAllocation and then Allocate for one container. WARMUP calls (default
+// 200) go first, untimed.
 //
 // prints: p50_seconds p99_seconds calls_per_second
 package main
@@ -34,25 +38,38 @@ func (rawCodec) Unmarshal(data []byte, v interface{}) error {
 func (rawCodec) Name() string { return "proto" }
 
 func main() {
-	if len(os.Args) != 6 {
-		fmt.Fprintln(os.Stderr, "usage: grpc_go_client SOCKET METHOD REQUEST_HEX CALLS CONCURRENCY")
+	if len(os.Args) != 6 && len(os.Args) != 7 {
+		fmt.Fprintln(os.Stderr, "usage: grpc_go_client SOCKET METHOD[,...] REQUEST_HEX|@FILE[,...] CALLS CONCURRENCY [WARMUP]")
 		os.Exit(2)
 	}
-	socket, method := os.Args[1], os.Args[2]
-	hexRequest := os.Args[3]
-	if strings.HasPrefix(hexRequest, "@") {
-		// A request larger than one argument may be (the kernel's 128 KiB), e.g. a
-		// GetPreferredAllocation with 10,000 available IDs: its hex read from the file named.
-		data, err := ioutil.ReadFile(hexRequest[1:])
-		check(err)
-		hexRequest = strings.TrimSpace(string(data))
+	socket, methods := os.Args[1], strings.Split(os.Args[2], ",")
+	hexRequests := strings.Split(os.Args[3], ",")
+	if len(hexRequests) != len(methods) {
+		fmt.Fprintln(os.Stderr, "grpc_go_client: one request per method")
+		os.Exit(2)
 	}
-	request, err := hex.DecodeString(hexRequest)
-	check(err)
+	var requests [][]byte
+	for _, hexRequest := range hexRequests {
+		if strings.HasPrefix(hexRequest, "@") {
+			// A request larger than one argument may be (the kernel's 128 KiB), e.g. a
+			// GetPreferredAllocation with 10,000 available IDs: its hex read from the file named.
+			data, err := ioutil.ReadFile(hexRequest[1:])
+			check(err)
+			hexRequest = strings.TrimSpace(string(data))
+		}
+		request, err := hex.DecodeString(hexRequest)
+		check(err)
+		requests = append(requests, request)
+	}
 	calls, err := strconv.Atoi(os.Args[4])
 	check(err)
 	concurrency, err := strconv.Atoi(os.Args[5])
 	check(err)
+	warmup := 200
+	if len(os.Args) == 7 {
+		warmup, err = strconv.Atoi(os.Args[6])
+		check(err)
+	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -69,10 +86,12 @@ func main() {
 		defer cancel()
 		var response []byte
 		start := time.Now()
-		check(conn.Invoke(ctx, method, &request, &response, grpc.ForceCodec(rawCodec{})))
+		for i, method := range methods {
+			check(conn.Invoke(ctx, method, &requests[i], &response, grpc.ForceCodec(rawCodec{})))
+		}
 		return time.Since(start)
 	}
-	for i := 0; i < 200; i++ { // warm up: connection windows, hpack tables
+	for i := 0; i < warmup; i++ { // warm up: connection windows, hpack tables
 		call()
 	}
 
