@@ -4988,6 +4988,18 @@ async def call_unary(
         if isinstance(error, RpcFailedError):
             raise RPCError(error.status.status_code, error.status.status_message) from None
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from error
+    except BaseExceptionGroup as group:
+        # The caller was cancelled (a stop, the kubelet's directory wiped) while the server hung up:
+        # anyio's task group inside purerpc's socket can raise the cancellation beside what the
+        # hang-up caused (the peer's EndOfStream), as one group that `except Exception` does not
+        # take (seen with trio 0.27-0.30 and anyio 4.5-4.15, the lowest the ranges allow). The
+        # cancellation is what happened: raised alone, it ends at the cancel scope it belongs to,
+        # and the hang-up's error, which no one asked for any more, goes with the connection
+        # instead of crashing the caller's nursery.
+        cancelled, _ = group.split(trio.Cancelled)
+        if cancelled is None:
+            raise
+        raise cancelled from None
 
 
 @asynccontextmanager
