@@ -4461,15 +4461,22 @@ def _grpc_configuration(client_side: bool) -> GRPCConfiguration:
 
 
 class _UnixSocketWrapper(SocketWrapper):
-    """purerpc's socket wrapper without its TCP options, waking its writer only when there is data.
+    """purerpc's socket wrapper without its TCP options, writing from the task that has the bytes.
 
     purerpc sets TCP_KEEPIDLE and TCP_NODELAY on every socket. On AF_UNIX they fail with EOPNOTSUPP,
     and purerpc's stock handler swallows the error: the client just times out. A unix socket needs
     none of them (no Nagle, no keepalive: the kernel knows when the peer is gone).
 
-    The writer task sends what h2 has queued. Stock purerpc wakes it on every flush(), and flush()
-    runs after every read, mostly with nothing to send; each needless wake is one more trip through
-    trio's scheduler, per call. Here flush() takes h2's bytes itself and wakes the writer only for them.
+    Stock purerpc sends through a writer task: every flush() wakes it, and it sends what h2 has
+    queued. Each wake is one more trip through trio's scheduler (a task switch, an epoll_wait),
+    per call. Here flush() takes h2's bytes and, when the writer has nothing in hand, sends them
+    at once from the calling task: a unix socket's send never blocks while its buffer has room,
+    and the socket is non-blocking. The writer is kept for what does not fit (EAGAIN, a partial
+    send: a slow reader) and for errors, which it meets as it always did. Bytes leave in the order
+    they were flushed: nothing is sent here while the writer holds some.
+
+    ``at_once()`` holds back the sends of a few flushes in a row (a unary answer's headers,
+    message and trailers) and sends them together at its end: one send() a call instead of three.
     """
 
     _flush_event: anyio.Event  # set by purerpc's constructor; declared for type checkers
@@ -4479,6 +4486,11 @@ class _UnixSocketWrapper(SocketWrapper):
         self._outgoing = bytearray()
         self._drained = trio.Event()  # set while everything flushed has been written
         self._drained.set()
+        # The socket under anyio's stream (non-blocking, trio made it so); None for another kind of
+        # stream (then the writer task sends everything, as stock purerpc does).
+        self._raw_socket: socket.socket | None = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+        self._writer_idle = False  # the writer waits for a flush, nothing in hand
+        self._holding = False  # inside at_once(): flushes queue, the send comes at its end
 
     @staticmethod
     def _set_socket_options(stream: Any) -> None:
@@ -4490,7 +4502,34 @@ class _UnixSocketWrapper(SocketWrapper):
             self._outgoing += data
             if self._drained.is_set():
                 self._drained = trio.Event()
-            self._flush_event.set()
+            if not self._holding:
+                self._send_now()
+
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Within: flushes only queue their bytes; on the way out, they are sent in one go. Only
+        around code that cannot wait for the peer (nothing it flushes needs the peer to answer
+        first, such as a flow-control window), since nothing held is sent before the end."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            if self._outgoing:
+                self._send_now()
+
+    def _send_now(self) -> None:
+        """Send what is queued from this task if the writer is idle; else (or for what remains) wake it."""
+        if self._writer_idle and self._raw_socket is not None:
+            try:
+                sent = self._raw_socket.send(self._outgoing)
+            except OSError:  # EAGAIN: the buffer is full; or the peer is gone: the writer finds out
+                sent = 0
+            del self._outgoing[:sent]
+            if not self._outgoing:
+                self._drained.set()
+                return
+        self._flush_event.set()
 
     async def drained(self) -> None:
         """Return once everything flushed so far has been written to the socket."""
@@ -4505,7 +4544,11 @@ class _UnixSocketWrapper(SocketWrapper):
                     await self._stream.send(data)
                 elif self._running:
                     self._drained.set()
-                    await self._flush_event.wait()
+                    self._writer_idle = True
+                    try:
+                        await self._flush_event.wait()
+                    finally:
+                        self._writer_idle = False
                     self._flush_event = anyio.Event()
                 else:
                     return
@@ -4728,8 +4771,11 @@ async def _answer_call(
             raise RPCError(StatusCode.INTERNAL, f"cannot parse the request: {error}") from None
         if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
             response = await bound.method_fn(message, request=request)
-            await stream.start_response()
-            await stream.send_message(response)
+            with _at_once_if_it_fits(stream, response):
+                await stream.start_response()
+                await stream.send_message(response)
+                await _close_stream(stream, Status(StatusCode.OK))
+            return
         else:
             await stream.start_response()
             responses = bound.method_fn(message, request=request)
@@ -4746,10 +4792,32 @@ async def _answer_call(
     except Exception as error:
         log.exception("%s/%s failed", request.service_name, request.method_name)
         status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
+    await _close_stream(stream, status)
+
+
+async def _close_stream(stream: GRPCProtoStream, status: Status) -> None:
+    """End a call with its status (the trailers)."""
     try:
         await stream.close(status)
     except Exception as error:  # the peer reset the stream while we were finishing
         log.debug("could not close stream %d: %r", stream.stream_id, error)
+
+
+def _at_once_if_it_fits(stream: GRPCProtoStream, response: Any) -> contextlib.AbstractContextManager[None]:
+    """Within it, a unary answer's headers, message and trailers leave in one send (at_once), if
+    the message fits in what the peer lets us send now (its flow-control window, the stream's and
+    the connection's): otherwise purerpc must send part of it and wait for the peer to open the
+    window, which held-back bytes would never make it do. A gRPC message is 5 bytes of framing
+    and the protobuf."""
+    socket = stream._socket
+    if isinstance(socket, _UnixSocketWrapper):
+        try:
+            window = stream._grpc_connection.flow_control_window(stream.stream_id)
+        except Exception:  # the stream is gone already: the ordinary path says so as before
+            window = 0
+        if 5 + response.ByteSize() <= window:
+            return socket.at_once()
+    return contextlib.nullcontext()
 
 
 @dataclass
