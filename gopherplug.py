@@ -2509,13 +2509,18 @@ def shared_nodes(offered: Iterable[tuple[ResourceConfig, Iterable[DeviceEntry]]]
 
 
 def examine_again(
-    resource: ResourceConfig, device: DeviceEntry, roots: list[str], sysfs_root: str
+    resource: ResourceConfig,
+    device: DeviceEntry,
+    roots: list[str],
+    sysfs_root: str,
+    directories: dict[str, str] | None = None,
 ) -> DeviceEntry | str | None:
     """A device as its files are now: each member examined again at the path it was found at
-    (None: every one is gone; a string: why one may not be used)."""
+    (None: every one is gone; a string: why one may not be used). ``directories``: see
+    examine_path."""
     entries = []
     for member in device.members or (device,):
-        found = examine_path(resource, device.id, member.path, roots, sysfs_root)
+        found = examine_path(resource, device.id, member.path, roots, sysfs_root, directories=directories)
         if isinstance(found, str):
             return found
         if found is not None:
@@ -2523,7 +2528,9 @@ def examine_again(
     return merge_entries(entries) if entries else None
 
 
-def host_path_roots(resource: ResourceConfig, dev_root: str = "/dev") -> list[str]:
+def host_path_roots(
+    resource: ResourceConfig, dev_root: str = "/dev", directories: dict[str, str] | None = None
+) -> list[str]:
     """Where the resource's host paths may lie, symlinks resolved: its directories, what it allows,
     and /dev (``dev_root``) when a directory is in /dev or the devices are USB devices.
 
@@ -2532,11 +2539,12 @@ def host_path_roots(resource: ResourceConfig, dev_root: str = "/dev") -> list[st
     /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
     """
     # Each path resolved once (realpath is an lstat() per component): the directories' resolved
-    # forms serve both as roots and for the /dev test.
-    directories = [os.path.realpath(source.directory) for source in resource.sources]
-    roots = [*directories, *(os.path.realpath(root) for root in resource.allowed_host_paths)]
+    # forms serve as roots, for the /dev test, and (``directories``, filled in here) for the
+    # entries in them, when examine_path resolves their host paths.
+    resolved = [_resolved_directory(source.directory, directories) for source in resource.sources]
+    roots = [*resolved, *(os.path.realpath(root) for root in resource.allowed_host_paths)]
     resolved_dev = os.path.realpath(dev_root)
-    if resource.usb or any(_is_under(directory, [resolved_dev]) for directory in directories):
+    if resource.usb or any(_is_under(directory, [resolved_dev]) for directory in resolved):
         roots.append(resolved_dev)
     return list(dict.fromkeys(roots))
 
@@ -2580,14 +2588,24 @@ def examine_path(
     roots: list[str],
     sysfs_root: str,
     link_status: os.stat_result | None = None,
+    *,
+    directories: dict[str, str] | None = None,
 ) -> DeviceEntry | str | None:
     """The file at ``path`` as the entry ``device_id`` of the resource: its DeviceEntry, why it is
     skipped (a host path outside ``roots``), or None when it is not there. ``link_status``: its
-    lstat(), if the caller has it already."""
+    lstat(), if the caller has it already. ``directories``: directories resolved already, by
+    their path (filled in as more are met), for a caller that examines several entries at one
+    moment (an Allocate): an entry that is no symlink is its directory's resolved path and its
+    name, which is what realpath() finds, one lstat() per component, for each entry anew."""
     try:
         is_link = stat.S_ISLNK((link_status or os.lstat(path)).st_mode)
     except OSError:
         return None  # gone already: it leaves the list
+    target = None
+    if directories is not None and not is_link:
+        head, name = os.path.split(path)
+        if head and name not in ("", ".", ".."):  # (a configured path is absolute and normalized)
+            target = os.path.join(_resolved_directory(head, directories), name)
     unreachable: OSError | None = None
     status: os.stat_result | None = None
     try:
@@ -2606,7 +2624,7 @@ def examine_path(
         # get "DRI_DEVICES=by-path" and no GPU. A directory is where devices are, never one.
         return _directory_entry(path)
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-    specs, mounts = _host_paths(resource, device_id, path, is_node, status)
+    specs, mounts = _host_paths(resource, device_id, path, is_node, status, target)
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
@@ -2625,6 +2643,15 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
+
+
+def _resolved_directory(directory: str, directories: dict[str, str] | None) -> str:
+    """realpath(directory), looked up in ``directories`` or added to it (None: resolved, not kept)."""
+    if directories is None:
+        return os.path.realpath(directory)
+    if (resolved := directories.get(directory)) is None:
+        resolved = directories[directory] = os.path.realpath(directory)
+    return resolved
 
 
 def _directory_entry(path: str) -> str:
@@ -2664,7 +2691,12 @@ def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mo
 
 
 def _host_paths(
-    resource: ResourceConfig, device_id: str, path: str, is_node: bool, status: os.stat_result | None = None
+    resource: ResourceConfig,
+    device_id: str,
+    path: str,
+    is_node: bool,
+    status: os.stat_result | None = None,
+    target: str | None = None,
 ) -> tuple[tuple[DeviceSpecTemplate, ...], tuple[MountTemplate, ...]]:
     """An entry's DeviceSpecs and mounts, host paths filled in and resolved, container paths
     filled in but for {index}, which waits for an allocation. With ``cdi``, each DeviceSpec also
@@ -2680,11 +2712,13 @@ def _host_paths(
     Without device_specs, a device node passes through at its own path. Without mounts, an
     entry that is no device node gets nothing but the env var; in a device of several entries
     (id_pattern), it is mounted read-only at its own path, like a node is passed through.
+    ``target``: the entry's realpath(), if the caller has it.
     """
     default_mount = not resource.mounts and resource.id_pattern is not None and not is_node
     if resource.device_specs is None and not resource.mounts and not is_node and not default_mount:
         return (), ()  # the usual file that is not a node: nothing to fill in (and a scan of 50,000 is quicker)
-    fields = {"id": device_id, "path": path, "name": os.path.basename(path), "target": os.path.realpath(path)}
+    target = target if target is not None else os.path.realpath(path)
+    fields = {"id": device_id, "path": path, "name": os.path.basename(path), "target": target}
     # The filled-in values go into a template again: their braces must stay text.
     literal = {key: value.replace("{", "{{").replace("}", "}}") for key, value in fields.items()}
 
@@ -10113,10 +10147,12 @@ async def _serve_one(
                     def examiner() -> Callable[[DeviceEntry], DeviceEntry | str | None]:
                         # Once per Allocate: the configuration as it is now, its roots resolved
                         # now (a directory may be a symlink re-pointed since the scan), then
-                        # each device asked for examined against them.
+                        # each device asked for examined against them, its directory resolved
+                        # with the roots (directories: for this Allocate only, for that reason).
                         current = served.config.value
-                        roots = host_path_roots(current, dev_root)
-                        return lambda device: examine_again(current, device, roots, sysfs_root)
+                        directories: dict[str, str] = {}
+                        roots = host_path_roots(current, dev_root, directories)
+                        return lambda device: examine_again(current, device, roots, sysfs_root, directories)
 
                     serve = functools.partial(serve_resource, examiner=examiner, config=served.config)
                     await nursery.start(serve, resource, served.devices, kubelet, None, generations)

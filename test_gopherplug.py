@@ -2230,6 +2230,47 @@ def test_a_device_is_examined_again_member_by_member(tmp_path):
     assert gp.examine_again(resource, gpu, roots, "/sys") is None
 
 
+def test_examining_with_directories_resolved_once_finds_what_realpath_finds(tmp_path):
+    # Allocate resolves each directory once and an entry that is no symlink as that and its name:
+    # the same host paths as a realpath() of each entry, through a symlinked directory, a symlinked
+    # entry and a plain one, and a directory re-pointed between two calls is met at the second.
+    for place in ("a", "b", "elsewhere"):
+        (tmp_path / place).mkdir()
+    for name in ("g0", "g1"):
+        (tmp_path / "a" / name).write_text("")
+        (tmp_path / "b" / name).write_text("")
+    (tmp_path / "elsewhere" / "g9").write_text("")
+    os.symlink(tmp_path / "a", tmp_path / "devices")
+    os.symlink(tmp_path / "elsewhere" / "g9", tmp_path / "a" / "g2")
+    resource = config_with(
+        directory=str(tmp_path / "devices"),
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/{name}"}],
+        allowed_host_paths=[str(tmp_path / "elsewhere")],
+    ).resources[0]
+    devices = {device.id: device for device in gp.scan_directory(resource).devices}
+    assert sorted(devices) == ["g0", "g1", "g2"]
+
+    def both_ways():
+        directories: dict[str, str] = {}
+        roots = gp.host_path_roots(resource, directories=directories)
+        once = {i: gp.examine_again(resource, device, roots, "/sys", directories) for i, device in devices.items()}
+        assert directories == {str(tmp_path / "devices"): os.path.realpath(tmp_path / "devices")}
+        each = {
+            i: gp.examine_again(resource, device, gp.host_path_roots(resource), "/sys") for i, device in devices.items()
+        }
+        assert once == each
+        return {i: found and [spec.host_path for spec in found.device_specs] for i, found in once.items()}
+
+    assert both_ways() == {
+        "g0": [str(tmp_path / "a" / "g0")],
+        "g1": [str(tmp_path / "a" / "g1")],
+        "g2": [str(tmp_path / "elsewhere" / "g9")],
+    }
+    os.unlink(tmp_path / "devices")
+    os.symlink(tmp_path / "b", tmp_path / "devices")  # re-pointed: b has g0 and g1, no g2
+    assert both_ways() == {"g0": [str(tmp_path / "b" / "g0")], "g1": [str(tmp_path / "b" / "g1")], "g2": None}
+
+
 def usb_nodes(dev, *names):
     """Device nodes under the fake /dev, as devtmpfs makes them when a USB device is plugged in."""
     for number, name in enumerate(names):
