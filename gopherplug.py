@@ -2509,13 +2509,18 @@ def shared_nodes(offered: Iterable[tuple[ResourceConfig, Iterable[DeviceEntry]]]
 
 
 def examine_again(
-    resource: ResourceConfig, device: DeviceEntry, roots: list[str], sysfs_root: str
+    resource: ResourceConfig,
+    device: DeviceEntry,
+    roots: list[str],
+    sysfs_root: str,
+    directories: dict[str, str] | None = None,
 ) -> DeviceEntry | str | None:
     """A device as its files are now: each member examined again at the path it was found at
-    (None: every one is gone; a string: why one may not be used)."""
+    (None: every one is gone; a string: why one may not be used). ``directories``: see
+    examine_path."""
     entries = []
     for member in device.members or (device,):
-        found = examine_path(resource, device.id, member.path, roots, sysfs_root)
+        found = examine_path(resource, device.id, member.path, roots, sysfs_root, directories=directories)
         if isinstance(found, str):
             return found
         if found is not None:
@@ -2523,7 +2528,9 @@ def examine_again(
     return merge_entries(entries) if entries else None
 
 
-def host_path_roots(resource: ResourceConfig, dev_root: str = "/dev") -> list[str]:
+def host_path_roots(
+    resource: ResourceConfig, dev_root: str = "/dev", directories: dict[str, str] | None = None
+) -> list[str]:
     """Where the resource's host paths may lie, symlinks resolved: its directories, what it allows,
     and /dev (``dev_root``) when a directory is in /dev or the devices are USB devices.
 
@@ -2532,11 +2539,12 @@ def host_path_roots(resource: ResourceConfig, dev_root: str = "/dev") -> list[st
     /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
     """
     # Each path resolved once (realpath is an lstat() per component): the directories' resolved
-    # forms serve both as roots and for the /dev test.
-    directories = [os.path.realpath(source.directory) for source in resource.sources]
-    roots = [*directories, *(os.path.realpath(root) for root in resource.allowed_host_paths)]
+    # forms serve as roots, for the /dev test, and (``directories``, filled in here) for the
+    # entries in them, when examine_path resolves their host paths.
+    resolved = [_resolved_directory(source.directory, directories) for source in resource.sources]
+    roots = [*resolved, *(os.path.realpath(root) for root in resource.allowed_host_paths)]
     resolved_dev = os.path.realpath(dev_root)
-    if resource.usb or any(_is_under(directory, [resolved_dev]) for directory in directories):
+    if resource.usb or any(_is_under(directory, [resolved_dev]) for directory in resolved):
         roots.append(resolved_dev)
     return list(dict.fromkeys(roots))
 
@@ -2580,14 +2588,24 @@ def examine_path(
     roots: list[str],
     sysfs_root: str,
     link_status: os.stat_result | None = None,
+    *,
+    directories: dict[str, str] | None = None,
 ) -> DeviceEntry | str | None:
     """The file at ``path`` as the entry ``device_id`` of the resource: its DeviceEntry, why it is
     skipped (a host path outside ``roots``), or None when it is not there. ``link_status``: its
-    lstat(), if the caller has it already."""
+    lstat(), if the caller has it already. ``directories``: directories resolved already, by
+    their path (filled in as more are met), for a caller that examines several entries at one
+    moment (an Allocate): an entry that is no symlink is its directory's resolved path and its
+    name, which is what realpath() finds, one lstat() per component, for each entry anew."""
     try:
         is_link = stat.S_ISLNK((link_status or os.lstat(path)).st_mode)
     except OSError:
         return None  # gone already: it leaves the list
+    target = None
+    if directories is not None and not is_link:
+        head, name = os.path.split(path)
+        if head and name not in ("", ".", ".."):  # (a configured path is absolute and normalized)
+            target = os.path.join(_resolved_directory(head, directories), name)
     unreachable: OSError | None = None
     status: os.stat_result | None = None
     try:
@@ -2606,7 +2624,7 @@ def examine_path(
         # get "DRI_DEVICES=by-path" and no GPU. A directory is where devices are, never one.
         return _directory_entry(path)
     is_node = stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-    specs, mounts = _host_paths(resource, device_id, path, is_node, status)
+    specs, mounts = _host_paths(resource, device_id, path, is_node, status, target)
     outside = [p for p in [*(s.host_path for s in specs), *(m.host_path for m in mounts)] if not _is_under(p, roots)]
     if outside:
         return f"host path {outside[0]} is outside {', '.join(roots)}: add its directory to allowed_host_paths"
@@ -2625,6 +2643,15 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
+
+
+def _resolved_directory(directory: str, directories: dict[str, str] | None) -> str:
+    """realpath(directory), looked up in ``directories`` or added to it (None: resolved, not kept)."""
+    if directories is None:
+        return os.path.realpath(directory)
+    if (resolved := directories.get(directory)) is None:
+        resolved = directories[directory] = os.path.realpath(directory)
+    return resolved
 
 
 def _directory_entry(path: str) -> str:
@@ -2664,7 +2691,12 @@ def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mo
 
 
 def _host_paths(
-    resource: ResourceConfig, device_id: str, path: str, is_node: bool, status: os.stat_result | None = None
+    resource: ResourceConfig,
+    device_id: str,
+    path: str,
+    is_node: bool,
+    status: os.stat_result | None = None,
+    target: str | None = None,
 ) -> tuple[tuple[DeviceSpecTemplate, ...], tuple[MountTemplate, ...]]:
     """An entry's DeviceSpecs and mounts, host paths filled in and resolved, container paths
     filled in but for {index}, which waits for an allocation. With ``cdi``, each DeviceSpec also
@@ -2680,11 +2712,13 @@ def _host_paths(
     Without device_specs, a device node passes through at its own path. Without mounts, an
     entry that is no device node gets nothing but the env var; in a device of several entries
     (id_pattern), it is mounted read-only at its own path, like a node is passed through.
+    ``target``: the entry's realpath(), if the caller has it.
     """
     default_mount = not resource.mounts and resource.id_pattern is not None and not is_node
     if resource.device_specs is None and not resource.mounts and not is_node and not default_mount:
         return (), ()  # the usual file that is not a node: nothing to fill in (and a scan of 50,000 is quicker)
-    fields = {"id": device_id, "path": path, "name": os.path.basename(path), "target": os.path.realpath(path)}
+    target = target if target is not None else os.path.realpath(path)
+    fields = {"id": device_id, "path": path, "name": os.path.basename(path), "target": target}
     # The filled-in values go into a template again: their braces must stay text.
     literal = {key: value.replace("{", "{{").replace("}", "}}") for key, value in fields.items()}
 
@@ -4461,15 +4495,22 @@ def _grpc_configuration(client_side: bool) -> GRPCConfiguration:
 
 
 class _UnixSocketWrapper(SocketWrapper):
-    """purerpc's socket wrapper without its TCP options, waking its writer only when there is data.
+    """purerpc's socket wrapper without its TCP options, writing from the task that has the bytes.
 
     purerpc sets TCP_KEEPIDLE and TCP_NODELAY on every socket. On AF_UNIX they fail with EOPNOTSUPP,
     and purerpc's stock handler swallows the error: the client just times out. A unix socket needs
     none of them (no Nagle, no keepalive: the kernel knows when the peer is gone).
 
-    The writer task sends what h2 has queued. Stock purerpc wakes it on every flush(), and flush()
-    runs after every read, mostly with nothing to send; each needless wake is one more trip through
-    trio's scheduler, per call. Here flush() takes h2's bytes itself and wakes the writer only for them.
+    Stock purerpc sends through a writer task: every flush() wakes it, and it sends what h2 has
+    queued. Each wake is one more trip through trio's scheduler (a task switch, an epoll_wait),
+    per call. Here flush() takes h2's bytes and, when the writer has nothing in hand, sends them
+    at once from the calling task: a unix socket's send never blocks while its buffer has room,
+    and the socket is non-blocking. The writer is kept for what does not fit (EAGAIN, a partial
+    send: a slow reader) and for errors, which it meets as it always did. Bytes leave in the order
+    they were flushed: nothing is sent here while the writer holds some.
+
+    ``at_once()`` holds back the sends of a few flushes in a row (a unary answer's headers,
+    message and trailers) and sends them together at its end: one send() a call instead of three.
     """
 
     _flush_event: anyio.Event  # set by purerpc's constructor; declared for type checkers
@@ -4479,6 +4520,11 @@ class _UnixSocketWrapper(SocketWrapper):
         self._outgoing = bytearray()
         self._drained = trio.Event()  # set while everything flushed has been written
         self._drained.set()
+        # The socket under anyio's stream (non-blocking, trio made it so); None for another kind of
+        # stream (then the writer task sends everything, as stock purerpc does).
+        self._raw_socket: socket.socket | None = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+        self._writer_idle = False  # the writer waits for a flush, nothing in hand
+        self._holding = False  # inside at_once(): flushes queue, the send comes at its end
 
     @staticmethod
     def _set_socket_options(stream: Any) -> None:
@@ -4490,7 +4536,61 @@ class _UnixSocketWrapper(SocketWrapper):
             self._outgoing += data
             if self._drained.is_set():
                 self._drained = trio.Event()
-            self._flush_event.set()
+            if not self._holding:
+                self._send_now()
+
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Within: flushes only queue their bytes; on the way out, they are sent in one go. Only
+        around code that cannot wait for the peer (nothing it flushes needs the peer to answer
+        first, such as a flow-control window), since nothing held is sent before the end."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            if self._outgoing:
+                self._send_now()
+
+    def _send_now(self) -> None:
+        """Send what is queued from this task if the writer is idle; else (or for what remains) wake it."""
+        if self._writer_idle and self._raw_socket is not None:
+            try:
+                sent = self._raw_socket.send(self._outgoing)
+            except OSError:  # EAGAIN: the buffer is full; or the peer is gone: the writer finds out
+                sent = 0
+            del self._outgoing[:sent]
+            if not self._outgoing:
+                self._drained.set()
+                return
+        self._flush_event.set()
+
+    async def recv(self, buffer_size: int) -> bytes:
+        """The next bytes from the peer: wait until the socket is readable, then read once.
+
+        anyio's receive (trio's recv underneath) tries the read first, and trio then yields to
+        its scheduler after a read that succeeded, for fairness. After a call's request, the next
+        read finds nothing (EAGAIN, an exception raised and caught) and waits; the successful read
+        before it cost a pass through the scheduler of its own. Waiting first costs one pass per
+        read, the same as a read that finds data waiting; reading after it, nothing more. The
+        errors are anyio's, as its receive raises them."""
+        raw = self._raw_socket
+        if raw is None:
+            received: bytes = await super().recv(buffer_size)
+            return received
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(raw)  # a checkpoint: cancellation as ever
+                data = raw.recv(buffer_size)
+            except BlockingIOError:
+                continue  # readable, and yet nothing (another reader, a spurious wake): wait again
+            except trio.ClosedResourceError:  # closed by another task while we waited
+                raise anyio.ClosedResourceError from None
+            except OSError as error:  # ECONNRESET and the like; EBADF: closed under us
+                raise anyio.BrokenResourceError from error
+            if not data:
+                raise anyio.EndOfStream
+            return data
 
     async def drained(self) -> None:
         """Return once everything flushed so far has been written to the socket."""
@@ -4505,7 +4605,11 @@ class _UnixSocketWrapper(SocketWrapper):
                     await self._stream.send(data)
                 elif self._running:
                     self._drained.set()
-                    await self._flush_event.wait()
+                    self._writer_idle = True
+                    try:
+                        await self._flush_event.wait()
+                    finally:
+                        self._writer_idle = False
                     self._flush_event = anyio.Event()
                 else:
                     return
@@ -4728,8 +4832,11 @@ async def _answer_call(
             raise RPCError(StatusCode.INTERNAL, f"cannot parse the request: {error}") from None
         if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
             response = await bound.method_fn(message, request=request)
-            await stream.start_response()
-            await stream.send_message(response)
+            with _at_once_if_it_fits(stream, response):
+                await stream.start_response()
+                await stream.send_message(response)
+                await _close_stream(stream, Status(StatusCode.OK))
+            return
         else:
             await stream.start_response()
             responses = bound.method_fn(message, request=request)
@@ -4746,10 +4853,32 @@ async def _answer_call(
     except Exception as error:
         log.exception("%s/%s failed", request.service_name, request.method_name)
         status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
+    await _close_stream(stream, status)
+
+
+async def _close_stream(stream: GRPCProtoStream, status: Status) -> None:
+    """End a call with its status (the trailers)."""
     try:
         await stream.close(status)
     except Exception as error:  # the peer reset the stream while we were finishing
         log.debug("could not close stream %d: %r", stream.stream_id, error)
+
+
+def _at_once_if_it_fits(stream: GRPCProtoStream, response: Any) -> contextlib.AbstractContextManager[None]:
+    """Within it, a unary answer's headers, message and trailers leave in one send (at_once), if
+    the message fits in what the peer lets us send now (its flow-control window, the stream's and
+    the connection's): otherwise purerpc must send part of it and wait for the peer to open the
+    window, which held-back bytes would never make it do. A gRPC message is 5 bytes of framing
+    and the protobuf."""
+    socket = stream._socket
+    if isinstance(socket, _UnixSocketWrapper):
+        try:
+            window = stream._grpc_connection.flow_control_window(stream.stream_id)
+        except Exception:  # the stream is gone already: the ordinary path says so as before
+            window = 0
+        if 5 + response.ByteSize() <= window:
+            return socket.at_once()
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -10030,10 +10159,12 @@ async def _serve_one(
                     def examiner() -> Callable[[DeviceEntry], DeviceEntry | str | None]:
                         # Once per Allocate: the configuration as it is now, its roots resolved
                         # now (a directory may be a symlink re-pointed since the scan), then
-                        # each device asked for examined against them.
+                        # each device asked for examined against them, its directory resolved
+                        # with the roots (directories: for this Allocate only, for that reason).
                         current = served.config.value
-                        roots = host_path_roots(current, dev_root)
-                        return lambda device: examine_again(current, device, roots, sysfs_root)
+                        directories: dict[str, str] = {}
+                        roots = host_path_roots(current, dev_root, directories)
+                        return lambda device: examine_again(current, device, roots, sysfs_root, directories)
 
                     serve = functools.partial(serve_resource, examiner=examiner, config=served.config)
                     await nursery.start(serve, resource, served.devices, kubelet, None, generations)

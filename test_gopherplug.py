@@ -267,6 +267,68 @@ async def test_grpcio_unary_calls(pb2, served, grpcio_client):
         assert dict(response.container_responses[0].envs) == {"IDS": "a,b"}
 
 
+async def test_a_unary_answer_larger_than_the_peers_window_arrives_whole(served):
+    # A unary answer leaves in one send when it fits in what the peer lets us send. One larger
+    # must go out in parts, each after the peer's WINDOW_UPDATE: held back to be sent at once, it
+    # would never make the peer send one. The peer here: h2 as a client, opening 4 KiB per stream.
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.settings
+
+    server, _ = served
+    ids = [f"device-{i:05}" for i in range(2_000)]  # an answer of about 24 KB
+    request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=ids)])
+    body = request.SerializeToString()
+    body = b"\0" + len(body).to_bytes(4, "big") + body  # gRPC's framing: not compressed, length
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4096})
+    with trio.fail_after(TIMEOUT), trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        await sock.connect(server.socket_path)
+        for stream_id in (1, 3):  # and the connection goes on after it
+            client.send_headers(
+                stream_id,
+                [
+                    (":method", "POST"),
+                    (":scheme", "http"),
+                    (":path", "/v1beta1.DevicePlugin/Allocate"),
+                    (":authority", "localhost"),
+                    ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                ],
+            )
+            for at in range(0, len(body), 16384):  # the frame size the server allows
+                client.send_data(stream_id, body[at : at + 16384], end_stream=at + 16384 >= len(body))
+            await _send_all(sock, client.data_to_send())
+            answer, trailers, ended = b"", {}, False
+            while not ended:
+                data = await sock.recv(65536)
+                assert data, "the server hung up"
+                for event in client.receive_data(data):
+                    if isinstance(event, h2.events.DataReceived):
+                        answer += event.data
+                        client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    elif isinstance(event, h2.events.TrailersReceived):
+                        trailers = {_text(k): _text(v) for k, v in event.headers}
+                    elif isinstance(event, h2.events.StreamEnded):
+                        ended = True
+                await _send_all(sock, client.data_to_send())
+            assert trailers["grpc-status"] == "0"
+            assert int.from_bytes(answer[1:5], "big") == len(answer) - 5
+            response = v1beta1.AllocateResponse.FromString(answer[5:])
+            assert response.container_responses[0].envs["IDS"] == ",".join(ids)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def _send_all(sock, data: bytes) -> None:
+    while data:
+        data = data[await sock.send(data) :]
+
+
 async def test_handler_rpc_error_becomes_the_status(pb2, served, grpcio_client):
     with trio.fail_after(TIMEOUT):
         with pytest.raises(grpc.RpcError) as info:
@@ -2228,6 +2290,47 @@ def test_a_device_is_examined_again_member_by_member(tmp_path):
     for name in os.listdir(by_path):
         os.unlink(f"{by_path}/{name}")
     assert gp.examine_again(resource, gpu, roots, "/sys") is None
+
+
+def test_examining_with_directories_resolved_once_finds_what_realpath_finds(tmp_path):
+    # Allocate resolves each directory once and an entry that is no symlink as that and its name:
+    # the same host paths as a realpath() of each entry, through a symlinked directory, a symlinked
+    # entry and a plain one, and a directory re-pointed between two calls is met at the second.
+    for place in ("a", "b", "elsewhere"):
+        (tmp_path / place).mkdir()
+    for name in ("g0", "g1"):
+        (tmp_path / "a" / name).write_text("")
+        (tmp_path / "b" / name).write_text("")
+    (tmp_path / "elsewhere" / "g9").write_text("")
+    os.symlink(tmp_path / "a", tmp_path / "devices")
+    os.symlink(tmp_path / "elsewhere" / "g9", tmp_path / "a" / "g2")
+    resource = config_with(
+        directory=str(tmp_path / "devices"),
+        device_specs=[{"host_path": "{path}", "container_path": "/dev/{name}"}],
+        allowed_host_paths=[str(tmp_path / "elsewhere")],
+    ).resources[0]
+    devices = {device.id: device for device in gp.scan_directory(resource).devices}
+    assert sorted(devices) == ["g0", "g1", "g2"]
+
+    def both_ways():
+        directories: dict[str, str] = {}
+        roots = gp.host_path_roots(resource, directories=directories)
+        once = {i: gp.examine_again(resource, device, roots, "/sys", directories) for i, device in devices.items()}
+        assert directories == {str(tmp_path / "devices"): os.path.realpath(tmp_path / "devices")}
+        each = {
+            i: gp.examine_again(resource, device, gp.host_path_roots(resource), "/sys") for i, device in devices.items()
+        }
+        assert once == each
+        return {i: found and [spec.host_path for spec in found.device_specs] for i, found in once.items()}
+
+    assert both_ways() == {
+        "g0": [str(tmp_path / "a" / "g0")],
+        "g1": [str(tmp_path / "a" / "g1")],
+        "g2": [str(tmp_path / "elsewhere" / "g9")],
+    }
+    os.unlink(tmp_path / "devices")
+    os.symlink(tmp_path / "b", tmp_path / "devices")  # re-pointed: b has g0 and g1, no g2
+    assert both_ways() == {"g0": [str(tmp_path / "b" / "g0")], "g1": [str(tmp_path / "b" / "g1")], "g2": None}
 
 
 def usb_nodes(dev, *names):
