@@ -5121,7 +5121,7 @@ async def call_unary(
         # The caller was cancelled (a stop, the kubelet's directory wiped) while the server hung up:
         # anyio's task group inside purerpc's socket can raise the cancellation beside what the
         # hang-up caused (the peer's EndOfStream), as one group that `except Exception` does not
-        # take (seen with trio 0.27-0.30 and anyio 4.5-4.15, the lowest the ranges allow). The
+        # take (seen with trio 0.27-0.30 and anyio 4.5-4.15, below the floors). The
         # cancellation is what happened: raised alone, it ends at the cancel scope it belongs to,
         # and the hang-up's error, which no one asked for any more, goes with the connection
         # instead of crashing the caller's nursery.
