@@ -2,7 +2,16 @@
 module, the work. Run by hand, not by CI:
 
     .venv/bin/python bench/bench_floor.py [--runs 11] [--devices 8] [--idle 2] [--python PYTHON]
-        [--no-layers] [REV ...]        # default revisions: the work tree only ("tree")
+        [--root DIR] [--no-layers] [REV ...]        # default revisions: the work tree only ("tree")
+
+The image itself (as root): unpack the dra image's one layer (it has the dra extra, for --dra)
+from the archive `.ci/images OUT` writes, mount /proc, /dev and /tmp in it, and give its
+interpreter, which each process then runs inside the image's files through chroot(2):
+
+    mkdir -p root/proc root/dev root/tmp && tar -xOf OUT/dra.tar "$(tar -xOf OUT/dra.tar manifest.json |
+      python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Layers"][0])')" | tar -C root -xf -
+    mount -t proc proc root/proc && mount --bind /dev root/dev && mount --bind /tmp root/tmp
+    .venv/bin/python bench/bench_floor.py --root root --python /usr/bin/python3.11 --dra tree
 
 Every figure is a fresh process of ``--python`` (default: this one; the image's is Debian
 bookworm's python3.11), run ``--runs`` times, the rows taking turns run by run so that a machine's
@@ -45,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
@@ -94,6 +104,19 @@ CONSOLE_SCRIPT = (  # what pip writes for [project.scripts] gopherplug = "gopher
 )
 
 
+#: --root: the image's root filesystem the interpreter runs in (None: this machine's).
+IMAGE_ROOT: str | None = None
+
+
+def in_root() -> dict[str, Any]:
+    """Popen's arguments that start the interpreter inside IMAGE_ROOT: chroot(2) in the child,
+    after Popen's chdir to ``cwd`` (so the working directory stays, reached through the /tmp
+    mounted into the root) and before the exec, which then finds --python in the image. Nothing
+    runs between them: the time is the image's interpreter's own."""
+    root = IMAGE_ROOT
+    return {} if root is None else {"preexec_fn": lambda: os.chroot(root)}
+
+
 def environment(bytecode: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
     if not bytecode:
@@ -105,7 +128,12 @@ def probe(python: str, options: list[str], code: str, cwd: Path | None = None) -
     """(ms from the fork to the report, VmRSS MiB, VmHWM MiB) of `python [options] -c code`."""
     start = time.perf_counter()
     process = subprocess.Popen(
-        [python, *options, "-c", code + REPORT], cwd=cwd, env=environment(True), stdout=subprocess.PIPE, text=True
+        [python, *options, "-c", code + REPORT],
+        cwd=cwd,
+        env=environment(True),
+        stdout=subprocess.PIPE,
+        text=True,
+        **in_root(),
     )
     line = process.stdout.readline()
     took = time.perf_counter() - start
@@ -130,7 +158,7 @@ def place_revision(rev: str, directory: Path, python: str) -> Path:
     bare.mkdir()
     shutil.copy2(module, bare / "gopherplug.py")
     # Compiled by the interpreter measured, where it caches it: `python -m gopherplug` finds it there.
-    subprocess.run([python, "-c", f"import py_compile; py_compile.compile({str(module)!r})"], check=True)
+    subprocess.run([python, "-c", f"import py_compile; py_compile.compile({str(module)!r})"], check=True, **in_root())
     return directory
 
 
@@ -157,7 +185,7 @@ def serve(python: str, directory: Path, mode: str, devices: int, idle: float) ->
         }[mode]
         argv = [python, *start, "serve", "--config", str(config), "--log-level", "warning"]
         began = time.perf_counter()
-        plugin = subprocess.Popen(argv, cwd=directory, env=environment("no bytecode" not in mode))
+        plugin = subprocess.Popen(argv, cwd=directory, env=environment("no bytecode" not in mode), **in_root())
         listed = kubelet.wait_for(lambda ids: len(ids) == devices, timeout=60)
         time.sleep(idle)
         status = dict(line.split(":", 1) for line in Path(f"/proc/{plugin.pid}/status").read_text().splitlines())
@@ -184,8 +212,15 @@ def main() -> None:
     parser.add_argument("--no-layers", action="store_true", help="only the module and serve rows")
     parser.add_argument("--modes", default=";".join(MODES), help="serve's start modes, separated by ; (none: '')")
     parser.add_argument("--dra", action="store_true", help="rows for the DRA driver's API client (the dra extra)")
+    parser.add_argument(
+        "--root",
+        help="run --python inside this root filesystem (an image's; /proc, /dev and /tmp mounted in it), as root",
+    )
     args = parser.parse_args()
-    version = subprocess.run([args.python, "-VV"], capture_output=True, text=True, check=True).stdout.split("\n")[0]
+    global IMAGE_ROOT
+    IMAGE_ROOT = args.root
+    version = subprocess.run([args.python, "-VV"], capture_output=True, text=True, check=True, **in_root())
+    version = version.stdout.split("\n")[0]
     print(f"{args.python}: {version}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}", flush=True)
     rows: dict[str, list[tuple[float, float, float]]] = {}
     jobs = []
