@@ -6985,15 +6985,25 @@ def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@contextlib.asynccontextmanager
+async def reaped(argv, **kwargs):
+    """trio.lowlevel.open_process(argv, **kwargs), killed at the end if it still runs: a test that
+    fails midway leaves no plugin behind holding the node's sockets."""
+    process = await trio.lowlevel.open_process(argv, **kwargs)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path, signum):
     path = write_config(node, tmp_path)
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)],
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    argv = [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)]
+    async with reaped(argv, stderr=subprocess.DEVNULL) as process:
         with trio.fail_after(TIMEOUT):
             await simulator.wait_until(listed("g1", "g2"))
             assert len(node.our_sockets()) == 1
@@ -7002,10 +7012,6 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
             assert await process.wait() == 0
             elapsed = trio.current_time() - sent
             await simulator.wait_until(lambda s: devices_of(s) is None)  # the kubelet saw the stream end
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert node.our_sockets() == []
     assert elapsed < 5, "generous bound; the README gives the measured figure"
 
@@ -7018,11 +7024,9 @@ async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, n
     os.mkdir(tmp_path / "elsewhere")
     os.link(path, tmp_path / "elsewhere" / "same.yaml")
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)], stderr=subprocess.PIPE
-    )
-    stderr = StderrLines(process.stderr)
-    try:
+    argv = [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)]
+    async with reaped(argv, stderr=subprocess.PIPE) as process:
+        stderr = StderrLines(process.stderr)
         with trio.fail_after(TIMEOUT):
             await simulator.wait_until(listed("g1", "g2"))
             with open(tmp_path / "elsewhere" / "same.yaml", "r+") as same:  # in place: the same inode
@@ -7039,10 +7043,6 @@ async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, n
             await stderr.wait_for(f"INFO {path} unchanged")
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert node.our_sockets() == []
 
 
@@ -7053,13 +7053,9 @@ async def test_serve_with_a_metrics_address_reloads_nothing_at_start(nursery, no
     path = write_config(node, tmp_path)
     env = {**os.environ, "GOPHERPLUG_METRICS_ADDRESS": "127.0.0.1:0"} if not given else None
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path), *given],
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    stderr = StderrLines(process.stderr)
-    try:
+    argv = [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path), *given]
+    async with reaped(argv, stderr=subprocess.PIPE, env=env) as process:
+        stderr = StderrLines(process.stderr)
         with trio.fail_after(TIMEOUT):
             await simulator.wait_until(listed("g1", "g2"))
             await stderr.wait_for("serving Prometheus metrics on http://127.0.0.1:")
@@ -7067,10 +7063,6 @@ async def test_serve_with_a_metrics_address_reloads_nothing_at_start(nursery, no
             await stderr.wait_for(f"INFO {path} unchanged")
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert "configuration reloaded" not in stderr.text
 
 
