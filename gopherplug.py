@@ -224,6 +224,7 @@ from typing import Any, NoReturn, Protocol
 
 import anyio
 import h2.events
+import h2.exceptions
 import h2.frame_buffer
 import trio
 import yaml
@@ -4695,6 +4696,41 @@ def _close_event_queues(stream: GRPCProtoStream) -> None:
         end.close()
 
 
+class _ImmediateService(purerpc.Service):
+    """A purerpc service that can also hold *immediate* unary methods: handlers that never wait.
+
+    Most of what the kubelet asks a device plugin is answered from what the plugin already knows:
+    Allocate (the devices' paths, looked at again), GetPreferredAllocation, GetDevicePluginOptions.
+    A call answered in its own task, through purerpc's per-call stream object, costs a task, a
+    cancel scope, two memory streams and an event before its handler runs a line: over half of
+    the work of a whole Allocate. An immediate method's handler is a plain function, run by the
+    connection's reader at once when the request is complete, its answer handed to h2 directly
+    (_ServerConnection._answer_now). It must not wait for anything (it cannot: it is no
+    coroutine), which is also why it is safe to run there: no other call can be held up behind it
+    longer than its own computing takes, as with any handler on the one event loop.
+
+    To any other server (stock purerpc's), an immediate method is an ordinary async one.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        #: The immediate handlers, by method name: (handler, request type).
+        self.immediate: dict[str, tuple[Callable[[Any], Any], Any]] = {}
+
+    def add_immediate_method(
+        self, method_name: str, handler: Callable[[Any], Any], signature: purerpc.RPCSignature
+    ) -> None:
+        """Add a unary method answered by ``handler(request) -> response``, which never waits."""
+        if signature.cardinality != purerpc.Cardinality.UNARY_UNARY:
+            raise ValueError(f"{self.name}/{method_name}: only a unary method can be immediate")
+
+        async def method(request: Any) -> Any:
+            return handler(request)
+
+        self.add_method(method_name, method, signature)
+        self.immediate[method_name] = (handler, signature.request_type)
+
+
 class _ServerConnection(_GRPCSocket):
     """One accepted connection: reads frames, runs each call in its own task and cancel scope.
 
@@ -4725,6 +4761,12 @@ class _ServerConnection(_GRPCSocket):
         self.calls: dict[int, trio.CancelScope] = {}
         #: Requests still arriving: their headers and the messages so far, by HTTP/2 stream id.
         self._requests: dict[int, tuple[RequestReceived, list[bytes]]] = {}
+        #: The immediate methods (_ImmediateService) by (service, method) name, answered by _answer_now.
+        self._immediate = {
+            (service_name, method_name): answer
+            for service_name, service in services.items()
+            for method_name, answer in getattr(service, "immediate", {}).items()
+        }
 
     @property
     def open_streams(self) -> int:
@@ -4779,7 +4821,8 @@ class _ServerConnection(_GRPCSocket):
                 self._requests.pop(event.stream_id, None)
                 reset.append(event.stream_id)
             elif isinstance(event, RequestReceived):
-                self._allocate_stream(event.stream_id)
+                if (event.service_name, event.method_name) not in self._immediate:
+                    self._allocate_stream(event.stream_id)  # answered by _answer_now: none needed
                 self._requests[event.stream_id] = (event, [])
             elif isinstance(event, MessageReceived):
                 # Give the bytes back to the peer's flow-control window (sent by the next flush),
@@ -4789,29 +4832,107 @@ class _ServerConnection(_GRPCSocket):
                     request[1].append(event.data)  # two already make it wrong: keep no more
             elif isinstance(event, RequestEnded):
                 request = self._requests.pop(event.stream_id, None)
-                stream = self._streams.get(event.stream_id)
-                if request is not None and stream is not None:  # else: a late frame of a reset call
-                    stream._close_remote()
-                    scope = self.calls[event.stream_id] = trio.CancelScope()
-                    nursery.start_soon(self._run_call, stream, scope, *request)
+                if request is None:
+                    continue  # a late frame of a reset call
+                answer = self._immediate.get((request[0].service_name, request[0].method_name))
+                if answer is not None:
+                    self._answer_now(answer, *request, nursery)
+                elif (stream := self._streams.get(event.stream_id)) is not None:
+                    self._start_call(stream, request[0], request[1], nursery)
         return reset
 
+    def _start_call(
+        self,
+        stream: GRPCProtoStream,
+        request: RequestReceived,
+        messages: list[bytes],
+        nursery: trio.Nursery,
+        response: Any = None,
+    ) -> None:
+        stream._close_remote()
+        scope = self.calls[stream.stream_id] = trio.CancelScope()
+        nursery.start_soon(self._run_call, stream, scope, request, messages, response)
+
     async def _run_call(
-        self, stream: GRPCProtoStream, scope: trio.CancelScope, request: RequestReceived, messages: list[bytes]
+        self,
+        stream: GRPCProtoStream,
+        scope: trio.CancelScope,
+        request: RequestReceived,
+        messages: list[bytes],
+        response: Any = None,
     ) -> None:
         try:
             with scope:
-                await _answer_call(self._services, stream, request, messages)
+                await _answer_call(self._services, stream, request, messages, response)
         finally:
             del self.calls[stream.stream_id]
             _close_event_queues(stream)
             self._on_call_end()
 
+    def _answer_now(
+        self,
+        answer: tuple[Callable[[Any], Any], Any],
+        request: RequestReceived,
+        messages: list[bytes],
+        nursery: trio.Nursery,
+    ) -> None:
+        """Answer a call to an immediate method (_ImmediateService) here, in the reader's task, its
+        response handed to h2 as HEADERS, DATA and trailing HEADERS: serve() sends them with the
+        rest of the batch's bytes, in one write. What the handler returns and raises becomes the same frames a
+        call in its own task would send (_answer_call), and is logged the same way."""
+        handler, request_type = answer
+        stream_id = request.stream_id
+        connection = self._grpc_connection
+        try:
+            response = handler(_request_message(request_type, messages))
+        except RPCError as error:
+            status = Status(error.code, error.message)
+        except Exception as error:
+            log.exception("%s/%s failed", request.service_name, request.method_name)
+            status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
+        else:
+            message = response.SerializeToString()
+            if 5 + len(message) > connection.flow_control_window(stream_id):
+                # More than the peer lets us send now (its window, or one frame): purerpc's stream
+                # sends it as the window opens, which takes a task that can wait.
+                self._start_call(self._allocate_stream(stream_id), request, messages, nursery, response)
+                return
+            status = Status(StatusCode.OK)
+            try:
+                # A gRPC message: no compression (0), its length (4 bytes, big-endian), the protobuf.
+                connection.start_response(stream_id, "+proto")
+                connection.send_data(stream_id, b"\0" + len(message).to_bytes(4, "big") + message)
+                connection.end_response(stream_id, status)
+            except h2.exceptions.ProtocolError as error:  # reset by the peer in this very batch
+                log.debug("could not answer stream %d: %r", stream_id, error)
+            return
+        # A status alone, as purerpc's close() sends it for a call that sent no message.
+        try:
+            connection.respond_status(stream_id, status)
+        except h2.exceptions.ProtocolError as error:
+            log.debug("could not close stream %d: %r", stream_id, error)
+
+
+def _request_message(request_type: Any, messages: list[bytes]) -> Any:
+    """The one request message of a call (every method here takes exactly one), parsed."""
+    if len(messages) != 1:  # grpc-go answers INTERNAL too
+        got = "none" if not messages else "more than one"
+        raise RPCError(StatusCode.INTERNAL, f"expected one request message, got {got}")
+    try:
+        return request_type.FromString(messages[0])
+    except DecodeError as error:
+        raise RPCError(StatusCode.INTERNAL, f"cannot parse the request: {error}") from None
+
 
 async def _answer_call(
-    services: Mapping[str, purerpc.Service], stream: GRPCProtoStream, request: RequestReceived, messages: list[bytes]
+    services: Mapping[str, purerpc.Service],
+    stream: GRPCProtoStream,
+    request: RequestReceived,
+    messages: list[bytes],
+    response: Any = None,
 ) -> None:
-    """Run one call: find its handler, feed it the request, send what it returns, close with a status."""
+    """Run one call: find its handler, feed it the request, send what it returns, close with a status.
+    ``response``: a unary call's response already made (_answer_now's, too big to send at once)."""
     service = services.get(request.service_name)
     bound = service.methods.get(request.method_name) if service is not None else None
     if bound is None or bound.signature.cardinality not in (
@@ -4823,15 +4944,11 @@ async def _answer_call(
         )
         return
     try:
-        if len(messages) != 1:  # grpc-go answers INTERNAL too
-            got = "none" if not messages else "more than one"
-            raise RPCError(StatusCode.INTERNAL, f"expected one request message, got {got}")
-        try:
-            message = bound.signature.request_type.FromString(messages[0])
-        except DecodeError as error:
-            raise RPCError(StatusCode.INTERNAL, f"cannot parse the request: {error}") from None
+        if response is None:
+            message = _request_message(bound.signature.request_type, messages)
         if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
-            response = await bound.method_fn(message, request=request)
+            if response is None:
+                response = await bound.method_fn(message, request=request)
             with _at_once_if_it_fits(stream, response):
                 await stream.start_response()
                 await stream.send_message(response)
@@ -6887,7 +7004,7 @@ def device_plugin_service(
     def now() -> ResourceConfig:
         return resource if config is None else config.value
 
-    async def get_device_plugin_options(empty: Any) -> Any:
+    def get_device_plugin_options(empty: Any) -> Any:
         return device_plugin_options(now())
 
     encoder = encoder or _ListEncoder(resource)
@@ -6944,7 +7061,7 @@ def device_plugin_service(
 
     preferred: _PreferredOrder | None = None  # the current device set's, made at the first request after a change
 
-    async def get_preferred_allocation(request: Any) -> Any:
+    def get_preferred_allocation(request: Any) -> Any:
         nonlocal preferred
         resource, known = now(), devices.value
         if preferred is None or preferred.resource is not resource or preferred.devices is not known:
@@ -6968,22 +7085,29 @@ def device_plugin_service(
                     found_now[device_id] = found
         return found_now
 
-    async def allocate(request: Any) -> Any:
+    def allocate(request: Any) -> Any:
+        # Without shape_allocation, nothing here waits: an immediate method (_ImmediateService).
         with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
-            return await answer_allocate(request)
+            response, _ = allocation(request)
+            for container in request.container_requests:
+                _log(resource).info("allocated %s", ",".join(container.devices_ids))
+            return response
 
-    async def answer_allocate(request: Any) -> Any:
-        ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
-        response, allocated = allocate_with_devices(now(), devices_now(ids), request)
-        for container, chosen, answer in zip(
-            request.container_requests, allocated, response.container_responses, strict=True
-        ):
-            if shape_allocation is not None:
-                shaped = shape_allocation(chosen, answer)
+    async def allocate_and_shape(request: Any) -> Any:
+        with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
+            response, allocated = allocation(request)
+            for container, chosen, answer in zip(
+                request.container_requests, allocated, response.container_responses, strict=True
+            ):
+                shaped = shape_allocation(chosen, answer) if shape_allocation is not None else None
                 if inspect.isawaitable(shaped):
                     await shaped
-            _log(resource).info("allocated %s", ",".join(container.devices_ids))
-        return response
+                _log(resource).info("allocated %s", ",".join(container.devices_ids))
+            return response
+
+    def allocation(request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
+        ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
+        return allocate_with_devices(now(), devices_now(ids), request)
 
     # One server per resource and registration: the previous one, and the commands it ran, are
     # stopped before the next serves, so these slots are the resource's.
@@ -7000,15 +7124,20 @@ def device_plugin_service(
             await run_pre_start(current, chosen, pre_start_slots)
         return v1beta1.PreStartContainerResponse()
 
-    service = purerpc.Service(f"{API_VERSION}.DevicePlugin")
-    for name, handler in {
+    service = _ImmediateService(f"{API_VERSION}.DevicePlugin")
+    immediate: dict[str, Callable[[Any], Any]] = {
         "GetDevicePluginOptions": get_device_plugin_options,
-        "ListAndWatch": list_and_watch,
         "GetPreferredAllocation": get_preferred_allocation,
-        "Allocate": allocate,
-        "PreStartContainer": pre_start_container,
-    }.items():
-        service.add_method(name, handler, METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature)
+    }
+    waiting: dict[str, Callable[..., Any]] = {"ListAndWatch": list_and_watch, "PreStartContainer": pre_start_container}
+    if shape_allocation is None:
+        immediate["Allocate"] = allocate
+    else:
+        waiting["Allocate"] = allocate_and_shape
+    for name, handler in immediate.items():
+        service.add_immediate_method(name, handler, METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature)
+    for name, waits in waiting.items():
+        service.add_method(name, waits, METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature)
     return service
 
 
