@@ -4796,17 +4796,22 @@ class _ServerConnection(_GRPCSocket):
                 # Only now, with the whole batch dispatched, forget the reset streams: an event of
                 # the same batch may still have named them.
                 for stream_id in reset:
-                    self._streams.pop(stream_id, None)
+                    if (stream := self._streams.pop(stream_id, None)) is not None:
+                        _close_event_queues(stream)  # (a call's task closes them too: no matter)
                     self._grpc_connection.message_read_buffers.pop(stream_id, None)
             # The peer is gone, and with it every answer we could send: end every call now.
             nursery.cancel_scope.cancel()
 
-    def _dispatch(self, events: Iterable[Any], nursery: trio.Nursery) -> list[int]:
+    def _dispatch(self, events: list[Any], nursery: trio.Nursery) -> list[int]:
         """Hand one batch of events to their calls, starting new ones; return the reset stream ids.
 
         Synchronous on purpose: the batch is applied as a whole, no other task runs in between.
         """
         reset = []
+        # A call reset in the batch that completes its request is not started at all. (A task
+        # started for it would run its handler anyway, up to its first checkpoint, and its
+        # answer would meet a stream h2 has closed already.)
+        cancelled = {event.stream_id for event in events if isinstance(event, h2.events.StreamReset)}
         for event in events:
             if isinstance(event, WindowUpdated):
                 # The peer let us send more: wake the senders waiting on flow control.
@@ -4832,8 +4837,8 @@ class _ServerConnection(_GRPCSocket):
                     request[1].append(event.data)  # two already make it wrong: keep no more
             elif isinstance(event, RequestEnded):
                 request = self._requests.pop(event.stream_id, None)
-                if request is None:
-                    continue  # a late frame of a reset call
+                if request is None or event.stream_id in cancelled:
+                    continue  # a late frame of a reset call, or reset already: serve() forgets it
                 answer = self._immediate.get((request[0].service_name, request[0].method_name))
                 if answer is not None:
                     self._answer_now(answer, *request, nursery)
@@ -12643,6 +12648,8 @@ class _LogFormatter(logging.Formatter):
     def __init__(self, json_lines: bool) -> None:
         super().__init__()
         self.json_lines = json_lines
+        self._zone: datetime.tzinfo | None = None  # the local zone's offset in _zone_second
+        self._zone_second = -1
 
     def format(self, record: logging.LogRecord) -> str:
         resource = getattr(record, "resource", None)
@@ -12660,9 +12667,13 @@ class _LogFormatter(logging.Formatter):
         return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
-        # ISO 8601 with milliseconds and the offset: sortable, and unambiguous across nodes.
-        stamp = datetime.datetime.fromtimestamp(record.created).astimezone()
-        return stamp.isoformat(timespec="milliseconds")
+        # ISO 8601 with milliseconds and the offset: sortable, and unambiguous across nodes. The
+        # local zone's offset is looked up once a second (a zone changes its offset on a second).
+        second = int(record.created)
+        if second != self._zone_second:
+            self._zone = datetime.datetime.fromtimestamp(record.created).astimezone().tzinfo
+            self._zone_second = second
+        return datetime.datetime.fromtimestamp(record.created, self._zone).isoformat(timespec="milliseconds")
 
 
 def _configure_logging(level: str, log_format: str) -> None:
@@ -12672,6 +12683,13 @@ def _configure_logging(level: str, log_format: str) -> None:
     # change (36 lines per Allocate, ~100 for a registration) and drown them. Other libraries: INFO at most.
     logging.basicConfig(level=max(logging.getLevelName(level.upper()), logging.INFO), handlers=[handler], force=True)
     log.setLevel(level.upper())
+    # What _LogFormatter never prints, no record needs to gather (the logging HOWTO's "Optimization"
+    # section names these switches): the calling function's file and line, found by walking the
+    # stack, and the thread's and process's names and ids. Each Allocate logs a line, and this is
+    # most of its cost. Only here, where gopherplug is the program and owns its logging: an
+    # embedding program's records keep all of it.
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
 
 
 def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]], *args: Any) -> int:

@@ -119,17 +119,20 @@ class Recorder:
         self.finished_send, self.finished_receive = trio.open_memory_channel(1000)
         self.started = 0
         self.authorities = []
+        self.allocated = []  # the IDs of each Allocate the handler ran for
 
 
-def device_plugin_service(recorder: Recorder):
-    """A small DevicePlugin service for the transport tests: echo, errors, a push-driven stream."""
+def device_plugin_service(recorder: Recorder, immediate: bool = False):
+    """A small DevicePlugin service for the transport tests: echo, errors, a push-driven stream.
+    ``immediate``: GetDevicePluginOptions and Allocate as immediate methods (gopherplug's own
+    DevicePlugin service has them so), answered by the connection's reader, not a task of their own."""
 
-    async def get_options(empty):
+    def get_options(empty):
         return v1beta1.DevicePluginOptions(get_preferred_allocation_available=True)
 
-    async def allocate(req, request):
-        recorder.authorities.append(request.authority)
+    def answer_allocate(req):
         ids = [i for c in req.container_requests for i in c.devices_ids]
+        recorder.allocated.append(ids)
         if "bad" in ids:
             raise gp.RPCError(StatusCode.INVALID_ARGUMENT, "unknown device IDs: bad")
         if "crash" in ids:
@@ -137,6 +140,13 @@ def device_plugin_service(recorder: Recorder):
         return v1beta1.AllocateResponse(
             container_responses=[v1beta1.ContainerAllocateResponse(envs={"IDS": ",".join(ids)})]
         )
+
+    async def allocate(req, request):
+        recorder.authorities.append(request.authority)
+        return answer_allocate(req)
+
+    async def get_options_in_a_task(empty):
+        return get_options(empty)
 
     async def list_and_watch(empty):
         recorder.started += 1
@@ -147,21 +157,30 @@ def device_plugin_service(recorder: Recorder):
         finally:
             recorder.finished_send.send_nowait("finished")
 
-    service = purerpc.Service("v1beta1.DevicePlugin")
-    for name, fn in [
-        ("GetDevicePluginOptions", get_options),
-        ("Allocate", allocate),
-        ("ListAndWatch", list_and_watch),
-    ]:
-        service.add_method(name, fn, gp.METHODS[f"/v1beta1.DevicePlugin/{name}"].signature)
+    def signature(name):
+        return gp.METHODS[f"/v1beta1.DevicePlugin/{name}"].signature
+
+    if immediate:
+        service = gp._ImmediateService("v1beta1.DevicePlugin")
+        service.add_immediate_method("GetDevicePluginOptions", get_options, signature("GetDevicePluginOptions"))
+        service.add_immediate_method("Allocate", answer_allocate, signature("Allocate"))
+    else:
+        service = purerpc.Service("v1beta1.DevicePlugin")
+        service.add_method("GetDevicePluginOptions", get_options_in_a_task, signature("GetDevicePluginOptions"))
+        service.add_method("Allocate", allocate, signature("Allocate"))
+    service.add_method("ListAndWatch", list_and_watch, signature("ListAndWatch"))
     return service
 
 
-@pytest.fixture
-async def served(nursery, sockdir):
-    """The test DevicePlugin service on a unix socket: (GRPCServer, Recorder)."""
+@pytest.fixture(params=["task", "immediate"])
+async def served(request, nursery, sockdir):
+    """The test DevicePlugin service on a unix socket: (GRPCServer, Recorder). Every test that
+    uses it runs twice: its unary methods answered in a task each, as purerpc answers them, and
+    as immediate methods (gopherplug's DevicePlugin service's Allocate, GetPreferredAllocation and
+    GetDevicePluginOptions), answered by the connection's reader."""
     recorder = Recorder()
-    server = await nursery.start(gp.serve_grpc, os.path.join(sockdir, "plugin.sock"), [device_plugin_service(recorder)])
+    service = device_plugin_service(recorder, immediate=request.param == "immediate")
+    server = await nursery.start(gp.serve_grpc, os.path.join(sockdir, "plugin.sock"), [service])
     return server, recorder
 
 
@@ -327,6 +346,90 @@ def _text(value: str | bytes) -> str:
 async def _send_all(sock, data: bytes) -> None:
     while data:
         data = data[await sock.send(data) :]
+
+
+class TasksSpawned(trio.abc.Instrument):
+    """Counts the trio tasks spawned while it is installed."""
+
+    def __init__(self):
+        self.count = 0
+
+    def task_spawned(self, task):
+        self.count += 1
+
+
+async def test_immediate_methods_are_answered_without_a_task(pb2, served, grpcio_client):
+    # The point of an immediate method: no task, cancel scope and purerpc stream per call. The
+    # first call opens the connection (its tasks); the next ones must start none, or must start
+    # one each when answered as purerpc answers (the same service, its methods async).
+    server, recorder = served
+    with trio.fail_after(TIMEOUT):
+        await in_thread(grpcio_client.allocate, allocate_request(pb2, "a"), timeout=TIMEOUT)
+        (connection,) = server.connections
+        immediate = ("v1beta1.DevicePlugin", "Allocate") in connection._immediate
+        spawned = TasksSpawned()
+        trio.lowlevel.add_instrument(spawned)
+        try:
+            for ids in (["b"], ["c", "d"]):
+                response = await in_thread(grpcio_client.allocate, allocate_request(pb2, *ids), timeout=TIMEOUT)
+                assert dict(response.container_responses[0].envs) == {"IDS": ",".join(ids)}
+            options = await in_thread(grpcio_client.get_options, pb2.Empty(), timeout=TIMEOUT)
+            assert options.get_preferred_allocation_available
+        finally:
+            trio.lowlevel.remove_instrument(spawned)
+    assert spawned.count == (0 if immediate else 3)
+    assert recorder.allocated == [["a"], ["b"], ["c", "d"]]
+
+
+async def test_a_call_reset_with_its_request_is_not_answered(served):
+    # grpc-go resets a call whose context ends (RST_STREAM on that stream only). When the reset
+    # arrives in the same read as the end of the request, the call was over before it began: its
+    # handler is not run (an Allocate would log an allocation nobody received), nothing is sent
+    # on its stream, and the connection serves the next call.
+    import h2.config
+    import h2.connection
+    import h2.errors
+    import h2.events
+
+    server, recorder = served
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+
+    def call(stream_id, device_id):
+        client.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/v1beta1.DevicePlugin/Allocate"),
+                (":authority", "localhost"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
+        )
+        body = v1beta1.AllocateRequest(
+            container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=[device_id])]
+        ).SerializeToString()
+        client.send_data(stream_id, b"\0" + len(body).to_bytes(4, "big") + body, end_stream=True)
+
+    with trio.fail_after(TIMEOUT), trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        await sock.connect(server.socket_path)
+        call(1, "cancelled")
+        client.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+        await _send_all(sock, client.data_to_send())  # one write: the server reads it at once
+        call(3, "next")
+        await _send_all(sock, client.data_to_send())
+        answered, ended = set(), False
+        while not ended:
+            data = await sock.recv(65536)
+            assert data, "the server hung up"
+            for event in client.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.DataReceived):
+                    answered.add(event.stream_id)
+                ended = ended or (isinstance(event, h2.events.StreamEnded) and event.stream_id == 3)
+            await _send_all(sock, client.data_to_send())
+    assert answered == {3}
+    assert recorder.allocated == [["next"]]
 
 
 async def test_handler_rpc_error_becomes_the_status(pb2, served, grpcio_client):
@@ -609,6 +712,7 @@ async def test_call_unary_reports_the_servers_status(grpcio_registration):
     assert (info.value.code, info.value.message) == (StatusCode.INVALID_ARGUMENT, "invalid resource name")
 
 
+@pytest.mark.parametrize("served", ["task"], indirect=True)  # an immediate method sees only the message
 async def test_call_unary_sends_authority_localhost(served):
     server, recorder = served
     request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=["x"])])

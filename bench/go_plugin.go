@@ -33,6 +33,7 @@ import (
 	"errors"
 	"fmt"
 	"io/ioutil"
+	"log"
 	"net"
 	"os"
 	"path/filepath"
@@ -260,6 +261,9 @@ func unary(name string, answer func(p *plugin, request []byte) ([]byte, error)) 
 			if err := decode(&request); err != nil {
 				return nil, err
 			}
+			if logCalls {
+				log.Printf("%s request=%q", name, request)
+			}
 			response, err := answer(srv.(*plugin), request)
 			if err != nil {
 				return nil, err
@@ -269,7 +273,10 @@ func unary(name string, answer func(p *plugin, request []byte) ([]byte, error)) 
 	}
 }
 
+var logCalls = os.Getenv("GO_PLUGIN_LOG") != ""
+
 func main() {
+	log.SetFlags(log.Ldate | log.Lmicroseconds | log.Lshortfile)
 	if len(os.Args) != 4 {
 		fmt.Fprintln(os.Stderr, "usage: go_plugin SOCKET DIRECTORY ENV")
 		os.Exit(2)
