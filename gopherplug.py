@@ -4732,7 +4732,8 @@ class _ImmediateService(purerpc.Service):
 
 
 class _ServerConnection(_GRPCSocket):
-    """One accepted connection: reads frames, runs each call in its own task and cancel scope.
+    """One accepted connection: reads frames, runs each call in its own task and cancel scope, or
+    answers it at once when its method is immediate (_ImmediateService: no task, no scope).
 
     Every DevicePlugin and Registration method takes exactly one request message, so a call starts
     once its request is complete (END_STREAM seen): its task then never waits for input, and a
