@@ -9,7 +9,8 @@ go 1.19 and grpc-go 1.33 here): bench/go_plugin.go and bench/grpc_go_client.go a
 temporary directory (GO111MODULE=off, GOPATH=/usr/share/gocode), nothing else is fetched.
 
 The plugins, one at a time on the same directory of N plain files: bench/go_plugin.go (grpc-go, the
-kubelet's own test stub's way to serve, messages by hand: see its header), and gopherplug
+kubelet's own test stub's way to serve, messages by hand: see its header) twice, as "go" (no log
+line) and "go-log" (a line per call on stderr, to a file, as the stub logs each request), and gopherplug
 (`python -m gopherplug serve` from bytecode, as the images run it, registered with
 bench_gopherplug's grpcio kubelet, at serve's default log level unless --log-level says otherwise,
 its log written to a file). Both answer Allocate alike: the env var and one DeviceSpec per device
@@ -23,7 +24,8 @@ plugin's socket directly. Per plugin:
   - 8 and 10,000: Allocate p50 of 2 devices, 1 caller;
 and the plugin's CPU per call (/proc/PID/stat over the calls and their warm-up), steadier than wall
 times on a shared machine. Each round measures every plugin in turn (Go first, then the revisions in
-the order given); a table per round gives each figure and its ratio to Go's of the same round.
+the order given); a table per round gives each figure and its ratios to go's and go-log's p50 of the
+same round (and its CPU's to go's).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ ENV = gp.default_env_name(RESOURCE)
 SIZES = (8, 10_000, 50_000)
 # The issue's targets (issue 32): a figure divided by Go's of the same round.
 TARGETS = {"preferred": 2.0, "sequence": 2.0, "allocate": 3.0}
+# The Go plugins: go writes no log line; go-log one per call, as the kubelet's test stub does
+# (klog.InfoS of every request), and as gopherplug does of every Allocate at its default level.
+GO = {"go": [], "go-log": ["log"]}
 
 
 class Plugin:
@@ -65,10 +70,10 @@ class Plugin:
         os.mkdir(self.plugin_dir)
         self.log = open(os.path.join(self.root, "log"), "wb")
         self.kubelet = None
-        if what == "go":
+        if what in GO:
             self.socket = os.path.join(self.plugin_dir, "go.sock")
             self.process = subprocess.Popen(
-                [go_plugin, self.socket, self.devices, ENV], stdout=subprocess.PIPE, stderr=self.log
+                [go_plugin, self.socket, self.devices, ENV, *GO[what]], stdout=subprocess.PIPE, stderr=self.log
             )
             assert self.process.stdout.readline() == b"serving\n"
             return
@@ -175,7 +180,7 @@ def main():
         )
         for round_number in range(1, args.rounds + 1):
             results: dict[str, dict[str, tuple[float, float]]] = {}
-            for what in ["go", *args.revisions]:
+            for what in [*GO, *args.revisions]:
                 results[what] = {}
                 for count in SIZES:
                     plugin = Plugin(root, what, count, go_plugin, modules, args.log_level)
@@ -196,9 +201,12 @@ def report(round_number: int, results: dict[str, dict[str, tuple[float, float]]]
     for figure in results["go"]:
         go_p50, go_cpu = results["go"][figure]
         cells = []
+        logging_p50 = results["go-log"][figure][0]
         for what in names:
             p50, cpu = results[what][figure]
-            ratio = "" if what == "go" else f" (x{p50 / go_p50:.1f}; CPU x{cpu / go_cpu:.1f})"
+            ratio = ""
+            if what not in GO:  # to go's, then to go-log's p50
+                ratio = f" (x{p50 / go_p50:.1f}, x{p50 / logging_p50:.1f} go-log; CPU x{cpu / go_cpu:.1f})"
             cells.append(f"{p50 * 1e3:.3f} ms, CPU {cpu * 1e3:.3f} ms{ratio}")
         target = f"≤ {TARGETS[figure.split()[0]]:g} x Go"
         print(f"| {figure} | {target} | " + " | ".join(cells) + " |")

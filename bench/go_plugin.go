@@ -3,7 +3,7 @@
 // pkg/kubelet/cm/devicemanager/plugin/v1beta1/stub.go), answering what gopherplug answers for the
 // same directory of plain files configured with one device_spec. Usage:
 //
-//	go_plugin SOCKET DIRECTORY ENV
+//	go_plugin SOCKET DIRECTORY ENV [log]
 //
 // The devices are the entries of DIRECTORY, listed once at start (the stub keeps a fixed list).
 // Allocate answers, per container, ENV=the IDs comma-joined and a DeviceSpec per device (host and
@@ -15,8 +15,10 @@
 // PreStartContainer answers empty.
 //
 // It does not register with a kubelet: the benchmark dials its socket, as the kubelet would after
-// Register. It writes no log line per call (the stub logs each request with klog.InfoS; gopherplug is
-// measured at its default level, info, which logs each Allocate: see bench_side_by_side.py).
+// Register. It writes no log line per call, unless its fourth argument is "log": then one line per
+// call on stderr, as the stub writes one with klog.InfoS("Allocate", "request", r) (here the standard
+// library's log: date, microseconds, the caller's file and line, the method and the request). gopherplug
+// is measured at its default level, info, which logs each Allocate: see bench_side_by_side.py.
 //
 // No generated code: the messages are encoded and decoded here by hand. The project commits no
 // generated files, and generating at bench time would need protoc and protoc-gen-go, which Debian's
@@ -273,14 +275,15 @@ func unary(name string, answer func(p *plugin, request []byte) ([]byte, error)) 
 	}
 }
 
-var logCalls = os.Getenv("GO_PLUGIN_LOG") != ""
+var logCalls = false // the fourth argument, "log": a line per call, as the stub writes
 
 func main() {
 	log.SetFlags(log.Ldate | log.Lmicroseconds | log.Lshortfile)
-	if len(os.Args) != 4 {
-		fmt.Fprintln(os.Stderr, "usage: go_plugin SOCKET DIRECTORY ENV")
+	if len(os.Args) != 4 && (len(os.Args) != 5 || os.Args[4] != "log") {
+		fmt.Fprintln(os.Stderr, "usage: go_plugin SOCKET DIRECTORY ENV [log]")
 		os.Exit(2)
 	}
+	logCalls = len(os.Args) == 5
 	socket, directory, env := os.Args[1], os.Args[2], os.Args[3]
 	entries, err := ioutil.ReadDir(directory)
 	check(err)
