@@ -7912,15 +7912,33 @@ def _token_file_auth(httpx2: Any, path: str) -> Any:
     return TokenFileAuth()
 
 
-#: Modules that lightkube 1.0.1 and httpx2 import at their own import and a DRA driver never runs, with
-#: what each costs in RSS on CPython 3.11 (bench/RESULTS.md): asyncio, for lightkube's exec
-#: credentials (asyncio.create_subprocess_exec, which needs an asyncio event loop: under trio they
-#: cannot run) and the sleep of its own watch's retries (gopherplug watches by itself, list_and_watch),
-#: 1.5 MiB with concurrent.futures and the _asyncio extension; lightkube's models and resources of
-#: the core group, about 500 classes with their docstrings, of which the driver needs the Node alone
-#: and reads it as a dict (KubeApi.get_node), 1.6 MiB. _import_api_client leaves each in
-#: sys.modules unexecuted until an attribute of it is asked for (_UnloadedModule).
-API_CLIENT_UNUSED = ("asyncio", "asyncio.subprocess", "lightkube.models.core_v1", "lightkube.resources.core_v1")
+#: Modules that lightkube 1.0.1, httpx2 and httpcore2 import at their own import and a DRA driver
+#: never runs, with what they cost in RSS on CPython 3.11 (bench/RESULTS.md, bench_dra.py --stages):
+#: - asyncio, for lightkube's exec credentials (asyncio.create_subprocess_exec, which needs an
+#:   asyncio event loop: under trio they cannot run) and the sleep of its own watch's retries
+#:   (gopherplug watches by itself, list_and_watch): 1.5 MiB with concurrent.futures and _asyncio;
+#: - lightkube's models and resources of the core group, about 500 classes with their docstrings,
+#:   of which the driver needs the Node alone and reads it as a dict (KubeApi.get_node): 1.6 MiB;
+#: - 0.35 MiB together: msgspec's encoders other than JSON and its type introspection (lightkube
+#:   uses msgspec.json and msgspec.structs), csv (importlib.metadata reads a package's RECORD with
+#:   it; httpx2's and httpcore2's version() read its METADATA only), truststore (httpcore2's trust
+#:   store on Windows and macOS; on Linux it loads the system's CA files itself, and lightkube
+#:   gives it the kubeconfig's CA anyway) and mimetypes (httpx2's multipart uploads).
+#: _import_api_client leaves each in sys.modules unexecuted until an attribute of it is asked for
+#: (_UnloadedModule): transparent to any code that does use one.
+API_CLIENT_UNUSED = (
+    "asyncio",
+    "asyncio.subprocess",
+    "lightkube.models.core_v1",
+    "lightkube.resources.core_v1",
+    "msgspec.inspect",
+    "msgspec.msgpack",
+    "msgspec.toml",
+    "msgspec.yaml",
+    "csv",
+    "truststore",
+    "mimetypes",
+)
 
 #: Held while an _UnloadedModule runs its code: a second thread asking for an attribute meanwhile waits.
 _UNLOADED_LOCK = threading.RLock()
