@@ -8006,7 +8006,8 @@ def _leave_unloaded(names: Iterable[str]) -> None:
                 break
             dotted = ".".join([first, *rest[:depth]])
             spec = importlib.machinery.PathFinder.find_spec(dotted, spec.submodule_search_locations)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+        # Python code alone: an extension module is made whole by module_from_spec, run or not.
+        if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
             specs.append(spec)
     for spec in specs:  # only once every spec is found: finding one looks at the others' parents
         module = importlib.util.module_from_spec(spec)

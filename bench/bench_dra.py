@@ -62,7 +62,8 @@ NOTABLE = ("WARNING", "ERROR", "CRITICAL", "Traceback")
 
 #: Run by ``--stages`` in a fresh process (cwd: the plugin's directory, KUBECONFIG: the simulator's):
 #: the DRA driver's API client step by step, as serve makes it, VmRSS after each step (a line each,
-#: "label<TAB>MiB"), the last after the garbage is collected and glibc's free pages are returned.
+#: "label<TAB>MiB"; an indented label is a part of the next total, its figure over the line before),
+#: the last after the garbage is collected and glibc's free pages are returned.
 STAGES = r"""
 import ctypes, gc, sys
 
@@ -76,13 +77,30 @@ def report(label):
 import gopherplug as gp
 import trio
 report("import gopherplug (the interpreter, the five, the module)")
+if hasattr(gp, "_leave_unloaded"):  # before any of what follows imports one of them
+    gp._leave_unloaded(gp.API_CLIENT_UNUSED)
+import importlib.metadata
+report("  importlib.metadata (httpx2's and httpcore2's version(): email.parser, zipfile...)")
+import email.message, http.cookiejar, urllib.request
+report("  http.cookiejar, urllib.request, email.message (httpx2's models and cookies)")
+import msgspec
+report("  msgspec (lightkube's models; decimal, uuid)")
+import httpx2
+report("  httpx2")
 imports = getattr(gp, "_import_api_client", None)
 if imports is not None:
     imports()
 else:  # a revision before it: what its KubeApi.connect imports first
     import httpx2, lightkube, lightkube.generic_resource
+report("  lightkube")
 report("the API client's imports (lightkube, httpx2)")
+import httpcore2
+report("  httpcore2, h11 (httpx2's transport imports them)")
+import ssl
+ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+report("  OpenSSL's first SSL context, dropped (its one-time set-up)")
 api = gp.KubeApi.connect(node_name="node-1")
+report("  KubeApi.connect: the kubeconfig, the client, its SSL context")
 report("KubeApi.connect (httpcore2, the SSL context, the client)")
 
 async def requests():
@@ -98,6 +116,10 @@ trio.run(requests)
 gc.collect()
 gp._release_freed_memory()
 report("then gc.collect() and malloc_trim(0)")
+gc.freeze()  # every object into the permanent generation: never traversed again, nothing freed
+gc.collect()
+gp._release_freed_memory()
+report("then gc.freeze(), gc.collect() and malloc_trim(0)")
 """
 
 
@@ -327,12 +349,15 @@ async def stages(node, args):
     done = await trio.run_process(
         [args.python, "-c", script], cwd=args.plugin_dir, env=node.env, capture_stdout=True, check=False
     )
-    last = None
+    last = total = None  # the previous line's figure; the previous total's (a line not indented)
     for line in done.stdout.decode().splitlines():
         label, _, mib = line.partition("\t")
         mib = float(mib)
-        print(f"  {label}: {mib:.1f} MiB" + (f" ({mib - last:+.1f})" if last is not None else ""))
+        before = last if label.startswith(" ") else total
+        print(f"  {label}: {mib:.1f} MiB" + (f" ({mib - before:+.1f})" if before is not None else ""))
         last = mib
+        if not label.startswith(" "):
+            total = mib
     if done.returncode:
         print(f"  the stages' process failed ({done.returncode})")
 
