@@ -1,7 +1,7 @@
 """Benchmark gopherplug's DRA driver the way the kubelet and the API server see it. Run by hand, not by CI:
 
     .venv/bin/python bench/bench_dra.py [--additions 50] [--claims 200] [--idle-seconds 10] [--devices 8]
-        [--memory-only] [--plugin-dir DIR] [--python PYTHON]
+        [--memory-only] [--stages] [--tls] [--plugin-dir DIR] [--python PYTHON]
 
 The plugin runs as a real subprocess (`python -m gopherplug serve`, from bytecode, at the image's
 default log level, info) on a temporary node directory. This script plays, in one trio process,
@@ -13,6 +13,10 @@ plugin serves DRAResourceHealth) and, for the comparison, the device manager
   - idle RSS (VmRSS) and CPU over the idle window of the plugin with the same devices served
     through `api: device-plugin` only, then through `api: dra`, each once settled (registered,
     first list sent / slices written), and the difference
+  - with --stages, the API client's memory step by step in a fresh process of its own (STAGES):
+    its imports, KubeApi.connect, the first requests, what gc and malloc_trim give back; with
+    --tls, the API server is HTTPS and the kubeconfig names its CA and a token file, as a pod's
+    service account does (the client then loads that one CA, not the system's)
   - device file created -> the ResourceSlice updated on the API server (p50, p99, max), one file
     at a time, each after the last update was seen
   - NodePrepareResources of one claim, first time (the plugin GETs the ResourceClaim and writes its
