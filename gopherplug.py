@@ -5528,8 +5528,7 @@ def missing_extras(config: Config) -> list[str]:
             problems.append(_METRICS_EXTRA.format(error=error))
     if config.dra is not None:
         try:
-            import httpx2  # noqa: F401
-            import lightkube  # noqa: F401
+            _import_api_client()
         except ImportError as error:
             problems.append(_DRA_EXTRA.format(error=error))
     return problems
@@ -8048,6 +8047,127 @@ def _token_file_auth(httpx2: Any, path: str) -> Any:
     return TokenFileAuth()
 
 
+#: Modules that lightkube 1.0.1, httpx2 and httpcore2 import at their own import and a DRA driver
+#: never runs, with what they cost in RSS on CPython 3.11 (bench/RESULTS.md, bench_dra.py --stages):
+#: - asyncio, for lightkube's exec credentials (asyncio.create_subprocess_exec, which needs an
+#:   asyncio event loop: under trio they cannot run) and the sleep of its own watch's retries
+#:   (gopherplug watches by itself, list_and_watch): 1.5 MiB with concurrent.futures and _asyncio;
+#: - lightkube's models and resources of the core group, about 500 classes with their docstrings,
+#:   of which the driver needs the Node alone and reads it as a dict (KubeApi.get_node): 1.6 MiB;
+#: - 0.35 MiB together: msgspec's encoders other than JSON and its type introspection (lightkube
+#:   uses msgspec.json and msgspec.structs), csv (importlib.metadata reads a package's RECORD with
+#:   it; httpx2's and httpcore2's version() read its METADATA only), truststore (httpcore2's trust
+#:   store on Windows and macOS; on Linux it loads the system's CA files itself, and lightkube
+#:   gives it the kubeconfig's CA anyway) and mimetypes (httpx2's multipart uploads).
+#: _import_api_client leaves each in sys.modules unexecuted until an attribute of it is asked for
+#: (_UnloadedModule): transparent to any code that does use one.
+API_CLIENT_UNUSED = (
+    "asyncio",
+    "asyncio.subprocess",
+    "lightkube.models.core_v1",
+    "lightkube.resources.core_v1",
+    "msgspec.inspect",
+    "msgspec.msgpack",
+    "msgspec.toml",
+    "msgspec.yaml",
+    "csv",
+    "truststore",
+    "mimetypes",
+)
+
+#: Held while an _UnloadedModule runs its code: a second thread asking for an attribute meanwhile waits.
+_UNLOADED_LOCK = threading.RLock()
+
+
+class _UnloadedModule(types.ModuleType):
+    """A module in sys.modules whose code has not run yet: its spec, name, file and (for a package)
+    path are set, as the import system sets them before it runs a module, so that ``import name``
+    and ``from package import name`` find it there and return it as they would a module imported
+    already, without running it (the standard library's importlib.util.LazyLoader runs a module
+    at its first attribute lookup of any kind, and an import statement looks up ``__spec__``: a
+    module lightkube imports by name would run at once). Its code runs at the first lookup of an
+    attribute it does not have (_run_unloaded), in this module object, which then is an ordinary
+    module."""
+
+    def __getattr__(self, name: str) -> Any:
+        if _run_unloaded(self):
+            return getattr(self, name)
+        # Its own code, while it runs, looking up what it has not set yet: missing, as in any module.
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+
+def _run_unloaded(module: _UnloadedModule) -> bool:
+    """Run the code of ``module``, an _UnloadedModule, its package's first if that is one too (the
+    import system runs a package before its modules: asyncio.subprocess imports from asyncio what
+    asyncio's own code sets); False if its code is running already, in this thread. A failure
+    removes it from sys.modules, as a failed import does, and raises."""
+    with _UNLOADED_LOCK:
+        if type(module) is not _UnloadedModule:
+            return True  # run meanwhile: by another thread, or by its package's code
+        if module.__dict__.get("_gopherplug_running"):
+            return False
+        package = sys.modules.get(module.__name__.rpartition(".")[0])
+        if isinstance(package, _UnloadedModule):
+            _run_unloaded(package)
+            if type(module) is not _UnloadedModule:
+                return True
+        module.__dict__["_gopherplug_running"] = True
+        try:
+            module.__spec__.loader.exec_module(module)  # type: ignore[union-attr]
+        except BaseException:
+            sys.modules.pop(module.__name__, None)
+            raise
+        finally:
+            del module.__dict__["_gopherplug_running"]
+        module.__class__ = types.ModuleType  # type: ignore[assignment]
+        return True
+
+
+def _leave_unloaded(names: Iterable[str]) -> None:
+    """Put each module of ``names`` not imported yet in sys.modules as an _UnloadedModule. Its spec
+    is found from its parents' specs, without importing them (importlib.util.find_spec would
+    import the parent package, here lightkube, and with it everything this is to avoid)."""
+    import importlib.machinery
+    import importlib.util
+
+    specs = []
+    for name in names:
+        if name in sys.modules:
+            continue  # imported already (an embedder's program, a test run): nothing left to save
+        first, *rest = name.split(".")
+        spec = importlib.util.find_spec(first)
+        for depth in range(1, len(rest) + 1):
+            if spec is None or spec.submodule_search_locations is None:
+                break
+            dotted = ".".join([first, *rest[:depth]])
+            spec = importlib.machinery.PathFinder.find_spec(dotted, spec.submodule_search_locations)
+        # Python code alone: an extension module is made whole by module_from_spec, run or not.
+        if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            specs.append(spec)
+    for spec in specs:  # only once every spec is found: finding one looks at the others' parents
+        module = importlib.util.module_from_spec(spec)
+        module.__class__ = _UnloadedModule
+        sys.modules[spec.name] = module
+
+
+def _import_api_client() -> tuple[Any, Any]:
+    """Import httpx2 and lightkube (with lightkube.generic_resource), for KubeApi.connect and
+    check-config alike, leaving API_CLIENT_UNUSED unexecuted; returns (httpx2, lightkube). Raises
+    ImportError when the dra extra is missing."""
+    _leave_unloaded(API_CLIENT_UNUSED)
+    import httpx2
+    import lightkube
+    import lightkube.generic_resource
+
+    # What an import would have set: the module as an attribute of its package.
+    for name in API_CLIENT_UNUSED:
+        parent, _, child = name.rpartition(".")
+        module, package = sys.modules.get(name), sys.modules.get(parent)
+        if module is not None and package is not None and child not in package.__dict__:
+            setattr(package, child, module)
+    return httpx2, lightkube
+
+
 def _field_selector(fields: Mapping[str, str]) -> str:
     """A field selector of equalities, as the API server reads one ("spec.nodeName=node-1,...")."""
     return ",".join(f"{key}={value}" for key, value in fields.items())
@@ -8092,9 +8212,13 @@ class KubeApi:
         """A client configured from ``kubeconfig`` if given, else from the pod's service account,
         else from KUBECONFIG or ~/.kube/config; its user agent names ``node_name``."""
         try:
-            import httpx2
-            import lightkube
-            from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+            httpx2, lightkube = _import_api_client()
+            from lightkube.generic_resource import (
+                GenericGlobalResource,
+                create_api_info,
+                create_global_resource,
+                create_namespaced_resource,
+            )
         except ImportError as error:
             raise GopherplugError(_DRA_EXTRA.format(error=error)) from None
         try:
@@ -8123,9 +8247,13 @@ class KubeApi:
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
         claims = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
-        # The core group's Node as lightkube's own model: a generic resource of group "" is looked
-        # up under another key than it is registered under, so a second client would fail to make it.
-        from lightkube.resources.core_v1 import Node
+        # The core group's Node as a generic resource (a dict), made here and not registered:
+        # lightkube's own model of it would load the whole core group's models (API_CLIENT_UNUSED), and
+        # create_global_resource() looks a resource of group "" up under another key than it
+        # registers it under, so a second client would fail to make it.
+
+        class Node(GenericGlobalResource):  # type: ignore[misc,valid-type]
+            _api_info = create_api_info("", "v1", "Node", "nodes", verbs=["get", "list", "watch"])
 
         return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError), Node)
 
@@ -8144,7 +8272,13 @@ class KubeApi:
             causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
             raise ApiError(error.status.code, message, retry_after, causes) from None
         except self._transport_error as error:
-            raise ApiError(None, f"{what}: {_describe(error, silent='no answer')}") from None
+            # httpx2's error for a server certificate the configured CA did not sign says nothing
+            # (trio's BrokenResourceError inside): the reason, ssl's "CERTIFICATE_VERIFY_FAILED",
+            # is further down its causes.
+            cause: BaseException = error
+            while not str(_innermost(cause)).strip() and (cause.__cause__ or cause.__context__) is not None:
+                cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+            raise ApiError(None, f"{what}: {_describe(cause, silent='no answer')}") from None
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         with self._errors(f"get ResourceClaim {namespace}/{name}"):
@@ -8181,10 +8315,11 @@ class KubeApi:
         """The Node's name and UID (what a slice's owner reference needs), as its metadata, and its
         status.allocatable (whether a device plugin still serves a resource here)."""
         with self._errors(f"get Node {name}"):
-            node = await self._client.get(self._node, name)
-            allocatable = dict((node.status.allocatable if node.status else None) or {})
+            node = await self._client.get(self._node, name)  # a dict (connect)
+            metadata, status = node.get("metadata") or {}, node.get("status") or {}
+            allocatable = status.get("allocatable") or {}
             return {
-                "metadata": {"name": node.metadata.name, "uid": node.metadata.uid},
+                "metadata": {"name": metadata.get("name"), "uid": metadata.get("uid")},
                 "status": {"allocatable": {key: str(value) for key, value in allocatable.items()}},
             }
 
@@ -12138,7 +12273,8 @@ async def run_dra_demo(out: Callable[[str], None] = print) -> None:
     simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
     try:  # before anything starts: the API server simulator needs h11, the client lightkube
         import h11  # noqa: F401
-        import lightkube  # noqa: F401
+
+        _import_api_client()
     except ImportError as error:
         raise GopherplugError(
             f"the DRA demo needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"

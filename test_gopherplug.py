@@ -10671,6 +10671,57 @@ async def test_dra_serve_stops_part_by_part_and_at_once_on_sigterm(dra_node, tmp
     ]
 
 
+async def test_a_dra_driver_never_runs_what_lightkube_imports_for_others(dra_node, tmp_path):
+    """lightkube imports asyncio (for exec credentials, which need an asyncio loop) and the core
+    group's 500 models: 3 MiB a DRA driver never uses. A serve, to its slice, a prepared claim and its
+    stop, runs none of API_CLIENT_UNUSED's code: an audit hook logs every module whose code runs
+    (lightkube's own: the hook is seen to work). Then, in this process, a module left unloaded
+    runs as soon as it is used, and is the module an import would have given."""
+    import importlib.util
+
+    site = tmp_path / "site"
+    site.mkdir()
+    ran = tmp_path / "ran"
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"def hook(event, args, log=open({str(ran)!r}, 'a', buffering=1)):\n"
+        "    if event == 'exec' and getattr(args[0], 'co_name', '') == '<module>':\n"
+        "        log.write(args[0].co_filename + '\\n')\n"
+        "sys.addaudithook(hook)\n"
+    )
+    allocated = ("gopher", DRIVER, DraNode.POOL, "gopher0")
+    dra_node.api.put_claim(claim("c1", "uid-1", allocated))
+    with trio.fail_after(TIMEOUT):
+        async with dra_serve(dra_node, tmp_path, env={"PYTHONPATH": str(site)}) as process:
+            answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
+            assert answer.claims["uid-1"].devices[0].device_name == "gopher0"
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    files = set(ran.read_text().splitlines())
+    unused = {name: importlib.util.find_spec(name).origin for name in gp.API_CLIENT_UNUSED}
+    assert importlib.util.find_spec("lightkube").origin in files
+    assert [name for name, origin in unused.items() if origin in files] == []
+    code = (
+        "import sys, gopherplug as gp\n"
+        "gp._import_api_client()\n"
+        "print(all(isinstance(sys.modules[name], gp._UnloadedModule) for name in gp.API_CLIENT_UNUSED))\n"
+        "import asyncio.subprocess, mimetypes, msgspec\n"
+        "from lightkube.resources.core_v1 import Node\n"
+        "print(asyncio.subprocess.PIPE, asyncio.sleep.__module__, Node._api_info.plural)\n"
+        "print(mimetypes.guess_type('a.json')[0], msgspec.msgpack.decode(msgspec.msgpack.encode([1])))\n"
+        "for name in gp.API_CLIENT_UNUSED:\n"
+        "    hasattr(sys.modules[name], '__all__')  # any attribute it does not have yet runs it\n"
+        "print(sorted({type(sys.modules[name]).__name__ for name in gp.API_CLIENT_UNUSED}))\n"
+    )
+    result = await trio.run_process([sys.executable, "-c", code], cwd=HERE, capture_stdout=True)
+    assert result.stdout.decode().splitlines() == [
+        "True",
+        f"{subprocess.PIPE} asyncio.tasks nodes",
+        "application/json [1]",
+        "['module']",
+    ]
+
+
 async def test_serve_stopped_ends_without_the_interpreters_teardown(dra_node, tmp_path):
     """Once everything is closed, the interpreter's teardown (30 to 150 ms of CPU here, collecting
     every module's objects) is skipped: what an atexit handler of the process would print, it never
@@ -12065,6 +12116,45 @@ async def test_dra_api_server_down_or_slow_keeps_the_plugin_serving(dra_node, ca
         ok = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
         assert ok.claims["uid-1"].devices[0].device_name == "gopher0"
     assert "DRA: writing ResourceSlices" in caplog.text or "DRA: watching ResourceSlices" in caplog.text
+
+
+async def test_dra_api_client_trusts_the_configured_ca_alone_and_verifies_the_server_with_it(dra_node, tmp_path):
+    """The client's SSL context holds the one CA the kubeconfig names (each CA loaded costs memory,
+    and the system's 140-odd would let any public CA's certificate pass for the API server); a
+    server whose certificate another CA signed is refused, however valid that certificate is."""
+    import trustme
+
+    api = gp.KubeApi.connect(kubeconfig=str(dra_node.kubeconfig))
+    try:
+        context = api._client._client._client._transport._pool._ssl_context  # lightkube 1.0.1, httpx2
+        assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+        assert context.cert_store_stats()["x509_ca"] == 1
+        ca_der = ssl.PEM_cert_to_DER_cert(dra_node.ca_file.read_text())
+        assert context.get_ca_certs(binary_form=True) == [ca_der]
+        dra_node.api.put_claim(claim("c1", "uid-1"))
+        with trio.fail_after(TIMEOUT):
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    other = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    trustme.CA().issue_cert("127.0.0.1").configure_cert(other)  # for the same address, by another CA
+    impostor = standins.ApiServerSimulator(ssl_context=other, tokens={"token-1"})
+    impostor.put_claim(claim("c1", "uid-1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(impostor.run)
+        kubeconfig = yaml.safe_load(dra_node.kubeconfig.read_text())
+        kubeconfig["clusters"][0]["cluster"]["server"] = impostor.url
+        (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+        api = gp.KubeApi.connect(kubeconfig=str(tmp_path / "kubeconfig"))
+        try:
+            with trio.fail_after(TIMEOUT), pytest.raises(gp.ApiError) as refused:
+                await api.get_claim("default", "c1")
+        finally:
+            await api.aclose()
+        nursery.cancel_scope.cancel()
+    assert refused.value.status is None
+    assert "CERTIFICATE_VERIFY_FAILED" in str(refused.value), str(refused.value)
+    assert impostor.bearers == []  # the token never left: refused in the handshake
 
 
 async def test_dra_in_cluster_configuration_rereads_a_rotated_token(dra_node, monkeypatch, tmp_path):

@@ -1,7 +1,7 @@
 """Benchmark gopherplug's DRA driver the way the kubelet and the API server see it. Run by hand, not by CI:
 
     .venv/bin/python bench/bench_dra.py [--additions 50] [--claims 200] [--idle-seconds 10] [--devices 8]
-        [--memory-only] [--plugin-dir DIR] [--python PYTHON]
+        [--memory-only] [--stages] [--tls] [--plugin-dir DIR] [--python PYTHON]
 
 The plugin runs as a real subprocess (`python -m gopherplug serve`, from bytecode, at the image's
 default log level, info) on a temporary node directory. This script plays, in one trio process,
@@ -13,6 +13,10 @@ plugin serves DRAResourceHealth) and, for the comparison, the device manager
   - idle RSS (VmRSS) and CPU over the idle window of the plugin with the same devices served
     through `api: device-plugin` only, then through `api: dra`, each once settled (registered,
     first list sent / slices written), and the difference
+  - with --stages, the API client's memory step by step in a fresh process of its own (STAGES):
+    its imports, KubeApi.connect, the first requests, what gc and malloc_trim give back; with
+    --tls, the API server is HTTPS and the kubeconfig names its CA and a token file, as a pod's
+    service account does (the client then loads that one CA, not the system's)
   - device file created -> the ResourceSlice updated on the API server (p50, p99, max), one file
     at a time, each after the last update was seen
   - NodePrepareResources of one claim, first time (the plugin GETs the ResourceClaim and writes its
@@ -60,6 +64,69 @@ WAIT = 30  # seconds: the bound of any one wait
 NOTABLE = ("WARNING", "ERROR", "CRITICAL", "Traceback")
 
 
+#: Run by ``--stages`` in a fresh process (cwd: the plugin's directory, KUBECONFIG: the simulator's):
+#: the DRA driver's API client step by step, as serve makes it, VmRSS after each step (a line each,
+#: "label<TAB>MiB"; an indented label is a part of the next total, its figure over the line before),
+#: the last after the garbage is collected and glibc's free pages are returned.
+STAGES = r"""
+import ctypes, gc, sys
+
+def rss():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+def report(label):
+    print(f"{label}\t{rss():.2f}", flush=True)
+
+import gopherplug as gp
+import trio
+report("import gopherplug (the interpreter, the five, the module)")
+if hasattr(gp, "_leave_unloaded"):  # before any of what follows imports one of them
+    gp._leave_unloaded(gp.API_CLIENT_UNUSED)
+import importlib.metadata
+report("  importlib.metadata (httpx2's and httpcore2's version(): email.parser, zipfile...)")
+import email.message, http.cookiejar, urllib.request
+report("  http.cookiejar, urllib.request, email.message (httpx2's models and cookies)")
+import msgspec
+report("  msgspec (lightkube's models; decimal, uuid)")
+import httpx2
+report("  httpx2")
+imports = getattr(gp, "_import_api_client", None)
+if imports is not None:
+    imports()
+else:  # a revision before it: what its KubeApi.connect imports first
+    import httpx2, lightkube, lightkube.generic_resource
+report("  lightkube")
+report("the API client's imports (lightkube, httpx2)")
+import httpcore2
+report("  httpcore2, h11 (httpx2's transport imports them)")
+import ssl
+ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+report("  OpenSSL's first SSL context, dropped (its one-time set-up)")
+api = gp.KubeApi.connect(node_name="node-1")
+report("  KubeApi.connect: the kubeconfig, the client, its SSL context")
+report("KubeApi.connect (httpcore2, the SSL context, the client)")
+
+async def requests():
+    await api.get_node("node-1")
+    report("first request: GET its Node (the connection, TLS)")
+    items, version = await api.list_slices("node-1", "%(driver)s")
+    for i in range(%(slices)d):
+        await api.create_slice(%(slice)s | {"metadata": {"name": f"stage-{i}"}})
+    report("LIST and CREATE ResourceSlices")
+    await api.aclose()
+
+trio.run(requests)
+gc.collect()
+gp._release_freed_memory()
+report("then gc.collect() and malloc_trim(0)")
+gc.freeze()  # every object into the permanent generation: never traversed again, nothing freed
+gc.collect()
+gp._release_freed_memory()
+report("then gc.freeze(), gc.collect() and malloc_trim(0)")
+"""
+
+
 def spread(values):
     return f"p50 {ms(percentile(values, 0.5))}, p99 {ms(percentile(values, 0.99))}, max {ms(max(values))}"
 
@@ -89,7 +156,7 @@ def claim(name, uid, device):
 class Node:
     """A temporary node: device directory, kubelet directories, the simulators, the plugin process."""
 
-    def __init__(self, devices, plugin_dir=HERE, python=sys.executable):
+    def __init__(self, devices, plugin_dir=HERE, python=sys.executable, tls=False):
         self.plugin_dir, self.python = plugin_dir, python  # whose gopherplug.py runs, and with what
         self.root = Path(tempfile.mkdtemp(prefix="gpd-", dir="/tmp"))  # short: unix socket paths
         self.devices = self.root / "dev"
@@ -99,7 +166,23 @@ class Node:
         self.device_plugin_dir = self.root / "dp"
         self.device_plugin_dir.mkdir()
         self.kubelet_dir = self.root / "k"
-        self.api = standins.ApiServerSimulator(tokens={TOKEN})
+        self.cluster = {}  # the kubeconfig's cluster, but for its server
+        self.user = {"token": TOKEN}
+        context = None
+        if tls:  # as in a pod: HTTPS, the cluster's CA in a file of its own, the token in a file
+            import ssl
+
+            import trustme
+
+            ca = trustme.CA()
+            ca.cert_pem.write_to_path(str(self.root / "ca.crt"))
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ca.issue_cert("127.0.0.1").configure_cert(context)
+            (self.root / "token").write_text(TOKEN)
+            self.cluster = {"certificate-authority": str(self.root / "ca.crt")}
+            self.user = {"tokenFile": str(self.root / "token")}
+        self.api = standins.ApiServerSimulator(ssl_context=context, tokens={TOKEN})
+        self.api.put_node(NODE, "0b6f8a5e-4c1d-4e0a-9f3b-2d7c1e9a8b01")  # its slices' owner, as on a cluster
         self.dra_kubelet = standins.DraKubeletSimulator(str(self.kubelet_dir))
         self.dp_kubelet = gp.KubeletSimulator(str(self.device_plugin_dir))
         self.plugin = None
@@ -116,8 +199,8 @@ class Node:
         kubeconfig = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "c", "cluster": {"server": self.api.url}}],
-            "users": [{"name": "u", "user": {"token": TOKEN}}],
+            "clusters": [{"name": "c", "cluster": {"server": self.api.url, **self.cluster}}],
+            "users": [{"name": "u", "user": self.user}],
             "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
             "current-context": "x",
         }
@@ -208,7 +291,7 @@ async def memory_device_plugin(node, args):
 
 
 async def main_async(args):
-    node = Node(args.devices, args.plugin_dir, args.python)
+    node = Node(args.devices, args.plugin_dir, args.python, args.tls)
     try:
         async with trio.open_nursery() as nursery:
             await node.start_servers(nursery)
@@ -250,6 +333,8 @@ async def figures(node, args, nursery):
     if node.health_messages:
         print(f"  NodeWatchResources messages while settling and idle: {node.health_messages - health}")
     print(f"DRA costs {rss_dra - rss_dp:+.1f} MiB of RSS over the device-plugin API alone")
+    if args.stages:
+        await stages(node, args)
     if args.memory_only:
         return
     await slice_latency(node, args)
@@ -257,6 +342,28 @@ async def figures(node, args, nursery):
     print(f"after all that: RSS {rss_mib(node.plugin.pid):.1f} MiB")
     await node.stop()
     await breakdown(node, args)
+
+
+async def stages(node, args):
+    """The API client's memory step by step, in a fresh process of its own (STAGES)."""
+    (name,) = [name for name, item in node.api.slices.items() if item["spec"]["pool"]["name"] == POOL]
+    item = node.api.slices[name]
+    body = {key: item[key] for key in ("apiVersion", "kind", "spec")}
+    script = STAGES % {"driver": DRIVER, "slices": 1, "slice": repr(body)}
+    done = await trio.run_process(
+        [args.python, "-c", script], cwd=args.plugin_dir, env=node.env, capture_stdout=True, check=False
+    )
+    last = total = None  # the previous line's figure; the previous total's (a line not indented)
+    for line in done.stdout.decode().splitlines():
+        label, _, mib = line.partition("\t")
+        mib = float(mib)
+        before = last if label.startswith(" ") else total
+        print(f"  {label}: {mib:.1f} MiB" + (f" ({mib - before:+.1f})" if before is not None else ""))
+        last = mib
+        if not label.startswith(" "):
+            total = mib
+    if done.returncode:
+        print(f"  the stages' process failed ({done.returncode})")
 
 
 async def breakdown(node, args):
@@ -386,6 +493,14 @@ def main():
     parser.add_argument("--log-level", default="info", help="the plugin's (default info, as the image runs it)")
     parser.add_argument("--show-log", action="store_true", help="print the plugin's whole log at the end")
     parser.add_argument("--memory-only", action="store_true", help="stop after the memory figures")
+    parser.add_argument(
+        "--stages", action="store_true", help="then the API client's memory step by step, in a fresh process"
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="the API server over HTTPS, its CA and the token in files as a pod's (default: plain HTTP, a token)",
+    )
     parser.add_argument(
         "--plugin-dir",
         type=Path,
