@@ -8060,7 +8060,9 @@ def _token_file_auth(httpx2: Any, path: str) -> Any:
 #:   store on Windows and macOS; on Linux it loads the system's CA files itself, and lightkube
 #:   gives it the kubeconfig's CA anyway) and mimetypes (httpx2's multipart uploads).
 #: _import_api_client leaves each in sys.modules unexecuted until an attribute of it is asked for
-#: (_UnloadedModule): transparent to any code that does use one.
+#: (_UnloadedModule): transparent to any code that does use one. Only when gopherplug is the
+#: program (_OWNS_PROCESS: the gopherplug command, as the images run it): a program that embeds
+#: gopherplug owns its sys.modules, and gets every module imported as it always is.
 API_CLIENT_UNUSED = (
     "asyncio",
     "asyncio.subprocess",
@@ -8074,6 +8076,10 @@ API_CLIENT_UNUSED = (
     "truststore",
     "mimetypes",
 )
+
+#: Whether gopherplug is the program (main() run as the command, its arguments from sys.argv), not
+#: a library imported by another one: then it may decide what this process's sys.modules holds.
+_OWNS_PROCESS = False
 
 #: Held while an _UnloadedModule runs its code: a second thread asking for an attribute meanwhile waits.
 _UNLOADED_LOCK = threading.RLock()
@@ -8154,7 +8160,8 @@ def _import_api_client() -> tuple[Any, Any]:
     """Import httpx2 and lightkube (with lightkube.generic_resource), for KubeApi.connect and
     check-config alike, leaving API_CLIENT_UNUSED unexecuted; returns (httpx2, lightkube). Raises
     ImportError when the dra extra is missing."""
-    _leave_unloaded(API_CLIENT_UNUSED)
+    if _OWNS_PROCESS:
+        _leave_unloaded(API_CLIENT_UNUSED)
     import httpx2
     import lightkube
     import lightkube.generic_resource
@@ -12562,6 +12569,9 @@ def main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code, but for ``serve`` stopped as asked
     (SIGTERM, SIGINT), which ends the process itself once everything is closed, without the
     interpreter's teardown (atexit handlers do not run)."""
+    global _OWNS_PROCESS
+    if argv is None:  # the command itself (console script, python -m gopherplug, gopherplug.py)
+        _OWNS_PROCESS = True
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command

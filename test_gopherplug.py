@@ -10676,7 +10676,8 @@ async def test_a_dra_driver_never_runs_what_lightkube_imports_for_others(dra_nod
     group's 500 models: 3 MiB a DRA driver never uses. A serve, to its slice, a prepared claim and its
     stop, runs none of API_CLIENT_UNUSED's code: an audit hook logs every module whose code runs
     (lightkube's own: the hook is seen to work). Then, in this process, a module left unloaded
-    runs as soon as it is used, and is the module an import would have given."""
+    runs as soon as it is used, and is the module an import would have given. A program that
+    embeds gopherplug gets every module imported as ever: only the command leaves any unloaded."""
     import importlib.util
 
     site = tmp_path / "site"
@@ -10701,8 +10702,16 @@ async def test_a_dra_driver_never_runs_what_lightkube_imports_for_others(dra_nod
     unused = {name: importlib.util.find_spec(name).origin for name in gp.API_CLIENT_UNUSED}
     assert importlib.util.find_spec("lightkube").origin in files
     assert [name for name, origin in unused.items() if origin in files] == []
+    embedded = (
+        "import sys, gopherplug as gp\n"
+        "gp._import_api_client()\n"
+        "print(any(isinstance(module, gp._UnloadedModule) for module in sys.modules.values()))\n"
+    )
+    result = await trio.run_process([sys.executable, "-c", embedded], cwd=HERE, capture_stdout=True)
+    assert result.stdout.decode().splitlines() == ["False"]
     code = (
         "import sys, gopherplug as gp\n"
+        "gp._OWNS_PROCESS = True  # as main() sets it, run as the command\n"
         "gp._import_api_client()\n"
         "print(all(isinstance(sys.modules[name], gp._UnloadedModule) for name in gp.API_CLIENT_UNUSED))\n"
         "import asyncio.subprocess, mimetypes, msgspec\n"
