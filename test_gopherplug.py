@@ -3030,6 +3030,37 @@ def test_preferred_order_answers_as_one_at_a_time_or_not_at_all(inputs, listed_o
     assert fast is None or fast == expected
 
 
+@PROPERTIES
+@given(pick_inputs(), st.booleans())
+def test_preferred_allocation_as_served_picks_as_one_at_a_time(inputs, listed_only):
+    """What the service answers: the request read with bytes IDs (_PreferredAllocationWire), the
+    device set's _PreferredOrder kept; from the order or from _pick, the rule's pick."""
+    resource, devices, available, chosen, size = inputs
+    if listed_only:
+        listed = {i for d in devices for i in resource.replica_ids(d)}
+        available, chosen = [i for i in available if i in listed], [i for i in chosen if i in listed]
+    expected = pick_one_at_a_time(resource, devices, available, list(chosen), size)
+    request = gp._PreferredAllocationWire()
+    request.container_requests.add(
+        available_deviceIDs=[i.encode() for i in available],
+        must_include_deviceIDs=[i.encode() for i in chosen],
+        allocation_size=size,
+    )
+    order = gp._PreferredOrder(resource, devices)
+    answer = gp.preferred_allocation_response(resource, devices, request, order=order)
+    assert list(answer.container_responses[0].deviceIDs) == expected
+
+
+def test_preferred_order_leaves_ids_that_are_no_utf8_to_pick():
+    """A sysfs name with bytes that are no UTF-8 (kept as surrogate escapes) has no wire form: no
+    order then, and _pick answers (such an ID cannot reach the kubelet, but the others can)."""
+    resource = resource_in("/g")
+    devices = {i: gp.DeviceEntry(i, f"/g/{i}") for i in ("g1", "g2", "g\udcff")}
+    order = gp._PreferredOrder(resource, devices)
+    assert order.order is None and order.answer(_container_request(["g2", "g1"], [], 1)) is None
+    assert preferred(resource, devices.values(), ["g2", "g1"], [], 1) == ["g1"]
+
+
 @pytest.mark.parametrize(
     ("replicas", "policy", "nodes", "must_include", "answers"),
     [
@@ -3059,6 +3090,12 @@ def test_preferred_allocation_from_the_order_where_it_applies(replicas, policy, 
         assert (expected if fast is None else fast) == expected
     # An ID the plugin does not list (a device gone since the kubelet's last list): the rule ranks it.
     assert order.answer(_container_request([*available, "g99999"], must, 3)) is None
+    # An ID offered twice (the kubelet never does): one candidate, as _pick counts it.
+    twice = [*available, available[-1]]
+    assert order.answer(_container_request(twice, must, len(available))) is None
+    request = v1beta1.PreferredAllocationRequest(container_requests=[_container_request(twice, must, len(available))])
+    answer = gp.preferred_allocation_response(resource, devices, request, order=order).container_responses[0]
+    assert list(answer.deviceIDs) == gp._pick(resource, devices, dict.fromkeys(available), must, len(available))
 
 
 @pytest.mark.parametrize("policy", ["packed", "spread"])
@@ -3206,6 +3243,38 @@ async def test_register_list_allocate(nursery, node):
         )
         assert answer == v1beta1.PreStartContainerResponse()
     assert oct(stat.S_IMODE(os.stat(os.path.join(node.plugin_dir, request.endpoint)).st_mode)) == "0o600"
+
+
+@pytest.mark.parametrize(
+    ("available", "must_include"),
+    [
+        ([b"g1", b"g\xff"], []),  # an offered ID: the order cannot answer, _pick's path parses again
+        ([b"g1", b"g2"], [b"\xc3"]),  # a must-include ID the order would skip: refused all the same
+    ],
+)
+async def test_preferred_allocation_refuses_ids_that_are_no_utf8(nursery, node, available, must_include):
+    """The service reads GetPreferredAllocation's IDs as bytes (_PreferredAllocationWire); an ID
+    that is no UTF-8 is still refused as every request that a v1beta1 message cannot hold."""
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        endpoint = os.path.join(node.plugin_dir, simulator.registrations[0].endpoint)
+        as_bytes = dataclasses.replace(
+            gp.METHODS["/v1beta1.DevicePlugin/GetPreferredAllocation"], request_type=gp._PreferredAllocationWire
+        )
+        request = gp._PreferredAllocationWire()
+        request.container_requests.add(
+            available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=1
+        )
+        with pytest.raises(gp.RPCError) as info:
+            await gp.call_unary(endpoint, as_bytes, request, timeout=5)
+        assert info.value.code == StatusCode.INTERNAL
+        assert info.value.message.startswith("cannot parse the request: Error parsing message")
+        # The same request in UTF-8 is answered, from the order (both listed) and by _pick (one not).
+        request.container_requests[0].must_include_deviceIDs[:] = []
+        request.container_requests[0].available_deviceIDs[:] = [b"g2", b"g1"]
+        answer = await gp.call_unary(endpoint, as_bytes, request, timeout=5)
+        assert list(answer.container_responses[0].deviceIDs) == ["g1"]
+        assert await simulator.preferred_allocation(RESOURCE, ["g2", "g10", "g1"], ["g10"], 2) == ["g10", "g1"]
 
 
 async def test_allocate_unknown_ids_is_invalid_argument(nursery, node):
