@@ -8223,8 +8223,8 @@ class ExecCredentialPlugin:
         executable = self.command if "/" in self.command else shutil.which(self.command)
         if executable is None or not os.path.exists(executable):
             hint = f": {self.install_hint}" if self.install_hint else ""
-            where = "on PATH" if "/" not in self.command else "there"
-            raise self._error(f"{self.command} not found {where}{hint}")
+            where = " on PATH" if "/" not in self.command else ""
+            raise self._error(f"{self.command} not found{where}{hint}")
         try:
             with trio.fail_after(EXEC_CREDENTIAL_TIMEOUT):
                 returncode, stdout, stderr = await _run_for_output([executable, *self.args], env)
@@ -8543,8 +8543,15 @@ class KubeApi:
         # A user with an exec credential plugin: lightkube runs it through asyncio, which has no
         # event loop under trio (ExecCredentialPlugin runs it itself). Read before the client is made,
         # so that a problem in the kubeconfig leaves nothing to close.
+        # Only if the user has no other credential: client-go's exec authenticator steps aside for a
+        # token, a token file, a client certificate or a password (UpdateTransportConfig).
         plugin = None
-        if getattr(chosen.user, "exec", None) is not None and chosen.fname is not None:
+        user_fields = ("token", "token_file", "client_cert", "client_cert_data", "username")
+        if (
+            getattr(chosen.user, "exec", None) is not None
+            and not any(getattr(chosen.user, field, None) for field in user_fields)
+            and chosen.fname is not None
+        ):
             user, cluster = chosen.context.user or "", chosen.context.cluster
             plugin = ExecCredentialPlugin.from_kubeconfig(chosen.fname, user, cluster)
         client = lightkube.AsyncClient(

@@ -12275,7 +12275,7 @@ async def test_dra_a_token_file_is_read_again_every_minute(dra_node, monkeypatch
 #: it, and answers with the entry of ``answers.json`` for that run (the last one once they run out):
 #: what it prints on stdout and stderr, and its exit status.
 EXEC_PLUGIN = """#!{python}
-import json, os, sys
+import json, os, signal, sys
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "runs"), "a+") as runs:
     runs.seek(0)
@@ -12285,11 +12285,14 @@ with open(os.path.join(here, "runs"), "a+") as runs:
         "args": sys.argv[1:],
         "env": os.environ.get("GOPHER_EXEC_ENV"),
         "stdin": os.stat(0).st_rdev == os.stat(os.devnull).st_rdev,
+        "pid": os.getpid(),
     }}
     runs.write(json.dumps(seen) + "\\n")
 with open(os.path.join(here, "answers.json")) as file:
     answers = json.load(file)
 answer = answers[min(count, len(answers) - 1)]
+if answer.get("hang"):
+    signal.pause()
 sys.stdout.write(answer.get("stdout", ""))
 sys.stderr.write(answer.get("stderr", ""))
 sys.exit(answer.get("exit", 0))
@@ -12364,7 +12367,7 @@ async def test_dra_exec_credential_plugin_token_is_sent_until_it_expires(dra_nod
     assert dra_node.api.bearers == ["token-1", "token-2", "token-2"]
     request = {"apiVersion": EXEC_V1, "kind": "ExecCredential", "spec": {"interactive": False}}
     given = {"info": request, "args": ["get-token", "--cluster", "c"], "env": "from the kubeconfig", "stdin": True}
-    assert plugin.runs() == [given, given]
+    assert [{k: v for k, v in run.items() if k != "pid"} for run in plugin.runs()] == [given, given]
 
 
 async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_request(dra_node, tmp_path):
@@ -12482,6 +12485,48 @@ async def test_dra_exec_credential_plugin_a_kubeconfig_cannot_use_is_refused(dra
     with pytest.raises(gp.GopherplugError) as refused:
         plugin.connect()
     assert str(refused.value) == f"kubeconfig user 'u': exec credential plugin ./bin/credential-plugin: {said}"
+    assert plugin.runs() == []
+
+
+async def test_dra_exec_credential_plugin_that_hangs_is_killed(dra_node, tmp_path, monkeypatch):
+    """client-go waits for a plugin forever; a driver cannot: past EXEC_CREDENTIAL_TIMEOUT the plugin
+    is killed and the request fails with that line. The next request runs it again."""
+    monkeypatch.setattr(gp, "EXEC_CREDENTIAL_TIMEOUT", 0.5)
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [{"hang": True}, exec_answer("token-1")])
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT):
+            with pytest.raises(gp.ApiError) as failed:
+                await api.get_claim("default", "c1")
+            [hung] = plugin.runs()
+            with pytest.raises(ProcessLookupError):  # killed, and reaped
+                os.kill(hung["pid"], 0)
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    assert str(failed.value) == (
+        "get ResourceClaim default/c1: kubeconfig user 'u': exec credential plugin ./bin/credential-plugin: "
+        "did not finish within 0.5 s (killed)"
+    )
+    assert dra_node.api.bearers == ["token-1"]
+
+
+async def test_dra_exec_credential_plugin_steps_aside_for_the_users_token(dra_node, tmp_path):
+    """A user with a token file and an exec plugin: the token file's token, as client-go sends it
+    (its exec authenticator does nothing for a user with another credential); the plugin never runs."""
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [exec_answer("token-2")])
+    kubeconfig = yaml.safe_load(plugin.kubeconfig.read_text())
+    kubeconfig["users"][0]["user"]["tokenFile"] = str(dra_node.token_file)
+    plugin.kubeconfig.write_text(yaml.safe_dump(kubeconfig))
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT):
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    assert dra_node.api.bearers == ["token-1"]
     assert plugin.runs() == []
 
 
