@@ -12271,9 +12271,9 @@ async def test_dra_a_token_file_is_read_again_every_minute(dra_node, monkeypatch
 
 
 #: A client-go credential plugin for the tests: it records each run (the KUBERNETES_EXEC_INFO it was
-#: given, its args, the kubeconfig's env var, whether stdin is /dev/null) as a line of ``runs`` beside
-#: it, and answers with the entry of ``answers.json`` for that run (the last one once they run out):
-#: what it prints on stdout and stderr, and its exit status.
+#: given, its args, the kubeconfig's env var, whether stdin is /dev/null, its PID) as a line of
+#: ``runs`` beside it, and answers with the entry of ``answers.json`` for that run (the last one once
+#: they run out): what it prints on stdout and stderr and its exit status, or it hangs (``hang``).
 EXEC_PLUGIN = """#!{python}
 import json, os, signal, sys
 here = os.path.dirname(os.path.abspath(__file__))
