@@ -8119,10 +8119,311 @@ def _token_file_auth(httpx2: Any, path: str) -> Any:
     return TokenFileAuth()
 
 
+#: The ExecCredential versions client-go accepts from a kubeconfig's exec plugin (apiVersions in
+#: client-go's plugin/pkg/client/auth/exec/exec.go): v1alpha1 was removed in Kubernetes 1.24.
+EXEC_CREDENTIAL_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
+
+#: How long an exec credential plugin may run before it is killed and the request fails. client-go
+#: gives it no deadline: kubectl's user sees a command hang and presses Ctrl-C. A driver has no one
+#: to do that, and every request waits for the plugin's one run.
+EXEC_CREDENTIAL_TIMEOUT = 60.0
+
+#: At most this much of a plugin's stdout is kept: an ExecCredential is a few KiB (a token, or a
+#: certificate chain); a plugin that prints without end fails instead of filling our memory.
+EXEC_CREDENTIAL_MAX_OUTPUT = 1 << 20
+
+
+class ExecCredentialError(ApiError):
+    """An exec credential plugin did not give a credential: KubeApi's requests fail with this line
+    (KubeApi._errors puts what the request was for in front of it), and are retried as any request
+    the API server did not answer (status None)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
+class ExecCredentialPlugin:
+    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
+    ``kubelogin get-token``), run as client-go runs it (plugin/pkg/client/auth/exec/exec.go; the
+    contract is the docs' "client-go credential plugins"), under trio: lightkube 1.0.1 runs it
+    through asyncio, which has no event loop under trio (its requests fail with "no running event
+    loop").
+
+    - The command: a bare name is looked up on PATH, as Go's exec.Command does; a path with a slash
+      in it is relative to the kubeconfig's directory (clientcmd's ResolveLocalPaths), not to ours.
+    - Its environment: ours, then the kubeconfig's ``env`` entries, then KUBERNETES_EXEC_INFO, the
+      ExecCredential request as JSON: apiVersion, kind, spec.interactive (always false: a driver
+      has no one to answer a prompt, so stdin is /dev/null) and spec.cluster only with
+      ``provideClusterInfo: true`` (the cluster's server, CA data, TLS server name, proxy URL and
+      its ``client.authentication.k8s.io/exec`` extension, as client-go's rest.ConfigToExecCluster).
+    - Its stdout: an ExecCredential of the apiVersion asked for, whose status.token is sent as the
+      bearer token until status.expirationTimestamp (RFC 3339; none: until the API server refuses
+      it), as client-go caches it. A 401 runs the plugin again, unless another request already has
+      since this one's token was had, at most once per request; client-go then returns the 401 and
+      the next request has the new token, this sends the request once more with it, as the token
+      file's authentication here does (_token_file_auth).
+    - One run at a time (a lock, as client-go's mutex): concurrent requests wait for it and share
+      its credential. A run is bounded by EXEC_CREDENTIAL_TIMEOUT, killed with its process group.
+
+    Not supported, each refused with a line that says what to do: interactiveMode Always (a plugin
+    that must prompt), and a client certificate in place of a token (status.clientCertificateData
+    and clientKeyData: httpx2 sets a connection's certificate when the client is made, not per
+    request). Problems in the kubeconfig raise GopherplugError at once (connect fails with it); a
+    run that gives no credential raises ExecCredentialError, naming the user and the command.
+    """
+
+    def __init__(
+        self, user: str, config: Mapping[str, Any], cluster: Mapping[str, Any], kubeconfig: str | os.PathLike[str]
+    ) -> None:
+        self.user = user
+        command = config.get("command")
+        base = os.path.dirname(os.path.abspath(kubeconfig))
+        if not isinstance(command, str) or not command:
+            raise GopherplugError(f"kubeconfig {kubeconfig}: user {user!r}: exec has no command")
+        # kubectl's error for a relative path to the plugin is a missing file in its cwd; clientcmd
+        # resolves one with a slash against the kubeconfig's directory, a bare name stays a PATH lookup.
+        self.command = command if "/" not in command else os.path.join(base, command)
+        self.shown = f"kubeconfig user {user!r}: exec credential plugin {command}"
+        args, env = config.get("args") or [], config.get("env") or []
+        if not isinstance(args, list) or not all(isinstance(arg, str) for arg in args):
+            raise GopherplugError(f"{self.shown}: exec.args must be a list of strings")
+        if not isinstance(env, list) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("value"), str)
+            for entry in env
+        ):
+            raise GopherplugError(f"{self.shown}: exec.env must be a list of name and value strings")
+        self.args: list[str] = list(args)
+        self.env = {entry["name"]: entry["value"] for entry in env}
+        self.api_version = config.get("apiVersion")
+        if self.api_version not in EXEC_CREDENTIAL_VERSIONS:
+            raise GopherplugError(
+                f"{self.shown}: exec.apiVersion {self.api_version!r} is not one client-go accepts: "
+                f"use {' or '.join(EXEC_CREDENTIAL_VERSIONS)}"
+            )
+        # clientcmd requires interactiveMode in a v1 exec and defaults a v1beta1 one to IfAvailable.
+        # IfAvailable and Never both run here without a terminal; Always means the plugin needs one.
+        mode = config.get("interactiveMode") or "IfAvailable"
+        if mode not in ("Never", "IfAvailable", "Always"):
+            raise GopherplugError(f"{self.shown}: exec.interactiveMode {mode!r}: Never, IfAvailable or Always")
+        if mode == "Always":
+            raise GopherplugError(
+                f"{self.shown}: interactiveMode Always needs a terminal to prompt at, and gopherplug runs the "
+                "plugin without one: log in with the plugin first (its cached login is used) or give it a "
+                "non-interactive way to get the token, and set interactiveMode: Never"
+            )
+        self.install_hint = " ".join(str(config.get("installHint") or "").split())
+        self.cluster = self._cluster_info(cluster, base) if config.get("provideClusterInfo") else None
+        self.token: str | None = None
+        self.expires = math.inf  # the wall-clock time.time() the token expires at
+        self._lock = trio.Lock()
+
+    def _cluster_info(self, cluster: Mapping[str, Any], base: str) -> dict[str, Any]:
+        """spec.cluster as client-go's rest.ConfigToExecCluster builds it: the CA as data (base64
+        in JSON, as Go marshals []byte), read from certificate-authority if that is all there is."""
+        info: dict[str, Any] = {"server": str(cluster.get("server") or "")}
+        ca = cluster.get("certificate-authority-data")
+        if not ca and cluster.get("certificate-authority"):
+            try:
+                with open(os.path.join(base, cluster["certificate-authority"]), "rb") as file:
+                    ca = base64.b64encode(file.read()).decode()
+            except OSError as error:
+                raise GopherplugError(
+                    f"{self.shown}: cannot read the cluster's certificate-authority for provideClusterInfo: "
+                    f"{_describe(error)}"
+                ) from None
+        for key, value in (
+            ("tls-server-name", cluster.get("tls-server-name")),
+            ("insecure-skip-tls-verify", cluster.get("insecure-skip-tls-verify")),
+            ("certificate-authority-data", ca),
+            ("proxy-url", cluster.get("proxy-url")),
+            ("disable-compression", cluster.get("disable-compression")),
+        ):
+            if value:  # omitempty, as client-go's JSON
+                info[key] = value
+        for extension in cluster.get("extensions") or []:
+            if isinstance(extension, dict) and extension.get("name") == "client.authentication.k8s.io/exec":
+                info["config"] = extension.get("extension")
+        return info
+
+    @classmethod
+    def from_kubeconfig(cls, path: str | os.PathLike[str], user: str, cluster: str) -> ExecCredentialPlugin:
+        """The exec plugin of ``user`` in the kubeconfig at ``path``, for ``cluster``. Read from the
+        file itself: lightkube's model of it keeps neither provideClusterInfo nor interactiveMode,
+        nor a cluster's extensions."""
+        try:
+            with open(path, encoding="utf-8") as file:
+                document = yaml.safe_load(file)
+        except (OSError, yaml.YAMLError) as error:
+            raise GopherplugError(f"kubeconfig {path}: {_describe(error)}") from None
+
+        def named(section: str, name: str, field: str) -> dict[str, Any]:
+            for entry in (document or {}).get(section) or []:
+                if isinstance(entry, dict) and entry.get("name") == name and isinstance(entry.get(field), dict):
+                    return dict(entry[field])
+            return {}
+
+        return cls(user, named("users", user, "user").get("exec") or {}, named("clusters", cluster, "cluster"), path)
+
+    def _error(self, what: str) -> ExecCredentialError:
+        return ExecCredentialError(f"{self.shown}: {what}")
+
+    async def current(self) -> str:
+        """The token to send: the one had before, until it expires; else the plugin's next one."""
+        async with self._lock:
+            if self.token is None or time.time() >= self.expires:
+                await self._run()
+            assert self.token is not None
+            return self.token
+
+    async def refused(self, sent: str) -> str:
+        """The token to send after the API server refused ``sent`` (401): a new run's, unless another
+        request has had one since (client-go's maybeRefreshCreds)."""
+        async with self._lock:
+            if self.token == sent:
+                await self._run()
+            assert self.token is not None
+            return self.token
+
+    async def _run(self) -> None:
+        """Run the plugin and take its token (ExecCredentialError if it gives none)."""
+        spec: dict[str, Any] = {"interactive": False}
+        if self.cluster is not None:
+            spec["cluster"] = self.cluster
+        request = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": spec}
+        env = {**os.environ, **self.env, "KUBERNETES_EXEC_INFO": json.dumps(request)}
+        # Looked up on our own PATH, as Go's exec.Command does before the kubeconfig's env applies.
+        executable = self.command if "/" in self.command else shutil.which(self.command)
+        if executable is None or not os.path.exists(executable):
+            hint = f": {self.install_hint}" if self.install_hint else ""
+            where = " on PATH" if "/" not in self.command else ""
+            raise self._error(f"{self.command} not found{where}{hint}")
+        try:
+            with trio.fail_after(EXEC_CREDENTIAL_TIMEOUT):
+                returncode, stdout, stderr = await _run_for_output([executable, *self.args], env)
+        except trio.TooSlowError:
+            raise self._error(f"did not finish within {EXEC_CREDENTIAL_TIMEOUT:g} s (killed)") from None
+        except OSError as error:
+            raise self._error(f"cannot run it: {_describe(error)}") from None
+        lines = [line.strip() for line in stderr.decode(errors="replace").splitlines() if line.strip()]
+        if returncode != 0:
+            how = f"exited with {returncode}" if returncode > 0 else f"was killed by signal {-returncode}"
+            raise self._error(f"{how}: {lines[-1]}" if lines else f"{how} (nothing on stderr)")
+        if lines:  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
+            log.info("%s said: %s", self.shown, lines[-1])
+        if stdout is None:
+            raise self._error(f"printed more than {EXEC_CREDENTIAL_MAX_OUTPUT} bytes, not an ExecCredential")
+        self.token, self.expires = self._credential(stdout)
+
+    def _credential(self, stdout: bytes) -> tuple[str, float]:
+        """The token and its expiry (time.time(); math.inf: none) in the plugin's ExecCredential."""
+        try:
+            credential = json.loads(stdout)
+        except ValueError as error:  # UnicodeDecodeError included
+            shown = stdout[:60].decode(errors="replace").strip() or "nothing"
+            raise self._error(f"printed no ExecCredential JSON ({error}): {shown}") from None
+        if not isinstance(credential, dict) or credential.get("kind") != "ExecCredential":
+            raise self._error("printed JSON that is not an ExecCredential (kind ExecCredential)")
+        if credential.get("apiVersion") != self.api_version:
+            raise self._error(
+                f"answered apiVersion {credential.get('apiVersion')!r}, the kubeconfig asks for {self.api_version}: "
+                "set exec.apiVersion to the one the plugin speaks"
+            )
+        status = credential.get("status")
+        if not isinstance(status, dict):
+            raise self._error("printed an ExecCredential without a status")
+        token = status.get("token")
+        if status.get("clientCertificateData") or status.get("clientKeyData"):
+            if not isinstance(token, str) or not token:
+                raise self._error(
+                    "answered a client certificate (status.clientCertificateData), which gopherplug does not "
+                    "use: have the plugin print a token, or put the certificate in the kubeconfig "
+                    "(client-certificate-data and client-key-data)"
+                )
+            log.warning("%s: answered a token and a client certificate: the token alone is sent", self.shown)
+        if not isinstance(token, str) or not token:
+            raise self._error("printed an ExecCredential without status.token")
+        expiry = status.get("expirationTimestamp")
+        if expiry is None:
+            return token, math.inf
+        try:
+            when = datetime.datetime.fromisoformat(str(expiry))
+            if when.tzinfo is None:
+                raise ValueError("no time zone offset")
+        except ValueError as error:
+            raise self._error(f"status.expirationTimestamp {expiry!r} is not an RFC 3339 time ({error})") from None
+        return token, when.timestamp()
+
+
+async def _run_for_output(argv: list[str], env: Mapping[str, str]) -> tuple[int, bytes | None, bytes]:
+    """Run ``argv`` to its end, stdin /dev/null; return its exit status, its stdout (None if longer
+    than EXEC_CREDENTIAL_MAX_OUTPUT) and the last PRE_START_STDERR_TAIL bytes of its stderr. Both
+    pipes are read as the command writes: one read after the other would leave it blocked on a full
+    pipe. Cancelled, it is killed with everything it started (its own process group)."""
+    stdout, tail = bytearray(), bytearray()
+    too_long = False
+
+    async def read_stdout(stream: trio.abc.ReceiveStream) -> None:
+        nonlocal too_long
+        async with stream:
+            async for chunk in stream:
+                if not too_long:
+                    stdout.extend(chunk)
+                    too_long = len(stdout) > EXEC_CREDENTIAL_MAX_OUTPUT
+                    if too_long:
+                        stdout.clear()
+
+    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    check=False,
+                    start_new_session=True,
+                    deliver_cancel=_kill_process_group,
+                )
+            )
+            assert process.stdout is not None and process.stderr is not None  # both PIPE
+            nursery.start_soon(read_stdout, process.stdout)
+            async with process.stderr:
+                async for chunk in process.stderr:
+                    tail += chunk
+                    del tail[:-PRE_START_STDERR_TAIL]
+    assert process.returncode is not None
+    return process.returncode, None if too_long else bytes(stdout), bytes(tail)
+
+
+def _exec_credential_auth(httpx2: Any, plugin: ExecCredentialPlugin) -> Any:
+    """An httpx2 authentication that sends ``plugin``'s bearer token (ExecCredentialPlugin), its
+    plugin run in the request's own trio task: async_auth_flow, never the event loop blocked."""
+
+    class ExecCredentialAuth(httpx2.Auth):  # type: ignore[misc,name-defined]
+        def sync_auth_flow(self, request: Any) -> Generator[Any, Any, None]:
+            raise GopherplugError(f"{plugin.shown}: runs for an async client only")
+            yield request  # a generator, as httpx2 calls it
+
+        async def async_auth_flow(self, request: Any) -> AsyncGenerator[Any, Any]:
+            sent = await plugin.current()
+            request.headers["Authorization"] = f"Bearer {sent}"
+            response = yield request
+            if response.status_code == 401:
+                token = await plugin.refused(sent)
+                if token != sent:  # the same token again: the 401 is the answer
+                    request.headers["Authorization"] = f"Bearer {token}"
+                    yield request
+
+    return ExecCredentialAuth()
+
+
 #: Modules that lightkube 1.0.1, httpx2 and httpcore2 import at their own import and a DRA driver
 #: never runs, with what they cost in RSS on CPython 3.11 (bench/RESULTS.md, bench_dra.py --stages):
 #: - asyncio, for lightkube's exec credentials (asyncio.create_subprocess_exec, which needs an
-#:   asyncio event loop: under trio they cannot run) and the sleep of its own watch's retries
+#:   asyncio event loop: under trio they cannot run, and ExecCredentialPlugin runs the kubeconfig's
+#:   plugin in their place) and the sleep of its own watch's retries
 #:   (gopherplug watches by itself, list_and_watch): 1.5 MiB with concurrent.futures and _asyncio;
 #: - lightkube's models and resources of the core group, about 500 classes with their docstrings,
 #:   of which the driver needs the Node alone and reads it as a dict (KubeApi.get_node): 1.6 MiB;
@@ -8263,7 +8564,8 @@ class KubeApi:
     (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
     is read again every TOKEN_REREAD_SECONDS (to twice that, jittered) and when the server refuses
     it (401 or 403), as the kubelet rotates bound tokens. Outside a pod (a developer's machine, the
-    demo), KUBECONFIG's.
+    demo), KUBECONFIG's; a kubeconfig user's exec credential plugin is run under trio
+    (ExecCredentialPlugin), not by lightkube.
     Every request says who sends it (user_agent()).
 
     Lists and watches are made as client-go's reflector makes them (list_and_watch() says how and
@@ -8307,8 +8609,23 @@ class KubeApi:
                 config = lightkube.KubeConfig.from_service_account(service_account_dir)
             else:
                 config = lightkube.KubeConfig.from_env()
+            chosen = config.get()  # the current context's cluster and user, as the client takes them
         except (lightkube.ConfigError, OSError, KeyError) as error:
             raise GopherplugError(f"no Kubernetes API configuration: {error}") from None
+        # A user with an exec credential plugin: lightkube runs it through asyncio, which has no
+        # event loop under trio (ExecCredentialPlugin runs it itself). Read before the client is made,
+        # so that a problem in the kubeconfig leaves nothing to close.
+        # Only if the user has no other credential: client-go's exec authenticator steps aside for a
+        # token, a token file, a client certificate or a password (UpdateTransportConfig).
+        plugin = None
+        user_fields = ("token", "token_file", "client_cert", "client_cert_data", "username")
+        if (
+            getattr(chosen.user, "exec", None) is not None
+            and not any(getattr(chosen.user, field, None) for field in user_fields)
+            and chosen.fname is not None
+        ):
+            user, cluster = chosen.context.user or "", chosen.context.cluster
+            plugin = ExecCredentialPlugin.from_kubeconfig(chosen.fname, user, cluster)
         client = lightkube.AsyncClient(
             config, field_manager=field_manager, timeout=httpx2.Timeout(API_REQUEST_TIMEOUT), trust_env=False
         )
@@ -8321,6 +8638,8 @@ class KubeApi:
         token_file = getattr(user, "token_file", None)
         if token_file:
             client._client._client.auth = _token_file_auth(httpx2, token_file)
+        if plugin is not None:
+            client._client._client.auth = _exec_credential_auth(httpx2, plugin)
         client._client._client.headers["User-Agent"] = user_agent(node_name)
         # httpx2 logs every request at INFO; gopherplug logs what each one was for, and failures.
         logging.getLogger("httpx2").setLevel(logging.WARNING)
@@ -8350,6 +8669,8 @@ class KubeApi:
             details = error.status.details
             causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
             raise ApiError(error.status.code, message, retry_after, causes) from None
+        except ExecCredentialError as error:  # the kubeconfig's credential plugin gave no token
+            raise ApiError(None, f"{what}: {error}") from None
         except self._transport_error as error:
             # httpx2's error for a server certificate the configured CA did not sign says nothing
             # (trio's BrokenResourceError inside): the reason, ssl's "CERTIFICATE_VERIFY_FAILED",

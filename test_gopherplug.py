@@ -12339,6 +12339,281 @@ async def test_dra_a_token_file_is_read_again_every_minute(dra_node, monkeypatch
     assert dra_node.api.refused_tokens == 0
 
 
+#: A client-go credential plugin for the tests: it records each run (the KUBERNETES_EXEC_INFO it was
+#: given, its args, the kubeconfig's env var, whether stdin is /dev/null, its PID) as a line of
+#: ``runs`` beside it, and answers with the entry of ``answers.json`` for that run (the last one once
+#: they run out): what it prints on stdout and stderr and its exit status, or it hangs (``hang``).
+EXEC_PLUGIN = """#!{python}
+import json, os, signal, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "runs"), "a+") as runs:
+    runs.seek(0)
+    count = len(runs.readlines())
+    seen = {{
+        "info": json.loads(os.environ["KUBERNETES_EXEC_INFO"]),
+        "args": sys.argv[1:],
+        "env": os.environ.get("GOPHER_EXEC_ENV"),
+        "stdin": os.stat(0).st_rdev == os.stat(os.devnull).st_rdev,
+        "pid": os.getpid(),
+    }}
+    runs.write(json.dumps(seen) + "\\n")
+with open(os.path.join(here, "answers.json")) as file:
+    answers = json.load(file)
+answer = answers[min(count, len(answers) - 1)]
+if answer.get("hang"):
+    signal.pause()
+sys.stdout.write(answer.get("stdout", ""))
+sys.stderr.write(answer.get("stderr", ""))
+sys.exit(answer.get("exit", 0))
+"""
+
+EXEC_V1 = "client.authentication.k8s.io/v1"
+
+
+def exec_answer(token, expires=None, version=EXEC_V1, **status):
+    """An answer of the plugin: an ExecCredential with this token (None: none) and expiry."""
+    if token is not None:
+        status["token"] = token
+    if expires is not None:
+        status["expirationTimestamp"] = expires
+    return {"stdout": json.dumps({"apiVersion": version, "kind": "ExecCredential", "status": status})}
+
+
+class ExecPlugin:
+    """EXEC_PLUGIN in tmp_path/bin, and a kubeconfig in tmp_path for dra_node's API server whose user
+    runs it by a path relative to the kubeconfig (``./bin/credential-plugin``), with ``answers``."""
+
+    def __init__(self, dra_node, tmp_path, answers, **exec_fields):
+        (tmp_path / "bin").mkdir()
+        self.path = tmp_path / "bin" / "credential-plugin"
+        self.path.write_text(EXEC_PLUGIN.format(python=sys.executable))
+        self.path.chmod(0o755)
+        self.runs_file = tmp_path / "bin" / "runs"
+        (tmp_path / "bin" / "answers.json").write_text(json.dumps(answers))
+        self.exec = {
+            "apiVersion": EXEC_V1,
+            "command": "./bin/credential-plugin",
+            "args": ["get-token", "--cluster", "c"],
+            "env": [{"name": "GOPHER_EXEC_ENV", "value": "from the kubeconfig"}],
+            "interactiveMode": "IfAvailable",
+            **exec_fields,
+        }
+        kubeconfig = yaml.safe_load(dra_node.kubeconfig.read_text())
+        kubeconfig["users"] = [{"name": "u", "user": {"exec": self.exec}}]
+        self.kubeconfig = tmp_path / "kubeconfig"
+        self.kubeconfig.write_text(yaml.safe_dump(kubeconfig))
+
+    def runs(self):
+        """What each run was given, in order."""
+        if not self.runs_file.exists():
+            return []
+        return [json.loads(line) for line in self.runs_file.read_text().splitlines()]
+
+    def connect(self):
+        return gp.KubeApi.connect(kubeconfig=str(self.kubeconfig))
+
+
+async def test_dra_exec_credential_plugin_token_is_sent_until_it_expires(dra_node, tmp_path):
+    """lightkube ran a kubeconfig's exec plugin through asyncio, which has no event loop under trio:
+    the first request failed with "no running event loop". Run under trio, as client-go runs it: the
+    command relative to the kubeconfig, its args and env, KUBERNETES_EXEC_INFO (not interactive, no
+    cluster without provideClusterInfo), stdin /dev/null; its token used until its expiry (one
+    already past: run again at the next request)."""
+    dra_node.api.tokens = {"token-1", "token-2"}
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(
+        dra_node,
+        tmp_path,
+        [exec_answer("token-1", "2000-01-01T00:00:00Z"), exec_answer("token-2", "2999-01-01T00:00:00.123456789Z")],
+    )
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT):
+            for _ in range(3):
+                assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    assert dra_node.api.bearers == ["token-1", "token-2", "token-2"]
+    request = {"apiVersion": EXEC_V1, "kind": "ExecCredential", "spec": {"interactive": False}}
+    given = {"info": request, "args": ["get-token", "--cluster", "c"], "env": "from the kubeconfig", "stdin": True}
+    assert [{k: v for k, v in run.items() if k != "pid"} for run in plugin.runs()] == [given, given]
+
+
+async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_request(dra_node, tmp_path):
+    """A 401 runs the plugin again and sends the request once more with the new token; a 401 for the
+    token the plugin gives again is the answer. provideClusterInfo: spec.cluster in KUBERNETES_EXEC_INFO
+    (the CA as base64 data, the cluster's exec extension as config). Concurrent requests share one run."""
+    kubeconfig = yaml.safe_load(dra_node.kubeconfig.read_text())
+    extension = {"name": "client.authentication.k8s.io/exec", "extension": {"audience": "gophers"}}
+    kubeconfig["clusters"][0]["cluster"]["extensions"] = [extension]
+    dra_node.kubeconfig.write_text(yaml.safe_dump(kubeconfig))
+    dra_node.api.tokens = {"token-1"}
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [exec_answer("token-1"), exec_answer("token-2")], provideClusterInfo=True)
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:  # three at once: one run
+                for _ in range(3):
+                    nursery.start_soon(api.get_claim, "default", "c1")
+            assert len(plugin.runs()) == 1
+            dra_node.api.tokens = {"token-2"}  # token-1 revoked
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+            dra_node.api.tokens = {"token-3"}  # and token-2, which the plugin still gives
+            with pytest.raises(gp.ApiError) as refused:
+                await api.get_claim("default", "c1")
+    finally:
+        await api.aclose()
+    assert refused.value.status == 401
+    assert dra_node.api.bearers == ["token-1"] * 3 + ["token-1", "token-2"] + ["token-2"]
+    assert len(plugin.runs()) == 3
+    ca = base64.b64encode(dra_node.ca_file.read_bytes()).decode()
+    cluster = {"server": dra_node.api.url, "certificate-authority-data": ca, "config": {"audience": "gophers"}}
+    assert plugin.runs()[0]["info"]["spec"] == {"interactive": False, "cluster": cluster}
+
+
+@pytest.mark.parametrize(
+    ("answer", "fields", "said"),
+    [
+        (
+            {},
+            {"command": "gopherplug-no-such-plugin", "installHint": "install it:\n  pip install gopher-auth"},
+            "gopherplug-no-such-plugin not found on PATH: install it: pip install gopher-auth",
+        ),
+        (
+            {"stderr": "reading the SSO cache\nthe SSO session has expired: run aws sso login\n", "exit": 255},
+            {},
+            "exited with 255: the SSO session has expired: run aws sso login",
+        ),
+        (
+            {"stdout": "token-1\n"},
+            {},
+            "printed no ExecCredential JSON (Expecting value: line 1 column 1 (char 0)): token-1",
+        ),
+        (
+            exec_answer("token-1", version="client.authentication.k8s.io/v1beta1"),
+            {},
+            "answered apiVersion 'client.authentication.k8s.io/v1beta1', the kubeconfig asks for "
+            "client.authentication.k8s.io/v1: set exec.apiVersion to the one the plugin speaks",
+        ),
+        (exec_answer(None), {}, "printed an ExecCredential without status.token"),
+        (
+            exec_answer(None, clientCertificateData="-----BEGIN CERTIFICATE-----", clientKeyData="-----BEGIN KEY"),
+            {},
+            "answered a client certificate (status.clientCertificateData), which gopherplug does not use: "
+            "have the plugin print a token, or put the certificate in the kubeconfig (client-certificate-data "
+            "and client-key-data)",
+        ),
+        (
+            exec_answer("token-1", "tomorrow"),
+            {},
+            "status.expirationTimestamp 'tomorrow' is not an RFC 3339 time (Invalid isoformat string: 'tomorrow')",
+        ),
+    ],
+    ids=["missing", "exit", "not-json", "api-version", "no-token", "certificate", "expiry"],
+)
+async def test_dra_exec_credential_plugin_failure_is_one_line(dra_node, tmp_path, answer, fields, said):
+    """Each way a plugin gives no token: the request fails with one line naming the kubeconfig user,
+    the command and what went wrong (the install hint, the last line of stderr), and nothing is sent."""
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [answer], **fields)
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT), pytest.raises(gp.ApiError) as failed:
+            await api.get_claim("default", "c1")
+    finally:
+        await api.aclose()
+    command = plugin.exec["command"]
+    assert str(failed.value) == (
+        f"get ResourceClaim default/c1: kubeconfig user 'u': exec credential plugin {command}: {said}"
+    )
+    assert failed.value.status is None
+    assert dra_node.api.bearers == []
+    assert len(plugin.runs()) == (0 if "installHint" in fields else 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        (
+            {"interactiveMode": "Always"},
+            "interactiveMode Always needs a terminal to prompt at, and gopherplug runs the plugin without one: "
+            "log in with the plugin first (its cached login is used) or give it a non-interactive way to get "
+            "the token, and set interactiveMode: Never",
+        ),
+        (
+            {"apiVersion": "client.authentication.k8s.io/v1alpha1"},
+            "exec.apiVersion 'client.authentication.k8s.io/v1alpha1' is not one client-go accepts: use "
+            "client.authentication.k8s.io/v1 or client.authentication.k8s.io/v1beta1",
+        ),
+    ],
+    ids=["interactive", "api-version"],
+)
+async def test_dra_exec_credential_plugin_a_kubeconfig_cannot_use_is_refused(dra_node, tmp_path, fields, said):
+    plugin = ExecPlugin(dra_node, tmp_path, [exec_answer("token-1")], **fields)
+    with pytest.raises(gp.GopherplugError) as refused:
+        plugin.connect()
+    assert str(refused.value) == f"kubeconfig user 'u': exec credential plugin ./bin/credential-plugin: {said}"
+    assert plugin.runs() == []
+
+
+async def test_dra_exec_credential_plugin_that_hangs_is_killed(dra_node, tmp_path, monkeypatch):
+    """client-go waits for a plugin forever; a driver cannot: past EXEC_CREDENTIAL_TIMEOUT the plugin
+    is killed and the request fails with that line. The next request runs it again."""
+    monkeypatch.setattr(gp, "EXEC_CREDENTIAL_TIMEOUT", 0.5)
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [{"hang": True}, exec_answer("token-1")])
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT):
+            with pytest.raises(gp.ApiError) as failed:
+                await api.get_claim("default", "c1")
+            [hung] = plugin.runs()
+            with pytest.raises(ProcessLookupError):  # killed, and reaped
+                os.kill(hung["pid"], 0)
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    assert str(failed.value) == (
+        "get ResourceClaim default/c1: kubeconfig user 'u': exec credential plugin ./bin/credential-plugin: "
+        "did not finish within 0.5 s (killed)"
+    )
+    assert dra_node.api.bearers == ["token-1"]
+
+
+async def test_dra_exec_credential_plugin_steps_aside_for_the_users_token(dra_node, tmp_path):
+    """A user with a token file and an exec plugin: the token file's token, as client-go sends it
+    (its exec authenticator does nothing for a user with another credential); the plugin never runs."""
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [exec_answer("token-2")])
+    kubeconfig = yaml.safe_load(plugin.kubeconfig.read_text())
+    kubeconfig["users"][0]["user"]["tokenFile"] = str(dra_node.token_file)
+    plugin.kubeconfig.write_text(yaml.safe_dump(kubeconfig))
+    api = plugin.connect()
+    try:
+        with trio.fail_after(TIMEOUT):
+            assert (await api.get_claim("default", "c1"))["metadata"]["uid"] == "uid-1"
+    finally:
+        await api.aclose()
+    assert dra_node.api.bearers == ["token-1"]
+    assert plugin.runs() == []
+
+
+async def test_dra_driver_authenticates_with_an_exec_credential_plugin(dra_node, tmp_path):
+    """The defect as a user met it: serve with KUBECONFIG naming a user with an exec plugin. The
+    driver publishes its slices, every request with the plugin's token."""
+    (dra_node.devices / "gopher0").touch()
+    beta = "client.authentication.k8s.io/v1beta1"  # as `aws eks update-kubeconfig` writes it
+    plugin = ExecPlugin(dra_node, tmp_path, [exec_answer("token-1", version=beta)], apiVersion=beta)
+    dra_node.kubeconfig = plugin.kubeconfig  # start() sets KUBECONFIG to it
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+    dra_node.stop()
+    assert dra_node.api.bearers and set(dra_node.api.bearers) == {"token-1"}
+    assert len(plugin.runs()) == 1
+
+
 async def test_dra_needs_the_node_name(dra_node):
     with trio.fail_after(TIMEOUT), pytest.raises(gp.GopherplugError) as info:
         await dra_node.start(node_name="")
