@@ -286,6 +286,17 @@ async def test_grpcio_unary_calls(pb2, served, grpcio_client):
         assert dict(response.container_responses[0].envs) == {"IDS": "a,b"}
 
 
+#: An Allocate call's request headers, as grpc-go sends them, for the tests that speak h2 themselves.
+ALLOCATE_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/v1beta1.DevicePlugin/Allocate"),
+    (":authority", "localhost"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
+
+
 async def test_a_unary_answer_larger_than_the_peers_window_arrives_whole(served):
     # A unary answer leaves in one send when it fits in what the peer lets us send. One larger
     # must go out in parts, each after the peer's WINDOW_UPDATE: held back to be sent at once, it
@@ -306,17 +317,7 @@ async def test_a_unary_answer_larger_than_the_peers_window_arrives_whole(served)
     with trio.fail_after(TIMEOUT), trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         await sock.connect(server.socket_path)
         for stream_id in (1, 3):  # and the connection goes on after it
-            client.send_headers(
-                stream_id,
-                [
-                    (":method", "POST"),
-                    (":scheme", "http"),
-                    (":path", "/v1beta1.DevicePlugin/Allocate"),
-                    (":authority", "localhost"),
-                    ("content-type", "application/grpc"),
-                    ("te", "trailers"),
-                ],
-            )
+            client.send_headers(stream_id, ALLOCATE_HEADERS)
             for at in range(0, len(body), 16384):  # the frame size the server allows
                 client.send_data(stream_id, body[at : at + 16384], end_stream=at + 16384 >= len(body))
             await _send_all(sock, client.data_to_send())
@@ -396,17 +397,7 @@ async def test_a_call_reset_with_its_request_is_not_answered(served):
     client.initiate_connection()
 
     def call(stream_id, device_id):
-        client.send_headers(
-            stream_id,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", "/v1beta1.DevicePlugin/Allocate"),
-                (":authority", "localhost"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
+        client.send_headers(stream_id, ALLOCATE_HEADERS)
         body = v1beta1.AllocateRequest(
             container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=[device_id])]
         ).SerializeToString()
