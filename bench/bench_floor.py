@@ -59,7 +59,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
-from bench_gopherplug import Kubelet  # noqa: E402
+from bench_gopherplug import Kubelet, end_run  # noqa: E402
 
 RESOURCE = "example.com/gopher"
 
@@ -192,11 +192,7 @@ def serve(python: str, directory: Path, mode: str, devices: int, idle: float) ->
         rss, hwm = (int(status[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))
         return (listed - began) * 1e3, rss, hwm
     finally:
-        if plugin is not None:
-            plugin.terminate()
-            plugin.wait(30)
-        kubelet.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        end_run(plugin, kubelet, root)
 
 
 MODES = ("console script", "python -m gopherplug", "python gopherplug.py", "python gopherplug.py, no bytecode")

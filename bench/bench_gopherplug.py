@@ -120,6 +120,16 @@ class Kubelet:
                 return arrived
 
 
+def end_run(plugin, kubelet, root):
+    """Stop a measured run: the plugin (a Popen, or None if it never started) with SIGTERM, its
+    simulated kubelet, and the run's temporary directory."""
+    if plugin is not None:
+        plugin.terminate()
+        plugin.wait(30)
+    kubelet.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def cpu_seconds(pid):
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -317,10 +327,7 @@ def main():
             f"({100 * cpu / (time.perf_counter() - wall0):.2f} %)"
         )
     finally:
-        plugin.terminate()
-        plugin.wait(10)
-        kubelet.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        end_run(plugin, kubelet, root)
 
 
 if __name__ == "__main__":

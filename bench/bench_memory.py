@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import grpc
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
-from bench_gopherplug import Kubelet, revision_module, rss_mib  # noqa: E402
+from bench_gopherplug import Kubelet, end_run, revision_module, rss_mib  # noqa: E402
 
 import gopherplug as gp  # noqa: E402
 
@@ -103,11 +102,7 @@ def scenario(
         time.sleep(2)
         return fresh, rss_mib(plugin.pid), peak_mib(plugin.pid)
     finally:
-        if plugin is not None:
-            plugin.terminate()
-            plugin.wait(30)
-        kubelet.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        end_run(plugin, kubelet, root)
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ import trio
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
-from bench_gopherplug import Kubelet, build_go_client, cpu_seconds, ms, percentile, rss_mib  # noqa: E402
+from bench_gopherplug import Kubelet, build_go_client, cpu_seconds, end_run, ms, percentile, rss_mib  # noqa: E402
 
 import gopherplug as gp  # noqa: E402
 
@@ -79,11 +79,7 @@ class Node:
         return started
 
     def close(self):
-        if self.plugin is not None:
-            self.plugin.terminate()
-            self.plugin.wait(10)
-        self.kubelet.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+        end_run(self.plugin, self.kubelet, self.root)
 
 
 def make_entries(directory, count, prefix="g"):
