@@ -207,6 +207,7 @@ import threading
 import time
 import types
 import urllib.parse
+import zlib
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -223,9 +224,11 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 import anyio
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.frame_buffer
+import h2.settings
 import trio
 import yaml
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -242,10 +245,16 @@ if "PingAcknowledged" not in vars(h2.events):
 import purerpc  # after the alias above
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
 from purerpc.grpc_socket import SocketWrapper
+from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import MessageReceived, RequestEnded, RequestReceived, WindowUpdated
-from purerpc.grpclib.exceptions import ProtocolError, RpcFailedError
+from purerpc.grpclib.exceptions import (
+    MessageTooLargeError,
+    ProtocolError,
+    RpcFailedError,
+    UnsupportedMessageEncodingError,
+)
 from purerpc.grpclib.status import Status, StatusCode
 from purerpc.wrappers import extract_message_from_singleton_stream
 
@@ -4552,6 +4561,46 @@ HANDSHAKE_TIMEOUT = 10.0
 # One read from the socket. HTTP/2 frames are reassembled by h2, so this only bounds memory per read.
 _RECEIVE_BUFFER_SIZE = 64 * 1024
 
+# What one peer may make a server hold. The plugin's sockets are the kubelet's (mode 0600, root
+# only), but a plugin must not be the weak part of a node: a broken or hostile client costs it a
+# bounded amount of memory and is then refused, and every other client goes on being served. The
+# limits are grpc-go's where it has one (the kubelet's side of every call), tighter where grpc-go
+# trusts its peer more than a node agent should.
+
+#: The most of one request a stream may send before its call ends, in DATA bytes: one message of
+#: the largest size the kubelet accepts, and its 5-byte gRPC prefix. grpc-go's server refuses a
+#: larger message with RESOURCE_EXHAUSTED ("received message larger than max"), its default
+#: MaxRecvMsgSize being the same 4 MiB; a request is one message (every method here takes one),
+#: so more bytes than that on one stream are always wrong. Also the stream's flow-control window
+#: that SETTINGS announces: purerpc's two whole messages per stream, never more than one.
+MAX_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 5
+
+#: The most request bytes one connection may have unanswered, summed over its streams (and counted
+#: decompressed): one largest request and a mebibyte of ordinary ones beside it. The kubelet's
+#: requests are a few hundred bytes (an Allocate of a few device IDs; ListAndWatch's is empty), so
+#: it never comes near; a peer that opens streams and sends without ending them (grpc-go and
+#: purerpc would hold up to one flow-control window on each of 1,024 streams: gigabytes) gets
+#: GOAWAY ENHANCE_YOUR_CALM and its connection closed once it passes this.
+MAX_CONNECTION_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 2**20
+
+#: How much may wait to be written to one connection before its readers and senders pause: the
+#: reader stops reading requests, a stream stops producing messages, until the peer has read what
+#: is queued. grpc-go's server does the same per stream (its writeQuota of 64 KiB blocks a sender)
+#: and per connection (its reader stops while more than 50 control frames wait). The kubelet reads
+#: all the time, so the queue is empty but for a burst; a peer that does not read meets the pause
+#: and costs no more than this and one message in flight, however many streams it opened.
+SEND_QUEUE_LIMIT = 2**20
+
+#: The gRPC message encodings a request may use. The kubelet never compresses (grpc-go sends
+#: identity unless a compressor is asked for, and the kubelet asks for none), but gRPC lets any
+#: client, and grpcio's `compression=` option is one line: gzip and deflate are accepted, each
+#: decompressed into at most KUBELET_MAX_MESSAGE bytes (a larger result is refused with
+#: RESOURCE_EXHAUSTED, grpc-go's "received message after decompression larger than max"), never
+#: the unbounded zlib.decompress purerpc uses, for which 130 KiB of request became 128 MiB. Any
+#: other encoding (snappy) is UNIMPLEMENTED, as grpc-go answers an encoding it has no decompressor
+#: for.
+DECOMPRESSED_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
 # Errors that mean "the peer went away". A kubelet that restarts, a probe that exits, a client that
 # drops a stream: all normal goodbyes, logged at debug level, never as errors.
 _GOODBYE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, ConnectionError)
@@ -4595,6 +4644,7 @@ class _UnixSocketWrapper(SocketWrapper):
         self._raw_socket: socket.socket | None = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
         self._writer_idle = False  # the writer waits for a flush, nothing in hand
         self._holding = False  # inside at_once(): flushes queue, the send comes at its end
+        self._in_hand = 0  # bytes the writer is sending now (taken from _outgoing)
 
     @staticmethod
     def _set_socket_options(stream: Any) -> None:
@@ -4666,13 +4716,21 @@ class _UnixSocketWrapper(SocketWrapper):
         """Return once everything flushed so far has been written to the socket."""
         await self._drained.wait()
 
+    async def room(self) -> None:
+        """Return at once while less than SEND_QUEUE_LIMIT waits to be written, else once all of it
+        is (the peer read it): what a sender awaits before making more to send. O(1)."""
+        if len(self._outgoing) + self._in_hand > SEND_QUEUE_LIMIT:
+            await self._drained.wait()
+
     async def _writer_thread(self) -> None:
         try:
             while True:
                 if self._outgoing:
                     data = bytes(self._outgoing)
                     self._outgoing.clear()
+                    self._in_hand = len(data)
                     await self._stream.send(data)
+                    self._in_hand = 0
                 elif self._running:
                     self._drained.set()
                     self._writer_idle = True
@@ -4729,9 +4787,114 @@ class _ResetAwareConnection(GRPCConnection):
     def __init__(self, config: GRPCConfiguration) -> None:
         super().__init__(config)
         self.h2_connection.incoming_buffer.__class__ = _EarlyLimitFrameBuffer
+        #: Request bytes received on each stream whose call has not ended (MAX_REQUEST_BYTES), and
+        #: their sum (MAX_CONNECTION_REQUEST_BYTES); _ServerConnection.release() forgets a stream's.
+        self.pending: dict[int, int] = {}
+        self.buffered = 0
+
+    def _set_h2_connection_local_settings(self) -> None:
+        # purerpc's, but for the window: purerpc opens two whole messages' worth on every stream,
+        # a request is one (MAX_REQUEST_BYTES).
+        self.h2_connection.local_settings = h2.settings.Settings(
+            client=self.config.client_side,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.MAX_CONCURRENT_STREAMS,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: MAX_REQUEST_BYTES,
+                h2.settings.SettingCodes.MAX_FRAME_SIZE: self.MAX_INBOUND_FRAME_SIZE,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self.MAX_HEADER_LIST_SIZE,
+            },
+        )
+        self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
+
+    def _request_received(self, event: h2.events.RequestReceived) -> list[Any]:
+        received: list[Any] = super()._request_received(event)
+        request = received[0]
+        # The request's messages, decompressed within bounds (_BoundedReadBuffer), not by purerpc's.
+        self.message_read_buffers[event.stream_id] = _BoundedReadBuffer(request.message_encoding, KUBELET_MAX_MESSAGE)
+        return received
+
+    def _data_received(self, event: h2.events.DataReceived) -> list[Any]:
+        """One DATA frame of a request: counted against MAX_REQUEST_BYTES and the connection's
+        MAX_CONNECTION_REQUEST_BYTES (two additions and a comparison each), then parsed into messages.
+        A stream over its limit, or whose message cannot be decompressed, is refused (_Refused)."""
+        stream_id, size = event.stream_id, event.flow_controlled_length
+        buffer = self.message_read_buffers.get(stream_id)
+        if buffer is None:  # the rest of a request refused in this same batch: dropped, the window given back
+            self.h2_connection.acknowledge_received_data(size, stream_id)
+            return []
+        stream_total = self.pending.get(stream_id, 0) + size
+        self.pending[stream_id] = stream_total
+        self.buffered += size
+        if self.buffered > MAX_CONNECTION_REQUEST_BYTES:
+            raise _PeerOverLimitError(
+                f"{self.buffered} bytes of requests not yet answered, over the limit of {MAX_CONNECTION_REQUEST_BYTES}"
+            )
+        if stream_total > MAX_REQUEST_BYTES:
+            return self._refuse(
+                stream_id,
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"received request larger than max ({stream_total} vs. {MAX_REQUEST_BYTES} bytes)",
+            )
+        try:
+            buffer.data_received(event.data, size)
+            messages = buffer.read_all_complete_messages_flowcontrol()
+        except MessageTooLargeError as error:
+            return self._refuse(stream_id, StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except UnsupportedMessageEncodingError as error:
+            return self._refuse(stream_id, StatusCode.UNIMPLEMENTED, str(error))
+        except zlib.error as error:
+            return self._refuse(stream_id, StatusCode.INTERNAL, f"cannot decompress the message: {error}")
+        events = []
+        for message, length in messages:
+            if len(message) > length:  # decompressed: what it holds now counts
+                self.pending[stream_id] += len(message) - length
+                self.buffered += len(message) - length
+                if self.buffered > MAX_CONNECTION_REQUEST_BYTES:
+                    raise _PeerOverLimitError(
+                        f"{self.buffered} bytes of requests (decompressed) not yet answered, "
+                        f"over the limit of {MAX_CONNECTION_REQUEST_BYTES}"
+                    )
+            events.append(MessageReceived(stream_id, message, length))
+        return events
+
+    def _refuse(self, stream_id: int, code: int, message: str) -> list[Any]:
+        """Stop reading a request: its bytes are dropped, and the call is answered ``code``."""
+        del self.message_read_buffers[stream_id]
+        return [_Refused(stream_id, Status(code, message))]
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Any]:
         return [event]
+
+
+class _BoundedReadBuffer(MessageReadBuffer):
+    """purerpc's message reassembly, decompressing into at most ``max_message_length`` bytes."""
+
+    def decompress(self, data: bytes) -> bytes:
+        encoding = self._message_encoding
+        if encoding not in DECOMPRESSED_ENCODINGS:
+            raise UnsupportedMessageEncodingError(f"grpc: decompressor is not installed for grpc-encoding {encoding!r}")
+        decompressor = zlib.decompressobj(DECOMPRESSED_ENCODINGS[encoding])
+        limit = self._max_message_length
+        message = decompressor.decompress(data, limit + 1)  # never more than one byte over the limit
+        if len(message) > limit:
+            raise MessageTooLargeError(
+                f"grpc: received message after decompression larger than max (over {limit} bytes)"
+            )
+        if not decompressor.eof:
+            raise zlib.error("the compressed data ends early")
+        return message
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A gRPC event of ours: the request on ``stream_id`` is refused with ``status`` before it is complete."""
+
+    stream_id: int
+    status: Status
+
+
+class _PeerOverLimitError(ProtocolError):
+    """A peer passed one of its connection's limits: the connection is closed with GOAWAY ENHANCE_YOUR_CALM."""
 
 
 class _GRPCSocket(GRPCProtoSocket):
@@ -4851,6 +5014,9 @@ class _ServerConnection(_GRPCSocket):
         async with trio.open_nursery() as nursery:
             while True:
                 with trio.move_on_at(greeting_deadline) as waiting:
+                    # A peer that does not read what we answer is not read from (SEND_QUEUE_LIMIT):
+                    # its requests, pings and settings wait in its socket, not in our memory.
+                    await self._socket.room()
                     try:
                         data = await self._socket.recv(self._receive_buffer_size)
                     except (anyio.EndOfStream, anyio.BrokenResourceError):
@@ -4858,7 +5024,15 @@ class _ServerConnection(_GRPCSocket):
                 if waiting.cancelled_caught:
                     log.debug("no HTTP/2 greeting within %g s: connection closed", HANDSHAKE_TIMEOUT)
                     break
-                events = self._grpc_connection.receive_data(data)  # raises on malformed input
+                try:
+                    events = self._grpc_connection.receive_data(data)  # raises on malformed input
+                except _PeerOverLimitError as error:
+                    log.warning("a client of this plugin's socket was disconnected: %s", error)
+                    self._grpc_connection.h2_connection.close_connection(
+                        h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, str(error).encode()
+                    )
+                    await self._socket.flush()  # the GOAWAY, if the peer's socket has room for it
+                    break
                 if events:  # the peer's SETTINGS came through: greeted
                     greeting_deadline = math.inf
                 reset = self._dispatch(events, nursery)
@@ -4892,10 +5066,19 @@ class _ServerConnection(_GRPCSocket):
             elif isinstance(event, h2.events.StreamReset):
                 scope = self.calls.get(event.stream_id)
                 if scope is not None:
-                    scope.cancel()
-                self._requests.pop(event.stream_id, None)
+                    scope.cancel()  # the call's task releases its bytes as it ends
+                elif self._requests.pop(event.stream_id, None) is not None:
+                    self.release(event.stream_id)
                 reset.append(event.stream_id)
+            elif isinstance(event, _Refused):
+                self._requests.pop(event.stream_id, None)
+                self.release(event.stream_id)
+                reset.append(event.stream_id)  # its purerpc stream, if any, is forgotten as a reset one's
+                self._refuse(event)
             elif isinstance(event, RequestReceived):
+                if len(self._requests) + len(self.calls) >= _ResetAwareConnection.MAX_CONCURRENT_STREAMS:
+                    # h2 enforces our SETTINGS only once the peer acknowledged them: until then, this.
+                    raise _PeerOverLimitError(f"more than {len(self._requests) + len(self.calls)} streams at once")
                 if (event.service_name, event.method_name) not in self._immediate:
                     self._allocate_stream(event.stream_id)  # answered by _answer_now: none needed
                 self._requests[event.stream_id] = (event, [])
@@ -4908,13 +5091,31 @@ class _ServerConnection(_GRPCSocket):
             elif isinstance(event, RequestEnded):
                 request = self._requests.pop(event.stream_id, None)
                 if request is None or event.stream_id in cancelled:
+                    self.release(event.stream_id)
                     continue  # a late frame of a reset call, or reset already: serve() forgets it
                 answer = self._immediate.get((request[0].service_name, request[0].method_name))
                 if answer is not None:
                     self._answer_now(answer, *request, nursery)
+                    self.release(event.stream_id)  # (a call _answer_now started in a task releases again: no matter)
                 elif (stream := self._streams.get(event.stream_id)) is not None:
                     self._start_call(stream, request[0], request[1], nursery)
         return reset
+
+    def release(self, stream_id: int) -> None:
+        """Forget the request bytes a stream holds (its call ended, or it never will run)."""
+        connection = self._grpc_connection
+        connection.buffered -= connection.pending.pop(stream_id, 0)
+
+    def _refuse(self, refused: _Refused) -> None:
+        """Answer a refused request with its status at once, then ask the peer to stop sending the
+        rest of it: RST_STREAM NO_ERROR after a complete response, as RFC 9113 section 8.1 lets a
+        server (and grpc-go does)."""
+        connection = self._grpc_connection
+        try:
+            connection.respond_status(refused.stream_id, refused.status)
+            connection.reset_stream(refused.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.ProtocolError as error:  # the request had ended: closed both ways already
+            log.debug("refused stream %d: %r", refused.stream_id, error)
 
     def _start_call(
         self,
@@ -4941,6 +5142,7 @@ class _ServerConnection(_GRPCSocket):
                 await _answer_call(self._services, stream, request, messages, response)
         finally:
             del self.calls[stream.stream_id]
+            self.release(stream.stream_id)
             _close_event_queues(stream)
             self._on_call_end()
 
@@ -5034,6 +5236,7 @@ async def _answer_call(
             responses = bound.method_fn(message, request=request)
             try:
                 async for response in responses:
+                    await stream._socket.room()  # a peer that does not read gets nothing more queued
                     await stream.send_message(response)
             finally:
                 # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
@@ -5663,12 +5866,51 @@ class Metrics:
         self.api_errors = prometheus.Counter(
             "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
         )
+        # Served by our own HTTP server (_serve_http, started by serve()), not prometheus_client's
+        # start_http_server: that one serves from a thread per connection, with no timeout and no
+        # limit on connections (20 idle connections held 20 threads, for as long as they liked).
+        # The socket is bound here, so that a port in use fails the start with one line.
+        self._generate_latest = prometheus.generate_latest
+        self._content_type = prometheus.CONTENT_TYPE_LATEST
         host, _, port = address.rpartition(":")
         try:
-            self.server, self.thread = prometheus.start_http_server(int(port), host.strip("[]"), registry=registry)
+            family, kind, protocol, _, where = socket.getaddrinfo(
+                host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            self._socket = socket.socket(family, kind, protocol)
+            try:
+                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as trio's listeners
+                self._socket.bind(where)
+                self._socket.listen()
+            except OSError:
+                self._socket.close()
+                raise
         except OSError as error:
             raise GopherplugError(f"metrics_address {address}: cannot serve: {_describe(error)}") from None
-        self.port = self.server.server_address[1]  # the one chosen, for port 0
+        self.port: int = self._socket.getsockname()[1]  # the one chosen, for port 0
+        self._scope = trio.CancelScope()
+        self._serving = False
+
+    def answer(self, request: bytes) -> bytes:
+        """The HTTP response to one request: GET /metrics, the registry in Prometheus's text format."""
+
+        def body() -> tuple[int, bytes]:
+            return 200, self._generate_latest(self.registry)
+
+        return _http_answer(request, ("/metrics",), body, self._content_type)
+
+    async def serve_http(self) -> None:
+        """Answer GET /metrics until close() (or cancelled), within _serve_http's limits."""
+        if self._scope.cancel_called:
+            return  # closed before it was served: the socket is closed already
+        self._serving = True
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket))
+        try:
+            with self._scope:
+                await _serve_http([listener], self.answer)
+        finally:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
 
     def set_devices(self, resource: str, devices: Mapping[str, DeviceEntry]) -> None:
         healthy = sum(1 for device in devices.values() if device.health == HEALTHY)
@@ -5710,19 +5952,10 @@ class Metrics:
         return (self.registrations, self.list_sends, self.allocate, self.pre_start)
 
     def close(self) -> None:
-        # The server's thread looks for shutdown() only between two select() calls of 0.5 s each
-        # (socketserver's serve_forever): ask it from another thread, and wake the select with a
-        # connection until it has seen the request. A stop with metrics took 0.4 s more for it.
-        asking = threading.Thread(target=self.server.shutdown)
-        asking.start()
-        host, port = str(self.server.server_address[0]), self.port
-        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a listener on every address
-        while asking.is_alive():
-            with contextlib.suppress(OSError), socket.create_connection((local, port), timeout=0.1):
-                pass
-            asking.join(0.01)
-        self.server.server_close()
-        self.thread.join()
+        """Stop serving: serve_http() ends and closes the port (or it is closed here, never served)."""
+        self._scope.cancel()
+        if not self._serving:
+            self._socket.close()
 
 
 #: The running plugin's metrics, or None when metrics are off (the hooks then do nothing).
@@ -5805,36 +6038,115 @@ def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractC
     return contextlib.nullcontext() if health is None else health.check(name, problem)
 
 
-#: How long one health request may take to arrive. The kubelet sends it in one write, at once.
-HEALTH_READ_TIMEOUT = 5.0
+# The two HTTP ports, health and metrics, are served by one small HTTP/1.1 server on the event loop,
+# with the limits a careful server has (Go's http.Server with ReadHeaderTimeout and WriteTimeout set,
+# as the kubelet's own ports are): in the charts the health port is open to every pod of the cluster,
+# and the kubelet restarts the pod when its probe fails. A peer that holds connections open without
+# sending must not keep the probe out (it did, once the process ran out of open files: main() raises
+# the soft limit too), a peer that sends one byte a second must not keep a connection forever, and a
+# peer that does not read must not keep a task. One request per connection (Connection: close):
+# the kubelet's prober turns keep-alive off and opens a connection per probe, and Prometheus simply
+# connects again for its next scrape, so no connection ever idles between two requests, and the
+# header timeout is also its idle timeout.
+
+#: The most connections one HTTP port serves at once. A new one past it closes the oldest (every
+#: connection is either waiting for its request, bounded by HTTP_HEADER_TIMEOUT, or being answered at
+#: once): connections held open only push each other out, never the kubelet's probe, which sends its
+#: request as soon as it connects. The kubelet has one probe in flight per container, Prometheus one
+#: scrape per target: 64 is room for several scrapers and a person with curl.
+HTTP_MAX_CONNECTIONS = 64
+#: How long a connection may take to send its whole request head, counted from its accept (Go's
+#: ReadHeaderTimeout, not reset by each byte: a slowloris gets this, not forever). The kubelet's
+#: prober writes its request at once and gives up after timeoutSeconds (1 s by default).
+HTTP_HEADER_TIMEOUT = 2.0
+#: How long writing an answer may take (Go's WriteTimeout): a peer that does not read gets closed.
+HTTP_WRITE_TIMEOUT = 5.0
 #: The most of a request read: the kubelet's is about 150 bytes (request line, Host, User-Agent,
-#: Accept, Connection).
-HEALTH_MAX_REQUEST = 8192
+#: Accept, Connection), Prometheus's about 300. Go's http.Server allows 1 MiB of headers; nothing
+#: here reads more than the request line.
+HTTP_MAX_REQUEST = 8192
+# The names these had when they were the health server's alone.
+HEALTH_READ_TIMEOUT = HTTP_HEADER_TIMEOUT
+HEALTH_MAX_REQUEST = HTTP_MAX_REQUEST
 #: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
 #: /livez as the API server names the same check.
 HEALTH_PATHS = ("/healthz", "/livez")
+
+_HTTP_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+
+def _http_answer(
+    request: bytes, paths: tuple[str, ...], body: Callable[[], tuple[int, bytes]], content_type: str
+) -> bytes:
+    """The HTTP/1.1 response to one request: ``body()`` (its code and bytes) for GET or HEAD of one
+    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line."""
+    parts = request.split(b"\r\n", 1)[0].split()
+    kind = "text/plain; charset=utf-8"
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        code, data = 400, b"not an HTTP request\n"
+    elif parts[0] not in (b"GET", b"HEAD"):
+        code, data = 405, b"only GET and HEAD\n"
+    elif parts[1].split(b"?", 1)[0].decode("latin-1") not in paths:
+        code, data = 404, f"not found: ask {paths[0]}\n".encode()
+    else:
+        (code, data), kind = body(), content_type
+    head = (
+        f"HTTP/1.1 {code} {_HTTP_REASONS[code]}\r\nContent-Type: {kind}\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
 
 
 def health_answer(health: Health, request: bytes) -> bytes:
     """The HTTP/1.1 response to one request: 200 "ok", 503 with a line per problem, 404 for another
     path, 405 for a method other than GET and HEAD, 400 for what is not an HTTP request line."""
-    parts = request.split(b"\r\n", 1)[0].split()
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-        code, body = 400, "not an HTTP request\n"
-    elif parts[0] not in (b"GET", b"HEAD"):
-        code, body = 405, "only GET and HEAD\n"
-    elif parts[1].split(b"?", 1)[0].decode("latin-1") not in HEALTH_PATHS:
-        code, body = 404, f"not found: ask {HEALTH_PATHS[0]}\n"
-    else:
+
+    def body() -> tuple[int, bytes]:
         problems = health.problems()
-        code, body = (503, "".join(f"{line}\n" for line in problems)) if problems else (200, "ok\n")
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
-    data = body.encode()
-    head = (
-        f"HTTP/1.1 {code} {reason[code]}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
+        return (503, "".join(f"{line}\n" for line in problems).encode()) if problems else (200, b"ok\n")
+
+    return _http_answer(request, HEALTH_PATHS, body, "text/plain; charset=utf-8")
+
+
+async def _serve_http(
+    listeners: list[trio.SocketListener],
+    answer: Callable[[bytes], bytes],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer one request per connection with ``answer(request head)`` until cancelled, within
+    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT."""
+    open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
+
+    async def serve_one(stream: trio.SocketStream) -> None:
+        scope = trio.CancelScope()
+        open_now[scope] = None
+        if len(open_now) > HTTP_MAX_CONNECTIONS:
+            oldest = next(iter(open_now))
+            del open_now[oldest]
+            oldest.cancel()
+        try:
+            with scope:
+                request = b""
+                with trio.move_on_after(HTTP_HEADER_TIMEOUT):
+                    while b"\r\n\r\n" not in request and len(request) < HTTP_MAX_REQUEST:
+                        chunk = await stream.receive_some(4096)
+                        if not chunk:
+                            break
+                        request += chunk
+                if b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST:
+                    with trio.move_on_after(HTTP_WRITE_TIMEOUT):
+                        await stream.send_all(answer(request))
+        except Exception as error:  # a client gone mid-answer: its loss, not the server's
+            log.debug("HTTP request: %s", _describe(error))
+        finally:
+            open_now.pop(scope, None)
+            with trio.move_on_after(1):  # aclose() of a TCP stream does not block; the bound is for form
+                await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, serve_one, listeners)
+        task_status.started()
 
 
 async def serve_health(
@@ -5842,34 +6154,16 @@ async def serve_health(
 ) -> None:
     """Answer GET /healthz on ``address`` ("host:port") until cancelled; started() with the port
     (the one chosen, for port 0). One request per connection, as the kubelet's prober makes them
-    (it disables keep-alive)."""
+    (it disables keep-alive), within the limits of _serve_http."""
     host, _, port = address.rpartition(":")
     try:
         listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]"))
     except OSError as error:
         raise GopherplugError(f"health_address {address}: cannot serve: {_describe(error)}") from None
-
-    async def answer(stream: trio.SocketStream) -> None:
-        try:
-            request = b""
-            with trio.move_on_after(HEALTH_READ_TIMEOUT):
-                while b"\r\n\r\n" not in request and len(request) < HEALTH_MAX_REQUEST:
-                    chunk = await stream.receive_some(4096)
-                    if not chunk:
-                        break
-                    request += chunk
-            if request:
-                await stream.send_all(health_answer(health, request))
-        except Exception as error:  # a client gone mid-answer: its loss, not the server's
-            log.debug("health request: %s", _describe(error))
-        finally:
-            with trio.move_on_after(1):  # aclose() of a TCP stream does not block; the bound is for form
-                await stream.aclose()
-
     chosen = listeners[0].socket.getsockname()[1]
     log.info("serving the liveness check on http://%s:%d%s", host, chosen, HEALTH_PATHS[0])
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, answer, listeners)
+        await nursery.start(_serve_http, listeners, functools.partial(health_answer, health))
         task_status.started(chosen)
 
 
@@ -6953,10 +7247,17 @@ class _ListEncoder:
     def __init__(self, resource: ResourceConfig) -> None:
         self.resource = resource
         self._parts: dict[str, tuple[DeviceEntry, bytes]] = {}
+        # The last list encoded and its message: every stream of the resource sends that same object
+        # (the device sets are never changed in place, a change is a new mapping). Many streams that
+        # wait for a peer to read (SEND_QUEUE_LIMIT) then hold one message between them, not one each.
+        self._last: tuple[Mapping[str, DeviceEntry], _Encoded] | None = None
 
     def encode(self, devices: Mapping[str, DeviceEntry], resource: ResourceConfig | None = None) -> _Encoded:
         if resource is not None and resource is not self.resource:
             self.resource, self._parts = resource, {}  # a reload applied in place: the replicas may differ
+            self._last = None
+        if self._last is not None and self._last[0] is devices:
+            return self._last[1]
         parts = {}
         for device in devices.values():
             known = self._parts.get(device.id)
@@ -6965,7 +7266,9 @@ class _ListEncoder:
             else:
                 parts[device.id] = (device, list_and_watch_response(self.resource, [device]).SerializeToString())
         self._parts = parts
-        return _Encoded(b"".join(part for _, part in parts.values()))
+        encoded = _Encoded(b"".join(part for _, part in parts.values()))
+        self._last = (devices, encoded)
+        return encoded
 
 
 #: The request header `gopherplug probe` sends with its own ListAndWatch: a probe's stream is not
@@ -8319,8 +8622,13 @@ class ExecCredentialPlugin:
         try:
             credential = json.loads(stdout)
         except ValueError as error:  # UnicodeDecodeError included
-            shown = stdout[:60].decode(errors="replace").strip() or "nothing"
-            raise self._error(f"printed no ExecCredential JSON ({error}): {shown}") from None
+            # Not one byte of it in the message, which is logged at every retry: a plugin that prints
+            # a bare token (a common mistake, and what `gcloud auth print-access-token` does) would
+            # put the credential into the log. json's own message names a position, never the text.
+            what = f"{len(stdout)} bytes" if stdout.strip() else "nothing"
+            raise self._error(
+                f"printed {what}, not ExecCredential JSON ({error}); not shown here, as it may be a credential"
+            ) from None
         if not isinstance(credential, dict) or credential.get("kind") != "ExecCredential":
             raise self._error("printed JSON that is not an ExecCredential (kind ExecCredential)")
         if credential.get("apiVersion") != self.api_version:
@@ -8612,6 +8920,16 @@ class KubeApi:
             chosen = config.get()  # the current context's cluster and user, as the client takes them
         except (lightkube.ConfigError, OSError, KeyError) as error:
             raise GopherplugError(f"no Kubernetes API configuration: {error}") from None
+        except yaml.YAMLError as error:
+            # Where, never what: PyYAML's message quotes the lines around the mistake, and the lines of
+            # a kubeconfig are tokens, keys and certificates.
+            mark = getattr(error, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or "not valid YAML"
+            raise GopherplugError(
+                f"no Kubernetes API configuration: {kubeconfig or 'the kubeconfig'}: {problem}{at} "
+                "(the text is not shown: it may hold credentials)"
+            ) from None
         # A user with an exec credential plugin: lightkube runs it through asyncio, which has no
         # event loop under trio (ExecCredentialPlugin runs it itself). Read before the client is made,
         # so that a problem in the kubeconfig leaves nothing to close.
@@ -10520,6 +10838,7 @@ async def serve_plugin(
         if config.metrics_address is not None:  # read at start only: a reload does not move the server
             metrics = _start_metrics(config.metrics_address)
             stack.push_async_callback(_stop_part, "metrics server", functools.partial(_stop_metrics, metrics))
+            nursery.start_soon(metrics.serve_http)
         # The tasks, stopped the last started first: the DRA driver, the resources, the kubelet watch;
         # before them the reloads, so that none starts a resource while the others stop.
         parts, reloads = _Parts(nursery), _Parts(nursery)
@@ -10686,10 +11005,7 @@ def _start_metrics(address: str) -> Metrics:
 async def _stop_metrics(metrics: Metrics) -> None:
     global _metrics
     _metrics = None
-    # Run while the plugin is being cancelled: shielded, or the port would stay open. shutdown()
-    # waits for the server thread's next poll, up to 0.5 s.
-    with trio.CancelScope(shield=True):
-        await trio.to_thread.run_sync(metrics.close)
+    metrics.close()  # its serve_http task ends, closing the port
 
 
 def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
@@ -13082,6 +13398,7 @@ def main(argv: list[str] | None = None) -> int:
                 strict_failed = True
         return EXIT_FAILURE if strict_failed else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
+    raise_open_files_limit()
     code = _run(args, _serve_until_signalled, config, args.config, *given)
     if code == EXIT_OK:
         # Stopped as asked: every socket, watch and connection is closed, and the log says so. The
@@ -13091,6 +13408,26 @@ def main(argv: list[str] | None = None) -> int:
         # in it matters to a process about to end, so it ends here, its output flushed.
         _exit_now(code)
     return code
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit, as every Go program does at
+    start (the Go runtime since 1.19, os/rlimit.go; the kubelet and grpc-go plugins among them), and
+    return (soft, hard) as they are now. Each connection takes a file: a container runtime's default
+    soft limit (1,024, 128 in some) is what a peer holding connections open would exhaust first, and
+    the kubelet's probe would then wait for a free one. The hard limit is the runtime's own choice
+    (LimitNOFILE, the pod's), which the process may raise its soft limit to without privilege.
+    select() cannot watch a file numbered 1,024 or more; nothing here uses it (trio uses epoll)."""
+    import resource as rlimits  # (`resource` is what the rest of this file calls a configured resource)
+
+    soft, hard = rlimits.getrlimit(rlimits.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            rlimits.setrlimit(rlimits.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as error:  # a seccomp profile, a hard limit of "unlimited" refused
+            log.debug("cannot raise the open-files limit from %d to %d: %s", soft, hard, _describe(error))
+    return soft, hard
 
 
 def _device_plugin_dir_from(args: argparse.Namespace) -> str:

@@ -12479,7 +12479,8 @@ async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_reques
         (
             {"stdout": "token-1\n"},
             {},
-            "printed no ExecCredential JSON (Expecting value: line 1 column 1 (char 0)): token-1",
+            "printed 8 bytes, not ExecCredential JSON (Expecting value: line 1 column 1 (char 0)); not shown here, "
+            "as it may be a credential",
         ),
         (
             exec_answer("token-1", version="client.authentication.k8s.io/v1beta1"),
@@ -12521,6 +12522,37 @@ async def test_dra_exec_credential_plugin_failure_is_one_line(dra_node, tmp_path
     assert failed.value.status is None
     assert dra_node.api.bearers == []
     assert len(plugin.runs()) == (0 if "installHint" in fields else 1)
+
+
+async def test_dra_exec_credential_plugin_that_prints_a_bare_token_never_logs_it(dra_node, tmp_path, caplog):
+    """A plugin that prints its token bare, not in an ExecCredential (`gcloud auth print-access-token`
+    used as an exec plugin): every request fails with one line saying so, and no log line at any
+    level, no error message, carries any part of the token, however many times it is retried. The
+    kubeconfig's own contents neither: one the plugin cannot use names the file, not its text."""
+    secret = "ya29.SeCrEt-" + "x7Q" * 20
+    dra_node.api.put_claim(claim("c1", "uid-1"))
+    plugin = ExecPlugin(dra_node, tmp_path, [{"stdout": secret + "\n", "stderr": ""}])
+    caplog.set_level(logging.DEBUG)
+    api = plugin.connect()
+    failures = []
+    try:
+        with trio.fail_after(TIMEOUT):
+            for _ in range(3):
+                with pytest.raises(gp.ApiError) as failed:
+                    await api.get_claim("default", "c1")
+                failures.append(failed.value)
+    finally:
+        await api.aclose()
+    broken = tmp_path / "broken-kubeconfig"
+    broken.write_text(plugin.kubeconfig.read_text() + f"  token: {secret}\n - [\n")
+    with pytest.raises(gp.GopherplugError) as unreadable:
+        gp.KubeApi.connect(kubeconfig=str(broken))
+    said = [record.getMessage() for record in caplog.records] + [str(error) for error in (*failures, unreadable.value)]
+    said += [caplog.text]
+    assert len(plugin.runs()) == 3
+    assert "not ExecCredential JSON" in str(failures[0])
+    pieces = {secret[i : i + 8] for i in range(len(secret) - 8)}  # no 8 characters of it in a row
+    assert [line for line in said if any(piece in line for piece in pieces)] == []
 
 
 @pytest.mark.parametrize(
@@ -13582,8 +13614,9 @@ async def test_metrics_of_a_dra_pool_are_there_at_0_and_go_with_its_resource_or_
     assert device_plugin[f'gopherplug_registrations_total{{resource="{OTHER}"}}'] == 1
 
 
-async def test_metrics_of_a_resource_moved_to_dra_lose_the_device_plugin_apis_series():
+async def test_metrics_of_a_resource_moved_to_dra_lose_the_device_plugin_apis_series(nursery):
     metrics = gp.Metrics("127.0.0.1:0")
+    nursery.start_soon(metrics.serve_http)
     try:
         served = gp.resource_config(RESOURCE)
         metrics.serve(served, None)
