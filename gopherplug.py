@@ -4558,8 +4558,12 @@ async def _any_touched(*watched: Watched) -> None:
 #: How long a new connection may take to send the HTTP/2 preface and its SETTINGS.
 HANDSHAKE_TIMEOUT = 10.0
 
-# One read from the socket. HTTP/2 frames are reassembled by h2, so this only bounds memory per read.
-_RECEIVE_BUFFER_SIZE = 64 * 1024
+# One read from the socket. HTTP/2 frames are reassembled by h2, so this bounds the memory and, more,
+# the work of one step of the reader: each read is parsed whole before any other task runs (the
+# health probe's among them). 16 KiB of PINGs is about 1,000 frames, a few tens of milliseconds of
+# h2 in Python; 64 KiB of them kept a probe waiting past its 1 s while a peer flooded. A kubelet's
+# request (an Allocate, a ListAndWatch) is a few hundred bytes: one read as before.
+_RECEIVE_BUFFER_SIZE = 16 * 1024
 
 # What one peer may make a server hold. The plugin's sockets are the kubelet's (mode 0600, root
 # only), but a plugin must not be the weak part of a node: a broken or hostile client costs it a
@@ -4875,14 +4879,21 @@ class _BoundedReadBuffer(MessageReadBuffer):
             raise UnsupportedMessageEncodingError(f"grpc: decompressor is not installed for grpc-encoding {encoding!r}")
         decompressor = zlib.decompressobj(DECOMPRESSED_ENCODINGS[encoding])
         limit = self._max_message_length
-        message = decompressor.decompress(data, limit + 1)  # never more than one byte over the limit
-        if len(message) > limit:
-            raise MessageTooLargeError(
-                f"grpc: received message after decompression larger than max (over {limit} bytes)"
-            )
+        # In pieces of 256 KiB: one call with a max_length grows its output buffer by doubling, to
+        # twice the limit for a message that passes it.
+        pieces, size = [], 0
+        while data and not decompressor.eof:
+            piece = decompressor.decompress(data, 2**18)
+            data = decompressor.unconsumed_tail
+            size += len(piece)
+            if size > limit:
+                raise MessageTooLargeError(
+                    f"grpc: received message after decompression larger than max (over {limit} bytes)"
+                )
+            pieces.append(piece)
         if not decompressor.eof:
             raise zlib.error("the compressed data ends early")
-        return message
+        return b"".join(pieces)
 
 
 @dataclass(frozen=True)
@@ -5032,6 +5043,12 @@ class _ServerConnection(_GRPCSocket):
                         h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, str(error).encode()
                     )
                     await self._socket.flush()  # the GOAWAY, if the peer's socket has room for it
+                    break
+                except h2.exceptions.ProtocolError as error:
+                    # h2 has queued the GOAWAY that names the error (FLOW_CONTROL_ERROR for a window
+                    # past 2^31-1, PROTOCOL_ERROR, ...): send it, as RFC 9113 section 5.4.1 asks, then close.
+                    log.debug("closed a connection that broke HTTP/2: %s", _describe(error))
+                    await self._socket.flush()
                     break
                 if events:  # the peer's SETTINGS came through: greeted
                     greeting_deadline = math.inf
@@ -5872,21 +5889,7 @@ class Metrics:
         # The socket is bound here, so that a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
         self._content_type = prometheus.CONTENT_TYPE_LATEST
-        host, _, port = address.rpartition(":")
-        try:
-            family, kind, protocol, _, where = socket.getaddrinfo(
-                host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            self._socket = socket.socket(family, kind, protocol)
-            try:
-                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as trio's listeners
-                self._socket.bind(where)
-                self._socket.listen()
-            except OSError:
-                self._socket.close()
-                raise
-        except OSError as error:
-            raise GopherplugError(f"metrics_address {address}: cannot serve: {_describe(error)}") from None
+        self._socket = _http_listener(address, "metrics_address")
         self.port: int = self._socket.getsockname()[1]  # the one chosen, for port 0
         self._scope = trio.CancelScope()
         self._serving = False
@@ -5904,13 +5907,8 @@ class Metrics:
         if self._scope.cancel_called:
             return  # closed before it was served: the socket is closed already
         self._serving = True
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._socket))
-        try:
-            with self._scope:
-                await _serve_http([listener], self.answer)
-        finally:
-            with trio.CancelScope(shield=True):
-                await listener.aclose()
+        with self._scope:
+            await _serve_http(self._socket, self.answer)  # closes the socket as it ends
 
     def set_devices(self, resource: str, devices: Mapping[str, DeviceEntry]) -> None:
         healthy = sum(1 for device in devices.values() if device.health == HEALTHY)
@@ -6108,17 +6106,66 @@ def health_answer(health: Health, request: bytes) -> bytes:
     return _http_answer(request, HEALTH_PATHS, body, "text/plain; charset=utf-8")
 
 
+def _http_listener(address: str, what: str) -> socket.socket:
+    """A listening TCP socket on ``address`` ("host:port", "[::]:port"), non-blocking;
+    GopherplugError naming ``what`` (the configuration key) if it cannot be had."""
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, protocol, _, where = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, protocol)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as trio's listeners
+            listener.bind(where)
+            listener.listen(socket.SOMAXCONN)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as error:
+        raise GopherplugError(f"{what} {address}: cannot serve: {_describe(error)}") from None
+    return listener
+
+
 async def _serve_http(
-    listeners: list[trio.SocketListener],
+    listener: socket.socket,
     answer: Callable[[bytes], bytes],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer one request per connection with ``answer(request head)`` until cancelled, within
-    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT."""
+    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
+    ``listener`` (a _http_listener()) on the way out.
+
+    Connections are accepted as many at a time as are waiting (trio's serve_listeners takes one per
+    pass of its scheduler): the kubelet's probe behind a thousand connections in the listen backlog
+    is reached in one pass, the others pushed out as it comes in, not a thousand passes later."""
     open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
 
-    async def serve_one(stream: trio.SocketStream) -> None:
+    def complete(request: bytes) -> bool:
+        return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
+
+    def answer_at_once(connection: socket.socket) -> tuple[bytes, bytes]:
+        """Answer here, in the accepting task, a request that is there already (the kubelet's probe
+        writes it as it connects): no task, and no pass of the scheduler between the accept and the
+        answer, each of which waits for every other task's turn. Returns what is left to do: the
+        request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
+        try:
+            request = connection.recv(HTTP_MAX_REQUEST)
+        except BlockingIOError:
+            return b"", b""
+        if not complete(request):
+            return request, b""
+        data = answer(request)
+        try:
+            sent = connection.send(data)
+        except BlockingIOError:
+            sent = 0
+        return request, data[sent:]
+
+    async def serve_one(connection: socket.socket, request: bytes, unsent: bytes) -> None:
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(connection))
         scope = trio.CancelScope()
         open_now[scope] = None
         if len(open_now) > HTTP_MAX_CONNECTIONS:
@@ -6127,16 +6174,15 @@ async def _serve_http(
             oldest.cancel()
         try:
             with scope:
-                request = b""
                 with trio.move_on_after(HTTP_HEADER_TIMEOUT):
-                    while b"\r\n\r\n" not in request and len(request) < HTTP_MAX_REQUEST:
+                    while not complete(request):
                         chunk = await stream.receive_some(4096)
                         if not chunk:
                             break
                         request += chunk
-                if b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST:
+                if complete(request):
                     with trio.move_on_after(HTTP_WRITE_TIMEOUT):
-                        await stream.send_all(answer(request))
+                        await stream.send_all(unsent or answer(request))
         except Exception as error:  # a client gone mid-answer: its loss, not the server's
             log.debug("HTTP request: %s", _describe(error))
         finally:
@@ -6144,9 +6190,39 @@ async def _serve_http(
             with trio.move_on_after(1):  # aclose() of a TCP stream does not block; the bound is for form
                 await stream.aclose()
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, serve_one, listeners)
-        task_status.started()
+    short_of = ""
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                await trio.lowlevel.wait_readable(listener)
+                while True:
+                    try:
+                        connection, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    except OSError as error:
+                        if error.errno not in _ACCEPT_CAPACITY_ERRORS:
+                            raise
+                        if not short_of:  # as _accept() says it for the plugin's sockets
+                            short_of = os.strerror(error.errno or 0)
+                            log.error("cannot accept HTTP connections: %s; retrying", short_of)
+                        await trio.sleep(ACCEPT_RETRY_INTERVAL)
+                        break
+                    short_of = ""
+                    connection.setblocking(False)
+                    try:
+                        request, unsent = answer_at_once(connection)
+                    except OSError as error:  # reset by the peer already
+                        log.debug("HTTP request: %s", _describe(error))
+                        request, unsent = b"\r\n\r\n", b""
+                    if complete(request) and not unsent:
+                        connection.close()  # answered
+                    else:
+                        nursery.start_soon(serve_one, connection, request, unsent)
+    finally:
+        trio.lowlevel.notify_closing(listener)
+        listener.close()
 
 
 async def serve_health(
@@ -6155,15 +6231,12 @@ async def serve_health(
     """Answer GET /healthz on ``address`` ("host:port") until cancelled; started() with the port
     (the one chosen, for port 0). One request per connection, as the kubelet's prober makes them
     (it disables keep-alive), within the limits of _serve_http."""
-    host, _, port = address.rpartition(":")
-    try:
-        listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]"))
-    except OSError as error:
-        raise GopherplugError(f"health_address {address}: cannot serve: {_describe(error)}") from None
-    chosen = listeners[0].socket.getsockname()[1]
+    host = address.rpartition(":")[0]
+    listener = _http_listener(address, "health_address")
+    chosen = listener.getsockname()[1]
     log.info("serving the liveness check on http://%s:%d%s", host, chosen, HEALTH_PATHS[0])
     async with trio.open_nursery() as nursery:
-        await nursery.start(_serve_http, listeners, functools.partial(health_answer, health))
+        await nursery.start(_serve_http, listener, functools.partial(health_answer, health))
         task_status.started(chosen)
 
 

@@ -7574,7 +7574,8 @@ def test_the_manifests_create_no_device_directory_on_the_nodes(manifest):
     (container,) = pod["containers"]
     host_paths = {volume["name"]: volume["hostPath"] for volume in pod["volumes"] if "hostPath" in volume}
     created = {v["path"] for v in host_paths.values() if v.get("type") in ("DirectoryOrCreate", "FileOrCreate")}
-    assert created <= {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"}
+    driver = f"/var/lib/kubelet/plugins/{config.dra.driver}" if config.dra else None
+    assert created <= {"/var/lib/kubelet/plugins_registry", driver, "/var/run/cdi"}
     for source in (source for resource in config.resources for source in resource.sources):
         mounted = [m for m in container["volumeMounts"] if gp._is_under(source.directory, [m["mountPath"]])]
         mount = max(mounted, key=lambda m: len(m["mountPath"]))
@@ -7664,6 +7665,41 @@ def test_the_shipped_manifests_are_the_charts_renders(helm, manifest):
     command = f'"$(.ci/helm)" template {release} chart/gopherplug -n kube-system -f chart/gopherplug/ci/{values}'
     rendered = (HERE / manifest).read_text() == result.stdout
     assert rendered, f"{manifest} is not the chart's render: {command} > {manifest}"
+
+
+def test_the_dra_chart_mounts_only_its_drivers_plugin_directory_and_admits_only_its_slices(helm):
+    """Issue 40, L3: the DRA DaemonSet mounted all of <kubeletDir>/plugins read-write, every other
+    driver's sockets and the CSI drivers' staged volumes with them. Now plugins/<driver> (the socket,
+    the checkpoint, the metadata files) and plugins_registry (the kubelet's plugin watcher) only.
+    The admission policy checks a slice's spec.driver beside its spec.nodeName, old and new; no
+    NetworkPolicy unless asked for, and then one that lets only the named peers reach the two ports."""
+    result = helm_template(helm, "chart/gopherplug/ci/dra-values.yaml", "gopherplug-dra", "--set", "kubeletDir=/k")
+    assert result.returncode == 0, result.stderr
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    kinds = {doc["kind"]: doc for doc in docs}
+    assert "NetworkPolicy" not in kinds
+    driver = gp.parse_config(kinds["ConfigMap"]["data"]["config.yaml"]).dra.driver
+    pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    host_paths = {volume["hostPath"]["path"] for volume in pod["volumes"] if "hostPath" in volume}
+    kubelet_paths = {path for path in host_paths if path.startswith("/k/")}
+    assert kubelet_paths == {"/k/plugins_registry", f"/k/plugins/{driver}", "/k/pod-resources"}
+    (container,) = pod["containers"]
+    assert {m["mountPath"] for m in container["volumeMounts"] if m["mountPath"].startswith("/k/")} == kubelet_paths
+    policy = kinds["ValidatingAdmissionPolicy"]["spec"]
+    variables = {variable["name"]: variable["expression"] for variable in policy["variables"]}
+    assert "oldObject.spec.?driver" in variables["sliceDrivers"] and "object.spec.?driver" in variables["sliceDrivers"]
+    assert f'variables.sliceDrivers.all(driver, driver == "{driver}")' in [
+        v["expression"] for v in policy["validations"]
+    ]
+    result = helm_template(helm, "chart/gopherplug/ci/network-policy-values.yaml")
+    assert result.returncode == 0, result.stderr
+    [policy] = [doc for doc in yaml.safe_load_all(result.stdout) if doc and doc["kind"] == "NetworkPolicy"]
+    ports = [(rule["ports"][0]["port"], rule["from"]) for rule in policy["spec"]["ingress"]]
+    assert ports == [
+        ("health", [{"ipBlock": {"cidr": "10.0.0.0/16"}}]),
+        ("metrics", [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]),
+    ]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
 
 
 @pytest.mark.parametrize("values", CHART_CI_VALUES)
@@ -13068,7 +13104,8 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     strategy = objects["DaemonSet"]["spec"]["updateStrategy"]
     assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
-    assert {f"{config.dra.kubelet_dir}/plugins_registry", f"{config.dra.kubelet_dir}/plugins"} <= mounts
+    assert {f"{config.dra.kubelet_dir}/plugins_registry", config.dra.plugin_dir} <= mounts
+    assert f"{config.dra.kubelet_dir}/plugins" not in mounts  # its own directory only (issue 40, L3)
     assert resource.cdi.spec_dir in mounts
 
 
