@@ -1355,8 +1355,9 @@ BAD_CONFIGS = [
     (
         resources(pattren="ttyUSB*"),
         "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
-        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "allowed_host_paths, annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, "
+        "id_pattern, match, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, "
+        "usb, whole_dev",
     ),
     # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
     # undefined one): the line says to quote it, with the quoted key and value to write.
@@ -1425,8 +1426,8 @@ BAD_CONFIGS = [
     (
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
-        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, id_pattern, match, "
+        "mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
