@@ -2249,7 +2249,7 @@ def attribute_value_problem(kind: str, value: Any) -> str:
             return f"{value!r} is not a whole number"
         return "" if _INT64[0] <= value <= _INT64[1] else f"{value} does not fit in 64 bits"
     if kind not in ("string", "version"):
-        return f"{kind!r} is not one of {', '.join(ATTRIBUTE_TYPES)}"
+        return f'{value!r} is not a string, a whole number, true or false, or {{"version": "1.2.3"}}'
     if not isinstance(value, str):
         return f"{value!r} is not a string"
     if len(value.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
@@ -6842,6 +6842,182 @@ async def watch_devices(
                 nursery.start_soon(_follow_source, tracker, device_set)
             if turn is not None:
                 nursery.start_soon(_follow_turn, turn, device_set)
+            if resource.describe:
+                nursery.start_soon(_describe_devices, device_set)
+
+
+#: How long a resource's ``describe`` may run before it is killed (with what it started)
+DESCRIBE_TIMEOUT = 10.0
+#: The most a ``describe`` may print: more is not a description of a node's devices
+DESCRIBE_MAX_OUTPUT = 1024 * 1024
+#: A failed ``describe`` is run again after the first of these, doubled at each failure up to the
+#: second (seconds, jittered): the node may lack what it needs for now (a driver still loading, a
+#: binary about to be installed), and its devices' values should appear when it has it, unrestarted
+DESCRIBE_RETRY = (5.0, 300.0)
+
+
+class DescribeError(GopherplugError):
+    """A resource's ``describe`` failed: its one line says how, with its stderr's last line."""
+
+
+async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[dict[str, ReadValues], list[str]]:
+    """Run the resource's ``describe`` once, for the devices ``ids``: what it says of each device
+    (parse_description), and the IDs it described that are not among them. Raises DescribeError
+    when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more than
+    DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
+
+    No shell: the argv as configured, stdin /dev/null, its own process group (killed whole at the
+    timeout). It is told the resource (GOPHERPLUG_RESOURCE) and the devices (GOPHERPLUG_DEVICES,
+    comma-joined IDs), and may describe more: a script around nvidia-smi prints every GPU."""
+    ids = list(ids)
+    command = resource.describe[0]
+    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES": ",".join(ids)}
+    output, tail = bytearray(), bytearray()
+    too_much = False
+    process: trio.Process | None = None
+
+    async def read_stdout(stream: trio.abc.ReceiveStream, cancel: trio.CancelScope) -> None:
+        nonlocal too_much
+        async with stream:
+            async for chunk in stream:
+                output.extend(chunk)
+                if len(output) > DESCRIBE_MAX_OUTPUT:
+                    too_much = True
+                    cancel.cancel()  # and kill it: nothing it prints now is read
+
+    async def read_stderr(stream: trio.abc.ReceiveStream) -> None:
+        async with stream:
+            async for chunk in stream:
+                tail.extend(chunk)
+                del tail[:-PRE_START_STDERR_TAIL]
+
+    with trio.move_on_after(DESCRIBE_TIMEOUT) as deadline:
+        try:
+            with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
+                async with trio.open_nursery() as nursery:
+                    process = await nursery.start(
+                        functools.partial(
+                            trio.run_process,
+                            list(resource.describe),
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            check=False,
+                            start_new_session=True,  # its own process group: what it starts is killed with it
+                            deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
+                        )
+                    )
+                    assert process is not None and process.stdout is not None and process.stderr is not None
+                    nursery.start_soon(read_stdout, process.stdout, nursery.cancel_scope)
+                    nursery.start_soon(read_stderr, process.stderr)
+        except OSError as error:
+            raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
+    lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]
+    said = f": {lines[-1]}" if lines else " (nothing on stderr)"
+    if too_much:
+        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){said}")
+    if deadline.cancelled_caught:
+        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){said}")
+    assert process is not None and process.returncode is not None
+    if process.returncode != 0:
+        how = (
+            f"exited with {process.returncode}" if process.returncode > 0 else f"killed by signal {-process.returncode}"
+        )
+        raise DescribeError(f"describe {command} {how}{said}")
+    try:
+        described = parse_description(output.decode())
+    except (UnicodeDecodeError, ValueError) as error:
+        raise DescribeError(f"describe {command} printed no description: {error}") from None
+    return described, sorted(set(described) - set(ids))
+
+
+def parse_description(text: str) -> dict[str, ReadValues]:
+    """A ``describe`` program's output: one JSON object, device ID -> {"attributes": {name: value},
+    "capacity": {name: quantity}}. An attribute's value is a string, a whole number, true or
+    false, or DeviceAttribute's own form ({"version": "580.159.4"}, {"string": ...}, {"int": ...},
+    {"bool": ...}); a capacity's a quantity ("143771Mi", or a number). Raises ValueError, with a
+    reason, for anything else in the shape; each value is checked later (with_read_values), one line
+    for each bad one, the others kept."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        shown = text.strip()[:40]
+        raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno}): {shown!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON object of device IDs was expected, not {type(data).__name__}")
+    described = {}
+    for device_id, entry in data.items():
+        if not isinstance(entry, dict) or set(entry) - {"attributes", "capacity"}:
+            raise ValueError(f'device {device_id!r}: expected {{"attributes": {{...}}, "capacity": {{...}}}}')
+        attributes, capacity = entry.get("attributes") or {}, entry.get("capacity") or {}
+        if not isinstance(attributes, dict) or not isinstance(capacity, dict):
+            raise ValueError(f"device {device_id!r}: attributes and capacity must be JSON objects")
+        typed: dict[str, tuple[str, Any]] = {}
+        for name, value in attributes.items():
+            if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in ATTRIBUTE_TYPES:
+                typed[name] = next(iter(value.items()))
+            else:
+                typed[name] = ({bool: "bool", int: "int", str: "string"}.get(type(value), ""), value)
+        described[device_id] = ReadValues(typed, capacity)
+    return described
+
+
+async def _describe_devices(device_set: _DeviceSet) -> None:
+    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), and
+    give the device set what it said. Never on a kubelet's call: Allocate and ListAndWatch send
+    the devices as last described.
+
+    A failure (DescribeError) is said once, and again when the reason changes; the devices stay
+    offered with what is known (their files' values, and what the last run that worked said of
+    them), nothing made up. A failed run is tried again after a while (DESCRIBE_RETRY); when one
+    works again, that is said too, and its values appear."""
+    resource = device_set.resource
+    failed = ""  # the failure last said ("": none)
+    unknown_said: list[str] = []
+    done_for: frozenset[str] | None = None
+    retry = DESCRIBE_RETRY[0]
+    while True:
+        touched = device_set.ids_changed.next_touch()  # before the check: a change while it runs is not missed
+        ids = device_set.ids_changed.value
+        if ids != done_for and ids:
+            done_for = ids
+            try:
+                described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
+            except DescribeError as error:
+                if str(error) != failed:
+                    failed = str(error)
+                    kept = sum(1 for device_id in ids if device_id in device_set.described)
+                    _log(resource).warning(
+                        "%s; the devices are offered without what it would say (%d keep what it said before)",
+                        error,
+                        kept,
+                    )
+            else:
+                if failed:
+                    _log(resource).info(
+                        "describe %s works again: %s described",
+                        resource.describe[0],
+                        _devices(len(set(described) & ids)),
+                    )
+                    failed = ""
+                if unknown and unknown != unknown_said:
+                    _log(resource).warning(
+                        "describe %s described %s, which %s not among the resource's devices",
+                        resource.describe[0],
+                        ", ".join(unknown),
+                        "is" if len(unknown) == 1 else "are",
+                    )
+                unknown_said = unknown
+                device_set.describe_result({i: values for i, values in described.items() if i in ids})
+        if not failed:
+            retry = DESCRIBE_RETRY[0]
+            await touched.wait()
+            continue
+        with trio.move_on_after(jittered(retry)):
+            await touched.wait()
+        if not touched.is_set():
+            done_for, retry = None, min(retry * 2, DESCRIBE_RETRY[1])  # the same devices, described again
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
