@@ -11974,6 +11974,76 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
     return claim(name, f"uid-{name}", requests=[request])
 
 
+async def test_dra_claims_select_by_capacity_and_attribute_through_the_charts_device_classes(dra_node, helm):
+    """Issue 38: devices that differ by what their files say (a model, a memory size) are told apart
+    by claims: through the chart's dra.extraDeviceClasses, rendered by helm, the scheduler stand-in's
+    CEL (with the Kubernetes quantity library) gives a claim of the "80Gi or more" class the one
+    device with 80Gi, one of the "H100" class the H100, and a claim selecting by capacity itself
+    (device.capacity[...].memory.compareTo(quantity(...))) the right one too."""
+    info = dra_node.root / "info"
+    for name, model, memory in (("gopher0", "H100", "40Gi"), ("gopher1", "H200", "80Gi"), ("gopher2", "H100", "64Gi")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "model").write_text(model + "\n")
+        (info / name / "memory").write_text(memory + "\n")
+    declared = {
+        "attributes": {"productName": {"file": str(info / "{id}" / "model")}, "vendor": "NVIDIA"},
+        "capacity": {"memory": {"file": str(info / "{id}" / "memory")}},
+    }
+    capacity = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
+    values = dra_node.root / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "mode": "dra",
+                "config": {
+                    "resources": [{"name": "example.com/gopher", "directory": "/dev/g", "api": "dra", **declared}]
+                },
+                "dra": {
+                    "driver": DRIVER,
+                    "extraDeviceClasses": [
+                        {"name": "big.gopher.example.com", "resource": "example.com/gopher", "selector": capacity},
+                        {
+                            "name": "h100.gopher.example.com",
+                            "resource": "example.com/gopher",
+                            "selector": f'device.attributes["{DRIVER}"].productName == "H100"',
+                        },
+                    ],
+                },
+            }
+        )
+    )
+    rendered = helm_template(helm, str(values))
+    assert rendered.returncode == 0, rendered.stderr
+    classes = [item for item in yaml.safe_load_all(rendered.stdout) if item and item["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == [
+        "gopher.example.com",
+        "gopher.example.com-admin",
+        "big.gopher.example.com",
+        "h100.gopher.example.com",
+    ]
+    scheduler = standins.SchedulerSimulator(dra_node.api, classes)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(**declared))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+
+    def allocated(made):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [result["device"] for result in made["status"]["allocation"]["devices"]["results"]]
+
+    assert allocated(ordinary_claim("big", device_class="big.gopher.example.com")) == ["gopher1"]
+    with pytest.raises(standins.UnschedulableError, match="cannot allocate all claims"):
+        allocated(ordinary_claim("bigger", device_class="big.gopher.example.com"))  # the one 80Gi is taken
+    assert allocated(ordinary_claim("h100", count=2, device_class="h100.gopher.example.com")) == ["gopher0", "gopher2"]
+    dra_node.api.claims.clear()
+    at_least = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("60Gi")) >= 0 && '
+    at_least += f'device.attributes["{DRIVER}"].productName == "H100"'
+    own = ordinary_claim("own", selectors=[{"cel": {"expression": at_least}}])
+    assert allocated(own) == ["gopher2"]
+
+
 async def publish_unhealthy_and_healthy(dra_node):
     """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy), and is registered."""
     (dra_node.devices / "gopher0").symlink_to("node0")
