@@ -4022,10 +4022,11 @@ def with_read_values(
     server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
     first."""
     problems: list[tuple[str, str]] = []
+    # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal is.
     bare = dataclasses.replace(device, attributes=(), capacity=())
-    known = device_attributes(resource, bare)  # gopherplug's own, sysfs's standard ones, the literals
+    known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
     from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
-    known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, bare).items()}
+    known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
     room = DRA_MAX_ATTRIBUTES_AND_CAPACITIES - len(known) - len(known_capacity)
@@ -4075,6 +4076,8 @@ def with_read_values(
             else:
                 capacity[name] = quantity
                 room -= 1
+    attributes.update({name: (kind, value) for name, kind, value in device.attributes})
+    capacity.update(device.capacity)
     entry = dataclasses.replace(
         device,
         attributes=tuple((name, *attributes[name]) for name in sorted(attributes)),
@@ -7245,6 +7248,7 @@ class _DeviceSet:
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
         self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
+        self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
         self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
@@ -7276,8 +7280,8 @@ class _DeviceSet:
         if self.devices.value is RETIRED:
             return
         self.described = described
-        for device_id, device in self.found.items():
-            self.found[device_id] = self._with_values(device, read_files=False)
+        for device_id in self.found:
+            self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
 
     def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
@@ -7296,11 +7300,15 @@ class _DeviceSet:
                 changed.add(entry.id)
         for device_id in _natural_sorted(list(changed)):  # a new device joins the list in natural order
             if entries := self.entries.get(device_id):
-                self.found[device_id] = self._with_values(merge_entries(list(entries.values())), read_files=True)
+                bare = merge_entries(list(entries.values()))
+                if self.resource.attributes or self.resource.capacity or self.resource.describe:
+                    self.bare[device_id] = bare
+                self.found[device_id] = self._with_values(bare, read_files=True)
             else:
                 self.entries.pop(device_id, None)
                 self.found.pop(device_id, None)
                 self.files.pop(device_id, None)
+                self.bare.pop(device_id, None)
                 for warned in [warned for warned in self.value_warned if warned[0] == device_id]:
                     del self.value_warned[warned]
         if self.resource.describe and (ids := frozenset(self.found)) != self.ids_changed.value:
@@ -10784,8 +10792,12 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     """A validated ResourceConfig for devices that come from your program instead of a directory.
 
     ``options`` are the configuration file's resource keys that do not describe directory entries:
-    env, replicas, preferred, annotations, pre_start, pre_start_timeout. Your DeviceEntry objects
-    carry their own device_specs and mounts. Raises ConfigError like a configuration file would.
+    env, replicas, preferred, annotations, pre_start, pre_start_timeout, and attributes, capacity
+    and describe (as the file's: ``attributes={"model": "H200"}``, ``capacity={"memory": "80Gi"}``;
+    a ``file`` is read, and ``describe`` run, as each set of your devices comes, by serve_dra_devices).
+    Your DeviceEntry objects carry their own device_specs and mounts, and may carry attributes and
+    capacity of their own (DeviceEntry.attributes, .capacity: kept, none replaced). Raises ConfigError
+    like a configuration file would.
     """
     source = f"resource_config({name!r})"
     about_entries = {"directory", "pattern", "match", "id_pattern", "usb", "device_specs", "mounts"}
@@ -11007,8 +11019,12 @@ def _embedded_dra(
     except ConfigError as error:  # named by the keyword, not by the file's key
         keyword = {"cdi.kind": "cdi_kind", "cdi.spec_dir": "cdi_dir"}.get(error.key_path, error.key_path)
         raise ConfigError(source, keyword, error.problem) from None
-    # No directory: the devices are the program's (origin() says so in the log).
-    return config, dataclasses.replace(parsed, directory=""), node
+    # No directory: the devices are the program's (origin() says so in the log). Its attributes,
+    # capacity and describe, checked already by resource_config, are the resource's.
+    parsed = dataclasses.replace(
+        parsed, directory="", attributes=resource.attributes, capacity=resource.capacity, describe=resource.describe
+    )
+    return config, parsed, node
 
 
 def _embedded_problem(resource: ResourceConfig, key: Any, entry: Any) -> str:
@@ -11071,6 +11087,8 @@ async def _offer_devices(
     task_status.started()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_follow_turn, turn, device_set)
+        if resource.describe:
+            nursery.start_soon(_describe_devices, device_set)
         while True:
             await touched.wait()
             touched = devices.next_touch()

@@ -9813,6 +9813,50 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
     return scope, await dra_node.nursery.start(run)
 
 
+async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node):
+    """Issue 38: resource_config takes attributes, capacity and describe as the file does; with
+    serve_dra_devices, a device's slice entry has the literals, what the program's DeviceEntry
+    carries itself, and what describe (run as the program's devices come) says, none replacing
+    another. A new device is described again."""
+    widgets = dra_node.root / "widgets"
+    script = dra_node.root / "describe"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, os\n"
+        "ids = os.environ['GOPHERPLUG_DEVICES'].split(',')\n"
+        "print(json.dumps({i: {'attributes': {'uuid': 'U-' + i, 'serial': 'not-this'}} for i in ids}))\n"
+    )
+    script.chmod(0o755)
+    resource = gp.resource_config(
+        "example.com/widget",
+        env="WIDGETS",
+        attributes={"model": "W-1"},
+        capacity={"memory": "1Gi"},
+        describe=[str(script)],
+    )
+    own = {"attributes": (("serial", "string", "S0"),), "capacity": (("lanes", "16"),)}
+    devices = gp.Watched({"w0": widget("w0", widgets, **own)})
+
+    def entries():
+        return {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+
+    with trio.fail_after(TIMEOUT):
+        await serve_dra_widgets(dra_node, devices, resource)
+        while "uuid" not in entries().get("w0", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+        devices.set({**devices.value, "w1": widget("w1", widgets)})
+        while "uuid" not in entries().get("w1", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+    w0 = entries()["w0"]
+    assert {name: w0["attributes"][name] for name in ("model", "serial", "uuid")} == {
+        "model": {"string": "W-1"},
+        "serial": {"string": "S0"},  # the program's, not describe's
+        "uuid": {"string": "U-w0"},
+    }
+    assert w0["capacity"] == {"memory": {"value": "1Gi"}, "lanes": {"value": "16"}}
+    assert entries()["w1"]["attributes"]["serial"] == {"string": "not-this"}  # w1 has none of its own
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+
 async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
     """serve_dra_devices(device_metadata=False) is dra: {device_metadata: false}: the claim's devices
     get their own CDI device alone, and no metadata file is written."""
