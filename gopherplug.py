@@ -4168,16 +4168,27 @@ def dra_device(
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
     in k8s.io/dynamic-resource-allocation structured), which is how an admin-access claim reaches it.
 
-    With ``replicas`` above 1, the device is shared (KEP-5075, consumable capacity): dra_shares.
+    The resource's ``attributes`` and ``capacity`` (device_attributes, device_capacity) are beside
+    them, a capacity as {"value": quantity}. With ``replicas`` above 1, the device is shared (KEP-5075,
+    consumable capacity): dra_shares; and each claim consumes of its declared capacity what it asks
+    for (capacity.requests, nothing by default), within the value, where the cluster has consumable
+    capacity (DRAConsumableCapacity, on from 1.36).
     """
     attributes = device_attributes(resource, device)
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
     if capacity := device_capacity(resource, device):
         listed["capacity"] = capacity
     if resource.replicas > 1:
+        # A shared device's declared capacity is consumed by the claims that ask for some of it
+        # (capacity.requests), and only by them: without a requestPolicy, a claim that asks for
+        # none would take the whole value (calculateConsumedCapacity in kubernetes/kubernetes
+        # staging/src/k8s.io/dynamic-resource-allocation/structured/internal/incubating/
+        # consumable_capacity.go), and the device would be one claim's after all.
+        consumed = {"default": "0", "validRange": {"min": "0"}}
         shares = dra_shares(resource.replicas)
         listed["allowMultipleAllocations"] = shares["allowMultipleAllocations"]
-        listed["capacity"] = {**capacity, **shares["capacity"]}
+        declared = {name: {**quantity, "requestPolicy": consumed} for name, quantity in capacity.items()}
+        listed["capacity"] = {**declared, **shares["capacity"]}
     if driver and device.health != HEALTHY:
         listed["taints"] = [dra_unhealthy_taint(driver, device, unhealthy_taint)]
     return listed

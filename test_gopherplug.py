@@ -12258,6 +12258,41 @@ async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
 
 
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1_36(dra_node):
+    """Issue 38: ``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
+    claims share the device and each consumes the memory it asks for (capacity.requests), within the
+    80Gi: 60Gi, then 30Gi does not fit, a claim asking for none still does (1 share, 0 memory).
+    Before 1.36 the API server drops the sharing and the policy and keeps the value: the first claim
+    has the device whole, and the capacity is what selectors see."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=4, capacity={"memory": "80Gi"}))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+    def allocated(name, memory=None):
+        made = ordinary_claim(name, **({"capacity": {"requests": {"memory": memory}}} if memory else {}))
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [r.get("consumedCapacity") for r in made["status"]["allocation"]["devices"]["results"]]
+
+    if dra_node.api.release.enabled("DRAConsumableCapacity"):
+        assert allocated("big", "60Gi") == [{"memory": "60Gi", "shares": "1"}]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("more", "30Gi")
+        assert allocated("none") == [{"memory": "0", "shares": "1"}]
+    else:
+        (device,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+        assert device["capacity"] == {"memory": {"value": "80Gi"}, "shares": {"value": "4"}}
+        assert allocated("big") == [None]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("none")
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(dra_node):
     """A pod asking for example.com/gopher in resources.limits on a node without the device plugin:
     from 1.36 (DRAExtendedResource on) the scheduler makes its claim from the shipped class's
