@@ -7,6 +7,10 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 ``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
 speaks resource.k8s.io/v1).
 
+New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
+of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
+`python examples/lesson/gopher_plugin.py --demo`. This module is the real thing.
+
 Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table

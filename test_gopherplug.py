@@ -5477,6 +5477,49 @@ def test_readme_embedding_example_is_the_example_file():
     assert "response: gopherplug.ContainerAllocateResponse" in readme_example_text()
 
 
+LESSON = HERE / "examples" / "lesson" / "gopher_plugin.py"
+
+
+def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_included(tmp_path):
+    """examples/lesson/gopher_plugin.py, the tutorial's plugin done right in one file a learner
+    reads in one sitting (at most 250 lines), run as a learner runs it: `python gopher_plugin.py
+    --demo`, its own process, against gopherplug's kubelet simulator. Each step fails the demo
+    (exit 1) unless the simulated kubelet sees it within 10 s: the first list, the Allocate answer,
+    a device added, one turned unhealthy and healthy again by inotify, and a registration on a new
+    socket after the kubelet restarts. Its temporary directory is gone afterwards."""
+    assert len(LESSON.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, str(LESSON), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [re.sub(r"/\S*/lesson-[^/ ]+", "<root>", line.split(" ms  ", 1)[1]) for line in result.stdout.splitlines()]
+    # kubelet.sock is created at bind(), a moment before listen(): a Register may be refused, and retried.
+    said = [line for line in said if not line.startswith("plugin   Register: no answer yet")]
+    listed = "gopher0 Healthy, gopher1 Healthy, gopher2 Healthy, gopher3 Healthy"
+    assert said == [
+        "kubelet  listening on <root>/device-plugins/kubelet.sock",
+        "plugin   Register(example.com/gopher, endpoint gopher-1.sock, version v1beta1)",
+        "kubelet  first list: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy",
+        "kubelet  Allocate(gopher0, gopher1) -> env {'GOPHER_DEVICES': 'gopher0,gopher1'}",
+        "kubelet    device <root>/gophers/gopher0 -> /dev/gopher0 (rw)",
+        "kubelet    device <root>/gophers/gopher1 -> /dev/gopher1 (rw)",
+        "demo     created gophers/gopher3",
+        f"kubelet  inotify told the plugin, the plugin told the kubelet: {listed}",
+        "demo     gophers/gopher4: a symlink to nothing",
+        f"kubelet  listed unhealthy: {listed}, gopher4 Unhealthy",
+        "demo     its target appeared",
+        f"kubelet  healthy again: {listed}, gopher4 Healthy",
+        "demo     the kubelet restarts: it deletes every socket, makes a new kubelet.sock",
+        "plugin   the kubelet restarted: a new socket, a new Register",
+        "plugin   Register(example.com/gopher, endpoint gopher-2.sock, version v1beta1)",
+        f"kubelet  registered again: {listed}, gopher4 Healthy",
+        "demo     done: the plugin stopped, its socket removed",
+    ], result.stdout
+    assert os.listdir(tmp_path) == []
+    assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+
+
 async def open_example(script, plugin_dir, stderr, **kwargs):
     """An embedding example as its own process, pointed at ``plugin_dir`` as a user would point it,
     importing gopherplug from this checkout."""
