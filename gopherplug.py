@@ -72,12 +72,12 @@ every other name, underscored or not, may change in any release.
   Run it             main, serve_plugin, serve_devices, serve_dra_devices, serve_dra,
                      serve_until_signalled, STOP_TIMEOUT
   Configure it       load_config, parse_config, resource_config, find_device_plugin_dir, Config,
-                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector
+                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector, DeclaredValue
   Devices            DeviceEntry, Watched, ShapeAllocation, ContainerAllocateResponse, HEALTHY,
                      UNHEALTHY, scan_directory, find_usb_devices, UsbDevice
   Answers (pure)     list_and_watch_response, allocate_response, preferred_allocation_response,
                      resource_slices, prepared_devices, dra_device_name, dra_pool_name,
-                     dra_health_response
+                     dra_health_response, device_attributes, device_capacity
   Kubernetes API     KubeApi, ApiError, DraDriver, DraResources, ClaimCheckpoint
   Errors             GopherplugError, ConfigError, RPCError, ClaimError, StatusCode,
                      UnexpectedAdmissionError
@@ -273,6 +273,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ContainerAllocateResponse",
+    "DeclaredValue",
     "DeviceEntry",
     "DeviceSpecTemplate",
     "DraConfig",
@@ -296,6 +297,8 @@ __all__ = [
     "Watched",
     "allocate_response",
     "call_unary",
+    "device_attributes",
+    "device_capacity",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -4026,7 +4029,21 @@ def with_read_values(
     server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
     first."""
     problems: list[tuple[str, str]] = []
-    # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal is.
+    # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
+    # is, once it passes the same checks.
+    own_attributes, own_capacity = [], []
+    for name, kind, value in device.attributes:
+        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+        else:
+            own_attributes.append((name, kind, value))
+    for name, written in device.capacity:
+        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+        else:
+            own_capacity.append((name, str(quantity)))
+    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
     bare = dataclasses.replace(device, attributes=(), capacity=())
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
     from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
@@ -7274,7 +7291,8 @@ class _DeviceSet:
         """The device with what its files (read again if ``read_files``) and describe said of it;
         each value left out said once (and again if the reason changes)."""
         if not (self.resource.attributes or self.resource.capacity or self.resource.describe):
-            return device  # nothing declared: the scan's path stays as it was
+            if not (device.attributes or device.capacity):
+                return device  # nothing declared: the scan's path stays as it was
         problems: list[tuple[str, str]] = []
         if read_files:
             self.files[device.id], problems = read_declared_values(self.resource, device)
@@ -7316,7 +7334,7 @@ class _DeviceSet:
         for device_id in _natural_sorted(list(changed)):  # a new device joins the list in natural order
             if entries := self.entries.get(device_id):
                 bare = merge_entries(list(entries.values()))
-                if self.resource.attributes or self.resource.capacity or self.resource.describe:
+                if self.resource.describe:
                     self.bare[device_id] = bare
                 self.found[device_id] = self._with_values(bare, read_files=True)
             else:

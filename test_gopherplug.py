@@ -9855,7 +9855,7 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
     return scope, await dra_node.nursery.start(run)
 
 
-async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node):
+async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node, caplog):
     """Issue 38: resource_config takes attributes, capacity and describe as the file does; with
     serve_dra_devices, a device's slice entry has the literals, what the program's DeviceEntry
     carries itself, and what describe (run as the program's devices come) says, none replacing
@@ -9875,13 +9875,13 @@ async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and
         capacity={"memory": "1Gi"},
         describe=[str(script)],
     )
-    own = {"attributes": (("serial", "string", "S0"),), "capacity": (("lanes", "16"),)}
+    own = {"attributes": (("serial", "string", "S0"), ("bad-name", "string", "x")), "capacity": (("lanes", "16"),)}
     devices = gp.Watched({"w0": widget("w0", widgets, **own)})
 
     def entries():
         return {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
 
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
         await serve_dra_widgets(dra_node, devices, resource)
         while "uuid" not in entries().get("w0", {}).get("attributes", {}):
             await dra_node.api.changed.wait_touched()
@@ -9896,6 +9896,8 @@ async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and
     }
     assert w0["capacity"] == {"memory": {"value": "1Gi"}, "lanes": {"value": "16"}}
     assert entries()["w1"]["attributes"]["serial"] == {"string": "not-this"}  # w1 has none of its own
+    assert "bad-name" not in w0["attributes"]  # the device's own, checked too: left out, said once
+    assert len([line for line in caplog.messages if "device w0: attributes.bad-name: the device's own" in line]) == 1
     assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
 
 
