@@ -9,7 +9,8 @@ speaks resource.k8s.io/v1).
 
 New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
 of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
-`python examples/lesson/gopher_plugin.py --demo`. This module is the real thing.
+`python examples/lesson/gopher_plugin.py --demo`; examples/lesson/gopher_dra.py does the same for DRA.
+This module is the real thing.
 
 Read it top to bottom; every section only uses the ones above it:
 

@@ -5520,6 +5520,41 @@ def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_includ
     assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
 
 
+def test_the_dra_lesson_runs_its_demo_a_kubelet_restart_included(sockdir):
+    """examples/lesson/gopher_dra.py, DRA's essentials in one file (at most 250 lines), run as its
+    own process with --demo against gopherplug's DRA kubelet and lenient API server: it publishes
+    its ResourceSlice before and after registration, updates it when a device comes, prepares a
+    claim with the CDI device whose spec it wrote, and writes the slice again after the kubelet's
+    restart wiped it (a create after the restart, or the demo fails)."""
+    script = HERE / "examples" / "lesson" / "gopher_dra.py"
+    assert len(script.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}  # socket paths under 108 bytes
+    result = subprocess.run(
+        [sys.executable, str(script), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [line.split(" ms  ", 1)[1] for line in result.stdout.splitlines()]
+    slices = [line for line in said if line.startswith("plugin   ResourceSlice node-1-gopher.example.com generation")]
+    assert slices[0].endswith("generation 1: gopher0, gopher1, gopher2"), slices
+    assert slices[-1].endswith(": gopher0, gopher1, gopher2, gopher3"), slices
+    all_four = "gopher0, gopher1, gopher2, gopher3"
+    assert [line for line in said if line not in slices] == [
+        "plugin   the kubelet registered the driver",
+        "apiserver this node's ResourceSlice: gopher0, gopher1, gopher2",
+        "demo     created gophers/gopher3",
+        f"apiserver the slice, updated: {all_four}",
+        "scheduler allocated ResourceClaim default/my-gopher: gopher1 of pool node-1",
+        "kubelet  NodePrepareResources(default/my-gopher) -> CDI example.com/gopher=gopher1",
+        "runtime  example.com/gopher=gopher1: env GOPHER_GOPHER1=gopher1, mount /run/gophers/gopher1",
+        "kubelet  NodeUnprepareResources(default/my-gopher): the pod is gone",
+        "demo     the kubelet restarts: it deletes this node's slices, walks plugins_registry again",
+        "plugin   the kubelet registered the driver",
+        f"apiserver the slice, written again: {all_four}",
+        "demo     done",
+    ], result.stdout
+    assert os.listdir(sockdir) == []
+
+
 async def open_example(script, plugin_dir, stderr, **kwargs):
     """An embedding example as its own process, pointed at ``plugin_dir`` as a user would point it,
     importing gopherplug from this checkout."""
