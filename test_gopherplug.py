@@ -5969,24 +5969,28 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     CDI edits the runtime would apply for it, from the spec the plugin wrote."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path, "--dra")
-    assert who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime demo"
+    assert (
+        who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime runtime demo"
+    )
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
     pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
     lines = said.splitlines()
-    assert lines[4:10] == [
+    env = "gopherplug.example.com/gpu=demo-0_device"  # the request's env, as Allocate gives it
+    assert lines[4:11] == [
         f"ResourceSlice of pool {pool}: {first}, {second}",
         f"allocated a ResourceClaim: device {first} of pool {pool}",
-        f"NodePrepareResources: CDI devices {cdi}, gopherplug.example.com/metadata=demo-0_device",
+        f"NodePrepareResources: CDI devices {cdi}, {env}, gopherplug.example.com/metadata=demo-0_device",
         f"{cdi}: device {card} -> {card}",
         f"{cdi}: device {render} -> {render}",
         f"{cdi}: env GPU_DEVICES_0000_00_02_0=0000:00:02.0",
+        f"{env}: env GPU_DEVICES=0000:00:02.0",
     ]
     assert re.fullmatch(
         r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
         r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
         r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
-        lines[10],
+        lines[11],
     )
     assert sorted(os.listdir(sockdir)) == ["node"]
 
