@@ -1355,8 +1355,9 @@ BAD_CONFIGS = [
     (
         resources(pattren="ttyUSB*"),
         "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
-        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "allowed_host_paths, annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, "
+        "id_pattern, match, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, "
+        "usb, whole_dev",
     ),
     # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
     # undefined one): the line says to quote it, with the quoted key and value to write.
@@ -1425,8 +1426,8 @@ BAD_CONFIGS = [
     (
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
-        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, id_pattern, match, "
+        "mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -9178,6 +9179,180 @@ async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_
     ]
     assert dra_node.slice_devices()[1] == {3}  # a new generation per change
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update", "update"]
+
+
+DESCRIBE_SCRIPT = """#!{python}
+import json, os, sys, time
+mode = open({mode!r}).read().strip()
+if mode == "fail":
+    print("starting", file=sys.stderr)
+    print("nvidia-smi: command not found", file=sys.stderr)
+    sys.exit(127)
+if mode == "hang":
+    print("waiting for the GPU", file=sys.stderr, flush=True)
+    open({mode!r} + ".pid", "w").write(str(os.getpid()))
+    os.execvp("sleep", ["sleep", "1000"])
+if mode == "garbage":
+    print("No devices were found")
+    sys.exit(0)
+ids = os.environ["GOPHERPLUG_DEVICES"].split(",")
+print(json.dumps({{
+    device_id: {{
+        "attributes": {{"uuid": "GPU-" + device_id, "driverVersion": {{"version": "580.159.4"}}, "bad-name": 1}},
+        "capacity": {{"memory": "143771Mi"}},
+    }}
+    for device_id in ids + ["gopher9"]
+}}))
+"""
+
+
+def describe_script(root, mode="ok"):
+    """A describe program (a real subprocess) whose behaviour ``mode`` chooses, as the file "mode" says."""
+    (root / "mode").write_text(mode)
+    script = root / "describe"
+    script.write_text(DESCRIBE_SCRIPT.format(python=sys.executable, mode=str(root / "mode")))
+    script.chmod(0o755)
+    return str(script)
+
+
+def described_calls(monkeypatch):
+    """A Watched count of finished run_describe calls (the real one runs)."""
+    calls = gp.Watched(0)
+    real = gp.run_describe
+
+    async def counted(resource, ids):
+        try:
+            return await real(resource, ids)
+        finally:
+            calls.set(calls.value + 1)
+
+    monkeypatch.setattr(gp, "run_describe", counted)
+    return calls
+
+
+async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(dra_node, monkeypatch, caplog):
+    """Issue 38: a resource's attributes and capacity, literal, from a file, and from describe (a real
+    program, run once per scan of the resource, not per device), are in each device's ResourceSlice
+    entry, which the strict API server takes; gopherplug's own attributes stay. A described value the
+    API server would refuse ("bad-name") and a device describe names that the node has not are each
+    one line, not a refused slice."""
+    calls = described_calls(monkeypatch)
+    info = dra_node.root / "info"
+    for name, serial in (("gopher0", "A1"), ("gopher1", "B2")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "serial").write_text(serial + "\n")
+    config = dra_node.config(
+        attributes={
+            "productName": "NVIDIA H200",
+            "cores": 132,
+            "ecc": True,
+            "example.com/family": "hopper",
+            "serial": {"file": str(info / "{id}" / "serial")},
+        },
+        capacity={"slots": 4, "hbm": "1.5Gi"},
+        describe=[describe_script(dra_node.root)],
+    )
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(config)
+        await dra_node.registered()
+        while not any("uuid" in d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]):
+            await dra_node.api.changed.wait_touched()
+    assert calls.value == 1  # once for both devices
+    devices = {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+    assert devices["gopher1"] == {
+        "name": "gopher1",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "gopher1"},
+            "healthy": {"bool": True},
+            "productName": {"string": "NVIDIA H200"},
+            "cores": {"int": 132},
+            "ecc": {"bool": True},
+            "example.com/family": {"string": "hopper"},
+            "serial": {"string": "B2"},
+            "driverVersion": {"version": "580.159.4"},
+            "uuid": {"string": "GPU-gopher1"},
+        },
+        "capacity": {"slots": {"value": "4"}, "hbm": {"value": "1536Mi"}, "memory": {"value": "143771Mi"}},
+    }
+    assert devices["gopher0"]["attributes"]["serial"] == {"string": "A1"}
+    refused = [line for line in caplog.messages if "bad-name" in line]
+    assert refused == [
+        f"example.com/gopher: device {name}: attributes.bad-name: not valid for the API server: 'bad-name' must be a "
+        "C identifier (letters, digits and '_', not starting with a digit) of at most 32 characters"
+        for name in ("gopher0", "gopher1")
+    ]
+    assert [line for line in caplog.messages if "gopher9" in line] == [
+        f"example.com/gopher: describe {config.resources[0].describe[0]} described gopher9, which is not among the "
+        "resource's devices"
+    ]
+    assert not [line for line in caplog.messages if "refused" in line or "422" in line]
+
+
+async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_served_and_recovers(
+    dra_node, monkeypatch, caplog
+):
+    """Issue 38: describe failing (with its stderr's last line), hanging (killed at the timeout) or
+    printing garbage: the devices stay published, with what is known and nothing made up, each cause
+    said in one line, once (a second run failing alike says nothing more). Fixed, the values appear
+    without a restart (a failed describe is tried again), and that is said too."""
+    monkeypatch.setattr(gp, "DESCRIBE_TIMEOUT", 0.5)
+    monkeypatch.setattr(gp, "DESCRIBE_RETRY", (0.01, 0.01))
+    calls = described_calls(monkeypatch)
+    (dra_node.devices / "gopher0").touch()
+    script = describe_script(dra_node.root, "fail")
+    config = dra_node.config(attributes={"productName": "NVIDIA H200"}, describe=[script])
+
+    def attributes():
+        return [d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+
+    async def runs(count):
+        while calls.value < count:
+            await calls.wait_touched()
+
+    def said(text):
+        return [line for line in caplog.messages if text in line]
+
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        await runs(2)  # failed twice: said once
+        assert said("describe") == [
+            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found; the devices are "
+            "offered without what it would say (0 keep what it said before)"
+        ]
+        assert attributes() == [
+            {
+                "resource": {"string": "example.com/gopher"},
+                "id": {"string": "gopher0"},
+                "healthy": {"bool": True},
+                "productName": {"string": "NVIDIA H200"},
+            }
+        ]
+        (dra_node.root / "mode").write_text("hang")
+        await runs(calls.value + 2)
+        assert said("did not finish") == [
+            f"example.com/gopher: describe {script} did not finish within 0.5 s (killed): waiting for the GPU; the "
+            "devices are offered without what it would say (0 keep what it said before)"
+        ]
+        (dra_node.root / "mode").write_text("garbage")
+        await runs(calls.value + 2)
+        assert said("printed no description") == [
+            f"example.com/gopher: describe {script} printed no description: not JSON (Expecting value at line 1 "
+            "column 1): 'No devices were found'; the devices are offered without what it would say (0 keep what it "
+            "said before)"
+        ]
+        assert len(attributes()[0]) == 4  # nothing made up
+        (dra_node.root / "mode").write_text("ok")
+        while "uuid" not in attributes()[0]:
+            await dra_node.api.changed.wait_touched()
+        dra_node.stop()
+    assert attributes()[0]["uuid"] == {"string": "GPU-gopher0"}
+    assert said("works again") == [f"example.com/gopher: describe {script} works again: 1 device described"]
+    with pytest.raises(ProcessLookupError):  # the hanging one was killed (and reaped), not left behind
+        os.kill(int((dra_node.root / "mode.pid").read_text()), 0)
 
 
 async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
