@@ -7668,11 +7668,15 @@ def test_nvidia_describe_that_cannot_describe_says_why_in_one_line(tmp_path, cas
     assert line.startswith("nvidia-describe: ") and said in line, line
 
 
-def nvidia_example_config(name, dev, **top):
+def nvidia_example_config(name, dev, proc, **top):
     """An examples/nvidia configuration with /dev standing for the fake node's ``dev``: its
-    directory and the host paths of its device_specs (the container paths stay /dev's)."""
+    directory and the host paths of its device_specs (the container paths stay /dev's); its
+    describe the example's script with the fake nvidia-smi and the fake node's ``proc``."""
     config = yaml.safe_load((NVIDIA / name).read_text())
     for resource in config["resources"]:
+        assert resource["describe"][1:] == ["/opt/gopherplug/nvidia-describe.py"]
+        resource["describe"] = [sys.executable, str(NVIDIA / "nvidia-describe.py")]
+        resource["describe"] += ["--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc)]
         resource["directory"] = str(dev) + resource["directory"].removeprefix("/dev")
         for spec in resource["device_specs"]:
             if spec["host_path"].startswith("/dev/"):
@@ -7687,12 +7691,13 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
     """`check-config --strict` on a node with two GPUs: one device per /dev/nvidia<N>, ID N, and
     not nvidiactl, nvidia-uvm, nvidia-uvm-tools or nvidia-caps; a GPU's container gets its node
     and the three shared ones."""
-    dev, _, _ = fake_nvidia_node(tmp_path)
-    config = nvidia_example_config(name, dev, device_plugin_dir=str(tmp_path))
+    dev, proc, recording = fake_nvidia_node(tmp_path)
+    config = nvidia_example_config(name, dev, proc, device_plugin_dir=str(tmp_path))
     (tmp_path / "kubelet.sock").touch()  # --strict: the kubelet's directory as serve would find it
     path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
-    result = run_cli("check-config", "--strict", "--config", str(path), env={"NODE_NAME": "node-1"})
+    env = {"NODE_NAME": "node-1", "NVIDIA_SMI_RECORDING": str(recording)}
+    result = run_cli("check-config", "--strict", "--config", str(path), env=env)
     assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == f"nvidia.com/gpu: 2 devices, 2 healthy, from {dev}/nvidia[0-9]*"
@@ -7713,15 +7718,16 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
 
 
 async def test_nvidia_device_plugin_gives_two_gpus_their_nodes_the_shared_ones_once_and_the_joined_env(
-    nursery, sockdir
+    nursery, sockdir, monkeypatch
 ):
     """examples/nvidia/config.yaml served to the kubelet stand-in on a node with two GPUs: both are
     listed (IDs 0 and 1), and a container given both gets /dev/nvidia0, /dev/nvidia1, nvidiactl,
     nvidia-uvm and nvidia-uvm-tools once each (what CUDA opens), with NVIDIA_VISIBLE_DEVICES=0,1."""
-    dev, _, _ = fake_nvidia_node(Path(sockdir))
+    dev, proc, recording = fake_nvidia_node(Path(sockdir))
+    monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
     plugin_dir = os.path.join(sockdir, "dp")
     os.mkdir(plugin_dir)
-    config = nvidia_example_config("config.yaml", dev, device_plugin_dir=plugin_dir)
+    config = nvidia_example_config("config.yaml", dev, proc, device_plugin_dir=plugin_dir)
     parsed = gp.parse_config(yaml.safe_dump(config), "examples/nvidia/config.yaml")
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
@@ -7758,12 +7764,15 @@ def cdi_edits(spec_dir, names):
     return nodes, env
 
 
-async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_through_cdi(dra_node):
-    """examples/nvidia: config-dra.yaml publishes one device per GPU; pod-dra.yaml's claim of two,
-    allocated by the scheduler stand-in with its DeviceClass, is prepared with CDI devices that give
-    the container both GPUs' nodes and nvidiactl, nvidia-uvm and nvidia-uvm-tools."""
-    dev, _, _ = fake_nvidia_node(dra_node.root)
-    config = nvidia_example_config("config-dra.yaml", dev, device_plugin_dir=str(dra_node.root / "dp"))
+async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_through_cdi(dra_node, monkeypatch):
+    """examples/nvidia: config-dra.yaml publishes one device per GPU, described from the fake
+    nvidia-smi (the recorded H200's values, its memory as capacity); pod-dra.yaml's claim of two with
+    at least 80Gi each, allocated by the scheduler stand-in with its DeviceClass and CEL, is prepared
+    with CDI devices that give the container both GPUs' nodes and nvidiactl, nvidia-uvm and
+    nvidia-uvm-tools. The same claim asking for more memory than an H200 has is unschedulable."""
+    dev, proc, recording = fake_nvidia_node(dra_node.root)
+    monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
+    config = nvidia_example_config("config-dra.yaml", dev, proc, device_plugin_dir=str(dra_node.root / "dp"))
     config["resources"][0]["cdi"] = {"kind": f"{DRIVER}/gpu", "spec_dir": dra_node.cdi["spec_dir"]}  # the default kind
     config["dra"]["kubelet_dir"] = str(dra_node.kubelet_dir)
     parsed = gp.parse_config(yaml.safe_dump(config), "examples/nvidia/config-dra.yaml")
@@ -7775,14 +7784,42 @@ async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_throu
     pool = gp.dra_pool_name("node-1", "nvidia.com/gpu")
     made = claim("cuda-example-dra-gpus", "uid-gpus")
     made["spec"] = copy.deepcopy(docs["ResourceClaimTemplate"]["spec"]["spec"])
+    too_big = copy.deepcopy(made)
+    [selector] = too_big["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+    selector["cel"]["expression"] = selector["cel"]["expression"].replace('"80Gi"', '"141Gi"')  # 143771Mi is 140.4Gi
+
+    def described():
+        devices = [
+            d for s in dra_node.api.slices.values() if s["spec"]["pool"]["name"] == pool for d in s["spec"]["devices"]
+        ]
+        return len(devices) == 2 and all("productName" in d["attributes"] for d in devices)
+
     with trio.fail_after(TIMEOUT):
         await dra_node.start(parsed)
         await dra_node.registered()
         await dra_node.wait_for_slices(["0", "1"], pool=pool)
+        while not described():
+            await dra_node.api.changed.wait_touched()
+        published = {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(too_big, "node-1")
         made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
         dra_node.api.put_claim(made)
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-gpus", made["metadata"]["name"])])
     assert not answer.claims["uid-gpus"].error
+    # What a claim selects on, as the slice says it (the API server's form: a type per value).
+    assert published["0"]["attributes"] == {
+        "resource": {"string": "nvidia.com/gpu"},
+        "id": {"string": "0"},
+        "healthy": {"bool": True},
+        "productName": {"string": "NVIDIA H200"},
+        "uuid": {"string": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c"},
+        "driverVersion": {"version": "580.159.4"},
+        "computeCapability": {"version": "9.0.0"},
+        "resource.kubernetes.io/pciBusID": {"string": "0000:00:06.0"},
+    }
+    assert published["0"]["capacity"] == {"memory": {"value": "143771Mi"}}
+    assert published["1"]["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:00:07.0"}
     results = made["status"]["allocation"]["devices"]["results"]
     assert sorted((r["request"], r["pool"], r["device"]) for r in results) == [
         (request["name"], pool, "0"),
