@@ -2590,6 +2590,9 @@ def nvidia_node(tier: Run, config_name: str, manifest: str) -> Node:
     resource["directory"] = str(node.devices)
     for spec in resource["device_specs"]:
         spec["host_path"] = spec["host_path"].replace("/dev/", f"{node.devices}/", 1)
+    # The plugin's image has neither nvidia-smi nor the script (test_gopherplug.py runs describe
+    # with a fake nvidia-smi): without it here, the tier shows the nodes and the env.
+    del resource["describe"]
     node.config["resources"] = [resource]
     return node
 
@@ -2657,4 +2660,33 @@ async def test_nvidia_gpus_reach_a_consumer_with_the_shared_nodes_and_the_joined
                 seen = await nvidia_consumer_report(tier.containerd, pod.container_ids["consumer"])
     tier.outputs["nvidia (device plugin): consumer of GPUs 0 and 1"] = seen
     assert seen["env"] == ["NVIDIA_VISIBLE_DEVICES=0,1"]
+    assert_given_two_gpus(seen)
+
+
+async def test_nvidia_gpus_reach_a_dra_consumer_through_the_claims_cdi_devices(tier, nursery, monkeypatch):
+    """examples/nvidia/config-dra.yaml in daemonset-dra.yaml's pod, on a node of three GPUs: the
+    slice offers 0, 1 and 2; a claim allocated 0 and 1, prepared, gives a consumer created with its
+    CDI device IDs alone (as the kubelet passes them) the two GPUs' nodes and the three shared ones,
+    through containerd's CDI handling, and not nvidia2."""
+    node = nvidia_node(tier, "config-dra.yaml", "daemonset-dra.yaml")
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
+    pool = gp.dra_pool_name(NODE_NAME, "nvidia.com/gpu")
+    with trio.fail_after(TIMEOUT):
+        async with node.running():
+            devices = await stored_devices(api, pool, lambda devices: len(devices) == 3)
+            assert sorted(devices) == ["0", "1", "2"]
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            results = [{"request": "gpus", "driver": DRIVER, "pool": pool, "device": name} for name in ("0", "1")]
+            made = dra_claim("gpus", [{"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.com"}}], results)
+            api.put_claim(made)
+            uid = made["metadata"]["uid"]
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid, "gpus")])).claims[uid]
+            assert prepared.error == ""
+            ids = kubelet.cdi_devices(uid, "gpus")
+            pod = Pod(tier, "gpu-dra-consumer")
+            config = consumer_config(pod, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await nvidia_consumer_report(tier.containerd, pod.container_ids["consumer"])
+    tier.outputs["nvidia (DRA): CDI device IDs"] = ids
+    tier.outputs["nvidia (DRA): consumer of GPUs 0 and 1"] = seen
     assert_given_two_gpus(seen)
