@@ -2223,9 +2223,10 @@ def attribute_name_problem(name: str) -> str:
         domain = parts[0]
         if not domain:
             problems.append("the domain must not be empty")
-        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _DNS_SUBDOMAIN.fullmatch(domain):
+        # A driver name's check, which takes upper case too (validateDriverName lower-cases it first).
+        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _DNS_SUBDOMAIN.fullmatch(domain.lower()):
             problems.append(
-                f"the domain {domain!r} must be a DNS subdomain (lower case letters, digits, '-' and '.') "
+                f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
                 f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
             )
     identifier = parts[-1]
@@ -4013,35 +4014,41 @@ def with_read_values(
     the API server checks a ResourceSlice's device, and why each value left out was: (key, why),
     e.g. ("attributes.model", "..."), for one line each.
 
-    Its files first, then what ``describe`` said: a name the configuration declares (literal or
-    file) keeps the configuration's value, and describe's is left out with a line. gopherplug's own
-    attributes are never replaced; of the standard ones, sysfs's value wins (device_attributes),
-    said when the other differs. Nothing beyond the API server's 32 attributes and capacities a
-    device: the rest is left out, with a line, describe's first."""
+    Its files first, then what ``describe`` said. No value replaces another: gopherplug's own
+    attributes stay (a describe may not say a device is healthy), and so does a literal of the
+    configuration, a file's value before describe's, and sysfs's standard ones (device_attributes);
+    a different value for one of them is left out with a line saying which is used. describe may
+    give what a file could not (a line says why the file gave nothing). Nothing beyond the API
+    server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
+    first."""
     problems: list[tuple[str, str]] = []
     bare = dataclasses.replace(device, attributes=(), capacity=())
-    taken = set(device_attributes(resource, bare))  # gopherplug's own and the literals
-    taken_capacity = set(device_capacity(resource, bare)) | ({DRA_SHARES_CAPACITY} if resource.replicas > 1 else set())
-    room = DRA_MAX_ATTRIBUTES_AND_CAPACITIES - len(taken) - len(taken_capacity)
-    declared = {d.name for d in resource.attributes}
-    declared_capacity = {d.name for d in resource.capacity}
+    known = device_attributes(resource, bare)  # gopherplug's own, sysfs's standard ones, the literals
+    from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
+    known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, bare).items()}
+    if resource.replicas > 1:
+        known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
+    room = DRA_MAX_ATTRIBUTES_AND_CAPACITIES - len(known) - len(known_capacity)
     attributes: dict[str, tuple[str, str | int | bool]] = {}
     capacity: dict[str, str] = {}
+
+    def used(by: str, whose: str, said: Any, value: Any) -> str:
+        return f"{whose} {said!r}, which is used, not {by}'s {value!r}"
+
     for values, by in ((files, "its file"), (described, "describe")):
         if values is None:
             continue
         for name, (kind, value) in values.attributes.items():
             key = f"attributes.{name}"
-            if by == "describe" and name in declared:
-                problems.append((key, f"describe's value is not used: the configuration's attributes declare {name}"))
-            elif name in taken or name in attributes:
-                if name.rpartition("/")[2] in OWN_ATTRIBUTES and "/" not in name:
-                    problems.append((key, f"is an attribute gopherplug gives every device itself: {by}'s is not used"))
-                elif name.startswith(f"{DRA_STANDARD_DOMAIN}/") and name in taken:
-                    known = device_attributes(resource, bare)[name]
-                    if known != {kind: value}:
-                        said = next(iter(known.values()))
-                        problems.append((key, f"sysfs says {said!r}, which is used, not {value!r}"))
+            if "/" not in name and name in OWN_ATTRIBUTES:
+                problems.append((key, f"is an attribute gopherplug gives every device itself: {by}'s is not used"))
+            elif name in known:
+                if known[name] != {kind: value}:
+                    whose = "sysfs says" if name in from_sysfs else "the configuration says"
+                    problems.append((key, used(by, whose, next(iter(known[name].values())), value)))
+            elif name in attributes:
+                if attributes[name] != (kind, value):
+                    problems.append((key, used(by, "its file says", attributes[name][1], value)))
             elif why := attribute_name_problem(name) or attribute_value_problem(kind, value):
                 problems.append((key, f"not valid for the API server: {why}"))
             elif room <= 0:
@@ -4051,13 +4058,17 @@ def with_read_values(
                 room -= 1
         for name, written in values.capacity.items():
             key = f"capacity.{name}"
-            if by == "describe" and name in declared_capacity:
-                problems.append((key, f"describe's value is not used: the configuration's capacity declares {name}"))
-            elif name in taken_capacity or name in capacity:
-                problems.append((key, f"is given already: {by}'s is not used"))
+            quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+            if name == DRA_SHARES_CAPACITY and resource.replicas > 1:
+                problems.append((key, f"is the capacity gopherplug gives a shared device: {by}'s is not used"))
+            elif name in known_capacity or name in capacity:
+                said = known_capacity.get(name) or capacity[name]
+                if said != quantity:
+                    whose = "the configuration says" if name in known_capacity else "its file says"
+                    problems.append((key, used(by, whose, said, written)))
             elif why := attribute_name_problem(name):
                 problems.append((key, f"not valid for the API server: {why}"))
-            elif (quantity := canonical_quantity(written) if isinstance(written, str | int | float) else None) is None:
+            elif quantity is None:
                 problems.append((key, f"{written!r} is not a quantity (4, 80Gi, 1500m)"))
             elif room <= 0:
                 problems.append((key, _TOO_MANY_VALUES))
@@ -12201,8 +12212,54 @@ def scan_report(
                 first = (device.id, names.get(device.id, ""), device.health) if number == 0 else ("", "", "")
                 column = f"{first[1]:<{named}}  " if names else ""
                 lines.append(f"  {first[0]:<{width}}  {column}{first[2]:<9}  {path}{why}")
+            lines += _value_lines(resource, device, width + 4)
     lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
     return "\n".join(lines)
+
+
+def _value_lines(resource: ResourceConfig, device: DeviceEntry, indent: int) -> list[str]:
+    """For scan_report: the device's declared attributes and capacity, as its ResourceSlice entry will
+    have them (name=value; a string quoted, a version marked), a line each."""
+    lines = []
+    if attributes := declared_attributes(resource, device):
+        shown = [
+            f"{name}={json.dumps(value) if kind in ('string', 'bool') else value}"
+            + (" (version)" if kind == "version" else "")
+            for name, typed in attributes.items()
+            for kind, value in typed.items()
+        ]
+        lines.append(f"{' ' * indent}attributes: {', '.join(shown)}")
+    if capacity := device_capacity(resource, device):
+        shown = [f"{name}={quantity['value']}" for name, quantity in capacity.items()]
+        lines.append(f"{' ' * indent}capacity: {', '.join(shown)}")
+    return lines
+
+
+def described_scan(resource: ResourceConfig, scan: Scan) -> tuple[Scan, list[str]]:
+    """For check-config: the scan's devices with what their ``attributes`` and ``capacity`` files
+    and the resource's ``describe`` say of them now (describe run once, as serve runs it), and a
+    line for each value left out and for a describe that failed."""
+    if not (resource.attributes or resource.capacity or resource.describe) or not scan.devices:
+        return scan, []
+    problems: list[str] = []
+    described: dict[str, ReadValues] = {}
+    if resource.describe:
+        try:
+            described, unknown = trio.run(run_describe, resource, [device.id for device in scan.devices])
+        except DescribeError as error:
+            problems.append(f"{error}: the devices would be offered without what it says")
+        else:
+            if unknown:
+                problems.append(
+                    f"describe {resource.describe[0]} described {', '.join(unknown)}: not among the devices"
+                )
+    devices = []
+    for device in scan.devices:
+        files, read_problems = read_declared_values(resource, device)
+        entry, more = with_read_values(resource, device, files, described.get(device.id))
+        devices.append(entry)
+        problems += [f"device {device.id}: {key}: {why}" for key, why in read_problems + more]
+    return dataclasses.replace(scan, devices=tuple(devices)), problems
 
 
 def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[str]:
@@ -13735,6 +13792,8 @@ def main(argv: list[str] | None = None) -> int:
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+            scan, value_problems = described_scan(resource, scan)
+            problems += value_problems
             offered.append((resource, scan.devices))
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
             view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)

@@ -8270,6 +8270,144 @@ def dra_config(devices, kubelet_dir, top=(), device_metadata=False, **fields):
     return yaml.safe_dump(config)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"attributes": {"a/b/c": 1}},
+            "attributes.a/b/c: not a valid name for the API server: must be either a C identifier or a domain, "
+            "followed by a slash and a C identifier",
+        ),
+        (
+            {"attributes": {"gpu-model": "x"}},
+            "attributes.gpu-model: not a valid name for the API server: 'gpu-model' must be a C identifier (letters, "
+            "digits and '_', not starting with a digit) of at most 32 characters",
+        ),
+        (
+            {"attributes": {"a" * 33: "x"}},
+            f"attributes.{'a' * 33}: not a valid name for the API server: '{'a' * 33}' must be a C identifier "
+            "(letters, digits and '_', not starting with a digit) of at most 32 characters",
+        ),
+        (
+            {"attributes": {"example_com/model": "x"}},
+            "attributes.example_com/model: not a valid name for the API server: the domain 'example_com' must be a "
+            "DNS subdomain (letters, digits, '-' and '.') of at most 63 characters",
+        ),
+        (
+            {"attributes": {"/model": "x"}},
+            "attributes./model: not a valid name for the API server: the domain must not be empty",
+        ),
+        (
+            {"attributes": {"model": "x" * 65}},
+            f"attributes.model: not a valid string attribute for the API server: '{'x' * 20}'... has 65 bytes, more "
+            "than the API server's 64",
+        ),
+        (
+            {"attributes": {"driverVersion": {"version": "v580.159"}}},
+            "attributes.driverVersion: not a valid version attribute for the API server: 'v580.159' is not a semantic "
+            "version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)",
+        ),
+        (
+            {"attributes": {"cores": 2**63}},
+            f"attributes.cores: not a valid int attribute for the API server: {2**63} does not fit in 64 bits",
+        ),
+        (
+            {"attributes": {"ratio": 1.5}},
+            'attributes.ratio: 1.5: must be a string, a whole number, true or false, {version: "1.2.3"}, or '
+            "{file: <path>, type: string|int|bool|version}",
+        ),
+        (
+            {"attributes": {"id": "x"}},
+            "attributes.id: is an attribute gopherplug gives every device itself (healthy, id, numaNode, resource, "
+            "usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name, or one in a domain of your own "
+            "(example.com/id)",
+        ),
+        (
+            {"attributes": {f"{DRIVER}/healthy": False}},
+            f"attributes.{DRIVER}/healthy: is an attribute gopherplug gives every device itself (healthy, id, "
+            "numaNode, resource, usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name, or one in a "
+            "domain of your own (example.com/healthy)",
+        ),
+        (
+            {"attributes": {"serial": {"file": "serial"}}},
+            "attributes.serial.file: 'serial' must be an absolute path",
+        ),
+        (
+            {"attributes": {"serial": {"file": "/sys/{device}/serial"}}},
+            "attributes.serial.file: '/sys/{device}/serial': bad placeholder ('device'); use {id}, {path}, {name}, "
+            "{target}, {sysfs}",
+        ),
+        (
+            {"attributes": {"serial": {"file": "{sysfs}/serial", "type": "float"}}},
+            "attributes.serial.type: 'float': must be one of string, int, bool, version",
+        ),
+        (
+            {"capacity": {"memory": "80GB"}},
+            "capacity.memory: '80GB' is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or "
+            "{file: <path>} to read one",
+        ),
+        (
+            {"capacity": {"memory": {"file": "{sysfs}/mem", "type": "int"}}},
+            "capacity.memory.type: 'int': must be one of quantity",
+        ),
+        (
+            {"capacity": {"shares": 2}},
+            "capacity.shares: is the capacity gopherplug gives a shared device (replicas): choose another name",
+        ),
+        (
+            {"attributes": {f"a{n}": n for n in range(20)}, "capacity": {f"c{n}": n for n in range(10)}},
+            "capacity: 20 attributes and 10 capacities, with the 3 gopherplug gives each device, are 33: the API "
+            "server takes at most 32 a device",
+        ),
+        (
+            {"describe": ["/nonexistent/describe-gpus"]},
+            "describe[0]: '/nonexistent/describe-gpus' is not an executable file here or on PATH",
+        ),
+    ],
+)
+def test_declared_attributes_and_capacity_are_checked_as_the_api_server_checks_a_slice(fields, message):
+    """Issue 38: each mistake the API server would refuse a ResourceSlice for (so every device of the
+    pool) is one ConfigError naming the resource and the key; gopherplug's own attributes are not
+    silently replaced."""
+    with pytest.raises(gp.ConfigError) as caught:
+        gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml")
+    assert str(caught.value) == f"cfg.yaml: resources[0].{message}"
+
+
+def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_stores_them():
+    config = gp.parse_config(
+        dra_config(
+            "/g",
+            "/k",
+            attributes={"model": "H200", "cores": 132, "ecc": True, "v": {"version": "1.2.3-rc.1+b5"}},
+            capacity={"a": "1.5Gi", "b": "1000", "c": 0.5, "d": "143771Mi", "e": "1024Mi", "f": "1e3", "g": "1.5Ki"},
+        ),
+        "cfg.yaml",
+    )
+    (resource,) = config.resources
+    assert [(d.name, d.type, d.value) for d in resource.attributes] == [
+        ("cores", "int", 132),
+        ("ecc", "bool", True),
+        ("model", "string", "H200"),
+        ("v", "version", "1.2.3-rc.1+b5"),
+    ]
+    # ParseQuantity then CanonicalizeBytes (k8s.io/apimachinery pkg/api/resource/quantity.go)
+    assert {d.name: d.value for d in resource.capacity} == {
+        "a": "1536Mi",
+        "b": "1k",
+        "c": "500m",
+        "d": "143771Mi",
+        "e": "1Gi",
+        "f": "1e3",
+        "g": "1536",
+    }
+    # The embedding API takes the same keys.
+    embedded = gp.resource_config("example.com/gpu", attributes={"model": "H200"}, capacity={"memory": "80Gi"})
+    device = gp.DeviceEntry("0", "/dev/gpu0")
+    assert gp.dra_device(embedded, device)["capacity"] == {"memory": {"value": "80Gi"}}
+    assert gp.dra_device(embedded, device)["attributes"]["model"] == {"string": "H200"}
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
@@ -8718,6 +8856,67 @@ def pci_sysfs(root):
     os.symlink(os.path.relpath(card, root / "dev" / "char"), root / "dev" / "char" / "1:3")
     os.symlink(os.path.relpath(tty, root / "dev" / "char"), root / "dev" / "char" / "1:5")
     return str(root)
+
+
+def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_sysfs_files_and_describe(tmp_path):
+    """Issue 38: check-config shows what each device's ResourceSlice entry will carry: the literals,
+    what its files say ({sysfs}: the node's sysfs directory, here a GPU's PCI function's vendor), and
+    what describe says (run once, for both devices). A node sysfs knows nothing of gets no {sysfs}
+    value, one line; a standard attribute describe gives where sysfs knows none is used (the NVIDIA
+    case), and where sysfs knows it, sysfs's stays, said when describe's differs. The slices of
+    those devices are what the strict API server takes."""
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("gpu", "/dev/null"), ("full", "/dev/full")]:
+        os.symlink(target, devices / name)
+    sysfs = pci_sysfs(tmp_path / "sys")
+    (tmp_path / "sys" / "devices" / "pci0000:00" / "0000:00:01.0" / "0000:03:00.0" / "vendor").write_text("0x10de\n")
+    describe = tmp_path / "describe"
+    describe.write_text(
+        f"#!{sys.executable}\nimport json\nprint(json.dumps({{"
+        '"gpu": {"attributes": {"resource.kubernetes.io/pciBusID": "0000:09:00.0", "uuid": "GPU-1"}}, '
+        '"full": {"attributes": {"resource.kubernetes.io/pciBusID": "0000:0a:00.0"}, "capacity": {"memory": 2048}}'
+        "}))\n"
+    )
+    describe.chmod(0o755)
+    fields = {
+        "allowed_host_paths": ["/dev"],
+        "attributes": {
+            "productName": "NVIDIA H200",
+            "driverVersion": {"version": "580.159.4"},
+            "vendor": {"file": "{sysfs}/device/vendor", "type": "int"},
+        },
+        "capacity": {"memory": {"file": "{sysfs}/device/memory"}, "slots": 4},
+        "describe": [str(describe)],
+    }
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(dra_config(str(devices), "/k", {"sysfs_root": sysfs}, **fields))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert result.returncode == 0, result.stderr
+    report = result.stdout.split("example.com/gopher: 2 devices", 1)[1].split("  a claim for", 1)[0]
+    gpu_dir = f"{sysfs}/dev/char/1:3"
+    assert report.splitlines()[1:] == [
+        "  warning: device full: attributes.vendor: {sysfs}/device/vendor: no sysfs directory is known for this device",
+        "  warning: device full: capacity.memory: {sysfs}/device/memory: no sysfs directory is known for this device",
+        f"  warning: device gpu: capacity.memory: cannot read {gpu_dir}/device/memory: No such file or directory",
+        "  warning: device gpu: attributes.resource.kubernetes.io/pciBusID: sysfs says '0000:03:00.0', which is used, "
+        "not describe's '0000:09:00.0'",
+        "  ID    DRA NAME  HEALTH     PATH",
+        "  full  full      Healthy    " + f"{devices}/full -> /dev/full",
+        '        attributes: driverVersion=580.159.4 (version), productName="NVIDIA H200", '
+        'resource.kubernetes.io/pciBusID="0000:0a:00.0"',
+        "        capacity: slots=4, memory=2048",
+        "  gpu   gpu       Healthy    " + f"{devices}/gpu -> /dev/null",
+        '        attributes: driverVersion=580.159.4 (version), productName="NVIDIA H200", uuid="GPU-1", vendor=4318',
+        "        capacity: slots=4",
+    ]
+    config = gp.load_config(str(path))
+    (resource,) = config.resources
+    scan, _ = gp.described_scan(resource, gp.scan_directory(resource, sysfs))
+    slices = gp.resource_slices(DRIVER, "node-1", resource, {d.id: d for d in scan.devices}, 1, NODE_UID)
+    assert [standins.resource_slice_causes(item) for item in slices] == [[]]
+    gpu = next(d for d in slices[0]["spec"]["devices"] if d["name"] == "gpu")
+    assert gpu["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:03:00.0"}
 
 
 def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
@@ -9390,6 +9589,57 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
     assert said("works again") == [f"example.com/gopher: describe {script} works again: 1 device described"]
     with pytest.raises(ProcessLookupError):  # the hanging one was killed (and reaped), not left behind
         os.kill(int((dra_node.root / "mode.pid").read_text()), 0)
+
+
+#: A described value of each kind the API server refuses a ResourceSlice for, and the cause it gives
+INVALID_DESCRIBED = {
+    "name": ({"attributes": {"gpu-model": "H200"}}, "attributes.gpu-model", "'gpu-model' must be a C identifier"),
+    "slashes": ({"attributes": {"a/b/c": "x"}}, "attributes.a/b/c", "must be either a C identifier or a domain"),
+    "domain": ({"attributes": {"-x-/model": "x"}}, "attributes.-x-/model", "must be a DNS subdomain"),
+    "string": ({"attributes": {"serial": "x" * 65}}, "attributes.serial", "has 65 bytes"),
+    "version": ({"attributes": {"driverVersion": {"version": "580.159"}}}, "attributes.driverVersion", "semantic"),
+    "int": ({"attributes": {"cores": 2**64}}, "attributes.cores", "does not fit in 64 bits"),
+    "type": ({"attributes": {"ratio": 1.5}}, "attributes.ratio", "1.5 is not a string, a whole number"),
+    "quantity": ({"capacity": {"memory": "80GB"}}, "capacity.memory", "'80GB' is not a quantity"),
+    "too many": ({"attributes": {f"a{n}": n for n in range(30)}}, "attributes.a29", "at most 32 attributes"),
+}
+
+
+@pytest.mark.parametrize("kind", list(INVALID_DESCRIBED))
+async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not_a_refused_slice(
+    dra_node, kind, caplog
+):
+    """Issue 38: the strict API server stand-in refuses a slice with each kind of invalid value, as
+    the API server does (one bad device refuses the whole pool); gopherplug, given one by describe,
+    leaves it out with one line naming the resource, the device and the key, and writes a slice the
+    stand-in takes, with the device's other values."""
+    described, key, why = INVALID_DESCRIBED[kind]
+    (dra_node.devices / "gopher0").touch()
+    script = dra_node.root / "describe"
+    described = {**described, "attributes": {"uuid": "GPU-0", **described.get("attributes", {})}}
+    script.write_text(f"#!{sys.executable}\nimport json\nprint(json.dumps({json.dumps({'gopher0': described})}))\n")
+    script.chmod(0o755)
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(dra_node.config(describe=[str(script)]))
+        await dra_node.registered()
+        while not any("uuid" in d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]):
+            await dra_node.api.changed.wait_touched()
+    assert dra_node.api.refused == []
+    [line] = [line for line in caplog.messages if key in line]
+    assert line.startswith(f"example.com/gopher: device gopher0: {key}: ") and why in line, line
+    # The same value written as is: what the API server says of it.
+    (item,) = dra_node.api.slices.values()
+    device = item["spec"]["devices"][0]
+    group = key.split(".", 1)[0]
+    value = described[group][key.split(".", 1)[1]]
+    if group == "capacity":
+        device.setdefault("capacity", {})[key.split(".", 1)[1]] = {"value": value}
+    else:
+        typed = {str: "string", float: "int", int: "int"}
+        device["attributes"].update(
+            {n: v if isinstance(v, dict) else {typed[type(v)]: v} for n, v in described["attributes"].items()}
+        )
+    assert standins.resource_slice_causes(item), kind
 
 
 async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
