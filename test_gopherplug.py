@@ -7689,8 +7689,9 @@ def nvidia_example_config(name, dev, proc, **top):
 @pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
 def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, name):
     """`check-config --strict` on a node with two GPUs: one device per /dev/nvidia<N>, ID N, and
-    not nvidiactl, nvidia-uvm, nvidia-uvm-tools or nvidia-caps; a GPU's container gets its node
-    and the three shared ones."""
+    not nvidiactl, nvidia-uvm, nvidia-uvm-tools or nvidia-caps; each with the attributes and
+    capacity describe gave it (the fake nvidia-smi's); a GPU's container gets its node and the three
+    shared ones."""
     dev, proc, recording = fake_nvidia_node(tmp_path)
     config = nvidia_example_config(name, dev, proc, device_plugin_dir=str(tmp_path))
     (tmp_path / "kubelet.sock").touch()  # --strict: the kubelet's directory as serve would find it
@@ -7701,10 +7702,21 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
     assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == f"nvidia.com/gpu: 2 devices, 2 healthy, from {dev}/nvidia[0-9]*"
-    listed = [line.split() for line in lines[3:5]]
+    listed = [line.split() for line in lines if re.match(r"  [0-9] ", line)]
     assert [(fields[0], fields[-2], fields[-1]) for fields in listed] == [
         ("0", "Healthy", f"{dev}/nvidia0"),
         ("1", "Healthy", f"{dev}/nvidia1"),
+    ]
+    described = [line.strip() for line in lines if line.startswith("      ")]
+    assert described == [
+        line
+        for address, uuid_ in [("0000:00:06.0", "fabf67b4308c"), ("0000:00:07.0", "fabf67b43001")]
+        for line in [
+            "attributes: computeCapability=9.0.0 (version), driverVersion=580.159.4 (version), "
+            f'productName="NVIDIA H200", resource.kubernetes.io/pciBusID="{address}", '
+            f'uuid="GPU-e2172bd0-b207-9571-7f11-{uuid_}"',
+            "capacity: memory=143771Mi",
+        ]
     ]
     given = [line.strip() for line in lines if line.strip().startswith(("device ", "env "))]
     host = os.path.realpath  # a link to /dev/null where mknod was refused
