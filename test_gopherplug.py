@@ -7519,6 +7519,8 @@ H200_JSON = {
             "driverVersion": {"version": "580.159.4"},
             "computeCapability": {"version": "9.0.0"},
             "resource.kubernetes.io/pciBusID": "0000:00:06.0",
+            # On bus 00 of domain 0000: on the root bus pci0000:00. Its numa_node was -1: no numaNode.
+            "resource.kubernetes.io/pcieRoot": "pci0000:00",
         },
         "capacity": {"memory": "143771Mi"},
     }
@@ -7545,18 +7547,25 @@ def nvidia_gpus(count, minors=None):
     return header, gpus
 
 
-def fake_nvidia_node(root, count=2, minors=None, rows=None):
+def fake_nvidia_node(root, count=2, minors=None, rows=None, numa_nodes=None):
     """A GPU node in miniature under ``root``: dev/ with /dev/nvidia<minor> per GPU, the shared
     nodes and nvidia-caps (character devices with the driver's numbers where mknod is allowed,
-    else links to /dev/null), proc/driver/nvidia/gpus/<address>/information, and the recording
-    the fake nvidia-smi prints (``rows`` in place of the GPUs' own). Returns (dev, proc, recording)."""
+    else links to /dev/null), proc/driver/nvidia/gpus/<address>/information, sys/ with each GPU's
+    PCI function on root bus pci0000:00 (its numa_node -1 as recorded, or ``numa_nodes``'), and the
+    recording the fake nvidia-smi prints (``rows`` in place of the GPUs' own). Returns (dev, proc,
+    recording); the sysfs is nvidia_sysfs(proc)."""
     dev, proc = root / "dev", root / "proc" / "driver" / "nvidia"
     header, gpus = nvidia_gpus(count, minors)
-    for _, information, minor in gpus:
+    for number, (_, information, minor) in enumerate(gpus):
         make_node(str(dev / f"nvidia{minor}"), 195, minor)
         address = re.search(r"Bus Location: \t (\S+)", information)[1]
         (proc / "gpus" / address).mkdir(parents=True)
         (proc / "gpus" / address / "information").write_text(information)
+        function = root / "sys" / "devices" / "pci0000:00" / address
+        function.mkdir(parents=True)
+        (function / "numa_node").write_text(f"{numa_nodes[number] if numa_nodes else -1}\n")
+        (root / "sys" / "bus" / "pci" / "devices").mkdir(parents=True, exist_ok=True)
+        (root / "sys" / "bus" / "pci" / "devices" / address).symlink_to(f"../../../devices/pci0000:00/{address}")
     for name, (major, minor) in NVIDIA_SHARED.items():
         make_node(str(dev / name), major, minor)
     for minor in (1, 2):  # MIG's capabilities: not devices of this resource
@@ -7571,9 +7580,14 @@ def nvidia_tree(dev, count=2):
     fake_nvidia_node(Path(dev).parent, count)
 
 
+def nvidia_sysfs(proc):
+    """The fake node's sysfs, beside its proc (fake_nvidia_node)."""
+    return Path(proc).parents[2] / "sys"
+
+
 def nvidia_describe(proc, recording, *options):
     """examples/nvidia/nvidia-describe.py, run as gopherplug runs it, with the fake nvidia-smi."""
-    script = [sys.executable, str(NVIDIA / "nvidia-describe.py")]
+    script = [sys.executable, str(NVIDIA / "nvidia-describe.py"), "--sysfs", str(nvidia_sysfs(proc))]
     return subprocess.run(
         [*script, "--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc), *options],
         capture_output=True,
@@ -7617,13 +7631,15 @@ def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_sm
     """Three GPUs whose node numbers are not nvidia-smi's indices (the driver's probe order): each is
     described under its node's number, found through its PCI address. A value nvidia-smi does not
     know ([N/A], [Not Supported]) is left out, never made up; a GPU the driver lists no node for is
-    left out, with a line saying so, as is one whose indices and minors differ."""
+    left out, with a line saying so, as is one whose indices and minors differ. The NUMA node is
+    its PCI function's, where sysfs has one (not -1)."""
     _, gpus = nvidia_gpus(3, minors=[2, 0, 1])
     rows = [row for row, _, _ in gpus]
     values = rows[2].split(", ")
     values[3], values[5], values[6] = "[N/A]", "[Not Supported]", "N/A"  # memory, driver, compute capability
     upper = rows[1].replace("00000000:00:07.0", "00000000:00:0A.0")  # an address the driver has no node for
-    _, proc, recording = fake_nvidia_node(tmp_path, minors=[2, 0, 1], rows=[rows[0], upper, ", ".join(values)])
+    rows = [rows[0], upper, ", ".join(values)]
+    _, proc, recording = fake_nvidia_node(tmp_path, minors=[2, 0, 1], rows=rows, numa_nodes=[-1, 0, 1])
     described = nvidia_describe(proc, recording)
     assert described.returncode == 0, described.stderr
     devices = json.loads(described.stdout)
@@ -7634,6 +7650,8 @@ def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_sm
             "productName": "NVIDIA H200",
             "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b43002",
             "resource.kubernetes.io/pciBusID": "0000:00:08.0",
+            "resource.kubernetes.io/pcieRoot": "pci0000:00",
+            "resource.kubernetes.io/numaNode": 1,  # its PCI function's numa_node
         },
         "capacity": {},
     }
@@ -7677,6 +7695,7 @@ def nvidia_example_config(name, dev, proc, **top):
         assert resource["describe"][1:] == ["/opt/gopherplug/nvidia-describe.py"]
         resource["describe"] = [sys.executable, str(NVIDIA / "nvidia-describe.py")]
         resource["describe"] += ["--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc)]
+        resource["describe"] += ["--sysfs", str(nvidia_sysfs(proc))]
         resource["directory"] = str(dev) + resource["directory"].removeprefix("/dev")
         for spec in resource["device_specs"]:
             if spec["host_path"].startswith("/dev/"):
@@ -7714,7 +7733,7 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
         for line in [
             "attributes: computeCapability=9.0.0 (version), driverVersion=580.159.4 (version), "
             f'productName="NVIDIA H200", resource.kubernetes.io/pciBusID="{address}", '
-            f'uuid="GPU-e2172bd0-b207-9571-7f11-{uuid_}"',
+            f'resource.kubernetes.io/pcieRoot="pci0000:00", uuid="GPU-e2172bd0-b207-9571-7f11-{uuid_}"',
             "capacity: memory=143771Mi",
         ]
     ]
@@ -7829,6 +7848,7 @@ async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_throu
         "driverVersion": {"version": "580.159.4"},
         "computeCapability": {"version": "9.0.0"},
         "resource.kubernetes.io/pciBusID": {"string": "0000:00:06.0"},
+        "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
     }
     assert published["0"]["capacity"] == {"memory": {"value": "143771Mi"}}
     assert published["1"]["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:00:07.0"}

@@ -8,7 +8,8 @@ gopherplug runs it once per scan of the resource and reads one JSON object keyed
     {"0": {"attributes": {"productName": "NVIDIA H200", "uuid": "GPU-e2172bd0-...",
                           "driverVersion": {"version": "580.159.4"},
                           "computeCapability": {"version": "9.0.0"},
-                          "resource.kubernetes.io/pciBusID": "0000:00:06.0"},
+                          "resource.kubernetes.io/pciBusID": "0000:00:06.0",
+                          "resource.kubernetes.io/pcieRoot": "pci0000:00"},
            "capacity": {"memory": "143771Mi"}}}
 
 The device ID is the number of the GPU's node, /dev/nvidia<N> (the configs' id_pattern), which is
@@ -21,7 +22,11 @@ only one of the two is left out, with a line on stderr.
 Values are as the API server wants them in a ResourceSlice: versions as semantic versions (the
 driver's "580.159.04" is 580.159.4, leading zeros are not semver; compute capability "9.0" is
 9.0.0), memory as a quantity in Mi (nvidia-smi's MiB), the PCI address as sysfs and the standard
-attribute spell it ("0000:00:06.0": nvidia-smi prints an 8-digit domain, upper-case hex). A value
+attribute spell it ("0000:00:06.0": nvidia-smi prints an 8-digit domain, upper-case hex). The
+standard pcieRoot and numaNode attributes, which gopherplug reads from sysfs for other devices
+through their node (/sys/dev/char/MAJ:MIN), come from the PCI function's own directory instead:
+the nvidia driver registers no class device, so /sys/dev/char/195:0 does not exist, and the PCI
+address nvidia-smi gives is the only way from a GPU to its place on the PCIe tree. A value
 nvidia-smi does not know ("N/A", "[N/A]", "[Not Supported]", any "[...]") is left out, never
 guessed. Python's standard library only: it runs in the plugin's image as it is.
 
@@ -78,6 +83,29 @@ def pci_address(value: str) -> str | None:
     return address if PCI_ADDRESS.fullmatch(address) else None
 
 
+def topology(sysfs: str, address: str) -> dict[str, Any]:
+    """The standard pcieRoot and numaNode attributes of the PCI function at ``address``, as
+    sysfs knows them: the root is the first directory under devices/ on the way to the function
+    (devices/pci0000:00/0000:00:06.0), as Kubernetes' deviceattribute package reads it; the NUMA
+    node its numa_node, left out when -1 (one node, or a VM that reports none)."""
+    found: dict[str, Any] = {}
+    function = os.path.join(sysfs, "bus", "pci", "devices", address)
+    devices = os.path.realpath(os.path.join(sysfs, "devices"))
+    here = os.path.realpath(function)
+    if here.startswith(devices + os.sep) and os.path.basename(here) == address:
+        root = os.path.relpath(here, devices).split(os.sep)[0]
+        if root.startswith("pci"):
+            found["resource.kubernetes.io/pcieRoot"] = root
+    try:
+        with open(os.path.join(function, "numa_node"), encoding="ascii") as file:
+            numa_node = int(file.read())
+    except (OSError, ValueError):
+        numa_node = -1
+    if numa_node >= 0:
+        found["resource.kubernetes.io/numaNode"] = numa_node
+    return found
+
+
 def minors(proc: str) -> dict[str, str]:
     """PCI address -> minor number of its node, from the driver's information files."""
     gpus = os.path.join(proc, "gpus")
@@ -95,7 +123,7 @@ def minors(proc: str) -> dict[str, str]:
     return found
 
 
-def describe(csv: str, by_address: dict[str, str], warn: Any) -> dict[str, Any]:
+def describe(csv: str, by_address: dict[str, str], sysfs: str, warn: Any) -> dict[str, Any]:
     """The JSON object for nvidia-smi's `--format=csv,noheader,nounits` output of FIELDS."""
     devices: dict[str, Any] = {}
     for line in csv.splitlines():
@@ -129,6 +157,7 @@ def describe(csv: str, by_address: dict[str, str], warn: Any) -> dict[str, Any]:
             attributes["computeCapability"] = {"version": version}
         if address:
             attributes["resource.kubernetes.io/pciBusID"] = address
+            attributes.update(topology(sysfs, address))
         capacity = {}
         if (mebibytes := known(memory)) and mebibytes.isdigit() and mebibytes.isascii():
             capacity["memory"] = f"{int(mebibytes)}Mi"
@@ -140,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvidia-smi", default="nvidia-smi", help="the program to run (default: from PATH)")
     parser.add_argument("--proc", default="/proc/driver/nvidia", help="the driver's /proc directory")
+    parser.add_argument("--sysfs", default="/sys", help="the host's sysfs")
     args = parser.parse_args(argv)
 
     def warn(line: str) -> None:
@@ -163,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         said = (ran.stdout + ran.stderr).strip().splitlines()  # nvidia-smi's errors go to stdout
         warn(f"{args.nvidia_smi} exited {ran.returncode}: {said[-1] if said else 'and said nothing'}")
         return 1
-    json.dump(describe(ran.stdout, by_address, warn), sys.stdout)
+    json.dump(describe(ran.stdout, by_address, args.sysfs, warn), sys.stdout)
     sys.stdout.write("\n")
     return 0
 
