@@ -7,6 +7,10 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 ``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
 speaks resource.k8s.io/v1).
 
+New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
+of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
+`python examples/lesson/gopher_plugin.py --demo`. This module is the real thing.
+
 Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table
@@ -61,7 +65,7 @@ call_unary, open_stream) does what its name says.
      8. DraKubeletSimulator,           the kubelet's DRA side and an API server, in miniature
         LenientApiServer
 
-The public API is __all__, what the README's "Embedding" section lists too (a test keeps the
+The public API is __all__, what docs/embedding.md's "The public API" lists too (a test keeps the
 three equal). A minor version (0.x) keeps it, or says in CHANGELOG.md what it changes and why;
 every other name, underscored or not, may change in any release.
 
@@ -366,7 +370,7 @@ def _devices(count: int) -> str:
 API_VERSION = "v1beta1"
 
 #: Where the kubelet looks for plugin sockets unless it was started with another root directory
-#: (k3s and RKE2 use it too; microk8s and k0s do not, see the README).
+#: (k3s and RKE2 use it too; microk8s and k0s do not, see docs/deployment.md).
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
 #: Where kubelets of the usual distributions keep it: Kubernetes (and k3s, RKE2), microk8s, k0s.
@@ -384,7 +388,7 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
 #: The largest message the kubelet accepts: grpc-go's default receive limit, which it keeps. A
-#: ListAndWatch list is one message, so this bounds the devices of a resource (README: how many).
+#: ListAndWatch list is one message, so this bounds the devices of a resource (docs/performance.md).
 KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
 
 #: How long the kubelet waits for PreStartContainer (KubeletPreStartContainerRPCTimeoutInSecs).
@@ -1190,7 +1194,7 @@ _POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 #: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
 #: the two would each give the same device to a pod, neither knowing what the other gave. A cluster
-#: moves a resource from one to the other node by node (the README's "Moving a resource from the
+#: moves a resource from one to the other node by node (docs/dra.md, "Moving a resource from the
 #: device plugin to DRA"): the scheduler lets DRA serve an extended resource on a node only where the
 #: node's allocatable for it is 0 (kubernetes/kubernetes
 #: pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go), so pods that ask
@@ -1200,7 +1204,7 @@ APIS = ("device-plugin", "dra")
 #: What a file that still says ``api: both`` or ``allow_double_booking`` is told to do instead.
 _ONE_API = (
     "a node serves a resource through one API: api: device-plugin or api: dra, with the DRA DeviceClass's "
-    "extendedResourceName for pods that ask for it in resources.limits (README: Moving a resource from the "
+    "extendedResourceName for pods that ask for it in resources.limits (docs/dra.md: Moving a resource from the "
     "device plugin to DRA)"
 )
 
@@ -1655,7 +1659,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         )
     if data is None:  # nothing, or only comments: "must be a mapping" would not say what is wrong
         raise ConfigError(
-            source, "", "is empty: it needs resources, a list of the devices to offer (the README's Configuration)"
+            source, "", "is empty: it needs resources, a list of the devices to offer (docs/configuration.md)"
         )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
@@ -1758,7 +1762,7 @@ def _refuse_generic_device_plugin_keys(data: Any, source: str, where: str) -> No
     for key in data if isinstance(data, dict) else ():
         if key in _GENERIC_DEVICE_PLUGIN_KEYS:
             problem = f"is generic-device-plugin's, not gopherplug's: {_GENERIC_DEVICE_PLUGIN_KEYS[key]} "
-            problem += '(the README\'s "Coming from generic-device-plugin" translates each of its keys)'
+            problem += "(docs/generic-device-plugin.md translates each of its keys)"
             raise ConfigError(source, f"{where}.{key}", problem)
 
 
@@ -4832,8 +4836,8 @@ def foreign_holds_report(holds: Iterable[ForeignHold], held_back: bool) -> str:
     )
     return (
         f"{_devices(len(holds))} held by running pods under IDs this plugin does not offer (another plugin's, such "
-        f"as generic-device-plugin's, or a device gone since): {'; '.join(named)}{advice} (README: Switching a "
-        "node from generic-device-plugin)"
+        f"as generic-device-plugin's, or a device gone since): {'; '.join(named)}{advice} "
+        "(docs/generic-device-plugin.md: Switching a node from generic-device-plugin)"
     )
 
 
@@ -10167,7 +10171,7 @@ class SlicePublisher:
                 log.warning(
                     "DRA: %s: node %s's allocatable still has %s of it: a device plugin serves it on this node, "
                     "so its devices are held back from DRA until that is 0 (a node serves a resource through "
-                    "one API: stop the device plugin here, see the README's Moving a resource from the device "
+                    "one API: stop the device plugin here, see docs/dra.md: Moving a resource from the device "
                     "plugin to DRA)",
                     name,
                     node,
@@ -11605,7 +11609,7 @@ async def watch_config_file(
 ########################################################################################################
 # 8. A kubelet simulator
 #
-# The kubelet's device manager, reduced to what a plugin can observe (see the README's lesson):
+# The kubelet's device manager, reduced to what a plugin can observe (see docs/protocol.md):
 # it wipes the sockets of its directory on start, serves Registration on kubelet.sock, validates
 # Register and dials the plugin back *before* answering, keeps one ListAndWatch stream per
 # resource, marks every device unhealthy when that stream ends, and calls Allocate and
@@ -13685,7 +13689,7 @@ def _parser() -> argparse.ArgumentParser:
 
 _GENERIC_DEVICE_FLAG = (
     "is generic-device-plugin's option, not gopherplug's: write each --device as a resource of the "
-    'configuration file given by --config (the README\'s "Coming from generic-device-plugin" translates it)'
+    "configuration file given by --config (docs/generic-device-plugin.md translates it)"
 )
 
 

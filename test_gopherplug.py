@@ -1014,13 +1014,13 @@ def test_the_product_module_carries_none_of_the_test_only_stand_ins():
 
 
 def test_the_public_api_is_all_the_readme_and_the_docstring_alike():
-    """__all__ is the contract: the module's docstring and the README's "The public API" list the
+    """__all__ is the contract: the module's docstring and docs/embedding.md's "The public API" list the
     same names, each of them exists, says what it is, and (for a function) types every parameter."""
     docstring = gp.__doc__.split("The public API is __all__", 1)[1].split("Quick start:", 1)[0]
     table = docstring.split("\n\n", 1)[1]
     in_docstring = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(line[21:] for line in table.splitlines()))
-    readme = (HERE / "README.md").read_text()
-    section = readme.split("### The public API", 1)[1].split("\n### ", 1)[0]
+    readme = (HERE / "docs" / "embedding.md").read_text()
+    section = readme.split("## The public API", 1)[1].split("\n## ", 1)[0]
     in_readme = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", section.split("| --- | --- |", 1)[1])
     assert sorted(in_docstring) == sorted(in_readme) == sorted(gp.__all__)
     assert len(set(gp.__all__)) == len(gp.__all__)
@@ -1334,7 +1334,7 @@ def resources(**fields):
 
 BAD_CONFIGS = [
     *(
-        (empty, "cfg.yaml: is empty: it needs resources, a list of the devices to offer (the README's Configuration)")
+        (empty, "cfg.yaml: is empty: it needs resources, a list of the devices to offer (docs/configuration.md)")
         for empty in ("", "# only a comment\n", "---\n")
     ),
     ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '"),
@@ -1599,30 +1599,30 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
     ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
-    # generic-device-plugin's configuration, carried over: its keys point to the README's translation.
+    # generic-device-plugin's configuration, carried over: its keys point to docs/generic-device-plugin.md.
     (
         "devices:\n  - name: fuse\n    groups:\n      - count: 10\n        paths:\n          - path: /dev/fuse\n",
         "cfg.yaml: devices: is generic-device-plugin's, not gopherplug's: gopherplug's configuration lists resources "
         "instead, one for each of its devices "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     (  # one --device document
         "name: serial\ngroups:\n  - paths:\n      - path: /dev/ttyUSB*\n",
         "cfg.yaml: groups: is generic-device-plugin's, not gopherplug's: a resource here has directory and pattern, "
         "match or usb instead, and replicas for count "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     (  # ... in a resource
         resources(groups=[{"count": 10, "paths": [{"path": "/dev/fuse"}]}]),
         "cfg.yaml: resources[0].groups: is generic-device-plugin's, not gopherplug's: a resource here has directory "
         "and pattern, match or usb instead, and replicas for count "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     (
         resources(paths=[{"path": "/dev/ttyUSB*"}]),
         "cfg.yaml: resources[0].paths: is generic-device-plugin's, not gopherplug's: a resource here has directory "
         "and pattern instead, a glob of the entries of one directory "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     # The common YAML mistakes, told in a sentence at the line where they are, PyYAML's words after it.
     (  # a key indented more than its neighbours
@@ -5434,15 +5434,15 @@ async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
 
 
 def readme_example_text():
-    """The README's embedding example as written (its code block after "## Embedding")."""
-    text = (HERE / "README.md").read_text()
-    return text.split("## Embedding", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    """The embedding example as written in docs/embedding.md (its first Python code block)."""
+    text = (HERE / "docs" / "embedding.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def readme_example():
-    """The README's embedding example, as a module namespace (its code block after "## Embedding")."""
+    """The embedding example of docs/embedding.md, as a module namespace."""
     namespace = {"__name__": "readme_example"}
-    exec(compile(readme_example_text(), "README.md", "exec"), namespace)
+    exec(compile(readme_example_text(), "docs/embedding.md", "exec"), namespace)
     return namespace
 
 
@@ -5470,12 +5470,55 @@ WIDGET_SOCKET = "gopherplug-example.com_widget-1.sock"
 
 
 def test_readme_embedding_example_is_the_example_file():
-    """The README's example is examples/embedding/device_plugin.py, which mypy --strict checks
+    """docs/embedding.md's example is examples/embedding/device_plugin.py, which mypy --strict checks
     (pyproject.toml's [tool.mypy] files) against the typed public API: the shape hook's answer is a
     ContainerAllocateResponse."""
     assert readme_example_text() == (EMBEDDING_EXAMPLES / "device_plugin.py").read_text()
     assert "examples/embedding" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
     assert "response: gopherplug.ContainerAllocateResponse" in readme_example_text()
+
+
+LESSON = HERE / "examples" / "lesson" / "gopher_plugin.py"
+
+
+def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_included(tmp_path):
+    """examples/lesson/gopher_plugin.py, the tutorial's plugin done right in one file a learner
+    reads in one sitting (at most 250 lines), run as a learner runs it: `python gopher_plugin.py
+    --demo`, its own process, against gopherplug's kubelet simulator. Each step fails the demo
+    (exit 1) unless the simulated kubelet sees it within 10 s: the first list, the Allocate answer,
+    a device added, one turned unhealthy and healthy again by inotify, and a registration on a new
+    socket after the kubelet restarts. Its temporary directory is gone afterwards."""
+    assert len(LESSON.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, str(LESSON), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [re.sub(r"/\S*/lesson-[^/ ]+", "<root>", line.split(" ms  ", 1)[1]) for line in result.stdout.splitlines()]
+    # kubelet.sock is created at bind(), a moment before listen(): a Register may be refused, and retried.
+    said = [line for line in said if not line.startswith("plugin   Register: no answer yet")]
+    listed = "gopher0 Healthy, gopher1 Healthy, gopher2 Healthy, gopher3 Healthy"
+    assert said == [
+        "kubelet  listening on <root>/device-plugins/kubelet.sock",
+        "plugin   Register(example.com/gopher, endpoint gopher-1.sock, version v1beta1)",
+        "kubelet  first list: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy",
+        "kubelet  Allocate(gopher0, gopher1) -> env {'GOPHER_DEVICES': 'gopher0,gopher1'}",
+        "kubelet    device <root>/gophers/gopher0 -> /dev/gopher0 (rw)",
+        "kubelet    device <root>/gophers/gopher1 -> /dev/gopher1 (rw)",
+        "demo     created gophers/gopher3",
+        f"kubelet  inotify told the plugin, the plugin told the kubelet: {listed}",
+        "demo     gophers/gopher4: a symlink to nothing",
+        f"kubelet  listed unhealthy: {listed}, gopher4 Unhealthy",
+        "demo     its target appeared",
+        f"kubelet  healthy again: {listed}, gopher4 Healthy",
+        "demo     the kubelet restarts: it deletes every socket, makes a new kubelet.sock",
+        "plugin   the kubelet restarted: a new socket, a new Register",
+        "plugin   Register(example.com/gopher, endpoint gopher-2.sock, version v1beta1)",
+        f"kubelet  registered again: {listed}, gopher4 Healthy",
+        "demo     done: the plugin stopped, its socket removed",
+    ], result.stdout
+    assert os.listdir(tmp_path) == []
+    assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
 
 
 async def open_example(script, plugin_dir, stderr, **kwargs):
@@ -5502,13 +5545,13 @@ async def stop_example(process, stop):
             await process.wait()
 
 
-@pytest.mark.parametrize("source", ["README.md", "examples/embedding/device_plugin.py"])
+@pytest.mark.parametrize("source", ["docs/embedding.md", "examples/embedding/device_plugin.py"])
 async def test_embedding_example_serves_then_stops_cleanly_on_sigterm(nursery, node, tmp_path, source):
-    """The README's program, run verbatim as its own process: it serves, and SIGTERM (the kubelet
+    """docs/embedding.md's program, run verbatim as its own process: it serves, and SIGTERM (the kubelet
     deleting its pod) stops it with exit code 0, leaving nothing of its own in the kubelet's
     directory, its log lines naming the resource under the program's own logging.basicConfig."""
     script = tmp_path / "example.py"
-    script.write_text(readme_example_text() if source == "README.md" else (HERE / source).read_text())
+    script.write_text(readme_example_text() if source == "docs/embedding.md" else (HERE / source).read_text())
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
     process = await open_example(script, node.plugin_dir, subprocess.PIPE)
     said = StderrLines(process.stderr)
@@ -6313,7 +6356,7 @@ def generic_device_plugin_service(paths):
 async def test_a_node_switched_from_generic_device_plugin_holds_the_pods_device_back_until_it_ends(
     nursery, sockdir, monkeypatch
 ):
-    """README, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
+    """docs/generic-device-plugin.md, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
     generic-device-plugin under its hashed ID; generic-device-plugin stops, gopherplug starts for
     the same resource name. As the kubelet does, the stand-in keeps the pod's allocation (its
     podDevices) and lists gopherplug's devices in place of the old ones, and chooses the next
@@ -6394,7 +6437,7 @@ async def test_a_node_switched_from_generic_device_plugin_holds_the_pods_device_
     assert warned.lines == [
         f"{resource}: 1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
         f"generic-device-plugin's, or a device gone since): default/modem/app holds ttyUSB0 as {short}…: Unhealthy "
-        "here until that pod ends (README: Switching a node from generic-device-plugin)"
+        "here until that pod ends (docs/generic-device-plugin.md: Switching a node from generic-device-plugin)"
     ]
     assert offered.lines[-1] == f"{resource}: ttyUSB0: the pod holding it under another plugin's ID has ended: offered"
     assert pod_resources.calls[0] == "List" and set(pod_resources.calls) == {"List"}
@@ -6439,8 +6482,8 @@ def test_foreign_holds_tell_generic_device_plugins_ids_from_unknown_ones():
         f"generic-device-plugin's, or a device gone since): ns/p/c holds {third[:12]}…, fuse, a share of it; "
         f"ns/p/c holds {both[:12]}…, C0, a share of it; ns/p/c holds zz, a device this plugin cannot tell: the "
         "kubelet counts only the IDs it gave as in use and may give the same device to another pod: drain the node, "
-        "or keep new pods of this resource off it, until they end (README: Switching a node from "
-        "generic-device-plugin)"
+        "or keep new pods of this resource off it, until they end (docs/generic-device-plugin.md: Switching a node "
+        "from generic-device-plugin)"
     )
     kept = gp.held_back({"fuse": fuse, "C0": pair}, holds)
     assert (kept["fuse"].health, kept["fuse"].problem) == (
@@ -6853,10 +6896,9 @@ def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_th
         assert (result.returncode, result.stdout) == (2, "")
         assert result.stderr == (
             "gopherplug: --device: is generic-device-plugin's option, not gopherplug's: write each --device as a "
-            'resource of the configuration file given by --config (the README\'s "Coming from generic-device-plugin" '
-            "translates it)\n"
+            "resource of the configuration file given by --config (docs/generic-device-plugin.md translates it)\n"
         )
-    assert "\n## Coming from generic-device-plugin\n" in (HERE / "README.md").read_text()
+    assert (HERE / "docs" / "generic-device-plugin.md").read_text().startswith("# Coming from generic-device-plugin\n")
     # No other prefix of an option is taken for it either, on any command.
     path = write_config(node, tmp_path)
     for args in (["check-config", "--conf", str(path)], ["probe", "--device-plugin", node.plugin_dir]):
@@ -7178,7 +7220,7 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
             elapsed = trio.current_time() - sent
             await simulator.wait_until(lambda s: devices_of(s) is None)  # the kubelet saw the stream end
     assert node.our_sockets() == []
-    assert elapsed < 5, "generous bound; the README gives the measured figure"
+    assert elapsed < 5, "generous bound; docs/performance.md gives the measured figure"
 
 
 async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, node, tmp_path):
@@ -7909,12 +7951,12 @@ def test_the_release_workflow_is_valid_against_githubs_workflow_schema(tmp_path)
 
 def test_the_version_is_the_same_everywhere():
     """__version__ is the one place the version is written: the image tags of both manifests and the
-    examples in the Dockerfile and the README say the same, as do the chart's version and
+    examples in the Dockerfile, the README and docs/deployment.md say the same, as do the chart's version and
     appVersion (the images' default tag), and the release workflow's check that the tag names it
     reads that very value."""
     found = {
         name: re.findall(r"gopherplug:(\d+\.\d+\.\d+\S*)", (HERE / name).read_text())
-        for name in ("Dockerfile", "daemonset.yaml", "daemonset-dra.yaml", "README.md")
+        for name in ("Dockerfile", "daemonset.yaml", "daemonset-dra.yaml", "README.md", "docs/deployment.md")
     }
     assert all(found.values()), found
     tags = {tag.split("-")[0].rstrip("`.") for tags in found.values() for tag in tags}
@@ -8721,13 +8763,13 @@ DRA_BAD_CONFIGS = [
         dra_config("/g", "/k", api="both", allow_double_booking=True),
         "cfg.yaml: resources[0].allow_double_booking: is no longer accepted: a node serves a resource through one "
         "API: api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for "
-        "it in resources.limits (README: Moving a resource from the device plugin to DRA)",
+        "it in resources.limits (docs/dra.md: Moving a resource from the device plugin to DRA)",
     ),
     (
         dra_config("/g", "/k", api="both"),
         "cfg.yaml: resources[0].api: both is no longer accepted: a node serves a resource through one API: "
         "api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for it "
-        "in resources.limits (README: Moving a resource from the device plugin to DRA)",
+        "in resources.limits (docs/dra.md: Moving a resource from the device plugin to DRA)",
     ),
     (
         dra_config("/g", "/k", replicas=2, preferred="spread"),
@@ -11867,7 +11909,7 @@ def two_resource_config(dra_node):
 HELD_BACK = (
     "DRA: example.com/gopher: node node-1's allocatable still has {} of it: a device plugin serves it on this "
     "node, so its devices are held back from DRA until that is 0 (a node serves a resource through one API: "
-    "stop the device plugin here, see the README's Moving a resource from the device plugin to DRA)"
+    "stop the device plugin here, see docs/dra.md: Moving a resource from the device plugin to DRA)"
 )
 
 
@@ -12296,7 +12338,7 @@ def test_scheduler_stand_in_finds_neither_api_unschedulable():
 
 ########################################################################################################
 # Versions: each flow a user meets, against each Kubernetes release gopherplug supports, with the
-# release's default feature gates (standins.FEATURE_GATE_HISTORY; the README's version table)
+# release's default feature gates (standins.FEATURE_GATE_HISTORY; docs/dra.md's version table)
 ########################################################################################################
 
 VERSIONS = standins.KUBERNETES_VERSIONS
@@ -12304,7 +12346,7 @@ VERSIONS = standins.KUBERNETES_VERSIONS
 
 def test_versions_each_release_has_its_default_feature_gates():
     """The stand-ins' releases and their default gates, as kube_features.go has them (the table of
-    issue 25, and the README's version table): what every versioned test below stands on."""
+    issue 25, and docs/dra.md's version table): what every versioned test below stands on."""
     table = {version: standins.release(version).gates for version in VERSIONS}
     on_from = {
         "DRAPrioritizedList": "1.34",
@@ -12835,7 +12877,7 @@ async def test_dra_shares_an_api_server_without_consumable_capacity_drops_are_sa
 
 
 async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_nothing(nursery):
-    """The README promises that a restarted plugin leaves unchanged slices alone; a directory read
+    """docs/dra.md promises that a restarted plugin leaves unchanged slices alone; a directory read
     in another order (or USB devices enumerated anew) must not count as a change."""
     resource = gp.resource_config("example.com/gopher")
     names = [f"g{i}" for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 12)]
@@ -13782,6 +13824,7 @@ def test_dra_documents_the_kubernetes_version_its_api_client_needs():
         ("the module docstring", gp.__doc__),
         ("KubeApi", gp.KubeApi.__doc__),
         ("README.md", readme),
+        ("docs/dra.md", (HERE / "docs" / "dra.md").read_text()),
         ("daemonset-dra.yaml", (HERE / "daemonset-dra.yaml").read_text()),
     ]:
         assert re.search(r"Kubernetes\s+1\.34\s+or\s+later|1\.34\+", text), where
@@ -13857,6 +13900,63 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert resource.cdi.spec_dir in mounts
 
 
+# The documentation: README.md, a ten-minute read, and the reference in docs/.
+
+DOCS = sorted(str(path.relative_to(HERE)) for path in (HERE / "docs").glob("*.md"))
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub makes for a page's headings: the heading's text without its markup,
+    lower-cased, every character but letters, digits, "_", "-" and spaces dropped, spaces made
+    "-"; a repeated one gets -1, -2, ... (github-slugger, which github.com follows). Headings in
+    fenced code blocks are not headings."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"#{1,6} (.*)", line)
+        if fenced or heading is None:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()  # a link: its text
+        slug = re.sub(r"[^\w\- ]", "", text.replace("`", "")).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_every_relative_link_and_anchor_of_the_docs_resolves():
+    """README.md and docs/*.md link each other by relative paths and heading anchors: each link
+    names a file or directory of the repository, and each #anchor a heading of its page (or of
+    the page it is on), so that a section moved or renamed fails here rather than on GitHub."""
+    assert {"docs/configuration.md", "docs/dra.md", "docs/embedding.md", "docs/operations.md"} <= set(DOCS)
+    broken, checked = [], 0
+    for name in ["README.md", *DOCS]:
+        page = HERE / name
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # code is not links
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not linked.exists() or HERE not in (linked, *linked.parents):
+                broken.append(f"{name}: {target}: no such file in the repository")
+            elif anchor and anchor not in github_anchors(linked.read_text()):
+                broken.append(f"{name}: {target}: no heading #{anchor} in {linked.relative_to(HERE)}")
+    assert not broken, "\n".join(broken)
+    assert checked > 40, checked
+
+
+def test_github_anchors_follow_githubs_rules():
+    page = "# A `serve_devices` page\n## inotify's limits\n```\n# not a heading\n```\n## Sharing\n## Sharing\n"
+    assert github_anchors(page) == {"a-serve_devices-page", "inotifys-limits", "sharing", "sharing-1"}
+
+
 def _accepted_keys(config: dict[str, object], where: str) -> set[str]:
     """The keys the parser accepts at `where`, read from its own "unknown key" error."""
     with pytest.raises(gp.ConfigError) as caught:
@@ -13866,12 +13966,12 @@ def _accepted_keys(config: dict[str, object], where: str) -> set[str]:
 
 
 def test_readme_configuration_table_lists_every_key_the_parser_accepts():
-    """Each key of the top level, of `dra` and of a resource has its own row in the README's
-    configuration table; the keys of the nested mappings (cdi, usb, match, device_specs, mounts)
+    """Each key of the top level, of `dra` and of a resource has its own row in
+    docs/configuration.md's table; the keys of the nested mappings (cdi, usb, match, device_specs, mounts)
     are named in their parent's row. The key sets come from the parser, so a new key fails here
     until it is documented."""
-    readme = (HERE / "README.md").read_text()
-    table = readme.split("## Configuration", 1)[1].split("### The device model", 1)[0]
+    readme = (HERE / "docs" / "configuration.md").read_text()
+    table = readme.split("## The file", 1)[1].split("\n## ", 1)[0]
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \|(.*)$", table, re.MULTILINE)}
     resource = {"name": "example.com/g", "directory": "/dev/g"}
     top = _accepted_keys({"zzz": 1, "resources": [resource]}, "")
@@ -13880,11 +13980,11 @@ def test_readme_configuration_table_lists_every_key_the_parser_accepts():
     assert {"device_plugin_dir", "dra", "resources", "api"} <= top | per_resource
     assert {"driver", "kubelet_dir"} <= dra
     for key in top:
-        assert key in rows, f"README's configuration table lacks {key}"
+        assert key in rows, f"docs/configuration.md's table lacks {key}"
     for key in dra:
-        assert f"dra.{key}" in rows, f"README's configuration table lacks dra.{key}"
+        assert f"dra.{key}" in rows, f"docs/configuration.md's table lacks dra.{key}"
     for key in per_resource:
-        assert f"resources[].{key}" in rows, f"README's configuration table lacks resources[].{key}"
+        assert f"resources[].{key}" in rows, f"docs/configuration.md's table lacks resources[].{key}"
     nested = {
         "cdi": {"cdi": {"kind": "example.com/g", "zzz": 1}},
         "usb": {"usb": [{"vendor": "1234", "product": "5678", "zzz": 1}], "directory": None},
@@ -13903,14 +14003,14 @@ def test_readme_generic_device_plugin_configurations_are_valid():
     """The "Coming from generic-device-plugin" section: each gopherplug configuration beside a
     generic-device-plugin one parses, and the id_pattern its table suggests pairs a sound card's
     control and capture nodes as one device."""
-    readme = (HERE / "README.md").read_text()
-    section = readme.split("## Coming from generic-device-plugin", 1)[1].split("\n## ", 1)[0]
+    readme = (HERE / "docs" / "generic-device-plugin.md").read_text()
+    section = readme.split("\n## ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
     theirs, ours = blocks[0::2], blocks[1::2]
     assert len(theirs) == len(ours) == 3
     for their, our in zip(theirs, ours, strict=True):
         device = yaml.safe_load(their)
-        (resource,) = gp.parse_config(our, "README.md").resources
+        (resource,) = gp.parse_config(our, "docs/generic-device-plugin.md").resources
         assert resource.name == f"squat.ai/{device['name']}"
         count = device["groups"][0].get("count", 1)
         assert resource.replicas == count
@@ -13925,7 +14025,7 @@ def test_dra_extra_messages_say_how_to_install_from_a_checkout(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightkube", None)  # import lightkube raises ImportError
     with pytest.raises(gp.GopherplugError, match=re.escape("pip install '.[dra]' in a checkout")):
         trio.run(gp.run_dra_demo, lambda line: None)
-    for name in ("README.md", "config.example.yaml", "gopherplug.py"):
+    for name in ("README.md", *DOCS, "config.example.yaml", "gopherplug.py"):
         assert "pip install 'gopherplug[" not in (HERE / name).read_text(), name
 
 
