@@ -7556,6 +7556,7 @@ NVIDIA_SHARED = {"nvidiactl": NVIDIA_CTL, "nvidia-uvm": NVIDIA_UVM, "nvidia-uvm-
 H200_JSON = {
     "0": {
         "attributes": {
+            "index": 0,  # nvidia-smi's
             "productName": "NVIDIA H200",
             "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c",
             "driverVersion": {"version": "580.159.4"},
@@ -7689,6 +7690,7 @@ def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_sm
     assert devices["2"] == H200_JSON["0"]  # nvidia-smi's GPU 0, the recorded one, is /dev/nvidia2
     assert devices["1"] == {
         "attributes": {
+            "index": 2,
             "productName": "NVIDIA H200",
             "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b43002",
             "resource.kubernetes.io/pciBusID": "0000:00:08.0",
@@ -7771,10 +7773,10 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
     described = [line.strip() for line in lines if line.startswith("      ")]
     assert described == [
         line
-        for address, uuid_ in [("0000:00:06.0", "fabf67b4308c"), ("0000:00:07.0", "fabf67b43001")]
+        for index, address, uuid_ in [(0, "0000:00:06.0", "fabf67b4308c"), (1, "0000:00:07.0", "fabf67b43001")]
         for line in [
             "attributes: computeCapability=9.0.0 (version), driverVersion=580.159.4 (version), "
-            f'productName="NVIDIA H200", resource.kubernetes.io/pciBusID="{address}", '
+            f'index={index}, productName="NVIDIA H200", resource.kubernetes.io/pciBusID="{address}", '
             f'resource.kubernetes.io/pcieRoot="pci0000:00", uuid="GPU-e2172bd0-b207-9571-7f11-{uuid_}"',
             "capacity: memory=143771Mi",
         ]
@@ -7885,6 +7887,7 @@ async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_throu
         "resource": {"string": "nvidia.com/gpu"},
         "id": {"string": "0"},
         "healthy": {"bool": True},
+        "index": {"int": 0},
         "productName": {"string": "NVIDIA H200"},
         "uuid": {"string": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c"},
         "driverVersion": {"version": "580.159.4"},

@@ -5,7 +5,7 @@
 
 gopherplug runs it once per scan of the resource and reads one JSON object keyed by device ID:
 
-    {"0": {"attributes": {"productName": "NVIDIA H200", "uuid": "GPU-e2172bd0-...",
+    {"0": {"attributes": {"index": 0, "productName": "NVIDIA H200", "uuid": "GPU-e2172bd0-...",
                           "driverVersion": {"version": "580.159.4"},
                           "computeCapability": {"version": "9.0.0"},
                           "resource.kubernetes.io/pciBusID": "0000:00:06.0",
@@ -17,7 +17,9 @@ the node's minor number. nvidia-smi numbers GPUs its own way (`index`, NVML's or
 address), which is usually but not always the same: the driver gives minors in the order it
 probed the GPUs. So each GPU is matched to its minor through its PCI address, in the driver's
 /proc/driver/nvidia/gpus/<address>/information ("Bus Location", "Device Minor"); a GPU found in
-only one of the two is left out, with a line on stderr.
+only one of the two is left out, with a line on stderr. nvidia-smi's index is the attribute
+`index`: NVIDIA's container toolkit reads the numbers in NVIDIA_VISIBLE_DEVICES as indices, so
+where a GPU's index is not its ID, check-config and the slice show it.
 
 Values are as the API server wants them in a ResourceSlice: versions as semantic versions (the
 driver's "580.159.04" is 580.159.4, leading zeros are not semver; compute capability "9.0" is
@@ -147,6 +149,8 @@ def describe(csv: str, by_address: dict[str, str], sysfs: str, warn: Any) -> dic
             # NVIDIA_VISIBLE_DEVICES=<N> means nvidia-smi's index N to NVIDIA's container runtime.
             warn(f"/dev/nvidia{device_id} is nvidia-smi's GPU {index.strip()}: indices and minors differ on this node")
         attributes: dict[str, Any] = {}
+        if index.strip().isdigit() and index.strip().isascii():
+            attributes["index"] = int(index)
         if (product := known(name)) and len(product) <= STRING_MAX:
             attributes["productName"] = product
         if (gpu_uuid := known(uuid)) and len(gpu_uuid) <= STRING_MAX:
