@@ -9,7 +9,8 @@ speaks resource.k8s.io/v1).
 
 New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
 of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
-`python examples/lesson/gopher_plugin.py --demo`. This module is the real thing.
+`python examples/lesson/gopher_plugin.py --demo`; examples/lesson/gopher_dra.py does the same for DRA.
+This module is the real thing.
 
 Read it top to bottom; every section only uses the ones above it:
 
@@ -72,12 +73,12 @@ every other name, underscored or not, may change in any release.
   Run it             main, serve_plugin, serve_devices, serve_dra_devices, serve_dra,
                      serve_until_signalled, STOP_TIMEOUT
   Configure it       load_config, parse_config, resource_config, find_device_plugin_dir, Config,
-                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector
+                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector, DeclaredValue
   Devices            DeviceEntry, Watched, ShapeAllocation, ContainerAllocateResponse, HEALTHY,
                      UNHEALTHY, scan_directory, find_usb_devices, UsbDevice
   Answers (pure)     list_and_watch_response, allocate_response, preferred_allocation_response,
                      resource_slices, prepared_devices, dra_device_name, dra_pool_name,
-                     dra_health_response
+                     dra_health_response, device_attributes, device_capacity
   Kubernetes API     KubeApi, ApiError, DraDriver, DraResources, ClaimCheckpoint
   Errors             GopherplugError, ConfigError, RPCError, ClaimError, StatusCode,
                      UnexpectedAdmissionError
@@ -273,6 +274,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ContainerAllocateResponse",
+    "DeclaredValue",
     "DeviceEntry",
     "DeviceSpecTemplate",
     "DraConfig",
@@ -296,6 +298,8 @@ __all__ = [
     "Watched",
     "allocate_response",
     "call_unary",
+    "device_attributes",
+    "device_capacity",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -1085,10 +1089,11 @@ class CDIConfig:
 
 @dataclass(frozen=True)
 class ClaimCDISpec(CDIConfig):
-    """The CDI spec file of one prepared claim's shares of devices (dra_share_cdi_name), beside the
-    resource's own spec: "<vendor>-<class>_<claim UID>.json". A file per claim is written once at
-    NodePrepareResources and removed at NodeUnprepareResources, so that claims prepared at once
-    never rewrite each other's devices, and the resource's spec stays the devices the watch sees."""
+    """The CDI spec file of one prepared claim's own CDI devices (claim_cdi_specs: each request's
+    env, its shares of devices), beside the resource's own spec: "<vendor>-<class>_<claim UID>.json".
+    A file per claim is written once at NodePrepareResources and removed at NodeUnprepareResources,
+    so that claims prepared at once never rewrite each other's devices, and the resource's spec
+    stays the devices the watch sees."""
 
     claim_uid: str = ""
 
@@ -3728,8 +3733,17 @@ def deleted_directory_problem(directory: str, links: int | None, mountinfo: str)
 def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[str, Any] | None:
     """The CDI spec describing the resource's devices, or None when there is none to describe.
 
-    One CDI device per device, named by its ID, with its device nodes and mounts. CDI refuses a
-    device with no edits at all, so each also sets <env>_<ID>=<id> in the container.
+    One CDI device per device, named by its ID, with its device nodes and mounts, and
+    <env>_<ID>=<id> in the container's env. Never <env> itself: that is the comma-joined list of
+    every device a container was given, which Allocate sets in its env map and, under DRA, each
+    request's own CDI device (claim_cdi_specs); a device's value would replace it, the runtime
+    keeping the last value of a variable set twice (AddMultipleProcessEnv in
+    cncf-tags/container-device-interface internal/ociedit). <env>_<ID> stays, for four reasons:
+    CDI refuses a device with no edits (a device of plain files has neither node nor mount); these
+    are the devices Allocate names for a CDI-aware runtime too, so a container sees the same env
+    under either API; it is the device's own variable, so a container that gets a resource's
+    devices from two requests or two claims, whose <env> is the last one's list, still sees each
+    device; and consumers written for gopherplug's DRA before <env> was given there read it.
 
     A device node has its host node's mode and owner (fileMode, uid, gid), as a DeviceSpec gets
     them from the runtime: CDI fills in only a node's type and numbers from the host (newer CDI
@@ -3778,18 +3792,70 @@ def dra_share_cdi_name(device_id: str, share_id: str) -> str:
     return f"{device_id}-{share_id}"
 
 
+def dra_claim_env_cdi_name(uid: str, request: str) -> str:
+    """The CDI device name of a claim's env for one of its requests: "<claim UID>_<request>", the
+    request as containers name it (dra_base_request). A UID and a request name (a DNS label) keep
+    to CDI's rules for a name, and no device ID or share name of a real device is a UID, "_" and a
+    request; the metadata's devices are named alike, in a kind of their own."""
+    return f"{uid}_{request}"
+
+
+def claim_env(
+    claim: Mapping[str, Any],
+    driver: str,
+    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
+) -> dict[tuple[CDIConfig, str], dict[str, str]]:
+    """The env the device plugin's Allocate gives, per request of a claim: (CDI spec of the
+    resource, request as containers name it) -> {<env>: "<id>,<id>"}, each value the IDs of the
+    resource's devices allocated for that request, in the order of the claim's results, a device
+    once (its shares are one device, as Allocate lists devices, not replicas). Requests in the
+    order of their first result; a subrequest ("gpu/fast") counts as its request, whose devices
+    it is. Two resources in one request (a DeviceClass that selects both) have each their own
+    <env>; two of one CDI kind share the kind's CDI device (its name is per kind and request)."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    kinds: dict[str, CDIConfig] = {}  # a kind's env device goes to the first spec of that kind
+    ids: dict[tuple[CDIConfig, str], dict[str, list[str]]] = {}
+    for result in results:
+        pool = result.get("pool", "")
+        if result.get("driver") != driver or pool not in pools:
+            continue
+        resource, devices = pools[pool]
+        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
+        if device is None or resource.cdi is None:
+            continue  # prepared_devices refuses the claim
+        cdi = kinds.setdefault(resource.cdi.kind, resource.cdi)
+        listed = ids.setdefault((cdi, dra_base_request(result.get("request", ""))), {}).setdefault(resource.env, [])
+        if device.id not in listed:
+            listed.append(device.id)
+    return {key: {env: ",".join(listed) for env, listed in envs.items()} for key, envs in ids.items()}
+
+
 def claim_cdi_specs(
     claim: Mapping[str, Any],
     driver: str,
     pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
 ) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-    """The CDI specs of a claim's shares of this driver's devices (results with a shareID), one
-    per CDI kind, as prepared_devices names them. Each share is its device's edits, plus
-    <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
-    part of a shared resource), and two containers of one device differ in their CDI devices."""
+    """The CDI specs of a claim of this driver's devices, one per CDI kind, as prepared_devices
+    names their devices:
+
+    - per request, the env the device plugin's Allocate would give its container (claim_env):
+      <env>=<id>,<id>, in a CDI device of its own (dra_claim_env_cdi_name). The kubelet gives a
+      container the CDI devices of the results of the request it names (cdiDevicesAsList in
+      kubernetes/kubernetes pkg/kubelet/cm/dra/claiminfo.go), and no device's own CDI device sets
+      <env> (cdi_spec): each request's containers see their list, whole;
+    - each share of a device (a result with a shareID): its device's edits, plus
+      <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
+      part of a shared resource), and two containers of one device differ in their CDI devices."""
     uid = str((claim.get("metadata") or {}).get("uid", ""))
     results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     specs: dict[CDIConfig, list[dict[str, Any]]] = {}
+    for (cdi, request), envs in claim_env(claim, driver, pools).items():
+        specs.setdefault(cdi, []).append(
+            {
+                "name": dra_claim_env_cdi_name(uid, request),
+                "containerEdits": {"env": [f"{env}={value}" for env, value in envs.items()]},
+            }
+        )
     for result in results:
         share, pool = result.get("shareID"), result.get("pool", "")
         if not share or result.get("driver") != driver or pool not in pools:
@@ -4026,10 +4092,25 @@ def with_read_values(
     server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
     first."""
     problems: list[tuple[str, str]] = []
+    # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
+    # is, once it passes the same checks.
+    own_attributes, own_capacity = [], []
+    for name, kind, value in device.attributes:
+        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+        else:
+            own_attributes.append((name, kind, value))
+    for name, written in device.capacity:
+        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+        else:
+            own_capacity.append((name, str(quantity)))
+    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
     bare = dataclasses.replace(device, attributes=(), capacity=())
-    known = device_attributes(resource, bare)  # gopherplug's own, sysfs's standard ones, the literals
+    known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
     from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
-    known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, bare).items()}
+    known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
     room = DRA_MAX_ATTRIBUTES_AND_CAPACITIES - len(known) - len(known_capacity)
@@ -4079,6 +4160,8 @@ def with_read_values(
             else:
                 capacity[name] = quantity
                 room -= 1
+    attributes.update({name: (kind, value) for name, kind, value in device.attributes})
+    capacity.update(device.capacity)
     entry = dataclasses.replace(
         device,
         attributes=tuple((name, *attributes[name]) for name in sorted(attributes)),
@@ -4169,16 +4252,27 @@ def dra_device(
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
     in k8s.io/dynamic-resource-allocation structured), which is how an admin-access claim reaches it.
 
-    With ``replicas`` above 1, the device is shared (KEP-5075, consumable capacity): dra_shares.
+    The resource's ``attributes`` and ``capacity`` (device_attributes, device_capacity) are beside
+    them, a capacity as {"value": quantity}. With ``replicas`` above 1, the device is shared (KEP-5075,
+    consumable capacity): dra_shares; and each claim consumes of its declared capacity what it asks
+    for (capacity.requests, nothing by default), within the value, where the cluster has consumable
+    capacity (DRAConsumableCapacity, on from 1.36).
     """
     attributes = device_attributes(resource, device)
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
     if capacity := device_capacity(resource, device):
         listed["capacity"] = capacity
     if resource.replicas > 1:
+        # A shared device's declared capacity is consumed by the claims that ask for some of it
+        # (capacity.requests), and only by them: without a requestPolicy, a claim that asks for
+        # none would take the whole value (calculateConsumedCapacity in kubernetes/kubernetes
+        # staging/src/k8s.io/dynamic-resource-allocation/structured/internal/incubating/
+        # consumable_capacity.go), and the device would be one claim's after all.
+        consumed = {"default": "0", "validRange": {"min": "0"}}
         shares = dra_shares(resource.replicas)
         listed["allowMultipleAllocations"] = shares["allowMultipleAllocations"]
-        listed["capacity"] = {**capacity, **shares["capacity"]}
+        declared = {name: {**quantity, "requestPolicy": consumed} for name, quantity in capacity.items()}
+        listed["capacity"] = {**declared, **shares["capacity"]}
     if driver and device.health != HEALTHY:
         listed["taints"] = [dra_unhealthy_taint(driver, device, unhealthy_taint)]
     return listed
@@ -4371,7 +4465,9 @@ def prepared_devices(
     ``pools`` (pool name -> its resource and devices), as NodePrepareResources answers them.
 
     The allocation is in status.allocation.devices.results: one result per device, naming its
-    request, driver, pool and device. Results of other drivers are theirs to prepare. Raises
+    request, driver, pool and device. Results of other drivers are theirs to prepare. Each device
+    names its CDI device (its share's, for a shared one), and the first of each request (per CDI
+    kind) the request's env too, <env>=<id>,<id>: claim_cdi_specs has the claim's own devices. Raises
     ClaimError when the claim is another than the kubelet meant (its UID differs: deleted and made
     again under the same name), is not allocated, was allocated on another node, or a device is
     gone or unhealthy now.
@@ -4396,6 +4492,7 @@ def prepared_devices(
     if not results:
         raise ClaimError(f"ResourceClaim {name} has no device of driver {driver}")
     answer = []
+    env_named: set[tuple[str, str]] = set()  # (CDI kind, request) whose env CDI device is named
     for result in results:
         pool, device_name = result.get("pool", ""), result.get("device", "")
         if pool not in pools:
@@ -4430,12 +4527,20 @@ def prepared_devices(
         if share is not None and not _UUID.fullmatch(str(share)):
             raise ClaimError(f"ResourceClaim {name}: device {device_name} has shareID {share!r}, not a lower-case UUID")
         cdi_name = dra_share_cdi_name(device.id, share) if share else device.id
+        request = dra_base_request(result.get("request", ""))
+        cdi_ids = [f"{resource.cdi.kind}={cdi_name}"]
+        # The request's env, <env>=<id>,<id> as Allocate gives it (claim_cdi_specs writes it), named
+        # on the request's first device of the kind only: the kubelet gives a container the CDI
+        # devices of every device of the request it names, and one is enough.
+        if (resource.cdi.kind, request) not in env_named:
+            env_named.add((resource.cdi.kind, request))
+            cdi_ids.append(f"{resource.cdi.kind}={dra_claim_env_cdi_name(uid, request)}")
         answer.append(
             drapb.Device(
-                request_names=[dra_base_request(result.get("request", ""))],
+                request_names=[request],
                 pool_name=pool,
                 device_name=device_name,
-                cdi_device_ids=[f"{resource.cdi.kind}={cdi_name}"],
+                cdi_device_ids=cdi_ids,
                 **({"share_id": share} if share else {}),
             )
         )
@@ -7249,6 +7354,7 @@ class _DeviceSet:
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
         self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
+        self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
         self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
@@ -7259,7 +7365,8 @@ class _DeviceSet:
         """The device with what its files (read again if ``read_files``) and describe said of it;
         each value left out said once (and again if the reason changes)."""
         if not (self.resource.attributes or self.resource.capacity or self.resource.describe):
-            return device  # nothing declared: the scan's path stays as it was
+            if not (device.attributes or device.capacity):
+                return device  # nothing declared: the scan's path stays as it was
         problems: list[tuple[str, str]] = []
         if read_files:
             self.files[device.id], problems = read_declared_values(self.resource, device)
@@ -7280,8 +7387,8 @@ class _DeviceSet:
         if self.devices.value is RETIRED:
             return
         self.described = described
-        for device_id, device in self.found.items():
-            self.found[device_id] = self._with_values(device, read_files=False)
+        for device_id in self.found:
+            self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
 
     def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
@@ -7300,11 +7407,15 @@ class _DeviceSet:
                 changed.add(entry.id)
         for device_id in _natural_sorted(list(changed)):  # a new device joins the list in natural order
             if entries := self.entries.get(device_id):
-                self.found[device_id] = self._with_values(merge_entries(list(entries.values())), read_files=True)
+                bare = merge_entries(list(entries.values()))
+                if self.resource.describe:
+                    self.bare[device_id] = bare
+                self.found[device_id] = self._with_values(bare, read_files=True)
             else:
                 self.entries.pop(device_id, None)
                 self.found.pop(device_id, None)
                 self.files.pop(device_id, None)
+                self.bare.pop(device_id, None)
                 for warned in [warned for warned in self.value_warned if warned[0] == device_id]:
                     del self.value_warned[warned]
         if self.resource.describe and (ids := frozenset(self.found)) != self.ids_changed.value:
@@ -8225,8 +8336,8 @@ class ClaimCheckpoint:
         )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-        """The claim's own CDI specs, as add() was given them (none for a claim without shares), by
-        this pod or the other of a rolling update."""
+        """The claim's own CDI specs, as add() was given them (none for a claim prepared by a version
+        that wrote no env device and no share), by this pod or the other of a rolling update."""
         self._read()
         return [
             (ClaimCDISpec(stored["kind"], stored["spec_dir"], uid), stored["spec"])
@@ -8636,7 +8747,7 @@ class ClaimPreparer:
         try:
             if (devices := self.checkpoint.answer(claim.uid)) is not None:
                 # Prepared before (maybe by the other pod of a rolling update): the same answer
-                # again, and its shares' CDI devices there again (a reboot empties /var/run/cdi).
+                # again, and its own CDI devices there again (a reboot empties /var/run/cdi).
                 for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
                     if not os.path.exists(cdi.spec_file):
                         await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
@@ -8669,8 +8780,9 @@ class ClaimPreparer:
                 found = await self.api.get_claim(claim.namespace, claim.name)
             pools = self.resources.pools()
             devices = prepared_devices(found, claim.uid, self.resources.driver, pools)
-            # The shares' CDI devices exist before the kubelet hears their names (it may create the
-            # container at once); should the checkpoint then fail, they are removed below.
+            # The claim's own CDI devices (its requests' env, its shares) exist before the kubelet
+            # hears their names (it may create the container at once); should the checkpoint then
+            # fail, they are removed below.
             for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
                 specs.append((cdi, spec))
                 await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
@@ -8747,7 +8859,7 @@ class ClaimPreparer:
         for claim in request.claims:
             answer = response.claims[claim.uid]  # every claim gets an entry, even one we never knew
             try:
-                # Its shares' CDI devices first: should that fail, the claim stays in the checkpoint,
+                # Its own CDI devices first: should that fail, the claim stays in the checkpoint,
                 # and the kubelet's next try removes them.
                 for cdi, _ in self.checkpoint.cdi_specs(claim.uid):
                     await trio.to_thread.run_sync(write_cdi_spec, cdi, None)
@@ -10788,8 +10900,12 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     """A validated ResourceConfig for devices that come from your program instead of a directory.
 
     ``options`` are the configuration file's resource keys that do not describe directory entries:
-    env, replicas, preferred, annotations, pre_start, pre_start_timeout. Your DeviceEntry objects
-    carry their own device_specs and mounts. Raises ConfigError like a configuration file would.
+    env, replicas, preferred, annotations, pre_start, pre_start_timeout, and attributes, capacity
+    and describe (as the file's: ``attributes={"model": "H200"}``, ``capacity={"memory": "80Gi"}``;
+    a ``file`` is read, and ``describe`` run, as each set of your devices comes, by serve_dra_devices).
+    Your DeviceEntry objects carry their own device_specs and mounts, and may carry attributes and
+    capacity of their own (DeviceEntry.attributes, .capacity: kept, none replaced). Raises ConfigError
+    like a configuration file would.
     """
     source = f"resource_config({name!r})"
     about_entries = {"directory", "pattern", "match", "id_pattern", "usb", "device_specs", "mounts"}
@@ -11011,8 +11127,12 @@ def _embedded_dra(
     except ConfigError as error:  # named by the keyword, not by the file's key
         keyword = {"cdi.kind": "cdi_kind", "cdi.spec_dir": "cdi_dir"}.get(error.key_path, error.key_path)
         raise ConfigError(source, keyword, error.problem) from None
-    # No directory: the devices are the program's (origin() says so in the log).
-    return config, dataclasses.replace(parsed, directory=""), node
+    # No directory: the devices are the program's (origin() says so in the log). Its attributes,
+    # capacity and describe, checked already by resource_config, are the resource's.
+    parsed = dataclasses.replace(
+        parsed, directory="", attributes=resource.attributes, capacity=resource.capacity, describe=resource.describe
+    )
+    return config, parsed, node
 
 
 def _embedded_problem(resource: ResourceConfig, key: Any, entry: Any) -> str:
@@ -11075,6 +11195,8 @@ async def _offer_devices(
     task_status.started()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_follow_turn, turn, device_set)
+        if resource.describe:
+            nursery.start_soon(_describe_devices, device_set)
         while True:
             await touched.wait()
             touched = devices.next_touch()
@@ -12317,19 +12439,29 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             lines += [f"    cdi {cdi.name}" for cdi in answer.cdi_devices]
     if resource.dra and driver:
         pool, name = dra_pool_name(node_name, resource.name), dra_device_name(device.id)
-        result = {"request": "device", "driver": driver, "pool": pool, "device": name}
+        # The claim's UID and request shown as placeholders: the API server's and the claim's author's.
+        result = {"request": "<request>", "driver": driver, "pool": pool, "device": name}
         # A shared device's claim holds a share of it: shown with "<shareID>" for the scheduler's UUID.
         share = "00000000-0000-4000-8000-000000000000" if resource.replicas > 1 else ""
         if share:
             result["shareID"] = share
+        uid = "<claimUID>"
         claim = {
-            "metadata": {"namespace": "check-config", "name": "claim", "uid": "check-config"},
+            "metadata": {"namespace": "check-config", "name": "claim", "uid": uid},
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
-        prepared = prepared_devices(claim, "check-config", driver, {pool: (resource, devices)})
-        shared = claim_cdi_specs(claim, driver, {pool: (resource, devices)})
-        spec = shared[0][1] if shared else cdi_spec(resource, [device])
-        edits = spec["devices"][0]["containerEdits"] if spec else {}
+        prepared = prepared_devices(claim, uid, driver, {pool: (resource, devices)})
+        specs = [spec for _, spec in claim_cdi_specs(claim, driver, {pool: (resource, devices)})]
+        specs.append(cdi_spec(resource, [device]) or {})
+        described = {f"{spec['kind']}={d['name']}": d["containerEdits"] for spec in specs for d in spec["devices"]}
+        edits = described[prepared[0].cdi_device_ids[0]]
+        # The env as the container sees it: every CDI device's, in the order the kubelet names them
+        # (the runtime keeps the last value of a variable set twice).
+        env: dict[str, str] = {}
+        for cdi_id in prepared[0].cdi_device_ids:
+            for variable in described[cdi_id].get("env", ()):
+                key, _, value = variable.partition("=")
+                env[key] = value
         attributes = dra_device(resource, device)["attributes"]
         shown = ", ".join(
             f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
@@ -12345,7 +12477,7 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
         lines += [
             f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
         ]
-        lines += [f"    env {env}" for env in edits.get("env", ())]
+        lines += [f"    env {key}={value}" for key, value in sorted(env.items())]
         if share:
             lines[first:] = [line.replace(share, "<shareID>") for line in lines[first:]]
     return "\n".join(lines), refused
@@ -13526,6 +13658,12 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 for mount in edits.get("mounts", []):
                     options = ",".join(mount["options"])
                     say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+                # The request's own CDI device, in the claim's spec: the env Allocate would give.
+                own = ClaimCDISpec(resource.cdi.kind, resource.cdi.spec_dir, "7f3e-demo")
+                with open(own.spec_file, encoding="utf-8") as file:
+                    [described] = json.load(file)["devices"]
+                env = ", ".join(described["containerEdits"]["env"])
+                say("runtime", f"{own.kind}={described['name']} is request gopher's env, as Allocate gives it: {env}")
                 metadata = ClaimCDISpec(dra_metadata_cdi_kind(driver), resource.cdi.spec_dir, "7f3e-demo")
                 if os.path.exists(metadata.spec_file):  # dra.device_metadata, on by default
                     with open(metadata.spec_file, encoding="utf-8") as file:
@@ -13558,6 +13696,263 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
             await client.aclose()
         nursery.cancel_scope.cancel()  # the API server and the kubelet
     say("demo", "done: plugin stopped, its sockets removed")
+
+
+# `gopherplug demo --config FILE [--dra]`: the user's own configuration against the same simulators.
+#: The driver a configuration without ``dra`` gets under ``demo --dra``.
+DEMO_DRIVER = "gopherplug.example.com"
+#: The node the DRA demos name their pools after.
+DEMO_NODE = "demo-node"
+#: A device list longer than this is shown cut, with how many more there are.
+DEMO_LIST_LENGTH = 12
+
+
+def load_demo_config(path: str, dra: bool = False) -> Config:
+    """The configuration file at ``path`` for ``demo --config``, refused as check-config refuses it.
+    With ``dra``, every resource is served through DRA (``api: dra``; ``dra: {driver:
+    gopherplug.example.com}`` where the file has no ``dra``): an option DRA has not (``replicas``
+    under the device plugin's ``preferred``, ``annotations``, ``pre_start``) is refused in one line
+    that says so."""
+    config = load_config(path)
+    if not dra or all(resource.dra for resource in config.resources):
+        return config
+    with open(path, encoding="utf-8") as file:
+        data = yaml.safe_load(file)  # valid: load_config read it
+    data["dra"] = data.get("dra") or {"driver": DEMO_DRIVER}
+    for resource in data["resources"]:
+        resource["api"] = "dra"
+    try:
+        return parse_config(yaml.safe_dump(data), path)
+    except ConfigError as error:
+        raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
+
+
+def _demo_config(config: Config, root: str) -> Config:
+    """``config`` as the demo runs it: the devices where the file says (what the demo is about),
+    everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
+    CDI specs), and no metrics or liveness server."""
+    resources = tuple(
+        dataclasses.replace(r, cdi=dataclasses.replace(r.cdi, spec_dir=os.path.join(root, "cdi"))) if r.cdi else r
+        for r in config.resources
+    )
+    dra = config.dra and dataclasses.replace(config.dra, kubelet_dir=os.path.join(root, "kubelet"), pod_uid="")
+    return dataclasses.replace(
+        config,
+        resources=resources,
+        dra=dra,
+        device_plugin_dir=os.path.join(root, "device-plugins"),
+        metrics_address=None,
+        health_address=None,
+    )
+
+
+async def run_config_demo(config: Config, out: Callable[[str], None] = print) -> None:
+    """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
+    kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
+    directory: each registration and first list or ResourceSlice, then one Allocate or one prepared
+    claim per resource, narrated. Leaves nothing behind."""
+    if config.dra is not None:
+        try:  # before anything starts, as run_dra_demo
+            import h11  # noqa: F401
+
+            _import_api_client()
+        except ImportError as error:
+            raise GopherplugError(
+                f"a DRA resource needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+            ) from None
+    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
+    try:
+        await _narrate_config_demo(_demo_config(config, root), config.source, root, out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _narrate_config_demo(config: Config, source: str, root: str, out: Callable[[str], None]) -> None:
+    say = _demo_clock(out, width=9)
+    assert config.device_plugin_dir is not None
+    kubelet: KubeletSimulator | None = None
+    dra_kubelet: DraKubeletSimulator | None = None
+    api: LenientApiServer | None = None
+    client: Any = None
+    who = "kubelet and API server" if config.dra else "kubelet"
+    out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
+    for resource in config.resources:
+        scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+        healthy = sum(device.health == HEALTHY for device in scan.devices)
+        say("plugin", f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy, from {resource.origin()}")
+    async with trio.open_nursery() as nursery:
+        if any(resource.device_plugin for resource in config.resources):
+            kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+            say("kubelet", f"serving Registration on {kubelet.socket_path}")
+        if config.dra is not None:
+            api = await nursery.start(LenientApiServer().run)
+            api.put_node(DEMO_NODE, f"{DEMO_NODE}-uid")
+            kubeconfig = os.path.join(root, "kubeconfig")
+            with open(kubeconfig, "w", encoding="utf-8") as file:
+                yaml.safe_dump(_demo_kubeconfig(api.url), file)
+            say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
+            node_slices = functools.partial(api.delete_node_slices, DEMO_NODE)
+            dra_kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=node_slices)
+            await nursery.start(dra_kubelet.run)
+            say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
+            client = KubeApi.connect(kubeconfig=kubeconfig, node_name=DEMO_NODE)
+        try:
+            async with trio.open_nursery() as plugin:
+                await plugin.start(functools.partial(serve_plugin, config, node_name=DEMO_NODE, api=client))
+                for resource in config.resources:
+                    if resource.device_plugin:
+                        assert kubelet is not None
+                        await _demo_allocate(kubelet, resource, say)
+                    else:
+                        assert config.dra is not None and api is not None and dra_kubelet is not None
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say)
+                plugin.cancel_scope.cancel()
+        finally:
+            if client is not None:
+                await client.aclose()
+        nursery.cancel_scope.cancel()
+    say("demo", "done: plugin stopped, its sockets removed")
+
+
+def _demo_kubeconfig(server: str) -> dict[str, Any]:
+    cluster = {"name": "demo", "cluster": {"server": server}}
+    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+    users = [{"name": "demo", "user": {}}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "demo",
+        "clusters": [cluster],
+        "contexts": [context],
+        "users": users,
+    }
+
+
+async def _demo_step(what: str, happened: Awaitable[None]) -> None:
+    with trio.move_on_after(DEMO_STEP_TIMEOUT):
+        await happened
+        return
+    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+
+
+def _demo_list(items: list[str]) -> str:
+    shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
+    return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
+
+
+async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, say: Callable[[str, str], None]) -> None:
+    """One device-plugin resource: its registration, its first list, and Allocate of its first
+    healthy device, as the kubelet would call it for a pod asking for one."""
+    name = resource.name
+    await _demo_step(
+        f"{name}'s registration and first list",
+        kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0),
+    )
+    registration = next(r for r in reversed(kubelet.registrations) if r.resource_name == name)
+    known = kubelet.resources[name]
+    say("plugin", f"Register(resource {name}, endpoint {registration.endpoint}, version {registration.version})")
+    say("kubelet", f"dialed {registration.endpoint} back before answering: {_one_line(known.options)}")
+    listed = sorted(known.devices, key=_natural_key)
+    say("plugin", f"ListAndWatch: {_demo_list([f'{d} {known.devices[d]}' for d in listed])}")
+    say("kubelet", f"node capacity {name}: {known.capacity}, allocatable {known.allocatable}")
+    healthy = [d for d in listed if known.devices[d] == HEALTHY]
+    if not healthy:
+        say("kubelet", f"no healthy {name}: a pod asking for one waits (Pending), and no Allocate is made")
+        return
+    say("kubelet", f"pod default/demo-pod asks for 1 {name}: Allocate({healthy[0]})")
+    try:
+        answer = (await kubelet.allocate(name, healthy[:1])).container_responses[0]
+    except RPCError as error:
+        say("plugin", f"  refused: {error.message}")
+        return
+    for spec in answer.devices:
+        say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+    for mount in answer.mounts:
+        say("plugin", f"  mount {mount.host_path} -> {mount.container_path} ({'ro' if mount.read_only else 'rw'})")
+    for key, value in sorted(answer.envs.items()):
+        say("plugin", f"  env {key}={value}")
+    for key, value in sorted(answer.annotations.items()):
+        say("plugin", f"  annotation {key}={value}")
+    for cdi in answer.cdi_devices:
+        say("plugin", f"  CDI device {cdi.name}")
+
+
+async def _demo_claim(
+    api: LenientApiServer,
+    kubelet: DraKubeletSimulator,
+    driver: str,
+    resource: ResourceConfig,
+    say: Callable[[str, str], None],
+) -> None:
+    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device,
+    allocated as the scheduler would, prepared as the kubelet asks, and the CDI edits the runtime
+    would apply for it."""
+    pool = dra_pool_name(DEMO_NODE, resource.name)
+
+    def devices() -> list[dict[str, Any]]:
+        return [
+            d for item in api.slices.values() if item["spec"]["pool"]["name"] == pool for d in item["spec"]["devices"]
+        ]
+
+    async def published() -> None:
+        await kubelet.wait_until(lambda k: driver in k.drivers)
+        while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
+            await api.changed.wait_touched()
+
+    await _demo_step(f"{resource.name}'s ResourceSlice", published())
+    say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
+    named = sorted((d["name"] for d in devices()), key=_natural_key)
+    say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
+    healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
+    if not healthy:
+        say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
+        return
+    device = min(healthy, key=lambda d: _natural_key(d["name"]))
+    result = {"request": "device", "driver": driver, "pool": pool, "device": device["name"]}
+    if device.get("allowMultipleAllocations"):
+        result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
+    uid = f"demo-{len(api.claims)}"
+    api.put_claim(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": f"demo-{resource.name.rpartition('/')[2]}", "uid": uid},
+            "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        }
+    )
+    say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
+    answer = (await kubelet.prepare(driver, [("default", uid, f"demo-{resource.name.rpartition('/')[2]}")])).claims[uid]
+    if answer.error:
+        say("plugin", f"  NodePrepareResources refused: {answer.error}")
+        return
+    cdi_ids = [cdi_id for prepared in answer.devices for cdi_id in prepared.cdi_device_ids]
+    say("kubelet", f"NodePrepareResources: CDI devices {', '.join(cdi_ids)}")
+    assert resource.cdi is not None
+    for cdi_id in cdi_ids:
+        kind, _, name = cdi_id.partition("=")
+        edits = _demo_cdi_edits(resource.cdi.spec_dir, kind, name)
+        for node in edits.get("deviceNodes", ()):
+            say("runtime", f"  {cdi_id}: device {node.get('hostPath', node['path'])} -> {node['path']}")
+        for mount in edits.get("mounts", ()):
+            options = ",".join(mount.get("options", ()))
+            say("runtime", f"  {cdi_id}: mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+        for env in edits.get("env", ()):
+            say("runtime", f"  {cdi_id}: env {env}")
+
+
+def _demo_cdi_edits(spec_dir: str, kind: str, name: str) -> dict[str, Any]:
+    """The containerEdits of CDI device ``kind``=``name`` in the spec files of ``spec_dir``, as the
+    runtime finds them (the resource's spec, a claim's own for a share or the device metadata)."""
+    for entry in sorted(os.listdir(spec_dir)):
+        if entry.endswith(".json"):
+            with open(os.path.join(spec_dir, entry), encoding="utf-8") as file:
+                spec = json.load(file)
+            if spec.get("kind") == kind:
+                for device in spec.get("devices", ()):
+                    if device["name"] == name:
+                        return dict(device.get("containerEdits", {}))
+    return {}
 
 
 ########################################################################################################
@@ -13635,7 +14030,14 @@ def _parser() -> argparse.ArgumentParser:
         "--dra",
         action="store_true",
         help="the DRA flow instead: slices, claims, CDI, against a simulated kubelet and API server "
-        "(needs the dra extra)",
+        "(needs the dra extra); with --config, every resource served through DRA",
+    )
+    demo.add_argument(
+        "--config",
+        default=None,  # not GOPHERPLUG_CONFIG: the built-in demo unless a file is named here
+        metavar="FILE",
+        help="your configuration instead of the demo's: its devices scanned where it says, registered, listed, and "
+        "one Allocate (or one DRA claim prepared) per resource",
     )
     for command in (serve, check, probe_, who):
         command.add_argument(
@@ -13727,7 +14129,16 @@ def main(argv: list[str] | None = None) -> int:
         args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
         args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
-        return _run(args, run_dra_demo if args.dra else run_demo)
+        if args.config is None:
+            return _run(args, run_dra_demo if args.dra else run_demo)
+        try:  # refused as check-config refuses it
+            config = load_demo_config(args.config, args.dra)
+        except ConfigError as error:
+            print(f"gopherplug: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        for warning in config.warnings:
+            print(f"gopherplug: warning: {warning}", file=sys.stderr)
+        return _run(args, run_config_demo, config)
     if args.command == "probe":
         return _probe(args)
     if not args.config:

@@ -5521,6 +5521,41 @@ def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_includ
     assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
 
 
+def test_the_dra_lesson_runs_its_demo_a_kubelet_restart_included(sockdir):
+    """examples/lesson/gopher_dra.py, DRA's essentials in one file (at most 250 lines), run as its
+    own process with --demo against gopherplug's DRA kubelet and lenient API server: it publishes
+    its ResourceSlice before and after registration, updates it when a device comes, prepares a
+    claim with the CDI device whose spec it wrote, and writes the slice again after the kubelet's
+    restart wiped it (a create after the restart, or the demo fails)."""
+    script = HERE / "examples" / "lesson" / "gopher_dra.py"
+    assert len(script.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}  # socket paths under 108 bytes
+    result = subprocess.run(
+        [sys.executable, str(script), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [line.split(" ms  ", 1)[1] for line in result.stdout.splitlines()]
+    slices = [line for line in said if line.startswith("plugin   ResourceSlice node-1-gopher.example.com generation")]
+    assert slices[0].endswith("generation 1: gopher0, gopher1, gopher2"), slices
+    assert slices[-1].endswith(": gopher0, gopher1, gopher2, gopher3"), slices
+    all_four = "gopher0, gopher1, gopher2, gopher3"
+    assert [line for line in said if line not in slices] == [
+        "plugin   the kubelet registered the driver",
+        "apiserver this node's ResourceSlice: gopher0, gopher1, gopher2",
+        "demo     created gophers/gopher3",
+        f"apiserver the slice, updated: {all_four}",
+        "scheduler allocated ResourceClaim default/my-gopher: gopher1 of pool node-1",
+        "kubelet  NodePrepareResources(default/my-gopher) -> CDI example.com/gopher=gopher1",
+        "runtime  example.com/gopher=gopher1: env GOPHER_GOPHER1=gopher1, mount /run/gophers/gopher1",
+        "kubelet  NodeUnprepareResources(default/my-gopher): the pod is gone",
+        "demo     the kubelet restarts: it deletes this node's slices, walks plugins_registry again",
+        "plugin   the kubelet registered the driver",
+        f"apiserver the slice, written again: {all_four}",
+        "demo     done",
+    ], result.stdout
+    assert os.listdir(sockdir) == []
+
+
 async def open_example(script, plugin_dir, stderr, **kwargs):
     """An embedding example as its own process, pointed at ``plugin_dir`` as a user would point it,
     importing gopherplug from this checkout."""
@@ -5847,7 +5882,7 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
-        "runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
+        "runtime runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
     )
     assert "gopher1 gopher1: Healthy: default/my-pod/app (claim default/my-gopher)\n" in said
     assert "gopher3 gopher3: Healthy: free\n" in said
@@ -5865,7 +5900,13 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
     assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
     assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
-    assert "gopher1: CDI device example.com/gopher=gopher1, gopherplug.example.com/metadata=7f3e-demo_gopher\n" in said
+    assert (
+        "gopher1: CDI device example.com/gopher=gopher1, example.com/gopher=7f3e-demo_gopher, "
+        "gopherplug.example.com/metadata=7f3e-demo_gopher\n"
+    ) in said
+    assert (
+        "example.com/gopher=7f3e-demo_gopher is request gopher's env, as Allocate gives it: GOPHER=gopher1\n"
+    ) in said
     assert re.search(
         r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/"
         r"metadata.json "
@@ -5877,6 +5918,100 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert re.search(r"mount /\S+/gophers/gopher1 -> /run/gophers/gopher1 \(bind,ro\)\n", said)
     assert said.endswith("devices gopher0, gopher1, gopher2, gopher3\ndone: plugin stopped, its sockets removed")
     assert os.listdir(sockdir) == []
+
+
+def gpu_recipe_config(sockdir):
+    """examples/gpu/config.yaml as a user's file, its /dev a node's tree in miniature under
+    sockdir/node (as test_recipe_serves_its_devices makes it): the file's path, and the tree's /dev."""
+    dev, sysfs = os.path.join(sockdir, "node", "dev"), os.path.join(sockdir, "node", "sys")
+    os.makedirs(dev)
+    gpu_tree(dev, sysfs)
+    config = yaml.safe_load((HERE / "examples" / "gpu" / "config.yaml").read_text())
+    for resource in config["resources"]:
+        resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
+    config.update(dev_root=dev, sysfs_root=sysfs)
+    path = os.path.join(sockdir, "node", "gpu.yaml")
+    with open(path, "w", encoding="utf-8") as file:
+        yaml.safe_dump(config, file)
+    return path, dev
+
+
+def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockdir):
+    """`gopherplug demo --config FILE`: the user's resources scanned where the file says, registered
+    with the simulated kubelet, listed, and one device of each allocated, narrated as the demo is;
+    the kubelet's directory is the demo's own, and nothing is left behind."""
+    path, dev = gpu_recipe_config(sockdir)
+    who, said = narrated_demo(sockdir, "--config", path)
+    assert who == "plugin kubelet plugin kubelet plugin kubelet kubelet plugin plugin plugin demo"
+    card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
+    assert said.split("\n", 1)[1] == "\n".join(
+        [
+            re.search(r"serving Registration on /\S+/device-plugins/kubelet.sock", said).group(0),
+            "Register(resource example.com/gpu, endpoint gopherplug-example.com_gpu-1.sock, version v1beta1)",
+            "dialed gopherplug-example.com_gpu-1.sock back before answering: get_preferred_allocation_available: True",
+            "ListAndWatch: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
+            "node capacity example.com/gpu: 2, allocatable 2",
+            "pod default/demo-pod asks for 1 example.com/gpu: Allocate(0000:00:02.0)",
+            f"device {card} -> {card} (rw)",  # {target}: where the by-path link leads, in the container too
+            f"device {render} -> {render} (rw)",
+            "env GPU_DEVICES=0000:00:02.0",
+            "done: plugin stopped, its sockets removed",
+        ]
+    )
+    assert said.startswith(f"example.com/gpu: 2 devices, 2 healthy, from {dev}/dri/by-path/pci-*\n")
+    assert sorted(os.listdir(sockdir)) == ["node"]
+
+
+def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
+    """`gopherplug demo --config FILE --dra`: the same file served through DRA (api: dra, the demo's
+    driver): the pool's ResourceSlice, a claim for its first device allocated and prepared, and the
+    CDI edits the runtime would apply for it, from the spec the plugin wrote."""
+    path, dev = gpu_recipe_config(sockdir)
+    who, said = narrated_demo(sockdir, "--config", path, "--dra")
+    assert who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime demo"
+    card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
+    first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
+    pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
+    lines = said.splitlines()
+    assert lines[4:10] == [
+        f"ResourceSlice of pool {pool}: {first}, {second}",
+        f"allocated a ResourceClaim: device {first} of pool {pool}",
+        f"NodePrepareResources: CDI devices {cdi}, gopherplug.example.com/metadata=demo-0_device",
+        f"{cdi}: device {card} -> {card}",
+        f"{cdi}: device {render} -> {render}",
+        f"{cdi}: env GPU_DEVICES_0000_00_02_0=0000:00:02.0",
+    ]
+    assert re.fullmatch(
+        r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
+        r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
+        r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
+        lines[10],
+    )
+    assert sorted(os.listdir(sockdir)) == ["node"]
+
+
+def test_demo_config_refuses_what_check_config_refuses(tmp_path):
+    """A file check-config refuses, demo --config refuses with the same line and exit 2; under --dra,
+    what only the device-plugin API has is refused with why."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text("resources:\n  - name: example.com/gopher\n    directory: gophers\n")
+    demo, check_config = run_cli("demo", "--config", str(path)), run_cli("check-config", "--config", str(path))
+    assert (demo.returncode, demo.stdout) == (check_config.returncode, "") == (2, "")
+    assert (
+        demo.stderr
+        == check_config.stderr
+        == f"gopherplug: {path}: resources[0].directory: 'gophers' must be an absolute path\n"
+    )
+    path.write_text(
+        "resources:\n  - name: example.com/gopher\n    directory: /dev\n    pattern: 'null'\n    annotations: {a: b}\n"
+    )
+    dra = run_cli("demo", "--config", str(path), "--dra")
+    assert (dra.returncode, dra.stdout) == (2, "")
+    assert dra.stderr == (
+        f"gopherplug: {path}: resources[0].annotations: is for the device-plugin API, and this resource has api: dra "
+        "(devices reach containers only as CDI devices) (demo --dra serves it through DRA)\n"
+    )
 
 
 async def run_cli_async(*args, env=None):
@@ -7521,13 +7656,19 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     uids = [c["metadata"]["uid"] for c in claims]
     assert all(not answer.claims[uid].error for uid in uids)
     names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
-    # Each claim's share, and its device metadata's mount (dra.device_metadata is on by default).
+    # Each claim's share, its request's env, and its device metadata's mount (dra.device_metadata is
+    # on by default).
     assert names == [
-        [f"{DRIVER}/{example}={example}-{share}", f"{DRIVER}/metadata={uid}_{request['name']}"]
+        [
+            f"{DRIVER}/{example}={example}-{share}",
+            f"{DRIVER}/{example}={uid}_{request['name']}",
+            f"{DRIVER}/metadata={uid}_{request['name']}",
+        ]
         for uid, share in zip(uids, shares, strict=True)
     ]
-    for uid in uids:
-        [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+    for uid, share in zip(uids, shares, strict=True):
+        env, described = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+        assert (env["name"], described["name"]) == (f"{uid}_{request['name']}", f"{example}-{share}")
         [node] = described["containerEdits"]["deviceNodes"]
         assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
     # The device takes claims up to the recipe's replicas; the one after them is unschedulable.
@@ -8581,7 +8722,8 @@ def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(soc
 
 
 def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
-    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool.
+    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool;
+    # the env as the container sees it: the request's <ENV>, as Allocate gives it, and the device's own.
     tmp_path = Path(sockdir)
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "Gopher0").touch()
@@ -8597,8 +8739,10 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
         f"  a claim for device {name} of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=Gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=Gopher0",
+        f"    cdi {DRIVER}/gopher=<claimUID>_<request>",
         f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
         "    mount /run/Gopher0 <- /etc/gophers ro",
+        "    env GOPHER_DEVICES=Gopher0",
         "    env GOPHER_DEVICES_GOPHER0=Gopher0",
     ]
 
@@ -8639,6 +8783,8 @@ def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_containe
         "  a claim for a share of device gopher0 (1 of 5) of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=gopher0-<shareID>",
+        f"    cdi {DRIVER}/gopher=<claimUID>_<request>",
+        "    env GOPHER_DEVICES=gopher0",
         "    env GOPHER_DEVICES_GOPHER0=gopher0",
         "    env GOPHER_DEVICES_GOPHER0_SHARE=<shareID>",
     ]
@@ -9462,9 +9608,10 @@ async def test_who_names_the_container_of_each_claims_device_in_a_dra_only_confi
         dra_node.stop()
     [listed] = pod_resources.pods()
     [dynamic] = listed.containers[0].dynamic_resources
+    env = "example.com/gopher=uid-pair_gopher"  # the request's env, named with its first device
     assert [[c.name for c in r.cdi_devices] for r in dynamic.claim_resources] == [
-        ["example.com/gopher=gopher0"],
-        ["example.com/gopher=gopher0", "example.com/gopher=gopher2"],  # as the kubelet fills them
+        ["example.com/gopher=gopher0", env],
+        ["example.com/gopher=gopher0", env, "example.com/gopher=gopher2"],  # as the kubelet fills them
     ]
     assert (result.returncode, result.stderr) == (0, b"")
     holder = "default/trainer/worker (claim default/pair)"
@@ -9771,7 +9918,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
                         "requestNames": ["gopher"],
                         "poolName": DraNode.POOL,
                         "deviceName": "gopher0",
-                        "cdiDeviceIds": ["example.com/gopher=gopher0"],
+                        # The device's, and its request's env (in the claim's own spec).
+                        "cdiDeviceIds": ["example.com/gopher=gopher0", "example.com/gopher=uid-1_gopher"],
                     }
                 ]
             }
@@ -9779,6 +9927,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert MessageToDict(answer)["claims"] == expected
         spec = json.loads((dra_node.root / "cdi" / "example.com-gopher.json").read_text())
         assert [d["name"] for d in spec["devices"]] == ["gopher0"]  # the CDI device exists before the answer
+        own = read_spec(dra_node.root / "cdi" / "example.com-gopher_uid-1.json")["devices"]
+        assert own == [{"name": "uid-1_gopher", "containerEdits": {"env": ["GOPHER_DEVICES=gopher0"]}}]
         await dra_node.kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])
         # The plugin restarts; the kubelet prepares c1 again (the same answer, not asked of the API
         # server) and unprepares c2, which only the checkpoint remembers.
@@ -9797,6 +9947,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1"]
+    # c2's own spec went with it, named by the checkpoint alone across the restart; c1's stays.
+    assert sorted(glob.glob("*_uid-*.json", root_dir=dra_node.root / "cdi")) == ["example.com-gopher_uid-1.json"]
 
 
 def metadata_stream(text):
@@ -9844,9 +9996,11 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
     assert {uid: entry.error for uid, entry in answer.claims.items()} == {"uid-1": "", "uid-2": ""}
     mounts = {"uid-1": ("c1", "gopher", "gopher1"), "uid-2": ("pod-0-gpus-x7k2p", "gpu", "gopher0")}
     for uid, (name, request, device) in mounts.items():
-        # The kubelet gives the container that names the request the device and its metadata's mount.
+        # The kubelet gives the container that names the request the device, its request's env and its
+        # metadata's mount.
         assert dra_node.kubelet.cdi_devices(uid, request) == [
             f"example.com/gopher={device}",
+            f"example.com/gopher={uid}_{request}",
             f"{DRIVER}/metadata={uid}_{request}",
         ]
         spec = read_spec(cdi_dir / f"{DRIVER}-metadata_{uid}.json")
@@ -9898,8 +10052,8 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
 
 
 async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(dra_node):
-    """dra.device_metadata: false: the answer names the device's CDI device alone, and neither a
-    metadata file nor its CDI spec is written."""
+    """dra.device_metadata: false: the answer names the device's CDI device and its request's env
+    alone, and neither a metadata file nor its CDI spec is written."""
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
     config = dra_node.config(device_metadata=False)
@@ -9910,9 +10064,15 @@ async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(
         await dra_node.wait_for_slices(["gopher0"])
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         dra_node.stop()
-    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [["example.com/gopher=gopher0"]])
+    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
+        "",
+        [["example.com/gopher=gopher0", "example.com/gopher=uid-1_gopher"]],
+    )
     assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists()
-    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == ["example.com-gopher.json"]
+    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == [
+        "example.com-gopher.json",
+        "example.com-gopher_uid-1.json",
+    ]
 
 
 def test_dra_device_metadata_key_is_true_or_false_and_its_cdi_kind_is_its_own():
@@ -9964,7 +10124,7 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
                         "requestNames": ["gopher"],
                         "poolName": DraNode.POOL,
                         "deviceName": "gopher0",
-                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}"],
+                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}", f"example.com/gopher={uid}_gopher"],
                         "shareId": share,
                     }
                 ]
@@ -9972,7 +10132,9 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
             for uid, share in shares.items()
         }
         for uid, share in shares.items():
-            [described] = read_spec(claim_spec(uid))["devices"]
+            env, described = read_spec(claim_spec(uid))["devices"]
+            # The request's env: the device once, as Allocate lists a device, not its replicas.
+            assert env == {"name": f"{uid}_gopher", "containerEdits": {"env": ["GOPHER_DEVICES=gopher0"]}}
             assert described["name"] == f"gopher0-{share}"
             assert described["containerEdits"]["env"] == [
                 "GOPHER_DEVICES_GOPHER0=gopher0",
@@ -9998,7 +10160,7 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
         await dra_node.registered()
         after = MessageToDict(await dra_node.kubelet.prepare(DRIVER, claims[:1]))["claims"]
         assert after == {"uid-1": answer["uid-1"]}
-        assert read_spec(claim_spec("uid-1"))["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+        assert [d["name"] for d in read_spec(claim_spec("uid-1"))["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
         gone = await dra_node.kubelet.unprepare(DRIVER, claims[1:2])
         assert not gone.claims["uid-2"].error
     assert sorted(os.listdir(cdi_dir)) == [
@@ -10054,8 +10216,8 @@ async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dr
         ("", ["gopher0"]),
         ("", ["gopher1"]),
     ]
-    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
-    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0", "example.com/gopher=uid-0_gopher"]
+    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1", "example.com/gopher=uid-1_gopher"]
 
 
 def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
@@ -10099,7 +10261,7 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
         assert kubelet.drivers[DRIVER].registration_socket == new_socket  # the newest gets the calls
         c1 = (await kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         assert (c1.error, [d.device_name for d in c1.devices]) == ("", ["gopher1"])
-        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1", "example.com/gopher=uid-1_gopher"]
         checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
         assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-0", "uid-1"]
         kubelet.wiping_delay = 0  # a wipe, were it due, would come at once
@@ -10250,6 +10412,52 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
     return scope, await dra_node.nursery.start(run)
 
 
+async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node, caplog):
+    """Issue 38: resource_config takes attributes, capacity and describe as the file does; with
+    serve_dra_devices, a device's slice entry has the literals, what the program's DeviceEntry
+    carries itself, and what describe (run as the program's devices come) says, none replacing
+    another. A new device is described again."""
+    widgets = dra_node.root / "widgets"
+    script = dra_node.root / "describe"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, os\n"
+        "ids = os.environ['GOPHERPLUG_DEVICES'].split(',')\n"
+        "print(json.dumps({i: {'attributes': {'uuid': 'U-' + i, 'serial': 'not-this'}} for i in ids}))\n"
+    )
+    script.chmod(0o755)
+    resource = gp.resource_config(
+        "example.com/widget",
+        env="WIDGETS",
+        attributes={"model": "W-1"},
+        capacity={"memory": "1Gi"},
+        describe=[str(script)],
+    )
+    own = {"attributes": (("serial", "string", "S0"), ("bad-name", "string", "x")), "capacity": (("lanes", "16"),)}
+    devices = gp.Watched({"w0": widget("w0", widgets, **own)})
+
+    def entries():
+        return {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await serve_dra_widgets(dra_node, devices, resource)
+        while "uuid" not in entries().get("w0", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+        devices.set({**devices.value, "w1": widget("w1", widgets)})
+        while "uuid" not in entries().get("w1", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+    w0 = entries()["w0"]
+    assert {name: w0["attributes"][name] for name in ("model", "serial", "uuid")} == {
+        "model": {"string": "W-1"},
+        "serial": {"string": "S0"},  # the program's, not describe's
+        "uuid": {"string": "U-w0"},
+    }
+    assert w0["capacity"] == {"memory": {"value": "1Gi"}, "lanes": {"value": "16"}}
+    assert entries()["w1"]["attributes"]["serial"] == {"string": "not-this"}  # w1 has none of its own
+    assert "bad-name" not in w0["attributes"]  # the device's own, checked too: left out, said once
+    assert len([line for line in caplog.messages if "device w0: attributes.bad-name: the device's own" in line]) == 1
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+
 async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
     """serve_dra_devices(device_metadata=False) is dra: {device_metadata: false}: the claim's devices
     get their own CDI device alone, and no metadata file is written."""
@@ -10263,7 +10471,9 @@ async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
         await dra_node.wait_for_slices(["w1"], WIDGET_POOL)
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [
+            ("w1", [f"{kind}=w1", f"{kind}=uid-1_widget"])
+        ]
         scope.cancel()
     assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists() or not any(
         (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").iterdir()
@@ -10303,7 +10513,9 @@ async def test_dra_embedded_devices_are_published_prepared_and_their_health_foll
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         metadata = f"{DRIVER}/metadata=uid-1_widget"  # on by default in serve_dra_devices too
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1", metadata])]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [
+            ("w1", [f"{kind}=w1", f"{kind}=uid-1_widget", metadata])
+        ]
         spec = read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")
         assert {d["name"]: d["containerEdits"] for d in spec["devices"]} == {
             name: {
@@ -10427,7 +10639,7 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             metadata = f"{driver}/metadata=uid-1_widget"  # the example's driver mounts device metadata
             assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
                 "",
-                [[f"{kind}=widget1", metadata]],
+                [[f"{kind}=widget1", f"{kind}=uid-1_widget", metadata]],
             )
             (dev / "widget0").unlink()
             await dra_node.wait_for_slices(["widget1"], WIDGET_POOL)
@@ -10757,8 +10969,10 @@ async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_ne
         await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [new_socket])
         answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]  # the kubelet's retry
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
-    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0", "example.com/gopher=uid-0_gopher"]
     assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+    # The request's env is the newest pod's too (env: NEW).
+    assert spec_env(spec.with_name("example.com-gopher_uid-0.json")) == [("uid-0_gopher", ["NEW=gopher0"])]
 
 
 PRIORITIZED_REQUESTS = [
@@ -10823,11 +11037,156 @@ async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_it
         (["monitor"], "gopher0"),
     ]
     cdi = dra_node.kubelet.cdi_devices
-    assert cdi("uid-1", "gpu") == ["example.com/gopher=gopher0", "example.com/gopher=gopher1"]
-    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2"]
-    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0"]
+    # Each request's devices, and its env named with its first device.
+    assert cdi("uid-1", "gpu") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gpu",
+        "example.com/gopher=gopher1",
+    ]
+    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2", "example.com/gopher=uid-1_serial"]
+    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0", "example.com/gopher=uid-1_monitor"]
     assert cdi("uid-1", "gpu/small") == []  # no container can name a subrequest
-    assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
+    assert len(cdi("uid-1")) == 7  # a container that names the claim alone gets them all
+
+
+def test_the_runtime_stand_in_resolves_cdi_devices_as_the_cdi_library_does(tmp_path):
+    """cdi_container_env, the unit tests' container runtime: a device named in two spec files of one
+    directory is a conflict and resolves to nothing; of two directories, the later's; a file that is
+    not .json or .yaml (a spec being written) is not read; a spec's own edits come before its first
+    device's; an ID given twice counts once; a variable set again keeps its place, the last value."""
+    low, high = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    low.mkdir()
+    high.mkdir()
+
+    def spec(path, devices, **top):
+        devices = [{"name": name, "containerEdits": {"env": env}} for name, env in devices.items()]
+        path.write_text(json.dumps({"cdiVersion": "0.3.0", "kind": "example.com/g", "devices": devices, **top}))
+
+    spec(low / "a.json", {"a": ["X=low"], "c": ["Y=c"]})
+    spec(high / "a.json", {"a": ["X=high"]}, containerEdits={"env": ["S=spec", "X=spec"]})
+    spec(high / "b1.json", {"b": ["Z=1"]})
+    spec(high / "b2.json", {"b": ["Z=2"]})
+    spec(high / "d.json.tmp", {"d": ["W=1"]})
+    env = standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", "example.com/g=c", "example.com/g=a"])
+    assert env == ["S=spec", "X=high", "Y=c"]  # X: the spec's, then its device's, in its first place
+    assert standins.cdi_container_env([str(low), str(high)], ["example.com/g=c"], ["Y=pod", "P=1"]) == ["Y=c", "P=1"]
+    for unresolved in ("b", "d", "e"):
+        with pytest.raises(standins.CDIInjectionError, match=rf"^unresolvable CDI devices example.com/g={unresolved}$"):
+            standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", f"example.com/g={unresolved}"])
+
+
+async def test_dra_each_requests_containers_get_the_env_allocate_gives_through_the_claims_own_cdi_device(dra_node):
+    """Issue 38, item 2: the device plugin's env contract under DRA. A claim of two requests, "gpu"
+    (its subrequest "gpu/small" chose gopher2, then gopher0) and "serial" (gopher1): a container
+    naming "gpu" gets GOPHER_DEVICES=gopher2,gopher0, the string Allocate gives a container
+    allocated those devices in that order, through the claim's own CDI device for the request, as
+    the runtime applies the spec files (cdi_container_env), over the pod's own GOPHER_DEVICES; one
+    naming "serial" gets its list. Each device's <ENV>_<ID> is there too. A container naming the
+    whole claim gets both requests' env devices, and the runtime keeps the last value: "serial"'s
+    list (the docs say so), with every <ENV>_<ID>. Unprepared, the env devices resolve to nothing."""
+    for name in ("gopher0", "gopher1", "gopher2"):
+        (dra_node.devices / name).touch()
+    results = [
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher2"),
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher0"),
+        ("serial", DRIVER, DraNode.POOL, "gopher1"),
+    ]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=PRIORITIZED_REQUESTS))
+    config = dra_node.config()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert answer.error == ""
+        spec_dirs = [dra_node.cdi["spec_dir"]]
+        cdi = dra_node.kubelet.cdi_devices
+        own = ["GOPHER_DEVICES=the pod's own", "PATH=/bin"]
+        gpu = standins.cdi_container_env(spec_dirs, cdi("uid-1", "gpu"), own)
+        serial = standins.cdi_container_env(spec_dirs, cdi("uid-1", "serial"), own)
+        whole = standins.cdi_container_env(spec_dirs, cdi("uid-1"), own)
+        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
+        assert gone.claims["uid-1"].error == ""
+        with pytest.raises(
+            standins.CDIInjectionError, match=r"^unresolvable CDI devices example.com/gopher=uid-1_gpu$"
+        ):
+            standins.cdi_container_env(spec_dirs, [f"example.com/gopher={n}" for n in ("gopher2", "uid-1_gpu")])
+        dra_node.stop()
+    # What the device plugin's Allocate gives a container allocated gopher2 and gopher0, in that order.
+    [resource] = config.resources
+    devices = {d.id: d for d in gp.scan_directory(resource).devices}
+    request = v1beta1.AllocateRequest(container_requests=[{"devices_ids": ["gopher2", "gopher0"]}])
+    allocated = gp.allocate_response(resource, devices, request).container_responses[0].envs
+    assert dict(allocated) == {"GOPHER_DEVICES": "gopher2,gopher0"}
+    assert gpu == [
+        "GOPHER_DEVICES=gopher2,gopher0",  # the pod's own replaced, in its place
+        "PATH=/bin",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+    ]
+    assert serial == ["GOPHER_DEVICES=gopher1", "PATH=/bin", "GOPHER_DEVICES_GOPHER1=gopher1"]
+    assert whole == [
+        "GOPHER_DEVICES=gopher1",
+        "PATH=/bin",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+    ]
+    # No device's own CDI device sets GOPHER_DEVICES: the request's list is the only value of it.
+    spec = read_spec(Path(dra_node.cdi["spec_dir"]) / "example.com-gopher.json")
+    assert [e for d in spec["devices"] for e in d["containerEdits"]["env"] if e.startswith("GOPHER_DEVICES=")] == []
+
+
+async def test_dra_two_resources_in_one_request_each_give_their_own_env(dra_node):
+    """A DeviceClass may select devices of two resources of one driver, and one request then holds
+    both: each resource's <ENV> lists its own devices, each through its own kind's env device in
+    the claim's spec of that kind, as two device-plugin resources give a container an env each."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").touch()
+    (dra_node.devices / "ttyS0").touch()
+    spec_dir = dra_node.cdi["spec_dir"]
+    text = dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root / "dp")})
+    document = yaml.safe_load(text)
+    gopher = {**document["resources"][0], "pattern": "gopher*", "cdi": dra_node.cdi}
+    serial = {
+        **gopher,
+        "name": "example.com/serial",
+        "pattern": "ttyS*",
+        "cdi": {"kind": "example.com/serial", "spec_dir": spec_dir},
+    }
+    document["resources"] = [gopher, serial]
+    config = gp.parse_config(yaml.safe_dump(document), "cfg.yaml")
+    results = [
+        ("gpu", DRIVER, DraNode.POOL, "gopher1"),
+        ("gpu", DRIVER, "node-1/example.com/serial", "ttys0-45b83132"),
+        ("gpu", DRIVER, DraNode.POOL, "gopher0"),
+    ]
+    requests = [{"name": "gpu", "exactly": {"deviceClassName": "gopher", "count": 3}}]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=requests))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await dra_node.wait_for_slices(["ttys0-45b83132"], "node-1/example.com/serial")
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert answer.error == ""
+        ids = dra_node.kubelet.cdi_devices("uid-1", "gpu")
+        env = standins.cdi_container_env([spec_dir], ids)
+        dra_node.stop()
+    assert ids == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-1_gpu",
+        "example.com/serial=ttyS0",
+        "example.com/serial=uid-1_gpu",
+        "example.com/gopher=gopher0",
+    ]
+    assert env == [
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+        "GOPHER_DEVICES=gopher1,gopher0",
+        "SERIAL_DEVICES_TTYS0=ttyS0",
+        "SERIAL_DEVICES=ttyS0",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+    ]
 
 
 ADMIN_REQUESTS = [
@@ -10866,7 +11225,10 @@ async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra
         "uid-1": ("", ["gopher0"]),
         "uid-2": ("", ["gopher0"]),  # beside c1
     }
-    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == ["example.com/gopher=gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-2_monitor",
+    ]
     assert refused.error.startswith("ResourceClaim default/c3: device gopher1 of example.com/gopher is unhealthy: ")
     assert not refused.devices
     gopher1 = dra_node.devices / "gopher1"
@@ -10995,7 +11357,10 @@ async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node
         again = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]  # from the checkpoint
     assert [d.device_name for d in first.devices] == ["gopher0"]
     assert [d.device_name for d in again.devices] == ["gopher0"]
-    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == ["example.com/gopher=gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gopher",
+    ]
 
 
 async def test_dra_two_pods_sharing_the_checkpoint_keep_each_others_claims(tmp_path):
@@ -11038,7 +11403,10 @@ async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_
         await dra_node.start()
         await dra_node.registered()
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
-    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/gopher=gopher0"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gopher",
+    ]
     aside = checkpoint.with_name("checkpoint.json.unreadable")
     assert aside.read_text() == '{"version": 1, "claims": {"uid-0": '
     assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-1"]
@@ -11114,7 +11482,11 @@ async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dr
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
     assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"], "the slice was rewritten, never deleted"
     assert reloaded.lines == ["cfg.yaml: configuration reloaded: updated in place example.com/gopher"]
-    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/other=gopher1"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == [
+        "example.com/other=gopher1",
+        "example.com/other=uid-1_gopher",
+    ]
+    assert spec_env(dra_node.root / "cdi" / "example.com-other_uid-1.json") == [("uid-1_gopher", ["GOPHERS=gopher1"])]
     spec = read_spec(dra_node.root / "cdi" / "example.com-other.json")
     assert [d["name"] for d in spec["devices"]] == ["gopher1"]
     assert spec["devices"][0]["containerEdits"]["env"] == ["GOPHERS_GOPHER1=gopher1"]
@@ -11444,8 +11816,11 @@ async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_devi
         assert not spec.exists()
         disk.failing = False
         answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
-    assert list(answer.devices[0].cdi_device_ids) == [f"example.com/gopher=gopher0-{SHARE_1}"]
-    assert read_spec(spec)["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+    assert list(answer.devices[0].cdi_device_ids) == [
+        f"example.com/gopher=gopher0-{SHARE_1}",
+        "example.com/gopher=uid-1_gopher",
+    ]
+    assert [d["name"] for d in read_spec(spec)["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
 
 
 async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
@@ -12155,7 +12530,8 @@ async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once
         assert placement.device_plugin == {}
         await dra_node.kubelet.prepare_extended_resources(second, placement.claim)
         cdi = dra_node.kubelet.extended_resource_cdi_devices(second, placement.claim, "consumer")
-        assert cdi == ["example.com/gopher=gopher0"]
+        uid = placement.claim["metadata"]["uid"]
+        assert cdi == ["example.com/gopher=gopher0", f"example.com/gopher={uid}_container-0-request-0"]
 
 
 def test_scheduler_stand_in_leaves_a_name_the_nodes_allocatable_has_to_the_device_plugin():
@@ -12411,6 +12787,76 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
     return claim(name, f"uid-{name}", requests=[request])
 
 
+async def test_dra_claims_select_by_capacity_and_attribute_through_the_charts_device_classes(dra_node, helm):
+    """Issue 38: devices that differ by what their files say (a model, a memory size) are told apart
+    by claims: through the chart's dra.extraDeviceClasses, rendered by helm, the scheduler stand-in's
+    CEL (with the Kubernetes quantity library) gives a claim of the "80Gi or more" class the one
+    device with 80Gi, one of the "H100" class the H100, and a claim selecting by capacity itself
+    (device.capacity[...].memory.compareTo(quantity(...))) the right one too."""
+    info = dra_node.root / "info"
+    for name, model, memory in (("gopher0", "H100", "40Gi"), ("gopher1", "H200", "80Gi"), ("gopher2", "H100", "64Gi")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "model").write_text(model + "\n")
+        (info / name / "memory").write_text(memory + "\n")
+    declared = {
+        "attributes": {"productName": {"file": str(info / "{id}" / "model")}, "vendor": "NVIDIA"},
+        "capacity": {"memory": {"file": str(info / "{id}" / "memory")}},
+    }
+    capacity = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
+    values = dra_node.root / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "mode": "dra",
+                "config": {
+                    "resources": [{"name": "example.com/gopher", "directory": "/dev/g", "api": "dra", **declared}]
+                },
+                "dra": {
+                    "driver": DRIVER,
+                    "extraDeviceClasses": [
+                        {"name": "big.gopher.example.com", "resource": "example.com/gopher", "selector": capacity},
+                        {
+                            "name": "h100.gopher.example.com",
+                            "resource": "example.com/gopher",
+                            "selector": f'device.attributes["{DRIVER}"].productName == "H100"',
+                        },
+                    ],
+                },
+            }
+        )
+    )
+    rendered = helm_template(helm, str(values))
+    assert rendered.returncode == 0, rendered.stderr
+    classes = [item for item in yaml.safe_load_all(rendered.stdout) if item and item["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == [
+        "gopher.example.com",
+        "gopher.example.com-admin",
+        "big.gopher.example.com",
+        "h100.gopher.example.com",
+    ]
+    scheduler = standins.SchedulerSimulator(dra_node.api, classes)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(**declared))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+
+    def allocated(made):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [result["device"] for result in made["status"]["allocation"]["devices"]["results"]]
+
+    assert allocated(ordinary_claim("big", device_class="big.gopher.example.com")) == ["gopher1"]
+    with pytest.raises(standins.UnschedulableError, match="cannot allocate all claims"):
+        allocated(ordinary_claim("bigger", device_class="big.gopher.example.com"))  # the one 80Gi is taken
+    assert allocated(ordinary_claim("h100", count=2, device_class="h100.gopher.example.com")) == ["gopher0", "gopher2"]
+    dra_node.api.claims.clear()
+    at_least = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("60Gi")) >= 0 && '
+    at_least += f'device.attributes["{DRIVER}"].productName == "H100"'
+    own = ordinary_claim("own", selectors=[{"cel": {"expression": at_least}}])
+    assert allocated(own) == ["gopher2"]
+
+
 async def publish_unhealthy_and_healthy(dra_node):
     """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy), and is registered."""
     (dra_node.devices / "gopher0").symlink_to("node0")
@@ -12581,6 +13027,41 @@ async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
 
 
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1_36(dra_node):
+    """Issue 38: ``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
+    claims share the device and each consumes the memory it asks for (capacity.requests), within the
+    80Gi: 60Gi, then 30Gi does not fit, a claim asking for none still does (1 share, 0 memory).
+    Before 1.36 the API server drops the sharing and the policy and keeps the value: the first claim
+    has the device whole, and the capacity is what selectors see."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=4, capacity={"memory": "80Gi"}))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+    def allocated(name, memory=None):
+        made = ordinary_claim(name, **({"capacity": {"requests": {"memory": memory}}} if memory else {}))
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [r.get("consumedCapacity") for r in made["status"]["allocation"]["devices"]["results"]]
+
+    if dra_node.api.release.enabled("DRAConsumableCapacity"):
+        assert allocated("big", "60Gi") == [{"memory": "60Gi", "shares": "1"}]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("more", "30Gi")
+        assert allocated("none") == [{"memory": "0", "shares": "1"}]
+    else:
+        (device,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+        assert device["capacity"] == {"memory": {"value": "80Gi"}, "shares": {"value": "4"}}
+        assert allocated("big") == [None]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("none")
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(dra_node):
     """A pod asking for example.com/gopher in resources.limits on a node without the device plugin:
     from 1.36 (DRAExtendedResource on) the scheduler makes its claim from the shipped class's
@@ -12599,7 +13080,8 @@ async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(d
     with trio.fail_after(TIMEOUT):
         await dra_node.kubelet.prepare_extended_resources(pod, placement.claim)
     assert dra_node.kubelet.extended_resource_cdi_devices(pod, placement.claim, "consumer") == [
-        "example.com/gopher=gopher1"
+        "example.com/gopher=gopher1",
+        f"example.com/gopher={placement.claim['metadata']['uid']}_container-0-request-0",
     ]
     dra_node.stop()
 
@@ -13812,7 +14294,10 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     )
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
-        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
+        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == [
+            "example.com/gopher=gopher0",
+            "example.com/gopher=uid-1_gopher",
+        ]
     for health in healths:
         (device,) = health.devices
         assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")
