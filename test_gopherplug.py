@@ -7929,7 +7929,8 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
         f"device /dev/nvidiactl <- {host(dev / 'nvidiactl')} rw",
         f"device /dev/nvidia-uvm <- {host(dev / 'nvidia-uvm')} rw",
         f"device /dev/nvidia-uvm-tools <- {host(dev / 'nvidia-uvm-tools')} rw",
-        "env NVIDIA_VISIBLE_DEVICES=0" if name == "config.yaml" else "env NVIDIA_VISIBLE_DEVICES_0=0",
+        "env NVIDIA_VISIBLE_DEVICES=0",  # the device plugin's Allocate, and a DRA claim's env alike
+        *(["env NVIDIA_VISIBLE_DEVICES_0=0"] if name == "config-dra.yaml" else []),
     ]
 
 
@@ -7985,7 +7986,8 @@ async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_throu
     nvidia-smi (the recorded H200's values, its memory as capacity); pod-dra.yaml's claim of two with
     at least 80Gi each, allocated by the scheduler stand-in with its DeviceClass and CEL, is prepared
     with CDI devices that give the container both GPUs' nodes and nvidiactl, nvidia-uvm and
-    nvidia-uvm-tools. The same claim asking for more memory than an H200 has is unschedulable."""
+    nvidia-uvm-tools, and NVIDIA_VISIBLE_DEVICES=0,1 as the device plugin gives it. The same claim
+    asking for more memory than an H200 has is unschedulable."""
     dev, proc, recording = fake_nvidia_node(dra_node.root)
     monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
     config = nvidia_example_config("config-dra.yaml", dev, proc, device_plugin_dir=str(dra_node.root / "dp"))
@@ -8043,7 +8045,12 @@ async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_throu
         (request["name"], pool, "0"),
         (request["name"], pool, "1"),
     ]
-    nodes, _ = cdi_edits(dra_node.cdi["spec_dir"], dra_node.kubelet.cdi_devices("uid-gpus", request["name"]))
+    given = dra_node.kubelet.cdi_devices("uid-gpus", request["name"])
+    nodes, _ = cdi_edits(dra_node.cdi["spec_dir"], given)
+    # The device plugin's env contract: the IDs of the request's devices, joined, in the claim's order.
+    env = standins.cdi_container_env([dra_node.cdi["spec_dir"]], given)
+    order = ",".join(r["device"] for r in results)
+    assert [line for line in env if line.startswith("NVIDIA_VISIBLE_DEVICES=")] == [f"NVIDIA_VISIBLE_DEVICES={order}"]
     host = os.path.realpath
     assert {path: node["hostPath"] for path, node in nodes.items()} == {
         "/dev/nvidia0": host(dev / "nvidia0"),

@@ -2759,7 +2759,8 @@ async def test_nvidia_gpus_reach_a_dra_consumer_through_the_claims_cdi_devices(t
     """examples/nvidia/config-dra.yaml in daemonset-dra.yaml's pod, on a node of three GPUs: the
     slice offers 0, 1 and 2; a claim allocated 0 and 1, prepared, gives a consumer created with its
     CDI device IDs alone (as the kubelet passes them) the two GPUs' nodes and the three shared ones,
-    through containerd's CDI handling, and not nvidia2."""
+    through containerd's CDI handling, and not nvidia2; and NVIDIA_VISIBLE_DEVICES=0,1, the string
+    the device plugin's Allocate gives (beside each device's NVIDIA_VISIBLE_DEVICES_<N>)."""
     node = nvidia_node(tier, "config-dra.yaml", "daemonset-dra.yaml")
     api, kubelet = await dra_cluster(node, nursery, monkeypatch)
     pool = gp.dra_pool_name(NODE_NAME, "nvidia.com/gpu")
@@ -2782,3 +2783,4 @@ async def test_nvidia_gpus_reach_a_dra_consumer_through_the_claims_cdi_devices(t
     tier.outputs["nvidia (DRA): CDI device IDs"] = ids
     tier.outputs["nvidia (DRA): consumer of GPUs 0 and 1"] = seen
     assert_given_two_gpus(seen)
+    assert "NVIDIA_VISIBLE_DEVICES=0,1" in seen["env"], seen["env"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Describe a node's NVIDIA GPUs for gopherplug's `describe`: nvidia-smi's CSV in, JSON out.
 
-    describe: ["python3", "/opt/gopherplug/nvidia-describe.py"]
+    describe: ["python3.11", "/opt/gopherplug/nvidia-describe.py"]
 
 gopherplug runs it once per scan of the resource and reads one JSON object keyed by device ID:
 
