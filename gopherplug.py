@@ -260,6 +260,7 @@ from purerpc.grpclib.exceptions import (
     RpcFailedError,
     UnsupportedMessageEncodingError,
 )
+from purerpc.grpclib.headers import HeaderDict
 from purerpc.grpclib.status import Status, StatusCode
 from purerpc.wrappers import extract_message_from_singleton_stream
 
@@ -5299,6 +5300,10 @@ class _UnixSocketWrapper(SocketWrapper):
         """Return once everything flushed so far has been written to the socket."""
         await self._drained.wait()
 
+    def backlog(self) -> int:
+        """Bytes flushed and not yet written to the socket."""
+        return len(self._outgoing) + self._in_hand
+
     async def room(self) -> None:
         """Return at once while less than SEND_QUEUE_LIMIT waits to be written, else once all of it
         is (the peer read it): what a sender awaits before making more to send. O(1)."""
@@ -5390,11 +5395,14 @@ class _ResetAwareConnection(GRPCConnection):
         self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
 
     def _request_received(self, event: h2.events.RequestReceived) -> list[Any]:
-        received: list[Any] = super()._request_received(event)
-        request = received[0]
-        # The request's messages, decompressed within bounds (_BoundedReadBuffer), not by purerpc's.
+        # purerpc's, but for the buffer: its messages decompressed within bounds (_BoundedReadBuffer).
+        if event.stream_ended:
+            raise ProtocolError("Stream ended before data was sent")
+        request = RequestReceived.parse_from_stream_id_and_headers_destructive(
+            event.stream_id, HeaderDict(event.headers)
+        )
         self.message_read_buffers[event.stream_id] = _BoundedReadBuffer(request.message_encoding, KUBELET_MAX_MESSAGE)
-        return received
+        return [request]
 
     def _data_received(self, event: h2.events.DataReceived) -> list[Any]:
         """One DATA frame of a request: counted against MAX_REQUEST_BYTES and the connection's
@@ -5606,7 +5614,8 @@ class _ServerConnection(_GRPCSocket):
                 with trio.move_on_at(greeting_deadline) as waiting:
                     # A peer that does not read what we answer is not read from (SEND_QUEUE_LIMIT):
                     # its requests, pings and settings wait in its socket, not in our memory.
-                    await self._socket.room()
+                    if self._socket.backlog() > SEND_QUEUE_LIMIT:
+                        await self._socket.room()
                     try:
                         data = await self._socket.recv(self._receive_buffer_size)
                     except (anyio.EndOfStream, anyio.BrokenResourceError):
@@ -5832,7 +5841,8 @@ async def _answer_call(
             responses = bound.method_fn(message, request=request)
             try:
                 async for response in responses:
-                    await stream._socket.room()  # a peer that does not read gets nothing more queued
+                    if stream._socket.backlog() > SEND_QUEUE_LIMIT:
+                        await stream._socket.room()  # a peer that does not read gets nothing more queued
                     await stream.send_message(response)
             finally:
                 # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
