@@ -12972,7 +12972,10 @@ async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_c
     with trio.fail_after(TIMEOUT):
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-c1", "c1")])).claims["uid-c1"]
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher1"])
-    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == ["example.com/gopher=gopher1"]
+    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-c1_gopher",  # the request's env: GOPHER_DEVICES=gopher1
+    ]
     dra_node.stop()
 
 
@@ -12997,7 +13000,10 @@ async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(d
     with trio.fail_after(TIMEOUT):
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-listed", "listed")])).claims["uid-listed"]
     assert answer.error == ""
-    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == ["example.com/gopher=gopher1"]
+    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-listed_gopher",  # the request's env, "gopher/any" counted as "gopher"
+    ]
     dra_node.stop()
 
 
