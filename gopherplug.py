@@ -2277,6 +2277,7 @@ _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # a node's devices mostly say the same few quantities
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
@@ -2917,8 +2918,9 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
-    # at when an attribute's file is read through it (read_declared_values), never here.
-    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node else ""
+    # at when an attribute's file is read through it (read_declared_values), never here; and only for
+    # a resource that declares values (examine_again runs in Allocate, which needs none of it).
+    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node and (resource.attributes or resource.capacity) else ""
     return DeviceEntry(
         device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
     )
@@ -4031,22 +4033,29 @@ def with_read_values(
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
-    own_attributes, own_capacity = [], []
-    for name, kind, value in device.attributes:
-        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
-            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_attributes.append((name, kind, value))
-    for name, written in device.capacity:
-        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
-        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
-            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_capacity.append((name, str(quantity)))
-    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
-    bare = dataclasses.replace(device, attributes=(), capacity=())
+    if device.attributes or device.capacity:
+        own_attributes, own_capacity = [], []
+        for name, kind, value in device.attributes:
+            if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+                problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_attributes.append((name, kind, value))
+        for name, written in device.capacity:
+            quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+            if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+                problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_capacity.append((name, str(quantity)))
+        if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
+            device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
+    if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
+        return device, problems  # nothing read (literals only, or describe has not said yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
+    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
+    if device.numa_node is not None:
+        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
+    if device.pci is not None:
+        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
