@@ -6846,6 +6846,7 @@ async def watch_devices(
     dev_root: str = "/dev",
     turn: CDISpecTurn | None = None,
     *,
+    described: dict[str, ReadValues] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``devices`` (a dict of id -> DeviceEntry) equal to what the resource's directories and
@@ -6869,7 +6870,7 @@ async def watch_devices(
     spec only when it leaves the directory. With ``turn`` (a DRA driver's pod), the spec is written
     in this pod's turn only (CDISpecTurn), and again whenever the turn changes.
     """
-    device_set = _DeviceSet(resource, devices, turn)
+    device_set = _DeviceSet(resource, devices, turn, described)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
@@ -7277,7 +7278,13 @@ class _DeviceSet:
     """watch_devices' devices: the entries its sources found, made into devices (entries with the
     same ID are one), published, their health changes logged, their CDI spec written."""
 
-    def __init__(self, resource: ResourceConfig, devices: Watched, turn: CDISpecTurn | None = None) -> None:
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        devices: Watched,
+        turn: CDISpecTurn | None = None,
+        described: dict[str, ReadValues] | None = None,
+    ) -> None:
         self.resource = resource
         self.devices = devices
         self.turn = turn  # with a DRA driver: the spec is written in this pod's turn only
@@ -7291,7 +7298,9 @@ class _DeviceSet:
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
         self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
-        self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
+        #: device ID -> what describe said of it, the last time it worked: a dict that outlives this
+        #: device set when the caller keeps it (a reload's new watch starts with what is known)
+        self.described: dict[str, ReadValues] = described if described is not None else {}
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
         #: touched when the devices' IDs change: describe runs again (_describe_devices)
         self.ids_changed = Watched(frozenset[str]())
@@ -7321,7 +7330,8 @@ class _DeviceSet:
         """What describe said, by device ID: every device carries it from now on."""
         if self.devices.value is RETIRED:
             return
-        self.described = described
+        self.described.clear()
+        self.described.update(described)
         for device_id in self.found:
             self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
@@ -11320,6 +11330,9 @@ async def serve_plugin(
                     before = list(served)
                     removed = [name for name in served if name not in wanted]
                     changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
+                    # A reload runs every describe again (what it says may have changed without any
+                    # device coming or going): an unchanged resource's watch starts afresh in place.
+                    again = [n for n in served if n in wanted and n not in changed and wanted[n].describe]
                     added = [name for name in wanted if name not in served]
                     await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
                     for name in removed:
@@ -11341,6 +11354,8 @@ async def serve_plugin(
                         else:
                             await start(old.resource)  # the new one failed: serve the old one again
                             kept.append(name)
+                    for name in again:
+                        await served[name].update(wanted[name])
                     for name in added:
                         if not await start(wanted[name]):
                             not_added.append(name)
@@ -11355,6 +11370,7 @@ async def serve_plugin(
                         for what, names, after in (
                             ("added", [name for name in added if name not in not_added], ""),
                             ("updated in place", updated, ""),
+                            ("described again", again, ""),
                             ("re-registered", registered, ""),
                             ("removed", removed, ""),
                             ("kept", kept, " as it was"),
@@ -11467,6 +11483,9 @@ class _Served:
     start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
     watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
     dra_resources: DraResources | None = None
+    #: what its describe last said, by device ID: kept across its watches, so that a reload's new
+    #: watch publishes the devices as described until describe has run again
+    described: dict[str, ReadValues] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
@@ -11546,7 +11565,13 @@ async def _serve_one(
                         with scope:
                             turn = dra_resources.cdi_turn if dra_resources is not None else None
                             await watch_devices(
-                                resource, served.devices, sysfs_root, dev_root, turn, task_status=task_status
+                                resource,
+                                served.devices,
+                                sysfs_root,
+                                dev_root,
+                                turn,
+                                described=served.described,
+                                task_status=task_status,
                             )
                     finally:
                         done.set()
