@@ -9,7 +9,8 @@ speaks resource.k8s.io/v1).
 
 New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
 of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
-`python examples/lesson/gopher_plugin.py --demo`. This module is the real thing.
+`python examples/lesson/gopher_plugin.py --demo`; examples/lesson/gopher_dra.py does the same for DRA.
+This module is the real thing.
 
 Read it top to bottom; every section only uses the ones above it:
 
@@ -13641,6 +13642,263 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     say("demo", "done: plugin stopped, its sockets removed")
 
 
+# `gopherplug demo --config FILE [--dra]`: the user's own configuration against the same simulators.
+#: The driver a configuration without ``dra`` gets under ``demo --dra``.
+DEMO_DRIVER = "gopherplug.example.com"
+#: The node the DRA demos name their pools after.
+DEMO_NODE = "demo-node"
+#: A device list longer than this is shown cut, with how many more there are.
+DEMO_LIST_LENGTH = 12
+
+
+def load_demo_config(path: str, dra: bool = False) -> Config:
+    """The configuration file at ``path`` for ``demo --config``, refused as check-config refuses it.
+    With ``dra``, every resource is served through DRA (``api: dra``; ``dra: {driver:
+    gopherplug.example.com}`` where the file has no ``dra``): an option DRA has not (``replicas``
+    under the device plugin's ``preferred``, ``annotations``, ``pre_start``) is refused in one line
+    that says so."""
+    config = load_config(path)
+    if not dra or all(resource.dra for resource in config.resources):
+        return config
+    with open(path, encoding="utf-8") as file:
+        data = yaml.safe_load(file)  # valid: load_config read it
+    data["dra"] = data.get("dra") or {"driver": DEMO_DRIVER}
+    for resource in data["resources"]:
+        resource["api"] = "dra"
+    try:
+        return parse_config(yaml.safe_dump(data), path)
+    except ConfigError as error:
+        raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
+
+
+def _demo_config(config: Config, root: str) -> Config:
+    """``config`` as the demo runs it: the devices where the file says (what the demo is about),
+    everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
+    CDI specs), and no metrics or liveness server."""
+    resources = tuple(
+        dataclasses.replace(r, cdi=dataclasses.replace(r.cdi, spec_dir=os.path.join(root, "cdi"))) if r.cdi else r
+        for r in config.resources
+    )
+    dra = config.dra and dataclasses.replace(config.dra, kubelet_dir=os.path.join(root, "kubelet"), pod_uid="")
+    return dataclasses.replace(
+        config,
+        resources=resources,
+        dra=dra,
+        device_plugin_dir=os.path.join(root, "device-plugins"),
+        metrics_address=None,
+        health_address=None,
+    )
+
+
+async def run_config_demo(config: Config, out: Callable[[str], None] = print) -> None:
+    """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
+    kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
+    directory: each registration and first list or ResourceSlice, then one Allocate or one prepared
+    claim per resource, narrated. Leaves nothing behind."""
+    if config.dra is not None:
+        try:  # before anything starts, as run_dra_demo
+            import h11  # noqa: F401
+
+            _import_api_client()
+        except ImportError as error:
+            raise GopherplugError(
+                f"a DRA resource needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+            ) from None
+    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
+    try:
+        await _narrate_config_demo(_demo_config(config, root), config.source, root, out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _narrate_config_demo(config: Config, source: str, root: str, out: Callable[[str], None]) -> None:
+    say = _demo_clock(out, width=9)
+    assert config.device_plugin_dir is not None
+    kubelet: KubeletSimulator | None = None
+    dra_kubelet: DraKubeletSimulator | None = None
+    api: LenientApiServer | None = None
+    client: Any = None
+    who = "kubelet and API server" if config.dra else "kubelet"
+    out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
+    for resource in config.resources:
+        scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+        healthy = sum(device.health == HEALTHY for device in scan.devices)
+        say("plugin", f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy, from {resource.origin()}")
+    async with trio.open_nursery() as nursery:
+        if any(resource.device_plugin for resource in config.resources):
+            kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+            say("kubelet", f"serving Registration on {kubelet.socket_path}")
+        if config.dra is not None:
+            api = await nursery.start(LenientApiServer().run)
+            api.put_node(DEMO_NODE, f"{DEMO_NODE}-uid")
+            kubeconfig = os.path.join(root, "kubeconfig")
+            with open(kubeconfig, "w", encoding="utf-8") as file:
+                yaml.safe_dump(_demo_kubeconfig(api.url), file)
+            say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
+            node_slices = functools.partial(api.delete_node_slices, DEMO_NODE)
+            dra_kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=node_slices)
+            await nursery.start(dra_kubelet.run)
+            say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
+            client = KubeApi.connect(kubeconfig=kubeconfig, node_name=DEMO_NODE)
+        try:
+            async with trio.open_nursery() as plugin:
+                await plugin.start(functools.partial(serve_plugin, config, node_name=DEMO_NODE, api=client))
+                for resource in config.resources:
+                    if resource.device_plugin:
+                        assert kubelet is not None
+                        await _demo_allocate(kubelet, resource, say)
+                    else:
+                        assert config.dra is not None and api is not None and dra_kubelet is not None
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say)
+                plugin.cancel_scope.cancel()
+        finally:
+            if client is not None:
+                await client.aclose()
+        nursery.cancel_scope.cancel()
+    say("demo", "done: plugin stopped, its sockets removed")
+
+
+def _demo_kubeconfig(server: str) -> dict[str, Any]:
+    cluster = {"name": "demo", "cluster": {"server": server}}
+    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+    users = [{"name": "demo", "user": {}}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "demo",
+        "clusters": [cluster],
+        "contexts": [context],
+        "users": users,
+    }
+
+
+async def _demo_step(what: str, happened: Awaitable[None]) -> None:
+    with trio.move_on_after(DEMO_STEP_TIMEOUT):
+        await happened
+        return
+    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+
+
+def _demo_list(items: list[str]) -> str:
+    shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
+    return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
+
+
+async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, say: Callable[[str, str], None]) -> None:
+    """One device-plugin resource: its registration, its first list, and Allocate of its first
+    healthy device, as the kubelet would call it for a pod asking for one."""
+    name = resource.name
+    await _demo_step(
+        f"{name}'s registration and first list",
+        kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0),
+    )
+    registration = next(r for r in reversed(kubelet.registrations) if r.resource_name == name)
+    known = kubelet.resources[name]
+    say("plugin", f"Register(resource {name}, endpoint {registration.endpoint}, version {registration.version})")
+    say("kubelet", f"dialed {registration.endpoint} back before answering: {_one_line(known.options)}")
+    listed = sorted(known.devices, key=_natural_key)
+    say("plugin", f"ListAndWatch: {_demo_list([f'{d} {known.devices[d]}' for d in listed])}")
+    say("kubelet", f"node capacity {name}: {known.capacity}, allocatable {known.allocatable}")
+    healthy = [d for d in listed if known.devices[d] == HEALTHY]
+    if not healthy:
+        say("kubelet", f"no healthy {name}: a pod asking for one waits (Pending), and no Allocate is made")
+        return
+    say("kubelet", f"pod default/demo-pod asks for 1 {name}: Allocate({healthy[0]})")
+    try:
+        answer = (await kubelet.allocate(name, healthy[:1])).container_responses[0]
+    except RPCError as error:
+        say("plugin", f"  refused: {error.message}")
+        return
+    for spec in answer.devices:
+        say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+    for mount in answer.mounts:
+        say("plugin", f"  mount {mount.host_path} -> {mount.container_path} ({'ro' if mount.read_only else 'rw'})")
+    for key, value in sorted(answer.envs.items()):
+        say("plugin", f"  env {key}={value}")
+    for key, value in sorted(answer.annotations.items()):
+        say("plugin", f"  annotation {key}={value}")
+    for cdi in answer.cdi_devices:
+        say("plugin", f"  CDI device {cdi.name}")
+
+
+async def _demo_claim(
+    api: LenientApiServer,
+    kubelet: DraKubeletSimulator,
+    driver: str,
+    resource: ResourceConfig,
+    say: Callable[[str, str], None],
+) -> None:
+    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device,
+    allocated as the scheduler would, prepared as the kubelet asks, and the CDI edits the runtime
+    would apply for it."""
+    pool = dra_pool_name(DEMO_NODE, resource.name)
+
+    def devices() -> list[dict[str, Any]]:
+        return [
+            d for item in api.slices.values() if item["spec"]["pool"]["name"] == pool for d in item["spec"]["devices"]
+        ]
+
+    async def published() -> None:
+        await kubelet.wait_until(lambda k: driver in k.drivers)
+        while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
+            await api.changed.wait_touched()
+
+    await _demo_step(f"{resource.name}'s ResourceSlice", published())
+    say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
+    named = sorted((d["name"] for d in devices()), key=_natural_key)
+    say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
+    healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
+    if not healthy:
+        say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
+        return
+    device = min(healthy, key=lambda d: _natural_key(d["name"]))
+    result = {"request": "device", "driver": driver, "pool": pool, "device": device["name"]}
+    if device.get("allowMultipleAllocations"):
+        result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
+    uid = f"demo-{len(api.claims)}"
+    api.put_claim(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": f"demo-{resource.name.rpartition('/')[2]}", "uid": uid},
+            "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        }
+    )
+    say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
+    answer = (await kubelet.prepare(driver, [("default", uid, f"demo-{resource.name.rpartition('/')[2]}")])).claims[uid]
+    if answer.error:
+        say("plugin", f"  NodePrepareResources refused: {answer.error}")
+        return
+    cdi_ids = [cdi_id for prepared in answer.devices for cdi_id in prepared.cdi_device_ids]
+    say("kubelet", f"NodePrepareResources: CDI devices {', '.join(cdi_ids)}")
+    assert resource.cdi is not None
+    for cdi_id in cdi_ids:
+        kind, _, name = cdi_id.partition("=")
+        edits = _demo_cdi_edits(resource.cdi.spec_dir, kind, name)
+        for node in edits.get("deviceNodes", ()):
+            say("runtime", f"  {cdi_id}: device {node.get('hostPath', node['path'])} -> {node['path']}")
+        for mount in edits.get("mounts", ()):
+            options = ",".join(mount.get("options", ()))
+            say("runtime", f"  {cdi_id}: mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+        for env in edits.get("env", ()):
+            say("runtime", f"  {cdi_id}: env {env}")
+
+
+def _demo_cdi_edits(spec_dir: str, kind: str, name: str) -> dict[str, Any]:
+    """The containerEdits of CDI device ``kind``=``name`` in the spec files of ``spec_dir``, as the
+    runtime finds them (the resource's spec, a claim's own for a share or the device metadata)."""
+    for entry in sorted(os.listdir(spec_dir)):
+        if entry.endswith(".json"):
+            with open(os.path.join(spec_dir, entry), encoding="utf-8") as file:
+                spec = json.load(file)
+            if spec.get("kind") == kind:
+                for device in spec.get("devices", ()):
+                    if device["name"] == name:
+                        return dict(device.get("containerEdits", {}))
+    return {}
+
+
 ########################################################################################################
 # 9. Command line
 #
@@ -13716,7 +13974,14 @@ def _parser() -> argparse.ArgumentParser:
         "--dra",
         action="store_true",
         help="the DRA flow instead: slices, claims, CDI, against a simulated kubelet and API server "
-        "(needs the dra extra)",
+        "(needs the dra extra); with --config, every resource served through DRA",
+    )
+    demo.add_argument(
+        "--config",
+        default=None,  # not GOPHERPLUG_CONFIG: the built-in demo unless a file is named here
+        metavar="FILE",
+        help="your configuration instead of the demo's: its devices scanned where it says, registered, listed, and "
+        "one Allocate (or one DRA claim prepared) per resource",
     )
     for command in (serve, check, probe_, who):
         command.add_argument(
@@ -13808,7 +14073,16 @@ def main(argv: list[str] | None = None) -> int:
         args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
         args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
-        return _run(args, run_dra_demo if args.dra else run_demo)
+        if args.config is None:
+            return _run(args, run_dra_demo if args.dra else run_demo)
+        try:  # refused as check-config refuses it
+            config = load_demo_config(args.config, args.dra)
+        except ConfigError as error:
+            print(f"gopherplug: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        for warning in config.warnings:
+            print(f"gopherplug: warning: {warning}", file=sys.stderr)
+        return _run(args, run_config_demo, config)
     if args.command == "probe":
         return _probe(args)
     if not args.config:

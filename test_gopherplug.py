@@ -5521,6 +5521,41 @@ def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_includ
     assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
 
 
+def test_the_dra_lesson_runs_its_demo_a_kubelet_restart_included(sockdir):
+    """examples/lesson/gopher_dra.py, DRA's essentials in one file (at most 250 lines), run as its
+    own process with --demo against gopherplug's DRA kubelet and lenient API server: it publishes
+    its ResourceSlice before and after registration, updates it when a device comes, prepares a
+    claim with the CDI device whose spec it wrote, and writes the slice again after the kubelet's
+    restart wiped it (a create after the restart, or the demo fails)."""
+    script = HERE / "examples" / "lesson" / "gopher_dra.py"
+    assert len(script.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}  # socket paths under 108 bytes
+    result = subprocess.run(
+        [sys.executable, str(script), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [line.split(" ms  ", 1)[1] for line in result.stdout.splitlines()]
+    slices = [line for line in said if line.startswith("plugin   ResourceSlice node-1-gopher.example.com generation")]
+    assert slices[0].endswith("generation 1: gopher0, gopher1, gopher2"), slices
+    assert slices[-1].endswith(": gopher0, gopher1, gopher2, gopher3"), slices
+    all_four = "gopher0, gopher1, gopher2, gopher3"
+    assert [line for line in said if line not in slices] == [
+        "plugin   the kubelet registered the driver",
+        "apiserver this node's ResourceSlice: gopher0, gopher1, gopher2",
+        "demo     created gophers/gopher3",
+        f"apiserver the slice, updated: {all_four}",
+        "scheduler allocated ResourceClaim default/my-gopher: gopher1 of pool node-1",
+        "kubelet  NodePrepareResources(default/my-gopher) -> CDI example.com/gopher=gopher1",
+        "runtime  example.com/gopher=gopher1: env GOPHER_GOPHER1=gopher1, mount /run/gophers/gopher1",
+        "kubelet  NodeUnprepareResources(default/my-gopher): the pod is gone",
+        "demo     the kubelet restarts: it deletes this node's slices, walks plugins_registry again",
+        "plugin   the kubelet registered the driver",
+        f"apiserver the slice, written again: {all_four}",
+        "demo     done",
+    ], result.stdout
+    assert os.listdir(sockdir) == []
+
+
 async def open_example(script, plugin_dir, stderr, **kwargs):
     """An embedding example as its own process, pointed at ``plugin_dir`` as a user would point it,
     importing gopherplug from this checkout."""
@@ -5877,6 +5912,100 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert re.search(r"mount /\S+/gophers/gopher1 -> /run/gophers/gopher1 \(bind,ro\)\n", said)
     assert said.endswith("devices gopher0, gopher1, gopher2, gopher3\ndone: plugin stopped, its sockets removed")
     assert os.listdir(sockdir) == []
+
+
+def gpu_recipe_config(sockdir):
+    """examples/gpu/config.yaml as a user's file, its /dev a node's tree in miniature under
+    sockdir/node (as test_recipe_serves_its_devices makes it): the file's path, and the tree's /dev."""
+    dev, sysfs = os.path.join(sockdir, "node", "dev"), os.path.join(sockdir, "node", "sys")
+    os.makedirs(dev)
+    gpu_tree(dev, sysfs)
+    config = yaml.safe_load((HERE / "examples" / "gpu" / "config.yaml").read_text())
+    for resource in config["resources"]:
+        resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
+    config.update(dev_root=dev, sysfs_root=sysfs)
+    path = os.path.join(sockdir, "node", "gpu.yaml")
+    with open(path, "w", encoding="utf-8") as file:
+        yaml.safe_dump(config, file)
+    return path, dev
+
+
+def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockdir):
+    """`gopherplug demo --config FILE`: the user's resources scanned where the file says, registered
+    with the simulated kubelet, listed, and one device of each allocated, narrated as the demo is;
+    the kubelet's directory is the demo's own, and nothing is left behind."""
+    path, dev = gpu_recipe_config(sockdir)
+    who, said = narrated_demo(sockdir, "--config", path)
+    assert who == "plugin kubelet plugin kubelet plugin kubelet kubelet plugin plugin plugin demo"
+    card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
+    assert said.split("\n", 1)[1] == "\n".join(
+        [
+            re.search(r"serving Registration on /\S+/device-plugins/kubelet.sock", said).group(0),
+            "Register(resource example.com/gpu, endpoint gopherplug-example.com_gpu-1.sock, version v1beta1)",
+            "dialed gopherplug-example.com_gpu-1.sock back before answering: get_preferred_allocation_available: True",
+            "ListAndWatch: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
+            "node capacity example.com/gpu: 2, allocatable 2",
+            "pod default/demo-pod asks for 1 example.com/gpu: Allocate(0000:00:02.0)",
+            f"device {card} -> {card} (rw)",  # {target}: where the by-path link leads, in the container too
+            f"device {render} -> {render} (rw)",
+            "env GPU_DEVICES=0000:00:02.0",
+            "done: plugin stopped, its sockets removed",
+        ]
+    )
+    assert said.startswith(f"example.com/gpu: 2 devices, 2 healthy, from {dev}/dri/by-path/pci-*\n")
+    assert sorted(os.listdir(sockdir)) == ["node"]
+
+
+def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
+    """`gopherplug demo --config FILE --dra`: the same file served through DRA (api: dra, the demo's
+    driver): the pool's ResourceSlice, a claim for its first device allocated and prepared, and the
+    CDI edits the runtime would apply for it, from the spec the plugin wrote."""
+    path, dev = gpu_recipe_config(sockdir)
+    who, said = narrated_demo(sockdir, "--config", path, "--dra")
+    assert who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime demo"
+    card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
+    first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
+    pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
+    lines = said.splitlines()
+    assert lines[4:10] == [
+        f"ResourceSlice of pool {pool}: {first}, {second}",
+        f"allocated a ResourceClaim: device {first} of pool {pool}",
+        f"NodePrepareResources: CDI devices {cdi}, gopherplug.example.com/metadata=demo-0_device",
+        f"{cdi}: device {card} -> {card}",
+        f"{cdi}: device {render} -> {render}",
+        f"{cdi}: env GPU_DEVICES_0000_00_02_0=0000:00:02.0",
+    ]
+    assert re.fullmatch(
+        r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
+        r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
+        r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
+        lines[10],
+    )
+    assert sorted(os.listdir(sockdir)) == ["node"]
+
+
+def test_demo_config_refuses_what_check_config_refuses(tmp_path):
+    """A file check-config refuses, demo --config refuses with the same line and exit 2; under --dra,
+    what only the device-plugin API has is refused with why."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text("resources:\n  - name: example.com/gopher\n    directory: gophers\n")
+    demo, check_config = run_cli("demo", "--config", str(path)), run_cli("check-config", "--config", str(path))
+    assert (demo.returncode, demo.stdout) == (check_config.returncode, "") == (2, "")
+    assert (
+        demo.stderr
+        == check_config.stderr
+        == f"gopherplug: {path}: resources[0].directory: 'gophers' must be an absolute path\n"
+    )
+    path.write_text(
+        "resources:\n  - name: example.com/gopher\n    directory: /dev\n    pattern: 'null'\n    annotations: {a: b}\n"
+    )
+    dra = run_cli("demo", "--config", str(path), "--dra")
+    assert (dra.returncode, dra.stdout) == (2, "")
+    assert dra.stderr == (
+        f"gopherplug: {path}: resources[0].annotations: is for the device-plugin API, and this resource has api: dra "
+        "(devices reach containers only as CDI devices) (demo --dra serves it through DRA)\n"
+    )
 
 
 async def run_cli_async(*args, env=None):
