@@ -6870,6 +6870,11 @@ async def watch_devices(
     running or not (an update rolling through the DaemonSet, an OOM kill). A device leaves the
     spec only when it leaves the directory. With ``turn`` (a DRA driver's pod), the spec is written
     in this pod's turn only (CDISpecTurn), and again whenever the turn changes.
+
+    A device that comes or changes has its ``attributes`` and ``capacity`` files read
+    (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
+    devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
+    reload), never on a kubelet's call.
     """
     device_set = _DeviceSet(resource, devices, turn, described)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
