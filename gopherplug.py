@@ -2279,6 +2279,7 @@ _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # a node's devices mostly say the same few quantities
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
@@ -2919,8 +2920,9 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
-    # at when an attribute's file is read through it (read_declared_values), never here.
-    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node else ""
+    # at when an attribute's file is read through it (read_declared_values), never here; and only for
+    # a resource that declares values (examine_again runs in Allocate, which needs none of it).
+    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node and (resource.attributes or resource.capacity) else ""
     return DeviceEntry(
         device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
     )
@@ -4094,22 +4096,29 @@ def with_read_values(
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
-    own_attributes, own_capacity = [], []
-    for name, kind, value in device.attributes:
-        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
-            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_attributes.append((name, kind, value))
-    for name, written in device.capacity:
-        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
-        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
-            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_capacity.append((name, str(quantity)))
-    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
-    bare = dataclasses.replace(device, attributes=(), capacity=())
+    if device.attributes or device.capacity:
+        own_attributes, own_capacity = [], []
+        for name, kind, value in device.attributes:
+            if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+                problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_attributes.append((name, kind, value))
+        for name, written in device.capacity:
+            quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+            if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+                problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_capacity.append((name, str(quantity)))
+        if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
+            device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
+    if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
+        return device, problems  # nothing read (literals only, or describe has not said yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
+    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
+    if device.numa_node is not None:
+        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
+    if device.pci is not None:
+        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
@@ -6911,6 +6920,7 @@ async def watch_devices(
     dev_root: str = "/dev",
     turn: CDISpecTurn | None = None,
     *,
+    described: dict[str, ReadValues] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``devices`` (a dict of id -> DeviceEntry) equal to what the resource's directories and
@@ -6933,8 +6943,13 @@ async def watch_devices(
     running or not (an update rolling through the DaemonSet, an OOM kill). A device leaves the
     spec only when it leaves the directory. With ``turn`` (a DRA driver's pod), the spec is written
     in this pod's turn only (CDISpecTurn), and again whenever the turn changes.
+
+    A device that comes or changes has its ``attributes`` and ``capacity`` files read
+    (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
+    devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
+    reload), never on a kubelet's call.
     """
-    device_set = _DeviceSet(resource, devices, turn)
+    device_set = _DeviceSet(resource, devices, turn, described)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
@@ -7342,7 +7357,13 @@ class _DeviceSet:
     """watch_devices' devices: the entries its sources found, made into devices (entries with the
     same ID are one), published, their health changes logged, their CDI spec written."""
 
-    def __init__(self, resource: ResourceConfig, devices: Watched, turn: CDISpecTurn | None = None) -> None:
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        devices: Watched,
+        turn: CDISpecTurn | None = None,
+        described: dict[str, ReadValues] | None = None,
+    ) -> None:
         self.resource = resource
         self.devices = devices
         self.turn = turn  # with a DRA driver: the spec is written in this pod's turn only
@@ -7356,7 +7377,9 @@ class _DeviceSet:
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
         self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
-        self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
+        #: device ID -> what describe said of it, the last time it worked: a dict that outlives this
+        #: device set when the caller keeps it (a reload's new watch starts with what is known)
+        self.described: dict[str, ReadValues] = described if described is not None else {}
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
         #: touched when the devices' IDs change: describe runs again (_describe_devices)
         self.ids_changed = Watched(frozenset[str]())
@@ -7386,7 +7409,8 @@ class _DeviceSet:
         """What describe said, by device ID: every device carries it from now on."""
         if self.devices.value is RETIRED:
             return
-        self.described = described
+        self.described.clear()
+        self.described.update(described)
         for device_id in self.found:
             self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
@@ -11386,6 +11410,9 @@ async def serve_plugin(
                     before = list(served)
                     removed = [name for name in served if name not in wanted]
                     changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
+                    # A reload runs every describe again (what it says may have changed without any
+                    # device coming or going): an unchanged resource's watch starts afresh in place.
+                    again = [n for n in served if n in wanted and n not in changed and wanted[n].describe]
                     added = [name for name in wanted if name not in served]
                     await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
                     for name in removed:
@@ -11407,6 +11434,8 @@ async def serve_plugin(
                         else:
                             await start(old.resource)  # the new one failed: serve the old one again
                             kept.append(name)
+                    for name in again:
+                        await served[name].update(wanted[name])
                     for name in added:
                         if not await start(wanted[name]):
                             not_added.append(name)
@@ -11421,6 +11450,7 @@ async def serve_plugin(
                         for what, names, after in (
                             ("added", [name for name in added if name not in not_added], ""),
                             ("updated in place", updated, ""),
+                            ("described again", again, ""),
                             ("re-registered", registered, ""),
                             ("removed", removed, ""),
                             ("kept", kept, " as it was"),
@@ -11533,6 +11563,9 @@ class _Served:
     start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
     watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
     dra_resources: DraResources | None = None
+    #: what its describe last said, by device ID: kept across its watches, so that a reload's new
+    #: watch publishes the devices as described until describe has run again
+    described: dict[str, ReadValues] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
@@ -11612,7 +11645,13 @@ async def _serve_one(
                         with scope:
                             turn = dra_resources.cdi_turn if dra_resources is not None else None
                             await watch_devices(
-                                resource, served.devices, sysfs_root, dev_root, turn, task_status=task_status
+                                resource,
+                                served.devices,
+                                sysfs_root,
+                                dev_root,
+                                turn,
+                                described=served.described,
+                                task_status=task_status,
                             )
                     finally:
                         done.set()

@@ -9877,6 +9877,47 @@ async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not
     assert standins.resource_slice_causes(item), kind
 
 
+async def test_dra_a_reload_runs_describe_again_keeping_what_it_said_meanwhile(dra_node, monkeypatch):
+    """Issue 38: describe runs again on a reload, even of an unchanged resource (what it says may
+    change with no device coming or going); the new watch publishes the devices as last described
+    until it has, so the slice is written once, with the new value, never without one."""
+    calls = described_calls(monkeypatch)
+    (dra_node.devices / "gopher0").touch()
+    value = dra_node.root / "value"
+    value.write_text("GPU-1")
+    script = dra_node.root / "describe"
+    script.write_text(
+        f"#!{sys.executable}\nimport json\n"
+        f"print(json.dumps({{'gopher0': {{'attributes': {{'uuid': open({str(value)!r}).read()}}}}}}))\n"
+    )
+    script.chmod(0o755)
+    config = dra_node.config(describe=[str(script)])
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    def uuid():
+        (item,) = dra_node.api.slices.values()
+        return item["spec"]["devices"][0]["attributes"].get("uuid")
+
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        await dra_node.start(config, updates=updates())
+        await dra_node.registered()
+        while uuid() != {"string": "GPU-1"}:
+            await dra_node.api.changed.wait_touched()
+        writes = len(dra_node.api.writes)
+        value.write_text("GPU-2")
+        await send.send(config)  # the same configuration, read again
+        await reloaded.wait()
+        while uuid() != {"string": "GPU-2"}:
+            await dra_node.api.changed.wait_touched()
+    assert calls.value == 2
+    assert reloaded.lines == ["cfg.yaml: configuration reloaded: described again example.com/gopher"]
+    assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"]
+
+
 async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
     """A DRA device reaches a container only through the CDI spec: its nodes have the host's mode
     and owner there too, and a chmod rewrites the spec, not the pool (a new generation for nothing)."""
