@@ -1355,8 +1355,9 @@ BAD_CONFIGS = [
     (
         resources(pattren="ttyUSB*"),
         "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
-        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "allowed_host_paths, annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, "
+        "id_pattern, match, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, "
+        "usb, whole_dev",
     ),
     # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
     # undefined one): the line says to quote it, with the quoted key and value to write.
@@ -1425,8 +1426,8 @@ BAD_CONFIGS = [
     (
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
-        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, id_pattern, match, "
+        "mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -5881,7 +5882,7 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
-        "runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
+        "runtime runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
     )
     assert "gopher1 gopher1: Healthy: default/my-pod/app (claim default/my-gopher)\n" in said
     assert "gopher3 gopher3: Healthy: free\n" in said
@@ -5899,7 +5900,13 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
     assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
     assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
-    assert "gopher1: CDI device example.com/gopher=gopher1, gopherplug.example.com/metadata=7f3e-demo_gopher\n" in said
+    assert (
+        "gopher1: CDI device example.com/gopher=gopher1, example.com/gopher=7f3e-demo_gopher, "
+        "gopherplug.example.com/metadata=7f3e-demo_gopher\n"
+    ) in said
+    assert (
+        "example.com/gopher=7f3e-demo_gopher is request gopher's env, as Allocate gives it: GOPHER=gopher1\n"
+    ) in said
     assert re.search(
         r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/"
         r"metadata.json "
@@ -5962,24 +5969,28 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     CDI edits the runtime would apply for it, from the spec the plugin wrote."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path, "--dra")
-    assert who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime demo"
+    assert (
+        who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime runtime demo"
+    )
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
     pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
     lines = said.splitlines()
-    assert lines[4:10] == [
+    env = "gopherplug.example.com/gpu=demo-0_device"  # the request's env, as Allocate gives it
+    assert lines[4:11] == [
         f"ResourceSlice of pool {pool}: {first}, {second}",
         f"allocated a ResourceClaim: device {first} of pool {pool}",
-        f"NodePrepareResources: CDI devices {cdi}, gopherplug.example.com/metadata=demo-0_device",
+        f"NodePrepareResources: CDI devices {cdi}, {env}, gopherplug.example.com/metadata=demo-0_device",
         f"{cdi}: device {card} -> {card}",
         f"{cdi}: device {render} -> {render}",
         f"{cdi}: env GPU_DEVICES_0000_00_02_0=0000:00:02.0",
+        f"{env}: env GPU_DEVICES=0000:00:02.0",
     ]
     assert re.fullmatch(
         r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
         r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
         r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
-        lines[10],
+        lines[11],
     )
     assert sorted(os.listdir(sockdir)) == ["node"]
 
@@ -7514,7 +7525,21 @@ RECIPES = {
         ["87654321"],
         [("/dev/bus/usb/001/004", "/dev/bus/usb/001/004"), ("/dev/hidraw1", "/dev/hidraw1")],
     ),
+    "nvidia": (  # two GPUs, given with the nodes every CUDA process needs besides its GPU's
+        lambda dev, sysfs: nvidia_tree(dev),
+        ["0", "1"],
+        ["1"],
+        [
+            ("/dev/nvidia1", "/dev/nvidia1"),
+            ("/dev/nvidiactl", "/dev/nvidiactl"),
+            ("/dev/nvidia-uvm", "/dev/nvidia-uvm"),
+            ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools"),
+        ],
+    ),
 }
+#: The recipes whose container paths are the container's own /dev, whatever the host's tree is
+#: (templates like /dev/video{index}, /dev/{name}): the others' follow the host paths.
+CONTAINER_DEV_RECIPES = {"camera", "nvidia"}
 
 
 @pytest.mark.parametrize("example", sorted(RECIPES))
@@ -7530,6 +7555,9 @@ async def test_recipe_serves_its_devices(example, nursery, sockdir):
         # The recipe's directory is in /dev; the fake tree stands for it (dev_root below).
         if "directory" in resource:
             resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        for spec in resource.get("device_specs", []):  # a node named outright, not from the entry
+            if spec["host_path"].startswith("/dev/"):
+                spec["host_path"] = dev + spec["host_path"].removeprefix("/dev")
         resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
     config.update(device_plugin_dir=plugin_dir, dev_root=dev, sysfs_root=sysfs)
     parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config.yaml")
@@ -7545,7 +7573,8 @@ async def test_recipe_serves_its_devices(example, nursery, sockdir):
         os.path.realpath(dev + host.removeprefix("/dev")) for host, _ in specs
     ]
     assert [d.container_path for d in answer.devices] == [
-        container if example == "camera" else dev + container.removeprefix("/dev") for _, container in specs
+        container if example in CONTAINER_DEV_RECIPES else dev + container.removeprefix("/dev")
+        for _, container in specs
     ]
     devices = dict.fromkeys(kubelet_id.partition("::")[0] for kubelet_id in allocate_ids)  # replicas: the device
     assert dict(answer.envs) == {parsed.resources[0].env: ",".join(devices)}
@@ -7560,7 +7589,8 @@ def test_recipe_pods_are_valid_against_the_kubernetes_schema():
     assert result.stdout.count("passed") == len(pods)
 
 
-DRA_RECIPES = ["fuse", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+DRA_RECIPES = ["fuse", "nvidia", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+SHARED_DRA_RECIPES = ["fuse", "tun"]  # those of one device shared by many claims (replicas)
 
 
 def test_dra_recipes_are_valid_against_the_kubernetes_schema():
@@ -7574,7 +7604,7 @@ def test_dra_recipes_are_valid_against_the_kubernetes_schema():
         assert result.stdout.count("passed") == 3 * len(recipes)
 
 
-@pytest.mark.parametrize("example", DRA_RECIPES)
+@pytest.mark.parametrize("example", SHARED_DRA_RECIPES)
 async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
     """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
     is published shared by ``replicas`` claims; the Deployment's pods each get a claim made from the
@@ -7630,13 +7660,19 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     uids = [c["metadata"]["uid"] for c in claims]
     assert all(not answer.claims[uid].error for uid in uids)
     names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
-    # Each claim's share, and its device metadata's mount (dra.device_metadata is on by default).
+    # Each claim's share, its request's env, and its device metadata's mount (dra.device_metadata is
+    # on by default).
     assert names == [
-        [f"{DRIVER}/{example}={example}-{share}", f"{DRIVER}/metadata={uid}_{request['name']}"]
+        [
+            f"{DRIVER}/{example}={example}-{share}",
+            f"{DRIVER}/{example}={uid}_{request['name']}",
+            f"{DRIVER}/metadata={uid}_{request['name']}",
+        ]
         for uid, share in zip(uids, shares, strict=True)
     ]
-    for uid in uids:
-        [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+    for uid, share in zip(uids, shares, strict=True):
+        env, described = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+        assert (env["name"], described["name"]) == (f"{uid}_{request['name']}", f"{example}-{share}")
         [node] = described["containerEdits"]["deviceNodes"]
         assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
     # The device takes claims up to the recipe's replicas; the one after them is unschedulable.
@@ -7644,6 +7680,389 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
         scheduled(claim_from_template(number))
     with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(claim_from_template(resource["replicas"]), "node-1")
+
+
+# ------------------------------------------------------------------------------------------------
+# NVIDIA GPUs (examples/nvidia): the describe script on a recorded H200, the configs on a fake node
+# ------------------------------------------------------------------------------------------------
+
+NVIDIA = HERE / "examples" / "nvidia"
+NVIDIA_DATA = NVIDIA / "testdata"
+#: A fake nvidia-smi answering --query-gpu from a recording (an H200's, unless NVIDIA_SMI_RECORDING).
+FAKE_NVIDIA_SMI = NVIDIA_DATA / "nvidia-smi"
+#: `nvidia-smi --query-gpu=index,uuid,name,memory.total [MiB],pci.bus_id,driver_version,compute_cap,
+#: serial,mig.mode.current,power.limit --format=csv` on a real H200 node (driver 580.159.04).
+H200_RECORDING = NVIDIA_DATA / "h200-query-gpu.csv"
+#: The same node's /proc/driver/nvidia/gpus/0000:00:06.0/information.
+H200_INFORMATION = NVIDIA_DATA / "h200-information.txt"
+#: The nodes of a GPU node: (major, minor) as /proc/devices and `ls -l /dev/nvidia*` showed them.
+NVIDIA_CTL, NVIDIA_UVM, NVIDIA_UVM_TOOLS = (195, 255), (238, 0), (238, 1)
+NVIDIA_SHARED = {"nvidiactl": NVIDIA_CTL, "nvidia-uvm": NVIDIA_UVM, "nvidia-uvm-tools": NVIDIA_UVM_TOOLS}
+H200_JSON = {
+    "0": {
+        "attributes": {
+            "index": 0,  # nvidia-smi's
+            "productName": "NVIDIA H200",
+            "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c",
+            "driverVersion": {"version": "580.159.4"},
+            "computeCapability": {"version": "9.0.0"},
+            "resource.kubernetes.io/pciBusID": "0000:00:06.0",
+            # On bus 00 of domain 0000: on the root bus pci0000:00. Its numa_node was -1: no numaNode.
+            "resource.kubernetes.io/pcieRoot": "pci0000:00",
+        },
+        "capacity": {"memory": "143771Mi"},
+    }
+}
+
+
+def nvidia_gpus(count, minors=None):
+    """``count`` H200s derived from the recorded one, as (nvidia-smi's CSV row with units, the
+    driver's information file, its node's minor): GPU i at PCI 00:06+i.0, its UUID the recorded
+    one's with the last two digits i's (GPU 0 is the recorded one as it is). ``minors``: each
+    GPU's node number, when it is not its index."""
+    header, row = H200_RECORDING.read_text().splitlines()
+    information = H200_INFORMATION.read_text()
+    gpus = []
+    for index, minor in enumerate(minors or range(count)):
+        values = row.split(", ")
+        if index:
+            values[1] = values[1][:-2] + f"{index:02x}"
+        values[0], values[4] = str(index), f"00000000:00:{6 + index:02X}.0"
+        address = f"0000:00:{6 + index:02x}.0"
+        text = information.replace("0000:00:06.0", address).replace("Device Minor: \t 0", f"Device Minor: \t {minor}")
+        text = text.replace(row.split(", ")[1], values[1])
+        gpus.append((", ".join(values), text, minor))
+    return header, gpus
+
+
+def fake_nvidia_node(root, count=2, minors=None, rows=None, numa_nodes=None):
+    """A GPU node in miniature under ``root``: dev/ with /dev/nvidia<minor> per GPU, the shared
+    nodes and nvidia-caps (character devices with the driver's numbers where mknod is allowed,
+    else links to /dev/null), proc/driver/nvidia/gpus/<address>/information, sys/ with each GPU's
+    PCI function on root bus pci0000:00 (its numa_node -1 as recorded, or ``numa_nodes``'), and the
+    recording the fake nvidia-smi prints (``rows`` in place of the GPUs' own). Returns (dev, proc,
+    recording); the sysfs is nvidia_sysfs(proc)."""
+    dev, proc = root / "dev", root / "proc" / "driver" / "nvidia"
+    header, gpus = nvidia_gpus(count, minors)
+    for number, (_, information, minor) in enumerate(gpus):
+        make_node(str(dev / f"nvidia{minor}"), 195, minor)
+        address = re.search(r"Bus Location: \t (\S+)", information)[1]
+        (proc / "gpus" / address).mkdir(parents=True)
+        (proc / "gpus" / address / "information").write_text(information)
+        function = root / "sys" / "devices" / "pci0000:00" / address
+        function.mkdir(parents=True)
+        (function / "numa_node").write_text(f"{numa_nodes[number] if numa_nodes else -1}\n")
+        (root / "sys" / "bus" / "pci" / "devices").mkdir(parents=True, exist_ok=True)
+        (root / "sys" / "bus" / "pci" / "devices" / address).symlink_to(f"../../../devices/pci0000:00/{address}")
+    for name, (major, minor) in NVIDIA_SHARED.items():
+        make_node(str(dev / name), major, minor)
+    for minor in (1, 2):  # MIG's capabilities: not devices of this resource
+        make_node(str(dev / "nvidia-caps" / f"nvidia-cap{minor}"), 241, minor)
+    recording = root / "recording.csv"
+    recording.write_text("\n".join([header, *(rows if rows is not None else [row for row, _, _ in gpus])]) + "\n")
+    return dev, proc, recording
+
+
+def nvidia_tree(dev, count=2):
+    """The GPU node's /dev alone: fake_nvidia_node's, for a recipe's tree."""
+    fake_nvidia_node(Path(dev).parent, count)
+
+
+def nvidia_sysfs(proc):
+    """The fake node's sysfs, beside its proc (fake_nvidia_node)."""
+    return Path(proc).parents[2] / "sys"
+
+
+def nvidia_describe(proc, recording, *options):
+    """examples/nvidia/nvidia-describe.py, run as gopherplug runs it, with the fake nvidia-smi."""
+    script = [sys.executable, str(NVIDIA / "nvidia-describe.py"), "--sysfs", str(nvidia_sysfs(proc))]
+    return subprocess.run(
+        [*script, "--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc), *options],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "NVIDIA_SMI_RECORDING": str(recording)},
+        check=False,
+    )
+
+
+def test_the_fake_nvidia_smi_answers_as_the_recorded_h200_did():
+    """The fake's answer to describe's query is what the real nvidia-smi printed on the H200 for it
+    (recorded separately, with noheader and nounits); it refuses what the real one refuses."""
+    query = ["--query-gpu=index,uuid,name,memory.total,pci.bus_id,driver_version,compute_cap"]
+    answered = subprocess.run(
+        [str(FAKE_NVIDIA_SMI), *query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False
+    )
+    recorded = (NVIDIA_DATA / "h200-query-gpu-noheader-nounits.csv").read_text()
+    assert (answered.returncode, answered.stdout) == (0, recorded)
+    usage = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
+    for argv, said in [
+        ([*query, "--format=csv", "--bogus"], usage),
+        (["--query-gpu=index,clocks.sm", "--format=csv"], 'Field "clocks.sm" is not a valid field to query.'),
+        (query, usage),  # no --format
+    ]:
+        refused = subprocess.run([str(FAKE_NVIDIA_SMI), *argv], capture_output=True, text=True, check=False)
+        assert (refused.returncode, refused.stdout) == (2, said + "\n")
+
+
+def test_nvidia_describe_turns_the_recorded_h200_into_attributes_and_capacity(tmp_path):
+    """The recorded H200: its product name and UUID as they are, the driver's 580.159.04 and compute
+    capability 9.0 as semantic versions (580.159.4, 9.0.0), the PCI address as sysfs spells it (a
+    4-digit domain, where nvidia-smi prints 8), the memory in Mi; keyed by its node's number."""
+    _, proc, recording = fake_nvidia_node(tmp_path, count=1)
+    described = nvidia_describe(proc, recording)
+    assert (described.returncode, described.stderr) == (0, "")
+    assert json.loads(described.stdout) == H200_JSON
+
+
+def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_smi_does_not_know(tmp_path):
+    """Three GPUs whose node numbers are not nvidia-smi's indices (the driver's probe order): each is
+    described under its node's number, found through its PCI address. A value nvidia-smi does not
+    know ([N/A], [Not Supported]) is left out, never made up; a GPU the driver lists no node for is
+    left out, with a line saying so, as is one whose indices and minors differ. The NUMA node is
+    its PCI function's, where sysfs has one (not -1)."""
+    _, gpus = nvidia_gpus(3, minors=[2, 0, 1])
+    rows = [row for row, _, _ in gpus]
+    values = rows[2].split(", ")
+    values[3], values[5], values[6] = "[N/A]", "[Not Supported]", "N/A"  # memory, driver, compute capability
+    upper = rows[1].replace("00000000:00:07.0", "00000000:00:0A.0")  # an address the driver has no node for
+    rows = [rows[0], upper, ", ".join(values)]
+    _, proc, recording = fake_nvidia_node(tmp_path, minors=[2, 0, 1], rows=rows, numa_nodes=[-1, 0, 1])
+    described = nvidia_describe(proc, recording)
+    assert described.returncode == 0, described.stderr
+    devices = json.loads(described.stdout)
+    assert sorted(devices) == ["1", "2"]
+    assert devices["2"] == H200_JSON["0"]  # nvidia-smi's GPU 0, the recorded one, is /dev/nvidia2
+    assert devices["1"] == {
+        "attributes": {
+            "index": 2,
+            "productName": "NVIDIA H200",
+            "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b43002",
+            "resource.kubernetes.io/pciBusID": "0000:00:08.0",
+            "resource.kubernetes.io/pcieRoot": "pci0000:00",
+            "resource.kubernetes.io/numaNode": 1,  # its PCI function's numa_node
+        },
+        "capacity": {},
+    }
+    assert described.stderr.splitlines() == [
+        "nvidia-describe: /dev/nvidia2 is nvidia-smi's GPU 0: indices and minors differ on this node",
+        "nvidia-describe: left out GPU 1 (PCI 00000000:00:0A.0): the driver lists no node for it",
+        "nvidia-describe: /dev/nvidia1 is nvidia-smi's GPU 2: indices and minors differ on this node",
+    ]
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("no driver", "nvidia-smi exited 9: NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA"),
+        ("no /proc", "gpus: No such file or directory: the nvidia driver is not loaded, or this is not the host's"),
+        ("no nvidia-smi", "nvidia-smi: not found: this container needs nvidia-smi (and libnvidia-ml) from the driver"),
+    ],
+)
+def test_nvidia_describe_that_cannot_describe_says_why_in_one_line(tmp_path, case, said):
+    """Exit 1 and one line on stderr, the one gopherplug's log then shows; nothing on stdout."""
+    _, proc, recording = fake_nvidia_node(tmp_path, count=1)
+    options = []
+    if case == "no driver":
+        recording = tmp_path / "none.csv"  # the fake then answers as the real one does without a driver
+    elif case == "no /proc":
+        proc = tmp_path / "elsewhere"
+    else:
+        options = ["--nvidia-smi", str(tmp_path / "nvidia-smi")]
+    described = nvidia_describe(proc, recording, *options)
+    assert (described.returncode, described.stdout) == (1, "")
+    [line] = described.stderr.splitlines()
+    assert line.startswith("nvidia-describe: ") and said in line, line
+
+
+def nvidia_example_config(name, dev, proc, **top):
+    """An examples/nvidia configuration with /dev standing for the fake node's ``dev``: its
+    directory and the host paths of its device_specs (the container paths stay /dev's); its
+    describe the example's script with the fake nvidia-smi and the fake node's ``proc``."""
+    config = yaml.safe_load((NVIDIA / name).read_text())
+    for resource in config["resources"]:
+        assert resource["describe"][1:] == ["/opt/gopherplug/nvidia-describe.py"]
+        resource["describe"] = [sys.executable, str(NVIDIA / "nvidia-describe.py")]
+        resource["describe"] += ["--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc)]
+        resource["describe"] += ["--sysfs", str(nvidia_sysfs(proc))]
+        resource["directory"] = str(dev) + resource["directory"].removeprefix("/dev")
+        for spec in resource["device_specs"]:
+            if spec["host_path"].startswith("/dev/"):
+                spec["host_path"] = str(dev) + spec["host_path"].removeprefix("/dev")
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
+    config.update(dev_root=str(dev), **top)
+    return config
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
+def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, name):
+    """`check-config --strict` on a node with two GPUs: one device per /dev/nvidia<N>, ID N, and
+    not nvidiactl, nvidia-uvm, nvidia-uvm-tools or nvidia-caps; each with the attributes and
+    capacity describe gave it (the fake nvidia-smi's); a GPU's container gets its node and the three
+    shared ones."""
+    dev, proc, recording = fake_nvidia_node(tmp_path)
+    config = nvidia_example_config(name, dev, proc, device_plugin_dir=str(tmp_path))
+    (tmp_path / "kubelet.sock").touch()  # --strict: the kubelet's directory as serve would find it
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    env = {"NODE_NAME": "node-1", "NVIDIA_SMI_RECORDING": str(recording)}
+    result = run_cli("check-config", "--strict", "--config", str(path), env=env)
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"nvidia.com/gpu: 2 devices, 2 healthy, from {dev}/nvidia[0-9]*"
+    listed = [line.split() for line in lines if re.match(r"  [0-9] ", line)]
+    assert [(fields[0], fields[-2], fields[-1]) for fields in listed] == [
+        ("0", "Healthy", f"{dev}/nvidia0"),
+        ("1", "Healthy", f"{dev}/nvidia1"),
+    ]
+    described = [line.strip() for line in lines if line.startswith("      ")]
+    assert described == [
+        line
+        for index, address, uuid_ in [(0, "0000:00:06.0", "fabf67b4308c"), (1, "0000:00:07.0", "fabf67b43001")]
+        for line in [
+            "attributes: computeCapability=9.0.0 (version), driverVersion=580.159.4 (version), "
+            f'index={index}, productName="NVIDIA H200", resource.kubernetes.io/pciBusID="{address}", '
+            f'resource.kubernetes.io/pcieRoot="pci0000:00", uuid="GPU-e2172bd0-b207-9571-7f11-{uuid_}"',
+            "capacity: memory=143771Mi",
+        ]
+    ]
+    given = [line.strip() for line in lines if line.strip().startswith(("device ", "env "))]
+    host = os.path.realpath  # a link to /dev/null where mknod was refused
+    assert given == [
+        f"device /dev/nvidia0 <- {host(dev / 'nvidia0')} rw",
+        f"device /dev/nvidiactl <- {host(dev / 'nvidiactl')} rw",
+        f"device /dev/nvidia-uvm <- {host(dev / 'nvidia-uvm')} rw",
+        f"device /dev/nvidia-uvm-tools <- {host(dev / 'nvidia-uvm-tools')} rw",
+        "env NVIDIA_VISIBLE_DEVICES=0",  # the device plugin's Allocate, and a DRA claim's env alike
+        *(["env NVIDIA_VISIBLE_DEVICES_0=0"] if name == "config-dra.yaml" else []),
+    ]
+
+
+async def test_nvidia_device_plugin_gives_two_gpus_their_nodes_the_shared_ones_once_and_the_joined_env(
+    nursery, sockdir, monkeypatch
+):
+    """examples/nvidia/config.yaml served to the kubelet stand-in on a node with two GPUs: both are
+    listed (IDs 0 and 1), and a container given both gets /dev/nvidia0, /dev/nvidia1, nvidiactl,
+    nvidia-uvm and nvidia-uvm-tools once each (what CUDA opens), with NVIDIA_VISIBLE_DEVICES=0,1."""
+    dev, proc, recording = fake_nvidia_node(Path(sockdir))
+    monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
+    plugin_dir = os.path.join(sockdir, "dp")
+    os.mkdir(plugin_dir)
+    config = nvidia_example_config("config.yaml", dev, proc, device_plugin_dir=plugin_dir)
+    parsed = gp.parse_config(yaml.safe_dump(config), "examples/nvidia/config.yaml")
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        await nursery.start(gp.serve_plugin, parsed)
+        await simulator.wait_until(lambda s: "nvidia.com/gpu" in s.resources and s.resources["nvidia.com/gpu"].devices)
+        [answer] = (await simulator.allocate("nvidia.com/gpu", ["1", "0"])).container_responses
+    assert simulator.resources["nvidia.com/gpu"].devices == {"0": gp.HEALTHY, "1": gp.HEALTHY}
+    host = os.path.realpath
+    assert [(d.container_path, d.host_path, d.permissions) for d in answer.devices] == [
+        ("/dev/nvidia1", host(dev / "nvidia1"), "rw"),
+        ("/dev/nvidiactl", host(dev / "nvidiactl"), "rw"),
+        ("/dev/nvidia-uvm", host(dev / "nvidia-uvm"), "rw"),
+        ("/dev/nvidia-uvm-tools", host(dev / "nvidia-uvm-tools"), "rw"),
+        ("/dev/nvidia0", host(dev / "nvidia0"), "rw"),
+    ]
+    assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": "1,0"}  # the kubelet's order
+    [again] = (await simulator.allocate("nvidia.com/gpu", ["0", "1"])).container_responses
+    assert dict(again.envs) == {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    assert {d.container_path for d in again.devices} == {d.container_path for d in answer.devices}
+
+
+def cdi_edits(spec_dir, names):
+    """What a CDI-aware runtime applies for these CDI device names, from the specs in ``spec_dir``:
+    each named device's containerEdits and its spec's own, merged as the CDI library does (a device
+    node by its path once, env in order)."""
+    specs = [read_spec(path) for path in sorted(Path(spec_dir).glob("*.json"))]
+    nodes, env = {}, []
+    for name in names:
+        kind, _, device = name.partition("=")
+        [(spec, described)] = [(s, d) for s in specs if s["kind"] == kind for d in s["devices"] if d["name"] == device]
+        for edits in (spec.get("containerEdits", {}), described["containerEdits"]):
+            nodes.update({node["path"]: node for node in edits.get("deviceNodes", [])})
+            env += edits.get("env", [])
+    return nodes, env
+
+
+async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_through_cdi(dra_node, monkeypatch):
+    """examples/nvidia: config-dra.yaml publishes one device per GPU, described from the fake
+    nvidia-smi (the recorded H200's values, its memory as capacity); pod-dra.yaml's claim of two with
+    at least 80Gi each, allocated by the scheduler stand-in with its DeviceClass and CEL, is prepared
+    with CDI devices that give the container both GPUs' nodes and nvidiactl, nvidia-uvm and
+    nvidia-uvm-tools, and NVIDIA_VISIBLE_DEVICES=0,1 as the device plugin gives it. The same claim
+    asking for more memory than an H200 has is unschedulable."""
+    dev, proc, recording = fake_nvidia_node(dra_node.root)
+    monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
+    config = nvidia_example_config("config-dra.yaml", dev, proc, device_plugin_dir=str(dra_node.root / "dp"))
+    config["resources"][0]["cdi"] = {"kind": f"{DRIVER}/gpu", "spec_dir": dra_node.cdi["spec_dir"]}  # the default kind
+    config["dra"]["kubelet_dir"] = str(dra_node.kubelet_dir)
+    parsed = gp.parse_config(yaml.safe_dump(config), "examples/nvidia/config-dra.yaml")
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((NVIDIA / "pod-dra.yaml").read_text())}
+    (template_claim,) = docs["Pod"]["spec"]["resourceClaims"]
+    assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
+    (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
+    scheduler = standins.SchedulerSimulator(dra_node.api, [docs["DeviceClass"]])
+    pool = gp.dra_pool_name("node-1", "nvidia.com/gpu")
+    made = claim("cuda-example-dra-gpus", "uid-gpus")
+    made["spec"] = copy.deepcopy(docs["ResourceClaimTemplate"]["spec"]["spec"])
+    too_big = copy.deepcopy(made)
+    [selector] = too_big["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+    selector["cel"]["expression"] = selector["cel"]["expression"].replace('"80Gi"', '"141Gi"')  # 143771Mi is 140.4Gi
+
+    def described():
+        devices = [
+            d for s in dra_node.api.slices.values() if s["spec"]["pool"]["name"] == pool for d in s["spec"]["devices"]
+        ]
+        return len(devices) == 2 and all("productName" in d["attributes"] for d in devices)
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(parsed)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["0", "1"], pool=pool)
+        while not described():
+            await dra_node.api.changed.wait_touched()
+        published = {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(too_big, "node-1")
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-gpus", made["metadata"]["name"])])
+    assert not answer.claims["uid-gpus"].error
+    # What a claim selects on, as the slice says it (the API server's form: a type per value).
+    assert published["0"]["attributes"] == {
+        "resource": {"string": "nvidia.com/gpu"},
+        "id": {"string": "0"},
+        "healthy": {"bool": True},
+        "index": {"int": 0},
+        "productName": {"string": "NVIDIA H200"},
+        "uuid": {"string": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c"},
+        "driverVersion": {"version": "580.159.4"},
+        "computeCapability": {"version": "9.0.0"},
+        "resource.kubernetes.io/pciBusID": {"string": "0000:00:06.0"},
+        "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+    }
+    assert published["0"]["capacity"] == {"memory": {"value": "143771Mi"}}
+    assert published["1"]["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:00:07.0"}
+    results = made["status"]["allocation"]["devices"]["results"]
+    assert sorted((r["request"], r["pool"], r["device"]) for r in results) == [
+        (request["name"], pool, "0"),
+        (request["name"], pool, "1"),
+    ]
+    given = dra_node.kubelet.cdi_devices("uid-gpus", request["name"])
+    nodes, _ = cdi_edits(dra_node.cdi["spec_dir"], given)
+    # The device plugin's env contract: the IDs of the request's devices, joined, in the claim's order.
+    env = standins.cdi_container_env([dra_node.cdi["spec_dir"]], given)
+    order = ",".join(r["device"] for r in results)
+    assert [line for line in env if line.startswith("NVIDIA_VISIBLE_DEVICES=")] == [f"NVIDIA_VISIBLE_DEVICES={order}"]
+    host = os.path.realpath
+    assert {path: node["hostPath"] for path, node in nodes.items()} == {
+        "/dev/nvidia0": host(dev / "nvidia0"),
+        "/dev/nvidia1": host(dev / "nvidia1"),
+        "/dev/nvidiactl": host(dev / "nvidiactl"),
+        "/dev/nvidia-uvm": host(dev / "nvidia-uvm"),
+        "/dev/nvidia-uvm-tools": host(dev / "nvidia-uvm-tools"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -8080,6 +8499,144 @@ def dra_config(devices, kubelet_dir, top=(), device_metadata=False, **fields):
     return yaml.safe_dump(config)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"attributes": {"a/b/c": 1}},
+            "attributes.a/b/c: not a valid name for the API server: must be either a C identifier or a domain, "
+            "followed by a slash and a C identifier",
+        ),
+        (
+            {"attributes": {"gpu-model": "x"}},
+            "attributes.gpu-model: not a valid name for the API server: 'gpu-model' must be a C identifier (letters, "
+            "digits and '_', not starting with a digit) of at most 32 characters",
+        ),
+        (
+            {"attributes": {"a" * 33: "x"}},
+            f"attributes.{'a' * 33}: not a valid name for the API server: '{'a' * 33}' must be a C identifier "
+            "(letters, digits and '_', not starting with a digit) of at most 32 characters",
+        ),
+        (
+            {"attributes": {"example_com/model": "x"}},
+            "attributes.example_com/model: not a valid name for the API server: the domain 'example_com' must be a "
+            "DNS subdomain (letters, digits, '-' and '.') of at most 63 characters",
+        ),
+        (
+            {"attributes": {"/model": "x"}},
+            "attributes./model: not a valid name for the API server: the domain must not be empty",
+        ),
+        (
+            {"attributes": {"model": "x" * 65}},
+            f"attributes.model: not a valid string attribute for the API server: '{'x' * 20}'... has 65 bytes, more "
+            "than the API server's 64",
+        ),
+        (
+            {"attributes": {"driverVersion": {"version": "v580.159"}}},
+            "attributes.driverVersion: not a valid version attribute for the API server: 'v580.159' is not a semantic "
+            "version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)",
+        ),
+        (
+            {"attributes": {"cores": 2**63}},
+            f"attributes.cores: not a valid int attribute for the API server: {2**63} does not fit in 64 bits",
+        ),
+        (
+            {"attributes": {"ratio": 1.5}},
+            'attributes.ratio: 1.5: must be a string, a whole number, true or false, {version: "1.2.3"}, or '
+            "{file: <path>, type: string|int|bool|version}",
+        ),
+        (
+            {"attributes": {"id": "x"}},
+            "attributes.id: is an attribute gopherplug gives every device itself (healthy, id, numaNode, resource, "
+            "usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name, or one in a domain of your own "
+            "(example.com/id)",
+        ),
+        (
+            {"attributes": {f"{DRIVER}/healthy": False}},
+            f"attributes.{DRIVER}/healthy: is an attribute gopherplug gives every device itself (healthy, id, "
+            "numaNode, resource, usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name, or one in a "
+            "domain of your own (example.com/healthy)",
+        ),
+        (
+            {"attributes": {"serial": {"file": "serial"}}},
+            "attributes.serial.file: 'serial' must be an absolute path",
+        ),
+        (
+            {"attributes": {"serial": {"file": "/sys/{device}/serial"}}},
+            "attributes.serial.file: '/sys/{device}/serial': bad placeholder ('device'); use {id}, {path}, {name}, "
+            "{target}, {sysfs}",
+        ),
+        (
+            {"attributes": {"serial": {"file": "{sysfs}/serial", "type": "float"}}},
+            "attributes.serial.type: 'float': must be one of string, int, bool, version",
+        ),
+        (
+            {"capacity": {"memory": "80GB"}},
+            "capacity.memory: '80GB' is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or "
+            "{file: <path>} to read one",
+        ),
+        (
+            {"capacity": {"memory": {"file": "{sysfs}/mem", "type": "int"}}},
+            "capacity.memory.type: 'int': must be one of quantity",
+        ),
+        (
+            {"capacity": {"shares": 2}},
+            "capacity.shares: is the capacity gopherplug gives a shared device (replicas): choose another name",
+        ),
+        (
+            {"attributes": {f"a{n}": n for n in range(20)}, "capacity": {f"c{n}": n for n in range(10)}},
+            "capacity: 20 attributes and 10 capacities, with the 3 gopherplug gives each device, are 33: the API "
+            "server takes at most 32 a device",
+        ),
+        (
+            {"describe": ["/nonexistent/describe-gpus"]},
+            "describe[0]: '/nonexistent/describe-gpus' is not an executable file here or on PATH",
+        ),
+    ],
+)
+def test_declared_attributes_and_capacity_are_checked_as_the_api_server_checks_a_slice(fields, message):
+    """Issue 38: each mistake the API server would refuse a ResourceSlice for (so every device of the
+    pool) is one ConfigError naming the resource and the key; gopherplug's own attributes are not
+    silently replaced."""
+    with pytest.raises(gp.ConfigError) as caught:
+        gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml")
+    assert str(caught.value) == f"cfg.yaml: resources[0].{message}"
+
+
+def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_stores_them():
+    config = gp.parse_config(
+        dra_config(
+            "/g",
+            "/k",
+            attributes={"model": "H200", "cores": 132, "ecc": True, "v": {"version": "1.2.3-rc.1+b5"}},
+            capacity={"a": "1.5Gi", "b": "1000", "c": 0.5, "d": "143771Mi", "e": "1024Mi", "f": "1e3", "g": "1.5Ki"},
+        ),
+        "cfg.yaml",
+    )
+    (resource,) = config.resources
+    assert [(d.name, d.type, d.value) for d in resource.attributes] == [
+        ("cores", "int", 132),
+        ("ecc", "bool", True),
+        ("model", "string", "H200"),
+        ("v", "version", "1.2.3-rc.1+b5"),
+    ]
+    # ParseQuantity then CanonicalizeBytes (k8s.io/apimachinery pkg/api/resource/quantity.go)
+    assert {d.name: d.value for d in resource.capacity} == {
+        "a": "1536Mi",
+        "b": "1k",
+        "c": "500m",
+        "d": "143771Mi",
+        "e": "1Gi",
+        "f": "1e3",
+        "g": "1536",
+    }
+    # The embedding API takes the same keys.
+    embedded = gp.resource_config("example.com/gpu", attributes={"model": "H200"}, capacity={"memory": "80Gi"})
+    device = gp.DeviceEntry("0", "/dev/gpu0")
+    assert gp.dra_device(embedded, device)["capacity"] == {"memory": {"value": "80Gi"}}
+    assert gp.dra_device(embedded, device)["attributes"]["model"] == {"string": "H200"}
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
@@ -8176,7 +8733,8 @@ def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(soc
 
 
 def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
-    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool.
+    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool;
+    # the env as the container sees it: the request's <ENV>, as Allocate gives it, and the device's own.
     tmp_path = Path(sockdir)
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "Gopher0").touch()
@@ -8192,8 +8750,10 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
         f"  a claim for device {name} of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=Gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=Gopher0",
+        f"    cdi {DRIVER}/gopher=<claimUID>_<request>",
         f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
         "    mount /run/Gopher0 <- /etc/gophers ro",
+        "    env GOPHER_DEVICES=Gopher0",
         "    env GOPHER_DEVICES_GOPHER0=Gopher0",
     ]
 
@@ -8234,6 +8794,8 @@ def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_containe
         "  a claim for a share of device gopher0 (1 of 5) of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=gopher0-<shareID>",
+        f"    cdi {DRIVER}/gopher=<claimUID>_<request>",
+        "    env GOPHER_DEVICES=gopher0",
         "    env GOPHER_DEVICES_GOPHER0=gopher0",
         "    env GOPHER_DEVICES_GOPHER0_SHARE=<shareID>",
     ]
@@ -8528,6 +9090,67 @@ def pci_sysfs(root):
     os.symlink(os.path.relpath(card, root / "dev" / "char"), root / "dev" / "char" / "1:3")
     os.symlink(os.path.relpath(tty, root / "dev" / "char"), root / "dev" / "char" / "1:5")
     return str(root)
+
+
+def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_sysfs_files_and_describe(tmp_path):
+    """Issue 38: check-config shows what each device's ResourceSlice entry will carry: the literals,
+    what its files say ({sysfs}: the node's sysfs directory, here a GPU's PCI function's vendor), and
+    what describe says (run once, for both devices). A node sysfs knows nothing of gets no {sysfs}
+    value, one line; a standard attribute describe gives where sysfs knows none is used (the NVIDIA
+    case), and where sysfs knows it, sysfs's stays, said when describe's differs. The slices of
+    those devices are what the strict API server takes."""
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("gpu", "/dev/null"), ("full", "/dev/full")]:
+        os.symlink(target, devices / name)
+    sysfs = pci_sysfs(tmp_path / "sys")
+    (tmp_path / "sys" / "devices" / "pci0000:00" / "0000:00:01.0" / "0000:03:00.0" / "vendor").write_text("0x10de\n")
+    describe = tmp_path / "describe"
+    describe.write_text(
+        f"#!{sys.executable}\nimport json\nprint(json.dumps({{"
+        '"gpu": {"attributes": {"resource.kubernetes.io/pciBusID": "0000:09:00.0", "uuid": "GPU-1"}}, '
+        '"full": {"attributes": {"resource.kubernetes.io/pciBusID": "0000:0a:00.0"}, "capacity": {"memory": 2048}}'
+        "}))\n"
+    )
+    describe.chmod(0o755)
+    fields = {
+        "allowed_host_paths": ["/dev"],
+        "attributes": {
+            "productName": "NVIDIA H200",
+            "driverVersion": {"version": "580.159.4"},
+            "vendor": {"file": "{sysfs}/device/vendor", "type": "int"},
+        },
+        "capacity": {"memory": {"file": "{sysfs}/device/memory"}, "slots": 4},
+        "describe": [str(describe)],
+    }
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(dra_config(str(devices), "/k", {"sysfs_root": sysfs}, **fields))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert result.returncode == 0, result.stderr
+    report = result.stdout.split("example.com/gopher: 2 devices", 1)[1].split("  a claim for", 1)[0]
+    gpu_dir = f"{sysfs}/dev/char/1:3"
+    assert report.splitlines()[1:] == [
+        "  warning: device full: attributes.vendor: {sysfs}/device/vendor: no sysfs directory is known for this device",
+        "  warning: device full: capacity.memory: {sysfs}/device/memory: no sysfs directory is known for this device",
+        f"  warning: device gpu: capacity.memory: cannot read {gpu_dir}/device/memory: No such file or directory",
+        "  warning: device gpu: attributes.resource.kubernetes.io/pciBusID: sysfs says '0000:03:00.0', which is used, "
+        "not describe's '0000:09:00.0'",
+        "  ID    DRA NAME  HEALTH     PATH",
+        "  full  full      Healthy    " + f"{devices}/full -> /dev/full",
+        '        attributes: driverVersion=580.159.4 (version), productName="NVIDIA H200", '
+        'resource.kubernetes.io/pciBusID="0000:0a:00.0"',
+        "        capacity: slots=4, memory=2048",
+        "  gpu   gpu       Healthy    " + f"{devices}/gpu -> /dev/null",
+        '        attributes: driverVersion=580.159.4 (version), productName="NVIDIA H200", uuid="GPU-1", vendor=4318',
+        "        capacity: slots=4",
+    ]
+    config = gp.load_config(str(path))
+    (resource,) = config.resources
+    scan, _ = gp.described_scan(resource, gp.scan_directory(resource, sysfs))
+    slices = gp.resource_slices(DRIVER, "node-1", resource, {d.id: d for d in scan.devices}, 1, NODE_UID)
+    assert [standins.resource_slice_causes(item) for item in slices] == [[]]
+    gpu = next(d for d in slices[0]["spec"]["devices"] if d["name"] == "gpu")
+    assert gpu["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:03:00.0"}
 
 
 def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
@@ -8996,9 +9619,10 @@ async def test_who_names_the_container_of_each_claims_device_in_a_dra_only_confi
         dra_node.stop()
     [listed] = pod_resources.pods()
     [dynamic] = listed.containers[0].dynamic_resources
+    env = "example.com/gopher=uid-pair_gopher"  # the request's env, named with its first device
     assert [[c.name for c in r.cdi_devices] for r in dynamic.claim_resources] == [
-        ["example.com/gopher=gopher0"],
-        ["example.com/gopher=gopher0", "example.com/gopher=gopher2"],  # as the kubelet fills them
+        ["example.com/gopher=gopher0", env],
+        ["example.com/gopher=gopher0", env, "example.com/gopher=gopher2"],  # as the kubelet fills them
     ]
     assert (result.returncode, result.stderr) == (0, b"")
     holder = "default/trainer/worker (claim default/pair)"
@@ -9026,6 +9650,231 @@ async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_
     ]
     assert dra_node.slice_devices()[1] == {3}  # a new generation per change
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update", "update"]
+
+
+DESCRIBE_SCRIPT = """#!{python}
+import json, os, sys, time
+mode = open({mode!r}).read().strip()
+if mode == "fail":
+    print("starting", file=sys.stderr)
+    print("nvidia-smi: command not found", file=sys.stderr)
+    sys.exit(127)
+if mode == "hang":
+    print("waiting for the GPU", file=sys.stderr, flush=True)
+    open({mode!r} + ".pid", "w").write(str(os.getpid()))
+    os.execvp("sleep", ["sleep", "1000"])
+if mode == "garbage":
+    print("No devices were found")
+    sys.exit(0)
+ids = os.environ["GOPHERPLUG_DEVICES"].split(",")
+print(json.dumps({{
+    device_id: {{
+        "attributes": {{"uuid": "GPU-" + device_id, "driverVersion": {{"version": "580.159.4"}}, "bad-name": 1}},
+        "capacity": {{"memory": "143771Mi"}},
+    }}
+    for device_id in ids + ["gopher9"]
+}}))
+"""
+
+
+def describe_script(root, mode="ok"):
+    """A describe program (a real subprocess) whose behaviour ``mode`` chooses, as the file "mode" says."""
+    (root / "mode").write_text(mode)
+    script = root / "describe"
+    script.write_text(DESCRIBE_SCRIPT.format(python=sys.executable, mode=str(root / "mode")))
+    script.chmod(0o755)
+    return str(script)
+
+
+def described_calls(monkeypatch):
+    """A Watched count of finished run_describe calls (the real one runs)."""
+    calls = gp.Watched(0)
+    real = gp.run_describe
+
+    async def counted(resource, ids):
+        try:
+            return await real(resource, ids)
+        finally:
+            calls.set(calls.value + 1)
+
+    monkeypatch.setattr(gp, "run_describe", counted)
+    return calls
+
+
+async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(dra_node, monkeypatch, caplog):
+    """Issue 38: a resource's attributes and capacity, literal, from a file, and from describe (a real
+    program, run once per scan of the resource, not per device), are in each device's ResourceSlice
+    entry, which the strict API server takes; gopherplug's own attributes stay. A described value the
+    API server would refuse ("bad-name") and a device describe names that the node has not are each
+    one line, not a refused slice."""
+    calls = described_calls(monkeypatch)
+    info = dra_node.root / "info"
+    for name, serial in (("gopher0", "A1"), ("gopher1", "B2")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "serial").write_text(serial + "\n")
+    config = dra_node.config(
+        attributes={
+            "productName": "NVIDIA H200",
+            "cores": 132,
+            "ecc": True,
+            "example.com/family": "hopper",
+            "serial": {"file": str(info / "{id}" / "serial")},
+        },
+        capacity={"slots": 4, "hbm": "1.5Gi"},
+        describe=[describe_script(dra_node.root)],
+    )
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(config)
+        await dra_node.registered()
+        while not any("uuid" in d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]):
+            await dra_node.api.changed.wait_touched()
+    assert calls.value == 1  # once for both devices
+    devices = {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+    assert devices["gopher1"] == {
+        "name": "gopher1",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "gopher1"},
+            "healthy": {"bool": True},
+            "productName": {"string": "NVIDIA H200"},
+            "cores": {"int": 132},
+            "ecc": {"bool": True},
+            "example.com/family": {"string": "hopper"},
+            "serial": {"string": "B2"},
+            "driverVersion": {"version": "580.159.4"},
+            "uuid": {"string": "GPU-gopher1"},
+        },
+        "capacity": {"slots": {"value": "4"}, "hbm": {"value": "1536Mi"}, "memory": {"value": "143771Mi"}},
+    }
+    assert devices["gopher0"]["attributes"]["serial"] == {"string": "A1"}
+    refused = [line for line in caplog.messages if "bad-name" in line]
+    assert refused == [
+        f"example.com/gopher: device {name}: attributes.bad-name: not valid for the API server: 'bad-name' must be a "
+        "C identifier (letters, digits and '_', not starting with a digit) of at most 32 characters"
+        for name in ("gopher0", "gopher1")
+    ]
+    assert [line for line in caplog.messages if "gopher9" in line] == [
+        f"example.com/gopher: describe {config.resources[0].describe[0]} described gopher9, which is not among the "
+        "resource's devices"
+    ]
+    assert not [line for line in caplog.messages if "refused" in line or "422" in line]
+
+
+async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_served_and_recovers(
+    dra_node, monkeypatch, caplog
+):
+    """Issue 38: describe failing (with its stderr's last line), hanging (killed at the timeout) or
+    printing garbage: the devices stay published, with what is known and nothing made up, each cause
+    said in one line, once (a second run failing alike says nothing more). Fixed, the values appear
+    without a restart (a failed describe is tried again), and that is said too."""
+    monkeypatch.setattr(gp, "DESCRIBE_TIMEOUT", 0.5)
+    monkeypatch.setattr(gp, "DESCRIBE_RETRY", (0.01, 0.01))
+    calls = described_calls(monkeypatch)
+    (dra_node.devices / "gopher0").touch()
+    script = describe_script(dra_node.root, "fail")
+    config = dra_node.config(attributes={"productName": "NVIDIA H200"}, describe=[script])
+
+    def attributes():
+        return [d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+
+    async def runs(count):
+        while calls.value < count:
+            await calls.wait_touched()
+
+    def said(text):
+        return [line for line in caplog.messages if text in line]
+
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        await runs(2)  # failed twice: said once
+        assert said("describe") == [
+            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found; the devices are "
+            "offered without what it would say (0 keep what it said before)"
+        ]
+        assert attributes() == [
+            {
+                "resource": {"string": "example.com/gopher"},
+                "id": {"string": "gopher0"},
+                "healthy": {"bool": True},
+                "productName": {"string": "NVIDIA H200"},
+            }
+        ]
+        (dra_node.root / "mode").write_text("hang")
+        await runs(calls.value + 2)
+        assert said("did not finish") == [
+            f"example.com/gopher: describe {script} did not finish within 0.5 s (killed): waiting for the GPU; the "
+            "devices are offered without what it would say (0 keep what it said before)"
+        ]
+        (dra_node.root / "mode").write_text("garbage")
+        await runs(calls.value + 2)
+        assert said("printed no description") == [
+            f"example.com/gopher: describe {script} printed no description: not JSON (Expecting value at line 1 "
+            "column 1): 'No devices were found'; the devices are offered without what it would say (0 keep what it "
+            "said before)"
+        ]
+        assert len(attributes()[0]) == 4  # nothing made up
+        (dra_node.root / "mode").write_text("ok")
+        while "uuid" not in attributes()[0]:
+            await dra_node.api.changed.wait_touched()
+        dra_node.stop()
+    assert attributes()[0]["uuid"] == {"string": "GPU-gopher0"}
+    assert said("works again") == [f"example.com/gopher: describe {script} works again: 1 device described"]
+    with pytest.raises(ProcessLookupError):  # the hanging one was killed (and reaped), not left behind
+        os.kill(int((dra_node.root / "mode.pid").read_text()), 0)
+
+
+#: A described value of each kind the API server refuses a ResourceSlice for, and the cause it gives
+INVALID_DESCRIBED = {
+    "name": ({"attributes": {"gpu-model": "H200"}}, "attributes.gpu-model", "'gpu-model' must be a C identifier"),
+    "slashes": ({"attributes": {"a/b/c": "x"}}, "attributes.a/b/c", "must be either a C identifier or a domain"),
+    "domain": ({"attributes": {"-x-/model": "x"}}, "attributes.-x-/model", "must be a DNS subdomain"),
+    "string": ({"attributes": {"serial": "x" * 65}}, "attributes.serial", "has 65 bytes"),
+    "version": ({"attributes": {"driverVersion": {"version": "580.159"}}}, "attributes.driverVersion", "semantic"),
+    "int": ({"attributes": {"cores": 2**64}}, "attributes.cores", "does not fit in 64 bits"),
+    "type": ({"attributes": {"ratio": 1.5}}, "attributes.ratio", "1.5 is not a string, a whole number"),
+    "quantity": ({"capacity": {"memory": "80GB"}}, "capacity.memory", "'80GB' is not a quantity"),
+    "too many": ({"attributes": {f"a{n}": n for n in range(30)}}, "attributes.a29", "at most 32 attributes"),
+}
+
+
+@pytest.mark.parametrize("kind", list(INVALID_DESCRIBED))
+async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not_a_refused_slice(
+    dra_node, kind, caplog
+):
+    """Issue 38: the strict API server stand-in refuses a slice with each kind of invalid value, as
+    the API server does (one bad device refuses the whole pool); gopherplug, given one by describe,
+    leaves it out with one line naming the resource, the device and the key, and writes a slice the
+    stand-in takes, with the device's other values."""
+    described, key, why = INVALID_DESCRIBED[kind]
+    (dra_node.devices / "gopher0").touch()
+    script = dra_node.root / "describe"
+    described = {**described, "attributes": {"uuid": "GPU-0", **described.get("attributes", {})}}
+    script.write_text(f"#!{sys.executable}\nimport json\nprint(json.dumps({json.dumps({'gopher0': described})}))\n")
+    script.chmod(0o755)
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(dra_node.config(describe=[str(script)]))
+        await dra_node.registered()
+        while not any("uuid" in d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]):
+            await dra_node.api.changed.wait_touched()
+    assert dra_node.api.refused == []
+    [line] = [line for line in caplog.messages if key in line]
+    assert line.startswith(f"example.com/gopher: device gopher0: {key}: ") and why in line, line
+    # The same value written as is: what the API server says of it.
+    (item,) = dra_node.api.slices.values()
+    device = item["spec"]["devices"][0]
+    group = key.split(".", 1)[0]
+    value = described[group][key.split(".", 1)[1]]
+    if group == "capacity":
+        device.setdefault("capacity", {})[key.split(".", 1)[1]] = {"value": value}
+    else:
+        typed = {str: "string", float: "int", int: "int"}
+        device["attributes"].update(
+            {n: v if isinstance(v, dict) else {typed[type(v)]: v} for n, v in described["attributes"].items()}
+        )
+    assert standins.resource_slice_causes(item), kind
 
 
 async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
@@ -9080,7 +9929,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
                         "requestNames": ["gopher"],
                         "poolName": DraNode.POOL,
                         "deviceName": "gopher0",
-                        "cdiDeviceIds": ["example.com/gopher=gopher0"],
+                        # The device's, and its request's env (in the claim's own spec).
+                        "cdiDeviceIds": ["example.com/gopher=gopher0", "example.com/gopher=uid-1_gopher"],
                     }
                 ]
             }
@@ -9088,6 +9938,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert MessageToDict(answer)["claims"] == expected
         spec = json.loads((dra_node.root / "cdi" / "example.com-gopher.json").read_text())
         assert [d["name"] for d in spec["devices"]] == ["gopher0"]  # the CDI device exists before the answer
+        own = read_spec(dra_node.root / "cdi" / "example.com-gopher_uid-1.json")["devices"]
+        assert own == [{"name": "uid-1_gopher", "containerEdits": {"env": ["GOPHER_DEVICES=gopher0"]}}]
         await dra_node.kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])
         # The plugin restarts; the kubelet prepares c1 again (the same answer, not asked of the API
         # server) and unprepares c2, which only the checkpoint remembers.
@@ -9106,6 +9958,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1"]
+    # c2's own spec went with it, named by the checkpoint alone across the restart; c1's stays.
+    assert sorted(glob.glob("*_uid-*.json", root_dir=dra_node.root / "cdi")) == ["example.com-gopher_uid-1.json"]
 
 
 def metadata_stream(text):
@@ -9153,9 +10007,11 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
     assert {uid: entry.error for uid, entry in answer.claims.items()} == {"uid-1": "", "uid-2": ""}
     mounts = {"uid-1": ("c1", "gopher", "gopher1"), "uid-2": ("pod-0-gpus-x7k2p", "gpu", "gopher0")}
     for uid, (name, request, device) in mounts.items():
-        # The kubelet gives the container that names the request the device and its metadata's mount.
+        # The kubelet gives the container that names the request the device, its request's env and its
+        # metadata's mount.
         assert dra_node.kubelet.cdi_devices(uid, request) == [
             f"example.com/gopher={device}",
+            f"example.com/gopher={uid}_{request}",
             f"{DRIVER}/metadata={uid}_{request}",
         ]
         spec = read_spec(cdi_dir / f"{DRIVER}-metadata_{uid}.json")
@@ -9207,8 +10063,8 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
 
 
 async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(dra_node):
-    """dra.device_metadata: false: the answer names the device's CDI device alone, and neither a
-    metadata file nor its CDI spec is written."""
+    """dra.device_metadata: false: the answer names the device's CDI device and its request's env
+    alone, and neither a metadata file nor its CDI spec is written."""
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
     config = dra_node.config(device_metadata=False)
@@ -9219,9 +10075,15 @@ async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(
         await dra_node.wait_for_slices(["gopher0"])
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         dra_node.stop()
-    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [["example.com/gopher=gopher0"]])
+    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
+        "",
+        [["example.com/gopher=gopher0", "example.com/gopher=uid-1_gopher"]],
+    )
     assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists()
-    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == ["example.com-gopher.json"]
+    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == [
+        "example.com-gopher.json",
+        "example.com-gopher_uid-1.json",
+    ]
 
 
 def test_dra_device_metadata_key_is_true_or_false_and_its_cdi_kind_is_its_own():
@@ -9273,7 +10135,7 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
                         "requestNames": ["gopher"],
                         "poolName": DraNode.POOL,
                         "deviceName": "gopher0",
-                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}"],
+                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}", f"example.com/gopher={uid}_gopher"],
                         "shareId": share,
                     }
                 ]
@@ -9281,7 +10143,9 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
             for uid, share in shares.items()
         }
         for uid, share in shares.items():
-            [described] = read_spec(claim_spec(uid))["devices"]
+            env, described = read_spec(claim_spec(uid))["devices"]
+            # The request's env: the device once, as Allocate lists a device, not its replicas.
+            assert env == {"name": f"{uid}_gopher", "containerEdits": {"env": ["GOPHER_DEVICES=gopher0"]}}
             assert described["name"] == f"gopher0-{share}"
             assert described["containerEdits"]["env"] == [
                 "GOPHER_DEVICES_GOPHER0=gopher0",
@@ -9307,7 +10171,7 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
         await dra_node.registered()
         after = MessageToDict(await dra_node.kubelet.prepare(DRIVER, claims[:1]))["claims"]
         assert after == {"uid-1": answer["uid-1"]}
-        assert read_spec(claim_spec("uid-1"))["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+        assert [d["name"] for d in read_spec(claim_spec("uid-1"))["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
         gone = await dra_node.kubelet.unprepare(DRIVER, claims[1:2])
         assert not gone.claims["uid-2"].error
     assert sorted(os.listdir(cdi_dir)) == [
@@ -9363,8 +10227,8 @@ async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dr
         ("", ["gopher0"]),
         ("", ["gopher1"]),
     ]
-    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
-    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0", "example.com/gopher=uid-0_gopher"]
+    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1", "example.com/gopher=uid-1_gopher"]
 
 
 def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
@@ -9408,7 +10272,7 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
         assert kubelet.drivers[DRIVER].registration_socket == new_socket  # the newest gets the calls
         c1 = (await kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         assert (c1.error, [d.device_name for d in c1.devices]) == ("", ["gopher1"])
-        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1", "example.com/gopher=uid-1_gopher"]
         checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
         assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-0", "uid-1"]
         kubelet.wiping_delay = 0  # a wipe, were it due, would come at once
@@ -9559,6 +10423,52 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
     return scope, await dra_node.nursery.start(run)
 
 
+async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node, caplog):
+    """Issue 38: resource_config takes attributes, capacity and describe as the file does; with
+    serve_dra_devices, a device's slice entry has the literals, what the program's DeviceEntry
+    carries itself, and what describe (run as the program's devices come) says, none replacing
+    another. A new device is described again."""
+    widgets = dra_node.root / "widgets"
+    script = dra_node.root / "describe"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, os\n"
+        "ids = os.environ['GOPHERPLUG_DEVICES'].split(',')\n"
+        "print(json.dumps({i: {'attributes': {'uuid': 'U-' + i, 'serial': 'not-this'}} for i in ids}))\n"
+    )
+    script.chmod(0o755)
+    resource = gp.resource_config(
+        "example.com/widget",
+        env="WIDGETS",
+        attributes={"model": "W-1"},
+        capacity={"memory": "1Gi"},
+        describe=[str(script)],
+    )
+    own = {"attributes": (("serial", "string", "S0"), ("bad-name", "string", "x")), "capacity": (("lanes", "16"),)}
+    devices = gp.Watched({"w0": widget("w0", widgets, **own)})
+
+    def entries():
+        return {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await serve_dra_widgets(dra_node, devices, resource)
+        while "uuid" not in entries().get("w0", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+        devices.set({**devices.value, "w1": widget("w1", widgets)})
+        while "uuid" not in entries().get("w1", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+    w0 = entries()["w0"]
+    assert {name: w0["attributes"][name] for name in ("model", "serial", "uuid")} == {
+        "model": {"string": "W-1"},
+        "serial": {"string": "S0"},  # the program's, not describe's
+        "uuid": {"string": "U-w0"},
+    }
+    assert w0["capacity"] == {"memory": {"value": "1Gi"}, "lanes": {"value": "16"}}
+    assert entries()["w1"]["attributes"]["serial"] == {"string": "not-this"}  # w1 has none of its own
+    assert "bad-name" not in w0["attributes"]  # the device's own, checked too: left out, said once
+    assert len([line for line in caplog.messages if "device w0: attributes.bad-name: the device's own" in line]) == 1
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+
 async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
     """serve_dra_devices(device_metadata=False) is dra: {device_metadata: false}: the claim's devices
     get their own CDI device alone, and no metadata file is written."""
@@ -9572,7 +10482,9 @@ async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
         await dra_node.wait_for_slices(["w1"], WIDGET_POOL)
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [
+            ("w1", [f"{kind}=w1", f"{kind}=uid-1_widget"])
+        ]
         scope.cancel()
     assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists() or not any(
         (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").iterdir()
@@ -9612,7 +10524,9 @@ async def test_dra_embedded_devices_are_published_prepared_and_their_health_foll
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         metadata = f"{DRIVER}/metadata=uid-1_widget"  # on by default in serve_dra_devices too
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1", metadata])]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [
+            ("w1", [f"{kind}=w1", f"{kind}=uid-1_widget", metadata])
+        ]
         spec = read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")
         assert {d["name"]: d["containerEdits"] for d in spec["devices"]} == {
             name: {
@@ -9736,7 +10650,7 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             metadata = f"{driver}/metadata=uid-1_widget"  # the example's driver mounts device metadata
             assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
                 "",
-                [[f"{kind}=widget1", metadata]],
+                [[f"{kind}=widget1", f"{kind}=uid-1_widget", metadata]],
             )
             (dev / "widget0").unlink()
             await dra_node.wait_for_slices(["widget1"], WIDGET_POOL)
@@ -10066,8 +10980,10 @@ async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_ne
         await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [new_socket])
         answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]  # the kubelet's retry
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
-    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0", "example.com/gopher=uid-0_gopher"]
     assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+    # The request's env is the newest pod's too (env: NEW).
+    assert spec_env(spec.with_name("example.com-gopher_uid-0.json")) == [("uid-0_gopher", ["NEW=gopher0"])]
 
 
 PRIORITIZED_REQUESTS = [
@@ -10132,11 +11048,156 @@ async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_it
         (["monitor"], "gopher0"),
     ]
     cdi = dra_node.kubelet.cdi_devices
-    assert cdi("uid-1", "gpu") == ["example.com/gopher=gopher0", "example.com/gopher=gopher1"]
-    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2"]
-    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0"]
+    # Each request's devices, and its env named with its first device.
+    assert cdi("uid-1", "gpu") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gpu",
+        "example.com/gopher=gopher1",
+    ]
+    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2", "example.com/gopher=uid-1_serial"]
+    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0", "example.com/gopher=uid-1_monitor"]
     assert cdi("uid-1", "gpu/small") == []  # no container can name a subrequest
-    assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
+    assert len(cdi("uid-1")) == 7  # a container that names the claim alone gets them all
+
+
+def test_the_runtime_stand_in_resolves_cdi_devices_as_the_cdi_library_does(tmp_path):
+    """cdi_container_env, the unit tests' container runtime: a device named in two spec files of one
+    directory is a conflict and resolves to nothing; of two directories, the later's; a file that is
+    not .json or .yaml (a spec being written) is not read; a spec's own edits come before its first
+    device's; an ID given twice counts once; a variable set again keeps its place, the last value."""
+    low, high = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    low.mkdir()
+    high.mkdir()
+
+    def spec(path, devices, **top):
+        devices = [{"name": name, "containerEdits": {"env": env}} for name, env in devices.items()]
+        path.write_text(json.dumps({"cdiVersion": "0.3.0", "kind": "example.com/g", "devices": devices, **top}))
+
+    spec(low / "a.json", {"a": ["X=low"], "c": ["Y=c"]})
+    spec(high / "a.json", {"a": ["X=high"]}, containerEdits={"env": ["S=spec", "X=spec"]})
+    spec(high / "b1.json", {"b": ["Z=1"]})
+    spec(high / "b2.json", {"b": ["Z=2"]})
+    spec(high / "d.json.tmp", {"d": ["W=1"]})
+    env = standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", "example.com/g=c", "example.com/g=a"])
+    assert env == ["S=spec", "X=high", "Y=c"]  # X: the spec's, then its device's, in its first place
+    assert standins.cdi_container_env([str(low), str(high)], ["example.com/g=c"], ["Y=pod", "P=1"]) == ["Y=c", "P=1"]
+    for unresolved in ("b", "d", "e"):
+        with pytest.raises(standins.CDIInjectionError, match=rf"^unresolvable CDI devices example.com/g={unresolved}$"):
+            standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", f"example.com/g={unresolved}"])
+
+
+async def test_dra_each_requests_containers_get_the_env_allocate_gives_through_the_claims_own_cdi_device(dra_node):
+    """Issue 38, item 2: the device plugin's env contract under DRA. A claim of two requests, "gpu"
+    (its subrequest "gpu/small" chose gopher2, then gopher0) and "serial" (gopher1): a container
+    naming "gpu" gets GOPHER_DEVICES=gopher2,gopher0, the string Allocate gives a container
+    allocated those devices in that order, through the claim's own CDI device for the request, as
+    the runtime applies the spec files (cdi_container_env), over the pod's own GOPHER_DEVICES; one
+    naming "serial" gets its list. Each device's <ENV>_<ID> is there too. A container naming the
+    whole claim gets both requests' env devices, and the runtime keeps the last value: "serial"'s
+    list (the docs say so), with every <ENV>_<ID>. Unprepared, the env devices resolve to nothing."""
+    for name in ("gopher0", "gopher1", "gopher2"):
+        (dra_node.devices / name).touch()
+    results = [
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher2"),
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher0"),
+        ("serial", DRIVER, DraNode.POOL, "gopher1"),
+    ]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=PRIORITIZED_REQUESTS))
+    config = dra_node.config()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert answer.error == ""
+        spec_dirs = [dra_node.cdi["spec_dir"]]
+        cdi = dra_node.kubelet.cdi_devices
+        own = ["GOPHER_DEVICES=the pod's own", "PATH=/bin"]
+        gpu = standins.cdi_container_env(spec_dirs, cdi("uid-1", "gpu"), own)
+        serial = standins.cdi_container_env(spec_dirs, cdi("uid-1", "serial"), own)
+        whole = standins.cdi_container_env(spec_dirs, cdi("uid-1"), own)
+        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
+        assert gone.claims["uid-1"].error == ""
+        with pytest.raises(
+            standins.CDIInjectionError, match=r"^unresolvable CDI devices example.com/gopher=uid-1_gpu$"
+        ):
+            standins.cdi_container_env(spec_dirs, [f"example.com/gopher={n}" for n in ("gopher2", "uid-1_gpu")])
+        dra_node.stop()
+    # What the device plugin's Allocate gives a container allocated gopher2 and gopher0, in that order.
+    [resource] = config.resources
+    devices = {d.id: d for d in gp.scan_directory(resource).devices}
+    request = v1beta1.AllocateRequest(container_requests=[{"devices_ids": ["gopher2", "gopher0"]}])
+    allocated = gp.allocate_response(resource, devices, request).container_responses[0].envs
+    assert dict(allocated) == {"GOPHER_DEVICES": "gopher2,gopher0"}
+    assert gpu == [
+        "GOPHER_DEVICES=gopher2,gopher0",  # the pod's own replaced, in its place
+        "PATH=/bin",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+    ]
+    assert serial == ["GOPHER_DEVICES=gopher1", "PATH=/bin", "GOPHER_DEVICES_GOPHER1=gopher1"]
+    assert whole == [
+        "GOPHER_DEVICES=gopher1",
+        "PATH=/bin",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+    ]
+    # No device's own CDI device sets GOPHER_DEVICES: the request's list is the only value of it.
+    spec = read_spec(Path(dra_node.cdi["spec_dir"]) / "example.com-gopher.json")
+    assert [e for d in spec["devices"] for e in d["containerEdits"]["env"] if e.startswith("GOPHER_DEVICES=")] == []
+
+
+async def test_dra_two_resources_in_one_request_each_give_their_own_env(dra_node):
+    """A DeviceClass may select devices of two resources of one driver, and one request then holds
+    both: each resource's <ENV> lists its own devices, each through its own kind's env device in
+    the claim's spec of that kind, as two device-plugin resources give a container an env each."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").touch()
+    (dra_node.devices / "ttyS0").touch()
+    spec_dir = dra_node.cdi["spec_dir"]
+    text = dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root / "dp")})
+    document = yaml.safe_load(text)
+    gopher = {**document["resources"][0], "pattern": "gopher*", "cdi": dra_node.cdi}
+    serial = {
+        **gopher,
+        "name": "example.com/serial",
+        "pattern": "ttyS*",
+        "cdi": {"kind": "example.com/serial", "spec_dir": spec_dir},
+    }
+    document["resources"] = [gopher, serial]
+    config = gp.parse_config(yaml.safe_dump(document), "cfg.yaml")
+    results = [
+        ("gpu", DRIVER, DraNode.POOL, "gopher1"),
+        ("gpu", DRIVER, "node-1/example.com/serial", "ttys0-45b83132"),
+        ("gpu", DRIVER, DraNode.POOL, "gopher0"),
+    ]
+    requests = [{"name": "gpu", "exactly": {"deviceClassName": "gopher", "count": 3}}]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=requests))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await dra_node.wait_for_slices(["ttys0-45b83132"], "node-1/example.com/serial")
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert answer.error == ""
+        ids = dra_node.kubelet.cdi_devices("uid-1", "gpu")
+        env = standins.cdi_container_env([spec_dir], ids)
+        dra_node.stop()
+    assert ids == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-1_gpu",
+        "example.com/serial=ttyS0",
+        "example.com/serial=uid-1_gpu",
+        "example.com/gopher=gopher0",
+    ]
+    assert env == [
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+        "GOPHER_DEVICES=gopher1,gopher0",
+        "SERIAL_DEVICES_TTYS0=ttyS0",
+        "SERIAL_DEVICES=ttyS0",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+    ]
 
 
 ADMIN_REQUESTS = [
@@ -10175,7 +11236,10 @@ async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra
         "uid-1": ("", ["gopher0"]),
         "uid-2": ("", ["gopher0"]),  # beside c1
     }
-    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == ["example.com/gopher=gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-2_monitor",
+    ]
     assert refused.error.startswith("ResourceClaim default/c3: device gopher1 of example.com/gopher is unhealthy: ")
     assert not refused.devices
     gopher1 = dra_node.devices / "gopher1"
@@ -10304,7 +11368,10 @@ async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node
         again = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]  # from the checkpoint
     assert [d.device_name for d in first.devices] == ["gopher0"]
     assert [d.device_name for d in again.devices] == ["gopher0"]
-    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == ["example.com/gopher=gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gopher",
+    ]
 
 
 async def test_dra_two_pods_sharing_the_checkpoint_keep_each_others_claims(tmp_path):
@@ -10347,7 +11414,10 @@ async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_
         await dra_node.start()
         await dra_node.registered()
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
-    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/gopher=gopher0"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gopher",
+    ]
     aside = checkpoint.with_name("checkpoint.json.unreadable")
     assert aside.read_text() == '{"version": 1, "claims": {"uid-0": '
     assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-1"]
@@ -10423,7 +11493,11 @@ async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dr
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
     assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"], "the slice was rewritten, never deleted"
     assert reloaded.lines == ["cfg.yaml: configuration reloaded: updated in place example.com/gopher"]
-    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/other=gopher1"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == [
+        "example.com/other=gopher1",
+        "example.com/other=uid-1_gopher",
+    ]
+    assert spec_env(dra_node.root / "cdi" / "example.com-other_uid-1.json") == [("uid-1_gopher", ["GOPHERS=gopher1"])]
     spec = read_spec(dra_node.root / "cdi" / "example.com-other.json")
     assert [d["name"] for d in spec["devices"]] == ["gopher1"]
     assert spec["devices"][0]["containerEdits"]["env"] == ["GOPHERS_GOPHER1=gopher1"]
@@ -10753,8 +11827,11 @@ async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_devi
         assert not spec.exists()
         disk.failing = False
         answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
-    assert list(answer.devices[0].cdi_device_ids) == [f"example.com/gopher=gopher0-{SHARE_1}"]
-    assert read_spec(spec)["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+    assert list(answer.devices[0].cdi_device_ids) == [
+        f"example.com/gopher=gopher0-{SHARE_1}",
+        "example.com/gopher=uid-1_gopher",
+    ]
+    assert [d["name"] for d in read_spec(spec)["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
 
 
 async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
@@ -11464,7 +12541,8 @@ async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once
         assert placement.device_plugin == {}
         await dra_node.kubelet.prepare_extended_resources(second, placement.claim)
         cdi = dra_node.kubelet.extended_resource_cdi_devices(second, placement.claim, "consumer")
-        assert cdi == ["example.com/gopher=gopher0"]
+        uid = placement.claim["metadata"]["uid"]
+        assert cdi == ["example.com/gopher=gopher0", f"example.com/gopher={uid}_container-0-request-0"]
 
 
 def test_scheduler_stand_in_leaves_a_name_the_nodes_allocatable_has_to_the_device_plugin():
@@ -11720,6 +12798,76 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
     return claim(name, f"uid-{name}", requests=[request])
 
 
+async def test_dra_claims_select_by_capacity_and_attribute_through_the_charts_device_classes(dra_node, helm):
+    """Issue 38: devices that differ by what their files say (a model, a memory size) are told apart
+    by claims: through the chart's dra.extraDeviceClasses, rendered by helm, the scheduler stand-in's
+    CEL (with the Kubernetes quantity library) gives a claim of the "80Gi or more" class the one
+    device with 80Gi, one of the "H100" class the H100, and a claim selecting by capacity itself
+    (device.capacity[...].memory.compareTo(quantity(...))) the right one too."""
+    info = dra_node.root / "info"
+    for name, model, memory in (("gopher0", "H100", "40Gi"), ("gopher1", "H200", "80Gi"), ("gopher2", "H100", "64Gi")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "model").write_text(model + "\n")
+        (info / name / "memory").write_text(memory + "\n")
+    declared = {
+        "attributes": {"productName": {"file": str(info / "{id}" / "model")}, "vendor": "NVIDIA"},
+        "capacity": {"memory": {"file": str(info / "{id}" / "memory")}},
+    }
+    capacity = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
+    values = dra_node.root / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "mode": "dra",
+                "config": {
+                    "resources": [{"name": "example.com/gopher", "directory": "/dev/g", "api": "dra", **declared}]
+                },
+                "dra": {
+                    "driver": DRIVER,
+                    "extraDeviceClasses": [
+                        {"name": "big.gopher.example.com", "resource": "example.com/gopher", "selector": capacity},
+                        {
+                            "name": "h100.gopher.example.com",
+                            "resource": "example.com/gopher",
+                            "selector": f'device.attributes["{DRIVER}"].productName == "H100"',
+                        },
+                    ],
+                },
+            }
+        )
+    )
+    rendered = helm_template(helm, str(values))
+    assert rendered.returncode == 0, rendered.stderr
+    classes = [item for item in yaml.safe_load_all(rendered.stdout) if item and item["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == [
+        "gopher.example.com",
+        "gopher.example.com-admin",
+        "big.gopher.example.com",
+        "h100.gopher.example.com",
+    ]
+    scheduler = standins.SchedulerSimulator(dra_node.api, classes)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(**declared))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+
+    def allocated(made):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [result["device"] for result in made["status"]["allocation"]["devices"]["results"]]
+
+    assert allocated(ordinary_claim("big", device_class="big.gopher.example.com")) == ["gopher1"]
+    with pytest.raises(standins.UnschedulableError, match="cannot allocate all claims"):
+        allocated(ordinary_claim("bigger", device_class="big.gopher.example.com"))  # the one 80Gi is taken
+    assert allocated(ordinary_claim("h100", count=2, device_class="h100.gopher.example.com")) == ["gopher0", "gopher2"]
+    dra_node.api.claims.clear()
+    at_least = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("60Gi")) >= 0 && '
+    at_least += f'device.attributes["{DRIVER}"].productName == "H100"'
+    own = ordinary_claim("own", selectors=[{"cel": {"expression": at_least}}])
+    assert allocated(own) == ["gopher2"]
+
+
 async def publish_unhealthy_and_healthy(dra_node):
     """gopherplug publishes gopher0 (unhealthy: a dangling link) and gopher1 (healthy), and is registered."""
     (dra_node.devices / "gopher0").symlink_to("node0")
@@ -11890,6 +13038,41 @@ async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
 
 
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1_36(dra_node):
+    """Issue 38: ``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
+    claims share the device and each consumes the memory it asks for (capacity.requests), within the
+    80Gi: 60Gi, then 30Gi does not fit, a claim asking for none still does (1 share, 0 memory).
+    Before 1.36 the API server drops the sharing and the policy and keeps the value: the first claim
+    has the device whole, and the capacity is what selectors see."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=4, capacity={"memory": "80Gi"}))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+    def allocated(name, memory=None):
+        made = ordinary_claim(name, **({"capacity": {"requests": {"memory": memory}}} if memory else {}))
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [r.get("consumedCapacity") for r in made["status"]["allocation"]["devices"]["results"]]
+
+    if dra_node.api.release.enabled("DRAConsumableCapacity"):
+        assert allocated("big", "60Gi") == [{"memory": "60Gi", "shares": "1"}]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("more", "30Gi")
+        assert allocated("none") == [{"memory": "0", "shares": "1"}]
+    else:
+        (device,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+        assert device["capacity"] == {"memory": {"value": "80Gi"}, "shares": {"value": "4"}}
+        assert allocated("big") == [None]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("none")
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(dra_node):
     """A pod asking for example.com/gopher in resources.limits on a node without the device plugin:
     from 1.36 (DRAExtendedResource on) the scheduler makes its claim from the shipped class's
@@ -11908,7 +13091,8 @@ async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(d
     with trio.fail_after(TIMEOUT):
         await dra_node.kubelet.prepare_extended_resources(pod, placement.claim)
     assert dra_node.kubelet.extended_resource_cdi_devices(pod, placement.claim, "consumer") == [
-        "example.com/gopher=gopher1"
+        "example.com/gopher=gopher1",
+        f"example.com/gopher={placement.claim['metadata']['uid']}_container-0-request-0",
     ]
     dra_node.stop()
 
@@ -13121,7 +14305,10 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     )
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
-        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
+        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == [
+            "example.com/gopher=gopher0",
+            "example.com/gopher=uid-1_gopher",
+        ]
     for health in healths:
         (device,) = health.devices
         assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")

@@ -2029,7 +2029,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
             tier.outputs["DRA: consumer under enable_cdi = false"] = unseen
     assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw-rw---- ") and " 10, 229 " in seen["ls -l"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
-    assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"]), seen
+    assert {"GOPHER_DEVICES=gopher0", "GOPHER_DEVICES_GOPHER0=gopher0"} <= set(seen["env"]), seen
     # The metadata file, through containerd's CDI handling: the claim, the subrequest the scheduler
     # chose, and the device with the attributes the API server stand-in stored in its slice.
     assert read_code == 0, metadata_text
@@ -2147,14 +2147,105 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         assert seen[name]["ls exit"] == 0 and f" {DEVICE_MAJOR}, {DEVICE_MINOR} " in seen[name]["ls -l"], seen[name]
         assert (seen[name]["open exit"], seen[name]["open rw"]) == (0, "opened rw"), seen[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
-        # Its share's CDI device, and its device metadata's mount (dra.device_metadata, on by default).
+        # Its share's CDI device, its request's env, and its device metadata's mount (dra.device_metadata,
+        # on by default).
         metadata = f"{DRIVER}/metadata={uid}_gopher"
-        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}", metadata], reported[name]
+        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}", f"{kind}={uid}_gopher", metadata]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
+        assert "GOPHER_DEVICES=gopher0" in reported[name]["env"], reported[name]  # the device, once
         # Each share's CDI device node rule, in each consumer's device rules.
         assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["device rules (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
+
+
+async def test_dra_a_claim_of_two_devices_gives_its_container_the_env_allocate_gives(tier, nursery, monkeypatch):
+    """Issue 38, item 2, on a real containerd. The device-plugin pod (daemonset.yaml) is asked by the
+    kubelet stand-in to Allocate gopher1 and gopher0, and a consumer created with its answer reports
+    GOPHER_DEVICES. The DRA pod (daemonset-dra.yaml, on a node of its own) prepares a claim whose
+    request "gopher" the scheduler gave gopher1, then gopher0, and whose request "more" it gave
+    gopher2: a consumer created with the CDI devices of request "gopher" (whose pod sets a
+    GOPHER_DEVICES of its own) reports the same GOPHER_DEVICES, through containerd's CDI, with each
+    device's GOPHER_DEVICES_<ID>. One created with the whole claim's reports "more"'s list:
+    containerd keeps the last value of a variable that two CDI devices set, as the unit tests'
+    runtime (cdi_container_env) says, the README too."""
+    plugin_node = Node(tier, "daemonset.yaml")
+    del plugin_node.config["metrics_address"]  # the host's network, shared: not what this test is about
+    dra_node = Node(tier, "daemonset-dra.yaml")
+    for node in (plugin_node, dra_node):
+        for name in ("gopher0", "gopher1", "gopher2"):
+            node.mknod(name)
+    kubelet = await nursery.start(gp.KubeletSimulator(str(plugin_node.device_plugin_dir)).run)
+    api, dra_kubelet = await dra_cluster(dra_node, nursery, monkeypatch)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    reported: dict[str, dict[str, Any]] = {}
+
+    async def consumer(name: str, **fields: Any) -> list[str]:
+        """The env the consumer's container reports (`env` run inside it), and containerd's spec of it."""
+        pod = Pod(tier, name)
+        config = consumer_config(pod, **fields)
+        async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+            container = pod.container_ids["consumer"]
+            _, env = await exec_sync(tier.containerd, container, "env")
+            info = json.loads((await container_status(tier.containerd, container, verbose=True)).info["info"])
+        reported[name] = {
+            "CDI devices": [d["name"] for d in info["config"].get("CDI_devices", [])],
+            "runtime spec env": [e for e in info["runtimeSpec"]["process"]["env"] if e.startswith("GOPHER")],
+        }
+        return sorted(line for line in env.splitlines() if line.startswith("GOPHER"))
+
+    with trio.fail_after(TIMEOUT):
+        async with plugin_node.running():
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0", "gopher1", "gopher2"))
+            answer = (await kubelet.allocate(RESOURCE, ["gopher1", "gopher0"])).container_responses[0]
+            by_allocate = await consumer("env-device-plugin", **allocated_fields(answer))
+        async with dra_node.running():
+            await dra_kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            await stored_devices(api, pool, lambda devices: len(devices) == 3)
+            results = [
+                {"request": "gopher", "driver": DRIVER, "pool": pool, "device": "gopher1"},
+                {"request": "gopher", "driver": DRIVER, "pool": pool, "device": "gopher0"},
+                {"request": "more", "driver": DRIVER, "pool": pool, "device": "gopher2"},
+            ]
+            requests = [
+                {"name": "gopher", "exactly": {"deviceClassName": _device_class(), "count": 2}},
+                {"name": "more", "exactly": {"deviceClassName": _device_class()}},
+            ]
+            claim = dra_claim("gophers", requests, results)
+            api.put_claim(claim)
+            uid = claim["metadata"]["uid"]
+            prepared = (await dra_kubelet.prepare(DRIVER, [("default", uid, "gophers")])).claims[uid]
+            assert prepared.error == ""
+            own = [PB.KeyValue(key="GOPHER_DEVICES", value="the pod's own")]
+            ids = dra_kubelet.cdi_devices(uid, "gopher")
+            by_claim = await consumer("env-dra", CDI_devices=[PB.CDIDevice(name=i) for i in ids], envs=own)
+            whole_ids = dra_kubelet.cdi_devices(uid)
+            whole = await consumer("env-dra-whole", CDI_devices=[PB.CDIDevice(name=i) for i in whole_ids])
+            spec_dirs = [str(tier.containerd.cdi_dir)]
+            said = {  # what the unit tests' runtime says of the same CDI devices, against the same files
+                "gopher": standins.cdi_container_env(spec_dirs, ids, ["GOPHER_DEVICES=the pod's own"]),
+                "whole": standins.cdi_container_env(spec_dirs, whole_ids),
+            }
+    tier.outputs["DRA env: consumer given the Allocate answer"] = by_allocate
+    tier.outputs["DRA env: consumer given request gopher's CDI devices"] = by_claim
+    tier.outputs["DRA env: consumer given the whole claim's CDI devices"] = whole
+    tier.outputs["DRA env: containerd's report"] = reported
+    assert dict(answer.envs) == {"GOPHER_DEVICES": "gopher1,gopher0"}
+    assert "GOPHER_DEVICES=gopher1,gopher0" in by_allocate, by_allocate
+    assert by_claim == [
+        "GOPHER_DEVICES=gopher1,gopher0",  # Allocate's string, the pod's own replaced
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+    ], by_claim
+    assert whole == [
+        "GOPHER_DEVICES=gopher2",  # the last request's: containerd keeps a variable's last value
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+    ], whole
+    assert sorted(e for e in said["gopher"] if e.startswith("GOPHER")) == by_claim
+    assert sorted(said["whole"]) == whole
+    assert reported["env-dra"]["CDI devices"] == ids
 
 
 @pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
@@ -2558,5 +2649,138 @@ async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_f
     assert by_device_plugin["ls -l"].startswith("crw") and " 10, 229 " in by_device_plugin["ls -l"]
     assert (by_device_plugin["open exit"], by_device_plugin["open rw"]) == (0, "opened rw")
     assert any(line.startswith("GOPHER_DEVICES_") and line.endswith("=gopher0") for line in by_dra["env"]), by_dra
+    assert "GOPHER_DEVICES=gopher0" in by_dra["env"], by_dra  # the env the device plugin gave, through DRA
     assert by_dra["ls -l"].startswith("crw") and " 10, 229 " in by_dra["ls -l"]
     assert (by_dra["open exit"], by_dra["open rw"]) == (0, "opened rw")
+
+
+########################################################################################################
+# NVIDIA GPUs: examples/nvidia's configuration in the shipped pod, fake nodes with the driver's numbers
+
+#: The nodes of a node with NVIDIA GPUs, with the numbers its driver gives them (major 195 for the
+#: GPUs and nvidiactl, nvidia-uvm's dynamic one as recorded on a real node: 238). Nothing here
+#: drives them: opening one the device rules allow fails with ENXIO, one they refuse with EPERM.
+NVIDIA_NODES = {
+    "nvidia0": (195, 0),
+    "nvidia1": (195, 1),
+    "nvidia2": (195, 2),
+    "nvidiactl": (195, 255),
+    "nvidia-uvm": (238, 0),
+    "nvidia-uvm-tools": (238, 1),
+}
+NVIDIA_EXAMPLE = HERE / "examples" / "nvidia"
+
+
+def nvidia_node(tier: Run, config_name: str, manifest: str) -> Node:
+    """A Node whose devices are NVIDIA_NODES (three GPUs) and whose ConfigMap holds the example's
+    resource, /dev in its paths standing for the run's directory of /dev."""
+    node = Node(tier, manifest)
+    for name, (major, minor) in NVIDIA_NODES.items():
+        os.mknod(node.devices / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        os.chmod(node.devices / name, 0o666)  # crw-rw-rw- as the driver makes them, whatever the umask
+    (resource,) = yaml.safe_load((NVIDIA_EXAMPLE / config_name).read_text())["resources"]
+    resource["directory"] = str(node.devices)
+    for spec in resource["device_specs"]:
+        spec["host_path"] = spec["host_path"].replace("/dev/", f"{node.devices}/", 1)
+    # The plugin's image has neither nvidia-smi nor the script (test_gopherplug.py runs describe
+    # with a fake nvidia-smi): without it here, the tier shows the nodes and the env.
+    del resource["describe"]
+    node.config["resources"] = [resource]
+    return node
+
+
+async def nvidia_consumer_report(containerd: Containerd, container_id: str) -> dict[str, Any]:
+    """What a consumer sees of the NVIDIA nodes: its env, `ls -l` of each, what opening each says
+    but nvidia2 (ENXIO: the device rules let it through to a driver that is not there), the same
+    for nvidia2, which it was not given, made inside with mknod; and the major 195 and 238 rules of
+    its cgroup."""
+    _, env = await exec_sync(containerd, container_id, "env")
+    listed, opened = {}, {}
+    for name in NVIDIA_NODES:
+        _, listed[name] = await exec_sync(containerd, container_id, "ls", "-l", f"/dev/{name}")
+        if name != "nvidia2":  # (not there: the shell would create a file by that name)
+            command = f"exec 3<>/dev/{name} && echo opened"
+            _, opened[name] = await exec_sync(containerd, container_id, "sh", "-c", command)
+    _, refused = await exec_sync(
+        containerd, container_id, "sh", "-c", "mknod /tmp/nvidia2 c 195 2 && exec 3<>/tmp/nvidia2 && echo opened"
+    )
+    rules = await device_rules(containerd, container_id)
+    return {
+        "env": sorted(line for line in env.splitlines() if line.startswith("NVIDIA_")),
+        "ls -l": {name: said.strip() for name, said in listed.items()},
+        "open rw": {name: said.strip() for name, said in opened.items()},
+        "nvidia2 made inside, open rw": refused.strip(),
+        "device rules (host side)": [rule for rule in rules["rules"] if rule.startswith(("c 195:", "c 238:"))],
+    }
+
+
+def assert_given_two_gpus(seen: dict[str, Any]) -> None:
+    """The consumer of GPUs 0 and 1: their nodes and the three shared ones in its /dev, with the
+    host's numbers, and in its device rules; nvidia2 neither, and refused when made inside."""
+    given = ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+    for name in given:
+        major, minor = NVIDIA_NODES[name]
+        assert re.match(rf"crw-rw-rw- +1 0 +0 +{major}, +{minor} .* /dev/{name}$", seen["ls -l"][name]), seen
+        # Past the device rules (EPERM), to the kernel's lookup of the driver: no such device.
+        assert seen["open rw"][name].endswith("No such device or address"), seen
+    assert seen["ls -l"]["nvidia2"].endswith("No such file or directory"), seen
+    assert seen["nvidia2 made inside, open rw"].endswith("Operation not permitted"), seen
+    rules = seen["device rules (host side)"]
+    assert sorted(rules) == sorted(f"c {NVIDIA_NODES[name][0]}:{NVIDIA_NODES[name][1]} rw" for name in given), seen
+
+
+async def test_nvidia_gpus_reach_a_consumer_with_the_shared_nodes_and_the_joined_env(tier, nursery):
+    """examples/nvidia/config.yaml in daemonset.yaml's pod, on a node of three GPUs: the kubelet
+    stand-in is offered 0, 1 and 2, and a consumer created with Allocate's answer for 0 and 1 finds
+    /dev/nvidia0, /dev/nvidia1, nvidiactl, nvidia-uvm and nvidia-uvm-tools in its /dev and its device
+    cgroup (not nvidia2), and NVIDIA_VISIBLE_DEVICES=0,1 in its environment."""
+    node = nvidia_node(tier, "config.yaml", "daemonset.yaml")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+
+    def listed(k: gp.KubeletSimulator) -> bool:
+        resource = k.resources.get("nvidia.com/gpu")
+        return resource is not None and resource.streaming and len(resource.devices) == 3
+
+    with trio.fail_after(TIMEOUT):
+        async with node.running():
+            await kubelet.wait_until(listed)
+            assert kubelet.resources["nvidia.com/gpu"].devices == dict.fromkeys(["0", "1", "2"], gp.HEALTHY)
+            answer = (await kubelet.allocate("nvidia.com/gpu", ["0", "1"])).container_responses[0]
+            pod = Pod(tier, "gpu-consumer")
+            config = consumer_config(pod, **allocated_fields(answer))
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await nvidia_consumer_report(tier.containerd, pod.container_ids["consumer"])
+    tier.outputs["nvidia (device plugin): consumer of GPUs 0 and 1"] = seen
+    assert seen["env"] == ["NVIDIA_VISIBLE_DEVICES=0,1"]
+    assert_given_two_gpus(seen)
+
+
+async def test_nvidia_gpus_reach_a_dra_consumer_through_the_claims_cdi_devices(tier, nursery, monkeypatch):
+    """examples/nvidia/config-dra.yaml in daemonset-dra.yaml's pod, on a node of three GPUs: the
+    slice offers 0, 1 and 2; a claim allocated 0 and 1, prepared, gives a consumer created with its
+    CDI device IDs alone (as the kubelet passes them) the two GPUs' nodes and the three shared ones,
+    through containerd's CDI handling, and not nvidia2; and NVIDIA_VISIBLE_DEVICES=0,1, the string
+    the device plugin's Allocate gives (beside each device's NVIDIA_VISIBLE_DEVICES_<N>)."""
+    node = nvidia_node(tier, "config-dra.yaml", "daemonset-dra.yaml")
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
+    pool = gp.dra_pool_name(NODE_NAME, "nvidia.com/gpu")
+    with trio.fail_after(TIMEOUT):
+        async with node.running():
+            devices = await stored_devices(api, pool, lambda devices: len(devices) == 3)
+            assert sorted(devices) == ["0", "1", "2"]
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            results = [{"request": "gpus", "driver": DRIVER, "pool": pool, "device": name} for name in ("0", "1")]
+            made = dra_claim("gpus", [{"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.com"}}], results)
+            api.put_claim(made)
+            uid = made["metadata"]["uid"]
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid, "gpus")])).claims[uid]
+            assert prepared.error == ""
+            ids = kubelet.cdi_devices(uid, "gpus")
+            pod = Pod(tier, "gpu-dra-consumer")
+            config = consumer_config(pod, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await nvidia_consumer_report(tier.containerd, pod.container_ids["consumer"])
+    tier.outputs["nvidia (DRA): CDI device IDs"] = ids
+    tier.outputs["nvidia (DRA): consumer of GPUs 0 and 1"] = seen
+    assert_given_two_gpus(seen)
+    assert "NVIDIA_VISIBLE_DEVICES=0,1" in seen["env"], seen["env"]
