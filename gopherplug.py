@@ -13872,8 +13872,25 @@ async def _demo_claim(
         while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
             await api.changed.wait_touched()
 
+    def generation() -> int:
+        return max(
+            (
+                item["spec"]["pool"]["generation"]
+                for item in api.slices.values()
+                if item["spec"]["pool"]["name"] == pool
+            ),
+            default=0,
+        )
+
     await _demo_step(f"{resource.name}'s ResourceSlice", published())
     say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
+    if resource.describe:  # it runs once the devices are found: its values come in the next generation
+        first = generation()
+        with trio.move_on_after(DESCRIBE_TIMEOUT + 1):
+            while generation() == first:
+                await api.changed.wait_touched()
+        if generation() == first:
+            say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
     healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
@@ -13881,6 +13898,11 @@ async def _demo_claim(
         say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
         return
     device = min(healthy, key=lambda d: _natural_key(d["name"]))
+    # What the scheduler selects by: the device's attributes and capacity in its slice (the
+    # standard ones under resource.kubernetes.io/, the others under the driver's name).
+    shown = [f"{key}={next(iter(typed.values()))}" for key, typed in device["attributes"].items()]
+    shown += [f"{key}={value['value']}" for key, value in device.get("capacity", {}).items()]
+    say("plugin", f"  device {device['name']}: {', '.join(shown)}")
     result = {"request": "device", "driver": driver, "pool": pool, "device": device["name"]}
     if device.get("allowMultipleAllocations"):
         result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
