@@ -5969,16 +5969,16 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     CDI edits the runtime would apply for it, from the spec the plugin wrote."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path, "--dra")
-    assert (
-        who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime runtime demo"
-    )
+    runtime = " ".join(["runtime"] * 5)
+    assert who == f"plugin apiserver kubelet kubelet plugin plugin scheduler kubelet {runtime} demo"
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
     pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
     lines = said.splitlines()
     env = "gopherplug.example.com/gpu=demo-0_device"  # the request's env, as Allocate gives it
-    assert lines[4:11] == [
+    assert lines[4:12] == [
         f"ResourceSlice of pool {pool}: {first}, {second}",
+        f"device {first}: resource=example.com/gpu, id=0000:00:02.0, healthy=True",  # what the scheduler selects by
         f"allocated a ResourceClaim: device {first} of pool {pool}",
         f"NodePrepareResources: CDI devices {cdi}, {env}, gopherplug.example.com/metadata=demo-0_device",
         f"{cdi}: device {card} -> {card}",
@@ -5990,7 +5990,7 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
         r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
         r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
         r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
-        lines[11],
+        lines[12],
     )
     assert sorted(os.listdir(sockdir)) == ["node"]
 
@@ -7936,6 +7936,40 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
         "env NVIDIA_VISIBLE_DEVICES=0",  # the device plugin's Allocate, and a DRA claim's env alike
         *(["env NVIDIA_VISIBLE_DEVICES_0=0"] if name == "config-dra.yaml" else []),
     ]
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
+def test_demo_config_runs_the_nvidia_example_on_a_fake_gpu_node(sockdir, name):
+    """`gopherplug demo --config` on examples/nvidia (its /dev and describe the fake H200 node's): the
+    device plugin's Allocate of GPU 0, or under DRA its slice with what describe said, a claim for it
+    prepared and the CDI edits: the GPU's node, the three shared ones, NVIDIA_VISIBLE_DEVICES."""
+    dev, proc, recording = fake_nvidia_node(Path(sockdir) / "node")
+    path = Path(sockdir) / "node" / name
+    path.write_text(yaml.safe_dump(nvidia_example_config(name, dev, proc)))
+    result = run_cli("demo", "--config", str(path), env={"TMPDIR": sockdir, "NVIDIA_SMI_RECORDING": str(recording)})
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [line.split(None, 3)[3] for line in result.stdout.splitlines()[1:]]
+    assert said[0] == f"nvidia.com/gpu: 2 devices, 2 healthy, from {dev}/nvidia[0-9]*"
+    host = os.path.realpath  # a link to /dev/null where mknod was refused
+    nodes = [(host(dev / node), f"/dev/{node}") for node in ("nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")]
+    if name == "config.yaml":
+        assert "pod default/demo-pod asks for 1 nvidia.com/gpu: Allocate(0)" in said
+        assert [line for line in said if line.startswith(("device ", "env "))] == [
+            *(f"device {on_host} -> {inside} (rw)" for on_host, inside in nodes),
+            "env NVIDIA_VISIBLE_DEVICES=0",
+        ]
+    else:
+        [described] = [line for line in said if line.startswith("device 0: ")]
+        assert described.startswith("device 0: resource=nvidia.com/gpu, id=0, healthy=True, computeCapability=9.0.0")
+        assert "productName=NVIDIA H200" in described and described.endswith("memory=143771Mi")
+        gpu = "gopherplug.example.com/gpu=0"
+        assert [line for line in said if line.startswith(gpu + ":")] == [
+            *(f"{gpu}: device {on_host} -> {inside}" for on_host, inside in nodes),
+            f"{gpu}: env NVIDIA_VISIBLE_DEVICES_0=0",
+        ]
+        assert "gopherplug.example.com/gpu=demo-0_device: env NVIDIA_VISIBLE_DEVICES=0" in said
+    assert said[-1] == "done: plugin stopped, its sockets removed"
+    assert os.listdir(sockdir) == ["node"]
 
 
 async def test_nvidia_device_plugin_gives_two_gpus_their_nodes_the_shared_ones_once_and_the_joined_env(
