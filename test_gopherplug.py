@@ -8157,10 +8157,13 @@ def test_the_charts_renders_are_valid_and_agree_with_their_configuration(helm, v
     for path in given.get("extraHostPaths", []):
         assert (mounts[path].get("readOnly"), host_paths[mounts[path]["name"]]["type"]) == (True, "Directory")
     spec_dirs = {resource.cdi.spec_dir for resource in config.resources if resource.cdi is not None}
-    assert {path for path, mount in mounts.items() if not mount.get("readOnly")} - spec_dirs <= {
+    # Node Feature Discovery's directory, where the feature file is written (nfd.enabled).
+    features = {os.path.dirname(config.nfd_features_file)} if config.nfd_features_file is not None else set()
+    assert (config.nfd_features_file is not None) == bool(given.get("nfd", {}).get("enabled"))
+    assert {path for path, mount in mounts.items() if not mount.get("readOnly")} - spec_dirs - features <= {
         mount for mount in mounts if mount.startswith(given.get("kubeletDir", "/var/lib/kubelet") + "/")
     }
-    for path in spec_dirs:
+    for path in spec_dirs | features:
         assert not mounts[path].get("readOnly") and host_paths[mounts[path]["name"]]["type"] == "DirectoryOrCreate"
     kubelet_dir = given.get("kubeletDir", "/var/lib/kubelet")
     kubelet_mounts = {path for path in mounts if "kubelet" in path}
