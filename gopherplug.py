@@ -4500,8 +4500,11 @@ def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> 
     (nfd_label_value) has no label, nor one whose name gives the label of ``count`` or of another
     attribute before it. No device: only the count, 0."""
     labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
+    # What device_attributes reads of a device beside its ID and health: devices alike in these have
+    # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
+    alike = {(d.numa_node, d.pci, d.usb, d.attributes): d for d in devices.values()}
     shared: dict[str, dict[str, Any]] | None = None
-    for device in devices.values():
+    for device in alike.values():
         found: dict[str, dict[str, Any]] = {}
         for name, typed in device_attributes(resource, device).items():
             if name not in _NFD_OWN_ATTRIBUTES:
