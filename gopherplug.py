@@ -30,10 +30,13 @@ Read it top to bottom; every section only uses the ones above it:
                                side and a lenient API server, what the DRA demo needs (the strict
                                stand-ins that only tests need are in gopherplug_standins.py)
   9. Command line              main(argv) -> exit code; signals
+ 10. Start-up plumbing         how `python gopherplug.py` starts again as an import (not the protocol)
 
 Or take one of two lessons, each a list of definitions to read in order (search for the name). Both
 skip section 5, the purerpc plumbing, but for Watched: what else the rest uses of it (serve_grpc,
-call_unary, open_stream) does what its name says.
+call_unary, open_stream) does what its name says. Both skip section 10, and the speed-ups
+(_ImmediateService, _ListEncoder, _PreferredOrder, _PreferredAllocationWire): the answers are the
+same without them.
 
   The device-plugin lesson
      1. METHODS, REGISTER              the v1beta1 calls the plugin serves, and the one it makes
@@ -44,7 +47,8 @@ call_unary, open_stream) does what its name says.
         allocate_response,
         preferred_allocation_response
      6. Watched, watch_devices         inotify keeps the devices current, with no polling
-     7. device_plugin_service          ListAndWatch, Allocate, PreStartContainer served
+     7. DevicePluginService            one method per RPC: GetDevicePluginOptions, ListAndWatch,
+                                       GetPreferredAllocation, Allocate, PreStartContainer
      8. register                       Register, through the kubelet's kubelet.sock
      9. KubeletWatch,                  the restart handling: a kubelet restart creates a new
         _serve_generations             kubelet.sock; each one gets a new socket and registration
@@ -100,85 +104,15 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _run_as_module(script: str) -> None:
-    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
-
-    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
-    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
-    after the module's code has run): for a plugin that serves until it is stopped, never. For
-    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
-    copy run as a sidecar binary), and growing with every line. An import compiles the file and
-    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
-    environment and interpreter options) with a Python that imports this file and runs main().
-    The console script and `python -m gopherplug` import the module already, and a debugger or
-    profiler (a trace or profile function set) keeps the script as it is.
-
-    It is called from the top of the file, before any other import: the script's process would
-    throw away whatever it imported (the dependencies alone take 150 ms). And it hands the import
-    the code it has already compiled (the script was compiled whole before its first line ran,
-    about 350 ms for this file): marshalled into a memory file the new process inherits, used in
-    place of compiling the file again where no valid bytecode is cached beside it (a read-only
-    copy, PYTHONDONTWRITEBYTECODE), and written to that cache where one may be written, as the
-    import would have. Only if the file is as it was: a file changed in the last 2 s (maybe since
-    the interpreter read it), or whose size or time differs when the import reads it, is compiled
-    again from what is on disk.
-
-    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
-    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
-    installed in site-packages and run it instead, or fail where none is. The loader is named,
-    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
-    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
-    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
-    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
-    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
-    place of PyYAML, by a process that often runs as root), and the directory Python gave the
-    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
-    script had none either (-P, -I, PYTHONSAFEPATH).
-    """
-    if sys.gettrace() is not None or sys.getprofile() is not None:
-        return
-    import marshal
-    import time
-
-    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
-    script_directory = [] if sys.flags.safe_path else sys.path[:1]
-    path = os.path.realpath(script)
-    handed = "None"
-    try:
-        status = os.stat(path)
-        if time.time_ns() - status.st_mtime_ns > 2_000_000_000:
-            compiled = os.memfd_create("gopherplug-code", 0)  # inherited across execv
-            os.write(compiled, marshal.dumps(sys._getframe(1).f_code))  # the module's: our caller's
-            os.lseek(compiled, 0, os.SEEK_SET)
-            handed = repr((compiled, status.st_size, status.st_mtime_ns))
-    except (OSError, ValueError):  # no memfd (an old kernel, a seccomp profile): compiled again
-        pass
-    code = (
-        "import importlib.machinery, importlib.util, os, sys\n"
-        f"sys.path[:0] = {script_directory!r}; sys.argv[0] = {script!r}; handed = {handed}\n"
-        "class Loader(importlib.machinery.SourceFileLoader):\n"
-        "    def source_to_code(self, data, path, *, _optimize=-1):  # the script's code, if the file is as it was\n"
-        "        if handed and (len(data), os.stat(path).st_mtime_ns) == handed[1:]:\n"
-        "            import _imp, marshal\n"
-        "            code = marshal.loads(os.pread(handed[0], os.fstat(handed[0]).st_size, 0))\n"
-        "            _imp._fix_co_filename(code, path)  # as for a .pyc: the file's path, not the name typed\n"
-        "            return code\n"
-        "        return super().source_to_code(data, path, _optimize=_optimize)\n"
-        f"loader = Loader('gopherplug', {path!r})\n"
-        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
-        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug)\n"
-        "if handed: os.close(handed[0])\n"
-        "sys.exit(gopherplug.main())"
-    )
-    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
-
-
+# Start-up plumbing, not the protocol: `python gopherplug.py` starts again, before any other import,
+# as an import of this file (_run_as_module, section 10 at the end, says why and how). The script is
+# compiled whole before its first line runs, so the function is taken from the module's code now.
 # The interpreter was started on this file (python [options] gopherplug.py args): a file loader and
 # no module spec; -m has a spec, runpy.run_path neither.
 if __name__ == "__main__" and __spec__ is None:
     if type(sys.modules[__name__].__loader__).__name__ == "SourceFileLoader":
-        _run_as_module(__file__)
+        _code = next(c for c in sys._getframe().f_code.co_consts if getattr(c, "co_name", "") == "_run_as_module")
+        type(lambda: None)(_code, globals())(__file__)  # a function of that code: _run_as_module(__file__)
 
 import argparse
 import base64
@@ -1351,6 +1285,9 @@ class Config:
     warnings: tuple[str, ...] = ()
     #: "host:port" to answer the kubelet's liveness check on (GET /healthz); None: not served
     health_address: str | None = None
+    #: the Node Feature Discovery feature file to keep (nfd_features): each resource's count and the
+    #: attributes its devices share, as node labels; None: none
+    nfd_features_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1681,7 +1618,16 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         data,
         source,
         "",
-        {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra", "metrics_address", "health_address"},
+        {
+            "device_plugin_dir",
+            "resources",
+            "sysfs_root",
+            "dev_root",
+            "dra",
+            "metrics_address",
+            "health_address",
+            "nfd_features_file",
+        },
         required={"resources"},
     )
     device_plugin_dir = None
@@ -1701,6 +1647,11 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         health_address = _string(top["health_address"], source, "health_address")
         if (problem := metrics_address_problem(health_address, 9402)) is not None:
             raise ConfigError(source, "health_address", problem)
+    nfd_features_file = None
+    if "nfd_features_file" in top:
+        nfd_features_file = _absolute_path(top["nfd_features_file"], source, "nfd_features_file")
+        if (problem := nfd_features_file_problem(nfd_features_file)) is not None:
+            raise ConfigError(source, "nfd_features_file", problem)
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
         raise ConfigError(source, "resources", "must be a non-empty list of resources")
@@ -1758,6 +1709,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         metrics_address,
         warnings,
         health_address=health_address,
+        nfd_features_file=nfd_features_file,
     )
 
 
@@ -1779,6 +1731,23 @@ def _refuse_generic_device_plugin_keys(data: Any, source: str, where: str) -> No
             problem = f"is generic-device-plugin's, not gopherplug's: {_GENERIC_DEVICE_PLUGIN_KEYS[key]} "
             problem += "(docs/generic-device-plugin.md translates each of its keys)"
             raise ConfigError(source, f"{where}.{key}", problem)
+
+
+#: Where Node Feature Discovery's local source reads feature files (featureFilesDir in
+#: kubernetes-sigs/node-feature-discovery source/local/local.go): nfd-worker mounts the host's.
+NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
+
+
+def nfd_features_file_problem(path: str) -> str | None:
+    """Why NFD would never read a feature file at ``path`` (absolute, normalized), or None. Its
+    local source reads the files of its directory only, not of directories under it, and skips a
+    name beginning with "." (local.go's getFeaturesFromFiles)."""
+    name = os.path.basename(path)
+    if not name or name.startswith("."):
+        return (
+            f"{path!r}: NFD skips a file whose name begins with '.': name the file, e.g. {NFD_FEATURES_DIR}/gopherplug"
+        )
+    return None
 
 
 def metrics_address_problem(address: str, example: int = 9400) -> str | None:
@@ -2289,6 +2258,7 @@ _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # a node's devices mostly say the same few quantities
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
@@ -2929,8 +2899,9 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
-    # at when an attribute's file is read through it (read_declared_values), never here.
-    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node else ""
+    # at when an attribute's file is read through it (read_declared_values), never here; and only for
+    # a resource that declares values (examine_again runs in Allocate, which needs none of it).
+    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node and (resource.attributes or resource.capacity) else ""
     return DeviceEntry(
         device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
     )
@@ -4104,22 +4075,29 @@ def with_read_values(
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
-    own_attributes, own_capacity = [], []
-    for name, kind, value in device.attributes:
-        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
-            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_attributes.append((name, kind, value))
-    for name, written in device.capacity:
-        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
-        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
-            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_capacity.append((name, str(quantity)))
-    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
-    bare = dataclasses.replace(device, attributes=(), capacity=())
+    if device.attributes or device.capacity:
+        own_attributes, own_capacity = [], []
+        for name, kind, value in device.attributes:
+            if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+                problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_attributes.append((name, kind, value))
+        for name, written in device.capacity:
+            quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+            if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+                problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_capacity.append((name, str(quantity)))
+        if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
+            device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
+    if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
+        return device, problems  # nothing read (literals only, or describe has not said yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
+    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
+    if device.numa_node is not None:
+        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
+    if device.pci is not None:
+        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
@@ -4412,6 +4390,99 @@ def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, D
             for device in devices.values()
         ]
     )
+
+
+# Node Feature Discovery: what the device plugin can say about its devices besides their number.
+# The kubelet's device manager knows only counts: a pod cannot ask for "a GPU of that model" through
+# resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
+# pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
+
+#: The label namespace NFD gives the names of a feature file (FeatureLabelNs in kubernetes-sigs/
+#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go). nfd-master adds it to a name
+#: without one, unless its DisableAutoPrefix gate is on (alpha since 0.16), which refuses such a
+#: name instead: written out, a name is the same label either way.
+NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
+#: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
+#: larger one whole, every label of it.
+NFD_MAX_FEATURE_FILE_SIZE = 65536
+#: gopherplug's own attributes that are no property of the devices, so no label: ``resource`` is
+#: in every label's name, ``id`` tells devices apart, ``healthy`` is in the count.
+_NFD_OWN_ATTRIBUTES = {"resource", "id", "healthy"}
+
+
+def nfd_label_name(resource_name: str, key: str) -> str:
+    """The label of a resource's feature ``key``: "feature.node.kubernetes.io/<domain>-<name>.<key>",
+    "/" made "-" (a label's name, after its namespace, is at most 63 letters, digits, "-", "_" and
+    "." beginning and ending with a letter or digit; a resource's name and an attribute's are of
+    those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
+    same resource and key, the same label, on every node."""
+    part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
+    if len(part) > _LABEL_VALUE_LENGTH:
+        digest = hashlib.sha256(part.encode()).hexdigest()[:8]
+        part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
+    return f"{NFD_LABEL_NAMESPACE}/{part}"
+
+
+def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
+    """An attribute's value ({"string": "NVIDIA H200"}, as a ResourceSlice types it) as a label's
+    value, or None when none can stand for it. A label's value is at most 63 letters, digits, "-",
+    "_" and ".", beginning and ending with a letter or digit (IsValidLabelValue, which NFD applies
+    to each of a file's lines before it labels). A boolean is "true" or "false", an integer its
+    digits (a negative one has no label: "-1" is none, and "1" would lie); a string or a version
+    that is no label value is made one as NVIDIA's gpu-feature-discovery makes its product names:
+    each run of other characters a "-", cut to 63, its ends trimmed ("NVIDIA H200" is
+    "NVIDIA-H200"; "1.2.3+build.7" is "1.2.3-build.7"). None when nothing is left of it."""
+    [(kind, value)] = typed.items()
+    if kind == "bool":
+        return "true" if value else "false"
+    if kind == "int":
+        return str(value) if value >= 0 else None
+    text = str(value)
+    if len(text) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(text):
+        return text
+    made = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-_.")[:_LABEL_VALUE_LENGTH].rstrip("-_.")
+    return made or None
+
+
+def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
+    """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
+    integer, which node affinity's Gt and Lt compare), then each attribute that every one of its
+    devices has with the same value (device_attributes: what sysfs says, declared, described), by
+    name. Of the standard domain's attributes (resource.kubernetes.io/pciBusID...) the name alone
+    is used; gopherplug's own ``numaNode`` is the same. An attribute whose value is no label value
+    (nfd_label_value) has no label, nor one whose name gives the label of ``count`` or of another
+    attribute before it. No device: only the count, 0."""
+    labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
+    # What device_attributes reads of a device beside its ID and health: devices alike in these have
+    # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
+    alike = {(d.numa_node, d.pci, d.usb, d.attributes): d for d in devices.values()}
+    shared: dict[str, dict[str, Any]] | None = None
+    for device in alike.values():
+        found: dict[str, dict[str, Any]] = {}
+        for name, typed in device_attributes(resource, device).items():
+            if name not in _NFD_OWN_ATTRIBUTES:
+                domain, _, base = name.rpartition("/")
+                found.setdefault(base if domain == DRA_STANDARD_DOMAIN else name, typed)
+        shared = found if shared is None else {key: typed for key, typed in shared.items() if found.get(key) == typed}
+        if not shared:
+            break
+    for key, typed in sorted((shared or {}).items()):
+        if (value := nfd_label_value(typed)) is not None:
+            labels.setdefault(nfd_label_name(resource.name, key), value)
+    return labels
+
+
+def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEntry]]]) -> str:
+    """The text of the NFD feature file (nfd_features_file): each resource's labels (nfd_labels),
+    one "<name>=<value>" line each, resources in the order given, after a comment saying whose the
+    file is (NFD's local source skips lines that begin with "#"; "# +" would be a directive)."""
+    lines = [
+        "# Written by gopherplug (nfd_features_file) whenever the devices change, and removed when it stops:",
+        "# per resource the count of healthy devices and each attribute all of its devices share.",
+    ]
+    for resource, devices in resources:
+        lines += [f"{name}={value}" for name, value in nfd_labels(resource, devices).items()]
+    return "\n".join(lines) + "\n"
 
 
 class ClaimError(GopherplugError):
@@ -7288,6 +7359,7 @@ async def watch_devices(
     dev_root: str = "/dev",
     turn: CDISpecTurn | None = None,
     *,
+    described: dict[str, ReadValues] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``devices`` (a dict of id -> DeviceEntry) equal to what the resource's directories and
@@ -7310,8 +7382,13 @@ async def watch_devices(
     running or not (an update rolling through the DaemonSet, an OOM kill). A device leaves the
     spec only when it leaves the directory. With ``turn`` (a DRA driver's pod), the spec is written
     in this pod's turn only (CDISpecTurn), and again whenever the turn changes.
+
+    A device that comes or changes has its ``attributes`` and ``capacity`` files read
+    (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
+    devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
+    reload), never on a kubelet's call.
     """
-    device_set = _DeviceSet(resource, devices, turn)
+    device_set = _DeviceSet(resource, devices, turn, described)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
@@ -7719,7 +7796,13 @@ class _DeviceSet:
     """watch_devices' devices: the entries its sources found, made into devices (entries with the
     same ID are one), published, their health changes logged, their CDI spec written."""
 
-    def __init__(self, resource: ResourceConfig, devices: Watched, turn: CDISpecTurn | None = None) -> None:
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        devices: Watched,
+        turn: CDISpecTurn | None = None,
+        described: dict[str, ReadValues] | None = None,
+    ) -> None:
         self.resource = resource
         self.devices = devices
         self.turn = turn  # with a DRA driver: the spec is written in this pod's turn only
@@ -7733,7 +7816,9 @@ class _DeviceSet:
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
         self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
-        self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
+        #: device ID -> what describe said of it, the last time it worked: a dict that outlives this
+        #: device set when the caller keeps it (a reload's new watch starts with what is known)
+        self.described: dict[str, ReadValues] = described if described is not None else {}
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
         #: touched when the devices' IDs change: describe runs again (_describe_devices)
         self.ids_changed = Watched(frozenset[str]())
@@ -7763,7 +7848,8 @@ class _DeviceSet:
         """What describe said, by device ID: every device carries it from now on."""
         if self.devices.value is RETIRED:
             return
-        self.described = described
+        self.described.clear()
+        self.described.update(described)
         for device_id in self.found:
             self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
@@ -8233,19 +8319,9 @@ def status_service(message: Callable[[], Any]) -> purerpc.Service:
     return service
 
 
-def device_plugin_service(
-    resource: ResourceConfig,
-    devices: Watched,
-    shape_allocation: ShapeAllocation | None = None,
-    encoder: _ListEncoder | None = None,
-    ending: trio.Event | None = None,
-    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
-    status: StreamStatus | None = None,
-    *,
-    config: Watched | None = None,
-    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
-) -> purerpc.Service:
-    """The DevicePlugin service for one resource, answering from the live device set.
+class DevicePluginService:
+    """The DevicePlugin service for one resource, answering from the live device set: one method
+    per RPC of v1beta1, in the order the kubelet calls them.
 
     Its ListAndWatch streams end (status OK) once ``ending`` is set and ``devices`` touched (which
     wakes them: one event to wait on keeps each push cheap). With ``examine`` (a
@@ -8257,29 +8333,57 @@ def device_plugin_service(
     resource's configuration as reloads change it in place (same name, same options): every answer
     follows it from then on, and a stream sends the list anew once ``devices`` is replaced
     (unless the kubelet's list it makes is the one that stream sent last).
+
+    service() makes it a purerpc service; the speed-ups live there and in what the methods call
+    (_ImmediateService, _ListEncoder, _PreferredOrder and _PreferredAllocationWire): a lesson may
+    skip them, as the answers are the same without.
     """
-    ending = trio.Event() if ending is None else ending
-    status = status or StreamStatus()
 
-    def now() -> ResourceConfig:
-        return resource if config is None else config.value
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        devices: Watched,
+        shape_allocation: ShapeAllocation | None = None,
+        encoder: _ListEncoder | None = None,
+        ending: trio.Event | None = None,
+        examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
+        status: StreamStatus | None = None,
+        *,
+        config: Watched | None = None,
+        examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
+    ) -> None:
+        self.resource, self.devices, self.shape_allocation = resource, devices, shape_allocation
+        self.encoder = encoder or _ListEncoder(resource)
+        self.ending = trio.Event() if ending is None else ending
+        self.examine, self.examiner, self.config = examine, examiner, config
+        self.status = status or StreamStatus()
+        self.preferred: _PreferredOrder | None = (
+            None  # the current device set's, made at the first request after a change
+        )
+        # One server per resource and registration: the previous one, and the commands it ran, are
+        # stopped before the next serves, so these slots are the resource's.
+        self.pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
 
-    def get_device_plugin_options(empty: Any) -> Any:
-        return device_plugin_options(now())
+    def now(self) -> ResourceConfig:
+        """The resource's configuration as it is now (a reload may have changed it in place)."""
+        return self.resource if self.config is None else self.config.value
 
-    encoder = encoder or _ListEncoder(resource)
+    def GetDevicePluginOptions(self, empty: Any) -> Any:  # noqa: N802 - the RPC's name
+        # The kubelet calls this while it handles our Register, before it answers: the dial-back.
+        return device_plugin_options(self.now())
 
-    async def list_and_watch(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
+    async def ListAndWatch(self, empty: Any, request: RequestReceived) -> AsyncIterator[Any]:  # noqa: N802
         # The kubelet keeps this one stream open for as long as we are registered: the full list
         # now, then the full list again after every change. Each message replaces the last.
+        resource, devices, ending = self.resource, self.devices, self.ending
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
         if counted:
-            status.streams += 1
+            self.status.streams += 1
         try:
             current = devices.value
             sent = None  # what this stream's kubelet was sent last (the serialized list)
             while True:
-                message = encoder.encode(current, now())
+                message = self.encoder.encode(current, self.now())
                 if message.data == sent:
                     # The entries changed but not what the kubelet is told (a member joining a device
                     # of several, a mode, another reason to be unhealthy), or changed and changed
@@ -8317,91 +8421,112 @@ def device_plugin_service(
                 current = devices.value
         finally:
             if counted:
-                status.stream_ended()
+                self.status.stream_ended()
 
-    preferred: _PreferredOrder | None = None  # the current device set's, made at the first request after a change
-
-    def get_preferred_allocation(request: Any) -> Any:
-        nonlocal preferred
-        resource, known = now(), devices.value
+    def GetPreferredAllocation(self, request: Any) -> Any:  # noqa: N802
+        # When a pod asks for devices, before Allocate, if our options said we answer it.
+        resource, known = self.now(), self.devices.value
+        preferred = self.preferred
         if preferred is None or preferred.resource is not resource or preferred.devices is not known:
-            preferred = _PreferredOrder(resource, known)  # a device set is replaced, never changed in place
+            # A device set is replaced, never changed in place: the order is made once per set.
+            preferred = self.preferred = _PreferredOrder(resource, known)
         return preferred_allocation_response(resource, known, request, order=preferred)
 
-    def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
+    def Allocate(self, request: Any) -> Any:  # noqa: N802
+        # Once per container the kubelet admits, with the IDs it chose. Without shape_allocation,
+        # nothing here waits: an immediate method (_ImmediateService).
+        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
+            response, _ = self._allocation(request)
+            for container in request.container_requests:
+                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
+            return response
+
+    async def _allocate_and_shape(self, request: Any) -> Any:
+        # Allocate, then the embedding program's shape_allocation on each container's answer.
+        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
+            response, allocated = self._allocation(request)
+            for container, chosen, answer in zip(
+                request.container_requests, allocated, response.container_responses, strict=True
+            ):
+                shaped = self.shape_allocation(chosen, answer) if self.shape_allocation is not None else None
+                if inspect.isawaitable(shaped):
+                    await shaped
+                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
+            return response
+
+    async def PreStartContainer(self, request: Any) -> Any:  # noqa: N802
+        # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
+        with _timed(lambda metrics: metrics.pre_start.labels(self.resource.name)):
+            if (current := self.now()).pre_start:
+                chosen = allocated_devices(current, self._devices_now(request.devices_ids), request.devices_ids)
+                await run_pre_start(current, chosen, self.pre_start_slots)
+            return v1beta1.PreStartContainerResponse()
+
+    def _allocation(self, request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
+        ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
+        return allocate_with_devices(self.now(), self._devices_now(ids), request)
+
+    def _devices_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
         # the container gets is decided from the file system as it is now (and confined again).
-        known: Mapping[str, DeviceEntry] = devices.value
-        check = examiner() if examiner is not None else examine
+        known: Mapping[str, DeviceEntry] = self.devices.value
+        check = self.examiner() if self.examiner is not None else self.examine
         if check is None:
             return known
         found_now = {}
-        for device_id in {now().underlying_id(kubelet_id) for kubelet_id in ids}:
+        current = self.now()
+        for device_id in {current.underlying_id(kubelet_id) for kubelet_id in ids}:
             if device_id is not None and device_id in known:
                 found = check(known[device_id])
                 if isinstance(found, str):
-                    raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
+                    raise RPCError(StatusCode.FAILED_PRECONDITION, f"{self.resource.name} device {device_id}: {found}")
                 if found is not None:
                     found_now[device_id] = found
         return found_now
 
-    def allocate(request: Any) -> Any:
-        # Without shape_allocation, nothing here waits: an immediate method (_ImmediateService).
-        with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
-            response, _ = allocation(request)
-            for container in request.container_requests:
-                _log(resource).info("allocated %s", ",".join(container.devices_ids))
-            return response
+    def service(self) -> purerpc.Service:
+        """The purerpc service: the methods that never wait are immediate (_ImmediateService)."""
+        service = _ImmediateService(f"{API_VERSION}.DevicePlugin")
+        immediate: dict[str, Callable[[Any], Any]] = {
+            "GetDevicePluginOptions": self.GetDevicePluginOptions,
+            "GetPreferredAllocation": self.GetPreferredAllocation,
+        }
+        waiting: dict[str, Callable[..., Any]] = {
+            "ListAndWatch": self.ListAndWatch,
+            "PreStartContainer": self.PreStartContainer,
+        }
+        if self.shape_allocation is None:
+            immediate["Allocate"] = self.Allocate
+        else:
+            waiting["Allocate"] = self._allocate_and_shape
+        # GetPreferredAllocation reads its request as _PreferredAllocationWire (its IDs as bytes).
+        signatures = {name: METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature for name in [*immediate, *waiting]}
+        signatures["GetPreferredAllocation"] = _PREFERRED_WIRE_SIGNATURE
+        for name, handler in immediate.items():
+            service.add_immediate_method(name, handler, signatures[name])
+        for name, waits in waiting.items():
+            service.add_method(name, waits, signatures[name])
+        return service
 
-    async def allocate_and_shape(request: Any) -> Any:
-        with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
-            response, allocated = allocation(request)
-            for container, chosen, answer in zip(
-                request.container_requests, allocated, response.container_responses, strict=True
-            ):
-                shaped = shape_allocation(chosen, answer) if shape_allocation is not None else None
-                if inspect.isawaitable(shaped):
-                    await shaped
-                _log(resource).info("allocated %s", ",".join(container.devices_ids))
-            return response
 
-    def allocation(request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
-        ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
-        return allocate_with_devices(now(), devices_now(ids), request)
-
-    # One server per resource and registration: the previous one, and the commands it ran, are
-    # stopped before the next serves, so these slots are the resource's.
-    pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
-
-    async def pre_start_container(request: Any) -> Any:
-        with _timed(lambda metrics: metrics.pre_start.labels(resource.name)):
-            return await answer_pre_start(request)
-
-    async def answer_pre_start(request: Any) -> Any:
-        # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
-        if (current := now()).pre_start:
-            chosen = allocated_devices(current, devices_now(request.devices_ids), request.devices_ids)
-            await run_pre_start(current, chosen, pre_start_slots)
-        return v1beta1.PreStartContainerResponse()
-
-    service = _ImmediateService(f"{API_VERSION}.DevicePlugin")
-    immediate: dict[str, Callable[[Any], Any]] = {
-        "GetDevicePluginOptions": get_device_plugin_options,
-        "GetPreferredAllocation": get_preferred_allocation,
-    }
-    waiting: dict[str, Callable[..., Any]] = {"ListAndWatch": list_and_watch, "PreStartContainer": pre_start_container}
-    if shape_allocation is None:
-        immediate["Allocate"] = allocate
-    else:
-        waiting["Allocate"] = allocate_and_shape
-    # GetPreferredAllocation reads its request as _PreferredAllocationWire (its IDs as bytes).
-    signatures = {name: METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature for name in [*immediate, *waiting]}
-    signatures["GetPreferredAllocation"] = _PREFERRED_WIRE_SIGNATURE
-    for name, handler in immediate.items():
-        service.add_immediate_method(name, handler, signatures[name])
-    for name, waits in waiting.items():
-        service.add_method(name, waits, signatures[name])
-    return service
+def device_plugin_service(
+    resource: ResourceConfig,
+    devices: Watched,
+    shape_allocation: ShapeAllocation | None = None,
+    encoder: _ListEncoder | None = None,
+    ending: trio.Event | None = None,
+    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
+    status: StreamStatus | None = None,
+    *,
+    config: Watched | None = None,
+    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
+) -> purerpc.Service:
+    """The DevicePlugin service for one resource, as a purerpc service: DevicePluginService's
+    (the arguments are its)."""
+    plugin = DevicePluginService(
+        resource, devices, shape_allocation, encoder, ending, examine, status, config=config, examiner=examiner
+    )
+    return plugin.service()
 
 
 #: At most this many pre_start commands of a resource run at once; the kubelet's further calls
@@ -11779,7 +11904,7 @@ async def serve_plugin(
             task_status.started()
             async with contextlib.aclosing(updates):
                 async for new in updates:
-                    fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                    fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra", "nfd_features_file")
                     if kubelet is None:  # not watched yet: it will be where the reload that needs it says
                         fixed = fixed[1:]
                     if any(getattr(new, key) != getattr(config, key) for key in fixed):
@@ -11788,6 +11913,9 @@ async def serve_plugin(
                     before = list(served)
                     removed = [name for name in served if name not in wanted]
                     changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
+                    # A reload runs every describe again (what it says may have changed without any
+                    # device coming or going): an unchanged resource's watch starts afresh in place.
+                    again = [n for n in served if n in wanted and n not in changed and wanted[n].describe]
                     added = [name for name in wanted if name not in served]
                     await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
                     for name in removed:
@@ -11809,6 +11937,8 @@ async def serve_plugin(
                         else:
                             await start(old.resource)  # the new one failed: serve the old one again
                             kept.append(name)
+                    for name in again:
+                        await served[name].update(wanted[name])
                     for name in added:
                         if not await start(wanted[name]):
                             not_added.append(name)
@@ -11823,6 +11953,7 @@ async def serve_plugin(
                         for what, names, after in (
                             ("added", [name for name in added if name not in not_added], ""),
                             ("updated in place", updated, ""),
+                            ("described again", again, ""),
                             ("re-registered", registered, ""),
                             ("removed", removed, ""),
                             ("kept", kept, " as it was"),
@@ -11849,6 +11980,8 @@ async def serve_plugin(
                 await start(resource)
             # Not a part: it holds nothing, and a stop cancels it at once, with the rest of the nursery.
             nursery.start_soon(_warn_shared_nodes, served, roster)
+            if config.nfd_features_file is not None:  # read at start only, as metrics_address
+                nursery.start_soon(_keep_nfd_features, config.nfd_features_file, served, roster)
             if config.dra is not None and dra_resources is not None:
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
@@ -11884,6 +12017,78 @@ async def _warn_shared_nodes(served: Mapping[str, _Served], roster: Watched) -> 
                 log.warning("%s", line)
         said = set(lines)
         await _any_event(events, trio.Event())
+
+
+#: How long a feature file that could not be written waits to be tried again, if no change comes first.
+NFD_RETRY_SECONDS = 30.0
+
+
+def write_nfd_features(path: str, text: str) -> os.stat_result:
+    """Write the NFD feature file whole (_replace_whole): nfd-worker watches its directory and
+    reads each file at every event, so it must never see half of one. The temporary file's name
+    begins with ".", which NFD skips. Its directory is made if missing (nfd-worker reads it when
+    it is there). Not synced to the disk: every start writes the file anew. Raises OSError."""
+    directory = os.path.dirname(path)
+    if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs would say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a directory")
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    return _replace_whole(path, text, f".{os.path.basename(path)}-", 0o644, durable=False)
+
+
+async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: Watched) -> None:
+    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices come,
+    go and change health, and as a reload adds or removes resources: written when its text
+    changes, not at each wake (a device's health flapping rewrites it only as the count changes).
+    It is not on the kubelet's path: this task wakes with the device sets, as _warn_shared_nodes.
+    A write that fails is said once (and once when it works again) and tried again at the next
+    change or after NFD_RETRY_SECONDS; the plugin serves on.
+
+    Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
+    labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
+    task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
+    written its own by the time the old one stops, and that one stays."""
+    text: str | None = None
+    written: os.stat_result | None = None
+    failing: str | None = None
+    try:
+        while True:
+            # The events before the look: a change made while looking is not missed.
+            events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
+            wanted = nfd_features(
+                (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
+            )
+            if wanted != text:
+                try:
+                    written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
+                except OSError as error:
+                    problem = (
+                        f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}: "
+                        f"its labels stay as they were; trying again at the next change or in {NFD_RETRY_SECONDS:g} s"
+                    )
+                    if problem != failing:
+                        log.error("%s", problem)
+                    failing = problem
+                else:
+                    text = wanted
+                    if failing is not None:
+                        log.info("wrote the NFD feature file %s again", path)
+                    failing = None
+                    if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
+                        log.error(
+                            "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so none of "
+                            "its labels reach the node; serve fewer resources from this configuration",
+                            path,
+                            len(wanted.encode()),
+                            NFD_MAX_FEATURE_FILE_SIZE,
+                        )
+            with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
+                await _any_event(events, trio.Event())
+    finally:
+        if written is not None:
+            with contextlib.suppress(OSError):
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (written.st_dev, written.st_ino):
+                    os.unlink(path)
 
 
 def _start_metrics(address: str) -> Metrics:
@@ -11932,6 +12137,9 @@ class _Served:
     start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
     watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
     dra_resources: DraResources | None = None
+    #: what its describe last said, by device ID: kept across its watches, so that a reload's new
+    #: watch publishes the devices as described until describe has run again
+    described: dict[str, ReadValues] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
@@ -12011,7 +12219,13 @@ async def _serve_one(
                         with scope:
                             turn = dra_resources.cdi_turn if dra_resources is not None else None
                             await watch_devices(
-                                resource, served.devices, sysfs_root, dev_root, turn, task_status=task_status
+                                resource,
+                                served.devices,
+                                sysfs_root,
+                                dev_root,
+                                turn,
+                                described=served.described,
+                                task_status=task_status,
                             )
                     finally:
                         done.set()
@@ -14298,8 +14512,25 @@ async def _demo_claim(
         while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
             await api.changed.wait_touched()
 
+    def generation() -> int:
+        return max(
+            (
+                item["spec"]["pool"]["generation"]
+                for item in api.slices.values()
+                if item["spec"]["pool"]["name"] == pool
+            ),
+            default=0,
+        )
+
     await _demo_step(f"{resource.name}'s ResourceSlice", published())
     say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
+    if resource.describe:  # it runs once the devices are found: its values come in the next generation
+        first = generation()
+        with trio.move_on_after(DESCRIBE_TIMEOUT + 1):
+            while generation() == first:
+                await api.changed.wait_touched()
+        if generation() == first:
+            say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
     healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
@@ -14307,6 +14538,11 @@ async def _demo_claim(
         say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
         return
     device = min(healthy, key=lambda d: _natural_key(d["name"]))
+    # What the scheduler selects by: the device's attributes and capacity in its slice (the
+    # standard ones under resource.kubernetes.io/, the others under the driver's name).
+    shown = [f"{key}={next(iter(typed.values()))}" for key, typed in device["attributes"].items()]
+    shown += [f"{key}={value['value']}" for key, value in device.get("capacity", {}).items()]
+    say("plugin", f"  device {device['name']}: {', '.join(shown)}")
     result = {"request": "device", "driver": driver, "pool": pool, "device": device["name"]}
     if device.get("allowMultipleAllocations"):
         result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
@@ -14627,6 +14863,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.strict:
                 print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
                 strict_failed = True
+        if config.nfd_features_file is not None:  # the labels NFD would give this node, as serve writes them
+            features = nfd_features((resource, {d.id: d for d in devices}) for resource, devices in offered)
+            print(f"NFD feature file {config.nfd_features_file} (nfd_features_file), as serve would write it:")
+            print("\n".join(f"  {line}" for line in features.splitlines() if not line.startswith("#")))
         return EXIT_FAILURE if strict_failed else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     raise_open_files_limit()
@@ -14926,6 +15166,87 @@ def _exit_now(code: int) -> NoReturn:
     with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
         sys.stdout.flush()
     os._exit(code)
+
+
+########################################################################################################
+# 10. Start-up plumbing
+#
+# Not the protocol. How `python gopherplug.py` keeps no syntax tree for life: called from the top
+# of the file, before any other import, with the code the interpreter compiled for the script.
+########################################################################################################
+
+
+def _run_as_module(script: str) -> None:
+    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
+
+    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
+    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
+    after the module's code has run): for a plugin that serves until it is stopped, never. For
+    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
+    copy run as a sidecar binary), and growing with every line. An import compiles the file and
+    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
+    environment and interpreter options) with a Python that imports this file and runs main().
+    The console script and `python -m gopherplug` import the module already, and a debugger or
+    profiler (a trace or profile function set) keeps the script as it is.
+
+    It is called from the top of the file, before any other import: the script's process would
+    throw away whatever it imported (the dependencies alone take 150 ms). And it hands the import
+    the code it has already compiled (the script was compiled whole before its first line ran,
+    about 350 ms for this file): marshalled into a memory file the new process inherits, used in
+    place of compiling the file again where no valid bytecode is cached beside it (a read-only
+    copy, PYTHONDONTWRITEBYTECODE), and written to that cache where one may be written, as the
+    import would have. Only if the file is as it was: a file changed in the last 2 s (maybe since
+    the interpreter read it), or whose size or time differs when the import reads it, is compiled
+    again from what is on disk.
+
+    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
+    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
+    installed in site-packages and run it instead, or fail where none is. The loader is named,
+    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
+    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
+    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
+    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
+    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
+    place of PyYAML, by a process that often runs as root), and the directory Python gave the
+    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
+    script had none either (-P, -I, PYTHONSAFEPATH).
+    """
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return
+    import marshal
+    import time
+
+    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
+    script_directory = [] if sys.flags.safe_path else sys.path[:1]
+    path = os.path.realpath(script)
+    handed = "None"
+    try:
+        status = os.stat(path)
+        if time.time_ns() - status.st_mtime_ns > 2_000_000_000:
+            compiled = os.memfd_create("gopherplug-code", 0)  # inherited across execv
+            os.write(compiled, marshal.dumps(sys._getframe(1).f_code))  # the module's: our caller's
+            os.lseek(compiled, 0, os.SEEK_SET)
+            handed = repr((compiled, status.st_size, status.st_mtime_ns))
+    except (OSError, ValueError):  # no memfd (an old kernel, a seccomp profile): compiled again
+        pass
+    code = (
+        "import importlib.machinery, importlib.util, os, sys\n"
+        f"sys.path[:0] = {script_directory!r}; sys.argv[0] = {script!r}; handed = {handed}\n"
+        "class Loader(importlib.machinery.SourceFileLoader):\n"
+        "    def source_to_code(self, data, path, *, _optimize=-1):  # the script's code, if the file is as it was\n"
+        "        if handed and (len(data), os.stat(path).st_mtime_ns) == handed[1:]:\n"
+        "            import _imp, marshal\n"
+        "            code = marshal.loads(os.pread(handed[0], os.fstat(handed[0]).st_size, 0))\n"
+        "            _imp._fix_co_filename(code, path)  # as for a .pyc: the file's path, not the name typed\n"
+        "            return code\n"
+        "        return super().source_to_code(data, path, _optimize=_optimize)\n"
+        f"loader = Loader('gopherplug', {path!r})\n"
+        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
+        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug)\n"
+        "if handed: os.close(handed[0])\n"
+        "sys.exit(gopherplug.main())"
+    )
+    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
 
 
 if __name__ == "__main__":
