@@ -13217,7 +13217,7 @@ async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_us
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_container(dra_node):
     """On every release: a claim of the shipped class gets the healthy device, gopherplug prepares
-    it, and the container gets its CDI device."""
+    it, and the container gets its CDI device and its request's env."""
     await publish_unhealthy_and_healthy(dra_node)
     scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
     made = ordinary_claim("c1")
@@ -13226,7 +13226,10 @@ async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_c
     with trio.fail_after(TIMEOUT):
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-c1", "c1")])).claims["uid-c1"]
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher1"])
-    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == ["example.com/gopher=gopher1"]
+    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-c1_gopher",
+    ]
     dra_node.stop()
 
 
@@ -13251,7 +13254,10 @@ async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(d
     with trio.fail_after(TIMEOUT):
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-listed", "listed")])).claims["uid-listed"]
     assert answer.error == ""
-    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == ["example.com/gopher=gopher1"]
+    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-listed_gopher",  # the request's env, under the request's name
+    ]
     dra_node.stop()
 
 
