@@ -13355,7 +13355,7 @@ async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_us
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_container(dra_node):
     """On every release: a claim of the shipped class gets the healthy device, gopherplug prepares
-    it, and the container gets its CDI device."""
+    it, and the container gets its CDI device and its request's env."""
     await publish_unhealthy_and_healthy(dra_node)
     scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
     made = ordinary_claim("c1")
