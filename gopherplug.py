@@ -1332,6 +1332,16 @@ class DeviceEntry:
     pci: PciAddress | None = None  #: from sysfs, for a device node of a PCI device; None: not one
     usb: UsbDevice | None = None  #: the USB device it is a node of (usb entries); None: not one
 
+    def __post_init__(self) -> None:
+        # The kubelet takes any string for health and counts only "Healthy" as allocatable: a
+        # "Broken" or "healthy" from an embedding program would reach it as an unhealthy device
+        # with no one told why. Two string compares (the scans build every entry through here).
+        if self.health != HEALTHY and self.health != UNHEALTHY:
+            raise ValueError(
+                f"DeviceEntry {self.id!r}: health={self.health!r}: use gopherplug.HEALTHY or gopherplug.UNHEALTHY "
+                "('Healthy' or 'Unhealthy', as the kubelet spells them)"
+            )
+
 
 @dataclass(frozen=True)
 class PciAddress:
@@ -10133,6 +10143,7 @@ async def serve_devices(
     its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning, not sent.
     A change of a device's health is logged as the directory watcher logs it.
     """
+    _embedding_guard("serve_devices", devices, device_plugin_dir)
     kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
     warned: dict[str, str] = {}  # skipped key -> why, as last warned
     given = devices.value
@@ -10143,6 +10154,31 @@ async def serve_devices(
         nursery.start_soon(_follow_given_devices, resource, devices, given, checked, warned)
         await nursery.start(serve_resource, resource, checked, kubelet, shape_allocation)
         task_status.started()
+
+
+def _embedding_guard(function: str, devices: Any, device_plugin_dir: str | None = None) -> None:
+    """Refuse, in one line, what an embedding program can get wrong before anything is served: the
+    CLI refuses the same through its configuration. Without this, a plain dict fails deep inside
+    (no wait_changed), a relative directory is never the one the kubelet's socket is in (it waits
+    for kubelet.sock forever), and a call from asyncio fails inside trio ('RunContext' object has
+    no attribute 'runner')."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise RuntimeError(
+            f"{function} runs under trio, not this event loop: from asyncio, run it in trio's guest mode "
+            "(trio.lowlevel.start_guest_run), as examples/embedding/asyncio_host.py does"
+        ) from None
+    if not isinstance(devices, Watched):
+        raise TypeError(
+            f"{function}: devices must be a gopherplug.Watched holding a dict of device ID -> DeviceEntry, "
+            f"not a {type(devices).__name__}: pass Watched({{...}}) and call its .set() when the devices change"
+        )
+    if device_plugin_dir is not None and not os.path.isabs(device_plugin_dir):
+        raise ValueError(
+            f"{function}: device_plugin_dir {device_plugin_dir!r} must be an absolute path (the kubelet's, "
+            "e.g. /var/lib/kubelet/device-plugins)"
+        )
 
 
 def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str]) -> dict[str, DeviceEntry]:
@@ -10239,6 +10275,7 @@ async def serve_dra_devices(
     arguments raises ConfigError before anything starts. started() is called with the DraDriver once
     its sockets listen.
     """
+    _embedding_guard("serve_dra_devices", devices)
     config, dra_resource, node = _embedded_dra(
         resource, driver, node_name, kubelet_dir, cdi_dir, cdi_kind, unhealthy_taint, pod_uid, device_metadata
     )

@@ -5632,6 +5632,54 @@ async def test_serve_devices_skips_what_a_directory_would_skip_warning_once_each
     assert widgets(simulator) == {"w1": gp.HEALTHY}
 
 
+async def test_serve_devices_refuses_a_plain_dict_and_a_relative_directory_in_one_line(node):
+    """What the CLI refuses through its configuration, the API refuses before anything starts: a
+    dict where a Watched is wanted (it would fail deep inside, or never hear of a change) and a
+    relative device_plugin_dir (never the kubelet's: it would wait for kubelet.sock forever)."""
+    resource = gp.resource_config(WIDGET)
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(TypeError) as caught:
+            await gp.serve_devices(resource, {"w0": gp.DeviceEntry("w0", "/dev/w0")}, node.plugin_dir)
+        assert str(caught.value) == (
+            "serve_devices: devices must be a gopherplug.Watched holding a dict of device ID -> DeviceEntry, not a "
+            "dict: pass Watched({...}) and call its .set() when the devices change"
+        )
+        with pytest.raises(ValueError, match=r"^serve_devices: device_plugin_dir 'device-plugins' must be an absolute"):
+            await gp.serve_devices(resource, gp.Watched({}), "device-plugins")
+        with pytest.raises(TypeError, match=r"^serve_dra_devices: devices must be a gopherplug.Watched"):
+            await gp.serve_dra_devices(resource, {}, driver="gopherplug.example.com")
+
+
+def test_serve_devices_from_asyncio_points_to_trios_guest_mode():
+    """Awaited from an asyncio program, serve_devices says to run it in trio's guest mode, as the
+    asyncio example does, instead of failing inside trio ('RunContext' has no attribute 'runner')."""
+    import asyncio
+
+    async def host():
+        await gp.serve_devices(gp.resource_config(WIDGET), gp.Watched({}), "/var/lib/kubelet/device-plugins")
+
+    with pytest.raises(RuntimeError) as caught:
+        asyncio.run(host())
+    assert str(caught.value) == (
+        "serve_devices runs under trio, not this event loop: from asyncio, run it in trio's guest mode "
+        "(trio.lowlevel.start_guest_run), as examples/embedding/asyncio_host.py does"
+    )
+    assert (HERE / "examples" / "embedding" / "asyncio_host.py").is_file()
+
+
+@pytest.mark.parametrize("health", ["Broken", "healthy", None])
+def test_device_entry_refuses_a_health_the_kubelet_does_not_know(health):
+    """The kubelet takes any string and allocates only "Healthy": any other would reach it as an
+    unhealthy device with no one told why."""
+    with pytest.raises(ValueError) as caught:
+        gp.DeviceEntry("w0", "/dev/w0", health=health)
+    assert str(caught.value) == (
+        f"DeviceEntry 'w0': health={health!r}: use gopherplug.HEALTHY or gopherplug.UNHEALTHY ('Healthy' or "
+        "'Unhealthy', as the kubelet spells them)"
+    )
+    assert gp.DeviceEntry("w0", "/dev/w0", health=gp.UNHEALTHY).health == "Unhealthy"
+
+
 async def test_serve_devices_logs_the_health_changes_the_program_publishes(nursery, node, caplog):
     """One line per device whose health changed, naming the resource in the message itself: what a
     plain handler (caplog here, logging.basicConfig in a program) shows."""
