@@ -5538,16 +5538,61 @@ def _read_text(path: str) -> str | None:
 
 
 def load_config(
-    path: str, device_plugin_dir: str | None = None, device_plugin_dir_from: str = "--device-plugin-dir"
+    path: str,
+    device_plugin_dir: str | None = None,
+    device_plugin_dir_from: str = "--device-plugin-dir",
+    *,
+    objects: bool = False,
 ) -> Config:
     """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's
-    (``device_plugin_dir_from`` names where it was given, for a message about it)."""
+    (``device_plugin_dir_from`` names where it was given, for a message about it). With ``objects``
+    (check-config), the file may be Kubernetes objects instead: the chart's ConfigMap, or `helm
+    template`'s whole output, whose ConfigMap's config.yaml is the configuration (_configmap_config)."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
-    return _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+    source = path
+    if objects:
+        text, source = _configmap_config(text, path)
+    return _config_from_text(text, source, device_plugin_dir, device_plugin_dir_from)
+
+
+def _configmap_config(text: str, path: str) -> tuple[str, str]:
+    """(configuration text, its source for messages) of a file that may hold Kubernetes objects: the
+    config.yaml of its one ConfigMap that has that key (what the chart renders, alone or among the
+    DaemonSet and the rest), else the text itself, a configuration file, for parse_config."""
+    if "kind" not in text:  # a configuration file has no kind: no second parse of it
+        return text, path
+    try:
+        documents = [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
+    except yaml.YAMLError:
+        return text, path  # parse_config says where
+    if not any("apiVersion" in doc and "kind" in doc for doc in documents):
+        return text, path
+    found = [
+        doc
+        for doc in documents
+        if doc.get("kind") == "ConfigMap"
+        and isinstance(doc.get("data"), dict)
+        and isinstance(doc["data"].get("config.yaml"), str)
+    ]
+    names = [
+        f"{(doc.get('metadata') or {}).get('namespace', '')}/{(doc.get('metadata') or {}).get('name', '')}"
+        for doc in found
+    ]
+    if len(found) != 1:
+        kinds = ", ".join(dict.fromkeys(str(doc.get("kind")) for doc in documents))
+        what = (
+            f"{len(found)} ConfigMaps with a config.yaml key ({', '.join(names)})"
+            if found
+            else f"{kinds}, and no ConfigMap with a config.yaml key"
+        )
+        problem = f"holds Kubernetes objects, {what}: give the chart's ConfigMap, helm template's output, "
+        problem += "or the configuration file"
+        raise ConfigError(path, "", problem)
+    return found[0]["data"]["config.yaml"], f"{path} (ConfigMap {names[0].lstrip('/')}, config.yaml)"
 
 
 def _config_from_text(
@@ -10486,7 +10531,10 @@ def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_
         return f"{problem}; this machine's kubelet is in {elsewhere}"
     import difflib  # here, not at the top: only for a directory that looks mistaken
 
-    if close := difflib.get_close_matches(directory, candidates, n=1):
+    # Only a directory that is there, and not the one given (a known one, missing here): "did you
+    # mean" the very path just said to be missing would send the user round in a circle.
+    there = [candidate for candidate in candidates if candidate != directory and os.path.isdir(candidate)]
+    if close := difflib.get_close_matches(directory, there, n=1):
         return f"{problem}; did you mean {close[0]}?"
     return problem
 
@@ -13036,7 +13084,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args))
+        objects = args.command == "check-config"  # the chart's ConfigMap, or helm template's output, too
+        config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args), objects=objects)
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE

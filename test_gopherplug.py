@@ -6979,6 +6979,40 @@ def test_device_plugin_dir_mistake_proposes_the_kubelets_directory(sockdir, give
         assert gp.device_plugin_dir_mistake(given.format(*known), known) == expected
 
 
+def test_device_plugin_dir_mistake_proposes_no_directory_that_is_missing_too(sockdir):
+    """A known directory given, missing on this machine: no "did you mean" itself, nor another
+    known one that is missing as well."""
+    known = [os.path.join(sockdir, "k", "device-plugins"), os.path.join(sockdir, "k2", "device-plugins")]
+    for directory in known:
+        said = f"{directory} does not exist: serve would wait there for the kubelet"
+        assert gp.device_plugin_dir_mistake(directory, known) == said
+
+
+def test_check_config_takes_the_charts_configmap_and_helm_templates_output(helm, tmp_path):
+    """What the chart's README promises: check-config --config on the chart's ConfigMap, or on
+    `helm template`'s whole output, checks the configuration in it (and refuses what it refuses)."""
+    render = helm_template(helm, "chart/gopherplug/ci/device-plugin-values.yaml")
+    assert render.returncode == 0, render.stderr
+    (configmap,) = [doc for doc in yaml.safe_load_all(render.stdout) if doc and doc["kind"] == "ConfigMap"]
+    whole, alone = tmp_path / "render.yaml", tmp_path / "configmap.yaml"
+    whole.write_text(render.stdout)
+    alone.write_text(yaml.safe_dump(configmap))
+    for path in (whole, alone):
+        result = run_cli("check-config", "--config", str(path))
+        first = result.stdout.splitlines()[0] if result.stdout else result.stderr
+        assert first.startswith(f"{path} (ConfigMap kube-system/gopherplug, config.yaml): OK: 1 resource(s): "), first
+    configmap["data"]["config.yaml"] = configmap["data"]["config.yaml"].replace("resources:", "resourcs:")
+    alone.write_text(yaml.safe_dump(configmap))
+    result = run_cli("check-config", "--config", str(alone))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"gopherplug: {alone} (ConfigMap kube-system/gopherplug, config.yaml): resourcs: ")
+    alone.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}}))
+    assert run_cli("check-config", "--config", str(alone)).stderr == (
+        f"gopherplug: {alone}: holds Kubernetes objects, Secret, and no ConfigMap with a config.yaml key: give the "
+        "chart's ConfigMap, helm template's output, or the configuration file\n"
+    )
+
+
 def test_check_config_warns_of_a_device_plugin_dir_that_is_not_there(node, tmp_path):
     # A typo in device_plugin_dir: serve waits for the kubelet for ever, and check-config said nothing.
     if gp._kubelets_directory(gp.KNOWN_DEVICE_PLUGIN_DIRS) is not None:
