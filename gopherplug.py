@@ -162,7 +162,13 @@ def _run_as_module(script: str) -> None:
         "        return super().source_to_code(data, path, _optimize=_optimize)\n"
         f"loader = Loader('gopherplug', {path!r})\n"
         "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
-        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug)\n"
+        "sys.modules['gopherplug'] = gopherplug\n"
+        "try:\n"
+        "    loader.exec_module(gopherplug)\n"
+        "except ModuleNotFoundError as error:  # run from a checkout without its dependencies: one line\n"
+        "    if error.name in {'gopherplug'} or not error.name: raise\n"
+        "    sys.exit(f'gopherplug: {error}: install its dependencies (pip install . in a checkout, or pip '\n"
+        "             'install --require-hashes -r requirements/device-plugin.lock), or run it where they are')\n"
         "if handed: os.close(handed[0])\n"
         "sys.exit(gopherplug.main())"
     )
@@ -13044,6 +13050,19 @@ _GENERIC_DEVICE_FLAG = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``gopherplug`` command (_main), quiet when its reader goes away: ``check-config | head -1``
+    closes the pipe after one line, and what was read is all that was wanted. Not SIGPIPE's default
+    action, which would end serve too at a peer's closed socket."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # As Python's signal documentation advises: stdout pointed at /dev/null, so that the flush
+        # at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code, but for ``serve`` stopped as asked
     (SIGTERM, SIGINT), which ends the process itself once everything is closed, without the
     interpreter's teardown (atexit handlers do not run)."""
@@ -13051,7 +13070,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself (console script, python -m gopherplug, gopherplug.py)
         _OWNS_PROCESS = True
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
+    commands = ("serve", "check-config", "probe", "who", "demo")
+    if argv and argv[0] not in commands and not argv[0].startswith("-"):  # a word, not a command: a typo
+        import difflib  # here, where a mistake is
+
+        close = difflib.get_close_matches(argv[0], commands, n=1)
+        meant = f"did you mean {close[0]}?" if close else f"the commands are {', '.join(commands)}"
+        print(f"gopherplug: {argv[0]!r} is not a command: {meant}", file=sys.stderr)
+        return EXIT_USAGE
+    if not argv or argv[0] not in {*commands, "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
     # generic-device-plugin's own option, carried over from its DaemonSet: not an abbreviation
     # (there are none, see _parser), and not unrecognized without a word on where its meaning went.

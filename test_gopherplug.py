@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -7169,6 +7170,60 @@ def test_bad_usage_exits_2():
     result = run_cli("serve", "--log-level", "loud", env={"GOPHERPLUG_CONFIG": ""})
     assert result.returncode == 2
     assert "invalid choice: 'loud'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("word", "said"),
+    [
+        ("server", "did you mean serve?"),
+        ("chek-config", "did you mean check-config?"),
+        ("xyzzy", "the commands are serve, check-config, probe, who, demo"),
+    ],
+)
+def test_a_word_that_is_not_a_command_is_one_line(word, said):
+    """`gopherplug server` was `serve` with an unrecognized argument 'server' and the usage."""
+    result = run_cli(word, env={"GOPHERPLUG_CONFIG": ""})
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        f"gopherplug: {word!r} is not a command: {said}\n",
+    )
+
+
+def test_check_config_into_a_pipe_closed_early_ends_without_a_traceback(node, tmp_path):
+    """`check-config | head -1`: the reader has what it wanted; no BrokenPipeError traceback, and
+    the status a shell gives a command SIGPIPE ended."""
+    path = write_config(node, tmp_path)
+    command = f"{shlex.quote(sys.executable)} {HERE / 'gopherplug.py'} check-config --config {shlex.quote(str(path))}"
+    result = subprocess.run(
+        ["bash", "-c", f'set -o pipefail; {command} | head -c 1; echo " ${{PIPESTATUS[0]}}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.stdout, result.stderr) == (f"{path.__str__()[0]} 141\n", "")
+
+
+def test_the_script_without_its_dependencies_says_what_to_install_in_one_line(tmp_path):
+    """`python gopherplug.py` from a checkout, in an environment without its dependencies (a bare
+    venv): one line naming what is missing and what to install, not an import traceback."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    result = subprocess.run(
+        [str(tmp_path / "bare" / "bin" / "python"), str(HERE / "gopherplug.py"), "check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    (line,) = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"gopherplug: No module named '\w+': install its dependencies \(pip install \. in a checkout, or pip "
+        r"install --require-hashes -r requirements/device-plugin\.lock\), or run it where they are",
+        line,
+    ), line
+    assert (HERE / "requirements" / "device-plugin.lock").is_file()
 
 
 @pytest.mark.parametrize(
