@@ -361,6 +361,22 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
+#: At most this many IDs are named in a line on devices that came or went; the others are counted.
+NAMED_CHANGES = 5
+
+
+def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), at
+    most NAMED_CHANGES of each named ("and 12 more")."""
+    parts = []
+    for ids, what in ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went")):
+        if ids:
+            named = _natural_sorted(list(ids))
+            more = f" and {len(named) - NAMED_CHANGES} more" if len(named) > NAMED_CHANGES else ""
+            parts.append(f"{', '.join(named[:NAMED_CHANGES])}{more} {what}")
+    return f": {'; '.join(parts)}" if parts else ""
+
+
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -6717,7 +6733,10 @@ class _DeviceSet:
         if not self.found and self.empty is not True:
             _log(self.resource).warning("no device from %s: none is offered until one appears", self.resource.origin())
         elif found != before:
-            _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
+            # After the first list, which devices came and went (hot-plug): the count alone does not
+            # say which. Only when the set of IDs changed; a change of health has its own line.
+            changes = _came_and_went(before, found) if self.empty is not None else ""
+            _log(self.resource).info("%s from %s%s", _devices(len(found)), self.resource.origin(), changes)
         self.empty = not self.found
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry], rewrite: bool = False) -> dict[str, DeviceEntry]:
@@ -7242,7 +7261,14 @@ def device_plugin_service(
 
     def allocation(request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
-        return allocate_with_devices(now(), devices_now(ids), request)
+        try:
+            return allocate_with_devices(now(), devices_now(ids), request)
+        except RPCError as error:
+            # The kubelet fails the pod (UnexpectedAdmissionError, with this message in its events):
+            # the plugin's log says so too, once per refusal. A try costs nothing until it catches
+            # (3.11's zero-cost exceptions): the success path does no more work.
+            _log(resource).warning("refused Allocate of %s: %s", ",".join(ids) or "no device", error.message)
+            raise
 
     # One server per resource and registration: the previous one, and the commands it ran, are
     # stopped before the next serves, so these slots are the resource's.
@@ -8671,7 +8697,12 @@ class KubeApi:
             else:
                 config = lightkube.KubeConfig.from_env()
             chosen = config.get()  # the current context's cluster and user, as the client takes them
-        except (lightkube.ConfigError, OSError, KeyError) as error:
+        except KeyError as error:  # lightkube reads a section the kubeconfig lacks: it says only 'contexts'
+            where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            problem = f"no Kubernetes API configuration: {where} has no {error.args[0]!r} section; a kubeconfig lists "
+            problem += "clusters, users and contexts, and names its current-context (kubectl config view shows it)"
+            raise GopherplugError(problem) from None
+        except (lightkube.ConfigError, OSError) as error:
             raise GopherplugError(f"no Kubernetes API configuration: {error}") from None
         # A user with an exec credential plugin: lightkube runs it through asyncio, which has no
         # event loop under trio (ExecCredentialPlugin runs it itself). Read before the client is made,

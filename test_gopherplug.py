@@ -3270,15 +3270,20 @@ async def test_preferred_allocation_refuses_ids_that_are_no_utf8(nursery, node, 
         assert await simulator.preferred_allocation(RESOURCE, ["g2", "g10", "g1"], ["g10"], 2) == ["g10", "g1"]
 
 
-async def test_allocate_unknown_ids_is_invalid_argument(nursery, node):
+async def test_allocate_unknown_ids_is_invalid_argument(nursery, node, caplog):
+    """Refused, and said in the plugin's log too (one line: the kubelet shows it only in the pod's
+    events); an Allocate answered logs no refusal."""
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node)
+        await simulator.allocate(RESOURCE, ["g1"])
         with pytest.raises(gp.RPCError) as info:
             await simulator.allocate(RESOURCE, ["g1", "g7"])
     assert (info.value.code, info.value.message) == (
         StatusCode.INVALID_ARGUMENT,
         "unknown example.com/gopher device IDs: g7",
     )
+    refused = [(r.levelname, r.getMessage()) for r in caplog.records if "refused Allocate" in r.getMessage()]
+    assert refused == [("WARNING", f"{RESOURCE}: refused Allocate of g1,g7: unknown {RESOURCE} device IDs: g7")]
 
 
 async def test_device_changes_reach_the_kubelet(nursery, node, tmp_path):
@@ -3437,8 +3442,16 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
         Path(node.devices, "k2").touch()
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k2": gp.HEALTHY})
     warning = f"{RESOURCE}: no device from {resource_dir}: none is offered until one appears"
-    came = f"{RESOURCE}: 1 device from {resource_dir}"
-    assert found.lines == [warning, came, warning, came]
+    came = f"{RESOURCE}: 1 device from {resource_dir}"  # hot-plugged: which one came
+    assert found.lines == [warning, f"{came}: k1 came", warning, f"{came}: k2 came"]
+
+
+def test_the_hot_plug_line_names_what_came_and_went():
+    assert gp._came_and_went({"g1": 1}, {"g1": 1, "g3": 1}) == ": g3 came"
+    assert gp._came_and_went({"g1": 1, "g2": 1}, {"g2": 2, "g3": 1}) == ": g3 came; g1 went"
+    many = {f"g{n}": 1 for n in range(12)}
+    assert gp._came_and_went({}, many) == ": g0, g1, g2, g3, g4 and 7 more came"
+    assert gp._came_and_went(many, many) == ""
 
 
 async def test_kubelet_restart_reregisters_with_a_fresh_list(nursery, node):
@@ -13171,6 +13184,20 @@ async def test_dra_exec_credential_plugin_failure_is_one_line(dra_node, tmp_path
     assert failed.value.status is None
     assert dra_node.api.bearers == []
     assert len(plugin.runs()) == (0 if "installHint" in fields else 1)
+
+
+def test_a_kubeconfig_without_contexts_is_one_line_saying_what_it_lacks(tmp_path):
+    """lightkube reads the section by key: without this, the whole message was 'contexts'."""
+    kubeconfig = tmp_path / "kubeconfig"
+    cluster = {"name": "c", "cluster": {"server": "https://127.0.0.1:6443"}}
+    document = {"apiVersion": "v1", "kind": "Config", "current-context": "x"}
+    kubeconfig.write_text(yaml.safe_dump({**document, "clusters": [cluster], "users": [{"name": "u", "user": {}}]}))
+    with pytest.raises(gp.GopherplugError) as caught:
+        gp.KubeApi.connect(kubeconfig=str(kubeconfig))
+    assert str(caught.value) == (
+        f"no Kubernetes API configuration: {kubeconfig} has no 'contexts' section; a kubeconfig lists clusters, "
+        "users and contexts, and names its current-context (kubectl config view shows it)"
+    )
 
 
 @pytest.mark.parametrize(
