@@ -5860,6 +5860,22 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     assert "gopher2 Healthy, gopher3 Healthy (" in said
     assert "registered again as gopherplug-example.com_gopher-2.sock" in said
     assert os.listdir(sockdir) == []
+    times = _narration_times(run_cli("demo", env={"TMPDIR": str(sockdir)}).stdout.splitlines())
+    assert len(times) > 10 and times == sorted(times), times
+
+
+def _narration_times(lines):
+    """The times of a demo's narration lines ("   19.9 ms  kubelet  ..."), in order."""
+    return [float(match[1]) for line in lines if (match := re.match(r"\s*([0-9.]+) ms  ", line))]
+
+
+def test_the_readmes_demo_samples_are_in_time_order():
+    """The README shows each demo's output as a sample: its times never go backwards, as a run's do."""
+    samples = re.findall(r"```\n(gopherplug demo[^\n]*\n.*?)```", (HERE / "README.md").read_text(), re.S)
+    assert len(samples) == 2
+    for sample in samples:
+        times = _narration_times(sample.splitlines()[1:])
+        assert len(times) > 10 and times == sorted(times), sample
 
 
 def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
