@@ -10999,6 +10999,8 @@ async def watch_config_file(
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
         invalid: ConfigError | None = None  # the error of the file as last read, while it is invalid
+        held: str | None = None  # the text of a file held back as emptying a resource (_emptied), until SIGHUP
+        last_read = last_text  # without ``current``: the file as first read, what the caller runs
         async with contextlib.aclosing(watch.batches()) as batches:
             while True:
                 watch.follow(_symlink_hops(path) if os.path.islink(path) else ())
@@ -11006,7 +11008,9 @@ async def watch_config_file(
                     await batches.__anext__()
                 look_now = False
                 text = _read_text(path)
-                if text is None or text == last_text:
+                # SIGHUP on a held-back file that did not change since: apply it as it is, as asked.
+                forced = held is not None and text == held and watch.poked
+                if (text is None or text == last_text) and not forced:
                     if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
                         if text is None:
                             log.warning("cannot read %s", path)
@@ -11032,11 +11036,56 @@ async def watch_config_file(
                         log.info("%s is valid again, the same as the running configuration: nothing to apply", path)
                     else:
                         log.info("%s is valid again: applying it", path)
+                held = None
+                if (
+                    config != last_config
+                    and config.warnings
+                    and not forced
+                    and (emptied := _emptied(last_config or _config_or_none(last_read, path), config))
+                ):
+                    # A DaemonSet's ConfigMap reaches every node at once: a warned-about file that would
+                    # take a served resource to nothing is taken for a mistake until it is confirmed.
+                    held = text
+                    log.error(
+                        "%s: held back, keeping the running configuration: %s; fix the file, or send the plugin "
+                        "SIGHUP to apply it as it is",
+                        path,
+                        emptied,
+                    )
+                    continue
                 if config != last_config:
                     last_config = config
                     for warning in config.warnings:
                         log.warning("%s", warning)
                     yield config
+
+
+def _config_or_none(text: str | None, path: str) -> Config | None:
+    """The configuration in ``text``, or None when there is none or it is invalid."""
+    try:
+        return parse_config(text, path) if text is not None else None
+    except ConfigError:
+        return None
+
+
+def _emptied(running: Config | None, new: Config) -> str:
+    """Why ``new`` looks like a mistake that would empty a live resource, or "": one of its resources
+    is warned about (check-config's warnings: a regex-looking pattern) and, as ``new`` describes it,
+    finds no device on this node, while the same resource of ``running`` finds some. Scans only
+    then (a warning is rare): the directory as it is now, for both."""
+    if running is None or not new.warnings:
+        return ""
+    before = {resource.name: resource for resource in running.resources}
+    for index, resource in enumerate(new.resources):
+        warned = [w for w in new.warnings if f": resources[{index}]." in w]
+        old = before.get(resource.name)
+        if not warned or old is None or old == resource:
+            continue
+        count = len(scan_directory(old, running.sysfs_root, running.dev_root).devices)
+        if count and not scan_directory(resource, new.sysfs_root, new.dev_root).devices:
+            said = warned[0].partition(f"resources[{index}].")[2]
+            return f"{resource.name} would go from {_devices(count)} to none, and resources[{index}].{said}"
+    return ""
 
 
 ########################################################################################################

@@ -4460,6 +4460,42 @@ async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applie
     ]
 
 
+async def test_reload_that_would_empty_a_served_resource_with_a_warning_is_held_back_until_sighup(
+    nursery, node, tmp_path
+):
+    """A reload that takes a served resource from its devices to none while check-config warns
+    about the new file (a regex-looking pattern) is held back like an invalid file: the devices
+    stay offered and one line says why and how to apply it anyway (SIGHUP), which then applies it.
+    A warned-about file that empties nothing is applied as before."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    emptying = config_text(node, **{RESOURCE: {"pattern": r"g\d+"}})
+    watches = []
+    with trio.fail_after(TIMEOUT), logged(str(path)) as said:
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = gp.watch_config_file(str(path), on_watch=watches.append)
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        with logged("held back") as held:
+            path.write_text(emptying)
+            await held.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert streaming(simulator, RESOURCE) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY}
+        watches[0].poke()  # what SIGHUP does
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
+        with logged("configuration reloaded") as applied:
+            path.write_text(config_text(node, **{RESOURCE: {"pattern": "g*", "env": "GOPHER_IDS"}}))
+            await applied.wait()
+        with logged("configuration reloaded") as applied:  # nothing served to empty: applied, with its warning
+            path.write_text(config_text(node, **{RESOURCE: {"pattern": "g*"}, OTHER: {"pattern": r"h\d+"}}))
+            await applied.wait()
+    warning = r"'g\d+' looks like a regular expression, but pattern is a glob (fnmatch): write 'g[0-9]*'"
+    assert said.lines[0] == (
+        f"{path}: held back, keeping the running configuration: {RESOURCE} would go from 2 devices to none, and "
+        f"resources[0].pattern: {warning}; fix the file, or send the plugin SIGHUP to apply it as it is"
+    )
+
+
 async def test_sighup_on_an_invalid_file_repeats_its_error(tmp_path):
     """Read again on request, an invalid file that did not change says its error again, not
     "unchanged", which would read as all is well."""
