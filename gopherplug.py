@@ -7,6 +7,11 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 ``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
 speaks resource.k8s.io/v1).
 
+New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
+of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
+`python examples/lesson/gopher_plugin.py --demo`; examples/lesson/gopher_dra.py does the same for DRA.
+This module is the real thing.
+
 Read it top to bottom; every section only uses the ones above it:
 
   1. The kubelet contract      constants, the v1beta1 messages built in code, the service table
@@ -61,19 +66,19 @@ call_unary, open_stream) does what its name says.
      8. DraKubeletSimulator,           the kubelet's DRA side and an API server, in miniature
         LenientApiServer
 
-The public API is __all__, what the README's "Embedding" section lists too (a test keeps the
+The public API is __all__, what docs/embedding.md's "The public API" lists too (a test keeps the
 three equal). A minor version (0.x) keeps it, or says in CHANGELOG.md what it changes and why;
 every other name, underscored or not, may change in any release.
 
   Run it             main, serve_plugin, serve_devices, serve_dra_devices, serve_dra,
                      serve_until_signalled, STOP_TIMEOUT
   Configure it       load_config, parse_config, resource_config, find_device_plugin_dir, Config,
-                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector
+                     ResourceConfig, DraConfig, DeviceSpecTemplate, UsbSelector, DeclaredValue
   Devices            DeviceEntry, Watched, ShapeAllocation, ContainerAllocateResponse, HEALTHY,
                      UNHEALTHY, scan_directory, find_usb_devices, UsbDevice
   Answers (pure)     list_and_watch_response, allocate_response, preferred_allocation_response,
                      resource_slices, prepared_devices, dra_device_name, dra_pool_name,
-                     dra_health_response
+                     dra_health_response, device_attributes, device_capacity
   Kubernetes API     KubeApi, ApiError, DraDriver, DraResources, ClaimCheckpoint
   Errors             GopherplugError, ConfigError, RPCError, ClaimError, StatusCode,
                      UnexpectedAdmissionError
@@ -275,6 +280,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ContainerAllocateResponse",
+    "DeclaredValue",
     "DeviceEntry",
     "DeviceSpecTemplate",
     "DraConfig",
@@ -298,6 +304,8 @@ __all__ = [
     "Watched",
     "allocate_response",
     "call_unary",
+    "device_attributes",
+    "device_capacity",
     "dra_device_name",
     "dra_health_response",
     "dra_pool_name",
@@ -388,7 +396,7 @@ def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
 API_VERSION = "v1beta1"
 
 #: Where the kubelet looks for plugin sockets unless it was started with another root directory
-#: (k3s and RKE2 use it too; microk8s and k0s do not, see the README).
+#: (k3s and RKE2 use it too; microk8s and k0s do not, see docs/deployment.md).
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
 #: Where kubelets of the usual distributions keep it: Kubernetes (and k3s, RKE2), microk8s, k0s.
@@ -406,7 +414,7 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
 #: The largest message the kubelet accepts: grpc-go's default receive limit, which it keeps. A
-#: ListAndWatch list is one message, so this bounds the devices of a resource (README: how many).
+#: ListAndWatch list is one message, so this bounds the devices of a resource (docs/performance.md).
 KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
 
 #: How long the kubelet waits for PreStartContainer (KubeletPreStartContainerRPCTimeoutInSecs).
@@ -1212,7 +1220,7 @@ _POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 #: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
 #: the two would each give the same device to a pod, neither knowing what the other gave. A cluster
-#: moves a resource from one to the other node by node (the README's "Moving a resource from the
+#: moves a resource from one to the other node by node (docs/dra.md, "Moving a resource from the
 #: device plugin to DRA"): the scheduler lets DRA serve an extended resource on a node only where the
 #: node's allocatable for it is 0 (kubernetes/kubernetes
 #: pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go), so pods that ask
@@ -1222,7 +1230,7 @@ APIS = ("device-plugin", "dra")
 #: What a file that still says ``api: both`` or ``allow_double_booking`` is told to do instead.
 _ONE_API = (
     "a node serves a resource through one API: api: device-plugin or api: dra, with the DRA DeviceClass's "
-    "extendedResourceName for pods that ask for it in resources.limits (README: Moving a resource from the "
+    "extendedResourceName for pods that ask for it in resources.limits (docs/dra.md: Moving a resource from the "
     "device plugin to DRA)"
 )
 
@@ -1243,6 +1251,24 @@ class UsbSelector:
     vendor: str  #: 4 hex digits, lower case ("1050")
     product: str  #: 4 hex digits, lower case ("0407")
     serial: str | None = None  #: None: any serial, or none at all
+
+
+#: The types an attribute's value may have: the fields of a DeviceAttribute (k8s.io/api resource/v1),
+#: exactly one of which the API server takes in each attribute
+ATTRIBUTE_TYPES = ("string", "int", "bool", "version")
+
+
+@dataclass(frozen=True)
+class DeclaredValue:
+    """One entry of a resource's ``attributes`` or ``capacity``: a literal, the same for every
+    device, or a file read when each device is examined (``file``, a path template)."""
+
+    name: str  #: as written: "model" (in the DRA driver's domain) or "example.com/model" (in its own)
+    type: str  #: one of ATTRIBUTE_TYPES for an attribute; "quantity" for a capacity
+    #: the literal, valid (a quantity in its canonical form, as the API server stores it); None: read from ``file``
+    value: str | int | bool | None = None
+    #: the file's path template ({id}, {path}, {name}, {target}, {sysfs}); "" for a literal
+    file: str = ""
 
 
 @dataclass(frozen=True)
@@ -1274,6 +1300,12 @@ class ResourceConfig:
     allow_mounted: bool = False  #: offer a block device that holds a mounted filesystem (else skipped)
     #: other resources of the configuration that may offer the same device nodes as this one (shared_nodes)
     shared_with: tuple[str, ...] = ()
+    #: attributes each device carries (DeclaredValue): in its ResourceSlice entry, and for NFD
+    attributes: tuple[DeclaredValue, ...] = ()
+    #: capacity each device has (DeclaredValue, of type "quantity"): in its ResourceSlice entry
+    capacity: tuple[DeclaredValue, ...] = ()
+    #: argv run once per scan of the resource, printing attributes and capacity by device ID (run_describe)
+    describe: tuple[str, ...] = ()
 
     @property
     def device_plugin(self) -> bool:
@@ -1353,6 +1385,14 @@ class DeviceEntry:
     members: tuple[DeviceEntry, ...] = ()  #: the entries it is made of, when more than one
     pci: PciAddress | None = None  #: from sysfs, for a device node of a PCI device; None: not one
     usb: UsbDevice | None = None  #: the USB device it is a node of (usb entries); None: not one
+    #: the device's directory in sysfs ("/sys/devices/pci0000:00/0000:03:00.0/drm/card1"), "" where
+    #: none is known: the {sysfs} of ``attributes`` and ``capacity`` file templates
+    sysfs: str = ""
+    #: attributes read for it (from ``attributes`` files and ``describe``), valid, by name: (name, type,
+    #: value) in name order. The resource's literals are not here: device_attributes adds them.
+    attributes: tuple[tuple[str, str, str | int | bool], ...] = ()
+    #: capacity read for it, likewise: (name, quantity in canonical form) in name order
+    capacity: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # The kubelet takes any string for health and counts only "Healthy" as allocatable: a
@@ -1655,7 +1695,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         )
     if data is None:  # nothing, or only comments: "must be a mapping" would not say what is wrong
         raise ConfigError(
-            source, "", "is empty: it needs resources, a list of the devices to offer (the README's Configuration)"
+            source, "", "is empty: it needs resources, a list of the devices to offer (docs/configuration.md)"
         )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
     top = _mapping(
@@ -1758,7 +1798,7 @@ def _refuse_generic_device_plugin_keys(data: Any, source: str, where: str) -> No
     for key in data if isinstance(data, dict) else ():
         if key in _GENERIC_DEVICE_PLUGIN_KEYS:
             problem = f"is generic-device-plugin's, not gopherplug's: {_GENERIC_DEVICE_PLUGIN_KEYS[key]} "
-            problem += '(the README\'s "Coming from generic-device-plugin" translates each of its keys)'
+            problem += "(docs/generic-device-plugin.md translates each of its keys)"
             raise ConfigError(source, f"{where}.{key}", problem)
 
 
@@ -1878,6 +1918,9 @@ _RESOURCE_KEYS = {
     "whole_dev",
     "allow_mounted",
     "shared_with",
+    "attributes",
+    "capacity",
+    "describe",
 }
 MAX_REPLICAS = 1000
 
@@ -2005,6 +2048,7 @@ def _parse_resource(
         _string(other, source, f"{where}.shared_with[{i}]")
         for i, other in enumerate(_list(data.get("shared_with", []), source, f"{where}.shared_with"))
     )
+    attributes, capacity, describe = _parse_declarations(data, source, where, replicas, dra)
     return ResourceConfig(
         name,
         directory,
@@ -2025,6 +2069,9 @@ def _parse_resource(
         api,
         allow_mounted,
         shared_with,
+        attributes,
+        capacity,
+        describe,
     )
 
 
@@ -2172,6 +2219,229 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
             raise ConfigError(source, f"{where}.{key}", problem)
         annotations.append((key, value))
     return tuple(annotations)
+
+
+# Attributes and capacity, declared per resource. What a device carries in its ResourceSlice entry
+# (Device.attributes and Device.capacity in k8s.io/api resource/v1), checked here as the API server
+# checks them (validateQualifiedName, validateDeviceAttribute and the device's own limits in
+# kubernetes/kubernetes pkg/apis/resource/validation/validation.go): a slice with one bad value is
+# refused whole, and with it every device of the pool, so a mistake in the configuration is a
+# ConfigError, and a bad value read from a file or a describe program is left out with a line.
+
+#: The most attributes and capacities one device may have together
+#: (ResourceSliceMaxAttributesAndCapacitiesPerDevice in k8s.io/api resource/v1)
+DRA_MAX_ATTRIBUTES_AND_CAPACITIES = 32
+#: The longest name of an attribute or capacity, without its domain (DeviceMaxIDLength), and its
+#: domain (DeviceMaxDomainLength, a driver name's limit)
+DRA_ATTRIBUTE_NAME_MAX_LENGTH = 32
+DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH = 63
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it.
+_SEMVER = re.compile(
+    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
+)
+_INT64 = (-(2**63), 2**63 - 1)  # an int attribute is an int64
+
+#: The attributes gopherplug gives every device itself, in the driver's domain (dra_device): a
+#: declared one of the same name is refused, rather than one silently hiding the other.
+OWN_ATTRIBUTES = frozenset(
+    {"resource", "id", "healthy", "numaNode", "usbVendor", "usbProduct", "usbSerial", "usbBus", "usbPort"}
+)
+
+
+def attribute_name_problem(name: str) -> str:
+    """Why the API server would refuse ``name`` as an attribute's or a capacity's (validateQualifiedName),
+    or "": a C identifier of at most 32 characters, after an optional domain (a DNS subdomain of at
+    most 63) and "/"."""
+    parts = name.split("/")
+    if len(parts) > 2:
+        return "must be either a C identifier or a domain, followed by a slash and a C identifier"
+    problems = []
+    if len(parts) == 2:
+        domain = parts[0]
+        if not domain:
+            problems.append("the domain must not be empty")
+        # A driver name's check, which takes upper case too (validateDriverName lower-cases it first).
+        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _DNS_SUBDOMAIN.fullmatch(domain.lower()):
+            problems.append(
+                f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
+                f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
+            )
+    identifier = parts[-1]
+    if not identifier:
+        problems.append("the name must not be empty")
+    elif not _C_IDENTIFIER.fullmatch(identifier) or len(identifier) > DRA_ATTRIBUTE_NAME_MAX_LENGTH:
+        problems.append(
+            f"{identifier!r} must be a C identifier (letters, digits and '_', not starting with a digit) "
+            f"of at most {DRA_ATTRIBUTE_NAME_MAX_LENGTH} characters"
+        )
+    return "; ".join(problems)
+
+
+def attribute_value_problem(kind: str, value: Any) -> str:
+    """Why the API server would refuse ``value`` as an attribute of type ``kind`` (validateDeviceAttribute),
+    or "": a string or version of at most 64 bytes, a version semver.org 2.0.0, an int an int64."""
+    if kind == "bool":
+        return "" if isinstance(value, bool) else f"{value!r} is not true or false"
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{value!r} is not a whole number"
+        return "" if _INT64[0] <= value <= _INT64[1] else f"{value} does not fit in 64 bits"
+    if kind not in ("string", "version"):
+        return f'{value!r} is not a string, a whole number, true or false, or {{"version": "1.2.3"}}'
+    if not isinstance(value, str):
+        return f"{value!r} is not a string"
+    if len(value.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
+        return (
+            f"{value[:20]!r}... has {len(value.encode())} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
+        )
+    if kind == "version" and not _SEMVER.fullmatch(value):
+        return f"{value!r} is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)"
+    return ""
+
+
+# A resource.Quantity as the API server parses one (ParseQuantity in k8s.io/apimachinery
+# pkg/api/resource/quantity.go): a signed decimal number, then a binary suffix (Ki ... Ei), a
+# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2).
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?")
+_BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+_DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
+
+
+def canonical_quantity(written: str | int | float) -> str | None:
+    """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
+    CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
+    "1000" is "1k", "0.5" is "500m". The slice publisher compares what it wrote with what the server
+    stored: written otherwise, each would look like a field the server dropped.
+
+    The value keeps its suffix's kind: binary (Ki..Ei) while it is a whole number of at least 1024
+    (as the largest binary suffix that leaves it whole), else decimal: a whole mantissa and an
+    exponent that is a multiple of 3, as an SI suffix (or e<exponent> when written so). Anything
+    finer than 1n is rounded up, as the parser does."""
+    if isinstance(written, bool):
+        return None
+    text = str(written).strip() if isinstance(written, int | float) else written
+    match = _QUANTITY.fullmatch(text)
+    if match is None:
+        return None
+    import decimal  # only where a quantity is written: most configurations have none
+
+    with decimal.localcontext() as context:
+        context.prec = 60
+        number, suffix = decimal.Decimal(match[1]), match[2] or ""
+        if suffix in _BINARY_SUFFIXES[1:]:
+            value, kind = number * 1024 ** _BINARY_SUFFIXES.index(suffix), "binary"
+        elif suffix[:1] in ("e", "E"):
+            value, kind = number.scaleb(int(suffix[1:])), "exponent"
+        else:
+            exponent = next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
+            value, kind = number.scaleb(exponent), "decimal"
+        value = value.scaleb(9).to_integral_value(decimal.ROUND_UP).scaleb(-9)  # nano is the finest
+        if not value:
+            return "0"
+        if kind == "binary" and (abs(value) < 1024 or value != value.to_integral_value()):
+            kind = "decimal"
+        if kind == "binary":
+            whole, power = int(value), 0
+            while power < len(_BINARY_SUFFIXES) - 1 and whole % 1024 == 0:
+                whole, power = whole // 1024, power + 1
+            return f"{whole}{_BINARY_SUFFIXES[power]}"
+        sign, digits, exponent = value.normalize().as_tuple()
+        assert isinstance(exponent, int)
+        mantissa = int("".join(map(str, digits)))
+        while exponent % 3:
+            mantissa, exponent = mantissa * 10, exponent - 1
+        mantissa = -mantissa if sign else mantissa
+        if kind == "exponent" or exponent not in _DECIMAL_SUFFIXES:
+            return f"{mantissa}e{exponent}" if exponent else str(mantissa)
+        return f"{mantissa}{_DECIMAL_SUFFIXES[exponent]}"
+
+
+_FILE_FIELDS = ("id", "path", "name", "target", "sysfs")
+
+
+def _parse_declared(data: Any, source: str, where: str, capacity: bool, driver: str) -> tuple[DeclaredValue, ...]:
+    """``attributes`` or ``capacity``: name -> a literal, or {file: <template>, type: ...}."""
+    if not isinstance(data, dict):
+        what = "capacity names to quantities" if capacity else "attribute names to values"
+        raise ConfigError(source, where, f"must be a mapping of {what}")
+    declared = []
+    for name, value in data.items():
+        at = f"{where}.{name}"
+        name = _string(name, source, where)
+        if problem := attribute_name_problem(name):
+            raise ConfigError(source, at, f"not a valid name for the API server: {problem}")
+        domain, _, short = name.rpartition("/")
+        if not capacity and short in OWN_ATTRIBUTES and domain in ("", driver):
+            problem = f"is an attribute gopherplug gives every device itself ({', '.join(sorted(OWN_ATTRIBUTES))}): "
+            problem += "choose another name, or one in a domain of your own (example.com/" + short + ")"
+            raise ConfigError(source, at, problem)
+        if capacity and name == DRA_SHARES_CAPACITY:
+            raise ConfigError(
+                source, at, "is the capacity gopherplug gives a shared device (replicas): choose another name"
+            )
+        declared.append(_parse_declared_value(name, value, source, at, capacity))
+    return tuple(declared)
+
+
+def _parse_declared_value(name: str, value: Any, source: str, at: str, capacity: bool) -> DeclaredValue:
+    if isinstance(value, dict) and "file" in value:
+        types = ("quantity",) if capacity else ATTRIBUTE_TYPES
+        data = _mapping(value, source, at, {"file", "type"}, {"file"})
+        template = _string(data["file"], source, f"{at}.file")
+        try:
+            fields = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+            sample = template.format(**{field: "x" if field in ("id", "name") else "/x" for field in _FILE_FIELDS})
+        except (KeyError, IndexError, ValueError) as error:
+            problem = f"{template!r}: bad placeholder ({error}); use {{{'}, {'.join(_FILE_FIELDS)}}}"
+            raise ConfigError(source, f"{at}.file", problem) from None
+        if not sample.startswith("/") or fields - set(_FILE_FIELDS):
+            raise ConfigError(source, f"{at}.file", f"{template!r} must be an absolute path")
+        kind = data.get("type", types[0])
+        if kind not in types:
+            raise ConfigError(source, f"{at}.type", f"{kind!r}: must be one of {', '.join(types)}")
+        return DeclaredValue(name, kind, None, template)
+    if capacity:
+        quantity = canonical_quantity(value) if isinstance(value, str | int | float) else None
+        if quantity is None:
+            problem = f"{value!r} is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), "
+            problem += "or {file: <path>} to read one"
+            raise ConfigError(source, at, problem)
+        return DeclaredValue(name, "quantity", quantity)
+    kind = {bool: "bool", int: "int", str: "string"}.get(type(value), "")
+    if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in ATTRIBUTE_TYPES:
+        ((kind, value),) = value.items()  # {version: "1.2.3"}, or DeviceAttribute's own {string: ...} and the like
+    if not kind:
+        problem = f'{value!r}: must be a string, a whole number, true or false, {{version: "1.2.3"}}, '
+        problem += "or {file: <path>, type: string|int|bool|version}"
+        raise ConfigError(source, at, problem)
+    if problem := attribute_value_problem(kind, value):
+        raise ConfigError(source, at, f"not a valid {kind} attribute for the API server: {problem}")
+    return DeclaredValue(name, kind, value)
+
+
+def _parse_declarations(
+    data: dict[str, Any], source: str, where: str, replicas: int, dra: DraConfig | None
+) -> tuple[tuple[DeclaredValue, ...], tuple[DeclaredValue, ...], tuple[str, ...]]:
+    """A resource's ``attributes``, ``capacity`` and ``describe``, validated."""
+    driver = dra.driver if dra is not None else ""
+    attributes = _parse_declared(data.get("attributes", {}), source, f"{where}.attributes", False, driver)
+    capacity = _parse_declared(data.get("capacity", {}), source, f"{where}.capacity", True, driver)
+    # Every device has resource, id and healthy, and a shared one the capacity "shares".
+    own = 3 + (replicas > 1)
+    if (total := len(attributes) + len(capacity) + own) > DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
+        key = f"{where}.capacity" if capacity else f"{where}.attributes"
+        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives "
+        problem += (
+            f"each device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
+        )
+        raise ConfigError(source, key, problem)
+    describe: tuple[str, ...] = ()
+    if "describe" in data:
+        describe = _parse_command(data["describe"], source, f"{where}.describe")
+    return attributes, capacity, describe
 
 
 # CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
@@ -2467,7 +2737,9 @@ def scan_usb(resource: ResourceConfig, roots: list[str], sysfs_root: str, dev_ro
         for node in usb.members:
             found = examine_path(resource, usb.id, node, roots, sysfs_root)
             if isinstance(found, DeviceEntry):
-                entries.append(dataclasses.replace(found, usb=usb))
+                # {sysfs} is the USB device's directory, whose idVendor, serial and the like each node shares
+                directory = os.path.join(sysfs_root, "bus", "usb", "devices", usb.port)
+                entries.append(dataclasses.replace(found, usb=usb, sysfs=directory))
             elif found is not None:
                 skipped.append((node, found))
     return Scan(tuple(entries), tuple(skipped))
@@ -2510,6 +2782,7 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
         tuple(members),
         next((member.pci for member in members if member.pci is not None), None),
         next((member.usb for member in members if member.usb is not None), None),
+        next((member.sysfs for member in members if member.sysfs), ""),
     )
 
 
@@ -2676,7 +2949,18 @@ def examine_path(
         numa_node = _read_numa_node(os.path.join(sysfs_root, "bus", "pci", "devices", pci.bus_id, "numa_node"))
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
-    return DeviceEntry(device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci)
+    # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
+    # at when an attribute's file is read through it (read_declared_values), never here.
+    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node else ""
+    return DeviceEntry(
+        device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
+    )
+
+
+def _sysfs_link(sysfs_root: str, mode: int, rdev: int) -> str:
+    """Where sysfs has a device node's directory: dev/char/MAJ:MIN (or dev/block/), a link to it."""
+    kind = "char" if stat.S_ISCHR(mode) else "block"
+    return os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}")
 
 
 def _resolved_directory(directory: str, directories: dict[str, str] | None) -> str:
@@ -3684,6 +3968,236 @@ def dra_unhealthy_taint(driver: str, device: DeviceEntry, effect: str = "NoSched
     return {"key": f"{driver}/unhealthy", "value": value or DRA_UNHEALTHY_TAINT_VALUE, "effect": effect}
 
 
+@dataclass(frozen=True)
+class ReadValues:
+    """Attributes and capacity read for one device, from its ``attributes`` and ``capacity`` files
+    or from ``describe``, not yet checked: attribute name -> (type, value), capacity name -> quantity."""
+
+    attributes: Mapping[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
+    capacity: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+#: The most of an attribute's or capacity's file that is read: a value is at most 64 bytes
+_VALUE_FILE_BOUND = 4096
+
+
+def read_declared_values(resource: ResourceConfig, device: DeviceEntry) -> tuple[ReadValues, list[tuple[str, str]]]:
+    """Read the device's ``attributes`` and ``capacity`` files (DeclaredValue.file), their templates
+    filled in for it: {id}, {path}, {name}, {target} (where a symlink leads) and {sysfs} (its
+    directory in sysfs, DeviceEntry.sysfs). Returns what was read, typed, and a (key, why) for each
+    file that could not be (a value not of its type is left for with_read_values to refuse)."""
+    attributes: dict[str, tuple[str, Any]] = {}
+    capacity: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    fields: dict[str, str] | None = None
+    for key, declared in [
+        *((f"attributes.{d.name}", d) for d in resource.attributes if d.file),
+        *((f"capacity.{d.name}", d) for d in resource.capacity if d.file),
+    ]:
+        if fields is None:
+            fields = {"id": device.id, "path": device.path, "name": os.path.basename(device.path)}
+            fields.update(target=os.path.realpath(device.path), sysfs=device.sysfs)
+        if "{sysfs}" in declared.file and not (device.sysfs and os.path.isdir(device.sysfs)):
+            problems.append((key, f"{declared.file}: no sysfs directory is known for this device"))
+            continue
+        path = declared.file.format(**fields)
+        try:
+            with open(path, "rb") as file:
+                text = file.read(_VALUE_FILE_BOUND + 1).decode(errors="replace")
+        except OSError as error:
+            problems.append((key, f"cannot read {path}: {error.strerror}"))
+            continue
+        if len(text) > _VALUE_FILE_BOUND:
+            problems.append((key, f"{path} holds more than {_VALUE_FILE_BOUND} bytes, not one value"))
+            continue
+        text = text.strip()
+        if declared.type == "quantity":
+            capacity[declared.name] = text
+        elif (value := _typed(declared.type, text)) is None:
+            problems.append((key, f"{path} holds {text[:40]!r}, not a {declared.type}"))
+        else:
+            attributes[declared.name] = (declared.type, value)
+    return ReadValues(attributes, capacity), problems
+
+
+def _typed(kind: str, text: str) -> str | int | bool | None:
+    """A file's text as a value of ``kind``: an int in decimal or with 0x/0o/0b (sysfs writes vendor
+    IDs as 0x10de), a bool as 1/0, true/false, yes/no, y/n. None when it is not one."""
+    if kind == "int":
+        for base in (10, 0):
+            try:
+                return int(text, base)
+            except ValueError:
+                pass
+        return None
+    if kind == "bool":
+        return {
+            "1": True,
+            "0": False,
+            "true": True,
+            "false": False,
+            "yes": True,
+            "no": False,
+            "y": True,
+            "n": False,
+        }.get(text.lower())
+    return text
+
+
+_TOO_MANY_VALUES = f"left out: a device has at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities"
+
+
+def with_read_values(
+    resource: ResourceConfig, device: DeviceEntry, files: ReadValues, described: ReadValues | None = None
+) -> tuple[DeviceEntry, list[tuple[str, str]]]:
+    """The device carrying what was read for it (DeviceEntry.attributes and .capacity), checked as
+    the API server checks a ResourceSlice's device, and why each value left out was: (key, why),
+    e.g. ("attributes.model", "..."), for one line each.
+
+    Its files first, then what ``describe`` said. No value replaces another: gopherplug's own
+    attributes stay (a describe may not say a device is healthy), and so does a literal of the
+    configuration, a file's value before describe's, and sysfs's standard ones (device_attributes);
+    a different value for one of them is left out with a line saying which is used. describe may
+    give what a file could not (a line says why the file gave nothing). Nothing beyond the API
+    server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
+    first."""
+    problems: list[tuple[str, str]] = []
+    # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
+    # is, once it passes the same checks.
+    own_attributes, own_capacity = [], []
+    for name, kind, value in device.attributes:
+        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+        else:
+            own_attributes.append((name, kind, value))
+    for name, written in device.capacity:
+        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+        else:
+            own_capacity.append((name, str(quantity)))
+    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
+    bare = dataclasses.replace(device, attributes=(), capacity=())
+    known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
+    from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
+    known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
+    if resource.replicas > 1:
+        known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
+    room = DRA_MAX_ATTRIBUTES_AND_CAPACITIES - len(known) - len(known_capacity)
+    attributes: dict[str, tuple[str, str | int | bool]] = {}
+    capacity: dict[str, str] = {}
+
+    def used(by: str, whose: str, said: Any, value: Any) -> str:
+        return f"{whose} {said!r}, which is used, not {by}'s {value!r}"
+
+    for values, by in ((files, "its file"), (described, "describe")):
+        if values is None:
+            continue
+        for name, (kind, value) in values.attributes.items():
+            key = f"attributes.{name}"
+            if "/" not in name and name in OWN_ATTRIBUTES:
+                problems.append((key, f"is an attribute gopherplug gives every device itself: {by}'s is not used"))
+            elif name in known:
+                if known[name] != {kind: value}:
+                    whose = "sysfs says" if name in from_sysfs else "the configuration says"
+                    problems.append((key, used(by, whose, next(iter(known[name].values())), value)))
+            elif name in attributes:
+                if attributes[name] != (kind, value):
+                    problems.append((key, used(by, "its file says", attributes[name][1], value)))
+            elif why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+                problems.append((key, f"not valid for the API server: {why}"))
+            elif room <= 0:
+                problems.append((key, _TOO_MANY_VALUES))
+            else:
+                attributes[name] = (kind, value)
+                room -= 1
+        for name, written in values.capacity.items():
+            key = f"capacity.{name}"
+            quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+            if name == DRA_SHARES_CAPACITY and resource.replicas > 1:
+                problems.append((key, f"is the capacity gopherplug gives a shared device: {by}'s is not used"))
+            elif name in known_capacity or name in capacity:
+                said = known_capacity.get(name) or capacity[name]
+                if said != quantity:
+                    whose = "the configuration says" if name in known_capacity else "its file says"
+                    problems.append((key, used(by, whose, said, written)))
+            elif why := attribute_name_problem(name):
+                problems.append((key, f"not valid for the API server: {why}"))
+            elif quantity is None:
+                problems.append((key, f"{written!r} is not a quantity (4, 80Gi, 1500m)"))
+            elif room <= 0:
+                problems.append((key, _TOO_MANY_VALUES))
+            else:
+                capacity[name] = quantity
+                room -= 1
+    attributes.update({name: (kind, value) for name, kind, value in device.attributes})
+    capacity.update(device.capacity)
+    entry = dataclasses.replace(
+        device,
+        attributes=tuple((name, *attributes[name]) for name in sorted(attributes)),
+        capacity=tuple((name, capacity[name]) for name in sorted(capacity)),
+    )
+    return entry, problems
+
+
+def declared_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, Any]]:
+    """The attributes the user gave the device, as a ResourceSlice lists them: name (without a
+    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}, "driverVersion":
+    {"version": "580.159.4"}}. The resource's literals, then what was read for this device (its
+    ``attributes`` files and ``describe``, DeviceEntry.attributes): a literal is the same for every
+    device, so a name the configuration gives a literal keeps it. gopherplug's own are not here
+    (device_attributes has them too)."""
+    attributes = {value.name: {value.type: value.value} for value in resource.attributes if value.value is not None}
+    for name, kind, value in device.attributes:
+        attributes.setdefault(name, {kind: value})
+    return attributes
+
+
+def device_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, Any]]:
+    """Every attribute of the device in its ResourceSlice entry (dra_device): gopherplug's own, then
+    declared_attributes. Of the standard ones (resource.kubernetes.io/numaNode, pciBusID, pcieRoot),
+    what sysfs says wins over a declared or described value: it is the kernel's word for this very
+    node; a declared one is used where sysfs knows none (an NVIDIA GPU's node has no sysfs link)."""
+    attributes: dict[str, dict[str, Any]] = {
+        "resource": {"string": resource.name},
+        "id": {"string": device.id},
+        "healthy": {"bool": device.health == HEALTHY},
+    }
+    if device.numa_node is not None:
+        attributes["numaNode"] = {"int": device.numa_node}
+        attributes[f"{DRA_STANDARD_DOMAIN}/numaNode"] = {"int": device.numa_node}
+    if device.pci is not None:
+        attributes[f"{DRA_STANDARD_DOMAIN}/pciBusID"] = {"string": device.pci.bus_id}
+        attributes[f"{DRA_STANDARD_DOMAIN}/pcieRoot"] = {"string": device.pci.root}
+    if (usb := device.usb) is not None:
+        attributes["usbVendor"] = {"string": usb.vendor}
+        attributes["usbProduct"] = {"string": usb.product}
+        if (
+            usb.serial
+            and usb.serial.isprintable()
+            and len(usb.serial.encode(errors="replace")) <= DRA_ATTRIBUTE_MAX_LENGTH
+        ):
+            attributes["usbSerial"] = {"string": usb.serial}
+        bus = usb.port.removeprefix("usb").partition("-")[0]
+        if bus.isdigit():
+            attributes["usbBus"] = {"int": int(bus)}
+        attributes["usbPort"] = {"string": usb.port}
+    for name, value in declared_attributes(resource, device).items():
+        attributes.setdefault(name, value)
+    return attributes
+
+
+def device_capacity(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, str]]:
+    """The capacity the user gave the device, as a ResourceSlice lists it: name -> {"value":
+    quantity}, e.g. {"memory": {"value": "80Gi"}}: the resource's literals, then what was read for
+    this device (DeviceEntry.capacity), a literal winning as in declared_attributes. A shared
+    device's "shares" is dra_shares'."""
+    capacity = {value.name: {"value": str(value.value)} for value in resource.capacity if value.value is not None}
+    for name, quantity in device.capacity:
+        capacity.setdefault(name, {"value": quantity})
+    return capacity
+
+
 def dra_device(
     resource: ResourceConfig, device: DeviceEntry, driver: str = "", unhealthy_taint: str = "NoSchedule"
 ) -> dict[str, Any]:
@@ -3708,35 +4222,27 @@ def dra_device(
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
     in k8s.io/dynamic-resource-allocation structured), which is how an admin-access claim reaches it.
 
-    With ``replicas`` above 1, the device is shared (KEP-5075, consumable capacity): dra_shares.
+    The resource's ``attributes`` and ``capacity`` (device_attributes, device_capacity) are beside
+    them, a capacity as {"value": quantity}. With ``replicas`` above 1, the device is shared (KEP-5075,
+    consumable capacity): dra_shares; and each claim consumes of its declared capacity what it asks
+    for (capacity.requests, nothing by default), within the value, where the cluster has consumable
+    capacity (DRAConsumableCapacity, on from 1.36).
     """
-    attributes: dict[str, Any] = {
-        "resource": {"string": resource.name},
-        "id": {"string": device.id},
-        "healthy": {"bool": device.health == HEALTHY},
-    }
-    if device.numa_node is not None:
-        attributes["numaNode"] = {"int": device.numa_node}
-        attributes[f"{DRA_STANDARD_DOMAIN}/numaNode"] = {"int": device.numa_node}
-    if device.pci is not None:
-        attributes[f"{DRA_STANDARD_DOMAIN}/pciBusID"] = {"string": device.pci.bus_id}
-        attributes[f"{DRA_STANDARD_DOMAIN}/pcieRoot"] = {"string": device.pci.root}
-    if (usb := device.usb) is not None:
-        attributes["usbVendor"] = {"string": usb.vendor}
-        attributes["usbProduct"] = {"string": usb.product}
-        if (
-            usb.serial
-            and usb.serial.isprintable()
-            and len(usb.serial.encode(errors="replace")) <= DRA_ATTRIBUTE_MAX_LENGTH
-        ):
-            attributes["usbSerial"] = {"string": usb.serial}
-        bus = usb.port.removeprefix("usb").partition("-")[0]
-        if bus.isdigit():
-            attributes["usbBus"] = {"int": int(bus)}
-        attributes["usbPort"] = {"string": usb.port}
+    attributes = device_attributes(resource, device)
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
+    if capacity := device_capacity(resource, device):
+        listed["capacity"] = capacity
     if resource.replicas > 1:
-        listed.update(dra_shares(resource.replicas))
+        # A shared device's declared capacity is consumed by the claims that ask for some of it
+        # (capacity.requests), and only by them: without a requestPolicy, a claim that asks for
+        # none would take the whole value (calculateConsumedCapacity in kubernetes/kubernetes
+        # staging/src/k8s.io/dynamic-resource-allocation/structured/internal/incubating/
+        # consumable_capacity.go), and the device would be one claim's after all.
+        consumed = {"default": "0", "validRange": {"min": "0"}}
+        shares = dra_shares(resource.replicas)
+        listed["allowMultipleAllocations"] = shares["allowMultipleAllocations"]
+        declared = {name: {**quantity, "requestPolicy": consumed} for name, quantity in capacity.items()}
+        listed["capacity"] = {**declared, **shares["capacity"]}
     if driver and device.health != HEALTHY:
         listed["taints"] = [dra_unhealthy_taint(driver, device, unhealthy_taint)]
     return listed
@@ -4394,8 +4900,8 @@ def foreign_holds_report(holds: Iterable[ForeignHold], held_back: bool) -> str:
     )
     return (
         f"{_devices(len(holds))} held by running pods under IDs this plugin does not offer (another plugin's, such "
-        f"as generic-device-plugin's, or a device gone since): {'; '.join(named)}{advice} (README: Switching a "
-        "node from generic-device-plugin)"
+        f"as generic-device-plugin's, or a device gone since): {'; '.join(named)}{advice} "
+        "(docs/generic-device-plugin.md: Switching a node from generic-device-plugin)"
     )
 
 
@@ -6460,6 +6966,182 @@ async def watch_devices(
                 nursery.start_soon(_follow_source, tracker, device_set)
             if turn is not None:
                 nursery.start_soon(_follow_turn, turn, device_set)
+            if resource.describe:
+                nursery.start_soon(_describe_devices, device_set)
+
+
+#: How long a resource's ``describe`` may run before it is killed (with what it started)
+DESCRIBE_TIMEOUT = 10.0
+#: The most a ``describe`` may print: more is not a description of a node's devices
+DESCRIBE_MAX_OUTPUT = 1024 * 1024
+#: A failed ``describe`` is run again after the first of these, doubled at each failure up to the
+#: second (seconds, jittered): the node may lack what it needs for now (a driver still loading, a
+#: binary about to be installed), and its devices' values should appear when it has it, unrestarted
+DESCRIBE_RETRY = (5.0, 300.0)
+
+
+class DescribeError(GopherplugError):
+    """A resource's ``describe`` failed: its one line says how, with its stderr's last line."""
+
+
+async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[dict[str, ReadValues], list[str]]:
+    """Run the resource's ``describe`` once, for the devices ``ids``: what it says of each device
+    (parse_description), and the IDs it described that are not among them. Raises DescribeError
+    when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more than
+    DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
+
+    No shell: the argv as configured, stdin /dev/null, its own process group (killed whole at the
+    timeout). It is told the resource (GOPHERPLUG_RESOURCE) and the devices (GOPHERPLUG_DEVICES,
+    comma-joined IDs), and may describe more: a script around nvidia-smi prints every GPU."""
+    ids = list(ids)
+    command = resource.describe[0]
+    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES": ",".join(ids)}
+    output, tail = bytearray(), bytearray()
+    too_much = False
+    process: trio.Process | None = None
+
+    async def read_stdout(stream: trio.abc.ReceiveStream, cancel: trio.CancelScope) -> None:
+        nonlocal too_much
+        async with stream:
+            async for chunk in stream:
+                output.extend(chunk)
+                if len(output) > DESCRIBE_MAX_OUTPUT:
+                    too_much = True
+                    cancel.cancel()  # and kill it: nothing it prints now is read
+
+    async def read_stderr(stream: trio.abc.ReceiveStream) -> None:
+        async with stream:
+            async for chunk in stream:
+                tail.extend(chunk)
+                del tail[:-PRE_START_STDERR_TAIL]
+
+    with trio.move_on_after(DESCRIBE_TIMEOUT) as deadline:
+        try:
+            with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
+                async with trio.open_nursery() as nursery:
+                    process = await nursery.start(
+                        functools.partial(
+                            trio.run_process,
+                            list(resource.describe),
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            check=False,
+                            start_new_session=True,  # its own process group: what it starts is killed with it
+                            deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
+                        )
+                    )
+                    assert process is not None and process.stdout is not None and process.stderr is not None
+                    nursery.start_soon(read_stdout, process.stdout, nursery.cancel_scope)
+                    nursery.start_soon(read_stderr, process.stderr)
+        except OSError as error:
+            raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
+    lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]
+    said = f": {lines[-1]}" if lines else " (nothing on stderr)"
+    if too_much:
+        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){said}")
+    if deadline.cancelled_caught:
+        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){said}")
+    assert process is not None and process.returncode is not None
+    if process.returncode != 0:
+        how = (
+            f"exited with {process.returncode}" if process.returncode > 0 else f"killed by signal {-process.returncode}"
+        )
+        raise DescribeError(f"describe {command} {how}{said}")
+    try:
+        described = parse_description(output.decode())
+    except (UnicodeDecodeError, ValueError) as error:
+        raise DescribeError(f"describe {command} printed no description: {error}") from None
+    return described, sorted(set(described) - set(ids))
+
+
+def parse_description(text: str) -> dict[str, ReadValues]:
+    """A ``describe`` program's output: one JSON object, device ID -> {"attributes": {name: value},
+    "capacity": {name: quantity}}. An attribute's value is a string, a whole number, true or
+    false, or DeviceAttribute's own form ({"version": "580.159.4"}, {"string": ...}, {"int": ...},
+    {"bool": ...}); a capacity's a quantity ("143771Mi", or a number). Raises ValueError, with a
+    reason, for anything else in the shape; each value is checked later (with_read_values), one line
+    for each bad one, the others kept."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        shown = text.strip()[:40]
+        raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno}): {shown!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON object of device IDs was expected, not {type(data).__name__}")
+    described = {}
+    for device_id, entry in data.items():
+        if not isinstance(entry, dict) or set(entry) - {"attributes", "capacity"}:
+            raise ValueError(f'device {device_id!r}: expected {{"attributes": {{...}}, "capacity": {{...}}}}')
+        attributes, capacity = entry.get("attributes") or {}, entry.get("capacity") or {}
+        if not isinstance(attributes, dict) or not isinstance(capacity, dict):
+            raise ValueError(f"device {device_id!r}: attributes and capacity must be JSON objects")
+        typed: dict[str, tuple[str, Any]] = {}
+        for name, value in attributes.items():
+            if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in ATTRIBUTE_TYPES:
+                typed[name] = next(iter(value.items()))
+            else:
+                typed[name] = ({bool: "bool", int: "int", str: "string"}.get(type(value), ""), value)
+        described[device_id] = ReadValues(typed, capacity)
+    return described
+
+
+async def _describe_devices(device_set: _DeviceSet) -> None:
+    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), and
+    give the device set what it said. Never on a kubelet's call: Allocate and ListAndWatch send
+    the devices as last described.
+
+    A failure (DescribeError) is said once, and again when the reason changes; the devices stay
+    offered with what is known (their files' values, and what the last run that worked said of
+    them), nothing made up. A failed run is tried again after a while (DESCRIBE_RETRY); when one
+    works again, that is said too, and its values appear."""
+    resource = device_set.resource
+    failed = ""  # the failure last said ("": none)
+    unknown_said: list[str] = []
+    done_for: frozenset[str] | None = None
+    retry = DESCRIBE_RETRY[0]
+    while True:
+        touched = device_set.ids_changed.next_touch()  # before the check: a change while it runs is not missed
+        ids = device_set.ids_changed.value
+        if ids != done_for and ids:
+            done_for = ids
+            try:
+                described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
+            except DescribeError as error:
+                if str(error) != failed:
+                    failed = str(error)
+                    kept = sum(1 for device_id in ids if device_id in device_set.described)
+                    _log(resource).warning(
+                        "%s; the devices are offered without what it would say (%d keep what it said before)",
+                        error,
+                        kept,
+                    )
+            else:
+                if failed:
+                    _log(resource).info(
+                        "describe %s works again: %s described",
+                        resource.describe[0],
+                        _devices(len(set(described) & ids)),
+                    )
+                    failed = ""
+                if unknown and unknown != unknown_said:
+                    _log(resource).warning(
+                        "describe %s described %s, which %s not among the resource's devices",
+                        resource.describe[0],
+                        ", ".join(unknown),
+                        "is" if len(unknown) == 1 else "are",
+                    )
+                unknown_said = unknown
+                device_set.describe_result({i: values for i, values in described.items() if i in ids})
+        if not failed:
+            retry = DESCRIBE_RETRY[0]
+            await touched.wait()
+            continue
+        with trio.move_on_after(jittered(retry)):
+            await touched.wait()
+        if not touched.is_set():
+            done_for, retry = None, min(retry * 2, DESCRIBE_RETRY[1])  # the same devices, described again
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
@@ -6676,6 +7358,42 @@ class _DeviceSet:
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
         self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
+        self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
+        self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
+        self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
+        self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
+        #: touched when the devices' IDs change: describe runs again (_describe_devices)
+        self.ids_changed = Watched(frozenset[str]())
+
+    def _with_values(self, device: DeviceEntry, read_files: bool) -> DeviceEntry:
+        """The device with what its files (read again if ``read_files``) and describe said of it;
+        each value left out said once (and again if the reason changes)."""
+        if not (self.resource.attributes or self.resource.capacity or self.resource.describe):
+            if not (device.attributes or device.capacity):
+                return device  # nothing declared: the scan's path stays as it was
+        problems: list[tuple[str, str]] = []
+        if read_files:
+            self.files[device.id], problems = read_declared_values(self.resource, device)
+        entry, more = with_read_values(
+            self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+        )
+        now = dict(problems + more)
+        for warned in [warned for warned in self.value_warned if warned[0] == device.id and warned[1] not in now]:
+            del self.value_warned[warned]
+        for key, why in now.items():
+            if self.value_warned.get((device.id, key)) != why:
+                self.value_warned[(device.id, key)] = why
+                _log(self.resource).warning("device %s: %s: %s", device.id, key, why)
+        return entry
+
+    def describe_result(self, described: dict[str, ReadValues]) -> None:
+        """What describe said, by device ID: every device carries it from now on."""
+        if self.devices.value is RETIRED:
+            return
+        self.described = described
+        for device_id in self.found:
+            self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
+        self._publish(set(self.found))
 
     def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
         """Take these entries (None: gone) and publish the devices they make."""
@@ -6693,10 +7411,19 @@ class _DeviceSet:
                 changed.add(entry.id)
         for device_id in _natural_sorted(list(changed)):  # a new device joins the list in natural order
             if entries := self.entries.get(device_id):
-                self.found[device_id] = merge_entries(list(entries.values()))
+                bare = merge_entries(list(entries.values()))
+                if self.resource.describe:
+                    self.bare[device_id] = bare
+                self.found[device_id] = self._with_values(bare, read_files=True)
             else:
                 self.entries.pop(device_id, None)
                 self.found.pop(device_id, None)
+                self.files.pop(device_id, None)
+                self.bare.pop(device_id, None)
+                for warned in [warned for warned in self.value_warned if warned[0] == device_id]:
+                    del self.value_warned[warned]
+        if self.resource.describe and (ids := frozenset(self.found)) != self.ids_changed.value:
+            self.ids_changed.set(ids)
         self._publish(changed)
 
     def check_turn(self) -> None:
@@ -9574,7 +10301,7 @@ class SlicePublisher:
                 log.warning(
                     "DRA: %s: node %s's allocatable still has %s of it: a device plugin serves it on this node, "
                     "so its devices are held back from DRA until that is 0 (a node serves a resource through "
-                    "one API: stop the device plugin here, see the README's Moving a resource from the device "
+                    "one API: stop the device plugin here, see docs/dra.md: Moving a resource from the device "
                     "plugin to DRA)",
                     name,
                     node,
@@ -10191,8 +10918,12 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     """A validated ResourceConfig for devices that come from your program instead of a directory.
 
     ``options`` are the configuration file's resource keys that do not describe directory entries:
-    env, replicas, preferred, annotations, pre_start, pre_start_timeout. Your DeviceEntry objects
-    carry their own device_specs and mounts. Raises ConfigError like a configuration file would.
+    env, replicas, preferred, annotations, pre_start, pre_start_timeout, and attributes, capacity
+    and describe (as the file's: ``attributes={"model": "H200"}``, ``capacity={"memory": "80Gi"}``;
+    a ``file`` is read, and ``describe`` run, as each set of your devices comes, by serve_dra_devices).
+    Your DeviceEntry objects carry their own device_specs and mounts, and may carry attributes and
+    capacity of their own (DeviceEntry.attributes, .capacity: kept, none replaced). Raises ConfigError
+    like a configuration file would.
     """
     source = f"resource_config({name!r})"
     about_entries = {"directory", "pattern", "match", "id_pattern", "usb", "device_specs", "mounts"}
@@ -10441,8 +11172,12 @@ def _embedded_dra(
     except ConfigError as error:  # named by the keyword, not by the file's key
         keyword = {"cdi.kind": "cdi_kind", "cdi.spec_dir": "cdi_dir"}.get(error.key_path, error.key_path)
         raise ConfigError(source, keyword, error.problem) from None
-    # No directory: the devices are the program's (origin() says so in the log).
-    return config, dataclasses.replace(parsed, directory=""), node
+    # No directory: the devices are the program's (origin() says so in the log). Its attributes,
+    # capacity and describe, checked already by resource_config, are the resource's.
+    parsed = dataclasses.replace(
+        parsed, directory="", attributes=resource.attributes, capacity=resource.capacity, describe=resource.describe
+    )
+    return config, parsed, node
 
 
 def _embedded_problem(resource: ResourceConfig, key: Any, entry: Any) -> str:
@@ -10505,6 +11240,8 @@ async def _offer_devices(
     task_status.started()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_follow_turn, turn, device_set)
+        if resource.describe:
+            nursery.start_soon(_describe_devices, device_set)
         while True:
             await touched.wait()
             touched = devices.next_touch()
@@ -11091,7 +11828,7 @@ def _emptied(running: Config | None, new: Config) -> str:
 ########################################################################################################
 # 8. A kubelet simulator
 #
-# The kubelet's device manager, reduced to what a plugin can observe (see the README's lesson):
+# The kubelet's device manager, reduced to what a plugin can observe (see docs/protocol.md):
 # it wipes the sockets of its directory on start, serves Registration on kubelet.sock, validates
 # Register and dials the plugin back *before* answering, keeps one ListAndWatch stream per
 # resource, marks every device unhealthy when that stream ends, and calls Allocate and
@@ -11698,8 +12435,54 @@ def scan_report(
                 first = (device.id, names.get(device.id, ""), device.health) if number == 0 else ("", "", "")
                 column = f"{first[1]:<{named}}  " if names else ""
                 lines.append(f"  {first[0]:<{width}}  {column}{first[2]:<9}  {path}{why}")
+            lines += _value_lines(resource, device, width + 4)
     lines += [f"  skipped {name!r}: {why}" for name, why in scan.skipped]
     return "\n".join(lines)
+
+
+def _value_lines(resource: ResourceConfig, device: DeviceEntry, indent: int) -> list[str]:
+    """For scan_report: the device's declared attributes and capacity, as its ResourceSlice entry will
+    have them (name=value; a string quoted, a version marked), a line each."""
+    lines = []
+    if attributes := declared_attributes(resource, device):
+        shown = [
+            f"{name}={json.dumps(value) if kind in ('string', 'bool') else value}"
+            + (" (version)" if kind == "version" else "")
+            for name, typed in attributes.items()
+            for kind, value in typed.items()
+        ]
+        lines.append(f"{' ' * indent}attributes: {', '.join(shown)}")
+    if capacity := device_capacity(resource, device):
+        shown = [f"{name}={quantity['value']}" for name, quantity in capacity.items()]
+        lines.append(f"{' ' * indent}capacity: {', '.join(shown)}")
+    return lines
+
+
+def described_scan(resource: ResourceConfig, scan: Scan) -> tuple[Scan, list[str]]:
+    """For check-config: the scan's devices with what their ``attributes`` and ``capacity`` files
+    and the resource's ``describe`` say of them now (describe run once, as serve runs it), and a
+    line for each value left out and for a describe that failed."""
+    if not (resource.attributes or resource.capacity or resource.describe) or not scan.devices:
+        return scan, []
+    problems: list[str] = []
+    described: dict[str, ReadValues] = {}
+    if resource.describe:
+        try:
+            described, unknown = trio.run(run_describe, resource, [device.id for device in scan.devices])
+        except DescribeError as error:
+            problems.append(f"{error}: the devices would be offered without what it says")
+        else:
+            if unknown:
+                problems.append(
+                    f"describe {resource.describe[0]} described {', '.join(unknown)}: not among the devices"
+                )
+    devices = []
+    for device in scan.devices:
+        files, read_problems = read_declared_values(resource, device)
+        entry, more = with_read_values(resource, device, files, described.get(device.id))
+        devices.append(entry)
+        problems += [f"device {device.id}: {key}: {why}" for key, why in read_problems + more]
+    return dataclasses.replace(scan, devices=tuple(devices)), problems
 
 
 def missing_source_problems(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[str]:
@@ -12996,6 +13779,263 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     say("demo", "done: plugin stopped, its sockets removed")
 
 
+# `gopherplug demo --config FILE [--dra]`: the user's own configuration against the same simulators.
+#: The driver a configuration without ``dra`` gets under ``demo --dra``.
+DEMO_DRIVER = "gopherplug.example.com"
+#: The node the DRA demos name their pools after.
+DEMO_NODE = "demo-node"
+#: A device list longer than this is shown cut, with how many more there are.
+DEMO_LIST_LENGTH = 12
+
+
+def load_demo_config(path: str, dra: bool = False) -> Config:
+    """The configuration file at ``path`` for ``demo --config``, refused as check-config refuses it.
+    With ``dra``, every resource is served through DRA (``api: dra``; ``dra: {driver:
+    gopherplug.example.com}`` where the file has no ``dra``): an option DRA has not (``replicas``
+    under the device plugin's ``preferred``, ``annotations``, ``pre_start``) is refused in one line
+    that says so."""
+    config = load_config(path)
+    if not dra or all(resource.dra for resource in config.resources):
+        return config
+    with open(path, encoding="utf-8") as file:
+        data = yaml.safe_load(file)  # valid: load_config read it
+    data["dra"] = data.get("dra") or {"driver": DEMO_DRIVER}
+    for resource in data["resources"]:
+        resource["api"] = "dra"
+    try:
+        return parse_config(yaml.safe_dump(data), path)
+    except ConfigError as error:
+        raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
+
+
+def _demo_config(config: Config, root: str) -> Config:
+    """``config`` as the demo runs it: the devices where the file says (what the demo is about),
+    everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
+    CDI specs), and no metrics or liveness server."""
+    resources = tuple(
+        dataclasses.replace(r, cdi=dataclasses.replace(r.cdi, spec_dir=os.path.join(root, "cdi"))) if r.cdi else r
+        for r in config.resources
+    )
+    dra = config.dra and dataclasses.replace(config.dra, kubelet_dir=os.path.join(root, "kubelet"), pod_uid="")
+    return dataclasses.replace(
+        config,
+        resources=resources,
+        dra=dra,
+        device_plugin_dir=os.path.join(root, "device-plugins"),
+        metrics_address=None,
+        health_address=None,
+    )
+
+
+async def run_config_demo(config: Config, out: Callable[[str], None] = print) -> None:
+    """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
+    kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
+    directory: each registration and first list or ResourceSlice, then one Allocate or one prepared
+    claim per resource, narrated. Leaves nothing behind."""
+    if config.dra is not None:
+        try:  # before anything starts, as run_dra_demo
+            import h11  # noqa: F401
+
+            _import_api_client()
+        except ImportError as error:
+            raise GopherplugError(
+                f"a DRA resource needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+            ) from None
+    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
+    try:
+        await _narrate_config_demo(_demo_config(config, root), config.source, root, out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _narrate_config_demo(config: Config, source: str, root: str, out: Callable[[str], None]) -> None:
+    say = _demo_clock(out, width=9)
+    assert config.device_plugin_dir is not None
+    kubelet: KubeletSimulator | None = None
+    dra_kubelet: DraKubeletSimulator | None = None
+    api: LenientApiServer | None = None
+    client: Any = None
+    who = "kubelet and API server" if config.dra else "kubelet"
+    out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
+    for resource in config.resources:
+        scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+        healthy = sum(device.health == HEALTHY for device in scan.devices)
+        say("plugin", f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy, from {resource.origin()}")
+    async with trio.open_nursery() as nursery:
+        if any(resource.device_plugin for resource in config.resources):
+            kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+            say("kubelet", f"serving Registration on {kubelet.socket_path}")
+        if config.dra is not None:
+            api = await nursery.start(LenientApiServer().run)
+            api.put_node(DEMO_NODE, f"{DEMO_NODE}-uid")
+            kubeconfig = os.path.join(root, "kubeconfig")
+            with open(kubeconfig, "w", encoding="utf-8") as file:
+                yaml.safe_dump(_demo_kubeconfig(api.url), file)
+            say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
+            node_slices = functools.partial(api.delete_node_slices, DEMO_NODE)
+            dra_kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=node_slices)
+            await nursery.start(dra_kubelet.run)
+            say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
+            client = KubeApi.connect(kubeconfig=kubeconfig, node_name=DEMO_NODE)
+        try:
+            async with trio.open_nursery() as plugin:
+                await plugin.start(functools.partial(serve_plugin, config, node_name=DEMO_NODE, api=client))
+                for resource in config.resources:
+                    if resource.device_plugin:
+                        assert kubelet is not None
+                        await _demo_allocate(kubelet, resource, say)
+                    else:
+                        assert config.dra is not None and api is not None and dra_kubelet is not None
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say)
+                plugin.cancel_scope.cancel()
+        finally:
+            if client is not None:
+                await client.aclose()
+        nursery.cancel_scope.cancel()
+    say("demo", "done: plugin stopped, its sockets removed")
+
+
+def _demo_kubeconfig(server: str) -> dict[str, Any]:
+    cluster = {"name": "demo", "cluster": {"server": server}}
+    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+    users = [{"name": "demo", "user": {}}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "demo",
+        "clusters": [cluster],
+        "contexts": [context],
+        "users": users,
+    }
+
+
+async def _demo_step(what: str, happened: Awaitable[None]) -> None:
+    with trio.move_on_after(DEMO_STEP_TIMEOUT):
+        await happened
+        return
+    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+
+
+def _demo_list(items: list[str]) -> str:
+    shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
+    return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
+
+
+async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, say: Callable[[str, str], None]) -> None:
+    """One device-plugin resource: its registration, its first list, and Allocate of its first
+    healthy device, as the kubelet would call it for a pod asking for one."""
+    name = resource.name
+    await _demo_step(
+        f"{name}'s registration and first list",
+        kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0),
+    )
+    registration = next(r for r in reversed(kubelet.registrations) if r.resource_name == name)
+    known = kubelet.resources[name]
+    say("plugin", f"Register(resource {name}, endpoint {registration.endpoint}, version {registration.version})")
+    say("kubelet", f"dialed {registration.endpoint} back before answering: {_one_line(known.options)}")
+    listed = sorted(known.devices, key=_natural_key)
+    say("plugin", f"ListAndWatch: {_demo_list([f'{d} {known.devices[d]}' for d in listed])}")
+    say("kubelet", f"node capacity {name}: {known.capacity}, allocatable {known.allocatable}")
+    healthy = [d for d in listed if known.devices[d] == HEALTHY]
+    if not healthy:
+        say("kubelet", f"no healthy {name}: a pod asking for one waits (Pending), and no Allocate is made")
+        return
+    say("kubelet", f"pod default/demo-pod asks for 1 {name}: Allocate({healthy[0]})")
+    try:
+        answer = (await kubelet.allocate(name, healthy[:1])).container_responses[0]
+    except RPCError as error:
+        say("plugin", f"  refused: {error.message}")
+        return
+    for spec in answer.devices:
+        say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+    for mount in answer.mounts:
+        say("plugin", f"  mount {mount.host_path} -> {mount.container_path} ({'ro' if mount.read_only else 'rw'})")
+    for key, value in sorted(answer.envs.items()):
+        say("plugin", f"  env {key}={value}")
+    for key, value in sorted(answer.annotations.items()):
+        say("plugin", f"  annotation {key}={value}")
+    for cdi in answer.cdi_devices:
+        say("plugin", f"  CDI device {cdi.name}")
+
+
+async def _demo_claim(
+    api: LenientApiServer,
+    kubelet: DraKubeletSimulator,
+    driver: str,
+    resource: ResourceConfig,
+    say: Callable[[str, str], None],
+) -> None:
+    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device,
+    allocated as the scheduler would, prepared as the kubelet asks, and the CDI edits the runtime
+    would apply for it."""
+    pool = dra_pool_name(DEMO_NODE, resource.name)
+
+    def devices() -> list[dict[str, Any]]:
+        return [
+            d for item in api.slices.values() if item["spec"]["pool"]["name"] == pool for d in item["spec"]["devices"]
+        ]
+
+    async def published() -> None:
+        await kubelet.wait_until(lambda k: driver in k.drivers)
+        while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
+            await api.changed.wait_touched()
+
+    await _demo_step(f"{resource.name}'s ResourceSlice", published())
+    say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
+    named = sorted((d["name"] for d in devices()), key=_natural_key)
+    say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
+    healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
+    if not healthy:
+        say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
+        return
+    device = min(healthy, key=lambda d: _natural_key(d["name"]))
+    result = {"request": "device", "driver": driver, "pool": pool, "device": device["name"]}
+    if device.get("allowMultipleAllocations"):
+        result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
+    uid = f"demo-{len(api.claims)}"
+    api.put_claim(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": f"demo-{resource.name.rpartition('/')[2]}", "uid": uid},
+            "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        }
+    )
+    say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
+    answer = (await kubelet.prepare(driver, [("default", uid, f"demo-{resource.name.rpartition('/')[2]}")])).claims[uid]
+    if answer.error:
+        say("plugin", f"  NodePrepareResources refused: {answer.error}")
+        return
+    cdi_ids = [cdi_id for prepared in answer.devices for cdi_id in prepared.cdi_device_ids]
+    say("kubelet", f"NodePrepareResources: CDI devices {', '.join(cdi_ids)}")
+    assert resource.cdi is not None
+    for cdi_id in cdi_ids:
+        kind, _, name = cdi_id.partition("=")
+        edits = _demo_cdi_edits(resource.cdi.spec_dir, kind, name)
+        for node in edits.get("deviceNodes", ()):
+            say("runtime", f"  {cdi_id}: device {node.get('hostPath', node['path'])} -> {node['path']}")
+        for mount in edits.get("mounts", ()):
+            options = ",".join(mount.get("options", ()))
+            say("runtime", f"  {cdi_id}: mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+        for env in edits.get("env", ()):
+            say("runtime", f"  {cdi_id}: env {env}")
+
+
+def _demo_cdi_edits(spec_dir: str, kind: str, name: str) -> dict[str, Any]:
+    """The containerEdits of CDI device ``kind``=``name`` in the spec files of ``spec_dir``, as the
+    runtime finds them (the resource's spec, a claim's own for a share or the device metadata)."""
+    for entry in sorted(os.listdir(spec_dir)):
+        if entry.endswith(".json"):
+            with open(os.path.join(spec_dir, entry), encoding="utf-8") as file:
+                spec = json.load(file)
+            if spec.get("kind") == kind:
+                for device in spec.get("devices", ()):
+                    if device["name"] == name:
+                        return dict(device.get("containerEdits", {}))
+    return {}
+
+
 ########################################################################################################
 # 9. Command line
 #
@@ -13071,7 +14111,14 @@ def _parser() -> argparse.ArgumentParser:
         "--dra",
         action="store_true",
         help="the DRA flow instead: slices, claims, CDI, against a simulated kubelet and API server "
-        "(needs the dra extra)",
+        "(needs the dra extra); with --config, every resource served through DRA",
+    )
+    demo.add_argument(
+        "--config",
+        default=None,  # not GOPHERPLUG_CONFIG: the built-in demo unless a file is named here
+        metavar="FILE",
+        help="your configuration instead of the demo's: its devices scanned where it says, registered, listed, and "
+        "one Allocate (or one DRA claim prepared) per resource",
     )
     for command in (serve, check, probe_, who):
         command.add_argument(
@@ -13125,7 +14172,7 @@ def _parser() -> argparse.ArgumentParser:
 
 _GENERIC_DEVICE_FLAG = (
     "is generic-device-plugin's option, not gopherplug's: write each --device as a resource of the "
-    'configuration file given by --config (the README\'s "Coming from generic-device-plugin" translates it)'
+    "configuration file given by --config (docs/generic-device-plugin.md translates it)"
 )
 
 
@@ -13184,7 +14231,16 @@ def _main(argv: list[str] | None = None) -> int:
         args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
         args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
-        return _run(args, run_dra_demo if args.dra else run_demo)
+        if args.config is None:
+            return _run(args, run_dra_demo if args.dra else run_demo)
+        try:  # refused as check-config refuses it
+            config = load_demo_config(args.config, args.dra)
+        except ConfigError as error:
+            print(f"gopherplug: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        for warning in config.warnings:
+            print(f"gopherplug: warning: {warning}", file=sys.stderr)
+        return _run(args, run_config_demo, config)
     if args.command == "probe":
         return _probe(args)
     if not args.config:
@@ -13254,6 +14310,8 @@ def _main(argv: list[str] | None = None) -> int:
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+            scan, value_problems = described_scan(resource, scan)
+            problems += value_problems
             offered.append((resource, scan.devices))
             print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
             view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)

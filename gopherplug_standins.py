@@ -279,12 +279,16 @@ _SEMVER = re.compile(
 def _attribute_causes(field: str, name: str, value: Any) -> list[dict[str, str]]:
     """What the API server refuses in one device attribute (validateQualifiedName and
     validateDeviceAttribute in pkg/apis/resource/validation/validation.go): the name a C identifier
-    of at most 32 characters, optionally after a domain and "/" (a DNS subdomain of at most 63,
+    of at most 32 characters, optionally after a domain and one "/" (a DNS subdomain of at most 63,
     validateDriverName); the value exactly one of bool, int, string and version, a string or
     version at most 64 characters, a version a semantic version (semver.org 2.0.0)."""
     causes = []
     parts = name.split("/")
     identifier = parts[-1]
+    if len(parts) > 2:
+        message = f"Invalid value: {json.dumps(name)}: must be either a C identifier or a domain, followed by a "
+        message += "slash and a C identifier"
+        return [_cause(field, "FieldValueInvalid", message)]
     if len(parts) == 2:
         domain = parts[0]
         if not domain:
@@ -311,6 +315,18 @@ def _attribute_causes(field: str, name: str, value: Any) -> list[dict[str, str]]
                 )
             )
     kinds = [kind for kind in ("bool", "int", "string", "version") if kind in (value or {})]
+    # What the JSON decoder refuses before validation (a 400 from the real API server, said here as
+    # a cause): a value not of its field's Go type (bool, int64, string).
+    for kind in kinds:
+        given = value[kind]
+        fits = {
+            "bool": isinstance(given, bool),
+            "int": isinstance(given, int) and not isinstance(given, bool) and -(2**63) <= given < 2**63,
+        }.get(kind, isinstance(given, str))
+        if not fits:
+            go_type = {"bool": "bool", "int": "int64"}.get(kind, "string")
+            message = f"json: cannot unmarshal {json.dumps(given)} into Go struct field DeviceAttribute.{kind} of "
+            causes.append(_cause(f"{field}.{kind}", "FieldValueTypeInvalid", message + f"type {go_type}"))
     for kind in ("string", "version"):
         text = str((value or {}).get(kind, ""))
         if kind == "version" and kind in kinds and not _SEMVER.fullmatch(text):

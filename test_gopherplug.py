@@ -1016,13 +1016,13 @@ def test_the_product_module_carries_none_of_the_test_only_stand_ins():
 
 
 def test_the_public_api_is_all_the_readme_and_the_docstring_alike():
-    """__all__ is the contract: the module's docstring and the README's "The public API" list the
+    """__all__ is the contract: the module's docstring and docs/embedding.md's "The public API" list the
     same names, each of them exists, says what it is, and (for a function) types every parameter."""
     docstring = gp.__doc__.split("The public API is __all__", 1)[1].split("Quick start:", 1)[0]
     table = docstring.split("\n\n", 1)[1]
     in_docstring = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(line[21:] for line in table.splitlines()))
-    readme = (HERE / "README.md").read_text()
-    section = readme.split("### The public API", 1)[1].split("\n### ", 1)[0]
+    readme = (HERE / "docs" / "embedding.md").read_text()
+    section = readme.split("## The public API", 1)[1].split("\n## ", 1)[0]
     in_readme = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", section.split("| --- | --- |", 1)[1])
     assert sorted(in_docstring) == sorted(in_readme) == sorted(gp.__all__)
     assert len(set(gp.__all__)) == len(gp.__all__)
@@ -1336,7 +1336,7 @@ def resources(**fields):
 
 BAD_CONFIGS = [
     *(
-        (empty, "cfg.yaml: is empty: it needs resources, a list of the devices to offer (the README's Configuration)")
+        (empty, "cfg.yaml: is empty: it needs resources, a list of the devices to offer (docs/configuration.md)")
         for empty in ("", "# only a comment\n", "---\n")
     ),
     ("- a\n- b\n", "cfg.yaml: must be a mapping of keys to values, not a list: a key of a mapping takes no '- '"),
@@ -1357,8 +1357,9 @@ BAD_CONFIGS = [
     (
         resources(pattren="ttyUSB*"),
         "cfg.yaml: resources[0].pattren: unknown key; did you mean pattern? expected one of allow_mounted, "
-        "allowed_host_paths, annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, "
-        "pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "allowed_host_paths, annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, "
+        "id_pattern, match, mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, "
+        "usb, whole_dev",
     ),
     # A glob written bare begins with "*", which YAML reads as an alias (a syntax error, or an
     # undefined one): the line says to quote it, with the quoted key and value to write.
@@ -1427,8 +1428,8 @@ BAD_CONFIGS = [
     (
         resources(colour="blue"),
         "cfg.yaml: resources[0].colour: unknown key; expected one of allow_mounted, allowed_host_paths, "
-        "annotations, api, cdi, device_specs, directory, env, id_pattern, match, mounts, name, pattern, pre_start, "
-        "pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
+        "annotations, api, attributes, capacity, cdi, describe, device_specs, directory, env, id_pattern, match, "
+        "mounts, name, pattern, pre_start, pre_start_timeout, preferred, replicas, shared_with, usb, whole_dev",
     ),
     (resources(pattern=""), "cfg.yaml: resources[0].pattern: must be a non-empty string"),
     (
@@ -1600,30 +1601,30 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
     ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
-    # generic-device-plugin's configuration, carried over: its keys point to the README's translation.
+    # generic-device-plugin's configuration, carried over: its keys point to docs/generic-device-plugin.md.
     (
         "devices:\n  - name: fuse\n    groups:\n      - count: 10\n        paths:\n          - path: /dev/fuse\n",
         "cfg.yaml: devices: is generic-device-plugin's, not gopherplug's: gopherplug's configuration lists resources "
         "instead, one for each of its devices "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     (  # one --device document
         "name: serial\ngroups:\n  - paths:\n      - path: /dev/ttyUSB*\n",
         "cfg.yaml: groups: is generic-device-plugin's, not gopherplug's: a resource here has directory and pattern, "
         "match or usb instead, and replicas for count "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     (  # ... in a resource
         resources(groups=[{"count": 10, "paths": [{"path": "/dev/fuse"}]}]),
         "cfg.yaml: resources[0].groups: is generic-device-plugin's, not gopherplug's: a resource here has directory "
         "and pattern, match or usb instead, and replicas for count "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     (
         resources(paths=[{"path": "/dev/ttyUSB*"}]),
         "cfg.yaml: resources[0].paths: is generic-device-plugin's, not gopherplug's: a resource here has directory "
         "and pattern instead, a glob of the entries of one directory "
-        '(the README\'s "Coming from generic-device-plugin" translates each of its keys)',
+        "(docs/generic-device-plugin.md translates each of its keys)",
     ),
     # The common YAML mistakes, told in a sentence at the line where they are, PyYAML's words after it.
     (  # a key indented more than its neighbours
@@ -5484,15 +5485,15 @@ async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
 
 
 def readme_example_text():
-    """The README's embedding example as written (its code block after "## Embedding")."""
-    text = (HERE / "README.md").read_text()
-    return text.split("## Embedding", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    """The embedding example as written in docs/embedding.md (its first Python code block)."""
+    text = (HERE / "docs" / "embedding.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def readme_example():
-    """The README's embedding example, as a module namespace (its code block after "## Embedding")."""
+    """The embedding example of docs/embedding.md, as a module namespace."""
     namespace = {"__name__": "readme_example"}
-    exec(compile(readme_example_text(), "README.md", "exec"), namespace)
+    exec(compile(readme_example_text(), "docs/embedding.md", "exec"), namespace)
     return namespace
 
 
@@ -5520,12 +5521,90 @@ WIDGET_SOCKET = "gopherplug-example.com_widget-1.sock"
 
 
 def test_readme_embedding_example_is_the_example_file():
-    """The README's example is examples/embedding/device_plugin.py, which mypy --strict checks
+    """docs/embedding.md's example is examples/embedding/device_plugin.py, which mypy --strict checks
     (pyproject.toml's [tool.mypy] files) against the typed public API: the shape hook's answer is a
     ContainerAllocateResponse."""
     assert readme_example_text() == (EMBEDDING_EXAMPLES / "device_plugin.py").read_text()
     assert "examples/embedding" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
     assert "response: gopherplug.ContainerAllocateResponse" in readme_example_text()
+
+
+LESSON = HERE / "examples" / "lesson" / "gopher_plugin.py"
+
+
+def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_included(tmp_path):
+    """examples/lesson/gopher_plugin.py, the tutorial's plugin done right in one file a learner
+    reads in one sitting (at most 250 lines), run as a learner runs it: `python gopher_plugin.py
+    --demo`, its own process, against gopherplug's kubelet simulator. Each step fails the demo
+    (exit 1) unless the simulated kubelet sees it within 10 s: the first list, the Allocate answer,
+    a device added, one turned unhealthy and healthy again by inotify, and a registration on a new
+    socket after the kubelet restarts. Its temporary directory is gone afterwards."""
+    assert len(LESSON.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, str(LESSON), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [re.sub(r"/\S*/lesson-[^/ ]+", "<root>", line.split(" ms  ", 1)[1]) for line in result.stdout.splitlines()]
+    # kubelet.sock is created at bind(), a moment before listen(): a Register may be refused, and retried.
+    said = [line for line in said if not line.startswith("plugin   Register: no answer yet")]
+    listed = "gopher0 Healthy, gopher1 Healthy, gopher2 Healthy, gopher3 Healthy"
+    assert said == [
+        "kubelet  listening on <root>/device-plugins/kubelet.sock",
+        "plugin   Register(example.com/gopher, endpoint gopher-1.sock, version v1beta1)",
+        "kubelet  first list: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy",
+        "kubelet  Allocate(gopher0, gopher1) -> env {'GOPHER_DEVICES': 'gopher0,gopher1'}",
+        "kubelet    device <root>/gophers/gopher0 -> /dev/gopher0 (rw)",
+        "kubelet    device <root>/gophers/gopher1 -> /dev/gopher1 (rw)",
+        "demo     created gophers/gopher3",
+        f"kubelet  inotify told the plugin, the plugin told the kubelet: {listed}",
+        "demo     gophers/gopher4: a symlink to nothing",
+        f"kubelet  listed unhealthy: {listed}, gopher4 Unhealthy",
+        "demo     its target appeared",
+        f"kubelet  healthy again: {listed}, gopher4 Healthy",
+        "demo     the kubelet restarts: it deletes every socket, makes a new kubelet.sock",
+        "plugin   the kubelet restarted: a new socket, a new Register",
+        "plugin   Register(example.com/gopher, endpoint gopher-2.sock, version v1beta1)",
+        f"kubelet  registered again: {listed}, gopher4 Healthy",
+        "demo     done: the plugin stopped, its socket removed",
+    ], result.stdout
+    assert os.listdir(tmp_path) == []
+    assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+
+
+def test_the_dra_lesson_runs_its_demo_a_kubelet_restart_included(sockdir):
+    """examples/lesson/gopher_dra.py, DRA's essentials in one file (at most 250 lines), run as its
+    own process with --demo against gopherplug's DRA kubelet and lenient API server: it publishes
+    its ResourceSlice before and after registration, updates it when a device comes, prepares a
+    claim with the CDI device whose spec it wrote, and writes the slice again after the kubelet's
+    restart wiped it (a create after the restart, or the demo fails)."""
+    script = HERE / "examples" / "lesson" / "gopher_dra.py"
+    assert len(script.read_text().splitlines()) <= 250
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}  # socket paths under 108 bytes
+    result = subprocess.run(
+        [sys.executable, str(script), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [line.split(" ms  ", 1)[1] for line in result.stdout.splitlines()]
+    slices = [line for line in said if line.startswith("plugin   ResourceSlice node-1-gopher.example.com generation")]
+    assert slices[0].endswith("generation 1: gopher0, gopher1, gopher2"), slices
+    assert slices[-1].endswith(": gopher0, gopher1, gopher2, gopher3"), slices
+    all_four = "gopher0, gopher1, gopher2, gopher3"
+    assert [line for line in said if line not in slices] == [
+        "plugin   the kubelet registered the driver",
+        "apiserver this node's ResourceSlice: gopher0, gopher1, gopher2",
+        "demo     created gophers/gopher3",
+        f"apiserver the slice, updated: {all_four}",
+        "scheduler allocated ResourceClaim default/my-gopher: gopher1 of pool node-1",
+        "kubelet  NodePrepareResources(default/my-gopher) -> CDI example.com/gopher=gopher1",
+        "runtime  example.com/gopher=gopher1: env GOPHER_GOPHER1=gopher1, mount /run/gophers/gopher1",
+        "kubelet  NodeUnprepareResources(default/my-gopher): the pod is gone",
+        "demo     the kubelet restarts: it deletes this node's slices, walks plugins_registry again",
+        "plugin   the kubelet registered the driver",
+        f"apiserver the slice, written again: {all_four}",
+        "demo     done",
+    ], result.stdout
+    assert os.listdir(sockdir) == []
 
 
 async def open_example(script, plugin_dir, stderr, **kwargs):
@@ -5552,13 +5631,13 @@ async def stop_example(process, stop):
             await process.wait()
 
 
-@pytest.mark.parametrize("source", ["README.md", "examples/embedding/device_plugin.py"])
+@pytest.mark.parametrize("source", ["docs/embedding.md", "examples/embedding/device_plugin.py"])
 async def test_embedding_example_serves_then_stops_cleanly_on_sigterm(nursery, node, tmp_path, source):
-    """The README's program, run verbatim as its own process: it serves, and SIGTERM (the kubelet
+    """docs/embedding.md's program, run verbatim as its own process: it serves, and SIGTERM (the kubelet
     deleting its pod) stops it with exit code 0, leaving nothing of its own in the kubelet's
     directory, its log lines naming the resource under the program's own logging.basicConfig."""
     script = tmp_path / "example.py"
-    script.write_text(readme_example_text() if source == "README.md" else (HERE / source).read_text())
+    script.write_text(readme_example_text() if source == "docs/embedding.md" else (HERE / source).read_text())
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
     process = await open_example(script, node.plugin_dir, subprocess.PIPE)
     said = StderrLines(process.stderr)
@@ -5948,6 +6027,100 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert re.search(r"mount /\S+/gophers/gopher1 -> /run/gophers/gopher1 \(bind,ro\)\n", said)
     assert said.endswith("devices gopher0, gopher1, gopher2, gopher3\ndone: plugin stopped, its sockets removed")
     assert os.listdir(sockdir) == []
+
+
+def gpu_recipe_config(sockdir):
+    """examples/gpu/config.yaml as a user's file, its /dev a node's tree in miniature under
+    sockdir/node (as test_recipe_serves_its_devices makes it): the file's path, and the tree's /dev."""
+    dev, sysfs = os.path.join(sockdir, "node", "dev"), os.path.join(sockdir, "node", "sys")
+    os.makedirs(dev)
+    gpu_tree(dev, sysfs)
+    config = yaml.safe_load((HERE / "examples" / "gpu" / "config.yaml").read_text())
+    for resource in config["resources"]:
+        resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
+    config.update(dev_root=dev, sysfs_root=sysfs)
+    path = os.path.join(sockdir, "node", "gpu.yaml")
+    with open(path, "w", encoding="utf-8") as file:
+        yaml.safe_dump(config, file)
+    return path, dev
+
+
+def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockdir):
+    """`gopherplug demo --config FILE`: the user's resources scanned where the file says, registered
+    with the simulated kubelet, listed, and one device of each allocated, narrated as the demo is;
+    the kubelet's directory is the demo's own, and nothing is left behind."""
+    path, dev = gpu_recipe_config(sockdir)
+    who, said = narrated_demo(sockdir, "--config", path)
+    assert who == "plugin kubelet plugin kubelet plugin kubelet kubelet plugin plugin plugin demo"
+    card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
+    assert said.split("\n", 1)[1] == "\n".join(
+        [
+            re.search(r"serving Registration on /\S+/device-plugins/kubelet.sock", said).group(0),
+            "Register(resource example.com/gpu, endpoint gopherplug-example.com_gpu-1.sock, version v1beta1)",
+            "dialed gopherplug-example.com_gpu-1.sock back before answering: get_preferred_allocation_available: True",
+            "ListAndWatch: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
+            "node capacity example.com/gpu: 2, allocatable 2",
+            "pod default/demo-pod asks for 1 example.com/gpu: Allocate(0000:00:02.0)",
+            f"device {card} -> {card} (rw)",  # {target}: where the by-path link leads, in the container too
+            f"device {render} -> {render} (rw)",
+            "env GPU_DEVICES=0000:00:02.0",
+            "done: plugin stopped, its sockets removed",
+        ]
+    )
+    assert said.startswith(f"example.com/gpu: 2 devices, 2 healthy, from {dev}/dri/by-path/pci-*\n")
+    assert sorted(os.listdir(sockdir)) == ["node"]
+
+
+def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
+    """`gopherplug demo --config FILE --dra`: the same file served through DRA (api: dra, the demo's
+    driver): the pool's ResourceSlice, a claim for its first device allocated and prepared, and the
+    CDI edits the runtime would apply for it, from the spec the plugin wrote."""
+    path, dev = gpu_recipe_config(sockdir)
+    who, said = narrated_demo(sockdir, "--config", path, "--dra")
+    assert who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime demo"
+    card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
+    first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
+    pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
+    lines = said.splitlines()
+    assert lines[4:10] == [
+        f"ResourceSlice of pool {pool}: {first}, {second}",
+        f"allocated a ResourceClaim: device {first} of pool {pool}",
+        f"NodePrepareResources: CDI devices {cdi}, gopherplug.example.com/metadata=demo-0_device",
+        f"{cdi}: device {card} -> {card}",
+        f"{cdi}: device {render} -> {render}",
+        f"{cdi}: env GPU_DEVICES_0000_00_02_0=0000:00:02.0",
+    ]
+    assert re.fullmatch(
+        r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
+        r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
+        r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
+        lines[10],
+    )
+    assert sorted(os.listdir(sockdir)) == ["node"]
+
+
+def test_demo_config_refuses_what_check_config_refuses(tmp_path):
+    """A file check-config refuses, demo --config refuses with the same line and exit 2; under --dra,
+    what only the device-plugin API has is refused with why."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text("resources:\n  - name: example.com/gopher\n    directory: gophers\n")
+    demo, check_config = run_cli("demo", "--config", str(path)), run_cli("check-config", "--config", str(path))
+    assert (demo.returncode, demo.stdout) == (check_config.returncode, "") == (2, "")
+    assert (
+        demo.stderr
+        == check_config.stderr
+        == f"gopherplug: {path}: resources[0].directory: 'gophers' must be an absolute path\n"
+    )
+    path.write_text(
+        "resources:\n  - name: example.com/gopher\n    directory: /dev\n    pattern: 'null'\n    annotations: {a: b}\n"
+    )
+    dra = run_cli("demo", "--config", str(path), "--dra")
+    assert (dra.returncode, dra.stdout) == (2, "")
+    assert dra.stderr == (
+        f"gopherplug: {path}: resources[0].annotations: is for the device-plugin API, and this resource has api: dra "
+        "(devices reach containers only as CDI devices) (demo --dra serves it through DRA)\n"
+    )
 
 
 async def run_cli_async(*args, env=None):
@@ -6427,7 +6600,7 @@ def generic_device_plugin_service(paths):
 async def test_a_node_switched_from_generic_device_plugin_holds_the_pods_device_back_until_it_ends(
     nursery, sockdir, monkeypatch
 ):
-    """README, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
+    """docs/generic-device-plugin.md, "Switching a node from generic-device-plugin": a pod got ttyUSB0 from
     generic-device-plugin under its hashed ID; generic-device-plugin stops, gopherplug starts for
     the same resource name. As the kubelet does, the stand-in keeps the pod's allocation (its
     podDevices) and lists gopherplug's devices in place of the old ones, and chooses the next
@@ -6508,7 +6681,7 @@ async def test_a_node_switched_from_generic_device_plugin_holds_the_pods_device_
     assert warned.lines == [
         f"{resource}: 1 device held by running pods under IDs this plugin does not offer (another plugin's, such as "
         f"generic-device-plugin's, or a device gone since): default/modem/app holds ttyUSB0 as {short}…: Unhealthy "
-        "here until that pod ends (README: Switching a node from generic-device-plugin)"
+        "here until that pod ends (docs/generic-device-plugin.md: Switching a node from generic-device-plugin)"
     ]
     assert offered.lines[-1] == f"{resource}: ttyUSB0: the pod holding it under another plugin's ID has ended: offered"
     assert pod_resources.calls[0] == "List" and set(pod_resources.calls) == {"List"}
@@ -6553,8 +6726,8 @@ def test_foreign_holds_tell_generic_device_plugins_ids_from_unknown_ones():
         f"generic-device-plugin's, or a device gone since): ns/p/c holds {third[:12]}…, fuse, a share of it; "
         f"ns/p/c holds {both[:12]}…, C0, a share of it; ns/p/c holds zz, a device this plugin cannot tell: the "
         "kubelet counts only the IDs it gave as in use and may give the same device to another pod: drain the node, "
-        "or keep new pods of this resource off it, until they end (README: Switching a node from "
-        "generic-device-plugin)"
+        "or keep new pods of this resource off it, until they end (docs/generic-device-plugin.md: Switching a node "
+        "from generic-device-plugin)"
     )
     kept = gp.held_back({"fuse": fuse, "C0": pair}, holds)
     assert (kept["fuse"].health, kept["fuse"].problem) == (
@@ -6967,10 +7140,9 @@ def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_th
         assert (result.returncode, result.stdout) == (2, "")
         assert result.stderr == (
             "gopherplug: --device: is generic-device-plugin's option, not gopherplug's: write each --device as a "
-            'resource of the configuration file given by --config (the README\'s "Coming from generic-device-plugin" '
-            "translates it)\n"
+            "resource of the configuration file given by --config (docs/generic-device-plugin.md translates it)\n"
         )
-    assert "\n## Coming from generic-device-plugin\n" in (HERE / "README.md").read_text()
+    assert (HERE / "docs" / "generic-device-plugin.md").read_text().startswith("# Coming from generic-device-plugin\n")
     # No other prefix of an option is taken for it either, on any command.
     path = write_config(node, tmp_path)
     for args in (["check-config", "--conf", str(path)], ["probe", "--device-plugin", node.plugin_dir]):
@@ -7380,7 +7552,7 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
             elapsed = trio.current_time() - sent
             await simulator.wait_until(lambda s: devices_of(s) is None)  # the kubelet saw the stream end
     assert node.our_sockets() == []
-    assert elapsed < 5, "generous bound; the README gives the measured figure"
+    assert elapsed < 5, "generous bound; docs/performance.md gives the measured figure"
 
 
 async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, node, tmp_path):
@@ -7719,12 +7891,12 @@ def test_the_release_workflow_is_valid_against_githubs_workflow_schema(tmp_path)
 
 def test_the_version_is_the_same_everywhere():
     """__version__ is the one place the version is written: the image tags of both manifests and the
-    examples in the Dockerfile and the README say the same, as do the chart's version and
+    examples in the Dockerfile, the README and docs/deployment.md say the same, as do the chart's version and
     appVersion (the images' default tag), and the release workflow's check that the tag names it
     reads that very value."""
     found = {
         name: re.findall(r"gopherplug:(\d+\.\d+\.\d+\S*)", (HERE / name).read_text())
-        for name in ("Dockerfile", "daemonset.yaml", "daemonset-dra.yaml", "README.md")
+        for name in ("Dockerfile", "daemonset.yaml", "daemonset-dra.yaml", "README.md", "docs/deployment.md")
     }
     assert all(found.values()), found
     tags = {tag.split("-")[0].rstrip("`.") for tags in found.values() for tag in tags}
@@ -8624,6 +8796,144 @@ def dra_config(devices, kubelet_dir, top=(), device_metadata=False, **fields):
     return yaml.safe_dump(config)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"attributes": {"a/b/c": 1}},
+            "attributes.a/b/c: not a valid name for the API server: must be either a C identifier or a domain, "
+            "followed by a slash and a C identifier",
+        ),
+        (
+            {"attributes": {"gpu-model": "x"}},
+            "attributes.gpu-model: not a valid name for the API server: 'gpu-model' must be a C identifier (letters, "
+            "digits and '_', not starting with a digit) of at most 32 characters",
+        ),
+        (
+            {"attributes": {"a" * 33: "x"}},
+            f"attributes.{'a' * 33}: not a valid name for the API server: '{'a' * 33}' must be a C identifier "
+            "(letters, digits and '_', not starting with a digit) of at most 32 characters",
+        ),
+        (
+            {"attributes": {"example_com/model": "x"}},
+            "attributes.example_com/model: not a valid name for the API server: the domain 'example_com' must be a "
+            "DNS subdomain (letters, digits, '-' and '.') of at most 63 characters",
+        ),
+        (
+            {"attributes": {"/model": "x"}},
+            "attributes./model: not a valid name for the API server: the domain must not be empty",
+        ),
+        (
+            {"attributes": {"model": "x" * 65}},
+            f"attributes.model: not a valid string attribute for the API server: '{'x' * 20}'... has 65 bytes, more "
+            "than the API server's 64",
+        ),
+        (
+            {"attributes": {"driverVersion": {"version": "v580.159"}}},
+            "attributes.driverVersion: not a valid version attribute for the API server: 'v580.159' is not a semantic "
+            "version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)",
+        ),
+        (
+            {"attributes": {"cores": 2**63}},
+            f"attributes.cores: not a valid int attribute for the API server: {2**63} does not fit in 64 bits",
+        ),
+        (
+            {"attributes": {"ratio": 1.5}},
+            'attributes.ratio: 1.5: must be a string, a whole number, true or false, {version: "1.2.3"}, or '
+            "{file: <path>, type: string|int|bool|version}",
+        ),
+        (
+            {"attributes": {"id": "x"}},
+            "attributes.id: is an attribute gopherplug gives every device itself (healthy, id, numaNode, resource, "
+            "usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name, or one in a domain of your own "
+            "(example.com/id)",
+        ),
+        (
+            {"attributes": {f"{DRIVER}/healthy": False}},
+            f"attributes.{DRIVER}/healthy: is an attribute gopherplug gives every device itself (healthy, id, "
+            "numaNode, resource, usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name, or one in a "
+            "domain of your own (example.com/healthy)",
+        ),
+        (
+            {"attributes": {"serial": {"file": "serial"}}},
+            "attributes.serial.file: 'serial' must be an absolute path",
+        ),
+        (
+            {"attributes": {"serial": {"file": "/sys/{device}/serial"}}},
+            "attributes.serial.file: '/sys/{device}/serial': bad placeholder ('device'); use {id}, {path}, {name}, "
+            "{target}, {sysfs}",
+        ),
+        (
+            {"attributes": {"serial": {"file": "{sysfs}/serial", "type": "float"}}},
+            "attributes.serial.type: 'float': must be one of string, int, bool, version",
+        ),
+        (
+            {"capacity": {"memory": "80GB"}},
+            "capacity.memory: '80GB' is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or "
+            "{file: <path>} to read one",
+        ),
+        (
+            {"capacity": {"memory": {"file": "{sysfs}/mem", "type": "int"}}},
+            "capacity.memory.type: 'int': must be one of quantity",
+        ),
+        (
+            {"capacity": {"shares": 2}},
+            "capacity.shares: is the capacity gopherplug gives a shared device (replicas): choose another name",
+        ),
+        (
+            {"attributes": {f"a{n}": n for n in range(20)}, "capacity": {f"c{n}": n for n in range(10)}},
+            "capacity: 20 attributes and 10 capacities, with the 3 gopherplug gives each device, are 33: the API "
+            "server takes at most 32 a device",
+        ),
+        (
+            {"describe": ["/nonexistent/describe-gpus"]},
+            "describe[0]: '/nonexistent/describe-gpus' is not an executable file here or on PATH",
+        ),
+    ],
+)
+def test_declared_attributes_and_capacity_are_checked_as_the_api_server_checks_a_slice(fields, message):
+    """Issue 38: each mistake the API server would refuse a ResourceSlice for (so every device of the
+    pool) is one ConfigError naming the resource and the key; gopherplug's own attributes are not
+    silently replaced."""
+    with pytest.raises(gp.ConfigError) as caught:
+        gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml")
+    assert str(caught.value) == f"cfg.yaml: resources[0].{message}"
+
+
+def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_stores_them():
+    config = gp.parse_config(
+        dra_config(
+            "/g",
+            "/k",
+            attributes={"model": "H200", "cores": 132, "ecc": True, "v": {"version": "1.2.3-rc.1+b5"}},
+            capacity={"a": "1.5Gi", "b": "1000", "c": 0.5, "d": "143771Mi", "e": "1024Mi", "f": "1e3", "g": "1.5Ki"},
+        ),
+        "cfg.yaml",
+    )
+    (resource,) = config.resources
+    assert [(d.name, d.type, d.value) for d in resource.attributes] == [
+        ("cores", "int", 132),
+        ("ecc", "bool", True),
+        ("model", "string", "H200"),
+        ("v", "version", "1.2.3-rc.1+b5"),
+    ]
+    # ParseQuantity then CanonicalizeBytes (k8s.io/apimachinery pkg/api/resource/quantity.go)
+    assert {d.name: d.value for d in resource.capacity} == {
+        "a": "1536Mi",
+        "b": "1k",
+        "c": "500m",
+        "d": "143771Mi",
+        "e": "1Gi",
+        "f": "1e3",
+        "g": "1536",
+    }
+    # The embedding API takes the same keys.
+    embedded = gp.resource_config("example.com/gpu", attributes={"model": "H200"}, capacity={"memory": "80Gi"})
+    device = gp.DeviceEntry("0", "/dev/gpu0")
+    assert gp.dra_device(embedded, device)["capacity"] == {"memory": {"value": "80Gi"}}
+    assert gp.dra_device(embedded, device)["attributes"]["model"] == {"string": "H200"}
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
@@ -8905,13 +9215,13 @@ DRA_BAD_CONFIGS = [
         dra_config("/g", "/k", api="both", allow_double_booking=True),
         "cfg.yaml: resources[0].allow_double_booking: is no longer accepted: a node serves a resource through one "
         "API: api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for "
-        "it in resources.limits (README: Moving a resource from the device plugin to DRA)",
+        "it in resources.limits (docs/dra.md: Moving a resource from the device plugin to DRA)",
     ),
     (
         dra_config("/g", "/k", api="both"),
         "cfg.yaml: resources[0].api: both is no longer accepted: a node serves a resource through one API: "
         "api: device-plugin or api: dra, with the DRA DeviceClass's extendedResourceName for pods that ask for it "
-        "in resources.limits (README: Moving a resource from the device plugin to DRA)",
+        "in resources.limits (docs/dra.md: Moving a resource from the device plugin to DRA)",
     ),
     (
         dra_config("/g", "/k", replicas=2, preferred="spread"),
@@ -9072,6 +9382,67 @@ def pci_sysfs(root):
     os.symlink(os.path.relpath(card, root / "dev" / "char"), root / "dev" / "char" / "1:3")
     os.symlink(os.path.relpath(tty, root / "dev" / "char"), root / "dev" / "char" / "1:5")
     return str(root)
+
+
+def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_sysfs_files_and_describe(tmp_path):
+    """Issue 38: check-config shows what each device's ResourceSlice entry will carry: the literals,
+    what its files say ({sysfs}: the node's sysfs directory, here a GPU's PCI function's vendor), and
+    what describe says (run once, for both devices). A node sysfs knows nothing of gets no {sysfs}
+    value, one line; a standard attribute describe gives where sysfs knows none is used (the NVIDIA
+    case), and where sysfs knows it, sysfs's stays, said when describe's differs. The slices of
+    those devices are what the strict API server takes."""
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    for name, target in [("gpu", "/dev/null"), ("full", "/dev/full")]:
+        os.symlink(target, devices / name)
+    sysfs = pci_sysfs(tmp_path / "sys")
+    (tmp_path / "sys" / "devices" / "pci0000:00" / "0000:00:01.0" / "0000:03:00.0" / "vendor").write_text("0x10de\n")
+    describe = tmp_path / "describe"
+    describe.write_text(
+        f"#!{sys.executable}\nimport json\nprint(json.dumps({{"
+        '"gpu": {"attributes": {"resource.kubernetes.io/pciBusID": "0000:09:00.0", "uuid": "GPU-1"}}, '
+        '"full": {"attributes": {"resource.kubernetes.io/pciBusID": "0000:0a:00.0"}, "capacity": {"memory": 2048}}'
+        "}))\n"
+    )
+    describe.chmod(0o755)
+    fields = {
+        "allowed_host_paths": ["/dev"],
+        "attributes": {
+            "productName": "NVIDIA H200",
+            "driverVersion": {"version": "580.159.4"},
+            "vendor": {"file": "{sysfs}/device/vendor", "type": "int"},
+        },
+        "capacity": {"memory": {"file": "{sysfs}/device/memory"}, "slots": 4},
+        "describe": [str(describe)],
+    }
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(dra_config(str(devices), "/k", {"sysfs_root": sysfs}, **fields))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    assert result.returncode == 0, result.stderr
+    report = result.stdout.split("example.com/gopher: 2 devices", 1)[1].split("  a claim for", 1)[0]
+    gpu_dir = f"{sysfs}/dev/char/1:3"
+    assert report.splitlines()[1:] == [
+        "  warning: device full: attributes.vendor: {sysfs}/device/vendor: no sysfs directory is known for this device",
+        "  warning: device full: capacity.memory: {sysfs}/device/memory: no sysfs directory is known for this device",
+        f"  warning: device gpu: capacity.memory: cannot read {gpu_dir}/device/memory: No such file or directory",
+        "  warning: device gpu: attributes.resource.kubernetes.io/pciBusID: sysfs says '0000:03:00.0', which is used, "
+        "not describe's '0000:09:00.0'",
+        "  ID    DRA NAME  HEALTH     PATH",
+        "  full  full      Healthy    " + f"{devices}/full -> /dev/full",
+        '        attributes: driverVersion=580.159.4 (version), productName="NVIDIA H200", '
+        'resource.kubernetes.io/pciBusID="0000:0a:00.0"',
+        "        capacity: slots=4, memory=2048",
+        "  gpu   gpu       Healthy    " + f"{devices}/gpu -> /dev/null",
+        '        attributes: driverVersion=580.159.4 (version), productName="NVIDIA H200", uuid="GPU-1", vendor=4318',
+        "        capacity: slots=4",
+    ]
+    config = gp.load_config(str(path))
+    (resource,) = config.resources
+    scan, _ = gp.described_scan(resource, gp.scan_directory(resource, sysfs))
+    slices = gp.resource_slices(DRIVER, "node-1", resource, {d.id: d for d in scan.devices}, 1, NODE_UID)
+    assert [standins.resource_slice_causes(item) for item in slices] == [[]]
+    gpu = next(d for d in slices[0]["spec"]["devices"] if d["name"] == "gpu")
+    assert gpu["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:03:00.0"}
 
 
 def test_dra_standard_attributes_of_pci_devices_from_sysfs(tmp_path):
@@ -9570,6 +9941,231 @@ async def test_dra_registers_and_devices_added_and_removed_reach_the_slices(dra_
     ]
     assert dra_node.slice_devices()[1] == {3}  # a new generation per change
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "update", "update"]
+
+
+DESCRIBE_SCRIPT = """#!{python}
+import json, os, sys, time
+mode = open({mode!r}).read().strip()
+if mode == "fail":
+    print("starting", file=sys.stderr)
+    print("nvidia-smi: command not found", file=sys.stderr)
+    sys.exit(127)
+if mode == "hang":
+    print("waiting for the GPU", file=sys.stderr, flush=True)
+    open({mode!r} + ".pid", "w").write(str(os.getpid()))
+    os.execvp("sleep", ["sleep", "1000"])
+if mode == "garbage":
+    print("No devices were found")
+    sys.exit(0)
+ids = os.environ["GOPHERPLUG_DEVICES"].split(",")
+print(json.dumps({{
+    device_id: {{
+        "attributes": {{"uuid": "GPU-" + device_id, "driverVersion": {{"version": "580.159.4"}}, "bad-name": 1}},
+        "capacity": {{"memory": "143771Mi"}},
+    }}
+    for device_id in ids + ["gopher9"]
+}}))
+"""
+
+
+def describe_script(root, mode="ok"):
+    """A describe program (a real subprocess) whose behaviour ``mode`` chooses, as the file "mode" says."""
+    (root / "mode").write_text(mode)
+    script = root / "describe"
+    script.write_text(DESCRIBE_SCRIPT.format(python=sys.executable, mode=str(root / "mode")))
+    script.chmod(0o755)
+    return str(script)
+
+
+def described_calls(monkeypatch):
+    """A Watched count of finished run_describe calls (the real one runs)."""
+    calls = gp.Watched(0)
+    real = gp.run_describe
+
+    async def counted(resource, ids):
+        try:
+            return await real(resource, ids)
+        finally:
+            calls.set(calls.value + 1)
+
+    monkeypatch.setattr(gp, "run_describe", counted)
+    return calls
+
+
+async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(dra_node, monkeypatch, caplog):
+    """Issue 38: a resource's attributes and capacity, literal, from a file, and from describe (a real
+    program, run once per scan of the resource, not per device), are in each device's ResourceSlice
+    entry, which the strict API server takes; gopherplug's own attributes stay. A described value the
+    API server would refuse ("bad-name") and a device describe names that the node has not are each
+    one line, not a refused slice."""
+    calls = described_calls(monkeypatch)
+    info = dra_node.root / "info"
+    for name, serial in (("gopher0", "A1"), ("gopher1", "B2")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "serial").write_text(serial + "\n")
+    config = dra_node.config(
+        attributes={
+            "productName": "NVIDIA H200",
+            "cores": 132,
+            "ecc": True,
+            "example.com/family": "hopper",
+            "serial": {"file": str(info / "{id}" / "serial")},
+        },
+        capacity={"slots": 4, "hbm": "1.5Gi"},
+        describe=[describe_script(dra_node.root)],
+    )
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(config)
+        await dra_node.registered()
+        while not any("uuid" in d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]):
+            await dra_node.api.changed.wait_touched()
+    assert calls.value == 1  # once for both devices
+    devices = {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+    assert devices["gopher1"] == {
+        "name": "gopher1",
+        "attributes": {
+            "resource": {"string": "example.com/gopher"},
+            "id": {"string": "gopher1"},
+            "healthy": {"bool": True},
+            "productName": {"string": "NVIDIA H200"},
+            "cores": {"int": 132},
+            "ecc": {"bool": True},
+            "example.com/family": {"string": "hopper"},
+            "serial": {"string": "B2"},
+            "driverVersion": {"version": "580.159.4"},
+            "uuid": {"string": "GPU-gopher1"},
+        },
+        "capacity": {"slots": {"value": "4"}, "hbm": {"value": "1536Mi"}, "memory": {"value": "143771Mi"}},
+    }
+    assert devices["gopher0"]["attributes"]["serial"] == {"string": "A1"}
+    refused = [line for line in caplog.messages if "bad-name" in line]
+    assert refused == [
+        f"example.com/gopher: device {name}: attributes.bad-name: not valid for the API server: 'bad-name' must be a "
+        "C identifier (letters, digits and '_', not starting with a digit) of at most 32 characters"
+        for name in ("gopher0", "gopher1")
+    ]
+    assert [line for line in caplog.messages if "gopher9" in line] == [
+        f"example.com/gopher: describe {config.resources[0].describe[0]} described gopher9, which is not among the "
+        "resource's devices"
+    ]
+    assert not [line for line in caplog.messages if "refused" in line or "422" in line]
+
+
+async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_served_and_recovers(
+    dra_node, monkeypatch, caplog
+):
+    """Issue 38: describe failing (with its stderr's last line), hanging (killed at the timeout) or
+    printing garbage: the devices stay published, with what is known and nothing made up, each cause
+    said in one line, once (a second run failing alike says nothing more). Fixed, the values appear
+    without a restart (a failed describe is tried again), and that is said too."""
+    monkeypatch.setattr(gp, "DESCRIBE_TIMEOUT", 0.5)
+    monkeypatch.setattr(gp, "DESCRIBE_RETRY", (0.01, 0.01))
+    calls = described_calls(monkeypatch)
+    (dra_node.devices / "gopher0").touch()
+    script = describe_script(dra_node.root, "fail")
+    config = dra_node.config(attributes={"productName": "NVIDIA H200"}, describe=[script])
+
+    def attributes():
+        return [d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+
+    async def runs(count):
+        while calls.value < count:
+            await calls.wait_touched()
+
+    def said(text):
+        return [line for line in caplog.messages if text in line]
+
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+        await runs(2)  # failed twice: said once
+        assert said("describe") == [
+            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found; the devices are "
+            "offered without what it would say (0 keep what it said before)"
+        ]
+        assert attributes() == [
+            {
+                "resource": {"string": "example.com/gopher"},
+                "id": {"string": "gopher0"},
+                "healthy": {"bool": True},
+                "productName": {"string": "NVIDIA H200"},
+            }
+        ]
+        (dra_node.root / "mode").write_text("hang")
+        await runs(calls.value + 2)
+        assert said("did not finish") == [
+            f"example.com/gopher: describe {script} did not finish within 0.5 s (killed): waiting for the GPU; the "
+            "devices are offered without what it would say (0 keep what it said before)"
+        ]
+        (dra_node.root / "mode").write_text("garbage")
+        await runs(calls.value + 2)
+        assert said("printed no description") == [
+            f"example.com/gopher: describe {script} printed no description: not JSON (Expecting value at line 1 "
+            "column 1): 'No devices were found'; the devices are offered without what it would say (0 keep what it "
+            "said before)"
+        ]
+        assert len(attributes()[0]) == 4  # nothing made up
+        (dra_node.root / "mode").write_text("ok")
+        while "uuid" not in attributes()[0]:
+            await dra_node.api.changed.wait_touched()
+        dra_node.stop()
+    assert attributes()[0]["uuid"] == {"string": "GPU-gopher0"}
+    assert said("works again") == [f"example.com/gopher: describe {script} works again: 1 device described"]
+    with pytest.raises(ProcessLookupError):  # the hanging one was killed (and reaped), not left behind
+        os.kill(int((dra_node.root / "mode.pid").read_text()), 0)
+
+
+#: A described value of each kind the API server refuses a ResourceSlice for, and the cause it gives
+INVALID_DESCRIBED = {
+    "name": ({"attributes": {"gpu-model": "H200"}}, "attributes.gpu-model", "'gpu-model' must be a C identifier"),
+    "slashes": ({"attributes": {"a/b/c": "x"}}, "attributes.a/b/c", "must be either a C identifier or a domain"),
+    "domain": ({"attributes": {"-x-/model": "x"}}, "attributes.-x-/model", "must be a DNS subdomain"),
+    "string": ({"attributes": {"serial": "x" * 65}}, "attributes.serial", "has 65 bytes"),
+    "version": ({"attributes": {"driverVersion": {"version": "580.159"}}}, "attributes.driverVersion", "semantic"),
+    "int": ({"attributes": {"cores": 2**64}}, "attributes.cores", "does not fit in 64 bits"),
+    "type": ({"attributes": {"ratio": 1.5}}, "attributes.ratio", "1.5 is not a string, a whole number"),
+    "quantity": ({"capacity": {"memory": "80GB"}}, "capacity.memory", "'80GB' is not a quantity"),
+    "too many": ({"attributes": {f"a{n}": n for n in range(30)}}, "attributes.a29", "at most 32 attributes"),
+}
+
+
+@pytest.mark.parametrize("kind", list(INVALID_DESCRIBED))
+async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not_a_refused_slice(
+    dra_node, kind, caplog
+):
+    """Issue 38: the strict API server stand-in refuses a slice with each kind of invalid value, as
+    the API server does (one bad device refuses the whole pool); gopherplug, given one by describe,
+    leaves it out with one line naming the resource, the device and the key, and writes a slice the
+    stand-in takes, with the device's other values."""
+    described, key, why = INVALID_DESCRIBED[kind]
+    (dra_node.devices / "gopher0").touch()
+    script = dra_node.root / "describe"
+    described = {**described, "attributes": {"uuid": "GPU-0", **described.get("attributes", {})}}
+    script.write_text(f"#!{sys.executable}\nimport json\nprint(json.dumps({json.dumps({'gopher0': described})}))\n")
+    script.chmod(0o755)
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await dra_node.start(dra_node.config(describe=[str(script)]))
+        await dra_node.registered()
+        while not any("uuid" in d["attributes"] for s in dra_node.api.slices.values() for d in s["spec"]["devices"]):
+            await dra_node.api.changed.wait_touched()
+    assert dra_node.api.refused == []
+    [line] = [line for line in caplog.messages if key in line]
+    assert line.startswith(f"example.com/gopher: device gopher0: {key}: ") and why in line, line
+    # The same value written as is: what the API server says of it.
+    (item,) = dra_node.api.slices.values()
+    device = item["spec"]["devices"][0]
+    group = key.split(".", 1)[0]
+    value = described[group][key.split(".", 1)[1]]
+    if group == "capacity":
+        device.setdefault("capacity", {})[key.split(".", 1)[1]] = {"value": value}
+    else:
+        typed = {str: "string", float: "int", int: "int"}
+        device["attributes"].update(
+            {n: v if isinstance(v, dict) else {typed[type(v)]: v} for n, v in described["attributes"].items()}
+        )
+    assert standins.resource_slice_causes(item), kind
 
 
 async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
@@ -10101,6 +10697,52 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
             await gp.serve_dra_devices(resource, devices, **options, task_status=task_status)
 
     return scope, await dra_node.nursery.start(run)
+
+
+async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node, caplog):
+    """Issue 38: resource_config takes attributes, capacity and describe as the file does; with
+    serve_dra_devices, a device's slice entry has the literals, what the program's DeviceEntry
+    carries itself, and what describe (run as the program's devices come) says, none replacing
+    another. A new device is described again."""
+    widgets = dra_node.root / "widgets"
+    script = dra_node.root / "describe"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, os\n"
+        "ids = os.environ['GOPHERPLUG_DEVICES'].split(',')\n"
+        "print(json.dumps({i: {'attributes': {'uuid': 'U-' + i, 'serial': 'not-this'}} for i in ids}))\n"
+    )
+    script.chmod(0o755)
+    resource = gp.resource_config(
+        "example.com/widget",
+        env="WIDGETS",
+        attributes={"model": "W-1"},
+        capacity={"memory": "1Gi"},
+        describe=[str(script)],
+    )
+    own = {"attributes": (("serial", "string", "S0"), ("bad-name", "string", "x")), "capacity": (("lanes", "16"),)}
+    devices = gp.Watched({"w0": widget("w0", widgets, **own)})
+
+    def entries():
+        return {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+
+    with trio.fail_after(TIMEOUT), caplog.at_level("INFO", logger="gopherplug"):
+        await serve_dra_widgets(dra_node, devices, resource)
+        while "uuid" not in entries().get("w0", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+        devices.set({**devices.value, "w1": widget("w1", widgets)})
+        while "uuid" not in entries().get("w1", {}).get("attributes", {}):
+            await dra_node.api.changed.wait_touched()
+    w0 = entries()["w0"]
+    assert {name: w0["attributes"][name] for name in ("model", "serial", "uuid")} == {
+        "model": {"string": "W-1"},
+        "serial": {"string": "S0"},  # the program's, not describe's
+        "uuid": {"string": "U-w0"},
+    }
+    assert w0["capacity"] == {"memory": {"value": "1Gi"}, "lanes": {"value": "16"}}
+    assert entries()["w1"]["attributes"]["serial"] == {"string": "not-this"}  # w1 has none of its own
+    assert "bad-name" not in w0["attributes"]  # the device's own, checked too: left out, said once
+    assert len([line for line in caplog.messages if "device w0: attributes.bad-name: the device's own" in line]) == 1
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
 
 
 async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
@@ -11765,7 +12407,7 @@ def two_resource_config(dra_node):
 HELD_BACK = (
     "DRA: example.com/gopher: node node-1's allocatable still has {} of it: a device plugin serves it on this "
     "node, so its devices are held back from DRA until that is 0 (a node serves a resource through one API: "
-    "stop the device plugin here, see the README's Moving a resource from the device plugin to DRA)"
+    "stop the device plugin here, see docs/dra.md: Moving a resource from the device plugin to DRA)"
 )
 
 
@@ -12194,7 +12836,7 @@ def test_scheduler_stand_in_finds_neither_api_unschedulable():
 
 ########################################################################################################
 # Versions: each flow a user meets, against each Kubernetes release gopherplug supports, with the
-# release's default feature gates (standins.FEATURE_GATE_HISTORY; the README's version table)
+# release's default feature gates (standins.FEATURE_GATE_HISTORY; docs/dra.md's version table)
 ########################################################################################################
 
 VERSIONS = standins.KUBERNETES_VERSIONS
@@ -12202,7 +12844,7 @@ VERSIONS = standins.KUBERNETES_VERSIONS
 
 def test_versions_each_release_has_its_default_feature_gates():
     """The stand-ins' releases and their default gates, as kube_features.go has them (the table of
-    issue 25, and the README's version table): what every versioned test below stands on."""
+    issue 25, and docs/dra.md's version table): what every versioned test below stands on."""
     table = {version: standins.release(version).gates for version in VERSIONS}
     on_from = {
         "DRAPrioritizedList": "1.34",
@@ -12262,6 +12904,76 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
     """A claim as a user's ResourceClaimTemplate makes it: ``count`` devices of ``device_class``."""
     request = {"name": "gopher", "exactly": {"deviceClassName": device_class, "count": count, **exactly}}
     return claim(name, f"uid-{name}", requests=[request])
+
+
+async def test_dra_claims_select_by_capacity_and_attribute_through_the_charts_device_classes(dra_node, helm):
+    """Issue 38: devices that differ by what their files say (a model, a memory size) are told apart
+    by claims: through the chart's dra.extraDeviceClasses, rendered by helm, the scheduler stand-in's
+    CEL (with the Kubernetes quantity library) gives a claim of the "80Gi or more" class the one
+    device with 80Gi, one of the "H100" class the H100, and a claim selecting by capacity itself
+    (device.capacity[...].memory.compareTo(quantity(...))) the right one too."""
+    info = dra_node.root / "info"
+    for name, model, memory in (("gopher0", "H100", "40Gi"), ("gopher1", "H200", "80Gi"), ("gopher2", "H100", "64Gi")):
+        (dra_node.devices / name).touch()
+        (info / name).mkdir(parents=True)
+        (info / name / "model").write_text(model + "\n")
+        (info / name / "memory").write_text(memory + "\n")
+    declared = {
+        "attributes": {"productName": {"file": str(info / "{id}" / "model")}, "vendor": "NVIDIA"},
+        "capacity": {"memory": {"file": str(info / "{id}" / "memory")}},
+    }
+    capacity = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
+    values = dra_node.root / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "mode": "dra",
+                "config": {
+                    "resources": [{"name": "example.com/gopher", "directory": "/dev/g", "api": "dra", **declared}]
+                },
+                "dra": {
+                    "driver": DRIVER,
+                    "extraDeviceClasses": [
+                        {"name": "big.gopher.example.com", "resource": "example.com/gopher", "selector": capacity},
+                        {
+                            "name": "h100.gopher.example.com",
+                            "resource": "example.com/gopher",
+                            "selector": f'device.attributes["{DRIVER}"].productName == "H100"',
+                        },
+                    ],
+                },
+            }
+        )
+    )
+    rendered = helm_template(helm, str(values))
+    assert rendered.returncode == 0, rendered.stderr
+    classes = [item for item in yaml.safe_load_all(rendered.stdout) if item and item["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == [
+        "gopher.example.com",
+        "gopher.example.com-admin",
+        "big.gopher.example.com",
+        "h100.gopher.example.com",
+    ]
+    scheduler = standins.SchedulerSimulator(dra_node.api, classes)
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(**declared))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+
+    def allocated(made):
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [result["device"] for result in made["status"]["allocation"]["devices"]["results"]]
+
+    assert allocated(ordinary_claim("big", device_class="big.gopher.example.com")) == ["gopher1"]
+    with pytest.raises(standins.UnschedulableError, match="cannot allocate all claims"):
+        allocated(ordinary_claim("bigger", device_class="big.gopher.example.com"))  # the one 80Gi is taken
+    assert allocated(ordinary_claim("h100", count=2, device_class="h100.gopher.example.com")) == ["gopher0", "gopher2"]
+    dra_node.api.claims.clear()
+    at_least = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("60Gi")) >= 0 && '
+    at_least += f'device.attributes["{DRIVER}"].productName == "H100"'
+    own = ordinary_claim("own", selectors=[{"cel": {"expression": at_least}}])
+    assert allocated(own) == ["gopher2"]
 
 
 async def publish_unhealthy_and_healthy(dra_node):
@@ -12430,6 +13142,41 @@ async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
         with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
             scheduler.allocate(second, "node-1")
         assert len(said) == 1
+    dra_node.stop()
+
+
+@pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
+async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1_36(dra_node):
+    """Issue 38: ``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
+    claims share the device and each consumes the memory it asks for (capacity.requests), within the
+    80Gi: 60Gi, then 30Gi does not fit, a claim asking for none still does (1 share, 0 memory).
+    Before 1.36 the API server drops the sharing and the policy and keeps the value: the first claim
+    has the device whole, and the capacity is what selectors see."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(dra_node.config(replicas=4, capacity={"memory": "80Gi"}))
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0"])
+    scheduler = standins.SchedulerSimulator(dra_node.api, shipped_device_classes())
+    assert [standins.resource_slice_causes(item) for item in dra_node.api.slices.values()] == [[]]
+
+    def allocated(name, memory=None):
+        made = ordinary_claim(name, **({"capacity": {"requests": {"memory": memory}}} if memory else {}))
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        return [r.get("consumedCapacity") for r in made["status"]["allocation"]["devices"]["results"]]
+
+    if dra_node.api.release.enabled("DRAConsumableCapacity"):
+        assert allocated("big", "60Gi") == [{"memory": "60Gi", "shares": "1"}]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("more", "30Gi")
+        assert allocated("none") == [{"memory": "0", "shares": "1"}]
+    else:
+        (device,) = [d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]]
+        assert device["capacity"] == {"memory": {"value": "80Gi"}, "shares": {"value": "4"}}
+        assert allocated("big") == [None]
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            allocated("none")
     dra_node.stop()
 
 
@@ -12733,7 +13480,7 @@ async def test_dra_shares_an_api_server_without_consumable_capacity_drops_are_sa
 
 
 async def test_dra_a_restart_that_finds_the_devices_in_another_order_writes_nothing(nursery):
-    """The README promises that a restarted plugin leaves unchanged slices alone; a directory read
+    """docs/dra.md promises that a restarted plugin leaves unchanged slices alone; a directory read
     in another order (or USB devices enumerated anew) must not count as a change."""
     resource = gp.resource_config("example.com/gopher")
     names = [f"g{i}" for i in range(gp.DRA_MAX_DEVICES_PER_SLICE + 12)]
@@ -13694,6 +14441,7 @@ def test_dra_documents_the_kubernetes_version_its_api_client_needs():
         ("the module docstring", gp.__doc__),
         ("KubeApi", gp.KubeApi.__doc__),
         ("README.md", readme),
+        ("docs/dra.md", (HERE / "docs" / "dra.md").read_text()),
         ("daemonset-dra.yaml", (HERE / "daemonset-dra.yaml").read_text()),
     ]:
         assert re.search(r"Kubernetes\s+1\.34\s+or\s+later|1\.34\+", text), where
@@ -13769,6 +14517,63 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert resource.cdi.spec_dir in mounts
 
 
+# The documentation: README.md, a ten-minute read, and the reference in docs/.
+
+DOCS = sorted(str(path.relative_to(HERE)) for path in (HERE / "docs").glob("*.md"))
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub makes for a page's headings: the heading's text without its markup,
+    lower-cased, every character but letters, digits, "_", "-" and spaces dropped, spaces made
+    "-"; a repeated one gets -1, -2, ... (github-slugger, which github.com follows). Headings in
+    fenced code blocks are not headings."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"#{1,6} (.*)", line)
+        if fenced or heading is None:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()  # a link: its text
+        slug = re.sub(r"[^\w\- ]", "", text.replace("`", "")).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_every_relative_link_and_anchor_of_the_docs_resolves():
+    """README.md and docs/*.md link each other by relative paths and heading anchors: each link
+    names a file or directory of the repository, and each #anchor a heading of its page (or of
+    the page it is on), so that a section moved or renamed fails here rather than on GitHub."""
+    assert {"docs/configuration.md", "docs/dra.md", "docs/embedding.md", "docs/operations.md"} <= set(DOCS)
+    broken, checked = [], 0
+    for name in ["README.md", *DOCS]:
+        page = HERE / name
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # code is not links
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not linked.exists() or HERE not in (linked, *linked.parents):
+                broken.append(f"{name}: {target}: no such file in the repository")
+            elif anchor and anchor not in github_anchors(linked.read_text()):
+                broken.append(f"{name}: {target}: no heading #{anchor} in {linked.relative_to(HERE)}")
+    assert not broken, "\n".join(broken)
+    assert checked > 40, checked
+
+
+def test_github_anchors_follow_githubs_rules():
+    page = "# A `serve_devices` page\n## inotify's limits\n```\n# not a heading\n```\n## Sharing\n## Sharing\n"
+    assert github_anchors(page) == {"a-serve_devices-page", "inotifys-limits", "sharing", "sharing-1"}
+
+
 def _accepted_keys(config: dict[str, object], where: str) -> set[str]:
     """The keys the parser accepts at `where`, read from its own "unknown key" error."""
     with pytest.raises(gp.ConfigError) as caught:
@@ -13778,12 +14583,12 @@ def _accepted_keys(config: dict[str, object], where: str) -> set[str]:
 
 
 def test_readme_configuration_table_lists_every_key_the_parser_accepts():
-    """Each key of the top level, of `dra` and of a resource has its own row in the README's
-    configuration table; the keys of the nested mappings (cdi, usb, match, device_specs, mounts)
+    """Each key of the top level, of `dra` and of a resource has its own row in
+    docs/configuration.md's table; the keys of the nested mappings (cdi, usb, match, device_specs, mounts)
     are named in their parent's row. The key sets come from the parser, so a new key fails here
     until it is documented."""
-    readme = (HERE / "README.md").read_text()
-    table = readme.split("## Configuration", 1)[1].split("### The device model", 1)[0]
+    readme = (HERE / "docs" / "configuration.md").read_text()
+    table = readme.split("## The file", 1)[1].split("\n## ", 1)[0]
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)` \|(.*)$", table, re.MULTILINE)}
     resource = {"name": "example.com/g", "directory": "/dev/g"}
     top = _accepted_keys({"zzz": 1, "resources": [resource]}, "")
@@ -13792,11 +14597,11 @@ def test_readme_configuration_table_lists_every_key_the_parser_accepts():
     assert {"device_plugin_dir", "dra", "resources", "api"} <= top | per_resource
     assert {"driver", "kubelet_dir"} <= dra
     for key in top:
-        assert key in rows, f"README's configuration table lacks {key}"
+        assert key in rows, f"docs/configuration.md's table lacks {key}"
     for key in dra:
-        assert f"dra.{key}" in rows, f"README's configuration table lacks dra.{key}"
+        assert f"dra.{key}" in rows, f"docs/configuration.md's table lacks dra.{key}"
     for key in per_resource:
-        assert f"resources[].{key}" in rows, f"README's configuration table lacks resources[].{key}"
+        assert f"resources[].{key}" in rows, f"docs/configuration.md's table lacks resources[].{key}"
     nested = {
         "cdi": {"cdi": {"kind": "example.com/g", "zzz": 1}},
         "usb": {"usb": [{"vendor": "1234", "product": "5678", "zzz": 1}], "directory": None},
@@ -13815,14 +14620,14 @@ def test_readme_generic_device_plugin_configurations_are_valid():
     """The "Coming from generic-device-plugin" section: each gopherplug configuration beside a
     generic-device-plugin one parses, and the id_pattern its table suggests pairs a sound card's
     control and capture nodes as one device."""
-    readme = (HERE / "README.md").read_text()
-    section = readme.split("## Coming from generic-device-plugin", 1)[1].split("\n## ", 1)[0]
+    readme = (HERE / "docs" / "generic-device-plugin.md").read_text()
+    section = readme.split("\n## ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
     theirs, ours = blocks[0::2], blocks[1::2]
     assert len(theirs) == len(ours) == 3
     for their, our in zip(theirs, ours, strict=True):
         device = yaml.safe_load(their)
-        (resource,) = gp.parse_config(our, "README.md").resources
+        (resource,) = gp.parse_config(our, "docs/generic-device-plugin.md").resources
         assert resource.name == f"squat.ai/{device['name']}"
         count = device["groups"][0].get("count", 1)
         assert resource.replicas == count
@@ -13837,7 +14642,7 @@ def test_dra_extra_messages_say_how_to_install_from_a_checkout(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightkube", None)  # import lightkube raises ImportError
     with pytest.raises(gp.GopherplugError, match=re.escape("pip install '.[dra]' in a checkout")):
         trio.run(gp.run_dra_demo, lambda line: None)
-    for name in ("README.md", "config.example.yaml", "gopherplug.py"):
+    for name in ("README.md", *DOCS, "config.example.yaml", "gopherplug.py"):
         assert "pip install 'gopherplug[" not in (HERE / name).read_text(), name
 
 

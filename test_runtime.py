@@ -1322,9 +1322,9 @@ class Node:
         )
 
     def add_readme_cdi_mount(self) -> None:
-        """What the README's Deployment step 4 says to add to daemonset.yaml for a resource with
+        """What docs/deployment.md's step 4 says to add to daemonset.yaml for a resource with
         `cdi:` at the default spec_dir: its YAML block's volumeMounts and volumes, as written there."""
-        step = (HERE / "README.md").read_text().split("4. With `cdi`, mount", 1)[1].split("\n5. ", 1)[0]
+        step = (HERE / "docs" / "deployment.md").read_text().split("4. With `cdi`, mount", 1)[1].split("\n5. ", 1)[0]
         block = textwrap.dedent(step.split("```yaml\n", 1)[1].split("```", 1)[0])
         addition = yaml.safe_load(block)
         spec = self.template["spec"]
@@ -1738,7 +1738,7 @@ async def test_a_device_plugin_cdi_device_reaches_a_consumer(tier, nursery, spec
     created with nothing but the CDI device name of the Allocate answer gets the node and the env
     through containerd's CDI handling.
 
-    Both at the default spec_dir, mounted from the host with the lines the README's Deployment
+    Both at the default spec_dir, mounted from the host with the lines docs/deployment.md's
     step 4 gives (daemonset.yaml's example has no `cdi:` and leaves it out, so nothing is created
     on nodes without CDI; without them the pod exits with "cannot write the CDI spec
     /var/run/cdi/...: Read-only file system"), and at a spec_dir in the device-plugin directory,

@@ -2,7 +2,7 @@
 
     sudo GOPHERPLUG_RUNTIME=DIR .venv/bin/python bench/bench_runtime.py [--runs 3]
 
-Each run is `pytest test_runtime.py` (README, "The runtime tier"), which measures as it goes and
+Each run is `pytest test_runtime.py` (docs/development.md, "The runtime tier"), which measures as it goes and
 writes its figures as JSON (GOPHERPLUG_TIER_RESULTS): how the figures are taken is written beside
 each one in test_runtime.py. This script only repeats the tier and lines the runs up, one column
 per run, since the machine's timings vary from one minute to the next.

@@ -87,7 +87,7 @@ the ServiceAccount in mode dra, as Helm sorts the kinds).
 # service account and RBAC, its configuration, the DaemonSet, an admission policy that keeps it to
 # its own node's ResourceSlices, and two DeviceClasses per resource that select its devices (and
 # serve pods that ask for the resource in resources.limits). Kubernetes 1.34 or later
-# (resource.k8s.io/v1). The README's "Moving a resource from the device plugin to DRA" says in what
+# (resource.k8s.io/v1). docs/dra.md's "Moving a resource from the device plugin to DRA" says in what
 # order to switch nodes.
 {{- else }}
 # gopherplug through the device plugin API{{ if .Values.apiLabel.enabled }}, on every node not switched to DRA (label

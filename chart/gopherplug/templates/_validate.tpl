@@ -43,6 +43,11 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- if gt (len .) 107 }}{{ fail (printf "dra: the socket %s would pass the 107 bytes unix sockets allow: choose a shorter driver name" .) }}{{ end -}}
 {{- end -}}
 {{- end -}}
+{{- range $i, $class := $v.dra.extraDeviceClasses -}}
+{{- if or (gt (len $class.name) 253) (not (regexMatch $dns $class.name)) -}}
+{{- fail (printf "dra.extraDeviceClasses[%d].name: '%s': must be a lower-case DNS subdomain of at most 253 characters, e.g. gpu-large.example.com" $i $class.name) -}}
+{{- end -}}
+{{- end -}}
 {{- /* The resources, one by one: parse_config's _parse_resource and what it calls. */ -}}
 {{- $mounted := include "gopherplug.hostPaths" . | fromJsonArray -}}
 {{- $hasDra := false -}}
