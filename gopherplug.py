@@ -1111,10 +1111,11 @@ class CDIConfig:
 
 @dataclass(frozen=True)
 class ClaimCDISpec(CDIConfig):
-    """The CDI spec file of one prepared claim's shares of devices (dra_share_cdi_name), beside the
-    resource's own spec: "<vendor>-<class>_<claim UID>.json". A file per claim is written once at
-    NodePrepareResources and removed at NodeUnprepareResources, so that claims prepared at once
-    never rewrite each other's devices, and the resource's spec stays the devices the watch sees."""
+    """The CDI spec file of one prepared claim's own CDI devices (claim_cdi_specs: each request's
+    env, its shares of devices), beside the resource's own spec: "<vendor>-<class>_<claim UID>.json".
+    A file per claim is written once at NodePrepareResources and removed at NodeUnprepareResources,
+    so that claims prepared at once never rewrite each other's devices, and the resource's spec
+    stays the devices the watch sees."""
 
     claim_uid: str = ""
 
@@ -3764,8 +3765,17 @@ def deleted_directory_problem(directory: str, links: int | None, mountinfo: str)
 def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[str, Any] | None:
     """The CDI spec describing the resource's devices, or None when there is none to describe.
 
-    One CDI device per device, named by its ID, with its device nodes and mounts. CDI refuses a
-    device with no edits at all, so each also sets <env>_<ID>=<id> in the container.
+    One CDI device per device, named by its ID, with its device nodes and mounts, and
+    <env>_<ID>=<id> in the container's env. Never <env> itself: that is the comma-joined list of
+    every device a container was given, which Allocate sets in its env map and, under DRA, each
+    request's own CDI device (claim_cdi_specs); a device's value would replace it, the runtime
+    keeping the last value of a variable set twice (AddMultipleProcessEnv in
+    cncf-tags/container-device-interface internal/ociedit). <env>_<ID> stays, for four reasons:
+    CDI refuses a device with no edits (a device of plain files has neither node nor mount); these
+    are the devices Allocate names for a CDI-aware runtime too, so a container sees the same env
+    under either API; it is the device's own variable, so a container that gets a resource's
+    devices from two requests or two claims, whose <env> is the last one's list, still sees each
+    device; and consumers written for gopherplug's DRA before <env> was given there read it.
 
     A device node has its host node's mode and owner (fileMode, uid, gid), as a DeviceSpec gets
     them from the runtime: CDI fills in only a node's type and numbers from the host (newer CDI
@@ -3814,18 +3824,70 @@ def dra_share_cdi_name(device_id: str, share_id: str) -> str:
     return f"{device_id}-{share_id}"
 
 
+def dra_claim_env_cdi_name(uid: str, request: str) -> str:
+    """The CDI device name of a claim's env for one of its requests: "<claim UID>_<request>", the
+    request as containers name it (dra_base_request). A UID and a request name (a DNS label) keep
+    to CDI's rules for a name, and no device ID or share name of a real device is a UID, "_" and a
+    request; the metadata's devices are named alike, in a kind of their own."""
+    return f"{uid}_{request}"
+
+
+def claim_env(
+    claim: Mapping[str, Any],
+    driver: str,
+    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
+) -> dict[tuple[CDIConfig, str], dict[str, str]]:
+    """The env the device plugin's Allocate gives, per request of a claim: (CDI spec of the
+    resource, request as containers name it) -> {<env>: "<id>,<id>"}, each value the IDs of the
+    resource's devices allocated for that request, in the order of the claim's results, a device
+    once (its shares are one device, as Allocate lists devices, not replicas). Requests in the
+    order of their first result; a subrequest ("gpu/fast") counts as its request, whose devices
+    it is. Two resources in one request (a DeviceClass that selects both) have each their own
+    <env>; two of one CDI kind share the kind's CDI device (its name is per kind and request)."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    kinds: dict[str, CDIConfig] = {}  # a kind's env device goes to the first spec of that kind
+    ids: dict[tuple[CDIConfig, str], dict[str, list[str]]] = {}
+    for result in results:
+        pool = result.get("pool", "")
+        if result.get("driver") != driver or pool not in pools:
+            continue
+        resource, devices = pools[pool]
+        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
+        if device is None or resource.cdi is None:
+            continue  # prepared_devices refuses the claim
+        cdi = kinds.setdefault(resource.cdi.kind, resource.cdi)
+        listed = ids.setdefault((cdi, dra_base_request(result.get("request", ""))), {}).setdefault(resource.env, [])
+        if device.id not in listed:
+            listed.append(device.id)
+    return {key: {env: ",".join(listed) for env, listed in envs.items()} for key, envs in ids.items()}
+
+
 def claim_cdi_specs(
     claim: Mapping[str, Any],
     driver: str,
     pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
 ) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-    """The CDI specs of a claim's shares of this driver's devices (results with a shareID), one
-    per CDI kind, as prepared_devices names them. Each share is its device's edits, plus
-    <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
-    part of a shared resource), and two containers of one device differ in their CDI devices."""
+    """The CDI specs of a claim of this driver's devices, one per CDI kind, as prepared_devices
+    names their devices:
+
+    - per request, the env the device plugin's Allocate would give its container (claim_env):
+      <env>=<id>,<id>, in a CDI device of its own (dra_claim_env_cdi_name). The kubelet gives a
+      container the CDI devices of the results of the request it names (cdiDevicesAsList in
+      kubernetes/kubernetes pkg/kubelet/cm/dra/claiminfo.go), and no device's own CDI device sets
+      <env> (cdi_spec): each request's containers see their list, whole;
+    - each share of a device (a result with a shareID): its device's edits, plus
+      <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
+      part of a shared resource), and two containers of one device differ in their CDI devices."""
     uid = str((claim.get("metadata") or {}).get("uid", ""))
     results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     specs: dict[CDIConfig, list[dict[str, Any]]] = {}
+    for (cdi, request), envs in claim_env(claim, driver, pools).items():
+        specs.setdefault(cdi, []).append(
+            {
+                "name": dra_claim_env_cdi_name(uid, request),
+                "containerEdits": {"env": [f"{env}={value}" for env, value in envs.items()]},
+            }
+        )
     for result in results:
         share, pool = result.get("shareID"), result.get("pool", "")
         if not share or result.get("driver") != driver or pool not in pools:
@@ -4435,7 +4497,9 @@ def prepared_devices(
     ``pools`` (pool name -> its resource and devices), as NodePrepareResources answers them.
 
     The allocation is in status.allocation.devices.results: one result per device, naming its
-    request, driver, pool and device. Results of other drivers are theirs to prepare. Raises
+    request, driver, pool and device. Results of other drivers are theirs to prepare. Each device
+    names its CDI device (its share's, for a shared one), and the first of each request (per CDI
+    kind) the request's env too, <env>=<id>,<id>: claim_cdi_specs has the claim's own devices. Raises
     ClaimError when the claim is another than the kubelet meant (its UID differs: deleted and made
     again under the same name), is not allocated, was allocated on another node, or a device is
     gone or unhealthy now.
@@ -4460,6 +4524,7 @@ def prepared_devices(
     if not results:
         raise ClaimError(f"ResourceClaim {name} has no device of driver {driver}")
     answer = []
+    env_named: set[tuple[str, str]] = set()  # (CDI kind, request) whose env CDI device is named
     for result in results:
         pool, device_name = result.get("pool", ""), result.get("device", "")
         if pool not in pools:
@@ -4494,12 +4559,20 @@ def prepared_devices(
         if share is not None and not _UUID.fullmatch(str(share)):
             raise ClaimError(f"ResourceClaim {name}: device {device_name} has shareID {share!r}, not a lower-case UUID")
         cdi_name = dra_share_cdi_name(device.id, share) if share else device.id
+        request = dra_base_request(result.get("request", ""))
+        cdi_ids = [f"{resource.cdi.kind}={cdi_name}"]
+        # The request's env, <env>=<id>,<id> as Allocate gives it (claim_cdi_specs writes it), named
+        # on the request's first device of the kind only: the kubelet gives a container the CDI
+        # devices of every device of the request it names, and one is enough.
+        if (resource.cdi.kind, request) not in env_named:
+            env_named.add((resource.cdi.kind, request))
+            cdi_ids.append(f"{resource.cdi.kind}={dra_claim_env_cdi_name(uid, request)}")
         answer.append(
             drapb.Device(
-                request_names=[dra_base_request(result.get("request", ""))],
+                request_names=[request],
                 pool_name=pool,
                 device_name=device_name,
-                cdi_device_ids=[f"{resource.cdi.kind}={cdi_name}"],
+                cdi_device_ids=cdi_ids,
                 **({"share_id": share} if share else {}),
             )
         )
@@ -8350,8 +8423,8 @@ class ClaimCheckpoint:
         )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-        """The claim's own CDI specs, as add() was given them (none for a claim without shares), by
-        this pod or the other of a rolling update."""
+        """The claim's own CDI specs, as add() was given them (none for a claim prepared by a version
+        that wrote no env device and no share), by this pod or the other of a rolling update."""
         self._read()
         return [
             (ClaimCDISpec(stored["kind"], stored["spec_dir"], uid), stored["spec"])
@@ -8761,7 +8834,7 @@ class ClaimPreparer:
         try:
             if (devices := self.checkpoint.answer(claim.uid)) is not None:
                 # Prepared before (maybe by the other pod of a rolling update): the same answer
-                # again, and its shares' CDI devices there again (a reboot empties /var/run/cdi).
+                # again, and its own CDI devices there again (a reboot empties /var/run/cdi).
                 for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
                     if not os.path.exists(cdi.spec_file):
                         await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
@@ -8794,8 +8867,9 @@ class ClaimPreparer:
                 found = await self.api.get_claim(claim.namespace, claim.name)
             pools = self.resources.pools()
             devices = prepared_devices(found, claim.uid, self.resources.driver, pools)
-            # The shares' CDI devices exist before the kubelet hears their names (it may create the
-            # container at once); should the checkpoint then fail, they are removed below.
+            # The claim's own CDI devices (its requests' env, its shares) exist before the kubelet
+            # hears their names (it may create the container at once); should the checkpoint then
+            # fail, they are removed below.
             for cdi, spec in claim_cdi_specs(found, self.resources.driver, pools):
                 specs.append((cdi, spec))
                 await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
@@ -8872,7 +8946,7 @@ class ClaimPreparer:
         for claim in request.claims:
             answer = response.claims[claim.uid]  # every claim gets an entry, even one we never knew
             try:
-                # Its shares' CDI devices first: should that fail, the claim stays in the checkpoint,
+                # Its own CDI devices first: should that fail, the claim stays in the checkpoint,
                 # and the kubelet's next try removes them.
                 for cdi, _ in self.checkpoint.cdi_specs(claim.uid):
                     await trio.to_thread.run_sync(write_cdi_spec, cdi, None)
@@ -12536,19 +12610,29 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
             lines += [f"    cdi {cdi.name}" for cdi in answer.cdi_devices]
     if resource.dra and driver:
         pool, name = dra_pool_name(node_name, resource.name), dra_device_name(device.id)
-        result = {"request": "device", "driver": driver, "pool": pool, "device": name}
+        # The claim's UID and request shown as placeholders: the API server's and the claim's author's.
+        result = {"request": "<request>", "driver": driver, "pool": pool, "device": name}
         # A shared device's claim holds a share of it: shown with "<shareID>" for the scheduler's UUID.
         share = "00000000-0000-4000-8000-000000000000" if resource.replicas > 1 else ""
         if share:
             result["shareID"] = share
+        uid = "<claimUID>"
         claim = {
-            "metadata": {"namespace": "check-config", "name": "claim", "uid": "check-config"},
+            "metadata": {"namespace": "check-config", "name": "claim", "uid": uid},
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
-        prepared = prepared_devices(claim, "check-config", driver, {pool: (resource, devices)})
-        shared = claim_cdi_specs(claim, driver, {pool: (resource, devices)})
-        spec = shared[0][1] if shared else cdi_spec(resource, [device])
-        edits = spec["devices"][0]["containerEdits"] if spec else {}
+        prepared = prepared_devices(claim, uid, driver, {pool: (resource, devices)})
+        specs = [spec for _, spec in claim_cdi_specs(claim, driver, {pool: (resource, devices)})]
+        specs.append(cdi_spec(resource, [device]) or {})
+        described = {f"{spec['kind']}={d['name']}": d["containerEdits"] for spec in specs for d in spec["devices"]}
+        edits = described[prepared[0].cdi_device_ids[0]]
+        # The env as the container sees it: every CDI device's, in the order the kubelet names them
+        # (the runtime keeps the last value of a variable set twice).
+        env: dict[str, str] = {}
+        for cdi_id in prepared[0].cdi_device_ids:
+            for variable in described[cdi_id].get("env", ()):
+                key, _, value = variable.partition("=")
+                env[key] = value
         attributes = dra_device(resource, device)["attributes"]
         shown = ", ".join(
             f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
@@ -12564,7 +12648,7 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
         lines += [
             f"    mount {m['containerPath']} <- {m['hostPath']} {m['options'][-1]}" for m in edits.get("mounts", ())
         ]
-        lines += [f"    env {env}" for env in edits.get("env", ())]
+        lines += [f"    env {key}={value}" for key, value in sorted(env.items())]
         if share:
             lines[first:] = [line.replace(share, "<shareID>") for line in lines[first:]]
     return "\n".join(lines), refused
@@ -13745,6 +13829,12 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 for mount in edits.get("mounts", []):
                     options = ",".join(mount["options"])
                     say("runtime", f"  mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
+                # The request's own CDI device, in the claim's spec: the env Allocate would give.
+                own = ClaimCDISpec(resource.cdi.kind, resource.cdi.spec_dir, "7f3e-demo")
+                with open(own.spec_file, encoding="utf-8") as file:
+                    [described] = json.load(file)["devices"]
+                env = ", ".join(described["containerEdits"]["env"])
+                say("runtime", f"{own.kind}={described['name']} is request gopher's env, as Allocate gives it: {env}")
                 metadata = ClaimCDISpec(dra_metadata_cdi_kind(driver), resource.cdi.spec_dir, "7f3e-demo")
                 if os.path.exists(metadata.spec_file):  # dra.device_metadata, on by default
                     with open(metadata.spec_file, encoding="utf-8") as file:

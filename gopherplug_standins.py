@@ -20,6 +20,8 @@ runs, and a reader of the product reads, none of it (as trio.testing stands besi
   5. DraKubeletSimulator the product's, with the kubelet's handling of extended resources, and the
                        health stream opened only where ResourceHealthStatus is on
   6. PodResourcesSimulator the product's, with the kubelet's rate limit
+  7. cdi_container_env  the container runtime's CDI injection: the env a container gets from the
+                       CDI devices the kubelet names, as containerd applies the spec files
 
 KubeletSimulator and UnexpectedAdmissionError are the product's, named here too, so that a test
 takes every stand-in from one place. The wheel ships this module for users' own tests; the images
@@ -34,6 +36,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import random
 import re
 import time
@@ -77,6 +80,7 @@ __all__ = [
     "IMPLICIT_EXTENDED_RESOURCE_PREFIX",
     "KUBERNETES_VERSIONS",
     "ApiServerSimulator",
+    "CDIInjectionError",
     "DraKubeletSimulator",
     "KubeletSimulator",
     "Placement",
@@ -85,6 +89,7 @@ __all__ = [
     "SchedulerSimulator",
     "UnexpectedAdmissionError",
     "UnschedulableError",
+    "cdi_container_env",
     "gate_spec",
     "release",
     "resource_claim_causes",
@@ -1793,3 +1798,79 @@ class PodResourcesSimulator(gopherplug.PodResourcesSimulator):
             self.refused += 1
             raise RPCError(StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
         self._tokens -= 1
+
+
+########################################################################################################
+# 7. The container runtime's CDI injection
+#
+# What reaches a container through CDI is decided by the runtime, from the spec files on the node: a
+# test asks what the container's env would be, not what gopherplug meant it to be. The runtime tier
+# (test_runtime.py) shows the same on a real containerd.
+########################################################################################################
+
+
+class CDIInjectionError(Exception):
+    """The runtime refuses to create the container: a CDI device it was given resolves to no device."""
+
+
+def cdi_container_env(spec_dirs: Iterable[str], cdi_ids: Iterable[str], env: Iterable[str] = ()) -> list[str]:
+    """The env of a container created with ``cdi_ids`` (as the kubelet passes them, in its order)
+    over its own ``env`` ("NAME=value" each: the image's and the pod's), as containerd gives it:
+
+    - the specs are every ``*.json`` and ``*.yaml`` file of ``spec_dirs``, later directories of
+      higher priority; a device named in two files of one directory is a conflict and resolves to
+      nothing, one named in two directories is the later's (Cache.refresh in
+      cncf-tags/container-device-interface pkg/cdi/cache.go); another file (a ``.tmp`` being
+      written) is not read;
+    - an ID given twice counts once (WithCDI in containerd's CRI plugin); one that resolves to no
+      device fails the container's creation ("unresolvable CDI devices ...", Cache.InjectDevices);
+    - a spec's own containerEdits apply before the first of its devices given, then each device's,
+      in order; a variable set again keeps its place and takes the new value, so the last value
+      wins (AddMultipleProcessEnv in internal/ociedit/spec_editor.go, runtime-tools' generate before
+      it): a CDI device also overrides the pod's own env of that name."""
+    import yaml
+
+    devices: dict[str, tuple[int, str, dict[str, Any]]] = {}  # kind=name -> (priority, file, edits)
+    specs: dict[str, dict[str, Any]] = {}  # file -> its spec's containerEdits
+    conflicts: set[str] = set()
+    for priority, directory in enumerate(spec_dirs):
+        try:
+            names = sorted(os.listdir(directory))
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if not name.endswith((".json", ".yaml")):
+                continue
+            path = os.path.join(directory, name)
+            with open(path, encoding="utf-8") as file:
+                spec = json.load(file) if name.endswith(".json") else yaml.safe_load(file)
+            specs[path] = spec.get("containerEdits") or {}
+            for device in spec["devices"]:
+                qualified = f"{spec['kind']}={device['name']}"
+                if qualified in devices and devices[qualified][0] == priority:
+                    conflicts.add(qualified)
+                devices[qualified] = (priority, path, device["containerEdits"])
+    applied = list(env)
+    places = {variable.partition("=")[0]: index for index, variable in enumerate(applied)}
+
+    def apply(edits: Mapping[str, Any]) -> None:
+        for variable in edits.get("env") or ():
+            key = variable.partition("=")[0]
+            if key in places:
+                applied[places[key]] = variable
+            else:
+                places[key] = len(applied)
+                applied.append(variable)
+
+    wanted = list(dict.fromkeys(cdi_ids))
+    unresolved = [cdi_id for cdi_id in wanted if cdi_id not in devices or cdi_id in conflicts]
+    if unresolved:
+        raise CDIInjectionError(f"unresolvable CDI devices {', '.join(unresolved)}")
+    seen_specs: set[str] = set()
+    for cdi_id in wanted:
+        _, path, edits = devices[cdi_id]
+        if path not in seen_specs:
+            seen_specs.add(path)
+            apply(specs[path])
+        apply(edits)
+    return applied

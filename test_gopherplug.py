@@ -5997,7 +5997,7 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
         "apiserver kubelet plugin kubelet kubelet kubelet plugin plugin plugin demo plugin scheduler kubelet plugin "
-        "runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
+        "runtime runtime runtime runtime runtime runtime who who who who kubelet kubelet plugin plugin demo"
     )
     assert "gopher1 gopher1: Healthy: default/my-pod/app (claim default/my-gopher)\n" in said
     assert "gopher3 gopher3: Healthy: free\n" in said
@@ -6015,7 +6015,13 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     assert f"{pool} generation 1, devices gopher0, gopher1, gopher2\n" in said
     assert "device gopher0: resource=example.com/gopher, id=gopher0, healthy=True\n" in said
     assert f"{pool} generation 2, devices gopher0, gopher1, gopher2, gopher3 (" in said
-    assert "gopher1: CDI device example.com/gopher=gopher1, gopherplug.example.com/metadata=7f3e-demo_gopher\n" in said
+    assert (
+        "gopher1: CDI device example.com/gopher=gopher1, example.com/gopher=7f3e-demo_gopher, "
+        "gopherplug.example.com/metadata=7f3e-demo_gopher\n"
+    ) in said
+    assert (
+        "example.com/gopher=7f3e-demo_gopher is request gopher's env, as Allocate gives it: GOPHER=gopher1\n"
+    ) in said
     assert re.search(
         r"mount /\S+/plugins/gopherplug.example.com/dra-device-metadata/default_my-gopher_7f3e-demo/gopher/"
         r"metadata.json "
@@ -6078,24 +6084,28 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     CDI edits the runtime would apply for it, from the spec the plugin wrote."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path, "--dra")
-    assert who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime demo"
+    assert (
+        who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime runtime demo"
+    )
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
     pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
     lines = said.splitlines()
-    assert lines[4:10] == [
+    env = "gopherplug.example.com/gpu=demo-0_device"  # the request's env, as Allocate gives it
+    assert lines[4:11] == [
         f"ResourceSlice of pool {pool}: {first}, {second}",
         f"allocated a ResourceClaim: device {first} of pool {pool}",
-        f"NodePrepareResources: CDI devices {cdi}, gopherplug.example.com/metadata=demo-0_device",
+        f"NodePrepareResources: CDI devices {cdi}, {env}, gopherplug.example.com/metadata=demo-0_device",
         f"{cdi}: device {card} -> {card}",
         f"{cdi}: device {render} -> {render}",
         f"{cdi}: env GPU_DEVICES_0000_00_02_0=0000:00:02.0",
+        f"{env}: env GPU_DEVICES=0000:00:02.0",
     ]
     assert re.fullmatch(
         r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
         r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
         r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
-        lines[10],
+        lines[11],
     )
     assert sorted(os.listdir(sockdir)) == ["node"]
 
@@ -7834,13 +7844,19 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
     uids = [c["metadata"]["uid"] for c in claims]
     assert all(not answer.claims[uid].error for uid in uids)
     names = [dra_node.kubelet.cdi_devices(uid, request["name"]) for uid in uids]
-    # Each claim's share, and its device metadata's mount (dra.device_metadata is on by default).
+    # Each claim's share, its request's env, and its device metadata's mount (dra.device_metadata is
+    # on by default).
     assert names == [
-        [f"{DRIVER}/{example}={example}-{share}", f"{DRIVER}/metadata={uid}_{request['name']}"]
+        [
+            f"{DRIVER}/{example}={example}-{share}",
+            f"{DRIVER}/{example}={uid}_{request['name']}",
+            f"{DRIVER}/metadata={uid}_{request['name']}",
+        ]
         for uid, share in zip(uids, shares, strict=True)
     ]
-    for uid in uids:
-        [described] = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+    for uid, share in zip(uids, shares, strict=True):
+        env, described = read_spec(Path(dra_node.cdi["spec_dir"]) / f"{DRIVER}-{example}_{uid}.json")["devices"]
+        assert (env["name"], described["name"]) == (f"{uid}_{request['name']}", f"{example}-{share}")
         [node] = described["containerEdits"]["deviceNodes"]
         assert node["hostPath"] == str(dev) + specs[0][0].removeprefix("/dev")
     # The device takes claims up to the recipe's replicas; the one after them is unschedulable.
@@ -9030,7 +9046,8 @@ def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(soc
 
 
 def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
-    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool.
+    # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool;
+    # the env as the container sees it: the request's <ENV>, as Allocate gives it, and the device's own.
     tmp_path = Path(sockdir)
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "Gopher0").touch()
@@ -9046,8 +9063,10 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
         f"  a claim for device {name} of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=Gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=Gopher0",
+        f"    cdi {DRIVER}/gopher=<claimUID>_<request>",
         f"    device /dev/Gopher0 <- {tmp_path}/g/Gopher0 rw",
         "    mount /run/Gopher0 <- /etc/gophers ro",
+        "    env GOPHER_DEVICES=Gopher0",
         "    env GOPHER_DEVICES_GOPHER0=Gopher0",
     ]
 
@@ -9088,6 +9107,8 @@ def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_containe
         "  a claim for a share of device gopher0 (1 of 5) of pool node-1/example.com/gopher gives a container:",
         "    attributes resource=example.com/gopher, id=gopher0, healthy=true",
         f"    cdi {DRIVER}/gopher=gopher0-<shareID>",
+        f"    cdi {DRIVER}/gopher=<claimUID>_<request>",
+        "    env GOPHER_DEVICES=gopher0",
         "    env GOPHER_DEVICES_GOPHER0=gopher0",
         "    env GOPHER_DEVICES_GOPHER0_SHARE=<shareID>",
     ]
@@ -9911,9 +9932,10 @@ async def test_who_names_the_container_of_each_claims_device_in_a_dra_only_confi
         dra_node.stop()
     [listed] = pod_resources.pods()
     [dynamic] = listed.containers[0].dynamic_resources
+    env = "example.com/gopher=uid-pair_gopher"  # the request's env, named with its first device
     assert [[c.name for c in r.cdi_devices] for r in dynamic.claim_resources] == [
-        ["example.com/gopher=gopher0"],
-        ["example.com/gopher=gopher0", "example.com/gopher=gopher2"],  # as the kubelet fills them
+        ["example.com/gopher=gopher0", env],
+        ["example.com/gopher=gopher0", env, "example.com/gopher=gopher2"],  # as the kubelet fills them
     ]
     assert (result.returncode, result.stderr) == (0, b"")
     holder = "default/trainer/worker (claim default/pair)"
@@ -10220,7 +10242,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
                         "requestNames": ["gopher"],
                         "poolName": DraNode.POOL,
                         "deviceName": "gopher0",
-                        "cdiDeviceIds": ["example.com/gopher=gopher0"],
+                        # The device's, and its request's env (in the claim's own spec).
+                        "cdiDeviceIds": ["example.com/gopher=gopher0", "example.com/gopher=uid-1_gopher"],
                     }
                 ]
             }
@@ -10228,6 +10251,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert MessageToDict(answer)["claims"] == expected
         spec = json.loads((dra_node.root / "cdi" / "example.com-gopher.json").read_text())
         assert [d["name"] for d in spec["devices"]] == ["gopher0"]  # the CDI device exists before the answer
+        own = read_spec(dra_node.root / "cdi" / "example.com-gopher_uid-1.json")["devices"]
+        assert own == [{"name": "uid-1_gopher", "containerEdits": {"env": ["GOPHER_DEVICES=gopher0"]}}]
         await dra_node.kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])
         # The plugin restarts; the kubelet prepares c1 again (the same answer, not asked of the API
         # server) and unprepares c2, which only the checkpoint remembers.
@@ -10246,6 +10271,8 @@ async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dr
         assert all(not entry.error for entry in gone.claims.values())
     checkpoint = json.loads((dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json").read_text())
     assert sorted(checkpoint["claims"]) == ["uid-1"]
+    # c2's own spec went with it, named by the checkpoint alone across the restart; c1's stays.
+    assert sorted(glob.glob("*_uid-*.json", root_dir=dra_node.root / "cdi")) == ["example.com-gopher_uid-1.json"]
 
 
 def metadata_stream(text):
@@ -10293,9 +10320,11 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
     assert {uid: entry.error for uid, entry in answer.claims.items()} == {"uid-1": "", "uid-2": ""}
     mounts = {"uid-1": ("c1", "gopher", "gopher1"), "uid-2": ("pod-0-gpus-x7k2p", "gpu", "gopher0")}
     for uid, (name, request, device) in mounts.items():
-        # The kubelet gives the container that names the request the device and its metadata's mount.
+        # The kubelet gives the container that names the request the device, its request's env and its
+        # metadata's mount.
         assert dra_node.kubelet.cdi_devices(uid, request) == [
             f"example.com/gopher={device}",
+            f"example.com/gopher={uid}_{request}",
             f"{DRIVER}/metadata={uid}_{request}",
         ]
         spec = read_spec(cdi_dir / f"{DRIVER}-metadata_{uid}.json")
@@ -10347,8 +10376,8 @@ async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_s
 
 
 async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(dra_node):
-    """dra.device_metadata: false: the answer names the device's CDI device alone, and neither a
-    metadata file nor its CDI spec is written."""
+    """dra.device_metadata: false: the answer names the device's CDI device and its request's env
+    alone, and neither a metadata file nor its CDI spec is written."""
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
     config = dra_node.config(device_metadata=False)
@@ -10359,9 +10388,15 @@ async def test_dra_device_metadata_turned_off_mounts_nothing_and_writes_nothing(
         await dra_node.wait_for_slices(["gopher0"])
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         dra_node.stop()
-    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == ("", [["example.com/gopher=gopher0"]])
+    assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
+        "",
+        [["example.com/gopher=gopher0", "example.com/gopher=uid-1_gopher"]],
+    )
     assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists()
-    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == ["example.com-gopher.json"]
+    assert sorted(glob.glob("*.json", root_dir=dra_node.cdi["spec_dir"])) == [
+        "example.com-gopher.json",
+        "example.com-gopher_uid-1.json",
+    ]
 
 
 def test_dra_device_metadata_key_is_true_or_false_and_its_cdi_kind_is_its_own():
@@ -10413,7 +10448,7 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
                         "requestNames": ["gopher"],
                         "poolName": DraNode.POOL,
                         "deviceName": "gopher0",
-                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}"],
+                        "cdiDeviceIds": [f"example.com/gopher=gopher0-{share}", f"example.com/gopher={uid}_gopher"],
                         "shareId": share,
                     }
                 ]
@@ -10421,7 +10456,9 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
             for uid, share in shares.items()
         }
         for uid, share in shares.items():
-            [described] = read_spec(claim_spec(uid))["devices"]
+            env, described = read_spec(claim_spec(uid))["devices"]
+            # The request's env: the device once, as Allocate lists a device, not its replicas.
+            assert env == {"name": f"{uid}_gopher", "containerEdits": {"env": ["GOPHER_DEVICES=gopher0"]}}
             assert described["name"] == f"gopher0-{share}"
             assert described["containerEdits"]["env"] == [
                 "GOPHER_DEVICES_GOPHER0=gopher0",
@@ -10447,7 +10484,7 @@ async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across
         await dra_node.registered()
         after = MessageToDict(await dra_node.kubelet.prepare(DRIVER, claims[:1]))["claims"]
         assert after == {"uid-1": answer["uid-1"]}
-        assert read_spec(claim_spec("uid-1"))["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+        assert [d["name"] for d in read_spec(claim_spec("uid-1"))["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
         gone = await dra_node.kubelet.unprepare(DRIVER, claims[1:2])
         assert not gone.claims["uid-2"].error
     assert sorted(os.listdir(cdi_dir)) == [
@@ -10503,8 +10540,8 @@ async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dr
         ("", ["gopher0"]),
         ("", ["gopher1"]),
     ]
-    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
-    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0", "example.com/gopher=uid-0_gopher"]
+    assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1", "example.com/gopher=uid-1_gopher"]
 
 
 def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
@@ -10548,7 +10585,7 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
         assert kubelet.drivers[DRIVER].registration_socket == new_socket  # the newest gets the calls
         c1 = (await kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         assert (c1.error, [d.device_name for d in c1.devices]) == ("", ["gopher1"])
-        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1"]
+        assert kubelet.cdi_devices("uid-1") == ["example.com/gopher=gopher1", "example.com/gopher=uid-1_gopher"]
         checkpoint = dra_node.kubelet_dir / "plugins" / DRIVER / "checkpoint.json"
         assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-0", "uid-1"]
         kubelet.wiping_delay = 0  # a wipe, were it due, would come at once
@@ -10758,7 +10795,9 @@ async def test_dra_embedded_device_metadata_can_be_turned_off(dra_node):
         await dra_node.wait_for_slices(["w1"], WIDGET_POOL)
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1"])]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [
+            ("w1", [f"{kind}=w1", f"{kind}=uid-1_widget"])
+        ]
         scope.cancel()
     assert not (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").exists() or not any(
         (dra_node.kubelet_dir / "plugins" / DRIVER / "dra-device-metadata").iterdir()
@@ -10798,7 +10837,9 @@ async def test_dra_embedded_devices_are_published_prepared_and_their_health_foll
         dra_node.api.put_claim(widget_claim(DRIVER, "w1"))
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
         metadata = f"{DRIVER}/metadata=uid-1_widget"  # on by default in serve_dra_devices too
-        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [("w1", [f"{kind}=w1", metadata])]
+        assert [(d.device_name, list(d.cdi_device_ids)) for d in answer.devices] == [
+            ("w1", [f"{kind}=w1", f"{kind}=uid-1_widget", metadata])
+        ]
         spec = read_spec(dra_node.root / "cdi" / f"{kind.replace('/', '-')}.json")
         assert {d["name"]: d["containerEdits"] for d in spec["devices"]} == {
             name: {
@@ -10922,7 +10963,7 @@ async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets
             metadata = f"{driver}/metadata=uid-1_widget"  # the example's driver mounts device metadata
             assert (answer.error, [list(d.cdi_device_ids) for d in answer.devices]) == (
                 "",
-                [[f"{kind}=widget1", metadata]],
+                [[f"{kind}=widget1", f"{kind}=uid-1_widget", metadata]],
             )
             (dev / "widget0").unlink()
             await dra_node.wait_for_slices(["widget1"], WIDGET_POOL)
@@ -11252,8 +11293,10 @@ async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_ne
         await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [new_socket])
         answer = (await kubelet.prepare(DRIVER, [("default", "uid-0", "c0")])).claims["uid-0"]  # the kubelet's retry
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher0"])
-    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0"]
+    assert kubelet.cdi_devices("uid-0") == ["example.com/gopher=gopher0", "example.com/gopher=uid-0_gopher"]
     assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
+    # The request's env is the newest pod's too (env: NEW).
+    assert spec_env(spec.with_name("example.com-gopher_uid-0.json")) == [("uid-0_gopher", ["NEW=gopher0"])]
 
 
 PRIORITIZED_REQUESTS = [
@@ -11318,11 +11361,156 @@ async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_it
         (["monitor"], "gopher0"),
     ]
     cdi = dra_node.kubelet.cdi_devices
-    assert cdi("uid-1", "gpu") == ["example.com/gopher=gopher0", "example.com/gopher=gopher1"]
-    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2"]
-    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0"]
+    # Each request's devices, and its env named with its first device.
+    assert cdi("uid-1", "gpu") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gpu",
+        "example.com/gopher=gopher1",
+    ]
+    assert cdi("uid-1", "serial") == ["example.com/gopher=gopher2", "example.com/gopher=uid-1_serial"]
+    assert cdi("uid-1", "monitor") == ["example.com/gopher=gopher0", "example.com/gopher=uid-1_monitor"]
     assert cdi("uid-1", "gpu/small") == []  # no container can name a subrequest
-    assert len(cdi("uid-1")) == 4  # a container that names the claim alone gets them all
+    assert len(cdi("uid-1")) == 7  # a container that names the claim alone gets them all
+
+
+def test_the_runtime_stand_in_resolves_cdi_devices_as_the_cdi_library_does(tmp_path):
+    """cdi_container_env, the unit tests' container runtime: a device named in two spec files of one
+    directory is a conflict and resolves to nothing; of two directories, the later's; a file that is
+    not .json or .yaml (a spec being written) is not read; a spec's own edits come before its first
+    device's; an ID given twice counts once; a variable set again keeps its place, the last value."""
+    low, high = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    low.mkdir()
+    high.mkdir()
+
+    def spec(path, devices, **top):
+        devices = [{"name": name, "containerEdits": {"env": env}} for name, env in devices.items()]
+        path.write_text(json.dumps({"cdiVersion": "0.3.0", "kind": "example.com/g", "devices": devices, **top}))
+
+    spec(low / "a.json", {"a": ["X=low"], "c": ["Y=c"]})
+    spec(high / "a.json", {"a": ["X=high"]}, containerEdits={"env": ["S=spec", "X=spec"]})
+    spec(high / "b1.json", {"b": ["Z=1"]})
+    spec(high / "b2.json", {"b": ["Z=2"]})
+    spec(high / "d.json.tmp", {"d": ["W=1"]})
+    env = standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", "example.com/g=c", "example.com/g=a"])
+    assert env == ["S=spec", "X=high", "Y=c"]  # X: the spec's, then its device's, in its first place
+    assert standins.cdi_container_env([str(low), str(high)], ["example.com/g=c"], ["Y=pod", "P=1"]) == ["Y=c", "P=1"]
+    for unresolved in ("b", "d", "e"):
+        with pytest.raises(standins.CDIInjectionError, match=rf"^unresolvable CDI devices example.com/g={unresolved}$"):
+            standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", f"example.com/g={unresolved}"])
+
+
+async def test_dra_each_requests_containers_get_the_env_allocate_gives_through_the_claims_own_cdi_device(dra_node):
+    """Issue 38, item 2: the device plugin's env contract under DRA. A claim of two requests, "gpu"
+    (its subrequest "gpu/small" chose gopher2, then gopher0) and "serial" (gopher1): a container
+    naming "gpu" gets GOPHER_DEVICES=gopher2,gopher0, the string Allocate gives a container
+    allocated those devices in that order, through the claim's own CDI device for the request, as
+    the runtime applies the spec files (cdi_container_env), over the pod's own GOPHER_DEVICES; one
+    naming "serial" gets its list. Each device's <ENV>_<ID> is there too. A container naming the
+    whole claim gets both requests' env devices, and the runtime keeps the last value: "serial"'s
+    list (the docs say so), with every <ENV>_<ID>. Unprepared, the env devices resolve to nothing."""
+    for name in ("gopher0", "gopher1", "gopher2"):
+        (dra_node.devices / name).touch()
+    results = [
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher2"),
+        ("gpu/small", DRIVER, DraNode.POOL, "gopher0"),
+        ("serial", DRIVER, DraNode.POOL, "gopher1"),
+    ]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=PRIORITIZED_REQUESTS))
+    config = dra_node.config()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert answer.error == ""
+        spec_dirs = [dra_node.cdi["spec_dir"]]
+        cdi = dra_node.kubelet.cdi_devices
+        own = ["GOPHER_DEVICES=the pod's own", "PATH=/bin"]
+        gpu = standins.cdi_container_env(spec_dirs, cdi("uid-1", "gpu"), own)
+        serial = standins.cdi_container_env(spec_dirs, cdi("uid-1", "serial"), own)
+        whole = standins.cdi_container_env(spec_dirs, cdi("uid-1"), own)
+        gone = await dra_node.kubelet.unprepare(DRIVER, [("default", "uid-1", "c1")])
+        assert gone.claims["uid-1"].error == ""
+        with pytest.raises(
+            standins.CDIInjectionError, match=r"^unresolvable CDI devices example.com/gopher=uid-1_gpu$"
+        ):
+            standins.cdi_container_env(spec_dirs, [f"example.com/gopher={n}" for n in ("gopher2", "uid-1_gpu")])
+        dra_node.stop()
+    # What the device plugin's Allocate gives a container allocated gopher2 and gopher0, in that order.
+    [resource] = config.resources
+    devices = {d.id: d for d in gp.scan_directory(resource).devices}
+    request = v1beta1.AllocateRequest(container_requests=[{"devices_ids": ["gopher2", "gopher0"]}])
+    allocated = gp.allocate_response(resource, devices, request).container_responses[0].envs
+    assert dict(allocated) == {"GOPHER_DEVICES": "gopher2,gopher0"}
+    assert gpu == [
+        "GOPHER_DEVICES=gopher2,gopher0",  # the pod's own replaced, in its place
+        "PATH=/bin",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+    ]
+    assert serial == ["GOPHER_DEVICES=gopher1", "PATH=/bin", "GOPHER_DEVICES_GOPHER1=gopher1"]
+    assert whole == [
+        "GOPHER_DEVICES=gopher1",
+        "PATH=/bin",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+    ]
+    # No device's own CDI device sets GOPHER_DEVICES: the request's list is the only value of it.
+    spec = read_spec(Path(dra_node.cdi["spec_dir"]) / "example.com-gopher.json")
+    assert [e for d in spec["devices"] for e in d["containerEdits"]["env"] if e.startswith("GOPHER_DEVICES=")] == []
+
+
+async def test_dra_two_resources_in_one_request_each_give_their_own_env(dra_node):
+    """A DeviceClass may select devices of two resources of one driver, and one request then holds
+    both: each resource's <ENV> lists its own devices, each through its own kind's env device in
+    the claim's spec of that kind, as two device-plugin resources give a container an env each."""
+    (dra_node.devices / "gopher0").touch()
+    (dra_node.devices / "gopher1").touch()
+    (dra_node.devices / "ttyS0").touch()
+    spec_dir = dra_node.cdi["spec_dir"]
+    text = dra_config(dra_node.devices, dra_node.kubelet_dir, {"device_plugin_dir": str(dra_node.root / "dp")})
+    document = yaml.safe_load(text)
+    gopher = {**document["resources"][0], "pattern": "gopher*", "cdi": dra_node.cdi}
+    serial = {
+        **gopher,
+        "name": "example.com/serial",
+        "pattern": "ttyS*",
+        "cdi": {"kind": "example.com/serial", "spec_dir": spec_dir},
+    }
+    document["resources"] = [gopher, serial]
+    config = gp.parse_config(yaml.safe_dump(document), "cfg.yaml")
+    results = [
+        ("gpu", DRIVER, DraNode.POOL, "gopher1"),
+        ("gpu", DRIVER, "node-1/example.com/serial", "ttys0-45b83132"),
+        ("gpu", DRIVER, DraNode.POOL, "gopher0"),
+    ]
+    requests = [{"name": "gpu", "exactly": {"deviceClassName": "gopher", "count": 3}}]
+    dra_node.api.put_claim(claim("c1", "uid-1", *results, requests=requests))
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(config)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await dra_node.wait_for_slices(["ttys0-45b83132"], "node-1/example.com/serial")
+        answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])).claims["uid-1"]
+        assert answer.error == ""
+        ids = dra_node.kubelet.cdi_devices("uid-1", "gpu")
+        env = standins.cdi_container_env([spec_dir], ids)
+        dra_node.stop()
+    assert ids == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-1_gpu",
+        "example.com/serial=ttyS0",
+        "example.com/serial=uid-1_gpu",
+        "example.com/gopher=gopher0",
+    ]
+    assert env == [
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+        "GOPHER_DEVICES=gopher1,gopher0",
+        "SERIAL_DEVICES_TTYS0=ttyS0",
+        "SERIAL_DEVICES=ttyS0",
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+    ]
 
 
 ADMIN_REQUESTS = [
@@ -11361,7 +11549,10 @@ async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra
         "uid-1": ("", ["gopher0"]),
         "uid-2": ("", ["gopher0"]),  # beside c1
     }
-    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == ["example.com/gopher=gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-2", "monitor") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-2_monitor",
+    ]
     assert refused.error.startswith("ResourceClaim default/c3: device gopher1 of example.com/gopher is unhealthy: ")
     assert not refused.devices
     gopher1 = dra_node.devices / "gopher1"
@@ -11490,7 +11681,10 @@ async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node
         again = (await dra_node.kubelet.prepare(DRIVER, [c1, c1])).claims["uid-1"]  # from the checkpoint
     assert [d.device_name for d in first.devices] == ["gopher0"]
     assert [d.device_name for d in again.devices] == ["gopher0"]
-    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == ["example.com/gopher=gopher0"]
+    assert dra_node.kubelet.cdi_devices("uid-1", "gopher") == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gopher",
+    ]
 
 
 async def test_dra_two_pods_sharing_the_checkpoint_keep_each_others_claims(tmp_path):
@@ -11533,7 +11727,10 @@ async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_
         await dra_node.start()
         await dra_node.registered()
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
-    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/gopher=gopher0"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == [
+        "example.com/gopher=gopher0",
+        "example.com/gopher=uid-1_gopher",
+    ]
     aside = checkpoint.with_name("checkpoint.json.unreadable")
     assert aside.read_text() == '{"version": 1, "claims": {"uid-0": '
     assert sorted(json.loads(checkpoint.read_text())["claims"]) == ["uid-1"]
@@ -11609,7 +11806,11 @@ async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dr
         answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])
     assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"], "the slice was rewritten, never deleted"
     assert reloaded.lines == ["cfg.yaml: configuration reloaded: updated in place example.com/gopher"]
-    assert answer.claims["uid-1"].devices[0].cdi_device_ids == ["example.com/other=gopher1"]
+    assert answer.claims["uid-1"].devices[0].cdi_device_ids == [
+        "example.com/other=gopher1",
+        "example.com/other=uid-1_gopher",
+    ]
+    assert spec_env(dra_node.root / "cdi" / "example.com-other_uid-1.json") == [("uid-1_gopher", ["GOPHERS=gopher1"])]
     spec = read_spec(dra_node.root / "cdi" / "example.com-other.json")
     assert [d["name"] for d in spec["devices"]] == ["gopher1"]
     assert spec["devices"][0]["containerEdits"]["env"] == ["GOPHERS_GOPHER1=gopher1"]
@@ -11939,8 +12140,11 @@ async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_devi
         assert not spec.exists()
         disk.failing = False
         answer = (await dra_node.kubelet.prepare(DRIVER, c1)).claims["uid-1"]
-    assert list(answer.devices[0].cdi_device_ids) == [f"example.com/gopher=gopher0-{SHARE_1}"]
-    assert read_spec(spec)["devices"][0]["name"] == f"gopher0-{SHARE_1}"
+    assert list(answer.devices[0].cdi_device_ids) == [
+        f"example.com/gopher=gopher0-{SHARE_1}",
+        "example.com/gopher=uid-1_gopher",
+    ]
+    assert [d["name"] for d in read_spec(spec)["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
 
 
 async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
@@ -12650,7 +12854,8 @@ async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once
         assert placement.device_plugin == {}
         await dra_node.kubelet.prepare_extended_resources(second, placement.claim)
         cdi = dra_node.kubelet.extended_resource_cdi_devices(second, placement.claim, "consumer")
-        assert cdi == ["example.com/gopher=gopher0"]
+        uid = placement.claim["metadata"]["uid"]
+        assert cdi == ["example.com/gopher=gopher0", f"example.com/gopher={uid}_container-0-request-0"]
 
 
 def test_scheduler_stand_in_leaves_a_name_the_nodes_allocatable_has_to_the_device_plugin():
@@ -13199,7 +13404,8 @@ async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(d
     with trio.fail_after(TIMEOUT):
         await dra_node.kubelet.prepare_extended_resources(pod, placement.claim)
     assert dra_node.kubelet.extended_resource_cdi_devices(pod, placement.claim, "consumer") == [
-        "example.com/gopher=gopher1"
+        "example.com/gopher=gopher1",
+        f"example.com/gopher={placement.claim['metadata']['uid']}_container-0-request-0",
     ]
     dra_node.stop()
 
@@ -14426,7 +14632,10 @@ async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     )
     assert info.endpoint == config.dra.endpoint
     for answer in answers:
-        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == ["example.com/gopher=gopher0"]
+        assert list(answer.claims["uid-1"].devices[0].cdi_device_ids) == [
+            "example.com/gopher=gopher0",
+            "example.com/gopher=uid-1_gopher",
+        ]
     for health in healths:
         (device,) = health.devices
         assert (device.device.pool_name, device.device.device_name) == (DraNode.POOL, "gopher0")

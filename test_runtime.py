@@ -2029,7 +2029,7 @@ async def test_dra_pod_registers_publishes_prepares_and_a_consumer_gets_its_cdi_
             tier.outputs["DRA: consumer under enable_cdi = false"] = unseen
     assert seen["ls exit"] == 0 and seen["ls -l"].startswith("crw-rw---- ") and " 10, 229 " in seen["ls -l"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw")
-    assert any(line.startswith("GOPHER_DEVICES") and line.endswith("=gopher0") for line in seen["env"]), seen
+    assert {"GOPHER_DEVICES=gopher0", "GOPHER_DEVICES_GOPHER0=gopher0"} <= set(seen["env"]), seen
     # The metadata file, through containerd's CDI handling: the claim, the subrequest the scheduler
     # chose, and the device with the attributes the API server stand-in stored in its slice.
     assert read_code == 0, metadata_text
@@ -2147,14 +2147,105 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
         assert seen[name]["ls exit"] == 0 and f" {DEVICE_MAJOR}, {DEVICE_MINOR} " in seen[name]["ls -l"], seen[name]
         assert (seen[name]["open exit"], seen[name]["open rw"]) == (0, "opened rw"), seen[name]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in seen[name]["env"], seen[name]["env"]
-        # Its share's CDI device, and its device metadata's mount (dra.device_metadata, on by default).
+        # Its share's CDI device, its request's env, and its device metadata's mount (dra.device_metadata,
+        # on by default).
         metadata = f"{DRIVER}/metadata={uid}_gopher"
-        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}", metadata], reported[name]
+        assert reported[name]["CDI devices"] == [f"{kind}=gopher0-{share}", f"{kind}={uid}_gopher", metadata]
         assert f"GOPHER_DEVICES_GOPHER0_SHARE={share}" in reported[name]["env"], reported[name]
+        assert "GOPHER_DEVICES=gopher0" in reported[name]["env"], reported[name]  # the device, once
         # Each share's CDI device node rule, in each consumer's device rules.
         assert f"c {DEVICE_MAJOR}:{DEVICE_MINOR} rw" in seen[name]["device rules (host side)"], seen[name]
     assert len({tuple(r["CDI devices"]) for r in reported.values()}) == SHARES  # three names, one device
     assert left == []
+
+
+async def test_dra_a_claim_of_two_devices_gives_its_container_the_env_allocate_gives(tier, nursery, monkeypatch):
+    """Issue 38, item 2, on a real containerd. The device-plugin pod (daemonset.yaml) is asked by the
+    kubelet stand-in to Allocate gopher1 and gopher0, and a consumer created with its answer reports
+    GOPHER_DEVICES. The DRA pod (daemonset-dra.yaml, on a node of its own) prepares a claim whose
+    request "gopher" the scheduler gave gopher1, then gopher0, and whose request "more" it gave
+    gopher2: a consumer created with the CDI devices of request "gopher" (whose pod sets a
+    GOPHER_DEVICES of its own) reports the same GOPHER_DEVICES, through containerd's CDI, with each
+    device's GOPHER_DEVICES_<ID>. One created with the whole claim's reports "more"'s list:
+    containerd keeps the last value of a variable that two CDI devices set, as the unit tests'
+    runtime (cdi_container_env) says, the README too."""
+    plugin_node = Node(tier, "daemonset.yaml")
+    del plugin_node.config["metrics_address"]  # the host's network, shared: not what this test is about
+    dra_node = Node(tier, "daemonset-dra.yaml")
+    for node in (plugin_node, dra_node):
+        for name in ("gopher0", "gopher1", "gopher2"):
+            node.mknod(name)
+    kubelet = await nursery.start(gp.KubeletSimulator(str(plugin_node.device_plugin_dir)).run)
+    api, dra_kubelet = await dra_cluster(dra_node, nursery, monkeypatch)
+    pool = gp.dra_pool_name(NODE_NAME, RESOURCE)
+    reported: dict[str, dict[str, Any]] = {}
+
+    async def consumer(name: str, **fields: Any) -> list[str]:
+        """The env the consumer's container reports (`env` run inside it), and containerd's spec of it."""
+        pod = Pod(tier, name)
+        config = consumer_config(pod, **fields)
+        async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+            container = pod.container_ids["consumer"]
+            _, env = await exec_sync(tier.containerd, container, "env")
+            info = json.loads((await container_status(tier.containerd, container, verbose=True)).info["info"])
+        reported[name] = {
+            "CDI devices": [d["name"] for d in info["config"].get("CDI_devices", [])],
+            "runtime spec env": [e for e in info["runtimeSpec"]["process"]["env"] if e.startswith("GOPHER")],
+        }
+        return sorted(line for line in env.splitlines() if line.startswith("GOPHER"))
+
+    with trio.fail_after(TIMEOUT):
+        async with plugin_node.running():
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0", "gopher1", "gopher2"))
+            answer = (await kubelet.allocate(RESOURCE, ["gopher1", "gopher0"])).container_responses[0]
+            by_allocate = await consumer("env-device-plugin", **allocated_fields(answer))
+        async with dra_node.running():
+            await dra_kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            await stored_devices(api, pool, lambda devices: len(devices) == 3)
+            results = [
+                {"request": "gopher", "driver": DRIVER, "pool": pool, "device": "gopher1"},
+                {"request": "gopher", "driver": DRIVER, "pool": pool, "device": "gopher0"},
+                {"request": "more", "driver": DRIVER, "pool": pool, "device": "gopher2"},
+            ]
+            requests = [
+                {"name": "gopher", "exactly": {"deviceClassName": _device_class(), "count": 2}},
+                {"name": "more", "exactly": {"deviceClassName": _device_class()}},
+            ]
+            claim = dra_claim("gophers", requests, results)
+            api.put_claim(claim)
+            uid = claim["metadata"]["uid"]
+            prepared = (await dra_kubelet.prepare(DRIVER, [("default", uid, "gophers")])).claims[uid]
+            assert prepared.error == ""
+            own = [PB.KeyValue(key="GOPHER_DEVICES", value="the pod's own")]
+            ids = dra_kubelet.cdi_devices(uid, "gopher")
+            by_claim = await consumer("env-dra", CDI_devices=[PB.CDIDevice(name=i) for i in ids], envs=own)
+            whole_ids = dra_kubelet.cdi_devices(uid)
+            whole = await consumer("env-dra-whole", CDI_devices=[PB.CDIDevice(name=i) for i in whole_ids])
+            spec_dirs = [str(tier.containerd.cdi_dir)]
+            said = {  # what the unit tests' runtime says of the same CDI devices, against the same files
+                "gopher": standins.cdi_container_env(spec_dirs, ids, ["GOPHER_DEVICES=the pod's own"]),
+                "whole": standins.cdi_container_env(spec_dirs, whole_ids),
+            }
+    tier.outputs["DRA env: consumer given the Allocate answer"] = by_allocate
+    tier.outputs["DRA env: consumer given request gopher's CDI devices"] = by_claim
+    tier.outputs["DRA env: consumer given the whole claim's CDI devices"] = whole
+    tier.outputs["DRA env: containerd's report"] = reported
+    assert dict(answer.envs) == {"GOPHER_DEVICES": "gopher1,gopher0"}
+    assert "GOPHER_DEVICES=gopher1,gopher0" in by_allocate, by_allocate
+    assert by_claim == [
+        "GOPHER_DEVICES=gopher1,gopher0",  # Allocate's string, the pod's own replaced
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+    ], by_claim
+    assert whole == [
+        "GOPHER_DEVICES=gopher2",  # the last request's: containerd keeps a variable's last value
+        "GOPHER_DEVICES_GOPHER0=gopher0",
+        "GOPHER_DEVICES_GOPHER1=gopher1",
+        "GOPHER_DEVICES_GOPHER2=gopher2",
+    ], whole
+    assert sorted(e for e in said["gopher"] if e.startswith("GOPHER")) == by_claim
+    assert sorted(said["whole"]) == whole
+    assert reported["env-dra"]["CDI devices"] == ids
 
 
 @pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
@@ -2558,5 +2649,6 @@ async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_f
     assert by_device_plugin["ls -l"].startswith("crw") and " 10, 229 " in by_device_plugin["ls -l"]
     assert (by_device_plugin["open exit"], by_device_plugin["open rw"]) == (0, "opened rw")
     assert any(line.startswith("GOPHER_DEVICES_") and line.endswith("=gopher0") for line in by_dra["env"]), by_dra
+    assert "GOPHER_DEVICES=gopher0" in by_dra["env"], by_dra  # the env the device plugin gave, through DRA
     assert by_dra["ls -l"].startswith("crw") and " 10, 229 " in by_dra["ls -l"]
     assert (by_dra["open exit"], by_dra["open rw"]) == (0, "opened rw")
