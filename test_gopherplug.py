@@ -8331,6 +8331,68 @@ RENDER_REFUSALS = {
     "_parse_command: {}[0]: {} is not an executable file here or on PATH": (
         "the program is looked for on the node, on the image's PATH: not in the values"
     ),
+    "_parse_declarations: {}: {} attributes and {} capacities, with the {} gopherplug gives each device, are {}: "
+    "the API server takes at most {} a device": (
+        "template",
+        _dra(_gopher(api="dra", attributes={f"a{n}": n for n in range(30)})),
+        "config.resources[0].attributes: 30 attributes and 0 capacities, with the 3 gopherplug gives each device, "
+        "are 33: the API server takes at most 32 a device",
+    ),
+    "_parse_declared: {}: is an attribute gopherplug gives every device itself ({}): choose another name, or one "
+    "in a domain of your own (example.com/{})": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"id": "x"})),
+        "config.resources[0].attributes.id: is an attribute gopherplug gives every device itself (healthy, id, "
+        "numaNode, resource, usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name",
+    ),
+    "_parse_declared: {}: is the capacity gopherplug gives a shared device (replicas): choose another name": (
+        "template",
+        _dra(_gopher(api="dra", capacity={"shares": 1})),
+        "config.resources[0].capacity.shares: is the capacity gopherplug gives a shared device (replicas)",
+    ),
+    "_parse_declared: {}: must be a mapping of {}": (
+        "schema",
+        _dra(_gopher(api="dra", attributes="model=x")),
+        "at '/config/resources/0/attributes': got string, want object",
+    ),
+    "_parse_declared: {}: not a valid name for the API server: {}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"bad-name": "x"})),
+        "config.resources[0].attributes.bad-name: not a valid name for the API server",
+    ),
+    "_parse_declared_value: {}.file: {} must be an absolute path": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": {"file": "x/model"}})),
+        "config.resources[0].attributes.model.file: 'x/model' must be an absolute path",
+    ),
+    "_parse_declared_value: {}.file: {}: bad placeholder ({}); use {{}}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": {"file": "{path}/{serial}"}})),
+        "config.resources[0].attributes.model.file: '{path}/{serial}': bad placeholder",
+    ),
+    "_parse_declared_value: {}.type: {}: must be one of {}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": {"file": "{path}/model", "type": "float"}})),
+        "config.resources[0].attributes.model.type: 'float': must be one of string, int, bool, version",
+    ),
+    "_parse_declared_value: {}: not a valid {} attribute for the API server: {}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": "x" * 70})),
+        "config.resources[0].attributes.model: not a valid string attribute for the API server",
+    ),
+    "_parse_declared_value: {}: {} is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or "
+    "{file: <path>} to read one": (
+        "template",
+        _dra(_gopher(api="dra", capacity={"memory": "80 GB"})),
+        "config.resources[0].capacity.memory: '80 GB' is not a quantity: a number with an optional suffix",
+    ),
+    '_parse_declared_value: {}: {}: must be a string, a whole number, true or false, {version: "1.2.3"}, or '
+    "{file: <path>, type: string|int|bool|version}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": [1, 2]})),
+        'must be a string, a whole number, true or false, {version: "1.2.3"}, or {file: <path>, type: '
+        "string|int|bool|version}",
+    ),
     "_parse_device_spec: {}.permissions: {}: use letters from r, w and m, each once": (
         "template",
         _resources(_gopher(device_specs=[{"host_path": "{path}", "container_path": "{path}", "permissions": "rr"}])),
@@ -8493,8 +8555,8 @@ RENDER_REFUSALS = {
         _resources(_gopher(mounts=[{"host_path": "{path}", "container_path": "/g/{serial}"}])),
         "config.resources[0].mounts[0].container_path: '/g/{serial}': bad placeholder",
     ),
-    "_refuse_generic_device_plugin_keys: {}.{}: is generic-device-plugin's, not gopherplug's: {} (the README's "
-    '"Coming from generic-device-plugin" translates each of its keys)': (
+    "_refuse_generic_device_plugin_keys: {}.{}: is generic-device-plugin's, not gopherplug's: {} "
+    "(docs/generic-device-plugin.md translates each of its keys)": (
         "schema",
         _resources(_gopher(groups=[{"paths": [{"path": "/dev/gopher"}]}])),
         "at '/config/resources/0': additional properties 'groups' not allowed",
@@ -8518,7 +8580,7 @@ RENDER_REFUSALS = {
         "Helm reads the values file itself (YAML 1.1 too): a number written 010 reaches the chart as 8, "
         "and the ConfigMap says 8; the schema and the templates check what it became"
     ),
-    "parse_config: : is empty: it needs resources, a list of the devices to offer (the README's Configuration)": (
+    "parse_config: : is empty: it needs resources, a list of the devices to offer (docs/configuration.md)": (
         "the chart always writes resources (values.yaml has them, the schema requires a non-empty list)"
     ),
     "parse_config: resources: must be a non-empty list of resources": (

@@ -237,6 +237,53 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- fail (printf "%s.%s: '%s' is the CDI kind of the device metadata gopherplug mounts into claims' containers (dra.device_metadata): give the resource another cdi.kind" $at (ternary "cdi.kind" "name" (hasKey $r "cdi")) $kind) -}}
 {{- end -}}
 {{- end -}}
+{{- /* attributes and capacity: names and values as the API server takes them (_parse_declared). */ -}}
+{{- $own := list "resource" "id" "healthy" "numaNode" "usbVendor" "usbProduct" "usbSerial" "usbBus" "usbPort" -}}
+{{- $fileFields := list "id" "path" "name" "target" "sysfs" -}}
+{{- $quantity := "^[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$" -}}
+{{- range $section := list "attributes" "capacity" -}}
+{{- range $key, $value := (get $r $section | default dict) -}}
+{{- $where := printf "%s.%s.%s" $at $section $key -}}
+{{- $nameParts := splitList "/" $key -}}
+{{- $identifier := last $nameParts -}}
+{{- $domain := ternary (first $nameParts) "" (eq (len $nameParts) 2) -}}
+{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch $dns (lower $domain))))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
+{{- fail (printf "%s: not a valid name for the API server: a C identifier of at most 32 characters (letters, digits, '_'), after an optional domain of at most 63 and '/', e.g. example.com/model" $where) -}}
+{{- end -}}
+{{- if and (eq $section "attributes") (has $identifier $own) (or (not $domain) (eq $domain $v.dra.driver)) -}}
+{{- fail (printf "%s: is an attribute gopherplug gives every device itself (%s): choose another name, or one in a domain of your own (example.com/%s)" $where (join ", " (sortAlpha $own)) $identifier) -}}
+{{- end -}}
+{{- if and (eq $section "capacity") (eq $key "shares") }}{{ fail (printf "%s: is the capacity gopherplug gives a shared device (replicas): choose another name" $where) }}{{ end -}}
+{{- $number := or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value) -}}
+{{- if and (kindIs "map" $value) (hasKey $value "file") -}}
+{{- $file := toString $value.file -}}
+{{- range regexFindAll "\\{[^{}]*\\}" $file -1 -}}
+{{- if not (has (trimPrefix "{" . | trimSuffix "}") $fileFields) }}{{ fail (printf "%s.file: '%s': bad placeholder (%s); use {%s}" $where $file . (join "}, {" $fileFields)) }}{{ end -}}
+{{- end -}}
+{{- if not (or (hasPrefix "/" $file) (hasPrefix "{path}" $file) (hasPrefix "{target}" $file) (hasPrefix "{sysfs}" $file)) }}{{ fail (printf "%s.file: '%s' must be an absolute path" $where $file) }}{{ end -}}
+{{- $types := ternary (list "quantity") (list "string" "int" "bool" "version") (eq $section "capacity") -}}
+{{- if and (hasKey $value "type") (not (has $value.type $types)) }}{{ fail (printf "%s.type: '%v': must be one of %s" $where $value.type (join ", " $types)) }}{{ end -}}
+{{- else if eq $section "capacity" -}}
+{{- if not (and (or $number (kindIs "string" $value)) (regexMatch $quantity (toString $value))) -}}
+{{- fail (printf "%s: %s is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or {file: <path>} to read one" $where (ternary (printf "'%v'" $value) (toString $value) (kindIs "string" $value))) -}}
+{{- end -}}
+{{- else -}}
+{{- $typed := and (kindIs "map" $value) (eq (len $value) 1) (has (first (keys $value)) (list "string" "int" "bool" "version")) -}}
+{{- if not (or $number (kindIs "string" $value) (kindIs "bool" $value) $typed) -}}
+{{- fail (printf "%s: %v: must be a string, a whole number, true or false, {version: \"1.2.3\"}, or {file: <path>, type: string|int|bool|version}" $where $value) -}}
+{{- end -}}
+{{- $text := toString $value -}}
+{{- if $typed }}{{ $text = toString (first (values $value)) }}{{ end -}}
+{{- if and (or (kindIs "string" $value) $typed) (gt (len $text) 64) -}}
+{{- fail (printf "%s: not a valid string attribute for the API server: it has %d bytes, more than the API server's 64" $where (len $text)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $total := add (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
+{{- if gt $total 32 -}}
+{{- fail (printf "%s.%s: %d attributes and %d capacities, with the %d gopherplug gives each device, are %d: the API server takes at most 32 a device" $at (ternary "capacity" "attributes" (not (empty $r.capacity))) (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) (ternary 4 3 (gt (int ($r.replicas | default 1)) 1)) $total) -}}
+{{- end -}}
 {{- /* What the device-plugin API alone has, refused with api: dra (nothing given silently unused). */ -}}
 {{- if eq $api "dra" -}}
 {{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" "pre_start" "NodePrepareResources runs before a pod's containers; gopherplug runs no command there" "pre_start_timeout" "there is no pre_start" -}}
