@@ -5984,13 +5984,19 @@ def _narration_times(lines):
     return [float(match[1]) for line in lines if (match := re.match(r"\s*([0-9.]+) ms  ", line))]
 
 
-def test_the_readmes_demo_samples_are_in_time_order():
-    """The README shows each demo's output as a sample: its times never go backwards, as a run's do."""
-    samples = re.findall(r"```\n(gopherplug demo[^\n]*\n.*?)```", (HERE / "README.md").read_text(), re.S)
-    assert len(samples) == 2
-    for sample in samples:
+def test_the_docs_demo_samples_are_in_time_order():
+    """The README and the docs show demos' output as samples: their times never go backwards, as a
+    run's do."""
+    pages = [HERE / "README.md", *sorted((HERE / "docs").glob("*.md"))]
+    samples = [
+        (page.name, sample)
+        for page in pages
+        for sample in re.findall(r"```\n(gopherplug demo[^\n]*\n.*?)```", page.read_text(), re.S)
+    ]
+    assert "README.md" in {page for page, _ in samples} and len(samples) >= 3, samples
+    for page, sample in samples:
         times = _narration_times(sample.splitlines()[1:])
-        assert len(times) > 10 and times == sorted(times), sample
+        assert len(times) > 10 and times == sorted(times), (page, sample)
 
 
 def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
