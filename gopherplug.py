@@ -11379,10 +11379,10 @@ def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_
         return f"{problem}; this machine's kubelet is in {elsewhere}"
     import difflib  # here, not at the top: only for a directory that looks mistaken
 
-    # Only a directory that is there, and not the one given (a known one, missing here): "did you
-    # mean" the very path just said to be missing would send the user round in a circle.
-    there = [candidate for candidate in candidates if candidate != directory and os.path.isdir(candidate)]
-    if close := difflib.get_close_matches(directory, there, n=1):
+    # Not the directory given (a known one, missing here): "did you mean" the very path just said
+    # to be missing would send the user round in a circle.
+    others = [candidate for candidate in candidates if candidate != directory]
+    if close := difflib.get_close_matches(directory, others, n=1):
         return f"{problem}; did you mean {close[0]}?"
     return problem
 
@@ -11821,7 +11821,7 @@ async def watch_config_file(
                 text = _read_text(path)
                 # SIGHUP on a held-back file that did not change since: apply it as it is, as asked.
                 forced = held is not None and text == held and watch.poked
-                if (text is None or text == last_text) and not forced:
+                if text is None or (text == last_text and not forced):
                     if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
                         if text is None:
                             log.warning("cannot read %s", path)

@@ -7234,12 +7234,13 @@ def test_device_plugin_dir_mistake_proposes_the_kubelets_directory(sockdir, give
 
 
 def test_device_plugin_dir_mistake_proposes_no_directory_that_is_missing_too(sockdir):
-    """A known directory given, missing on this machine: no "did you mean" itself, nor another
-    known one that is missing as well."""
+    """A known directory given, missing on this machine: no "did you mean" itself (another known
+    one may be proposed)."""
     known = [os.path.join(sockdir, "k", "device-plugins"), os.path.join(sockdir, "k2", "device-plugins")]
-    for directory in known:
+    for directory, other in (known, known[::-1]):
         said = f"{directory} does not exist: serve would wait there for the kubelet"
-        assert gp.device_plugin_dir_mistake(directory, known) == said
+        assert gp.device_plugin_dir_mistake(directory, known) == f"{said}; did you mean {other}?"
+        assert gp.device_plugin_dir_mistake(directory, [directory]) == said
 
 
 def test_check_config_takes_the_charts_configmap_and_helm_templates_output(helm, tmp_path):
