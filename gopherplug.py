@@ -30,10 +30,13 @@ Read it top to bottom; every section only uses the ones above it:
                                side and a lenient API server, what the DRA demo needs (the strict
                                stand-ins that only tests need are in gopherplug_standins.py)
   9. Command line              main(argv) -> exit code; signals
+ 10. Start-up plumbing         how `python gopherplug.py` starts again as an import (not the protocol)
 
 Or take one of two lessons, each a list of definitions to read in order (search for the name). Both
 skip section 5, the purerpc plumbing, but for Watched: what else the rest uses of it (serve_grpc,
-call_unary, open_stream) does what its name says.
+call_unary, open_stream) does what its name says. Both skip section 10, and the speed-ups
+(_ImmediateService, _ListEncoder, _PreferredOrder, _PreferredAllocationWire): the answers are the
+same without them.
 
   The device-plugin lesson
      1. METHODS, REGISTER              the v1beta1 calls the plugin serves, and the one it makes
@@ -44,7 +47,8 @@ call_unary, open_stream) does what its name says.
         allocate_response,
         preferred_allocation_response
      6. Watched, watch_devices         inotify keeps the devices current, with no polling
-     7. device_plugin_service          ListAndWatch, Allocate, PreStartContainer served
+     7. DevicePluginService            one method per RPC: GetDevicePluginOptions, ListAndWatch,
+                                       GetPreferredAllocation, Allocate, PreStartContainer
      8. register                       Register, through the kubelet's kubelet.sock
      9. KubeletWatch,                  the restart handling: a kubelet restart creates a new
         _serve_generations             kubelet.sock; each one gets a new socket and registration
@@ -100,91 +104,15 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _run_as_module(script: str) -> None:
-    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
-
-    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
-    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
-    after the module's code has run): for a plugin that serves until it is stopped, never. For
-    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
-    copy run as a sidecar binary), and growing with every line. An import compiles the file and
-    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
-    environment and interpreter options) with a Python that imports this file and runs main().
-    The console script and `python -m gopherplug` import the module already, and a debugger or
-    profiler (a trace or profile function set) keeps the script as it is.
-
-    It is called from the top of the file, before any other import: the script's process would
-    throw away whatever it imported (the dependencies alone take 150 ms). And it hands the import
-    the code it has already compiled (the script was compiled whole before its first line ran,
-    about 350 ms for this file): marshalled into a memory file the new process inherits, used in
-    place of compiling the file again where no valid bytecode is cached beside it (a read-only
-    copy, PYTHONDONTWRITEBYTECODE), and written to that cache where one may be written, as the
-    import would have. Only if the file is as it was: a file changed in the last 2 s (maybe since
-    the interpreter read it), or whose size or time differs when the import reads it, is compiled
-    again from what is on disk.
-
-    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
-    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
-    installed in site-packages and run it instead, or fail where none is. The loader is named,
-    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
-    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
-    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
-    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
-    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
-    place of PyYAML, by a process that often runs as root), and the directory Python gave the
-    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
-    script had none either (-P, -I, PYTHONSAFEPATH).
-    """
-    if sys.gettrace() is not None or sys.getprofile() is not None:
-        return
-    import marshal
-    import time
-
-    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
-    script_directory = [] if sys.flags.safe_path else sys.path[:1]
-    path = os.path.realpath(script)
-    handed = "None"
-    try:
-        status = os.stat(path)
-        if time.time_ns() - status.st_mtime_ns > 2_000_000_000:
-            compiled = os.memfd_create("gopherplug-code", 0)  # inherited across execv
-            os.write(compiled, marshal.dumps(sys._getframe(1).f_code))  # the module's: our caller's
-            os.lseek(compiled, 0, os.SEEK_SET)
-            handed = repr((compiled, status.st_size, status.st_mtime_ns))
-    except (OSError, ValueError):  # no memfd (an old kernel, a seccomp profile): compiled again
-        pass
-    code = (
-        "import importlib.machinery, importlib.util, os, sys\n"
-        f"sys.path[:0] = {script_directory!r}; sys.argv[0] = {script!r}; handed = {handed}\n"
-        "class Loader(importlib.machinery.SourceFileLoader):\n"
-        "    def source_to_code(self, data, path, *, _optimize=-1):  # the script's code, if the file is as it was\n"
-        "        if handed and (len(data), os.stat(path).st_mtime_ns) == handed[1:]:\n"
-        "            import _imp, marshal\n"
-        "            code = marshal.loads(os.pread(handed[0], os.fstat(handed[0]).st_size, 0))\n"
-        "            _imp._fix_co_filename(code, path)  # as for a .pyc: the file's path, not the name typed\n"
-        "            return code\n"
-        "        return super().source_to_code(data, path, _optimize=_optimize)\n"
-        f"loader = Loader('gopherplug', {path!r})\n"
-        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
-        "sys.modules['gopherplug'] = gopherplug\n"
-        "try:\n"
-        "    loader.exec_module(gopherplug)\n"
-        "except ModuleNotFoundError as error:  # run from a checkout without its dependencies: one line\n"
-        "    if error.name in {'gopherplug'} or not error.name: raise\n"
-        "    sys.exit(f'gopherplug: {error}: install its dependencies (pip install . in a checkout, or pip '\n"
-        "             'install --require-hashes -r requirements/device-plugin.lock), or run it where they are')\n"
-        "if handed: os.close(handed[0])\n"
-        "sys.exit(gopherplug.main())"
-    )
-    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
-
-
+# Start-up plumbing, not the protocol: `python gopherplug.py` starts again, before any other import,
+# as an import of this file (_run_as_module, section 10 at the end, says why and how). The script is
+# compiled whole before its first line runs, so the function is taken from the module's code now.
 # The interpreter was started on this file (python [options] gopherplug.py args): a file loader and
 # no module spec; -m has a spec, runpy.run_path neither.
 if __name__ == "__main__" and __spec__ is None:
     if type(sys.modules[__name__].__loader__).__name__ == "SourceFileLoader":
-        _run_as_module(__file__)
+        _code = next(c for c in sys._getframe().f_code.co_consts if getattr(c, "co_name", "") == "_run_as_module")
+        type(lambda: None)(_code, globals())(__file__)  # a function of that code: _run_as_module(__file__)
 
 import argparse
 import base64
@@ -2311,6 +2239,7 @@ _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # a node's devices mostly say the same few quantities
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
@@ -2951,8 +2880,9 @@ def examine_path(
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
-    # at when an attribute's file is read through it (read_declared_values), never here.
-    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node else ""
+    # at when an attribute's file is read through it (read_declared_values), never here; and only for
+    # a resource that declares values (examine_again runs in Allocate, which needs none of it).
+    sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node and (resource.attributes or resource.capacity) else ""
     return DeviceEntry(
         device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
     )
@@ -4126,22 +4056,29 @@ def with_read_values(
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
-    own_attributes, own_capacity = [], []
-    for name, kind, value in device.attributes:
-        if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
-            problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_attributes.append((name, kind, value))
-    for name, written in device.capacity:
-        quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
-        if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
-            problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
-        else:
-            own_capacity.append((name, str(quantity)))
-    device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
-    bare = dataclasses.replace(device, attributes=(), capacity=())
+    if device.attributes or device.capacity:
+        own_attributes, own_capacity = [], []
+        for name, kind, value in device.attributes:
+            if why := attribute_name_problem(name) or attribute_value_problem(kind, value):
+                problems.append((f"attributes.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_attributes.append((name, kind, value))
+        for name, written in device.capacity:
+            quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
+            if why := attribute_name_problem(name) or ("" if quantity else f"{written!r} is not a quantity"):
+                problems.append((f"capacity.{name}", f"the device's own: not valid for the API server: {why}"))
+            else:
+                own_capacity.append((name, str(quantity)))
+        if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
+            device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
+    if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
+        return device, problems  # nothing read (literals only, or describe has not said yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set(device_attributes(dataclasses.replace(resource, attributes=()), bare))
+    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
+    if device.numa_node is not None:
+        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
+    if device.pci is not None:
+        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
@@ -6988,6 +6925,7 @@ async def watch_devices(
     dev_root: str = "/dev",
     turn: CDISpecTurn | None = None,
     *,
+    described: dict[str, ReadValues] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``devices`` (a dict of id -> DeviceEntry) equal to what the resource's directories and
@@ -7010,8 +6948,13 @@ async def watch_devices(
     running or not (an update rolling through the DaemonSet, an OOM kill). A device leaves the
     spec only when it leaves the directory. With ``turn`` (a DRA driver's pod), the spec is written
     in this pod's turn only (CDISpecTurn), and again whenever the turn changes.
+
+    A device that comes or changes has its ``attributes`` and ``capacity`` files read
+    (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
+    devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
+    reload), never on a kubelet's call.
     """
-    device_set = _DeviceSet(resource, devices, turn)
+    device_set = _DeviceSet(resource, devices, turn, described)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
@@ -7419,7 +7362,13 @@ class _DeviceSet:
     """watch_devices' devices: the entries its sources found, made into devices (entries with the
     same ID are one), published, their health changes logged, their CDI spec written."""
 
-    def __init__(self, resource: ResourceConfig, devices: Watched, turn: CDISpecTurn | None = None) -> None:
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        devices: Watched,
+        turn: CDISpecTurn | None = None,
+        described: dict[str, ReadValues] | None = None,
+    ) -> None:
         self.resource = resource
         self.devices = devices
         self.turn = turn  # with a DRA driver: the spec is written in this pod's turn only
@@ -7433,7 +7382,9 @@ class _DeviceSet:
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
         self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
-        self.described: dict[str, ReadValues] = {}  # device ID -> what describe said of it, last time it worked
+        #: device ID -> what describe said of it, the last time it worked: a dict that outlives this
+        #: device set when the caller keeps it (a reload's new watch starts with what is known)
+        self.described: dict[str, ReadValues] = described if described is not None else {}
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
         #: touched when the devices' IDs change: describe runs again (_describe_devices)
         self.ids_changed = Watched(frozenset[str]())
@@ -7463,7 +7414,8 @@ class _DeviceSet:
         """What describe said, by device ID: every device carries it from now on."""
         if self.devices.value is RETIRED:
             return
-        self.described = described
+        self.described.clear()
+        self.described.update(described)
         for device_id in self.found:
             self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
@@ -7927,19 +7879,9 @@ def status_service(message: Callable[[], Any]) -> purerpc.Service:
     return service
 
 
-def device_plugin_service(
-    resource: ResourceConfig,
-    devices: Watched,
-    shape_allocation: ShapeAllocation | None = None,
-    encoder: _ListEncoder | None = None,
-    ending: trio.Event | None = None,
-    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
-    status: StreamStatus | None = None,
-    *,
-    config: Watched | None = None,
-    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
-) -> purerpc.Service:
-    """The DevicePlugin service for one resource, answering from the live device set.
+class DevicePluginService:
+    """The DevicePlugin service for one resource, answering from the live device set: one method
+    per RPC of v1beta1, in the order the kubelet calls them.
 
     Its ListAndWatch streams end (status OK) once ``ending`` is set and ``devices`` touched (which
     wakes them: one event to wait on keeps each push cheap). With ``examine`` (a
@@ -7951,29 +7893,57 @@ def device_plugin_service(
     resource's configuration as reloads change it in place (same name, same options): every answer
     follows it from then on, and a stream sends the list anew once ``devices`` is replaced
     (unless the kubelet's list it makes is the one that stream sent last).
+
+    service() makes it a purerpc service; the speed-ups live there and in what the methods call
+    (_ImmediateService, _ListEncoder, _PreferredOrder and _PreferredAllocationWire): a lesson may
+    skip them, as the answers are the same without.
     """
-    ending = trio.Event() if ending is None else ending
-    status = status or StreamStatus()
 
-    def now() -> ResourceConfig:
-        return resource if config is None else config.value
+    def __init__(
+        self,
+        resource: ResourceConfig,
+        devices: Watched,
+        shape_allocation: ShapeAllocation | None = None,
+        encoder: _ListEncoder | None = None,
+        ending: trio.Event | None = None,
+        examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
+        status: StreamStatus | None = None,
+        *,
+        config: Watched | None = None,
+        examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
+    ) -> None:
+        self.resource, self.devices, self.shape_allocation = resource, devices, shape_allocation
+        self.encoder = encoder or _ListEncoder(resource)
+        self.ending = trio.Event() if ending is None else ending
+        self.examine, self.examiner, self.config = examine, examiner, config
+        self.status = status or StreamStatus()
+        self.preferred: _PreferredOrder | None = (
+            None  # the current device set's, made at the first request after a change
+        )
+        # One server per resource and registration: the previous one, and the commands it ran, are
+        # stopped before the next serves, so these slots are the resource's.
+        self.pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
 
-    def get_device_plugin_options(empty: Any) -> Any:
-        return device_plugin_options(now())
+    def now(self) -> ResourceConfig:
+        """The resource's configuration as it is now (a reload may have changed it in place)."""
+        return self.resource if self.config is None else self.config.value
 
-    encoder = encoder or _ListEncoder(resource)
+    def GetDevicePluginOptions(self, empty: Any) -> Any:  # noqa: N802 - the RPC's name
+        # The kubelet calls this while it handles our Register, before it answers: the dial-back.
+        return device_plugin_options(self.now())
 
-    async def list_and_watch(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
+    async def ListAndWatch(self, empty: Any, request: RequestReceived) -> AsyncIterator[Any]:  # noqa: N802
         # The kubelet keeps this one stream open for as long as we are registered: the full list
         # now, then the full list again after every change. Each message replaces the last.
+        resource, devices, ending = self.resource, self.devices, self.ending
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
         if counted:
-            status.streams += 1
+            self.status.streams += 1
         try:
             current = devices.value
             sent = None  # what this stream's kubelet was sent last (the serialized list)
             while True:
-                message = encoder.encode(current, now())
+                message = self.encoder.encode(current, self.now())
                 if message.data == sent:
                     # The entries changed but not what the kubelet is told (a member joining a device
                     # of several, a mode, another reason to be unhealthy), or changed and changed
@@ -8011,98 +7981,119 @@ def device_plugin_service(
                 current = devices.value
         finally:
             if counted:
-                status.stream_ended()
+                self.status.stream_ended()
 
-    preferred: _PreferredOrder | None = None  # the current device set's, made at the first request after a change
-
-    def get_preferred_allocation(request: Any) -> Any:
-        nonlocal preferred
-        resource, known = now(), devices.value
+    def GetPreferredAllocation(self, request: Any) -> Any:  # noqa: N802
+        # When a pod asks for devices, before Allocate, if our options said we answer it.
+        resource, known = self.now(), self.devices.value
+        preferred = self.preferred
         if preferred is None or preferred.resource is not resource or preferred.devices is not known:
-            preferred = _PreferredOrder(resource, known)  # a device set is replaced, never changed in place
+            # A device set is replaced, never changed in place: the order is made once per set.
+            preferred = self.preferred = _PreferredOrder(resource, known)
         return preferred_allocation_response(resource, known, request, order=preferred)
 
-    def devices_now(ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
-        # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
-        # the container gets is decided from the file system as it is now (and confined again).
-        known: Mapping[str, DeviceEntry] = devices.value
-        check = examiner() if examiner is not None else examine
-        if check is None:
-            return known
-        found_now = {}
-        for device_id in {now().underlying_id(kubelet_id) for kubelet_id in ids}:
-            if device_id is not None and device_id in known:
-                found = check(known[device_id])
-                if isinstance(found, str):
-                    raise RPCError(StatusCode.FAILED_PRECONDITION, f"{resource.name} device {device_id}: {found}")
-                if found is not None:
-                    found_now[device_id] = found
-        return found_now
-
-    def allocate(request: Any) -> Any:
-        # Without shape_allocation, nothing here waits: an immediate method (_ImmediateService).
-        with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
-            response, _ = allocation(request)
+    def Allocate(self, request: Any) -> Any:  # noqa: N802
+        # Once per container the kubelet admits, with the IDs it chose. Without shape_allocation,
+        # nothing here waits: an immediate method (_ImmediateService).
+        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
+            response, _ = self._allocation(request)
             for container in request.container_requests:
-                _log(resource).info("allocated %s", ",".join(container.devices_ids))
+                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
             return response
 
-    async def allocate_and_shape(request: Any) -> Any:
-        with _timed(lambda metrics: metrics.allocate.labels(resource.name)):
-            response, allocated = allocation(request)
+    async def _allocate_and_shape(self, request: Any) -> Any:
+        # Allocate, then the embedding program's shape_allocation on each container's answer.
+        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
+            response, allocated = self._allocation(request)
             for container, chosen, answer in zip(
                 request.container_requests, allocated, response.container_responses, strict=True
             ):
-                shaped = shape_allocation(chosen, answer) if shape_allocation is not None else None
+                shaped = self.shape_allocation(chosen, answer) if self.shape_allocation is not None else None
                 if inspect.isawaitable(shaped):
                     await shaped
-                _log(resource).info("allocated %s", ",".join(container.devices_ids))
+                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
             return response
 
-    def allocation(request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
+    async def PreStartContainer(self, request: Any) -> Any:  # noqa: N802
+        # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
+        with _timed(lambda metrics: metrics.pre_start.labels(self.resource.name)):
+            if (current := self.now()).pre_start:
+                chosen = allocated_devices(current, self._devices_now(request.devices_ids), request.devices_ids)
+                await run_pre_start(current, chosen, self.pre_start_slots)
+            return v1beta1.PreStartContainerResponse()
+
+    def _allocation(self, request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
         try:
-            return allocate_with_devices(now(), devices_now(ids), request)
+            return allocate_with_devices(self.now(), self._devices_now(ids), request)
         except RPCError as error:
             # The kubelet fails the pod (UnexpectedAdmissionError, with this message in its events):
             # the plugin's log says so too, once per refusal. A try costs nothing until it catches
             # (3.11's zero-cost exceptions): the success path does no more work.
-            _log(resource).warning("refused Allocate of %s: %s", ",".join(ids) or "no device", error.message)
+            _log(self.resource).warning("refused Allocate of %s: %s", ",".join(ids) or "no device", error.message)
             raise
 
-    # One server per resource and registration: the previous one, and the commands it ran, are
-    # stopped before the next serves, so these slots are the resource's.
-    pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
+    def _devices_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
+        # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
+        # the container gets is decided from the file system as it is now (and confined again).
+        known: Mapping[str, DeviceEntry] = self.devices.value
+        check = self.examiner() if self.examiner is not None else self.examine
+        if check is None:
+            return known
+        found_now = {}
+        current = self.now()
+        for device_id in {current.underlying_id(kubelet_id) for kubelet_id in ids}:
+            if device_id is not None and device_id in known:
+                found = check(known[device_id])
+                if isinstance(found, str):
+                    raise RPCError(StatusCode.FAILED_PRECONDITION, f"{self.resource.name} device {device_id}: {found}")
+                if found is not None:
+                    found_now[device_id] = found
+        return found_now
 
-    async def pre_start_container(request: Any) -> Any:
-        with _timed(lambda metrics: metrics.pre_start.labels(resource.name)):
-            return await answer_pre_start(request)
+    def service(self) -> purerpc.Service:
+        """The purerpc service: the methods that never wait are immediate (_ImmediateService)."""
+        service = _ImmediateService(f"{API_VERSION}.DevicePlugin")
+        immediate: dict[str, Callable[[Any], Any]] = {
+            "GetDevicePluginOptions": self.GetDevicePluginOptions,
+            "GetPreferredAllocation": self.GetPreferredAllocation,
+        }
+        waiting: dict[str, Callable[..., Any]] = {
+            "ListAndWatch": self.ListAndWatch,
+            "PreStartContainer": self.PreStartContainer,
+        }
+        if self.shape_allocation is None:
+            immediate["Allocate"] = self.Allocate
+        else:
+            waiting["Allocate"] = self._allocate_and_shape
+        # GetPreferredAllocation reads its request as _PreferredAllocationWire (its IDs as bytes).
+        signatures = {name: METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature for name in [*immediate, *waiting]}
+        signatures["GetPreferredAllocation"] = _PREFERRED_WIRE_SIGNATURE
+        for name, handler in immediate.items():
+            service.add_immediate_method(name, handler, signatures[name])
+        for name, waits in waiting.items():
+            service.add_method(name, waits, signatures[name])
+        return service
 
-    async def answer_pre_start(request: Any) -> Any:
-        # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
-        if (current := now()).pre_start:
-            chosen = allocated_devices(current, devices_now(request.devices_ids), request.devices_ids)
-            await run_pre_start(current, chosen, pre_start_slots)
-        return v1beta1.PreStartContainerResponse()
 
-    service = _ImmediateService(f"{API_VERSION}.DevicePlugin")
-    immediate: dict[str, Callable[[Any], Any]] = {
-        "GetDevicePluginOptions": get_device_plugin_options,
-        "GetPreferredAllocation": get_preferred_allocation,
-    }
-    waiting: dict[str, Callable[..., Any]] = {"ListAndWatch": list_and_watch, "PreStartContainer": pre_start_container}
-    if shape_allocation is None:
-        immediate["Allocate"] = allocate
-    else:
-        waiting["Allocate"] = allocate_and_shape
-    # GetPreferredAllocation reads its request as _PreferredAllocationWire (its IDs as bytes).
-    signatures = {name: METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature for name in [*immediate, *waiting]}
-    signatures["GetPreferredAllocation"] = _PREFERRED_WIRE_SIGNATURE
-    for name, handler in immediate.items():
-        service.add_immediate_method(name, handler, signatures[name])
-    for name, waits in waiting.items():
-        service.add_method(name, waits, signatures[name])
-    return service
+def device_plugin_service(
+    resource: ResourceConfig,
+    devices: Watched,
+    shape_allocation: ShapeAllocation | None = None,
+    encoder: _ListEncoder | None = None,
+    ending: trio.Event | None = None,
+    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
+    status: StreamStatus | None = None,
+    *,
+    config: Watched | None = None,
+    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
+) -> purerpc.Service:
+    """The DevicePlugin service for one resource, as a purerpc service: DevicePluginService's
+    (the arguments are its)."""
+    plugin = DevicePluginService(
+        resource, devices, shape_allocation, encoder, ending, examine, status, config=config, examiner=examiner
+    )
+    return plugin.service()
 
 
 #: At most this many pre_start commands of a resource run at once; the kubelet's further calls
@@ -11508,6 +11499,9 @@ async def serve_plugin(
                     before = list(served)
                     removed = [name for name in served if name not in wanted]
                     changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
+                    # A reload runs every describe again (what it says may have changed without any
+                    # device coming or going): an unchanged resource's watch starts afresh in place.
+                    again = [n for n in served if n in wanted and n not in changed and wanted[n].describe]
                     added = [name for name in wanted if name not in served]
                     await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
                     for name in removed:
@@ -11529,6 +11523,8 @@ async def serve_plugin(
                         else:
                             await start(old.resource)  # the new one failed: serve the old one again
                             kept.append(name)
+                    for name in again:
+                        await served[name].update(wanted[name])
                     for name in added:
                         if not await start(wanted[name]):
                             not_added.append(name)
@@ -11543,6 +11539,7 @@ async def serve_plugin(
                         for what, names, after in (
                             ("added", [name for name in added if name not in not_added], ""),
                             ("updated in place", updated, ""),
+                            ("described again", again, ""),
                             ("re-registered", registered, ""),
                             ("removed", removed, ""),
                             ("kept", kept, " as it was"),
@@ -11655,6 +11652,9 @@ class _Served:
     start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
     watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
     dra_resources: DraResources | None = None
+    #: what its describe last said, by device ID: kept across its watches, so that a reload's new
+    #: watch publishes the devices as described until describe has run again
+    described: dict[str, ReadValues] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
@@ -11734,7 +11734,13 @@ async def _serve_one(
                         with scope:
                             turn = dra_resources.cdi_turn if dra_resources is not None else None
                             await watch_devices(
-                                resource, served.devices, sysfs_root, dev_root, turn, task_status=task_status
+                                resource,
+                                served.devices,
+                                sysfs_root,
+                                dev_root,
+                                turn,
+                                described=served.described,
+                                task_status=task_status,
                             )
                     finally:
                         done.set()
@@ -14070,8 +14076,25 @@ async def _demo_claim(
         while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
             await api.changed.wait_touched()
 
+    def generation() -> int:
+        return max(
+            (
+                item["spec"]["pool"]["generation"]
+                for item in api.slices.values()
+                if item["spec"]["pool"]["name"] == pool
+            ),
+            default=0,
+        )
+
     await _demo_step(f"{resource.name}'s ResourceSlice", published())
     say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
+    if resource.describe:  # it runs once the devices are found: its values come in the next generation
+        first = generation()
+        with trio.move_on_after(DESCRIBE_TIMEOUT + 1):
+            while generation() == first:
+                await api.changed.wait_touched()
+        if generation() == first:
+            say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
     healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
@@ -14079,6 +14102,11 @@ async def _demo_claim(
         say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
         return
     device = min(healthy, key=lambda d: _natural_key(d["name"]))
+    # What the scheduler selects by: the device's attributes and capacity in its slice (the
+    # standard ones under resource.kubernetes.io/, the others under the driver's name).
+    shown = [f"{key}={next(iter(typed.values()))}" for key, typed in device["attributes"].items()]
+    shown += [f"{key}={value['value']}" for key, value in device.get("capacity", {}).items()]
+    say("plugin", f"  device {device['name']}: {', '.join(shown)}")
     result = {"request": "device", "driver": driver, "pool": pool, "device": device["name"]}
     if device.get("allowMultipleAllocations"):
         result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
@@ -14699,6 +14727,93 @@ def _exit_now(code: int) -> NoReturn:
     with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
         sys.stdout.flush()
     os._exit(code)
+
+
+########################################################################################################
+# 10. Start-up plumbing
+#
+# Not the protocol. How `python gopherplug.py` keeps no syntax tree for life: called from the top
+# of the file, before any other import, with the code the interpreter compiled for the script.
+########################################################################################################
+
+
+def _run_as_module(script: str) -> None:
+    """Start again as an import of this same file, in this same process: what `python gopherplug.py` runs.
+
+    CPython runs a script inside the syntax tree it parsed the file into, and frees that tree
+    only when the script returns (pyrun_file in CPython's Python/pythonrun.c frees its arena
+    after the module's code has run): for a plugin that serves until it is stopped, never. For
+    this file that is about 18 MiB, kept for the life of every `python gopherplug.py serve` (a
+    copy run as a sidecar binary), and growing with every line. An import compiles the file and
+    frees the tree at once. So the script replaces itself (os.execv: the same PID, arguments,
+    environment and interpreter options) with a Python that imports this file and runs main().
+    The console script and `python -m gopherplug` import the module already, and a debugger or
+    profiler (a trace or profile function set) keeps the script as it is.
+
+    It is called from the top of the file, before any other import: the script's process would
+    throw away whatever it imported (the dependencies alone take 150 ms). And it hands the import
+    the code it has already compiled (the script was compiled whole before its first line ran,
+    about 350 ms for this file): marshalled into a memory file the new process inherits, used in
+    place of compiling the file again where no valid bytecode is cached beside it (a read-only
+    copy, PYTHONDONTWRITEBYTECODE), and written to that cache where one may be written, as the
+    import would have. Only if the file is as it was: a file changed in the last 2 s (maybe since
+    the interpreter read it), or whose size or time differs when the import reads it, is compiled
+    again from what is on disk.
+
+    What runs is this file, whatever its name (a copy saved as `anyname.py`, a symlink to it),
+    loaded by its path, never `import gopherplug` by name: that would find an older gopherplug
+    installed in site-packages and run it instead, or fail where none is. The loader is named,
+    not guessed from the suffix, so a copy without `.py` runs too. The module is registered as
+    sys.modules["gopherplug"] before its code runs, so that an `import gopherplug` anywhere in the
+    process (the stand-ins, the demo) gets this copy; its bytecode is cached beside the file, as an
+    import's is (`__pycache__/anyname.cpython-311.pyc`). And sys.path is the script's own: `-P`
+    keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
+    place of PyYAML, by a process that often runs as root), and the directory Python gave the
+    script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
+    script had none either (-P, -I, PYTHONSAFEPATH).
+    """
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return
+    import marshal
+    import time
+
+    options = sys.orig_argv[1 : len(sys.orig_argv) - len(sys.argv)]  # -X, -W, -O, ... as given
+    script_directory = [] if sys.flags.safe_path else sys.path[:1]
+    path = os.path.realpath(script)
+    handed = "None"
+    try:
+        status = os.stat(path)
+        if time.time_ns() - status.st_mtime_ns > 2_000_000_000:
+            compiled = os.memfd_create("gopherplug-code", 0)  # inherited across execv
+            os.write(compiled, marshal.dumps(sys._getframe(1).f_code))  # the module's: our caller's
+            os.lseek(compiled, 0, os.SEEK_SET)
+            handed = repr((compiled, status.st_size, status.st_mtime_ns))
+    except (OSError, ValueError):  # no memfd (an old kernel, a seccomp profile): compiled again
+        pass
+    code = (
+        "import importlib.machinery, importlib.util, os, sys\n"
+        f"sys.path[:0] = {script_directory!r}; sys.argv[0] = {script!r}; handed = {handed}\n"
+        "class Loader(importlib.machinery.SourceFileLoader):\n"
+        "    def source_to_code(self, data, path, *, _optimize=-1):  # the script's code, if the file is as it was\n"
+        "        if handed and (len(data), os.stat(path).st_mtime_ns) == handed[1:]:\n"
+        "            import _imp, marshal\n"
+        "            code = marshal.loads(os.pread(handed[0], os.fstat(handed[0]).st_size, 0))\n"
+        "            _imp._fix_co_filename(code, path)  # as for a .pyc: the file's path, not the name typed\n"
+        "            return code\n"
+        "        return super().source_to_code(data, path, _optimize=_optimize)\n"
+        f"loader = Loader('gopherplug', {path!r})\n"
+        "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
+        "sys.modules['gopherplug'] = gopherplug\n"
+        "try:\n"
+        "    loader.exec_module(gopherplug)\n"
+        "except ModuleNotFoundError as error:  # run from a checkout without its dependencies: one line\n"
+        "    if error.name in {'gopherplug'} or not error.name: raise\n"
+        "    sys.exit(f'gopherplug: {error}: install its dependencies (pip install . in a checkout, or pip '\n"
+        "             'install --require-hashes -r requirements/device-plugin.lock), or run it where they are')\n"
+        "if handed: os.close(handed[0])\n"
+        "sys.exit(gopherplug.main())"
+    )
+    os.execv(sys.executable, [sys.executable, *options, "-P", "-c", code, *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -6090,16 +6090,16 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     CDI edits the runtime would apply for it, from the spec the plugin wrote."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path, "--dra")
-    assert (
-        who == "plugin apiserver kubelet kubelet plugin scheduler kubelet runtime runtime runtime runtime runtime demo"
-    )
+    runtime = " ".join(["runtime"] * 5)
+    assert who == f"plugin apiserver kubelet kubelet plugin plugin scheduler kubelet {runtime} demo"
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     first, second = gp.dra_device_name("0000:00:02.0"), gp.dra_device_name("0000:03:00.0")
     pool, cdi = "demo-node/example.com/gpu", "gopherplug.example.com/gpu=0000:00:02.0"
     lines = said.splitlines()
     env = "gopherplug.example.com/gpu=demo-0_device"  # the request's env, as Allocate gives it
-    assert lines[4:11] == [
+    assert lines[4:12] == [
         f"ResourceSlice of pool {pool}: {first}, {second}",
+        f"device {first}: resource=example.com/gpu, id=0000:00:02.0, healthy=True",  # what the scheduler selects by
         f"allocated a ResourceClaim: device {first} of pool {pool}",
         f"NodePrepareResources: CDI devices {cdi}, {env}, gopherplug.example.com/metadata=demo-0_device",
         f"{cdi}: device {card} -> {card}",
@@ -6111,7 +6111,7 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
         r"gopherplug.example.com/metadata=demo-0_device: mount /\S+/kubelet/plugins/gopherplug.example.com/"
         r"dra-device-metadata/default_demo-gpu_demo-0/device/metadata.json -> /var/run/kubernetes.io/"
         r"dra-device-attributes/resourceclaims/demo-gpu/device/gopherplug.example.com-metadata.json \(ro,bind\)",
-        lines[11],
+        lines[12],
     )
     assert sorted(os.listdir(sockdir)) == ["node"]
 
@@ -7735,7 +7735,21 @@ RECIPES = {
         ["87654321"],
         [("/dev/bus/usb/001/004", "/dev/bus/usb/001/004"), ("/dev/hidraw1", "/dev/hidraw1")],
     ),
+    "nvidia": (  # two GPUs, given with the nodes every CUDA process needs besides its GPU's
+        lambda dev, sysfs: nvidia_tree(dev),
+        ["0", "1"],
+        ["1"],
+        [
+            ("/dev/nvidia1", "/dev/nvidia1"),
+            ("/dev/nvidiactl", "/dev/nvidiactl"),
+            ("/dev/nvidia-uvm", "/dev/nvidia-uvm"),
+            ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools"),
+        ],
+    ),
 }
+#: The recipes whose container paths are the container's own /dev, whatever the host's tree is
+#: (templates like /dev/video{index}, /dev/{name}): the others' follow the host paths.
+CONTAINER_DEV_RECIPES = {"camera", "nvidia"}
 
 
 @pytest.mark.parametrize("example", sorted(RECIPES))
@@ -7751,6 +7765,9 @@ async def test_recipe_serves_its_devices(example, nursery, sockdir):
         # The recipe's directory is in /dev; the fake tree stands for it (dev_root below).
         if "directory" in resource:
             resource["directory"] = dev + resource["directory"].removeprefix("/dev")
+        for spec in resource.get("device_specs", []):  # a node named outright, not from the entry
+            if spec["host_path"].startswith("/dev/"):
+                spec["host_path"] = dev + spec["host_path"].removeprefix("/dev")
         resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
     config.update(device_plugin_dir=plugin_dir, dev_root=dev, sysfs_root=sysfs)
     parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config.yaml")
@@ -7766,7 +7783,8 @@ async def test_recipe_serves_its_devices(example, nursery, sockdir):
         os.path.realpath(dev + host.removeprefix("/dev")) for host, _ in specs
     ]
     assert [d.container_path for d in answer.devices] == [
-        container if example == "camera" else dev + container.removeprefix("/dev") for _, container in specs
+        container if example in CONTAINER_DEV_RECIPES else dev + container.removeprefix("/dev")
+        for _, container in specs
     ]
     devices = dict.fromkeys(kubelet_id.partition("::")[0] for kubelet_id in allocate_ids)  # replicas: the device
     assert dict(answer.envs) == {parsed.resources[0].env: ",".join(devices)}
@@ -7781,7 +7799,8 @@ def test_recipe_pods_are_valid_against_the_kubernetes_schema():
     assert result.stdout.count("passed") == len(pods)
 
 
-DRA_RECIPES = ["fuse", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+DRA_RECIPES = ["fuse", "nvidia", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+SHARED_DRA_RECIPES = ["fuse", "tun"]  # those of one device shared by many claims (replicas)
 
 
 def test_dra_recipes_are_valid_against_the_kubernetes_schema():
@@ -7795,7 +7814,7 @@ def test_dra_recipes_are_valid_against_the_kubernetes_schema():
         assert result.stdout.count("passed") == 3 * len(recipes)
 
 
-@pytest.mark.parametrize("example", DRA_RECIPES)
+@pytest.mark.parametrize("example", SHARED_DRA_RECIPES)
 async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
     """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
     is published shared by ``replicas`` claims; the Deployment's pods each get a claim made from the
@@ -7871,6 +7890,423 @@ async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(examp
         scheduled(claim_from_template(number))
     with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
         scheduler.allocate(claim_from_template(resource["replicas"]), "node-1")
+
+
+# ------------------------------------------------------------------------------------------------
+# NVIDIA GPUs (examples/nvidia): the describe script on a recorded H200, the configs on a fake node
+# ------------------------------------------------------------------------------------------------
+
+NVIDIA = HERE / "examples" / "nvidia"
+NVIDIA_DATA = NVIDIA / "testdata"
+#: A fake nvidia-smi answering --query-gpu from a recording (an H200's, unless NVIDIA_SMI_RECORDING).
+FAKE_NVIDIA_SMI = NVIDIA_DATA / "nvidia-smi"
+#: `nvidia-smi --query-gpu=index,uuid,name,memory.total [MiB],pci.bus_id,driver_version,compute_cap,
+#: serial,mig.mode.current,power.limit --format=csv` on a real H200 node (driver 580.159.04).
+H200_RECORDING = NVIDIA_DATA / "h200-query-gpu.csv"
+#: The same node's /proc/driver/nvidia/gpus/0000:00:06.0/information.
+H200_INFORMATION = NVIDIA_DATA / "h200-information.txt"
+#: The nodes of a GPU node: (major, minor) as /proc/devices and `ls -l /dev/nvidia*` showed them.
+NVIDIA_CTL, NVIDIA_UVM, NVIDIA_UVM_TOOLS = (195, 255), (238, 0), (238, 1)
+NVIDIA_SHARED = {"nvidiactl": NVIDIA_CTL, "nvidia-uvm": NVIDIA_UVM, "nvidia-uvm-tools": NVIDIA_UVM_TOOLS}
+H200_JSON = {
+    "0": {
+        "attributes": {
+            "index": 0,  # nvidia-smi's
+            "productName": "NVIDIA H200",
+            "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c",
+            "driverVersion": {"version": "580.159.4"},
+            "computeCapability": {"version": "9.0.0"},
+            "resource.kubernetes.io/pciBusID": "0000:00:06.0",
+            # On bus 00 of domain 0000: on the root bus pci0000:00. Its numa_node was -1: no numaNode.
+            "resource.kubernetes.io/pcieRoot": "pci0000:00",
+        },
+        "capacity": {"memory": "143771Mi"},
+    }
+}
+
+
+def nvidia_gpus(count, minors=None):
+    """``count`` H200s derived from the recorded one, as (nvidia-smi's CSV row with units, the
+    driver's information file, its node's minor): GPU i at PCI 00:06+i.0, its UUID the recorded
+    one's with the last two digits i's (GPU 0 is the recorded one as it is). ``minors``: each
+    GPU's node number, when it is not its index."""
+    header, row = H200_RECORDING.read_text().splitlines()
+    information = H200_INFORMATION.read_text()
+    gpus = []
+    for index, minor in enumerate(minors or range(count)):
+        values = row.split(", ")
+        if index:
+            values[1] = values[1][:-2] + f"{index:02x}"
+        values[0], values[4] = str(index), f"00000000:00:{6 + index:02X}.0"
+        address = f"0000:00:{6 + index:02x}.0"
+        text = information.replace("0000:00:06.0", address).replace("Device Minor: \t 0", f"Device Minor: \t {minor}")
+        text = text.replace(row.split(", ")[1], values[1])
+        gpus.append((", ".join(values), text, minor))
+    return header, gpus
+
+
+def fake_nvidia_node(root, count=2, minors=None, rows=None, numa_nodes=None):
+    """A GPU node in miniature under ``root``: dev/ with /dev/nvidia<minor> per GPU, the shared
+    nodes and nvidia-caps (character devices with the driver's numbers where mknod is allowed,
+    else links to /dev/null), proc/driver/nvidia/gpus/<address>/information, sys/ with each GPU's
+    PCI function on root bus pci0000:00 (its numa_node -1 as recorded, or ``numa_nodes``'), and the
+    recording the fake nvidia-smi prints (``rows`` in place of the GPUs' own). Returns (dev, proc,
+    recording); the sysfs is nvidia_sysfs(proc)."""
+    dev, proc = root / "dev", root / "proc" / "driver" / "nvidia"
+    header, gpus = nvidia_gpus(count, minors)
+    for number, (_, information, minor) in enumerate(gpus):
+        make_node(str(dev / f"nvidia{minor}"), 195, minor)
+        address = re.search(r"Bus Location: \t (\S+)", information)[1]
+        (proc / "gpus" / address).mkdir(parents=True)
+        (proc / "gpus" / address / "information").write_text(information)
+        function = root / "sys" / "devices" / "pci0000:00" / address
+        function.mkdir(parents=True)
+        (function / "numa_node").write_text(f"{numa_nodes[number] if numa_nodes else -1}\n")
+        (root / "sys" / "bus" / "pci" / "devices").mkdir(parents=True, exist_ok=True)
+        (root / "sys" / "bus" / "pci" / "devices" / address).symlink_to(f"../../../devices/pci0000:00/{address}")
+    for name, (major, minor) in NVIDIA_SHARED.items():
+        make_node(str(dev / name), major, minor)
+    for minor in (1, 2):  # MIG's capabilities: not devices of this resource
+        make_node(str(dev / "nvidia-caps" / f"nvidia-cap{minor}"), 241, minor)
+    recording = root / "recording.csv"
+    recording.write_text("\n".join([header, *(rows if rows is not None else [row for row, _, _ in gpus])]) + "\n")
+    return dev, proc, recording
+
+
+def nvidia_tree(dev, count=2):
+    """The GPU node's /dev alone: fake_nvidia_node's, for a recipe's tree."""
+    fake_nvidia_node(Path(dev).parent, count)
+
+
+def nvidia_sysfs(proc):
+    """The fake node's sysfs, beside its proc (fake_nvidia_node)."""
+    return Path(proc).parents[2] / "sys"
+
+
+def nvidia_describe(proc, recording, *options):
+    """examples/nvidia/nvidia-describe.py, run as gopherplug runs it, with the fake nvidia-smi."""
+    script = [sys.executable, str(NVIDIA / "nvidia-describe.py"), "--sysfs", str(nvidia_sysfs(proc))]
+    return subprocess.run(
+        [*script, "--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc), *options],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "NVIDIA_SMI_RECORDING": str(recording)},
+        check=False,
+    )
+
+
+def test_the_fake_nvidia_smi_answers_as_the_recorded_h200_did():
+    """The fake's answer to describe's query is what the real nvidia-smi printed on the H200 for it
+    (recorded separately, with noheader and nounits); it refuses what the real one refuses."""
+    query = ["--query-gpu=index,uuid,name,memory.total,pci.bus_id,driver_version,compute_cap"]
+    answered = subprocess.run(
+        [str(FAKE_NVIDIA_SMI), *query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False
+    )
+    recorded = (NVIDIA_DATA / "h200-query-gpu-noheader-nounits.csv").read_text()
+    assert (answered.returncode, answered.stdout) == (0, recorded)
+    usage = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
+    for argv, said in [
+        ([*query, "--format=csv", "--bogus"], usage),
+        (["--query-gpu=index,clocks.sm", "--format=csv"], 'Field "clocks.sm" is not a valid field to query.'),
+        (query, usage),  # no --format
+    ]:
+        refused = subprocess.run([str(FAKE_NVIDIA_SMI), *argv], capture_output=True, text=True, check=False)
+        assert (refused.returncode, refused.stdout) == (2, said + "\n")
+
+
+def test_nvidia_describe_turns_the_recorded_h200_into_attributes_and_capacity(tmp_path):
+    """The recorded H200: its product name and UUID as they are, the driver's 580.159.04 and compute
+    capability 9.0 as semantic versions (580.159.4, 9.0.0), the PCI address as sysfs spells it (a
+    4-digit domain, where nvidia-smi prints 8), the memory in Mi; keyed by its node's number."""
+    _, proc, recording = fake_nvidia_node(tmp_path, count=1)
+    described = nvidia_describe(proc, recording)
+    assert (described.returncode, described.stderr) == (0, "")
+    assert json.loads(described.stdout) == H200_JSON
+
+
+def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_smi_does_not_know(tmp_path):
+    """Three GPUs whose node numbers are not nvidia-smi's indices (the driver's probe order): each is
+    described under its node's number, found through its PCI address. A value nvidia-smi does not
+    know ([N/A], [Not Supported]) is left out, never made up; a GPU the driver lists no node for is
+    left out, with a line saying so, as is one whose indices and minors differ. The NUMA node is
+    its PCI function's, where sysfs has one (not -1)."""
+    _, gpus = nvidia_gpus(3, minors=[2, 0, 1])
+    rows = [row for row, _, _ in gpus]
+    values = rows[2].split(", ")
+    values[3], values[5], values[6] = "[N/A]", "[Not Supported]", "N/A"  # memory, driver, compute capability
+    upper = rows[1].replace("00000000:00:07.0", "00000000:00:0A.0")  # an address the driver has no node for
+    rows = [rows[0], upper, ", ".join(values)]
+    _, proc, recording = fake_nvidia_node(tmp_path, minors=[2, 0, 1], rows=rows, numa_nodes=[-1, 0, 1])
+    described = nvidia_describe(proc, recording)
+    assert described.returncode == 0, described.stderr
+    devices = json.loads(described.stdout)
+    assert sorted(devices) == ["1", "2"]
+    assert devices["2"] == H200_JSON["0"]  # nvidia-smi's GPU 0, the recorded one, is /dev/nvidia2
+    assert devices["1"] == {
+        "attributes": {
+            "index": 2,
+            "productName": "NVIDIA H200",
+            "uuid": "GPU-e2172bd0-b207-9571-7f11-fabf67b43002",
+            "resource.kubernetes.io/pciBusID": "0000:00:08.0",
+            "resource.kubernetes.io/pcieRoot": "pci0000:00",
+            "resource.kubernetes.io/numaNode": 1,  # its PCI function's numa_node
+        },
+        "capacity": {},
+    }
+    assert described.stderr.splitlines() == [
+        "nvidia-describe: /dev/nvidia2 is nvidia-smi's GPU 0: indices and minors differ on this node",
+        "nvidia-describe: left out GPU 1 (PCI 00000000:00:0A.0): the driver lists no node for it",
+        "nvidia-describe: /dev/nvidia1 is nvidia-smi's GPU 2: indices and minors differ on this node",
+    ]
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("no driver", "nvidia-smi exited 9: NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA"),
+        ("no /proc", "gpus: No such file or directory: the nvidia driver is not loaded, or this is not the host's"),
+        ("no nvidia-smi", "nvidia-smi: not found: this container needs nvidia-smi (and libnvidia-ml) from the driver"),
+    ],
+)
+def test_nvidia_describe_that_cannot_describe_says_why_in_one_line(tmp_path, case, said):
+    """Exit 1 and one line on stderr, the one gopherplug's log then shows; nothing on stdout."""
+    _, proc, recording = fake_nvidia_node(tmp_path, count=1)
+    options = []
+    if case == "no driver":
+        recording = tmp_path / "none.csv"  # the fake then answers as the real one does without a driver
+    elif case == "no /proc":
+        proc = tmp_path / "elsewhere"
+    else:
+        options = ["--nvidia-smi", str(tmp_path / "nvidia-smi")]
+    described = nvidia_describe(proc, recording, *options)
+    assert (described.returncode, described.stdout) == (1, "")
+    [line] = described.stderr.splitlines()
+    assert line.startswith("nvidia-describe: ") and said in line, line
+
+
+def nvidia_example_config(name, dev, proc, **top):
+    """An examples/nvidia configuration with /dev standing for the fake node's ``dev``: its
+    directory and the host paths of its device_specs (the container paths stay /dev's); its
+    describe the example's script with the fake nvidia-smi and the fake node's ``proc``."""
+    config = yaml.safe_load((NVIDIA / name).read_text())
+    for resource in config["resources"]:
+        assert resource["describe"][1:] == ["/opt/gopherplug/nvidia-describe.py"]
+        resource["describe"] = [sys.executable, str(NVIDIA / "nvidia-describe.py")]
+        resource["describe"] += ["--nvidia-smi", str(FAKE_NVIDIA_SMI), "--proc", str(proc)]
+        resource["describe"] += ["--sysfs", str(nvidia_sysfs(proc))]
+        resource["directory"] = str(dev) + resource["directory"].removeprefix("/dev")
+        for spec in resource["device_specs"]:
+            if spec["host_path"].startswith("/dev/"):
+                spec["host_path"] = str(dev) + spec["host_path"].removeprefix("/dev")
+        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
+    config.update(dev_root=str(dev), **top)
+    return config
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
+def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, name):
+    """`check-config --strict` on a node with two GPUs: one device per /dev/nvidia<N>, ID N, and
+    not nvidiactl, nvidia-uvm, nvidia-uvm-tools or nvidia-caps; each with the attributes and
+    capacity describe gave it (the fake nvidia-smi's); a GPU's container gets its node and the three
+    shared ones."""
+    dev, proc, recording = fake_nvidia_node(tmp_path)
+    config = nvidia_example_config(name, dev, proc, device_plugin_dir=str(tmp_path))
+    (tmp_path / "kubelet.sock").touch()  # --strict: the kubelet's directory as serve would find it
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    env = {"NODE_NAME": "node-1", "NVIDIA_SMI_RECORDING": str(recording)}
+    result = run_cli("check-config", "--strict", "--config", str(path), env=env)
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1] == f"nvidia.com/gpu: 2 devices, 2 healthy, from {dev}/nvidia[0-9]*"
+    listed = [line.split() for line in lines if re.match(r"  [0-9] ", line)]
+    assert [(fields[0], fields[-2], fields[-1]) for fields in listed] == [
+        ("0", "Healthy", f"{dev}/nvidia0"),
+        ("1", "Healthy", f"{dev}/nvidia1"),
+    ]
+    described = [line.strip() for line in lines if line.startswith("      ")]
+    assert described == [
+        line
+        for index, address, uuid_ in [(0, "0000:00:06.0", "fabf67b4308c"), (1, "0000:00:07.0", "fabf67b43001")]
+        for line in [
+            "attributes: computeCapability=9.0.0 (version), driverVersion=580.159.4 (version), "
+            f'index={index}, productName="NVIDIA H200", resource.kubernetes.io/pciBusID="{address}", '
+            f'resource.kubernetes.io/pcieRoot="pci0000:00", uuid="GPU-e2172bd0-b207-9571-7f11-{uuid_}"',
+            "capacity: memory=143771Mi",
+        ]
+    ]
+    given = [line.strip() for line in lines if line.strip().startswith(("device ", "env "))]
+    host = os.path.realpath  # a link to /dev/null where mknod was refused
+    assert given == [
+        f"device /dev/nvidia0 <- {host(dev / 'nvidia0')} rw",
+        f"device /dev/nvidiactl <- {host(dev / 'nvidiactl')} rw",
+        f"device /dev/nvidia-uvm <- {host(dev / 'nvidia-uvm')} rw",
+        f"device /dev/nvidia-uvm-tools <- {host(dev / 'nvidia-uvm-tools')} rw",
+        "env NVIDIA_VISIBLE_DEVICES=0",  # the device plugin's Allocate, and a DRA claim's env alike
+        *(["env NVIDIA_VISIBLE_DEVICES_0=0"] if name == "config-dra.yaml" else []),
+    ]
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
+def test_demo_config_runs_the_nvidia_example_on_a_fake_gpu_node(sockdir, name):
+    """`gopherplug demo --config` on examples/nvidia (its /dev and describe the fake H200 node's): the
+    device plugin's Allocate of GPU 0, or under DRA its slice with what describe said, a claim for it
+    prepared and the CDI edits: the GPU's node, the three shared ones, NVIDIA_VISIBLE_DEVICES."""
+    dev, proc, recording = fake_nvidia_node(Path(sockdir) / "node")
+    path = Path(sockdir) / "node" / name
+    path.write_text(yaml.safe_dump(nvidia_example_config(name, dev, proc)))
+    result = run_cli("demo", "--config", str(path), env={"TMPDIR": sockdir, "NVIDIA_SMI_RECORDING": str(recording)})
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
+    said = [line.split(None, 3)[3] for line in result.stdout.splitlines()[1:]]
+    assert said[0] == f"nvidia.com/gpu: 2 devices, 2 healthy, from {dev}/nvidia[0-9]*"
+    host = os.path.realpath  # a link to /dev/null where mknod was refused
+    nodes = [(host(dev / node), f"/dev/{node}") for node in ("nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")]
+    if name == "config.yaml":
+        assert "pod default/demo-pod asks for 1 nvidia.com/gpu: Allocate(0)" in said
+        assert [line for line in said if line.startswith(("device ", "env "))] == [
+            *(f"device {on_host} -> {inside} (rw)" for on_host, inside in nodes),
+            "env NVIDIA_VISIBLE_DEVICES=0",
+        ]
+    else:
+        [described] = [line for line in said if line.startswith("device 0: ")]
+        assert described.startswith("device 0: resource=nvidia.com/gpu, id=0, healthy=True, computeCapability=9.0.0")
+        assert "productName=NVIDIA H200" in described and described.endswith("memory=143771Mi")
+        gpu = "gopherplug.example.com/gpu=0"
+        assert [line for line in said if line.startswith(gpu + ":")] == [
+            *(f"{gpu}: device {on_host} -> {inside}" for on_host, inside in nodes),
+            f"{gpu}: env NVIDIA_VISIBLE_DEVICES_0=0",
+        ]
+        assert "gopherplug.example.com/gpu=demo-0_device: env NVIDIA_VISIBLE_DEVICES=0" in said
+    assert said[-1] == "done: plugin stopped, its sockets removed"
+    assert os.listdir(sockdir) == ["node"]
+
+
+async def test_nvidia_device_plugin_gives_two_gpus_their_nodes_the_shared_ones_once_and_the_joined_env(
+    nursery, sockdir, monkeypatch
+):
+    """examples/nvidia/config.yaml served to the kubelet stand-in on a node with two GPUs: both are
+    listed (IDs 0 and 1), and a container given both gets /dev/nvidia0, /dev/nvidia1, nvidiactl,
+    nvidia-uvm and nvidia-uvm-tools once each (what CUDA opens), with NVIDIA_VISIBLE_DEVICES=0,1."""
+    dev, proc, recording = fake_nvidia_node(Path(sockdir))
+    monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
+    plugin_dir = os.path.join(sockdir, "dp")
+    os.mkdir(plugin_dir)
+    config = nvidia_example_config("config.yaml", dev, proc, device_plugin_dir=plugin_dir)
+    parsed = gp.parse_config(yaml.safe_dump(config), "examples/nvidia/config.yaml")
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
+        await nursery.start(gp.serve_plugin, parsed)
+        await simulator.wait_until(lambda s: "nvidia.com/gpu" in s.resources and s.resources["nvidia.com/gpu"].devices)
+        [answer] = (await simulator.allocate("nvidia.com/gpu", ["1", "0"])).container_responses
+    assert simulator.resources["nvidia.com/gpu"].devices == {"0": gp.HEALTHY, "1": gp.HEALTHY}
+    host = os.path.realpath
+    assert [(d.container_path, d.host_path, d.permissions) for d in answer.devices] == [
+        ("/dev/nvidia1", host(dev / "nvidia1"), "rw"),
+        ("/dev/nvidiactl", host(dev / "nvidiactl"), "rw"),
+        ("/dev/nvidia-uvm", host(dev / "nvidia-uvm"), "rw"),
+        ("/dev/nvidia-uvm-tools", host(dev / "nvidia-uvm-tools"), "rw"),
+        ("/dev/nvidia0", host(dev / "nvidia0"), "rw"),
+    ]
+    assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": "1,0"}  # the kubelet's order
+    [again] = (await simulator.allocate("nvidia.com/gpu", ["0", "1"])).container_responses
+    assert dict(again.envs) == {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    assert {d.container_path for d in again.devices} == {d.container_path for d in answer.devices}
+
+
+def cdi_edits(spec_dir, names):
+    """What a CDI-aware runtime applies for these CDI device names, from the specs in ``spec_dir``:
+    each named device's containerEdits and its spec's own, merged as the CDI library does (a device
+    node by its path once, env in order)."""
+    specs = [read_spec(path) for path in sorted(Path(spec_dir).glob("*.json"))]
+    nodes, env = {}, []
+    for name in names:
+        kind, _, device = name.partition("=")
+        [(spec, described)] = [(s, d) for s in specs if s["kind"] == kind for d in s["devices"] if d["name"] == device]
+        for edits in (spec.get("containerEdits", {}), described["containerEdits"]):
+            nodes.update({node["path"]: node for node in edits.get("deviceNodes", [])})
+            env += edits.get("env", [])
+    return nodes, env
+
+
+async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_through_cdi(dra_node, monkeypatch):
+    """examples/nvidia: config-dra.yaml publishes one device per GPU, described from the fake
+    nvidia-smi (the recorded H200's values, its memory as capacity); pod-dra.yaml's claim of two with
+    at least 80Gi each, allocated by the scheduler stand-in with its DeviceClass and CEL, is prepared
+    with CDI devices that give the container both GPUs' nodes and nvidiactl, nvidia-uvm and
+    nvidia-uvm-tools, and NVIDIA_VISIBLE_DEVICES=0,1 as the device plugin gives it. The same claim
+    asking for more memory than an H200 has is unschedulable."""
+    dev, proc, recording = fake_nvidia_node(dra_node.root)
+    monkeypatch.setenv("NVIDIA_SMI_RECORDING", str(recording))
+    config = nvidia_example_config("config-dra.yaml", dev, proc, device_plugin_dir=str(dra_node.root / "dp"))
+    config["resources"][0]["cdi"] = {"kind": f"{DRIVER}/gpu", "spec_dir": dra_node.cdi["spec_dir"]}  # the default kind
+    config["dra"]["kubelet_dir"] = str(dra_node.kubelet_dir)
+    parsed = gp.parse_config(yaml.safe_dump(config), "examples/nvidia/config-dra.yaml")
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((NVIDIA / "pod-dra.yaml").read_text())}
+    (template_claim,) = docs["Pod"]["spec"]["resourceClaims"]
+    assert template_claim["resourceClaimTemplateName"] == docs["ResourceClaimTemplate"]["metadata"]["name"]
+    (request,) = docs["ResourceClaimTemplate"]["spec"]["spec"]["devices"]["requests"]
+    scheduler = standins.SchedulerSimulator(dra_node.api, [docs["DeviceClass"]])
+    pool = gp.dra_pool_name("node-1", "nvidia.com/gpu")
+    made = claim("cuda-example-dra-gpus", "uid-gpus")
+    made["spec"] = copy.deepcopy(docs["ResourceClaimTemplate"]["spec"]["spec"])
+    too_big = copy.deepcopy(made)
+    [selector] = too_big["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+    selector["cel"]["expression"] = selector["cel"]["expression"].replace('"80Gi"', '"141Gi"')  # 143771Mi is 140.4Gi
+
+    def described():
+        devices = [
+            d for s in dra_node.api.slices.values() if s["spec"]["pool"]["name"] == pool for d in s["spec"]["devices"]
+        ]
+        return len(devices) == 2 and all("productName" in d["attributes"] for d in devices)
+
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(parsed)
+        await dra_node.registered()
+        await dra_node.wait_for_slices(["0", "1"], pool=pool)
+        while not described():
+            await dra_node.api.changed.wait_touched()
+        published = {d["name"]: d for s in dra_node.api.slices.values() for d in s["spec"]["devices"]}
+        with pytest.raises(standins.UnschedulableError, match=r"^cannot allocate all claims$"):
+            scheduler.allocate(too_big, "node-1")
+        made["status"] = {"allocation": scheduler.allocate(made, "node-1")}
+        dra_node.api.put_claim(made)
+        answer = await dra_node.kubelet.prepare(DRIVER, [("default", "uid-gpus", made["metadata"]["name"])])
+    assert not answer.claims["uid-gpus"].error
+    # What a claim selects on, as the slice says it (the API server's form: a type per value).
+    assert published["0"]["attributes"] == {
+        "resource": {"string": "nvidia.com/gpu"},
+        "id": {"string": "0"},
+        "healthy": {"bool": True},
+        "index": {"int": 0},
+        "productName": {"string": "NVIDIA H200"},
+        "uuid": {"string": "GPU-e2172bd0-b207-9571-7f11-fabf67b4308c"},
+        "driverVersion": {"version": "580.159.4"},
+        "computeCapability": {"version": "9.0.0"},
+        "resource.kubernetes.io/pciBusID": {"string": "0000:00:06.0"},
+        "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+    }
+    assert published["0"]["capacity"] == {"memory": {"value": "143771Mi"}}
+    assert published["1"]["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:00:07.0"}
+    results = made["status"]["allocation"]["devices"]["results"]
+    assert sorted((r["request"], r["pool"], r["device"]) for r in results) == [
+        (request["name"], pool, "0"),
+        (request["name"], pool, "1"),
+    ]
+    given = dra_node.kubelet.cdi_devices("uid-gpus", request["name"])
+    nodes, _ = cdi_edits(dra_node.cdi["spec_dir"], given)
+    # The device plugin's env contract: the IDs of the request's devices, joined, in the claim's order.
+    env = standins.cdi_container_env([dra_node.cdi["spec_dir"]], given)
+    order = ",".join(r["device"] for r in results)
+    assert [line for line in env if line.startswith("NVIDIA_VISIBLE_DEVICES=")] == [f"NVIDIA_VISIBLE_DEVICES={order}"]
+    host = os.path.realpath
+    assert {path: node["hostPath"] for path, node in nodes.items()} == {
+        "/dev/nvidia0": host(dev / "nvidia0"),
+        "/dev/nvidia1": host(dev / "nvidia1"),
+        "/dev/nvidiactl": host(dev / "nvidiactl"),
+        "/dev/nvidia-uvm": host(dev / "nvidia-uvm"),
+        "/dev/nvidia-uvm-tools": host(dev / "nvidia-uvm-tools"),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -10150,7 +10586,8 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
     printing garbage: the devices stay published, with what is known and nothing made up, each cause
     said in one line, once (a second run failing alike says nothing more). Fixed, the values appear
     without a restart (a failed describe is tried again), and that is said too."""
-    monkeypatch.setattr(gp, "DESCRIBE_TIMEOUT", 0.5)
+    # The timeout is short only while describe hangs: a Python program that fails or prints garbage
+    # may take more than a second to start on a loaded machine, and must not be killed for it.
     monkeypatch.setattr(gp, "DESCRIBE_RETRY", (0.01, 0.01))
     calls = described_calls(monkeypatch)
     (dra_node.devices / "gopher0").touch()
@@ -10184,12 +10621,14 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
                 "productName": {"string": "NVIDIA H200"},
             }
         ]
+        monkeypatch.setattr(gp, "DESCRIBE_TIMEOUT", 3.0)
         (dra_node.root / "mode").write_text("hang")
         await runs(calls.value + 2)
         assert said("did not finish") == [
-            f"example.com/gopher: describe {script} did not finish within 0.5 s (killed): waiting for the GPU; the "
+            f"example.com/gopher: describe {script} did not finish within 3 s (killed): waiting for the GPU; the "
             "devices are offered without what it would say (0 keep what it said before)"
         ]
+        monkeypatch.setattr(gp, "DESCRIBE_TIMEOUT", 10.0)
         (dra_node.root / "mode").write_text("garbage")
         await runs(calls.value + 2)
         assert said("printed no description") == [
@@ -10257,6 +10696,47 @@ async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not
             {n: v if isinstance(v, dict) else {typed[type(v)]: v} for n, v in described["attributes"].items()}
         )
     assert standins.resource_slice_causes(item), kind
+
+
+async def test_dra_a_reload_runs_describe_again_keeping_what_it_said_meanwhile(dra_node, monkeypatch):
+    """Issue 38: describe runs again on a reload, even of an unchanged resource (what it says may
+    change with no device coming or going); the new watch publishes the devices as last described
+    until it has, so the slice is written once, with the new value, never without one."""
+    calls = described_calls(monkeypatch)
+    (dra_node.devices / "gopher0").touch()
+    value = dra_node.root / "value"
+    value.write_text("GPU-1")
+    script = dra_node.root / "describe"
+    script.write_text(
+        f"#!{sys.executable}\nimport json\n"
+        f"print(json.dumps({{'gopher0': {{'attributes': {{'uuid': open({str(value)!r}).read()}}}}}}))\n"
+    )
+    script.chmod(0o755)
+    config = dra_node.config(describe=[str(script)])
+    send, receive = trio.open_memory_channel(1)
+
+    async def updates():
+        async for new in receive:
+            yield new
+
+    def uuid():
+        (item,) = dra_node.api.slices.values()
+        return item["spec"]["devices"][0]["attributes"].get("uuid")
+
+    with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
+        await dra_node.start(config, updates=updates())
+        await dra_node.registered()
+        while uuid() != {"string": "GPU-1"}:
+            await dra_node.api.changed.wait_touched()
+        writes = len(dra_node.api.writes)
+        value.write_text("GPU-2")
+        await send.send(config)  # the same configuration, read again
+        await reloaded.wait()
+        while uuid() != {"string": "GPU-2"}:
+            await dra_node.api.changed.wait_touched()
+    assert calls.value == 2
+    assert reloaded.lines == ["cfg.yaml: configuration reloaded: described again example.com/gopher"]
+    assert [verb for verb, _ in dra_node.api.writes[writes:]] == ["update"]
 
 
 async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touching_the_slices(dra_node):
@@ -13354,7 +13834,10 @@ async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_c
     with trio.fail_after(TIMEOUT):
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-c1", "c1")])).claims["uid-c1"]
     assert (answer.error, [d.device_name for d in answer.devices]) == ("", ["gopher1"])
-    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == ["example.com/gopher=gopher1"]
+    assert dra_node.kubelet.cdi_devices("uid-c1", "gopher") == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-c1_gopher",  # the request's env: GOPHER_DEVICES=gopher1
+    ]
     dra_node.stop()
 
 
@@ -13379,7 +13862,10 @@ async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(d
     with trio.fail_after(TIMEOUT):
         answer = (await dra_node.kubelet.prepare(DRIVER, [("default", "uid-listed", "listed")])).claims["uid-listed"]
     assert answer.error == ""
-    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == ["example.com/gopher=gopher1"]
+    assert dra_node.kubelet.cdi_devices("uid-listed", "gopher") == [
+        "example.com/gopher=gopher1",
+        "example.com/gopher=uid-listed_gopher",  # the request's env, "gopher/any" counted as "gopher"
+    ]
     dra_node.stop()
 
 

@@ -2652,3 +2652,135 @@ async def test_the_same_limits_pod_gets_the_device_from_the_device_plugin_then_f
     assert "GOPHER_DEVICES=gopher0" in by_dra["env"], by_dra  # the env the device plugin gave, through DRA
     assert by_dra["ls -l"].startswith("crw") and " 10, 229 " in by_dra["ls -l"]
     assert (by_dra["open exit"], by_dra["open rw"]) == (0, "opened rw")
+
+
+########################################################################################################
+# NVIDIA GPUs: examples/nvidia's configuration in the shipped pod, fake nodes with the driver's numbers
+
+#: The nodes of a node with NVIDIA GPUs, with the numbers its driver gives them (major 195 for the
+#: GPUs and nvidiactl, nvidia-uvm's dynamic one as recorded on a real node: 238). Nothing here
+#: drives them: opening one the device rules allow fails with ENXIO, one they refuse with EPERM.
+NVIDIA_NODES = {
+    "nvidia0": (195, 0),
+    "nvidia1": (195, 1),
+    "nvidia2": (195, 2),
+    "nvidiactl": (195, 255),
+    "nvidia-uvm": (238, 0),
+    "nvidia-uvm-tools": (238, 1),
+}
+NVIDIA_EXAMPLE = HERE / "examples" / "nvidia"
+
+
+def nvidia_node(tier: Run, config_name: str, manifest: str) -> Node:
+    """A Node whose devices are NVIDIA_NODES (three GPUs) and whose ConfigMap holds the example's
+    resource, /dev in its paths standing for the run's directory of /dev."""
+    node = Node(tier, manifest)
+    for name, (major, minor) in NVIDIA_NODES.items():
+        os.mknod(node.devices / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        os.chmod(node.devices / name, 0o666)  # crw-rw-rw- as the driver makes them, whatever the umask
+    (resource,) = yaml.safe_load((NVIDIA_EXAMPLE / config_name).read_text())["resources"]
+    resource["directory"] = str(node.devices)
+    for spec in resource["device_specs"]:
+        spec["host_path"] = spec["host_path"].replace("/dev/", f"{node.devices}/", 1)
+    # The plugin's image has neither nvidia-smi nor the script (test_gopherplug.py runs describe
+    # with a fake nvidia-smi): without it here, the tier shows the nodes and the env.
+    del resource["describe"]
+    node.config["resources"] = [resource]
+    return node
+
+
+async def nvidia_consumer_report(containerd: Containerd, container_id: str) -> dict[str, Any]:
+    """What a consumer sees of the NVIDIA nodes: its env, `ls -l` of each, what opening each says
+    but nvidia2 (ENXIO: the device rules let it through to a driver that is not there), the same
+    for nvidia2, which it was not given, made inside with mknod; and the major 195 and 238 rules of
+    its cgroup."""
+    _, env = await exec_sync(containerd, container_id, "env")
+    listed, opened = {}, {}
+    for name in NVIDIA_NODES:
+        _, listed[name] = await exec_sync(containerd, container_id, "ls", "-l", f"/dev/{name}")
+        if name != "nvidia2":  # (not there: the shell would create a file by that name)
+            command = f"exec 3<>/dev/{name} && echo opened"
+            _, opened[name] = await exec_sync(containerd, container_id, "sh", "-c", command)
+    _, refused = await exec_sync(
+        containerd, container_id, "sh", "-c", "mknod /tmp/nvidia2 c 195 2 && exec 3<>/tmp/nvidia2 && echo opened"
+    )
+    rules = await device_rules(containerd, container_id)
+    return {
+        "env": sorted(line for line in env.splitlines() if line.startswith("NVIDIA_")),
+        "ls -l": {name: said.strip() for name, said in listed.items()},
+        "open rw": {name: said.strip() for name, said in opened.items()},
+        "nvidia2 made inside, open rw": refused.strip(),
+        "device rules (host side)": [rule for rule in rules["rules"] if rule.startswith(("c 195:", "c 238:"))],
+    }
+
+
+def assert_given_two_gpus(seen: dict[str, Any]) -> None:
+    """The consumer of GPUs 0 and 1: their nodes and the three shared ones in its /dev, with the
+    host's numbers, and in its device rules; nvidia2 neither, and refused when made inside."""
+    given = ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+    for name in given:
+        major, minor = NVIDIA_NODES[name]
+        assert re.match(rf"crw-rw-rw- +1 0 +0 +{major}, +{minor} .* /dev/{name}$", seen["ls -l"][name]), seen
+        # Past the device rules (EPERM), to the kernel's lookup of the driver: no such device.
+        assert seen["open rw"][name].endswith("No such device or address"), seen
+    assert seen["ls -l"]["nvidia2"].endswith("No such file or directory"), seen
+    assert seen["nvidia2 made inside, open rw"].endswith("Operation not permitted"), seen
+    rules = seen["device rules (host side)"]
+    assert sorted(rules) == sorted(f"c {NVIDIA_NODES[name][0]}:{NVIDIA_NODES[name][1]} rw" for name in given), seen
+
+
+async def test_nvidia_gpus_reach_a_consumer_with_the_shared_nodes_and_the_joined_env(tier, nursery):
+    """examples/nvidia/config.yaml in daemonset.yaml's pod, on a node of three GPUs: the kubelet
+    stand-in is offered 0, 1 and 2, and a consumer created with Allocate's answer for 0 and 1 finds
+    /dev/nvidia0, /dev/nvidia1, nvidiactl, nvidia-uvm and nvidia-uvm-tools in its /dev and its device
+    cgroup (not nvidia2), and NVIDIA_VISIBLE_DEVICES=0,1 in its environment."""
+    node = nvidia_node(tier, "config.yaml", "daemonset.yaml")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+
+    def listed(k: gp.KubeletSimulator) -> bool:
+        resource = k.resources.get("nvidia.com/gpu")
+        return resource is not None and resource.streaming and len(resource.devices) == 3
+
+    with trio.fail_after(TIMEOUT):
+        async with node.running():
+            await kubelet.wait_until(listed)
+            assert kubelet.resources["nvidia.com/gpu"].devices == dict.fromkeys(["0", "1", "2"], gp.HEALTHY)
+            answer = (await kubelet.allocate("nvidia.com/gpu", ["0", "1"])).container_responses[0]
+            pod = Pod(tier, "gpu-consumer")
+            config = consumer_config(pod, **allocated_fields(answer))
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await nvidia_consumer_report(tier.containerd, pod.container_ids["consumer"])
+    tier.outputs["nvidia (device plugin): consumer of GPUs 0 and 1"] = seen
+    assert seen["env"] == ["NVIDIA_VISIBLE_DEVICES=0,1"]
+    assert_given_two_gpus(seen)
+
+
+async def test_nvidia_gpus_reach_a_dra_consumer_through_the_claims_cdi_devices(tier, nursery, monkeypatch):
+    """examples/nvidia/config-dra.yaml in daemonset-dra.yaml's pod, on a node of three GPUs: the
+    slice offers 0, 1 and 2; a claim allocated 0 and 1, prepared, gives a consumer created with its
+    CDI device IDs alone (as the kubelet passes them) the two GPUs' nodes and the three shared ones,
+    through containerd's CDI handling, and not nvidia2; and NVIDIA_VISIBLE_DEVICES=0,1, the string
+    the device plugin's Allocate gives (beside each device's NVIDIA_VISIBLE_DEVICES_<N>)."""
+    node = nvidia_node(tier, "config-dra.yaml", "daemonset-dra.yaml")
+    api, kubelet = await dra_cluster(node, nursery, monkeypatch)
+    pool = gp.dra_pool_name(NODE_NAME, "nvidia.com/gpu")
+    with trio.fail_after(TIMEOUT):
+        async with node.running():
+            devices = await stored_devices(api, pool, lambda devices: len(devices) == 3)
+            assert sorted(devices) == ["0", "1", "2"]
+            await kubelet.wait_until(lambda k: DRIVER in k.drivers)
+            results = [{"request": "gpus", "driver": DRIVER, "pool": pool, "device": name} for name in ("0", "1")]
+            made = dra_claim("gpus", [{"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.com"}}], results)
+            api.put_claim(made)
+            uid = made["metadata"]["uid"]
+            prepared = (await kubelet.prepare(DRIVER, [("default", uid, "gpus")])).claims[uid]
+            assert prepared.error == ""
+            ids = kubelet.cdi_devices(uid, "gpus")
+            pod = Pod(tier, "gpu-dra-consumer")
+            config = consumer_config(pod, CDI_devices=[PB.CDIDevice(name=i) for i in ids])
+            async with running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await nvidia_consumer_report(tier.containerd, pod.container_ids["consumer"])
+    tier.outputs["nvidia (DRA): CDI device IDs"] = ids
+    tier.outputs["nvidia (DRA): consumer of GPUs 0 and 1"] = seen
+    assert_given_two_gpus(seen)
+    assert "NVIDIA_VISIBLE_DEVICES=0,1" in seen["env"], seen["env"]
