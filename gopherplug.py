@@ -1291,6 +1291,9 @@ class Config:
     warnings: tuple[str, ...] = ()
     #: "host:port" to answer the kubelet's liveness check on (GET /healthz); None: not served
     health_address: str | None = None
+    #: the Node Feature Discovery feature file to keep (nfd_features): each resource's count and the
+    #: attributes its devices share, as node labels; None: none
+    nfd_features_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1631,7 +1634,16 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         data,
         source,
         "",
-        {"device_plugin_dir", "resources", "sysfs_root", "dev_root", "dra", "metrics_address", "health_address"},
+        {
+            "device_plugin_dir",
+            "resources",
+            "sysfs_root",
+            "dev_root",
+            "dra",
+            "metrics_address",
+            "health_address",
+            "nfd_features_file",
+        },
         required={"resources"},
     )
     device_plugin_dir = None
@@ -1651,6 +1663,11 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         health_address = _string(top["health_address"], source, "health_address")
         if (problem := metrics_address_problem(health_address, 9402)) is not None:
             raise ConfigError(source, "health_address", problem)
+    nfd_features_file = None
+    if "nfd_features_file" in top:
+        nfd_features_file = _absolute_path(top["nfd_features_file"], source, "nfd_features_file")
+        if (problem := nfd_features_file_problem(nfd_features_file)) is not None:
+            raise ConfigError(source, "nfd_features_file", problem)
     entries = top["resources"]
     if not isinstance(entries, list) or not entries:
         raise ConfigError(source, "resources", "must be a non-empty list of resources")
@@ -1708,6 +1725,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         metrics_address,
         warnings,
         health_address=health_address,
+        nfd_features_file=nfd_features_file,
     )
 
 
@@ -1729,6 +1747,23 @@ def _refuse_generic_device_plugin_keys(data: Any, source: str, where: str) -> No
             problem = f"is generic-device-plugin's, not gopherplug's: {_GENERIC_DEVICE_PLUGIN_KEYS[key]} "
             problem += "(docs/generic-device-plugin.md translates each of its keys)"
             raise ConfigError(source, f"{where}.{key}", problem)
+
+
+#: Where Node Feature Discovery's local source reads feature files (featureFilesDir in
+#: kubernetes-sigs/node-feature-discovery source/local/local.go): nfd-worker mounts the host's.
+NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
+
+
+def nfd_features_file_problem(path: str) -> str | None:
+    """Why NFD would never read a feature file at ``path`` (absolute, normalized), or None. Its
+    local source reads the files of its directory only, not of directories under it, and skips a
+    name beginning with "." (local.go's getFeaturesFromFiles)."""
+    name = os.path.basename(path)
+    if not name or name.startswith("."):
+        return (
+            f"{path!r}: NFD skips a file whose name begins with '.': name the file, e.g. {NFD_FEATURES_DIR}/gopherplug"
+        )
+    return None
 
 
 def metrics_address_problem(address: str, example: int = 9400) -> str | None:
@@ -4371,6 +4406,99 @@ def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, D
             for device in devices.values()
         ]
     )
+
+
+# Node Feature Discovery: what the device plugin can say about its devices besides their number.
+# The kubelet's device manager knows only counts: a pod cannot ask for "a GPU of that model" through
+# resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
+# pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
+
+#: The label namespace NFD gives the names of a feature file (FeatureLabelNs in kubernetes-sigs/
+#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go). nfd-master adds it to a name
+#: without one, unless its DisableAutoPrefix gate is on (alpha since 0.16), which refuses such a
+#: name instead: written out, a name is the same label either way.
+NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
+#: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
+#: larger one whole, every label of it.
+NFD_MAX_FEATURE_FILE_SIZE = 65536
+#: gopherplug's own attributes that are no property of the devices, so no label: ``resource`` is
+#: in every label's name, ``id`` tells devices apart, ``healthy`` is in the count.
+_NFD_OWN_ATTRIBUTES = {"resource", "id", "healthy"}
+
+
+def nfd_label_name(resource_name: str, key: str) -> str:
+    """The label of a resource's feature ``key``: "feature.node.kubernetes.io/<domain>-<name>.<key>",
+    "/" made "-" (a label's name, after its namespace, is at most 63 letters, digits, "-", "_" and
+    "." beginning and ending with a letter or digit; a resource's name and an attribute's are of
+    those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
+    same resource and key, the same label, on every node."""
+    part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
+    if len(part) > _LABEL_VALUE_LENGTH:
+        digest = hashlib.sha256(part.encode()).hexdigest()[:8]
+        part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
+    return f"{NFD_LABEL_NAMESPACE}/{part}"
+
+
+def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
+    """An attribute's value ({"string": "NVIDIA H200"}, as a ResourceSlice types it) as a label's
+    value, or None when none can stand for it. A label's value is at most 63 letters, digits, "-",
+    "_" and ".", beginning and ending with a letter or digit (IsValidLabelValue, which NFD applies
+    to each of a file's lines before it labels). A boolean is "true" or "false", an integer its
+    digits (a negative one has no label: "-1" is none, and "1" would lie); a string or a version
+    that is no label value is made one as NVIDIA's gpu-feature-discovery makes its product names:
+    each run of other characters a "-", cut to 63, its ends trimmed ("NVIDIA H200" is
+    "NVIDIA-H200"; "1.2.3+build.7" is "1.2.3-build.7"). None when nothing is left of it."""
+    [(kind, value)] = typed.items()
+    if kind == "bool":
+        return "true" if value else "false"
+    if kind == "int":
+        return str(value) if value >= 0 else None
+    text = str(value)
+    if len(text) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(text):
+        return text
+    made = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-_.")[:_LABEL_VALUE_LENGTH].rstrip("-_.")
+    return made or None
+
+
+def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
+    """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
+    integer, which node affinity's Gt and Lt compare), then each attribute that every one of its
+    devices has with the same value (device_attributes: what sysfs says, declared, described), by
+    name. Of the standard domain's attributes (resource.kubernetes.io/pciBusID...) the name alone
+    is used; gopherplug's own ``numaNode`` is the same. An attribute whose value is no label value
+    (nfd_label_value) has no label, nor one whose name gives the label of ``count`` or of another
+    attribute before it. No device: only the count, 0."""
+    labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
+    # What device_attributes reads of a device beside its ID and health: devices alike in these have
+    # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
+    alike = {(d.numa_node, d.pci, d.usb, d.attributes): d for d in devices.values()}
+    shared: dict[str, dict[str, Any]] | None = None
+    for device in alike.values():
+        found: dict[str, dict[str, Any]] = {}
+        for name, typed in device_attributes(resource, device).items():
+            if name not in _NFD_OWN_ATTRIBUTES:
+                domain, _, base = name.rpartition("/")
+                found.setdefault(base if domain == DRA_STANDARD_DOMAIN else name, typed)
+        shared = found if shared is None else {key: typed for key, typed in shared.items() if found.get(key) == typed}
+        if not shared:
+            break
+    for key, typed in sorted((shared or {}).items()):
+        if (value := nfd_label_value(typed)) is not None:
+            labels.setdefault(nfd_label_name(resource.name, key), value)
+    return labels
+
+
+def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEntry]]]) -> str:
+    """The text of the NFD feature file (nfd_features_file): each resource's labels (nfd_labels),
+    one "<name>=<value>" line each, resources in the order given, after a comment saying whose the
+    file is (NFD's local source skips lines that begin with "#"; "# +" would be a directive)."""
+    lines = [
+        "# Written by gopherplug (nfd_features_file) whenever the devices change, and removed when it stops:",
+        "# per resource the count of healthy devices and each attribute all of its devices share.",
+    ]
+    for resource, devices in resources:
+        lines += [f"{name}={value}" for name, value in nfd_labels(resource, devices).items()]
+    return "\n".join(lines) + "\n"
 
 
 class ClaimError(GopherplugError):
@@ -11490,7 +11618,7 @@ async def serve_plugin(
             task_status.started()
             async with contextlib.aclosing(updates):
                 async for new in updates:
-                    fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra")
+                    fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra", "nfd_features_file")
                     if kubelet is None:  # not watched yet: it will be where the reload that needs it says
                         fixed = fixed[1:]
                     if any(getattr(new, key) != getattr(config, key) for key in fixed):
@@ -11566,6 +11694,8 @@ async def serve_plugin(
                 await start(resource)
             # Not a part: it holds nothing, and a stop cancels it at once, with the rest of the nursery.
             nursery.start_soon(_warn_shared_nodes, served, roster)
+            if config.nfd_features_file is not None:  # read at start only, as metrics_address
+                nursery.start_soon(_keep_nfd_features, config.nfd_features_file, served, roster)
             if config.dra is not None and dra_resources is not None:
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
@@ -11601,6 +11731,78 @@ async def _warn_shared_nodes(served: Mapping[str, _Served], roster: Watched) -> 
                 log.warning("%s", line)
         said = set(lines)
         await _any_event(events, trio.Event())
+
+
+#: How long a feature file that could not be written waits to be tried again, if no change comes first.
+NFD_RETRY_SECONDS = 30.0
+
+
+def write_nfd_features(path: str, text: str) -> os.stat_result:
+    """Write the NFD feature file whole (_replace_whole): nfd-worker watches its directory and
+    reads each file at every event, so it must never see half of one. The temporary file's name
+    begins with ".", which NFD skips. Its directory is made if missing (nfd-worker reads it when
+    it is there). Not synced to the disk: every start writes the file anew. Raises OSError."""
+    directory = os.path.dirname(path)
+    if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs would say "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a directory")
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    return _replace_whole(path, text, f".{os.path.basename(path)}-", 0o644, durable=False)
+
+
+async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: Watched) -> None:
+    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices come,
+    go and change health, and as a reload adds or removes resources: written when its text
+    changes, not at each wake (a device's health flapping rewrites it only as the count changes).
+    It is not on the kubelet's path: this task wakes with the device sets, as _warn_shared_nodes.
+    A write that fails is said once (and once when it works again) and tried again at the next
+    change or after NFD_RETRY_SECONDS; the plugin serves on.
+
+    Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
+    labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
+    task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
+    written its own by the time the old one stops, and that one stays."""
+    text: str | None = None
+    written: os.stat_result | None = None
+    failing: str | None = None
+    try:
+        while True:
+            # The events before the look: a change made while looking is not missed.
+            events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
+            wanted = nfd_features(
+                (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
+            )
+            if wanted != text:
+                try:
+                    written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
+                except OSError as error:
+                    problem = (
+                        f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}: "
+                        f"its labels stay as they were; trying again at the next change or in {NFD_RETRY_SECONDS:g} s"
+                    )
+                    if problem != failing:
+                        log.error("%s", problem)
+                    failing = problem
+                else:
+                    text = wanted
+                    if failing is not None:
+                        log.info("wrote the NFD feature file %s again", path)
+                    failing = None
+                    if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
+                        log.error(
+                            "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so none of "
+                            "its labels reach the node; serve fewer resources from this configuration",
+                            path,
+                            len(wanted.encode()),
+                            NFD_MAX_FEATURE_FILE_SIZE,
+                        )
+            with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
+                await _any_event(events, trio.Event())
+    finally:
+        if written is not None:
+            with contextlib.suppress(OSError):
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (written.st_dev, written.st_ino):
+                    os.unlink(path)
 
 
 def _start_metrics(address: str) -> Metrics:
@@ -14449,6 +14651,10 @@ def _main(argv: list[str] | None = None) -> int:
             if args.strict:
                 print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
                 strict_failed = True
+        if config.nfd_features_file is not None:  # the labels NFD would give this node, as serve writes them
+            features = nfd_features((resource, {d.id: d for d in devices}) for resource, devices in offered)
+            print(f"NFD feature file {config.nfd_features_file} (nfd_features_file), as serve would write it:")
+            print("\n".join(f"  {line}" for line in features.splitlines() if not line.startswith("#")))
         return EXIT_FAILURE if strict_failed else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     code = _run(args, _serve_until_signalled, config, args.config, *given)

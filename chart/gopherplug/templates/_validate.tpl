@@ -22,6 +22,9 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- if and (include "gopherplug.devicePlugin" .) (gt $longest 107) -}}
 {{- fail (printf "kubeletDir: '%s' is %d characters long: a socket path in it would pass the 107 bytes unix sockets allow; use a directory of at most %d characters" $pluginDir (len $pluginDir) (sub 107 (sub $longest (len $pluginDir)))) -}}
 {{- end -}}
+{{- if and $v.nfd.enabled (not (hasPrefix "/" $v.nfd.featuresDir)) -}}
+{{- fail (printf "nfd.featuresDir: '%s' must be an absolute path" $v.nfd.featuresDir) -}}
+{{- end -}}
 {{- range $i, $path := $v.extraHostPaths -}}
 {{- if not (hasPrefix "/" $path) }}{{ fail (printf "extraHostPaths[%d]: '%s' must be an absolute path" $i $path) }}{{ end -}}
 {{- end -}}
