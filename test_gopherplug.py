@@ -9433,6 +9433,28 @@ def test_the_chart_refuses_allowed_host_paths_it_does_not_mount(helm, tmp_path):
     assert helm_template(helm, str(values)).returncode == 0
 
 
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"kubeletDir": "var/lib/kubelet"}, "kubeletDir: 'var/lib/kubelet' must be an absolute path"),
+        ({"extraHostPaths": ["usr/lib"]}, "extraHostPaths[0]: 'usr/lib' must be an absolute path"),
+        ({"fullnameOverride": "Gopher"}, "fullnameOverride: 'Gopher': must be a lower-case DNS label"),
+        ({"apiLabel": {"value": "-dra"}}, "apiLabel.value: '-dra': must be a label value"),
+        ({"podMonitor": {"interval": "30"}}, "podMonitor.interval: '30': must be a duration Prometheus reads"),
+        ({"nfd": {"enabled": True, "featuresDir": "features.d"}}, "nfd.featuresDir: 'features.d' must be an absolute"),
+    ],
+)
+def test_the_charts_own_values_are_refused_in_a_sentence(helm, values, said, tmp_path):
+    """Values the chart uses itself, which its schema checked with a pattern (Helm printed the
+    regex): a sentence that says what to write."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = helm_template(helm, str(path))
+    assert result.returncode == 1 and f"execution error at (gopherplug/templates/configmap.yaml:1:4): {said}" in (
+        result.stderr
+    ), result.stderr
+
+
 def test_the_charts_schema_prints_no_regex_and_no_not():
     """Helm 4 prints a failed `pattern` as the regex and a failed `not` as "'not' failed": neither
     says what to write. Those checks are the templates' (templates/_validate.tpl), as sentences."""
