@@ -307,6 +307,22 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
+#: At most this many IDs are named in a line on devices that came or went; the others are counted.
+NAMED_CHANGES = 5
+
+
+def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), at
+    most NAMED_CHANGES of each named ("and 12 more")."""
+    parts = []
+    for ids, what in ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went")):
+        if ids:
+            named = _natural_sorted(list(ids))
+            more = f" and {len(named) - NAMED_CHANGES} more" if len(named) > NAMED_CHANGES else ""
+            parts.append(f"{', '.join(named[:NAMED_CHANGES])}{more} {what}")
+    return f": {'; '.join(parts)}" if parts else ""
+
+
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -1319,6 +1335,16 @@ class DeviceEntry:
     attributes: tuple[tuple[str, str, str | int | bool], ...] = ()
     #: capacity read for it, likewise: (name, quantity in canonical form) in name order
     capacity: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # The kubelet takes any string for health and counts only "Healthy" as allocatable: a
+        # "Broken" or "healthy" from an embedding program would reach it as an unhealthy device
+        # with no one told why. Two string compares (the scans build every entry through here).
+        if self.health != HEALTHY and self.health != UNHEALTHY:
+            raise ValueError(
+                f"DeviceEntry {self.id!r}: health={self.health!r}: use gopherplug.HEALTHY or gopherplug.UNHEALTHY "
+                "('Healthy' or 'Unhealthy', as the kubelet spells them)"
+            )
 
 
 @dataclass(frozen=True)
@@ -6408,16 +6434,61 @@ def _read_text(path: str) -> str | None:
 
 
 def load_config(
-    path: str, device_plugin_dir: str | None = None, device_plugin_dir_from: str = "--device-plugin-dir"
+    path: str,
+    device_plugin_dir: str | None = None,
+    device_plugin_dir_from: str = "--device-plugin-dir",
+    *,
+    objects: bool = False,
 ) -> Config:
     """Read and validate a configuration file; ``device_plugin_dir``, if given, overrides the file's
-    (``device_plugin_dir_from`` names where it was given, for a message about it)."""
+    (``device_plugin_dir_from`` names where it was given, for a message about it). With ``objects``
+    (check-config), the file may be Kubernetes objects instead: the chart's ConfigMap, or `helm
+    template`'s whole output, whose ConfigMap's config.yaml is the configuration (_configmap_config)."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
-    return _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+    source = path
+    if objects:
+        text, source = _configmap_config(text, path)
+    return _config_from_text(text, source, device_plugin_dir, device_plugin_dir_from)
+
+
+def _configmap_config(text: str, path: str) -> tuple[str, str]:
+    """(configuration text, its source for messages) of a file that may hold Kubernetes objects: the
+    config.yaml of its one ConfigMap that has that key (what the chart renders, alone or among the
+    DaemonSet and the rest), else the text itself, a configuration file, for parse_config."""
+    if "kind" not in text:  # a configuration file has no kind: no second parse of it
+        return text, path
+    try:
+        documents = [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
+    except yaml.YAMLError:
+        return text, path  # parse_config says where
+    if not any("apiVersion" in doc and "kind" in doc for doc in documents):
+        return text, path
+    found = [
+        doc
+        for doc in documents
+        if doc.get("kind") == "ConfigMap"
+        and isinstance(doc.get("data"), dict)
+        and isinstance(doc["data"].get("config.yaml"), str)
+    ]
+    names = [
+        f"{(doc.get('metadata') or {}).get('namespace', '')}/{(doc.get('metadata') or {}).get('name', '')}"
+        for doc in found
+    ]
+    if len(found) != 1:
+        kinds = ", ".join(dict.fromkeys(str(doc.get("kind")) for doc in documents))
+        what = (
+            f"{len(found)} ConfigMaps with a config.yaml key ({', '.join(names)})"
+            if found
+            else f"{kinds}, and no ConfigMap with a config.yaml key"
+        )
+        problem = f"holds Kubernetes objects, {what}: give the chart's ConfigMap, helm template's output, "
+        problem += "or the configuration file"
+        raise ConfigError(path, "", problem)
+    return found[0]["data"]["config.yaml"], f"{path} (ConfigMap {names[0].lstrip('/')}, config.yaml)"
 
 
 def _config_from_text(
@@ -7919,7 +7990,10 @@ class _DeviceSet:
         if not self.found and self.empty is not True:
             _log(self.resource).warning("no device from %s: none is offered until one appears", self.resource.origin())
         elif found != before:
-            _log(self.resource).info("%s from %s", _devices(len(found)), self.resource.origin())
+            # After the first list, which devices came and went (hot-plug): the count alone does not
+            # say which. Only when the set of IDs changed; a change of health has its own line.
+            changes = _came_and_went(before, found) if self.empty is not None else ""
+            _log(self.resource).info("%s from %s%s", _devices(len(found)), self.resource.origin(), changes)
         self.empty = not self.found
 
     def _write_cdi_spec(self, found: dict[str, DeviceEntry], rewrite: bool = False) -> dict[str, DeviceEntry]:
@@ -8464,7 +8538,14 @@ class DevicePluginService:
 
     def _allocation(self, request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
-        return allocate_with_devices(self.now(), self._devices_now(ids), request)
+        try:
+            return allocate_with_devices(self.now(), self._devices_now(ids), request)
+        except RPCError as error:
+            # The kubelet fails the pod (UnexpectedAdmissionError, with this message in its events):
+            # the plugin's log says so too, once per refusal. A try costs nothing until it catches
+            # (3.11's zero-cost exceptions): the success path does no more work.
+            _log(self.resource).warning("refused Allocate of %s: %s", ",".join(ids) or "no device", error.message)
+            raise
 
     def _devices_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
@@ -9927,7 +10008,12 @@ class KubeApi:
             else:
                 config = lightkube.KubeConfig.from_env()
             chosen = config.get()  # the current context's cluster and user, as the client takes them
-        except (lightkube.ConfigError, OSError, KeyError) as error:
+        except KeyError as error:  # lightkube reads a section the kubeconfig lacks: it says only 'contexts'
+            where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            problem = f"no Kubernetes API configuration: {where} has no {error.args[0]!r} section; a kubeconfig lists "
+            problem += "clusters, users and contexts, and names its current-context (kubectl config view shows it)"
+            raise GopherplugError(problem) from None
+        except (lightkube.ConfigError, OSError) as error:
             raise GopherplugError(f"no Kubernetes API configuration: {error}") from None
         except yaml.YAMLError as error:
             # Where, never what: PyYAML's message quotes the lines around the mistake, and the lines of
@@ -11464,6 +11550,7 @@ async def serve_devices(
     its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning, not sent.
     A change of a device's health is logged as the directory watcher logs it.
     """
+    _embedding_guard("serve_devices", devices, device_plugin_dir)
     kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
     warned: dict[str, str] = {}  # skipped key -> why, as last warned
     given = devices.value
@@ -11474,6 +11561,31 @@ async def serve_devices(
         nursery.start_soon(_follow_given_devices, resource, devices, given, checked, warned)
         await nursery.start(serve_resource, resource, checked, kubelet, shape_allocation)
         task_status.started()
+
+
+def _embedding_guard(function: str, devices: Any, device_plugin_dir: str | None = None) -> None:
+    """Refuse, in one line, what an embedding program can get wrong before anything is served: the
+    CLI refuses the same through its configuration. Without this, a plain dict fails deep inside
+    (no wait_changed), a relative directory is never the one the kubelet's socket is in (it waits
+    for kubelet.sock forever), and a call from asyncio fails inside trio ('RunContext' object has
+    no attribute 'runner')."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise RuntimeError(
+            f"{function} runs under trio, not this event loop: from asyncio, run it in trio's guest mode "
+            "(trio.lowlevel.start_guest_run), as examples/embedding/asyncio_host.py does"
+        ) from None
+    if not isinstance(devices, Watched):
+        raise TypeError(
+            f"{function}: devices must be a gopherplug.Watched holding a dict of device ID -> DeviceEntry, "
+            f"not a {type(devices).__name__}: pass Watched({{...}}) and call its .set() when the devices change"
+        )
+    if device_plugin_dir is not None and not os.path.isabs(device_plugin_dir):
+        raise ValueError(
+            f"{function}: device_plugin_dir {device_plugin_dir!r} must be an absolute path (the kubelet's, "
+            "e.g. /var/lib/kubelet/device-plugins)"
+        )
 
 
 def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str]) -> dict[str, DeviceEntry]:
@@ -11570,6 +11682,7 @@ async def serve_dra_devices(
     arguments raises ConfigError before anything starts. started() is called with the DraDriver once
     its sockets listen.
     """
+    _embedding_guard("serve_dra_devices", devices)
     config, dra_resource, node = _embedded_dra(
         resource, driver, node_name, kubelet_dir, cdi_dir, cdi_kind, unhealthy_taint, pod_uid, device_metadata
     )
@@ -11786,7 +11899,10 @@ def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_
         return f"{problem}; this machine's kubelet is in {elsewhere}"
     import difflib  # here, not at the top: only for a directory that looks mistaken
 
-    if close := difflib.get_close_matches(directory, candidates, n=1):
+    # Not the directory given (a known one, missing here): "did you mean" the very path just said
+    # to be missing would send the user round in a circle.
+    others = [candidate for candidate in candidates if candidate != directory]
+    if close := difflib.get_close_matches(directory, others, n=1):
         return f"{problem}; did you mean {close[0]}?"
     return problem
 
@@ -12301,6 +12417,8 @@ async def watch_config_file(
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
         invalid: ConfigError | None = None  # the error of the file as last read, while it is invalid
+        held: str | None = None  # the text of a file held back as emptying a resource (_emptied), until SIGHUP
+        last_read = last_text  # without ``current``: the file as first read, what the caller runs
         async with contextlib.aclosing(watch.batches()) as batches:
             while True:
                 watch.follow(_symlink_hops(path) if os.path.islink(path) else ())
@@ -12308,7 +12426,9 @@ async def watch_config_file(
                     await batches.__anext__()
                 look_now = False
                 text = _read_text(path)
-                if text is None or text == last_text:
+                # SIGHUP on a held-back file that did not change since: apply it as it is, as asked.
+                forced = held is not None and text == held and watch.poked
+                if text is None or (text == last_text and not forced):
                     if watch.poked:  # asked for: say that there was nothing to do, or the asker wonders
                         if text is None:
                             log.warning("cannot read %s", path)
@@ -12334,11 +12454,56 @@ async def watch_config_file(
                         log.info("%s is valid again, the same as the running configuration: nothing to apply", path)
                     else:
                         log.info("%s is valid again: applying it", path)
+                held = None
+                if (
+                    config != last_config
+                    and config.warnings
+                    and not forced
+                    and (emptied := _emptied(last_config or _config_or_none(last_read, path), config))
+                ):
+                    # A DaemonSet's ConfigMap reaches every node at once: a warned-about file that would
+                    # take a served resource to nothing is taken for a mistake until it is confirmed.
+                    held = text
+                    log.error(
+                        "%s: held back, keeping the running configuration: %s; fix the file, or send the plugin "
+                        "SIGHUP to apply it as it is",
+                        path,
+                        emptied,
+                    )
+                    continue
                 if config != last_config:
                     last_config = config
                     for warning in config.warnings:
                         log.warning("%s", warning)
                     yield config
+
+
+def _config_or_none(text: str | None, path: str) -> Config | None:
+    """The configuration in ``text``, or None when there is none or it is invalid."""
+    try:
+        return parse_config(text, path) if text is not None else None
+    except ConfigError:
+        return None
+
+
+def _emptied(running: Config | None, new: Config) -> str:
+    """Why ``new`` looks like a mistake that would empty a live resource, or "": one of its resources
+    is warned about (check-config's warnings: a regex-looking pattern) and, as ``new`` describes it,
+    finds no device on this node, while the same resource of ``running`` finds some. Scans only
+    then (a warning is rare): the directory as it is now, for both."""
+    if running is None or not new.warnings:
+        return ""
+    before = {resource.name: resource for resource in running.resources}
+    for index, resource in enumerate(new.resources):
+        warned = [w for w in new.warnings if f": resources[{index}]." in w]
+        old = before.get(resource.name)
+        if not warned or old is None or old == resource:
+            continue
+        count = len(scan_directory(old, running.sysfs_root, running.dev_root).devices)
+        if count and not scan_directory(resource, new.sysfs_root, new.dev_root).devices:
+            said = warned[0].partition(f"resources[{index}].")[2]
+            return f"{resource.name} would go from {_devices(count)} to none, and resources[{index}].{said}"
+    return ""
 
 
 ########################################################################################################
@@ -14731,6 +14896,19 @@ _GENERIC_DEVICE_FLAG = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``gopherplug`` command (_main), quiet when its reader goes away: ``check-config | head -1``
+    closes the pipe after one line, and what was read is all that was wanted. Not SIGPIPE's default
+    action, which would end serve too at a peer's closed socket."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # As Python's signal documentation advises: stdout pointed at /dev/null, so that the flush
+        # at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None = None) -> int:
     """The ``gopherplug`` command. Returns the process exit code, but for ``serve`` stopped as asked
     (SIGTERM, SIGINT), which ends the process itself once everything is closed, without the
     interpreter's teardown (atexit handlers do not run)."""
@@ -14738,7 +14916,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself (console script, python -m gopherplug, gopherplug.py)
         _OWNS_PROCESS = True
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in {"serve", "check-config", "probe", "who", "demo", "-h", "--help", "--version"}:
+    commands = ("serve", "check-config", "probe", "who", "demo")
+    if argv and argv[0] not in commands and not argv[0].startswith("-"):  # a word, not a command: a typo
+        import difflib  # here, where a mistake is
+
+        close = difflib.get_close_matches(argv[0], commands, n=1)
+        meant = f"did you mean {close[0]}?" if close else f"the commands are {', '.join(commands)}"
+        print(f"gopherplug: {argv[0]!r} is not a command: {meant}", file=sys.stderr)
+        return EXIT_USAGE
+    if not argv or argv[0] not in {*commands, "-h", "--help", "--version"}:
         argv.insert(0, "serve")  # serve is the default command
     # generic-device-plugin's own option, carried over from its DaemonSet: not an abbreviation
     # (there are none, see _parser), and not unrecognized without a word on where its meaning went.
@@ -14780,7 +14966,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gopherplug: no configuration: give --config FILE or set GOPHERPLUG_CONFIG", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args))
+        objects = args.command == "check-config"  # the chart's ConfigMap, or helm template's output, too
+        config = load_config(args.config, args.device_plugin_dir, _device_plugin_dir_from(args), objects=objects)
     except ConfigError as error:
         print(f"gopherplug: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -15242,7 +15429,13 @@ def _run_as_module(script: str) -> None:
         "        return super().source_to_code(data, path, _optimize=_optimize)\n"
         f"loader = Loader('gopherplug', {path!r})\n"
         "gopherplug = importlib.util.module_from_spec(importlib.util.spec_from_loader('gopherplug', loader))\n"
-        "sys.modules['gopherplug'] = gopherplug; loader.exec_module(gopherplug)\n"
+        "sys.modules['gopherplug'] = gopherplug\n"
+        "try:\n"
+        "    loader.exec_module(gopherplug)\n"
+        "except ModuleNotFoundError as error:  # run from a checkout without its dependencies: one line\n"
+        "    if error.name in {'gopherplug'} or not error.name: raise\n"
+        "    sys.exit(f'gopherplug: {error}: install its dependencies (pip install . in a checkout, or pip '\n"
+        "             'install --require-hashes -r requirements/device-plugin.lock), or run it where they are')\n"
         "if handed: os.close(handed[0])\n"
         "sys.exit(gopherplug.main())"
     )

@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 import tomllib
+import traceback
 import types
 import uuid
 from concurrent import futures
@@ -3269,15 +3271,20 @@ async def test_preferred_allocation_refuses_ids_that_are_no_utf8(nursery, node, 
         assert await simulator.preferred_allocation(RESOURCE, ["g2", "g10", "g1"], ["g10"], 2) == ["g10", "g1"]
 
 
-async def test_allocate_unknown_ids_is_invalid_argument(nursery, node):
+async def test_allocate_unknown_ids_is_invalid_argument(nursery, node, caplog):
+    """Refused, and said in the plugin's log too (one line: the kubelet shows it only in the pod's
+    events); an Allocate answered logs no refusal."""
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node)
+        await simulator.allocate(RESOURCE, ["g1"])
         with pytest.raises(gp.RPCError) as info:
             await simulator.allocate(RESOURCE, ["g1", "g7"])
     assert (info.value.code, info.value.message) == (
         StatusCode.INVALID_ARGUMENT,
         "unknown example.com/gopher device IDs: g7",
     )
+    refused = [(r.levelname, r.getMessage()) for r in caplog.records if "refused Allocate" in r.getMessage()]
+    assert refused == [("WARNING", f"{RESOURCE}: refused Allocate of g1,g7: unknown {RESOURCE} device IDs: g7")]
 
 
 async def test_device_changes_reach_the_kubelet(nursery, node, tmp_path):
@@ -3436,8 +3443,16 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
         Path(node.devices, "k2").touch()
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k2": gp.HEALTHY})
     warning = f"{RESOURCE}: no device from {resource_dir}: none is offered until one appears"
-    came = f"{RESOURCE}: 1 device from {resource_dir}"
-    assert found.lines == [warning, came, warning, came]
+    came = f"{RESOURCE}: 1 device from {resource_dir}"  # hot-plugged: which one came
+    assert found.lines == [warning, f"{came}: k1 came", warning, f"{came}: k2 came"]
+
+
+def test_the_hot_plug_line_names_what_came_and_went():
+    assert gp._came_and_went({"g1": 1}, {"g1": 1, "g3": 1}) == ": g3 came"
+    assert gp._came_and_went({"g1": 1, "g2": 1}, {"g2": 2, "g3": 1}) == ": g3 came; g1 went"
+    many = {f"g{n}": 1 for n in range(12)}
+    assert gp._came_and_went({}, many) == ": g0, g1, g2, g3, g4 and 7 more came"
+    assert gp._came_and_went(many, many) == ""
 
 
 async def test_kubelet_restart_reregisters_with_a_fresh_list(nursery, node):
@@ -4467,6 +4482,42 @@ async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applie
         error,
         f"{path} is valid again, the same as the running configuration: nothing to apply",
     ]
+
+
+async def test_reload_that_would_empty_a_served_resource_with_a_warning_is_held_back_until_sighup(
+    nursery, node, tmp_path
+):
+    """A reload that takes a served resource from its devices to none while check-config warns
+    about the new file (a regex-looking pattern) is held back like an invalid file: the devices
+    stay offered and one line says why and how to apply it anyway (SIGHUP), which then applies it.
+    A warned-about file that empties nothing is applied as before."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    emptying = config_text(node, **{RESOURCE: {"pattern": r"g\d+"}})
+    watches = []
+    with trio.fail_after(TIMEOUT), logged(str(path)) as said:
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = gp.watch_config_file(str(path), on_watch=watches.append)
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        with logged("held back") as held:
+            path.write_text(emptying)
+            await held.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert streaming(simulator, RESOURCE) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY}
+        watches[0].poke()  # what SIGHUP does
+        await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
+        with logged("configuration reloaded") as applied:
+            path.write_text(config_text(node, **{RESOURCE: {"pattern": "g*", "env": "GOPHER_IDS"}}))
+            await applied.wait()
+        with logged("configuration reloaded") as applied:  # nothing served to empty: applied, with its warning
+            path.write_text(config_text(node, **{RESOURCE: {"pattern": "g*"}, OTHER: {"pattern": r"h\d+"}}))
+            await applied.wait()
+    warning = r"'g\d+' looks like a regular expression, but pattern is a glob (fnmatch): write 'g[0-9]*'"
+    assert said.lines[0] == (
+        f"{path}: held back, keeping the running configuration: {RESOURCE} would go from 2 devices to none, and "
+        f"resources[0].pattern: {warning}; fix the file, or send the plugin SIGHUP to apply it as it is"
+    )
 
 
 async def test_sighup_on_an_invalid_file_repeats_its_error(tmp_path):
@@ -5733,6 +5784,54 @@ async def test_serve_devices_skips_what_a_directory_would_skip_warning_once_each
     assert widgets(simulator) == {"w1": gp.HEALTHY}
 
 
+async def test_serve_devices_refuses_a_plain_dict_and_a_relative_directory_in_one_line(node):
+    """What the CLI refuses through its configuration, the API refuses before anything starts: a
+    dict where a Watched is wanted (it would fail deep inside, or never hear of a change) and a
+    relative device_plugin_dir (never the kubelet's: it would wait for kubelet.sock forever)."""
+    resource = gp.resource_config(WIDGET)
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(TypeError) as caught:
+            await gp.serve_devices(resource, {"w0": gp.DeviceEntry("w0", "/dev/w0")}, node.plugin_dir)
+        assert str(caught.value) == (
+            "serve_devices: devices must be a gopherplug.Watched holding a dict of device ID -> DeviceEntry, not a "
+            "dict: pass Watched({...}) and call its .set() when the devices change"
+        )
+        with pytest.raises(ValueError, match=r"^serve_devices: device_plugin_dir 'device-plugins' must be an absolute"):
+            await gp.serve_devices(resource, gp.Watched({}), "device-plugins")
+        with pytest.raises(TypeError, match=r"^serve_dra_devices: devices must be a gopherplug.Watched"):
+            await gp.serve_dra_devices(resource, {}, driver="gopherplug.example.com")
+
+
+def test_serve_devices_from_asyncio_points_to_trios_guest_mode():
+    """Awaited from an asyncio program, serve_devices says to run it in trio's guest mode, as the
+    asyncio example does, instead of failing inside trio ('RunContext' has no attribute 'runner')."""
+    import asyncio
+
+    async def host():
+        await gp.serve_devices(gp.resource_config(WIDGET), gp.Watched({}), "/var/lib/kubelet/device-plugins")
+
+    with pytest.raises(RuntimeError) as caught:
+        asyncio.run(host())
+    assert str(caught.value) == (
+        "serve_devices runs under trio, not this event loop: from asyncio, run it in trio's guest mode "
+        "(trio.lowlevel.start_guest_run), as examples/embedding/asyncio_host.py does"
+    )
+    assert (HERE / "examples" / "embedding" / "asyncio_host.py").is_file()
+
+
+@pytest.mark.parametrize("health", ["Broken", "healthy", None])
+def test_device_entry_refuses_a_health_the_kubelet_does_not_know(health):
+    """The kubelet takes any string and allocates only "Healthy": any other would reach it as an
+    unhealthy device with no one told why."""
+    with pytest.raises(ValueError) as caught:
+        gp.DeviceEntry("w0", "/dev/w0", health=health)
+    assert str(caught.value) == (
+        f"DeviceEntry 'w0': health={health!r}: use gopherplug.HEALTHY or gopherplug.UNHEALTHY ('Healthy' or "
+        "'Unhealthy', as the kubelet spells them)"
+    )
+    assert gp.DeviceEntry("w0", "/dev/w0", health=gp.UNHEALTHY).health == "Unhealthy"
+
+
 async def test_serve_devices_logs_the_health_changes_the_program_publishes(nursery, node, caplog):
     """One line per device whose health changed, naming the resource in the message itself: what a
     plain handler (caplog here, logging.basicConfig in a program) shows."""
@@ -5899,6 +5998,28 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     assert "gopher2 Healthy, gopher3 Healthy (" in said
     assert "registered again as gopherplug-example.com_gopher-2.sock" in said
     assert os.listdir(sockdir) == []
+    times = _narration_times(run_cli("demo", env={"TMPDIR": str(sockdir)}).stdout.splitlines())
+    assert len(times) > 10 and times == sorted(times), times
+
+
+def _narration_times(lines):
+    """The times of a demo's narration lines ("   19.9 ms  kubelet  ..."), in order."""
+    return [float(match[1]) for line in lines if (match := re.match(r"\s*([0-9.]+) ms  ", line))]
+
+
+def test_the_docs_demo_samples_are_in_time_order():
+    """The README and the docs show demos' output as samples: their times never go backwards, as a
+    run's do."""
+    pages = [HERE / "README.md", *sorted((HERE / "docs").glob("*.md"))]
+    samples = [
+        (page.name, sample)
+        for page in pages
+        for sample in re.findall(r"```\n(gopherplug demo[^\n]*\n.*?)```", page.read_text(), re.S)
+    ]
+    assert "README.md" in {page for page, _ in samples} and len(samples) >= 3, samples
+    for page, sample in samples:
+        times = _narration_times(sample.splitlines()[1:])
+        assert len(times) > 10 and times == sorted(times), (page, sample)
 
 
 def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
@@ -7135,6 +7256,41 @@ def test_device_plugin_dir_mistake_proposes_the_kubelets_directory(sockdir, give
         assert gp.device_plugin_dir_mistake(given.format(*known), known) == expected
 
 
+def test_device_plugin_dir_mistake_proposes_no_directory_that_is_missing_too(sockdir):
+    """A known directory given, missing on this machine: no "did you mean" itself (another known
+    one may be proposed)."""
+    known = [os.path.join(sockdir, "k", "device-plugins"), os.path.join(sockdir, "k2", "device-plugins")]
+    for directory, other in (known, known[::-1]):
+        said = f"{directory} does not exist: serve would wait there for the kubelet"
+        assert gp.device_plugin_dir_mistake(directory, known) == f"{said}; did you mean {other}?"
+        assert gp.device_plugin_dir_mistake(directory, [directory]) == said
+
+
+def test_check_config_takes_the_charts_configmap_and_helm_templates_output(helm, tmp_path):
+    """What the chart's README promises: check-config --config on the chart's ConfigMap, or on
+    `helm template`'s whole output, checks the configuration in it (and refuses what it refuses)."""
+    render = helm_template(helm, "chart/gopherplug/ci/device-plugin-values.yaml")
+    assert render.returncode == 0, render.stderr
+    (configmap,) = [doc for doc in yaml.safe_load_all(render.stdout) if doc and doc["kind"] == "ConfigMap"]
+    whole, alone = tmp_path / "render.yaml", tmp_path / "configmap.yaml"
+    whole.write_text(render.stdout)
+    alone.write_text(yaml.safe_dump(configmap))
+    for path in (whole, alone):
+        result = run_cli("check-config", "--config", str(path))
+        first = result.stdout.splitlines()[0] if result.stdout else result.stderr
+        assert first.startswith(f"{path} (ConfigMap kube-system/gopherplug, config.yaml): OK: 1 resource(s): "), first
+    configmap["data"]["config.yaml"] = configmap["data"]["config.yaml"].replace("resources:", "resourcs:")
+    alone.write_text(yaml.safe_dump(configmap))
+    result = run_cli("check-config", "--config", str(alone))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"gopherplug: {alone} (ConfigMap kube-system/gopherplug, config.yaml): resourcs: ")
+    alone.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}}))
+    assert run_cli("check-config", "--config", str(alone)).stderr == (
+        f"gopherplug: {alone}: holds Kubernetes objects, Secret, and no ConfigMap with a config.yaml key: give the "
+        "chart's ConfigMap, helm template's output, or the configuration file\n"
+    )
+
+
 def test_check_config_warns_of_a_device_plugin_dir_that_is_not_there(node, tmp_path):
     # A typo in device_plugin_dir: serve waits for the kubelet for ever, and check-config said nothing.
     if gp._kubelets_directory(gp.KNOWN_DEVICE_PLUGIN_DIRS) is not None:
@@ -7291,6 +7447,60 @@ def test_bad_usage_exits_2():
     result = run_cli("serve", "--log-level", "loud", env={"GOPHERPLUG_CONFIG": ""})
     assert result.returncode == 2
     assert "invalid choice: 'loud'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("word", "said"),
+    [
+        ("server", "did you mean serve?"),
+        ("chek-config", "did you mean check-config?"),
+        ("xyzzy", "the commands are serve, check-config, probe, who, demo"),
+    ],
+)
+def test_a_word_that_is_not_a_command_is_one_line(word, said):
+    """`gopherplug server` was `serve` with an unrecognized argument 'server' and the usage."""
+    result = run_cli(word, env={"GOPHERPLUG_CONFIG": ""})
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        f"gopherplug: {word!r} is not a command: {said}\n",
+    )
+
+
+def test_check_config_into_a_pipe_closed_early_ends_without_a_traceback(node, tmp_path):
+    """`check-config | head -1`: the reader has what it wanted; no BrokenPipeError traceback, and
+    the status a shell gives a command SIGPIPE ended."""
+    path = write_config(node, tmp_path)
+    command = f"{shlex.quote(sys.executable)} {HERE / 'gopherplug.py'} check-config --config {shlex.quote(str(path))}"
+    result = subprocess.run(
+        ["bash", "-c", f'set -o pipefail; {command} | head -c 1; echo " ${{PIPESTATUS[0]}}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.stdout, result.stderr) == (f"{path.__str__()[0]} 141\n", "")
+
+
+def test_the_script_without_its_dependencies_says_what_to_install_in_one_line(tmp_path):
+    """`python gopherplug.py` from a checkout, in an environment without its dependencies (a bare
+    venv): one line naming what is missing and what to install, not an import traceback."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    result = subprocess.run(
+        [str(tmp_path / "bare" / "bin" / "python"), str(HERE / "gopherplug.py"), "check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    (line,) = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"gopherplug: No module named '\w+': install its dependencies \(pip install \. in a checkout, or pip "
+        r"install --require-hashes -r requirements/device-plugin\.lock\), or run it where they are",
+        line,
+    ), line
+    assert (HERE / "requirements" / "device-plugin.lock").is_file()
 
 
 @pytest.mark.parametrize(
@@ -8682,62 +8892,662 @@ def test_the_charts_renders_are_valid_and_agree_with_their_configuration(helm, v
     assert len(classes) == 2 * sum(resource.api == "dra" for resource in config.resources)
 
 
-#: Resources the configuration refuses, which the chart's schema refuses before anything is
-#: installed: (the resource, where helm's error points, what check-config says).
-CHART_REFUSALS = {
-    "relative-directory": (
-        {"name": "example.com/gopher", "directory": "gophers"},
-        "at '/config/resources/0/directory': 'gophers' does not match pattern '^/'",
-        "resources[0].directory: 'gophers' must be an absolute path",
+def _config_error_sites():
+    """Every ``raise ConfigError(...)`` that parse_config can reach (it and the module's functions it
+    calls, transitively), read from gopherplug.py's source: {line: "function: key path: problem"},
+    the key path and problem as their literal text with each computed part as {} (a problem built
+    in a variable first is that variable's text as assigned before the raise)."""
+    import ast
+
+    tree = ast.parse((HERE / "gopherplug.py").read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+    def text(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values)
+        if isinstance(node, ast.BinOp):
+            return text(node.left) + text(node.right)
+        return "{}"
+
+    reached, todo = set(), ["parse_config"]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            called = (node.func for node in ast.walk(functions[name]) if isinstance(node, ast.Call))
+            todo += [f.id for f in called if isinstance(f, ast.Name) and f.id in functions]
+    sites = {}
+    for name in sorted(reached):
+        assigned = sorted(
+            (
+                node
+                for node in ast.walk(functions[name])
+                if isinstance(node, ast.Assign | ast.AugAssign | ast.NamedExpr)
+            ),
+            key=lambda node: node.lineno,
+        )
+        for node in ast.walk(functions[name]):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            if getattr(node.exc.func, "id", "") != "ConfigError":
+                continue
+            _, where, problem = node.exc.args
+            said = text(problem)
+            if isinstance(problem, ast.Name):
+                said = ""
+                for assignment in (a for a in assigned if a.lineno < node.lineno):
+                    target = assignment.targets[0] if isinstance(assignment, ast.Assign) else assignment.target
+                    if isinstance(target, ast.Name) and target.id == problem.id:
+                        value = text(assignment.value)
+                        said = said + value if isinstance(assignment, ast.AugAssign) else value
+            sites[node.lineno] = f"{name}: {text(where)}: {said}"
+    return sites
+
+
+def _resources(*resources, **values):
+    """Chart values with these resources in config."""
+    return {**values, "config": {"resources": list(resources)}}
+
+
+_GOPHER = {"name": "example.com/gopher", "directory": "/dev", "pattern": "gopher*"}
+
+
+def _gopher(**keys):
+    return {**_GOPHER, **keys}
+
+
+def _dra(*resources, **values):
+    return _resources(*resources, mode="dra", **values)
+
+
+#: Every refusal of parse_config (a _config_error_sites() entry) and its counterpart at render:
+#: ("template", values, what both say): the chart's templates/_validate.tpl fails with check-config's
+#: sentence; ("template", values, what check-config says, what the chart says): the same refusal
+#: in the chart's words, where the fix is in the values rather than in the file; ("schema", values,
+#: what helm says): values.schema.json refuses it in a line that names the key and says what is
+#: wanted; or the reason no values file can bring it to a node.
+RENDER_REFUSALS = {
+    "_absolute_path: {}: {} must be an absolute path": (
+        "template",
+        _resources({"name": "example.com/gopher", "directory": "gophers"}),
+        "config.resources[0].directory: 'gophers' must be an absolute path",
     ),
-    "reserved-domain": (
-        {"name": "kubernetes.io/gopher", "directory": "/etc/gophers"},
-        "at '/config/resources/0/name'",
-        "the kubernetes.io domain is reserved",
+    "_allowed_root: {}: '/' would allow every host path: list the directories you need": (
+        "template",
+        _resources(_gopher(allowed_host_paths=["/"])),
+        "config.resources[0].allowed_host_paths[0]: '/' would allow every host path",
     ),
-    "misspelt-key": (
-        {"name": "example.com/gopher", "directroy": "/etc/gophers"},
+    "_flag: {}.{}: {}: must be true or false": (
+        "schema",
+        _resources(_gopher(allow_mounted="yes")),
+        "at '/config/resources/0/allow_mounted': got string, want boolean",
+    ),
+    "_host_path_template: {}: {}: a host path can use {id}, {path}, {name} and {target}, not {index}": (
+        "template",
+        _resources(_gopher(mounts=[{"host_path": "/dev/g{index}", "container_path": "/g"}])),
+        "config.resources[0].mounts[0].host_path: '/dev/g{index}': a host path can use",
+    ),
+    "_host_path_template: {}: {} is outside {}: add its directory to allowed_host_paths": (
+        "template",
+        _resources(_gopher(mounts=[{"host_path": "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "container_path": "/l"}])),
+        "config.resources[0].mounts[0].host_path: '/usr/lib/x86_64-linux-gnu/libcuda.so.1' is outside /dev: "
+        "add its directory to allowed_host_paths",
+    ),
+    "_list: {}: must be a list": (
+        "schema",
+        _resources(_gopher(mounts="/g")),
+        "at '/config/resources/0/mounts': got string, want array",
+    ),
+    "_mapping: {}: must be a mapping of keys to values: write {}: {}, with a space after the colon ({} is one "
+    "word to YAML), not a list: a key of a mapping takes no '- '": (
+        "schema",
+        _resources("name:example.com/gopher"),
+        "at '/config/resources/0': got string, want object",
+    ),
+    "_mapping: {}: is required": (
+        "schema",
+        _resources({"directory": "/dev"}),
+        "at '/config/resources/0': missing property 'name'",
+    ),
+    "_mapping: {}: unknown key; {}expected one of {}": (
+        "schema",
+        _resources({"name": "example.com/gopher", "directroy": "/etc/gophers"}),
         "at '/config/resources/0': additional properties 'directroy' not allowed",
-        "directroy",
     ),
-    "replicas-out-of-range": (
-        {"name": "example.com/gopher", "directory": "/etc/gophers", "replicas": 0},
+    "_parse_annotations: {}: must be a mapping of annotation keys to values": (
+        "schema",
+        _resources(_gopher(annotations="a=b")),
+        "at '/config/resources/0/annotations': got string, want object",
+    ),
+    "_parse_annotations: {}.{}: a key can use {id} and {index}, not a path or name": (
+        "template",
+        _resources(_gopher(annotations={"example.com/{path}": "x"})),
+        "config.resources[0].annotations.example.com/{path}: a key can use {id} and {index}",
+    ),
+    "_parse_annotations: {}.{}: not a valid annotation key: [prefix/]name, a name of at most 63 letters, "
+    "digits, '-', '_', '.'": (
+        "template",
+        _resources(_gopher(annotations={"example.com/a b": "x"})),
+        "config.resources[0].annotations.example.com/a b: not a valid annotation key",
+    ),
+    "_parse_annotations: {}.{}: {}: must be a string (quote it)": (
+        "schema",
+        _resources(_gopher(annotations={"example.com/a": 1})),
+        "at '/config/resources/0/annotations/example.com~1a': got number, want string",
+    ),
+    "_parse_annotations: {}.{}: {}: an annotation is per device, not per entry: use {id}, {path} or {index}": (
+        "template",
+        _resources(_gopher(annotations={"example.com/a": "{name}"})),
+        "config.resources[0].annotations.example.com/a: '{name}': an annotation is per device",
+    ),
+    "_parse_api: {}.api: both is no longer accepted: {}": (
+        "schema",
+        _resources(_gopher(api="both")),
+        "at '/config/resources/0/api': value must be one of 'device-plugin', 'dra'",
+    ),
+    "_parse_api: {}.api: {}: must be one of {}": (
+        "schema",
+        _resources(_gopher(api="cdi")),
+        "at '/config/resources/0/api': value must be one of 'device-plugin', 'dra'",
+    ),
+    "_parse_api: {}.api: {} needs the DRA driver: add dra: {driver: <name>} at the top of the file": (
+        "template",
+        _resources(_gopher(api="dra")),
+        "dra needs the DRA driver",
+        "config.resources[0].api: dra needs the DRA driver: set mode: dra",
+    ),
+    "_parse_api: {}.name: with api: {}, the name is a device attribute: at most {} characters": (
+        "template",
+        _dra(_gopher(api="dra", name="example.com/" + "g" * 60)),
+        "the name is a device attribute: at most 64 characters",
+    ),
+    "_parse_cdi: {}.kind: {}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z "
+    "a-z 0-9 _ . -; each beginning with a letter)": (
+        "template",
+        _resources(_gopher(cdi={"kind": "example.com"})),
+        "config.resources[0].cdi.kind: 'example.com': must be vendor/class, e.g. example.com/gopher",
+    ),
+    "_parse_cdi: {}.kind: {}: a one-character vendor or class crashes containerd 2.x at every start (its CDI "
+    "library v1.1.0 panics on such a spec file): use 2 characters or more": (
+        "template",
+        _resources(_gopher(cdi={"kind": "example.com/g"})),
+        "config.resources[0].cdi.kind: 'example.com/g': a one-character vendor or class crashes containerd 2.x",
+    ),
+    "_parse_cdi: {}.kind: {} is too long to name a file after: at most 244 characters": (
+        "template",
+        _resources(_gopher(cdi={"kind": ".".join(["a" * 60] * 4) + "/gopher"})),
+        "is too long to name a file after: at most 244 characters",
+    ),
+    "_parse_command: {}: must be a non-empty list: the program, then its arguments (no shell)": (
+        "schema",
+        _resources(_gopher(pre_start=[])),
+        "at '/config/resources/0/pre_start': minItems: got 0, want 1",
+    ),
+    "_parse_command: {}[0]: {} is not an executable file here or on PATH": (
+        "the program is looked for on the node, on the image's PATH: not in the values"
+    ),
+    "_parse_declarations: {}: {} attributes and {} capacities, with the {} gopherplug gives each device, are {}: "
+    "the API server takes at most {} a device": (
+        "template",
+        _dra(_gopher(api="dra", attributes={f"a{n}": n for n in range(30)})),
+        "config.resources[0].attributes: 30 attributes and 0 capacities, with the 3 gopherplug gives each device, "
+        "are 33: the API server takes at most 32 a device",
+    ),
+    "_parse_declared: {}: is an attribute gopherplug gives every device itself ({}): choose another name, or one "
+    "in a domain of your own (example.com/{})": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"id": "x"})),
+        "config.resources[0].attributes.id: is an attribute gopherplug gives every device itself (healthy, id, "
+        "numaNode, resource, usbBus, usbPort, usbProduct, usbSerial, usbVendor): choose another name",
+    ),
+    "_parse_declared: {}: is the capacity gopherplug gives a shared device (replicas): choose another name": (
+        "template",
+        _dra(_gopher(api="dra", capacity={"shares": 1})),
+        "config.resources[0].capacity.shares: is the capacity gopherplug gives a shared device (replicas)",
+    ),
+    "_parse_declared: {}: must be a mapping of {}": (
+        "schema",
+        _dra(_gopher(api="dra", attributes="model=x")),
+        "at '/config/resources/0/attributes': got string, want object",
+    ),
+    "_parse_declared: {}: not a valid name for the API server: {}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"bad-name": "x"})),
+        "config.resources[0].attributes.bad-name: not a valid name for the API server",
+    ),
+    "_parse_declared_value: {}.file: {} must be an absolute path": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": {"file": "x/model"}})),
+        "config.resources[0].attributes.model.file: 'x/model' must be an absolute path",
+    ),
+    "_parse_declared_value: {}.file: {}: bad placeholder ({}); use {{}}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": {"file": "{path}/{serial}"}})),
+        "config.resources[0].attributes.model.file: '{path}/{serial}': bad placeholder",
+    ),
+    "_parse_declared_value: {}.type: {}: must be one of {}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": {"file": "{path}/model", "type": "float"}})),
+        "config.resources[0].attributes.model.type: 'float': must be one of string, int, bool, version",
+    ),
+    "_parse_declared_value: {}: not a valid {} attribute for the API server: {}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": "x" * 70})),
+        "config.resources[0].attributes.model: not a valid string attribute for the API server",
+    ),
+    "_parse_declared_value: {}: {} is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or "
+    "{file: <path>} to read one": (
+        "template",
+        _dra(_gopher(api="dra", capacity={"memory": "80 GB"})),
+        "config.resources[0].capacity.memory: '80 GB' is not a quantity: a number with an optional suffix",
+    ),
+    '_parse_declared_value: {}: {}: must be a string, a whole number, true or false, {version: "1.2.3"}, or '
+    "{file: <path>, type: string|int|bool|version}": (
+        "template",
+        _dra(_gopher(api="dra", attributes={"model": [1, 2]})),
+        'must be a string, a whole number, true or false, {version: "1.2.3"}, or {file: <path>, type: '
+        "string|int|bool|version}",
+    ),
+    "_parse_device_spec: {}.permissions: {}: use letters from r, w and m, each once": (
+        "template",
+        _resources(_gopher(device_specs=[{"host_path": "{path}", "container_path": "{path}", "permissions": "rr"}])),
+        "config.resources[0].device_specs[0].permissions: 'rr': use letters from r, w and m, each once",
+    ),
+    "_parse_dra: {}.driver: {}: must be a lower-case DNS subdomain of at most {} characters, e.g. "
+    "gopherplug.example.com": (
+        "template",
+        _dra(_gopher(api="dra"), dra={"driver": "Gopherplug.example.com"}),
+        "dra.driver: 'Gopherplug.example.com': must be a lower-case DNS subdomain of at most 63 characters",
+    ),
+    "_parse_dra: {}.unhealthy_taint: {}: must be NoSchedule (keep new claims off an unhealthy device) or "
+    "NoExecute (also evict)": (
+        "schema",
+        _dra(_gopher(api="dra"), dra={"unhealthyTaint": "Evict"}),
+        "at '/dra/unhealthyTaint': value must be one of 'NoSchedule', 'NoExecute'",
+    ),
+    "_parse_dra: {}.device_metadata: {}: must be true (the default: each claim's containers get a file "
+    "describing their devices) or false": (
+        "schema",
+        _dra(_gopher(api="dra"), dra={"deviceMetadata": "yes"}),
+        "at '/dra/deviceMetadata': got string, want boolean",
+    ),
+    "_parse_dra: {}: {}": (
+        "template",
+        _dra(_gopher(api="dra"), kubeletDir="/var/lib/" + "k" * 60),
+        "would pass the 107 bytes unix sockets allow: choose a shorter driver name",
+    ),
+    "_parse_id_pattern: {}: {} has no group named id: mark the part of the name that is the ID with (?P<id>...)": (
+        "template",
+        _resources(_gopher(id_pattern="gopher[0-9]+")),
+        "config.resources[0].id_pattern: 'gopher[0-9]+' has no group named id",
+    ),
+    "_parse_id_pattern: {}: {} is not a regular expression: {}": (
+        "Python's re is not Go's regexp (lookarounds, backreferences, possessive quantifiers): only the "
+        "plugin's own re can say what it refuses; check-config does, on the ConfigMap"
+    ),
+    "_parse_mount: {}.read_only: {}: must be true or false": (
+        "schema",
+        _resources(_gopher(mounts=[{"host_path": "{path}", "container_path": "/g", "read_only": "no"}])),
+        "at '/config/resources/0/mounts/0/read_only': got string, want boolean",
+    ),
+    "_parse_resource: {}.allow_double_booking: is no longer accepted: {}": (
+        "schema",
+        _resources(_gopher(allow_double_booking=True)),
+        "at '/config/resources/0': additional properties 'allow_double_booking' not allowed",
+    ),
+    "_parse_resource: {}.name: {}: {}": (
+        "template",
+        _resources({"name": "kubernetes.io/gopher", "directory": "/etc/gophers"}),
+        "config.resources[0].name: 'kubernetes.io/gopher': the kubernetes.io domain is reserved",
+    ),
+    "_parse_resource: {}.directory: is required, unless match or usb says where the devices are": (
+        "template",
+        _resources({"name": "example.com/gopher"}),
+        "config.resources[0].directory: is required, unless match or usb says where the devices are",
+    ),
+    "_parse_resource: {}.usb: and {} in one resource would offer both kinds of device as one list: give the "
+    "USB devices a resource of their own": (
+        "template",
+        _resources(_gopher(usb=[{"vendor": "1050", "product": "0407"}])),
+        "config.resources[0].usb: and directory in one resource would offer both kinds of device as one list",
+    ),
+    "_parse_resource: {}.id_pattern: names directory entries, and this resource has none: a USB device's ID is "
+    "its serial or port": (
+        "template",
+        _resources({"name": "example.com/key", "usb": [{"vendor": "1050", "product": "0407"}], "id_pattern": "x"}),
+        "config.resources[0].id_pattern: names directory entries, and this resource has none",
+    ),
+    "_parse_resource: {}.env: {} is not a valid environment variable name": (
+        "template",
+        _resources(_gopher(env="GOPHER-DEVICES")),
+        "config.resources[0].env: 'GOPHER-DEVICES' is not a valid environment variable name",
+    ),
+    "_parse_resource: {}.env: {}, the default for {}, is given meaning by the shell or the dynamic loader: set env": (
+        "template",
+        _resources(_gopher(env="LD_PRELOAD")),
+        "config.resources[0].env: 'LD_PRELOAD' is given meaning by the shell or the dynamic loader: "
+        "choose another name",
+    ),
+    "_parse_resource: {}.env: {} is set by gopherplug for pre_start: choose another name": (
+        "template",
+        _resources(_gopher(env="GOPHERPLUG_RESOURCE")),
+        "config.resources[0].env: 'GOPHERPLUG_RESOURCE' is set by gopherplug for pre_start",
+    ),
+    "_parse_resource: {}: {}{} in {} offers every entry there read-write, disks, kmsg and mem among them: "
+    "name the devices (e.g. 'ttyUSB*'), or set whole_dev: true": (
+        "template",
+        _resources({"name": "example.com/gpu", "directory": "/dev"}),
+        "config.resources[0].pattern: '*' (the default) in /dev offers every entry there read-write",
+    ),
+    "_parse_resource: {}.whole_dev: is for a pattern that matches every entry of {}, and this resource has "
+    "none: remove it": (
+        "template",
+        _resources(_gopher(whole_dev=True)),
+        "config.resources[0].whole_dev: is for a pattern that matches every entry of /dev",
+    ),
+    "_parse_resource: {}.replicas: {}: must be a whole number from 1 to {}": (
+        "schema",
+        _resources(_gopher(replicas=0)),
         "at '/config/resources/0/replicas': minimum: got 0, want 1",
-        "resources[0].replicas",
+    ),
+    "_parse_resource: {}.preferred: {}: must be packed or spread": (
+        "schema",
+        _resources(_gopher(preferred="first")),
+        "at '/config/resources/0/preferred': value must be one of 'packed', 'spread'",
+    ),
+    "_parse_resource: {}.pre_start_timeout: {}: must be a number of seconds, more than 0 and less than the "
+    "kubelet's 30": (
+        "schema",
+        _resources(_gopher(pre_start_timeout=30)),
+        "at '/config/resources/0/pre_start_timeout'",
+    ),
+    "_parse_resource: {}.env: {}: with cdi, each device sets {}_<ID>, which could name a variable the shell or "
+    "the dynamic loader give meaning to: choose another name": (
+        "template",
+        _resources(_gopher(env="BASH", cdi={"kind": "example.com/gopher"})),
+        "config.resources[0].env: 'BASH': with cdi, each device sets BASH_<ID>",
+    ),
+    "_parse_resource: {}.{}: is for the device-plugin API, and this resource has api: dra ({})": (
+        "template",
+        _dra(_gopher(api="dra", preferred="spread")),
+        "config.resources[0].preferred: is for the device-plugin API, and this resource has api: dra",
+    ),
+    "_parse_resource: {}.{}.container_path: {}: with cdi, a device is described once, not per allocation: use "
+    "{id} instead of {index}": (
+        "template",
+        _resources(
+            _gopher(cdi={"kind": "example.com/gopher"}, mounts=[{"host_path": "{path}", "container_path": "/g{index}"}])
+        ),
+        "config.resources[0].mounts[0].container_path: '/g{index}': with cdi, a device is described once",
+    ),
+    "_parse_sources: {}.match: must list at least one {directory, pattern}": (
+        "schema",
+        _resources({"name": "example.com/gopher", "match": []}),
+        "at '/config/resources/0/match': minItems: got 0, want 1",
+    ),
+    "_parse_sources: {}.pattern: names entries of a directory: give directory too": (
+        "template",
+        _resources({"name": "example.com/key", "usb": [{"vendor": "1050", "product": "0407"}], "pattern": "g*"}),
+        "config.resources[0].pattern: names entries of a directory: give directory too",
+    ),
+    "_parse_sources: {}.{}: goes in a match entry when match is given (directory and pattern are a match of one)": (
+        "template",
+        _resources({"name": "example.com/gopher", "directory": "/dev", "match": [{"directory": "/dev/g"}]}),
+        "config.resources[0].directory: goes in a match entry when match is given",
+    ),
+    "_parse_sources: {}: repeats match[{}]": (
+        "template",
+        _resources({"name": "example.com/gopher", "match": [{"directory": "/dev/g"}, {"directory": "/dev/g/"}]}),
+        "config.resources[0].match[1]: repeats match[0]",
+    ),
+    '_parse_usb: {}.{}: {}: must be 4 hex digits in quotes, as lsusb prints them (e.g. "0407")': (
+        "template",
+        _resources({"name": "example.com/key", "usb": [{"vendor": 1050, "product": "0407"}]}),
+        'config.resources[0].usb[0].vendor: 1050: must be 4 hex digits in quotes, as lsusb prints them (e.g. "0407")',
+    ),
+    "_placeholders: {}: {}: bad placeholder ({}); use {id}, {path}, {name}, {target} or {index}": (
+        "template",
+        _resources(_gopher(mounts=[{"host_path": "{path}", "container_path": "/g/{serial}"}])),
+        "config.resources[0].mounts[0].container_path: '/g/{serial}': bad placeholder",
+    ),
+    "_refuse_generic_device_plugin_keys: {}.{}: is generic-device-plugin's, not gopherplug's: {} "
+    "(docs/generic-device-plugin.md translates each of its keys)": (
+        "schema",
+        _resources(_gopher(groups=[{"paths": [{"path": "/dev/gopher"}]}])),
+        "at '/config/resources/0': additional properties 'groups' not allowed",
+    ),
+    "_string: {}: must be a non-empty string, not {} (put it in quotes)": (
+        "schema",
+        _resources(_gopher(env=7)),
+        "at '/config/resources/0/env': got number, want string",
+    ),
+    "_string: {}: must be a non-empty string": (
+        "schema",
+        _resources(_gopher(env="")),
+        "at '/config/resources/0/env': minLength: got 0, want 1",
+    ),
+    "_template: {}: {} must be an absolute path": (
+        "template",
+        _resources(_gopher(mounts=[{"host_path": "{path}", "container_path": "{name}"}])),
+        "config.resources[0].mounts[0].container_path: '{name}' must be an absolute path",
+    ),
+    "parse_config: {}: {}: write {} if you meant that, or {} without the leading zero": (
+        "Helm reads the values file itself (YAML 1.1 too): a number written 010 reaches the chart as 8, "
+        "and the ConfigMap says 8; the schema and the templates check what it became"
+    ),
+    "parse_config: : is empty: it needs resources, a list of the devices to offer (docs/configuration.md)": (
+        "the chart always writes resources (values.yaml has them, the schema requires a non-empty list)"
+    ),
+    "parse_config: resources: must be a non-empty list of resources": (
+        "schema",
+        _resources(),
+        "at '/config/resources': minItems: got 0, want 1",
+    ),
+    "parse_config: dra: no resource has api: dra, so the driver would offer nothing": (
+        "template",
+        _dra(_gopher()),
+        "no resource has api: dra, so the driver would offer nothing",
+        "mode: dra: no resource has api: dra, so the driver would offer nothing",
+    ),
+    "parse_config: : {}": "Helm parses the values file before the chart: a YAML mistake is its own error, "
+    "with its line",
+    'parse_config: {}: {}: write it in quotes, as lsusb prints it ("{}")': (
+        "Helm reads the values file itself: an unquoted 0407 reaches the chart as the number 263, which the "
+        "template refuses as not 4 hex digits in quotes (_parse_usb's sentence)"
+    ),
+    "parse_config: device_plugin_dir: {}": (
+        "template",
+        _resources(_gopher(), kubeletDir="/var/lib/" + "k" * 60),
+        "characters long: a socket path in it would pass the 107 bytes unix sockets allow",
+    ),
+    "parse_config: nfd_features_file: {}": (
+        "the chart writes nfd_features_file as nfd.featuresDir (checked absolute at render) and the release's "
+        "fullname, a DNS label, which never begins with '.'"
+    ),
+    "parse_config: metrics_address: {}": (
+        "schema",
+        {"metrics": {"port": 70000}},
+        "at '/metrics/port': maximum: got 70,000, want 65,535",
+    ),
+    "parse_config: health_address: {}": (
+        "schema",
+        {"health": {"port": 70000}},
+        "at '/health/port': maximum: got 70,000, want 65,535",
+    ),
+    "parse_config: {}: {} is the CDI kind of the device metadata gopherplug mounts into claims' containers "
+    "(dra.device_metadata): give the resource another cdi.kind": (
+        "template",
+        _dra(_gopher(api="dra", name="example.com/metadata")),
+        "config.resources[0].name: 'gopherplug.example.com/metadata' is the CDI kind of the device metadata",
+    ),
+    "parse_config: resources[{}].name: {} is already used by resources[{}]": (
+        "template",
+        _resources(_gopher(name="example.com/gpu"), _gopher(name="example.com/gpu", pattern="nvidia*")),
+        "config.resources[1].name: example.com/gpu is already used by resources[0]",
+    ),
+    "parse_config: resources[{}].cdi.kind: {} would share the CDI spec file {} with resources[{}]: give each "
+    "resource its own kind": (
+        "template",
+        _resources(
+            _gopher(cdi={"kind": "example.com/gopher"}),
+            _gopher(name="example.com/other", pattern="o*", cdi={"kind": "example.com/gopher"}),
+        ),
+        "config.resources[1].cdi.kind: 'example.com/gopher' would share the CDI spec file "
+        "/var/run/cdi/example.com-gopher.json with resources[0]",
+    ),
+    "parse_config: resources[{}].name: {} would share a DRA pool name with {} of resources[{}]": (
+        "template",
+        _dra(_gopher(api="dra", name="example.com/my_dev"), _gopher(api="dra", name="example.com/my-dev")),
+        "config.resources[1].name: example.com/my-dev would share a DRA pool name with example.com/my_dev",
+    ),
+    "parse_config: resources[{}].shared_with[{}]: {} {}: list the resources that may offer the same device "
+    "nodes as this one": (
+        "template",
+        _resources(_gopher(shared_with=["example.com/nothing"])),
+        "config.resources[0].shared_with[0]: 'example.com/nothing' names no resource of this file",
     ),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CHART_REFUSALS))
-def test_the_charts_schema_refuses_what_check_config_refuses(helm, case, tmp_path):
-    resource, helm_says, gopherplug_says = CHART_REFUSALS[case]
+def _chart_configuration(values):
+    """The configuration file the chart writes from ``values`` (templates/configmap.yaml), as data."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    mode = values.get("mode", defaults["mode"])
+    kubelet_dir = values.get("kubeletDir", defaults["kubeletDir"])
+    dra = {**defaults["dra"], **values.get("dra", {})}
+    resources = values.get("config", defaults["config"])["resources"]
+    config = {}
+    if mode != "dra" or any(not isinstance(r, dict) or r.get("api", "device-plugin") != "dra" for r in resources):
+        config["device_plugin_dir"] = f"{kubelet_dir}/device-plugins"
+    ports = {"metrics": 9401 if mode == "dra" else 9400, "health": 9403 if mode == "dra" else 9402}
+    for key in ("metrics", "health"):
+        port = {**defaults[key], **values.get(key, {})}["port"]
+        config[f"{key}_address"] = f"0.0.0.0:{ports[key] if port is None else port}"
+    if mode == "dra":
+        config["dra"] = {
+            "driver": dra["driver"],
+            "kubelet_dir": kubelet_dir,
+            "unhealthy_taint": dra["unhealthyTaint"],
+            "device_metadata": dra["deviceMetadata"],
+        }
+    return {**config, "resources": resources}
+
+
+def test_every_refusal_of_parse_config_is_refused_at_render():
+    """One source of truth: each refusal parse_config can raise (read from its source) has a values
+    file in RENDER_REFUSALS that the chart refuses at render, or the reason none can: a refusal added
+    to gopherplug.py without one fails here, and so does an entry left after its refusal is gone.
+    The values files themselves are rendered by the test below."""
+    sites = set(_config_error_sites().values())
+    assert sorted(sites - RENDER_REFUSALS.keys()) == [], "refusals with no render-time counterpart"
+    assert sorted(RENDER_REFUSALS.keys() - sites) == [], "counterparts of refusals parse_config no longer has"
+
+
+@pytest.mark.parametrize("site", sorted(key for key, case in RENDER_REFUSALS.items() if not isinstance(case, str)))
+def test_the_chart_refuses_at_render_what_check_config_refuses(helm, site, tmp_path):
+    """The case's values, as the ConfigMap the chart would write, are refused by parse_config at that
+    very raise (the traceback's line); and `helm template` refuses them: a template with the same
+    sentence, or the schema in a line that names the key. No line of the chart's own says 'not'
+    failed or prints a regex."""
+    how, values, says, *chart_says = RENDER_REFUSALS[site]
+    text = yaml.safe_dump(_chart_configuration(values))
     with pytest.raises(gp.ConfigError) as caught:
-        gp.parse_config(yaml.safe_dump({"resources": [resource]}), "config.yaml")
-    assert gopherplug_says in str(caught.value)
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"config": {"resources": [resource]}}))
-    result = helm_template(helm, str(values))
+        gp.parse_config(text, "config.yaml")
+    raised = [frame for frame in traceback.extract_tb(caught.tb) if frame.filename == gp.__file__][-1]
+    assert _config_error_sites().get(raised.lineno) == site, (str(caught.value), raised.lineno)
+    if how == "template":
+        assert says in caught.value.problem or says.partition(": ")[2] in str(caught.value), str(caught.value)
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = helm_template(helm, str(path))
     assert result.returncode == 1 and result.stdout == "", result.stdout
-    assert "values don't meet the specifications of the schema(s)" in result.stderr, result.stderr
-    assert helm_says in result.stderr, result.stderr
-    # The same resource, corrected, renders: the schema refused the value, not the file.
-    good = tmp_path / "good.yaml"
-    good.write_text(yaml.safe_dump({"config": {"resources": [{"name": "example.com/gopher", "directory": "/g"}]}}))
-    assert helm_template(helm, str(good)).returncode == 0
+    said = chart_says[0] if chart_says else says
+    if how == "template":
+        assert f"execution error at (gopherplug/templates/configmap.yaml:1:4): {said}" in result.stderr or (
+            said in result.stderr and "execution error" in result.stderr
+        ), result.stderr
+    else:
+        assert "values don't meet the specifications of the schema(s)" in result.stderr, result.stderr
+        assert said in result.stderr, result.stderr
+    assert "'not' failed" not in result.stderr and "does not match pattern" not in result.stderr, result.stderr
 
 
-def test_the_charts_schema_keeps_the_mode_and_the_resources_api_together(helm, tmp_path):
-    """mode dra with no resource of api dra is a configuration gopherplug refuses (dra with nothing
-    to serve); mode device-plugin with one would run a DRA driver without its RBAC and DeviceClasses."""
-    for mode, api, says in [
-        ("dra", "device-plugin", "at '/config/resources': no items match contains schema"),
-        ("device-plugin", "dra", "at '/config/resources/0': 'not' failed"),
-    ]:
-        values = tmp_path / f"{mode}.yaml"
-        resource = {"name": "example.com/gopher", "directory": "/g", "api": api}
-        values.write_text(yaml.safe_dump({"mode": mode, "config": {"resources": [resource]}}))
-        result = helm_template(helm, str(values))
-        assert result.returncode == 1 and says in result.stderr, (mode, result.stderr)
+def test_the_chart_refuses_allowed_host_paths_it_does_not_mount(helm, tmp_path):
+    """allowed_host_paths outside /dev and /sys must be mounted into the pod (extraHostPaths), or
+    the plugin finds nothing there, silently: refused at render, and the same values with the
+    extraHostPaths entry render."""
+    resource = _gopher(
+        allowed_host_paths=["/usr/lib/x86_64-linux-gnu"],
+        mounts=[{"host_path": "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "container_path": "/l"}],
+    )
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(_resources(resource)))
+    result = helm_template(helm, str(values))
+    said = "config.resources[0].allowed_host_paths[0]: '/usr/lib/x86_64-linux-gnu' is not mounted into the "
+    said += "plugin's pod, which would see nothing there: add it to extraHostPaths"
+    assert result.returncode == 1 and said in result.stderr, result.stderr
+    values.write_text(yaml.safe_dump(_resources(resource, extraHostPaths=["/usr/lib"])))
+    assert helm_template(helm, str(values)).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"kubeletDir": "var/lib/kubelet"}, "kubeletDir: 'var/lib/kubelet' must be an absolute path"),
+        ({"extraHostPaths": ["usr/lib"]}, "extraHostPaths[0]: 'usr/lib' must be an absolute path"),
+        ({"fullnameOverride": "Gopher"}, "fullnameOverride: 'Gopher': must be a lower-case DNS label"),
+        ({"apiLabel": {"value": "-dra"}}, "apiLabel.value: '-dra': must be a label value"),
+        ({"podMonitor": {"interval": "30"}}, "podMonitor.interval: '30': must be a duration Prometheus reads"),
+        ({"nfd": {"enabled": True, "featuresDir": "features.d"}}, "nfd.featuresDir: 'features.d' must be an absolute"),
+    ],
+)
+def test_the_charts_own_values_are_refused_in_a_sentence(helm, values, said, tmp_path):
+    """Values the chart uses itself, which its schema checked with a pattern (Helm printed the
+    regex): a sentence that says what to write."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    result = helm_template(helm, str(path))
+    assert result.returncode == 1 and f"execution error at (gopherplug/templates/configmap.yaml:1:4): {said}" in (
+        result.stderr
+    ), result.stderr
+
+
+def test_the_charts_schema_prints_no_regex_and_no_not():
+    """Helm 4 prints a failed `pattern` as the regex and a failed `not` as "'not' failed": neither
+    says what to write. Those checks are the templates' (templates/_validate.tpl), as sentences."""
+    schema = (CHART / "values.schema.json").read_text()
+
+    def keys(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield key
+                # The names of properties are the values' keys, not the schema's ("pattern" is one).
+                for item in value.values() if key == "properties" else [value]:
+                    yield from keys(item)
+        elif isinstance(node, list):
+            for item in node:
+                yield from keys(item)
+
+    assert {"pattern", "not", "if", "contains"} & set(keys(json.loads(schema))) == set()
+
+
+def test_the_charts_notes_carry_check_configs_warnings(helm, tmp_path):
+    """A regex-looking pattern renders (the plugin runs), and the install's notes say what
+    check-config says of it."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(_resources(_gopher(pattern=r"nvidia\d+"))))
+    config = gp.parse_config(yaml.safe_dump(_chart_configuration(yaml.safe_load(values.read_text()))), "c")
+    (warning,) = config.warnings
+    argv = [helm, "install", "gopherplug", "chart/gopherplug", "-n", "kube-system", "-f", str(values)]
+    result = subprocess.run([*argv, "--dry-run=client"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.partition("\nNOTES:\n")[2]
+    assert f"config.{warning.partition(': ')[2]}" in notes.splitlines(), notes
+    values.write_text(yaml.safe_dump(_resources(_gopher())))
+    result = subprocess.run([*argv, "--dry-run=client"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert "check-config warns" not in result.stdout
 
 
 def test_the_chart_refuses_mode_dra_before_kubernetes_1_34(helm):
@@ -14306,6 +15116,20 @@ async def test_dra_exec_credential_plugin_that_prints_a_bare_token_never_logs_it
     assert "not ExecCredential JSON" in str(failures[0])
     pieces = {secret[i : i + 8] for i in range(len(secret) - 8)}  # no 8 characters of it in a row
     assert [line for line in said if any(piece in line for piece in pieces)] == []
+
+
+def test_a_kubeconfig_without_contexts_is_one_line_saying_what_it_lacks(tmp_path):
+    """lightkube reads the section by key: without this, the whole message was 'contexts'."""
+    kubeconfig = tmp_path / "kubeconfig"
+    cluster = {"name": "c", "cluster": {"server": "https://127.0.0.1:6443"}}
+    document = {"apiVersion": "v1", "kind": "Config", "current-context": "x"}
+    kubeconfig.write_text(yaml.safe_dump({**document, "clusters": [cluster], "users": [{"name": "u", "user": {}}]}))
+    with pytest.raises(gp.GopherplugError) as caught:
+        gp.KubeApi.connect(kubeconfig=str(kubeconfig))
+    assert str(caught.value) == (
+        f"no Kubernetes API configuration: {kubeconfig} has no 'contexts' section; a kubeconfig lists clusters, "
+        "users and contexts, and names its current-context (kubectl config view shows it)"
+    )
 
 
 @pytest.mark.parametrize(
