@@ -1321,6 +1321,14 @@ class Node:
             tier, f"{self.template['metadata']['labels']['app.kubernetes.io/name']}-{self.case.name}", "kube-system"
         )
 
+    def host_side(self, path: str) -> str:
+        """Where a hostPath volume's path is on this run's host: host_paths, or a directory under
+        one of them (the DRA pod mounts only its own plugins/<driver>, not all of plugins)."""
+        if path in self.host_paths:
+            return self.host_paths[path]
+        parent = next(p for p in self.host_paths if p not in ("/", "/dev", "/sys") and path.startswith(p + "/"))
+        return self.host_paths[parent] + path[len(parent) :]
+
     def add_readme_cdi_mount(self) -> None:
         """What docs/deployment.md's step 4 says to add to daemonset.yaml for a resource with
         `cdi:` at the default spec_dir: its YAML block's volumeMounts and volumes, as written there."""
@@ -1351,7 +1359,7 @@ class Node:
             if "hostPath" in volume:
                 # The kubelet's hostPath type checks (pkg/volume/hostpath/host_path.go): Directory
                 # must exist, DirectoryOrCreate is created.
-                host = Path(self.host_paths[volume["hostPath"]["path"]])
+                host = Path(self.host_side(volume["hostPath"]["path"]))
                 if volume["hostPath"].get("type") == "DirectoryOrCreate":
                     host.mkdir(parents=True, exist_ok=True)
                 assert host.is_dir(), f"hostPath {host} (type Directory) does not exist"
