@@ -241,46 +241,10 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- end -}}
 {{- end -}}
 {{- /* attributes and capacity: names and values as the API server takes them (_parse_declared). */ -}}
-{{- $own := list "resource" "id" "healthy" "numaNode" "usbVendor" "usbProduct" "usbSerial" "usbBus" "usbPort" -}}
-{{- $fileFields := list "id" "path" "name" "target" "sysfs" -}}
-{{- $quantity := "^[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$" -}}
 {{- range $section := list "attributes" "capacity" -}}
 {{- range $key, $value := (get $r $section | default dict) -}}
-{{- $where := printf "%s.%s.%s" $at $section $key -}}
-{{- $nameParts := splitList "/" $key -}}
-{{- $identifier := last $nameParts -}}
-{{- $domain := ternary (first $nameParts) "" (eq (len $nameParts) 2) -}}
-{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch $dns (lower $domain))))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
-{{- fail (printf "%s: not a valid name for the API server: a C identifier of at most 32 characters (letters, digits, '_'), after an optional domain of at most 63 and '/', e.g. example.com/model" $where) -}}
-{{- end -}}
-{{- if and (eq $section "attributes") (has $identifier $own) (or (not $domain) (eq $domain $v.dra.driver)) -}}
-{{- fail (printf "%s: is an attribute gopherplug gives every device itself (%s): choose another name, or one in a domain of your own (example.com/%s)" $where (join ", " (sortAlpha $own)) $identifier) -}}
-{{- end -}}
-{{- if and (eq $section "capacity") (eq $key "shares") }}{{ fail (printf "%s: is the capacity gopherplug gives a shared device (replicas): choose another name" $where) }}{{ end -}}
-{{- $number := or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value) -}}
-{{- if and (kindIs "map" $value) (hasKey $value "file") -}}
-{{- $file := toString $value.file -}}
-{{- range regexFindAll "\\{[^{}]*\\}" $file -1 -}}
-{{- if not (has (trimPrefix "{" . | trimSuffix "}") $fileFields) }}{{ fail (printf "%s.file: '%s': bad placeholder (%s); use {%s}" $where $file . (join "}, {" $fileFields)) }}{{ end -}}
-{{- end -}}
-{{- if not (or (hasPrefix "/" $file) (hasPrefix "{path}" $file) (hasPrefix "{target}" $file) (hasPrefix "{sysfs}" $file)) }}{{ fail (printf "%s.file: '%s' must be an absolute path" $where $file) }}{{ end -}}
-{{- $types := ternary (list "quantity") (list "string" "int" "bool" "version") (eq $section "capacity") -}}
-{{- if and (hasKey $value "type") (not (has $value.type $types)) }}{{ fail (printf "%s.type: '%v': must be one of %s" $where $value.type (join ", " $types)) }}{{ end -}}
-{{- else if eq $section "capacity" -}}
-{{- if not (and (or $number (kindIs "string" $value)) (regexMatch $quantity (toString $value))) -}}
-{{- fail (printf "%s: %s is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or {file: <path>} to read one" $where (ternary (printf "'%v'" $value) (toString $value) (kindIs "string" $value))) -}}
-{{- end -}}
-{{- else -}}
-{{- $typed := and (kindIs "map" $value) (eq (len $value) 1) (has (first (keys $value)) (list "string" "int" "bool" "version")) -}}
-{{- if not (or $number (kindIs "string" $value) (kindIs "bool" $value) $typed) -}}
-{{- fail (printf "%s: %v: must be a string, a whole number, true or false, {version: \"1.2.3\"}, or {file: <path>, type: string|int|bool|version}" $where $value) -}}
-{{- end -}}
-{{- $text := toString $value -}}
-{{- if $typed }}{{ $text = toString (first (values $value)) }}{{ end -}}
-{{- if and (or (kindIs "string" $value) $typed) (gt (len $text) 64) -}}
-{{- fail (printf "%s: not a valid string attribute for the API server: it has %d bytes, more than the API server's 64" $where (len $text)) -}}
-{{- end -}}
-{{- end -}}
+{{- $problem := include "gopherplug.declaredProblem" (dict "at" $at "section" $section "key" $key "value" $value "driver" (ternary $v.dra.driver "" $dra)) -}}
+{{- if $problem }}{{ fail $problem }}{{ end -}}
 {{- end -}}
 {{- end -}}
 {{- $total := add (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
@@ -319,6 +283,129 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- end -}}
 {{- if and $dra (not $hasDra) -}}
 {{- fail "mode: dra: no resource has api: dra, so the driver would offer nothing: give the resources it serves api: dra (and those it does not a release in mode device-plugin)" -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.declaredProblem: why parse_config (_parse_declared, _parse_declared_value) refuses one
+attribute or capacity, as "<its path>: <check-config's sentence>", or "" when it takes it. Given a dict:
+at (the resource's path), section ("attributes" or "capacity"), key, value, and driver (the DRA
+driver, "" in mode device-plugin, where parse_config has none). A named template that returns the
+problem, rather than one that fails, so that a test can ask it about many values in one render.
+
+The rules are the API server's (validateQualifiedName and validateDeviceAttribute in kubernetes
+pkg/apis/resource/validation/validation.go, ParseQuantity in apimachinery pkg/api/resource/quantity.go):
+lengths in bytes (Go's len, as here), digits ASCII (Go's regexps, as here), a domain lower-cased by
+strings.ToLower (sprig's lower). And the value judged is the one the node reads: Helm holds every
+number of the values as a float64, and the ConfigMap holds it as toYaml writes it, which the plugin
+reads as YAML 1.1 (gopherplug.yamlKind): 9223372036854775807 arrives as 9223372036854776000, past
+int64; 1.0 as 1, a whole number; 1e20 as 1e+20, which YAML 1.1 reads as a string.
+*/ -}}
+{{- define "gopherplug.declaredProblem" -}}
+{{- $section := .section -}}
+{{- $value := .value -}}
+{{- $where := printf "%s.%s.%s" .at .section .key -}}
+{{- $nameParts := splitList "/" .key -}}
+{{- $identifier := last $nameParts -}}
+{{- $domain := ternary (first $nameParts) "" (eq (len $nameParts) 2) -}}
+{{- $own := list "resource" "id" "healthy" "numaNode" "usbVendor" "usbProduct" "usbSerial" "usbBus" "usbPort" -}}
+{{- $types := list "string" "int" "bool" "version" -}}
+{{- $kind := include "gopherplug.yamlKind" $value -}}
+{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" (lower $domain))))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
+{{- printf "%s: not a valid name for the API server: a C identifier of at most 32 characters (letters, digits, '_'), after an optional domain of at most 63 bytes and '/', e.g. example.com/model" $where -}}
+{{- else if and (eq $section "attributes") (has $identifier $own) (or (not $domain) (eq $domain .driver)) -}}
+{{- printf "%s: is an attribute gopherplug gives every device itself (%s): choose another name, or one in a domain of your own (example.com/%s)" $where (join ", " (sortAlpha $own)) $identifier -}}
+{{- else if and (eq $section "capacity") (eq .key "shares") -}}
+{{- printf "%s: is the capacity gopherplug gives a shared device (replicas): choose another name" $where -}}
+{{- else if not (toYaml (dict .key $value) | trim) -}}
+{{- printf "%s: has a character toYaml cannot write into the ConfigMap (a control character): remove it" $where -}}
+{{- else if or (eq $kind "tag") (and (eq $kind "map") (or (has "=" (values $value)) (has "<<" (values $value)))) -}}
+{{- printf "%s: '=' and '<<' are tags to YAML 1.1, which the plugin reads its configuration with, not strings: the ConfigMap would not load" $where -}}
+{{- else if and (eq $kind "map") (hasKey $value "file") -}}
+{{- /* {file: <template>, type: ...}: read from a file per device. */ -}}
+{{- $unknown := without (keys $value | sortAlpha) "file" "type" -}}
+{{- $file := $value.file -}}
+{{- $bare := toString $file | replace "{{" "" | replace "}}" "" -}}
+{{- $fields := list "id" "path" "name" "target" "sysfs" -}}
+{{- $placeholders := regexFindAll "\\{[^{}]*\\}" $bare -1 -}}
+{{- $bad := "" -}}
+{{- range $placeholders }}{{ if and (not $bad) (not (has (trimPrefix "{" . | trimSuffix "}") $fields)) }}{{ $bad = . }}{{ end }}{{ end -}}
+{{- if regexMatch "[{}]" (regexReplaceAll "\\{[^{}]*\\}" $bare "") }}{{ $bad = "a single '{' or '}'" }}{{ end -}}
+{{- $allowed := ternary (list "quantity") $types (eq $section "capacity") -}}
+{{- if $unknown -}}
+{{- printf "%s.%s: unknown key; expected one of file, type" $where (first $unknown) -}}
+{{- else if or (not (kindIs "string" $file)) (not $file) -}}
+{{- printf "%s.file: must be a non-empty string" $where -}}
+{{- else if $bad -}}
+{{- printf "%s.file: '%s': bad placeholder (%s); use {%s}" $where $file $bad (join "}, {" $fields) -}}
+{{- else if not (or (hasPrefix "/" $bare) (regexMatch "^\\{(path|target|sysfs)\\}" $bare)) -}}
+{{- printf "%s.file: '%s' must be an absolute path" $where $file -}}
+{{- else if and (hasKey $value "type") (not (has $value.type $allowed)) -}}
+{{- printf "%s.type: '%v': must be one of %s" $where $value.type (join ", " $allowed) -}}
+{{- end -}}
+{{- else if eq $section "capacity" -}}
+{{- /* A quantity as ParseQuantity scans one: a sign, digits, a fraction, a suffix (Ki..Ei, n..E, or
+an exponent that strconv.ParseInt takes as an int64), each optional: "+", "." and "Ki" are 0. */ -}}
+{{- $text := ternary $value (toYaml $value | trim) (kindIs "string" $value) -}}
+{{- $quantity := "^[+-]?[0-9]*([.][0-9]*)?(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE]([+-]?)0*([0-9]+))?$" -}}
+{{- $exponent := ternary (regexReplaceAll $quantity $text "${4}") "" (regexMatch $quantity $text) -}}
+{{- $int64 := or (lt (len $exponent) 19) (and (eq (len $exponent) 19) (le $exponent (ternary "9223372036854775808" "9223372036854775807" (eq (regexReplaceAll $quantity $text "${3}") "-")))) -}}
+{{- if not (and (has $kind (list "str" "int" "float")) $text (regexMatch $quantity $text) $int64) -}}
+{{- printf "%s: %s is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or {file: <path>} to read one" $where (ternary (printf "'%s'" $text) $text (kindIs "string" $value)) -}}
+{{- end -}}
+{{- else -}}
+{{- /* An attribute: a string, a whole number, true or false, or {string|int|bool|version: value}. */ -}}
+{{- $type := get (dict "str" "string" "int" "int" "bool" "bool") $kind -}}
+{{- $literal := $value -}}
+{{- if and (eq $kind "map") (eq (len $value) 1) (has (first (keys $value)) $types) -}}
+{{- $type = first (keys $value) -}}
+{{- $literal = get $value $type -}}
+{{- end -}}
+{{- $read := include "gopherplug.yamlKind" $literal -}}
+{{- $text := ternary $literal (toYaml $literal | trim) (kindIs "string" $literal) -}}
+{{- $digits := trimPrefix "-" $text -}}
+{{- $semver := "^(0|[1-9][0-9]*)\\.(0|[1-9][0-9]*)\\.(0|[1-9][0-9]*)(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?(\\+[0-9a-zA-Z-]+(\\.[0-9a-zA-Z-]+)*)?$" -}}
+{{- $problem := "" -}}
+{{- if not $type -}}
+{{- printf "%s: %s: must be a string, a whole number, true or false, {version: \"1.2.3\"}, or {file: <path>, type: string|int|bool|version}" $where (ternary $text (toJson $value) (has $read (list "str" "int" "float" "bool" "null"))) -}}
+{{- else if eq $type "bool" -}}
+{{- if ne $read "bool" }}{{ $problem = printf "%s is not true or false" $text }}{{ end -}}
+{{- else if eq $type "int" -}}
+{{- if ne $read "int" -}}
+{{- $problem = printf "%s is not a whole number" $text -}}
+{{- else if or (gt (len $digits) 19) (and (eq (len $digits) 19) (gt $digits (ternary "9223372036854775808" "9223372036854775807" (hasPrefix "-" $text)))) -}}
+{{- $problem = printf "%s does not fit in 64 bits" $text -}}
+{{- end -}}
+{{- else if ne $read "str" -}}
+{{- $problem = printf "%s is not a string" $text -}}
+{{- else if gt (len $text) 64 -}}
+{{- $problem = printf "it has %d bytes, more than the API server's 64" (len $text) -}}
+{{- else if and (eq $type "version") (not (regexMatch $semver $text)) -}}
+{{- $problem = printf "'%s' is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)" $text -}}
+{{- end -}}
+{{- if $problem }}{{ printf "%s: not a valid %s attribute for the API server: %s" $where $type $problem }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.yamlKind: what the plugin reads a value as, once the chart's toYaml has written it into
+the ConfigMap: str, int, float, bool, null, map, list, or tag. YAML 1.1 (PyYAML) reads a number
+with a dot as a float and one with an exponent but no dot (1e+20, as toYaml writes 1e20) as a
+string; a string past float64 (1.5e+999), which toYaml leaves unquoted, as a float (inf); and "="
+and "<<", unquoted too, as tags it cannot load.
+*/ -}}
+{{- define "gopherplug.yamlKind" -}}
+{{- $float := "^([-+]?[0-9]+[.][0-9]*|[.][0-9]+)[eE][+][0-9]+$" -}}
+{{- if has . (list "=" "<<") }}tag
+{{- else if and (kindIs "string" .) (regexMatch $float .) (regexMatch "[1-9]" (regexReplaceAll "[eE].*" . "")) (eq (float64 .) 0.0) }}float
+{{- else if kindIs "string" . }}str
+{{- else if kindIs "bool" . }}bool
+{{- else if kindIs "map" . }}map
+{{- else if kindIs "slice" . }}list
+{{- else if kindIs "invalid" . }}null
+{{- else -}}
+{{- $text := toYaml . | trim -}}
+{{- if regexMatch "^-?[0-9]+$" $text }}int{{ else if contains "." $text }}float{{ else }}str{{ end -}}
 {{- end -}}
 {{- end -}}
 
