@@ -295,8 +295,9 @@ problem, rather than one that fails, so that a test can ask it about many values
 
 The rules are the API server's (validateQualifiedName and validateDeviceAttribute in kubernetes
 pkg/apis/resource/validation/validation.go, ParseQuantity in apimachinery pkg/api/resource/quantity.go):
-lengths in bytes (Go's len, as here), digits ASCII (Go's regexps, as here), a domain lower-cased by
-strings.ToLower (sprig's lower). And the value judged is the one the node reads: Helm holds every
+lengths in bytes (Go's len, as here), digits ASCII (Go's regexps, as here), a domain's letters
+either case and ASCII only (Go lower-cases it first, and makes the Kelvin sign a "k": parse_config,
+and this, refuse it), and the few canonical_quantity refuses for its own reasons. And the value judged is the one the node reads: Helm holds every
 number of the values as a float64, and the ConfigMap holds it as toYaml writes it, which the plugin
 reads as YAML 1.1 (gopherplug.yamlKind): 9223372036854775807 arrives as 9223372036854776000, past
 int64; 1.0 as 1, a whole number; 1e20 as 1e+20, which YAML 1.1 reads as a string.
@@ -311,7 +312,7 @@ int64; 1.0 as 1, a whole number; 1e20 as 1e+20, which YAML 1.1 reads as a string
 {{- $own := list "resource" "id" "healthy" "numaNode" "usbVendor" "usbProduct" "usbSerial" "usbBus" "usbPort" -}}
 {{- $types := list "string" "int" "bool" "version" -}}
 {{- $kind := include "gopherplug.yamlKind" $value -}}
-{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" (lower $domain))))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
+{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch "^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$" $domain)))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
 {{- printf "%s: not a valid name for the API server: a C identifier of at most 32 characters (letters, digits, '_'), after an optional domain of at most 63 bytes and '/', e.g. example.com/model" $where -}}
 {{- else if and (eq $section "attributes") (has $identifier $own) (or (not $domain) (eq $domain .driver)) -}}
 {{- printf "%s: is an attribute gopherplug gives every device itself (%s): choose another name, or one in a domain of your own (example.com/%s)" $where (join ", " (sortAlpha $own)) $identifier -}}
@@ -344,13 +345,33 @@ int64; 1.0 as 1, a whole number; 1e20 as 1e+20, which YAML 1.1 reads as a string
 {{- printf "%s.type: '%v': must be one of %s" $where $value.type (join ", " $allowed) -}}
 {{- end -}}
 {{- else if eq $section "capacity" -}}
-{{- /* A quantity as ParseQuantity scans one: a sign, digits, a fraction, a suffix (Ki..Ei, n..E, or
-an exponent that strconv.ParseInt takes as an int64), each optional: "+", "." and "Ki" are 0. */ -}}
+{{- /* A quantity as ParseQuantity reads one, and as parse_config's canonical_quantity keeps it: a
+signed decimal number (a digit at least: Go takes "+", "." and "Ki" as 0, and a mistake), then a binary
+suffix (Ki..Ei), a decimal one (n u m k M G T P E) or an exponent of at most 32 bits (the server's
+scale is an int32). Refused besides, as canonical_quantity refuses it: above 1E, more than 18 digits
+(the server would work it out in big numbers, for as long as its exponent is). */ -}}
 {{- $text := ternary $value (toYaml $value | trim) (kindIs "string" $value) -}}
-{{- $quantity := "^[+-]?[0-9]*([.][0-9]*)?(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE]([+-]?)0*([0-9]+))?$" -}}
-{{- $exponent := ternary (regexReplaceAll $quantity $text "${4}") "" (regexMatch $quantity $text) -}}
-{{- $int64 := or (lt (len $exponent) 19) (and (eq (len $exponent) 19) (le $exponent (ternary "9223372036854775808" "9223372036854775807" (eq (regexReplaceAll $quantity $text "${3}") "-")))) -}}
-{{- if not (and (has $kind (list "str" "int" "float")) $text (regexMatch $quantity $text) $int64) -}}
+{{- $quantity := "^[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE]([+-]?[0-9]+))?$" -}}
+{{- $problem := not (and (has $kind (list "str" "int" "float")) (regexMatch $quantity $text)) -}}
+{{- if not $problem -}}
+{{- $number := regexReplaceAll $quantity $text "${1}" -}}
+{{- $suffix := regexReplaceAll $quantity $text "${2}" -}}
+{{- $exponent := regexReplaceAll $quantity $text "${3}" -}}
+{{- $bits := regexReplaceAll "^[+-]?0*" $exponent "" -}}
+{{- $problem = or (gt (len $bits) 10) (and (eq (len $bits) 10) (gt $bits "2147483647")) -}}
+{{- if and (not $problem) (not (hasSuffix "i" $suffix)) -}}
+{{- /* The value is <digits> x 10^places, places a multiple of 3, digits without trailing zeros but those that make it so. */ -}}
+{{- $whole := regexReplaceAll "[.].*" $number "" -}}
+{{- $fraction := ternary (regexReplaceAll "^[^.]*[.]" $number "") "" (contains "." $number) -}}
+{{- $digits := regexReplaceAll "^0+" (print $whole $fraction) "" -}}
+{{- $significant := regexReplaceAll "0+$" $digits "" -}}
+{{- $scale := ternary (atoi $exponent) (get (dict "n" -9 "u" -6 "m" -3 "" 0 "k" 3 "M" 6 "G" 9 "T" 12 "P" 15 "E" 18) $suffix) (ne $exponent "") -}}
+{{- $places := add $scale (sub (len $digits) (len $significant)) (mul -1 (len $fraction)) -}}
+{{- $extra := mod (add (mod $places 3) 3) 3 -}}
+{{- $problem = and $significant (or (gt (sub $places $extra) 2147483647) (and (gt (sub $places $extra) 18) (gt (add (len $significant) $extra) 18))) -}}
+{{- end -}}
+{{- end -}}
+{{- if $problem -}}
 {{- printf "%s: %s is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or {file: <path>} to read one" $where (ternary (printf "'%s'" $text) $text (kindIs "string" $value)) -}}
 {{- end -}}
 {{- else -}}
