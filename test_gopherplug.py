@@ -9744,6 +9744,17 @@ def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, 
     assert unknown == [], f"{len(unknown)} of {len(unique)} cases:\n" + "\n".join(map(repr, unknown))
 
 
+@pytest.mark.parametrize("character", ["\x7f", "\x80", "\ufffe"])
+def test_the_chart_refuses_a_resource_toyaml_cannot_write(helm, character, tmp_path):
+    """Sprig's toYaml returns "" for what Go's YAML cannot write: configmap.yaml would give the node
+    the resource's name alone (which parse_config refuses, on every node). Refused at render."""
+    values = tmp_path / "values.json"
+    values.write_text(_helm_values(_resources(_gopher(pattern=f"gopher{character}*"))))
+    result = helm_template(helm, str(values))
+    said = "config.resources[0]: has a character toYaml cannot write into the ConfigMap"
+    assert result.returncode == 1 and said in result.stderr, result.stderr
+
+
 def test_the_chart_refuses_allowed_host_paths_it_does_not_mount(helm, tmp_path):
     """allowed_host_paths outside /dev and /sys must be mounted into the pod (extraHostPaths), or
     the plugin finds nothing there, silently: refused at render, and the same values with the

@@ -54,9 +54,13 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- /* The resources, one by one: parse_config's _parse_resource and what it calls. */ -}}
 {{- $mounted := include "gopherplug.hostPaths" . | fromJsonArray -}}
 {{- $hasDra := false -}}
+{{- $cannot := "has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" -}}
 {{- range $i, $r := $v.config.resources -}}
 {{- $at := printf "config.resources[%d]" $i -}}
 {{- $name := $r.name | toString -}}
+{{- /* toYaml writes "" for what Go's YAML cannot write (DEL, C1 controls, U+FFFE): the resource
+would reach the node as its name alone, and be refused there. */ -}}
+{{- if not (toYaml (omit $r "name")) }}{{ fail (printf "%s: %s" $at $cannot) }}{{ end -}}
 {{- /* resource_name_problem: what the kubelet would refuse as an extended resource name. */ -}}
 {{- $problem := "" -}}
 {{- $parts := splitList "/" $name -}}
@@ -319,7 +323,7 @@ int64; 1.0 as 1, a whole number; 1e20 as 1e+20, which YAML 1.1 reads as a string
 {{- else if and (eq $section "capacity") (eq .key "shares") -}}
 {{- printf "%s: is the capacity gopherplug gives a shared device (replicas): choose another name" $where -}}
 {{- else if not (toYaml (dict .key $value) | trim) -}}
-{{- printf "%s: has a character toYaml cannot write into the ConfigMap (a control character): remove it" $where -}}
+{{- printf "%s: has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" $where -}}
 {{- else if or (eq $kind "tag") (and (eq $kind "map") (or (has "=" (values $value)) (has "<<" (values $value)))) -}}
 {{- printf "%s: '=' and '<<' are tags to YAML 1.1, which the plugin reads its configuration with, not strings: the ConfigMap would not load" $where -}}
 {{- else if and (eq $kind "map") (hasKey $value "file") -}}
