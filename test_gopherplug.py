@@ -9639,41 +9639,46 @@ def _helm_values(data):
     return re.sub(r"[\x7f-\uffff]", lambda m: f"\\u{ord(m[0]):04x}", text)
 
 
-def _chart_verdicts(helm, tmp_path, cases):
-    """For each (section, key, value, mode): the chart's problem with it (templates/_validate.tpl's
-    gopherplug.declaredProblem), and the ConfigMap's lines of it (toYaml, as configmap.yaml writes
-    them): one `helm template` of a test chart that has the real templates and asks about them all."""
+#: The ConfigMap's lines of $resource, as templates/configmap.yaml writes a resource.
+_AS_CONFIGMAP_WRITES = (
+    '(printf "- %s%s" (toYaml (pick $resource "name") | trim) (toYaml (omit $resource "name") | nindent 2))'
+)
+
+
+def _chart_verdicts(helm, tmp_path, per_case, values):
+    """One `helm template` of a test chart that has the real templates/_validate.tpl and renders
+    ``per_case`` (which sets $problem and $resource) for each of ``values["cases"]``: the chart's
+    problem and the ConfigMap's lines of the resource (toYaml, as configmap.yaml writes them)."""
     chart = tmp_path / "verdicts"
     (chart / "templates").mkdir(parents=True)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: verdicts\nversion: 0.1.0\n")
     shutil.copy(CHART / "templates" / "_validate.tpl", chart / "templates")
-    # Each case's resource as templates/configmap.yaml writes one into the configuration.
     (chart / "templates" / "verdicts.yaml").write_text(
-        "{{- range .Values.cases }}\n"
-        "{{ $resource := set (deepCopy $.Values.resource) .section (dict .key .value) -}}\n"
-        '{{ if eq .mode "dra" }}{{ $_ := set $resource "api" "dra" }}{{ end -}}\n'
-        '{{ dict "problem" (include "gopherplug.declaredProblem" (dict "at" "config.resources[0]" "section" .section '
-        '"key" .key "value" .value "driver" (ternary "gopherplug.example.com" "" (eq .mode "dra"))))'
-        ' "yaml" (printf "- %s%s" (toYaml (pick $resource "name") | trim) (toYaml (omit $resource "name") | nindent 2))'
-        " | toJson }}\n"
+        f"{{{{- range .Values.cases }}}}\n{per_case}\n"
+        f'{{{{ print "\\n" }}}}{{{{ dict "problem" $problem "yaml" {_AS_CONFIGMAP_WRITES} | toJson }}}}\n'
         "{{- end }}\n"
     )
-    values = tmp_path / "cases.json"
-    values.write_text(
-        _helm_values(
-            {
-                "resource": _GOPHER,
-                "cases": [dict(zip(("section", "key", "value", "mode"), case, strict=True)) for case in cases],
-            }
-        )
-    )
-    result = subprocess.run(
-        [helm, "template", "verdicts", str(chart), "-f", str(values)], capture_output=True, text=True, timeout=120
-    )
+    (tmp_path / "cases.json").write_text(_helm_values(values))
+    argv = [helm, "template", "verdicts", str(chart), "-f", str(tmp_path / "cases.json")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.split("\n") if line.startswith("{")]
-    assert len(lines) == len(cases)
+    assert len(lines) == len(values["cases"])
     return lines
+
+
+def _declared_verdicts(helm, tmp_path, cases):
+    """For each (section, key, value, mode): the chart's problem with it (gopherplug.declaredProblem),
+    and the ConfigMap's lines of the resource that declares it."""
+    per_case = (
+        "{{- $resource := set (deepCopy $.Values.resource) .section (dict .key .value) -}}\n"
+        '{{- if eq .mode "dra" }}{{ $_ := set $resource "api" "dra" }}{{ end -}}\n'
+        '{{- $problem := include "gopherplug.declaredProblem" (dict "at" "config.resources[0]" "section" .section '
+        '"key" .key "value" .value "driver" (ternary "gopherplug.example.com" "" (eq .mode "dra"))) -}}'
+    )
+    keys = ("section", "key", "value", "mode")
+    values = {"resource": _GOPHER, "cases": [dict(zip(keys, case, strict=True)) for case in cases]}
+    return _chart_verdicts(helm, tmp_path, per_case, values)
 
 
 def _node_verdict(mode, rendered):
@@ -9732,7 +9737,7 @@ def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, 
     cases = _boundary_cases() + _generated_cases()
     unique = list({json.dumps(case, sort_keys=True): case for case in cases}.values())
     disagreements = []
-    for case, chart in zip(unique, _chart_verdicts(helm, tmp_path, unique), strict=True):
+    for case, chart in zip(unique, _declared_verdicts(helm, tmp_path, unique), strict=True):
         section, key, _, mode = case
         node = _node_verdict(mode, chart["yaml"])
         if chart["problem"]:
@@ -9742,6 +9747,31 @@ def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, 
             disagreements.append((case, chart["problem"], node, read))
     unknown = [d for d in disagreements if not any(known(*d) for known in KNOWN_DIFFERENCES.values())]
     assert unknown == [], f"{len(unknown)} of {len(unique)} cases:\n" + "\n".join(map(repr, unknown))
+
+
+def test_the_chart_counts_attributes_and_capacities_as_parse_config_does(helm, tmp_path):
+    """The 32 attributes and capacities a device may have: for resources of each kind (a directory,
+    USB devices), shared or not, with counts either side of the limit split between attributes and
+    capacity, `helm template` refuses exactly what parse_config refuses of the ConfigMap it writes."""
+    kinds = ({"directory": "/dev", "pattern": "gopher*"}, {"usb": [{"vendor": "0407", "product": "6001"}]})
+    cases = []
+    for where in kinds:
+        for replicas in (1, 2):
+            for total in range(20, 34):
+                for attributes in sorted({0, 1, total // 2, total - 1, total}):
+                    resource = {"name": "example.com/gopher", "api": "dra", **where, "replicas": replicas}
+                    resource["attributes"] = {f"a{n}": "x" for n in range(attributes)}
+                    resource["capacity"] = {f"c{n}": 1 for n in range(total - attributes)}
+                    cases.append(resource)
+    per_case = (
+        '{{- $resource := . -}}{{- $problem := include "gopherplug.countProblem" '
+        '(dict "at" "config.resources[0]" "resource" .) -}}'
+    )
+    for resource, chart in zip(cases, _chart_verdicts(helm, tmp_path, per_case, {"cases": cases}), strict=True):
+        node = _node_verdict("dra", chart["yaml"])
+        assert bool(chart["problem"]) == bool(node), (resource, chart["problem"], node)
+        if node:
+            assert chart["problem"] == node.removeprefix("config.yaml: ").replace("resources", "config.resources", 1)
 
 
 @pytest.mark.parametrize("character", ["\x7f", "\x80", "\ufffe"])

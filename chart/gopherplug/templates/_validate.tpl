@@ -251,10 +251,8 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- if $problem }}{{ fail $problem }}{{ end -}}
 {{- end -}}
 {{- end -}}
-{{- $total := add (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
-{{- if gt $total 32 -}}
-{{- fail (printf "%s.%s: %d attributes and %d capacities, with the %d gopherplug gives each device, are %d: the API server takes at most 32 a device" $at (ternary "capacity" "attributes" (not (empty $r.capacity))) (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) (ternary 4 3 (gt (int ($r.replicas | default 1)) 1)) $total) -}}
-{{- end -}}
+{{- $problem = include "gopherplug.countProblem" (dict "at" $at "resource" $r) -}}
+{{- if $problem }}{{ fail $problem }}{{ end -}}
 {{- /* What the device-plugin API alone has, refused with api: dra (nothing given silently unused). */ -}}
 {{- if eq $api "dra" -}}
 {{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" "pre_start" "NodePrepareResources runs before a pod's containers; gopherplug runs no command there" "pre_start_timeout" "there is no pre_start" -}}
@@ -409,6 +407,22 @@ scale is an int32). Refused besides, as canonical_quantity refuses it: above 1E,
 {{- $problem = printf "'%s' is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)" $text -}}
 {{- end -}}
 {{- if $problem }}{{ printf "%s: not a valid %s attribute for the API server: %s" $where $type $problem }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.countProblem: the resource's attributes and capacities, with those gopherplug gives each
+device itself, past the 32 the API server takes a device (_parse_declarations): the problem, or "".
+Given a dict: at (the resource's path), resource.
+*/ -}}
+{{- define "gopherplug.countProblem" -}}
+{{- $r := .resource -}}
+{{- $attributes := len ($r.attributes | default dict) -}}
+{{- $capacity := len ($r.capacity | default dict) -}}
+{{- $own := add 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
+{{- $total := add $attributes $capacity $own -}}
+{{- if gt $total 32 -}}
+{{- printf "%s.%s: %d attributes and %d capacities, with the %d gopherplug gives each device, are %d: the API server takes at most 32 a device" .at (ternary "capacity" "attributes" (gt $capacity 0)) $attributes $capacity $own $total -}}
 {{- end -}}
 {{- end -}}
 
