@@ -57,13 +57,14 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- /* The resources, one by one: parse_config's _parse_resource and what it calls. */ -}}
 {{- $mounted := include "gopherplug.hostPaths" . | fromJsonArray -}}
 {{- $hasDra := false -}}
-{{- $cannot := "has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" -}}
 {{- range $i, $r := $v.config.resources -}}
 {{- $at := printf "config.resources[%d]" $i -}}
 {{- $name := $r.name | toString -}}
 {{- /* toYaml writes "" for what Go's YAML cannot write (DEL, C1 controls, U+FFFE): the resource
 would reach the node as its name alone, and be refused there. */ -}}
-{{- if not (toYaml (omit $r "name")) }}{{ fail (printf "%s: %s" $at $cannot) }}{{ end -}}
+{{- if not (toYaml (omit $r "name")) -}}
+{{- fail (printf "%s: has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" $at) -}}
+{{- end -}}
 {{- /* resource_name_problem: what the kubelet would refuse as an extended resource name. */ -}}
 {{- $problem := "" -}}
 {{- $parts := splitList "/" $name -}}
@@ -302,10 +303,11 @@ The rules are the API server's (validateQualifiedName and validateDeviceAttribut
 pkg/apis/resource/validation/validation.go, ParseQuantity in apimachinery pkg/api/resource/quantity.go):
 lengths in bytes (Go's len, as here), digits ASCII (Go's regexps, as here), a domain's letters
 either case and ASCII only (Go lower-cases it first, and makes the Kelvin sign a "k": parse_config,
-and this, refuse it), and the few canonical_quantity refuses for its own reasons. And the value judged is the one the node reads: Helm holds every
-number of the values as a float64, and the ConfigMap holds it as toYaml writes it, which the plugin
-reads as YAML 1.1 (gopherplug.yamlKind): 9223372036854775807 arrives as 9223372036854776000, past
-int64; 1.0 as 1, a whole number; 1e20 as 1e+20, which YAML 1.1 reads as a string.
+and this, refuse it), and the few canonical_quantity refuses for its own reasons. And the value
+judged is the one the node reads: Helm holds every number of the values as a float64, and the
+ConfigMap holds it as toYaml writes it, which the plugin reads as YAML 1.1 (gopherplug.yamlKind):
+9223372036854775807 arrives as 9223372036854776000, past int64; 1.0 as 1, a whole number; 1e20 as
+1e+20, which YAML 1.1 reads as a string; the string "1.5e+999" as a float, inf.
 */ -}}
 {{- define "gopherplug.declaredProblem" -}}
 {{- $section := .section -}}
@@ -357,7 +359,7 @@ scale is an int32). Refused besides, as canonical_quantity refuses it: above 1E,
 (the server would work it out in big numbers, for as long as its exponent is). */ -}}
 {{- $text := ternary $value (toYaml $value | trim) (kindIs "string" $value) -}}
 {{- $quantity := "^[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE]([+-]?[0-9]+))?$" -}}
-{{- $problem := not (and (has $kind (list "str" "int" "float")) (regexMatch $quantity $text)) -}}
+{{- $problem := not (and (has $kind (list "str" "int" "float")) (regexMatch $quantity $text) (not (and (kindIs "string" $value) (eq $kind "float")))) -}}
 {{- if not $problem -}}
 {{- $number := regexReplaceAll $quantity $text "${1}" -}}
 {{- $suffix := regexReplaceAll $quantity $text "${2}" -}}
@@ -433,13 +435,13 @@ Given a dict: at (the resource's path), resource.
 gopherplug.yamlKind: what the plugin reads a value as, once the chart's toYaml has written it into
 the ConfigMap: str, int, float, bool, null, map, list, or tag. YAML 1.1 (PyYAML) reads a number
 with a dot as a float and one with an exponent but no dot (1e+20, as toYaml writes 1e20) as a
-string; a string past float64 (1.5e+999), which toYaml leaves unquoted, as a float (inf); and "="
-and "<<", unquoted too, as tags it cannot load.
+string; a string past float64 (1.5e+999, 1_0.5e+999), which toYaml leaves unquoted, as a float
+(inf); and "=" and "<<", unquoted too, as tags it cannot load.
 */ -}}
 {{- define "gopherplug.yamlKind" -}}
-{{- $float := "^([-+]?[0-9]+[.][0-9]*|[.][0-9]+)[eE][+][0-9]+$" -}}
+{{- $float := "^([-+]?[0-9][0-9_]*[.][0-9_]*|[.][0-9][0-9_]*)[eE][+][0-9]+$" -}}
 {{- if has . (list "=" "<<") }}tag
-{{- else if and (kindIs "string" .) (regexMatch $float .) (regexMatch "[1-9]" (regexReplaceAll "[eE].*" . "")) (eq (float64 .) 0.0) }}float
+{{- else if and (kindIs "string" .) (regexMatch $float .) (regexMatch "[1-9]" (regexReplaceAll "[eE].*" . "")) (eq (float64 (replace "_" "" .)) 0.0) }}float
 {{- else if kindIs "string" . }}str
 {{- else if kindIs "bool" . }}bool
 {{- else if kindIs "map" . }}map
