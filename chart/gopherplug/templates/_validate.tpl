@@ -432,6 +432,20 @@ Given a dict: at (the resource's path), resource.
 {{- end -}}
 
 {{- /*
+gopherplug.roomWarning: check-config's warning (_room_warning) for a DRA resource whose devices may
+pass the 32 once sysfs gives them its own attributes (numaNode twice, pciBusID, pcieRoot; a USB
+device's five more): the plugin leaves the last by name out, with a line. Given what countProblem is.
+*/ -}}
+{{- define "gopherplug.roomWarning" -}}
+{{- $r := .resource -}}
+{{- $declared := add (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
+{{- $most := add $declared 4 (ternary 5 0 (not (empty $r.usb))) -}}
+{{- if and (eq ($r.api | default "device-plugin") "dra") (gt $most 32) (le $declared 32) -}}
+{{- printf "%s.attributes: with the capacities and gopherplug's own, %d, and up to %d sysfs gives a %s a device may have %d: past 32, the last by name are left out" .at $declared (sub $most $declared) (ternary "USB device (NUMA node, PCI address, USB IDs)" "PCI device (NUMA node, PCI address)" (not (empty $r.usb))) $most -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
 gopherplug.yamlKind: what the plugin reads a value as, once the chart's toYaml has written it into
 the ConfigMap: str, int, float, bool, null, map, list, or tag. YAML 1.1 (PyYAML) reads a number
 with a dot as a float and one with an exponent but no dot (1e+20, as toYaml writes 1e20) as a
@@ -471,6 +485,9 @@ in the plugin's log).
 */ -}}
 {{- define "gopherplug.warnings" -}}
 {{- range $i, $r := .Values.config.resources -}}
+{{- with include "gopherplug.roomWarning" (dict "at" (printf "config.resources[%d]" $i) "resource" $r) }}
+{{ . }}
+{{- end -}}
 {{- $patterns := list (dict "at" "pattern" "pattern" $r.pattern) -}}
 {{- range $j, $m := $r.match }}{{ $patterns = append $patterns (dict "at" (printf "match[%d].pattern" $j) "pattern" $m.pattern) }}{{ end -}}
 {{- range $patterns -}}
