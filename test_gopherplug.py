@@ -9791,6 +9791,50 @@ def test_the_chart_counts_attributes_and_capacities_as_parse_config_does(helm, t
     assert [d for d in disagreements if not (known and known(*d))] == []
 
 
+_RESOURCE_NAMES = [
+    *(f"example.com/{'a' * n}" for n in (1, 63, 64)),
+    *(f"{'a' * n}/x" for n in (1, 244, 245)),
+    *(f"{'a.' * 121}{'a' * n}/x" for n in (1, 2, 3)),  # 243 to 245 bytes of labels
+    *("example.com/gopher", "example.com/a.b_c-d", "example.com/-a", "example.com/a-", "example.com/_a", "x/y"),
+    *("example.com", "example.com/", "/gopher", "a/b/c", "kubernetes.io/gpu", "a.kubernetes.io/gpu", "kubernetes.io"),
+    *("requests.example.com/gpu", "requests/gpu", "Example.com/gpu", "example.com/GPU", "exa mple.com/g", "-a.com/g"),
+    *("example.com/\u00e9", "\u00e9.com/g", "example.com/\u0663", "\u0663.com/g", "example.com/g\n", "a..b/g"),
+    *(f"example.com/{_by_bytes(unit, 63)}" for unit in _LONG.values()),
+]
+_RESOURCE_NAME = st.one_of(
+    st.sampled_from(_RESOURCE_NAMES),
+    st.text(st.sampled_from("aZ09.-_/é\u0663k"), max_size=80),
+    st.builds(lambda domain, name: f"{domain}/{name}", st.sampled_from(["a.com", "A.com", "kubernetes.io"]), _TEXT),
+)
+
+
+def test_the_chart_and_parse_config_agree_on_every_resource_name(helm, tmp_path):
+    """Resource names, each rule's edge from both sides (the name's 63, the domain's 244 with
+    "requests." before it, the reserved kubernetes.io and requests., case, ASCII) and generated
+    ones: `helm template` refuses exactly what parse_config refuses."""
+    names = list(_RESOURCE_NAMES)
+
+    @settings(PROPERTIES, database=None)
+    @given(_RESOURCE_NAME)
+    def collect(name):
+        names.append(name)
+
+    collect()
+    per_case = (
+        '{{- $resource := set (deepCopy $.Values.resource) "name" . -}}'
+        '{{- $problem := include "gopherplug.resourceNameProblem" . -}}'
+    )
+    resource = {"directory": "/dev", "pattern": "gopher*", "env": "GOPHER_DEVICES"}
+    names = list(dict.fromkeys(names))
+    verdicts = _chart_verdicts(helm, tmp_path, per_case, {"resource": resource, "cases": names})
+    disagreements = []
+    for name, chart in zip(names, verdicts, strict=True):
+        node = _node_verdict("device-plugin", chart["yaml"])
+        if bool(chart["problem"]) != bool(node):
+            disagreements.append((name, chart["problem"], node))
+    assert disagreements == [], f"{len(disagreements)} of {len(names)}"
+
+
 @pytest.mark.parametrize("character", ["\x7f", "\x80", "\ufffe"])
 def test_the_chart_refuses_a_resource_toyaml_cannot_write(helm, character, tmp_path):
     """Sprig's toYaml returns "" for what Go's YAML cannot write: configmap.yaml would give the node

@@ -65,20 +65,8 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- if not (toYaml (omit $r "name")) -}}
 {{- fail (printf "%s: has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" $at) -}}
 {{- end -}}
-{{- /* resource_name_problem: what the kubelet would refuse as an extended resource name. */ -}}
-{{- $problem := "" -}}
 {{- $parts := splitList "/" $name -}}
-{{- if ne (len $parts) 2 -}}
-{{- $problem = "must be an extended resource name, domain/name (e.g. example.com/gopher)" -}}
-{{- else if contains "kubernetes.io/" $name -}}
-{{- $problem = "the kubernetes.io domain is reserved for Kubernetes' own resources" -}}
-{{- else if hasPrefix "requests." $name -}}
-{{- $problem = "must not start with \"requests.\"" -}}
-{{- else if or (not (regexMatch $qualified (index $parts 1))) (gt (len (index $parts 1)) 63) -}}
-{{- $problem = "the name after '/' must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit" -}}
-{{- else if or (not (regexMatch $dns (index $parts 0))) (gt (len (index $parts 0)) 244) -}}
-{{- $problem = "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)" -}}
-{{- end -}}
+{{- $problem := include "gopherplug.resourceNameProblem" $name -}}
 {{- if $problem }}{{ fail (printf "%s.name: '%s': %s" $at $name $problem) }}{{ end -}}
 {{- /* api: the chart writes dra (the driver) in mode dra only. */ -}}
 {{- $api := $r.api | default "device-plugin" -}}
@@ -289,6 +277,23 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- end -}}
 {{- if and $dra (not $hasDra) -}}
 {{- fail "mode: dra: no resource has api: dra, so the driver would offer nothing: give the resources it serves api: dra (and those it does not a release in mode device-plugin)" -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* gopherplug.resourceNameProblem: what the kubelet would refuse as an extended resource name
+(resource_name_problem), or "". */ -}}
+{{- define "gopherplug.resourceNameProblem" -}}
+{{- $parts := splitList "/" . -}}
+{{- if ne (len $parts) 2 -}}
+must be an extended resource name, domain/name (e.g. example.com/gopher)
+{{- else if contains "kubernetes.io/" . -}}
+the kubernetes.io domain is reserved for Kubernetes' own resources
+{{- else if hasPrefix "requests." . -}}
+must not start with "requests."
+{{- else if or (not (regexMatch "^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" (index $parts 1))) (gt (len (index $parts 1)) 63) -}}
+the name after '/' must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit
+{{- else if or (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" (index $parts 0))) (gt (len (index $parts 0)) 244) -}}
+the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)
 {{- end -}}
 {{- end -}}
 
