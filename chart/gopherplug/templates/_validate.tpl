@@ -4,10 +4,11 @@ DaemonSet takes a values file to every node at once, and a configuration the plu
 crash-loops the whole pool. Each check is one of parse_config's (gopherplug.py), with its sentence,
 at the key's path in the values ("config.resources[0].env: ..."); the test
 test_every_refusal_of_parse_config_is_refused_at_render keeps the two lists together (a refusal
-that needs the node, a device or PATH, is named there with the reason), and
-test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity holds the checks that return
-their problem (gopherplug.declaredProblem, gopherplug.countProblem) to parse_config's verdict on
-values generated either side of every limit. values.schema.json keeps
+that needs the node, a device or PATH, is named there with the reason); and the checks that return
+their problem rather than fail (gopherplug.resourceNameProblem, declaredProblem, countProblem) are
+held to parse_config's verdict on values generated either side of every limit, in one render of a
+test chart each (test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity and the
+tests beside it). values.schema.json keeps
 the checks whose Helm line is readable as it is (types, unknown keys, ranges, enums); a pattern or
 a `not` there would print a regex or "'not' failed", so those are here, as sentences.
 
