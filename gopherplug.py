@@ -14505,6 +14505,30 @@ def load_demo_config(path: str, dra: bool = False) -> Config:
         raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
 
 
+#: `demo --select`: a CEL selector's text, and whether it selects a device of the demo's driver
+#: (a ResourceSlice's device), else GopherplugError with the scheduler's words.
+DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool]]
+
+
+def demo_selector(expression: str, driver: str) -> DemoSelector:
+    """``expression`` compiled for ``demo --select`` by the scheduler stand-in (gopherplug_standins'
+    DeviceSelector, with cel-python, the Kubernetes CEL library's quantity and semver functions
+    included): GopherplugError, before anything starts, when it cannot be (a syntax error, which the
+    API server refuses too; cel-python or gopherplug_standins.py missing)."""
+    try:  # where they are needed: a node running this module has neither
+        from gopherplug_standins import DeviceSelector, cel_device
+
+        selector = DeviceSelector(expression)
+    except GopherplugError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
+        raise GopherplugError(f"{error} (the API server would refuse a claim with it)") from None
+    except ImportError as error:
+        raise GopherplugError(
+            f"CEL is evaluated with cel-python and gopherplug_standins.py ({error}): pip install "
+            "cel-python, with gopherplug_standins.py beside gopherplug.py (a checkout, or pip install gopherplug)"
+        ) from None
+    return expression, lambda device: selector.matches(cel_device(driver, device))
+
+
 def _demo_config(config: Config, root: str) -> Config:
     """``config`` as the demo runs it: the devices where the file says (what the demo is about),
     everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
@@ -14524,11 +14548,14 @@ def _demo_config(config: Config, root: str) -> Config:
     )
 
 
-async def run_config_demo(config: Config, out: Callable[[str], None] = print) -> None:
+async def run_config_demo(
+    config: Config, out: Callable[[str], None] = print, select: DemoSelector | None = None
+) -> None:
     """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
     kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
     directory: each registration and first list or ResourceSlice, then one Allocate or one prepared
-    claim per resource, narrated. Leaves nothing behind."""
+    claim per resource (for a device ``select`` selects, each device's verdict said), narrated.
+    Leaves nothing behind."""
     if config.dra is not None:
         try:  # before anything starts, as run_dra_demo
             import h11  # noqa: F401
@@ -14540,12 +14567,14 @@ async def run_config_demo(config: Config, out: Callable[[str], None] = print) ->
             ) from None
     root = tempfile.mkdtemp(prefix="gopherplug-demo-")
     try:
-        await _narrate_config_demo(_demo_config(config, root), config.source, root, out)
+        await _narrate_config_demo(_demo_config(config, root), config.source, root, out, select)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _narrate_config_demo(config: Config, source: str, root: str, out: Callable[[str], None]) -> None:
+async def _narrate_config_demo(
+    config: Config, source: str, root: str, out: Callable[[str], None], select: DemoSelector | None
+) -> None:
     say = _demo_clock(out, width=9)
     assert config.device_plugin_dir is not None
     kubelet: KubeletSimulator | None = None
@@ -14583,7 +14612,7 @@ async def _narrate_config_demo(config: Config, source: str, root: str, out: Call
                         await _demo_allocate(kubelet, resource, say)
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
-                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say)
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say, select)
                 plugin.cancel_scope.cancel()
         finally:
             if client is not None:
@@ -14661,10 +14690,11 @@ async def _demo_claim(
     driver: str,
     resource: ResourceConfig,
     say: Callable[[str, str], None],
+    select: DemoSelector | None = None,
 ) -> None:
-    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device,
-    allocated as the scheduler would, prepared as the kubelet asks, and the CDI edits the runtime
-    would apply for it."""
+    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device (that
+    ``select`` selects), allocated as the scheduler would, prepared as the kubelet asks, and the CDI
+    edits the runtime would apply for it."""
     pool = dra_pool_name(DEMO_NODE, resource.name)
 
     def devices() -> list[dict[str, Any]]:
@@ -14698,11 +14728,9 @@ async def _demo_claim(
             say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
-    healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
-    if not healthy:
-        say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
+    claim = f"demo-{resource.name.rpartition('/')[2]}"
+    if (device := _demo_pick(devices(), pool, f"default/{claim}", select, say)) is None:
         return
-    device = min(healthy, key=lambda d: _natural_key(d["name"]))
     # What the scheduler selects by: the device's attributes and capacity in its slice (the
     # standard ones under resource.kubernetes.io/, the others under the driver's name).
     shown = [f"{key}={next(iter(typed.values()))}" for key, typed in device["attributes"].items()]
@@ -14716,13 +14744,13 @@ async def _demo_claim(
         {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
-            "metadata": {"namespace": "default", "name": f"demo-{resource.name.rpartition('/')[2]}", "uid": uid},
+            "metadata": {"namespace": "default", "name": claim, "uid": uid},
             "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
     )
     say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
-    answer = (await kubelet.prepare(driver, [("default", uid, f"demo-{resource.name.rpartition('/')[2]}")])).claims[uid]
+    answer = (await kubelet.prepare(driver, [("default", uid, claim)])).claims[uid]
     if answer.error:
         say("plugin", f"  NodePrepareResources refused: {answer.error}")
         return
@@ -14739,6 +14767,45 @@ async def _demo_claim(
             say("runtime", f"  {cdi_id}: mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
         for env in edits.get("env", ()):
             say("runtime", f"  {cdi_id}: env {env}")
+
+
+def _demo_pick(
+    devices: list[dict[str, Any]],
+    pool: str,
+    claim: str,
+    select: DemoSelector | None,
+    say: Callable[[str, str], None],
+) -> dict[str, Any] | None:
+    """The device the scheduler would allocate to the demo's claim: the first healthy one, in slice
+    order, that ``select`` selects. With a selector, each device's verdict is said; the allocator
+    evaluates the selectors of the devices it meets in that order, and the first CEL error fails
+    the claim on this node (selectorsMatch in k8s.io/dynamic-resource-allocation structured), even
+    where a later device would match."""
+    healthy = [d for d in devices if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
+    if select is None:
+        if not healthy:
+            say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
+        return min(healthy, key=lambda d: _natural_key(d["name"]), default=None)
+    expression, selects = select
+    say("scheduler", f"selector #0 of claim {claim}: {expression}")
+    chosen: dict[str, Any] | None = None
+    failed = ""
+    for device in devices:
+        try:
+            verdict = "selected" if selects(device) else "not selected"
+        except GopherplugError as error:
+            verdict = f"claim {claim}: selector #0: CEL runtime error: {error}"
+            failed = failed or (verdict if chosen is None else "")
+        else:
+            if verdict == "selected" and chosen is None and not failed and device in healthy:
+                chosen = device
+        health = "" if device in healthy else " (unhealthy)"
+        say("scheduler", f"  {device['name']}{health}: {verdict}")
+    if failed:
+        say("scheduler", f"the claim stays unallocated, its pod Pending (FailedScheduling): {failed}")
+    elif chosen is None:
+        say("scheduler", f"no healthy device in pool {pool} is selected: the claim stays unallocated")
+    return chosen
 
 
 def _demo_cdi_edits(spec_dir: str, kind: str, name: str) -> dict[str, Any]:
@@ -14838,6 +14905,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="your configuration instead of the demo's: its devices scanned where it says, registered, listed, and "
         "one Allocate (or one DRA claim prepared) per resource",
+    )
+    demo.add_argument(
+        "--select",
+        metavar="CEL",
+        help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
+        "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
     )
     for command in (serve, check, probe_, who):
         command.add_argument(
@@ -14950,16 +15023,20 @@ def _main(argv: list[str] | None = None) -> int:
         args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
         args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
+        if args.select is not None and (args.config is None or not args.dra):
+            print("gopherplug: --select: give --config FILE and --dra: it selects among your devices", file=sys.stderr)
+            return EXIT_USAGE
         if args.config is None:
             return _run(args, run_dra_demo if args.dra else run_demo)
         try:  # refused as check-config refuses it
             config = load_demo_config(args.config, args.dra)
-        except ConfigError as error:
-            print(f"gopherplug: {error}", file=sys.stderr)
+            select = args.select and demo_selector(args.select, config.dra.driver)  # type: ignore[union-attr]
+        except GopherplugError as error:  # the file, or the selector (the API server would refuse it too)
+            print(f"gopherplug: {'' if isinstance(error, ConfigError) else '--select: '}{error}", file=sys.stderr)
             return EXIT_USAGE
         for warning in config.warnings:
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
-        return _run(args, run_config_demo, config)
+        return _run(args, functools.partial(run_config_demo, select=select), config)
     if args.command == "probe":
         return _probe(args)
     if not args.config:

@@ -6162,6 +6162,108 @@ def test_demo_config_refuses_what_check_config_refuses(tmp_path):
     )
 
 
+def hailo_config(sockdir):
+    """Three Hailo-8 cards as an edge gateway has them (issue 45): their firmware versions and
+    memory in files the configuration reads per device; the file's path."""
+    for directory in ("dev", "fw", "mem"):
+        os.mkdir(os.path.join(sockdir, directory))
+    for card, firmware, memory in (
+        ("hailo0", "4.16.2", "8Gi"),
+        ("hailo1", "4.18.0", "16Gi"),
+        ("hailo2", "4.20.1", "4Gi"),
+    ):
+        open(os.path.join(sockdir, "dev", card), "x").close()
+        Path(sockdir, "fw", card).write_text(firmware + "\n")
+        Path(sockdir, "mem", card).write_text(memory + "\n")
+    resource = {
+        "name": "example.com/hailo",
+        "directory": os.path.join(sockdir, "dev"),
+        "pattern": "hailo*",
+        "attributes": {
+            "model": "hailo8",
+            "firmwareVersion": {"file": os.path.join(sockdir, "fw", "{id}"), "type": "version"},
+        },
+        "capacity": {"memory": {"file": os.path.join(sockdir, "mem", "{id}")}},
+    }
+    path = os.path.join(sockdir, "hailo.yaml")
+    Path(path).write_text(yaml.safe_dump({"resources": [resource]}))
+    return path
+
+
+#: The demo's driver, where a selector finds the attributes and capacity of the configuration
+ATTRIBUTES, CAPACITY = (f'device.{kind}["{gp.DEMO_DRIVER}"]' for kind in ("attributes", "capacity"))
+ERROR = "claim default/demo-hailo: selector #0: CEL runtime error: "
+
+
+@pytest.mark.parametrize(
+    "selector, verdicts, allocated",
+    [
+        (  # a version compared as a version: 4.18.0 > 4.17.0 > 4.16.2, not as strings would be
+            f'{ATTRIBUTES}.firmwareVersion.isGreaterThan(semver("4.17.0"))',
+            ["not selected", "selected", "selected"],
+            "hailo1",
+        ),
+        (  # a capacity against a quantity, binary suffixes by value: 16Gi and 8Gi, not 4Gi
+            f'{CAPACITY}.memory.compareTo(quantity("8Gi")) >= 0 && {CAPACITY}.memory.isLessThan(quantity("10Gi"))',
+            ["selected", "not selected", "not selected"],
+            "hailo0",
+        ),
+        (f'{ATTRIBUTES}.model == "hailo8" && device.driver == "{gp.DEMO_DRIVER}"', ["selected"] * 3, "hailo0"),
+        (  # MAJOR.MINOR.PATCH or an error, on each device: the claim fails on the node
+            f'{ATTRIBUTES}.firmwareVersion.isGreaterThan(semver("4.17"))',
+            [ERROR + "No Major.Minor.Patch elements found"] * 3,
+            None,
+        ),
+        (  # an attribute the devices have not: not false, an error
+            f'{ATTRIBUTES}.pcieRoot == "pci0000:00"',
+            [ERROR + "no such key: pcieRoot"] * 3,
+            None,
+        ),
+    ],
+    ids=["version", "quantity", "string", "semver-error", "no-such-key"],
+)
+def test_demo_select_evaluates_a_selector_on_your_devices_as_the_scheduler(sockdir, selector, verdicts, allocated):
+    """`demo --config FILE --dra --select CEL`: the selector is evaluated on each published device as
+    the scheduler evaluates it (the Kubernetes CEL library's semver and quantity functions; a
+    version attribute a version), each device's verdict said; the claim gets the first device
+    selected, or stays unallocated at the first CEL error, in the scheduler's words."""
+    _, said = narrated_demo(sockdir, "--config", hailo_config(sockdir), "--dra", "--select", selector)
+    lines = said.splitlines()
+    start = lines.index(f"selector #0 of claim default/demo-hailo: {selector}")
+    assert lines[start + 1 : start + 4] == [f"hailo{i}: {verdict}" for i, verdict in enumerate(verdicts)]
+    if allocated is None:
+        assert lines[start + 4] == f"the claim stays unallocated, its pod Pending (FailedScheduling): {verdicts[0]}"
+        assert not [line for line in lines if line.startswith(("allocated", "NodePrepareResources"))]
+    else:
+        pool = "demo-node/example.com/hailo"
+        assert f"allocated a ResourceClaim: device {allocated} of pool {pool}" in lines
+        assert f"gopherplug.example.com/hailo={allocated}: env HAILO_DEVICES_{allocated.upper()}={allocated}" in lines
+
+
+def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_needs(sockdir):
+    """A selector the API server would refuse is refused before the demo starts, in one line, exit 2;
+    so is --select without the devices of --config and --dra."""
+    path = hailo_config(sockdir)
+    result = run_cli("demo", "--config", path, "--dra", "--select", f"{ATTRIBUTES}.model ==")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "gopherplug: --select: compilation failed: ERROR: <input>:1:51: Syntax error "
+        "(the API server would refuse a claim with it)\n"
+    )
+    result = run_cli("demo", "--config", path, "--select", "true")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "gopherplug: --select: give --config FILE and --dra: it selects among your devices\n"
+    script = "import sys, gopherplug\nsys.modules['celpy'] = None\nsys.exit(gopherplug.main(sys.argv[1:]))\n"
+    argv = [sys.executable, "-c", script, "demo", "--config", path, "--dra", "--select", "true"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith("gopherplug: --select: CEL is evaluated with cel-python and gopherplug_standins")
+    assert result.stderr.endswith(
+        "): pip install cel-python, with gopherplug_standins.py beside gopherplug.py "
+        "(a checkout, or pip install gopherplug)\n"
+    )
+
+
 async def run_cli_async(*args, env=None):
     """run_cli for tests whose plugin runs on this trio thread: the subprocess is awaited, not blocked on."""
     return await trio.run_process(
