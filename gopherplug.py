@@ -13371,6 +13371,114 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
     say("demo", "done: plugin stopped, its sockets removed")
 
 
+def _answer_lines(answer: Any) -> list[str]:
+    """What one ContainerAllocateResponse gives the container, a line each."""
+    lines = [f"device {spec.host_path} -> {spec.container_path} ({spec.permissions})" for spec in answer.devices]
+    lines += [f"mount {m.host_path} -> {m.container_path} ({'ro' if m.read_only else 'rw'})" for m in answer.mounts]
+    lines += [f"env {key}={value}" for key, value in sorted(answer.envs.items())]
+    lines += [f"annotation {key}={value}" for key, value in sorted(answer.annotations.items())]
+    return lines + [f"CDI device {cdi.name}" for cdi in answer.cdi_devices]
+
+
+# `gopherplug kubelet --device-plugin-dir DIR`: the simulator in the foreground, narrated, to watch
+# a device plugin (`gopherplug serve --device-plugin-dir DIR`, or any other) without a cluster.
+#: What `gopherplug kubelet` takes on its standard input, a line each.
+KUBELET_REQUESTS = "allocate [RESOURCE [N]] (an empty line: one device of each resource), free, restart"
+_KUBELET_PODS = itertools.count(1)  # the pods `gopherplug kubelet` admits, named in order
+
+
+async def narrate_kubelet(kubelet: KubeletSimulator, say: Callable[[str, str], None]) -> None:
+    """Say what ``kubelet`` sees as it sees it, until cancelled: each registration or refusal, each
+    ListAndWatch list with the health changes it brings, each stream's end, each restart."""
+    told: tuple[Any, ...] = (0, 0, 0, kubelet.starts)  # what was said: registrations, refusals, events, starts
+    lists: dict[str, tuple[SimulatedResource, int, dict[str, str]]] = {}  # resource -> what was said of it
+
+    def state(k: KubeletSimulator) -> tuple[Any, ...]:
+        counts = (len(k.registrations), len(k.refusals), len(k.events), k.starts)
+        return (*counts, [(id(r), r.updates) for r in k.resources.values()])
+
+    while True:
+        seen = state(kubelet)
+        if kubelet.starts != told[3]:
+            say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
+        for request in kubelet.registrations[told[0] :]:
+            name, endpoint = request.resource_name, request.endpoint
+            say("plugin", f"Register(resource {name}, endpoint {endpoint}, version {request.version})")
+            if (known := kubelet.resources.get(name)) is not None and known.endpoint == endpoint:
+                say("kubelet", f"dialed {endpoint} back before answering: {_one_line(known.options)}")
+        for refusal in kubelet.refusals[told[1] :]:
+            say("kubelet", f"Register refused: {refusal}")
+        for name, resource in kubelet.resources.items():
+            was, updates, before = lists.get(name, (None, 0, {}))
+            if resource.updates and (resource is not was or resource.updates != updates):
+                listed = [f"{d} {h}" for d, h in sorted(resource.devices.items(), key=lambda i: _natural_key(i[0]))]
+                say("plugin", f"ListAndWatch {name}: {_demo_list(listed)}")
+                changed = [f"{d} {before[d]} -> {h}" for d, h in resource.devices.items() if before.get(d, h) != h]
+                whole = f"capacity {resource.capacity}, allocatable {resource.allocatable}"
+                say("kubelet", f"{name}: {whole}" + (f" ({', '.join(changed)})" if changed else ""))
+            lists[name] = (resource, resource.updates, dict(resource.devices))
+        for event, name, endpoint in kubelet.events[told[2] :]:
+            if event == "stream ended":
+                say("kubelet", f"ListAndWatch of {name} on {endpoint} ended")
+            elif event == "disconnected":
+                say("kubelet", f"{name} disconnected: every device unhealthy, allocatable 0, until it registers again")
+        told = seen
+        await kubelet.wait_until(lambda k, seen=seen: state(k) != seen)  # type: ignore[misc]
+
+
+async def kubelet_request(kubelet: KubeletSimulator, line: str, say: Callable[[str, str], None]) -> None:
+    """Carry out one of KUBELET_REQUESTS, as the kubelet would for a pod: ``allocate`` picks the
+    devices no pod holds (asking GetPreferredAllocation where the plugin offers it), calls Allocate
+    for a new pod's container and PreStartContainer where the plugin asks for it; ``free`` ends every
+    pod; ``restart`` restarts the kubelet."""
+    words = line.split()
+    if words in ([], ["allocate"]) or (words[0] == "allocate" and len(words) <= 3):
+        count = words[2] if len(words) == 3 else "1"
+        if not count.isdigit() or int(count) == 0:
+            say("kubelet", f"allocate: {count!r} is not a number of devices")
+            return
+        if not kubelet.resources and len(words) < 2:
+            say("kubelet", "allocate: no resource is registered yet")
+        for name in words[1:2] or sorted(kubelet.resources):
+            await _kubelet_allocate(kubelet, name, int(count), say)
+    elif words == ["free"]:
+        for namespace, pod in list(kubelet.pod_devices):
+            kubelet.remove_pod(namespace, pod)
+            say("kubelet", f"pod {namespace}/{pod} ended: its devices are free (no plugin call)")
+    elif words == ["restart"]:
+        kubelet.restart()
+    else:
+        say("kubelet", f"{line.strip()!r}: ask for one of: {KUBELET_REQUESTS}")
+
+
+async def _kubelet_allocate(kubelet: KubeletSimulator, name: str, count: int, say: Callable[[str, str], None]) -> None:
+    if (resource := kubelet.resources.get(name)) is None:
+        say("kubelet", f"allocate: {name} is not registered (registered: {', '.join(kubelet.resources) or 'none'})")
+        return
+    pod = f"pod-{next(_KUBELET_PODS)}"
+    available = kubelet.available(name)
+    if len(available) < count:
+        say(
+            "kubelet",
+            f"pod default/{pod} asks for {count} {name}: {len(available)} free and healthy, it waits (Pending)",
+        )
+        return
+    try:
+        chosen = available[:count]
+        if resource.options.get_preferred_allocation_available:
+            chosen = await kubelet.preferred_allocation(name, available, [], count)
+            say("plugin", f"GetPreferredAllocation(size {count} of {_demo_list(available)}): {', '.join(chosen)}")
+        say("kubelet", f"pod default/{pod} asks for {count} {name}: Allocate({', '.join(chosen)})")
+        answer = await kubelet.allocate(name, chosen, container=("default", pod, "app"))
+        for line in _answer_lines(answer.container_responses[0]):
+            say("plugin", f"  {line}")
+        if resource.options.pre_start_required:
+            await kubelet.pre_start_container(name, chosen)
+            say("plugin", f"PreStartContainer({', '.join(chosen)}): done")
+    except GopherplugError as error:  # the kubelet's refusal, or the plugin's
+        say("kubelet", f"  refused: {error.message if isinstance(error, RPCError) else error}")
+
+
 def _one_line(message: Any) -> str:
     # Not protobuf's text_format: importing it costs the plugin 2.7 MB of memory for one demo line.
     return ", ".join(f"{field.name}: {value}" for field, value in message.ListFields()) or "(defaults)"
@@ -14672,16 +14780,8 @@ async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, sa
     except RPCError as error:
         say("plugin", f"  refused: {error.message}")
         return
-    for spec in answer.devices:
-        say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
-    for mount in answer.mounts:
-        say("plugin", f"  mount {mount.host_path} -> {mount.container_path} ({'ro' if mount.read_only else 'rw'})")
-    for key, value in sorted(answer.envs.items()):
-        say("plugin", f"  env {key}={value}")
-    for key, value in sorted(answer.annotations.items()):
-        say("plugin", f"  annotation {key}={value}")
-    for cdi in answer.cdi_devices:
-        say("plugin", f"  CDI device {cdi.name}")
+    for line in _answer_lines(answer):
+        say("plugin", f"  {line}")
 
 
 async def _demo_claim(
@@ -14846,7 +14946,7 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo,kubelet}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)", allow_abbrev=False)
     check = commands.add_parser(
         "check-config",
@@ -14912,6 +15012,18 @@ def _parser() -> argparse.ArgumentParser:
         help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
         "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
     )
+    kubelet = commands.add_parser(
+        "kubelet",
+        allow_abbrev=False,
+        help="be a kubelet's device manager on a directory, in the foreground, saying what it sees of the plugins "
+        f"that register there; on standard input: {KUBELET_REQUESTS}; SIGUSR1: allocate",
+    )
+    kubelet.add_argument(
+        "--device-plugin-dir",
+        required=True,  # never a real kubelet's by default: the simulator deletes the sockets it finds there
+        metavar="DIR",
+        help="the directory to serve kubelet.sock in (made if missing); give the plugin the same one",
+    )
     for command in (serve, check, probe_, who):
         command.add_argument(
             "--config",
@@ -14937,7 +15049,7 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{does}, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; serving needs the "
             "metrics extra)",
         )
-    for command, default in ((serve, "info"), (demo, "warning")):
+    for command, default in ((serve, "info"), (demo, "warning"), (kubelet, "warning")):
         command.add_argument(
             "--log-level",
             default=env("GOPHERPLUG_LOG_LEVEL", default),
@@ -14989,7 +15101,7 @@ def _main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself (console script, python -m gopherplug, gopherplug.py)
         _OWNS_PROCESS = True
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("serve", "check-config", "probe", "who", "demo")
+    commands = ("serve", "check-config", "probe", "who", "demo", "kubelet")
     if argv and argv[0] not in commands and not argv[0].startswith("-"):  # a word, not a command: a typo
         import difflib  # here, where a mistake is
 
@@ -15037,6 +15149,8 @@ def _main(argv: list[str] | None = None) -> int:
         for warning in config.warnings:
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
         return _run(args, functools.partial(run_config_demo, select=select), config)
+    if args.command == "kubelet":
+        return _kubelet(args)
     if args.command == "probe":
         return _probe(args)
     if not args.config:
@@ -15198,6 +15312,40 @@ def _who(args: argparse.Namespace, config: Config) -> int:
     held = device_holders(devices, pods, config.dra.driver if config.dra else "", node_name)
     print(json.dumps([dataclasses.asdict(device) for device in held]) if args.json else who_report(held))
     return EXIT_OK
+
+
+def _kubelet(args: argparse.Namespace) -> int:
+    """``gopherplug kubelet``: the kubelet simulator until SIGINT or SIGTERM, narrated on standard
+    output; each line of standard input is a request (kubelet_request), and so is SIGUSR1 (allocate
+    one device of each resource). Refused where a kubelet answers on kubelet.sock already: starting,
+    the simulator deletes every socket of the directory, that kubelet's and its plugins' too."""
+    path = os.path.join(args.device_plugin_dir, KUBELET_SOCKET)
+    with socket.socket(socket.AF_UNIX) as probe, contextlib.suppress(OSError):
+        probe.connect(path)
+        print(f"gopherplug: kubelet: {path} answers: a kubelet serves this directory already", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def main() -> None:
+        say = _demo_clock(functools.partial(print, flush=True))
+        async with trio.open_nursery() as nursery:
+            kubelet = await nursery.start(KubeletSimulator(args.device_plugin_dir).run)
+            say("kubelet", f"serving Registration on {path}; requests: {KUBELET_REQUESTS}")
+            nursery.start_soon(narrate_kubelet, kubelet, say)
+            nursery.start_soon(read_requests, kubelet, say)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as signals:
+                async for signum in signals:
+                    if signum != signal.SIGUSR1:
+                        break
+                    await kubelet_request(kubelet, "allocate", say)
+            nursery.cancel_scope.cancel()
+        say("kubelet", "stopped: kubelet.sock removed")
+
+    async def read_requests(kubelet: KubeletSimulator, say: Callable[[str, str], None]) -> None:
+        # A thread, not a non-blocking descriptor: stdin may be the terminal the shell shares.
+        while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
+            await kubelet_request(kubelet, line, say)  # at the end of the input, only signals ask
+
+    return _run(args, main)
 
 
 def _has_capability(number: int) -> bool:

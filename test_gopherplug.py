@@ -6264,6 +6264,68 @@ def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_ne
     )
 
 
+async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):
+    """`gopherplug kubelet --device-plugin-dir DIR` and `gopherplug serve` as two processes on one
+    directory, as a user tries a configuration without a cluster: the kubelet says the
+    registration, each list with its health changes, an Allocate asked on its standard input (with
+    the plugin's preferred allocation) and by SIGUSR1 (a device no pod holds), a request it does
+    not know; SIGTERM stops it, exit 0, kubelet.sock gone."""
+    config = str(write_config(node, tmp_path))
+    kubelet = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "kubelet", "--device-plugin-dir", node.plugin_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    plugin = None
+    said = bytearray()
+    try:
+        with trio.fail_after(6 * TIMEOUT):
+            await read_until(kubelet.stdout, f"serving Registration on {node.kubelet_socket}", said)
+            plugin = await trio.lowlevel.open_process(
+                [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", config], stderr=subprocess.DEVNULL
+            )
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 2, allocatable 2\n", said)
+            await kubelet.stdin.send_all(f"allocate {RESOURCE} 1\nallocate {RESOURCE} x\nborrow\n".encode())
+            await read_until(kubelet.stdout, "ask for one of", said)
+            os.remove(os.path.join(node.devices, "g1"))  # the pod's device goes; g2 is left
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 1, allocatable 1", said)
+            kubelet.send_signal(signal.SIGUSR1)
+            await read_until(kubelet.stdout, "GOPHER_DEVICES=g2", said)
+            kubelet.send_signal(signal.SIGTERM)
+            assert await kubelet.wait() == 0
+            said += await kubelet.stdout.receive_some()
+    finally:
+        for process in (kubelet, plugin):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+    lines = [line.split(None, 3)[2:] for line in said.decode().splitlines()]
+    assert lines[1:] == [
+        ["plugin", f"Register(resource {RESOURCE}, endpoint gopherplug-example.com_gopher-1.sock, version v1beta1)"],
+        [
+            "kubelet",
+            "dialed gopherplug-example.com_gopher-1.sock back before answering: "
+            "get_preferred_allocation_available: True",
+        ],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 2, allocatable 2"],
+        ["plugin", "GetPreferredAllocation(size 1 of g1, g2): g1"],
+        ["kubelet", f"pod default/pod-1 asks for 1 {RESOURCE}: Allocate(g1)"],
+        ["plugin", "env GOPHER_DEVICES=g1"],
+        ["kubelet", "allocate: 'x' is not a number of devices"],
+        ["kubelet", f"'borrow': ask for one of: {gp.KUBELET_REQUESTS}"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g2 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 1, allocatable 1"],
+        ["plugin", "GetPreferredAllocation(size 1 of g2): g2"],
+        ["kubelet", f"pod default/pod-2 asks for 1 {RESOURCE}: Allocate(g2)"],
+        ["plugin", "env GOPHER_DEVICES=g2"],
+        ["kubelet", "stopped: kubelet.sock removed"],
+    ]
+    assert not os.path.exists(node.kubelet_socket)
+    assert (await kubelet.stderr.receive_some()) == b""
+
+
 async def run_cli_async(*args, env=None):
     """run_cli for tests whose plugin runs on this trio thread: the subprocess is awaited, not blocked on."""
     return await trio.run_process(
@@ -7556,7 +7618,7 @@ def test_bad_usage_exits_2():
     [
         ("server", "did you mean serve?"),
         ("chek-config", "did you mean check-config?"),
-        ("xyzzy", "the commands are serve, check-config, probe, who, demo"),
+        ("xyzzy", "the commands are serve, check-config, probe, who, demo, kubelet"),
     ],
 )
 def test_a_word_that_is_not_a_command_is_one_line(word, said):
