@@ -13304,10 +13304,7 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
         return ", ".join(f"{device_id} {health}" for device_id, health in known.items()) or "none"
 
     async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> None:
-        with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            await kubelet.wait_until(predicate)
-            return
-        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+        await _demo_step(what, kubelet.wait_until(predicate))
 
     out(f"gopherplug demo: a simulated kubelet and the real plugin, in {os.path.dirname(devices)}")
     async with trio.open_nursery() as nursery:
@@ -13492,6 +13489,13 @@ def _demo_clock(out: Callable[[str], None], width: int = 8) -> Callable[[str, st
         out(f"{(trio.current_time() - start) * 1e3:8.1f} ms  {who:<{width}} {what}")
 
     return say
+
+
+async def _demo_step(what: str, happened: Awaitable[None]) -> None:
+    with trio.move_on_after(DEMO_STEP_TIMEOUT):
+        await happened
+        return
+    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
 
 
 # The DRA side of the kubelet, and an API server, in miniature.
@@ -14421,17 +14425,30 @@ resources:
 """
 
 
-async def run_dra_demo(out: Callable[[str], None] = print) -> None:
-    """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
-    simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
+def _demo_needs_dra_extra(what: str) -> None:
     try:  # before anything starts: the API server simulator needs h11, the client lightkube
         import h11  # noqa: F401
 
         _import_api_client()
     except ImportError as error:
-        raise GopherplugError(
-            f"the DRA demo needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
-        ) from None
+        why = f"{what} needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+        raise GopherplugError(why) from None
+
+
+def _demo_kubeconfig(server: str, root: str) -> str:
+    """A kubeconfig for the API server simulator at ``server``, written in ``root``: its path."""
+    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+    document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo", "contexts": [context]}
+    document |= {"clusters": [{"name": "demo", "cluster": {"server": server}}], "users": [{"name": "demo", "user": {}}]}
+    with open(path := os.path.join(root, "kubeconfig"), "w", encoding="utf-8") as file:
+        yaml.safe_dump(document, file)
+    return path
+
+
+async def run_dra_demo(out: Callable[[str], None] = print) -> None:
+    """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
+    simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
+    _demo_needs_dra_extra("the DRA demo")
     root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
     try:
         for directory in ("device-plugins", "kubelet", "gophers"):
@@ -14449,12 +14466,6 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     driver, resource, node = config.dra.driver, config.resources[0], "demo-node"
     pool = dra_pool_name(node, resource.name)
     say = _demo_clock(out, width=9)
-
-    async def step(what: str, happened: Awaitable[None]) -> None:
-        with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            await happened
-            return
-        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
 
     async def api_until(done: Callable[[], bool]) -> None:
         while not done():
@@ -14477,13 +14488,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     async with trio.open_nursery() as nursery:
         api = await nursery.start(LenientApiServer().run)
         api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
-        kubeconfig = os.path.join(root, "kubeconfig")
-        with open(kubeconfig, "w", encoding="utf-8") as file:
-            cluster = {"name": "demo", "cluster": {"server": api.url}}
-            context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
-            user = {"name": "demo", "user": {}}
-            document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo"}
-            yaml.safe_dump({**document, "clusters": [cluster], "contexts": [context], "users": [user]}, file)
+        kubeconfig = _demo_kubeconfig(api.url, root)
         say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
         kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=lambda name: api.delete_node_slices(node, name))
         await nursery.start(kubelet.run)
@@ -14494,12 +14499,12 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
             async with trio.open_nursery() as plugin:
                 await plugin.start(functools.partial(serve_plugin, config, node_name=node, api=client))
                 say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
-                await step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
+                await _demo_step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
                 known = kubelet.drivers[driver]
                 say("kubelet", f"GetInfo: type {DRA_PLUGIN_TYPE}, name {driver}, endpoint {known.endpoint}")
                 say("kubelet", f"  supported versions {', '.join(known.supported_versions)}: chose {known.service}")
                 say("kubelet", "NotifyRegistrationStatus(registered): the driver is known to this node")
-                await step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
+                await _demo_step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
                 say("plugin", slice_line())
                 first = slices()[0]["spec"]["devices"][0]
                 attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
@@ -14513,7 +14518,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 open(added, "x").close()
                 touched = trio.current_time()
                 say("demo", f"created {added}")
-                await step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
+                await _demo_step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
                 say("plugin", f"{slice_line()} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
 
                 # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
@@ -14572,8 +14577,8 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 restarted = trio.current_time()
                 kubelet.restart()
                 say("kubelet", "restarted: it wipes this node's slices, then walks plugins_registry again")
-                await step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
-                await step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
+                await _demo_step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
+                await _demo_step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
                 elapsed = (trio.current_time() - restarted) * 1e3
                 say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
                 say("plugin", slice_line())
@@ -14665,14 +14670,7 @@ async def run_config_demo(
     claim per resource (for a device ``select`` selects, each device's verdict said), narrated.
     Leaves nothing behind."""
     if config.dra is not None:
-        try:  # before anything starts, as run_dra_demo
-            import h11  # noqa: F401
-
-            _import_api_client()
-        except ImportError as error:
-            raise GopherplugError(
-                f"a DRA resource needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
-            ) from None
+        _demo_needs_dra_extra("a DRA resource")
     root = tempfile.mkdtemp(prefix="gopherplug-demo-")
     try:
         await _narrate_config_demo(_demo_config(config, root), config.source, root, out, select)
@@ -14702,9 +14700,7 @@ async def _narrate_config_demo(
         if config.dra is not None:
             api = await nursery.start(LenientApiServer().run)
             api.put_node(DEMO_NODE, f"{DEMO_NODE}-uid")
-            kubeconfig = os.path.join(root, "kubeconfig")
-            with open(kubeconfig, "w", encoding="utf-8") as file:
-                yaml.safe_dump(_demo_kubeconfig(api.url), file)
+            kubeconfig = _demo_kubeconfig(api.url, root)
             say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
             node_slices = functools.partial(api.delete_node_slices, DEMO_NODE)
             dra_kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=node_slices)
@@ -14727,27 +14723,6 @@ async def _narrate_config_demo(
                 await client.aclose()
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
-
-
-def _demo_kubeconfig(server: str) -> dict[str, Any]:
-    cluster = {"name": "demo", "cluster": {"server": server}}
-    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
-    users = [{"name": "demo", "user": {}}]
-    return {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "demo",
-        "clusters": [cluster],
-        "contexts": [context],
-        "users": users,
-    }
-
-
-async def _demo_step(what: str, happened: Awaitable[None]) -> None:
-    with trio.move_on_after(DEMO_STEP_TIMEOUT):
-        await happened
-        return
-    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
 
 
 def _demo_list(items: list[str]) -> str:

@@ -6267,9 +6267,9 @@ def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_ne
 async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):
     """`gopherplug kubelet --device-plugin-dir DIR` and `gopherplug serve` as two processes on one
     directory, as a user tries a configuration without a cluster: the kubelet says the
-    registration, each list with its health changes, an Allocate asked on its standard input (with
-    the plugin's preferred allocation) and by SIGUSR1 (a device no pod holds), a request it does
-    not know; SIGTERM stops it, exit 0, kubelet.sock gone."""
+    registration, each list with its health changes (a symlink to nothing, then to a device), an
+    Allocate asked on its standard input (with the plugin's preferred allocation) and by SIGUSR1 (a
+    device no pod holds), a request it does not know; SIGTERM stops it, exit 0, kubelet.sock gone."""
     config = str(write_config(node, tmp_path))
     kubelet = await trio.lowlevel.open_process(
         [sys.executable, str(HERE / "gopherplug.py"), "kubelet", "--device-plugin-dir", node.plugin_dir],
@@ -6288,8 +6288,11 @@ async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_req
             await read_until(kubelet.stdout, f"{RESOURCE}: capacity 2, allocatable 2\n", said)
             await kubelet.stdin.send_all(f"allocate {RESOURCE} 1\nallocate {RESOURCE} x\nborrow\n".encode())
             await read_until(kubelet.stdout, "ask for one of", said)
-            os.remove(os.path.join(node.devices, "g1"))  # the pod's device goes; g2 is left
-            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 1, allocatable 1", said)
+            target = os.path.join(node.devices, "..", "g3-target")
+            os.symlink(target, os.path.join(node.devices, "g3"))  # a symlink to nothing: unhealthy
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 3, allocatable 2", said)
+            Path(target).touch()
+            await read_until(kubelet.stdout, "(g3 Unhealthy -> Healthy)", said)
             kubelet.send_signal(signal.SIGUSR1)
             await read_until(kubelet.stdout, "GOPHER_DEVICES=g2", said)
             kubelet.send_signal(signal.SIGTERM)
@@ -6315,9 +6318,11 @@ async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_req
         ["plugin", "env GOPHER_DEVICES=g1"],
         ["kubelet", "allocate: 'x' is not a number of devices"],
         ["kubelet", f"'borrow': ask for one of: {gp.KUBELET_REQUESTS}"],
-        ["plugin", f"ListAndWatch {RESOURCE}: g2 Healthy"],
-        ["kubelet", f"{RESOURCE}: capacity 1, allocatable 1"],
-        ["plugin", "GetPreferredAllocation(size 1 of g2): g2"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy, g3 Unhealthy"],
+        ["kubelet", f"{RESOURCE}: capacity 3, allocatable 2"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy, g3 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 3, allocatable 3 (g3 Unhealthy -> Healthy)"],
+        ["plugin", "GetPreferredAllocation(size 1 of g2, g3): g2"],
         ["kubelet", f"pod default/pod-2 asks for 1 {RESOURCE}: Allocate(g2)"],
         ["plugin", "env GOPHER_DEVICES=g2"],
         ["kubelet", "stopped: kubelet.sock removed"],
