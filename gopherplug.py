@@ -13299,42 +13299,22 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
     resource = config.resources[0].name
     say = _demo_clock(out)
 
-    def listed(kubelet: KubeletSimulator) -> str:
-        known = kubelet.resources[resource].devices
-        return ", ".join(f"{device_id} {health}" for device_id, health in known.items()) or "none"
-
-    async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> None:
+    async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> float:
+        """Milliseconds until ``predicate`` holds, what the kubelet saw meanwhile said."""
+        start = trio.current_time()
         await _demo_step(what, kubelet.wait_until(predicate))
+        narrate()
+        return (trio.current_time() - start) * 1e3
 
     out(f"gopherplug demo: a simulated kubelet and the real plugin, in {os.path.dirname(devices)}")
     async with trio.open_nursery() as nursery:
         kubelet = await nursery.start(KubeletSimulator(plugin_dir).run)
+        narrate = KubeletNarrator(kubelet, say)
         say("kubelet", f"serving Registration on {kubelet.socket_path} (sockets of the directory wiped)")
         await nursery.start(serve_plugin, config)
         say("plugin", f"watching {devices}; serving DevicePlugin on a socket in {plugin_dir}")
-        await wait_for("registration", lambda k: bool(k.registrations))
-        registration = kubelet.registrations[-1]
-        say(
-            "plugin", f"Register(resource {resource}, endpoint {registration.endpoint}, version {registration.version})"
-        )
-        say(
-            "kubelet",
-            f"dialed {registration.endpoint} back before answering: {_one_line(kubelet.resources[resource].options)}",
-        )
-        say("kubelet", "registration accepted; opening ListAndWatch")
-        await wait_for("the first device list", lambda k: k.resources[resource].updates > 0)
-        say("plugin", f"ListAndWatch: {listed(kubelet)}")
-        say("kubelet", f"node capacity {resource}: {kubelet.resources[resource].capacity}")
-
-        ids = sorted(kubelet.resources[resource].devices, key=_natural_key)[:2]
-        say("kubelet", f"pod default/demo-pod asks for 2 {resource}: Allocate({', '.join(ids)})")
-        answer = (await kubelet.allocate(resource, ids, container=("default", "demo-pod", "app"))).container_responses[
-            0
-        ]
-        for name, value in sorted(answer.envs.items()):
-            say("plugin", f"  env {name}={value}")
-        for spec in answer.devices:
-            say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+        await wait_for("the first device list", lambda k: resource in k.resources and k.resources[resource].updates > 0)
+        await _kubelet_allocate(kubelet, resource, 2, say, "demo-pod")
         # `gopherplug who`: the kubelet's PodResources answer, read against the configuration.
         socket_path = os.path.join(os.path.dirname(plugin_dir), POD_RESOURCES_SOCKET)
         await nursery.start(PodResourcesSimulator(socket_path, kubelet).run)
@@ -13343,27 +13323,17 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
         for line in who_report(device_holders(scanned, pods)).splitlines():
             say("who", line.replace(devices + os.sep, ""))
 
-        added = os.path.join(devices, "gopher3")
-        open(added, "x").close()
-        touched = trio.current_time()
+        open(added := os.path.join(devices, "gopher3"), "x").close()
         say("demo", f"created {added}")
-        await wait_for("the new device's update", lambda k: "gopher3" in k.resources[resource].devices)
-        say("plugin", f"ListAndWatch: {listed(kubelet)} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
-
+        took = await wait_for("the new device's update", lambda k: "gopher3" in k.resources[resource].devices)
+        say("demo", f"the kubelet had the new list {took:.1f} ms after the file was created")
         registrations = len(kubelet.registrations)
-        restarted = trio.current_time()
         kubelet.restart()
-        say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
-        await wait_for(
+        took = await wait_for(
             "re-registration",
             lambda k: len(k.registrations) > registrations and len(k.resources[resource].devices) == 4,
         )
-        say(
-            "plugin",
-            f"saw the new kubelet.sock, registered again as {kubelet.registrations[-1].endpoint}: "
-            f"{(trio.current_time() - restarted) * 1e3:.1f} ms",
-        )
-        say("plugin", f"ListAndWatch: {listed(kubelet)}")
+        say("demo", f"the plugin saw the new kubelet.sock and registered again, listed: {took:.1f} ms")
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
 
@@ -13384,18 +13354,33 @@ KUBELET_REQUESTS = "allocate [RESOURCE [N]] (an empty line: one device of each r
 _KUBELET_PODS = itertools.count(1)  # the pods `gopherplug kubelet` admits, named in order
 
 
-async def narrate_kubelet(kubelet: KubeletSimulator, say: Callable[[str, str], None]) -> None:
-    """Say what ``kubelet`` sees as it sees it, until cancelled: each registration or refusal, each
-    ListAndWatch list with the health changes it brings, each stream's end, each restart."""
-    told: tuple[Any, ...] = (0, 0, 0, kubelet.starts)  # what was said: registrations, refusals, events, starts
-    lists: dict[str, tuple[SimulatedResource, int, dict[str, str]]] = {}  # resource -> what was said of it
+class KubeletNarrator:
+    """Says what a KubeletSimulator saw since it was last asked (``narrator()``): each registration or
+    refusal, each ListAndWatch list with the health changes it brings, each stream's end, each
+    restart. ``follow()`` says it as it happens, until cancelled; a demo asks after each step."""
 
-    def state(k: KubeletSimulator) -> tuple[Any, ...]:
-        counts = (len(k.registrations), len(k.refusals), len(k.events), k.starts)
-        return (*counts, [(id(r), r.updates) for r in k.resources.values()])
+    def __init__(self, kubelet: KubeletSimulator, say: Callable[[str, str], None]) -> None:
+        self.kubelet, self.say = kubelet, say
+        self._told: tuple[Any, ...] = (0, 0, 0, kubelet.starts)  # registrations, refusals, events, starts
+        self._lists: dict[str, tuple[SimulatedResource, int, dict[str, str]]] = {}  # what was said of each
 
-    while True:
-        seen = state(kubelet)
+    def _state(self) -> tuple[Any, ...]:
+        k = self.kubelet
+        return (
+            len(k.registrations),
+            len(k.refusals),
+            len(k.events),
+            k.starts,
+            [r.updates for r in k.resources.values()],
+        )
+
+    def __call__(self) -> None:
+        kubelet, say, told = self.kubelet, self.say, self._told
+        for event, name, endpoint in kubelet.events[told[2] :]:  # a stream ends before what follows
+            if event == "stream ended":
+                say("kubelet", f"ListAndWatch of {name} on {endpoint} ended")
+            elif event == "disconnected":
+                say("kubelet", f"{name} disconnected: every device unhealthy, allocatable 0, until it registers again")
         if kubelet.starts != told[3]:
             say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
         for request in kubelet.registrations[told[0] :]:
@@ -13406,21 +13391,20 @@ async def narrate_kubelet(kubelet: KubeletSimulator, say: Callable[[str, str], N
         for refusal in kubelet.refusals[told[1] :]:
             say("kubelet", f"Register refused: {refusal}")
         for name, resource in kubelet.resources.items():
-            was, updates, before = lists.get(name, (None, 0, {}))
+            was, updates, before = self._lists.get(name, (None, 0, {}))
             if resource.updates and (resource is not was or resource.updates != updates):
                 listed = [f"{d} {h}" for d, h in sorted(resource.devices.items(), key=lambda i: _natural_key(i[0]))]
                 say("plugin", f"ListAndWatch {name}: {_demo_list(listed)}")
                 changed = [f"{d} {before[d]} -> {h}" for d, h in resource.devices.items() if before.get(d, h) != h]
                 whole = f"capacity {resource.capacity}, allocatable {resource.allocatable}"
                 say("kubelet", f"{name}: {whole}" + (f" ({', '.join(changed)})" if changed else ""))
-            lists[name] = (resource, resource.updates, dict(resource.devices))
-        for event, name, endpoint in kubelet.events[told[2] :]:
-            if event == "stream ended":
-                say("kubelet", f"ListAndWatch of {name} on {endpoint} ended")
-            elif event == "disconnected":
-                say("kubelet", f"{name} disconnected: every device unhealthy, allocatable 0, until it registers again")
-        told = seen
-        await kubelet.wait_until(lambda k, seen=seen: state(k) != seen)  # type: ignore[misc]
+            self._lists[name] = (resource, resource.updates, dict(resource.devices))
+        self._told = self._state()
+
+    async def follow(self) -> None:
+        while True:
+            self()
+            await self.kubelet.wait_until(lambda _: self._state() != self._told)
 
 
 async def kubelet_request(kubelet: KubeletSimulator, line: str, say: Callable[[str, str], None]) -> None:
@@ -13448,11 +13432,13 @@ async def kubelet_request(kubelet: KubeletSimulator, line: str, say: Callable[[s
         say("kubelet", f"{line.strip()!r}: ask for one of: {KUBELET_REQUESTS}")
 
 
-async def _kubelet_allocate(kubelet: KubeletSimulator, name: str, count: int, say: Callable[[str, str], None]) -> None:
+async def _kubelet_allocate(
+    kubelet: KubeletSimulator, name: str, count: int, say: Callable[[str, str], None], pod: str = ""
+) -> None:
     if (resource := kubelet.resources.get(name)) is None:
         say("kubelet", f"allocate: {name} is not registered (registered: {', '.join(kubelet.resources) or 'none'})")
         return
-    pod = f"pod-{next(_KUBELET_PODS)}"
+    pod = pod or f"pod-{next(_KUBELET_PODS)}"
     available = kubelet.available(name)
     if len(available) < count:
         say(
@@ -14696,6 +14682,7 @@ async def _narrate_config_demo(
     async with trio.open_nursery() as nursery:
         if any(resource.device_plugin for resource in config.resources):
             kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+            narrate = KubeletNarrator(kubelet, say)
             say("kubelet", f"serving Registration on {kubelet.socket_path}")
         if config.dra is not None:
             api = await nursery.start(LenientApiServer().run)
@@ -14711,9 +14698,13 @@ async def _narrate_config_demo(
             async with trio.open_nursery() as plugin:
                 await plugin.start(functools.partial(serve_plugin, config, node_name=DEMO_NODE, api=client))
                 for resource in config.resources:
-                    if resource.device_plugin:
+                    if resource.device_plugin:  # its registration, its first list, one Allocate
                         assert kubelet is not None
-                        await _demo_allocate(kubelet, resource, say)
+                        name = resource.name
+                        listed = kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0)  # noqa: B023
+                        await _demo_step(f"{name}'s registration and first list", listed)
+                        narrate()
+                        await _kubelet_allocate(kubelet, name, 1, say, "demo-pod")
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
                         await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say, select)
@@ -14728,35 +14719,6 @@ async def _narrate_config_demo(
 def _demo_list(items: list[str]) -> str:
     shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
     return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
-
-
-async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, say: Callable[[str, str], None]) -> None:
-    """One device-plugin resource: its registration, its first list, and Allocate of its first
-    healthy device, as the kubelet would call it for a pod asking for one."""
-    name = resource.name
-    await _demo_step(
-        f"{name}'s registration and first list",
-        kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0),
-    )
-    registration = next(r for r in reversed(kubelet.registrations) if r.resource_name == name)
-    known = kubelet.resources[name]
-    say("plugin", f"Register(resource {name}, endpoint {registration.endpoint}, version {registration.version})")
-    say("kubelet", f"dialed {registration.endpoint} back before answering: {_one_line(known.options)}")
-    listed = sorted(known.devices, key=_natural_key)
-    say("plugin", f"ListAndWatch: {_demo_list([f'{d} {known.devices[d]}' for d in listed])}")
-    say("kubelet", f"node capacity {name}: {known.capacity}, allocatable {known.allocatable}")
-    healthy = [d for d in listed if known.devices[d] == HEALTHY]
-    if not healthy:
-        say("kubelet", f"no healthy {name}: a pod asking for one waits (Pending), and no Allocate is made")
-        return
-    say("kubelet", f"pod default/demo-pod asks for 1 {name}: Allocate({healthy[0]})")
-    try:
-        answer = (await kubelet.allocate(name, healthy[:1])).container_responses[0]
-    except RPCError as error:
-        say("plugin", f"  refused: {error.message}")
-        return
-    for line in _answer_lines(answer):
-        say("plugin", f"  {line}")
 
 
 async def _demo_claim(
@@ -15305,7 +15267,7 @@ def _kubelet(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             kubelet = await nursery.start(KubeletSimulator(args.device_plugin_dir).run)
             say("kubelet", f"serving Registration on {path}; requests: {KUBELET_REQUESTS}")
-            nursery.start_soon(narrate_kubelet, kubelet, say)
+            nursery.start_soon(KubeletNarrator(kubelet, say).follow)
             nursery.start_soon(read_requests, kubelet, say)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as signals:
                 async for signum in signals:

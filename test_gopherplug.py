@@ -5983,8 +5983,8 @@ def narrated_demo(sockdir, *options):
 def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir)
     assert who == (
-        "kubelet plugin plugin kubelet kubelet plugin kubelet kubelet "
-        "plugin plugin plugin who who who demo plugin kubelet plugin plugin demo"
+        "kubelet plugin plugin kubelet plugin kubelet plugin kubelet plugin plugin plugin who who who demo "
+        "plugin kubelet demo kubelet kubelet kubelet plugin kubelet plugin kubelet demo demo"
     )
     assert (
         "who example.com/gopher gopher0 gopher0: Healthy: default/demo-pod/app (device plugin)\n"
@@ -5992,11 +5992,13 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
         "who example.com/gopher gopher2 gopher2: Healthy: free\n"
     ).replace("who ", "") in said
     assert "Register(resource example.com/gopher, endpoint gopherplug-example.com_gopher-1.sock" in said
-    assert "ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
-    assert "Allocate(gopher0, gopher1)\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
+    assert "ListAndWatch example.com/gopher: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
+    assert "GetPreferredAllocation(size 2 of gopher0, gopher1, gopher2): gopher0, gopher1\n" in said
+    assert "Allocate(gopher0, gopher1)\ndevice /" in said and "\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
     assert re.search(r"\ndevice /\S+/gophers/gopher1 -> /dev/gopher1 \(rw\)\n", said)
-    assert "gopher2 Healthy, gopher3 Healthy (" in said
-    assert "registered again as gopherplug-example.com_gopher-2.sock" in said
+    assert "gopher2 Healthy, gopher3 Healthy\nexample.com/gopher: capacity 4, allocatable 4\nthe kubelet had" in said
+    assert "restarted: every socket in its directory deleted, kubelet.sock served again\nRegister(resource " in said
+    assert "endpoint gopherplug-example.com_gopher-2.sock" in said and "registered again, listed: " in said
     assert os.listdir(sockdir) == []
     times = _narration_times(run_cli("demo", env={"TMPDIR": str(sockdir)}).stdout.splitlines())
     assert len(times) > 10 and times == sorted(times), times
@@ -6087,15 +6089,16 @@ def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockd
     the kubelet's directory is the demo's own, and nothing is left behind."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path)
-    assert who == "plugin kubelet plugin kubelet plugin kubelet kubelet plugin plugin plugin demo"
+    assert who == "plugin kubelet plugin kubelet plugin kubelet plugin kubelet plugin plugin plugin demo"
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     assert said.split("\n", 1)[1] == "\n".join(
         [
             re.search(r"serving Registration on /\S+/device-plugins/kubelet.sock", said).group(0),
             "Register(resource example.com/gpu, endpoint gopherplug-example.com_gpu-1.sock, version v1beta1)",
             "dialed gopherplug-example.com_gpu-1.sock back before answering: get_preferred_allocation_available: True",
-            "ListAndWatch: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
-            "node capacity example.com/gpu: 2, allocatable 2",
+            "ListAndWatch example.com/gpu: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
+            "example.com/gpu: capacity 2, allocatable 2",
+            "GetPreferredAllocation(size 1 of 0000:00:02.0, 0000:03:00.0): 0000:00:02.0",
             "pod default/demo-pod asks for 1 example.com/gpu: Allocate(0000:00:02.0)",
             f"device {card} -> {card} (rw)",  # {target}: where the by-path link leads, in the container too
             f"device {render} -> {render} (rw)",
