@@ -13536,8 +13536,7 @@ class DraKubeletSimulator:
     unlike the device manager's, deletes nothing: plugins_registry is walked again);
     ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
     node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
-    and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
-    forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
+    and ``wiping_delay`` seconds after a driver went without registering again.
 
     A driver may register more than once, from several registration sockets (the two pods of a
     rolling update), as the kubelet's DRA plugin manager allows (kubernetes/kubernetes
@@ -13678,14 +13677,6 @@ class DraKubeletSimulator:
                     await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
                     self.events.append(("asked", path))
                     self._changed.touch()
-
-    def drop(self, driver: str) -> None:
-        """Forget a registered driver without a word to it: no more GetInfo, no more calls."""
-        for dropped in self.plugins.pop(driver):
-            dropped.connection.cancel()
-            self.events.append(("dropped", dropped.registration_socket))
-        self._sync(driver)
-        self._changed.touch()
 
     async def _wipe_later(self, driver: str) -> None:
         """A driver that went may have died without cleaning up; one that registers again in time
@@ -14093,14 +14084,6 @@ class LenientApiServer:
         if status:
             node["status"] = dict(status)
         self.nodes[name] = self._bump("MODIFIED" if name in self.nodes else "ADDED", node, "nodes")
-
-    def put_slice(self, item: dict[str, Any]) -> None:
-        """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
-        self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
-
-    def delete_node(self, name: str) -> None:
-        """Delete a Node (and nothing else: the strict stand-in adds the garbage collector)."""
-        self._bump("DELETED", self.nodes.pop(name), "nodes")
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""

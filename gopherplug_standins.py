@@ -945,11 +945,15 @@ class ApiServerSimulator(LenientApiServer):
         self.compact()
         self.changed.touch()
 
+    def put_slice(self, item: dict[str, Any]) -> None:
+        """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
+        self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
+
     def delete_node(self, name: str) -> None:
         """Delete a Node, and then what the garbage collector deletes: every slice whose owner
         references name it (by UID) and no other object that still exists."""
         uid = self.nodes[name]["metadata"]["uid"]
-        super().delete_node(name)
+        self._bump("DELETED", self.nodes.pop(name), "nodes")
         alive = {node["metadata"]["uid"] for node in self.nodes.values()}
         for slice_name, item in list(self.slices.items()):
             owners = {owner.get("uid") for owner in item["metadata"].get("ownerReferences", [])}
@@ -1945,6 +1949,15 @@ class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
         if "health_versions" not in options and _minor(self.release.version) >= 37:
             options["health_versions"] = [name for name, _ in gopherplug.DRA_HEALTH_VERSIONS]
         super().__init__(*args, **options)
+
+    def drop(self, driver: str) -> None:
+        """Forget a registered driver without a word to it, its socket still there, as a kubelet does
+        that lost track of it: no more GetInfo, no more calls."""
+        for dropped in self.plugins.pop(driver):
+            dropped.connection.cancel()
+            self.events.append(("dropped", dropped.registration_socket))
+        self._sync(driver)
+        self._changed.touch()
 
     @contextlib.asynccontextmanager
     async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:
