@@ -14404,14 +14404,31 @@ def _demo_needs_dra_extra(what: str) -> None:
         raise GopherplugError(why) from None
 
 
-def _demo_kubeconfig(server: str, root: str) -> str:
-    """A kubeconfig for the API server simulator at ``server``, written in ``root``: its path."""
+@contextlib.asynccontextmanager
+async def _demo_dra_side(
+    nursery: trio.Nursery, kubelet_dir: str, root: str, node: str, say: Callable[[str, str], None]
+) -> AsyncIterator[tuple[LenientApiServer, DraKubeletSimulator, Any]]:
+    """The API server simulator (with ``node``, the slices' owner) and the DRA kubelet simulator,
+    started in ``nursery``, and the plugin's API client through a kubeconfig in ``root``, closed
+    after (once the plugin, in a nursery of its own inside, has stopped, part by part)."""
+    api = await nursery.start(LenientApiServer().run)
+    api.put_node(node, f"5e0f1c2a-{node}")  # the kubelet registered it
+    say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
+    kubelet = DraKubeletSimulator(kubelet_dir, wipe=functools.partial(api.delete_node_slices, node))
+    await nursery.start(kubelet.run)
     context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
     document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo", "contexts": [context]}
-    document |= {"clusters": [{"name": "demo", "cluster": {"server": server}}], "users": [{"name": "demo", "user": {}}]}
-    with open(path := os.path.join(root, "kubeconfig"), "w", encoding="utf-8") as file:
+    document |= {
+        "clusters": [{"name": "demo", "cluster": {"server": api.url}}],
+        "users": [{"name": "demo", "user": {}}],
+    }
+    with open(kubeconfig := os.path.join(root, "kubeconfig"), "w", encoding="utf-8") as file:
         yaml.safe_dump(document, file)
-    return path
+    client = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
+    try:
+        yield api, kubelet, client
+    finally:
+        await client.aclose()
 
 
 async def run_dra_demo(out: Callable[[str], None] = print) -> None:
@@ -14455,16 +14472,8 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
 
     out(f"gopherplug demo --dra: a simulated kubelet and API server, and the real plugin, in {root}")
     async with trio.open_nursery() as nursery:
-        api = await nursery.start(LenientApiServer().run)
-        api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
-        kubeconfig = _demo_kubeconfig(api.url, root)
-        say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
-        kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=lambda name: api.delete_node_slices(node, name))
-        await nursery.start(kubelet.run)
-        say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
-        client = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
-        try:
-            # A nursery of its own: the plugin stops, part by part, before its API client is closed.
+        async with _demo_dra_side(nursery, config.dra.kubelet_dir, root, node, say) as (api, kubelet, client):
+            say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
             async with trio.open_nursery() as plugin:
                 await plugin.start(functools.partial(serve_plugin, config, node_name=node, api=client))
                 say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
@@ -14552,8 +14561,6 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
                 say("plugin", slice_line())
                 plugin.cancel_scope.cancel()
-        finally:
-            await client.aclose()
         nursery.cancel_scope.cancel()  # the API server and the kubelet
     say("demo", "done: plugin stopped, its sockets removed")
 
@@ -14653,9 +14660,6 @@ async def _narrate_config_demo(
     say = _demo_clock(out, width=9)
     assert config.device_plugin_dir is not None
     kubelet: KubeletSimulator | None = None
-    dra_kubelet: DraKubeletSimulator | None = None
-    api: LenientApiServer | None = None
-    client: Any = None
     who = "kubelet and API server" if config.dra else "kubelet"
     out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
     for resource in config.resources:
@@ -14667,17 +14671,10 @@ async def _narrate_config_demo(
             kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
             narrate = KubeletNarrator(kubelet, say)
             say("kubelet", f"serving Registration on {kubelet.socket_path}")
-        if config.dra is not None:
-            api = await nursery.start(LenientApiServer().run)
-            api.put_node(DEMO_NODE, f"{DEMO_NODE}-uid")
-            kubeconfig = _demo_kubeconfig(api.url, root)
-            say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
-            node_slices = functools.partial(api.delete_node_slices, DEMO_NODE)
-            dra_kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=node_slices)
-            await nursery.start(dra_kubelet.run)
-            say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
-            client = KubeApi.connect(kubeconfig=kubeconfig, node_name=DEMO_NODE)
-        try:
+        dra = config.dra and _demo_dra_side(nursery, config.dra.kubelet_dir, root, DEMO_NODE, say)
+        async with dra or contextlib.nullcontext((None, None, None)) as (api, dra_kubelet, client):
+            if dra_kubelet is not None:
+                say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
             async with trio.open_nursery() as plugin:
                 await plugin.start(functools.partial(serve_plugin, config, node_name=DEMO_NODE, api=client))
                 for resource in config.resources:
@@ -14692,9 +14689,6 @@ async def _narrate_config_demo(
                         assert config.dra is not None and api is not None and dra_kubelet is not None
                         await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say, select)
                 plugin.cancel_scope.cancel()
-        finally:
-            if client is not None:
-                await client.aclose()
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
 
@@ -14790,41 +14784,34 @@ async def _demo_claim(
 
 
 def _demo_pick(
-    devices: list[dict[str, Any]],
-    pool: str,
-    claim: str,
-    select: DemoSelector | None,
-    say: Callable[[str, str], None],
+    devices: list[dict[str, Any]], pool: str, claim: str, select: DemoSelector | None, say: Callable[[str, str], None]
 ) -> dict[str, Any] | None:
     """The device the scheduler would allocate to the demo's claim: the first healthy one, in slice
-    order, that ``select`` selects. With a selector, each device's verdict is said; the allocator
-    evaluates the selectors of the devices it meets in that order, and the first CEL error fails
-    the claim on this node (selectorsMatch in k8s.io/dynamic-resource-allocation structured), even
-    where a later device would match."""
+    order, that ``select`` selects, each device's verdict said. The allocator evaluates the
+    selectors of the devices it meets in that order, and the first CEL error fails the claim on
+    this node, even where a later device would match (selectorsMatch in k8s.io/dynamic-resource-allocation
+    structured)."""
     healthy = [d for d in devices if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
-    if select is None:
-        if not healthy:
-            say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
-        return min(healthy, key=lambda d: _natural_key(d["name"]), default=None)
-    expression, selects = select
-    say("scheduler", f"selector #0 of claim {claim}: {expression}")
-    chosen: dict[str, Any] | None = None
-    failed = ""
-    for device in devices:
+    expression, selects = select or ("", lambda device: True)
+    if select is not None:
+        say("scheduler", f"selector #0 of claim {claim}: {expression}")
+    chosen, failed = None, ""
+    for device in sorted(devices, key=lambda d: _natural_key(d["name"])) if select is None else devices:
         try:
             verdict = "selected" if selects(device) else "not selected"
         except GopherplugError as error:
             verdict = f"claim {claim}: selector #0: CEL runtime error: {error}"
-            failed = failed or (verdict if chosen is None else "")
-        else:
-            if verdict == "selected" and chosen is None and not failed and device in healthy:
-                chosen = device
-        health = "" if device in healthy else " (unhealthy)"
-        say("scheduler", f"  {device['name']}{health}: {verdict}")
+            failed = failed or ("" if chosen else verdict)
+        chosen = chosen or (device if verdict == "selected" and device in healthy and not failed else None)
+        if select is not None:
+            say("scheduler", f"  {device['name']}{'' if device in healthy else ' (unhealthy)'}: {verdict}")
     if failed:
         say("scheduler", f"the claim stays unallocated, its pod Pending (FailedScheduling): {failed}")
     elif chosen is None:
-        say("scheduler", f"no healthy device in pool {pool} is selected: the claim stays unallocated")
+        say(
+            "scheduler",
+            f"no healthy device in pool {pool}{' is selected' if select else ''}: a claim stays unallocated",
+        )
     return chosen
 
 
