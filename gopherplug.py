@@ -13567,7 +13567,6 @@ class DraKubeletSimulator:
         versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
         wipe: Callable[[str], None] | None = None,
         wiping_delay: float = DRA_WIPING_DELAY,
-        info_interval: float | None = None,
         health_versions: Iterable[str] = (DRA_HEALTH_VERSION,),
         seed: int | None = None,
     ) -> None:
@@ -13579,9 +13578,6 @@ class DraKubeletSimulator:
         self._connections: trio.Nursery | None = None  # the kept connections' nursery, while running
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
         self.wipe, self.wiping_delay = wipe, wiping_delay
-        #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
-        #: every 10 s; None: only to register, as kubelets up to 1.36 do)
-        self.info_interval = info_interval
         #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first (1.36:
         #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
         self.health_versions = list(health_versions)
@@ -13624,8 +13620,6 @@ class DraKubeletSimulator:
                     task_status.started(self)
                     task_status = trio.TASK_STATUS_IGNORED
                     nursery.start_soon(self._follow, w)
-                    if self.info_interval is not None:
-                        nursery.start_soon(self._ask_again, self.info_interval)
                     await self._restart.wait()
                     nursery.cancel_scope.cancel()
 
@@ -13664,19 +13658,6 @@ class DraKubeletSimulator:
         else:
             self.plugins.pop(driver, None)
             self.drivers.pop(driver, None)
-
-    async def _ask_again(self, interval: float) -> None:
-        """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
-        that a plugin it registered is still there (its answer is not looked at here)."""
-        while True:
-            await trio.sleep(interval)
-            for driver in [plugin for plugins in self.plugins.values() for plugin in plugins]:
-                with contextlib.suppress(RPCError):
-                    request = pluginregistration.InfoRequest()
-                    path = driver.registration_socket
-                    await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
-                    self.events.append(("asked", path))
-                    self._changed.touch()
 
     async def _wipe_later(self, driver: str) -> None:
         """A driver that went may have died without cleaning up; one that registers again in time

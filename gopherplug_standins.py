@@ -1944,11 +1944,41 @@ class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
       v1alpha1, the first the driver lists (unless ``health_versions`` is given).
     """
 
-    def __init__(self, *args: Any, version: str | Release = "1.36", **options: Any) -> None:
+    def __init__(
+        self, *args: Any, version: str | Release = "1.36", info_interval: float | None = None, **options: Any
+    ) -> None:
         self.release = release(version)
         if "health_versions" not in options and _minor(self.release.version) >= 37:
             options["health_versions"] = [name for name, _ in gopherplug.DRA_HEALTH_VERSIONS]
         super().__init__(*args, **options)
+        #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
+        #: every 10 s; None: only to register, as kubelets up to 1.36 do)
+        self.info_interval = info_interval
+
+    async def _follow(self, watch: Any) -> None:
+        async with trio.open_nursery() as nursery:  # from each start, as the plugin watcher's loop
+            if self.info_interval is not None:
+                nursery.start_soon(self._ask_again, self.info_interval)
+            await super()._follow(watch)
+            nursery.cancel_scope.cancel()
+
+    async def _ask_again(self, interval: float) -> None:
+        """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
+        that a plugin it registered is still there (its answer is not looked at here)."""
+        while True:
+            await trio.sleep(interval)
+            for driver in [plugin for plugins in self.plugins.values() for plugin in plugins]:
+                with contextlib.suppress(RPCError):
+                    request = gopherplug.pluginregistration.InfoRequest()
+                    path = driver.registration_socket
+                    await gopherplug.call_unary(
+                        path,
+                        gopherplug.DRA_METHODS[gopherplug.GET_INFO],
+                        request,
+                        timeout=gopherplug.DRA_GET_INFO_TIMEOUT,
+                    )
+                    self.events.append(("asked", path))
+                    self._changed.touch()
 
     def drop(self, driver: str) -> None:
         """Forget a registered driver without a word to it, its socket still there, as a kubelet does
