@@ -13780,19 +13780,6 @@ class DraKubeletSimulator:
         self._marked.update(uid for _, uid, _ in claims)
         return response
 
-    def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
-        """The CDI device IDs the kubelet gives a container whose resources.claims[] entry names this
-        claim and ``request`` ("": the whole claim): those of every driver's devices whose request
-        names contain ``request`` exactly, or that name no request (cdiDevicesAsList in
-        pkg/kubelet/cm/dra/claiminfo.go). A name the container cannot spell ("gpu/fast") matches none."""
-        return [
-            cdi_id
-            for devices in self.prepared.get(claim_uid, {}).values()
-            for device in devices
-            if not request or not device.request_names or request in device.request_names
-            for cdi_id in device.cdi_device_ids
-        ]
-
     def use_claims(self, namespace: str, pod: str, container: str, claims: Iterable[tuple[str, str, str]]) -> None:
         """A container of a running pod names these claims (namespace, name, UID) in resources.claims."""
         self.pod_claims.setdefault((namespace, pod), {}).setdefault(container, []).extend(claims)

@@ -1980,6 +1980,19 @@ class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
                     self.events.append(("asked", path))
                     self._changed.touch()
 
+    def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
+        """The CDI device IDs the kubelet gives a container whose resources.claims[] entry names this
+        claim and ``request`` ("": the whole claim): those of every driver's devices whose request
+        names contain ``request`` exactly, or that name no request (cdiDevicesAsList in
+        pkg/kubelet/cm/dra/claiminfo.go). A name the container cannot spell ("gpu/fast") matches none."""
+        return [
+            cdi_id
+            for devices in self.prepared.get(claim_uid, {}).values()
+            for device in devices
+            if not request or not device.request_names or request in device.request_names
+            for cdi_id in device.cdi_device_ids
+        ]
+
     def drop(self, driver: str) -> None:
         """Forget a registered driver without a word to it, its socket still there, as a kubelet does
         that lost track of it: no more GetInfo, no more calls."""
