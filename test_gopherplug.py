@@ -6285,6 +6285,11 @@ async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_req
     try:
         with trio.fail_after(6 * TIMEOUT):
             await read_until(kubelet.stdout, f"serving Registration on {node.kubelet_socket}", said)
+            second = await run_cli_async("kubelet", "--device-plugin-dir", node.plugin_dir)  # would wipe its sockets
+            assert (second.returncode, second.stdout) == (2, b"")
+            assert second.stderr.decode() == (
+                f"gopherplug: kubelet: {node.kubelet_socket} answers: a kubelet serves this directory already\n"
+            )
             plugin = await trio.lowlevel.open_process(
                 [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", config], stderr=subprocess.DEVNULL
             )
