@@ -14,8 +14,10 @@ demo runs it. Read it top to bottom:
 
 from __future__ import annotations
 
+import importlib
 import os
 import stat
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,17 @@ START = time.monotonic()
 def say(who: str, what: str) -> None:
     """The lessons' narration: milliseconds since start, who acts, what it did."""
     print(f"{(time.monotonic() - START) * 1e3:8.1f} ms  {who:<8} {what}", flush=True)
+
+
+def need(module: str, extra: str) -> None:
+    """A demo's stand-ins come with one of gopherplug's extras: without it, one line, not a traceback."""
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise SystemExit(
+            f"{os.path.basename(sys.argv[0])} --demo needs the {extra} extra ({error}): "
+            f"pip install '.[{extra}]' in a checkout of gopherplug"
+        ) from None
 
 
 # 1. A device. The kubelet only ever sees its ID and its health: "Healthy" or "Unhealthy", the

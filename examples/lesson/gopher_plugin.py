@@ -37,8 +37,6 @@ RESOURCE = "example.com/gopher"
 
 
 # 1. The service. The kubelet calls these on our socket; each method is one RPC of v1beta1.
-
-
 class GopherPlugin:
     RPCS: tuple[str, ...] = ("GetDevicePluginOptions", "ListAndWatch", "Allocate")  # what we serve
 
@@ -184,7 +182,8 @@ def plug(root: str, *names: str) -> None:
     os.mkdir(aside)
     for number, name in enumerate(names):
         with open(os.path.join(aside, name), "x", encoding="utf-8") as gopher:
-            gopher.write(f"numa={number % 2}\nmemory={number + 1}Gi\n")  # lesson 1: the lines play sysfs
+            model = "giant" if number >= 2 else "pocket"  # lesson 1: the lines play sysfs
+            gopher.write(f"numa={number % 2}\nmemory={number + 1}Gi\nmodel={model}\n")
     os.rename(aside, os.path.join(root, "gophers"))
 
 
