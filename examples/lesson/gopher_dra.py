@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 from gopher_allocation import CDI_KIND, write_cdi_spec
-from gopher_devices import need, say, scan, watch_devices
+from gopher_devices import Gopher, need, say, scan, watch_devices
 from gopher_plugin import plug
 
 import gopherplug as gp
@@ -66,20 +66,19 @@ class Driver:
         # string, int, bool or semantic version each) and its capacity (quantities) are what a
         # claim's CEL selector reads: device.attributes["gopher.example.com"].model, and
         # device.capacity["gopher.example.com"].memory. A name without a domain is the driver's.
-        devices = [
-            {
-                "name": device_id,
-                "attributes": {"model": {"string": gopher.properties.get("model", "gopher")}},
-                "capacity": {"memory": {"value": gopher.properties.get("memory", "0")}},
-            }
-            for device_id, gopher in self.devices.value.items()
-            if gopher.health == "Healthy"
-        ]
+        healthy = (
+            (device_id, gopher) for device_id, gopher in self.devices.value.items() if gopher.health == "Healthy"
+        )
+        devices = [{"name": device_id, **self.describe(gopher)} for device_id, gopher in healthy]
         # The pool's generation grows with every change: the scheduler trusts only the newest one.
         pool = {"name": self.node, "generation": self.generation, "resourceSliceCount": 1}
         spec = {"driver": DRIVER, "nodeName": self.node, "pool": pool, "devices": devices}
         metadata = {"name": self.name, "resourceVersion": self.version} if self.version else {"name": self.name}
         return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
+
+    def describe(self, gopher: Gopher) -> dict[str, Any]:
+        attributes = {"model": {"string": gopher.properties.get("model", "gopher")}}  # exercise 3: numaNode
+        return {"attributes": attributes, "capacity": {"memory": {"value": gopher.properties.get("memory", "0")}}}
 
     async def publish(self) -> None:
         self.generation += 1
