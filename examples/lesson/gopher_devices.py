@@ -123,36 +123,41 @@ async def read_events(inotify: INotify) -> list[Any]:
     return list(inotify.read(timeout=0))
 
 
+def watch_directory(inotify: INotify, directory: str) -> tuple[int | None, str]:
+    """Watch ``directory``: its watch, and itself. While it is missing: None, and the nearest
+    ancestor that exists, watched instead, whose CREATE says that the next step is there."""
+    for _ in range(2):
+        try:
+            return inotify.add_watch(directory, DEVICE_EVENTS | flags.ONLYDIR), directory
+        except (FileNotFoundError, NotADirectoryError):
+            ancestor = os.path.dirname(directory)
+            while not os.path.isdir(ancestor):
+                ancestor = os.path.dirname(ancestor)
+            inotify.add_watch(ancestor, flags.CREATE | flags.MOVED_TO | flags.ONLYDIR)
+            # Then look once more: made between our try and our watch, it would have gone unseen.
+    return None, ancestor
+
+
 async def watch_devices(directory: str, devices: Watched) -> None:
     """Keep ``devices`` (a Watched dict of ID -> Gopher) current until cancelled.
 
     A watch is on an inode, not on a name: when the directory is deleted, its watch ends
     (IN_IGNORED), and the directory made again under the same name is a new inode nobody
     watches. udev deletes /dev/serial/by-id with the last serial adapter, and makes it again at
-    the next plug: a plugin that watched it once never sees another device. So the parent is
-    watched too, for the whole run, and each time the directory appears it is watched again.
+    the next plug: a plugin that watched it once never sees another device. So when the watch
+    ends, or the directory is missing at start, its nearest existing ancestor is watched, and
+    each time the directory appears, it is watched again.
     """
-    directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
+    directory, watch, waited_on = os.path.abspath(directory), None, ""
     with INotify() as inotify:
-        try:
-            # The parent first: a directory made between our look and our watch is not missed.
-            inotify.add_watch(parent, flags.CREATE | flags.MOVED_TO | flags.ONLYDIR)
-        except OSError as error:  # gopherplug climbs to the nearest ancestor that exists
-            raise SystemExit(f"{directory}: cannot watch its parent {parent}: {error.strerror}") from None
-        watch, missing = None, False
         while True:
             if watch is None:
-                try:
-                    watch = inotify.add_watch(directory, DEVICE_EVENTS | flags.ONLYDIR)
-                    if missing:
-                        say("plugin", f"{directory} appeared: watching it")
-                    missing = False
-                except (FileNotFoundError, NotADirectoryError):
-                    if not missing:
-                        say("plugin", f"{directory} is missing: no devices until it comes (inotify on {parent})")
-                    missing = True
+                watch, ancestor = watch_directory(inotify, directory)
+                if watch is None and not waited_on:
+                    say("plugin", f"{directory} is missing: no devices until it comes (inotify on {ancestor})")
+                elif watch is not None and waited_on:
+                    say("plugin", f"{directory} appeared: watching it")
+                waited_on = ancestor if watch is None else ""
             devices.set(scan(directory))  # wakes every ListAndWatch stream, if anything changed
-            for event in await read_events(inotify):
-                if event.wd == watch and event.mask & flags.IGNORED:  # deleted, or its filesystem unmounted
-                    watch = None
+            if any(event.wd == watch and event.mask & flags.IGNORED for event in await read_events(inotify)):
+                watch = None  # deleted (or its filesystem unmounted): its watch went with it
