@@ -68,8 +68,9 @@ class GopherAllocator(GopherPlugin):
     # not held by a pod, and of the Topology Manager's node when it chose one), which
     # allocation_size would we like? must_include_deviceIDs must be in the answer (devices the
     # container holds already, e.g. from an init container). It is advice: the kubelet keeps
-    # what is available of it and picks any missing ones itself. That is the place for what only
-    # the plugin knows: GPUs joined by NVLink, ports on one hub, devices of one NUMA node.
+    # what is available of it and picks any missing ones itself (devicesToAllocate in kubernetes/
+    # kubernetes pkg/kubelet/cm/devicemanager/manager.go). That is the place for what only the
+    # plugin knows: GPUs joined by NVLink, ports on one hub, devices of one NUMA node.
 
     async def GetPreferredAllocation(self, request: Any) -> Any:  # noqa: N802
         answers = [
@@ -109,7 +110,8 @@ class GopherAllocator(GopherPlugin):
     # 5. PreStartContainer. Before each start of a container that has our devices, restarts
     # included: the last moment to get a device ready (reset it, load its firmware), or to say
     # that it is not. An error does not fail the pod: this start fails (CreateContainerConfigError
-    # in its events) and the kubelet tries again with its back-off. The kubelet waits 30 s at most.
+    # in its events) and the kubelet tries again with its back-off. The kubelet waits 30 s at most
+    # (callPreStartContainerIfNeeded in manager.go; KubeletPreStartContainerRPCTimeoutInSecs).
 
     async def PreStartContainer(self, request: Any) -> Any:  # noqa: N802
         for device_id in request.devices_ids:

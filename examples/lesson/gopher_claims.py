@@ -63,13 +63,15 @@ def resource_claim(name: str, selector: str, count: int = 1, namespace: str = "d
     }
 
 
-# 3. The scheduler. Its DynamicResources plugin, for a pod with claims: on each node it takes the
-# devices of the node's ResourceSlices (of each pool only the newest generation, and only once
-# all of its slices are there), keeps those every selector of the class and of the request
-# accepts and that no other claim holds, and needs `count` of them; a node without them is
+# 3. The scheduler. Its DynamicResources plugin (kubernetes/kubernetes
+# pkg/scheduler/framework/plugins/dynamicresources, with the allocator of
+# k8s.io/dynamic-resource-allocation structured/), for a pod with claims: on each node it takes
+# the devices of the node's ResourceSlices (of each pool only the newest generation), keeps
+# those every selector of the class and of the request accepts and that no other claim holds,
+# and needs `count` of them; a node without them, or where a selector fails with a CEL error, is
 # filtered out ("cannot allocate all claims") and the pod stays Pending. On the chosen node it
-# writes the claim's status.allocation: per device the request, driver, pool and device name, and
-# a nodeSelector that binds the claim to the node. Only then does the pod start there: the
+# writes the claim's status.allocation: per device the request, driver, pool and device name,
+# and a nodeSelector that binds the claim to the node. Only then does the pod start there: the
 # kubelet reads the claim and calls NodePrepareResources on the driver (lesson 4).
 
 

@@ -9,7 +9,9 @@ demo runs it. Read it top to bottom:
 
   1. A device       its health by access(), never open(); its properties from sysfs
   2. The directory  a scan: device ID -> Gopher
-  3. Watching       inotify on the directory, and on its parent for when the directory comes and goes
+  3. Watching       inotify on the directory; while it is missing, on its nearest ancestor
+
+say() and need() first: every lesson's demo narrates with them.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def need(module: str, extra: str) -> None:
         ) from None
 
 
-# 1. A device. The kubelet only ever sees its ID and its health: "Healthy" or "Unhealthy", the
-# words of v1beta1. Only healthy devices count in the node's allocatable, and only those are
-# given to a pod.
+# 1. A device. The kubelet sees its ID and its health, "Healthy" or "Unhealthy" (the words of
+# v1beta1), and, from lesson 3 on, its NUMA node. Only healthy devices count in the node's
+# allocatable, and only those are given to a pod.
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class Gopher:
     @property
     def numa(self) -> int | None:
         """The NUMA node the device hangs off, None if unknown (sysfs says -1 on a one-node machine)."""
-        node = int(self.properties.get("numa", "-1"))
-        return node if node >= 0 else None
+        node = self.properties.get("numa", "-1")
+        return int(node) if node.isdigit() else None
 
 
 def health(path: str) -> str:
@@ -69,7 +71,7 @@ def health(path: str) -> str:
     # serial port raises DTR and RTS (an Arduino resets), opening a tape drive may rewind it, and a
     # device that admits one opener at a time would refuse the very container we vouch for while
     # we hold it. A symlink to nothing, or a mode that forbids read and write, is Unhealthy, and
-    # Healthy again once fixed. gopherplug asks access() too (its health checks: device-model.md).
+    # Healthy again once fixed. gopherplug asks access() too.
     return "Healthy" if os.access(path, os.R_OK | os.W_OK) else "Unhealthy"
 
 
