@@ -30,6 +30,8 @@ class GopherAllocator(gopher_allocation.GopherAllocator):
                 pid = int(lock.read().split()[0])
         except (OSError, ValueError, IndexError):
             return None  # no lock, or not one we can read
+        if pid <= 0:  # kill(0) and kill(-1) would ask about groups of processes: a broken lock
+            return None
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
