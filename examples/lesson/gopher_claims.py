@@ -131,7 +131,7 @@ async def demo() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--demo", action="store_true", help="run against gopherplug's stand-ins")
+    parser.add_argument("--demo", action="store_true", required=True, help="run against gopherplug's stand-ins")
     parser.parse_args()
     trio.run(demo)
 

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
-from gopher_devices import Gopher, read_events, say, scan, watch_devices
+from gopher_devices import Gopher, health, read_events, say, scan, watch_devices
 from inotify_simple import INotify, flags
 
 from gopherplug import METHODS, KubeletSimulator, RPCError, StatusCode, Watched, call_unary, serve_grpc, v1beta1
@@ -38,7 +38,7 @@ RESOURCE = "example.com/gopher"
 
 # 1. The service. The kubelet calls these on our socket; each method is one RPC of v1beta1.
 class GopherPlugin:
-    RPCS: tuple[str, ...] = ("GetDevicePluginOptions", "ListAndWatch", "Allocate")  # what we serve
+    RPCS: tuple[str, ...] = ("GetDevicePluginOptions", "ListAndWatch", "Allocate")  # lesson 3 adds 2
 
     def __init__(self, directory: str, devices: Watched) -> None:
         self.directory, self.devices = directory, devices
@@ -75,7 +75,7 @@ class GopherPlugin:
         path = os.path.join(self.directory, device_id)
         if device_id not in self.devices.value or not os.path.lexists(path):
             raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown device {device_id}")
-        if not os.access(path, os.R_OK | os.W_OK):  # lesson 1's health
+        if health(path) != "Healthy":
             raise RPCError(StatusCode.FAILED_PRECONDITION, f"device {device_id} is unhealthy")
         return path
 
