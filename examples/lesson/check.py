@@ -154,6 +154,11 @@ async def exercise_2(root: str) -> None:
 
 async def exercise_3(root: str) -> None:
     """DRA: publish numaNode, and a claim's CEL selector picks the gophers of one NUMA node."""
+    try:  # the API server stand-in speaks HTTP/1.1 with h11, the scheduler's CEL is cel-python's
+        import celpy  # noqa: F401
+        import h11  # noqa: F401
+    except ImportError as error:
+        raise NotYetError(f"no stand-ins ({error})", "pip install '.[dra,test]' in a checkout", "the check") from None
     import gopher_claims
     import gopher_dra
     import gopher_plugin
