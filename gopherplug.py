@@ -13441,11 +13441,7 @@ async def _kubelet_allocate(
     pod = pod or f"pod-{next(_KUBELET_PODS)}"
     available = kubelet.available(name)
     if len(available) < count:
-        say(
-            "kubelet",
-            f"pod default/{pod} asks for {count} {name}: {len(available)} free and healthy, it waits (Pending)",
-        )
-        return
+        return say("kubelet", f"pod default/{pod} asks for {count} {name}: {len(available)} healthy free, it waits")
     try:
         chosen = available[:count]
         if resource.options.get_preferred_allocation_available:
@@ -14384,12 +14380,10 @@ async def _demo_dra_side(
     say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
     kubelet = DraKubeletSimulator(kubelet_dir, wipe=functools.partial(api.delete_node_slices, node))
     await nursery.start(kubelet.run)
+    users, clusters = [{"name": "demo", "user": {}}], [{"name": "demo", "cluster": {"server": api.url}}]
     context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
     document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo", "contexts": [context]}
-    document |= {
-        "clusters": [{"name": "demo", "cluster": {"server": api.url}}],
-        "users": [{"name": "demo", "user": {}}],
-    }
+    document |= {"clusters": clusters, "users": users}
     with open(kubeconfig := os.path.join(root, "kubeconfig"), "w", encoding="utf-8") as file:
         yaml.safe_dump(document, file)
     client = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
