@@ -2278,10 +2278,11 @@ def attribute_value_problem(kind: str, value: Any) -> str:
 
 # A resource.Quantity as the API server parses one (ParseQuantity in k8s.io/apimachinery
 # pkg/api/resource/quantity.go): a signed decimal number, then a binary suffix (Ki ... Ei), a
-# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2).
-_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?")
+# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2). Digits are ASCII, as Go reads them.
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?[0-9]+))?")
 _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
+_INT32_MAX = 2**31 - 1
 
 
 @functools.lru_cache(maxsize=1024, typed=True)  # a node's devices mostly say the same few quantities
@@ -2292,46 +2293,50 @@ def canonical_quantity(written: str | int | float) -> str | None:
     stored: written otherwise, each would look like a field the server dropped.
 
     The value keeps its suffix's kind: binary (Ki..Ei) while it is a whole number of at least 1024
-    (as the largest binary suffix that leaves it whole), else decimal: a whole mantissa and an
-    exponent that is a multiple of 3, as an SI suffix (or e<exponent> when written so). Anything
-    finer than 1n is rounded up, as the parser does."""
+    (as the largest binary suffix that leaves it whole; past 2^63-1 it is 2^63-1, the server's cap),
+    else decimal: a whole mantissa and an exponent that is a multiple of 3, as an SI suffix (or
+    e<exponent> when written so, or past E). Anything finer than 1n is rounded up, as the parser
+    does. Refused besides: an exponent past 32 bits (the server's scale is an int32: 1.36 wraps it,
+    later releases refuse it), and above 1E more than 18 digits, which the server would work out in
+    big numbers, as long as the exponent is (1.36 spends minutes on 1234567890123456789e9999999)."""
     if isinstance(written, bool):
-        return None
-    text = str(written).strip() if isinstance(written, int | float) else written
-    match = _QUANTITY.fullmatch(text)
-    if match is None:
         return None
     import decimal  # only where a quantity is written: most configurations have none
 
-    with decimal.localcontext() as context:
-        context.prec = 60
-        number, suffix = decimal.Decimal(match[1]), match[2] or ""
+    text = (
+        written if isinstance(written, str) else str(decimal.Decimal(written) if isinstance(written, int) else written)
+    )
+    if (match := _QUANTITY.fullmatch(text)) is None:
+        return None
+    number, suffix, exponent = match[1], match[2] or "", match[3]
+    if exponent is not None and (len(exponent.lstrip("+-").lstrip("0")) > 10 or abs(int(exponent)) > _INT32_MAX):
+        return None
+    with decimal.localcontext(decimal.Context(decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)):
+        value = decimal.Decimal(number)  # exact: no rounding but the parser's own
         if suffix in _BINARY_SUFFIXES[1:]:
-            value, kind = number * 1024 ** _BINARY_SUFFIXES.index(suffix), "binary"
-        elif suffix[:1] in ("e", "E"):
-            value, kind = number.scaleb(int(suffix[1:])), "exponent"
+            value *= 1024 ** _BINARY_SUFFIXES.index(suffix)
+            value = min(abs(value), decimal.Decimal(2**63 - 1)).copy_sign(value)
         else:
-            exponent = next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
-            value, kind = number.scaleb(exponent), "decimal"
+            value = value.scaleb(
+                int(exponent) if exponent else next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
+            )
         value = value.scaleb(9).to_integral_value(decimal.ROUND_UP).scaleb(-9)  # nano is the finest
         if not value:
             return "0"
-        if kind == "binary" and (abs(value) < 1024 or value != value.to_integral_value()):
-            kind = "decimal"
-        if kind == "binary":
+        if suffix in _BINARY_SUFFIXES[1:] and abs(value) >= 1024 and value == value.to_integral_value():
             whole, power = int(value), 0
             while power < len(_BINARY_SUFFIXES) - 1 and whole % 1024 == 0:
                 whole, power = whole // 1024, power + 1
             return f"{whole}{_BINARY_SUFFIXES[power]}"
-        sign, digits, exponent = value.normalize().as_tuple()
-        assert isinstance(exponent, int)
-        mantissa = int("".join(map(str, digits)))
-        while exponent % 3:
-            mantissa, exponent = mantissa * 10, exponent - 1
-        mantissa = -mantissa if sign else mantissa
-        if kind == "exponent" or exponent not in _DECIMAL_SUFFIXES:
-            return f"{mantissa}e{exponent}" if exponent else str(mantissa)
-        return f"{mantissa}{_DECIMAL_SUFFIXES[exponent]}"
+        sign, digits, places = value.normalize().as_tuple()
+        assert isinstance(places, int)
+        mantissa = "-" * sign + "".join(map(str, digits)) + "0" * (places % 3)
+        places -= places % 3
+        if places > _INT32_MAX or (places > 18 and len(mantissa) - sign > 18):
+            return None
+        if exponent is not None or places not in _DECIMAL_SUFFIXES:
+            return f"{mantissa}e{places}" if places else mantissa
+        return f"{mantissa}{_DECIMAL_SUFFIXES[places]}"
 
 
 _FILE_FIELDS = ("id", "path", "name", "target", "sysfs")

@@ -9795,6 +9795,43 @@ def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_
     assert gp.dra_device(embedded, device)["attributes"]["model"] == {"string": "H200"}
 
 
+@pytest.mark.parametrize(
+    "written, stored",
+    [
+        ("2E", "2E"),  # the exa suffix (10^18), which the API server and the chart accept
+        ("1000E", "1e21"),  # past E no suffix: an exponent, which every release keeps as written
+        ("1e9999999", "1e9999999"),
+        ("1e-9999999", "1e-9"),  # finer than 1n: rounded up, as the parser does
+        ("16Ei", "9223372036854775807"),  # binary past 2^63-1: the API server caps it so
+        ("-8Ei", "-9223372036854775807"),
+        ("9223372036854775807Ki", "9223372036854775807"),
+        ("1e2147483648", None),  # past the server's 32-bit scale (1.36 wraps it: 1e4294967297 is 1e1)
+        ("1e" + "9" * 5000, None),
+        ("1234567890123456789e9999999", None),  # the server would work it out in big numbers
+        ("\u0661", None),  # an Arabic-Indic one: Go reads ASCII digits only
+    ],
+)
+def test_any_quantity_is_the_api_servers_canonical_value_or_refused_never_an_exception(written, stored):
+    """Issue 44 (H1, L7): the exa suffix and any exponent raised; a binary quantity past int64 was
+    written as "16Ei" and stored capped, which looked like a field the server dropped."""
+    assert gp.canonical_quantity(written) == stored
+    assert gp.canonical_quantity(10**5000) == "100e4998"  # past int()'s 4300 digits
+    fields = {"capacity": {"memory": written}}
+    if stored is None:
+        with pytest.raises(gp.ConfigError, match="is not a quantity"):
+            gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml")
+    else:
+        (resource,) = gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml").resources
+        assert resource.capacity[0].value == stored
+    # Read from a file or said by describe: left out with a line, or kept as the server keeps it.
+    resource = gp.resource_config("example.com/gpu", capacity={"memory": {"file": "/m"}})
+    device, problems = gp.with_read_values(
+        resource, gp.DeviceEntry("0", "/dev/gpu0"), gp.ReadValues(capacity={"memory": written})
+    )
+    assert device.capacity == (() if stored is None else (("memory", stored),))
+    assert [key for key, _ in problems] == ([] if stored else ["capacity.memory"])
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
