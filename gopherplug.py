@@ -1779,7 +1779,7 @@ def nfd_features_file_problem(path: str) -> str | None:
 def metrics_address_problem(address: str, example: int = 9400) -> str | None:
     """What is wrong with a metrics (or health) address ("host:port", "[::1]:port"), or None."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
+    if not colon or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         return f'{address!r} is not host:port, e.g. "0.0.0.0:{example}" (all addresses) or "127.0.0.1:{example}"'
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         return f'{address!r}: write an IPv6 address in brackets, e.g. "[::]:{port}"'
@@ -2210,10 +2210,13 @@ DRA_MAX_ATTRIBUTES_AND_CAPACITIES = 32
 DRA_ATTRIBUTE_NAME_MAX_LENGTH = 32
 DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH = 63
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it.
+# A driver name's check, which takes upper case too (validateDriverName lower-cases it first). Only
+# ASCII: Go's ToLower makes the Kelvin sign a "k", three bytes that Python's len() counts as one.
+_ATTRIBUTE_DOMAIN = re.compile(_DNS_SUBDOMAIN.pattern, re.IGNORECASE | re.ASCII)
+# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it (Go's \d is [0-9]).
 _SEMVER = re.compile(
-    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
+    r"(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
 )
 _INT64 = (-(2**63), 2**63 - 1)  # an int attribute is an int64
@@ -2237,8 +2240,7 @@ def attribute_name_problem(name: str) -> str:
         domain = parts[0]
         if not domain:
             problems.append("the domain must not be empty")
-        # A driver name's check, which takes upper case too (validateDriverName lower-cases it first).
-        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _DNS_SUBDOMAIN.fullmatch(domain.lower()):
+        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _ATTRIBUTE_DOMAIN.fullmatch(domain):
             problems.append(
                 f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
                 f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
@@ -4228,7 +4230,7 @@ def device_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str
         ):
             attributes["usbSerial"] = {"string": usb.serial}
         bus = usb.port.removeprefix("usb").partition("-")[0]
-        if bus.isdigit():
+        if bus.isascii() and bus.isdigit():
             attributes["usbBus"] = {"int": int(bus)}
         attributes["usbPort"] = {"string": usb.port}
     for name, value in declared_attributes(resource, device).items():
@@ -10082,7 +10084,7 @@ class KubeApi:
             # that comes back sooner only adds to the load it was refused for.
             response = getattr(error, "response", None)
             header = response.headers.get("retry-after", "") if response is not None else ""
-            retry_after = float(header) if header.isdigit() else None
+            retry_after = float(header) if header.isascii() and header.isdigit() else None
             message = f"{what}: {error.status.code} {error.status.message}"
             details = error.status.details
             causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
@@ -10689,7 +10691,7 @@ class SlicePublisher:
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
-        self._seen = int(version) if version.isdigit() else -1
+        self._seen = int(version) if version.isascii() and version.isdigit() else -1
         self.listed.set()
         self.known_changed.touch()
 
@@ -11060,7 +11062,7 @@ def _version_of(item: Mapping[str, Any]) -> int | None:
     compares them only to tell a watch event or a write's answer from an older one. A version that
     is not a number is taken as the newest, which is how a client that never compares behaves."""
     version = item.get("metadata", {}).get("resourceVersion", "")
-    return int(version) if version.isdigit() else None
+    return int(version) if version.isascii() and version.isdigit() else None
 
 
 def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:

@@ -9832,6 +9832,21 @@ def test_any_quantity_is_the_api_servers_canonical_value_or_refused_never_an_exc
     assert [key for key, _ in problems] == ([] if stored else ["capacity.memory"])
 
 
+def test_names_and_versions_are_checked_as_go_does_ascii_digits_and_bytes():
+    """Issue 44 (L1): Python's \\d and str.isdigit() take other scripts' digits, and str.lower() the
+    Kelvin sign for a "k"; Go's regexps and the API server take ASCII digits, and count bytes."""
+    assert gp.attribute_value_problem("version", "1.2.3") == ""
+    assert "not a semantic version" in gp.attribute_value_problem("version", "1\u0661.2.3")
+    assert "not a semantic version" in gp.attribute_value_problem("version", "1.2.3-1\u0663")
+    kelvin = "\u212a"  # 3 bytes in UTF-8; lower() is "k"
+    assert gp.attribute_name_problem("EXAMPLE.com/model") == ""  # upper case is lower-cased, as Go does
+    assert "must be a DNS subdomain" in gp.attribute_name_problem(f"example{kelvin}.com/model")
+    assert "must be a DNS subdomain" in gp.attribute_name_problem("a" * 62 + kelvin + "/model")  # 65 bytes
+    assert gp.attribute_name_problem("m\u0661") != ""  # a C identifier is ASCII
+    # A digit int() cannot read is not a port (a traceback before).
+    assert "is not host:port" in gp.metrics_address_problem("0.0.0.0:\u00b2")
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
