@@ -1245,6 +1245,7 @@ class ResourceConfig:
     capacity: tuple[DeclaredValue, ...] = ()
     #: argv run once per scan of the resource, printing attributes and capacity by device ID (run_describe)
     describe: tuple[str, ...] = ()
+    driver: str = ""  #: the DRA driver: a name in its domain is one without ("<driver>/model" is "model")
 
     @property
     def device_plugin(self) -> bool:
@@ -2046,6 +2047,7 @@ def _parse_resource(
         attributes,
         capacity,
         describe,
+        dra.driver if dra is not None else "",
     )
 
 
@@ -4145,6 +4147,7 @@ def with_read_values(
         if values is None:
             continue
         for name, (kind, value) in values.attributes.items():
+            name = name.removeprefix(f"{resource.driver}/") if resource.driver else name
             key = f"attributes.{name}"
             if "/" not in name and name in OWN_ATTRIBUTES:
                 problems.append((key, f"is an attribute gopherplug gives every device itself: {by}'s is not used"))
@@ -4163,6 +4166,7 @@ def with_read_values(
                 attributes[name] = (kind, value)
                 room -= 1
         for name, written in values.capacity.items():
+            name = name.removeprefix(f"{resource.driver}/") if resource.driver else name
             key = f"capacity.{name}"
             quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
             if name == DRA_SHARES_CAPACITY and resource.replicas > 1:

@@ -9847,6 +9847,36 @@ def test_names_and_versions_are_checked_as_go_does_ascii_digits_and_bytes():
     assert "is not host:port" in gp.metrics_address_problem("0.0.0.0:\u00b2")
 
 
+def test_a_read_attribute_in_the_drivers_domain_never_stands_beside_gopherplugs_own_or_a_literal():
+    """Issue 44 (L2): "<driver>/healthy" is the attribute "healthy" to the API server and the
+    scheduler; said by describe or a file, it was published beside gopherplug's own, and CEL saw
+    whichever Go's map order gave. gopherplug's own wins, then the configuration's literal."""
+    config = gp.parse_config(
+        dra_config("/g", "/k", attributes={"model": "H200", "serial": {"file": "/s"}}, capacity={"memory": "80Gi"}),
+        "cfg.yaml",
+    )
+    (resource,) = config.resources
+    said = gp.ReadValues(
+        attributes={
+            f"{DRIVER}/healthy": ("bool", False),
+            f"{DRIVER}/model": ("string", "B200"),
+            f"{DRIVER}/serial": ("string", "7"),
+        },
+        capacity={f"{DRIVER}/memory": "40Gi", f"{DRIVER}/cores": "132"},
+    )
+    device, problems = gp.with_read_values(resource, gp.DeviceEntry("0", "/dev/gpu0"), gp.ReadValues(), said)
+    assert dict(problems) == {
+        "attributes.healthy": "is an attribute gopherplug gives every device itself: describe's is not used",
+        "attributes.model": "the configuration says 'H200', which is used, not describe's 'B200'",
+        "capacity.memory": "the configuration says '80Gi', which is used, not describe's '40Gi'",
+    }
+    published = gp.dra_device(resource, device, DRIVER)
+    assert published["attributes"]["healthy"] == {"bool": True}
+    assert not [name for name in published["attributes"] if name.startswith(f"{DRIVER}/")]
+    assert published["attributes"]["serial"] == {"string": "7"}
+    assert published["capacity"] == {"memory": {"value": "80Gi"}, "cores": {"value": "132"}}
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
