@@ -1724,7 +1724,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
-        for key, problem in _pattern_warnings(entry)
+        for key, problem in [*_pattern_warnings(entry), ("attributes", _room_warning(resources[index]))]
+        if problem
     )
     return Config(
         tuple(resources),
@@ -2271,10 +2272,10 @@ def attribute_value_problem(kind: str, value: Any) -> str:
         return f'{value!r} is not a string, a whole number, true or false, or {{"version": "1.2.3"}}'
     if not isinstance(value, str):
         return f"{value!r} is not a string"
-    if len(value.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
-        return (
-            f"{value[:20]!r}... has {len(value.encode())} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
-        )
+    if (size := len(value.encode(errors="surrogatepass"))) > DRA_ATTRIBUTE_MAX_LENGTH:
+        return f"{value[:20]!r}... has {size} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
+    if re.search("[\ud800-\udfff]", value):  # JSON's "\ud800": not UTF-8 (Go's decoder would keep U+FFFD)
+        return f"{value!r} has a lone surrogate: it is not UTF-8"
     if kind == "version" and not _SEMVER.fullmatch(value):
         return f"{value!r} is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)"
     return ""
@@ -2426,6 +2427,20 @@ def _parse_declarations(
     if "describe" in data:
         describe = _parse_command(data["describe"], source, f"{where}.describe")
     return attributes, capacity, describe
+
+
+def _room_warning(resource: ResourceConfig) -> str:
+    """Why a DRA resource's devices may have more than the API server's 32 attributes and capacities
+    once sysfs gives them its own (numaNode twice, pciBusID, pcieRoot; a USB device's five), or ""."""
+    declared = len(resource.attributes) + len(resource.capacity) + 3 + (resource.replicas > 1)
+    most = declared + 4 + 5 * bool(resource.usb)
+    if not resource.dra or most <= DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
+        return ""
+    problem = f"with the capacities and gopherplug's own, {declared}, and up to {most - declared} sysfs gives a "
+    problem += f"{'USB' if resource.usb else 'PCI'} device (NUMA node, PCI address{', USB IDs' * bool(resource.usb)}) "
+    return (
+        problem + f"a device may have {most}: past {DRA_MAX_ATTRIBUTES_AND_CAPACITIES}, the last by name are left out"
+    )
 
 
 # CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
@@ -4093,6 +4108,15 @@ def _typed(kind: str, text: str) -> str | int | bool | None:
 _TOO_MANY_VALUES = f"left out: a device has at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities"
 
 
+def _beyond_the_limit(resource: ResourceConfig, device: DeviceEntry) -> list[tuple[str, str]]:
+    """What dra_device leaves out past the API server's 32 attributes and capacities a device (which
+    refuses the slice, and the pool with it): the last capacities, then attributes, by name; (key, why).
+    gopherplug's and sysfs's come first in both, at most 13 of them (with "shares"): never these."""
+    keys = [f"attributes.{name}" for name in device_attributes(resource, device)]
+    keys += [f"capacity.{name}" for name in device_capacity(resource, device)]
+    return [(key, _TOO_MANY_VALUES) for key in keys[DRA_MAX_ATTRIBUTES_AND_CAPACITIES - (resource.replicas > 1) :]]
+
+
 def with_read_values(
     resource: ResourceConfig, device: DeviceEntry, files: ReadValues, described: ReadValues | None = None
 ) -> tuple[DeviceEntry, list[tuple[str, str]]]:
@@ -4126,7 +4150,7 @@ def with_read_values(
         if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
             device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
     if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
-        return device, problems  # nothing read (literals only, or describe has not said yet)
+        return device, problems + _beyond_the_limit(resource, device)  # nothing read (literals only, or not yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
     from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
     if device.numa_node is not None:
@@ -4192,7 +4216,7 @@ def with_read_values(
         attributes=tuple((name, *attributes[name]) for name in sorted(attributes)),
         capacity=tuple((name, capacity[name]) for name in sorted(capacity)),
     )
-    return entry, problems
+    return entry, problems + _beyond_the_limit(resource, entry)
 
 
 def declared_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, Any]]:
@@ -4283,9 +4307,12 @@ def dra_device(
     for (capacity.requests, nothing by default), within the value, where the cluster has consumable
     capacity (DRAConsumableCapacity, on from 1.36).
     """
-    attributes = device_attributes(resource, device)
+    attributes, capacity = device_attributes(resource, device), device_capacity(resource, device)
+    for key, _ in _beyond_the_limit(resource, device):  # with_read_values says which, a line each
+        kind, _, name = key.partition(".")
+        del (attributes if kind == "attributes" else capacity)[name]
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
-    if capacity := device_capacity(resource, device):
+    if capacity:
         listed["capacity"] = capacity
     if resource.replicas > 1:
         # A shared device's declared capacity is consumed by the claims that ask for some of it

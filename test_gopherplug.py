@@ -10523,6 +10523,33 @@ def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
     )
 
 
+def test_sysfs_attributes_never_take_a_device_past_the_api_servers_32():
+    """Issue 44 (M1): 29 literals pass with gopherplug's 3 (32), and a PCI device's NUMA node and
+    address add 4: the API server refused the slice, and the whole pool left the node. check-config
+    warns of it; at runtime the last by name are left out, a line each, and the slice passes."""
+    literals = {f"a{n:02}": n for n in range(27)}
+    config = gp.parse_config(dra_config("/g", "/k", attributes=literals, capacity={"m": "1Gi", "n": "2"}), "cfg.yaml")
+    assert config.warnings == (
+        "cfg.yaml: resources[0].attributes: with the capacities and gopherplug's own, 32, and up to 4 sysfs gives "
+        "a PCI device (NUMA node, PCI address) a device may have 36: past 32, the last by name are left out",
+    )
+    (resource,) = config.resources
+    device = gp.DeviceEntry("g0", "/g/g0", True, numa_node=1, pci=gp.PciAddress("0000:03:00.0", "pci0000:00"))
+    entry, problems = gp.with_read_values(resource, device, gp.ReadValues())
+    left_out = ["attributes.a25", "attributes.a26", "capacity.m", "capacity.n"]  # the last by name
+    assert problems == [(key, gp._TOO_MANY_VALUES) for key in left_out]
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": entry}, 1)
+    (published,) = item["spec"]["devices"]
+    assert len(published["attributes"]) == 32 and "capacity" not in published
+    assert published["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:03:00.0"}
+    assert standins.resource_slice_causes(item) == []
+    # Without sysfs's, all of them; and the stand-in refuses 33, as the API server does.
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    assert standins.resource_slice_causes(item) == []
+    item["spec"]["devices"][0]["attributes"]["one_more"] = {"int": 1}
+    assert [c["field"] for c in standins.resource_slice_causes(item)] == ["spec.devices[0]"]
+
+
 def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
     """Two resource names that read alike get two slice names; a node name of 253 characters
     still gives a pool name, and slices, the API server takes."""
