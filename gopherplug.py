@@ -2198,12 +2198,9 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     return tuple(annotations)
 
 
-# Attributes and capacity, declared per resource. What a device carries in its ResourceSlice entry
-# (Device.attributes and Device.capacity in k8s.io/api resource/v1), checked here as the API server
-# checks them (validateQualifiedName, validateDeviceAttribute and the device's own limits in
-# kubernetes/kubernetes pkg/apis/resource/validation/validation.go): a slice with one bad value is
-# refused whole, and with it every device of the pool, so a mistake in the configuration is a
-# ConfigError, and a bad value read from a file or a describe program is left out with a line.
+# Attributes and capacity (Device.attributes and .capacity in k8s.io/api resource/v1), checked as the
+# API server checks them (kubernetes/kubernetes pkg/apis/resource/validation/validation.go): one bad
+# value refuses the slice, and the pool with it. In the configuration, a ConfigError; read, left out.
 
 #: The most attributes and capacities one device may have together
 #: (ResourceSliceMaxAttributesAndCapacitiesPerDevice in k8s.io/api resource/v1)
@@ -2222,7 +2219,6 @@ _SEMVER = re.compile(
     r"(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
 )
-_INT64 = (-(2**63), 2**63 - 1)  # an int attribute is an int64
 
 #: The attributes gopherplug gives every device itself, in the driver's domain (dra_device): a
 #: declared one of the same name is refused, rather than one silently hiding the other.
@@ -2238,17 +2234,14 @@ def attribute_name_problem(name: str) -> str:
     parts = name.split("/")
     if len(parts) > 2:
         return "must be either a C identifier or a domain, followed by a slash and a C identifier"
-    problems = []
-    if len(parts) == 2:
-        domain = parts[0]
-        if not domain:
-            problems.append("the domain must not be empty")
-        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _ATTRIBUTE_DOMAIN.fullmatch(domain):
-            problems.append(
-                f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
-                f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
-            )
-    identifier = parts[-1]
+    problems, domain, identifier = [], parts[0] if len(parts) == 2 else None, parts[-1]
+    if domain == "":
+        problems.append("the domain must not be empty")
+    elif domain and (len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _ATTRIBUTE_DOMAIN.fullmatch(domain)):
+        problems.append(
+            f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
+            f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
+        )
     if not identifier:
         problems.append("the name must not be empty")
     elif not _C_IDENTIFIER.fullmatch(identifier) or len(identifier) > DRA_ATTRIBUTE_NAME_MAX_LENGTH:
@@ -2267,7 +2260,7 @@ def attribute_value_problem(kind: str, value: Any) -> str:
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             return f"{value!r} is not a whole number"
-        return "" if _INT64[0] <= value <= _INT64[1] else f"{value} does not fit in 64 bits"
+        return "" if -(2**63) <= value < 2**63 else f"{value} does not fit in 64 bits"  # an int64
     if kind not in ("string", "version"):
         return f'{value!r} is not a string, a whole number, true or false, or {{"version": "1.2.3"}}'
     if not isinstance(value, str):
@@ -2287,23 +2280,18 @@ def attribute_value_problem(kind: str, value: Any) -> str:
 _QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?[0-9]+))?")
 _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
-_INT32_MAX = 2**31 - 1
 
 
 @functools.lru_cache(maxsize=1024, typed=True)  # a node's devices mostly say the same few quantities
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
-    "1000" is "1k", "0.5" is "500m". The slice publisher compares what it wrote with what the server
-    stored: written otherwise, each would look like a field the server dropped.
-
-    The value keeps its suffix's kind: binary (Ki..Ei) while it is a whole number of at least 1024
-    (as the largest binary suffix that leaves it whole; past 2^63-1 it is 2^63-1, the server's cap),
-    else decimal: a whole mantissa and an exponent that is a multiple of 3, as an SI suffix (or
-    e<exponent> when written so, or past E). Anything finer than 1n is rounded up, as the parser
-    does. Refused besides: an exponent past 32 bits (the server's scale is an int32: 1.36 wraps it,
-    later releases refuse it), and above 1E more than 18 digits, which the server would work out in
-    big numbers, as long as the exponent is (1.36 spends minutes on 1234567890123456789e9999999)."""
+    "1000" is "1k", "0.5" is "500m"; written otherwise, the slice publisher would take each for a
+    field the server dropped. Binary (Ki..Ei) while a whole number of at least 1024 (past 2^63-1,
+    the server's cap), else a whole mantissa and an exponent that is a multiple of 3, as an SI
+    suffix (or e<exponent> when written so, or past E); finer than 1n is rounded up. Refused
+    besides: an exponent past the server's int32 scale (1.36 wraps it), and above 1E more than 18
+    digits, which it would work out in big numbers as long as the exponent (1234567890123456789e9999999)."""
     if isinstance(written, bool):
         return None
     import decimal  # only where a quantity is written: most configurations have none
@@ -2314,7 +2302,7 @@ def canonical_quantity(written: str | int | float) -> str | None:
     if (match := _QUANTITY.fullmatch(text)) is None:
         return None
     number, suffix, exponent = match[1], match[2] or "", match[3]
-    if exponent is not None and (len(exponent.lstrip("+-").lstrip("0")) > 10 or abs(int(exponent)) > _INT32_MAX):
+    if exponent is not None and (len(exponent.lstrip("+-").lstrip("0")) > 10 or abs(int(exponent)) > 2**31 - 1):
         return None
     with decimal.localcontext(decimal.Context(decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)):
         value = decimal.Decimal(number)  # exact: no rounding but the parser's own
@@ -2337,7 +2325,7 @@ def canonical_quantity(written: str | int | float) -> str | None:
         assert isinstance(places, int)
         mantissa = "-" * sign + "".join(map(str, digits)) + "0" * (places % 3)
         places -= places % 3
-        if places > _INT32_MAX or (places > 18 and len(mantissa) - sign > 18):
+        if places > 2**31 - 1 or (places > 18 and len(mantissa) - sign > 18):
             return None
         if exponent is not None or places not in _DECIMAL_SUFFIXES:
             return f"{mantissa}e{places}" if places else mantissa
@@ -2414,15 +2402,11 @@ def _parse_declarations(
     driver = dra.driver if dra is not None else ""
     attributes = _parse_declared(data.get("attributes", {}), source, f"{where}.attributes", False, driver)
     capacity = _parse_declared(data.get("capacity", {}), source, f"{where}.capacity", True, driver)
-    # Every device has resource, id and healthy, and a shared one the capacity "shares".
-    own = 3 + (replicas > 1)
+    own = 3 + (replicas > 1)  # every device's resource, id and healthy; a shared one's "shares"
     if (total := len(attributes) + len(capacity) + own) > DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
-        key = f"{where}.capacity" if capacity else f"{where}.attributes"
-        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives "
-        problem += (
-            f"each device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
-        )
-        raise ConfigError(source, key, problem)
+        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives each "
+        problem += f"device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
+        raise ConfigError(source, f"{where}.capacity" if capacity else f"{where}.attributes", problem)
     describe: tuple[str, ...] = ()
     if "describe" in data:
         describe = _parse_command(data["describe"], source, f"{where}.describe")
@@ -2436,19 +2420,17 @@ def _room_warning(resource: ResourceConfig) -> str:
     most = declared + 4 + 5 * bool(resource.usb)
     if not resource.dra or most <= DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
         return ""
-    problem = f"with the capacities and gopherplug's own, {declared}, and up to {most - declared} sysfs gives a "
-    problem += f"{'USB' if resource.usb else 'PCI'} device (NUMA node, PCI address{', USB IDs' * bool(resource.usb)}) "
+    kind = "USB device (NUMA node, PCI address, USB IDs)" if resource.usb else "PCI device (NUMA node, PCI address)"
+    problem = f"with the capacities and gopherplug's own, {declared}, and up to {most - declared} sysfs gives a {kind} "
     return (
         problem + f"a device may have {most}: past {DRA_MAX_ATTRIBUTES_AND_CAPACITIES}, the last by name are left out"
     )
 
 
-# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
-# both begin with a letter and end with a letter or digit (ValidateVendorName and
-# ValidateClassName in container-device-interface pkg/parser/parser.go). Neither may be one
-# character, which CDI allows: CDI v1.1.0, which containerd 2.x bundles, slices such a name out of
-# range and panics, at every start of the runtime while the spec file is in its directory
-# (container-device-interface#320), and the spec stays there after gopherplug stops.
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-]; both
+# begin with an ASCII letter and end with one or a digit (ValidateVendorName, ValidateClassName in
+# container-device-interface pkg/parser/parser.go). Not one character: CDI v1.1.0 (containerd 2.x's)
+# panics on it at every start while the spec is there (container-device-interface#320).
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 #: A vendor or class every CDI version takes: a letter, then at least one more character.
 _CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
@@ -2456,10 +2438,8 @@ _CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
 
 def dra_cdi_kind(driver: str, resource_name: str) -> str:
     """The CDI kind of a DRA resource that sets no ``cdi``: "<driver>/<name part>", with an "x" in
-    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d", "example.com/a"
-    -> "<driver>/xa"): Kubernetes lets a name begin with a digit or be one character, CDI does not.
-    The others keep their names. One letter keeps the class within 63 characters, as a DRA
-    resource's whole name has at most 64."""
+    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d"; "a" -> "xa"),
+    which Kubernetes allows; within 63 characters, as a DRA resource's whole name has at most 64."""
     parts = (driver, resource_name.partition("/")[2])
     return "/".join(part if _CDI_SAFE_PART.fullmatch(part) else "x" + part for part in parts)
 
@@ -2474,16 +2454,11 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
         or len(vendor) > 253
         or not _CDI_CLASS.fullmatch(device_class)
     ):
-        problem = (
-            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; "
-            "each beginning with a letter)"
-        )
-        raise ConfigError(source, f"{where}.kind", problem)
+        problem = f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z "
+        raise ConfigError(source, f"{where}.kind", problem + "0-9 _ . -; each beginning with a letter)")
     if len(vendor) == 1 or len(device_class) == 1:
-        problem = (
-            f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI library "
-            "v1.1.0 panics on such a spec file): use 2 characters or more"
-        )
+        problem = f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI "
+        problem += "library v1.1.0 panics on such a spec file): use 2 characters or more"
         raise ConfigError(source, f"{where}.kind", problem)
     if len(f".{kind}.json.lock") > 255:  # the spec file and its lock are named after the kind
         raise ConfigError(source, f"{where}.kind", f"{kind!r} is too long to name a file after: at most 244 characters")
@@ -4124,13 +4099,10 @@ def with_read_values(
     the API server checks a ResourceSlice's device, and why each value left out was: (key, why),
     e.g. ("attributes.model", "..."), for one line each.
 
-    Its files first, then what ``describe`` said. No value replaces another: gopherplug's own
-    attributes stay (a describe may not say a device is healthy), and so does a literal of the
-    configuration, a file's value before describe's, and sysfs's standard ones (device_attributes);
-    a different value for one of them is left out with a line saying which is used. describe may
-    give what a file could not (a line says why the file gave nothing). Nothing beyond the API
-    server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
-    first."""
+    Its files first, then what ``describe`` said (a name in the driver's domain as one without). No
+    value replaces another: gopherplug's own stay (describe may not call a device healthy), then
+    sysfs's standard ones, a literal, a file's value before describe's; a different value is left
+    out with a line saying which is used. Past the API server's 32 a device, the last are left out."""
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
@@ -4152,11 +4124,8 @@ def with_read_values(
     if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
         return device, problems + _beyond_the_limit(resource, device)  # nothing read (literals only, or not yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
-    if device.numa_node is not None:
-        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
-    if device.pci is not None:
-        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
+    sysfs = {"numaNode": device.numa_node, "pciBusID": device.pci, "pcieRoot": device.pci}  # device_attributes'
+    from_sysfs = {f"{DRA_STANDARD_DOMAIN}/{name}" for name, known in sysfs.items() if known is not None}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
@@ -4221,11 +4190,9 @@ def with_read_values(
 
 def declared_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, Any]]:
     """The attributes the user gave the device, as a ResourceSlice lists them: name (without a
-    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}, "driverVersion":
-    {"version": "580.159.4"}}. The resource's literals, then what was read for this device (its
-    ``attributes`` files and ``describe``, DeviceEntry.attributes): a literal is the same for every
-    device, so a name the configuration gives a literal keeps it. gopherplug's own are not here
-    (device_attributes has them too)."""
+    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}}. The resource's
+    literals, then what was read for this device (DeviceEntry.attributes), which cannot replace a
+    literal. gopherplug's own are not here (device_attributes has them too)."""
     attributes = {value.name: {value.type: value.value} for value in resource.attributes if value.value is not None}
     for name, kind, value in device.attributes:
         attributes.setdefault(name, {kind: value})
@@ -4285,17 +4252,11 @@ def dra_device(
     ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
     device-plugin API's health), and ``numaNode`` when the device node has one.
 
-    Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
-    across drivers: ``numaNode`` (an int, for selectors and matchAttribute constraints; no released
-    kubelet reads it: 1.36 has no DRA topology hints, its standard attributes are pcieRoot and
-    pciBusID, k8s.io/dynamic-resource-allocation deviceattribute. The kubelet's main branch adds
-    hints that read an attribute whose name ends in "/numaNode", topologyNUMAAttributeSuffix in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/topology_hints.go; gopherplug's own is stored without
-    a domain, so this is the one they would find), and for a device node of a PCI device ``pciBusID``
-    ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
-    them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
-    lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
-    ``usbBus`` (an int) and ``usbPort`` (its port path, "1-1.4") are in the driver's domain.
+    Beside them, the standard ones (DRA_STANDARD_DOMAIN) that selectors and constraints can use
+    across drivers: ``numaNode``, and a PCI device's ``pciBusID`` and ``pcieRoot``, as
+    k8s.io/dynamic-resource-allocation deviceattribute makes them; a USB device's ``usbVendor``,
+    ``usbProduct``, ``usbSerial``, ``usbBus`` and ``usbPort`` in the driver's domain (docs/dra.md
+    says what reads each). Past the API server's 32, the last declared are left out (_beyond_the_limit).
 
     With ``driver``, an unhealthy device carries dra_unhealthy_taint with the ``unhealthy_taint``
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
