@@ -2455,7 +2455,8 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
         or not _CDI_CLASS.fullmatch(device_class)
     ):
         problem = f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z "
-        raise ConfigError(source, f"{where}.kind", problem + "0-9 _ . -; each beginning with a letter)")
+        problem += "0-9 _ . -; each beginning with a letter)"
+        raise ConfigError(source, f"{where}.kind", problem)
     if len(vendor) == 1 or len(device_class) == 1:
         problem = f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI "
         problem += "library v1.1.0 panics on such a spec file): use 2 characters or more"
