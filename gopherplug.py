@@ -1245,6 +1245,7 @@ class ResourceConfig:
     capacity: tuple[DeclaredValue, ...] = ()
     #: argv run once per scan of the resource, printing attributes and capacity by device ID (run_describe)
     describe: tuple[str, ...] = ()
+    driver: str = ""  #: the DRA driver: a name in its domain is one without ("<driver>/model" is "model")
 
     @property
     def device_plugin(self) -> bool:
@@ -1723,7 +1724,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
-        for key, problem in _pattern_warnings(entry)
+        for key, problem in [*_pattern_warnings(entry), ("attributes", _room_warning(resources[index]))]
+        if problem
     )
     return Config(
         tuple(resources),
@@ -1779,7 +1781,7 @@ def nfd_features_file_problem(path: str) -> str | None:
 def metrics_address_problem(address: str, example: int = 9400) -> str | None:
     """What is wrong with a metrics (or health) address ("host:port", "[::1]:port"), or None."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
+    if not colon or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         return f'{address!r} is not host:port, e.g. "0.0.0.0:{example}" (all addresses) or "127.0.0.1:{example}"'
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         return f'{address!r}: write an IPv6 address in brackets, e.g. "[::]:{port}"'
@@ -2046,6 +2048,7 @@ def _parse_resource(
         attributes,
         capacity,
         describe,
+        dra.driver if dra is not None else "",
     )
 
 
@@ -2195,12 +2198,9 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     return tuple(annotations)
 
 
-# Attributes and capacity, declared per resource. What a device carries in its ResourceSlice entry
-# (Device.attributes and Device.capacity in k8s.io/api resource/v1), checked here as the API server
-# checks them (validateQualifiedName, validateDeviceAttribute and the device's own limits in
-# kubernetes/kubernetes pkg/apis/resource/validation/validation.go): a slice with one bad value is
-# refused whole, and with it every device of the pool, so a mistake in the configuration is a
-# ConfigError, and a bad value read from a file or a describe program is left out with a line.
+# Attributes and capacity (Device.attributes and .capacity in k8s.io/api resource/v1), checked as the
+# API server checks them (kubernetes/kubernetes pkg/apis/resource/validation/validation.go): one bad
+# value refuses the slice, and the pool with it. In the configuration, a ConfigError; read, left out.
 
 #: The most attributes and capacities one device may have together
 #: (ResourceSliceMaxAttributesAndCapacitiesPerDevice in k8s.io/api resource/v1)
@@ -2210,13 +2210,15 @@ DRA_MAX_ATTRIBUTES_AND_CAPACITIES = 32
 DRA_ATTRIBUTE_NAME_MAX_LENGTH = 32
 DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH = 63
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it.
+# A driver name's check, which takes upper case too (validateDriverName lower-cases it first). Only
+# ASCII: Go's ToLower makes the Kelvin sign a "k", three bytes that Python's len() counts as one.
+_ATTRIBUTE_DOMAIN = re.compile(_DNS_SUBDOMAIN.pattern, re.IGNORECASE | re.ASCII)
+# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it (Go's \d is [0-9]).
 _SEMVER = re.compile(
-    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
+    r"(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
 )
-_INT64 = (-(2**63), 2**63 - 1)  # an int attribute is an int64
 
 #: The attributes gopherplug gives every device itself, in the driver's domain (dra_device): a
 #: declared one of the same name is refused, rather than one silently hiding the other.
@@ -2232,18 +2234,14 @@ def attribute_name_problem(name: str) -> str:
     parts = name.split("/")
     if len(parts) > 2:
         return "must be either a C identifier or a domain, followed by a slash and a C identifier"
-    problems = []
-    if len(parts) == 2:
-        domain = parts[0]
-        if not domain:
-            problems.append("the domain must not be empty")
-        # A driver name's check, which takes upper case too (validateDriverName lower-cases it first).
-        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _DNS_SUBDOMAIN.fullmatch(domain.lower()):
-            problems.append(
-                f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
-                f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
-            )
-    identifier = parts[-1]
+    problems, domain, identifier = [], parts[0] if len(parts) == 2 else None, parts[-1]
+    if domain == "":
+        problems.append("the domain must not be empty")
+    elif domain and (len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _ATTRIBUTE_DOMAIN.fullmatch(domain)):
+        problems.append(
+            f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
+            f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
+        )
     if not identifier:
         problems.append("the name must not be empty")
     elif not _C_IDENTIFIER.fullmatch(identifier) or len(identifier) > DRA_ATTRIBUTE_NAME_MAX_LENGTH:
@@ -2262,15 +2260,15 @@ def attribute_value_problem(kind: str, value: Any) -> str:
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             return f"{value!r} is not a whole number"
-        return "" if _INT64[0] <= value <= _INT64[1] else f"{value} does not fit in 64 bits"
+        return "" if -(2**63) <= value < 2**63 else f"{value} does not fit in 64 bits"  # an int64
     if kind not in ("string", "version"):
         return f'{value!r} is not a string, a whole number, true or false, or {{"version": "1.2.3"}}'
     if not isinstance(value, str):
         return f"{value!r} is not a string"
-    if len(value.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
-        return (
-            f"{value[:20]!r}... has {len(value.encode())} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
-        )
+    if (size := len(value.encode(errors="surrogatepass"))) > DRA_ATTRIBUTE_MAX_LENGTH:
+        return f"{value[:20]!r}... has {size} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
+    if re.search("[\ud800-\udfff]", value):  # JSON's "\ud800": not UTF-8 (Go's decoder would keep U+FFFD)
+        return f"{value!r} has a lone surrogate: it is not UTF-8"
     if kind == "version" and not _SEMVER.fullmatch(value):
         return f"{value!r} is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)"
     return ""
@@ -2278,8 +2276,8 @@ def attribute_value_problem(kind: str, value: Any) -> str:
 
 # A resource.Quantity as the API server parses one (ParseQuantity in k8s.io/apimachinery
 # pkg/api/resource/quantity.go): a signed decimal number, then a binary suffix (Ki ... Ei), a
-# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2).
-_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?")
+# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2). Digits are ASCII, as Go reads them.
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?[0-9]+))?")
 _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
 
@@ -2288,50 +2286,50 @@ _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 1
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
-    "1000" is "1k", "0.5" is "500m". The slice publisher compares what it wrote with what the server
-    stored: written otherwise, each would look like a field the server dropped.
-
-    The value keeps its suffix's kind: binary (Ki..Ei) while it is a whole number of at least 1024
-    (as the largest binary suffix that leaves it whole), else decimal: a whole mantissa and an
-    exponent that is a multiple of 3, as an SI suffix (or e<exponent> when written so). Anything
-    finer than 1n is rounded up, as the parser does."""
+    "1000" is "1k", "0.5" is "500m"; written otherwise, the slice publisher would take each for a
+    field the server dropped. Binary (Ki..Ei) while a whole number of at least 1024 (past 2^63-1,
+    the server's cap), else a whole mantissa and an exponent that is a multiple of 3, as an SI
+    suffix (or e<exponent> when written so, or past E); finer than 1n is rounded up. Refused
+    besides: an exponent past the server's int32 scale (1.36 wraps it), and above 1E more than 18
+    digits, which it would work out in big numbers as long as the exponent (1234567890123456789e9999999)."""
     if isinstance(written, bool):
-        return None
-    text = str(written).strip() if isinstance(written, int | float) else written
-    match = _QUANTITY.fullmatch(text)
-    if match is None:
         return None
     import decimal  # only where a quantity is written: most configurations have none
 
-    with decimal.localcontext() as context:
-        context.prec = 60
-        number, suffix = decimal.Decimal(match[1]), match[2] or ""
+    text = (
+        written if isinstance(written, str) else str(decimal.Decimal(written) if isinstance(written, int) else written)
+    )
+    if (match := _QUANTITY.fullmatch(text)) is None:
+        return None
+    number, suffix, exponent = match[1], match[2] or "", match[3]
+    if exponent is not None and (len(exponent.lstrip("+-").lstrip("0")) > 10 or abs(int(exponent)) > 2**31 - 1):
+        return None
+    with decimal.localcontext(decimal.Context(decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)):
+        value = decimal.Decimal(number)  # exact: no rounding but the parser's own
         if suffix in _BINARY_SUFFIXES[1:]:
-            value, kind = number * 1024 ** _BINARY_SUFFIXES.index(suffix), "binary"
-        elif suffix[:1] in ("e", "E"):
-            value, kind = number.scaleb(int(suffix[1:])), "exponent"
+            value *= 1024 ** _BINARY_SUFFIXES.index(suffix)
+            value = min(abs(value), decimal.Decimal(2**63 - 1)).copy_sign(value)
         else:
-            exponent = next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
-            value, kind = number.scaleb(exponent), "decimal"
+            value = value.scaleb(
+                int(exponent) if exponent else next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
+            )
         value = value.scaleb(9).to_integral_value(decimal.ROUND_UP).scaleb(-9)  # nano is the finest
         if not value:
             return "0"
-        if kind == "binary" and (abs(value) < 1024 or value != value.to_integral_value()):
-            kind = "decimal"
-        if kind == "binary":
+        if suffix in _BINARY_SUFFIXES[1:] and abs(value) >= 1024 and value == value.to_integral_value():
             whole, power = int(value), 0
             while power < len(_BINARY_SUFFIXES) - 1 and whole % 1024 == 0:
                 whole, power = whole // 1024, power + 1
             return f"{whole}{_BINARY_SUFFIXES[power]}"
-        sign, digits, exponent = value.normalize().as_tuple()
-        assert isinstance(exponent, int)
-        mantissa = int("".join(map(str, digits)))
-        while exponent % 3:
-            mantissa, exponent = mantissa * 10, exponent - 1
-        mantissa = -mantissa if sign else mantissa
-        if kind == "exponent" or exponent not in _DECIMAL_SUFFIXES:
-            return f"{mantissa}e{exponent}" if exponent else str(mantissa)
-        return f"{mantissa}{_DECIMAL_SUFFIXES[exponent]}"
+        sign, digits, places = value.normalize().as_tuple()
+        assert isinstance(places, int)
+        mantissa = "-" * sign + "".join(map(str, digits)) + "0" * (places % 3)
+        places -= places % 3
+        if places > 2**31 - 1 or (places > 18 and len(mantissa) - sign > 18):
+            return None
+        if exponent is not None or places not in _DECIMAL_SUFFIXES:
+            return f"{mantissa}e{places}" if places else mantissa
+        return f"{mantissa}{_DECIMAL_SUFFIXES[places]}"
 
 
 _FILE_FIELDS = ("id", "path", "name", "target", "sysfs")
@@ -2404,27 +2402,35 @@ def _parse_declarations(
     driver = dra.driver if dra is not None else ""
     attributes = _parse_declared(data.get("attributes", {}), source, f"{where}.attributes", False, driver)
     capacity = _parse_declared(data.get("capacity", {}), source, f"{where}.capacity", True, driver)
-    # Every device has resource, id and healthy, and a shared one the capacity "shares".
-    own = 3 + (replicas > 1)
+    own = 3 + (replicas > 1)  # every device's resource, id and healthy; a shared one's "shares"
     if (total := len(attributes) + len(capacity) + own) > DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
-        key = f"{where}.capacity" if capacity else f"{where}.attributes"
-        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives "
-        problem += (
-            f"each device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
-        )
-        raise ConfigError(source, key, problem)
+        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives each "
+        problem += f"device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
+        raise ConfigError(source, f"{where}.capacity" if capacity else f"{where}.attributes", problem)
     describe: tuple[str, ...] = ()
     if "describe" in data:
         describe = _parse_command(data["describe"], source, f"{where}.describe")
     return attributes, capacity, describe
 
 
-# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
-# both begin with a letter and end with a letter or digit (ValidateVendorName and
-# ValidateClassName in container-device-interface pkg/parser/parser.go). Neither may be one
-# character, which CDI allows: CDI v1.1.0, which containerd 2.x bundles, slices such a name out of
-# range and panics, at every start of the runtime while the spec file is in its directory
-# (container-device-interface#320), and the spec stays there after gopherplug stops.
+def _room_warning(resource: ResourceConfig) -> str:
+    """Why a DRA resource's devices may have more than the API server's 32 attributes and capacities
+    once sysfs gives them its own (numaNode twice, pciBusID, pcieRoot; a USB device's five), or ""."""
+    declared = len(resource.attributes) + len(resource.capacity) + 3 + (resource.replicas > 1)
+    most = declared + 4 + 5 * bool(resource.usb)
+    if not resource.dra or most <= DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
+        return ""
+    kind = "USB device (NUMA node, PCI address, USB IDs)" if resource.usb else "PCI device (NUMA node, PCI address)"
+    problem = f"with the capacities and gopherplug's own, {declared}, and up to {most - declared} sysfs gives a {kind} "
+    return (
+        problem + f"a device may have {most}: past {DRA_MAX_ATTRIBUTES_AND_CAPACITIES}, the last by name are left out"
+    )
+
+
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-]; both
+# begin with an ASCII letter and end with one or a digit (ValidateVendorName, ValidateClassName in
+# container-device-interface pkg/parser/parser.go). Not one character: CDI v1.1.0 (containerd 2.x's)
+# panics on it at every start while the spec is there (container-device-interface#320).
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 #: A vendor or class every CDI version takes: a letter, then at least one more character.
 _CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
@@ -2432,10 +2438,8 @@ _CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
 
 def dra_cdi_kind(driver: str, resource_name: str) -> str:
     """The CDI kind of a DRA resource that sets no ``cdi``: "<driver>/<name part>", with an "x" in
-    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d", "example.com/a"
-    -> "<driver>/xa"): Kubernetes lets a name begin with a digit or be one character, CDI does not.
-    The others keep their names. One letter keeps the class within 63 characters, as a DRA
-    resource's whole name has at most 64."""
+    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d"; "a" -> "xa"),
+    which Kubernetes allows; within 63 characters, as a DRA resource's whole name has at most 64."""
     parts = (driver, resource_name.partition("/")[2])
     return "/".join(part if _CDI_SAFE_PART.fullmatch(part) else "x" + part for part in parts)
 
@@ -2450,16 +2454,12 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
         or len(vendor) > 253
         or not _CDI_CLASS.fullmatch(device_class)
     ):
-        problem = (
-            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; "
-            "each beginning with a letter)"
-        )
+        problem = f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z "
+        problem += "0-9 _ . -; each beginning with a letter)"
         raise ConfigError(source, f"{where}.kind", problem)
     if len(vendor) == 1 or len(device_class) == 1:
-        problem = (
-            f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI library "
-            "v1.1.0 panics on such a spec file): use 2 characters or more"
-        )
+        problem = f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI "
+        problem += "library v1.1.0 panics on such a spec file): use 2 characters or more"
         raise ConfigError(source, f"{where}.kind", problem)
     if len(f".{kind}.json.lock") > 255:  # the spec file and its lock are named after the kind
         raise ConfigError(source, f"{where}.kind", f"{kind!r} is too long to name a file after: at most 244 characters")
@@ -4084,6 +4084,15 @@ def _typed(kind: str, text: str) -> str | int | bool | None:
 _TOO_MANY_VALUES = f"left out: a device has at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities"
 
 
+def _beyond_the_limit(resource: ResourceConfig, device: DeviceEntry) -> list[tuple[str, str]]:
+    """What dra_device leaves out past the API server's 32 attributes and capacities a device (which
+    refuses the slice, and the pool with it): the last capacities, then attributes, by name; (key, why).
+    gopherplug's and sysfs's come first in both, at most 13 of them (with "shares"): never these."""
+    keys = [f"attributes.{name}" for name in device_attributes(resource, device)]
+    keys += [f"capacity.{name}" for name in device_capacity(resource, device)]
+    return [(key, _TOO_MANY_VALUES) for key in keys[DRA_MAX_ATTRIBUTES_AND_CAPACITIES - (resource.replicas > 1) :]]
+
+
 def with_read_values(
     resource: ResourceConfig, device: DeviceEntry, files: ReadValues, described: ReadValues | None = None
 ) -> tuple[DeviceEntry, list[tuple[str, str]]]:
@@ -4091,13 +4100,10 @@ def with_read_values(
     the API server checks a ResourceSlice's device, and why each value left out was: (key, why),
     e.g. ("attributes.model", "..."), for one line each.
 
-    Its files first, then what ``describe`` said. No value replaces another: gopherplug's own
-    attributes stay (a describe may not say a device is healthy), and so does a literal of the
-    configuration, a file's value before describe's, and sysfs's standard ones (device_attributes);
-    a different value for one of them is left out with a line saying which is used. describe may
-    give what a file could not (a line says why the file gave nothing). Nothing beyond the API
-    server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
-    first."""
+    Its files first, then what ``describe`` said (a name in the driver's domain as one without). No
+    value replaces another: gopherplug's own stay (describe may not call a device healthy), then
+    sysfs's standard ones, a literal, a file's value before describe's; a different value is left
+    out with a line saying which is used. Past the API server's 32 a device, the last are left out."""
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
@@ -4117,13 +4123,10 @@ def with_read_values(
         if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
             device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
     if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
-        return device, problems  # nothing read (literals only, or describe has not said yet)
+        return device, problems + _beyond_the_limit(resource, device)  # nothing read (literals only, or not yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
-    if device.numa_node is not None:
-        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
-    if device.pci is not None:
-        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
+    sysfs = {"numaNode": device.numa_node, "pciBusID": device.pci, "pcieRoot": device.pci}  # device_attributes'
+    from_sysfs = {f"{DRA_STANDARD_DOMAIN}/{name}" for name, known in sysfs.items() if known is not None}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
@@ -4138,6 +4141,7 @@ def with_read_values(
         if values is None:
             continue
         for name, (kind, value) in values.attributes.items():
+            name = name.removeprefix(f"{resource.driver}/") if resource.driver else name
             key = f"attributes.{name}"
             if "/" not in name and name in OWN_ATTRIBUTES:
                 problems.append((key, f"is an attribute gopherplug gives every device itself: {by}'s is not used"))
@@ -4156,6 +4160,7 @@ def with_read_values(
                 attributes[name] = (kind, value)
                 room -= 1
         for name, written in values.capacity.items():
+            name = name.removeprefix(f"{resource.driver}/") if resource.driver else name
             key = f"capacity.{name}"
             quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
             if name == DRA_SHARES_CAPACITY and resource.replicas > 1:
@@ -4181,16 +4186,14 @@ def with_read_values(
         attributes=tuple((name, *attributes[name]) for name in sorted(attributes)),
         capacity=tuple((name, capacity[name]) for name in sorted(capacity)),
     )
-    return entry, problems
+    return entry, problems + _beyond_the_limit(resource, entry)
 
 
 def declared_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, Any]]:
     """The attributes the user gave the device, as a ResourceSlice lists them: name (without a
-    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}, "driverVersion":
-    {"version": "580.159.4"}}. The resource's literals, then what was read for this device (its
-    ``attributes`` files and ``describe``, DeviceEntry.attributes): a literal is the same for every
-    device, so a name the configuration gives a literal keeps it. gopherplug's own are not here
-    (device_attributes has them too)."""
+    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}}. The resource's
+    literals, then what was read for this device (DeviceEntry.attributes), which cannot replace a
+    literal. gopherplug's own are not here (device_attributes has them too)."""
     attributes = {value.name: {value.type: value.value} for value in resource.attributes if value.value is not None}
     for name, kind, value in device.attributes:
         attributes.setdefault(name, {kind: value})
@@ -4223,7 +4226,7 @@ def device_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str
         ):
             attributes["usbSerial"] = {"string": usb.serial}
         bus = usb.port.removeprefix("usb").partition("-")[0]
-        if bus.isdigit():
+        if bus.isascii() and bus.isdigit():
             attributes["usbBus"] = {"int": int(bus)}
         attributes["usbPort"] = {"string": usb.port}
     for name, value in declared_attributes(resource, device).items():
@@ -4250,17 +4253,11 @@ def dra_device(
     ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
     device-plugin API's health), and ``numaNode`` when the device node has one.
 
-    Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
-    across drivers: ``numaNode`` (an int, for selectors and matchAttribute constraints; no released
-    kubelet reads it: 1.36 has no DRA topology hints, its standard attributes are pcieRoot and
-    pciBusID, k8s.io/dynamic-resource-allocation deviceattribute. The kubelet's main branch adds
-    hints that read an attribute whose name ends in "/numaNode", topologyNUMAAttributeSuffix in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/topology_hints.go; gopherplug's own is stored without
-    a domain, so this is the one they would find), and for a device node of a PCI device ``pciBusID``
-    ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
-    them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
-    lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
-    ``usbBus`` (an int) and ``usbPort`` (its port path, "1-1.4") are in the driver's domain.
+    Beside them, the standard ones (DRA_STANDARD_DOMAIN) that selectors and constraints can use
+    across drivers: ``numaNode``, and a PCI device's ``pciBusID`` and ``pcieRoot``, as
+    k8s.io/dynamic-resource-allocation deviceattribute makes them; a USB device's ``usbVendor``,
+    ``usbProduct``, ``usbSerial``, ``usbBus`` and ``usbPort`` in the driver's domain (docs/dra.md
+    says what reads each). Past the API server's 32, the last declared are left out (_beyond_the_limit).
 
     With ``driver``, an unhealthy device carries dra_unhealthy_taint with the ``unhealthy_taint``
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
@@ -4272,9 +4269,12 @@ def dra_device(
     for (capacity.requests, nothing by default), within the value, where the cluster has consumable
     capacity (DRAConsumableCapacity, on from 1.36).
     """
-    attributes = device_attributes(resource, device)
+    attributes, capacity = device_attributes(resource, device), device_capacity(resource, device)
+    for key, _ in _beyond_the_limit(resource, device):  # with_read_values says which, a line each
+        kind, _, name = key.partition(".")
+        del (attributes if kind == "attributes" else capacity)[name]
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
-    if capacity := device_capacity(resource, device):
+    if capacity:
         listed["capacity"] = capacity
     if resource.replicas > 1:
         # A shared device's declared capacity is consumed by the claims that ask for some of it
@@ -10077,7 +10077,7 @@ class KubeApi:
             # that comes back sooner only adds to the load it was refused for.
             response = getattr(error, "response", None)
             header = response.headers.get("retry-after", "") if response is not None else ""
-            retry_after = float(header) if header.isdigit() else None
+            retry_after = float(header) if header.isascii() and header.isdigit() else None
             message = f"{what}: {error.status.code} {error.status.message}"
             details = error.status.details
             causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
@@ -10684,7 +10684,7 @@ class SlicePublisher:
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
-        self._seen = int(version) if version.isdigit() else -1
+        self._seen = int(version) if version.isascii() and version.isdigit() else -1
         self.listed.set()
         self.known_changed.touch()
 
@@ -11055,7 +11055,7 @@ def _version_of(item: Mapping[str, Any]) -> int | None:
     compares them only to tell a watch event or a write's answer from an older one. A version that
     is not a number is taken as the newest, which is how a client that never compares behaves."""
     version = item.get("metadata", {}).get("resourceVersion", "")
-    return int(version) if version.isdigit() else None
+    return int(version) if version.isascii() and version.isdigit() else None
 
 
 def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:

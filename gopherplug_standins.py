@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import decimal
 import itertools
 import json
 import math
@@ -279,9 +280,9 @@ def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[st
 _DRA_DOMAIN_LENGTH = 63
 _DRA_ID_LENGTH = 32
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SEMVER = re.compile(
-    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+_SEMVER = re.compile(  # Go's \d is ASCII: [0-9]
+    r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
+    r"(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
 )
 
@@ -415,7 +416,7 @@ def _taint_causes(field: str, taint: Mapping[str, Any]) -> list[dict[str, str]]:
 #: A resource.Quantity as the API server parses one (k8s.io/apimachinery pkg/api/resource
 #: quantity.go): a signed decimal number, then a binary (Ki ... Ei), decimal (n u m k M G T P E) or
 #: exponent (e3, E-2) suffix, or none.
-_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?")
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?")
 _QUANTITY_SUFFIXES = {
     **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
     **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9))},
@@ -434,8 +435,9 @@ def _quantity(value: Any) -> Decimal | None:
     if match is None:
         return None
     number, suffix = Decimal(match[1]), match[2] or ""
-    if suffix[:1] in ("e", "E"):
-        return number.scaleb(int(suffix[1:]))
+    if len(suffix) > 1 and suffix[0] in "eE":  # "E" alone is exa
+        wide = decimal.Context(Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)  # 1e9999999 is a quantity
+        return number.scaleb(int(suffix[1:]), wide) if len(suffix) < 12 else None
     return number * _QUANTITY_SUFFIXES.get(suffix, Decimal(1))
 
 

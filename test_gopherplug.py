@@ -10135,6 +10135,88 @@ def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_
     assert gp.dra_device(embedded, device)["attributes"]["model"] == {"string": "H200"}
 
 
+@pytest.mark.parametrize(
+    "written, stored",
+    [
+        ("2E", "2E"),  # the exa suffix (10^18), which the API server and the chart accept
+        ("1000E", "1e21"),  # past E no suffix: an exponent, which every release keeps as written
+        ("1e9999999", "1e9999999"),
+        ("1e-9999999", "1e-9"),  # finer than 1n: rounded up, as the parser does
+        ("16Ei", "9223372036854775807"),  # binary past 2^63-1: the API server caps it so
+        ("-8Ei", "-9223372036854775807"),
+        ("9223372036854775807Ki", "9223372036854775807"),
+        ("1e2147483648", None),  # past the server's 32-bit scale (1.36 wraps it: 1e4294967297 is 1e1)
+        ("1e" + "9" * 5000, None),
+        ("1234567890123456789e9999999", None),  # the server would work it out in big numbers
+        ("\u0661", None),  # an Arabic-Indic one: Go reads ASCII digits only
+    ],
+)
+def test_any_quantity_is_the_api_servers_canonical_value_or_refused_never_an_exception(written, stored):
+    """Issue 44 (H1, L7): the exa suffix and any exponent raised; a binary quantity past int64 was
+    written as "16Ei" and stored capped, which looked like a field the server dropped."""
+    assert gp.canonical_quantity(written) == stored
+    assert gp.canonical_quantity(10**5000) == "100e4998"  # past int()'s 4300 digits
+    fields = {"capacity": {"memory": written}}
+    if stored is None:
+        with pytest.raises(gp.ConfigError, match="is not a quantity"):
+            gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml")
+    else:
+        (resource,) = gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml").resources
+        assert resource.capacity[0].value == stored
+    # Read from a file or said by describe: left out with a line, or kept as the server keeps it.
+    resource = gp.resource_config("example.com/gpu", capacity={"memory": {"file": "/m"}})
+    device, problems = gp.with_read_values(
+        resource, gp.DeviceEntry("0", "/dev/gpu0"), gp.ReadValues(capacity={"memory": written})
+    )
+    assert device.capacity == (() if stored is None else (("memory", stored),))
+    assert [key for key, _ in problems] == ([] if stored else ["capacity.memory"])
+
+
+def test_names_and_versions_are_checked_as_go_does_ascii_digits_and_bytes():
+    """Issue 44 (L1): Python's \\d and str.isdigit() take other scripts' digits, and str.lower() the
+    Kelvin sign for a "k"; Go's regexps and the API server take ASCII digits, and count bytes."""
+    assert gp.attribute_value_problem("version", "1.2.3") == ""
+    assert "not a semantic version" in gp.attribute_value_problem("version", "1\u0661.2.3")
+    assert "not a semantic version" in gp.attribute_value_problem("version", "1.2.3-1\u0663")
+    kelvin = "\u212a"  # 3 bytes in UTF-8; lower() is "k"
+    assert gp.attribute_name_problem("EXAMPLE.com/model") == ""  # upper case is lower-cased, as Go does
+    assert "must be a DNS subdomain" in gp.attribute_name_problem(f"example{kelvin}.com/model")
+    assert "must be a DNS subdomain" in gp.attribute_name_problem("a" * 62 + kelvin + "/model")  # 65 bytes
+    assert gp.attribute_name_problem("m\u0661") != ""  # a C identifier is ASCII
+    # A digit int() cannot read is not a port (a traceback before).
+    assert "is not host:port" in gp.metrics_address_problem("0.0.0.0:\u00b2")
+
+
+def test_a_read_attribute_in_the_drivers_domain_never_stands_beside_gopherplugs_own_or_a_literal():
+    """Issue 44 (L2): "<driver>/healthy" is the attribute "healthy" to the API server and the
+    scheduler; said by describe or a file, it was published beside gopherplug's own, and CEL saw
+    whichever Go's map order gave. gopherplug's own wins, then the configuration's literal."""
+    config = gp.parse_config(
+        dra_config("/g", "/k", attributes={"model": "H200", "serial": {"file": "/s"}}, capacity={"memory": "80Gi"}),
+        "cfg.yaml",
+    )
+    (resource,) = config.resources
+    said = gp.ReadValues(
+        attributes={
+            f"{DRIVER}/healthy": ("bool", False),
+            f"{DRIVER}/model": ("string", "B200"),
+            f"{DRIVER}/serial": ("string", "7"),
+        },
+        capacity={f"{DRIVER}/memory": "40Gi", f"{DRIVER}/cores": "132"},
+    )
+    device, problems = gp.with_read_values(resource, gp.DeviceEntry("0", "/dev/gpu0"), gp.ReadValues(), said)
+    assert dict(problems) == {
+        "attributes.healthy": "is an attribute gopherplug gives every device itself: describe's is not used",
+        "attributes.model": "the configuration says 'H200', which is used, not describe's 'B200'",
+        "capacity.memory": "the configuration says '80Gi', which is used, not describe's '40Gi'",
+    }
+    published = gp.dra_device(resource, device, DRIVER)
+    assert published["attributes"]["healthy"] == {"bool": True}
+    assert not [name for name in published["attributes"] if name.startswith(f"{DRIVER}/")]
+    assert published["attributes"]["serial"] == {"string": "7"}
+    assert published["capacity"] == {"memory": {"value": "80Gi"}, "cores": {"value": "132"}}
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
@@ -10779,6 +10861,33 @@ def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
     assert standins.resource_slice_causes(item)[0]["message"].startswith(
         'Invalid value: "pci-bus-id": a valid C identifier'
     )
+
+
+def test_sysfs_attributes_never_take_a_device_past_the_api_servers_32():
+    """Issue 44 (M1): 29 literals pass with gopherplug's 3 (32), and a PCI device's NUMA node and
+    address add 4: the API server refused the slice, and the whole pool left the node. check-config
+    warns of it; at runtime the last by name are left out, a line each, and the slice passes."""
+    literals = {f"a{n:02}": n for n in range(27)}
+    config = gp.parse_config(dra_config("/g", "/k", attributes=literals, capacity={"m": "1Gi", "n": "2"}), "cfg.yaml")
+    assert config.warnings == (
+        "cfg.yaml: resources[0].attributes: with the capacities and gopherplug's own, 32, and up to 4 sysfs gives "
+        "a PCI device (NUMA node, PCI address) a device may have 36: past 32, the last by name are left out",
+    )
+    (resource,) = config.resources
+    device = gp.DeviceEntry("g0", "/g/g0", True, numa_node=1, pci=gp.PciAddress("0000:03:00.0", "pci0000:00"))
+    entry, problems = gp.with_read_values(resource, device, gp.ReadValues())
+    left_out = ["attributes.a25", "attributes.a26", "capacity.m", "capacity.n"]  # the last by name
+    assert problems == [(key, gp._TOO_MANY_VALUES) for key in left_out]
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": entry}, 1)
+    (published,) = item["spec"]["devices"]
+    assert len(published["attributes"]) == 32 and "capacity" not in published
+    assert published["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:03:00.0"}
+    assert standins.resource_slice_causes(item) == []
+    # Without sysfs's, all of them; and the stand-in refuses 33, as the API server does.
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    assert standins.resource_slice_causes(item) == []
+    item["spec"]["devices"][0]["attributes"]["one_more"] = {"int": 1}
+    assert [c["field"] for c in standins.resource_slice_causes(item)] == ["spec.devices[0]"]
 
 
 def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():
