@@ -10035,31 +10035,6 @@ def _node_verdict(mode, rendered):
     return None
 
 
-#: Where today's parse_config differs from the Go rules the chart follows (issue 44, L1 and H1):
-#: reason -> which disagreements it explains, (section, key, value, mode) and what each says. Helper
-#: "rules" brings parse_config to Go's rules; the entries go as its changes land, and the test
-#: then holds the two to every case.
-KNOWN_DIFFERENCES = {
-    "parse_config raises on the exa suffix and on exponents past decimal's (H1); Go takes them": (
-        lambda case, chart, node, read: not chart and node.startswith("raises ")
-    ),
-    "parse_config lower-cases a non-ASCII domain (22 KELVIN SIGNs are 22 'k', 66 bytes) (L1)": (
-        lambda case, chart, node, read: bool(chart) and not node and not case[1].partition("/")[0].isascii()
-    ),
-    "check-config does not warn yet of the attributes sysfs adds past the 32 (M1)": (
-        lambda case, chart, node, read: case[0] == "warning" and bool(chart) and node == []
-    ),
-    "parse_config takes more than 18 digits above 1E, which the server works out in big numbers": (
-        lambda case, chart, node, read: (
-            bool(chart)
-            and not node
-            and case[0] == "capacity"
-            and bool(re.fullmatch(r"-?[0-9]{19,}e([0-9]+)", gp.canonical_quantity(read) or ""))
-        )
-    ),
-}
-
-
 def _generated_cases():
     """Cases hypothesis generates from the rules' conditions (PROPERTIES: derandomized in CI)."""
     cases = []
@@ -10087,10 +10062,8 @@ def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, 
         if chart["problem"]:
             assert chart["problem"].startswith(f"config.resources[0].{section}.{key}"), chart["problem"]
         if bool(chart["problem"]) != bool(node):
-            read = yaml.safe_load(chart["yaml"])[0].get(section, {}).get(key) if not node else None
-            disagreements.append((case, chart["problem"], node, read))
-    unknown = [d for d in disagreements if not any(known(*d) for known in KNOWN_DIFFERENCES.values())]
-    assert unknown == [], f"{len(unknown)} of {len(unique)} cases:\n" + "\n".join(map(repr, unknown))
+            disagreements.append((case, chart["problem"], node))
+    assert disagreements == [], f"{len(disagreements)} of {len(unique)} cases:\n" + "\n".join(map(repr, disagreements))
 
 
 def test_the_chart_counts_attributes_and_capacities_as_parse_config_does(helm, tmp_path):
@@ -10126,9 +10099,8 @@ def test_the_chart_counts_attributes_and_capacities_as_parse_config_does(helm, t
         warnings = [w.partition(": ")[2] for w in gp.parse_config(text, "config.yaml").warnings]
         said = [f"config.{w}" for w in warnings if "sysfs" in w]
         if said != [warned["problem"]] if warned["problem"] else said:
-            disagreements.append((("warning", resource), warned["problem"], said, None))
-    known = KNOWN_DIFFERENCES.get("check-config does not warn yet of the attributes sysfs adds past the 32 (M1)")
-    assert [d for d in disagreements if not (known and known(*d))] == []
+            disagreements.append((resource, warned["problem"], said))
+    assert disagreements == []
 
 
 _RESOURCE_NAMES = [
