@@ -5458,15 +5458,11 @@ class _ResetAwareConnection(GRPCConnection):
     # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames: a peer could make us buffer
     # 16 MiB per frame. The kubelet's grpc-go sends 16 KiB frames (the HTTP/2 default).
     MAX_INBOUND_FRAME_SIZE = 2**14
-    # The kubelet makes every call to a plugin on one connection, and grpc-go does not refuse a call
-    # over the streams we allow: it queues the call until a stream ends, its deadline running. The
-    # kubelet calls PreStartContainer for every container start, and starts pods in parallel (up
-    # to 110 per node by default, a few hundred at most); with 32 streams, 32 slow pre_start
-    # commands would hold every one, and the next PreStartContainer (30 s deadline) and Allocate
-    # behind them would time out in the kubelet's queue. So: far more streams than a kubelet can
-    # have in flight, each costing a task and its request (the kubelet's are a few bytes); how
-    # much work runs at once is for the handlers to limit where it costs (section 6 runs only a
-    # few pre_start commands at a time). purerpc's own 65,536 would let a peer pile up more.
+    # The kubelet makes every call to a plugin on one connection, and grpc-go queues a call over
+    # the streams we allow until one ends, its deadline running: with 32 streams, 32 slow pre_start
+    # commands would time out the PreStartContainer and Allocate calls behind them. So: far more
+    # streams than a kubelet can have in flight (110 pods per node by default); how much work runs
+    # at once is for the handlers to limit. purerpc's own 65,536 would let a peer pile up more.
     MAX_CONCURRENT_STREAMS = 1024
 
     def __init__(self, config: GRPCConfiguration) -> None:
@@ -5626,15 +5622,13 @@ def _close_event_queues(stream: GRPCProtoStream) -> None:
 class _ImmediateService(purerpc.Service):
     """A purerpc service that can also hold *immediate* unary methods: handlers that never wait.
 
-    Most of what the kubelet asks a device plugin is answered from what the plugin already knows:
-    Allocate (the devices' paths, looked at again), GetPreferredAllocation, GetDevicePluginOptions.
-    A call answered in its own task, through purerpc's per-call stream object, costs a task, a
-    cancel scope, two memory streams and an event before its handler runs a line: over half of
-    the work of a whole Allocate. An immediate method's handler is a plain function, run by the
-    connection's reader at once when the request is complete, its answer handed to h2 directly
-    (_ServerConnection._answer_now). It must not wait for anything (it cannot: it is no
-    coroutine), which is also why it is safe to run there: no other call can be held up behind it
-    longer than its own computing takes, as with any handler on the one event loop.
+    Most of what the kubelet asks a device plugin is answered from what the plugin already knows
+    (Allocate, GetPreferredAllocation, GetDevicePluginOptions). A call answered in its own task
+    costs a task, a cancel scope, two memory streams and an event before its handler runs a line:
+    over half of the work of a whole Allocate. An immediate method's handler is a plain function,
+    run by the connection's reader once the request is complete, its answer handed to h2 directly
+    (_ServerConnection._answer_now). It cannot wait (it is no coroutine), so no other call is held
+    up behind it longer than its own computing takes.
 
     To any other server (stock purerpc's), an immediate method is an ordinary async one.
     """
@@ -9151,13 +9145,10 @@ class RegistrationState:
 
     def dropped(self, now: float) -> tuple[str, float]:
         """Why the kubelet seems to have dropped the driver it registered, and since when ("" if it
-        does not). The kubelet says nothing when it drops a plugin (a directory it stopped watching,
-        a restart that found our socket gone, its own bug), and a probe that trusts the last
-        notification says "registered" forever. What it does observably is stop what it did: the
-        newest plugin watcher calls GetInfo every 10 s while a plugin is registered, and a kubelet
-        with ResourceHealthStatus keeps a health stream open. Either one gone quiet for
-        DRA_KUBELET_SILENCE means dropped. Older kubelets call GetInfo only to register: one call
-        seen after the notification is what shows this kubelet asks again."""
+        does not). The kubelet says nothing when it drops a plugin, but it stops what it did: the
+        newest plugin watcher calls GetInfo every 10 s while a plugin is registered (older ones only
+        to register: one call after the notification shows this one asks again), and a kubelet
+        with ResourceHealthStatus keeps a health stream open. Either quiet for DRA_KUBELET_SILENCE."""
         if not self.registered:
             return "", 0.0
         if self.info_calls and now - self.last_info > DRA_KUBELET_SILENCE:
@@ -9265,16 +9256,13 @@ def dra_health_services(resources: DraResources, registration: RegistrationState
 class ClaimPreparer:
     """NodePrepareResources and NodeUnprepareResources, against the API server and the checkpoint.
 
-    Each claim is prepared on its own, and one that fails gets its error in the answer. The kubelet
-    then asks again for the whole batch, every claim of the pod not marked prepared, and it marks
-    none prepared until a batch comes back without an error; meanwhile it appends the devices of
-    each claim answered without one to that claim's list, at every try (prepareResources in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; ClaimInfo.addDevice in claiminfo.go): the
-    container would get every CDI device once per try, and PodResources would list each device as
-    often. So when a claim of a batch fails, the others are answered with an error too, naming it:
-    they stay prepared here, and the retry answers them again from the checkpoint, the same devices
-    (idempotent), once the whole batch succeeds. A prepared claim is in the checkpoint before it is
-    answered, so that whatever the kubelet was told survives a restart of this plugin.
+    Each claim is prepared on its own. The kubelet marks no claim of a batch prepared until the
+    whole batch comes back without an error, and meanwhile appends the devices of each claim
+    answered without one at every try (prepareResources in kubernetes/kubernetes
+    pkg/kubelet/cm/dra/manager.go; ClaimInfo.addDevice): the container would get every CDI device
+    once per try. So when a claim of a batch fails, the others are answered with an error too,
+    naming it; they stay prepared here, and the retry answers them again from the checkpoint. A
+    prepared claim is in the checkpoint before it is answered, so that it survives a restart.
 
     With ``peers``, a claim not prepared yet is refused while a newer pod of the driver serves
     (_prepare_one says why): only the newest pod's configuration reaches new containers.
@@ -9310,9 +9298,8 @@ class ClaimPreparer:
 
     async def _prepare(self, request: Any) -> Any:
         response = drapb.NodePrepareResourcesResponse()
-        # The answer is a map by claim UID: a claim listed twice gets one entry, which two
-        # preparations would both fill, giving every device twice. One answer per claim, as the Go
-        # helper's (its result is a map too).
+        # The answer is a map by claim UID: a claim listed twice, prepared twice, would get every
+        # device twice in its one entry.
         claims = {claim.uid: claim for claim in request.claims}
         async with trio.open_nursery() as nursery:
             for claim in claims.values():
@@ -9349,18 +9336,13 @@ class ClaimPreparer:
                     await trio.to_thread.run_sync(_ensure_device_metadata, path, text)
                 answer.devices.extend(devices)
                 return
-            # During a rolling update the kubelet calls the driver's most recently registered pod
-            # whose connection is up (GetPlugin in kubernetes/kubernetes
-            # pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go), and after a kubelet restart the pods
-            # register in the order its plugin watcher meets them: the old pod may be asked. Its
-            # configuration (env, mounts, device_specs, cdi) may not be the newest's, whose CDI spec
-            # is the one on the node (CDISpecTurn), and its shares' specs would carry its own edits.
-            # So it hands over: the claim's answer is an error, and the kubelet asks again ("will be
-            # called again for those that are not prepared", NodePrepareResourcesResponse in
-            # kubernetes/kubelet pkg/apis/dra/v1/api.proto; the pod's sync is retried with backoff),
-            # by then of the newest pod, or of this one once the newer pod is gone. Only a newer pod
-            # the kubelet registered counts (DriverPeers): one wedged or not registered gets no
-            # calls, and the kubelet keeps calling this pod, which must then prepare (issue 31).
+            # After a kubelet restart the pods of a rolling update register in the order its plugin
+            # watcher meets them: the old pod may be asked, and its configuration may not be the
+            # newest's (whose CDI spec is on the node: CDISpecTurn). So it hands over: the claim's
+            # answer is an error, and the kubelet asks again ("will be called again for those that
+            # are not prepared", kubernetes/kubelet pkg/apis/dra/v1/api.proto), by then of the
+            # newest pod. Only a newer pod the kubelet registered counts (DriverPeers): one it does
+            # not call leaves this pod to prepare.
             if self.peers is not None and (newer := self.peers.newer(registered=True)[0]):
                 raise GopherplugError(
                     f"a newer pod of DRA driver {self.resources.driver} serves on this node ({newer}): it prepares "
@@ -9955,22 +9937,15 @@ class KubeApi:
     """The few requests a DRA driver makes to the API server, through lightkube: resource.k8s.io/v1
     only, so Kubernetes 1.34 or later (1.32 and 1.33 serve the beta versions alone).
 
-    lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra), and
-    the device-plugin path stays as small as it was. Objects go in and come out as plain dicts.
-    Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
-    reached or did not answer. In a pod, the configuration is the service account's
-    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
-    is read again every TOKEN_REREAD_SECONDS (to twice that, jittered) and when the server refuses
-    it (401 or 403), as the kubelet rotates bound tokens. Outside a pod (a developer's machine, the
-    demo), KUBECONFIG's; a kubeconfig user's exec credential plugin is run under trio
-    (ExecCredentialPlugin), not by lightkube.
-    Every request says who sends it (user_agent()).
+    lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra).
+    Objects go in and come out as plain dicts; every failure becomes ApiError (``status`` None when
+    no answer came). In a pod, the configuration is the service account's, its token file read
+    again every TOKEN_REREAD_SECONDS and after a 401 or 403, as the kubelet rotates bound tokens;
+    outside one, KUBECONFIG's, an exec credential plugin run under trio (ExecCredentialPlugin).
 
-    Lists and watches are made as client-go's reflector makes them (list_and_watch() says how and
-    why), with the API server's query parameters, through lightkube's request building and its
-    httpx2 client: lightkube 1.0.1's own list cannot ask for a resourceVersion, and its watch
-    neither asks for bookmarks nor lets its caller see the server end a watch (it opens the next
-    one itself).
+    Lists and watches are made as client-go's reflector makes them (list_and_watch), through
+    lightkube's request building and its httpx2 client: lightkube 1.0.1's own list cannot ask for
+    a resourceVersion, and its watch neither asks for bookmarks nor lets its caller see its end.
     """
 
     def __init__(
@@ -10197,13 +10172,10 @@ class KubeApi:
                 if response.status_code >= 400:
                     await response.aread()
                     inner.raise_for_status(response)
-                # One event per line, and a line ends at the byte "\\n" alone: the API server writes
-                # each event with Go's json.Encoder, which ends it with "\\n" and escapes no other
-                # line break but U+2028 and U+2029 (go_json). httpx's aiter_lines() (and lightkube's
-                # own watch, through it) splits where str.splitlines() does, also at U+0085, U+000B,
-                # U+001C..U+001E raw in UTF-8: a Node annotation holding one cut its event in two.
-                # client-go frames a watch by JSON document, not by line (the json framer of
-                # apimachinery's pkg/util/framer); in a stream of one-line documents, the same.
+                # One event per line, and a line ends at the byte "\\n" alone: Go's json.Encoder
+                # leaves U+0085 and other line breaks raw (go_json), where httpx's aiter_lines()
+                # (and lightkube's watch) would split too: a Node annotation holding one cut its
+                # event in two.
                 pending = bytearray()
                 async for chunk in response.aiter_bytes():
                     pending += chunk
@@ -10319,28 +10291,24 @@ async def list_and_watch(
     """Keep a copy of some objects of the API server, as client-go's reflector does (ListAndWatch in
     kubernetes/kubernetes staging/src/k8s.io/client-go/tools/cache/reflector.go), until cancelled:
     ``replace`` gets each list's items and version, ``update`` each watch event (ADDED, MODIFIED,
-    DELETED, and BOOKMARK, whose object carries a resourceVersion alone). ``list_from(version)``
-    and ``watch_from(version)`` make one request each (KubeApi).
+    DELETED, BOOKMARK). ``list_from(version)`` and ``watch_from(version)`` make one request each.
+    docs/dra.md, "A light load on the API server", says what that costs the server.
 
-    1. List once, at resourceVersion "0": whatever the API server's watch cache holds, served
-       without a read from etcd (relistResourceVersion).
-    2. Watch from the list's version, asking for bookmarks. Every event's version, a bookmark's
-       included, is where the next watch starts.
-    3. The server ends each watch after a while: a random time between its --min-request-timeout
-       and twice that, 30 to 60 minutes by default. Watched again from the last version, with no
-       list: nothing was missed. No timeoutSeconds is asked for; the reflector asks for 5 to 10
-       minutes, which would make one node's two watches 16 requests an hour instead of 2 to 4.
-       A dead connection is found by the bookmarks' silence instead (DRA_WATCH_QUIET_SECONDS).
-    4. A watch answered 410 Gone (its version left the server's history: etcd compacted it, or the
-       API server restarted): list again, from that version (at least as new as what was seen,
-       still from the cache); a list answered 410 too, or "too large resource version" (an API
-       server whose cache is behind that version), is made at "", a quorum read. A 410 right
-       after a list, with nothing in between, is no longer routine: warned about, backed off.
-    5. Any other failure (no answer, a 429, a 5xx): backed off (DRA_WATCH_BACKOFF, jittered), then
-       watched again from the last version; never a list, which costs the server much more.
+    1. List once, at resourceVersion "0": from the API server's watch cache, not etcd.
+    2. Watch from the list's version, asking for bookmarks; every event's version is where the
+       next watch starts.
+    3. The server ends each watch after its --min-request-timeout (30 to 60 minutes): watched
+       again from the last version, with no list. No timeoutSeconds (the reflector's 5 to 10
+       minutes would multiply the requests); a dead connection is found by the bookmarks'
+       silence instead (DRA_WATCH_QUIET_SECONDS).
+    4. A watch answered 410 Gone: list again from that version; a list answered 410 too, or "too
+       large resource version" (a cache behind it), at "", a quorum read. A 410 right after a
+       list is no longer routine: warned about, backed off.
+    5. Any other failure: backed off (DRA_WATCH_BACKOFF, jittered), then watched again; never a
+       list, which costs the server much more.
 
-    A 403 (RBAC gives no list or watch) is raised when ``stop_when_forbidden``, for a caller that
-    can do without; otherwise backed off and retried as the others."""
+    A 403 is raised when ``stop_when_forbidden``, for a caller that can do without; otherwise
+    backed off and retried as the others."""
     version = ""  # the last resourceVersion seen; "" before the first list
     list_at: str | None = "0"  # list before the next watch, at this version; None: watch
     delay = DRA_WATCH_BACKOFF[0]
@@ -10427,39 +10395,24 @@ DRA_PEER_TIMEOUT = 1.0
 
 
 class DriverPeers:
-    """The other pods of this DRA driver on the node, seen through their registration sockets, for
-    the slices: during a rolling update the old and the new pod both keep them, and the new one may
-    describe the devices otherwise (another version, another configuration). Both writing what they
-    see would rewrite each other's slices, a new generation each time, until the old pod is gone.
-    So the newest pod that serves writes them: a pod whose registration socket is older than that of
-    a serving pod of the driver leaves them to it, and writes again once that one is gone (its socket
-    removed). The same notion picks the CDI specs' one writer (CDISpecTurn) and the pod that
-    prepares new claims (ClaimPreparer).
+    """The other pods of this DRA driver on the node, seen through their registration sockets.
+    During a rolling update both pods keep the slices, and the new one may describe the devices
+    otherwise: both writing what they see would rewrite each other's slices without end. So the
+    newest pod that serves writes them (and the CDI specs: CDISpecTurn), the older leaving them to
+    it until it is gone (docs/dra.md, "Upgrades without a gap", tells the whole story).
 
-    Newest: the later socket's change time (each pod makes its socket as it starts). This pod's own
-    is remembered: it removes its socket first as it stops (so that the kubelet deregisters it
-    before its endpoint goes), and with nothing left to compare, a stopping old pod would take the
-    turn back and write the spec and the slices from its own configuration once more, after the new
-    pod had written them (issue 31). And a stopping pod (``stopping``, set by serve_dra) never takes
-    the turn back whatever it sees: it is going.
+    Newest: the later socket's change time. This pod's own is remembered, since it removes its
+    socket first as it stops; and a stopping pod (``stopping``, set by serve_dra) never takes the
+    turn back: it would write its own configuration once more over the new pod's.
 
-    Serving, not merely a socket that accepts a connection: the kernel accepts one into the listen
-    backlog of a pod that is wedged, which writes nothing and answers nothing. What this pod can
-    observe, ``watch`` asks in the background whenever a socket comes or goes, and again with a
-    backoff (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers
-    GetInfo as this driver within DRA_PEER_TIMEOUT (it runs: it writes the slices and the CDI spec,
-    ``newer()``), and whether its endpoint's gopherplug status says the kubelet registered it
-    (NotifyRegistrationStatus, and not dropped since: RegistrationState; ``newer(registered=True)``).
-    The kubelet calls the newest plugin that is registered and connected (GetPlugin in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): until the newer pod is
-    registered, the kubelet calls this one, which prepares new claims (ClaimPreparer), while the
-    slices and the spec stay the newer pod's (both writing their own view would rewrite each other's
-    without end). An endpoint without that status (another implementation, an older gopherplug)
-    counts as registered once it answers at all. Once seen registered a pod counts until its socket
-    goes. A killed pod's socket accepts nothing, and _remove_dead_sockets removes it at the next start.
-
-    Sockets named as dra_registration_socket_of says; a pod whose name had to be hashed whole
-    ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
+    Serving, not merely accepting: the kernel accepts a connection into a wedged pod's listen
+    backlog. ``watch`` asks whenever a socket comes or goes, and again with a backoff
+    (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers GetInfo
+    as this driver within DRA_PEER_TIMEOUT (``newer()``), and whether its endpoint's gopherplug
+    status says the kubelet registered it (``newer(registered=True)``; an endpoint without that
+    status counts once it answers). The kubelet calls the newest plugin that is registered and
+    connected (GetPlugin in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go):
+    until then it calls this one, which prepares new claims (ClaimPreparer).
     """
 
     def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
@@ -10600,39 +10553,26 @@ _ANSWERS, _REGISTERED = 1, 2
 class SlicePublisher:
     """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
 
-    Two tasks: ``watch`` follows the slices on the API server (a watch, narrowed by field selectors
-    to this node and driver) into ``known``, and this node's Node into ``node`` (list_and_watch
-    says how: a node costs the API server two watch requests an hour when nothing changes), and
-    ``publish`` wakes whenever a resource's devices, ``known`` or ``node`` change, compares, and
-    writes only what differs: the devices a pool should have, in
-    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation; a pool with a slice of
-    an older generation is written again whole. A slice deleted by someone else (an administrator,
-    the kubelet cleaning up after a plugin it thought gone) is written again. Each pool, and each
-    stale slice, is written on its own: one the API server refuses is retried after its own
-    capped backoff (or its Retry-After) while the others go on. While the API server is down or
-    slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
-    that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
-    A watch that expired (410) is followed by a new list at once; nothing else lists again.
+    Two tasks: ``watch`` follows the slices (a watch narrowed to this node and driver) into
+    ``known``, and this node's Node into ``node`` (list_and_watch says how); ``publish`` wakes
+    whenever a resource's devices, ``known`` or ``node`` change, and writes only what differs: a
+    pool's devices in slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A
+    slice deleted by someone else (the kubelet cleaning up after a plugin it thought gone) is
+    written again. Each pool, and each stale slice, is written on its own, one the API server
+    refuses retried after its own capped backoff (or Retry-After); writes that succeed are bounded
+    too (DRA_WRITES_PER_SECOND). While the API server is down the plugin serves on.
 
     A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
-    device plugin serves it on this node, so pods that ask for it in resources.limits get its
-    devices from there, and the scheduler would give the same devices to claims through DRA. Its
-    slices are not written (and any left are deleted) until the allocatable is 0, which the kubelet
-    reports at once when the device plugin's endpoint is gone (GetCapacity in kubernetes/kubernetes
-    pkg/kubelet/cm/devicemanager/manager.go), and the kubelet writes to its Node's status within
-    about 10 s (nodeStatusUpdateFrequency). The watch of the Node brings that, and a device plugin
-    that starts serving the resource on this node later (its allocatable above 0 again), within
-    moments, in either direction, at any time. The scheduler follows the same rule from the other
-    side: it serves an extended resource through DRA on a node only where the allocatable for it is
-    0 (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
+    device plugin serves it here, and the scheduler would give the same devices to claims through
+    DRA. The kubelet reports 0 once that plugin's endpoint is gone (GetCapacity in
+    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), and the watch of the Node brings
+    it within moments, in either direction. The scheduler follows the same rule from its side
+    (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
 
-    The Node also owns the slices (their owner reference names its UID), so that they go with it.
-    A Node that cannot be read or is not there (a NODE_NAME that names none) must not keep the
-    devices from the scheduler: the slices go out without an owner, with one warning, and get it
-    once the Node is seen. An older manifest's ClusterRole may give get on nodes without list and
-    watch: then the Node is read every DRA_NODE_POLL_SECONDS (jittered), said once.
-
-    With ``peers``, nothing is written while a newer pod of the driver serves (DriverPeers).
+    The Node also owns the slices, so that they go with it. A Node that cannot be read must not keep
+    the devices from the scheduler: the slices go out without an owner (said once), and get it once
+    the Node is seen. A ClusterRole with get on nodes but no list and watch: the Node is read every
+    DRA_NODE_POLL_SECONDS instead. With ``peers``, nothing is written while a newer pod serves.
     """
 
     def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
@@ -10696,14 +10636,9 @@ class SlicePublisher:
             return
         name = item["metadata"]["name"]
         # The watch brings events in order; what can be newer than an event is `known`'s own entry,
-        # when it is the answer to our write (publish puts it there at once). Every event older
-        # than it is history, a deletion too: a slice we created at version W after its name was
-        # deleted at D < W (the kubelet's wipe, an earlier pod's slice cleaned up) is not the one
-        # that DELETED at D describes, and dropping it made the next pass create it again, for a
-        # 409 AlreadyExists and a backoff. A deletion of what we wrote comes later than W. Versions
-        # are opaque to clients, and client-go's informers never compare them, as they never take
-        # a write's answer in; its MutationCache, which does, compares them as numbers (etcd's
-        # revision), as _older does, and so keeps a written object until the watch brings a newer one.
+        # the answer to our write. An event older than it is history, a deletion too: a slice we
+        # created at version W is not the one a DELETED at D < W describes (dropping it would create
+        # it again, for a 409). client-go's MutationCache compares versions as numbers too (_older).
         if _older(item, self.known.get(name)):
             pass
         elif kind == "DELETED":
@@ -10966,10 +10901,8 @@ class SlicePublisher:
             self._written(item, mine.get(item["metadata"]["name"])) for item in slices
         )
         # A slice of an older generation than its pool's newest is obsolete even when its devices
-        # are right: the scheduler takes only a pool's newest generation, and treats it as
-        # incomplete until it has resourceSliceCount slices of it (structured/pools.go). So a
-        # write that failed after its pool's first slice went to the new generation (a 409, a 429, a
-        # timeout, the plugin killed between the two) leaves the pool to be written again.
+        # are right: the scheduler takes only a pool's newest generation, complete (structured/pools.go).
+        # So a write that failed halfway through a new generation leaves the pool to be written again.
         if same and all(item["spec"]["pool"]["generation"] == generation for item in mine.values()):
             return
         # The pool changed: a new generation, so that the scheduler never mixes two.
@@ -11008,7 +10941,7 @@ class SlicePublisher:
                         server,
                         name,
                     )
-                    if _unshared(item, written):
+                    if _dropped("allowMultipleAllocations", item, written):
                         log.warning(
                             "DRA: %s dropped allowMultipleAllocations from the devices of %s: its feature gate "
                             "DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device "
@@ -11016,7 +10949,7 @@ class SlicePublisher:
                             server,
                             resource_name,
                         )
-                    if _untainted(item, written):
+                    if _dropped("taints", item, written):
                         log.warning(
                             "DRA: %s dropped the taints of the unhealthy devices of %s: its feature gate "
                             "DRADeviceTaints is off (beta and on by default from Kubernetes 1.36). A DeviceClass "
@@ -11035,18 +10968,12 @@ class SlicePublisher:
         return known is not None and stored == (_slice_key(wanted), _slice_key(known))
 
 
-def _untainted(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server stored a slice's tainted devices without their taints."""
-    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get("taints")]
+def _dropped(field: str, written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether the API server stored a slice's devices that have ``field`` ("taints": the tainted
+    ones; "allowMultipleAllocations": the shared ones, dra_shares) without it."""
+    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get(field)]
     theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
-    return any(not theirs.get(name, {}).get("taints") for name in mine)
-
-
-def _unshared(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server stored a slice's shared devices (dra_shares) as not shared."""
-    mine = [device for device in written["spec"].get("devices") or [] if device.get("allowMultipleAllocations")]
-    theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
-    return any(not theirs.get(device["name"], {}).get("allowMultipleAllocations") for device in mine)
+    return any(not theirs.get(name, {}).get(field) for name in mine)
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
@@ -11085,11 +11012,9 @@ def _keep_taint_times(item: dict[str, Any], stored: Iterable[Mapping[str, Any]])
     """Give each taint of ``item`` the timeAdded its device's same taint (key, value, effect) has in
     the pool's ``stored`` slices. The API server sets timeAdded to now on every write of a taint
     without one (SetDefaults_DeviceTaint in kubernetes/kubernetes pkg/apis/resource/v1/defaults.go),
-    and a NoExecute taint evicts at timeAdded + tolerationSeconds: without this, every rewrite of
-    the pool (another device added, another turned unhealthy) would restart the eviction clock of
-    the devices already tainted. The Go helper does the same (copyTaintTimeAdded in
-    staging/src/k8s.io/dynamic-resource-allocation/resourceslice); here across the pool's slices, so
-    that a device moved to another slice keeps its time too."""
+    and a NoExecute taint evicts at timeAdded + tolerationSeconds: every rewrite of the pool would
+    restart the eviction clock. The Go helper does the same (copyTaintTimeAdded), here across the
+    pool's slices, so that a device moved to another slice keeps its time too."""
     times = {
         (device.get("name"), taint.get("key"), taint.get("value"), taint.get("effect")): taint["timeAdded"]
         for known in stored
@@ -11151,15 +11076,12 @@ async def serve_dra(
     dials it as soon as GetInfo has named it.
 
     With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
-    one: during a rolling update with maxSurge the new pod starts before the old one stops. The
-    sockets carry the pod's UID; the checkpoint, the CDI spec and the slices are shared, each
-    written under its own rules (ClaimCheckpoint, CDISpecTurn, SlicePublisher), and nothing of
-    them is removed on the way out: only this pod's sockets go. Without a pod UID, one driver runs
-    per node: a second one is refused at start while the first one's registration socket answers.
+    one (a rolling update with maxSurge): the sockets carry the pod's UID; the checkpoint, the CDI
+    spec and the slices are shared, each under its own rules (ClaimCheckpoint, CDISpecTurn,
+    SlicePublisher), and only this pod's sockets go on the way out. Without a pod UID, a second
+    driver is refused at start while the first one's registration socket answers.
 
-    Cancelled, it stops its parts one at a time, each within STOP_PART_TIMEOUT (see _Parts): the
-    registration socket, the DRAPlugin socket, the claim status writer, the slice publisher, the
-    slice watch, the watch on the driver's other pods.
+    Cancelled, it stops its parts one at a time, the last started first (_Parts).
     """
     try:
         os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
@@ -11179,13 +11101,10 @@ def _remove_dead_sockets(config: DraConfig) -> None:
     """Remove the driver's sockets that no process listens on: left by a pod of the driver that was
     killed (SIGKILL, the OOM killer) before it could remove them.
 
-    The kubelet keeps registering a socket in plugins_registry that does not answer (the plugin
-    watcher retries it after every start), and keeps a dead endpoint in its list of the driver's
-    plugins (it prefers a connected one, so calls still reach a live pod: GetPlugin in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go). The Go helper leaves
-    them; a socket nobody accepts on is dead for certain (a live pod listens from bind() until it
-    removes it), so they go here. Only this driver's names (dra_registration_socket_of), and in the
-    driver's own directory "dra.sock", "dra-*.sock"."""
+    The kubelet's plugin watcher retries a registration socket that does not answer after every
+    start, and keeps a dead endpoint among the driver's plugins. A socket nobody accepts on is dead
+    for certain (a live pod listens from bind() until it removes it). Only this driver's names
+    (dra_registration_socket_of), and in the driver's own directory "dra.sock", "dra-*.sock"."""
     registry = os.path.dirname(config.registration_socket)
     candidates = [
         os.path.join(registry, name) for name in _listing(registry) if dra_registration_socket_of(config.driver, name)
@@ -11464,12 +11383,9 @@ async def _serve_generations(
                 # plugin is registered under the resource's *name* at that moment (runClient in
                 # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go):
                 # had we registered again already, the new registration would be the one dropped.
-                # So the stream ends first, and we wait for the kubelet to close its connection,
-                # which it does once it has forgotten the registration. After a kubelet restart
-                # too: the old kubelet's connections are closed then, and this costs nothing; but
-                # a kubelet still alive under a new kubelet.sock (one moved away and back, say)
-                # would drop the next registration, as the new kubelet did when a registration
-                # read an outdated generation and this wait was skipped for it (issue 26).
+                # So the stream ends first, and we wait for the kubelet to close its connection.
+                # After a kubelet restart too: a kubelet still alive under a new kubelet.sock would
+                # drop the next registration.
                 ending.set()
                 devices.touch()
                 if server.connections:
@@ -11564,11 +11480,9 @@ async def serve_devices(
 
 
 def _embedding_guard(function: str, devices: Any, device_plugin_dir: str | None = None) -> None:
-    """Refuse, in one line, what an embedding program can get wrong before anything is served: the
-    CLI refuses the same through its configuration. Without this, a plain dict fails deep inside
-    (no wait_changed), a relative directory is never the one the kubelet's socket is in (it waits
-    for kubelet.sock forever), and a call from asyncio fails inside trio ('RunContext' object has
-    no attribute 'runner')."""
+    """Refuse, in one line, what an embedding program can get wrong before anything is served: a
+    plain dict would fail deep inside, a relative directory would wait for kubelet.sock forever, and
+    a call from asyncio would fail inside trio ('RunContext' object has no attribute 'runner')."""
     try:
         trio.lowlevel.current_task()
     except RuntimeError:
@@ -11652,35 +11566,20 @@ async def serve_dra_devices(
     cancelled: serve_devices' counterpart, on the same ``resource`` (resource_config()) and the same
     ``devices`` (a Watched dict of device ID -> DeviceEntry, set() whenever they change).
 
-    It is serve_dra, as a configuration file's ``dra:`` section runs it: the devices published as
-    ResourceSlices of this node's pool, NodePrepareResources answered with CDI devices (the spec
-    written before a device is published, as for a directory's devices), health changes in the
-    slices (an unhealthy device's taint) and in the kubelet's health stream. The keywords are that
-    section's and the resource's ``cdi``, with the same defaults:
+    It is serve_dra, as a configuration file's ``dra:`` section runs it (docs/embedding.md,
+    "Serving them through DRA"). The keywords are that section's (``driver``, ``kubelet_dir``,
+    ``unhealthy_taint``, ``device_metadata``) and the resource's ``cdi`` (``cdi_dir``, ``cdi_kind``),
+    with the same defaults; ``node_name`` defaults to NODE_NAME (the pool's name and the slices'
+    owner), ``pod_uid`` is DraConfig.pod_uid. ``api``: an API client (KubeApi, or a stand-in with
+    its methods), yours to close once this has returned; default KubeApi.connect(kubeconfig=
+    ``kubeconfig``).
 
-    - ``driver``: the driver's name (``dra.driver``), a DNS subdomain; DeviceClasses select by it;
-    - ``node_name``: this node's name (default: the NODE_NAME environment variable, which a
-      DaemonSet sets from spec.nodeName): the pool's name and the slices' owner;
-    - ``api``: an API client (KubeApi, or a stand-in with its methods), yours to close once this has
-      returned; default KubeApi.connect(kubeconfig=``kubeconfig``): the pod's service account in a
-      pod, else KUBECONFIG's or ~/.kube/config;
-    - ``kubelet_dir``: the kubelet's root directory (``dra.kubelet_dir``), plugins_registry and
-      plugins/<driver> in it;
-    - ``cdi_dir`` and ``cdi_kind``: where the CDI spec goes and its kind (``cdi.spec_dir``,
-      ``cdi.kind``; default /var/run/cdi and dra_cdi_kind(driver, resource name));
-    - ``unhealthy_taint``: NoSchedule or NoExecute (``dra.unhealthy_taint``);
-    - ``pod_uid``: this pod's UID, for a DaemonSet whose rolling update runs two pods at once
-      (DraConfig.pod_uid; the POD_UID environment variable in serve);
-    - ``device_metadata``: each prepared claim's containers get a file describing their devices
-      (KEP-5304; ``dra.device_metadata``), on by default.
-
-    A device reaches DRA only if its ID passes the checks a directory entry's does (a device ID,
-    and a CDI device name), its key is its DeviceEntry's ID, and its container paths need no more
-    than {id} and {path} (a CDI device is described once, not per allocation): any other is
-    skipped, with a warning, until it is fixed. The resource's device-plugin options (preferred,
-    annotations, pre_start) have no meaning under DRA and are refused. Every problem with the
-    arguments raises ConfigError before anything starts. started() is called with the DraDriver once
-    its sockets listen.
+    A device reaches DRA only if its ID passes a directory entry's checks, its key is its
+    DeviceEntry's ID, and its container paths need no more than {id} and {path} (a CDI device is
+    described once, not per allocation): any other is skipped, with a warning. The device-plugin
+    options (preferred, annotations, pre_start) are refused. Every problem with the arguments
+    raises ConfigError before anything starts. started() is called with the DraDriver once its
+    sockets listen.
     """
     _embedding_guard("serve_dra_devices", devices)
     config, dra_resource, node = _embedded_dra(
@@ -11938,17 +11837,12 @@ async def serve_plugin(
     and registered anew; the others are not touched.
 
     With ``config.dra``, it is also that DRA driver (serve_dra): ``node_name`` is this node's name
-    (default: the NODE_NAME environment variable, which the DaemonSet sets from spec.nodeName),
-    ``api`` the API server client (default: KubeApi.connect()).
+    (default: NODE_NAME), ``api`` the API server client (default: KubeApi.connect(); one of the
+    caller's is the caller's to close, once this has returned).
 
-    Resource handling: sockets are removed on the way out, whatever the reason. A cancel stops the
-    parts one at a time (_Parts): the reloads, the DRA driver, each resource, the kubelet watch, then
-    the API client it made and the metrics server, each within STOP_PART_TIMEOUT and traced at debug
-    level ("stop: <part>: waiting", "stop: <part>: done in N ms"); a part still running then is
-    named in a warning, and waited for at the end. An ``api`` of the caller's is the caller's to
-    close, once this has returned: the DRA driver uses it until its own parts are stopped.
-    Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
-    the plugin cannot recover from (e.g. no permission to create its socket) raises.
+    Sockets are removed on the way out, whatever the reason. A cancel stops the parts one at a time,
+    the last started first (_Parts). Kubelet absence, restarts and refusals are logged and retried;
+    only an error the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
     # Only once a resource uses the device-plugin API: a DRA-only pod does not even mount that
     # directory, and looking for kubelet.sock there would only warn about its absence.
@@ -12102,8 +11996,6 @@ async def serve_plugin(
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
                 # slices and write them again), and the kubelet learns of a driver whose pools exist.
-                # Its own parts are stopped each within its bound: one of them left behind leaves the
-                # driver behind too, a part's bound later, and the rest of the plugin stops meanwhile.
                 bound = 2 * STOP_PART_TIMEOUT
                 await parts.start("DRA driver", serve_dra, config.dra, dra_resources, api, bound=bound)
             if updates is not None:
@@ -13441,27 +13333,21 @@ class DraKubeletSimulator:
     and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
     forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
 
-    A driver may register more than once, from several registration sockets (the two pods of a
-    rolling update), as the kubelet's DRA plugin manager allows (kubernetes/kubernetes
+    A driver may register from several registration sockets (a rolling update's two pods), as the
+    kubelet's DRA plugin manager allows (kubernetes/kubernetes
     pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): ``plugins`` keeps them in the order they
-    registered; a second registration of an endpoint already registered is refused; calls go to the
-    newest one that is connected, else the newest (``drivers``); when one deregisters the others go
-    on, and the driver's slices are wiped ``wiping_delay`` later only if none that is left is connected.
+    registered; an endpoint registered twice is refused; calls go to the newest one that is
+    connected, else the newest (``drivers``); the driver's slices are wiped ``wiping_delay`` after
+    one deregisters only if none that is left is connected.
 
-    Connected is the state of a connection the kubelet keeps to each registered plugin (its gRPC
-    client's: the stats handler's ConnBegin and ConnEnd set it, DRAPlugin.HandleConn in
-    pkg/kubelet/cm/dra/plugin), not whether the endpoint would accept one now: here, a unix socket
-    connection made as the plugin registers (the kubelet connects at once), greeted as HTTP/2, and
-    kept until the plugin closes it (its server stopped) or the plugin is deregistered. A call to a
-    plugin that is not connected connects it again, as an RPC on an idle gRPC channel does. (Calls
-    themselves go on a connection of their own, call_unary's: the kept one says only "connected".)
+    Connected is the state of the connection the kubelet keeps to each registered plugin
+    (DRAPlugin.HandleConn in pkg/kubelet/cm/dra/plugin): here, a unix socket connection made as the
+    plugin registers, greeted as HTTP/2, kept until the plugin closes it or is deregistered. A call
+    to a plugin that is not connected connects it again, as an RPC on an idle gRPC channel does.
 
-    At start the kubelet registers the sockets already in plugins_registry in no set order: its
-    plugin watcher puts them in a map that the reconciler walks (desired_state_of_world_cache.go
-    and reconciler.go in pkg/kubelet/pluginmanager), and Go walks a map in random order. So does
-    this one: ``order`` (a list of names -> the order to register them in) shuffles them with a
-    random.Random of ``seed`` (one drawn at random, kept in ``seed``, unless given); a test may set
-    ``order`` to a function of its own.
+    At start the kubelet registers the sockets already in plugins_registry in Go's random map order
+    (pkg/kubelet/pluginmanager's reconciler): ``order`` shuffles them with a random.Random of
+    ``seed`` (drawn at random unless given); a test may set ``order`` to a function of its own.
     """
 
     def __init__(
