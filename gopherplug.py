@@ -628,9 +628,7 @@ GET_STATUS = Method("gopherplug.Status", "Get", v1beta1.Empty, ResourceStatus, F
 #   same messages in ".v1beta1", which 1.34 kubelets also know): NodePrepareResources before a pod's
 #   containers start, NodeUnprepareResources after they are gone. dra.proto in this repository.
 #
-# DRA needs Kubernetes 1.34 or later: the driver reads ResourceClaims and writes ResourceSlices as
-# resource.k8s.io/v1 (GA in 1.34), the only version KubeApi speaks. 1.32 and 1.33 kubelets would
-# register the driver (through v1beta1.DRAPlugin), but their API servers serve only the beta APIs.
+# DRA needs Kubernetes 1.34 or later: resource.k8s.io/v1 (GA in 1.34) is the only version KubeApi speaks.
 #
 # The version names a plugin lists in PluginInfo.supported_versions are not gRPC paths: "v1.DRAPlugin"
 # (DRAPluginService in dra/v1/types.go) stands for the service at /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/.
@@ -728,11 +726,8 @@ _DRA_HEALTH_SERVICES = {
 DRA_HEALTH_VERSION = f"{_DRA_HEALTH_PACKAGE}.DRAResourceHealth"
 
 #: Every DRAResourceHealth version served, newest first: (name in supported_versions, proto package).
-#: v1.36 kubelets read only v1alpha1. The kubelet's main branch (planned for 1.37) defines v1beta1
-#: and v1 in k8s.io/kubelet/pkg/apis/dra-health (packages "v1beta1" and "v1", the same messages,
-#: names and numbers as v1alpha1; DRAResourceHealthService in each types.go), opens the newest one
-#: a driver lists, and keeps v1alpha1 as a fallback for a few releases: so a newer kubelet gets
-#: health without an upgrade of gopherplug, and an older one still finds v1alpha1.
+#: v1.36 kubelets read only v1alpha1; the kubelet's main branch defines v1beta1 and v1 (the same
+#: messages, k8s.io/kubelet/pkg/apis/dra-health) and opens the newest one a driver lists.
 DRA_HEALTH_VERSIONS = (
     ("v1.DRAResourceHealth", "v1"),
     ("v1beta1.DRAResourceHealth", "v1beta1"),
@@ -1006,11 +1001,9 @@ class DeviceSpecTemplate:
     """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in.
 
     In a scanned entry of a resource with ``cdi``, also the host file's mode and owner, as the last
-    look found them (None: no cdi, or the file could not be stat'ed). A DeviceSpec needs none of
-    them (the runtime copies the host node's); a CDI spec does (without them, the runtime makes
-    the node 0666 root:root). They are part of the entry, so that a chmod or chown of the node
-    changes the entry, and the CDI spec is written again. (One field, not three: each field of a
-    frozen dataclass costs every instance, and a scan of 50,000 nodes makes 50,000.)
+    look found them (None: no cdi, or no stat). A CDI spec needs them (without them, the runtime
+    makes the node 0666 root:root); in the entry, a chmod or chown writes the spec again. (One
+    field, not three: a scan of 50,000 nodes makes 50,000 instances.)
     """
 
     host_path: str
@@ -1049,11 +1042,9 @@ class CDIConfig:
 
 @dataclass(frozen=True)
 class ClaimCDISpec(CDIConfig):
-    """The CDI spec file of one prepared claim's own CDI devices (claim_cdi_specs: each request's
-    env, its shares of devices), beside the resource's own spec: "<vendor>-<class>_<claim UID>.json".
-    A file per claim is written once at NodePrepareResources and removed at NodeUnprepareResources,
-    so that claims prepared at once never rewrite each other's devices, and the resource's spec
-    stays the devices the watch sees."""
+    """The CDI spec file of one prepared claim's own CDI devices (claim_cdi_specs), beside the
+    resource's spec: "<vendor>-<class>_<claim UID>.json". One per claim, written at prepare and
+    removed at unprepare, so that claims prepared at once never rewrite each other's devices."""
 
     claim_uid: str = ""
 
@@ -1087,12 +1078,9 @@ class DraConfig:
     @property
     def registration_socket(self) -> str:
         """Where the kubelet's plugin watcher finds the driver: a socket in plugins_registry,
-        "<driver>-reg.sock", or with a pod UID the first of these that fits in a unix socket's path,
-        the names the Go helper's RollingUpdate option gives (RollingUpdateRegistrarSocketFile in
-        kubernetes/dynamic-resource-allocation kubeletplugin/draplugin.go):
-        "<driver>-<pod UID>-reg.sock", "<driver>-<hash of the UID>-reg.sock",
-        "dra-<hash of the driver and UID>-reg.sock". The plugin watcher registers every socket in the
-        directory, whatever its name: the name only has to differ from the other pod's."""
+        "<driver>-reg.sock", or with a pod UID the first of these names that fits in a unix socket's
+        path (the Go helper's RollingUpdate option's, kubernetes/dynamic-resource-allocation
+        kubeletplugin/draplugin.go). The watcher registers every socket there, whatever its name."""
         registry = os.path.join(self.kubelet_dir, "plugins_registry")
         if not self.pod_uid:
             return os.path.join(registry, f"{self.driver}-reg.sock")
@@ -1140,9 +1128,8 @@ class DraConfig:
 
     @property
     def serialize_lock(self) -> str:
-        """The flock that NodePrepareResources and NodeUnprepareResources take around their change of
-        the checkpoint, in every pod of the driver (the Go helper's "serialize.lock", in the same
-        directory)."""
+        """The flock every pod of the driver takes around a change of the checkpoint (the Go helper's
+        "serialize.lock", in the same directory)."""
         return os.path.join(self.plugin_dir, "serialize.lock")
 
 
@@ -1158,12 +1145,8 @@ _POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 #: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
-#: the two would each give the same device to a pod, neither knowing what the other gave. A cluster
-#: moves a resource from one to the other node by node (docs/dra.md, "Moving a resource from the
-#: device plugin to DRA"): the scheduler lets DRA serve an extended resource on a node only where the
-#: node's allocatable for it is 0 (kubernetes/kubernetes
-#: pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go), so pods that ask
-#: for it in resources.limits are served by whichever API the node runs.
+#: the two would each give the same device to a pod, neither knowing what the other gave (a cluster
+#: moves a resource node by node: docs/dra.md, "Moving a resource from the device plugin to DRA").
 APIS = ("device-plugin", "dra")
 
 #: What a file that still says ``api: both`` or ``allow_double_booking`` is told to do instead.
@@ -5242,44 +5225,32 @@ HANDSHAKE_TIMEOUT = 10.0
 # request (an Allocate, a ListAndWatch) is a few hundred bytes: one read as before.
 _RECEIVE_BUFFER_SIZE = 16 * 1024
 
-# What one peer may make a server hold. The plugin's sockets are the kubelet's (mode 0600, root
-# only), but a plugin must not be the weak part of a node: a broken or hostile client costs it a
-# bounded amount of memory and is then refused, and every other client goes on being served. The
-# limits are grpc-go's where it has one (the kubelet's side of every call), tighter where grpc-go
-# trusts its peer more than a node agent should.
+# What one peer may make a server hold: a broken or hostile client costs a bounded amount of memory
+# and is then refused, and every other client goes on being served. The limits are grpc-go's where
+# it has one (the kubelet's side of every call), tighter where grpc-go trusts its peer more than a
+# node agent should; docs/security.md, "What a peer can make the plugin hold", lists them all.
 
 #: The most of one request a stream may send before its call ends, in DATA bytes: one message of
-#: the largest size the kubelet accepts, and its 5-byte gRPC prefix. grpc-go's server refuses a
-#: larger message with RESOURCE_EXHAUSTED ("received message larger than max"), its default
-#: MaxRecvMsgSize being the same 4 MiB; a request is one message (every method here takes one),
-#: so more bytes than that on one stream are always wrong. Also the stream's flow-control window
-#: that SETTINGS announces: purerpc's two whole messages per stream, never more than one.
+#: the largest size the kubelet accepts, and its 5-byte gRPC prefix (grpc-go's server refuses more
+#: with RESOURCE_EXHAUSTED). Also the stream's flow-control window that SETTINGS announces: purerpc's
+#: two whole messages per stream, never more than one.
 MAX_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 5
 
-#: The most request bytes one connection may have unanswered, summed over its streams (and counted
-#: decompressed): one largest request and a mebibyte of ordinary ones beside it. The kubelet's
-#: requests are a few hundred bytes (an Allocate of a few device IDs; ListAndWatch's is empty), so
-#: it never comes near; a peer that opens streams and sends without ending them (grpc-go and
-#: purerpc would hold up to one flow-control window on each of 1,024 streams: gigabytes) gets
-#: GOAWAY ENHANCE_YOUR_CALM and its connection closed once it passes this.
+#: The most request bytes one connection may have unanswered, summed over its streams (counted
+#: decompressed). The kubelet's requests are a few hundred bytes; a peer that opens streams and
+#: never ends them (a flow-control window on each of 1,024 streams: gigabytes) gets GOAWAY
+#: ENHANCE_YOUR_CALM once it passes this.
 MAX_CONNECTION_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 2**20
 
-#: How much may wait to be written to one connection before its readers and senders pause: the
-#: reader stops reading requests, a stream stops producing messages, until the peer has read what
-#: is queued. grpc-go's server does the same per stream (its writeQuota of 64 KiB blocks a sender)
-#: and per connection (its reader stops while more than 50 control frames wait). The kubelet reads
-#: all the time, so the queue is empty but for a burst; a peer that does not read meets the pause
-#: and costs no more than this and one message in flight, however many streams it opened.
+#: How much may wait to be written to one connection before its reader and senders pause until the
+#: peer has read it, as grpc-go's writeQuota blocks a sender. The kubelet reads all the time; a
+#: peer that does not read costs no more than this and one message in flight.
 SEND_QUEUE_LIMIT = 2**20
 
-#: The gRPC message encodings a request may use. The kubelet never compresses (grpc-go sends
-#: identity unless a compressor is asked for, and the kubelet asks for none), but gRPC lets any
-#: client, and grpcio's `compression=` option is one line: gzip and deflate are accepted, each
-#: decompressed into at most KUBELET_MAX_MESSAGE bytes (a larger result is refused with
-#: RESOURCE_EXHAUSTED, grpc-go's "received message after decompression larger than max"), never
-#: the unbounded zlib.decompress purerpc uses, for which 130 KiB of request became 128 MiB. Any
-#: other encoding (snappy) is UNIMPLEMENTED, as grpc-go answers an encoding it has no decompressor
-#: for.
+#: The gRPC message encodings a request may use. The kubelet never compresses, but any gRPC client
+#: may: gzip and deflate are decompressed into at most KUBELET_MAX_MESSAGE bytes (more is
+#: RESOURCE_EXHAUSTED, as grpc-go), never with the unbounded zlib.decompress purerpc uses (130 KiB
+#: of request became 128 MiB). Any other encoding is UNIMPLEMENTED, as grpc-go answers.
 DECOMPRESSED_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 # Errors that mean "the peer went away". A kubelet that restarts, a probe that exits, a client that
@@ -5656,18 +5627,15 @@ class _ServerConnection(_GRPCSocket):
     """One accepted connection: reads frames, runs each call in its own task and cancel scope, or
     answers it at once when its method is immediate (_ImmediateService: no task, no scope).
 
-    Every DevicePlugin and Registration method takes exactly one request message, so a call starts
-    once its request is complete (END_STREAM seen): its task then never waits for input, and a
-    unary call runs from request to response in one step of trio's scheduler.
+    Every method here takes exactly one request message, so a call starts once its request is
+    complete (END_STREAM seen): a unary call runs from request to response in one scheduler step.
 
-    Resource handling: every call gets a trio.CancelScope kept in ``calls`` until its task ends.
-    RST_STREAM cancels that one scope (or drops a request still arriving); end of file (the peer
-    closed the connection) cancels them all. Reset streams are removed from purerpc's stream
-    table, which only forgets streams that ended normally in both directions.
+    Every call's trio.CancelScope is kept in ``calls`` until its task ends: RST_STREAM cancels that
+    one (or drops a request still arriving), end of file cancels them all. Reset streams are removed
+    from purerpc's stream table, which only forgets streams that ended normally both ways.
 
-    Error handling: a handler's RPCError becomes the call's status; any other exception is logged
-    with its traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC from the peer raises out of
-    serve(), and the caller drops the connection.
+    A handler's RPCError becomes the call's status; any other exception is logged with its
+    traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC raises out of serve().
     """
 
     def __init__(
@@ -6011,15 +5979,11 @@ async def serve_grpc(
 ) -> None:
     """Serve purerpc services on a unix socket until cancelled.
 
-    Creates the socket (replacing a stale socket file at that path) with mode 0600, calls
-    ``task_status.started(GRPCServer)`` once it is listening, and never returns.
-
-    Resource handling: each connection runs in its own task and is closed when the peer leaves or
-    when this function is cancelled; the socket file is removed on the way out, unless someone
-    else already replaced it (checked by inode).
-
-    Error handling: a connection that breaks the protocol is dropped with a debug log line; the
-    server goes on serving the others. Errors creating the socket propagate to the caller.
+    Creates the socket (replacing a stale socket file at that path) with mode 0600, and calls
+    ``task_status.started(GRPCServer)`` once it is listening. Each connection runs in its own task;
+    the socket file is removed on the way out, unless someone else replaced it (_identity). A
+    connection that breaks the protocol is dropped with a debug line; errors creating the socket
+    propagate to the caller.
     """
     by_name = {service.name: service for service in services}
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
@@ -6169,10 +6133,9 @@ async def call_unary(
 ) -> Any:
     """Make one unary call on a unix socket, the way grpc-go (the kubelet) does, and return the answer.
 
-    Sends ``:authority: localhost`` (what the kubelet sends; purerpc's channel would send
-    "host:port"), a grpc-timeout header, and gives up after ``timeout`` seconds, because a server
-    that accepts a connection but never answers would otherwise hang the caller forever. A fresh
-    connection per call, closed afterwards: the calls this is for (Register, probes) are rare.
+    Sends ``:authority: localhost`` (what the kubelet sends), a grpc-timeout header, and gives up
+    after ``timeout`` seconds: a server that accepts but never answers would hang the caller. A
+    fresh connection per call: the calls this is for (Register, probes) are rare.
 
     Raises RPCError: the server's status if it answered with one, UNAVAILABLE if the socket could
     not be reached or the connection broke, DEADLINE_EXCEEDED if no answer came in time.
@@ -6210,13 +6173,10 @@ async def call_unary(
             raise RPCError(error.status.status_code, error.status.status_message) from None
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from error
     except BaseExceptionGroup as group:
-        # The caller was cancelled (a stop, the kubelet's directory wiped) while the server hung up:
-        # anyio's task group inside purerpc's socket can raise the cancellation beside what the
-        # hang-up caused (the peer's EndOfStream), as one group that `except Exception` does not
-        # take (seen with trio 0.27-0.30 and anyio 4.5-4.15, below the floors). The
-        # cancellation is what happened: raised alone, it ends at the cancel scope it belongs to,
-        # and the hang-up's error, which no one asked for any more, goes with the connection
-        # instead of crashing the caller's nursery.
+        # The caller was cancelled while the server hung up: anyio's task group inside purerpc's
+        # socket can raise the cancellation beside the hang-up's EndOfStream, as one group that
+        # `except Exception` does not take. The cancellation alone is what happened: raised alone,
+        # it ends at its own cancel scope instead of crashing the caller's nursery.
         cancelled, _ = group.split(trio.Cancelled)
         if cancelled is None:
             raise
@@ -8856,18 +8816,14 @@ class ClaimCheckpoint:
     """The claims prepared on this node and what each was answered, in a JSON file.
 
     The kubelet may call NodeUnprepareResources after this plugin restarted, and
-    NodePrepareResources again for a claim prepared before (it retries, and a second pod may share
-    the claim): both are answered from here. Written whole to a temporary file, flushed to disk,
-    then renamed over the old one, so a crash leaves the old file or the new one, never half of one.
-    Raises GopherplugError when the file is there but cannot be read: starting without it would
-    overwrite the claims in it.
+    NodePrepareResources again for a claim prepared before: both are answered from here. Written
+    whole to a temporary file, flushed, then renamed over the old one: a crash leaves the old file
+    or the new one. Raises GopherplugError when the file is there but cannot be read: starting
+    without it would overwrite the claims in it.
 
-    During a rolling update two pods of the driver share the file, and the kubelet calls either
-    of them: a claim one prepared may be unprepared by the other (the Go helper's RollingUpdate
-    says so, kubernetes/dynamic-resource-allocation kubeletplugin/draplugin.go). So each change is
-    a transaction across processes: the flock on ``lock_path`` taken, the file read again if the
-    other wrote it, the change made, the file written, the flock given up. Neither pod loses the
-    other's claims.
+    The two pods of a rolling update share the file, and a claim one prepared may be unprepared by
+    the other (the Go helper's RollingUpdate). So each change is a transaction across processes:
+    under the flock on ``lock_path``, the file read again if the other wrote it, changed, written.
     """
 
     VERSION = 1
@@ -8956,14 +8912,12 @@ class ClaimCheckpoint:
         metadata: Iterable[DeviceMetadataFile] = (),
     ) -> list[Any]:
         """Remember a prepared claim, on disk when this returns; the devices to answer: ``devices``,
-        or those the other pod of a rolling update answered if it prepared the claim meanwhile (the
-        kubelet must be told one thing). Raises GopherplugError, and remembers nothing, when the file
-        cannot be written: the claim is not prepared then. ``cdi_specs``: the claim's own CDI specs
-        (claim_cdi_specs), kept whole, so that an unprepare after a restart removes them, and a
-        prepare after a reboot (the kubelet prepares every claim of its pods again; /var/run/cdi is
-        a tmpfs) writes them again. ``metadata``: its device metadata files, written here under the
-        flock with the entry that names them, so that remove_stale_metadata in the other pod sees
-        both or neither, and kept so that a prepare again writes a file that went missing."""
+        or those the other pod of a rolling update answered if it prepared the claim meanwhile.
+        Raises GopherplugError, and remembers nothing, when the file cannot be written.
+        ``cdi_specs``: the claim's own CDI specs (claim_cdi_specs), kept whole, so that an unprepare
+        after a restart removes them, and a prepare after a reboot (/var/run/cdi is a tmpfs) writes
+        them again. ``metadata``: its device metadata files, written here under the flock with the
+        entry that names them (remove_stale_metadata in the other pod sees both or neither)."""
         metadata = list(metadata)
         fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
         listed = []
@@ -8996,10 +8950,8 @@ class ClaimCheckpoint:
 
     async def remove_stale_metadata(self, metadata_dir: str) -> list[str]:
         """Remove the claims' metadata directories in ``metadata_dir`` that no claim in the file
-        names (dra_claim_metadata_dir): left by a plugin that stopped between writing them and
-        being told to unprepare, or by a claim unprepared while device_metadata was off. Under the
-        flock, where add() writes them: a claim the other pod is preparing is never taken for a
-        stale one. The directories removed; one that cannot be is logged and left."""
+        names (dra_claim_metadata_dir), under the flock, where add() writes them: a claim the other
+        pod is preparing is never taken for a stale one. The directories removed."""
 
         def sweep(claims: dict[str, dict[str, Any]]) -> bool:
             current = {
@@ -9028,9 +8980,8 @@ class ClaimCheckpoint:
 
     async def _change(self, change: Callable[[dict[str, dict[str, Any]]], bool]) -> bool:
         """Apply ``change`` (True: it changed something) to the claims as the file holds them now, and
-        write them if it did; whether it did. The flock, the reading and the writing (with its
-        fsyncs) run in a worker thread: a slow disk (an SD card on an edge node), or the other pod's
-        write, must not stall every socket this process serves. One change at a time here."""
+        write them if it did; whether it did. In a worker thread: a slow disk, or the other pod's
+        write, must not stall every socket this process serves."""
         async with self._saving:
             return await trio.to_thread.run_sync(self._change_locked, change)
 
@@ -10000,11 +9951,9 @@ class KubeApi:
                 f"no Kubernetes API configuration: {kubeconfig or 'the kubeconfig'}: {problem}{at} "
                 "(the text is not shown: it may hold credentials)"
             ) from None
-        # A user with an exec credential plugin: lightkube runs it through asyncio, which has no
-        # event loop under trio (ExecCredentialPlugin runs it itself). Read before the client is made,
-        # so that a problem in the kubeconfig leaves nothing to close.
-        # Only if the user has no other credential: client-go's exec authenticator steps aside for a
-        # token, a token file, a client certificate or a password (UpdateTransportConfig).
+        # An exec credential plugin: lightkube runs it through asyncio, which has no event loop
+        # under trio (ExecCredentialPlugin runs it itself). Only if the user has no other
+        # credential: client-go's exec authenticator steps aside for one (UpdateTransportConfig).
         plugin = None
         user_fields = ("token", "token_file", "client_cert", "client_cert_data", "username")
         if (
@@ -10017,11 +9966,9 @@ class KubeApi:
         client = lightkube.AsyncClient(
             config, field_manager=field_manager, timeout=httpx2.Timeout(API_REQUEST_TIMEOUT), trust_env=False
         )
-        # lightkube reads a token file again only after a 401. A projected token that the API server
-        # refuses with 403 (the manifest's admission policy refuses a token without its node, e.g.
-        # one issued before an upgrade) would then be sent forever, although the kubelet has already
-        # replaced the file. client-go reads the file again every minute; so does this, and after a
-        # 401 or 403. Set on lightkube 1.0.1's httpx2 client (GenericAsyncClient._client), pinned.
+        # lightkube reads a token file again only after a 401: a token refused with 403 (one issued
+        # before an upgrade, say) would be sent forever. client-go reads the file every minute; so
+        # does this, and after a 401 or 403 (on lightkube 1.0.1's httpx2 client, pinned).
         user = getattr(client._client.config, "user", None)
         token_file = getattr(user, "token_file", None)
         if token_file:
@@ -10033,10 +9980,9 @@ class KubeApi:
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
         claims = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
-        # The core group's Node as a generic resource (a dict), made here and not registered:
-        # lightkube's own model of it would load the whole core group's models (API_CLIENT_UNUSED), and
-        # create_global_resource() looks a resource of group "" up under another key than it
-        # registers it under, so a second client would fail to make it.
+        # The core group's Node as a generic resource (a dict), not registered: lightkube's own model
+        # would load every core model (API_CLIENT_UNUSED), and create_global_resource() fails for
+        # group "" in a second client.
 
         class Node(GenericGlobalResource):  # type: ignore[misc,valid-type]
             _api_info = create_api_info("", "v1", "Node", "nodes", verbs=["get", "list", "watch"])
@@ -10376,11 +10322,9 @@ DRA_PEER_RECHECK = (0.05, 30.0)
 
 def dra_registration_socket_of(driver: str, name: str) -> bool:
     """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
-    DraConfig.registration_socket names them: "<driver>-reg.sock", "<driver>-<pod UID>-reg.sock"
-    with a UUID (the API server's pod UIDs), "<driver>-<11 characters>-reg.sock" (the digest of a
-    UID, where the UID makes the path too long). Not any "<driver>-*-reg.sock": another driver's
-    name may begin with ours and a "-" (gopherplug.example.com-nic), and its sockets are not ours
-    to defer to or to remove. (The names hashed whole, "dra-<hash>-reg.sock", are not told apart.)"""
+    DraConfig.registration_socket names them ("dra-<hash>-reg.sock" aside). Not any
+    "<driver>-*-reg.sock": another driver's name may begin with ours and a "-"
+    (gopherplug.example.com-nic)."""
     if name == f"{driver}-reg.sock":
         return True
     middle = name.removeprefix(f"{driver}-").removesuffix("-reg.sock")
@@ -12121,11 +12065,8 @@ def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
 
     Only what the kubelet was told must: it takes the options from GetDevicePluginOptions during
     Register and never asks again (pre_start_required: whether it calls PreStartContainer), and
-    the api decides whether there is a registration at all. The socket's name depends on the
-    resource name and the directory, neither of which a reload changes for a resource. Everything
-    else (env, replicas, preferred, device_specs, mounts, annotations, sources, cdi, pre_start's
-    command) is ours: the open stream sends the new list, and the answers follow the new
-    configuration from then on.
+    the api decides whether there is a registration at all. Everything else is ours: the open
+    stream sends the new list, and the answers follow the new configuration from then on.
     """
     return old.api != new.api or device_plugin_options(old) != device_plugin_options(new)
 
@@ -12157,11 +12098,9 @@ class _Served:
         whether it was applied (if its watch cannot start, the old configuration goes on)."""
         assert self.start_watch is not None  # _serve_one has started
         old = self.resource
-        # The directory watch starts afresh: sources, patterns, templates (which make each entry's
-        # device specs and mounts) or the CDI kind may differ. The devices stay published in the
-        # meantime, and the new watch replaces them only if they differ; it writes the CDI spec
-        # before that, under the new kind if it changed. The old spec stays, as it does when the
-        # plugin stops: the kubelet keeps the CDI names of allocations made with it.
+        # The directory watch starts afresh: sources, templates or the CDI kind may differ. The
+        # devices stay published meanwhile; the new watch writes the CDI spec before replacing
+        # them. The old spec stays: the kubelet keeps the CDI names of allocations made with it.
         self.watch_scope.cancel()
         await self.watch_done.wait()
         try:
@@ -12176,10 +12115,8 @@ class _Served:
         self.resource = new
         self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
         if new.replicas != old.replicas:
-            # Other IDs for the same devices: the open stream sends the list again at once (it
-            # wakes when the device set is replaced, and encodes with the configuration then
-            # current). Until the kubelet has it, an Allocate for an ID of the old list is refused
-            # as for a removed device: a few milliseconds, for the pods of one resource.
+            # Other IDs for the same devices: the open stream sends the list again at once. Until
+            # the kubelet has it, an Allocate for an ID of the old list is refused (milliseconds).
             self.devices.replace(dict(self.devices.value))
         if new.dra and self.dra_resources is not None:
             # The pool's slices are compared and written again with the new configuration; the
@@ -12259,10 +12196,9 @@ async def _serve_one(
                     assert kubelet is not None  # serve_plugin watches it before such a resource starts
 
                     def examiner() -> Callable[[DeviceEntry], DeviceEntry | str | None]:
-                        # Once per Allocate: the configuration as it is now, its roots resolved
-                        # now (a directory may be a symlink re-pointed since the scan), then
-                        # each device asked for examined against them, its directory resolved
-                        # with the roots (directories: for this Allocate only, for that reason).
+                        # Once per Allocate: the configuration and its roots resolved now (a
+                        # directory may be a symlink re-pointed since the scan), each device
+                        # asked for examined against them.
                         current = served.config.value
                         directories: dict[str, str] = {}
                         roots = host_path_roots(current, dev_root, directories)
@@ -13575,14 +13511,11 @@ class DraKubeletSimulator:
 
     async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
         """NodePrepareResources for (namespace, uid, name) claims, one batch as the kubelet sends a
-        pod's; the response. Calling it again with the same claims is the kubelet's retry: after
-        any claim's error it sends the whole batch again, and marks no claim prepared until a batch
-        succeeds. It takes the answers in a Go map's order, appending each claim's devices to what
-        it holds (ClaimInfo.addDevice) until it meets an error, where it stops (prepareResources in
-        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Go's order is random: here the
-        claims answered without an error come first, the order that keeps the most. A claim whose
-        batch succeeded before (the kubelet would not send it again; a test may) gets its devices
-        as answered now."""
+        pod's; the response. Calling it again is the kubelet's retry. It takes the answers in a Go
+        map's (random) order, appending each claim's devices to what it holds (ClaimInfo.addDevice)
+        until it meets an error (prepareResources in kubernetes/kubernetes
+        pkg/kubelet/cm/dra/manager.go): here the claims without an error come first, the order
+        that keeps the most. A claim whose batch succeeded before gets its devices as answered now."""
         claims = list(claims)
         response = await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
         for uid, answer in sorted(response.claims.items(), key=lambda item: bool(item[1].error)):
@@ -13792,14 +13725,11 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 
 
 def go_json(document: Any) -> bytes:
-    """``document`` as the API server writes it: Go's encoding/json (its Encoder, which the API
-    server's JSON serializer uses), compact and in UTF-8. Unlike Python's json.dumps, Go writes every
-    character raw except ``"``, ``\\``, those below U+0020, U+2028 and U+2029 (which JavaScript reads
-    as line ends), and, as HTML-safe output, ``<``, ``>`` and ``&`` (encodeState.string in Go's
-    src/encoding/json/encode.go). So U+0085 (NEXT LINE) and the other line breaks of
-    str.splitlines() come raw, inside a watch event's one line: a client must split a watch stream
-    on the byte "\\n" alone (KubeApi._watch). The characters Go escapes can appear in JSON only
-    inside strings, so escaping them in the whole text escapes them in the strings."""
+    """``document`` as the API server writes it: Go's encoding/json, compact and in UTF-8. Go writes
+    every character raw except ``"``, ``\\``, those below U+0020, U+2028, U+2029, ``<``, ``>`` and
+    ``&`` (encodeState.string in Go's src/encoding/json/encode.go): U+0085 and the other line breaks
+    of str.splitlines() come raw inside a watch event's line (KubeApi._watch). The characters Go
+    escapes appear in JSON only inside strings: escaping them in the whole text is enough."""
     text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
     for char in "<>&\u2028\u2029":
         text = text.replace(char, f"\\u{ord(char):04x}")
@@ -13810,21 +13740,16 @@ class LenientApiServer:
     """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
     It holds Nodes (``put_node``), ResourceClaims as the scheduler left them (``put_claim``) and
-    the ResourceSlices the driver writes (``slices``, by name; ``writes`` lists each write). What a
-    driver asks of the API server, it answers as the real one does: GET a Node or a claim; list and
-    watch Nodes by a metadata.name field selector; server-side apply of a claim's status.devices on
-    its status subresource (``status_writes``); list, watch, create, update and delete slices, with
-    spec.nodeName and spec.driver field selectors, a watch streaming its events as JSON lines from
-    a resourceVersion, an update of a stale resourceVersion refused with 409. Every write touches
-    ``changed``.
+    the ResourceSlices the driver writes (``slices``, by name; ``writes`` lists each write), and
+    answers what a driver asks as the real one does: GET a Node or a claim; list and watch Nodes
+    and slices by field selectors; server-side apply of a claim's status.devices
+    (``status_writes``); create, update (409 for a stale resourceVersion) and delete slices. Every
+    write touches ``changed``.
 
-    Lenient: it stores whatever it is given. That is enough for ``gopherplug demo --dra``, which
-    shows what a driver writes. Tests need more: the strict stand-in,
-    gopherplug_standins.ApiServerSimulator, refuses what the real API server refuses with the same
-    422, drops the fields of disabled feature gates, checks bearer tokens, speaks TLS, fails
-    writes on demand, counts requests, sends bookmarks and ends watches as the real one does, through
-    the hooks below (each says what it does here). Needs h11 (the `dra`
-    extra brings it).
+    Lenient: it stores whatever it is given, enough for ``gopherplug demo --dra``. Tests need the
+    strict stand-in, gopherplug_standins.ApiServerSimulator, which refuses what the real API server
+    refuses, checks tokens, speaks TLS, fails on demand and ends watches, through the hooks below.
+    Needs h11 (the `dra` extra brings it).
     """
 
     PREFIX = "/apis/resource.k8s.io/v1"
