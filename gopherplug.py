@@ -585,9 +585,8 @@ METHODS: dict[str, Method] = {
 }
 
 # Not the kubelet's: gopherplug's own status service, served on each resource's socket beside
-# DevicePlugin (the kubelet calls only what it knows). `gopherplug probe` asks it whether the
-# kubelet is using the resource, which no DevicePlugin call can tell: a plugin the kubelet never
-# registered again answers every call and still offers nothing.
+# DevicePlugin. `gopherplug probe` asks it whether the kubelet is using the resource, which no
+# DevicePlugin call can tell: a plugin the kubelet never registered again answers every call.
 _STATUS_FIELDS = (
     ("resource_name", 1, "string"),
     ("registered", 2, "bool"),  # Register succeeded with the kubelet that runs now
@@ -1067,9 +1066,8 @@ class DraConfig:
     kubelet_dir: str = DEFAULT_KUBELET_DIR  #: the kubelet's root directory
     #: the effect of an unhealthy device's taint in its ResourceSlice: NoSchedule, or NoExecute to evict
     unhealthy_taint: str = "NoSchedule"
-    #: this pod's UID (the POD_UID environment variable, from the downward API), "" if not known.
-    #: With it, the sockets carry it, so that two pods of the DaemonSet can serve side by side
-    #: during a rolling update (maxSurge: 1): the old one until the new one is registered.
+    #: this pod's UID (POD_UID, from the downward API), "" if not known: the sockets carry it, so that
+    #: two pods of the DaemonSet can serve side by side during a rolling update
     pod_uid: str = ""
     #: write each prepared claim's device metadata file and mount it into its containers (KEP-5304;
     #: device_metadata_files): on unless ``dra: {device_metadata: false}``
@@ -5259,9 +5257,8 @@ _GOODBYE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStr
 
 
 def _grpc_configuration(client_side: bool) -> GRPCConfiguration:
-    # purerpc accepts messages of up to 32 MiB (and opens a 64 MiB flow-control window for them) by
-    # default; nothing in this API comes near the kubelet's own 4 MiB limit, so neither do we: a
-    # peer announcing more gets its connection closed before we buffer it.
+    # purerpc accepts messages of up to 32 MiB by default; nothing in this API comes near the
+    # kubelet's own 4 MiB limit, so neither do we.
     return GRPCConfiguration(client_side=client_side, max_message_length=KUBELET_MAX_MESSAGE)
 
 
@@ -5272,13 +5269,10 @@ class _UnixSocketWrapper(SocketWrapper):
     and purerpc's stock handler swallows the error: the client just times out. A unix socket needs
     none of them (no Nagle, no keepalive: the kernel knows when the peer is gone).
 
-    Stock purerpc sends through a writer task: every flush() wakes it, and it sends what h2 has
-    queued. Each wake is one more trip through trio's scheduler (a task switch, an epoll_wait),
-    per call. Here flush() takes h2's bytes and, when the writer has nothing in hand, sends them
-    at once from the calling task: a unix socket's send never blocks while its buffer has room,
-    and the socket is non-blocking. The writer is kept for what does not fit (EAGAIN, a partial
-    send: a slow reader) and for errors, which it meets as it always did. Bytes leave in the order
-    they were flushed: nothing is sent here while the writer holds some.
+    Stock purerpc sends through a writer task that every flush() wakes: one more trip through
+    trio's scheduler per call. Here flush() sends h2's bytes at once from the calling task when the
+    writer has nothing in hand (the socket is non-blocking); the writer is kept for what does not
+    fit (EAGAIN, a partial send) and for errors. Bytes leave in the order they were flushed.
 
     ``at_once()`` holds back the sends of a few flushes in a row (a unary answer's headers,
     message and trailers) and sends them together at its end: one send() a call instead of three.
@@ -5340,12 +5334,10 @@ class _UnixSocketWrapper(SocketWrapper):
     async def recv(self, buffer_size: int) -> bytes:
         """The next bytes from the peer: wait until the socket is readable, then read once.
 
-        anyio's receive (trio's recv underneath) tries the read first, and trio then yields to
-        its scheduler after a read that succeeded, for fairness. After a call's request, the next
-        read finds nothing (EAGAIN, an exception raised and caught) and waits; the successful read
-        before it cost a pass through the scheduler of its own. Waiting first costs one pass per
-        read, the same as a read that finds data waiting; reading after it, nothing more. The
-        errors are anyio's, as its receive raises them."""
+        anyio's receive tries the read first, and trio yields to its scheduler after a read that
+        succeeded; after a call's request, the next read finds nothing (EAGAIN) and waits too: two
+        passes through the scheduler per request, where waiting first costs one. The errors are
+        anyio's, as its receive raises them."""
         raw = self._raw_socket
         if raw is None:
             received: bytes = await super().recv(buffer_size)
@@ -5421,9 +5413,8 @@ class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
 class _ResetAwareConnection(GRPCConnection):
     """purerpc's gRPC-over-h2 state machine, reporting RST_STREAM instead of dropping it.
 
-    A client cancels one call (grpc-go's context cancellation, grpcio's call.cancel()) by sending
-    RST_STREAM on that stream only; the connection stays open. Stock purerpc ignores it, so a
-    ListAndWatch handler would live on until its next push tried to write, forever if none came.
+    A client cancels one call by sending RST_STREAM on that stream only. Stock purerpc ignores it,
+    so a ListAndWatch handler would live on until its next push tried to write, forever if none came.
     """
 
     # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames: a peer could make us buffer
@@ -5716,9 +5707,8 @@ class _ServerConnection(_GRPCSocket):
         Synchronous on purpose: the batch is applied as a whole, no other task runs in between.
         """
         reset = []
-        # A call reset in the batch that completes its request is not started at all. (A task
-        # started for it would run its handler anyway, up to its first checkpoint, and its
-        # answer would meet a stream h2 has closed already.)
+        # A call reset in the batch that completes its request is not started at all: its handler
+        # would run anyway, up to its first checkpoint, for a stream h2 has closed already.
         cancelled = {event.stream_id for event in events if isinstance(event, h2.events.StreamReset)}
         for event in events:
             if isinstance(event, WindowUpdated):
@@ -6094,12 +6084,8 @@ def _innermost(error: BaseException) -> BaseException:
 
 @contextlib.contextmanager
 def _unwrap_single_errors() -> Iterator[None]:
-    """Raise the lone exception inside an exception group as itself.
-
-    anyio's task groups (inside purerpc's sockets) wrap even a single exception, such as the
-    caller's own RPCError leaving an ``async with``, in an ExceptionGroup; the caller expects
-    the exception it raised.
-    """
+    """Raise the lone exception inside an exception group as itself: anyio's task groups (inside
+    purerpc's sockets) wrap even the caller's own RPCError leaving an ``async with`` in one."""
     try:
         yield
     except BaseExceptionGroup as group:
@@ -6128,41 +6114,50 @@ async def _client_connection(socket_path: str) -> AsyncIterator[_GRPCSocket]:
         yield grpc_socket
 
 
+@asynccontextmanager
+async def _request(
+    grpc_socket: _GRPCSocket,
+    method: Method,
+    request: Any,
+    metadata: tuple[tuple[str, str], ...],
+    timeout: datetime.timedelta | None = None,
+) -> AsyncIterator[GRPCProtoStream]:
+    """Start a call of ``method`` on a client connection, send its one request, and yield its stream."""
+    service, _, name = method.path[1:].partition("/")
+    full_name = method.request_type.DESCRIPTOR.full_name
+    # ``:authority: localhost``, what the kubelet sends; purerpc's channel would send "host:port".
+    stream = await grpc_socket.start_request(
+        "http", service, name, full_name, authority="localhost", timeout=timeout, custom_metadata=metadata
+    )
+    try:
+        stream.expect_message_type(method.response_type)
+        await stream.send_message(request)
+        await stream.close()
+        yield stream
+    finally:
+        _close_event_queues(stream)
+
+
 async def call_unary(
     socket_path: str, method: Method, request: Any, *, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
 ) -> Any:
     """Make one unary call on a unix socket, the way grpc-go (the kubelet) does, and return the answer.
 
-    Sends ``:authority: localhost`` (what the kubelet sends), a grpc-timeout header, and gives up
-    after ``timeout`` seconds: a server that accepts but never answers would hang the caller. A
-    fresh connection per call: the calls this is for (Register, probes) are rare.
+    Sends a grpc-timeout header, and gives up after ``timeout`` seconds: a server that accepts but
+    never answers would hang the caller. A fresh connection per call (Register, probes: rare).
 
     Raises RPCError: the server's status if it answered with one, UNAVAILABLE if the socket could
     not be reached or the connection broke, DEADLINE_EXCEEDED if no answer came in time.
     ``metadata``: request headers, (name, value) pairs.
     """
-    service, _, name = method.path[1:].partition("/")
+    # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which purerpc's microsecond
+    # unit reaches at 100 s.
+    deadline = datetime.timedelta(seconds=math.ceil(timeout))
     try:
         with trio.fail_after(timeout):
             async with _client_connection(socket_path) as grpc_socket:
-                stream = await grpc_socket.start_request(
-                    "http",
-                    service,
-                    name,
-                    method.request_type.DESCRIPTOR.full_name,
-                    authority="localhost",
-                    # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which
-                    # purerpc's microsecond unit reaches at 100 s.
-                    timeout=datetime.timedelta(seconds=math.ceil(timeout)),
-                    custom_metadata=metadata,
-                )
-                try:
-                    stream.expect_message_type(method.response_type)
-                    await stream.send_message(request)
-                    await stream.close()
+                async with _request(grpc_socket, method, request, metadata, deadline) as stream:
                     return await extract_message_from_singleton_stream(stream)
-                finally:
-                    _close_event_queues(stream)
     except trio.TooSlowError:
         raise RPCError(
             StatusCode.DEADLINE_EXCEEDED, f"{method.path} on {socket_path}: no answer within {timeout:g} s"
@@ -6194,7 +6189,6 @@ async def open_stream(
     RPCError when the server ends the stream with an error status or the connection is lost.
     ``metadata``: request headers, (name, value) pairs.
     """
-    service, _, name = method.path[1:].partition("/")
     try:
         with trio.fail_after(timeout):
             socket_stream = await anyio.connect_unix(socket_path)
@@ -6204,22 +6198,9 @@ async def open_stream(
     try:
         with _unwrap_single_errors():
             async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
-                stream = await grpc_socket.start_request(
-                    "http",
-                    service,
-                    name,
-                    method.request_type.DESCRIPTOR.full_name,
-                    authority="localhost",
-                    custom_metadata=metadata,
-                )
-                try:
-                    stream.expect_message_type(method.response_type)
-                    await stream.send_message(request)
-                    await stream.close()
+                async with _request(grpc_socket, method, request, metadata) as stream:
                     async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
                         yield responses
-                finally:
-                    _close_event_queues(stream)
     except _GOODBYE:
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: connection lost") from None
     except BaseExceptionGroup as group:
@@ -8718,34 +8699,28 @@ API_REQUEST_TIMEOUT = 10.0
 # wait jittered. Writes are per pool and rare; lists and watches back off longer (DRA_WATCH_BACKOFF).
 _API_BACKOFF = (0.1, 10.0)
 
-#: How far a wait is spread at random: a wait of d seconds lasts from d to d * (1 + DRA_JITTER), as
-#: client-go's wait.Jitter(d, maxFactor) makes it (k8s.io/apimachinery pkg/util/wait; the reflector's
-#: backoff uses 1.0). Every backoff and every periodic timer of the driver is jittered: drivers on
-#: 5,000 nodes that saw the same API server restart would otherwise retry, and list, in step.
+#: How far a wait is spread at random: from d to d * (1 + DRA_JITTER) seconds, as client-go's
+#: wait.Jitter (the reflector's backoff uses 1.0). Drivers on 5,000 nodes that saw the same API
+#: server restart would otherwise retry, and list, in step.
 DRA_JITTER = 1.0
 
 #: After a failed list or watch: retry after 0.8 s, doubling up to 30 s, jittered, and the first wait
-#: again once a watch brings something. The reflector's own (NewExponentialBackoffManager(800ms, 30s,
-#: ...) in kubernetes/kubernetes staging/src/k8s.io/client-go/tools/cache/reflector.go): an API
-#: server that is down gets about one request per 45 s per watch from each node, not a storm.
+#: again once a watch brings something: the reflector's own backoff (client-go tools/cache/reflector.go).
 DRA_WATCH_BACKOFF = (0.8, 30.0)
 
 #: How long an open watch may bring nothing, not even a bookmark, before it is taken for a dead
-#: connection (a node's network cut, an API server host gone: no FIN ever comes) and opened again
-#: from the last resourceVersion seen. The API server's watch cache sends a watch that asked for
-#: bookmarks one about every minute, and one 2 s before it ends the watch (nextBookmarkTime in
+#: connection (no FIN ever comes from a cut network) and opened again from the last version seen.
+#: The API server's watch cache sends a bookmark about every minute (nextBookmarkTime in
 #: kubernetes/kubernetes staging/src/k8s.io/apiserver/pkg/storage/cacher/cache_watcher.go): three
-#: missed ones are not a quiet cluster. A server that sends none (its watch cache off) costs one
-#: watch request per this long per watch; never a list.
+#: missed ones are not a quiet cluster.
 DRA_WATCH_QUIET_SECONDS = 180.0
 
 #: How often the Node is read (GET) when it cannot be watched: an older manifest's ClusterRole has
 #: get on nodes but not list and watch. Jittered; a change of its allocatable is then seen that late.
 DRA_NODE_POLL_SECONDS = 60.0
 
-#: While the Node is read instead of watched (403 on list or watch), the watch is tried again after
-#: this long, at first and at most (doubling in between, jittered): a ClusterRole fixed later is
-#: noticed within minutes, and a refused list costs the API server little (RBAC answers it).
+#: While the Node is read instead of watched (403), the watch is tried again after this long, at
+#: first and at most (doubling, jittered): a ClusterRole fixed later is noticed within minutes.
 DRA_NODE_WATCH_RETRY = (60.0, 600.0)
 
 
@@ -8761,21 +8736,18 @@ _GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "i686": "386", "i386": "386",
 
 def user_agent(node_name: str = "") -> str:
     """What gopherplug calls itself in each request to the API server, in client-go's form
-    ("<command>/<version> (<os>/<arch>) kubernetes/<commit>", DefaultKubernetesUserAgent in
-    kubernetes/kubernetes staging/src/k8s.io/client-go/rest/config.go), with the node in place of
-    the commit: the API server's audit log and its per-client metrics then tell gopherplug's requests
-    from any other Python client's (httpx's own says only python-httpx), and one node's from another's."""
+    (DefaultKubernetesUserAgent in client-go rest/config.go) with the node in place of the commit:
+    the API server's audit log and per-client metrics then tell gopherplug's requests, and one
+    node's from another's."""
     machine = os.uname().machine
     agent = f"gopherplug/{__version__} ({sys.platform}/{_GO_ARCH.get(machine, machine)})"
     return f"{agent} node/{node_name}" if node_name else agent
 
 
 #: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
-#: write that succeeds can still be undone at once (another writer, an admission webhook that
-#: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
-#: API server answers (972 writes in 2 s were seen). The Go controller's work queue is rate-limited
-#: for the same reason, with client-go's default overall bucket: 10 a second, bursts of 100 (here
-#: per write, not per pool). The burst covers a start that writes every pool of a large node at once.
+#: write that succeeds can still be undone at once (another writer, an admission webhook) and be
+#: needed again: unbounded, the publisher writes as fast as the API server answers. The Go
+#: controller's work queue has client-go's default bucket too: 10 a second, bursts of 100.
 DRA_WRITES_PER_SECOND = 10.0
 DRA_WRITE_BURST = 100
 
@@ -8843,19 +8815,13 @@ class ClaimCheckpoint:
         every writer renames a complete file into place."""
         try:
             status = os.stat(self.path)
-        except FileNotFoundError:
-            self.claims, self._read_as = {}, None  # the first start on this node
-            return
-        except OSError as error:
-            raise self._unreadable(error) from None
-        identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
-        if identity == self._read_as:
-            return
-        try:
+            identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
+            if identity == self._read_as:
+                return
             with open(self.path, "rb") as file:
                 text = file.read()
         except FileNotFoundError:
-            self.claims, self._read_as = {}, None
+            self.claims, self._read_as = {}, None  # the first start on this node
             return
         except OSError as error:
             raise self._unreadable(error) from None
@@ -9033,10 +8999,7 @@ def _plain(value: Any) -> Any:
 @dataclass
 class DraResources:
     """The resources a DRA driver offers right now: name -> (its configuration, its devices).
-
-    serve_plugin keeps it current across configuration reloads, and touches ``changed`` when a
-    resource comes or goes; each resource's devices Watched is touched by its own watch.
-    """
+    serve_plugin keeps it current across reloads, touching ``changed`` when a resource comes or goes."""
 
     driver: str
     node_name: str
@@ -9155,9 +9118,8 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
 def dra_plugin_services(
     resources: DraResources, claims: ClaimPreparer, registration: RegistrationState
 ) -> list[purerpc.Service]:
-    """DRAPlugin, once per version the kubelet may speak (the same handlers, the same messages),
-    DRAResourceHealth, and gopherplug's status for `gopherplug probe`, all on the one socket the
-    kubelet dials."""
+    """DRAPlugin in every version the kubelet may speak (the same handlers), DRAResourceHealth, and
+    gopherplug's status for `gopherplug probe`, all on the one socket the kubelet dials."""
     services = []
     for _, package in DRA_VERSIONS:
         service = purerpc.Service(f"{package}.DRAPlugin")
@@ -9176,8 +9138,7 @@ DRA_HEALTH_RESEND = DRA_HEALTH_TIMEOUT / 3
 
 def dra_health_services(resources: DraResources, registration: RegistrationState) -> list[purerpc.Service]:
     """DRAResourceHealth in every version of DRA_HEALTH_VERSIONS: the health of every device, from
-    the same watches as the slices. ``registration`` counts the kubelet's streams (a probe's is not
-    counted)."""
+    the same watches as the slices. ``registration`` counts the kubelet's streams (not a probe's)."""
 
     async def node_watch_resources(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
@@ -9313,9 +9274,8 @@ class ClaimPreparer:
                 await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
             if self.device_metadata:
                 # KEP-5304: the files are written by checkpoint.add, with the entry naming them;
-                # their CDI spec before, as the shares' are. It goes to the spec directory of the
-                # claim's first device's resource: one the runtime reads, or that device would not
-                # reach the container either.
+                # their CDI spec before, in the spec directory of the claim's first device's resource
+                # (one the runtime reads, or that device would not reach the container either).
                 metadata = device_metadata_files(found, self.resources.driver, pools, self.metadata_dir)
                 first = pools[devices[0].pool_name][0].cdi
                 assert first is not None  # parse_config gives every DRA resource one
@@ -9347,17 +9307,15 @@ class ClaimPreparer:
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
     async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Write the device status of each claim prepared, one at a time, in the order prepared,
-        until cancelled (serve_dra runs it). The kubelet waits for NodePrepareResources' answer,
-        and the pod's start with it; the status is for people and controllers reading the claim."""
+        """Write the device status of each claim prepared, in the order prepared, until cancelled:
+        after the answer, which the pod's start waits for (the status is for people and controllers)."""
         task_status.started()
         async for claim, devices in self._status_queue:
             await self._write_status(claim, devices)
 
     async def _write_status(self, claim: Any, devices: list[dict[str, Any]]) -> None:
         """The claim's status.devices for this driver (claim_device_status), once it is prepared.
-        Information only: a failure is logged, and the prepare stands (the kubelet has nothing to
-        retry, and the device is the pod's either way)."""
+        Information only: a failure is logged, and the prepare stands."""
         if not devices:
             return
         try:
@@ -10022,10 +9980,8 @@ class KubeApi:
         self, namespace: str, name: str, uid: str, devices: list[dict[str, Any]], field_manager: str
     ) -> None:
         """Write ``devices`` as the claim's status.devices by server-side apply to its status
-        subresource, as ``field_manager``: the entries are a list map (keys driver, pool, device,
-        shareID), so each driver's apply owns and replaces its own entries and leaves other
-        drivers' alone. The UID in the applied object makes the API server refuse (409) a claim
-        that was replaced under the same name."""
+        subresource, as ``field_manager``: a list map, so each driver's apply replaces its own
+        entries alone. The UID makes the API server refuse (409) a claim replaced under its name."""
         from lightkube.types import PatchType
 
         body = {
@@ -10046,8 +10002,7 @@ class KubeApi:
             )
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        """The Node's name and UID (what a slice's owner reference needs), as its metadata, and its
-        status.allocatable (whether a device plugin still serves a resource here)."""
+        """The Node's name and UID (a slice's owner reference) and its status.allocatable."""
         with self._errors(f"get Node {name}"):
             node = await self._client.get(self._node, name)  # a dict (connect)
             metadata, status = node.get("metadata") or {}, node.get("status") or {}
@@ -10059,9 +10014,8 @@ class KubeApi:
 
     async def server_version(self) -> str:
         """The API server's version as its /version says it ("v1.35.2"), for a log line that must
-        name it; "" when it cannot be had (no answer, no permission: /version is open to every
-        authenticated client by default, system:public-info-viewer). Decisions go by what the
-        server stored, never by this: an admin may have turned a gate on before its default."""
+        name it; "" when it cannot be had. Decisions go by what the server stored, never by this:
+        an admin may have turned a gate on before its default."""
         inner = self._client._client
         try:
             response = await inner.send(inner._client.build_request("GET", "/version"))
@@ -10172,9 +10126,8 @@ class KubeApi:
 
 
 class WatchEventError(ApiError):
-    """A watch brought a line that is not an event (not JSON, or not of an event's shape): something
-    between the API server and here mangled the stream. list_and_watch says so in one line and lists
-    again, as what the event said is lost."""
+    """A watch brought a line that is not an event: something between the API server and here mangled
+    the stream. list_and_watch says so in one line and lists again."""
 
     def __init__(self, message: str) -> None:
         super().__init__(None, message)
@@ -10185,10 +10138,9 @@ _WATCH_EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERR
 
 
 def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
-    """One line of a watch stream as its event: (type, object). An ERROR event (a 410 Gone: the
-    version left the server's history) raises ApiError, as an error answer does; a line that is
-    not an event raises WatchEventError, never what json.loads raises: the caller's handling
-    of a failed watch must see it, or one bad line would stop the driver."""
+    """One line of a watch stream as its event: (type, object). An ERROR event (a 410 Gone) raises
+    ApiError, as an error answer does; a line that is not an event raises WatchEventError, never
+    what json.loads raises, or one bad line would stop the driver."""
     try:
         event = json.loads(line)
     except ValueError as error:  # UnicodeDecodeError included
@@ -10209,11 +10161,9 @@ def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
 
 
 def _too_large_version(error: ApiError) -> bool:
-    """Whether the API server answered that a request's resourceVersion is newer than it has: its
-    watch cache waited (up to 3 s) and did not catch up. A 504 whose details name the cause
-    ResourceVersionTooLarge (storage.NewTooLargeResourceVersionError in kubernetes/kubernetes
-    staging/src/k8s.io/apiserver); its message alone, as client-go's isTooLargeResourceVersionError
-    also reads it, for a server that names no cause."""
+    """Whether the API server answered that a request's resourceVersion is newer than its watch
+    cache has: a 504 whose details name the cause ResourceVersionTooLarge, or whose message says
+    so (as client-go's isTooLargeResourceVersionError reads it, for a server that names no cause)."""
     return "ResourceVersionTooLarge" in error.causes or (
         error.status == 504 and "Too large resource version" in str(error)
     )
@@ -10267,12 +10217,9 @@ async def list_and_watch(
                 except ApiError as error:
                     if not list_at or not (error.status == 410 or _too_large_version(error)):
                         raise
-                    # The version is gone from the history (410), or newer than what the API server
-                    # that answered has (its watch cache behind: another API server of the control
-                    # plane, or one just restarted, served the watch): either way it cannot be
-                    # listed at, and asking again would get the same answer for as long as the cache
-                    # stays behind. So list the newest, a quorum read from etcd, and keep listing at
-                    # "" until a list works, as the reflector's isLastSyncResourceVersionUnavailable.
+                    # The version is gone from the history (410), or newer than the answering API
+                    # server's watch cache has: asking again would get the same answer. So list the
+                    # newest, a quorum read, as the reflector's isLastSyncResourceVersionUnavailable.
                     log.debug("DRA: listing %s: %s; listing the newest", what, error)
                     list_at = ""
                     items, version = await list_from("")
@@ -10314,9 +10261,8 @@ async def list_and_watch(
 
 
 #: How soon a newer pod that does not serve is asked again (DriverPeers), at first and at most
-#: (doubling in between): a starting pod listens within milliseconds of making its socket, and the
-#: kubelet registers it within a second or two; a killed, wedged or unregistered one never does,
-#: and is asked about twice a minute (a killed one's socket until the next driver's start removes it).
+#: (doubling in between): a starting pod listens within milliseconds, and the kubelet registers it
+#: within a second or two; a killed, wedged or unregistered one is asked about twice a minute.
 DRA_PEER_RECHECK = (0.05, 30.0)
 
 
@@ -10361,14 +10307,12 @@ class DriverPeers:
 
     def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
         self.config = config
-        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to
-        #: serve (``changed``, shared with the CDI specs' CDISpecTurn, when given)
+        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to serve
         self.changed = changed if changed is not None else Watched(None)
         #: set by serve_dra as it stops: from then on newer() never answers "none" after naming one
         self.stopping = False
         self._mine: tuple[int, str] | None = None  # our socket's (change time, name), as last seen
-        # A newer socket -> (its (inode, change time), how far its pod serves: _ANSWERS, _REGISTERED
-        # or 0), as _check last found.
+        # A newer socket -> (its (inode, change time), how far its pod serves), as _check last found.
         self._serving: dict[str, tuple[tuple[int, int], int]] = {}
         self._said = ["", ""]  # newer()'s last answers before stopping, without and with ``registered``
 
@@ -10395,8 +10339,7 @@ class DriverPeers:
     def newer(self, registered: bool = False) -> tuple[str, bool]:
         """The registration socket of a running pod of the driver newer than this one ("" if none;
         ``registered``: one the kubelet registered), and whether a newer socket's pod is not (yet)
-        seen so: one that starts, is wedged, or is not registered (``watch`` asks again). No I/O but
-        a directory listing: asked under the CDI spec's flock, and from the event loop."""
+        seen so. No I/O but a directory listing: asked under the CDI spec's flock."""
         level = _REGISTERED if registered else _ANSWERS
         answer, unserved = "", False
         for path, identity in self._newer_sockets():
@@ -10529,15 +10472,12 @@ class SlicePublisher:
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
         self.listed = trio.Event()  # set once `known` holds a whole list
-        # The newest resourceVersion the list and the watch have told us of. A write's answer older
-        # than that is stale: the watch already brought it, or what came after it (a deletion).
-        self._seen = -1
+        self._seen = -1  # the newest resourceVersion listed or watched: a write's answer older is stale
         self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
         # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
         self._retries: dict[str, tuple[float, float]] = {}
-        # Slice name -> (what we wrote, what the API server stored), both as _slice_key, when the two
-        # differ: the server dropped fields it does not know (feature gates off). What it stored
-        # then counts as what we wrote, or every pass would write the same slice again.
+        # Slice name -> (what we wrote, what the API server stored), as _slice_key, when the server
+        # dropped fields it does not know (feature gates off): then what it stored counts as written.
         self._stored_as: dict[str, tuple[str, str]] = {}
         self._dropped_warned: set[str] = set()
         self._server_version: str | None = None  #: the API server's /version, once a warning needs it
@@ -10593,9 +10533,7 @@ class SlicePublisher:
 
     async def _watch_node(self) -> None:
         """Watch the Node; while RBAC refuses that (403), read it every DRA_NODE_POLL_SECONDS, and
-        try the watch again after DRA_NODE_WATCH_RETRY (doubling, jittered): a ClusterRole fixed
-        later is noticed without a restart, as the reflector, which retries a refused list for ever,
-        would notice it."""
+        try the watch again after DRA_NODE_WATCH_RETRY: a ClusterRole fixed later is noticed."""
         name = self.resources.node_name
         polled = False  # the Node is being read instead of watched, and it was said
         retry = DRA_NODE_WATCH_RETRY[0]
@@ -10674,11 +10612,9 @@ class SlicePublisher:
         self.node_known.set()
 
     def _say_kubelet_version(self, version: str) -> None:
-        """What this node's kubelet (its Node's status.nodeInfo.kubeletVersion; it may be up to three
-        minor versions older than the API server) cannot do of what gopherplug serves: said once per
-        version it reports. A kubelet before 1.36 opens the DRA health stream only with its
-        ResourceHealthStatus gate, alpha and off by default (dra_plugin_manager.go in
-        kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
+        """What this node's kubelet (status.nodeInfo.kubeletVersion) cannot do of what gopherplug
+        serves, said once per version: before 1.36 it opens the DRA health stream only with its
+        ResourceHealthStatus gate, off by default (kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
         if not version or version == self._kubelet_version:
             return
         self._kubelet_version = version
@@ -10699,7 +10635,8 @@ class SlicePublisher:
         while True:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()
-            watched = [self.known_changed, self.node, self.resources.changed, *self._devices()]
+            watched = [self.known_changed, self.node, self.resources.changed]
+            watched += [devices for _, devices in self.resources.served.values()]
             watched += [self.peers.changed] if self.peers is not None else []
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
@@ -10719,9 +10656,6 @@ class SlicePublisher:
                 self.synced.set(self.synced.value + 1)
                 await woken.wait()
                 nursery.cancel_scope.cancel()
-
-    def _devices(self) -> list[Watched]:
-        return [devices for _, devices in self.resources.served.values()]
 
     def _defer(self) -> bool:
         """Whether a newer pod of the driver writes the slices now (said in the log when that
@@ -10785,10 +10719,9 @@ class SlicePublisher:
         self.held = held
 
     async def _sync(self) -> float | None:
-        """One pass: every pool's slices as they should be, stale ones deleted; each pool, and each
-        stale slice, on its own (the Go controller's per-pool work queue): one the API server
-        refuses is retried after its own backoff (longer if the server said Retry-After), while
-        the others are written. Returns when the next retry is due (trio's clock), None if none is."""
+        """One pass: every pool's slices as they should be, stale ones deleted, each on its own (the
+        Go controller's per-pool work queue) with its own backoff. Returns when the next retry is
+        due (trio's clock), None if none is."""
         node, driver = self.resources.node_name, self.resources.driver
         owner = self._owner()
         now = trio.current_time()
@@ -11014,10 +10947,8 @@ async def serve_dra(
     task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Be the DRA driver ``config`` names until cancelled: slices published, DRAPlugin served,
-    the registration socket in plugins_registry for the kubelet to find.
-
-    started() is called once both sockets listen. The DRAPlugin socket comes first: the kubelet
-    dials it as soon as GetInfo has named it.
+    the registration socket in plugins_registry for the kubelet to find. started() is called once
+    both sockets listen, the DRAPlugin socket first: the kubelet dials it as soon as GetInfo names it.
 
     With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
     one (a rolling update with maxSurge): the sockets carry the pod's UID; the checkpoint, the CDI
@@ -11120,8 +11051,7 @@ async def _serve_dra(
 
 def _dra_problem(driver: DraDriver) -> str:
     """The DRA driver's liveness: registered by the kubelet, not refused, not dropped since (see
-    RegistrationState.dropped); "" when so. The plugin watcher registers a new socket within a
-    second, and a restarted kubelet registers it again by walking plugins_registry."""
+    RegistrationState.dropped); "" when so."""
     status = driver.registration.message(driver.config.driver)
     if status.registration_error:
         return f"the kubelet refused it: {status.registration_error}"
@@ -11327,9 +11257,8 @@ async def _serve_generations(
                 # plugin is registered under the resource's *name* at that moment (runClient in
                 # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go):
                 # had we registered again already, the new registration would be the one dropped.
-                # So the stream ends first, and we wait for the kubelet to close its connection.
-                # After a kubelet restart too: a kubelet still alive under a new kubelet.sock would
-                # drop the next registration.
+                # So the stream ends first, and we wait for the kubelet to close its connection
+                # (after a kubelet restart too: the old one may still be alive).
                 ending.set()
                 devices.touch()
                 if server.connections:
@@ -11344,10 +11273,9 @@ async def _serve_generations(
 async def _wait_for_directory(resource: ResourceConfig, kubelet: KubeletWatch) -> tuple[int, int, int] | None:
     """Return once the kubelet's directory exists, with its identity then (see _identity).
 
-    A removed directory is normal on a host: the kubelet makes it anew when it starts (and an
-    administrator may have removed it), and KubeletWatch's inotify on its parent sees it come back.
-    But inside a container whose hostPath mount holds the deleted directory, it never comes back:
-    that raises GopherplugError (the container must be restarted to see the new one).
+    On a host the kubelet makes it anew when it starts, and KubeletWatch sees it come back. Inside
+    a container whose hostPath mount holds the deleted directory, it never comes back: that raises
+    GopherplugError (the container must be restarted to see the new one).
     """
     directory = kubelet.device_plugin_dir
     logged = False
@@ -11400,15 +11328,11 @@ async def serve_devices(
 
     ``devices`` holds a dict of device ID -> DeviceEntry: ``devices.set(...)`` whenever they change,
     and the kubelet hears of it at once. ``shape_allocation``, if given, may add to each container's
-    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin():
-    cancelled, it removes its socket and its lock file, leaving the kubelet's directory as it was.
-    ``device_plugin_dir`` None: GOPHERPLUG_DEVICE_PLUGIN_DIR, else the directory whose kubelet.sock
-    answers (find_device_plugin_dir).
+    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin().
+    ``device_plugin_dir`` None: find_device_plugin_dir().
 
-    The devices are checked as a directory's entries are (_checked_devices): an ID the kubelet
-    would refuse (empty, a space, "::", which replicas use, over 63 characters), a key that is not
-    its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning, not sent.
-    A change of a device's health is logged as the directory watcher logs it.
+    The devices are checked as a directory's entries are (_checked_devices): a bad ID, a key that is
+    not its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning.
     """
     _embedding_guard("serve_devices", devices, device_plugin_dir)
     kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
@@ -11449,11 +11373,8 @@ def _embedding_guard(function: str, devices: Any, device_plugin_dir: str | None 
 def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str]) -> dict[str, DeviceEntry]:
     """The devices of ``given`` (an embedding program's dict of ID -> DeviceEntry) that the kubelet
     can be sent, each skipped one warned about once (_warn_skipped_now), as scan_directory's are.
-
-    The kubelet checks none of it: an ID with "::" would be taken for a replica of another device
-    (REPLICA_SEPARATOR), one the CDI spec cannot name would fail every container given it, and a
-    key that is not its entry's ID makes Allocate answer for a device other than the one the
-    kubelet asked for."""
+    The kubelet checks none of it: an ID with "::" would be taken for a replica of another device,
+    and a key that is not its entry's ID makes Allocate answer for another device."""
     found: dict[str, DeviceEntry] = {}
     skipped: list[tuple[str, str]] = []
     if not isinstance(given, Mapping):
@@ -11697,12 +11618,9 @@ def _kubelets_directory(candidates: Iterable[str]) -> str | None:
 
 
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
-    """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the first of ``candidates`` whose kubelet.sock
-    accepts a connection, else the first holding a kubelet.sock socket at all (a kubelet starting),
-    else (with a warning) the first one.
-
-    For a configuration that does not say: the kubelet of this node is the one listening. A node
-    that once ran another distribution keeps that kubelet's dead socket, which refuses at once.
+    """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the kubelet's directory among ``candidates``
+    (_kubelets_directory: the one listening, since a node that once ran another distribution keeps
+    that kubelet's dead socket), else (with a warning) the first one.
     """
     if given := os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
         # The command line's variable, read here too so that an embedding program (serve_devices,
@@ -13243,9 +13161,7 @@ class SimulatedDriver:
 
     name: str
     endpoint: str  #: the DRAPlugin socket GetInfo named
-    service: (
-        str  #: the DRAPlugin service chosen from supported_versions, e.g. "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
-    )
+    service: str  #: the DRAPlugin service chosen from supported_versions ("k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin")
     registration_socket: str
     supported_versions: tuple[str, ...] = ()  #: as GetInfo listed them
     #: whether the kubelet's connection to the endpoint is up (DraKubeletSimulator._connect)
@@ -13262,12 +13178,11 @@ _HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0,
 class DraKubeletSimulator:
     """A stand-in for the kubelet's plugin watcher and DRA manager, on a kubelet directory of your choice.
 
-    ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart (which,
-    unlike the device manager's, deletes nothing: plugins_registry is walked again);
-    ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
-    node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
-    and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
-    forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
+    ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart (which
+    deletes nothing here: plugins_registry is walked again); ``wait_until(predicate)`` waits
+    without polling. ``wipe(driver)``, if given, deletes this node's ResourceSlices of a driver
+    ("": of every driver), as the kubelet does when it starts and ``wiping_delay`` seconds after a
+    driver went. ``drop(driver)`` forgets a driver silently, as a kubelet that lost track of it.
 
     A driver may register from several registration sockets (a rolling update's two pods), as the
     kubelet's DRA plugin manager allows (kubernetes/kubernetes
@@ -13307,15 +13222,13 @@ class DraKubeletSimulator:
         #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
         #: every 10 s; None: only to register, as kubelets up to 1.36 do)
         self.info_interval = info_interval
-        #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first (1.36:
-        #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
+        #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first
         self.health_versions = list(health_versions)
         self.health_paths: list[str] = []  #: each NodeWatchResources stream opened, by its path
         self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name: the plugin last registered
         #: every registered plugin of each driver, in the order they registered
         self.plugins: dict[str, list[SimulatedDriver]] = {}
-        #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), and
-        #: ("wiped", driver or "")
+        #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), ("wiped", driver)
         self.events: list[tuple[str, str]] = []
         self.starts = 0
         self._changed = Watched(None)
@@ -13817,8 +13730,7 @@ class LenientApiServer:
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
-        item = self.slices.pop(name)
-        self._bump("DELETED", item)
+        self._bump("DELETED", self.slices.pop(name))
 
     def delete_node_slices(self, node_name: str, driver: str = "") -> None:
         """What the kubelet's wipe does: DeleteCollection with field selectors spec.nodeName and,
