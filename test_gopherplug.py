@@ -6146,8 +6146,8 @@ def narrated_demo(sockdir, *options):
 def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir)
     assert who == (
-        "kubelet plugin plugin kubelet kubelet plugin kubelet kubelet "
-        "plugin plugin plugin who who who demo plugin kubelet plugin plugin demo"
+        "kubelet plugin plugin kubelet plugin kubelet plugin kubelet plugin plugin plugin who who who demo "
+        "plugin kubelet demo kubelet kubelet kubelet plugin kubelet plugin kubelet demo demo"
     )
     assert (
         "who example.com/gopher gopher0 gopher0: Healthy: default/demo-pod/app (device plugin)\n"
@@ -6155,11 +6155,13 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
         "who example.com/gopher gopher2 gopher2: Healthy: free\n"
     ).replace("who ", "") in said
     assert "Register(resource example.com/gopher, endpoint gopherplug-example.com_gopher-1.sock" in said
-    assert "ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
-    assert "Allocate(gopher0, gopher1)\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
+    assert "ListAndWatch example.com/gopher: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
+    assert "GetPreferredAllocation(size 2 of gopher0, gopher1, gopher2): gopher0, gopher1\n" in said
+    assert "Allocate(gopher0, gopher1)\ndevice /" in said and "\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
     assert re.search(r"\ndevice /\S+/gophers/gopher1 -> /dev/gopher1 \(rw\)\n", said)
-    assert "gopher2 Healthy, gopher3 Healthy (" in said
-    assert "registered again as gopherplug-example.com_gopher-2.sock" in said
+    assert "gopher2 Healthy, gopher3 Healthy\nexample.com/gopher: capacity 4, allocatable 4\nthe kubelet had" in said
+    assert "restarted: every socket in its directory deleted, kubelet.sock served again\nRegister(resource " in said
+    assert "endpoint gopherplug-example.com_gopher-2.sock" in said and "registered again, listed: " in said
     assert os.listdir(sockdir) == []
     times = _narration_times(run_cli("demo", env={"TMPDIR": str(sockdir)}).stdout.splitlines())
     assert len(times) > 10 and times == sorted(times), times
@@ -6250,15 +6252,16 @@ def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockd
     the kubelet's directory is the demo's own, and nothing is left behind."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path)
-    assert who == "plugin kubelet plugin kubelet plugin kubelet kubelet plugin plugin plugin demo"
+    assert who == "plugin kubelet plugin kubelet plugin kubelet plugin kubelet plugin plugin plugin demo"
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     assert said.split("\n", 1)[1] == "\n".join(
         [
             re.search(r"serving Registration on /\S+/device-plugins/kubelet.sock", said).group(0),
             "Register(resource example.com/gpu, endpoint gopherplug-example.com_gpu-1.sock, version v1beta1)",
             "dialed gopherplug-example.com_gpu-1.sock back before answering: get_preferred_allocation_available: True",
-            "ListAndWatch: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
-            "node capacity example.com/gpu: 2, allocatable 2",
+            "ListAndWatch example.com/gpu: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
+            "example.com/gpu: capacity 2, allocatable 2",
+            "GetPreferredAllocation(size 1 of 0000:00:02.0, 0000:03:00.0): 0000:00:02.0",
             "pod default/demo-pod asks for 1 example.com/gpu: Allocate(0000:00:02.0)",
             f"device {card} -> {card} (rw)",  # {target}: where the by-path link leads, in the container too
             f"device {render} -> {render} (rw)",
@@ -6323,6 +6326,180 @@ def test_demo_config_refuses_what_check_config_refuses(tmp_path):
         f"gopherplug: {path}: resources[0].annotations: is for the device-plugin API, and this resource has api: dra "
         "(devices reach containers only as CDI devices) (demo --dra serves it through DRA)\n"
     )
+
+
+def hailo_config(sockdir):
+    """Three Hailo-8 cards as an edge gateway has them (issue 45): their firmware versions and
+    memory in files the configuration reads per device; the file's path."""
+    for directory in ("dev", "fw", "mem"):
+        os.mkdir(os.path.join(sockdir, directory))
+    for card, firmware, memory in (
+        ("hailo0", "4.16.2", "8Gi"),
+        ("hailo1", "4.18.0", "16Gi"),
+        ("hailo2", "4.20.1", "4Gi"),
+    ):
+        open(os.path.join(sockdir, "dev", card), "x").close()
+        Path(sockdir, "fw", card).write_text(firmware + "\n")
+        Path(sockdir, "mem", card).write_text(memory + "\n")
+    resource = {
+        "name": "example.com/hailo",
+        "directory": os.path.join(sockdir, "dev"),
+        "pattern": "hailo*",
+        "attributes": {
+            "model": "hailo8",
+            "firmwareVersion": {"file": os.path.join(sockdir, "fw", "{id}"), "type": "version"},
+        },
+        "capacity": {"memory": {"file": os.path.join(sockdir, "mem", "{id}")}},
+    }
+    path = os.path.join(sockdir, "hailo.yaml")
+    Path(path).write_text(yaml.safe_dump({"resources": [resource]}))
+    return path
+
+
+#: The demo's driver, where a selector finds the attributes and capacity of the configuration
+ATTRIBUTES, CAPACITY = (f'device.{kind}["{gp.DEMO_DRIVER}"]' for kind in ("attributes", "capacity"))
+ERROR = "claim default/demo-hailo: selector #0: CEL runtime error: "
+
+
+@pytest.mark.parametrize(
+    "selector, verdicts, allocated",
+    [
+        (  # a version compared as a version: 4.18.0 > 4.17.0 > 4.16.2, not as strings would be
+            f'{ATTRIBUTES}.firmwareVersion.isGreaterThan(semver("4.17.0"))',
+            ["not selected", "selected", "selected"],
+            "hailo1",
+        ),
+        (  # a capacity against a quantity, binary suffixes by value: 16Gi and 8Gi, not 4Gi
+            f'{CAPACITY}.memory.compareTo(quantity("8Gi")) >= 0 && {CAPACITY}.memory.isLessThan(quantity("10Gi"))',
+            ["selected", "not selected", "not selected"],
+            "hailo0",
+        ),
+        (f'{ATTRIBUTES}.model == "hailo8" && device.driver == "{gp.DEMO_DRIVER}"', ["selected"] * 3, "hailo0"),
+        (  # MAJOR.MINOR.PATCH or an error, on each device: the claim fails on the node
+            f'{ATTRIBUTES}.firmwareVersion.isGreaterThan(semver("4.17"))',
+            [ERROR + "No Major.Minor.Patch elements found"] * 3,
+            None,
+        ),
+        (  # an attribute the devices have not: not false, an error
+            f'{ATTRIBUTES}.pcieRoot == "pci0000:00"',
+            [ERROR + "no such key: pcieRoot"] * 3,
+            None,
+        ),
+    ],
+    ids=["version", "quantity", "string", "semver-error", "no-such-key"],
+)
+def test_demo_select_evaluates_a_selector_on_your_devices_as_the_scheduler(sockdir, selector, verdicts, allocated):
+    """`demo --config FILE --dra --select CEL`: the selector is evaluated on each published device as
+    the scheduler evaluates it (the Kubernetes CEL library's semver and quantity functions; a
+    version attribute a version), each device's verdict said; the claim gets the first device
+    selected, or stays unallocated at the first CEL error, in the scheduler's words."""
+    _, said = narrated_demo(sockdir, "--config", hailo_config(sockdir), "--dra", "--select", selector)
+    lines = said.splitlines()
+    start = lines.index(f"selector #0 of claim default/demo-hailo: {selector}")
+    assert lines[start + 1 : start + 4] == [f"hailo{i}: {verdict}" for i, verdict in enumerate(verdicts)]
+    if allocated is None:
+        assert lines[start + 4] == f"the claim stays unallocated, its pod Pending (FailedScheduling): {verdicts[0]}"
+        assert not [line for line in lines if line.startswith(("allocated", "NodePrepareResources"))]
+    else:
+        pool = "demo-node/example.com/hailo"
+        assert f"allocated a ResourceClaim: device {allocated} of pool {pool}" in lines
+        assert f"gopherplug.example.com/hailo={allocated}: env HAILO_DEVICES_{allocated.upper()}={allocated}" in lines
+
+
+def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_needs(sockdir):
+    """A selector the API server would refuse is refused before the demo starts, in one line, exit 2;
+    so is --select without the devices of --config and --dra."""
+    path = hailo_config(sockdir)
+    result = run_cli("demo", "--config", path, "--dra", "--select", f"{ATTRIBUTES}.model ==")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "gopherplug: --select: compilation failed: ERROR: <input>:1:51: Syntax error "
+        "(the API server would refuse a claim with it)\n"
+    )
+    result = run_cli("demo", "--config", path, "--select", "true")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "gopherplug: --select: give --config FILE and --dra: it selects among your devices\n"
+    script = "import sys, gopherplug\nsys.modules['celpy'] = None\nsys.exit(gopherplug.main(sys.argv[1:]))\n"
+    argv = [sys.executable, "-c", script, "demo", "--config", path, "--dra", "--select", "true"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith("gopherplug: --select: CEL is evaluated with cel-python and gopherplug_standins")
+    assert result.stderr.endswith(
+        "): pip install cel-python, with gopherplug_standins.py beside gopherplug.py "
+        "(a checkout, or pip install gopherplug)\n"
+    )
+
+
+async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):
+    """`gopherplug kubelet --device-plugin-dir DIR` and `gopherplug serve` as two processes on one
+    directory, as a user tries a configuration without a cluster: the kubelet says the
+    registration, each list with its health changes (a symlink to nothing, then to a device), an
+    Allocate asked on its standard input (with the plugin's preferred allocation) and by SIGUSR1 (a
+    device no pod holds), a request it does not know; SIGTERM stops it, exit 0, kubelet.sock gone."""
+    config = str(write_config(node, tmp_path))
+    kubelet = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "kubelet", "--device-plugin-dir", node.plugin_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    plugin = None
+    said = bytearray()
+    try:
+        with trio.fail_after(6 * TIMEOUT):
+            await read_until(kubelet.stdout, f"serving Registration on {node.kubelet_socket}", said)
+            second = await run_cli_async("kubelet", "--device-plugin-dir", node.plugin_dir)  # would wipe its sockets
+            assert (second.returncode, second.stdout) == (2, b"")
+            assert second.stderr.decode() == (
+                f"gopherplug: kubelet: {node.kubelet_socket} answers: a kubelet serves this directory already\n"
+            )
+            plugin = await trio.lowlevel.open_process(
+                [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", config], stderr=subprocess.DEVNULL
+            )
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 2, allocatable 2\n", said)
+            await kubelet.stdin.send_all(f"allocate {RESOURCE} 1\nallocate {RESOURCE} x\nborrow\n".encode())
+            await read_until(kubelet.stdout, "ask for one of", said)
+            target = os.path.join(node.devices, "..", "g3-target")
+            os.symlink(target, os.path.join(node.devices, "g3"))  # a symlink to nothing: unhealthy
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 3, allocatable 2", said)
+            Path(target).touch()
+            await read_until(kubelet.stdout, "(g3 Unhealthy -> Healthy)", said)
+            kubelet.send_signal(signal.SIGUSR1)
+            await read_until(kubelet.stdout, "GOPHER_DEVICES=g2", said)
+            kubelet.send_signal(signal.SIGTERM)
+            assert await kubelet.wait() == 0
+            said += await kubelet.stdout.receive_some()
+    finally:
+        for process in (kubelet, plugin):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+    lines = [line.split(None, 3)[2:] for line in said.decode().splitlines()]
+    assert lines[1:] == [
+        ["plugin", f"Register(resource {RESOURCE}, endpoint gopherplug-example.com_gopher-1.sock, version v1beta1)"],
+        [
+            "kubelet",
+            "dialed gopherplug-example.com_gopher-1.sock back before answering: "
+            "get_preferred_allocation_available: True",
+        ],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 2, allocatable 2"],
+        ["plugin", "GetPreferredAllocation(size 1 of g1, g2): g1"],
+        ["kubelet", f"pod default/pod-1 asks for 1 {RESOURCE}: Allocate(g1)"],
+        ["plugin", "env GOPHER_DEVICES=g1"],
+        ["kubelet", "allocate: 'x' is not a number of devices"],
+        ["kubelet", f"'borrow': ask for one of: {gp.KUBELET_REQUESTS}"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy, g3 Unhealthy"],
+        ["kubelet", f"{RESOURCE}: capacity 3, allocatable 2"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy, g3 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 3, allocatable 3 (g3 Unhealthy -> Healthy)"],
+        ["plugin", "GetPreferredAllocation(size 1 of g2, g3): g2"],
+        ["kubelet", f"pod default/pod-2 asks for 1 {RESOURCE}: Allocate(g2)"],
+        ["plugin", "env GOPHER_DEVICES=g2"],
+        ["kubelet", "stopped: kubelet.sock removed"],
+    ]
+    assert not os.path.exists(node.kubelet_socket)
+    assert (await kubelet.stderr.receive_some()) == b""
 
 
 async def run_cli_async(*args, env=None):
@@ -7617,7 +7794,7 @@ def test_bad_usage_exits_2():
     [
         ("server", "did you mean serve?"),
         ("chek-config", "did you mean check-config?"),
-        ("xyzzy", "the commands are serve, check-config, probe, who, demo"),
+        ("xyzzy", "the commands are serve, check-config, probe, who, demo, kubelet"),
     ],
 )
 def test_a_word_that_is_not_a_command_is_one_line(word, said):
