@@ -1119,9 +1119,8 @@ class DraConfig:
     @property
     def metadata_dir(self) -> str:
         """Where the device metadata files of prepared claims are kept on the host, to be bind-mounted
-        into containers: "dra-device-metadata" in the driver's directory, where the Go helper keeps
-        them (metadataSubDir in kubernetes/dynamic-resource-allocation kubeletplugin/metadata.go).
-        Shared by both pods of a rolling update, as the checkpoint that says which are current."""
+        into containers: where the Go helper keeps them (metadataSubDir in
+        kubernetes/dynamic-resource-allocation kubeletplugin/metadata.go)."""
         return os.path.join(self.plugin_dir, "dra-device-metadata")
 
     @property
@@ -5394,12 +5393,9 @@ class _UnixSocketWrapper(SocketWrapper):
 
 
 class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's frame reassembly, refusing an overlong frame as soon as its 9-byte header arrives.
-
-    h2 (3.2 and 4.x alike) checks a frame's length only once the whole frame is buffered: a peer
-    announcing a 16 MiB frame would have us hold 16 MiB, or wait for it forever. A frame header
-    starts with the payload length, 24 bits big-endian (RFC 9113, section 4.1).
-    """
+    """h2's frame reassembly, refusing an overlong frame as soon as its 9-byte header arrives:
+    h2 checks a frame's length only once the whole frame is buffered (a 16 MiB frame: 16 MiB held).
+    A frame header starts with the payload length, 24 bits big-endian (RFC 9113, section 4.1)."""
 
     def __next__(self) -> Any:
         # The bytes not yet parsed: `_data` in h2 4.x, `data` in h2 3.2 (empty either way: b"").
@@ -5554,8 +5550,7 @@ class _GRPCSocket(GRPCProtoSocket):
     """A purerpc connection on any anyio byte stream (here: a unix socket), client or server side."""
 
     def __init__(self, stream: anyio.abc.ByteStream, connection: GRPCConnection) -> None:
-        # GRPCSocket.__init__ would wrap the stream in the stock SocketWrapper, whose constructor
-        # applies the TCP options, so the attributes it sets are set here instead.
+        # GRPCSocket.__init__ would wrap the stream in the stock SocketWrapper (the TCP options).
         AsyncExitStack.__init__(self)
         self._grpc_connection = connection
         self._socket = _UnixSocketWrapper(connection, stream)
@@ -5563,8 +5558,8 @@ class _GRPCSocket(GRPCProtoSocket):
         self._streams: dict[int, GRPCProtoStream] = {}
 
     async def _reader_thread(self) -> None:
-        # Client side only. Stock purerpc returns quietly at end of file and leaves every open call
-        # waiting forever for a response that cannot come. End them: their receivers see EndOfStream.
+        # Client side only. Stock purerpc returns quietly at end of file, every open call left
+        # waiting forever: end them (their receivers see EndOfStream).
         try:
             async for _ in self._listen():
                 raise ProtocolError("the server sent a request")
@@ -5955,8 +5950,7 @@ class GRPCServer:
         return sum(connection.open_streams for connection in self.connections)
 
     async def drained(self) -> None:
-        """Return once every connection has written all it was given to send: a call's last
-        message and status reach the peer before the server is stopped."""
+        """Return once every connection has written all it was given to send."""
         for connection in list(self.connections):
             await connection._socket.drained()
 
@@ -8844,8 +8838,7 @@ class ClaimCheckpoint:
         )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-        """The claim's own CDI specs, as add() was given them (none for a claim prepared by a version
-        that wrote no env device and no share), by this pod or the other of a rolling update."""
+        """The claim's own CDI specs, as add() was given them, by this pod or the other of a rolling update."""
         self._read()
         return [
             (ClaimCDISpec(stored["kind"], stored["spec_dir"], uid), stored["spec"])
@@ -9238,12 +9231,11 @@ class ClaimPreparer:
         try:
             if (devices := self.checkpoint.answer(claim.uid)) is not None:
                 # Prepared before (maybe by the other pod of a rolling update): the same answer
-                # again, and its own CDI devices there again (a reboot empties /var/run/cdi).
+                # again, and its own CDI devices and metadata files there again (a reboot empties
+                # /var/run/cdi; the CDI mount of a missing file fails the container's start).
                 for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
                     if not os.path.exists(cdi.spec_file):
                         await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
-                # Its metadata files too, should one be gone: the CDI mount of a missing file fails
-                # the container's start.
                 for path, text in self.checkpoint.metadata_files(claim.uid):
                     await trio.to_thread.run_sync(_ensure_device_metadata, path, text)
                 answer.devices.extend(devices)
@@ -10854,10 +10846,8 @@ def _dropped(field: str, written: Mapping[str, Any], stored: Mapping[str, Any]) 
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
-    """An object's resourceVersion as a number, None if it is not one. The API server asks clients
-    to treat it as opaque; etcd's are one increasing counter for every object, and gopherplug
-    compares them only to tell a watch event or a write's answer from an older one. A version that
-    is not a number is taken as the newest, which is how a client that never compares behaves."""
+    """An object's resourceVersion as a number (etcd's one increasing counter), None if it is not
+    one: then it is taken as the newest, as a client that never compares the opaque versions does."""
     version = item.get("metadata", {}).get("resourceVersion", "")
     return int(version) if version.isdigit() else None
 
@@ -11145,21 +11135,18 @@ async def serve_resource(
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
     until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
-    ``examine``, ``examiner`` and ``config`` (its configuration as reloads change it in place,
-    never its name or options) are for device_plugin_service().
-
-    started() is called once the first socket is listening (registration may still be waiting
-    for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
-    again after a configuration change continues its numbering.
+    ``examine``, ``examiner`` and ``config`` (as reloads change it in place) are for
+    device_plugin_service(). started() is called once the first socket is listening.
+    ``generations`` numbers the sockets (default 1, 2, ...): a resource served again after a
+    configuration change continues its numbering.
     """
     directory = kubelet.device_plugin_dir
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
 
     status = StreamStatus()
     lock = ResourceLock(resource.name, directory)
-    # A node switched from another plugin (generic-device-plugin) may have running pods holding
-    # our devices under its IDs: those are offered Unhealthy until the pods end, from the first
-    # list the kubelet gets (hold_back_foreign_holds). Usually ``offered`` is ``devices`` itself.
+    # A node switched from another plugin (generic-device-plugin) may have running pods holding our
+    # devices under its IDs: those are offered Unhealthy until the pods end (hold_back_foreign_holds).
     pod_resources = os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
     try:
         async with trio.open_nursery() as holding:
@@ -11300,11 +11287,9 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     """A validated ResourceConfig for devices that come from your program instead of a directory.
 
     ``options`` are the configuration file's resource keys that do not describe directory entries:
-    env, replicas, preferred, annotations, pre_start, pre_start_timeout, and attributes, capacity
-    and describe (as the file's: ``attributes={"model": "H200"}``, ``capacity={"memory": "80Gi"}``;
-    a ``file`` is read, and ``describe`` run, as each set of your devices comes, by serve_dra_devices).
-    Your DeviceEntry objects carry their own device_specs and mounts, and may carry attributes and
-    capacity of their own (DeviceEntry.attributes, .capacity: kept, none replaced). Raises ConfigError
+    env, replicas, preferred, annotations, pre_start, pre_start_timeout, attributes, capacity and
+    describe (``attributes={"model": "H200"}``). Your DeviceEntry objects carry their own
+    device_specs and mounts, and may carry attributes and capacity of their own. Raises ConfigError
     like a configuration file would.
     """
     source = f"resource_config({name!r})"
@@ -11456,8 +11441,7 @@ async def serve_dra_devices(
         if api is None:
             api = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
             stack.push_async_callback(_stop_part, "API client", api.aclose)
-        # Stopped the last started first, as serve_plugin's: the driver (the kubelet's side, then the
-        # API server's), then the devices, then the API client.
+        # Stopped the last started first, as serve_plugin's: the driver, the devices, the API client.
         parts = _Parts(nursery)
         try:
             await parts.start(dra_resource.name, _offer_devices, dra_resource, devices, offered, resources.cdi_turn)
@@ -11565,9 +11549,8 @@ async def _offer_devices(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``offered`` equal to the embedding program's ``devices`` that pass _embedded_problem,
-    through the _DeviceSet a directory's watch_devices has: the CDI spec written first (in this
-    pod's turn), health changes logged, the devices published. started() once the first set is
-    offered (a CDI directory that cannot be written raises then, as it does for a directory)."""
+    through the _DeviceSet a directory's watch_devices has (the CDI spec written first, in this
+    pod's turn). started() once the first set is offered (an unwritable CDI directory raises then)."""
     device_set = _DeviceSet(resource, offered, turn)
     warned: dict[str, str] = {}  # device ID -> why it is skipped, as last warned
     taken: dict[str, DeviceEntry] = {}  # what the device set has now
@@ -13594,16 +13577,11 @@ class DraKubeletSimulator:
 
 
 class PodResourcesSimulator:
-    """The kubelet's PodResources API on a socket of your choice, answered from the books of the
-    kubelet stand-ins as the kubelet answers from its device and DRA managers
-    (kubernetes/kubernetes pkg/kubelet/apis/podresources/server_v1.go): List gives every pod they
-    know, each container with its device-plugin devices (KubeletSimulator.allocate(...,
-    container=...)) and its DRA claims' prepared devices (DraKubeletSimulator.use_claims);
-    Get one pod; GetAllocatableResources every healthy device-plugin device. ``calls`` lists the
-    method of each call answered. ``await nursery.start(simulator.run)``.
-
-    Lenient: no rate limit (the demo's needs); gopherplug_standins.PodResourcesSimulator adds the
-    kubelet's.
+    """The kubelet's PodResources API on a socket of your choice, answered from the kubelet
+    stand-ins' books as the kubelet answers from its device and DRA managers (kubernetes/kubernetes
+    pkg/kubelet/apis/podresources/server_v1.go): List, Get, GetAllocatableResources. ``calls``
+    lists the method of each call answered. ``await nursery.start(simulator.run)``.
+    Lenient: no rate limit; gopherplug_standins.PodResourcesSimulator adds the kubelet's.
     """
 
     def __init__(
@@ -13757,10 +13735,9 @@ class LenientApiServer:
         allocatable: Mapping[str, str] | None = None,
         annotations: Mapping[str, str] | None = None,
     ) -> None:
-        """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
-        is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
-        the extended resources of device plugins); None: no status. ``annotations``: its
-        metadata.annotations, as anyone with patch on nodes may write them (any text at all)."""
+        """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``:
+        its status.allocatable (KubeletSimulator.allocatable()); None: no status. ``annotations``:
+        its metadata.annotations (any text at all)."""
         self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)}, annotations)
 
     def _put_node(
@@ -13796,8 +13773,7 @@ class LenientApiServer:
         return False
 
     async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
-        """Answer a write ("create", "update", "delete" of a slice, "status" of a claim) instead of
-        doing it, and say so (a failure on demand); none here."""
+        """Answer a write ("create", "update", "delete", "status") instead of doing it, and say so; none here."""
         return False
 
     def _check_slice(self, item: dict[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -13990,9 +13966,8 @@ class LenientApiServer:
         query: Mapping[str, str],
         body: bytes,
     ) -> None:
-        """Server-side apply to a claim's status subresource, as a driver writes status.devices:
-        415 for another patch type, 404 for no such claim, 409 for another UID. status.devices is
-        a list map: the field manager's entries replace those it applied before; other managers' stay."""
+        """Server-side apply to a claim's status subresource (415 for another patch type, 404 for no
+        such claim, 409 for another UID): the field manager's entries replace those it applied before."""
         if await self._intercept(connection, stream, h11, "status", name):
             return
         if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
