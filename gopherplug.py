@@ -5863,12 +5863,10 @@ class _ServerConnection(_GRPCSocket):
         stream_id = request.stream_id
         connection = self._grpc_connection
         try:
-            response = handler(_request_message(request_type, messages))
+            with _held_back("grpc", f"{request.service_name}/{request.method_name}", _unknown):
+                response = handler(_request_message(request_type, messages))
         except RPCError as error:
             status = Status(error.code, error.message)
-        except Exception as error:
-            log.exception("%s/%s failed", request.service_name, request.method_name)
-            status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
         else:
             message = response.SerializeToString()
             if 5 + len(message) > connection.flow_control_window(stream_id):
@@ -5890,6 +5888,11 @@ class _ServerConnection(_GRPCSocket):
             connection.respond_status(stream_id, status)
         except h2.exceptions.ProtocolError as error:
             log.debug("could not close stream %d: %r", stream_id, error)
+
+
+def _unknown(line: str) -> RPCError:
+    """A call's answer when its handler met a bug (_held_back): UNKNOWN, as grpc-go's for a panic."""
+    return RPCError(StatusCode.UNKNOWN, line)
 
 
 def _request_message(request_type: Any, messages: list[bytes]) -> Any:
@@ -5923,34 +5926,32 @@ async def _answer_call(
         )
         return
     try:
-        if response is None:
-            message = _request_message(bound.signature.request_type, messages)
-        if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
+        with _held_back("grpc", f"{request.service_name}/{request.method_name}", _unknown):
             if response is None:
-                response = await bound.method_fn(message, request=request)
-            with _at_once_if_it_fits(stream, response):
-                await stream.start_response()
-                await stream.send_message(response)
-                await _close_stream(stream, Status(StatusCode.OK))
-            return
-        else:
-            await stream.start_response()
-            responses = bound.method_fn(message, request=request)
-            try:
-                async for response in responses:
-                    if stream._socket.backlog() > SEND_QUEUE_LIMIT:
-                        await stream._socket.room()  # a peer that does not read gets nothing more queued
+                message = _request_message(bound.signature.request_type, messages)
+            if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
+                if response is None:
+                    response = await bound.method_fn(message, request=request)
+                with _at_once_if_it_fits(stream, response):
+                    await stream.start_response()
                     await stream.send_message(response)
-            finally:
-                # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
-                with trio.CancelScope(shield=True):
-                    await responses.aclose()
+                    await _close_stream(stream, Status(StatusCode.OK))
+                return
+            else:
+                await stream.start_response()
+                responses = bound.method_fn(message, request=request)
+                try:
+                    async for response in responses:
+                        if stream._socket.backlog() > SEND_QUEUE_LIMIT:
+                            await stream._socket.room()  # a peer that does not read gets nothing more queued
+                        await stream.send_message(response)
+                finally:
+                    # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
+                    with trio.CancelScope(shield=True):
+                        await responses.aclose()
         status = Status(StatusCode.OK)
     except RPCError as error:
         status = Status(error.code, error.message)
-    except Exception as error:
-        log.exception("%s/%s failed", request.service_name, request.method_name)
-        status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
     await _close_stream(stream, status)
 
 
@@ -6614,6 +6615,13 @@ class Metrics:
         self.api_errors = prometheus.Counter(
             "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
         )
+        # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
+        self.unexpected = prometheus.Counter(
+            "gopherplug_unexpected_errors",
+            "Inputs held back on an unexpected error, by kind",
+            ("input",),
+            registry=registry,
+        )
         # Served by our own HTTP server (_serve_http, started by serve()), not prometheus_client's
         # start_http_server: that one serves from a thread per connection, with no timeout and no
         # limit on connections (20 idle connections held 20 threads, for as long as they liked).
@@ -6694,6 +6702,38 @@ _metrics: Metrics | None = None
 def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextManager[Any]:
     """Time the block into ``histogram(_metrics)``, or do nothing while metrics are off."""
     return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
+
+
+@contextlib.contextmanager
+def _held_back(
+    kind: str,
+    what: str,
+    refusal: Callable[[str], Exception] | None = None,
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = log,
+) -> Iterator[None]:
+    """The rule at every boundary: nothing a file, a program, the kubelet, the API server or a peer
+    sends ends the process. Within this block, an error that is no refusal (a GopherplugError) is a
+    bug in gopherplug that input ``what`` met, and still that input's refusal: one line, to
+    ``logger`` (None: the caller's refusal path says it), and with ``refusal``, raised as
+    ``refusal(line)`` for that path to keep what runs (the last good configuration, the devices as
+    known); without, the block's effect is simply not had. Its traceback is logged at debug, and
+    gopherplug_unexpected_errors counts it by ``kind`` (config, scan, values, describe, http, grpc)."""
+    try:
+        yield
+    except Exception as error:
+        if isinstance(_innermost(error), GopherplugError):
+            raise
+        line = (
+            f"{what}{': ' if what else ''}{type(_innermost(error)).__name__}: {_describe(error)}: held back; "
+            "a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+        )
+        log.debug("%s", line, exc_info=True)
+        if _metrics is not None:
+            _metrics.unexpected.labels(kind).inc()
+        if logger is not None:
+            logger.error("%s", line)
+        if refusal is not None:
+            raise refusal(line) from error
 
 
 # The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
@@ -6815,7 +6855,7 @@ def _http_answer(
         code, data = 400, b"not an HTTP request\n"
     elif parts[0] not in (b"GET", b"HEAD"):
         code, data = 405, b"only GET and HEAD\n"
-    elif parts[1].split(b"?", 1)[0].decode("latin-1") not in paths:
+    elif _request_path(parts[1]) not in paths:
         code, data = 404, f"not found: ask {paths[0]}\n".encode()
     else:
         (code, data), kind = body(), content_type
@@ -6824,6 +6864,15 @@ def _http_answer(
         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
+
+
+def _request_path(target: bytes) -> str:
+    """A request target's path: "/healthz" of "/healthz?verbose" and of the absolute form
+    "http://host/healthz", which RFC 9112 (section 3.2.2) says a server must accept."""
+    target = target.split(b"?", 1)[0]
+    if b"://" in target:
+        target = b"/" + (target.split(b"/", 3)[3:] or [b""])[0]
+    return target.decode("latin-1")
 
 
 def health_answer(health: Health, request: bytes) -> bytes:
@@ -6874,6 +6923,13 @@ async def _serve_http(
     is reached in one pass, the others pushed out as it comes in, not a thousand passes later."""
     open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
 
+    def respond(request: bytes) -> bytes:
+        response = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        line = request.split(b"\r\n", 1)[0][:80]
+        with _held_back("http", f"HTTP request {line!r}"):
+            response = answer(request)
+        return response
+
     def complete(request: bytes) -> bool:
         return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
 
@@ -6888,7 +6944,7 @@ async def _serve_http(
             return b"", b""
         if not complete(request):
             return request, b""
-        data = answer(request)
+        data = respond(request)
         try:
             sent = connection.send(data)
         except BlockingIOError:
@@ -6913,7 +6969,7 @@ async def _serve_http(
                         request += chunk
                 if complete(request):
                     with trio.move_on_after(HTTP_WRITE_TIMEOUT):
-                        await stream.send_all(unsent or answer(request))
+                        await stream.send_all(unsent or respond(request))
         except Exception as error:  # a client gone mid-answer: its loss, not the server's
             log.debug("HTTP request: %s", _describe(error))
         finally:
@@ -7480,7 +7536,7 @@ async def watch_devices(
             trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
         # Every source first, then one device set: the CDI spec and the kubelet's first list
         # describe them all.
-        device_set.update({key: entry for tracker in trackers for key, entry in tracker.rescan().items()})
+        device_set.update({key: entry for tracker in trackers for key, entry in _scanned(tracker).items()})
         task_status.started()
         async with trio.open_nursery() as nursery:
             for tracker in trackers:
@@ -7489,6 +7545,116 @@ async def watch_devices(
                 nursery.start_soon(_follow_turn, turn, device_set)
             if resource.describe:
                 nursery.start_soon(_describe_devices, device_set)
+
+
+#: How much of a program's stderr is kept: its end, which holds the last line (the kubelet shows a
+#: pre_start command's in the pod's events), and its beginning, which holds the first (a script
+#: saved with CRLF endings fails with `'python3\r': No such file or directory` first, then a
+#: line that does not say why). Whatever the program prints, this is all it costs us.
+STDERR_KEPT = 4096
+#: Once a program has exited, how long what it printed may take to be read: the pipes hold it
+#: already, unless a child it left running holds them too and keeps writing (a daemon, `sleep &`).
+PROGRAM_EXIT_GRACE = 1.0
+
+
+def _kill_process_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What run_program saw of a program: its exit status (None: killed at its timeout), its stdout
+    (None: not kept, or more than asked for) and the beginning and end of its stderr."""
+
+    returncode: int | None
+    stdout: bytes | None
+    stderr: bytes
+
+    def said(self) -> str:
+        """ ": <its stderr's first line> (last: <its last>)", or " (nothing on stderr)"; a Python
+        traceback's heading is no first line."""
+        lines = [line.strip() for line in self.stderr.decode(errors="replace").splitlines() if line.strip()]
+        first = next((line for line in lines if line != "Traceback (most recent call last):"), "")
+        if not first:
+            return f": {lines[-1]}" if lines else " (nothing on stderr)"
+        return f": {lines[-1]}" if first == lines[-1] else f": {lines[-1]} (first: {first[:120]})"
+
+    def how(self) -> str:
+        """How it ended, when not as it should: "exited with 2", "killed by signal 9"."""
+        assert self.returncode is not None
+        return f"exited with {self.returncode}" if self.returncode > 0 else f"killed by signal {-self.returncode}"
+
+
+async def run_program(
+    argv: Iterable[str],
+    env: Mapping[str, str],
+    *,
+    stdout_limit: int = 0,
+    timeout: float = math.inf,
+    pass_fds: tuple[int, ...] = (),
+) -> Ran:
+    """Run ``argv`` until it exits: the one runner of describe, pre_start and exec credential plugins.
+
+    No shell; stdin /dev/null; stdout kept up to ``stdout_limit`` bytes (0: /dev/null; past it the
+    program is killed, and Ran.stdout is None), both pipes read as it writes (one read after the
+    other would leave it blocked on a full pipe). Raises OSError if it cannot be started.
+
+    Resource handling: the program runs in its own process group (a session of its own), and the
+    group is killed whole once the program exits, at ``timeout`` and when cancelled: nothing it
+    started outlives it. The answer is taken when the program itself exits, not at end of file: a
+    child it left running would hold the pipes open (describe waited its full 10 s, and threw the
+    answer away). What the pipes hold then is read for PROGRAM_EXIT_GRACE at most. The group is
+    killed right after the program is reaped, before any other task runs: its ID cannot have been
+    given to another program of ours in between."""
+    argv = list(argv)
+    stdout, stderr = bytearray(), bytearray()
+    too_much = False
+    process = await trio.lowlevel.open_process(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if stdout_limit else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        pass_fds=pass_fds,
+    )
+
+    async def read(stream: trio.abc.ReceiveStream, into: bytearray, limit: int) -> None:
+        nonlocal too_much
+        async with stream:
+            async for chunk in stream:
+                if into is stderr:  # its beginning and its end
+                    into += chunk
+                    if len(into) > 2 * STDERR_KEPT:
+                        del into[STDERR_KEPT:-STDERR_KEPT]
+                elif len(into) + len(chunk) > limit:
+                    too_much = True
+                    _kill_process_group(process.pid)  # nothing it prints now is read
+                    return
+                else:
+                    into += chunk
+
+    timed_out = False
+    try:
+        async with trio.open_nursery() as nursery:
+            for stream, into in ((process.stdout, stdout), (process.stderr, stderr)):
+                if stream is not None:
+                    nursery.start_soon(read, stream, into, stdout_limit)
+            with trio.move_on_after(timeout) as deadline:
+                await process.wait()
+            timed_out = deadline.cancelled_caught
+            _kill_process_group(process.pid)
+            with trio.CancelScope(shield=True):  # at its timeout: killed just now, it ends at once
+                await process.wait()
+            nursery.cancel_scope.deadline = trio.current_time() + PROGRAM_EXIT_GRACE
+    finally:
+        if process.returncode is None:  # cancelled: killed with what it started
+            _kill_process_group(process.pid)
+            with trio.CancelScope(shield=True):
+                await process.wait()
+    kept = None if too_much or not stdout_limit else bytes(stdout)
+    return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
 
 
 #: How long a resource's ``describe`` may run before it is killed (with what it started)
@@ -7502,77 +7668,52 @@ DESCRIBE_RETRY = (5.0, 300.0)
 
 
 class DescribeError(GopherplugError):
-    """A resource's ``describe`` failed: its one line says how, with its stderr's last line."""
+    """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
+
+
+#: GOPHERPLUG_DEVICES holds the devices' IDs up to this many bytes, and is left unset past it: the
+#: kernel starts no program with a string of its environment over 128 KiB (MAX_ARG_STRLEN), about
+#: 14,500 IDs. GOPHERPLUG_DEVICES_FILE names a file holding them at any size.
+DESCRIBE_DEVICES_IN_ENV = 64 * 1024
 
 
 async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[dict[str, ReadValues], list[str]]:
-    """Run the resource's ``describe`` once, for the devices ``ids``: what it says of each device
-    (parse_description), and the IDs it described that are not among them. Raises DescribeError
-    when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more than
-    DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
+    """Run the resource's ``describe`` once (run_program), for the devices ``ids``: what it says of
+    each device (parse_description), and the IDs it described that are not among them. Raises
+    DescribeError when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more
+    than DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
 
-    No shell: the argv as configured, stdin /dev/null, its own process group (killed whole at the
-    timeout). It is told the resource (GOPHERPLUG_RESOURCE) and the devices (GOPHERPLUG_DEVICES,
-    comma-joined IDs), and may describe more: a script around nvidia-smi prints every GPU."""
+    It is told the resource (GOPHERPLUG_RESOURCE) and the devices: GOPHERPLUG_DEVICES_FILE names a
+    file holding their comma-joined IDs (a memfd, /dev/fd/N: the pod's root file system is
+    read-only), and GOPHERPLUG_DEVICES holds the same up to DESCRIBE_DEVICES_IN_ENV bytes. It may
+    describe more: a script around nvidia-smi prints every GPU."""
     ids = list(ids)
     command = resource.describe[0]
-    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES": ",".join(ids)}
-    output, tail = bytearray(), bytearray()
-    too_much = False
-    process: trio.Process | None = None
-
-    async def read_stdout(stream: trio.abc.ReceiveStream, cancel: trio.CancelScope) -> None:
-        nonlocal too_much
-        async with stream:
-            async for chunk in stream:
-                output.extend(chunk)
-                if len(output) > DESCRIBE_MAX_OUTPUT:
-                    too_much = True
-                    cancel.cancel()  # and kill it: nothing it prints now is read
-
-    async def read_stderr(stream: trio.abc.ReceiveStream) -> None:
-        async with stream:
-            async for chunk in stream:
-                tail.extend(chunk)
-                del tail[:-PRE_START_STDERR_TAIL]
-
-    with trio.move_on_after(DESCRIBE_TIMEOUT) as deadline:
-        try:
-            with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-                async with trio.open_nursery() as nursery:
-                    process = await nursery.start(
-                        functools.partial(
-                            trio.run_process,
-                            list(resource.describe),
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            check=False,
-                            start_new_session=True,  # its own process group: what it starts is killed with it
-                            deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-                        )
-                    )
-                    assert process is not None and process.stdout is not None and process.stderr is not None
-                    nursery.start_soon(read_stdout, process.stdout, nursery.cancel_scope)
-                    nursery.start_soon(read_stderr, process.stderr)
-        except OSError as error:
-            raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
-    lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]
-    said = f": {lines[-1]}" if lines else " (nothing on stderr)"
-    if too_much:
-        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){said}")
-    if deadline.cancelled_caught:
-        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){said}")
-    assert process is not None and process.returncode is not None
-    if process.returncode != 0:
-        how = (
-            f"exited with {process.returncode}" if process.returncode > 0 else f"killed by signal {-process.returncode}"
-        )
-        raise DescribeError(f"describe {command} {how}{said}")
+    joined = ",".join(ids).encode()
+    env = {key: value for key, value in os.environ.items() if key != "GOPHERPLUG_DEVICES"}
+    if len(joined) <= DESCRIBE_DEVICES_IN_ENV:
+        env["GOPHERPLUG_DEVICES"] = joined.decode()
+    listing = os.memfd_create("gopherplug-devices")
+    env.update(GOPHERPLUG_RESOURCE=resource.name, GOPHERPLUG_DEVICES_FILE=f"/dev/fd/{listing}")
     try:
-        described = parse_description(output.decode())
-    except (UnicodeDecodeError, ValueError) as error:
+        with open(listing, "wb", closefd=False) as file:
+            file.write(joined)
+        ran = await run_program(
+            resource.describe, env, stdout_limit=DESCRIBE_MAX_OUTPUT, timeout=DESCRIBE_TIMEOUT, pass_fds=(listing,)
+        )
+    except OSError as error:
+        raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
+    finally:
+        os.close(listing)
+    if ran.returncode is None:
+        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){ran.said()}")
+    if ran.stdout is None:
+        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){ran.said()}")
+    if ran.returncode != 0:
+        raise DescribeError(f"describe {command} {ran.how()}{ran.said()}")
+    try:
+        described = parse_description(ran.stdout.decode())
+    except ValueError as error:  # UnicodeDecodeError included
         raise DescribeError(f"describe {command} printed no description: {error}") from None
     return described, sorted(set(described) - set(ids))
 
@@ -7628,7 +7769,8 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
         if ids != done_for and ids:
             done_for = ids
             try:
-                described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
+                with _held_back("describe", f"describe {resource.describe[0]}", DescribeError, logger=None):
+                    described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
             except DescribeError as error:
                 if str(error) != failed:
                     failed = str(error)
@@ -7667,10 +7809,19 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
     async for events, touched, rescan in tracker.watch.batches():
-        if rescan:
-            device_set.update(tracker.rescan())
-        else:
-            device_set.update(tracker.update([name for name, _ in events], touched))
+        device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+
+
+def _scanned(
+    tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
+) -> dict[_Key, DeviceEntry | None]:
+    """What changed in the tracker's directory: all of it looked at (``names`` None), or the names
+    an event batch touched. Nothing changed when the look fails on a bug (_held_back): the devices
+    stay as last found."""
+    changes: dict[_Key, DeviceEntry | None] = {}
+    with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
+        changes = tracker.rescan() if names is None else tracker.update(names, touched)
+    return changes
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -7901,11 +8052,17 @@ class _DeviceSet:
             if not (device.attributes or device.capacity):
                 return device  # nothing declared: the scan's path stays as it was
         problems: list[tuple[str, str]] = []
-        if read_files:
-            self.files[device.id], problems = read_declared_values(self.resource, device)
-        entry, more = with_read_values(
-            self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+        kept = self.found.get(device.id)  # after a bug met by what was read: the values it had (new: none)
+        entry = (
+            device if kept is None else dataclasses.replace(device, attributes=kept.attributes, capacity=kept.capacity)
         )
+        more: list[tuple[str, str]] = []
+        with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
+            if read_files:
+                self.files[device.id], problems = read_declared_values(self.resource, device)
+            entry, more = with_read_values(
+                self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+            )
         now = dict(problems + more)
         for warned in [warned for warned in self.value_warned if warned[0] == device.id and warned[1] not in now]:
             del self.value_warned[warned]
@@ -8617,15 +8774,6 @@ def device_plugin_service(
 #: firmware. Eight let a burst of quick commands through in parallel, on any node's cores.
 PRE_START_CONCURRENCY = 8
 
-#: How much of a pre_start command's stderr is kept: its end, which holds the last line the
-#: kubelet shows in the pod's events. Whatever the command prints, this is all it costs us.
-PRE_START_STDERR_TAIL = 4096
-
-
-async def _kill_process_group(process: trio.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-
 
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
     """Run the resource's pre_start command for a container about to start with ``chosen``.
@@ -8645,7 +8793,7 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         with trio.fail_after(resource.pre_start_timeout):
             async with slots:
                 started = True
-                returncode, stderr = await _run_for_stderr_tail(resource.pre_start, env)
+                ran = await run_program(resource.pre_start, env)
     except trio.TooSlowError:
         if not started:
             raise RPCError(
@@ -8660,42 +8808,9 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         ) from None
     except OSError as error:
         raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
-    if returncode != 0:
-        lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-        how = f"exited with {returncode}" if returncode > 0 else f"killed by signal {-returncode}"
-        said = f": {lines[-1].strip()}" if lines else " (nothing on stderr)"
-        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {how}{said}")
+    if ran.returncode != 0:
+        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {ran.how()}{ran.said()}")
     _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
-
-
-async def _run_for_stderr_tail(argv: Iterable[str], env: Mapping[str, str]) -> tuple[int, bytes]:
-    """Run ``argv`` to its end; return its exit status and the last PRE_START_STDERR_TAIL bytes of
-    its stderr. Its stdout goes to /dev/null: a command may print gigabytes, and capturing all of
-    it, as trio.run_process(capture_stderr=True) does, would hold them all in our memory."""
-    tail = bytearray()
-    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    list(argv),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,  # its own process group: what it starts is killed with it
-                    deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-                )
-            )
-            assert process.stderr is not None  # stderr=PIPE
-            async with process.stderr:
-                async for chunk in process.stderr:
-                    tail += chunk
-                    del tail[:-PRE_START_STDERR_TAIL]
-    # The nursery waited for run_process, which waited for the command to exit.
-    assert process.returncode is not None
-    return process.returncode, bytes(tail)
 
 
 async def register(
@@ -9692,20 +9807,18 @@ class ExecCredentialPlugin:
             raise self._error(f"{self.command} not found{where}{hint}")
         try:
             with trio.fail_after(EXEC_CREDENTIAL_TIMEOUT):
-                returncode, stdout, stderr = await _run_for_output([executable, *self.args], env)
+                ran = await run_program([executable, *self.args], env, stdout_limit=EXEC_CREDENTIAL_MAX_OUTPUT)
         except trio.TooSlowError:
             raise self._error(f"did not finish within {EXEC_CREDENTIAL_TIMEOUT:g} s (killed)") from None
         except OSError as error:
             raise self._error(f"cannot run it: {_describe(error)}") from None
-        lines = [line.strip() for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-        if returncode != 0:
-            how = f"exited with {returncode}" if returncode > 0 else f"was killed by signal {-returncode}"
-            raise self._error(f"{how}: {lines[-1]}" if lines else f"{how} (nothing on stderr)")
-        if lines:  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
-            log.info("%s said: %s", self.shown, lines[-1])
-        if stdout is None:
+        if ran.stdout is None:
             raise self._error(f"printed more than {EXEC_CREDENTIAL_MAX_OUTPUT} bytes, not an ExecCredential")
-        self.token, self.expires = self._credential(stdout)
+        if ran.returncode != 0:
+            raise self._error(f"{ran.how()}{ran.said()}")
+        if ran.stderr.strip():  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
+            log.info("%s said%s", self.shown, ran.said())
+        self.token, self.expires = self._credential(ran.stdout)
 
     def _credential(self, stdout: bytes) -> tuple[str, float]:
         """The token and its expiry (time.time(); math.inf: none) in the plugin's ExecCredential."""
@@ -9750,49 +9863,6 @@ class ExecCredentialPlugin:
         except ValueError as error:
             raise self._error(f"status.expirationTimestamp {expiry!r} is not an RFC 3339 time ({error})") from None
         return token, when.timestamp()
-
-
-async def _run_for_output(argv: list[str], env: Mapping[str, str]) -> tuple[int, bytes | None, bytes]:
-    """Run ``argv`` to its end, stdin /dev/null; return its exit status, its stdout (None if longer
-    than EXEC_CREDENTIAL_MAX_OUTPUT) and the last PRE_START_STDERR_TAIL bytes of its stderr. Both
-    pipes are read as the command writes: one read after the other would leave it blocked on a full
-    pipe. Cancelled, it is killed with everything it started (its own process group)."""
-    stdout, tail = bytearray(), bytearray()
-    too_long = False
-
-    async def read_stdout(stream: trio.abc.ReceiveStream) -> None:
-        nonlocal too_long
-        async with stream:
-            async for chunk in stream:
-                if not too_long:
-                    stdout.extend(chunk)
-                    too_long = len(stdout) > EXEC_CREDENTIAL_MAX_OUTPUT
-                    if too_long:
-                        stdout.clear()
-
-    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,
-                    deliver_cancel=_kill_process_group,
-                )
-            )
-            assert process.stdout is not None and process.stderr is not None  # both PIPE
-            nursery.start_soon(read_stdout, process.stdout)
-            async with process.stderr:
-                async for chunk in process.stderr:
-                    tail += chunk
-                    del tail[:-PRE_START_STDERR_TAIL]
-    assert process.returncode is not None
-    return process.returncode, None if too_long else bytes(stdout), bytes(tail)
 
 
 def _exec_credential_auth(httpx2: Any, plugin: ExecCredentialPlugin) -> Any:
@@ -12439,9 +12509,16 @@ async def watch_config_file(
                     continue
                 last_text = text
                 try:
-                    config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
-                    if metrics_address is not None:
-                        config = dataclasses.replace(config, metrics_address=metrics_address)
+                    with _held_back("config", "", lambda line: ConfigError(path, "", line), logger=None):
+                        config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+                        if metrics_address is not None:
+                            config = dataclasses.replace(config, metrics_address=metrics_address)
+                        emptied = (
+                            config != last_config
+                            and config.warnings
+                            and not forced
+                            and _emptied(last_config or _config_or_none(last_read, path), config)
+                        )
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     invalid = error
@@ -12455,12 +12532,7 @@ async def watch_config_file(
                     else:
                         log.info("%s is valid again: applying it", path)
                 held = None
-                if (
-                    config != last_config
-                    and config.warnings
-                    and not forced
-                    and (emptied := _emptied(last_config or _config_or_none(last_read, path), config))
-                ):
+                if emptied:
                     # A DaemonSet's ConfigMap reaches every node at once: a warned-about file that would
                     # take a served resource to nothing is taken for a mistake until it is confirmed.
                     held = text
@@ -14900,12 +14972,21 @@ def main(argv: list[str] | None = None) -> int:
     closes the pipe after one line, and what was read is all that was wanted. Not SIGPIPE's default
     action, which would end serve too at a peer's closed socket."""
     try:
-        return _main(argv)
-    except BrokenPipeError:
-        # As Python's signal documentation advises: stdout pointed at /dev/null, so that the flush
-        # at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        with _held_back("command", "", GopherplugError, logger=None):  # a bug: one line, never a traceback
+            try:
+                return _main(argv)
+            except BrokenPipeError:
+                # As Python's signal documentation advises: stdout pointed at /dev/null, so that the
+                # flush at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 128 + signal.SIGPIPE
+    except GopherplugError as error:
+        print(f"gopherplug: {error}", file=sys.stderr)
+        if error.__cause__ is not None and os.environ.get("GOPHERPLUG_LOG_LEVEL", "").lower() == "debug":
+            import traceback  # here, where a bug is
+
+            traceback.print_exception(error.__cause__)
+        return EXIT_FAILURE
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -5379,7 +5379,7 @@ async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path
         assert trio.current_time() - asked < 3, "generous: trio's default would wait 5 s after SIGTERM"
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
-        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing",
+        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing (first: checking g2)",
     )
     assert (slow.value.code, slow.value.message) == (
         StatusCode.DEADLINE_EXCEEDED,
@@ -5502,7 +5502,7 @@ async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
         grown = getrusage(RUSAGE_SELF).ru_maxrss - peak
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
-        f"pre_start {sys.executable} exited with 1: the disk is full",
+        f"pre_start {sys.executable} exited with 1: the disk is full (first: {'x' * 120})",
     )
     assert grown < 50 * 1024, f"the plugin's peak memory grew by {grown // 1024} MiB for 600 MiB of output"
 
@@ -10950,8 +10950,8 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
         await dra_node.wait_for_slices(["gopher0"])
         await runs(2)  # failed twice: said once
         assert said("describe") == [
-            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found; the devices are "
-            "offered without what it would say (0 keep what it said before)"
+            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found (first: starting); "
+            "the devices are offered without what it would say (0 keep what it said before)"
         ]
         assert attributes() == [
             {
@@ -15037,7 +15037,7 @@ async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_reques
         (
             {"stderr": "reading the SSO cache\nthe SSO session has expired: run aws sso login\n", "exit": 255},
             {},
-            "exited with 255: the SSO session has expired: run aws sso login",
+            "exited with 255: the SSO session has expired: run aws sso login (first: reading the SSO cache)",
         ),
         (
             {"stdout": "token-1\n"},
