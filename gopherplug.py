@@ -4443,7 +4443,7 @@ def nfd_label_name(resource_name: str, key: str) -> str:
     those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
     same resource and key, the same label, on every node."""
     part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
-    if len(part) > _LABEL_VALUE_LENGTH:
+    if len(part) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(part):  # "model_": NFD drops it
         digest = hashlib.sha256(part.encode()).hexdigest()[:8]
         part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
     return f"{NFD_LABEL_NAMESPACE}/{part}"
@@ -6727,11 +6727,11 @@ def _held_back(
             f"{what}{': ' if what else ''}{type(_innermost(error)).__name__}: {_describe(error)}: held back; "
             "a bug in gopherplug, please report it (its traceback is logged at log level debug)"
         )
-        log.debug("%s", line, exc_info=True)
         if _metrics is not None:
             _metrics.unexpected.labels(kind).inc()
         if logger is not None:
             logger.error("%s", line)
+        log.debug("the bug's traceback:", exc_info=True)
         if refusal is not None:
             raise refusal(line) from error
 
@@ -7562,6 +7562,24 @@ def _kill_process_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+#: The programs run_program runs now: trio waits for each (a pidfd), _reap_orphans never.
+_RUNNING: set[int] = set()
+
+
+def _reap_orphans() -> None:
+    """As PID 1 of its container, reap the processes that ended as orphans: the kernel makes PID 1
+    the parent of every process whose parent is gone (what a describe leaves running, killed with
+    its process group), and only a wait() removes its zombie. Each leaves one in the process table
+    otherwise, for the container's life. Called at each SIGCHLD (serve_until_signalled) and as each
+    program ends; only while none of run_program's own is running, whose status trio must have."""
+    while os.getpid() == 1 and not _RUNNING:
+        try:
+            if not os.waitpid(-1, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+
+
 @dataclass(frozen=True)
 class Ran:
     """What run_program saw of a program: its exit status (None: killed at its timeout), its stdout
@@ -7619,6 +7637,7 @@ async def run_program(
         start_new_session=True,
         pass_fds=pass_fds,
     )
+    _RUNNING.add(process.pid)
 
     async def read(stream: trio.abc.ReceiveStream, into: bytearray, limit: int) -> None:
         nonlocal too_much
@@ -7653,6 +7672,8 @@ async def run_program(
             _kill_process_group(process.pid)
             with trio.CancelScope(shield=True):
                 await process.wait()
+        _RUNNING.discard(process.pid)
+        _reap_orphans()
     kept = None if too_much or not stdout_limit else bytes(stdout)
     return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
 
@@ -7727,9 +7748,14 @@ def parse_description(text: str) -> dict[str, ReadValues]:
     for each bad one, the others kept."""
     try:
         data = json.loads(text)
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") is no text to publish
     except json.JSONDecodeError as error:
         shown = text.strip()[:40]
         raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno}): {shown!r}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ValueError("a string holds a lone surrogate (a \\uD800 to \\uDFFF escape not in a pair)") from None
     if not isinstance(data, dict):
         raise ValueError(f"a JSON object of device IDs was expected, not {type(data).__name__}")
     described = {}
@@ -12232,43 +12258,60 @@ async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: W
     Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
     labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
     task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
-    written its own by the time the old one stops, and that one stays."""
+    written its own by the time the old one stops, and that one stays. The old pod may have
+    written it again since (its devices changed) and so remove it: the file's directory is watched
+    (inotify), and a file that vanishes is written again."""
     text: str | None = None
     written: os.stat_result | None = None
     failing: str | None = None
+    vanished = Watched(None)
+
+    async def watch_file(watch: DirectoryWatch) -> None:
+        async with contextlib.aclosing(watch.batches()) as batches:
+            async for _ in batches:
+                if text is not None and not os.path.lexists(path):
+                    vanished.touch()
+
     try:
-        while True:
-            # The events before the look: a change made while looking is not missed.
-            events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
-            wanted = nfd_features(
-                (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
-            )
-            if wanted != text:
-                try:
-                    written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
-                except OSError as error:
-                    problem = (
-                        f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}: "
-                        f"its labels stay as they were; trying again at the next change or in {NFD_RETRY_SECONDS:g} s"
+        with DirectoryWatch(os.path.dirname(path), flags.DELETE | flags.MOVED_FROM) as watch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_file, watch)
+                while True:
+                    # The events before the look: a change made while looking is not missed.
+                    wakes = (roster, vanished, *(one.devices for one in served.values()))
+                    events = [watched.next_touch() for watched in wakes]
+                    if text is not None and not os.path.lexists(path):
+                        text = None  # another pod's stop removed it: written again
+                    wanted = nfd_features(
+                        (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
                     )
-                    if problem != failing:
-                        log.error("%s", problem)
-                    failing = problem
-                else:
-                    text = wanted
-                    if failing is not None:
-                        log.info("wrote the NFD feature file %s again", path)
-                    failing = None
-                    if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
-                        log.error(
-                            "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so none of "
-                            "its labels reach the node; serve fewer resources from this configuration",
-                            path,
-                            len(wanted.encode()),
-                            NFD_MAX_FEATURE_FILE_SIZE,
-                        )
-            with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
-                await _any_event(events, trio.Event())
+                    if wanted != text:
+                        try:
+                            written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
+                        except OSError as error:
+                            problem = (
+                                f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}:"
+                                " its labels stay as they were; trying again at the next change or in "
+                                f"{NFD_RETRY_SECONDS:g} s"
+                            )
+                            if problem != failing:
+                                log.error("%s", problem)
+                            failing = problem
+                        else:
+                            text = wanted
+                            if failing is not None:
+                                log.info("wrote the NFD feature file %s again", path)
+                            failing = None
+                            if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
+                                log.error(
+                                    "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so "
+                                    "none of its labels reach the node; serve fewer resources from this configuration",
+                                    path,
+                                    len(wanted.encode()),
+                                    NFD_MAX_FEATURE_FILE_SIZE,
+                                )
+                    with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
+                        await _any_event(events, trio.Event())
     finally:
         if written is not None:
             with contextlib.suppress(OSError):
@@ -15368,6 +15411,7 @@ async def serve_until_signalled(
     is not lost. Trio receives signals only in the main thread (also in guest mode, under asyncio).
     """
     asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
+    asked += (signal.SIGCHLD,) if os.getpid() == 1 else ()  # _reap_orphans
     serving, stopped = trio.CancelScope(), trio.Event()
     began: float | None = None
     with trio.open_signal_receiver(*asked) as signals:
@@ -15381,8 +15425,8 @@ async def serve_until_signalled(
 
             nursery.start_soon(serve)
             async for signum in signals:
-                if signum == signal.SIGHUP and on_sighup is not None:
-                    on_sighup()
+                if signum in (signal.SIGHUP, signal.SIGCHLD):
+                    on_sighup() if signum == signal.SIGHUP and on_sighup is not None else _reap_orphans()
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 break
