@@ -4450,14 +4450,11 @@ def nfd_label_name(resource_name: str, key: str) -> str:
 
 
 def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
-    """An attribute's value ({"string": "NVIDIA H200"}, as a ResourceSlice types it) as a label's
-    value, or None when none can stand for it. A label's value is at most 63 letters, digits, "-",
-    "_" and ".", beginning and ending with a letter or digit (IsValidLabelValue, which NFD applies
-    to each of a file's lines before it labels). A boolean is "true" or "false", an integer its
-    digits (a negative one has no label: "-1" is none, and "1" would lie); a string or a version
-    that is no label value is made one as NVIDIA's gpu-feature-discovery makes its product names:
-    each run of other characters a "-", cut to 63, its ends trimmed ("NVIDIA H200" is
-    "NVIDIA-H200"; "1.2.3+build.7" is "1.2.3-build.7"). None when nothing is left of it."""
+    """An attribute's value ({"string": "NVIDIA H200"}) as a label's value (IsValidLabelValue, which
+    NFD's validate.Label applies), or None when none can stand for it: a boolean "true" or "false",
+    an integer its digits (a negative one none: "1" would lie); a string or a version made one as
+    NVIDIA's gpu-feature-discovery makes its product names: each run of other characters a "-",
+    cut to 63, its ends trimmed ("NVIDIA H200" is "NVIDIA-H200"; "1.2.3+build.7" "1.2.3-build.7")."""
     [(kind, value)] = typed.items()
     if kind == "bool":
         return "true" if value else "false"
@@ -5890,9 +5887,8 @@ class _ServerConnection(_GRPCSocket):
             log.debug("could not close stream %d: %r", stream_id, error)
 
 
-def _unknown(line: str) -> RPCError:
-    """A call's answer when its handler met a bug (_held_back): UNKNOWN, as grpc-go's for a panic."""
-    return RPCError(StatusCode.UNKNOWN, line)
+#: A call's answer when its handler met a bug (_held_back): UNKNOWN, as grpc-go's for a panic.
+_unknown = functools.partial(RPCError, StatusCode.UNKNOWN)
 
 
 def _request_message(request_type: Any, messages: list[bytes]) -> Any:
@@ -6556,14 +6552,10 @@ def missing_extras(config: Config) -> list[str]:
 
 
 class Metrics:
-    """Prometheus metrics, served over HTTP by prometheus_client (the ``metrics`` extra).
-
-    prometheus_client is imported here, not at the top: only a plugin with ``metrics_address``
-    needs it. The metrics live in their own CollectorRegistry, not the library's global one, so
-    that several plugins (tests, an embedding program) each serve their own. The hooks elsewhere
-    are ``if _metrics is not None: ...``: with metrics off, Allocate and ListAndWatch pay one
-    global lookup.
-    """
+    """Prometheus metrics (prometheus_client, the ``metrics`` extra, imported here: only a plugin
+    with ``metrics_address`` needs it), in their own CollectorRegistry so that several plugins (tests,
+    an embedding program) each serve their own. The hooks elsewhere are ``if _metrics is not None``:
+    with metrics off, Allocate and ListAndWatch pay one global lookup."""
 
     def __init__(self, address: str) -> None:
         try:
@@ -6616,16 +6608,9 @@ class Metrics:
             "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
         )
         # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
-        self.unexpected = prometheus.Counter(
-            "gopherplug_unexpected_errors",
-            "Inputs held back on an unexpected error, by kind",
-            ("input",),
-            registry=registry,
-        )
-        # Served by our own HTTP server (_serve_http, started by serve()), not prometheus_client's
-        # start_http_server: that one serves from a thread per connection, with no timeout and no
-        # limit on connections (20 idle connections held 20 threads, for as long as they liked).
-        # The socket is bound here, so that a port in use fails the start with one line.
+        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
+        # connection, no timeout). Bound here: a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
         self._content_type = prometheus.CONTENT_TYPE_LATEST
         self._socket = _http_listener(address, "metrics_address")
@@ -6712,12 +6697,11 @@ def _held_back(
     logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = log,
 ) -> Iterator[None]:
     """The rule at every boundary: nothing a file, a program, the kubelet, the API server or a peer
-    sends ends the process. Within this block, an error that is no refusal (a GopherplugError) is a
-    bug in gopherplug that input ``what`` met, and still that input's refusal: one line, to
-    ``logger`` (None: the caller's refusal path says it), and with ``refusal``, raised as
-    ``refusal(line)`` for that path to keep what runs (the last good configuration, the devices as
-    known); without, the block's effect is simply not had. Its traceback is logged at debug, and
-    gopherplug_unexpected_errors counts it by ``kind`` (config, scan, values, describe, http, grpc)."""
+    sends ends the process. An error in the block that is no refusal (GopherplugError) is a bug that
+    input ``what`` met, and still its refusal: one line, to ``logger`` (None: the caller's refusal
+    path says it), raised as ``refusal(line)`` for that path to keep what runs (the last good
+    configuration, the devices as known), or without ``refusal`` the block's effect not had. Its
+    traceback is logged at debug; gopherplug_unexpected_errors counts it by ``kind``."""
     try:
         yield
     except Exception as error:
@@ -6737,29 +6721,11 @@ def _held_back(
 
 
 # The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
-# process from what it knows already. The shipped DaemonSets used to run `gopherplug probe` as an exec
-# probe every 30 s: a second Python process importing everything, parsing the configuration and
-# dialing every socket, 0.46 s of CPU and 36 MiB each time (more CPU on average than the pod's whole
-# request, and twice its memory while it ran). Answered here it costs a few hundred microseconds, and
-# proves no less:
-#
-# - registered with the kubelet that runs now: each resource's check compares the kubelet generation
-#   it registered with against kubelet.sock's current one (inotify's queue taken first, as register()
-#   does), so a kubelet that restarted and did not get our registration back fails the check at once,
-#   not after a grace; and a resource whose socket file was deleted or replaced fails it too (one
-#   stat(), the inode compared with the one we bound). The kubelet itself dials that socket right
-#   after Register, so "registered with the current kubelet" already means "its server answered".
-# - used: registered, but no ListAndWatch stream from the kubelet for PROBE_STREAM_GRACE fails, as
-#   `gopherplug probe` does (a kubelet that never opens one: kubernetes issue #125501).
-# - alive: the answer comes from the trio event loop that also accepts and answers every gRPC call.
-#   A wedged loop answers nothing, and the kubelet's timeoutSeconds fails the probe. (Not on the
-#   metrics port for that reason: prometheus_client serves from a thread of its own, which would
-#   answer 200 for a process whose loop is stuck.)
-#
-# No socket is dialed per check: a dial would add a second client's HTTP/2 handshake (about a
-# millisecond of the same event loop) to prove what the kubelet's own dial-back and streams prove
-# already. `gopherplug probe` stays the operator's full check: it dials every socket as the kubelet
-# would and prints the devices.
+# process from what it knows already (docs/operations.md, "The liveness check", says what each check
+# proves): registered with the kubelet that runs now (its generation compared, its socket's inode),
+# used (a ListAndWatch stream, as `gopherplug probe` asks), and alive (the answer comes from the event
+# loop that answers every gRPC call: a wedged loop answers nothing, and timeoutSeconds fails it). No
+# socket is dialed per check: the kubelet's own dial-back and streams prove that already.
 
 
 class Health:
@@ -6808,15 +6774,11 @@ def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractC
 
 
 # The two HTTP ports, health and metrics, are served by one small HTTP/1.1 server on the event loop,
-# with the limits a careful server has (Go's http.Server with ReadHeaderTimeout and WriteTimeout set,
-# as the kubelet's own ports are): in the charts the health port is open to every pod of the cluster,
-# and the kubelet restarts the pod when its probe fails. A peer that holds connections open without
-# sending must not keep the probe out (it did, once the process ran out of open files: main() raises
-# the soft limit too), a peer that sends one byte a second must not keep a connection forever, and a
-# peer that does not read must not keep a task. One request per connection (Connection: close):
-# the kubelet's prober turns keep-alive off and opens a connection per probe, and Prometheus simply
-# connects again for its next scrape, so no connection ever idles between two requests, and the
-# header timeout is also its idle timeout.
+# with the limits of Go's http.Server with ReadHeaderTimeout and WriteTimeout set (the kubelet's own
+# ports): the health port is open to every pod of the cluster, and a peer that holds connections,
+# trickles bytes or does not read must keep neither the probe out nor a task. One request per
+# connection (Connection: close), as the kubelet's prober and Prometheus make them: the header
+# timeout is also the idle timeout.
 
 #: The most connections one HTTP port serves at once. A new one past it closes the oldest (every
 #: connection is either waiting for its request, bounded by HTTP_HEADER_TIMEOUT, or being answered at
@@ -6834,9 +6796,6 @@ HTTP_WRITE_TIMEOUT = 5.0
 #: Accept, Connection), Prometheus's about 300. Go's http.Server allows 1 MiB of headers; nothing
 #: here reads more than the request line.
 HTTP_MAX_REQUEST = 8192
-# The names these had when they were the health server's alone.
-HEALTH_READ_TIMEOUT = HTTP_HEADER_TIMEOUT
-HEALTH_MAX_REQUEST = HTTP_MAX_REQUEST
 #: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
 #: /livez as the API server names the same check.
 HEALTH_PATHS = ("/healthz", "/livez")
@@ -6914,13 +6873,11 @@ async def _serve_http(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Answer one request per connection with ``answer(request head)`` until cancelled, within
-    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
-    ``listener`` (a _http_listener()) on the way out.
-
-    Connections are accepted as many at a time as are waiting (trio's serve_listeners takes one per
-    pass of its scheduler): the kubelet's probe behind a thousand connections in the listen backlog
-    is reached in one pass, the others pushed out as it comes in, not a thousand passes later."""
+    """Answer one request per connection with ``answer(request head)`` (a bug in it: 500, _held_back)
+    until cancelled, within HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and
+    HTTP_WRITE_TIMEOUT; closes ``listener`` (a _http_listener()) on the way out. Connections are
+    accepted as many at a time as are waiting (trio's serve_listeners takes one per pass of its
+    scheduler): the kubelet's probe behind a thousand in the backlog is reached in one pass."""
     open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
 
     def respond(request: bytes) -> bytes:
@@ -6934,10 +6891,9 @@ async def _serve_http(
         return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
 
     def answer_at_once(connection: socket.socket) -> tuple[bytes, bytes]:
-        """Answer here, in the accepting task, a request that is there already (the kubelet's probe
-        writes it as it connects): no task, and no pass of the scheduler between the accept and the
-        answer, each of which waits for every other task's turn. Returns what is left to do: the
-        request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
+        """Answer a request that is there already (the kubelet's probe writes it as it connects) in
+        the accepting task, with no pass of the scheduler in between. Returns what is left to do:
+        the request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
         try:
             request = connection.recv(HTTP_MAX_REQUEST)
         except BlockingIOError:
@@ -7547,14 +7503,16 @@ async def watch_devices(
                 nursery.start_soon(_describe_devices, device_set)
 
 
-#: How much of a program's stderr is kept: its end, which holds the last line (the kubelet shows a
-#: pre_start command's in the pod's events), and its beginning, which holds the first (a script
-#: saved with CRLF endings fails with `'python3\r': No such file or directory` first, then a
+#: How much of a program's stderr is kept, at its beginning and at its end: the last line says why
+#: it failed (the kubelet shows a pre_start command's in the pod's events), and sometimes only the
+#: first does (a script saved with CRLF endings: `'python3\r': No such file or directory`, then a
 #: line that does not say why). Whatever the program prints, this is all it costs us.
 STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
-#: already, unless a child it left running holds them too and keeps writing (a daemon, `sleep &`).
+#: already, unless a child it left running holds them too and keeps writing.
 PROGRAM_EXIT_GRACE = 1.0
+#: The programs run_program runs now: trio waits for each (a pidfd), _reap_orphans never.
+_RUNNING: set[int] = set()
 
 
 def _kill_process_group(pid: int) -> None:
@@ -7562,22 +7520,14 @@ def _kill_process_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-#: The programs run_program runs now: trio waits for each (a pidfd), _reap_orphans never.
-_RUNNING: set[int] = set()
-
-
 def _reap_orphans() -> None:
     """As PID 1 of its container, reap the processes that ended as orphans: the kernel makes PID 1
-    the parent of every process whose parent is gone (what a describe leaves running, killed with
-    its process group), and only a wait() removes its zombie. Each leaves one in the process table
-    otherwise, for the container's life. Called at each SIGCHLD (serve_until_signalled) and as each
-    program ends; only while none of run_program's own is running, whose status trio must have."""
-    while os.getpid() == 1 and not _RUNNING:
-        try:
-            if not os.waitpid(-1, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            return
+    the parent of every process whose parent is gone (a child a describe left, killed with its
+    process group), and each stays a zombie until PID 1 waits for it. Called at each SIGCHLD
+    (serve_until_signalled) and as each program ends, while none of run_program's own runs."""
+    with contextlib.suppress(ChildProcessError):
+        while os.getpid() == 1 and not _RUNNING and os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 @dataclass(frozen=True)
@@ -7590,13 +7540,11 @@ class Ran:
     stderr: bytes
 
     def said(self) -> str:
-        """ ": <its stderr's first line> (last: <its last>)", or " (nothing on stderr)"; a Python
-        traceback's heading is no first line."""
+        """ ": <its stderr's last line> (first: <its first>)", or " (nothing on stderr)"."""
         lines = [line.strip() for line in self.stderr.decode(errors="replace").splitlines() if line.strip()]
         first = next((line for line in lines if line != "Traceback (most recent call last):"), "")
-        if not first:
-            return f": {lines[-1]}" if lines else " (nothing on stderr)"
-        return f": {lines[-1]}" if first == lines[-1] else f": {lines[-1]} (first: {first[:120]})"
+        first = f" (first: {first[:120]})" if first and first != lines[-1] else ""
+        return f": {lines[-1]}{first}" if lines else " (nothing on stderr)"
 
     def how(self) -> str:
         """How it ended, when not as it should: "exited with 2", "killed by signal 9"."""
@@ -7613,23 +7561,19 @@ async def run_program(
     pass_fds: tuple[int, ...] = (),
 ) -> Ran:
     """Run ``argv`` until it exits: the one runner of describe, pre_start and exec credential plugins.
+    No shell, stdin /dev/null; stdout kept up to ``stdout_limit`` bytes (0: /dev/null; past it the
+    program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
+    cannot be started.
 
-    No shell; stdin /dev/null; stdout kept up to ``stdout_limit`` bytes (0: /dev/null; past it the
-    program is killed, and Ran.stdout is None), both pipes read as it writes (one read after the
-    other would leave it blocked on a full pipe). Raises OSError if it cannot be started.
-
-    Resource handling: the program runs in its own process group (a session of its own), and the
-    group is killed whole once the program exits, at ``timeout`` and when cancelled: nothing it
-    started outlives it. The answer is taken when the program itself exits, not at end of file: a
-    child it left running would hold the pipes open (describe waited its full 10 s, and threw the
-    answer away). What the pipes hold then is read for PROGRAM_EXIT_GRACE at most. The group is
-    killed right after the program is reaped, before any other task runs: its ID cannot have been
-    given to another program of ours in between."""
-    argv = list(argv)
+    Resource handling: the program runs in its own process group, killed whole once the program
+    exits, at ``timeout`` and when cancelled: nothing it started outlives it. Its answer is taken
+    when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
+    pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
+    reaped, before any other task runs: its ID cannot have gone to another program of ours."""
     stdout, stderr = bytearray(), bytearray()
-    too_much = False
+    too_much = timed_out = False
     process = await trio.lowlevel.open_process(
-        argv,
+        list(argv),
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE if stdout_limit else subprocess.DEVNULL,
@@ -7639,27 +7583,22 @@ async def run_program(
     )
     _RUNNING.add(process.pid)
 
-    async def read(stream: trio.abc.ReceiveStream, into: bytearray, limit: int) -> None:
+    async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
         nonlocal too_much
         async with stream:
             async for chunk in stream:
-                if into is stderr:  # its beginning and its end
-                    into += chunk
-                    if len(into) > 2 * STDERR_KEPT:
-                        del into[STDERR_KEPT:-STDERR_KEPT]
-                elif len(into) + len(chunk) > limit:
+                into += chunk
+                if into is stderr and len(into) > 2 * STDERR_KEPT:
+                    del into[STDERR_KEPT:-STDERR_KEPT]
+                elif into is stdout and len(into) > stdout_limit:
                     too_much = True
-                    _kill_process_group(process.pid)  # nothing it prints now is read
-                    return
-                else:
-                    into += chunk
+                    return _kill_process_group(process.pid)  # nothing it prints now is read
 
-    timed_out = False
     try:
         async with trio.open_nursery() as nursery:
             for stream, into in ((process.stdout, stdout), (process.stderr, stderr)):
                 if stream is not None:
-                    nursery.start_soon(read, stream, into, stdout_limit)
+                    nursery.start_soon(read, stream, into)
             with trio.move_on_after(timeout) as deadline:
                 await process.wait()
             timed_out = deadline.cancelled_caught
@@ -7692,32 +7631,25 @@ class DescribeError(GopherplugError):
     """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
 
 
-#: GOPHERPLUG_DEVICES holds the devices' IDs up to this many bytes, and is left unset past it: the
-#: kernel starts no program with a string of its environment over 128 KiB (MAX_ARG_STRLEN), about
-#: 14,500 IDs. GOPHERPLUG_DEVICES_FILE names a file holding them at any size.
+#: GOPHERPLUG_DEVICES holds the devices' IDs up to this many bytes, and is empty past it: the kernel
+#: starts no program with a string of its environment over 128 KiB (MAX_ARG_STRLEN), about 14,500
+#: IDs. GOPHERPLUG_DEVICES_FILE names a file holding them at any size.
 DESCRIBE_DEVICES_IN_ENV = 64 * 1024
 
 
 async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[dict[str, ReadValues], list[str]]:
-    """Run the resource's ``describe`` once (run_program), for the devices ``ids``: what it says of
-    each device (parse_description), and the IDs it described that are not among them. Raises
-    DescribeError when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more
-    than DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
-
-    It is told the resource (GOPHERPLUG_RESOURCE) and the devices: GOPHERPLUG_DEVICES_FILE names a
-    file holding their comma-joined IDs (a memfd, /dev/fd/N: the pod's root file system is
-    read-only), and GOPHERPLUG_DEVICES holds the same up to DESCRIBE_DEVICES_IN_ENV bytes. It may
-    describe more: a script around nvidia-smi prints every GPU."""
-    ids = list(ids)
-    command = resource.describe[0]
-    joined = ",".join(ids).encode()
-    env = {key: value for key, value in os.environ.items() if key != "GOPHERPLUG_DEVICES"}
-    if len(joined) <= DESCRIBE_DEVICES_IN_ENV:
-        env["GOPHERPLUG_DEVICES"] = joined.decode()
-    listing = os.memfd_create("gopherplug-devices")
-    env.update(GOPHERPLUG_RESOURCE=resource.name, GOPHERPLUG_DEVICES_FILE=f"/dev/fd/{listing}")
+    """Run the resource's ``describe`` once (run_program) for the devices ``ids``: what it says of
+    each device (parse_description), and the IDs it described that are not among them; DescribeError
+    when it cannot run, fails, times out, prints too much or no JSON object of device IDs. It is
+    told the resource (GOPHERPLUG_RESOURCE) and the devices: GOPHERPLUG_DEVICES_FILE names a file of
+    their comma-joined IDs (a memfd, /dev/fd/N: the pod's root file system is read-only), and
+    GOPHERPLUG_DEVICES holds the same up to DESCRIBE_DEVICES_IN_ENV bytes."""
+    ids, command, listing = list(ids), resource.describe[0], os.memfd_create("gopherplug-devices")
+    joined = ",".join(ids)
+    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES_FILE": f"/dev/fd/{listing}"}
+    env["GOPHERPLUG_DEVICES"] = joined if len(joined.encode()) <= DESCRIBE_DEVICES_IN_ENV else ""
     try:
-        with open(listing, "wb", closefd=False) as file:
+        with open(listing, "w", closefd=False) as file:
             file.write(joined)
         ran = await run_program(
             resource.describe, env, stdout_limit=DESCRIBE_MAX_OUTPUT, timeout=DESCRIBE_TIMEOUT, pass_fds=(listing,)
@@ -7726,12 +7658,10 @@ async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[di
         raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
     finally:
         os.close(listing)
-    if ran.returncode is None:
-        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){ran.said()}")
-    if ran.stdout is None:
-        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){ran.said()}")
-    if ran.returncode != 0:
-        raise DescribeError(f"describe {command} {ran.how()}{ran.said()}")
+    if ran.returncode is None or ran.stdout is None or ran.returncode != 0:
+        how = f"did not finish within {DESCRIBE_TIMEOUT:g} s (killed)" if ran.returncode is None else ran.how()
+        how = f"printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed)" if ran.stdout is None else how
+        raise DescribeError(f"describe {command} {how}{ran.said()}")
     try:
         described = parse_description(ran.stdout.decode())
     except ValueError as error:  # UnicodeDecodeError included
@@ -7776,14 +7706,10 @@ def parse_description(text: str) -> dict[str, ReadValues]:
 
 
 async def _describe_devices(device_set: _DeviceSet) -> None:
-    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), and
-    give the device set what it said. Never on a kubelet's call: Allocate and ListAndWatch send
-    the devices as last described.
-
-    A failure (DescribeError) is said once, and again when the reason changes; the devices stay
-    offered with what is known (their files' values, and what the last run that worked said of
-    them), nothing made up. A failed run is tried again after a while (DESCRIBE_RETRY); when one
-    works again, that is said too, and its values appear."""
+    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), never
+    on a kubelet's call, and give the device set what it said. A failure (DescribeError, or a bug
+    _held_back) is said once, and again when the reason changes; the devices stay offered with what
+    is known, nothing made up, and it is tried again (DESCRIBE_RETRY): a run that works is said too."""
     resource = device_set.resource
     failed = ""  # the failure last said ("": none)
     unknown_said: list[str] = []
@@ -12258,9 +12184,9 @@ async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: W
     Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
     labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
     task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
-    written its own by the time the old one stops, and that one stays. The old pod may have
-    written it again since (its devices changed) and so remove it: the file's directory is watched
-    (inotify), and a file that vanishes is written again."""
+    written its own by the time the old one stops, and that one stays; if the old pod wrote it
+    again since (its devices changed) and removes it, the new pod sees it vanish (inotify) and
+    writes it again."""
     text: str | None = None
     written: os.stat_result | None = None
     failing: str | None = None
@@ -12269,8 +12195,7 @@ async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: W
     async def watch_file(watch: DirectoryWatch) -> None:
         async with contextlib.aclosing(watch.batches()) as batches:
             async for _ in batches:
-                if text is not None and not os.path.lexists(path):
-                    vanished.touch()
+                vanished.touch()  # the loop looks whether it was the file
 
     try:
         with DirectoryWatch(os.path.dirname(path), flags.DELETE | flags.MOVED_FROM) as watch:
