@@ -4469,12 +4469,9 @@ def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
 
 def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
     """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
-    integer, which node affinity's Gt and Lt compare), then each attribute that every one of its
-    devices has with the same value (device_attributes: what sysfs says, declared, described), by
-    name. Of the standard domain's attributes (resource.kubernetes.io/pciBusID...) the name alone
-    is used; gopherplug's own ``numaNode`` is the same. An attribute whose value is no label value
-    (nfd_label_value) has no label, nor one whose name gives the label of ``count`` or of another
-    attribute before it. No device: only the count, 0."""
+    integer, which node affinity's Gt and Lt compare), then each attribute all its devices share
+    (device_attributes), by name (the standard domain's without it). An attribute with no label
+    value (nfd_label_value), or whose label another has already, has none."""
     labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
     # What device_attributes reads of a device beside its ID and health: devices alike in these have
     # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
@@ -6639,10 +6636,8 @@ class Metrics:
         self.devices.labels(resource, HEALTHY).set(healthy)
         self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
 
-    # A resource's series live as long as it is configured. Prometheus cannot tell a series that is
-    # absent from a plugin that is down: an alert on `gopherplug_devices == 0` never fires for a
-    # resource with no series, and one for a resource removed from the configuration would go on
-    # with its last value. So each series appears at 0 when its resource starts, and goes with it.
+    # A resource's series appear at 0 when it starts and go with it: an alert on a series that is
+    # absent never fires, and a removed resource's would go on with its last value.
 
     def serve(self, resource: ResourceConfig, pool: str | None) -> None:
         """Give a starting resource every series that applies to it, at 0 where it has none yet (a
@@ -6759,11 +6754,9 @@ class Health:
         return found
 
 
-#: The Health of the serve_plugin() this task runs under (None: no serve_plugin, e.g. serve_resource
-#: called by an embedding program, which then has no checks). A context variable rather than an
-#: argument through every layer: trio gives each task a copy of its parent's context, so every part
-#: serve_plugin starts (and every part those start) sees its own plugin's, and two plugins in one
-#: process (tests, an embedding program) each keep theirs.
+#: The Health of the serve_plugin() this task runs under (None: none, no checks). A context variable,
+#: not an argument through every layer: trio gives each task a copy of its parent's context, so two
+#: plugins in one process (tests, an embedding program) each keep theirs.
 _HEALTH: contextvars.ContextVar[Health | None] = contextvars.ContextVar("gopherplug_health", default=None)
 
 
@@ -6780,11 +6773,9 @@ def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractC
 # connection (Connection: close), as the kubelet's prober and Prometheus make them: the header
 # timeout is also the idle timeout.
 
-#: The most connections one HTTP port serves at once. A new one past it closes the oldest (every
-#: connection is either waiting for its request, bounded by HTTP_HEADER_TIMEOUT, or being answered at
-#: once): connections held open only push each other out, never the kubelet's probe, which sends its
-#: request as soon as it connects. The kubelet has one probe in flight per container, Prometheus one
-#: scrape per target: 64 is room for several scrapers and a person with curl.
+#: The most connections one HTTP port serves at once; a new one past it closes the oldest: held open,
+#: they push each other out, never the kubelet's probe, which sends its request as it connects. 64
+#: is room for the kubelet's probe, several scrapers and a person with curl.
 HTTP_MAX_CONNECTIONS = 64
 #: How long a connection may take to send its whole request head, counted from its accept (Go's
 #: ReadHeaderTimeout, not reset by each byte: a slowloris gets this, not forever). The kubelet's
@@ -6792,8 +6783,7 @@ HTTP_MAX_CONNECTIONS = 64
 HTTP_HEADER_TIMEOUT = 2.0
 #: How long writing an answer may take (Go's WriteTimeout): a peer that does not read gets closed.
 HTTP_WRITE_TIMEOUT = 5.0
-#: The most of a request read: the kubelet's is about 150 bytes (request line, Host, User-Agent,
-#: Accept, Connection), Prometheus's about 300. Go's http.Server allows 1 MiB of headers; nothing
+#: The most of a request read: the kubelet's is about 150 bytes, Prometheus's about 300; nothing
 #: here reads more than the request line.
 HTTP_MAX_REQUEST = 8192
 #: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
