@@ -128,6 +128,7 @@ import fcntl
 import fnmatch
 import functools
 import hashlib
+import http
 import inspect
 import itertools
 import json
@@ -4423,10 +4424,9 @@ def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, D
 # resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
 # pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
 
-#: The label namespace NFD gives the names of a feature file (FeatureLabelNs in kubernetes-sigs/
-#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go). nfd-master adds it to a name
-#: without one, unless its DisableAutoPrefix gate is on (alpha since 0.16), which refuses such a
-#: name instead: written out, a name is the same label either way.
+#: The label namespace NFD gives a feature file's names (FeatureLabelNs in kubernetes-sigs/
+#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go), written out: the same label
+#: whether nfd-master adds it or refuses a name without it (its DisableAutoPrefix gate).
 NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
 #: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
 #: larger one whole, every label of it.
@@ -5884,8 +5884,7 @@ class _ServerConnection(_GRPCSocket):
             log.debug("could not close stream %d: %r", stream_id, error)
 
 
-#: A call's answer when its handler met a bug (_held_back): UNKNOWN, as grpc-go's for a panic.
-_unknown = functools.partial(RPCError, StatusCode.UNKNOWN)
+_unknown = functools.partial(RPCError, StatusCode.UNKNOWN)  # a handler's bug (_held_back), as grpc-go's panic
 
 
 def _request_message(request_type: Any, messages: list[bytes]) -> Any:
@@ -6790,26 +6789,26 @@ HTTP_MAX_REQUEST = 8192
 #: /livez as the API server names the same check.
 HEALTH_PATHS = ("/healthz", "/livez")
 
-_HTTP_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
-
 
 def _http_answer(
     request: bytes, paths: tuple[str, ...], body: Callable[[], tuple[int, bytes]], content_type: str
 ) -> bytes:
     """The HTTP/1.1 response to one request: ``body()`` (its code and bytes) for GET or HEAD of one
-    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line."""
-    parts = request.split(b"\r\n", 1)[0].split()
-    kind = "text/plain; charset=utf-8"
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-        code, data = 400, b"not an HTTP request\n"
-    elif parts[0] not in (b"GET", b"HEAD"):
-        code, data = 405, b"only GET and HEAD\n"
-    elif _request_path(parts[1]) not in paths:
-        code, data = 404, f"not found: ask {paths[0]}\n".encode()
-    else:
-        (code, data), kind = body(), content_type
+    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line,
+    500 for a bug (_held_back)."""
+    line = request.split(b"\r\n", 1)[0]
+    parts, code, data, kind = line.split(), 500, b"", "text/plain; charset=utf-8"
+    with _held_back("http", f"HTTP request {line[:80]!r}"):
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            code, data = 400, b"not an HTTP request\n"
+        elif parts[0] not in (b"GET", b"HEAD"):
+            code, data = 405, b"only GET and HEAD\n"
+        elif _request_path(parts[1]) not in paths:
+            code, data = 404, f"not found: ask {paths[0]}\n".encode()
+        else:
+            (code, data), kind = body(), content_type
     head = (
-        f"HTTP/1.1 {code} {_HTTP_REASONS[code]}\r\nContent-Type: {kind}\r\n"
+        f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
@@ -6863,19 +6862,12 @@ async def _serve_http(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Answer one request per connection with ``answer(request head)`` (a bug in it: 500, _held_back)
-    until cancelled, within HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and
-    HTTP_WRITE_TIMEOUT; closes ``listener`` (a _http_listener()) on the way out. Connections are
-    accepted as many at a time as are waiting (trio's serve_listeners takes one per pass of its
-    scheduler): the kubelet's probe behind a thousand in the backlog is reached in one pass."""
+    """Answer one request per connection with ``answer(request head)`` until cancelled, within
+    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
+    ``listener`` (a _http_listener()) on the way out. Connections are accepted as many at a time as
+    are waiting (trio's serve_listeners takes one per pass of its scheduler): the kubelet's probe
+    behind a thousand in the backlog is reached in one pass."""
     open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
-
-    def respond(request: bytes) -> bytes:
-        response = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        line = request.split(b"\r\n", 1)[0][:80]
-        with _held_back("http", f"HTTP request {line!r}"):
-            response = answer(request)
-        return response
 
     def complete(request: bytes) -> bool:
         return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
@@ -6890,7 +6882,7 @@ async def _serve_http(
             return b"", b""
         if not complete(request):
             return request, b""
-        data = respond(request)
+        data = answer(request)
         try:
             sent = connection.send(data)
         except BlockingIOError:
@@ -6915,7 +6907,7 @@ async def _serve_http(
                         request += chunk
                 if complete(request):
                     with trio.move_on_after(HTTP_WRITE_TIMEOUT):
-                        await stream.send_all(unsent or respond(request))
+                        await stream.send_all(unsent or answer(request))
         except Exception as error:  # a client gone mid-answer: its loss, not the server's
             log.debug("HTTP request: %s", _describe(error))
         finally:
@@ -7499,7 +7491,7 @@ async def watch_devices(
 #: line that does not say why). Whatever the program prints, this is all it costs us.
 STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
-#: already, unless a child it left running holds them too and keeps writing.
+#: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
 #: The programs run_program runs now: trio waits for each (a pidfd), _reap_orphans never.
 _RUNNING: set[int] = set()
@@ -7543,16 +7535,11 @@ class Ran:
 
 
 async def run_program(
-    argv: Iterable[str],
-    env: Mapping[str, str],
-    *,
-    stdout_limit: int = 0,
-    timeout: float = math.inf,
-    pass_fds: tuple[int, ...] = (),
+    argv: Iterable[str], env: Mapping[str, str], *, limit: int = 0, timeout: float = math.inf, fds: tuple[int, ...] = ()
 ) -> Ran:
     """Run ``argv`` until it exits: the one runner of describe, pre_start and exec credential plugins.
-    No shell, stdin /dev/null; stdout kept up to ``stdout_limit`` bytes (0: /dev/null; past it the
-    program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
+    No shell, stdin /dev/null, ``fds`` passed on; stdout kept up to ``limit`` bytes (0: /dev/null;
+    past it the program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
     cannot be started.
 
     Resource handling: the program runs in its own process group, killed whole once the program
@@ -7566,10 +7553,10 @@ async def run_program(
         list(argv),
         env=env,
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE if stdout_limit else subprocess.DEVNULL,
+        stdout=subprocess.PIPE if limit else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        pass_fds=pass_fds,
+        pass_fds=fds,
     )
     _RUNNING.add(process.pid)
 
@@ -7580,7 +7567,7 @@ async def run_program(
                 into += chunk
                 if into is stderr and len(into) > 2 * STDERR_KEPT:
                     del into[STDERR_KEPT:-STDERR_KEPT]
-                elif into is stdout and len(into) > stdout_limit:
+                elif into is stdout and len(into) > limit:
                     too_much = True
                     return _kill_process_group(process.pid)  # nothing it prints now is read
 
@@ -7603,7 +7590,7 @@ async def run_program(
                 await process.wait()
         _RUNNING.discard(process.pid)
         _reap_orphans()
-    kept = None if too_much or not stdout_limit else bytes(stdout)
+    kept = None if too_much or not limit else bytes(stdout)
     return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
 
 
@@ -7612,8 +7599,7 @@ DESCRIBE_TIMEOUT = 10.0
 #: The most a ``describe`` may print: more is not a description of a node's devices
 DESCRIBE_MAX_OUTPUT = 1024 * 1024
 #: A failed ``describe`` is run again after the first of these, doubled at each failure up to the
-#: second (seconds, jittered): the node may lack what it needs for now (a driver still loading, a
-#: binary about to be installed), and its devices' values should appear when it has it, unrestarted
+#: second (seconds, jittered): what it needs may come later (a driver loading), and its values then
 DESCRIBE_RETRY = (5.0, 300.0)
 
 
@@ -7642,7 +7628,7 @@ async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[di
         with open(listing, "w", closefd=False) as file:
             file.write(joined)
         ran = await run_program(
-            resource.describe, env, stdout_limit=DESCRIBE_MAX_OUTPUT, timeout=DESCRIBE_TIMEOUT, pass_fds=(listing,)
+            resource.describe, env, limit=DESCRIBE_MAX_OUTPUT, timeout=DESCRIBE_TIMEOUT, fds=(listing,)
         )
     except OSError as error:
         raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
@@ -7757,9 +7743,8 @@ async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _Dev
 def _scanned(
     tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
 ) -> dict[_Key, DeviceEntry | None]:
-    """What changed in the tracker's directory: all of it looked at (``names`` None), or the names
-    an event batch touched. Nothing changed when the look fails on a bug (_held_back): the devices
-    stay as last found."""
+    """What changed in the tracker's directory (``names``: those an event batch touched; None: all
+    of it); nothing after a bug (_held_back): the devices stay as last found."""
     changes: dict[_Key, DeviceEntry | None] = {}
     with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
         changes = tracker.rescan() if names is None else tracker.update(names, touched)
@@ -8709,23 +8694,17 @@ def device_plugin_service(
     return plugin.service()
 
 
-#: At most this many pre_start commands of a resource run at once; the kubelet's further calls
-#: wait for a slot, the wait counting toward pre_start_timeout. The kubelet calls PreStartContainer
-#: for every container start, and starts pods in parallel: a node starting 110 pods (the default
-#: maximum) must not fork 110 hook processes at once, each perhaps resetting hardware or loading
-#: firmware. Eight let a burst of quick commands through in parallel, on any node's cores.
+#: At most this many pre_start commands of a resource run at once; the kubelet's further calls wait
+#: (counted in pre_start_timeout). A node starting 110 pods (the kubelet's maximum) must not fork 110
+#: hook processes at once, each perhaps resetting hardware; eight let a burst of quick ones through.
 PRE_START_CONCURRENCY = 8
 
 
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
-    """Run the resource's pre_start command for a container about to start with ``chosen``.
-
-    No shell: the argv as configured, with the env var of an allocation (and GOPHERPLUG_RESOURCE)
-    added to this process's environment; stdin and stdout are /dev/null. The command waits for
-    one of ``slots`` first (see PRE_START_CONCURRENCY). A non-zero exit, or waiting and running
-    past pre_start_timeout, becomes an RPCError carrying the command's last line of stderr (or
-    what it waited for): the kubelet then fails the container start with it, in the pod's events.
-    """
+    """Run the resource's pre_start command (run_program, stdout /dev/null) for a container about
+    to start with ``chosen``, with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
+    ``slots`` is free (PRE_START_CONCURRENCY). A failure, or waiting and running past
+    pre_start_timeout, is an RPCError with its stderr's lines: the kubelet puts it in the pod's events."""
     command = resource.pre_start[0]
     env = {**os.environ, resource.env: ",".join(d.id for d in chosen), "GOPHERPLUG_RESOURCE": resource.name}
     started = False
@@ -9593,27 +9572,18 @@ class ExecCredentialError(ApiError):
 
 
 class ExecCredentialPlugin:
-    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
-    ``kubelogin get-token``), run as client-go runs it (plugin/pkg/client/auth/exec/exec.go; the
-    contract is the docs' "client-go credential plugins"), under trio: lightkube 1.0.1 runs it
-    through asyncio, which has no event loop under trio (its requests fail with "no running event
-    loop").
+    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``kubelogin get-token``),
+    run as client-go runs it (plugin/pkg/client/auth/exec/exec.go), under trio: lightkube 1.0.1 runs
+    it through asyncio, which has no event loop under trio. docs/dra.md says the contract.
 
-    - The command: a bare name is looked up on PATH, as Go's exec.Command does; a path with a slash
-      in it is relative to the kubeconfig's directory (clientcmd's ResolveLocalPaths), not to ours.
-    - Its environment: ours, then the kubeconfig's ``env`` entries, then KUBERNETES_EXEC_INFO, the
-      ExecCredential request as JSON: apiVersion, kind, spec.interactive (always false: a driver
-      has no one to answer a prompt, so stdin is /dev/null) and spec.cluster only with
-      ``provideClusterInfo: true`` (the cluster's server, CA data, TLS server name, proxy URL and
-      its ``client.authentication.k8s.io/exec`` extension, as client-go's rest.ConfigToExecCluster).
-    - Its stdout: an ExecCredential of the apiVersion asked for, whose status.token is sent as the
-      bearer token until status.expirationTimestamp (RFC 3339; none: until the API server refuses
-      it), as client-go caches it. A 401 runs the plugin again, unless another request already has
-      since this one's token was had, at most once per request; client-go then returns the 401 and
-      the next request has the new token, this sends the request once more with it, as the token
-      file's authentication here does (_token_file_auth).
-    - One run at a time (a lock, as client-go's mutex): concurrent requests wait for it and share
-      its credential. A run is bounded by EXEC_CREDENTIAL_TIMEOUT, killed with its process group.
+    - The command: a bare name looked up on PATH; one with a slash relative to the kubeconfig's
+      directory (clientcmd's ResolveLocalPaths). Its environment: ours, the kubeconfig's ``env``,
+      then KUBERNETES_EXEC_INFO (spec.interactive always false; spec.cluster only with
+      ``provideClusterInfo: true``, as client-go's rest.ConfigToExecCluster makes it).
+    - Its stdout: an ExecCredential whose status.token is sent until status.expirationTimestamp. A
+      401 runs the plugin again (unless another request has since), and the request is sent once
+      more with the new token, as _token_file_auth does (client-go returns the 401).
+    - One run at a time (a lock, as client-go's mutex), run_program's, within EXEC_CREDENTIAL_TIMEOUT.
 
     Not supported, each refused with a line that says what to do: interactiveMode Always (a plugin
     that must prompt), and a client certificate in place of a token (status.clientCertificateData
@@ -9749,7 +9719,7 @@ class ExecCredentialPlugin:
             raise self._error(f"{self.command} not found{where}{hint}")
         try:
             with trio.fail_after(EXEC_CREDENTIAL_TIMEOUT):
-                ran = await run_program([executable, *self.args], env, stdout_limit=EXEC_CREDENTIAL_MAX_OUTPUT)
+                ran = await run_program([executable, *self.args], env, limit=EXEC_CREDENTIAL_MAX_OUTPUT)
         except trio.TooSlowError:
             raise self._error(f"did not finish within {EXEC_CREDENTIAL_TIMEOUT:g} s (killed)") from None
         except OSError as error:
@@ -12152,10 +12122,9 @@ NFD_RETRY_SECONDS = 30.0
 
 
 def write_nfd_features(path: str, text: str) -> os.stat_result:
-    """Write the NFD feature file whole (_replace_whole): nfd-worker watches its directory and
-    reads each file at every event, so it must never see half of one. The temporary file's name
-    begins with ".", which NFD skips. Its directory is made if missing (nfd-worker reads it when
-    it is there). Not synced to the disk: every start writes the file anew. Raises OSError."""
+    """Write the NFD feature file whole (_replace_whole: nfd-worker reads it at every event in its
+    directory, and skips the temporary file, whose name begins with "."), its directory made if
+    missing; not synced to the disk: every start writes it anew. Raises OSError."""
     directory = os.path.dirname(path)
     if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs would say "File exists"
         raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a directory")
@@ -12164,19 +12133,14 @@ def write_nfd_features(path: str, text: str) -> os.stat_result:
 
 
 async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: Watched) -> None:
-    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices come,
-    go and change health, and as a reload adds or removes resources: written when its text
-    changes, not at each wake (a device's health flapping rewrites it only as the count changes).
-    It is not on the kubelet's path: this task wakes with the device sets, as _warn_shared_nodes.
-    A write that fails is said once (and once when it works again) and tried again at the next
-    change or after NFD_RETRY_SECONDS; the plugin serves on.
+    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices and the
+    configuration change: written when its text changes (off the kubelet's path). A write that fails
+    is said once and tried again at the next change or after NFD_RETRY_SECONDS; the plugin serves on.
 
-    Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
-    labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
-    task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
-    written its own by the time the old one stops, and that one stays; if the old pod wrote it
-    again since (its devices changed) and removes it, the new pod sees it vanish (inotify) and
-    writes it again."""
+    Removed when cancelled (a clean stop), so NFD removes the labels, if it is still the file this
+    task wrote (its inode): in a DaemonSet's rolling update with surge the new pod's stays. If the
+    old pod wrote it last (its devices changed) and removes it, the new pod sees it vanish (inotify)
+    and writes it again."""
     text: str | None = None
     written: os.stat_result | None = None
     failing: str | None = None
@@ -12429,14 +12393,12 @@ async def watch_config_file(
 
     inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
     rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
-    over); where the file's symlinks lead is followed too. An invalid file is logged with its
-    error, and the running configuration stays; the next valid reading is logged as valid again.
-    With ``current`` (the configuration running now), the file is compared with it first: an
-    edit made while the plugin was starting is not lost.
-    ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
-    ``metrics_address`` (the command line's --metrics-address) overrides the file's in every reading,
-    as ``device_plugin_dir`` does: the running configuration has it, and a reading without it would
-    differ from it, a reload of nothing at every start.
+    over); where the file's symlinks lead is followed too. An invalid file (or one a bug meets,
+    _held_back) is logged with its error, and the running configuration stays; the next valid
+    reading is logged as valid again. With ``current`` (running now), the file is compared with it
+    first: an edit made during the start is not lost. ``on_watch`` is given the watch: its poke()
+    has the file read again now (SIGHUP). ``metrics_address`` and ``device_plugin_dir`` (the
+    command line's) override the file's in every reading, as the running configuration has them.
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
@@ -15317,13 +15279,11 @@ async def serve_until_signalled(
     kubelet's SIGKILL would 30 s later: the sockets are gone by then (serve_grpc removes its own
     first). If ``async_fn`` returns or raises first, so does this.
 
-    SIGTERM is how the kubelet deletes a pod (and docker stop, systemctl stop), SIGINT is Ctrl-C;
-    without this, either kills the process and leaves its sockets and lock files behind for the
-    next start to clear. SIGHUP, which would kill it too, is taken only with ``on_sighup`` (called
-    at each one: the command line reads its configuration again, as daemons do by convention).
-
-    The signals are received from before ``async_fn`` starts: one sent as soon as it has started
-    is not lost. Trio receives signals only in the main thread (also in guest mode, under asyncio).
+    SIGTERM is how the kubelet deletes a pod, SIGINT is Ctrl-C: without this, either kills the
+    process and leaves its sockets and lock files behind. SIGHUP is taken only with ``on_sighup``
+    (called at each: the command line reads its configuration again); SIGCHLD only as PID 1 of a
+    container (_reap_orphans). Signals are received from before ``async_fn`` starts, and (trio's
+    rule) only in the main thread.
     """
     asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
     asked += (signal.SIGCHLD,) if os.getpid() == 1 else ()  # _reap_orphans

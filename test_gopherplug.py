@@ -11105,12 +11105,9 @@ async def test_a_bug_met_by_describe_keeps_what_it_said(nursery, node, monkeypat
 
 
 async def test_a_bug_met_by_an_http_request_is_a_500_and_the_server_goes_on(nursery, monkeypatch, unexpected):
-
-    def answer(request):
-        if b"/bug" in request:
-            raise KeyError("bug")
-        return b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-
+    real = gp._request_path
+    monkeypatch.setattr(gp, "_request_path", raising(KeyError("bug"), lambda target: target == b"/bug", real))
+    answer = functools.partial(gp.health_answer, gp.Health())
     listener = gp._http_listener("127.0.0.1:0", "health_address")
     port = listener.getsockname()[1]
     with trio.fail_after(TIMEOUT), logged("HTTP request") as said:
@@ -11206,7 +11203,7 @@ import gopherplug as gp
 
 async def main():
     assert os.getpid() == 1
-    ran = await gp.run_program(["sh", "-c", "sleep 300 & echo $!"], os.environ, stdout_limit=100)
+    ran = await gp.run_program(["sh", "-c", "sleep 300 & echo $!"], os.environ, limit=100)
     orphan = int(ran.stdout)  # killed with its process group, a child of PID 1 now: a zombie until reaped
     with trio.fail_after(10):
         while os.path.exists(f"/proc/{orphan}"):
