@@ -7493,7 +7493,7 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now: trio waits for each (a pidfd), _reap_orphans never.
+#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them).
 _RUNNING: set[int] = set()
 
 
@@ -7503,13 +7503,15 @@ def _kill_process_group(pid: int) -> None:
 
 
 def _reap_orphans() -> None:
-    """As PID 1 of its container, reap the processes that ended as orphans: the kernel makes PID 1
-    the parent of every process whose parent is gone (a child a describe left, killed with its
-    process group), and each stays a zombie until PID 1 waits for it. Called at each SIGCHLD
-    (serve_until_signalled) and as each program ends, while none of run_program's own runs."""
+    """As PID 1 of its container, reap the orphans that ended: the kernel makes PID 1 the parent of
+    every process whose parent is gone (a child a describe left, killed with its group), a zombie
+    until PID 1 waits for it. At each SIGCHLD (serve_until_signalled) and each program's end; the
+    ended are peeked at (WNOWAIT) first, and one of run_program's own is left to trio's wait."""
     with contextlib.suppress(ChildProcessError):
-        while os.getpid() == 1 and not _RUNNING and os.waitpid(-1, os.WNOHANG)[0]:
-            pass
+        while os.getpid() == 1 and (ended := os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
+            if ended.si_pid in _RUNNING:
+                return  # looked at again as that program ends
+            os.waitpid(ended.si_pid, 0)
 
 
 @dataclass(frozen=True)
@@ -7607,9 +7609,8 @@ class DescribeError(GopherplugError):
     """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
 
 
-#: GOPHERPLUG_DEVICES holds the devices' IDs up to this many bytes, and is empty past it: the kernel
-#: starts no program with a string of its environment over 128 KiB (MAX_ARG_STRLEN), about 14,500
-#: IDs. GOPHERPLUG_DEVICES_FILE names a file holding them at any size.
+#: GOPHERPLUG_DEVICES holds the IDs up to this many bytes, empty past it (the kernel starts no program
+#: with a variable over 128 KiB, MAX_ARG_STRLEN: ~14,500 IDs); GOPHERPLUG_DEVICES_FILE's at any size.
 DESCRIBE_DEVICES_IN_ENV = 64 * 1024
 
 
@@ -7743,8 +7744,7 @@ async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _Dev
 def _scanned(
     tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
 ) -> dict[_Key, DeviceEntry | None]:
-    """What changed in the tracker's directory (``names``: those an event batch touched; None: all
-    of it); nothing after a bug (_held_back): the devices stay as last found."""
+    """The tracker's changes (``names``: a batch's; None: all); none after a bug (_held_back)."""
     changes: dict[_Key, DeviceEntry | None] = {}
     with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
         changes = tracker.rescan() if names is None else tracker.update(names, touched)
