@@ -128,6 +128,7 @@ import fcntl
 import fnmatch
 import functools
 import hashlib
+import http
 import inspect
 import itertools
 import json
@@ -4403,10 +4404,9 @@ def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, D
 # resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
 # pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
 
-#: The label namespace NFD gives the names of a feature file (FeatureLabelNs in kubernetes-sigs/
-#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go). nfd-master adds it to a name
-#: without one, unless its DisableAutoPrefix gate is on (alpha since 0.16), which refuses such a
-#: name instead: written out, a name is the same label either way.
+#: The label namespace NFD gives a feature file's names (FeatureLabelNs in kubernetes-sigs/
+#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go), written out: the same label
+#: whether nfd-master adds it or refuses a name without it (its DisableAutoPrefix gate).
 NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
 #: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
 #: larger one whole, every label of it.
@@ -4423,21 +4423,18 @@ def nfd_label_name(resource_name: str, key: str) -> str:
     those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
     same resource and key, the same label, on every node."""
     part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
-    if len(part) > _LABEL_VALUE_LENGTH:
+    if len(part) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(part):  # "model_": NFD drops it
         digest = hashlib.sha256(part.encode()).hexdigest()[:8]
         part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
     return f"{NFD_LABEL_NAMESPACE}/{part}"
 
 
 def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
-    """An attribute's value ({"string": "NVIDIA H200"}, as a ResourceSlice types it) as a label's
-    value, or None when none can stand for it. A label's value is at most 63 letters, digits, "-",
-    "_" and ".", beginning and ending with a letter or digit (IsValidLabelValue, which NFD applies
-    to each of a file's lines before it labels). A boolean is "true" or "false", an integer its
-    digits (a negative one has no label: "-1" is none, and "1" would lie); a string or a version
-    that is no label value is made one as NVIDIA's gpu-feature-discovery makes its product names:
-    each run of other characters a "-", cut to 63, its ends trimmed ("NVIDIA H200" is
-    "NVIDIA-H200"; "1.2.3+build.7" is "1.2.3-build.7"). None when nothing is left of it."""
+    """An attribute's value ({"string": "NVIDIA H200"}) as a label's value (IsValidLabelValue, which
+    NFD's validate.Label applies), or None when none can stand for it: a boolean "true" or "false",
+    an integer its digits (a negative one none: "1" would lie); a string or a version made one as
+    NVIDIA's gpu-feature-discovery makes its product names: each run of other characters a "-",
+    cut to 63, its ends trimmed ("NVIDIA H200" is "NVIDIA-H200"; "1.2.3+build.7" "1.2.3-build.7")."""
     [(kind, value)] = typed.items()
     if kind == "bool":
         return "true" if value else "false"
@@ -4452,12 +4449,9 @@ def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
 
 def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
     """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
-    integer, which node affinity's Gt and Lt compare), then each attribute that every one of its
-    devices has with the same value (device_attributes: what sysfs says, declared, described), by
-    name. Of the standard domain's attributes (resource.kubernetes.io/pciBusID...) the name alone
-    is used; gopherplug's own ``numaNode`` is the same. An attribute whose value is no label value
-    (nfd_label_value) has no label, nor one whose name gives the label of ``count`` or of another
-    attribute before it. No device: only the count, 0."""
+    integer, which node affinity's Gt and Lt compare), then each attribute all its devices share
+    (device_attributes), by name (the standard domain's without it). An attribute with no label
+    value (nfd_label_value), or whose label another has already, has none."""
     labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
     # What device_attributes reads of a device beside its ID and health: devices alike in these have
     # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
@@ -5810,12 +5804,10 @@ class _ServerConnection(_GRPCSocket):
         stream_id = request.stream_id
         connection = self._grpc_connection
         try:
-            response = handler(_request_message(request_type, messages))
+            with _held_back("grpc", f"{request.service_name}/{request.method_name}", _unknown):
+                response = handler(_request_message(request_type, messages))
         except RPCError as error:
             status = Status(error.code, error.message)
-        except Exception as error:
-            log.exception("%s/%s failed", request.service_name, request.method_name)
-            status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
         else:
             message = response.SerializeToString()
             if 5 + len(message) > connection.flow_control_window(stream_id):
@@ -5837,6 +5829,9 @@ class _ServerConnection(_GRPCSocket):
             connection.respond_status(stream_id, status)
         except h2.exceptions.ProtocolError as error:
             log.debug("could not close stream %d: %r", stream_id, error)
+
+
+_unknown = functools.partial(RPCError, StatusCode.UNKNOWN)  # a handler's bug (_held_back), as grpc-go's panic
 
 
 def _request_message(request_type: Any, messages: list[bytes]) -> Any:
@@ -5870,34 +5865,32 @@ async def _answer_call(
         )
         return
     try:
-        if response is None:
-            message = _request_message(bound.signature.request_type, messages)
-        if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
+        with _held_back("grpc", f"{request.service_name}/{request.method_name}", _unknown):
             if response is None:
-                response = await bound.method_fn(message, request=request)
-            with _at_once_if_it_fits(stream, response):
-                await stream.start_response()
-                await stream.send_message(response)
-                await _close_stream(stream, Status(StatusCode.OK))
-            return
-        else:
-            await stream.start_response()
-            responses = bound.method_fn(message, request=request)
-            try:
-                async for response in responses:
-                    if stream._socket.backlog() > SEND_QUEUE_LIMIT:
-                        await stream._socket.room()  # a peer that does not read gets nothing more queued
+                message = _request_message(bound.signature.request_type, messages)
+            if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
+                if response is None:
+                    response = await bound.method_fn(message, request=request)
+                with _at_once_if_it_fits(stream, response):
+                    await stream.start_response()
                     await stream.send_message(response)
-            finally:
-                # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
-                with trio.CancelScope(shield=True):
-                    await responses.aclose()
+                    await _close_stream(stream, Status(StatusCode.OK))
+                return
+            else:
+                await stream.start_response()
+                responses = bound.method_fn(message, request=request)
+                try:
+                    async for response in responses:
+                        if stream._socket.backlog() > SEND_QUEUE_LIMIT:
+                            await stream._socket.room()  # a peer that does not read gets nothing more queued
+                        await stream.send_message(response)
+                finally:
+                    # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
+                    with trio.CancelScope(shield=True):
+                        await responses.aclose()
         status = Status(StatusCode.OK)
     except RPCError as error:
         status = Status(error.code, error.message)
-    except Exception as error:
-        log.exception("%s/%s failed", request.service_name, request.method_name)
-        status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
     await _close_stream(stream, status)
 
 
@@ -6484,14 +6477,10 @@ def missing_extras(config: Config) -> list[str]:
 
 
 class Metrics:
-    """Prometheus metrics, served over HTTP by prometheus_client (the ``metrics`` extra).
-
-    prometheus_client is imported here, not at the top: only a plugin with ``metrics_address``
-    needs it. The metrics live in their own CollectorRegistry, not the library's global one, so
-    that several plugins (tests, an embedding program) each serve their own. The hooks elsewhere
-    are ``if _metrics is not None: ...``: with metrics off, Allocate and ListAndWatch pay one
-    global lookup.
-    """
+    """Prometheus metrics (prometheus_client, the ``metrics`` extra, imported here: only a plugin
+    with ``metrics_address`` needs it), in their own CollectorRegistry so that several plugins (tests,
+    an embedding program) each serve their own. The hooks elsewhere are ``if _metrics is not None``:
+    with metrics off, Allocate and ListAndWatch pay one global lookup."""
 
     def __init__(self, address: str) -> None:
         try:
@@ -6543,10 +6532,10 @@ class Metrics:
         self.api_errors = prometheus.Counter(
             "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
         )
-        # Served by our own HTTP server (_serve_http, started by serve()), not prometheus_client's
-        # start_http_server: that one serves from a thread per connection, with no timeout and no
-        # limit on connections (20 idle connections held 20 threads, for as long as they liked).
-        # The socket is bound here, so that a port in use fails the start with one line.
+        # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
+        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
+        # connection, no timeout). Bound here: a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
         self._content_type = prometheus.CONTENT_TYPE_LATEST
         self._socket = _http_listener(address, "metrics_address")
@@ -6575,10 +6564,8 @@ class Metrics:
         self.devices.labels(resource, HEALTHY).set(healthy)
         self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
 
-    # A resource's series live as long as it is configured. Prometheus cannot tell a series that is
-    # absent from a plugin that is down: an alert on `gopherplug_devices == 0` never fires for a
-    # resource with no series, and one for a resource removed from the configuration would go on
-    # with its last value. So each series appears at 0 when its resource starts, and goes with it.
+    # A resource's series appear at 0 when it starts and go with it: an alert on a series that is
+    # absent never fires, and a removed resource's would go on with its last value.
 
     def serve(self, resource: ResourceConfig, pool: str | None) -> None:
         """Give a starting resource every series that applies to it, at 0 where it has none yet (a
@@ -6625,30 +6612,43 @@ def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextMan
     return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
 
 
+@contextlib.contextmanager
+def _held_back(
+    kind: str,
+    what: str,
+    refusal: Callable[[str], Exception] | None = None,
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = log,
+) -> Iterator[None]:
+    """The rule at every boundary: nothing a file, a program, the kubelet, the API server or a peer
+    sends ends the process. An error in the block that is no refusal (GopherplugError) is a bug that
+    input ``what`` met, and still its refusal: one line, to ``logger`` (None: the caller's refusal
+    path says it), raised as ``refusal(line)`` for that path to keep what runs (the last good
+    configuration, the devices as known), or without ``refusal`` the block's effect not had. Its
+    traceback is logged at debug; gopherplug_unexpected_errors counts it by ``kind``."""
+    try:
+        yield
+    except Exception as error:
+        if isinstance(_innermost(error), GopherplugError):
+            raise
+        line = (
+            f"{what}{': ' if what else ''}{type(_innermost(error)).__name__}: {_describe(error)}: held back; "
+            "a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+        )
+        if _metrics is not None:
+            _metrics.unexpected.labels(kind).inc()
+        if logger is not None:
+            logger.error("%s", line)
+        log.debug("the bug's traceback:", exc_info=True)
+        if refusal is not None:
+            raise refusal(line) from error
+
+
 # The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
-# process from what it knows already. The shipped DaemonSets used to run `gopherplug probe` as an exec
-# probe every 30 s: a second Python process importing everything, parsing the configuration and
-# dialing every socket, 0.46 s of CPU and 36 MiB each time (more CPU on average than the pod's whole
-# request, and twice its memory while it ran). Answered here it costs a few hundred microseconds, and
-# proves no less:
-#
-# - registered with the kubelet that runs now: each resource's check compares the kubelet generation
-#   it registered with against kubelet.sock's current one (inotify's queue taken first, as register()
-#   does), so a kubelet that restarted and did not get our registration back fails the check at once,
-#   not after a grace; and a resource whose socket file was deleted or replaced fails it too (one
-#   stat(), the inode compared with the one we bound). The kubelet itself dials that socket right
-#   after Register, so "registered with the current kubelet" already means "its server answered".
-# - used: registered, but no ListAndWatch stream from the kubelet for PROBE_STREAM_GRACE fails, as
-#   `gopherplug probe` does (a kubelet that never opens one: kubernetes issue #125501).
-# - alive: the answer comes from the trio event loop that also accepts and answers every gRPC call.
-#   A wedged loop answers nothing, and the kubelet's timeoutSeconds fails the probe. (Not on the
-#   metrics port for that reason: prometheus_client serves from a thread of its own, which would
-#   answer 200 for a process whose loop is stuck.)
-#
-# No socket is dialed per check: a dial would add a second client's HTTP/2 handshake (about a
-# millisecond of the same event loop) to prove what the kubelet's own dial-back and streams prove
-# already. `gopherplug probe` stays the operator's full check: it dials every socket as the kubelet
-# would and prints the devices.
+# process from what it knows already (docs/operations.md, "The liveness check", says what each check
+# proves): registered with the kubelet that runs now (its generation compared, its socket's inode),
+# used (a ListAndWatch stream, as `gopherplug probe` asks), and alive (the answer comes from the event
+# loop that answers every gRPC call: a wedged loop answers nothing, and timeoutSeconds fails it). No
+# socket is dialed per check: the kubelet's own dial-back and streams prove that already.
 
 
 class Health:
@@ -6682,11 +6682,9 @@ class Health:
         return found
 
 
-#: The Health of the serve_plugin() this task runs under (None: no serve_plugin, e.g. serve_resource
-#: called by an embedding program, which then has no checks). A context variable rather than an
-#: argument through every layer: trio gives each task a copy of its parent's context, so every part
-#: serve_plugin starts (and every part those start) sees its own plugin's, and two plugins in one
-#: process (tests, an embedding program) each keep theirs.
+#: The Health of the serve_plugin() this task runs under (None: none, no checks). A context variable,
+#: not an argument through every layer: trio gives each task a copy of its parent's context, so two
+#: plugins in one process (tests, an embedding program) each keep theirs.
 _HEALTH: contextvars.ContextVar[Health | None] = contextvars.ContextVar("gopherplug_health", default=None)
 
 
@@ -6697,21 +6695,15 @@ def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractC
 
 
 # The two HTTP ports, health and metrics, are served by one small HTTP/1.1 server on the event loop,
-# with the limits a careful server has (Go's http.Server with ReadHeaderTimeout and WriteTimeout set,
-# as the kubelet's own ports are): in the charts the health port is open to every pod of the cluster,
-# and the kubelet restarts the pod when its probe fails. A peer that holds connections open without
-# sending must not keep the probe out (it did, once the process ran out of open files: main() raises
-# the soft limit too), a peer that sends one byte a second must not keep a connection forever, and a
-# peer that does not read must not keep a task. One request per connection (Connection: close):
-# the kubelet's prober turns keep-alive off and opens a connection per probe, and Prometheus simply
-# connects again for its next scrape, so no connection ever idles between two requests, and the
-# header timeout is also its idle timeout.
+# with the limits of Go's http.Server with ReadHeaderTimeout and WriteTimeout set (the kubelet's own
+# ports): the health port is open to every pod of the cluster, and a peer that holds connections,
+# trickles bytes or does not read must keep neither the probe out nor a task. One request per
+# connection (Connection: close), as the kubelet's prober and Prometheus make them: the header
+# timeout is also the idle timeout.
 
-#: The most connections one HTTP port serves at once. A new one past it closes the oldest (every
-#: connection is either waiting for its request, bounded by HTTP_HEADER_TIMEOUT, or being answered at
-#: once): connections held open only push each other out, never the kubelet's probe, which sends its
-#: request as soon as it connects. The kubelet has one probe in flight per container, Prometheus one
-#: scrape per target: 64 is room for several scrapers and a person with curl.
+#: The most connections one HTTP port serves at once; a new one past it closes the oldest: held open,
+#: they push each other out, never the kubelet's probe, which sends its request as it connects. 64
+#: is room for the kubelet's probe, several scrapers and a person with curl.
 HTTP_MAX_CONNECTIONS = 64
 #: How long a connection may take to send its whole request head, counted from its accept (Go's
 #: ReadHeaderTimeout, not reset by each byte: a slowloris gets this, not forever). The kubelet's
@@ -6719,40 +6711,45 @@ HTTP_MAX_CONNECTIONS = 64
 HTTP_HEADER_TIMEOUT = 2.0
 #: How long writing an answer may take (Go's WriteTimeout): a peer that does not read gets closed.
 HTTP_WRITE_TIMEOUT = 5.0
-#: The most of a request read: the kubelet's is about 150 bytes (request line, Host, User-Agent,
-#: Accept, Connection), Prometheus's about 300. Go's http.Server allows 1 MiB of headers; nothing
+#: The most of a request read: the kubelet's is about 150 bytes, Prometheus's about 300; nothing
 #: here reads more than the request line.
 HTTP_MAX_REQUEST = 8192
-# The names these had when they were the health server's alone.
-HEALTH_READ_TIMEOUT = HTTP_HEADER_TIMEOUT
-HEALTH_MAX_REQUEST = HTTP_MAX_REQUEST
 #: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
 #: /livez as the API server names the same check.
 HEALTH_PATHS = ("/healthz", "/livez")
-
-_HTTP_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
 def _http_answer(
     request: bytes, paths: tuple[str, ...], body: Callable[[], tuple[int, bytes]], content_type: str
 ) -> bytes:
     """The HTTP/1.1 response to one request: ``body()`` (its code and bytes) for GET or HEAD of one
-    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line."""
-    parts = request.split(b"\r\n", 1)[0].split()
-    kind = "text/plain; charset=utf-8"
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-        code, data = 400, b"not an HTTP request\n"
-    elif parts[0] not in (b"GET", b"HEAD"):
-        code, data = 405, b"only GET and HEAD\n"
-    elif parts[1].split(b"?", 1)[0].decode("latin-1") not in paths:
-        code, data = 404, f"not found: ask {paths[0]}\n".encode()
-    else:
-        (code, data), kind = body(), content_type
+    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line,
+    500 for a bug (_held_back)."""
+    line = request.split(b"\r\n", 1)[0]
+    parts, code, data, kind = line.split(), 500, b"", "text/plain; charset=utf-8"
+    with _held_back("http", f"HTTP request {line[:80]!r}"):
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            code, data = 400, b"not an HTTP request\n"
+        elif parts[0] not in (b"GET", b"HEAD"):
+            code, data = 405, b"only GET and HEAD\n"
+        elif _request_path(parts[1]) not in paths:
+            code, data = 404, f"not found: ask {paths[0]}\n".encode()
+        else:
+            (code, data), kind = body(), content_type
     head = (
-        f"HTTP/1.1 {code} {_HTTP_REASONS[code]}\r\nContent-Type: {kind}\r\n"
+        f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
+
+
+def _request_path(target: bytes) -> str:
+    """A request target's path: "/healthz" of "/healthz?verbose" and of the absolute form
+    "http://host/healthz", which RFC 9112 (section 3.2.2) says a server must accept."""
+    target = target.split(b"?", 1)[0]
+    if b"://" in target:
+        target = b"/" + (target.split(b"/", 3)[3:] or [b""])[0]
+    return target.decode("latin-1")
 
 
 def health_answer(health: Health, request: bytes) -> bytes:
@@ -6796,21 +6793,18 @@ async def _serve_http(
 ) -> None:
     """Answer one request per connection with ``answer(request head)`` until cancelled, within
     HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
-    ``listener`` (a _http_listener()) on the way out.
-
-    Connections are accepted as many at a time as are waiting (trio's serve_listeners takes one per
-    pass of its scheduler): the kubelet's probe behind a thousand connections in the listen backlog
-    is reached in one pass, the others pushed out as it comes in, not a thousand passes later."""
+    ``listener`` (a _http_listener()) on the way out. Connections are accepted as many at a time as
+    are waiting (trio's serve_listeners takes one per pass of its scheduler): the kubelet's probe
+    behind a thousand in the backlog is reached in one pass."""
     open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
 
     def complete(request: bytes) -> bool:
         return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
 
     def answer_at_once(connection: socket.socket) -> tuple[bytes, bytes]:
-        """Answer here, in the accepting task, a request that is there already (the kubelet's probe
-        writes it as it connects): no task, and no pass of the scheduler between the accept and the
-        answer, each of which waits for every other task's turn. Returns what is left to do: the
-        request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
+        """Answer a request that is there already (the kubelet's probe writes it as it connects) in
+        the accepting task, with no pass of the scheduler in between. Returns what is left to do:
+        the request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
         try:
             request = connection.recv(HTTP_MAX_REQUEST)
         except BlockingIOError:
@@ -7409,7 +7403,7 @@ async def watch_devices(
             trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
         # Every source first, then one device set: the CDI spec and the kubelet's first list
         # describe them all.
-        device_set.update({key: entry for tracker in trackers for key, entry in tracker.rescan().items()})
+        device_set.update({key: entry for tracker in trackers for key, entry in _scanned(tracker).items()})
         task_status.started()
         async with trio.open_nursery() as nursery:
             for tracker in trackers:
@@ -7420,88 +7414,163 @@ async def watch_devices(
                 nursery.start_soon(_describe_devices, device_set)
 
 
+#: How much of a program's stderr is kept, at its beginning and at its end: the last line says why
+#: it failed (the kubelet shows a pre_start command's in the pod's events), and sometimes only the
+#: first does (a script saved with CRLF endings: `'python3\r': No such file or directory`, then a
+#: line that does not say why). Whatever the program prints, this is all it costs us.
+STDERR_KEPT = 4096
+#: Once a program has exited, how long what it printed may take to be read: the pipes hold it
+#: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
+PROGRAM_EXIT_GRACE = 1.0
+#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them).
+_RUNNING: set[int] = set()
+
+
+def _kill_process_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _reap_orphans() -> None:
+    """As PID 1 of its container, reap the orphans that ended: the kernel makes PID 1 the parent of
+    every process whose parent is gone (a child a describe left, killed with its group), a zombie
+    until PID 1 waits for it. At each SIGCHLD (serve_until_signalled) and each program's end; the
+    ended are peeked at (WNOWAIT) first, and one of run_program's own is left to trio's wait."""
+    with contextlib.suppress(ChildProcessError):
+        while os.getpid() == 1 and (ended := os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
+            if ended.si_pid in _RUNNING:
+                return  # looked at again as that program ends
+            os.waitpid(ended.si_pid, 0)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What run_program saw of a program: its exit status (None: killed at its timeout), its stdout
+    (None: not kept, or more than asked for) and the beginning and end of its stderr."""
+
+    returncode: int | None
+    stdout: bytes | None
+    stderr: bytes
+
+    def said(self) -> str:
+        """ ": <its stderr's last line> (first: <its first>)", or " (nothing on stderr)"."""
+        lines = [line.strip() for line in self.stderr.decode(errors="replace").splitlines() if line.strip()]
+        first = next((line for line in lines if line != "Traceback (most recent call last):"), "")
+        first = f" (first: {first[:120]})" if first and first != lines[-1] else ""
+        return f": {lines[-1]}{first}" if lines else " (nothing on stderr)"
+
+    def how(self) -> str:
+        """How it ended, when not as it should: "exited with 2", "killed by signal 9"."""
+        assert self.returncode is not None
+        return f"exited with {self.returncode}" if self.returncode > 0 else f"killed by signal {-self.returncode}"
+
+
+async def run_program(
+    argv: Iterable[str], env: Mapping[str, str], *, limit: int = 0, timeout: float = math.inf, fds: tuple[int, ...] = ()
+) -> Ran:
+    """Run ``argv`` until it exits: the one runner of describe, pre_start and exec credential plugins.
+    No shell, stdin /dev/null, ``fds`` passed on; stdout kept up to ``limit`` bytes (0: /dev/null;
+    past it the program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
+    cannot be started.
+
+    Resource handling: the program runs in its own process group, killed whole once the program
+    exits, at ``timeout`` and when cancelled: nothing it started outlives it. Its answer is taken
+    when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
+    pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
+    reaped, before any other task runs: its ID cannot have gone to another program of ours."""
+    stdout, stderr = bytearray(), bytearray()
+    too_much = timed_out = False
+    process = await trio.lowlevel.open_process(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if limit else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        pass_fds=fds,
+    )
+    _RUNNING.add(process.pid)
+
+    async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+        nonlocal too_much
+        async with stream:
+            async for chunk in stream:
+                into += chunk
+                if into is stderr and len(into) > 2 * STDERR_KEPT:
+                    del into[STDERR_KEPT:-STDERR_KEPT]
+                elif into is stdout and len(into) > limit:
+                    too_much = True
+                    return _kill_process_group(process.pid)  # nothing it prints now is read
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for stream, into in ((process.stdout, stdout), (process.stderr, stderr)):
+                if stream is not None:
+                    nursery.start_soon(read, stream, into)
+            with trio.move_on_after(timeout) as deadline:
+                await process.wait()
+            timed_out = deadline.cancelled_caught
+            _kill_process_group(process.pid)
+            with trio.CancelScope(shield=True):  # at its timeout: killed just now, it ends at once
+                await process.wait()
+            nursery.cancel_scope.deadline = trio.current_time() + PROGRAM_EXIT_GRACE
+    finally:
+        if process.returncode is None:  # cancelled: killed with what it started
+            _kill_process_group(process.pid)
+            with trio.CancelScope(shield=True):
+                await process.wait()
+        _RUNNING.discard(process.pid)
+        _reap_orphans()
+    kept = None if too_much or not limit else bytes(stdout)
+    return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
+
+
 #: How long a resource's ``describe`` may run before it is killed (with what it started)
 DESCRIBE_TIMEOUT = 10.0
 #: The most a ``describe`` may print: more is not a description of a node's devices
 DESCRIBE_MAX_OUTPUT = 1024 * 1024
 #: A failed ``describe`` is run again after the first of these, doubled at each failure up to the
-#: second (seconds, jittered): the node may lack what it needs for now (a driver still loading, a
-#: binary about to be installed), and its devices' values should appear when it has it, unrestarted
+#: second (seconds, jittered): what it needs may come later (a driver loading), and its values then
 DESCRIBE_RETRY = (5.0, 300.0)
 
 
 class DescribeError(GopherplugError):
-    """A resource's ``describe`` failed: its one line says how, with its stderr's last line."""
+    """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
+
+
+#: GOPHERPLUG_DEVICES holds the IDs up to this many bytes, empty past it (the kernel starts no program
+#: with a variable over 128 KiB, MAX_ARG_STRLEN: ~14,500 IDs); GOPHERPLUG_DEVICES_FILE's at any size.
+DESCRIBE_DEVICES_IN_ENV = 64 * 1024
 
 
 async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[dict[str, ReadValues], list[str]]:
-    """Run the resource's ``describe`` once, for the devices ``ids``: what it says of each device
-    (parse_description), and the IDs it described that are not among them. Raises DescribeError
-    when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more than
-    DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
-
-    No shell: the argv as configured, stdin /dev/null, its own process group (killed whole at the
-    timeout). It is told the resource (GOPHERPLUG_RESOURCE) and the devices (GOPHERPLUG_DEVICES,
-    comma-joined IDs), and may describe more: a script around nvidia-smi prints every GPU."""
-    ids = list(ids)
-    command = resource.describe[0]
-    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES": ",".join(ids)}
-    output, tail = bytearray(), bytearray()
-    too_much = False
-    process: trio.Process | None = None
-
-    async def read_stdout(stream: trio.abc.ReceiveStream, cancel: trio.CancelScope) -> None:
-        nonlocal too_much
-        async with stream:
-            async for chunk in stream:
-                output.extend(chunk)
-                if len(output) > DESCRIBE_MAX_OUTPUT:
-                    too_much = True
-                    cancel.cancel()  # and kill it: nothing it prints now is read
-
-    async def read_stderr(stream: trio.abc.ReceiveStream) -> None:
-        async with stream:
-            async for chunk in stream:
-                tail.extend(chunk)
-                del tail[:-PRE_START_STDERR_TAIL]
-
-    with trio.move_on_after(DESCRIBE_TIMEOUT) as deadline:
-        try:
-            with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-                async with trio.open_nursery() as nursery:
-                    process = await nursery.start(
-                        functools.partial(
-                            trio.run_process,
-                            list(resource.describe),
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            check=False,
-                            start_new_session=True,  # its own process group: what it starts is killed with it
-                            deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-                        )
-                    )
-                    assert process is not None and process.stdout is not None and process.stderr is not None
-                    nursery.start_soon(read_stdout, process.stdout, nursery.cancel_scope)
-                    nursery.start_soon(read_stderr, process.stderr)
-        except OSError as error:
-            raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
-    lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]
-    said = f": {lines[-1]}" if lines else " (nothing on stderr)"
-    if too_much:
-        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){said}")
-    if deadline.cancelled_caught:
-        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){said}")
-    assert process is not None and process.returncode is not None
-    if process.returncode != 0:
-        how = (
-            f"exited with {process.returncode}" if process.returncode > 0 else f"killed by signal {-process.returncode}"
-        )
-        raise DescribeError(f"describe {command} {how}{said}")
+    """Run the resource's ``describe`` once (run_program) for the devices ``ids``: what it says of
+    each device (parse_description), and the IDs it described that are not among them; DescribeError
+    when it cannot run, fails, times out, prints too much or no JSON object of device IDs. It is
+    told the resource (GOPHERPLUG_RESOURCE) and the devices: GOPHERPLUG_DEVICES_FILE names a file of
+    their comma-joined IDs (a memfd, /dev/fd/N: the pod's root file system is read-only), and
+    GOPHERPLUG_DEVICES holds the same up to DESCRIBE_DEVICES_IN_ENV bytes."""
+    ids, command, listing = list(ids), resource.describe[0], os.memfd_create("gopherplug-devices")
+    joined = ",".join(ids)
+    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES_FILE": f"/dev/fd/{listing}"}
+    env["GOPHERPLUG_DEVICES"] = joined if len(joined.encode()) <= DESCRIBE_DEVICES_IN_ENV else ""
     try:
-        described = parse_description(output.decode())
-    except (UnicodeDecodeError, ValueError) as error:
+        with open(listing, "w", closefd=False) as file:
+            file.write(joined)
+        ran = await run_program(
+            resource.describe, env, limit=DESCRIBE_MAX_OUTPUT, timeout=DESCRIBE_TIMEOUT, fds=(listing,)
+        )
+    except OSError as error:
+        raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
+    finally:
+        os.close(listing)
+    if ran.returncode is None or ran.stdout is None or ran.returncode != 0:
+        how = f"did not finish within {DESCRIBE_TIMEOUT:g} s (killed)" if ran.returncode is None else ran.how()
+        how = f"printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed)" if ran.stdout is None else how
+        raise DescribeError(f"describe {command} {how}{ran.said()}")
+    try:
+        described = parse_description(ran.stdout.decode())
+    except ValueError as error:  # UnicodeDecodeError included
         raise DescribeError(f"describe {command} printed no description: {error}") from None
     return described, sorted(set(described) - set(ids))
 
@@ -7515,9 +7584,14 @@ def parse_description(text: str) -> dict[str, ReadValues]:
     for each bad one, the others kept."""
     try:
         data = json.loads(text)
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") is no text to publish
     except json.JSONDecodeError as error:
         shown = text.strip()[:40]
         raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno}): {shown!r}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ValueError("a string holds a lone surrogate (a \\uD800 to \\uDFFF escape not in a pair)") from None
     if not isinstance(data, dict):
         raise ValueError(f"a JSON object of device IDs was expected, not {type(data).__name__}")
     described = {}
@@ -7538,14 +7612,10 @@ def parse_description(text: str) -> dict[str, ReadValues]:
 
 
 async def _describe_devices(device_set: _DeviceSet) -> None:
-    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), and
-    give the device set what it said. Never on a kubelet's call: Allocate and ListAndWatch send
-    the devices as last described.
-
-    A failure (DescribeError) is said once, and again when the reason changes; the devices stay
-    offered with what is known (their files' values, and what the last run that worked said of
-    them), nothing made up. A failed run is tried again after a while (DESCRIBE_RETRY); when one
-    works again, that is said too, and its values appear."""
+    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), never
+    on a kubelet's call, and give the device set what it said. A failure (DescribeError, or a bug
+    _held_back) is said once, and again when the reason changes; the devices stay offered with what
+    is known, nothing made up, and it is tried again (DESCRIBE_RETRY): a run that works is said too."""
     resource = device_set.resource
     failed = ""  # the failure last said ("": none)
     unknown_said: list[str] = []
@@ -7557,7 +7627,8 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
         if ids != done_for and ids:
             done_for = ids
             try:
-                described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
+                with _held_back("describe", f"describe {resource.describe[0]}", DescribeError, logger=None):
+                    described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
             except DescribeError as error:
                 if str(error) != failed:
                     failed = str(error)
@@ -7596,10 +7667,17 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
     async for events, touched, rescan in tracker.watch.batches():
-        if rescan:
-            device_set.update(tracker.rescan())
-        else:
-            device_set.update(tracker.update([name for name, _ in events], touched))
+        device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+
+
+def _scanned(
+    tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
+) -> dict[_Key, DeviceEntry | None]:
+    """The tracker's changes (``names``: a batch's; None: all); none after a bug (_held_back)."""
+    changes: dict[_Key, DeviceEntry | None] = {}
+    with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
+        changes = tracker.rescan() if names is None else tracker.update(names, touched)
+    return changes
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -7830,11 +7908,17 @@ class _DeviceSet:
             if not (device.attributes or device.capacity):
                 return device  # nothing declared: the scan's path stays as it was
         problems: list[tuple[str, str]] = []
-        if read_files:
-            self.files[device.id], problems = read_declared_values(self.resource, device)
-        entry, more = with_read_values(
-            self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+        kept = self.found.get(device.id)  # after a bug met by what was read: the values it had (new: none)
+        entry = (
+            device if kept is None else dataclasses.replace(device, attributes=kept.attributes, capacity=kept.capacity)
         )
+        more: list[tuple[str, str]] = []
+        with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
+            if read_files:
+                self.files[device.id], problems = read_declared_values(self.resource, device)
+            entry, more = with_read_values(
+                self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+            )
         now = dict(problems + more)
         for warned in [warned for warned in self.value_warned if warned[0] == device.id and warned[1] not in now]:
             del self.value_warned[warned]
@@ -8539,32 +8623,17 @@ def device_plugin_service(
     return plugin.service()
 
 
-#: At most this many pre_start commands of a resource run at once; the kubelet's further calls
-#: wait for a slot, the wait counting toward pre_start_timeout. The kubelet calls PreStartContainer
-#: for every container start, and starts pods in parallel: a node starting 110 pods (the default
-#: maximum) must not fork 110 hook processes at once, each perhaps resetting hardware or loading
-#: firmware. Eight let a burst of quick commands through in parallel, on any node's cores.
+#: At most this many pre_start commands of a resource run at once; the kubelet's further calls wait
+#: (counted in pre_start_timeout). A node starting 110 pods (the kubelet's maximum) must not fork 110
+#: hook processes at once, each perhaps resetting hardware; eight let a burst of quick ones through.
 PRE_START_CONCURRENCY = 8
-
-#: How much of a pre_start command's stderr is kept: its end, which holds the last line the
-#: kubelet shows in the pod's events. Whatever the command prints, this is all it costs us.
-PRE_START_STDERR_TAIL = 4096
-
-
-async def _kill_process_group(process: trio.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
-    """Run the resource's pre_start command for a container about to start with ``chosen``.
-
-    No shell: the argv as configured, with the env var of an allocation (and GOPHERPLUG_RESOURCE)
-    added to this process's environment; stdin and stdout are /dev/null. The command waits for
-    one of ``slots`` first (see PRE_START_CONCURRENCY). A non-zero exit, or waiting and running
-    past pre_start_timeout, becomes an RPCError carrying the command's last line of stderr (or
-    what it waited for): the kubelet then fails the container start with it, in the pod's events.
-    """
+    """Run the resource's pre_start command (run_program, stdout /dev/null) for a container about
+    to start with ``chosen``, with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
+    ``slots`` is free (PRE_START_CONCURRENCY). A failure, or waiting and running past
+    pre_start_timeout, is an RPCError with its stderr's lines: the kubelet puts it in the pod's events."""
     command = resource.pre_start[0]
     env = {**os.environ, resource.env: ",".join(d.id for d in chosen), "GOPHERPLUG_RESOURCE": resource.name}
     started = False
@@ -8574,7 +8643,7 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         with trio.fail_after(resource.pre_start_timeout):
             async with slots:
                 started = True
-                returncode, stderr = await _run_for_stderr_tail(resource.pre_start, env)
+                ran = await run_program(resource.pre_start, env)
     except trio.TooSlowError:
         if not started:
             raise RPCError(
@@ -8589,42 +8658,9 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         ) from None
     except OSError as error:
         raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
-    if returncode != 0:
-        lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-        how = f"exited with {returncode}" if returncode > 0 else f"killed by signal {-returncode}"
-        said = f": {lines[-1].strip()}" if lines else " (nothing on stderr)"
-        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {how}{said}")
+    if ran.returncode != 0:
+        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {ran.how()}{ran.said()}")
     _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
-
-
-async def _run_for_stderr_tail(argv: Iterable[str], env: Mapping[str, str]) -> tuple[int, bytes]:
-    """Run ``argv`` to its end; return its exit status and the last PRE_START_STDERR_TAIL bytes of
-    its stderr. Its stdout goes to /dev/null: a command may print gigabytes, and capturing all of
-    it, as trio.run_process(capture_stderr=True) does, would hold them all in our memory."""
-    tail = bytearray()
-    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    list(argv),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,  # its own process group: what it starts is killed with it
-                    deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-                )
-            )
-            assert process.stderr is not None  # stderr=PIPE
-            async with process.stderr:
-                async for chunk in process.stderr:
-                    tail += chunk
-                    del tail[:-PRE_START_STDERR_TAIL]
-    # The nursery waited for run_process, which waited for the command to exit.
-    assert process.returncode is not None
-    return process.returncode, bytes(tail)
 
 
 async def register(
@@ -9419,27 +9455,18 @@ class ExecCredentialError(ApiError):
 
 
 class ExecCredentialPlugin:
-    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
-    ``kubelogin get-token``), run as client-go runs it (plugin/pkg/client/auth/exec/exec.go; the
-    contract is the docs' "client-go credential plugins"), under trio: lightkube 1.0.1 runs it
-    through asyncio, which has no event loop under trio (its requests fail with "no running event
-    loop").
+    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``kubelogin get-token``),
+    run as client-go runs it (plugin/pkg/client/auth/exec/exec.go), under trio: lightkube 1.0.1 runs
+    it through asyncio, which has no event loop under trio. docs/dra.md says the contract.
 
-    - The command: a bare name is looked up on PATH, as Go's exec.Command does; a path with a slash
-      in it is relative to the kubeconfig's directory (clientcmd's ResolveLocalPaths), not to ours.
-    - Its environment: ours, then the kubeconfig's ``env`` entries, then KUBERNETES_EXEC_INFO, the
-      ExecCredential request as JSON: apiVersion, kind, spec.interactive (always false: a driver
-      has no one to answer a prompt, so stdin is /dev/null) and spec.cluster only with
-      ``provideClusterInfo: true`` (the cluster's server, CA data, TLS server name, proxy URL and
-      its ``client.authentication.k8s.io/exec`` extension, as client-go's rest.ConfigToExecCluster).
-    - Its stdout: an ExecCredential of the apiVersion asked for, whose status.token is sent as the
-      bearer token until status.expirationTimestamp (RFC 3339; none: until the API server refuses
-      it), as client-go caches it. A 401 runs the plugin again, unless another request already has
-      since this one's token was had, at most once per request; client-go then returns the 401 and
-      the next request has the new token, this sends the request once more with it, as the token
-      file's authentication here does (_token_file_auth).
-    - One run at a time (a lock, as client-go's mutex): concurrent requests wait for it and share
-      its credential. A run is bounded by EXEC_CREDENTIAL_TIMEOUT, killed with its process group.
+    - The command: a bare name looked up on PATH; one with a slash relative to the kubeconfig's
+      directory (clientcmd's ResolveLocalPaths). Its environment: ours, the kubeconfig's ``env``,
+      then KUBERNETES_EXEC_INFO (spec.interactive always false; spec.cluster only with
+      ``provideClusterInfo: true``, as client-go's rest.ConfigToExecCluster makes it).
+    - Its stdout: an ExecCredential whose status.token is sent until status.expirationTimestamp. A
+      401 runs the plugin again (unless another request has since), and the request is sent once
+      more with the new token, as _token_file_auth does (client-go returns the 401).
+    - One run at a time (a lock, as client-go's mutex), run_program's, within EXEC_CREDENTIAL_TIMEOUT.
 
     Not supported, each refused with a line that says what to do: interactiveMode Always (a plugin
     that must prompt), and a client certificate in place of a token (status.clientCertificateData
@@ -9575,20 +9602,18 @@ class ExecCredentialPlugin:
             raise self._error(f"{self.command} not found{where}{hint}")
         try:
             with trio.fail_after(EXEC_CREDENTIAL_TIMEOUT):
-                returncode, stdout, stderr = await _run_for_output([executable, *self.args], env)
+                ran = await run_program([executable, *self.args], env, limit=EXEC_CREDENTIAL_MAX_OUTPUT)
         except trio.TooSlowError:
             raise self._error(f"did not finish within {EXEC_CREDENTIAL_TIMEOUT:g} s (killed)") from None
         except OSError as error:
             raise self._error(f"cannot run it: {_describe(error)}") from None
-        lines = [line.strip() for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-        if returncode != 0:
-            how = f"exited with {returncode}" if returncode > 0 else f"was killed by signal {-returncode}"
-            raise self._error(f"{how}: {lines[-1]}" if lines else f"{how} (nothing on stderr)")
-        if lines:  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
-            log.info("%s said: %s", self.shown, lines[-1])
-        if stdout is None:
+        if ran.stdout is None:
             raise self._error(f"printed more than {EXEC_CREDENTIAL_MAX_OUTPUT} bytes, not an ExecCredential")
-        self.token, self.expires = self._credential(stdout)
+        if ran.returncode != 0:
+            raise self._error(f"{ran.how()}{ran.said()}")
+        if ran.stderr.strip():  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
+            log.info("%s said%s", self.shown, ran.said())
+        self.token, self.expires = self._credential(ran.stdout)
 
     def _credential(self, stdout: bytes) -> tuple[str, float]:
         """The token and its expiry (time.time(); math.inf: none) in the plugin's ExecCredential."""
@@ -9633,49 +9658,6 @@ class ExecCredentialPlugin:
         except ValueError as error:
             raise self._error(f"status.expirationTimestamp {expiry!r} is not an RFC 3339 time ({error})") from None
         return token, when.timestamp()
-
-
-async def _run_for_output(argv: list[str], env: Mapping[str, str]) -> tuple[int, bytes | None, bytes]:
-    """Run ``argv`` to its end, stdin /dev/null; return its exit status, its stdout (None if longer
-    than EXEC_CREDENTIAL_MAX_OUTPUT) and the last PRE_START_STDERR_TAIL bytes of its stderr. Both
-    pipes are read as the command writes: one read after the other would leave it blocked on a full
-    pipe. Cancelled, it is killed with everything it started (its own process group)."""
-    stdout, tail = bytearray(), bytearray()
-    too_long = False
-
-    async def read_stdout(stream: trio.abc.ReceiveStream) -> None:
-        nonlocal too_long
-        async with stream:
-            async for chunk in stream:
-                if not too_long:
-                    stdout.extend(chunk)
-                    too_long = len(stdout) > EXEC_CREDENTIAL_MAX_OUTPUT
-                    if too_long:
-                        stdout.clear()
-
-    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,
-                    deliver_cancel=_kill_process_group,
-                )
-            )
-            assert process.stdout is not None and process.stderr is not None  # both PIPE
-            nursery.start_soon(read_stdout, process.stdout)
-            async with process.stderr:
-                async for chunk in process.stderr:
-                    tail += chunk
-                    del tail[:-PRE_START_STDERR_TAIL]
-    assert process.returncode is not None
-    return process.returncode, None if too_long else bytes(stdout), bytes(tail)
 
 
 def _exec_credential_auth(httpx2: Any, plugin: ExecCredentialPlugin) -> Any:
@@ -11877,10 +11859,9 @@ NFD_RETRY_SECONDS = 30.0
 
 
 def write_nfd_features(path: str, text: str) -> os.stat_result:
-    """Write the NFD feature file whole (_replace_whole): nfd-worker watches its directory and
-    reads each file at every event, so it must never see half of one. The temporary file's name
-    begins with ".", which NFD skips. Its directory is made if missing (nfd-worker reads it when
-    it is there). Not synced to the disk: every start writes the file anew. Raises OSError."""
+    """Write the NFD feature file whole (_replace_whole: nfd-worker reads it at every event in its
+    directory, and skips the temporary file, whose name begins with "."), its directory made if
+    missing; not synced to the disk: every start writes it anew. Raises OSError."""
     directory = os.path.dirname(path)
     if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs would say "File exists"
         raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a directory")
@@ -11889,53 +11870,64 @@ def write_nfd_features(path: str, text: str) -> os.stat_result:
 
 
 async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: Watched) -> None:
-    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices come,
-    go and change health, and as a reload adds or removes resources: written when its text
-    changes, not at each wake (a device's health flapping rewrites it only as the count changes).
-    It is not on the kubelet's path: this task wakes with the device sets, as _warn_shared_nodes.
-    A write that fails is said once (and once when it works again) and tried again at the next
-    change or after NFD_RETRY_SECONDS; the plugin serves on.
+    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices and the
+    configuration change: written when its text changes (off the kubelet's path). A write that fails
+    is said once and tried again at the next change or after NFD_RETRY_SECONDS; the plugin serves on.
 
-    Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
-    labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
-    task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
-    written its own by the time the old one stops, and that one stays."""
+    Removed when cancelled (a clean stop), so NFD removes the labels, if it is still the file this
+    task wrote (its inode): in a DaemonSet's rolling update with surge the new pod's stays. If the
+    old pod wrote it last (its devices changed) and removes it, the new pod sees it vanish (inotify)
+    and writes it again."""
     text: str | None = None
     written: os.stat_result | None = None
     failing: str | None = None
+    vanished = Watched(None)
+
+    async def watch_file(watch: DirectoryWatch) -> None:
+        async with contextlib.aclosing(watch.batches()) as batches:
+            async for _ in batches:
+                vanished.touch()  # the loop looks whether it was the file
+
     try:
-        while True:
-            # The events before the look: a change made while looking is not missed.
-            events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
-            wanted = nfd_features(
-                (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
-            )
-            if wanted != text:
-                try:
-                    written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
-                except OSError as error:
-                    problem = (
-                        f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}: "
-                        f"its labels stay as they were; trying again at the next change or in {NFD_RETRY_SECONDS:g} s"
+        with DirectoryWatch(os.path.dirname(path), flags.DELETE | flags.MOVED_FROM) as watch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_file, watch)
+                while True:
+                    # The events before the look: a change made while looking is not missed.
+                    wakes = (roster, vanished, *(one.devices for one in served.values()))
+                    events = [watched.next_touch() for watched in wakes]
+                    if text is not None and not os.path.lexists(path):
+                        text = None  # another pod's stop removed it: written again
+                    wanted = nfd_features(
+                        (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
                     )
-                    if problem != failing:
-                        log.error("%s", problem)
-                    failing = problem
-                else:
-                    text = wanted
-                    if failing is not None:
-                        log.info("wrote the NFD feature file %s again", path)
-                    failing = None
-                    if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
-                        log.error(
-                            "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so none of "
-                            "its labels reach the node; serve fewer resources from this configuration",
-                            path,
-                            len(wanted.encode()),
-                            NFD_MAX_FEATURE_FILE_SIZE,
-                        )
-            with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
-                await _any_event(events, trio.Event())
+                    if wanted != text:
+                        try:
+                            written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
+                        except OSError as error:
+                            problem = (
+                                f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}:"
+                                " its labels stay as they were; trying again at the next change or in "
+                                f"{NFD_RETRY_SECONDS:g} s"
+                            )
+                            if problem != failing:
+                                log.error("%s", problem)
+                            failing = problem
+                        else:
+                            text = wanted
+                            if failing is not None:
+                                log.info("wrote the NFD feature file %s again", path)
+                            failing = None
+                            if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
+                                log.error(
+                                    "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so "
+                                    "none of its labels reach the node; serve fewer resources from this configuration",
+                                    path,
+                                    len(wanted.encode()),
+                                    NFD_MAX_FEATURE_FILE_SIZE,
+                                )
+                    with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
+                        await _any_event(events, trio.Event())
     finally:
         if written is not None:
             with contextlib.suppress(OSError):
@@ -12130,14 +12122,12 @@ async def watch_config_file(
 
     inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
     rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
-    over); where the file's symlinks lead is followed too. An invalid file is logged with its
-    error, and the running configuration stays; the next valid reading is logged as valid again.
-    With ``current`` (the configuration running now), the file is compared with it first: an
-    edit made while the plugin was starting is not lost.
-    ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
-    ``metrics_address`` (the command line's --metrics-address) overrides the file's in every reading,
-    as ``device_plugin_dir`` does: the running configuration has it, and a reading without it would
-    differ from it, a reload of nothing at every start.
+    over); where the file's symlinks lead is followed too. An invalid file (or one a bug meets,
+    _held_back) is logged with its error, and the running configuration stays; the next valid
+    reading is logged as valid again. With ``current`` (running now), the file is compared with it
+    first: an edit made during the start is not lost. ``on_watch`` is given the watch: its poke()
+    has the file read again now (SIGHUP). ``metrics_address`` and ``device_plugin_dir`` (the
+    command line's) override the file's in every reading, as the running configuration has them.
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
@@ -12168,9 +12158,16 @@ async def watch_config_file(
                     continue
                 last_text = text
                 try:
-                    config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
-                    if metrics_address is not None:
-                        config = dataclasses.replace(config, metrics_address=metrics_address)
+                    with _held_back("config", "", lambda line: ConfigError(path, "", line), logger=None):
+                        config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+                        if metrics_address is not None:
+                            config = dataclasses.replace(config, metrics_address=metrics_address)
+                        emptied = (
+                            config != last_config
+                            and config.warnings
+                            and not forced
+                            and _emptied(last_config or _config_or_none(last_read, path), config)
+                        )
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     invalid = error
@@ -12184,12 +12181,7 @@ async def watch_config_file(
                     else:
                         log.info("%s is valid again: applying it", path)
                 held = None
-                if (
-                    config != last_config
-                    and config.warnings
-                    and not forced
-                    and (emptied := _emptied(last_config or _config_or_none(last_read, path), config))
-                ):
+                if emptied:
                     # A DaemonSet's ConfigMap reaches every node at once: a warned-about file that would
                     # take a served resource to nothing is taken for a mistake until it is confirmed.
                     held = text
@@ -14653,12 +14645,21 @@ def main(argv: list[str] | None = None) -> int:
     closes the pipe after one line, and what was read is all that was wanted. Not SIGPIPE's default
     action, which would end serve too at a peer's closed socket."""
     try:
-        return _main(argv)
-    except BrokenPipeError:
-        # As Python's signal documentation advises: stdout pointed at /dev/null, so that the flush
-        # at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        with _held_back("command", "", GopherplugError, logger=None):  # a bug: one line, never a traceback
+            try:
+                return _main(argv)
+            except BrokenPipeError:
+                # As Python's signal documentation advises: stdout pointed at /dev/null, so that the
+                # flush at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 128 + signal.SIGPIPE
+    except GopherplugError as error:
+        print(f"gopherplug: {error}", file=sys.stderr)
+        if error.__cause__ is not None and os.environ.get("GOPHERPLUG_LOG_LEVEL", "").lower() == "debug":
+            import traceback  # here, where a bug is
+
+            traceback.print_exception(error.__cause__)
+        return EXIT_FAILURE
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -15071,15 +15072,14 @@ async def serve_until_signalled(
     kubelet's SIGKILL would 30 s later: the sockets are gone by then (serve_grpc removes its own
     first). If ``async_fn`` returns or raises first, so does this.
 
-    SIGTERM is how the kubelet deletes a pod (and docker stop, systemctl stop), SIGINT is Ctrl-C;
-    without this, either kills the process and leaves its sockets and lock files behind for the
-    next start to clear. SIGHUP, which would kill it too, is taken only with ``on_sighup`` (called
-    at each one: the command line reads its configuration again, as daemons do by convention).
-
-    The signals are received from before ``async_fn`` starts: one sent as soon as it has started
-    is not lost. Trio receives signals only in the main thread (also in guest mode, under asyncio).
+    SIGTERM is how the kubelet deletes a pod, SIGINT is Ctrl-C: without this, either kills the
+    process and leaves its sockets and lock files behind. SIGHUP is taken only with ``on_sighup``
+    (called at each: the command line reads its configuration again); SIGCHLD only as PID 1 of a
+    container (_reap_orphans). Signals are received from before ``async_fn`` starts, and (trio's
+    rule) only in the main thread.
     """
     asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
+    asked += (signal.SIGCHLD,) if os.getpid() == 1 else ()  # _reap_orphans
     serving, stopped = trio.CancelScope(), trio.Event()
     began: float | None = None
     with trio.open_signal_receiver(*asked) as signals:
@@ -15093,8 +15093,8 @@ async def serve_until_signalled(
 
             nursery.start_soon(serve)
             async for signum in signals:
-                if signum == signal.SIGHUP and on_sighup is not None:
-                    on_sighup()
+                if signum in (signal.SIGHUP, signal.SIGCHLD):
+                    on_sighup() if signum == signal.SIGHUP and on_sighup is not None else _reap_orphans()
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 break

@@ -439,8 +439,9 @@ async def test_handler_bug_is_unknown_and_server_goes_on(pb2, served, grpcio_cli
         with pytest.raises(grpc.RpcError) as info:
             await in_thread(grpcio_client.allocate, allocate_request(pb2, "crash"), timeout=TIMEOUT)
         assert info.value.code() == grpc.StatusCode.UNKNOWN
-        assert info.value.details() == "ZeroDivisionError: handler bug"
-        assert "DevicePlugin/Allocate failed" in caplog.text
+        line = "v1beta1.DevicePlugin/Allocate: ZeroDivisionError: handler bug: held back; a bug in gopherplug"
+        assert info.value.details().startswith(line)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [info.value.details()]
         await in_thread(grpcio_client.get_options, pb2.Empty(), timeout=TIMEOUT)
 
 
@@ -5380,7 +5381,7 @@ async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path
         assert trio.current_time() - asked < 3, "generous: trio's default would wait 5 s after SIGTERM"
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
-        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing",
+        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing (first: checking g2)",
     )
     assert (slow.value.code, slow.value.message) == (
         StatusCode.DEADLINE_EXCEEDED,
@@ -5503,7 +5504,7 @@ async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
         grown = getrusage(RUSAGE_SELF).ru_maxrss - peak
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
-        f"pre_start {sys.executable} exited with 1: the disk is full",
+        f"pre_start {sys.executable} exited with 1: the disk is full (first: {'x' * 120})",
     )
     assert grown < 50 * 1024, f"the plugin's peak memory grew by {grown // 1024} MiB for 600 MiB of output"
 
@@ -11758,8 +11759,8 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
         await dra_node.wait_for_slices(["gopher0"])
         await runs(2)  # failed twice: said once
         assert said("describe") == [
-            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found; the devices are "
-            "offered without what it would say (0 keep what it said before)"
+            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found (first: starting); "
+            "the devices are offered without what it would say (0 keep what it said before)"
         ]
         assert attributes() == [
             {
@@ -11796,6 +11797,296 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
 
 
 #: A described value of each kind the API server refuses a ResourceSlice for, and the cause it gives
+# ------------------------------------------------------------------------------------------------
+# The boundary (issue 44): a bug met by an input is that input's refusal, never the process's end
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unexpected(monkeypatch):
+    """Metrics on for the test: a function giving gopherplug_unexpected_errors for an input kind."""
+    metrics = gp.Metrics("127.0.0.1:0")
+    monkeypatch.setattr(gp, "_metrics", metrics)
+    yield lambda kind: metrics.registry.get_sample_value("gopherplug_unexpected_errors_total", {"input": kind})
+    metrics.close()
+
+
+def raising(error, when=lambda *args: True, real=None):
+    """A stand-in that raises ``error`` when ``when(*args)``, else calls ``real``."""
+
+    def stand_in(*args, **kwargs):
+        if when(*args):
+            raise error
+        return real(*args, **kwargs)
+
+    return stand_in
+
+
+BUG = "held back; a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+
+
+async def test_a_bug_met_by_a_reload_keeps_the_running_configuration(nursery, node, tmp_path, monkeypatch, unexpected):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    real = gp._config_from_text
+    monkeypatch.setattr(gp, "_config_from_text", raising(RecursionError("too deep"), lambda t, *_: "bug" in t, real))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = gp.watch_config_file(str(path))
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        with logged("keeping the running configuration") as said:
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}) + "# bug\n")
+            await said.wait()
+        with logged("configuration reloaded") as applied:  # the plugin lives on, and applies the next good file
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            await applied.wait()
+        await simulator.wait_until(listed("g1", "g2"))
+    assert said.lines == [f"{path}: RecursionError: too deep: {BUG}; keeping the running configuration"]
+    assert unexpected("config") == 1
+
+
+async def test_a_bug_met_by_a_scan_keeps_the_devices(nursery, node, monkeypatch, unexpected):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        monkeypatch.setattr(gp._SourceTracker, "update", raising(RuntimeError("boom")))
+        with logged("a scan of") as said:
+            Path(node.devices, "g3").touch()
+            await said.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert devices_of(simulator) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY}
+        monkeypatch.undo()
+        Path(node.devices, "g4").touch()
+        await simulator.wait_until(lambda s: "g4" in (devices_of(s) or {}))
+    assert said.lines == [f"{RESOURCE}: a scan of {node.devices}: RuntimeError: boom: {BUG}"]
+    assert unexpected("scan") == 1
+
+
+async def test_a_bug_met_by_a_devices_values_keeps_the_device_offered(nursery, node, monkeypatch, unexpected):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, attributes={"model": "gopher"})
+        monkeypatch.setattr(gp, "with_read_values", raising(UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogate")))
+        with logged("attributes and capacity") as said:
+            Path(node.devices, "g3").touch()
+            await said.wait()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    assert said.lines == [
+        f"{RESOURCE}: device g3's attributes and capacity: UnicodeEncodeError: 'utf-8' codec can't encode character "
+        f"'\\ud800' in position 0: surrogate: {BUG}"
+    ]
+    assert unexpected("values") == 1
+
+
+DESCRIBE_GOPHERS = """#!{python}
+import json, os
+ids = (os.environ.get("GOPHERPLUG_DEVICES") or open(os.environ["GOPHERPLUG_DEVICES_FILE"]).read()).split(",")
+print(json.dumps({i: {"attributes": {"model": "gopher"}} for i in ids}))
+"""
+
+
+def program_file(directory, text, name="describe"):
+    script = Path(directory, name)
+    script.write_text(text.replace("{python}", sys.executable))
+    script.chmod(0o755)
+    return str(script)
+
+
+async def test_a_bug_met_by_describe_keeps_what_it_said(nursery, node, monkeypatch, unexpected):
+    script = program_file(node.plugin_dir, DESCRIBE_GOPHERS)
+    resource = node.config(describe=[script]).resources[0]
+    devices = gp.Watched({})
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(gp.watch_devices, resource, devices)
+        while devices.value.get("g1") is None or not devices.value["g1"].attributes:
+            await devices.wait_touched()
+        known = devices.value["g1"].attributes
+        monkeypatch.setattr(gp, "parse_description", raising(RecursionError("maximum recursion depth exceeded")))
+        with logged("describe") as said:
+            Path(node.devices, "g3").touch()
+            await said.wait()
+        assert devices.value["g1"].attributes == known
+    assert said.lines == [
+        f"{RESOURCE}: describe {script}: RecursionError: maximum recursion depth exceeded: {BUG}; the devices are "
+        "offered without what it would say (2 keep what it said before)"
+    ]
+    assert unexpected("describe") == 1
+
+
+async def test_a_bug_met_by_an_http_request_is_a_500_and_the_server_goes_on(nursery, monkeypatch, unexpected):
+    real = gp._request_path
+    monkeypatch.setattr(gp, "_request_path", raising(KeyError("bug"), lambda target: target == b"/bug", real))
+    answer = functools.partial(gp.health_answer, gp.Health())
+    listener = gp._http_listener("127.0.0.1:0", "health_address")
+    port = listener.getsockname()[1]
+    with trio.fail_after(TIMEOUT), logged("HTTP request") as said:
+        await nursery.start(gp._serve_http, listener, answer)
+        for target, code in ((b"/bug", b"500"), (b"/healthz", b"200")):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while chunk := await stream.receive_some(4096):
+                reply += chunk
+            await stream.aclose()
+            assert reply.split(b" ")[1] == code
+    assert said.lines == [f"HTTP request b'GET /bug HTTP/1.1': KeyError: 'bug': {BUG}"]
+    assert unexpected("http") == 1
+
+
+async def test_a_bug_met_by_a_grpc_call_is_unknown_and_the_plugin_goes_on(nursery, node, monkeypatch, unexpected):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        real = gp.allocate_with_devices
+        monkeypatch.setattr(gp, "allocate_with_devices", raising(ZeroDivisionError("division by zero")))
+        with logged("Allocate") as said, pytest.raises(gp.RPCError) as failed:
+            await simulator.allocate(RESOURCE, ["g1"])
+        monkeypatch.setattr(gp, "allocate_with_devices", real)
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}
+    line = f"v1beta1.DevicePlugin/Allocate: ZeroDivisionError: division by zero: {BUG}"
+    assert (failed.value.code, failed.value.message) == (StatusCode.UNKNOWN, line)
+    assert said.lines == [line]
+    assert unexpected("grpc") == 1
+
+
+def test_a_bug_in_check_config_is_one_line_and_no_traceback(node, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    monkeypatch.setattr(gp, "scan_directory", raising(RecursionError("maximum recursion depth exceeded")))
+    monkeypatch.delenv("GOPHERPLUG_LOG_LEVEL", raising=False)
+    assert gp.main(["check-config", "--config", str(path)]) == gp.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err == f"gopherplug: RecursionError: maximum recursion depth exceeded: {BUG}\n"
+    monkeypatch.setenv("GOPHERPLUG_LOG_LEVEL", "debug")  # then its traceback follows the line
+    assert gp.main(["check-config", "--config", str(path)]) == gp.EXIT_FAILURE
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"0": {"attributes": {"model": "\\ud800"}}}', "a string holds a lone surrogate"),
+        ('{"\\udfff": {}}', "a string holds a lone surrogate"),
+    ],
+)
+def test_describe_output_nested_too_deeply_or_with_a_lone_surrogate_is_refused(text, why):
+    with pytest.raises(ValueError, match=why):
+        gp.parse_description(text)
+
+
+async def test_describe_answer_is_taken_when_it_exits_and_what_it_left_is_killed(tmp_path):
+    """A describe that leaves a child holding its stdout (`sleep &`): the answer is used as soon as
+    the program exits, not after its 10 s timeout, and the child is killed with its process group."""
+    pid_file = tmp_path / "child"
+    script = program_file(tmp_path, f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\necho '{{\"g1\": {{}}}}'\n")
+    resource = dataclasses.replace(gp.parse_config(MINIMAL, "t.yaml").resources[0], describe=(script,))
+    with trio.fail_after(gp.DESCRIBE_TIMEOUT / 2):
+        described, unknown = await gp.run_describe(resource, ["g1"])
+    assert (described, unknown) == ({"g1": gp.ReadValues({}, {})}, [])
+    child = int(pid_file.read_text())
+    assert not os.path.exists(f"/proc/{child}") or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+
+
+async def test_describe_is_given_more_device_ids_than_an_environment_variable_holds(tmp_path):
+    ids = [f"gopher-{number:05}" for number in range(16_000)]  # 208 KB joined: over MAX_ARG_STRLEN
+    script = program_file(tmp_path, DESCRIBE_GOPHERS)
+    resource = dataclasses.replace(gp.parse_config(MINIMAL, "t.yaml").resources[0], describe=(script,))
+    with trio.fail_after(TIMEOUT):
+        described, unknown = await gp.run_describe(resource, ids)
+    assert (len(described), unknown) == (16_000, [])
+    assert described["gopher-15999"].attributes == {"model": ("string", "gopher")}
+
+
+async def test_describe_saved_with_crlf_endings_says_its_first_stderr_line_too(tmp_path):
+    script = program_file(tmp_path, "#!/usr/bin/env python3\r\nprint('{}')\r\n")
+    resource = dataclasses.replace(gp.parse_config(MINIMAL, "t.yaml").resources[0], describe=(script,))
+    with trio.fail_after(TIMEOUT), pytest.raises(gp.DescribeError) as failed:
+        await gp.run_describe(resource, ["g1"])
+    assert "python3\\r" in str(failed.value).split("(first: ")[1], str(failed.value)
+
+
+ORPHAN_AS_PID_1 = """
+import os, trio
+import gopherplug as gp
+
+async def main():
+    assert os.getpid() == 1
+    ran = await gp.run_program(["sh", "-c", "sleep 300 & echo $!"], os.environ, limit=100)
+    orphan = int(ran.stdout)  # killed with its process group, a child of PID 1 now: a zombie until reaped
+    with trio.fail_after(10):
+        while os.path.exists(f"/proc/{orphan}"):
+            await trio.sleep(0.01)  # reaped at SIGCHLD, as it comes
+    print("no zombie")
+
+trio.run(gp.serve_until_signalled, main)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a PID namespace takes root")
+def test_as_pid_1_orphans_are_reaped():
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", ORPHAN_AS_PID_1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.abspath(gp.__file__)),
+    )
+    assert (done.returncode, done.stdout) == (0, "no zombie\n"), done.stderr
+
+
+def test_nfd_label_names_are_ones_nfd_accepts():
+    name = gp.nfd_label_name("example.com/gpu", "model_")
+    assert re.fullmatch(r"feature\.node\.kubernetes\.io/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", name), name
+    assert name == gp.nfd_label_name("example.com/gpu", "model_") != gp.nfd_label_name("example.com/gpu", "model")
+
+
+def test_health_answers_the_absolute_form_of_its_path():
+    health = gp.Health()
+    for target in (b"http://10.0.0.1:8080/healthz", b"HTTP://node/healthz?verbose", b"/healthz"):
+        assert gp.health_answer(health, b"GET " + target + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
+    assert gp.health_answer(health, b"GET http://node/other HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
+
+
+async def test_a_rolling_updates_old_pod_leaves_the_new_pods_nfd_file(nursery, tmp_path):
+    """The old pod wrote the file last (its devices changed during the surge) and removes it as it
+    stops, as its own: the new pod sees it vanish (inotify) and writes it again."""
+    path = str(tmp_path / "features.d" / "gopherplug")
+    resource = gp.parse_config(MINIMAL, "t.yaml").resources[0]
+    old, new = gp._Served(resource), gp._Served(resource)
+    for served in (old, new):
+        served.devices.set({"g1": gp.DeviceEntry("g1", "/dev/g1")})
+    roster = gp.Watched(None)
+    with trio.fail_after(TIMEOUT):
+        old_scope = trio.CancelScope()
+
+        async def old_pod():
+            with old_scope:
+                await gp._keep_nfd_features(path, {"r": old}, roster)
+
+        def inode():
+            with contextlib.suppress(OSError):
+                return os.stat(path).st_ino
+
+        async def until(condition):  # the writes run in threads: looked at as they land
+            while not condition():
+                await trio.sleep(0.01)
+
+        nursery.start_soon(old_pod)
+        await until(inode)
+        first = inode()
+        nursery.start_soon(gp._keep_nfd_features, path, {"r": new}, gp.Watched(None))
+        await until(lambda: inode() not in (None, first))  # the new pod's own file
+        new_text = Path(path).read_text()
+        old.devices.set({})  # the old pod's devices change: it writes the file again, so it is its own
+        await until(lambda: Path(path).read_text() != new_text)
+        with gp.DirectoryWatch(os.path.dirname(path), gp.flags.CREATE | gp.flags.MOVED_TO) as watch:
+            old_scope.cancel()  # the old pod stops, and removes the file it wrote
+            async with contextlib.aclosing(watch.batches()) as batches:
+                async for _ in batches:
+                    if os.path.exists(path) and Path(path).read_text() == new_text:
+                        break
+
+
 INVALID_DESCRIBED = {
     "name": ({"attributes": {"gpu-model": "H200"}}, "attributes.gpu-model", "'gpu-model' must be a C identifier"),
     "slashes": ({"attributes": {"a/b/c": "x"}}, "attributes.a/b/c", "must be either a C identifier or a domain"),
@@ -15845,7 +16136,7 @@ async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_reques
         (
             {"stderr": "reading the SSO cache\nthe SSO session has expired: run aws sso login\n", "exit": 255},
             {},
-            "exited with 255: the SSO session has expired: run aws sso login",
+            "exited with 255: the SSO session has expired: run aws sso login (first: reading the SSO cache)",
         ),
         (
             {"stdout": "token-1\n"},
