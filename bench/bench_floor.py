@@ -20,7 +20,8 @@ dependencies on the path its PYTHONPATH names: `--root root --python /usr/bin/py
 Every figure is a fresh process of ``--python`` (default: this one; the image's is Debian
 bookworm's python3.11), run ``--runs`` times, the rows taking turns run by run so that a machine's
 load drifts over all of them alike; printed: the median and the spread (min-max) of the time, and
-the median VmRSS and VmHWM (the peak) from /proc. The rows:
+the median VmRSS and VmHWM (the peak) from /proc, and the median CPU time the process had used by
+then (user and system: steadier than the time on a busy machine). The rows:
 
 - the layers (once, whatever the revisions): `python -S -c pass`, `python -c pass`, each design
   dependency imported alone (trio; purerpc with h2, anyio and attrs; google.protobuf's descriptor
@@ -70,7 +71,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "bench"))
-from bench_gopherplug import Kubelet, build_go_program, end_run, gp  # noqa: E402
+from bench_gopherplug import Kubelet, build_go_program, cpu_seconds, end_run, gp  # noqa: E402
+
+#: What each row measures per run: ms, VmRSS MiB, VmHWM MiB, CPU ms (see probe and serve).
+Figures = tuple[float, float, float, float]
 
 RESOURCE = "example.com/gopher"
 
@@ -106,7 +110,8 @@ KUBECONFIG = (  # the API server as bench_dra.py's stand-in serves it: plain HTT
 REPORT = (
     "import os as _os\n"
     "_s = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
-    "print(_s['VmRSS'].split()[0], _s['VmHWM'].split()[0], flush=True)\n"
+    "_t = _os.times()\n"
+    "print(_s['VmRSS'].split()[0], _s['VmHWM'].split()[0], _t.user + _t.system, flush=True)\n"
     "_os._exit(0)\n"
 )
 CONSOLE_SCRIPT = (  # what pip writes for [project.scripts] gopherplug = "gopherplug:main"
@@ -144,8 +149,8 @@ def environment(bytecode: bool) -> dict[str, str]:
     return env
 
 
-def probe(python: str, options: list[str], code: str, cwd: Path | None = None) -> tuple[float, float, float]:
-    """(ms from the fork to the report, VmRSS MiB, VmHWM MiB) of `python [options] -c code`."""
+def probe(python: str, options: list[str], code: str, cwd: Path | None = None) -> Figures:
+    """(ms from the fork to the report, VmRSS MiB, VmHWM MiB, CPU ms by then) of `python [options] -c code`."""
     start = time.perf_counter()
     process = subprocess.Popen(
         [python, *options, "-c", code + REPORT],
@@ -158,8 +163,8 @@ def probe(python: str, options: list[str], code: str, cwd: Path | None = None) -
     line = process.stdout.readline()
     took = time.perf_counter() - start
     process.wait()
-    rss, hwm = line.split()
-    return took * 1e3, int(rss) / 1024, int(hwm) / 1024
+    rss, hwm, cpu = line.split()
+    return took * 1e3, int(rss) / 1024, int(hwm) / 1024, float(cpu) * 1e3
 
 
 def place_revision(rev: str, directory: Path, python: str) -> Path:
@@ -182,8 +187,9 @@ def place_revision(rev: str, directory: Path, python: str) -> Path:
     return directory
 
 
-def serve(python: str, directory: Path, mode: str, devices: int, idle: float) -> tuple[float, float, float]:
-    """(ms from the fork to the kubelet's first full list, VmRSS MiB and VmHWM MiB ``idle`` s later)."""
+def serve(python: str, directory: Path, mode: str, devices: int, idle: float) -> Figures:
+    """(ms from the fork to the kubelet's first full list, VmRSS MiB and VmHWM MiB ``idle`` s later,
+    the plugin's CPU ms by the first list)."""
     root = Path(tempfile.mkdtemp(prefix="gpf-", dir="/tmp"))  # short: unix socket paths
     kubelet = Kubelet(str(root / "dp"))
     plugin = None
@@ -208,15 +214,16 @@ def serve(python: str, directory: Path, mode: str, devices: int, idle: float) ->
         began = time.perf_counter()
         plugin = subprocess.Popen(argv, cwd=directory, env=environment("no bytecode" not in mode), **in_root())
         listed = kubelet.wait_for(lambda ids: len(ids) == devices, timeout=60)
+        cpu = cpu_seconds(plugin.pid) * 1e3
         time.sleep(idle)
         status = dict(line.split(":", 1) for line in Path(f"/proc/{plugin.pid}/status").read_text().splitlines())
         rss, hwm = (int(status[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))
-        return (listed - began) * 1e3, rss, hwm
+        return (listed - began) * 1e3, rss, hwm, cpu
     finally:
         end_run(plugin, kubelet, root)
 
 
-def serve_go(go_plugin: str, devices: int, idle: float) -> tuple[float, float, float]:
+def serve_go(go_plugin: str, devices: int, idle: float) -> Figures:
     """serve()'s figures for bench/go_plugin.go, dialed by a grpcio client once it serves."""
     import grpc
 
@@ -238,11 +245,12 @@ def serve_go(go_plugin: str, devices: int, idle: float) -> tuple[float, float, f
             stream = watch(gp.v1beta1.Empty())
             assert len(next(stream).devices) == devices
             listed = time.perf_counter()
+            cpu = cpu_seconds(plugin.pid) * 1e3
             time.sleep(idle)
             stream.cancel()
         status = dict(line.split(":", 1) for line in Path(f"/proc/{plugin.pid}/status").read_text().splitlines())
         rss, hwm = (int(status[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))
-        return (listed - began) * 1e3, rss, hwm
+        return (listed - began) * 1e3, rss, hwm, cpu
     finally:
         plugin.terminate()
         plugin.wait(30)
@@ -277,7 +285,7 @@ def main() -> None:
     version = subprocess.run([args.python, "-VV"], capture_output=True, text=True, check=True, **in_root())
     version = version.stdout.split("\n")[0]
     print(f"{args.python}: {version}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}", flush=True)
-    rows: dict[str, list[tuple[float, float, float]]] = {}
+    rows: dict[str, list[Figures]] = {}
     jobs = []
     if not args.no_layers:
         jobs.append(("python -S -c pass", lambda: probe(args.python, ["-S"], "")))
@@ -322,12 +330,12 @@ def main() -> None:
             for name, job in jobs:
                 rows.setdefault(name, []).append(job())
             print(f"run {run + 1} of {args.runs} done, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-    print("\n| what | ms, median (min-max) | VmRSS MiB | VmHWM MiB |\n| --- | --- | --- | --- |")
+    print("\n| what | ms, median (min-max) | CPU ms, median | VmRSS MiB | VmHWM MiB |\n| --- | --- | --- | --- | --- |")
     for name, figures in rows.items():
-        took, rss, hwm = ([f[i] for f in figures] for i in range(3))
+        took, rss, hwm, cpu = ([f[i] for f in figures] for i in range(4))
         print(
             f"| {name} | {statistics.median(took):.1f} ({min(took):.1f}-{max(took):.1f}) "
-            f"| {statistics.median(rss):.1f} | {statistics.median(hwm):.1f} |"
+            f"| {statistics.median(cpu):.0f} | {statistics.median(rss):.1f} | {statistics.median(hwm):.1f} |"
         )
 
 
