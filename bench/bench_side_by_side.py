@@ -1,7 +1,7 @@
 """gopherplug beside a Go device plugin, the kubelet's library calling both, in one run. By hand:
 
     .venv/bin/python bench/bench_side_by_side.py [REV ...] [--rounds 2] [--calls 2000]
-        [--preferred-calls 30] [--log-level LEVEL]
+        [--preferred-calls 30] [--log-level LEVEL] [--sizes 8,10000,50000]
 
 REV: git revisions of gopherplug.py to measure ("tree": the work tree's; default: tree), or
 zipapp=PYZ: a one-file build (.ci/zipapp), served as `python PYZ serve`. Needs a Go
@@ -165,6 +165,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000, help="Allocate calls per figure")
     parser.add_argument("--preferred-calls", type=int, default=30, help="GetPreferredAllocation calls per figure")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="device counts, comma-separated")
     parser.add_argument("--log-level", default="", help="gopherplug's --log-level (default: serve's own default)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="gpsbs-", dir="/tmp")
@@ -189,7 +190,7 @@ def main():
             results: dict[str, dict[str, tuple[float, float]]] = {}
             for what in [*GO, *args.revisions]:
                 results[what] = {}
-                for count in SIZES:
+                for count in map(int, args.sizes.split(",")):
                     plugin = Plugin(root, what, count, go_plugin, modules, args.log_level)
                     try:
                         results[what].update(measure(plugin, client, args))
