@@ -47,6 +47,7 @@ import tomllib
 import traceback
 import types
 import uuid
+import zipfile
 from concurrent import futures
 from pathlib import Path
 from resource import RUSAGE_SELF, getrusage
@@ -826,6 +827,65 @@ def test_module_copied_alone_runs(tmp_path, sockdir, argv, last_line):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n").endswith(last_line), result.stdout
+
+
+def test_the_one_file_build_is_the_same_twice_and_runs_with_nothing_installed(tmp_path, sockdir):
+    """.ci/zipapp's archive (docs/deployment.md, "One file"): two builds give the same bytes; it
+    holds no extension module and gives every module its bytecode; and an interpreter that sees
+    nothing installed (-S: no site-packages; -I: no PYTHONPATH, no user site) runs check-config and
+    the demo from it alone, on protobuf's pure-Python implementation, with no warning about it, and
+    with gopherplug's code from the archive's bytecode (compiled at build time under its name in
+    the archive; the zip importer, compiling the source, would name the archive's path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"SOURCE_DATE_EPOCH": "1700000000"}
+    built = []
+    for name in ("one.pyz", "two.pyz"):
+        result = subprocess.run(
+            [sys.executable, str(HERE / ".ci" / "zipapp"), str(tmp_path / name)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr
+        built.append((tmp_path / name).read_bytes())
+    assert built[0] == built[1]
+    archive = tmp_path / "one.pyz"
+    with zipfile.ZipFile(archive) as opened:
+        names = set(opened.namelist())
+    assert not [name for name in names if name.endswith(".so")]
+    assert {"__main__.py", "gopherplug.py", "google/protobuf/__init__.py", "yaml/__init__.py"} <= names
+    assert not [name for name in names if name.endswith(".py") and name + "c" not in names]
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    (devices / "g0").touch()
+    (devices / "g1").touch()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"device_plugin_dir: {sockdir}\nresources:\n  - name: {RESOURCE}\n    directory: {devices}\n")
+    alone = [sys.executable, "-I", "-S"]
+    env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)
+    for argv, last_line in (
+        (["check-config", "--config", str(config)], f"{RESOURCE}: 2 devices, 2 healthy, from {devices}/*"),
+        (["demo"], "done: plugin stopped, its sockets removed"),
+    ):
+        result = subprocess.run(
+            [*alone, str(archive), *argv], env=env | {"TMPDIR": sockdir}, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert last_line in result.stdout, result.stdout
+        # protobuf's warning when it falls back from upb ("Selected implementation upb is not
+        # available. Falling back to the python implementation.") would be here.
+        assert "implementation" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    probe = (
+        f"import runpy, sys; sys.argv[1:] = ['--version']\n"
+        f"try: runpy.run_path({str(archive)!r}, run_name='__main__')\n"
+        "except SystemExit: pass\n"
+        "from google.protobuf.internal import api_implementation; import gopherplug, os, yaml\n"
+        "print(api_implementation.Type(), yaml.__with_libyaml__, gopherplug.main.__code__.co_filename,\n"
+        "      os.environ.get('PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION'))\n"
+    )
+    result = subprocess.run([*alone, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"gopherplug {gp.__version__}", "python False gopherplug.py None"]
 
 
 async def _serving_rss(argv, cwd, env, sockdir):
@@ -8947,8 +9007,9 @@ def test_code_is_lint_and_type_clean(argv):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dockerfile_passes_hadolint():
-    result = check("hadolint", "Dockerfile")
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "examples/distroless/Dockerfile", ".ci/distroless-python"])
+def test_dockerfile_passes_hadolint(dockerfile):
+    result = check("hadolint", dockerfile)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 

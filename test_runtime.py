@@ -352,6 +352,9 @@ def dockerfile_images() -> dict[str, Path]:
         wanted = image_of(manifest_pod(manifest))
         assert any(tag in (wanted, f"docker.io/library/{wanted}") for tag in tags), f"{archive} is {tags}, not {wanted}"
         archives[target] = archive
+    # And examples/distroless/Dockerfile's, which .ci/images builds beside them.
+    archives["distroless"] = Path(DOCKERFILE_IMAGES) / "distroless.tar"
+    assert archives["distroless"].is_file(), f"GOPHERPLUG_TIER_IMAGES: no {archives['distroless']}"
     return archives
 
 
@@ -1634,6 +1637,32 @@ async def _rss(containerd: Containerd, container_id: str) -> dict[str, float]:
         )
         figures["cgroup rss"] = round(int(stats["anon" if CGROUP_V2 else "total_rss"]) / 2**20, 1)
     return figures
+
+
+async def test_the_distroless_recipe_serves_under_the_shipped_pod(tier, nursery):
+    """examples/distroless/Dockerfile's image (docs/deployment.md, "A distroless image of your own")
+    in daemonset.yaml's pod, its image swapped and nothing else: it starts under the shipped security
+    context (read-only root, no capability), registers, and lists a device node Healthy."""
+    if "distroless" not in tier.archives:
+        pytest.skip("the distroless recipe's image is built by .ci/images: GOPHERPLUG_TIER_IMAGES")
+    node = Node(tier, "daemonset.yaml")
+    node.template["spec"]["containers"][0]["image"] = image_of(node.template) + "-distroless"
+    node.mknod("gopher0")
+    kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
+    with trio.fail_after(TIMEOUT):
+        async with node.running() as plugin:
+            started = time.monotonic()
+            await kubelet.wait_until(lambda k: _listed(k, "gopher0"))
+            tier.figures["distroless recipe: container started -> registered, first list (ms)"] = _ms(started)
+            assert kubelet.resources[RESOURCE].devices == {"gopher0": gp.HEALTHY}
+            code, said = await exec_sync(
+                tier.containerd, plugin, "python3.11", "-c", SHOW_CONFINEMENT, str(node.devices / "gopher0")
+            )
+            assert code == 0, said
+            confinement = json.loads(said)
+            assert confinement["CapEff"] == "0000000000000000", confinement
+            assert confinement["write /"].startswith("OSError: [Errno 30] Read-only file system"), confinement
+            tier.figures["distroless recipe: idle RSS, 1 device (MiB)"] = await _rss(tier.containerd, plugin)
 
 
 async def test_a_consumer_given_the_allocate_answer_opens_the_node_and_one_without_cannot(tier, nursery):

@@ -12,6 +12,8 @@ grpcio's Python layer costs the caller about 0.5 ms per call, which a latency me
 counts as the plugin's. The kubelet calls with grpc-go, so when a Go toolchain and grpc-go are at
 hand (Debian: `apt-get install golang-go golang-google-grpc-dev`), Allocate is also timed from
 `grpc_go_client.go`, built into a temporary directory; without them those lines say "skipped".
+
+With ``--zipapp PYZ`` the plugin is the one-file build (.ci/zipapp): `python PYZ serve`.
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def main():
     parser.add_argument("--additions", type=int, default=200)
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--zipapp", help="serve from this one-file build (.ci/zipapp)")
     args = parser.parse_args()
 
     root = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
@@ -243,8 +246,9 @@ def main():
     # module at every start, which leaves about 3 MB more in RSS.)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(HERE / "gopherplug.py")], check=True, env=env)
+    start = [os.path.abspath(args.zipapp)] if args.zipapp else ["-m", "gopherplug"]
     plugin = subprocess.Popen(
-        [sys.executable, "-m", "gopherplug", "serve", "--config", str(config), "--log-level", "warning"],
+        [sys.executable, *start, "serve", "--config", str(config), "--log-level", "warning"],
         cwd=HERE,
         env=env,
     )

@@ -1,9 +1,10 @@
 """gopherplug beside a Go device plugin, the kubelet's library calling both, in one run. By hand:
 
     .venv/bin/python bench/bench_side_by_side.py [REV ...] [--rounds 2] [--calls 2000]
-        [--preferred-calls 30] [--log-level LEVEL]
+        [--preferred-calls 30] [--log-level LEVEL] [--sizes 8,10000,50000]
 
-REV: git revisions of gopherplug.py to measure ("tree": the work tree's; default: tree). Needs a Go
+REV: git revisions of gopherplug.py to measure ("tree": the work tree's; default: tree), or
+zipapp=PYZ: a one-file build (.ci/zipapp), served as `python PYZ serve`. Needs a Go
 toolchain and grpc-go in GOPATH form (Debian: `apt-get install golang-go golang-google-grpc-dev`,
 go 1.19 and grpc-go 1.33 here): bench/go_plugin.go and bench/grpc_go_client.go are built into a
 temporary directory (GO111MODULE=off, GOPATH=/usr/share/gocode), nothing else is fetched.
@@ -88,8 +89,9 @@ class Plugin:
         env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
         env.pop("GOPHERPLUG_LOG_LEVEL", None)
         level = ["--log-level", log_level] if log_level else []  # none: serve's default
+        start = [str(modules[what])] if what.startswith("zipapp=") else ["-m", "gopherplug"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gopherplug", "serve", "--config", str(config), *level],
+            [sys.executable, *start, "serve", "--config", str(config), *level],
             cwd=modules[what].parent,
             env=env,
             stderr=self.log,
@@ -163,6 +165,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000, help="Allocate calls per figure")
     parser.add_argument("--preferred-calls", type=int, default=30, help="GetPreferredAllocation calls per figure")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="device counts, comma-separated")
     parser.add_argument("--log-level", default="", help="gopherplug's --log-level (default: serve's own default)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="gpsbs-", dir="/tmp")
@@ -171,7 +174,12 @@ def main():
         client, why_not_client = build_go_program(root, "grpc_go_client")
         if go_plugin is None or client is None:
             sys.exit(f"cannot build the Go programs: {why_not or why_not_client}")
-        modules = {rev: revision_module(rev, os.path.join(root, f"rev-{i}")) for i, rev in enumerate(args.revisions)}
+        modules = {
+            rev: Path(rev[len("zipapp=") :]).resolve()
+            if rev.startswith("zipapp=")
+            else revision_module(rev, os.path.join(root, f"rev-{i}"))
+            for i, rev in enumerate(args.revisions)
+        }
         level = args.log_level or "serve's default"
         print(
             f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, Python {sys.version.split()[0]}, "
@@ -182,7 +190,7 @@ def main():
             results: dict[str, dict[str, tuple[float, float]]] = {}
             for what in [*GO, *args.revisions]:
                 results[what] = {}
-                for count in SIZES:
+                for count in map(int, args.sizes.split(",")):
                     plugin = Plugin(root, what, count, go_plugin, modules, args.log_level)
                     try:
                         results[what].update(measure(plugin, client, args))
