@@ -14340,13 +14340,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     assert config.dra is not None
     driver, resource, node = config.dra.driver, config.resources[0], "demo-node"
     pool = dra_pool_name(node, resource.name)
-    say = _demo_clock(out, width=9)
-
-    async def step(what: str, happened: Awaitable[None]) -> None:
-        with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            await happened
-            return
-        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+    say, step = _demo_clock(out, width=9), _demo_step
 
     async def api_until(done: Callable[[], bool]) -> None:
         while not done():
@@ -14371,11 +14365,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
         api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
         kubeconfig = os.path.join(root, "kubeconfig")
         with open(kubeconfig, "w", encoding="utf-8") as file:
-            cluster = {"name": "demo", "cluster": {"server": api.url}}
-            context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
-            user = {"name": "demo", "user": {}}
-            document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo"}
-            yaml.safe_dump({**document, "clusters": [cluster], "contexts": [context], "users": [user]}, file)
+            yaml.safe_dump(_demo_kubeconfig(api.url), file)
         say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
         kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=lambda name: api.delete_node_slices(node, name))
         await nursery.start(kubelet.run)
@@ -14554,10 +14544,13 @@ async def _narrate_config_demo(config: Config, source: str, root: str, out: Call
     client: Any = None
     who = "kubelet and API server" if config.dra else "kubelet"
     out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
+    described: dict[str, dict[str, Any]] = {}  # DRA device name -> its slice entry, with what describe says
     for resource in config.resources:
         scan = scan_directory(resource, config.sysfs_root, config.dev_root)
         healthy = sum(device.health == HEALTHY for device in scan.devices)
         say("plugin", f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy, from {resource.origin()}")
+        if resource.dra and resource.describe and scan.devices:
+            described |= await _demo_describe(resource, scan, say)
     async with trio.open_nursery() as nursery:
         if any(resource.device_plugin for resource in config.resources):
             kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
@@ -14583,7 +14576,7 @@ async def _narrate_config_demo(config: Config, source: str, root: str, out: Call
                         await _demo_allocate(kubelet, resource, say)
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
-                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say)
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, described, say)
                 plugin.cancel_scope.cancel()
         finally:
             if client is not None:
@@ -14655,16 +14648,33 @@ async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, sa
         say("plugin", f"  CDI device {cdi.name}")
 
 
+async def _demo_describe(resource: ResourceConfig, scan: Scan, say: Callable[[str, str], None]) -> dict[str, Any]:
+    """The slice entries of ``scan``'s devices with what the resource's ``describe`` says of them,
+    by DRA device name: describe run here once, as check-config runs it, for the demo to know what
+    the plugin's own run (as it finds the devices) will publish. None, with a line, if it fails."""
+    try:
+        said, _ = await run_describe(resource, [device.id for device in scan.devices])
+    except DescribeError as error:
+        say("plugin", f"{error}: the devices are published without what it says (the plugin tries again later)")
+        return {}
+    entries = {}
+    for device in scan.devices:
+        entry, _ = with_read_values(resource, device, read_declared_values(resource, device)[0], said.get(device.id))
+        entries[dra_device_name(device.id)] = dra_device(resource, entry)
+    return entries
+
+
 async def _demo_claim(
     api: LenientApiServer,
     kubelet: DraKubeletSimulator,
     driver: str,
     resource: ResourceConfig,
+    described: Mapping[str, dict[str, Any]],
     say: Callable[[str, str], None],
 ) -> None:
-    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device,
-    allocated as the scheduler would, prepared as the kubelet asks, and the CDI edits the runtime
-    would apply for it."""
+    """One DRA resource: its pool's ResourceSlices (with what ``describe`` said, _demo_describe),
+    then a claim for its first healthy device, allocated as the scheduler would, prepared as the
+    kubelet asks, and the CDI edits the runtime would apply for it."""
     pool = dra_pool_name(DEMO_NODE, resource.name)
 
     def devices() -> list[dict[str, Any]]:
@@ -14677,25 +14687,19 @@ async def _demo_claim(
         while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
             await api.changed.wait_touched()
 
-    def generation() -> int:
-        return max(
-            (
-                item["spec"]["pool"]["generation"]
-                for item in api.slices.values()
-                if item["spec"]["pool"]["name"] == pool
-            ),
-            default=0,
-        )
+    def with_values() -> bool:  # by name: a value describe says again may have changed (a temperature)
+        wanted = [(d, described[d["name"]]) for d in devices() if d["name"] in described]
+        return all(w[k].keys() <= d.get(k, {}).keys() for d, w in wanted for k in ("attributes", "capacity") if k in w)
+
+    async def until_described() -> None:
+        while not with_values():
+            await api.changed.wait_touched()
 
     await _demo_step(f"{resource.name}'s ResourceSlice", published())
     say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
-    if resource.describe:  # it runs once the devices are found: its values come in the next generation
-        first = generation()
-        with trio.move_on_after(DESCRIBE_TIMEOUT + 1):
-            while generation() == first:
-                await api.changed.wait_touched()
-        if generation() == first:
-            say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
+    # The plugin runs describe once it has found the devices: what it says comes in the slice it
+    # first writes, or in the next one.
+    await _demo_step(f"the values describe gives {resource.name}'s devices", until_described())
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
     healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]

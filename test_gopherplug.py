@@ -6139,6 +6139,41 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     assert sorted(os.listdir(sockdir)) == ["node"]
 
 
+def test_demo_config_dra_waits_for_what_describe_says_not_for_a_new_generation(sockdir):
+    """demo --config --dra with two resources whose describe answers at once: the plugin's run may
+    answer before the demo looks at the slice, so the demo waits for describe's values (not for a
+    pool generation that then never comes), shows them for both, says nothing untrue, and ends in
+    seconds. A describe that fails is said with its own line, and the demo goes on."""
+    describe = Path(sockdir) / "describe"
+    describe.write_text(
+        f"#!{sys.executable}\nimport json, os\nids = os.environ['GOPHERPLUG_DEVICES'].split(',')\n"
+        "print(json.dumps({i: {'attributes': {'model': 'x-' + i}} for i in ids}))\n"
+    )
+    failing = Path(sockdir) / "failing"
+    failing.write_text("#!/bin/sh\necho 'hailortcli: not found' >&2; exit 3\n")
+    resources = []
+    for name, device, script in (("hailo", "hailo0", describe), ("coral", "apex_0", describe), ("dead", "d0", failing)):
+        script.chmod(0o755)
+        os.makedirs(Path(sockdir) / name)
+        (Path(sockdir) / name / device).touch()
+        resources.append({"name": f"example.com/{name}", "directory": f"{sockdir}/{name}", "describe": [str(script)]})
+    path = Path(sockdir) / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"resources": resources}))
+    # Each wait for a generation that never came took DESCRIBE_TIMEOUT + 1 s: two made it fail.
+    result = run_cli("demo", "--config", str(path), "--dra", env={"TMPDIR": sockdir}, timeout=2 * gp.DESCRIBE_TIMEOUT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = [line.split(None, 3)[3] for line in result.stdout.splitlines()[1:]]
+    assert [line for line in said if line.startswith("device ")] == [
+        "device hailo0: resource=example.com/hailo, id=hailo0, healthy=True, model=x-hailo0",
+        "device apex-0-d1cf8aa9: resource=example.com/coral, id=apex_0, healthy=True, model=x-apex_0",
+        "device d0: resource=example.com/dead, id=d0, healthy=True",
+    ]
+    assert [line for line in said if "describe" in line] == [
+        f"describe {failing} exited with 3: hailortcli: not found: the devices are published without what it says "
+        "(the plugin tries again later)"
+    ]
+
+
 def test_demo_config_refuses_what_check_config_refuses(tmp_path):
     """A file check-config refuses, demo --config refuses with the same line and exit 2; under --dra,
     what only the device-plugin API has is refused with why."""
