@@ -1474,7 +1474,24 @@ class _Octal(int):
 
 class _ConfigLoader(yaml.SafeLoader):
     """SafeLoader, except that an integer written with a leading zero comes out as an _Octal: PyYAML
-    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means."""
+    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means. And a
+    key written twice in one mapping is refused (_DuplicateKey): YAML 1.2 says a mapping's keys are
+    unique, but PyYAML keeps the last without a word, so a second ``pattern:`` pasted below the
+    first would quietly offer other devices. (A merge, ``<<: *base``, may set a key again.)"""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[tuple[str, Any], yaml.Node] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if (first := seen.setdefault((key.tag, key.value), key)) is not key:
+                    lines = f"lines {first.start_mark.line + 1} and {key.start_mark.line + 1}"
+                    raise _DuplicateKey(f"key {key.value!r} is written twice in one mapping, on {lines}: keep one")
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep)
+        return mapping
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key written twice in one mapping (_ConfigLoader), said in one line."""
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
@@ -1626,7 +1643,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     try:
         data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
     except yaml.YAMLError as error:
-        raise ConfigError(source, "", _yaml_problem(text, error)) from None
+        said = str(error) if isinstance(error, _DuplicateKey) else _yaml_problem(text, error)
+        raise ConfigError(source, "", said) from None
     for at, octal in _octal_numbers(data):
         read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
         if re.search(r"\.usb\[[0-9]+\]\.(vendor|product|serial)$", at):

@@ -1531,6 +1531,10 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[0].replicas: 010 is read by YAML as an octal number, 8: write 8 if you meant that, "
         "or 10 without the leading zero",
     ),
+    (  # YAML 1.2: a mapping's keys are unique; PyYAML keeps the last, which would offer other devices
+        "resources:\n  - name: example.com/coral\n    directory: /dev\n    pattern: apex_*\n    pattern: hailo*\n",
+        "cfg.yaml: key 'pattern' is written twice in one mapping, on lines 4 and 5: keep one",
+    ),
     (resources(preferred="dense"), "cfg.yaml: resources[0].preferred: 'dense': must be packed or spread"),
     (resources(cdi={}), "cfg.yaml: resources[0].cdi.kind: is required"),
     (
