@@ -14956,9 +14956,11 @@ def _main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    if unknown:  # argparse would say "unrecognized arguments", and not what was meant
+        return _unknown_argument(parser, args.command, unknown[0], argv)
     # argparse checks an option's choices only when it is given, not the default it took from the
     # environment: a value that passed unchecked came from the variable, which the message names.
     for option, choices, variable in (
@@ -15088,6 +15090,24 @@ def _main(argv: list[str] | None = None) -> int:
         # in it matters to a process about to end, so it ends here, its output flushed.
         _exit_now(code)
     return code
+
+
+def _unknown_argument(parser: argparse.ArgumentParser, command: str, word: str, argv: list[str]) -> int:
+    """One line for the first argument ``command`` does not take: the option nearest to a
+    misspelt one (``--conf``), or for a file named without ``--config`` how to give it."""
+    import difflib  # here, where a mistake is
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = [option for action in sub._actions for option in action.option_strings if option.startswith("--")]
+    if not word.startswith("-"):
+        given = any(arg.partition("=")[0] == "--config" for arg in argv)
+        meant = f"use --config {word}" if "--config" in options and not given else "it takes no word"
+        print(f"gopherplug {command}: {word!r}: {meant}", file=sys.stderr)
+        return EXIT_USAGE
+    close = difflib.get_close_matches(word.partition("=")[0].lstrip("-"), [o[2:] for o in options], n=1)
+    meant = f"did you mean --{close[0]}?" if close else f"gopherplug {command} --help lists them"
+    print(f"gopherplug {command}: {word.partition('=')[0]} is not an option: {meant}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def raise_open_files_limit() -> tuple[int, int]:

@@ -7506,6 +7506,25 @@ def test_a_word_that_is_not_a_command_is_one_line(word, said):
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ("serve --conf F", "gopherplug serve: --conf is not an option: did you mean --config?"),
+        ("--conf=F", "gopherplug serve: --conf is not an option: did you mean --config?"),
+        ("check-config --stric", "gopherplug check-config: --stric is not an option: did you mean --strict?"),
+        ("who --frobnicate", "gopherplug who: --frobnicate is not an option: gopherplug who --help lists them"),
+        ("check-config F", "gopherplug check-config: 'F': use --config F"),
+        ("demo F", "gopherplug demo: 'F': use --config F"),
+        ("probe --config F G", "gopherplug probe: 'G': it takes no word"),
+    ],
+)
+def test_an_option_misspelt_or_a_file_without_config_is_one_line(argv, said, capsys):
+    """argparse said "unrecognized arguments: --conf F" after the usage; a near option is named, and
+    a file given as a word is told how to be given."""
+    assert gp.main(argv.split()) == 2
+    assert capsys.readouterr() == ("", said + "\n")
+
+
 def test_check_config_into_a_pipe_closed_early_ends_without_a_traceback(node, tmp_path):
     """`check-config | head -1`: the reader has what it wanted; no BrokenPipeError traceback, and
     the status a shell gives a command SIGPIPE ended."""
