@@ -1713,6 +1713,14 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                     f"resources[{earlier}]: give each resource its own kind"
                 )
                 raise ConfigError(source, f"resources[{index}].cdi.kind", problem)
+            # Allocate's env (a DRA claim's CDI device) sets it: a container given devices of both would have
+            # one list, overwritten by the other. Two resources that offer the same devices may share one.
+            sharing = resource.name in other.shared_with or other.name in resource.shared_with
+            if resource.env == other.env and not sharing:
+                problem = f"{resource.env} is also the env of {other.name} (resources[{earlier}]): a container given "
+                problem += f"devices of both would see one list; set another env on {resource.name}, or shared_with "
+                problem += "if both offer the same devices"
+                raise ConfigError(source, f"resources[{index}].env", problem)
             if resource.dra and other.dra and dra_pool_suffix(resource.name) == dra_pool_suffix(other.name):
                 problem = f"{resource.name} would share a DRA pool name with {other.name} of resources[{earlier}]"
                 raise ConfigError(source, f"resources[{index}].name", problem)

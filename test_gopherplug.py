@@ -1604,6 +1604,13 @@ BAD_CONFIGS = [
         yaml.safe_dump({"resources": [{"name": "example.com/g", "directory": "/a"}] * 2}),
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
     ),
+    (  # Allocate sets it: a container given a Coral and a Hailo would see one list, the other overwritten
+        "resources: [{name: example.com/coral, directory: /dev/apex, env: ACCEL}, "
+        "{name: example.com/hailo, directory: /dev/hailo, env: ACCEL}]",
+        "cfg.yaml: resources[1].env: ACCEL is also the env of example.com/coral (resources[0]): a container given "
+        "devices of both would see one list; set another env on example.com/hailo, or shared_with if both offer the "
+        "same devices",
+    ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
     # generic-device-plugin's configuration, carried over: its keys point to docs/generic-device-plugin.md.
     (
@@ -1958,6 +1965,15 @@ def serial_and_ch340(tmp_path, **ch340):
         {"name": "example.com/serial", "directory": str(dev), "pattern": "ttyUSB*"},
         {"name": "example.com/ch340", "directory": str(dev / "serial" / "by-id"), **ch340},
     ]
+
+
+def test_two_resources_share_an_env_only_when_they_share_devices():
+    """One env on two resources is refused (BAD_CONFIGS), unless one lists the other in shared_with:
+    two names for the same devices (a ttyUSB* glob and the adapter's by-id link), a pod asking for
+    one of them, whose program reads the same variable either way."""
+    ch340 = "{name: example.com/ch340, directory: /dev/serial/by-id, env: SERIAL, shared_with: [example.com/serial]}"
+    text = f"resources: [{{name: example.com/serial, directory: /dev, pattern: 'ttyUSB*', env: SERIAL}}, {ch340}]"
+    assert [resource.env for resource in gp.parse_config(text).resources] == ["SERIAL", "SERIAL"]
 
 
 SHARED_TTYUSB0 = (
@@ -3973,9 +3989,15 @@ STRESS_NAMES = [f"example.com/r{i}" for i in range(4)]
 
 
 def stress_config(node, resources):
-    """resources: name -> (env, pre_start_required)."""
+    """resources: name -> (env, pre_start_required); each env given the name's suffix (two resources
+    may not share one)."""
     entries = [
-        {"name": name, "directory": node.devices, "env": env, **({"pre_start": ["/bin/true"]} if pre else {})}
+        {
+            "name": name,
+            "directory": node.devices,
+            "env": f"{env}_{name[-1]}",
+            **({"pre_start": ["/bin/true"]} if pre else {}),
+        }
         for name, (env, pre) in sorted(resources.items())
     ]
     document = {"device_plugin_dir": node.plugin_dir, "resources": entries}
@@ -9457,8 +9479,16 @@ RENDER_REFUSALS = {
     ),
     "parse_config: resources[{}].name: {} would share a DRA pool name with {} of resources[{}]": (
         "template",
-        _dra(_gopher(api="dra", name="example.com/my_dev"), _gopher(api="dra", name="example.com/my-dev")),
+        _dra(_gopher(api="dra", name="example.com/my_dev"), _gopher(api="dra", name="example.com/my-dev", env="MY")),
         "config.resources[1].name: example.com/my-dev would share a DRA pool name with example.com/my_dev",
+    ),
+    "parse_config: resources[{}].env: {} is also the env of {} (resources[{}]): a container given devices of "
+    "both would see one list; set another env on {}, or shared_with if both offer the same devices": (
+        "template",
+        _resources(_gopher(name="example.com/gpu"), _gopher(name="acme.com/gpu", pattern="nvidia*")),
+        "config.resources[1].env: GPU_DEVICES is also the env of example.com/gpu (resources[0]): a container given "
+        "devices of both would see one list; set another env on acme.com/gpu, or shared_with if both offer the same "
+        "devices",
     ),
     "parse_config: resources[{}].shared_with[{}]: {} {}: list the resources that may offer the same device "
     "nodes as this one": (

@@ -303,6 +303,12 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- fail (printf "%s.cdi.kind: '%s' would share the CDI spec file %s/%s.json with resources[%d]: give each resource its own kind" $at $r.cdi.kind (clean ($r.cdi.spec_dir | default "/var/run/cdi")) (replace "/" "-" (toString $r.cdi.kind)) $k) -}}
 {{- end -}}
 {{- end -}}
+{{- /* One env for two resources: a container given devices of both would see one list (unless they share devices). */ -}}
+{{- $otherShort := regexReplaceAll "[^A-Z0-9_]" (upper (last (splitList "/" (toString $other.name)))) "_" -}}
+{{- $otherEnv := $other.env | default (printf "%s%s_DEVICES" (ternary "_" "" (regexMatch "^[0-9]" $otherShort)) $otherShort) | toString -}}
+{{- if and (eq $otherEnv $env) (not (has $name ($other.shared_with | default list))) (not (has (toString $other.name) ($r.shared_with | default list))) -}}
+{{- fail (printf "%s.env: %s is also the env of %s (resources[%d]): a container given devices of both would see one list; set another env on %s, or shared_with if both offer the same devices" $at $env $other.name $k $name) -}}
+{{- end -}}
 {{- if and (eq $api "dra") (eq ($other.api | default "device-plugin") "dra") (eq (include "gopherplug.poolSuffix" $name) (include "gopherplug.poolSuffix" (toString $other.name))) -}}
 {{- fail (printf "%s.name: %s would share a DRA pool name with %s of resources[%d]" $at $name $other.name $k) -}}
 {{- end -}}
