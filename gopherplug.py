@@ -1749,7 +1749,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
-        for key, problem in _pattern_warnings(entry)
+        for key, problem in _resource_warnings(entry, dra.driver if dra else "")
     )
     return Config(
         tuple(resources),
@@ -1826,8 +1826,16 @@ _GLOB_FOR_REGEX: tuple[tuple[str, str], ...] = (
 _GLOB_FOR_REGEX += ((".*", "*"), (".+", "?*"), (r"\.", "."))
 
 
-def _pattern_warnings(entry: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(key, problem) for each glob of a (valid) resource that looks like a regular expression."""
+def _resource_warnings(entry: dict[str, Any], driver: str) -> Iterator[tuple[str, str]]:
+    """(key, problem) for each glob of a (valid) resource that looks like a regular expression, and
+    each attribute named like a standard one but in the driver's domain, where selectors and
+    constraints on the standard name (matchAttribute: resource.kubernetes.io/pcieRoot) never look."""
+    for name in entry.get("attributes") or {}:
+        domain, _, short = name.rpartition("/")
+        if short in DRA_STANDARD_ATTRIBUTES and domain in ("", driver):
+            standard = f"{DRA_STANDARD_DOMAIN}/{short}"
+            said = f"is {driver or '<driver>'}/{short}, in the driver's domain, where matchAttribute: {standard} "
+            yield f"attributes.{name}", said + f"never looks: name it {standard}, the standard attribute"
     patterns = [("pattern", entry.get("pattern"))]
     patterns += [(f"match[{i}].pattern", m.get("pattern")) for i, m in enumerate(entry.get("match") or [])]
     for key, pattern in patterns:
@@ -4014,6 +4022,8 @@ def dra_device_name(device_id: str) -> str:
 #: The domain of the attributes Kubernetes defines for every driver (StandardDeviceAttributePrefix in
 #: kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute).
 DRA_STANDARD_DOMAIN = "resource.kubernetes.io"
+#: Its attributes' names (ibid.): declared in the driver's domain, one is warned about (_resource_warnings).
+DRA_STANDARD_ATTRIBUTES = ("pcieRoot", "pciBusID", "numaNode", "localNUMANodes")
 
 
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
@@ -12521,7 +12531,7 @@ def _emptied(running: Config | None, new: Config) -> str:
         return ""
     before = {resource.name: resource for resource in running.resources}
     for index, resource in enumerate(new.resources):
-        warned = [w for w in new.warnings if f": resources[{index}]." in w]
+        warned = [w for w in new.warnings if f": resources[{index}]." in w and ".pattern: " in w]
         old = before.get(resource.name)
         if not warned or old is None or old == resource:
             continue

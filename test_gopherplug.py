@@ -7451,6 +7451,41 @@ def test_serve_logs_the_warning_about_a_regex_like_glob(node, tmp_path):
     )
 
 
+def test_an_attribute_named_like_a_standard_one_in_the_drivers_domain_is_warned_about(node, tmp_path):
+    """attributes: {pcieRoot: ...} is published as <driver>/pcieRoot, which a claim's matchAttribute:
+    resource.kubernetes.io/pcieRoot never sees: check-config (and serve, which logs the same
+    warnings) names the standard attribute. One in a domain of the user's own, or the standard one
+    itself, is what was meant."""
+    attributes = {
+        "pcieRoot": "pci0000:00",
+        "gopherplug.example.com/pciBusID": "0000:01:00.0",
+        "localNUMANodes": 0,
+        "example.com/pcieRoot": "x",
+        "resource.kubernetes.io/pcieRoot": "pci0000:00",
+    }
+    path = write_config(node, tmp_path, api="dra", attributes=attributes)
+    document = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**document, "dra": {"driver": "gopherplug.example.com"}}))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    said = [line for line in result.stderr.splitlines() if "attributes" in line]
+    assert (result.returncode, said) == (
+        0,
+        [
+            f"gopherplug: warning: {path}: resources[0].attributes.{name}: is gopherplug.example.com/{short}, in the "
+            f"driver's domain, where matchAttribute: resource.kubernetes.io/{short} never looks: name it "
+            f"resource.kubernetes.io/{short}, the standard attribute"
+            for name, short in [
+                ("gopherplug.example.com/pciBusID", "pciBusID"),
+                ("localNUMANodes", "localNUMANodes"),
+                ("pcieRoot", "pcieRoot"),
+            ]
+        ],
+    )
+    assert [w.partition("attributes.")[2] for w in gp.load_config(str(path)).warnings] == [
+        line.partition("attributes.")[2] for line in said
+    ]  # what serve logs at start and at each reload
+
+
 def a_mounted_block_device():
     """The device number of a filesystem mounted here that is on a block device (major not 0)."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
