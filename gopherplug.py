@@ -2505,6 +2505,12 @@ def _parse_command(data: Any, source: str, where: str) -> tuple[str, ...]:
     argv = tuple(_string(arg, source, f"{where}[{i}]") for i, arg in enumerate(_list(data, source, where)))
     if not argv:
         raise ConfigError(source, where, "must be a non-empty list: the program, then its arguments (no shell)")
+    if "/" in argv[0] and not os.path.isabs(argv[0]):  # the configuration's path, not the working directory's
+        if not os.path.isfile(source):
+            problem = f"{argv[0]!r} is relative, and this configuration has no file here to resolve it against: "
+            problem += "make it absolute"
+            raise ConfigError(source, f"{where}[0]", problem)
+        argv = (os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(source)), argv[0])), *argv[1:])
     if shutil.which(argv[0]) is None:
         raise ConfigError(source, f"{where}[0]", f"{argv[0]!r} is not an executable file here or on PATH")
     return argv
@@ -13132,6 +13138,7 @@ def scan_report(
         replicas = f" (each {'offered' if resource.device_plugin else 'shared by'} {resource.replicas} "
         replicas += f"{'times' if resource.device_plugin else 'claims'})"
     lines = [f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy{replicas}, from {resource.origin()}"]
+    lines += [f"  describe: {' '.join(resource.describe)}"] if resource.describe else []  # a relative path resolved
     lines += [f"  warning: {problem}" for problem in container_problems]
     if scan.problem:
         lines.append(f"  {scan.problem}")

@@ -7486,6 +7486,37 @@ def test_an_attribute_named_like_a_standard_one_in_the_drivers_domain_is_warned_
     ]  # what serve logs at start and at each reload
 
 
+def test_a_relative_command_is_the_configuration_files_not_the_working_directorys(tmp_path, monkeypatch, capsys):
+    """describe: [./describe-accel] beside the configuration file: resolved against the file's
+    directory (check-config shows the path it runs), so that it works from any working directory, as
+    serve in its pod runs; a configuration that is no file (parse_config's text) refuses it."""
+    conf, devices = tmp_path / "conf", tmp_path / "accel"
+    conf.mkdir()
+    devices.mkdir()
+    (devices / "hailo0").touch()
+    script = conf / "describe-accel"
+    script.write_text(f'#!{sys.executable}\nprint(\'{{"hailo0": {{"attributes": {{"model": "hailo-8"}}}}}}\')\n')
+    script.chmod(0o755)
+    path = conf / "gopherplug.yaml"
+    resource = {"name": "example.com/hailo", "directory": str(devices), "describe": ["./describe-accel", "--quick"]}
+    path.write_text(yaml.safe_dump({"resources": [resource]}))
+    monkeypatch.chdir(tmp_path)  # where ./describe-accel is not
+    assert gp.main(["check-config", "--config", "conf/gopherplug.yaml"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[2:6] == [
+        f"  describe: {script} --quick",
+        "  ID      HEALTH     PATH",
+        f"  hailo0  Healthy    {devices}/hailo0",
+        '          attributes: model="hailo-8"',
+    ]
+    with pytest.raises(gp.ConfigError) as info:
+        gp.parse_config(path.read_text())
+    assert str(info.value) == (
+        "<config>: resources[0].describe[0]: './describe-accel' is relative, and this configuration has no file here "
+        "to resolve it against: make it absolute"
+    )
+
+
 def a_mounted_block_device():
     """The device number of a filesystem mounted here that is on a block device (major not 0)."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
@@ -9200,6 +9231,13 @@ RENDER_REFUSALS = {
         _resources(_gopher(pre_start=[])),
         "at '/config/resources/0/pre_start': minItems: got 0, want 1",
     ),
+    "_parse_command: {}[0]: {} is relative, and this configuration has no file here to resolve it against: make it "
+    "absolute": (
+        "template",
+        _resources(_gopher(describe=["./describe-accel"])),
+        "config.resources[0].describe[0]: './describe-accel' is relative, and this configuration has no file here to "
+        "resolve it against: make it absolute",
+    ),
     "_parse_command: {}[0]: {} is not an executable file here or on PATH": (
         "the program is looked for on the node, on the image's PATH: not in the values"
     ),
@@ -10411,6 +10449,7 @@ def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_s
     report = result.stdout.split("example.com/gopher: 2 devices", 1)[1].split("  a claim for", 1)[0]
     gpu_dir = f"{sysfs}/dev/char/1:3"
     assert report.splitlines()[1:] == [
+        f"  describe: {describe}",  # what runs
         "  warning: device full: attributes.vendor: {sysfs}/device/vendor: no sysfs directory is known for this device",
         "  warning: device full: capacity.memory: {sysfs}/device/memory: no sysfs directory is known for this device",
         f"  warning: device gpu: capacity.memory: cannot read {gpu_dir}/device/memory: No such file or directory",

@@ -287,6 +287,13 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- if gt $total 32 -}}
 {{- fail (printf "%s.%s: %d attributes and %d capacities, with the %d gopherplug gives each device, are %d: the API server takes at most 32 a device" $at (ternary "capacity" "attributes" (not (empty $r.capacity))) (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) (ternary 4 3 (gt (int ($r.replicas | default 1)) 1)) $total) -}}
 {{- end -}}
+{{- /* A command's relative path is taken from its configuration file's directory: in the pod, the ConfigMap's. */ -}}
+{{- range $key := list "pre_start" "describe" -}}
+{{- $program := toString (first (get $r $key | default (list ""))) -}}
+{{- if and (contains "/" $program) (not (isAbs $program)) -}}
+{{- fail (printf "%s.%s[0]: '%s' is relative, and this configuration has no file here to resolve it against: make it absolute" $at $key $program) -}}
+{{- end -}}
+{{- end -}}
 {{- /* What the device-plugin API alone has, refused with api: dra (nothing given silently unused). */ -}}
 {{- if eq $api "dra" -}}
 {{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" "pre_start" "NodePrepareResources runs before a pod's containers; gopherplug runs no command there" "pre_start_timeout" "there is no pre_start" -}}
