@@ -1280,6 +1280,47 @@ def test_find_device_plugin_dir_prefers_a_live_kubelet(tmp_path):
         assert gp.find_device_plugin_dir(candidates) == candidates[1]
 
 
+def test_the_example_configuration_lists_every_key():
+    """config.example.yaml says every key is listed there: each key parse_config knows (the names its
+    "unknown key" lines give, and _RESOURCE_KEYS) is written in it, as a key or a commented one,
+    and uncommented they parse."""
+
+    def known(text):
+        with pytest.raises(gp.ConfigError) as info:
+            gp.parse_config(text)
+        return set(info.value.problem.partition("expected one of ")[2].split(", "))
+
+    resource = "resources: [{name: example.com/a, directory: /x, "
+    keys = known("nope: 1\nresources: []") | known("dra: {driver: x.example.com, nope: 1}\nresources: []")
+    keys |= gp._RESOURCE_KEYS
+    for nested in ("cdi: {kind: a.b/cc, nope: 1}", "usb: [{nope: 1}]", "mounts: [{nope: 1}]"):
+        keys |= known(resource + nested + "}]")
+    keys |= known("resources: [{name: example.com/a, match: [{nope: 1}]}]")
+    keys |= known(resource + "device_specs: [{nope: 1}]}]") | known(resource + "attributes: {a: {file: /x, nope: 1}}}]")
+    text = (HERE / "config.example.yaml").read_text()
+    written = set(re.findall(r"^[ ]*(?:#[ ]*)?(?:-[ ]+)?\{?([a-z_]+):", text, re.MULTILINE))
+    written |= set(re.findall(r"[{,] ?([a-z_]+):", text))  # in flow mappings: {vendor: "1050", product: "0407"}
+    assert sorted(keys - written) == []
+    # The keys this test added to the file, uncommented, parse (the others: test_example_config_is_valid).
+    for key in ("health_address", "nfd_features_file"):
+        text = text.replace(f"# {key}:", f"{key}:")
+    for key in ("shared_with:", "attributes:", "  productName:", "  firmwareVersion:", "capacity:", "  memory:"):
+        text = text.replace(f"    # {key}", f"    {key}")
+    text = text.replace("shared_with: [example.com/serial]", "")
+    text = text.replace("# describe: [/usr/local/bin/describe-gophers]", f"describe: [{sys.executable}]")
+    parsed = gp.parse_config(text)
+    assert (parsed.health_address, parsed.nfd_features_file) == (
+        "0.0.0.0:9402",
+        "/etc/kubernetes/node-feature-discovery/features.d/gopherplug",
+    )
+    assert parsed.resources[0].describe == (sys.executable,)
+    assert [value.name for value in parsed.resources[0].attributes + parsed.resources[0].capacity] == [
+        "productName",
+        "firmwareVersion",
+        "memory",
+    ]
+
+
 def test_example_config_is_valid():
     config = gp.load_config(str(HERE / "config.example.yaml"))
     assert [r.name for r in config.resources] == ["example.com/gopher"]
@@ -1315,7 +1356,10 @@ def test_example_config_is_valid():
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
     for key in ("usb:", "  - {vendor:"):  # a resource of USB devices: beside directory or match, refused
         usb = usb.replace(f"    # {key}", f"    {key}")
-    assert gp.parse_config(usb).resources[0].usb == (gp.UsbSelector("1050", "0407"),)
+    assert gp.parse_config(usb).resources[0].usb == (
+        gp.UsbSelector("1050", "0407"),
+        gp.UsbSelector("0403", "6001", "A10KZP45"),
+    )
     # dra and api (without what DRA refuses).
     dra = (
         text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
