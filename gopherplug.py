@@ -15089,6 +15089,8 @@ def _main(argv: list[str] | None = None) -> int:
             if args.strict and reasons:
                 print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
                 strict_failed = True
+        for problem in _rights_problems(config):
+            print(f"gopherplug: warning: {problem}", file=sys.stderr)
         for problem in missing_extras(config):  # serve would stop at start
             print(f"gopherplug: warning: {problem}: serve would stop at start", file=sys.stderr)
             if args.strict:
@@ -15196,6 +15198,32 @@ def _has_capability(number: int) -> bool:
         if line.startswith("CapEff:"):
             return bool(int(line.split()[1], 16) >> number & 1)
     return False
+
+
+def _rights_problems(config: Config) -> list[str]:
+    """For check-config run without root's rights, where serve would fail at start: a line for each
+    place serve writes (its sockets, CDI specs, the NFD file; a missing directory's nearest parent,
+    where serve makes it) or socket it connects to (the kubelet's) that this user cannot."""
+    wanted = [(resource.cdi.spec_dir, "write CDI specs in") for resource in config.resources if resource.cdi]
+    if any(resource.device_plugin for resource in config.resources):
+        found = [d for d in KNOWN_DEVICE_PLUGIN_DIRS if os.path.exists(os.path.join(d, KUBELET_SOCKET))]
+        plugin_dir = config.device_plugin_dir or (found or KNOWN_DEVICE_PLUGIN_DIRS)[0]
+        wanted += [(plugin_dir, "create its sockets in"), (os.path.join(plugin_dir, KUBELET_SOCKET), "connect to")]
+    if config.dra is not None:
+        wanted += [(os.path.dirname(config.dra.registration_socket), "create its registration socket in")]
+        wanted += [(config.dra.plugin_dir, "create its DRA socket and checkpoint in")]
+    if config.nfd_features_file is not None:
+        wanted.append((os.path.dirname(config.nfd_features_file), "write the NFD feature file in"))
+    lines = []
+    for path, does in dict.fromkeys(wanted):
+        there = path
+        while does != "connect to" and not os.path.exists(there):
+            there = os.path.dirname(there)
+        if os.path.exists(there) and not os.access(there, os.W_OK | (0 if does == "connect to" else os.X_OK)):
+            lines.append(
+                f"serve will need to {does} {path}, which this process (uid {os.geteuid()}) cannot: run it as root"
+            )
+    return lines
 
 
 def _pod_view(scan: Scan) -> dict[str, str]:

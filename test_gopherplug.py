@@ -7495,6 +7495,58 @@ def test_serve_logs_the_warning_about_a_regex_like_glob(node, tmp_path):
     )
 
 
+def test_check_config_without_roots_rights_says_what_serve_will_need(sockdir):
+    """check-config said OK to a user without root's rights, and serve then failed: it says, a line
+    each, where serve must create sockets or files (a missing directory's parent, where it would be
+    made) and the kubelet's socket it must connect to. Run without CAP_DAC_OVERRIDE (setpriv drops
+    root's capabilities; a user other than root has none), so that the mode bits decide."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to run check-config without root's capabilities")
+    kubelet = Path(sockdir) / "kubelet"
+    (kubelet / "device-plugins").mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(kubelet / "device-plugins" / "kubelet.sock"))
+        for path in (kubelet / "device-plugins" / "kubelet.sock", kubelet / "device-plugins", kubelet):
+            path.chmod(0o555)
+        config = {
+            "device_plugin_dir": str(kubelet / "device-plugins"),
+            "dra": {"driver": "gopherplug.example.com", "kubelet_dir": str(kubelet)},
+            "resources": [
+                {"name": "example.com/null", "directory": "/dev", "pattern": "null", "cdi": {"kind": "a.b/nul"}},
+                {"name": "example.com/zero", "directory": "/dev", "pattern": "zero", "api": "dra"},
+            ],
+        }
+        config["resources"][0]["cdi"]["spec_dir"] = str(kubelet / "cdi")
+        path = Path(sockdir) / "gopherplug.yaml"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o444)
+        drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+        result = subprocess.run(
+            [*drop, sys.executable, str(HERE / "gopherplug.py"), "check-config", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "NODE_NAME": "node-1"},
+            check=False,
+        )
+        for path in (kubelet, kubelet / "device-plugins"):
+            path.chmod(0o755)  # for the fixture's clean-up
+    cannot = f"which this process (uid {os.geteuid()}) cannot: run it as root"
+    assert (result.returncode, result.stderr.splitlines()) == (
+        0,
+        [
+            f"gopherplug: warning: serve will need to {does} {where}, {cannot}"
+            for does, where in [
+                ("write CDI specs in", kubelet / "cdi"),
+                ("create its sockets in", kubelet / "device-plugins"),
+                ("connect to", kubelet / "device-plugins" / "kubelet.sock"),
+                ("create its registration socket in", kubelet / "plugins_registry"),
+                ("create its DRA socket and checkpoint in", kubelet / "plugins" / "gopherplug.example.com"),
+            ]
+        ],
+    )
+
+
 def test_an_attribute_named_like_a_standard_one_in_the_drivers_domain_is_warned_about(node, tmp_path):
     """attributes: {pcieRoot: ...} is published as <driver>/pcieRoot, which a claim's matchAttribute:
     resource.kubernetes.io/pcieRoot never sees: check-config (and serve, which logs the same
