@@ -13346,19 +13346,13 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
         known = kubelet.resources[resource].devices
         return ", ".join(f"{device_id} {health}" for device_id, health in known.items()) or "none"
 
-    async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> None:
-        with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            await kubelet.wait_until(predicate)
-            return
-        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
-
     out(f"gopherplug demo: a simulated kubelet and the real plugin, in {os.path.dirname(devices)}")
     async with trio.open_nursery() as nursery:
         kubelet = await nursery.start(KubeletSimulator(plugin_dir).run)
         say("kubelet", f"serving Registration on {kubelet.socket_path} (sockets of the directory wiped)")
         await nursery.start(serve_plugin, config)
         say("plugin", f"watching {devices}; serving DevicePlugin on a socket in {plugin_dir}")
-        await wait_for("registration", lambda k: bool(k.registrations))
+        await _demo_step("registration", kubelet.wait_until(lambda k: bool(k.registrations)))
         registration = kubelet.registrations[-1]
         say(
             "plugin", f"Register(resource {resource}, endpoint {registration.endpoint}, version {registration.version})"
@@ -13368,7 +13362,7 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
             f"dialed {registration.endpoint} back before answering: {_one_line(kubelet.resources[resource].options)}",
         )
         say("kubelet", "registration accepted; opening ListAndWatch")
-        await wait_for("the first device list", lambda k: k.resources[resource].updates > 0)
+        await _demo_step("the first device list", kubelet.wait_until(lambda k: k.resources[resource].updates > 0))
         say("plugin", f"ListAndWatch: {listed(kubelet)}")
         say("kubelet", f"node capacity {resource}: {kubelet.resources[resource].capacity}")
 
@@ -13393,16 +13387,20 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
         open(added, "x").close()
         touched = trio.current_time()
         say("demo", f"created {added}")
-        await wait_for("the new device's update", lambda k: "gopher3" in k.resources[resource].devices)
+        await _demo_step(
+            "the new device's update", kubelet.wait_until(lambda k: "gopher3" in k.resources[resource].devices)
+        )
         say("plugin", f"ListAndWatch: {listed(kubelet)} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
 
         registrations = len(kubelet.registrations)
         restarted = trio.current_time()
         kubelet.restart()
         say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
-        await wait_for(
+        await _demo_step(
             "re-registration",
-            lambda k: len(k.registrations) > registrations and len(k.resources[resource].devices) == 4,
+            kubelet.wait_until(
+                lambda k: len(k.registrations) > registrations and len(k.resources[resource].devices) == 4
+            ),
         )
         say(
             "plugin",
@@ -14827,10 +14825,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo}")
-    serve = commands.add_parser("serve", help="run the device plugin (the default)", allow_abbrev=False)
-    check = commands.add_parser(
+    subcommand = functools.partial(commands.add_parser, allow_abbrev=False)
+    serve = subcommand("serve", help="run the device plugin (the default)")
+    check = subcommand(
         "check-config",
-        allow_abbrev=False,
         help="validate a configuration file, and the options and environment serve would read, and show what each "
         "resource finds and gives a container (exit 2 if invalid)",
     )
@@ -14840,11 +14838,8 @@ def _parser() -> argparse.ArgumentParser:
         help="exit 1 when a resource has a warning or no healthy device (default: exit 0 if the file is valid, "
         "as serve would run)",
     )
-    probe_ = commands.add_parser(
-        "probe",
-        allow_abbrev=False,
-        help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)",
-    )
+    what = "ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
+    probe_ = subcommand("probe", help=what)
     probe_.add_argument(
         "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
     )
@@ -14855,10 +14850,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"fail a resource whose ListAndWatch the kubelet has not read for longer (default {PROBE_STREAM_GRACE:g})",
     )
-    who = commands.add_parser(
-        "who",
-        allow_abbrev=False,
-        help="each configured device with its health, its path and the pod and container holding it",
+    who = subcommand(
+        "who", help="each configured device with its health, its path and the pod and container holding it"
     )
     who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     who.add_argument(
@@ -14868,11 +14861,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the kubelet's PodResources socket (env GOPHERPLUG_POD_RESOURCES_SOCKET; default: "
         "pod-resources/kubelet.sock in the kubelet's root directory)",
     )
-    demo = commands.add_parser(
-        "demo",
-        allow_abbrev=False,
-        help="run the plugin against a simulated kubelet in a temporary directory, step by step",
-    )
+    demo = subcommand("demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step")
     demo.add_argument(
         "--dra",
         action="store_true",
