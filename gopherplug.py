@@ -1474,10 +1474,8 @@ class _Octal(int):
 
 class _ConfigLoader(yaml.SafeLoader):
     """SafeLoader, except that an integer written with a leading zero comes out as an _Octal: PyYAML
-    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means. And a
-    key written twice in one mapping is refused (_DuplicateKey): YAML 1.2 says a mapping's keys are
-    unique, but PyYAML keeps the last without a word, so a second ``pattern:`` pasted below the
-    first would quietly offer other devices. (A merge, ``<<: *base``, may set a key again.)"""
+    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means. And a key
+    written twice in one mapping is refused: YAML 1.2 says keys are unique; PyYAML keeps the last."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[tuple[str, Any], yaml.Node] = {}
@@ -1491,7 +1489,7 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 class _DuplicateKey(yaml.YAMLError):
-    """A key written twice in one mapping (_ConfigLoader), said in one line."""
+    """A key written twice in one mapping (_ConfigLoader). A merge (``<<: *base``) may set one again."""
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
@@ -14690,9 +14688,8 @@ async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, sa
 
 
 async def _demo_describe(resource: ResourceConfig, scan: Scan, say: Callable[[str, str], None]) -> dict[str, Any]:
-    """The slice entries of ``scan``'s devices with what the resource's ``describe`` says of them,
-    by DRA device name: describe run here once, as check-config runs it, for the demo to know what
-    the plugin's own run (as it finds the devices) will publish. None, with a line, if it fails."""
+    """By DRA device name, ``scan``'s slice entries with what ``describe`` says, run once here as
+    check-config runs it: what the plugin's own run will publish. None, with a line, if it fails."""
     try:
         said, _ = await run_describe(resource, [device.id for device in scan.devices])
     except DescribeError as error:
@@ -15190,9 +15187,9 @@ def _has_capability(number: int) -> bool:
 
 
 def _rights_problems(config: Config) -> list[str]:
-    """For check-config run without root's rights, where serve would fail at start: a line for each
-    place serve writes (its sockets, CDI specs, the NFD file; a missing directory's nearest parent,
-    where serve makes it) or socket it connects to (the kubelet's) that this user cannot."""
+    """For check-config without root's rights, where serve would fail at start: a line for each
+    place serve writes in (a missing directory: its parent, where serve makes it) or socket it
+    connects to (the kubelet's) that this process cannot."""
     wanted = [(resource.cdi.spec_dir, "write CDI specs in") for resource in config.resources if resource.cdi]
     if any(resource.device_plugin for resource in config.resources):
         found = [d for d in KNOWN_DEVICE_PLUGIN_DIRS if os.path.exists(os.path.join(d, KUBELET_SOCKET))]
@@ -15203,15 +15200,14 @@ def _rights_problems(config: Config) -> list[str]:
         wanted += [(config.dra.plugin_dir, "create its DRA socket and checkpoint in")]
     if config.nfd_features_file is not None:
         wanted.append((os.path.dirname(config.nfd_features_file), "write the NFD feature file in"))
+    cannot = f"which this process (uid {os.geteuid()}) cannot: run it as root"
     lines = []
     for path, does in dict.fromkeys(wanted):
         there = path
         while does != "connect to" and not os.path.exists(there):
             there = os.path.dirname(there)
         if os.path.exists(there) and not os.access(there, os.W_OK | (0 if does == "connect to" else os.X_OK)):
-            lines.append(
-                f"serve will need to {does} {path}, which this process (uid {os.geteuid()}) cannot: run it as root"
-            )
+            lines.append(f"serve will need to {does} {path}, {cannot}")
     return lines
 
 
