@@ -1656,22 +1656,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             source, "", "is empty: it needs resources, a list of the devices to offer (docs/configuration.md)"
         )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
-    top = _mapping(
-        data,
-        source,
-        "",
-        {
-            "device_plugin_dir",
-            "resources",
-            "sysfs_root",
-            "dev_root",
-            "dra",
-            "metrics_address",
-            "health_address",
-            "nfd_features_file",
-        },
-        required={"resources"},
-    )
+    keys = "device_plugin_dir resources sysfs_root dev_root dra metrics_address health_address nfd_features_file"
+    top = _mapping(data, source, "", set(keys.split()), required={"resources"})
     device_plugin_dir = None
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
@@ -1903,31 +1889,10 @@ def with_pod_uid(config: Config, pod_uid: str, source: str = POD_UID_ENV) -> Con
     return dataclasses.replace(config, dra=dra)
 
 
-_RESOURCE_KEYS = {
-    "name",
-    "directory",
-    "pattern",
-    "match",
-    "id_pattern",
-    "usb",
-    "env",
-    "device_specs",
-    "mounts",
-    "annotations",
-    "replicas",
-    "preferred",
-    "cdi",
-    "pre_start",
-    "pre_start_timeout",
-    "allowed_host_paths",
-    "api",
-    "whole_dev",
-    "allow_mounted",
-    "shared_with",
-    "attributes",
-    "capacity",
-    "describe",
-}
+_RESOURCE_KEYS = set(
+    "name directory pattern match id_pattern usb env device_specs mounts annotations replicas preferred cdi pre_start "
+    "pre_start_timeout allowed_host_paths api whole_dev allow_mounted shared_with attributes capacity describe".split()
+)
 MAX_REPLICAS = 1000
 
 
@@ -15018,8 +14983,17 @@ def _main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         config = dataclasses.replace(config, metrics_address=args.metrics_address)
     if args.command == "check-config":
+        strict: list[str] = []  # what --strict fails for, said as it is found
+
+        def warn(line: str, failing: str = "") -> None:
+            if line:
+                print(f"gopherplug: warning: {line}", file=sys.stderr)
+            if failing and args.strict:
+                print(f"gopherplug: --strict: {failing}", file=sys.stderr)
+                strict.append(failing)
+
         for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
-            print(f"gopherplug: warning: {warning}", file=sys.stderr)
+            warn(warning)
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
         mistaken = None
@@ -15033,7 +15007,7 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
         named = _device_plugin_dir_from(args) if args.device_plugin_dir is not None else "device_plugin_dir"
         if mistaken is not None:  # a typo: serve would wait for the kubelet for ever
-            print(f"gopherplug: warning: {named}: {mistaken}", file=sys.stderr)
+            warn(f"{named}: {mistaken}", f"{named}: no kubelet.sock")
         # What the kubelet would be offered if the plugin started now, on this machine. Run by root
         # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
         # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
@@ -15041,21 +15015,13 @@ def _main(argv: list[str] | None = None) -> int:
         # _health_problem), so it changes nothing here.
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
-        strict_failed = False
-        if mistaken is not None and args.strict:
-            print(f"gopherplug: --strict: {named}: no kubelet.sock", file=sys.stderr)
-            strict_failed = True
         node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
         if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
-            print(
-                "gopherplug: warning: NODE_NAME is not set: serve would stop at start, as the DRA driver names "
-                f"this node's pools after it (in a DaemonSet from spec.nodeName); shown here with the host name, "
-                f"{node_name}",
-                file=sys.stderr,
+            warn(
+                "NODE_NAME is not set: serve would stop at start, as the DRA driver names this node's pools after "
+                f"it (in a DaemonSet from spec.nodeName); shown here with the host name, {node_name}",
+                f"DRA driver {config.dra.driver}: NODE_NAME is not set",
             )
-            if args.strict:
-                print(f"gopherplug: --strict: DRA driver {config.dra.driver}: NODE_NAME is not set", file=sys.stderr)
-                strict_failed = True
         offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
         for resource in config.resources:
             directories = [source.directory for source in resource.sources] + (
@@ -15072,26 +15038,19 @@ def _main(argv: list[str] | None = None) -> int:
             print(view)
             reasons = ["a warning"] if problems or scan.problem or refused else []
             reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
-            if args.strict and reasons:
-                print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
-                strict_failed = True
+            if reasons:
+                warn("", f"{resource.name}: {' and '.join(reasons)}")
         for problem in _rights_problems(config):
-            print(f"gopherplug: warning: {problem}", file=sys.stderr)
+            warn(problem)
         for problem in missing_extras(config):  # serve would stop at start
-            print(f"gopherplug: warning: {problem}: serve would stop at start", file=sys.stderr)
-            if args.strict:
-                print(f"gopherplug: --strict: {problem.split(' (')[0]}", file=sys.stderr)
-                strict_failed = True
+            warn(f"{problem}: serve would stop at start", problem.split(" (")[0])
         for line in shared_nodes(offered):  # what serve warns about too, once each
-            print(f"gopherplug: warning: {line}", file=sys.stderr)
-            if args.strict:
-                print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
-                strict_failed = True
+            warn(line, f"{line.split(' is offered by ')[0]}: offered twice")
         if config.nfd_features_file is not None:  # the labels NFD would give this node, as serve writes them
             features = nfd_features((resource, {d.id: d for d in devices}) for resource, devices in offered)
             print(f"NFD feature file {config.nfd_features_file} (nfd_features_file), as serve would write it:")
             print("\n".join(f"  {line}" for line in features.splitlines() if not line.startswith("#")))
-        return EXIT_FAILURE if strict_failed else EXIT_OK
+        return EXIT_FAILURE if strict else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     raise_open_files_limit()
     code = _run(args, _serve_until_signalled, config, args.config, *given)
