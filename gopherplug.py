@@ -14473,16 +14473,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
                 # selects by CEL and writes the result into the claim's status.allocation.
                 results = [{"request": "gopher", "driver": driver, "pool": pool, "device": "gopher1"}]
-                gopher_class = {"deviceClassName": "gopher"}
-                api.put_claim(
-                    {
-                        "apiVersion": "resource.k8s.io/v1",
-                        "kind": "ResourceClaim",
-                        "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
-                        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": gopher_class}]}},
-                        "status": {"allocation": {"devices": {"results": results}}},
-                    }
-                )
+                api.put_claim(_demo_allocated_claim("my-gopher", "7f3e-demo", "gopher", "gopher", results))
                 say("scheduler", f"allocated ResourceClaim default/my-gopher: device gopher1 of pool {pool}")
                 answer = (await kubelet.prepare(driver, [("default", "7f3e-demo", "my-gopher")])).claims["7f3e-demo"]
                 say("kubelet", "NodePrepareResources(default/my-gopher, uid 7f3e-demo)")
@@ -14667,6 +14658,15 @@ async def _narrate_config_demo(
     say("demo", "done: plugin stopped, its sockets removed")
 
 
+def _demo_allocated_claim(name: str, uid: str, request: str, device_class: str, results: list[Any]) -> dict[str, Any]:
+    """A ResourceClaim in default with one request of ``device_class``, as the scheduler leaves it: allocated."""
+    requests = [{"name": request, "exactly": {"deviceClassName": device_class}}]
+    status = {"allocation": {"devices": {"results": results}}}
+    metadata = {"namespace": "default", "name": name, "uid": uid}
+    kind = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim"}
+    return {**kind, "metadata": metadata, "spec": {"devices": {"requests": requests}}, "status": status}
+
+
 def _demo_list(items: list[str]) -> str:
     shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
     return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
@@ -14738,15 +14738,7 @@ async def _demo_claim(
     if device.get("allowMultipleAllocations"):
         result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
     uid = f"demo-{len(api.claims)}"
-    api.put_claim(
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"namespace": "default", "name": claim, "uid": uid},
-            "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
-            "status": {"allocation": {"devices": {"results": [result]}}},
-        }
-    )
+    api.put_claim(_demo_allocated_claim(claim, uid, "device", "demo", [result]))
     say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
     answer = (await kubelet.prepare(driver, [("default", uid, claim)])).claims[uid]
     if answer.error:
@@ -15098,9 +15090,7 @@ def _main(argv: list[str] | None = None) -> int:
             )
         offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
         for resource in config.resources:
-            directories = [source.directory for source in resource.sources] + (
-                [config.dev_root] if resource.usb else []
-            )
+            directories = [s.directory for s in resource.sources] + ([config.dev_root] if resource.usb else [])
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
