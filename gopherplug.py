@@ -1456,7 +1456,22 @@ class _Octal(int):
 
 class _ConfigLoader(yaml.SafeLoader):
     """SafeLoader, except that an integer written with a leading zero comes out as an _Octal: PyYAML
-    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means."""
+    follows YAML 1.1, where 010 is 8 and 0407 is 263, which no one writing this file means. And a key
+    written twice in one mapping is refused: YAML 1.2 says keys are unique; PyYAML keeps the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[tuple[str, Any], yaml.Node] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if (first := seen.setdefault((key.tag, key.value), key)) is not key:
+                    lines = f"lines {first.start_mark.line + 1} and {key.start_mark.line + 1}"
+                    raise _DuplicateKey(f"key {key.value!r} is written twice in one mapping, on {lines}: keep one")
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep)
+        return mapping
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key written twice in one mapping (_ConfigLoader). A merge (``<<: *base``) may set one again."""
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
@@ -1608,7 +1623,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     try:
         data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
     except yaml.YAMLError as error:
-        raise ConfigError(source, "", _yaml_problem(text, error)) from None
+        said = str(error) if isinstance(error, _DuplicateKey) else _yaml_problem(text, error)
+        raise ConfigError(source, "", said) from None
     for at, octal in _octal_numbers(data):
         read = f"{octal.written} is read by YAML as an octal number, {int(octal)}"
         if re.search(r"\.usb\[[0-9]+\]\.(vendor|product|serial)$", at):
@@ -1622,22 +1638,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             source, "", "is empty: it needs resources, a list of the devices to offer (docs/configuration.md)"
         )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
-    top = _mapping(
-        data,
-        source,
-        "",
-        {
-            "device_plugin_dir",
-            "resources",
-            "sysfs_root",
-            "dev_root",
-            "dra",
-            "metrics_address",
-            "health_address",
-            "nfd_features_file",
-        },
-        required={"resources"},
-    )
+    keys = "device_plugin_dir resources sysfs_root dev_root dra metrics_address health_address nfd_features_file"
+    top = _mapping(data, source, "", set(keys.split()), required={"resources"})
     device_plugin_dir = None
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
@@ -1677,6 +1679,14 @@ def parse_config(text: str, source: str = "<config>") -> Config:
                     f"resources[{earlier}]: give each resource its own kind"
                 )
                 raise ConfigError(source, f"resources[{index}].cdi.kind", problem)
+            # Allocate's env (a DRA claim's CDI device) sets it: a container given devices of both would have
+            # one list, overwritten by the other. Two resources that offer the same devices may share one.
+            sharing = resource.name in other.shared_with or other.name in resource.shared_with
+            if resource.env == other.env and not sharing:
+                problem = f"{resource.env} is also the env of {other.name} (resources[{earlier}]): a container given "
+                problem += f"devices of both would see one list; set another env on {resource.name}, or shared_with "
+                problem += "if both offer the same devices"
+                raise ConfigError(source, f"resources[{index}].env", problem)
             if resource.dra and other.dra and dra_pool_suffix(resource.name) == dra_pool_suffix(other.name):
                 problem = f"{resource.name} would share a DRA pool name with {other.name} of resources[{earlier}]"
                 raise ConfigError(source, f"resources[{index}].name", problem)
@@ -1705,7 +1715,10 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
-        for key, problem in [*_pattern_warnings(entry), ("attributes", _room_warning(resources[index]))]
+        for key, problem in [
+            *_resource_warnings(entry, dra.driver if dra else ""),
+            ("attributes", _room_warning(resources[index])),
+        ]
         if problem
     )
     return Config(
@@ -1783,8 +1796,16 @@ _GLOB_FOR_REGEX: tuple[tuple[str, str], ...] = (
 _GLOB_FOR_REGEX += ((".*", "*"), (".+", "?*"), (r"\.", "."))
 
 
-def _pattern_warnings(entry: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(key, problem) for each glob of a (valid) resource that looks like a regular expression."""
+def _resource_warnings(entry: dict[str, Any], driver: str) -> Iterator[tuple[str, str]]:
+    """(key, problem) for each glob of a (valid) resource that looks like a regular expression, and
+    each attribute named like a standard one but in the driver's domain, where selectors and
+    constraints on the standard name (matchAttribute: resource.kubernetes.io/pcieRoot) never look."""
+    for name in entry.get("attributes") or {}:
+        domain, _, short = name.rpartition("/")
+        if short in DRA_STANDARD_ATTRIBUTES and domain in ("", driver):
+            standard = f"{DRA_STANDARD_DOMAIN}/{short}"
+            said = f"is {driver or '<driver>'}/{short}, in the driver's domain, where matchAttribute: {standard} "
+            yield f"attributes.{name}", said + f"never looks: name it {standard}, the standard attribute"
     patterns = [("pattern", entry.get("pattern"))]
     patterns += [(f"match[{i}].pattern", m.get("pattern")) for i, m in enumerate(entry.get("match") or [])]
     for key, pattern in patterns:
@@ -1854,31 +1875,10 @@ def with_pod_uid(config: Config, pod_uid: str, source: str = POD_UID_ENV) -> Con
     return dataclasses.replace(config, dra=dra)
 
 
-_RESOURCE_KEYS = {
-    "name",
-    "directory",
-    "pattern",
-    "match",
-    "id_pattern",
-    "usb",
-    "env",
-    "device_specs",
-    "mounts",
-    "annotations",
-    "replicas",
-    "preferred",
-    "cdi",
-    "pre_start",
-    "pre_start_timeout",
-    "allowed_host_paths",
-    "api",
-    "whole_dev",
-    "allow_mounted",
-    "shared_with",
-    "attributes",
-    "capacity",
-    "describe",
-}
+_RESOURCE_KEYS = set(
+    "name directory pattern match id_pattern usb env device_specs mounts annotations replicas preferred cdi pre_start "
+    "pre_start_timeout allowed_host_paths api whole_dev allow_mounted shared_with attributes capacity describe".split()
+)
 MAX_REPLICAS = 1000
 
 
@@ -2452,6 +2452,12 @@ def _parse_command(data: Any, source: str, where: str) -> tuple[str, ...]:
     argv = tuple(_string(arg, source, f"{where}[{i}]") for i, arg in enumerate(_list(data, source, where)))
     if not argv:
         raise ConfigError(source, where, "must be a non-empty list: the program, then its arguments (no shell)")
+    if "/" in argv[0] and not os.path.isabs(argv[0]):  # the configuration's path, not the working directory's
+        if not os.path.isfile(source):
+            problem = f"{argv[0]!r} is relative, and this configuration has no file here to resolve it against: "
+            problem += "make it absolute"
+            raise ConfigError(source, f"{where}[0]", problem)
+        argv = (os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(source)), argv[0])), *argv[1:])
     if shutil.which(argv[0]) is None:
         raise ConfigError(source, f"{where}[0]", f"{argv[0]!r} is not an executable file here or on PATH")
     return argv
@@ -3969,6 +3975,8 @@ def dra_device_name(device_id: str) -> str:
 #: The domain of the attributes Kubernetes defines for every driver (StandardDeviceAttributePrefix in
 #: kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/deviceattribute).
 DRA_STANDARD_DOMAIN = "resource.kubernetes.io"
+#: Its attributes' names (ibid.): declared in the driver's domain, one is warned about (_resource_warnings).
+DRA_STANDARD_ATTRIBUTES = ("pcieRoot", "pciBusID", "numaNode", "localNUMANodes")
 
 
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
@@ -12216,7 +12224,7 @@ def _emptied(running: Config | None, new: Config) -> str:
         return ""
     before = {resource.name: resource for resource in running.resources}
     for index, resource in enumerate(new.resources):
-        warned = [w for w in new.warnings if f": resources[{index}]." in w]
+        warned = [w for w in new.warnings if f": resources[{index}]." in w and ".pattern: " in w]
         old = before.get(resource.name)
         if not warned or old is None or old == resource:
             continue
@@ -12817,6 +12825,7 @@ def scan_report(
         replicas = f" (each {'offered' if resource.device_plugin else 'shared by'} {resource.replicas} "
         replicas += f"{'times' if resource.device_plugin else 'claims'})"
     lines = [f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy{replicas}, from {resource.origin()}"]
+    lines += [f"  describe: {' '.join(resource.describe)}"] if resource.describe else []  # a relative path resolved
     lines += [f"  warning: {problem}" for problem in container_problems]
     if scan.problem:
         lines.append(f"  {scan.problem}")
@@ -14155,16 +14164,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
                 # selects by CEL and writes the result into the claim's status.allocation.
                 results = [{"request": "gopher", "driver": driver, "pool": pool, "device": "gopher1"}]
-                gopher_class = {"deviceClassName": "gopher"}
-                api.put_claim(
-                    {
-                        "apiVersion": "resource.k8s.io/v1",
-                        "kind": "ResourceClaim",
-                        "metadata": {"namespace": "default", "name": "my-gopher", "uid": "7f3e-demo"},
-                        "spec": {"devices": {"requests": [{"name": "gopher", "exactly": gopher_class}]}},
-                        "status": {"allocation": {"devices": {"results": results}}},
-                    }
-                )
+                api.put_claim(_demo_allocated_claim("my-gopher", "7f3e-demo", "gopher", "gopher", results))
                 say("scheduler", f"allocated ResourceClaim default/my-gopher: device gopher1 of pool {pool}")
                 answer = (await kubelet.prepare(driver, [("default", "7f3e-demo", "my-gopher")])).claims["7f3e-demo"]
                 say("kubelet", "NodePrepareResources(default/my-gopher, uid 7f3e-demo)")
@@ -14315,10 +14315,13 @@ async def _narrate_config_demo(
     kubelet: KubeletSimulator | None = None
     who = "kubelet and API server" if config.dra else "kubelet"
     out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
+    described: dict[str, dict[str, Any]] = {}  # DRA device name -> its slice entry, with what describe says
     for resource in config.resources:
         scan = scan_directory(resource, config.sysfs_root, config.dev_root)
         healthy = sum(device.health == HEALTHY for device in scan.devices)
         say("plugin", f"{resource.name}: {_devices(len(scan.devices))}, {healthy} healthy, from {resource.origin()}")
+        if resource.dra and resource.describe and scan.devices:
+            described |= await _demo_describe(resource, scan, say)
     async with trio.open_nursery() as nursery:
         if any(resource.device_plugin for resource in config.resources):
             kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
@@ -14340,10 +14343,19 @@ async def _narrate_config_demo(
                         await _kubelet_allocate(kubelet, name, 1, say, "demo-pod")
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
-                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say, select)
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, described, say, select)
                 plugin.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
+
+
+def _demo_allocated_claim(name: str, uid: str, request: str, device_class: str, results: list[Any]) -> dict[str, Any]:
+    """A ResourceClaim in default with one request of ``device_class``, as the scheduler leaves it: allocated."""
+    requests = [{"name": request, "exactly": {"deviceClassName": device_class}}]
+    status = {"allocation": {"devices": {"results": results}}}
+    metadata = {"namespace": "default", "name": name, "uid": uid}
+    kind = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim"}
+    return {**kind, "metadata": metadata, "spec": {"devices": {"requests": requests}}, "status": status}
 
 
 def _demo_list(items: list[str]) -> str:
@@ -14351,17 +14363,33 @@ def _demo_list(items: list[str]) -> str:
     return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
 
 
+async def _demo_describe(resource: ResourceConfig, scan: Scan, say: Callable[[str, str], None]) -> dict[str, Any]:
+    """By DRA device name, ``scan``'s slice entries with what ``describe`` says, run once here as
+    check-config runs it: what the plugin's own run will publish. None, with a line, if it fails."""
+    try:
+        said, _ = await run_describe(resource, [device.id for device in scan.devices])
+    except DescribeError as error:
+        say("plugin", f"{error}: the devices are published without what it says (the plugin tries again later)")
+        return {}
+    entries = {}
+    for device in scan.devices:
+        entry, _ = with_read_values(resource, device, read_declared_values(resource, device)[0], said.get(device.id))
+        entries[dra_device_name(device.id)] = dra_device(resource, entry)
+    return entries
+
+
 async def _demo_claim(
     api: LenientApiServer,
     kubelet: DraKubeletSimulator,
     driver: str,
     resource: ResourceConfig,
+    described: Mapping[str, dict[str, Any]],
     say: Callable[[str, str], None],
     select: DemoSelector | None = None,
 ) -> None:
-    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device (that
-    ``select`` selects), allocated as the scheduler would, prepared as the kubelet asks, and the CDI
-    edits the runtime would apply for it."""
+    """One DRA resource: its pool's ResourceSlices (with what ``describe`` said, _demo_describe),
+    then a claim for its first healthy device (that ``select`` selects), allocated as the scheduler
+    would, prepared as the kubelet asks, and the CDI edits the runtime would apply for it."""
     pool = dra_pool_name(DEMO_NODE, resource.name)
 
     def devices() -> list[dict[str, Any]]:
@@ -14374,25 +14402,19 @@ async def _demo_claim(
         while not any(item["spec"]["pool"]["name"] == pool for item in api.slices.values()):
             await api.changed.wait_touched()
 
-    def generation() -> int:
-        return max(
-            (
-                item["spec"]["pool"]["generation"]
-                for item in api.slices.values()
-                if item["spec"]["pool"]["name"] == pool
-            ),
-            default=0,
-        )
+    def with_values() -> bool:  # by name: a value describe says again may have changed (a temperature)
+        wanted = [(d, described[d["name"]]) for d in devices() if d["name"] in described]
+        return all(w[k].keys() <= d.get(k, {}).keys() for d, w in wanted for k in ("attributes", "capacity") if k in w)
+
+    async def until_described() -> None:
+        while not with_values():
+            await api.changed.wait_touched()
 
     await _demo_step(f"{resource.name}'s ResourceSlice", published())
     say("kubelet", f"GetInfo: DRA driver {driver}, endpoint {kubelet.drivers[driver].endpoint}; registered")
-    if resource.describe:  # it runs once the devices are found: its values come in the next generation
-        first = generation()
-        with trio.move_on_after(DESCRIBE_TIMEOUT + 1):
-            while generation() == first:
-                await api.changed.wait_touched()
-        if generation() == first:
-            say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
+    # The plugin runs describe once it has found the devices: what it says comes in the slice it
+    # first writes, or in the next one.
+    await _demo_step(f"the values describe gives {resource.name}'s devices", until_described())
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
     claim = f"demo-{resource.name.rpartition('/')[2]}"
@@ -14407,15 +14429,7 @@ async def _demo_claim(
     if device.get("allowMultipleAllocations"):
         result["shareID"] = "00000000-0000-4000-8000-000000000000"  # the scheduler's UUID for one share
     uid = f"demo-{len(api.claims)}"
-    api.put_claim(
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"namespace": "default", "name": claim, "uid": uid},
-            "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
-            "status": {"allocation": {"devices": {"results": [result]}}},
-        }
-    )
+    api.put_claim(_demo_allocated_claim(claim, uid, "device", "demo", [result]))
     say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
     answer = (await kubelet.prepare(driver, [("default", uid, claim)])).claims[uid]
     if answer.error:
@@ -14507,10 +14521,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo,kubelet}")
-    serve = commands.add_parser("serve", help="run the device plugin (the default)", allow_abbrev=False)
-    check = commands.add_parser(
+    subcommand = functools.partial(commands.add_parser, allow_abbrev=False)
+    serve = subcommand("serve", help="run the device plugin (the default)")
+    check = subcommand(
         "check-config",
-        allow_abbrev=False,
         help="validate a configuration file, and the options and environment serve would read, and show what each "
         "resource finds and gives a container (exit 2 if invalid)",
     )
@@ -14520,11 +14534,8 @@ def _parser() -> argparse.ArgumentParser:
         help="exit 1 when a resource has a warning or no healthy device (default: exit 0 if the file is valid, "
         "as serve would run)",
     )
-    probe_ = commands.add_parser(
-        "probe",
-        allow_abbrev=False,
-        help="ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)",
-    )
+    what = "ask the running plugin for its options and devices, as the kubelet would (exit 1 if any fails)"
+    probe_ = subcommand("probe", help=what)
     probe_.add_argument(
         "--resource", action="append", metavar="NAME", help="probe this resource only (repeatable; default: all)"
     )
@@ -14535,10 +14546,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"fail a resource whose ListAndWatch the kubelet has not read for longer (default {PROBE_STREAM_GRACE:g})",
     )
-    who = commands.add_parser(
-        "who",
-        allow_abbrev=False,
-        help="each configured device with its health, its path and the pod and container holding it",
+    who = subcommand(
+        "who", help="each configured device with its health, its path and the pod and container holding it"
     )
     who.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     who.add_argument(
@@ -14548,11 +14557,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the kubelet's PodResources socket (env GOPHERPLUG_POD_RESOURCES_SOCKET; default: "
         "pod-resources/kubelet.sock in the kubelet's root directory)",
     )
-    demo = commands.add_parser(
-        "demo",
-        allow_abbrev=False,
-        help="run the plugin against a simulated kubelet in a temporary directory, step by step",
-    )
+    demo = subcommand("demo", help="run the plugin against a simulated kubelet in a temporary directory, step by step")
     demo.add_argument(
         "--dra",
         action="store_true",
@@ -14572,9 +14577,8 @@ def _parser() -> argparse.ArgumentParser:
         help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
         "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
     )
-    kubelet = commands.add_parser(
+    kubelet = subcommand(
         "kubelet",
-        allow_abbrev=False,
         help="be a kubelet's device manager on a directory, in the foreground, saying what it sees of the plugins "
         f"that register there; on standard input: {KUBELET_REQUESTS}; SIGUSR1: allocate",
     )
@@ -14688,9 +14692,11 @@ def _main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage error (or the help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    if unknown:  # argparse would say "unrecognized arguments", and not what was meant
+        return _unknown_argument(parser, args.command, unknown[0], argv)
     # argparse checks an option's choices only when it is given, not the default it took from the
     # environment: a value that passed unchecked came from the variable, which the message names.
     for option, choices, variable in (
@@ -14743,8 +14749,17 @@ def _main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         config = dataclasses.replace(config, metrics_address=args.metrics_address)
     if args.command == "check-config":
+        strict: list[str] = []  # what --strict fails for, said as it is found
+
+        def warn(line: str, failing: str = "") -> None:
+            if line:
+                print(f"gopherplug: warning: {line}", file=sys.stderr)
+            if failing and args.strict:
+                print(f"gopherplug: --strict: {failing}", file=sys.stderr)
+                strict.append(failing)
+
         for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
-            print(f"gopherplug: warning: {warning}", file=sys.stderr)
+            warn(warning)
         names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
         where = []
         mistaken = None
@@ -14758,7 +14773,7 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
         named = _device_plugin_dir_from(args) if args.device_plugin_dir is not None else "device_plugin_dir"
         if mistaken is not None:  # a typo: serve would wait for the kubelet for ever
-            print(f"gopherplug: warning: {named}: {mistaken}", file=sys.stderr)
+            warn(f"{named}: {mistaken}", f"{named}: no kubelet.sock")
         # What the kubelet would be offered if the plugin started now, on this machine. Run by root
         # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
         # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
@@ -14766,26 +14781,16 @@ def _main(argv: list[str] | None = None) -> int:
         # _health_problem), so it changes nothing here.
         mountinfo = _read_text("/proc/self/mountinfo") or ""
         dac_override = _has_capability(_CAP_DAC_OVERRIDE)
-        strict_failed = False
-        if mistaken is not None and args.strict:
-            print(f"gopherplug: --strict: {named}: no kubelet.sock", file=sys.stderr)
-            strict_failed = True
         node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
         if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
-            print(
-                "gopherplug: warning: NODE_NAME is not set: serve would stop at start, as the DRA driver names "
-                f"this node's pools after it (in a DaemonSet from spec.nodeName); shown here with the host name, "
-                f"{node_name}",
-                file=sys.stderr,
+            warn(
+                "NODE_NAME is not set: serve would stop at start, as the DRA driver names this node's pools after "
+                f"it (in a DaemonSet from spec.nodeName); shown here with the host name, {node_name}",
+                f"DRA driver {config.dra.driver}: NODE_NAME is not set",
             )
-            if args.strict:
-                print(f"gopherplug: --strict: DRA driver {config.dra.driver}: NODE_NAME is not set", file=sys.stderr)
-                strict_failed = True
         offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
         for resource in config.resources:
-            directories = [source.directory for source in resource.sources] + (
-                [config.dev_root] if resource.usb else []
-            )
+            directories = [s.directory for s in resource.sources] + ([config.dev_root] if resource.usb else [])
             problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
             problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
             scan = scan_directory(resource, config.sysfs_root, config.dev_root)
@@ -14797,24 +14802,19 @@ def _main(argv: list[str] | None = None) -> int:
             print(view)
             reasons = ["a warning"] if problems or scan.problem or refused else []
             reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
-            if args.strict and reasons:
-                print(f"gopherplug: --strict: {resource.name}: {' and '.join(reasons)}", file=sys.stderr)
-                strict_failed = True
+            if reasons:
+                warn("", f"{resource.name}: {' and '.join(reasons)}")
+        for problem in _rights_problems(config):
+            warn(problem)
         for problem in missing_extras(config):  # serve would stop at start
-            print(f"gopherplug: warning: {problem}: serve would stop at start", file=sys.stderr)
-            if args.strict:
-                print(f"gopherplug: --strict: {problem.split(' (')[0]}", file=sys.stderr)
-                strict_failed = True
+            warn(f"{problem}: serve would stop at start", problem.split(" (")[0])
         for line in shared_nodes(offered):  # what serve warns about too, once each
-            print(f"gopherplug: warning: {line}", file=sys.stderr)
-            if args.strict:
-                print(f"gopherplug: --strict: {line.split(' is offered by ')[0]}: offered twice", file=sys.stderr)
-                strict_failed = True
+            warn(line, f"{line.split(' is offered by ')[0]}: offered twice")
         if config.nfd_features_file is not None:  # the labels NFD would give this node, as serve writes them
             features = nfd_features((resource, {d.id: d for d in devices}) for resource, devices in offered)
             print(f"NFD feature file {config.nfd_features_file} (nfd_features_file), as serve would write it:")
             print("\n".join(f"  {line}" for line in features.splitlines() if not line.startswith("#")))
-        return EXIT_FAILURE if strict_failed else EXIT_OK
+        return EXIT_FAILURE if strict else EXIT_OK
     given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     raise_open_files_limit()
     code = _run(args, _serve_until_signalled, config, args.config, *given)
@@ -14826,6 +14826,24 @@ def _main(argv: list[str] | None = None) -> int:
         # in it matters to a process about to end, so it ends here, its output flushed.
         _exit_now(code)
     return code
+
+
+def _unknown_argument(parser: argparse.ArgumentParser, command: str, word: str, argv: list[str]) -> int:
+    """One line for the first argument ``command`` does not take: the option nearest to a
+    misspelt one (``--conf``), or for a file named without ``--config`` how to give it."""
+    import difflib  # here, where a mistake is
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = [option for action in sub._actions for option in action.option_strings if option.startswith("--")]
+    if not word.startswith("-"):
+        given = any(arg.partition("=")[0] == "--config" for arg in argv)
+        meant = f"use --config {word}" if "--config" in options and not given else "it takes no word"
+        print(f"gopherplug {command}: {word!r}: {meant}", file=sys.stderr)
+        return EXIT_USAGE
+    close = difflib.get_close_matches(word.partition("=")[0].lstrip("-"), [o[2:] for o in options], n=1)
+    meant = f"did you mean --{close[0]}?" if close else f"gopherplug {command} --help lists them"
+    print(f"gopherplug {command}: {word.partition('=')[0]} is not an option: {meant}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -14923,6 +14941,31 @@ def _has_capability(number: int) -> bool:
         if line.startswith("CapEff:"):
             return bool(int(line.split()[1], 16) >> number & 1)
     return False
+
+
+def _rights_problems(config: Config) -> list[str]:
+    """For check-config without root's rights, where serve would fail at start: a line for each
+    place serve writes in (a missing directory: its parent, where serve makes it) or socket it
+    connects to (the kubelet's) that this process cannot."""
+    wanted = [(resource.cdi.spec_dir, "write CDI specs in") for resource in config.resources if resource.cdi]
+    if any(resource.device_plugin for resource in config.resources):
+        found = [d for d in KNOWN_DEVICE_PLUGIN_DIRS if os.path.exists(os.path.join(d, KUBELET_SOCKET))]
+        plugin_dir = config.device_plugin_dir or (found or KNOWN_DEVICE_PLUGIN_DIRS)[0]
+        wanted += [(plugin_dir, "create its sockets in"), (os.path.join(plugin_dir, KUBELET_SOCKET), "connect to")]
+    if config.dra is not None:
+        wanted += [(os.path.dirname(config.dra.registration_socket), "create its registration socket in")]
+        wanted += [(config.dra.plugin_dir, "create its DRA socket and checkpoint in")]
+    if config.nfd_features_file is not None:
+        wanted.append((os.path.dirname(config.nfd_features_file), "write the NFD feature file in"))
+    cannot = f"which this process (uid {os.geteuid()}) cannot: run it as root"
+    lines = []
+    for path, does in dict.fromkeys(wanted):
+        there = path
+        while does != "connect to" and not os.path.exists(there):
+            there = os.path.dirname(there)
+        if os.path.exists(there) and not os.access(there, os.W_OK | (0 if does == "connect to" else os.X_OK)):
+            lines.append(f"serve will need to {does} {path}, {cannot}")
+    return lines
 
 
 def _pod_view(scan: Scan) -> dict[str, str]:

@@ -1341,6 +1341,47 @@ def test_find_device_plugin_dir_prefers_a_live_kubelet(tmp_path):
         assert gp.find_device_plugin_dir(candidates) == candidates[1]
 
 
+def test_the_example_configuration_lists_every_key():
+    """config.example.yaml says every key is listed there: each key parse_config knows (the names its
+    "unknown key" lines give, and _RESOURCE_KEYS) is written in it, as a key or a commented one,
+    and uncommented they parse."""
+
+    def known(text):
+        with pytest.raises(gp.ConfigError) as info:
+            gp.parse_config(text)
+        return set(info.value.problem.partition("expected one of ")[2].split(", "))
+
+    resource = "resources: [{name: example.com/a, directory: /x, "
+    keys = known("nope: 1\nresources: []") | known("dra: {driver: x.example.com, nope: 1}\nresources: []")
+    keys |= gp._RESOURCE_KEYS
+    for nested in ("cdi: {kind: a.b/cc, nope: 1}", "usb: [{nope: 1}]", "mounts: [{nope: 1}]"):
+        keys |= known(resource + nested + "}]")
+    keys |= known("resources: [{name: example.com/a, match: [{nope: 1}]}]")
+    keys |= known(resource + "device_specs: [{nope: 1}]}]") | known(resource + "attributes: {a: {file: /x, nope: 1}}}]")
+    text = (HERE / "config.example.yaml").read_text()
+    written = set(re.findall(r"^[ ]*(?:#[ ]*)?(?:-[ ]+)?\{?([a-z_]+):", text, re.MULTILINE))
+    written |= set(re.findall(r"[{,] ?([a-z_]+):", text))  # in flow mappings: {vendor: "1050", product: "0407"}
+    assert sorted(keys - written) == []
+    # The keys this test added to the file, uncommented, parse (the others: test_example_config_is_valid).
+    for key in ("health_address", "nfd_features_file"):
+        text = text.replace(f"# {key}:", f"{key}:")
+    for key in ("shared_with:", "attributes:", "  productName:", "  firmwareVersion:", "capacity:", "  memory:"):
+        text = text.replace(f"    # {key}", f"    {key}")
+    text = text.replace("shared_with: [example.com/serial]", "")
+    text = text.replace("# describe: [/usr/local/bin/describe-gophers]", f"describe: [{sys.executable}]")
+    parsed = gp.parse_config(text)
+    assert (parsed.health_address, parsed.nfd_features_file) == (
+        "0.0.0.0:9402",
+        "/etc/kubernetes/node-feature-discovery/features.d/gopherplug",
+    )
+    assert parsed.resources[0].describe == (sys.executable,)
+    assert [value.name for value in parsed.resources[0].attributes + parsed.resources[0].capacity] == [
+        "productName",
+        "firmwareVersion",
+        "memory",
+    ]
+
+
 def test_example_config_is_valid():
     config = gp.load_config(str(HERE / "config.example.yaml"))
     assert [r.name for r in config.resources] == ["example.com/gopher"]
@@ -1376,7 +1417,10 @@ def test_example_config_is_valid():
     assert uncommented.id_pattern.fullmatch("pci-0000:00:02.0-card")["id"] == "0000:00:02.0"
     for key in ("usb:", "  - {vendor:"):  # a resource of USB devices: beside directory or match, refused
         usb = usb.replace(f"    # {key}", f"    {key}")
-    assert gp.parse_config(usb).resources[0].usb == (gp.UsbSelector("1050", "0407"),)
+    assert gp.parse_config(usb).resources[0].usb == (
+        gp.UsbSelector("1050", "0407"),
+        gp.UsbSelector("0403", "6001", "A10KZP45"),
+    )
     # dra and api (without what DRA refuses).
     dra = (
         text.replace("# dra:", "dra:").replace("#   driver:", "  driver:").replace("#   kubelet_dir:", "  kubelet_dir:")
@@ -1592,6 +1636,10 @@ BAD_CONFIGS = [
         "cfg.yaml: resources[0].replicas: 010 is read by YAML as an octal number, 8: write 8 if you meant that, "
         "or 10 without the leading zero",
     ),
+    (  # YAML 1.2: a mapping's keys are unique; PyYAML keeps the last, which would offer other devices
+        "resources:\n  - name: example.com/coral\n    directory: /dev\n    pattern: apex_*\n    pattern: hailo*\n",
+        "cfg.yaml: key 'pattern' is written twice in one mapping, on lines 4 and 5: keep one",
+    ),
     (resources(preferred="dense"), "cfg.yaml: resources[0].preferred: 'dense': must be packed or spread"),
     (resources(cdi={}), "cfg.yaml: resources[0].cdi.kind: is required"),
     (
@@ -1660,6 +1708,13 @@ BAD_CONFIGS = [
     (
         yaml.safe_dump({"resources": [{"name": "example.com/g", "directory": "/a"}] * 2}),
         "cfg.yaml: resources[1].name: example.com/g is already used by resources[0]",
+    ),
+    (  # Allocate sets it: a container given a Coral and a Hailo would see one list, the other overwritten
+        "resources: [{name: example.com/coral, directory: /dev/apex, env: ACCEL}, "
+        "{name: example.com/hailo, directory: /dev/hailo, env: ACCEL}]",
+        "cfg.yaml: resources[1].env: ACCEL is also the env of example.com/coral (resources[0]): a container given "
+        "devices of both would see one list; set another env on example.com/hailo, or shared_with if both offer the "
+        "same devices",
     ),
     ("resources: [", "cfg.yaml: invalid YAML (line 1, column 13: expected the node content, but found '<stream end>')"),
     # generic-device-plugin's configuration, carried over: its keys point to docs/generic-device-plugin.md.
@@ -2015,6 +2070,15 @@ def serial_and_ch340(tmp_path, **ch340):
         {"name": "example.com/serial", "directory": str(dev), "pattern": "ttyUSB*"},
         {"name": "example.com/ch340", "directory": str(dev / "serial" / "by-id"), **ch340},
     ]
+
+
+def test_two_resources_share_an_env_only_when_they_share_devices():
+    """One env on two resources is refused (BAD_CONFIGS), unless one lists the other in shared_with:
+    two names for the same devices (a ttyUSB* glob and the adapter's by-id link), a pod asking for
+    one of them, whose program reads the same variable either way."""
+    ch340 = "{name: example.com/ch340, directory: /dev/serial/by-id, env: SERIAL, shared_with: [example.com/serial]}"
+    text = f"resources: [{{name: example.com/serial, directory: /dev, pattern: 'ttyUSB*', env: SERIAL}}, {ch340}]"
+    assert [resource.env for resource in gp.parse_config(text).resources] == ["SERIAL", "SERIAL"]
 
 
 SHARED_TTYUSB0 = (
@@ -4030,9 +4094,15 @@ STRESS_NAMES = [f"example.com/r{i}" for i in range(4)]
 
 
 def stress_config(node, resources):
-    """resources: name -> (env, pre_start_required)."""
+    """resources: name -> (env, pre_start_required); each env given the name's suffix (two resources
+    may not share one)."""
     entries = [
-        {"name": name, "directory": node.devices, "env": env, **({"pre_start": ["/bin/true"]} if pre else {})}
+        {
+            "name": name,
+            "directory": node.devices,
+            "env": f"{env}_{name[-1]}",
+            **({"pre_start": ["/bin/true"]} if pre else {}),
+        }
         for name, (env, pre) in sorted(resources.items())
     ]
     document = {"device_plugin_dir": node.plugin_dir, "resources": entries}
@@ -6366,6 +6436,41 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     assert sorted(os.listdir(sockdir)) == ["node"]
 
 
+def test_demo_config_dra_waits_for_what_describe_says_not_for_a_new_generation(sockdir):
+    """demo --config --dra with two resources whose describe answers at once: the plugin's run may
+    answer before the demo looks at the slice, so the demo waits for describe's values (not for a
+    pool generation that then never comes), shows them for both, says nothing untrue, and ends in
+    seconds. A describe that fails is said with its own line, and the demo goes on."""
+    describe = Path(sockdir) / "describe"
+    describe.write_text(
+        f"#!{sys.executable}\nimport json, os\nids = os.environ['GOPHERPLUG_DEVICES'].split(',')\n"
+        "print(json.dumps({i: {'attributes': {'model': 'x-' + i}} for i in ids}))\n"
+    )
+    failing = Path(sockdir) / "failing"
+    failing.write_text("#!/bin/sh\necho 'hailortcli: not found' >&2; exit 3\n")
+    resources = []
+    for name, device, script in (("hailo", "hailo0", describe), ("coral", "apex_0", describe), ("dead", "d0", failing)):
+        script.chmod(0o755)
+        os.makedirs(Path(sockdir) / name)
+        (Path(sockdir) / name / device).touch()
+        resources.append({"name": f"example.com/{name}", "directory": f"{sockdir}/{name}", "describe": [str(script)]})
+    path = Path(sockdir) / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"resources": resources}))
+    # Each wait for a generation that never came took DESCRIBE_TIMEOUT + 1 s: two made it fail.
+    result = run_cli("demo", "--config", str(path), "--dra", env={"TMPDIR": sockdir}, timeout=2 * gp.DESCRIBE_TIMEOUT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = [line.split(None, 3)[3] for line in result.stdout.splitlines()[1:]]
+    assert [line for line in said if line.startswith("device ")] == [
+        "device hailo0: resource=example.com/hailo, id=hailo0, healthy=True, model=x-hailo0",
+        "device apex-0-d1cf8aa9: resource=example.com/coral, id=apex_0, healthy=True, model=x-apex_0",
+        "device d0: resource=example.com/dead, id=d0, healthy=True",
+    ]
+    assert [line for line in said if "describe" in line] == [
+        f"describe {failing} exited with 3: hailortcli: not found: the devices are published without what it says "
+        "(the plugin tries again later)"
+    ]
+
+
 def test_demo_config_refuses_what_check_config_refuses(tmp_path):
     """A file check-config refuses, demo --config refuses with the same line and exit 2; under --dra,
     what only the device-plugin API has is refused with why."""
@@ -7585,10 +7690,15 @@ def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_th
     assert (HERE / "docs" / "generic-device-plugin.md").read_text().startswith("# Coming from generic-device-plugin\n")
     # No other prefix of an option is taken for it either, on any command.
     path = write_config(node, tmp_path)
-    for args in (["check-config", "--conf", str(path)], ["probe", "--device-plugin", node.plugin_dir]):
+    for args, meant in (
+        (["check-config", "--conf", str(path)], "--config"),
+        (["probe", "--device-plugin", node.plugin_dir], "--device-plugin-dir"),
+    ):
         result = run_cli(*args)
-        assert result.returncode == 2
-        assert result.stderr.splitlines()[-1] == f"gopherplug: error: unrecognized arguments: {' '.join(args[1:])}"
+        assert (result.returncode, result.stderr) == (
+            2,
+            f"gopherplug {args[0]}: {args[1]} is not an option: did you mean {meant}?\n",
+        )
 
 
 def test_check_config_says_serve_would_stop_for_an_extra_that_is_not_installed(node, sockdir, tmp_path):
@@ -7791,6 +7901,124 @@ def test_serve_logs_the_warning_about_a_regex_like_glob(node, tmp_path):
     )
 
 
+def test_check_config_without_roots_rights_says_what_serve_will_need(sockdir):
+    """check-config said OK to a user without root's rights, and serve then failed: it says, a line
+    each, where serve must create sockets or files (a missing directory's parent, where it would be
+    made) and the kubelet's socket it must connect to. Run without CAP_DAC_OVERRIDE (setpriv drops
+    root's capabilities; a user other than root has none), so that the mode bits decide."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to run check-config without root's capabilities")
+    kubelet = Path(sockdir) / "kubelet"
+    (kubelet / "device-plugins").mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(kubelet / "device-plugins" / "kubelet.sock"))
+        for path in (kubelet / "device-plugins" / "kubelet.sock", kubelet / "device-plugins", kubelet):
+            path.chmod(0o555)
+        config = {
+            "device_plugin_dir": str(kubelet / "device-plugins"),
+            "dra": {"driver": "gopherplug.example.com", "kubelet_dir": str(kubelet)},
+            "resources": [
+                {"name": "example.com/null", "directory": "/dev", "pattern": "null", "cdi": {"kind": "a.b/nul"}},
+                {"name": "example.com/zero", "directory": "/dev", "pattern": "zero", "api": "dra"},
+            ],
+        }
+        config["resources"][0]["cdi"]["spec_dir"] = str(kubelet / "cdi")
+        path = Path(sockdir) / "gopherplug.yaml"
+        path.write_text(yaml.safe_dump(config))
+        path.chmod(0o444)
+        drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+        result = subprocess.run(
+            [*drop, sys.executable, str(HERE / "gopherplug.py"), "check-config", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "NODE_NAME": "node-1"},
+            check=False,
+        )
+        for path in (kubelet, kubelet / "device-plugins"):
+            path.chmod(0o755)  # for the fixture's clean-up
+    cannot = f"which this process (uid {os.geteuid()}) cannot: run it as root"
+    assert (result.returncode, result.stderr.splitlines()) == (
+        0,
+        [
+            f"gopherplug: warning: serve will need to {does} {where}, {cannot}"
+            for does, where in [
+                ("write CDI specs in", kubelet / "cdi"),
+                ("create its sockets in", kubelet / "device-plugins"),
+                ("connect to", kubelet / "device-plugins" / "kubelet.sock"),
+                ("create its registration socket in", kubelet / "plugins_registry"),
+                ("create its DRA socket and checkpoint in", kubelet / "plugins" / "gopherplug.example.com"),
+            ]
+        ],
+    )
+
+
+def test_an_attribute_named_like_a_standard_one_in_the_drivers_domain_is_warned_about(node, tmp_path):
+    """attributes: {pcieRoot: ...} is published as <driver>/pcieRoot, which a claim's matchAttribute:
+    resource.kubernetes.io/pcieRoot never sees: check-config (and serve, which logs the same
+    warnings) names the standard attribute. One in a domain of the user's own, or the standard one
+    itself, is what was meant."""
+    attributes = {
+        "pcieRoot": "pci0000:00",
+        "gopherplug.example.com/pciBusID": "0000:01:00.0",
+        "localNUMANodes": 0,
+        "example.com/pcieRoot": "x",
+        "resource.kubernetes.io/pcieRoot": "pci0000:00",
+    }
+    path = write_config(node, tmp_path, api="dra", attributes=attributes)
+    document = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**document, "dra": {"driver": "gopherplug.example.com"}}))
+    result = run_cli("check-config", "--config", str(path), env={"NODE_NAME": "node-1"})
+    said = [line for line in result.stderr.splitlines() if "attributes" in line]
+    assert (result.returncode, said) == (
+        0,
+        [
+            f"gopherplug: warning: {path}: resources[0].attributes.{name}: is gopherplug.example.com/{short}, in the "
+            f"driver's domain, where matchAttribute: resource.kubernetes.io/{short} never looks: name it "
+            f"resource.kubernetes.io/{short}, the standard attribute"
+            for name, short in [
+                ("gopherplug.example.com/pciBusID", "pciBusID"),
+                ("localNUMANodes", "localNUMANodes"),
+                ("pcieRoot", "pcieRoot"),
+            ]
+        ],
+    )
+    assert [w.partition("attributes.")[2] for w in gp.load_config(str(path)).warnings] == [
+        line.partition("attributes.")[2] for line in said
+    ]  # what serve logs at start and at each reload
+
+
+def test_a_relative_command_is_the_configuration_files_not_the_working_directorys(tmp_path, monkeypatch, capsys):
+    """describe: [./describe-accel] beside the configuration file: resolved against the file's
+    directory (check-config shows the path it runs), so that it works from any working directory, as
+    serve in its pod runs; a configuration that is no file (parse_config's text) refuses it."""
+    conf, devices = tmp_path / "conf", tmp_path / "accel"
+    conf.mkdir()
+    devices.mkdir()
+    (devices / "hailo0").touch()
+    script = conf / "describe-accel"
+    script.write_text(f'#!{sys.executable}\nprint(\'{{"hailo0": {{"attributes": {{"model": "hailo-8"}}}}}}\')\n')
+    script.chmod(0o755)
+    path = conf / "gopherplug.yaml"
+    resource = {"name": "example.com/hailo", "directory": str(devices), "describe": ["./describe-accel", "--quick"]}
+    path.write_text(yaml.safe_dump({"resources": [resource]}))
+    monkeypatch.chdir(tmp_path)  # where ./describe-accel is not
+    assert gp.main(["check-config", "--config", "conf/gopherplug.yaml"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[2:6] == [
+        f"  describe: {script} --quick",
+        "  ID      HEALTH     PATH",
+        f"  hailo0  Healthy    {devices}/hailo0",
+        '          attributes: model="hailo-8"',
+    ]
+    with pytest.raises(gp.ConfigError) as info:
+        gp.parse_config(path.read_text())
+    assert str(info.value) == (
+        "<config>: resources[0].describe[0]: './describe-accel' is relative, and this configuration has no file here "
+        "to resolve it against: make it absolute"
+    )
+
+
 def a_mounted_block_device():
     """The device number of a filesystem mounted here that is on a block device (major not 0)."""
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
@@ -7866,6 +8094,25 @@ def test_a_word_that_is_not_a_command_is_one_line(word, said):
         "",
         f"gopherplug: {word!r} is not a command: {said}\n",
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ("serve --conf F", "gopherplug serve: --conf is not an option: did you mean --config?"),
+        ("--conf=F", "gopherplug serve: --conf is not an option: did you mean --config?"),
+        ("check-config --stric", "gopherplug check-config: --stric is not an option: did you mean --strict?"),
+        ("who --frobnicate", "gopherplug who: --frobnicate is not an option: gopherplug who --help lists them"),
+        ("check-config F", "gopherplug check-config: 'F': use --config F"),
+        ("demo F", "gopherplug demo: 'F': use --config F"),
+        ("probe --config F G", "gopherplug probe: 'G': it takes no word"),
+    ],
+)
+def test_an_option_misspelt_or_a_file_without_config_is_one_line(argv, said, capsys):
+    """argparse said "unrecognized arguments: --conf F" after the usage; a near option is named, and
+    a file given as a word is told how to be given."""
+    assert gp.main(argv.split()) == 2
+    assert capsys.readouterr() == ("", said + "\n")
 
 
 def test_check_config_into_a_pipe_closed_early_ends_without_a_traceback(node, tmp_path):
@@ -9494,6 +9741,13 @@ RENDER_REFUSALS = {
         _resources(_gopher(pre_start=[])),
         "at '/config/resources/0/pre_start': minItems: got 0, want 1",
     ),
+    "_parse_command: {}[0]: {} is relative, and this configuration has no file here to resolve it against: make it "
+    "absolute": (
+        "template",
+        _resources(_gopher(describe=["./describe-accel"])),
+        "config.resources[0].describe[0]: './describe-accel' is relative, and this configuration has no file here to "
+        "resolve it against: make it absolute",
+    ),
     "_parse_command: {}[0]: {} is not an executable file here or on PATH": (
         "the program is looked for on the node, on the image's PATH: not in the values"
     ),
@@ -9808,8 +10062,16 @@ RENDER_REFUSALS = {
     ),
     "parse_config: resources[{}].name: {} would share a DRA pool name with {} of resources[{}]": (
         "template",
-        _dra(_gopher(api="dra", name="example.com/my_dev"), _gopher(api="dra", name="example.com/my-dev")),
+        _dra(_gopher(api="dra", name="example.com/my_dev"), _gopher(api="dra", name="example.com/my-dev", env="MY")),
         "config.resources[1].name: example.com/my-dev would share a DRA pool name with example.com/my_dev",
+    ),
+    "parse_config: resources[{}].env: {} is also the env of {} (resources[{}]): a container given devices of "
+    "both would see one list; set another env on {}, or shared_with if both offer the same devices": (
+        "template",
+        _resources(_gopher(name="example.com/gpu"), _gopher(name="acme.com/gpu", pattern="nvidia*")),
+        "config.resources[1].env: GPU_DEVICES is also the env of example.com/gpu (resources[0]): a container given "
+        "devices of both would see one list; set another env on acme.com/gpu, or shared_with if both offer the same "
+        "devices",
     ),
     "parse_config: resources[{}].shared_with[{}]: {} {}: list the resources that may offer the same device "
     "nodes as this one": (
@@ -11137,6 +11399,7 @@ def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_s
     report = result.stdout.split("example.com/gopher: 2 devices", 1)[1].split("  a claim for", 1)[0]
     gpu_dir = f"{sysfs}/dev/char/1:3"
     assert report.splitlines()[1:] == [
+        f"  describe: {describe}",  # what runs
         "  warning: device full: attributes.vendor: {sysfs}/device/vendor: no sysfs directory is known for this device",
         "  warning: device full: capacity.memory: {sysfs}/device/memory: no sysfs directory is known for this device",
         f"  warning: device gpu: capacity.memory: cannot read {gpu_dir}/device/memory: No such file or directory",

@@ -246,6 +246,13 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- end -}}
 {{- $problem = include "gopherplug.countProblem" (dict "at" $at "resource" $r) -}}
 {{- if $problem }}{{ fail $problem }}{{ end -}}
+{{- /* A command's relative path is taken from its configuration file's directory: in the pod, the ConfigMap's. */ -}}
+{{- range $key := list "pre_start" "describe" -}}
+{{- $program := toString (first (get $r $key | default (list ""))) -}}
+{{- if and (contains "/" $program) (not (isAbs $program)) -}}
+{{- fail (printf "%s.%s[0]: '%s' is relative, and this configuration has no file here to resolve it against: make it absolute" $at $key $program) -}}
+{{- end -}}
+{{- end -}}
 {{- /* What the device-plugin API alone has, refused with api: dra (nothing given silently unused). */ -}}
 {{- if eq $api "dra" -}}
 {{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" "pre_start" "NodePrepareResources runs before a pod's containers; gopherplug runs no command there" "pre_start_timeout" "there is no pre_start" -}}
@@ -261,6 +268,12 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- if and (eq (replace "/" "-" (toString $r.cdi.kind)) (replace "/" "-" (toString $other.cdi.kind))) (eq (clean ($r.cdi.spec_dir | default "/var/run/cdi")) (clean ($other.cdi.spec_dir | default "/var/run/cdi"))) -}}
 {{- fail (printf "%s.cdi.kind: '%s' would share the CDI spec file %s/%s.json with resources[%d]: give each resource its own kind" $at $r.cdi.kind (clean ($r.cdi.spec_dir | default "/var/run/cdi")) (replace "/" "-" (toString $r.cdi.kind)) $k) -}}
 {{- end -}}
+{{- end -}}
+{{- /* One env for two resources: a container given devices of both would see one list (unless they share devices). */ -}}
+{{- $otherShort := regexReplaceAll "[^A-Z0-9_]" (upper (last (splitList "/" (toString $other.name)))) "_" -}}
+{{- $otherEnv := $other.env | default (printf "%s%s_DEVICES" (ternary "_" "" (regexMatch "^[0-9]" $otherShort)) $otherShort) | toString -}}
+{{- if and (eq $otherEnv $env) (not (has $name ($other.shared_with | default list))) (not (has (toString $other.name) ($r.shared_with | default list))) -}}
+{{- fail (printf "%s.env: %s is also the env of %s (resources[%d]): a container given devices of both would see one list; set another env on %s, or shared_with if both offer the same devices" $at $env $other.name $k $name) -}}
 {{- end -}}
 {{- if and (eq $api "dra") (eq ($other.api | default "device-plugin") "dra") (eq (include "gopherplug.poolSuffix" $name) (include "gopherplug.poolSuffix" (toString $other.name))) -}}
 {{- fail (printf "%s.name: %s would share a DRA pool name with %s of resources[%d]" $at $name $other.name $k) -}}
