@@ -1,0 +1,176 @@
+"""Run every property of test_properties.py for as long as asked, and say how many inputs it tried
+and how many raised (issue 44: "bench/fuzz.py runs them for as long as asked and writes how many
+inputs it tried and how many crashed").
+
+    python bench/fuzz.py --seconds 600                 # every property, 600 s shared among them
+    python bench/fuzz.py --inputs 1000000              # a million inputs shared among them
+    python bench/fuzz.py --inputs 200000 -k describe   # the properties whose name has "describe"
+    python bench/fuzz.py --soak 1000                   # the soak: a serving plugin fed 1000 of each
+    python bench/fuzz.py --list                        # the properties, one a line
+
+A property is a function of test_properties.py that hypothesis made (it has a ``.hypothesis``
+attribute); each is run as it is, without pytest, with its settings replaced: no database, random
+(not derandomized) inputs, and no shrinking, so that a run ends at its first crash (printed, with the
+input) and the next run goes on. Runs are of a few thousand inputs each: hypothesis keeps what one
+run tried, to try something new, and that grows with the run. An input is one call of the property's
+body (its ``inner_test``); a crash is one that raised.
+
+The table (property, inputs, crashes, seconds, inputs/s) goes to stdout; with --write it is also
+appended to bench/RESULTS.md, under a heading with the date and the machine's Python. Standard
+library and hypothesis only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+
+#: Inputs a run tries before the next run starts afresh (see the module's docstring).
+RUN = 4000
+
+
+@dataclass
+class Tally:
+    """What one property's runs tried."""
+
+    name: str
+    inputs: int = 0
+    crashes: int = 0
+    seconds: float = 0.0
+    #: a crash's kind (exception type and first line) -> the first input that raised it
+    kinds: dict[str, str] = field(default_factory=dict)
+
+
+def properties(module: Any) -> dict[str, Callable[..., None]]:
+    """The module's hypothesis properties, by name, in the order the module defines them."""
+    return {name: value for name, value in vars(module).items() if callable(value) and hasattr(value, "hypothesis")}
+
+
+def fuzz(test: Callable[..., None], tally: Tally, inputs: int, seconds: float) -> None:
+    """Run ``test`` until it has tried ``inputs`` inputs or ``seconds`` have passed."""
+    handle = test.hypothesis  # type: ignore[attr-defined]
+    body = handle.inner_test
+    crashed: list[str] = []  # the repr of the last input that raised: hypothesis runs it once more to report it
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        shown = repr((args, kwargs))
+        if crashed and crashed[-1] == shown:  # hypothesis replaying the crash it found: not a new input
+            return body(*args, **kwargs)
+        tally.inputs += 1
+        try:
+            return body(*args, **kwargs)
+        except Exception as error:
+            tally.crashes += 1
+            crashed.append(shown)
+            kind = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+            where = "".join(traceback.format_exception(error, limit=-2, chain=False))
+            tally.kinds.setdefault(kind, f"{shown[:300]}\n{where}")
+            raise
+
+    parent = test._hypothesis_internal_use_settings  # type: ignore[attr-defined]
+    start = time.monotonic()
+    handle.inner_test = counted
+    try:
+        run = 100  # then as many as the time left holds at the rate so far, up to RUN
+        while tally.inputs < inputs and (spent := time.monotonic() - start) < seconds:
+            if tally.inputs:
+                run = max(10, min(RUN, 2 * run, int(tally.inputs / spent * (seconds - spent)) + 1))
+            # The settings @given reads at each call: the module's, but for as many inputs as are left.
+            test._hypothesis_internal_use_settings = settings(  # type: ignore[attr-defined]
+                parent,
+                max_examples=min(run, inputs - tally.inputs),
+                derandomize=False,
+                database=None,
+                phases=[Phase.generate],
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                print_blob=False,
+            )
+            before = tally.inputs
+            try:
+                test()
+            except Exception:  # counted, its first input kept: the next run goes on
+                pass
+            if tally.inputs == before:
+                break  # nothing left to try (a strategy of few values), or every input refused
+    finally:
+        handle.inner_test = body
+        test._hypothesis_internal_use_settings = parent  # type: ignore[attr-defined]
+        tally.seconds += time.monotonic() - start
+
+
+def table(tallies: list[Tally]) -> str:
+    rows = ["| property | inputs | crashes | seconds | inputs/s |", "| --- | ---: | ---: | ---: | ---: |"]
+    for t in [*tallies, total(tallies)]:
+        rate = t.inputs / t.seconds if t.seconds else 0.0
+        rows.append(f"| {t.name} | {t.inputs} | {t.crashes} | {t.seconds:.0f} | {rate:.0f} |")
+    return "\n".join(rows)
+
+
+def total(tallies: list[Tally]) -> Tally:
+    return Tally(
+        "all", sum(t.inputs for t in tallies), sum(t.crashes for t in tallies), sum(t.seconds for t in tallies)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, help="time for all the chosen properties, shared equally")
+    parser.add_argument("--inputs", type=int, help="inputs for all the chosen properties, shared equally")
+    parser.add_argument("-k", dest="select", action="append", default=[], help="only properties whose name has this")
+    parser.add_argument("--soak", type=int, metavar="N", help="run the soak with N configurations and N outputs")
+    parser.add_argument("--list", action="store_true", help="list the properties and stop")
+    parser.add_argument("--write", action="store_true", help="also append the table to bench/RESULTS.md")
+    args = parser.parse_args(argv)
+    import test_properties
+
+    if args.soak is not None:
+        started = time.monotonic()
+        tried = test_properties.soak(args.soak, args.soak)
+        print(f"soak: {tried} in {time.monotonic() - started:.0f} s; the plugin served its devices after each")
+        return 0
+    chosen = {
+        name: test
+        for name, test in properties(test_properties).items()
+        if not args.select or any(re.search(word, name) for word in args.select)
+    }
+    if args.list or not chosen:
+        print("\n".join(chosen) or "no property matches")
+        return 0 if chosen else 2
+    if args.seconds is None and args.inputs is None:
+        parser.error("say how long: --seconds and/or --inputs")
+    seconds = (args.seconds if args.seconds is not None else float("inf")) / len(chosen)
+    inputs = args.inputs // len(chosen) if args.inputs is not None else sys.maxsize
+    tallies = []
+    for name, test in chosen.items():
+        tally = Tally(name.removeprefix("test_"))
+        fuzz(test, tally, inputs, seconds)
+        tallies.append(tally)
+        print(f"{tally.name}: {tally.inputs} inputs, {tally.crashes} crashes, {tally.seconds:.0f} s", file=sys.stderr)
+        for kind, first in tally.kinds.items():
+            print(f"  crash {kind}\n    first input: {first}", file=sys.stderr)
+    result = table(tallies)
+    print(result)
+    if args.write:
+        heading = f"\n## bench/fuzz.py, {datetime.date.today()} (Python {platform.python_version()})\n\n"
+        with open(os.path.join(HERE, "RESULTS.md"), "a", encoding="utf-8") as file:
+            file.write(heading + result + "\n")
+    return 1 if total(tallies).crashes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
