@@ -17,15 +17,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
+import logging
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import trio
+import trio.testing
 import yaml
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 import gopherplug as gp
@@ -226,16 +232,21 @@ def mutated_text(draw: st.DrawFn, text: str) -> str:
 
 
 @st.composite
-def mutated_configurations(draw: st.DrawFn) -> tuple[str, str]:
-    """(file name, text): a shipped configuration mutated in its data, its text, or both."""
-    index = draw(st.integers(0, len(SEEDS) - 1))
-    source, text = SEEDS[index]
+def mutations_of(draw: st.DrawFn, text: str, data: Any) -> str:
+    """A configuration's ``text`` (``data`` as YAML reads it) mutated in its data, its text, or both."""
     how = draw(st.sampled_from(["data", "text", "both"]))
     if how != "text":
-        text = _dump(draw, draw(mutated_data(SEED_DATA[index][1])))
+        text = _dump(draw, draw(mutated_data(data)))
     if how != "data":
         text = draw(mutated_text(text))
-    return source, text
+    return text
+
+
+@st.composite
+def mutated_configurations(draw: st.DrawFn) -> tuple[str, str]:
+    """(file name, text): a shipped configuration mutated."""
+    index = draw(st.integers(0, len(SEEDS) - 1))
+    return SEEDS[index][0], draw(mutations_of(SEEDS[index][1], SEED_DATA[index][1]))
 
 
 @st.composite
@@ -431,3 +442,212 @@ def test_describe_output_is_device_values_or_a_refusal(output: bytes | Nested) -
 @given(json_values)
 def test_describe_output_of_any_json_shape_is_device_values_or_a_refusal(document: Any) -> None:
     assert_described_or_refused(json.dumps(document).encode())
+
+
+# The soak (issue 44: "a serving plugin whose configuration file is replaced by a thousand mutated
+# ones in a row, and whose describe prints a thousand mutated outputs, is alive after each and serves
+# its last good devices"). One plugin in this process, serve_plugin with watch_config_file (real
+# inotify) and the kubelet stand-in (real sockets); hypothesis draws the inputs in a worker thread and
+# hands each to the plugin's trio thread. Each step waits for the line the plugin logs about it, and
+# then for the kubelet's view: never a sleep. CI feeds GOPHERPLUG_SOAK of each (100); bench/fuzz.py
+# --soak 1000 the issue's thousand.
+
+SOAK = int(os.environ.get("GOPHERPLUG_SOAK", "100"))
+RESOURCE = "example.com/gopher"
+#: The lines watch_config_file ends a reading with (or none: a valid file the same as what runs).
+_CONFIG_ENDINGS = ("keeping the running configuration", "nothing to apply", "configuration reloaded", "held back")
+
+#: describe for the soak: prints the first output queued in its first argument's directory, whose
+#: file name may say to rename a device (in its second argument's directory) first, from a to b.
+_DESCRIBE_SCRIPT = """
+import os, sys
+queue, devices = sys.argv[1], sys.argv[2]
+first = min(os.listdir(queue))
+with open(os.path.join(queue, first), "rb") as file:
+    output = file.read()
+os.unlink(os.path.join(queue, first))
+_, *rename = first.split("-")
+if rename:
+    os.rename(os.path.join(devices, rename[0]), os.path.join(devices, rename[1]))
+sys.stdout.buffer.write(output)
+"""
+
+
+class _Lines(logging.Handler):
+    """The plugin's log lines that contain one of ``words``, each setting ``said`` (a trio.Event)."""
+
+    def __init__(self, *words: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.words, self.lines, self.said = words, list[str](), trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if any(word in line for word in self.words):
+            self.lines.append(line)
+            self.said.set()
+
+    async def next(self) -> str:
+        await self.said.wait()
+        self.said = trio.Event()
+        return self.lines.pop(0)
+
+
+def _served(simulator: gp.KubeletSimulator) -> dict[str, dict[str, str]]:
+    """What the kubelet stand-in sees now: each streaming resource's devices (ID -> health)."""
+    return {name: dict(r.devices) for name, r in simulator.resources.items() if r.streaming}
+
+
+def _devices_of(config: gp.Config) -> dict[str, dict[str, str]]:
+    """What ``config``'s device-plugin resources offer on this node, as the plugin would list them."""
+    offered = {}
+    for resource in config.resources:
+        if resource.device_plugin:
+            scan = gp.scan_directory(resource, config.sysfs_root, config.dev_root)
+            listed = gp.list_and_watch_response(resource, scan.devices).devices
+            offered[resource.name] = {device.ID: device.health for device in listed}
+    return offered
+
+
+def _outside_the_sandbox(config: gp.Config) -> bool:
+    """Whether serving ``config`` would write or run outside the soak's directory: a CDI spec (its
+    default directory is the host's), a describe or pre_start program, the DRA driver."""
+    return config.dra is not None or any(r.cdi or r.describe or r.pre_start for r in config.resources)
+
+
+def _drive(strategy: st.SearchStrategy[Any], count: int, step: Callable[[Any], Awaitable[bool]]) -> None:
+    """In a worker thread: hypothesis draws ``count`` inputs that ``step`` (run on the plugin's trio
+    thread) takes (returns True for), no shrinking: a failure is the input that failed."""
+
+    @settings(
+        max_examples=count,
+        database=None,
+        deadline=None,
+        derandomize=bool(os.environ.get("CI")),
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def feed(value: Any) -> None:
+        assume(trio.from_thread.run(step, value))
+
+    feed()
+
+
+def soak(configurations: int, outputs: int) -> str:
+    """Feed a serving plugin ``configurations`` mutated configuration files, then its describe
+    ``outputs`` mutated outputs; after each, check it serves its last good devices. Returns what
+    it tried, for a person."""
+    with tempfile.TemporaryDirectory(prefix="gp-soak-") as root:
+        return trio.run(_soak, pathlib.Path(root), configurations, outputs)
+
+
+async def _soak(root: pathlib.Path, configurations: int, outputs: int) -> str:
+    plugin_dir, devices, queue = root / "dp", root / "dev", root / "queue"
+    for directory in (plugin_dir, devices, queue):
+        directory.mkdir()
+    for name in ("g1", "g2", "b0"):
+        (devices / name).touch()
+    path = root / "gopherplug.yaml"
+    base = {"name": RESOURCE, "directory": str(devices), "pattern": "[gb]*", "env": "GOPHER_DEVICES", "replicas": 2}
+    text = yaml.safe_dump({"device_plugin_dir": str(plugin_dir), "resources": [base]})
+    path.write_text(text)
+    config = gp.load_config(str(path))
+    logger = logging.getLogger("gopherplug")
+    level, logger.level = logger.level, logging.INFO
+    tried = {"configurations": 0, "refused": 0, "applied": 0, "outputs": 0}
+    try:
+        async with trio.open_nursery() as nursery:
+            simulator = await nursery.start(gp.KubeletSimulator(str(plugin_dir)).run)
+            updates = gp.watch_config_file(str(path), current=config)
+            await nursery.start(functools.partial(gp.serve_plugin, config, updates=updates))
+            running, refused_last = config, False
+            with trio.fail_after(60):
+                await simulator.wait_until(lambda s: _served(s) == _devices_of(running))
+
+            async def configuration(mutated: str) -> bool:
+                nonlocal running, refused_last
+                mutated = (mutated + f"\n# {tried['configurations']}\n").encode(errors="replace").decode()
+                try:
+                    new: gp.Config | None = gp._config_from_text(mutated, str(path), None)
+                except gp.ConfigError:
+                    new = None
+                except Exception:  # the properties above fail for it; here: the plugin must live
+                    new = None
+                if new is not None and _outside_the_sandbox(new):
+                    return False
+                tried["configurations"] += 1
+                before = _served(simulator)
+                with trio.fail_after(60):
+                    lines = _Lines(*_CONFIG_ENDINGS)
+                    logger.addHandler(lines)
+                    try:
+                        (root / "next.yaml").write_text(mutated)
+                        os.replace(root / "next.yaml", path)  # replaced, as a ConfigMap or an editor does
+                        if new is not None and new == running and not refused_last:
+                            return True  # the same as what runs: nothing is said, nothing changes
+                        line = await lines.next()
+                    finally:
+                        logger.removeHandler(lines)
+                    await trio.testing.wait_all_tasks_blocked()
+                    refused_last = "keeping the running configuration" in line
+                    if "configuration reloaded" not in line:
+                        tried["refused"] += 1
+                        assert _served(simulator) == before, (mutated, line)
+                        return True
+                    assert new is not None, (mutated, line)
+                    tried["applied"] += 1
+                    running = new
+                    expected = _devices_of(new)
+                    await simulator.wait_until(
+                        lambda s: {n: d for n, d in _served(s).items() if n in expected} == expected
+                    )
+                return True
+
+            mutations = mutations_of(text, yaml.safe_load(text))
+            await trio.to_thread.run_sync(_drive, mutations, configurations, configuration)
+
+            # describe: each output is queued with a good one after it, which names a device the
+            # resource does not have (soak-N: a line that differs each time). The mutated output's
+            # run renames a device (the script does), so the good one is run next, and its line says
+            # both were read. The kubelet then sees the devices as they are.
+            script = root / "describe.py"
+            script.write_text(_DESCRIBE_SCRIPT)
+            (queue / f"{0:08d}").write_text('{"soak-0": {}}')
+            described = {**base, "pattern": "*", "replicas": 1}
+            described["describe"] = [sys.executable, str(script), str(queue), str(devices)]
+            with trio.fail_after(60):
+                lines = _Lines("described soak-0,")
+                logger.addHandler(lines)
+                try:
+                    path.write_text(yaml.safe_dump({"device_plugin_dir": str(plugin_dir), "resources": [described]}))
+                    await lines.next()
+                finally:
+                    logger.removeHandler(lines)
+
+            async def output(printed: bytes | Nested) -> bool:
+                number = tried["outputs"] = tried["outputs"] + 1
+                (queue / f"{2 * number:08d}-a{number}-b{number}").write_bytes(bytes(printed))
+                (queue / f"{2 * number + 1:08d}").write_text(json.dumps({f"soak-{number}": {}}))
+                with trio.fail_after(60):
+                    lines = _Lines(f"described soak-{number},")
+                    logger.addHandler(lines)
+                    try:
+                        os.rename(devices / f"b{number - 1}", devices / f"a{number}")
+                        await lines.next()
+                    finally:
+                        logger.removeHandler(lines)
+                    await trio.testing.wait_all_tasks_blocked()
+                expected = dict.fromkeys(["g1", "g2", f"b{number}"], gp.HEALTHY)
+                assert _served(simulator)[RESOURCE] == expected, printed
+                return True
+
+            await trio.to_thread.run_sync(_drive, describe_outputs(), outputs, output)
+            nursery.cancel_scope.cancel()
+    finally:
+        logger.level = level
+    applied = f"{tried['applied']} applied, {tried['refused']} refused, the others the same as the running one"
+    return f"{tried['configurations']} configurations ({applied}), {tried['outputs']} describe outputs"
+
+
+def test_a_serving_plugin_outlives_mutated_configurations_and_describe_outputs() -> None:
+    print(soak(SOAK, SOAK))
