@@ -249,18 +249,21 @@ def mutated_configurations(draw: st.DrawFn) -> tuple[str, str]:
     return SEEDS[index][0], draw(mutations_of(SEEDS[index][1], SEED_DATA[index][1]))
 
 
+#: For each key, the values the seeds give it, or one of any shape.
+_VALUES_OF = {key: st.sampled_from(_SEED_VALUES.get(key) or [None]).map(copy.deepcopy) | values for key in KEYS}
+
+
 @st.composite
 def generated_configurations(draw: st.DrawFn) -> tuple[str, str]:
     """(file name, text): a document of the seeds' keys, each with a value the seeds give that key
     or one of any shape."""
 
-    def entry() -> st.SearchStrategy[dict[Any, Any]]:
-        key = st.sampled_from(KEYS)
-        return st.dictionaries(key, key.flatmap(lambda k: st.sampled_from(_SEED_VALUES.get(k) or [None]) | values))
+    def entry() -> dict[str, Any]:
+        return {key: draw(_VALUES_OF[key]) for key in draw(st.lists(st.sampled_from(KEYS), max_size=6, unique=True))}
 
-    top = draw(entry())
+    top = entry()
     if draw(st.booleans()):
-        top["resources"] = draw(st.lists(entry(), max_size=3))
+        top["resources"] = [entry() for _ in range(draw(st.integers(0, 3)))]
     return draw(st.sampled_from(["gopherplug.yaml", "a b:c.yaml", ""])), _dump(draw, top)
 
 
@@ -533,15 +536,15 @@ def _drive(strategy: st.SearchStrategy[Any], count: int, step: Callable[[Any], A
     feed()
 
 
-def soak(configurations: int, outputs: int) -> str:
+def soak(configurations: int, outputs: int, tried: dict[str, int] | None = None) -> str:
     """Feed a serving plugin ``configurations`` mutated configuration files, then its describe
     ``outputs`` mutated outputs; after each, check it serves its last good devices. Returns what
-    it tried, for a person."""
+    it tried, for a person; ``tried`` counts as it goes (what was tried before a failure)."""
     with tempfile.TemporaryDirectory(prefix="gp-soak-") as root:
-        return trio.run(_soak, pathlib.Path(root), configurations, outputs)
+        return trio.run(_soak, pathlib.Path(root), configurations, outputs, tried if tried is not None else {})
 
 
-async def _soak(root: pathlib.Path, configurations: int, outputs: int) -> str:
+async def _soak(root: pathlib.Path, configurations: int, outputs: int, tried: dict[str, int]) -> str:
     plugin_dir, devices, queue = root / "dp", root / "dev", root / "queue"
     for directory in (plugin_dir, devices, queue):
         directory.mkdir()
@@ -554,7 +557,7 @@ async def _soak(root: pathlib.Path, configurations: int, outputs: int) -> str:
     config = gp.load_config(str(path))
     logger = logging.getLogger("gopherplug")
     level, logger.level = logger.level, logging.INFO
-    tried = {"configurations": 0, "refused": 0, "applied": 0, "outputs": 0}
+    tried.update(configurations=0, refused=0, applied=0, outputs=0)
     try:
         async with trio.open_nursery() as nursery:
             simulator = await nursery.start(gp.KubeletSimulator(str(plugin_dir)).run)

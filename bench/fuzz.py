@@ -2,9 +2,9 @@
 and how many raised (issue 44: "bench/fuzz.py runs them for as long as asked and writes how many
 inputs it tried and how many crashed").
 
-    python bench/fuzz.py --seconds 600                 # every property, 600 s shared among them
-    python bench/fuzz.py --inputs 1000000              # a million inputs shared among them
-    python bench/fuzz.py --inputs 200000 -k describe   # the properties whose name has "describe"
+    python bench/fuzz.py --seconds 600                 # every property, in turns, for 600 s
+    python bench/fuzz.py --inputs 1000000 --seconds 900  # until a million inputs in all, or 900 s
+    python bench/fuzz.py --inputs 20000 -k describe    # the properties whose name has "describe"
     python bench/fuzz.py --soak 1000                   # the soak: a serving plugin fed 1000 of each
     python bench/fuzz.py --list                        # the properties, one a line
 
@@ -14,6 +14,10 @@ attribute); each is run as it is, without pytest, with its settings replaced: no
 input) and the next run goes on. Runs are of a few thousand inputs each: hypothesis keeps what one
 run tried, to try something new, and that grows with the run. An input is one call of the property's
 body (its ``inner_test``); a crash is one that raised.
+
+The properties take turns (TURN seconds each) until --inputs inputs were tried in all or --seconds
+have passed: each gets the same time, so a fast parser tries more inputs than a slow one (a YAML
+document costs milliseconds, a quantity microseconds).
 
 The table (property, inputs, crashes, seconds, inputs/s) goes to stdout; with --write it is also
 appended to bench/RESULTS.md, under a heading with the date and the machine's Python. Standard
@@ -41,6 +45,8 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 #: Inputs a run tries before the next run starts afresh (see the module's docstring).
 RUN = 4000
+#: A property's turn, in seconds.
+TURN = 20.0
 
 
 @dataclass
@@ -139,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     import test_properties
 
     if args.soak is not None:
-        started = time.monotonic()
-        tried = test_properties.soak(args.soak, args.soak)
+        started, counts = time.monotonic(), dict[str, int]()
+        try:
+            tried = test_properties.soak(args.soak, args.soak, counts)
+        except BaseException as error:  # the plugin ended, or a check failed: after how many
+            print(f"soak: FAILED after {counts}: {''.join(traceback.format_exception(error, limit=-4))}")
+            return 1
         print(f"soak: {tried} in {time.monotonic() - started:.0f} s; the plugin served its devices after each")
         return 0
     chosen = {
@@ -153,23 +163,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if chosen else 2
     if args.seconds is None and args.inputs is None:
         parser.error("say how long: --seconds and/or --inputs")
-    seconds = (args.seconds if args.seconds is not None else float("inf")) / len(chosen)
-    inputs = args.inputs // len(chosen) if args.inputs is not None else sys.maxsize
-    tallies = []
-    for name, test in chosen.items():
-        tally = Tally(name.removeprefix("test_"))
-        fuzz(test, tally, inputs, seconds)
-        tallies.append(tally)
-        print(f"{tally.name}: {tally.inputs} inputs, {tally.crashes} crashes, {tally.seconds:.0f} s", file=sys.stderr)
+    seconds = args.seconds if args.seconds is not None else float("inf")
+    inputs = args.inputs if args.inputs is not None else sys.maxsize
+    tallies = {name: Tally(name.removeprefix("test_")) for name in chosen}
+    started, turns = time.monotonic(), dict(chosen)
+    while turns and (left := seconds - (time.monotonic() - started)) > 0:
+        for name, test in list(turns.items()):
+            tally, before = tallies[name], tallies[name].inputs
+            wanted = inputs - sum(t.inputs for t in tallies.values())
+            if wanted <= 0:
+                turns.clear()
+                break
+            fuzz(test, tally, tally.inputs + wanted, min(TURN, left / len(turns)))
+            if tally.inputs == before:
+                del turns[name]  # nothing more to try
+        for tally in tallies.values():
+            print(
+                f"{tally.name}: {tally.inputs} inputs, {tally.crashes} crashes, {tally.seconds:.0f} s", file=sys.stderr
+            )
+    for tally in tallies.values():
         for kind, first in tally.kinds.items():
-            print(f"  crash {kind}\n    first input: {first}", file=sys.stderr)
-    result = table(tallies)
+            print(f"{tally.name}: crash {kind}\n    first input: {first}", file=sys.stderr)
+    result = table(list(tallies.values()))
     print(result)
-    if args.write:
-        heading = f"\n## bench/fuzz.py, {datetime.date.today()} (Python {platform.python_version()})\n\n"
-        with open(os.path.join(HERE, "RESULTS.md"), "a", encoding="utf-8") as file:
-            file.write(heading + result + "\n")
-    return 1 if total(tallies).crashes else 0
+    if args.write:  # a section of its own, newest first as RESULTS.md keeps them
+        section = (
+            f"## {datetime.date.today()}, bench/fuzz.py {' '.join(sys.argv[1:])} (Python {platform.python_version()})"
+        )
+        path = os.path.join(HERE, "RESULTS.md")
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+        at = text.find("\n## ") + 1 or len(text)
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(f"{text[:at]}{section}\n\n{result}\n\n{text[at:]}")
+    return 1 if total(list(tallies.values())).crashes else 0
 
 
 if __name__ == "__main__":
