@@ -104,7 +104,7 @@ _SEED_KEYS: set[str] = set(gp._RESOURCE_KEYS)
 _SEED_VALUES: dict[str, list[Any]] = {}
 for _, _data in SEED_DATA:
     _harvest(_data, _SEED_KEYS, _SEED_VALUES)
-KEYS = sorted(_SEED_KEYS)
+KEYS = tuple(sorted(_SEED_KEYS))
 
 #: Values at the edges: of types, of numbers (int32, int64, past them), of YAML 1.1 (octal,
 #: booleans), of quantities (the exa suffix, an exponent no decimal context holds), of templates and
@@ -161,8 +161,8 @@ def mutated_data(draw: st.DrawFn, data: Any) -> Any:
         slots = _slots(data)
         if not slots:
             return draw(values)
-        container, key = draw(st.sampled_from(slots))
-        how = draw(st.sampled_from(["replace", "replace", "delete", "insert", "rename", "wrap", "double"]))
+        container, key = slots[draw(st.integers(0, len(slots) - 1))]
+        how = draw(st.sampled_from(("replace", "replace", "delete", "insert", "rename", "wrap", "double")))
         if how == "replace":
             container[key] = draw(values)
         elif how == "delete":
@@ -205,7 +205,7 @@ def mutated_text(draw: st.DrawFn, text: str) -> str:
     for _ in range(draw(st.integers(1, 3))):
         lines = text.split("\n")
         line = draw(st.integers(0, len(lines) - 1))
-        how = draw(st.sampled_from(["byte", "cut", "double", "drop", "swap", "indent", "syntax"]))
+        how = draw(st.sampled_from(("byte", "cut", "double", "drop", "swap", "indent", "syntax")))
         if how == "byte" and text:
             raw = bytearray(text.encode(errors="surrogatepass"))
             at = draw(st.integers(0, len(raw) - 1))
@@ -234,7 +234,7 @@ def mutated_text(draw: st.DrawFn, text: str) -> str:
 @st.composite
 def mutations_of(draw: st.DrawFn, text: str, data: Any) -> str:
     """A configuration's ``text`` (``data`` as YAML reads it) mutated in its data, its text, or both."""
-    how = draw(st.sampled_from(["data", "text", "both"]))
+    how = draw(st.sampled_from(("data", "text", "both")))
     if how != "text":
         text = _dump(draw, draw(mutated_data(data)))
     if how != "data":
@@ -264,7 +264,7 @@ def generated_configurations(draw: st.DrawFn) -> tuple[str, str]:
     top = entry()
     if draw(st.booleans()):
         top["resources"] = [entry() for _ in range(draw(st.integers(0, 3)))]
-    return draw(st.sampled_from(["gopherplug.yaml", "a b:c.yaml", ""])), _dump(draw, top)
+    return draw(st.sampled_from(("gopherplug.yaml", "a b:c.yaml", ""))), _dump(draw, top)
 
 
 def assert_config_or_one_line(text: str, source: str) -> None:
@@ -370,29 +370,27 @@ _capacity_values = _json_scalars | json_values
 _device_ids = st.sampled_from(["card0", "card1", "g1", "", "a" * 70, "x::1"]) | _odd_strings
 
 
-@st.composite
-def descriptions(draw: st.DrawFn) -> Any:
-    """What a describe program means to print: device IDs to their attributes and capacity, any
-    part of it of another shape or type."""
-    entry = st.fixed_dictionaries(
-        {},
-        optional={
-            "attributes": st.dictionaries(_attribute_names, _attribute_values, max_size=5) | json_values,
-            "capacity": st.dictionaries(_attribute_names, _capacity_values, max_size=3) | json_values,
-            "extra": json_values,
-        },
-    )
-    return draw(st.dictionaries(_device_ids, entry | json_values, max_size=3) | json_values)
+_described_device = st.fixed_dictionaries(
+    {},
+    optional={
+        "attributes": st.dictionaries(_attribute_names, _attribute_values, max_size=5) | json_values,
+        "capacity": st.dictionaries(_attribute_names, _capacity_values, max_size=3) | json_values,
+        "extra": json_values,
+    },
+)
+#: What a describe program means to print: device IDs to their attributes and capacity, any part
+#: of it of another shape or type.
+descriptions = st.dictionaries(_device_ids, _described_device | json_values, max_size=3) | json_values
 
 
 @st.composite
 def describe_outputs(draw: st.DrawFn) -> bytes | Nested:
     """A describe program's stdout: a description as JSON (ASCII or not), with bytes changed or cut
     short, nested past any sane depth, or bytes that are no UTF-8."""
-    document = draw(descriptions())
-    text = json.dumps(document, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 1])))
+    document = draw(descriptions)
+    text = json.dumps(document, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from((None, 1))))
     output = text.encode(errors="surrogatepass")  # a lone surrogate: bytes no UTF-8 decoder takes
-    how = draw(st.sampled_from(["as is", "as is", "as is", "bytes", "cut", "deep"]))
+    how = draw(st.sampled_from(("as is", "as is", "as is", "bytes", "cut", "deep")))
     if how == "bytes" and output:
         changed = bytearray(output)
         for _ in range(draw(st.integers(1, 4))):
@@ -401,9 +399,9 @@ def describe_outputs(draw: st.DrawFn) -> bytes | Nested:
     elif how == "cut":
         output = output[: draw(st.integers(0, len(output)))]
     elif how == "deep":
-        depth = draw(st.sampled_from([100, 1000, 100_000]))
-        opener = draw(st.sampled_from(['{"card0": {"attributes": {"model": ', '{"card0": ', "[", '{"a": ']))
-        return Nested(opener, draw(st.sampled_from(["]", "}"])), depth)
+        depth = draw(st.sampled_from((100, 1000, 100_000)))
+        opener = draw(st.sampled_from(('{"card0": {"attributes": {"model": ', '{"card0": ', "[", '{"a": ')))
+        return Nested(opener, draw(st.sampled_from(("]", "}"))), depth)
     return output
 
 
