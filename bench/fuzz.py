@@ -106,11 +106,13 @@ def fuzz(test: Callable[..., None], tally: Tally, inputs: int, seconds: float) -
                 suppress_health_check=list(HealthCheck),
                 print_blob=False,
             )
-            before = tally.inputs
+            before, crashes = tally.inputs, tally.crashes
             try:
                 test()
-            except Exception:  # counted, its first input kept: the next run goes on
-                pass
+            except Exception as error:  # counted, its first input kept: the next run goes on
+                if tally.crashes == crashes:  # not an input's: the property cannot run here (a fixture?)
+                    print(f"{tally.name}: cannot be run: {type(error).__name__}: {error}", file=sys.stderr)
+                    break
             if tally.inputs == before:
                 break  # nothing left to try (a strategy of few values), or every input refused
     finally:
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             if wanted <= 0:
                 turns.clear()
                 break
-            fuzz(test, tally, tally.inputs + wanted, min(TURN, left / len(turns)))
+            fuzz(test, tally, tally.inputs + max(1, wanted // len(turns)), min(TURN, left / len(turns)))
             if tally.inputs == before:
                 del turns[name]  # nothing more to try
         for tally in tallies.values():
