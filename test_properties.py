@@ -651,4 +651,6 @@ async def _soak(root: pathlib.Path, configurations: int, outputs: int, tried: di
 
 
 def test_a_serving_plugin_outlives_mutated_configurations_and_describe_outputs() -> None:
-    print(soak(SOAK, SOAK))
+    tried: dict[str, int] = {}
+    print(soak(SOAK, SOAK, tried))
+    assert (tried["configurations"], tried["outputs"]) == (SOAK, SOAK), tried  # none left out
