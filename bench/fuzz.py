@@ -136,13 +136,13 @@ def total(tallies: list[Tally]) -> Tally:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, help="time for all the chosen properties, shared equally")
-    parser.add_argument("--inputs", type=int, help="inputs for all the chosen properties, shared equally")
+    parser = argparse.ArgumentParser(description="Run test_properties.py's properties; count inputs and crashes.")
+    parser.add_argument("--seconds", type=float, help="stop after this long (the properties take turns)")
+    parser.add_argument("--inputs", type=int, help="stop once this many inputs were tried in all")
     parser.add_argument("-k", dest="select", action="append", default=[], help="only properties whose name has this")
     parser.add_argument("--soak", type=int, metavar="N", help="run the soak with N configurations and N outputs")
     parser.add_argument("--list", action="store_true", help="list the properties and stop")
-    parser.add_argument("--write", action="store_true", help="also append the table to bench/RESULTS.md")
+    parser.add_argument("--write", action="store_true", help="also add the table to bench/RESULTS.md, first")
     args = parser.parse_args(argv)
     import test_properties
 
