@@ -1245,6 +1245,7 @@ class ResourceConfig:
     capacity: tuple[DeclaredValue, ...] = ()
     #: argv run once per scan of the resource, printing attributes and capacity by device ID (run_describe)
     describe: tuple[str, ...] = ()
+    driver: str = ""  #: the DRA driver: a name in its domain is one without ("<driver>/model" is "model")
 
     @property
     def device_plugin(self) -> bool:
@@ -1725,7 +1726,8 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     warnings = tuple(
         str(ConfigError(source, f"resources[{index}].{key}", problem))
         for index, entry in enumerate(entries)
-        for key, problem in _pattern_warnings(entry)
+        for key, problem in [*_pattern_warnings(entry), ("attributes", _room_warning(resources[index]))]
+        if problem
     )
     return Config(
         tuple(resources),
@@ -1781,7 +1783,7 @@ def nfd_features_file_problem(path: str) -> str | None:
 def metrics_address_problem(address: str, example: int = 9400) -> str | None:
     """What is wrong with a metrics (or health) address ("host:port", "[::1]:port"), or None."""
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
+    if not colon or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         return f'{address!r} is not host:port, e.g. "0.0.0.0:{example}" (all addresses) or "127.0.0.1:{example}"'
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         return f'{address!r}: write an IPv6 address in brackets, e.g. "[::]:{port}"'
@@ -2048,6 +2050,7 @@ def _parse_resource(
         attributes,
         capacity,
         describe,
+        dra.driver if dra is not None else "",
     )
 
 
@@ -2197,12 +2200,9 @@ def _parse_annotations(data: Any, source: str, where: str) -> tuple[tuple[str, s
     return tuple(annotations)
 
 
-# Attributes and capacity, declared per resource. What a device carries in its ResourceSlice entry
-# (Device.attributes and Device.capacity in k8s.io/api resource/v1), checked here as the API server
-# checks them (validateQualifiedName, validateDeviceAttribute and the device's own limits in
-# kubernetes/kubernetes pkg/apis/resource/validation/validation.go): a slice with one bad value is
-# refused whole, and with it every device of the pool, so a mistake in the configuration is a
-# ConfigError, and a bad value read from a file or a describe program is left out with a line.
+# Attributes and capacity (Device.attributes and .capacity in k8s.io/api resource/v1), checked as the
+# API server checks them (kubernetes/kubernetes pkg/apis/resource/validation/validation.go): one bad
+# value refuses the slice, and the pool with it. In the configuration, a ConfigError; read, left out.
 
 #: The most attributes and capacities one device may have together
 #: (ResourceSliceMaxAttributesAndCapacitiesPerDevice in k8s.io/api resource/v1)
@@ -2212,13 +2212,15 @@ DRA_MAX_ATTRIBUTES_AND_CAPACITIES = 32
 DRA_ATTRIBUTE_NAME_MAX_LENGTH = 32
 DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH = 63
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it.
+# A driver name's check, which takes upper case too (validateDriverName lower-cases it first). Only
+# ASCII: Go's ToLower makes the Kelvin sign a "k", three bytes that Python's len() counts as one.
+_ATTRIBUTE_DOMAIN = re.compile(_DNS_SUBDOMAIN.pattern, re.IGNORECASE | re.ASCII)
+# A version attribute's value: semver.org 2.0.0, as the API server's semverRe says it (Go's \d is [0-9]).
 _SEMVER = re.compile(
-    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+    r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
+    r"(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
 )
-_INT64 = (-(2**63), 2**63 - 1)  # an int attribute is an int64
 
 #: The attributes gopherplug gives every device itself, in the driver's domain (dra_device): a
 #: declared one of the same name is refused, rather than one silently hiding the other.
@@ -2234,18 +2236,14 @@ def attribute_name_problem(name: str) -> str:
     parts = name.split("/")
     if len(parts) > 2:
         return "must be either a C identifier or a domain, followed by a slash and a C identifier"
-    problems = []
-    if len(parts) == 2:
-        domain = parts[0]
-        if not domain:
-            problems.append("the domain must not be empty")
-        # A driver name's check, which takes upper case too (validateDriverName lower-cases it first).
-        elif len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _DNS_SUBDOMAIN.fullmatch(domain.lower()):
-            problems.append(
-                f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
-                f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
-            )
-    identifier = parts[-1]
+    problems, domain, identifier = [], parts[0] if len(parts) == 2 else None, parts[-1]
+    if domain == "":
+        problems.append("the domain must not be empty")
+    elif domain and (len(domain) > DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH or not _ATTRIBUTE_DOMAIN.fullmatch(domain)):
+        problems.append(
+            f"the domain {domain!r} must be a DNS subdomain (letters, digits, '-' and '.') "
+            f"of at most {DRA_ATTRIBUTE_DOMAIN_MAX_LENGTH} characters"
+        )
     if not identifier:
         problems.append("the name must not be empty")
     elif not _C_IDENTIFIER.fullmatch(identifier) or len(identifier) > DRA_ATTRIBUTE_NAME_MAX_LENGTH:
@@ -2264,15 +2262,15 @@ def attribute_value_problem(kind: str, value: Any) -> str:
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             return f"{value!r} is not a whole number"
-        return "" if _INT64[0] <= value <= _INT64[1] else f"{value} does not fit in 64 bits"
+        return "" if -(2**63) <= value < 2**63 else f"{value} does not fit in 64 bits"  # an int64
     if kind not in ("string", "version"):
         return f'{value!r} is not a string, a whole number, true or false, or {{"version": "1.2.3"}}'
     if not isinstance(value, str):
         return f"{value!r} is not a string"
-    if len(value.encode()) > DRA_ATTRIBUTE_MAX_LENGTH:
-        return (
-            f"{value[:20]!r}... has {len(value.encode())} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
-        )
+    if (size := len(value.encode(errors="surrogatepass"))) > DRA_ATTRIBUTE_MAX_LENGTH:
+        return f"{value[:20]!r}... has {size} bytes, more than the API server's {DRA_ATTRIBUTE_MAX_LENGTH}"
+    if re.search("[\ud800-\udfff]", value):  # JSON's "\ud800": not UTF-8 (Go's decoder would keep U+FFFD)
+        return f"{value!r} has a lone surrogate: it is not UTF-8"
     if kind == "version" and not _SEMVER.fullmatch(value):
         return f"{value!r} is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)"
     return ""
@@ -2280,8 +2278,8 @@ def attribute_value_problem(kind: str, value: Any) -> str:
 
 # A resource.Quantity as the API server parses one (ParseQuantity in k8s.io/apimachinery
 # pkg/api/resource/quantity.go): a signed decimal number, then a binary suffix (Ki ... Ei), a
-# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2).
-_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?")
+# decimal one (n u m "" k M G T P E) or an exponent (e3, E-2). Digits are ASCII, as Go reads them.
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?[0-9]+))?")
 _BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 12: "T", 15: "P", 18: "E"}
 
@@ -2290,50 +2288,50 @@ _DECIMAL_SUFFIXES = {-9: "n", -6: "u", -3: "m", 0: "", 3: "k", 6: "M", 9: "G", 1
 def canonical_quantity(written: str | int | float) -> str | None:
     """A quantity as the API server stores it, None when it would refuse it (ParseQuantity, then
     CanonicalizeBytes in k8s.io/apimachinery pkg/api/resource/quantity.go): "1.5Gi" is "1536Mi",
-    "1000" is "1k", "0.5" is "500m". The slice publisher compares what it wrote with what the server
-    stored: written otherwise, each would look like a field the server dropped.
-
-    The value keeps its suffix's kind: binary (Ki..Ei) while it is a whole number of at least 1024
-    (as the largest binary suffix that leaves it whole), else decimal: a whole mantissa and an
-    exponent that is a multiple of 3, as an SI suffix (or e<exponent> when written so). Anything
-    finer than 1n is rounded up, as the parser does."""
+    "1000" is "1k", "0.5" is "500m"; written otherwise, the slice publisher would take each for a
+    field the server dropped. Binary (Ki..Ei) while a whole number of at least 1024 (past 2^63-1,
+    the server's cap), else a whole mantissa and an exponent that is a multiple of 3, as an SI
+    suffix (or e<exponent> when written so, or past E); finer than 1n is rounded up. Refused
+    besides: an exponent past the server's int32 scale (1.36 wraps it), and above 1E more than 18
+    digits, which it would work out in big numbers as long as the exponent (1234567890123456789e9999999)."""
     if isinstance(written, bool):
-        return None
-    text = str(written).strip() if isinstance(written, int | float) else written
-    match = _QUANTITY.fullmatch(text)
-    if match is None:
         return None
     import decimal  # only where a quantity is written: most configurations have none
 
-    with decimal.localcontext() as context:
-        context.prec = 60
-        number, suffix = decimal.Decimal(match[1]), match[2] or ""
+    text = (
+        written if isinstance(written, str) else str(decimal.Decimal(written) if isinstance(written, int) else written)
+    )
+    if (match := _QUANTITY.fullmatch(text)) is None:
+        return None
+    number, suffix, exponent = match[1], match[2] or "", match[3]
+    if exponent is not None and (len(exponent.lstrip("+-").lstrip("0")) > 10 or abs(int(exponent)) > 2**31 - 1):
+        return None
+    with decimal.localcontext(decimal.Context(decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)):
+        value = decimal.Decimal(number)  # exact: no rounding but the parser's own
         if suffix in _BINARY_SUFFIXES[1:]:
-            value, kind = number * 1024 ** _BINARY_SUFFIXES.index(suffix), "binary"
-        elif suffix[:1] in ("e", "E"):
-            value, kind = number.scaleb(int(suffix[1:])), "exponent"
+            value *= 1024 ** _BINARY_SUFFIXES.index(suffix)
+            value = min(abs(value), decimal.Decimal(2**63 - 1)).copy_sign(value)
         else:
-            exponent = next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
-            value, kind = number.scaleb(exponent), "decimal"
+            value = value.scaleb(
+                int(exponent) if exponent else next(e for e, s in _DECIMAL_SUFFIXES.items() if s == suffix)
+            )
         value = value.scaleb(9).to_integral_value(decimal.ROUND_UP).scaleb(-9)  # nano is the finest
         if not value:
             return "0"
-        if kind == "binary" and (abs(value) < 1024 or value != value.to_integral_value()):
-            kind = "decimal"
-        if kind == "binary":
+        if suffix in _BINARY_SUFFIXES[1:] and abs(value) >= 1024 and value == value.to_integral_value():
             whole, power = int(value), 0
             while power < len(_BINARY_SUFFIXES) - 1 and whole % 1024 == 0:
                 whole, power = whole // 1024, power + 1
             return f"{whole}{_BINARY_SUFFIXES[power]}"
-        sign, digits, exponent = value.normalize().as_tuple()
-        assert isinstance(exponent, int)
-        mantissa = int("".join(map(str, digits)))
-        while exponent % 3:
-            mantissa, exponent = mantissa * 10, exponent - 1
-        mantissa = -mantissa if sign else mantissa
-        if kind == "exponent" or exponent not in _DECIMAL_SUFFIXES:
-            return f"{mantissa}e{exponent}" if exponent else str(mantissa)
-        return f"{mantissa}{_DECIMAL_SUFFIXES[exponent]}"
+        sign, digits, places = value.normalize().as_tuple()
+        assert isinstance(places, int)
+        mantissa = "-" * sign + "".join(map(str, digits)) + "0" * (places % 3)
+        places -= places % 3
+        if places > 2**31 - 1 or (places > 18 and len(mantissa) - sign > 18):
+            return None
+        if exponent is not None or places not in _DECIMAL_SUFFIXES:
+            return f"{mantissa}e{places}" if places else mantissa
+        return f"{mantissa}{_DECIMAL_SUFFIXES[places]}"
 
 
 _FILE_FIELDS = ("id", "path", "name", "target", "sysfs")
@@ -2406,27 +2404,35 @@ def _parse_declarations(
     driver = dra.driver if dra is not None else ""
     attributes = _parse_declared(data.get("attributes", {}), source, f"{where}.attributes", False, driver)
     capacity = _parse_declared(data.get("capacity", {}), source, f"{where}.capacity", True, driver)
-    # Every device has resource, id and healthy, and a shared one the capacity "shares".
-    own = 3 + (replicas > 1)
+    own = 3 + (replicas > 1)  # every device's resource, id and healthy; a shared one's "shares"
     if (total := len(attributes) + len(capacity) + own) > DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
-        key = f"{where}.capacity" if capacity else f"{where}.attributes"
-        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives "
-        problem += (
-            f"each device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
-        )
-        raise ConfigError(source, key, problem)
+        problem = f"{len(attributes)} attributes and {len(capacity)} capacities, with the {own} gopherplug gives each "
+        problem += f"device, are {total}: the API server takes at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} a device"
+        raise ConfigError(source, f"{where}.capacity" if capacity else f"{where}.attributes", problem)
     describe: tuple[str, ...] = ()
     if "describe" in data:
         describe = _parse_command(data["describe"], source, f"{where}.describe")
     return attributes, capacity, describe
 
 
-# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-];
-# both begin with a letter and end with a letter or digit (ValidateVendorName and
-# ValidateClassName in container-device-interface pkg/parser/parser.go). Neither may be one
-# character, which CDI allows: CDI v1.1.0, which containerd 2.x bundles, slices such a name out of
-# range and panics, at every start of the runtime while the spec file is in its directory
-# (container-device-interface#320), and the spec stays there after gopherplug stops.
+def _room_warning(resource: ResourceConfig) -> str:
+    """Why a DRA resource's devices may have more than the API server's 32 attributes and capacities
+    once sysfs gives them its own (numaNode twice, pciBusID, pcieRoot; a USB device's five), or ""."""
+    declared = len(resource.attributes) + len(resource.capacity) + 3 + (resource.replicas > 1)
+    most = declared + 4 + 5 * bool(resource.usb)
+    if not resource.dra or most <= DRA_MAX_ATTRIBUTES_AND_CAPACITIES:
+        return ""
+    kind = "USB device (NUMA node, PCI address, USB IDs)" if resource.usb else "PCI device (NUMA node, PCI address)"
+    problem = f"with the capacities and gopherplug's own, {declared}, and up to {most - declared} sysfs gives a {kind} "
+    return (
+        problem + f"a device may have {most}: past {DRA_MAX_ATTRIBUTES_AND_CAPACITIES}, the last by name are left out"
+    )
+
+
+# CDI kinds: "vendor/class", the vendor a DNS subdomain, the class 2 to 63 of [A-Za-z0-9_.-]; both
+# begin with an ASCII letter and end with one or a digit (ValidateVendorName, ValidateClassName in
+# container-device-interface pkg/parser/parser.go). Not one character: CDI v1.1.0 (containerd 2.x's)
+# panics on it at every start while the spec is there (container-device-interface#320).
 _CDI_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 #: A vendor or class every CDI version takes: a letter, then at least one more character.
 _CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
@@ -2434,10 +2440,8 @@ _CDI_SAFE_PART = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
 
 def dra_cdi_kind(driver: str, resource_name: str) -> str:
     """The CDI kind of a DRA resource that sets no ``cdi``: "<driver>/<name part>", with an "x" in
-    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d", "example.com/a"
-    -> "<driver>/xa"): Kubernetes lets a name begin with a digit or be one character, CDI does not.
-    The others keep their names. One letter keeps the class within 63 characters, as a DRA
-    resource's whole name has at most 64."""
+    front of a part CDI would refuse or crash on ("example.com/3d" -> "<driver>/x3d"; "a" -> "xa"),
+    which Kubernetes allows; within 63 characters, as a DRA resource's whole name has at most 64."""
     parts = (driver, resource_name.partition("/")[2])
     return "/".join(part if _CDI_SAFE_PART.fullmatch(part) else "x" + part for part in parts)
 
@@ -2452,16 +2456,12 @@ def _parse_cdi(data: Any, source: str, where: str) -> CDIConfig:
         or len(vendor) > 253
         or not _CDI_CLASS.fullmatch(device_class)
     ):
-        problem = (
-            f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z 0-9 _ . -; "
-            "each beginning with a letter)"
-        )
+        problem = f"{kind!r}: must be vendor/class, e.g. example.com/gopher (a DNS name, then 2 to 63 of A-Z a-z "
+        problem += "0-9 _ . -; each beginning with a letter)"
         raise ConfigError(source, f"{where}.kind", problem)
     if len(vendor) == 1 or len(device_class) == 1:
-        problem = (
-            f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI library "
-            "v1.1.0 panics on such a spec file): use 2 characters or more"
-        )
+        problem = f"{kind!r}: a one-character vendor or class crashes containerd 2.x at every start (its CDI "
+        problem += "library v1.1.0 panics on such a spec file): use 2 characters or more"
         raise ConfigError(source, f"{where}.kind", problem)
     if len(f".{kind}.json.lock") > 255:  # the spec file and its lock are named after the kind
         raise ConfigError(source, f"{where}.kind", f"{kind!r} is too long to name a file after: at most 244 characters")
@@ -4083,6 +4083,15 @@ def _typed(kind: str, text: str) -> str | int | bool | None:
 _TOO_MANY_VALUES = f"left out: a device has at most {DRA_MAX_ATTRIBUTES_AND_CAPACITIES} attributes and capacities"
 
 
+def _beyond_the_limit(resource: ResourceConfig, device: DeviceEntry) -> list[tuple[str, str]]:
+    """What dra_device leaves out past the API server's 32 attributes and capacities a device (which
+    refuses the slice, and the pool with it): the last capacities, then attributes, by name; (key, why).
+    gopherplug's and sysfs's come first in both, at most 13 of them (with "shares"): never these."""
+    keys = [f"attributes.{name}" for name in device_attributes(resource, device)]
+    keys += [f"capacity.{name}" for name in device_capacity(resource, device)]
+    return [(key, _TOO_MANY_VALUES) for key in keys[DRA_MAX_ATTRIBUTES_AND_CAPACITIES - (resource.replicas > 1) :]]
+
+
 def with_read_values(
     resource: ResourceConfig, device: DeviceEntry, files: ReadValues, described: ReadValues | None = None
 ) -> tuple[DeviceEntry, list[tuple[str, str]]]:
@@ -4090,13 +4099,10 @@ def with_read_values(
     the API server checks a ResourceSlice's device, and why each value left out was: (key, why),
     e.g. ("attributes.model", "..."), for one line each.
 
-    Its files first, then what ``describe`` said. No value replaces another: gopherplug's own
-    attributes stay (a describe may not say a device is healthy), and so does a literal of the
-    configuration, a file's value before describe's, and sysfs's standard ones (device_attributes);
-    a different value for one of them is left out with a line saying which is used. describe may
-    give what a file could not (a line says why the file gave nothing). Nothing beyond the API
-    server's 32 attributes and capacities a device: the rest is left out, with a line, describe's
-    first."""
+    Its files first, then what ``describe`` said (a name in the driver's domain as one without). No
+    value replaces another: gopherplug's own stay (describe may not call a device healthy), then
+    sysfs's standard ones, a literal, a file's value before describe's; a different value is left
+    out with a line saying which is used. Past the API server's 32 a device, the last are left out."""
     problems: list[tuple[str, str]] = []
     # What the device carries already (an embedding program's DeviceEntry may) is kept, as a literal
     # is, once it passes the same checks.
@@ -4116,13 +4122,10 @@ def with_read_values(
         if problems or any(a != b for a, b in zip(own_capacity, device.capacity, strict=True)):
             device = dataclasses.replace(device, attributes=tuple(own_attributes), capacity=tuple(own_capacity))
     if not (files.attributes or files.capacity or (described and (described.attributes or described.capacity))):
-        return device, problems  # nothing read (literals only, or describe has not said yet)
+        return device, problems + _beyond_the_limit(resource, device)  # nothing read (literals only, or not yet)
     known = device_attributes(resource, device)  # gopherplug's own, sysfs's standard ones, the literals
-    from_sysfs = set()  # the standard attributes sysfs gave (device_attributes)
-    if device.numa_node is not None:
-        from_sysfs.add(f"{DRA_STANDARD_DOMAIN}/numaNode")
-    if device.pci is not None:
-        from_sysfs |= {f"{DRA_STANDARD_DOMAIN}/pciBusID", f"{DRA_STANDARD_DOMAIN}/pcieRoot"}
+    sysfs = {"numaNode": device.numa_node, "pciBusID": device.pci, "pcieRoot": device.pci}  # device_attributes'
+    from_sysfs = {f"{DRA_STANDARD_DOMAIN}/{name}" for name, known in sysfs.items() if known is not None}
     known_capacity = {name: quantity["value"] for name, quantity in device_capacity(resource, device).items()}
     if resource.replicas > 1:
         known_capacity[DRA_SHARES_CAPACITY] = str(resource.replicas)
@@ -4137,6 +4140,7 @@ def with_read_values(
         if values is None:
             continue
         for name, (kind, value) in values.attributes.items():
+            name = name.removeprefix(f"{resource.driver}/") if resource.driver else name
             key = f"attributes.{name}"
             if "/" not in name and name in OWN_ATTRIBUTES:
                 problems.append((key, f"is an attribute gopherplug gives every device itself: {by}'s is not used"))
@@ -4155,6 +4159,7 @@ def with_read_values(
                 attributes[name] = (kind, value)
                 room -= 1
         for name, written in values.capacity.items():
+            name = name.removeprefix(f"{resource.driver}/") if resource.driver else name
             key = f"capacity.{name}"
             quantity = canonical_quantity(written) if isinstance(written, str | int | float) else None
             if name == DRA_SHARES_CAPACITY and resource.replicas > 1:
@@ -4180,16 +4185,14 @@ def with_read_values(
         attributes=tuple((name, *attributes[name]) for name in sorted(attributes)),
         capacity=tuple((name, capacity[name]) for name in sorted(capacity)),
     )
-    return entry, problems
+    return entry, problems + _beyond_the_limit(resource, entry)
 
 
 def declared_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str, dict[str, Any]]:
     """The attributes the user gave the device, as a ResourceSlice lists them: name (without a
-    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}, "driverVersion":
-    {"version": "580.159.4"}}. The resource's literals, then what was read for this device (its
-    ``attributes`` files and ``describe``, DeviceEntry.attributes): a literal is the same for every
-    device, so a name the configuration gives a literal keeps it. gopherplug's own are not here
-    (device_attributes has them too)."""
+    domain: the driver's) -> {type: value}, e.g. {"model": {"string": "H200"}}. The resource's
+    literals, then what was read for this device (DeviceEntry.attributes), which cannot replace a
+    literal. gopherplug's own are not here (device_attributes has them too)."""
     attributes = {value.name: {value.type: value.value} for value in resource.attributes if value.value is not None}
     for name, kind, value in device.attributes:
         attributes.setdefault(name, {kind: value})
@@ -4222,7 +4225,7 @@ def device_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str
         ):
             attributes["usbSerial"] = {"string": usb.serial}
         bus = usb.port.removeprefix("usb").partition("-")[0]
-        if bus.isdigit():
+        if bus.isascii() and bus.isdigit():
             attributes["usbBus"] = {"int": int(bus)}
         attributes["usbPort"] = {"string": usb.port}
     for name, value in declared_attributes(resource, device).items():
@@ -4249,17 +4252,11 @@ def dra_device(
     ``id`` (the device ID, as the env var and the CDI name spell it), ``healthy`` (as the
     device-plugin API's health), and ``numaNode`` when the device node has one.
 
-    Beside them, the standard ones (DRA_STANDARD_DOMAIN), which selectors and constraints can use
-    across drivers: ``numaNode`` (an int, for selectors and matchAttribute constraints; no released
-    kubelet reads it: 1.36 has no DRA topology hints, its standard attributes are pcieRoot and
-    pciBusID, k8s.io/dynamic-resource-allocation deviceattribute. The kubelet's main branch adds
-    hints that read an attribute whose name ends in "/numaNode", topologyNUMAAttributeSuffix in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/topology_hints.go; gopherplug's own is stored without
-    a domain, so this is the one they would find), and for a device node of a PCI device ``pciBusID``
-    ("0000:03:00.0") and ``pcieRoot`` ("pci0000:00"), both strings as deviceattribute/pci.go makes
-    them. USB has no standard: a USB device's ``usbVendor`` and ``usbProduct`` (4 hex digits, as
-    lsusb prints them), ``usbSerial`` (when it has one of at most 64 characters, the API's limit),
-    ``usbBus`` (an int) and ``usbPort`` (its port path, "1-1.4") are in the driver's domain.
+    Beside them, the standard ones (DRA_STANDARD_DOMAIN) that selectors and constraints can use
+    across drivers: ``numaNode``, and a PCI device's ``pciBusID`` and ``pcieRoot``, as
+    k8s.io/dynamic-resource-allocation deviceattribute makes them; a USB device's ``usbVendor``,
+    ``usbProduct``, ``usbSerial``, ``usbBus`` and ``usbPort`` in the driver's domain (docs/dra.md
+    says what reads each). Past the API server's 32, the last declared are left out (_beyond_the_limit).
 
     With ``driver``, an unhealthy device carries dra_unhealthy_taint with the ``unhealthy_taint``
     effect: the scheduler allocates it only to a request that tolerates the taint (allTaintsTolerated
@@ -4271,9 +4268,12 @@ def dra_device(
     for (capacity.requests, nothing by default), within the value, where the cluster has consumable
     capacity (DRAConsumableCapacity, on from 1.36).
     """
-    attributes = device_attributes(resource, device)
+    attributes, capacity = device_attributes(resource, device), device_capacity(resource, device)
+    for key, _ in _beyond_the_limit(resource, device):  # with_read_values says which, a line each
+        kind, _, name = key.partition(".")
+        del (attributes if kind == "attributes" else capacity)[name]
     listed: dict[str, Any] = {"name": dra_device_name(device.id), "attributes": attributes}
-    if capacity := device_capacity(resource, device):
+    if capacity:
         listed["capacity"] = capacity
     if resource.replicas > 1:
         # A shared device's declared capacity is consumed by the claims that ask for some of it
@@ -10076,7 +10076,7 @@ class KubeApi:
             # that comes back sooner only adds to the load it was refused for.
             response = getattr(error, "response", None)
             header = response.headers.get("retry-after", "") if response is not None else ""
-            retry_after = float(header) if header.isdigit() else None
+            retry_after = float(header) if header.isascii() and header.isdigit() else None
             message = f"{what}: {error.status.code} {error.status.message}"
             details = error.status.details
             causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
@@ -10683,7 +10683,7 @@ class SlicePublisher:
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
-        self._seen = int(version) if version.isdigit() else -1
+        self._seen = int(version) if version.isascii() and version.isdigit() else -1
         self.listed.set()
         self.known_changed.touch()
 
@@ -11054,7 +11054,7 @@ def _version_of(item: Mapping[str, Any]) -> int | None:
     compares them only to tell a watch event or a write's answer from an older one. A version that
     is not a number is taken as the newest, which is how a client that never compares behaves."""
     version = item.get("metadata", {}).get("resourceVersion", "")
-    return int(version) if version.isdigit() else None
+    return int(version) if version.isascii() and version.isdigit() else None
 
 
 def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
@@ -13298,45 +13298,22 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
     resource = config.resources[0].name
     say = _demo_clock(out)
 
-    def listed(kubelet: KubeletSimulator) -> str:
-        known = kubelet.resources[resource].devices
-        return ", ".join(f"{device_id} {health}" for device_id, health in known.items()) or "none"
-
-    async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> None:
-        with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            await kubelet.wait_until(predicate)
-            return
-        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
+    async def wait_for(what: str, predicate: Callable[[KubeletSimulator], bool]) -> float:
+        """Milliseconds until ``predicate`` holds, what the kubelet saw meanwhile said."""
+        start = trio.current_time()
+        await _demo_step(what, kubelet.wait_until(predicate))
+        narrate()
+        return (trio.current_time() - start) * 1e3
 
     out(f"gopherplug demo: a simulated kubelet and the real plugin, in {os.path.dirname(devices)}")
     async with trio.open_nursery() as nursery:
         kubelet = await nursery.start(KubeletSimulator(plugin_dir).run)
+        narrate = KubeletNarrator(kubelet, say)
         say("kubelet", f"serving Registration on {kubelet.socket_path} (sockets of the directory wiped)")
         await nursery.start(serve_plugin, config)
         say("plugin", f"watching {devices}; serving DevicePlugin on a socket in {plugin_dir}")
-        await wait_for("registration", lambda k: bool(k.registrations))
-        registration = kubelet.registrations[-1]
-        say(
-            "plugin", f"Register(resource {resource}, endpoint {registration.endpoint}, version {registration.version})"
-        )
-        say(
-            "kubelet",
-            f"dialed {registration.endpoint} back before answering: {_one_line(kubelet.resources[resource].options)}",
-        )
-        say("kubelet", "registration accepted; opening ListAndWatch")
-        await wait_for("the first device list", lambda k: k.resources[resource].updates > 0)
-        say("plugin", f"ListAndWatch: {listed(kubelet)}")
-        say("kubelet", f"node capacity {resource}: {kubelet.resources[resource].capacity}")
-
-        ids = sorted(kubelet.resources[resource].devices, key=_natural_key)[:2]
-        say("kubelet", f"pod default/demo-pod asks for 2 {resource}: Allocate({', '.join(ids)})")
-        answer = (await kubelet.allocate(resource, ids, container=("default", "demo-pod", "app"))).container_responses[
-            0
-        ]
-        for name, value in sorted(answer.envs.items()):
-            say("plugin", f"  env {name}={value}")
-        for spec in answer.devices:
-            say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
+        await wait_for("the first device list", lambda k: resource in k.resources and k.resources[resource].updates > 0)
+        await _kubelet_allocate(kubelet, resource, 2, say, "demo-pod")
         # `gopherplug who`: the kubelet's PodResources answer, read against the configuration.
         socket_path = os.path.join(os.path.dirname(plugin_dir), POD_RESOURCES_SOCKET)
         await nursery.start(PodResourcesSimulator(socket_path, kubelet).run)
@@ -13345,29 +13322,139 @@ async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Call
         for line in who_report(device_holders(scanned, pods)).splitlines():
             say("who", line.replace(devices + os.sep, ""))
 
-        added = os.path.join(devices, "gopher3")
-        open(added, "x").close()
-        touched = trio.current_time()
+        open(added := os.path.join(devices, "gopher3"), "x").close()
         say("demo", f"created {added}")
-        await wait_for("the new device's update", lambda k: "gopher3" in k.resources[resource].devices)
-        say("plugin", f"ListAndWatch: {listed(kubelet)} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
-
+        took = await wait_for("the new device's update", lambda k: "gopher3" in k.resources[resource].devices)
+        say("demo", f"the kubelet had the new list {took:.1f} ms after the file was created")
         registrations = len(kubelet.registrations)
-        restarted = trio.current_time()
         kubelet.restart()
-        say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
-        await wait_for(
+        took = await wait_for(
             "re-registration",
             lambda k: len(k.registrations) > registrations and len(k.resources[resource].devices) == 4,
         )
-        say(
-            "plugin",
-            f"saw the new kubelet.sock, registered again as {kubelet.registrations[-1].endpoint}: "
-            f"{(trio.current_time() - restarted) * 1e3:.1f} ms",
-        )
-        say("plugin", f"ListAndWatch: {listed(kubelet)}")
+        say("demo", f"the plugin saw the new kubelet.sock and registered again, listed: {took:.1f} ms")
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
+
+
+def _answer_lines(answer: Any) -> list[str]:
+    """What one ContainerAllocateResponse gives the container, a line each."""
+    lines = [f"device {spec.host_path} -> {spec.container_path} ({spec.permissions})" for spec in answer.devices]
+    lines += [f"mount {m.host_path} -> {m.container_path} ({'ro' if m.read_only else 'rw'})" for m in answer.mounts]
+    lines += [f"env {key}={value}" for key, value in sorted(answer.envs.items())]
+    lines += [f"annotation {key}={value}" for key, value in sorted(answer.annotations.items())]
+    return lines + [f"CDI device {cdi.name}" for cdi in answer.cdi_devices]
+
+
+# `gopherplug kubelet --device-plugin-dir DIR`: the simulator in the foreground, narrated, to watch
+# a device plugin (`gopherplug serve --device-plugin-dir DIR`, or any other) without a cluster.
+#: What `gopherplug kubelet` takes on its standard input, a line each.
+KUBELET_REQUESTS = "allocate [RESOURCE [N]] (an empty line: one device of each resource), free, restart"
+_KUBELET_PODS = itertools.count(1)  # the pods `gopherplug kubelet` admits, named in order
+
+
+class KubeletNarrator:
+    """Says what a KubeletSimulator saw since it was last asked (``narrator()``): each registration or
+    refusal, each ListAndWatch list with the health changes it brings, each stream's end, each
+    restart. ``follow()`` says it as it happens, until cancelled; a demo asks after each step."""
+
+    def __init__(self, kubelet: KubeletSimulator, say: Callable[[str, str], None]) -> None:
+        self.kubelet, self.say = kubelet, say
+        self._told: tuple[Any, ...] = (0, 0, 0, kubelet.starts)  # registrations, refusals, events, starts
+        self._lists: dict[str, tuple[SimulatedResource, int, dict[str, str]]] = {}  # what was said of each
+
+    def _state(self) -> tuple[Any, ...]:
+        k = self.kubelet
+        return (
+            len(k.registrations),
+            len(k.refusals),
+            len(k.events),
+            k.starts,
+            [r.updates for r in k.resources.values()],
+        )
+
+    def __call__(self) -> None:
+        kubelet, say, told = self.kubelet, self.say, self._told
+        for event, name, endpoint in kubelet.events[told[2] :]:  # a stream ends before what follows
+            if event == "stream ended":
+                say("kubelet", f"ListAndWatch of {name} on {endpoint} ended")
+            elif event == "disconnected":
+                say("kubelet", f"{name} disconnected: every device unhealthy, allocatable 0, until it registers again")
+        if kubelet.starts != told[3]:
+            say("kubelet", "restarted: every socket in its directory deleted, kubelet.sock served again")
+        for request in kubelet.registrations[told[0] :]:
+            name, endpoint = request.resource_name, request.endpoint
+            say("plugin", f"Register(resource {name}, endpoint {endpoint}, version {request.version})")
+            if (known := kubelet.resources.get(name)) is not None and known.endpoint == endpoint:
+                say("kubelet", f"dialed {endpoint} back before answering: {_one_line(known.options)}")
+        for refusal in kubelet.refusals[told[1] :]:
+            say("kubelet", f"Register refused: {refusal}")
+        for name, resource in kubelet.resources.items():
+            was, updates, before = self._lists.get(name, (None, 0, {}))
+            if resource.updates and (resource is not was or resource.updates != updates):
+                listed = [f"{d} {h}" for d, h in sorted(resource.devices.items(), key=lambda i: _natural_key(i[0]))]
+                say("plugin", f"ListAndWatch {name}: {_demo_list(listed)}")
+                changed = [f"{d} {before[d]} -> {h}" for d, h in resource.devices.items() if before.get(d, h) != h]
+                whole = f"capacity {resource.capacity}, allocatable {resource.allocatable}"
+                say("kubelet", f"{name}: {whole}" + (f" ({', '.join(changed)})" if changed else ""))
+            self._lists[name] = (resource, resource.updates, dict(resource.devices))
+        self._told = self._state()
+
+    async def follow(self) -> None:
+        while True:
+            self()
+            await self.kubelet.wait_until(lambda _: self._state() != self._told)
+
+
+async def kubelet_request(kubelet: KubeletSimulator, line: str, say: Callable[[str, str], None]) -> None:
+    """Carry out one of KUBELET_REQUESTS, as the kubelet would for a pod: ``allocate`` picks the
+    devices no pod holds (asking GetPreferredAllocation where the plugin offers it), calls Allocate
+    for a new pod's container and PreStartContainer where the plugin asks for it; ``free`` ends every
+    pod; ``restart`` restarts the kubelet."""
+    words = line.split()
+    if words in ([], ["allocate"]) or (words[0] == "allocate" and len(words) <= 3):
+        count = words[2] if len(words) == 3 else "1"
+        if not count.isdigit() or int(count) == 0:
+            say("kubelet", f"allocate: {count!r} is not a number of devices")
+            return
+        if not kubelet.resources and len(words) < 2:
+            say("kubelet", "allocate: no resource is registered yet")
+        for name in words[1:2] or sorted(kubelet.resources):
+            await _kubelet_allocate(kubelet, name, int(count), say)
+    elif words == ["free"]:
+        for namespace, pod in list(kubelet.pod_devices):
+            kubelet.remove_pod(namespace, pod)
+            say("kubelet", f"pod {namespace}/{pod} ended: its devices are free (no plugin call)")
+    elif words == ["restart"]:
+        kubelet.restart()
+    else:
+        say("kubelet", f"{line.strip()!r}: ask for one of: {KUBELET_REQUESTS}")
+
+
+async def _kubelet_allocate(
+    kubelet: KubeletSimulator, name: str, count: int, say: Callable[[str, str], None], pod: str = ""
+) -> None:
+    if (resource := kubelet.resources.get(name)) is None:
+        say("kubelet", f"allocate: {name} is not registered (registered: {', '.join(kubelet.resources) or 'none'})")
+        return
+    pod = pod or f"pod-{next(_KUBELET_PODS)}"
+    available = kubelet.available(name)
+    if len(available) < count:
+        return say("kubelet", f"pod default/{pod} asks for {count} {name}: {len(available)} healthy free, it waits")
+    try:
+        chosen = available[:count]
+        if resource.options.get_preferred_allocation_available:
+            chosen = await kubelet.preferred_allocation(name, available, [], count)
+            say("plugin", f"GetPreferredAllocation(size {count} of {_demo_list(available)}): {', '.join(chosen)}")
+        say("kubelet", f"pod default/{pod} asks for {count} {name}: Allocate({', '.join(chosen)})")
+        answer = await kubelet.allocate(name, chosen, container=("default", pod, "app"))
+        for line in _answer_lines(answer.container_responses[0]):
+            say("plugin", f"  {line}")
+        if resource.options.pre_start_required:
+            await kubelet.pre_start_container(name, chosen)
+            say("plugin", f"PreStartContainer({', '.join(chosen)}): done")
+    except GopherplugError as error:  # the kubelet's refusal, or the plugin's
+        say("kubelet", f"  refused: {error.message if isinstance(error, RPCError) else error}")
 
 
 def _one_line(message: Any) -> str:
@@ -13383,6 +13470,13 @@ def _demo_clock(out: Callable[[str], None], width: int = 8) -> Callable[[str, st
         out(f"{(trio.current_time() - start) * 1e3:8.1f} ms  {who:<{width}} {what}")
 
     return say
+
+
+async def _demo_step(what: str, happened: Awaitable[None]) -> None:
+    with trio.move_on_after(DEMO_STEP_TIMEOUT):
+        await happened
+        return
+    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
 
 
 # The DRA side of the kubelet, and an API server, in miniature.
@@ -13437,8 +13531,7 @@ class DraKubeletSimulator:
     unlike the device manager's, deletes nothing: plugins_registry is walked again);
     ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
     node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
-    and ``wiping_delay`` seconds after a driver went without registering again. ``drop(driver)``
-    forgets a driver whose socket is still there, silently, as a kubelet does that lost track of it.
+    and ``wiping_delay`` seconds after a driver went without registering again.
 
     A driver may register more than once, from several registration sockets (the two pods of a
     rolling update), as the kubelet's DRA plugin manager allows (kubernetes/kubernetes
@@ -13469,7 +13562,6 @@ class DraKubeletSimulator:
         versions: Iterable[str] = ("v1.DRAPlugin", "v1beta1.DRAPlugin"),
         wipe: Callable[[str], None] | None = None,
         wiping_delay: float = DRA_WIPING_DELAY,
-        info_interval: float | None = None,
         health_versions: Iterable[str] = (DRA_HEALTH_VERSION,),
         seed: int | None = None,
     ) -> None:
@@ -13481,9 +13573,6 @@ class DraKubeletSimulator:
         self._connections: trio.Nursery | None = None  # the kept connections' nursery, while running
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
         self.wipe, self.wiping_delay = wipe, wiping_delay
-        #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
-        #: every 10 s; None: only to register, as kubelets up to 1.36 do)
-        self.info_interval = info_interval
         #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first (1.36:
         #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
         self.health_versions = list(health_versions)
@@ -13526,8 +13615,6 @@ class DraKubeletSimulator:
                     task_status.started(self)
                     task_status = trio.TASK_STATUS_IGNORED
                     nursery.start_soon(self._follow, w)
-                    if self.info_interval is not None:
-                        nursery.start_soon(self._ask_again, self.info_interval)
                     await self._restart.wait()
                     nursery.cancel_scope.cancel()
 
@@ -13566,27 +13653,6 @@ class DraKubeletSimulator:
         else:
             self.plugins.pop(driver, None)
             self.drivers.pop(driver, None)
-
-    async def _ask_again(self, interval: float) -> None:
-        """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
-        that a plugin it registered is still there (its answer is not looked at here)."""
-        while True:
-            await trio.sleep(interval)
-            for driver in [plugin for plugins in self.plugins.values() for plugin in plugins]:
-                with contextlib.suppress(RPCError):
-                    request = pluginregistration.InfoRequest()
-                    path = driver.registration_socket
-                    await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
-                    self.events.append(("asked", path))
-                    self._changed.touch()
-
-    def drop(self, driver: str) -> None:
-        """Forget a registered driver without a word to it: no more GetInfo, no more calls."""
-        for dropped in self.plugins.pop(driver):
-            dropped.connection.cancel()
-            self.events.append(("dropped", dropped.registration_socket))
-        self._sync(driver)
-        self._changed.touch()
 
     async def _wipe_later(self, driver: str) -> None:
         """A driver that went may have died without cleaning up; one that registers again in time
@@ -13708,19 +13774,6 @@ class DraKubeletSimulator:
                 held.setdefault(driver, []).extend(answer.devices)
         self._marked.update(uid for _, uid, _ in claims)
         return response
-
-    def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
-        """The CDI device IDs the kubelet gives a container whose resources.claims[] entry names this
-        claim and ``request`` ("": the whole claim): those of every driver's devices whose request
-        names contain ``request`` exactly, or that name no request (cdiDevicesAsList in
-        pkg/kubelet/cm/dra/claiminfo.go). A name the container cannot spell ("gpu/fast") matches none."""
-        return [
-            cdi_id
-            for devices in self.prepared.get(claim_uid, {}).values()
-            for device in devices
-            if not request or not device.request_names or request in device.request_names
-            for cdi_id in device.cdi_device_ids
-        ]
 
     def use_claims(self, namespace: str, pod: str, container: str, claims: Iterable[tuple[str, str, str]]) -> None:
         """A container of a running pod names these claims (namespace, name, UID) in resources.claims."""
@@ -13994,14 +14047,6 @@ class LenientApiServer:
         if status:
             node["status"] = dict(status)
         self.nodes[name] = self._bump("MODIFIED" if name in self.nodes else "ADDED", node, "nodes")
-
-    def put_slice(self, item: dict[str, Any]) -> None:
-        """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
-        self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
-
-    def delete_node(self, name: str) -> None:
-        """Delete a Node (and nothing else: the strict stand-in adds the garbage collector)."""
-        self._bump("DELETED", self.nodes.pop(name), "nodes")
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
@@ -14312,17 +14357,45 @@ resources:
 """
 
 
-async def run_dra_demo(out: Callable[[str], None] = print) -> None:
-    """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
-    simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
+def _demo_needs_dra_extra(what: str) -> None:
     try:  # before anything starts: the API server simulator needs h11, the client lightkube
         import h11  # noqa: F401
 
         _import_api_client()
     except ImportError as error:
-        raise GopherplugError(
-            f"the DRA demo needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
-        ) from None
+        why = f"{what} needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
+        raise GopherplugError(why) from None
+
+
+@contextlib.asynccontextmanager
+async def _demo_dra_side(
+    nursery: trio.Nursery, kubelet_dir: str, root: str, node: str, say: Callable[[str, str], None]
+) -> AsyncIterator[tuple[LenientApiServer, DraKubeletSimulator, Any]]:
+    """The API server simulator (with ``node``, the slices' owner) and the DRA kubelet simulator,
+    started in ``nursery``, and the plugin's API client through a kubeconfig in ``root``, closed
+    after (once the plugin, in a nursery of its own inside, has stopped, part by part)."""
+    api = await nursery.start(LenientApiServer().run)
+    api.put_node(node, f"5e0f1c2a-{node}")  # the kubelet registered it
+    say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
+    kubelet = DraKubeletSimulator(kubelet_dir, wipe=functools.partial(api.delete_node_slices, node))
+    await nursery.start(kubelet.run)
+    users, clusters = [{"name": "demo", "user": {}}], [{"name": "demo", "cluster": {"server": api.url}}]
+    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
+    document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo", "contexts": [context]}
+    document |= {"clusters": clusters, "users": users}
+    with open(kubeconfig := os.path.join(root, "kubeconfig"), "w", encoding="utf-8") as file:
+        yaml.safe_dump(document, file)
+    client = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
+    try:
+        yield api, kubelet, client
+    finally:
+        await client.aclose()
+
+
+async def run_dra_demo(out: Callable[[str], None] = print) -> None:
+    """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
+    simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
+    _demo_needs_dra_extra("the DRA demo")
     root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
     try:
         for directory in ("device-plugins", "kubelet", "gophers"):
@@ -14340,12 +14413,6 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
     driver, resource, node = config.dra.driver, config.resources[0], "demo-node"
     pool = dra_pool_name(node, resource.name)
     say = _demo_clock(out, width=9)
-
-    async def step(what: str, happened: Awaitable[None]) -> None:
-        with trio.move_on_after(DEMO_STEP_TIMEOUT):
-            await happened
-            return
-        raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
 
     async def api_until(done: Callable[[], bool]) -> None:
         while not done():
@@ -14366,31 +14433,17 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
 
     out(f"gopherplug demo --dra: a simulated kubelet and API server, and the real plugin, in {root}")
     async with trio.open_nursery() as nursery:
-        api = await nursery.start(LenientApiServer().run)
-        api.put_node(node, "5e0f1c2a-demo-node")  # the kubelet registered it: the slices' owner
-        kubeconfig = os.path.join(root, "kubeconfig")
-        with open(kubeconfig, "w", encoding="utf-8") as file:
-            cluster = {"name": "demo", "cluster": {"server": api.url}}
-            context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
-            user = {"name": "demo", "user": {}}
-            document = {"apiVersion": "v1", "kind": "Config", "current-context": "demo"}
-            yaml.safe_dump({**document, "clusters": [cluster], "contexts": [context], "users": [user]}, file)
-        say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
-        kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=lambda name: api.delete_node_slices(node, name))
-        await nursery.start(kubelet.run)
-        say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
-        client = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
-        try:
-            # A nursery of its own: the plugin stops, part by part, before its API client is closed.
+        async with _demo_dra_side(nursery, config.dra.kubelet_dir, root, node, say) as (api, kubelet, client):
+            say("kubelet", f"watching {kubelet.registry} for registration sockets; this node's slices wiped")
             async with trio.open_nursery() as plugin:
                 await plugin.start(functools.partial(serve_plugin, config, node_name=node, api=client))
                 say("plugin", f"watching {resource.sources[0].directory}; serving {config.dra.registration_socket}")
-                await step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
+                await _demo_step("registration", kubelet.wait_until(lambda k: driver in k.drivers))
                 known = kubelet.drivers[driver]
                 say("kubelet", f"GetInfo: type {DRA_PLUGIN_TYPE}, name {driver}, endpoint {known.endpoint}")
                 say("kubelet", f"  supported versions {', '.join(known.supported_versions)}: chose {known.service}")
                 say("kubelet", "NotifyRegistrationStatus(registered): the driver is known to this node")
-                await step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
+                await _demo_step("the first ResourceSlice", api_until(lambda: len(devices_in_slices()) == 3))
                 say("plugin", slice_line())
                 first = slices()[0]["spec"]["devices"][0]
                 attributes = ", ".join(f"{k}={next(iter(v.values()))}" for k, v in first["attributes"].items())
@@ -14404,7 +14457,7 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 open(added, "x").close()
                 touched = trio.current_time()
                 say("demo", f"created {added}")
-                await step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
+                await _demo_step("the slice's update", api_until(lambda: "gopher3" in devices_in_slices()))
                 say("plugin", f"{slice_line()} ({(trio.current_time() - touched) * 1e3:.1f} ms later)")
 
                 # What the scheduler does, in one line: it picks a device that the claim's DeviceClass
@@ -14463,14 +14516,12 @@ async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None
                 restarted = trio.current_time()
                 kubelet.restart()
                 say("kubelet", "restarted: it wipes this node's slices, then walks plugins_registry again")
-                await step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
-                await step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
+                await _demo_step("registration", kubelet.wait_until(lambda k: k.starts == 2 and driver in k.drivers))
+                await _demo_step("the slices", api_until(lambda: len(devices_in_slices()) == 4))
                 elapsed = (trio.current_time() - restarted) * 1e3
                 say("plugin", f"registered again; saw its slices deleted and wrote them again: {elapsed:.1f} ms")
                 say("plugin", slice_line())
                 plugin.cancel_scope.cancel()
-        finally:
-            await client.aclose()
         nursery.cancel_scope.cancel()  # the API server and the kubelet
     say("demo", "done: plugin stopped, its sockets removed")
 
@@ -14504,6 +14555,30 @@ def load_demo_config(path: str, dra: bool = False) -> Config:
         raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
 
 
+#: `demo --select`: a CEL selector's text, and whether it selects a device of the demo's driver
+#: (a ResourceSlice's device), else GopherplugError with the scheduler's words.
+DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool]]
+
+
+def demo_selector(expression: str, driver: str) -> DemoSelector:
+    """``expression`` compiled for ``demo --select`` by the scheduler stand-in (gopherplug_standins'
+    DeviceSelector, with cel-python, the Kubernetes CEL library's quantity and semver functions
+    included): GopherplugError, before anything starts, when it cannot be (a syntax error, which the
+    API server refuses too; cel-python or gopherplug_standins.py missing)."""
+    try:  # where they are needed: a node running this module has neither
+        from gopherplug_standins import DeviceSelector, cel_device
+
+        selector = DeviceSelector(expression)
+    except GopherplugError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
+        raise GopherplugError(f"{error} (the API server would refuse a claim with it)") from None
+    except ImportError as error:
+        raise GopherplugError(
+            f"CEL is evaluated with cel-python and gopherplug_standins.py ({error}): pip install "
+            "cel-python, with gopherplug_standins.py beside gopherplug.py (a checkout, or pip install gopherplug)"
+        ) from None
+    return expression, lambda device: selector.matches(cel_device(driver, device))
+
+
 def _demo_config(config: Config, root: str) -> Config:
     """``config`` as the demo runs it: the devices where the file says (what the demo is about),
     everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
@@ -14523,34 +14598,29 @@ def _demo_config(config: Config, root: str) -> Config:
     )
 
 
-async def run_config_demo(config: Config, out: Callable[[str], None] = print) -> None:
+async def run_config_demo(
+    config: Config, out: Callable[[str], None] = print, select: DemoSelector | None = None
+) -> None:
     """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
     kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
     directory: each registration and first list or ResourceSlice, then one Allocate or one prepared
-    claim per resource, narrated. Leaves nothing behind."""
+    claim per resource (for a device ``select`` selects, each device's verdict said), narrated.
+    Leaves nothing behind."""
     if config.dra is not None:
-        try:  # before anything starts, as run_dra_demo
-            import h11  # noqa: F401
-
-            _import_api_client()
-        except ImportError as error:
-            raise GopherplugError(
-                f"a DRA resource needs the dra extra ({error}): pip install '.[dra]' in a checkout of gopherplug"
-            ) from None
+        _demo_needs_dra_extra("a DRA resource")
     root = tempfile.mkdtemp(prefix="gopherplug-demo-")
     try:
-        await _narrate_config_demo(_demo_config(config, root), config.source, root, out)
+        await _narrate_config_demo(_demo_config(config, root), config.source, root, out, select)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _narrate_config_demo(config: Config, source: str, root: str, out: Callable[[str], None]) -> None:
+async def _narrate_config_demo(
+    config: Config, source: str, root: str, out: Callable[[str], None], select: DemoSelector | None
+) -> None:
     say = _demo_clock(out, width=9)
     assert config.device_plugin_dir is not None
     kubelet: KubeletSimulator | None = None
-    dra_kubelet: DraKubeletSimulator | None = None
-    api: LenientApiServer | None = None
-    client: Any = None
     who = "kubelet and API server" if config.dra else "kubelet"
     out(f"gopherplug demo --config {source}: your configuration, the real plugin and a simulated {who}, in {root}")
     for resource in config.resources:
@@ -14560,98 +14630,33 @@ async def _narrate_config_demo(config: Config, source: str, root: str, out: Call
     async with trio.open_nursery() as nursery:
         if any(resource.device_plugin for resource in config.resources):
             kubelet = await nursery.start(KubeletSimulator(config.device_plugin_dir).run)
+            narrate = KubeletNarrator(kubelet, say)
             say("kubelet", f"serving Registration on {kubelet.socket_path}")
-        if config.dra is not None:
-            api = await nursery.start(LenientApiServer().run)
-            api.put_node(DEMO_NODE, f"{DEMO_NODE}-uid")
-            kubeconfig = os.path.join(root, "kubeconfig")
-            with open(kubeconfig, "w", encoding="utf-8") as file:
-                yaml.safe_dump(_demo_kubeconfig(api.url), file)
-            say("apiserver", f"serving resource.k8s.io/v1 on {api.url}")
-            node_slices = functools.partial(api.delete_node_slices, DEMO_NODE)
-            dra_kubelet = DraKubeletSimulator(config.dra.kubelet_dir, wipe=node_slices)
-            await nursery.start(dra_kubelet.run)
-            say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
-            client = KubeApi.connect(kubeconfig=kubeconfig, node_name=DEMO_NODE)
-        try:
+        dra = config.dra and _demo_dra_side(nursery, config.dra.kubelet_dir, root, DEMO_NODE, say)
+        async with dra or contextlib.nullcontext((None, None, None)) as (api, dra_kubelet, client):
+            if dra_kubelet is not None:
+                say("kubelet", f"watching {dra_kubelet.registry} for DRA drivers")
             async with trio.open_nursery() as plugin:
                 await plugin.start(functools.partial(serve_plugin, config, node_name=DEMO_NODE, api=client))
                 for resource in config.resources:
-                    if resource.device_plugin:
+                    if resource.device_plugin:  # its registration, its first list, one Allocate
                         assert kubelet is not None
-                        await _demo_allocate(kubelet, resource, say)
+                        name = resource.name
+                        listed = kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0)  # noqa: B023
+                        await _demo_step(f"{name}'s registration and first list", listed)
+                        narrate()
+                        await _kubelet_allocate(kubelet, name, 1, say, "demo-pod")
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
-                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say)
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, say, select)
                 plugin.cancel_scope.cancel()
-        finally:
-            if client is not None:
-                await client.aclose()
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
-
-
-def _demo_kubeconfig(server: str) -> dict[str, Any]:
-    cluster = {"name": "demo", "cluster": {"server": server}}
-    context = {"name": "demo", "context": {"cluster": "demo", "user": "demo"}}
-    users = [{"name": "demo", "user": {}}]
-    return {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "demo",
-        "clusters": [cluster],
-        "contexts": [context],
-        "users": users,
-    }
-
-
-async def _demo_step(what: str, happened: Awaitable[None]) -> None:
-    with trio.move_on_after(DEMO_STEP_TIMEOUT):
-        await happened
-        return
-    raise GopherplugError(f"demo: {what} did not happen within {DEMO_STEP_TIMEOUT:.0f} s")
 
 
 def _demo_list(items: list[str]) -> str:
     shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
     return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
-
-
-async def _demo_allocate(kubelet: KubeletSimulator, resource: ResourceConfig, say: Callable[[str, str], None]) -> None:
-    """One device-plugin resource: its registration, its first list, and Allocate of its first
-    healthy device, as the kubelet would call it for a pod asking for one."""
-    name = resource.name
-    await _demo_step(
-        f"{name}'s registration and first list",
-        kubelet.wait_until(lambda k: name in k.resources and k.resources[name].updates > 0),
-    )
-    registration = next(r for r in reversed(kubelet.registrations) if r.resource_name == name)
-    known = kubelet.resources[name]
-    say("plugin", f"Register(resource {name}, endpoint {registration.endpoint}, version {registration.version})")
-    say("kubelet", f"dialed {registration.endpoint} back before answering: {_one_line(known.options)}")
-    listed = sorted(known.devices, key=_natural_key)
-    say("plugin", f"ListAndWatch: {_demo_list([f'{d} {known.devices[d]}' for d in listed])}")
-    say("kubelet", f"node capacity {name}: {known.capacity}, allocatable {known.allocatable}")
-    healthy = [d for d in listed if known.devices[d] == HEALTHY]
-    if not healthy:
-        say("kubelet", f"no healthy {name}: a pod asking for one waits (Pending), and no Allocate is made")
-        return
-    say("kubelet", f"pod default/demo-pod asks for 1 {name}: Allocate({healthy[0]})")
-    try:
-        answer = (await kubelet.allocate(name, healthy[:1])).container_responses[0]
-    except RPCError as error:
-        say("plugin", f"  refused: {error.message}")
-        return
-    for spec in answer.devices:
-        say("plugin", f"  device {spec.host_path} -> {spec.container_path} ({spec.permissions})")
-    for mount in answer.mounts:
-        say("plugin", f"  mount {mount.host_path} -> {mount.container_path} ({'ro' if mount.read_only else 'rw'})")
-    for key, value in sorted(answer.envs.items()):
-        say("plugin", f"  env {key}={value}")
-    for key, value in sorted(answer.annotations.items()):
-        say("plugin", f"  annotation {key}={value}")
-    for cdi in answer.cdi_devices:
-        say("plugin", f"  CDI device {cdi.name}")
 
 
 async def _demo_claim(
@@ -14660,10 +14665,11 @@ async def _demo_claim(
     driver: str,
     resource: ResourceConfig,
     say: Callable[[str, str], None],
+    select: DemoSelector | None = None,
 ) -> None:
-    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device,
-    allocated as the scheduler would, prepared as the kubelet asks, and the CDI edits the runtime
-    would apply for it."""
+    """One DRA resource: its pool's ResourceSlices, then a claim for its first healthy device (that
+    ``select`` selects), allocated as the scheduler would, prepared as the kubelet asks, and the CDI
+    edits the runtime would apply for it."""
     pool = dra_pool_name(DEMO_NODE, resource.name)
 
     def devices() -> list[dict[str, Any]]:
@@ -14697,11 +14703,9 @@ async def _demo_claim(
             say("plugin", "describe has said nothing yet (see the log): the slice is without its values")
     named = sorted((d["name"] for d in devices()), key=_natural_key)
     say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
-    healthy = [d for d in devices() if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
-    if not healthy:
-        say("scheduler", f"no healthy device in pool {pool}: a claim for one stays unallocated")
+    claim = f"demo-{resource.name.rpartition('/')[2]}"
+    if (device := _demo_pick(devices(), pool, f"default/{claim}", select, say)) is None:
         return
-    device = min(healthy, key=lambda d: _natural_key(d["name"]))
     # What the scheduler selects by: the device's attributes and capacity in its slice (the
     # standard ones under resource.kubernetes.io/, the others under the driver's name).
     shown = [f"{key}={next(iter(typed.values()))}" for key, typed in device["attributes"].items()]
@@ -14715,13 +14719,13 @@ async def _demo_claim(
         {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
-            "metadata": {"namespace": "default", "name": f"demo-{resource.name.rpartition('/')[2]}", "uid": uid},
+            "metadata": {"namespace": "default", "name": claim, "uid": uid},
             "spec": {"devices": {"requests": [{"name": "device", "exactly": {"deviceClassName": "demo"}}]}},
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
     )
     say("scheduler", f"allocated a ResourceClaim: device {device['name']} of pool {pool}")
-    answer = (await kubelet.prepare(driver, [("default", uid, f"demo-{resource.name.rpartition('/')[2]}")])).claims[uid]
+    answer = (await kubelet.prepare(driver, [("default", uid, claim)])).claims[uid]
     if answer.error:
         say("plugin", f"  NodePrepareResources refused: {answer.error}")
         return
@@ -14738,6 +14742,38 @@ async def _demo_claim(
             say("runtime", f"  {cdi_id}: mount {mount['hostPath']} -> {mount['containerPath']} ({options})")
         for env in edits.get("env", ()):
             say("runtime", f"  {cdi_id}: env {env}")
+
+
+def _demo_pick(
+    devices: list[dict[str, Any]], pool: str, claim: str, select: DemoSelector | None, say: Callable[[str, str], None]
+) -> dict[str, Any] | None:
+    """The device the scheduler would allocate to the demo's claim: the first healthy one, in slice
+    order, that ``select`` selects, each device's verdict said. The allocator evaluates the
+    selectors of the devices it meets in that order, and the first CEL error fails the claim on
+    this node, even where a later device would match (selectorsMatch in k8s.io/dynamic-resource-allocation
+    structured)."""
+    healthy = [d for d in devices if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
+    expression, selects = select or ("", lambda device: True)
+    if select is not None:
+        say("scheduler", f"selector #0 of claim {claim}: {expression}")
+    chosen, failed = None, ""
+    for device in sorted(devices, key=lambda d: _natural_key(d["name"])) if select is None else devices:
+        try:
+            verdict = "selected" if selects(device) else "not selected"
+        except GopherplugError as error:
+            verdict = f"claim {claim}: selector #0: CEL runtime error: {error}"
+            failed = failed or ("" if chosen else verdict)
+        chosen = chosen or (device if verdict == "selected" and device in healthy and not failed else None)
+        if select is not None:
+            say("scheduler", f"  {device['name']}{'' if device in healthy else ' (unhealthy)'}: {verdict}")
+    if failed:
+        say("scheduler", f"the claim stays unallocated, its pod Pending (FailedScheduling): {failed}")
+    elif chosen is None:
+        say(
+            "scheduler",
+            f"no healthy device in pool {pool}{' is selected' if select else ''}: a claim stays unallocated",
+        )
+    return chosen
 
 
 def _demo_cdi_edits(spec_dir: str, kind: str, name: str) -> dict[str, Any]:
@@ -14778,7 +14814,7 @@ def _parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"gopherplug {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,check-config,probe,who,demo,kubelet}")
     serve = commands.add_parser("serve", help="run the device plugin (the default)", allow_abbrev=False)
     check = commands.add_parser(
         "check-config",
@@ -14838,6 +14874,24 @@ def _parser() -> argparse.ArgumentParser:
         help="your configuration instead of the demo's: its devices scanned where it says, registered, listed, and "
         "one Allocate (or one DRA claim prepared) per resource",
     )
+    demo.add_argument(
+        "--select",
+        metavar="CEL",
+        help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
+        "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
+    )
+    kubelet = commands.add_parser(
+        "kubelet",
+        allow_abbrev=False,
+        help="be a kubelet's device manager on a directory, in the foreground, saying what it sees of the plugins "
+        f"that register there; on standard input: {KUBELET_REQUESTS}; SIGUSR1: allocate",
+    )
+    kubelet.add_argument(
+        "--device-plugin-dir",
+        required=True,  # never a real kubelet's by default: the simulator deletes the sockets it finds there
+        metavar="DIR",
+        help="the directory to serve kubelet.sock in (made if missing); give the plugin the same one",
+    )
     for command in (serve, check, probe_, who):
         command.add_argument(
             "--config",
@@ -14863,7 +14917,7 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{does}, overriding the file's metrics_address (env GOPHERPLUG_METRICS_ADDRESS; serving needs the "
             "metrics extra)",
         )
-    for command, default in ((serve, "info"), (demo, "warning")):
+    for command, default in ((serve, "info"), (demo, "warning"), (kubelet, "warning")):
         command.add_argument(
             "--log-level",
             default=env("GOPHERPLUG_LOG_LEVEL", default),
@@ -14915,7 +14969,7 @@ def _main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself (console script, python -m gopherplug, gopherplug.py)
         _OWNS_PROCESS = True
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("serve", "check-config", "probe", "who", "demo")
+    commands = ("serve", "check-config", "probe", "who", "demo", "kubelet")
     if argv and argv[0] not in commands and not argv[0].startswith("-"):  # a word, not a command: a typo
         import difflib  # here, where a mistake is
 
@@ -14949,16 +15003,22 @@ def _main(argv: list[str] | None = None) -> int:
         args.device_plugin_dir = os.environ["GOPHERPLUG_DEVICE_PLUGIN_DIR"]
         args.device_plugin_dir_from = "GOPHERPLUG_DEVICE_PLUGIN_DIR"
     if args.command == "demo":
+        if args.select is not None and (args.config is None or not args.dra):
+            print("gopherplug: --select: give --config FILE and --dra: it selects among your devices", file=sys.stderr)
+            return EXIT_USAGE
         if args.config is None:
             return _run(args, run_dra_demo if args.dra else run_demo)
         try:  # refused as check-config refuses it
             config = load_demo_config(args.config, args.dra)
-        except ConfigError as error:
-            print(f"gopherplug: {error}", file=sys.stderr)
+            select = args.select and demo_selector(args.select, config.dra.driver)  # type: ignore[union-attr]
+        except GopherplugError as error:  # the file, or the selector (the API server would refuse it too)
+            print(f"gopherplug: {'' if isinstance(error, ConfigError) else '--select: '}{error}", file=sys.stderr)
             return EXIT_USAGE
         for warning in config.warnings:
             print(f"gopherplug: warning: {warning}", file=sys.stderr)
-        return _run(args, run_config_demo, config)
+        return _run(args, functools.partial(run_config_demo, select=select), config)
+    if args.command == "kubelet":
+        return _kubelet(args)
     if args.command == "probe":
         return _probe(args)
     if not args.config:
@@ -15120,6 +15180,40 @@ def _who(args: argparse.Namespace, config: Config) -> int:
     held = device_holders(devices, pods, config.dra.driver if config.dra else "", node_name)
     print(json.dumps([dataclasses.asdict(device) for device in held]) if args.json else who_report(held))
     return EXIT_OK
+
+
+def _kubelet(args: argparse.Namespace) -> int:
+    """``gopherplug kubelet``: the kubelet simulator until SIGINT or SIGTERM, narrated on standard
+    output; each line of standard input is a request (kubelet_request), and so is SIGUSR1 (allocate
+    one device of each resource). Refused where a kubelet answers on kubelet.sock already: starting,
+    the simulator deletes every socket of the directory, that kubelet's and its plugins' too."""
+    path = os.path.join(args.device_plugin_dir, KUBELET_SOCKET)
+    with socket.socket(socket.AF_UNIX) as probe, contextlib.suppress(OSError):
+        probe.connect(path)
+        print(f"gopherplug: kubelet: {path} answers: a kubelet serves this directory already", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def main() -> None:
+        say = _demo_clock(functools.partial(print, flush=True))
+        async with trio.open_nursery() as nursery:
+            kubelet = await nursery.start(KubeletSimulator(args.device_plugin_dir).run)
+            say("kubelet", f"serving Registration on {path}; requests: {KUBELET_REQUESTS}")
+            nursery.start_soon(KubeletNarrator(kubelet, say).follow)
+            nursery.start_soon(read_requests, kubelet, say)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) as signals:
+                async for signum in signals:
+                    if signum != signal.SIGUSR1:
+                        break
+                    await kubelet_request(kubelet, "allocate", say)
+            nursery.cancel_scope.cancel()
+        say("kubelet", "stopped: kubelet.sock removed")
+
+    async def read_requests(kubelet: KubeletSimulator, say: Callable[[str, str], None]) -> None:
+        # A thread, not a non-blocking descriptor: stdin may be the terminal the shell shares.
+        while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
+            await kubelet_request(kubelet, line, say)  # at the end of the input, only signals ask
+
+    return _run(args, main)
 
 
 def _has_capability(number: int) -> bool:

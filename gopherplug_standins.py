@@ -16,7 +16,9 @@ runs, and a reader of the product reads, none of it (as trio.testing stands besi
                        requests counted by client
   4. SchedulerSimulator kube-scheduler's allocation of claims and extended resources, with CEL
                        evaluated for real (cel-python, from the test extra), consumable capacity,
-                       taints and prioritized lists as the release's gates have them
+                       taints and prioritized lists as the release's gates have them;
+                       DeviceSelector, one CEL selector as the scheduler evaluates it, with the
+                       Kubernetes CEL library's quantity and semver functions (`demo --select`)
   5. DraKubeletSimulator the product's, with the kubelet's handling of extended resources, and the
                        health stream opened only where ResourceHealthStatus is on
   6. PodResourcesSimulator the product's, with the kubelet's rate limit
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import decimal
 import itertools
 import json
 import math
@@ -81,6 +84,8 @@ __all__ = [
     "KUBERNETES_VERSIONS",
     "ApiServerSimulator",
     "CDIInjectionError",
+    "CELError",
+    "DeviceSelector",
     "DraKubeletSimulator",
     "KubeletSimulator",
     "Placement",
@@ -90,6 +95,7 @@ __all__ = [
     "UnexpectedAdmissionError",
     "UnschedulableError",
     "cdi_container_env",
+    "cel_device",
     "gate_spec",
     "release",
     "resource_claim_causes",
@@ -274,9 +280,9 @@ def _dns_causes(field: str, value: str, limit: int, label: bool) -> list[dict[st
 _DRA_DOMAIN_LENGTH = 63
 _DRA_ID_LENGTH = 32
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SEMVER = re.compile(
-    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(-(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
+_SEMVER = re.compile(  # Go's \d is ASCII: [0-9]
+    r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
+    r"(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?"
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?"
 )
 
@@ -410,7 +416,7 @@ def _taint_causes(field: str, taint: Mapping[str, Any]) -> list[dict[str, str]]:
 #: A resource.Quantity as the API server parses one (k8s.io/apimachinery pkg/api/resource
 #: quantity.go): a signed decimal number, then a binary (Ki ... Ei), decimal (n u m k M G T P E) or
 #: exponent (e3, E-2) suffix, or none.
-_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?")
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?")
 _QUANTITY_SUFFIXES = {
     **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
     **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9))},
@@ -429,8 +435,9 @@ def _quantity(value: Any) -> Decimal | None:
     if match is None:
         return None
     number, suffix = Decimal(match[1]), match[2] or ""
-    if suffix[:1] in ("e", "E"):
-        return number.scaleb(int(suffix[1:]))
+    if len(suffix) > 1 and suffix[0] in "eE":  # "E" alone is exa
+        wide = decimal.Context(Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)  # 1e9999999 is a quantity
+        return number.scaleb(int(suffix[1:]), wide) if len(suffix) < 12 else None
     return number * _QUANTITY_SUFFIXES.get(suffix, Decimal(1))
 
 
@@ -940,11 +947,15 @@ class ApiServerSimulator(LenientApiServer):
         self.compact()
         self.changed.touch()
 
+    def put_slice(self, item: dict[str, Any]) -> None:
+        """Store a slice as someone else wrote it (e.g. an earlier run of the driver)."""
+        self.slices[item["metadata"]["name"]] = self._bump("ADDED", item)
+
     def delete_node(self, name: str) -> None:
         """Delete a Node, and then what the garbage collector deletes: every slice whose owner
         references name it (by UID) and no other object that still exists."""
         uid = self.nodes[name]["metadata"]["uid"]
-        super().delete_node(name)
+        self._bump("DELETED", self.nodes.pop(name), "nodes")
         alive = {node["metadata"]["uid"] for node in self.nodes.values()}
         for slice_name, item in list(self.slices.items()):
             owners = {owner.get("uid") for owner in item["metadata"].get("ownerReferences", [])}
@@ -1225,7 +1236,7 @@ class SchedulerSimulator:
       request's ``capacity.requests`` round to by the requestPolicy; it goes to another request
       while the sums consumed stay within the values; CEL sees ``device.allowMultipleAllocations``
       and ``device.capacity`` (domain, then name: a quantity, with the quantity library's
-      ``quantity()``, ``compareTo`` and the like; ``_cel_quantity_functions``);
+      ``quantity()``, ``compareTo`` and the like; ``DeviceSelector``);
     - the claim is stored in ``api`` (ApiServerSimulator.put_claim), and the pod's
       status.extendedResourceClaimStatus names it with the request of each container and name
       (patchPodExtendedResourceClaimStatus).
@@ -1251,7 +1262,7 @@ class SchedulerSimulator:
         self.api = api
         #: the release it speaks for: ``version``, else the API server's (one control plane)
         self.release = api.release if version is None else release(version)
-        self._cel: dict[str, Any] = {}  # expression -> compiled program
+        self._cel: dict[str, DeviceSelector] = {}  # expression -> compiled selector
         if device_classes is not None:
             self.device_classes = list(device_classes)
 
@@ -1401,7 +1412,7 @@ class SchedulerSimulator:
         self,
         name: str,
         exactly: Mapping[str, Any],
-        devices: list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]],
+        devices: list[tuple[tuple[str, str, str], dict[str, Any], Any]],
         in_use: set[tuple[str, str, str]],
         consumed: Mapping[tuple[str, str, str], Mapping[str, Decimal]],
         results: list[dict[str, Any]],
@@ -1462,7 +1473,7 @@ class SchedulerSimulator:
             made.append(result | ({"adminAccess": True} if admin else {}))
         return made
 
-    def _node_devices(self, node: str) -> list[tuple[tuple[str, str, str], dict[str, Any], dict[str, Any]]]:
+    def _node_devices(self, node: str) -> list[tuple[tuple[str, str, str], dict[str, Any], Any]]:
         """(driver, pool, device), the device, and the device as CEL sees it, of the node's slices
         of each pool's newest generation, in slice and device order."""
         slices = [item for item in self.api.slices.values() if item["spec"].get("nodeName") == node]
@@ -1476,54 +1487,17 @@ class SchedulerSimulator:
             if pool["generation"] != newest[driver, pool["name"]]:
                 continue
             for device in item["spec"].get("devices") or []:
-                attributes: dict[str, dict[str, Any]] = {}
-                for qualified, value in (device.get("attributes") or {}).items():
-                    domain, _, short = qualified.rpartition("/")  # no domain: the driver's
-                    attributes.setdefault(domain or driver, {})[short] = next(iter(value.values()))
-                # device.capacity as cel/compile.go in k8s.io/dynamic-resource-allocation has it:
-                # domain (the driver's when the name has none), then name, then the value as a quantity.
-                capacity: dict[str, dict[str, _CelQuantity]] = {}
-                for qualified, held in (device.get("capacity") or {}).items():
-                    domain, _, short = qualified.rpartition("/")
-                    capacity.setdefault(domain or driver, {})[short] = _CelQuantity(_quantity(held["value"]))
-                cel = {
-                    "driver": driver,
-                    "allowMultipleAllocations": device.get("allowMultipleAllocations") is True,
-                    "attributes": attributes,
-                    "capacity": capacity,
-                }
-                found.append(((driver, pool["name"], device["name"]), device, cel))
+                found.append(((driver, pool["name"], device["name"]), device, cel_device(driver, device)))
         return found
 
-    def _selects(self, expression: str, device: dict[str, Any]) -> bool:
-        import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
-        from celpy.adapter import json_to_cel
-        from celpy.evaluation import CELEvalError
-
+    def _selects(self, expression: str, device: Any) -> bool:
         if expression not in self._cel:
-            environment = celpy.Environment()
-            functions = _cel_quantity_functions()
-            self._cel[expression] = environment.program(environment.compile(expression), functions=functions)
-        capacity = celpy.celtypes.MapType(
-            {
-                celpy.celtypes.StringType(domain): celpy.celtypes.MapType(
-                    {celpy.celtypes.StringType(name): value for name, value in names.items()}
-                )
-                for domain, names in device["capacity"].items()
-            }
-        )
-        cel_device = celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): json_to_cel(v) for k, v in device.items() if k != "capacity"}
-            | {celpy.celtypes.StringType("capacity"): capacity}
-        )
+            self._cel[expression] = DeviceSelector(expression)
         try:
-            result = self._cel[expression].evaluate({"device": cel_device})
-        except CELEvalError as error:  # cel-python raises what it does not return
-            result = error
-        if isinstance(result, CELEvalError):
+            return self._cel[expression].matches(device)
+        except CELError as error:
             # The allocator fails the claim on a CEL runtime error; here the test learns why.
-            raise UnschedulableError(f"CEL {expression!r}: {result}")
-        return bool(result)
+            raise UnschedulableError(f"CEL {expression!r}: {error}") from None
 
 
 def _container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
@@ -1620,48 +1594,315 @@ def _violates(amount: Decimal, policy: Mapping[str, Any]) -> bool:
     return False
 
 
+# CEL as the scheduler evaluates a device selector: the variable `device` as
+# k8s.io/dynamic-resource-allocation cel/compile.go builds it (DeviceMatches), the Kubernetes CEL
+# library's quantity and semver functions (k8s.io/apiserver pkg/cel/library quantity.go and
+# semver.go, in the base environment of 1.36), and the errors with cel-go's words. cel-python has no
+# type checker: what cel-go refuses when it compiles (an undeclared name, a result that is not a
+# bool) is found here as the expression runs, and the wording of a type error is cel-go's "no such
+# overload" without its signature. Neither cel.bind nor the list-type attributes (DRAListTypeAttributes,
+# "includes") are modelled.
+
+
+class CELError(GopherplugError):
+    """A CEL selector that fails, in cel-go's words: ``compile`` when the API server would refuse it
+    already (a ResourceClaim or DeviceClass with it is never stored), else an evaluation error, which
+    fails the claim on the node where the scheduler meets it."""
+
+    def __init__(self, message: str, compile: bool = False) -> None:
+        super().__init__(message)
+        self.message, self.compile = message, compile
+
+
 @dataclass(frozen=True)
 class _CelQuantity:
     """A resource.Quantity as CEL holds one: compared by value, never equal to a string or number."""
 
-    value: Decimal | None
+    value: Decimal
 
 
-def _cel_quantity_functions() -> dict[str, Callable[..., Any]]:
-    """The part of the Kubernetes CEL quantity library (k8s.io/apiserver pkg/cel/library/quantity.go)
-    a selector on device.capacity needs: quantity("10Gi"), isQuantity, and on a quantity
-    compareTo, isGreaterThan, isLessThan, add, sub, sign, isInteger, asInteger."""
-    import celpy  # the test extra's cel-python: only the stand-in evaluates CEL
+#: Its numbers and the order of the identifiers of a pre-release (semver.org 2.0.0, item 11).
+_SemverKey = tuple[int, int, int, tuple[tuple[int, int, str], ...]]
+
+
+@dataclass(frozen=True)
+class _CelSemver:
+    """A semantic version as CEL holds one (apiservercel.Semver, blang/semver's Version): a version
+    attribute's value, or what semver() returns. Compared by precedence; build metadata is kept but
+    never compared."""
+
+    major: int
+    minor: int
+    patch: int
+    pre: tuple[str, ...] = ()
+    build: tuple[str, ...] = ()
+
+    def key(self) -> _SemverKey:
+        # A version without a pre-release is greater than one with one: (1,) beats (0, ...).
+        pre = tuple((1, int(p), "") if p.isdigit() else (2, 0, p) for p in self.pre)
+        return (self.major, self.minor, self.patch, ((1, 0, ""),) if not pre else ((0, 0, ""), *pre))
+
+
+def _parse_semver(text: str, normalize: bool = False) -> _CelSemver:
+    """``text`` as blang/semver's Parse reads it, strictly MAJOR.MINOR.PATCH, with its errors (so
+    "4.17" is refused: "No Major.Minor.Patch elements found"); with ``normalize``, first as the
+    library's normalizeAndParse: a leading "v" removed, leading zeros removed, ".0" added to a short
+    version. ValueError with blang/semver's message."""
+    if normalize:
+        parts = text.removeprefix("v").split(".", 2)
+        parts = [p.lstrip("0") if len(p) > 1 else p for p in parts]
+        parts = [p if p[:1].isdigit() else "0" + p for p in parts]
+        if len(parts) < 3 and any(c in parts[-1] for c in "+-"):
+            raise ValueError("short version cannot contain PreRelease/Build meta data")
+        text = ".".join(parts + ["0"] * (3 - len(parts)))
+    if not text:
+        raise ValueError("Version string empty")
+    parts = text.split(".", 2)
+    if len(parts) != 3:
+        raise ValueError("No Major.Minor.Patch elements found")
+    build: list[str] = []
+    pre: list[str] = []
+    patch, plus, meta = parts[2].partition("+")
+    if plus:
+        build = meta.split(".")
+    patch, minus, release = patch.partition("-")
+    if minus:
+        pre = release.split(".")
+    numbers = []
+    for name, number in zip(("major", "minor", "patch"), (parts[0], parts[1], patch), strict=True):
+        if number.strip("0123456789"):
+            raise ValueError(f"Invalid character(s) found in {name} number {_go_quote(number)}")
+        if len(number) > 1 and number[0] == "0":
+            raise ValueError(f"{name.capitalize()} number must not contain leading zeroes {_go_quote(number)}")
+        if not number:
+            raise ValueError('strconv.ParseUint: parsing "": invalid syntax')
+        numbers.append(int(number))
+    for identifier in pre:
+        if not identifier:
+            raise ValueError("Prerelease is empty")
+        if identifier.strip(_ALPHANUMERIC):
+            raise ValueError(f"Invalid character(s) found in prerelease {_go_quote(identifier)}")
+        if identifier.isdigit() and len(identifier) > 1 and identifier[0] == "0":
+            raise ValueError(f"Numeric PreRelease version must not contain leading zeroes {_go_quote(identifier)}")
+    for identifier in build:
+        if not identifier:
+            raise ValueError("Build meta data is empty")
+        if identifier.strip(_ALPHANUMERIC):
+            raise ValueError(f"Invalid character(s) found in build meta data {_go_quote(identifier)}")
+    return _CelSemver(numbers[0], numbers[1], numbers[2], tuple(pre), tuple(build))
+
+
+_ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-"
+
+
+def _go_quote(text: str) -> str:
+    return json.dumps(text)  # Go's %q, for the ASCII a version holds
+
+
+#: resource.ParseQuantity's error for a string it cannot read (ErrFormatWrong in
+#: k8s.io/apimachinery pkg/api/resource/quantity.go).
+_QUANTITY_FORMAT_WRONG = "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+
+
+def _cel_library() -> dict[str, Callable[..., Any]]:
+    """The Kubernetes CEL library a selector may call, for cel-python: quantity.go's quantity(),
+    isQuantity(), and on a quantity sign, isInteger, asInteger, asApproximateFloat, add, sub
+    (a quantity or an int), compareTo, isGreaterThan, isLessThan; semver.go's semver() and
+    isSemver() (each with an optional normalize flag), and on a version major, minor, patch,
+    compareTo, isGreaterThan, isLessThan. A method shared by both types takes the receiver's; two
+    receivers of different types, or any other argument, are cel-go's "no such overload"."""
+    import celpy  # the test extra's cel-python: only the stand-ins evaluate CEL
     from celpy.evaluation import CELEvalError
 
     types = celpy.celtypes
+    no_such_overload = CELEvalError("no such overload")
 
-    def parse(text: Any) -> Any:
-        value = _quantity(str(text))
-        return _CelQuantity(value) if value is not None else CELEvalError(f"invalid quantity {text!r}")
+    def quantity(text: Any, *more: Any) -> Any:
+        if more or not isinstance(text, types.StringType):
+            return no_such_overload
+        value = _quantity(str(text)) if not isinstance(text, bool) else None
+        return _CelQuantity(value) if value is not None else CELEvalError(_QUANTITY_FORMAT_WRONG)
 
-    def number(quantity: Any) -> Decimal:
-        if isinstance(quantity, _CelQuantity) and quantity.value is not None:
-            return quantity.value
-        if isinstance(quantity, types.IntType):
-            return Decimal(int(quantity))
-        raise TypeError(f"not a quantity: {quantity!r}")
+    def semver(text: Any, normalize: Any = False) -> Any:
+        if not isinstance(text, types.StringType) or not isinstance(normalize, bool | types.BoolType):
+            return no_such_overload
+        try:
+            return _parse_semver(str(text), bool(normalize))
+        except ValueError as error:
+            return CELEvalError(str(error))
 
-    def compare(a: Any, b: Any) -> int:
-        return (number(a) > number(b)) - (number(a) < number(b))
+    def is_semver(text: Any, normalize: Any = False) -> Any:
+        result = semver(text, normalize)
+        return result if result is no_such_overload else types.BoolType(isinstance(result, _CelSemver))
+
+    def compare(a: Any, b: Any) -> int | None:
+        if isinstance(a, _CelQuantity) and isinstance(b, _CelQuantity):
+            x, y = a.value, b.value
+        elif isinstance(a, _CelSemver) and isinstance(b, _CelSemver):
+            x, y = a.key(), b.key()  # type: ignore[assignment]
+        else:
+            return None
+        return (x > y) - (x < y)  # type: ignore[operator]
+
+    def comparing(verdict: Callable[[int], Any]) -> Callable[[Any, Any], Any]:
+        def method(a: Any, b: Any) -> Any:
+            order = compare(a, b)
+            return no_such_overload if order is None else verdict(order)
+
+        return method
+
+    def on_quantity(function: Callable[..., Any]) -> Callable[..., Any]:
+        def method(a: Any, *args: Any) -> Any:
+            return function(a.value, *args) if isinstance(a, _CelQuantity) else no_such_overload
+
+        return method
+
+    def on_semver(field: str) -> Callable[[Any], Any]:
+        def method(a: Any) -> Any:
+            return types.IntType(getattr(a, field)) if isinstance(a, _CelSemver) else no_such_overload
+
+        return method
+
+    def arithmetic(sign: int) -> Callable[[Any, Any], Any]:
+        def method(a: Decimal, b: Any) -> Any:
+            if isinstance(b, _CelQuantity):
+                return _CelQuantity(a + sign * b.value)
+            if isinstance(b, types.IntType):
+                return _CelQuantity(a + sign * int(b))
+            return no_such_overload
+
+        return method
+
+    def as_integer(a: Decimal) -> Any:
+        # Quantity.AsInt64: a whole number within int64, else the library's error.
+        if a != a.to_integral_value() or not -(2**63) <= a < 2**63:
+            return CELEvalError("cannot convert value to integer")
+        return types.IntType(int(a))
 
     return {
-        "quantity": parse,
-        "isQuantity": lambda text: types.BoolType(_quantity(str(text)) is not None),
-        "compareTo": lambda a, b: types.IntType(compare(a, b)),
-        "isGreaterThan": lambda a, b: types.BoolType(compare(a, b) > 0),
-        "isLessThan": lambda a, b: types.BoolType(compare(a, b) < 0),
-        "add": lambda a, b: _CelQuantity(number(a) + number(b)),
-        "sub": lambda a, b: _CelQuantity(number(a) - number(b)),
-        "sign": lambda a: types.IntType(compare(a, types.IntType(0))),
-        "isInteger": lambda a: types.BoolType(number(a) == number(a).to_integral_value()),
-        "asInteger": lambda a: types.IntType(int(number(a))),
+        "quantity": quantity,
+        "isQuantity": lambda text: types.BoolType(isinstance(quantity(text), _CelQuantity)),
+        "sign": on_quantity(lambda a: types.IntType((a > 0) - (a < 0))),
+        "isInteger": on_quantity(lambda a: types.BoolType(not isinstance(as_integer(a), CELEvalError))),
+        "asInteger": on_quantity(as_integer),
+        "asApproximateFloat": on_quantity(lambda a: types.DoubleType(float(a))),
+        "add": on_quantity(arithmetic(1)),
+        "sub": on_quantity(arithmetic(-1)),
+        "semver": semver,
+        "isSemver": is_semver,
+        "major": on_semver("major"),
+        "minor": on_semver("minor"),
+        "patch": on_semver("patch"),
+        "compareTo": comparing(types.IntType),
+        "isGreaterThan": comparing(lambda order: types.BoolType(order > 0)),
+        "isLessThan": comparing(lambda order: types.BoolType(order < 0)),
     }
+
+
+def cel_device(driver: str, device: Mapping[str, Any]) -> Any:
+    """The CEL variable ``device`` for one device of a ResourceSlice of ``driver``, as DeviceMatches
+    builds it (k8s.io/dynamic-resource-allocation cel/compile.go): ``driver``;
+    ``allowMultipleAllocations`` (false when unset); ``attributes`` and ``capacity`` by domain (the
+    driver's for a name without one), then name: an attribute's value of its own type, a version a
+    semantic version, a capacity a quantity. Looking up a domain the device has not gives an empty
+    map, so a missing attribute is "no such key: <name>" whatever its domain."""
+    import celpy  # the test extra's cel-python: only the stand-ins evaluate CEL
+
+    types = celpy.celtypes
+
+    class WithDefault(types.MapType):  # newStringInterfaceMapWithDefault
+        def __getitem__(self, key: Any) -> Any:
+            return super().__getitem__(key) if key in self else types.MapType({})
+
+    def by_domain(values: dict[str, dict[str, Any]]) -> Any:
+        return WithDefault({types.StringType(domain): types.MapType(names) for domain, names in values.items()})
+
+    convert: dict[str, Callable[[Any], Any]] = {
+        "bool": types.BoolType,
+        "int": types.IntType,
+        "string": types.StringType,
+        "version": lambda text: _parse_semver(text),  # the API server let only valid versions in
+    }
+    attributes: dict[str, dict[str, Any]] = {}
+    for qualified, value in (device.get("attributes") or {}).items():
+        domain, _, name = qualified.rpartition("/")
+        ((kind, raw),) = value.items()
+        attributes.setdefault(domain or driver, {})[types.StringType(name)] = convert[kind](raw)
+    capacity: dict[str, dict[str, Any]] = {}
+    for qualified, held in (device.get("capacity") or {}).items():
+        domain, _, name = qualified.rpartition("/")
+        capacity.setdefault(domain or driver, {})[types.StringType(name)] = _CelQuantity(
+            _quantity(held["value"]) or Decimal(0)
+        )
+    return types.MapType(
+        {
+            types.StringType("driver"): types.StringType(driver),
+            types.StringType("allowMultipleAllocations"): types.BoolType(
+                device.get("allowMultipleAllocations") is True
+            ),
+            types.StringType("attributes"): by_domain(attributes),
+            types.StringType("capacity"): by_domain(capacity),
+        }
+    )
+
+
+class DeviceSelector:
+    """A CEL device selector (a DeviceClass's or a request's ``selectors[].cel.expression``),
+    compiled once, evaluated on devices as the scheduler's allocator does (selectorsMatch in
+    k8s.io/dynamic-resource-allocation structured). CELError when it does not compile; matches()
+    says whether a device is selected, or raises CELError with the evaluation's error."""
+
+    def __init__(self, expression: str) -> None:
+        import celpy  # the test extra's cel-python: only the stand-ins evaluate CEL
+
+        self.expression = expression
+        environment = celpy.Environment()
+        try:
+            tree = environment.compile(expression)
+        except celpy.celparser.CELParseError as error:  # cel-go says what it expected; this says where
+            where = f"{error.line}:{error.column}" if error.line is not None else "1:1"
+            raise CELError(f"compilation failed: ERROR: <input>:{where}: Syntax error", compile=True) from None
+        self._program = environment.program(tree, functions=_cel_library())
+        try:  # what cel-go's checker refuses, found on a device with nothing (where it is reached)
+            self.matches(cel_device("", {}))
+        except CELError as error:
+            if error.compile:
+                raise
+
+    def matches(self, device: Any) -> bool:
+        """Whether the selector selects ``device``, a cel_device(): true or false, or CELError."""
+        import celpy
+        from celpy.evaluation import CELEvalError
+
+        try:
+            result: Any = self._program.evaluate({"device": device})
+        except CELEvalError as error:  # cel-python raises what it does not return
+            result = error
+        if isinstance(result, CELEvalError):
+            raise _cel_go_error(result)
+        if not isinstance(result, celpy.celtypes.BoolType):  # ConvertToNative(bool) refuses the rest
+            kind = _CEL_TYPE_NAMES.get(type(result), type(result).__name__.removesuffix("Type").lower())
+            message = f"CEL result of type {kind} could not be converted to bool"
+            raise CELError(f"{message}: unsupported native conversion from {kind} to 'bool'")
+        return bool(result)
+
+
+#: cel-go's names of the library's types, where a message names a type
+_CEL_TYPE_NAMES = {_CelQuantity: "kubernetes.Quantity", _CelSemver: "kubernetes.Semver"}
+
+
+def _cel_go_error(error: Exception) -> CELError:
+    """cel-python's evaluation error in cel-go's words, where they differ."""
+    text = str(error.args[0]) if error.args else str(error)
+    if (found := re.match(r"no such member in mapping: '(.*)'$", text)) is not None:
+        return CELError(f"no such key: {found[1]}")
+    if text == "no such key" and len(error.args) > 2 and error.args[2]:
+        return CELError(f"no such key: {error.args[2][0]}")
+    if (found := re.match(r"undeclared reference to '([^']*)'", text)) is not None:
+        return CELError(f"compilation failed: ERROR: undeclared reference to '{found[1]}' (in container '')", True)
+    if text.startswith("found no matching overload") or text.startswith("no such overload"):
+        return CELError("no such overload")
+    return CELError(text)
 
 
 def _tolerates_all(tolerations: list[Mapping[str, Any]], taints: list[Mapping[str, Any]]) -> bool:
@@ -1705,11 +1946,63 @@ class DraKubeletSimulator(gopherplug.DraKubeletSimulator):
       v1alpha1, the first the driver lists (unless ``health_versions`` is given).
     """
 
-    def __init__(self, *args: Any, version: str | Release = "1.36", **options: Any) -> None:
+    def __init__(
+        self, *args: Any, version: str | Release = "1.36", info_interval: float | None = None, **options: Any
+    ) -> None:
         self.release = release(version)
         if "health_versions" not in options and _minor(self.release.version) >= 37:
             options["health_versions"] = [name for name, _ in gopherplug.DRA_HEALTH_VERSIONS]
         super().__init__(*args, **options)
+        #: how often GetInfo is called again on each registered driver (the newest plugin watcher:
+        #: every 10 s; None: only to register, as kubelets up to 1.36 do)
+        self.info_interval = info_interval
+
+    async def _follow(self, watch: Any) -> None:
+        async with trio.open_nursery() as nursery:  # from each start, as the plugin watcher's loop
+            if self.info_interval is not None:
+                nursery.start_soon(self._ask_again, self.info_interval)
+            await super()._follow(watch)
+            nursery.cancel_scope.cancel()
+
+    async def _ask_again(self, interval: float) -> None:
+        """GetInfo on every registered driver every ``interval`` seconds: the plugin watcher's check
+        that a plugin it registered is still there (its answer is not looked at here)."""
+        while True:
+            await trio.sleep(interval)
+            for driver in [plugin for plugins in self.plugins.values() for plugin in plugins]:
+                with contextlib.suppress(RPCError):
+                    request = gopherplug.pluginregistration.InfoRequest()
+                    path = driver.registration_socket
+                    await gopherplug.call_unary(
+                        path,
+                        gopherplug.DRA_METHODS[gopherplug.GET_INFO],
+                        request,
+                        timeout=gopherplug.DRA_GET_INFO_TIMEOUT,
+                    )
+                    self.events.append(("asked", path))
+                    self._changed.touch()
+
+    def cdi_devices(self, claim_uid: str, request: str = "") -> list[str]:
+        """The CDI device IDs the kubelet gives a container whose resources.claims[] entry names this
+        claim and ``request`` ("": the whole claim): those of every driver's devices whose request
+        names contain ``request`` exactly, or that name no request (cdiDevicesAsList in
+        pkg/kubelet/cm/dra/claiminfo.go). A name the container cannot spell ("gpu/fast") matches none."""
+        return [
+            cdi_id
+            for devices in self.prepared.get(claim_uid, {}).values()
+            for device in devices
+            if not request or not device.request_names or request in device.request_names
+            for cdi_id in device.cdi_device_ids
+        ]
+
+    def drop(self, driver: str) -> None:
+        """Forget a registered driver without a word to it, its socket still there, as a kubelet does
+        that lost track of it: no more GetInfo, no more calls."""
+        for dropped in self.plugins.pop(driver):
+            dropped.connection.cancel()
+            self.events.append(("dropped", dropped.registration_socket))
+        self._sync(driver)
+        self._changed.touch()
 
     @contextlib.asynccontextmanager
     async def watch_health(self, driver: str) -> AsyncIterator[AsyncIterator[Any]]:

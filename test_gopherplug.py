@@ -5552,81 +5552,244 @@ def test_readme_embedding_example_is_the_example_file():
     assert "response: gopherplug.ContainerAllocateResponse" in readme_example_text()
 
 
-LESSON = HERE / "examples" / "lesson" / "gopher_plugin.py"
+LESSONS = HERE / "examples" / "lesson"
+#: The lessons in reading order (docs/protocol.md's table), and those with a --demo.
+LESSON_FILES = ["gopher_devices.py", "gopher_plugin.py", "gopher_allocation.py", "gopher_dra.py", "gopher_claims.py"]
+LESSON_DEMOS = LESSON_FILES[1:]
+#: What the demos' narrations must name between them: every v1beta1 RPC the kubelet calls, Register,
+#: TopologyInfo and CDI on the device-plugin side; DRA's objects, its RPCs and a CEL selector on an
+#: attribute and a capacity on the other (issue 46).
+LESSON_NAMES = [
+    "GetDevicePluginOptions",
+    "ListAndWatch",
+    "GetPreferredAllocation",
+    "Allocate(",
+    "PreStartContainer",
+    "Register(",
+    "TopologyInfo",
+    "cdi_devices",
+    "DeviceClass",
+    "ResourceClaim",
+    'device.attributes["gopher.example.com"]',
+    'device.capacity["gopher.example.com"]',
+    "ResourceSlice",
+    "NodePrepareResources",
+    "NodeUnprepareResources",
+    "CDI spec",
+]
 
 
-def test_the_lesson_runs_its_demo_against_the_kubelet_simulator_a_restart_included(tmp_path):
-    """examples/lesson/gopher_plugin.py, the tutorial's plugin done right in one file a learner
-    reads in one sitting (at most 250 lines), run as a learner runs it: `python gopher_plugin.py
-    --demo`, its own process, against gopherplug's kubelet simulator. Each step fails the demo
-    (exit 1) unless the simulated kubelet sees it within 10 s: the first list, the Allocate answer,
-    a device added, one turned unhealthy and healthy again by inotify, and a registration on a new
-    socket after the kubelet restarts. Its temporary directory is gone afterwards."""
-    assert len(LESSON.read_text().splitlines()) <= 250
-    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, str(LESSON), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
+def _narration(stdout):
+    """A demo's lines without their times, its temporary directory as <root>."""
+    return [re.sub(r"/\S*/lesson-[^/ )]+", "<root>", line.split(" ms  ", 1)[1]) for line in stdout.splitlines()]
+
+
+def test_every_lesson_is_read_in_one_sitting_and_type_checked():
+    """The lessons of examples/lesson, each at most 250 lines (a sitting), are the five docs/protocol.md
+    lists in order, each named there with its exercises; mypy --strict checks them and the solutions."""
+    assert sorted(path.name for path in LESSONS.glob("gopher_*.py")) == sorted(LESSON_FILES)
+    for name in LESSON_FILES:
+        assert len((LESSONS / name).read_text().splitlines()) <= 250, name
+    table = (HERE / "docs" / "protocol.md").read_text()
+    assert [table.index(f"`{name}`") for name in LESSON_FILES] == sorted(
+        table.index(f"`{name}`") for name in LESSON_FILES
     )
-    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
-    said = [re.sub(r"/\S*/lesson-[^/ ]+", "<root>", line.split(" ms  ", 1)[1]) for line in result.stdout.splitlines()]
-    # kubelet.sock is created at bind(), a moment before listen(): a Register may be refused, and retried.
-    said = [line for line in said if not line.startswith("plugin   Register: no answer yet")]
+    assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+
+
+def test_the_lesson_demos_exit_0_and_name_every_rpc_and_dra_object(sockdir):
+    """Each lesson's --demo, run as a learner runs it (its own process, against gopherplug's kubelet
+    simulator, or the DRA kubelet, API server and scheduler stand-ins), exits 0 with nothing on
+    stderr; each step of a demo fails it (exit 1) unless the stand-in sees it within 10 s. Together
+    the narrations name every RPC and DRA object the lessons teach, by the names the code uses, and
+    the demos leave nothing behind."""
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}  # socket paths under 108 bytes
+    said = {}
+    for name in LESSON_DEMOS:
+        result = subprocess.run(
+            [sys.executable, str(LESSONS / name), "--demo"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert (result.returncode, result.stderr) == (0, ""), name + ": " + result.stdout + result.stderr
+        said[name] = _narration(result.stdout)
+    everything = "\n".join(line for lines in said.values() for line in lines)
+    assert [name for name in LESSON_NAMES if name not in everything] == []
+    assert "first list" not in everything
+    assert os.listdir(sockdir) == []
+
+    # Lesson 2: the kubelet's view, in order (the plugin's own lines may come a moment before or after).
     listed = "gopher0 Healthy, gopher1 Healthy, gopher2 Healthy, gopher3 Healthy"
-    assert said == [
+    assert [line for line in said["gopher_plugin.py"] if not line.startswith("plugin")] == [
         "kubelet  listening on <root>/device-plugins/kubelet.sock",
-        "plugin   Register(example.com/gopher, endpoint gopher-1.sock, version v1beta1)",
-        "kubelet  first list: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy",
+        "kubelet  GetDevicePluginOptions, during Register: all False",
+        "kubelet  ListAndWatch: no devices",
+        "demo     plugged in: gophers/ appears with gopher0, gopher1, gopher2",
+        "kubelet  ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy",
         "kubelet  Allocate(gopher0, gopher1) -> env {'GOPHER_DEVICES': 'gopher0,gopher1'}",
         "kubelet    device <root>/gophers/gopher0 -> /dev/gopher0 (rw)",
         "kubelet    device <root>/gophers/gopher1 -> /dev/gopher1 (rw)",
         "demo     created gophers/gopher3",
-        f"kubelet  inotify told the plugin, the plugin told the kubelet: {listed}",
+        f"kubelet  ListAndWatch (inotify told the plugin): {listed}",
         "demo     gophers/gopher4: a symlink to nothing",
-        f"kubelet  listed unhealthy: {listed}, gopher4 Unhealthy",
+        f"kubelet  ListAndWatch: {listed}, gopher4 Unhealthy",
         "demo     its target appeared",
-        f"kubelet  healthy again: {listed}, gopher4 Healthy",
+        f"kubelet  ListAndWatch: {listed}, gopher4 Healthy",
+        "demo     unplugged: gophers/ deleted, as udev deletes /dev/serial/by-id",
+        "kubelet  ListAndWatch: no devices",
+        "demo     plugged in again: a new gophers/ with gopher0",
+        "kubelet  ListAndWatch (the new directory watched): gopher0 Healthy",
         "demo     the kubelet restarts: it deletes every socket, makes a new kubelet.sock",
+        "kubelet  ListAndWatch, after Register: gopher0 Healthy",
+        "demo     done: the plugin stopped, its socket removed",
+    ]
+    # kubelet.sock is created at bind(), a moment before listen(): a Register may be refused, and retried.
+    plugin = [line for line in said["gopher_plugin.py"] if line.startswith("plugin") and "no answer yet" not in line]
+    assert plugin == [
+        "plugin   <root>/gophers is missing: no devices until it comes (inotify on <root>)",
+        "plugin   Register(example.com/gopher, endpoint gopher-1.sock, version v1beta1)",
+        "plugin   <root>/gophers appeared: watching it",
+        "plugin   <root>/gophers is missing: no devices until it comes (inotify on <root>)",
+        "plugin   <root>/gophers appeared: watching it",
         "plugin   the kubelet restarted: a new socket, a new Register",
         "plugin   Register(example.com/gopher, endpoint gopher-2.sock, version v1beta1)",
-        f"kubelet  registered again: {listed}, gopher4 Healthy",
-        "demo     done: the plugin stopped, its socket removed",
-    ], result.stdout
-    assert os.listdir(tmp_path) == []
-    assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
-
-
-def test_the_dra_lesson_runs_its_demo_a_kubelet_restart_included(sockdir):
-    """examples/lesson/gopher_dra.py, DRA's essentials in one file (at most 250 lines), run as its
-    own process with --demo against gopherplug's DRA kubelet and lenient API server: it publishes
-    its ResourceSlice before and after registration, updates it when a device comes, prepares a
-    claim with the CDI device whose spec it wrote, and writes the slice again after the kubelet's
-    restart wiped it (a create after the restart, or the demo fails)."""
-    script = HERE / "examples" / "lesson" / "gopher_dra.py"
-    assert len(script.read_text().splitlines()) <= 250
-    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}  # socket paths under 108 bytes
-    result = subprocess.run(
-        [sys.executable, str(script), "--demo"], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
-    assert (result.returncode, result.stderr) == (0, ""), result.stdout + result.stderr
-    said = [line.split(" ms  ", 1)[1] for line in result.stdout.splitlines()]
-    slices = [line for line in said if line.startswith("plugin   ResourceSlice node-1-gopher.example.com generation")]
+    ]
+    # Lesson 3: the shipped GetPreferredAllocation takes no heed of NUMA (exercise 1 makes it).
+    assert [line for line in said["gopher_allocation.py"] if not line.startswith("plugin")] == [
+        "kubelet  GetDevicePluginOptions, during Register: pre_start_required True, "
+        "get_preferred_allocation_available True",
+        "kubelet  ListAndWatch, with TopologyInfo: gopher0 NUMA 0, gopher1 NUMA 1, gopher2 NUMA 0, gopher3 NUMA 1",
+        "pod      resources.limits: {example.com/gopher: 2}; the scheduler counted 4 allocatable",
+        "kubelet  GetPreferredAllocation(2 of gopher0, gopher1, gopher2, gopher3) -> gopher0, gopher1 (NUMA 0 and 1)",
+        "kubelet  Allocate(gopher0, gopher1) -> cdi_devices "
+        "['example.com/gopher=gopher0', 'example.com/gopher=gopher1']",
+        "runtime  CDI spec example.com/gopher=gopher0: env GOPHER_GOPHER0=gopher0, /run/gophers/gopher0",
+        "kubelet  PreStartContainer(gopher0, gopher1): ready, the container starts",
+        "demo     unplugged gopher1; the container exits, and the kubelet restarts it",
+        "kubelet  PreStartContainer(gopher0, gopher1) -> unknown device gopher1: not started, retried later",
+        "demo     done",
+    ]
+    # Lesson 4: the slice before and after registration, updated, prepared, and written again after
+    # the kubelet's restart wiped it (a create after the restart, or the demo fails).
+    dra = said["gopher_dra.py"]
+    slices = [line for line in dra if line.startswith("plugin   ResourceSlice node-1-gopher.example.com generation")]
     assert slices[0].endswith("generation 1: gopher0, gopher1, gopher2"), slices
     assert slices[-1].endswith(": gopher0, gopher1, gopher2, gopher3"), slices
     all_four = "gopher0, gopher1, gopher2, gopher3"
-    assert [line for line in said if line not in slices] == [
-        "plugin   the kubelet registered the driver",
+    assert [line for line in dra if line not in slices] == [
+        "plugin   GetInfo: the kubelet found gopher.example.com-reg.sock",
+        "plugin   NotifyRegistrationStatus: registered",
         "apiserver this node's ResourceSlice: gopher0, gopher1, gopher2",
+        "apiserver   gopher1: attributes {'model': {'string': 'pocket'}}, capacity {'memory': {'value': '2Gi'}}",
         "demo     created gophers/gopher3",
-        f"apiserver the slice, updated: {all_four}",
-        "scheduler allocated ResourceClaim default/my-gopher: gopher1 of pool node-1",
+        f"apiserver the ResourceSlice, updated: {all_four}",
+        "scheduler ResourceClaim default/my-gopher, allocated: gopher1 of pool node-1 (lesson 5: how)",
         "kubelet  NodePrepareResources(default/my-gopher) -> CDI example.com/gopher=gopher1",
-        "runtime  example.com/gopher=gopher1: env GOPHER_GOPHER1=gopher1, mount /run/gophers/gopher1",
+        "runtime  CDI spec example.com/gopher=gopher1: env GOPHER_GOPHER1=gopher1, mount /run/gophers/gopher1",
         "kubelet  NodeUnprepareResources(default/my-gopher): the pod is gone",
         "demo     the kubelet restarts: it deletes this node's slices, walks plugins_registry again",
-        "plugin   the kubelet registered the driver",
-        f"apiserver the slice, written again: {all_four}",
+        "plugin   GetInfo: the kubelet found gopher.example.com-reg.sock",
+        "plugin   NotifyRegistrationStatus: registered",
+        f"apiserver the ResourceSlice, written again: {all_four}",
         "demo     done",
-    ], result.stdout
+    ]
+    # Lesson 5: the scheduler stand-in evaluates the claim's CEL for real: the giant of 4Gi, and none of 8Gi.
+    claims = [line for line in said["gopher_claims.py"] if not line.startswith("plugin")]
+    assert (
+        claims[-9:]
+        == [
+            "scheduler ResourceClaim default/big-gopher, status.allocation: gopher3 of pool node-1",
+            "kubelet  NodePrepareResources(default/big-gopher) -> CDI example.com/gopher=gopher3",
+            "runtime  the CDI spec gives the container: GOPHER_GOPHER3=gopher3",
+            "kubelet  NodeUnprepareResources(default/big-gopher): the pod is gone",
+            "user     ResourceClaim default/huge-gopher: the same, with 8Gi",
+            "scheduler ResourceClaim default/huge-gopher: cannot allocate all claims: its pod stays Pending",
+            "demo     done",
+        ][-9:]
+        or claims
+    )
+
+
+async def test_the_lesson_plugin_waits_for_a_missing_directory_in_one_line(tmp_path):
+    """The lesson plugin started before its directory exists (udev makes /dev/serial/by-id at the
+    first plug) says so in one line, no traceback, and watches the directory once it appears, its
+    parent made too: inotify on the nearest ancestor that exists. Without the kubelet's directory
+    it stops with one line."""
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    (tmp_path / "dp").mkdir()
+    gophers = tmp_path / "usb" / "gophers"
+    argv = [sys.executable, str(LESSONS / "gopher_plugin.py"), "--device-plugin-dir", str(tmp_path / "dp")]
+    process = await trio.lowlevel.open_process(
+        [*argv, "--directory", str(gophers)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    said = bytearray()
+    try:
+        with trio.fail_after(TIMEOUT):
+            await read_until(process.stdout, "\n", said)
+            assert _narration(said.decode()) == [
+                f"plugin   {gophers} is missing: no devices until it comes (inotify on {tmp_path})"
+            ]
+            gophers.mkdir(parents=True)
+            await read_until(process.stdout, "watching it", said)
+        assert _narration(said.decode())[1:] == [f"plugin   {gophers} appeared: watching it"]
+    finally:
+        process.kill()
+        await process.wait()
+    assert await process.stderr.receive_some() == b""
+    result = subprocess.run(
+        [*argv[:2], "--device-plugin-dir", str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stdout) == (1, "")
+    assert (
+        result.stderr
+        == f"{tmp_path / 'none'}: No such file or directory: is the kubelet's device-plugin directory here?\n"
+    )
+
+
+@pytest.mark.parametrize("lesson", ["gopher_dra.py", "gopher_claims.py"])
+def test_the_dra_lessons_demo_says_one_line_without_the_dra_extra(sockdir, lesson):
+    """Without the dra extra (h11 for the API server stand-in), a DRA lesson's --demo says in one
+    line what to install, as `gopherplug demo --dra` does: no traceback."""
+    script = (
+        "import sys, runpy\n"
+        "sys.modules['h11'] = None\n"
+        f"sys.argv = [{lesson!r}, '--demo']\n"
+        f"runpy.run_path({str(LESSONS / lesson)!r}, run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{LESSONS}:{HERE}", "TMPDIR": sockdir}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"{lesson} --demo needs the dra extra (import of h11 halted; None in sys.modules): "
+        "pip install '.[dra]' in a checkout of gopherplug\n"
+    )
+
+
+def test_the_exercises_reference_solutions_pass_and_the_shipped_lesson_gets_a_hint(sockdir):
+    """examples/lesson/check.py: every exercise's reference solution (solutions/, applied to a copy
+    of the lessons) passes its check against the kubelet simulator, or the API server and
+    scheduler stand-ins with cel-python's CEL; the lessons as shipped do not, and a check says what
+    the kubelet saw and a hint, never a traceback. EXERCISES.md has a section for each exercise."""
+    check = [sys.executable, str(LESSONS / "check.py")]
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}
+    result = subprocess.run([*check, "--solution", "all"], env=env, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        "exercise 1: passed\nexercise 2: passed\nexercise 3: passed\n",
+        "",
+    )
+    exercises = (LESSONS / "EXERCISES.md").read_text()
+    assert re.findall(r"^## (\d)\.", exercises, re.MULTILINE) == ["1", "2", "3"]
+    for number, hint in [
+        (1, "hint: in prefer(), group available by self.devices.value[id].numa"),
+        (2, "hint: in PreStartContainer, read lock_dir/LCK..<id>"),
+        (3, 'hint: in Driver.describe(), give each device the attribute "numaNode"'),
+    ]:
+        result = subprocess.run([*check, str(number)], env=env, capture_output=True, text=True, timeout=60)
+        assert (result.returncode, result.stderr) == (1, ""), result.stdout + result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == f"exercise {number}: not yet.", result.stdout
+        assert re.match(r"  the (kubelet|scheduler) saw: ", lines[1]), result.stdout
+        assert lines[2].startswith(f"  {hint}"), result.stdout
+        assert "Traceback" not in result.stdout
     assert os.listdir(sockdir) == []
 
 
@@ -5983,8 +6146,8 @@ def narrated_demo(sockdir, *options):
 def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir)
     assert who == (
-        "kubelet plugin plugin kubelet kubelet plugin kubelet kubelet "
-        "plugin plugin plugin who who who demo plugin kubelet plugin plugin demo"
+        "kubelet plugin plugin kubelet plugin kubelet plugin kubelet plugin plugin plugin who who who demo "
+        "plugin kubelet demo kubelet kubelet kubelet plugin kubelet plugin kubelet demo demo"
     )
     assert (
         "who example.com/gopher gopher0 gopher0: Healthy: default/demo-pod/app (device plugin)\n"
@@ -5992,11 +6155,13 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
         "who example.com/gopher gopher2 gopher2: Healthy: free\n"
     ).replace("who ", "") in said
     assert "Register(resource example.com/gopher, endpoint gopherplug-example.com_gopher-1.sock" in said
-    assert "ListAndWatch: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
-    assert "Allocate(gopher0, gopher1)\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
+    assert "ListAndWatch example.com/gopher: gopher0 Healthy, gopher1 Healthy, gopher2 Healthy\n" in said
+    assert "GetPreferredAllocation(size 2 of gopher0, gopher1, gopher2): gopher0, gopher1\n" in said
+    assert "Allocate(gopher0, gopher1)\ndevice /" in said and "\nenv GOPHER_DEVICES=gopher0,gopher1\n" in said
     assert re.search(r"\ndevice /\S+/gophers/gopher1 -> /dev/gopher1 \(rw\)\n", said)
-    assert "gopher2 Healthy, gopher3 Healthy (" in said
-    assert "registered again as gopherplug-example.com_gopher-2.sock" in said
+    assert "gopher2 Healthy, gopher3 Healthy\nexample.com/gopher: capacity 4, allocatable 4\nthe kubelet had" in said
+    assert "restarted: every socket in its directory deleted, kubelet.sock served again\nRegister(resource " in said
+    assert "endpoint gopherplug-example.com_gopher-2.sock" in said and "registered again, listed: " in said
     assert os.listdir(sockdir) == []
     times = _narration_times(run_cli("demo", env={"TMPDIR": str(sockdir)}).stdout.splitlines())
     assert len(times) > 10 and times == sorted(times), times
@@ -6087,15 +6252,16 @@ def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockd
     the kubelet's directory is the demo's own, and nothing is left behind."""
     path, dev = gpu_recipe_config(sockdir)
     who, said = narrated_demo(sockdir, "--config", path)
-    assert who == "plugin kubelet plugin kubelet plugin kubelet kubelet plugin plugin plugin demo"
+    assert who == "plugin kubelet plugin kubelet plugin kubelet plugin kubelet plugin plugin plugin demo"
     card, render = (os.path.realpath(f"{dev}/dri/{name}") for name in ("card1", "renderD128"))
     assert said.split("\n", 1)[1] == "\n".join(
         [
             re.search(r"serving Registration on /\S+/device-plugins/kubelet.sock", said).group(0),
             "Register(resource example.com/gpu, endpoint gopherplug-example.com_gpu-1.sock, version v1beta1)",
             "dialed gopherplug-example.com_gpu-1.sock back before answering: get_preferred_allocation_available: True",
-            "ListAndWatch: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
-            "node capacity example.com/gpu: 2, allocatable 2",
+            "ListAndWatch example.com/gpu: 0000:00:02.0 Healthy, 0000:03:00.0 Healthy",
+            "example.com/gpu: capacity 2, allocatable 2",
+            "GetPreferredAllocation(size 1 of 0000:00:02.0, 0000:03:00.0): 0000:00:02.0",
             "pod default/demo-pod asks for 1 example.com/gpu: Allocate(0000:00:02.0)",
             f"device {card} -> {card} (rw)",  # {target}: where the by-path link leads, in the container too
             f"device {render} -> {render} (rw)",
@@ -6160,6 +6326,180 @@ def test_demo_config_refuses_what_check_config_refuses(tmp_path):
         f"gopherplug: {path}: resources[0].annotations: is for the device-plugin API, and this resource has api: dra "
         "(devices reach containers only as CDI devices) (demo --dra serves it through DRA)\n"
     )
+
+
+def hailo_config(sockdir):
+    """Three Hailo-8 cards as an edge gateway has them (issue 45): their firmware versions and
+    memory in files the configuration reads per device; the file's path."""
+    for directory in ("dev", "fw", "mem"):
+        os.mkdir(os.path.join(sockdir, directory))
+    for card, firmware, memory in (
+        ("hailo0", "4.16.2", "8Gi"),
+        ("hailo1", "4.18.0", "16Gi"),
+        ("hailo2", "4.20.1", "4Gi"),
+    ):
+        open(os.path.join(sockdir, "dev", card), "x").close()
+        Path(sockdir, "fw", card).write_text(firmware + "\n")
+        Path(sockdir, "mem", card).write_text(memory + "\n")
+    resource = {
+        "name": "example.com/hailo",
+        "directory": os.path.join(sockdir, "dev"),
+        "pattern": "hailo*",
+        "attributes": {
+            "model": "hailo8",
+            "firmwareVersion": {"file": os.path.join(sockdir, "fw", "{id}"), "type": "version"},
+        },
+        "capacity": {"memory": {"file": os.path.join(sockdir, "mem", "{id}")}},
+    }
+    path = os.path.join(sockdir, "hailo.yaml")
+    Path(path).write_text(yaml.safe_dump({"resources": [resource]}))
+    return path
+
+
+#: The demo's driver, where a selector finds the attributes and capacity of the configuration
+ATTRIBUTES, CAPACITY = (f'device.{kind}["{gp.DEMO_DRIVER}"]' for kind in ("attributes", "capacity"))
+ERROR = "claim default/demo-hailo: selector #0: CEL runtime error: "
+
+
+@pytest.mark.parametrize(
+    "selector, verdicts, allocated",
+    [
+        (  # a version compared as a version: 4.18.0 > 4.17.0 > 4.16.2, not as strings would be
+            f'{ATTRIBUTES}.firmwareVersion.isGreaterThan(semver("4.17.0"))',
+            ["not selected", "selected", "selected"],
+            "hailo1",
+        ),
+        (  # a capacity against a quantity, binary suffixes by value: 16Gi and 8Gi, not 4Gi
+            f'{CAPACITY}.memory.compareTo(quantity("8Gi")) >= 0 && {CAPACITY}.memory.isLessThan(quantity("10Gi"))',
+            ["selected", "not selected", "not selected"],
+            "hailo0",
+        ),
+        (f'{ATTRIBUTES}.model == "hailo8" && device.driver == "{gp.DEMO_DRIVER}"', ["selected"] * 3, "hailo0"),
+        (  # MAJOR.MINOR.PATCH or an error, on each device: the claim fails on the node
+            f'{ATTRIBUTES}.firmwareVersion.isGreaterThan(semver("4.17"))',
+            [ERROR + "No Major.Minor.Patch elements found"] * 3,
+            None,
+        ),
+        (  # an attribute the devices have not: not false, an error
+            f'{ATTRIBUTES}.pcieRoot == "pci0000:00"',
+            [ERROR + "no such key: pcieRoot"] * 3,
+            None,
+        ),
+    ],
+    ids=["version", "quantity", "string", "semver-error", "no-such-key"],
+)
+def test_demo_select_evaluates_a_selector_on_your_devices_as_the_scheduler(sockdir, selector, verdicts, allocated):
+    """`demo --config FILE --dra --select CEL`: the selector is evaluated on each published device as
+    the scheduler evaluates it (the Kubernetes CEL library's semver and quantity functions; a
+    version attribute a version), each device's verdict said; the claim gets the first device
+    selected, or stays unallocated at the first CEL error, in the scheduler's words."""
+    _, said = narrated_demo(sockdir, "--config", hailo_config(sockdir), "--dra", "--select", selector)
+    lines = said.splitlines()
+    start = lines.index(f"selector #0 of claim default/demo-hailo: {selector}")
+    assert lines[start + 1 : start + 4] == [f"hailo{i}: {verdict}" for i, verdict in enumerate(verdicts)]
+    if allocated is None:
+        assert lines[start + 4] == f"the claim stays unallocated, its pod Pending (FailedScheduling): {verdicts[0]}"
+        assert not [line for line in lines if line.startswith(("allocated", "NodePrepareResources"))]
+    else:
+        pool = "demo-node/example.com/hailo"
+        assert f"allocated a ResourceClaim: device {allocated} of pool {pool}" in lines
+        assert f"gopherplug.example.com/hailo={allocated}: env HAILO_DEVICES_{allocated.upper()}={allocated}" in lines
+
+
+def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_needs(sockdir):
+    """A selector the API server would refuse is refused before the demo starts, in one line, exit 2;
+    so is --select without the devices of --config and --dra."""
+    path = hailo_config(sockdir)
+    result = run_cli("demo", "--config", path, "--dra", "--select", f"{ATTRIBUTES}.model ==")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "gopherplug: --select: compilation failed: ERROR: <input>:1:51: Syntax error "
+        "(the API server would refuse a claim with it)\n"
+    )
+    result = run_cli("demo", "--config", path, "--select", "true")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "gopherplug: --select: give --config FILE and --dra: it selects among your devices\n"
+    script = "import sys, gopherplug\nsys.modules['celpy'] = None\nsys.exit(gopherplug.main(sys.argv[1:]))\n"
+    argv = [sys.executable, "-c", script, "demo", "--config", path, "--dra", "--select", "true"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith("gopherplug: --select: CEL is evaluated with cel-python and gopherplug_standins")
+    assert result.stderr.endswith(
+        "): pip install cel-python, with gopherplug_standins.py beside gopherplug.py "
+        "(a checkout, or pip install gopherplug)\n"
+    )
+
+
+async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):
+    """`gopherplug kubelet --device-plugin-dir DIR` and `gopherplug serve` as two processes on one
+    directory, as a user tries a configuration without a cluster: the kubelet says the
+    registration, each list with its health changes (a symlink to nothing, then to a device), an
+    Allocate asked on its standard input (with the plugin's preferred allocation) and by SIGUSR1 (a
+    device no pod holds), a request it does not know; SIGTERM stops it, exit 0, kubelet.sock gone."""
+    config = str(write_config(node, tmp_path))
+    kubelet = await trio.lowlevel.open_process(
+        [sys.executable, str(HERE / "gopherplug.py"), "kubelet", "--device-plugin-dir", node.plugin_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    plugin = None
+    said = bytearray()
+    try:
+        with trio.fail_after(6 * TIMEOUT):
+            await read_until(kubelet.stdout, f"serving Registration on {node.kubelet_socket}", said)
+            second = await run_cli_async("kubelet", "--device-plugin-dir", node.plugin_dir)  # would wipe its sockets
+            assert (second.returncode, second.stdout) == (2, b"")
+            assert second.stderr.decode() == (
+                f"gopherplug: kubelet: {node.kubelet_socket} answers: a kubelet serves this directory already\n"
+            )
+            plugin = await trio.lowlevel.open_process(
+                [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", config], stderr=subprocess.DEVNULL
+            )
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 2, allocatable 2\n", said)
+            await kubelet.stdin.send_all(f"allocate {RESOURCE} 1\nallocate {RESOURCE} x\nborrow\n".encode())
+            await read_until(kubelet.stdout, "ask for one of", said)
+            target = os.path.join(node.devices, "..", "g3-target")
+            os.symlink(target, os.path.join(node.devices, "g3"))  # a symlink to nothing: unhealthy
+            await read_until(kubelet.stdout, f"{RESOURCE}: capacity 3, allocatable 2", said)
+            Path(target).touch()
+            await read_until(kubelet.stdout, "(g3 Unhealthy -> Healthy)", said)
+            kubelet.send_signal(signal.SIGUSR1)
+            await read_until(kubelet.stdout, "GOPHER_DEVICES=g2", said)
+            kubelet.send_signal(signal.SIGTERM)
+            assert await kubelet.wait() == 0
+            said += await kubelet.stdout.receive_some()
+    finally:
+        for process in (kubelet, plugin):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+    lines = [line.split(None, 3)[2:] for line in said.decode().splitlines()]
+    assert lines[1:] == [
+        ["plugin", f"Register(resource {RESOURCE}, endpoint gopherplug-example.com_gopher-1.sock, version v1beta1)"],
+        [
+            "kubelet",
+            "dialed gopherplug-example.com_gopher-1.sock back before answering: "
+            "get_preferred_allocation_available: True",
+        ],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 2, allocatable 2"],
+        ["plugin", "GetPreferredAllocation(size 1 of g1, g2): g1"],
+        ["kubelet", f"pod default/pod-1 asks for 1 {RESOURCE}: Allocate(g1)"],
+        ["plugin", "env GOPHER_DEVICES=g1"],
+        ["kubelet", "allocate: 'x' is not a number of devices"],
+        ["kubelet", f"'borrow': ask for one of: {gp.KUBELET_REQUESTS}"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy, g3 Unhealthy"],
+        ["kubelet", f"{RESOURCE}: capacity 3, allocatable 2"],
+        ["plugin", f"ListAndWatch {RESOURCE}: g1 Healthy, g2 Healthy, g3 Healthy"],
+        ["kubelet", f"{RESOURCE}: capacity 3, allocatable 3 (g3 Unhealthy -> Healthy)"],
+        ["plugin", "GetPreferredAllocation(size 1 of g2, g3): g2"],
+        ["kubelet", f"pod default/pod-2 asks for 1 {RESOURCE}: Allocate(g2)"],
+        ["plugin", "env GOPHER_DEVICES=g2"],
+        ["kubelet", "stopped: kubelet.sock removed"],
+    ]
+    assert not os.path.exists(node.kubelet_socket)
+    assert (await kubelet.stderr.receive_some()) == b""
 
 
 async def run_cli_async(*args, env=None):
@@ -7454,7 +7794,7 @@ def test_bad_usage_exits_2():
     [
         ("server", "did you mean serve?"),
         ("chek-config", "did you mean check-config?"),
-        ("xyzzy", "the commands are serve, check-config, probe, who, demo"),
+        ("xyzzy", "the commands are serve, check-config, probe, who, demo, kubelet"),
     ],
 )
 def test_a_word_that_is_not_a_command_is_one_line(word, said):
@@ -9795,6 +10135,88 @@ def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_
     assert gp.dra_device(embedded, device)["attributes"]["model"] == {"string": "H200"}
 
 
+@pytest.mark.parametrize(
+    "written, stored",
+    [
+        ("2E", "2E"),  # the exa suffix (10^18), which the API server and the chart accept
+        ("1000E", "1e21"),  # past E no suffix: an exponent, which every release keeps as written
+        ("1e9999999", "1e9999999"),
+        ("1e-9999999", "1e-9"),  # finer than 1n: rounded up, as the parser does
+        ("16Ei", "9223372036854775807"),  # binary past 2^63-1: the API server caps it so
+        ("-8Ei", "-9223372036854775807"),
+        ("9223372036854775807Ki", "9223372036854775807"),
+        ("1e2147483648", None),  # past the server's 32-bit scale (1.36 wraps it: 1e4294967297 is 1e1)
+        ("1e" + "9" * 5000, None),
+        ("1234567890123456789e9999999", None),  # the server would work it out in big numbers
+        ("\u0661", None),  # an Arabic-Indic one: Go reads ASCII digits only
+    ],
+)
+def test_any_quantity_is_the_api_servers_canonical_value_or_refused_never_an_exception(written, stored):
+    """Issue 44 (H1, L7): the exa suffix and any exponent raised; a binary quantity past int64 was
+    written as "16Ei" and stored capped, which looked like a field the server dropped."""
+    assert gp.canonical_quantity(written) == stored
+    assert gp.canonical_quantity(10**5000) == "100e4998"  # past int()'s 4300 digits
+    fields = {"capacity": {"memory": written}}
+    if stored is None:
+        with pytest.raises(gp.ConfigError, match="is not a quantity"):
+            gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml")
+    else:
+        (resource,) = gp.parse_config(dra_config("/g", "/k", **fields), "cfg.yaml").resources
+        assert resource.capacity[0].value == stored
+    # Read from a file or said by describe: left out with a line, or kept as the server keeps it.
+    resource = gp.resource_config("example.com/gpu", capacity={"memory": {"file": "/m"}})
+    device, problems = gp.with_read_values(
+        resource, gp.DeviceEntry("0", "/dev/gpu0"), gp.ReadValues(capacity={"memory": written})
+    )
+    assert device.capacity == (() if stored is None else (("memory", stored),))
+    assert [key for key, _ in problems] == ([] if stored else ["capacity.memory"])
+
+
+def test_names_and_versions_are_checked_as_go_does_ascii_digits_and_bytes():
+    """Issue 44 (L1): Python's \\d and str.isdigit() take other scripts' digits, and str.lower() the
+    Kelvin sign for a "k"; Go's regexps and the API server take ASCII digits, and count bytes."""
+    assert gp.attribute_value_problem("version", "1.2.3") == ""
+    assert "not a semantic version" in gp.attribute_value_problem("version", "1\u0661.2.3")
+    assert "not a semantic version" in gp.attribute_value_problem("version", "1.2.3-1\u0663")
+    kelvin = "\u212a"  # 3 bytes in UTF-8; lower() is "k"
+    assert gp.attribute_name_problem("EXAMPLE.com/model") == ""  # upper case is lower-cased, as Go does
+    assert "must be a DNS subdomain" in gp.attribute_name_problem(f"example{kelvin}.com/model")
+    assert "must be a DNS subdomain" in gp.attribute_name_problem("a" * 62 + kelvin + "/model")  # 65 bytes
+    assert gp.attribute_name_problem("m\u0661") != ""  # a C identifier is ASCII
+    # A digit int() cannot read is not a port (a traceback before).
+    assert "is not host:port" in gp.metrics_address_problem("0.0.0.0:\u00b2")
+
+
+def test_a_read_attribute_in_the_drivers_domain_never_stands_beside_gopherplugs_own_or_a_literal():
+    """Issue 44 (L2): "<driver>/healthy" is the attribute "healthy" to the API server and the
+    scheduler; said by describe or a file, it was published beside gopherplug's own, and CEL saw
+    whichever Go's map order gave. gopherplug's own wins, then the configuration's literal."""
+    config = gp.parse_config(
+        dra_config("/g", "/k", attributes={"model": "H200", "serial": {"file": "/s"}}, capacity={"memory": "80Gi"}),
+        "cfg.yaml",
+    )
+    (resource,) = config.resources
+    said = gp.ReadValues(
+        attributes={
+            f"{DRIVER}/healthy": ("bool", False),
+            f"{DRIVER}/model": ("string", "B200"),
+            f"{DRIVER}/serial": ("string", "7"),
+        },
+        capacity={f"{DRIVER}/memory": "40Gi", f"{DRIVER}/cores": "132"},
+    )
+    device, problems = gp.with_read_values(resource, gp.DeviceEntry("0", "/dev/gpu0"), gp.ReadValues(), said)
+    assert dict(problems) == {
+        "attributes.healthy": "is an attribute gopherplug gives every device itself: describe's is not used",
+        "attributes.model": "the configuration says 'H200', which is used, not describe's 'B200'",
+        "capacity.memory": "the configuration says '80Gi', which is used, not describe's '40Gi'",
+    }
+    published = gp.dra_device(resource, device, DRIVER)
+    assert published["attributes"]["healthy"] == {"bool": True}
+    assert not [name for name in published["attributes"] if name.startswith(f"{DRIVER}/")]
+    assert published["attributes"]["serial"] == {"string": "7"}
+    assert published["capacity"] == {"memory": {"value": "80Gi"}, "cores": {"value": "132"}}
+
+
 def test_dra_config_defaults():
     config = gp.parse_config(dra_config("/g", "/k", device_metadata=None), "cfg.yaml")
     assert config.dra == gp.DraConfig(DRIVER, "/k")
@@ -10439,6 +10861,33 @@ def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
     assert standins.resource_slice_causes(item)[0]["message"].startswith(
         'Invalid value: "pci-bus-id": a valid C identifier'
     )
+
+
+def test_sysfs_attributes_never_take_a_device_past_the_api_servers_32():
+    """Issue 44 (M1): 29 literals pass with gopherplug's 3 (32), and a PCI device's NUMA node and
+    address add 4: the API server refused the slice, and the whole pool left the node. check-config
+    warns of it; at runtime the last by name are left out, a line each, and the slice passes."""
+    literals = {f"a{n:02}": n for n in range(27)}
+    config = gp.parse_config(dra_config("/g", "/k", attributes=literals, capacity={"m": "1Gi", "n": "2"}), "cfg.yaml")
+    assert config.warnings == (
+        "cfg.yaml: resources[0].attributes: with the capacities and gopherplug's own, 32, and up to 4 sysfs gives "
+        "a PCI device (NUMA node, PCI address) a device may have 36: past 32, the last by name are left out",
+    )
+    (resource,) = config.resources
+    device = gp.DeviceEntry("g0", "/g/g0", True, numa_node=1, pci=gp.PciAddress("0000:03:00.0", "pci0000:00"))
+    entry, problems = gp.with_read_values(resource, device, gp.ReadValues())
+    left_out = ["attributes.a25", "attributes.a26", "capacity.m", "capacity.n"]  # the last by name
+    assert problems == [(key, gp._TOO_MANY_VALUES) for key in left_out]
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": entry}, 1)
+    (published,) = item["spec"]["devices"]
+    assert len(published["attributes"]) == 32 and "capacity" not in published
+    assert published["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:03:00.0"}
+    assert standins.resource_slice_causes(item) == []
+    # Without sysfs's, all of them; and the stand-in refuses 33, as the API server does.
+    (item,) = gp.resource_slices(DRIVER, "node-1", resource, {"g0": gp.DeviceEntry("g0", "/g/g0")}, 1)
+    assert standins.resource_slice_causes(item) == []
+    item["spec"]["devices"][0]["attributes"]["one_more"] = {"int": 1}
+    assert [c["field"] for c in standins.resource_slice_causes(item)] == ["spec.devices[0]"]
 
 
 def test_dra_slice_and_pool_names_are_one_per_pool_and_within_the_apis_limits():

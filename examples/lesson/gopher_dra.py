@@ -1,42 +1,44 @@
-"""DRA in one sitting: the gopher devices of gopher_plugin.py (read its part 1 first), as a DRA driver.
+"""Lesson 4, DRA: the gophers of lesson 1 (gopher_devices.py), served as a DRA driver.
 
 With Dynamic Resource Allocation the kubelet no longer picks devices: the driver publishes them to
 the API server as ResourceSlices, the scheduler writes its choice into a ResourceClaim, and the
 kubelet asks the driver to prepare that claim before the pod's containers start (Kubernetes 1.34 or
-later: resource.k8s.io/v1). gopherplug.py's DRA lesson is the real thing (docs/dra.md).
+later: resource.k8s.io/v1). gopherplug.py is the real thing (docs/dra.md).
 
-  1. Slices         the devices -> this node's ResourceSlice, written again at each change
-  2. CDI            a CDI spec: what a container gets for each device, read by the runtime
+  1. Slices         the devices, with attributes and capacity -> this node's ResourceSlice
+  2. CDI            the spec of lesson 3 (gopher_allocation.py): what the runtime gives a container
   3. Registration   plugins_registry/<driver>-reg.sock: GetInfo, NotifyRegistrationStatus
   4. DRAPlugin      NodePrepareResources: read the claim, answer CDI device IDs
   5. The demo       `python gopher_dra.py --demo`: gopherplug's DRA kubelet and API server, narrated
+
+Lesson 5 (gopher_claims.py) is the user's side: a DeviceClass, a ResourceClaim whose CEL selector
+reads the attributes and capacity published here, and the scheduler's choice. Exercise 3 is here.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import stat
 import tempfile
 import urllib.error
 import urllib.request
 from typing import Any
 
 import trio
-from gopher_plugin import say, scan, watch_devices
+from gopher_allocation import CDI_KIND, write_cdi_spec
+from gopher_devices import Gopher, need, say, scan, watch_devices
+from gopher_plugin import plug
 
 import gopherplug as gp
 
 DRIVER = "gopher.example.com"
-CDI_KIND = "example.com/gopher"  # the CDI device gopher1 is "example.com/gopher=gopher1"
 DRA_SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"  # "v1.DRAPlugin" in supported_versions
 
 
 # 1. Slices. The API server speaks JSON over HTTP (`kubectl proxy` here; in a pod, HTTPS with the
 # service account's token and the cluster's CA). A thread per request keeps the event loop free.
-
-
 async def api(server: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     def call() -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
@@ -60,14 +62,23 @@ class Driver:
     def slice(self) -> dict[str, Any]:
         # Only healthy devices are published: the scheduler allocates what it sees. (gopherplug
         # publishes every device with a `healthy` attribute and taints the unhealthy ones.) A
-        # device's name must be a DNS label: gopherplug maps other IDs to one.
-        healthy = [device_id for device_id, health in self.devices.value.items() if health == "Healthy"]
-        devices = [{"name": device_id, "attributes": {"id": {"string": device_id}}} for device_id in healthy]
+        # device's name must be a DNS label: gopherplug maps other IDs to one. Its attributes (a
+        # string, int, bool or semantic version each) and its capacity (quantities) are what a
+        # claim's CEL selector reads: device.attributes["gopher.example.com"].model, and
+        # device.capacity["gopher.example.com"].memory. A name without a domain is the driver's.
+        healthy = (
+            (device_id, gopher) for device_id, gopher in self.devices.value.items() if gopher.health == "Healthy"
+        )
+        devices = [{"name": device_id, **self.describe(gopher)} for device_id, gopher in healthy]
         # The pool's generation grows with every change: the scheduler trusts only the newest one.
         pool = {"name": self.node, "generation": self.generation, "resourceSliceCount": 1}
         spec = {"driver": DRIVER, "nodeName": self.node, "pool": pool, "devices": devices}
         metadata = {"name": self.name, "resourceVersion": self.version} if self.version else {"name": self.name}
         return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
+
+    def describe(self, gopher: Gopher) -> dict[str, Any]:
+        attributes = {"model": {"string": gopher.properties.get("model", "gopher")}}  # exercise 3: numaNode
+        return {"attributes": attributes, "capacity": {"memory": {"value": gopher.properties.get("memory", "0")}}}
 
     async def publish(self) -> None:
         self.generation += 1
@@ -85,44 +96,27 @@ class Driver:
         names = ", ".join(device["name"] for device in written["spec"]["devices"])
         say("plugin", f"ResourceSlice {self.name} generation {self.generation}: {names}")
 
+    # 2. CDI. A DRA driver gives a container nothing itself: it names CDI devices, and the runtime
+    # applies their edits from the spec files in /var/run/cdi (lesson 3's). The spec first, then the
+    # slice: once a device is in a slice, a claim may get it and a container start with it.
+
     async def keep_published(self) -> None:
-        # The CDI spec first, then the slice: once a device is in a slice, a claim may be prepared
-        # for it and a container started, and the runtime must find the device's CDI edits.
         while True:
             touched = self.devices.next_touch()  # taken first: a change made while we write is not missed
-            self.write_cdi_spec()
+            write_cdi_spec(self.directory, self.devices.value, self.cdi_dir)
             await self.publish()
             await touched.wait()  # a change of the devices, or a registration (after a kubelet's wipe)
-
-    # 2. CDI. A DRA driver gives a container nothing itself: it names CDI devices, and the
-    # container runtime applies their edits from the spec files in /var/run/cdi.
-
-    def write_cdi_spec(self) -> None:
-        devices = []
-        for device_id in self.devices.value:
-            path = os.path.realpath(os.path.join(self.directory, device_id))
-            edits: dict[str, Any] = {"env": [f"GOPHER_{device_id.upper()}={device_id}"]}
-            if stat.S_ISCHR(os.stat(path).st_mode):
-                edits["deviceNodes"] = [{"path": f"/dev/{device_id}", "hostPath": path}]
-            else:  # the demo's gophers are plain files: a read-only bind mount
-                mount = {"hostPath": path, "containerPath": f"/run/gophers/{device_id}", "options": ["ro", "bind"]}
-                edits["mounts"] = [mount]
-            devices.append({"name": device_id, "containerEdits": edits})
-        spec = {"cdiVersion": "0.5.0", "kind": CDI_KIND, "devices": devices}
-        file = os.path.join(self.cdi_dir, "example.com-gopher.json")
-        with open(file + ".tmp", "w", encoding="utf-8") as out:
-            json.dump(spec, out)
-        os.replace(file + ".tmp", file)  # atomic: the runtime never reads half a spec
 
     # 3. Registration. The kubelet watches plugins_registry with inotify and calls GetInfo on every
     # socket that appears; there is no kubelet.sock to call. A restarted kubelet walks it again.
 
     async def GetInfo(self, request: Any) -> Any:  # noqa: N802 - the RPC's name
+        say("plugin", f"GetInfo: the kubelet found {DRIVER}-reg.sock")
         info = {"type": "DRAPlugin", "name": DRIVER, "endpoint": self.endpoint, "supported_versions": ["v1.DRAPlugin"]}
         return gp.pluginregistration.PluginInfo(**info)
 
     async def NotifyRegistrationStatus(self, status: Any) -> Any:  # noqa: N802
-        say("plugin", "the kubelet registered the driver" if status.plugin_registered else f"refused: {status.error}")
+        say("plugin", f"NotifyRegistrationStatus: {'registered' if status.plugin_registered else status.error}")
         # A starting kubelet deletes this node's slices, then registers the drivers: write them again.
         # (gopherplug also watches its slices, and writes again any that anyone deletes.)
         self.devices.touch()
@@ -143,7 +137,8 @@ class Driver:
             for result in found["status"]["allocation"]["devices"]["results"]:
                 if result["driver"] != DRIVER or result["pool"] != self.node:
                     continue  # another driver's device: the kubelet asks that driver
-                if self.devices.value.get(result["device"]) != "Healthy":  # gone since the scheduler chose it
+                gopher = self.devices.value.get(result["device"])
+                if gopher is None or gopher.health != "Healthy":  # gone since the scheduler chose it
                     answer.error = f"device {result['device']} is not there, or unhealthy"
                     break
                 name, cdi = result["device"], [f"{CDI_KIND}={result['device']}"]
@@ -185,16 +180,16 @@ class Driver:
 
 
 async def demo() -> None:
+    need("h11", "dra")  # the API server stand-in speaks HTTP/1.1 with h11
     with tempfile.TemporaryDirectory(prefix="lesson-dra-") as root:
         kubelet_dir, gophers, cdi = (os.path.join(root, name) for name in ("kubelet", "gophers", "cdi"))
-        for directory in (os.path.join(kubelet_dir, "plugins_registry"), gophers, cdi):
+        for directory in (os.path.join(kubelet_dir, "plugins_registry"), cdi):
             os.makedirs(directory)
-        for name in ("gopher0", "gopher1", "gopher2"):
-            open(os.path.join(gophers, name), "x").close()
+        plug(root, "gopher0", "gopher1", "gopher2")
         async with trio.open_nursery() as nursery:
             apiserver = await nursery.start(gp.LenientApiServer().run)
             kubelet = gp.DraKubeletSimulator(
-                kubelet_dir, wipe=lambda name: apiserver.delete_node_slices("node-1", name)
+                kubelet_dir, wipe=functools.partial(apiserver.delete_node_slices, "node-1")
             )
             await nursery.start(kubelet.run)
 
@@ -211,25 +206,29 @@ async def demo() -> None:
             with trio.fail_after(10):
                 await kubelet.wait_until(lambda k: DRIVER in k.drivers)
             await until("this node's ResourceSlice", lambda: len(published()) == 3)
-            open(os.path.join(gophers, "gopher3"), "x").close()
+            device = next(d for s in apiserver.slices.values() for d in s["spec"]["devices"] if d["name"] == "gopher1")
+            say("apiserver", f"  gopher1: attributes {device['attributes']}, capacity {device['capacity']}")
+            open(os.path.join(gophers, "gopher3"), "x").close()  # nothing known of it: memory 0
             say("demo", "created gophers/gopher3")
-            await until("the slice, updated", lambda: "gopher3" in published())
+            await until("the ResourceSlice, updated", lambda: "gopher3" in published())
             results = [{"request": "gopher", "driver": DRIVER, "pool": "node-1", "device": "gopher1"}]
             metadata = {"namespace": "default", "name": "my-gopher", "uid": "uid-1"}
             apiserver.put_claim({"metadata": metadata, "status": {"allocation": {"devices": {"results": results}}}})
-            say("scheduler", "allocated ResourceClaim default/my-gopher: gopher1 of pool node-1")
+            say("scheduler", "ResourceClaim default/my-gopher, allocated: gopher1 of pool node-1 (lesson 5: how)")
             answer = (await kubelet.prepare(DRIVER, [("default", "uid-1", "my-gopher")])).claims["uid-1"]
             say("kubelet", f"NodePrepareResources(default/my-gopher) -> CDI {answer.devices[0].cdi_device_ids[0]}")
             with open(os.path.join(cdi, "example.com-gopher.json"), encoding="utf-8") as file:
                 edits = next(d["containerEdits"] for d in json.load(file)["devices"] if d["name"] == "gopher1")
             mounted = edits["mounts"][0]["containerPath"]
-            say("runtime", f"example.com/gopher=gopher1: env {edits['env'][0]}, mount {mounted}")
+            say("runtime", f"CDI spec example.com/gopher=gopher1: env {edits['env'][0]}, mount {mounted}")
             await kubelet.unprepare(DRIVER, [("default", "uid-1", "my-gopher")])
             say("kubelet", "NodeUnprepareResources(default/my-gopher): the pod is gone")
             writes = len(apiserver.writes)
             kubelet.restart()
             say("demo", "the kubelet restarts: it deletes this node's slices, walks plugins_registry again")
-            await until("the slice, written again", lambda: ("create", f"node-1-{DRIVER}") in apiserver.writes[writes:])
+            await until(
+                "the ResourceSlice, written again", lambda: ("create", f"node-1-{DRIVER}") in apiserver.writes[writes:]
+            )
             nursery.cancel_scope.cancel()
         say("demo", "done")
 
