@@ -70,21 +70,22 @@ def fuzz(test: Callable[..., None], tally: Tally, inputs: int, seconds: float) -
     """Run ``test`` until it has tried ``inputs`` inputs or ``seconds`` have passed."""
     handle = test.hypothesis  # type: ignore[attr-defined]
     body = handle.inner_test
-    crashed: list[str] = []  # the repr of the last input that raised: hypothesis runs it once more to report it
+    replay = [False]  # after a crash, hypothesis runs its input once more, to report it: not a new input
 
     def counted(*args: Any, **kwargs: Any) -> None:
-        shown = repr((args, kwargs))
-        if crashed and crashed[-1] == shown:  # hypothesis replaying the crash it found: not a new input
+        if replay[0]:
+            replay[0] = False
             return body(*args, **kwargs)
         tally.inputs += 1
         try:
             return body(*args, **kwargs)
         except Exception as error:
             tally.crashes += 1
-            crashed.append(shown)
+            replay[0] = True
             kind = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
-            where = "".join(traceback.format_exception(error, limit=-2, chain=False))
-            tally.kinds.setdefault(kind, f"{shown[:300]}\n{where}")
+            if kind not in tally.kinds:
+                where = "".join(traceback.format_exception(error, limit=-2, chain=False))
+                tally.kinds[kind] = f"{_shown(args, kwargs)[:300]}\n{where}"
             raise
 
     parent = test._hypothesis_internal_use_settings  # type: ignore[attr-defined]
@@ -106,7 +107,7 @@ def fuzz(test: Callable[..., None], tally: Tally, inputs: int, seconds: float) -
                 suppress_health_check=list(HealthCheck),
                 print_blob=False,
             )
-            before, crashes = tally.inputs, tally.crashes
+            before, crashes, replay[0] = tally.inputs, tally.crashes, False
             try:
                 test()
             except Exception as error:  # counted, its first input kept: the next run goes on
@@ -119,6 +120,14 @@ def fuzz(test: Callable[..., None], tally: Tally, inputs: int, seconds: float) -
         handle.inner_test = body
         test._hypothesis_internal_use_settings = parent  # type: ignore[attr-defined]
         tally.seconds += time.monotonic() - start
+
+
+def _shown(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """An input, for a person: its repr (which a 5000-digit int refuses, past Python's limit)."""
+    try:
+        return repr(args or kwargs)
+    except ValueError as error:
+        return f"<an input without a repr: {error}>"
 
 
 def table(tallies: list[Tally]) -> str:
