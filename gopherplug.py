@@ -128,6 +128,7 @@ import fcntl
 import fnmatch
 import functools
 import hashlib
+import http
 import inspect
 import itertools
 import json
@@ -585,9 +586,8 @@ METHODS: dict[str, Method] = {
 }
 
 # Not the kubelet's: gopherplug's own status service, served on each resource's socket beside
-# DevicePlugin (the kubelet calls only what it knows). `gopherplug probe` asks it whether the
-# kubelet is using the resource, which no DevicePlugin call can tell: a plugin the kubelet never
-# registered again answers every call and still offers nothing.
+# DevicePlugin. `gopherplug probe` asks it whether the kubelet is using the resource, which no
+# DevicePlugin call can tell: a plugin the kubelet never registered again answers every call.
 _STATUS_FIELDS = (
     ("resource_name", 1, "string"),
     ("registered", 2, "bool"),  # Register succeeded with the kubelet that runs now
@@ -628,9 +628,7 @@ GET_STATUS = Method("gopherplug.Status", "Get", v1beta1.Empty, ResourceStatus, F
 #   same messages in ".v1beta1", which 1.34 kubelets also know): NodePrepareResources before a pod's
 #   containers start, NodeUnprepareResources after they are gone. dra.proto in this repository.
 #
-# DRA needs Kubernetes 1.34 or later: the driver reads ResourceClaims and writes ResourceSlices as
-# resource.k8s.io/v1 (GA in 1.34), the only version KubeApi speaks. 1.32 and 1.33 kubelets would
-# register the driver (through v1beta1.DRAPlugin), but their API servers serve only the beta APIs.
+# DRA needs Kubernetes 1.34 or later: resource.k8s.io/v1 (GA in 1.34) is the only version KubeApi speaks.
 #
 # The version names a plugin lists in PluginInfo.supported_versions are not gRPC paths: "v1.DRAPlugin"
 # (DRAPluginService in dra/v1/types.go) stands for the service at /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/.
@@ -728,11 +726,8 @@ _DRA_HEALTH_SERVICES = {
 DRA_HEALTH_VERSION = f"{_DRA_HEALTH_PACKAGE}.DRAResourceHealth"
 
 #: Every DRAResourceHealth version served, newest first: (name in supported_versions, proto package).
-#: v1.36 kubelets read only v1alpha1. The kubelet's main branch (planned for 1.37) defines v1beta1
-#: and v1 in k8s.io/kubelet/pkg/apis/dra-health (packages "v1beta1" and "v1", the same messages,
-#: names and numbers as v1alpha1; DRAResourceHealthService in each types.go), opens the newest one
-#: a driver lists, and keeps v1alpha1 as a fallback for a few releases: so a newer kubelet gets
-#: health without an upgrade of gopherplug, and an older one still finds v1alpha1.
+#: v1.36 kubelets read only v1alpha1; the kubelet's main branch defines v1beta1 and v1 (the same
+#: messages, k8s.io/kubelet/pkg/apis/dra-health) and opens the newest one a driver lists.
 DRA_HEALTH_VERSIONS = (
     ("v1.DRAResourceHealth", "v1"),
     ("v1beta1.DRAResourceHealth", "v1beta1"),
@@ -1006,11 +1001,9 @@ class DeviceSpecTemplate:
     """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in.
 
     In a scanned entry of a resource with ``cdi``, also the host file's mode and owner, as the last
-    look found them (None: no cdi, or the file could not be stat'ed). A DeviceSpec needs none of
-    them (the runtime copies the host node's); a CDI spec does (without them, the runtime makes
-    the node 0666 root:root). They are part of the entry, so that a chmod or chown of the node
-    changes the entry, and the CDI spec is written again. (One field, not three: each field of a
-    frozen dataclass costs every instance, and a scan of 50,000 nodes makes 50,000.)
+    look found them (None: no cdi, or no stat). A CDI spec needs them (without them, the runtime
+    makes the node 0666 root:root); in the entry, a chmod or chown writes the spec again. (One
+    field, not three: a scan of 50,000 nodes makes 50,000 instances.)
     """
 
     host_path: str
@@ -1049,11 +1042,9 @@ class CDIConfig:
 
 @dataclass(frozen=True)
 class ClaimCDISpec(CDIConfig):
-    """The CDI spec file of one prepared claim's own CDI devices (claim_cdi_specs: each request's
-    env, its shares of devices), beside the resource's own spec: "<vendor>-<class>_<claim UID>.json".
-    A file per claim is written once at NodePrepareResources and removed at NodeUnprepareResources,
-    so that claims prepared at once never rewrite each other's devices, and the resource's spec
-    stays the devices the watch sees."""
+    """The CDI spec file of one prepared claim's own CDI devices (claim_cdi_specs), beside the
+    resource's spec: "<vendor>-<class>_<claim UID>.json". One per claim, written at prepare and
+    removed at unprepare, so that claims prepared at once never rewrite each other's devices."""
 
     claim_uid: str = ""
 
@@ -1076,9 +1067,8 @@ class DraConfig:
     kubelet_dir: str = DEFAULT_KUBELET_DIR  #: the kubelet's root directory
     #: the effect of an unhealthy device's taint in its ResourceSlice: NoSchedule, or NoExecute to evict
     unhealthy_taint: str = "NoSchedule"
-    #: this pod's UID (the POD_UID environment variable, from the downward API), "" if not known.
-    #: With it, the sockets carry it, so that two pods of the DaemonSet can serve side by side
-    #: during a rolling update (maxSurge: 1): the old one until the new one is registered.
+    #: this pod's UID (POD_UID, from the downward API), "" if not known: the sockets carry it, so that
+    #: two pods of the DaemonSet can serve side by side during a rolling update
     pod_uid: str = ""
     #: write each prepared claim's device metadata file and mount it into its containers (KEP-5304;
     #: device_metadata_files): on unless ``dra: {device_metadata: false}``
@@ -1087,12 +1077,9 @@ class DraConfig:
     @property
     def registration_socket(self) -> str:
         """Where the kubelet's plugin watcher finds the driver: a socket in plugins_registry,
-        "<driver>-reg.sock", or with a pod UID the first of these that fits in a unix socket's path,
-        the names the Go helper's RollingUpdate option gives (RollingUpdateRegistrarSocketFile in
-        kubernetes/dynamic-resource-allocation kubeletplugin/draplugin.go):
-        "<driver>-<pod UID>-reg.sock", "<driver>-<hash of the UID>-reg.sock",
-        "dra-<hash of the driver and UID>-reg.sock". The plugin watcher registers every socket in the
-        directory, whatever its name: the name only has to differ from the other pod's."""
+        "<driver>-reg.sock", or with a pod UID the first of these names that fits in a unix socket's
+        path (the Go helper's RollingUpdate option's, kubernetes/dynamic-resource-allocation
+        kubeletplugin/draplugin.go). The watcher registers every socket there, whatever its name."""
         registry = os.path.join(self.kubelet_dir, "plugins_registry")
         if not self.pod_uid:
             return os.path.join(registry, f"{self.driver}-reg.sock")
@@ -1133,16 +1120,14 @@ class DraConfig:
     @property
     def metadata_dir(self) -> str:
         """Where the device metadata files of prepared claims are kept on the host, to be bind-mounted
-        into containers: "dra-device-metadata" in the driver's directory, where the Go helper keeps
-        them (metadataSubDir in kubernetes/dynamic-resource-allocation kubeletplugin/metadata.go).
-        Shared by both pods of a rolling update, as the checkpoint that says which are current."""
+        into containers: where the Go helper keeps them (metadataSubDir in
+        kubernetes/dynamic-resource-allocation kubeletplugin/metadata.go)."""
         return os.path.join(self.plugin_dir, "dra-device-metadata")
 
     @property
     def serialize_lock(self) -> str:
-        """The flock that NodePrepareResources and NodeUnprepareResources take around their change of
-        the checkpoint, in every pod of the driver (the Go helper's "serialize.lock", in the same
-        directory)."""
+        """The flock every pod of the driver takes around a change of the checkpoint (the Go helper's
+        "serialize.lock", in the same directory)."""
         return os.path.join(self.plugin_dir, "serialize.lock")
 
 
@@ -1158,12 +1143,8 @@ _POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 #: A resource's ``api``: which of the kubelet's APIs offers its devices on this node. One, never both:
-#: the two would each give the same device to a pod, neither knowing what the other gave. A cluster
-#: moves a resource from one to the other node by node (docs/dra.md, "Moving a resource from the
-#: device plugin to DRA"): the scheduler lets DRA serve an extended resource on a node only where the
-#: node's allocatable for it is 0 (kubernetes/kubernetes
-#: pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go), so pods that ask
-#: for it in resources.limits are served by whichever API the node runs.
+#: the two would each give the same device to a pod, neither knowing what the other gave (a cluster
+#: moves a resource node by node: docs/dra.md, "Moving a resource from the device plugin to DRA").
 APIS = ("device-plugin", "dra")
 
 #: What a file that still says ``api: both`` or ``allow_double_booking`` is told to do instead.
@@ -4422,10 +4403,9 @@ def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, D
 # resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
 # pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
 
-#: The label namespace NFD gives the names of a feature file (FeatureLabelNs in kubernetes-sigs/
-#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go). nfd-master adds it to a name
-#: without one, unless its DisableAutoPrefix gate is on (alpha since 0.16), which refuses such a
-#: name instead: written out, a name is the same label either way.
+#: The label namespace NFD gives a feature file's names (FeatureLabelNs in kubernetes-sigs/
+#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go), written out: the same label
+#: whether nfd-master adds it or refuses a name without it (its DisableAutoPrefix gate).
 NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
 #: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
 #: larger one whole, every label of it.
@@ -4442,21 +4422,18 @@ def nfd_label_name(resource_name: str, key: str) -> str:
     those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
     same resource and key, the same label, on every node."""
     part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
-    if len(part) > _LABEL_VALUE_LENGTH:
+    if len(part) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(part):  # "model_": NFD drops it
         digest = hashlib.sha256(part.encode()).hexdigest()[:8]
         part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
     return f"{NFD_LABEL_NAMESPACE}/{part}"
 
 
 def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
-    """An attribute's value ({"string": "NVIDIA H200"}, as a ResourceSlice types it) as a label's
-    value, or None when none can stand for it. A label's value is at most 63 letters, digits, "-",
-    "_" and ".", beginning and ending with a letter or digit (IsValidLabelValue, which NFD applies
-    to each of a file's lines before it labels). A boolean is "true" or "false", an integer its
-    digits (a negative one has no label: "-1" is none, and "1" would lie); a string or a version
-    that is no label value is made one as NVIDIA's gpu-feature-discovery makes its product names:
-    each run of other characters a "-", cut to 63, its ends trimmed ("NVIDIA H200" is
-    "NVIDIA-H200"; "1.2.3+build.7" is "1.2.3-build.7"). None when nothing is left of it."""
+    """An attribute's value ({"string": "NVIDIA H200"}) as a label's value (IsValidLabelValue, which
+    NFD's validate.Label applies), or None when none can stand for it: a boolean "true" or "false",
+    an integer its digits (a negative one none: "1" would lie); a string or a version made one as
+    NVIDIA's gpu-feature-discovery makes its product names: each run of other characters a "-",
+    cut to 63, its ends trimmed ("NVIDIA H200" is "NVIDIA-H200"; "1.2.3+build.7" "1.2.3-build.7")."""
     [(kind, value)] = typed.items()
     if kind == "bool":
         return "true" if value else "false"
@@ -4471,12 +4448,9 @@ def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
 
 def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
     """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
-    integer, which node affinity's Gt and Lt compare), then each attribute that every one of its
-    devices has with the same value (device_attributes: what sysfs says, declared, described), by
-    name. Of the standard domain's attributes (resource.kubernetes.io/pciBusID...) the name alone
-    is used; gopherplug's own ``numaNode`` is the same. An attribute whose value is no label value
-    (nfd_label_value) has no label, nor one whose name gives the label of ``count`` or of another
-    attribute before it. No device: only the count, 0."""
+    integer, which node affinity's Gt and Lt compare), then each attribute all its devices share
+    (device_attributes), by name (the standard domain's without it). An attribute with no label
+    value (nfd_label_value), or whose label another has already, has none."""
     labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
     # What device_attributes reads of a device beside its ID and health: devices alike in these have
     # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
@@ -5241,44 +5215,32 @@ HANDSHAKE_TIMEOUT = 10.0
 # request (an Allocate, a ListAndWatch) is a few hundred bytes: one read as before.
 _RECEIVE_BUFFER_SIZE = 16 * 1024
 
-# What one peer may make a server hold. The plugin's sockets are the kubelet's (mode 0600, root
-# only), but a plugin must not be the weak part of a node: a broken or hostile client costs it a
-# bounded amount of memory and is then refused, and every other client goes on being served. The
-# limits are grpc-go's where it has one (the kubelet's side of every call), tighter where grpc-go
-# trusts its peer more than a node agent should.
+# What one peer may make a server hold: a broken or hostile client costs a bounded amount of memory
+# and is then refused, and every other client goes on being served. The limits are grpc-go's where
+# it has one (the kubelet's side of every call), tighter where grpc-go trusts its peer more than a
+# node agent should; docs/security.md, "What a peer can make the plugin hold", lists them all.
 
 #: The most of one request a stream may send before its call ends, in DATA bytes: one message of
-#: the largest size the kubelet accepts, and its 5-byte gRPC prefix. grpc-go's server refuses a
-#: larger message with RESOURCE_EXHAUSTED ("received message larger than max"), its default
-#: MaxRecvMsgSize being the same 4 MiB; a request is one message (every method here takes one),
-#: so more bytes than that on one stream are always wrong. Also the stream's flow-control window
-#: that SETTINGS announces: purerpc's two whole messages per stream, never more than one.
+#: the largest size the kubelet accepts, and its 5-byte gRPC prefix (grpc-go's server refuses more
+#: with RESOURCE_EXHAUSTED). Also the stream's flow-control window that SETTINGS announces: purerpc's
+#: two whole messages per stream, never more than one.
 MAX_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 5
 
-#: The most request bytes one connection may have unanswered, summed over its streams (and counted
-#: decompressed): one largest request and a mebibyte of ordinary ones beside it. The kubelet's
-#: requests are a few hundred bytes (an Allocate of a few device IDs; ListAndWatch's is empty), so
-#: it never comes near; a peer that opens streams and sends without ending them (grpc-go and
-#: purerpc would hold up to one flow-control window on each of 1,024 streams: gigabytes) gets
-#: GOAWAY ENHANCE_YOUR_CALM and its connection closed once it passes this.
+#: The most request bytes one connection may have unanswered, summed over its streams (counted
+#: decompressed). The kubelet's requests are a few hundred bytes; a peer that opens streams and
+#: never ends them (a flow-control window on each of 1,024 streams: gigabytes) gets GOAWAY
+#: ENHANCE_YOUR_CALM once it passes this.
 MAX_CONNECTION_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 2**20
 
-#: How much may wait to be written to one connection before its readers and senders pause: the
-#: reader stops reading requests, a stream stops producing messages, until the peer has read what
-#: is queued. grpc-go's server does the same per stream (its writeQuota of 64 KiB blocks a sender)
-#: and per connection (its reader stops while more than 50 control frames wait). The kubelet reads
-#: all the time, so the queue is empty but for a burst; a peer that does not read meets the pause
-#: and costs no more than this and one message in flight, however many streams it opened.
+#: How much may wait to be written to one connection before its reader and senders pause until the
+#: peer has read it, as grpc-go's writeQuota blocks a sender. The kubelet reads all the time; a
+#: peer that does not read costs no more than this and one message in flight.
 SEND_QUEUE_LIMIT = 2**20
 
-#: The gRPC message encodings a request may use. The kubelet never compresses (grpc-go sends
-#: identity unless a compressor is asked for, and the kubelet asks for none), but gRPC lets any
-#: client, and grpcio's `compression=` option is one line: gzip and deflate are accepted, each
-#: decompressed into at most KUBELET_MAX_MESSAGE bytes (a larger result is refused with
-#: RESOURCE_EXHAUSTED, grpc-go's "received message after decompression larger than max"), never
-#: the unbounded zlib.decompress purerpc uses, for which 130 KiB of request became 128 MiB. Any
-#: other encoding (snappy) is UNIMPLEMENTED, as grpc-go answers an encoding it has no decompressor
-#: for.
+#: The gRPC message encodings a request may use. The kubelet never compresses, but any gRPC client
+#: may: gzip and deflate are decompressed into at most KUBELET_MAX_MESSAGE bytes (more is
+#: RESOURCE_EXHAUSTED, as grpc-go), never with the unbounded zlib.decompress purerpc uses (130 KiB
+#: of request became 128 MiB). Any other encoding is UNIMPLEMENTED, as grpc-go answers.
 DECOMPRESSED_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 # Errors that mean "the peer went away". A kubelet that restarts, a probe that exits, a client that
@@ -5287,9 +5249,8 @@ _GOODBYE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStr
 
 
 def _grpc_configuration(client_side: bool) -> GRPCConfiguration:
-    # purerpc accepts messages of up to 32 MiB (and opens a 64 MiB flow-control window for them) by
-    # default; nothing in this API comes near the kubelet's own 4 MiB limit, so neither do we: a
-    # peer announcing more gets its connection closed before we buffer it.
+    # purerpc accepts messages of up to 32 MiB by default; nothing in this API comes near the
+    # kubelet's own 4 MiB limit, so neither do we.
     return GRPCConfiguration(client_side=client_side, max_message_length=KUBELET_MAX_MESSAGE)
 
 
@@ -5300,13 +5261,10 @@ class _UnixSocketWrapper(SocketWrapper):
     and purerpc's stock handler swallows the error: the client just times out. A unix socket needs
     none of them (no Nagle, no keepalive: the kernel knows when the peer is gone).
 
-    Stock purerpc sends through a writer task: every flush() wakes it, and it sends what h2 has
-    queued. Each wake is one more trip through trio's scheduler (a task switch, an epoll_wait),
-    per call. Here flush() takes h2's bytes and, when the writer has nothing in hand, sends them
-    at once from the calling task: a unix socket's send never blocks while its buffer has room,
-    and the socket is non-blocking. The writer is kept for what does not fit (EAGAIN, a partial
-    send: a slow reader) and for errors, which it meets as it always did. Bytes leave in the order
-    they were flushed: nothing is sent here while the writer holds some.
+    Stock purerpc sends through a writer task that every flush() wakes: one more trip through
+    trio's scheduler per call. Here flush() sends h2's bytes at once from the calling task when the
+    writer has nothing in hand (the socket is non-blocking); the writer is kept for what does not
+    fit (EAGAIN, a partial send) and for errors. Bytes leave in the order they were flushed.
 
     ``at_once()`` holds back the sends of a few flushes in a row (a unary answer's headers,
     message and trailers) and sends them together at its end: one send() a call instead of three.
@@ -5368,12 +5326,10 @@ class _UnixSocketWrapper(SocketWrapper):
     async def recv(self, buffer_size: int) -> bytes:
         """The next bytes from the peer: wait until the socket is readable, then read once.
 
-        anyio's receive (trio's recv underneath) tries the read first, and trio then yields to
-        its scheduler after a read that succeeded, for fairness. After a call's request, the next
-        read finds nothing (EAGAIN, an exception raised and caught) and waits; the successful read
-        before it cost a pass through the scheduler of its own. Waiting first costs one pass per
-        read, the same as a read that finds data waiting; reading after it, nothing more. The
-        errors are anyio's, as its receive raises them."""
+        anyio's receive tries the read first, and trio yields to its scheduler after a read that
+        succeeded; after a call's request, the next read finds nothing (EAGAIN) and waits too: two
+        passes through the scheduler per request, where waiting first costs one. The errors are
+        anyio's, as its receive raises them."""
         raw = self._raw_socket
         if raw is None:
             received: bytes = await super().recv(buffer_size)
@@ -5430,12 +5386,9 @@ class _UnixSocketWrapper(SocketWrapper):
 
 
 class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's frame reassembly, refusing an overlong frame as soon as its 9-byte header arrives.
-
-    h2 (3.2 and 4.x alike) checks a frame's length only once the whole frame is buffered: a peer
-    announcing a 16 MiB frame would have us hold 16 MiB, or wait for it forever. A frame header
-    starts with the payload length, 24 bits big-endian (RFC 9113, section 4.1).
-    """
+    """h2's frame reassembly, refusing an overlong frame as soon as its 9-byte header arrives:
+    h2 checks a frame's length only once the whole frame is buffered (a 16 MiB frame: 16 MiB held).
+    A frame header starts with the payload length, 24 bits big-endian (RFC 9113, section 4.1)."""
 
     def __next__(self) -> Any:
         # The bytes not yet parsed: `_data` in h2 4.x, `data` in h2 3.2 (empty either way: b"").
@@ -5449,23 +5402,18 @@ class _EarlyLimitFrameBuffer(h2.frame_buffer.FrameBuffer):
 class _ResetAwareConnection(GRPCConnection):
     """purerpc's gRPC-over-h2 state machine, reporting RST_STREAM instead of dropping it.
 
-    A client cancels one call (grpc-go's context cancellation, grpcio's call.cancel()) by sending
-    RST_STREAM on that stream only; the connection stays open. Stock purerpc ignores it, so a
-    ListAndWatch handler would live on until its next push tried to write, forever if none came.
+    A client cancels one call by sending RST_STREAM on that stream only. Stock purerpc ignores it,
+    so a ListAndWatch handler would live on until its next push tried to write, forever if none came.
     """
 
     # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames: a peer could make us buffer
     # 16 MiB per frame. The kubelet's grpc-go sends 16 KiB frames (the HTTP/2 default).
     MAX_INBOUND_FRAME_SIZE = 2**14
-    # The kubelet makes every call to a plugin on one connection, and grpc-go does not refuse a call
-    # over the streams we allow: it queues the call until a stream ends, its deadline running. The
-    # kubelet calls PreStartContainer for every container start, and starts pods in parallel (up
-    # to 110 per node by default, a few hundred at most); with 32 streams, 32 slow pre_start
-    # commands would hold every one, and the next PreStartContainer (30 s deadline) and Allocate
-    # behind them would time out in the kubelet's queue. So: far more streams than a kubelet can
-    # have in flight, each costing a task and its request (the kubelet's are a few bytes); how
-    # much work runs at once is for the handlers to limit where it costs (section 6 runs only a
-    # few pre_start commands at a time). purerpc's own 65,536 would let a peer pile up more.
+    # The kubelet makes every call to a plugin on one connection, and grpc-go queues a call over
+    # the streams we allow until one ends, its deadline running: with 32 streams, 32 slow pre_start
+    # commands would time out the PreStartContainer and Allocate calls behind them. So: far more
+    # streams than a kubelet can have in flight (110 pods per node by default); how much work runs
+    # at once is for the handlers to limit. purerpc's own 65,536 would let a peer pile up more.
     MAX_CONCURRENT_STREAMS = 1024
 
     def __init__(self, config: GRPCConfiguration) -> None:
@@ -5595,8 +5543,7 @@ class _GRPCSocket(GRPCProtoSocket):
     """A purerpc connection on any anyio byte stream (here: a unix socket), client or server side."""
 
     def __init__(self, stream: anyio.abc.ByteStream, connection: GRPCConnection) -> None:
-        # GRPCSocket.__init__ would wrap the stream in the stock SocketWrapper, whose constructor
-        # applies the TCP options, so the attributes it sets are set here instead.
+        # GRPCSocket.__init__ would wrap the stream in the stock SocketWrapper (the TCP options).
         AsyncExitStack.__init__(self)
         self._grpc_connection = connection
         self._socket = _UnixSocketWrapper(connection, stream)
@@ -5604,8 +5551,8 @@ class _GRPCSocket(GRPCProtoSocket):
         self._streams: dict[int, GRPCProtoStream] = {}
 
     async def _reader_thread(self) -> None:
-        # Client side only. Stock purerpc returns quietly at end of file and leaves every open call
-        # waiting forever for a response that cannot come. End them: their receivers see EndOfStream.
+        # Client side only. Stock purerpc returns quietly at end of file, every open call left
+        # waiting forever: end them (their receivers see EndOfStream).
         try:
             async for _ in self._listen():
                 raise ProtocolError("the server sent a request")
@@ -5625,15 +5572,13 @@ def _close_event_queues(stream: GRPCProtoStream) -> None:
 class _ImmediateService(purerpc.Service):
     """A purerpc service that can also hold *immediate* unary methods: handlers that never wait.
 
-    Most of what the kubelet asks a device plugin is answered from what the plugin already knows:
-    Allocate (the devices' paths, looked at again), GetPreferredAllocation, GetDevicePluginOptions.
-    A call answered in its own task, through purerpc's per-call stream object, costs a task, a
-    cancel scope, two memory streams and an event before its handler runs a line: over half of
-    the work of a whole Allocate. An immediate method's handler is a plain function, run by the
-    connection's reader at once when the request is complete, its answer handed to h2 directly
-    (_ServerConnection._answer_now). It must not wait for anything (it cannot: it is no
-    coroutine), which is also why it is safe to run there: no other call can be held up behind it
-    longer than its own computing takes, as with any handler on the one event loop.
+    Most of what the kubelet asks a device plugin is answered from what the plugin already knows
+    (Allocate, GetPreferredAllocation, GetDevicePluginOptions). A call answered in its own task
+    costs a task, a cancel scope, two memory streams and an event before its handler runs a line:
+    over half of the work of a whole Allocate. An immediate method's handler is a plain function,
+    run by the connection's reader once the request is complete, its answer handed to h2 directly
+    (_ServerConnection._answer_now). It cannot wait (it is no coroutine), so no other call is held
+    up behind it longer than its own computing takes.
 
     To any other server (stock purerpc's), an immediate method is an ordinary async one.
     """
@@ -5661,18 +5606,15 @@ class _ServerConnection(_GRPCSocket):
     """One accepted connection: reads frames, runs each call in its own task and cancel scope, or
     answers it at once when its method is immediate (_ImmediateService: no task, no scope).
 
-    Every DevicePlugin and Registration method takes exactly one request message, so a call starts
-    once its request is complete (END_STREAM seen): its task then never waits for input, and a
-    unary call runs from request to response in one step of trio's scheduler.
+    Every method here takes exactly one request message, so a call starts once its request is
+    complete (END_STREAM seen): a unary call runs from request to response in one scheduler step.
 
-    Resource handling: every call gets a trio.CancelScope kept in ``calls`` until its task ends.
-    RST_STREAM cancels that one scope (or drops a request still arriving); end of file (the peer
-    closed the connection) cancels them all. Reset streams are removed from purerpc's stream
-    table, which only forgets streams that ended normally in both directions.
+    Every call's trio.CancelScope is kept in ``calls`` until its task ends: RST_STREAM cancels that
+    one (or drops a request still arriving), end of file cancels them all. Reset streams are removed
+    from purerpc's stream table, which only forgets streams that ended normally both ways.
 
-    Error handling: a handler's RPCError becomes the call's status; any other exception is logged
-    with its traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC from the peer raises out of
-    serve(), and the caller drops the connection.
+    A handler's RPCError becomes the call's status; any other exception is logged with its
+    traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC raises out of serve().
     """
 
     def __init__(
@@ -5753,9 +5695,8 @@ class _ServerConnection(_GRPCSocket):
         Synchronous on purpose: the batch is applied as a whole, no other task runs in between.
         """
         reset = []
-        # A call reset in the batch that completes its request is not started at all. (A task
-        # started for it would run its handler anyway, up to its first checkpoint, and its
-        # answer would meet a stream h2 has closed already.)
+        # A call reset in the batch that completes its request is not started at all: its handler
+        # would run anyway, up to its first checkpoint, for a stream h2 has closed already.
         cancelled = {event.stream_id for event in events if isinstance(event, h2.events.StreamReset)}
         for event in events:
             if isinstance(event, WindowUpdated):
@@ -5862,12 +5803,10 @@ class _ServerConnection(_GRPCSocket):
         stream_id = request.stream_id
         connection = self._grpc_connection
         try:
-            response = handler(_request_message(request_type, messages))
+            with _held_back("grpc", f"{request.service_name}/{request.method_name}", _unknown):
+                response = handler(_request_message(request_type, messages))
         except RPCError as error:
             status = Status(error.code, error.message)
-        except Exception as error:
-            log.exception("%s/%s failed", request.service_name, request.method_name)
-            status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
         else:
             message = response.SerializeToString()
             if 5 + len(message) > connection.flow_control_window(stream_id):
@@ -5889,6 +5828,9 @@ class _ServerConnection(_GRPCSocket):
             connection.respond_status(stream_id, status)
         except h2.exceptions.ProtocolError as error:
             log.debug("could not close stream %d: %r", stream_id, error)
+
+
+_unknown = functools.partial(RPCError, StatusCode.UNKNOWN)  # a handler's bug (_held_back), as grpc-go's panic
 
 
 def _request_message(request_type: Any, messages: list[bytes]) -> Any:
@@ -5922,34 +5864,32 @@ async def _answer_call(
         )
         return
     try:
-        if response is None:
-            message = _request_message(bound.signature.request_type, messages)
-        if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
+        with _held_back("grpc", f"{request.service_name}/{request.method_name}", _unknown):
             if response is None:
-                response = await bound.method_fn(message, request=request)
-            with _at_once_if_it_fits(stream, response):
-                await stream.start_response()
-                await stream.send_message(response)
-                await _close_stream(stream, Status(StatusCode.OK))
-            return
-        else:
-            await stream.start_response()
-            responses = bound.method_fn(message, request=request)
-            try:
-                async for response in responses:
-                    if stream._socket.backlog() > SEND_QUEUE_LIMIT:
-                        await stream._socket.room()  # a peer that does not read gets nothing more queued
+                message = _request_message(bound.signature.request_type, messages)
+            if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
+                if response is None:
+                    response = await bound.method_fn(message, request=request)
+                with _at_once_if_it_fits(stream, response):
+                    await stream.start_response()
                     await stream.send_message(response)
-            finally:
-                # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
-                with trio.CancelScope(shield=True):
-                    await responses.aclose()
+                    await _close_stream(stream, Status(StatusCode.OK))
+                return
+            else:
+                await stream.start_response()
+                responses = bound.method_fn(message, request=request)
+                try:
+                    async for response in responses:
+                        if stream._socket.backlog() > SEND_QUEUE_LIMIT:
+                            await stream._socket.room()  # a peer that does not read gets nothing more queued
+                        await stream.send_message(response)
+                finally:
+                    # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
+                    with trio.CancelScope(shield=True):
+                        await responses.aclose()
         status = Status(StatusCode.OK)
     except RPCError as error:
         status = Status(error.code, error.message)
-    except Exception as error:
-        log.exception("%s/%s failed", request.service_name, request.method_name)
-        status = Status(StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
     await _close_stream(stream, status)
 
 
@@ -6002,8 +5942,7 @@ class GRPCServer:
         return sum(connection.open_streams for connection in self.connections)
 
     async def drained(self) -> None:
-        """Return once every connection has written all it was given to send: a call's last
-        message and status reach the peer before the server is stopped."""
+        """Return once every connection has written all it was given to send."""
         for connection in list(self.connections):
             await connection._socket.drained()
 
@@ -6016,15 +5955,11 @@ async def serve_grpc(
 ) -> None:
     """Serve purerpc services on a unix socket until cancelled.
 
-    Creates the socket (replacing a stale socket file at that path) with mode 0600, calls
-    ``task_status.started(GRPCServer)`` once it is listening, and never returns.
-
-    Resource handling: each connection runs in its own task and is closed when the peer leaves or
-    when this function is cancelled; the socket file is removed on the way out, unless someone
-    else already replaced it (checked by inode).
-
-    Error handling: a connection that breaks the protocol is dropped with a debug log line; the
-    server goes on serving the others. Errors creating the socket propagate to the caller.
+    Creates the socket (replacing a stale socket file at that path) with mode 0600, and calls
+    ``task_status.started(GRPCServer)`` once it is listening. Each connection runs in its own task;
+    the socket file is removed on the way out, unless someone else replaced it (_identity). A
+    connection that breaks the protocol is dropped with a debug line; errors creating the socket
+    propagate to the caller.
     """
     by_name = {service.name: service for service in services}
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
@@ -6135,12 +6070,8 @@ def _innermost(error: BaseException) -> BaseException:
 
 @contextlib.contextmanager
 def _unwrap_single_errors() -> Iterator[None]:
-    """Raise the lone exception inside an exception group as itself.
-
-    anyio's task groups (inside purerpc's sockets) wrap even a single exception, such as the
-    caller's own RPCError leaving an ``async with``, in an ExceptionGroup; the caller expects
-    the exception it raised.
-    """
+    """Raise the lone exception inside an exception group as itself: anyio's task groups (inside
+    purerpc's sockets) wrap even the caller's own RPCError leaving an ``async with`` in one."""
     try:
         yield
     except BaseExceptionGroup as group:
@@ -6169,42 +6100,50 @@ async def _client_connection(socket_path: str) -> AsyncIterator[_GRPCSocket]:
         yield grpc_socket
 
 
+@asynccontextmanager
+async def _request(
+    grpc_socket: _GRPCSocket,
+    method: Method,
+    request: Any,
+    metadata: tuple[tuple[str, str], ...],
+    timeout: datetime.timedelta | None = None,
+) -> AsyncIterator[GRPCProtoStream]:
+    """Start a call of ``method`` on a client connection, send its one request, and yield its stream."""
+    service, _, name = method.path[1:].partition("/")
+    full_name = method.request_type.DESCRIPTOR.full_name
+    # ``:authority: localhost``, what the kubelet sends; purerpc's channel would send "host:port".
+    stream = await grpc_socket.start_request(
+        "http", service, name, full_name, authority="localhost", timeout=timeout, custom_metadata=metadata
+    )
+    try:
+        stream.expect_message_type(method.response_type)
+        await stream.send_message(request)
+        await stream.close()
+        yield stream
+    finally:
+        _close_event_queues(stream)
+
+
 async def call_unary(
     socket_path: str, method: Method, request: Any, *, timeout: float, metadata: tuple[tuple[str, str], ...] = ()
 ) -> Any:
     """Make one unary call on a unix socket, the way grpc-go (the kubelet) does, and return the answer.
 
-    Sends ``:authority: localhost`` (what the kubelet sends; purerpc's channel would send
-    "host:port"), a grpc-timeout header, and gives up after ``timeout`` seconds, because a server
-    that accepts a connection but never answers would otherwise hang the caller forever. A fresh
-    connection per call, closed afterwards: the calls this is for (Register, probes) are rare.
+    Sends a grpc-timeout header, and gives up after ``timeout`` seconds: a server that accepts but
+    never answers would hang the caller. A fresh connection per call (Register, probes: rare).
 
     Raises RPCError: the server's status if it answered with one, UNAVAILABLE if the socket could
     not be reached or the connection broke, DEADLINE_EXCEEDED if no answer came in time.
     ``metadata``: request headers, (name, value) pairs.
     """
-    service, _, name = method.path[1:].partition("/")
+    # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which purerpc's microsecond
+    # unit reaches at 100 s.
+    deadline = datetime.timedelta(seconds=math.ceil(timeout))
     try:
         with trio.fail_after(timeout):
             async with _client_connection(socket_path) as grpc_socket:
-                stream = await grpc_socket.start_request(
-                    "http",
-                    service,
-                    name,
-                    method.request_type.DESCRIPTOR.full_name,
-                    authority="localhost",
-                    # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which
-                    # purerpc's microsecond unit reaches at 100 s.
-                    timeout=datetime.timedelta(seconds=math.ceil(timeout)),
-                    custom_metadata=metadata,
-                )
-                try:
-                    stream.expect_message_type(method.response_type)
-                    await stream.send_message(request)
-                    await stream.close()
+                async with _request(grpc_socket, method, request, metadata, deadline) as stream:
                     return await extract_message_from_singleton_stream(stream)
-                finally:
-                    _close_event_queues(stream)
     except trio.TooSlowError:
         raise RPCError(
             StatusCode.DEADLINE_EXCEEDED, f"{method.path} on {socket_path}: no answer within {timeout:g} s"
@@ -6215,13 +6154,10 @@ async def call_unary(
             raise RPCError(error.status.status_code, error.status.status_message) from None
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from error
     except BaseExceptionGroup as group:
-        # The caller was cancelled (a stop, the kubelet's directory wiped) while the server hung up:
-        # anyio's task group inside purerpc's socket can raise the cancellation beside what the
-        # hang-up caused (the peer's EndOfStream), as one group that `except Exception` does not
-        # take (seen with trio 0.27-0.30 and anyio 4.5-4.15, below the floors). The
-        # cancellation is what happened: raised alone, it ends at the cancel scope it belongs to,
-        # and the hang-up's error, which no one asked for any more, goes with the connection
-        # instead of crashing the caller's nursery.
+        # The caller was cancelled while the server hung up: anyio's task group inside purerpc's
+        # socket can raise the cancellation beside the hang-up's EndOfStream, as one group that
+        # `except Exception` does not take. The cancellation alone is what happened: raised alone,
+        # it ends at its own cancel scope instead of crashing the caller's nursery.
         cancelled, _ = group.split(trio.Cancelled)
         if cancelled is None:
             raise
@@ -6239,7 +6175,6 @@ async def open_stream(
     RPCError when the server ends the stream with an error status or the connection is lost.
     ``metadata``: request headers, (name, value) pairs.
     """
-    service, _, name = method.path[1:].partition("/")
     try:
         with trio.fail_after(timeout):
             socket_stream = await anyio.connect_unix(socket_path)
@@ -6249,22 +6184,9 @@ async def open_stream(
     try:
         with _unwrap_single_errors():
             async with socket_stream, _GRPCSocket(socket_stream, connection) as grpc_socket:
-                stream = await grpc_socket.start_request(
-                    "http",
-                    service,
-                    name,
-                    method.request_type.DESCRIPTOR.full_name,
-                    authority="localhost",
-                    custom_metadata=metadata,
-                )
-                try:
-                    stream.expect_message_type(method.response_type)
-                    await stream.send_message(request)
-                    await stream.close()
+                async with _request(grpc_socket, method, request, metadata) as stream:
                     async with contextlib.aclosing(_responses(stream, f"{method.path} on {socket_path}")) as responses:
                         yield responses
-                finally:
-                    _close_event_queues(stream)
     except _GOODBYE:
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: connection lost") from None
     except BaseExceptionGroup as group:
@@ -6554,14 +6476,10 @@ def missing_extras(config: Config) -> list[str]:
 
 
 class Metrics:
-    """Prometheus metrics, served over HTTP by prometheus_client (the ``metrics`` extra).
-
-    prometheus_client is imported here, not at the top: only a plugin with ``metrics_address``
-    needs it. The metrics live in their own CollectorRegistry, not the library's global one, so
-    that several plugins (tests, an embedding program) each serve their own. The hooks elsewhere
-    are ``if _metrics is not None: ...``: with metrics off, Allocate and ListAndWatch pay one
-    global lookup.
-    """
+    """Prometheus metrics (prometheus_client, the ``metrics`` extra, imported here: only a plugin
+    with ``metrics_address`` needs it), in their own CollectorRegistry so that several plugins (tests,
+    an embedding program) each serve their own. The hooks elsewhere are ``if _metrics is not None``:
+    with metrics off, Allocate and ListAndWatch pay one global lookup."""
 
     def __init__(self, address: str) -> None:
         try:
@@ -6613,10 +6531,10 @@ class Metrics:
         self.api_errors = prometheus.Counter(
             "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
         )
-        # Served by our own HTTP server (_serve_http, started by serve()), not prometheus_client's
-        # start_http_server: that one serves from a thread per connection, with no timeout and no
-        # limit on connections (20 idle connections held 20 threads, for as long as they liked).
-        # The socket is bound here, so that a port in use fails the start with one line.
+        # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
+        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
+        # connection, no timeout). Bound here: a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
         self._content_type = prometheus.CONTENT_TYPE_LATEST
         self._socket = _http_listener(address, "metrics_address")
@@ -6645,10 +6563,8 @@ class Metrics:
         self.devices.labels(resource, HEALTHY).set(healthy)
         self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
 
-    # A resource's series live as long as it is configured. Prometheus cannot tell a series that is
-    # absent from a plugin that is down: an alert on `gopherplug_devices == 0` never fires for a
-    # resource with no series, and one for a resource removed from the configuration would go on
-    # with its last value. So each series appears at 0 when its resource starts, and goes with it.
+    # A resource's series appear at 0 when it starts and go with it: an alert on a series that is
+    # absent never fires, and a removed resource's would go on with its last value.
 
     def serve(self, resource: ResourceConfig, pool: str | None) -> None:
         """Give a starting resource every series that applies to it, at 0 where it has none yet (a
@@ -6695,30 +6611,43 @@ def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextMan
     return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
 
 
+@contextlib.contextmanager
+def _held_back(
+    kind: str,
+    what: str,
+    refusal: Callable[[str], Exception] | None = None,
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = log,
+) -> Iterator[None]:
+    """The rule at every boundary: nothing a file, a program, the kubelet, the API server or a peer
+    sends ends the process. An error in the block that is no refusal (GopherplugError) is a bug that
+    input ``what`` met, and still its refusal: one line, to ``logger`` (None: the caller's refusal
+    path says it), raised as ``refusal(line)`` for that path to keep what runs (the last good
+    configuration, the devices as known), or without ``refusal`` the block's effect not had. Its
+    traceback is logged at debug; gopherplug_unexpected_errors counts it by ``kind``."""
+    try:
+        yield
+    except Exception as error:
+        if isinstance(_innermost(error), GopherplugError):
+            raise
+        line = (
+            f"{what}{': ' if what else ''}{type(_innermost(error)).__name__}: {_describe(error)}: held back; "
+            "a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+        )
+        if _metrics is not None:
+            _metrics.unexpected.labels(kind).inc()
+        if logger is not None:
+            logger.error("%s", line)
+        log.debug("the bug's traceback:", exc_info=True)
+        if refusal is not None:
+            raise refusal(line) from error
+
+
 # The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
-# process from what it knows already. The shipped DaemonSets used to run `gopherplug probe` as an exec
-# probe every 30 s: a second Python process importing everything, parsing the configuration and
-# dialing every socket, 0.46 s of CPU and 36 MiB each time (more CPU on average than the pod's whole
-# request, and twice its memory while it ran). Answered here it costs a few hundred microseconds, and
-# proves no less:
-#
-# - registered with the kubelet that runs now: each resource's check compares the kubelet generation
-#   it registered with against kubelet.sock's current one (inotify's queue taken first, as register()
-#   does), so a kubelet that restarted and did not get our registration back fails the check at once,
-#   not after a grace; and a resource whose socket file was deleted or replaced fails it too (one
-#   stat(), the inode compared with the one we bound). The kubelet itself dials that socket right
-#   after Register, so "registered with the current kubelet" already means "its server answered".
-# - used: registered, but no ListAndWatch stream from the kubelet for PROBE_STREAM_GRACE fails, as
-#   `gopherplug probe` does (a kubelet that never opens one: kubernetes issue #125501).
-# - alive: the answer comes from the trio event loop that also accepts and answers every gRPC call.
-#   A wedged loop answers nothing, and the kubelet's timeoutSeconds fails the probe. (Not on the
-#   metrics port for that reason: prometheus_client serves from a thread of its own, which would
-#   answer 200 for a process whose loop is stuck.)
-#
-# No socket is dialed per check: a dial would add a second client's HTTP/2 handshake (about a
-# millisecond of the same event loop) to prove what the kubelet's own dial-back and streams prove
-# already. `gopherplug probe` stays the operator's full check: it dials every socket as the kubelet
-# would and prints the devices.
+# process from what it knows already (docs/operations.md, "The liveness check", says what each check
+# proves): registered with the kubelet that runs now (its generation compared, its socket's inode),
+# used (a ListAndWatch stream, as `gopherplug probe` asks), and alive (the answer comes from the event
+# loop that answers every gRPC call: a wedged loop answers nothing, and timeoutSeconds fails it). No
+# socket is dialed per check: the kubelet's own dial-back and streams prove that already.
 
 
 class Health:
@@ -6752,11 +6681,9 @@ class Health:
         return found
 
 
-#: The Health of the serve_plugin() this task runs under (None: no serve_plugin, e.g. serve_resource
-#: called by an embedding program, which then has no checks). A context variable rather than an
-#: argument through every layer: trio gives each task a copy of its parent's context, so every part
-#: serve_plugin starts (and every part those start) sees its own plugin's, and two plugins in one
-#: process (tests, an embedding program) each keep theirs.
+#: The Health of the serve_plugin() this task runs under (None: none, no checks). A context variable,
+#: not an argument through every layer: trio gives each task a copy of its parent's context, so two
+#: plugins in one process (tests, an embedding program) each keep theirs.
 _HEALTH: contextvars.ContextVar[Health | None] = contextvars.ContextVar("gopherplug_health", default=None)
 
 
@@ -6767,21 +6694,15 @@ def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractC
 
 
 # The two HTTP ports, health and metrics, are served by one small HTTP/1.1 server on the event loop,
-# with the limits a careful server has (Go's http.Server with ReadHeaderTimeout and WriteTimeout set,
-# as the kubelet's own ports are): in the charts the health port is open to every pod of the cluster,
-# and the kubelet restarts the pod when its probe fails. A peer that holds connections open without
-# sending must not keep the probe out (it did, once the process ran out of open files: main() raises
-# the soft limit too), a peer that sends one byte a second must not keep a connection forever, and a
-# peer that does not read must not keep a task. One request per connection (Connection: close):
-# the kubelet's prober turns keep-alive off and opens a connection per probe, and Prometheus simply
-# connects again for its next scrape, so no connection ever idles between two requests, and the
-# header timeout is also its idle timeout.
+# with the limits of Go's http.Server with ReadHeaderTimeout and WriteTimeout set (the kubelet's own
+# ports): the health port is open to every pod of the cluster, and a peer that holds connections,
+# trickles bytes or does not read must keep neither the probe out nor a task. One request per
+# connection (Connection: close), as the kubelet's prober and Prometheus make them: the header
+# timeout is also the idle timeout.
 
-#: The most connections one HTTP port serves at once. A new one past it closes the oldest (every
-#: connection is either waiting for its request, bounded by HTTP_HEADER_TIMEOUT, or being answered at
-#: once): connections held open only push each other out, never the kubelet's probe, which sends its
-#: request as soon as it connects. The kubelet has one probe in flight per container, Prometheus one
-#: scrape per target: 64 is room for several scrapers and a person with curl.
+#: The most connections one HTTP port serves at once; a new one past it closes the oldest: held open,
+#: they push each other out, never the kubelet's probe, which sends its request as it connects. 64
+#: is room for the kubelet's probe, several scrapers and a person with curl.
 HTTP_MAX_CONNECTIONS = 64
 #: How long a connection may take to send its whole request head, counted from its accept (Go's
 #: ReadHeaderTimeout, not reset by each byte: a slowloris gets this, not forever). The kubelet's
@@ -6789,40 +6710,45 @@ HTTP_MAX_CONNECTIONS = 64
 HTTP_HEADER_TIMEOUT = 2.0
 #: How long writing an answer may take (Go's WriteTimeout): a peer that does not read gets closed.
 HTTP_WRITE_TIMEOUT = 5.0
-#: The most of a request read: the kubelet's is about 150 bytes (request line, Host, User-Agent,
-#: Accept, Connection), Prometheus's about 300. Go's http.Server allows 1 MiB of headers; nothing
+#: The most of a request read: the kubelet's is about 150 bytes, Prometheus's about 300; nothing
 #: here reads more than the request line.
 HTTP_MAX_REQUEST = 8192
-# The names these had when they were the health server's alone.
-HEALTH_READ_TIMEOUT = HTTP_HEADER_TIMEOUT
-HEALTH_MAX_REQUEST = HTTP_MAX_REQUEST
 #: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
 #: /livez as the API server names the same check.
 HEALTH_PATHS = ("/healthz", "/livez")
-
-_HTTP_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
 def _http_answer(
     request: bytes, paths: tuple[str, ...], body: Callable[[], tuple[int, bytes]], content_type: str
 ) -> bytes:
     """The HTTP/1.1 response to one request: ``body()`` (its code and bytes) for GET or HEAD of one
-    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line."""
-    parts = request.split(b"\r\n", 1)[0].split()
-    kind = "text/plain; charset=utf-8"
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-        code, data = 400, b"not an HTTP request\n"
-    elif parts[0] not in (b"GET", b"HEAD"):
-        code, data = 405, b"only GET and HEAD\n"
-    elif parts[1].split(b"?", 1)[0].decode("latin-1") not in paths:
-        code, data = 404, f"not found: ask {paths[0]}\n".encode()
-    else:
-        (code, data), kind = body(), content_type
+    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line,
+    500 for a bug (_held_back)."""
+    line = request.split(b"\r\n", 1)[0]
+    parts, code, data, kind = line.split(), 500, b"", "text/plain; charset=utf-8"
+    with _held_back("http", f"HTTP request {line[:80]!r}"):
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            code, data = 400, b"not an HTTP request\n"
+        elif parts[0] not in (b"GET", b"HEAD"):
+            code, data = 405, b"only GET and HEAD\n"
+        elif _request_path(parts[1]) not in paths:
+            code, data = 404, f"not found: ask {paths[0]}\n".encode()
+        else:
+            (code, data), kind = body(), content_type
     head = (
-        f"HTTP/1.1 {code} {_HTTP_REASONS[code]}\r\nContent-Type: {kind}\r\n"
+        f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
+
+
+def _request_path(target: bytes) -> str:
+    """A request target's path: "/healthz" of "/healthz?verbose" and of the absolute form
+    "http://host/healthz", which RFC 9112 (section 3.2.2) says a server must accept."""
+    target = target.split(b"?", 1)[0]
+    if b"://" in target:
+        target = b"/" + (target.split(b"/", 3)[3:] or [b""])[0]
+    return target.decode("latin-1")
 
 
 def health_answer(health: Health, request: bytes) -> bytes:
@@ -6866,21 +6792,18 @@ async def _serve_http(
 ) -> None:
     """Answer one request per connection with ``answer(request head)`` until cancelled, within
     HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
-    ``listener`` (a _http_listener()) on the way out.
-
-    Connections are accepted as many at a time as are waiting (trio's serve_listeners takes one per
-    pass of its scheduler): the kubelet's probe behind a thousand connections in the listen backlog
-    is reached in one pass, the others pushed out as it comes in, not a thousand passes later."""
+    ``listener`` (a _http_listener()) on the way out. Connections are accepted as many at a time as
+    are waiting (trio's serve_listeners takes one per pass of its scheduler): the kubelet's probe
+    behind a thousand in the backlog is reached in one pass."""
     open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
 
     def complete(request: bytes) -> bool:
         return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
 
     def answer_at_once(connection: socket.socket) -> tuple[bytes, bytes]:
-        """Answer here, in the accepting task, a request that is there already (the kubelet's probe
-        writes it as it connects): no task, and no pass of the scheduler between the accept and the
-        answer, each of which waits for every other task's turn. Returns what is left to do: the
-        request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
+        """Answer a request that is there already (the kubelet's probe writes it as it connects) in
+        the accepting task, with no pass of the scheduler in between. Returns what is left to do:
+        the request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
         try:
             request = connection.recv(HTTP_MAX_REQUEST)
         except BlockingIOError:
@@ -7479,7 +7402,7 @@ async def watch_devices(
             trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
         # Every source first, then one device set: the CDI spec and the kubelet's first list
         # describe them all.
-        device_set.update({key: entry for tracker in trackers for key, entry in tracker.rescan().items()})
+        device_set.update({key: entry for tracker in trackers for key, entry in _scanned(tracker).items()})
         task_status.started()
         async with trio.open_nursery() as nursery:
             for tracker in trackers:
@@ -7490,88 +7413,163 @@ async def watch_devices(
                 nursery.start_soon(_describe_devices, device_set)
 
 
+#: How much of a program's stderr is kept, at its beginning and at its end: the last line says why
+#: it failed (the kubelet shows a pre_start command's in the pod's events), and sometimes only the
+#: first does (a script saved with CRLF endings: `'python3\r': No such file or directory`, then a
+#: line that does not say why). Whatever the program prints, this is all it costs us.
+STDERR_KEPT = 4096
+#: Once a program has exited, how long what it printed may take to be read: the pipes hold it
+#: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
+PROGRAM_EXIT_GRACE = 1.0
+#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them).
+_RUNNING: set[int] = set()
+
+
+def _kill_process_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _reap_orphans() -> None:
+    """As PID 1 of its container, reap the orphans that ended: the kernel makes PID 1 the parent of
+    every process whose parent is gone (a child a describe left, killed with its group), a zombie
+    until PID 1 waits for it. At each SIGCHLD (serve_until_signalled) and each program's end; the
+    ended are peeked at (WNOWAIT) first, and one of run_program's own is left to trio's wait."""
+    with contextlib.suppress(ChildProcessError):
+        while os.getpid() == 1 and (ended := os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
+            if ended.si_pid in _RUNNING:
+                return  # looked at again as that program ends
+            os.waitpid(ended.si_pid, 0)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What run_program saw of a program: its exit status (None: killed at its timeout), its stdout
+    (None: not kept, or more than asked for) and the beginning and end of its stderr."""
+
+    returncode: int | None
+    stdout: bytes | None
+    stderr: bytes
+
+    def said(self) -> str:
+        """ ": <its stderr's last line> (first: <its first>)", or " (nothing on stderr)"."""
+        lines = [line.strip() for line in self.stderr.decode(errors="replace").splitlines() if line.strip()]
+        first = next((line for line in lines if line != "Traceback (most recent call last):"), "")
+        first = f" (first: {first[:120]})" if first and first != lines[-1] else ""
+        return f": {lines[-1]}{first}" if lines else " (nothing on stderr)"
+
+    def how(self) -> str:
+        """How it ended, when not as it should: "exited with 2", "killed by signal 9"."""
+        assert self.returncode is not None
+        return f"exited with {self.returncode}" if self.returncode > 0 else f"killed by signal {-self.returncode}"
+
+
+async def run_program(
+    argv: Iterable[str], env: Mapping[str, str], *, limit: int = 0, timeout: float = math.inf, fds: tuple[int, ...] = ()
+) -> Ran:
+    """Run ``argv`` until it exits: the one runner of describe, pre_start and exec credential plugins.
+    No shell, stdin /dev/null, ``fds`` passed on; stdout kept up to ``limit`` bytes (0: /dev/null;
+    past it the program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
+    cannot be started.
+
+    Resource handling: the program runs in its own process group, killed whole once the program
+    exits, at ``timeout`` and when cancelled: nothing it started outlives it. Its answer is taken
+    when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
+    pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
+    reaped, before any other task runs: its ID cannot have gone to another program of ours."""
+    stdout, stderr = bytearray(), bytearray()
+    too_much = timed_out = False
+    process = await trio.lowlevel.open_process(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if limit else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        pass_fds=fds,
+    )
+    _RUNNING.add(process.pid)
+
+    async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+        nonlocal too_much
+        async with stream:
+            async for chunk in stream:
+                into += chunk
+                if into is stderr and len(into) > 2 * STDERR_KEPT:
+                    del into[STDERR_KEPT:-STDERR_KEPT]
+                elif into is stdout and len(into) > limit:
+                    too_much = True
+                    return _kill_process_group(process.pid)  # nothing it prints now is read
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for stream, into in ((process.stdout, stdout), (process.stderr, stderr)):
+                if stream is not None:
+                    nursery.start_soon(read, stream, into)
+            with trio.move_on_after(timeout) as deadline:
+                await process.wait()
+            timed_out = deadline.cancelled_caught
+            _kill_process_group(process.pid)
+            with trio.CancelScope(shield=True):  # at its timeout: killed just now, it ends at once
+                await process.wait()
+            nursery.cancel_scope.deadline = trio.current_time() + PROGRAM_EXIT_GRACE
+    finally:
+        if process.returncode is None:  # cancelled: killed with what it started
+            _kill_process_group(process.pid)
+            with trio.CancelScope(shield=True):
+                await process.wait()
+        _RUNNING.discard(process.pid)
+        _reap_orphans()
+    kept = None if too_much or not limit else bytes(stdout)
+    return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
+
+
 #: How long a resource's ``describe`` may run before it is killed (with what it started)
 DESCRIBE_TIMEOUT = 10.0
 #: The most a ``describe`` may print: more is not a description of a node's devices
 DESCRIBE_MAX_OUTPUT = 1024 * 1024
 #: A failed ``describe`` is run again after the first of these, doubled at each failure up to the
-#: second (seconds, jittered): the node may lack what it needs for now (a driver still loading, a
-#: binary about to be installed), and its devices' values should appear when it has it, unrestarted
+#: second (seconds, jittered): what it needs may come later (a driver loading), and its values then
 DESCRIBE_RETRY = (5.0, 300.0)
 
 
 class DescribeError(GopherplugError):
-    """A resource's ``describe`` failed: its one line says how, with its stderr's last line."""
+    """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
+
+
+#: GOPHERPLUG_DEVICES holds the IDs up to this many bytes, empty past it (the kernel starts no program
+#: with a variable over 128 KiB, MAX_ARG_STRLEN: ~14,500 IDs); GOPHERPLUG_DEVICES_FILE's at any size.
+DESCRIBE_DEVICES_IN_ENV = 64 * 1024
 
 
 async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[dict[str, ReadValues], list[str]]:
-    """Run the resource's ``describe`` once, for the devices ``ids``: what it says of each device
-    (parse_description), and the IDs it described that are not among them. Raises DescribeError
-    when it cannot be run, exits other than 0, runs past DESCRIBE_TIMEOUT, prints more than
-    DESCRIBE_MAX_OUTPUT, or prints anything but a JSON object of device IDs.
-
-    No shell: the argv as configured, stdin /dev/null, its own process group (killed whole at the
-    timeout). It is told the resource (GOPHERPLUG_RESOURCE) and the devices (GOPHERPLUG_DEVICES,
-    comma-joined IDs), and may describe more: a script around nvidia-smi prints every GPU."""
-    ids = list(ids)
-    command = resource.describe[0]
-    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES": ",".join(ids)}
-    output, tail = bytearray(), bytearray()
-    too_much = False
-    process: trio.Process | None = None
-
-    async def read_stdout(stream: trio.abc.ReceiveStream, cancel: trio.CancelScope) -> None:
-        nonlocal too_much
-        async with stream:
-            async for chunk in stream:
-                output.extend(chunk)
-                if len(output) > DESCRIBE_MAX_OUTPUT:
-                    too_much = True
-                    cancel.cancel()  # and kill it: nothing it prints now is read
-
-    async def read_stderr(stream: trio.abc.ReceiveStream) -> None:
-        async with stream:
-            async for chunk in stream:
-                tail.extend(chunk)
-                del tail[:-PRE_START_STDERR_TAIL]
-
-    with trio.move_on_after(DESCRIBE_TIMEOUT) as deadline:
-        try:
-            with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-                async with trio.open_nursery() as nursery:
-                    process = await nursery.start(
-                        functools.partial(
-                            trio.run_process,
-                            list(resource.describe),
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            check=False,
-                            start_new_session=True,  # its own process group: what it starts is killed with it
-                            deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-                        )
-                    )
-                    assert process is not None and process.stdout is not None and process.stderr is not None
-                    nursery.start_soon(read_stdout, process.stdout, nursery.cancel_scope)
-                    nursery.start_soon(read_stderr, process.stderr)
-        except OSError as error:
-            raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
-    lines = [line.strip() for line in tail.decode(errors="replace").splitlines() if line.strip()]
-    said = f": {lines[-1]}" if lines else " (nothing on stderr)"
-    if too_much:
-        raise DescribeError(f"describe {command} printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed){said}")
-    if deadline.cancelled_caught:
-        raise DescribeError(f"describe {command} did not finish within {DESCRIBE_TIMEOUT:g} s (killed){said}")
-    assert process is not None and process.returncode is not None
-    if process.returncode != 0:
-        how = (
-            f"exited with {process.returncode}" if process.returncode > 0 else f"killed by signal {-process.returncode}"
-        )
-        raise DescribeError(f"describe {command} {how}{said}")
+    """Run the resource's ``describe`` once (run_program) for the devices ``ids``: what it says of
+    each device (parse_description), and the IDs it described that are not among them; DescribeError
+    when it cannot run, fails, times out, prints too much or no JSON object of device IDs. It is
+    told the resource (GOPHERPLUG_RESOURCE) and the devices: GOPHERPLUG_DEVICES_FILE names a file of
+    their comma-joined IDs (a memfd, /dev/fd/N: the pod's root file system is read-only), and
+    GOPHERPLUG_DEVICES holds the same up to DESCRIBE_DEVICES_IN_ENV bytes."""
+    ids, command, listing = list(ids), resource.describe[0], os.memfd_create("gopherplug-devices")
+    joined = ",".join(ids)
+    env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES_FILE": f"/dev/fd/{listing}"}
+    env["GOPHERPLUG_DEVICES"] = joined if len(joined.encode()) <= DESCRIBE_DEVICES_IN_ENV else ""
     try:
-        described = parse_description(output.decode())
-    except (UnicodeDecodeError, ValueError) as error:
+        with open(listing, "w", closefd=False) as file:
+            file.write(joined)
+        ran = await run_program(
+            resource.describe, env, limit=DESCRIBE_MAX_OUTPUT, timeout=DESCRIBE_TIMEOUT, fds=(listing,)
+        )
+    except OSError as error:
+        raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
+    finally:
+        os.close(listing)
+    if ran.returncode is None or ran.stdout is None or ran.returncode != 0:
+        how = f"did not finish within {DESCRIBE_TIMEOUT:g} s (killed)" if ran.returncode is None else ran.how()
+        how = f"printed more than {DESCRIBE_MAX_OUTPUT} bytes (killed)" if ran.stdout is None else how
+        raise DescribeError(f"describe {command} {how}{ran.said()}")
+    try:
+        described = parse_description(ran.stdout.decode())
+    except ValueError as error:  # UnicodeDecodeError included
         raise DescribeError(f"describe {command} printed no description: {error}") from None
     return described, sorted(set(described) - set(ids))
 
@@ -7585,9 +7583,14 @@ def parse_description(text: str) -> dict[str, ReadValues]:
     for each bad one, the others kept."""
     try:
         data = json.loads(text)
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") is no text to publish
     except json.JSONDecodeError as error:
         shown = text.strip()[:40]
         raise ValueError(f"not JSON ({error.msg} at line {error.lineno} column {error.colno}): {shown!r}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ValueError("a string holds a lone surrogate (a \\uD800 to \\uDFFF escape not in a pair)") from None
     if not isinstance(data, dict):
         raise ValueError(f"a JSON object of device IDs was expected, not {type(data).__name__}")
     described = {}
@@ -7608,14 +7611,10 @@ def parse_description(text: str) -> dict[str, ReadValues]:
 
 
 async def _describe_devices(device_set: _DeviceSet) -> None:
-    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), and
-    give the device set what it said. Never on a kubelet's call: Allocate and ListAndWatch send
-    the devices as last described.
-
-    A failure (DescribeError) is said once, and again when the reason changes; the devices stay
-    offered with what is known (their files' values, and what the last run that worked said of
-    them), nothing made up. A failed run is tried again after a while (DESCRIBE_RETRY); when one
-    works again, that is said too, and its values appear."""
+    """Run the resource's ``describe`` whenever its devices' IDs change (and once at start), never
+    on a kubelet's call, and give the device set what it said. A failure (DescribeError, or a bug
+    _held_back) is said once, and again when the reason changes; the devices stay offered with what
+    is known, nothing made up, and it is tried again (DESCRIBE_RETRY): a run that works is said too."""
     resource = device_set.resource
     failed = ""  # the failure last said ("": none)
     unknown_said: list[str] = []
@@ -7627,7 +7626,8 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
         if ids != done_for and ids:
             done_for = ids
             try:
-                described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
+                with _held_back("describe", f"describe {resource.describe[0]}", DescribeError, logger=None):
+                    described, unknown = await run_describe(resource, _natural_sorted(list(ids)))
             except DescribeError as error:
                 if str(error) != failed:
                     failed = str(error)
@@ -7666,10 +7666,17 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
     async for events, touched, rescan in tracker.watch.batches():
-        if rescan:
-            device_set.update(tracker.rescan())
-        else:
-            device_set.update(tracker.update([name for name, _ in events], touched))
+        device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+
+
+def _scanned(
+    tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
+) -> dict[_Key, DeviceEntry | None]:
+    """The tracker's changes (``names``: a batch's; None: all); none after a bug (_held_back)."""
+    changes: dict[_Key, DeviceEntry | None] = {}
+    with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
+        changes = tracker.rescan() if names is None else tracker.update(names, touched)
+    return changes
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -7900,11 +7907,17 @@ class _DeviceSet:
             if not (device.attributes or device.capacity):
                 return device  # nothing declared: the scan's path stays as it was
         problems: list[tuple[str, str]] = []
-        if read_files:
-            self.files[device.id], problems = read_declared_values(self.resource, device)
-        entry, more = with_read_values(
-            self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+        kept = self.found.get(device.id)  # after a bug met by what was read: the values it had (new: none)
+        entry = (
+            device if kept is None else dataclasses.replace(device, attributes=kept.attributes, capacity=kept.capacity)
         )
+        more: list[tuple[str, str]] = []
+        with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
+            if read_files:
+                self.files[device.id], problems = read_declared_values(self.resource, device)
+            entry, more = with_read_values(
+                self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
+            )
         now = dict(problems + more)
         for warned in [warned for warned in self.value_warned if warned[0] == device.id and warned[1] not in now]:
             del self.value_warned[warned]
@@ -8609,32 +8622,17 @@ def device_plugin_service(
     return plugin.service()
 
 
-#: At most this many pre_start commands of a resource run at once; the kubelet's further calls
-#: wait for a slot, the wait counting toward pre_start_timeout. The kubelet calls PreStartContainer
-#: for every container start, and starts pods in parallel: a node starting 110 pods (the default
-#: maximum) must not fork 110 hook processes at once, each perhaps resetting hardware or loading
-#: firmware. Eight let a burst of quick commands through in parallel, on any node's cores.
+#: At most this many pre_start commands of a resource run at once; the kubelet's further calls wait
+#: (counted in pre_start_timeout). A node starting 110 pods (the kubelet's maximum) must not fork 110
+#: hook processes at once, each perhaps resetting hardware; eight let a burst of quick ones through.
 PRE_START_CONCURRENCY = 8
-
-#: How much of a pre_start command's stderr is kept: its end, which holds the last line the
-#: kubelet shows in the pod's events. Whatever the command prints, this is all it costs us.
-PRE_START_STDERR_TAIL = 4096
-
-
-async def _kill_process_group(process: trio.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
-    """Run the resource's pre_start command for a container about to start with ``chosen``.
-
-    No shell: the argv as configured, with the env var of an allocation (and GOPHERPLUG_RESOURCE)
-    added to this process's environment; stdin and stdout are /dev/null. The command waits for
-    one of ``slots`` first (see PRE_START_CONCURRENCY). A non-zero exit, or waiting and running
-    past pre_start_timeout, becomes an RPCError carrying the command's last line of stderr (or
-    what it waited for): the kubelet then fails the container start with it, in the pod's events.
-    """
+    """Run the resource's pre_start command (run_program, stdout /dev/null) for a container about
+    to start with ``chosen``, with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
+    ``slots`` is free (PRE_START_CONCURRENCY). A failure, or waiting and running past
+    pre_start_timeout, is an RPCError with its stderr's lines: the kubelet puts it in the pod's events."""
     command = resource.pre_start[0]
     env = {**os.environ, resource.env: ",".join(d.id for d in chosen), "GOPHERPLUG_RESOURCE": resource.name}
     started = False
@@ -8644,7 +8642,7 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         with trio.fail_after(resource.pre_start_timeout):
             async with slots:
                 started = True
-                returncode, stderr = await _run_for_stderr_tail(resource.pre_start, env)
+                ran = await run_program(resource.pre_start, env)
     except trio.TooSlowError:
         if not started:
             raise RPCError(
@@ -8659,42 +8657,9 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         ) from None
     except OSError as error:
         raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
-    if returncode != 0:
-        lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-        how = f"exited with {returncode}" if returncode > 0 else f"killed by signal {-returncode}"
-        said = f": {lines[-1].strip()}" if lines else " (nothing on stderr)"
-        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {how}{said}")
+    if ran.returncode != 0:
+        raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {ran.how()}{ran.said()}")
     _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
-
-
-async def _run_for_stderr_tail(argv: Iterable[str], env: Mapping[str, str]) -> tuple[int, bytes]:
-    """Run ``argv`` to its end; return its exit status and the last PRE_START_STDERR_TAIL bytes of
-    its stderr. Its stdout goes to /dev/null: a command may print gigabytes, and capturing all of
-    it, as trio.run_process(capture_stderr=True) does, would hold them all in our memory."""
-    tail = bytearray()
-    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    list(argv),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,  # its own process group: what it starts is killed with it
-                    deliver_cancel=_kill_process_group,  # at once: trio's default grants 5 s after SIGTERM
-                )
-            )
-            assert process.stderr is not None  # stderr=PIPE
-            async with process.stderr:
-                async for chunk in process.stderr:
-                    tail += chunk
-                    del tail[:-PRE_START_STDERR_TAIL]
-    # The nursery waited for run_process, which waited for the command to exit.
-    assert process.returncode is not None
-    return process.returncode, bytes(tail)
 
 
 async def register(
@@ -8763,34 +8728,28 @@ API_REQUEST_TIMEOUT = 10.0
 # wait jittered. Writes are per pool and rare; lists and watches back off longer (DRA_WATCH_BACKOFF).
 _API_BACKOFF = (0.1, 10.0)
 
-#: How far a wait is spread at random: a wait of d seconds lasts from d to d * (1 + DRA_JITTER), as
-#: client-go's wait.Jitter(d, maxFactor) makes it (k8s.io/apimachinery pkg/util/wait; the reflector's
-#: backoff uses 1.0). Every backoff and every periodic timer of the driver is jittered: drivers on
-#: 5,000 nodes that saw the same API server restart would otherwise retry, and list, in step.
+#: How far a wait is spread at random: from d to d * (1 + DRA_JITTER) seconds, as client-go's
+#: wait.Jitter (the reflector's backoff uses 1.0). Drivers on 5,000 nodes that saw the same API
+#: server restart would otherwise retry, and list, in step.
 DRA_JITTER = 1.0
 
 #: After a failed list or watch: retry after 0.8 s, doubling up to 30 s, jittered, and the first wait
-#: again once a watch brings something. The reflector's own (NewExponentialBackoffManager(800ms, 30s,
-#: ...) in kubernetes/kubernetes staging/src/k8s.io/client-go/tools/cache/reflector.go): an API
-#: server that is down gets about one request per 45 s per watch from each node, not a storm.
+#: again once a watch brings something: the reflector's own backoff (client-go tools/cache/reflector.go).
 DRA_WATCH_BACKOFF = (0.8, 30.0)
 
 #: How long an open watch may bring nothing, not even a bookmark, before it is taken for a dead
-#: connection (a node's network cut, an API server host gone: no FIN ever comes) and opened again
-#: from the last resourceVersion seen. The API server's watch cache sends a watch that asked for
-#: bookmarks one about every minute, and one 2 s before it ends the watch (nextBookmarkTime in
+#: connection (no FIN ever comes from a cut network) and opened again from the last version seen.
+#: The API server's watch cache sends a bookmark about every minute (nextBookmarkTime in
 #: kubernetes/kubernetes staging/src/k8s.io/apiserver/pkg/storage/cacher/cache_watcher.go): three
-#: missed ones are not a quiet cluster. A server that sends none (its watch cache off) costs one
-#: watch request per this long per watch; never a list.
+#: missed ones are not a quiet cluster.
 DRA_WATCH_QUIET_SECONDS = 180.0
 
 #: How often the Node is read (GET) when it cannot be watched: an older manifest's ClusterRole has
 #: get on nodes but not list and watch. Jittered; a change of its allocatable is then seen that late.
 DRA_NODE_POLL_SECONDS = 60.0
 
-#: While the Node is read instead of watched (403 on list or watch), the watch is tried again after
-#: this long, at first and at most (doubling in between, jittered): a ClusterRole fixed later is
-#: noticed within minutes, and a refused list costs the API server little (RBAC answers it).
+#: While the Node is read instead of watched (403), the watch is tried again after this long, at
+#: first and at most (doubling, jittered): a ClusterRole fixed later is noticed within minutes.
 DRA_NODE_WATCH_RETRY = (60.0, 600.0)
 
 
@@ -8806,21 +8765,18 @@ _GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "i686": "386", "i386": "386",
 
 def user_agent(node_name: str = "") -> str:
     """What gopherplug calls itself in each request to the API server, in client-go's form
-    ("<command>/<version> (<os>/<arch>) kubernetes/<commit>", DefaultKubernetesUserAgent in
-    kubernetes/kubernetes staging/src/k8s.io/client-go/rest/config.go), with the node in place of
-    the commit: the API server's audit log and its per-client metrics then tell gopherplug's requests
-    from any other Python client's (httpx's own says only python-httpx), and one node's from another's."""
+    (DefaultKubernetesUserAgent in client-go rest/config.go) with the node in place of the commit:
+    the API server's audit log and per-client metrics then tell gopherplug's requests, and one
+    node's from another's."""
     machine = os.uname().machine
     agent = f"gopherplug/{__version__} ({sys.platform}/{_GO_ARCH.get(machine, machine)})"
     return f"{agent} node/{node_name}" if node_name else agent
 
 
 #: Slice writes (create, update, delete) per second at most, after a burst of DRA_WRITE_BURST. A
-#: write that succeeds can still be undone at once (another writer, an admission webhook that
-#: changes what it stores) and be needed again: without a bound the publisher writes as fast as the
-#: API server answers (972 writes in 2 s were seen). The Go controller's work queue is rate-limited
-#: for the same reason, with client-go's default overall bucket: 10 a second, bursts of 100 (here
-#: per write, not per pool). The burst covers a start that writes every pool of a large node at once.
+#: write that succeeds can still be undone at once (another writer, an admission webhook) and be
+#: needed again: unbounded, the publisher writes as fast as the API server answers. The Go
+#: controller's work queue has client-go's default bucket too: 10 a second, bursts of 100.
 DRA_WRITES_PER_SECOND = 10.0
 DRA_WRITE_BURST = 100
 
@@ -8861,18 +8817,14 @@ class ClaimCheckpoint:
     """The claims prepared on this node and what each was answered, in a JSON file.
 
     The kubelet may call NodeUnprepareResources after this plugin restarted, and
-    NodePrepareResources again for a claim prepared before (it retries, and a second pod may share
-    the claim): both are answered from here. Written whole to a temporary file, flushed to disk,
-    then renamed over the old one, so a crash leaves the old file or the new one, never half of one.
-    Raises GopherplugError when the file is there but cannot be read: starting without it would
-    overwrite the claims in it.
+    NodePrepareResources again for a claim prepared before: both are answered from here. Written
+    whole to a temporary file, flushed, then renamed over the old one: a crash leaves the old file
+    or the new one. Raises GopherplugError when the file is there but cannot be read: starting
+    without it would overwrite the claims in it.
 
-    During a rolling update two pods of the driver share the file, and the kubelet calls either
-    of them: a claim one prepared may be unprepared by the other (the Go helper's RollingUpdate
-    says so, kubernetes/dynamic-resource-allocation kubeletplugin/draplugin.go). So each change is
-    a transaction across processes: the flock on ``lock_path`` taken, the file read again if the
-    other wrote it, the change made, the file written, the flock given up. Neither pod loses the
-    other's claims.
+    The two pods of a rolling update share the file, and a claim one prepared may be unprepared by
+    the other (the Go helper's RollingUpdate). So each change is a transaction across processes:
+    under the flock on ``lock_path``, the file read again if the other wrote it, changed, written.
     """
 
     VERSION = 1
@@ -8892,19 +8844,13 @@ class ClaimCheckpoint:
         every writer renames a complete file into place."""
         try:
             status = os.stat(self.path)
-        except FileNotFoundError:
-            self.claims, self._read_as = {}, None  # the first start on this node
-            return
-        except OSError as error:
-            raise self._unreadable(error) from None
-        identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
-        if identity == self._read_as:
-            return
-        try:
+            identity = (status.st_dev, status.st_ino, status.st_mtime_ns, status.st_size)
+            if identity == self._read_as:
+                return
             with open(self.path, "rb") as file:
                 text = file.read()
         except FileNotFoundError:
-            self.claims, self._read_as = {}, None
+            self.claims, self._read_as = {}, None  # the first start on this node
             return
         except OSError as error:
             raise self._unreadable(error) from None
@@ -8927,8 +8873,7 @@ class ClaimCheckpoint:
         )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
-        """The claim's own CDI specs, as add() was given them (none for a claim prepared by a version
-        that wrote no env device and no share), by this pod or the other of a rolling update."""
+        """The claim's own CDI specs, as add() was given them, by this pod or the other of a rolling update."""
         self._read()
         return [
             (ClaimCDISpec(stored["kind"], stored["spec_dir"], uid), stored["spec"])
@@ -8961,14 +8906,12 @@ class ClaimCheckpoint:
         metadata: Iterable[DeviceMetadataFile] = (),
     ) -> list[Any]:
         """Remember a prepared claim, on disk when this returns; the devices to answer: ``devices``,
-        or those the other pod of a rolling update answered if it prepared the claim meanwhile (the
-        kubelet must be told one thing). Raises GopherplugError, and remembers nothing, when the file
-        cannot be written: the claim is not prepared then. ``cdi_specs``: the claim's own CDI specs
-        (claim_cdi_specs), kept whole, so that an unprepare after a restart removes them, and a
-        prepare after a reboot (the kubelet prepares every claim of its pods again; /var/run/cdi is
-        a tmpfs) writes them again. ``metadata``: its device metadata files, written here under the
-        flock with the entry that names them, so that remove_stale_metadata in the other pod sees
-        both or neither, and kept so that a prepare again writes a file that went missing."""
+        or those the other pod of a rolling update answered if it prepared the claim meanwhile.
+        Raises GopherplugError, and remembers nothing, when the file cannot be written.
+        ``cdi_specs``: the claim's own CDI specs (claim_cdi_specs), kept whole, so that an unprepare
+        after a restart removes them, and a prepare after a reboot (/var/run/cdi is a tmpfs) writes
+        them again. ``metadata``: its device metadata files, written here under the flock with the
+        entry that names them (remove_stale_metadata in the other pod sees both or neither)."""
         metadata = list(metadata)
         fields = ("request_names", "pool_name", "device_name", "cdi_device_ids")
         listed = []
@@ -9001,10 +8944,8 @@ class ClaimCheckpoint:
 
     async def remove_stale_metadata(self, metadata_dir: str) -> list[str]:
         """Remove the claims' metadata directories in ``metadata_dir`` that no claim in the file
-        names (dra_claim_metadata_dir): left by a plugin that stopped between writing them and
-        being told to unprepare, or by a claim unprepared while device_metadata was off. Under the
-        flock, where add() writes them: a claim the other pod is preparing is never taken for a
-        stale one. The directories removed; one that cannot be is logged and left."""
+        names (dra_claim_metadata_dir), under the flock, where add() writes them: a claim the other
+        pod is preparing is never taken for a stale one. The directories removed."""
 
         def sweep(claims: dict[str, dict[str, Any]]) -> bool:
             current = {
@@ -9033,9 +8974,8 @@ class ClaimCheckpoint:
 
     async def _change(self, change: Callable[[dict[str, dict[str, Any]]], bool]) -> bool:
         """Apply ``change`` (True: it changed something) to the claims as the file holds them now, and
-        write them if it did; whether it did. The flock, the reading and the writing (with its
-        fsyncs) run in a worker thread: a slow disk (an SD card on an edge node), or the other pod's
-        write, must not stall every socket this process serves. One change at a time here."""
+        write them if it did; whether it did. In a worker thread: a slow disk, or the other pod's
+        write, must not stall every socket this process serves."""
         async with self._saving:
             return await trio.to_thread.run_sync(self._change_locked, change)
 
@@ -9087,10 +9027,7 @@ def _plain(value: Any) -> Any:
 @dataclass
 class DraResources:
     """The resources a DRA driver offers right now: name -> (its configuration, its devices).
-
-    serve_plugin keeps it current across configuration reloads, and touches ``changed`` when a
-    resource comes or goes; each resource's devices Watched is touched by its own watch.
-    """
+    serve_plugin keeps it current across reloads, touching ``changed`` when a resource comes or goes."""
 
     driver: str
     node_name: str
@@ -9150,13 +9087,10 @@ class RegistrationState:
 
     def dropped(self, now: float) -> tuple[str, float]:
         """Why the kubelet seems to have dropped the driver it registered, and since when ("" if it
-        does not). The kubelet says nothing when it drops a plugin (a directory it stopped watching,
-        a restart that found our socket gone, its own bug), and a probe that trusts the last
-        notification says "registered" forever. What it does observably is stop what it did: the
-        newest plugin watcher calls GetInfo every 10 s while a plugin is registered, and a kubelet
-        with ResourceHealthStatus keeps a health stream open. Either one gone quiet for
-        DRA_KUBELET_SILENCE means dropped. Older kubelets call GetInfo only to register: one call
-        seen after the notification is what shows this kubelet asks again."""
+        does not). The kubelet says nothing when it drops a plugin, but it stops what it did: the
+        newest plugin watcher calls GetInfo every 10 s while a plugin is registered (older ones only
+        to register: one call after the notification shows this one asks again), and a kubelet
+        with ResourceHealthStatus keeps a health stream open. Either quiet for DRA_KUBELET_SILENCE."""
         if not self.registered:
             return "", 0.0
         if self.info_calls and now - self.last_info > DRA_KUBELET_SILENCE:
@@ -9212,9 +9146,8 @@ def registration_service(config: DraConfig, state: RegistrationState) -> purerpc
 def dra_plugin_services(
     resources: DraResources, claims: ClaimPreparer, registration: RegistrationState
 ) -> list[purerpc.Service]:
-    """DRAPlugin, once per version the kubelet may speak (the same handlers, the same messages),
-    DRAResourceHealth, and gopherplug's status for `gopherplug probe`, all on the one socket the
-    kubelet dials."""
+    """DRAPlugin in every version the kubelet may speak (the same handlers), DRAResourceHealth, and
+    gopherplug's status for `gopherplug probe`, all on the one socket the kubelet dials."""
     services = []
     for _, package in DRA_VERSIONS:
         service = purerpc.Service(f"{package}.DRAPlugin")
@@ -9233,8 +9166,7 @@ DRA_HEALTH_RESEND = DRA_HEALTH_TIMEOUT / 3
 
 def dra_health_services(resources: DraResources, registration: RegistrationState) -> list[purerpc.Service]:
     """DRAResourceHealth in every version of DRA_HEALTH_VERSIONS: the health of every device, from
-    the same watches as the slices. ``registration`` counts the kubelet's streams (a probe's is not
-    counted)."""
+    the same watches as the slices. ``registration`` counts the kubelet's streams (not a probe's)."""
 
     async def node_watch_resources(empty: Any, request: RequestReceived) -> AsyncIterator[Any]:
         counted = PROBE_METADATA not in request.custom_metadata  # a probe's stream is not the kubelet's
@@ -9264,16 +9196,13 @@ def dra_health_services(resources: DraResources, registration: RegistrationState
 class ClaimPreparer:
     """NodePrepareResources and NodeUnprepareResources, against the API server and the checkpoint.
 
-    Each claim is prepared on its own, and one that fails gets its error in the answer. The kubelet
-    then asks again for the whole batch, every claim of the pod not marked prepared, and it marks
-    none prepared until a batch comes back without an error; meanwhile it appends the devices of
-    each claim answered without one to that claim's list, at every try (prepareResources in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go; ClaimInfo.addDevice in claiminfo.go): the
-    container would get every CDI device once per try, and PodResources would list each device as
-    often. So when a claim of a batch fails, the others are answered with an error too, naming it:
-    they stay prepared here, and the retry answers them again from the checkpoint, the same devices
-    (idempotent), once the whole batch succeeds. A prepared claim is in the checkpoint before it is
-    answered, so that whatever the kubelet was told survives a restart of this plugin.
+    Each claim is prepared on its own. The kubelet marks no claim of a batch prepared until the
+    whole batch comes back without an error, and meanwhile appends the devices of each claim
+    answered without one at every try (prepareResources in kubernetes/kubernetes
+    pkg/kubelet/cm/dra/manager.go; ClaimInfo.addDevice): the container would get every CDI device
+    once per try. So when a claim of a batch fails, the others are answered with an error too,
+    naming it; they stay prepared here, and the retry answers them again from the checkpoint. A
+    prepared claim is in the checkpoint before it is answered, so that it survives a restart.
 
     With ``peers``, a claim not prepared yet is refused while a newer pod of the driver serves
     (_prepare_one says why): only the newest pod's configuration reaches new containers.
@@ -9309,9 +9238,8 @@ class ClaimPreparer:
 
     async def _prepare(self, request: Any) -> Any:
         response = drapb.NodePrepareResourcesResponse()
-        # The answer is a map by claim UID: a claim listed twice gets one entry, which two
-        # preparations would both fill, giving every device twice. One answer per claim, as the Go
-        # helper's (its result is a map too).
+        # The answer is a map by claim UID: a claim listed twice, prepared twice, would get every
+        # device twice in its one entry.
         claims = {claim.uid: claim for claim in request.claims}
         async with trio.open_nursery() as nursery:
             for claim in claims.values():
@@ -9338,28 +9266,22 @@ class ClaimPreparer:
         try:
             if (devices := self.checkpoint.answer(claim.uid)) is not None:
                 # Prepared before (maybe by the other pod of a rolling update): the same answer
-                # again, and its own CDI devices there again (a reboot empties /var/run/cdi).
+                # again, and its own CDI devices and metadata files there again (a reboot empties
+                # /var/run/cdi; the CDI mount of a missing file fails the container's start).
                 for cdi, spec in self.checkpoint.cdi_specs(claim.uid):
                     if not os.path.exists(cdi.spec_file):
                         await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
-                # Its metadata files too, should one be gone: the CDI mount of a missing file fails
-                # the container's start.
                 for path, text in self.checkpoint.metadata_files(claim.uid):
                     await trio.to_thread.run_sync(_ensure_device_metadata, path, text)
                 answer.devices.extend(devices)
                 return
-            # During a rolling update the kubelet calls the driver's most recently registered pod
-            # whose connection is up (GetPlugin in kubernetes/kubernetes
-            # pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go), and after a kubelet restart the pods
-            # register in the order its plugin watcher meets them: the old pod may be asked. Its
-            # configuration (env, mounts, device_specs, cdi) may not be the newest's, whose CDI spec
-            # is the one on the node (CDISpecTurn), and its shares' specs would carry its own edits.
-            # So it hands over: the claim's answer is an error, and the kubelet asks again ("will be
-            # called again for those that are not prepared", NodePrepareResourcesResponse in
-            # kubernetes/kubelet pkg/apis/dra/v1/api.proto; the pod's sync is retried with backoff),
-            # by then of the newest pod, or of this one once the newer pod is gone. Only a newer pod
-            # the kubelet registered counts (DriverPeers): one wedged or not registered gets no
-            # calls, and the kubelet keeps calling this pod, which must then prepare (issue 31).
+            # After a kubelet restart the pods of a rolling update register in the order its plugin
+            # watcher meets them: the old pod may be asked, and its configuration may not be the
+            # newest's (whose CDI spec is on the node: CDISpecTurn). So it hands over: the claim's
+            # answer is an error, and the kubelet asks again ("will be called again for those that
+            # are not prepared", kubernetes/kubelet pkg/apis/dra/v1/api.proto), by then of the
+            # newest pod. Only a newer pod the kubelet registered counts (DriverPeers): one it does
+            # not call leaves this pod to prepare.
             if self.peers is not None and (newer := self.peers.newer(registered=True)[0]):
                 raise GopherplugError(
                     f"a newer pod of DRA driver {self.resources.driver} serves on this node ({newer}): it prepares "
@@ -9379,9 +9301,8 @@ class ClaimPreparer:
                 await trio.to_thread.run_sync(write_cdi_spec, cdi, spec)
             if self.device_metadata:
                 # KEP-5304: the files are written by checkpoint.add, with the entry naming them;
-                # their CDI spec before, as the shares' are. It goes to the spec directory of the
-                # claim's first device's resource: one the runtime reads, or that device would not
-                # reach the container either.
+                # their CDI spec before, in the spec directory of the claim's first device's resource
+                # (one the runtime reads, or that device would not reach the container either).
                 metadata = device_metadata_files(found, self.resources.driver, pools, self.metadata_dir)
                 first = pools[devices[0].pool_name][0].cdi
                 assert first is not None  # parse_config gives every DRA resource one
@@ -9413,17 +9334,15 @@ class ClaimPreparer:
         log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid, answer.error)
 
     async def write_statuses(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Write the device status of each claim prepared, one at a time, in the order prepared,
-        until cancelled (serve_dra runs it). The kubelet waits for NodePrepareResources' answer,
-        and the pod's start with it; the status is for people and controllers reading the claim."""
+        """Write the device status of each claim prepared, in the order prepared, until cancelled:
+        after the answer, which the pod's start waits for (the status is for people and controllers)."""
         task_status.started()
         async for claim, devices in self._status_queue:
             await self._write_status(claim, devices)
 
     async def _write_status(self, claim: Any, devices: list[dict[str, Any]]) -> None:
         """The claim's status.devices for this driver (claim_device_status), once it is prepared.
-        Information only: a failure is logged, and the prepare stands (the kubelet has nothing to
-        retry, and the device is the pod's either way)."""
+        Information only: a failure is logged, and the prepare stands."""
         if not devices:
             return
         try:
@@ -9535,27 +9454,18 @@ class ExecCredentialError(ApiError):
 
 
 class ExecCredentialPlugin:
-    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
-    ``kubelogin get-token``), run as client-go runs it (plugin/pkg/client/auth/exec/exec.go; the
-    contract is the docs' "client-go credential plugins"), under trio: lightkube 1.0.1 runs it
-    through asyncio, which has no event loop under trio (its requests fail with "no running event
-    loop").
+    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``, ``kubelogin get-token``),
+    run as client-go runs it (plugin/pkg/client/auth/exec/exec.go), under trio: lightkube 1.0.1 runs
+    it through asyncio, which has no event loop under trio. docs/dra.md says the contract.
 
-    - The command: a bare name is looked up on PATH, as Go's exec.Command does; a path with a slash
-      in it is relative to the kubeconfig's directory (clientcmd's ResolveLocalPaths), not to ours.
-    - Its environment: ours, then the kubeconfig's ``env`` entries, then KUBERNETES_EXEC_INFO, the
-      ExecCredential request as JSON: apiVersion, kind, spec.interactive (always false: a driver
-      has no one to answer a prompt, so stdin is /dev/null) and spec.cluster only with
-      ``provideClusterInfo: true`` (the cluster's server, CA data, TLS server name, proxy URL and
-      its ``client.authentication.k8s.io/exec`` extension, as client-go's rest.ConfigToExecCluster).
-    - Its stdout: an ExecCredential of the apiVersion asked for, whose status.token is sent as the
-      bearer token until status.expirationTimestamp (RFC 3339; none: until the API server refuses
-      it), as client-go caches it. A 401 runs the plugin again, unless another request already has
-      since this one's token was had, at most once per request; client-go then returns the 401 and
-      the next request has the new token, this sends the request once more with it, as the token
-      file's authentication here does (_token_file_auth).
-    - One run at a time (a lock, as client-go's mutex): concurrent requests wait for it and share
-      its credential. A run is bounded by EXEC_CREDENTIAL_TIMEOUT, killed with its process group.
+    - The command: a bare name looked up on PATH; one with a slash relative to the kubeconfig's
+      directory (clientcmd's ResolveLocalPaths). Its environment: ours, the kubeconfig's ``env``,
+      then KUBERNETES_EXEC_INFO (spec.interactive always false; spec.cluster only with
+      ``provideClusterInfo: true``, as client-go's rest.ConfigToExecCluster makes it).
+    - Its stdout: an ExecCredential whose status.token is sent until status.expirationTimestamp. A
+      401 runs the plugin again (unless another request has since), and the request is sent once
+      more with the new token, as _token_file_auth does (client-go returns the 401).
+    - One run at a time (a lock, as client-go's mutex), run_program's, within EXEC_CREDENTIAL_TIMEOUT.
 
     Not supported, each refused with a line that says what to do: interactiveMode Always (a plugin
     that must prompt), and a client certificate in place of a token (status.clientCertificateData
@@ -9691,20 +9601,18 @@ class ExecCredentialPlugin:
             raise self._error(f"{self.command} not found{where}{hint}")
         try:
             with trio.fail_after(EXEC_CREDENTIAL_TIMEOUT):
-                returncode, stdout, stderr = await _run_for_output([executable, *self.args], env)
+                ran = await run_program([executable, *self.args], env, limit=EXEC_CREDENTIAL_MAX_OUTPUT)
         except trio.TooSlowError:
             raise self._error(f"did not finish within {EXEC_CREDENTIAL_TIMEOUT:g} s (killed)") from None
         except OSError as error:
             raise self._error(f"cannot run it: {_describe(error)}") from None
-        lines = [line.strip() for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-        if returncode != 0:
-            how = f"exited with {returncode}" if returncode > 0 else f"was killed by signal {-returncode}"
-            raise self._error(f"{how}: {lines[-1]}" if lines else f"{how} (nothing on stderr)")
-        if lines:  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
-            log.info("%s said: %s", self.shown, lines[-1])
-        if stdout is None:
+        if ran.stdout is None:
             raise self._error(f"printed more than {EXEC_CREDENTIAL_MAX_OUTPUT} bytes, not an ExecCredential")
-        self.token, self.expires = self._credential(stdout)
+        if ran.returncode != 0:
+            raise self._error(f"{ran.how()}{ran.said()}")
+        if ran.stderr.strip():  # client-go passes a plugin's stderr through to kubectl's: a warning, a notice
+            log.info("%s said%s", self.shown, ran.said())
+        self.token, self.expires = self._credential(ran.stdout)
 
     def _credential(self, stdout: bytes) -> tuple[str, float]:
         """The token and its expiry (time.time(); math.inf: none) in the plugin's ExecCredential."""
@@ -9749,49 +9657,6 @@ class ExecCredentialPlugin:
         except ValueError as error:
             raise self._error(f"status.expirationTimestamp {expiry!r} is not an RFC 3339 time ({error})") from None
         return token, when.timestamp()
-
-
-async def _run_for_output(argv: list[str], env: Mapping[str, str]) -> tuple[int, bytes | None, bytes]:
-    """Run ``argv`` to its end, stdin /dev/null; return its exit status, its stdout (None if longer
-    than EXEC_CREDENTIAL_MAX_OUTPUT) and the last PRE_START_STDERR_TAIL bytes of its stderr. Both
-    pipes are read as the command writes: one read after the other would leave it blocked on a full
-    pipe. Cancelled, it is killed with everything it started (its own process group)."""
-    stdout, tail = bytearray(), bytearray()
-    too_long = False
-
-    async def read_stdout(stream: trio.abc.ReceiveStream) -> None:
-        nonlocal too_long
-        async with stream:
-            async for chunk in stream:
-                if not too_long:
-                    stdout.extend(chunk)
-                    too_long = len(stdout) > EXEC_CREDENTIAL_MAX_OUTPUT
-                    if too_long:
-                        stdout.clear()
-
-    with _unwrap_single_errors():  # a command that cannot be started: its OSError, not a group
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,
-                    deliver_cancel=_kill_process_group,
-                )
-            )
-            assert process.stdout is not None and process.stderr is not None  # both PIPE
-            nursery.start_soon(read_stdout, process.stdout)
-            async with process.stderr:
-                async for chunk in process.stderr:
-                    tail += chunk
-                    del tail[:-PRE_START_STDERR_TAIL]
-    assert process.returncode is not None
-    return process.returncode, None if too_long else bytes(stdout), bytes(tail)
 
 
 def _exec_credential_auth(httpx2: Any, plugin: ExecCredentialPlugin) -> Any:
@@ -9954,22 +9819,15 @@ class KubeApi:
     """The few requests a DRA driver makes to the API server, through lightkube: resource.k8s.io/v1
     only, so Kubernetes 1.34 or later (1.32 and 1.33 serve the beta versions alone).
 
-    lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra), and
-    the device-plugin path stays as small as it was. Objects go in and come out as plain dicts.
-    Every failure becomes ApiError: ``status`` the HTTP status, None when the server could not be
-    reached or did not answer. In a pod, the configuration is the service account's
-    (KUBERNETES_SERVICE_HOST and _PORT, the token and ca.crt in SERVICE_ACCOUNT_DIR); a token file
-    is read again every TOKEN_REREAD_SECONDS (to twice that, jittered) and when the server refuses
-    it (401 or 403), as the kubelet rotates bound tokens. Outside a pod (a developer's machine, the
-    demo), KUBECONFIG's; a kubeconfig user's exec credential plugin is run under trio
-    (ExecCredentialPlugin), not by lightkube.
-    Every request says who sends it (user_agent()).
+    lightkube is imported here, not at the top: only a DRA driver needs it (the `dra` extra).
+    Objects go in and come out as plain dicts; every failure becomes ApiError (``status`` None when
+    no answer came). In a pod, the configuration is the service account's, its token file read
+    again every TOKEN_REREAD_SECONDS and after a 401 or 403, as the kubelet rotates bound tokens;
+    outside one, KUBECONFIG's, an exec credential plugin run under trio (ExecCredentialPlugin).
 
-    Lists and watches are made as client-go's reflector makes them (list_and_watch() says how and
-    why), with the API server's query parameters, through lightkube's request building and its
-    httpx2 client: lightkube 1.0.1's own list cannot ask for a resourceVersion, and its watch
-    neither asks for bookmarks nor lets its caller see the server end a watch (it opens the next
-    one itself).
+    Lists and watches are made as client-go's reflector makes them (list_and_watch), through
+    lightkube's request building and its httpx2 client: lightkube 1.0.1's own list cannot ask for
+    a resourceVersion, and its watch neither asks for bookmarks nor lets its caller see its end.
     """
 
     def __init__(
@@ -10024,11 +9882,9 @@ class KubeApi:
                 f"no Kubernetes API configuration: {kubeconfig or 'the kubeconfig'}: {problem}{at} "
                 "(the text is not shown: it may hold credentials)"
             ) from None
-        # A user with an exec credential plugin: lightkube runs it through asyncio, which has no
-        # event loop under trio (ExecCredentialPlugin runs it itself). Read before the client is made,
-        # so that a problem in the kubeconfig leaves nothing to close.
-        # Only if the user has no other credential: client-go's exec authenticator steps aside for a
-        # token, a token file, a client certificate or a password (UpdateTransportConfig).
+        # An exec credential plugin: lightkube runs it through asyncio, which has no event loop
+        # under trio (ExecCredentialPlugin runs it itself). Only if the user has no other
+        # credential: client-go's exec authenticator steps aside for one (UpdateTransportConfig).
         plugin = None
         user_fields = ("token", "token_file", "client_cert", "client_cert_data", "username")
         if (
@@ -10041,11 +9897,9 @@ class KubeApi:
         client = lightkube.AsyncClient(
             config, field_manager=field_manager, timeout=httpx2.Timeout(API_REQUEST_TIMEOUT), trust_env=False
         )
-        # lightkube reads a token file again only after a 401. A projected token that the API server
-        # refuses with 403 (the manifest's admission policy refuses a token without its node, e.g.
-        # one issued before an upgrade) would then be sent forever, although the kubelet has already
-        # replaced the file. client-go reads the file again every minute; so does this, and after a
-        # 401 or 403. Set on lightkube 1.0.1's httpx2 client (GenericAsyncClient._client), pinned.
+        # lightkube reads a token file again only after a 401: a token refused with 403 (one issued
+        # before an upgrade, say) would be sent forever. client-go reads the file every minute; so
+        # does this, and after a 401 or 403 (on lightkube 1.0.1's httpx2 client, pinned).
         user = getattr(client._client.config, "user", None)
         token_file = getattr(user, "token_file", None)
         if token_file:
@@ -10057,10 +9911,9 @@ class KubeApi:
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         slices = create_global_resource("resource.k8s.io", "v1", "ResourceSlice", "resourceslices")
         claims = create_namespaced_resource("resource.k8s.io", "v1", "ResourceClaim", "resourceclaims")
-        # The core group's Node as a generic resource (a dict), made here and not registered:
-        # lightkube's own model of it would load the whole core group's models (API_CLIENT_UNUSED), and
-        # create_global_resource() looks a resource of group "" up under another key than it
-        # registers it under, so a second client would fail to make it.
+        # The core group's Node as a generic resource (a dict), not registered: lightkube's own model
+        # would load every core model (API_CLIENT_UNUSED), and create_global_resource() fails for
+        # group "" in a second client.
 
         class Node(GenericGlobalResource):  # type: ignore[misc,valid-type]
             _api_info = create_api_info("", "v1", "Node", "nodes", verbs=["get", "list", "watch"])
@@ -10100,10 +9953,8 @@ class KubeApi:
         self, namespace: str, name: str, uid: str, devices: list[dict[str, Any]], field_manager: str
     ) -> None:
         """Write ``devices`` as the claim's status.devices by server-side apply to its status
-        subresource, as ``field_manager``: the entries are a list map (keys driver, pool, device,
-        shareID), so each driver's apply owns and replaces its own entries and leaves other
-        drivers' alone. The UID in the applied object makes the API server refuse (409) a claim
-        that was replaced under the same name."""
+        subresource, as ``field_manager``: a list map, so each driver's apply replaces its own
+        entries alone. The UID makes the API server refuse (409) a claim replaced under its name."""
         from lightkube.types import PatchType
 
         body = {
@@ -10124,8 +9975,7 @@ class KubeApi:
             )
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        """The Node's name and UID (what a slice's owner reference needs), as its metadata, and its
-        status.allocatable (whether a device plugin still serves a resource here)."""
+        """The Node's name and UID (a slice's owner reference) and its status.allocatable."""
         with self._errors(f"get Node {name}"):
             node = await self._client.get(self._node, name)  # a dict (connect)
             metadata, status = node.get("metadata") or {}, node.get("status") or {}
@@ -10137,9 +9987,8 @@ class KubeApi:
 
     async def server_version(self) -> str:
         """The API server's version as its /version says it ("v1.35.2"), for a log line that must
-        name it; "" when it cannot be had (no answer, no permission: /version is open to every
-        authenticated client by default, system:public-info-viewer). Decisions go by what the
-        server stored, never by this: an admin may have turned a gate on before its default."""
+        name it; "" when it cannot be had. Decisions go by what the server stored, never by this:
+        an admin may have turned a gate on before its default."""
         inner = self._client._client
         try:
             response = await inner.send(inner._client.build_request("GET", "/version"))
@@ -10196,13 +10045,10 @@ class KubeApi:
                 if response.status_code >= 400:
                     await response.aread()
                     inner.raise_for_status(response)
-                # One event per line, and a line ends at the byte "\\n" alone: the API server writes
-                # each event with Go's json.Encoder, which ends it with "\\n" and escapes no other
-                # line break but U+2028 and U+2029 (go_json). httpx's aiter_lines() (and lightkube's
-                # own watch, through it) splits where str.splitlines() does, also at U+0085, U+000B,
-                # U+001C..U+001E raw in UTF-8: a Node annotation holding one cut its event in two.
-                # client-go frames a watch by JSON document, not by line (the json framer of
-                # apimachinery's pkg/util/framer); in a stream of one-line documents, the same.
+                # One event per line, and a line ends at the byte "\\n" alone: Go's json.Encoder
+                # leaves U+0085 and other line breaks raw (go_json), where httpx's aiter_lines()
+                # (and lightkube's watch) would split too: a Node annotation holding one cut its
+                # event in two.
                 pending = bytearray()
                 async for chunk in response.aiter_bytes():
                     pending += chunk
@@ -10253,9 +10099,8 @@ class KubeApi:
 
 
 class WatchEventError(ApiError):
-    """A watch brought a line that is not an event (not JSON, or not of an event's shape): something
-    between the API server and here mangled the stream. list_and_watch says so in one line and lists
-    again, as what the event said is lost."""
+    """A watch brought a line that is not an event: something between the API server and here mangled
+    the stream. list_and_watch says so in one line and lists again."""
 
     def __init__(self, message: str) -> None:
         super().__init__(None, message)
@@ -10266,10 +10111,9 @@ _WATCH_EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERR
 
 
 def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
-    """One line of a watch stream as its event: (type, object). An ERROR event (a 410 Gone: the
-    version left the server's history) raises ApiError, as an error answer does; a line that is
-    not an event raises WatchEventError, never what json.loads raises: the caller's handling
-    of a failed watch must see it, or one bad line would stop the driver."""
+    """One line of a watch stream as its event: (type, object). An ERROR event (a 410 Gone) raises
+    ApiError, as an error answer does; a line that is not an event raises WatchEventError, never
+    what json.loads raises, or one bad line would stop the driver."""
     try:
         event = json.loads(line)
     except ValueError as error:  # UnicodeDecodeError included
@@ -10290,11 +10134,9 @@ def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
 
 
 def _too_large_version(error: ApiError) -> bool:
-    """Whether the API server answered that a request's resourceVersion is newer than it has: its
-    watch cache waited (up to 3 s) and did not catch up. A 504 whose details name the cause
-    ResourceVersionTooLarge (storage.NewTooLargeResourceVersionError in kubernetes/kubernetes
-    staging/src/k8s.io/apiserver); its message alone, as client-go's isTooLargeResourceVersionError
-    also reads it, for a server that names no cause."""
+    """Whether the API server answered that a request's resourceVersion is newer than its watch
+    cache has: a 504 whose details name the cause ResourceVersionTooLarge, or whose message says
+    so (as client-go's isTooLargeResourceVersionError reads it, for a server that names no cause)."""
     return "ResourceVersionTooLarge" in error.causes or (
         error.status == 504 and "Too large resource version" in str(error)
     )
@@ -10318,28 +10160,24 @@ async def list_and_watch(
     """Keep a copy of some objects of the API server, as client-go's reflector does (ListAndWatch in
     kubernetes/kubernetes staging/src/k8s.io/client-go/tools/cache/reflector.go), until cancelled:
     ``replace`` gets each list's items and version, ``update`` each watch event (ADDED, MODIFIED,
-    DELETED, and BOOKMARK, whose object carries a resourceVersion alone). ``list_from(version)``
-    and ``watch_from(version)`` make one request each (KubeApi).
+    DELETED, BOOKMARK). ``list_from(version)`` and ``watch_from(version)`` make one request each.
+    docs/dra.md, "A light load on the API server", says what that costs the server.
 
-    1. List once, at resourceVersion "0": whatever the API server's watch cache holds, served
-       without a read from etcd (relistResourceVersion).
-    2. Watch from the list's version, asking for bookmarks. Every event's version, a bookmark's
-       included, is where the next watch starts.
-    3. The server ends each watch after a while: a random time between its --min-request-timeout
-       and twice that, 30 to 60 minutes by default. Watched again from the last version, with no
-       list: nothing was missed. No timeoutSeconds is asked for; the reflector asks for 5 to 10
-       minutes, which would make one node's two watches 16 requests an hour instead of 2 to 4.
-       A dead connection is found by the bookmarks' silence instead (DRA_WATCH_QUIET_SECONDS).
-    4. A watch answered 410 Gone (its version left the server's history: etcd compacted it, or the
-       API server restarted): list again, from that version (at least as new as what was seen,
-       still from the cache); a list answered 410 too, or "too large resource version" (an API
-       server whose cache is behind that version), is made at "", a quorum read. A 410 right
-       after a list, with nothing in between, is no longer routine: warned about, backed off.
-    5. Any other failure (no answer, a 429, a 5xx): backed off (DRA_WATCH_BACKOFF, jittered), then
-       watched again from the last version; never a list, which costs the server much more.
+    1. List once, at resourceVersion "0": from the API server's watch cache, not etcd.
+    2. Watch from the list's version, asking for bookmarks; every event's version is where the
+       next watch starts.
+    3. The server ends each watch after its --min-request-timeout (30 to 60 minutes): watched
+       again from the last version, with no list. No timeoutSeconds (the reflector's 5 to 10
+       minutes would multiply the requests); a dead connection is found by the bookmarks'
+       silence instead (DRA_WATCH_QUIET_SECONDS).
+    4. A watch answered 410 Gone: list again from that version; a list answered 410 too, or "too
+       large resource version" (a cache behind it), at "", a quorum read. A 410 right after a
+       list is no longer routine: warned about, backed off.
+    5. Any other failure: backed off (DRA_WATCH_BACKOFF, jittered), then watched again; never a
+       list, which costs the server much more.
 
-    A 403 (RBAC gives no list or watch) is raised when ``stop_when_forbidden``, for a caller that
-    can do without; otherwise backed off and retried as the others."""
+    A 403 is raised when ``stop_when_forbidden``, for a caller that can do without; otherwise
+    backed off and retried as the others."""
     version = ""  # the last resourceVersion seen; "" before the first list
     list_at: str | None = "0"  # list before the next watch, at this version; None: watch
     delay = DRA_WATCH_BACKOFF[0]
@@ -10352,12 +10190,9 @@ async def list_and_watch(
                 except ApiError as error:
                     if not list_at or not (error.status == 410 or _too_large_version(error)):
                         raise
-                    # The version is gone from the history (410), or newer than what the API server
-                    # that answered has (its watch cache behind: another API server of the control
-                    # plane, or one just restarted, served the watch): either way it cannot be
-                    # listed at, and asking again would get the same answer for as long as the cache
-                    # stays behind. So list the newest, a quorum read from etcd, and keep listing at
-                    # "" until a list works, as the reflector's isLastSyncResourceVersionUnavailable.
+                    # The version is gone from the history (410), or newer than the answering API
+                    # server's watch cache has: asking again would get the same answer. So list the
+                    # newest, a quorum read, as the reflector's isLastSyncResourceVersionUnavailable.
                     log.debug("DRA: listing %s: %s; listing the newest", what, error)
                     list_at = ""
                     items, version = await list_from("")
@@ -10399,19 +10234,16 @@ async def list_and_watch(
 
 
 #: How soon a newer pod that does not serve is asked again (DriverPeers), at first and at most
-#: (doubling in between): a starting pod listens within milliseconds of making its socket, and the
-#: kubelet registers it within a second or two; a killed, wedged or unregistered one never does,
-#: and is asked about twice a minute (a killed one's socket until the next driver's start removes it).
+#: (doubling in between): a starting pod listens within milliseconds, and the kubelet registers it
+#: within a second or two; a killed, wedged or unregistered one is asked about twice a minute.
 DRA_PEER_RECHECK = (0.05, 30.0)
 
 
 def dra_registration_socket_of(driver: str, name: str) -> bool:
     """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
-    DraConfig.registration_socket names them: "<driver>-reg.sock", "<driver>-<pod UID>-reg.sock"
-    with a UUID (the API server's pod UIDs), "<driver>-<11 characters>-reg.sock" (the digest of a
-    UID, where the UID makes the path too long). Not any "<driver>-*-reg.sock": another driver's
-    name may begin with ours and a "-" (gopherplug.example.com-nic), and its sockets are not ours
-    to defer to or to remove. (The names hashed whole, "dra-<hash>-reg.sock", are not told apart.)"""
+    DraConfig.registration_socket names them ("dra-<hash>-reg.sock" aside). Not any
+    "<driver>-*-reg.sock": another driver's name may begin with ours and a "-"
+    (gopherplug.example.com-nic)."""
     if name == f"{driver}-reg.sock":
         return True
     middle = name.removeprefix(f"{driver}-").removesuffix("-reg.sock")
@@ -10426,51 +10258,34 @@ DRA_PEER_TIMEOUT = 1.0
 
 
 class DriverPeers:
-    """The other pods of this DRA driver on the node, seen through their registration sockets, for
-    the slices: during a rolling update the old and the new pod both keep them, and the new one may
-    describe the devices otherwise (another version, another configuration). Both writing what they
-    see would rewrite each other's slices, a new generation each time, until the old pod is gone.
-    So the newest pod that serves writes them: a pod whose registration socket is older than that of
-    a serving pod of the driver leaves them to it, and writes again once that one is gone (its socket
-    removed). The same notion picks the CDI specs' one writer (CDISpecTurn) and the pod that
-    prepares new claims (ClaimPreparer).
+    """The other pods of this DRA driver on the node, seen through their registration sockets.
+    During a rolling update both pods keep the slices, and the new one may describe the devices
+    otherwise: both writing what they see would rewrite each other's slices without end. So the
+    newest pod that serves writes them (and the CDI specs: CDISpecTurn), the older leaving them to
+    it until it is gone (docs/dra.md, "Upgrades without a gap", tells the whole story).
 
-    Newest: the later socket's change time (each pod makes its socket as it starts). This pod's own
-    is remembered: it removes its socket first as it stops (so that the kubelet deregisters it
-    before its endpoint goes), and with nothing left to compare, a stopping old pod would take the
-    turn back and write the spec and the slices from its own configuration once more, after the new
-    pod had written them (issue 31). And a stopping pod (``stopping``, set by serve_dra) never takes
-    the turn back whatever it sees: it is going.
+    Newest: the later socket's change time. This pod's own is remembered, since it removes its
+    socket first as it stops; and a stopping pod (``stopping``, set by serve_dra) never takes the
+    turn back: it would write its own configuration once more over the new pod's.
 
-    Serving, not merely a socket that accepts a connection: the kernel accepts one into the listen
-    backlog of a pod that is wedged, which writes nothing and answers nothing. What this pod can
-    observe, ``watch`` asks in the background whenever a socket comes or goes, and again with a
-    backoff (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers
-    GetInfo as this driver within DRA_PEER_TIMEOUT (it runs: it writes the slices and the CDI spec,
-    ``newer()``), and whether its endpoint's gopherplug status says the kubelet registered it
-    (NotifyRegistrationStatus, and not dropped since: RegistrationState; ``newer(registered=True)``).
-    The kubelet calls the newest plugin that is registered and connected (GetPlugin in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): until the newer pod is
-    registered, the kubelet calls this one, which prepares new claims (ClaimPreparer), while the
-    slices and the spec stay the newer pod's (both writing their own view would rewrite each other's
-    without end). An endpoint without that status (another implementation, an older gopherplug)
-    counts as registered once it answers at all. Once seen registered a pod counts until its socket
-    goes. A killed pod's socket accepts nothing, and _remove_dead_sockets removes it at the next start.
-
-    Sockets named as dra_registration_socket_of says; a pod whose name had to be hashed whole
-    ("dra-<hash>-reg.sock", a very long kubelet root) is not told apart from other drivers'.
+    Serving, not merely accepting: the kernel accepts a connection into a wedged pod's listen
+    backlog. ``watch`` asks whenever a socket comes or goes, and again with a backoff
+    (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers GetInfo
+    as this driver within DRA_PEER_TIMEOUT (``newer()``), and whether its endpoint's gopherplug
+    status says the kubelet registered it (``newer(registered=True)``; an endpoint without that
+    status counts once it answers). The kubelet calls the newest plugin that is registered and
+    connected (GetPlugin in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go):
+    until then it calls this one, which prepares new claims (ClaimPreparer).
     """
 
     def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
         self.config = config
-        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to
-        #: serve (``changed``, shared with the CDI specs' CDISpecTurn, when given)
+        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to serve
         self.changed = changed if changed is not None else Watched(None)
         #: set by serve_dra as it stops: from then on newer() never answers "none" after naming one
         self.stopping = False
         self._mine: tuple[int, str] | None = None  # our socket's (change time, name), as last seen
-        # A newer socket -> (its (inode, change time), how far its pod serves: _ANSWERS, _REGISTERED
-        # or 0), as _check last found.
+        # A newer socket -> (its (inode, change time), how far its pod serves), as _check last found.
         self._serving: dict[str, tuple[tuple[int, int], int]] = {}
         self._said = ["", ""]  # newer()'s last answers before stopping, without and with ``registered``
 
@@ -10497,8 +10312,7 @@ class DriverPeers:
     def newer(self, registered: bool = False) -> tuple[str, bool]:
         """The registration socket of a running pod of the driver newer than this one ("" if none;
         ``registered``: one the kubelet registered), and whether a newer socket's pod is not (yet)
-        seen so: one that starts, is wedged, or is not registered (``watch`` asks again). No I/O but
-        a directory listing: asked under the CDI spec's flock, and from the event loop."""
+        seen so. No I/O but a directory listing: asked under the CDI spec's flock."""
         level = _REGISTERED if registered else _ANSWERS
         answer, unserved = "", False
         for path, identity in self._newer_sockets():
@@ -10599,39 +10413,26 @@ _ANSWERS, _REGISTERED = 1, 2
 class SlicePublisher:
     """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
 
-    Two tasks: ``watch`` follows the slices on the API server (a watch, narrowed by field selectors
-    to this node and driver) into ``known``, and this node's Node into ``node`` (list_and_watch
-    says how: a node costs the API server two watch requests an hour when nothing changes), and
-    ``publish`` wakes whenever a resource's devices, ``known`` or ``node`` change, compares, and
-    writes only what differs: the devices a pool should have, in
-    slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation; a pool with a slice of
-    an older generation is written again whole. A slice deleted by someone else (an administrator,
-    the kubelet cleaning up after a plugin it thought gone) is written again. Each pool, and each
-    stale slice, is written on its own: one the API server refuses is retried after its own
-    capped backoff (or its Retry-After) while the others go on. While the API server is down or
-    slow, the rest of the plugin serves on; the latest devices are written once it answers. Writes
-    that succeed are bounded too (DRA_WRITES_PER_SECOND), should something undo each one at once.
-    A watch that expired (410) is followed by a new list at once; nothing else lists again.
+    Two tasks: ``watch`` follows the slices (a watch narrowed to this node and driver) into
+    ``known``, and this node's Node into ``node`` (list_and_watch says how); ``publish`` wakes
+    whenever a resource's devices, ``known`` or ``node`` change, and writes only what differs: a
+    pool's devices in slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A
+    slice deleted by someone else (the kubelet cleaning up after a plugin it thought gone) is
+    written again. Each pool, and each stale slice, is written on its own, one the API server
+    refuses retried after its own capped backoff (or Retry-After); writes that succeed are bounded
+    too (DRA_WRITES_PER_SECOND). While the API server is down the plugin serves on.
 
     A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
-    device plugin serves it on this node, so pods that ask for it in resources.limits get its
-    devices from there, and the scheduler would give the same devices to claims through DRA. Its
-    slices are not written (and any left are deleted) until the allocatable is 0, which the kubelet
-    reports at once when the device plugin's endpoint is gone (GetCapacity in kubernetes/kubernetes
-    pkg/kubelet/cm/devicemanager/manager.go), and the kubelet writes to its Node's status within
-    about 10 s (nodeStatusUpdateFrequency). The watch of the Node brings that, and a device plugin
-    that starts serving the resource on this node later (its allocatable above 0 again), within
-    moments, in either direction, at any time. The scheduler follows the same rule from the other
-    side: it serves an extended resource through DRA on a node only where the allocatable for it is
-    0 (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
+    device plugin serves it here, and the scheduler would give the same devices to claims through
+    DRA. The kubelet reports 0 once that plugin's endpoint is gone (GetCapacity in
+    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), and the watch of the Node brings
+    it within moments, in either direction. The scheduler follows the same rule from its side
+    (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
 
-    The Node also owns the slices (their owner reference names its UID), so that they go with it.
-    A Node that cannot be read or is not there (a NODE_NAME that names none) must not keep the
-    devices from the scheduler: the slices go out without an owner, with one warning, and get it
-    once the Node is seen. An older manifest's ClusterRole may give get on nodes without list and
-    watch: then the Node is read every DRA_NODE_POLL_SECONDS (jittered), said once.
-
-    With ``peers``, nothing is written while a newer pod of the driver serves (DriverPeers).
+    The Node also owns the slices, so that they go with it. A Node that cannot be read must not keep
+    the devices from the scheduler: the slices go out without an owner (said once), and get it once
+    the Node is seen. A ClusterRole with get on nodes but no list and watch: the Node is read every
+    DRA_NODE_POLL_SECONDS instead. With ``peers``, nothing is written while a newer pod serves.
     """
 
     def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
@@ -10644,15 +10445,12 @@ class SlicePublisher:
         self.known_changed = Watched(None)
         self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
         self.listed = trio.Event()  # set once `known` holds a whole list
-        # The newest resourceVersion the list and the watch have told us of. A write's answer older
-        # than that is stale: the watch already brought it, or what came after it (a deletion).
-        self._seen = -1
+        self._seen = -1  # the newest resourceVersion listed or watched: a write's answer older is stale
         self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
         # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
         self._retries: dict[str, tuple[float, float]] = {}
-        # Slice name -> (what we wrote, what the API server stored), both as _slice_key, when the two
-        # differ: the server dropped fields it does not know (feature gates off). What it stored
-        # then counts as what we wrote, or every pass would write the same slice again.
+        # Slice name -> (what we wrote, what the API server stored), as _slice_key, when the server
+        # dropped fields it does not know (feature gates off): then what it stored counts as written.
         self._stored_as: dict[str, tuple[str, str]] = {}
         self._dropped_warned: set[str] = set()
         self._server_version: str | None = None  #: the API server's /version, once a warning needs it
@@ -10695,14 +10493,9 @@ class SlicePublisher:
             return
         name = item["metadata"]["name"]
         # The watch brings events in order; what can be newer than an event is `known`'s own entry,
-        # when it is the answer to our write (publish puts it there at once). Every event older
-        # than it is history, a deletion too: a slice we created at version W after its name was
-        # deleted at D < W (the kubelet's wipe, an earlier pod's slice cleaned up) is not the one
-        # that DELETED at D describes, and dropping it made the next pass create it again, for a
-        # 409 AlreadyExists and a backoff. A deletion of what we wrote comes later than W. Versions
-        # are opaque to clients, and client-go's informers never compare them, as they never take
-        # a write's answer in; its MutationCache, which does, compares them as numbers (etcd's
-        # revision), as _older does, and so keeps a written object until the watch brings a newer one.
+        # the answer to our write. An event older than it is history, a deletion too: a slice we
+        # created at version W is not the one a DELETED at D < W describes (dropping it would create
+        # it again, for a 409). client-go's MutationCache compares versions as numbers too (_older).
         if _older(item, self.known.get(name)):
             pass
         elif kind == "DELETED":
@@ -10713,9 +10506,7 @@ class SlicePublisher:
 
     async def _watch_node(self) -> None:
         """Watch the Node; while RBAC refuses that (403), read it every DRA_NODE_POLL_SECONDS, and
-        try the watch again after DRA_NODE_WATCH_RETRY (doubling, jittered): a ClusterRole fixed
-        later is noticed without a restart, as the reflector, which retries a refused list for ever,
-        would notice it."""
+        try the watch again after DRA_NODE_WATCH_RETRY: a ClusterRole fixed later is noticed."""
         name = self.resources.node_name
         polled = False  # the Node is being read instead of watched, and it was said
         retry = DRA_NODE_WATCH_RETRY[0]
@@ -10794,11 +10585,9 @@ class SlicePublisher:
         self.node_known.set()
 
     def _say_kubelet_version(self, version: str) -> None:
-        """What this node's kubelet (its Node's status.nodeInfo.kubeletVersion; it may be up to three
-        minor versions older than the API server) cannot do of what gopherplug serves: said once per
-        version it reports. A kubelet before 1.36 opens the DRA health stream only with its
-        ResourceHealthStatus gate, alpha and off by default (dra_plugin_manager.go in
-        kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
+        """What this node's kubelet (status.nodeInfo.kubeletVersion) cannot do of what gopherplug
+        serves, said once per version: before 1.36 it opens the DRA health stream only with its
+        ResourceHealthStatus gate, off by default (kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
         if not version or version == self._kubelet_version:
             return
         self._kubelet_version = version
@@ -10819,7 +10608,8 @@ class SlicePublisher:
         while True:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()
-            watched = [self.known_changed, self.node, self.resources.changed, *self._devices()]
+            watched = [self.known_changed, self.node, self.resources.changed]
+            watched += [devices for _, devices in self.resources.served.values()]
             watched += [self.peers.changed] if self.peers is not None else []
             touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
             async with trio.open_nursery() as nursery:
@@ -10839,9 +10629,6 @@ class SlicePublisher:
                 self.synced.set(self.synced.value + 1)
                 await woken.wait()
                 nursery.cancel_scope.cancel()
-
-    def _devices(self) -> list[Watched]:
-        return [devices for _, devices in self.resources.served.values()]
 
     def _defer(self) -> bool:
         """Whether a newer pod of the driver writes the slices now (said in the log when that
@@ -10905,10 +10692,9 @@ class SlicePublisher:
         self.held = held
 
     async def _sync(self) -> float | None:
-        """One pass: every pool's slices as they should be, stale ones deleted; each pool, and each
-        stale slice, on its own (the Go controller's per-pool work queue): one the API server
-        refuses is retried after its own backoff (longer if the server said Retry-After), while
-        the others are written. Returns when the next retry is due (trio's clock), None if none is."""
+        """One pass: every pool's slices as they should be, stale ones deleted, each on its own (the
+        Go controller's per-pool work queue) with its own backoff. Returns when the next retry is
+        due (trio's clock), None if none is."""
         node, driver = self.resources.node_name, self.resources.driver
         owner = self._owner()
         now = trio.current_time()
@@ -10965,10 +10751,8 @@ class SlicePublisher:
             self._written(item, mine.get(item["metadata"]["name"])) for item in slices
         )
         # A slice of an older generation than its pool's newest is obsolete even when its devices
-        # are right: the scheduler takes only a pool's newest generation, and treats it as
-        # incomplete until it has resourceSliceCount slices of it (structured/pools.go). So a
-        # write that failed after its pool's first slice went to the new generation (a 409, a 429, a
-        # timeout, the plugin killed between the two) leaves the pool to be written again.
+        # are right: the scheduler takes only a pool's newest generation, complete (structured/pools.go).
+        # So a write that failed halfway through a new generation leaves the pool to be written again.
         if same and all(item["spec"]["pool"]["generation"] == generation for item in mine.values()):
             return
         # The pool changed: a new generation, so that the scheduler never mixes two.
@@ -11007,7 +10791,7 @@ class SlicePublisher:
                         server,
                         name,
                     )
-                    if _unshared(item, written):
+                    if _dropped("allowMultipleAllocations", item, written):
                         log.warning(
                             "DRA: %s dropped allowMultipleAllocations from the devices of %s: its feature gate "
                             "DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device "
@@ -11015,7 +10799,7 @@ class SlicePublisher:
                             server,
                             resource_name,
                         )
-                    if _untainted(item, written):
+                    if _dropped("taints", item, written):
                         log.warning(
                             "DRA: %s dropped the taints of the unhealthy devices of %s: its feature gate "
                             "DRADeviceTaints is off (beta and on by default from Kubernetes 1.36). A DeviceClass "
@@ -11034,25 +10818,17 @@ class SlicePublisher:
         return known is not None and stored == (_slice_key(wanted), _slice_key(known))
 
 
-def _untainted(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server stored a slice's tainted devices without their taints."""
-    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get("taints")]
+def _dropped(field: str, written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether the API server stored a slice's devices that have ``field`` ("taints": the tainted
+    ones; "allowMultipleAllocations": the shared ones, dra_shares) without it."""
+    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get(field)]
     theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
-    return any(not theirs.get(name, {}).get("taints") for name in mine)
-
-
-def _unshared(written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server stored a slice's shared devices (dra_shares) as not shared."""
-    mine = [device for device in written["spec"].get("devices") or [] if device.get("allowMultipleAllocations")]
-    theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
-    return any(not theirs.get(device["name"], {}).get("allowMultipleAllocations") for device in mine)
+    return any(not theirs.get(name, {}).get(field) for name in mine)
 
 
 def _version_of(item: Mapping[str, Any]) -> int | None:
-    """An object's resourceVersion as a number, None if it is not one. The API server asks clients
-    to treat it as opaque; etcd's are one increasing counter for every object, and gopherplug
-    compares them only to tell a watch event or a write's answer from an older one. A version that
-    is not a number is taken as the newest, which is how a client that never compares behaves."""
+    """An object's resourceVersion as a number (etcd's one increasing counter), None if it is not
+    one: then it is taken as the newest, as a client that never compares the opaque versions does."""
     version = item.get("metadata", {}).get("resourceVersion", "")
     return int(version) if version.isascii() and version.isdigit() else None
 
@@ -11084,11 +10860,9 @@ def _keep_taint_times(item: dict[str, Any], stored: Iterable[Mapping[str, Any]])
     """Give each taint of ``item`` the timeAdded its device's same taint (key, value, effect) has in
     the pool's ``stored`` slices. The API server sets timeAdded to now on every write of a taint
     without one (SetDefaults_DeviceTaint in kubernetes/kubernetes pkg/apis/resource/v1/defaults.go),
-    and a NoExecute taint evicts at timeAdded + tolerationSeconds: without this, every rewrite of
-    the pool (another device added, another turned unhealthy) would restart the eviction clock of
-    the devices already tainted. The Go helper does the same (copyTaintTimeAdded in
-    staging/src/k8s.io/dynamic-resource-allocation/resourceslice); here across the pool's slices, so
-    that a device moved to another slice keeps its time too."""
+    and a NoExecute taint evicts at timeAdded + tolerationSeconds: every rewrite of the pool would
+    restart the eviction clock. The Go helper does the same (copyTaintTimeAdded), here across the
+    pool's slices, so that a device moved to another slice keeps its time too."""
     times = {
         (device.get("name"), taint.get("key"), taint.get("value"), taint.get("effect")): taint["timeAdded"]
         for known in stored
@@ -11144,21 +10918,16 @@ async def serve_dra(
     task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Be the DRA driver ``config`` names until cancelled: slices published, DRAPlugin served,
-    the registration socket in plugins_registry for the kubelet to find.
-
-    started() is called once both sockets listen. The DRAPlugin socket comes first: the kubelet
-    dials it as soon as GetInfo has named it.
+    the registration socket in plugins_registry for the kubelet to find. started() is called once
+    both sockets listen, the DRAPlugin socket first: the kubelet dials it as soon as GetInfo names it.
 
     With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
-    one: during a rolling update with maxSurge the new pod starts before the old one stops. The
-    sockets carry the pod's UID; the checkpoint, the CDI spec and the slices are shared, each
-    written under its own rules (ClaimCheckpoint, CDISpecTurn, SlicePublisher), and nothing of
-    them is removed on the way out: only this pod's sockets go. Without a pod UID, one driver runs
-    per node: a second one is refused at start while the first one's registration socket answers.
+    one (a rolling update with maxSurge): the sockets carry the pod's UID; the checkpoint, the CDI
+    spec and the slices are shared, each under its own rules (ClaimCheckpoint, CDISpecTurn,
+    SlicePublisher), and only this pod's sockets go on the way out. Without a pod UID, a second
+    driver is refused at start while the first one's registration socket answers.
 
-    Cancelled, it stops its parts one at a time, each within STOP_PART_TIMEOUT (see _Parts): the
-    registration socket, the DRAPlugin socket, the claim status writer, the slice publisher, the
-    slice watch, the watch on the driver's other pods.
+    Cancelled, it stops its parts one at a time, the last started first (_Parts).
     """
     try:
         os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
@@ -11178,13 +10947,10 @@ def _remove_dead_sockets(config: DraConfig) -> None:
     """Remove the driver's sockets that no process listens on: left by a pod of the driver that was
     killed (SIGKILL, the OOM killer) before it could remove them.
 
-    The kubelet keeps registering a socket in plugins_registry that does not answer (the plugin
-    watcher retries it after every start), and keeps a dead endpoint in its list of the driver's
-    plugins (it prefers a connected one, so calls still reach a live pod: GetPlugin in
-    kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go). The Go helper leaves
-    them; a socket nobody accepts on is dead for certain (a live pod listens from bind() until it
-    removes it), so they go here. Only this driver's names (dra_registration_socket_of), and in the
-    driver's own directory "dra.sock", "dra-*.sock"."""
+    The kubelet's plugin watcher retries a registration socket that does not answer after every
+    start, and keeps a dead endpoint among the driver's plugins. A socket nobody accepts on is dead
+    for certain (a live pod listens from bind() until it removes it). Only this driver's names
+    (dra_registration_socket_of), and in the driver's own directory "dra.sock", "dra-*.sock"."""
     registry = os.path.dirname(config.registration_socket)
     candidates = [
         os.path.join(registry, name) for name in _listing(registry) if dra_registration_socket_of(config.driver, name)
@@ -11256,8 +11022,7 @@ async def _serve_dra(
 
 def _dra_problem(driver: DraDriver) -> str:
     """The DRA driver's liveness: registered by the kubelet, not refused, not dropped since (see
-    RegistrationState.dropped); "" when so. The plugin watcher registers a new socket within a
-    second, and a restarted kubelet registers it again by walking plugins_registry."""
+    RegistrationState.dropped); "" when so."""
     status = driver.registration.message(driver.config.driver)
     if status.registration_error:
         return f"the kubelet refused it: {status.registration_error}"
@@ -11351,21 +11116,18 @@ async def serve_resource(
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
     until ``devices`` is RETIRED (then its streams send the empty list, and it returns).
-    ``examine``, ``examiner`` and ``config`` (its configuration as reloads change it in place,
-    never its name or options) are for device_plugin_service().
-
-    started() is called once the first socket is listening (registration may still be waiting
-    for the kubelet). ``generations`` numbers the sockets (default 1, 2, ...): a resource served
-    again after a configuration change continues its numbering.
+    ``examine``, ``examiner`` and ``config`` (as reloads change it in place) are for
+    device_plugin_service(). started() is called once the first socket is listening.
+    ``generations`` numbers the sockets (default 1, 2, ...): a resource served again after a
+    configuration change continues its numbering.
     """
     directory = kubelet.device_plugin_dir
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
 
     status = StreamStatus()
     lock = ResourceLock(resource.name, directory)
-    # A node switched from another plugin (generic-device-plugin) may have running pods holding
-    # our devices under its IDs: those are offered Unhealthy until the pods end, from the first
-    # list the kubelet gets (hold_back_foreign_holds). Usually ``offered`` is ``devices`` itself.
+    # A node switched from another plugin (generic-device-plugin) may have running pods holding our
+    # devices under its IDs: those are offered Unhealthy until the pods end (hold_back_foreign_holds).
     pod_resources = os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
     try:
         async with trio.open_nursery() as holding:
@@ -11463,12 +11225,8 @@ async def _serve_generations(
                 # plugin is registered under the resource's *name* at that moment (runClient in
                 # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go):
                 # had we registered again already, the new registration would be the one dropped.
-                # So the stream ends first, and we wait for the kubelet to close its connection,
-                # which it does once it has forgotten the registration. After a kubelet restart
-                # too: the old kubelet's connections are closed then, and this costs nothing; but
-                # a kubelet still alive under a new kubelet.sock (one moved away and back, say)
-                # would drop the next registration, as the new kubelet did when a registration
-                # read an outdated generation and this wait was skipped for it (issue 26).
+                # So the stream ends first, and we wait for the kubelet to close its connection
+                # (after a kubelet restart too: the old one may still be alive).
                 ending.set()
                 devices.touch()
                 if server.connections:
@@ -11483,10 +11241,9 @@ async def _serve_generations(
 async def _wait_for_directory(resource: ResourceConfig, kubelet: KubeletWatch) -> tuple[int, int, int] | None:
     """Return once the kubelet's directory exists, with its identity then (see _identity).
 
-    A removed directory is normal on a host: the kubelet makes it anew when it starts (and an
-    administrator may have removed it), and KubeletWatch's inotify on its parent sees it come back.
-    But inside a container whose hostPath mount holds the deleted directory, it never comes back:
-    that raises GopherplugError (the container must be restarted to see the new one).
+    On a host the kubelet makes it anew when it starts, and KubeletWatch sees it come back. Inside
+    a container whose hostPath mount holds the deleted directory, it never comes back: that raises
+    GopherplugError (the container must be restarted to see the new one).
     """
     directory = kubelet.device_plugin_dir
     logged = False
@@ -11511,11 +11268,9 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     """A validated ResourceConfig for devices that come from your program instead of a directory.
 
     ``options`` are the configuration file's resource keys that do not describe directory entries:
-    env, replicas, preferred, annotations, pre_start, pre_start_timeout, and attributes, capacity
-    and describe (as the file's: ``attributes={"model": "H200"}``, ``capacity={"memory": "80Gi"}``;
-    a ``file`` is read, and ``describe`` run, as each set of your devices comes, by serve_dra_devices).
-    Your DeviceEntry objects carry their own device_specs and mounts, and may carry attributes and
-    capacity of their own (DeviceEntry.attributes, .capacity: kept, none replaced). Raises ConfigError
+    env, replicas, preferred, annotations, pre_start, pre_start_timeout, attributes, capacity and
+    describe (``attributes={"model": "H200"}``). Your DeviceEntry objects carry their own
+    device_specs and mounts, and may carry attributes and capacity of their own. Raises ConfigError
     like a configuration file would.
     """
     source = f"resource_config({name!r})"
@@ -11539,15 +11294,11 @@ async def serve_devices(
 
     ``devices`` holds a dict of device ID -> DeviceEntry: ``devices.set(...)`` whenever they change,
     and the kubelet hears of it at once. ``shape_allocation``, if given, may add to each container's
-    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin():
-    cancelled, it removes its socket and its lock file, leaving the kubelet's directory as it was.
-    ``device_plugin_dir`` None: GOPHERPLUG_DEVICE_PLUGIN_DIR, else the directory whose kubelet.sock
-    answers (find_device_plugin_dir).
+    Allocate answer. Registration, kubelet restarts and socket cleanup work as in serve_plugin().
+    ``device_plugin_dir`` None: find_device_plugin_dir().
 
-    The devices are checked as a directory's entries are (_checked_devices): an ID the kubelet
-    would refuse (empty, a space, "::", which replicas use, over 63 characters), a key that is not
-    its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning, not sent.
-    A change of a device's health is logged as the directory watcher logs it.
+    The devices are checked as a directory's entries are (_checked_devices): a bad ID, a key that is
+    not its entry's ``id``, or a value that is not a DeviceEntry is skipped with one warning.
     """
     _embedding_guard("serve_devices", devices, device_plugin_dir)
     kubelet = KubeletWatch(device_plugin_dir or find_device_plugin_dir())
@@ -11563,11 +11314,9 @@ async def serve_devices(
 
 
 def _embedding_guard(function: str, devices: Any, device_plugin_dir: str | None = None) -> None:
-    """Refuse, in one line, what an embedding program can get wrong before anything is served: the
-    CLI refuses the same through its configuration. Without this, a plain dict fails deep inside
-    (no wait_changed), a relative directory is never the one the kubelet's socket is in (it waits
-    for kubelet.sock forever), and a call from asyncio fails inside trio ('RunContext' object has
-    no attribute 'runner')."""
+    """Refuse, in one line, what an embedding program can get wrong before anything is served: a
+    plain dict would fail deep inside, a relative directory would wait for kubelet.sock forever, and
+    a call from asyncio would fail inside trio ('RunContext' object has no attribute 'runner')."""
     try:
         trio.lowlevel.current_task()
     except RuntimeError:
@@ -11590,11 +11339,8 @@ def _embedding_guard(function: str, devices: Any, device_plugin_dir: str | None 
 def _checked_devices(resource: ResourceConfig, given: Any, warned: dict[str, str]) -> dict[str, DeviceEntry]:
     """The devices of ``given`` (an embedding program's dict of ID -> DeviceEntry) that the kubelet
     can be sent, each skipped one warned about once (_warn_skipped_now), as scan_directory's are.
-
-    The kubelet checks none of it: an ID with "::" would be taken for a replica of another device
-    (REPLICA_SEPARATOR), one the CDI spec cannot name would fail every container given it, and a
-    key that is not its entry's ID makes Allocate answer for a device other than the one the
-    kubelet asked for."""
+    The kubelet checks none of it: an ID with "::" would be taken for a replica of another device,
+    and a key that is not its entry's ID makes Allocate answer for another device."""
     found: dict[str, DeviceEntry] = {}
     skipped: list[tuple[str, str]] = []
     if not isinstance(given, Mapping):
@@ -11651,35 +11397,20 @@ async def serve_dra_devices(
     cancelled: serve_devices' counterpart, on the same ``resource`` (resource_config()) and the same
     ``devices`` (a Watched dict of device ID -> DeviceEntry, set() whenever they change).
 
-    It is serve_dra, as a configuration file's ``dra:`` section runs it: the devices published as
-    ResourceSlices of this node's pool, NodePrepareResources answered with CDI devices (the spec
-    written before a device is published, as for a directory's devices), health changes in the
-    slices (an unhealthy device's taint) and in the kubelet's health stream. The keywords are that
-    section's and the resource's ``cdi``, with the same defaults:
+    It is serve_dra, as a configuration file's ``dra:`` section runs it (docs/embedding.md,
+    "Serving them through DRA"). The keywords are that section's (``driver``, ``kubelet_dir``,
+    ``unhealthy_taint``, ``device_metadata``) and the resource's ``cdi`` (``cdi_dir``, ``cdi_kind``),
+    with the same defaults; ``node_name`` defaults to NODE_NAME (the pool's name and the slices'
+    owner), ``pod_uid`` is DraConfig.pod_uid. ``api``: an API client (KubeApi, or a stand-in with
+    its methods), yours to close once this has returned; default KubeApi.connect(kubeconfig=
+    ``kubeconfig``).
 
-    - ``driver``: the driver's name (``dra.driver``), a DNS subdomain; DeviceClasses select by it;
-    - ``node_name``: this node's name (default: the NODE_NAME environment variable, which a
-      DaemonSet sets from spec.nodeName): the pool's name and the slices' owner;
-    - ``api``: an API client (KubeApi, or a stand-in with its methods), yours to close once this has
-      returned; default KubeApi.connect(kubeconfig=``kubeconfig``): the pod's service account in a
-      pod, else KUBECONFIG's or ~/.kube/config;
-    - ``kubelet_dir``: the kubelet's root directory (``dra.kubelet_dir``), plugins_registry and
-      plugins/<driver> in it;
-    - ``cdi_dir`` and ``cdi_kind``: where the CDI spec goes and its kind (``cdi.spec_dir``,
-      ``cdi.kind``; default /var/run/cdi and dra_cdi_kind(driver, resource name));
-    - ``unhealthy_taint``: NoSchedule or NoExecute (``dra.unhealthy_taint``);
-    - ``pod_uid``: this pod's UID, for a DaemonSet whose rolling update runs two pods at once
-      (DraConfig.pod_uid; the POD_UID environment variable in serve);
-    - ``device_metadata``: each prepared claim's containers get a file describing their devices
-      (KEP-5304; ``dra.device_metadata``), on by default.
-
-    A device reaches DRA only if its ID passes the checks a directory entry's does (a device ID,
-    and a CDI device name), its key is its DeviceEntry's ID, and its container paths need no more
-    than {id} and {path} (a CDI device is described once, not per allocation): any other is
-    skipped, with a warning, until it is fixed. The resource's device-plugin options (preferred,
-    annotations, pre_start) have no meaning under DRA and are refused. Every problem with the
-    arguments raises ConfigError before anything starts. started() is called with the DraDriver once
-    its sockets listen.
+    A device reaches DRA only if its ID passes a directory entry's checks, its key is its
+    DeviceEntry's ID, and its container paths need no more than {id} and {path} (a CDI device is
+    described once, not per allocation): any other is skipped, with a warning. The device-plugin
+    options (preferred, annotations, pre_start) are refused. Every problem with the arguments
+    raises ConfigError before anything starts. started() is called with the DraDriver once its
+    sockets listen.
     """
     _embedding_guard("serve_dra_devices", devices)
     config, dra_resource, node = _embedded_dra(
@@ -11691,8 +11422,7 @@ async def serve_dra_devices(
         if api is None:
             api = KubeApi.connect(kubeconfig=kubeconfig, node_name=node)
             stack.push_async_callback(_stop_part, "API client", api.aclose)
-        # Stopped the last started first, as serve_plugin's: the driver (the kubelet's side, then the
-        # API server's), then the devices, then the API client.
+        # Stopped the last started first, as serve_plugin's: the driver, the devices, the API client.
         parts = _Parts(nursery)
         try:
             await parts.start(dra_resource.name, _offer_devices, dra_resource, devices, offered, resources.cdi_turn)
@@ -11800,9 +11530,8 @@ async def _offer_devices(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``offered`` equal to the embedding program's ``devices`` that pass _embedded_problem,
-    through the _DeviceSet a directory's watch_devices has: the CDI spec written first (in this
-    pod's turn), health changes logged, the devices published. started() once the first set is
-    offered (a CDI directory that cannot be written raises then, as it does for a directory)."""
+    through the _DeviceSet a directory's watch_devices has (the CDI spec written first, in this
+    pod's turn). started() once the first set is offered (an unwritable CDI directory raises then)."""
     device_set = _DeviceSet(resource, offered, turn)
     warned: dict[str, str] = {}  # device ID -> why it is skipped, as last warned
     taken: dict[str, DeviceEntry] = {}  # what the device set has now
@@ -11853,12 +11582,9 @@ def _kubelets_directory(candidates: Iterable[str]) -> str | None:
 
 
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
-    """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the first of ``candidates`` whose kubelet.sock
-    accepts a connection, else the first holding a kubelet.sock socket at all (a kubelet starting),
-    else (with a warning) the first one.
-
-    For a configuration that does not say: the kubelet of this node is the one listening. A node
-    that once ran another distribution keeps that kubelet's dead socket, which refuses at once.
+    """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the kubelet's directory among ``candidates``
+    (_kubelets_directory: the one listening, since a node that once ran another distribution keeps
+    that kubelet's dead socket), else (with a warning) the first one.
     """
     if given := os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
         # The command line's variable, read here too so that an embedding program (serve_devices,
@@ -11937,17 +11663,12 @@ async def serve_plugin(
     and registered anew; the others are not touched.
 
     With ``config.dra``, it is also that DRA driver (serve_dra): ``node_name`` is this node's name
-    (default: the NODE_NAME environment variable, which the DaemonSet sets from spec.nodeName),
-    ``api`` the API server client (default: KubeApi.connect()).
+    (default: NODE_NAME), ``api`` the API server client (default: KubeApi.connect(); one of the
+    caller's is the caller's to close, once this has returned).
 
-    Resource handling: sockets are removed on the way out, whatever the reason. A cancel stops the
-    parts one at a time (_Parts): the reloads, the DRA driver, each resource, the kubelet watch, then
-    the API client it made and the metrics server, each within STOP_PART_TIMEOUT and traced at debug
-    level ("stop: <part>: waiting", "stop: <part>: done in N ms"); a part still running then is
-    named in a warning, and waited for at the end. An ``api`` of the caller's is the caller's to
-    close, once this has returned: the DRA driver uses it until its own parts are stopped.
-    Error handling: kubelet absence, restarts and refusals are logged and retried; only an error
-    the plugin cannot recover from (e.g. no permission to create its socket) raises.
+    Sockets are removed on the way out, whatever the reason. A cancel stops the parts one at a time,
+    the last started first (_Parts). Kubelet absence, restarts and refusals are logged and retried;
+    only an error the plugin cannot recover from (e.g. no permission to create its socket) raises.
     """
     # Only once a resource uses the device-plugin API: a DRA-only pod does not even mount that
     # directory, and looking for kubelet.sock there would only warn about its absence.
@@ -12101,8 +11822,6 @@ async def serve_plugin(
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
                 # slices and write them again), and the kubelet learns of a driver whose pools exist.
-                # Its own parts are stopped each within its bound: one of them left behind leaves the
-                # driver behind too, a part's bound later, and the rest of the plugin stops meanwhile.
                 bound = 2 * STOP_PART_TIMEOUT
                 await parts.start("DRA driver", serve_dra, config.dra, dra_resources, api, bound=bound)
             if updates is not None:
@@ -12139,10 +11858,9 @@ NFD_RETRY_SECONDS = 30.0
 
 
 def write_nfd_features(path: str, text: str) -> os.stat_result:
-    """Write the NFD feature file whole (_replace_whole): nfd-worker watches its directory and
-    reads each file at every event, so it must never see half of one. The temporary file's name
-    begins with ".", which NFD skips. Its directory is made if missing (nfd-worker reads it when
-    it is there). Not synced to the disk: every start writes the file anew. Raises OSError."""
+    """Write the NFD feature file whole (_replace_whole: nfd-worker reads it at every event in its
+    directory, and skips the temporary file, whose name begins with "."), its directory made if
+    missing; not synced to the disk: every start writes it anew. Raises OSError."""
     directory = os.path.dirname(path)
     if os.path.lexists(directory) and not os.path.isdir(directory):  # makedirs would say "File exists"
         raise NotADirectoryError(errno.ENOTDIR, f"{directory} is not a directory")
@@ -12151,53 +11869,64 @@ def write_nfd_features(path: str, text: str) -> os.stat_result:
 
 
 async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: Watched) -> None:
-    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices come,
-    go and change health, and as a reload adds or removes resources: written when its text
-    changes, not at each wake (a device's health flapping rewrites it only as the count changes).
-    It is not on the kubelet's path: this task wakes with the device sets, as _warn_shared_nodes.
-    A write that fails is said once (and once when it works again) and tried again at the next
-    change or after NFD_RETRY_SECONDS; the plugin serves on.
+    """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices and the
+    configuration change: written when its text changes (off the kubelet's path). A write that fails
+    is said once and tried again at the next change or after NFD_RETRY_SECONDS; the plugin serves on.
 
-    Removed when cancelled (a clean stop: SIGTERM, or a program's cancel): NFD then removes the
-    labels, so no pod is placed for devices no plugin serves. Only if it is still the file this
-    task wrote (the same inode): during a DaemonSet's rolling update with surge, the new pod has
-    written its own by the time the old one stops, and that one stays."""
+    Removed when cancelled (a clean stop), so NFD removes the labels, if it is still the file this
+    task wrote (its inode): in a DaemonSet's rolling update with surge the new pod's stays. If the
+    old pod wrote it last (its devices changed) and removes it, the new pod sees it vanish (inotify)
+    and writes it again."""
     text: str | None = None
     written: os.stat_result | None = None
     failing: str | None = None
+    vanished = Watched(None)
+
+    async def watch_file(watch: DirectoryWatch) -> None:
+        async with contextlib.aclosing(watch.batches()) as batches:
+            async for _ in batches:
+                vanished.touch()  # the loop looks whether it was the file
+
     try:
-        while True:
-            # The events before the look: a change made while looking is not missed.
-            events = [watched.next_touch() for watched in (roster, *(one.devices for one in served.values()))]
-            wanted = nfd_features(
-                (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
-            )
-            if wanted != text:
-                try:
-                    written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
-                except OSError as error:
-                    problem = (
-                        f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}: "
-                        f"its labels stay as they were; trying again at the next change or in {NFD_RETRY_SECONDS:g} s"
+        with DirectoryWatch(os.path.dirname(path), flags.DELETE | flags.MOVED_FROM) as watch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_file, watch)
+                while True:
+                    # The events before the look: a change made while looking is not missed.
+                    wakes = (roster, vanished, *(one.devices for one in served.values()))
+                    events = [watched.next_touch() for watched in wakes]
+                    if text is not None and not os.path.lexists(path):
+                        text = None  # another pod's stop removed it: written again
+                    wanted = nfd_features(
+                        (one.resource, one.devices.value) for one in served.values() if one.devices.value is not RETIRED
                     )
-                    if problem != failing:
-                        log.error("%s", problem)
-                    failing = problem
-                else:
-                    text = wanted
-                    if failing is not None:
-                        log.info("wrote the NFD feature file %s again", path)
-                    failing = None
-                    if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
-                        log.error(
-                            "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so none of "
-                            "its labels reach the node; serve fewer resources from this configuration",
-                            path,
-                            len(wanted.encode()),
-                            NFD_MAX_FEATURE_FILE_SIZE,
-                        )
-            with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
-                await _any_event(events, trio.Event())
+                    if wanted != text:
+                        try:
+                            written = await trio.to_thread.run_sync(write_nfd_features, path, wanted)
+                        except OSError as error:
+                            problem = (
+                                f"cannot write the NFD feature file {path} (nfd_features_file): {_describe(error)}:"
+                                " its labels stay as they were; trying again at the next change or in "
+                                f"{NFD_RETRY_SECONDS:g} s"
+                            )
+                            if problem != failing:
+                                log.error("%s", problem)
+                            failing = problem
+                        else:
+                            text = wanted
+                            if failing is not None:
+                                log.info("wrote the NFD feature file %s again", path)
+                            failing = None
+                            if len(wanted.encode()) > NFD_MAX_FEATURE_FILE_SIZE:
+                                log.error(
+                                    "the NFD feature file %s has %d bytes: NFD skips a file over %d bytes whole, so "
+                                    "none of its labels reach the node; serve fewer resources from this configuration",
+                                    path,
+                                    len(wanted.encode()),
+                                    NFD_MAX_FEATURE_FILE_SIZE,
+                                )
+                    with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
+                        await _any_event(events, trio.Event())
     finally:
         if written is not None:
             with contextlib.suppress(OSError):
@@ -12228,11 +11957,8 @@ def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
 
     Only what the kubelet was told must: it takes the options from GetDevicePluginOptions during
     Register and never asks again (pre_start_required: whether it calls PreStartContainer), and
-    the api decides whether there is a registration at all. The socket's name depends on the
-    resource name and the directory, neither of which a reload changes for a resource. Everything
-    else (env, replicas, preferred, device_specs, mounts, annotations, sources, cdi, pre_start's
-    command) is ours: the open stream sends the new list, and the answers follow the new
-    configuration from then on.
+    the api decides whether there is a registration at all. Everything else is ours: the open
+    stream sends the new list, and the answers follow the new configuration from then on.
     """
     return old.api != new.api or device_plugin_options(old) != device_plugin_options(new)
 
@@ -12264,11 +11990,9 @@ class _Served:
         whether it was applied (if its watch cannot start, the old configuration goes on)."""
         assert self.start_watch is not None  # _serve_one has started
         old = self.resource
-        # The directory watch starts afresh: sources, patterns, templates (which make each entry's
-        # device specs and mounts) or the CDI kind may differ. The devices stay published in the
-        # meantime, and the new watch replaces them only if they differ; it writes the CDI spec
-        # before that, under the new kind if it changed. The old spec stays, as it does when the
-        # plugin stops: the kubelet keeps the CDI names of allocations made with it.
+        # The directory watch starts afresh: sources, templates or the CDI kind may differ. The
+        # devices stay published meanwhile; the new watch writes the CDI spec before replacing
+        # them. The old spec stays: the kubelet keeps the CDI names of allocations made with it.
         self.watch_scope.cancel()
         await self.watch_done.wait()
         try:
@@ -12283,10 +12007,8 @@ class _Served:
         self.resource = new
         self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
         if new.replicas != old.replicas:
-            # Other IDs for the same devices: the open stream sends the list again at once (it
-            # wakes when the device set is replaced, and encodes with the configuration then
-            # current). Until the kubelet has it, an Allocate for an ID of the old list is refused
-            # as for a removed device: a few milliseconds, for the pods of one resource.
+            # Other IDs for the same devices: the open stream sends the list again at once. Until
+            # the kubelet has it, an Allocate for an ID of the old list is refused (milliseconds).
             self.devices.replace(dict(self.devices.value))
         if new.dra and self.dra_resources is not None:
             # The pool's slices are compared and written again with the new configuration; the
@@ -12366,10 +12088,9 @@ async def _serve_one(
                     assert kubelet is not None  # serve_plugin watches it before such a resource starts
 
                     def examiner() -> Callable[[DeviceEntry], DeviceEntry | str | None]:
-                        # Once per Allocate: the configuration as it is now, its roots resolved
-                        # now (a directory may be a symlink re-pointed since the scan), then
-                        # each device asked for examined against them, its directory resolved
-                        # with the roots (directories: for this Allocate only, for that reason).
+                        # Once per Allocate: the configuration and its roots resolved now (a
+                        # directory may be a symlink re-pointed since the scan), each device
+                        # asked for examined against them.
                         current = served.config.value
                         directories: dict[str, str] = {}
                         roots = host_path_roots(current, dev_root, directories)
@@ -12400,14 +12121,12 @@ async def watch_config_file(
 
     inotify on the file's directory sees it written in place (IN_CLOSE_WRITE), replaced by a
     rename (editors, mv) and swapped the way a ConfigMap volume does it (a "..data" symlink renamed
-    over); where the file's symlinks lead is followed too. An invalid file is logged with its
-    error, and the running configuration stays; the next valid reading is logged as valid again.
-    With ``current`` (the configuration running now), the file is compared with it first: an
-    edit made while the plugin was starting is not lost.
-    ``on_watch`` is given the watch once it exists: its poke() has the file read again now (SIGHUP).
-    ``metrics_address`` (the command line's --metrics-address) overrides the file's in every reading,
-    as ``device_plugin_dir`` does: the running configuration has it, and a reading without it would
-    differ from it, a reload of nothing at every start.
+    over); where the file's symlinks lead is followed too. An invalid file (or one a bug meets,
+    _held_back) is logged with its error, and the running configuration stays; the next valid
+    reading is logged as valid again. With ``current`` (running now), the file is compared with it
+    first: an edit made during the start is not lost. ``on_watch`` is given the watch: its poke()
+    has the file read again now (SIGHUP). ``metrics_address`` and ``device_plugin_dir`` (the
+    command line's) override the file's in every reading, as the running configuration has them.
     """
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
@@ -12438,9 +12157,16 @@ async def watch_config_file(
                     continue
                 last_text = text
                 try:
-                    config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
-                    if metrics_address is not None:
-                        config = dataclasses.replace(config, metrics_address=metrics_address)
+                    with _held_back("config", "", lambda line: ConfigError(path, "", line), logger=None):
+                        config = _config_from_text(text, path, device_plugin_dir, device_plugin_dir_from)
+                        if metrics_address is not None:
+                            config = dataclasses.replace(config, metrics_address=metrics_address)
+                        emptied = (
+                            config != last_config
+                            and config.warnings
+                            and not forced
+                            and _emptied(last_config or _config_or_none(last_read, path), config)
+                        )
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
                     invalid = error
@@ -12454,12 +12180,7 @@ async def watch_config_file(
                     else:
                         log.info("%s is valid again: applying it", path)
                 held = None
-                if (
-                    config != last_config
-                    and config.warnings
-                    and not forced
-                    and (emptied := _emptied(last_config or _config_or_none(last_read, path), config))
-                ):
+                if emptied:
                     # A DaemonSet's ConfigMap reaches every node at once: a warned-about file that would
                     # take a served resource to nothing is taken for a mistake until it is confirmed.
                     held = text
@@ -13508,9 +13229,7 @@ class SimulatedDriver:
 
     name: str
     endpoint: str  #: the DRAPlugin socket GetInfo named
-    service: (
-        str  #: the DRAPlugin service chosen from supported_versions, e.g. "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
-    )
+    service: str  #: the DRAPlugin service chosen from supported_versions ("k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin")
     registration_socket: str
     supported_versions: tuple[str, ...] = ()  #: as GetInfo listed them
     #: whether the kubelet's connection to the endpoint is up (DraKubeletSimulator._connect)
@@ -13527,33 +13246,27 @@ _HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0,
 class DraKubeletSimulator:
     """A stand-in for the kubelet's plugin watcher and DRA manager, on a kubelet directory of your choice.
 
-    ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart (which,
-    unlike the device manager's, deletes nothing: plugins_registry is walked again);
-    ``wait_until(predicate)`` waits without polling. ``wipe(driver)``, if given, deletes this
-    node's ResourceSlices of a driver ("": of every driver), as the kubelet does when it starts
-    and ``wiping_delay`` seconds after a driver went without registering again.
+    ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart (which
+    deletes nothing here: plugins_registry is walked again); ``wait_until(predicate)`` waits
+    without polling. ``wipe(driver)``, if given, deletes this node's ResourceSlices of a driver
+    ("": of every driver), as the kubelet does when it starts and ``wiping_delay`` seconds after a
+    driver went without registering again.
 
-    A driver may register more than once, from several registration sockets (the two pods of a
-    rolling update), as the kubelet's DRA plugin manager allows (kubernetes/kubernetes
+    A driver may register from several registration sockets (a rolling update's two pods), as the
+    kubelet's DRA plugin manager allows (kubernetes/kubernetes
     pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go): ``plugins`` keeps them in the order they
-    registered; a second registration of an endpoint already registered is refused; calls go to the
-    newest one that is connected, else the newest (``drivers``); when one deregisters the others go
-    on, and the driver's slices are wiped ``wiping_delay`` later only if none that is left is connected.
+    registered; an endpoint registered twice is refused; calls go to the newest one that is
+    connected, else the newest (``drivers``); the driver's slices are wiped ``wiping_delay`` after
+    one deregisters only if none that is left is connected.
 
-    Connected is the state of a connection the kubelet keeps to each registered plugin (its gRPC
-    client's: the stats handler's ConnBegin and ConnEnd set it, DRAPlugin.HandleConn in
-    pkg/kubelet/cm/dra/plugin), not whether the endpoint would accept one now: here, a unix socket
-    connection made as the plugin registers (the kubelet connects at once), greeted as HTTP/2, and
-    kept until the plugin closes it (its server stopped) or the plugin is deregistered. A call to a
-    plugin that is not connected connects it again, as an RPC on an idle gRPC channel does. (Calls
-    themselves go on a connection of their own, call_unary's: the kept one says only "connected".)
+    Connected is the state of the connection the kubelet keeps to each registered plugin
+    (DRAPlugin.HandleConn in pkg/kubelet/cm/dra/plugin): here, a unix socket connection made as the
+    plugin registers, greeted as HTTP/2, kept until the plugin closes it or is deregistered. A call
+    to a plugin that is not connected connects it again, as an RPC on an idle gRPC channel does.
 
-    At start the kubelet registers the sockets already in plugins_registry in no set order: its
-    plugin watcher puts them in a map that the reconciler walks (desired_state_of_world_cache.go
-    and reconciler.go in pkg/kubelet/pluginmanager), and Go walks a map in random order. So does
-    this one: ``order`` (a list of names -> the order to register them in) shuffles them with a
-    random.Random of ``seed`` (one drawn at random, kept in ``seed``, unless given); a test may set
-    ``order`` to a function of its own.
+    At start the kubelet registers the sockets already in plugins_registry in Go's random map order
+    (pkg/kubelet/pluginmanager's reconciler): ``order`` shuffles them with a random.Random of
+    ``seed`` (drawn at random unless given); a test may set ``order`` to a function of its own.
     """
 
     def __init__(
@@ -13573,15 +13286,13 @@ class DraKubeletSimulator:
         self._connections: trio.Nursery | None = None  # the kept connections' nursery, while running
         self.versions = list(versions)  #: the DRAPlugin versions this kubelet speaks
         self.wipe, self.wiping_delay = wipe, wiping_delay
-        #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first (1.36:
-        #: v1alpha1 alone; the kubelet's main branch: v1, v1beta1, v1alpha1)
+        #: the DRAResourceHealth versions this kubelet speaks, the one it prefers first
         self.health_versions = list(health_versions)
         self.health_paths: list[str] = []  #: each NodeWatchResources stream opened, by its path
         self.drivers: dict[str, SimulatedDriver] = {}  #: registered drivers by name: the plugin last registered
         #: every registered plugin of each driver, in the order they registered
         self.plugins: dict[str, list[SimulatedDriver]] = {}
-        #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), and
-        #: ("wiped", driver or "")
+        #: ("registered" | "refused: why" | "deregistered" | "asked" | "dropped", socket), ("wiped", driver)
         self.events: list[tuple[str, str]] = []
         self.starts = 0
         self._changed = Watched(None)
@@ -13754,14 +13465,11 @@ class DraKubeletSimulator:
 
     async def prepare(self, driver: str, claims: Iterable[tuple[str, str, str]]) -> Any:
         """NodePrepareResources for (namespace, uid, name) claims, one batch as the kubelet sends a
-        pod's; the response. Calling it again with the same claims is the kubelet's retry: after
-        any claim's error it sends the whole batch again, and marks no claim prepared until a batch
-        succeeds. It takes the answers in a Go map's order, appending each claim's devices to what
-        it holds (ClaimInfo.addDevice) until it meets an error, where it stops (prepareResources in
-        kubernetes/kubernetes pkg/kubelet/cm/dra/manager.go). Go's order is random: here the
-        claims answered without an error come first, the order that keeps the most. A claim whose
-        batch succeeded before (the kubelet would not send it again; a test may) gets its devices
-        as answered now."""
+        pod's; the response. Calling it again is the kubelet's retry. It takes the answers in a Go
+        map's (random) order, appending each claim's devices to what it holds (ClaimInfo.addDevice)
+        until it meets an error (prepareResources in kubernetes/kubernetes
+        pkg/kubelet/cm/dra/manager.go): here the claims without an error come first, the order
+        that keeps the most. A claim whose batch succeeded before gets its devices as answered now."""
         claims = list(claims)
         response = await self._call(driver, "NodePrepareResources", drapb.NodePrepareResourcesRequest, claims)
         for uid, answer in sorted(response.claims.items(), key=lambda item: bool(item[1].error)):
@@ -13860,16 +13568,11 @@ class DraKubeletSimulator:
 
 
 class PodResourcesSimulator:
-    """The kubelet's PodResources API on a socket of your choice, answered from the books of the
-    kubelet stand-ins as the kubelet answers from its device and DRA managers
-    (kubernetes/kubernetes pkg/kubelet/apis/podresources/server_v1.go): List gives every pod they
-    know, each container with its device-plugin devices (KubeletSimulator.allocate(...,
-    container=...)) and its DRA claims' prepared devices (DraKubeletSimulator.use_claims);
-    Get one pod; GetAllocatableResources every healthy device-plugin device. ``calls`` lists the
-    method of each call answered. ``await nursery.start(simulator.run)``.
-
-    Lenient: no rate limit (the demo's needs); gopherplug_standins.PodResourcesSimulator adds the
-    kubelet's.
+    """The kubelet's PodResources API on a socket of your choice, answered from the kubelet
+    stand-ins' books as the kubelet answers from its device and DRA managers (kubernetes/kubernetes
+    pkg/kubelet/apis/podresources/server_v1.go): List, Get, GetAllocatableResources. ``calls``
+    lists the method of each call answered. ``await nursery.start(simulator.run)``.
+    Lenient: no rate limit; gopherplug_standins.PodResourcesSimulator adds the kubelet's.
     """
 
     def __init__(
@@ -13958,14 +13661,11 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
 
 
 def go_json(document: Any) -> bytes:
-    """``document`` as the API server writes it: Go's encoding/json (its Encoder, which the API
-    server's JSON serializer uses), compact and in UTF-8. Unlike Python's json.dumps, Go writes every
-    character raw except ``"``, ``\\``, those below U+0020, U+2028 and U+2029 (which JavaScript reads
-    as line ends), and, as HTML-safe output, ``<``, ``>`` and ``&`` (encodeState.string in Go's
-    src/encoding/json/encode.go). So U+0085 (NEXT LINE) and the other line breaks of
-    str.splitlines() come raw, inside a watch event's one line: a client must split a watch stream
-    on the byte "\\n" alone (KubeApi._watch). The characters Go escapes can appear in JSON only
-    inside strings, so escaping them in the whole text escapes them in the strings."""
+    """``document`` as the API server writes it: Go's encoding/json, compact and in UTF-8. Go writes
+    every character raw except ``"``, ``\\``, those below U+0020, U+2028, U+2029, ``<``, ``>`` and
+    ``&`` (encodeState.string in Go's src/encoding/json/encode.go): U+0085 and the other line breaks
+    of str.splitlines() come raw inside a watch event's line (KubeApi._watch). The characters Go
+    escapes appear in JSON only inside strings: escaping them in the whole text is enough."""
     text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
     for char in "<>&\u2028\u2029":
         text = text.replace(char, f"\\u{ord(char):04x}")
@@ -13976,21 +13676,16 @@ class LenientApiServer:
     """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
     It holds Nodes (``put_node``), ResourceClaims as the scheduler left them (``put_claim``) and
-    the ResourceSlices the driver writes (``slices``, by name; ``writes`` lists each write). What a
-    driver asks of the API server, it answers as the real one does: GET a Node or a claim; list and
-    watch Nodes by a metadata.name field selector; server-side apply of a claim's status.devices on
-    its status subresource (``status_writes``); list, watch, create, update and delete slices, with
-    spec.nodeName and spec.driver field selectors, a watch streaming its events as JSON lines from
-    a resourceVersion, an update of a stale resourceVersion refused with 409. Every write touches
-    ``changed``.
+    the ResourceSlices the driver writes (``slices``, by name; ``writes`` lists each write), and
+    answers what a driver asks as the real one does: GET a Node or a claim; list and watch Nodes
+    and slices by field selectors; server-side apply of a claim's status.devices
+    (``status_writes``); create, update (409 for a stale resourceVersion) and delete slices. Every
+    write touches ``changed``.
 
-    Lenient: it stores whatever it is given. That is enough for ``gopherplug demo --dra``, which
-    shows what a driver writes. Tests need more: the strict stand-in,
-    gopherplug_standins.ApiServerSimulator, refuses what the real API server refuses with the same
-    422, drops the fields of disabled feature gates, checks bearer tokens, speaks TLS, fails
-    writes on demand, counts requests, sends bookmarks and ends watches as the real one does, through
-    the hooks below (each says what it does here). Needs h11 (the `dra`
-    extra brings it).
+    Lenient: it stores whatever it is given, enough for ``gopherplug demo --dra``. Tests need the
+    strict stand-in, gopherplug_standins.ApiServerSimulator, which refuses what the real API server
+    refuses, checks tokens, speaks TLS, fails on demand and ends watches, through the hooks below.
+    Needs h11 (the `dra` extra brings it).
     """
 
     PREFIX = "/apis/resource.k8s.io/v1"
@@ -14031,10 +13726,9 @@ class LenientApiServer:
         allocatable: Mapping[str, str] | None = None,
         annotations: Mapping[str, str] | None = None,
     ) -> None:
-        """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``
-        is its status.allocatable as the kubelet last wrote it (KubeletSimulator.allocatable() for
-        the extended resources of device plugins); None: no status. ``annotations``: its
-        metadata.annotations, as anyone with patch on nodes may write them (any text at all)."""
+        """A Node, as the kubelet registers it: what a slice's owner reference names. ``allocatable``:
+        its status.allocatable (KubeletSimulator.allocatable()); None: no status. ``annotations``:
+        its metadata.annotations (any text at all)."""
         self._put_node(name, uid, {} if allocatable is None else {"allocatable": dict(allocatable)}, annotations)
 
     def _put_node(
@@ -14050,8 +13744,7 @@ class LenientApiServer:
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (an administrator, the kubelet's cleanup)."""
-        item = self.slices.pop(name)
-        self._bump("DELETED", item)
+        self._bump("DELETED", self.slices.pop(name))
 
     def delete_node_slices(self, node_name: str, driver: str = "") -> None:
         """What the kubelet's wipe does: DeleteCollection with field selectors spec.nodeName and,
@@ -14071,8 +13764,7 @@ class LenientApiServer:
         return False
 
     async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
-        """Answer a write ("create", "update", "delete" of a slice, "status" of a claim) instead of
-        doing it, and say so (a failure on demand); none here."""
+        """Answer a write ("create", "update", "delete", "status") instead of doing it, and say so; none here."""
         return False
 
     def _check_slice(self, item: dict[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -14265,9 +13957,8 @@ class LenientApiServer:
         query: Mapping[str, str],
         body: bytes,
     ) -> None:
-        """Server-side apply to a claim's status subresource, as a driver writes status.devices:
-        415 for another patch type, 404 for no such claim, 409 for another UID. status.devices is
-        a list map: the field manager's entries replace those it applied before; other managers' stay."""
+        """Server-side apply to a claim's status subresource (415 for another patch type, 404 for no
+        such claim, 409 for another UID): the field manager's entries replace those it applied before."""
         if await self._intercept(connection, stream, h11, "status", name):
             return
         if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
@@ -14953,12 +14644,21 @@ def main(argv: list[str] | None = None) -> int:
     closes the pipe after one line, and what was read is all that was wanted. Not SIGPIPE's default
     action, which would end serve too at a peer's closed socket."""
     try:
-        return _main(argv)
-    except BrokenPipeError:
-        # As Python's signal documentation advises: stdout pointed at /dev/null, so that the flush
-        # at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        with _held_back("command", "", GopherplugError, logger=None):  # a bug: one line, never a traceback
+            try:
+                return _main(argv)
+            except BrokenPipeError:
+                # As Python's signal documentation advises: stdout pointed at /dev/null, so that the
+                # flush at exit fails no more; the exit status a shell reports for a command SIGPIPE ended.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 128 + signal.SIGPIPE
+    except GopherplugError as error:
+        print(f"gopherplug: {error}", file=sys.stderr)
+        if error.__cause__ is not None and os.environ.get("GOPHERPLUG_LOG_LEVEL", "").lower() == "debug":
+            import traceback  # here, where a bug is
+
+            traceback.print_exception(error.__cause__)
+        return EXIT_FAILURE
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -15371,15 +15071,14 @@ async def serve_until_signalled(
     kubelet's SIGKILL would 30 s later: the sockets are gone by then (serve_grpc removes its own
     first). If ``async_fn`` returns or raises first, so does this.
 
-    SIGTERM is how the kubelet deletes a pod (and docker stop, systemctl stop), SIGINT is Ctrl-C;
-    without this, either kills the process and leaves its sockets and lock files behind for the
-    next start to clear. SIGHUP, which would kill it too, is taken only with ``on_sighup`` (called
-    at each one: the command line reads its configuration again, as daemons do by convention).
-
-    The signals are received from before ``async_fn`` starts: one sent as soon as it has started
-    is not lost. Trio receives signals only in the main thread (also in guest mode, under asyncio).
+    SIGTERM is how the kubelet deletes a pod, SIGINT is Ctrl-C: without this, either kills the
+    process and leaves its sockets and lock files behind. SIGHUP is taken only with ``on_sighup``
+    (called at each: the command line reads its configuration again); SIGCHLD only as PID 1 of a
+    container (_reap_orphans). Signals are received from before ``async_fn`` starts, and (trio's
+    rule) only in the main thread.
     """
     asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
+    asked += (signal.SIGCHLD,) if os.getpid() == 1 else ()  # _reap_orphans
     serving, stopped = trio.CancelScope(), trio.Event()
     began: float | None = None
     with trio.open_signal_receiver(*asked) as signals:
@@ -15393,8 +15092,8 @@ async def serve_until_signalled(
 
             nursery.start_soon(serve)
             async for signum in signals:
-                if signum == signal.SIGHUP and on_sighup is not None:
-                    on_sighup()
+                if signum in (signal.SIGHUP, signal.SIGCHLD):
+                    on_sighup() if signum == signal.SIGHUP and on_sighup is not None else _reap_orphans()
                     continue
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 break

@@ -41,6 +41,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import tomllib
 import traceback
@@ -438,8 +439,9 @@ async def test_handler_bug_is_unknown_and_server_goes_on(pb2, served, grpcio_cli
         with pytest.raises(grpc.RpcError) as info:
             await in_thread(grpcio_client.allocate, allocate_request(pb2, "crash"), timeout=TIMEOUT)
         assert info.value.code() == grpc.StatusCode.UNKNOWN
-        assert info.value.details() == "ZeroDivisionError: handler bug"
-        assert "DevicePlugin/Allocate failed" in caplog.text
+        line = "v1beta1.DevicePlugin/Allocate: ZeroDivisionError: handler bug: held back; a bug in gopherplug"
+        assert info.value.details().startswith(line)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [info.value.details()]
         await in_thread(grpcio_client.get_options, pb2.Empty(), timeout=TIMEOUT)
 
 
@@ -5379,7 +5381,7 @@ async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path
         assert trio.current_time() - asked < 3, "generous: trio's default would wait 5 s after SIGTERM"
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
-        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing",
+        f"pre_start {sys.executable} exited with 3: g2 is not ready: firmware missing (first: checking g2)",
     )
     assert (slow.value.code, slow.value.message) == (
         StatusCode.DEADLINE_EXCEEDED,
@@ -5502,7 +5504,7 @@ async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
         grown = getrusage(RUSAGE_SELF).ru_maxrss - peak
     assert (failed.value.code, failed.value.message) == (
         StatusCode.UNKNOWN,
-        f"pre_start {sys.executable} exited with 1: the disk is full",
+        f"pre_start {sys.executable} exited with 1: the disk is full (first: {'x' * 120})",
     )
     assert grown < 50 * 1024, f"the plugin's peak memory grew by {grown // 1024} MiB for 600 MiB of output"
 
@@ -9814,6 +9816,349 @@ def test_the_chart_refuses_at_render_what_check_config_refuses(helm, site, tmp_p
     assert "'not' failed" not in result.stderr and "does not match pattern" not in result.stderr, result.stderr
 
 
+# The differential test of the chart's attribute and capacity checks against parse_config: values
+# generated from each rule's conditions, every boundary among them, judged by both. Each rule's edge
+# from both sides: lengths in bytes (ASCII, 2-, 3- and 4-byte UTF-8), ASCII and other digits, int64's
+# ends (and Helm's float64 on the way: every number of the values is one), semantic versions, the
+# quantity's every form, a value of every type, names with and without a domain, the reserved ones.
+_INT64 = 2**63
+_LONG = {"ascii": "a", "2-byte": "é", "3-byte": "€", "4-byte": "\U0001f600"}
+
+
+def _by_bytes(unit, size):
+    """A string of ``size`` bytes or the fewest more, made of ``unit`` (padded with ASCII)."""
+    count = size // len(unit.encode())
+    return unit * count + "a" * (size - count * len(unit.encode()))
+
+
+_NAMES = [
+    *("a" * n for n in (1, 32, 33)),
+    *("_a", "a1", "1a", "a-b", "a.b", "", "é", "a\u0663", "\uff41", "A_Z_9", "a\n"),
+    *(f"{'a' * n}/x" for n in (1, 63, 64)),
+    *(f"{'a.' * 31}a/x", f"{'a.' * 32}a/x"),  # 63 and 65 bytes of labels
+    *("\u212a" * n + "/x" for n in (1, 21, 22)),  # KELVIN SIGN: lower-cases to "k", 3 bytes each
+    *("\u0130.com/x", "EXAMPLE.com/x", "-a.com/x", "a..b/x", "a.com-/x", "/x", "a.com/", "a/b/c", "\u0663.com/x"),
+    *("a.com/" + "a" * n for n in (32, 33)),
+    *("id", "healthy", "resource", "numaNode", "usbPort", "shares", "x.com/shares"),
+    *("gopherplug.example.com/id", "gopherplug.example.com/healthy", "example.com/id", "Gopherplug.example.com/id"),
+]
+_NUMBERS = [
+    *(0, 1, -1, 1.0, 1.5, -0.0, 0.1, 1e-7, 1.5e-7, 2e-7, 123456789.5, 1e20, 1e21, 1.5e21, 1e308, -1e20),
+    *(2**53, 2**53 + 1, _INT64 - 1, _INT64, _INT64 - 512, _INT64 - 1024, _INT64 - 2048, 2**64, 2**64 + 1),
+    *(-_INT64, -_INT64 + 1, -_INT64 + 1024, -_INT64 - 1, -(2**64), 9.2e18, 9.3e18, 10**19, 15 * 10**18, 10**26),
+    2**64 - 2**11,  # the largest float64 below 2^64: toYaml writes its 20 digits (Go's YAML takes it as a uint64)
+]
+_STRINGS = [
+    *(_by_bytes(unit, size) for unit in _LONG.values() for size in (63, 64, 65)),
+    *("", "x", "true", "True", "yes", "n", "null", "~", "1", "1.5", "1e3", "1e+20", "0x10", "010", "1_000", "1:20"),
+    *("2001-12-14", ".inf", ".nan", " x", "x ", "x\n", "\t", "\x7f", "\u0085", "\u2028", "\ufeff", "a: b", "- x"),
+    *("#x", "'", '"', "{x}", "[1]", "*a", "&a", "!x", "%x", "@x", "`x", "|", ">", "?", "=", "<<", "\u0663"),
+    *("1.5e+999", "-1.5e+999", "1_0.5e+999", "1_0.5e+5", "1.5e-999", "._5e+999", ".5_5e+999", "1.5e999", "0.0e+999"),
+]
+_VERSIONS = [
+    *("1.2.3", "0.0.0", "01.2.3", "1.02.3", "1.2", "1.2.3.4", "v1.2.3", " 1.2.3", "1.2.3\n", "1.2.3 "),
+    *("1.2.3-alpha", "1.2.3-alpha.1", "1.2.3-0", "1.2.3-01", "1.2.3-0a", "1.2.3--", "1.2.3-", "1.2.3-a..b"),
+    *("1.2.3+build", "1.2.3+build.01", "1.2.3+", "1.2.3+b.", "1.2.3-a+b", "1.2.3-alpha_1", "1.2.3-\u00e9"),
+    *("\u0661.2.3", "1.2.\u0663", "1.2.3-\u0663", "\uff11.2.3", "99999999999999999999.0.0"),
+    *("1.2.3-" + "a" * (size - 6) for size in (64, 65)),
+]
+_QUANTITIES = [
+    *("1", "0", "-0", "+1", "-1", "1.", ".5", ".", "+", "-", "+.", "", "00001", "1.5Gi", "1000", "1e3"),
+    *("Ki", "k", "E", "e5", "-e5", "2E", "1Ei", "8Ei", "16Ei", "9Ei", "1n", "1u", "1m", "1k", "1M", "1G", "1T", "1P"),
+    *("1e9999999", "1e-9999999", "1e+5", "1E5", "1E+5", "1e", "1e+", "1E-", "1ee5", "1.5.5", "1 ", " 1", "1k5"),
+    *("1Kix", "1ki", "1KI", "1K", "0x10", "1_000", "\u0661", "1e\u0663", "1\u00b5", "1i", "1Ki5", "1e0000000000005"),
+    *(f"1e{sign}{e}" for sign in ("", "+", "-") for e in (_INT64 - 1, _INT64, _INT64 + 1, 2**31, 2**32)),
+    *(f"1e{sign}{e}" for sign in ("", "+", "-") for e in (2**31 - 1, "02147483647", "0" * 12 + "5")),
+    *("10e2147483646", "1000e2147483647", "0e2147483647", "0.000e99", "1.5e-2147483647"),
+    *(f"{'1234567890' * 2}"[:n] + suffix for n in (18, 19, 20) for suffix in ("e21", "E", "000E", "e18", "e19")),
+    *("-1234567890123456789e21", "1234567890123456789.5e21", "123456789012345678.9e22", "1" * 40, "1" * 40 + "k"),
+    *(1.2345678901234567e300, 1e300, 1.7976931348623157e308, -1.2345678901234567e300, 1.2345678901234567e21),
+]
+_TYPED_KEYS = ("string", "int", "bool", "version", "float", "quantity")
+SECTIONS = ("attributes", "capacity")
+_FILES = [
+    *({"file": f} for f in ("/x", "{path}/x", "{sysfs}/numa_node", "{target}", "{id}/x", "x", "", "{serial}/x")),
+    *({"file": f} for f in ("/{{x}}", "{{path}}/x", "/x{", "/x}", "/{}", "{}/x", "{0}/x", "/x{id}{name}")),
+    *({"file": f} for f in (5, None, True, ["/x"])),
+    *({"file": "/x", "type": t} for t in (*_TYPED_KEYS, None, 1, "String")),
+    {"file": "/x", "typo": 1},
+    {"file": "/x", "type": "int", "more": 1},
+]
+_OTHERS = [True, False, None, [], ["x"], {}, {"a": 1}, {"string": "x", "int": 1}, {"version": "1.2.3", "x": 1}]
+
+
+def _boundary_cases():
+    """Every boundary, in both sections: (section, key, value, mode)."""
+    cases = [(section, name, "x" if section == "attributes" else "1") for name in _NAMES for section in SECTIONS]
+    for section in SECTIONS:
+        for value in (*_NUMBERS, *_STRINGS, *_QUANTITIES, *_FILES, *_OTHERS):
+            cases.append((section, "model", value))
+    others = ("x", "1", "true", "1.2.3", 1, True, None, [], {"a": 1})
+    typed = {
+        "string": (*_STRINGS, *_NUMBERS, *others),
+        "version": (*_VERSIONS, *_STRINGS[:9], 1, 1e20, *others),
+        "int": (*_NUMBERS, *others),
+        "bool": (False, *others),
+    }
+    cases += [("attributes", "model", {kind: value}) for kind in _TYPED_KEYS for value in typed.get(kind, others)]
+    cases += [("attributes", "model", version) for version in _VERSIONS]
+    return [(*case, "dra") for case in cases] + [
+        (section, name, "x" if section == "attributes" else "1", "device-plugin")
+        for name in _NAMES
+        for section in SECTIONS
+    ]
+
+
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=70)
+_SOME_TEXT = st.one_of(
+    _TEXT,
+    st.text(st.sampled_from("aZ_9.-/é€\U0001f600\u0663\u212a\u0130 "), max_size=70),
+    st.builds(_by_bytes, st.sampled_from(list(_LONG.values())), st.integers(60, 68)),
+)
+_NUMBER = st.one_of(
+    st.integers(-(2**65), 2**65),
+    st.sampled_from([_INT64 + d for d in range(-3000, 3001, 97)] + [-_INT64 + d for d in range(-3000, 3001, 97)]),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+_QUANTITY = st.builds(
+    "".join,
+    st.tuples(
+        st.sampled_from(["", "+", "-"]),
+        st.text("0123456789", max_size=4),
+        st.sampled_from(["", ".", ".5", ".05"]),
+        st.one_of(
+            st.sampled_from(
+                ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "n", "u", "m", "k", "M", "G", "T", "P", "E", "e", "i"]
+            ),
+            st.builds(
+                lambda e, sign: f"e{sign}{e}",
+                st.one_of(st.integers(0, 2**70), st.sampled_from([_INT64 - 1, _INT64, 2**31 - 1, 2**31])),
+                st.sampled_from(["", "+", "-"]),
+            ),
+        ),
+    ),
+)
+_SEMVER_PART = st.one_of(
+    st.sampled_from(["0", "1", "01", "10", "a", "-", "0a", "a-1", "\u0661", ""]), st.text("0a-", max_size=3)
+)
+_VERSION = st.builds(
+    lambda parts, pre, build: (
+        ".".join(parts) + (f"-{'.'.join(pre)}" if pre else "") + (f"+{'.'.join(build)}" if build else "")
+    ),
+    st.lists(_SEMVER_PART, min_size=2, max_size=4),
+    st.lists(_SEMVER_PART, max_size=3),
+    st.lists(_SEMVER_PART, max_size=2),
+)
+_SCALAR = st.one_of(_SOME_TEXT, _NUMBER, st.booleans(), st.none(), _QUANTITY, _VERSION)
+_DECLARED_VALUE = st.one_of(
+    _SCALAR,
+    st.dictionaries(st.sampled_from(_TYPED_KEYS), _SCALAR, min_size=1, max_size=2),
+    st.fixed_dictionaries(
+        {"file": st.one_of(_SOME_TEXT, st.sampled_from(["/x", "{path}/x", "{sysfs}/y"]))},
+        optional={"type": st.one_of(st.sampled_from(_TYPED_KEYS), _SCALAR)},
+    ),
+    st.lists(_SCALAR, max_size=2),
+)
+_DECLARED_NAME = st.one_of(
+    st.sampled_from(_NAMES),
+    st.builds(
+        lambda domain, name: f"{domain}/{name}" if domain else name,
+        st.sampled_from(["", "a.com", "gopherplug.example.com", "\u212a" * 21]),
+        _SOME_TEXT,
+    ),
+    _SOME_TEXT,
+)
+_DECLARED_CASE = st.tuples(
+    st.sampled_from(SECTIONS), _DECLARED_NAME, _DECLARED_VALUE, st.sampled_from(["dra", "dra", "device-plugin"])
+)
+
+
+def _helm_values(data):
+    """``data`` as a values file Helm reads as given: JSON, every character outside ASCII's printable
+    ones and the astral planes escaped (a raw one may be one Go's YAML reader refuses; an astral one
+    escaped is a surrogate pair, which it refuses too)."""
+    text = json.dumps(data, ensure_ascii=False)
+    return re.sub(r"[\x7f-\uffff]", lambda m: f"\\u{ord(m[0]):04x}", text)
+
+
+#: The ConfigMap's lines of $resource, as templates/configmap.yaml writes a resource.
+_AS_CONFIGMAP_WRITES = (
+    '(printf "- %s%s" (toYaml (pick $resource "name") | trim) (toYaml (omit $resource "name") | nindent 2))'
+)
+
+
+def _chart_verdicts(helm, tmp_path, per_case, values):
+    """One `helm template` of a test chart that has the real templates/_validate.tpl and renders
+    ``per_case`` (which sets $problem and $resource) for each of ``values["cases"]``: the chart's
+    problem and the ConfigMap's lines of the resource (toYaml, as configmap.yaml writes them)."""
+    chart = tmp_path / "verdicts"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: verdicts\nversion: 0.1.0\n")
+    shutil.copy(CHART / "templates" / "_validate.tpl", chart / "templates")
+    (chart / "templates" / "verdicts.yaml").write_text(
+        f"{{{{- range .Values.cases }}}}\n{per_case}\n"
+        f'{{{{ print "\\n" }}}}{{{{ dict "problem" $problem "yaml" {_AS_CONFIGMAP_WRITES} | toJson }}}}\n'
+        "{{- end }}\n"
+    )
+    (tmp_path / "cases.json").write_text(_helm_values(values))
+    argv = [helm, "template", "verdicts", str(chart), "-f", str(tmp_path / "cases.json")]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stdout.split("\n") if line.startswith("{")]
+    assert len(lines) == len(values["cases"])
+    return lines
+
+
+def _declared_verdicts(helm, tmp_path, cases):
+    """For each (section, key, value, mode): the chart's problem with it (gopherplug.declaredProblem),
+    and the ConfigMap's lines of the resource that declares it."""
+    per_case = (
+        "{{- $resource := set (deepCopy $.Values.resource) .section (dict .key .value) -}}\n"
+        '{{- if eq .mode "dra" }}{{ $_ := set $resource "api" "dra" }}{{ end -}}\n'
+        '{{- $problem := include "gopherplug.declaredProblem" (dict "at" "config.resources[0]" "section" .section '
+        '"key" .key "value" .value "driver" (ternary "gopherplug.example.com" "" (eq .mode "dra"))) -}}'
+    )
+    keys = ("section", "key", "value", "mode")
+    values = {"resource": _GOPHER, "cases": [dict(zip(keys, case, strict=True)) for case in cases]}
+    return _chart_verdicts(helm, tmp_path, per_case, values)
+
+
+def _node_verdict(mode, rendered):
+    """What parse_config says of the ConfigMap with this ``rendered`` resource: None, or its refusal."""
+    text = "dra: {driver: gopherplug.example.com}\n" if mode == "dra" else ""
+    text += "resources:\n" + textwrap.indent(rendered, "  ") + "\n"  # the ConfigMap's file ends with a line break
+    try:
+        gp.parse_config(text, "config.yaml")
+    except gp.ConfigError as error:
+        return str(error)
+    except Exception as error:  # a bug of parse_config's (issue 44, H1): the plugin would end
+        return f"raises {error!r}"
+    return None
+
+
+def _generated_cases():
+    """Cases hypothesis generates from the rules' conditions (PROPERTIES: derandomized in CI)."""
+    cases = []
+
+    @settings(PROPERTIES, database=None)
+    @given(_DECLARED_CASE)
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return cases
+
+
+def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, tmp_path):
+    """One rule table, two enforcers that cannot disagree: for every boundary of the attribute and
+    capacity rules (and values generated around them), `helm template` refuses what parse_config
+    refuses of the ConfigMap the chart would write, and takes what it takes; a refusal names the
+    value's path. Both judge what the node reads: the chart's toYaml of the value Helm parsed."""
+    cases = _boundary_cases() + _generated_cases()
+    unique = list({json.dumps(case, sort_keys=True): case for case in cases}.values())
+    disagreements = []
+    for case, chart in zip(unique, _declared_verdicts(helm, tmp_path, unique), strict=True):
+        section, key, _, mode = case
+        node = _node_verdict(mode, chart["yaml"])
+        if chart["problem"]:
+            assert chart["problem"].startswith(f"config.resources[0].{section}.{key}"), chart["problem"]
+        if bool(chart["problem"]) != bool(node):
+            disagreements.append((case, chart["problem"], node))
+    assert disagreements == [], f"{len(disagreements)} of {len(unique)} cases:\n" + "\n".join(map(repr, disagreements))
+
+
+def test_the_chart_counts_attributes_and_capacities_as_parse_config_does(helm, tmp_path):
+    """The 32 attributes and capacities a device may have: for resources of each kind (a directory,
+    USB devices), shared or not, with counts either side of the limit split between attributes and
+    capacity, `helm template` refuses exactly what parse_config refuses of the ConfigMap it writes,
+    and the install's notes carry check-config's warning of the attributes sysfs may add."""
+    kinds = ({"directory": "/dev", "pattern": "gopher*"}, {"usb": [{"vendor": "0407", "product": "6001"}]})
+    cases = []
+    for where in kinds:
+        for replicas in (1, 2):
+            for total in range(20, 34):
+                for attributes in sorted({0, 1, total // 2, total - 1, total}):
+                    resource = {"name": "example.com/gopher", "api": "dra", **where, "replicas": replicas}
+                    resource["attributes"] = {f"a{n}": "x" for n in range(attributes)}
+                    resource["capacity"] = {f"c{n}": 1 for n in range(total - attributes)}
+                    cases.append(resource)
+    verdicts = {}
+    for template in ("countProblem", "roomWarning"):
+        per_case = (
+            f'{{{{- $resource := . -}}}}{{{{- $problem := include "gopherplug.{template}" '
+            '(dict "at" "config.resources[0]" "resource" .) -}}'
+        )
+        verdicts[template] = _chart_verdicts(helm, tmp_path / template, per_case, {"cases": cases})
+    disagreements = []
+    for resource, chart, warned in zip(cases, verdicts["countProblem"], verdicts["roomWarning"], strict=True):
+        node = _node_verdict("dra", chart["yaml"])
+        assert bool(chart["problem"]) == bool(node), (resource, chart["problem"], node)
+        if node:
+            assert chart["problem"] == node.removeprefix("config.yaml: ").replace("resources", "config.resources", 1)
+            continue
+        text = "dra: {driver: gopherplug.example.com}\nresources:\n" + textwrap.indent(chart["yaml"], "  ") + "\n"
+        warnings = [w.partition(": ")[2] for w in gp.parse_config(text, "config.yaml").warnings]
+        said = [f"config.{w}" for w in warnings if "sysfs" in w]
+        if said != [warned["problem"]] if warned["problem"] else said:
+            disagreements.append((resource, warned["problem"], said))
+    assert disagreements == []
+
+
+_RESOURCE_NAMES = [
+    *(f"example.com/{'a' * n}" for n in (1, 63, 64)),
+    *(f"{'a' * n}/x" for n in (1, 244, 245)),
+    *(f"{'a.' * 121}{'a' * n}/x" for n in (1, 2, 3)),  # 243 to 245 bytes of labels
+    *("example.com/gopher", "example.com/a.b_c-d", "example.com/-a", "example.com/a-", "example.com/_a", "x/y"),
+    *("example.com", "example.com/", "/gopher", "a/b/c", "kubernetes.io/gpu", "a.kubernetes.io/gpu", "kubernetes.io"),
+    *("requests.example.com/gpu", "requests/gpu", "Example.com/gpu", "example.com/GPU", "exa mple.com/g", "-a.com/g"),
+    *("example.com/\u00e9", "\u00e9.com/g", "example.com/\u0663", "\u0663.com/g", "example.com/g\n", "a..b/g"),
+    *(f"example.com/{_by_bytes(unit, 63)}" for unit in _LONG.values()),
+]
+_RESOURCE_NAME = st.one_of(
+    st.sampled_from(_RESOURCE_NAMES),
+    st.text(st.sampled_from("aZ09.-_/é\u0663k"), max_size=80),
+    st.builds(lambda domain, name: f"{domain}/{name}", st.sampled_from(["a.com", "A.com", "kubernetes.io"]), _TEXT),
+)
+
+
+def test_the_chart_and_parse_config_agree_on_every_resource_name(helm, tmp_path):
+    """Resource names, each rule's edge from both sides (the name's 63, the domain's 244 with
+    "requests." before it, the reserved kubernetes.io and requests., case, ASCII) and generated
+    ones: `helm template` refuses exactly what parse_config refuses."""
+    names = list(_RESOURCE_NAMES)
+
+    @settings(PROPERTIES, database=None)
+    @given(_RESOURCE_NAME)
+    def collect(name):
+        names.append(name)
+
+    collect()
+    per_case = (
+        '{{- $resource := set (deepCopy $.Values.resource) "name" . -}}'
+        '{{- $problem := include "gopherplug.resourceNameProblem" . -}}'
+    )
+    resource = {"directory": "/dev", "pattern": "gopher*", "env": "GOPHER_DEVICES"}
+    names = list(dict.fromkeys(names))
+    verdicts = _chart_verdicts(helm, tmp_path, per_case, {"resource": resource, "cases": names})
+    disagreements = []
+    for name, chart in zip(names, verdicts, strict=True):
+        node = _node_verdict("device-plugin", chart["yaml"])
+        if bool(chart["problem"]) != bool(node):
+            disagreements.append((name, chart["problem"], node))
+    assert disagreements == [], f"{len(disagreements)} of {len(names)}"
+
+
+@pytest.mark.parametrize("character", ["\x7f", "\x80", "\ufffe"])
+def test_the_chart_refuses_a_resource_toyaml_cannot_write(helm, character, tmp_path):
+    """Sprig's toYaml returns "" for what Go's YAML cannot write: configmap.yaml would give the node
+    the resource's name alone (which parse_config refuses, on every node). Refused at render."""
+    values = tmp_path / "values.json"
+    values.write_text(_helm_values(_resources(_gopher(pattern=f"gopher{character}*"))))
+    result = helm_template(helm, str(values))
+    said = "config.resources[0]: has a character toYaml cannot write into the ConfigMap"
+    assert result.returncode == 1 and said in result.stderr, result.stderr
+
+
 def test_the_chart_refuses_allowed_host_paths_it_does_not_mount(helm, tmp_path):
     """allowed_host_paths outside /dev and /sys must be mounted into the pod (extraHostPaths), or
     the plugin finds nothing there, silently: refused at render, and the same values with the
@@ -9888,6 +10233,21 @@ def test_the_charts_notes_carry_check_configs_warnings(helm, tmp_path):
     values.write_text(yaml.safe_dump(_resources(_gopher())))
     result = subprocess.run([*argv, "--dry-run=client"], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert "check-config warns" not in result.stdout
+
+
+def test_the_charts_notes_warn_of_the_attributes_sysfs_may_add(helm, tmp_path):
+    """A DRA resource with room for its own attributes but not for sysfs's renders (the plugin
+    leaves the last by name out, with a line), and the install's notes say so, as check-config does
+    (their texts are held together by the test above)."""
+    values = tmp_path / "values.yaml"
+    resource = _gopher(api="dra", attributes={f"a{n}": "x" for n in range(26)})
+    values.write_text(yaml.safe_dump(_dra(resource)))
+    argv = [helm, "install", "gopherplug", "chart/gopherplug", "-n", "kube-system", "-f", str(values)]
+    result = subprocess.run([*argv, "--dry-run=client"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    said = "config.resources[0].attributes: with the capacities and gopherplug's own, 29, and up to 4 sysfs gives "
+    said += "a PCI device (NUMA node, PCI address) a device may have 33: past 32, the last by name are left out"
+    assert said in result.stdout.partition("\nNOTES:\n")[2].splitlines(), result.stdout[-2000:]
 
 
 def test_the_chart_refuses_mode_dra_before_kubernetes_1_34(helm):
@@ -11399,8 +11759,8 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
         await dra_node.wait_for_slices(["gopher0"])
         await runs(2)  # failed twice: said once
         assert said("describe") == [
-            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found; the devices are "
-            "offered without what it would say (0 keep what it said before)"
+            f"example.com/gopher: describe {script} exited with 127: nvidia-smi: command not found (first: starting); "
+            "the devices are offered without what it would say (0 keep what it said before)"
         ]
         assert attributes() == [
             {
@@ -11437,6 +11797,296 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
 
 
 #: A described value of each kind the API server refuses a ResourceSlice for, and the cause it gives
+# ------------------------------------------------------------------------------------------------
+# The boundary (issue 44): a bug met by an input is that input's refusal, never the process's end
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unexpected(monkeypatch):
+    """Metrics on for the test: a function giving gopherplug_unexpected_errors for an input kind."""
+    metrics = gp.Metrics("127.0.0.1:0")
+    monkeypatch.setattr(gp, "_metrics", metrics)
+    yield lambda kind: metrics.registry.get_sample_value("gopherplug_unexpected_errors_total", {"input": kind})
+    metrics.close()
+
+
+def raising(error, when=lambda *args: True, real=None):
+    """A stand-in that raises ``error`` when ``when(*args)``, else calls ``real``."""
+
+    def stand_in(*args, **kwargs):
+        if when(*args):
+            raise error
+        return real(*args, **kwargs)
+
+    return stand_in
+
+
+BUG = "held back; a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+
+
+async def test_a_bug_met_by_a_reload_keeps_the_running_configuration(nursery, node, tmp_path, monkeypatch, unexpected):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    real = gp._config_from_text
+    monkeypatch.setattr(gp, "_config_from_text", raising(RecursionError("too deep"), lambda t, *_: "bug" in t, real))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = gp.watch_config_file(str(path))
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        with logged("keeping the running configuration") as said:
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}) + "# bug\n")
+            await said.wait()
+        with logged("configuration reloaded") as applied:  # the plugin lives on, and applies the next good file
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            await applied.wait()
+        await simulator.wait_until(listed("g1", "g2"))
+    assert said.lines == [f"{path}: RecursionError: too deep: {BUG}; keeping the running configuration"]
+    assert unexpected("config") == 1
+
+
+async def test_a_bug_met_by_a_scan_keeps_the_devices(nursery, node, monkeypatch, unexpected):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        monkeypatch.setattr(gp._SourceTracker, "update", raising(RuntimeError("boom")))
+        with logged("a scan of") as said:
+            Path(node.devices, "g3").touch()
+            await said.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert devices_of(simulator) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY}
+        monkeypatch.undo()
+        Path(node.devices, "g4").touch()
+        await simulator.wait_until(lambda s: "g4" in (devices_of(s) or {}))
+    assert said.lines == [f"{RESOURCE}: a scan of {node.devices}: RuntimeError: boom: {BUG}"]
+    assert unexpected("scan") == 1
+
+
+async def test_a_bug_met_by_a_devices_values_keeps_the_device_offered(nursery, node, monkeypatch, unexpected):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node, attributes={"model": "gopher"})
+        monkeypatch.setattr(gp, "with_read_values", raising(UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogate")))
+        with logged("attributes and capacity") as said:
+            Path(node.devices, "g3").touch()
+            await said.wait()
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    assert said.lines == [
+        f"{RESOURCE}: device g3's attributes and capacity: UnicodeEncodeError: 'utf-8' codec can't encode character "
+        f"'\\ud800' in position 0: surrogate: {BUG}"
+    ]
+    assert unexpected("values") == 1
+
+
+DESCRIBE_GOPHERS = """#!{python}
+import json, os
+ids = (os.environ.get("GOPHERPLUG_DEVICES") or open(os.environ["GOPHERPLUG_DEVICES_FILE"]).read()).split(",")
+print(json.dumps({i: {"attributes": {"model": "gopher"}} for i in ids}))
+"""
+
+
+def program_file(directory, text, name="describe"):
+    script = Path(directory, name)
+    script.write_text(text.replace("{python}", sys.executable))
+    script.chmod(0o755)
+    return str(script)
+
+
+async def test_a_bug_met_by_describe_keeps_what_it_said(nursery, node, monkeypatch, unexpected):
+    script = program_file(node.plugin_dir, DESCRIBE_GOPHERS)
+    resource = node.config(describe=[script]).resources[0]
+    devices = gp.Watched({})
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(gp.watch_devices, resource, devices)
+        while devices.value.get("g1") is None or not devices.value["g1"].attributes:
+            await devices.wait_touched()
+        known = devices.value["g1"].attributes
+        monkeypatch.setattr(gp, "parse_description", raising(RecursionError("maximum recursion depth exceeded")))
+        with logged("describe") as said:
+            Path(node.devices, "g3").touch()
+            await said.wait()
+        assert devices.value["g1"].attributes == known
+    assert said.lines == [
+        f"{RESOURCE}: describe {script}: RecursionError: maximum recursion depth exceeded: {BUG}; the devices are "
+        "offered without what it would say (2 keep what it said before)"
+    ]
+    assert unexpected("describe") == 1
+
+
+async def test_a_bug_met_by_an_http_request_is_a_500_and_the_server_goes_on(nursery, monkeypatch, unexpected):
+    real = gp._request_path
+    monkeypatch.setattr(gp, "_request_path", raising(KeyError("bug"), lambda target: target == b"/bug", real))
+    answer = functools.partial(gp.health_answer, gp.Health())
+    listener = gp._http_listener("127.0.0.1:0", "health_address")
+    port = listener.getsockname()[1]
+    with trio.fail_after(TIMEOUT), logged("HTTP request") as said:
+        await nursery.start(gp._serve_http, listener, answer)
+        for target, code in ((b"/bug", b"500"), (b"/healthz", b"200")):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while chunk := await stream.receive_some(4096):
+                reply += chunk
+            await stream.aclose()
+            assert reply.split(b" ")[1] == code
+    assert said.lines == [f"HTTP request b'GET /bug HTTP/1.1': KeyError: 'bug': {BUG}"]
+    assert unexpected("http") == 1
+
+
+async def test_a_bug_met_by_a_grpc_call_is_unknown_and_the_plugin_goes_on(nursery, node, monkeypatch, unexpected):
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        real = gp.allocate_with_devices
+        monkeypatch.setattr(gp, "allocate_with_devices", raising(ZeroDivisionError("division by zero")))
+        with logged("Allocate") as said, pytest.raises(gp.RPCError) as failed:
+            await simulator.allocate(RESOURCE, ["g1"])
+        monkeypatch.setattr(gp, "allocate_with_devices", real)
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        assert dict(answer.container_responses[0].envs) == {"GOPHER_DEVICES": "g1"}
+    line = f"v1beta1.DevicePlugin/Allocate: ZeroDivisionError: division by zero: {BUG}"
+    assert (failed.value.code, failed.value.message) == (StatusCode.UNKNOWN, line)
+    assert said.lines == [line]
+    assert unexpected("grpc") == 1
+
+
+def test_a_bug_in_check_config_is_one_line_and_no_traceback(node, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    monkeypatch.setattr(gp, "scan_directory", raising(RecursionError("maximum recursion depth exceeded")))
+    monkeypatch.delenv("GOPHERPLUG_LOG_LEVEL", raising=False)
+    assert gp.main(["check-config", "--config", str(path)]) == gp.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err == f"gopherplug: RecursionError: maximum recursion depth exceeded: {BUG}\n"
+    monkeypatch.setenv("GOPHERPLUG_LOG_LEVEL", "debug")  # then its traceback follows the line
+    assert gp.main(["check-config", "--config", str(path)]) == gp.EXIT_FAILURE
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"0": {"attributes": {"model": "\\ud800"}}}', "a string holds a lone surrogate"),
+        ('{"\\udfff": {}}', "a string holds a lone surrogate"),
+    ],
+)
+def test_describe_output_nested_too_deeply_or_with_a_lone_surrogate_is_refused(text, why):
+    with pytest.raises(ValueError, match=why):
+        gp.parse_description(text)
+
+
+async def test_describe_answer_is_taken_when_it_exits_and_what_it_left_is_killed(tmp_path):
+    """A describe that leaves a child holding its stdout (`sleep &`): the answer is used as soon as
+    the program exits, not after its 10 s timeout, and the child is killed with its process group."""
+    pid_file = tmp_path / "child"
+    script = program_file(tmp_path, f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\necho '{{\"g1\": {{}}}}'\n")
+    resource = dataclasses.replace(gp.parse_config(MINIMAL, "t.yaml").resources[0], describe=(script,))
+    with trio.fail_after(gp.DESCRIBE_TIMEOUT / 2):
+        described, unknown = await gp.run_describe(resource, ["g1"])
+    assert (described, unknown) == ({"g1": gp.ReadValues({}, {})}, [])
+    child = int(pid_file.read_text())
+    assert not os.path.exists(f"/proc/{child}") or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+
+
+async def test_describe_is_given_more_device_ids_than_an_environment_variable_holds(tmp_path):
+    ids = [f"gopher-{number:05}" for number in range(16_000)]  # 208 KB joined: over MAX_ARG_STRLEN
+    script = program_file(tmp_path, DESCRIBE_GOPHERS)
+    resource = dataclasses.replace(gp.parse_config(MINIMAL, "t.yaml").resources[0], describe=(script,))
+    with trio.fail_after(TIMEOUT):
+        described, unknown = await gp.run_describe(resource, ids)
+    assert (len(described), unknown) == (16_000, [])
+    assert described["gopher-15999"].attributes == {"model": ("string", "gopher")}
+
+
+async def test_describe_saved_with_crlf_endings_says_its_first_stderr_line_too(tmp_path):
+    script = program_file(tmp_path, "#!/usr/bin/env python3\r\nprint('{}')\r\n")
+    resource = dataclasses.replace(gp.parse_config(MINIMAL, "t.yaml").resources[0], describe=(script,))
+    with trio.fail_after(TIMEOUT), pytest.raises(gp.DescribeError) as failed:
+        await gp.run_describe(resource, ["g1"])
+    assert "python3\\r" in str(failed.value).split("(first: ")[1], str(failed.value)
+
+
+ORPHAN_AS_PID_1 = """
+import os, trio
+import gopherplug as gp
+
+async def main():
+    assert os.getpid() == 1
+    ran = await gp.run_program(["sh", "-c", "sleep 300 & echo $!"], os.environ, limit=100)
+    orphan = int(ran.stdout)  # killed with its process group, a child of PID 1 now: a zombie until reaped
+    with trio.fail_after(10):
+        while os.path.exists(f"/proc/{orphan}"):
+            await trio.sleep(0.01)  # reaped at SIGCHLD, as it comes
+    print("no zombie")
+
+trio.run(gp.serve_until_signalled, main)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a PID namespace takes root")
+def test_as_pid_1_orphans_are_reaped():
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", ORPHAN_AS_PID_1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.abspath(gp.__file__)),
+    )
+    assert (done.returncode, done.stdout) == (0, "no zombie\n"), done.stderr
+
+
+def test_nfd_label_names_are_ones_nfd_accepts():
+    name = gp.nfd_label_name("example.com/gpu", "model_")
+    assert re.fullmatch(r"feature\.node\.kubernetes\.io/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", name), name
+    assert name == gp.nfd_label_name("example.com/gpu", "model_") != gp.nfd_label_name("example.com/gpu", "model")
+
+
+def test_health_answers_the_absolute_form_of_its_path():
+    health = gp.Health()
+    for target in (b"http://10.0.0.1:8080/healthz", b"HTTP://node/healthz?verbose", b"/healthz"):
+        assert gp.health_answer(health, b"GET " + target + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200 OK")
+    assert gp.health_answer(health, b"GET http://node/other HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
+
+
+async def test_a_rolling_updates_old_pod_leaves_the_new_pods_nfd_file(nursery, tmp_path):
+    """The old pod wrote the file last (its devices changed during the surge) and removes it as it
+    stops, as its own: the new pod sees it vanish (inotify) and writes it again."""
+    path = str(tmp_path / "features.d" / "gopherplug")
+    resource = gp.parse_config(MINIMAL, "t.yaml").resources[0]
+    old, new = gp._Served(resource), gp._Served(resource)
+    for served in (old, new):
+        served.devices.set({"g1": gp.DeviceEntry("g1", "/dev/g1")})
+    roster = gp.Watched(None)
+    with trio.fail_after(TIMEOUT):
+        old_scope = trio.CancelScope()
+
+        async def old_pod():
+            with old_scope:
+                await gp._keep_nfd_features(path, {"r": old}, roster)
+
+        def inode():
+            with contextlib.suppress(OSError):
+                return os.stat(path).st_ino
+
+        async def until(condition):  # the writes run in threads: looked at as they land
+            while not condition():
+                await trio.sleep(0.01)
+
+        nursery.start_soon(old_pod)
+        await until(inode)
+        first = inode()
+        nursery.start_soon(gp._keep_nfd_features, path, {"r": new}, gp.Watched(None))
+        await until(lambda: inode() not in (None, first))  # the new pod's own file
+        new_text = Path(path).read_text()
+        old.devices.set({})  # the old pod's devices change: it writes the file again, so it is its own
+        await until(lambda: Path(path).read_text() != new_text)
+        with gp.DirectoryWatch(os.path.dirname(path), gp.flags.CREATE | gp.flags.MOVED_TO) as watch:
+            old_scope.cancel()  # the old pod stops, and removes the file it wrote
+            async with contextlib.aclosing(watch.batches()) as batches:
+                async for _ in batches:
+                    if os.path.exists(path) and Path(path).read_text() == new_text:
+                        break
+
+
 INVALID_DESCRIBED = {
     "name": ({"attributes": {"gpu-model": "H200"}}, "attributes.gpu-model", "'gpu-model' must be a C identifier"),
     "slashes": ({"attributes": {"a/b/c": "x"}}, "attributes.a/b/c", "must be either a C identifier or a domain"),
@@ -15486,7 +16136,7 @@ async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_reques
         (
             {"stderr": "reading the SSO cache\nthe SSO session has expired: run aws sso login\n", "exit": 255},
             {},
-            "exited with 255: the SSO session has expired: run aws sso login",
+            "exited with 255: the SSO session has expired: run aws sso login (first: reading the SSO cache)",
         ),
         (
             {"stdout": "token-1\n"},

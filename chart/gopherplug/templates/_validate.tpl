@@ -4,7 +4,11 @@ DaemonSet takes a values file to every node at once, and a configuration the plu
 crash-loops the whole pool. Each check is one of parse_config's (gopherplug.py), with its sentence,
 at the key's path in the values ("config.resources[0].env: ..."); the test
 test_every_refusal_of_parse_config_is_refused_at_render keeps the two lists together (a refusal
-that needs the node, a device or PATH, is named there with the reason). values.schema.json keeps
+that needs the node, a device or PATH, is named there with the reason); and the checks that return
+their problem rather than fail (gopherplug.resourceNameProblem, declaredProblem, countProblem) are
+held to parse_config's verdict on values generated either side of every limit, in one render of a
+test chart each (test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity and the
+tests beside it). values.schema.json keeps
 the checks whose Helm line is readable as it is (types, unknown keys, ranges, enums); a pattern or
 a `not` there would print a regex or "'not' failed", so those are here, as sentences.
 
@@ -57,20 +61,13 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- range $i, $r := $v.config.resources -}}
 {{- $at := printf "config.resources[%d]" $i -}}
 {{- $name := $r.name | toString -}}
-{{- /* resource_name_problem: what the kubelet would refuse as an extended resource name. */ -}}
-{{- $problem := "" -}}
-{{- $parts := splitList "/" $name -}}
-{{- if ne (len $parts) 2 -}}
-{{- $problem = "must be an extended resource name, domain/name (e.g. example.com/gopher)" -}}
-{{- else if contains "kubernetes.io/" $name -}}
-{{- $problem = "the kubernetes.io domain is reserved for Kubernetes' own resources" -}}
-{{- else if hasPrefix "requests." $name -}}
-{{- $problem = "must not start with \"requests.\"" -}}
-{{- else if or (not (regexMatch $qualified (index $parts 1))) (gt (len (index $parts 1)) 63) -}}
-{{- $problem = "the name after '/' must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit" -}}
-{{- else if or (not (regexMatch $dns (index $parts 0))) (gt (len (index $parts 0)) 244) -}}
-{{- $problem = "the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)" -}}
+{{- /* toYaml writes "" for what Go's YAML cannot write (DEL, C1 controls, U+FFFE): the resource
+would reach the node as its name alone, and be refused there. */ -}}
+{{- if not (toYaml (omit $r "name")) -}}
+{{- fail (printf "%s: has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" $at) -}}
 {{- end -}}
+{{- $parts := splitList "/" $name -}}
+{{- $problem := include "gopherplug.resourceNameProblem" $name -}}
 {{- if $problem }}{{ fail (printf "%s.name: '%s': %s" $at $name $problem) }}{{ end -}}
 {{- /* api: the chart writes dra (the driver) in mode dra only. */ -}}
 {{- $api := $r.api | default "device-plugin" -}}
@@ -241,52 +238,14 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- end -}}
 {{- end -}}
 {{- /* attributes and capacity: names and values as the API server takes them (_parse_declared). */ -}}
-{{- $own := list "resource" "id" "healthy" "numaNode" "usbVendor" "usbProduct" "usbSerial" "usbBus" "usbPort" -}}
-{{- $fileFields := list "id" "path" "name" "target" "sysfs" -}}
-{{- $quantity := "^[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$" -}}
 {{- range $section := list "attributes" "capacity" -}}
 {{- range $key, $value := (get $r $section | default dict) -}}
-{{- $where := printf "%s.%s.%s" $at $section $key -}}
-{{- $nameParts := splitList "/" $key -}}
-{{- $identifier := last $nameParts -}}
-{{- $domain := ternary (first $nameParts) "" (eq (len $nameParts) 2) -}}
-{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch $dns (lower $domain))))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
-{{- fail (printf "%s: not a valid name for the API server: a C identifier of at most 32 characters (letters, digits, '_'), after an optional domain of at most 63 and '/', e.g. example.com/model" $where) -}}
-{{- end -}}
-{{- if and (eq $section "attributes") (has $identifier $own) (or (not $domain) (eq $domain $v.dra.driver)) -}}
-{{- fail (printf "%s: is an attribute gopherplug gives every device itself (%s): choose another name, or one in a domain of your own (example.com/%s)" $where (join ", " (sortAlpha $own)) $identifier) -}}
-{{- end -}}
-{{- if and (eq $section "capacity") (eq $key "shares") }}{{ fail (printf "%s: is the capacity gopherplug gives a shared device (replicas): choose another name" $where) }}{{ end -}}
-{{- $number := or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value) -}}
-{{- if and (kindIs "map" $value) (hasKey $value "file") -}}
-{{- $file := toString $value.file -}}
-{{- range regexFindAll "\\{[^{}]*\\}" $file -1 -}}
-{{- if not (has (trimPrefix "{" . | trimSuffix "}") $fileFields) }}{{ fail (printf "%s.file: '%s': bad placeholder (%s); use {%s}" $where $file . (join "}, {" $fileFields)) }}{{ end -}}
-{{- end -}}
-{{- if not (or (hasPrefix "/" $file) (hasPrefix "{path}" $file) (hasPrefix "{target}" $file) (hasPrefix "{sysfs}" $file)) }}{{ fail (printf "%s.file: '%s' must be an absolute path" $where $file) }}{{ end -}}
-{{- $types := ternary (list "quantity") (list "string" "int" "bool" "version") (eq $section "capacity") -}}
-{{- if and (hasKey $value "type") (not (has $value.type $types)) }}{{ fail (printf "%s.type: '%v': must be one of %s" $where $value.type (join ", " $types)) }}{{ end -}}
-{{- else if eq $section "capacity" -}}
-{{- if not (and (or $number (kindIs "string" $value)) (regexMatch $quantity (toString $value))) -}}
-{{- fail (printf "%s: %s is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or {file: <path>} to read one" $where (ternary (printf "'%v'" $value) (toString $value) (kindIs "string" $value))) -}}
-{{- end -}}
-{{- else -}}
-{{- $typed := and (kindIs "map" $value) (eq (len $value) 1) (has (first (keys $value)) (list "string" "int" "bool" "version")) -}}
-{{- if not (or $number (kindIs "string" $value) (kindIs "bool" $value) $typed) -}}
-{{- fail (printf "%s: %v: must be a string, a whole number, true or false, {version: \"1.2.3\"}, or {file: <path>, type: string|int|bool|version}" $where $value) -}}
-{{- end -}}
-{{- $text := toString $value -}}
-{{- if $typed }}{{ $text = toString (first (values $value)) }}{{ end -}}
-{{- if and (or (kindIs "string" $value) $typed) (gt (len $text) 64) -}}
-{{- fail (printf "%s: not a valid string attribute for the API server: it has %d bytes, more than the API server's 64" $where (len $text)) -}}
+{{- $problem := include "gopherplug.declaredProblem" (dict "at" $at "section" $section "key" $key "value" $value "driver" (ternary $v.dra.driver "" $dra)) -}}
+{{- if $problem }}{{ fail $problem }}{{ end -}}
 {{- end -}}
 {{- end -}}
-{{- end -}}
-{{- end -}}
-{{- $total := add (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
-{{- if gt $total 32 -}}
-{{- fail (printf "%s.%s: %d attributes and %d capacities, with the %d gopherplug gives each device, are %d: the API server takes at most 32 a device" $at (ternary "capacity" "attributes" (not (empty $r.capacity))) (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) (ternary 4 3 (gt (int ($r.replicas | default 1)) 1)) $total) -}}
-{{- end -}}
+{{- $problem = include "gopherplug.countProblem" (dict "at" $at "resource" $r) -}}
+{{- if $problem }}{{ fail $problem }}{{ end -}}
 {{- /* What the device-plugin API alone has, refused with api: dra (nothing given silently unused). */ -}}
 {{- if eq $api "dra" -}}
 {{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" "pre_start" "NodePrepareResources runs before a pod's containers; gopherplug runs no command there" "pre_start_timeout" "there is no pre_start" -}}
@@ -322,6 +281,198 @@ gopherplug.warnings: what check-config warns about, one line each, which NOTES.t
 {{- end -}}
 {{- end -}}
 
+{{- /* gopherplug.resourceNameProblem: what the kubelet would refuse as an extended resource name
+(resource_name_problem), or "". */ -}}
+{{- define "gopherplug.resourceNameProblem" -}}
+{{- $parts := splitList "/" . -}}
+{{- if ne (len $parts) 2 -}}
+must be an extended resource name, domain/name (e.g. example.com/gopher)
+{{- else if contains "kubernetes.io/" . -}}
+the kubernetes.io domain is reserved for Kubernetes' own resources
+{{- else if hasPrefix "requests." . -}}
+must not start with "requests."
+{{- else if or (not (regexMatch "^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" (index $parts 1))) (gt (len (index $parts 1)) 63) -}}
+the name after '/' must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit
+{{- else if or (not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" (index $parts 0))) (gt (len (index $parts 0)) 244) -}}
+the domain before '/' must be a lower-case DNS subdomain (e.g. example.com)
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.declaredProblem: why parse_config (_parse_declared, _parse_declared_value) refuses one
+attribute or capacity, as "<its path>: <check-config's sentence>", or "" when it takes it. Given a dict:
+at (the resource's path), section ("attributes" or "capacity"), key, value, and driver (the DRA
+driver, "" in mode device-plugin, where parse_config has none). A named template that returns the
+problem, rather than one that fails, so that a test can ask it about many values in one render.
+
+The rules are the API server's (validateQualifiedName and validateDeviceAttribute in kubernetes
+pkg/apis/resource/validation/validation.go, ParseQuantity in apimachinery pkg/api/resource/quantity.go):
+lengths in bytes (Go's len, as here), digits ASCII (Go's regexps, as here), a domain's letters
+either case and ASCII only (Go lower-cases it first, and makes the Kelvin sign a "k": parse_config,
+and this, refuse it), and the few canonical_quantity refuses for its own reasons. And the value
+judged is the one the node reads: Helm holds every number of the values as a float64, and the
+ConfigMap holds it as toYaml writes it, which the plugin reads as YAML 1.1 (gopherplug.yamlKind):
+9223372036854775807 arrives as 9223372036854776000, past int64; 1.0 as 1, a whole number; 1e20 as
+1e+20, which YAML 1.1 reads as a string; the string "1.5e+999" as a float, inf.
+*/ -}}
+{{- define "gopherplug.declaredProblem" -}}
+{{- $section := .section -}}
+{{- $value := .value -}}
+{{- $where := printf "%s.%s.%s" .at .section .key -}}
+{{- $nameParts := splitList "/" .key -}}
+{{- $identifier := last $nameParts -}}
+{{- $domain := ternary (first $nameParts) "" (eq (len $nameParts) 2) -}}
+{{- $own := list "resource" "id" "healthy" "numaNode" "usbVendor" "usbProduct" "usbSerial" "usbBus" "usbPort" -}}
+{{- $types := list "string" "int" "bool" "version" -}}
+{{- $kind := include "gopherplug.yamlKind" $value -}}
+{{- if or (gt (len $nameParts) 2) (and (eq (len $nameParts) 2) (or (not $domain) (gt (len $domain) 63) (not (regexMatch "^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$" $domain)))) (not (regexMatch "^[A-Za-z_][A-Za-z0-9_]*$" $identifier)) (gt (len $identifier) 32) -}}
+{{- printf "%s: not a valid name for the API server: a C identifier of at most 32 characters (letters, digits, '_'), after an optional domain of at most 63 bytes and '/', e.g. example.com/model" $where -}}
+{{- else if and (eq $section "attributes") (has $identifier $own) (or (not $domain) (eq $domain .driver)) -}}
+{{- printf "%s: is an attribute gopherplug gives every device itself (%s): choose another name, or one in a domain of your own (example.com/%s)" $where (join ", " (sortAlpha $own)) $identifier -}}
+{{- else if and (eq $section "capacity") (eq .key "shares") -}}
+{{- printf "%s: is the capacity gopherplug gives a shared device (replicas): choose another name" $where -}}
+{{- else if not (toYaml (dict .key $value) | trim) -}}
+{{- printf "%s: has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" $where -}}
+{{- else if or (eq $kind "tag") (and (eq $kind "map") (or (has "=" (values $value)) (has "<<" (values $value)))) -}}
+{{- printf "%s: '=' and '<<' are tags to YAML 1.1, which the plugin reads its configuration with, not strings: the ConfigMap would not load" $where -}}
+{{- else if and (eq $kind "map") (hasKey $value "file") -}}
+{{- /* {file: <template>, type: ...}: read from a file per device. */ -}}
+{{- $unknown := without (keys $value | sortAlpha) "file" "type" -}}
+{{- $file := $value.file -}}
+{{- $bare := toString $file | replace "{{" "" | replace "}}" "" -}}
+{{- $fields := list "id" "path" "name" "target" "sysfs" -}}
+{{- $placeholders := regexFindAll "\\{[^{}]*\\}" $bare -1 -}}
+{{- $bad := "" -}}
+{{- range $placeholders }}{{ if and (not $bad) (not (has (trimPrefix "{" . | trimSuffix "}") $fields)) }}{{ $bad = . }}{{ end }}{{ end -}}
+{{- if regexMatch "[{}]" (regexReplaceAll "\\{[^{}]*\\}" $bare "") }}{{ $bad = "a single '{' or '}'" }}{{ end -}}
+{{- $allowed := ternary (list "quantity") $types (eq $section "capacity") -}}
+{{- if $unknown -}}
+{{- printf "%s.%s: unknown key; expected one of file, type" $where (first $unknown) -}}
+{{- else if or (not (kindIs "string" $file)) (not $file) -}}
+{{- printf "%s.file: must be a non-empty string" $where -}}
+{{- else if $bad -}}
+{{- printf "%s.file: '%s': bad placeholder (%s); use {%s}" $where $file $bad (join "}, {" $fields) -}}
+{{- else if not (or (hasPrefix "/" $bare) (regexMatch "^\\{(path|target|sysfs)\\}" $bare)) -}}
+{{- printf "%s.file: '%s' must be an absolute path" $where $file -}}
+{{- else if and (hasKey $value "type") (not (has $value.type $allowed)) -}}
+{{- printf "%s.type: '%v': must be one of %s" $where $value.type (join ", " $allowed) -}}
+{{- end -}}
+{{- else if eq $section "capacity" -}}
+{{- /* A quantity as ParseQuantity reads one, and as parse_config's canonical_quantity keeps it: a
+signed decimal number (a digit at least: Go takes "+", "." and "Ki" as 0, and a mistake), then a binary
+suffix (Ki..Ei), a decimal one (n u m k M G T P E) or an exponent of at most 32 bits (the server's
+scale is an int32). Refused besides, as canonical_quantity refuses it: above 1E, more than 18 digits
+(the server would work it out in big numbers, for as long as its exponent is). */ -}}
+{{- $text := ternary $value (toYaml $value | trim) (kindIs "string" $value) -}}
+{{- $quantity := "^[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE]([+-]?[0-9]+))?$" -}}
+{{- $problem := not (and (has $kind (list "str" "int" "float")) (regexMatch $quantity $text) (not (and (kindIs "string" $value) (eq $kind "float")))) -}}
+{{- if not $problem -}}
+{{- $number := regexReplaceAll $quantity $text "${1}" -}}
+{{- $suffix := regexReplaceAll $quantity $text "${2}" -}}
+{{- $exponent := regexReplaceAll $quantity $text "${3}" -}}
+{{- $bits := regexReplaceAll "^[+-]?0*" $exponent "" -}}
+{{- $problem = or (gt (len $bits) 10) (and (eq (len $bits) 10) (gt $bits "2147483647")) -}}
+{{- if and (not $problem) (not (hasSuffix "i" $suffix)) -}}
+{{- /* The value is <digits> x 10^places, places a multiple of 3, digits without trailing zeros but those that make it so. */ -}}
+{{- $whole := regexReplaceAll "[.].*" $number "" -}}
+{{- $fraction := ternary (regexReplaceAll "^[^.]*[.]" $number "") "" (contains "." $number) -}}
+{{- $digits := regexReplaceAll "^0+" (print $whole $fraction) "" -}}
+{{- $significant := regexReplaceAll "0+$" $digits "" -}}
+{{- $scale := ternary (atoi $exponent) (get (dict "n" -9 "u" -6 "m" -3 "" 0 "k" 3 "M" 6 "G" 9 "T" 12 "P" 15 "E" 18) $suffix) (ne $exponent "") -}}
+{{- $places := add $scale (sub (len $digits) (len $significant)) (mul -1 (len $fraction)) -}}
+{{- $extra := mod (add (mod $places 3) 3) 3 -}}
+{{- $problem = and $significant (or (gt (sub $places $extra) 2147483647) (and (gt (sub $places $extra) 18) (gt (add (len $significant) $extra) 18))) -}}
+{{- end -}}
+{{- end -}}
+{{- if $problem -}}
+{{- printf "%s: %s is not a quantity: a number with an optional suffix (4, 80Gi, 1500m, 2k), or {file: <path>} to read one" $where (ternary (printf "'%s'" $text) $text (kindIs "string" $value)) -}}
+{{- end -}}
+{{- else -}}
+{{- /* An attribute: a string, a whole number, true or false, or {string|int|bool|version: value}. */ -}}
+{{- $type := get (dict "str" "string" "int" "int" "bool" "bool") $kind -}}
+{{- $literal := $value -}}
+{{- if and (eq $kind "map") (eq (len $value) 1) (has (first (keys $value)) $types) -}}
+{{- $type = first (keys $value) -}}
+{{- $literal = get $value $type -}}
+{{- end -}}
+{{- $read := include "gopherplug.yamlKind" $literal -}}
+{{- $text := ternary $literal (toYaml $literal | trim) (kindIs "string" $literal) -}}
+{{- $digits := trimPrefix "-" $text -}}
+{{- $semver := "^(0|[1-9][0-9]*)\\.(0|[1-9][0-9]*)\\.(0|[1-9][0-9]*)(-(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(\\.(0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*)?(\\+[0-9a-zA-Z-]+(\\.[0-9a-zA-Z-]+)*)?$" -}}
+{{- $problem := "" -}}
+{{- if not $type -}}
+{{- printf "%s: %s: must be a string, a whole number, true or false, {version: \"1.2.3\"}, or {file: <path>, type: string|int|bool|version}" $where (ternary $text (toJson $value) (has $read (list "str" "int" "float" "bool" "null"))) -}}
+{{- else if eq $type "bool" -}}
+{{- if ne $read "bool" }}{{ $problem = printf "%s is not true or false" $text }}{{ end -}}
+{{- else if eq $type "int" -}}
+{{- if ne $read "int" -}}
+{{- $problem = printf "%s is not a whole number" $text -}}
+{{- else if or (gt (len $digits) 19) (and (eq (len $digits) 19) (gt $digits (ternary "9223372036854775808" "9223372036854775807" (hasPrefix "-" $text)))) -}}
+{{- $problem = printf "%s does not fit in 64 bits" $text -}}
+{{- end -}}
+{{- else if ne $read "str" -}}
+{{- $problem = printf "%s is not a string" $text -}}
+{{- else if gt (len $text) 64 -}}
+{{- $problem = printf "it has %d bytes, more than the API server's 64" (len $text) -}}
+{{- else if and (eq $type "version") (not (regexMatch $semver $text)) -}}
+{{- $problem = printf "'%s' is not a semantic version (semver.org 2.0.0: MAJOR.MINOR.PATCH, e.g. 1.2.3)" $text -}}
+{{- end -}}
+{{- if $problem }}{{ printf "%s: not a valid %s attribute for the API server: %s" $where $type $problem }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.countProblem: the resource's attributes and capacities, with those gopherplug gives each
+device itself, past the 32 the API server takes a device (_parse_declarations): the problem, or "".
+Given a dict: at (the resource's path), resource.
+*/ -}}
+{{- define "gopherplug.countProblem" -}}
+{{- $r := .resource -}}
+{{- $attributes := len ($r.attributes | default dict) -}}
+{{- $capacity := len ($r.capacity | default dict) -}}
+{{- $own := add 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
+{{- $total := add $attributes $capacity $own -}}
+{{- if gt $total 32 -}}
+{{- printf "%s.%s: %d attributes and %d capacities, with the %d gopherplug gives each device, are %d: the API server takes at most 32 a device" .at (ternary "capacity" "attributes" (gt $capacity 0)) $attributes $capacity $own $total -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.roomWarning: check-config's warning (_room_warning) for a DRA resource whose devices may
+pass the 32 once sysfs gives them its own attributes (numaNode twice, pciBusID, pcieRoot; a USB
+device's five more): the plugin leaves the last by name out, with a line. Given what countProblem is.
+*/ -}}
+{{- define "gopherplug.roomWarning" -}}
+{{- $r := .resource -}}
+{{- $declared := add (len ($r.attributes | default dict)) (len ($r.capacity | default dict)) 3 (ternary 1 0 (gt (int ($r.replicas | default 1)) 1)) -}}
+{{- $most := add $declared 4 (ternary 5 0 (not (empty $r.usb))) -}}
+{{- if and (eq ($r.api | default "device-plugin") "dra") (gt $most 32) (le $declared 32) -}}
+{{- printf "%s.attributes: with the capacities and gopherplug's own, %d, and up to %d sysfs gives a %s a device may have %d: past 32, the last by name are left out" .at $declared (sub $most $declared) (ternary "USB device (NUMA node, PCI address, USB IDs)" "PCI device (NUMA node, PCI address)" (not (empty $r.usb))) $most -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.yamlKind: what the plugin reads a value as, once the chart's toYaml has written it into
+the ConfigMap: str, int, float, bool, null, map, list, or tag. YAML 1.1 (PyYAML) reads a number
+with a dot as a float and one with an exponent but no dot (1e+20, as toYaml writes 1e20) as a
+string; a string past float64 (1.5e+999, 1_0.5e+999), which toYaml leaves unquoted, as a float
+(inf); and "=" and "<<", unquoted too, as tags it cannot load.
+*/ -}}
+{{- define "gopherplug.yamlKind" -}}
+{{- $float := "^([-+]?[0-9][0-9_]*[.][0-9_]*|[.][0-9][0-9_]*)[eE][+][0-9]+$" -}}
+{{- if has . (list "=" "<<") }}tag
+{{- else if and (kindIs "string" .) (regexMatch $float .) (regexMatch "[1-9]" (regexReplaceAll "[eE].*" . "")) (eq (float64 (replace "_" "" .)) 0.0) }}float
+{{- else if kindIs "string" . }}str
+{{- else if kindIs "bool" . }}bool
+{{- else if kindIs "map" . }}map
+{{- else if kindIs "slice" . }}list
+{{- else if kindIs "invalid" . }}null
+{{- else -}}
+{{- $text := toYaml . | trim -}}
+{{- if regexMatch "^-?[0-9]+$" $text }}int{{ else if contains "." $text }}float{{ else }}str{{ end -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* dra_pool_suffix: a resource name as DNS subdomains ("example.com/my_dev" -> "example.com/my-dev"). */ -}}
 {{- define "gopherplug.poolSuffix" -}}
 {{- $parts := list -}}
@@ -340,6 +491,9 @@ in the plugin's log).
 */ -}}
 {{- define "gopherplug.warnings" -}}
 {{- range $i, $r := .Values.config.resources -}}
+{{- with include "gopherplug.roomWarning" (dict "at" (printf "config.resources[%d]" $i) "resource" $r) }}
+{{ . }}
+{{- end -}}
 {{- $patterns := list (dict "at" "pattern" "pattern" $r.pattern) -}}
 {{- range $j, $m := $r.match }}{{ $patterns = append $patterns (dict "at" (printf "match[%d].pattern" $j) "pattern" $m.pattern) }}{{ end -}}
 {{- range $patterns -}}
