@@ -1473,6 +1473,13 @@ class _ConfigLoader(yaml.SafeLoader):
 class _DuplicateKey(yaml.YAMLError):
     """A key written twice in one mapping (_ConfigLoader). A merge (``<<: *base``) may set one again."""
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, KeyError, AttributeError):  # PyYAML's, on "!!int x" or a date 2020-02-30
+            said = f"{node.value!r} is not a valid {node.tag.rpartition(':')[2]}: put it in quotes if it is text"
+            raise yaml.constructor.ConstructorError(None, None, said, node.start_mark) from None
+
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     value: int = loader.construct_yaml_int(node)
@@ -1514,12 +1521,17 @@ _KEY_WITHOUT_SPACE = re.compile(r"(?:[ ]*-[ ]+)*[ ]*[^\s#'\"\[\]{}:,&*!|>%@`-][^
 _INDENTED = re.compile(r"([ ]*)((?:-[ ]+)*)\S")
 
 
-def _yaml_problem(text: str, error: yaml.YAMLError) -> str:
+def _yaml_problem(text: str, error: yaml.YAMLError | RecursionError) -> str:
     """A YAML syntax error as one line: where PyYAML stopped and what it said, and for a common
     mistake (a tab, a key without a space after its colon, a list item among a mapping's keys, a
     line indented unlike the lines above it) the mistake in a plain sentence first."""
     mark = getattr(error, "problem_mark", None)
     said = getattr(error, "problem", None) or str(error)
+    if isinstance(error, RecursionError):
+        return "invalid YAML: lists or mappings nested hundreds deep"
+    if isinstance(error, yaml.reader.ReaderError):  # a character YAML refuses anywhere: no mark, and 2 lines
+        lines = _YAML_LINE_BREAK.split(text[: error.position])
+        return f"invalid YAML at line {len(lines)}, column {len(lines[-1]) + 1}: U+{error.character:04X} is not allowed"
     if mark is None:
         return f"invalid YAML ({said})"
     said = f"line {mark.line + 1}, column {mark.column + 1}: {said}"
@@ -1618,11 +1630,16 @@ def _parses_past(lines: list[str], at: int) -> bool:
     return True
 
 
+_TOP_KEYS = set(
+    "device_plugin_dir resources sysfs_root dev_root dra metrics_address health_address nfd_features_file".split()
+)
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
         data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
-    except yaml.YAMLError as error:
+    except (yaml.YAMLError, RecursionError) as error:  # RecursionError: PyYAML composes nested nodes by recursion
         said = str(error) if isinstance(error, _DuplicateKey) else _yaml_problem(text, error)
         raise ConfigError(source, "", said) from None
     for at, octal in _octal_numbers(data):
@@ -1638,8 +1655,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
             source, "", "is empty: it needs resources, a list of the devices to offer (docs/configuration.md)"
         )
     _refuse_generic_device_plugin_keys(data, source, "")  # before _mapping's "unknown key"
-    keys = "device_plugin_dir resources sysfs_root dev_root dra metrics_address health_address nfd_features_file"
-    top = _mapping(data, source, "", set(keys.split()), required={"resources"})
+    top = _mapping(data, source, "", _TOP_KEYS, required={"resources"})
     device_plugin_dir = None
     if "device_plugin_dir" in top:
         device_plugin_dir = _absolute_path(top["device_plugin_dir"], source, "device_plugin_dir")
@@ -2522,11 +2538,8 @@ def _mapping(data: Any, source: str, where: str, allowed: set[str], required: se
 
             close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
             meant = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(
-                source,
-                f"{where}.{key}" if where else str(key),
-                f"unknown key; {meant}expected one of {', '.join(sorted(allowed))}",
-            )
+            expected = f"unknown key; {meant}expected one of {', '.join(sorted(allowed))}"
+            raise ConfigError(source, f"{where}.{key}" if where else str(key), expected)
     for key in sorted(required - data.keys()):
         raise ConfigError(source, f"{where}.{key}" if where else key, "is required")
     return data
