@@ -1469,16 +1469,16 @@ class _ConfigLoader(yaml.SafeLoader):
         mapping: dict[Any, Any] = super().construct_mapping(node, deep)
         return mapping
 
-
-class _DuplicateKey(yaml.YAMLError):
-    """A key written twice in one mapping (_ConfigLoader). A merge (``<<: *base``) may set one again."""
-
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
         except (ValueError, KeyError, AttributeError):  # PyYAML's, on "!!int x" or a date 2020-02-30
             said = f"{node.value!r} is not a valid {node.tag.rpartition(':')[2]}: put it in quotes if it is text"
             raise yaml.constructor.ConstructorError(None, None, said, node.start_mark) from None
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key written twice in one mapping (_ConfigLoader). A merge (``<<: *base``) may set one again."""
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
@@ -1531,7 +1531,10 @@ def _yaml_problem(text: str, error: yaml.YAMLError | RecursionError) -> str:
         return "invalid YAML: lists or mappings nested hundreds deep"
     if isinstance(error, yaml.reader.ReaderError):  # a character YAML refuses anywhere: no mark, and 2 lines
         lines = _YAML_LINE_BREAK.split(text[: error.position])
-        return f"invalid YAML at line {len(lines)}, column {len(lines[-1]) + 1}: U+{error.character:04X} is not allowed"
+        where = f"invalid YAML at line {len(lines)}, column {len(lines[-1]) + 1}"
+        if 0xDC80 <= error.character <= 0xDCFF:  # a byte _read_text could not decode (surrogateescape)
+            return f"{where}: byte 0x{error.character - 0xDC00:02x} is not UTF-8: save the file as UTF-8"
+        return f"{where}: U+{error.character:04X} is not allowed"
     if mark is None:
         return f"invalid YAML ({said})"
     said = f"line {mark.line + 1}, column {mark.column + 1}: {said}"
@@ -6368,11 +6371,12 @@ def _mode(path: str) -> int | None:
 
 
 def _read_text(path: str) -> str | None:
-    """A text file's content, or None if it cannot be read now."""
+    """A text file's content, or None if it cannot be read now. A byte that is not UTF-8 is kept as a
+    lone surrogate (surrogateescape), for YAML's reader to refuse where it stands (_yaml_problem)."""
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:
             return file.read()
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         return None  # gone for a moment (being replaced): the next event reads it again
 
 
@@ -6388,9 +6392,9 @@ def load_config(
     (check-config), the file may be Kubernetes objects instead: the chart's ConfigMap, or `helm
     template`'s whole output, whose ConfigMap's config.yaml is the configuration (_configmap_config)."""
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:  # as _read_text
             text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
     source = path
     if objects:

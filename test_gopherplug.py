@@ -4590,20 +4590,22 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
 
 async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applied(nursery, node, tmp_path):
     """Issue: after an invalid file was fixed, its ERROR stayed the last word on it. The next valid
-    reading says the file is valid again, then what was applied (or that there is nothing to)."""
+    reading says the file is valid again, then what was applied (or that there is nothing to). A
+    file that is not UTF-8 is an invalid one too, said with where (it was passed over in silence)."""
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
     both = config_text(node, **{RESOURCE: {}, OTHER: {}})
     with trio.fail_after(TIMEOUT), logged(str(path)) as said:
         await reloading(nursery, node, path)
         for text, line in [
-            ("resources: [", "keeping the running configuration"),
-            (both, "configuration reloaded: "),  # fixed, and different: applied
-            ("resources: [", "keeping the running configuration"),
-            (both, "nothing to apply"),  # fixed, the same as what runs
+            (b"resources: [", "keeping the running configuration"),
+            (both.encode(), "configuration reloaded: "),  # fixed, and different: applied
+            (b"resources: [", "keeping the running configuration"),
+            (both.encode(), "nothing to apply"),  # fixed, the same as what runs
+            (b"resources: [\xff]", "keeping the running configuration"),  # not UTF-8
         ]:
             with logged(line) as done:
-                path.write_text(text)
+                path.write_bytes(text)
                 await done.wait()
     error = f"{path}: invalid YAML (line 1, column 13: "
     assert [line[: len(error)] if line.startswith(error) else line for line in said.lines] == [
@@ -4612,7 +4614,20 @@ async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applie
         f"{path}: configuration reloaded: added {OTHER}",
         error,
         f"{path} is valid again, the same as the running configuration: nothing to apply",
+        f"{path}: invalid YAML at line 1, column 13: byte 0xff is not UTF-8: save the file as UTF-8; "
+        "keeping the running configuration",
     ]
+
+
+def test_a_file_that_is_not_utf8_is_refused_where_its_byte_stands(tmp_path):
+    """check-config and the start read the file as a reload does: a byte that is not UTF-8 is one
+    line with its place, not the codec's position in bytes."""
+    path = tmp_path / "gopherplug.yaml"
+    path.write_bytes(b"resources:\n  - name: example.com/g\xe9\n")
+    with pytest.raises(gp.ConfigError) as refused:
+        gp.load_config(str(path))
+    said = "invalid YAML at line 2, column 24: byte 0xe9 is not UTF-8: save the file as UTF-8"
+    assert str(refused.value) == f"{path}: {said}"
 
 
 async def test_reload_that_would_empty_a_served_resource_with_a_warning_is_held_back_until_sighup(
