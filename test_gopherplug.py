@@ -12329,7 +12329,15 @@ async def test_describe_answer_is_taken_when_it_exits_and_what_it_left_is_killed
         described, unknown = await gp.run_describe(resource, ["g1"])
     assert (described, unknown) == ({"g1": gp.ReadValues({}, {})}, [])
     child = int(pid_file.read_text())
-    assert not os.path.exists(f"/proc/{child}") or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+    try:  # SIGKILL was sent; its death follows: a pidfd turns readable when the process has ended
+        pidfd = os.pidfd_open(child)
+    except ProcessLookupError:
+        return  # ended and reaped already
+    try:
+        with trio.fail_after(TIMEOUT):  # a child left alive would keep it unreadable
+            await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
 
 
 async def test_describe_is_given_more_device_ids_than_an_environment_variable_holds(tmp_path):
