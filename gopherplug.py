@@ -1472,7 +1472,7 @@ class _ConfigLoader(yaml.SafeLoader):
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
-        except (ValueError, KeyError, AttributeError):  # PyYAML's, on "!!int x" or a date 2020-02-30
+        except (ValueError, LookupError, AttributeError):  # PyYAML's, on "!!int x", "!!int " or 2020-02-30
             said = f"{node.value!r} is not a valid {node.tag.rpartition(':')[2]}: put it in quotes if it is text"
             raise yaml.constructor.ConstructorError(None, None, said, node.start_mark) from None
 
@@ -1521,7 +1521,7 @@ _KEY_WITHOUT_SPACE = re.compile(r"(?:[ ]*-[ ]+)*[ ]*[^\s#'\"\[\]{}:,&*!|>%@`-][^
 _INDENTED = re.compile(r"([ ]*)((?:-[ ]+)*)\S")
 
 
-def _yaml_problem(text: str, error: yaml.YAMLError | RecursionError) -> str:
+def _yaml_problem(text: str, error: yaml.YAMLError | RecursionError | ValueError) -> str:
     """A YAML syntax error as one line: where PyYAML stopped and what it said, and for a common
     mistake (a tab, a key without a space after its colon, a list item among a mapping's keys, a
     line indented unlike the lines above it) the mistake in a plain sentence first."""
@@ -1529,6 +1529,8 @@ def _yaml_problem(text: str, error: yaml.YAMLError | RecursionError) -> str:
     said = getattr(error, "problem", None) or str(error)
     if isinstance(error, RecursionError):
         return "invalid YAML: lists or mappings nested hundreds deep"
+    if not isinstance(error, yaml.YAMLError):  # a ValueError: PyYAML's scanner, as parse_config says
+        return f"invalid YAML: {'an escape past U+10FFFF' if 'chr()' in str(error) else error}"
     if isinstance(error, yaml.reader.ReaderError):  # a character YAML refuses anywhere: no mark, and 2 lines
         lines = _YAML_LINE_BREAK.split(text[: error.position])
         where = f"invalid YAML at line {len(lines)}, column {len(lines[-1]) + 1}"
@@ -1642,7 +1644,9 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     """Parse and validate configuration YAML; raise ConfigError naming the first problem found."""
     try:
         data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader, see _ConfigLoader
-    except (yaml.YAMLError, RecursionError) as error:  # RecursionError: PyYAML composes nested nodes by recursion
+    # RecursionError: PyYAML composes nested nodes by recursion; ValueError: its scanner's chr() of an
+    # escape past U+10FFFF ("\U00420577").
+    except (yaml.YAMLError, RecursionError, ValueError) as error:
         said = str(error) if isinstance(error, _DuplicateKey) else _yaml_problem(text, error)
         raise ConfigError(source, "", said) from None
     for at, octal in _octal_numbers(data):

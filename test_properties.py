@@ -729,6 +729,8 @@ FOUND = [
     "resources: !!timestamp x",
     "resources: 2020-02-30",  # an implicit timestamp, too
     "resources: " + "[" * 5000,  # RecursionError in PyYAML's composer
+    'resources: ["\\U00420577"]',  # PyYAML's scanner: ValueError from chr() past U+10FFFF
+    "resources: !!int ",  # PyYAML's int constructor: IndexError on the empty value
     # issue 44's H1: the exa suffix, an exponent past any decimal context (canonical_quantity)
     "resources: [{name: example.com/g, directory: /dev/g, capacity: {memory: 2E}}]",
     "resources: [{name: example.com/g, directory: /dev/g, capacity: {memory: 1e9999999}}]",
