@@ -7795,18 +7795,17 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
-    async for events, touched, rescan in tracker.watch.batches():
-        device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+    async with contextlib.aclosing(tracker.watch.batches()) as batches:
+        async for events, touched, rescan in batches:
+            device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
 
 
 def _scanned(
     tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
 ) -> dict[_Key, DeviceEntry | None]:
-    """The tracker's changes (``names``: a batch's; None: all); none after a bug (_held_back)."""
-    changes: dict[_Key, DeviceEntry | None] = {}
-    with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
-        changes = tracker.rescan() if names is None else tracker.update(names, touched)
-    return changes
+    """The tracker's changes (``names``: a batch's; None: all). What a bug raises here ends the watch,
+    started again with a rescan (_supervised), the devices as known offered meanwhile."""
+    return tracker.rescan() if names is None else tracker.update(names, touched)
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -8311,6 +8310,7 @@ class KubeletWatch:
         self._watch: DirectoryWatch | None = None
         self._present = False  # whether kubelet.sock is there, by the events taken so far
         self._seen: tuple[int, int] | None = None  # which file it was at the last look, for a rescan
+        self._watched = False  # whether it ran before (and failed: started again)
 
     def current(self) -> int | None:
         """The generation of the kubelet.sock there now, or None while there is none: what the
@@ -8337,15 +8337,16 @@ class KubeletWatch:
             # Looked at once the watch is placed: a kubelet.sock made from now on is reported too,
             # even one made before this look, which _take() then knows to be the same. Started
             # again after a failure (_supervised), the look is a rescan: a kubelet restarted meanwhile counts.
-            if self._watch is None and self._seen is not None:
+            if self._watched:
                 self._take([], rescan=True)
             self._seen = self._file()
-            self._present = self._seen is not None
+            self._present, self._watched = self._seen is not None, True
             self._watch = w
             try:
                 task_status.started()
-                async for events, _, rescan in w.batches():
-                    self._take(events, rescan)
+                async with contextlib.aclosing(w.batches()) as batches:
+                    async for events, _, rescan in batches:
+                        self._take(events, rescan)
             finally:
                 self._watch = None
 
