@@ -9,7 +9,8 @@ real inotify, the kubelet's stand-in); each test waits on log lines and the stan
 from __future__ import annotations
 
 import functools
-import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,21 +19,28 @@ import trio.testing
 import yaml
 
 import gopherplug as gp
-from test_gopherplug import (  # noqa: F401 - node and sockdir are fixtures
+from test_gopherplug import (
     RESOURCE,
     TIMEOUT,
+    Node,
     _free_loopback_port,
     _healthz,
     config_text,
-    devices_of,
     listed,
     logged,
-    node,
-    sockdir,
     start,
 )
 
 AGAIN = "runs again, after"
+INJECTED = RuntimeError("injected")
+
+
+@pytest.fixture
+def node():
+    """A node in a short temp dir (unix socket paths): test_gopherplug's Node."""
+    path = tempfile.mkdtemp(prefix="gp-", dir="/tmp")
+    yield Node(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +58,7 @@ def restarts(monkeypatch):
     metrics.close()
 
 
-def failing(real, times, error=RuntimeError("injected"), when=lambda *args: True):
+def failing(real, times, error=INJECTED, when=lambda *args: True):
     """A stand-in for ``real`` that raises ``error`` the first ``times`` calls for which ``when(*args)``."""
     left = [times]
 
