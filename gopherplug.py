@@ -8480,10 +8480,11 @@ class StreamStatus:
     #: generation it was registered with (None: not registered with any yet, in this generation).
     server: GRPCServer | None = None
     registered_with: int | None = None
+    stream_failed: bool = False  #: a kubelet's stream ended by a failure: its registration is gone with it
 
     def new_kubelet(self) -> None:
         """A (re)started kubelet, or our socket gone: not registered, and the wait for a stream starts now."""
-        self.registered = False
+        self.registered = self.stream_failed = False
         self.registered_with = None
         if not self.streams:
             self.unstreamed_since = time.monotonic()
@@ -8639,6 +8640,13 @@ class DevicePluginService:
                 if ending.is_set():
                     return  # the kubelet sees the stream end, and forgets this registration
                 current = devices.value
+        except Exception:
+            # It ends this stream only (its refusal is the call's status, _held_back). The kubelet
+            # forgets the registration with the stream (runClient, below): registered anew, it opens
+            # another one, which starts from the devices as they are.
+            self.status.stream_failed = counted
+            devices.touch()
+            raise
         finally:
             if counted:
                 self.status.stream_ended()
@@ -11340,7 +11348,7 @@ async def _serve_generations(
                 _log(resource).info("registered with the kubelet as %s", endpoint)
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
-                while kubelet.generation == registered_with and server.owns_socket_file():
+                while kubelet.generation == registered_with and server.owns_socket_file() and not status.stream_failed:
                     if devices.value is RETIRED:
                         # The streams are sending the empty list and ending; let that reach the kubelet.
                         with trio.move_on_after(RETIRE_GRACE):
@@ -11352,6 +11360,7 @@ async def _serve_generations(
                         return
                     await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
+            why = "a ListAndWatch stream failed" if status.stream_failed else why
             _log(resource).info("%s: serving and registering again", why)
             if registered_with is not None:
                 # The kubelet that has this registration must be done with it before the next
