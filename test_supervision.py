@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -20,8 +21,10 @@ import yaml
 
 import gopherplug as gp
 from test_gopherplug import (
+    DRIVER,
     RESOURCE,
     TIMEOUT,
+    DraNode,
     Node,
     _free_loopback_port,
     _healthz,
@@ -36,11 +39,26 @@ INJECTED = RuntimeError("injected")
 
 
 @pytest.fixture
-def node():
-    """A node in a short temp dir (unix socket paths): test_gopherplug's Node."""
+def short_dir():
+    """A short temp dir: unix socket paths have at most 107 bytes."""
     path = tempfile.mkdtemp(prefix="gp-", dir="/tmp")
-    yield Node(path)
+    yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(short_dir):
+    return Node(short_dir)
+
+
+@pytest.fixture
+async def dra(nursery, short_dir, monkeypatch):
+    """test_gopherplug's DraNode: a DRA kubelet and API server of Kubernetes 1.36."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent")
+    node = DraNode(short_dir, nursery)
+    await node.start_servers()
+    return node
 
 
 @pytest.fixture(autouse=True)
@@ -298,3 +316,57 @@ async def test_a_failed_list_and_watch_stream_ends_that_stream_only_and_the_reso
 
 def gp_bug():
     return "held back; a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+
+
+async def test_a_failed_health_server_is_started_again_on_its_port(nursery, node, monkeypatch, restarts):
+    port = _free_loopback_port()
+    with trio.fail_after(TIMEOUT):
+        await start(nursery, node, top={"health_address": f"127.0.0.1:{port}"})
+        # Its accept() fails (one of the health server's own), and the task with it: the port is closed,
+        # and bound again when it starts again.
+        when = lambda listener: listener.getsockname()[1] == port  # noqa: E731
+        monkeypatch.setattr(socket.socket, "accept", failing(socket.socket.accept, 1, when=when))
+        with logged("health server failed") as failed, logged(f"health server {AGAIN}") as again:
+            with pytest.raises(Exception):  # noqa: B017 - the connection is closed or reset unanswered
+                await _healthz(port)
+            await failed.wait()
+            await again.wait()
+        assert await _healthz(port) == (200, "ok\n")
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("health server") == 1
+
+
+async def test_a_failed_slice_publisher_is_started_again_and_publishes(dra, monkeypatch, restarts):
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        when = lambda driver, node, resource, devices, *_: "gopher2" in devices  # noqa: E731
+        monkeypatch.setattr(gp, "resource_slices", failing(gp.resource_slices, 2, when=when))
+        with logged("slice publisher failed") as failed, logged(f"slice publisher {AGAIN}") as again:
+            (dra.devices / "gopher2").touch()
+            await failed.wait()
+            await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+            await again.wait()
+        assert DRIVER in dra.kubelet.drivers  # the kubelet's side served on
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("slice publisher") == 2
+
+
+async def test_a_failed_dra_plugin_server_is_started_again_on_its_socket(dra, monkeypatch, restarts):
+    (dra.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        endpoint = dra.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+        monkeypatch.setattr(gp, "serve_grpc", failing(gp.serve_grpc, 1, when=lambda path, *_: path == str(endpoint)))
+        with logged("DRAPlugin server failed") as failed, logged(f"DRAPlugin server {AGAIN}") as again:
+            endpoint.unlink()  # served again: the first try fails inside the plugin
+            await failed.wait()
+            await again.wait()
+        await dra.wait_for_slices(["gopher0"])
+        assert endpoint.is_socket()
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("DRAPlugin server") == 1
