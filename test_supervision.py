@@ -396,3 +396,22 @@ async def test_a_failed_metrics_server_is_started_again_on_its_port(nursery, nod
         assert "gopherplug_task_restarts_total" in await _scrape(metrics.port)
     assert len(failed.lines) == len(again.lines) == 1
     assert metrics.registry.get_sample_value("gopherplug_task_restarts_total", {"task": "metrics server"}) == 1
+
+
+async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatch, restarts):
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+        with logged("slice watch failed") as failed, logged(f"slice watch {AGAIN}") as again:
+            (dra.devices / "gopher2").touch()  # the publisher's write comes back as an event
+            await failed.wait()
+            await again.wait()
+        await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        (dra.devices / "gopher0").unlink()  # the relisted watch and the publisher go on together
+        await dra.wait_for_slices(["gopher1", "gopher2"])
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("slice watch") == 1
