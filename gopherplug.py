@@ -12120,7 +12120,7 @@ def reload_plan(running: Mapping[str, ResourceConfig], new: Config, dra: bool) -
         elif old.api != resource.api and resource.dra and not dra:
             why = f"api: {resource.api} takes effect at the next start (the DRA driver is not running)"
             plan[name] = ("refuse", why)
-        else:
+        else:  # in place where it may: a stream ended makes the kubelet reject the pods it admits meanwhile
             plan[name] = ("register" if register_again(old, resource) else "update", "")
     return plan
 
