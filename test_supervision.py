@@ -29,6 +29,7 @@ from test_gopherplug import (
     _free_loopback_port,
     _healthz,
     _scrape,
+    claim,
     config_text,
     listed,
     logged,
@@ -415,3 +416,35 @@ async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatc
         await dra.wait_for_slices(["gopher1", "gopher2"])
     assert len(failed.lines) == len(again.lines) == 1
     assert restarts("slice watch") == 1
+
+
+async def test_a_failed_claim_status_writer_is_started_again_and_writes_the_next(dra, monkeypatch, restarts):
+    (dra.devices / "gopher0").touch()
+    real = gp.ClaimPreparer._write_status
+    left = [1]
+
+    async def write_status(self, claim, devices):
+        if left[0]:
+            left[0] -= 1
+            raise INJECTED
+        await real(self, claim, devices)
+
+    monkeypatch.setattr(gp.ClaimPreparer, "_write_status", write_status)
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0"])
+        device = ("gopher", DRIVER, DraNode.POOL, "gopher0")
+        for name, uid in (("c1", "uid-1"), ("c2", "uid-2")):
+            dra.api.put_claim(claim(name, uid, device))
+        with logged("claim status writer failed") as failed, logged(f"claim status writer {AGAIN}") as again:
+            first = await dra.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])  # its status write fails
+            await failed.wait()
+            await again.wait()
+            second = await dra.kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])
+            while not dra.api.status_writes:
+                await dra.api.changed.wait_touched()
+    assert not first.claims["uid-1"].error and not second.claims["uid-2"].error, "the answers stand"
+    assert dra.api.claims["default", "c2"]["status"]["devices"][0]["device"] == "gopher0"
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("claim status writer") == 1
