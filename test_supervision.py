@@ -448,3 +448,30 @@ async def test_a_failed_claim_status_writer_is_started_again_and_writes_the_next
     assert dra.api.claims["default", "c2"]["status"]["devices"][0]["device"] == "gopher0"
     assert len(failed.lines) == len(again.lines) == 1
     assert restarts("claim status writer") == 1
+
+
+async def test_a_failed_peer_watch_is_started_again_and_looks_again(dra, monkeypatch, restarts):
+    (dra.devices / "gopher0").touch()
+    real = gp.DriverPeers._check
+    left = [1]
+
+    async def check(self):
+        if left[0]:
+            left[0] -= 1
+            raise INJECTED
+        return await real(self)
+
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0"])
+        monkeypatch.setattr(gp.DriverPeers, "_check", check)
+        with logged("peer watch failed") as failed, logged(f"peer watch {AGAIN}") as again:
+            (dra.kubelet_dir / "plugins_registry" / "another.example.com-reg.sock").touch()  # a change there
+            await failed.wait()
+            await again.wait()
+        (dra.devices / "gopher1").touch()  # the publisher, which asks the peers, serves on
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+    assert left == [0]
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("peer watch") == 1
