@@ -9,6 +9,7 @@ real inotify, the kubelet's stand-in); each test waits on log lines and the stan
 from __future__ import annotations
 
 import functools
+import itertools
 import shutil
 import socket
 import tempfile
@@ -475,3 +476,50 @@ async def test_a_failed_peer_watch_is_started_again_and_looks_again(dra, monkeyp
     assert left == [0]
     assert len(failed.lines) == len(again.lines) == 1
     assert restarts("peer watch") == 1
+
+
+async def test_supervised_backs_off_says_one_line_each_way_and_a_new_run_of_failures_after_steady(
+    autojump_clock, monkeypatch
+):
+    """_supervised on its own, on trio's virtual clock: the waits double from the base to the cap,
+    jittered; one line when failures begin and one when the task runs again; the bound fails the
+    health check until the task has run SUPERVISE_STEADY seconds; a failure after that is a new run."""
+    monkeypatch.setattr(gp, "SUPERVISE_BACKOFF", (1.0, 4.0))
+    monkeypatch.setattr(gp, "SUPERVISE_BOUND", 3)
+    health = gp.Health()
+    token = gp._HEALTH.set(health)  # as serve_plugin sets it: the task started below has it
+    starts = []
+    fail, began = trio.Event(), [trio.Event()]
+
+    async def task(*, task_status):
+        starts.append(trio.current_time())
+        began[0].set()
+        began[0] = trio.Event()
+        if len(starts) <= 4:
+            raise INJECTED  # before started(): a failure of a restart counts as well
+        task_status.started()
+        await fail.wait()
+        raise INJECTED
+
+    with logged("flaky") as said:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gp._supervised, "flaky", task)
+            while len(starts) < 5:  # the backoff's waits pass on the virtual clock at once
+                await began[0].wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert health.problems() == ["flaky: failed 4 times in a row"]  # past the bound, not steady yet
+            autojump_clock.jump(gp.SUPERVISE_STEADY)
+            assert health.problems() == []  # it has run long enough since it came back
+            fail.set()
+            while len(starts) < 6:
+                await began[0].wait()
+            nursery.cancel_scope.cancel()
+    gp._HEALTH.reset(token)
+    waits = [later - earlier for earlier, later in itertools.pairwise(starts[:5])]
+    for wait, base in zip(waits, (1.0, 2.0, 4.0, 4.0), strict=True):
+        assert base <= wait <= base * (1 + gp.DRA_JITTER) + 0.5
+    lines = [line for line in said.lines if "traceback" not in line or "failed:" in line]
+    failure = "flaky failed: RuntimeError: injected; starting it again (the traceback is at log level debug)"
+    # The second run of failures: one line, and one when it runs again (its failures after that,
+    # each soon after its start, are the same run: no line).
+    assert lines == [failure, "flaky runs again, after 4 failures", failure, "flaky runs again, after 1 failure"]
