@@ -134,6 +134,7 @@ import itertools
 import json
 import logging
 import math
+import queue
 import random
 import re
 import shutil
@@ -2669,8 +2670,7 @@ class Scan:
     unknown: bool = False
 
 
-#: The errors of a call that failed for want of resources, not because of what it was given: the
-#: process's or the node's descriptors, memory, buffers. What the call would have found is not known.
+#: The errors of a call that failed for want of descriptors or memory: what it would have found is not known.
 _EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 
 
@@ -4023,43 +4023,33 @@ def dra_unhealthy_taint(driver: str, device: DeviceEntry, effect: str = "NoSched
 
 
 #: How long one read of a file the node owns may take (a value's file, the configuration): sysfs and
-#: a ConfigMap's volume answer in microseconds. A read past it (a hung device's sysfs file, a dead NFS
-#: or FUSE mount, a FIFO) is given up, one line naming the file, and left to its thread.
-FILE_READ_TIMEOUT = 5.0
-#: The threads reads that did not return may keep at once: past it, a read is given up at once.
-HUNG_READS = 16
+#: a ConfigMap's volume answer in microseconds. One past it (a hung device's sysfs file, a dead NFS or
+#: FUSE mount, a FIFO) is given up, one line naming the file, its thread left to it: at most HUNG_READS
+#: such threads at once, past which a read is given up at once.
+FILE_READ_TIMEOUT, HUNG_READS = 5.0, 16
 _READERS = threading.BoundedSemaphore(HUNG_READS)
 
 
 def _file_text(path: str, limit: int = -1, errors: str = "surrogateescape") -> str:
-    """A file's text (its first ``limit`` characters), a byte not UTF-8 decoded as ``errors`` says."""
     with open(path, encoding="utf-8", errors=errors) as file:
         return file.read(limit)
 
 
 def _within(read: Callable[[], Any]) -> Any:
-    """``read()`` in a thread of its own, waited for at most FILE_READ_TIMEOUT: a read that never
-    returns is TimeoutError here, never a caller (nor the event loop) stopped for good."""
+    """``read()`` in a worker thread, waited for FILE_READ_TIMEOUT at most: TimeoutError if it does not return."""
     if not _READERS.acquire(blocking=False):
         raise TimeoutError(errno.ETIMEDOUT, f"{HUNG_READS} earlier reads have not returned")
-    outcome: list[Any] = []
+    answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
-    def run() -> None:
-        try:
-            outcome.append(read())
-        except BaseException as error:  # (handed to the caller)
-            outcome.append(error)
-        finally:
-            _READERS.release()
+    def deliver(outcome: Any) -> None:
+        _READERS.release()
+        answers.put(outcome)
 
-    thread = threading.Thread(target=run, name="gopherplug-read", daemon=True)
-    thread.start()
-    thread.join(FILE_READ_TIMEOUT)
-    if not outcome:
-        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {FILE_READ_TIMEOUT:g} s")
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+    trio.lowlevel.start_thread_soon(read, deliver)
+    try:
+        return answers.get(timeout=FILE_READ_TIMEOUT).unwrap()
+    except queue.Empty:
+        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {FILE_READ_TIMEOUT:g} s") from None
 
 
 @dataclass(frozen=True)
@@ -6424,10 +6414,9 @@ def _mode(path: str) -> int | None:
 def _read_text(path: str) -> str | None:
     """A text file's content, or None if it cannot be read now. A byte that is not UTF-8 is kept as a
     lone surrogate (surrogateescape), for YAML's reader to refuse where it stands (_yaml_problem)."""
-    try:
+    with contextlib.suppress(OSError):
         return _file_text(path)
-    except OSError:
-        return None
+    return None
 
 
 def load_config(
@@ -7199,24 +7188,20 @@ class DirectoryWatch:
         followed paths (or their missing ancestors) that changed; and whether everything must be
         rescanned (the directory came or went, a watched directory vanished, the queue overflowed).
 
-        While degraded, also every INOTIFY_RETRY_INTERVAL seconds: the watches are placed again,
-        and a rescan is called for, since what could not be watched may have changed unseen.
+        While degraded, also every INOTIFY_RETRY_INTERVAL seconds, and when again() asked: the
+        watches are placed again, and a rescan is called for (what was not seen may have changed).
         """
-        retry_at = math.inf  # no timer at all while every watch holds
         while True:
-            if self.limit is None:
-                retry_at = math.inf
-            elif retry_at == math.inf:
-                retry_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
+            if self.limit is not None:
+                self.again(INOTIFY_RETRY_INTERVAL)  # (the earliest stands): no timer while every watch holds
             if not self._poke_pending:
-                with trio.move_on_at(min(retry_at, self._again_at)) as self._waiting:
+                with trio.move_on_at(self._again_at) as self._waiting:
                     if self._inotify is None:
                         await trio.sleep_forever()  # no instance to wait on: only the timer
                     await trio.lowlevel.wait_readable(self._inotify.fileno())
                 self._waiting = None
-            self.poked = self._poke_pending
-            if self._poke_pending:
-                self._poke_pending = False
+            self.poked, self._poke_pending = self._poke_pending, False
+            if self.poked:
                 yield [], set(), True
                 continue
             if trio.current_time() >= self._again_at:
@@ -7227,13 +7212,7 @@ class DirectoryWatch:
                         continue
                     self._log.info("%s: a file system is mounted there again: watching it", self.path)
                     self._covered = None
-                    self.arm()
-                yield [], set(), True
-                continue
-            inotify = self._inotify
-            if inotify is None or trio.current_time() >= retry_at:
-                retry_at = math.inf
-                self.arm()
+                self.arm()  # (what could not be watched, or was unmounted, may be watched now)
                 yield [], set(), True
                 continue
             batch = self.pending()
