@@ -7817,7 +7817,7 @@ class _SourceTracker:
         self.roots = host_path_roots(self.resource, self.dev_root)  # a directory may be a symlink re-pointed
         self.real_directory = os.path.realpath(self.source.directory)
         scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
-        while self.watch.follow(scan.followed):  # newly watched paths: look again, now that they are watched
+        while not scan.unknown and self.watch.follow(scan.followed):  # newly watched: look again, now watched
             scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
         if scan.problem and scan.problem != self.problem:
             kept = f"keeping its {_devices(len(self.found))} as known, trying again every {INOTIFY_RETRY_INTERVAL:g} s"
