@@ -2020,8 +2020,7 @@ def _parse_resource(
     if api == "dra":
         # What the device-plugin API alone has: refused, so that nothing given is silently unused.
         # (replicas is DRA's too: shares of each device, dra_device.)
-        only = [key for key in ("preferred", "annotations", "pre_start", "pre_start_timeout") if key in data]
-        if only:
+        if only := [key for key in _DRA_INSTEAD if key in data]:
             problem = f"is for the device-plugin API, and this resource has api: dra ({_DRA_INSTEAD[only[0]]})"
             raise ConfigError(source, f"{where}.{only[0]}", problem)
     shared_with = tuple(
@@ -2068,8 +2067,6 @@ def _flag(data: dict[str, Any], key: str, source: str, where: str) -> bool:
 _DRA_INSTEAD = {
     "preferred": "the scheduler chooses devices, by the claim's selectors",
     "annotations": "devices reach containers only as CDI devices",
-    "pre_start": "NodePrepareResources runs before a pod's containers; gopherplug runs no command there",
-    "pre_start_timeout": "there is no pre_start",
 }
 
 #: The longest DRA driver name the API server accepts in a ResourceSlice (a DNS subdomain of at most 63).
@@ -7441,6 +7438,8 @@ async def watch_devices(
                 nursery.start_soon(_follow_turn, turn, device_set)
             if resource.describe:
                 nursery.start_soon(_describe_devices, device_set)
+            if any(declared.file for declared in (*resource.attributes, *resource.capacity)):
+                nursery.start_soon(_read_values_again, device_set)
 
 
 #: How much of a program's stderr is kept, at its beginning and at its end: the last line says why
@@ -7694,6 +7693,18 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
             done_for, retry = None, min(retry * 2, DESCRIBE_RETRY[1])  # the same devices, described again
 
 
+#: How often the files of a device with a value left out are read again: a file that appears after the
+#: device's nodes (a board's firmware version, written once its bitstream is loaded) sends no event here.
+VALUES_RETRY = 10.0
+
+
+async def _read_values_again(device_set: _DeviceSet) -> None:
+    while True:
+        await trio.sleep(VALUES_RETRY)
+        if warned := {device_id for device_id, _ in device_set.value_warned}:
+            device_set.update({}, warned)
+
+
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
     async for events, touched, rescan in tracker.watch.batches():
         device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
@@ -7945,6 +7956,7 @@ class _DeviceSet:
         with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
             if read_files:
                 self.files[device.id], problems = read_declared_values(self.resource, device)
+                problems = [(key, f"{why} (read again every {VALUES_RETRY:g} s until it is)") for key, why in problems]
             entry, more = with_read_values(
                 self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
             )
@@ -7967,11 +7979,11 @@ class _DeviceSet:
             self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
         self._publish(set(self.found))
 
-    def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
-        """Take these entries (None: gone) and publish the devices they make."""
+    def update(self, changes: Mapping[_Key, DeviceEntry | None], reread: Iterable[str] = ()) -> None:
+        """Take these entries (None: gone) and publish the devices they make (and ``reread``'s, files read again)."""
         if self.devices.value is RETIRED:
             return  # removed from the configuration: its goodbye (an empty list) stands
-        changed: set[str] = set()
+        changed: set[str] = set(reread)
         for key, entry in changes.items():
             old_id = self.ids.pop(key, None)
             if old_id is not None:
@@ -9258,6 +9270,7 @@ class ClaimPreparer:
         self.peers = peers
         self.metadata_dir = metadata_dir
         self.device_metadata = device_metadata and bool(metadata_dir)
+        self.pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
         # Prepared claims whose device status is still to be written: write_statuses() writes them
         # after their answers went, so that a slow API server delays no pod's start.
         self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
@@ -9323,6 +9336,12 @@ class ClaimPreparer:
                 found = await self.api.get_claim(claim.namespace, claim.name)
             pools = self.resources.pools()
             devices = prepared_devices(found, claim.uid, self.resources.driver, pools)
+            # pre_start under DRA: before any CDI device of the claim exists (or container starts)
+            for pool in dict.fromkeys(device.pool_name for device in devices):  # a pool per resource
+                if (resource := pools[pool][0]).pre_start:  # its devices in the claim's order, as Allocate's
+                    by_name = {dra_device_name(entry.id): entry for entry in pools[pool][1].values()}
+                    chosen = [by_name[device.device_name] for device in devices if device.pool_name == pool]
+                    await run_pre_start(resource, chosen, self.pre_start_slots)
             # The claim's own CDI devices (its requests' env, its shares) exist before the kubelet
             # hears their names (it may create the container at once); should the checkpoint then
             # fail, they are removed below.
@@ -9344,7 +9363,7 @@ class ClaimPreparer:
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
         except GopherplugError as error:
-            answer.error = str(error)
+            answer.error = error.message if isinstance(error, RPCError) else str(error)  # pre_start's, uncoded
         else:
             answer.devices.extend(devices)
             names = ", ".join(device.device_name for device in devices)
@@ -14292,6 +14311,20 @@ def demo_selector(expression: str, driver: str) -> DemoSelector:
     return expression, lambda device: selector.matches(cel_device(driver, device))
 
 
+def demo_selectors(values: Iterable[str], config: Config) -> dict[str, DemoSelector]:
+    """`demo --select`'s values by resource: RESOURCE=CEL, or a bare CEL where the file has one resource."""
+    names, selectors = [r.name for r in config.resources], {}
+    for value in values:
+        named = re.match(r"([\w.-]+/[\w.-]+)=(?!=)", value)  # not a CEL: the = of a name, and no ==
+        name, expression = (named[1], value[named.end() :]) if named else (names[0] if len(names) == 1 else "", value)
+        if name not in names or name in selectors:  # one CEL for all would fail the claims it does not fit
+            listed = ", ".join(names)
+            why = "is given twice" if name in selectors else f"is no resource of the file ({listed})"
+            raise GopherplugError(f"{name} {why}" if name else f"which resource? write RESOURCE=CEL, one of {listed}")
+        selectors[name] = demo_selector(expression, config.dra.driver)  # type: ignore[union-attr]
+    return selectors
+
+
 def _demo_config(config: Config, root: str) -> Config:
     """``config`` as the demo runs it: the devices where the file says (what the demo is about),
     everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
@@ -14312,7 +14345,7 @@ def _demo_config(config: Config, root: str) -> Config:
 
 
 async def run_config_demo(
-    config: Config, out: Callable[[str], None] = print, select: DemoSelector | None = None
+    config: Config, out: Callable[[str], None] = print, select: Mapping[str, DemoSelector] | None = None
 ) -> None:
     """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
     kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
@@ -14329,7 +14362,7 @@ async def run_config_demo(
 
 
 async def _narrate_config_demo(
-    config: Config, source: str, root: str, out: Callable[[str], None], select: DemoSelector | None
+    config: Config, source: str, root: str, out: Callable[[str], None], select: Mapping[str, DemoSelector] | None
 ) -> None:
     say = _demo_clock(out, width=9)
     assert config.device_plugin_dir is not None
@@ -14364,7 +14397,8 @@ async def _narrate_config_demo(
                         await _kubelet_allocate(kubelet, name, 1, say, "demo-pod")
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
-                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, described, say, select)
+                        chosen = (select or {}).get(resource.name)
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, described, say, chosen)
                 plugin.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
@@ -14594,9 +14628,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--select",
-        metavar="CEL",
-        help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
-        "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
+        action="append",
+        metavar="[RESOURCE=]CEL",
+        help="with --config and --dra, once per resource: a claim's device selector for RESOURCE (bare: the file's "
+        "one), evaluated on each device as the scheduler would (with quantity and semver; needs cel-python)",
     )
     kubelet = subcommand(
         "kubelet",
@@ -14738,7 +14773,7 @@ def _main(argv: list[str] | None = None) -> int:
             return _run(args, run_dra_demo if args.dra else run_demo)
         try:  # refused as check-config refuses it
             config = load_demo_config(args.config, args.dra)
-            select = args.select and demo_selector(args.select, config.dra.driver)  # type: ignore[union-attr]
+            select = demo_selectors(args.select or (), config)
         except GopherplugError as error:  # the file, or the selector (the API server would refuse it too)
             print(f"gopherplug: {'' if isinstance(error, ConfigError) else '--select: '}{error}", file=sys.stderr)
             return EXIT_USAGE
