@@ -4075,14 +4075,8 @@ def _typed(kind: str, text: str) -> str | int | bool | None:
         return None
     if kind == "bool":
         return {
-            "1": True,
-            "0": False,
-            "true": True,
-            "false": False,
-            "yes": True,
-            "no": False,
-            "y": True,
-            "n": False,
+            **dict.fromkeys(("1", "true", "yes", "y"), True),
+            **dict.fromkeys(("0", "false", "no", "n"), False),
         }.get(text.lower())
     return text
 
@@ -9747,18 +9741,9 @@ def _exec_credential_auth(httpx2: Any, plugin: ExecCredentialPlugin) -> Any:
 #: (_UnloadedModule): transparent to any code that does use one. Only when gopherplug is the
 #: program (_OWNS_PROCESS: the gopherplug command, as the images run it): a program that embeds
 #: gopherplug owns its sys.modules, and gets every module imported as it always is.
-API_CLIENT_UNUSED = (
-    "asyncio",
-    "asyncio.subprocess",
-    "lightkube.models.core_v1",
-    "lightkube.resources.core_v1",
-    "msgspec.inspect",
-    "msgspec.msgpack",
-    "msgspec.toml",
-    "msgspec.yaml",
-    "csv",
-    "truststore",
-    "mimetypes",
+API_CLIENT_UNUSED = tuple(
+    "asyncio asyncio.subprocess lightkube.models.core_v1 lightkube.resources.core_v1 msgspec.inspect msgspec.msgpack "
+    "msgspec.toml msgspec.yaml csv truststore mimetypes".split()
 )
 
 #: Whether gopherplug is the program (main() run as the command, its arguments from sys.argv), not
