@@ -1210,7 +1210,7 @@ class ResourceConfig:
     replicas: int = 1  #: each device is offered this many times, as "<id>::<n>" when more than 1
     preferred: str = "packed"  #: GetPreferredAllocation: "packed" (replicas of one device together) or "spread"
     cdi: CDIConfig | None = None
-    pre_start: tuple[str, ...] = ()  #: argv run before each container start; empty: no PreStartContainer
+    pre_start: tuple[str, ...] = ()  #: argv run before each container start (DRA: claim prepared); empty: none
     pre_start_timeout: float = 25.0  #: seconds; the kubelet gives PreStartContainer 30
     allowed_host_paths: tuple[str, ...] = ()  #: roots besides `directory` and /dev that host paths may use
     match: tuple[Source, ...] = ()  #: the sources, when more than ``directory`` and ``pattern``
@@ -8666,7 +8666,7 @@ PRE_START_CONCURRENCY = 8
 
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
     """Run the resource's pre_start command (run_program, stdout /dev/null) for a container about
-    to start with ``chosen``, with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
+    to start with ``chosen`` (DRA: a claim's), with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
     ``slots`` is free (PRE_START_CONCURRENCY). A failure, or waiting and running past
     pre_start_timeout, is an RPCError with its stderr's lines: the kubelet puts it in the pod's events."""
     command = resource.pre_start[0]
