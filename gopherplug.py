@@ -1216,7 +1216,7 @@ class ResourceConfig:
     replicas: int = 1  #: each device is offered this many times, as "<id>::<n>" when more than 1
     preferred: str = "packed"  #: GetPreferredAllocation: "packed" (replicas of one device together) or "spread"
     cdi: CDIConfig | None = None
-    pre_start: tuple[str, ...] = ()  #: argv run before each container start; empty: no PreStartContainer
+    pre_start: tuple[str, ...] = ()  #: argv run before each container start (DRA: claim prepared); empty: none
     pre_start_timeout: float = 25.0  #: seconds; the kubelet gives PreStartContainer 30
     allowed_host_paths: tuple[str, ...] = ()  #: roots besides `directory` and /dev that host paths may use
     match: tuple[Source, ...] = ()  #: the sources, when more than ``directory`` and ``pattern``
@@ -2026,8 +2026,7 @@ def _parse_resource(
     if api == "dra":
         # What the device-plugin API alone has: refused, so that nothing given is silently unused.
         # (replicas is DRA's too: shares of each device, dra_device.)
-        only = [key for key in ("preferred", "annotations", "pre_start", "pre_start_timeout") if key in data]
-        if only:
+        if only := [key for key in _DRA_INSTEAD if key in data]:
             problem = f"is for the device-plugin API, and this resource has api: dra ({_DRA_INSTEAD[only[0]]})"
             raise ConfigError(source, f"{where}.{only[0]}", problem)
     shared_with = tuple(
@@ -2074,8 +2073,6 @@ def _flag(data: dict[str, Any], key: str, source: str, where: str) -> bool:
 _DRA_INSTEAD = {
     "preferred": "the scheduler chooses devices, by the claim's selectors",
     "annotations": "devices reach containers only as CDI devices",
-    "pre_start": "NodePrepareResources runs before a pod's containers; gopherplug runs no command there",
-    "pre_start_timeout": "there is no pre_start",
 }
 
 #: The longest DRA driver name the API server accepts in a ResourceSlice (a DNS subdomain of at most 63).
@@ -4120,14 +4117,8 @@ def _typed(kind: str, text: str) -> str | int | bool | None:
         return None
     if kind == "bool":
         return {
-            "1": True,
-            "0": False,
-            "true": True,
-            "false": False,
-            "yes": True,
-            "no": False,
-            "y": True,
-            "n": False,
+            **dict.fromkeys(("1", "true", "yes", "y"), True),
+            **dict.fromkeys(("0", "false", "no", "n"), False),
         }.get(text.lower())
     return text
 
@@ -7586,6 +7577,8 @@ async def watch_devices(
                 nursery.start_soon(_follow_turn, turn, device_set)
             if resource.describe:
                 nursery.start_soon(_describe_devices, device_set)
+            if any(declared.file for declared in (*resource.attributes, *resource.capacity)):
+                nursery.start_soon(_read_values_again, device_set)
 
 
 #: How much of a program's stderr is kept, at its beginning and at its end: the last line says why
@@ -7841,6 +7834,18 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
             await touched.wait()
         if not touched.is_set():
             done_for, retry = None, min(retry * 2, DESCRIBE_RETRY[1])  # the same devices, described again
+
+
+#: How often the files of a device with a value left out are read again: a file that appears after the
+#: device's nodes (a board's firmware version, written once its bitstream is loaded) sends no event here.
+VALUES_RETRY = 10.0
+
+
+async def _read_values_again(device_set: _DeviceSet) -> None:
+    while True:
+        await trio.sleep(VALUES_RETRY)
+        if warned := {device_id for device_id, _ in device_set.value_warned}:
+            await device_set.update({}, warned)
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
@@ -8107,6 +8112,7 @@ class _DeviceSet:
         with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
             if read is not None:
                 self.files[device.id], problems = read
+                problems = [(key, f"{why} (read again every {VALUES_RETRY:g} s until it is)") for key, why in problems]
             entry, more = with_read_values(
                 self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
             )
@@ -8129,11 +8135,11 @@ class _DeviceSet:
             self.found[device_id] = self._with_values(self.bare[device_id])
         self._publish(set(self.found))
 
-    async def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
-        """Take these entries (None: gone) and publish the devices they make."""
+    async def update(self, changes: Mapping[_Key, DeviceEntry | None], reread: Iterable[str] = ()) -> None:
+        """Take these entries (None: gone) and publish the devices they make (and ``reread``'s, files read again)."""
         async with self.updating:  # one at a time: the values read meanwhile are of these entries
             if self.devices.value is not RETIRED:  # else removed from the configuration: its goodbye stands
-                await self._update(changes)
+                await self._update(changes, reread)
 
     def _read_files(self, devices: list[DeviceEntry]) -> dict[str, tuple[ReadValues, list[tuple[str, str]]]]:
         """read_declared_values for each device (in a worker thread); one a bug met is left out."""
@@ -8143,8 +8149,8 @@ class _DeviceSet:
                 read[device.id] = read_declared_values(self.resource, device)
         return read
 
-    async def _update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
-        changed: set[str] = set()
+    async def _update(self, changes: Mapping[_Key, DeviceEntry | None], reread: Iterable[str]) -> None:
+        changed: set[str] = set(reread)
         for key, entry in changes.items():
             old_id = self.ids.pop(key, None)
             if old_id is not None:
@@ -8856,7 +8862,7 @@ PRE_START_CONCURRENCY = 8
 
 async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slots: trio.CapacityLimiter) -> None:
     """Run the resource's pre_start command (run_program, stdout /dev/null) for a container about
-    to start with ``chosen``, with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
+    to start with ``chosen`` (DRA: a claim's), with the env var of an allocation and GOPHERPLUG_RESOURCE, once one of
     ``slots`` is free (PRE_START_CONCURRENCY). A failure, or waiting and running past
     pre_start_timeout, is an RPCError with its stderr's lines: the kubelet puts it in the pod's events."""
     command = resource.pre_start[0]
@@ -9454,6 +9460,7 @@ class ClaimPreparer:
         self.peers = peers
         self.metadata_dir = metadata_dir
         self.device_metadata = device_metadata and bool(metadata_dir)
+        self.pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
         # Prepared claims whose device status is still to be written: write_statuses() writes them
         # after their answers went, so that a slow API server delays no pod's start.
         self._statuses, self._status_queue = trio.open_memory_channel[tuple[Any, list[dict[str, Any]]]](math.inf)
@@ -9519,6 +9526,12 @@ class ClaimPreparer:
                 found = await self.api.get_claim(claim.namespace, claim.name)
             pools = self.resources.pools()
             devices = prepared_devices(found, claim.uid, self.resources.driver, pools)
+            # pre_start under DRA: before any CDI device of the claim exists (or container starts)
+            for pool in dict.fromkeys(device.pool_name for device in devices):  # a pool per resource
+                if (resource := pools[pool][0]).pre_start:  # its devices in the claim's order, as Allocate's
+                    by_name = {dra_device_name(entry.id): entry for entry in pools[pool][1].values()}
+                    chosen = [by_name[device.device_name] for device in devices if device.pool_name == pool]
+                    await run_pre_start(resource, chosen, self.pre_start_slots)
             # The claim's own CDI devices (its requests' env, its shares) exist before the kubelet
             # hears their names (it may create the container at once); should the checkpoint then
             # fail, they are removed below.
@@ -9540,7 +9553,7 @@ class ClaimPreparer:
         except trio.TooSlowError:
             answer.error = f"the API server did not answer within {API_REQUEST_TIMEOUT:g} s"
         except GopherplugError as error:
-            answer.error = str(error)
+            answer.error = error.message if isinstance(error, RPCError) else str(error)  # pre_start's, uncoded
         else:
             answer.devices.extend(devices)
             names = ", ".join(device.device_name for device in devices)
@@ -9924,18 +9937,9 @@ def _exec_credential_auth(httpx2: Any, plugin: ExecCredentialPlugin) -> Any:
 #: (_UnloadedModule): transparent to any code that does use one. Only when gopherplug is the
 #: program (_OWNS_PROCESS: the gopherplug command, as the images run it): a program that embeds
 #: gopherplug owns its sys.modules, and gets every module imported as it always is.
-API_CLIENT_UNUSED = (
-    "asyncio",
-    "asyncio.subprocess",
-    "lightkube.models.core_v1",
-    "lightkube.resources.core_v1",
-    "msgspec.inspect",
-    "msgspec.msgpack",
-    "msgspec.toml",
-    "msgspec.yaml",
-    "csv",
-    "truststore",
-    "mimetypes",
+API_CLIENT_UNUSED = tuple(
+    "asyncio asyncio.subprocess lightkube.models.core_v1 lightkube.resources.core_v1 msgspec.inspect msgspec.msgpack "
+    "msgspec.toml msgspec.yaml csv truststore mimetypes".split()
 )
 
 #: Whether gopherplug is the program (main() run as the command, its arguments from sys.argv), not
@@ -14547,6 +14551,20 @@ def demo_selector(expression: str, driver: str) -> DemoSelector:
     return expression, lambda device: selector.matches(cel_device(driver, device))
 
 
+def demo_selectors(values: Iterable[str], config: Config) -> dict[str, DemoSelector]:
+    """`demo --select`'s values by resource: RESOURCE=CEL, or a bare CEL where the file has one resource."""
+    names, selectors = [r.name for r in config.resources], {}
+    for value in values:
+        named = re.match(r"([\w.-]+/[\w.-]+)=(?!=)", value)  # not a CEL: the = of a name, and no ==
+        name, expression = (named[1], value[named.end() :]) if named else (names[0] if len(names) == 1 else "", value)
+        if name not in names or name in selectors:  # one CEL for all would fail the claims it does not fit
+            listed = ", ".join(names)
+            why = "is given twice" if name in selectors else f"is no resource of the file ({listed})"
+            raise GopherplugError(f"{name} {why}" if name else f"which resource? write RESOURCE=CEL, one of {listed}")
+        selectors[name] = demo_selector(expression, config.dra.driver)  # type: ignore[union-attr]
+    return selectors
+
+
 def _demo_config(config: Config, root: str) -> Config:
     """``config`` as the demo runs it: the devices where the file says (what the demo is about),
     everything the plugin would write or serve moved into ``root`` (the kubelet's directories, the
@@ -14567,7 +14585,7 @@ def _demo_config(config: Config, root: str) -> Config:
 
 
 async def run_config_demo(
-    config: Config, out: Callable[[str], None] = print, select: DemoSelector | None = None
+    config: Config, out: Callable[[str], None] = print, select: Mapping[str, DemoSelector] | None = None
 ) -> None:
     """``config``'s resources, scanned where the file says, served by the real plugin to the simulated
     kubelet (and, for ``api: dra``, to the simulated DRA kubelet and API server) in a temporary
@@ -14584,7 +14602,7 @@ async def run_config_demo(
 
 
 async def _narrate_config_demo(
-    config: Config, source: str, root: str, out: Callable[[str], None], select: DemoSelector | None
+    config: Config, source: str, root: str, out: Callable[[str], None], select: Mapping[str, DemoSelector] | None
 ) -> None:
     say = _demo_clock(out, width=9)
     assert config.device_plugin_dir is not None
@@ -14619,7 +14637,8 @@ async def _narrate_config_demo(
                         await _kubelet_allocate(kubelet, name, 1, say, "demo-pod")
                     else:
                         assert config.dra is not None and api is not None and dra_kubelet is not None
-                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, described, say, select)
+                        chosen = (select or {}).get(resource.name)
+                        await _demo_claim(api, dra_kubelet, config.dra.driver, resource, described, say, chosen)
                 plugin.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
     say("demo", "done: plugin stopped, its sockets removed")
@@ -14849,9 +14868,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--select",
-        metavar="CEL",
-        help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
-        "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
+        action="append",
+        metavar="[RESOURCE=]CEL",
+        help="with --config and --dra, once per resource: a claim's device selector for RESOURCE (bare: the file's "
+        "one), evaluated on each device as the scheduler would (with quantity and semver; needs cel-python)",
     )
     kubelet = subcommand(
         "kubelet",
@@ -14993,7 +15013,7 @@ def _main(argv: list[str] | None = None) -> int:
             return _run(args, run_dra_demo if args.dra else run_demo)
         try:  # refused as check-config refuses it
             config = load_demo_config(args.config, args.dra)
-            select = args.select and demo_selector(args.select, config.dra.driver)  # type: ignore[union-attr]
+            select = demo_selectors(args.select or (), config)
         except GopherplugError as error:  # the file, or the selector (the API server would refuse it too)
             print(f"gopherplug: {'' if isinstance(error, ConfigError) else '--select: '}{error}", file=sys.stderr)
             return EXIT_USAGE

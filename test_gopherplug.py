@@ -6378,7 +6378,8 @@ def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
 
 def gpu_recipe_config(sockdir):
     """examples/gpu/config.yaml as a user's file, its /dev a node's tree in miniature under
-    sockdir/node (as test_recipe_serves_its_devices makes it): the file's path, and the tree's /dev."""
+    sockdir/node (as test_recipes.py's test_recipe_under_the_device_plugin makes it): the file's
+    path, and the tree's /dev."""
     dev, sysfs = os.path.join(sockdir, "node", "dev"), os.path.join(sockdir, "node", "sys")
     os.makedirs(dev)
     gpu_tree(dev, sysfs)
@@ -8692,59 +8693,17 @@ RECIPES = {
         ],
     ),
 }
-#: The recipes whose container paths are the container's own /dev, whatever the host's tree is
-#: (templates like /dev/video{index}, /dev/{name}): the others' follow the host paths.
-CONTAINER_DEV_RECIPES = {"camera", "nvidia"}
-
-
-@pytest.mark.parametrize("example", sorted(RECIPES))
-async def test_recipe_serves_its_devices(example, nursery, sockdir):
-    make_tree, listed_ids_, allocate_ids, specs = RECIPES[example]
-    dev, sysfs = os.path.join(sockdir, "dev"), os.path.join(sockdir, "sys")  # the node's, in miniature
-    os.makedirs(dev)
-    make_tree(dev, sysfs)
-    plugin_dir = os.path.join(sockdir, "dp")
-    os.mkdir(plugin_dir)
-    config = yaml.safe_load((HERE / "examples" / example / "config.yaml").read_text())
-    for resource in config["resources"]:
-        # The recipe's directory is in /dev; the fake tree stands for it (dev_root below).
-        if "directory" in resource:
-            resource["directory"] = dev + resource["directory"].removeprefix("/dev")
-        for spec in resource.get("device_specs", []):  # a node named outright, not from the entry
-            if spec["host_path"].startswith("/dev/"):
-                spec["host_path"] = dev + spec["host_path"].removeprefix("/dev")
-        resource["allowed_host_paths"] = ["/dev/null"]  # where mknod was refused, nodes are links to it
-    config.update(device_plugin_dir=plugin_dir, dev_root=dev, sysfs_root=sysfs)
-    parsed = gp.parse_config(yaml.safe_dump(config), f"examples/{example}/config.yaml")
-    name = parsed.resources[0].name
-    with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(plugin_dir).run)
-        await nursery.start(gp.serve_plugin, parsed)
-        await simulator.wait_until(lambda s: name in s.resources and s.resources[name].devices)
-        answer = (await simulator.allocate(name, allocate_ids)).container_responses[0]
-    assert simulator.resources[name].devices == dict.fromkeys(listed_ids_, gp.HEALTHY)
-    # The runtime gets the node itself (here: under the fake /dev, or /dev/null where mknod was refused).
-    assert [d.host_path for d in answer.devices] == [
-        os.path.realpath(dev + host.removeprefix("/dev")) for host, _ in specs
-    ]
-    assert [d.container_path for d in answer.devices] == [
-        container if example in CONTAINER_DEV_RECIPES else dev + container.removeprefix("/dev")
-        for _, container in specs
-    ]
-    devices = dict.fromkeys(kubelet_id.partition("::")[0] for kubelet_id in allocate_ids)  # replicas: the device
-    assert dict(answer.envs) == {parsed.resources[0].env: ",".join(devices)}
-    assert all(d.permissions == "rw" for d in answer.devices)
 
 
 def test_recipe_pods_are_valid_against_the_kubernetes_schema():
     pods = sorted(str(path.relative_to(HERE)) for path in (HERE / "examples").glob("*/pod.yaml"))
-    assert len(pods) == len(RECIPES)
+    assert len(pods) == len(RECIPES) + 1  # and examples/fpga's, whose recipe test_recipes.py runs
     result = check("kubernetes-validate", "--strict", *pods)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed") == len(pods)
 
 
-DRA_RECIPES = ["fuse", "nvidia", "tun"]  # the recipes with a DRA variant: config-dra.yaml and pod-dra.yaml
+DRA_RECIPES = ["camera", "fpga", "fuse", "nvidia", "tun"]  # the recipes with a DRA pod-dra.yaml
 SHARED_DRA_RECIPES = ["fuse", "tun"]  # those of one device shared by many claims (replicas)
 
 
@@ -11323,11 +11282,6 @@ DRA_BAD_CONFIGS = [
         dra_config("/g", "/k", replicas=2, preferred="spread"),
         "cfg.yaml: resources[0].preferred: is for the device-plugin API, and this resource has api: dra "
         "(the scheduler chooses devices, by the claim's selectors)",
-    ),
-    (
-        dra_config("/g", "/k", pre_start=["true"]),
-        "cfg.yaml: resources[0].pre_start: is for the device-plugin API, and this resource has api: dra "
-        "(NodePrepareResources runs before a pod's containers; gopherplug runs no command there)",
     ),
     (
         dra_config("/g", "/k", api="device-plugin"),

@@ -257,8 +257,8 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- end -}}
 {{- /* What the device-plugin API alone has, refused with api: dra (nothing given silently unused). */ -}}
 {{- if eq $api "dra" -}}
-{{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" "pre_start" "NodePrepareResources runs before a pod's containers; gopherplug runs no command there" "pre_start_timeout" "there is no pre_start" -}}
-{{- range $key := list "preferred" "annotations" "pre_start" "pre_start_timeout" -}}
+{{- $instead := dict "preferred" "the scheduler chooses devices, by the claim's selectors" "annotations" "devices reach containers only as CDI devices" -}}
+{{- range $key := list "preferred" "annotations" -}}
 {{- if hasKey $r $key }}{{ fail (printf "%s.%s: is for the device-plugin API, and this resource has api: dra (%s)" $at $key (get $instead $key)) }}{{ end -}}
 {{- end -}}
 {{- end -}}
