@@ -153,6 +153,7 @@ async def test_a_value_file_that_never_answers_is_left_out_and_the_devices_are_s
         await nursery.start(gp.watch_devices, node.config(attributes=attributes).resources[0], devices)
         assert said.lines == [
             f"{RESOURCE}: device g1: attributes.model: cannot read {tmp_path}/g1.model: no answer within 0.5 s"
+            " (read again every 10 s until it is)"
         ]
         assert set(devices.value) == {"g1", "g2"}
         assert devices.value["g1"].attributes == ()
