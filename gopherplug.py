@@ -14274,22 +14274,26 @@ DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool]]
 
 
 def demo_selector(expression: str, driver: str) -> DemoSelector:
-    """``expression`` compiled for ``demo --select`` by the scheduler stand-in (gopherplug_standins'
-    DeviceSelector, with cel-python, the Kubernetes CEL library's quantity and semver functions
-    included): GopherplugError, before anything starts, when it cannot be (a syntax error, which the
-    API server refuses too; cel-python or gopherplug_standins.py missing)."""
-    try:  # where they are needed: a node running this module has neither
-        from gopherplug_standins import DeviceSelector, cel_device
+    """``expression`` compiled for ``demo --select`` as the scheduler evaluates it (gopherplug_cel's
+    DeviceSelector, with cel-python and the Kubernetes CEL library's quantity and semver functions):
+    GopherplugError, before anything starts, when it cannot be (a syntax error, which the API server
+    refuses too; the cel extra missing)."""
+    try:  # here, not above: a node running this module has neither gopherplug_cel nor cel-python
+        from gopherplug_cel import CELError, DeviceSelector, cel_device
 
         selector = DeviceSelector(expression)
-    except GopherplugError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
+    except CELError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
         raise GopherplugError(f"{error} (the API server would refuse a claim with it)") from None
     except ImportError as error:
-        raise GopherplugError(
-            f"CEL is evaluated with cel-python and gopherplug_standins.py ({error}): pip install "
-            "cel-python, with gopherplug_standins.py beside gopherplug.py (a checkout, or pip install gopherplug)"
-        ) from None
-    return expression, lambda device: selector.matches(cel_device(driver, device))
+        raise GopherplugError(f"CEL needs the cel extra ({error}): pip install 'gopherplug[dra,cel]'") from None
+
+    def selects(device: Mapping[str, Any]) -> bool:
+        try:
+            return selector.matches(cel_device(driver, device))
+        except CELError as error:  # a runtime error, which _demo_pick says as the scheduler does
+            raise GopherplugError(str(error)) from None
+
+    return expression, selects
 
 
 def _demo_config(config: Config, root: str) -> Config:
@@ -14596,7 +14600,7 @@ def _parser() -> argparse.ArgumentParser:
         "--select",
         metavar="CEL",
         help="with --config and --dra: a claim's device selector, evaluated on each device as the scheduler would "
-        "(the Kubernetes CEL library's quantity and semver functions included; needs cel-python)",
+        "(the Kubernetes CEL library's quantity and semver functions included; needs the cel extra)",
     )
     kubelet = subcommand(
         "kubelet",

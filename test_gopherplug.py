@@ -6604,11 +6604,8 @@ def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_ne
     argv = [sys.executable, "-c", script, "demo", "--config", path, "--dra", "--select", "true"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr.startswith("gopherplug: --select: CEL is evaluated with cel-python and gopherplug_standins")
-    assert result.stderr.endswith(
-        "): pip install cel-python, with gopherplug_standins.py beside gopherplug.py "
-        "(a checkout, or pip install gopherplug)\n"
-    )
+    assert result.stderr.startswith("gopherplug: --select: CEL needs the cel extra (")
+    assert result.stderr.endswith("): pip install 'gopherplug[dra,cel]'\n")
 
 
 async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):

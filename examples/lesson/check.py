@@ -158,7 +158,7 @@ async def exercise_3(root: str) -> None:
         import celpy  # noqa: F401
         import h11  # noqa: F401
     except ImportError as error:
-        raise NotYetError(f"no stand-ins ({error})", "pip install '.[dra,test]' in a checkout", "the check") from None
+        raise NotYetError(f"no stand-ins ({error})", "pip install '.[dra,cel]' in a checkout", "the check") from None
     import gopher_claims
     import gopher_dra
     import gopher_plugin

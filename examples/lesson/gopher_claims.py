@@ -9,7 +9,7 @@ writes them into the claim, and the kubelet has the driver prepare them. Read it
   2. ResourceClaim  the user's: how many, of which class, CEL on attributes and capacity
   3. The scheduler  what it checks, and what it writes
   4. The demo       `python gopher_claims.py --demo`: the strict API server and the scheduler of
-                    gopherplug_standins (the dra extra, and the test extra for CEL), narrated
+                    gopherplug_standins (the dra extra, and the cel extra for CEL), narrated
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def resource_claim(name: str, selector: str, count: int = 1, namespace: str = "d
 
 async def demo() -> None:
     need("h11", "dra")
-    need("celpy", "test")
+    need("celpy", "cel")
     from gopherplug_standins import (
         ApiServerSimulator,
         DraKubeletSimulator,
