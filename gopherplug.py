@@ -7,10 +7,10 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 ``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
 speaks resource.k8s.io/v1).
 
-New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
-of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
-`python examples/lesson/gopher_plugin.py --demo`; examples/lesson/gopher_dra.py does the same for DRA.
-This module is the real thing.
+New to device plugins? Read the five lessons in examples/lesson/ first, in order: gopher_devices.py,
+gopher_plugin.py, gopher_allocation.py, gopher_dra.py, gopher_claims.py (the protocols, device plugin
+then DRA, in files of at most 250 lines, each with a narrated --demo; docs/protocol.md says what each
+teaches, EXERCISES.md checks itself). This module is the real thing.
 
 Read it top to bottom; every section only uses the ones above it:
 
@@ -32,13 +32,13 @@ Read it top to bottom; every section only uses the ones above it:
   9. Command line              main(argv) -> exit code; signals
  10. Start-up plumbing         how `python gopherplug.py` starts again as an import (not the protocol)
 
-Or take one of two lessons, each a list of definitions to read in order (search for the name). Both
+Or take one of two paths through it, definitions to read in order (search for the name). Both
 skip section 5, the purerpc plumbing, but for Watched: what else the rest uses of it (serve_grpc,
 call_unary, open_stream) does what its name says. Both skip section 10, and the speed-ups
 (_ImmediateService, _ListEncoder, _PreferredOrder, _PreferredAllocationWire): the answers are the
 same without them.
 
-  The device-plugin lesson
+  The device-plugin path
      1. METHODS, REGISTER              the v1beta1 calls the plugin serves, and the one it makes
      2. ResourceConfig, DeviceEntry    a resource as configured; one device and its health
      3. parse_config                   YAML -> Config, every mistake one ConfigError
@@ -55,7 +55,7 @@ same without them.
     10. serve_plugin, register_again   the nursery tree; reloads in place or anew
     11. KubeletSimulator               the kubelet's side, as the tests and the demo drive it
 
-  The DRA lesson (after steps 1-6 above)
+  The DRA path (after steps 1-6 above)
      1. DRA_METHODS, drapb,            the kubelet's DRAPlugin and plugin-registration calls
         pluginregistration
      2. DraConfig, dra_device,         devices -> this node's ResourceSlices, a pool per resource
@@ -12441,16 +12441,19 @@ class KubeletSimulator:
         healthy = (d for d, health in (resource.devices.items() if resource else ()) if health == HEALTHY)
         return sorted(d for d in healthy if d not in in_use)
 
-    def _admit(self, resource_name: str) -> None:
+    def _admit(self, resource_name: str, count: int = 0) -> None:
         # The device manager's checks before it asks the plugin (devicesToAllocate in
         # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go): the resource must be
-        # registered and have a healthy device. The pod's admission then fails for good with
-        # "Allocate failed due to <error>, which is unexpected" (UnexpectedAdmissionError).
+        # registered, have a healthy device, and ``count`` free. The pod's admission then fails for
+        # good with "Allocate failed due to <error>, which is unexpected" (UnexpectedAdmissionError).
         resource = self.resources.get(resource_name)
         if resource is None:
             why = f"cannot allocate unregistered device {resource_name}"
         elif not resource.allocatable:
             why = f"no healthy devices present; cannot allocate unhealthy devices {resource_name}"
+        elif len(free := self.available(resource_name)) < count:
+            why = f"requested number of devices unavailable for {resource_name}. Requested: {count}, "
+            why += f"Available: {len(free)}"
         else:
             return
         message = f"Allocate failed due to {why}, which is unexpected"
@@ -13161,8 +13164,8 @@ class KubeletNarrator:
 async def kubelet_request(kubelet: KubeletSimulator, line: str, say: Callable[[str, str], None]) -> None:
     """Carry out one of KUBELET_REQUESTS, as the kubelet would for a pod: ``allocate`` picks the
     devices no pod holds (asking GetPreferredAllocation where the plugin offers it), calls Allocate
-    for a new pod's container and PreStartContainer where the plugin asks for it; ``free`` ends every
-    pod; ``restart`` restarts the kubelet."""
+    for a new pod's container and PreStartContainer where the plugin asks for it, or fails the pod's
+    admission where too few are free; ``free`` ends every pod; ``restart`` restarts the kubelet."""
     words = line.split()
     if words in ([], ["allocate"]) or (words[0] == "allocate" and len(words) <= 3):
         count = words[2] if len(words) == 3 else "1"
@@ -13191,9 +13194,8 @@ async def _kubelet_allocate(
         return
     pod = pod or f"pod-{next(_KUBELET_PODS)}"
     available = kubelet.available(name)
-    if len(available) < count:
-        return say("kubelet", f"pod default/{pod} asks for {count} {name}: {len(available)} healthy free, it waits")
     try:
+        kubelet._admit(name, count)  # too few free: the pod fails, and is never admitted again
         chosen = available[:count]
         if resource.options.get_preferred_allocation_available:
             chosen = await kubelet.preferred_allocation(name, available, [], count)
@@ -13205,7 +13207,9 @@ async def _kubelet_allocate(
         if resource.options.pre_start_required:
             await kubelet.pre_start_container(name, chosen)
             say("plugin", f"PreStartContainer({', '.join(chosen)}): done")
-    except GopherplugError as error:  # the kubelet's refusal, or the plugin's
+    except UnexpectedAdmissionError as error:
+        say("kubelet", f"pod default/{pod} asks for {count} {name}: UnexpectedAdmissionError: {error}")
+    except GopherplugError as error:  # the plugin's refusal
         say("kubelet", f"  refused: {error.message if isinstance(error, RPCError) else error}")
 
 

@@ -5,14 +5,17 @@ admission."""
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import venv
 from pathlib import Path
 
 import pytest
+import trio
 
-from test_gopherplug import HERE, hailo_config, sockdir  # noqa: F401 (sockdir: a fixture)
+import gopherplug as gp
+from test_gopherplug import HERE, RESOURCE, TIMEOUT, hailo_config, node, sockdir, start  # noqa: F401 (fixtures)
 
 # ------------------------------------------------------------------------------------------------
 # No circle: the product, its CEL module and the stand-ins
@@ -25,11 +28,11 @@ def imported_modules(path, top_level_only=False):
     tree = ast.parse(Path(path).read_text())
     nodes = tree.body if top_level_only else ast.walk(tree)
     names = set()
-    for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+    for statement in nodes:
+        if isinstance(statement, ast.ImportFrom) and statement.module:
+            names.add(statement.module.split(".")[0])
+        elif isinstance(statement, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in statement.names)
     return names
 
 
@@ -146,3 +149,28 @@ def test_cel_equality_is_cel_gos_heterogeneous_equality(expression, expected):
         with pytest.raises(CELError) as error:
             selector.matches(device)
         assert error.value.message == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# The narrating kubelet: admission as the kubelet's
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_the_narrating_kubelet_fails_a_pod_that_finds_too_few_free_devices(nursery, node):  # noqa: F811
+    """`gopherplug kubelet`'s allocate, for more devices than are free: the pod's admission fails for
+    good, as the kubelet's device manager fails it (UnexpectedAdmissionError, in its words); it
+    does not wait for a device, and the plugin is never asked."""
+    said = []
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        await gp.kubelet_request(simulator, f"allocate {RESOURCE} 3", lambda who, what: said.append((who, what)))
+    message = (
+        f"Allocate failed due to requested number of devices unavailable for {RESOURCE}. Requested: 3, Available: 2, "
+        "which is unexpected"
+    )
+    ((who, what),) = said
+    assert who == "kubelet"
+    assert re.fullmatch(
+        rf"pod default/pod-\d+ asks for 3 {RESOURCE}: UnexpectedAdmissionError: {re.escape(message)}", what
+    )
+    assert (simulator.rejections, simulator.pod_devices) == ([(RESOURCE, message)], {})
