@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
@@ -174,3 +175,79 @@ async def test_the_narrating_kubelet_fails_a_pod_that_finds_too_few_free_devices
         rf"pod default/pod-\d+ asks for 3 {RESOURCE}: UnexpectedAdmissionError: {re.escape(message)}", what
     )
     assert (simulator.rejections, simulator.pod_devices) == ([(RESOURCE, message)], {})
+
+
+# ------------------------------------------------------------------------------------------------
+# The exercises' checkers, against wrong answers
+# ------------------------------------------------------------------------------------------------
+
+LESSONS = HERE / "examples" / "lesson"
+
+#: Wrong answers, each the reference solution with one mistake: (exercise, the solution's text, the
+#: mistake put in its place, what the check must say: who saw what, and the hint's start).
+WRONG_ANSWERS = {
+    "opens-the-device": (
+        2,
+        "        try:\n            with open(os.path.join(self.lock_dir",
+        "        os.close(os.open(os.path.join(self.directory, device_id), os.O_RDONLY | os.O_NONBLOCK))\n"
+        "        try:\n            with open(os.path.join(self.lock_dir",
+        "the kubelet saw: PreStartContainer(gopher0, gopher1) opened gopher0, gopher1, while",
+        "hint: never open a device to find out whether it is busy",
+    ),
+    "pid-0-busy": (
+        2,
+        "        if pid <= 0:",
+        "        if pid < 0:",
+        "the kubelet saw: PreStartContainer(gopher0, gopher1) -> FAILED_PRECONDITION",
+        "hint: os.kill(0, 0) asks about your own process group",
+    ),
+    "eperm-stale": (
+        2,
+        "        except PermissionError:\n            pass",
+        "        except PermissionError:\n            return None",
+        "the kubelet saw: PreStartContainer(gopher0, gopher1) -> OK, while LCK..gopher1 names process 1 (alive, "
+        "another user's)",
+        "hint: os.kill(pid, 0) raising PermissionError (EPERM) says the process exists",
+    ),
+    "numa-a-string": (
+        3,
+        '{"int": gopher.numa}',
+        '{"string": str(gopher.numa)}',
+        "the scheduler saw: gopher1's numaNode {'string': '1'}",
+        'hint: publish it as an int ({"int": ...})',
+    ),
+    "unknown-numa-as-0": (
+        3,
+        '        if gopher.numa is not None:\n            attributes["numaNode"] = {"int": gopher.numa}',
+        '        attributes["numaNode"] = {"int": gopher.numa or 0}',
+        "the scheduler saw: gopher4, whose NUMA node is unknown (its file has no numa line), with numaNode {'int': 0}",
+        "hint: publish numaNode only where the node is known",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", WRONG_ANSWERS)
+def test_an_exercise_check_fails_a_wrong_answer_with_a_hint(tmp_path, sockdir, mistake):  # noqa: F811
+    """Each exercise's check against a wrong answer (its reference solution with one mistake, applied
+    to a copy of the lessons as `check.py --solution` applies it): not passed, what the kubelet or
+    the scheduler saw and a hint for that mistake, never a traceback. Exercise 2: a check that
+    opens the device (the exercise says never: the check watches the gophers with inotify), a lock
+    naming pid 0 taken as held (kill(0, 0) asks about the process group), a live process of another
+    user (EPERM) taken as gone; exercise 3: numaNode published as a string, and as 0 for a gopher
+    whose node is unknown."""
+    number, right, wrong, saw, hint = WRONG_ANSWERS[mistake]
+    copy = tmp_path / "lesson"
+    shutil.copytree(LESSONS, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    solution = copy / "solutions" / f"exercise{number}.py"
+    text = solution.read_text()
+    assert text.count(right) == 1, right
+    solution.write_text(text.replace(right, wrong))
+    env = {**os.environ, "PYTHONPATH": str(HERE), "TMPDIR": sockdir}
+    check = [sys.executable, str(copy / "check.py"), "--solution", str(number)]
+    result = subprocess.run(check, env=env, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (1, ""), result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"exercise {number}: not yet.", result.stdout
+    assert lines[1].startswith(f"  {saw}"), result.stdout
+    assert lines[2].startswith(f"  {hint}"), result.stdout
+    assert len(lines) == 3, result.stdout
