@@ -12451,9 +12451,8 @@ class KubeletSimulator:
             why = f"cannot allocate unregistered device {resource_name}"
         elif not resource.allocatable:
             why = f"no healthy devices present; cannot allocate unhealthy devices {resource_name}"
-        elif len(free := self.available(resource_name)) < count:
-            why = f"requested number of devices unavailable for {resource_name}. Requested: {count}, "
-            why += f"Available: {len(free)}"
+        elif (free := len(self.available(resource_name))) < count:
+            why = f"requested number of devices unavailable for {resource_name}. Requested: {count}, Available: {free}"
         else:
             return
         message = f"Allocate failed due to {why}, which is unexpected"
@@ -13207,10 +13206,9 @@ async def _kubelet_allocate(
         if resource.options.pre_start_required:
             await kubelet.pre_start_container(name, chosen)
             say("plugin", f"PreStartContainer({', '.join(chosen)}): done")
-    except UnexpectedAdmissionError as error:
-        say("kubelet", f"pod default/{pod} asks for {count} {name}: UnexpectedAdmissionError: {error}")
-    except GopherplugError as error:  # the plugin's refusal
-        say("kubelet", f"  refused: {error.message if isinstance(error, RPCError) else error}")
+    except GopherplugError as error:  # the kubelet's admission (for good), or the plugin's refusal
+        why = f"refused: {error.message}" if isinstance(error, RPCError) else f"{type(error).__name__}: {error}"
+        say("kubelet", f"pod default/{pod} asks for {count} {name}: {why}")
 
 
 def _one_line(message: Any) -> str:
@@ -14272,9 +14270,9 @@ def load_demo_config(path: str, dra: bool = False) -> Config:
         raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
 
 
-#: `demo --select`: a CEL selector's text, and whether it selects a device of the demo's driver
-#: (a ResourceSlice's device), else GopherplugError with the scheduler's words.
-DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool]]
+#: `demo --select`: a CEL selector's text, whether it selects a device of the demo's driver (a
+#: ResourceSlice's device), and the error it raises instead with the scheduler's words (CELError).
+DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool], type[Exception]]
 
 
 def demo_selector(expression: str, driver: str) -> DemoSelector:
@@ -14290,14 +14288,7 @@ def demo_selector(expression: str, driver: str) -> DemoSelector:
         raise GopherplugError(f"{error} (the API server would refuse a claim with it)") from None
     except ImportError as error:
         raise GopherplugError(f"CEL needs the cel extra ({error}): pip install 'gopherplug[dra,cel]'") from None
-
-    def selects(device: Mapping[str, Any]) -> bool:
-        try:
-            return selector.matches(cel_device(driver, device))
-        except CELError as error:  # a runtime error, which _demo_pick says as the scheduler does
-            raise GopherplugError(str(error)) from None
-
-    return expression, selects
+    return expression, lambda device: selector.matches(cel_device(driver, device)), CELError
 
 
 def _demo_config(config: Config, root: str) -> Config:
@@ -14488,14 +14479,14 @@ def _demo_pick(
     this node, even where a later device would match (selectorsMatch in k8s.io/dynamic-resource-allocation
     structured)."""
     healthy = [d for d in devices if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
-    expression, selects = select or ("", lambda device: True)
+    expression, selects, cel_error = select or ("", lambda device: True, GopherplugError)
     if select is not None:
         say("scheduler", f"selector #0 of claim {claim}: {expression}")
     chosen, failed = None, ""
     for device in sorted(devices, key=lambda d: _natural_key(d["name"])) if select is None else devices:
         try:
             verdict = "selected" if selects(device) else "not selected"
-        except GopherplugError as error:
+        except cel_error as error:  # a CEL runtime error: the scheduler's Filter aborts the attempt
             verdict = f"claim {claim}: selector #0: CEL runtime error: {error}"
             failed = failed or ("" if chosen else verdict)
         chosen = chosen or (device if verdict == "selected" and device in healthy and not failed else None)
