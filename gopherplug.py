@@ -14287,7 +14287,7 @@ def demo_selector(expression: str, driver: str) -> DemoSelector:
     except CELError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
         raise GopherplugError(f"{error} (the API server would refuse a claim with it)") from None
     except ImportError as error:
-        raise GopherplugError(f"CEL needs the cel extra ({error}): pip install 'gopherplug[dra,cel]'") from None
+        raise GopherplugError(f"CEL needs the cel extra ({error}): pip install '.[dra,cel]' in a checkout") from None
     return expression, lambda device: selector.matches(cel_device(driver, device)), CELError
 
 

@@ -11,7 +11,7 @@ stand-in (gopherplug_standins.SchedulerSimulator) allocates with it.
   CELError         a selector that fails, in cel-go's words (``compile`` when the API server
                    refuses it already)
 
-It needs cel-python, the ``cel`` extra (pip install 'gopherplug[cel]'), imported where a selector
+It needs cel-python, the ``cel`` extra (pip install '.[cel]' in a checkout), imported where a selector
 is compiled, and imports nothing of gopherplug's at module level, so that gopherplug imports it
 where ``--select`` is given. The images carry neither.
 """

@@ -6605,7 +6605,7 @@ def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_ne
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.startswith("gopherplug: --select: CEL needs the cel extra (")
-    assert result.stderr.endswith("): pip install 'gopherplug[dra,cel]'\n")
+    assert result.stderr.endswith("): pip install '.[dra,cel]' in a checkout\n")
 
 
 async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):

@@ -70,7 +70,7 @@ WHEEL_SOURCES = (
 
 
 def test_a_fresh_venv_with_the_dra_and_cel_extras_runs_demo_select(tmp_path, sockdir):  # noqa: F811
-    """`pip install 'gopherplug[dra,cel]'` is all a user types for `demo --dra --select`: in a
+    """`pip install '.[dra,cel]'` is all a user types for `demo --dra --select`: in a
     fresh venv, the project installed with those extras from a copy of its sources (pip resolves
     the extras' dependencies from the index), the console script evaluates a selector on the
     devices of a configuration and allocates the device it selects. gopherplug_cel is in the
