@@ -55,8 +55,9 @@ RUN if [ -n "$DEBIAN_SNAPSHOT" ]; then \
     fi \
  && rm -rf /var/lib/apt/lists/* /tmp/before /tmp/locked /tmp/wanted /tmp/debian-python.lock
 
-# gopherplug.py alone: gopherplug_standins.py, the stand-ins for tests that pyproject.toml's
-# py-modules also names, is left out on purpose (setuptools says it is not found and builds without it).
+# gopherplug.py alone: gopherplug_cel.py (demo --select's CEL) and gopherplug_standins.py (the stand-ins
+# for tests), which pyproject.toml's py-modules also names, are left out on purpose (setuptools says
+# they are not found and builds without them).
 FROM python AS source
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE gopherplug.py ./

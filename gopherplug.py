@@ -7,10 +7,10 @@ devices it was given. This file does all of that with trio, purerpc, protobuf an
 ``dra`` section it is also a Dynamic Resource Allocation driver, for Kubernetes 1.34 or later (it
 speaks resource.k8s.io/v1).
 
-New to device plugins? Read examples/lesson/gopher_plugin.py first: the whole protocol in one file
-of 250 lines (scan, Register, ListAndWatch with inotify, Allocate, health, kubelet restarts), and
-`python examples/lesson/gopher_plugin.py --demo`; examples/lesson/gopher_dra.py does the same for DRA.
-This module is the real thing.
+New to device plugins? Read the five lessons in examples/lesson/ first, in order: gopher_devices.py,
+gopher_plugin.py, gopher_allocation.py, gopher_dra.py, gopher_claims.py (the protocols, device plugin
+then DRA, in files of at most 250 lines, each with a narrated --demo; docs/protocol.md says what each
+teaches, EXERCISES.md checks itself). This module is the real thing.
 
 Read it top to bottom; every section only uses the ones above it:
 
@@ -32,13 +32,13 @@ Read it top to bottom; every section only uses the ones above it:
   9. Command line              main(argv) -> exit code; signals
  10. Start-up plumbing         how `python gopherplug.py` starts again as an import (not the protocol)
 
-Or take one of two lessons, each a list of definitions to read in order (search for the name). Both
+Or take one of two paths through it, definitions to read in order (search for the name). Both
 skip section 5, the purerpc plumbing, but for Watched: what else the rest uses of it (serve_grpc,
 call_unary, open_stream) does what its name says. Both skip section 10, and the speed-ups
 (_ImmediateService, _ListEncoder, _PreferredOrder, _PreferredAllocationWire): the answers are the
 same without them.
 
-  The device-plugin lesson
+  The device-plugin path
      1. METHODS, REGISTER              the v1beta1 calls the plugin serves, and the one it makes
      2. ResourceConfig, DeviceEntry    a resource as configured; one device and its health
      3. parse_config                   YAML -> Config, every mistake one ConfigError
@@ -55,7 +55,7 @@ same without them.
     10. serve_plugin, register_again   the nursery tree; reloads in place or anew
     11. KubeletSimulator               the kubelet's side, as the tests and the demo drive it
 
-  The DRA lesson (after steps 1-6 above)
+  The DRA path (after steps 1-6 above)
      1. DRA_METHODS, drapb,            the kubelet's DRAPlugin and plugin-registration calls
         pluginregistration
      2. DraConfig, dra_device,         devices -> this node's ResourceSlices, a pool per resource
@@ -12700,16 +12700,18 @@ class KubeletSimulator:
         healthy = (d for d, health in (resource.devices.items() if resource else ()) if health == HEALTHY)
         return sorted(d for d in healthy if d not in in_use)
 
-    def _admit(self, resource_name: str) -> None:
+    def _admit(self, resource_name: str, count: int = 0) -> None:
         # The device manager's checks before it asks the plugin (devicesToAllocate in
         # kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go): the resource must be
-        # registered and have a healthy device. The pod's admission then fails for good with
-        # "Allocate failed due to <error>, which is unexpected" (UnexpectedAdmissionError).
+        # registered, have a healthy device, and ``count`` free. The pod's admission then fails for
+        # good with "Allocate failed due to <error>, which is unexpected" (UnexpectedAdmissionError).
         resource = self.resources.get(resource_name)
         if resource is None:
             why = f"cannot allocate unregistered device {resource_name}"
         elif not resource.allocatable:
             why = f"no healthy devices present; cannot allocate unhealthy devices {resource_name}"
+        elif (free := len(self.available(resource_name))) < count:
+            why = f"requested number of devices unavailable for {resource_name}. Requested: {count}, Available: {free}"
         else:
             return
         message = f"Allocate failed due to {why}, which is unexpected"
@@ -13420,8 +13422,8 @@ class KubeletNarrator:
 async def kubelet_request(kubelet: KubeletSimulator, line: str, say: Callable[[str, str], None]) -> None:
     """Carry out one of KUBELET_REQUESTS, as the kubelet would for a pod: ``allocate`` picks the
     devices no pod holds (asking GetPreferredAllocation where the plugin offers it), calls Allocate
-    for a new pod's container and PreStartContainer where the plugin asks for it; ``free`` ends every
-    pod; ``restart`` restarts the kubelet."""
+    for a new pod's container and PreStartContainer where the plugin asks for it, or fails the pod's
+    admission where too few are free; ``free`` ends every pod; ``restart`` restarts the kubelet."""
     words = line.split()
     if words in ([], ["allocate"]) or (words[0] == "allocate" and len(words) <= 3):
         count = words[2] if len(words) == 3 else "1"
@@ -13450,9 +13452,8 @@ async def _kubelet_allocate(
         return
     pod = pod or f"pod-{next(_KUBELET_PODS)}"
     available = kubelet.available(name)
-    if len(available) < count:
-        return say("kubelet", f"pod default/{pod} asks for {count} {name}: {len(available)} healthy free, it waits")
     try:
+        kubelet._admit(name, count)  # too few free: the pod fails, and is never admitted again
         chosen = available[:count]
         if resource.options.get_preferred_allocation_available:
             chosen = await kubelet.preferred_allocation(name, available, [], count)
@@ -13464,8 +13465,9 @@ async def _kubelet_allocate(
         if resource.options.pre_start_required:
             await kubelet.pre_start_container(name, chosen)
             say("plugin", f"PreStartContainer({', '.join(chosen)}): done")
-    except GopherplugError as error:  # the kubelet's refusal, or the plugin's
-        say("kubelet", f"  refused: {error.message if isinstance(error, RPCError) else error}")
+    except GopherplugError as error:  # the kubelet's admission (for good), or the plugin's refusal
+        why = f"refused: {error.message}" if isinstance(error, RPCError) else f"{type(error).__name__}: {error}"
+        say("kubelet", f"pod default/{pod} asks for {count} {name}: {why}")
 
 
 def _one_line(message: Any) -> str:
@@ -14527,28 +14529,25 @@ def load_demo_config(path: str, dra: bool = False) -> Config:
         raise ConfigError(error.source, error.key_path, f"{error.problem} (demo --dra serves it through DRA)") from None
 
 
-#: `demo --select`: a CEL selector's text, and whether it selects a device of the demo's driver
-#: (a ResourceSlice's device), else GopherplugError with the scheduler's words.
-DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool]]
+#: `demo --select`: a CEL selector's text, whether it selects a device of the demo's driver (a
+#: ResourceSlice's device), and the error it raises instead with the scheduler's words (CELError).
+DemoSelector = tuple[str, Callable[[Mapping[str, Any]], bool], type[Exception]]
 
 
 def demo_selector(expression: str, driver: str) -> DemoSelector:
-    """``expression`` compiled for ``demo --select`` by the scheduler stand-in (gopherplug_standins'
-    DeviceSelector, with cel-python, the Kubernetes CEL library's quantity and semver functions
-    included): GopherplugError, before anything starts, when it cannot be (a syntax error, which the
-    API server refuses too; cel-python or gopherplug_standins.py missing)."""
-    try:  # where they are needed: a node running this module has neither
-        from gopherplug_standins import DeviceSelector, cel_device
+    """``expression`` compiled for ``demo --select`` as the scheduler evaluates it (gopherplug_cel's
+    DeviceSelector, with cel-python and the Kubernetes CEL library's quantity and semver functions):
+    GopherplugError, before anything starts, when it cannot be (a syntax error, which the API server
+    refuses too; the cel extra missing)."""
+    try:  # here, not above: a node running this module has neither gopherplug_cel nor cel-python
+        from gopherplug_cel import CELError, DeviceSelector, cel_device
 
         selector = DeviceSelector(expression)
-    except GopherplugError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
+    except CELError as error:  # as the API server refuses a ResourceClaim or DeviceClass with it
         raise GopherplugError(f"{error} (the API server would refuse a claim with it)") from None
     except ImportError as error:
-        raise GopherplugError(
-            f"CEL is evaluated with cel-python and gopherplug_standins.py ({error}): pip install "
-            "cel-python, with gopherplug_standins.py beside gopherplug.py (a checkout, or pip install gopherplug)"
-        ) from None
-    return expression, lambda device: selector.matches(cel_device(driver, device))
+        raise GopherplugError(f"CEL needs the cel extra ({error}): pip install '.[dra,cel]' in a checkout") from None
+    return expression, lambda device: selector.matches(cel_device(driver, device)), CELError
 
 
 def demo_selectors(values: Iterable[str], config: Config) -> dict[str, DemoSelector]:
@@ -14754,14 +14753,14 @@ def _demo_pick(
     this node, even where a later device would match (selectorsMatch in k8s.io/dynamic-resource-allocation
     structured)."""
     healthy = [d for d in devices if d["attributes"].get("healthy", {}).get("bool", True) and not d.get("taints")]
-    expression, selects = select or ("", lambda device: True)
+    expression, selects, cel_error = select or ("", lambda device: True, GopherplugError)
     if select is not None:
         say("scheduler", f"selector #0 of claim {claim}: {expression}")
     chosen, failed = None, ""
     for device in sorted(devices, key=lambda d: _natural_key(d["name"])) if select is None else devices:
         try:
             verdict = "selected" if selects(device) else "not selected"
-        except GopherplugError as error:
+        except cel_error as error:  # a CEL runtime error: the scheduler's Filter aborts the attempt
             verdict = f"claim {claim}: selector #0: CEL runtime error: {error}"
             failed = failed or ("" if chosen else verdict)
         chosen = chosen or (device if verdict == "selected" and device in healthy and not failed else None)
@@ -14871,7 +14870,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         metavar="[RESOURCE=]CEL",
         help="with --config and --dra, once per resource: a claim's device selector for RESOURCE (bare: the file's "
-        "one), evaluated on each device as the scheduler would (with quantity and semver; needs cel-python)",
+        "one), evaluated on each device as the scheduler would (the Kubernetes CEL library's quantity and semver "
+        "functions included; needs the cel extra)",
     )
     kubelet = subcommand(
         "kubelet",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -19,9 +20,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import inotify_simple
 import trio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,6 +114,29 @@ async def exercise_1(root: str) -> None:
     await with_plugin(root, 5, check)
 
 
+#: A live process of another user: init's pid. kill(1, 0) fails with EPERM for anyone but root, and
+#: as_another_users_process makes it fail so for root too (root may signal any process).
+OTHER_USERS = 1
+
+
+@contextlib.contextmanager
+def as_another_users_process(pid: int) -> Iterator[None]:
+    """os.kill(pid, ...) refused with EPERM while inside, as the kernel refuses it to a process that may
+    not signal ``pid``: the check runs as anyone, root included."""
+    real = os.kill
+
+    def kill(target: int, signal: int) -> None:
+        if target == pid:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        real(target, signal)
+
+    os.kill = kill
+    try:
+        yield
+    finally:
+        os.kill = real
+
+
 async def exercise_2(root: str) -> None:
     """PreStartContainer: a device a serial program holds (its UUCP lock) is busy."""
 
@@ -123,17 +148,30 @@ async def exercise_2(root: str) -> None:
         lesson.GopherAllocator.lock_dir = lock_dir = os.path.join(root, "lock")
         os.mkdir(lock_dir)
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-        for pid, busy in [(os.getpid(), True), (int(gone.stdout), False)]:
+        cases = [
+            (os.getpid(), True, "alive", ""),
+            (int(gone.stdout), False, "gone: a stale lock", "a stale lock is no lock: os.kill(pid, 0) raises "),
+            (0, False, "no process: a broken lock", "os.kill(0, 0) asks about your own process group, which "),
+            (OTHER_USERS, True, "alive, another user's", "os.kill(pid, 0) raising PermissionError (EPERM) says "),
+        ]
+        hints = {
+            int(gone.stdout): "ProcessLookupError",
+            0: "always exists: a pid below 1 is no holder",
+            OTHER_USERS: "the process exists, and is not yours: it is busy",
+        }
+        opens = inotify_simple.INotify()  # a device opened to find out is a device disturbed (lesson 1)
+        opens.add_watch(os.path.join(root, "gophers"), inotify_simple.flags.OPEN)
+        for pid, busy, state, hint in cases:
             with open(os.path.join(lock_dir, "LCK..gopher1"), "w", encoding="ascii") as lock:
                 lock.write(f"{pid:>10}\n")  # the UUCP format: the holder's pid, ten columns, a newline
-            holder = f"LCK..gopher1 names process {pid} ({'alive' if busy else 'gone: a stale lock'})"
+            holder = f"LCK..gopher1 names process {pid} ({state})"
             try:
-                await kubelet.pre_start_container(RESOURCE, ["gopher0", "gopher1"])
+                with as_another_users_process(OTHER_USERS):
+                    await kubelet.pre_start_container(RESOURCE, ["gopher0", "gopher1"])
             except RPCError as error:
                 if not busy:
                     raise NotYetError(
-                        f"PreStartContainer(gopher0, gopher1) -> {error}, while {holder}",
-                        "a stale lock is no lock: os.kill(pid, 0) raises ProcessLookupError",
+                        f"PreStartContainer(gopher0, gopher1) -> {error}, while {holder}", hint + hints[pid]
                     ) from None
                 if error.code != StatusCode.FAILED_PRECONDITION or "gopher1" not in error.message:
                     raise NotYetError(
@@ -144,8 +182,17 @@ async def exercise_2(root: str) -> None:
                 if busy:
                     raise NotYetError(
                         f"PreStartContainer(gopher0, gopher1) -> OK, while {holder}: it starts the container",
-                        "in PreStartContainer, read lock_dir/LCK..<id>: the holder's pid; busy while it lives",
+                        hint + hints[pid]
+                        if pid in hints
+                        else "in PreStartContainer, read lock_dir/LCK..<id>: the holder's pid; busy while it lives",
                     )
+            if opened := sorted({event.name for event in opens.read(timeout=0) if event.name}):
+                raise NotYetError(
+                    f"PreStartContainer(gopher0, gopher1) opened {', '.join(opened)}, while {holder}",
+                    "never open a device to find out whether it is busy (opening a serial port can reset what "
+                    "is on it): the lock file says it, read without touching the device",
+                )
+        opens.close()
         os.unlink(os.path.join(lock_dir, "LCK..gopher1"))
         await kubelet.pre_start_container(RESOURCE, ["gopher1"])
 
@@ -158,7 +205,7 @@ async def exercise_3(root: str) -> None:
         import celpy  # noqa: F401
         import h11  # noqa: F401
     except ImportError as error:
-        raise NotYetError(f"no stand-ins ({error})", "pip install '.[dra,test]' in a checkout", "the check") from None
+        raise NotYetError(f"no stand-ins ({error})", "pip install '.[dra,cel]' in a checkout", "the check") from None
     import gopher_claims
     import gopher_dra
     import gopher_plugin
@@ -169,6 +216,8 @@ async def exercise_3(root: str) -> None:
     for directory in (os.path.join(kubelet_dir, "plugins_registry"), cdi):
         os.makedirs(directory)
     gopher_plugin.plug(root, "gopher0", "gopher1", "gopher2", "gopher3")  # NUMA 0, 1, 0, 1
+    with open(os.path.join(root, "gophers", "gopher4"), "x", encoding="utf-8") as gopher:
+        gopher.write("memory=5Gi\nmodel=giant\n")  # no numa line: its node unknown, as sysfs's -1 says
     async with trio.open_nursery() as nursery:
         api = await nursery.start(ApiServerSimulator().run)
         kubelet = DraKubeletSimulator(kubelet_dir, wipe=lambda name: api.delete_node_slices("node-1", name))
@@ -176,17 +225,34 @@ async def exercise_3(root: str) -> None:
         driver = gopher_dra.Driver(os.path.join(root, "gophers"), "node-1", api.url, cdi)
         await nursery.start(driver.serve, kubelet_dir)
         await kubelet.wait_until(lambda k: gopher_dra.DRIVER in k.drivers)
-        while sum(len(s["spec"]["devices"]) for s in api.slices.values()) < 4:
+        while sum(len(s["spec"]["devices"]) for s in api.slices.values()) < 5:
             await api.changed.wait_touched()
         if api.refused:
             raise NotYetError(f"the API server refused the ResourceSlice: {api.refused[-1][1]}", "see its words")
         devices = {d["name"]: d.get("attributes", {}) for s in api.slices.values() for d in s["spec"]["devices"]}
+        if (published := devices["gopher1"].get("numaNode")) is not None and "int" not in published:
+            raise NotYetError(
+                f"gopher1's numaNode {published}",
+                'publish it as an int ({"int": ...}): CEL compares the string "1" with 1 as unequal',
+                "the scheduler",
+            )
+        if (published := devices["gopher4"].get("numaNode")) is not None:
+            raise NotYetError(
+                f"gopher4, whose NUMA node is unknown (its file has no numa line), with numaNode {published}",
+                "publish numaNode only where the node is known (gopher.numa is None where not): a claim for "
+                "that node would get a device that may be on another",
+                "the scheduler",
+            )
         scheduler = SchedulerSimulator(api, [gopher_claims.DEVICE_CLASS])
         for node, wanted in [(1, ["gopher1", "gopher3"]), (0, ["gopher0", "gopher2"])]:
-            selector = f'device.attributes["gopher.example.com"].numaNode == {node}'
+            has = '"numaNode" in device.attributes["gopher.example.com"]'  # a device without it: an error
+            selector = f'{has} && device.attributes["gopher.example.com"].numaNode == {node}'
             claim = gopher_claims.resource_claim(f"numa-{node}", selector, count=2)
             saw = f"{selector} on the ResourceSlice's devices, gopher1's attributes {devices['gopher1']}"
-            hint = 'in Driver.describe(), give each device the attribute "numaNode": {"int": gopher.numa} (when known)'
+            hint = (
+                'in Driver.describe(), give each device the attribute "numaNode" that the selector reads, of the '
+                "type it compares with (lesson 1 knows each gopher's node)"
+            )
             try:
                 claim["status"] = {"allocation": scheduler.allocate(claim, "node-1")}
             except UnschedulableError as error:

@@ -47,16 +47,17 @@ class GopherAllocator(GopherPlugin):
     lock_dir = "/var/lock"  # where serial programs take their UUCP locks (LCK..ttyUSB0): exercise 2
 
     async def GetDevicePluginOptions(self, empty: Any) -> Any:  # noqa: N802 - the RPC's name
-        # Both: the kubelet now calls GetPreferredAllocation before each Allocate, and
-        # PreStartContainer before each start of a container with our devices.
+        # Both: the kubelet may now call GetPreferredAllocation as it picks a container's devices
+        # (section 3 says when), and calls PreStartContainer before each start of one with ours.
         return v1beta1.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
     # 2. TopologyInfo. With a Topology Manager policy (the kubelet's --topology-manager-policy:
     # best-effort, restricted, single-numa-node), the kubelet asks its hint providers (the CPU,
-    # memory and device managers) which NUMA nodes could serve a container, settles on one, and
-    # then gives it devices of that node only; `single-numa-node` rejects a pod that fits no one
-    # node (TopologyAffinityError). A device without topology fits everywhere. Unknown is said by
-    # leaving it out: node 0 by default would be a claim the kubelet acts on.
+    # memory and device managers) which NUMA nodes could serve a container and settles on one;
+    # `restricted` and `single-numa-node` reject a pod that fits no one node (TopologyAffinityError).
+    # It takes that node's devices first; where they are too few (`none`, `best-effort`) it adds
+    # devices of other nodes, then those without topology, which fit everywhere. Unknown is said
+    # by leaving it out: node 0 by default would be a claim the kubelet acts on.
 
     def device(self, device_id: str, gopher: Gopher) -> Any:
         device = super().device(device_id, gopher)
@@ -64,13 +65,15 @@ class GopherAllocator(GopherPlugin):
             device.topology.nodes.add(ID=gopher.numa)
         return device
 
-    # 3. GetPreferredAllocation. Per container, before Allocate: of available_deviceIDs (healthy,
-    # not held by a pod, and of the Topology Manager's node when it chose one), which
-    # allocation_size would we like? must_include_deviceIDs must be in the answer (devices the
-    # container holds already, e.g. from an init container). It is advice: the kubelet keeps
-    # what is available of it and picks any missing ones itself (devicesToAllocate in kubernetes/
-    # kubernetes pkg/kubelet/cm/devicemanager/manager.go). That is the place for what only the
-    # plugin knows: GPUs joined by NVLink, ports on one hub, devices of one NUMA node.
+    # 3. GetPreferredAllocation. Per container, before Allocate, when there is a choice: of
+    # available_deviceIDs (healthy, not held by a pod, of the Topology Manager's node when it
+    # chose one), which allocation_size would we like? must_include_deviceIDs must be in the
+    # answer (devices the container holds already, e.g. from an init container). No call when
+    # those cover the request, nor when the node's devices are exactly as many as asked (the
+    # kubelet takes them all); too few, and it asks about the others for the rest. It is advice:
+    # the kubelet keeps what is available of it and picks any missing ones itself
+    # (devicesToAllocate in kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go). The
+    # place for what only the plugin knows: GPUs joined by NVLink, ports on one hub.
 
     async def GetPreferredAllocation(self, request: Any) -> Any:  # noqa: N802
         answers = [
@@ -109,9 +112,10 @@ class GopherAllocator(GopherPlugin):
 
     # 5. PreStartContainer. Before each start of a container that has our devices, restarts
     # included: the last moment to get a device ready (reset it, load its firmware), or to say
-    # that it is not. An error does not fail the pod: this start fails (CreateContainerConfigError
-    # in its events) and the kubelet tries again with its back-off. The kubelet waits 30 s at most
-    # (callPreStartContainerIfNeeded in manager.go; KubeletPreStartContainerRPCTimeoutInSecs).
+    # that it is not. An error does not fail the pod: this start fails (an event of reason Failed,
+    # "Error: ..."; the container waits with reason CreateContainerConfigError) and the kubelet
+    # tries again with its back-off. The kubelet waits 30 s at most (callPreStartContainerIfNeeded
+    # in manager.go, KubeletPreStartContainerRPCTimeoutInSecs; startContainer in kuberuntime).
 
     async def PreStartContainer(self, request: Any) -> Any:  # noqa: N802
         for device_id in request.devices_ids:

@@ -9,7 +9,7 @@ writes them into the claim, and the kubelet has the driver prepare them. Read it
   2. ResourceClaim  the user's: how many, of which class, CEL on attributes and capacity
   3. The scheduler  what it checks, and what it writes
   4. The demo       `python gopher_claims.py --demo`: the strict API server and the scheduler of
-                    gopherplug_standins (the dra extra, and the test extra for CEL), narrated
+                    gopherplug_standins (the dra extra, and the cel extra for CEL), narrated
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from gopher_plugin import plug
 
 # 1. DeviceClass. Cluster-scoped, an admin's (kubectl apply): the devices a class offers are
 # those every one of its selectors accepts. A claim must name one, so a user never has to know
-# the driver's name. (With extendedResourceName, Kubernetes 1.34 and later with
-# DRAExtendedResource, pods may also ask for the class in resources.limits, as in lesson 3.)
+# the driver's name. (With extendedResourceName, pods may also ask for the class in
+# resources.limits, as in lesson 3: the DRAExtendedResource feature gate, alpha and off by
+# default in Kubernetes 1.34 and 1.35, beta and on from 1.36.)
 DEVICE_CLASS: dict[str, Any] = {
     "apiVersion": "resource.k8s.io/v1",
     "kind": "DeviceClass",
@@ -68,8 +69,10 @@ def resource_claim(name: str, selector: str, count: int = 1, namespace: str = "d
 # k8s.io/dynamic-resource-allocation structured/), for a pod with claims: on each node it takes
 # the devices of the node's ResourceSlices (of each pool only the newest generation), keeps
 # those every selector of the class and of the request accepts and that no other claim holds,
-# and needs `count` of them; a node without them, or where a selector fails with a CEL error, is
-# filtered out ("cannot allocate all claims") and the pod stays Pending. On the chosen node it
+# and needs `count` of them; a node without them is filtered out ("cannot allocate all claims"),
+# and with none left the pod stays Pending. A selector's CEL error is no filter: Filter returns an
+# error that aborts the whole attempt (FailedScheduling with the error), retried with back-off
+# until the claim or its class changes (Filter in dynamicresources.go). On the chosen node it
 # writes the claim's status.allocation: per device the request, driver, pool and device name,
 # and a nodeSelector that binds the claim to the node. Only then does the pod start there: the
 # kubelet reads the claim and calls NodePrepareResources on the driver (lesson 4).
@@ -77,7 +80,7 @@ def resource_claim(name: str, selector: str, count: int = 1, namespace: str = "d
 
 async def demo() -> None:
     need("h11", "dra")
-    need("celpy", "test")
+    need("celpy", "cel")
     from gopherplug_standins import (
         ApiServerSimulator,
         DraKubeletSimulator,
