@@ -6186,6 +6186,12 @@ async def call_unary(
         error = _innermost(group)
         if isinstance(error, RpcFailedError):
             raise RPCError(error.status.status_code, error.status.status_message) from None
+        # A peer that accepts and hangs up: trio and anyio say EndOfStream, BrokenResourceError or
+        # both in a group (reader and writer each saw it), which tells a user nothing of the peer.
+        # (A refused connection is a ConnectionError too, and says so itself.)
+        hung_up = (*_GOODBYE[:3], BrokenPipeError, ConnectionResetError)
+        if isinstance(error, hung_up) or (isinstance(group, ExceptionGroup) and group.split(hung_up)[1] is None):
+            error = ConnectionError("the server closed the connection before it answered")
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from error
     except BaseExceptionGroup as group:
         # The caller was cancelled while the server hung up: anyio's task group inside purerpc's

@@ -9,6 +9,9 @@ script that forks, calls setsid and forks again.
 
 from __future__ import annotations
 
+import socket
+
+import pytest
 import trio
 
 import gopherplug as gp
@@ -16,6 +19,7 @@ import test_hostile
 from test_hostile import RESOURCE
 
 serving = test_hostile.serving  # the fixture: a `gopherplug serve` with its kubelet
+short_path = test_hostile.short_path  # the fixture: a directory short enough for unix sockets
 
 v1beta1 = gp.v1beta1
 #: What a probe or an answer may take here, a generous bound on a loaded machine (the kubelet's
@@ -68,3 +72,46 @@ async def test_an_allocate_of_100000_unknown_ids_is_refused_at_once_in_a_short_m
     line = await served.logged("refused Allocate of")
     assert "nope-0, nope-1, nope-2, nope-3, nope-4 and 99995 more: unknown" in line and len(line) < 400
     await served.well_behaved()
+
+
+async def closing_peer(path: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """A unix socket at ``path`` that accepts every connection and closes it at once, unread."""
+    listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with listener:
+        await listener.bind(path)
+        listener.listen(64)
+        task_status.started()
+        while True:
+            connection, _ = await listener.accept()
+            connection.close()
+
+
+PYTHONS_WORDS = ("Exceptions from", "BrokenResourceError", "EndOfStream", "ClosedResourceError", "sub-exception")
+
+
+async def test_a_peer_that_accepts_and_closes_is_spoken_of_not_pythons_classes(nursery, short_path):
+    """A peer that accepts and hangs up before it answers: `probe`, `who` and a registration said
+    "Exceptions from Trio nursery (2 sub-exceptions)", "BrokenResourceError" or "EndOfStream",
+    whichever of the reader and the writer saw the hang-up first. Now they say what the peer did,
+    every time (the race is run many times)."""
+    plugin_dir = short_path / "dp"
+    plugin_dir.mkdir()
+    kubelet_sock = str(plugin_dir / "kubelet.sock")
+    plugin_sock = str(plugin_dir / gp.socket_name(RESOURCE, str(plugin_dir), 1))
+    pod_resources = str(short_path / "pr.sock")
+    for path in (kubelet_sock, plugin_sock, pod_resources):
+        await nursery.start(closing_peer, path)
+    said = []
+    for _ in range(20):
+        register = gp.v1beta1.RegisterRequest(version=gp.API_VERSION, endpoint="x.sock", resource_name=RESOURCE)
+        with pytest.raises(gp.RPCError) as refused:
+            await gp.call_unary(kubelet_sock, gp.METHODS[gp.REGISTER], register, timeout=SLOW)
+        said.append(str(refused.value))  # what "registration failed, retrying" says
+        with pytest.raises(gp.GopherplugError) as who:
+            await gp.list_pod_resources(pod_resources)
+        said.append(str(who.value))
+        [probed] = await gp.probe(str(plugin_dir))
+        said.append(probed.error)
+    for line in said:
+        assert "the server closed the connection" in line or "connection closed" in line or "connection lost" in line
+        assert not any(word in line for word in PYTHONS_WORDS), line
