@@ -9959,25 +9959,39 @@ class KubeApi:
         class Node(GenericGlobalResource):  # type: ignore[misc,valid-type]
             _api_info = create_api_info("", "v1", "Node", "nodes", verbs=["get", "list", "watch"])
 
-        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError), Node)
+        # lightkube makes its ApiError of an error answer only if its Content-Type is exactly
+        # application/json, and then of a Status; else its KeyError (no Content-Type), a JSON error or
+        # httpx's own error came out. A load balancer's 502/503/504 page is no Status, nor is
+        # "application/json; charset=utf-8": every error answer is httpx's HTTPStatusError here, and
+        # _errors reads the Status from it if it is one.
+        client._client.raise_for_status = lambda response: response.raise_for_status()
+        return cls(client, slices, claims, (httpx2.HTTPStatusError, httpx2.HTTPError), Node)
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
         try:
             yield
         except self._api_error as error:
-            # The API server's priority and fairness answers 429 with Retry-After (seconds); a client
-            # that comes back sooner only adds to the load it was refused for.
-            response = getattr(error, "response", None)
-            header = response.headers.get("retry-after", "") if response is not None else ""
+            # The API server's priority and fairness answers 429 with Retry-After (seconds), and so
+            # may a proxy's 503; a client that comes back sooner only adds to the load it was refused for.
+            response = error.response
+            header = response.headers.get("retry-after", "").strip()
             retry_after = float(header) if header.isascii() and header.isdigit() else None
-            message = f"{what}: {error.status.code} {error.status.message}"
-            details = error.status.details
-            causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
-            raise ApiError(error.status.code, message, retry_after, causes) from None
+            try:
+                status = response.json()
+                status = status if isinstance(status, dict) and isinstance(status.get("message"), str) else {}
+            except ValueError:  # an HTML page, a truncated body: not the API server's Status
+                status = {}
+            shown = " ".join(response.text.split())[:120] or "no body"
+            message = status.get("message") or f"{response.reason_phrase} (not the API server's Status: {shown})"
+            details = status.get("details") if isinstance(status.get("details"), dict) else {}
+            listed = details.get("causes") if isinstance(details.get("causes"), list) else []
+            causes = tuple(str(cause.get("reason") or "") for cause in listed if isinstance(cause, dict))
+            code = response.status_code
+            raise ApiError(code, f"{what}: {code} {message}", retry_after, causes) from None
         except ExecCredentialError as error:  # the kubeconfig's credential plugin gave no token
             raise ApiError(None, f"{what}: {error}") from None
-        except self._transport_error as error:
+        except self._transport_error as error:  # no answer: refused, reset mid-body, timed out
             # httpx2's error for a server certificate the configured CA did not sign says nothing
             # (trio's BrokenResourceError inside): the reason, ssl's "CERTIFICATE_VERIFY_FAILED",
             # is further down its causes.
@@ -10223,6 +10237,7 @@ async def list_and_watch(
     list_at: str | None = "0"  # list before the next watch, at this version; None: watch
     delay = DRA_WATCH_BACKOFF[0]
     expired = 0  # 410s in a row, each right after a list, with nothing from the server in between
+    failing = False  # a failure was warned of: the next ones are debug lines until an answer comes
     while True:
         try:
             if list_at is not None:
@@ -10250,6 +10265,9 @@ async def list_and_watch(
                         # The backoff ends when a watch brings something, not when a list works: a
                         # watch that fails right after each list would otherwise list again and again.
                         brought, expired, delay = True, 0, DRA_WATCH_BACKOFF[0]
+                        if failing:  # one line when the server fails, one when it answers again
+                            log.info("DRA: watching %s: the API server answers again", what)
+                            failing = False
             expired = 0
             if quiet.cancelled_caught:
                 log.debug("DRA: watching %s: nothing, not even a bookmark, for a while; watching again", what)
@@ -10269,7 +10287,9 @@ async def list_and_watch(
             if error.status == 403 and stop_when_forbidden:
                 raise
             wait = jittered(max(delay, error.retry_after or 0.0))
-            log.warning("DRA: watching %s: %s; again in %.2g s", what, error, wait)
+            level = logging.DEBUG if failing else logging.WARNING
+            log.log(level, "DRA: watching %s: %s; again in %.2g s, and quietly until it answers", what, error, wait)
+            failing = True
             await trio.sleep(wait)
             delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
 

@@ -9,12 +9,17 @@ script that forks, calls setsid and forks again.
 
 from __future__ import annotations
 
+import functools
+import logging
 import socket
+from pathlib import Path
 
 import pytest
 import trio
+import yaml
 
 import gopherplug as gp
+import gopherplug_standins as standins
 import test_hostile
 from test_hostile import RESOURCE
 
@@ -115,3 +120,117 @@ async def test_a_peer_that_accepts_and_closes_is_spoken_of_not_pythons_classes(n
     for line in said:
         assert "the server closed the connection" in line or "connection closed" in line or "connection lost" in line
         assert not any(word in line for word in PYTHONS_WORDS), line
+
+
+# ---------------------------------------------------------------------------------------------------
+# The API server's answers
+
+
+def kubeconfig(path: Path, server: str) -> str:
+    document = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path.write_text(yaml.safe_dump(document))
+    return str(path)
+
+
+SLICE = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceSlice",
+    "metadata": {"name": "node-1-gopher"},
+    "spec": {"driver": "gopherplug.example.com", "nodeName": "node-1", "pool": {"name": "p", "resourceSliceCount": 1}},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(standins.ERROR_SHAPES))
+async def test_every_error_answer_of_the_api_server_or_a_proxy_is_an_api_error(nursery, tmp_path, monkeypatch, shape):
+    """lightkube makes its ApiError only of an answer typed exactly application/json, and of a Status:
+    a load balancer's HTML 502/503/504, a 503 without Content-Type, a Status with a charset, a body
+    that is not JSON came out as httpx's HTTPStatusError, a KeyError or a JSON error, which ended the
+    driver. Every one is now gopherplug's ApiError, with the status (None: no answer) and Retry-After,
+    for a list, a get and a write alike."""
+    monkeypatch.setattr(gp, "API_REQUEST_TIMEOUT", 1.0)  # "hang": given up on after this
+    api = standins.ApiServerSimulator()
+    api.put_node("node-1", "uid-1")
+    await nursery.start(api.run)
+    client = gp.KubeApi.connect(kubeconfig=kubeconfig(tmp_path / "kubeconfig", api.url))
+    status, _, _ = standins.ERROR_SHAPES[shape]
+    status = None if shape in ("reset", "close", "hang") else status  # no whole answer came
+    try:
+        calls = {
+            "list": lambda: client.list_slices("node-1", "gopherplug.example.com"),
+            "get": lambda: client.get_node("node-1"),
+            "create": lambda: client.create_slice(SLICE),
+        }
+        for verb, call in calls.items():
+            api.garble(shape, verb=verb)
+            with trio.fail_after(SLOW + 1), pytest.raises(gp.ApiError) as refused:
+                await call()
+            assert refused.value.status == status, str(refused.value)
+            assert refused.value.retry_after == (2.0 if status in (429, 503) else None)
+            said = str(refused.value)
+            assert "\n" not in said and len(said) < 300, said
+            assert not any(word in said for word in ("KeyError", "HTTPStatusError", "Traceback")), said
+        assert api.garbled[shape] == 3
+        assert (await client.get_node("node-1"))["metadata"]["uid"] == "uid-1"  # and the next answer is taken
+    finally:
+        await client.aclose()
+
+
+async def test_a_refused_connection_is_an_api_error_without_a_status(tmp_path):
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # closed again before the request: nothing listens there
+    client = gp.KubeApi.connect(kubeconfig=kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}"))
+    try:
+        with trio.fail_after(SLOW), pytest.raises(gp.ApiError) as refused:
+            await client.get_node("node-1")
+    finally:
+        await client.aclose()
+    assert refused.value.status is None
+    assert "get Node node-1: " in str(refused.value)
+
+
+async def test_the_api_server_failing_is_one_line_and_its_return_another(nursery, tmp_path, caplog):
+    """A Status-JSON 503 was survived, but with one WARNING per retry and nothing when the server was
+    back. Now: a warning at the first failure, one line when it answers again, debug in between."""
+    caplog.set_level(logging.DEBUG, logger="gopherplug")
+    api = standins.ApiServerSimulator()
+    api.put_node("node-1", "uid-1")
+    await nursery.start(api.run)
+    client = gp.KubeApi.connect(kubeconfig=kubeconfig(tmp_path / "kubeconfig", api.url))
+    seen = trio.Event()
+    api.garble("html-503", times=3, verb="watch", resource="nodes")
+    try:
+        async with trio.open_nursery() as watching:
+            watching.start_soon(
+                functools.partial(
+                    gp.list_and_watch,
+                    "Node node-1",
+                    functools.partial(client.list_node, "node-1"),
+                    functools.partial(client.watch_node, "node-1"),
+                    lambda items, version: None,
+                    lambda kind, item: seen.set() if kind == "MODIFIED" else None,
+                )
+            )
+            with trio.fail_after(60):
+                while api.garbled["html-503"] < 3:
+                    await api.changed.wait_touched()
+                while not seen.is_set():
+                    api.put_node("node-1", "uid-1", {"example.com/gopher": "1"})
+                    with trio.move_on_after(1):
+                        await seen.wait()
+            watching.cancel_scope.cancel()
+    finally:
+        await client.aclose()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "Node node-1" in r.getMessage()]
+    warned = [message for level, message in lines if level >= logging.WARNING]
+    assert len(warned) == 1 and "503 Service Unavailable" in warned[0], lines
+    assert [m for level, m in lines if level == logging.INFO] == [
+        "DRA: watching Node node-1: the API server answers again"
+    ]
