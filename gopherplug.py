@@ -7462,13 +7462,21 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them).
-_RUNNING: set[int] = set()
+#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them), each
+#: with the mark its environment carries (GOPHERPLUG_PROGRAM), and so what it starts.
+_RUNNING: dict[int, str] = {}
 
 
 def _kill_process_group(pid: int) -> None:
+    """Kill a program's process group, and what it started that left the group: a daemon (fork,
+    setsid, fork) is in a session of its own, but keeps the environment, and so the program's mark."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    marked = f"\0GOPHERPLUG_PROGRAM={_RUNNING.get(pid)}\0".encode()
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{name}/environ", "rb") as environ:
+            if marked in b"\0" + environ.read():  # gone, not a process or not ours to read: passed over
+                os.kill(int(name), signal.SIGKILL)
 
 
 def _reap_orphans() -> None:
@@ -7514,22 +7522,24 @@ async def run_program(
     cannot be started.
 
     Resource handling: the program runs in its own process group, killed whole once the program
-    exits, at ``timeout`` and when cancelled: nothing it started outlives it. Its answer is taken
+    exits, at ``timeout`` and when cancelled, with what left the group (_kill_process_group):
+    nothing it started outlives it. Its answer is taken
     when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
     pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
     reaped, before any other task runs: its ID cannot have gone to another program of ours."""
     stdout, stderr = bytearray(), bytearray()
     too_much = timed_out = False
+    mark = os.urandom(8).hex()
     process = await trio.lowlevel.open_process(
         list(argv),
-        env=env,
+        env={**env, "GOPHERPLUG_PROGRAM": mark},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE if limit else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
         pass_fds=fds,
     )
-    _RUNNING.add(process.pid)
+    _RUNNING[process.pid] = mark
 
     async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
         nonlocal too_much
@@ -7559,7 +7569,7 @@ async def run_program(
             _kill_process_group(process.pid)
             with trio.CancelScope(shield=True):
                 await process.wait()
-        _RUNNING.discard(process.pid)
+        _RUNNING.pop(process.pid, None)
         _reap_orphans()
     kept = None if too_much or not limit else bytes(stdout)
     return Ran(None if timed_out else process.returncode, kept, bytes(stderr))

@@ -9,8 +9,10 @@ script that forks, calls setsid and forks again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -234,3 +236,38 @@ async def test_the_api_server_failing_is_one_line_and_its_return_another(nursery
     assert [m for level, m in lines if level == logging.INFO] == [
         "DRA: watching Node node-1: the API server answers again"
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The programs a resource runs
+
+
+async def test_a_daemon_that_describe_starts_ends_with_it(tmp_path):
+    """A describe that daemonizes (fork, setsid, fork: the daemon in a session and process group of
+    its own) outlived every run, as killing the program's process group does not reach it. Now it
+    is killed with the program, found by the mark its environment inherited."""
+    pid_file = tmp_path / "daemon.pid"
+    daemon = tmp_path / "daemon"
+    daemon.write_text(f"#!/bin/sh\necho $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}\nexec sleep 300\n")
+    script = tmp_path / "describe"
+    lines = [f"setsid sh -c '{daemon} &' </dev/null >/dev/null 2>&1 &", f"while [ ! -e {pid_file} ]; do :; done"]
+    script.write_text("#!/bin/sh\n" + "\n".join(lines) + "\necho '{\"g1\": {}}'\n")
+    for program in (daemon, script):
+        program.chmod(0o755)
+    config = {"device_plugin_dir": str(tmp_path), "resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}
+    resource = dataclasses.replace(
+        gp.parse_config(yaml.safe_dump(config), "t.yaml").resources[0], describe=(str(script),)
+    )
+    with trio.fail_after(gp.DESCRIBE_TIMEOUT / 2):
+        described, _ = await gp.run_describe(resource, ["g1"])
+    assert described == {"g1": gp.ReadValues({}, {})}
+    daemon_pid = int(pid_file.read_text())
+    try:  # SIGKILL was sent; its death follows: a pidfd turns readable when the process has ended
+        pidfd = os.pidfd_open(daemon_pid)
+    except ProcessLookupError:
+        return  # ended and reaped already
+    try:
+        with trio.fail_after(SLOW):  # a daemon left alive would keep it unreadable
+            await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
