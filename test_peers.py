@@ -22,11 +22,13 @@ import yaml
 
 import gopherplug as gp
 import gopherplug_standins as standins
+import test_gopherplug
 import test_hostile
 from test_hostile import RESOURCE
 
 serving = test_hostile.serving  # the fixture: a `gopherplug serve` with its kubelet
 short_path = test_hostile.short_path  # the fixture: a directory short enough for unix sockets
+dra_node, sockdir = test_gopherplug.dra_node, test_gopherplug.sockdir  # a DRA node, its API server
 
 v1beta1 = gp.v1beta1
 #: What a probe or an answer may take here, a generous bound on a loaded machine (the kubelet's
@@ -271,3 +273,33 @@ async def test_a_daemon_that_describe_starts_ends_with_it(tmp_path):
             await trio.lowlevel.wait_readable(pidfd)
     finally:
         os.close(pidfd)
+
+
+@pytest.mark.parametrize(
+    ("shape", "verb", "resource"),
+    [
+        ("item-without-metadata", "list", "resourceslices"),
+        ("slice-without-spec", "update", "resourceslices"),
+        ("node-status-not-a-mapping", "list", "nodes"),
+        ("node-allocatable-a-list", "list", "nodes"),
+    ],
+)
+async def test_a_200_of_the_wrong_shape_is_retried_and_the_driver_serves_on(dra_node, shape, verb, resource):
+    """Watch events were checked, list items and write answers were not: a listed slice without
+    metadata, a slice written and answered without spec, a Node whose status or allocatable is no
+    mapping ended the DRA driver with a KeyError or an AttributeError. Now each is the API server's
+    failure, said and retried, and the driver converges once the answers are right again."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(60):
+        await dra_node.start()
+        await dra_node.wait_for_slices(["gopher0"])
+        dra_node.api.garble(shape, verb=verb, resource=resource)
+        if verb == "list":  # a list comes after a watch's 410
+            dra_node.api.expire_watches()
+        else:
+            (dra_node.devices / "gopher1").touch()
+        while not dra_node.api.garbled[shape]:
+            await dra_node.api.changed.wait_touched()
+        (dra_node.devices / "gopher2").touch()
+        names = ["gopher0", "gopher2"] if verb == "list" else ["gopher0", "gopher1", "gopher2"]
+        await dra_node.wait_for_slices(names)
