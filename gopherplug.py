@@ -5161,7 +5161,7 @@ async def hold_back_foreign_holds(
 #     _streams, _allocate_stream(stream_id), _listen() (the client's reader loop) and the
 #     _reader_thread() task its __aenter__ starts on the client side
 #   - purerpc.grpc_socket.GRPCStream: _incoming_events (an anyio memory stream pair), _close_remote(),
-#     _flow_control_update_event (an anyio Event its sender waits on)
+#     _flow_control_update_event and _wait_flow_control_update() (its sender waits for a window)
 #   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, the
 #     _stream_reset(event) hook that turns h2's StreamReset into gRPC events (stock: none), and
 #     the class attributes MAX_INBOUND_FRAME_SIZE and MAX_CONCURRENT_STREAMS it announces
@@ -5266,7 +5266,7 @@ MAX_CONNECTION_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 2**20
 #: How much may wait to be written to one connection before its reader and senders pause until the
 #: peer has read it, as grpc-go's writeQuota blocks a sender. The kubelet reads all the time; a
 #: peer that does not read costs no more than this and one message in flight.
-SEND_QUEUE_LIMIT = 2**20
+SEND_QUEUE_LIMIT = 2**17
 
 #: The gRPC message encodings a request may use. The kubelet never compresses, but any gRPC client
 #: may: gzip and deflate are decompressed into at most KUBELET_MAX_MESSAGE bytes (more is
@@ -5911,9 +5911,7 @@ async def _answer_call(
                 responses = bound.method_fn(message, request=request)
                 try:
                     async for response in responses:
-                        if stream._socket.backlog() > SEND_QUEUE_LIMIT:
-                            await stream._socket.room()  # a peer that does not read gets nothing more queued
-                        await stream.send_message(response)
+                        await _send_in_frames(stream, response.SerializeToString())
                 finally:
                     # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
                     with trio.CancelScope(shield=True):
@@ -5922,6 +5920,23 @@ async def _answer_call(
     except RPCError as error:
         status = Status(error.code, error.message)
     await _close_stream(stream, status)
+
+
+async def _send_in_frames(stream: GRPCProtoStream, data: bytes) -> None:
+    """Send a message as purerpc's _send does, but from ``data`` itself (the list all streams share;
+    purerpc copies it per stream), 16 KiB at a time (whatever frames the peer allows), each once the
+    queue has room: a peer that opened its windows and never reads holds SEND_QUEUE_LIMIT."""
+    connection, view = stream._grpc_connection, memoryview(b"\0" + len(data).to_bytes(4, "big"))
+    for piece in (view, memoryview(data)):
+        while piece:
+            if stream._socket.backlog() > SEND_QUEUE_LIMIT:
+                await stream._socket.room()  # a peer that does not read gets nothing more queued
+            if (window := min(connection.flow_control_window(stream.stream_id), 2**14)) <= 0:
+                await stream._wait_flow_control_update()
+                continue
+            connection.send_data(stream.stream_id, piece[:window])
+            piece = piece[window:]
+            await stream._socket.flush()
 
 
 async def _close_stream(stream: GRPCProtoStream, status: Status) -> None:
@@ -6090,6 +6105,8 @@ async def _serve_connection(
     finally:
         connections.discard(connection)
         server.calls_ended.touch()
+        if connection._socket.backlog():  # a peer left that did not read all it was sent: what its
+            _release_freed_memory()  # queue held goes back to the kernel, not kept by malloc for good
 
 
 def _innermost(error: BaseException) -> BaseException:
