@@ -7475,8 +7475,7 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them), each
-#: with the mark its environment carries (GOPHERPLUG_PROGRAM), and so what it starts.
+#: The programs run_program runs now (_reap_orphans leaves them to trio), each with its environment's mark.
 _RUNNING: dict[int, str] = {}
 
 
@@ -10216,13 +10215,8 @@ def _shaped(what: str, kind: str, item: Any) -> dict[str, Any]:
     pool = spec.get("pool") if isinstance(spec, dict) else None
     pooled = isinstance(pool, dict) and isinstance(pool.get("name"), str) and isinstance(pool.get("generation"), int)
     status = (item.get("status") or {}) if kind == "Node" else {}
-    if not (
-        isinstance(metadata, dict)
-        and isinstance(metadata.get("name"), str)
-        and (pooled or kind != "ResourceSlice")
-        and isinstance(status, dict)
-        and isinstance(status.get("allocatable") or {}, dict)
-    ):
+    named = isinstance(metadata, dict) and isinstance(metadata.get("name"), str) and (pooled or kind != "ResourceSlice")
+    if not named or not isinstance(status, dict) or not isinstance(status.get("allocatable") or {}, dict):
         raise WatchEventError(f"{what}: a {kind} of the wrong shape: {json.dumps(item)[:100]}")
     return dict(item)
 
@@ -10326,8 +10320,8 @@ async def list_and_watch(
             if error.status == 403 and stop_when_forbidden:
                 raise
             wait = jittered(max(delay, error.retry_after or 0.0))
-            said = "DRA: watching %s: %s; again in %.2g s, and quietly until it answers"
-            log.log(logging.DEBUG if failing else logging.WARNING, said, what, error, wait)
+            level = logging.DEBUG if failing else logging.WARNING  # said once, until the server answers
+            log.log(level, "DRA: watching %s: %s; again in %.2g s", what, error, wait)
             failing = True
             await trio.sleep(wait)
             delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
