@@ -3347,7 +3347,7 @@ def allocated_devices(
 ) -> list[DeviceEntry]:
     """The devices behind the kubelet's IDs, each once, in the order of the IDs.
 
-    Raises RPCError(INVALID_ARGUMENT) naming every ID that is not a current device (or replica), and
+    Raises RPCError(INVALID_ARGUMENT) naming the IDs that are no current device (or replica), and
     RPCError(FAILED_PRECONDITION) for an unhealthy device: the kubelet then fails the pod with
     UnexpectedAdmissionError instead of starting it without a working device.
     """
