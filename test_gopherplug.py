@@ -3409,7 +3409,7 @@ async def test_allocate_unknown_ids_is_invalid_argument(nursery, node, caplog):
         "unknown example.com/gopher device IDs: g7",
     )
     refused = [(r.levelname, r.getMessage()) for r in caplog.records if "refused Allocate" in r.getMessage()]
-    assert refused == [("WARNING", f"{RESOURCE}: refused Allocate of g1,g7: unknown {RESOURCE} device IDs: g7")]
+    assert refused == [("WARNING", f"{RESOURCE}: refused Allocate of g1, g7: unknown {RESOURCE} device IDs: g7")]
 
 
 async def test_device_changes_reach_the_kubelet(nursery, node, tmp_path):
