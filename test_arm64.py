@@ -153,14 +153,19 @@ def ctr(tier: rt.Run, *args: str, timeout: float = TIMEOUT) -> subprocess.Comple
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def run_image(tier: rt.Run, image: str, config: dict[str, object], *args: str) -> tuple[int, str, float]:
+def run_image(tier: rt.Run, manifest: str, image: str, *args: str) -> tuple[int, str, float]:
     """``image``'s entrypoint with ``args`` in a container of its own (`ctr run`: the host's network,
-    a cgroup under the run's parent), the manifest's configuration mounted where the DaemonSet
-    mounts it: its exit code, its output, and the seconds it took."""
+    a cgroup under the run's parent), with the manifest's ConfigMap mounted where its DaemonSet mounts
+    it and the container's plain environment (GOPHERPLUG_CONFIG): its exit code, its output, and the
+    seconds it took."""
+    if "/" not in image.split(":")[0]:
+        image = f"docker.io/library/{image}"  # as ctr import named it: ctr normalises no reference
     name = f"arm64-{secrets.token_hex(3)}"
     where = tier.root / name
     where.mkdir()
-    (where / "config.yaml").write_text(yaml.safe_dump(config))
+    (where / "config.yaml").write_text(yaml.safe_dump(rt.manifest_config(manifest)))
+    (container,) = rt.manifest_pod(manifest)["spec"]["containers"]
+    env = [f"--env={item['name']}={item['value']}" for item in container.get("env", []) if "value" in item]
     started = time.monotonic()
     done = ctr(
         tier,
@@ -173,6 +178,7 @@ def run_image(tier: rt.Run, image: str, config: dict[str, object], *args: str) -
         f"{tier.cgroup_parent}/{name}",
         "--mount",
         f"type=bind,src={where},dst=/etc/gopherplug,options=rbind:ro",
+        *env,
         image,
         name,
         *args,
@@ -219,12 +225,11 @@ def test_the_arm64_dra_image_checks_its_config_and_runs_the_demo(arm64_tier):
     shipped ConfigMap, and `demo --dra` (its dependencies' arm64 wheels: msgspec, PyYAML's and
     protobuf's extension modules, all imported)."""
     image = rt.image_of(rt.manifest_pod("daemonset-dra.yaml"))
-    config = rt.manifest_config("daemonset-dra.yaml")
-    code, said, took = run_image(arm64_tier, image, config, "gopherplug", "check-config")
+    code, said, took = run_image(arm64_tier, "daemonset-dra.yaml", image, "gopherplug", "check-config")
     FIGURES["dra image: check-config (s)"] = took
     assert code == 0, said
     assert said.startswith("/etc/gopherplug/config.yaml: OK: 1 resource(s)"), said
-    code, said, took = run_image(arm64_tier, image, config, "gopherplug", "demo", "--dra")
+    code, said, took = run_image(arm64_tier, "daemonset-dra.yaml", image, "gopherplug", "demo", "--dra")
     FIGURES["dra image: demo --dra (s)"] = took
     assert code == 0, said
     assert "NodePrepareResources(" in said and "done: plugin stopped" in said, said
@@ -235,13 +240,7 @@ def test_the_arm64_distroless_image_checks_its_config(arm64_tier):
     python3.11) runs gopherplug from its --target directory."""
     image = rt.image_of(rt.manifest_pod("daemonset.yaml")) + "-distroless"
     code, said, took = run_image(
-        arm64_tier,
-        image,
-        rt.manifest_config("daemonset.yaml"),
-        "/usr/bin/python3.11",
-        "-m",
-        "gopherplug",
-        "check-config",
+        arm64_tier, "daemonset.yaml", image, "/usr/bin/python3.11", "-m", "gopherplug", "check-config"
     )
     FIGURES["distroless image: check-config (s)"] = took
     assert code == 0, said
