@@ -365,10 +365,7 @@ KUBELET_PRE_START_TIMEOUT = 30.0
 # table is byte-for-byte the one protoc makes from that file (the test suite checks it).
 _MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "Empty": (),
-    "DevicePluginOptions": (
-        ("pre_start_required", 1, "bool"),
-        ("get_preferred_allocation_available", 2, "bool"),
-    ),
+    "DevicePluginOptions": (("pre_start_required", 1, "bool"), ("get_preferred_allocation_available", 2, "bool")),
     "RegisterRequest": (
         ("version", 1, "string"),
         ("endpoint", 2, "string"),
@@ -376,11 +373,7 @@ _MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("options", 4, "DevicePluginOptions"),
     ),
     "ListAndWatchResponse": (("devices", 1, "repeated Device"),),
-    "Device": (
-        ("ID", 1, "string"),
-        ("health", 2, "string"),
-        ("topology", 3, "TopologyInfo"),
-    ),
+    "Device": (("ID", 1, "string"), ("health", 2, "string"), ("topology", 3, "TopologyInfo")),
     "TopologyInfo": (("nodes", 1, "repeated NUMANode"),),
     "NUMANode": (("ID", 1, "int64"),),
     "PreferredAllocationRequest": (("container_requests", 1, "repeated ContainerPreferredAllocationRequest"),),
@@ -401,16 +394,8 @@ _MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("annotations", 4, "map<string, string>"),
         ("cdi_devices", 5, "repeated CDIDevice"),
     ),
-    "Mount": (
-        ("container_path", 1, "string"),
-        ("host_path", 2, "string"),
-        ("read_only", 3, "bool"),
-    ),
-    "DeviceSpec": (
-        ("container_path", 1, "string"),
-        ("host_path", 2, "string"),
-        ("permissions", 3, "string"),
-    ),
+    "Mount": (("container_path", 1, "string"), ("host_path", 2, "string"), ("read_only", 3, "bool")),
+    "DeviceSpec": (("container_path", 1, "string"), ("host_path", 2, "string"), ("permissions", 3, "string")),
     "CDIDevice": (("name", 1, "string"),),
     "PreStartContainerRequest": (("devices_ids", 1, "repeated string"),),
     "PreStartContainerResponse": (),
@@ -644,10 +629,7 @@ _REGISTRATION_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("endpoint", 3, "string"),
         ("supported_versions", 4, "repeated string"),
     ),
-    "RegistrationStatus": (
-        ("plugin_registered", 1, "bool"),
-        ("error", 2, "string"),
-    ),
+    "RegistrationStatus": (("plugin_registered", 1, "bool"), ("error", 2, "string")),
     "RegistrationStatusResponse": (),
     "InfoRequest": (),
 }
@@ -661,10 +643,7 @@ _REGISTRATION_SERVICES = {
 _DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "NodePrepareResourcesRequest": (("claims", 1, "repeated Claim"),),
     "NodePrepareResourcesResponse": (("claims", 1, "map<string, NodePrepareResourceResponse>"),),
-    "NodePrepareResourceResponse": (
-        ("devices", 1, "repeated Device"),
-        ("error", 2, "string"),
-    ),
+    "NodePrepareResourceResponse": (("devices", 1, "repeated Device"), ("error", 2, "string")),
     "Device": (
         ("request_names", 1, "repeated string"),
         ("pool_name", 2, "string"),
@@ -678,11 +657,7 @@ _DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "NodeUnprepareResourcesRequest": (("claims", 1, "repeated Claim"),),
     "NodeUnprepareResourcesResponse": (("claims", 1, "map<string, NodeUnprepareResourceResponse>"),),
     "NodeUnprepareResourceResponse": (("error", 1, "string"),),
-    "Claim": (
-        ("namespace", 1, "string"),
-        ("uid", 2, "string"),
-        ("name", 3, "string"),
-    ),
+    "Claim": (("namespace", 1, "string"), ("uid", 2, "string"), ("name", 3, "string")),
 }
 _DRA_SERVICES = {
     "DRAPlugin": (
@@ -704,10 +679,7 @@ _DRA_HEALTH_PACKAGE = "v1alpha1"
 _DRA_HEALTH_ENUMS = {"HealthStatus": ("UNKNOWN", "HEALTHY", "UNHEALTHY")}
 _DRA_HEALTH_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "NodeWatchResourcesRequest": (),
-    "DeviceIdentifier": (
-        ("pool_name", 1, "string"),
-        ("device_name", 2, "string"),
-    ),
+    "DeviceIdentifier": (("pool_name", 1, "string"), ("device_name", 2, "string")),
     "DeviceHealth": (
         ("device", 1, "DeviceIdentifier"),
         ("health", 2, "HealthStatus"),
@@ -857,11 +829,7 @@ _PODRESOURCES_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("memory", 4, "repeated ContainerMemory"),
         ("dynamic_resources", 5, "repeated DynamicResource"),
     ),
-    "ContainerMemory": (
-        ("memory_type", 1, "string"),
-        ("size", 2, "uint64"),
-        ("topology", 3, "TopologyInfo"),
-    ),
+    "ContainerMemory": (("memory_type", 1, "string"), ("size", 2, "uint64"), ("topology", 3, "TopologyInfo")),
     "ContainerDevices": (
         ("resource_name", 1, "string"),
         ("device_ids", 2, "repeated string"),
@@ -882,10 +850,7 @@ _PODRESOURCES_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("share_id", 5, "optional string"),
     ),
     "CDIDevice": (("name", 1, "string"),),
-    "GetPodResourcesRequest": (
-        ("pod_name", 1, "string"),
-        ("pod_namespace", 2, "string"),
-    ),
+    "GetPodResourcesRequest": (("pod_name", 1, "string"), ("pod_namespace", 2, "string")),
     "GetPodResourcesResponse": (("pod_resources", 1, "PodResources"),),
 }
 _PODRESOURCES_SERVICES = {
