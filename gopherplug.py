@@ -3724,11 +3724,27 @@ def dra_claim_env_cdi_name(uid: str, request: str) -> str:
     return f"{uid}_{request}"
 
 
-def claim_env(
-    claim: Mapping[str, Any],
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-) -> dict[tuple[CDIConfig, str], dict[str, str]]:
+#: A DRA driver's pools: pool name -> its resource and devices.
+Pools = Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]
+
+
+def _claim_devices(
+    claim: Mapping[str, Any], driver: str, pools: Pools
+) -> Iterator[tuple[Any, ResourceConfig, DeviceEntry]]:
+    """The results of a claim's allocation that are ``driver``'s, each with the resource and device
+    it names in ``pools``; a result whose pool or device is not there is left out (prepared_devices
+    refuses the claim)."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    for result in results:
+        pool = result.get("pool", "")
+        if result.get("driver") == driver and pool in pools:
+            resource, devices = pools[pool]
+            device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
+            if device is not None:
+                yield result, resource, device
+
+
+def claim_env(claim: Mapping[str, Any], driver: str, pools: Pools) -> dict[tuple[CDIConfig, str], dict[str, str]]:
     """The env the device plugin's Allocate gives, per request of a claim: (CDI spec of the
     resource, request as containers name it) -> {<env>: "<id>,<id>"}, each value the IDs of the
     resource's devices allocated for that request, in the order of the claim's results, a device
@@ -3736,16 +3752,10 @@ def claim_env(
     order of their first result; a subrequest ("gpu/fast") counts as its request, whose devices
     it is. Two resources in one request (a DeviceClass that selects both) have each their own
     <env>; two of one CDI kind share the kind's CDI device (its name is per kind and request)."""
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     kinds: dict[str, CDIConfig] = {}  # a kind's env device goes to the first spec of that kind
     ids: dict[tuple[CDIConfig, str], dict[str, list[str]]] = {}
-    for result in results:
-        pool = result.get("pool", "")
-        if result.get("driver") != driver or pool not in pools:
-            continue
-        resource, devices = pools[pool]
-        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
-        if device is None or resource.cdi is None:
+    for result, resource, device in _claim_devices(claim, driver, pools):
+        if resource.cdi is None:
             continue  # prepared_devices refuses the claim
         cdi = kinds.setdefault(resource.cdi.kind, resource.cdi)
         listed = ids.setdefault((cdi, dra_base_request(result.get("request", ""))), {}).setdefault(resource.env, [])
@@ -3754,11 +3764,7 @@ def claim_env(
     return {key: {env: ",".join(listed) for env, listed in envs.items()} for key, envs in ids.items()}
 
 
-def claim_cdi_specs(
-    claim: Mapping[str, Any],
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
+def claim_cdi_specs(claim: Mapping[str, Any], driver: str, pools: Pools) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
     """The CDI specs of a claim of this driver's devices, one per CDI kind, as prepared_devices
     names their devices:
 
@@ -3771,7 +3777,6 @@ def claim_cdi_specs(
       <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
       part of a shared resource), and two containers of one device differ in their CDI devices."""
     uid = str((claim.get("metadata") or {}).get("uid", ""))
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     specs: dict[CDIConfig, list[dict[str, Any]]] = {}
     for (cdi, request), envs in claim_env(claim, driver, pools).items():
         specs.setdefault(cdi, []).append(
@@ -3780,14 +3785,9 @@ def claim_cdi_specs(
                 "containerEdits": {"env": [f"{env}={value}" for env, value in envs.items()]},
             }
         )
-    for result in results:
-        share, pool = result.get("shareID"), result.get("pool", "")
-        if not share or result.get("driver") != driver or pool not in pools:
-            continue
-        resource, devices = pools[pool]
-        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
-        if device is None or resource.cdi is None:
-            continue  # prepared_devices refuses the claim
+    for result, resource, device in _claim_devices(claim, driver, pools):
+        if not (share := result.get("shareID")) or resource.cdi is None:
+            continue  # not a share, or a claim prepared_devices refuses
         edits = _cdi_edits(resource, device)
         edits["env"] = [*edits["env"], f"{_device_env(resource, device.id)}_SHARE={share}"]
         specs.setdefault(resource.cdi, []).append(
@@ -4319,7 +4319,7 @@ DRA_HEALTH_TIMEOUT = 30
 _DRA_HEALTH_MESSAGE_LENGTH = 1024
 
 
-def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]], now: float) -> Any:
+def dra_health_response(pools: Pools, now: float) -> Any:
     """Every device of ``pools`` (pool name -> its resource and devices) with its health, as
     NodeWatchResources streams it: named as in its ResourceSlice, unhealthy with the reason."""
     return drahealth.NodeWatchResourcesResponse(
@@ -4432,24 +4432,18 @@ class ClaimError(GopherplugError):
 DRA_STATUS_DATA_MAX_LENGTH = 10 * 1024
 
 
-def claim_device_status(
-    claim: Mapping[str, Any], driver: str, pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]
-) -> list[dict[str, Any]]:
+def claim_device_status(claim: Mapping[str, Any], driver: str, pools: Pools) -> list[dict[str, Any]]:
     """The claim's status.devices entries for ``driver``'s results (KEP-4817, AllocatedDeviceStatus
     in k8s.io/api/resource/v1): one per device of this driver's pools, named by driver, pool and
     device as its result is (the API server refuses an entry that matches no result), with
     ``data`` a JSON object: the device's ID and its paths on the node (each member's, for a device
     of several entries). Paths are left out if they would make data longer than the API takes."""
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     # A share's entry names its shareID too: the API server matches an entry to a result by
     # driver, pool, device and shareID (validateDeviceStatus), so each share of a device has one.
     entries: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for result in results:
+    for result, _, device in _claim_devices(claim, driver, pools):
         pool, name, share = result.get("pool", ""), result.get("device", ""), result.get("shareID") or ""
-        if result.get("driver") != driver or pool not in pools or (pool, name, share) in entries:
-            continue
-        device = next((d for d in pools[pool][1].values() if dra_device_name(d.id) == name), None)
-        if device is None:
+        if (pool, name, share) in entries:
             continue
         data: dict[str, Any] = {"id": device.id, "paths": [m.path for m in device.members] or [device.path]}
         if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
@@ -4474,12 +4468,7 @@ def dra_base_request(request: str) -> str:
     return request.split("/", 1)[0]
 
 
-def prepared_devices(
-    claim: Mapping[str, Any],
-    uid: str,
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-) -> list[Any]:
+def prepared_devices(claim: Mapping[str, Any], uid: str, driver: str, pools: Pools) -> list[Any]:
     """The devices a ResourceClaim (as the API server returns it) was allocated from this driver's
     ``pools`` (pool name -> its resource and devices), as NodePrepareResources answers them.
 
@@ -4608,10 +4597,7 @@ def dra_claim_metadata_dir(metadata_dir: str, namespace: str, name: str, uid: st
 
 
 def device_metadata_files(
-    claim: Mapping[str, Any],
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-    metadata_dir: str,
+    claim: Mapping[str, Any], driver: str, pools: Pools, metadata_dir: str
 ) -> list[DeviceMetadataFile]:
     """The device metadata files of a claim that prepared_devices accepted (KEP-5304, the protocol
     of kubernetes/dynamic-resource-allocation api/metadata, as its kubeletplugin writes it):
@@ -4632,16 +4618,9 @@ def device_metadata_files(
     metadata = claim.get("metadata") or {}
     namespace, name, uid = str(metadata.get("namespace", "")), str(metadata.get("name", "")), str(metadata.get("uid"))
     pod_claim_name = (metadata.get("annotations") or {}).get(DRA_POD_CLAIM_ANNOTATION) or None
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     by_request: dict[str, list[dict[str, Any]]] = {}  # full request reference -> its devices
-    for result in results:
+    for result, resource, device in _claim_devices(claim, driver, pools):
         pool, device_name = result.get("pool", ""), result.get("device", "")
-        if result.get("driver") != driver or pool not in pools:
-            continue
-        resource, devices = pools[pool]
-        device = next((d for d in devices.values() if dra_device_name(d.id) == device_name), None)
-        if device is None:
-            continue  # prepared_devices refuses the claim
         attributes = dra_device(resource, device)["attributes"]
         by_request.setdefault(str(result.get("request", "")), []).append(
             {
