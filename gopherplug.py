@@ -435,9 +435,7 @@ def _file_descriptor(
         service = file.service.add(name=service_name)
         for method_name, request, response, server_streaming in methods:
             method = service.method.add(
-                name=method_name,
-                input_type=f".{package}.{request}",
-                output_type=f".{package}.{response}",
+                name=method_name, input_type=f".{package}.{request}", output_type=f".{package}.{response}"
             )
             method.options.SetInParent()  # protoc writes an empty MethodOptions for an `{}` body
             if server_streaming:
@@ -8598,10 +8596,7 @@ async def register(
     """
     wake = (kubelet.changed,) if devices is None else (kubelet.changed, devices)
     request = v1beta1.RegisterRequest(
-        version=API_VERSION,
-        endpoint=endpoint,
-        resource_name=resource.name,
-        options=device_plugin_options(resource),
+        version=API_VERSION, endpoint=endpoint, resource_name=resource.name, options=device_plugin_options(resource)
     )
     delay, waiting_logged = _REGISTER_BACKOFF[0], False
     while still_serving():
@@ -12539,10 +12534,7 @@ async def probe(
 async def _probe_socket(path: str, result: ProbeResult) -> None:
     try:
         result.options = await call_unary(
-            path,
-            METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
-            v1beta1.Empty(),
-            timeout=PROBE_TIMEOUT,
+            path, METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"], v1beta1.Empty(), timeout=PROBE_TIMEOUT
         )
         try:  # the kubelet's streams; ours below carries PROBE_METADATA and is not counted
             result.status = await call_unary(path, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
@@ -13496,10 +13488,7 @@ class PodResourcesSimulator:
     """
 
     def __init__(
-        self,
-        socket_path: str,
-        kubelet: KubeletSimulator | None = None,
-        dra_kubelet: DraKubeletSimulator | None = None,
+        self, socket_path: str, kubelet: KubeletSimulator | None = None, dra_kubelet: DraKubeletSimulator | None = None
     ) -> None:
         self.socket_path = socket_path
         self.kubelet, self.dra_kubelet = kubelet, dra_kubelet
@@ -15011,9 +15000,7 @@ STOP_TIMEOUT = 3 * STOP_PART_TIMEOUT
 
 
 async def serve_until_signalled(
-    async_fn: Callable[..., Awaitable[object]],
-    *args: Any,
-    on_sighup: Callable[[], object] | None = None,
+    async_fn: Callable[..., Awaitable[object]], *args: Any, on_sighup: Callable[[], object] | None = None
 ) -> None:
     """Run ``async_fn(*args)`` until SIGTERM or SIGINT, then stop it as the command line stops:
     the entry point for a program of your own (``trio.run(serve_until_signalled, main)``).
