@@ -3055,10 +3055,7 @@ def _mode_refusal(path: str, access: int, uid: int, gids: Iterable[int], who: st
 
 def _access_errno(path: str, access: int) -> int:
     """Why access() refuses: its errno (0 if it does not). os.access() answers only yes or no."""
-    libc = _libc()
-    if libc.access(os.fsencode(path), access) == 0:
-        return 0
-    return ctypes.get_errno()
+    return 0 if _libc().access(os.fsencode(path), access) == 0 else ctypes.get_errno()
 
 
 @functools.cache
@@ -3069,10 +3066,7 @@ def _libc() -> ctypes.CDLL:
 
 def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
     """The NUMA node of a device node from sysfs; None when the kernel gives none (-1) or no file."""
-    kind = "char" if stat.S_ISCHR(mode) else "block"
-    return _read_numa_node(
-        os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device", "numa_node")
-    )
+    return _read_numa_node(os.path.join(_sysfs_link(sysfs_root, mode, rdev), "device", "numa_node"))
 
 
 def _read_numa_node(path: str) -> int | None:
@@ -3101,10 +3095,9 @@ def _pci_address(sysfs_root: str, mode: int, rdev: int) -> PciAddress | None:
     one whose subsystem is usb first means the node is a USB device's, not a PCI device's (the
     host controller is PCI, the adapter is not). The root is the first directory under devices/,
     as deviceattribute/pci.go reads it. None for anything else."""
-    kind = "char" if stat.S_ISCHR(mode) else "block"
     devices = os.path.realpath(os.path.join(sysfs_root, "devices"))
     try:
-        here = os.path.realpath(os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device"))
+        here = os.path.realpath(os.path.join(_sysfs_link(sysfs_root, mode, rdev), "device"))
     except OSError:
         return None
     while here.startswith(devices + os.sep):
@@ -6358,9 +6351,7 @@ def _inotify_limit(error: OSError, creating: bool) -> str | None:
         return "the node's limit of open files is reached (raise the sysctl fs.file-max)"
     if not creating and error.errno == errno.ENOSPC:
         return "the node's limit of inotify watches is reached (raise the sysctl fs.inotify.max_user_watches)"
-    if error.errno == errno.ENOMEM:
-        return "the kernel has no memory left for inotify"
-    return None
+    return "the kernel has no memory left for inotify" if error.errno == errno.ENOMEM else None
 
 
 # What serve says, and check-config before it (missing_extras), when an extra is not installed.
@@ -10942,9 +10933,7 @@ def _dra_problem(driver: DraDriver) -> str:
         return f"the kubelet refused it: {status.registration_error}"
     if status.dropped:
         return f"the kubelet registered it, then seems to have dropped it: {status.dropped}"
-    if not status.registered:
-        return f"no kubelet has registered it in {status.unregistered_seconds:.0f} s"
-    return ""
+    return "" if status.registered else f"no kubelet has registered it in {status.unregistered_seconds:.0f} s"
 
 
 async def _keep_serving(
