@@ -1014,11 +1014,8 @@ class DraConfig:
         if not self.pod_uid:
             return os.path.join(self.plugin_dir, "dra.sock")
         path = os.path.join(self.plugin_dir, f"dra-{self.pod_uid}.sock")
-        return (
-            path
-            if len(path) <= MAX_SOCKET_PATH
-            else os.path.join(self.plugin_dir, f"dra-{_url_safe_digest(self.pod_uid, 8)}.sock")
-        )
+        hashed = os.path.join(self.plugin_dir, f"dra-{_url_safe_digest(self.pod_uid, 8)}.sock")
+        return path if len(path) <= MAX_SOCKET_PATH else hashed
 
     @property
     def checkpoint(self) -> str:
@@ -12337,13 +12334,10 @@ class KubeletSimulator:
         """Call GetPreferredAllocation for one container and return the plugin's pick (after the
         same admission checks as allocate(): the kubelet asks only while allocating)."""
         self._admit(resource_name)
-        request = v1beta1.PreferredAllocationRequest(
-            container_requests=[
-                v1beta1.ContainerPreferredAllocationRequest(
-                    available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
-                )
-            ]
+        container = v1beta1.ContainerPreferredAllocationRequest(
+            available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
         )
+        request = v1beta1.PreferredAllocationRequest(container_requests=[container])
         response = await self._call(resource_name, "GetPreferredAllocation", request)
         return list(response.container_responses[0].deviceIDs)
 
@@ -12394,13 +12388,9 @@ class KubeletSimulator:
             raise RPCError(StatusCode.UNKNOWN, f'the ResourceName "{request.resource_name}" is invalid')
         # Dial back before answering: the plugin must already be serving.
         endpoint = os.path.join(self.device_plugin_dir, request.endpoint)
+        method = METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"]
         try:
-            options = await call_unary(
-                endpoint,
-                METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
-                v1beta1.Empty(),
-                timeout=KUBELET_DIAL_TIMEOUT,
-            )
+            options = await call_unary(endpoint, method, v1beta1.Empty(), timeout=KUBELET_DIAL_TIMEOUT)
         except RPCError as error:
             raise RPCError(StatusCode.UNKNOWN, f"failed to dial device plugin: {error.message}") from None
         # The kubelet keeps one client per resource *name* (registerClient): a new registration
@@ -12987,13 +12977,7 @@ class KubeletNarrator:
 
     def _state(self) -> tuple[Any, ...]:
         k = self.kubelet
-        return (
-            len(k.registrations),
-            len(k.refusals),
-            len(k.events),
-            k.starts,
-            [r.updates for r in k.resources.values()],
-        )
+        return len(k.registrations), len(k.refusals), len(k.events), k.starts, [r.updates for r in k.resources.values()]
 
     def __call__(self) -> None:
         kubelet, say, told = self.kubelet, self.say, self._told
@@ -13803,12 +13787,8 @@ class LenientApiServer:
             return
         if method == "GET" and len(parts) == 1:
             items = [item for item in self.slices.values() if matches(item)]
-            listed = {
-                "kind": "ResourceSliceList",
-                "apiVersion": "resource.k8s.io/v1",
-                "metadata": {"resourceVersion": str(self._version)},
-                "items": items,
-            }
+            meta = {"resourceVersion": str(self._version)}
+            listed = {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1", "metadata": meta, "items": items}
             await self._send(connection, stream, h11, 200, listed)
             return
         verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method)
