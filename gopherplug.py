@@ -503,15 +503,25 @@ class Method:
         return purerpc.RPCSignature(cardinality, self.request_type, self.response_type)
 
 
+def _methods(
+    package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]], messages: str | None = None
+) -> dict[str, Method]:
+    """Each RPC of ``services`` by its path, with the message classes of package ``messages``
+    (default: ``package``). DRAPlugin's v1beta1 paths take DRA v1's classes: the kubelet's
+    v1beta1 messages are the same on the wire, only its service path differs."""
+    messages = messages or package
+    return {
+        method.path: method
+        for service_name, methods in services.items()
+        for method in (
+            Method(f"{package}.{service_name}", name, _message_class(req, messages), _message_class(resp, messages), s)
+            for name, req, resp, s in methods
+        )
+    }
+
+
 #: Every RPC of v1beta1 by its path, e.g. METHODS["/v1beta1.Registration/Register"].
-METHODS: dict[str, Method] = {
-    method.path: method
-    for service_name, methods in _SERVICES.items()
-    for method in (
-        Method(f"{API_VERSION}.{service_name}", name, _message_class(request), _message_class(response), streaming)
-        for name, request, response, streaming in methods
-    )
-}
+METHODS: dict[str, Method] = _methods(API_VERSION, _SERVICES)
 
 # Not the kubelet's: gopherplug's own status service, served on each resource's socket beside
 # DevicePlugin. `gopherplug probe` asks it whether the kubelet is using the resource, which no
@@ -710,23 +720,6 @@ class drahealth:  # noqa: N801 - named after k8s.io/kubelet/pkg/apis/dra-health
     NodeWatchResourcesResponse = _message_class("NodeWatchResourcesResponse", _DRA_HEALTH_PACKAGE)
     NAMES = _DRA_HEALTH_ENUMS["HealthStatus"]  #: a HealthStatus value's name, by its number
     UNKNOWN, HEALTHY, UNHEALTHY = range(len(NAMES))
-
-
-def _methods(
-    package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]], messages: str | None = None
-) -> dict[str, Method]:
-    """Each RPC of ``services`` by its path, with the message classes of package ``messages``
-    (default: ``package``). DRAPlugin's v1beta1 paths take DRA v1's classes: the kubelet's
-    v1beta1 messages are the same on the wire, only its service path differs."""
-    messages = messages or package
-    return {
-        method.path: method
-        for service_name, methods in services.items()
-        for method in (
-            Method(f"{package}.{service_name}", name, _message_class(req, messages), _message_class(resp, messages), s)
-            for name, req, resp, s in methods
-        )
-    }
 
 
 #: The RPCs of the plugin watcher (the plugin serves them), of DRAPlugin in each version, and of
@@ -8755,7 +8748,10 @@ class ClaimCheckpoint:
             self.claims, self._read_as = {}, None  # the first start on this node
             return
         except OSError as error:
-            raise self._unreadable(error) from None
+            raise GopherplugError(
+                f"cannot read the checkpoint {self.path}: {_describe(error)}: it holds the claims prepared on this "
+                "node; make it readable, or move it away to start without them"
+            ) from None
         try:
             data = json.loads(text)
             if data.get("version") != self.VERSION or not isinstance(data.get("claims"), dict):
@@ -8767,12 +8763,6 @@ class ClaimCheckpoint:
             os.replace(self.path, aside)
             log.error("%s is unreadable (%s): moved to %s; starting with no prepared claims", self.path, error, aside)
             self.claims, self._read_as = {}, None
-
-    def _unreadable(self, error: OSError) -> GopherplugError:
-        return GopherplugError(
-            f"cannot read the checkpoint {self.path}: {_describe(error)}: it holds the claims prepared on this "
-            "node; make it readable, or move it away to start without them"
-        )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
         """The claim's own CDI specs, as add() was given them, by this pod or the other of a rolling update."""
