@@ -986,12 +986,8 @@ class DraConfig:
             return os.path.join(registry, f"{self.driver}-reg.sock")
         uid_hash = _url_safe_digest(self.pod_uid, 8)
         both_hash = _url_safe_digest(f"{self.driver}\0{self.pod_uid}", 16)
-        names = (
-            f"{self.driver}-{self.pod_uid}-reg.sock",
-            f"{self.driver}-{uid_hash}-reg.sock",
-            f"dra-{both_hash}-reg.sock",
-        )
-        paths = [os.path.join(registry, name) for name in names]
+        names = (f"{self.driver}-{self.pod_uid}", f"{self.driver}-{uid_hash}", f"dra-{both_hash}")
+        paths = [os.path.join(registry, f"{name}-reg.sock") for name in names]
         return next((path for path in paths if len(path) <= MAX_SOCKET_PATH), paths[-1])
 
     @property
@@ -3281,25 +3277,13 @@ def allocate_with_devices(
         for index, device in enumerate(chosen):
             fields = {"id": device.id, "path": device.path, "index": index}
             for spec in device.device_specs:
-                _add_once(
-                    specs,
-                    "device",
-                    v1beta1.DeviceSpec(
-                        host_path=spec.host_path,
-                        container_path=spec.container_path.format(**fields),
-                        permissions=spec.permissions,
-                    ),
-                )
+                inside = spec.container_path.format(**fields)
+                node = v1beta1.DeviceSpec(host_path=spec.host_path, container_path=inside, permissions=spec.permissions)
+                _add_once(specs, "device", node)
             for mount in device.mounts:
-                _add_once(
-                    mounts,
-                    "mount",
-                    v1beta1.Mount(
-                        host_path=mount.host_path,
-                        container_path=mount.container_path.format(**fields),
-                        read_only=mount.read_only,
-                    ),
-                )
+                inside = mount.container_path.format(**fields)
+                bind = v1beta1.Mount(host_path=mount.host_path, container_path=inside, read_only=mount.read_only)
+                _add_once(mounts, "mount", bind)
             for key, value in resource.annotations:
                 values = annotations.setdefault(key.format(**fields), [])
                 if (filled := value.format(**fields)) not in values:
@@ -6295,10 +6279,8 @@ def _configmap_config(text: str, path: str) -> tuple[str, str]:
         and isinstance(doc.get("data"), dict)
         and isinstance(doc["data"].get("config.yaml"), str)
     ]
-    names = [
-        f"{(doc.get('metadata') or {}).get('namespace', '')}/{(doc.get('metadata') or {}).get('name', '')}"
-        for doc in found
-    ]
+    metadata = [doc.get("metadata") or {} for doc in found]
+    names = [f"{each.get('namespace', '')}/{each.get('name', '')}" for each in metadata]
     if len(found) != 1:
         kinds = ", ".join(dict.fromkeys(str(doc.get("kind")) for doc in documents))
         what = (
@@ -10278,14 +10260,9 @@ class DriverPeers:
         """How far the pod behind the registration socket ``path`` serves (the class's docstring):
         0, _ANSWERS or _REGISTERED. Asked as a probe (PROBE_METADATA): the other pod does not count
         our GetInfo as its kubelet's."""
+        method, request = DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
         try:
-            info = await call_unary(
-                path,
-                DRA_METHODS[GET_INFO],
-                pluginregistration.InfoRequest(),
-                timeout=DRA_PEER_TIMEOUT,
-                metadata=(PROBE_METADATA,),
-            )
+            info = await call_unary(path, method, request, timeout=DRA_PEER_TIMEOUT, metadata=(PROBE_METADATA,))
         except RPCError:
             return 0  # wedged, still starting, or dead
         if info.name != self.config.driver:
@@ -10468,12 +10445,11 @@ class SlicePublisher:
         if found is None:
             self.node.set(None)
         else:
-            allocatable = (found.get("status") or {}).get("allocatable") or {}
+            status = found.get("status") or {}
+            allocatable = status.get("allocatable") or {}
             uid = str(found.get("metadata", {}).get("uid") or "")
             self.node.set({"uid": uid, "allocatable": {key: str(value) for key, value in allocatable.items()}})
-            self._say_kubelet_version(
-                str(((found.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion") or "")
-            )
+            self._say_kubelet_version(str((status.get("nodeInfo") or {}).get("kubeletVersion") or ""))
         self.node_known.set()
 
     def _say_kubelet_version(self, version: str) -> None:
@@ -10527,14 +10503,11 @@ class SlicePublisher:
         changes; DriverPeers.newer)."""
         newer = self.peers.newer()[0] if self.peers is not None else ""
         if newer != self.deferring.value:
+            driver = self.resources.driver
             if newer:
-                log.info(
-                    "DRA: a newer pod of driver %s serves (%s): the slices are left to it", self.resources.driver, newer
-                )
+                log.info("DRA: a newer pod of driver %s serves (%s): the slices are left to it", driver, newer)
             else:
-                log.info(
-                    "DRA: no newer pod of driver %s serves any more: writing the slices again", self.resources.driver
-                )
+                log.info("DRA: no newer pod of driver %s serves any more: writing the slices again", driver)
             self._retries.clear()  # whatever was due is compared again from scratch
             self.deferring.set(newer)
         return bool(newer)
@@ -10587,16 +10560,14 @@ class SlicePublisher:
         """One pass: every pool's slices as they should be, stale ones deleted, each on its own (the
         Go controller's per-pool work queue) with its own backoff. Returns when the next retry is
         due (trio's clock), None if none is."""
-        node, driver = self.resources.node_name, self.resources.driver
+        node, driver, taint = self.resources.node_name, self.resources.driver, self.resources.unhealthy_taint
         owner = self._owner()
         now = trio.current_time()
         pools = []
         for resource, devices in list(self.resources.served.values()):
             if devices.value is not RETIRED and resource.name not in self.held:
                 pool = dra_pool_name(node, resource.name)
-                slices = resource_slices(
-                    driver, node, resource, devices.value, 0, owner, self.resources.unhealthy_taint
-                )
+                slices = resource_slices(driver, node, resource, devices.value, 0, owner, taint)
                 pools.append((pool, resource, len(devices.value), slices))
         # Every pool's slices are wanted, also those of a pool waiting for its retry.
         wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
@@ -12537,10 +12508,8 @@ def probe_report(results: list[ProbeResult]) -> str:
             features.append(f"registered {'yes' if status.registered else 'no'}")
             streamed = "open" if status.streams else f"none for {status.unstreamed_seconds:.0f} s"
             features.append(f"kubelet stream {streamed}")
-        lines.append(
-            f"{result.resource}: {result.endpoint}: {_devices(len(result.devices))}, {healthy} healthy; "
-            + ", ".join(features)
-        )
+        summary = f"{result.resource}: {result.endpoint}: {_devices(len(result.devices))}, {healthy} healthy"
+        lines.append(f"{summary}; {', '.join(features)}")
         width = max([len("ID"), *(len(device.ID) for device in result.devices)])
         lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  NUMA")
         for device in result.devices:
@@ -12572,14 +12541,8 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
     """
     result = DraProbeResult(config.driver, config.registration_socket)
     try:
-        request = pluginregistration.InfoRequest()
-        result.info = await call_unary(
-            config.registration_socket,
-            DRA_METHODS[GET_INFO],
-            request,
-            timeout=PROBE_TIMEOUT,
-            metadata=(PROBE_METADATA,),
-        )
+        path, method, request = config.registration_socket, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
+        result.info = await call_unary(path, method, request, timeout=PROBE_TIMEOUT, metadata=(PROBE_METADATA,))
         endpoint = result.info.endpoint
         result.status = await call_unary(endpoint, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
         method, watch = DRA_METHODS[NODE_WATCH_RESOURCES], drahealth.NodeWatchResourcesRequest()
@@ -12621,9 +12584,8 @@ def dra_probe_report(result: DraProbeResult) -> str:
         f"{_devices(len(devices))}, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
         f"kubelet health streams {streamed}"
     ]
-    rows = [("POOL", "DEVICE", "HEALTH")] + [
-        (d.device.pool_name, d.device.device_name, drahealth.NAMES[d.health]) for d in devices
-    ]
+    rows = [("POOL", "DEVICE", "HEALTH")]
+    rows += [(d.device.pool_name, d.device.device_name, drahealth.NAMES[d.health]) for d in devices]
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     lines += [f"  {pool:<{widths[0]}}  {name:<{widths[1]}}  {health}" for pool, name, health in rows]
     return "\n".join(lines)
@@ -12799,9 +12761,8 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
     devices, lines = {d.id: d for d in scan.devices}, []
     if resource.device_plugin:
         kubelet_id = resource.replica_ids(device.id)[0]
-        request = v1beta1.AllocateRequest(
-            container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=[kubelet_id])]
-        )
+        wanted = v1beta1.ContainerAllocateRequest(devices_ids=[kubelet_id])
+        request = v1beta1.AllocateRequest(container_requests=[wanted])
         try:
             answer = allocate_response(resource, devices, request).container_responses[0]
         except RPCError as error:
@@ -13266,12 +13227,10 @@ class DraKubeletSimulator:
         # The kubelet's reconciler registers what the watcher found once a second, and a failed
         # registration starts again from GetInfo after a backoff: a socket seen at bind() is called
         # once it listens. Here, sooner. GetInfo has one second each time.
-        delay = 0.005
+        delay, request = 0.005, pluginregistration.InfoRequest()
         while True:
             try:
-                info = await call_unary(
-                    path, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest(), timeout=DRA_GET_INFO_TIMEOUT
-                )
+                info = await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
                 break
             except RPCError as error:
                 retried = error.code in (StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED)
@@ -13414,9 +13373,8 @@ class DraKubeletSimulator:
         known = self._driver(driver)
         chosen = next((v for v in self.health_versions if v in known.supported_versions), None)
         if chosen is None:
-            raise RPCError(
-                StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} lists none of {', '.join(self.health_versions)}"
-            )
+            spoken = ", ".join(self.health_versions)
+            raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} lists none of {spoken}")
         path = f"/{chosen}/NodeWatchResources"
         self.health_paths.append(path)
         method, request = DRA_METHODS[path], drahealth.NodeWatchResourcesRequest()
@@ -13522,14 +13480,8 @@ class PodResourcesSimulator:
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     """A meta/v1 Status, the API server's error document."""
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "status": "Failure" if code >= 400 else "Success",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
+    status = "Failure" if code >= 400 else "Success"
+    return {"kind": "Status", "apiVersion": "v1", "status": status, "message": message, "reason": reason, "code": code}
 
 
 def go_json(document: Any) -> bytes:
