@@ -3744,12 +3744,8 @@ def claim_cdi_specs(claim: Mapping[str, Any], driver: str, pools: Pools) -> list
     uid = str((claim.get("metadata") or {}).get("uid", ""))
     specs: dict[CDIConfig, list[dict[str, Any]]] = {}
     for (cdi, request), envs in claim_env(claim, driver, pools).items():
-        specs.setdefault(cdi, []).append(
-            {
-                "name": dra_claim_env_cdi_name(uid, request),
-                "containerEdits": {"env": [f"{env}={value}" for env, value in envs.items()]},
-            }
-        )
+        listed = {"env": [f"{env}={value}" for env, value in envs.items()]}
+        specs.setdefault(cdi, []).append({"name": dra_claim_env_cdi_name(uid, request), "containerEdits": listed})
     for result, resource, device in _claim_devices(claim, driver, pools):
         if not (share := result.get("shareID")) or resource.cdi is None:
             continue  # not a share, or a claim prepared_devices refuses
@@ -4410,16 +4406,11 @@ def claim_device_status(claim: Mapping[str, Any], driver: str, pools: Pools) -> 
         pool, name, share = result.get("pool", ""), result.get("device", ""), result.get("shareID") or ""
         if (pool, name, share) in entries:
             continue
+        shared = {"shareID": share} if share else {}
         data: dict[str, Any] = {"id": device.id, "paths": [m.path for m in device.members] or [device.path]}
         if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
             data = {"id": device.id}
-        entries[pool, name, share] = {
-            "driver": driver,
-            "pool": pool,
-            "device": name,
-            **({"shareID": share} if share else {}),
-            "data": data,
-        }
+        entries[pool, name, share] = {"driver": driver, "pool": pool, "device": name, **shared, "data": data}
     return list(entries.values())
 
 
@@ -4508,15 +4499,11 @@ def prepared_devices(claim: Mapping[str, Any], uid: str, driver: str, pools: Poo
         if (resource.cdi.kind, request) not in env_named:
             env_named.add((resource.cdi.kind, request))
             cdi_ids.append(f"{resource.cdi.kind}={dra_claim_env_cdi_name(uid, request)}")
-        answer.append(
-            drapb.Device(
-                request_names=[request],
-                pool_name=pool,
-                device_name=device_name,
-                cdi_device_ids=cdi_ids,
-                **({"share_id": share} if share else {}),
-            )
+        shared = {"share_id": share} if share else {}
+        prepared = drapb.Device(
+            request_names=[request], pool_name=pool, device_name=device_name, cdi_device_ids=cdi_ids, **shared
         )
+        answer.append(prepared)
     return answer
 
 
@@ -4587,14 +4574,9 @@ def device_metadata_files(
     for result, resource, device in _claim_devices(claim, driver, pools):
         pool, device_name = result.get("pool", ""), result.get("device", "")
         attributes = dra_device(resource, device)["attributes"]
-        by_request.setdefault(str(result.get("request", "")), []).append(
-            {
-                "driver": driver,
-                "pool": pool,
-                "name": device_name,
-                "attributes": {key: attributes[key] for key in sorted(attributes)},
-            }
-        )
+        ordered = {key: attributes[key] for key in sorted(attributes)}
+        entry = {"driver": driver, "pool": pool, "name": device_name, "attributes": ordered}
+        by_request.setdefault(str(result.get("request", "")), []).append(entry)
     files = []
     for request, listed in by_request.items():
         base = dra_base_request(request)
@@ -10337,16 +10319,12 @@ class SlicePublisher:
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the slices into ``known`` and the Node into ``node``, until cancelled."""
         node, driver = self.resources.node_name, self.resources.driver
+        listing = functools.partial(self.api.list_slices, node, driver)
+        watching = functools.partial(self.api.watch_slices, node, driver)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_node)
             task_status.started()
-            await list_and_watch(
-                "ResourceSlices",
-                functools.partial(self.api.list_slices, node, driver),
-                functools.partial(self.api.watch_slices, node, driver),
-                self._listed_slices,
-                self._slice_event,
-            )
+            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event)
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
@@ -10387,15 +10365,11 @@ class SlicePublisher:
                 polled, retry = False, DRA_NODE_WATCH_RETRY[0]
             self._set_node(items[0] if items else None, "")
 
+        listing, watching = functools.partial(self.api.list_node, name), functools.partial(self.api.watch_node, name)
         while True:
             try:
                 await list_and_watch(
-                    f"Node {name}",
-                    functools.partial(self.api.list_node, name),
-                    functools.partial(self.api.watch_node, name),
-                    listed,
-                    self._node_event,
-                    stop_when_forbidden=True,
+                    f"Node {name}", listing, watching, listed, self._node_event, stop_when_forbidden=True
                 )
             except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
                 if not polled:
@@ -14090,13 +14064,9 @@ def _demo_config(config: Config, root: str) -> Config:
         for r in config.resources
     )
     dra = config.dra and dataclasses.replace(config.dra, kubelet_dir=os.path.join(root, "kubelet"), pod_uid="")
+    plugins = os.path.join(root, "device-plugins")
     return dataclasses.replace(
-        config,
-        resources=resources,
-        dra=dra,
-        device_plugin_dir=os.path.join(root, "device-plugins"),
-        metrics_address=None,
-        health_address=None,
+        config, resources=resources, dra=dra, device_plugin_dir=plugins, metrics_address=None, health_address=None
     )
 
 
