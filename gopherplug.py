@@ -202,76 +202,21 @@ from purerpc.wrappers import extract_message_from_singleton_stream
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "API_VERSION",
-    "DEFAULT_DEVICE_PLUGIN_DIR",
-    "DRA_METHODS",
-    "FILE_DESCRIPTOR",
-    "GET_STATUS",
-    "HEALTHY",
-    "KUBELET_SOCKET",
-    "METHODS",
-    "REGISTER",
-    "STOP_TIMEOUT",
-    "UNHEALTHY",
-    "ApiError",
-    "ClaimCheckpoint",
-    "ClaimError",
-    "Config",
-    "ConfigError",
-    "ContainerAllocateResponse",
-    "DeclaredValue",
-    "DeviceEntry",
-    "DeviceSpecTemplate",
-    "DraConfig",
-    "DraDriver",
-    "DraKubeletSimulator",
-    "DraResources",
-    "GRPCServer",
-    "GopherplugError",
-    "KubeApi",
-    "KubeletSimulator",
-    "LenientApiServer",
-    "Method",
-    "PodResourcesSimulator",
-    "RPCError",
-    "ResourceConfig",
-    "ShapeAllocation",
-    "StatusCode",
-    "UnexpectedAdmissionError",
-    "UsbDevice",
-    "UsbSelector",
-    "Watched",
-    "allocate_response",
-    "call_unary",
-    "device_attributes",
-    "device_capacity",
-    "dra_device_name",
-    "dra_health_response",
-    "dra_pool_name",
-    "drahealth",
-    "drapb",
-    "find_device_plugin_dir",
-    "find_usb_devices",
-    "list_and_watch_response",
-    "load_config",
-    "main",
-    "open_stream",
-    "parse_config",
-    "pluginregistration",
-    "preferred_allocation_response",
-    "prepared_devices",
-    "resource_config",
-    "resource_slices",
-    "scan_directory",
-    "serve_devices",
-    "serve_dra",
-    "serve_dra_devices",
-    "serve_grpc",
-    "serve_plugin",
-    "serve_until_signalled",
-    "v1beta1",
+# fmt: off
+__all__ = [  # sorted (ruff RUF022); grouped by purpose in the docstring above
+    "API_VERSION", "DEFAULT_DEVICE_PLUGIN_DIR", "DRA_METHODS", "FILE_DESCRIPTOR", "GET_STATUS", "HEALTHY",
+    "KUBELET_SOCKET", "METHODS", "REGISTER", "STOP_TIMEOUT", "UNHEALTHY", "ApiError", "ClaimCheckpoint", "ClaimError",
+    "Config", "ConfigError", "ContainerAllocateResponse", "DeclaredValue", "DeviceEntry", "DeviceSpecTemplate",
+    "DraConfig", "DraDriver", "DraKubeletSimulator", "DraResources", "GRPCServer", "GopherplugError", "KubeApi",
+    "KubeletSimulator", "LenientApiServer", "Method", "PodResourcesSimulator", "RPCError", "ResourceConfig",
+    "ShapeAllocation", "StatusCode", "UnexpectedAdmissionError", "UsbDevice", "UsbSelector", "Watched",
+    "allocate_response", "call_unary", "device_attributes", "device_capacity", "dra_device_name", "dra_health_response",
+    "dra_pool_name", "drahealth", "drapb", "find_device_plugin_dir", "find_usb_devices", "list_and_watch_response",
+    "load_config", "main", "open_stream", "parse_config", "pluginregistration", "preferred_allocation_response",
+    "prepared_devices", "resource_config", "resource_slices", "scan_directory", "serve_devices", "serve_dra",
+    "serve_dra_devices", "serve_grpc", "serve_plugin", "serve_until_signalled", "v1beta1",
 ]
+# fmt: on
 
 log = logging.getLogger("gopherplug")
 
@@ -367,10 +312,7 @@ KUBELET_PRE_START_TIMEOUT = 30.0
 # table is byte-for-byte the one protoc makes from that file (the test suite checks it).
 _MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "Empty": (),
-    "DevicePluginOptions": (
-        ("pre_start_required", 1, "bool"),
-        ("get_preferred_allocation_available", 2, "bool"),
-    ),
+    "DevicePluginOptions": (("pre_start_required", 1, "bool"), ("get_preferred_allocation_available", 2, "bool")),
     "RegisterRequest": (
         ("version", 1, "string"),
         ("endpoint", 2, "string"),
@@ -378,11 +320,7 @@ _MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("options", 4, "DevicePluginOptions"),
     ),
     "ListAndWatchResponse": (("devices", 1, "repeated Device"),),
-    "Device": (
-        ("ID", 1, "string"),
-        ("health", 2, "string"),
-        ("topology", 3, "TopologyInfo"),
-    ),
+    "Device": (("ID", 1, "string"), ("health", 2, "string"), ("topology", 3, "TopologyInfo")),
     "TopologyInfo": (("nodes", 1, "repeated NUMANode"),),
     "NUMANode": (("ID", 1, "int64"),),
     "PreferredAllocationRequest": (("container_requests", 1, "repeated ContainerPreferredAllocationRequest"),),
@@ -403,16 +341,8 @@ _MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("annotations", 4, "map<string, string>"),
         ("cdi_devices", 5, "repeated CDIDevice"),
     ),
-    "Mount": (
-        ("container_path", 1, "string"),
-        ("host_path", 2, "string"),
-        ("read_only", 3, "bool"),
-    ),
-    "DeviceSpec": (
-        ("container_path", 1, "string"),
-        ("host_path", 2, "string"),
-        ("permissions", 3, "string"),
-    ),
+    "Mount": (("container_path", 1, "string"), ("host_path", 2, "string"), ("read_only", 3, "bool")),
+    "DeviceSpec": (("container_path", 1, "string"), ("host_path", 2, "string"), ("permissions", 3, "string")),
     "CDIDevice": (("name", 1, "string"),),
     "PreStartContainerRequest": (("devices_ids", 1, "repeated string"),),
     "PreStartContainerResponse": (),
@@ -507,9 +437,7 @@ def _file_descriptor(
         service = file.service.add(name=service_name)
         for method_name, request, response, server_streaming in methods:
             method = service.method.add(
-                name=method_name,
-                input_type=f".{package}.{request}",
-                output_type=f".{package}.{response}",
+                name=method_name, input_type=f".{package}.{request}", output_type=f".{package}.{response}"
             )
             method.options.SetInParent()  # protoc writes an empty MethodOptions for an `{}` body
             if server_streaming:
@@ -577,15 +505,25 @@ class Method:
         return purerpc.RPCSignature(cardinality, self.request_type, self.response_type)
 
 
+def _methods(
+    package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]], messages: str | None = None
+) -> dict[str, Method]:
+    """Each RPC of ``services`` by its path, with the message classes of package ``messages``
+    (default: ``package``). DRAPlugin's v1beta1 paths take DRA v1's classes: the kubelet's
+    v1beta1 messages are the same on the wire, only its service path differs."""
+    messages = messages or package
+    return {
+        method.path: method
+        for service_name, methods in services.items()
+        for method in (
+            Method(f"{package}.{service_name}", name, _message_class(req, messages), _message_class(resp, messages), s)
+            for name, req, resp, s in methods
+        )
+    }
+
+
 #: Every RPC of v1beta1 by its path, e.g. METHODS["/v1beta1.Registration/Register"].
-METHODS: dict[str, Method] = {
-    method.path: method
-    for service_name, methods in _SERVICES.items()
-    for method in (
-        Method(f"{API_VERSION}.{service_name}", name, _message_class(request), _message_class(response), streaming)
-        for name, request, response, streaming in methods
-    )
-}
+METHODS: dict[str, Method] = _methods(API_VERSION, _SERVICES)
 
 # Not the kubelet's: gopherplug's own status service, served on each resource's socket beside
 # DevicePlugin. `gopherplug probe` asks it whether the kubelet is using the resource, which no
@@ -646,10 +584,7 @@ _REGISTRATION_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("endpoint", 3, "string"),
         ("supported_versions", 4, "repeated string"),
     ),
-    "RegistrationStatus": (
-        ("plugin_registered", 1, "bool"),
-        ("error", 2, "string"),
-    ),
+    "RegistrationStatus": (("plugin_registered", 1, "bool"), ("error", 2, "string")),
     "RegistrationStatusResponse": (),
     "InfoRequest": (),
 }
@@ -663,10 +598,7 @@ _REGISTRATION_SERVICES = {
 _DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "NodePrepareResourcesRequest": (("claims", 1, "repeated Claim"),),
     "NodePrepareResourcesResponse": (("claims", 1, "map<string, NodePrepareResourceResponse>"),),
-    "NodePrepareResourceResponse": (
-        ("devices", 1, "repeated Device"),
-        ("error", 2, "string"),
-    ),
+    "NodePrepareResourceResponse": (("devices", 1, "repeated Device"), ("error", 2, "string")),
     "Device": (
         ("request_names", 1, "repeated string"),
         ("pool_name", 2, "string"),
@@ -680,11 +612,7 @@ _DRA_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "NodeUnprepareResourcesRequest": (("claims", 1, "repeated Claim"),),
     "NodeUnprepareResourcesResponse": (("claims", 1, "map<string, NodeUnprepareResourceResponse>"),),
     "NodeUnprepareResourceResponse": (("error", 1, "string"),),
-    "Claim": (
-        ("namespace", 1, "string"),
-        ("uid", 2, "string"),
-        ("name", 3, "string"),
-    ),
+    "Claim": (("namespace", 1, "string"), ("uid", 2, "string"), ("name", 3, "string")),
 }
 _DRA_SERVICES = {
     "DRAPlugin": (
@@ -706,10 +634,7 @@ _DRA_HEALTH_PACKAGE = "v1alpha1"
 _DRA_HEALTH_ENUMS = {"HealthStatus": ("UNKNOWN", "HEALTHY", "UNHEALTHY")}
 _DRA_HEALTH_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
     "NodeWatchResourcesRequest": (),
-    "DeviceIdentifier": (
-        ("pool_name", 1, "string"),
-        ("device_name", 2, "string"),
-    ),
+    "DeviceIdentifier": (("pool_name", 1, "string"), ("device_name", 2, "string")),
     "DeviceHealth": (
         ("device", 1, "DeviceIdentifier"),
         ("health", 2, "HealthStatus"),
@@ -799,23 +724,6 @@ class drahealth:  # noqa: N801 - named after k8s.io/kubelet/pkg/apis/dra-health
     UNKNOWN, HEALTHY, UNHEALTHY = range(len(NAMES))
 
 
-def _methods(
-    package: str, services: Mapping[str, tuple[tuple[str, str, str, bool], ...]], messages: str | None = None
-) -> dict[str, Method]:
-    """Each RPC of ``services`` by its path, with the message classes of package ``messages``
-    (default: ``package``). DRAPlugin's v1beta1 paths take DRA v1's classes: the kubelet's
-    v1beta1 messages are the same on the wire, only its service path differs."""
-    messages = messages or package
-    return {
-        method.path: method
-        for service_name, methods in services.items()
-        for method in (
-            Method(f"{package}.{service_name}", name, _message_class(req, messages), _message_class(resp, messages), s)
-            for name, req, resp, s in methods
-        )
-    }
-
-
 #: The RPCs of the plugin watcher (the plugin serves them), of DRAPlugin in each version, and of
 #: DRAResourceHealth in each version (all with v1alpha1's classes: drahealth).
 DRA_METHODS: dict[str, Method] = {
@@ -859,11 +767,7 @@ _PODRESOURCES_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("memory", 4, "repeated ContainerMemory"),
         ("dynamic_resources", 5, "repeated DynamicResource"),
     ),
-    "ContainerMemory": (
-        ("memory_type", 1, "string"),
-        ("size", 2, "uint64"),
-        ("topology", 3, "TopologyInfo"),
-    ),
+    "ContainerMemory": (("memory_type", 1, "string"), ("size", 2, "uint64"), ("topology", 3, "TopologyInfo")),
     "ContainerDevices": (
         ("resource_name", 1, "string"),
         ("device_ids", 2, "repeated string"),
@@ -884,10 +788,7 @@ _PODRESOURCES_MESSAGES: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("share_id", 5, "optional string"),
     ),
     "CDIDevice": (("name", 1, "string"),),
-    "GetPodResourcesRequest": (
-        ("pod_name", 1, "string"),
-        ("pod_namespace", 2, "string"),
-    ),
+    "GetPodResourcesRequest": (("pod_name", 1, "string"), ("pod_namespace", 2, "string")),
     "GetPodResourcesResponse": (("pod_resources", 1, "PodResources"),),
 }
 _PODRESOURCES_SERVICES = {
@@ -1092,12 +993,8 @@ class DraConfig:
             return os.path.join(registry, f"{self.driver}-reg.sock")
         uid_hash = _url_safe_digest(self.pod_uid, 8)
         both_hash = _url_safe_digest(f"{self.driver}\0{self.pod_uid}", 16)
-        names = (
-            f"{self.driver}-{self.pod_uid}-reg.sock",
-            f"{self.driver}-{uid_hash}-reg.sock",
-            f"dra-{both_hash}-reg.sock",
-        )
-        paths = [os.path.join(registry, name) for name in names]
+        names = (f"{self.driver}-{self.pod_uid}", f"{self.driver}-{uid_hash}", f"dra-{both_hash}")
+        paths = [os.path.join(registry, f"{name}-reg.sock") for name in names]
         return next((path for path in paths if len(path) <= MAX_SOCKET_PATH), paths[-1])
 
     @property
@@ -1113,11 +1010,8 @@ class DraConfig:
         if not self.pod_uid:
             return os.path.join(self.plugin_dir, "dra.sock")
         path = os.path.join(self.plugin_dir, f"dra-{self.pod_uid}.sock")
-        return (
-            path
-            if len(path) <= MAX_SOCKET_PATH
-            else os.path.join(self.plugin_dir, f"dra-{_url_safe_digest(self.pod_uid, 8)}.sock")
-        )
+        hashed = os.path.join(self.plugin_dir, f"dra-{_url_safe_digest(self.pod_uid, 8)}.sock")
+        return path if len(path) <= MAX_SOCKET_PATH else hashed
 
     @property
     def checkpoint(self) -> str:
@@ -3158,10 +3052,7 @@ def _mode_refusal(path: str, access: int, uid: int, gids: Iterable[int], who: st
 
 def _access_errno(path: str, access: int) -> int:
     """Why access() refuses: its errno (0 if it does not). os.access() answers only yes or no."""
-    libc = _libc()
-    if libc.access(os.fsencode(path), access) == 0:
-        return 0
-    return ctypes.get_errno()
+    return 0 if _libc().access(os.fsencode(path), access) == 0 else ctypes.get_errno()
 
 
 @functools.cache
@@ -3172,10 +3063,7 @@ def _libc() -> ctypes.CDLL:
 
 def _numa_node(sysfs_root: str, mode: int, rdev: int) -> int | None:
     """The NUMA node of a device node from sysfs; None when the kernel gives none (-1) or no file."""
-    kind = "char" if stat.S_ISCHR(mode) else "block"
-    return _read_numa_node(
-        os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device", "numa_node")
-    )
+    return _read_numa_node(os.path.join(_sysfs_link(sysfs_root, mode, rdev), "device", "numa_node"))
 
 
 def _read_numa_node(path: str) -> int | None:
@@ -3204,10 +3092,9 @@ def _pci_address(sysfs_root: str, mode: int, rdev: int) -> PciAddress | None:
     one whose subsystem is usb first means the node is a USB device's, not a PCI device's (the
     host controller is PCI, the adapter is not). The root is the first directory under devices/,
     as deviceattribute/pci.go reads it. None for anything else."""
-    kind = "char" if stat.S_ISCHR(mode) else "block"
     devices = os.path.realpath(os.path.join(sysfs_root, "devices"))
     try:
-        here = os.path.realpath(os.path.join(sysfs_root, "dev", kind, f"{os.major(rdev)}:{os.minor(rdev)}", "device"))
+        here = os.path.realpath(os.path.join(_sysfs_link(sysfs_root, mode, rdev), "device"))
     except OSError:
         return None
     while here.startswith(devices + os.sep):
@@ -3402,25 +3289,13 @@ def allocate_with_devices(
         for index, device in enumerate(chosen):
             fields = {"id": device.id, "path": device.path, "index": index}
             for spec in device.device_specs:
-                _add_once(
-                    specs,
-                    "device",
-                    v1beta1.DeviceSpec(
-                        host_path=spec.host_path,
-                        container_path=spec.container_path.format(**fields),
-                        permissions=spec.permissions,
-                    ),
-                )
+                inside = spec.container_path.format(**fields)
+                node = v1beta1.DeviceSpec(host_path=spec.host_path, container_path=inside, permissions=spec.permissions)
+                _add_once(specs, "device", node)
             for mount in device.mounts:
-                _add_once(
-                    mounts,
-                    "mount",
-                    v1beta1.Mount(
-                        host_path=mount.host_path,
-                        container_path=mount.container_path.format(**fields),
-                        read_only=mount.read_only,
-                    ),
-                )
+                inside = mount.container_path.format(**fields)
+                bind = v1beta1.Mount(host_path=mount.host_path, container_path=inside, read_only=mount.read_only)
+                _add_once(mounts, "mount", bind)
             for key, value in resource.annotations:
                 values = annotations.setdefault(key.format(**fields), [])
                 if (filled := value.format(**fields)) not in values:
@@ -3826,11 +3701,27 @@ def dra_claim_env_cdi_name(uid: str, request: str) -> str:
     return f"{uid}_{request}"
 
 
-def claim_env(
-    claim: Mapping[str, Any],
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-) -> dict[tuple[CDIConfig, str], dict[str, str]]:
+#: A DRA driver's pools: pool name -> its resource and devices.
+Pools = Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]
+
+
+def _claim_devices(
+    claim: Mapping[str, Any], driver: str, pools: Pools
+) -> Iterator[tuple[Any, ResourceConfig, DeviceEntry]]:
+    """The results of a claim's allocation that are ``driver``'s, each with the resource and device
+    it names in ``pools``; a result whose pool or device is not there is left out (prepared_devices
+    refuses the claim)."""
+    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+    for result in results:
+        pool = result.get("pool", "")
+        if result.get("driver") == driver and pool in pools:
+            resource, devices = pools[pool]
+            device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
+            if device is not None:
+                yield result, resource, device
+
+
+def claim_env(claim: Mapping[str, Any], driver: str, pools: Pools) -> dict[tuple[CDIConfig, str], dict[str, str]]:
     """The env the device plugin's Allocate gives, per request of a claim: (CDI spec of the
     resource, request as containers name it) -> {<env>: "<id>,<id>"}, each value the IDs of the
     resource's devices allocated for that request, in the order of the claim's results, a device
@@ -3838,16 +3729,10 @@ def claim_env(
     order of their first result; a subrequest ("gpu/fast") counts as its request, whose devices
     it is. Two resources in one request (a DeviceClass that selects both) have each their own
     <env>; two of one CDI kind share the kind's CDI device (its name is per kind and request)."""
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     kinds: dict[str, CDIConfig] = {}  # a kind's env device goes to the first spec of that kind
     ids: dict[tuple[CDIConfig, str], dict[str, list[str]]] = {}
-    for result in results:
-        pool = result.get("pool", "")
-        if result.get("driver") != driver or pool not in pools:
-            continue
-        resource, devices = pools[pool]
-        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
-        if device is None or resource.cdi is None:
+    for result, resource, device in _claim_devices(claim, driver, pools):
+        if resource.cdi is None:
             continue  # prepared_devices refuses the claim
         cdi = kinds.setdefault(resource.cdi.kind, resource.cdi)
         listed = ids.setdefault((cdi, dra_base_request(result.get("request", ""))), {}).setdefault(resource.env, [])
@@ -3856,11 +3741,7 @@ def claim_env(
     return {key: {env: ",".join(listed) for env, listed in envs.items()} for key, envs in ids.items()}
 
 
-def claim_cdi_specs(
-    claim: Mapping[str, Any],
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
+def claim_cdi_specs(claim: Mapping[str, Any], driver: str, pools: Pools) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
     """The CDI specs of a claim of this driver's devices, one per CDI kind, as prepared_devices
     names their devices:
 
@@ -3873,23 +3754,13 @@ def claim_cdi_specs(
       <env>_<ID>_SHARE=<shareID>: the container can tell which share it holds (e.g. to pick its own
       part of a shared resource), and two containers of one device differ in their CDI devices."""
     uid = str((claim.get("metadata") or {}).get("uid", ""))
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     specs: dict[CDIConfig, list[dict[str, Any]]] = {}
     for (cdi, request), envs in claim_env(claim, driver, pools).items():
-        specs.setdefault(cdi, []).append(
-            {
-                "name": dra_claim_env_cdi_name(uid, request),
-                "containerEdits": {"env": [f"{env}={value}" for env, value in envs.items()]},
-            }
-        )
-    for result in results:
-        share, pool = result.get("shareID"), result.get("pool", "")
-        if not share or result.get("driver") != driver or pool not in pools:
-            continue
-        resource, devices = pools[pool]
-        device = next((d for d in devices.values() if dra_device_name(d.id) == result.get("device")), None)
-        if device is None or resource.cdi is None:
-            continue  # prepared_devices refuses the claim
+        listed = {"env": [f"{env}={value}" for env, value in envs.items()]}
+        specs.setdefault(cdi, []).append({"name": dra_claim_env_cdi_name(uid, request), "containerEdits": listed})
+    for result, resource, device in _claim_devices(claim, driver, pools):
+        if not (share := result.get("shareID")) or resource.cdi is None:
+            continue  # not a share, or a claim prepared_devices refuses
         edits = _cdi_edits(resource, device)
         edits["env"] = [*edits["env"], f"{_device_env(resource, device.id)}_SHARE={share}"]
         specs.setdefault(resource.cdi, []).append(
@@ -4444,7 +4315,7 @@ DRA_HEALTH_TIMEOUT = 30
 _DRA_HEALTH_MESSAGE_LENGTH = 1024
 
 
-def dra_health_response(pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]], now: float) -> Any:
+def dra_health_response(pools: Pools, now: float) -> Any:
     """Every device of ``pools`` (pool name -> its resource and devices) with its health, as
     NodeWatchResources streams it: named as in its ResourceSlice, unhealthy with the reason."""
     return drahealth.NodeWatchResourcesResponse(
@@ -4557,35 +4428,24 @@ class ClaimError(GopherplugError):
 DRA_STATUS_DATA_MAX_LENGTH = 10 * 1024
 
 
-def claim_device_status(
-    claim: Mapping[str, Any], driver: str, pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]]
-) -> list[dict[str, Any]]:
+def claim_device_status(claim: Mapping[str, Any], driver: str, pools: Pools) -> list[dict[str, Any]]:
     """The claim's status.devices entries for ``driver``'s results (KEP-4817, AllocatedDeviceStatus
     in k8s.io/api/resource/v1): one per device of this driver's pools, named by driver, pool and
     device as its result is (the API server refuses an entry that matches no result), with
     ``data`` a JSON object: the device's ID and its paths on the node (each member's, for a device
     of several entries). Paths are left out if they would make data longer than the API takes."""
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     # A share's entry names its shareID too: the API server matches an entry to a result by
     # driver, pool, device and shareID (validateDeviceStatus), so each share of a device has one.
     entries: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for result in results:
+    for result, _, device in _claim_devices(claim, driver, pools):
         pool, name, share = result.get("pool", ""), result.get("device", ""), result.get("shareID") or ""
-        if result.get("driver") != driver or pool not in pools or (pool, name, share) in entries:
+        if (pool, name, share) in entries:
             continue
-        device = next((d for d in pools[pool][1].values() if dra_device_name(d.id) == name), None)
-        if device is None:
-            continue
+        shared = {"shareID": share} if share else {}
         data: dict[str, Any] = {"id": device.id, "paths": [m.path for m in device.members] or [device.path]}
         if len(json.dumps(data)) > DRA_STATUS_DATA_MAX_LENGTH:
             data = {"id": device.id}
-        entries[pool, name, share] = {
-            "driver": driver,
-            "pool": pool,
-            "device": name,
-            **({"shareID": share} if share else {}),
-            "data": data,
-        }
+        entries[pool, name, share] = {"driver": driver, "pool": pool, "device": name, **shared, "data": data}
     return list(entries.values())
 
 
@@ -4599,12 +4459,7 @@ def dra_base_request(request: str) -> str:
     return request.split("/", 1)[0]
 
 
-def prepared_devices(
-    claim: Mapping[str, Any],
-    uid: str,
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-) -> list[Any]:
+def prepared_devices(claim: Mapping[str, Any], uid: str, driver: str, pools: Pools) -> list[Any]:
     """The devices a ResourceClaim (as the API server returns it) was allocated from this driver's
     ``pools`` (pool name -> its resource and devices), as NodePrepareResources answers them.
 
@@ -4679,15 +4534,11 @@ def prepared_devices(
         if (resource.cdi.kind, request) not in env_named:
             env_named.add((resource.cdi.kind, request))
             cdi_ids.append(f"{resource.cdi.kind}={dra_claim_env_cdi_name(uid, request)}")
-        answer.append(
-            drapb.Device(
-                request_names=[request],
-                pool_name=pool,
-                device_name=device_name,
-                cdi_device_ids=cdi_ids,
-                **({"share_id": share} if share else {}),
-            )
+        shared = {"share_id": share} if share else {}
+        prepared = drapb.Device(
+            request_names=[request], pool_name=pool, device_name=device_name, cdi_device_ids=cdi_ids, **shared
         )
+        answer.append(prepared)
     return answer
 
 
@@ -4733,10 +4584,7 @@ def dra_claim_metadata_dir(metadata_dir: str, namespace: str, name: str, uid: st
 
 
 def device_metadata_files(
-    claim: Mapping[str, Any],
-    driver: str,
-    pools: Mapping[str, tuple[ResourceConfig, Mapping[str, DeviceEntry]]],
-    metadata_dir: str,
+    claim: Mapping[str, Any], driver: str, pools: Pools, metadata_dir: str
 ) -> list[DeviceMetadataFile]:
     """The device metadata files of a claim that prepared_devices accepted (KEP-5304, the protocol
     of kubernetes/dynamic-resource-allocation api/metadata, as its kubeletplugin writes it):
@@ -4757,25 +4605,13 @@ def device_metadata_files(
     metadata = claim.get("metadata") or {}
     namespace, name, uid = str(metadata.get("namespace", "")), str(metadata.get("name", "")), str(metadata.get("uid"))
     pod_claim_name = (metadata.get("annotations") or {}).get(DRA_POD_CLAIM_ANNOTATION) or None
-    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     by_request: dict[str, list[dict[str, Any]]] = {}  # full request reference -> its devices
-    for result in results:
+    for result, resource, device in _claim_devices(claim, driver, pools):
         pool, device_name = result.get("pool", ""), result.get("device", "")
-        if result.get("driver") != driver or pool not in pools:
-            continue
-        resource, devices = pools[pool]
-        device = next((d for d in devices.values() if dra_device_name(d.id) == device_name), None)
-        if device is None:
-            continue  # prepared_devices refuses the claim
         attributes = dra_device(resource, device)["attributes"]
-        by_request.setdefault(str(result.get("request", "")), []).append(
-            {
-                "driver": driver,
-                "pool": pool,
-                "name": device_name,
-                "attributes": {key: attributes[key] for key in sorted(attributes)},
-            }
-        )
+        ordered = {key: attributes[key] for key in sorted(attributes)}
+        entry = {"driver": driver, "pool": pool, "name": device_name, "attributes": ordered}
+        by_request.setdefault(str(result.get("request", "")), []).append(entry)
     files = []
     for request, listed in by_request.items():
         base = dra_base_request(request)
@@ -6556,10 +6392,8 @@ def _configmap_config(text: str, path: str) -> tuple[str, str]:
         and isinstance(doc.get("data"), dict)
         and isinstance(doc["data"].get("config.yaml"), str)
     ]
-    names = [
-        f"{(doc.get('metadata') or {}).get('namespace', '')}/{(doc.get('metadata') or {}).get('name', '')}"
-        for doc in found
-    ]
+    metadata = [doc.get("metadata") or {} for doc in found]
+    names = [f"{each.get('namespace', '')}/{each.get('name', '')}" for each in metadata]
     if len(found) != 1:
         kinds = ", ".join(dict.fromkeys(str(doc.get("kind")) for doc in documents))
         what = (
@@ -6602,9 +6436,7 @@ def _inotify_limit(error: OSError, creating: bool) -> str | None:
         return "the node's limit of open files is reached (raise the sysctl fs.file-max)"
     if not creating and error.errno == errno.ENOSPC:
         return "the node's limit of inotify watches is reached (raise the sysctl fs.inotify.max_user_watches)"
-    if error.errno == errno.ENOMEM:
-        return "the kernel has no memory left for inotify"
-    return None
+    return "the kernel has no memory left for inotify" if error.errno == errno.ENOMEM else None
 
 
 # What serve says, and check-config before it (missing_extras), when an extra is not installed.
@@ -8943,10 +8775,7 @@ async def register(
     """
     wake = (kubelet.changed,) if devices is None else (kubelet.changed, devices)
     request = v1beta1.RegisterRequest(
-        version=API_VERSION,
-        endpoint=endpoint,
-        resource_name=resource.name,
-        options=device_plugin_options(resource),
+        version=API_VERSION, endpoint=endpoint, resource_name=resource.name, options=device_plugin_options(resource)
     )
     delay, waiting_logged = _REGISTER_BACKOFF[0], False
     while still_serving():
@@ -9117,7 +8946,10 @@ class ClaimCheckpoint:
             self.claims, self._read_as = {}, None  # the first start on this node
             return
         except OSError as error:
-            raise self._unreadable(error) from None
+            raise GopherplugError(
+                f"cannot read the checkpoint {self.path}: {_describe(error)}: it holds the claims prepared on this "
+                "node; make it readable, or move it away to start without them"
+            ) from None
         try:
             data = json.loads(text)
             if data.get("version") != self.VERSION or not isinstance(data.get("claims"), dict):
@@ -9129,12 +8961,6 @@ class ClaimCheckpoint:
             os.replace(self.path, aside)
             log.error("%s is unreadable (%s): moved to %s; starting with no prepared claims", self.path, error, aside)
             self.claims, self._read_as = {}, None
-
-    def _unreadable(self, error: OSError) -> GopherplugError:
-        return GopherplugError(
-            f"cannot read the checkpoint {self.path}: {_describe(error)}: it holds the claims prepared on this "
-            "node; make it readable, or move it away to start without them"
-        )
 
     def cdi_specs(self, uid: str) -> list[tuple[ClaimCDISpec, dict[str, Any]]]:
         """The claim's own CDI specs, as add() was given them, by this pod or the other of a rolling update."""
@@ -10680,14 +10506,9 @@ class DriverPeers:
         """How far the pod behind the registration socket ``path`` serves (the class's docstring):
         0, _ANSWERS or _REGISTERED. Asked as a probe (PROBE_METADATA): the other pod does not count
         our GetInfo as its kubelet's."""
+        method, request = DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
         try:
-            info = await call_unary(
-                path,
-                DRA_METHODS[GET_INFO],
-                pluginregistration.InfoRequest(),
-                timeout=DRA_PEER_TIMEOUT,
-                metadata=(PROBE_METADATA,),
-            )
+            info = await call_unary(path, method, request, timeout=DRA_PEER_TIMEOUT, metadata=(PROBE_METADATA,))
         except RPCError:
             return 0  # wedged, still starting, or dead
         if info.name != self.config.driver:
@@ -10762,16 +10583,12 @@ class SlicePublisher:
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the slices into ``known`` and the Node into ``node``, until cancelled."""
         node, driver = self.resources.node_name, self.resources.driver
+        listing = functools.partial(self.api.list_slices, node, driver)
+        watching = functools.partial(self.api.watch_slices, node, driver)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_node)
             task_status.started()
-            await list_and_watch(
-                "ResourceSlices",
-                functools.partial(self.api.list_slices, node, driver),
-                functools.partial(self.api.watch_slices, node, driver),
-                self._listed_slices,
-                self._slice_event,
-            )
+            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event)
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
@@ -10812,15 +10629,11 @@ class SlicePublisher:
                 polled, retry = False, DRA_NODE_WATCH_RETRY[0]
             self._set_node(items[0] if items else None, "")
 
+        listing, watching = functools.partial(self.api.list_node, name), functools.partial(self.api.watch_node, name)
         while True:
             try:
                 await list_and_watch(
-                    f"Node {name}",
-                    functools.partial(self.api.list_node, name),
-                    functools.partial(self.api.watch_node, name),
-                    listed,
-                    self._node_event,
-                    stop_when_forbidden=True,
+                    f"Node {name}", listing, watching, listed, self._node_event, stop_when_forbidden=True
                 )
             except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
                 if not polled:
@@ -10870,12 +10683,11 @@ class SlicePublisher:
         if found is None:
             self.node.set(None)
         else:
-            allocatable = (found.get("status") or {}).get("allocatable") or {}
+            status = found.get("status") or {}
+            allocatable = status.get("allocatable") or {}
             uid = str(found.get("metadata", {}).get("uid") or "")
             self.node.set({"uid": uid, "allocatable": {key: str(value) for key, value in allocatable.items()}})
-            self._say_kubelet_version(
-                str(((found.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion") or "")
-            )
+            self._say_kubelet_version(str((status.get("nodeInfo") or {}).get("kubeletVersion") or ""))
         self.node_known.set()
 
     def _say_kubelet_version(self, version: str) -> None:
@@ -10929,14 +10741,11 @@ class SlicePublisher:
         changes; DriverPeers.newer)."""
         newer = self.peers.newer()[0] if self.peers is not None else ""
         if newer != self.deferring.value:
+            driver = self.resources.driver
             if newer:
-                log.info(
-                    "DRA: a newer pod of driver %s serves (%s): the slices are left to it", self.resources.driver, newer
-                )
+                log.info("DRA: a newer pod of driver %s serves (%s): the slices are left to it", driver, newer)
             else:
-                log.info(
-                    "DRA: no newer pod of driver %s serves any more: writing the slices again", self.resources.driver
-                )
+                log.info("DRA: no newer pod of driver %s serves any more: writing the slices again", driver)
             self._retries.clear()  # whatever was due is compared again from scratch
             self.deferring.set(newer)
         return bool(newer)
@@ -10989,16 +10798,14 @@ class SlicePublisher:
         """One pass: every pool's slices as they should be, stale ones deleted, each on its own (the
         Go controller's per-pool work queue) with its own backoff. Returns when the next retry is
         due (trio's clock), None if none is."""
-        node, driver = self.resources.node_name, self.resources.driver
+        node, driver, taint = self.resources.node_name, self.resources.driver, self.resources.unhealthy_taint
         owner = self._owner()
         now = trio.current_time()
         pools = []
         for resource, devices in list(self.resources.served.values()):
             if devices.value is not RETIRED and resource.name not in self.held:
                 pool = dra_pool_name(node, resource.name)
-                slices = resource_slices(
-                    driver, node, resource, devices.value, 0, owner, self.resources.unhealthy_taint
-                )
+                slices = resource_slices(driver, node, resource, devices.value, 0, owner, taint)
                 pools.append((pool, resource, len(devices.value), slices))
         # Every pool's slices are wanted, also those of a pool waiting for its retry.
         wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
@@ -11322,9 +11129,7 @@ def _dra_problem(driver: DraDriver) -> str:
         return f"the kubelet refused it: {status.registration_error}"
     if status.dropped:
         return f"the kubelet registered it, then seems to have dropped it: {status.dropped}"
-    if not status.registered:
-        return f"no kubelet has registered it in {status.unregistered_seconds:.0f} s"
-    return ""
+    return "" if status.registered else f"no kubelet has registered it in {status.unregistered_seconds:.0f} s"
 
 
 async def _keep_serving(
@@ -12789,13 +12594,10 @@ class KubeletSimulator:
         """Call GetPreferredAllocation for one container and return the plugin's pick (after the
         same admission checks as allocate(): the kubelet asks only while allocating)."""
         self._admit(resource_name)
-        request = v1beta1.PreferredAllocationRequest(
-            container_requests=[
-                v1beta1.ContainerPreferredAllocationRequest(
-                    available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
-                )
-            ]
+        container = v1beta1.ContainerPreferredAllocationRequest(
+            available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size
         )
+        request = v1beta1.PreferredAllocationRequest(container_requests=[container])
         response = await self._call(resource_name, "GetPreferredAllocation", request)
         return list(response.container_responses[0].deviceIDs)
 
@@ -12846,13 +12648,9 @@ class KubeletSimulator:
             raise RPCError(StatusCode.UNKNOWN, f'the ResourceName "{request.resource_name}" is invalid')
         # Dial back before answering: the plugin must already be serving.
         endpoint = os.path.join(self.device_plugin_dir, request.endpoint)
+        method = METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"]
         try:
-            options = await call_unary(
-                endpoint,
-                METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
-                v1beta1.Empty(),
-                timeout=KUBELET_DIAL_TIMEOUT,
-            )
+            options = await call_unary(endpoint, method, v1beta1.Empty(), timeout=KUBELET_DIAL_TIMEOUT)
         except RPCError as error:
             raise RPCError(StatusCode.UNKNOWN, f"failed to dial device plugin: {error.message}") from None
         # The kubelet keeps one client per resource *name* (registerClient): a new registration
@@ -12975,10 +12773,7 @@ async def probe(
 async def _probe_socket(path: str, result: ProbeResult) -> None:
     try:
         result.options = await call_unary(
-            path,
-            METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"],
-            v1beta1.Empty(),
-            timeout=PROBE_TIMEOUT,
+            path, METHODS[f"/{API_VERSION}.DevicePlugin/GetDevicePluginOptions"], v1beta1.Empty(), timeout=PROBE_TIMEOUT
         )
         try:  # the kubelet's streams; ours below carries PROBE_METADATA and is not counted
             result.status = await call_unary(path, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
@@ -13012,10 +12807,8 @@ def probe_report(results: list[ProbeResult]) -> str:
             features.append(f"registered {'yes' if status.registered else 'no'}")
             streamed = "open" if status.streams else f"none for {status.unstreamed_seconds:.0f} s"
             features.append(f"kubelet stream {streamed}")
-        lines.append(
-            f"{result.resource}: {result.endpoint}: {_devices(len(result.devices))}, {healthy} healthy; "
-            + ", ".join(features)
-        )
+        summary = f"{result.resource}: {result.endpoint}: {_devices(len(result.devices))}, {healthy} healthy"
+        lines.append(f"{summary}; {', '.join(features)}")
         width = max([len("ID"), *(len(device.ID) for device in result.devices)])
         lines.append(f"  {'ID':<{width}}  {'HEALTH':<9}  NUMA")
         for device in result.devices:
@@ -13047,14 +12840,8 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
     """
     result = DraProbeResult(config.driver, config.registration_socket)
     try:
-        request = pluginregistration.InfoRequest()
-        result.info = await call_unary(
-            config.registration_socket,
-            DRA_METHODS[GET_INFO],
-            request,
-            timeout=PROBE_TIMEOUT,
-            metadata=(PROBE_METADATA,),
-        )
+        path, method, request = config.registration_socket, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
+        result.info = await call_unary(path, method, request, timeout=PROBE_TIMEOUT, metadata=(PROBE_METADATA,))
         endpoint = result.info.endpoint
         result.status = await call_unary(endpoint, GET_STATUS, v1beta1.Empty(), timeout=PROBE_TIMEOUT)
         method, watch = DRA_METHODS[NODE_WATCH_RESOURCES], drahealth.NodeWatchResourcesRequest()
@@ -13096,9 +12883,8 @@ def dra_probe_report(result: DraProbeResult) -> str:
         f"{_devices(len(devices))}, {healthy} healthy; registered {'yes' if status.registered else 'no'}, "
         f"kubelet health streams {streamed}"
     ]
-    rows = [("POOL", "DEVICE", "HEALTH")] + [
-        (d.device.pool_name, d.device.device_name, drahealth.NAMES[d.health]) for d in devices
-    ]
+    rows = [("POOL", "DEVICE", "HEALTH")]
+    rows += [(d.device.pool_name, d.device.device_name, drahealth.NAMES[d.health]) for d in devices]
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     lines += [f"  {pool:<{widths[0]}}  {name:<{widths[1]}}  {health}" for pool, name, health in rows]
     return "\n".join(lines)
@@ -13274,9 +13060,8 @@ def container_report(resource: ResourceConfig, scan: Scan, driver: str = "", nod
     devices, lines = {d.id: d for d in scan.devices}, []
     if resource.device_plugin:
         kubelet_id = resource.replica_ids(device.id)[0]
-        request = v1beta1.AllocateRequest(
-            container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=[kubelet_id])]
-        )
+        wanted = v1beta1.ContainerAllocateRequest(devices_ids=[kubelet_id])
+        request = v1beta1.AllocateRequest(container_requests=[wanted])
         try:
             answer = allocate_response(resource, devices, request).container_responses[0]
         except RPCError as error:
@@ -13442,13 +13227,7 @@ class KubeletNarrator:
 
     def _state(self) -> tuple[Any, ...]:
         k = self.kubelet
-        return (
-            len(k.registrations),
-            len(k.refusals),
-            len(k.events),
-            k.starts,
-            [r.updates for r in k.resources.values()],
-        )
+        return len(k.registrations), len(k.refusals), len(k.events), k.starts, [r.updates for r in k.resources.values()]
 
     def __call__(self) -> None:
         kubelet, say, told = self.kubelet, self.say, self._told
@@ -13748,12 +13527,10 @@ class DraKubeletSimulator:
         # The kubelet's reconciler registers what the watcher found once a second, and a failed
         # registration starts again from GetInfo after a backoff: a socket seen at bind() is called
         # once it listens. Here, sooner. GetInfo has one second each time.
-        delay = 0.005
+        delay, request = 0.005, pluginregistration.InfoRequest()
         while True:
             try:
-                info = await call_unary(
-                    path, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest(), timeout=DRA_GET_INFO_TIMEOUT
-                )
+                info = await call_unary(path, DRA_METHODS[GET_INFO], request, timeout=DRA_GET_INFO_TIMEOUT)
                 break
             except RPCError as error:
                 retried = error.code in (StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED)
@@ -13896,9 +13673,8 @@ class DraKubeletSimulator:
         known = self._driver(driver)
         chosen = next((v for v in self.health_versions if v in known.supported_versions), None)
         if chosen is None:
-            raise RPCError(
-                StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} lists none of {', '.join(self.health_versions)}"
-            )
+            spoken = ", ".join(self.health_versions)
+            raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} lists none of {spoken}")
         path = f"/{chosen}/NodeWatchResources"
         self.health_paths.append(path)
         method, request = DRA_METHODS[path], drahealth.NodeWatchResourcesRequest()
@@ -13933,10 +13709,7 @@ class PodResourcesSimulator:
     """
 
     def __init__(
-        self,
-        socket_path: str,
-        kubelet: KubeletSimulator | None = None,
-        dra_kubelet: DraKubeletSimulator | None = None,
+        self, socket_path: str, kubelet: KubeletSimulator | None = None, dra_kubelet: DraKubeletSimulator | None = None
     ) -> None:
         self.socket_path = socket_path
         self.kubelet, self.dra_kubelet = kubelet, dra_kubelet
@@ -14007,14 +13780,8 @@ class PodResourcesSimulator:
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     """A meta/v1 Status, the API server's error document."""
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "status": "Failure" if code >= 400 else "Success",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
+    status = "Failure" if code >= 400 else "Success"
+    return {"kind": "Status", "apiVersion": "v1", "status": status, "message": message, "reason": reason, "code": code}
 
 
 def go_json(document: Any) -> bytes:
@@ -14262,12 +14029,8 @@ class LenientApiServer:
             return
         if method == "GET" and len(parts) == 1:
             items = [item for item in self.slices.values() if matches(item)]
-            listed = {
-                "kind": "ResourceSliceList",
-                "apiVersion": "resource.k8s.io/v1",
-                "metadata": {"resourceVersion": str(self._version)},
-                "items": items,
-            }
+            meta = {"resourceVersion": str(self._version)}
+            listed = {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1", "metadata": meta, "items": items}
             await self._send(connection, stream, h11, 200, listed)
             return
         verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method)
@@ -14638,13 +14401,9 @@ def _demo_config(config: Config, root: str) -> Config:
         for r in config.resources
     )
     dra = config.dra and dataclasses.replace(config.dra, kubelet_dir=os.path.join(root, "kubelet"), pod_uid="")
+    plugins = os.path.join(root, "device-plugins")
     return dataclasses.replace(
-        config,
-        resources=resources,
-        dra=dra,
-        device_plugin_dir=os.path.join(root, "device-plugins"),
-        metrics_address=None,
-        health_address=None,
+        config, resources=resources, dra=dra, device_plugin_dir=plugins, metrics_address=None, health_address=None
     )
 
 
@@ -15457,9 +15216,7 @@ STOP_TIMEOUT = 3 * STOP_PART_TIMEOUT
 
 
 async def serve_until_signalled(
-    async_fn: Callable[..., Awaitable[object]],
-    *args: Any,
-    on_sighup: Callable[[], object] | None = None,
+    async_fn: Callable[..., Awaitable[object]], *args: Any, on_sighup: Callable[[], object] | None = None
 ) -> None:
     """Run ``async_fn(*args)`` until SIGTERM or SIGINT, then stop it as the command line stops:
     the entry point for a program of your own (``trio.run(serve_until_signalled, main)``).
