@@ -183,7 +183,7 @@ async def test_a_failed_reload_is_started_again_and_applies_that_configuration(
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = gp.watch_config_file(str(path))
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         monkeypatch.setattr(gp, "reload_plan", failing(gp.reload_plan, 1))
@@ -227,7 +227,7 @@ async def test_a_reload_to_dra_without_the_driver_keeps_the_device_plugin_servin
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = gp.watch_config_file(str(path))
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         with logged(RESOURCE) as said, logged("configuration reloaded") as reloaded:
@@ -523,3 +523,32 @@ async def test_supervised_backs_off_says_one_line_each_way_and_a_new_run_of_fail
     # The second run of failures: one line, and one when it runs again (its failures after that,
     # each soon after its start, are the same run: no line).
     assert lines == [failure, "flaky runs again, after 4 failures", failure, "flaky runs again, after 1 failure"]
+
+
+async def test_a_reload_whose_watch_failed_watches_the_file_anew_and_applies_what_changed_meanwhile(
+    nursery, node, tmp_path, monkeypatch, restarts
+):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        monkeypatch.setattr(gp, "_file_text", failing(gp._file_text, 1))  # the watch's read raises: it is finished
+        task = "configuration reloads"
+        with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            await reloaded.wait()  # the new watch read the file at once
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        with logged("configuration reloaded") as next_one:  # and it follows the file's next change
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_NEXT"}}))
+            await next_one.wait()
+        later = await simulator.allocate(RESOURCE, ["g1"])
+    assert failed.lines == [
+        f"{task} failed: RuntimeError: injected; starting it again (the traceback is at log level debug)"
+    ]
+    assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
+    assert dict(answer.container_responses[0].envs) == {"GOPHER_IDS": "g1"}
+    assert dict(later.container_responses[0].envs) == {"GOPHER_NEXT": "g1"}
+    assert restarts(task) == 1
