@@ -12024,6 +12024,10 @@ async def serve_plugin(
             )
             log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
             roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
+            # Refused by the environment (a full or read-only CDI directory), not by reload_plan: the
+            # task fails, and its restart applies the file again with backoff until they apply.
+            if failed := done["not added"] + [name for name in done["refuse"] if plan[name][0] != "refuse"]:
+                raise GopherplugError(f"{', '.join(failed)}: not applied for now, tried again")
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics

@@ -552,3 +552,51 @@ async def test_a_reload_whose_watch_failed_watches_the_file_anew_and_applies_wha
     assert dict(answer.container_responses[0].envs) == {"GOPHER_IDS": "g1"}
     assert dict(later.container_responses[0].envs) == {"GOPHER_NEXT": "g1"}
     assert restarts(task) == 1
+
+
+async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
+    nursery, node, tmp_path, monkeypatch, restarts
+):
+    path, spec_dir = tmp_path / "gopherplug.yaml", tmp_path / "cdi"
+    cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
+    path.write_text(config_text(node, **{RESOURCE: cdi}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        full = OSError(28, "No space left on device")  # the CDI directory is full for one write, then not
+        monkeypatch.setattr(gp, "_replace_whole", failing(gp._replace_whole, 1, error=full))
+        task = "configuration reloads"
+        with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
+            mounts = {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}
+            path.write_text(config_text(node, **{RESOURCE: {**cdi, **mounts}}))
+            await reloaded.wait(2)  # refused by the full disk, then applied by the task started again
+    spec = next(spec_dir.glob("*.json")).read_text()
+    assert '"/m"' in spec, "the new configuration's spec is written"
+    assert failed.lines == [
+        f"{task} failed: GopherplugError: {RESOURCE}: not applied for now, tried again; starting it again "
+        "(the traceback is at log level debug)"
+    ]
+    assert reloaded.lines == [
+        f"{path}: configuration reloaded: kept {RESOURCE} as it was",
+        f"{path}: configuration reloaded: updated in place {RESOURCE}",
+    ]
+    assert restarts(task) == 1
+
+
+async def test_a_reload_the_configuration_refused_is_not_tried_again(nursery, node, tmp_path, restarts):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        with logged("configuration reloaded") as reloaded:
+            moved = yaml.safe_load(config_text(node, **{RESOURCE: {"api": "dra"}}))
+            path.write_text(yaml.safe_dump({**moved, "dra": {"driver": "gopher.example.com"}}))
+            await reloaded.wait()
+            await trio.testing.wait_all_tasks_blocked()
+    assert reloaded.lines == [f"{path}: configuration reloaded: kept {RESOURCE} as it was"]
+    assert restarts("configuration reloads") is None
