@@ -10832,9 +10832,11 @@ class SlicePublisher:
 
     async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        # Not before the Node is known: a resource its allocatable counts must not be published first.
+        if self.listed.is_set():  # started again (_supervised): not trusting what a failed run left in
+            # ``known`` (an answer it failed on), listed anew, the newest: the watch goes on from there.
+            self._listed_slices(*await self.api.list_slices(self.resources.node_name, self.resources.driver, ""))
         await self.listed.wait()
-        await self.node_known.wait()
+        await self.node_known.wait()  # a resource its allocatable counts must not be published first
         while True:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()

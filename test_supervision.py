@@ -600,3 +600,35 @@ async def test_a_reload_the_configuration_refused_is_not_tried_again(nursery, no
             await trio.testing.wait_all_tasks_blocked()
     assert reloaded.lines == [f"{path}: configuration reloaded: kept {RESOURCE} as it was"]
     assert restarts("configuration reloads") is None
+
+
+async def test_a_slice_publisher_started_again_follows_the_devices(dra, monkeypatch, restarts):
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    real, left = gp.SlicePublisher._sync_pool, [1]
+
+    async def sync_pool(self, pool, *args):
+        await real(self, pool, *args)
+        if left[0]:  # written, then kept as an answer of the wrong shape (no spec) would be, and failed on
+            left[0] -= 1
+            for item in self.known.values():
+                del item["spec"]
+            raise KeyError("spec")
+
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        monkeypatch.setattr(gp.SlicePublisher, "_sync_pool", sync_pool)
+        with logged("slice publisher failed") as failed, logged(f"slice publisher {AGAIN}") as again:
+            (dra.devices / "gopher2").touch()
+            await failed.wait()
+            await again.wait()
+        await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        for name in ("gopher3", "gopher4"):  # later changes, one at a time: each is published
+            (dra.devices / name).touch()
+            await dra.wait_for_slices(sorted({"gopher0", "gopher1", "gopher2", "gopher3", name}))
+        (dra.devices / "gopher0").unlink()
+        await dra.wait_for_slices(["gopher1", "gopher2", "gopher3", "gopher4"])
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("slice publisher") == 1
