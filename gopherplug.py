@@ -10708,9 +10708,11 @@ class SlicePublisher:
 
     async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        # Not before the Node is known: a resource its allocatable counts must not be published first.
+        if self.listed.is_set():  # started again (_supervised): not trusting what a failed run left in
+            # ``known`` (an answer it failed on), listed anew, the newest: the watch goes on from there.
+            self._listed_slices(*await self.api.list_slices(self.resources.node_name, self.resources.driver, ""))
         await self.listed.wait()
-        await self.node_known.wait()
+        await self.node_known.wait()  # a resource its allocatable counts must not be published first
         while True:
             # Whatever changes while a pass is writing wakes the next pass.
             woken = trio.Event()
@@ -11746,7 +11748,7 @@ def _accepts(socket_path: str) -> bool:
 async def serve_plugin(
     config: Config,
     *,
-    updates: AsyncGenerator[Config, None] | None = None,
+    updates: Callable[[Config], AsyncGenerator[Config, None]] | None = None,
     node_name: str | None = None,
     api: Any = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -11756,11 +11758,12 @@ async def serve_plugin(
     The library entry point: an embedding program starts it in its own nursery
     (``await nursery.start(serve_plugin, config)``) and cancels that nursery to stop it. started()
     is called once every resource's socket is listening. No signal handling here: that belongs to
-    the program (see main()). With ``updates`` (e.g. watch_config_file()), each new configuration
-    is applied as it comes: added resources start, removed ones send an empty list and stop,
-    changed ones are updated in place (their stream stays open and sends the new list) unless
-    what the kubelet was told at registration changed (register_again() says): those are served
-    and registered anew; the others are not touched.
+    the program (see main()). With ``updates`` (given the configuration applied, a generator of the
+    new ones: watch_config_file() with it as ``current``, called again if it raises), each is applied
+    as it comes: added resources start, removed ones send an empty list and stop, changed ones are
+    updated in place (their stream stays open and sends the new list) unless what the kubelet was
+    told at registration changed (register_again() says): those are served and registered anew; the
+    others are not touched.
 
     With ``config.dra``, it is also that DRA driver (serve_dra): ``node_name`` is this node's name
     (default: NODE_NAME), ``api`` the API server client (default: KubeApi.connect(); one of the
@@ -11834,20 +11837,20 @@ async def serve_plugin(
                 log.error("%s: %s: not applied", resource.name, _innermost(error))
                 return False
 
-        pending: list[Config] = []  # the configuration a reload was applying when it failed
+        applied = config  # what a new watch of the configuration compares it with
 
-        async def reload(updates: AsyncGenerator[Config, None], *, task_status: trio.TaskStatus[None]) -> None:
-            nonlocal reloading
+        async def reload(*, task_status: trio.TaskStatus[None]) -> None:
+            nonlocal reloading, applied
             reloading = True
-            # This task runs on from started() without yielding, into the first step of ``updates``.
-            task_status.started()
-            if pending:  # started again after a failure (_supervised): that configuration, from what runs now
-                await apply(pending[0])
-                pending.clear()
-            async for new in updates:
-                pending[:] = [new]
-                await apply(new)
-                pending.clear()
+            assert updates is not None  # started only with them
+            # A watch of its own at each run (_supervised): one that raised is finished. It reads the file
+            # at once: the configuration a failed run did not apply, or a newer one, is applied.
+            async with contextlib.aclosing(updates(applied)) as configs:
+                # This task runs on from started() without yielding, into the first step of ``configs``.
+                task_status.started()
+                async for new in configs:
+                    await apply(new)
+                    applied = new
 
         async def apply(new: Config) -> None:
             """Apply ``new`` resource by resource, each whole or not at all (reload_plan says what)."""
@@ -11892,6 +11895,10 @@ async def serve_plugin(
             )
             log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
             roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
+            # Refused by the environment (a full or read-only CDI directory), not by reload_plan: the
+            # task fails, and its restart applies the file again with backoff until they apply.
+            if failed := done["not added"] + [name for name in done["refuse"] if plan[name][0] != "refuse"]:
+                raise GopherplugError(f"{', '.join(failed)}: not applied for now, tried again")
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics
@@ -11921,8 +11928,7 @@ async def serve_plugin(
             if updates is not None:
                 # Before our started(): the first step of ``updates`` places its inotify watch and
                 # reads the file, and a change made once we have started must not come before it.
-                stack.push_async_callback(updates.aclose)  # not by the task: one started again goes on with it
-                await reloads.start("configuration reloads", reload, updates)
+                await reloads.start("configuration reloads", reload)
             task_status.started()
             await trio.sleep_forever()
         finally:
@@ -15286,12 +15292,14 @@ async def _serve_until_signalled(
         # if inotify had seen it change (it may not have: a write through a hard link elsewhere, a
         # filesystem without inotify such as NFS).
         log.info("SIGHUP received: reading %s again", path)
-        for watch in watches:
+        for watch in watches[-1:]:  # the one running now
             watch.poke()
 
-    updates = watch_config_file(
-        path, device_plugin_dir, config, device_plugin_dir_from, watches.append, metrics_address=metrics_address
-    )
+    def updates(current: Config) -> AsyncGenerator[Config, None]:  # a watch that failed is started anew
+        return watch_config_file(
+            path, device_plugin_dir, current, device_plugin_dir_from, watches.append, metrics_address
+        )
+
     await serve_until_signalled(functools.partial(serve_plugin, config, updates=updates), on_sighup=read_again)
 
 

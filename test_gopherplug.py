@@ -4189,7 +4189,9 @@ async def stress_round(rng, simulator, node, incarnations, held, reloaded):
             elif pause == "quiet":
                 await trio.testing.wait_all_tasks_blocked()
             if action == "start":
-                plugin.start_soon(functools.partial(gp.serve_plugin, stress_config(node, resources), updates=updates()))
+                plugin.start_soon(
+                    functools.partial(gp.serve_plugin, stress_config(node, resources), updates=lambda _: updates())
+                )
             elif action == "restart":
                 simulator.restart()
             elif action == "hold":  # the sockets wiped, kubelet.sock made only at "release" (or at the end)
@@ -4552,7 +4554,8 @@ def streaming(simulator, name):
 async def reloading(nursery, node, path):
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
     config = gp.load_config(str(path))
-    await nursery.start(functools.partial(gp.serve_plugin, config, updates=gp.watch_config_file(str(path))))
+    updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+    await nursery.start(functools.partial(gp.serve_plugin, config, updates=updates))
     await simulator.wait_until(listed("g1", "g2"))
     return simulator
 
@@ -4644,7 +4647,7 @@ async def test_reload_that_would_empty_a_served_resource_with_a_warning_is_held_
     watches = []
     with trio.fail_after(TIMEOUT), logged(str(path)) as said:
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = gp.watch_config_file(str(path), on_watch=watches.append)
+        updates = lambda current: gp.watch_config_file(str(path), current=current, on_watch=watches.append)  # noqa: E731
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         with logged("held back") as held:
@@ -4776,7 +4779,7 @@ async def test_removing_a_resource_that_waits_for_the_kubelet_stops_it_at_once(n
             yield config
 
     with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
-        await nursery.start(functools.partial(gp.serve_plugin, node.config(), updates=updates()))
+        await nursery.start(functools.partial(gp.serve_plugin, node.config(), updates=lambda _: updates()))
         assert node.our_sockets() == ["gopherplug-example.com_gopher-1.sock"]
         await send.send(gp.parse_config(config_text(node, **{OTHER: {}}), "test.yaml"))
         # Within a moment, not after the 2 s the retirement's fallback would wait.
@@ -12235,7 +12238,7 @@ async def test_a_bug_met_by_a_reload_keeps_the_running_configuration(nursery, no
     monkeypatch.setattr(gp, "_config_from_text", raising(RecursionError("too deep"), lambda t, *_: "bug" in t, real))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = gp.watch_config_file(str(path))
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         with logged("keeping the running configuration") as said:
@@ -12558,7 +12561,7 @@ async def test_dra_a_reload_runs_describe_again_keeping_what_it_said_meanwhile(d
         return item["spec"]["devices"][0]["attributes"].get("uuid")
 
     with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
-        await dra_node.start(config, updates=updates())
+        await dra_node.start(config, updates=lambda _: updates())
         await dra_node.registered()
         while uuid() != {"string": "GPU-1"}:
             await dra_node.api.changed.wait_touched()
@@ -14152,7 +14155,7 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
             yield new
 
     with trio.fail_after(TIMEOUT), logged("added example.com/other") as added, logged("removed") as removed:
-        await dra_node.start(config(), updates=updates())
+        await dra_node.start(config(), updates=lambda _: updates())
         await dra_node.wait_for_slices(["gopher0"])
         await send.send(config(other))
         await dra_node.wait_for_slices(["o0"], pool="node-1/example.com/other")
@@ -14179,7 +14182,7 @@ async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dr
 
     cdi = {"kind": "example.com/gopher", "spec_dir": str(dra_node.root / "cdi")}
     with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
-        await dra_node.start(dra_node.config(cdi=cdi), updates=updates())
+        await dra_node.start(dra_node.config(cdi=cdi), updates=lambda _: updates())
         await dra_node.wait_for_slices(["gopher0", "gopher1"])
         await dra_node.registered()
         writes = len(dra_node.api.writes)
@@ -14221,7 +14224,7 @@ async def test_dra_only_reload_that_adds_a_device_plugin_resource_starts_the_kub
             yield new
 
     with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
-        await dra_node.start(gp.parse_config(yaml.safe_dump(dra_only), "cfg.yaml"), updates=updates())
+        await dra_node.start(gp.parse_config(yaml.safe_dump(dra_only), "cfg.yaml"), updates=lambda _: updates())
         await dra_node.wait_for_slices(["gopher0"])
         assert "kubelet.sock" not in caplog.text
         simulator = await dra_node.nursery.start(gp.KubeletSimulator(str(plugin_dir)).run)
@@ -17714,7 +17717,7 @@ async def test_metrics_of_a_dra_pool_are_there_at_0_and_go_with_its_resource_or_
             yield new
 
     with trio.fail_after(TIMEOUT):
-        await dra_node.start(config(other), updates=updates())
+        await dra_node.start(config(other), updates=lambda _: updates())
         await dra_node.wait_for_slices(["gopher0"])
         await dra_node.wait_for_slices([], pool=other_pool)  # an empty pool: one empty slice
         dra_node.api.fail("update", gp.dra_slice_name("node-1", DRIVER, RESOURCE, 0), 500)

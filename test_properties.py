@@ -1004,7 +1004,7 @@ async def _soak(root: pathlib.Path, configurations: int, outputs: int, tried: di
     try:
         async with trio.open_nursery() as nursery:
             simulator = await nursery.start(gp.KubeletSimulator(str(plugin_dir)).run)
-            updates = gp.watch_config_file(str(path), current=config)
+            updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
             await nursery.start(functools.partial(gp.serve_plugin, config, updates=updates))
             running, refused_last = config, False
             with trio.fail_after(60):

@@ -183,7 +183,7 @@ async def test_a_failed_reload_is_started_again_and_applies_that_configuration(
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = gp.watch_config_file(str(path))
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         monkeypatch.setattr(gp, "reload_plan", failing(gp.reload_plan, 1))
@@ -227,7 +227,7 @@ async def test_a_reload_to_dra_without_the_driver_keeps_the_device_plugin_servin
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = gp.watch_config_file(str(path))
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         with logged(RESOURCE) as said, logged("configuration reloaded") as reloaded:
@@ -523,3 +523,112 @@ async def test_supervised_backs_off_says_one_line_each_way_and_a_new_run_of_fail
     # The second run of failures: one line, and one when it runs again (its failures after that,
     # each soon after its start, are the same run: no line).
     assert lines == [failure, "flaky runs again, after 4 failures", failure, "flaky runs again, after 1 failure"]
+
+
+async def test_a_reload_whose_watch_failed_watches_the_file_anew_and_applies_what_changed_meanwhile(
+    nursery, node, tmp_path, monkeypatch, restarts
+):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        monkeypatch.setattr(gp, "_file_text", failing(gp._file_text, 1))  # the watch's read raises: it is finished
+        task = "configuration reloads"
+        with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            await reloaded.wait()  # the new watch read the file at once
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+        with logged("configuration reloaded") as next_one:  # and it follows the file's next change
+            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_NEXT"}}))
+            await next_one.wait()
+        later = await simulator.allocate(RESOURCE, ["g1"])
+    assert failed.lines == [
+        f"{task} failed: RuntimeError: injected; starting it again (the traceback is at log level debug)"
+    ]
+    assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
+    assert dict(answer.container_responses[0].envs) == {"GOPHER_IDS": "g1"}
+    assert dict(later.container_responses[0].envs) == {"GOPHER_NEXT": "g1"}
+    assert restarts(task) == 1
+
+
+async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
+    nursery, node, tmp_path, monkeypatch, restarts
+):
+    path, spec_dir = tmp_path / "gopherplug.yaml", tmp_path / "cdi"
+    cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
+    path.write_text(config_text(node, **{RESOURCE: cdi}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        full = OSError(28, "No space left on device")  # the CDI directory is full for one write, then not
+        monkeypatch.setattr(gp, "_replace_whole", failing(gp._replace_whole, 1, error=full))
+        task = "configuration reloads"
+        with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
+            mounts = {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}
+            path.write_text(config_text(node, **{RESOURCE: {**cdi, **mounts}}))
+            await reloaded.wait(2)  # refused by the full disk, then applied by the task started again
+    spec = next(spec_dir.glob("*.json")).read_text()
+    assert '"/m"' in spec, "the new configuration's spec is written"
+    assert failed.lines == [
+        f"{task} failed: GopherplugError: {RESOURCE}: not applied for now, tried again; starting it again "
+        "(the traceback is at log level debug)"
+    ]
+    assert reloaded.lines == [
+        f"{path}: configuration reloaded: kept {RESOURCE} as it was",
+        f"{path}: configuration reloaded: updated in place {RESOURCE}",
+    ]
+    assert restarts(task) == 1
+
+
+async def test_a_reload_the_configuration_refused_is_not_tried_again(nursery, node, tmp_path, restarts):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        with logged("configuration reloaded") as reloaded:
+            moved = yaml.safe_load(config_text(node, **{RESOURCE: {"api": "dra"}}))
+            path.write_text(yaml.safe_dump({**moved, "dra": {"driver": "gopher.example.com"}}))
+            await reloaded.wait()
+            await trio.testing.wait_all_tasks_blocked()
+    assert reloaded.lines == [f"{path}: configuration reloaded: kept {RESOURCE} as it was"]
+    assert restarts("configuration reloads") is None
+
+
+async def test_a_slice_publisher_started_again_follows_the_devices(dra, monkeypatch, restarts):
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    real, left = gp.SlicePublisher._sync_pool, [1]
+
+    async def sync_pool(self, pool, *args):
+        await real(self, pool, *args)
+        if left[0]:  # written, then kept as an answer of the wrong shape (no spec) would be, and failed on
+            left[0] -= 1
+            for item in self.known.values():
+                del item["spec"]
+            raise KeyError("spec")
+
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        monkeypatch.setattr(gp.SlicePublisher, "_sync_pool", sync_pool)
+        with logged("slice publisher failed") as failed, logged(f"slice publisher {AGAIN}") as again:
+            (dra.devices / "gopher2").touch()
+            await failed.wait()
+            await again.wait()
+        await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        for name in ("gopher3", "gopher4"):  # later changes, one at a time: each is published
+            (dra.devices / name).touch()
+            await dra.wait_for_slices(sorted({"gopher0", "gopher1", "gopher2", "gopher3", name}))
+        (dra.devices / "gopher0").unlink()
+        await dra.wait_for_slices(["gopher1", "gopher2", "gopher3", "gopher4"])
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("slice publisher") == 1
