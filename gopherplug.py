@@ -862,6 +862,11 @@ class RestartNeeded(GopherplugError):  # noqa: N818 - it says what the error ask
     serve, where every other failure of a running task is supervised (_supervised)."""
 
 
+class NotYet(GopherplugError):  # noqa: N818 - it says what the error asks for
+    """What the node refuses for now (a reload's CDI spec on a full disk): its task is started again
+    (_supervised), and /healthz does not count it: a new pod would meet the same disk."""
+
+
 class ConfigError(GopherplugError):
     """The configuration is wrong: says which file, which key, and what to fix, in one line.
 
@@ -6298,14 +6303,14 @@ async def _supervised(
     kept meanwhile. One ERROR line when failures begin, one when it runs again, not one a retry;
     gopherplug_task_restarts counts by ``part``. What it raises before its first started() (the
     plugin stops at start with that line), RestartNeeded and cancellation go through."""
-    failures, said = 0, False
+    failures, counted, said = 0, 0, False  # counted: the failures /healthz counts (not NotYet's)
     run = _Run(task_status)
 
     def steady() -> bool:
         return run.at is not None and trio.current_time() - run.at >= SUPERVISE_STEADY
 
     def problem() -> str:
-        return f"failed {failures} times in a row" if failures >= SUPERVISE_BOUND and not steady() else ""
+        return f"failed {failures} times in a row" if counted >= SUPERVISE_BOUND and not steady() else ""
 
     def recovered() -> None:
         nonlocal said
@@ -6324,8 +6329,8 @@ async def _supervised(
                 ):
                     raise
                 if steady():
-                    failures, said = 0, False  # it ran long enough since it came back: a new run of failures
-                failures += 1
+                    failures, counted, said = 0, 0, False  # it ran long enough since it came back: a new run
+                failures, counted = failures + 1, counted + (not isinstance(_innermost(error), NotYet))
                 if failures == 1:
                     what = f"{type(_innermost(error)).__name__}: {_describe(error)}"
                     log.error("%s failed: %s; starting it again (the traceback is at log level debug)", part, what)
@@ -11898,7 +11903,7 @@ async def serve_plugin(
             # Refused by the environment (a full or read-only CDI directory), not by reload_plan: the
             # task fails, and its restart applies the file again with backoff until they apply.
             if failed := done["not added"] + [name for name in done["refuse"] if plan[name][0] != "refuse"]:
-                raise GopherplugError(f"{', '.join(failed)}: not applied for now, tried again")
+                raise NotYet(f"{', '.join(failed)}: not applied for now, tried again")
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics

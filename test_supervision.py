@@ -478,6 +478,34 @@ async def test_a_failed_peer_watch_is_started_again_and_looks_again(dra, monkeyp
     assert restarts("peer watch") == 1
 
 
+async def test_what_the_node_refuses_for_now_is_retried_without_failing_the_health_check(autojump_clock, monkeypatch):
+    """NotYet (a reload's CDI spec on a full disk) is retried with the same backoff, but /healthz does
+    not count it: a new pod would meet the same disk, and the old one serves meanwhile. Any other
+    failure in the same run counts as before."""
+    monkeypatch.setattr(gp, "SUPERVISE_BOUND", 2)
+    health = gp.Health()
+    token = gp._HEALTH.set(health)
+    raised = [gp.NotYet("for now")] * 4 + [INJECTED] * 2
+    seen = []  # what /healthz says as each run starts, after the failures before it
+
+    async def task(*, task_status):
+        seen.append(health.problems())
+        if len(seen) <= len(raised):
+            raise raised[len(seen) - 1]
+        task_status.started()
+        await trio.sleep_forever()
+
+    with logged("flaky"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gp._supervised, "flaky", task)
+            while len(seen) <= len(raised):  # the backoff's waits pass on the virtual clock at once
+                await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    gp._HEALTH.reset(token)
+    # Four NotYet and one real failure: under the bound of 2; the second real failure reaches it.
+    assert seen == [[]] * 6 + [["flaky: failed 6 times in a row"]]
+
+
 async def test_supervised_backs_off_says_one_line_each_way_and_a_new_run_of_failures_after_steady(
     autojump_clock, monkeypatch
 ):
@@ -575,7 +603,7 @@ async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
     spec = next(spec_dir.glob("*.json")).read_text()
     assert '"/m"' in spec, "the new configuration's spec is written"
     assert failed.lines == [
-        f"{task} failed: GopherplugError: {RESOURCE}: not applied for now, tried again; starting it again "
+        f"{task} failed: NotYet: {RESOURCE}: not applied for now, tried again; starting it again "
         "(the traceback is at log level debug)"
     ]
     assert reloaded.lines == [
