@@ -6915,7 +6915,7 @@ class DirectoryWatch:
     watched is not missing, and must not be mistaken for it: the watch is then *degraded*
     (``limit`` says why), which ``logger`` hears once, and batches() also wakes every
     INOTIFY_RETRY_INTERVAL seconds to try the watches again and call for a rescan, until they all
-    hold again (``logger`` hears that too). Only then does no timer run.
+    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run.
     """
 
     def __init__(
@@ -6944,7 +6944,8 @@ class DirectoryWatch:
         self._waiting: trio.CancelScope | None = None  # batches() waiting for the kernel
         self.poked = False  #: whether the last batch was the answer to poke(), not the kernel's
         self._again_at = math.inf  # when batches() calls for a rescan by itself (again())
-        self._covered: tuple[int, ...] | None = None  # after an unmount: the device and inode at the path
+        self._covered: tuple[int, ...] = (-1, -1)  # the device and inode at the path at the last look (none: a mount)
+        self._look_at = math.inf  # after an unmount: when batches() next looks at what is at the path
         self.arm()
 
     def __enter__(self) -> DirectoryWatch:
@@ -7137,7 +7138,7 @@ class DirectoryWatch:
             if self.limit is not None:
                 self.again(INOTIFY_RETRY_INTERVAL)  # (the earliest stands): no timer while every watch holds
             if not self._poke_pending:
-                with trio.move_on_at(self._again_at) as self._waiting:
+                with trio.move_on_at(min(self._again_at, self._look_at)) as self._waiting:
                     if self._inotify is None:
                         await trio.sleep_forever()  # no instance to wait on: only the timer
                     await trio.lowlevel.wait_readable(self._inotify.fileno())
@@ -7146,14 +7147,20 @@ class DirectoryWatch:
             if self.poked:
                 yield [], set(), True
                 continue
+            if trio.current_time() >= self._look_at:  # unmounted once: what is at the path now? (no event says)
+                # For as long as the watch lives (a stat): a look may fall between an umount and the next
+                # mount (or before the umount's event), and watches on a bare mount point hear of no mount.
+                self._look_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
+                if (now := (_identity(self.path) or ())[:2]) != self._covered:  # (not the change time)
+                    parent = (_identity(os.path.dirname(self.path)) or (-2,))[:1]  # a mount point's differs
+                    if now[:1] not in ((), parent):
+                        self._log.info("%s: a file system is mounted there again: watching it", self.path)
+                    elif self._covered[:1] not in ((), parent):
+                        self._log.warning("%s: its file system was unmounted: looking for a new mount there", self.path)
+                    self._covered = now
+                    self.again(0)
             if trio.current_time() >= self._again_at:
                 self._again_at = math.inf
-                if self._covered is not None:  # unmounted: mounted again since? (no event says so)
-                    if (_identity(self.path) or ())[:2] == self._covered:  # (a change time changes at any entry)
-                        self.again(INOTIFY_RETRY_INTERVAL)
-                        continue
-                    self._log.info("%s: a file system is mounted there again: watching it", self.path)
-                    self._covered = None
                 self.arm()  # (what could not be watched, or was unmounted, may be watched now)
                 yield [], set(), True
                 continue
@@ -7173,11 +7180,10 @@ class DirectoryWatch:
         rescan = False
         for event in inotify.read(timeout=0):
             names = self._watches.get(event.wd, collections.Counter())
-            if event.mask & flags.UNMOUNT and self._covered is None:
+            if event.mask & flags.UNMOUNT:
                 # The kernel drops the watches of a file system unmounted; one mounted there later
-                # sends no event at all: its arrival is looked for until the path leads elsewhere.
-                self._log.warning("%s: its file system was unmounted: looking for a new mount there", self.path)
-                self._covered = (-1, -1)  # set once the watches are placed again, below
+                # sends no event at all: batches() looks at what is at the path, now and from then on.
+                self._look_at = min(self._look_at, trio.current_time())
             if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
                 if event.mask & flags.Q_OVERFLOW and _metrics is not None:
                     _metrics.overflows.inc()
@@ -7197,9 +7203,6 @@ class DirectoryWatch:
             if _metrics is not None:
                 _metrics.rescans.inc()
             self.arm()
-        if self._covered == (-1, -1):
-            self._covered = (_identity(self.path) or ())[:2]
-            self.again(INOTIFY_RETRY_INTERVAL)
         self._say()
         return (events, touched, rescan) if events or touched or rescan else None
 

@@ -238,3 +238,51 @@ async def test_the_device_directory_mounted_again_is_watched_again(nursery, node
     finally:
         while subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:
             pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root and mount")
+async def test_a_look_at_the_bare_mount_point_goes_on_until_a_file_system_is_mounted_there(
+    nursery, node, tmp_path, retry_soon, monkeypatch
+):
+    """The order of the unmounts, the mounts and the plugin's looks is nobody's to choose: here a tmpfs
+    is unmounted and another mounted before the plugin reads the unmount, the second is unmounted right
+    after a look, the plugin looks at the bare mount point, and only then is a third mounted. The
+    devices are the third's all the same."""
+    directory = tmp_path / "mounted"
+    directory.mkdir()
+    identity, looked, unmount_after_look = gp._identity, [trio.Event()], []
+
+    def look(path):  # the plugin looking at what is at the path: no inotify event tells of a mount
+        seen = identity(path)
+        if path == str(directory):
+            looked[0].set()
+            while unmount_after_look:
+                subprocess.run(["umount", unmount_after_look.pop()], check=True)
+        return seen
+
+    monkeypatch.setattr(gp, "_identity", look)
+    mount_tmpfs(directory)
+    try:
+        (directory / "g1").touch()
+        devices = gp.Watched({})
+        resource_config = node.config(directory=str(directory)).resources[0]
+        with trio.fail_after(TIMEOUT), logged("mounted there again") as remounted:
+            await nursery.start(gp.watch_devices, resource_config, devices)
+            subprocess.run(["umount", str(directory)], check=True)
+            mount_tmpfs(directory)  # before the plugin hears of the unmount: it runs in this task's trio run
+            (directory / "g5").touch()
+            while set(devices.value) != {"g5"}:
+                await devices.wait_touched()
+            unmount_after_look.append(str(directory))
+            while devices.value:  # unmounted right after a look: the bare mount point rescanned
+                await devices.wait_touched()
+            looked[0] = trio.Event()
+            await looked[0].wait()  # a look at the bare mount point
+            mount_tmpfs(directory)  # no inotify event says so
+            (directory / "g9").touch()
+            while set(devices.value) != {"g9"}:
+                await devices.wait_touched()
+        assert len(remounted.lines) == 2  # one line for each tmpfs mounted again, none for the bare mount point
+    finally:
+        while subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:
+            pass
