@@ -954,6 +954,11 @@ class RPCError(GopherplugError):
         self.message = message
 
 
+class RestartNeeded(GopherplugError):  # noqa: N818 - it says what the error asks for
+    """What only a new process can fix (the kubelet's directory deleted under a pod's mount): it ends
+    serve, where every other failure of a running task is supervised (_supervised)."""
+
+
 class ConfigError(GopherplugError):
     """The configuration is wrong: says which file, which key, and what to fix, in one line.
 
@@ -6327,7 +6332,8 @@ class _Parts:
     not reach it, and stop(), which the nursery's owner calls in a `finally`, cancels each one in
     turn through _stop_part: its own trace, its own bound. A part still running at its bound (a
     thread the kernel holds) is left to end by itself while the next ones stop; the nursery then
-    waits for it, and the command line waits no longer than STOP_TIMEOUT. A part that raises
+    waits for it, and the command line waits no longer than STOP_TIMEOUT. A part that raises once
+    started is started again (_supervised); one that raises RestartNeeded, or before its started(),
     cancels the nursery's owner, whose `finally` stops the others.
 
     Not shielded while it starts: a part that waits for something before started() (a directory
@@ -6339,15 +6345,22 @@ class _Parts:
         self._parts: list[tuple[str, trio.CancelScope, trio.Event, float]] = []
 
     async def start(
-        self, part: str, function: Callable[..., Awaitable[Any]], *args: Any, bound: float = STOP_PART_TIMEOUT
+        self,
+        part: str,
+        function: Callable[..., Awaitable[Any]],
+        *args: Any,
+        bound: float = STOP_PART_TIMEOUT,
+        supervise: bool = True,
     ) -> Any:
-        """``await nursery.start(function, *args)``, as the part named ``part``; what it started with."""
+        """``await nursery.start(function, *args)``, as the part named ``part``, _supervised unless it
+        supervises its own tasks; what it started with."""
         scope, done = trio.CancelScope(), trio.Event()
+        run_part = functools.partial(_supervised, part, function) if supervise else function
 
         async def run(*, task_status: trio.TaskStatus[Any]) -> None:
             try:
                 with scope:
-                    await function(*args, task_status=task_status)
+                    await run_part(*args, task_status=task_status)
             finally:
                 done.set()
 
@@ -6364,6 +6377,86 @@ class _Parts:
             part, scope, done, bound = self._parts.pop()
             if not done.is_set():
                 await _stop_part(part, functools.partial(_cancel_and_wait, scope, done), bound)
+
+
+#: A supervised task (_supervised) that fails is started again after SUPERVISE_BACKOFF[0] seconds,
+#: doubled at each failure in a row up to SUPERVISE_BACKOFF[1], each wait jittered: client-go's
+#: reflectors relist so after any error (800 ms to 30 s), the kubelet restarts its loops so
+#: (HandleCrash). After SUPERVISE_BOUND failures in a row /healthz says so, and the kubelet's liveness
+#: probe restarts the pod: a task that cannot recover in place gets a new process, never the process
+#: ending by itself, and never the other tasks (the devices the kubelet has) ended with it.
+SUPERVISE_BACKOFF = (0.5, 30.0)
+SUPERVISE_BOUND = 5
+#: A started-again task that has run this long counts as recovered: a failure after it is a new one.
+SUPERVISE_STEADY = 60.0
+
+
+class _Run:
+    """One run of a supervised task: its started() passed on, and when it was called (None: not yet)."""
+
+    def __init__(self, status: trio.TaskStatus[Any], then: Callable[[], None] = lambda: None) -> None:
+        self.status, self.then = status, then
+        self.at: float | None = None
+
+    def started(self, value: Any = None) -> None:
+        self.at = trio.current_time()
+        self.status.started(value)
+        self.then()
+
+
+async def _supervised(
+    part: str,
+    function: Callable[..., Awaitable[Any]],
+    *args: Any,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """``await function(*args, task_status=...)`` until it returns, started again whenever it raises
+    once started: with backoff (SUPERVISE_BACKOFF), from the truth (the function starts over: it
+    rescans, relists, rereads), keeping what it last published. One ERROR line when a run of failures
+    begins and one line when the part runs again, not one a retry; gopherplug_task_restarts counts
+    each restart by ``part``; SUPERVISE_BOUND failures in a row turn /healthz unhealthy. What it
+    raises before its first started() (the caller's to report: the plugin stops at start with that
+    one line), RestartNeeded and cancellation go through."""
+    failures, said = 0, False
+    run = _Run(task_status)
+
+    def steady() -> bool:
+        return run.at is not None and trio.current_time() - run.at >= SUPERVISE_STEADY
+
+    def problem() -> str:
+        return (
+            f"failed {failures} times in a row, started again each time"
+            if failures >= SUPERVISE_BOUND and not steady()
+            else ""
+        )
+
+    def recovered() -> None:
+        nonlocal said
+        if not said:
+            log.info("%s runs again, after %s", part, "1 failure" if failures == 1 else f"{failures} failures")
+        said = True
+
+    with _health_check(part, problem):
+        while True:
+            try:
+                await function(*args, task_status=run)
+                return
+            except Exception as error:
+                if (run.at is None and run.status is not trio.TASK_STATUS_IGNORED) or isinstance(
+                    _innermost(error), RestartNeeded
+                ):
+                    raise
+                if steady():
+                    failures, said = 0, False  # it ran long enough since it came back: a new run of failures
+                failures += 1
+                if failures == 1:
+                    what = f"{type(_innermost(error)).__name__}: {_describe(error)}"
+                    log.error("%s failed: %s; starting it again (the traceback is at log level debug)", part, what)
+                log.debug("%s: the failure's traceback:", part, exc_info=True)
+                if _metrics is not None:
+                    _metrics.restarts.labels(part).inc()
+                run = _Run(trio.TASK_STATUS_IGNORED, recovered)
+                await trio.sleep(jittered(min(SUPERVISE_BACKOFF[0] * 2 ** (failures - 1), SUPERVISE_BACKOFF[1])))
 
 
 def _mode(path: str) -> int | None:
@@ -6563,11 +6656,15 @@ class Metrics:
         )
         # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
         self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        # A task of serve that failed and was started again (_supervised): above 0 is worth a look at the log.
+        self.restarts = prometheus.Counter(
+            "gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",), registry=registry
+        )
         # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
         # connection, no timeout). Bound here: a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
         self._content_type = prometheus.CONTENT_TYPE_LATEST
-        self._socket = _http_listener(address, "metrics_address")
+        self._socket, self._address = _http_listener(address, "metrics_address"), address
         self.port: int = self._socket.getsockname()[1]  # the one chosen, for port 0
         self._scope = trio.CancelScope()
         self._serving = False
@@ -6580,13 +6677,16 @@ class Metrics:
 
         return _http_answer(request, ("/metrics",), body, self._content_type)
 
-    async def serve_http(self) -> None:
-        """Answer GET /metrics until close() (or cancelled), within _serve_http's limits."""
+    async def serve_http(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer GET /metrics until close() (or cancelled), within _serve_http's limits; after a
+        failure (_supervised), on the same address bound again."""
         if self._scope.cancel_called:
             return  # closed before it was served: the socket is closed already
+        if self._socket.fileno() < 0:
+            self._socket = _http_listener(self._address, "metrics_address")
         self._serving = True
         with self._scope:
-            await _serve_http(self._socket, self.answer)  # closes the socket as it ends
+            await _serve_http(self._socket, self.answer, task_status=task_status)  # closes the socket as it ends
 
     def set_devices(self, resource: str, devices: Mapping[str, DeviceEntry]) -> None:
         healthy = sum(1 for device in devices.values() if device.health == HEALTHY)
@@ -7695,18 +7795,17 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
-    async for events, touched, rescan in tracker.watch.batches():
-        device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+    async with contextlib.aclosing(tracker.watch.batches()) as batches:
+        async for events, touched, rescan in batches:
+            device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
 
 
 def _scanned(
     tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
 ) -> dict[_Key, DeviceEntry | None]:
-    """The tracker's changes (``names``: a batch's; None: all); none after a bug (_held_back)."""
-    changes: dict[_Key, DeviceEntry | None] = {}
-    with _held_back("scan", f"a scan of {tracker.watch.path}", logger=_log(tracker.resource)):
-        changes = tracker.rescan() if names is None else tracker.update(names, touched)
-    return changes
+    """The tracker's changes (``names``: a batch's; None: all). What a bug raises here ends the watch,
+    started again with a rescan (_supervised), the devices as known offered meanwhile."""
+    return tracker.rescan() if names is None else tracker.update(names, touched)
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -8211,6 +8310,7 @@ class KubeletWatch:
         self._watch: DirectoryWatch | None = None
         self._present = False  # whether kubelet.sock is there, by the events taken so far
         self._seen: tuple[int, int] | None = None  # which file it was at the last look, for a rescan
+        self._watched = False  # whether it ran before (and failed: started again)
 
     def current(self) -> int | None:
         """The generation of the kubelet.sock there now, or None while there is none: what the
@@ -8235,14 +8335,18 @@ class KubeletWatch:
             self.device_plugin_dir, flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
         ) as w:
             # Looked at once the watch is placed: a kubelet.sock made from now on is reported too,
-            # even one made before this look, which _take() then knows to be the same.
+            # even one made before this look, which _take() then knows to be the same. Started
+            # again after a failure (_supervised), the look is a rescan: a kubelet restarted meanwhile counts.
+            if self._watched:
+                self._take([], rescan=True)
             self._seen = self._file()
-            self._present = self._seen is not None
+            self._present, self._watched = self._seen is not None, True
             self._watch = w
             try:
                 task_status.started()
-                async for events, _, rescan in w.batches():
-                    self._take(events, rescan)
+                async with contextlib.aclosing(w.batches()) as batches:
+                    async for events, _, rescan in batches:
+                        self._take(events, rescan)
             finally:
                 self._watch = None
 
@@ -8376,10 +8480,11 @@ class StreamStatus:
     #: generation it was registered with (None: not registered with any yet, in this generation).
     server: GRPCServer | None = None
     registered_with: int | None = None
+    stream_failed: bool = False  #: a kubelet's stream ended by a failure: its registration is gone with it
 
     def new_kubelet(self) -> None:
         """A (re)started kubelet, or our socket gone: not registered, and the wait for a stream starts now."""
-        self.registered = False
+        self.registered = self.stream_failed = False
         self.registered_with = None
         if not self.streams:
             self.unstreamed_since = time.monotonic()
@@ -8535,6 +8640,13 @@ class DevicePluginService:
                 if ending.is_set():
                     return  # the kubelet sees the stream end, and forgets this registration
                 current = devices.value
+        except Exception:
+            # It ends this stream only (its refusal is the call's status, _held_back). The kubelet
+            # forgets the registration with the stream (runClient, below): registered anew, it opens
+            # another one, which starts from the devices as they are.
+            self.status.stream_failed = counted
+            devices.touch()
+            raise
         finally:
             if counted:
                 self.status.stream_ended()
@@ -11236,7 +11348,7 @@ async def _serve_generations(
                 _log(resource).info("registered with the kubelet as %s", endpoint)
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
-                while kubelet.generation == registered_with and server.owns_socket_file():
+                while kubelet.generation == registered_with and server.owns_socket_file() and not status.stream_failed:
                     if devices.value is RETIRED:
                         # The streams are sending the empty list and ending; let that reach the kubelet.
                         with trio.move_on_after(RETIRE_GRACE):
@@ -11248,6 +11360,7 @@ async def _serve_generations(
                         return
                     await _any_touched(kubelet.changed, devices)
             why = "our socket was deleted" if not server.owns_socket_file() else "the kubelet restarted"
+            why = "a ListAndWatch stream failed" if status.stream_failed else why
             _log(resource).info("%s: serving and registering again", why)
             if registered_with is not None:
                 # The kubelet that has this registration must be done with it before the next
@@ -11284,7 +11397,7 @@ async def _wait_for_directory(resource: ResourceConfig, kubelet: KubeletWatch) -
             links = None
         problem = deleted_directory_problem(directory, links, _read_text("/proc/self/mountinfo") or "")
         if problem is not None:
-            raise GopherplugError(problem)
+            raise RestartNeeded(problem)
         seen = _identity(directory)
         if links is not None and os.path.isdir(directory):
             return seen
@@ -11723,7 +11836,7 @@ async def serve_plugin(
         if config.metrics_address is not None:  # read at start only: a reload does not move the server
             metrics = _start_metrics(config.metrics_address)
             stack.push_async_callback(_stop_part, "metrics server", functools.partial(_stop_metrics, metrics))
-            nursery.start_soon(metrics.serve_http)
+            nursery.start_soon(_supervised, "metrics server", metrics.serve_http)
         # The tasks, stopped the last started first: the DRA driver, the resources, the kubelet watch;
         # before them the reloads, so that none starts a resource while the others stop.
         parts, reloads = _Parts(nursery), _Parts(nursery)
@@ -11752,6 +11865,7 @@ async def serve_plugin(
                     config.dev_root,
                     numbers,
                     dra_resources,
+                    supervise=False,  # its directory watch and its registration are, each on its own
                 )
                 return True
             except Exception as error:
@@ -11763,72 +11877,64 @@ async def serve_plugin(
                 log.error("%s: %s: not applied", resource.name, _innermost(error))
                 return False
 
+        pending: list[Config] = []  # the configuration a reload was applying when it failed
+
         async def reload(updates: AsyncGenerator[Config, None], *, task_status: trio.TaskStatus[None]) -> None:
             nonlocal reloading
             reloading = True
             # This task runs on from started() without yielding, into the first step of ``updates``.
             task_status.started()
-            async with contextlib.aclosing(updates):
-                async for new in updates:
-                    fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra", "nfd_features_file")
-                    if kubelet is None:  # not watched yet: it will be where the reload that needs it says
-                        fixed = fixed[1:]
-                    if any(getattr(new, key) != getattr(config, key) for key in fixed):
-                        log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
-                    wanted = {resource.name: resource for resource in new.resources}
-                    before = list(served)
-                    removed = [name for name in served if name not in wanted]
-                    changed = [name for name in served if name in wanted and wanted[name] != served[name].resource]
-                    # A reload runs every describe again (what it says may have changed without any
-                    # device coming or going): an unchanged resource's watch starts afresh in place.
-                    again = [n for n in served if n in wanted and n not in changed and wanted[n].describe]
-                    added = [name for name in wanted if name not in served]
-                    await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
-                    for name in removed:
-                        await served.pop(name).retire()
-                    updated: list[str] = []  # applied with the stream left open
-                    registered: list[str] = []  # served and registered anew
-                    kept: list[str] = []  # logged as "not applied": the summary must not call them applied
-                    not_added: list[str] = []
-                    for name in changed:
-                        if not register_again(served[name].resource, wanted[name]):
-                            # Ending the stream would make the kubelet mark every device unhealthy until
-                            # the next stream's first list, and reject for good the pods it admits then.
-                            (updated if await served[name].update(wanted[name]) else kept).append(name)
-                            continue
-                        old = served.pop(name)
-                        await old.stop()
-                        if await start(wanted[name]):
-                            registered.append(name)
-                        else:
-                            await start(old.resource)  # the new one failed: serve the old one again
-                            kept.append(name)
-                    for name in again:
-                        await served[name].update(wanted[name])
-                    for name in added:
-                        if not await start(wanted[name]):
-                            not_added.append(name)
-                    if _metrics is not None:
-                        # Every task of a removed (or stopped) resource has ended, its goodbye sent
-                        # and counted: nothing can bring its series back after this.
-                        for name in dict.fromkeys([*before, *added]):
-                            pool = dra_pool_name(dra_resources.node_name, name) if dra_resources is not None else None
-                            _metrics.forget(name, pool, served[name].resource if name in served else None)
-                    summary = ", ".join(
-                        f"{what} {', '.join(names)}{after}"
-                        for what, names, after in (
-                            ("added", [name for name in added if name not in not_added], ""),
-                            ("updated in place", updated, ""),
-                            ("described again", again, ""),
-                            ("re-registered", registered, ""),
-                            ("removed", removed, ""),
-                            ("kept", kept, " as it was"),
-                            ("did not add", not_added, ""),
-                        )
-                        if names
-                    )
-                    log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
-                    roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
+            if pending:  # started again after a failure (_supervised): that configuration, from what runs now
+                await apply(pending[0])
+                pending.clear()
+            async for new in updates:
+                pending[:] = [new]
+                await apply(new)
+                pending.clear()
+
+        async def apply(new: Config) -> None:
+            """Apply ``new`` resource by resource, each whole or not at all (reload_plan says what)."""
+            fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra", "nfd_features_file")
+            if kubelet is None:  # not watched yet: it will be where the reload that needs it says
+                fixed = fixed[1:]
+            if any(getattr(new, key) != getattr(config, key) for key in fixed):
+                log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
+            wanted = {resource.name: resource for resource in new.resources}
+            before = list(served)
+            plan = reload_plan({name: one.resource for name, one in served.items()}, new, dra_resources is not None)
+            done: dict[str, list[str]] = {what: [] for what in _RELOAD_SAID}
+            await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
+            for name, (action, why) in sorted(plan.items(), key=lambda item: _RELOAD_ORDER.index(item[1][0])):
+                if action == "stop":
+                    await served.pop(name).retire()
+                elif action == "refuse":
+                    log.warning("%s: %s: kept as it was", name, why)
+                elif action == "update" and not await served[name].update(wanted[name]):
+                    action = "refuse"  # its watch could not start: the old configuration goes on
+                elif action == "again":
+                    await served[name].update(wanted[name])
+                elif action == "register":
+                    old = served.pop(name)
+                    await old.stop()
+                    if not await start(wanted[name]):
+                        await start(old.resource)  # the new one failed: serve the old one again
+                        action = "refuse"
+                elif action == "start" and not await start(wanted[name]):
+                    action = "not added"
+                done.setdefault(action, []).append(name)
+            if _metrics is not None:
+                # Every task of a removed (or stopped) resource has ended, its goodbye sent
+                # and counted: nothing can bring its series back after this.
+                for name in dict.fromkeys([*before, *wanted]):
+                    pool = dra_pool_name(dra_resources.node_name, name) if dra_resources is not None else None
+                    _metrics.forget(name, pool, served[name].resource if name in served else None)
+            summary = ", ".join(
+                f"{said} {', '.join(done[what])}{' as it was' if what == 'refuse' else ''}"
+                for what, said in _RELOAD_SAID.items()
+                if done[what]
+            )
+            log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+            roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics
@@ -11845,9 +11951,10 @@ async def serve_plugin(
             for resource in config.resources:
                 await start(resource)
             # Not a part: it holds nothing, and a stop cancels it at once, with the rest of the nursery.
-            nursery.start_soon(_warn_shared_nodes, served, roster)
+            nursery.start_soon(_supervised, "shared device nodes", _warn_shared_nodes, served, roster)
             if config.nfd_features_file is not None:  # read at start only, as metrics_address
-                nursery.start_soon(_keep_nfd_features, config.nfd_features_file, served, roster)
+                nfd = config.nfd_features_file
+                nursery.start_soon(_supervised, "NFD feature file", _keep_nfd_features, nfd, served, roster)
             if config.dra is not None and dra_resources is not None:
                 # Only now, with every resource's devices attached: the publisher's first pass compares
                 # the slices it lists with all the pools (earlier, a restarted plugin would delete its own
@@ -11857,6 +11964,7 @@ async def serve_plugin(
             if updates is not None:
                 # Before our started(): the first step of ``updates`` places its inotify watch and
                 # reads the file, and a change made once we have started must not come before it.
+                stack.push_async_callback(updates.aclose)  # not by the task: one started again goes on with it
                 await reloads.start("configuration reloads", reload, updates)
             task_status.started()
             await trio.sleep_forever()
@@ -11866,7 +11974,9 @@ async def serve_plugin(
             await stack.aclose()
 
 
-async def _warn_shared_nodes(served: Mapping[str, _Served], roster: Watched) -> None:
+async def _warn_shared_nodes(
+    served: Mapping[str, _Served], roster: Watched, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Warn once about each device node two served resources offer (shared_nodes), as their devices
     come and go: a node plugged in later is told when it appears, and again if it comes back after
     it stopped being shared."""
@@ -11880,6 +11990,8 @@ async def _warn_shared_nodes(served: Mapping[str, _Served], roster: Watched) -> 
             if line not in said:
                 log.warning("%s", line)
         said = set(lines)
+        task_status.started()
+        task_status = trio.TASK_STATUS_IGNORED
         await _any_event(events, trio.Event())
 
 
@@ -11898,7 +12010,13 @@ def write_nfd_features(path: str, text: str) -> os.stat_result:
     return _replace_whole(path, text, f".{os.path.basename(path)}-", 0o644, durable=False)
 
 
-async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: Watched) -> None:
+async def _keep_nfd_features(
+    path: str,
+    served: Mapping[str, _Served],
+    roster: Watched,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Keep the NFD feature file ``path`` (nfd_features) as the served resources' devices and the
     configuration change: written when its text changes (off the kubelet's path). A write that fails
     is said once and tried again at the next change or after NFD_RETRY_SECONDS; the plugin serves on.
@@ -11955,6 +12073,8 @@ async def _keep_nfd_features(path: str, served: Mapping[str, _Served], roster: W
                                     len(wanted.encode()),
                                     NFD_MAX_FEATURE_FILE_SIZE,
                                 )
+                    task_status.started()
+                    task_status = trio.TASK_STATUS_IGNORED
                     with trio.move_on_after(NFD_RETRY_SECONDS if failing is not None else math.inf):
                         await _any_event(events, trio.Event())
     finally:
@@ -11979,6 +12099,41 @@ async def _stop_metrics(metrics: Metrics) -> None:
     global _metrics
     _metrics = None
     metrics.close()  # its serve_http task ends, closing the port
+
+
+# What a reload does to a resource (reload_plan), in the order it is done, and how the log's summary says it.
+_RELOAD_ORDER = ("stop", "refuse", "keep", "update", "register", "again", "start")
+_RELOAD_SAID = {
+    "start": "added",
+    "update": "updated in place",
+    "again": "described again",
+    "register": "re-registered",
+    "stop": "removed",
+    "refuse": "kept",
+    "not added": "did not add",
+}
+
+
+def reload_plan(running: Mapping[str, ResourceConfig], new: Config, dra: bool) -> dict[str, tuple[str, str]]:
+    """What a reload from the ``running`` resources (by name) to ``new`` does to each, ``dra`` telling
+    whether the DRA driver runs: by name, (action, why). "keep" (unchanged), "again" (unchanged, its
+    describe run again: what it says may have changed with no device coming or going), "update" (in
+    place, its stream left open), "register" (served and registered anew: register_again), "start",
+    "stop", or "refuse" with why: the change waits for a restart, and the resource serves on as it was."""
+    wanted = {resource.name: resource for resource in new.resources}
+    plan = {name: ("stop", "") for name in running if name not in wanted}
+    for name, resource in wanted.items():
+        old = running.get(name)
+        if old is None:
+            plan[name] = ("start", "")
+        elif old == resource:
+            plan[name] = ("again" if resource.describe else "keep", "")
+        elif old.api != resource.api and resource.dra and not dra:
+            why = f"api: {resource.api} takes effect at the next start (the DRA driver is not running)"
+            plan[name] = ("refuse", why)
+        else:
+            plan[name] = ("register" if register_again(old, resource) else "update", "")
+    return plan
 
 
 def register_again(old: ResourceConfig, new: ResourceConfig) -> bool:
@@ -12085,13 +12240,14 @@ async def _serve_one(
                     try:
                         with scope:
                             turn = dra_resources.cdi_turn if dra_resources is not None else None
-                            await watch_devices(
+                            await _supervised(
+                                f"{resource.name}: directory watch",
+                                functools.partial(watch_devices, described=served.described),
                                 resource,
                                 served.devices,
                                 sysfs_root,
                                 dev_root,
                                 turn,
-                                described=served.described,
                                 task_status=task_status,
                             )
                     finally:
@@ -12127,7 +12283,10 @@ async def _serve_one(
                         return lambda device: examine_again(current, device, roots, sysfs_root, directories)
 
                     serve = functools.partial(serve_resource, examiner=examiner, config=served.config)
-                    await nursery.start(serve, resource, served.devices, kubelet, None, generations)
+                    registration = f"{resource.name}: registration"
+                    await nursery.start(
+                        _supervised, registration, serve, resource, served.devices, kubelet, None, generations
+                    )
                 task_status.started()
                 if not resource.device_plugin:
                     while served.devices.value is not RETIRED:  # then the pool empties, and we are done

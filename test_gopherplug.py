@@ -12191,22 +12191,6 @@ async def test_a_bug_met_by_a_reload_keeps_the_running_configuration(nursery, no
     assert unexpected("config") == 1
 
 
-async def test_a_bug_met_by_a_scan_keeps_the_devices(nursery, node, monkeypatch, unexpected):
-    with trio.fail_after(TIMEOUT):
-        simulator = await start(nursery, node)
-        monkeypatch.setattr(gp._SourceTracker, "update", raising(RuntimeError("boom")))
-        with logged("a scan of") as said:
-            Path(node.devices, "g3").touch()
-            await said.wait()
-        await trio.testing.wait_all_tasks_blocked()
-        assert devices_of(simulator) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY}
-        monkeypatch.undo()
-        Path(node.devices, "g4").touch()
-        await simulator.wait_until(lambda s: "g4" in (devices_of(s) or {}))
-    assert said.lines == [f"{RESOURCE}: a scan of {node.devices}: RuntimeError: boom: {BUG}"]
-    assert unexpected("scan") == 1
-
-
 async def test_a_bug_met_by_a_devices_values_keeps_the_device_offered(nursery, node, monkeypatch, unexpected):
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node, attributes={"model": "gopher"})
