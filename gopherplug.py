@@ -308,19 +308,22 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
-#: At most this many IDs are named in a line on devices that came or went; the others are counted.
+#: At most this many IDs are named in a line or an error (devices that came or went, IDs refused);
+#: the others are counted: a line built from what a peer sent stays short whatever it sent.
 NAMED_CHANGES = 5
 
 
+def _named(ids: list[str]) -> str:
+    """ "g1, g2, g3, g4, g5 and 12 more": at most NAMED_CHANGES of ``ids`` named, the rest counted."""
+    more = f" and {len(ids) - NAMED_CHANGES} more" if len(ids) > NAMED_CHANGES else ""
+    return ", ".join(ids[:NAMED_CHANGES]) + more
+
+
 def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), at
-    most NAMED_CHANGES of each named ("and 12 more")."""
-    parts = []
-    for ids, what in ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went")):
-        if ids:
-            named = _natural_sorted(list(ids))
-            more = f" and {len(named) - NAMED_CHANGES} more" if len(named) > NAMED_CHANGES else ""
-            parts.append(f"{', '.join(named[:NAMED_CHANGES])}{more} {what}")
+    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), each
+    _named."""
+    changes = ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went"))
+    parts = [f"{_named(_natural_sorted(list(ids)))} {what}" for ids, what in changes if ids]
     return f": {'; '.join(parts)}" if parts else ""
 
 
@@ -3359,7 +3362,9 @@ def allocated_devices(
     underlying = {kubelet_id: resource.underlying_id(kubelet_id) for kubelet_id in ids}
     unknown = sorted({i for i, device_id in underlying.items() if device_id not in devices}, key=_natural_key)
     if unknown:
-        raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {', '.join(unknown)}")
+        # Named in a few, counted: grpc-message is an HTTP/2 header, and purerpc's pure-Python HPACK
+        # encoder takes time quadratic in its length (100,000 IDs held the event loop for minutes).
+        raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {_named(unknown)}")
     chosen = [devices[device_id] for device_id in dict.fromkeys(underlying.values()) if device_id is not None]
     for device in chosen:
         if device.health != HEALTHY:
@@ -6186,6 +6191,12 @@ async def call_unary(
         error = _innermost(group)
         if isinstance(error, RpcFailedError):
             raise RPCError(error.status.status_code, error.status.status_message) from None
+        # A peer that accepts and hangs up: trio and anyio say EndOfStream, BrokenResourceError or
+        # both in a group (reader and writer each saw it), which tells a user nothing of the peer.
+        # (A refused connection is a ConnectionError too, and says so itself.)
+        hung_up = (*_GOODBYE[:3], BrokenPipeError, ConnectionResetError)
+        if isinstance(error, hung_up) or (isinstance(group, ExceptionGroup) and group.split(hung_up)[1] is None):
+            error = ConnectionError("the server closed the connection before it answered")
         raise RPCError(StatusCode.UNAVAILABLE, f"{method.path} on {socket_path}: {_describe(error)}") from error
     except BaseExceptionGroup as group:
         # The caller was cancelled while the server hung up: anyio's task group inside purerpc's
@@ -7551,13 +7562,21 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them).
-_RUNNING: set[int] = set()
+#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them), each
+#: with the mark its environment carries (GOPHERPLUG_PROGRAM), and so what it starts.
+_RUNNING: dict[int, str] = {}
 
 
 def _kill_process_group(pid: int) -> None:
+    """Kill a program's process group, and what it started that left the group: a daemon (fork,
+    setsid, fork) is in a session of its own, but keeps the environment, and so the program's mark."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    marked = f"\0GOPHERPLUG_PROGRAM={_RUNNING.get(pid)}\0".encode()
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{name}/environ", "rb") as environ:
+            if marked in b"\0" + environ.read():  # gone, not a process or not ours to read: passed over
+                os.kill(int(name), signal.SIGKILL)
 
 
 def _reap_orphans() -> None:
@@ -7603,22 +7622,24 @@ async def run_program(
     cannot be started.
 
     Resource handling: the program runs in its own process group, killed whole once the program
-    exits, at ``timeout`` and when cancelled: nothing it started outlives it. Its answer is taken
+    exits, at ``timeout`` and when cancelled, with what left the group (_kill_process_group):
+    nothing it started outlives it. Its answer is taken
     when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
     pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
     reaped, before any other task runs: its ID cannot have gone to another program of ours."""
     stdout, stderr = bytearray(), bytearray()
     too_much = timed_out = False
+    mark = os.urandom(8).hex()
     process = await trio.lowlevel.open_process(
         list(argv),
-        env=env,
+        env={**env, "GOPHERPLUG_PROGRAM": mark},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE if limit else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
         pass_fds=fds,
     )
-    _RUNNING.add(process.pid)
+    _RUNNING[process.pid] = mark
 
     async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
         nonlocal too_much
@@ -7648,7 +7669,7 @@ async def run_program(
             _kill_process_group(process.pid)
             with trio.CancelScope(shield=True):
                 await process.wait()
-        _RUNNING.discard(process.pid)
+        _RUNNING.pop(process.pid, None)
         _reap_orphans()
     kept = None if too_much or not limit else bytes(stdout)
     return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
@@ -8666,7 +8687,7 @@ class DevicePluginService:
         with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
             response, _ = self._allocation(request)
             for container in request.container_requests:
-                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
+                _log(self.resource).info("allocated %s", _named(list(container.devices_ids)))
             return response
 
     async def _allocate_and_shape(self, request: Any) -> Any:
@@ -8679,7 +8700,7 @@ class DevicePluginService:
                 shaped = self.shape_allocation(chosen, answer) if self.shape_allocation is not None else None
                 if inspect.isawaitable(shaped):
                     await shaped
-                _log(self.resource).info("allocated %s", ",".join(container.devices_ids))
+                _log(self.resource).info("allocated %s", _named(list(container.devices_ids)))
             return response
 
     async def PreStartContainer(self, request: Any) -> Any:  # noqa: N802
@@ -8698,7 +8719,7 @@ class DevicePluginService:
             # The kubelet fails the pod (UnexpectedAdmissionError, with this message in its events):
             # the plugin's log says so too, once per refusal. A try costs nothing until it catches
             # (3.11's zero-cost exceptions): the success path does no more work.
-            _log(self.resource).warning("refused Allocate of %s: %s", ",".join(ids) or "no device", error.message)
+            _log(self.resource).warning("refused Allocate of %s: %s", _named(ids) or "no device", error.message)
             raise
 
     def _devices_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
@@ -8801,7 +8822,7 @@ async def run_pre_start(resource: ResourceConfig, chosen: list[DeviceEntry], slo
         raise RPCError(StatusCode.UNKNOWN, f"pre_start: cannot run {command}: {_describe(error)}") from None
     if ran.returncode != 0:
         raise RPCError(StatusCode.UNKNOWN, f"pre_start {command} {ran.how()}{ran.said()}")
-    _log(resource).info("pre_start %s done for %s", command, ",".join(d.id for d in chosen))
+    _log(resource).info("pre_start %s done for %s", command, _named([d.id for d in chosen]))
 
 
 async def register(
@@ -10060,25 +10081,39 @@ class KubeApi:
         class Node(GenericGlobalResource):  # type: ignore[misc,valid-type]
             _api_info = create_api_info("", "v1", "Node", "nodes", verbs=["get", "list", "watch"])
 
-        return cls(client, slices, claims, (lightkube.ApiError, httpx2.TransportError), Node)
+        # lightkube makes its ApiError of an error answer only if its Content-Type is exactly
+        # application/json, and then of a Status; else its KeyError (no Content-Type), a JSON error or
+        # httpx's own error came out. A load balancer's 502/503/504 page is no Status, nor is
+        # "application/json; charset=utf-8": every error answer is httpx's HTTPStatusError here, and
+        # _errors reads the Status from it if it is one.
+        client._client.raise_for_status = lambda response: response.raise_for_status()
+        return cls(client, slices, claims, (httpx2.HTTPStatusError, httpx2.HTTPError), Node)
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
         try:
             yield
         except self._api_error as error:
-            # The API server's priority and fairness answers 429 with Retry-After (seconds); a client
-            # that comes back sooner only adds to the load it was refused for.
-            response = getattr(error, "response", None)
-            header = response.headers.get("retry-after", "") if response is not None else ""
+            # The API server's priority and fairness answers 429 with Retry-After (seconds), and so
+            # may a proxy's 503; a client that comes back sooner only adds to the load it was refused for.
+            response = error.response
+            header = response.headers.get("retry-after", "").strip()
             retry_after = float(header) if header.isascii() and header.isdigit() else None
-            message = f"{what}: {error.status.code} {error.status.message}"
-            details = error.status.details
-            causes = tuple(str(cause.reason or "") for cause in (details.causes or [])) if details else ()
-            raise ApiError(error.status.code, message, retry_after, causes) from None
+            try:
+                status = response.json()
+                status = status if isinstance(status, dict) and isinstance(status.get("message"), str) else {}
+            except ValueError:  # an HTML page, a truncated body: not the API server's Status
+                status = {}
+            shown = " ".join(response.text.split())[:120] or "no body"
+            message = status.get("message") or f"{response.reason_phrase} (not the API server's Status: {shown})"
+            details = status.get("details") if isinstance(status.get("details"), dict) else {}
+            listed = details.get("causes") if isinstance(details.get("causes"), list) else []
+            causes = tuple(str(cause.get("reason") or "") for cause in listed if isinstance(cause, dict))
+            code = response.status_code
+            raise ApiError(code, f"{what}: {code} {message}", retry_after, causes) from None
         except ExecCredentialError as error:  # the kubeconfig's credential plugin gave no token
             raise ApiError(None, f"{what}: {error}") from None
-        except self._transport_error as error:
+        except self._transport_error as error:  # no answer: refused, reset mid-body, timed out
             # httpx2's error for a server certificate the configured CA did not sign says nothing
             # (trio's BrokenResourceError inside): the reason, ssl's "CERTIFICATE_VERIFY_FAILED",
             # is further down its causes.
@@ -10324,6 +10359,7 @@ async def list_and_watch(
     list_at: str | None = "0"  # list before the next watch, at this version; None: watch
     delay = DRA_WATCH_BACKOFF[0]
     expired = 0  # 410s in a row, each right after a list, with nothing from the server in between
+    failing = False  # a failure was warned of: the next ones are debug lines until an answer comes
     while True:
         try:
             if list_at is not None:
@@ -10351,6 +10387,9 @@ async def list_and_watch(
                         # The backoff ends when a watch brings something, not when a list works: a
                         # watch that fails right after each list would otherwise list again and again.
                         brought, expired, delay = True, 0, DRA_WATCH_BACKOFF[0]
+                        if failing:  # one line when the server fails, one when it answers again
+                            log.info("DRA: watching %s: the API server answers again", what)
+                            failing = False
             expired = 0
             if quiet.cancelled_caught:
                 log.debug("DRA: watching %s: nothing, not even a bookmark, for a while; watching again", what)
@@ -10370,7 +10409,9 @@ async def list_and_watch(
             if error.status == 403 and stop_when_forbidden:
                 raise
             wait = jittered(max(delay, error.retry_after or 0.0))
-            log.warning("DRA: watching %s: %s; again in %.2g s", what, error, wait)
+            level = logging.DEBUG if failing else logging.WARNING
+            log.log(level, "DRA: watching %s: %s; again in %.2g s, and quietly until it answers", what, error, wait)
+            failing = True
             await trio.sleep(wait)
             delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
 

@@ -42,6 +42,8 @@ import math
 import os
 import random
 import re
+import socket
+import struct
 import time
 import urllib.parse
 import uuid
@@ -785,6 +787,27 @@ def request_verb_and_resource(method: str, target: str) -> tuple[str, str]:
     return verb, resource
 
 
+_HTML = "<html><body><h1>{0} {1}</h1>\nThe server is temporarily unable to service your request.</body></html>\n"
+_INTERNAL = go_json(_status(500, "InternalError", "Internal error occurred: etcdserver: leader changed"))
+
+#: The shapes of an error answer that ApiServerSimulator.garble() gives: (status, Content-Type ("":
+#: none), body). HAProxy's and nginx's pages for a backend down or slow, a server that names no
+#: type, a Status with a charset, a body that is not JSON, a 429 of priority and fairness; "reset":
+#: a 500 cut off mid-body by a reset; "close": no answer, the connection closed; "hang": no answer.
+ERROR_SHAPES: dict[str, tuple[int, str, bytes]] = {
+    "html-502": (502, "text/html", _HTML.format(502, "Bad Gateway").encode()),
+    "html-503": (503, "text/html", _HTML.format(503, "Service Unavailable").encode()),
+    "html-504": (504, "text/html", _HTML.format(504, "Gateway Time-out").encode()),
+    "503-no-type": (503, "", b"upstream connect error or disconnect/reset before headers"),
+    "json-charset": (500, "application/json; charset=utf-8", _INTERNAL),
+    "500-not-json": (500, "application/json", b'{"kind": "Status", "message": '),
+    "429": (429, "application/json", go_json(_status(429, "TooManyRequests", "too many requests, please try again"))),
+    "reset": (500, "application/json", _INTERNAL),
+    "close": (0, "", b""),
+    "hang": (0, "", b""),
+}
+
+
 class ApiServerSimulator(LenientApiServer):
     """The API server a DRA driver talks to, as strict as the real one: gopherplug.LenientApiServer
     (Nodes, claims, slices; list, watch, writes, status apply: read its docstring first) with every
@@ -816,6 +839,11 @@ class ApiServerSimulator(LenientApiServer):
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
       that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
       with its time and status (each touches ``changed``, also one that gets no answer).
+    - ``garble()`` answers the next requests (any verb, or one) in one of the shapes of ERROR_SHAPES,
+      as a proxy or load balancer in front of the real server does: an HTML 502/503/504 page, a
+      503 without Content-Type, a Status as "application/json; charset=utf-8", a 500 whose body is
+      not JSON, a 429 with Retry-After, a body cut off by a reset, a connection closed unanswered,
+      no answer at all (ERROR_SHAPES).
     - ``requests`` counts every request by (verb, resource, user agent), as the audit log or the
       apiserver_request_total metric does (request_verb_and_resource); ``watches`` lists each watch's
       query, ``lists`` each list's. ``forbidden`` holds the (verb, resource) pairs RBAC refuses,
@@ -865,6 +893,9 @@ class ApiServerSimulator(LenientApiServer):
         self.lists: list[dict[str, str]] = []  #: the query of each list request, in order
         self.down = False
         self.delay = 0.0
+        self._garbled: list[dict[str, Any]] = []  # garble(): the answers to garble, in order
+        #: how many answers garble() garbled, by shape
+        self.garbled: collections.Counter[str] = collections.Counter()
         self.disabled_gates: set[str] = {gate for gate, on in self.release.gates.items() if not on}
 
     @property
@@ -972,6 +1003,43 @@ class ApiServerSimulator(LenientApiServer):
             {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
         )
 
+    def garble(self, shape: str, *, times: int = 1, verb: str = "", resource: str = "") -> None:
+        """Answer the next ``times`` requests of ``verb`` ("get", "list", "watch", "create", "update",
+        "delete", "patch"; "": any) on ``resource`` ("resourceslices", "nodes"; "": any) in
+        ``shape``, one of ERROR_SHAPES, instead of the server's answer."""
+        assert shape in ERROR_SHAPES, shape
+        self._garbled.append({"shape": shape, "times": times, "verb": verb, "resource": resource})
+
+    async def _garble(self, connection: Any, stream: Any, h11: Any, verb: str, resource: str) -> bool:
+        for garbled in self._garbled:
+            if garbled["verb"] in ("", verb) and garbled["resource"] in ("", resource):
+                garbled["times"] -= 1
+                if garbled["times"] <= 0:
+                    self._garbled.remove(garbled)
+                break
+        else:
+            return False
+        shape = garbled["shape"]
+        self.garbled[shape] += 1
+        self.changed.touch()
+        if shape == "hang":
+            await trio.sleep_forever()  # until the client gives up
+        if shape == "close":
+            await stream.aclose()
+            return True
+        status, content_type, body = ERROR_SHAPES[shape]
+        headers = [("content-length", str(len(body)))] + ([("content-type", content_type)] if content_type else [])
+        headers += [("retry-after", "2")] if status in (429, 503) else []
+        await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
+        if shape == "reset":  # half the body, then the connection reset (SO_LINGER 0: an RST)
+            await stream.send_all(body[: len(body) // 2])
+            with contextlib.suppress(AttributeError):  # (over TLS: closed as it is)
+                stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await stream.aclose()
+            return True
+        await stream.send_all(connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage()))
+        return True
+
     def mangle_watches(self, data: bytes) -> None:
         """Write ``data`` into every open watch's stream, between two events, as a proxy or a
         broken middlebox that mangles a stream might (the API server itself never does)."""
@@ -1036,6 +1104,8 @@ class ApiServerSimulator(LenientApiServer):
                 f'resource "{resource}" in API group "{group}" at the cluster scope'
             )
             await self._send(connection, stream, h11, 403, _status(403, "Forbidden", message))
+            return True
+        if await self._garble(connection, stream, h11, verb, resource):
             return True
         self.changed.touch()  # a request came: a test waiting for one may look
         asked = query.get("resourceVersion", "")

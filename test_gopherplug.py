@@ -3409,7 +3409,7 @@ async def test_allocate_unknown_ids_is_invalid_argument(nursery, node, caplog):
         "unknown example.com/gopher device IDs: g7",
     )
     refused = [(r.levelname, r.getMessage()) for r in caplog.records if "refused Allocate" in r.getMessage()]
-    assert refused == [("WARNING", f"{RESOURCE}: refused Allocate of g1,g7: unknown {RESOURCE} device IDs: g7")]
+    assert refused == [("WARNING", f"{RESOURCE}: refused Allocate of g1, g7: unknown {RESOURCE} device IDs: g7")]
 
 
 async def test_device_changes_reach_the_kubelet(nursery, node, tmp_path):
@@ -10490,6 +10490,109 @@ def test_the_chart_and_parse_config_agree_on_every_resource_name(helm, tmp_path)
         if bool(chart["problem"]) != bool(node):
             disagreements.append((name, chart["problem"], node))
     assert disagreements == [], f"{len(disagreements)} of {len(names)}"
+
+
+#: Resources the node takes, which between them give every key that holds a string a value (the
+#: configuration's own: attributes and capacity have their own test above, the name the one before).
+_EVERY_STRING_KEY = [
+    {
+        **_gopher(id_pattern="(?P<id>gopher[0-9]+)", env="GOPHER_DEVICES", api="device-plugin"),
+        "device_specs": [{"host_path": "/dev/gopher0", "container_path": "/dev/gopher0", "permissions": "rw"}],
+        "mounts": [{"host_path": "/dev/shm", "container_path": "/shm", "read_only": True}],
+        "annotations": {"example.com/a": "b"},
+        "pre_start": ["/bin/true", "arg"],
+        "describe": ["/bin/true", "arg"],
+        "allowed_host_paths": ["/run/gopher"],
+        "shared_with": ["example.com/other"],
+    },
+    {
+        "name": "example.com/key",
+        "usb": [{"vendor": "1050", "product": "0407", "serial": "ABC"}],
+        "cdi": {"kind": "example.com/key", "spec_dir": "/var/run/cdi"},
+    },
+    {"name": "example.com/m", "match": [{"directory": "/dev", "pattern": "gopher*"}], "preferred": "spread"},
+]
+_OTHER = {"name": "example.com/other", "directory": "/dev", "pattern": "other*", "env": "OTHER_DEVICES"}
+#: Strings toYaml writes unquoted that YAML 1.1 reads as something else, and near ones it reads back.
+_NOT_READ_BACK = ["=", "<<", "1.5e+999", "-1.5e+999", "1_0.5e+999", ".5E+999"]
+_READ_BACK = ["=x", "<<<", "1.5e+99", "1.5e999", "1.5e-999", "x"]
+
+
+def _string_leaves(value, path="", keys=()):
+    """(path, keys, setter) for each string in ``value``, a resource's data: its path as the chart
+    names it, the keys on the way there, and what sets it."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        at, within = (f"{path}[{key}]", keys) if isinstance(value, list) else (f"{path}.{key}", (*keys, key))
+        if isinstance(item, str):
+            yield at, within, functools.partial(value.__setitem__, key)
+        else:
+            yield from _string_leaves(item, at, within)
+
+
+def test_the_chart_and_parse_config_agree_on_every_string_the_configmap_carries(helm, tmp_path):
+    """Every key that holds a string, not only attributes and capacity: toYaml writes "=", "<<" and a
+    number past float64 unquoted, and the plugin's YAML 1.1 reads them back as tags it cannot load or
+    as inf, on every node at once after a `helm upgrade` that succeeded. The chart refuses each such
+    value at its path, takes the near ones that read back as written, and never takes one the node
+    then refuses as YAML; the keys covered are every key parse_config knows but those of no string."""
+    cases, covered = [], set()
+    for index, base in enumerate(_EVERY_STRING_KEY):
+        for path, keys, _ in _string_leaves(base):
+            if path == ".name":
+                continue
+            covered.update(keys)
+            for text in _NOT_READ_BACK + _READ_BACK:
+                resource = copy.deepcopy(base)
+                next(setter for at, _, setter in _string_leaves(resource) if at == path)(text)
+                cases.append({"base": index, "path": path, "text": text, "resource": resource})
+    no_string = {"replicas", "whole_dev", "allow_mounted", "read_only", "pre_start_timeout", "attributes", "capacity"}
+    nested = {"serial", "vendor", "product", "host_path", "container_path", "permissions", "kind", "spec_dir"}
+    assert sorted((gp._RESOURCE_KEYS - {"name"} | nested) - no_string - covered) == []
+    per_case = (
+        "{{- $resource := .resource -}}"
+        '{{- $problem := include "gopherplug.textProblem" (dict "at" "config.resources[0]" '
+        '"value" (omit .resource "name" "attributes" "capacity")) -}}'
+    )
+    verdicts = _chart_verdicts(helm, tmp_path, per_case, {"cases": cases})
+    wrong = []
+    for case, chart in zip(cases, verdicts, strict=True):
+        text = "resources:\n" + textwrap.indent(chart["yaml"], "  ") + "\n"
+        if case["base"] == 0:  # its shared_with names _OTHER
+            text += textwrap.indent(yaml.safe_dump([_OTHER]), "  ")
+        try:
+            gp.parse_config(text, "config.yaml")
+            node = None
+        except gp.ConfigError as error:
+            node = str(error)
+        as_yaml = bool(node and re.search(r"invalid YAML|\binf\b", node))
+        if case["text"] in _NOT_READ_BACK:
+            ok = chart["problem"].startswith(f"config.resources[0]{case['path']}: '{case['text']}' is ") and node
+        else:
+            ok = not chart["problem"] and not as_yaml
+        if not ok or (as_yaml and not chart["problem"]):
+            wrong.append((case["path"], case["text"], chart["problem"], node))
+    assert wrong == [], f"{len(wrong)} of {len(cases)}:\n" + "\n".join(map(repr, wrong))
+
+
+@pytest.mark.parametrize(
+    ("resource", "path"),
+    [
+        (_gopher(pattern="="), "pattern"),
+        ({"name": "example.com/m", "match": [{"directory": "/dev", "pattern": "<<"}]}, "match[0].pattern"),
+        (_gopher(annotations={"example.com/a": "1.5e+999"}), "annotations.example.com/a"),
+        (_gopher(describe=["/bin/describe", "="]), "describe[1]"),
+        (_gopher(pre_start=["/bin/reset", "1.5e+999"]), "pre_start[1]"),
+        ({"name": "example.com/key", "usb": [{"vendor": "1050", "product": "0407", "serial": "<<"}]}, "usb[0].serial"),
+    ],
+)
+def test_the_chart_refuses_a_string_the_plugin_would_read_as_something_else(helm, resource, path, tmp_path):
+    """Each of these rendered, `helm upgrade` succeeded, and every node's plugin then exited 2 on the
+    ConfigMap ("invalid YAML", "not inf"): the real chart refuses them at render, naming the key."""
+    values = tmp_path / "values.json"
+    values.write_text(_helm_values(_resources(resource)))
+    result = helm_template(helm, str(values))
+    assert result.returncode == 1 and f"config.resources[0].{path}: '" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("character", ["\x7f", "\x80", "\ufffe"])

@@ -66,6 +66,8 @@ would reach the node as its name alone, and be refused there. */ -}}
 {{- if not (toYaml (omit $r "name")) -}}
 {{- fail (printf "%s: has a character toYaml cannot write into the ConfigMap (DEL, a C1 control character, U+FFFE): remove it" $at) -}}
 {{- end -}}
+{{- /* Every string the ConfigMap carries must reach the node as a string (attributes and capacity: declaredProblem). */ -}}
+{{- with include "gopherplug.textProblem" (dict "at" $at "value" (omit $r "name" "attributes" "capacity")) }}{{ fail . }}{{ end -}}
 {{- $parts := splitList "/" $name -}}
 {{- $problem := include "gopherplug.resourceNameProblem" $name -}}
 {{- if $problem }}{{ fail (printf "%s.name: '%s': %s" $at $name $problem) }}{{ end -}}
@@ -484,6 +486,35 @@ string; a string past float64 (1.5e+999, 1_0.5e+999), which toYaml leaves unquot
 {{- $text := toYaml . | trim -}}
 {{- if regexMatch "^-?[0-9]+$" $text }}int{{ else if contains "." $text }}float{{ else }}str{{ end -}}
 {{- end -}}
+{{- end -}}
+
+{{- /*
+gopherplug.textProblem: the first string in .value (a map, a list or a string, walked in key order)
+that toYaml writes unquoted and the plugin's YAML 1.1 reads as something else (gopherplug.yamlKind:
+"=" and "<<" as tags, "1.5e+999" as inf), as "<its path>: <sentence>", or "". Given a dict: at (the
+path of .value), value. Helm has no quoting of its own to offer here: toYaml writes the resource,
+and these values cannot be written as YAML 1.1 reads them back.
+*/ -}}
+{{- define "gopherplug.textProblem" -}}
+{{- $at := .at -}}
+{{- $problem := "" -}}
+{{- if kindIs "map" .value -}}
+{{- range $key := keys .value | sortAlpha -}}
+{{- if not $problem }}{{ $problem = include "gopherplug.textProblem" (dict "at" (printf "%s.%s" $at $key) "value" (get $.value $key)) }}{{ end -}}
+{{- end -}}
+{{- else if kindIs "slice" .value -}}
+{{- range $i, $item := .value -}}
+{{- if not $problem }}{{ $problem = include "gopherplug.textProblem" (dict "at" (printf "%s[%d]" $at $i) "value" $item) }}{{ end -}}
+{{- end -}}
+{{- else if kindIs "string" .value -}}
+{{- $kind := include "gopherplug.yamlKind" .value -}}
+{{- if eq $kind "tag" -}}
+{{- $problem = printf "%s: '%s' is a tag to YAML 1.1, which the plugin reads its configuration with, not a string: the ConfigMap would not load; change the value (as a glob, '[=]' and '[<]<' match the same)" $at .value -}}
+{{- else if eq $kind "float" -}}
+{{- $problem = printf "%s: '%s' is a number past float64 to YAML 1.1, which the plugin reads its configuration with (inf), not a string: the ConfigMap would not load; change the value" $at .value -}}
+{{- end -}}
+{{- end -}}
+{{- $problem -}}
 {{- end -}}
 
 {{- /* dra_pool_suffix: a resource name as DNS subdomains ("example.com/my_dev" -> "example.com/my-dev"). */ -}}
