@@ -6390,16 +6390,11 @@ class _Parts:
                 await _stop_part(part, functools.partial(_cancel_and_wait, scope, done), bound)
 
 
-#: A supervised task (_supervised) that fails is started again after SUPERVISE_BACKOFF[0] seconds,
-#: doubled at each failure in a row up to SUPERVISE_BACKOFF[1], each wait jittered: client-go's
-#: reflectors relist so after any error (800 ms to 30 s), the kubelet restarts its loops so
-#: (HandleCrash). After SUPERVISE_BOUND failures in a row /healthz says so, and the kubelet's liveness
-#: probe restarts the pod: a task that cannot recover in place gets a new process, never the process
-#: ending by itself, and never the other tasks (the devices the kubelet has) ended with it.
-SUPERVISE_BACKOFF = (0.5, 30.0)
-SUPERVISE_BOUND = 5
-#: A started-again task that has run this long counts as recovered: a failure after it is a new one.
-SUPERVISE_STEADY = 60.0
+#: A failed task (_supervised) starts again after SUPERVISE_BACKOFF[0] s, doubled at each failure in a
+#: row up to SUPERVISE_BACKOFF[1], jittered: as client-go's reflectors relist after any error (800 ms to
+#: 30 s). SUPERVISE_BOUND failures in a row fail /healthz: the kubelet's liveness probe restarts the pod,
+#: the process never ends by itself. One that ran SUPERVISE_STEADY s since its restart has recovered.
+SUPERVISE_BACKOFF, SUPERVISE_BOUND, SUPERVISE_STEADY = (0.5, 30.0), 5, 60.0
 
 
 class _Run:
@@ -6421,13 +6416,11 @@ async def _supervised(
     *args: Any,
     task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """``await function(*args, task_status=...)`` until it returns, started again whenever it raises
-    once started: with backoff (SUPERVISE_BACKOFF), from the truth (the function starts over: it
-    rescans, relists, rereads), keeping what it last published. One ERROR line when a run of failures
-    begins and one line when the part runs again, not one a retry; gopherplug_task_restarts counts
-    each restart by ``part``; SUPERVISE_BOUND failures in a row turn /healthz unhealthy. What it
-    raises before its first started() (the caller's to report: the plugin stops at start with that
-    one line), RestartNeeded and cancellation go through."""
+    """``await function(*args, task_status=...)`` until it returns, started again (SUPERVISE_BACKOFF)
+    whenever it raises once started: from the truth (it rescans, relists, rereads), what it published
+    kept meanwhile. One ERROR line when failures begin, one when it runs again, not one a retry;
+    gopherplug_task_restarts counts by ``part``. What it raises before its first started() (the
+    plugin stops at start with that line), RestartNeeded and cancellation go through."""
     failures, said = 0, False
     run = _Run(task_status)
 
@@ -6435,11 +6428,7 @@ async def _supervised(
         return run.at is not None and trio.current_time() - run.at >= SUPERVISE_STEADY
 
     def problem() -> str:
-        return (
-            f"failed {failures} times in a row, started again each time"
-            if failures >= SUPERVISE_BOUND and not steady()
-            else ""
-        )
+        return f"failed {failures} times in a row" if failures >= SUPERVISE_BOUND and not steady() else ""
 
     def recovered() -> None:
         nonlocal said
@@ -6467,7 +6456,7 @@ async def _supervised(
                 if _metrics is not None:
                     _metrics.restarts.labels(part).inc()
                 run = _Run(trio.TASK_STATUS_IGNORED, recovered)
-                await trio.sleep(jittered(min(SUPERVISE_BACKOFF[0] * 2 ** (failures - 1), SUPERVISE_BACKOFF[1])))
+                await trio.sleep(jittered(min(SUPERVISE_BACKOFF[0] * 2 ** min(failures - 1, 32), SUPERVISE_BACKOFF[1])))
 
 
 def _mode(path: str) -> int | None:
@@ -6692,9 +6681,10 @@ class Metrics:
         """Answer GET /metrics until close() (or cancelled), within _serve_http's limits; after a
         failure (_supervised), on the same address bound again."""
         if self._scope.cancel_called:
-            return  # closed before it was served: the socket is closed already
-        if self._socket.fileno() < 0:
-            self._socket = _http_listener(self._address, "metrics_address")
+            return  # closed before it was served (or before it started again): the socket is closed already
+        if self._serving:  # started again after a failure: _serve_http closed the socket
+            address = f"{self._address.rpartition(':')[0]}:{self.port}"  # the port chosen for port 0 too
+            self._scope, self._socket = trio.CancelScope(), _http_listener(address, "metrics_address")
         self._serving = True
         with self._scope:
             await _serve_http(self._socket, self.answer, task_status=task_status)  # closes the socket as it ends
@@ -11945,7 +11935,7 @@ async def serve_plugin(
             plan = reload_plan({name: one.resource for name, one in served.items()}, new, dra_resources is not None)
             done: dict[str, list[str]] = {what: [] for what in _RELOAD_SAID}
             await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
-            for name, (action, why) in sorted(plan.items(), key=lambda item: _RELOAD_ORDER.index(item[1][0])):
+            for name, (action, why) in plan.items():
                 if action == "stop":
                     await served.pop(name).retire()
                 elif action == "refuse":
@@ -12142,8 +12132,7 @@ async def _stop_metrics(metrics: Metrics) -> None:
     metrics.close()  # its serve_http task ends, closing the port
 
 
-# What a reload does to a resource (reload_plan), in the order it is done, and how the log's summary says it.
-_RELOAD_ORDER = ("stop", "refuse", "keep", "update", "register", "again", "start")
+# What a reload does to a resource (reload_plan), as the log's summary says it.
 _RELOAD_SAID = {
     "start": "added",
     "update": "updated in place",
@@ -12172,7 +12161,7 @@ def reload_plan(running: Mapping[str, ResourceConfig], new: Config, dra: bool) -
         elif old.api != resource.api and resource.dra and not dra:
             why = f"api: {resource.api} takes effect at the next start (the DRA driver is not running)"
             plan[name] = ("refuse", why)
-        else:
+        else:  # in place where it may: a stream ended makes the kubelet reject the pods it admits meanwhile
             plan[name] = ("register" if register_again(old, resource) else "update", "")
     return plan
 

@@ -9,6 +9,7 @@ real inotify, the kubelet's stand-in); each test waits on log lines and the stan
 from __future__ import annotations
 
 import functools
+import itertools
 import shutil
 import socket
 import tempfile
@@ -28,6 +29,8 @@ from test_gopherplug import (
     Node,
     _free_loopback_port,
     _healthz,
+    _scrape,
+    claim,
     config_text,
     listed,
     logged,
@@ -148,7 +151,7 @@ async def test_a_task_failing_past_the_bound_turns_healthz_unhealthy_and_the_plu
             await failures.wait(3)
             code, said = await _healthz(port)
             assert code == 503
-            assert said.startswith(f"{task}: failed ") and "times in a row, started again each time" in said
+            assert said.startswith(f"{task}: failed ") and "times in a row" in said
             # The devices as known are offered, the other tasks serve: Allocate, a kubelet restart.
             assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
             simulator.restart()
@@ -355,18 +358,168 @@ async def test_a_failed_slice_publisher_is_started_again_and_publishes(dra, monk
     assert restarts("slice publisher") == 2
 
 
-async def test_a_failed_dra_plugin_server_is_started_again_on_its_socket(dra, monkeypatch, restarts):
+@pytest.mark.parametrize(
+    ("task", "socket_path"),
+    [
+        ("DRAPlugin server", f"plugins/{DRIVER}/dra.sock"),
+        ("registration server", f"plugins_registry/{DRIVER}-reg.sock"),
+    ],
+)
+async def test_a_failed_dra_socket_server_is_started_again_on_its_socket(dra, monkeypatch, restarts, task, socket_path):
     (dra.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
         await dra.start()
         await dra.registered()
-        endpoint = dra.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+        endpoint = dra.kubelet_dir / socket_path
         monkeypatch.setattr(gp, "serve_grpc", failing(gp.serve_grpc, 1, when=lambda path, *_: path == str(endpoint)))
-        with logged("DRAPlugin server failed") as failed, logged(f"DRAPlugin server {AGAIN}") as again:
+        with logged(f"{task} failed") as failed, logged(f"{task} {AGAIN}") as again:
             endpoint.unlink()  # served again: the first try fails inside the plugin
             await failed.wait()
             await again.wait()
-        await dra.wait_for_slices(["gopher0"])
+        await dra.wait_for_slices(["gopher0"])  # the API server's side served on
         assert endpoint.is_socket()
+        if task == "registration server":  # the kubelet's plugin watcher finds the driver again
+            await dra.registered()
     assert len(failed.lines) == len(again.lines) == 1
-    assert restarts("DRAPlugin server") == 1
+    assert restarts(task) == 1
+
+
+async def test_a_failed_metrics_server_is_started_again_on_its_port(nursery, node, monkeypatch):
+    with trio.fail_after(TIMEOUT):
+        await start(nursery, node, top={"metrics_address": "127.0.0.1:0"})
+        metrics = gp._metrics
+        when = lambda listener: listener.getsockname()[1] == metrics.port  # noqa: E731
+        monkeypatch.setattr(socket.socket, "accept", failing(socket.socket.accept, 1, when=when))
+        with logged("metrics server failed") as failed, logged(f"metrics server {AGAIN}") as again:
+            with pytest.raises(OSError):  # the connection reset unanswered: the port is closed, then bound again
+                await _scrape(metrics.port)
+            await failed.wait()
+            await again.wait()
+        assert "gopherplug_task_restarts_total" in await _scrape(metrics.port)
+    assert len(failed.lines) == len(again.lines) == 1
+    assert metrics.registry.get_sample_value("gopherplug_task_restarts_total", {"task": "metrics server"}) == 1
+
+
+async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatch, restarts):
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+        with logged("slice watch failed") as failed, logged(f"slice watch {AGAIN}") as again:
+            (dra.devices / "gopher2").touch()  # the publisher's write comes back as an event
+            await failed.wait()
+            await again.wait()
+        await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        (dra.devices / "gopher0").unlink()  # the relisted watch and the publisher go on together
+        await dra.wait_for_slices(["gopher1", "gopher2"])
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("slice watch") == 1
+
+
+async def test_a_failed_claim_status_writer_is_started_again_and_writes_the_next(dra, monkeypatch, restarts):
+    (dra.devices / "gopher0").touch()
+    real = gp.ClaimPreparer._write_status
+    left = [1]
+
+    async def write_status(self, claim, devices):
+        if left[0]:
+            left[0] -= 1
+            raise INJECTED
+        await real(self, claim, devices)
+
+    monkeypatch.setattr(gp.ClaimPreparer, "_write_status", write_status)
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0"])
+        device = ("gopher", DRIVER, DraNode.POOL, "gopher0")
+        for name, uid in (("c1", "uid-1"), ("c2", "uid-2")):
+            dra.api.put_claim(claim(name, uid, device))
+        with logged("claim status writer failed") as failed, logged(f"claim status writer {AGAIN}") as again:
+            first = await dra.kubelet.prepare(DRIVER, [("default", "uid-1", "c1")])  # its status write fails
+            await failed.wait()
+            await again.wait()
+            second = await dra.kubelet.prepare(DRIVER, [("default", "uid-2", "c2")])
+            while not dra.api.status_writes:
+                await dra.api.changed.wait_touched()
+    assert not first.claims["uid-1"].error and not second.claims["uid-2"].error, "the answers stand"
+    assert dra.api.claims["default", "c2"]["status"]["devices"][0]["device"] == "gopher0"
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("claim status writer") == 1
+
+
+async def test_a_failed_peer_watch_is_started_again_and_looks_again(dra, monkeypatch, restarts):
+    (dra.devices / "gopher0").touch()
+    real = gp.DriverPeers._check
+    left = [1]
+
+    async def check(self):
+        if left[0]:
+            left[0] -= 1
+            raise INJECTED
+        return await real(self)
+
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0"])
+        monkeypatch.setattr(gp.DriverPeers, "_check", check)
+        with logged("peer watch failed") as failed, logged(f"peer watch {AGAIN}") as again:
+            (dra.kubelet_dir / "plugins_registry" / "another.example.com-reg.sock").touch()  # a change there
+            await failed.wait()
+            await again.wait()
+        (dra.devices / "gopher1").touch()  # the publisher, which asks the peers, serves on
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+    assert left == [0]
+    assert len(failed.lines) == len(again.lines) == 1
+    assert restarts("peer watch") == 1
+
+
+async def test_supervised_backs_off_says_one_line_each_way_and_a_new_run_of_failures_after_steady(
+    autojump_clock, monkeypatch
+):
+    """_supervised on its own, on trio's virtual clock: the waits double from the base to the cap,
+    jittered; one line when failures begin and one when the task runs again; the bound fails the
+    health check until the task has run SUPERVISE_STEADY seconds; a failure after that is a new run."""
+    monkeypatch.setattr(gp, "SUPERVISE_BACKOFF", (1.0, 4.0))
+    monkeypatch.setattr(gp, "SUPERVISE_BOUND", 3)
+    health = gp.Health()
+    token = gp._HEALTH.set(health)  # as serve_plugin sets it: the task started below has it
+    starts = []
+    fail, began = trio.Event(), [trio.Event()]
+
+    async def task(*, task_status):
+        starts.append(trio.current_time())
+        began[0].set()
+        began[0] = trio.Event()
+        if len(starts) <= 4:
+            raise INJECTED  # before started(): a failure of a restart counts as well
+        task_status.started()
+        await fail.wait()
+        raise INJECTED
+
+    with logged("flaky") as said:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gp._supervised, "flaky", task)
+            while len(starts) < 5:  # the backoff's waits pass on the virtual clock at once
+                await began[0].wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert health.problems() == ["flaky: failed 4 times in a row"]  # past the bound, not steady yet
+            autojump_clock.jump(gp.SUPERVISE_STEADY)
+            assert health.problems() == []  # it has run long enough since it came back
+            fail.set()
+            while len(starts) < 6:
+                await began[0].wait()
+            nursery.cancel_scope.cancel()
+    gp._HEALTH.reset(token)
+    waits = [later - earlier for earlier, later in itertools.pairwise(starts[:5])]
+    for wait, base in zip(waits, (1.0, 2.0, 4.0, 4.0), strict=True):
+        assert base <= wait <= base * (1 + gp.DRA_JITTER) + 0.5
+    lines = [line for line in said.lines if "traceback" not in line or "failed:" in line]
+    failure = "flaky failed: RuntimeError: injected; starting it again (the traceback is at log level debug)"
+    # The second run of failures: one line, and one when it runs again (its failures after that,
+    # each soon after its start, are the same run: no line).
+    assert lines == [failure, "flaky runs again, after 4 failures", failure, "flaky runs again, after 1 failure"]
