@@ -134,6 +134,7 @@ import itertools
 import json
 import logging
 import math
+import queue
 import random
 import re
 import shutil
@@ -2673,6 +2674,12 @@ class Scan:
     skipped: tuple[tuple[str, str], ...]  #: (entry name, why it is not a device), for the log
     followed: frozenset[str] = frozenset()  #: symlink targets: their coming and going changes health
     problem: str = ""  #: why the directory itself could not be read ("" if it could, or is just missing)
+    #: it could not be read for want of a resource (_EXHAUSTED, EIO): what it holds is not known
+    unknown: bool = False
+
+
+#: The errors of a call that failed for want of descriptors or memory: what it would have found is not known.
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 
 
 # CDI device names begin and end with a letter or digit; ":" may stand between (ValidateDeviceName
@@ -2705,7 +2712,8 @@ def scan_source(resource: ResourceConfig, source: Source, roots: list[str], sysf
     except (FileNotFoundError, NotADirectoryError):
         return Scan((), ())
     except OSError as error:  # e.g. no permission to list it: no devices, and a reason for the log
-        return Scan((), (), problem=f"cannot read {source.directory}: {error.strerror}")
+        unknown = error.errno in (*_EXHAUSTED, errno.EIO)  # not "empty": the devices may all be there
+        return Scan((), (), problem=f"cannot read {source.directory}: {_describe(error)}", unknown=unknown)
     entries, skipped = [], []
     for name in names:
         found = examine_entry(resource, source, name, roots, sysfs_root)
@@ -4024,6 +4032,36 @@ def dra_unhealthy_taint(driver: str, device: DeviceEntry, effect: str = "NoSched
     return {"key": f"{driver}/unhealthy", "value": value or DRA_UNHEALTHY_TAINT_VALUE, "effect": effect}
 
 
+#: How long one read of a file the node owns may take (a value's file, the configuration): sysfs and
+#: a ConfigMap's volume answer in microseconds. One past it (a hung device's sysfs file, a dead NFS or
+#: FUSE mount, a FIFO) is given up, one line naming the file, its thread left to it: at most HUNG_READS
+#: such threads at once, past which a read is given up at once.
+FILE_READ_TIMEOUT, HUNG_READS = 5.0, 16
+_READERS = threading.BoundedSemaphore(HUNG_READS)
+
+
+def _file_text(path: str, limit: int = -1, errors: str = "surrogateescape") -> str:
+    with open(path, encoding="utf-8", errors=errors) as file:
+        return file.read(limit)
+
+
+def _within(read: Callable[[], Any]) -> Any:
+    """``read()`` in a worker thread, waited for FILE_READ_TIMEOUT at most: TimeoutError if it does not return."""
+    if not _READERS.acquire(blocking=False):
+        raise TimeoutError(errno.ETIMEDOUT, f"{HUNG_READS} earlier reads have not returned")
+    answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def deliver(outcome: Any) -> None:
+        _READERS.release()
+        answers.put(outcome)
+
+    trio.lowlevel.start_thread_soon(read, deliver)
+    try:
+        return answers.get(timeout=FILE_READ_TIMEOUT).unwrap()
+    except queue.Empty:
+        raise TimeoutError(errno.ETIMEDOUT, f"no answer within {FILE_READ_TIMEOUT:g} s") from None
+
+
 @dataclass(frozen=True)
 class ReadValues:
     """Attributes and capacity read for one device, from its ``attributes`` and ``capacity`` files
@@ -4058,10 +4096,9 @@ def read_declared_values(resource: ResourceConfig, device: DeviceEntry) -> tuple
             continue
         path = declared.file.format(**fields)
         try:
-            with open(path, "rb") as file:
-                text = file.read(_VALUE_FILE_BOUND + 1).decode(errors="replace")
+            text = _within(functools.partial(_file_text, path, _VALUE_FILE_BOUND + 1, "replace"))
         except OSError as error:
-            problems.append((key, f"cannot read {path}: {error.strerror}"))
+            problems.append((key, f"cannot read {path}: {_describe(error)}"))
             continue
         if len(text) > _VALUE_FILE_BOUND:
             problems.append((key, f"{path} holds more than {_VALUE_FILE_BOUND} bytes, not one value"))
@@ -6125,8 +6162,8 @@ def _describe(error: BaseException, silent: str = "") -> str:
     words ("Permission denied"), not Python's class name and errno, which tell a user nothing more.
     ``silent``: what to say of an error that says nothing (else its class name, for a developer)."""
     error = _innermost(error)
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
+    if isinstance(error, OSError) and error.strerror:  # out of a resource: named as the kernel names it too
+        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in _EXHAUSTED else error.strerror
     lines = str(error).strip().splitlines()
     return lines[0] if lines else silent or type(error).__name__
 
@@ -6470,11 +6507,9 @@ def _mode(path: str) -> int | None:
 def _read_text(path: str) -> str | None:
     """A text file's content, or None if it cannot be read now. A byte that is not UTF-8 is kept as a
     lone surrogate (surrogateescape), for YAML's reader to refuse where it stands (_yaml_problem)."""
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as file:
-            return file.read()
-    except OSError:
-        return None  # gone for a moment (being replaced): the next event reads it again
+    with contextlib.suppress(OSError):
+        return _file_text(path)
+    return None
 
 
 def load_config(
@@ -6489,8 +6524,7 @@ def load_config(
     (check-config), the file may be Kubernetes objects instead: the chart's ConfigMap, or `helm
     template`'s whole output, whose ConfigMap's config.yaml is the configuration (_configmap_config)."""
     try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as file:  # as _read_text
-            text = file.read()
+        text: str = _within(functools.partial(_file_text, path))
     except OSError as error:
         raise ConfigError(path, "", f"cannot read: {_describe(error)}") from None
     source = path
@@ -7068,6 +7102,8 @@ class DirectoryWatch:
         self._poke_pending = False  # poke() was called and batches() has not answered it yet
         self._waiting: trio.CancelScope | None = None  # batches() waiting for the kernel
         self.poked = False  #: whether the last batch was the answer to poke(), not the kernel's
+        self._again_at = math.inf  # when batches() calls for a rescan by itself (again())
+        self._covered: tuple[int, ...] | None = None  # after an unmount: the device and inode at the path
         self.arm()
 
     def __enter__(self) -> DirectoryWatch:
@@ -7079,6 +7115,13 @@ class DirectoryWatch:
         self._poke_pending = True
         if self._waiting is not None:
             self._waiting.cancel()
+
+    def again(self, delay: float) -> None:
+        """Have batches() call for a rescan within ``delay`` seconds: what failed for want of a
+        resource (a scan or a read out of descriptors) is tried again, with no event to wait for."""
+        self._again_at = min(self._again_at, trio.current_time() + delay)
+        if self._waiting is not None:
+            self._waiting.deadline = min(self._waiting.deadline, self._again_at)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._inotify is not None:
@@ -7246,30 +7289,31 @@ class DirectoryWatch:
         followed paths (or their missing ancestors) that changed; and whether everything must be
         rescanned (the directory came or went, a watched directory vanished, the queue overflowed).
 
-        While degraded, also every INOTIFY_RETRY_INTERVAL seconds: the watches are placed again,
-        and a rescan is called for, since what could not be watched may have changed unseen.
+        While degraded, also every INOTIFY_RETRY_INTERVAL seconds, and when again() asked: the
+        watches are placed again, and a rescan is called for (what was not seen may have changed).
         """
-        retry_at = math.inf  # no timer at all while every watch holds
         while True:
-            if self.limit is None:
-                retry_at = math.inf
-            elif retry_at == math.inf:
-                retry_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
+            if self.limit is not None:
+                self.again(INOTIFY_RETRY_INTERVAL)  # (the earliest stands): no timer while every watch holds
             if not self._poke_pending:
-                with trio.move_on_at(retry_at) as self._waiting:
+                with trio.move_on_at(self._again_at) as self._waiting:
                     if self._inotify is None:
                         await trio.sleep_forever()  # no instance to wait on: only the timer
                     await trio.lowlevel.wait_readable(self._inotify.fileno())
                 self._waiting = None
-            self.poked = self._poke_pending
-            if self._poke_pending:
-                self._poke_pending = False
+            self.poked, self._poke_pending = self._poke_pending, False
+            if self.poked:
                 yield [], set(), True
                 continue
-            inotify = self._inotify
-            if inotify is None or trio.current_time() >= retry_at:
-                retry_at = math.inf
-                self.arm()
+            if trio.current_time() >= self._again_at:
+                self._again_at = math.inf
+                if self._covered is not None:  # unmounted: mounted again since? (no event says so)
+                    if (_identity(self.path) or ())[:2] == self._covered:  # (a change time changes at any entry)
+                        self.again(INOTIFY_RETRY_INTERVAL)
+                        continue
+                    self._log.info("%s: a file system is mounted there again: watching it", self.path)
+                    self._covered = None
+                self.arm()  # (what could not be watched, or was unmounted, may be watched now)
                 yield [], set(), True
                 continue
             batch = self.pending()
@@ -7288,6 +7332,11 @@ class DirectoryWatch:
         rescan = False
         for event in inotify.read(timeout=0):
             names = self._watches.get(event.wd, collections.Counter())
+            if event.mask & flags.UNMOUNT and self._covered is None:
+                # The kernel drops the watches of a file system unmounted; one mounted there later
+                # sends no event at all: its arrival is looked for until the path leads elsewhere.
+                self._log.warning("%s: its file system was unmounted: looking for a new mount there", self.path)
+                self._covered = (-1, -1)  # set once the watches are placed again, below
             if event.mask & flags.Q_OVERFLOW or (names and event.mask & _GONE):
                 if event.mask & flags.Q_OVERFLOW and _metrics is not None:
                     _metrics.overflows.inc()
@@ -7307,6 +7356,9 @@ class DirectoryWatch:
             if _metrics is not None:
                 _metrics.rescans.inc()
             self.arm()
+        if self._covered == (-1, -1):
+            self._covered = (_identity(self.path) or ())[:2]
+            self.again(INOTIFY_RETRY_INTERVAL)
         self._say()
         return (events, touched, rescan) if events or touched or rescan else None
 
@@ -7484,6 +7536,7 @@ async def watch_devices(
     turn: CDISpecTurn | None = None,
     *,
     described: dict[str, ReadValues] | None = None,
+    written: dict[str, Any] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``devices`` (a dict of id -> DeviceEntry) equal to what the resource's directories and
@@ -7510,9 +7563,10 @@ async def watch_devices(
     A device that comes or changes has its ``attributes`` and ``capacity`` files read
     (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
     devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
-    reload), never on a kubelet's call.
+    reload), never on a kubelet's call. ``written`` (spec file -> the spec last written there)
+    outlives the watch as ``described`` does: a watch started again does not write an unchanged spec.
     """
-    device_set = _DeviceSet(resource, devices, turn, described)
+    device_set = _DeviceSet(resource, devices, turn, described, written)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
@@ -7531,9 +7585,10 @@ async def watch_devices(
                 _log(resource).warning("%s", problem)
             watch = stack.enter_context(DirectoryWatch(dev_root, _DIRECTORY_EVENTS, logger=_log(resource)))
             trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
+        device_set.watches = [tracker.watch for tracker in trackers]
         # Every source first, then one device set: the CDI spec and the kubelet's first list
         # describe them all.
-        device_set.update({key: entry for tracker in trackers for key, entry in _scanned(tracker).items()})
+        await device_set.update({key: entry for tracker in trackers for key, entry in _scanned(tracker).items()})
         task_status.started()
         async with trio.open_nursery() as nursery:
             for tracker in trackers:
@@ -7690,7 +7745,11 @@ async def run_describe(resource: ResourceConfig, ids: Iterable[str]) -> tuple[di
     told the resource (GOPHERPLUG_RESOURCE) and the devices: GOPHERPLUG_DEVICES_FILE names a file of
     their comma-joined IDs (a memfd, /dev/fd/N: the pod's root file system is read-only), and
     GOPHERPLUG_DEVICES holds the same up to DESCRIBE_DEVICES_IN_ENV bytes."""
-    ids, command, listing = list(ids), resource.describe[0], os.memfd_create("gopherplug-devices")
+    ids, command = list(ids), resource.describe[0]
+    try:
+        listing = os.memfd_create("gopherplug-devices")
+    except OSError as error:  # out of descriptors or memory: the node's state, no bug of ours
+        raise DescribeError(f"describe: cannot run {command}: {_describe(error)}") from None
     joined = ",".join(ids)
     env = {**os.environ, "GOPHERPLUG_RESOURCE": resource.name, "GOPHERPLUG_DEVICES_FILE": f"/dev/fd/{listing}"}
     env["GOPHERPLUG_DEVICES"] = joined if len(joined.encode()) <= DESCRIBE_DEVICES_IN_ENV else ""
@@ -7808,7 +7867,7 @@ async def _describe_devices(device_set: _DeviceSet) -> None:
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
     async with contextlib.aclosing(tracker.watch.batches()) as batches:
         async for events, touched, rescan in batches:
-            device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+            await device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
 
 
 def _scanned(
@@ -7868,11 +7927,17 @@ class _SourceTracker:
         self.roots = host_path_roots(self.resource, self.dev_root)  # a directory may be a symlink re-pointed
         self.real_directory = os.path.realpath(self.source.directory)
         scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
-        while self.watch.follow(scan.followed):  # newly watched paths: look again, now that they are watched
+        while not scan.unknown and self.watch.follow(scan.followed):  # newly watched: look again, now watched
             scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
         if scan.problem and scan.problem != self.problem:
-            _log(self.resource).warning("%s: no devices until it can", scan.problem)
+            kept = f"keeping its {_devices(len(self.found))} as known, trying again every {INOTIFY_RETRY_INTERVAL:g} s"
+            _log(self.resource).warning("%s: %s", scan.problem, kept if scan.unknown else "no devices until it can")
+        elif self.problem and not scan.problem:
+            _log(self.resource).info("%s can be read again", self.source.directory)
         self.problem = scan.problem
+        if scan.unknown:
+            self.watch.again(INOTIFY_RETRY_INTERVAL)
+            return {}
         _warn_skipped_now(self.resource, self.warned, scan.skipped)
         before, self.found = self.found, {_entry_name(entry): entry for entry in scan.devices}
         self.pointing, self.under = {}, {}
@@ -8019,6 +8084,7 @@ class _DeviceSet:
         devices: Watched,
         turn: CDISpecTurn | None = None,
         described: dict[str, ReadValues] | None = None,
+        written: dict[str, Any] | None = None,
     ) -> None:
         self.resource = resource
         self.devices = devices
@@ -8030,6 +8096,10 @@ class _DeviceSet:
         self.found: dict[str, DeviceEntry] = {}  # the devices, as last made
         self.cdi_written: Any = _NOT_YET  # the spec last written (None: the file removed)
         self.cdi_failed = False  # the last write failed: devices are held back until one succeeds
+        #: spec file -> the spec last written there, kept across watches as ``described`` is: a watch
+        #: started again (a reload, a refused one's old configuration) does not write it again
+        self.written: dict[str, Any] = written if written is not None else {}
+        self.watches: list[DirectoryWatch] = []  # what looks at the devices again after a failed write
         self.empty: bool | None = None  # whether nothing was found at the last publish (None: none yet)
         self.bare: dict[str, DeviceEntry] = {}  # device ID -> the device as found, before what was read for it
         self.files: dict[str, ReadValues] = {}  # device ID -> what its attributes' and capacity's files said
@@ -8039,9 +8109,12 @@ class _DeviceSet:
         self.value_warned: dict[tuple[str, str], str] = {}  # (device ID, key) -> why its value is left out
         #: touched when the devices' IDs change: describe runs again (_describe_devices)
         self.ids_changed = Watched(frozenset[str]())
+        self.updating = trio.Lock()
 
-    def _with_values(self, device: DeviceEntry, read_files: bool) -> DeviceEntry:
-        """The device with what its files (read again if ``read_files``) and describe said of it;
+    def _with_values(
+        self, device: DeviceEntry, read: tuple[ReadValues, list[tuple[str, str]]] | None = None
+    ) -> DeviceEntry:
+        """The device with what its files (``read`` again, if given) and describe said of it;
         each value left out said once (and again if the reason changes)."""
         if not (self.resource.attributes or self.resource.capacity or self.resource.describe):
             if not (device.attributes or device.capacity):
@@ -8053,8 +8126,8 @@ class _DeviceSet:
         )
         more: list[tuple[str, str]] = []
         with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
-            if read_files:
-                self.files[device.id], problems = read_declared_values(self.resource, device)
+            if read is not None:
+                self.files[device.id], problems = read
             entry, more = with_read_values(
                 self.resource, device, self.files.get(device.id, ReadValues()), self.described.get(device.id)
             )
@@ -8074,13 +8147,24 @@ class _DeviceSet:
         self.described.clear()
         self.described.update(described)
         for device_id in self.found:
-            self.found[device_id] = self._with_values(self.bare[device_id], read_files=False)
+            self.found[device_id] = self._with_values(self.bare[device_id])
         self._publish(set(self.found))
 
-    def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
+    async def update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
         """Take these entries (None: gone) and publish the devices they make."""
-        if self.devices.value is RETIRED:
-            return  # removed from the configuration: its goodbye (an empty list) stands
+        async with self.updating:  # one at a time: the values read meanwhile are of these entries
+            if self.devices.value is not RETIRED:  # else removed from the configuration: its goodbye stands
+                await self._update(changes)
+
+    def _read_files(self, devices: list[DeviceEntry]) -> dict[str, tuple[ReadValues, list[tuple[str, str]]]]:
+        """read_declared_values for each device (in a worker thread); one a bug met is left out."""
+        read = {}
+        for device in devices:
+            with _held_back("values", f"device {device.id}'s attributes and capacity", logger=_log(self.resource)):
+                read[device.id] = read_declared_values(self.resource, device)
+        return read
+
+    async def _update(self, changes: Mapping[_Key, DeviceEntry | None]) -> None:
         changed: set[str] = set()
         for key, entry in changes.items():
             old_id = self.ids.pop(key, None)
@@ -8091,12 +8175,16 @@ class _DeviceSet:
                 self.ids[key] = entry.id
                 self.entries.setdefault(entry.id, {})[key] = entry
                 changed.add(entry.id)
+        made = {i: merge_entries(list(entries.values())) for i in changed if (entries := self.entries.get(i))}
+        read = {}
+        if any(declared.file for declared in (*self.resource.attributes, *self.resource.capacity)):
+            # Off the event loop: a file may be slow to answer, or never (each read has its deadline).
+            read = await trio.to_thread.run_sync(self._read_files, list(made.values()), abandon_on_cancel=True)
         for device_id in _natural_sorted(list(changed)):  # a new device joins the list in natural order
-            if entries := self.entries.get(device_id):
-                bare = merge_entries(list(entries.values()))
+            if bare := made.get(device_id):
                 if self.resource.describe:
                     self.bare[device_id] = bare
-                self.found[device_id] = self._with_values(bare, read_files=True)
+                self.found[device_id] = self._with_values(bare, read.get(device_id, (ReadValues(), [])))
             else:
                 self.entries.pop(device_id, None)
                 self.found.pop(device_id, None)
@@ -8152,6 +8240,8 @@ class _DeviceSet:
         """Write the spec for ``found``; return the devices that may be offered (those it describes)."""
         assert self.resource.cdi is not None
         spec = cdi_spec(self.resource, found.values())
+        if self.cdi_written is _NOT_YET and spec == self.written.get(self.resource.cdi.spec_file, _NOT_YET):
+            self.cdi_written = spec  # as this resource's last watch left it (a CDISpecTurn change rewrites it)
         if spec == self.cdi_written and not rewrite and not self.deferred_to:
             return found
         try:
@@ -8176,15 +8266,19 @@ class _DeviceSet:
                     self.resource.cdi.spec_file,
                 )
             self.deferred_to = ""
-            self.cdi_written, self.cdi_failed = spec, False
+            self.cdi_written = self.written[self.resource.cdi.spec_file] = spec
+            self.cdi_failed = False
             return found
         except GopherplugError as error:
             if self.cdi_written is _NOT_YET:
                 raise  # at start: stop with that one line
-            self.cdi_failed = True
             # Later (a full disk, say): a device the runtime cannot resolve must not be offered.
             described = {device["name"] for device in (self.cdi_written or {}).get("devices", [])}
-            _log(self.resource).error("%s; offering only the devices it describes until it can be written", error)
+            if not self.cdi_failed:  # once, not at each try
+                _log(self.resource).error("%s; offering only the devices it describes until it can be written", error)
+            self.cdi_failed = True
+            for watch in self.watches:
+                watch.again(INOTIFY_RETRY_INTERVAL)
             return {device_id: device for device_id, device in found.items() if device_id in described}
 
 
@@ -11710,7 +11804,7 @@ async def _offer_devices(
     warned: dict[str, str] = {}  # device ID -> why it is skipped, as last warned
     taken: dict[str, DeviceEntry] = {}  # what the device set has now
 
-    def take(value: Any) -> None:
+    async def take(value: Any) -> None:
         nonlocal taken
         if not isinstance(value, Mapping):
             raise GopherplugError(
@@ -11729,10 +11823,10 @@ async def _offer_devices(
         changes.update({(0, key): entry for key, entry in wanted.items() if taken.get(key) != entry})
         taken = wanted
         if changes or device_set.cdi_written is _NOT_YET:
-            device_set.update(changes)
+            await device_set.update(changes)
 
     touched = devices.next_touch()  # before each look: a set() while it runs is not missed
-    take(devices.value)
+    await take(devices.value)
     task_status.started()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_follow_turn, turn, device_set)
@@ -11741,7 +11835,7 @@ async def _offer_devices(
         while True:
             await touched.wait()
             touched = devices.next_touch()
-            take(devices.value)
+            await take(devices.value)
 
 
 def _kubelets_directory(candidates: Iterable[str]) -> str | None:
@@ -11883,8 +11977,8 @@ async def serve_plugin(
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
         roster = Watched(None)  # touched when a reload has changed what is served
 
-        async def start(resource: ResourceConfig) -> bool:
-            served[resource.name] = _Served(resource)
+        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> bool:
+            served[resource.name] = _Served(resource, written=written or {})
             numbers = generations.setdefault(resource.name, itertools.count(1))
             try:
                 await parts.start(
@@ -11947,8 +12041,8 @@ async def serve_plugin(
                 elif action == "register":
                     old = served.pop(name)
                     await old.stop()
-                    if not await start(wanted[name]):
-                        await start(old.resource)  # the new one failed: serve the old one again
+                    if not await start(wanted[name], old.written):
+                        await start(old.resource, old.written)  # the new one failed: serve the old one again
                         action = "refuse"
                 elif action == "start" and not await start(wanted[name]):
                     action = "not added"
@@ -12196,6 +12290,8 @@ class _Served:
     #: what its describe last said, by device ID: kept across its watches, so that a reload's new
     #: watch publishes the devices as described until describe has run again
     described: dict[str, ReadValues] = dataclasses.field(default_factory=dict)
+    #: the CDI spec its watches last wrote, by file (watch_devices)
+    written: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
@@ -12272,7 +12368,7 @@ async def _serve_one(
                             turn = dra_resources.cdi_turn if dra_resources is not None else None
                             await _supervised(
                                 f"{resource.name}: directory watch",
-                                functools.partial(watch_devices, described=served.described),
+                                functools.partial(watch_devices, described=served.described, written=served.written),
                                 resource,
                                 served.devices,
                                 sysfs_root,
@@ -12353,6 +12449,7 @@ async def watch_config_file(
             on_watch(watch)
         last_text, last_config = (None, current) if current is not None else (_read_text(path), None)
         look_now = current is not None
+        unread = ""  # why the file could not be read, while it cannot (out of descriptors, a hung read)
         invalid: ConfigError | None = None  # the error of the file as last read, while it is invalid
         held: str | None = None  # the text of a file held back as emptying a resource (_emptied), until SIGHUP
         last_read = last_text  # without ``current``: the file as first read, what the caller runs
@@ -12362,7 +12459,17 @@ async def watch_config_file(
                 if not look_now:
                     await batches.__anext__()
                 look_now = False
-                text = _read_text(path)
+                try:  # off the event loop: the file's volume (a dead NFS mount, say) may never answer
+                    text = await trio.to_thread.run_sync(_within, functools.partial(_file_text, path))
+                except FileNotFoundError:
+                    text = None  # gone for a moment (being replaced): the next event reads it again
+                except OSError as error:  # what the file says now is not known: the change waits, not lost
+                    if _describe(error) != unread:
+                        unread = _describe(error)
+                        log.warning("cannot read %s: %s; keeping the running configuration, trying again", path, unread)
+                    watch.again(INOTIFY_RETRY_INTERVAL)
+                    continue
+                unread = ""
                 # SIGHUP on a held-back file that did not change since: apply it as it is, as asked.
                 forced = held is not None and text == held and watch.poked
                 if text is None or (text == last_text and not forced):

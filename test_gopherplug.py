@@ -4566,8 +4566,9 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
         await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY})
         assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER]
 
-        path.write_text("resources: [")  # invalid: logged, nothing changes
-        await trio.testing.wait_all_tasks_blocked()  # the watcher has read it (inotify is already there)
+        with logged("invalid YAML") as invalid:  # (read in a worker thread: waited for by its line)
+            path.write_text("resources: [")  # invalid: logged, nothing changes
+            await invalid.wait()
         assert f"{path}: invalid YAML (line 1, column 13: " in caplog.text
         assert caplog.text.rstrip().endswith("; keeping the running configuration")
         with logged("configuration reloaded: ") as reloaded:

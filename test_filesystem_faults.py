@@ -1,0 +1,239 @@
+"""What the node's file systems do to the plugin, and that it serves on: descriptors run out while a
+directory is rescanned, a configuration changes or describe starts; a file whose read never returns
+(a FIFO here; on a node a hung device's sysfs file, a dead NFS or FUSE mount); a CDI spec directory
+that cannot be written during a reload; the device directory's file system unmounted and mounted
+again. Each fault costs a line and a retry, never the devices or the process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import shutil
+import subprocess
+import threading
+
+import pytest
+import trio
+import yaml
+
+import gopherplug as gp
+import test_gopherplug as base
+from test_gopherplug import (
+    BUG,
+    RESOURCE,
+    TIMEOUT,
+    config_text,
+    listed,
+    logged,
+    program_file,
+    reloading,
+    run_cli,
+)
+
+# The fixtures these tests share with test_gopherplug.py
+node, sockdir, unexpected = base.node, base.sockdir, base.unexpected
+
+DESCRIBE = """#!{python}
+import json, os
+ids = (os.environ.get("GOPHERPLUG_DEVICES") or open(os.environ["GOPHERPLUG_DEVICES_FILE"]).read()).split(",")
+print(json.dumps({i: {"attributes": {"model": "gopher"}} for i in ids}))
+"""
+
+
+@contextlib.contextmanager
+def out_of_descriptors():
+    """Within: the process may open no descriptor (EMFILE), as when every one it may have is taken;
+    its limit lowered to none, so that no descriptor another task closes meanwhile frees one. Given
+    back on the way out, whatever happens within."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))
+    try:
+        with pytest.raises(OSError, match="Too many open files"):
+            os.close(os.open("/dev/null", os.O_RDONLY))
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def retry_soon(monkeypatch):
+    """What waits INOTIFY_RETRY_INTERVAL to try again waits a tenth of a second."""
+    monkeypatch.setattr(gp, "INOTIFY_RETRY_INTERVAL", 0.1)
+
+
+async def test_a_rescan_out_of_descriptors_keeps_the_devices_and_is_tried_again(nursery, node, retry_soon):
+    devices = gp.Watched({})
+    resource_config = node.config().resources[0]
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(gp.watch_devices, resource_config, devices)
+        assert set(devices.value) == {"g1", "g2"}
+        with logged("can be read again") as again, logged("Too many open files") as said:
+            with out_of_descriptors():
+                os.chmod(node.devices, 0o750)  # an event about the directory itself: a rescan of it all
+                await said.wait()
+                assert set(devices.value) == {"g1", "g2"}, "out of descriptors is not an empty directory"
+            await again.wait()
+    assert said.lines == [
+        f"{RESOURCE}: cannot read {node.devices}: EMFILE: Too many open files: keeping its 2 devices as known, "
+        "trying again every 0.1 s"
+    ]
+    assert set(devices.value) == {"g1", "g2"}
+
+
+async def test_a_configuration_change_out_of_descriptors_is_applied_once_it_can_be_read(
+    nursery, node, tmp_path, retry_soon
+):
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    (tmp_path / "new.yaml").write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        with logged("configuration reloaded") as reloaded, logged("cannot read") as said:
+            with out_of_descriptors():
+                os.rename(tmp_path / "new.yaml", path)  # (a rename needs no descriptor)
+                await said.wait()
+            await reloaded.wait()
+        answer = await simulator.allocate(RESOURCE, ["g1"])
+    assert said.lines == [
+        f"cannot read {path}: EMFILE: Too many open files; keeping the running configuration, trying again"
+    ]
+    assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
+    assert dict(answer.container_responses[0].envs) == {"GOPHERS": "g1"}
+
+
+async def test_describe_out_of_descriptors_is_the_nodes_state_not_a_bug(nursery, node, unexpected):
+    script = program_file(node.plugin_dir, DESCRIBE)
+    devices = gp.Watched({})
+    with trio.fail_after(TIMEOUT):
+        await nursery.start(gp.watch_devices, node.config(describe=[script]).resources[0], devices)
+        while not devices.value["g1"].attributes:
+            await devices.wait_touched()
+        with logged("describe") as said, out_of_descriptors():
+            os.mknod(os.path.join(node.devices, "g3"))  # (made without a descriptor): describe runs again
+            await said.wait()
+    assert said.lines == [
+        f"{RESOURCE}: describe: cannot run {script}: EMFILE: Too many open files; the devices are offered "
+        "without what it would say (2 keep what it said before)"
+    ]
+    assert BUG not in said.lines[0]
+    assert not unexpected("describe")
+
+
+@contextlib.contextmanager
+def fifo_at(path, watchdog=True):
+    """A FIFO at ``path``: a read of it waits for a writer that never comes. On the way out (and,
+    with ``watchdog``, after TIMEOUT, should a read block the test's own event loop) a writer comes
+    and goes: every read still waiting ends."""
+    os.mkfifo(path)
+
+    def release():
+        with contextlib.suppress(OSError):  # ENXIO: no reader waits
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+    timer = threading.Timer(TIMEOUT, release)
+    if watchdog:
+        timer.start()
+    try:
+        yield path
+    finally:
+        timer.cancel()
+        release()
+
+
+async def test_a_value_file_that_never_answers_is_left_out_and_the_devices_are_served(
+    nursery, node, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5, raising=False)  # (raising: the test runs on older modules)
+    (tmp_path / "g2.model").write_text("gopher\n")
+    attributes = {"model": {"file": f"{tmp_path}/{{id}}.model"}}
+    devices = gp.Watched({})
+    with fifo_at(tmp_path / "g1.model"), trio.fail_after(TIMEOUT), logged("no answer") as said:
+        # Started, the devices listed, while the read of g1's file still waits in its thread.
+        await nursery.start(gp.watch_devices, node.config(attributes=attributes).resources[0], devices)
+        assert said.lines == [
+            f"{RESOURCE}: device g1: attributes.model: cannot read {tmp_path}/g1.model: no answer within 0.5 s"
+        ]
+        assert set(devices.value) == {"g1", "g2"}
+        assert devices.value["g1"].attributes == ()
+        assert devices.value["g2"].attributes == (("model", "string", "gopher"),)
+
+
+def test_check_config_says_a_value_file_or_a_configuration_that_never_answers_in_one_line(node, tmp_path):
+    path = tmp_path / "gopherplug.yaml"
+    resource = {"name": RESOURCE, "directory": node.devices, "attributes": {"model": {"file": f"{tmp_path}/{{id}}"}}}
+    path.write_text(yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": [resource]}))
+    (tmp_path / "g2").write_text("gopher")
+    with fifo_at(tmp_path / "g1", watchdog=False):  # (another process reads it)
+        result = run_cli("check-config", "--config", str(path), timeout=TIMEOUT * 3)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "g1" in line and "attributes.model" in line]
+    assert lines == [
+        f"  warning: device g1: attributes.model: cannot read {tmp_path}/g1: no answer within "
+        f"{gp.FILE_READ_TIMEOUT:g} s"
+    ], result.stderr
+    with fifo_at(tmp_path / "config.yaml", watchdog=False):
+        result = run_cli("check-config", "--config", str(tmp_path / "config.yaml"), timeout=TIMEOUT * 3)
+    assert result.returncode == gp.EXIT_USAGE
+    assert result.stderr.splitlines() == [
+        f"gopherplug: {tmp_path}/config.yaml: cannot read: no answer within {gp.FILE_READ_TIMEOUT:g} s"
+    ]
+
+
+async def test_a_reload_while_the_cdi_directory_cannot_be_written_keeps_serving_and_writes_later(
+    nursery, node, tmp_path, caplog, retry_soon
+):
+    path = tmp_path / "gopherplug.yaml"
+    cdi = {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "cdi")}
+    path.write_text(config_text(node, **{RESOURCE: {"cdi": cdi}}))
+    lock = tmp_path / "cdi" / ".example.com-gopher.json.lock"
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        lock.unlink()
+        lock.mkdir()  # every write fails from now on (as on a full or read-only file system)
+        with logged("configuration reloaded") as reloaded:
+            path.write_text(config_text(node, **{RESOURCE: {"cdi": cdi, "env": "NEW"}}))
+            await reloaded.wait()
+        assert reloaded.lines == [f"{path}: configuration reloaded: kept {RESOURCE} as it was"]
+        with logged("cannot write the CDI spec") as said:
+            os.mknod(os.path.join(node.devices, "g3"))
+            await said.wait()
+        lock.rmdir()  # writable again: the spec is written with no other event, g3 offered
+        await simulator.wait_until(listed("g1", "g2", "g3"))
+    spec = (tmp_path / "cdi" / "example.com-gopher.json").read_text()
+    assert '"g3"' in spec
+    assert len(said.lines) == 1
+    assert said.lines[0].endswith("; offering only the devices it describes until it can be written")
+
+
+def mount_tmpfs(directory):
+    subprocess.run(["mount", "-t", "tmpfs", "gopherplug-test", str(directory)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root and mount")
+async def test_the_device_directory_mounted_again_is_watched_again(nursery, node, tmp_path, retry_soon):
+    directory = tmp_path / "mounted"
+    directory.mkdir()
+    mount_tmpfs(directory)
+    try:
+        (directory / "g1").touch()
+        devices = gp.Watched({})
+        resource_config = node.config(directory=str(directory)).resources[0]
+        with trio.fail_after(TIMEOUT):
+            await nursery.start(gp.watch_devices, resource_config, devices)
+            assert set(devices.value) == {"g1"}
+            with logged("mounted there again") as remounted:
+                subprocess.run(["umount", str(directory)], check=True)
+                while devices.value:  # the covered mount point: empty
+                    await devices.wait_touched()
+                mount_tmpfs(directory)  # no inotify event says so
+                (directory / "g5").touch()
+                await remounted.wait()
+                while set(devices.value) != {"g5"}:
+                    await devices.wait_touched()
+                (directory / "g6").touch()  # and it is watched
+                while set(devices.value) != {"g5", "g6"}:
+                    await devices.wait_touched()
+    finally:
+        while subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:
+            pass
