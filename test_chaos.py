@@ -42,7 +42,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -50,17 +49,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import h2.config
 import h2.connection
 import pytest
 import trio
 import yaml
-from inotify_simple import INotify, flags
 from inotify_simple import Event as InotifyEvent
+from inotify_simple import INotify, flags
 
 import gopherplug as gp
 import gopherplug_standins as standins
@@ -161,8 +161,11 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "peers": ("peer_never_reads",),
 }
 assert {kind for kinds in ACTIONS.values() for kind in kinds} == set(FAULTS)
-#: The action that surely makes the call a fault strikes: the first that lists it.
+#: The action that surely makes the call a fault strikes: the first that lists it; for the API
+#: server's, a preparation (a new claim is read from the API server at once, while the slice
+#: publisher may be waiting out a Retry-After).
 TRIGGER = {kind: next(action for action, kinds in ACTIONS.items() if kind in kinds) for kind in FAULTS}
+TRIGGER |= {kind: "prepare" for kind in FAULTS if kind.startswith("api_") and kind != "api_410_gone"}
 
 #: Frames of these classes are the stand-ins (they live in gopherplug's module too): never faulted.
 STANDIN_CLASSES = frozenset(
@@ -362,7 +365,9 @@ class Chaos:
 
         class ChaosINotify(INotify):  # type: ignore[misc]
             def add_watch(self, path: Any, mask: int) -> int:
-                if _from_product() and chaos.injector.take("inotify_watch_limit", f"add_watch({os.path.basename(path)})"):
+                if _from_product() and chaos.injector.take(
+                    "inotify_watch_limit", f"add_watch({os.path.basename(path)})"
+                ):
                     raise _oserror(errno.ENOSPC)
                 wd: int = super().add_watch(path, mask)
                 return wd
@@ -378,7 +383,7 @@ class Chaos:
         replaced = {
             "os": _Os(os, self),
             "tempfile": _Tempfile(tempfile, self),
-            "anyio": _Anyio(gp.anyio, self),
+            "anyio": _Anyio(anyio, self),
             "INotify": ChaosINotify,
             "run_program": self.run_program,
             "open": self.open,
@@ -395,11 +400,12 @@ class Chaos:
 # The stand-ins' faults
 
 
-HTML = {
-    502: b"<html><body><h1>502 Bad Gateway</h1>\nThe server returned an invalid or incomplete response.\n</body></html>\n",
-    503: b"<html><body><h1>503 Service Unavailable</h1>\nNo server is available to handle this request.\n</body></html>\n",
-    504: b"<html><body><h1>504 Gateway Time-out</h1>\nThe server didn't respond in time.\n</body></html>\n",
+HTML = {  # HAProxy's pages
+    502: b"<h1>502 Bad Gateway</h1>\nThe server returned an invalid or incomplete response.\n",
+    503: b"<h1>503 Service Unavailable</h1>\nNo server is available to handle this request.\n",
+    504: b"<h1>504 Gateway Time-out</h1>\nThe server didn't respond in time.\n",
 }
+HTML = {code: b"<html><body>" + page + b"</body></html>\n" for code, page in HTML.items()}
 REASONS = {410: "Gone", 429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway"}
 REASONS |= {503: "Service Unavailable", 504: "Gateway Time-out", 200: "OK"}
 
@@ -570,7 +576,8 @@ class Report:
         lines = [f"seed {self.seed}: injected {len(self.injected)} ({', '.join(kinds) or 'none'})"]
         lines += [f"  {kind}: {call}" for kind, call in self.injected]
         lines += [f"  VIOLATION: {violation}" for violation in self.violations]
-        lines.append(f"  replay: pytest test_chaos.py -k 'seed_{self.seed}'  or  python bench/chaos.py --start {self.seed} --seeds 1")
+        replay = f"pytest test_chaos.py -k 'seed_{self.seed}'  or  python bench/chaos.py --start {self.seed} --seeds 1"
+        lines.append(f"  replay: {replay}")
         return "\n".join(lines)
 
 
@@ -647,6 +654,9 @@ class Scenario:
     async def start(self) -> None:
         for directory in (self.moles, self.gophers, self.dp_dir, self.root / "nfd"):
             directory.mkdir(parents=True)
+        for directory in (self.moles, self.gophers):  # each a file system of its own, for "remount"
+            subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(directory)], check=True, capture_output=True)
+            self.mounts.append(directory)
         for index in range(2):
             (self.moles / f"mole{index}").touch()
             (self.gophers / f"gopher{index}").touch()
@@ -806,10 +816,16 @@ class Scenario:
                 with trio.fail_after(STEP_BOUND):
                     await self.kubelet.pre_start_container(MOLE, sorted(os.listdir(self.moles))[:1])
         elif action == "peers":
-            socket_path = os.path.join(self.dp_dir, self.kubelet.resources[MOLE].endpoint) if MOLE in self.kubelet.resources else ""
+            socket_path = (
+                os.path.join(self.dp_dir, self.kubelet.resources[MOLE].endpoint)
+                if MOLE in self.kubelet.resources
+                else ""
+            )
             if socket_path:
                 count = rng.randrange(1, 20)
-                if self.injector.take("peer_never_reads", f"{count} ListAndWatch peers on {os.path.basename(socket_path)}"):
+                if self.injector.take(
+                    "peer_never_reads", f"{count} ListAndWatch peers on {os.path.basename(socket_path)}"
+                ):
                     for _ in range(count):
                         self.nursery.start_soon(never_reading_peer, socket_path, self.peers_done)
 
@@ -852,15 +868,16 @@ class Scenario:
             self.fifo_open = True
             self.injector.injected.append((kind, f"open({self.model.name}) of a FIFO"))
         elif kind == "remount":
+            # Each device directory is a file system of its own (a tmpfs, mounted at the start):
+            # unmounted and mounted again, as a node's /dev or a device's own mount may be.
             directory = self.rng.choice([self.moles, self.gophers])
-            if directory in self.mounts:
-                return
             held = sorted(os.listdir(directory))
+            subprocess.run(["umount", str(directory)], check=True, capture_output=True)
             subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(directory)], check=True, capture_output=True)
-            self.mounts.append(directory)
-            for name in held[: self.rng.randrange(len(held) + 1)] + [f"{directory.name[:-1]}{200 + self.rng.randrange(9)}"]:
-                (directory / name).touch()  # the new filesystem's devices: some of the old, one new
-            self.injector.injected.append((kind, f"tmpfs over {directory.name}"))
+            new = f"{directory.name[:-1]}{200 + self.rng.randrange(9)}"
+            for name in [*held[: self.rng.randrange(len(held) + 1)], new]:
+                (directory / name).touch()  # the new file system's devices: some of the old, one new
+            self.injector.injected.append((kind, f"{directory.name} unmounted, a tmpfs mounted again"))
 
     def release_fifo(self) -> None:
         """The FIFO becomes a regular file again; a reader blocked on it is let go (end of file)."""
@@ -1027,8 +1044,9 @@ def run_seed(seed: int, steps: list[Step] | None = None) -> Report:
 # ---------------------------------------------------------------------------------------------------
 # The tests
 
-#: The seeds CI runs: together they inject every kind of FAULTS (test_ci_seeds_inject_every_kind).
-CI_SEEDS = list(range(12))
+#: The seeds CI runs: together they inject every kind of FAULTS (test_ci_seeds_inject_every_kind),
+#: found by a greedy cover of the seeds' plans.
+CI_SEEDS = [0, 133, 464, 1110, 1221, 1321, 2759]
 
 
 def test_ci_seeds_inject_every_kind() -> None:
@@ -1036,9 +1054,18 @@ def test_ci_seeds_inject_every_kind() -> None:
     assert planned == set(FAULTS), f"no CI seed injects {sorted(set(FAULTS) - planned)}: add a seed that does"
 
 
+def test_a_seed_is_the_same_plan_every_time() -> None:
+    assert plan(2759) == plan(2759) and plan(2759) != plan(2760)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs on each device directory: needs root (CI has it)")
 @pytest.mark.parametrize("seed", CI_SEEDS, ids=[f"seed_{seed}" for seed in CI_SEEDS])
 def test_chaos_seed(seed: int) -> None:
+    """The scenario of ``seed`` (its id names it; its message says how to replay it): gopherplug
+    alive, converged and consistent once the faults stop, and each fault planned injected."""
     report = run_seed(seed)
     fired = {kind for kind, _ in report.injected}
     assert not report.violations, report.summary()
-    assert report.planned <= fired, f"planned faults that never fired: {sorted(report.planned - fired)}\n{report.summary()}"
+    assert report.planned <= fired, (
+        f"planned faults never injected: {sorted(report.planned - fired)}\n{report.summary()}"
+    )
