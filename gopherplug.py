@@ -309,20 +309,18 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
-#: At most this many IDs are named in a line or an error (devices that came or went, IDs refused);
-#: the others are counted: a line built from what a peer sent stays short whatever it sent.
+#: At most this many IDs are named in a line or an error (devices that came or went, IDs refused),
+#: the others counted: a line built from what a peer sent stays short whatever it sent.
 NAMED_CHANGES = 5
 
 
-def _named(ids: list[str]) -> str:
-    """ "g1, g2, g3, g4, g5 and 12 more": at most NAMED_CHANGES of ``ids`` named, the rest counted."""
-    more = f" and {len(ids) - NAMED_CHANGES} more" if len(ids) > NAMED_CHANGES else ""
-    return ", ".join(ids[:NAMED_CHANGES]) + more
+def _named(ids: list[str], most: int = NAMED_CHANGES) -> str:
+    """ "g1, g2, g3, g4, g5 and 12 more": at most ``most`` of ``ids`` named, the rest counted."""
+    return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
 
 
 def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """ ": g3 came; g1 went" for the IDs in one and not the other ("" when they are the same), each
-    _named."""
+    """ ": g3 came; g1 went" for the IDs in one and not the other, each _named ("" for none)."""
     changes = ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went"))
     parts = [f"{_named(_natural_sorted(list(ids)))} {what}" for ids, what in changes if ids]
     return f": {'; '.join(parts)}" if parts else ""
@@ -3362,7 +3360,7 @@ def allocated_devices(
 ) -> list[DeviceEntry]:
     """The devices behind the kubelet's IDs, each once, in the order of the IDs.
 
-    Raises RPCError(INVALID_ARGUMENT) naming every ID that is not a current device (or replica), and
+    Raises RPCError(INVALID_ARGUMENT) naming the IDs that are no current device (or replica), and
     RPCError(FAILED_PRECONDITION) for an unhealthy device: the kubelet then fails the pod with
     UnexpectedAdmissionError instead of starting it without a working device.
     """
@@ -3370,8 +3368,7 @@ def allocated_devices(
     underlying = {kubelet_id: resource.underlying_id(kubelet_id) for kubelet_id in ids}
     unknown = sorted({i for i, device_id in underlying.items() if device_id not in devices}, key=_natural_key)
     if unknown:
-        # Named in a few, counted: grpc-message is an HTTP/2 header, and purerpc's pure-Python HPACK
-        # encoder takes time quadratic in its length (100,000 IDs held the event loop for minutes).
+        # _named: grpc-message is an HTTP/2 header, and purerpc's HPACK encoder is quadratic in its length.
         raise RPCError(StatusCode.INVALID_ARGUMENT, f"unknown {resource.name} device IDs: {_named(unknown)}")
     chosen = [devices[device_id] for device_id in dict.fromkeys(underlying.values()) if device_id is not None]
     for device in chosen:
@@ -5206,7 +5203,7 @@ async def hold_back_foreign_holds(
 #     _streams, _allocate_stream(stream_id), _listen() (the client's reader loop) and the
 #     _reader_thread() task its __aenter__ starts on the client side
 #   - purerpc.grpc_socket.GRPCStream: _incoming_events (an anyio memory stream pair), _close_remote(),
-#     _flow_control_update_event (an anyio Event its sender waits on)
+#     _flow_control_update_event and _wait_flow_control_update() (its sender waits for a window)
 #   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, the
 #     _stream_reset(event) hook that turns h2's StreamReset into gRPC events (stock: none), and
 #     the class attributes MAX_INBOUND_FRAME_SIZE and MAX_CONCURRENT_STREAMS it announces
@@ -5311,7 +5308,7 @@ MAX_CONNECTION_REQUEST_BYTES = KUBELET_MAX_MESSAGE + 2**20
 #: How much may wait to be written to one connection before its reader and senders pause until the
 #: peer has read it, as grpc-go's writeQuota blocks a sender. The kubelet reads all the time; a
 #: peer that does not read costs no more than this and one message in flight.
-SEND_QUEUE_LIMIT = 2**20
+SEND_QUEUE_LIMIT = 2**17
 
 #: The gRPC message encodings a request may use. The kubelet never compresses, but any gRPC client
 #: may: gzip and deflate are decompressed into at most KUBELET_MAX_MESSAGE bytes (more is
@@ -5956,9 +5953,7 @@ async def _answer_call(
                 responses = bound.method_fn(message, request=request)
                 try:
                     async for response in responses:
-                        if stream._socket.backlog() > SEND_QUEUE_LIMIT:
-                            await stream._socket.room()  # a peer that does not read gets nothing more queued
-                        await stream.send_message(response)
+                        await _send_in_frames(stream, response.SerializeToString())
                 finally:
                     # Runs the handler's own `finally` now, even when we were cancelled mid-stream.
                     with trio.CancelScope(shield=True):
@@ -5967,6 +5962,23 @@ async def _answer_call(
     except RPCError as error:
         status = Status(error.code, error.message)
     await _close_stream(stream, status)
+
+
+async def _send_in_frames(stream: GRPCProtoStream, data: bytes) -> None:
+    """Send a message as purerpc's _send does, but from ``data`` itself (the list all streams share;
+    purerpc copies it per stream), 16 KiB at a time (whatever frames the peer allows), each once the
+    queue has room: a peer that opened its windows and never reads holds SEND_QUEUE_LIMIT."""
+    connection, view = stream._grpc_connection, memoryview(b"\0" + len(data).to_bytes(4, "big"))
+    for piece in (view, memoryview(data)):
+        while piece:
+            if stream._socket.backlog() > SEND_QUEUE_LIMIT:
+                await stream._socket.room()  # a peer that does not read gets nothing more queued
+            if (window := min(connection.flow_control_window(stream.stream_id), 2**14)) <= 0:
+                await stream._wait_flow_control_update()
+                continue
+            connection.send_data(stream.stream_id, piece[:window])
+            piece = piece[window:]
+            await stream._socket.flush()
 
 
 async def _close_stream(stream: GRPCProtoStream, status: Status) -> None:
@@ -6135,6 +6147,8 @@ async def _serve_connection(
     finally:
         connections.discard(connection)
         server.calls_ended.touch()
+        if connection._socket.backlog():  # a peer left that did not read all it was sent: what its
+            _release_freed_memory()  # queue held goes back to the kernel, not kept by malloc for good
 
 
 def _innermost(error: BaseException) -> BaseException:
@@ -6228,9 +6242,8 @@ async def call_unary(
         error = _innermost(group)
         if isinstance(error, RpcFailedError):
             raise RPCError(error.status.status_code, error.status.status_message) from None
-        # A peer that accepts and hangs up: trio and anyio say EndOfStream, BrokenResourceError or
-        # both in a group (reader and writer each saw it), which tells a user nothing of the peer.
-        # (A refused connection is a ConnectionError too, and says so itself.)
+        # A peer that accepts and hangs up: anyio's EndOfStream, BrokenResourceError or both in a group
+        # tell a user nothing. (A refused connection is a ConnectionError too, and says so itself.)
         hung_up = (*_GOODBYE[:3], BrokenPipeError, ConnectionResetError)
         if isinstance(error, hung_up) or (isinstance(group, ExceptionGroup) and group.split(hung_up)[1] is None):
             error = ConnectionError("the server closed the connection before it answered")
@@ -7607,14 +7620,12 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now, whose exit trio waits for (_reap_orphans leaves them), each
-#: with the mark its environment carries (GOPHERPLUG_PROGRAM), and so what it starts.
+#: The programs run_program runs now (_reap_orphans leaves them to trio), each with its environment's mark.
 _RUNNING: dict[int, str] = {}
 
 
 def _kill_process_group(pid: int) -> None:
-    """Kill a program's process group, and what it started that left the group: a daemon (fork,
-    setsid, fork) is in a session of its own, but keeps the environment, and so the program's mark."""
+    """Kill a program's process group, and a daemon it started (fork, setsid, fork) by its mark."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     marked = f"\0GOPHERPLUG_PROGRAM={_RUNNING.get(pid)}\0".encode()
@@ -10165,11 +10176,8 @@ class KubeApi:
         class Node(GenericGlobalResource):  # type: ignore[misc,valid-type]
             _api_info = create_api_info("", "v1", "Node", "nodes", verbs=["get", "list", "watch"])
 
-        # lightkube makes its ApiError of an error answer only if its Content-Type is exactly
-        # application/json, and then of a Status; else its KeyError (no Content-Type), a JSON error or
-        # httpx's own error came out. A load balancer's 502/503/504 page is no Status, nor is
-        # "application/json; charset=utf-8": every error answer is httpx's HTTPStatusError here, and
-        # _errors reads the Status from it if it is one.
+        # lightkube's ApiError needs a Content-Type of exactly application/json, else a KeyError or
+        # httpx's error comes out (a proxy's HTML 503, a charset): every error answer is httpx's here.
         client._client.raise_for_status = lambda response: response.raise_for_status()
         return cls(client, slices, claims, (httpx2.HTTPStatusError, httpx2.HTTPError), Node)
 
@@ -10184,19 +10192,20 @@ class KubeApi:
             header = response.headers.get("retry-after", "").strip()
             retry_after = float(header) if header.isascii() and header.isdigit() else None
             try:
-                status = response.json()
-                status = status if isinstance(status, dict) and isinstance(status.get("message"), str) else {}
-            except ValueError:  # an HTML page, a truncated body: not the API server's Status
-                status = {}
-            shown = " ".join(response.text.split())[:120] or "no body"
-            message = status.get("message") or f"{response.reason_phrase} (not the API server's Status: {shown})"
+                status: Any = response.json()
+            except ValueError:  # a proxy's HTML page, a body cut short: no Status
+                status = None
+            if not (isinstance(status, dict) and isinstance(status.get("message"), str)):
+                shown = " ".join(response.text.split())[:120]
+                status = {"message": f"{response.reason_phrase} (not the API server's Status: {shown})"}
             details = status.get("details") if isinstance(status.get("details"), dict) else {}
-            listed = details.get("causes") if isinstance(details.get("causes"), list) else []
-            causes = tuple(str(cause.get("reason") or "") for cause in listed if isinstance(cause, dict))
+            causes = tuple(str(c.get("reason") or "") for c in details.get("causes") or [] if isinstance(c, dict))
             code = response.status_code
-            raise ApiError(code, f"{what}: {code} {message}", retry_after, causes) from None
+            raise ApiError(code, f"{what}: {code} {status['message']}", retry_after, causes) from None
         except ExecCredentialError as error:  # the kubeconfig's credential plugin gave no token
             raise ApiError(None, f"{what}: {error}") from None
+        except ValueError as error:  # a 200 that is not JSON: mangled on its way, retried as any failure
+            raise ApiError(None, f"{what}: an answer that is not JSON ({error})") from None
         except self._transport_error as error:  # no answer: refused, reset mid-body, timed out
             # httpx2's error for a server certificate the configured CA did not sign says nothing
             # (trio's BrokenResourceError inside): the reason, ssl's "CERTIFICATE_VERIFY_FAILED",
@@ -10238,8 +10247,8 @@ class KubeApi:
     async def get_node(self, name: str) -> dict[str, Any]:
         """The Node's name and UID (a slice's owner reference) and its status.allocatable."""
         with self._errors(f"get Node {name}"):
-            node = await self._client.get(self._node, name)  # a dict (connect)
-            metadata, status = node.get("metadata") or {}, node.get("status") or {}
+            node = _shaped(f"get Node {name}", "Node", dict(await self._client.get(self._node, name)))
+            metadata, status = node["metadata"], node.get("status") or {}
             allocatable = status.get("allocatable") or {}
             return {
                 "metadata": {"name": metadata.get("name"), "uid": metadata.get("uid")},
@@ -10277,11 +10286,11 @@ class KubeApi:
                 inner.build_adapter_request(inner.prepare_request("list", resource, params=params))
             )
             inner.raise_for_status(response)
-            try:
-                listed = response.json()
-            except ValueError as error:  # mangled on its way: a failure like any other, retried
-                raise ApiError(None, f"list {what}: an answer that is not JSON ({error})") from None
-        return list(listed.get("items") or []), str((listed.get("metadata") or {}).get("resourceVersion") or "")
+            listed = response.json()
+        if not isinstance(listed, dict) or not isinstance(items := listed.get("items") or [], list):
+            raise ApiError(None, f"list {what}: an answer of the wrong shape (no list of items)")
+        kind, metadata = "ResourceSlice" if resource is self._slice else "Node", listed.get("metadata") or {}
+        return [_shaped(f"list {what}", kind, item) for item in items], str(metadata.get("resourceVersion") or "")
 
     async def _watch(
         self, resource: Any, what: str, fields: Mapping[str, str], version: str
@@ -10296,6 +10305,7 @@ class KubeApi:
         # next watch starts from there, not from a version the server may have forgotten. No
         # timeoutSeconds: the server ends the watch after its --min-request-timeout (list_and_watch).
         params["allowWatchBookmarks"] = "true"
+        shape = "ResourceSlice" if resource is self._slice else "Node"
         with self._errors(f"watch {what}"):
             built = inner.prepare_request("list", resource, watch=True, params=params)
             request = inner._client.build_request(
@@ -10317,7 +10327,8 @@ class KubeApi:
                         line = bytes(pending[:end])
                         del pending[: end + 1]
                         if line.strip():
-                            yield _watch_event(what, line)
+                            kind, item = _watch_event(what, line)
+                            yield kind, item if kind == "BOOKMARK" else _shaped(f"watch {what}", shape, item)
                 # What is left was cut off mid-event by the connection's end: the next watch starts
                 # from the last whole event's version, and brings this one again.
             finally:
@@ -10344,12 +10355,12 @@ class KubeApi:
         return self._watch(self._node, f"Node {name}", {"metadata.name": name}, version)
 
     async def create_slice(self, item: dict[str, Any]) -> dict[str, Any]:
-        with self._errors(f"create ResourceSlice {item['metadata']['name']}"):
-            return dict(await self._client.create(self._slice(item)))
+        with self._errors(what := f"create ResourceSlice {item['metadata']['name']}"):
+            return _shaped(what, "ResourceSlice", dict(await self._client.create(self._slice(item))))
 
     async def replace_slice(self, item: dict[str, Any]) -> dict[str, Any]:
-        with self._errors(f"update ResourceSlice {item['metadata']['name']}"):
-            return dict(await self._client.replace(self._slice(item)))
+        with self._errors(what := f"update ResourceSlice {item['metadata']['name']}"):
+            return _shaped(what, "ResourceSlice", dict(await self._client.replace(self._slice(item))))
 
     async def delete_slice(self, name: str) -> None:
         with self._errors(f"delete ResourceSlice {name}"):
@@ -10389,9 +10400,21 @@ def _watch_event(what: str, line: bytes) -> tuple[str, dict[str, Any]]:
     if kind == "ERROR":
         code = item.get("code")
         raise ApiError(code if isinstance(code, int) else None, f"watch {what}: {code} {item.get('message', '')}")
-    if kind != "BOOKMARK" and not isinstance(metadata.get("name"), str):
-        raise WatchEventError(f"watch {what}: a {kind} event of an object without a name")
     return str(kind), item
+
+
+def _shaped(what: str, kind: str, item: Any) -> dict[str, Any]:
+    """``item`` if it has what the driver reads of a ``kind`` (metadata.name; a slice's spec.pool name
+    and generation; a Node's status and allocatable, if there, mappings), else WatchEventError: list
+    items and write answers are checked as watch events are, a wrong shape retried, not a KeyError."""
+    metadata, spec = (item.get("metadata"), item.get("spec")) if isinstance(item, dict) else (None, None)
+    pool = spec.get("pool") if isinstance(spec, dict) else None
+    pooled = isinstance(pool, dict) and isinstance(pool.get("name"), str) and isinstance(pool.get("generation"), int)
+    status = (item.get("status") or {}) if kind == "Node" else {}
+    named = isinstance(metadata, dict) and isinstance(metadata.get("name"), str) and (pooled or kind != "ResourceSlice")
+    if not named or not isinstance(status, dict) or not isinstance(status.get("allocatable") or {}, dict):
+        raise WatchEventError(f"{what}: a {kind} of the wrong shape: {json.dumps(item)[:100]}")
+    return dict(item)
 
 
 def _too_large_version(error: ApiError) -> bool:
@@ -10493,8 +10516,8 @@ async def list_and_watch(
             if error.status == 403 and stop_when_forbidden:
                 raise
             wait = jittered(max(delay, error.retry_after or 0.0))
-            level = logging.DEBUG if failing else logging.WARNING
-            log.log(level, "DRA: watching %s: %s; again in %.2g s, and quietly until it answers", what, error, wait)
+            level = logging.DEBUG if failing else logging.WARNING  # said once, until the server answers
+            log.log(level, "DRA: watching %s: %s; again in %.2g s", what, error, wait)
             failing = True
             await trio.sleep(wait)
             delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
@@ -13441,7 +13464,7 @@ class KubeletNarrator:
             was, updates, before = self._lists.get(name, (None, 0, {}))
             if resource.updates and (resource is not was or resource.updates != updates):
                 listed = [f"{d} {h}" for d, h in sorted(resource.devices.items(), key=lambda i: _natural_key(i[0]))]
-                say("plugin", f"ListAndWatch {name}: {_demo_list(listed)}")
+                say("plugin", f"ListAndWatch {name}: {_named(listed, DEMO_LIST_LENGTH) or 'none'}")
                 changed = [f"{d} {before[d]} -> {h}" for d, h in resource.devices.items() if before.get(d, h) != h]
                 whole = f"capacity {resource.capacity}, allocatable {resource.allocatable}"
                 say("kubelet", f"{name}: {whole}" + (f" ({', '.join(changed)})" if changed else ""))
@@ -13493,7 +13516,8 @@ async def _kubelet_allocate(
         chosen = available[:count]
         if resource.options.get_preferred_allocation_available:
             chosen = await kubelet.preferred_allocation(name, available, [], count)
-            say("plugin", f"GetPreferredAllocation(size {count} of {_demo_list(available)}): {', '.join(chosen)}")
+            shown = _named(available, DEMO_LIST_LENGTH)
+            say("plugin", f"GetPreferredAllocation(size {count} of {shown}): {', '.join(chosen)}")
         say("kubelet", f"pod default/{pod} asks for {count} {name}: Allocate({', '.join(chosen)})")
         answer = await kubelet.allocate(name, chosen, container=("default", pod, "app"))
         for line in _answer_lines(answer.container_responses[0]):
@@ -14675,11 +14699,6 @@ def _demo_allocated_claim(name: str, uid: str, request: str, device_class: str, 
     return {**kind, "metadata": metadata, "spec": {"devices": {"requests": requests}}, "status": status}
 
 
-def _demo_list(items: list[str]) -> str:
-    shown = ", ".join(items[:DEMO_LIST_LENGTH]) or "none"
-    return shown + (f", and {len(items) - DEMO_LIST_LENGTH} more" if len(items) > DEMO_LIST_LENGTH else "")
-
-
 async def _demo_describe(resource: ResourceConfig, scan: Scan, say: Callable[[str, str], None]) -> dict[str, Any]:
     """By DRA device name, ``scan``'s slice entries with what ``describe`` says, run once here as
     check-config runs it: what the plugin's own run will publish. None, with a line, if it fails."""
@@ -14733,7 +14752,7 @@ async def _demo_claim(
     # first writes, or in the next one.
     await _demo_step(f"the values describe gives {resource.name}'s devices", until_described())
     named = sorted((d["name"] for d in devices()), key=_natural_key)
-    say("plugin", f"ResourceSlice of pool {pool}: {_demo_list(named)}")
+    say("plugin", f"ResourceSlice of pool {pool}: {_named(named, DEMO_LIST_LENGTH) or 'none'}")
     claim = f"demo-{resource.name.rpartition('/')[2]}"
     if (device := _demo_pick(devices(), pool, f"default/{claim}", select, say)) is None:
         return

@@ -806,6 +806,24 @@ ERROR_SHAPES: dict[str, tuple[int, str, bytes]] = {
     "close": (0, "", b""),
     "hang": (0, "", b""),
 }
+_SLICE_HEAD = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "s", "uid": "u"}}
+
+
+def _node_list(status: dict[str, Any]) -> bytes:
+    """A list of one Node, node-1, with this status: what a driver's list of its Node is answered."""
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1", "uid": "uid-1"}, **status}
+    return go_json({"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "1"}, "items": [node]})
+
+
+_LIST_HEAD = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList", "metadata": {"resourceVersion": "1"}}
+#: 200 answers of the wrong shape that garble() gives, as ERROR_SHAPES: a listed slice without
+#: metadata, a slice (a write's answer) without spec, a listed Node whose status or allocatable is no mapping.
+WRONG_SHAPES: dict[str, tuple[int, str, bytes]] = {
+    "item-without-metadata": (200, "application/json", go_json({**_LIST_HEAD, "items": [{"spec": {}}]})),
+    "slice-without-spec": (200, "application/json", go_json(_SLICE_HEAD)),
+    "node-status-not-a-mapping": (200, "application/json", _node_list({"status": "Ready"})),
+    "node-allocatable-a-list": (200, "application/json", _node_list({"status": {"allocatable": ["1"]}})),
+}
 
 
 class ApiServerSimulator(LenientApiServer):
@@ -843,7 +861,7 @@ class ApiServerSimulator(LenientApiServer):
       as a proxy or load balancer in front of the real server does: an HTML 502/503/504 page, a
       503 without Content-Type, a Status as "application/json; charset=utf-8", a 500 whose body is
       not JSON, a 429 with Retry-After, a body cut off by a reset, a connection closed unanswered,
-      no answer at all (ERROR_SHAPES).
+      no answer at all (ERROR_SHAPES); or a 200 of the wrong shape (WRONG_SHAPES).
     - ``requests`` counts every request by (verb, resource, user agent), as the audit log or the
       apiserver_request_total metric does (request_verb_and_resource); ``watches`` lists each watch's
       query, ``lists`` each list's. ``forbidden`` holds the (verb, resource) pairs RBAC refuses,
@@ -1006,8 +1024,8 @@ class ApiServerSimulator(LenientApiServer):
     def garble(self, shape: str, *, times: int = 1, verb: str = "", resource: str = "") -> None:
         """Answer the next ``times`` requests of ``verb`` ("get", "list", "watch", "create", "update",
         "delete", "patch"; "": any) on ``resource`` ("resourceslices", "nodes"; "": any) in
-        ``shape``, one of ERROR_SHAPES, instead of the server's answer."""
-        assert shape in ERROR_SHAPES, shape
+        ``shape``, one of ERROR_SHAPES or WRONG_SHAPES, instead of the server's answer."""
+        assert shape in ERROR_SHAPES or shape in WRONG_SHAPES, shape
         self._garbled.append({"shape": shape, "times": times, "verb": verb, "resource": resource})
 
     async def _garble(self, connection: Any, stream: Any, h11: Any, verb: str, resource: str) -> bool:
@@ -1027,7 +1045,7 @@ class ApiServerSimulator(LenientApiServer):
         if shape == "close":
             await stream.aclose()
             return True
-        status, content_type, body = ERROR_SHAPES[shape]
+        status, content_type, body = {**ERROR_SHAPES, **WRONG_SHAPES}[shape]
         headers = [("content-length", str(len(body)))] + ([("content-type", content_type)] if content_type else [])
         headers += [("retry-after", "2")] if status in (429, 503) else []
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
