@@ -109,7 +109,7 @@ FAULTS: dict[str, tuple[str, str]] = {
     "emfile_socket": ("anyio.connect_unix / create_unix_listener", "EMFILE"),
     "emfile_program": ("os.memfd_create for describe, run_program", "EMFILE"),
     "read_never_returns": ("a file: attribute", "a FIFO nobody writes: open() never returns"),
-    "remount": ("a device directory", "a tmpfs mounted over it, with other devices"),
+    "remount": ("a device directory (a tmpfs)", "unmounted, a tmpfs mounted again with other devices"),
     # inotify
     "inotify_overflow": ("INotify.read", "IN_Q_OVERFLOW: the queue overflowed, its events lost"),
     "inotify_watch_limit": ("INotify.add_watch", "ENOSPC: fs.inotify.max_user_watches reached"),

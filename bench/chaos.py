@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import itertools
 import logging
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -45,6 +48,9 @@ def main() -> int:
     parser.add_argument(
         "--bound", type=float, default=test_chaos.CONVERGE_BOUND, help="seconds to converge once the faults stop"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="seeds run at once, each in a process of its own (a seed mostly waits)"
+    )
     parser.add_argument("--write", action="store_true", help="also add the figures to bench/RESULTS.md, first")
     args = parser.parse_args()
     test_chaos.CONVERGE_BOUND = args.bound
@@ -57,10 +63,32 @@ def main() -> int:
     seeds_with: collections.Counter[str] = collections.Counter()
     converged, seconds, violations = [], [], []
     restarts = tried = 0
-    for seed in range(args.start, args.start + args.seeds):
-        if args.seconds and time.monotonic() - began > args.seconds:
-            break
-        report = test_chaos.run_seed(seed)
+
+    def reports() -> Iterator[test_chaos.Report]:
+        seeds = iter(range(args.start, args.start + args.seeds))
+        if args.jobs <= 1:
+            for seed in seeds:
+                if args.seconds and time.monotonic() - began > args.seconds:
+                    return
+                yield test_chaos.run_seed(seed)
+            return
+        # Each seed in a fresh process (trio.run, the environment's KUBECONFIG, gopherplug's globals)
+        with multiprocessing.get_context("forkserver").Pool(
+            args.jobs, logging.disable, (logging.CRITICAL,), maxtasksperchild=1
+        ) as pool:
+            running = collections.deque(
+                pool.apply_async(test_chaos.run_seed, (seed,)) for seed in itertools.islice(seeds, args.jobs)
+            )
+            while running:
+                report = running.popleft().get()
+                if not args.seconds or time.monotonic() - began <= args.seconds:
+                    running.extend(
+                        pool.apply_async(test_chaos.run_seed, (seed,)) for seed in itertools.islice(seeds, 1)
+                    )
+                yield report
+
+    for report in reports():
+        seed = report.seed
         tried += 1
         kinds = [kind for kind, _ in report.injected]
         injected.update(kinds)
@@ -74,12 +102,13 @@ def main() -> int:
             print(report.summary(), flush=True)
         elif tried % 50 == 0:
             print(f"{tried} seeds, {len(violations)} violations, {time.monotonic() - began:.0f} s", flush=True)
+    seeds_run = sorted({seed for seed, _ in violations})
     lines = [
-        f"Seeds {args.start} to {args.start + tried - 1}: {tried} tried in {time.monotonic() - began:.0f} s "
+        f"Seeds from {args.start}: {tried} tried in {time.monotonic() - began:.0f} s "
         f"({statistics.mean(seconds):.2f} s a seed, max {max(seconds):.1f}), "
         f"{sum(injected.values())} faults injected, {restarts} restarts of supervised tasks "
         f"(gopherplug_task_restarts), {len(violations)} invariant violations in "
-        f"{len({seed for seed, _ in violations})} seeds.",
+        f"{len(seeds_run)} seeds ({args.jobs} at a time).",
         "",
     ]
     if converged:
