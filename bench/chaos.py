@@ -40,6 +40,12 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
+def _worker(bound: float) -> None:
+    """A worker process's start: gopherplug's log silenced, the bound of the command line."""
+    logging.disable(logging.CRITICAL)
+    test_chaos.CONVERGE_BOUND = bound
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=100, help="how many seeds to run (default 100)")
@@ -74,7 +80,7 @@ def main() -> int:
             return
         # Each seed in a fresh process (trio.run, the environment's KUBECONFIG, gopherplug's globals)
         with multiprocessing.get_context("forkserver").Pool(
-            args.jobs, logging.disable, (logging.CRITICAL,), maxtasksperchild=1
+            args.jobs, _worker, (args.bound,), maxtasksperchild=1
         ) as pool:
             running = collections.deque(
                 pool.apply_async(test_chaos.run_seed, (seed,)) for seed in itertools.islice(seeds, args.jobs)
