@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -130,7 +131,7 @@ def main() -> int:
     if violations:
         by_text: dict[str, list[int]] = collections.defaultdict(list)
         for seed, violation in violations:
-            by_text[violation.split(":")[0]].append(seed)
+            by_text[re.sub(r"\[[^]]*\]|\b\d[\w-]*", "…", violation)].append(seed)  # its kind, not its values
         lines += ["", "| violation | seeds | first seeds |", "| --- | ---: | --- |"]
         for text, seeds in sorted(by_text.items(), key=lambda item: -len(item[1])):
             lines.append(f"| {text} | {len(seeds)} | {', '.join(map(str, seeds[:8]))} |")
