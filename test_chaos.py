@@ -1015,7 +1015,10 @@ async def run_seed_async(seed: int, steps: list[Step] | None = None) -> Report:
             watchdog = threading.Thread(target=scenario.watchdog, args=(stop_watchdog,), daemon=True)
             watchdog.start()
             with scenario.chaos.installed():
-                await scenario.run(plan(seed) if steps is None else steps)
+                try:
+                    await scenario.run(plan(seed) if steps is None else steps)
+                except Exception as error:  # the scenario's own failure: said, with its seed, not lost
+                    scenario.report.violations.append(f"the scenario itself failed: {_one_line(error)}")
                 scenario.report.restarts = restarts_counted()
                 scenario.serving.cancel()
                 with trio.move_on_after(gp.STOP_TIMEOUT + 5) as stopping:
