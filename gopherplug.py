@@ -525,6 +525,9 @@ def _methods(
 #: Every RPC of v1beta1 by its path, e.g. METHODS["/v1beta1.Registration/Register"].
 METHODS: dict[str, Method] = _methods(API_VERSION, _SERVICES)
 
+#: The path of the one call a plugin makes to the kubelet.
+REGISTER = f"/{API_VERSION}.Registration/Register"
+
 # Not the kubelet's: gopherplug's own status service, served on each resource's socket beside
 # DevicePlugin. `gopherplug probe` asks it whether the kubelet is using the resource, which no
 # DevicePlugin call can tell: a plugin the kubelet never registered again answers every call.
@@ -6164,9 +6167,6 @@ LIST_PUSH_INTERVAL = 0.01
 
 #: How long a removed resource's goodbye (the empty list) may take before its server is stopped anyway.
 RETIRE_GRACE = 2.0
-
-#: The path of the one call a plugin makes to the kubelet.
-REGISTER = f"/{API_VERSION}.Registration/Register"
 
 #: While an inotify limit keeps a directory from being watched, it is rescanned this often (seconds),
 #: and its watches are tried again. 5 s is what the most used generic device plugin does all the time
