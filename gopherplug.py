@@ -833,6 +833,9 @@ LIST_POD_RESOURCES = "/v1.PodResourcesLister/List"
 #: kubelet's pod-resources/).
 POD_RESOURCES_SOCKET = os.path.join("pod-resources", "kubelet.sock")
 
+#: The longest path a unix socket can be bound or connected at.
+MAX_SOCKET_PATH = 107
+
 
 ########################################################################################################
 # 2. Errors
@@ -1307,8 +1310,6 @@ def default_env_name(resource_name: str) -> str:
 
 # Socket names. The kubelet's `endpoint` is a file name in its directory, and a unix socket's path
 # is at most 107 bytes (sun_path holds 108, the last a NUL): microk8s' directory alone takes 56.
-#: The longest path a unix socket can be bound or connected at.
-MAX_SOCKET_PATH = 107
 #: Socket numbers go round 1..SOCKET_NUMBERS: each registration needs a name other than the last
 #: one's, and a bounded number keeps the longest path known when the configuration is checked.
 SOCKET_NUMBERS = 9999
