@@ -889,6 +889,10 @@ class ConfigError(GopherplugError):
         self.problem = problem
 
 
+class ClaimError(GopherplugError):
+    """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
+
+
 ########################################################################################################
 # 3. Model
 #
@@ -4426,10 +4430,6 @@ def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEn
     for resource, devices in resources:
         lines += [f"{name}={value}" for name, value in nfd_labels(resource, devices).items()]
     return "\n".join(lines) + "\n"
-
-
-class ClaimError(GopherplugError):
-    """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
 
 
 #: The most bytes of one device's status data the API server takes (AllocatedDeviceStatusDataMaxLength
