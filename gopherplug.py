@@ -893,6 +893,10 @@ class ClaimError(GopherplugError):
     """A ResourceClaim cannot be prepared on this node: one line, sent to the kubelet as the claim's error."""
 
 
+class DescribeError(GopherplugError):
+    """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
+
+
 ########################################################################################################
 # 3. Model
 #
@@ -7572,10 +7576,6 @@ DESCRIBE_MAX_OUTPUT = 1024 * 1024
 #: A failed ``describe`` is run again after the first of these, doubled at each failure up to the
 #: second (seconds, jittered): what it needs may come later (a driver loading), and its values then
 DESCRIBE_RETRY = (5.0, 300.0)
-
-
-class DescribeError(GopherplugError):
-    """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
 
 
 #: GOPHERPLUG_DEVICES holds the IDs up to this many bytes, empty past it (the kernel starts no program
