@@ -897,6 +897,20 @@ class DescribeError(GopherplugError):
     """A resource's ``describe`` failed: its one line says how, with its stderr's first and last lines."""
 
 
+class ApiError(GopherplugError):
+    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came;
+    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any; ``causes``
+    the reasons of the answer's details.causes ("ResourceVersionTooLarge", "FieldValueInvalid")."""
+
+    def __init__(
+        self, status: int | None, message: str, retry_after: float | None = None, causes: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+        self.causes = causes
+
+
 ########################################################################################################
 # 3. Model
 #
@@ -8899,20 +8913,6 @@ class _TokenBucket:
         self._tokens -= 1
         if self._tokens < 0:  # the debt is paid by waiting, so concurrent callers queue up fairly
             await trio.sleep(-self._tokens / self.rate)
-
-
-class ApiError(GopherplugError):
-    """A request to the API server failed: ``status`` is the HTTP status, or None when no answer came;
-    ``retry_after`` the seconds its Retry-After header asked for (a 429, a 503), if any; ``causes``
-    the reasons of the answer's details.causes ("ResourceVersionTooLarge", "FieldValueInvalid")."""
-
-    def __init__(
-        self, status: int | None, message: str, retry_after: float | None = None, causes: tuple[str, ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-        self.causes = causes
 
 
 class ClaimCheckpoint:
