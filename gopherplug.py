@@ -911,6 +911,15 @@ class ApiError(GopherplugError):
         self.causes = causes
 
 
+class ExecCredentialError(ApiError):
+    """An exec credential plugin did not give a credential: KubeApi's requests fail with this line
+    (KubeApi._errors puts what the request was for in front of it), and are retried as any request
+    the API server did not answer (status None)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
 ########################################################################################################
 # 3. Model
 #
@@ -9548,15 +9557,6 @@ EXEC_CREDENTIAL_TIMEOUT = 60.0
 #: At most this much of a plugin's stdout is kept: an ExecCredential is a few KiB (a token, or a
 #: certificate chain); a plugin that prints without end fails instead of filling our memory.
 EXEC_CREDENTIAL_MAX_OUTPUT = 1 << 20
-
-
-class ExecCredentialError(ApiError):
-    """An exec credential plugin did not give a credential: KubeApi's requests fail with this line
-    (KubeApi._errors puts what the request was for in front of it), and are retried as any request
-    the API server did not answer (status None)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(None, message)
 
 
 class ExecCredentialPlugin:
