@@ -920,6 +920,14 @@ class ExecCredentialError(ApiError):
         super().__init__(None, message)
 
 
+class WatchEventError(ApiError):
+    """A watch brought a line that is not an event: something between the API server and here mangled
+    the stream. list_and_watch says so in one line and lists again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, message)
+
+
 ########################################################################################################
 # 3. Model
 #
@@ -10207,14 +10215,6 @@ class KubeApi:
 
     async def aclose(self) -> None:
         await self._client.close()
-
-
-class WatchEventError(ApiError):
-    """A watch brought a line that is not an event: something between the API server and here mangled
-    the stream. list_and_watch says so in one line and lists again."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(None, message)
 
 
 #: The kinds of event a watch brings (k8s.io/apimachinery pkg/watch): ERROR ends it.
