@@ -928,6 +928,11 @@ class WatchEventError(ApiError):
         super().__init__(None, message)
 
 
+class UnexpectedAdmissionError(GopherplugError):
+    """A pod the simulated kubelet rejects while admitting it, as the real one does with the pod
+    status reason UnexpectedAdmissionError: the kubelet itself refused, the plugin was never asked."""
+
+
 ########################################################################################################
 # 3. Model
 #
@@ -12418,11 +12423,6 @@ def _emptied(running: Config | None, new: Config) -> str:
 
 #: How long the kubelet waits to dial a registering plugin back.
 KUBELET_DIAL_TIMEOUT = 10.0
-
-
-class UnexpectedAdmissionError(GopherplugError):
-    """A pod the simulated kubelet rejects while admitting it, as the real one does with the pod
-    status reason UnexpectedAdmissionError: the kubelet itself refused, the plugin was never asked."""
 
 
 @dataclass
