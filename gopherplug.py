@@ -264,13 +264,6 @@ def _named(ids: list[str], most: int = NAMED_CHANGES) -> str:
     return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
 
 
-def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """ ": g3 came; g1 went" for the IDs in one and not the other, each _named ("" for none)."""
-    changes = ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went"))
-    parts = [f"{_named(_natural_sorted(list(ids)))} {what}" for ids, what in changes if ids]
-    return f": {'; '.join(parts)}" if parts else ""
-
-
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -2557,6 +2550,13 @@ def _natural_sorted(ids: list[str]) -> list[str]:
     if len(groups) == 1:
         return sorted(ids, key=lambda i: (_natural_key(i), i))
     return [i for text in sorted(groups) for i in _natural_sorted(groups[text])]
+
+
+def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """ ": g3 came; g1 went" for the IDs in one and not the other, each _named ("" for none)."""
+    changes = ((now.keys() - before.keys(), "came"), (before.keys() - now.keys(), "went"))
+    parts = [f"{_named(_natural_sorted(list(ids)))} {what}" for ids, what in changes if ids]
+    return f": {'; '.join(parts)}" if parts else ""
 
 
 def _sorted_by_numbers(ids: list[str]) -> list[str] | None:
