@@ -254,11 +254,6 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
-def _named(ids: list[str], most: int = NAMED_CHANGES) -> str:
-    """ "g1, g2, g3, g4, g5 and 12 more": at most ``most`` of ``ids`` named, the rest counted."""
-    return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
-
-
 ########################################################################################################
 # 1. The kubelet contract
 #
@@ -2550,6 +2545,11 @@ def _natural_sorted(ids: list[str]) -> list[str]:
 #: At most this many IDs are named in a line or an error (devices that came or went, IDs refused),
 #: the others counted: a line built from what a peer sent stays short whatever it sent.
 NAMED_CHANGES = 5
+
+
+def _named(ids: list[str], most: int = NAMED_CHANGES) -> str:
+    """ "g1, g2, g3, g4, g5 and 12 more": at most ``most`` of ``ids`` named, the rest counted."""
+    return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
 
 
 def _came_and_went(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
