@@ -2624,6 +2624,13 @@ class Scan:
 _EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS)
 
 
+def _innermost(error: BaseException) -> BaseException:
+    """The error inside the one-member exception groups that anyio and trio wrap around it."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 # CDI device names begin and end with a letter or digit; ":" may stand between (ValidateDeviceName
 # in container-device-interface pkg/parser/parser.go).
 _CDI_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._:-]*[A-Za-z0-9])?")
@@ -6025,13 +6032,6 @@ async def _serve_connection(
         server.calls_ended.touch()
         if connection._socket.backlog():  # a peer left that did not read all it was sent: what its
             _release_freed_memory()  # queue held goes back to the kernel, not kept by malloc for good
-
-
-def _innermost(error: BaseException) -> BaseException:
-    """The error inside the one-member exception groups that anyio and trio wrap around it."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 @contextlib.contextmanager
