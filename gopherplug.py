@@ -2631,6 +2631,17 @@ def _innermost(error: BaseException) -> BaseException:
     return error
 
 
+def _describe(error: BaseException, silent: str = "") -> str:
+    """One line for an error, for a log line or an RPCError message: for a system call, the system's
+    words ("Permission denied"), not Python's class name and errno, which tell a user nothing more.
+    ``silent``: what to say of an error that says nothing (else its class name, for a developer)."""
+    error = _innermost(error)
+    if isinstance(error, OSError) and error.strerror:  # out of a resource: named as the kernel names it too
+        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in _EXHAUSTED else error.strerror
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else silent or type(error).__name__
+
+
 # CDI device names begin and end with a letter or digit; ":" may stand between (ValidateDeviceName
 # in container-device-interface pkg/parser/parser.go).
 _CDI_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._:-]*[A-Za-z0-9])?")
@@ -6045,17 +6056,6 @@ def _unwrap_single_errors() -> Iterator[None]:
         if error is group:
             raise
         raise error from None
-
-
-def _describe(error: BaseException, silent: str = "") -> str:
-    """One line for an error, for a log line or an RPCError message: for a system call, the system's
-    words ("Permission denied"), not Python's class name and errno, which tell a user nothing more.
-    ``silent``: what to say of an error that says nothing (else its class name, for a developer)."""
-    error = _innermost(error)
-    if isinstance(error, OSError) and error.strerror:  # out of a resource: named as the kernel names it too
-        return f"{errno.errorcode[error.errno]}: {error.strerror}" if error.errno in _EXHAUSTED else error.strerror
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else silent or type(error).__name__
 
 
 @asynccontextmanager
