@@ -2939,6 +2939,14 @@ def _directory_entry(path: str) -> str:
     )
 
 
+def _read_text(path: str) -> str | None:
+    """A text file's content, or None if it cannot be read now. A byte that is not UTF-8 is kept as a
+    lone surrogate (surrogateescape), for YAML's reader to refuse where it stands (_yaml_problem)."""
+    with contextlib.suppress(OSError):
+        return _file_text(path)
+    return None
+
+
 def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mountinfo") -> str:
     """Where a filesystem on block device ``rdev`` is mounted, or "": the device itself, one of its
     partitions, or a device built on it (device-mapper, LVM, md: its holders in sysfs). The mount
@@ -6388,14 +6396,6 @@ def _mode(path: str) -> int | None:
         return os.stat(path).st_mode
     except (OSError, ValueError):
         return None
-
-
-def _read_text(path: str) -> str | None:
-    """A text file's content, or None if it cannot be read now. A byte that is not UTF-8 is kept as a
-    lone surrogate (surrogateescape), for YAML's reader to refuse where it stands (_yaml_problem)."""
-    with contextlib.suppress(OSError):
-        return _file_text(path)
-    return None
 
 
 def load_config(
