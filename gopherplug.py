@@ -4412,92 +4412,6 @@ def dra_health_response(pools: Pools, now: float) -> Any:
     )
 
 
-# Node Feature Discovery: what the device plugin can say about its devices besides their number.
-# The kubelet's device manager knows only counts: a pod cannot ask for "a GPU of that model" through
-# resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
-# pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
-
-#: The label namespace NFD gives a feature file's names (FeatureLabelNs in kubernetes-sigs/
-#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go), written out: the same label
-#: whether nfd-master adds it or refuses a name without it (its DisableAutoPrefix gate).
-NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
-#: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
-#: larger one whole, every label of it.
-NFD_MAX_FEATURE_FILE_SIZE = 65536
-#: gopherplug's own attributes that are no property of the devices, so no label: ``resource`` is
-#: in every label's name, ``id`` tells devices apart, ``healthy`` is in the count.
-_NFD_OWN_ATTRIBUTES = {"resource", "id", "healthy"}
-
-
-def nfd_label_name(resource_name: str, key: str) -> str:
-    """The label of a resource's feature ``key``: "feature.node.kubernetes.io/<domain>-<name>.<key>",
-    "/" made "-" (a label's name, after its namespace, is at most 63 letters, digits, "-", "_" and
-    "." beginning and ending with a letter or digit; a resource's name and an attribute's are of
-    those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
-    same resource and key, the same label, on every node."""
-    part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
-    if len(part) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(part):  # "model_": NFD drops it
-        digest = hashlib.sha256(part.encode()).hexdigest()[:8]
-        part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
-    return f"{NFD_LABEL_NAMESPACE}/{part}"
-
-
-def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
-    """An attribute's value ({"string": "NVIDIA H200"}) as a label's value (IsValidLabelValue, which
-    NFD's validate.Label applies), or None when none can stand for it: a boolean "true" or "false",
-    an integer its digits (a negative one none: "1" would lie); a string or a version made one as
-    NVIDIA's gpu-feature-discovery makes its product names: each run of other characters a "-",
-    cut to 63, its ends trimmed ("NVIDIA H200" is "NVIDIA-H200"; "1.2.3+build.7" "1.2.3-build.7")."""
-    [(kind, value)] = typed.items()
-    if kind == "bool":
-        return "true" if value else "false"
-    if kind == "int":
-        return str(value) if value >= 0 else None
-    text = str(value)
-    if len(text) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(text):
-        return text
-    made = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-_.")[:_LABEL_VALUE_LENGTH].rstrip("-_.")
-    return made or None
-
-
-def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
-    """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
-    integer, which node affinity's Gt and Lt compare), then each attribute all its devices share
-    (device_attributes), by name (the standard domain's without it). An attribute with no label
-    value (nfd_label_value), or whose label another has already, has none."""
-    labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
-    # What device_attributes reads of a device beside its ID and health: devices alike in these have
-    # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
-    alike = {(d.numa_node, d.pci, d.usb, d.attributes): d for d in devices.values()}
-    shared: dict[str, dict[str, Any]] | None = None
-    for device in alike.values():
-        found: dict[str, dict[str, Any]] = {}
-        for name, typed in device_attributes(resource, device).items():
-            if name not in _NFD_OWN_ATTRIBUTES:
-                domain, _, base = name.rpartition("/")
-                found.setdefault(base if domain == DRA_STANDARD_DOMAIN else name, typed)
-        shared = found if shared is None else {key: typed for key, typed in shared.items() if found.get(key) == typed}
-        if not shared:
-            break
-    for key, typed in sorted((shared or {}).items()):
-        if (value := nfd_label_value(typed)) is not None:
-            labels.setdefault(nfd_label_name(resource.name, key), value)
-    return labels
-
-
-def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEntry]]]) -> str:
-    """The text of the NFD feature file (nfd_features_file): each resource's labels (nfd_labels),
-    one "<name>=<value>" line each, resources in the order given, after a comment saying whose the
-    file is (NFD's local source skips lines that begin with "#"; "# +" would be a directive)."""
-    lines = [
-        "# Written by gopherplug (nfd_features_file) whenever the devices change, and removed when it stops:",
-        "# per resource the count of healthy devices and each attribute all of its devices share.",
-    ]
-    for resource, devices in resources:
-        lines += [f"{name}={value}" for name, value in nfd_labels(resource, devices).items()]
-    return "\n".join(lines) + "\n"
-
-
 #: The most bytes of one device's status data the API server takes (AllocatedDeviceStatusDataMaxLength
 #: in k8s.io/api/resource/v1 types.go).
 DRA_STATUS_DATA_MAX_LENGTH = 10 * 1024
@@ -4748,6 +4662,92 @@ def add_metadata_cdi_devices(devices: list[Any], driver: str, uid: str, files: I
             if request in pending:
                 device.cdi_device_ids.append(f"{dra_metadata_cdi_kind(driver)}={uid}_{request}")
                 pending.discard(request)
+
+
+# Node Feature Discovery: what the device plugin can say about its devices besides their number.
+# The kubelet's device manager knows only counts: a pod cannot ask for "a GPU of that model" through
+# resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
+# pod's nodeSelector (or node affinity) picks nodes by them: nfd_features writes those lines.
+
+#: The label namespace NFD gives a feature file's names (FeatureLabelNs in kubernetes-sigs/
+#: node-feature-discovery api/nfd/v1alpha1/annotations_labels.go), written out: the same label
+#: whether nfd-master adds it or refuses a name without it (its DisableAutoPrefix gate).
+NFD_LABEL_NAMESPACE = "feature.node.kubernetes.io"
+#: The largest feature file NFD reads (MaxFeatureFileSize in source/local/local.go): it skips a
+#: larger one whole, every label of it.
+NFD_MAX_FEATURE_FILE_SIZE = 65536
+#: gopherplug's own attributes that are no property of the devices, so no label: ``resource`` is
+#: in every label's name, ``id`` tells devices apart, ``healthy`` is in the count.
+_NFD_OWN_ATTRIBUTES = {"resource", "id", "healthy"}
+
+
+def nfd_label_name(resource_name: str, key: str) -> str:
+    """The label of a resource's feature ``key``: "feature.node.kubernetes.io/<domain>-<name>.<key>",
+    "/" made "-" (a label's name, after its namespace, is at most 63 letters, digits, "-", "_" and
+    "." beginning and ending with a letter or digit; a resource's name and an attribute's are of
+    those). A longer one keeps its first 54 characters and ends in 8 hex digits of its SHA-256: the
+    same resource and key, the same label, on every node."""
+    part = f"{resource_name.replace('/', '-')}.{key.replace('/', '-')}"
+    if len(part) > _LABEL_VALUE_LENGTH or not _LABEL_VALUE.fullmatch(part):  # "model_": NFD drops it
+        digest = hashlib.sha256(part.encode()).hexdigest()[:8]
+        part = f"{part[: _LABEL_VALUE_LENGTH - 9].rstrip('-_.')}-{digest}"
+    return f"{NFD_LABEL_NAMESPACE}/{part}"
+
+
+def nfd_label_value(typed: Mapping[str, Any]) -> str | None:
+    """An attribute's value ({"string": "NVIDIA H200"}) as a label's value (IsValidLabelValue, which
+    NFD's validate.Label applies), or None when none can stand for it: a boolean "true" or "false",
+    an integer its digits (a negative one none: "1" would lie); a string or a version made one as
+    NVIDIA's gpu-feature-discovery makes its product names: each run of other characters a "-",
+    cut to 63, its ends trimmed ("NVIDIA H200" is "NVIDIA-H200"; "1.2.3+build.7" "1.2.3-build.7")."""
+    [(kind, value)] = typed.items()
+    if kind == "bool":
+        return "true" if value else "false"
+    if kind == "int":
+        return str(value) if value >= 0 else None
+    text = str(value)
+    if len(text) <= _LABEL_VALUE_LENGTH and _LABEL_VALUE.fullmatch(text):
+        return text
+    made = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-_.")[:_LABEL_VALUE_LENGTH].rstrip("-_.")
+    return made or None
+
+
+def nfd_labels(resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> dict[str, str]:
+    """A resource's node labels (nfd_label_name -> value): ``count``, its healthy devices (an
+    integer, which node affinity's Gt and Lt compare), then each attribute all its devices share
+    (device_attributes), by name (the standard domain's without it). An attribute with no label
+    value (nfd_label_value), or whose label another has already, has none."""
+    labels = {nfd_label_name(resource.name, "count"): str(sum(d.health == HEALTHY for d in devices.values()))}
+    # What device_attributes reads of a device beside its ID and health: devices alike in these have
+    # the same attributes here, and one of them stands for all (10,000 files: one, not 10,000 dicts).
+    alike = {(d.numa_node, d.pci, d.usb, d.attributes): d for d in devices.values()}
+    shared: dict[str, dict[str, Any]] | None = None
+    for device in alike.values():
+        found: dict[str, dict[str, Any]] = {}
+        for name, typed in device_attributes(resource, device).items():
+            if name not in _NFD_OWN_ATTRIBUTES:
+                domain, _, base = name.rpartition("/")
+                found.setdefault(base if domain == DRA_STANDARD_DOMAIN else name, typed)
+        shared = found if shared is None else {key: typed for key, typed in shared.items() if found.get(key) == typed}
+        if not shared:
+            break
+    for key, typed in sorted((shared or {}).items()):
+        if (value := nfd_label_value(typed)) is not None:
+            labels.setdefault(nfd_label_name(resource.name, key), value)
+    return labels
+
+
+def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEntry]]]) -> str:
+    """The text of the NFD feature file (nfd_features_file): each resource's labels (nfd_labels),
+    one "<name>=<value>" line each, resources in the order given, after a comment saying whose the
+    file is (NFD's local source skips lines that begin with "#"; "# +" would be a directive)."""
+    lines = [
+        "# Written by gopherplug (nfd_features_file) whenever the devices change, and removed when it stops:",
+        "# per resource the count of healthy devices and each attribute all of its devices share.",
+    ]
+    for resource, devices in resources:
+        lines += [f"{name}={value}" for name, value in nfd_labels(resource, devices).items()]
+    return "\n".join(lines) + "\n"
 
 
 def _replace_whole(
