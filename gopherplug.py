@@ -6032,6 +6032,10 @@ def _identity(path: str) -> tuple[int, int, int] | None:
     return status.st_dev, status.st_ino, status.st_ctime_ns
 
 
+#: The running plugin's metrics, or None when metrics are off (the hooks then do nothing).
+_metrics: Metrics | None = None
+
+
 async def _serve_connection(
     stream: anyio.abc.ByteStream, services: Mapping[str, purerpc.Service], server: GRPCServer
 ) -> None:
@@ -6647,10 +6651,6 @@ class Metrics:
         self._scope.cancel()
         if not self._serving:
             self._socket.close()
-
-
-#: The running plugin's metrics, or None when metrics are off (the hooks then do nothing).
-_metrics: Metrics | None = None
 
 
 def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextManager[Any]:
