@@ -6036,6 +6036,37 @@ def _identity(path: str) -> tuple[int, int, int] | None:
 _metrics: Metrics | None = None
 
 
+@contextlib.contextmanager
+def _held_back(
+    kind: str,
+    what: str,
+    refusal: Callable[[str], Exception] | None = None,
+    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = log,
+) -> Iterator[None]:
+    """The rule at every boundary: nothing a file, a program, the kubelet, the API server or a peer
+    sends ends the process. An error in the block that is no refusal (GopherplugError) is a bug that
+    input ``what`` met, and still its refusal: one line, to ``logger`` (None: the caller's refusal
+    path says it), raised as ``refusal(line)`` for that path to keep what runs (the last good
+    configuration, the devices as known), or without ``refusal`` the block's effect not had. Its
+    traceback is logged at debug; gopherplug_unexpected_errors counts it by ``kind``."""
+    try:
+        yield
+    except Exception as error:
+        if isinstance(_innermost(error), GopherplugError):
+            raise
+        line = (
+            f"{what}{': ' if what else ''}{type(_innermost(error)).__name__}: {_describe(error)}: held back; "
+            "a bug in gopherplug, please report it (its traceback is logged at log level debug)"
+        )
+        if _metrics is not None:
+            _metrics.unexpected.labels(kind).inc()
+        if logger is not None:
+            logger.error("%s", line)
+        log.debug("the bug's traceback:", exc_info=True)
+        if refusal is not None:
+            raise refusal(line) from error
+
+
 async def _serve_connection(
     stream: anyio.abc.ByteStream, services: Mapping[str, purerpc.Service], server: GRPCServer
 ) -> None:
@@ -6656,37 +6687,6 @@ class Metrics:
 def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextManager[Any]:
     """Time the block into ``histogram(_metrics)``, or do nothing while metrics are off."""
     return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
-
-
-@contextlib.contextmanager
-def _held_back(
-    kind: str,
-    what: str,
-    refusal: Callable[[str], Exception] | None = None,
-    logger: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = log,
-) -> Iterator[None]:
-    """The rule at every boundary: nothing a file, a program, the kubelet, the API server or a peer
-    sends ends the process. An error in the block that is no refusal (GopherplugError) is a bug that
-    input ``what`` met, and still its refusal: one line, to ``logger`` (None: the caller's refusal
-    path says it), raised as ``refusal(line)`` for that path to keep what runs (the last good
-    configuration, the devices as known), or without ``refusal`` the block's effect not had. Its
-    traceback is logged at debug; gopherplug_unexpected_errors counts it by ``kind``."""
-    try:
-        yield
-    except Exception as error:
-        if isinstance(_innermost(error), GopherplugError):
-            raise
-        line = (
-            f"{what}{': ' if what else ''}{type(_innermost(error)).__name__}: {_describe(error)}: held back; "
-            "a bug in gopherplug, please report it (its traceback is logged at log level debug)"
-        )
-        if _metrics is not None:
-            _metrics.unexpected.labels(kind).inc()
-        if logger is not None:
-            logger.error("%s", line)
-        log.debug("the bug's traceback:", exc_info=True)
-        if refusal is not None:
-            raise refusal(line) from error
 
 
 # The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
