@@ -6015,6 +6015,17 @@ def _remove_socket_file(server: GRPCServer) -> None:
             os.unlink(server.socket_path)
 
 
+def _accepts(socket_path: str) -> bool:
+    """Whether something listens on a unix socket (a connection is made and closed at once)."""
+    with socket.socket(socket.AF_UNIX) as probe_socket:
+        probe_socket.settimeout(1.0)
+        try:
+            probe_socket.connect(socket_path)
+            return True
+        except OSError:
+            return False
+
+
 def _inode(path: str) -> int | None:
     try:
         return os.stat(path).st_ino
@@ -11746,17 +11757,6 @@ def device_plugin_dir_mistake(directory: str, candidates: Iterable[str] = KNOWN_
     if close := difflib.get_close_matches(directory, others, n=1):
         return f"{problem}; did you mean {close[0]}?"
     return problem
-
-
-def _accepts(socket_path: str) -> bool:
-    """Whether something listens on a unix socket (a connection is made and closed at once)."""
-    with socket.socket(socket.AF_UNIX) as probe_socket:
-        probe_socket.settimeout(1.0)
-        try:
-            probe_socket.connect(socket_path)
-            return True
-        except OSError:
-            return False
 
 
 async def serve_plugin(
