@@ -4750,31 +4750,6 @@ def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEn
     return "\n".join(lines) + "\n"
 
 
-def _replace_whole(
-    path: str, text: str, prefix: str, mode: int | None = None, *, durable: bool = True
-) -> os.stat_result:
-    """Write ``text`` to ``path`` whole: a temporary file beside it (named ``prefix``...``.tmp``,
-    which CDI runtimes watching a spec directory ignore), on the disk first if ``durable``, then
-    renamed over ``path``, so a reader (a runtime, a container, our next start) never sees half of
-    it. Returns the new file's status; raises OSError, leaving no temporary file behind."""
-    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=prefix, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            if durable:
-                os.fsync(file.fileno())
-            if mode is not None:
-                os.fchmod(file.fileno(), mode)
-            status = os.fstat(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    return status
-
-
 def write_device_metadata(path: str, text: str) -> None:
     """Write one metadata file whole (_replace_whole), so a container never reads half of one. Mode
     0644 and directories 0755, the Go helper's: the container may run as any user, and the mount
@@ -8224,6 +8199,31 @@ def _self_and_ancestors(path: str) -> Iterator[str]:
 def _cdi_part(device: DeviceEntry | None) -> Any:
     """What of a device its CDI description depends on."""
     return None if device is None else (device.path, device.device_specs, device.mounts)
+
+
+def _replace_whole(
+    path: str, text: str, prefix: str, mode: int | None = None, *, durable: bool = True
+) -> os.stat_result:
+    """Write ``text`` to ``path`` whole: a temporary file beside it (named ``prefix``...``.tmp``,
+    which CDI runtimes watching a spec directory ignore), on the disk first if ``durable``, then
+    renamed over ``path``, so a reader (a runtime, a container, our next start) never sees half of
+    it. Returns the new file's status; raises OSError, leaving no temporary file behind."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=prefix, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            if durable:
+                os.fsync(file.fileno())
+            if mode is not None:
+                os.fchmod(file.fileno(), mode)
+            status = os.fstat(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    return status
 
 
 def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None, yield_to: Callable[[], str] | None = None) -> str:
