@@ -4750,14 +4750,6 @@ def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEn
     return "\n".join(lines) + "\n"
 
 
-def write_device_metadata(path: str, text: str) -> None:
-    """Write one metadata file whole (_replace_whole), so a container never reads half of one. Mode
-    0644 and directories 0755, the Go helper's: the container may run as any user, and the mount
-    is read-only. Raises OSError."""
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    _replace_whole(path, text, ".metadata-", 0o644)
-
-
 def _ensure_device_metadata(path: str, text: str) -> None:
     """Write a metadata file again unless it is there with ``text``. Raises GopherplugError."""
     try:
@@ -8946,6 +8938,14 @@ class _TokenBucket:
         self._tokens -= 1
         if self._tokens < 0:  # the debt is paid by waiting, so concurrent callers queue up fairly
             await trio.sleep(-self._tokens / self.rate)
+
+
+def write_device_metadata(path: str, text: str) -> None:
+    """Write one metadata file whole (_replace_whole), so a container never reads half of one. Mode
+    0644 and directories 0755, the Go helper's: the container may run as any user, and the mount
+    is read-only. Raises OSError."""
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    _replace_whole(path, text, ".metadata-", 0o644)
 
 
 class ClaimCheckpoint:
