@@ -4750,20 +4750,6 @@ def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEn
     return "\n".join(lines) + "\n"
 
 
-def _ensure_device_metadata(path: str, text: str) -> None:
-    """Write a metadata file again unless it is there with ``text``. Raises GopherplugError."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            if file.read() == text:
-                return
-    except (OSError, ValueError):
-        pass  # gone or unreadable: written again
-    try:
-        write_device_metadata(path, text)
-    except OSError as error:
-        raise GopherplugError(f"cannot write the device metadata {path}: {_describe(error)}") from None
-
-
 def remove_claim_metadata(metadata_dir: str, namespace: str, name: str, uid: str) -> None:
     """Remove a claim's metadata files, if any. Raises GopherplugError naming what could not go."""
     directory = dra_claim_metadata_dir(metadata_dir, namespace, name, uid)
@@ -8946,6 +8932,20 @@ def write_device_metadata(path: str, text: str) -> None:
     is read-only. Raises OSError."""
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     _replace_whole(path, text, ".metadata-", 0o644)
+
+
+def _ensure_device_metadata(path: str, text: str) -> None:
+    """Write a metadata file again unless it is there with ``text``. Raises GopherplugError."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            if file.read() == text:
+                return
+    except (OSError, ValueError):
+        pass  # gone or unreadable: written again
+    try:
+        write_device_metadata(path, text)
+    except OSError as error:
+        raise GopherplugError(f"cannot write the device metadata {path}: {_describe(error)}") from None
 
 
 class ClaimCheckpoint:
