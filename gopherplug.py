@@ -4750,17 +4750,6 @@ def nfd_features(resources: Iterable[tuple[ResourceConfig, Mapping[str, DeviceEn
     return "\n".join(lines) + "\n"
 
 
-def remove_claim_metadata(metadata_dir: str, namespace: str, name: str, uid: str) -> None:
-    """Remove a claim's metadata files, if any. Raises GopherplugError naming what could not go."""
-    directory = dra_claim_metadata_dir(metadata_dir, namespace, name, uid)
-    try:
-        shutil.rmtree(directory)
-    except FileNotFoundError:
-        pass
-    except OSError as error:
-        raise GopherplugError(f"cannot remove the device metadata {directory}: {_describe(error)}") from None
-
-
 # Who holds which device: the kubelet's PodResources answer, read against the configuration.
 
 
@@ -8946,6 +8935,17 @@ def _ensure_device_metadata(path: str, text: str) -> None:
         write_device_metadata(path, text)
     except OSError as error:
         raise GopherplugError(f"cannot write the device metadata {path}: {_describe(error)}") from None
+
+
+def remove_claim_metadata(metadata_dir: str, namespace: str, name: str, uid: str) -> None:
+    """Remove a claim's metadata files, if any. Raises GopherplugError naming what could not go."""
+    directory = dra_claim_metadata_dir(metadata_dir, namespace, name, uid)
+    try:
+        shutil.rmtree(directory)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise GopherplugError(f"cannot remove the device metadata {directory}: {_describe(error)}") from None
 
 
 class ClaimCheckpoint:
