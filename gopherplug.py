@@ -8441,6 +8441,11 @@ class _ListEncoder:
 #: the kubelet's, and must not count as one.
 PROBE_METADATA = ("gopherplug-probe", "1")
 
+#: How long a resource may go without a ListAndWatch stream from a running kubelet before the probe
+#: fails. The kubelet opens the stream within milliseconds of Register; a kubelet that never
+#: registered a plugin again (kubernetes issue #125501: resources stuck at 0) never opens one.
+PROBE_STREAM_GRACE = 60.0
+
 
 @dataclass
 class StreamStatus:
@@ -12716,10 +12721,6 @@ class KubeletSimulator:
 
 # The probe: what the kubelet would see of running plugins, right now. `gopherplug probe`.
 PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
-#: How long a resource may go without a ListAndWatch stream from a running kubelet before the probe
-#: fails. The kubelet opens the stream within milliseconds of Register; a kubelet that never
-#: registered a plugin again (kubernetes issue #125501: resources stuck at 0) never opens one.
-PROBE_STREAM_GRACE = 60.0
 
 
 @dataclass
