@@ -8828,6 +8828,8 @@ async def register(
     return None
 
 
+PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
+
 # DRA, the node side. Three sockets' worth of protocol and one HTTP client:
 #
 #   <kubelet root>/plugins_registry/<driver>-reg.sock   Registration: GetInfo, NotifyRegistrationStatus
@@ -12720,7 +12722,6 @@ class KubeletSimulator:
 
 
 # The probe: what the kubelet would see of running plugins, right now. `gopherplug probe`.
-PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
 
 
 @dataclass
