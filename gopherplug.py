@@ -8830,6 +8830,10 @@ async def register(
 
 PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
 
+#: How long `who` keeps asking a kubelet that refuses it past its rate limit (100 calls a second
+#: for the whole socket, in bursts of 10: other clients are using it up) before it gives up.
+POD_RESOURCES_PATIENCE = 10.0
+
 # DRA, the node side. Three sockets' worth of protocol and one HTTP client:
 #
 #   <kubelet root>/plugins_registry/<driver>-reg.sock   Registration: GetInfo, NotifyRegistrationStatus
@@ -12908,10 +12912,6 @@ def dra_probe_report(result: DraProbeResult) -> str:
 
 
 # `gopherplug who`: which container holds which device, from the kubelet's PodResources API.
-
-#: How long `who` keeps asking a kubelet that refuses it past its rate limit (100 calls a second
-#: for the whole socket, in bursts of 10: other clients are using it up) before it gives up.
-POD_RESOURCES_PATIENCE = 10.0
 
 
 def pod_resources_socket(config: Config) -> str:
