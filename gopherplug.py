@@ -8834,6 +8834,43 @@ PROBE_TIMEOUT = 3.0  # per call; a plugin answers in milliseconds
 #: for the whole socket, in bursts of 10: other clients are using it up) before it gives up.
 POD_RESOURCES_PATIENCE = 10.0
 
+
+async def list_pod_resources(socket_path: str, waiting: Callable[[str], None] = log.warning) -> list[Any]:
+    """The kubelet's PodResources List: every active pod, with each container's devices and claims.
+
+    The kubelet refuses calls past its rate limit at once with RESOURCE_EXHAUSTED ("rejected by
+    rate limit", pkg/kubelet/apis/grpc/ratelimit.go; a token bucket, not a queue): so ask again a
+    little later, saying so through ``waiting``, for POD_RESOURCES_PATIENCE seconds at most.
+    Raises GopherplugError with one line to act on when the socket cannot be reached.
+    """
+    method = PODRESOURCES_METHODS[LIST_POD_RESOURCES]
+    delay, waited = 0.05, 0.0
+    while True:
+        try:
+            response = await call_unary(
+                socket_path, method, podresourcespb.ListPodResourcesRequest(), timeout=PROBE_TIMEOUT
+            )
+            return list(response.pod_resources)
+        except RPCError as error:
+            if error.code == StatusCode.RESOURCE_EXHAUSTED and waited < POD_RESOURCES_PATIENCE:
+                waiting(f"the kubelet refused PodResources List past its rate limit ({error.message}): asking again")
+                await trio.sleep(delay)  # the bucket refills a token every 10 ms
+                waited, delay = waited + delay, min(delay * 2, 1.0)
+                continue
+            if error.code == StatusCode.RESOURCE_EXHAUSTED:
+                raise GopherplugError(
+                    f"the kubelet's PodResources API at {socket_path} refused every call for {waited:.0f} s past its "
+                    "rate limit (100 a second for the whole node): another client is using it up"
+                ) from None
+            if not os.path.exists(socket_path):
+                raise GopherplugError(
+                    f"no kubelet PodResources socket at {socket_path}: in a pod, mount the kubelet's "
+                    f"{os.path.dirname(socket_path)} read-only at that path (the shipped manifests do); elsewhere, "
+                    "give --pod-resources-socket"
+                ) from None
+            raise GopherplugError(f"the kubelet's PodResources API at {socket_path}: {error.message}") from None
+
+
 # DRA, the node side. Three sockets' worth of protocol and one HTTP client:
 #
 #   <kubelet root>/plugins_registry/<driver>-reg.sock   Registration: GetInfo, NotifyRegistrationStatus
@@ -12922,42 +12959,6 @@ def pod_resources_socket(config: Config) -> str:
         return os.path.join(config.dra.kubelet_dir, POD_RESOURCES_SOCKET)
     directory = config.device_plugin_dir or _kubelets_directory(KNOWN_DEVICE_PLUGIN_DIRS) or DEFAULT_DEVICE_PLUGIN_DIR
     return os.path.join(os.path.dirname(directory.rstrip("/")), POD_RESOURCES_SOCKET)
-
-
-async def list_pod_resources(socket_path: str, waiting: Callable[[str], None] = log.warning) -> list[Any]:
-    """The kubelet's PodResources List: every active pod, with each container's devices and claims.
-
-    The kubelet refuses calls past its rate limit at once with RESOURCE_EXHAUSTED ("rejected by
-    rate limit", pkg/kubelet/apis/grpc/ratelimit.go; a token bucket, not a queue): so ask again a
-    little later, saying so through ``waiting``, for POD_RESOURCES_PATIENCE seconds at most.
-    Raises GopherplugError with one line to act on when the socket cannot be reached.
-    """
-    method = PODRESOURCES_METHODS[LIST_POD_RESOURCES]
-    delay, waited = 0.05, 0.0
-    while True:
-        try:
-            response = await call_unary(
-                socket_path, method, podresourcespb.ListPodResourcesRequest(), timeout=PROBE_TIMEOUT
-            )
-            return list(response.pod_resources)
-        except RPCError as error:
-            if error.code == StatusCode.RESOURCE_EXHAUSTED and waited < POD_RESOURCES_PATIENCE:
-                waiting(f"the kubelet refused PodResources List past its rate limit ({error.message}): asking again")
-                await trio.sleep(delay)  # the bucket refills a token every 10 ms
-                waited, delay = waited + delay, min(delay * 2, 1.0)
-                continue
-            if error.code == StatusCode.RESOURCE_EXHAUSTED:
-                raise GopherplugError(
-                    f"the kubelet's PodResources API at {socket_path} refused every call for {waited:.0f} s past its "
-                    "rate limit (100 a second for the whole node): another client is using it up"
-                ) from None
-            if not os.path.exists(socket_path):
-                raise GopherplugError(
-                    f"no kubelet PodResources socket at {socket_path}: in a pod, mount the kubelet's "
-                    f"{os.path.dirname(socket_path)} read-only at that path (the shipped manifests do); elsewhere, "
-                    "give --pod-resources-socket"
-                ) from None
-            raise GopherplugError(f"the kubelet's PodResources API at {socket_path}: {error.message}") from None
 
 
 def scan_report(
