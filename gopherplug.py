@@ -4962,77 +4962,6 @@ def held_back(devices: Any, holds: Iterable[ForeignHold]) -> Any:
     return kept
 
 
-#: While running pods hold devices under other IDs, PodResources is asked again this often: a
-#: device held back is offered again at most this long after its pod has ended.
-FOREIGN_HOLDS_POLL = 10.0
-#: How long serve waits for PodResources' answer before it registers a resource: the kubelet
-#: answers in milliseconds; a kubelet that does not is not allowed to hold the registration up.
-FOREIGN_HOLDS_PATIENCE = 5.0
-
-
-async def _pods_holding(resource: ResourceConfig, socket_path: str) -> list[Any] | None:
-    """PodResources' pods, or None where it cannot tell (no socket: a plugin embedded without a
-    kubelet's; an error or no answer in FOREIGN_HOLDS_PATIENCE, logged at debug: advice only)."""
-    if not os.path.exists(socket_path):
-        return None
-    with trio.move_on_after(FOREIGN_HOLDS_PATIENCE):
-        try:
-            return await list_pod_resources(socket_path, waiting=_log(resource).debug)
-        except GopherplugError as error:
-            _log(resource).debug("cannot look for devices held under other IDs: %s", error)
-            return None
-    _log(resource).debug("cannot look for devices held under other IDs: PodResources did not answer")
-    return None
-
-
-async def hold_back_foreign_holds(
-    resource: ResourceConfig,
-    devices: Watched,
-    socket_path: str,
-    *,
-    task_status: trio.TaskStatus[Watched] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Before a resource registers: the devices to offer the kubelet, started() with ``devices``
-    itself when no running pod holds one of them under another ID (the common case: then this
-    returns), else with a Watched that follows ``devices`` with each held device reported
-    Unhealthy (held_back) until PodResources, asked every FOREIGN_HOLDS_POLL seconds, shows its
-    pod gone. Logs one warning line naming the holds (foreign_holds_report) and a line per device
-    offered again.
-
-    A shared resource (replicas) holds nothing back: the other pod has one share of the device,
-    and every share the kubelet gives is a share of it too.
-    """
-    pods = await _pods_holding(resource, socket_path)
-    holds = foreign_holds(resource, devices.value.values(), pods) if pods and isinstance(devices.value, dict) else []
-    shared = resource.replicas > 1
-    if holds:
-        _log(resource).warning("%s", foreign_holds_report(holds, held_back=not shared))
-    if not holds or shared:
-        task_status.started(devices)
-        return
-    offered = Watched(held_back(devices.value, holds))
-    task_status.started(offered)
-    deadline = trio.current_time() + FOREIGN_HOLDS_POLL
-    while True:
-        touched = devices.next_touch()
-        with trio.move_on_at(deadline if holds else math.inf):
-            await touched.wait()
-        if devices.value is RETIRED:
-            offered.replace(RETIRED)
-            return
-        if holds and trio.current_time() >= deadline:
-            pods = await _pods_holding(resource, socket_path)
-            if pods is not None:  # when it cannot tell, the devices stay held back
-                before = {hold.device_id for hold in holds if hold.device_id}
-                holds = foreign_holds(resource, devices.value.values(), pods)
-                for device_id in sorted(before - {hold.device_id for hold in holds}):
-                    _log(resource).info(
-                        "%s: the pod holding it under another plugin's ID has ended: offered", device_id
-                    )
-            deadline = trio.current_time() + FOREIGN_HOLDS_POLL
-        offered.replace(held_back(devices.value, holds))  # every touch passes on, as the streams wait on it
-
-
 ########################################################################################################
 # 5. purerpc on unix sockets
 #
@@ -8869,6 +8798,77 @@ async def list_pod_resources(socket_path: str, waiting: Callable[[str], None] = 
                     "give --pod-resources-socket"
                 ) from None
             raise GopherplugError(f"the kubelet's PodResources API at {socket_path}: {error.message}") from None
+
+
+#: While running pods hold devices under other IDs, PodResources is asked again this often: a
+#: device held back is offered again at most this long after its pod has ended.
+FOREIGN_HOLDS_POLL = 10.0
+#: How long serve waits for PodResources' answer before it registers a resource: the kubelet
+#: answers in milliseconds; a kubelet that does not is not allowed to hold the registration up.
+FOREIGN_HOLDS_PATIENCE = 5.0
+
+
+async def _pods_holding(resource: ResourceConfig, socket_path: str) -> list[Any] | None:
+    """PodResources' pods, or None where it cannot tell (no socket: a plugin embedded without a
+    kubelet's; an error or no answer in FOREIGN_HOLDS_PATIENCE, logged at debug: advice only)."""
+    if not os.path.exists(socket_path):
+        return None
+    with trio.move_on_after(FOREIGN_HOLDS_PATIENCE):
+        try:
+            return await list_pod_resources(socket_path, waiting=_log(resource).debug)
+        except GopherplugError as error:
+            _log(resource).debug("cannot look for devices held under other IDs: %s", error)
+            return None
+    _log(resource).debug("cannot look for devices held under other IDs: PodResources did not answer")
+    return None
+
+
+async def hold_back_foreign_holds(
+    resource: ResourceConfig,
+    devices: Watched,
+    socket_path: str,
+    *,
+    task_status: trio.TaskStatus[Watched] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Before a resource registers: the devices to offer the kubelet, started() with ``devices``
+    itself when no running pod holds one of them under another ID (the common case: then this
+    returns), else with a Watched that follows ``devices`` with each held device reported
+    Unhealthy (held_back) until PodResources, asked every FOREIGN_HOLDS_POLL seconds, shows its
+    pod gone. Logs one warning line naming the holds (foreign_holds_report) and a line per device
+    offered again.
+
+    A shared resource (replicas) holds nothing back: the other pod has one share of the device,
+    and every share the kubelet gives is a share of it too.
+    """
+    pods = await _pods_holding(resource, socket_path)
+    holds = foreign_holds(resource, devices.value.values(), pods) if pods and isinstance(devices.value, dict) else []
+    shared = resource.replicas > 1
+    if holds:
+        _log(resource).warning("%s", foreign_holds_report(holds, held_back=not shared))
+    if not holds or shared:
+        task_status.started(devices)
+        return
+    offered = Watched(held_back(devices.value, holds))
+    task_status.started(offered)
+    deadline = trio.current_time() + FOREIGN_HOLDS_POLL
+    while True:
+        touched = devices.next_touch()
+        with trio.move_on_at(deadline if holds else math.inf):
+            await touched.wait()
+        if devices.value is RETIRED:
+            offered.replace(RETIRED)
+            return
+        if holds and trio.current_time() >= deadline:
+            pods = await _pods_holding(resource, socket_path)
+            if pods is not None:  # when it cannot tell, the devices stay held back
+                before = {hold.device_id for hold in holds if hold.device_id}
+                holds = foreign_holds(resource, devices.value.values(), pods)
+                for device_id in sorted(before - {hold.device_id for hold in holds}):
+                    _log(resource).info(
+                        "%s: the pod holding it under another plugin's ID has ended: offered", device_id
+                    )
+            deadline = trio.current_time() + FOREIGN_HOLDS_POLL
+        offered.replace(held_back(devices.value, holds))  # every touch passes on, as the streams wait on it
 
 
 # DRA, the node side. Three sockets' worth of protocol and one HTTP client:
