@@ -6431,397 +6431,6 @@ def missing_extras(config: Config) -> list[str]:
     return problems
 
 
-class Metrics:
-    """Prometheus metrics (prometheus_client, the ``metrics`` extra, imported here: only a plugin
-    with ``metrics_address`` needs it), in their own CollectorRegistry so that several plugins (tests,
-    an embedding program) each serve their own. The hooks elsewhere are ``if _metrics is not None``:
-    with metrics off, Allocate and ListAndWatch pay one global lookup."""
-
-    def __init__(self, address: str) -> None:
-        try:
-            import prometheus_client as prometheus
-        except ImportError as error:
-            raise GopherplugError(_METRICS_EXTRA.format(error=error)) from None
-        self.registry = registry = prometheus.CollectorRegistry()
-        labels = ("resource",)
-        # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
-        self.devices = prometheus.Gauge(
-            "gopherplug_devices", "Devices found, by resource and health", ("resource", "health"), registry=registry
-        )
-        # A registration that keeps repeating means the kubelet keeps dropping us.
-        self.registrations = prometheus.Counter(
-            "gopherplug_registrations", "Successful registrations with the kubelet", labels, registry=registry
-        )
-        # Each restart wipes every plugin socket: with registrations, tells whether we followed.
-        self.kubelet_restarts = prometheus.Counter(
-            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)", registry=registry
-        )
-        # Each is a full device list to the kubelet: a high rate is a flapping device.
-        self.list_sends = prometheus.Counter(
-            "gopherplug_list_and_watch_sends",
-            "ListAndWatch device lists sent to the kubelet",
-            labels,
-            registry=registry,
-        )
-        # The calls a pod's start waits for.
-        self.allocate = prometheus.Histogram(
-            "gopherplug_allocate_seconds", "Allocate latency", labels, registry=registry
-        )
-        self.pre_start = prometheus.Histogram(
-            "gopherplug_pre_start_container_seconds",
-            "PreStartContainer latency (the pre_start command included)",
-            labels,
-            registry=registry,
-        )
-        self.prepare = prometheus.Histogram(
-            "gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency", registry=registry
-        )
-        # Rescans are the expensive path; overflows mean inotify could not keep up with a burst.
-        self.rescans = prometheus.Counter(
-            "gopherplug_rescans", "Full rescans of a watched directory", registry=registry
-        )
-        self.overflows = prometheus.Counter(
-            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)", registry=registry
-        )
-        # Slices that cannot be written leave the scheduler with a stale view of the node.
-        self.api_errors = prometheus.Counter(
-            "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
-        )
-        # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
-        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
-        # A task of serve that failed and was started again (_supervised): above 0 is worth a look at the log.
-        self.restarts = prometheus.Counter(
-            "gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",), registry=registry
-        )
-        # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
-        # connection, no timeout). Bound here: a port in use fails the start with one line.
-        self._generate_latest = prometheus.generate_latest
-        self._content_type = prometheus.CONTENT_TYPE_LATEST
-        self._socket, self._address = _http_listener(address, "metrics_address"), address
-        self.port: int = self._socket.getsockname()[1]  # the one chosen, for port 0
-        self._scope = trio.CancelScope()
-        self._serving = False
-
-    def answer(self, request: bytes) -> bytes:
-        """The HTTP response to one request: GET /metrics, the registry in Prometheus's text format."""
-
-        def body() -> tuple[int, bytes]:
-            return 200, self._generate_latest(self.registry)
-
-        return _http_answer(request, ("/metrics",), body, self._content_type)
-
-    async def serve_http(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Answer GET /metrics until close() (or cancelled), within _serve_http's limits; after a
-        failure (_supervised), on the same address bound again."""
-        if self._scope.cancel_called:
-            return  # closed before it was served (or before it started again): the socket is closed already
-        if self._serving:  # started again after a failure: _serve_http closed the socket
-            address = f"{self._address.rpartition(':')[0]}:{self.port}"  # the port chosen for port 0 too
-            self._scope, self._socket = trio.CancelScope(), _http_listener(address, "metrics_address")
-        self._serving = True
-        with self._scope:
-            await _serve_http(self._socket, self.answer, task_status=task_status)  # closes the socket as it ends
-
-    def set_devices(self, resource: str, devices: Mapping[str, DeviceEntry]) -> None:
-        healthy = sum(1 for device in devices.values() if device.health == HEALTHY)
-        self.devices.labels(resource, HEALTHY).set(healthy)
-        self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
-
-    # A resource's series appear at 0 when it starts and go with it: an alert on a series that is
-    # absent never fires, and a removed resource's would go on with its last value.
-
-    def serve(self, resource: ResourceConfig, pool: str | None) -> None:
-        """Give a starting resource every series that applies to it, at 0 where it has none yet (a
-        resource served anew after a reload keeps its counts); ``pool``: its DRA pool, if the DRA
-        driver publishes one for it."""
-        for health in (HEALTHY, UNHEALTHY):
-            self.devices.labels(resource.name, health)
-        if resource.device_plugin:
-            for metric in self._device_plugin_series():
-                metric.labels(resource.name)
-        if pool is not None:
-            self.api_errors.labels(pool)
-
-    def forget(self, name: str, pool: str | None, now: ResourceConfig | None) -> None:
-        """Remove the series of resource ``name`` that no longer apply after a reload: all of them
-        when it is not served any more (``now`` is None), else those of the API it left."""
-        gone: list[tuple[Any, tuple[str, ...]]] = []
-        if now is None:
-            gone += [(self.devices, (name, health)) for health in (HEALTHY, UNHEALTHY)]
-        if now is None or not now.device_plugin:
-            gone += [(metric, (name,)) for metric in self._device_plugin_series()]
-        if pool is not None and (now is None or not now.dra):
-            gone.append((self.api_errors, (pool,)))
-        for metric, labels in gone:
-            with contextlib.suppress(KeyError):  # never made: a resource that failed to start, say
-                metric.remove(*labels)
-
-    def _device_plugin_series(self) -> tuple[Any, ...]:
-        return (self.registrations, self.list_sends, self.allocate, self.pre_start)
-
-    def close(self) -> None:
-        """Stop serving: serve_http() ends and closes the port (or it is closed here, never served)."""
-        self._scope.cancel()
-        if not self._serving:
-            self._socket.close()
-
-
-def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextManager[Any]:
-    """Time the block into ``histogram(_metrics)``, or do nothing while metrics are off."""
-    return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
-
-
-# The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
-# process from what it knows already (docs/operations.md, "The liveness check", says what each check
-# proves): registered with the kubelet that runs now (its generation compared, its socket's inode),
-# used (a ListAndWatch stream, as `gopherplug probe` asks), and alive (the answer comes from the event
-# loop that answers every gRPC call: a wedged loop answers nothing, and timeoutSeconds fails it). No
-# socket is dialed per check: the kubelet's own dial-back and streams prove that already.
-
-
-class Health:
-    """The checks GET /healthz runs: each running part adds one (a callable that returns "" when
-    fine, else one line saying what is wrong) for as long as it runs."""
-
-    def __init__(self) -> None:
-        self._checks: dict[int, tuple[str, Callable[[], str]]] = {}
-        self._next = itertools.count()
-
-    @contextlib.contextmanager
-    def check(self, name: str, problem: Callable[[], str]) -> Iterator[None]:
-        """Run ``problem`` in every answer while the block runs: "name: problem" when it says one."""
-        key = next(self._next)
-        self._checks[key] = (name, problem)
-        try:
-            yield
-        finally:
-            del self._checks[key]
-
-    def problems(self) -> list[str]:
-        """What is wrong now, a line per failing check (none: healthy). A check that raises fails."""
-        found = []
-        for name, problem in list(self._checks.values()):
-            try:
-                said = problem()
-            except Exception as error:  # a broken check must fail the probe, not the server
-                said = f"the check failed: {_describe(error)}"
-            if said:
-                found.append(f"{name}: {said}")
-        return found
-
-
-#: The Health of the serve_plugin() this task runs under (None: none, no checks). A context variable,
-#: not an argument through every layer: trio gives each task a copy of its parent's context, so two
-#: plugins in one process (tests, an embedding program) each keep theirs.
-_HEALTH: contextvars.ContextVar[Health | None] = contextvars.ContextVar("gopherplug_health", default=None)
-
-
-def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractContextManager[None]:
-    """Health.check on the running plugin's Health, or nothing outside serve_plugin."""
-    health = _HEALTH.get()
-    return contextlib.nullcontext() if health is None else health.check(name, problem)
-
-
-# The two HTTP ports, health and metrics, are served by one small HTTP/1.1 server on the event loop,
-# with the limits of Go's http.Server with ReadHeaderTimeout and WriteTimeout set (the kubelet's own
-# ports): the health port is open to every pod of the cluster, and a peer that holds connections,
-# trickles bytes or does not read must keep neither the probe out nor a task. One request per
-# connection (Connection: close), as the kubelet's prober and Prometheus make them: the header
-# timeout is also the idle timeout.
-
-#: The most connections one HTTP port serves at once; a new one past it closes the oldest: held open,
-#: they push each other out, never the kubelet's probe, which sends its request as it connects. 64
-#: is room for the kubelet's probe, several scrapers and a person with curl.
-HTTP_MAX_CONNECTIONS = 64
-#: How long a connection may take to send its whole request head, counted from its accept (Go's
-#: ReadHeaderTimeout, not reset by each byte: a slowloris gets this, not forever). The kubelet's
-#: prober writes its request at once and gives up after timeoutSeconds (1 s by default).
-HTTP_HEADER_TIMEOUT = 2.0
-#: How long writing an answer may take (Go's WriteTimeout): a peer that does not read gets closed.
-HTTP_WRITE_TIMEOUT = 5.0
-#: The most of a request read: the kubelet's is about 150 bytes, Prometheus's about 300; nothing
-#: here reads more than the request line.
-HTTP_MAX_REQUEST = 8192
-#: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
-#: /livez as the API server names the same check.
-HEALTH_PATHS = ("/healthz", "/livez")
-
-
-def _http_answer(
-    request: bytes, paths: tuple[str, ...], body: Callable[[], tuple[int, bytes]], content_type: str
-) -> bytes:
-    """The HTTP/1.1 response to one request: ``body()`` (its code and bytes) for GET or HEAD of one
-    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line,
-    500 for a bug (_held_back)."""
-    line = request.split(b"\r\n", 1)[0]
-    parts, code, data, kind = line.split(), 500, b"", "text/plain; charset=utf-8"
-    with _held_back("http", f"HTTP request {line[:80]!r}"):
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-            code, data = 400, b"not an HTTP request\n"
-        elif parts[0] not in (b"GET", b"HEAD"):
-            code, data = 405, b"only GET and HEAD\n"
-        elif _request_path(parts[1]) not in paths:
-            code, data = 404, f"not found: ask {paths[0]}\n".encode()
-        else:
-            (code, data), kind = body(), content_type
-    head = (
-        f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
-        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
-
-
-def _request_path(target: bytes) -> str:
-    """A request target's path: "/healthz" of "/healthz?verbose" and of the absolute form
-    "http://host/healthz", which RFC 9112 (section 3.2.2) says a server must accept."""
-    target = target.split(b"?", 1)[0]
-    if b"://" in target:
-        target = b"/" + (target.split(b"/", 3)[3:] or [b""])[0]
-    return target.decode("latin-1")
-
-
-def health_answer(health: Health, request: bytes) -> bytes:
-    """The HTTP/1.1 response to one request: 200 "ok", 503 with a line per problem, 404 for another
-    path, 405 for a method other than GET and HEAD, 400 for what is not an HTTP request line."""
-
-    def body() -> tuple[int, bytes]:
-        problems = health.problems()
-        return (503, "".join(f"{line}\n" for line in problems).encode()) if problems else (200, b"ok\n")
-
-    return _http_answer(request, HEALTH_PATHS, body, "text/plain; charset=utf-8")
-
-
-def _http_listener(address: str, what: str) -> socket.socket:
-    """A listening TCP socket on ``address`` ("host:port", "[::]:port"), non-blocking;
-    GopherplugError naming ``what`` (the configuration key) if it cannot be had."""
-    host, _, port = address.rpartition(":")
-    try:
-        family, kind, protocol, _, where = socket.getaddrinfo(
-            host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        listener = socket.socket(family, kind, protocol)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as trio's listeners
-            listener.bind(where)
-            listener.listen(socket.SOMAXCONN)
-            listener.setblocking(False)
-        except OSError:
-            listener.close()
-            raise
-    except OSError as error:
-        raise GopherplugError(f"{what} {address}: cannot serve: {_describe(error)}") from None
-    return listener
-
-
-async def _serve_http(
-    listener: socket.socket,
-    answer: Callable[[bytes], bytes],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Answer one request per connection with ``answer(request head)`` until cancelled, within
-    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
-    ``listener`` (a _http_listener()) on the way out. Connections are accepted as many at a time as
-    are waiting (trio's serve_listeners takes one per pass of its scheduler): the kubelet's probe
-    behind a thousand in the backlog is reached in one pass."""
-    open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
-
-    def complete(request: bytes) -> bool:
-        return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
-
-    def answer_at_once(connection: socket.socket) -> tuple[bytes, bytes]:
-        """Answer a request that is there already (the kubelet's probe writes it as it connects) in
-        the accepting task, with no pass of the scheduler in between. Returns what is left to do:
-        the request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
-        try:
-            request = connection.recv(HTTP_MAX_REQUEST)
-        except BlockingIOError:
-            return b"", b""
-        if not complete(request):
-            return request, b""
-        data = answer(request)
-        try:
-            sent = connection.send(data)
-        except BlockingIOError:
-            sent = 0
-        return request, data[sent:]
-
-    async def serve_one(connection: socket.socket, request: bytes, unsent: bytes) -> None:
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(connection))
-        scope = trio.CancelScope()
-        open_now[scope] = None
-        if len(open_now) > HTTP_MAX_CONNECTIONS:
-            oldest = next(iter(open_now))
-            del open_now[oldest]
-            oldest.cancel()
-        try:
-            with scope:
-                with trio.move_on_after(HTTP_HEADER_TIMEOUT):
-                    while not complete(request):
-                        chunk = await stream.receive_some(4096)
-                        if not chunk:
-                            break
-                        request += chunk
-                if complete(request):
-                    with trio.move_on_after(HTTP_WRITE_TIMEOUT):
-                        await stream.send_all(unsent or answer(request))
-        except Exception as error:  # a client gone mid-answer: its loss, not the server's
-            log.debug("HTTP request: %s", _describe(error))
-        finally:
-            open_now.pop(scope, None)
-            with trio.move_on_after(1):  # aclose() of a TCP stream does not block; the bound is for form
-                await stream.aclose()
-
-    short_of = ""
-    try:
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            while True:
-                await trio.lowlevel.wait_readable(listener)
-                while True:
-                    try:
-                        connection, _ = listener.accept()
-                    except BlockingIOError:
-                        break
-                    except OSError as error:
-                        if error.errno not in _ACCEPT_CAPACITY_ERRORS:
-                            raise
-                        if not short_of:  # as _accept() says it for the plugin's sockets
-                            short_of = os.strerror(error.errno or 0)
-                            log.error("cannot accept HTTP connections: %s; retrying", short_of)
-                        await trio.sleep(ACCEPT_RETRY_INTERVAL)
-                        break
-                    short_of = ""
-                    connection.setblocking(False)
-                    try:
-                        request, unsent = answer_at_once(connection)
-                    except OSError as error:  # reset by the peer already
-                        log.debug("HTTP request: %s", _describe(error))
-                        request, unsent = b"\r\n\r\n", b""
-                    if complete(request) and not unsent:
-                        connection.close()  # answered
-                    else:
-                        nursery.start_soon(serve_one, connection, request, unsent)
-    finally:
-        trio.lowlevel.notify_closing(listener)
-        listener.close()
-
-
-async def serve_health(
-    address: str, health: Health, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Answer GET /healthz on ``address`` ("host:port") until cancelled; started() with the port
-    (the one chosen, for port 0). One request per connection, as the kubelet's prober makes them
-    (it disables keep-alive), within the limits of _serve_http."""
-    host = address.rpartition(":")[0]
-    listener = _http_listener(address, "health_address")
-    chosen = listener.getsockname()[1]
-    log.info("serving the liveness check on http://%s:%d%s", host, chosen, HEALTH_PATHS[0])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(_serve_http, listener, functools.partial(health_answer, health))
-        task_status.started(chosen)
-
-
 class DirectoryWatch:
     """inotify on a directory that may not exist yet, may be deleted, and may come back.
 
@@ -8869,6 +8478,397 @@ async def hold_back_foreign_holds(
                     )
             deadline = trio.current_time() + FOREIGN_HOLDS_POLL
         offered.replace(held_back(devices.value, holds))  # every touch passes on, as the streams wait on it
+
+
+class Metrics:
+    """Prometheus metrics (prometheus_client, the ``metrics`` extra, imported here: only a plugin
+    with ``metrics_address`` needs it), in their own CollectorRegistry so that several plugins (tests,
+    an embedding program) each serve their own. The hooks elsewhere are ``if _metrics is not None``:
+    with metrics off, Allocate and ListAndWatch pay one global lookup."""
+
+    def __init__(self, address: str) -> None:
+        try:
+            import prometheus_client as prometheus
+        except ImportError as error:
+            raise GopherplugError(_METRICS_EXTRA.format(error=error)) from None
+        self.registry = registry = prometheus.CollectorRegistry()
+        labels = ("resource",)
+        # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
+        self.devices = prometheus.Gauge(
+            "gopherplug_devices", "Devices found, by resource and health", ("resource", "health"), registry=registry
+        )
+        # A registration that keeps repeating means the kubelet keeps dropping us.
+        self.registrations = prometheus.Counter(
+            "gopherplug_registrations", "Successful registrations with the kubelet", labels, registry=registry
+        )
+        # Each restart wipes every plugin socket: with registrations, tells whether we followed.
+        self.kubelet_restarts = prometheus.Counter(
+            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)", registry=registry
+        )
+        # Each is a full device list to the kubelet: a high rate is a flapping device.
+        self.list_sends = prometheus.Counter(
+            "gopherplug_list_and_watch_sends",
+            "ListAndWatch device lists sent to the kubelet",
+            labels,
+            registry=registry,
+        )
+        # The calls a pod's start waits for.
+        self.allocate = prometheus.Histogram(
+            "gopherplug_allocate_seconds", "Allocate latency", labels, registry=registry
+        )
+        self.pre_start = prometheus.Histogram(
+            "gopherplug_pre_start_container_seconds",
+            "PreStartContainer latency (the pre_start command included)",
+            labels,
+            registry=registry,
+        )
+        self.prepare = prometheus.Histogram(
+            "gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency", registry=registry
+        )
+        # Rescans are the expensive path; overflows mean inotify could not keep up with a burst.
+        self.rescans = prometheus.Counter(
+            "gopherplug_rescans", "Full rescans of a watched directory", registry=registry
+        )
+        self.overflows = prometheus.Counter(
+            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)", registry=registry
+        )
+        # Slices that cannot be written leave the scheduler with a stale view of the node.
+        self.api_errors = prometheus.Counter(
+            "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
+        )
+        # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
+        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        # A task of serve that failed and was started again (_supervised): above 0 is worth a look at the log.
+        self.restarts = prometheus.Counter(
+            "gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",), registry=registry
+        )
+        # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
+        # connection, no timeout). Bound here: a port in use fails the start with one line.
+        self._generate_latest = prometheus.generate_latest
+        self._content_type = prometheus.CONTENT_TYPE_LATEST
+        self._socket, self._address = _http_listener(address, "metrics_address"), address
+        self.port: int = self._socket.getsockname()[1]  # the one chosen, for port 0
+        self._scope = trio.CancelScope()
+        self._serving = False
+
+    def answer(self, request: bytes) -> bytes:
+        """The HTTP response to one request: GET /metrics, the registry in Prometheus's text format."""
+
+        def body() -> tuple[int, bytes]:
+            return 200, self._generate_latest(self.registry)
+
+        return _http_answer(request, ("/metrics",), body, self._content_type)
+
+    async def serve_http(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer GET /metrics until close() (or cancelled), within _serve_http's limits; after a
+        failure (_supervised), on the same address bound again."""
+        if self._scope.cancel_called:
+            return  # closed before it was served (or before it started again): the socket is closed already
+        if self._serving:  # started again after a failure: _serve_http closed the socket
+            address = f"{self._address.rpartition(':')[0]}:{self.port}"  # the port chosen for port 0 too
+            self._scope, self._socket = trio.CancelScope(), _http_listener(address, "metrics_address")
+        self._serving = True
+        with self._scope:
+            await _serve_http(self._socket, self.answer, task_status=task_status)  # closes the socket as it ends
+
+    def set_devices(self, resource: str, devices: Mapping[str, DeviceEntry]) -> None:
+        healthy = sum(1 for device in devices.values() if device.health == HEALTHY)
+        self.devices.labels(resource, HEALTHY).set(healthy)
+        self.devices.labels(resource, UNHEALTHY).set(len(devices) - healthy)
+
+    # A resource's series appear at 0 when it starts and go with it: an alert on a series that is
+    # absent never fires, and a removed resource's would go on with its last value.
+
+    def serve(self, resource: ResourceConfig, pool: str | None) -> None:
+        """Give a starting resource every series that applies to it, at 0 where it has none yet (a
+        resource served anew after a reload keeps its counts); ``pool``: its DRA pool, if the DRA
+        driver publishes one for it."""
+        for health in (HEALTHY, UNHEALTHY):
+            self.devices.labels(resource.name, health)
+        if resource.device_plugin:
+            for metric in self._device_plugin_series():
+                metric.labels(resource.name)
+        if pool is not None:
+            self.api_errors.labels(pool)
+
+    def forget(self, name: str, pool: str | None, now: ResourceConfig | None) -> None:
+        """Remove the series of resource ``name`` that no longer apply after a reload: all of them
+        when it is not served any more (``now`` is None), else those of the API it left."""
+        gone: list[tuple[Any, tuple[str, ...]]] = []
+        if now is None:
+            gone += [(self.devices, (name, health)) for health in (HEALTHY, UNHEALTHY)]
+        if now is None or not now.device_plugin:
+            gone += [(metric, (name,)) for metric in self._device_plugin_series()]
+        if pool is not None and (now is None or not now.dra):
+            gone.append((self.api_errors, (pool,)))
+        for metric, labels in gone:
+            with contextlib.suppress(KeyError):  # never made: a resource that failed to start, say
+                metric.remove(*labels)
+
+    def _device_plugin_series(self) -> tuple[Any, ...]:
+        return (self.registrations, self.list_sends, self.allocate, self.pre_start)
+
+    def close(self) -> None:
+        """Stop serving: serve_http() ends and closes the port (or it is closed here, never served)."""
+        self._scope.cancel()
+        if not self._serving:
+            self._socket.close()
+
+
+def _timed(histogram: Callable[[Metrics], Any]) -> contextlib.AbstractContextManager[Any]:
+    """Time the block into ``histogram(_metrics)``, or do nothing while metrics are off."""
+    return contextlib.nullcontext() if _metrics is None else histogram(_metrics).time()
+
+
+# The liveness check the kubelet asks for: `GET /healthz` on health_address, answered by the running
+# process from what it knows already (docs/operations.md, "The liveness check", says what each check
+# proves): registered with the kubelet that runs now (its generation compared, its socket's inode),
+# used (a ListAndWatch stream, as `gopherplug probe` asks), and alive (the answer comes from the event
+# loop that answers every gRPC call: a wedged loop answers nothing, and timeoutSeconds fails it). No
+# socket is dialed per check: the kubelet's own dial-back and streams prove that already.
+
+
+class Health:
+    """The checks GET /healthz runs: each running part adds one (a callable that returns "" when
+    fine, else one line saying what is wrong) for as long as it runs."""
+
+    def __init__(self) -> None:
+        self._checks: dict[int, tuple[str, Callable[[], str]]] = {}
+        self._next = itertools.count()
+
+    @contextlib.contextmanager
+    def check(self, name: str, problem: Callable[[], str]) -> Iterator[None]:
+        """Run ``problem`` in every answer while the block runs: "name: problem" when it says one."""
+        key = next(self._next)
+        self._checks[key] = (name, problem)
+        try:
+            yield
+        finally:
+            del self._checks[key]
+
+    def problems(self) -> list[str]:
+        """What is wrong now, a line per failing check (none: healthy). A check that raises fails."""
+        found = []
+        for name, problem in list(self._checks.values()):
+            try:
+                said = problem()
+            except Exception as error:  # a broken check must fail the probe, not the server
+                said = f"the check failed: {_describe(error)}"
+            if said:
+                found.append(f"{name}: {said}")
+        return found
+
+
+#: The Health of the serve_plugin() this task runs under (None: none, no checks). A context variable,
+#: not an argument through every layer: trio gives each task a copy of its parent's context, so two
+#: plugins in one process (tests, an embedding program) each keep theirs.
+_HEALTH: contextvars.ContextVar[Health | None] = contextvars.ContextVar("gopherplug_health", default=None)
+
+
+def _health_check(name: str, problem: Callable[[], str]) -> contextlib.AbstractContextManager[None]:
+    """Health.check on the running plugin's Health, or nothing outside serve_plugin."""
+    health = _HEALTH.get()
+    return contextlib.nullcontext() if health is None else health.check(name, problem)
+
+
+# The two HTTP ports, health and metrics, are served by one small HTTP/1.1 server on the event loop,
+# with the limits of Go's http.Server with ReadHeaderTimeout and WriteTimeout set (the kubelet's own
+# ports): the health port is open to every pod of the cluster, and a peer that holds connections,
+# trickles bytes or does not read must keep neither the probe out nor a task. One request per
+# connection (Connection: close), as the kubelet's prober and Prometheus make them: the header
+# timeout is also the idle timeout.
+
+#: The most connections one HTTP port serves at once; a new one past it closes the oldest: held open,
+#: they push each other out, never the kubelet's probe, which sends its request as it connects. 64
+#: is room for the kubelet's probe, several scrapers and a person with curl.
+HTTP_MAX_CONNECTIONS = 64
+#: How long a connection may take to send its whole request head, counted from its accept (Go's
+#: ReadHeaderTimeout, not reset by each byte: a slowloris gets this, not forever). The kubelet's
+#: prober writes its request at once and gives up after timeoutSeconds (1 s by default).
+HTTP_HEADER_TIMEOUT = 2.0
+#: How long writing an answer may take (Go's WriteTimeout): a peer that does not read gets closed.
+HTTP_WRITE_TIMEOUT = 5.0
+#: The most of a request read: the kubelet's is about 150 bytes, Prometheus's about 300; nothing
+#: here reads more than the request line.
+HTTP_MAX_REQUEST = 8192
+#: The paths answered: /healthz as the kubelet's own and most plugins' (the manifests' httpGet),
+#: /livez as the API server names the same check.
+HEALTH_PATHS = ("/healthz", "/livez")
+
+
+def _http_answer(
+    request: bytes, paths: tuple[str, ...], body: Callable[[], tuple[int, bytes]], content_type: str
+) -> bytes:
+    """The HTTP/1.1 response to one request: ``body()`` (its code and bytes) for GET or HEAD of one
+    of ``paths``; 404 for another path, 405 for another method, 400 for what is not a request line,
+    500 for a bug (_held_back)."""
+    line = request.split(b"\r\n", 1)[0]
+    parts, code, data, kind = line.split(), 500, b"", "text/plain; charset=utf-8"
+    with _held_back("http", f"HTTP request {line[:80]!r}"):
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            code, data = 400, b"not an HTTP request\n"
+        elif parts[0] not in (b"GET", b"HEAD"):
+            code, data = 405, b"only GET and HEAD\n"
+        elif _request_path(parts[1]) not in paths:
+            code, data = 404, f"not found: ask {paths[0]}\n".encode()
+        else:
+            (code, data), kind = body(), content_type
+    head = (
+        f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + (b"" if parts[:1] == [b"HEAD"] else data)
+
+
+def _request_path(target: bytes) -> str:
+    """A request target's path: "/healthz" of "/healthz?verbose" and of the absolute form
+    "http://host/healthz", which RFC 9112 (section 3.2.2) says a server must accept."""
+    target = target.split(b"?", 1)[0]
+    if b"://" in target:
+        target = b"/" + (target.split(b"/", 3)[3:] or [b""])[0]
+    return target.decode("latin-1")
+
+
+def health_answer(health: Health, request: bytes) -> bytes:
+    """The HTTP/1.1 response to one request: 200 "ok", 503 with a line per problem, 404 for another
+    path, 405 for a method other than GET and HEAD, 400 for what is not an HTTP request line."""
+
+    def body() -> tuple[int, bytes]:
+        problems = health.problems()
+        return (503, "".join(f"{line}\n" for line in problems).encode()) if problems else (200, b"ok\n")
+
+    return _http_answer(request, HEALTH_PATHS, body, "text/plain; charset=utf-8")
+
+
+def _http_listener(address: str, what: str) -> socket.socket:
+    """A listening TCP socket on ``address`` ("host:port", "[::]:port"), non-blocking;
+    GopherplugError naming ``what`` (the configuration key) if it cannot be had."""
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, protocol, _, where = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, protocol)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as trio's listeners
+            listener.bind(where)
+            listener.listen(socket.SOMAXCONN)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as error:
+        raise GopherplugError(f"{what} {address}: cannot serve: {_describe(error)}") from None
+    return listener
+
+
+async def _serve_http(
+    listener: socket.socket,
+    answer: Callable[[bytes], bytes],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer one request per connection with ``answer(request head)`` until cancelled, within
+    HTTP_MAX_CONNECTIONS, HTTP_HEADER_TIMEOUT, HTTP_MAX_REQUEST and HTTP_WRITE_TIMEOUT; closes
+    ``listener`` (a _http_listener()) on the way out. Connections are accepted as many at a time as
+    are waiting (trio's serve_listeners takes one per pass of its scheduler): the kubelet's probe
+    behind a thousand in the backlog is reached in one pass."""
+    open_now: dict[trio.CancelScope, None] = {}  # each connection's scope, oldest first
+
+    def complete(request: bytes) -> bool:
+        return b"\r\n\r\n" in request or len(request) >= HTTP_MAX_REQUEST
+
+    def answer_at_once(connection: socket.socket) -> tuple[bytes, bytes]:
+        """Answer a request that is there already (the kubelet's probe writes it as it connects) in
+        the accepting task, with no pass of the scheduler in between. Returns what is left to do:
+        the request read so far, if incomplete, and the answer's bytes that did not fit the socket."""
+        try:
+            request = connection.recv(HTTP_MAX_REQUEST)
+        except BlockingIOError:
+            return b"", b""
+        if not complete(request):
+            return request, b""
+        data = answer(request)
+        try:
+            sent = connection.send(data)
+        except BlockingIOError:
+            sent = 0
+        return request, data[sent:]
+
+    async def serve_one(connection: socket.socket, request: bytes, unsent: bytes) -> None:
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(connection))
+        scope = trio.CancelScope()
+        open_now[scope] = None
+        if len(open_now) > HTTP_MAX_CONNECTIONS:
+            oldest = next(iter(open_now))
+            del open_now[oldest]
+            oldest.cancel()
+        try:
+            with scope:
+                with trio.move_on_after(HTTP_HEADER_TIMEOUT):
+                    while not complete(request):
+                        chunk = await stream.receive_some(4096)
+                        if not chunk:
+                            break
+                        request += chunk
+                if complete(request):
+                    with trio.move_on_after(HTTP_WRITE_TIMEOUT):
+                        await stream.send_all(unsent or answer(request))
+        except Exception as error:  # a client gone mid-answer: its loss, not the server's
+            log.debug("HTTP request: %s", _describe(error))
+        finally:
+            open_now.pop(scope, None)
+            with trio.move_on_after(1):  # aclose() of a TCP stream does not block; the bound is for form
+                await stream.aclose()
+
+    short_of = ""
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                await trio.lowlevel.wait_readable(listener)
+                while True:
+                    try:
+                        connection, _ = listener.accept()
+                    except BlockingIOError:
+                        break
+                    except OSError as error:
+                        if error.errno not in _ACCEPT_CAPACITY_ERRORS:
+                            raise
+                        if not short_of:  # as _accept() says it for the plugin's sockets
+                            short_of = os.strerror(error.errno or 0)
+                            log.error("cannot accept HTTP connections: %s; retrying", short_of)
+                        await trio.sleep(ACCEPT_RETRY_INTERVAL)
+                        break
+                    short_of = ""
+                    connection.setblocking(False)
+                    try:
+                        request, unsent = answer_at_once(connection)
+                    except OSError as error:  # reset by the peer already
+                        log.debug("HTTP request: %s", _describe(error))
+                        request, unsent = b"\r\n\r\n", b""
+                    if complete(request) and not unsent:
+                        connection.close()  # answered
+                    else:
+                        nursery.start_soon(serve_one, connection, request, unsent)
+    finally:
+        trio.lowlevel.notify_closing(listener)
+        listener.close()
+
+
+async def serve_health(
+    address: str, health: Health, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Answer GET /healthz on ``address`` ("host:port") until cancelled; started() with the port
+    (the one chosen, for port 0). One request per connection, as the kubelet's prober makes them
+    (it disables keep-alive), within the limits of _serve_http."""
+    host = address.rpartition(":")[0]
+    listener = _http_listener(address, "health_address")
+    chosen = listener.getsockname()[1]
+    log.info("serving the liveness check on http://%s:%d%s", host, chosen, HEALTH_PATHS[0])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_serve_http, listener, functools.partial(health_answer, health))
+        task_status.started(chosen)
 
 
 # DRA, the node side. Three sockets' worth of protocol and one HTTP client:
