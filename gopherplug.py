@@ -9571,6 +9571,828 @@ class ClaimPreparer:
         return response
 
 
+#: How soon a newer pod that does not serve is asked again (DriverPeers), at first and at most
+#: (doubling in between): a starting pod listens within milliseconds, and the kubelet registers it
+#: within a second or two; a killed, wedged or unregistered one is asked about twice a minute.
+DRA_PEER_RECHECK = (0.05, 30.0)
+
+
+def dra_registration_socket_of(driver: str, name: str) -> bool:
+    """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
+    DraConfig.registration_socket names them ("dra-<hash>-reg.sock" aside). Not any
+    "<driver>-*-reg.sock": another driver's name may begin with ours and a "-"
+    (gopherplug.example.com-nic)."""
+    if name == f"{driver}-reg.sock":
+        return True
+    middle = name.removeprefix(f"{driver}-").removesuffix("-reg.sock")
+    if len(middle) != len(name) - len(driver) - len("--reg.sock"):
+        return False
+    return bool(_UUID.fullmatch(middle) or re.fullmatch(r"[A-Za-z0-9_-]{11}", middle))
+
+
+#: How long a newer pod's registration socket and its endpoint have to answer the questions that
+#: tell whether it serves (DriverPeers._serves): the kubelet gives GetInfo one second too.
+DRA_PEER_TIMEOUT = 1.0
+
+
+class DriverPeers:
+    """The other pods of this DRA driver on the node, seen through their registration sockets.
+    During a rolling update both pods keep the slices, and the new one may describe the devices
+    otherwise: both writing what they see would rewrite each other's slices without end. So the
+    newest pod that serves writes them (and the CDI specs: CDISpecTurn), the older leaving them to
+    it until it is gone (docs/dra.md, "Upgrades without a gap", tells the whole story).
+
+    Newest: the later socket's change time. This pod's own is remembered, since it removes its
+    socket first as it stops; and a stopping pod (``stopping``, set by serve_dra) never takes the
+    turn back: it would write its own configuration once more over the new pod's.
+
+    Serving, not merely accepting: the kernel accepts a connection into a wedged pod's listen
+    backlog. ``watch`` asks whenever a socket comes or goes, and again with a backoff
+    (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers GetInfo
+    as this driver within DRA_PEER_TIMEOUT (``newer()``), and whether its endpoint's gopherplug
+    status says the kubelet registered it (``newer(registered=True)``; an endpoint without that
+    status counts once it answers). The kubelet calls the newest plugin that is registered and
+    connected (GetPlugin in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go):
+    until then it calls this one, which prepares new claims (ClaimPreparer).
+    """
+
+    def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
+        self.config = config
+        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to serve
+        self.changed = changed if changed is not None else Watched(None)
+        #: set by serve_dra as it stops: from then on newer() never answers "none" after naming one
+        self.stopping = False
+        self._mine: tuple[int, str] | None = None  # our socket's (change time, name), as last seen
+        # A newer socket -> (its (inode, change time), how far its pod serves), as _check last found.
+        self._serving: dict[str, tuple[tuple[int, int], int]] = {}
+        self._said = ["", ""]  # newer()'s last answers before stopping, without and with ``registered``
+
+    def _newer_sockets(self) -> list[tuple[str, tuple[int, int]]]:
+        """The driver's registration sockets newer than ours, each with its (inode, change time);
+        none while ours was never seen (this pod starts by publishing)."""
+        ours = self.config.registration_socket
+        with contextlib.suppress(OSError):  # gone: compared as it was (this pod stops)
+            self._mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
+        if self._mine is None:
+            return []
+        registry = os.path.dirname(ours)
+        found = []
+        for name in _listing(registry):
+            path = os.path.join(registry, name)
+            if path == ours or not dra_registration_socket_of(self.config.driver, name):
+                continue
+            with contextlib.suppress(OSError):
+                status = os.lstat(path)
+                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > self._mine:
+                    found.append((path, (status.st_ino, status.st_ctime_ns)))
+        return found
+
+    def newer(self, registered: bool = False) -> tuple[str, bool]:
+        """The registration socket of a running pod of the driver newer than this one ("" if none;
+        ``registered``: one the kubelet registered), and whether a newer socket's pod is not (yet)
+        seen so. No I/O but a directory listing: asked under the CDI spec's flock."""
+        level = _REGISTERED if registered else _ANSWERS
+        answer, unserved = "", False
+        for path, identity in self._newer_sockets():
+            known = self._serving.get(path)
+            if known is not None and known[0] == identity:
+                serves = known[1] >= level
+            else:
+                # Not asked yet (_check is on its way): one that accepts counts as running for now,
+                # or this pod would write over a new pod's first slices and spec in the meantime.
+                serves = not registered and _accepts(path)
+            if serves:
+                answer, unserved = path, False
+                break
+            unserved = True
+        if self.stopping:
+            # A stopping pod that left the turn to a newer one does not take it back on its way out.
+            said = self._said[registered]
+            return (said, False) if said and not answer else (answer, unserved)
+        self._said[registered] = answer
+        return answer, unserved
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Touch ``changed`` at every change of plugins_registry, and find out which newer pods
+        serve (_check), until cancelled."""
+        events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+        registry = Watched(None)  # touched at every change of plugins_registry
+        with DirectoryWatch(os.path.dirname(self.config.registration_socket), events) as watch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_checking, registry)
+                task_status.started()
+                async with contextlib.aclosing(watch.batches()) as batches:
+                    async for _ in batches:
+                        registry.touch()
+                        self.changed.touch()
+                nursery.cancel_scope.cancel()
+
+    async def _keep_checking(self, registry: Watched) -> None:
+        """_check at every change of plugins_registry; while a newer pod does not serve, again after
+        DRA_PEER_RECHECK's backoff (registering takes the kubelet up to a second or two after the
+        socket appears, and nothing in plugins_registry changes when it has)."""
+        delay = DRA_PEER_RECHECK[0]
+        while True:
+            touched = registry.next_touch()  # taken before _check: a change during it is not missed
+            if await self._check():
+                with trio.move_on_after(delay):
+                    await touched.wait()
+                delay = DRA_PEER_RECHECK[0] if touched.is_set() else min(delay * 2, DRA_PEER_RECHECK[1])
+            else:
+                await touched.wait()
+                delay = DRA_PEER_RECHECK[0]
+
+    async def _check(self) -> bool:
+        """Ask each newer socket not seen registered yet how far its pod serves; touch ``changed``
+        when an answer is new. Returns whether one is not registered (yet)."""
+        verdicts, unregistered, changed = {}, False, False
+        for path, identity in self._newer_sockets():
+            known = self._serving.get(path)
+            if known is not None and known == (identity, _REGISTERED):
+                verdicts[path] = known
+                continue
+            level = await self._serves(path)
+            verdicts[path] = (identity, level)
+            unregistered |= level < _REGISTERED
+            changed |= verdicts[path] != known
+        self._serving = verdicts  # sockets gone are forgotten
+        if changed:
+            self.changed.touch()
+        return unregistered
+
+    async def _serves(self, path: str) -> int:
+        """How far the pod behind the registration socket ``path`` serves (the class's docstring):
+        0, _ANSWERS or _REGISTERED. Asked as a probe (PROBE_METADATA): the other pod does not count
+        our GetInfo as its kubelet's."""
+        method, request = DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
+        try:
+            info = await call_unary(path, method, request, timeout=DRA_PEER_TIMEOUT, metadata=(PROBE_METADATA,))
+        except RPCError:
+            return 0  # wedged, still starting, or dead
+        if info.name != self.config.driver:
+            return 0
+        try:
+            status = await call_unary(info.endpoint, GET_STATUS, v1beta1.Empty(), timeout=DRA_PEER_TIMEOUT)
+        except RPCError as error:
+            # UNIMPLEMENTED: it answers, but says nothing of its registration
+            return _REGISTERED if error.code == StatusCode.UNIMPLEMENTED else _ANSWERS
+        return _REGISTERED if status.registered else _ANSWERS
+
+
+#: How far a newer pod serves (DriverPeers): its socket answers GetInfo; the kubelet registered it.
+_ANSWERS, _REGISTERED = 1, 2
+
+
+class SlicePublisher:
+    """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
+
+    Two tasks: ``watch`` follows the slices (a watch narrowed to this node and driver) into
+    ``known``, and this node's Node into ``node`` (list_and_watch says how); ``publish`` wakes
+    whenever a resource's devices, ``known`` or ``node`` change, and writes only what differs: a
+    pool's devices in slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A
+    slice deleted by someone else (the kubelet cleaning up after a plugin it thought gone) is
+    written again. Each pool, and each stale slice, is written on its own, one the API server
+    refuses retried after its own capped backoff (or Retry-After); writes that succeed are bounded
+    too (DRA_WRITES_PER_SECOND). While the API server is down the plugin serves on.
+
+    A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
+    device plugin serves it here, and the scheduler would give the same devices to claims through
+    DRA. The kubelet reports 0 once that plugin's endpoint is gone (GetCapacity in
+    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), and the watch of the Node brings
+    it within moments, in either direction. The scheduler follows the same rule from its side
+    (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
+
+    The Node also owns the slices, so that they go with it. A Node that cannot be read must not keep
+    the devices from the scheduler: the slices go out without an owner (said once), and get it once
+    the Node is seen. A ClusterRole with get on nodes but no list and watch: the Node is read every
+    DRA_NODE_POLL_SECONDS instead. With ``peers``, nothing is written while a newer pod serves.
+    """
+
+    def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
+        self.resources = resources
+        self.api = api
+        self.peers = peers
+        #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
+        self.deferring = Watched("")
+        self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
+        self.known_changed = Watched(None)
+        self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
+        self.listed = trio.Event()  # set once `known` holds a whole list
+        self._seen = -1  # the newest resourceVersion listed or watched: a write's answer older is stale
+        self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
+        # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
+        self._retries: dict[str, tuple[float, float]] = {}
+        # Slice name -> (what we wrote, what the API server stored), as _slice_key, when the server
+        # dropped fields it does not know (feature gates off): then what it stored counts as written.
+        self._stored_as: dict[str, tuple[str, str]] = {}
+        self._dropped_warned: set[str] = set()
+        self._server_version: str | None = None  #: the API server's /version, once a warning needs it
+        self._kubelet_version = ""  #: the node's kubeletVersion last said (_say_kubelet_version)
+        #: What the slices need of this node's Node: {"uid": ..., "allocatable": {name: quantity}},
+        #: or None when there is none or it cannot be read (_node_problem says why)
+        self.node = Watched(None)
+        self.node_known = trio.Event()  # set once the Node was listed or read, or failed to be
+        self._node_problem = ""
+        self._owner_warned = False
+        #: Resource name -> the Node's allocatable for it, while it is more than 0 and the resource's
+        #: devices are held back from DRA
+        self.held: dict[str, str] = {}
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Follow the slices into ``known`` and the Node into ``node``, until cancelled."""
+        node, driver = self.resources.node_name, self.resources.driver
+        listing = functools.partial(self.api.list_slices, node, driver)
+        watching = functools.partial(self.api.watch_slices, node, driver)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_node)
+            task_status.started()
+            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event)
+
+    def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
+        self.known = {item["metadata"]["name"]: item for item in items}
+        self._seen = int(version) if version.isascii() and version.isdigit() else -1
+        self.listed.set()
+        self.known_changed.touch()
+
+    def _slice_event(self, kind: str, item: dict[str, Any]) -> None:
+        # A bookmark's version counts as seen: every event before it has come.
+        if (number := _version_of(item)) is not None:
+            self._seen = max(self._seen, number)
+        if kind == "BOOKMARK":
+            return
+        name = item["metadata"]["name"]
+        # The watch brings events in order; what can be newer than an event is `known`'s own entry,
+        # the answer to our write. An event older than it is history, a deletion too: a slice we
+        # created at version W is not the one a DELETED at D < W describes (dropping it would create
+        # it again, for a 409). client-go's MutationCache compares versions as numbers too (_older).
+        if _older(item, self.known.get(name)):
+            pass
+        elif kind == "DELETED":
+            self.known.pop(name, None)
+        else:
+            self.known[name] = item
+        self.known_changed.touch()
+
+    async def _watch_node(self) -> None:
+        """Watch the Node; while RBAC refuses that (403), read it every DRA_NODE_POLL_SECONDS, and
+        try the watch again after DRA_NODE_WATCH_RETRY: a ClusterRole fixed later is noticed."""
+        name = self.resources.node_name
+        polled = False  # the Node is being read instead of watched, and it was said
+        retry = DRA_NODE_WATCH_RETRY[0]
+
+        def listed(items: list[dict[str, Any]], version: str) -> None:
+            nonlocal polled, retry
+            if polled:
+                log.info("DRA: Node %s can be listed and watched again: it is watched instead of read", name)
+                polled, retry = False, DRA_NODE_WATCH_RETRY[0]
+            self._set_node(items[0] if items else None, "")
+
+        listing, watching = functools.partial(self.api.list_node, name), functools.partial(self.api.watch_node, name)
+        while True:
+            try:
+                await list_and_watch(
+                    f"Node {name}", listing, watching, listed, self._node_event, stop_when_forbidden=True
+                )
+            except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
+                if not polled:
+                    log.warning(
+                        "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s "
+                        "is read every %g to %g s instead, and a change of its allocatable is seen that late; "
+                        "watching it is tried again from time to time",
+                        error,
+                        name,
+                        DRA_NODE_POLL_SECONDS,
+                        DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
+                    )
+                else:  # said once: the same answer again is no news
+                    log.debug("DRA: %s; Node %s is still read instead", error, name)
+                polled = True
+                with trio.move_on_after(jittered(retry)):
+                    await self._poll_node()
+                retry = min(retry * 2, DRA_NODE_WATCH_RETRY[1])
+
+    def _node_event(self, kind: str, item: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self._set_node(None, f"Node {self.resources.node_name} was deleted")
+        elif kind != "BOOKMARK":
+            self._set_node(item, "")
+
+    async def _poll_node(self) -> None:
+        """Read the Node every DRA_NODE_POLL_SECONDS (jittered) into ``node``, until cancelled."""
+        name = self.resources.node_name
+        delay = DRA_WATCH_BACKOFF[0]
+        while True:
+            try:
+                self._set_node(await self.api.get_node(name), "")
+                wait = jittered(DRA_NODE_POLL_SECONDS)
+            except ApiError as error:
+                if error.status in (403, 404):
+                    why = "the ClusterRole needs get on nodes, as in daemonset-dra.yaml" if error.status == 403 else ""
+                    self._set_node(None, f"{error} ({why})" if why else str(error))
+                    wait = jittered(DRA_NODE_POLL_SECONDS)
+                else:  # the API server's failure: asked again sooner
+                    log.warning("DRA: %s; again in %.2g s", error, wait := jittered(delay))
+                    delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
+            await trio.sleep(wait)
+
+    def _set_node(self, found: Mapping[str, Any] | None, problem: str) -> None:
+        """What the slices need of the Node (``node``), or None and why not."""
+        self._node_problem = problem or f"Node {self.resources.node_name} not found"
+        if found is None:
+            self.node.set(None)
+        else:
+            status = found.get("status") or {}
+            allocatable = status.get("allocatable") or {}
+            uid = str(found.get("metadata", {}).get("uid") or "")
+            self.node.set({"uid": uid, "allocatable": {key: str(value) for key, value in allocatable.items()}})
+            self._say_kubelet_version(str((status.get("nodeInfo") or {}).get("kubeletVersion") or ""))
+        self.node_known.set()
+
+    def _say_kubelet_version(self, version: str) -> None:
+        """What this node's kubelet (status.nodeInfo.kubeletVersion) cannot do of what gopherplug
+        serves, said once per version: before 1.36 it opens the DRA health stream only with its
+        ResourceHealthStatus gate, off by default (kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
+        if not version or version == self._kubelet_version:
+            return
+        self._kubelet_version = version
+        if (found := re.match(r"v?1\.(\d+)\.", version)) is not None and int(found[1]) < 36:
+            log.warning(
+                "DRA: node %s's kubelet is %s: before 1.36 it opens the devices' health stream only with its "
+                "feature gate ResourceHealthStatus on (off by default), so per-device health reaches the pods' "
+                "status only then; unhealthy devices are still kept from claims by the slices' healthy attribute",
+                self.resources.node_name,
+                version,
+            )
+
+    async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        if self.listed.is_set():  # started again (_supervised): not trusting what a failed run left in
+            # ``known`` (an answer it failed on), listed anew, the newest: the watch goes on from there.
+            self._listed_slices(*await self.api.list_slices(self.resources.node_name, self.resources.driver, ""))
+        await self.listed.wait()
+        await self.node_known.wait()  # a resource its allocatable counts must not be published first
+        while True:
+            # Whatever changes while a pass is writing wakes the next pass.
+            woken = trio.Event()
+            watched = [self.known_changed, self.node, self.resources.changed]
+            watched += [devices for _, devices in self.resources.served.values()]
+            watched += [self.peers.changed] if self.peers is not None else []
+            touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_any_event, touches, woken)
+                # A newer pod not seen serving yet is DriverPeers' to ask again: it touches
+                # peers.changed when the answer changes.
+                if self._defer():
+                    await woken.wait()  # until a socket goes (or anything else changes): asked again
+                    nursery.cancel_scope.cancel()
+                    continue
+                retry_at = await self._sync()
+                if retry_at is not None:  # a pool or a stale slice waits for its retry
+                    with trio.move_on_at(retry_at):
+                        await woken.wait()
+                    nursery.cancel_scope.cancel()
+                    continue
+                self.synced.set(self.synced.value + 1)
+                await woken.wait()
+                nursery.cancel_scope.cancel()
+
+    def _defer(self) -> bool:
+        """Whether a newer pod of the driver writes the slices now (said in the log when that
+        changes; DriverPeers.newer)."""
+        newer = self.peers.newer()[0] if self.peers is not None else ""
+        if newer != self.deferring.value:
+            driver = self.resources.driver
+            if newer:
+                log.info("DRA: a newer pod of driver %s serves (%s): the slices are left to it", driver, newer)
+            else:
+                log.info("DRA: no newer pod of driver %s serves any more: writing the slices again", driver)
+            self._retries.clear()  # whatever was due is compared again from scratch
+            self.deferring.set(newer)
+        return bool(newer)
+
+    def _owner(self) -> str:
+        """The Node's UID ("" when it is not known: the slices go out without an owner, said once),
+        once the resources its allocatable counts are held back (_hold)."""
+        node = self.node.value
+        if node is None:
+            if not self._owner_warned:
+                self._owner_warned = True
+                name = self.resources.node_name
+                why = f" (is {name} this node's name?)" if self._node_problem.endswith("not found") else ""
+                log.warning(
+                    "DRA: %s%s; the ResourceSlices are published without the Node as their owner, so nothing "
+                    "deletes them with the Node",
+                    self._node_problem,
+                    why,
+                )
+            return ""  # what is held back stays so until the Node is seen again
+        self._hold(node["allocatable"])
+        return str(node["uid"])
+
+    def _hold(self, allocatable: Mapping[str, str]) -> None:
+        """Hold back the resources the Node's allocatable still counts; release those it no longer does."""
+        node = self.resources.node_name
+        held = {}
+        for resource, _ in self.resources.served.values():
+            # A quantity ("2", "0", "1k") is more than 0 when it has a digit other than 0: the
+            # kubelet writes a device plugin's healthy count there, a whole number.
+            quantity = str(allocatable.get(resource.name, "0"))
+            if any(digit in quantity for digit in "123456789"):
+                held[resource.name] = quantity
+        for name, quantity in held.items():
+            if name not in self.held:
+                log.warning(
+                    "DRA: %s: node %s's allocatable still has %s of it: a device plugin serves it on this node, "
+                    "so its devices are held back from DRA until that is 0 (a node serves a resource through "
+                    "one API: stop the device plugin here, see docs/dra.md: Moving a resource from the device "
+                    "plugin to DRA)",
+                    name,
+                    node,
+                    quantity,
+                )
+        for name in self.held.keys() - held.keys():
+            log.info("DRA: %s: node %s's allocatable for it is 0 now: its devices are offered to DRA", name, node)
+        self.held = held
+
+    async def _sync(self) -> float | None:
+        """One pass: every pool's slices as they should be, stale ones deleted, each on its own (the
+        Go controller's per-pool work queue) with its own backoff. Returns when the next retry is
+        due (trio's clock), None if none is."""
+        node, driver, taint = self.resources.node_name, self.resources.driver, self.resources.unhealthy_taint
+        owner = self._owner()
+        now = trio.current_time()
+        pools = []
+        for resource, devices in list(self.resources.served.values()):
+            if devices.value is not RETIRED and resource.name not in self.held:
+                pool = dra_pool_name(node, resource.name)
+                slices = resource_slices(driver, node, resource, devices.value, 0, owner, taint)
+                pools.append((pool, resource, len(devices.value), slices))
+        # Every pool's slices are wanted, also those of a pool waiting for its retry.
+        wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
+        jobs: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            (pool, functools.partial(self._sync_pool, pool, resource.name, count, slices, owner))
+            for pool, resource, count, slices in pools
+        ]
+        jobs += [(f"stale {name}", functools.partial(self._delete, name)) for name in self.known if name not in wanted]
+        for key, job in jobs:
+            if (retry := self._retries.get(key)) is not None and retry[1] > now:
+                continue  # not yet: its backoff is running
+            try:
+                await job()
+            except ApiError as error:
+                if _metrics is not None:
+                    # A stale slice's delete belongs to no configured pool: "". So does the write of
+                    # a pool whose resource was removed while it was under way: its series is gone
+                    # with the resource (Metrics.forget), and must not come back.
+                    mine = key in {dra_pool_name(node, name) for name in self.resources.served}
+                    _metrics.api_errors.labels(key if mine else "").inc()
+                delay = retry[0] if retry is not None else _API_BACKOFF[0]
+                wait = jittered(max(delay, error.retry_after or 0.0))
+                self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
+                log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, wait)
+            else:
+                self._retries.pop(key, None)
+        # Retries of pools or slices no longer there are forgotten.
+        keys = {key for key, _ in jobs}
+        self._retries = {key: retry for key, retry in self._retries.items() if key in keys}
+        return min((due for _, due in self._retries.values()), default=None)
+
+    async def _delete(self, name: str) -> None:
+        await self._writes.acquire()
+        await self.api.delete_slice(name)
+        self.known.pop(name, None)
+
+    async def _sync_pool(
+        self, pool: str, resource_name: str, count: int, slices: list[dict[str, Any]], owner: str
+    ) -> None:
+        """One pool's slices as ``slices`` say, all of one generation."""
+        mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
+        generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
+        same = len(mine) == len(slices) and all(
+            self._written(item, mine.get(item["metadata"]["name"])) for item in slices
+        )
+        # A slice of an older generation than its pool's newest is obsolete even when its devices
+        # are right: the scheduler takes only a pool's newest generation, complete (structured/pools.go).
+        # So a write that failed halfway through a new generation leaves the pool to be written again.
+        if same and all(item["spec"]["pool"]["generation"] == generation for item in mine.values()):
+            return
+        # The pool changed: a new generation, so that the scheduler never mixes two.
+        for item in slices:
+            item["spec"]["pool"]["generation"] = generation + 1
+            _keep_taint_times(item, mine.values())
+            name = item["metadata"]["name"]
+            await self._writes.acquire()
+            if name in self.known:
+                item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
+                if not owner and "ownerReferences" in self.known[name]["metadata"]:
+                    # The Node is unknown for now, not gone: an update keeps the owner it had.
+                    item["metadata"]["ownerReferences"] = self.known[name]["metadata"]["ownerReferences"]
+                written = await self.api.replace_slice(item)
+            else:
+                written = await self.api.create_slice(item)
+            # While the request was out, the watch may have brought this very write and a
+            # deletion after it: then the answer is history, and `known` is already right.
+            if (number := _version_of(written)) is None or number > self._seen:
+                self.known[name] = written
+            self._stored_as.pop(name, None)
+            if not _same_slice(item, written):
+                # Stored other than written: an API server whose feature gates are off drops the
+                # fields it does not know, on every write. Said once per pool, as the Go controller
+                # does (DroppedFieldsError), and what it stored counts as written from now on.
+                self._stored_as[name] = (_slice_key(item), _slice_key(written))
+                if pool not in self._dropped_warned:
+                    self._dropped_warned.add(pool)
+                    # Which release drops them, for the lines below: asked only now, once.
+                    if self._server_version is None:
+                        self._server_version = await self.api.server_version() or "of a version it does not say"
+                    server = f"the API server ({self._server_version})"
+                    log.warning(
+                        "DRA: %s stored ResourceSlice %s without some of what was written (fields it does not "
+                        "know: are the feature gates they need off?); it is not written again for them",
+                        server,
+                        name,
+                    )
+                    if _dropped("allowMultipleAllocations", item, written):
+                        log.warning(
+                            "DRA: %s dropped allowMultipleAllocations from the devices of %s: its feature gate "
+                            "DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device "
+                            "goes to one claim at a time, and its replicas share nothing until the gate is on",
+                            server,
+                            resource_name,
+                        )
+                    if _dropped("taints", item, written):
+                        log.warning(
+                            "DRA: %s dropped the taints of the unhealthy devices of %s: its feature gate "
+                            "DRADeviceTaints is off (beta and on by default from Kubernetes 1.36). A DeviceClass "
+                            "that selects on the healthy attribute (the shipped ones do) still keeps them from "
+                            "claims; one that does not gives them out, and the pods that get them never start",
+                            server,
+                            resource_name,
+                        )
+        log.info("DRA: %s: %s in pool %s", resource_name, _devices(count), pool)
+
+    def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+        """Whether the slice on the server is ``wanted`` as written, or as the server stored it."""
+        if _same_slice(wanted, known):
+            return True
+        stored = self._stored_as.get(wanted["metadata"]["name"])
+        return known is not None and stored == (_slice_key(wanted), _slice_key(known))
+
+
+def _dropped(field: str, written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """Whether the API server stored a slice's devices that have ``field`` ("taints": the tainted
+    ones; "allowMultipleAllocations": the shared ones, dra_shares) without it."""
+    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get(field)]
+    theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
+    return any(not theirs.get(name, {}).get(field) for name in mine)
+
+
+def _version_of(item: Mapping[str, Any]) -> int | None:
+    """An object's resourceVersion as a number (etcd's one increasing counter), None if it is not
+    one: then it is taken as the newest, as a client that never compares the opaque versions does."""
+    version = item.get("metadata", {}).get("resourceVersion", "")
+    return int(version) if version.isascii() and version.isdigit() else None
+
+
+def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
+    """Whether ``item`` is an older version of the object ``than`` (a watch event that arrives after
+    the answer to our own later write)."""
+    if than is None:
+        return False
+    mine, theirs = _version_of(item), _version_of(than)
+    return mine is not None and theirs is not None and mine < theirs
+
+
+def _untimed(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A slice's spec without its taints' timeAdded: the API server adds one to a taint written
+    without it, which gopherplug's are, so a taint as stored reads as written."""
+    spec = dict(spec)
+    if any("taints" in device for device in spec.get("devices") or []):
+        spec["devices"] = [
+            {**device, "taints": [{k: v for k, v in taint.items() if k != "timeAdded"} for taint in device["taints"]]}
+            if "taints" in device
+            else device
+            for device in spec["devices"]
+        ]
+    return spec
+
+
+def _keep_taint_times(item: dict[str, Any], stored: Iterable[Mapping[str, Any]]) -> None:
+    """Give each taint of ``item`` the timeAdded its device's same taint (key, value, effect) has in
+    the pool's ``stored`` slices. The API server sets timeAdded to now on every write of a taint
+    without one (SetDefaults_DeviceTaint in kubernetes/kubernetes pkg/apis/resource/v1/defaults.go),
+    and a NoExecute taint evicts at timeAdded + tolerationSeconds: every rewrite of the pool would
+    restart the eviction clock. The Go helper does the same (copyTaintTimeAdded), here across the
+    pool's slices, so that a device moved to another slice keeps its time too."""
+    times = {
+        (device.get("name"), taint.get("key"), taint.get("value"), taint.get("effect")): taint["timeAdded"]
+        for known in stored
+        for device in known.get("spec", {}).get("devices") or []
+        for taint in device.get("taints") or []
+        if taint.get("timeAdded")
+    }
+    for device in item["spec"].get("devices") or []:
+        for taint in device.get("taints") or []:
+            kept = times.get((device["name"], taint.get("key"), taint.get("value"), taint.get("effect")))
+            if kept and not taint.get("timeAdded"):
+                taint["timeAdded"] = kept
+
+
+def _slice_key(item: Mapping[str, Any]) -> str:
+    """A slice's spec and owners, its generation (and taints' timeAdded) aside, as one comparable text."""
+    spec = _untimed(item["spec"])
+    spec["pool"] = {key: value for key, value in spec["pool"].items() if key != "generation"}
+    owners = item.get("metadata", {}).get("ownerReferences")
+    return json.dumps({"spec": spec, "owners": owners}, sort_keys=True)
+
+
+def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
+    """Whether a slice on the server already says what ``wanted`` says (the generation aside), and
+    is owned as wanted (a slice written by a version that set no owner is written again, once)."""
+    if known is None:
+        return False
+    owners = wanted["metadata"].get("ownerReferences")
+    if owners is not None and known.get("metadata", {}).get("ownerReferences") != owners:
+        return False
+    a, b = _untimed(wanted["spec"]), _untimed(known["spec"])
+    a_pool, b_pool = dict(a.pop("pool")), dict(b.pop("pool"))
+    a_pool.pop("generation"), b_pool.pop("generation")
+    return a == {key: b.get(key) for key in a} and a_pool == b_pool
+
+
+@dataclass
+class DraDriver:
+    """What serve_dra reports once it serves: for tests, probes and the demo."""
+
+    config: DraConfig
+    resources: DraResources
+    registration: RegistrationState
+    claims: ClaimPreparer
+    slices: SlicePublisher
+
+
+async def serve_dra(
+    config: DraConfig,
+    resources: DraResources,
+    api: Any,
+    *,
+    task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Be the DRA driver ``config`` names until cancelled: slices published, DRAPlugin served,
+    the registration socket in plugins_registry for the kubelet to find. started() is called once
+    both sockets listen, the DRAPlugin socket first: the kubelet dials it as soon as GetInfo names it.
+
+    With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
+    one (a rolling update with maxSurge): the sockets carry the pod's UID; the checkpoint, the CDI
+    spec and the slices are shared, each under its own rules (ClaimCheckpoint, CDISpecTurn,
+    SlicePublisher), and only this pod's sockets go on the way out. Without a pod UID, a second
+    driver is refused at start while the first one's registration socket answers.
+
+    Cancelled, it stops its parts one at a time, the last started first (_Parts).
+    """
+    try:
+        os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
+    except OSError as error:
+        raise GopherplugError(f"cannot make {config.plugin_dir}: {_describe(error)}") from None
+    if not config.pod_uid and _accepts(config.registration_socket):
+        # Two would serve on the same paths, each replacing the other's sockets as _keep_serving does.
+        raise GopherplugError(
+            f"DRA driver {config.driver} is already served on this node ({config.registration_socket} answers): "
+            f"stop that one, or give each its pod's UID in {POD_UID_ENV} to run two at once (a rolling update)"
+        )
+    _remove_dead_sockets(config)
+    await _serve_dra(config, resources, api, task_status)
+
+
+def _remove_dead_sockets(config: DraConfig) -> None:
+    """Remove the driver's sockets that no process listens on: left by a pod of the driver that was
+    killed (SIGKILL, the OOM killer) before it could remove them.
+
+    The kubelet's plugin watcher retries a registration socket that does not answer after every
+    start, and keeps a dead endpoint among the driver's plugins. A socket nobody accepts on is dead
+    for certain (a live pod listens from bind() until it removes it). Only this driver's names
+    (dra_registration_socket_of), and in the driver's own directory "dra.sock", "dra-*.sock"."""
+    registry = os.path.dirname(config.registration_socket)
+    candidates = [
+        os.path.join(registry, name) for name in _listing(registry) if dra_registration_socket_of(config.driver, name)
+    ]
+    candidates += [
+        os.path.join(config.plugin_dir, name)
+        for name in _listing(config.plugin_dir)
+        if name == "dra.sock" or fnmatch.fnmatchcase(name, "dra-*.sock")
+    ]
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            if path not in (config.registration_socket, config.endpoint) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                if not _accepts(path):
+                    os.unlink(path)
+                    log.info("removed %s, left by a DRA driver that did not exit cleanly", path)
+
+
+def _listing(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
+async def _serve_dra(
+    config: DraConfig, resources: DraResources, api: Any, task_status: trio.TaskStatus[DraDriver]
+) -> None:
+    peers = DriverPeers(config, resources.cdi_turn.changed)
+    checkpoint = ClaimCheckpoint(config.checkpoint, config.serialize_lock)
+    try:
+        for path in await checkpoint.remove_stale_metadata(config.metadata_dir):
+            log.info("removed %s, the device metadata of a claim that is not prepared any more", path)
+    except GopherplugError as error:  # the flock: the first prepare will say it again
+        log.warning("DRA: cannot look for stale device metadata: %s", error)
+    claims = ClaimPreparer(resources, checkpoint, api, peers, config.metadata_dir, config.device_metadata)
+    driver = DraDriver(config, resources, RegistrationState(), claims, SlicePublisher(resources, api, peers))
+    async with trio.open_nursery() as nursery:
+        # Stopped in the reverse order: the registration socket first, so that the kubelet's plugin
+        # watcher deregisters this pod (and a rolling update's other pod gets the kubelet's calls)
+        # before the DRAPlugin socket goes; the API server's side after the kubelet's.
+        parts = _Parts(nursery)
+        try:
+            await parts.start("peer watch", peers.watch)
+            await parts.start("slice watch", driver.slices.watch)
+            await parts.start("slice publisher", driver.slices.publish)
+            await parts.start("claim status writer", driver.claims.write_statuses)
+            await parts.start(
+                "DRAPlugin server",
+                _keep_serving,
+                config.endpoint,
+                lambda: dra_plugin_services(resources, driver.claims, driver.registration),
+            )
+            await parts.start(
+                "registration server",
+                _keep_serving,
+                config.registration_socket,
+                lambda: [registration_service(config, driver.registration)],
+            )
+            # Listening: from now on an older pod sees this one, and leaves the CDI specs to it.
+            resources.cdi_turn.take(lambda: peers.newer()[0])
+            log.info("DRA driver %s on node %s: %s", config.driver, resources.node_name, config.registration_socket)
+            task_status.started(driver)
+            with _health_check(f"DRA driver {config.driver}", functools.partial(_dra_problem, driver)):
+                await trio.sleep_forever()
+        finally:
+            peers.stopping = True  # its registration socket goes first: no turn taken back on the way out
+            await parts.stop()
+
+
+def _dra_problem(driver: DraDriver) -> str:
+    """The DRA driver's liveness: registered by the kubelet, not refused, not dropped since (see
+    RegistrationState.dropped); "" when so."""
+    status = driver.registration.message(driver.config.driver)
+    if status.registration_error:
+        return f"the kubelet refused it: {status.registration_error}"
+    if status.dropped:
+        return f"the kubelet registered it, then seems to have dropped it: {status.dropped}"
+    return "" if status.registered else f"no kubelet has registered it in {status.unregistered_seconds:.0f} s"
+
+
+async def _keep_serving(
+    socket_path: str,
+    services: Callable[[], list[purerpc.Service]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve on ``socket_path``, and again whenever the socket file is deleted or replaced."""
+    directory = os.path.dirname(socket_path)
+    events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
+    with DirectoryWatch(directory, events) as watch:
+        async with contextlib.aclosing(watch.batches()) as batches:
+            await _keep_serving_in(directory, socket_path, services, batches, task_status)
+
+
+async def _keep_serving_in(
+    directory: str,
+    socket_path: str,
+    services: Callable[[], list[purerpc.Service]],
+    batches: AsyncGenerator[Any, None],
+    task_status: trio.TaskStatus[None],
+) -> None:
+    while True:
+        try:
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+        except OSError as error:
+            raise GopherplugError(f"cannot make {directory}: {_describe(error)}") from None
+        async with trio.open_nursery() as nursery:
+            try:
+                server = await nursery.start(serve_grpc, socket_path, services())
+            except FileNotFoundError:
+                continue  # the directory went between makedirs and bind(): make it again
+            except OSError as error:
+                raise GopherplugError(f"cannot serve on {socket_path}: {_describe(error)}") from None
+            task_status.started()
+            task_status = trio.TASK_STATUS_IGNORED
+            while server.owns_socket_file():
+                await batches.__anext__()
+            log.warning("%s was deleted: serving it again", socket_path)
+            nursery.cancel_scope.cancel()
+
+
 #: Where a pod finds its service account's token and the API server's CA (in-cluster configuration).
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -10424,828 +11246,6 @@ async def list_and_watch(
             failing = True
             await trio.sleep(wait)
             delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
-
-
-#: How soon a newer pod that does not serve is asked again (DriverPeers), at first and at most
-#: (doubling in between): a starting pod listens within milliseconds, and the kubelet registers it
-#: within a second or two; a killed, wedged or unregistered one is asked about twice a minute.
-DRA_PEER_RECHECK = (0.05, 30.0)
-
-
-def dra_registration_socket_of(driver: str, name: str) -> bool:
-    """Whether a file name in plugins_registry is a registration socket of a pod of ``driver``, as
-    DraConfig.registration_socket names them ("dra-<hash>-reg.sock" aside). Not any
-    "<driver>-*-reg.sock": another driver's name may begin with ours and a "-"
-    (gopherplug.example.com-nic)."""
-    if name == f"{driver}-reg.sock":
-        return True
-    middle = name.removeprefix(f"{driver}-").removesuffix("-reg.sock")
-    if len(middle) != len(name) - len(driver) - len("--reg.sock"):
-        return False
-    return bool(_UUID.fullmatch(middle) or re.fullmatch(r"[A-Za-z0-9_-]{11}", middle))
-
-
-#: How long a newer pod's registration socket and its endpoint have to answer the questions that
-#: tell whether it serves (DriverPeers._serves): the kubelet gives GetInfo one second too.
-DRA_PEER_TIMEOUT = 1.0
-
-
-class DriverPeers:
-    """The other pods of this DRA driver on the node, seen through their registration sockets.
-    During a rolling update both pods keep the slices, and the new one may describe the devices
-    otherwise: both writing what they see would rewrite each other's slices without end. So the
-    newest pod that serves writes them (and the CDI specs: CDISpecTurn), the older leaving them to
-    it until it is gone (docs/dra.md, "Upgrades without a gap", tells the whole story).
-
-    Newest: the later socket's change time. This pod's own is remembered, since it removes its
-    socket first as it stops; and a stopping pod (``stopping``, set by serve_dra) never takes the
-    turn back: it would write its own configuration once more over the new pod's.
-
-    Serving, not merely accepting: the kernel accepts a connection into a wedged pod's listen
-    backlog. ``watch`` asks whenever a socket comes or goes, and again with a backoff
-    (DRA_PEER_RECHECK) while a newer pod is not seen registered: whether its socket answers GetInfo
-    as this driver within DRA_PEER_TIMEOUT (``newer()``), and whether its endpoint's gopherplug
-    status says the kubelet registered it (``newer(registered=True)``; an endpoint without that
-    status counts once it answers). The kubelet calls the newest plugin that is registered and
-    connected (GetPlugin in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go):
-    until then it calls this one, which prepares new claims (ClaimPreparer).
-    """
-
-    def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
-        self.config = config
-        #: touched when a socket comes or goes in plugins_registry, and when a newer pod is seen to serve
-        self.changed = changed if changed is not None else Watched(None)
-        #: set by serve_dra as it stops: from then on newer() never answers "none" after naming one
-        self.stopping = False
-        self._mine: tuple[int, str] | None = None  # our socket's (change time, name), as last seen
-        # A newer socket -> (its (inode, change time), how far its pod serves), as _check last found.
-        self._serving: dict[str, tuple[tuple[int, int], int]] = {}
-        self._said = ["", ""]  # newer()'s last answers before stopping, without and with ``registered``
-
-    def _newer_sockets(self) -> list[tuple[str, tuple[int, int]]]:
-        """The driver's registration sockets newer than ours, each with its (inode, change time);
-        none while ours was never seen (this pod starts by publishing)."""
-        ours = self.config.registration_socket
-        with contextlib.suppress(OSError):  # gone: compared as it was (this pod stops)
-            self._mine = (os.lstat(ours).st_ctime_ns, os.path.basename(ours))
-        if self._mine is None:
-            return []
-        registry = os.path.dirname(ours)
-        found = []
-        for name in _listing(registry):
-            path = os.path.join(registry, name)
-            if path == ours or not dra_registration_socket_of(self.config.driver, name):
-                continue
-            with contextlib.suppress(OSError):
-                status = os.lstat(path)
-                if stat.S_ISSOCK(status.st_mode) and (status.st_ctime_ns, name) > self._mine:
-                    found.append((path, (status.st_ino, status.st_ctime_ns)))
-        return found
-
-    def newer(self, registered: bool = False) -> tuple[str, bool]:
-        """The registration socket of a running pod of the driver newer than this one ("" if none;
-        ``registered``: one the kubelet registered), and whether a newer socket's pod is not (yet)
-        seen so. No I/O but a directory listing: asked under the CDI spec's flock."""
-        level = _REGISTERED if registered else _ANSWERS
-        answer, unserved = "", False
-        for path, identity in self._newer_sockets():
-            known = self._serving.get(path)
-            if known is not None and known[0] == identity:
-                serves = known[1] >= level
-            else:
-                # Not asked yet (_check is on its way): one that accepts counts as running for now,
-                # or this pod would write over a new pod's first slices and spec in the meantime.
-                serves = not registered and _accepts(path)
-            if serves:
-                answer, unserved = path, False
-                break
-            unserved = True
-        if self.stopping:
-            # A stopping pod that left the turn to a newer one does not take it back on its way out.
-            said = self._said[registered]
-            return (said, False) if said and not answer else (answer, unserved)
-        self._said[registered] = answer
-        return answer, unserved
-
-    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Touch ``changed`` at every change of plugins_registry, and find out which newer pods
-        serve (_check), until cancelled."""
-        events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
-        registry = Watched(None)  # touched at every change of plugins_registry
-        with DirectoryWatch(os.path.dirname(self.config.registration_socket), events) as watch:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._keep_checking, registry)
-                task_status.started()
-                async with contextlib.aclosing(watch.batches()) as batches:
-                    async for _ in batches:
-                        registry.touch()
-                        self.changed.touch()
-                nursery.cancel_scope.cancel()
-
-    async def _keep_checking(self, registry: Watched) -> None:
-        """_check at every change of plugins_registry; while a newer pod does not serve, again after
-        DRA_PEER_RECHECK's backoff (registering takes the kubelet up to a second or two after the
-        socket appears, and nothing in plugins_registry changes when it has)."""
-        delay = DRA_PEER_RECHECK[0]
-        while True:
-            touched = registry.next_touch()  # taken before _check: a change during it is not missed
-            if await self._check():
-                with trio.move_on_after(delay):
-                    await touched.wait()
-                delay = DRA_PEER_RECHECK[0] if touched.is_set() else min(delay * 2, DRA_PEER_RECHECK[1])
-            else:
-                await touched.wait()
-                delay = DRA_PEER_RECHECK[0]
-
-    async def _check(self) -> bool:
-        """Ask each newer socket not seen registered yet how far its pod serves; touch ``changed``
-        when an answer is new. Returns whether one is not registered (yet)."""
-        verdicts, unregistered, changed = {}, False, False
-        for path, identity in self._newer_sockets():
-            known = self._serving.get(path)
-            if known is not None and known == (identity, _REGISTERED):
-                verdicts[path] = known
-                continue
-            level = await self._serves(path)
-            verdicts[path] = (identity, level)
-            unregistered |= level < _REGISTERED
-            changed |= verdicts[path] != known
-        self._serving = verdicts  # sockets gone are forgotten
-        if changed:
-            self.changed.touch()
-        return unregistered
-
-    async def _serves(self, path: str) -> int:
-        """How far the pod behind the registration socket ``path`` serves (the class's docstring):
-        0, _ANSWERS or _REGISTERED. Asked as a probe (PROBE_METADATA): the other pod does not count
-        our GetInfo as its kubelet's."""
-        method, request = DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
-        try:
-            info = await call_unary(path, method, request, timeout=DRA_PEER_TIMEOUT, metadata=(PROBE_METADATA,))
-        except RPCError:
-            return 0  # wedged, still starting, or dead
-        if info.name != self.config.driver:
-            return 0
-        try:
-            status = await call_unary(info.endpoint, GET_STATUS, v1beta1.Empty(), timeout=DRA_PEER_TIMEOUT)
-        except RPCError as error:
-            # UNIMPLEMENTED: it answers, but says nothing of its registration
-            return _REGISTERED if error.code == StatusCode.UNIMPLEMENTED else _ANSWERS
-        return _REGISTERED if status.registered else _ANSWERS
-
-
-#: How far a newer pod serves (DriverPeers): its socket answers GetInfo; the kubelet registered it.
-_ANSWERS, _REGISTERED = 1, 2
-
-
-class SlicePublisher:
-    """Keeps this node's ResourceSlices of the driver equal to the devices, with no polling.
-
-    Two tasks: ``watch`` follows the slices (a watch narrowed to this node and driver) into
-    ``known``, and this node's Node into ``node`` (list_and_watch says how); ``publish`` wakes
-    whenever a resource's devices, ``known`` or ``node`` change, and writes only what differs: a
-    pool's devices in slices of at most DRA_MAX_DEVICES_PER_SLICE, all of one new generation. A
-    slice deleted by someone else (the kubelet cleaning up after a plugin it thought gone) is
-    written again. Each pool, and each stale slice, is written on its own, one the API server
-    refuses retried after its own capped backoff (or Retry-After); writes that succeed are bounded
-    too (DRA_WRITES_PER_SECOND). While the API server is down the plugin serves on.
-
-    A resource whose name the Node's status.allocatable still counts (more than 0) is held back: a
-    device plugin serves it here, and the scheduler would give the same devices to claims through
-    DRA. The kubelet reports 0 once that plugin's endpoint is gone (GetCapacity in
-    kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), and the watch of the Node brings
-    it within moments, in either direction. The scheduler follows the same rule from its side
-    (filterExtendedResources in pkg/scheduler/framework/plugins/dynamicresources/extendeddynamicresources.go).
-
-    The Node also owns the slices, so that they go with it. A Node that cannot be read must not keep
-    the devices from the scheduler: the slices go out without an owner (said once), and get it once
-    the Node is seen. A ClusterRole with get on nodes but no list and watch: the Node is read every
-    DRA_NODE_POLL_SECONDS instead. With ``peers``, nothing is written while a newer pod serves.
-    """
-
-    def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
-        self.resources = resources
-        self.api = api
-        self.peers = peers
-        #: the registration socket of the newer pod the slices are left to ("" while this one writes them)
-        self.deferring = Watched("")
-        self.known: dict[str, dict[str, Any]] = {}  # slice name -> as the API server last told us
-        self.known_changed = Watched(None)
-        self.synced = Watched(0)  #: touched (and counted) after each pass that left the slices right
-        self.listed = trio.Event()  # set once `known` holds a whole list
-        self._seen = -1  # the newest resourceVersion listed or watched: a write's answer older is stale
-        self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
-        # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
-        self._retries: dict[str, tuple[float, float]] = {}
-        # Slice name -> (what we wrote, what the API server stored), as _slice_key, when the server
-        # dropped fields it does not know (feature gates off): then what it stored counts as written.
-        self._stored_as: dict[str, tuple[str, str]] = {}
-        self._dropped_warned: set[str] = set()
-        self._server_version: str | None = None  #: the API server's /version, once a warning needs it
-        self._kubelet_version = ""  #: the node's kubeletVersion last said (_say_kubelet_version)
-        #: What the slices need of this node's Node: {"uid": ..., "allocatable": {name: quantity}},
-        #: or None when there is none or it cannot be read (_node_problem says why)
-        self.node = Watched(None)
-        self.node_known = trio.Event()  # set once the Node was listed or read, or failed to be
-        self._node_problem = ""
-        self._owner_warned = False
-        #: Resource name -> the Node's allocatable for it, while it is more than 0 and the resource's
-        #: devices are held back from DRA
-        self.held: dict[str, str] = {}
-
-    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Follow the slices into ``known`` and the Node into ``node``, until cancelled."""
-        node, driver = self.resources.node_name, self.resources.driver
-        listing = functools.partial(self.api.list_slices, node, driver)
-        watching = functools.partial(self.api.watch_slices, node, driver)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_node)
-            task_status.started()
-            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event)
-
-    def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
-        self.known = {item["metadata"]["name"]: item for item in items}
-        self._seen = int(version) if version.isascii() and version.isdigit() else -1
-        self.listed.set()
-        self.known_changed.touch()
-
-    def _slice_event(self, kind: str, item: dict[str, Any]) -> None:
-        # A bookmark's version counts as seen: every event before it has come.
-        if (number := _version_of(item)) is not None:
-            self._seen = max(self._seen, number)
-        if kind == "BOOKMARK":
-            return
-        name = item["metadata"]["name"]
-        # The watch brings events in order; what can be newer than an event is `known`'s own entry,
-        # the answer to our write. An event older than it is history, a deletion too: a slice we
-        # created at version W is not the one a DELETED at D < W describes (dropping it would create
-        # it again, for a 409). client-go's MutationCache compares versions as numbers too (_older).
-        if _older(item, self.known.get(name)):
-            pass
-        elif kind == "DELETED":
-            self.known.pop(name, None)
-        else:
-            self.known[name] = item
-        self.known_changed.touch()
-
-    async def _watch_node(self) -> None:
-        """Watch the Node; while RBAC refuses that (403), read it every DRA_NODE_POLL_SECONDS, and
-        try the watch again after DRA_NODE_WATCH_RETRY: a ClusterRole fixed later is noticed."""
-        name = self.resources.node_name
-        polled = False  # the Node is being read instead of watched, and it was said
-        retry = DRA_NODE_WATCH_RETRY[0]
-
-        def listed(items: list[dict[str, Any]], version: str) -> None:
-            nonlocal polled, retry
-            if polled:
-                log.info("DRA: Node %s can be listed and watched again: it is watched instead of read", name)
-                polled, retry = False, DRA_NODE_WATCH_RETRY[0]
-            self._set_node(items[0] if items else None, "")
-
-        listing, watching = functools.partial(self.api.list_node, name), functools.partial(self.api.watch_node, name)
-        while True:
-            try:
-                await list_and_watch(
-                    f"Node {name}", listing, watching, listed, self._node_event, stop_when_forbidden=True
-                )
-            except ApiError as error:  # 403: the ClusterRole has no list or watch on nodes
-                if not polled:
-                    log.warning(
-                        "DRA: %s (the ClusterRole needs list and watch on nodes, as in daemonset-dra.yaml); Node %s "
-                        "is read every %g to %g s instead, and a change of its allocatable is seen that late; "
-                        "watching it is tried again from time to time",
-                        error,
-                        name,
-                        DRA_NODE_POLL_SECONDS,
-                        DRA_NODE_POLL_SECONDS * (1 + DRA_JITTER),
-                    )
-                else:  # said once: the same answer again is no news
-                    log.debug("DRA: %s; Node %s is still read instead", error, name)
-                polled = True
-                with trio.move_on_after(jittered(retry)):
-                    await self._poll_node()
-                retry = min(retry * 2, DRA_NODE_WATCH_RETRY[1])
-
-    def _node_event(self, kind: str, item: dict[str, Any]) -> None:
-        if kind == "DELETED":
-            self._set_node(None, f"Node {self.resources.node_name} was deleted")
-        elif kind != "BOOKMARK":
-            self._set_node(item, "")
-
-    async def _poll_node(self) -> None:
-        """Read the Node every DRA_NODE_POLL_SECONDS (jittered) into ``node``, until cancelled."""
-        name = self.resources.node_name
-        delay = DRA_WATCH_BACKOFF[0]
-        while True:
-            try:
-                self._set_node(await self.api.get_node(name), "")
-                wait = jittered(DRA_NODE_POLL_SECONDS)
-            except ApiError as error:
-                if error.status in (403, 404):
-                    why = "the ClusterRole needs get on nodes, as in daemonset-dra.yaml" if error.status == 403 else ""
-                    self._set_node(None, f"{error} ({why})" if why else str(error))
-                    wait = jittered(DRA_NODE_POLL_SECONDS)
-                else:  # the API server's failure: asked again sooner
-                    log.warning("DRA: %s; again in %.2g s", error, wait := jittered(delay))
-                    delay = min(delay * 2, DRA_WATCH_BACKOFF[1])
-            await trio.sleep(wait)
-
-    def _set_node(self, found: Mapping[str, Any] | None, problem: str) -> None:
-        """What the slices need of the Node (``node``), or None and why not."""
-        self._node_problem = problem or f"Node {self.resources.node_name} not found"
-        if found is None:
-            self.node.set(None)
-        else:
-            status = found.get("status") or {}
-            allocatable = status.get("allocatable") or {}
-            uid = str(found.get("metadata", {}).get("uid") or "")
-            self.node.set({"uid": uid, "allocatable": {key: str(value) for key, value in allocatable.items()}})
-            self._say_kubelet_version(str((status.get("nodeInfo") or {}).get("kubeletVersion") or ""))
-        self.node_known.set()
-
-    def _say_kubelet_version(self, version: str) -> None:
-        """What this node's kubelet (status.nodeInfo.kubeletVersion) cannot do of what gopherplug
-        serves, said once per version: before 1.36 it opens the DRA health stream only with its
-        ResourceHealthStatus gate, off by default (kubernetes/kubernetes pkg/kubelet/cm/dra/plugin)."""
-        if not version or version == self._kubelet_version:
-            return
-        self._kubelet_version = version
-        if (found := re.match(r"v?1\.(\d+)\.", version)) is not None and int(found[1]) < 36:
-            log.warning(
-                "DRA: node %s's kubelet is %s: before 1.36 it opens the devices' health stream only with its "
-                "feature gate ResourceHealthStatus on (off by default), so per-device health reaches the pods' "
-                "status only then; unhealthy devices are still kept from claims by the slices' healthy attribute",
-                self.resources.node_name,
-                version,
-            )
-
-    async def publish(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        if self.listed.is_set():  # started again (_supervised): not trusting what a failed run left in
-            # ``known`` (an answer it failed on), listed anew, the newest: the watch goes on from there.
-            self._listed_slices(*await self.api.list_slices(self.resources.node_name, self.resources.driver, ""))
-        await self.listed.wait()
-        await self.node_known.wait()  # a resource its allocatable counts must not be published first
-        while True:
-            # Whatever changes while a pass is writing wakes the next pass.
-            woken = trio.Event()
-            watched = [self.known_changed, self.node, self.resources.changed]
-            watched += [devices for _, devices in self.resources.served.values()]
-            watched += [self.peers.changed] if self.peers is not None else []
-            touches = [one.next_touch() for one in watched]  # taken before _sync reads anything
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_any_event, touches, woken)
-                # A newer pod not seen serving yet is DriverPeers' to ask again: it touches
-                # peers.changed when the answer changes.
-                if self._defer():
-                    await woken.wait()  # until a socket goes (or anything else changes): asked again
-                    nursery.cancel_scope.cancel()
-                    continue
-                retry_at = await self._sync()
-                if retry_at is not None:  # a pool or a stale slice waits for its retry
-                    with trio.move_on_at(retry_at):
-                        await woken.wait()
-                    nursery.cancel_scope.cancel()
-                    continue
-                self.synced.set(self.synced.value + 1)
-                await woken.wait()
-                nursery.cancel_scope.cancel()
-
-    def _defer(self) -> bool:
-        """Whether a newer pod of the driver writes the slices now (said in the log when that
-        changes; DriverPeers.newer)."""
-        newer = self.peers.newer()[0] if self.peers is not None else ""
-        if newer != self.deferring.value:
-            driver = self.resources.driver
-            if newer:
-                log.info("DRA: a newer pod of driver %s serves (%s): the slices are left to it", driver, newer)
-            else:
-                log.info("DRA: no newer pod of driver %s serves any more: writing the slices again", driver)
-            self._retries.clear()  # whatever was due is compared again from scratch
-            self.deferring.set(newer)
-        return bool(newer)
-
-    def _owner(self) -> str:
-        """The Node's UID ("" when it is not known: the slices go out without an owner, said once),
-        once the resources its allocatable counts are held back (_hold)."""
-        node = self.node.value
-        if node is None:
-            if not self._owner_warned:
-                self._owner_warned = True
-                name = self.resources.node_name
-                why = f" (is {name} this node's name?)" if self._node_problem.endswith("not found") else ""
-                log.warning(
-                    "DRA: %s%s; the ResourceSlices are published without the Node as their owner, so nothing "
-                    "deletes them with the Node",
-                    self._node_problem,
-                    why,
-                )
-            return ""  # what is held back stays so until the Node is seen again
-        self._hold(node["allocatable"])
-        return str(node["uid"])
-
-    def _hold(self, allocatable: Mapping[str, str]) -> None:
-        """Hold back the resources the Node's allocatable still counts; release those it no longer does."""
-        node = self.resources.node_name
-        held = {}
-        for resource, _ in self.resources.served.values():
-            # A quantity ("2", "0", "1k") is more than 0 when it has a digit other than 0: the
-            # kubelet writes a device plugin's healthy count there, a whole number.
-            quantity = str(allocatable.get(resource.name, "0"))
-            if any(digit in quantity for digit in "123456789"):
-                held[resource.name] = quantity
-        for name, quantity in held.items():
-            if name not in self.held:
-                log.warning(
-                    "DRA: %s: node %s's allocatable still has %s of it: a device plugin serves it on this node, "
-                    "so its devices are held back from DRA until that is 0 (a node serves a resource through "
-                    "one API: stop the device plugin here, see docs/dra.md: Moving a resource from the device "
-                    "plugin to DRA)",
-                    name,
-                    node,
-                    quantity,
-                )
-        for name in self.held.keys() - held.keys():
-            log.info("DRA: %s: node %s's allocatable for it is 0 now: its devices are offered to DRA", name, node)
-        self.held = held
-
-    async def _sync(self) -> float | None:
-        """One pass: every pool's slices as they should be, stale ones deleted, each on its own (the
-        Go controller's per-pool work queue) with its own backoff. Returns when the next retry is
-        due (trio's clock), None if none is."""
-        node, driver, taint = self.resources.node_name, self.resources.driver, self.resources.unhealthy_taint
-        owner = self._owner()
-        now = trio.current_time()
-        pools = []
-        for resource, devices in list(self.resources.served.values()):
-            if devices.value is not RETIRED and resource.name not in self.held:
-                pool = dra_pool_name(node, resource.name)
-                slices = resource_slices(driver, node, resource, devices.value, 0, owner, taint)
-                pools.append((pool, resource, len(devices.value), slices))
-        # Every pool's slices are wanted, also those of a pool waiting for its retry.
-        wanted = {item["metadata"]["name"] for *_, slices in pools for item in slices}
-        jobs: list[tuple[str, Callable[[], Awaitable[None]]]] = [
-            (pool, functools.partial(self._sync_pool, pool, resource.name, count, slices, owner))
-            for pool, resource, count, slices in pools
-        ]
-        jobs += [(f"stale {name}", functools.partial(self._delete, name)) for name in self.known if name not in wanted]
-        for key, job in jobs:
-            if (retry := self._retries.get(key)) is not None and retry[1] > now:
-                continue  # not yet: its backoff is running
-            try:
-                await job()
-            except ApiError as error:
-                if _metrics is not None:
-                    # A stale slice's delete belongs to no configured pool: "". So does the write of
-                    # a pool whose resource was removed while it was under way: its series is gone
-                    # with the resource (Metrics.forget), and must not come back.
-                    mine = key in {dra_pool_name(node, name) for name in self.resources.served}
-                    _metrics.api_errors.labels(key if mine else "").inc()
-                delay = retry[0] if retry is not None else _API_BACKOFF[0]
-                wait = jittered(max(delay, error.retry_after or 0.0))
-                self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
-                log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, wait)
-            else:
-                self._retries.pop(key, None)
-        # Retries of pools or slices no longer there are forgotten.
-        keys = {key for key, _ in jobs}
-        self._retries = {key: retry for key, retry in self._retries.items() if key in keys}
-        return min((due for _, due in self._retries.values()), default=None)
-
-    async def _delete(self, name: str) -> None:
-        await self._writes.acquire()
-        await self.api.delete_slice(name)
-        self.known.pop(name, None)
-
-    async def _sync_pool(
-        self, pool: str, resource_name: str, count: int, slices: list[dict[str, Any]], owner: str
-    ) -> None:
-        """One pool's slices as ``slices`` say, all of one generation."""
-        mine = {name: item for name, item in self.known.items() if item["spec"]["pool"]["name"] == pool}
-        generation = max((item["spec"]["pool"]["generation"] for item in mine.values()), default=0)
-        same = len(mine) == len(slices) and all(
-            self._written(item, mine.get(item["metadata"]["name"])) for item in slices
-        )
-        # A slice of an older generation than its pool's newest is obsolete even when its devices
-        # are right: the scheduler takes only a pool's newest generation, complete (structured/pools.go).
-        # So a write that failed halfway through a new generation leaves the pool to be written again.
-        if same and all(item["spec"]["pool"]["generation"] == generation for item in mine.values()):
-            return
-        # The pool changed: a new generation, so that the scheduler never mixes two.
-        for item in slices:
-            item["spec"]["pool"]["generation"] = generation + 1
-            _keep_taint_times(item, mine.values())
-            name = item["metadata"]["name"]
-            await self._writes.acquire()
-            if name in self.known:
-                item["metadata"]["resourceVersion"] = self.known[name]["metadata"]["resourceVersion"]
-                if not owner and "ownerReferences" in self.known[name]["metadata"]:
-                    # The Node is unknown for now, not gone: an update keeps the owner it had.
-                    item["metadata"]["ownerReferences"] = self.known[name]["metadata"]["ownerReferences"]
-                written = await self.api.replace_slice(item)
-            else:
-                written = await self.api.create_slice(item)
-            # While the request was out, the watch may have brought this very write and a
-            # deletion after it: then the answer is history, and `known` is already right.
-            if (number := _version_of(written)) is None or number > self._seen:
-                self.known[name] = written
-            self._stored_as.pop(name, None)
-            if not _same_slice(item, written):
-                # Stored other than written: an API server whose feature gates are off drops the
-                # fields it does not know, on every write. Said once per pool, as the Go controller
-                # does (DroppedFieldsError), and what it stored counts as written from now on.
-                self._stored_as[name] = (_slice_key(item), _slice_key(written))
-                if pool not in self._dropped_warned:
-                    self._dropped_warned.add(pool)
-                    # Which release drops them, for the lines below: asked only now, once.
-                    if self._server_version is None:
-                        self._server_version = await self.api.server_version() or "of a version it does not say"
-                    server = f"the API server ({self._server_version})"
-                    log.warning(
-                        "DRA: %s stored ResourceSlice %s without some of what was written (fields it does not "
-                        "know: are the feature gates they need off?); it is not written again for them",
-                        server,
-                        name,
-                    )
-                    if _dropped("allowMultipleAllocations", item, written):
-                        log.warning(
-                            "DRA: %s dropped allowMultipleAllocations from the devices of %s: its feature gate "
-                            "DRAConsumableCapacity is off (beta and on by default from Kubernetes 1.36): each device "
-                            "goes to one claim at a time, and its replicas share nothing until the gate is on",
-                            server,
-                            resource_name,
-                        )
-                    if _dropped("taints", item, written):
-                        log.warning(
-                            "DRA: %s dropped the taints of the unhealthy devices of %s: its feature gate "
-                            "DRADeviceTaints is off (beta and on by default from Kubernetes 1.36). A DeviceClass "
-                            "that selects on the healthy attribute (the shipped ones do) still keeps them from "
-                            "claims; one that does not gives them out, and the pods that get them never start",
-                            server,
-                            resource_name,
-                        )
-        log.info("DRA: %s: %s in pool %s", resource_name, _devices(count), pool)
-
-    def _written(self, wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
-        """Whether the slice on the server is ``wanted`` as written, or as the server stored it."""
-        if _same_slice(wanted, known):
-            return True
-        stored = self._stored_as.get(wanted["metadata"]["name"])
-        return known is not None and stored == (_slice_key(wanted), _slice_key(known))
-
-
-def _dropped(field: str, written: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
-    """Whether the API server stored a slice's devices that have ``field`` ("taints": the tainted
-    ones; "allowMultipleAllocations": the shared ones, dra_shares) without it."""
-    mine = [device["name"] for device in written["spec"].get("devices") or [] if device.get(field)]
-    theirs = {device.get("name"): device for device in stored.get("spec", {}).get("devices") or []}
-    return any(not theirs.get(name, {}).get(field) for name in mine)
-
-
-def _version_of(item: Mapping[str, Any]) -> int | None:
-    """An object's resourceVersion as a number (etcd's one increasing counter), None if it is not
-    one: then it is taken as the newest, as a client that never compares the opaque versions does."""
-    version = item.get("metadata", {}).get("resourceVersion", "")
-    return int(version) if version.isascii() and version.isdigit() else None
-
-
-def _older(item: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
-    """Whether ``item`` is an older version of the object ``than`` (a watch event that arrives after
-    the answer to our own later write)."""
-    if than is None:
-        return False
-    mine, theirs = _version_of(item), _version_of(than)
-    return mine is not None and theirs is not None and mine < theirs
-
-
-def _untimed(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A slice's spec without its taints' timeAdded: the API server adds one to a taint written
-    without it, which gopherplug's are, so a taint as stored reads as written."""
-    spec = dict(spec)
-    if any("taints" in device for device in spec.get("devices") or []):
-        spec["devices"] = [
-            {**device, "taints": [{k: v for k, v in taint.items() if k != "timeAdded"} for taint in device["taints"]]}
-            if "taints" in device
-            else device
-            for device in spec["devices"]
-        ]
-    return spec
-
-
-def _keep_taint_times(item: dict[str, Any], stored: Iterable[Mapping[str, Any]]) -> None:
-    """Give each taint of ``item`` the timeAdded its device's same taint (key, value, effect) has in
-    the pool's ``stored`` slices. The API server sets timeAdded to now on every write of a taint
-    without one (SetDefaults_DeviceTaint in kubernetes/kubernetes pkg/apis/resource/v1/defaults.go),
-    and a NoExecute taint evicts at timeAdded + tolerationSeconds: every rewrite of the pool would
-    restart the eviction clock. The Go helper does the same (copyTaintTimeAdded), here across the
-    pool's slices, so that a device moved to another slice keeps its time too."""
-    times = {
-        (device.get("name"), taint.get("key"), taint.get("value"), taint.get("effect")): taint["timeAdded"]
-        for known in stored
-        for device in known.get("spec", {}).get("devices") or []
-        for taint in device.get("taints") or []
-        if taint.get("timeAdded")
-    }
-    for device in item["spec"].get("devices") or []:
-        for taint in device.get("taints") or []:
-            kept = times.get((device["name"], taint.get("key"), taint.get("value"), taint.get("effect")))
-            if kept and not taint.get("timeAdded"):
-                taint["timeAdded"] = kept
-
-
-def _slice_key(item: Mapping[str, Any]) -> str:
-    """A slice's spec and owners, its generation (and taints' timeAdded) aside, as one comparable text."""
-    spec = _untimed(item["spec"])
-    spec["pool"] = {key: value for key, value in spec["pool"].items() if key != "generation"}
-    owners = item.get("metadata", {}).get("ownerReferences")
-    return json.dumps({"spec": spec, "owners": owners}, sort_keys=True)
-
-
-def _same_slice(wanted: Mapping[str, Any], known: Mapping[str, Any] | None) -> bool:
-    """Whether a slice on the server already says what ``wanted`` says (the generation aside), and
-    is owned as wanted (a slice written by a version that set no owner is written again, once)."""
-    if known is None:
-        return False
-    owners = wanted["metadata"].get("ownerReferences")
-    if owners is not None and known.get("metadata", {}).get("ownerReferences") != owners:
-        return False
-    a, b = _untimed(wanted["spec"]), _untimed(known["spec"])
-    a_pool, b_pool = dict(a.pop("pool")), dict(b.pop("pool"))
-    a_pool.pop("generation"), b_pool.pop("generation")
-    return a == {key: b.get(key) for key in a} and a_pool == b_pool
-
-
-@dataclass
-class DraDriver:
-    """What serve_dra reports once it serves: for tests, probes and the demo."""
-
-    config: DraConfig
-    resources: DraResources
-    registration: RegistrationState
-    claims: ClaimPreparer
-    slices: SlicePublisher
-
-
-async def serve_dra(
-    config: DraConfig,
-    resources: DraResources,
-    api: Any,
-    *,
-    task_status: trio.TaskStatus[DraDriver] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Be the DRA driver ``config`` names until cancelled: slices published, DRAPlugin served,
-    the registration socket in plugins_registry for the kubelet to find. started() is called once
-    both sockets listen, the DRAPlugin socket first: the kubelet dials it as soon as GetInfo names it.
-
-    With ``config.pod_uid`` (a DaemonSet's pod), another pod of the driver may serve beside this
-    one (a rolling update with maxSurge): the sockets carry the pod's UID; the checkpoint, the CDI
-    spec and the slices are shared, each under its own rules (ClaimCheckpoint, CDISpecTurn,
-    SlicePublisher), and only this pod's sockets go on the way out. Without a pod UID, a second
-    driver is refused at start while the first one's registration socket answers.
-
-    Cancelled, it stops its parts one at a time, the last started first (_Parts).
-    """
-    try:
-        os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
-    except OSError as error:
-        raise GopherplugError(f"cannot make {config.plugin_dir}: {_describe(error)}") from None
-    if not config.pod_uid and _accepts(config.registration_socket):
-        # Two would serve on the same paths, each replacing the other's sockets as _keep_serving does.
-        raise GopherplugError(
-            f"DRA driver {config.driver} is already served on this node ({config.registration_socket} answers): "
-            f"stop that one, or give each its pod's UID in {POD_UID_ENV} to run two at once (a rolling update)"
-        )
-    _remove_dead_sockets(config)
-    await _serve_dra(config, resources, api, task_status)
-
-
-def _remove_dead_sockets(config: DraConfig) -> None:
-    """Remove the driver's sockets that no process listens on: left by a pod of the driver that was
-    killed (SIGKILL, the OOM killer) before it could remove them.
-
-    The kubelet's plugin watcher retries a registration socket that does not answer after every
-    start, and keeps a dead endpoint among the driver's plugins. A socket nobody accepts on is dead
-    for certain (a live pod listens from bind() until it removes it). Only this driver's names
-    (dra_registration_socket_of), and in the driver's own directory "dra.sock", "dra-*.sock"."""
-    registry = os.path.dirname(config.registration_socket)
-    candidates = [
-        os.path.join(registry, name) for name in _listing(registry) if dra_registration_socket_of(config.driver, name)
-    ]
-    candidates += [
-        os.path.join(config.plugin_dir, name)
-        for name in _listing(config.plugin_dir)
-        if name == "dra.sock" or fnmatch.fnmatchcase(name, "dra-*.sock")
-    ]
-    for path in candidates:
-        with contextlib.suppress(OSError):
-            if path not in (config.registration_socket, config.endpoint) and stat.S_ISSOCK(os.lstat(path).st_mode):
-                if not _accepts(path):
-                    os.unlink(path)
-                    log.info("removed %s, left by a DRA driver that did not exit cleanly", path)
-
-
-def _listing(directory: str) -> list[str]:
-    try:
-        return sorted(os.listdir(directory))
-    except OSError:
-        return []
-
-
-async def _serve_dra(
-    config: DraConfig, resources: DraResources, api: Any, task_status: trio.TaskStatus[DraDriver]
-) -> None:
-    peers = DriverPeers(config, resources.cdi_turn.changed)
-    checkpoint = ClaimCheckpoint(config.checkpoint, config.serialize_lock)
-    try:
-        for path in await checkpoint.remove_stale_metadata(config.metadata_dir):
-            log.info("removed %s, the device metadata of a claim that is not prepared any more", path)
-    except GopherplugError as error:  # the flock: the first prepare will say it again
-        log.warning("DRA: cannot look for stale device metadata: %s", error)
-    claims = ClaimPreparer(resources, checkpoint, api, peers, config.metadata_dir, config.device_metadata)
-    driver = DraDriver(config, resources, RegistrationState(), claims, SlicePublisher(resources, api, peers))
-    async with trio.open_nursery() as nursery:
-        # Stopped in the reverse order: the registration socket first, so that the kubelet's plugin
-        # watcher deregisters this pod (and a rolling update's other pod gets the kubelet's calls)
-        # before the DRAPlugin socket goes; the API server's side after the kubelet's.
-        parts = _Parts(nursery)
-        try:
-            await parts.start("peer watch", peers.watch)
-            await parts.start("slice watch", driver.slices.watch)
-            await parts.start("slice publisher", driver.slices.publish)
-            await parts.start("claim status writer", driver.claims.write_statuses)
-            await parts.start(
-                "DRAPlugin server",
-                _keep_serving,
-                config.endpoint,
-                lambda: dra_plugin_services(resources, driver.claims, driver.registration),
-            )
-            await parts.start(
-                "registration server",
-                _keep_serving,
-                config.registration_socket,
-                lambda: [registration_service(config, driver.registration)],
-            )
-            # Listening: from now on an older pod sees this one, and leaves the CDI specs to it.
-            resources.cdi_turn.take(lambda: peers.newer()[0])
-            log.info("DRA driver %s on node %s: %s", config.driver, resources.node_name, config.registration_socket)
-            task_status.started(driver)
-            with _health_check(f"DRA driver {config.driver}", functools.partial(_dra_problem, driver)):
-                await trio.sleep_forever()
-        finally:
-            peers.stopping = True  # its registration socket goes first: no turn taken back on the way out
-            await parts.stop()
-
-
-def _dra_problem(driver: DraDriver) -> str:
-    """The DRA driver's liveness: registered by the kubelet, not refused, not dropped since (see
-    RegistrationState.dropped); "" when so."""
-    status = driver.registration.message(driver.config.driver)
-    if status.registration_error:
-        return f"the kubelet refused it: {status.registration_error}"
-    if status.dropped:
-        return f"the kubelet registered it, then seems to have dropped it: {status.dropped}"
-    return "" if status.registered else f"no kubelet has registered it in {status.unregistered_seconds:.0f} s"
-
-
-async def _keep_serving(
-    socket_path: str,
-    services: Callable[[], list[purerpc.Service]],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve on ``socket_path``, and again whenever the socket file is deleted or replaced."""
-    directory = os.path.dirname(socket_path)
-    events = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO
-    with DirectoryWatch(directory, events) as watch:
-        async with contextlib.aclosing(watch.batches()) as batches:
-            await _keep_serving_in(directory, socket_path, services, batches, task_status)
-
-
-async def _keep_serving_in(
-    directory: str,
-    socket_path: str,
-    services: Callable[[], list[purerpc.Service]],
-    batches: AsyncGenerator[Any, None],
-    task_status: trio.TaskStatus[None],
-) -> None:
-    while True:
-        try:
-            os.makedirs(directory, mode=0o750, exist_ok=True)
-        except OSError as error:
-            raise GopherplugError(f"cannot make {directory}: {_describe(error)}") from None
-        async with trio.open_nursery() as nursery:
-            try:
-                server = await nursery.start(serve_grpc, socket_path, services())
-            except FileNotFoundError:
-                continue  # the directory went between makedirs and bind(): make it again
-            except OSError as error:
-                raise GopherplugError(f"cannot serve on {socket_path}: {_describe(error)}") from None
-            task_status.started()
-            task_status = trio.TASK_STATUS_IGNORED
-            while server.owns_socket_file():
-                await batches.__anext__()
-            log.warning("%s was deleted: serving it again", socket_path)
-            nursery.cancel_scope.cancel()
 
 
 ########################################################################################################
