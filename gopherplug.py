@@ -5949,6 +5949,20 @@ def _held_back(
             raise refusal(line) from error
 
 
+def _release_freed_memory() -> None:
+    """Give the memory that start-up freed back to the kernel, where the C library can.
+
+    A start without bytecode (a copy of this file in a read-only image, or PYTHONDONTWRITEBYTECODE)
+    compiles the module: about 13 MiB of syntax tree and compiler state, freed once the module
+    exists, which glibc's malloc keeps in its heap for reuse that never comes, so it would stay
+    in the process's RSS for its whole life. malloc_trim(0) returns free heap pages to the
+    kernel (glibc only: other C libraries have no such call). From bytecode it finds little.
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 async def _serve_connection(
     stream: anyio.abc.ByteStream, services: Mapping[str, purerpc.Service], server: GRPCServer
 ) -> None:
@@ -15208,20 +15222,6 @@ def _run(log_args: argparse.Namespace, main_task: Callable[..., Awaitable[None]]
         log.error("%s", _innermost(error))
         return EXIT_FAILURE
     return EXIT_OK
-
-
-def _release_freed_memory() -> None:
-    """Give the memory that start-up freed back to the kernel, where the C library can.
-
-    A start without bytecode (a copy of this file in a read-only image, or PYTHONDONTWRITEBYTECODE)
-    compiles the module: about 13 MiB of syntax tree and compiler state, freed once the module
-    exists, which glibc's malloc keeps in its heap for reuse that never comes, so it would stay
-    in the process's RSS for its whole life. malloc_trim(0) returns free heap pages to the
-    kernel (glibc only: other C libraries have no such call). From bytecode it finds little.
-    """
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 #: How long the command line waits, from SIGTERM, for the plugin to stop. Every part of it is
