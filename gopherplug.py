@@ -1284,7 +1284,7 @@ class PciAddress:
 # not a global), results are return values; no logging, no sleeping. Configuration text becomes a
 # Config, a directory becomes devices, devices and a request become the kubelet's responses.
 ########################################################################################################
-
+# 4a. The configuration: YAML -> Config, names, sockets, DRA's declarations ----------------------------
 # The kubelet accepts an extended resource name ("domain/name") only if it is not native to
 # Kubernetes and "requests.<name>" is a qualified name (k8s.io/api helper IsExtendedResourceName).
 _QUALIFIED_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
