@@ -2509,6 +2509,7 @@ def _template(value: Any, source: str, where: str) -> str:
     return template
 
 
+# 4b. Devices and directories: sources -> entries -> devices, healthy or not ---------------------------
 # A run of ASCII digits, kept by re.split: "g12::3" -> ["g", "12", "::", "3", ""].
 _DIGIT_RUN = re.compile(r"([0-9]+)")
 
