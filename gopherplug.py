@@ -3300,6 +3300,7 @@ def _uevent_devname(path: str) -> str | None:
     return None
 
 
+# 4c. The answers: ListAndWatch, Allocate, GetPreferredAllocation, CDI specs ---------------------------
 def list_and_watch_response(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> Any:
     """The ListAndWatch message for a device set: every replica of every device, with health and topology."""
     response = v1beta1.ListAndWatchResponse()
