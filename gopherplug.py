@@ -3888,7 +3888,7 @@ def cdi_version(spec: Mapping[str, Any]) -> str:
     return "0.3.0"
 
 
-# DRA: the same devices as ResourceSlices, and claims answered from them.
+# 4d. DRA's pure part: the devices as ResourceSlices, claims answered from them ------------------------
 #
 # The scheduler, not the kubelet, picks devices under DRA. It reads ResourceSlices (resource.k8s.io/v1, 1.34+)
 # from the API server: each names a driver, a node and a pool, and lists devices with attributes that
