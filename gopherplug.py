@@ -4666,6 +4666,7 @@ def add_metadata_cdi_devices(devices: list[Any], driver: str, uid: str, files: I
                 pending.discard(request)
 
 
+# 4e. What the node reports: NFD labels, who holds a device --------------------------------------------
 # Node Feature Discovery: what the device plugin can say about its devices besides their number.
 # The kubelet's device manager knows only counts: a pod cannot ask for "a GPU of that model" through
 # resources.limits. NFD turns lines of a file in its features.d directory into node labels, and a
