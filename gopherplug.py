@@ -6136,7 +6136,7 @@ async def _responses(stream: GRPCProtoStream, what: str) -> AsyncGenerator[Any, 
 # rescanned every INOTIFY_RETRY_INTERVAL (DirectoryWatch), and only until it can be watched again.
 # Long-running functions take task_status and call started() only once their promise holds.
 ########################################################################################################
-
+# 6a. The config file, inotify and the devices it watches ----------------------------------------------
 #: Register may take a while: the kubelet dials the plugin back inside the call, allowing that 10 s.
 #: A little more than that, so that we report the kubelet's own error instead of our timeout.
 REGISTER_TIMEOUT = 15.0
