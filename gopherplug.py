@@ -7825,6 +7825,7 @@ class CDISpecTurn:
         self.changed.set(self.changed.value + 1)
 
 
+# 6b. The DevicePlugin service and registration --------------------------------------------------------
 class KubeletWatch:
     """What inotify says about the kubelet's device-plugin directory.
 
