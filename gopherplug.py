@@ -8498,6 +8498,7 @@ async def hold_back_foreign_holds(
         offered.replace(held_back(devices.value, holds))  # every touch passes on, as the streams wait on it
 
 
+# 6c. The HTTP server: metrics and health --------------------------------------------------------------
 class Metrics:
     """Prometheus metrics (prometheus_client, the ``metrics`` extra, imported here: only a plugin
     with ``metrics_address`` needs it), in their own CollectorRegistry so that several plugins (tests,
