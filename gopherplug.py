@@ -8890,7 +8890,7 @@ async def serve_health(
         task_status.started(chosen)
 
 
-# DRA, the node side. Three sockets' worth of protocol and one HTTP client:
+# 6d. DRA, the node side: three sockets' worth of protocol and one HTTP client -------------------------
 #
 #   <kubelet root>/plugins_registry/<driver>-reg.sock   Registration: GetInfo, NotifyRegistrationStatus
 #   <kubelet root>/plugins/<driver>/dra.sock            DRAPlugin v1 and v1beta1: prepare, unprepare
