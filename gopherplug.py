@@ -10412,6 +10412,7 @@ async def _keep_serving_in(
             nursery.cancel_scope.cancel()
 
 
+# 6e. The API server: its client, credentials, list and watch ------------------------------------------
 #: Where a pod finds its service account's token and the API server's CA (in-cluster configuration).
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
