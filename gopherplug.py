@@ -18,13 +18,21 @@ Read it top to bottom; every section only uses the ones above it:
                                (and gopherplug's own status service, which the kubelet never calls);
                                DRA's pluginregistration, DRAPlugin and DRAResourceHealth messages
                                the same way
-  2. Errors                    one base class; config errors name the file and the key
+  2. Errors                    one base class, every exception; config errors name the file and key
   3. Model                     frozen dataclasses: Config, ResourceConfig, DeviceEntry
-  4. Pure core                 YAML -> Config; directory -> devices; devices + request -> responses;
-                               devices -> ResourceSlices; a ResourceClaim -> its prepared devices
+  4. Pure core                 synchronous and deterministic, no logging, nothing written:
+     4a. The configuration     YAML -> Config, every mistake one ConfigError; names, DRA's declarations
+     4b. Devices, directories  a directory (or USB) -> entries -> devices, healthy or not and why
+     4c. The answers           devices + request -> the kubelet's responses; CDI specs
+     4d. DRA's pure part       devices -> ResourceSlices; a ResourceClaim -> its prepared devices
+     4e. What the node reports NFD labels; who holds a device, from the kubelet's PodResources answer
   5. purerpc on unix sockets   the fenced glue that makes purerpc serve and call like grpc-go
-  6. I/O edges                 the config file, inotify watches, the DevicePlugin service, Register;
-                               DRA: the registration socket, DRAPlugin, the checkpoint, the API server
+  6. I/O edges                 each piece waits on the kernel, never polls:
+     6a. Config file, inotify  the config file, inotify watches, the devices' sources, CDI spec files
+     6b. DevicePlugin service  DevicePluginService, Register, kubelet restarts, PodResources' List
+     6c. The HTTP server       metrics and the kubelet's liveness check
+     6d. DRA, the node side    the registration socket, DRAPlugin, the checkpoint, the slice publisher
+     6e. The API server        its client, credentials (token, exec plugin), list and watch
   7. Orchestration             serve_plugin: the nursery tree, kubelet restarts, configuration reloads
   8. A kubelet simulator       the kubelet's device manager in miniature; probe and demo; its DRA
                                side and a lenient API server, what the DRA demo needs (the strict
