@@ -943,13 +943,6 @@ def _replica_numbers(replicas: int) -> frozenset[str]:
     return frozenset(map(str, range(replicas)))
 
 
-#: The CDI specification versions a spec may need, oldest first. A spec declares the lowest one
-#: whose features it uses, as CDI's own tooling does (MinimumRequiredVersion in
-#: container-device-interface specs-go/version.go): a CDI library refuses a version it does not
-#: know, and runtimes vendor old ones (containerd 1.7 shipped CDI 0.5.4 and 0.6.2).
-CDI_VERSIONS = ("0.3.0", "0.5.0", "0.6.0")
-
-
 @dataclass(frozen=True)
 class DeviceSpecTemplate:
     """One ``device_specs`` entry: a DeviceSpec per allocated entry, {id} {path} {name} {target} {index} filled in.
@@ -3879,7 +3872,9 @@ def _cdi_node(spec: DeviceSpecTemplate, fields: Mapping[str, str]) -> dict[str, 
 
 
 def cdi_version(spec: Mapping[str, Any]) -> str:
-    """The lowest CDI version that has every feature ``spec`` uses (one of CDI_VERSIONS).
+    """The lowest CDI version that has every feature ``spec`` uses, as CDI's own tooling declares it
+    (MinimumRequiredVersion): a CDI library refuses a version it does not know, and runtimes vendor
+    old ones (containerd 1.7 shipped CDI 0.5.4 and 0.6.2).
 
     The rules of container-device-interface specs-go/version.go, for what gopherplug writes:
     0.6.0 for a class with a "." in it; 0.5.0 for a device node's hostPath or a device name
