@@ -4977,15 +4977,16 @@ def held_back(devices: Any, holds: Iterable[ForeignHold]) -> Any:
 # plumbing and the per-connection dispatch. It relies on these purerpc 0.8.x internals (pyproject.toml
 # holds purerpc to 0.8.x; h2 3.2 through 4.x, each tested by CI):
 #
-#   - purerpc.grpc_socket.SocketWrapper: the writer task; its static _set_socket_options(stream)
+#   - purerpc.grpc_socket.SocketWrapper: the writer task (_stream, _flush_event), _set_socket_options(stream)
 #   - purerpc.grpc_socket.GRPCSocket attributes _grpc_connection, _socket, _receive_buffer_size,
 #     _streams, _allocate_stream(stream_id), _listen() (the client's reader loop) and the
 #     _reader_thread() task its __aenter__ starts on the client side
 #   - purerpc.grpc_socket.GRPCStream: _incoming_events (an anyio memory stream pair), _close_remote(),
 #     _flow_control_update_event and _wait_flow_control_update() (its sender waits for a window)
-#   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, the
-#     _stream_reset(event) hook that turns h2's StreamReset into gRPC events (stock: none), and
-#     the class attributes MAX_INBOUND_FRAME_SIZE and MAX_CONCURRENT_STREAMS it announces
+#   - purerpc.grpclib.connection.GRPCConnection: receive_data(), message_read_buffers, h2_connection; the
+#     overridden _set_h2_connection_local_settings(), _request_received(), _data_received() and _stream_reset()
+#     (stock: none); the MAX_INBOUND_FRAME_SIZE, MAX_CONCURRENT_STREAMS and MAX_HEADER_LIST_SIZE it announces
+#   - purerpc.grpclib.buffers.MessageReadBuffer: decompress(data), _message_encoding, _max_message_length
 #   - h2 3.2 and 4.x: H2Connection.incoming_buffer, a h2.frame_buffer.FrameBuffer whose iteration
 #     (next() in 3.2, __next__() in 4.x), unparsed bytes (data in 3.2, _data in 4.x) and
 #     _validate_frame_length() _EarlyLimitFrameBuffer uses; h2.events.PingAckReceived, aliased
