@@ -11362,6 +11362,7 @@ async def _serve_generations(
     generations: Iterator[int] | None,
     task_status: trio.TaskStatus[None],
 ) -> None:
+    """Socket N served, registered and kept until the kubelet restarts or it is deleted; then N + 1."""
     directory = kubelet.device_plugin_dir
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
