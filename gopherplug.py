@@ -14907,72 +14907,7 @@ def _main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         config = dataclasses.replace(config, metrics_address=args.metrics_address)
     if args.command == "check-config":
-        strict: list[str] = []  # what --strict fails for, said as it is found
-
-        def warn(line: str, failing: str = "") -> None:
-            if line:
-                print(f"gopherplug: warning: {line}", file=sys.stderr)
-            if failing and args.strict:
-                print(f"gopherplug: --strict: {failing}", file=sys.stderr)
-                strict.append(failing)
-
-        for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
-            warn(warning)
-        names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
-        where = []
-        mistaken = None
-        if any(resource.device_plugin for resource in config.resources):
-            found = f"the first of {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)} to hold kubelet.sock at start"
-            where.append(f"kubelet at {config.device_plugin_dir or found}")
-            if config.device_plugin_dir is not None:
-                mistaken = device_plugin_dir_mistake(config.device_plugin_dir)
-        if config.dra is not None:
-            where.append(f"DRA driver {config.dra.driver}, kubelet root {config.dra.kubelet_dir}")
-        print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
-        named = _device_plugin_dir_from(args) if args.device_plugin_dir is not None else "device_plugin_dir"
-        if mistaken is not None:  # a typo: serve would wait for the kubelet for ever
-            warn(f"{named}: {mistaken}", f"{named}: no kubelet.sock")
-        # What the kubelet would be offered if the plugin started now, on this machine. Run by root
-        # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
-        # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
-        # would refuse to open device nodes, but the plugin takes that refusal for what it is (see
-        # _health_problem), so it changes nothing here.
-        mountinfo = _read_text("/proc/self/mountinfo") or ""
-        dac_override = _has_capability(_CAP_DAC_OVERRIDE)
-        node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
-        if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
-            warn(
-                "NODE_NAME is not set: serve would stop at start, as the DRA driver names this node's pools after "
-                f"it (in a DaemonSet from spec.nodeName); shown here with the host name, {node_name}",
-                f"DRA driver {config.dra.driver}: NODE_NAME is not set",
-            )
-        offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
-        for resource in config.resources:
-            directories = [s.directory for s in resource.sources] + ([config.dev_root] if resource.usb else [])
-            problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
-            problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
-            scan = scan_directory(resource, config.sysfs_root, config.dev_root)
-            scan, value_problems = described_scan(resource, scan)
-            problems += value_problems
-            offered.append((resource, scan.devices))
-            print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
-            view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)
-            print(view)
-            reasons = ["a warning"] if problems or scan.problem or refused else []
-            reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
-            if reasons:
-                warn("", f"{resource.name}: {' and '.join(reasons)}")
-        for problem in _rights_problems(config):
-            warn(problem)
-        for problem in missing_extras(config):  # serve would stop at start
-            warn(f"{problem}: serve would stop at start", problem.split(" (")[0])
-        for line in shared_nodes(offered):  # what serve warns about too, once each
-            warn(line, f"{line.split(' is offered by ')[0]}: offered twice")
-        if config.nfd_features_file is not None:  # the labels NFD would give this node, as serve writes them
-            features = nfd_features((resource, {d.id: d for d in devices}) for resource, devices in offered)
-            print(f"NFD feature file {config.nfd_features_file} (nfd_features_file), as serve would write it:")
-            print("\n".join(f"  {line}" for line in features.splitlines() if not line.startswith("#")))
-        return EXIT_FAILURE if strict else EXIT_OK
+        return _check_config(args, config)
     given = (args.device_plugin_dir, _device_plugin_dir_from(args), args.metrics_address)
     raise_open_files_limit()
     code = _run(args, _serve_until_signalled, config, args.config, *given)
@@ -14984,6 +14919,76 @@ def _main(argv: list[str] | None = None) -> int:
         # in it matters to a process about to end, so it ends here, its output flushed.
         _exit_now(code)
     return code
+
+
+def _check_config(args: argparse.Namespace, config: Config) -> int:
+    """``gopherplug check-config``: the config as serve takes it, what this machine would offer now."""
+    strict: list[str] = []  # what --strict fails for, said as it is found
+
+    def warn(line: str, failing: str = "") -> None:
+        if line:
+            print(f"gopherplug: warning: {line}", file=sys.stderr)
+        if failing and args.strict:
+            print(f"gopherplug: --strict: {failing}", file=sys.stderr)
+            strict.append(failing)
+
+    for warning in config.warnings:  # valid, but likely not what was meant; serve logs them
+        warn(warning)
+    names = ", ".join(f"{r.name} ({r.origin()})" for r in config.resources)
+    where = []
+    mistaken = None
+    if any(resource.device_plugin for resource in config.resources):
+        found = f"the first of {', '.join(KNOWN_DEVICE_PLUGIN_DIRS)} to hold kubelet.sock at start"
+        where.append(f"kubelet at {config.device_plugin_dir or found}")
+        if config.device_plugin_dir is not None:
+            mistaken = device_plugin_dir_mistake(config.device_plugin_dir)
+    if config.dra is not None:
+        where.append(f"DRA driver {config.dra.driver}, kubelet root {config.dra.kubelet_dir}")
+    print(f"{config.source}: OK: {len(config.resources)} resource(s): {names}; {'; '.join(where)}")
+    named = _device_plugin_dir_from(args) if args.device_plugin_dir is not None else "device_plugin_dir"
+    if mistaken is not None:  # a typo: serve would wait for the kubelet for ever
+        warn(f"{named}: {mistaken}", f"{named}: no kubelet.sock")
+    # What the kubelet would be offered if the plugin started now, on this machine. Run by root
+    # on the node, this process can open any file (CAP_DAC_OVERRIDE), which the shipped pod
+    # cannot: its verdict on the mode and owner is shown beside ours. The pod's device cgroup
+    # would refuse to open device nodes, but the plugin takes that refusal for what it is (see
+    # _health_problem), so it changes nothing here.
+    mountinfo = _read_text("/proc/self/mountinfo") or ""
+    dac_override = _has_capability(_CAP_DAC_OVERRIDE)
+    node_name = os.environ.get("NODE_NAME") or socket.gethostname()  # DRA pools are named after it
+    if config.dra is not None and not os.environ.get("NODE_NAME"):  # serve_plugin stops without it
+        warn(
+            "NODE_NAME is not set: serve would stop at start, as the DRA driver names this node's pools after "
+            f"it (in a DaemonSet from spec.nodeName); shown here with the host name, {node_name}",
+            f"DRA driver {config.dra.driver}: NODE_NAME is not set",
+        )
+    offered: list[tuple[ResourceConfig, tuple[DeviceEntry, ...]]] = []
+    for resource in config.resources:
+        directories = [s.directory for s in resource.sources] + ([config.dev_root] if resource.usb else [])
+        problems = [p for d in directories if (p := container_only_problem(d, mountinfo))]
+        problems += missing_source_problems(resource, config.sysfs_root, config.dev_root)
+        scan = scan_directory(resource, config.sysfs_root, config.dev_root)
+        scan, value_problems = described_scan(resource, scan)
+        problems += value_problems
+        offered.append((resource, scan.devices))
+        print(scan_report(resource, scan, *problems, in_pod=_pod_view(scan) if dac_override else None))
+        view, refused = container_report(resource, scan, config.dra.driver if config.dra else "", node_name)
+        print(view)
+        reasons = ["a warning"] if problems or scan.problem or refused else []
+        reasons += [] if any(device.health == HEALTHY for device in scan.devices) else ["no healthy device"]
+        if reasons:
+            warn("", f"{resource.name}: {' and '.join(reasons)}")
+    for problem in _rights_problems(config):
+        warn(problem)
+    for problem in missing_extras(config):  # serve would stop at start
+        warn(f"{problem}: serve would stop at start", problem.split(" (")[0])
+    for line in shared_nodes(offered):  # what serve warns about too, once each
+        warn(line, f"{line.split(' is offered by ')[0]}: offered twice")
+    if config.nfd_features_file is not None:  # the labels NFD would give this node, as serve writes them
+        features = nfd_features((resource, {d.id: d for d in devices}) for resource, devices in offered)
+        print(f"NFD feature file {config.nfd_features_file} (nfd_features_file), as serve would write it:")
+        print("\n".join(f"  {line}" for line in features.splitlines() if not line.startswith("#")))
+    return EXIT_FAILURE if strict else EXIT_OK
 
 
 def _unknown_argument(parser: argparse.ArgumentParser, command: str, word: str, argv: list[str]) -> int:
