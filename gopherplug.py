@@ -7858,7 +7858,7 @@ class KubeletWatch:
         reaches is counted already, or started after this, wiping our socket (its dial-back fails).
         The generation alone would lag behind inotify's queue: a registration made with a new
         kubelet under the generation before it looked outdated once the event came, and was made
-        again, a second one for the same kubelet (issue 26).
+        again, a second one for the same kubelet.
         """
         batch = self._watch.pending() if self._watch is not None else None
         if batch is not None:

@@ -1749,7 +1749,7 @@ BAD_CONFIGS = [
         "indent it as far as 'directory' on line 3 (4 spaces) "
         "(PyYAML at line 4, column 13: mapping values are not allowed here)",
     ),
-    (  # ... less: the "expected <block end>, but found '<block mapping start>'" of issue 26
+    (  # ... less: PyYAML's "expected <block end>, but found '<block mapping start>'"
         "resources:\n  - name: example.com/gopher\n    directory: /dev/g\n   pattern: 'g*'\n",
         "cfg.yaml: invalid YAML at line 4, column 4: this line is indented by 3 spaces, unlike the lines above it: "
         "indent it as far as 'directory' on line 3 (4 spaces) "
@@ -3673,7 +3673,7 @@ class HeldBatches:
 
 
 async def test_a_kubelet_sock_not_yet_reported_by_inotify_is_registered_with_once(nursery, node, monkeypatch):
-    # Issue 26, item 3. A restarting kubelet wipes our socket and, a moment later, listens on a new
+    # A restarting kubelet wipes our socket and, a moment later, listens on a new
     # kubelet.sock. We serve socket 2 in that moment and wait for kubelet.sock. It appears while
     # KubeletWatch is slow to read (here: held from reading after the kubelet's checkpoint file),
     # and something else wakes register() (a device added). It used to find kubelet.sock there and
@@ -4239,7 +4239,7 @@ async def stress_round(rng, simulator, node, incarnations, held, reloaded):
 async def test_kubelet_restarts_interleaved_with_starts_and_reloads_register_once_per_kubelet(
     nursery, node, monkeypatch
 ):
-    # Issue 26, item 3, as a stress test. In each round a plugin starts, the kubelet restarts (at
+    # As a stress test: in each round a plugin starts, the kubelet restarts (at
     # once; or wiping our sockets, then listening only later; or with its directory removed), the
     # configuration is reloaded (resources added, removed, changed in place, re-registered), a
     # device comes or goes, and the plugin's inotify reader falls behind and catches up: in a
@@ -4375,7 +4375,7 @@ async def test_hostile_bytes_get_the_connection_closed_and_the_kubelet_served(nu
             pass  # closed on us while we were still sending: the point
         if what == "a message over the limit":
             # That call is refused as grpc-go refuses it (RESOURCE_EXHAUSTED), the connection kept
-            # (issue 40): the answer's HEADERS on stream 1, decoded by hand.
+            #: the answer's HEADERS on stream 1, decoded by hand.
             assert await grpc_status_of_stream_1(sock) == "8"  # RESOURCE_EXHAUSTED
         else:
             try:
@@ -5708,7 +5708,7 @@ LESSON_FILES = ["gopher_devices.py", "gopher_plugin.py", "gopher_allocation.py",
 LESSON_DEMOS = LESSON_FILES[1:]
 #: What the demos' narrations must name between them: every v1beta1 RPC the kubelet calls, Register,
 #: TopologyInfo and CDI on the device-plugin side; DRA's objects, its RPCs and a CEL selector on an
-#: attribute and a capacity on the other (issue 46).
+#: attribute and a capacity on the other.
 LESSON_NAMES = [
     "GetDevicePluginOptions",
     "ListAndWatch",
@@ -6515,7 +6515,7 @@ def test_demo_config_refuses_what_check_config_refuses(tmp_path):
 
 
 def hailo_config(sockdir):
-    """Three Hailo-8 cards as an edge gateway has them (issue 45): their firmware versions and
+    """Three Hailo-8 cards as an edge gateway has them: their firmware versions and
     memory in files the configuration reads per device; the file's path."""
     for directory in ("dev", "fw", "mem"):
         os.mkdir(os.path.join(sockdir, directory))
@@ -8381,7 +8381,7 @@ def test_nfd_features_file_is_an_absolute_path_to_a_file_nfd_reads():
 
 
 def test_check_config_shows_the_nfd_labels_of_the_attributes_every_device_shares(sockdir):
-    """Issue 38, item 3: per resource the count of healthy devices and each attribute all of its
+    """Per resource the count of healthy devices and each attribute all of its
     devices share, as NFD takes them: a literal, a file that reads the same for each device, the
     standard ones sysfs gives without their domain; not one that differs between devices (a file
     per device), not gopherplug's bookkeeping (id, resource, healthy), not a negative integer (no
@@ -9411,7 +9411,7 @@ def test_the_shipped_manifests_are_the_charts_renders(helm, manifest):
 
 
 def test_the_dra_chart_mounts_only_its_drivers_plugin_directory_and_admits_only_its_slices(helm):
-    """Issue 40, L3: the DRA DaemonSet mounted all of <kubeletDir>/plugins read-write, every other
+    """The DRA DaemonSet mounted all of <kubeletDir>/plugins read-write, every other
     driver's sockets and the CSI drivers' staged volumes with them. Now plugins/<driver> (the socket,
     the checkpoint, the metadata files) and plugins_registry (the kubelet's plugin watcher) only.
     The admission policy checks a slice's spec.driver beside its spec.nodeName, old and new; no
@@ -10338,7 +10338,7 @@ def _node_verdict(mode, rendered):
         gp.parse_config(text, "config.yaml")
     except gp.ConfigError as error:
         return str(error)
-    except Exception as error:  # a bug of parse_config's (issue 44, H1): the plugin would end
+    except Exception as error:  # a bug of parse_config's: the plugin would end
         return f"raises {error!r}"
     return None
 
@@ -10863,7 +10863,7 @@ def dra_config(devices, kubelet_dir, top=(), device_metadata=False, **fields):
     ],
 )
 def test_declared_attributes_and_capacity_are_checked_as_the_api_server_checks_a_slice(fields, message):
-    """Issue 38: each mistake the API server would refuse a ResourceSlice for (so every device of the
+    """Each mistake the API server would refuse a ResourceSlice for (so every device of the
     pool) is one ConfigError naming the resource and the key; gopherplug's own attributes are not
     silently replaced."""
     with pytest.raises(gp.ConfigError) as caught:
@@ -10922,7 +10922,7 @@ def test_declared_literals_are_typed_and_quantities_canonical_as_the_api_server_
     ],
 )
 def test_any_quantity_is_the_api_servers_canonical_value_or_refused_never_an_exception(written, stored):
-    """Issue 44 (H1, L7): the exa suffix and any exponent raised; a binary quantity past int64 was
+    """The exa suffix and any exponent raised; a binary quantity past int64 was
     written as "16Ei" and stored capped, which looked like a field the server dropped."""
     assert gp.canonical_quantity(written) == stored
     assert gp.canonical_quantity(10**5000) == "100e4998"  # past int()'s 4300 digits
@@ -10943,7 +10943,7 @@ def test_any_quantity_is_the_api_servers_canonical_value_or_refused_never_an_exc
 
 
 def test_names_and_versions_are_checked_as_go_does_ascii_digits_and_bytes():
-    """Issue 44 (L1): Python's \\d and str.isdigit() take other scripts' digits, and str.lower() the
+    """Python's \\d and str.isdigit() take other scripts' digits, and str.lower() the
     Kelvin sign for a "k"; Go's regexps and the API server take ASCII digits, and count bytes."""
     assert gp.attribute_value_problem("version", "1.2.3") == ""
     assert "not a semantic version" in gp.attribute_value_problem("version", "1\u0661.2.3")
@@ -10958,7 +10958,7 @@ def test_names_and_versions_are_checked_as_go_does_ascii_digits_and_bytes():
 
 
 def test_a_read_attribute_in_the_drivers_domain_never_stands_beside_gopherplugs_own_or_a_literal():
-    """Issue 44 (L2): "<driver>/healthy" is the attribute "healthy" to the API server and the
+    """The name "<driver>/healthy" is the attribute "healthy" to the API server and the
     scheduler; said by describe or a file, it was published beside gopherplug's own, and CEL saw
     whichever Go's map order gave. gopherplug's own wins, then the configuration's literal."""
     config = gp.parse_config(
@@ -11438,7 +11438,7 @@ def pci_sysfs(root):
 
 
 def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_sysfs_files_and_describe(tmp_path):
-    """Issue 38: check-config shows what each device's ResourceSlice entry will carry: the literals,
+    """Check-config shows what each device's ResourceSlice entry will carry: the literals,
     what its files say ({sysfs}: the node's sysfs directory, here a GPU's PCI function's vendor), and
     what describe says (run once, for both devices). A node sysfs knows nothing of gets no {sysfs}
     value, one line; a standard attribute describe gives where sysfs knows none is used (the NVIDIA
@@ -11630,7 +11630,7 @@ def test_dra_api_server_stand_in_refuses_attributes_as_the_real_one_does():
 
 
 def test_sysfs_attributes_never_take_a_device_past_the_api_servers_32():
-    """Issue 44 (M1): 29 literals pass with gopherplug's 3 (32), and a PCI device's NUMA node and
+    """29 literals pass with gopherplug's 3 (32), and a PCI device's NUMA node and
     address add 4: the API server refused the slice, and the whole pool left the node. check-config
     warns of it; at runtime the last by name are left out, a line each, and the slice passes."""
     literals = {f"a{n:02}": n for n in range(27)}
@@ -12075,7 +12075,7 @@ def described_calls(monkeypatch):
 
 
 async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(dra_node, monkeypatch, caplog):
-    """Issue 38: a resource's attributes and capacity, literal, from a file, and from describe (a real
+    """A resource's attributes and capacity, literal, from a file, and from describe (a real
     program, run once per scan of the resource, not per device), are in each device's ResourceSlice
     entry, which the strict API server takes; gopherplug's own attributes stay. A described value the
     API server would refuse ("bad-name") and a device describe names that the node has not are each
@@ -12137,7 +12137,7 @@ async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(
 async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_served_and_recovers(
     dra_node, monkeypatch, caplog
 ):
-    """Issue 38: describe failing (with its stderr's last line), hanging (killed at the timeout) or
+    """describe failing (with its stderr's last line), hanging (killed at the timeout) or
     printing garbage: the devices stay published, with what is known and nothing made up, each cause
     said in one line, once (a second run failing alike says nothing more). Fixed, the values appear
     without a restart (a failed describe is tried again), and that is said too."""
@@ -12204,7 +12204,7 @@ async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_serv
 
 #: A described value of each kind the API server refuses a ResourceSlice for, and the cause it gives
 # ------------------------------------------------------------------------------------------------
-# The boundary (issue 44): a bug met by an input is that input's refusal, never the process's end
+# The boundary: a bug met by an input is that input's refusal, never the process's end
 # ------------------------------------------------------------------------------------------------
 
 
@@ -12502,7 +12502,7 @@ INVALID_DESCRIBED = {
 async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not_a_refused_slice(
     dra_node, kind, caplog
 ):
-    """Issue 38: the strict API server stand-in refuses a slice with each kind of invalid value, as
+    """The strict API server stand-in refuses a slice with each kind of invalid value, as
     the API server does (one bad device refuses the whole pool); gopherplug, given one by describe,
     leaves it out with one line naming the resource, the device and the key, and writes a slice the
     stand-in takes, with the device's other values."""
@@ -12536,7 +12536,7 @@ async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not
 
 
 async def test_dra_a_reload_runs_describe_again_keeping_what_it_said_meanwhile(dra_node, monkeypatch):
-    """Issue 38: describe runs again on a reload, even of an unchanged resource (what it says may
+    """describe runs again on a reload, even of an unchanged resource (what it says may
     change with no device coming or going); the new watch publishes the devices as last described
     until it has, so the slice is written once, with the new value, never without one."""
     calls = described_calls(monkeypatch)
@@ -12898,7 +12898,7 @@ def registered_throughout(events, driver_sockets):
 
 @pytest.mark.parametrize("dra_node", standins.KUBERNETES_VERSIONS, indirect=True)
 async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dra_node):
-    """Issue 31, item 11: the 1.36 kubelet sends a pod's claims in one batch, and after any claim's
+    """The 1.36 kubelet sends a pod's claims in one batch, and after any claim's
     error sends the whole batch again, appending the devices of each claim answered without an
     error at every try (the stand-in does as it does). So no claim's devices go out while another
     of the batch fails: the retry answers the prepared one again from the checkpoint, and the
@@ -12931,7 +12931,7 @@ async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dr
 
 
 def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
-    """Issue 31, item 11: a kubelet that retried a batch (with a driver that answers a batch's
+    """A kubelet that retried a batch (with a driver that answers a batch's
     claims one by one) holds a claim's devices once per try, and PodResources lists each as often."""
     (resource,) = gp.parse_config(dra_config("/g", "/k"), "cfg.yaml").resources
     device = gp.DeviceEntry("gopher0", "/g/gopher0")
@@ -13043,7 +13043,7 @@ async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_
 
 
 def test_dra_another_driver_whose_name_extends_ours_is_neither_a_peer_nor_removed(sockdir):
-    """Issue 25, finding 4: a driver named gopherplug.example.com-nic has sockets that begin with
+    """A driver named gopherplug.example.com-nic has sockets that begin with
     our name and a "-". Its live socket is no newer pod of ours (we would stop publishing), its dead
     one is not ours to remove: only "<driver>-<pod UID>-reg.sock" with a UUID (or the 11-character
     digest the name falls back to) is one of ours."""
@@ -13061,7 +13061,7 @@ def test_dra_another_driver_whose_name_extends_ours_is_neither_a_peer_nor_remove
         newer.bind(str(registry / f"{DRIVER}-{other_uid}-reg.sock"))
         newer.listen()
         assert gp.DriverPeers(config).newer() == (str(registry / f"{DRIVER}-{other_uid}-reg.sock"), False)
-        # Not asked yet whether the kubelet registered it: no pod that prepares claims (issue 31).
+        # Not asked yet whether the kubelet registered it: no pod that prepares claims.
         assert gp.DriverPeers(config).newer(registered=True) == ("", True)
     # Closed now: what each pod leaves when killed.
     theirs = [registry / f"{DRIVER}-nic-reg.sock", registry / f"{DRIVER}-nic-{other_uid}-reg.sock"]
@@ -13086,7 +13086,7 @@ async def test_dra_a_second_driver_without_a_pod_uid_is_refused_while_the_first_
     assert [p.registration_socket for p in dra_node.kubelet.plugins[DRIVER]] == [str(registration)]
 
 
-# DRA for embedders: serve_dra_devices, on the devices a program gives serve_devices (issue 30).
+# DRA for embedders: serve_dra_devices, on the devices a program gives serve_devices.
 
 WIDGET_POOL = "node-1/example.com/widget"
 
@@ -13125,7 +13125,7 @@ async def serve_dra_widgets(dra_node, devices, resource=None, **options):
 
 
 async def test_dra_embedded_devices_carry_the_resources_attributes_their_own_and_describes(dra_node, caplog):
-    """Issue 38: resource_config takes attributes, capacity and describe as the file does; with
+    """Resource_config takes attributes, capacity and describe as the file does; with
     serve_dra_devices, a device's slice entry has the literals, what the program's DeviceEntry
     carries itself, and what describe (run as the program's devices come) says, none replacing
     another. A new device is described again."""
@@ -13427,7 +13427,7 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
 
 
 async def test_dra_a_newer_pod_counts_once_it_answers_and_the_kubelet_registered_it(dra_node, publishers, monkeypatch):
-    """Issue 31, item 10: the kubelet calls the newest pod of a driver that is registered and
+    """The kubelet calls the newest pod of a driver that is registered and
     connected, not one whose socket merely accepts. A wedged newer pod (its socket accepts into the
     backlog, nothing answers) is no newer pod at all: the old one keeps writing the slices and
     prepares new claims. A running newer pod the kubelet has not registered (here: it refused it)
@@ -13488,7 +13488,7 @@ def spec_env(path):
 
 
 async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(dra_node, publishers):
-    """Issue 25, finding 3: the old and the new pod of a rolling update share the CDI spec
+    """The old and the new pod of a rolling update share the CDI spec
     (<vendor>-<class>.json), each with its own configuration (here env: OLD, then NEW). The newest
     pod writes it; the old one, seeing a device the new one does not take (its pattern is wider),
     leaves the spec as the new one wrote it, rather than its own settings reaching the containers
@@ -13530,7 +13530,7 @@ async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(d
 
 
 async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_the_new_one(dra_node, publishers):
-    """Issue 31, item 9: at the end of a rolling update the old pod stops, its registration socket
+    """At the end of a rolling update the old pod stops, its registration socket
     first. It must not take the turn back then (its own socket gone, no newer one would be seen):
     the CDI spec (env) and the slices (pattern) stay the new pod's, and the old pod writes neither.
     Here the old pod left both to the new one (a device came during the overlap) before it stops."""
@@ -13601,7 +13601,7 @@ async def test_a_pod_that_takes_the_cdi_turn_writes_its_spec_again(nursery, tmp_
 
 
 async def test_dra_kubelet_stand_in_registers_at_start_in_random_order_and_keeps_a_connection(dra_node):
-    """Issue 25, finding 5: the kubelet registers the sockets it finds at start in no set order
+    """The kubelet registers the sockets it finds at start in no set order
     (a Go map), and a plugin is "connected" while the connection the kubelet keeps to it is up, not
     when its endpoint would accept one. The stand-in's order is a seeded shuffle, the same for one
     seed; its connection ends when the plugin's server closes it, with no call made."""
@@ -13642,7 +13642,7 @@ async def test_dra_kubelet_stand_in_connects_again_when_it_calls_a_plugin_not_co
 
 
 async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_newest(dra_node, publishers):
-    """Issue 25, finding 5, with finding 3: after a kubelet restart during a rolling update, the
+    """After a kubelet restart during a rolling update, the
     kubelet may register the old pod last, and then calls it (the newest registered and connected
     plugin). The old pod's configuration (env OLD) is not the new one's, whose CDI spec is on the
     node: it refuses the claim it has not prepared, naming the newer pod, and writes nothing; the
@@ -13788,7 +13788,7 @@ def test_the_runtime_stand_in_resolves_cdi_devices_as_the_cdi_library_does(tmp_p
 
 
 async def test_dra_each_requests_containers_get_the_env_allocate_gives_through_the_claims_own_cdi_device(dra_node):
-    """Issue 38, item 2: the device plugin's env contract under DRA. A claim of two requests, "gpu"
+    """The device plugin's env contract under DRA. A claim of two requests, "gpu"
     (its subrequest "gpu/small" chose gopher2, then gopher0) and "serial" (gopher1): a container
     naming "gpu" gets GOPHER_DEVICES=gopher2,gopher0, the string Allocate gives a container
     allocated those devices in that order, through the claim's own CDI device for the request, as
@@ -15051,7 +15051,7 @@ def test_dra_the_api_server_stand_ins_write_json_as_go_does():
     """Go's encoding/json, as the API server writes every answer and watch event: compact, UTF-8,
     every character raw but those below U+0020, U+2028, U+2029 and the HTML-safe <, >, &. Python's
     json.dumps escapes everything outside ASCII instead, which hid a client that splits lines on
-    U+0085 (issue 31, finding 8)."""
+    U+0085."""
     text = 'a\u0085b\u2028c\u2029d<e>f&g\nh\x7fi\u00e9\U0001f439"j\\k\x01'
     written = gp.go_json({"k": text, "n": [1, None, True]})
     assert written == (
@@ -15437,8 +15437,8 @@ VERSIONS = standins.KUBERNETES_VERSIONS
 
 
 def test_versions_each_release_has_its_default_feature_gates():
-    """The stand-ins' releases and their default gates, as kube_features.go has them (the table of
-    issue 25, and docs/dra.md's version table): what every versioned test below stands on."""
+    """The stand-ins' releases and their default gates, as kube_features.go has them (docs/dra.md's version
+    table): what every versioned test below stands on."""
     table = {version: standins.release(version).gates for version in VERSIONS}
     on_from = {
         "DRAPrioritizedList": "1.34",
@@ -15501,7 +15501,7 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
 
 
 async def test_dra_claims_select_by_capacity_and_attribute_through_the_charts_device_classes(dra_node, helm):
-    """Issue 38: devices that differ by what their files say (a model, a memory size) are told apart
+    """Devices that differ by what their files say (a model, a memory size) are told apart
     by claims: through the chart's dra.extraDeviceClasses, rendered by helm, the scheduler stand-in's
     CEL (with the Kubernetes quantity library) gives a claim of the "80Gi or more" class the one
     device with 80Gi, one of the "H100" class the H100, and a claim selecting by capacity itself
@@ -15584,8 +15584,8 @@ async def publish_unhealthy_and_healthy(dra_node):
 async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_node, caplog):
     """On every release, a claim of the shipped DeviceClass never gets an unhealthy device. Before
     1.36 (DRADeviceTaints off) the API server drops the unhealthy taint and the allocator ignores
-    taints: only the class's selector on the ``healthy`` attribute keeps the device out (issue 25's
-    review finding 1: without it the pod held the broken device and never started). gopherplug
+    taints: only the class's selector on the ``healthy`` attribute keeps the device out (
+    without it the pod held the broken device and never started). gopherplug
     says so once, naming the gate and the version the API server gave (its /version); and what the
     node's kubelet of that release cannot do, with the version it reports."""
     await publish_unhealthy_and_healthy(dra_node)
@@ -15747,7 +15747,7 @@ async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
 
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1_36(dra_node):
-    """Issue 38: ``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
+    """``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
     claims share the device and each consumes the memory it asks for (capacity.requests), within the
     80Gi: 60Gi, then 30Gi does not fit, a claim asking for none still does (1 share, 0 memory).
     Before 1.36 the API server drops the sharing and the policy and keeps the value: the first claim
@@ -17150,7 +17150,7 @@ def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert {f"{config.dra.kubelet_dir}/plugins_registry", config.dra.plugin_dir} <= mounts
-    assert f"{config.dra.kubelet_dir}/plugins" not in mounts  # its own directory only (issue 40, L3)
+    assert f"{config.dra.kubelet_dir}/plugins" not in mounts  # its own directory only
     assert resource.cdi.spec_dir in mounts
 
 

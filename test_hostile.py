@@ -1,4 +1,4 @@
-"""Hostile peers against a real `gopherplug serve` (issue 40): nothing a peer sends takes a node's plugin down.
+"""Hostile peers against a real `gopherplug serve`: nothing a peer sends takes a node's plugin down.
 
 Each case starts `python -m gopherplug serve` as a subprocess with one resource, its health and
 metrics ports, and gopherplug's kubelet simulator in this process (which registers the plugin and

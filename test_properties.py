@@ -47,7 +47,7 @@ PROPERTIES = settings(
 )
 
 
-# Quantities; attribute and capacity names and values; CDI names (issue 44, helper "rules")
+# Quantities; attribute and capacity names and values; CDI names
 #
 # What the API server does, said again here in the test's own words (Decimal arithmetic, bytes and
 # ASCII as Go counts them) and compared with what gopherplug says: k8s.io/apimachinery
@@ -406,7 +406,7 @@ def test_cdi_names_are_ones_cdi_takes(driver, short, kind):
     assert (gp._CDI_NAME.fullmatch(kind) is not None) == _cdi_name(kind, ":")  # a device's name in a spec
 
 
-# NFD label names and values; HTTP request heads (issue 44, helper "boundary")
+# NFD label names and values; HTTP request heads
 
 # NFD's own rule for a label it takes from a feature file (validate.Label in kubernetes-sigs/
 # node-feature-discovery pkg/apis/nfd/validate/validate.go): the key a qualified name
@@ -492,7 +492,7 @@ def test_any_request_head_gets_an_answer(request):
         assert f"Content-Length: {len(answer) - len(head) - 4}".encode() in head or request.startswith(b"HEAD"), answer
 
 
-# Configuration documents; describe output (issue 44, helper "fuzz")
+# Configuration documents; describe output
 #
 # The seeds are every configuration the repository ships. A document is a seed mutated as a person
 # or a broken tool would: in its YAML data (a key removed, renamed or added, a value replaced by one
@@ -731,7 +731,7 @@ FOUND = [
     "resources: " + "[" * 5000,  # RecursionError in PyYAML's composer
     'resources: ["\\U00420577"]',  # PyYAML's scanner: ValueError from chr() past U+10FFFF
     "resources: !!int ",  # PyYAML's int constructor: IndexError on the empty value
-    # issue 44's H1: the exa suffix, an exponent past any decimal context (canonical_quantity)
+    # a crash once found: the exa suffix, an exponent past any decimal context (canonical_quantity)
     "resources: [{name: example.com/g, directory: /dev/g, capacity: {memory: 2E}}]",
     "resources: [{name: example.com/g, directory: /dev/g, capacity: {memory: 1e9999999}}]",
 ]
@@ -890,7 +890,7 @@ def test_describe_output_of_any_json_shape_is_device_values_or_a_refusal(documen
     assert_described_or_refused(json.dumps(document).encode())
 
 
-# The soak (issue 44: "a serving plugin whose configuration file is replaced by a thousand mutated
+# The soak ("a serving plugin whose configuration file is replaced by a thousand mutated
 # ones in a row, and whose describe prints a thousand mutated outputs, is alive after each and serves
 # its last good devices"). One plugin in this process, serve_plugin with watch_config_file (real
 # inotify) and the kubelet stand-in (real sockets); hypothesis draws the inputs in a worker thread and

@@ -2197,7 +2197,7 @@ async def test_dra_one_device_shared_by_three_claims_reaches_three_consumers_eac
 
 
 async def test_dra_a_claim_of_two_devices_gives_its_container_the_env_allocate_gives(tier, nursery, monkeypatch):
-    """Issue 38, item 2, on a real containerd. The device-plugin pod (daemonset.yaml) is asked by the
+    """On a real containerd. The device-plugin pod (daemonset.yaml) is asked by the
     kubelet stand-in to Allocate gopher1 and gopher0, and a consumer created with its answer reports
     GOPHER_DEVICES. The DRA pod (daemonset-dra.yaml, on a node of its own) prepares a claim whose
     request "gopher" the scheduler gave gopher1, then gopher0, and whose request "more" it gave

@@ -50,7 +50,7 @@ import gopherplug as gp  # noqa: E402
 RESOURCE = "example.com/gopher"
 ENV = gp.default_env_name(RESOURCE)
 SIZES = (8, 10_000, 50_000)
-# The issue's targets (issue 32): a figure divided by Go's of the same round.
+# The issue's targets: a figure divided by Go's of the same round.
 TARGETS = {"preferred": 2.0, "sequence": 2.0, "allocate": 3.0}
 # The Go plugins: go writes no log line; go-log one per call, as the kubelet's test stub does
 # (klog.InfoS of every request), and as gopherplug does of every Allocate at its default level.

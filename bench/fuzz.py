@@ -1,5 +1,5 @@
 """Run every property of test_properties.py for as long as asked, and say how many inputs it tried
-and how many raised (issue 44: "bench/fuzz.py runs them for as long as asked and writes how many
+and how many raised ("bench/fuzz.py runs them for as long as asked and writes how many
 inputs it tried and how many crashed").
 
     python bench/fuzz.py --seconds 600                 # every property, in turns, for 600 s
