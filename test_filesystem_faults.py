@@ -18,21 +18,7 @@ import trio
 import yaml
 
 import gopherplug as gp
-import test_gopherplug as base
-from test_gopherplug import (
-    BUG,
-    RESOURCE,
-    TIMEOUT,
-    config_text,
-    listed,
-    logged,
-    program_file,
-    reloading,
-    run_cli,
-)
-
-# The fixtures these tests share with test_gopherplug.py
-node, sockdir, unexpected = base.node, base.sockdir, base.unexpected
+from testsupport import BUG, RESOURCE, TIMEOUT, config_text, listed, logged, program_file, reloading, run_cli
 
 DESCRIBE = """#!{python}
 import json, os

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 import gopherplug as gp
-from test_gopherplug import HERE, RESOURCE, TIMEOUT, hailo_config, node, sockdir, start  # noqa: F401 (fixtures)
+from testsupport import HERE, RESOURCE, TIMEOUT, hailo_config, start
 
 # ------------------------------------------------------------------------------------------------
 # No circle: the product, its CEL module and the stand-ins
@@ -69,7 +69,7 @@ WHEEL_SOURCES = (
 )
 
 
-def test_a_fresh_venv_with_the_dra_and_cel_extras_runs_demo_select(tmp_path, sockdir):  # noqa: F811
+def test_a_fresh_venv_with_the_dra_and_cel_extras_runs_demo_select(tmp_path, sockdir):
     """`pip install '.[dra,cel]'` is all a user types for `demo --dra --select`: in a
     fresh venv, the project installed with those extras from a copy of its sources (pip resolves
     the extras' dependencies from the index), the console script evaluates a selector on the
@@ -157,7 +157,7 @@ def test_cel_equality_is_cel_gos_heterogeneous_equality(expression, expected):
 # ------------------------------------------------------------------------------------------------
 
 
-async def test_the_narrating_kubelet_fails_a_pod_that_finds_too_few_free_devices(nursery, node):  # noqa: F811
+async def test_the_narrating_kubelet_fails_a_pod_that_finds_too_few_free_devices(nursery, node):
     """`gopherplug kubelet`'s allocate, for more devices than are free: the pod's admission fails for
     good, as the kubelet's device manager fails it (UnexpectedAdmissionError, in its words); it
     does not wait for a device, and the plugin is never asked."""
@@ -227,7 +227,7 @@ WRONG_ANSWERS = {
 
 
 @pytest.mark.parametrize("mistake", WRONG_ANSWERS)
-def test_an_exercise_check_fails_a_wrong_answer_with_a_hint(tmp_path, sockdir, mistake):  # noqa: F811
+def test_an_exercise_check_fails_a_wrong_answer_with_a_hint(tmp_path, sockdir, mistake):
     """Each exercise's check against a wrong answer (its reference solution with one mistake, applied
     to a copy of the lessons as `check.py --solution` applies it): not passed, what the kubelet or
     the scheduler saw and a hint for that mistake, never a traceback. Exercise 2: a check that

@@ -23,13 +23,11 @@ import yaml
 
 import gopherplug as gp
 import gopherplug_standins as standins
-import test_gopherplug
 import test_hostile
 from test_hostile import RESOURCE, settled
 
 serving = test_hostile.serving  # the fixture: a `gopherplug serve` with its kubelet
 short_path = test_hostile.short_path  # the fixture: a directory short enough for unix sockets
-dra_node, sockdir = test_gopherplug.dra_node, test_gopherplug.sockdir  # a DRA node, its API server
 
 v1beta1 = gp.v1beta1
 MiB = 2**20

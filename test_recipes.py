@@ -22,22 +22,7 @@ import yaml
 
 import gopherplug as gp
 import gopherplug_standins as standins
-import test_gopherplug
-from test_gopherplug import (
-    DRIVER,
-    HERE,
-    RECIPES,
-    TIMEOUT,
-    cdi_edits,
-    claim,
-    hailo_config,
-    logged,
-    make_node,
-    run_cli,
-)
-
-# test_gopherplug's fixtures, shared for now: a node under DRA, a short directory for sockets.
-dra_node, sockdir = test_gopherplug.dra_node, test_gopherplug.sockdir
+from testsupport import DRIVER, HERE, RECIPES, TIMEOUT, cdi_edits, claim, hailo_config, logged, make_node, run_cli
 
 EXAMPLES = HERE / "examples"
 FPGA = EXAMPLES / "fpga"

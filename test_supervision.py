@@ -21,7 +21,7 @@ import trio.testing
 import yaml
 
 import gopherplug as gp
-from test_gopherplug import (
+from testsupport import (
     DRIVER,
     RESOURCE,
     TIMEOUT,
