@@ -218,6 +218,7 @@ async def test_describe_answer_is_taken_when_it_exits_and_what_it_left_is_killed
         os.close(pidfd)
 
 
+@pytest.mark.slow
 async def test_describe_is_given_more_device_ids_than_an_environment_variable_holds(tmp_path):
     ids = [f"gopher-{number:05}" for number in range(16_000)]  # 208 KB joined: over MAX_ARG_STRLEN
     script = program_file(tmp_path, DESCRIBE_GOPHERS)
@@ -253,6 +254,7 @@ trio.run(gp.serve_until_signalled, main)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a PID namespace takes root")
 def test_as_pid_1_orphans_are_reaped():
     done = subprocess.run(
@@ -368,6 +370,7 @@ async def test_dra_a_described_value_the_api_server_would_refuse_is_one_line_not
     assert standins.resource_slice_causes(item), kind
 
 
+@pytest.mark.slow
 async def test_dra_a_reload_runs_describe_again_keeping_what_it_said_meanwhile(dra_node, monkeypatch):
     """describe runs again on a reload, even of an unchanged resource (what it says may
     change with no device coming or going); the new watch publishes the devices as last described
@@ -444,6 +447,7 @@ async def test_dra_cdi_spec_gives_the_host_mode_and_follows_a_chmod_without_touc
     assert len(dra_node.api.writes) == writes and dra_node.slice_devices() == (["gopher0"], {1})
 
 
+@pytest.mark.slow
 async def test_dra_claim_prepared_unprepared_and_kept_across_a_plugin_restart(dra_node):
     (dra_node.devices / "gopher0").touch()
     allocated = ("gopher", DRIVER, DraNode.POOL, "gopher0")
@@ -504,6 +508,7 @@ def metadata_stream(text):
     return objects
 
 
+@pytest.mark.slow
 async def test_dra_device_metadata_is_mounted_read_only_through_the_claims_cdi_spec_and_removed_at_unprepare(
     dra_node,
 ):
@@ -636,6 +641,7 @@ def test_dra_device_metadata_key_is_true_or_false_and_its_cdi_kind_is_its_own():
     assert parsed.resources[0].cdi.kind == f"{DRIVER}/metadata"
 
 
+@pytest.mark.slow
 async def test_dra_shares_of_one_device_get_cdi_devices_of_their_own_kept_across_a_restart(dra_node):
     """replicas: 3 under DRA: three claims, each allocated one share of gopher0 (a shareID each, as
     the scheduler writes them), are prepared with a CDI device per share, "<id>-<shareID>", in a
@@ -729,6 +735,7 @@ def registered_throughout(events, driver_sockets):
     return began
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", standins.KUBERNETES_VERSIONS, indirect=True)
 async def test_dra_a_batch_with_a_failing_claim_gives_the_others_devices_once(dra_node):
     """The 1.36 kubelet sends a pod's claims in one batch, and after any claim's
@@ -779,6 +786,7 @@ def test_who_lists_a_holder_once_when_the_kubelet_lists_a_claims_device_twice():
     assert held.holders == (gp.Holder("default", "trainer", "worker", "claim default/c0"),)
 
 
+@pytest.mark.slow
 async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered_throughout(dra_node, monkeypatch):
     """maxSurge: 1: the new pod starts while the old one serves and holds everything (the CDI spec,
     the checkpoint, the slices). Both register; a claim prepared during the overlap goes to the
@@ -844,6 +852,7 @@ def dead_socket(path):
     return path
 
 
+@pytest.mark.slow
 async def test_dra_sockets_left_by_a_killed_pod_are_removed_and_others_kept(dra_node):
     """A pod killed before it removed its sockets leaves them: the kubelet would try the
     registration socket at every start, and keep the dead endpoint among the driver's plugins. The

@@ -64,6 +64,7 @@ def test_the_shipped_manifests_are_the_charts_renders(helm, manifest):
     assert rendered, f"{manifest} is not the chart's render: {command} > {manifest}"
 
 
+@pytest.mark.slow
 def test_the_dra_chart_mounts_only_its_drivers_plugin_directory_and_admits_only_its_slices(helm):
     """The DRA DaemonSet mounted all of <kubeletDir>/plugins read-write, every other
     driver's sockets and the CSI drivers' staged volumes with them. Now plugins/<driver> (the socket,
@@ -114,6 +115,7 @@ def test_the_chart_lints_strict(helm, values):
     assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", CHART_CI_VALUES)
 def test_the_charts_renders_are_valid_and_agree_with_their_configuration(helm, values, tmp_path):
     """Each ci/ values file's render: valid against the schemas of Kubernetes 1.34 to 1.37 (all but
@@ -731,6 +733,7 @@ def _chart_configuration(values):
     return {**config, "resources": resources}
 
 
+@pytest.mark.slow
 def test_every_refusal_of_parse_config_is_refused_at_render():
     """One source of truth: each refusal parse_config can raise (read from its source) has a values
     file in RENDER_REFUSALS that the chart refuses at render, or the reason none can: a refusal added
@@ -741,6 +744,7 @@ def test_every_refusal_of_parse_config_is_refused_at_render():
     assert sorted(RENDER_REFUSALS.keys() - sites) == [], "counterparts of refusals parse_config no longer has"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", sorted(key for key, case in RENDER_REFUSALS.items() if not isinstance(case, str)))
 def test_the_chart_refuses_at_render_what_check_config_refuses(helm, site, tmp_path):
     """The case's values, as the ConfigMap the chart would write, are refused by parse_config at that
@@ -1039,6 +1043,7 @@ def _generated_cases():
     return cases
 
 
+@pytest.mark.slow
 def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, tmp_path):
     """One rule table, two enforcers that cannot disagree: for every boundary of the attribute and
     capacity rules (and values generated around them), `helm template` refuses what parse_config
@@ -1057,6 +1062,7 @@ def test_the_chart_and_parse_config_agree_on_every_attribute_and_capacity(helm, 
     assert disagreements == [], f"{len(disagreements)} of {len(unique)} cases:\n" + "\n".join(map(repr, disagreements))
 
 
+@pytest.mark.slow
 def test_the_chart_counts_attributes_and_capacities_as_parse_config_does(helm, tmp_path):
     """The 32 attributes and capacities a device may have: for resources of each kind (a directory,
     USB devices), shared or not, with counts either side of the limit split between attributes and
@@ -1113,6 +1119,7 @@ _RESOURCE_NAME = st.one_of(
 )
 
 
+@pytest.mark.slow
 def test_the_chart_and_parse_config_agree_on_every_resource_name(helm, tmp_path):
     """Resource names, each rule's edge from both sides (the name's 63, the domain's 244 with
     "requests." before it, the reserved kubernetes.io and requests., case, ASCII) and generated
@@ -1249,6 +1256,7 @@ def test_the_chart_refuses_a_string_the_plugin_would_read_as_something_else(helm
     assert result.returncode == 1 and f"config.resources[0].{path}: '" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("character", ["\x7f", "\x80", "\ufffe"])
 def test_the_chart_refuses_a_resource_toyaml_cannot_write(helm, character, tmp_path):
     """Sprig's toYaml returns "" for what Go's YAML cannot write: configmap.yaml would give the node
@@ -1260,6 +1268,7 @@ def test_the_chart_refuses_a_resource_toyaml_cannot_write(helm, character, tmp_p
     assert result.returncode == 1 and said in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_the_chart_refuses_allowed_host_paths_it_does_not_mount(helm, tmp_path):
     """allowed_host_paths outside /dev and /sys must be mounted into the pod (extraHostPaths), or
     the plugin finds nothing there, silently: refused at render, and the same values with the
@@ -1319,6 +1328,7 @@ def test_the_charts_schema_prints_no_regex_and_no_not():
     assert {"pattern", "not", "if", "contains"} & set(keys(json.loads(schema))) == set()
 
 
+@pytest.mark.slow
 def test_the_charts_notes_carry_check_configs_warnings(helm, tmp_path):
     """A regex-looking pattern renders (the plugin runs), and the install's notes say what
     check-config says of it."""
@@ -1336,6 +1346,7 @@ def test_the_charts_notes_carry_check_configs_warnings(helm, tmp_path):
     assert "check-config warns" not in result.stdout
 
 
+@pytest.mark.slow
 def test_the_charts_notes_warn_of_the_attributes_sysfs_may_add(helm, tmp_path):
     """A DRA resource with room for its own attributes but not for sysfs's renders (the plugin
     leaves the last by name out, with a line), and the install's notes say so, as check-config does
@@ -1351,6 +1362,7 @@ def test_the_charts_notes_warn_of_the_attributes_sysfs_may_add(helm, tmp_path):
     assert said in result.stdout.partition("\nNOTES:\n")[2].splitlines(), result.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_the_chart_refuses_mode_dra_before_kubernetes_1_34(helm):
     """resource.k8s.io/v1 is served from 1.34: an older cluster gets one line saying what to do,
     not objects its API server refuses one by one. 1.34 itself renders."""
@@ -1363,6 +1375,7 @@ def test_the_chart_refuses_mode_dra_before_kubernetes_1_34(helm):
     assert helm_template(helm, values, "gopherplug-dra", "--kube-version", "1.34.0").returncode == 0
 
 
+@pytest.mark.slow
 def test_ci_helm_refuses_a_cached_binary_that_is_not_the_one_it_checks(helm, tmp_path):
     """.ci/helm uses a cached helm only when its sha256 is the one written in the script: a binary
     put in its place is replaced by the checked one, fetched again."""

@@ -71,6 +71,7 @@ def narrated_demo(sockdir, *options):
     return " ".join(who for who, _ in steps), "\n".join(what for _, what in steps)
 
 
+@pytest.mark.slow
 def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir)
     assert who == (
@@ -115,6 +116,7 @@ def test_the_docs_demo_samples_are_in_time_order():
         assert len(times) > 10 and times == sorted(times), (page, sample)
 
 
+@pytest.mark.slow
 def test_demo_dra_narrates_the_dra_flow_and_leaves_nothing_behind(sockdir):
     who, said = narrated_demo(sockdir, "--dra")
     assert who == (
@@ -175,6 +177,7 @@ def gpu_recipe_config(sockdir):
     return path, dev
 
 
+@pytest.mark.slow
 def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockdir):
     """`gopherplug demo --config FILE`: the user's resources scanned where the file says, registered
     with the simulated kubelet, listed, and one device of each allocated, narrated as the demo is;
@@ -202,6 +205,7 @@ def test_demo_config_runs_your_configuration_against_the_kubelet_simulator(sockd
     assert sorted(os.listdir(sockdir)) == ["node"]
 
 
+@pytest.mark.slow
 def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     """`gopherplug demo --config FILE --dra`: the same file served through DRA (api: dra, the demo's
     driver): the pool's ResourceSlice, a claim for its first device allocated and prepared, and the
@@ -234,6 +238,7 @@ def test_demo_config_dra_prepares_a_claim_of_your_configuration(sockdir):
     assert sorted(os.listdir(sockdir)) == ["node"]
 
 
+@pytest.mark.slow
 def test_demo_config_dra_waits_for_what_describe_says_not_for_a_new_generation(sockdir):
     """demo --config --dra with two resources whose describe answers at once: the plugin's run may
     answer before the demo looks at the slice, so the demo waits for describe's values (not for a
@@ -269,6 +274,7 @@ def test_demo_config_dra_waits_for_what_describe_says_not_for_a_new_generation(s
     ]
 
 
+@pytest.mark.slow
 def test_demo_config_refuses_what_check_config_refuses(tmp_path):
     """A file check-config refuses, demo --config refuses with the same line and exit 2; under --dra,
     what only the device-plugin API has is refused with why."""
@@ -296,6 +302,7 @@ def test_demo_config_refuses_what_check_config_refuses(tmp_path):
 ATTRIBUTES, CAPACITY = (f'device.{kind}["{gp.DEMO_DRIVER}"]' for kind in ("attributes", "capacity"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "selector, verdicts, allocated",
     [
@@ -341,6 +348,7 @@ def test_demo_select_evaluates_a_selector_on_your_devices_as_the_scheduler(sockd
         assert f"gopherplug.example.com/hailo={allocated}: env HAILO_DEVICES_{allocated.upper()}={allocated}" in lines
 
 
+@pytest.mark.slow
 def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_needs(sockdir):
     """A selector the API server would refuse is refused before the demo starts, in one line, exit 2;
     so is --select without the devices of --config and --dra."""
@@ -362,6 +370,7 @@ def test_demo_select_refuses_a_selector_that_cannot_compile_and_names_what_it_ne
     assert result.stderr.endswith("): pip install '.[dra,cel]' in a checkout\n")
 
 
+@pytest.mark.slow
 async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_request(node, tmp_path):
     """`gopherplug kubelet --device-plugin-dir DIR` and `gopherplug serve` as two processes on one
     directory, as a user tries a configuration without a cluster: the kubelet says the
@@ -434,6 +443,7 @@ async def test_kubelet_command_narrates_a_serve_of_your_own_and_allocates_on_req
     assert (await kubelet.stderr.receive_some()) == b""
 
 
+@pytest.mark.slow
 async def test_probe_shows_what_the_kubelet_sees(nursery, node, tmp_path):
     os.symlink("/dev/null", os.path.join(node.devices, "g3"))
     config = node.config(allowed_host_paths=["/dev"])
@@ -454,6 +464,7 @@ async def test_probe_shows_what_the_kubelet_sees(nursery, node, tmp_path):
     )
 
 
+@pytest.mark.slow
 async def test_probe_says_one_device_in_the_singular(nursery, node):
     os.unlink(os.path.join(node.devices, "g2"))
     with trio.fail_after(TIMEOUT):
@@ -468,6 +479,7 @@ async def test_probe_says_one_device_in_the_singular(nursery, node):
     )
 
 
+@pytest.mark.slow
 async def test_probe_fails_for_a_configured_resource_that_does_not_answer(nursery, node, tmp_path):
     text = yaml.safe_dump(
         {
@@ -509,6 +521,7 @@ async def test_probe_finds_the_live_socket_among_dead_ones(nursery, node):
     assert (result.endpoint, result.error, len(result.devices)) == ("gopherplug-example.com_gopher-1.sock", "", 2)
 
 
+@pytest.mark.slow
 async def test_a_killed_plugins_sockets_are_removed_by_the_next_one(nursery, node, tmp_path):
     config = str(write_config(node, tmp_path))
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
@@ -547,6 +560,7 @@ def can_unshare_mounts():
     return subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not can_unshare_mounts(), reason="needs root and unshare --mount")
 async def test_device_plugin_directory_removed_on_the_host_exits_a_pod_with_one_line(nursery, node, tmp_path):
     # A pod's hostPath volume is a bind mount in the pod's mount namespace: made here for real.
@@ -584,6 +598,7 @@ async def test_device_plugin_directory_removed_on_the_host_exits_a_pod_with_one_
     assert len(simulator.registrations) == 1
 
 
+@pytest.mark.slow
 async def test_a_second_plugin_for_the_same_resource_refuses_and_leaves_the_first_alone(nursery, node, tmp_path):
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node)
@@ -603,6 +618,7 @@ async def test_a_second_plugin_for_the_same_resource_refuses_and_leaves_the_firs
     assert len(simulator.registrations) == 1 and simulator.resources[RESOURCE].streaming
 
 
+@pytest.mark.slow
 def test_a_kubelet_directory_root_may_not_write_says_what_to_do(node, tmp_path):
     """As the DaemonSet runs it, root without CAP_DAC_OVERRIDE, in a directory of another owner:
     one line that says permission denied and what to fix, not Python's PermissionError and errno."""
@@ -632,6 +648,7 @@ sys.stdin.read()  # until the test closes it
 """
 
 
+@pytest.mark.slow
 async def test_a_lock_held_in_a_container_names_it_so_it_can_be_found(tmp_path):
     """Its pid is 1 in its own namespace, which finds nothing from here: the message says so, gives
     its hostname (a pod's name) and its pid as this process sees it."""
@@ -660,6 +677,7 @@ async def test_a_lock_held_in_a_container_names_it_so_it_can_be_found(tmp_path):
     )
 
 
+@pytest.mark.slow
 async def test_a_long_resource_name_gets_a_short_socket_name(nursery, node, tmp_path):
     # The readable name would fit at socket number 1 and pass the 107-byte limit at 10.
     name = "example.com/" + "n" * 57
@@ -690,6 +708,7 @@ async def test_a_long_resource_name_gets_a_short_socket_name(nursery, node, tmp_
 ONLY_WHEN_NEEDED = ("lightkube", "httpx2", "httpcore2", "h11", "prometheus_client", "difflib", "gopherplug_standins")
 
 
+@pytest.mark.slow
 async def test_a_device_plugin_serves_without_importing_what_only_dra_metrics_or_mistakes_need(nursery, node, tmp_path):
     """Every module a process imports costs its start-up time and keeps its code in memory for the
     process's life: a device plugin's serve, to its first list and an Allocate, imports none of
@@ -722,6 +741,7 @@ async def test_a_device_plugin_serves_without_importing_what_only_dra_metrics_or
     assert imports.read_text().split() == ["yaml"]
 
 
+@pytest.mark.slow
 async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, node, tmp_path):
     config = str(write_config(node, tmp_path))
     limited = "import resource, sys, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48)); "
@@ -757,6 +777,7 @@ async def test_out_of_file_descriptors_the_plugin_waits_and_serves_on(nursery, n
 # `gopherplug who`: the kubelet's PodResources answer, read against the configuration
 
 
+@pytest.mark.slow
 async def test_who_names_the_pod_and_container_holding_each_device(nursery, node, tmp_path):
     """A device plugin's devices: the kubelet books an Allocate to the container it was for, and
     PodResources List tells; `who` (a subprocess, as an operator runs it) reads it against the
@@ -801,6 +822,7 @@ async def test_who_names_the_pod_and_container_holding_each_device(nursery, node
     assert [h.pod for h in held.holders] == ["batch-1"] and free.holders == ()
 
 
+@pytest.mark.slow
 async def test_who_waits_while_the_kubelet_refuses_past_its_rate_limit_and_says_so(nursery, node):
     """The kubelet refuses a PodResources call past its rate limit at once (RESOURCE_EXHAUSTED,
     "rejected by rate limit"), 100 a second in bursts of 10 for every client together: who asks
@@ -826,6 +848,7 @@ async def test_who_waits_while_the_kubelet_refuses_past_its_rate_limit_and_says_
     assert strict.refused == 1 + len(said)
 
 
+@pytest.mark.slow
 async def test_who_without_the_kubelets_socket_says_what_to_mount(node, tmp_path):
     config = write_config(node, tmp_path)
     missing = os.path.join(os.path.dirname(node.plugin_dir), "pod-resources", "kubelet.sock")  # the default
@@ -838,6 +861,7 @@ async def test_who_without_the_kubelets_socket_says_what_to_mount(node, tmp_path
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given_as", ["--pod-resources-socket", "GOPHERPLUG_POD_RESOURCES_SOCKET"])
 async def test_who_with_a_socket_given_that_does_not_exist_says_so(node, tmp_path, given_as):
     # It told the user who had given --pod-resources-socket to give --pod-resources-socket.
@@ -1064,6 +1088,7 @@ async def test_probe_fails_a_plugin_the_kubelet_does_not_read(node):
     assert (good.error, good.status.registered, good.status.streams) == ("", True, 1)
 
 
+@pytest.mark.slow
 async def test_json_logs_one_object_per_event_with_the_resource(nursery, node, tmp_path):
     path = write_config(node, tmp_path)
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
@@ -1121,6 +1146,7 @@ def device_cgroup_denying(node_path):
         os.rmdir(group)  # its processes have exited: run() waited for them
 
 
+@pytest.mark.slow
 def test_a_node_refused_only_by_the_plugins_own_device_cgroup_is_healthy(node, tmp_path):
     # In an unprivileged pod, access() on every device node the plugin offers fails with EPERM:
     # its device cgroup lists none of them (a real node: kvm, tun, ttyUSB0 were all Unhealthy).
@@ -1152,6 +1178,7 @@ def test_a_node_refused_only_by_the_plugins_own_device_cgroup_is_healthy(node, t
     ]
 
 
+@pytest.mark.slow
 def test_check_config_as_root_shows_what_the_pod_would_refuse(node, tmp_path):
     # Root on the node keeps CAP_DAC_OVERRIDE; the shipped pod (root, capabilities dropped) does not.
     if os.geteuid() != 0:
@@ -1186,6 +1213,7 @@ def test_check_config_as_root_shows_what_the_pod_would_refuse(node, tmp_path):
     ) in dropped.stdout.splitlines()
 
 
+@pytest.mark.slow
 async def test_debug_logs_are_gopherplugs_own_not_the_http2_internals(nursery, node, tmp_path):
     # At debug, h2 and hpack logged 36 lines per Allocate call (every frame, every header table change).
     path = write_config(node, tmp_path)
@@ -1211,6 +1239,7 @@ async def test_debug_logs_are_gopherplugs_own_not_the_http2_internals(nursery, n
     assert len(lines) < 40, "\n".join(lines[:60])  # about 20; each Allocate is one line
 
 
+@pytest.mark.slow
 def test_probe_without_any_plugin_exits_1(node):
     result = run_cli("probe", "--device-plugin-dir", node.plugin_dir)
     assert (result.returncode, result.stdout) == (1, f"no gopherplug socket in {node.plugin_dir}\n")
@@ -1234,6 +1263,7 @@ def test_plain_probe_says_which_directories_hold_no_kubelet_not_that_it_waits(tm
     assert capsys.readouterr() == (f"no gopherplug socket in {known[1]}\n", "")
 
 
+@pytest.mark.slow
 def test_check_config_summarises_a_good_file(node, tmp_path):
     os.symlink("/dev/null", os.path.join(node.devices, "null"))
     os.symlink("/dev/zero", os.path.join(node.devices, "zero"))
@@ -1260,6 +1290,7 @@ def test_check_config_summarises_a_good_file(node, tmp_path):
     assert via_env.stdout == result.stdout
 
 
+@pytest.mark.slow
 def test_check_config_shows_each_devices_members(tmp_path):
     dev, plugin_dir = str(tmp_path / "dev"), str(tmp_path / "dp")
     os.mkdir(plugin_dir)  # a kubelet's directory (a missing one is warned about)
@@ -1306,6 +1337,7 @@ def test_check_config_shows_each_devices_members(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
     # A directory not there (yet) or a machine without USB used to print "0 devices, 0 healthy", like a typo.
     missing, plugin_dir, sysfs = str(tmp_path / "gophers"), str(tmp_path / "dp"), str(tmp_path / "sys")
@@ -1341,6 +1373,7 @@ def test_check_config_says_what_is_missing_and_strict_exits_1_for_it(tmp_path):
     assert run_cli("check-config", "--strict", "--config", str(path)).returncode == 0
 
 
+@pytest.mark.slow
 def test_check_config_says_what_to_write_for_a_directory_that_is_a_device_or_a_glob(tmp_path):
     # generic-device-plugin's `path: /dev/fuse` and `path: /dev/ttyUSB*`, carried over as directories:
     # serve would never find a device, and check-config only said "is not a directory".
@@ -1381,6 +1414,7 @@ async def test_serve_says_what_to_write_for_a_directory_that_is_a_device(nursery
     ) in caplog.messages
 
 
+@pytest.mark.slow
 def test_check_config_shows_what_a_container_gets_for_one_device(node, tmp_path):
     # Allocate's own answer for the first healthy device: the user had to script the simulator to see it.
     path = write_config(
@@ -1410,6 +1444,7 @@ def test_check_config_shows_what_a_container_gets_for_one_device(node, tmp_path)
     )
 
 
+@pytest.mark.slow
 def test_check_config_warns_when_allocate_would_refuse_every_pod(node, tmp_path):
     # Two members of one device share {index}: the file is valid, and every Allocate of g1 fails.
     for name in ("g1", "g2"):
@@ -1426,6 +1461,7 @@ def test_check_config_warns_when_allocate_would_refuse_every_pod(node, tmp_path)
     assert (result.returncode, result.stderr) == (1, f"gopherplug: --strict: {RESOURCE}: a warning\n")
 
 
+@pytest.mark.slow
 def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_the_readme(node, tmp_path):
     # argparse took generic-device-plugin's --device for an abbreviation of --device-plugin-dir:
     # "--device-plugin-dir: '{"name":"serial",…}' must be an absolute path".
@@ -1451,6 +1487,7 @@ def test_cli_takes_no_abbreviation_and_sends_generic_device_plugins_device_to_th
         )
 
 
+@pytest.mark.slow
 def test_check_config_says_serve_would_stop_for_an_extra_that_is_not_installed(node, sockdir, tmp_path):
     # check-config --strict exited 0 for metrics_address or dra without their extra, and serve exited 1.
     blocked = tmp_path / "blocked"  # modules that fail to import, as an absent extra does
@@ -1527,6 +1564,7 @@ def test_device_plugin_dir_mistake_proposes_no_directory_that_is_missing_too(soc
         assert gp.device_plugin_dir_mistake(directory, [directory]) == said
 
 
+@pytest.mark.slow
 def test_check_config_takes_the_charts_configmap_and_helm_templates_output(helm, tmp_path):
     """What the chart's README promises: check-config --config on the chart's ConfigMap, or on
     `helm template`'s whole output, checks the configuration in it (and refuses what it refuses)."""
@@ -1552,6 +1590,7 @@ def test_check_config_takes_the_charts_configmap_and_helm_templates_output(helm,
     )
 
 
+@pytest.mark.slow
 def test_check_config_warns_of_a_device_plugin_dir_that_is_not_there(node, tmp_path):
     # A typo in device_plugin_dir: serve waits for the kubelet for ever, and check-config said nothing.
     if gp._kubelets_directory(gp.KNOWN_DEVICE_PLUGIN_DIRS) is not None:
@@ -1574,6 +1613,7 @@ def test_check_config_warns_of_a_device_plugin_dir_that_is_not_there(node, tmp_p
         )
 
 
+@pytest.mark.slow
 def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     path = write_config(node, tmp_path, directory="relative")
     result = run_cli("check-config", "--config", str(path))
@@ -1581,6 +1621,7 @@ def test_check_config_rejects_a_bad_file_with_exit_2(node, tmp_path):
     assert result.stderr == f"gopherplug: {path}: resources[0].directory: 'relative' must be an absolute path\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fields", "stderr"),
     [
@@ -1620,6 +1661,7 @@ def test_a_pattern_that_offers_the_whole_dev_root_needs_whole_dev(node, tmp_path
         assert (result.returncode, result.stderr) == (2, f"gopherplug: {path}: {stderr.format(**fill)}\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("pattern", "glob"),
     [
@@ -1639,6 +1681,7 @@ def test_a_glob_that_looks_like_a_regex_is_warned_about(node, tmp_path, pattern,
     )
 
 
+@pytest.mark.slow
 def test_serve_logs_the_warning_about_a_regex_like_glob(node, tmp_path):
     # A directory where the socket would be ends serve at once (exit 1): the warning came first.
     os.mkdir(os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-1.sock"))
@@ -1651,6 +1694,7 @@ def test_serve_logs_the_warning_about_a_regex_like_glob(node, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_check_config_without_roots_rights_says_what_serve_will_need(sockdir):
     """check-config said OK to a user without root's rights, and serve then failed: it says, a line
     each, where serve must create sockets or files (a missing directory's parent, where it would be
@@ -1703,6 +1747,7 @@ def test_check_config_without_roots_rights_says_what_serve_will_need(sockdir):
     )
 
 
+@pytest.mark.slow
 def test_an_attribute_named_like_a_standard_one_in_the_drivers_domain_is_warned_about(node, tmp_path):
     """attributes: {pcieRoot: ...} is published as <driver>/pcieRoot, which a claim's matchAttribute:
     resource.kubernetes.io/pcieRoot never sees: check-config (and serve, which logs the same
@@ -1778,6 +1823,7 @@ def a_mounted_block_device():
     pytest.skip("no filesystem here is mounted from a block device")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allowed", [False, True])
 def test_a_block_device_that_holds_a_mounted_filesystem_is_skipped_unless_allowed(node, tmp_path, allowed):
     (major, minor), mount_point = a_mounted_block_device()
@@ -1796,6 +1842,7 @@ def test_a_block_device_that_holds_a_mounted_filesystem_is_skipped_unless_allowe
     assert (f"  disk  Healthy    {node.devices}/disk\n" in result.stdout) is allowed
 
 
+@pytest.mark.slow
 def test_check_config_refuses_octal_looking_numbers_with_what_they_became(node, tmp_path):
     path = write_config(node, tmp_path, replicas=10)
     path.write_text(path.read_text().replace("replicas: 10", "replicas: 010"))
@@ -1807,6 +1854,7 @@ def test_check_config_refuses_octal_looking_numbers_with_what_they_became(node, 
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "stderr"),
     [
@@ -1822,12 +1870,14 @@ def test_serve_without_usable_config_exits_2(args, stderr):
     assert (result.returncode, result.stderr) == (2, stderr)
 
 
+@pytest.mark.slow
 def test_bad_usage_exits_2():
     result = run_cli("serve", "--log-level", "loud", env={"GOPHERPLUG_CONFIG": ""})
     assert result.returncode == 2
     assert "invalid choice: 'loud'" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("word", "said"),
     [
@@ -1865,6 +1915,7 @@ def test_an_option_misspelt_or_a_file_without_config_is_one_line(argv, said, cap
     assert capsys.readouterr() == ("", said + "\n")
 
 
+@pytest.mark.slow
 def test_check_config_into_a_pipe_closed_early_ends_without_a_traceback(node, tmp_path):
     """`check-config | head -1`: the reader has what it wanted; no BrokenPipeError traceback, and
     the status a shell gives a command SIGPIPE ended. The pipe's reading end is closed before
@@ -1887,6 +1938,7 @@ def test_check_config_into_a_pipe_closed_early_ends_without_a_traceback(node, tm
     assert (result.returncode, result.stderr) == (141, "")
 
 
+@pytest.mark.slow
 def test_the_script_without_its_dependencies_says_what_to_install_in_one_line(tmp_path):
     """`python gopherplug.py` from a checkout, in an environment without its dependencies (a bare
     venv): one line naming what is missing and what to install, not an import traceback."""
@@ -1908,6 +1960,7 @@ def test_the_script_without_its_dependencies_says_what_to_install_in_one_line(tm
     assert (HERE / "requirements" / "device-plugin.lock").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("variable", "value", "stderr"),
     [
@@ -1925,6 +1978,7 @@ def test_a_bad_log_setting_from_the_environment_is_one_line_and_exit_2(
     assert (result.returncode, result.stderr) == (2, f"gopherplug: {stderr}\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "env", "named"),
     [
@@ -1939,6 +1993,7 @@ def test_a_relative_device_plugin_dir_is_named_where_it_was_given(node, tmp_path
     assert (result.returncode, result.stderr) == (2, f"gopherplug: {named}: 'relative' must be an absolute path\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "env"),
     [(("--device-plugin-dir", "{dir}"), {}), ((), {"GOPHERPLUG_DEVICE_PLUGIN_DIR": "{dir}"})],
@@ -1958,6 +2013,7 @@ def test_check_config_says_where_serve_would_find_the_kubelet_given_the_option_o
     )
 
 
+@pytest.mark.slow
 def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
     # Something that is not a socket occupies our socket's path: nothing gopherplug can fix.
     os.mkdir(os.path.join(node.plugin_dir, "gopherplug-example.com_gopher-1.sock"))
@@ -1969,6 +2025,7 @@ def test_runtime_failure_exits_1_with_one_line(node, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path, signum):
     path = write_config(node, tmp_path)
@@ -1987,6 +2044,7 @@ async def test_signal_stops_cleanly_and_removes_sockets(nursery, node, tmp_path,
     assert elapsed < 5, "generous bound; docs/performance.md gives the measured figure"
 
 
+@pytest.mark.slow
 async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, node, tmp_path):
     path = write_config(node, tmp_path)
     # Written through a hard link in another directory, the file changes without an event for the
@@ -2017,6 +2075,7 @@ async def test_sighup_reads_the_configuration_again_and_keeps_serving(nursery, n
     assert node.our_sockets() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given", [["--metrics-address", "127.0.0.1:0"], []])
 async def test_serve_with_a_metrics_address_reloads_nothing_at_start(nursery, node, tmp_path, given):
     # The option made the running configuration differ from the file's first reading: "configuration

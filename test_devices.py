@@ -116,6 +116,7 @@ async def test_health_follows_every_hop_of_a_symlink_chain(nursery, node, tmp_pa
         await simulator.wait_until(listed("gopher0"))
 
 
+@pytest.mark.slow
 async def test_health_follows_permissions(nursery, node, tmp_path):
     # The plugin runs as a real process that cannot override file permissions, as in a pod.
     path = write_config(node, tmp_path)
@@ -484,6 +485,7 @@ if os.environ["GOPHER_DEVICES"] == "g1,g2":
 """
 
 
+@pytest.mark.slow
 async def test_pre_start_hook_runs_before_each_container(nursery, node, tmp_path):
     (tmp_path / "hook.py").write_text(HOOK)
     said = tmp_path / "said"
@@ -549,6 +551,7 @@ class Lines:
         await self.stream.aclose()
 
 
+@pytest.mark.slow
 async def test_slow_pre_starts_neither_starve_allocate_nor_all_run_at_once(pb2, nursery, node, tmp_path):
     """40 containers starting at once, their pre_start commands all slow: the kubelet's one
     connection must still carry an Allocate, and only a few commands may run at a time."""
@@ -619,6 +622,7 @@ sys.exit(1)
 """
 
 
+@pytest.mark.slow
 async def test_pre_start_output_does_not_fill_the_plugins_memory(nursery, node):
     with trio.fail_after(TIMEOUT):
         simulator = await start(nursery, node, pre_start=[sys.executable, "-c", LOUD_HOOK])
@@ -725,6 +729,7 @@ def test_every_lesson_is_read_in_one_sitting_and_type_checked():
     assert "examples/lesson" in tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
 
 
+@pytest.mark.slow
 def test_the_lesson_demos_exit_0_and_name_every_rpc_and_dra_object(sockdir):
     """Each lesson's --demo, run as a learner runs it (its own process, against gopherplug's kubelet
     simulator, or the DRA kubelet, API server and scheduler stand-ins), exits 0 with nothing on
@@ -836,6 +841,7 @@ def test_the_lesson_demos_exit_0_and_name_every_rpc_and_dra_object(sockdir):
     )
 
 
+@pytest.mark.slow
 async def test_the_lesson_plugin_waits_for_a_missing_directory_in_one_line(tmp_path):
     """The lesson plugin started before its directory exists (udev makes /dev/serial/by-id at the
     first plug) says so in one line, no traceback, and watches the directory once it appears, its
@@ -872,6 +878,7 @@ async def test_the_lesson_plugin_waits_for_a_missing_directory_in_one_line(tmp_p
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lesson", ["gopher_dra.py", "gopher_claims.py"])
 def test_the_dra_lessons_demo_says_one_line_without_the_dra_extra(sockdir, lesson):
     """Without the dra extra (h11 for the API server stand-in), a DRA lesson's --demo says in one
@@ -891,6 +898,7 @@ def test_the_dra_lessons_demo_says_one_line_without_the_dra_extra(sockdir, lesso
     )
 
 
+@pytest.mark.slow
 def test_the_exercises_reference_solutions_pass_and_the_shipped_lesson_gets_a_hint(sockdir):
     """examples/lesson/check.py: every exercise's reference solution (solutions/, applied to a copy
     of the lessons) passes its check against the kubelet simulator, or the API server and
@@ -945,6 +953,7 @@ async def stop_example(process, stop):
             await process.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["docs/embedding.md", "examples/embedding/device_plugin.py"])
 async def test_embedding_example_serves_then_stops_cleanly_on_sigterm(nursery, node, tmp_path, source):
     """docs/embedding.md's program, run verbatim as its own process: it serves, and SIGTERM (the kubelet
@@ -973,6 +982,7 @@ async def test_embedding_example_serves_then_stops_cleanly_on_sigterm(nursery, n
     assert os.listdir(node.plugin_dir) == ["kubelet.sock"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", ["SIGTERM", "end of input"])
 async def test_asyncio_host_example_serves_what_asyncio_says_then_stops_cleanly(nursery, node, tmp_path, stop):
     """examples/embedding/asyncio_host.py: gopherplug in trio's guest mode inside asyncio, the devices

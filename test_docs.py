@@ -296,6 +296,7 @@ async def test_liveness_check_fails_once_our_socket_is_wiped_and_passes_once_reg
         assert await _healthz(port) == (200, "ok\n")
 
 
+@pytest.mark.slow
 async def test_liveness_check_fails_when_the_kubelet_stops_or_a_new_one_does_not_take_the_registration(
     nursery, node, monkeypatch
 ):
@@ -454,6 +455,7 @@ async def test_metrics_count_kubelet_restarts_pre_start_and_rescans(nursery, nod
     assert samples["gopherplug_inotify_overflows_total"] == 0
 
 
+@pytest.mark.slow
 async def test_metrics_of_a_dra_driver_count_prepares_and_api_errors_per_pool(dra_node):
     port = _free_loopback_port()
     (dra_node.devices / "gopher0").touch()
@@ -499,6 +501,7 @@ async def test_metrics_of_a_resource_with_no_device_are_there_at_0(nursery, node
         assert samples[f'gopherplug_pre_start_container_seconds_count{{resource="{name}"}}'] == 0
 
 
+@pytest.mark.slow
 async def test_metrics_of_a_removed_resource_go_with_it_and_the_others_stay(nursery, node, tmp_path):
     """Issue: after a reload removed a resource, /metrics still showed its devices. Every series
     labelled with its name goes with it; the other resources' stay as they were."""
@@ -532,6 +535,7 @@ async def test_metrics_of_a_removed_resource_go_with_it_and_the_others_stay(nurs
     assert after[f'gopherplug_allocate_seconds_count{{resource="{RESOURCE}"}}'] == 1
 
 
+@pytest.mark.slow
 async def test_metrics_of_a_dra_pool_are_there_at_0_and_go_with_its_resource_or_its_api(dra_node):
     """The DRA driver's per-resource series follow the same rules: a resource with no device has
     its devices at 0 and its pool's API errors at 0; a removed one loses them all, its pool's too.

@@ -819,6 +819,7 @@ def test_dra_socket_names_carry_the_pod_uid_as_the_go_helpers_do(monkeypatch, tm
     )
 
 
+@pytest.mark.slow
 def test_check_config_without_a_device_plugin_dir_says_where_serve_will_look(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump({"resources": [{"name": RESOURCE, "directory": str(tmp_path)}]}))
@@ -829,6 +830,7 @@ def test_check_config_without_a_device_plugin_dir_says_where_serve_will_look(tmp
     )
 
 
+@pytest.mark.slow
 def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_plugin_dir(sockdir):
     tmp_path = Path(sockdir)  # the kubelet root holds sockets: a short path
     (tmp_path / "g").mkdir()
@@ -843,6 +845,7 @@ def test_check_config_of_a_dra_only_configuration_names_the_driver_not_a_device_
     )
 
 
+@pytest.mark.slow
 def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(sockdir):
     # serve stops at start without it (exit 1); check-config named the pools after the host name, silently.
     tmp_path = Path(sockdir)
@@ -865,6 +868,7 @@ def test_check_config_of_a_dra_configuration_says_that_serve_needs_node_name(soc
     assert run_cli("check-config", "--strict", "--config", str(path), env={"NODE_NAME": "node-1"}).returncode == 0
 
 
+@pytest.mark.slow
 def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     # NodePrepareResources' CDI IDs and the CDI spec's edits for the first healthy device, with its pool;
     # the env as the container sees it: the request's <ENV>, as Allocate gives it, and the device's own.
@@ -891,6 +895,7 @@ def test_check_config_shows_what_a_dra_claim_gives_a_container(sockdir):
     ]
 
 
+@pytest.mark.slow
 def test_check_config_shows_each_devices_dra_name(sockdir):
     # A ResourceSlice names a device by a DNS label: ttyS0 is ttys0-45b83132 there, in claims' results
     # and in `kubectl get resourceslices`; check-config named only the first healthy device's.
@@ -911,6 +916,7 @@ def test_check_config_shows_each_devices_dra_name(sockdir):
     ]
 
 
+@pytest.mark.slow
 def test_check_config_shows_what_a_share_of_a_shared_dra_device_gives_a_container(sockdir):
     # replicas under DRA alone: each device shared by that many claims; a claim's container gets its
     # share's CDI device and env var (the scheduler's shareID shown as <shareID>).
@@ -1021,6 +1027,7 @@ def test_a_default_env_var_the_loader_reads_says_to_set_env():
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     driver=st.from_regex(r"[a-z0-9]([-a-z0-9]{0,8}[a-z0-9])?(\.[a-z0-9]{1,5}){0,2}", fullmatch=True),
@@ -1118,6 +1125,7 @@ def test_dra_device_names_are_dns_labels_and_distinct(device_id, name):
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name)
 
 
+@pytest.mark.slow
 def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
     (resource,) = gp.parse_config(dra_config("/g", "/k")).resources
     devices = {
@@ -1153,6 +1161,7 @@ def test_dra_slices_split_at_the_apis_limit_and_pass_the_schema(tmp_path):
         assert result.stdout.count("passed") == 4
 
 
+@pytest.mark.slow
 def test_dra_replicas_publish_each_device_shared_by_that_many_claims(tmp_path):
     """replicas: 3 under DRA (KEP-5075): each device allows multiple allocations and has a capacity
     of 3 shares, of which a claim that asks for nothing consumes 1. The API server takes it (the
@@ -1220,6 +1229,7 @@ def pci_sysfs(root):
     return str(root)
 
 
+@pytest.mark.slow
 def test_check_config_lists_each_devices_attributes_and_capacity_from_literals_sysfs_files_and_describe(tmp_path):
     """Check-config shows what each device's ResourceSlice entry will carry: the literals,
     what its files say ({sysfs}: the node's sysfs directory, here a GPU's PCI function's vendor), and
@@ -1611,6 +1621,7 @@ def test_dra_api_server_stand_in_refuses_shared_devices_as_the_real_one_does():
     )
 
 
+@pytest.mark.slow
 async def test_who_names_the_container_of_each_claims_device_in_a_dra_only_configuration(dra_node):
     """DRA: the kubelet lists, per container, the claims it names with each prepared device by
     driver, pool and device name; `who` (a subprocess with a DRA-only file, as in the DRA pod)
@@ -1708,6 +1719,7 @@ def describe_script(root, mode="ok"):
     return str(script)
 
 
+@pytest.mark.slow
 async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(dra_node, monkeypatch, caplog):
     """A resource's attributes and capacity, literal, from a file, and from describe (a real
     program, run once per scan of the resource, not per device), are in each device's ResourceSlice
@@ -1768,6 +1780,7 @@ async def test_dra_publishes_literal_file_and_described_attributes_and_capacity(
     assert not [line for line in caplog.messages if "refused" in line or "422" in line]
 
 
+@pytest.mark.slow
 async def test_dra_a_failing_hanging_or_garbled_describe_leaves_the_devices_served_and_recovers(
     dra_node, monkeypatch, caplog
 ):

@@ -294,6 +294,7 @@ async def test_serve_dra_devices_refuses_arguments_a_configuration_file_would_re
     assert os.listdir(sockdir) == []
 
 
+@pytest.mark.slow
 async def test_embedding_dra_example_serves_widgets_and_leaves_only_the_kubelets_files_on_sigterm(dra_node, tmp_path):
     """examples/embedding/dra_driver.py, run as a user would outside a pod (NODE_NAME, KUBECONFIG,
     the directories as options) against the API server and DRA kubelet stand-ins: its widgets are
@@ -355,6 +356,7 @@ def publishers(monkeypatch):
     return made
 
 
+@pytest.mark.slow
 async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra_node, publishers):
     """During the overlap both pods keep the node's slices, and the new one may see the devices
     otherwise (here: its configuration takes every gopher, the old one's only gopher0). The newest
@@ -394,6 +396,7 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
     # back before depends on how soon its peer check saw the new pod answer, which is time.
 
 
+@pytest.mark.slow
 async def test_dra_a_newer_pod_counts_once_it_answers_and_the_kubelet_registered_it(dra_node, publishers, monkeypatch):
     """The kubelet calls the newest pod of a driver that is registered and
     connected, not one whose socket merely accepts. A wedged newer pod (its socket accepts into the
@@ -455,6 +458,7 @@ def spec_env(path):
     return [(device["name"], device["containerEdits"]["env"]) for device in read_spec(path)["devices"]]
 
 
+@pytest.mark.slow
 async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(dra_node, publishers):
     """The old and the new pod of a rolling update share the CDI spec
     (<vendor>-<class>.json), each with its own configuration (here env: OLD, then NEW). The newest
@@ -497,6 +501,7 @@ async def test_dra_only_the_newest_pod_of_a_rolling_update_writes_the_cdi_spec(d
     ]
 
 
+@pytest.mark.slow
 async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_the_new_one(dra_node, publishers):
     """At the end of a rolling update the old pod stops, its registration socket
     first. It must not take the turn back then (its own socket gone, no newer one would be seen):
@@ -568,6 +573,7 @@ async def test_a_pod_that_takes_the_cdi_turn_writes_its_spec_again(nursery, tmp_
         assert spec_env(spec) == [("gopher0", ["NEW_GOPHER0=gopher0"])]
 
 
+@pytest.mark.slow
 async def test_dra_kubelet_stand_in_registers_at_start_in_random_order_and_keeps_a_connection(dra_node):
     """The kubelet registers the sockets it finds at start in no set order
     (a Go map), and a plugin is "connected" while the connection the kubelet keeps to it is up, not
@@ -590,6 +596,7 @@ async def test_dra_kubelet_stand_in_registers_at_start_in_random_order_and_keeps
         await kubelet.wait_until(lambda k: not plugin.connected)
 
 
+@pytest.mark.slow
 async def test_dra_kubelet_stand_in_connects_again_when_it_calls_a_plugin_not_connected(dra_node):
     """A registered plugin whose connection ended (here: closed from the kubelet's side) stays
     registered; with no plugin of the driver connected, a call goes to the newest, and connects it
@@ -609,6 +616,7 @@ async def test_dra_kubelet_stand_in_connects_again_when_it_calls_a_plugin_not_co
     assert kubelet.plugins[DRIVER] == [plugin]
 
 
+@pytest.mark.slow
 async def test_dra_an_older_pod_the_kubelet_calls_hands_the_claim_over_to_the_newest(dra_node, publishers):
     """After a kubelet restart during a rolling update, the
     kubelet may register the old pod last, and then calls it (the newest registered and connected
@@ -674,6 +682,7 @@ def test_dra_api_server_stand_in_refuses_claims_a_cluster_cannot_have():
     assert sorted(api.claims) == [("default", "c1")]
 
 
+@pytest.mark.slow
 async def test_dra_a_prioritized_list_result_reaches_the_container_that_names_its_request(dra_node):
     """A container names the main request ("gpu"); results of a subrequest say "gpu/small". The
     kubelet gives each container the CDI devices whose request names contain its request, so the
@@ -740,6 +749,7 @@ def test_the_runtime_stand_in_resolves_cdi_devices_as_the_cdi_library_does(tmp_p
             standins.cdi_container_env([str(low), str(high)], ["example.com/g=a", f"example.com/g={unresolved}"])
 
 
+@pytest.mark.slow
 async def test_dra_each_requests_containers_get_the_env_allocate_gives_through_the_claims_own_cdi_device(dra_node):
     """The device plugin's env contract under DRA. A claim of two requests, "gpu"
     (its subrequest "gpu/small" chose gopher2, then gopher0) and "serial" (gopher1): a container
@@ -802,6 +812,7 @@ async def test_dra_each_requests_containers_get_the_env_allocate_gives_through_t
     assert [e for d in spec["devices"] for e in d["containerEdits"]["env"] if e.startswith("GOPHER_DEVICES=")] == []
 
 
+@pytest.mark.slow
 async def test_dra_two_resources_in_one_request_each_give_their_own_env(dra_node):
     """A DeviceClass may select devices of two resources of one driver, and one request then holds
     both: each resource's <ENV> lists its own devices, each through its own kind's env device in
@@ -860,6 +871,7 @@ ADMIN_REQUESTS = [
 ]
 
 
+@pytest.mark.slow
 async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra_node):
     """KEP-5018: the scheduler gives an adminAccess request devices other claims hold, and
     unhealthy ones; the driver prepares them, where a claim without admin access is refused the
@@ -904,6 +916,7 @@ async def test_dra_admin_access_reaches_a_device_in_use_and_an_unhealthy_one(dra
     assert not gone.devices
 
 
+@pytest.mark.slow
 async def test_dra_prepare_writes_the_claims_device_status(dra_node):
     """KEP-4817: after preparing, the driver applies status.devices for its own results (driver,
     pool, device, and the device's paths as data) to the claim's status subresource, as the example
@@ -934,6 +947,7 @@ async def test_dra_prepare_writes_the_claims_device_status(dra_node):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status", [403, 500])
 async def test_dra_a_device_status_that_cannot_be_written_never_fails_the_prepare(dra_node, status):
     """Refused (RBAC without resourceclaims/status) or failed: the claim is prepared all the same,
@@ -952,6 +966,7 @@ async def test_dra_a_device_status_that_cannot_be_written_never_fails_the_prepar
     assert "devices" not in dra_node.api.claims["default", "c1"]["status"]
 
 
+@pytest.mark.slow
 async def test_dra_a_device_status_the_api_server_does_not_answer_delays_no_prepare(dra_node):
     """The kubelet waits for NodePrepareResources' answer, and the pod's start with it: the status
     is written after the answer, so an API server that never answers that write delays nothing."""
@@ -1011,6 +1026,7 @@ async def test_dra_a_claim_prepared_by_an_earlier_version_is_answered_without_it
     assert dra_node.kubelet.cdi_devices("uid-1", "gpu") == ["example.com/gopher=gopher0"]
 
 
+@pytest.mark.slow
 async def test_dra_a_claim_listed_twice_in_one_request_is_answered_once(dra_node):
     (dra_node.devices / "gopher0").touch()
     dra_node.api.put_claim(claim("c1", "uid-1", ("gopher", DRIVER, DraNode.POOL, "gopher0")))
@@ -1056,6 +1072,7 @@ async def test_dra_two_pods_sharing_the_checkpoint_keep_each_others_claims(tmp_p
     assert sorted(os.listdir(os.path.dirname(path))) == ["checkpoint.json", "serialize.lock"]
 
 
+@pytest.mark.slow
 async def test_dra_an_unreadable_checkpoint_is_kept_aside_and_the_driver_serves_on(dra_node, caplog):
     """A checkpoint cut short (a full disk, a hand edit) must neither stop the driver nor be
     overwritten: the claims in it are for a person to look at."""
@@ -1122,6 +1139,7 @@ async def test_dra_reload_adds_and_removes_a_resources_pool(dra_node):
     assert removed.lines == ["cfg.yaml: configuration reloaded: removed example.com/gopher"]
 
 
+@pytest.mark.slow
 async def test_dra_reload_updates_a_pool_in_place_without_deleting_its_slices(dra_node):
     # Stopping and starting the resource would take its pool away for a moment: the publisher
     # could delete its slices, and the scheduler would see no device of it until written again.
@@ -1188,6 +1206,7 @@ async def test_dra_only_reload_that_adds_a_device_plugin_resource_starts_the_kub
     assert "take effect at the next start" not in caplog.text
 
 
+@pytest.mark.slow
 async def test_dra_resources_whose_names_read_alike_get_slices_of_their_own(dra_node):
     """example.com/foo-bar and example.com-foo/bar: once their slices shared a name, and the API
     server refused, on every write, to move that slice from one pool to the other."""
@@ -1215,6 +1234,7 @@ async def test_dra_resources_whose_names_read_alike_get_slices_of_their_own(dra_
     assert dra_node.api.refused == []
 
 
+@pytest.mark.slow
 async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     """A pool over DRA_MAX_DEVICES_PER_SLICE devices is several slices; a change rewrites them
     all under one new generation, and a pool that shrinks deletes the slices it no longer needs."""
@@ -1243,6 +1263,7 @@ async def test_dra_a_pool_of_several_slices_is_updated_whole(dra_node):
     assert pool() == [(limit - 7, 3, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("status", "retry_after"), [(409, 0), (429, 1), (500, 0), (0, 0)])
 async def test_dra_a_pool_whose_second_slice_failed_is_written_again_whole(dra_node, monkeypatch, status, retry_after):
     """A pool of two slices changes in its first only: both go to a new generation, and the write of
@@ -1282,6 +1303,7 @@ async def test_dra_a_pool_whose_second_slice_failed_is_written_again_whole(dra_n
     assert tries[1][0] - tries[0][0] >= retry_after  # Retry-After is honoured
 
 
+@pytest.mark.slow
 async def test_dra_a_pool_the_api_server_keeps_refusing_blocks_no_other(dra_node, caplog):
     """Each pool is written on its own, with its own backoff: one whose writes keep failing must
     not keep another's devices, or the deletion of a stale slice, from the API server."""
@@ -1330,6 +1352,7 @@ async def test_dra_a_watch_that_expired_is_listed_again_quietly(dra_node, caplog
     assert (dra_node.api.count("list", "resourceslices"), dra_node.api.count("list", "nodes")) == (2, 2)
 
 
+@pytest.mark.slow
 async def test_dra_every_watch_asks_for_bookmarks_and_resumes_where_the_last_one_ended(dra_node):
     """The API server ends every watch after a while (--min-request-timeout, here a short one), with
     a bookmark just before if asked: the driver opens the next one from that bookmark's version, so
@@ -1358,6 +1381,7 @@ async def test_dra_every_watch_asks_for_bookmarks_and_resumes_where_the_last_one
     assert (dra_node.api.count("list", "resourceslices"), dra_node.api.count("list", "nodes")) == (1, 1)
 
 
+@pytest.mark.slow
 async def test_dra_after_an_api_server_restart_each_watch_lists_once(dra_node, caplog):
     """An API server restart cuts every watch, and the new one's watch cache starts after the
     versions the driver saw: each watch, opened again, is answered 410 Gone, and leads to exactly
@@ -1377,6 +1401,7 @@ async def test_dra_after_an_api_server_restart_each_watch_lists_once(dra_node, c
     assert all(message.startswith("DRA: watching ") for message in said)  # the cut watches, retried
 
 
+@pytest.mark.slow
 async def test_dra_a_relist_the_api_server_finds_too_new_for_its_cache_falls_back_to_a_quorum_list(dra_node, caplog):
     """A watch answered 410 is followed by a list at the last version seen; an API server whose
     watch cache is behind that version (another of an HA control plane, or one just restarted)
@@ -1489,6 +1514,7 @@ async def test_dra_a_share_whose_checkpoint_cannot_be_written_leaves_no_cdi_devi
     assert [d["name"] for d in read_spec(spec)["devices"]] == ["uid-1_gopher", f"gopher0-{SHARE_1}"]
 
 
+@pytest.mark.slow
 async def test_dra_a_checkpoint_that_cannot_be_read_stops_the_start(dra_node, monkeypatch):
     """Starting without it would write over the claims in it: `gopherplug serve` exits 1 with one
     line naming it, and what to do."""
@@ -1603,6 +1629,7 @@ async def test_parts_stop_one_at_a_time_the_last_started_first_each_within_its_b
     ]
 
 
+@pytest.mark.slow
 async def test_dra_serve_stops_part_by_part_and_at_once_on_sigterm(dra_node, tmp_path):
     """Every second between SIGTERM and exit is added to each pod of a rollout; the device-plugin
     process takes ~0.06 s. The kubelet keeps its connection to the driver, and its health stream,
@@ -1628,6 +1655,7 @@ async def test_dra_serve_stops_part_by_part_and_at_once_on_sigterm(dra_node, tmp
     ]
 
 
+@pytest.mark.slow
 async def test_a_dra_driver_never_runs_what_lightkube_imports_for_others(dra_node, tmp_path):
     """lightkube imports asyncio (for exec credentials, which need an asyncio loop) and the core
     group's 500 models: 3 MiB a DRA driver never uses. A serve, to its slice, a prepared claim and its
@@ -1688,6 +1716,7 @@ async def test_a_dra_driver_never_runs_what_lightkube_imports_for_others(dra_nod
     ]
 
 
+@pytest.mark.slow
 async def test_serve_stopped_ends_without_the_interpreters_teardown(dra_node, tmp_path):
     """Once everything is closed, the interpreter's teardown (30 to 150 ms of CPU here, collecting
     every module's objects) is skipped: what an atexit handler of the process would print, it never
@@ -1706,6 +1735,7 @@ async def test_serve_stopped_ends_without_the_interpreters_teardown(dra_node, tm
     assert " INFO SIGTERM received: stopping\n" in log_text  # the log flushed all the same
 
 
+@pytest.mark.slow
 async def test_dra_serve_stop_leaves_behind_a_part_that_never_ends_and_exits_in_time(dra_node, tmp_path, nursery):
     """A NodePrepareResources in flight waits for a thread that no cancellation interrupts: its
     checkpoint's flock, held by the other pod of a rolling update (here: for good, as a hung disk
@@ -1761,6 +1791,7 @@ async def test_dra_serve_stop_leaves_behind_a_part_that_never_ends_and_exits_in_
     assert not registration.exists() and not (lock.parent / "dra.sock").exists()
 
 
+@pytest.mark.slow
 async def test_dra_only_never_looks_for_kubelet_sock(dra_node, tmp_path):
     # A DRA pod mounts no device-plugin directory: a warning that it has no kubelet.sock misleads.
     with trio.fail_after(TIMEOUT):
@@ -1772,6 +1803,7 @@ async def test_dra_only_never_looks_for_kubelet_sock(dra_node, tmp_path):
     assert "kubelet.sock" not in log_text and "device-plugins" not in log_text
 
 
+@pytest.mark.slow
 async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
     (dra_node.devices / "gopher0").touch()
     put = dra_node.api.put_claim
@@ -1805,6 +1837,7 @@ async def test_dra_claims_that_are_not_this_nodes_get_an_error(dra_node):
     assert all(not entry.devices for entry in answer.claims.values())
 
 
+@pytest.mark.slow
 async def test_dra_kubelet_restart_and_a_deleted_socket_register_again(dra_node):
     (dra_node.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
@@ -1826,6 +1859,7 @@ async def test_dra_kubelet_restart_and_a_deleted_socket_register_again(dra_node)
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]  # the second after the wipe
 
 
+@pytest.mark.slow
 async def test_dra_a_driver_back_in_time_keeps_its_slices_one_too_late_writes_them_again(dra_node):
     """The kubelet deletes a driver's slices DRA_WIPING_DELAY after it went, unless it registers again
     first: a plugin restart keeps them; a plugin away for longer finds them gone and writes them."""
@@ -1848,6 +1882,7 @@ async def test_dra_a_driver_back_in_time_keeps_its_slices_one_too_late_writes_th
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
 
 
+@pytest.mark.slow
 async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
     (dra_node.devices / "gopher0").touch()
     with trio.fail_after(TIMEOUT):
@@ -1859,6 +1894,7 @@ async def test_dra_slices_deleted_by_someone_else_are_written_again(dra_node):
     assert [verb for verb, _ in dra_node.api.writes] == ["create", "create"]
 
 
+@pytest.mark.slow
 async def test_dra_slices_named_by_an_earlier_version_are_replaced(dra_node):
     """Slices written by a version that named them without a digest ("<node>-<driver>-<pool>-0") are
     no longer wanted: the pool is written under the new names at a newer generation, and the old
@@ -1905,6 +1941,7 @@ async def test_dra_slices_are_owned_by_their_node_and_go_with_it(dra_node):
             await dra_node.api.changed.wait_touched()
 
 
+@pytest.mark.slow
 async def test_dra_slices_without_a_node_to_own_them_are_published_and_owned_later(dra_node, caplog):
     """A Node the driver cannot find (a NODE_NAME that names none, or a Node not registered yet)
     must not keep the devices from the scheduler: the slices go out unowned, with one warning, and
@@ -1951,6 +1988,7 @@ HELD_BACK = (
 )
 
 
+@pytest.mark.slow
 async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_until_it_is_0(dra_node, caplog):
     """A node serves a resource through one API. While the Node's allocatable still counts it (a
     device plugin serves it there, and pods that ask for it in resources.limits get its devices
@@ -1971,6 +2009,7 @@ async def test_dra_a_resource_the_nodes_allocatable_still_counts_is_held_back_un
     assert (dra_node.api.count("list", "nodes"), dra_node.api.count("get", "nodes")) == (1, 0)
 
 
+@pytest.mark.slow
 async def test_dra_a_node_allocatable_that_changes_after_start_holds_back_and_releases_within_seconds(dra_node, caplog):
     """A device plugin that starts serving the resource on a node after the DRA driver (a rollback
     of the node-by-node switch, or the two DaemonSets' labels edited): the Node's allocatable counts
@@ -2030,6 +2069,7 @@ async def test_dra_a_node_annotation_holding_a_next_line_character_is_one_watch_
     assert (dra_node.api.count("list", "nodes"), dra_node.api.count("watch", "nodes")) == (1, 1)
 
 
+@pytest.mark.slow
 async def test_dra_a_watch_line_that_is_no_event_is_said_in_one_line_and_listed_again(dra_node, caplog):
     """Whatever a watch brings, the driver goes on: a line that is not an event (a proxy that
     mangles the stream) is said in one line, and the objects are listed again after the backoff,
@@ -2058,6 +2098,7 @@ async def test_dra_a_watch_line_that_is_no_event_is_said_in_one_line_and_listed_
     assert (dra_node.api.count("list", "nodes"), dra_node.api.count("list", "resourceslices")) == (2, 2)
 
 
+@pytest.mark.slow
 async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(dra_node, monkeypatch, caplog):
     """An older manifest's ClusterRole gives get on nodes, not list and watch: the Node is read
     every DRA_NODE_POLL_SECONDS instead (jittered), said once however often it is read, and a change
@@ -2082,6 +2123,7 @@ async def test_dra_a_node_that_cannot_be_watched_is_polled_slowly_and_said_once(
     ]
 
 
+@pytest.mark.slow
 async def test_dra_a_node_read_for_want_of_rbac_is_watched_again_once_rbac_allows_it(dra_node, monkeypatch, caplog):
     """A 403 on the Node's list or watch (a ClusterRole without them) is not for the life of the
     process: the watch is tried again after a backoff, quietly while it is still refused, and once
@@ -2124,6 +2166,7 @@ def scheduler_on(node_allocatable, device_ids=("gopher0", "gopher1"), taints=Non
     return standins.SchedulerSimulator(api, [shipped_device_class()] if classes is None else classes)
 
 
+@pytest.mark.slow
 async def test_the_same_pod_spec_is_served_by_the_device_plugin_then_by_dra_once_the_node_is_switched(dra_node):
     """Migration without touching pods: a pod asking for example.com/gopher in resources.limits gets
     its device from gopherplug's device plugin while the node runs it, and, once the node is switched

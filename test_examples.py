@@ -39,6 +39,7 @@ from testsupport import (
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_recipe_pods_are_valid_against_the_kubernetes_schema():
     pods = sorted(str(path.relative_to(HERE)) for path in (HERE / "examples").glob("*/pod.yaml"))
     assert len(pods) == len(RECIPES) + 1  # and examples/fpga's, whose recipe test_recipes.py runs
@@ -53,6 +54,7 @@ DRA_RECIPES = ["camera", "fpga", "fuse", "nvidia", "tun"]  # the recipes with a 
 SHARED_DRA_RECIPES = ["fuse", "tun"]  # those of one device shared by many claims (replicas)
 
 
+@pytest.mark.slow
 def test_dra_recipes_are_valid_against_the_kubernetes_schema():
     """Each DRA recipe's DeviceClass, ResourceClaimTemplate and Deployment, in the versions that
     serve resource.k8s.io/v1."""
@@ -64,6 +66,7 @@ def test_dra_recipes_are_valid_against_the_kubernetes_schema():
         assert result.stdout.count("passed") == 3 * len(recipes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", SHARED_DRA_RECIPES)
 async def test_dra_recipe_shares_its_one_device_among_the_deployments_pods(example, dra_node):
     """The DRA variant of a shared-device recipe, on a tree shaped like a node's /dev: its one node
@@ -186,6 +189,7 @@ def nvidia_describe(proc, recording, *options):
     )
 
 
+@pytest.mark.slow
 def test_the_fake_nvidia_smi_answers_as_the_recorded_h200_did():
     """The fake's answer to describe's query is what the real nvidia-smi printed on the H200 for it
     (recorded separately, with noheader and nounits); it refuses what the real one refuses."""
@@ -205,6 +209,7 @@ def test_the_fake_nvidia_smi_answers_as_the_recorded_h200_did():
         assert (refused.returncode, refused.stdout) == (2, said + "\n")
 
 
+@pytest.mark.slow
 def test_nvidia_describe_turns_the_recorded_h200_into_attributes_and_capacity(tmp_path):
     """The recorded H200: its product name and UUID as they are, the driver's 580.159.04 and compute
     capability 9.0 as semantic versions (580.159.4, 9.0.0), the PCI address as sysfs spells it (a
@@ -215,6 +220,7 @@ def test_nvidia_describe_turns_the_recorded_h200_into_attributes_and_capacity(tm
     assert json.loads(described.stdout) == H200_JSON
 
 
+@pytest.mark.slow
 def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_smi_does_not_know(tmp_path):
     """Three GPUs whose node numbers are not nvidia-smi's indices (the driver's probe order): each is
     described under its node's number, found through its PCI address. A value nvidia-smi does not
@@ -251,6 +257,7 @@ def test_nvidia_describe_keys_each_gpu_by_its_node_and_leaves_out_what_nvidia_sm
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, said",
     [
@@ -294,6 +301,7 @@ def nvidia_example_config(name, dev, proc, **top):
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
 def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, name):
     """`check-config --strict` on a node with two GPUs: one device per /dev/nvidia<N>, ID N, and
@@ -339,6 +347,7 @@ def test_nvidia_example_configs_pass_check_config_on_a_fake_gpu_node(tmp_path, n
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["config.yaml", "config-dra.yaml"])
 def test_demo_config_runs_the_nvidia_example_on_a_fake_gpu_node(sockdir, name):
     """`gopherplug demo --config` on examples/nvidia (its /dev and describe the fake H200 node's): the
@@ -405,6 +414,7 @@ async def test_nvidia_device_plugin_gives_two_gpus_their_nodes_the_shared_ones_o
     assert {d.container_path for d in again.devices} == {d.container_path for d in answer.devices}
 
 
+@pytest.mark.slow
 async def test_nvidia_dra_claim_of_two_gpus_gets_both_and_the_shared_nodes_through_cdi(dra_node, monkeypatch):
     """examples/nvidia: config-dra.yaml publishes one device per GPU, described from the fake
     nvidia-smi (the recorded H200's values, its memory as capacity); pod-dra.yaml's claim of two with

@@ -247,6 +247,7 @@ async def test_a_device_of_several_entries_is_unhealthy_while_one_is(nursery, no
         assert simulator.resources[RESOURCE].updates == updates + 2, "a member joining alone changes no list"
 
 
+@pytest.mark.slow
 async def test_usb_devices_come_and_go_with_their_nodes(nursery, node, tmp_path):
     sysfs = usb_tree(tmp_path)
     dev = os.path.join(node.devices, "host-dev")  # the node's /dev, with its USB buses

@@ -370,6 +370,7 @@ def frame(
 # The issue's rows
 
 
+@pytest.mark.slow
 async def test_m1_probe_answers_within_1s_with_1000_idle_connections_and_a_reconnecting_peer(serving):
     """M1: the health port, with the process's soft limit of open files at 128 as a container runtime
     may set it. serve raises it to the hard limit (as Go programs do), and holds at most
@@ -408,6 +409,7 @@ async def test_m1_probe_answers_within_1s_with_1000_idle_connections_and_a_recon
         await stream.aclose()
 
 
+@pytest.mark.slow
 async def test_m2_metrics_port_has_timeouts_and_no_threads(serving):
     """M2: /metrics was prometheus_client's threaded server (a thread per connection, no timeout).
     Now the same server as /healthz: 100 idle connections hold no thread, each is closed within
@@ -430,6 +432,7 @@ async def test_m2_metrics_port_has_timeouts_and_no_threads(serving):
     assert served.peak_growth(before) <= RSS_BOUND
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port", ["health", "metrics"])
 async def test_slowloris_on_each_http_port_is_closed_at_the_header_timeout(serving, port):
     """One byte every 100 ms never completes a request head: the connection is closed
@@ -463,6 +466,7 @@ async def test_slowloris_on_each_http_port_is_closed_at_the_header_timeout(servi
     await served.well_behaved()
 
 
+@pytest.mark.slow
 async def test_m3_compressed_request_over_the_limit_is_resource_exhausted(serving):
     """M3: a gzip request of 8 KiB that inflates to 8 MiB was inflated whole (a 130 KiB one passed the
     chart's 128 MiB limit). Now inflated into at most KUBELET_MAX_MESSAGE bytes, and refused with
@@ -487,6 +491,7 @@ async def test_m3_compressed_request_over_the_limit_is_resource_exhausted(servin
     assert served.peak_growth(before) <= gp.KUBELET_MAX_MESSAGE + RSS_BOUND
 
 
+@pytest.mark.slow
 async def test_m4_requests_without_end_stream_close_the_connection_past_its_limit(serving):
     """M4: streams that send data without ending their requests held two whole messages each (six
     held 44 MiB). Now a connection's unanswered requests are at most MAX_CONNECTION_REQUEST_BYTES:
@@ -525,6 +530,7 @@ async def test_m4_requests_without_end_stream_close_the_connection_past_its_limi
     await served.well_behaved("added")
 
 
+@pytest.mark.slow
 async def test_l1_a_peer_that_never_reads_is_not_buffered_for(serving):
     """L1: 400 ListAndWatch streams against 2,000 devices, the windows opened to 2^31-1, and nothing
     read: 11.9 MiB was queued for the peer, more with every stream. Now the connection stops being
@@ -546,6 +552,7 @@ async def test_l1_a_peer_that_never_reads_is_not_buffered_for(serving):
     await peer.aclose()
 
 
+@pytest.mark.slow
 async def test_l2_a_bare_token_from_an_exec_plugin_is_in_no_log_line(short_path):
     tmp_path = short_path
     """L2: a DRA driver whose kubeconfig's exec credential plugin prints a bare token (not an
@@ -616,6 +623,7 @@ async def test_l2_a_bare_token_from_an_exec_plugin_is_in_no_log_line(short_path)
     assert [line for line in text.splitlines() if any(piece in line for piece in pieces)] == []
 
 
+@pytest.mark.slow
 def test_l3_the_dra_chart_mounts_only_its_own_plugin_directory():
     """L3: the DRA DaemonSet mounted all of <kubeletDir>/plugins read-write (every other driver's
     socket and staged volumes, to a root process). Now plugins/<driver> and plugins_registry only,
@@ -654,6 +662,7 @@ def test_l3_the_dra_chart_mounts_only_its_own_plugin_directory():
 # Beyond the rows
 
 
+@pytest.mark.slow
 async def test_headers_floods_end_at_the_stream_limit(serving):
     """HEADERS without END_STREAM, on three connections at once, up to the stream limit and past it:
     each connection is closed when it passes MAX_CONCURRENT_STREAMS. Bound: their streams' state."""
@@ -680,6 +689,7 @@ async def test_headers_floods_end_at_the_stream_limit(serving):
     assert served.peak_growth(before) <= 3 * RSS_BOUND
 
 
+@pytest.mark.slow
 async def test_continuation_without_end_closes_the_connection(serving):
     """HEADERS without END_HEADERS, then CONTINUATION frames that never end the block: h2 refuses past
     64 of them, the connection is closed, and nothing of it stays."""
@@ -697,6 +707,7 @@ async def test_continuation_without_end_closes_the_connection(serving):
     assert served.peak_growth(before) <= RSS_BOUND
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reads", [False, True], ids=["not-reading", "reading"])
 @pytest.mark.parametrize("kind", ["ping", "settings"])
 async def test_ping_and_settings_floods(serving, kind, reads):
@@ -733,6 +744,7 @@ async def test_ping_and_settings_floods(serving, kind, reads):
     await peer.aclose()
 
 
+@pytest.mark.slow
 async def test_window_update_to_2_to_the_31_is_a_flow_control_error(serving):
     """WINDOW_UPDATE past 2^31-1, on the connection and on a stream: the connection (or stream) is
     ended as RFC 9113 section 6.9.1 says, and the plugin goes on serving."""
@@ -762,6 +774,7 @@ async def test_window_update_to_2_to_the_31_is_a_flow_control_error(serving):
     assert served.peak_growth(before) <= RSS_BOUND
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["Allocate", "ListAndWatch"])
 async def test_rst_storm_after_requests(serving, method):
     """Rapid reset (CVE-2023-44487): 5,000 complete requests, each reset at once. Every call is

@@ -55,6 +55,7 @@ LIMITED_PLUGIN = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("watches", "instances", "limit"),
     [
@@ -110,6 +111,7 @@ async def test_inotify_limits_reached_fall_back_to_rescans_until_raised(
     assert "Traceback" not in stderr.text
 
 
+@pytest.mark.slow
 async def test_reload_adding_a_resource_beyond_the_inotify_instance_limit_serves_it_by_rescanning(
     nursery, node, tmp_path, monkeypatch, caplog
 ):

@@ -95,6 +95,7 @@ def test_nfd_features_file_is_an_absolute_path_to_a_file_nfd_reads():
     assert config.nfd_features_file is None  # off unless given
 
 
+@pytest.mark.slow
 def test_check_config_shows_the_nfd_labels_of_the_attributes_every_device_shares(sockdir):
     """Per resource the count of healthy devices and each attribute all of its
     devices share, as NFD takes them: a literal, a file that reads the same for each device, the
@@ -257,6 +258,7 @@ async def test_an_nfd_feature_file_that_cannot_be_written_is_one_line_and_the_pl
     assert nfd_file_labels(features) == {f"{gp.NFD_LABEL_NAMESPACE}/example.com-gopher.count": "3"}
 
 
+@pytest.mark.slow
 async def test_serve_removes_its_nfd_feature_file_at_sigterm(nursery, node, tmp_path):
     """`gopherplug serve` in its own process writes the feature file, and SIGTERM (the kubelet
     stopping the pod) removes it: NFD drops the labels of devices no plugin serves any more."""

@@ -50,6 +50,7 @@ TEST_ONLY_MODULES = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, last_line",
     [
@@ -78,6 +79,7 @@ def test_module_copied_alone_runs(tmp_path, sockdir, argv, last_line):
     assert result.stdout.rstrip("\n").endswith(last_line), result.stdout
 
 
+@pytest.mark.slow
 def test_the_one_file_build_is_the_same_twice_and_runs_with_nothing_installed(tmp_path, sockdir):
     """.ci/zipapp's archive (docs/deployment.md, "One file"): two builds give the same bytes; it
     holds no extension module and gives every module its bytecode; and an interpreter that sees
@@ -157,6 +159,7 @@ async def _serving_rss(argv, cwd, env, sockdir):
         await process.wait()
 
 
+@pytest.mark.slow
 async def test_a_copy_started_as_a_script_keeps_no_compiler_memory(tmp_path, sockdir):
     """`python gopherplug.py serve` from a copy without bytecode (a read-only image) costs what an
     install with bytecode costs, within 4 MiB: CPython would keep the script's syntax tree (about
@@ -222,6 +225,7 @@ def _run_python(args, cwd, env=SCRIPT_ENV):
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["anyname.py", "anyname"])
 def test_a_copy_under_another_name_runs_its_own_code_with_a_scripts_sys_path(tmp_path, name):
     """`python anyname.py` runs that file, not the gopherplug installed in this test's venv (which
@@ -238,6 +242,7 @@ def test_a_copy_under_another_name_runs_its_own_code_with_a_scripts_sys_path(tmp
     assert Path(importlib.util.cache_from_source(str(copy))).is_file()
 
 
+@pytest.mark.slow
 def test_a_symlink_to_a_copy_runs_the_copy_with_the_resolved_files_directory_on_sys_path(tmp_path):
     """A link to the copy (in a bin directory, say) runs the copy's code, with the directory
     CPython gives a script reached through a link: the linked file's."""
@@ -252,6 +257,7 @@ def test_a_symlink_to_a_copy_runs_the_copy_with_the_resolved_files_directory_on_
     assert expected.split(os.pathsep)[0] == str(copy.parent), expected  # CPython's rule: the target's directory
 
 
+@pytest.mark.slow
 def test_a_copy_never_runs_an_older_gopherplug_found_on_sys_path(tmp_path):
     older = tmp_path / "older" / "gopherplug.py"
     older.parent.mkdir()
@@ -265,6 +271,7 @@ def test_a_copy_never_runs_an_older_gopherplug_found_on_sys_path(tmp_path):
     _assert_ran_the_copy(result, marker, expected)
 
 
+@pytest.mark.slow
 def test_a_copy_run_as_a_script_imports_nothing_from_the_current_directory(tmp_path):
     """The current directory is not the script's: a `yaml.py` or `trio.py` left there (by anyone
     who can write to it) is never imported by `python /path/to/gopherplug.py`, often run as root."""
@@ -280,6 +287,7 @@ def test_a_copy_run_as_a_script_imports_nothing_from_the_current_directory(tmp_p
     _assert_ran_the_copy(result, marker, expected)
 
 
+@pytest.mark.slow
 def test_a_copy_run_as_a_script_is_compiled_once_unless_it_just_changed(tmp_path):
     """The script's process hands the code it compiled to the import it starts again as: where no
     bytecode is cached (a read-only copy), the file is not compiled a second time (about 350 ms for
@@ -434,6 +442,7 @@ def test_beside_grpclib_and_httpx_in_one_process(sockdir):
     assert health_pb2.HealthCheckResponse.FromString(answer.content[5:]).status == checked.status
 
 
+@pytest.mark.slow
 def test_python_before_3_11_is_refused_by_pip_in_one_line(tmp_path):
     """pip reads the version and Requires-Python without running setuptools over gopherplug.py,
     whose syntax (except*) a Python 3.10 cannot parse: pip's own refusal, not a traceback."""

@@ -19,6 +19,7 @@ from testsupport import (
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [("ruff", "check", "."), ("ruff", "format", "--check", "."), ("mypy",)],
@@ -29,6 +30,7 @@ def test_code_is_lint_and_type_clean(argv):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "examples/distroless/Dockerfile", ".ci/distroless-python"])
 def test_dockerfile_passes_hadolint(dockerfile):
     result = check("hadolint", dockerfile)
@@ -38,6 +40,7 @@ def test_dockerfile_passes_hadolint(dockerfile):
 RELEASE_WORKFLOW = HERE / ".github" / "workflows" / "release.yml"
 
 
+@pytest.mark.slow
 def test_the_release_workflow_is_valid_against_githubs_workflow_schema(tmp_path):
     result = check("check-jsonschema", "--builtin-schema", "vendor.github-workflows", str(RELEASE_WORKFLOW))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -48,6 +51,7 @@ def test_the_release_workflow_is_valid_against_githubs_workflow_schema(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_the_version_is_the_same_everywhere():
     """__version__ is the one place the version is written: the image tags of both manifests and the
     examples in the Dockerfile, the README and docs/deployment.md say the same, as do the chart's version and
@@ -67,6 +71,7 @@ def test_the_version_is_the_same_everywhere():
     assert (result.returncode, result.stdout, result.stderr) == (0, f"{gp.__version__}\n", "")
 
 
+@pytest.mark.slow
 def test_daemonset_is_valid_against_the_kubernetes_schema():
     result = check("kubernetes-validate", "--strict", "daemonset.yaml")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 import yaml
@@ -101,6 +102,7 @@ _quantity_texts = st.builds(
 )
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(st.one_of(_quantity_texts, st.text(), st.integers(), st.integers(-(10**5000), 10**5000), st.floats()))
 def test_a_quantity_is_refused_or_canonical_never_an_exception(written):
@@ -108,6 +110,7 @@ def test_a_quantity_is_refused_or_canonical_never_an_exception(written):
     assert stored is None or gp.canonical_quantity(stored) == stored  # what the server stores, it keeps
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(_quantity_texts)
 def test_a_quantity_keeps_the_value_the_api_server_keeps(written):
@@ -337,6 +340,7 @@ _name_texts = st.one_of(
 )
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(_name_texts)
 def test_an_attribute_or_capacity_name_is_one_the_api_server_takes(name):
@@ -353,6 +357,7 @@ _SEMVER = (
 )  # validation.go's semverRe; Go's \d is [0-9]
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(
     st.one_of(
@@ -387,6 +392,7 @@ def _cdi_name(name: str, also: str = "") -> bool:
     return re.fullmatch(rf"{first}[A-Za-z0-9_.{also}-]*[A-Za-z0-9]", name) is not None
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(
     st.from_regex(r"[a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,10}[a-z0-9])?){0,3}", fullmatch=True),
@@ -443,6 +449,7 @@ typed_values = st.one_of(
 )
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(resource_names, attribute_names, typed_values)
 def test_every_nfd_label_gopherplug_builds_is_one_nfd_takes(resource_name, key, typed):
@@ -451,6 +458,7 @@ def test_every_nfd_label_gopherplug_builds_is_one_nfd_takes(resource_name, key, 
     assert name == gp.nfd_label_name(resource_name, key)  # the same label on every node
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(
     resource_names,
@@ -470,6 +478,7 @@ def test_every_line_of_the_nfd_feature_file_is_a_label_nfd_takes(resource_name, 
             assert not nfd_refuses(key, value), line
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(
     st.binary(max_size=300)
@@ -737,6 +746,7 @@ FOUND = [
 ]
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(mutated_configurations())
 def test_a_mutated_shipped_configuration_is_a_config_or_one_line(document: tuple[str, str]) -> None:
@@ -749,6 +759,7 @@ for _text in FOUND:
     )
 
 
+@pytest.mark.slow
 def test_check_config_says_one_line_and_no_traceback(tmp_path: pathlib.Path) -> None:
     """`gopherplug check-config` on what the properties found, and on a file that is no UTF-8: valid
     (exit 0), or invalid (exit 2) with one line on stderr that names the file; never a traceback."""
@@ -764,6 +775,7 @@ def test_check_config_says_one_line_and_no_traceback(tmp_path: pathlib.Path) -> 
             assert said.startswith(f"gopherplug: {path}: ") and len(said.splitlines()) == 1, (text, said)
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(generated_configurations())
 def test_a_configuration_of_any_keys_and_values_is_a_config_or_one_line(document: tuple[str, str]) -> None:
@@ -878,12 +890,14 @@ def assert_described_or_refused(output: bytes | Nested) -> None:
         gp.nfd_features([(DESCRIBED, {entry.id: entry})]).encode()
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(describe_outputs())
 def test_describe_output_is_device_values_or_a_refusal(output: bytes | Nested) -> None:
     assert_described_or_refused(output)
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(json_values)
 def test_describe_output_of_any_json_shape_is_device_values_or_a_refusal(document: Any) -> None:
@@ -1095,6 +1109,7 @@ async def _soak(root: pathlib.Path, configurations: int, outputs: int, tried: di
     return f"{tried['configurations']} configurations ({applied}), {tried['outputs']} describe outputs"
 
 
+@pytest.mark.slow
 def test_a_serving_plugin_outlives_mutated_configurations_and_describe_outputs() -> None:
     tried: dict[str, int] = {}
     print(soak(SOAK, SOAK, tried))

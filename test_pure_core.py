@@ -367,6 +367,7 @@ def test_scan_skips_a_sub_directory_and_a_symlink_to_one(tmp_path):
     assert gp.scan_directory(resource_in(dri, pattern="card*")).skipped == ()
 
 
+@pytest.mark.slow
 def test_check_config_says_a_sub_directory_is_skipped_and_how_to_offer_what_is_in_it(tmp_path):
     dri = tmp_path / "dri"
     (dri / "by-path").mkdir(parents=True)
@@ -442,6 +443,7 @@ def test_shared_nodes_names_the_node_and_both_resources_unless_one_allows_it(tmp
     assert gp.shared_nodes(offered) == [line.format(dev=tmp_path / "dev") for line in lines]
 
 
+@pytest.mark.slow
 def test_check_config_says_once_that_two_resources_offer_one_node_and_strict_fails(tmp_path):
     path = tmp_path / "gopherplug.yaml"
     path.write_text(yaml.safe_dump({"resources": serial_and_ch340(tmp_path)}))
@@ -538,6 +540,7 @@ def test_find_usb_devices_by_serial(tmp_path):
     assert gp.find_usb_devices([dataclasses.replace(yubikey, serial="8765432")], sysfs) == ()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("serials", [("0001", "0001"), (None, None)])
 def test_find_usb_devices_by_port_without_unique_serials(tmp_path, serials):
     sysfs = usb_tree(tmp_path, cp2102_serials=serials)
@@ -551,6 +554,7 @@ def test_find_usb_devices_by_port_without_unique_serials(tmp_path, serials):
     )
 
 
+@pytest.mark.slow
 def test_find_usb_devices_camera_with_several_nodes(tmp_path):
     assert gp.find_usb_devices([gp.UsbSelector("046d", "0825")], usb_tree(tmp_path)) == (
         usb("2-3", "2-3", "046d", "0825", None, "bus/usb/002/002", "input/event3", "video0"),
@@ -568,6 +572,7 @@ def test_find_usb_devices_root_hubs_only_when_named(tmp_path):
     assert [d.id for d in gp.find_usb_devices(both, sysfs)] == ["usb1", "usb2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("serial", ["has space", "a::b", "x" * 64, "", "1-1.1"])
 def test_find_usb_devices_serial_invalid_as_id(tmp_path, serial):
     sysfs = usb_tree(tmp_path, yubikey_serial=serial)
@@ -577,6 +582,7 @@ def test_find_usb_devices_serial_invalid_as_id(tmp_path, serial):
     ]
 
 
+@pytest.mark.slow
 def test_find_usb_devices_skips_what_vanished(tmp_path):
     sysfs = usb_tree(tmp_path)
     root = Path(sysfs, "bus", "usb", "devices")
@@ -1090,6 +1096,7 @@ CONFIG_LIKE = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(st.one_of(YAML_DATA, CONFIG_LIKE))
 def test_parse_config_raises_only_config_errors(data):
@@ -1101,6 +1108,7 @@ def test_parse_config_raises_only_config_errors(data):
         assert config.resources and all(gp.resource_name_problem(r.name) is None for r in config.resources)
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(st.text(max_size=200))
 def test_parse_config_of_any_text_raises_only_config_errors(text):
@@ -1119,6 +1127,7 @@ REPLICA_IDS = st.builds(lambda device, n: f"{device}::{n}", DEVICE_IDS, st.integ
 KUBELET_IDS = st.one_of(DEVICE_IDS, REPLICA_IDS, st.text(max_size=8))
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(
     present=st.sets(DEVICE_IDS),
@@ -1139,6 +1148,7 @@ def test_allocate_answers_only_with_requested_devices(present, replicas, request
     assert set(given_ids) <= present
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(
     numa=st.dictionaries(DEVICE_IDS, st.integers(0, 2) | st.none()),
@@ -1221,6 +1231,7 @@ MIXED_ID_LISTS = st.lists(
 ANY_ID_LISTS = st.lists(NUMBERS.map("g{}".format) | NUMBERS.map("g{}::1".format) | st.text(max_size=6), max_size=30)
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(st.one_of(SHAPED_ID_LISTS, MIXED_ID_LISTS, ANY_ID_LISTS))
 def test_natural_order_is_unchanged(ids):
@@ -1256,6 +1267,7 @@ def pick_inputs(draw):
     return resource, devices, available, chosen, draw(st.integers(0, len(available) + 2))
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(pick_inputs())
 def test_preferred_allocation_picks_as_one_at_a_time(inputs):
@@ -1270,6 +1282,7 @@ def _container_request(available, must_include, size):
     )
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(pick_inputs(), st.booleans())
 def test_preferred_order_answers_as_one_at_a_time_or_not_at_all(inputs, listed_only):
@@ -1285,6 +1298,7 @@ def test_preferred_order_answers_as_one_at_a_time_or_not_at_all(inputs, listed_o
     assert fast is None or fast == expected
 
 
+@pytest.mark.slow
 @PROPERTIES
 @given(pick_inputs(), st.booleans())
 def test_preferred_allocation_as_served_picks_as_one_at_a_time(inputs, listed_only):
@@ -1316,6 +1330,7 @@ def test_preferred_order_leaves_ids_that_are_no_utf8_to_pick():
     assert preferred(resource, devices.values(), ["g2", "g1"], [], 1) == ["g1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("replicas", "policy", "nodes", "must_include", "answers"),
     [
@@ -1369,6 +1384,7 @@ def test_preferred_allocation_picks_as_one_at_a_time_at_scale(policy, seed):
         assert gp._pick(resource, devices, available, list(chosen), size) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["packed", "spread"])
 def test_preferred_allocation_of_50000_ids_is_quick(policy):
     """One pick at a time over every candidate took minutes for this; one sort takes milliseconds."""

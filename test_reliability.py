@@ -42,6 +42,7 @@ from testsupport import (
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_burst_beyond_the_inotify_queue_ends_in_the_exact_list(nursery, node):
     # More events than the kernel queues (fs.inotify.max_queued_events, 16384 by default) while the
     # plugin cannot read: IN_Q_OVERFLOW, then one rescan. Nothing is lost, and the kubelet gets a
@@ -60,6 +61,7 @@ async def test_burst_beyond_the_inotify_queue_ends_in_the_exact_list(nursery, no
     assert simulator.resources[RESOURCE].updates - updates <= 3
 
 
+@pytest.mark.slow
 async def test_a_list_over_the_kubelets_message_limit_is_not_sent(nursery, node, caplog):
     # 60 devices x 1000 replicas with 60-character IDs: a 4.5 MiB message, over the 4 MiB limit.
     for name in ("g1", "g2"):
@@ -86,6 +88,7 @@ async def test_a_list_over_the_kubelets_message_limit_is_not_sent(nursery, node,
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_100_kubelet_restarts_each_get_a_registration_and_the_right_list(nursery, node):
     await nursery.start(gp.serve_plugin, node.config())
     expected, registrations = ["g1", "g2"], 0
@@ -282,6 +285,7 @@ async def stress_round(rng, simulator, node, incarnations, held, reloaded):
     return actions, made
 
 
+@pytest.mark.slow
 async def test_kubelet_restarts_interleaved_with_starts_and_reloads_register_once_per_kubelet(
     nursery, node, monkeypatch
 ):
@@ -308,6 +312,7 @@ async def test_kubelet_restarts_interleaved_with_starts_and_reloads_register_onc
     assert simulator.starts > STRESS_ROUNDS
 
 
+@pytest.mark.slow
 async def test_our_socket_deleted_100_times_never_two_servers(nursery, node):
     with trio.fail_after(TIMEOUT * 6):
         simulator = await start(nursery, node)
@@ -339,6 +344,7 @@ def half_request(path):
     return connection.data_to_send()
 
 
+@pytest.mark.slow
 async def test_1000_abandoned_streams_and_connections_leave_nothing_behind(nursery, node):
     with trio.fail_after(TIMEOUT * 6):
         simulator = await start(nursery, node)
@@ -409,6 +415,7 @@ async def grpc_status_of_stream_1(sock):
                     return headers["grpc-status"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", list(HOSTILE))
 async def test_hostile_bytes_get_the_connection_closed_and_the_kubelet_served(nursery, node, what, monkeypatch):
     monkeypatch.setattr(gp, "HANDSHAKE_TIMEOUT", 0.5)  # for the truncated preface: 10 s in production
@@ -437,6 +444,7 @@ async def test_hostile_bytes_get_the_connection_closed_and_the_kubelet_served(nu
         assert simulator.resources[RESOURCE].streaming
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ids", "code"),
     [
@@ -480,6 +488,7 @@ async def test_absurd_requests_get_clean_answers(nursery, node, ids, code):
         assert simulator.resources[RESOURCE].streaming
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behaviour", ["hangs in Register", "never dials back", "drops the stream at once"])
 async def test_a_misbehaving_kubelet_then_a_good_one(nursery, node, monkeypatch, caplog, behaviour):
     monkeypatch.setattr(gp, "REGISTER_TIMEOUT", 0.3)  # 15 s in production
@@ -538,6 +547,7 @@ async def test_odd_names_are_skipped_with_a_warning(nursery, node, caplog):
         assert f"skipping {shown}: a device ID must be 1 to 63 of A-Z a-z 0-9 . _ - :, without '::'" in caplog.text
 
 
+@pytest.mark.slow
 async def test_device_directory_on_its_own_mount(nursery, node):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -561,6 +571,7 @@ async def test_device_directory_on_its_own_mount(nursery, node):
         subprocess.run(["umount", node.devices], capture_output=True, check=False)
 
 
+@pytest.mark.slow
 async def test_unreadable_device_directory_has_no_devices_until_readable(nursery, node, tmp_path):
     path = write_config(node, tmp_path)
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)

@@ -33,6 +33,7 @@ from testsupport import (
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path, caplog):
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
@@ -164,6 +165,7 @@ async def test_sighup_on_an_invalid_file_repeats_its_error(tmp_path):
     assert said.lines[0].endswith("; keeping the running configuration")
 
 
+@pytest.mark.slow
 async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_new_list(nursery, node, tmp_path):
     # The kubelet marks every device unhealthy from the end of a stream until the next stream's
     # first list, and rejects the pods it admits then for good: a reload that the kubelet need

@@ -348,6 +348,7 @@ async def test_an_overlong_frame_is_refused_at_its_header(pb2, served, grpcio_cl
         await in_thread(grpcio_client.get_options, pb2.Empty(), timeout=TIMEOUT)  # others go on
 
 
+@pytest.mark.slow
 def test_importing_gopherplug_leaves_h2_as_other_users_know_it():
     """Other HTTP/2 users in the process (httpx, grpclib) keep the h2 they imported: purerpc's own
     patches, applied at its import, only restate what h2 3.2 and 4.x do, and gopherplug only adds
@@ -480,6 +481,7 @@ async def test_call_unary_sends_authority_localhost(served):
     assert recorder.authorities == ["localhost"]
 
 
+@pytest.mark.slow
 async def test_call_unary_fails_at_its_deadline_on_a_silent_server(sockdir):
     path = os.path.join(sockdir, "silent.sock")
     listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

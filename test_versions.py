@@ -97,6 +97,7 @@ def test_versions_an_admin_turns_gates_on_as_the_components_allow():
         standins.release("1.33")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
 def test_versions_the_api_server_drops_extended_resource_name_without_its_gate(version):
     """A DeviceClass's extendedResourceName is dropped on write while DRAExtendedResource is off
@@ -120,6 +121,7 @@ def ordinary_claim(name, count=1, device_class="gopher.example.com", **exactly):
     return claim(name, f"uid-{name}", requests=[request])
 
 
+@pytest.mark.slow
 async def test_dra_claims_select_by_capacity_and_attribute_through_the_charts_device_classes(dra_node, helm):
     """Devices that differ by what their files say (a model, a memory size) are told apart
     by claims: through the chart's dra.extraDeviceClasses, rendered by helm, the scheduler stand-in's
@@ -200,6 +202,7 @@ async def publish_unhealthy_and_healthy(dra_node):
         await dra_node.wait_for_slices(["gopher0", "gopher1"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_node, caplog):
     """On every release, a claim of the shipped DeviceClass never gets an unhealthy device. Before
@@ -241,6 +244,7 @@ async def test_versions_an_unhealthy_device_never_goes_to_an_ordinary_claim(dra_
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_use(dra_node):
     """On every release, an admin-access claim of the shipped ``-admin`` class is allocated an
@@ -282,6 +286,7 @@ async def test_versions_an_admin_claim_reaches_an_unhealthy_device_and_one_in_us
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_container(dra_node):
     """On every release: a claim of the shipped class gets the healthy device, gopherplug prepares
@@ -301,6 +306,7 @@ async def test_versions_a_healthy_device_is_allocated_prepared_and_reaches_the_c
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(dra_node):
     """On every release (DRAPrioritizedList is on from 1.34): a request with firstAvailable gets the
@@ -329,6 +335,7 @@ async def test_versions_a_prioritized_list_gets_its_first_subrequest_that_fits(d
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
     """``replicas: 2``: from 1.36 (DRAConsumableCapacity on) two claims share gopher0, each with a
@@ -365,6 +372,7 @@ async def test_versions_a_shared_device_is_shared_from_1_36(dra_node, caplog):
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1_36(dra_node):
     """``replicas: 4`` and ``capacity: {memory: 80Gi}``: from 1.36 (DRAConsumableCapacity)
@@ -400,6 +408,7 @@ async def test_versions_claims_consume_a_shared_devices_declared_capacity_from_1
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(dra_node):
     """A pod asking for example.com/gopher in resources.limits on a node without the device plugin:
@@ -425,6 +434,7 @@ async def test_versions_a_pod_asking_through_limits_is_served_by_dra_from_1_36(d
     dra_node.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dra_node", VERSIONS, indirect=True)
 async def test_versions_the_kubelet_watches_health_only_from_1_36(dra_node):
     """The health stream (pods' status.allocatedResourcesStatus): kubelets open NodeWatchResources
@@ -649,6 +659,7 @@ async def test_dra_fields_the_api_server_drops_are_said_once_and_not_written_aga
     nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_dra_taints_an_api_server_without_device_taints_drops_are_not_written_again(dra_node, caplog):
     """An API server whose DRADeviceTaints gate is off drops the taints of every write: the slice
     with the unhealthy device is written once (said once), not again and again; the healthy
@@ -673,6 +684,7 @@ async def test_dra_taints_an_api_server_without_device_taints_drops_are_not_writ
     dra_node.stop()
 
 
+@pytest.mark.slow
 async def test_dra_shares_an_api_server_without_consumable_capacity_drops_are_said_once(dra_node, caplog):
     """An API server whose DRAConsumableCapacity gate is off (before 1.36, or turned off) drops
     allowMultipleAllocations and the requestPolicy, keeping the capacity's value: the slice is
@@ -846,6 +858,7 @@ async def test_dra_a_quiet_watch_is_opened_again_from_its_last_version_and_nothi
     nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_dra_api_server_down_or_slow_keeps_the_plugin_serving(dra_node, caplog, monkeypatch):
     monkeypatch.setattr(gp, "API_REQUEST_TIMEOUT", 0.5)  # the test need not wait 10 s for it
     (dra_node.devices / "gopher0").touch()
@@ -1114,6 +1127,7 @@ async def test_dra_exec_credential_plugin_token_is_sent_until_it_expires(dra_nod
     assert [{k: v for k, v in run.items() if k != "pid"} for run in plugin.runs()] == [given, given]
 
 
+@pytest.mark.slow
 async def test_dra_exec_credential_plugin_runs_again_after_a_401_once_per_request(dra_node, tmp_path):
     """A 401 runs the plugin again and sends the request once more with the new token; a 401 for the
     token the plugin gives again is the answer. provideClusterInfo: spec.cluster in KUBERNETES_EXEC_INFO
@@ -1208,6 +1222,7 @@ async def test_dra_exec_credential_plugin_failure_is_one_line(dra_node, tmp_path
     assert len(plugin.runs()) == (0 if "installHint" in fields else 1)
 
 
+@pytest.mark.slow
 async def test_dra_exec_credential_plugin_that_prints_a_bare_token_never_logs_it(dra_node, tmp_path, caplog):
     """A plugin that prints its token bare, not in an ExecCredential (`gcloud auth print-access-token`
     used as an exec plugin): every request fails with one line saying so, and no log line at any
@@ -1278,6 +1293,7 @@ async def test_dra_exec_credential_plugin_a_kubeconfig_cannot_use_is_refused(dra
     assert plugin.runs() == []
 
 
+@pytest.mark.slow
 async def test_dra_exec_credential_plugin_that_hangs_is_killed(dra_node, tmp_path, monkeypatch):
     """client-go waits for a plugin forever; a driver cannot: past EXEC_CREDENTIAL_TIMEOUT the plugin
     is killed and the request fails with that line. The next request runs it again."""
@@ -1320,6 +1336,7 @@ async def test_dra_exec_credential_plugin_steps_aside_for_the_users_token(dra_no
     assert plugin.runs() == []
 
 
+@pytest.mark.slow
 async def test_dra_driver_authenticates_with_an_exec_credential_plugin(dra_node, tmp_path):
     """The defect as a user met it: serve with KUBECONFIG naming a user with an exec plugin. The
     driver publishes its slices, every request with the plugin's token."""
@@ -1341,6 +1358,7 @@ async def test_dra_needs_the_node_name(dra_node):
     assert str(info.value).startswith("NODE_NAME is not set: DRA needs this node's name")
 
 
+@pytest.mark.slow
 async def test_probe_shows_the_dra_driver_as_the_kubelet_sees_it(dra_node):
     (dra_node.devices / "gopher0").touch()
     (dra_node.devices / "gopher1").symlink_to("gone")  # dangling: unhealthy
@@ -1369,6 +1387,7 @@ async def dra_status(dra_node):
     return await gp.call_unary(endpoint, gp.GET_STATUS, gp.v1beta1.Empty(), timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 async def test_probe_fails_a_dra_driver_the_kubelet_stopped_asking_after(dra_node, monkeypatch):
     """The kubelet says nothing when it drops a driver; the newest plugin watcher calls GetInfo on
     a registered one every 10 s, and stops. A driver that goes unasked for DRA_KUBELET_SILENCE is
@@ -1400,6 +1419,7 @@ async def test_probe_fails_a_dra_driver_the_kubelet_stopped_asking_after(dra_nod
     )
 
 
+@pytest.mark.slow
 async def test_dra_a_driver_whose_health_stream_the_kubelet_ended_counts_as_dropped(dra_node, monkeypatch):
     """A kubelet that does not call GetInfo again (up to 1.36) but streams health: the stream ending
     for good is the sign. A kubelet that did neither leaves the driver registered."""
@@ -1419,6 +1439,7 @@ async def test_dra_a_driver_whose_health_stream_the_kubelet_ended_counts_as_drop
     assert re.fullmatch(r"its health stream ended \d+ s ago", status.dropped)
 
 
+@pytest.mark.slow
 async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_node, nursery):
     refusing = dra_node.root / "refusing"
     old_kubelet = await nursery.start(standins.DraKubeletSimulator(str(refusing), versions=["v9.DRAPlugin"]).run)
@@ -1447,6 +1468,7 @@ async def test_probe_fails_a_dra_driver_the_kubelet_refused_or_never_found(dra_n
     )
 
 
+@pytest.mark.slow
 async def test_liveness_check_of_a_dra_driver_passes_registered_and_fails_refused(dra_node, nursery):
     """GET /healthz of a DRA driver: 200 once the kubelet registered it; a kubelet that refused it
     (none of its versions known) makes the check fail, with the kubelet's reason."""
@@ -1472,6 +1494,7 @@ async def test_liveness_check_of_a_dra_driver_passes_registered_and_fails_refuse
     assert said.endswith(" is supported\n") and said.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_lightkube_is_imported_only_for_dra(tmp_path):
     program = (
         "import sys, gopherplug; gopherplug.parse_config(open(sys.argv[1]).read()); "
@@ -1484,6 +1507,7 @@ def test_lightkube_is_imported_only_for_dra(tmp_path):
     assert result.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kubelet_versions", "path"),
     [
@@ -1516,6 +1540,7 @@ async def test_dra_health_is_served_in_the_newest_version_a_kubelet_speaks(dra_n
     assert [(d.device.device_name, d.health) for d in report.devices] == [("gopher0", gp.drahealth.HEALTHY)]
 
 
+@pytest.mark.slow
 async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node, monkeypatch):
     """NodeWatchResources: every device at once, a device turning unhealthy (with why) at once,
     and everything again after DRA_HEALTH_RESEND with nothing changed: the kubelet forgets a report
@@ -1557,6 +1582,7 @@ async def test_dra_health_stream_follows_the_devices_and_is_sent_again(dra_node,
             await dra_node.api.changed.wait_touched()
 
 
+@pytest.mark.slow
 async def test_dra_an_unhealthy_device_is_tainted_in_its_slice_until_it_recovers(dra_node):
     """An unhealthy device carries a NoSchedule taint under the driver's domain: the scheduler
     allocates it only to a claim that tolerates the taint. The reason, a sentence, is no label
@@ -1615,6 +1641,7 @@ async def test_dra_unhealthy_taint_noexecute_from_the_configuration(dra_node):
         assert [t["effect"] for t in item["spec"]["devices"][0]["taints"]] == ["NoExecute"]
 
 
+@pytest.mark.slow
 async def test_dra_grpcio_kubelet_interoperates(dra_node, tmp_path):
     """The kubelet's side played by grpcio (C core) with protoc-generated messages: GetInfo on the
     registration socket, then NodePrepareResources on the endpoint, in v1 and in v1beta1, and
@@ -1729,6 +1756,7 @@ def test_the_two_daemonsets_share_the_nodes_by_the_api_label():
         assert runs(device_plugin, labels) != runs(dra, labels), labels
 
 
+@pytest.mark.slow
 def test_dra_manifest_is_valid_and_agrees_with_its_configuration():
     for version in ("1.34.0", "1.37.0"):
         result = check("kubernetes-validate", "--strict", "-k", version, "daemonset-dra.yaml")
