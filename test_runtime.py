@@ -21,7 +21,7 @@ Rules of this file:
   the pod cgroups under a parent unique to the run. Everything is removed at the end, also on failure,
   containerd and every container by PID.
 - The pods are the manifests' own (daemonset.yaml, daemonset-dra.yaml, read as shipped: the Helm
-  chart's renders, which test_gopherplug.py keeps equal to `helm template`). The translation to CRI
+  chart's renders, which test_chart.py keeps equal to `helm template`). The translation to CRI
   requests copies what the kubelet does (sources cited beside each piece); the only substitutions
   are the image, the host side of hostPath volumes (private directories; /dev and /sys stay the host's),
   the ConfigMap's contents, the API server's address and the service account's token, and the host's
@@ -2719,7 +2719,7 @@ def nvidia_node(tier: Run, config_name: str, manifest: str) -> Node:
     resource["directory"] = str(node.devices)
     for spec in resource["device_specs"]:
         spec["host_path"] = spec["host_path"].replace("/dev/", f"{node.devices}/", 1)
-    # The plugin's image has neither nvidia-smi nor the script (test_gopherplug.py runs describe
+    # The plugin's image has neither nvidia-smi nor the script (test_examples.py runs describe
     # with a fake nvidia-smi): without it here, the tier shows the nodes and the env.
     del resource["describe"]
     node.config["resources"] = [resource]

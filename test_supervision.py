@@ -56,7 +56,7 @@ def node(short_dir):
 
 @pytest.fixture
 async def dra(nursery, short_dir, monkeypatch):
-    """test_gopherplug's DraNode: a DRA kubelet and API server of Kubernetes 1.36."""
+    """testsupport's DraNode: a DRA kubelet and API server of Kubernetes 1.36."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", "/nonexistent")
     node = DraNode(short_dir, nursery)
