@@ -487,9 +487,12 @@ async def test_what_the_node_refuses_for_now_is_retried_without_failing_the_heal
     token = gp._HEALTH.set(health)
     raised = [gp.NotYet("for now")] * 4 + [INJECTED] * 2
     seen = []  # what /healthz says as each run starts, after the failures before it
+    began = [trio.Event()]
 
     async def task(*, task_status):
         seen.append(health.problems())
+        began[0].set()
+        began[0] = trio.Event()
         if len(seen) <= len(raised):
             raise raised[len(seen) - 1]
         task_status.started()
@@ -499,7 +502,7 @@ async def test_what_the_node_refuses_for_now_is_retried_without_failing_the_heal
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gp._supervised, "flaky", task)
             while len(seen) <= len(raised):  # the backoff's waits pass on the virtual clock at once
-                await trio.testing.wait_all_tasks_blocked()
+                await began[0].wait()
             nursery.cancel_scope.cancel()
     gp._HEALTH.reset(token)
     # Four NotYet and one real failure: under the bound of 2; the second real failure reaches it.
