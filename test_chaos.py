@@ -1064,6 +1064,7 @@ def test_a_seed_is_the_same_plan_every_time() -> None:
     assert plan(2759) == plan(2759) and plan(2759) != plan(2760)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs on each device directory: needs root (CI has it)")
 @pytest.mark.parametrize("seed", CI_SEEDS, ids=[f"seed_{seed}" for seed in CI_SEEDS])
 def test_chaos_seed(seed: int) -> None:

@@ -1191,6 +1191,7 @@ def _string_leaves(value, path="", keys=()):
             yield from _string_leaves(item, at, within)
 
 
+@pytest.mark.slow
 def test_the_chart_and_parse_config_agree_on_every_string_the_configmap_carries(helm, tmp_path):
     """Every key that holds a string, not only attributes and capacity: toYaml writes "=", "<<" and a
     number past float64 unquoted, and the plugin's YAML 1.1 reads them back as tags it cannot load or

@@ -146,6 +146,7 @@ async def test_a_value_file_that_never_answers_is_left_out_and_the_devices_are_s
         assert devices.value["g2"].attributes == (("model", "string", "gopher"),)
 
 
+@pytest.mark.slow
 def test_check_config_says_a_value_file_or_a_configuration_that_never_answers_in_one_line(node, tmp_path):
     path = tmp_path / "gopherplug.yaml"
     resource = {"name": RESOURCE, "directory": node.devices, "attributes": {"model": {"file": f"{tmp_path}/{{id}}"}}}

@@ -37,6 +37,7 @@ def imported_modules(path, top_level_only=False):
     return names
 
 
+@pytest.mark.slow
 def test_the_product_imports_nothing_of_the_stand_ins_which_import_the_product():
     """The stand-ins depend on the product, never the other way round: gopherplug.py imports no
     test module, not even inside a function (demo --select takes its CEL from gopherplug_cel), and
@@ -69,6 +70,7 @@ WHEEL_SOURCES = (
 )
 
 
+@pytest.mark.slow
 def test_a_fresh_venv_with_the_dra_and_cel_extras_runs_demo_select(tmp_path, sockdir):
     """`pip install '.[dra,cel]'` is all a user types for `demo --dra --select`: in a
     fresh venv, the project installed with those extras from a copy of its sources (pip resolves
@@ -226,6 +228,7 @@ WRONG_ANSWERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", WRONG_ANSWERS)
 def test_an_exercise_check_fails_a_wrong_answer_with_a_hint(tmp_path, sockdir, mistake):
     """Each exercise's check against a wrong answer (its reference solution with one mistake, applied

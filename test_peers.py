@@ -52,6 +52,7 @@ async def healthz(port: int) -> int:
 # The kubelet's peers
 
 
+@pytest.mark.slow
 async def test_an_allocate_of_100000_unknown_ids_is_refused_at_once_in_a_short_message(serving):
     """grpc-message is an HTTP/2 header and purerpc's HPACK encoder is quadratic in its length: a
     refusal naming 100,000 IDs held the event loop for minutes, no /healthz meanwhile. Now a few are
@@ -151,6 +152,7 @@ SLICE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", sorted(standins.ERROR_SHAPES))
 async def test_every_error_answer_of_the_api_server_or_a_proxy_is_an_api_error(nursery, tmp_path, monkeypatch, shape):
     """lightkube makes its ApiError only of an answer typed exactly application/json, and of a Status:
@@ -200,6 +202,7 @@ async def test_a_refused_connection_is_an_api_error_without_a_status(tmp_path):
     assert "get Node node-1: " in str(refused.value)
 
 
+@pytest.mark.slow
 async def test_the_api_server_failing_is_one_line_and_its_return_another(nursery, tmp_path, caplog):
     """A Status-JSON 503 was survived, but with one WARNING per retry and nothing when the server was
     back. Now: a warning at the first failure, one line when it answers again, debug in between."""
@@ -305,6 +308,7 @@ async def test_a_200_of_the_wrong_shape_is_retried_and_the_driver_serves_on(dra_
         await dra_node.wait_for_slices(names)
 
 
+@pytest.mark.slow
 async def test_100_listandwatch_peers_that_never_read_stay_within_the_memory_limit(serving):
     """100 peers, each with one ListAndWatch stream on a connection whose windows it opened to
     2^31-1, that read nothing: purerpc copied each stream's list into a buffer of its own and framed

@@ -338,6 +338,7 @@ async def test_camera_recipe_under_dra_keeps_dev_video0_in_the_container(dra_nod
         }
 
 
+@pytest.mark.slow
 def test_demo_select_applies_each_selector_to_the_resource_it_names(sockdir):
     """`demo --dra --select RESOURCE=CEL`, repeatable: each selector is the claim's of the resource
     it names, and the other resources' claims have none (an FPGA selector no longer fails the
@@ -374,6 +375,7 @@ def test_demo_select_applies_each_selector_to_the_resource_it_names(sockdir):
         assert (result.returncode, result.stdout, result.stderr) == (2, "", f"gopherplug: --select: {said}\n")
 
 
+@pytest.mark.slow
 async def test_pre_start_under_dra_runs_at_prepare_and_its_failure_refuses_the_claim(dra_node, sockdir):
     """pre_start under DRA: run at NodePrepareResources, once for the claim's devices of the
     resource (their IDs in the env var, as for a container under the device plugin), before any

@@ -264,6 +264,7 @@ async def test_removing_a_resource_that_waits_for_the_kubelet_stops_it_at_once(n
     assert node.our_sockets() == ["gopherplug-example.com_other-1.sock"]
 
 
+@pytest.mark.slow
 async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nursery, node, tmp_path, caplog):
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
