@@ -1013,7 +1013,10 @@ async def _soak(root: pathlib.Path, configurations: int, outputs: int, tried: di
     path.write_text(text)
     config = gp.load_config(str(path))
     logger = logging.getLogger("gopherplug")
-    level, logger.level = logger.level, logging.INFO
+    # setLevel, not an assignment to .level: logging caches isEnabledFor per logger, and only
+    # setLevel clears it (a test before this one may have left INFO cached as off).
+    level = logger.level
+    logger.setLevel(logging.INFO)
     tried.update(configurations=0, refused=0, applied=0, outputs=0)
     try:
         async with trio.open_nursery() as nursery:
@@ -1104,7 +1107,7 @@ async def _soak(root: pathlib.Path, configurations: int, outputs: int, tried: di
             await trio.to_thread.run_sync(_drive, describe_outputs(), outputs, output)
             nursery.cancel_scope.cancel()
     finally:
-        logger.level = level
+        logger.setLevel(level)
     applied = f"{tried['applied']} applied, {tried['refused']} refused, the others the same as the running one"
     return f"{tried['configurations']} configurations ({applied}), {tried['outputs']} describe outputs"
 
