@@ -83,7 +83,10 @@ async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applie
             (b"resources: [\xff]", "keeping the running configuration"),  # not UTF-8
         ]:
             with logged(line) as done:
-                path.write_bytes(text)
+                # Replaced whole, as the kubelet swaps a ConfigMap's file: written in place, the
+                # plugin's read (in a worker thread) can fall between the truncation and the write.
+                (tmp_path / "next.yaml").write_bytes(text)
+                os.replace(tmp_path / "next.yaml", path)
                 await done.wait()
     error = f"{path}: invalid YAML (line 1, column 13: "
     assert [line[: len(error)] if line.startswith(error) else line for line in said.lines] == [
