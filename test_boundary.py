@@ -46,6 +46,8 @@ from testsupport import (
     logged,
     program_file,
     read_spec,
+    reloading,
+    replace_file,
     start,
 )
 
@@ -77,15 +79,12 @@ async def test_a_bug_met_by_a_reload_keeps_the_running_configuration(nursery, no
     real = gp._config_from_text
     monkeypatch.setattr(gp, "_config_from_text", raising(RecursionError("too deep"), lambda t, *_: "bug" in t, real))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        simulator = await reloading(nursery, node, path)
         with logged("keeping the running configuration") as said:
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}) + "# bug\n")
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}) + "# bug\n")
             await said.wait()
         with logged("configuration reloaded") as applied:  # the plugin lives on, and applies the next good file
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
             await applied.wait()
         await simulator.wait_until(listed("g1", "g2"))
     assert said.lines == [f"{path}: RecursionError: too deep: {BUG}; keeping the running configuration"]

@@ -50,6 +50,7 @@ from testsupport import (
     read_spec,
     read_until,
     reloading,
+    replace_file,
     start,
     streaming,
     widgets,
@@ -292,10 +293,10 @@ async def test_cdi_spec_has_no_gap_across_a_reload_or_a_restart(node, tmp_path):
             watcher = INotify()  # every change the spec's directory sees from here on
             watcher.add_watch(str(cdi_dir), inotify_flags.DELETE | inotify_flags.MOVED_FROM | inotify_flags.MOVED_TO)
             with logged("configuration reloaded: updated in place") as updated:
-                path.write_text(config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # its watch restarts
+                replace_file(path, config_text(node, **{RESOURCE: {**cdi, "env": "GOPHERS"}}))  # its watch restarts
                 await updated.wait()
             pre_start = {**cdi, "env": "GOPHERS", "pre_start": ["/bin/true"]}
-            path.write_text(config_text(node, **{RESOURCE: pre_start}))  # new options: served anew
+            replace_file(path, config_text(node, **{RESOURCE: pre_start}))  # new options: served anew
             await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s))
             nursery.cancel_scope.cancel()
         async with trio.open_nursery() as nursery:  # the plugin restarted, as a DaemonSet update does

@@ -35,6 +35,7 @@ from testsupport import (
     logged,
     nothing_found,
     reloading,
+    replace_file,
     start,
     streaming,
 )
@@ -523,7 +524,7 @@ async def test_metrics_of_a_removed_resource_go_with_it_and_the_others_stay(nurs
         await simulator.allocate(RESOURCE, ["g2"])
         before = _samples(await _scrape(port))
         with logged("configuration reloaded: ") as reloaded:
-            path.write_text(text(**{RESOURCE: {}}))
+            replace_file(path, text(**{RESOURCE: {}}))
             await reloaded.wait()
         after = _samples(await _scrape(port))
     assert reloaded.lines == [f"{path}: configuration reloaded: removed {OTHER}"]

@@ -18,7 +18,18 @@ import trio
 import yaml
 
 import gopherplug as gp
-from testsupport import BUG, RESOURCE, TIMEOUT, config_text, listed, logged, program_file, reloading, run_cli
+from testsupport import (
+    BUG,
+    RESOURCE,
+    TIMEOUT,
+    config_text,
+    listed,
+    logged,
+    program_file,
+    reloading,
+    replace_file,
+    run_cli,
+)
 
 DESCRIBE = """#!{python}
 import json, os
@@ -180,7 +191,7 @@ async def test_a_reload_while_the_cdi_directory_cannot_be_written_keeps_serving_
         lock.unlink()
         lock.mkdir()  # every write fails from now on (as on a full or read-only file system)
         with logged("configuration reloaded") as reloaded:
-            path.write_text(config_text(node, **{RESOURCE: {"cdi": cdi, "env": "NEW"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"cdi": cdi, "env": "NEW"}}))
             await reloaded.wait()
         assert reloaded.lines == [f"{path}: configuration reloaded: kept {RESOURCE} as it was"]
         with logged("cannot write the CDI spec") as said:

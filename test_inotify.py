@@ -29,6 +29,7 @@ from testsupport import (
     listed_ids,
     logged,
     reloading,
+    replace_file,
     streaming,
     write_config,
 )
@@ -137,7 +138,7 @@ async def test_reload_adding_a_resource_beyond_the_inotify_instance_limit_serves
     ):
         simulator = await reloading(nursery, node, path)
         limit["reached"] = True
-        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))
+        replace_file(path, config_text(node, **{RESOURCE: {}, OTHER: {}}))
         await simulator.wait_until(lambda s: streaming(s, OTHER) == listed_ids("g1", "g2"))
         await degraded.wait()
         Path(node.devices, "g3").touch()  # RESOURCE hears of it from inotify, OTHER from a rescan

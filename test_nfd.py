@@ -29,6 +29,7 @@ from testsupport import (
     logged,
     reaped,
     reloading,
+    replace_file,
     run_cli,
 )
 
@@ -185,7 +186,7 @@ async def test_the_nfd_feature_file_follows_hot_plugs_health_and_reloads(nursery
     def write(**resources):
         entries = [{"name": name, "directory": node.devices, **keys} for name, keys in resources.items()]
         document = {"device_plugin_dir": node.plugin_dir, "nfd_features_file": str(features), "resources": entries}
-        path.write_text(yaml.safe_dump(document))
+        replace_file(path, yaml.safe_dump(document))
 
     write(**{RESOURCE: {"attributes": {"model": "Gopher 9000"}}, OTHER: {"pattern": "g1"}})
     features_dir.mkdir()

@@ -25,6 +25,7 @@ from testsupport import (
     listed_ids,
     logged,
     reloading,
+    replace_file,
     streaming,
 )
 
@@ -39,24 +40,26 @@ async def test_reload_adds_changes_and_removes_resources(nursery, node, tmp_path
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
         simulator = await reloading(nursery, node, path)
-        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {"pattern": "g1"}}))  # written in place
+        # Written in place, as an editor may: a reading between the truncation and the write (an
+        # empty file, refused) is followed by the write's own, so the test waits for what it applies.
+        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {"pattern": "g1"}}))
         await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY})
         assert [r.resource_name for r in simulator.registrations] == [RESOURCE, OTHER]
 
         with logged("invalid YAML") as invalid:  # (read in a worker thread: waited for by its line)
-            path.write_text("resources: [")  # invalid: logged, nothing changes
+            replace_file(path, "resources: [")  # invalid: logged, nothing changes
             await invalid.wait()
         assert f"{path}: invalid YAML (line 1, column 13: " in caplog.text
         assert caplog.text.rstrip().endswith("; keeping the running configuration")
         with logged("configuration reloaded: ") as reloaded:
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHERS"}, OTHER: {"pattern": "g1"}}))
             await reloaded.wait()
         assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
         answer = await simulator.allocate(RESOURCE, ["g1"])
         assert dict(answer.container_responses[0].envs) == {"GOPHERS": "g1"}
 
         other_updates = simulator.resources[OTHER].updates
-        path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHERS"}}))
+        replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHERS"}}))
         await simulator.wait_until(lambda s: not s.resources[OTHER].streaming)
         await trio.testing.wait_all_tasks_blocked()  # its server stopped too
     # Its goodbye was an empty list, then its stream ended and its socket went.
@@ -83,10 +86,7 @@ async def test_reload_of_a_fixed_file_says_it_is_valid_again_and_what_was_applie
             (b"resources: [\xff]", "keeping the running configuration"),  # not UTF-8
         ]:
             with logged(line) as done:
-                # Replaced whole, as the kubelet swaps a ConfigMap's file: written in place, the
-                # plugin's read (in a worker thread) can fall between the truncation and the write.
-                (tmp_path / "next.yaml").write_bytes(text)
-                os.replace(tmp_path / "next.yaml", path)
+                replace_file(path, text)
                 await done.wait()
     error = f"{path}: invalid YAML (line 1, column 13: "
     assert [line[: len(error)] if line.startswith(error) else line for line in said.lines] == [
@@ -128,17 +128,17 @@ async def test_reload_that_would_empty_a_served_resource_with_a_warning_is_held_
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
         with logged("held back") as held:
-            path.write_text(emptying)
+            replace_file(path, emptying)
             await held.wait()
         await trio.testing.wait_all_tasks_blocked()
         assert streaming(simulator, RESOURCE) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY}
         watches[0].poke()  # what SIGHUP does
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {})
         with logged("configuration reloaded") as applied:
-            path.write_text(config_text(node, **{RESOURCE: {"pattern": "g*", "env": "GOPHER_IDS"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"pattern": "g*", "env": "GOPHER_IDS"}}))
             await applied.wait()
         with logged("configuration reloaded") as applied:  # nothing served to empty: applied, with its warning
-            path.write_text(config_text(node, **{RESOURCE: {"pattern": "g*"}, OTHER: {"pattern": r"h\d+"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"pattern": "g*"}, OTHER: {"pattern": r"h\d+"}}))
             await applied.wait()
     warning = r"'g\d+' looks like a regular expression, but pattern is a glob (fnmatch): write 'g[0-9]*'"
     assert said.lines[0] == (
@@ -158,7 +158,7 @@ async def test_sighup_on_an_invalid_file_repeats_its_error(tmp_path):
         async with contextlib.aclosing(updates), trio.open_nursery() as nursery:
             nursery.start_soon(updates.__anext__)  # yields nothing here: the file is never valid and new
             with logged("keeping the running configuration") as refused:
-                path.write_text("resources: [")
+                replace_file(path, "resources: [")
                 await refused.wait()
             await trio.testing.wait_all_tasks_blocked()  # the watch waits for the next event
             watches[0].poke()  # what SIGHUP does
@@ -200,7 +200,7 @@ async def test_reload_of_our_own_settings_keeps_the_stream_open_and_sends_the_ne
         nursery.start_soon(pods_keep_coming)
         for keys, ids in reloads:
             with logged("configuration reloaded: ") as reloaded:
-                path.write_text(config_text(node, **{RESOURCE: keys}))
+                replace_file(path, config_text(node, **{RESOURCE: keys}))
                 await reloaded.wait()
             await simulator.wait_until(listed(*ids))
             assert reloaded.lines == [f"{path}: configuration reloaded: updated in place {RESOURCE}"]
@@ -219,7 +219,7 @@ async def test_reload_that_changes_what_the_kubelet_was_told_registers_again(nur
     with trio.fail_after(TIMEOUT):
         simulator = await reloading(nursery, node, path)
         with logged("configuration reloaded: ") as reloaded:
-            path.write_text(config_text(node, **{RESOURCE: {"pre_start": ["/bin/true"]}}))  # pre_start_required
+            replace_file(path, config_text(node, **{RESOURCE: {"pre_start": ["/bin/true"]}}))  # pre_start_required
             await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s) == listed_ids("g1", "g2"))
             await reloaded.wait()
     assert reloaded.lines == [f"{path}: configuration reloaded: re-registered {RESOURCE}"]
@@ -275,11 +275,11 @@ async def test_reload_that_cannot_start_a_resource_leaves_the_others_serving(nur
     bad_cdi = {"cdi": {"kind": "example.com/other", "spec_dir": str(tmp_path / "file" / "cdi")}}
     with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
         simulator = await reloading(nursery, node, path)
-        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: bad_cdi}))
+        replace_file(path, config_text(node, **{RESOURCE: {}, OTHER: bad_cdi}))
         await reloaded.wait()
         assert "example.com/other: cannot write the CDI spec" in caplog.text and ": not applied" in caplog.text
         assert reloaded.lines == [f"{path}: configuration reloaded: did not add example.com/other"]
-        path.write_text(config_text(node, **{RESOURCE: {}, OTHER: {}}))  # fixed: applied
+        replace_file(path, config_text(node, **{RESOURCE: {}, OTHER: {}}))  # fixed: applied
         await simulator.wait_until(lambda s: streaming(s, OTHER) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
         assert simulator.resources[RESOURCE].streaming
 
@@ -292,7 +292,7 @@ async def test_reload_that_cannot_be_applied_in_place_keeps_the_running_configur
     with trio.fail_after(TIMEOUT):
         simulator = await reloading(nursery, node, path)
         with logged("configuration reloaded: ") as reloaded:
-            path.write_text(config_text(node, **{RESOURCE: bad_cdi}))
+            replace_file(path, config_text(node, **{RESOURCE: bad_cdi}))
             await reloaded.wait()
         answer = await simulator.allocate(RESOURCE, ["g1"])
         Path(node.devices, "g3").touch()  # still watched
@@ -310,7 +310,7 @@ async def test_reload_summary_says_a_refused_change_kept_the_resource_as_it_was(
     bad_cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(tmp_path / "file" / "cdi")}}
     with trio.fail_after(TIMEOUT), logged("configuration reloaded: ") as reloaded:
         simulator = await reloading(nursery, node, path)
-        path.write_text(config_text(node, **{RESOURCE: bad_cdi, OTHER: {"env": "OTHERS"}}))
+        replace_file(path, config_text(node, **{RESOURCE: bad_cdi, OTHER: {"env": "OTHERS"}}))
         await reloaded.wait()
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"g1": gp.HEALTHY, "g2": gp.HEALTHY})
     assert "example.com/gopher: cannot write the CDI spec" in caplog.text and ": not applied" in caplog.text
@@ -330,7 +330,9 @@ async def test_reload_sees_the_target_of_a_symlinked_file_rewritten_and_edits_ma
     async with contextlib.aclosing(updates):
         with trio.fail_after(TIMEOUT):
             assert (await updates.__anext__()).resources[0].env == "EDITED"
-            with open(elsewhere / "real.yaml", "w") as file:  # in place: IN_CLOSE_WRITE there
+            # In place, as an editor may: IN_CLOSE_WRITE there. A reading between the truncation and
+            # the write (an empty file) is refused, and the write's own yields the configuration.
+            with open(elsewhere / "real.yaml", "w") as file:
                 file.write(config_text(node, **{RESOURCE: {"env": "AGAIN"}}))
             assert (await updates.__anext__()).resources[0].env == "AGAIN"
 

@@ -8,7 +8,6 @@ real inotify, the kubelet's stand-in); each test waits on log lines and the stan
 
 from __future__ import annotations
 
-import functools
 import itertools
 import shutil
 import socket
@@ -34,6 +33,8 @@ from testsupport import (
     config_text,
     listed,
     logged,
+    reloading,
+    replace_file,
     start,
 )
 
@@ -182,18 +183,15 @@ async def test_a_failed_reload_is_started_again_and_applies_that_configuration(
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        simulator = await reloading(nursery, node, path)
         monkeypatch.setattr(gp, "reload_plan", failing(gp.reload_plan, 1))
         task = "configuration reloads"
         with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
             await reloaded.wait()
         answer = await simulator.allocate(RESOURCE, ["g1"])
         with logged("configuration reloaded") as next_one:  # and it goes on with the file's next change
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_NEXT"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHER_NEXT"}}))
             await next_one.wait()
         later = await simulator.allocate(RESOURCE, ["g1"])
     assert len(failed.lines) == 1
@@ -226,13 +224,10 @@ async def test_a_reload_to_dra_without_the_driver_keeps_the_device_plugin_servin
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        simulator = await reloading(nursery, node, path)
         with logged(RESOURCE) as said, logged("configuration reloaded") as reloaded:
             moved = yaml.safe_load(config_text(node, **{RESOURCE: {"api": "dra"}}))
-            path.write_text(yaml.safe_dump({**moved, "dra": {"driver": "gopher.example.com"}}))
+            replace_file(path, yaml.safe_dump({**moved, "dra": {"driver": "gopher.example.com"}}))
             await reloaded.wait()
         await trio.testing.wait_all_tasks_blocked()
         assert listed("g1", "g2")(simulator)
@@ -562,18 +557,15 @@ async def test_a_reload_whose_watch_failed_watches_the_file_anew_and_applies_wha
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        simulator = await reloading(nursery, node, path)
         monkeypatch.setattr(gp, "_file_text", failing(gp._file_text, 1))  # the watch's read raises: it is finished
         task = "configuration reloads"
         with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHER_IDS"}}))
             await reloaded.wait()  # the new watch read the file at once
         answer = await simulator.allocate(RESOURCE, ["g1"])
         with logged("configuration reloaded") as next_one:  # and it follows the file's next change
-            path.write_text(config_text(node, **{RESOURCE: {"env": "GOPHER_NEXT"}}))
+            replace_file(path, config_text(node, **{RESOURCE: {"env": "GOPHER_NEXT"}}))
             await next_one.wait()
         later = await simulator.allocate(RESOURCE, ["g1"])
     assert failed.lines == [
@@ -592,16 +584,13 @@ async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
     cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
     path.write_text(config_text(node, **{RESOURCE: cdi}))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        await reloading(nursery, node, path)
         full = OSError(28, "No space left on device")  # the CDI directory is full for one write, then not
         monkeypatch.setattr(gp, "_replace_whole", failing(gp._replace_whole, 1, error=full))
         task = "configuration reloads"
         with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
             mounts = {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}
-            path.write_text(config_text(node, **{RESOURCE: {**cdi, **mounts}}))
+            replace_file(path, config_text(node, **{RESOURCE: {**cdi, **mounts}}))
             await reloaded.wait(2)  # refused by the full disk, then applied by the task started again
     spec = next(spec_dir.glob("*.json")).read_text()
     assert '"/m"' in spec, "the new configuration's spec is written"
@@ -620,13 +609,10 @@ async def test_a_reload_the_configuration_refused_is_not_tried_again(nursery, no
     path = tmp_path / "gopherplug.yaml"
     path.write_text(config_text(node, **{RESOURCE: {}}))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        await reloading(nursery, node, path)
         with logged("configuration reloaded") as reloaded:
             moved = yaml.safe_load(config_text(node, **{RESOURCE: {"api": "dra"}}))
-            path.write_text(yaml.safe_dump({**moved, "dra": {"driver": "gopher.example.com"}}))
+            replace_file(path, yaml.safe_dump({**moved, "dra": {"driver": "gopher.example.com"}}))
             await reloaded.wait()
             await trio.testing.wait_all_tasks_blocked()
     assert reloaded.lines == [f"{path}: configuration reloaded: kept {RESOURCE} as it was"]

@@ -574,6 +574,20 @@ def streaming(simulator, name):
     return resource.devices if resource is not None and resource.streaming else None
 
 
+def replace_file(path, text):
+    """Give the file at ``path`` the content ``text`` (str or bytes) whole: written beside it, then
+    renamed over it, as the kubelet swaps a ConfigMap's file (a symlink renamed over). Written in
+    place, a watched file can be read between the truncation and the write (empty), when a read
+    the watch started for an earlier event runs in its worker thread meanwhile."""
+    path = Path(path)
+    new = path.with_name(f".{path.name}.new")  # a hidden name: the watch reads the file again, the same
+    if isinstance(text, bytes):
+        new.write_bytes(text)
+    else:
+        new.write_text(text)
+    os.replace(new, path)
+
+
 async def reloading(nursery, node, path):
     simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
     config = gp.load_config(str(path))
