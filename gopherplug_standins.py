@@ -822,9 +822,10 @@ class ApiServerSimulator(LenientApiServer):
       reports (the release's unless told: a kubelet may be up to three minor versions older).
     - ``ssl_context`` makes it HTTPS; ``tokens`` (a set, changed at will) are the bearer tokens it
       accepts, others get 401; ``forbidden_tokens`` get 403; ``bearers`` lists each request's token.
-    - ``fail()`` fails the next writes on demand, ``expire_watches()`` ends the watches with 410,
-      ``mangle_watches()`` writes bytes of its caller's into them (a mangling proxy), ``hold_cache()``
-      keeps the watch cache behind (a list at a newer version: 504 Too large resource version),
+    - ``fail()`` fails the next writes on demand (``cut_unanswered()`` cuts those it leaves
+      unanswered), ``expire_watches()`` ends the watches with 410, ``mangle_watches()`` writes bytes
+      of its caller's into them (a mangling proxy), ``hold_cache()`` keeps the watch cache behind
+      (a list at a newer version: 504 Too large resource version),
       ``down`` refuses every request by closing the connection, ``delay`` holds every answer back
       that many seconds; ``attempts`` lists each slice write, and each write failed on demand,
       with its time and status (each touches ``changed``, also one that gets no answer).
@@ -876,6 +877,7 @@ class ApiServerSimulator(LenientApiServer):
         #: each slice write: (trio time, verb, slice name, the status answered; 0: none)
         self.attempts: list[tuple[float, str, str, int]] = []
         self._failures: list[dict[str, Any]] = []  # fail(): the writes to fail, in order
+        self._cuts = 0  # cut_unanswered() counts up: a write left unanswered before it is cut
         self._expired = 0  # expire_watches() counts up: a watch started before ends with 410
         self._mangles: list[bytes] = []  # mangle_watches(): what was written into the open watches
         self._cache_held: int | None = None  # hold_cache(): the version the watch cache stays at
@@ -987,10 +989,17 @@ class ApiServerSimulator(LenientApiServer):
         ``name`` ("": any), or ("status") to claim ``name``'s status, with ``status``, as the real
         server can: 409 (someone else's write came first), 429 (priority and fairness; with a
         Retry-After header when ``retry_after``), 500, or 0: no answer at all, until the client
-        gives up (a timeout, or the plugin killed mid-write)."""
+        gives up (a timeout, or the plugin killed mid-write) or cut_unanswered() cuts it."""
         self._failures.append(
             {"verb": verb, "name": name, "status": status, "times": times, "retry_after": retry_after}
         )
+
+    def cut_unanswered(self) -> None:
+        """Close the connections of the writes fail() left unanswered (status 0), without a word, as a
+        proxy's idle timeout or a dying API server does: to the client, the write failed and whether
+        it was done is not known, as at its own timeout. A test decides when, rather than a timeout."""
+        self._cuts += 1
+        self.changed.touch()
 
     def garble(self, shape: str, *, times: int = 1, verb: str = "", resource: str = "") -> None:
         """Answer the next ``times`` requests of ``verb`` ("get", "list", "watch", "create", "update",
@@ -1115,8 +1124,12 @@ class ApiServerSimulator(LenientApiServer):
         status = failure["status"]
         self.attempts.append((trio.current_time(), verb, name, status))
         self.changed.touch()  # a test can wait for a write that will get no answer
-        if status == 0:
-            await trio.sleep_forever()  # until the client closes the connection, giving up
+        if status == 0:  # until the client closes the connection, giving up, or cut_unanswered()
+            cuts = self._cuts
+            while self._cuts == cuts:
+                await self.changed.wait_touched()
+            await stream.aclose()
+            return True
         reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
         messages = {
             409: f'Operation cannot be fulfilled on resourceslices.resource.k8s.io "{name}": the object has been '

@@ -800,8 +800,8 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
     new_config = gp.with_pod_uid(dra_node.config(), "0a1b2c3d-0000-4000-8000-00000000002b")
     old_socket, new_socket = old_config.dra.registration_socket, new_config.dra.registration_socket
     kubelet = dra_node.kubelet
-    # Every step waits on an event; the bound only stops a hang: two pods start here, each seconds
-    # of work on a loaded machine.
+    # Every step waits on an event; the bound only stops a hang: two pods start and one stops here,
+    # each seconds of work on a loaded machine.
     with trio.fail_after(3 * TIMEOUT):
         old = await dra_node.start(old_config)
         await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [old_socket])
@@ -819,6 +819,9 @@ async def test_dra_two_pods_of_a_rolling_update_overlap_with_a_driver_registered
         kubelet.wiping_delay = 0  # a wipe, were it due, would come at once
         old.cancel()  # the DaemonSet controller deletes the old pod once the new one is available
         await kubelet.wait_until(lambda k: [p.registration_socket for p in k.plugins.get(DRIVER, [])] == [new_socket])
+        # Its registration socket goes first, then the rest of it: what it leaves behind (sockets,
+        # CDI spec, slices) is known once every part of it has stopped, not at its deregistration.
+        await dra_node.ended[old].wait()
         with logged("unprepared ResourceClaim") as unprepared:
             gone = await kubelet.unprepare(DRIVER, [("default", "uid-0", "c0"), ("default", "uid-1", "c1")])
         assert [(uid, answer.error) for uid, answer in sorted(gone.claims.items())] == [("uid-0", ""), ("uid-1", "")]
