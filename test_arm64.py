@@ -81,11 +81,11 @@ if (_WHY := _why_not()) is not None:
 
 # The runtime tier's machinery (it skips or fails the same way when containerd cannot run here).
 import gopherplug as gp  # noqa: E402
-import test_runtime as rt  # noqa: E402
+import runtimesupport as rs  # noqa: E402
 
 ARM = Path(ARM64)
 #: DIR's own containerd (1.7): one is enough to prove an architecture (see the docstring).
-CONTAINERD = next(name for name, directory in rt.CONTAINERDS.items() if directory == rt.RUNTIME_DIR)
+CONTAINERD = next(name for name, directory in rs.CONTAINERDS.items() if directory == rs.RUNTIME_DIR)
 FIGURES: dict[str, object] = {}
 
 
@@ -106,17 +106,17 @@ def arm64_tier(pytestconfig):
     busybox images for the sandboxes and the consumer); at the end everything of the run removed,
     as test_runtime.py's tier fixture does, and the figures printed."""
     root = Path(tempfile.mkdtemp(prefix=f"gparm-{secrets.token_hex(3)}-", dir="/tmp"))
-    rt.PB, rt.CRI = rt.compile_cri(root)
+    rs.PB, rs.CRI = rs.compile_cri(root)
     busybox = root / "busybox.layer.tar"
-    rt.busybox_layer(busybox)
+    rs.busybox_layer(busybox)
     archives = {"pause": root / "pause.tar", "busybox": root / "busybox.tar"}
-    rt.docker_archive(archives["pause"], busybox, [rt.PAUSE_IMAGE], {"Entrypoint": rt.SLEEPER, "Env": [rt.PATH_ENV]})
-    rt.docker_archive(archives["busybox"], busybox, [rt.BUSYBOX_IMAGE], {"Cmd": ["sh"], "Env": [rt.PATH_ENV]})
-    tier = rt.Run(root, CONTAINERD, archives)
+    rs.docker_archive(archives["pause"], busybox, [rs.PAUSE_IMAGE], {"Entrypoint": rs.SLEEPER, "Env": [rs.PATH_ENV]})
+    rs.docker_archive(archives["busybox"], busybox, [rs.BUSYBOX_IMAGE], {"Cmd": ["sh"], "Env": [rs.PATH_ENV]})
+    tier = rs.Run(root, CONTAINERD, archives)
     try:
         tier.dev.mkdir(mode=0o755)
-        if rt.DROPPED_RESOURCES:
-            tier.runc = rt.RuncWithoutLimits(root)
+        if rs.DROPPED_RESOURCES:
+            tier.runc = rs.RuncWithoutLimits(root)
         tier.containerd = tier.containerd_for(root / "ctrd")
         tier.containerd.start()
         for archive in archives.values():
@@ -139,21 +139,21 @@ def arm64_tier(pytestconfig):
                 tier.containerd.stop()
             except Exception as error:  # the rest of the cleanup must still happen
                 print(f"stopping the containerd in {tier.containerd.root}: {error!r}")
-        rt._remove_cgroups(tier.cgroup_parent)
+        rs.remove_cgroups(tier.cgroup_parent)
         shutil.rmtree(tier.dev, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
-        rt._report(
-            pytestconfig, f"arm64 tier ({CONTAINERD}, cgroup {rt.RESULTS['cgroup']})", {**FIGURES, **tier.figures}
+        rs.report(
+            pytestconfig, f"arm64 tier ({CONTAINERD}, cgroup {rs.RESULTS['cgroup']})", {**FIGURES, **tier.figures}
         )
 
 
-def ctr(tier: rt.Run, *args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+def ctr(tier: rs.Run, *args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
     assert tier.containerd is not None
     command = [str(tier.containerd.bin_dir / "ctr"), "-n", "k8s.io", "-a", str(tier.containerd.socket), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def run_image(tier: rt.Run, manifest: str, image: str, *args: str) -> tuple[int, str, float]:
+def run_image(tier: rs.Run, manifest: str, image: str, *args: str) -> tuple[int, str, float]:
     """``image``'s entrypoint with ``args`` in a container of its own (`ctr run`: the host's network,
     a cgroup under the run's parent), with the manifest's ConfigMap mounted where its DaemonSet mounts
     it and the container's plain environment (GOPHERPLUG_CONFIG): its exit code, its output, and the
@@ -163,8 +163,8 @@ def run_image(tier: rt.Run, manifest: str, image: str, *args: str) -> tuple[int,
     name = f"arm64-{secrets.token_hex(3)}"
     where = tier.root / name
     where.mkdir()
-    (where / "config.yaml").write_text(yaml.safe_dump(rt.manifest_config(manifest)))
-    (container,) = rt.manifest_pod(manifest)["spec"]["containers"]
+    (where / "config.yaml").write_text(yaml.safe_dump(rs.manifest_config(manifest)))
+    (container,) = rs.manifest_pod(manifest)["spec"]["containers"]
     env = [f"--env={item['name']}={item['value']}" for item in container.get("env", []) if "value" in item]
     started = time.monotonic()
     done = ctr(
@@ -190,41 +190,41 @@ async def test_the_arm64_device_plugin_image_registers_and_a_consumer_gets_its_d
     """daemonset.yaml's pod on the arm64 image: Python in it is aarch64, it registers with the kubelet
     stand-in and lists the node Healthy, and the consumer created with Allocate's answer opens it."""
     tier = arm64_tier
-    node = rt.Node(tier, "daemonset.yaml")
+    node = rs.Node(tier, "daemonset.yaml")
     path = node.mknod("gopher0")
     kubelet = await nursery.start(gp.KubeletSimulator(str(node.device_plugin_dir)).run)
     with trio.fail_after(TIMEOUT):
         started = time.monotonic()
         async with node.running() as plugin:
-            await kubelet.wait_until(lambda k: rt._listed(k, "gopher0"))
+            await kubelet.wait_until(lambda k: rs.kubelet_lists(k, "gopher0"))
             FIGURES["device plugin: container created -> registered, first list (s)"] = round(
                 time.monotonic() - started, 1
             )
-            assert kubelet.resources[rt.RESOURCE].devices == {"gopher0": gp.HEALTHY}
-            code, machine = await rt.exec_sync(
+            assert kubelet.resources[rs.RESOURCE].devices == {"gopher0": gp.HEALTHY}
+            code, machine = await rs.exec_sync(
                 tier.containerd, plugin, "python3.11", "-c", "import platform; print(platform.machine())", timeout=120
             )
             assert (code, machine.strip()) == (0, "aarch64"), machine
-            pod = rt.Pod(tier, "consumer")
+            pod = rs.Pod(tier, "consumer")
             holder = (pod.namespace, pod.name, "consumer")
-            answer = (await kubelet.allocate(rt.RESOURCE, ["gopher0"], container=holder)).container_responses[0]
-            fields = rt.allocated_fields(answer)
+            answer = (await kubelet.allocate(rs.RESOURCE, ["gopher0"], container=holder)).container_responses[0]
+            fields = rs.allocated_fields(answer)
             assert [d.host_path for d in fields["devices"]] == [str(path)]
-            config = rt.consumer_config(pod, **fields)
-            config.mounts.extend(rt.allocated_mounts(answer))
-            async with rt.running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
-                seen = await rt.consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
+            config = rs.consumer_config(pod, **fields)
+            config.mounts.extend(rs.allocated_mounts(answer))
+            async with rs.running_pod(tier.containerd, pod, pod.sandbox_config(), [config]):
+                seen = await rs.consumer_report(tier.containerd, pod.container_ids["consumer"], str(path))
     tier.outputs["arm64 device plugin: consumer"] = seen
     assert "GOPHER_DEVICES=gopher0" in seen["env"]
     assert (seen["open exit"], seen["open rw"]) == (0, "opened rw"), seen
-    assert rt.not_granted_refused(seen), seen
+    assert rs.not_granted_refused(seen), seen
 
 
 def test_the_arm64_dra_image_checks_its_config_and_runs_the_demo(arm64_tier):
     """The DRA image's gopherplug, as the DaemonSet's container would run it: `check-config` of the
     shipped ConfigMap, and `demo --dra` (its dependencies' arm64 wheels: msgspec, PyYAML's and
     protobuf's extension modules, all imported)."""
-    image = rt.image_of(rt.manifest_pod("daemonset-dra.yaml"))
+    image = rs.image_of(rs.manifest_pod("daemonset-dra.yaml"))
     code, said, took = run_image(arm64_tier, "daemonset-dra.yaml", image, "gopherplug", "check-config")
     FIGURES["dra image: check-config (s)"] = took
     assert code == 0, said
@@ -238,7 +238,7 @@ def test_the_arm64_dra_image_checks_its_config_and_runs_the_demo(arm64_tier):
 def test_the_arm64_distroless_image_checks_its_config(arm64_tier):
     """examples/distroless/Dockerfile's image for arm64: distroless's Python (Debian's arm64
     python3.11) runs gopherplug from its --target directory."""
-    image = rt.image_of(rt.manifest_pod("daemonset.yaml")) + "-distroless"
+    image = rs.image_of(rs.manifest_pod("daemonset.yaml")) + "-distroless"
     code, said, took = run_image(
         arm64_tier, "daemonset.yaml", image, "/usr/bin/python3.11", "-m", "gopherplug", "check-config"
     )
@@ -256,7 +256,7 @@ def test_the_zipapp_runs_on_debians_arm64_python(tmp_path, command):
     # through QEMU's binfmt handler only.
     assert int.from_bytes((root / "usr/bin/python3.11").read_bytes()[18:20], "little") == 183
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(rt.manifest_config("daemonset.yaml")))
+    config.write_text(yaml.safe_dump(rs.manifest_config("daemonset.yaml")))
     args = [str(config) if arg == "CONFIG" else arg for arg in command]
     started = time.monotonic()
     done = subprocess.run(

@@ -44,6 +44,7 @@ TEST_ONLY_MODULES = (
     "pytest",
     "test_gopherplug",
     "testsupport",
+    "runtimesupport",
     "conftest",
     "gopherplug_standins",
     "celpy",
