@@ -15,7 +15,7 @@ The cgroup mode is the one this process sees at /sys/fs/cgroup (cgroup2 there: v
 containerd's is; GOPHERPLUG_TIER_CGROUP=v1 or v2 says which one the run is meant for (V2_HOW: v2 on a
 machine that boots v1).
 
-Rules of this file:
+Rules of the tier (this file and its machinery, runtimesupport.py):
 - Nothing of the machine is touched but what the run creates: containerd has a private root, state,
   socket and CDI directory; the device nodes the tests make live in a directory of /dev unique to the run;
   the pod cgroups under a parent unique to the run. Everything is removed at the end, also on failure,
