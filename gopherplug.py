@@ -5622,24 +5622,18 @@ class _ServerConnection(_GRPCSocket):
     ) -> None:
         stream._close_remote()
         scope = self.calls[stream.stream_id] = trio.CancelScope()
-        nursery.start_soon(self._run_call, stream, scope, request, messages, response)
 
-    async def _run_call(
-        self,
-        stream: GRPCProtoStream,
-        scope: trio.CancelScope,
-        request: RequestReceived,
-        messages: list[bytes],
-        response: Any = None,
-    ) -> None:
-        try:
-            with scope:
-                await _answer_call(self._services, stream, request, messages, response)
-        finally:
-            del self.calls[stream.stream_id]
-            self.release(stream.stream_id)
-            _close_event_queues(stream)
-            self._on_call_end()
+        async def run_call() -> None:
+            try:
+                with scope:
+                    await _answer_call(self._services, stream, request, messages, response)
+            finally:
+                del self.calls[stream.stream_id]
+                self.release(stream.stream_id)
+                _close_event_queues(stream)
+                self._on_call_end()
+
+        nursery.start_soon(run_call)
 
     def _answer_now(
         self,
@@ -8286,24 +8280,10 @@ class DevicePluginService:
         return service
 
 
-def device_plugin_service(
-    resource: ResourceConfig,
-    devices: Watched,
-    shape_allocation: ShapeAllocation | None = None,
-    encoder: _ListEncoder | None = None,
-    ending: trio.Event | None = None,
-    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
-    status: StreamStatus | None = None,
-    *,
-    config: Watched | None = None,
-    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
-) -> purerpc.Service:
+def device_plugin_service(*args: Any, **kwargs: Any) -> purerpc.Service:
     """The DevicePlugin service for one resource, as a purerpc service: DevicePluginService's
     (the arguments are its)."""
-    plugin = DevicePluginService(
-        resource, devices, shape_allocation, encoder, ending, examine, status, config=config, examiner=examiner
-    )
-    return plugin.service()
+    return DevicePluginService(*args, **kwargs).service()
 
 
 #: At most this many pre_start commands of a resource run at once; the kubelet's further calls wait
@@ -8516,55 +8496,41 @@ class Metrics:
             raise GopherplugError(_METRICS_EXTRA.format(error=error)) from None
         self.registry = registry = prometheus.CollectorRegistry()
         labels = ("resource",)
+        counter = functools.partial(prometheus.Counter, registry=registry)
+        histogram = functools.partial(prometheus.Histogram, registry=registry)
         # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
         self.devices = prometheus.Gauge(
             "gopherplug_devices", "Devices found, by resource and health", ("resource", "health"), registry=registry
         )
         # A registration that keeps repeating means the kubelet keeps dropping us.
-        self.registrations = prometheus.Counter(
-            "gopherplug_registrations", "Successful registrations with the kubelet", labels, registry=registry
-        )
+        self.registrations = counter("gopherplug_registrations", "Successful registrations with the kubelet", labels)
         # Each restart wipes every plugin socket: with registrations, tells whether we followed.
-        self.kubelet_restarts = prometheus.Counter(
-            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)", registry=registry
+        self.kubelet_restarts = counter(
+            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)"
         )
         # Each is a full device list to the kubelet: a high rate is a flapping device.
-        self.list_sends = prometheus.Counter(
-            "gopherplug_list_and_watch_sends",
-            "ListAndWatch device lists sent to the kubelet",
-            labels,
-            registry=registry,
+        self.list_sends = counter(
+            "gopherplug_list_and_watch_sends", "ListAndWatch device lists sent to the kubelet", labels
         )
         # The calls a pod's start waits for.
-        self.allocate = prometheus.Histogram(
-            "gopherplug_allocate_seconds", "Allocate latency", labels, registry=registry
-        )
-        self.pre_start = prometheus.Histogram(
+        self.allocate = histogram("gopherplug_allocate_seconds", "Allocate latency", labels)
+        self.pre_start = histogram(
             "gopherplug_pre_start_container_seconds",
             "PreStartContainer latency (the pre_start command included)",
             labels,
-            registry=registry,
         )
-        self.prepare = prometheus.Histogram(
-            "gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency", registry=registry
-        )
+        self.prepare = histogram("gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency")
         # Rescans are the expensive path; overflows mean inotify could not keep up with a burst.
-        self.rescans = prometheus.Counter(
-            "gopherplug_rescans", "Full rescans of a watched directory", registry=registry
-        )
-        self.overflows = prometheus.Counter(
-            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)", registry=registry
+        self.rescans = counter("gopherplug_rescans", "Full rescans of a watched directory")
+        self.overflows = counter(
+            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)"
         )
         # Slices that cannot be written leave the scheduler with a stale view of the node.
-        self.api_errors = prometheus.Counter(
-            "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
-        )
+        self.api_errors = counter("gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",))
         # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
-        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        self.unexpected = counter("gopherplug_unexpected_errors", "Bugs met", ("input",))
         # A task of serve that failed and was started again (_supervised): above 0 is worth a look at the log.
-        self.restarts = prometheus.Counter(
-            "gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",), registry=registry
-        )
+        self.restarts = counter("gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",))
         # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
         # connection, no timeout). Bound here: a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
