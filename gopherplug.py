@@ -1802,12 +1802,8 @@ def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
         problem = f"{device_metadata!r}: must be true (the default: each claim's containers get a file describing "
         problem += "their devices) or false"
         raise ConfigError(source, f"{where}.device_metadata", problem)
-    config = DraConfig(
-        driver,
-        _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir"),
-        effect,
-        device_metadata=device_metadata,
-    )
+    kubelet_dir = _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir")
+    config = DraConfig(driver, kubelet_dir, effect, device_metadata=device_metadata)
     if too_long := dra_socket_problem(config):
         raise ConfigError(source, where, too_long)
     return config
@@ -4218,11 +4214,7 @@ def device_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str
     if (usb := device.usb) is not None:
         attributes["usbVendor"] = {"string": usb.vendor}
         attributes["usbProduct"] = {"string": usb.product}
-        if (
-            usb.serial
-            and usb.serial.isprintable()
-            and len(usb.serial.encode(errors="replace")) <= DRA_ATTRIBUTE_MAX_LENGTH
-        ):
+        if usb.serial and usb.serial.isprintable() and len(usb.serial.encode()) <= DRA_ATTRIBUTE_MAX_LENGTH:
             attributes["usbSerial"] = {"string": usb.serial}
         bus = usb.port.removeprefix("usb").partition("-")[0]
         if bus.isascii() and bus.isdigit():
@@ -5318,11 +5310,8 @@ class _ResetAwareConnection(GRPCConnection):
                 f"{self.buffered} bytes of requests not yet answered, over the limit of {MAX_CONNECTION_REQUEST_BYTES}"
             )
         if stream_total > MAX_REQUEST_BYTES:
-            return self._refuse(
-                stream_id,
-                StatusCode.RESOURCE_EXHAUSTED,
-                f"received request larger than max ({stream_total} vs. {MAX_REQUEST_BYTES} bytes)",
-            )
+            why = f"received request larger than max ({stream_total} vs. {MAX_REQUEST_BYTES} bytes)"
+            return self._refuse(stream_id, StatusCode.RESOURCE_EXHAUSTED, why)
         try:
             buffer.data_received(event.data, size)
             messages = buffer.read_all_complete_messages_flowcontrol()
@@ -11619,12 +11608,9 @@ def _embedded_dra(
     source = f"serve_dra_devices({resource.name!r})"
     if not isinstance(driver, str):
         raise ConfigError(source, "driver", f"{driver!r}: must be the driver's name, e.g. gopherplug.example.com")
-    given = {
-        "driver": driver,
-        "kubelet_dir": kubelet_dir,
-        "unhealthy_taint": unhealthy_taint,
-        "device_metadata": device_metadata,
-    }
+    given = dict(
+        driver=driver, kubelet_dir=kubelet_dir, unhealthy_taint=unhealthy_taint, device_metadata=device_metadata
+    )
     config = _parse_dra(given, source, "")
     config = with_pod_uid(Config((), dra=config), pod_uid, f"{source}: pod_uid").dra or config
     node = node_name if node_name is not None else os.environ.get("NODE_NAME", "")
@@ -14719,7 +14705,6 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="configuration file (env GOPHERPLUG_CONFIG)",
         )
-    for command in (serve, check, probe_, who):
         command.add_argument(
             "--device-plugin-dir",
             default=None,  # the env var is read in main, so that a message about it can name it
@@ -14755,10 +14740,7 @@ def _parser() -> argparse.ArgumentParser:
     # check-config logs nothing, but the log settings serve would take from the environment are
     # checked (in main) as serve's are: lower-cased, as the options' type makes them.
     level, log_format = env("GOPHERPLUG_LOG_LEVEL"), env("GOPHERPLUG_LOG_FORMAT")
-    check.set_defaults(
-        log_level=None if level is None else level.lower(),
-        log_format=None if log_format is None else log_format.lower(),
-    )
+    check.set_defaults(log_level=level and level.lower(), log_format=log_format and log_format.lower())
     return parser
 
 
