@@ -13714,6 +13714,10 @@ def go_json(document: Any) -> bytes:
     return text.encode()
 
 
+#: One HTTP/1.1 connection LenientApiServer answers on: (h11's state of it, its byte stream, the h11 module).
+_Http = tuple[Any, Any, Any]
+
+
 class LenientApiServer:
     """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
@@ -13800,11 +13804,11 @@ class LenientApiServer:
         """The listeners to serve on: plain TCP here (the strict one may wrap them in TLS)."""
         return list(tcp)
 
-    async def _refuse(self, connection: Any, stream: Any, h11: Any, request: Any, headers: Mapping[str, str]) -> bool:
+    async def _refuse(self, http: _Http, request: Any, headers: Mapping[str, str]) -> bool:
         """Answer a request before it is routed, and say so (authentication); none here."""
         return False
 
-    async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
+    async def _intercept(self, http: _Http, verb: str, name: str) -> bool:
         """Answer a write ("create", "update", "delete", "status") instead of doing it, and say so; none here."""
         return False
 
@@ -13839,18 +13843,20 @@ class LenientApiServer:
         import h11  # only the DRA tests and demo need it: the dra extra brings it
 
         connection = h11.Connection(h11.SERVER)
+        http = (connection, stream, h11)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError):
             async with stream:
                 while True:
-                    request, body = await self._read_request(connection, stream, h11)
+                    request, body = await self._read_request(http)
                     if request is None or await self._hold():
                         return
-                    await self._answer(connection, stream, h11, request, body)
+                    await self._answer(http, request, body)
                     if connection.our_state is not h11.DONE:
                         return  # a watch that ended with the server going down, or a must-close
                     connection.start_next_cycle()
 
-    async def _read_request(self, connection: Any, stream: Any, h11: Any) -> tuple[Any, bytes]:
+    async def _read_request(self, http: _Http) -> tuple[Any, bytes]:
+        connection, stream, h11 = http
         request, body = None, b""
         while True:
             event = connection.next_event()
@@ -13868,50 +13874,49 @@ class LenientApiServer:
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
 
-    async def _send(
-        self, connection: Any, stream: Any, h11: Any, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()
-    ) -> None:
+    async def _send(self, http: _Http, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()) -> None:
+        connection, stream, h11 = http
         data = go_json(document)
         headers = [("content-type", "application/json"), ("content-length", str(len(data))), *extra]
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
 
-    async def _not_found(self, connection: Any, stream: Any, h11: Any, message: str) -> None:
-        await self._send(connection, stream, h11, 404, _status(404, "NotFound", message))
+    async def _not_found(self, http: _Http, message: str) -> None:
+        await self._send(http, 404, _status(404, "NotFound", message))
 
-    async def _answer(self, connection: Any, stream: Any, h11: Any, request: Any, body: bytes) -> None:
+    async def _answer(self, http: _Http, request: Any, body: bytes) -> None:
         headers = {name.decode().lower(): value.decode() for name, value in request.headers}
-        if await self._refuse(connection, stream, h11, request, headers):
+        if await self._refuse(http, request, headers):
             return
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))
         method, path = request.method.decode(), url.path
         if method == "GET" and path == "/api/v1/nodes":
-            await self._answer_nodes(connection, stream, h11, query)
+            await self._answer_nodes(http, query)
             return
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             name = path.removeprefix("/api/v1/nodes/")
             if (node := self.nodes.get(name)) is None:
-                await self._not_found(connection, stream, h11, f'nodes "{name}" not found')
+                await self._not_found(http, f'nodes "{name}" not found')
             else:
-                await self._send(connection, stream, h11, 200, node)
+                await self._send(http, 200, node)
             return
         parts = path.removeprefix(self.PREFIX).strip("/").split("/")
         if method == "PATCH" and len(parts) == 5 and parts[2] == "resourceclaims" and parts[4] == "status":
-            await self._apply_claim_status(connection, stream, h11, parts[1], parts[3], headers, query, body)
+            await self._apply_claim_status(http, parts[1], parts[3], headers, query, body)
             return
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
             if (claim := self.claims.get((parts[1], parts[3]))) is None:
-                await self._not_found(connection, stream, h11, f"resourceclaims {parts[3]!r} not found")
+                await self._not_found(http, f"resourceclaims {parts[3]!r} not found")
             else:
-                await self._send(connection, stream, h11, 200, claim)
+                await self._send(http, 200, claim)
             return
         if parts[0] != "resourceslices":
-            await self._not_found(connection, stream, h11, f"no route for {method} {path}")
+            await self._not_found(http, f"no route for {method} {path}")
             return
-        await self._answer_slices(connection, stream, h11, method, parts, query, body)
+        await self._answer_slices(http, method, parts, query, body)
 
-    async def _answer_nodes(self, connection: Any, stream: Any, h11: Any, query: Mapping[str, str]) -> None:
+    async def _answer_nodes(self, http: _Http, query: Mapping[str, str]) -> None:
         """List or watch Nodes, narrowed by a metadata.name field selector if there is one."""
         selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
 
@@ -13919,21 +13924,14 @@ class LenientApiServer:
             return bool(selected.get("metadata.name", item["metadata"]["name"]) == item["metadata"]["name"])
 
         if query.get("watch") in ("true", "1"):
-            await self._watch(connection, stream, h11, "nodes", query, matches)
+            await self._watch(http, "nodes", query, matches)
             return
         items = [item for item in self.nodes.values() if matches(item)]
         listed = {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._version)}}
-        await self._send(connection, stream, h11, 200, {**listed, "items": items})
+        await self._send(http, 200, {**listed, "items": items})
 
     async def _answer_slices(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        method: str,
-        parts: list[str],
-        query: Mapping[str, str],
-        body: bytes,
+        self, http: _Http, method: str, parts: list[str], query: Mapping[str, str], body: bytes
     ) -> None:
         selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
 
@@ -13942,75 +13940,67 @@ class LenientApiServer:
             return all(spec.get(key.removeprefix("spec.")) == value for key, value in selected.items())
 
         if method == "GET" and len(parts) == 1 and query.get("watch") in ("true", "1"):
-            await self._watch(connection, stream, h11, "resourceslices", query, matches)
+            await self._watch(http, "resourceslices", query, matches)
             return
         if method == "GET" and len(parts) == 1:
             items = [item for item in self.slices.values() if matches(item)]
             meta = {"resourceVersion": str(self._version)}
             listed = {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1", "metadata": meta, "items": items}
-            await self._send(connection, stream, h11, 200, listed)
+            await self._send(http, 200, listed)
             return
         verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method)
         name = parts[1] if len(parts) == 2 else json.loads(body)["metadata"]["name"] if verb == "create" else ""
         if verb is None or (verb == "create") != (len(parts) == 1) or len(parts) > 2:
-            await self._not_found(connection, stream, h11, f"{method} {self.PREFIX}/{'/'.join(parts)}: not found")
-        elif await self._intercept(connection, stream, h11, verb, name):
+            await self._not_found(http, f"{method} {self.PREFIX}/{'/'.join(parts)}: not found")
+        elif await self._intercept(http, verb, name):
             return
         elif verb == "create":
             item = json.loads(body)
             if (refusal := self._check_slice(item, None)) is not None:
-                await self._send(connection, stream, h11, refusal["code"], refusal)
+                await self._send(http, refusal["code"], refusal)
             elif name in self.slices:
-                await self._send(connection, stream, h11, 409, _status(409, "AlreadyExists", f"{name} already exists"))
+                await self._send(http, 409, _status(409, "AlreadyExists", f"{name} already exists"))
             else:
                 self.slices[name] = self._bump("ADDED", item)
                 self._written("create", name, 201)
-                await self._send(connection, stream, h11, 201, self.slices[name])
+                await self._send(http, 201, self.slices[name])
         elif name not in self.slices:
-            await self._not_found(connection, stream, h11, f"{name} not found")
+            await self._not_found(http, f"{name} not found")
         elif verb == "update":
             item = json.loads(body)
             if item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
-                await self._send(connection, stream, h11, 409, _status(409, "Conflict", f"{name} was modified"))
+                await self._send(http, 409, _status(409, "Conflict", f"{name} was modified"))
             elif (refusal := self._check_slice(item, self.slices[name])) is not None:
-                await self._send(connection, stream, h11, refusal["code"], refusal)
+                await self._send(http, refusal["code"], refusal)
             else:
                 self.slices[name] = self._bump("MODIFIED", item)
                 self._written("update", name, 200)
-                await self._send(connection, stream, h11, 200, self.slices[name])
+                await self._send(http, 200, self.slices[name])
         else:
             self._bump("DELETED", self.slices.pop(name))
             self._written("delete", name, 200)
-            await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
+            await self._send(http, 200, _status(200, "Success", "deleted"))
 
     async def _apply_claim_status(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        namespace: str,
-        name: str,
-        headers: Mapping[str, str],
-        query: Mapping[str, str],
-        body: bytes,
+        self, http: _Http, namespace: str, name: str, headers: Mapping[str, str], query: Mapping[str, str], body: bytes
     ) -> None:
         """Server-side apply to a claim's status subresource (415 for another patch type, 404 for no
         such claim, 409 for another UID): the field manager's entries replace those it applied before."""
-        if await self._intercept(connection, stream, h11, "status", name):
+        if await self._intercept(http, "status", name):
             return
         if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
-            await self._send(connection, stream, h11, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
+            await self._send(http, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
             return
         manager = query.get("fieldManager", "")
         claim = self.claims.get((namespace, name))
         applied = json.loads(body)
         if claim is None:
-            await self._not_found(connection, stream, h11, f'resourceclaims "{name}" not found')
+            await self._not_found(http, f'resourceclaims "{name}" not found')
             return
         uid = (applied.get("metadata") or {}).get("uid")
         if uid is not None and uid != claim["metadata"]["uid"]:
             message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {claim['metadata']['uid']}"
-            await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
+            await self._send(http, 409, _status(409, "Conflict", message))
             return
         devices = (applied.get("status") or {}).get("devices") or []
         # (driver, pool, device, shareID) -> manager: the list map's keys
@@ -14022,24 +14012,24 @@ class LenientApiServer:
         ]
         new = [*kept, *devices]
         if (refusal := self._check_claim_status(claim, new)) is not None:
-            await self._send(connection, stream, h11, refusal["code"], refusal)
+            await self._send(http, refusal["code"], refusal)
             return
         claim.setdefault("status", {})["devices"] = new
         for entry in devices:
             owners[entry["driver"], entry["pool"], entry["device"], entry.get("shareID", "")] = manager
         self.status_writes.append((namespace, name, manager))
         self.changed.touch()
-        await self._send(connection, stream, h11, 200, claim)
+        await self._send(http, 200, claim)
 
-    async def _start_watch(self, connection: Any, stream: Any, h11: Any) -> None:
+    async def _start_watch(self, http: _Http) -> None:
+        connection, stream, h11 = http
         headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
         await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
 
-    async def _send_events(
-        self, connection: Any, stream: Any, h11: Any, resource: str, since: int, matches: Callable[[Any], bool]
-    ) -> int:
+    async def _send_events(self, http: _Http, resource: str, since: int, matches: Callable[[Any], bool]) -> int:
         """Send a watch every event of ``resource`` after resourceVersion ``since`` that it selects;
         the newest version."""
+        connection, stream, h11 = http
         for version, of, kind, item in self._events:
             if version > since and of == resource and matches(item):
                 line = go_json({"type": kind, "object": item}) + b"\n"
@@ -14048,21 +14038,15 @@ class LenientApiServer:
         return since
 
     async def _watch(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        resource: str,
-        query: Mapping[str, str],
-        matches: Callable[[Any], bool],
+        self, http: _Http, resource: str, query: Mapping[str, str], matches: Callable[[Any], bool]
     ) -> None:
         """Stream the events of ``resource`` that ``matches`` selects after the query's
         resourceVersion, for ever: no bookmarks, no end (the strict stand-in has both)."""
-        await self._start_watch(connection, stream, h11)
+        await self._start_watch(http)
         since = int(query.get("resourceVersion") or 0)
         while True:
             changed = self.changed.next_touch()
-            since = await self._send_events(connection, stream, h11, resource, since, matches)
+            since = await self._send_events(http, resource, since, matches)
             await changed.wait()
 
 
