@@ -238,8 +238,7 @@ class _ResourceLog(logging.LoggerAdapter[logging.Logger]):
     without the name would not say which of its resources it is about. _LogFormatter, which has the
     field, leaves the text as it is and takes the name out of a JSON line's message, where the
     field holds it. A resource name has no "%" (resource_name_problem), so the prefix cannot disturb
-    the message's own %-formatting.
-    """
+    the message's own %-formatting."""
 
     def __init__(self, resource_name: str) -> None:
         super().__init__(log, {"resource": resource_name})
@@ -845,8 +844,7 @@ class RPCError(GopherplugError):
 
     Raised by the client side (``call_unary``) for any failure, with the code grpc-go would report
     (UNAVAILABLE when the socket cannot be reached, DEADLINE_EXCEEDED when no answer came in time).
-    Raised by a handler, it becomes the call's status on the wire instead of a generic error.
-    """
+    Raised by a handler, it becomes the call's status on the wire instead of a generic error."""
 
     def __init__(self, code: StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
@@ -950,8 +948,7 @@ class DeviceSpecTemplate:
     In a scanned entry of a resource with ``cdi``, also the host file's mode and owner, as the last
     look found them (None: no cdi, or no stat). A CDI spec needs them (without them, the runtime
     makes the node 0666 root:root); in the entry, a chmod or chown writes the spec again. (One
-    field, not three: a scan of 50,000 nodes makes 50,000 instances.)
-    """
+    field, not three: a scan of 50,000 nodes makes 50,000 instances.)"""
 
     host_path: str
     container_path: str
@@ -1137,8 +1134,7 @@ class ResourceConfig:
 
     Devices come from directory entries (``directory`` and ``pattern``, or several ``match``
     sources) and from USB devices (``usb``). An entry's ID is its name, or what ``id_pattern``
-    takes from it; entries with the same ID are one device, made of all of them.
-    """
+    takes from it; entries with the same ID are one device, made of all of them."""
 
     name: str  #: the extended resource name, e.g. "example.com/gopher"
     directory: str  #: absolute; every matching entry is a device ("" when ``match`` or ``usb`` say it)
@@ -1234,8 +1230,7 @@ class DeviceEntry:
 
     A device of several entries (the same ID from ``id_pattern``, or a USB device's nodes) has
     each in ``members``, and the sum of theirs in its own fields: every DeviceSpec and mount,
-    unhealthy while any is.
-    """
+    unhealthy while any is."""
 
     id: str  #: the ID the kubelet knows it by: the entry's name, or what id_pattern takes from it
     path: str  #: the entry's full path (the first member's)
@@ -1348,8 +1343,7 @@ def socket_stem(resource_name: str, device_plugin_dir: str) -> str:
     """What every socket (and the lock file) of a resource is named after, in a given directory.
 
     "gopherplug-example.com_gopher" says whose it is; where that would make a socket path too long
-    (a long resource name in a long directory), a digest of the name stands in for it.
-    """
+    (a long resource name in a long directory), a digest of the name stands in for it."""
     readable = f"gopherplug-{resource_name.replace('/', '_')}"
     if len(os.path.join(device_plugin_dir, f"{readable}-{SOCKET_NUMBERS}.sock")) <= MAX_SOCKET_PATH:
         return readable
@@ -1802,12 +1796,8 @@ def _parse_dra(data: Any, source: str, where: str) -> DraConfig:
         problem = f"{device_metadata!r}: must be true (the default: each claim's containers get a file describing "
         problem += "their devices) or false"
         raise ConfigError(source, f"{where}.device_metadata", problem)
-    config = DraConfig(
-        driver,
-        _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir"),
-        effect,
-        device_metadata=device_metadata,
-    )
+    kubelet_dir = _absolute_path(data.get("kubelet_dir", DEFAULT_KUBELET_DIR), source, f"{where}.kubelet_dir")
+    config = DraConfig(driver, kubelet_dir, effect, device_metadata=device_metadata)
     if too_long := dra_socket_problem(config):
         raise ConfigError(source, where, too_long)
     return config
@@ -2521,8 +2511,7 @@ def _natural_key(device_id: str) -> list[Any]:
 
     The key alternates text and number, and begins and ends with a text, maybe empty: "g12::3" ->
     ["g", 12, "::", 3, ""]. So a text only ever meets a text and a number a number, and an ID that
-    begins with a number sorts first (its "" is the smallest text).
-    """
+    begins with a number sorts first (its "" is the smallest text)."""
     parts: list[Any] = _DIGIT_RUN.split(device_id)
     parts[1::2] = map(int, parts[1::2])
     return parts
@@ -2568,8 +2557,7 @@ def _sorted_by_numbers(ids: list[str]) -> list[str] | None:
     Natural order is then the order of the IDs' tuples of numbers, and each tuple becomes one int,
     each number a digit in base (largest + 1): sorting 50,000 ints takes milliseconds, sorting 50,000
     keys of texts and numbers several times that. The numbers are found in one regex pass over the
-    joined IDs, not one per ID (50,000 small lists would also keep the garbage collector busy).
-    """
+    joined IDs, not one per ID (50,000 small lists would also keep the garbage collector busy)."""
     joined = "\x00".join(ids)
     if joined.count("\x00") != len(ids) - 1:
         return None  # an ID holds the separator
@@ -2654,8 +2642,7 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root:
     directories (``directory`` or every ``match``) and its USB devices' nodes, made into devices.
 
     A missing directory (or a file where the directory should be) has no devices: the kubelet then
-    gets an empty list, which drops the resource's capacity to zero at once.
-    """
+    gets an empty list, which drops the resource's capacity to zero at once."""
     roots = host_path_roots(resource, dev_root)
     scans = [scan_source(resource, source, roots, sysfs_root) for source in resource.sources]
     if resource.usb:
@@ -2720,8 +2707,7 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
     It has every member's DeviceSpecs and mounts, and is unhealthy while any member is, with the
     first such member's problem: a GPU without its render node, a serial adapter with one port of
     two, is not a device a container can use. Its path and NUMA node are its first member's
-    (natural order of paths); each member keeps its own.
-    """
+    (natural order of paths); each member keeps its own."""
     if len(entries) == 1:
         return entries[0]
     members = sorted({entry.path: entry for entry in entries}.values(), key=lambda entry: _natural_key(entry.path))
@@ -2803,8 +2789,7 @@ def host_path_roots(
 
     /dev is not allowed implicitly to a directory elsewhere: whoever may write that directory could
     link an entry to any disk (g0 -> /dev/vda) and have it handed to a container read-write. In
-    /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
-    """
+    /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes."""
     # Each path resolved once (realpath is an lstat() per component): the directories' resolved
     # forms serve as roots, for the /dev test, and (``directories``, filled in here) for the
     # entries in them, when examine_path resolves their host paths.
@@ -2999,8 +2984,7 @@ def _host_paths(
     Without device_specs, a device node passes through at its own path. Without mounts, an
     entry that is no device node gets nothing but the env var; in a device of several entries
     (id_pattern), it is mounted read-only at its own path, like a node is passed through.
-    ``target``: the entry's realpath(), if the caller has it.
-    """
+    ``target``: the entry's realpath(), if the caller has it."""
     default_mount = not resource.mounts and resource.id_pattern is not None and not is_node
     if resource.device_specs is None and not resource.mounts and not is_node and not default_mount:
         return (), ()  # the usual file that is not a node: nothing to fill in (and a scan of 50,000 is quicker)
@@ -3080,8 +3064,7 @@ def _health_problem(path: str, unreachable: OSError | None, access: int, is_node
     random, tty, ...) and those its own spec lists. The plugin's container lists none of the devices
     it offers, and the consumer's will, because the runtime adds each DeviceSpec to the consumer's
     cgroup. So EPERM on a node is a fact about the plugin's cgroup, not about the device: the node
-    is there, and its mode let us through, which is all the plugin can know from outside.
-    """
+    is there, and its mode let us through, which is all the plugin can know from outside."""
     if isinstance(unreachable, FileNotFoundError):
         if os.path.islink(path):
             return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
@@ -3110,8 +3093,7 @@ def pod_mode_problem(path: str, access: int) -> str:
     Without CAP_DAC_OVERRIDE, root is a user like any other: the kernel takes the owner's bits if it
     owns the file, else the group's if its group does, else the others' (never a union of them).
     `check-config` run as root on the node keeps that capability, and would call healthy what the
-    pod calls unhealthy. POSIX ACLs are not looked at.
-    """
+    pod calls unhealthy. POSIX ACLs are not looked at."""
     return _mode_refusal(path, access, 0, {0}, "root without capabilities")
 
 
@@ -3217,8 +3199,7 @@ def find_usb_devices(
     """The USB devices that a selector matches, in natural order of their IDs.
 
     A device that cannot be read whole is left out, and a node that cannot be read is: either is
-    being unplugged, and the next scan finds it gone (or back).
-    """
+    being unplugged, and the next scan finds it gone (or back)."""
     selectors = tuple(selectors)
     links = os.path.join(sysfs_root, "bus", "usb", "devices")
     try:
@@ -3255,8 +3236,7 @@ def find_usb_devices(
 def _usb_device(directory: str, port: str, selectors: tuple[UsbSelector, ...], dev_root: str) -> UsbDevice | None:
     """The USB device in a sysfs directory (its ID the port path), or None if no selector matches it.
 
-    Raises OSError when the device cannot be read: a device being unplugged vanishes file by file.
-    """
+    Raises OSError when the device cannot be read: a device being unplugged vanishes file by file."""
     vendor = _sysfs_text(os.path.join(directory, "idVendor")).strip().lower()
     product = _sysfs_text(os.path.join(directory, "idProduct")).strip().lower()
     try:
@@ -3328,8 +3308,7 @@ def allocated_devices(
 
     Raises RPCError(INVALID_ARGUMENT) naming the IDs that are no current device (or replica), and
     RPCError(FAILED_PRECONDITION) for an unhealthy device: the kubelet then fails the pod with
-    UnexpectedAdmissionError instead of starting it without a working device.
-    """
+    UnexpectedAdmissionError instead of starting it without a working device."""
     ids = list(ids)
     underlying = {kubelet_id: resource.underlying_id(kubelet_id) for kubelet_id in ids}
     unknown = sorted({i for i, device_id in underlying.items() if device_id not in devices}, key=_natural_key)
@@ -3348,8 +3327,7 @@ def allocate_response(resource: ResourceConfig, devices: Mapping[str, DeviceEntr
 
     The env var lists the devices (not replicas) in the kubelet's order; DeviceSpecs, mounts and
     annotations come from the templates, once per device, {index} being its position in that list;
-    cdi_devices name the devices for a CDI-aware runtime.
-    """
+    cdi_devices name the devices for a CDI-aware runtime."""
     return allocate_with_devices(resource, devices, request)[0]
 
 
@@ -3415,8 +3393,7 @@ def preferred_allocation_response(
 
     ``order``: a _PreferredOrder of this very ``resource`` and ``devices``, kept by the caller
     across requests (the service keeps one per device set): where it can answer, the answer costs
-    what reading the request costs, not a sort of every offered ID. The answer is the same.
-    """
+    what reading the request costs, not a sort of every offered ID. The answer is the same."""
     response = v1beta1.PreferredAllocationResponse()
     strict = None  # the request with its IDs as text, parsed again only if _pick needs it
     for number, container in enumerate(request.container_requests):
@@ -3500,8 +3477,7 @@ class _PreferredOrder:
     allocated ones), and the walk skips those. No set of the 50,000 offered IDs is built (that, and
     freeing it, was half of the call), and the IDs stay bytes as the request carries them
     (_PreferredAllocationWire): only the answer's are decoded. Building the order costs about what
-    one _pick did, once per change of the device set.
-    """
+    one _pick did, once per change of the device set."""
 
     def __init__(self, resource: ResourceConfig, devices: Mapping[str, DeviceEntry]) -> None:
         self.resource, self.devices = resource, devices  # what it was made for (the service compares)
@@ -3529,8 +3505,7 @@ class _PreferredOrder:
     def answer(self, container: Any) -> list[str] | None:
         """_pick's answer to one ContainerPreferredAllocationRequest, or None if this order cannot give it.
 
-        ``container``: of _PreferredAllocationWire (as the service reads it) or of v1beta1.
-        """
+        ``container``: of _PreferredAllocationWire (as the service reads it) or of v1beta1."""
         if self.order is None:
             return None
         if not isinstance(container, _ContainerPreferredAllocationWire):  # a caller's v1beta1 message
@@ -3575,8 +3550,7 @@ def _pick(
       its turn comes: a key fixed in advance, so the picks are the candidates sorted by it.
     - A node rank changes only when a pick adds a NUMA node, which happens only once no candidate
       on the chosen nodes is left: then every candidate on the new node ranks 0, in the order they
-      already had (_pick_across_nodes).
-    """
+      already had (_pick_across_nodes)."""
     if len(chosen) >= size:
         return chosen
     taken = set(chosen)
@@ -3640,8 +3614,7 @@ def _pick_across_nodes(ranked: list[str], nodes: list[int | None], need: int) ->
     ``ranked`` in the order the rule picks them, each with its node (None: no topology).
 
     The first ID on a new node adds that node, so all that node's IDs rank first now: they come next,
-    in their order. An ID without a node never adds one.
-    """
+    in their order. An ID without a node never adds one."""
     on_node: dict[int, list[str]] = {}
     for kubelet_id, node in zip(ranked, nodes, strict=True):
         if node is not None:
@@ -3667,8 +3640,7 @@ def container_only_problem(directory: str, mountinfo: str) -> str | None:
     given /proc/self/mountinfo's text; None when it is on a mount from the host (or no container).
 
     The container runtime opens a DeviceSpec's host_path on the host: a directory the plugin sees
-    only inside its container offers devices whose paths lead nowhere, or elsewhere.
-    """
+    only inside its container offers devices whose paths lead nowhere, or elsewhere."""
     mounts = []
     for line in mountinfo.splitlines():
         mine, separator, theirs = line.partition(" - ")
@@ -3697,8 +3669,7 @@ def deleted_directory_problem(directory: str, links: int | None, mountinfo: str)
     container started. When the directory is removed on the host (the kubelet makes its
     device-plugin directory anew if it is missing), the mount keeps the deleted one: no link left,
     mountinfo's root field ends in "//deleted", nothing can be created in it, and nothing made in
-    the new one ever shows. Only a new mount, that is a new container, sees the new directory.
-    """
+    the new one ever shows. Only a new mount, that is a new container, sees the new directory."""
     deleted = links == 0
     for line in mountinfo.splitlines():
         fields = line.partition(" - ")[0].split()
@@ -3731,8 +3702,7 @@ def cdi_spec(resource: ResourceConfig, devices: Iterable[DeviceEntry]) -> dict[s
     A device node has its host node's mode and owner (fileMode, uid, gid), as a DeviceSpec gets
     them from the runtime: CDI fills in only a node's type and numbers from the host (newer CDI
     libraries the mode too, never the owner), and the runtime makes a node without them 0666
-    root:root, writable by every user of the container.
-    """
+    root:root, writable by every user of the container."""
     assert resource.cdi is not None
     described = [{"name": device.id, "containerEdits": _cdi_edits(resource, device)} for device in devices]
     if not described:
@@ -3880,8 +3850,7 @@ def cdi_version(spec: Mapping[str, Any]) -> str:
     0.6.0 for a class with a "." in it; 0.5.0 for a device node's hostPath or a device name
     that does not begin with a letter; 0.3.0 otherwise. (0.4.0 is for a mount's type, 0.6.0
     also for annotations, 0.7.0 for intelRdt and additionalGIDs: gopherplug writes none. A
-    device node's fileMode, uid and gid are in every version, 0.3.0 the earliest CDI accepts.)
-    """
+    device node's fileMode, uid and gid are in every version, 0.3.0 the earliest CDI accepts.)"""
     if "." in spec["kind"].partition("/")[2]:
         return "0.6.0"
     for device in spec["devices"]:
@@ -3941,8 +3910,7 @@ def dra_pool_name(node_name: str, resource_name: str) -> str:
 
     A node name may have 253 characters itself, and the API server refuses a longer pool name, on
     every write, forever (validatePoolName). Such a name is cut and ends in a digest of the whole:
-    still a DNS subdomain per "/" part, still one pool per node and resource.
-    """
+    still a DNS subdomain per "/" part, still one pool per node and resource."""
     name = f"{node_name}/{dra_pool_suffix(resource_name)}"
     if len(name) <= DRA_POOL_NAME_MAX_LENGTH:
         return name
@@ -4218,11 +4186,7 @@ def device_attributes(resource: ResourceConfig, device: DeviceEntry) -> dict[str
     if (usb := device.usb) is not None:
         attributes["usbVendor"] = {"string": usb.vendor}
         attributes["usbProduct"] = {"string": usb.product}
-        if (
-            usb.serial
-            and usb.serial.isprintable()
-            and len(usb.serial.encode(errors="replace")) <= DRA_ATTRIBUTE_MAX_LENGTH
-        ):
+        if usb.serial and usb.serial.isprintable() and len(usb.serial.encode()) <= DRA_ATTRIBUTE_MAX_LENGTH:
             attributes["usbSerial"] = {"string": usb.serial}
         bus = usb.port.removeprefix("usb").partition("-")[0]
         if bus.isascii() and bus.isdigit():
@@ -4266,8 +4230,7 @@ def dra_device(
     them, a capacity as {"value": quantity}. With ``replicas`` above 1, the device is shared (KEP-5075,
     consumable capacity): dra_shares; and each claim consumes of its declared capacity what it asks
     for (capacity.requests, nothing by default), within the value, where the cluster has consumable
-    capacity (DRAConsumableCapacity, on from 1.36).
-    """
+    capacity (DRAConsumableCapacity, on from 1.36)."""
     attributes, capacity = device_attributes(resource, device), device_capacity(resource, device)
     for key, _ in _beyond_the_limit(resource, device):  # with_read_values says which, a line each
         kind, _, name = key.partition(".")
@@ -4314,8 +4277,7 @@ def dra_shares(replicas: int) -> dict[str, Any]:
     a device may have, not towards the devices of a slice (only taints and consumesCounters lower
     that to 64). With the DRAConsumableCapacity feature gate off (alpha in 1.34 and 1.35, beta and
     on from 1.36) the API server drops both fields and keeps the value: the device is then one
-    claim's at a time, and SlicePublisher says so.
-    """
+    claim's at a time, and SlicePublisher says so."""
     whole = str(replicas)
     policy = {"default": "1", "validRange": {"min": "1", "max": whole, "step": "1"}}
     return {
@@ -4331,8 +4293,7 @@ def dra_slice_name(node_name: str, driver: str, resource_name: str, index: int) 
     Readable, then a digest of the exact node, driver and resource name: the readable part alone
     is not one name per pool ("example.com/foo-bar" and "example.com-foo/bar" both read
     "example.com-foo-bar"), and two pools sharing a slice name fight forever, as the API server
-    refuses to move a slice to another pool (spec.pool.name is immutable).
-    """
+    refuses to move a slice to another pool (spec.pool.name is immutable)."""
     readable = _dns_subdomain(f"{node_name}-{driver}-{dra_pool_suffix(resource_name).replace('/', '-')}")
     digest = _digest(f"{node_name}\0{driver}\0{resource_name}", 10)
     room = _DNS_SUBDOMAIN_LENGTH - len(f"-{digest}-{index}")
@@ -4363,8 +4324,7 @@ def resource_slices(
     The devices are in natural order of their IDs. With the Node's UID, each slice is owned by the
     Node (node_owner); without it, by nobody. An unhealthy device carries a taint with the
     ``unhealthy_taint`` effect (dra_device); while any device of the pool has one, its slices hold
-    at most DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS devices, as the API server requires.
-    """
+    at most DRA_MAX_DEVICES_PER_SLICE_WITH_TAINTS devices, as the API server requires."""
     # In one order whatever order the devices were found in (natural: "g2" before "g10"): the
     # publisher compares slices as lists, and a restarted plugin that scanned the directory in
     # another order would otherwise rewrite unchanged pools under a new generation.
@@ -4472,8 +4432,7 @@ def prepared_devices(claim: Mapping[str, Any], uid: str, driver: str, pools: Poo
     claim: the scheduler does, and it is the scheduler that lets an admin-access result share a
     device that other claims hold, so such a claim is prepared beside theirs. The kubelet does
     nothing of its own for admin access: NodePrepareResources names the claim only
-    (pkg/kubelet/cm/dra), and the driver reads the result.
-    """
+    (pkg/kubelet/cm/dra), and the driver reads the result."""
     metadata = claim.get("metadata") or {}
     name = f"{metadata.get('namespace')}/{metadata.get('name')}"
     if metadata.get("uid") != uid:
@@ -4594,8 +4553,7 @@ def device_metadata_files(
     - the text a stream of one DeviceMetadata per DRA_METADATA_VERSIONS, each indented by two
       spaces as the helper's pretty JSON serializer writes it, each ended by a newline;
       ``metadata`` the claim's name, namespace and UID, and ``generation`` 1 (gopherplug writes a
-      file once: a later change would be generation 2, which consumers watch for).
-    """
+      file once: a later change would be generation 2, which consumers watch for)."""
     metadata = claim.get("metadata") or {}
     namespace, name, uid = str(metadata.get("namespace", "")), str(metadata.get("name", "")), str(metadata.get("uid"))
     pod_claim_name = (metadata.get("annotations") or {}).get(DRA_POD_CLAIM_ANNOTATION) or None
@@ -4797,8 +4755,7 @@ def device_holders(
     (GetDynamicResources in kubernetes/kubernetes pkg/kubelet/cm/container_manager_linux.go), so the
     second device of a claim also carries the first one's. A device a pod holds that the
     configuration no longer has (removed, or gone from its directory) is not listed: who holds it
-    is the kubelet's to say (``gopherplug who`` shows only this configuration's devices).
-    """
+    is the kubelet's to say (``gopherplug who`` shows only this configuration's devices)."""
     found: dict[tuple[str, str], list[Holder]] = collections.defaultdict(list)
     by_name = {}  # for DRA: (pool, device name) -> (resource, device ID)
     resources = [(resource, list(devices)) for resource, devices in resources]
@@ -5120,8 +5077,7 @@ class _UnixSocketWrapper(SocketWrapper):
     fit (EAGAIN, a partial send) and for errors. Bytes leave in the order they were flushed.
 
     ``at_once()`` holds back the sends of a few flushes in a row (a unary answer's headers,
-    message and trailers) and sends them together at its end: one send() a call instead of three.
-    """
+    message and trailers) and sends them together at its end: one send() a call instead of three."""
 
     _flush_event: anyio.Event  # set by purerpc's constructor; declared for type checkers
 
@@ -5256,8 +5212,7 @@ class _ResetAwareConnection(GRPCConnection):
     """purerpc's gRPC-over-h2 state machine, reporting RST_STREAM instead of dropping it.
 
     A client cancels one call by sending RST_STREAM on that stream only. Stock purerpc ignores it,
-    so a ListAndWatch handler would live on until its next push tried to write, forever if none came.
-    """
+    so a ListAndWatch handler would live on until its next push tried to write, forever if none came."""
 
     # What we announce in SETTINGS. purerpc offers 2^24-1 byte frames: a peer could make us buffer
     # 16 MiB per frame. The kubelet's grpc-go sends 16 KiB frames (the HTTP/2 default).
@@ -5318,11 +5273,8 @@ class _ResetAwareConnection(GRPCConnection):
                 f"{self.buffered} bytes of requests not yet answered, over the limit of {MAX_CONNECTION_REQUEST_BYTES}"
             )
         if stream_total > MAX_REQUEST_BYTES:
-            return self._refuse(
-                stream_id,
-                StatusCode.RESOURCE_EXHAUSTED,
-                f"received request larger than max ({stream_total} vs. {MAX_REQUEST_BYTES} bytes)",
-            )
+            why = f"received request larger than max ({stream_total} vs. {MAX_REQUEST_BYTES} bytes)"
+            return self._refuse(stream_id, StatusCode.RESOURCE_EXHAUSTED, why)
         try:
             buffer.data_received(event.data, size)
             messages = buffer.read_all_complete_messages_flowcontrol()
@@ -5433,8 +5385,7 @@ class _ImmediateService(purerpc.Service):
     (_ServerConnection._answer_now). It cannot wait (it is no coroutine), so no other call is held
     up behind it longer than its own computing takes.
 
-    To any other server (stock purerpc's), an immediate method is an ordinary async one.
-    """
+    To any other server (stock purerpc's), an immediate method is an ordinary async one."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -5467,8 +5418,7 @@ class _ServerConnection(_GRPCSocket):
     from purerpc's stream table, which only forgets streams that ended normally both ways.
 
     A handler's RPCError becomes the call's status; any other exception is logged with its
-    traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC raises out of serve().
-    """
+    traceback and answered UNKNOWN. Malformed HTTP/2 or gRPC raises out of serve()."""
 
     def __init__(
         self,
@@ -5545,8 +5495,7 @@ class _ServerConnection(_GRPCSocket):
     def _dispatch(self, events: list[Any], nursery: trio.Nursery) -> list[int]:
         """Hand one batch of events to their calls, starting new ones; return the reset stream ids.
 
-        Synchronous on purpose: the batch is applied as a whole, no other task runs in between.
-        """
+        Synchronous on purpose: the batch is applied as a whole, no other task runs in between."""
         reset = []
         # A call reset in the batch that completes its request is not started at all: its handler
         # would run anyway, up to its first checkpoint, for a stream h2 has closed already.
@@ -5622,24 +5571,18 @@ class _ServerConnection(_GRPCSocket):
     ) -> None:
         stream._close_remote()
         scope = self.calls[stream.stream_id] = trio.CancelScope()
-        nursery.start_soon(self._run_call, stream, scope, request, messages, response)
 
-    async def _run_call(
-        self,
-        stream: GRPCProtoStream,
-        scope: trio.CancelScope,
-        request: RequestReceived,
-        messages: list[bytes],
-        response: Any = None,
-    ) -> None:
-        try:
-            with scope:
-                await _answer_call(self._services, stream, request, messages, response)
-        finally:
-            del self.calls[stream.stream_id]
-            self.release(stream.stream_id)
-            _close_event_queues(stream)
-            self._on_call_end()
+        async def run_call() -> None:
+            try:
+                with scope:
+                    await _answer_call(self._services, stream, request, messages, response)
+            finally:
+                del self.calls[stream.stream_id]
+                self.release(stream.stream_id)
+                _close_event_queues(stream)
+                self._on_call_end()
+
+        nursery.start_soon(run_call)
 
     def _answer_now(
         self,
@@ -5827,8 +5770,7 @@ async def serve_grpc(
     ``task_status.started(GRPCServer)`` once it is listening. Each connection runs in its own task;
     the socket file is removed on the way out, unless someone else replaced it (_identity). A
     connection that breaks the protocol is dropped with a debug line; errors creating the socket
-    propagate to the caller.
-    """
+    propagate to the caller."""
     by_name = {service.name: service for service in services}
     listener = await anyio.create_unix_listener(socket_path, mode=0o600)
     try:
@@ -5963,8 +5905,7 @@ def _release_freed_memory() -> None:
     compiles the module: about 13 MiB of syntax tree and compiler state, freed once the module
     exists, which glibc's malloc keeps in its heap for reuse that never comes, so it would stay
     in the process's RSS for its whole life. malloc_trim(0) returns free heap pages to the
-    kernel (glibc only: other C libraries have no such call). From bytecode it finds little.
-    """
+    kernel (glibc only: other C libraries have no such call). From bytecode it finds little."""
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
@@ -6046,8 +5987,7 @@ async def call_unary(
 
     Raises RPCError: the server's status if it answered with one, UNAVAILABLE if the socket could
     not be reached or the connection broke, DEADLINE_EXCEEDED if no answer came in time.
-    ``metadata``: request headers, (name, value) pairs.
-    """
+    ``metadata``: request headers, (name, value) pairs."""
     # Whole seconds: grpc-go rejects a timeout of more than 8 digits, which purerpc's microsecond
     # unit reaches at 100 s.
     deadline = datetime.timedelta(seconds=math.ceil(timeout))
@@ -6090,8 +6030,7 @@ async def open_stream(
     ``timeout`` bounds connecting only: the stream itself lives until the server ends it, the
     connection breaks, or the caller leaves the ``async with``. Iterating (or leaving) raises
     RPCError when the server ends the stream with an error status or the connection is lost.
-    ``metadata``: request headers, (name, value) pairs.
-    """
+    ``metadata``: request headers, (name, value) pairs."""
     try:
         with trio.fail_after(timeout):
             socket_stream = await anyio.connect_unix(socket_path)
@@ -6184,8 +6123,7 @@ async def _stop_part(part: str, stop: Callable[[], Awaitable[Any]], bound: float
     cut off at its bound, or one that overran it where nothing can interrupt it (a thread), gets a
     warning naming it instead: with the trace, one stop on a real node says where its time went.
 
-    Shielded: it runs while whatever is stopping us is cancelled (the command line's SIGTERM).
-    """
+    Shielded: it runs while whatever is stopping us is cancelled (the command line's SIGTERM)."""
     log.debug("stop: %s: waiting", part)
     began = trio.current_time()
     with trio.CancelScope(shield=True, deadline=began + bound) as scope:
@@ -6217,8 +6155,7 @@ class _Parts:
     cancels the nursery's owner, whose `finally` stops the others.
 
     Not shielded while it starts: a part that waits for something before started() (a directory
-    that is not there yet) is cancelled with its starter.
-    """
+    that is not there yet) is cancelled with its starter."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -6468,8 +6405,7 @@ class DirectoryWatch:
     watched is not missing, and must not be mistaken for it: the watch is then *degraded*
     (``limit`` says why), which ``logger`` hears once, and batches() also wakes every
     INOTIFY_RETRY_INTERVAL seconds to try the watches again and call for a rescan, until they all
-    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run.
-    """
+    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run."""
 
     def __init__(
         self,
@@ -6685,8 +6621,7 @@ class DirectoryWatch:
         rescanned (the directory came or went, a watched directory vanished, the queue overflowed).
 
         While degraded, also every INOTIFY_RETRY_INTERVAL seconds, and when again() asked: the
-        watches are placed again, and a rescan is called for (what was not seen may have changed).
-        """
+        watches are placed again, and a rescan is called for (what was not seen may have changed)."""
         while True:
             if self.limit is not None:
                 self.again(INOTIFY_RETRY_INTERVAL)  # (the earliest stands): no timer while every watch holds
@@ -6779,8 +6714,7 @@ class FileLock:
 
     The kernel drops an flock when its process dies, SIGKILL and the OOM killer included, so a lock
     is never stale, unlike a pid file. The file says who holds it, for the message a second
-    process gets; it is removed by its holder on the way out.
-    """
+    process gets; it is removed by its holder on the way out."""
 
     def __init__(self, path: str, taken: str, fix: str) -> None:
         self.path = path
@@ -6851,8 +6785,7 @@ def _lock_holder(text: str) -> str:
 
     A pid means something only in its own PID namespace, and in a container gopherplug is pid 1,
     so "pid 1" alone sends nobody anywhere: a holder in another namespace is named by its
-    hostname (a pod's is its name), and by its pid here when this /proc shows it (a host's does).
-    """
+    hostname (a pod's is its name), and by its pid here when this /proc shows it (a host's does)."""
     found = re.fullmatch(r"pid ([0-9]+) on host (\S+), pid namespace ([0-9]+)", text)
     if found is None:
         return text or "a process"  # an older gopherplug's line, or none
@@ -6892,8 +6825,7 @@ class ResourceLock(FileLock):
     Today's kubelets delete only the sockets of the directory when they start; older ones deleted
     every file but their checkpoint (ManagerImpl.CleanupPluginDirectory in
     kubernetes/kubernetes pkg/kubelet/cm/devicemanager/manager.go), this one too. So the lock is
-    checked, and taken again if need be, before every registration.
-    """
+    checked, and taken again if need be, before every registration."""
 
     def __init__(self, resource_name: str, device_plugin_dir: str) -> None:
         self.directory = device_plugin_dir
@@ -6961,8 +6893,7 @@ async def watch_devices(
     (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
     devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
     reload), never on a kubelet's call. ``written`` (spec file -> the spec last written there)
-    outlives the watch as ``described`` does: a watch started again does not write an unchanged spec.
-    """
+    outlives the watch as ``described`` does: a watch started again does not write an unchanged spec."""
     device_set = _DeviceSet(resource, devices, turn, described, written)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
@@ -7765,8 +7696,7 @@ def write_cdi_spec(cdi: CDIConfig, spec: dict[str, Any] | None, yield_to: Callab
     one per kind, shared by the claims' specs of that kind (a lock file per claim would be left
     behind by every claim ever prepared). ``yield_to`` (CDISpecTurn.newer) is asked under the
     flock: a newer pod that took its turn under it before is seen listening now, and one that takes
-    it after this write writes last.
-    """
+    it after this write writes last."""
     try:
         os.makedirs(cdi.spec_dir, mode=0o755, exist_ok=True)
         lock = os.open(cdi.lock_file, _LOCK_FLAGS, 0o600)
@@ -7816,8 +7746,7 @@ class CDISpecTurn:
     serve_dra calls ``take(newer)`` once its registration socket listens: each resource's spec is
     then written again, under the flock (write_cdi_spec), whatever an older pod wrote before it saw
     this one. ``changed`` is also touched whenever a socket comes or goes in plugins_registry: an
-    older pod that left the spec to a newer one writes it again once that one is gone.
-    """
+    older pod that left the spec to a newer one writes it again once that one is gone."""
 
     def __init__(self) -> None:
         self.newer: Callable[[], str] = str  #: the registration socket of a newer live pod ("": none)
@@ -7836,8 +7765,7 @@ class KubeletWatch:
     ``generation`` counts the kubelet.sock files created since we started watching: every kubelet
     (re)start creates one, and each calls for a new registration. ``current()`` says whether
     kubelet.sock is there, and of which generation. ``changed`` is touched on every event in the
-    directory, so that each resource can check whether its own socket is still there.
-    """
+    directory, so that each resource can check whether its own socket is still there."""
 
     def __init__(self, device_plugin_dir: str) -> None:
         self.device_plugin_dir = device_plugin_dir
@@ -7858,8 +7786,7 @@ class KubeletWatch:
         reaches is counted already, or started after this, wiping our socket (its dial-back fails).
         The generation alone would lag behind inotify's queue: a registration made with a new
         kubelet under the generation before it looked outdated once the event came, and was made
-        again, a second one for the same kubelet.
-        """
+        again, a second one for the same kubelet."""
         batch = self._watch.pending() if self._watch is not None else None
         if batch is not None:
             events, _, rescan = batch
@@ -7967,8 +7894,7 @@ class _ListEncoder:
     Building a protobuf message costs about 2.5 us per device: 125 ms for 50,000, on every change.
     But a serialized message is the concatenation of its fields' encodings, so a one-device
     ListAndWatchResponse, serialized, is exactly that device's part of any list: those parts are
-    kept per device and joined, and only a new or changed device is encoded again.
-    """
+    kept per device and joined, and only a new or changed device is encoded again."""
 
     def __init__(self, resource: ResourceConfig) -> None:
         self.resource = resource
@@ -8012,8 +7938,7 @@ class StreamStatus:
     """Whether the kubelet uses a resource's devices: registered, and reading a ListAndWatch stream.
 
     Kept by serve_resource (registration, each kubelet) and the ListAndWatch handler (streams);
-    answered by the status service. Times are time.monotonic().
-    """
+    answered by the status service. Times are time.monotonic()."""
 
     registered: bool = False
     streams: int = 0  #: the kubelet's ListAndWatch streams open now
@@ -8099,8 +8024,7 @@ class DevicePluginService:
 
     service() makes it a purerpc service; the speed-ups live there and in what the methods call
     (_ImmediateService, _ListEncoder, _PreferredOrder and _PreferredAllocationWire): a lesson may
-    skip them, as the answers are the same without.
-    """
+    skip them, as the answers are the same without."""
 
     def __init__(
         self,
@@ -8286,24 +8210,10 @@ class DevicePluginService:
         return service
 
 
-def device_plugin_service(
-    resource: ResourceConfig,
-    devices: Watched,
-    shape_allocation: ShapeAllocation | None = None,
-    encoder: _ListEncoder | None = None,
-    ending: trio.Event | None = None,
-    examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
-    status: StreamStatus | None = None,
-    *,
-    config: Watched | None = None,
-    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
-) -> purerpc.Service:
+def device_plugin_service(*args: Any, **kwargs: Any) -> purerpc.Service:
     """The DevicePlugin service for one resource, as a purerpc service: DevicePluginService's
     (the arguments are its)."""
-    plugin = DevicePluginService(
-        resource, devices, shape_allocation, encoder, ending, examine, status, config=config, examiner=examiner
-    )
-    return plugin.service()
+    return DevicePluginService(*args, **kwargs).service()
 
 
 #: At most this many pre_start commands of a resource run at once; the kubelet's further calls wait
@@ -8469,8 +8379,7 @@ async def hold_back_foreign_holds(
     offered again.
 
     A shared resource (replicas) holds nothing back: the other pod has one share of the device,
-    and every share the kubelet gives is a share of it too.
-    """
+    and every share the kubelet gives is a share of it too."""
     pods = await _pods_holding(resource, socket_path)
     holds = foreign_holds(resource, devices.value.values(), pods) if pods and isinstance(devices.value, dict) else []
     shared = resource.replicas > 1
@@ -8516,55 +8425,41 @@ class Metrics:
             raise GopherplugError(_METRICS_EXTRA.format(error=error)) from None
         self.registry = registry = prometheus.CollectorRegistry()
         labels = ("resource",)
+        counter = functools.partial(prometheus.Counter, registry=registry)
+        histogram = functools.partial(prometheus.Histogram, registry=registry)
         # What the kubelet (or the DRA driver's slices) can offer, and why capacity is short.
         self.devices = prometheus.Gauge(
             "gopherplug_devices", "Devices found, by resource and health", ("resource", "health"), registry=registry
         )
         # A registration that keeps repeating means the kubelet keeps dropping us.
-        self.registrations = prometheus.Counter(
-            "gopherplug_registrations", "Successful registrations with the kubelet", labels, registry=registry
-        )
+        self.registrations = counter("gopherplug_registrations", "Successful registrations with the kubelet", labels)
         # Each restart wipes every plugin socket: with registrations, tells whether we followed.
-        self.kubelet_restarts = prometheus.Counter(
-            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)", registry=registry
+        self.kubelet_restarts = counter(
+            "gopherplug_kubelet_restarts", "Kubelet restarts seen (kubelet.sock created anew)"
         )
         # Each is a full device list to the kubelet: a high rate is a flapping device.
-        self.list_sends = prometheus.Counter(
-            "gopherplug_list_and_watch_sends",
-            "ListAndWatch device lists sent to the kubelet",
-            labels,
-            registry=registry,
+        self.list_sends = counter(
+            "gopherplug_list_and_watch_sends", "ListAndWatch device lists sent to the kubelet", labels
         )
         # The calls a pod's start waits for.
-        self.allocate = prometheus.Histogram(
-            "gopherplug_allocate_seconds", "Allocate latency", labels, registry=registry
-        )
-        self.pre_start = prometheus.Histogram(
+        self.allocate = histogram("gopherplug_allocate_seconds", "Allocate latency", labels)
+        self.pre_start = histogram(
             "gopherplug_pre_start_container_seconds",
             "PreStartContainer latency (the pre_start command included)",
             labels,
-            registry=registry,
         )
-        self.prepare = prometheus.Histogram(
-            "gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency", registry=registry
-        )
+        self.prepare = histogram("gopherplug_node_prepare_resources_seconds", "DRA NodePrepareResources latency")
         # Rescans are the expensive path; overflows mean inotify could not keep up with a burst.
-        self.rescans = prometheus.Counter(
-            "gopherplug_rescans", "Full rescans of a watched directory", registry=registry
-        )
-        self.overflows = prometheus.Counter(
-            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)", registry=registry
+        self.rescans = counter("gopherplug_rescans", "Full rescans of a watched directory")
+        self.overflows = counter(
+            "gopherplug_inotify_overflows", "Inotify queue overflows (events lost, a rescan follows)"
         )
         # Slices that cannot be written leave the scheduler with a stale view of the node.
-        self.api_errors = prometheus.Counter(
-            "gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",), registry=registry
-        )
+        self.api_errors = counter("gopherplug_api_errors", "Failed API server requests, by DRA pool", ("pool",))
         # Each is a bug in gopherplug that an input met, and the input held back (_held_back): report it.
-        self.unexpected = prometheus.Counter("gopherplug_unexpected_errors", "Bugs met", ("input",), registry=registry)
+        self.unexpected = counter("gopherplug_unexpected_errors", "Bugs met", ("input",))
         # A task of serve that failed and was started again (_supervised): above 0 is worth a look at the log.
-        self.restarts = prometheus.Counter(
-            "gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",), registry=registry
-        )
+        self.restarts = counter("gopherplug_task_restarts", "Supervised tasks started again after a failure", ("task",))
         # Served by _serve_http, within its limits (prometheus_client's own server: a thread per
         # connection, no timeout). Bound here: a port in use fails the start with one line.
         self._generate_latest = prometheus.generate_latest
@@ -9030,8 +8925,7 @@ class ClaimCheckpoint:
 
     The two pods of a rolling update share the file, and a claim one prepared may be unprepared by
     the other (the Go helper's RollingUpdate). So each change is a transaction across processes:
-    under the flock on ``lock_path``, the file read again if the other wrote it, changed, written.
-    """
+    under the flock on ``lock_path``, the file read again if the other wrote it, changed, written."""
 
     VERSION = 1
 
@@ -9413,8 +9307,7 @@ class ClaimPreparer:
     With ``metadata_dir`` (DraConfig.metadata_dir) and ``device_metadata``, each claim prepared
     gets its device metadata files there (device_metadata_files) and a CDI device per request that
     mounts its file into the containers; an unprepare removes a claim's files there whether
-    ``device_metadata`` is on or not (it may have been on when the claim was prepared).
-    """
+    ``device_metadata`` is on or not (it may have been on when the claim was prepared)."""
 
     def __init__(
         self,
@@ -9636,8 +9529,7 @@ class DriverPeers:
     status says the kubelet registered it (``newer(registered=True)``; an endpoint without that
     status counts once it answers). The kubelet calls the newest plugin that is registered and
     connected (GetPlugin in kubernetes/kubernetes pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go):
-    until then it calls this one, which prepares new claims (ClaimPreparer).
-    """
+    until then it calls this one, which prepares new claims (ClaimPreparer)."""
 
     def __init__(self, config: DraConfig, changed: Watched | None = None) -> None:
         self.config = config
@@ -9788,8 +9680,7 @@ class SlicePublisher:
     The Node also owns the slices, so that they go with it. A Node that cannot be read must not keep
     the devices from the scheduler: the slices go out without an owner (said once), and get it once
     the Node is seen. A ClusterRole with get on nodes but no list and watch: the Node is read every
-    DRA_NODE_POLL_SECONDS instead. With ``peers``, nothing is written while a newer pod serves.
-    """
+    DRA_NODE_POLL_SECONDS instead. With ``peers``, nothing is written while a newer pod serves."""
 
     def __init__(self, resources: DraResources, api: Any, peers: DriverPeers | None = None) -> None:
         self.resources = resources
@@ -10271,8 +10162,7 @@ async def serve_dra(
     SlicePublisher), and only this pod's sockets go on the way out. Without a pod UID, a second
     driver is refused at start while the first one's registration socket answers.
 
-    Cancelled, it stops its parts one at a time, the last started first (_Parts).
-    """
+    Cancelled, it stops its parts one at a time, the last started first (_Parts)."""
     try:
         os.makedirs(config.plugin_dir, mode=0o750, exist_ok=True)
     except OSError as error:
@@ -10495,8 +10385,7 @@ class ExecCredentialPlugin:
     that must prompt), and a client certificate in place of a token (status.clientCertificateData
     and clientKeyData: httpx2 sets a connection's certificate when the client is made, not per
     request). Problems in the kubeconfig raise GopherplugError at once (connect fails with it); a
-    run that gives no credential raises ExecCredentialError, naming the user and the command.
-    """
+    run that gives no credential raises ExecCredentialError, naming the user and the command."""
 
     def __init__(
         self, user: str, config: Mapping[str, Any], cluster: Mapping[str, Any], kubeconfig: str | os.PathLike[str]
@@ -10842,8 +10731,7 @@ class KubeApi:
 
     Lists and watches are made as client-go's reflector makes them (list_and_watch), through
     lightkube's request building and its httpx2 client: lightkube 1.0.1's own list cannot ask for
-    a resourceVersion, and its watch neither asks for bookmarks nor lets its caller see its end.
-    """
+    a resourceVersion, and its watch neither asks for bookmarks nor lets its caller see its end."""
 
     def __init__(
         self, client: Any, slice_type: Any, claim_type: Any, errors: tuple[Any, Any], node_type: Any = None
@@ -11653,12 +11541,9 @@ def _embedded_dra(
     source = f"serve_dra_devices({resource.name!r})"
     if not isinstance(driver, str):
         raise ConfigError(source, "driver", f"{driver!r}: must be the driver's name, e.g. gopherplug.example.com")
-    given = {
-        "driver": driver,
-        "kubelet_dir": kubelet_dir,
-        "unhealthy_taint": unhealthy_taint,
-        "device_metadata": device_metadata,
-    }
+    given = dict(
+        driver=driver, kubelet_dir=kubelet_dir, unhealthy_taint=unhealthy_taint, device_metadata=device_metadata
+    )
     config = _parse_dra(given, source, "")
     config = with_pod_uid(Config((), dra=config), pod_uid, f"{source}: pod_uid").dra or config
     node = node_name if node_name is not None else os.environ.get("NODE_NAME", "")
@@ -11784,8 +11669,7 @@ def _kubelets_directory(candidates: Iterable[str]) -> str | None:
 def find_device_plugin_dir(candidates: Iterable[str] = KNOWN_DEVICE_PLUGIN_DIRS) -> str:
     """GOPHERPLUG_DEVICE_PLUGIN_DIR if set, else the kubelet's directory among ``candidates``
     (_kubelets_directory: the one listening, since a node that once ran another distribution keeps
-    that kubelet's dead socket), else (with a warning) the first one.
-    """
+    that kubelet's dead socket), else (with a warning) the first one."""
     if given := os.environ.get("GOPHERPLUG_DEVICE_PLUGIN_DIR"):
         # The command line's variable, read here too so that an embedding program (serve_devices,
         # serve_plugin) is pointed at a kubelet the same way, with the same checks.
@@ -11858,8 +11742,7 @@ async def serve_plugin(
 
     Sockets are removed on the way out, whatever the reason. A cancel stops the parts one at a time,
     the last started first (_Parts). Kubelet absence, restarts and refusals are logged and retried;
-    only an error the plugin cannot recover from (e.g. no permission to create its socket) raises.
-    """
+    only an error the plugin cannot recover from (e.g. no permission to create its socket) raises."""
     # Only once a resource uses the device-plugin API: a DRA-only pod does not even mount that
     # directory, and looking for kubelet.sock there would only warn about its absence.
     kubelet: KubeletWatch | None = None
@@ -12366,8 +12249,7 @@ async def watch_config_file(
     reading is logged as valid again. With ``current`` (running now), the file is compared with it
     first: an edit made during the start is not lost. ``on_watch`` is given the watch: its poke()
     has the file read again now (SIGHUP). ``metrics_address`` and ``device_plugin_dir`` (the
-    command line's) override the file's in every reading, as the running configuration has them.
-    """
+    command line's) override the file's in every reading, as the running configuration has them."""
     directory = os.path.dirname(os.path.abspath(path))
     with DirectoryWatch(directory, _DIRECTORY_EVENTS | flags.CLOSE_WRITE, follow_mask=flags.CLOSE_WRITE) as watch:
         if on_watch is not None:
@@ -12525,8 +12407,7 @@ class KubeletSimulator:
     """A stand-in for the kubelet's device manager on a directory of your choice.
 
     Run it with ``await nursery.start(simulator.run)``; ``restart()`` behaves like a kubelet restart;
-    ``wait_until(predicate)`` waits (without polling) until ``predicate(simulator)`` holds.
-    """
+    ``wait_until(predicate)`` waits (without polling) until ``predicate(simulator)`` holds."""
 
     def __init__(self, device_plugin_dir: str) -> None:
         self.device_plugin_dir = device_plugin_dir
@@ -12590,8 +12471,7 @@ class KubeletSimulator:
         has that moment too: its registration server wipes the directory, then listens from
         another goroutine (server.Start in kubernetes/kubernetes
         pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go); and anyio binds in a worker
-        thread, so this simulator has it for a moment even without ``hold``.
-        """
+        thread, so this simulator has it for a moment even without ``hold``."""
         self._remove_directory = remove_directory
         self._hold = hold
         self._asked += 1
@@ -12624,8 +12504,7 @@ class KubeletSimulator:
         devices is healthy: between the end of its ListAndWatch stream and the next stream's first
         list, say. Such a refusal is also recorded in ``rejections``. With ``container``
         (namespace, pod, container name), an allocation the plugin answered is booked to it in
-        ``pod_devices``, until remove_pod() (the pod is gone).
-        """
+        ``pod_devices``, until remove_pod() (the pod is gone)."""
         self._admit(resource_name)
         device_ids = list(device_ids)
         request = v1beta1.AllocateRequest(container_requests=[v1beta1.ContainerAllocateRequest(devices_ids=device_ids)])
@@ -12814,8 +12693,7 @@ async def probe(
 
     A resource may have several sockets: a plugin killed before it could clean up leaves its own,
     and numbers start again at 1 in every process. So each is tried, newest first, until one
-    answers: nothing listens on a dead one, which refuses the connection at once.
-    """
+    answers: nothing listens on a dead one, which refuses the connection at once."""
     sockets: dict[str, list[tuple[float, int, str]]] = {}
     with contextlib.suppress(OSError):
         for entry in os.scandir(device_plugin_dir):
@@ -12919,8 +12797,7 @@ async def probe_dra(config: DraConfig, grace: float = PROBE_STREAM_GRACE) -> Dra
     It fails when a socket does not answer, when GetInfo names another driver, when the kubelet
     refused the registration, or when no kubelet registered it for more than ``grace`` seconds
     (the kubelet calls GetInfo within a second of the socket's creation: one that does not is
-    watching another directory).
-    """
+    watching another directory)."""
     result = DraProbeResult(config.driver, config.registration_socket)
     try:
         path, method, request = config.registration_socket, DRA_METHODS[GET_INFO], pluginregistration.InfoRequest()
@@ -13183,8 +13060,7 @@ resources:
 async def run_demo(out: Callable[[str], None] = print) -> None:
     """Run the plugin against the kubelet simulator in a temporary directory, telling each step.
 
-    Leaves nothing behind: the directory, its sockets and its files are gone when this returns.
-    """
+    Leaves nothing behind: the directory, its sockets and its files are gone when this returns."""
     root = tempfile.mkdtemp(prefix="gopherplug-demo-")
     try:
         plugin_dir, devices = os.path.join(root, "device-plugins"), os.path.join(root, "gophers")
@@ -13748,8 +13624,7 @@ class PodResourcesSimulator:
     stand-ins' books as the kubelet answers from its device and DRA managers (kubernetes/kubernetes
     pkg/kubelet/apis/podresources/server_v1.go): List, Get, GetAllocatableResources. ``calls``
     lists the method of each call answered. ``await nursery.start(simulator.run)``.
-    Lenient: no rate limit; gopherplug_standins.PodResourcesSimulator adds the kubelet's.
-    """
+    Lenient: no rate limit; gopherplug_standins.PodResourcesSimulator adds the kubelet's."""
 
     def __init__(
         self, socket_path: str, kubelet: KubeletSimulator | None = None, dra_kubelet: DraKubeletSimulator | None = None
@@ -13839,6 +13714,10 @@ def go_json(document: Any) -> bytes:
     return text.encode()
 
 
+#: One HTTP/1.1 connection LenientApiServer answers on: (h11's state of it, its byte stream, the h11 module).
+_Http = tuple[Any, Any, Any]
+
+
 class LenientApiServer:
     """The few requests of a DRA driver, served over HTTP/1.1 on 127.0.0.1, and nothing checked.
 
@@ -13852,8 +13731,7 @@ class LenientApiServer:
     Lenient: it stores whatever it is given, enough for ``gopherplug demo --dra``. Tests need the
     strict stand-in, gopherplug_standins.ApiServerSimulator, which refuses what the real API server
     refuses, checks tokens, speaks TLS, fails on demand and ends watches, through the hooks below.
-    Needs h11 (the `dra` extra brings it).
-    """
+    Needs h11 (the `dra` extra brings it)."""
 
     PREFIX = "/apis/resource.k8s.io/v1"
 
@@ -13926,11 +13804,11 @@ class LenientApiServer:
         """The listeners to serve on: plain TCP here (the strict one may wrap them in TLS)."""
         return list(tcp)
 
-    async def _refuse(self, connection: Any, stream: Any, h11: Any, request: Any, headers: Mapping[str, str]) -> bool:
+    async def _refuse(self, http: _Http, request: Any, headers: Mapping[str, str]) -> bool:
         """Answer a request before it is routed, and say so (authentication); none here."""
         return False
 
-    async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
+    async def _intercept(self, http: _Http, verb: str, name: str) -> bool:
         """Answer a write ("create", "update", "delete", "status") instead of doing it, and say so; none here."""
         return False
 
@@ -13965,18 +13843,20 @@ class LenientApiServer:
         import h11  # only the DRA tests and demo need it: the dra extra brings it
 
         connection = h11.Connection(h11.SERVER)
+        http = (connection, stream, h11)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError):
             async with stream:
                 while True:
-                    request, body = await self._read_request(connection, stream, h11)
+                    request, body = await self._read_request(http)
                     if request is None or await self._hold():
                         return
-                    await self._answer(connection, stream, h11, request, body)
+                    await self._answer(http, request, body)
                     if connection.our_state is not h11.DONE:
                         return  # a watch that ended with the server going down, or a must-close
                     connection.start_next_cycle()
 
-    async def _read_request(self, connection: Any, stream: Any, h11: Any) -> tuple[Any, bytes]:
+    async def _read_request(self, http: _Http) -> tuple[Any, bytes]:
+        connection, stream, h11 = http
         request, body = None, b""
         while True:
             event = connection.next_event()
@@ -13994,50 +13874,49 @@ class LenientApiServer:
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
 
-    async def _send(
-        self, connection: Any, stream: Any, h11: Any, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()
-    ) -> None:
+    async def _send(self, http: _Http, status: int, document: Any, extra: Iterable[tuple[str, str]] = ()) -> None:
+        connection, stream, h11 = http
         data = go_json(document)
         headers = [("content-type", "application/json"), ("content-length", str(len(data))), *extra]
         await stream.send_all(connection.send(h11.Response(status_code=status, headers=headers)))
         await stream.send_all(connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
 
-    async def _not_found(self, connection: Any, stream: Any, h11: Any, message: str) -> None:
-        await self._send(connection, stream, h11, 404, _status(404, "NotFound", message))
+    async def _not_found(self, http: _Http, message: str) -> None:
+        await self._send(http, 404, _status(404, "NotFound", message))
 
-    async def _answer(self, connection: Any, stream: Any, h11: Any, request: Any, body: bytes) -> None:
+    async def _answer(self, http: _Http, request: Any, body: bytes) -> None:
         headers = {name.decode().lower(): value.decode() for name, value in request.headers}
-        if await self._refuse(connection, stream, h11, request, headers):
+        if await self._refuse(http, request, headers):
             return
         url = urllib.parse.urlsplit(request.target.decode())
         query = dict(urllib.parse.parse_qsl(url.query))
         method, path = request.method.decode(), url.path
         if method == "GET" and path == "/api/v1/nodes":
-            await self._answer_nodes(connection, stream, h11, query)
+            await self._answer_nodes(http, query)
             return
         if method == "GET" and path.startswith("/api/v1/nodes/"):
             name = path.removeprefix("/api/v1/nodes/")
             if (node := self.nodes.get(name)) is None:
-                await self._not_found(connection, stream, h11, f'nodes "{name}" not found')
+                await self._not_found(http, f'nodes "{name}" not found')
             else:
-                await self._send(connection, stream, h11, 200, node)
+                await self._send(http, 200, node)
             return
         parts = path.removeprefix(self.PREFIX).strip("/").split("/")
         if method == "PATCH" and len(parts) == 5 and parts[2] == "resourceclaims" and parts[4] == "status":
-            await self._apply_claim_status(connection, stream, h11, parts[1], parts[3], headers, query, body)
+            await self._apply_claim_status(http, parts[1], parts[3], headers, query, body)
             return
         if method == "GET" and len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
             if (claim := self.claims.get((parts[1], parts[3]))) is None:
-                await self._not_found(connection, stream, h11, f"resourceclaims {parts[3]!r} not found")
+                await self._not_found(http, f"resourceclaims {parts[3]!r} not found")
             else:
-                await self._send(connection, stream, h11, 200, claim)
+                await self._send(http, 200, claim)
             return
         if parts[0] != "resourceslices":
-            await self._not_found(connection, stream, h11, f"no route for {method} {path}")
+            await self._not_found(http, f"no route for {method} {path}")
             return
-        await self._answer_slices(connection, stream, h11, method, parts, query, body)
+        await self._answer_slices(http, method, parts, query, body)
 
-    async def _answer_nodes(self, connection: Any, stream: Any, h11: Any, query: Mapping[str, str]) -> None:
+    async def _answer_nodes(self, http: _Http, query: Mapping[str, str]) -> None:
         """List or watch Nodes, narrowed by a metadata.name field selector if there is one."""
         selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
 
@@ -14045,21 +13924,14 @@ class LenientApiServer:
             return bool(selected.get("metadata.name", item["metadata"]["name"]) == item["metadata"]["name"])
 
         if query.get("watch") in ("true", "1"):
-            await self._watch(connection, stream, h11, "nodes", query, matches)
+            await self._watch(http, "nodes", query, matches)
             return
         items = [item for item in self.nodes.values() if matches(item)]
         listed = {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._version)}}
-        await self._send(connection, stream, h11, 200, {**listed, "items": items})
+        await self._send(http, 200, {**listed, "items": items})
 
     async def _answer_slices(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        method: str,
-        parts: list[str],
-        query: Mapping[str, str],
-        body: bytes,
+        self, http: _Http, method: str, parts: list[str], query: Mapping[str, str], body: bytes
     ) -> None:
         selected = dict(pair.split("=", 1) for pair in query.get("fieldSelector", "").split(",") if "=" in pair)
 
@@ -14068,75 +13940,67 @@ class LenientApiServer:
             return all(spec.get(key.removeprefix("spec.")) == value for key, value in selected.items())
 
         if method == "GET" and len(parts) == 1 and query.get("watch") in ("true", "1"):
-            await self._watch(connection, stream, h11, "resourceslices", query, matches)
+            await self._watch(http, "resourceslices", query, matches)
             return
         if method == "GET" and len(parts) == 1:
             items = [item for item in self.slices.values() if matches(item)]
             meta = {"resourceVersion": str(self._version)}
             listed = {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1", "metadata": meta, "items": items}
-            await self._send(connection, stream, h11, 200, listed)
+            await self._send(http, 200, listed)
             return
         verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method)
         name = parts[1] if len(parts) == 2 else json.loads(body)["metadata"]["name"] if verb == "create" else ""
         if verb is None or (verb == "create") != (len(parts) == 1) or len(parts) > 2:
-            await self._not_found(connection, stream, h11, f"{method} {self.PREFIX}/{'/'.join(parts)}: not found")
-        elif await self._intercept(connection, stream, h11, verb, name):
+            await self._not_found(http, f"{method} {self.PREFIX}/{'/'.join(parts)}: not found")
+        elif await self._intercept(http, verb, name):
             return
         elif verb == "create":
             item = json.loads(body)
             if (refusal := self._check_slice(item, None)) is not None:
-                await self._send(connection, stream, h11, refusal["code"], refusal)
+                await self._send(http, refusal["code"], refusal)
             elif name in self.slices:
-                await self._send(connection, stream, h11, 409, _status(409, "AlreadyExists", f"{name} already exists"))
+                await self._send(http, 409, _status(409, "AlreadyExists", f"{name} already exists"))
             else:
                 self.slices[name] = self._bump("ADDED", item)
                 self._written("create", name, 201)
-                await self._send(connection, stream, h11, 201, self.slices[name])
+                await self._send(http, 201, self.slices[name])
         elif name not in self.slices:
-            await self._not_found(connection, stream, h11, f"{name} not found")
+            await self._not_found(http, f"{name} not found")
         elif verb == "update":
             item = json.loads(body)
             if item["metadata"].get("resourceVersion") != self.slices[name]["metadata"]["resourceVersion"]:
-                await self._send(connection, stream, h11, 409, _status(409, "Conflict", f"{name} was modified"))
+                await self._send(http, 409, _status(409, "Conflict", f"{name} was modified"))
             elif (refusal := self._check_slice(item, self.slices[name])) is not None:
-                await self._send(connection, stream, h11, refusal["code"], refusal)
+                await self._send(http, refusal["code"], refusal)
             else:
                 self.slices[name] = self._bump("MODIFIED", item)
                 self._written("update", name, 200)
-                await self._send(connection, stream, h11, 200, self.slices[name])
+                await self._send(http, 200, self.slices[name])
         else:
             self._bump("DELETED", self.slices.pop(name))
             self._written("delete", name, 200)
-            await self._send(connection, stream, h11, 200, _status(200, "Success", "deleted"))
+            await self._send(http, 200, _status(200, "Success", "deleted"))
 
     async def _apply_claim_status(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        namespace: str,
-        name: str,
-        headers: Mapping[str, str],
-        query: Mapping[str, str],
-        body: bytes,
+        self, http: _Http, namespace: str, name: str, headers: Mapping[str, str], query: Mapping[str, str], body: bytes
     ) -> None:
         """Server-side apply to a claim's status subresource (415 for another patch type, 404 for no
         such claim, 409 for another UID): the field manager's entries replace those it applied before."""
-        if await self._intercept(connection, stream, h11, "status", name):
+        if await self._intercept(http, "status", name):
             return
         if headers.get("content-type", "").split(";")[0] != "application/apply-patch+yaml":
-            await self._send(connection, stream, h11, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
+            await self._send(http, 415, _status(415, "UnsupportedMediaType", "not an apply patch"))
             return
         manager = query.get("fieldManager", "")
         claim = self.claims.get((namespace, name))
         applied = json.loads(body)
         if claim is None:
-            await self._not_found(connection, stream, h11, f'resourceclaims "{name}" not found')
+            await self._not_found(http, f'resourceclaims "{name}" not found')
             return
         uid = (applied.get("metadata") or {}).get("uid")
         if uid is not None and uid != claim["metadata"]["uid"]:
             message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {claim['metadata']['uid']}"
-            await self._send(connection, stream, h11, 409, _status(409, "Conflict", message))
+            await self._send(http, 409, _status(409, "Conflict", message))
             return
         devices = (applied.get("status") or {}).get("devices") or []
         # (driver, pool, device, shareID) -> manager: the list map's keys
@@ -14148,24 +14012,24 @@ class LenientApiServer:
         ]
         new = [*kept, *devices]
         if (refusal := self._check_claim_status(claim, new)) is not None:
-            await self._send(connection, stream, h11, refusal["code"], refusal)
+            await self._send(http, refusal["code"], refusal)
             return
         claim.setdefault("status", {})["devices"] = new
         for entry in devices:
             owners[entry["driver"], entry["pool"], entry["device"], entry.get("shareID", "")] = manager
         self.status_writes.append((namespace, name, manager))
         self.changed.touch()
-        await self._send(connection, stream, h11, 200, claim)
+        await self._send(http, 200, claim)
 
-    async def _start_watch(self, connection: Any, stream: Any, h11: Any) -> None:
+    async def _start_watch(self, http: _Http) -> None:
+        connection, stream, h11 = http
         headers = [("content-type", "application/json"), ("transfer-encoding", "chunked")]
         await stream.send_all(connection.send(h11.Response(status_code=200, headers=headers)))
 
-    async def _send_events(
-        self, connection: Any, stream: Any, h11: Any, resource: str, since: int, matches: Callable[[Any], bool]
-    ) -> int:
+    async def _send_events(self, http: _Http, resource: str, since: int, matches: Callable[[Any], bool]) -> int:
         """Send a watch every event of ``resource`` after resourceVersion ``since`` that it selects;
         the newest version."""
+        connection, stream, h11 = http
         for version, of, kind, item in self._events:
             if version > since and of == resource and matches(item):
                 line = go_json({"type": kind, "object": item}) + b"\n"
@@ -14174,21 +14038,15 @@ class LenientApiServer:
         return since
 
     async def _watch(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        resource: str,
-        query: Mapping[str, str],
-        matches: Callable[[Any], bool],
+        self, http: _Http, resource: str, query: Mapping[str, str], matches: Callable[[Any], bool]
     ) -> None:
         """Stream the events of ``resource`` that ``matches`` selects after the query's
         resourceVersion, for ever: no bookmarks, no end (the strict stand-in has both)."""
-        await self._start_watch(connection, stream, h11)
+        await self._start_watch(http)
         since = int(query.get("resourceVersion") or 0)
         while True:
             changed = self.changed.next_touch()
-            since = await self._send_events(connection, stream, h11, resource, since, matches)
+            since = await self._send_events(http, resource, since, matches)
             await changed.wait()
 
 
@@ -14753,7 +14611,6 @@ def _parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="configuration file (env GOPHERPLUG_CONFIG)",
         )
-    for command in (serve, check, probe_, who):
         command.add_argument(
             "--device-plugin-dir",
             default=None,  # the env var is read in main, so that a message about it can name it
@@ -14789,10 +14646,7 @@ def _parser() -> argparse.ArgumentParser:
     # check-config logs nothing, but the log settings serve would take from the environment are
     # checked (in main) as serve's are: lower-cased, as the options' type makes them.
     level, log_format = env("GOPHERPLUG_LOG_LEVEL"), env("GOPHERPLUG_LOG_FORMAT")
-    check.set_defaults(
-        log_level=None if level is None else level.lower(),
-        log_format=None if log_format is None else log_format.lower(),
-    )
+    check.set_defaults(log_level=level and level.lower(), log_format=log_format and log_format.lower())
     return parser
 
 
@@ -15266,8 +15120,7 @@ async def serve_until_signalled(
     process and leaves its sockets and lock files behind. SIGHUP is taken only with ``on_sighup``
     (called at each: the command line reads its configuration again); SIGCHLD only as PID 1 of a
     container (_reap_orphans). Signals are received from before ``async_fn`` starts, and (trio's
-    rule) only in the main thread.
-    """
+    rule) only in the main thread."""
     asked = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if on_sighup is not None else ())
     asked += (signal.SIGCHLD,) if os.getpid() == 1 else ()  # _reap_orphans
     serving, stopped = trio.CancelScope(), trio.Event()
@@ -15381,8 +15234,7 @@ def _run_as_module(script: str) -> None:
     keeps `-c` from putting the current directory first (where a `yaml.py` would be imported in
     place of PyYAML, by a process that often runs as root), and the directory Python gave the
     script (its sys.path[0]: the resolved file's, for a symlink) goes back in front, unless the
-    script had none either (-P, -I, PYTHONSAFEPATH).
-    """
+    script had none either (-P, -I, PYTHONSAFEPATH)."""
     if sys.gettrace() is not None or sys.getprofile() is not None:
         return
     import marshal

@@ -72,6 +72,7 @@ from gopherplug import (
     RPCError,
     StatusCode,
     UnexpectedAdmissionError,
+    _Http,
     _status,
     go_json,
     resource_name_problem,
@@ -1008,7 +1009,8 @@ class ApiServerSimulator(LenientApiServer):
         assert shape in ERROR_SHAPES or shape in WRONG_SHAPES, shape
         self._garbled.append({"shape": shape, "times": times, "verb": verb, "resource": resource})
 
-    async def _garble(self, connection: Any, stream: Any, h11: Any, verb: str, resource: str) -> bool:
+    async def _garble(self, http: _Http, verb: str, resource: str) -> bool:
+        connection, stream, h11 = http
         for garbled in self._garbled:
             if garbled["verb"] in ("", verb) and garbled["resource"] in ("", resource):
                 garbled["times"] -= 1
@@ -1073,7 +1075,7 @@ class ApiServerSimulator(LenientApiServer):
             await trio.sleep(self.delay)
         return False
 
-    async def _refuse(self, connection: Any, stream: Any, h11: Any, request: Any, headers: Mapping[str, str]) -> bool:
+    async def _refuse(self, http: _Http, request: Any, headers: Mapping[str, str]) -> bool:
         target = request.target.decode()
         verb, resource = request_verb_and_resource(request.method.decode(), target)
         self.requests[verb, resource, headers.get("user-agent", "")] += 1
@@ -1086,14 +1088,14 @@ class ApiServerSimulator(LenientApiServer):
         self.bearers.append(token)
         if self.tokens is not None and token not in self.tokens:
             self.refused_tokens += 1
-            await self._send(connection, stream, h11, 401, _status(401, "Unauthorized", "Unauthorized"))
+            await self._send(http, 401, _status(401, "Unauthorized", "Unauthorized"))
             return True
         if token in self.forbidden_tokens:
             self.refused_tokens += 1
-            await self._send(connection, stream, h11, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
+            await self._send(http, 403, _status(403, "Forbidden", self.forbidden_tokens[token]))
             return True
         if request.method == b"GET" and urllib.parse.urlsplit(target).path == "/version":
-            await self._send(connection, stream, h11, 200, self.release.version_info())
+            await self._send(http, 200, self.release.version_info())
             return True
         if (verb, resource) in self.forbidden:
             group = "resource.k8s.io" if "/apis/resource.k8s.io/" in target else ""
@@ -1101,9 +1103,9 @@ class ApiServerSimulator(LenientApiServer):
                 f'{resource} is forbidden: User "system:serviceaccount:kube-system:gopherplug-dra" cannot {verb} '
                 f'resource "{resource}" in API group "{group}" at the cluster scope'
             )
-            await self._send(connection, stream, h11, 403, _status(403, "Forbidden", message))
+            await self._send(http, 403, _status(403, "Forbidden", message))
             return True
-        if await self._garble(connection, stream, h11, verb, resource):
+        if await self._garble(http, verb, resource):
             return True
         self.changed.touch()  # a request came: a test waiting for one may look
         asked = query.get("resourceVersion", "")
@@ -1113,11 +1115,11 @@ class ApiServerSimulator(LenientApiServer):
                 "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
                 "retryAfterSeconds": 1,
             }
-            await self._send(connection, stream, h11, 504, status, [("retry-after", "1")])
+            await self._send(http, 504, status, [("retry-after", "1")])
             return True
         return False
 
-    async def _intercept(self, connection: Any, stream: Any, h11: Any, verb: str, name: str) -> bool:
+    async def _intercept(self, http: _Http, verb: str, name: str) -> bool:
         """Answer a write that fail() asked to fail, and say so; False for any other."""
         if (failure := self._failure(verb, name)) is None:
             return False
@@ -1139,7 +1141,7 @@ class ApiServerSimulator(LenientApiServer):
         }
         document = _status(status, reasons.get(status, "InternalError"), messages.get(status, "failed"))
         extra = [("retry-after", str(failure["retry_after"]))] if failure["retry_after"] else []
-        await self._send(connection, stream, h11, status, document, extra)
+        await self._send(http, status, document, extra)
         return True
 
     def _failure(self, verb: str, name: str) -> dict[str, Any] | None:
@@ -1199,14 +1201,9 @@ class ApiServerSimulator(LenientApiServer):
                     taint["timeAdded"] = now
 
     async def _watch(
-        self,
-        connection: Any,
-        stream: Any,
-        h11: Any,
-        resource: str,
-        query: Mapping[str, str],
-        matches: Callable[[Any], bool],
+        self, http: _Http, resource: str, query: Mapping[str, str], matches: Callable[[Any], bool]
     ) -> None:
+        connection, stream, h11 = http
         # What ends this watch is what happens from its request on: taken before any await.
         expired, restarts, ends_seen = self._expired, self._restarts, self._ends
         mangled = len(self._mangles)
@@ -1214,9 +1211,9 @@ class ApiServerSimulator(LenientApiServer):
         if query.get("resourceVersion") not in (None, "", "0") and since < self._oldest:
             # The watch cache answers before the watch starts: an HTTP 410, not an ERROR event.
             message = f"too old resource version: {since} ({self._oldest})"
-            await self._send(connection, stream, h11, 410, _status(410, "Expired", message))
+            await self._send(http, 410, _status(410, "Expired", message))
             return
-        await self._start_watch(connection, stream, h11)
+        await self._start_watch(http)
         timeout = float(query.get("timeoutSeconds") or 0) or self.min_request_timeout * (random.random() + 1.0)
         ends = trio.current_time() + timeout
         bookmarks = query.get("allowWatchBookmarks") == "true"
@@ -1238,7 +1235,7 @@ class ApiServerSimulator(LenientApiServer):
             for data in self._mangles[mangled:]:
                 await stream.send_all(connection.send(h11.Data(data=data)))
             mangled = len(self._mangles)
-            since = await self._send_events(connection, stream, h11, resource, since, matches)
+            since = await self._send_events(http, resource, since, matches)
             now = trio.current_time()
             if now >= ends or self._ends != ends_seen:
                 if bookmarks:

@@ -447,9 +447,10 @@ class ChaosApiServer(standins.ApiServerSimulator):
         head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         await stream.send_all(head.encode() + body[: cut or len(body)])
 
-    async def _refuse(self, connection: Any, stream: Any, h11: Any, request: Any, headers: Any) -> bool:
-        if await super()._refuse(connection, stream, h11, request, headers):
+    async def _refuse(self, http: Any, request: Any, headers: Any) -> bool:
+        if await super()._refuse(http, request, headers):
             return True
+        _, stream, _ = http
         target = request.target.decode()
         method = request.method.decode()
         call = f"{method} {target.split('?')[0]}"
