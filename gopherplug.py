@@ -860,8 +860,8 @@ class RestartNeeded(GopherplugError):  # noqa: N818 - it says what the error ask
 
 
 class NotYet(GopherplugError):  # noqa: N818 - it says what the error asks for
-    """What the node refuses for now (a reload's CDI spec on a full disk): its task is started again
-    (_supervised), and /healthz does not count it: a new pod would meet the same disk."""
+    """What the node refuses for now (a reload's CDI spec on a full disk): its task says why and is started
+    again (_supervised, silent), not counted by /healthz: a new pod would meet the same disk."""
 
 
 class ConfigError(GopherplugError):
@@ -6267,7 +6267,7 @@ SUPERVISE_BACKOFF, SUPERVISE_BOUND, SUPERVISE_STEADY = (0.5, 30.0), 5, 60.0
 
 
 class _Run:
-    """One run of a supervised task: its started() passed on, and when it was called (None: not yet)."""
+    """One run of a supervised task: its started() passed on, with ``then`` (see _works_later), and when."""
 
     def __init__(self, status: trio.TaskStatus[Any], then: Callable[[], None] = lambda: None) -> None:
         self.status, self.then = status, then
@@ -6279,6 +6279,15 @@ class _Run:
         self.then()
 
 
+def _works_later(status: trio.TaskStatus[Any]) -> Callable[[], None]:
+    """For a task whose started() comes before it works (a registration's socket listens before the
+    kubelet accepts Register): what it calls once it works, when _supervised says it runs again."""
+    if not isinstance(status, _Run):
+        return lambda: None
+    then, status.then = status.then, lambda: None
+    return then
+
+
 async def _supervised(
     part: str,
     function: Callable[..., Awaitable[Any]],
@@ -6287,9 +6296,9 @@ async def _supervised(
 ) -> None:
     """``await function(*args, task_status=...)`` until it returns, started again (SUPERVISE_BACKOFF)
     whenever it raises once started: from the truth (it rescans, relists, rereads), what it published
-    kept meanwhile. One ERROR line when failures begin, one when it runs again, not one a retry;
-    gopherplug_task_restarts counts by ``part``. What it raises before its first started() (the
-    plugin stops at start with that line), RestartNeeded and cancellation go through."""
+    kept meanwhile. One ERROR line when failures begin, one when it runs again, none a retry (nor for
+    NotYet: its task says why); gopherplug_task_restarts counts by ``part``. What it raises before its
+    first started() (the plugin stops at start with that line), RestartNeeded and cancellation go through."""
     failures, counted, said = 0, 0, False  # counted: the failures /healthz counts (not NotYet's)
     run = _Run(task_status)
 
@@ -6301,9 +6310,9 @@ async def _supervised(
 
     def recovered() -> None:
         nonlocal said
-        if not said:
+        if counted and not said:
             log.info("%s runs again, after %s", part, "1 failure" if failures == 1 else f"{failures} failures")
-        said = True
+            said = True
 
     with _health_check(part, problem):
         while True:
@@ -6317,8 +6326,8 @@ async def _supervised(
                     raise
                 if steady():
                     failures, counted, said = 0, 0, False  # it ran long enough since it came back: a new run
-                failures, counted = failures + 1, counted + (not isinstance(_innermost(error), NotYet))
-                if failures == 1:
+                failures, counted = failures + 1, counted + (not (quiet := isinstance(_innermost(error), NotYet)))
+                if counted == 1 and not quiet:
                     what = f"{type(_innermost(error)).__name__}: {_describe(error)}"
                     log.error("%s failed: %s; starting it again (the traceback is at log level debug)", part, what)
                 log.debug("%s: the failure's traceback:", part, exc_info=True)
@@ -11364,6 +11373,7 @@ async def _serve_generations(
 ) -> None:
     """Socket N served, registered and kept until the kubelet restarts or it is deleted; then N + 1."""
     directory = kubelet.device_plugin_dir
+    works = _works_later(task_status)  # started again, it works once the kubelet has accepted Register
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
@@ -11403,6 +11413,7 @@ async def _serve_generations(
                 return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
+                works()
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
                 while kubelet.generation == registered_with and server.owns_socket_file() and not status.stream_failed:
@@ -11899,7 +11910,8 @@ async def serve_plugin(
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
         roster = Watched(None)  # touched when a reload has changed what is served
 
-        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> bool:
+        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> str:
+            """Serve ``resource``: "", or on a reload why it could not start."""
             served[resource.name] = _Served(resource, written=written or {})
             numbers = generations.setdefault(resource.name, itertools.count(1))
             try:
@@ -11914,17 +11926,17 @@ async def serve_plugin(
                     dra_resources,
                     supervise=False,  # its directory watch and its registration are, each on its own
                 )
-                return True
+                return ""
             except Exception as error:
                 if not reloading or not isinstance(_innermost(error), GopherplugError):
                     raise  # at start: the plugin stops with that one line
                 # On a reload, one resource that cannot start (its CDI directory unwritable, say)
                 # must not take the others down.
                 del served[resource.name]
-                log.error("%s: %s: not applied", resource.name, _innermost(error))
-                return False
+                return str(_innermost(error))
 
         applied = config  # what a new watch of the configuration compares it with
+        refused: tuple[Config, dict[str, str]] | None = None  # the last reload the node refused, and why
 
         async def reload(*, task_status: trio.TaskStatus[None]) -> None:
             nonlocal reloading, applied
@@ -11940,34 +11952,39 @@ async def serve_plugin(
                     applied = new
 
         async def apply(new: Config) -> None:
-            """Apply ``new`` resource by resource, each whole or not at all (reload_plan says what)."""
+            """Apply ``new`` resource by resource, each whole or not at all (reload_plan says what). What the
+            node refuses is tried again (NotYet): its lines at debug while the same refusal repeats."""
+            nonlocal refused
+            lines: list[tuple[int, str]] = []  # said at the end, once the refusals are known
             fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra", "nfd_features_file")
             if kubelet is None:  # not watched yet: it will be where the reload that needs it says
                 fixed = fixed[1:]
             if any(getattr(new, key) != getattr(config, key) for key in fixed):
-                log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
+                lines.append((logging.WARNING, f"{new.source}: {', '.join(fixed)} take effect at the next start"))
             wanted = {resource.name: resource for resource in new.resources}
             before = list(served)
             plan = reload_plan({name: one.resource for name, one in served.items()}, new, dra_resources is not None)
             done: dict[str, list[str]] = {what: [] for what in _RELOAD_SAID}
+            failed: dict[str, str] = {}  # refused by the node, not by reload_plan: why
             await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
             for name, (action, why) in plan.items():
                 if action == "stop":
                     await served.pop(name).retire()
                 elif action == "refuse":
-                    log.warning("%s: %s: kept as it was", name, why)
-                elif action == "update" and not await served[name].update(wanted[name]):
+                    lines.append((logging.WARNING, f"{name}: {why}: kept as it was"))
+                elif action in ("update", "again") and (why := await served[name].update(wanted[name])):
                     action = "refuse"  # its watch could not start: the old configuration goes on
-                elif action == "again":
-                    await served[name].update(wanted[name])
                 elif action == "register":
                     old = served.pop(name)
                     await old.stop()
-                    if not await start(wanted[name], old.written):
+                    if why := await start(wanted[name], old.written):
                         await start(old.resource, old.written)  # the new one failed: serve the old one again
                         action = "refuse"
-                elif action == "start" and not await start(wanted[name]):
+                elif action == "start" and (why := await start(wanted[name])):
                     action = "not added"
+                if action != plan[name][0]:
+                    failed[name] = why
+                    lines.append((logging.ERROR, f"{name}: {why}: not applied, tried again"))
                 done.setdefault(action, []).append(name)
             if _metrics is not None:
                 # Every task of a removed (or stopped) resource has ended, its goodbye sent
@@ -11980,12 +11997,13 @@ async def serve_plugin(
                 for what, said in _RELOAD_SAID.items()
                 if done[what]
             )
-            log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+            lines.append((logging.INFO, f"{new.source}: configuration reloaded: {summary or 'no resource changed'}"))
+            again, refused = refused == (new, failed), (new, failed) if failed else None
+            for level, line in lines:
+                log.log(logging.DEBUG if again else level, "%s", line)
             roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
-            # Refused by the environment (a full or read-only CDI directory), not by reload_plan: the
-            # task fails, and its restart applies the file again with backoff until they apply.
-            if failed := done["not added"] + [name for name in done["refuse"] if plan[name][0] != "refuse"]:
-                raise NotYet(f"{', '.join(failed)}: not applied for now, tried again")
+            if failed:  # by the node (a full CDI directory): the task's restart applies the file again
+                raise NotYet(f"{', '.join(failed)}: not applied for now")
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics
@@ -12221,9 +12239,9 @@ class _Served:
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
 
-    async def update(self, new: ResourceConfig) -> bool:
-        """Apply a configuration with the same name and options, the stream left open. Returns
-        whether it was applied (if its watch cannot start, the old configuration goes on)."""
+    async def update(self, new: ResourceConfig) -> str:
+        """Apply a configuration with the same name and options, the stream left open. Returns ""
+        or why not (its watch could not start: the old configuration goes on)."""
         assert self.start_watch is not None  # _serve_one has started
         old = self.resource
         # The directory watch starts afresh: sources, templates or the CDI kind may differ. The
@@ -12236,9 +12254,8 @@ class _Served:
         except Exception as error:
             if not isinstance(_innermost(error), GopherplugError):
                 raise
-            log.error("%s: %s: not applied", new.name, _innermost(error))
             await self.start_watch(old)
-            return False
+            return str(_innermost(error))
         # Only now, the new CDI spec written: Allocate may name the new kind's devices.
         self.resource = new
         self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
@@ -12250,7 +12267,7 @@ class _Served:
             # The pool's slices are compared and written again with the new configuration; the
             # claims prepared until now keep their checkpointed answers.
             self.dra_resources.attach(new, self.devices)
-        return True
+        return ""
 
     async def retire(self) -> None:
         """Removed from the configuration: stop watching, send the kubelet an empty list, stop."""
