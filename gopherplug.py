@@ -13197,12 +13197,26 @@ resources:
 """
 
 
+def _demo_root(prefix: str, driver: str) -> str:
+    """A demo's temporary directory, in TMPDIR: refused in one line where its longest socket (the DRA
+    registration's, a device plugin's named by digest) would pass the MAX_SOCKET_PATH bytes bind() allows."""
+    root, tmp = tempfile.mkdtemp(prefix=prefix), tempfile.gettempdir()
+    longest = max(len(f"/kubelet/plugins_registry/{driver}-reg.sock"), len(f"/device-plugins/{'0' * 32}.sock"))
+    if (room := MAX_SOCKET_PATH - longest - len(root) + len(tmp)) < len(tmp):
+        os.rmdir(root)
+        raise GopherplugError(
+            f"TMPDIR {tmp} is too long for the demo's unix sockets ({MAX_SOCKET_PATH} bytes at most): "
+            f"set TMPDIR to a directory of at most {room} characters, such as /tmp"
+        )
+    return root
+
+
 async def run_demo(out: Callable[[str], None] = print) -> None:
     """Run the plugin against the kubelet simulator in a temporary directory, telling each step.
 
     Leaves nothing behind: the directory, its sockets and its files are gone when this returns.
     """
-    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
+    root = _demo_root("gopherplug-demo-", "")
     try:
         plugin_dir, devices = os.path.join(root, "device-plugins"), os.path.join(root, "gophers")
         os.mkdir(plugin_dir)
@@ -14267,7 +14281,7 @@ async def run_dra_demo(out: Callable[[str], None] = print) -> None:
     """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
     simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
     _demo_needs_dra_extra("the DRA demo")
-    root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
+    root = _demo_root("gopherplug-dra-demo-", "gopherplug.example.com")
     try:
         for directory in ("device-plugins", "kubelet", "gophers"):
             os.mkdir(os.path.join(root, directory))
@@ -14477,7 +14491,7 @@ async def run_config_demo(
     Leaves nothing behind."""
     if config.dra is not None:
         _demo_needs_dra_extra("a DRA resource")
-    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
+    root = _demo_root("gopherplug-demo-", config.dra.driver if config.dra else "")
     try:
         await _narrate_config_demo(_demo_config(config, root), config.source, root, out, select)
     finally:
