@@ -7015,15 +7015,21 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now (_reap_orphans leaves them to trio), each with its environment's mark.
-_RUNNING: dict[int, str] = {}
+#: The programs run_program runs now (_reap_orphans leaves them to trio).
+_RUNNING: set[int] = set()
 
 
 def _kill_process_group(pid: int) -> None:
-    """Kill a program's process group, and a daemon it started (fork, setsid, fork) by its mark."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    marked = f"\0GOPHERPLUG_PROGRAM={_RUNNING.get(pid)}\0".encode()
+
+
+def _kill_marked(mark: str) -> None:
+    """Kill a daemon a program started (fork, setsid, fork: out of its group) by the mark it inherited.
+    In a worker thread within FILE_READ_TIMEOUT (run_program): /proc of a busy host has thousands of
+    processes, and the environ of one in uninterruptible sleep may never be read. Late or not, a kill
+    follows its own read of the mark, random for each run: a pid reused since has no such environ."""
+    marked = f"\0GOPHERPLUG_PROGRAM={mark}\0".encode()
     for name in os.listdir("/proc"):
         with contextlib.suppress(OSError, ValueError), open(f"/proc/{name}/environ", "rb") as environ:
             if marked in b"\0" + environ.read():  # gone, not a process or not ours to read: passed over
@@ -7073,7 +7079,7 @@ async def run_program(
     cannot be started.
 
     Resource handling: the program runs in its own process group, killed whole once the program
-    exits, at ``timeout`` and when cancelled, with what left the group (_kill_process_group):
+    exits, at ``timeout`` and when cancelled, with what left the group (_kill_marked):
     nothing it started outlives it. Its answer is taken
     when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
     pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
@@ -7090,7 +7096,7 @@ async def run_program(
         start_new_session=True,
         pass_fds=fds,
     )
-    _RUNNING[process.pid] = mark
+    _RUNNING.add(process.pid)
 
     async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
         nonlocal too_much
@@ -7120,7 +7126,9 @@ async def run_program(
             _kill_process_group(process.pid)
             with trio.CancelScope(shield=True):
                 await process.wait()
-        _RUNNING.pop(process.pid, None)
+        with trio.CancelScope(shield=True), contextlib.suppress(TimeoutError):  # a hung thread is left to itself
+            await trio.to_thread.run_sync(_within, functools.partial(_kill_marked, mark))
+        _RUNNING.discard(process.pid)
         _reap_orphans()
     kept = None if too_much or not limit else bytes(stdout)
     return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
