@@ -6269,22 +6269,24 @@ SUPERVISE_BACKOFF, SUPERVISE_BOUND, SUPERVISE_STEADY = (0.5, 30.0), 5, 60.0
 class _Run:
     """One run of a supervised task: its started() passed on, with ``then`` (see _works_later), and when."""
 
-    def __init__(self, status: trio.TaskStatus[Any], then: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, status: trio.TaskStatus[Any], then: Callable[[], None] | None = None) -> None:
         self.status, self.then = status, then
         self.at: float | None = None
 
     def started(self, value: Any = None) -> None:
         self.at = trio.current_time()
         self.status.started(value)
-        self.then()
+        if self.then is not None:
+            self.then()
 
 
-def _works_later(status: trio.TaskStatus[Any]) -> Callable[[], None]:
+def _works_later(status: trio.TaskStatus[Any]) -> Callable[[], None] | None:
     """For a task whose started() comes before it works (a registration's socket listens before the
-    kubelet accepts Register): what it calls once it works, when _supervised says it runs again."""
+    kubelet accepts Register): what it calls once it works, when _supervised says it runs again (None:
+    nothing to say, a first run or one not supervised)."""
     if not isinstance(status, _Run):
-        return lambda: None
-    then, status.then = status.then, lambda: None
+        return None
+    then, status.then = status.then, None
     return then
 
 
@@ -9845,8 +9847,9 @@ class SlicePublisher:
         watching = functools.partial(self.api.watch_slices, node, driver)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_node)
+            works = _works_later(task_status)  # started again: it runs again once the API server answers
             task_status.started()
-            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event)
+            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event, works)
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
@@ -11204,6 +11207,7 @@ async def list_and_watch(
     watch_from: Callable[[str], AsyncGenerator[tuple[str, dict[str, Any]], None]],
     replace: Callable[[list[dict[str, Any]], str], None],
     update: Callable[[str, dict[str, Any]], None],
+    answered: Callable[[], None] | None = None,
     *,
     stop_when_forbidden: bool = False,
 ) -> None:
@@ -11227,12 +11231,13 @@ async def list_and_watch(
        list, which costs the server much more.
 
     A 403 is raised when ``stop_when_forbidden``, for a caller that can do without; otherwise
-    backed off and retried as the others."""
+    backed off and retried as the others. ``answered``: a supervised task's "runs again" (_works_later),
+    called at the first list: its failure said, the failures until then are debug lines here."""
     version = ""  # the last resourceVersion seen; "" before the first list
     list_at: str | None = "0"  # list before the next watch, at this version; None: watch
     delay = DRA_WATCH_BACKOFF[0]
     expired = 0  # 410s in a row, each right after a list, with nothing from the server in between
-    failing = False  # a failure was warned of: the next ones are debug lines until an answer comes
+    failing = answered is not None  # a failure was said: the next ones are debug lines until an answer comes
     while True:
         try:
             if list_at is not None:
@@ -11249,6 +11254,9 @@ async def list_and_watch(
                     items, version = await list_from("")
                 replace(items, version)
                 list_at = None
+                if answered is not None:  # the outage the supervisor began to say: it says the end
+                    answered()
+                    answered, failing = None, False
             opened, brought = trio.current_time(), False
             with trio.CancelScope() as quiet:
                 quiet.deadline = trio.current_time() + jittered(DRA_WATCH_QUIET_SECONDS)
@@ -11421,7 +11429,8 @@ async def _serve_generations(
                 return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
-                works()
+                if works is not None:
+                    works()
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
                 while kubelet.generation == registered_with and server.owns_socket_file() and not status.stream_failed:

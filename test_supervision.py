@@ -441,6 +441,31 @@ async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatc
     assert restarts("slice watch") == 1
 
 
+async def test_a_slice_watch_started_again_during_an_api_outage_says_one_line_each_way(dra, monkeypatch):
+    """The supervisor's line began the outage: the watch's own lines for the same outage (the API
+    server's 502s met by the run started again) are debug, and "runs again" waits for its list."""
+    monkeypatch.setattr(gp, "DRA_WATCH_BACKOFF", (0.001, 0.002))
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+        dra.api.garble("html-502", times=2, verb="list", resource="resourceslices")  # the relists meet an outage
+        with logged("") as said, logged(f"slice watch {AGAIN}") as again:
+            said.setLevel(logging.INFO)
+            (dra.devices / "gopher2").touch()
+            await again.wait()
+            while dra.api.garbled["html-502"] < 2:
+                await dra.api.changed.wait_touched()
+        await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+    assert [line for line in said.lines if "slice watch" in line or "watching ResourceSlices" in line] == [
+        "slice watch failed: RuntimeError: injected; starting it again (the traceback is at log level debug)",
+        f"slice watch {AGAIN} 1 failure",
+    ]
+
+
 async def test_a_failed_claim_status_writer_is_started_again_and_writes_the_next(dra, monkeypatch, restarts):
     (dra.devices / "gopher0").touch()
     real = gp.ClaimPreparer._write_status
