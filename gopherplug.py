@@ -7080,12 +7080,11 @@ async def run_program(
     past it the program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
     cannot be started.
 
-    Resource handling: the program runs in its own process group, killed whole once the program
-    exits, at ``timeout`` and when cancelled, with what left the group (_kill_marked):
-    nothing it started outlives it. Its answer is taken
-    when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
-    pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
-    reaped, before any other task runs: its ID cannot have gone to another program of ours."""
+    Resource handling: the program runs in its own process group, killed whole once the program exits,
+    at ``timeout`` and when cancelled, with what left the group (_kill_marked): nothing it started
+    outlives it. Its answer is taken when it exits, not at end of file, which a child it left running
+    (`sleep &`) would hold off; the pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as
+    soon as the program is reaped, before any other task runs: its ID cannot have gone to another of ours."""
     stdout, stderr = bytearray(), bytearray()
     too_much = timed_out = False
     mark = os.urandom(8).hex()
@@ -11254,9 +11253,8 @@ async def list_and_watch(
                     items, version = await list_from("")
                 replace(items, version)
                 list_at = None
-                if answered is not None:  # the outage the supervisor began to say: it says the end
-                    answered()
-                    answered, failing = None, False
+                if answered is not None:  # the outage the supervisor began to say: it says the end, once
+                    answered, failing = answered(), False  # (answered() is None)
             opened, brought = trio.current_time(), False
             with trio.CancelScope() as quiet:
                 quiet.deadline = trio.current_time() + jittered(DRA_WATCH_QUIET_SECONDS)
@@ -11405,11 +11403,7 @@ async def _serve_generations(
         ending = trio.Event()
         async with trio.open_nursery() as nursery:
             try:
-                server = await nursery.start(
-                    serve_grpc,
-                    os.path.join(directory, endpoint),
-                    services(ending),
-                )
+                server = await nursery.start(serve_grpc, os.path.join(directory, endpoint), services(ending))
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
             except OSError as error:
@@ -11927,22 +11921,12 @@ async def serve_plugin(
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
         roster = Watched(None)  # touched when a reload has changed what is served
 
-        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> str:
-            """Serve ``resource``: "", or on a reload why it could not start."""
+        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> str:  # "" or why not
             served[resource.name] = _Served(resource, written=written or {})
             numbers = generations.setdefault(resource.name, itertools.count(1))
-            try:
-                await parts.start(
-                    resource.name,
-                    _serve_one,
-                    served[resource.name],
-                    kubelet,
-                    config.sysfs_root,
-                    config.dev_root,
-                    numbers,
-                    dra_resources,
-                    supervise=False,  # its directory watch and its registration are, each on its own
-                )
+            try:  # not supervised whole: its directory watch and its registration are, each on its own
+                one = (served[resource.name], kubelet, config.sysfs_root, config.dev_root, numbers, dra_resources)
+                await parts.start(resource.name, _serve_one, *one, supervise=False)
                 return ""
             except Exception as error:
                 if not reloading or not isinstance(_innermost(error), GopherplugError):
@@ -13214,18 +13198,21 @@ resources:
 """
 
 
-def _demo_root(prefix: str, driver: str) -> str:
-    """A demo's temporary directory, in TMPDIR: refused in one line where its longest socket (the DRA
-    registration's, a device plugin's named by digest) would pass the MAX_SOCKET_PATH bytes bind() allows."""
+@contextlib.contextmanager
+def _demo_root(prefix: str, driver: str) -> Iterator[str]:
+    """A demo's temporary directory, in TMPDIR, removed with all in it: refused in one line where its
+    longest socket (the DRA registration's, a device plugin's named by digest) would pass MAX_SOCKET_PATH."""
     root, tmp = tempfile.mkdtemp(prefix=prefix), tempfile.gettempdir()
     longest = max(len(f"/kubelet/plugins_registry/{driver}-reg.sock"), len(f"/device-plugins/{'0' * 32}.sock"))
-    if (room := MAX_SOCKET_PATH - longest - len(root) + len(tmp)) < len(tmp):
-        os.rmdir(root)
-        raise GopherplugError(
-            f"TMPDIR {tmp} is too long for the demo's unix sockets ({MAX_SOCKET_PATH} bytes at most): "
-            f"set TMPDIR to a directory of at most {room} characters, such as /tmp"
-        )
-    return root
+    try:
+        if (room := MAX_SOCKET_PATH - longest - len(root) + len(tmp)) < len(tmp):
+            raise GopherplugError(
+                f"TMPDIR {tmp} is too long for the demo's unix sockets ({MAX_SOCKET_PATH} bytes at most): "
+                f"set TMPDIR to a directory of at most {room} characters, such as /tmp"
+            )
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def run_demo(out: Callable[[str], None] = print) -> None:
@@ -13233,8 +13220,7 @@ async def run_demo(out: Callable[[str], None] = print) -> None:
 
     Leaves nothing behind: the directory, its sockets and its files are gone when this returns.
     """
-    root = _demo_root("gopherplug-demo-", "")
-    try:
+    with _demo_root("gopherplug-demo-", "") as root:
         plugin_dir, devices = os.path.join(root, "device-plugins"), os.path.join(root, "gophers")
         os.mkdir(plugin_dir)
         os.mkdir(devices)
@@ -13243,8 +13229,6 @@ async def run_demo(out: Callable[[str], None] = print) -> None:
         config = parse_config(DEMO_CONFIG.format(devices=devices), "<demo>")
         config = dataclasses.replace(config, device_plugin_dir=plugin_dir)
         await _narrate_demo(config, plugin_dir, devices, out)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Callable[[str], None]) -> None:
@@ -14298,16 +14282,13 @@ async def run_dra_demo(out: Callable[[str], None] = print) -> None:
     """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
     simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
     _demo_needs_dra_extra("the DRA demo")
-    root = _demo_root("gopherplug-dra-demo-", "gopherplug.example.com")
-    try:
+    with _demo_root("gopherplug-dra-demo-", "gopherplug.example.com") as root:
         for directory in ("device-plugins", "kubelet", "gophers"):
             os.mkdir(os.path.join(root, directory))
         for name in ("gopher0", "gopher1", "gopher2"):
             open(os.path.join(root, "gophers", name), "x").close()
         config = parse_config(DEMO_DRA_CONFIG.format(root=root), "<demo>")
         await _narrate_dra_demo(config, root, out)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None]) -> None:
@@ -14508,11 +14489,8 @@ async def run_config_demo(
     Leaves nothing behind."""
     if config.dra is not None:
         _demo_needs_dra_extra("a DRA resource")
-    root = _demo_root("gopherplug-demo-", config.dra.driver if config.dra else "")
-    try:
+    with _demo_root("gopherplug-demo-", config.dra.driver if config.dra else "") as root:
         await _narrate_config_demo(_demo_config(config, root), config.source, root, out, select)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _narrate_config_demo(
