@@ -6281,9 +6281,8 @@ class _Run:
 
 
 def _works_later(status: trio.TaskStatus[Any]) -> Callable[[], None] | None:
-    """For a task whose started() comes before it works (a registration's socket listens before the
-    kubelet accepts Register): what it calls once it works, when _supervised says it runs again (None:
-    nothing to say, a first run or one not supervised)."""
+    """For a task whose started() comes before it works (a registration listens before Register is accepted):
+    what it calls once it works, when _supervised says it runs again (None: a first run, nothing to say)."""
     if not isinstance(status, _Run):
         return None
     then, status.then = status.then, None
@@ -7027,10 +7026,10 @@ def _kill_process_group(pid: int) -> None:
 
 
 def _kill_marked(mark: str) -> None:
-    """Kill a daemon a program started (fork, setsid, fork: out of its group) by the mark it inherited.
-    In a worker thread within FILE_READ_TIMEOUT (run_program): /proc of a busy host has thousands of
-    processes, and the environ of one in uninterruptible sleep may never be read. Late or not, a kill
-    follows its own read of the mark, random for each run: a pid reused since has no such environ."""
+    """Kill a daemon a program started (fork, setsid, fork: out of its group) by the mark it inherited, in a
+    worker thread within FILE_READ_TIMEOUT (run_program): a busy host has thousands of processes, and the
+    environ of one in uninterruptible sleep may never be read. Late or not, a kill follows its own read
+    of the mark, random for each run: a pid reused since has no such environ."""
     marked = f"\0GOPHERPLUG_PROGRAM={mark}\0".encode()
     for name in os.listdir("/proc"):
         with contextlib.suppress(OSError, ValueError), open(f"/proc/{name}/environ", "rb") as environ:
