@@ -663,8 +663,9 @@ async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
 async def test_a_refusal_tried_again_says_its_lines_once_and_one_when_it_applies(
     nursery, node, tmp_path, monkeypatch, restarts
 ):
-    """A full CDI directory refuses a reload for several tries: its lines (the resource's error, the
-    summary) are said at the first, the tries in between at debug, and one line when it applies."""
+    """A full, then read-only, CDI directory refuses a reload for several tries: its lines (the resource's
+    error, the summary) are said at the first and when the reason changes, the tries in between at
+    debug, and one line when it applies."""
     path, spec_dir = tmp_path / "gopherplug.yaml", tmp_path / "cdi"
     cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
     path.write_text(config_text(node, **{RESOURCE: cdi}))
@@ -673,17 +674,28 @@ async def test_a_refusal_tried_again_says_its_lines_once_and_one_when_it_applies
         updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
         await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
         await simulator.wait_until(listed("g1", "g2"))
-        full = OSError(28, "No space left on device")  # full for four tries, then not
-        monkeypatch.setattr(gp, "_replace_whole", failing(gp._replace_whole, 4, error=full))
+        full, read_only = OSError(28, "No space left on device"), OSError(30, "Read-only file system")
+        refusals, real = iter([full, full, read_only, read_only]), gp._replace_whole  # four tries, two reasons
+
+        def replace_whole(*args, **kwargs):
+            if (refusal := next(refusals, None)) is not None:
+                raise refusal
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(gp, "_replace_whole", replace_whole)
         with logged("") as said, logged("configuration reloaded: updated") as applied:
             said.setLevel(logging.INFO)
             mounts = {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}
             path.write_text(config_text(node, **{RESOURCE: {**cdi, **mounts}}))
             await applied.wait()
     spec = spec_dir / "example.com-gopher.json"
+    assert '"/m"' in spec.read_text(), "the new configuration's spec is written"
+    kept = f"{path}: configuration reloaded: kept {RESOURCE} as it was"
     assert [line for line in said.lines if "CDI spec" in line or "reload" in line] == [
         f"{RESOURCE}: cannot write the CDI spec {spec}: No space left on device: not applied, tried again",
-        f"{path}: configuration reloaded: kept {RESOURCE} as it was",
+        kept,
+        f"{RESOURCE}: cannot write the CDI spec {spec}: Read-only file system: not applied, tried again",
+        kept,  # said again with its new reason, then once applied:
         f"{path}: configuration reloaded: updated in place {RESOURCE}",
     ]
     assert restarts("configuration reloads") == 4
