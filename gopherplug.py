@@ -6321,15 +6321,15 @@ async def _supervised(
                 await function(*args, task_status=run)
                 return
             except Exception as error:
-                if (run.at is None and run.status is not trio.TASK_STATUS_IGNORED) or isinstance(
-                    _innermost(error), RestartNeeded
+                if isinstance(innermost := _innermost(error), RestartNeeded) or (
+                    run.at is None and run.status is not trio.TASK_STATUS_IGNORED
                 ):
                     raise
                 if steady():
                     failures, counted, said = 0, 0, False  # it ran long enough since it came back: a new run
-                failures, counted = failures + 1, counted + (not (quiet := isinstance(_innermost(error), NotYet)))
+                failures, counted = failures + 1, counted + (not (quiet := isinstance(innermost, NotYet)))
                 if counted == 1 and not quiet:
-                    what = f"{type(_innermost(error)).__name__}: {_describe(error)}"
+                    what = f"{type(innermost).__name__}: {_describe(error)}"
                     log.error("%s failed: %s; starting it again (the traceback is at log level debug)", part, what)
                 log.debug("%s: the failure's traceback:", part, exc_info=True)
                 if _metrics is not None:
@@ -13205,10 +13205,8 @@ def _demo_root(prefix: str, driver: str) -> Iterator[str]:
     longest = max(len(f"/kubelet/plugins_registry/{driver}-reg.sock"), len(f"/device-plugins/{'0' * 32}.sock"))
     try:
         if (room := MAX_SOCKET_PATH - longest - len(root) + len(tmp)) < len(tmp):
-            raise GopherplugError(
-                f"TMPDIR {tmp} is too long for the demo's unix sockets ({MAX_SOCKET_PATH} bytes at most): "
-                f"set TMPDIR to a directory of at most {room} characters, such as /tmp"
-            )
+            why = f"TMPDIR {tmp} is too long for the demo's unix sockets ({MAX_SOCKET_PATH} bytes at most)"
+            raise GopherplugError(f"{why}: set TMPDIR to a directory of at most {room} characters, such as /tmp")
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
