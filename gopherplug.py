@@ -858,8 +858,8 @@ class RestartNeeded(GopherplugError):  # noqa: N818 - it says what the error ask
 
 
 class NotYet(GopherplugError):  # noqa: N818 - it says what the error asks for
-    """What the node refuses for now (a reload's CDI spec on a full disk): its task is started again
-    (_supervised), and /healthz does not count it: a new pod would meet the same disk."""
+    """What the node refuses for now (a reload's CDI spec on a full disk): its task says why and is started
+    again (_supervised, silent), not counted by /healthz: a new pod would meet the same disk."""
 
 
 class ConfigError(GopherplugError):
@@ -6204,16 +6204,26 @@ SUPERVISE_BACKOFF, SUPERVISE_BOUND, SUPERVISE_STEADY = (0.5, 30.0), 5, 60.0
 
 
 class _Run:
-    """One run of a supervised task: its started() passed on, and when it was called (None: not yet)."""
+    """One run of a supervised task: its started() passed on, with ``then`` (see _works_later), and when."""
 
-    def __init__(self, status: trio.TaskStatus[Any], then: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, status: trio.TaskStatus[Any], then: Callable[[], None] | None = None) -> None:
         self.status, self.then = status, then
         self.at: float | None = None
 
     def started(self, value: Any = None) -> None:
         self.at = trio.current_time()
         self.status.started(value)
-        self.then()
+        if self.then is not None:
+            self.then()
+
+
+def _works_later(status: trio.TaskStatus[Any]) -> Callable[[], None] | None:
+    """For a task whose started() comes before it works (a registration listens before Register is accepted):
+    what it calls once it works, when _supervised says it runs again (None: a first run, nothing to say)."""
+    if not isinstance(status, _Run):
+        return None
+    then, status.then = status.then, None
+    return then
 
 
 async def _supervised(
@@ -6224,9 +6234,9 @@ async def _supervised(
 ) -> None:
     """``await function(*args, task_status=...)`` until it returns, started again (SUPERVISE_BACKOFF)
     whenever it raises once started: from the truth (it rescans, relists, rereads), what it published
-    kept meanwhile. One ERROR line when failures begin, one when it runs again, not one a retry;
-    gopherplug_task_restarts counts by ``part``. What it raises before its first started() (the
-    plugin stops at start with that line), RestartNeeded and cancellation go through."""
+    kept meanwhile. One ERROR line when failures begin, one when it runs again, none a retry (nor for
+    NotYet: its task says why); gopherplug_task_restarts counts by ``part``. What it raises before its
+    first started() (the plugin stops at start with that line), RestartNeeded and cancellation go through."""
     failures, counted, said = 0, 0, False  # counted: the failures /healthz counts (not NotYet's)
     run = _Run(task_status)
 
@@ -6238,9 +6248,9 @@ async def _supervised(
 
     def recovered() -> None:
         nonlocal said
-        if not said:
+        if counted and not said:
             log.info("%s runs again, after %s", part, "1 failure" if failures == 1 else f"{failures} failures")
-        said = True
+            said = True
 
     with _health_check(part, problem):
         while True:
@@ -6248,15 +6258,15 @@ async def _supervised(
                 await function(*args, task_status=run)
                 return
             except Exception as error:
-                if (run.at is None and run.status is not trio.TASK_STATUS_IGNORED) or isinstance(
-                    _innermost(error), RestartNeeded
+                if isinstance(innermost := _innermost(error), RestartNeeded) or (
+                    run.at is None and run.status is not trio.TASK_STATUS_IGNORED
                 ):
                     raise
                 if steady():
                     failures, counted, said = 0, 0, False  # it ran long enough since it came back: a new run
-                failures, counted = failures + 1, counted + (not isinstance(_innermost(error), NotYet))
-                if failures == 1:
-                    what = f"{type(_innermost(error)).__name__}: {_describe(error)}"
+                failures, counted = failures + 1, counted + (not (quiet := isinstance(innermost, NotYet)))
+                if counted == 1 and not quiet:
+                    what = f"{type(innermost).__name__}: {_describe(error)}"
                     log.error("%s failed: %s; starting it again (the traceback is at log level debug)", part, what)
                 log.debug("%s: the failure's traceback:", part, exc_info=True)
                 if _metrics is not None:
@@ -6937,15 +6947,21 @@ STDERR_KEPT = 4096
 #: Once a program has exited, how long what it printed may take to be read: the pipes hold it
 #: already, unless a child it left running holds them too, and writes (it is killed meanwhile).
 PROGRAM_EXIT_GRACE = 1.0
-#: The programs run_program runs now (_reap_orphans leaves them to trio), each with its environment's mark.
-_RUNNING: dict[int, str] = {}
+#: The programs run_program runs now (_reap_orphans leaves them to trio).
+_RUNNING: set[int] = set()
 
 
 def _kill_process_group(pid: int) -> None:
-    """Kill a program's process group, and a daemon it started (fork, setsid, fork) by its mark."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    marked = f"\0GOPHERPLUG_PROGRAM={_RUNNING.get(pid)}\0".encode()
+
+
+def _kill_marked(mark: str) -> None:
+    """Kill a daemon a program started (fork, setsid, fork: out of its group) by the mark it inherited, in a
+    worker thread within FILE_READ_TIMEOUT (run_program): a busy host has thousands of processes, and the
+    environ of one in uninterruptible sleep may never be read. Late or not, a kill follows its own read
+    of the mark, random for each run: a pid reused since has no such environ."""
+    marked = f"\0GOPHERPLUG_PROGRAM={mark}\0".encode()
     for name in os.listdir("/proc"):
         with contextlib.suppress(OSError, ValueError), open(f"/proc/{name}/environ", "rb") as environ:
             if marked in b"\0" + environ.read():  # gone, not a process or not ours to read: passed over
@@ -6994,12 +7010,11 @@ async def run_program(
     past it the program is killed, and Ran.stdout is None), both pipes read as it writes. Raises OSError if it
     cannot be started.
 
-    Resource handling: the program runs in its own process group, killed whole once the program
-    exits, at ``timeout`` and when cancelled, with what left the group (_kill_process_group):
-    nothing it started outlives it. Its answer is taken
-    when it exits, not at end of file, which a child it left running (`sleep &`) would hold off; the
-    pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as soon as the program is
-    reaped, before any other task runs: its ID cannot have gone to another program of ours."""
+    Resource handling: the program runs in its own process group, killed whole once the program exits,
+    at ``timeout`` and when cancelled, with what left the group (_kill_marked): nothing it started
+    outlives it. Its answer is taken when it exits, not at end of file, which a child it left running
+    (`sleep &`) would hold off; the pipes are read for PROGRAM_EXIT_GRACE more. The group is killed as
+    soon as the program is reaped, before any other task runs: its ID cannot have gone to another of ours."""
     stdout, stderr = bytearray(), bytearray()
     too_much = timed_out = False
     mark = os.urandom(8).hex()
@@ -7012,7 +7027,7 @@ async def run_program(
         start_new_session=True,
         pass_fds=fds,
     )
-    _RUNNING[process.pid] = mark
+    _RUNNING.add(process.pid)
 
     async def read(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
         nonlocal too_much
@@ -7042,7 +7057,9 @@ async def run_program(
             _kill_process_group(process.pid)
             with trio.CancelScope(shield=True):
                 await process.wait()
-        _RUNNING.pop(process.pid, None)
+        with trio.CancelScope(shield=True), contextlib.suppress(TimeoutError):  # a hung thread is left to itself
+            await trio.to_thread.run_sync(_within, functools.partial(_kill_marked, mark))
+        _RUNNING.discard(process.pid)
         _reap_orphans()
     kept = None if too_much or not limit else bytes(stdout)
     return Ran(None if timed_out else process.returncode, kept, bytes(stderr))
@@ -9719,8 +9736,9 @@ class SlicePublisher:
         watching = functools.partial(self.api.watch_slices, node, driver)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_node)
+            works = _works_later(task_status)  # started again: it runs again once the API server answers
             task_status.started()
-            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event)
+            await list_and_watch("ResourceSlices", listing, watching, self._listed_slices, self._slice_event, works)
 
     def _listed_slices(self, items: list[dict[str, Any]], version: str) -> None:
         self.known = {item["metadata"]["name"]: item for item in items}
@@ -11075,6 +11093,7 @@ async def list_and_watch(
     watch_from: Callable[[str], AsyncGenerator[tuple[str, dict[str, Any]], None]],
     replace: Callable[[list[dict[str, Any]], str], None],
     update: Callable[[str, dict[str, Any]], None],
+    answered: Callable[[], None] | None = None,
     *,
     stop_when_forbidden: bool = False,
 ) -> None:
@@ -11098,12 +11117,13 @@ async def list_and_watch(
        list, which costs the server much more.
 
     A 403 is raised when ``stop_when_forbidden``, for a caller that can do without; otherwise
-    backed off and retried as the others."""
+    backed off and retried as the others. ``answered``: a supervised task's "runs again" (_works_later),
+    called at the first list: its failure said, the failures until then are debug lines here."""
     version = ""  # the last resourceVersion seen; "" before the first list
     list_at: str | None = "0"  # list before the next watch, at this version; None: watch
     delay = DRA_WATCH_BACKOFF[0]
     expired = 0  # 410s in a row, each right after a list, with nothing from the server in between
-    failing = False  # a failure was warned of: the next ones are debug lines until an answer comes
+    failing = answered is not None  # a failure was said: the next ones are debug lines until an answer comes
     while True:
         try:
             if list_at is not None:
@@ -11120,6 +11140,8 @@ async def list_and_watch(
                     items, version = await list_from("")
                 replace(items, version)
                 list_at = None
+                if answered is not None:  # the outage the supervisor began to say: it says the end, once
+                    answered, failing = answered(), False  # (answered() is None)
             opened, brought = trio.current_time(), False
             with trio.CancelScope() as quiet:
                 quiet.deadline = trio.current_time() + jittered(DRA_WATCH_QUIET_SECONDS)
@@ -11252,6 +11274,7 @@ async def _serve_generations(
 ) -> None:
     """Socket N served, registered and kept until the kubelet restarts or it is deleted; then N + 1."""
     directory = kubelet.device_plugin_dir
+    works = _works_later(task_status)  # started again, it works once the kubelet has accepted Register
     for generation in generations or itertools.count(1):
         if devices.value is RETIRED:
             return  # removed from the configuration while not registered: nothing to say goodbye to
@@ -11267,11 +11290,7 @@ async def _serve_generations(
         ending = trio.Event()
         async with trio.open_nursery() as nursery:
             try:
-                server = await nursery.start(
-                    serve_grpc,
-                    os.path.join(directory, endpoint),
-                    services(ending),
-                )
+                server = await nursery.start(serve_grpc, os.path.join(directory, endpoint), services(ending))
             except FileNotFoundError:
                 continue  # the directory vanished between the check and bind(): wait for it again
             except OSError as error:
@@ -11291,6 +11310,8 @@ async def _serve_generations(
                 return
             if registered_with is not None:
                 _log(resource).info("registered with the kubelet as %s", endpoint)
+                if works is not None:
+                    works()
                 if _metrics is not None:
                     _metrics.registrations.labels(resource.name).inc()
                 while kubelet.generation == registered_with and server.owns_socket_file() and not status.stream_failed:
@@ -11782,32 +11803,23 @@ async def serve_plugin(
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
         roster = Watched(None)  # touched when a reload has changed what is served
 
-        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> bool:
+        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> str:  # "" or why not
             served[resource.name] = _Served(resource, written=written or {})
             numbers = generations.setdefault(resource.name, itertools.count(1))
-            try:
-                await parts.start(
-                    resource.name,
-                    _serve_one,
-                    served[resource.name],
-                    kubelet,
-                    config.sysfs_root,
-                    config.dev_root,
-                    numbers,
-                    dra_resources,
-                    supervise=False,  # its directory watch and its registration are, each on its own
-                )
-                return True
+            try:  # not supervised whole: its directory watch and its registration are, each on its own
+                one = (served[resource.name], kubelet, config.sysfs_root, config.dev_root, numbers, dra_resources)
+                await parts.start(resource.name, _serve_one, *one, supervise=False)
+                return ""
             except Exception as error:
                 if not reloading or not isinstance(_innermost(error), GopherplugError):
                     raise  # at start: the plugin stops with that one line
                 # On a reload, one resource that cannot start (its CDI directory unwritable, say)
                 # must not take the others down.
                 del served[resource.name]
-                log.error("%s: %s: not applied", resource.name, _innermost(error))
-                return False
+                return str(_innermost(error))
 
         applied = config  # what a new watch of the configuration compares it with
+        refused: tuple[Config, dict[str, str]] | None = None  # the last reload the node refused, and why
 
         async def reload(*, task_status: trio.TaskStatus[None]) -> None:
             nonlocal reloading, applied
@@ -11823,34 +11835,39 @@ async def serve_plugin(
                     applied = new
 
         async def apply(new: Config) -> None:
-            """Apply ``new`` resource by resource, each whole or not at all (reload_plan says what)."""
+            """Apply ``new`` resource by resource, each whole or not at all (reload_plan says what). What the
+            node refuses is tried again (NotYet): its lines at debug while the same refusal repeats."""
+            nonlocal refused
+            lines: list[tuple[int, str]] = []  # said at the end, once the refusals are known
             fixed: tuple[str, ...] = ("device_plugin_dir", "sysfs_root", "dev_root", "dra", "nfd_features_file")
             if kubelet is None:  # not watched yet: it will be where the reload that needs it says
                 fixed = fixed[1:]
             if any(getattr(new, key) != getattr(config, key) for key in fixed):
-                log.warning("%s: %s take effect at the next start", new.source, ", ".join(fixed))
+                lines.append((logging.WARNING, f"{new.source}: {', '.join(fixed)} take effect at the next start"))
             wanted = {resource.name: resource for resource in new.resources}
             before = list(served)
             plan = reload_plan({name: one.resource for name, one in served.items()}, new, dra_resources is not None)
             done: dict[str, list[str]] = {what: [] for what in _RELOAD_SAID}
+            failed: dict[str, str] = {}  # refused by the node, not by reload_plan: why
             await watch_kubelet(new)  # the first resource that uses the device-plugin API starts the watch
             for name, (action, why) in plan.items():
                 if action == "stop":
                     await served.pop(name).retire()
                 elif action == "refuse":
-                    log.warning("%s: %s: kept as it was", name, why)
-                elif action == "update" and not await served[name].update(wanted[name]):
+                    lines.append((logging.WARNING, f"{name}: {why}: kept as it was"))
+                elif action in ("update", "again") and (why := await served[name].update(wanted[name])):
                     action = "refuse"  # its watch could not start: the old configuration goes on
-                elif action == "again":
-                    await served[name].update(wanted[name])
                 elif action == "register":
                     old = served.pop(name)
                     await old.stop()
-                    if not await start(wanted[name], old.written):
+                    if why := await start(wanted[name], old.written):
                         await start(old.resource, old.written)  # the new one failed: serve the old one again
                         action = "refuse"
-                elif action == "start" and not await start(wanted[name]):
+                elif action == "start" and (why := await start(wanted[name])):
                     action = "not added"
+                if action != plan[name][0]:
+                    failed[name] = why
+                    lines.append((logging.ERROR, f"{name}: {why}: not applied, tried again"))
                 done.setdefault(action, []).append(name)
             if _metrics is not None:
                 # Every task of a removed (or stopped) resource has ended, its goodbye sent
@@ -11863,12 +11880,13 @@ async def serve_plugin(
                 for what, said in _RELOAD_SAID.items()
                 if done[what]
             )
-            log.info("%s: configuration reloaded: %s", new.source, summary or "no resource changed")
+            lines.append((logging.INFO, f"{new.source}: configuration reloaded: {summary or 'no resource changed'}"))
+            again, refused = refused == (new, failed), (new, failed) if failed else None
+            for level, line in lines:
+                log.log(logging.DEBUG if again else level, "%s", line)
             roster.touch()  # the resources served now: _warn_shared_nodes looks at them afresh
-            # Refused by the environment (a full or read-only CDI directory), not by reload_plan: the
-            # task fails, and its restart applies the file again with backoff until they apply.
-            if failed := done["not added"] + [name for name in done["refuse"] if plan[name][0] != "refuse"]:
-                raise NotYet(f"{', '.join(failed)}: not applied for now, tried again")
+            if failed:  # by the node (a full CDI directory): the task's restart applies the file again
+                raise NotYet(f"{', '.join(failed)}: not applied for now")
 
         try:
             if config.health_address is not None:  # first and stopped last: read at start only, as metrics
@@ -12104,9 +12122,9 @@ class _Served:
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
 
-    async def update(self, new: ResourceConfig) -> bool:
-        """Apply a configuration with the same name and options, the stream left open. Returns
-        whether it was applied (if its watch cannot start, the old configuration goes on)."""
+    async def update(self, new: ResourceConfig) -> str:
+        """Apply a configuration with the same name and options, the stream left open. Returns ""
+        or why not (its watch could not start: the old configuration goes on)."""
         assert self.start_watch is not None  # _serve_one has started
         old = self.resource
         # The directory watch starts afresh: sources, templates or the CDI kind may differ. The
@@ -12119,9 +12137,8 @@ class _Served:
         except Exception as error:
             if not isinstance(_innermost(error), GopherplugError):
                 raise
-            log.error("%s: %s: not applied", new.name, _innermost(error))
             await self.start_watch(old)
-            return False
+            return str(_innermost(error))
         # Only now, the new CDI spec written: Allocate may name the new kind's devices.
         self.resource = new
         self.config.replace(new)  # the service's answers from now on (env, device specs, replicas...)
@@ -12133,7 +12150,7 @@ class _Served:
             # The pool's slices are compared and written again with the new configuration; the
             # claims prepared until now keep their checkpointed answers.
             self.dra_resources.attach(new, self.devices)
-        return True
+        return ""
 
     async def retire(self) -> None:
         """Removed from the configuration: stop watching, send the kubelet an empty list, stop."""
@@ -13057,12 +13074,26 @@ resources:
 """
 
 
+@contextlib.contextmanager
+def _demo_root(prefix: str, driver: str) -> Iterator[str]:
+    """A demo's temporary directory, in TMPDIR, removed with all in it: refused in one line where its
+    longest socket (the DRA registration's, a device plugin's named by digest) would pass MAX_SOCKET_PATH."""
+    root, tmp = tempfile.mkdtemp(prefix=prefix), tempfile.gettempdir()
+    longest = max(len(f"/kubelet/plugins_registry/{driver}-reg.sock"), len(f"/device-plugins/{'0' * 32}.sock"))
+    try:
+        if (room := MAX_SOCKET_PATH - longest - len(root) + len(tmp)) < len(tmp):
+            why = f"TMPDIR {tmp} is too long for the demo's unix sockets ({MAX_SOCKET_PATH} bytes at most)"
+            raise GopherplugError(f"{why}: set TMPDIR to a directory of at most {room} characters, such as /tmp")
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 async def run_demo(out: Callable[[str], None] = print) -> None:
     """Run the plugin against the kubelet simulator in a temporary directory, telling each step.
 
     Leaves nothing behind: the directory, its sockets and its files are gone when this returns."""
-    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
-    try:
+    with _demo_root("gopherplug-demo-", "") as root:
         plugin_dir, devices = os.path.join(root, "device-plugins"), os.path.join(root, "gophers")
         os.mkdir(plugin_dir)
         os.mkdir(devices)
@@ -13071,8 +13102,6 @@ async def run_demo(out: Callable[[str], None] = print) -> None:
         config = parse_config(DEMO_CONFIG.format(devices=devices), "<demo>")
         config = dataclasses.replace(config, device_plugin_dir=plugin_dir)
         await _narrate_demo(config, plugin_dir, devices, out)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _narrate_demo(config: Config, plugin_dir: str, devices: str, out: Callable[[str], None]) -> None:
@@ -14108,16 +14137,13 @@ async def run_dra_demo(out: Callable[[str], None] = print) -> None:
     """The DRA flow, narrated: the plugin as a DRA driver between a simulated kubelet and a
     simulated API server, in a temporary directory it leaves behind as it found it (gone)."""
     _demo_needs_dra_extra("the DRA demo")
-    root = tempfile.mkdtemp(prefix="gopherplug-dra-demo-")
-    try:
+    with _demo_root("gopherplug-dra-demo-", "gopherplug.example.com") as root:
         for directory in ("device-plugins", "kubelet", "gophers"):
             os.mkdir(os.path.join(root, directory))
         for name in ("gopher0", "gopher1", "gopher2"):
             open(os.path.join(root, "gophers", name), "x").close()
         config = parse_config(DEMO_DRA_CONFIG.format(root=root), "<demo>")
         await _narrate_dra_demo(config, root, out)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _narrate_dra_demo(config: Config, root: str, out: Callable[[str], None]) -> None:
@@ -14318,11 +14344,8 @@ async def run_config_demo(
     Leaves nothing behind."""
     if config.dra is not None:
         _demo_needs_dra_extra("a DRA resource")
-    root = tempfile.mkdtemp(prefix="gopherplug-demo-")
-    try:
+    with _demo_root("gopherplug-demo-", config.dra.driver if config.dra else "") as root:
         await _narrate_config_demo(_demo_config(config, root), config.source, root, out, select)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _narrate_config_demo(

@@ -96,6 +96,18 @@ def test_demo_narrates_the_protocol_and_leaves_nothing_behind(sockdir):
     assert len(times) > 10 and times == sorted(times), times
 
 
+def test_demo_in_a_tmpdir_too_long_for_its_sockets_says_to_shorten_it(tmp_path):
+    """bind() refuses a unix socket path over 107 bytes: that was "a bug in gopherplug, please report it"."""
+    long = tmp_path / ("x" * 120)
+    long.mkdir()
+    result = run_cli("demo", env={"TMPDIR": str(long)})
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert f"ERROR TMPDIR {long} is too long for the demo's unix sockets (107 bytes at most): set TMPDIR to " in line
+    assert "bug" not in line
+    assert os.listdir(long) == [], "nothing left behind"
+
+
 def _narration_times(lines):
     """The times of a demo's narration lines ("   19.9 ms  kubelet  ..."), in order."""
     return [float(match[1]) for line in lines if (match := re.match(r"\s*([0-9.]+) ms  ", line))]

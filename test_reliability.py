@@ -11,6 +11,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import h2.config
@@ -590,3 +591,26 @@ async def test_unreadable_device_directory_has_no_devices_until_readable(nursery
         os.chmod(node.devices, 0o755)
         process.terminate()
         await process.wait()
+
+
+async def test_the_search_for_a_programs_daemons_runs_off_the_event_loop_within_a_deadline(monkeypatch):
+    """Once a program ends, /proc/*/environ is read for its mark: thousands of processes on a busy host,
+    and the environ of one in uninterruptible sleep may never be read. A worker thread does it, given
+    up after FILE_READ_TIMEOUT: the program's answer does not wait for it, the event loop never does."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.2)
+    entered, release, came_back = threading.Event(), threading.Event(), threading.Event()
+
+    def hung_open(path, *args, **kwargs):  # the first environ read hangs, as in the D state
+        if str(path).endswith("/environ") and not entered.is_set():
+            entered.set()
+            release.wait(TIMEOUT)
+            came_back.set()
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(gp, "open", hung_open, raising=False)
+    with trio.fail_after(TIMEOUT):
+        ran = await gp.run_program(["true"], os.environ)
+        assert ran.returncode == 0 and entered.is_set()
+        assert not came_back.is_set(), "answered while the read still hung"
+        release.set()
+        await trio.to_thread.run_sync(came_back.wait, TIMEOUT)  # the thread left to itself ends

@@ -9,6 +9,7 @@ real inotify, the kubelet's stand-in); each test waits on log lines and the stan
 from __future__ import annotations
 
 import itertools
+import logging
 import shutil
 import socket
 import tempfile
@@ -131,9 +132,30 @@ async def test_a_failed_registration_is_started_again_and_registers_with_the_kub
     assert failed.lines == [
         f"{task} failed: RuntimeError: injected; starting it again (the traceback is at log level debug)"
     ]
-    assert again.lines == [f"{task} {AGAIN} 1 failure"]  # said as its socket listens again, once
+    assert again.lines == [f"{task} {AGAIN} 2 failures"]  # said once the kubelet accepted Register, once
     assert simulator.registered_in == [1, 2], "one registration per kubelet start"
     assert restarts(task) == 2
+
+
+async def test_a_registration_started_again_runs_again_once_the_kubelet_accepted_register(nursery, node, monkeypatch):
+    """Its socket listens (started()) before the kubelet has its Register: "runs again" waits for that."""
+    task = f"{RESOURCE}: registration"
+    with trio.fail_after(TIMEOUT):
+        simulator = await start(nursery, node)
+        monkeypatch.setattr(gp, "register", failing(gp.register, 1))
+        registered = []  # how many Registers the kubelet had when the line was said
+
+        def count(record):
+            if AGAIN in record.getMessage():
+                registered.append(len(simulator.registrations))
+            return True
+
+        with logged(f"{task} {AGAIN}") as again:
+            again.addFilter(count)
+            simulator.restart()
+            await again.wait()
+    assert again.lines == [f"{task} {AGAIN} 1 failure"]
+    assert registered == [2], "said once the restarted kubelet had accepted Register, not as the socket listened"
 
 
 async def test_a_task_failing_past_the_bound_turns_healthz_unhealthy_and_the_plugin_serves_on(
@@ -414,6 +436,31 @@ async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatc
     assert restarts("slice watch") == 1
 
 
+async def test_a_slice_watch_started_again_during_an_api_outage_says_one_line_each_way(dra, monkeypatch):
+    """The supervisor's line began the outage: the watch's own lines for the same outage (the API
+    server's 502s met by the run started again) are debug, and "runs again" waits for its list."""
+    monkeypatch.setattr(gp, "DRA_WATCH_BACKOFF", (0.001, 0.002))
+    for name in ("gopher0", "gopher1"):
+        (dra.devices / name).touch()
+    with trio.fail_after(TIMEOUT):
+        await dra.start()
+        await dra.registered()
+        await dra.wait_for_slices(["gopher0", "gopher1"])
+        monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+        dra.api.garble("html-502", times=2, verb="list", resource="resourceslices")  # the relists meet an outage
+        with logged("") as said, logged(f"slice watch {AGAIN}") as again:
+            said.setLevel(logging.INFO)
+            (dra.devices / "gopher2").touch()
+            await again.wait()
+            while dra.api.garbled["html-502"] < 2:
+                await dra.api.changed.wait_touched()
+        await dra.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+    assert [line for line in said.lines if "slice watch" in line or "watching ResourceSlices" in line] == [
+        "slice watch failed: RuntimeError: injected; starting it again (the traceback is at log level debug)",
+        f"slice watch {AGAIN} 1 failure",
+    ]
+
+
 async def test_a_failed_claim_status_writer_is_started_again_and_writes_the_next(dra, monkeypatch, restarts):
     (dra.devices / "gopher0").touch()
     real = gp.ClaimPreparer._write_status
@@ -594,15 +641,53 @@ async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
             await reloaded.wait(2)  # refused by the full disk, then applied by the task started again
     spec = next(spec_dir.glob("*.json")).read_text()
     assert '"/m"' in spec, "the new configuration's spec is written"
-    assert failed.lines == [
-        f"{task} failed: NotYet: {RESOURCE}: not applied for now, tried again; starting it again "
-        "(the traceback is at log level debug)"
-    ]
+    assert failed.lines == [], "the reload said why itself"
     assert reloaded.lines == [
         f"{path}: configuration reloaded: kept {RESOURCE} as it was",
         f"{path}: configuration reloaded: updated in place {RESOURCE}",
     ]
     assert restarts(task) == 1
+
+
+async def test_a_refusal_tried_again_says_its_lines_once_and_one_when_it_applies(
+    nursery, node, tmp_path, monkeypatch, restarts
+):
+    """A full, then read-only, CDI directory refuses a reload for several tries: its lines (the resource's
+    error, the summary) are said at the first and when the reason changes, the tries in between at
+    debug, and one line when it applies."""
+    path, spec_dir = tmp_path / "gopherplug.yaml", tmp_path / "cdi"
+    cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
+    path.write_text(config_text(node, **{RESOURCE: cdi}))
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
+        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
+        await simulator.wait_until(listed("g1", "g2"))
+        full, read_only = OSError(28, "No space left on device"), OSError(30, "Read-only file system")
+        refusals, real = iter([full, full, read_only, read_only]), gp._replace_whole  # four tries, two reasons
+
+        def replace_whole(*args, **kwargs):
+            if (refusal := next(refusals, None)) is not None:
+                raise refusal
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(gp, "_replace_whole", replace_whole)
+        with logged("") as said, logged("configuration reloaded: updated") as applied:
+            said.setLevel(logging.INFO)
+            mounts = {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}
+            path.write_text(config_text(node, **{RESOURCE: {**cdi, **mounts}}))
+            await applied.wait()
+    spec = spec_dir / "example.com-gopher.json"
+    assert '"/m"' in spec.read_text(), "the new configuration's spec is written"
+    kept = f"{path}: configuration reloaded: kept {RESOURCE} as it was"
+    assert [line for line in said.lines if "CDI spec" in line or "reload" in line] == [
+        f"{RESOURCE}: cannot write the CDI spec {spec}: No space left on device: not applied, tried again",
+        kept,
+        f"{RESOURCE}: cannot write the CDI spec {spec}: Read-only file system: not applied, tried again",
+        kept,  # said again with its new reason, then once applied:
+        f"{path}: configuration reloaded: updated in place {RESOURCE}",
+    ]
+    assert restarts("configuration reloads") == 4
 
 
 async def test_a_reload_the_configuration_refused_is_not_tried_again(nursery, node, tmp_path, restarts):
