@@ -659,10 +659,7 @@ async def test_a_refusal_tried_again_says_its_lines_once_and_one_when_it_applies
     cdi = {"cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
     path.write_text(config_text(node, **{RESOURCE: cdi}))
     with trio.fail_after(TIMEOUT):
-        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
-        updates = lambda current: gp.watch_config_file(str(path), current=current)  # noqa: E731 - one a run
-        await nursery.start(functools.partial(gp.serve_plugin, gp.load_config(str(path)), updates=updates))
-        await simulator.wait_until(listed("g1", "g2"))
+        await reloading(nursery, node, path)
         full, read_only = OSError(28, "No space left on device"), OSError(30, "Read-only file system")
         refusals, real = iter([full, full, read_only, read_only]), gp._replace_whole  # four tries, two reasons
 
@@ -675,7 +672,7 @@ async def test_a_refusal_tried_again_says_its_lines_once_and_one_when_it_applies
         with logged("") as said, logged("configuration reloaded: updated") as applied:
             said.setLevel(logging.INFO)
             mounts = {"mounts": [{"host_path": "{path}", "container_path": "/m"}]}
-            path.write_text(config_text(node, **{RESOURCE: {**cdi, **mounts}}))
+            replace_file(path, config_text(node, **{RESOURCE: {**cdi, **mounts}}))
             await applied.wait()
     spec = spec_dir / "example.com-gopher.json"
     assert '"/m"' in spec.read_text(), "the new configuration's spec is written"
