@@ -2654,8 +2654,7 @@ def scan_directory(resource: ResourceConfig, sysfs_root: str = "/sys", dev_root:
     directories (``directory`` or every ``match``) and its USB devices' nodes, made into devices.
 
     A missing directory (or a file where the directory should be) has no devices: the kubelet then
-    gets an empty list, which drops the resource's capacity to zero at once.
-    """
+    gets an empty list, which drops the resource's capacity to zero at once."""
     roots = host_path_roots(resource, dev_root)
     scans = [scan_source(resource, source, roots, sysfs_root) for source in resource.sources]
     if resource.usb:
@@ -2720,8 +2719,7 @@ def merge_entries(entries: list[DeviceEntry]) -> DeviceEntry:
     It has every member's DeviceSpecs and mounts, and is unhealthy while any member is, with the
     first such member's problem: a GPU without its render node, a serial adapter with one port of
     two, is not a device a container can use. Its path and NUMA node are its first member's
-    (natural order of paths); each member keeps its own.
-    """
+    (natural order of paths); each member keeps its own."""
     if len(entries) == 1:
         return entries[0]
     members = sorted({entry.path: entry for entry in entries}.values(), key=lambda entry: _natural_key(entry.path))
@@ -2803,8 +2801,7 @@ def host_path_roots(
 
     /dev is not allowed implicitly to a directory elsewhere: whoever may write that directory could
     link an entry to any disk (g0 -> /dev/vda) and have it handed to a container read-write. In
-    /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes.
-    """
+    /dev only root and udev write, and their links (by-id, by-path) lead to the device nodes."""
     # Each path resolved once (realpath is an lstat() per component): the directories' resolved
     # forms serve as roots, for the /dev test, and (``directories``, filled in here) for the
     # entries in them, when examine_path resolves their host paths.
@@ -2999,8 +2996,7 @@ def _host_paths(
     Without device_specs, a device node passes through at its own path. Without mounts, an
     entry that is no device node gets nothing but the env var; in a device of several entries
     (id_pattern), it is mounted read-only at its own path, like a node is passed through.
-    ``target``: the entry's realpath(), if the caller has it.
-    """
+    ``target``: the entry's realpath(), if the caller has it."""
     default_mount = not resource.mounts and resource.id_pattern is not None and not is_node
     if resource.device_specs is None and not resource.mounts and not is_node and not default_mount:
         return (), ()  # the usual file that is not a node: nothing to fill in (and a scan of 50,000 is quicker)
@@ -3080,8 +3076,7 @@ def _health_problem(path: str, unreachable: OSError | None, access: int, is_node
     random, tty, ...) and those its own spec lists. The plugin's container lists none of the devices
     it offers, and the consumer's will, because the runtime adds each DeviceSpec to the consumer's
     cgroup. So EPERM on a node is a fact about the plugin's cgroup, not about the device: the node
-    is there, and its mode let us through, which is all the plugin can know from outside.
-    """
+    is there, and its mode let us through, which is all the plugin can know from outside."""
     if isinstance(unreachable, FileNotFoundError):
         if os.path.islink(path):
             return f"{path} is a symlink to {os.readlink(path)}, which does not exist"
@@ -3110,8 +3105,7 @@ def pod_mode_problem(path: str, access: int) -> str:
     Without CAP_DAC_OVERRIDE, root is a user like any other: the kernel takes the owner's bits if it
     owns the file, else the group's if its group does, else the others' (never a union of them).
     `check-config` run as root on the node keeps that capability, and would call healthy what the
-    pod calls unhealthy. POSIX ACLs are not looked at.
-    """
+    pod calls unhealthy. POSIX ACLs are not looked at."""
     return _mode_refusal(path, access, 0, {0}, "root without capabilities")
 
 
@@ -3217,8 +3211,7 @@ def find_usb_devices(
     """The USB devices that a selector matches, in natural order of their IDs.
 
     A device that cannot be read whole is left out, and a node that cannot be read is: either is
-    being unplugged, and the next scan finds it gone (or back).
-    """
+    being unplugged, and the next scan finds it gone (or back)."""
     selectors = tuple(selectors)
     links = os.path.join(sysfs_root, "bus", "usb", "devices")
     try:
@@ -3255,8 +3248,7 @@ def find_usb_devices(
 def _usb_device(directory: str, port: str, selectors: tuple[UsbSelector, ...], dev_root: str) -> UsbDevice | None:
     """The USB device in a sysfs directory (its ID the port path), or None if no selector matches it.
 
-    Raises OSError when the device cannot be read: a device being unplugged vanishes file by file.
-    """
+    Raises OSError when the device cannot be read: a device being unplugged vanishes file by file."""
     vendor = _sysfs_text(os.path.join(directory, "idVendor")).strip().lower()
     product = _sysfs_text(os.path.join(directory, "idProduct")).strip().lower()
     try:
@@ -6468,8 +6460,7 @@ class DirectoryWatch:
     watched is not missing, and must not be mistaken for it: the watch is then *degraded*
     (``limit`` says why), which ``logger`` hears once, and batches() also wakes every
     INOTIFY_RETRY_INTERVAL seconds to try the watches again and call for a rescan, until they all
-    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run.
-    """
+    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run."""
 
     def __init__(
         self,
@@ -6655,12 +6646,8 @@ class DirectoryWatch:
         if self.limit == self._said:
             return  # once, not at every retry
         if self.limit is not None:
-            self._log.warning(
-                "cannot watch %s with inotify: %s; rescanning it every %g s until it can be watched",
-                self.path,
-                self.limit,
-                INOTIFY_RETRY_INTERVAL,
-            )
+            again = f"rescanning it every {INOTIFY_RETRY_INTERVAL:g} s until it can be watched"
+            self._log.warning("cannot watch %s with inotify: %s; %s", self.path, self.limit, again)
         else:
             self._log.info("watching %s with inotify again", self.path)
         self._said = self.limit
@@ -6685,8 +6672,7 @@ class DirectoryWatch:
         rescanned (the directory came or went, a watched directory vanished, the queue overflowed).
 
         While degraded, also every INOTIFY_RETRY_INTERVAL seconds, and when again() asked: the
-        watches are placed again, and a rescan is called for (what was not seen may have changed).
-        """
+        watches are placed again, and a rescan is called for (what was not seen may have changed)."""
         while True:
             if self.limit is not None:
                 self.again(INOTIFY_RETRY_INTERVAL)  # (the earliest stands): no timer while every watch holds
@@ -6779,8 +6765,7 @@ class FileLock:
 
     The kernel drops an flock when its process dies, SIGKILL and the OOM killer included, so a lock
     is never stale, unlike a pid file. The file says who holds it, for the message a second
-    process gets; it is removed by its holder on the way out.
-    """
+    process gets; it is removed by its holder on the way out."""
 
     def __init__(self, path: str, taken: str, fix: str) -> None:
         self.path = path
@@ -6961,8 +6946,7 @@ async def watch_devices(
     (read_declared_values); the resource's ``describe`` runs in a task of its own whenever the
     devices' IDs change (_describe_devices), starting from ``described`` (what it said before a
     reload), never on a kubelet's call. ``written`` (spec file -> the spec last written there)
-    outlives the watch as ``described`` does: a watch started again does not write an unchanged spec.
-    """
+    outlives the watch as ``described`` does: a watch started again does not write an unchanged spec."""
     device_set = _DeviceSet(resource, devices, turn, described, written)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
     with contextlib.ExitStack() as stack:
@@ -6972,10 +6956,8 @@ async def watch_devices(
                 _log(resource).warning("%s", problem)
             watch = stack.enter_context(DirectoryWatch(source.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
             if not watch.exists:
-                mistake = directory_mistake(source.directory, _mode(source.directory))
-                _log(resource).warning(
-                    "%s", mistake or f"{source.directory} is not a directory (yet): no devices until it is"
-                )
+                missing = f"{source.directory} is not a directory (yet): no devices until it is"
+                _log(resource).warning("%s", directory_mistake(source.directory, _mode(source.directory)) or missing)
             trackers.append(_SourceTracker(resource, number, source, watch, sysfs_root, dev_root))
         if resource.usb:
             if problem := container_only_problem(dev_root, mountinfo):
@@ -7310,26 +7292,22 @@ async def _looked(tracker: _SourceTracker | _UsbTracker, look: Callable[..., Any
     the pod would not unhang a read in the kernel."""
     if (limiter := _SCANNERS.get()) is None:
         _SCANNERS.set(limiter := trio.CapacityLimiter(HUNG_READS))
+    late = False
+
+    async def say_late() -> None:
+        nonlocal late
+        await trio.sleep(FILE_READ_TIMEOUT)
+        late, kept = True, f"its {_devices(len(tracker.found))} are offered as known until it does"
+        why = f"has not returned in {FILE_READ_TIMEOUT:g} s (a hung sysfs file or mount under it?)"
+        _log(tracker.resource).warning("the scan of %s %s: %s", tracker.where, why, kept)
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_late, tracker)
+        nursery.start_soon(say_late)
         result = await trio.to_thread.run_sync(look, *args, abandon_on_cancel=True, limiter=limiter)
         nursery.cancel_scope.cancel()
-    if tracker.late:
-        tracker.late = False
+    if late:
         _log(tracker.resource).info("the scan of %s has returned", tracker.where)
     return result
-
-
-async def _late(tracker: _SourceTracker | _UsbTracker) -> None:
-    await trio.sleep(FILE_READ_TIMEOUT)
-    tracker.late = True
-    _log(tracker.resource).warning(
-        "the scan of %s has not returned in %g s (a hung sysfs file or mount under it?): its %s are offered "
-        "as known until it does",
-        tracker.where,
-        FILE_READ_TIMEOUT,
-        _devices(len(tracker.found)),
-    )
 
 
 def _look_at_source(
@@ -7384,14 +7362,10 @@ class _SourceTracker:
         sysfs_root: str,
         dev_root: str,
     ) -> None:
-        self.resource = resource
-        self.number = number
-        self.source = source
-        self.watch = watch
-        self.sysfs_root = sysfs_root
-        self.dev_root = dev_root
-        self.roots = host_path_roots(resource, dev_root)
-        self.real_directory = os.path.realpath(source.directory)
+        self.resource, self.number, self.source, self.watch = resource, number, source, watch
+        self.sysfs_root, self.dev_root = sysfs_root, dev_root
+        self.roots: list[str] = []  # resolved, with real_directory, by each rescan (the first is before any update)
+        self.real_directory = ""
         self.found: dict[str, DeviceEntry] = {}  # the directory's entries by name, as last examined
         self.pointing: dict[str, set[str]] = {}  # followed path -> the entries whose symlinks lead there
         # Each followed path and each of its ancestors -> the entries whose symlinks lead there or
@@ -7401,8 +7375,7 @@ class _SourceTracker:
         self.under: dict[str, collections.Counter[str]] = {}
         self.warned: dict[str, str] = {}  # skipped entry name -> why, as last warned
         self.problem = ""  # why the directory could not be read, as last warned
-        self.where = source.directory  # what its scan reads, for the log
-        self.late = False  # its scan has not returned in FILE_READ_TIMEOUT (_looked)
+        self.where = source.directory  # what its scan reads, for the log (_looked)
 
     async def rescan(self) -> dict[_Key, DeviceEntry | None]:
         """Look at every entry again."""
@@ -7420,7 +7393,7 @@ class _SourceTracker:
             self.watch.again(INOTIFY_RETRY_INTERVAL)
             return {}
         _warn_skipped_now(self.resource, self.warned, scan.skipped)
-        before, self.found = self.found, {_entry_name(entry): entry for entry in scan.devices}
+        before, self.found = self.found, {os.path.basename(entry.path): entry for entry in scan.devices}
         self.pointing, self.under = {}, {}
         for name, entry in self.found.items():
             self._index(name, (), entry.followed)
@@ -7456,7 +7429,7 @@ class _SourceTracker:
                 self.found[name] = result
             else:
                 self.found.pop(name, None)
-            self._skipped(name, result if isinstance(result, str) else None)
+            _warn_skipped(self.resource, self.warned, name, result if isinstance(result, str) else None)
             old_paths = old.followed if old is not None else ()
             new_paths = result.followed if isinstance(result, DeviceEntry) else ()
             if old_paths != new_paths:
@@ -7480,13 +7453,6 @@ class _SourceTracker:
             self.pointing.setdefault(path, set()).add(name)
             for ancestor in _self_and_ancestors(path):
                 self.under.setdefault(ancestor, collections.Counter())[name] += 1
-
-    def _skipped(self, name: str, why: str | None) -> None:
-        _warn_skipped(self.resource, self.warned, name, why)
-
-
-def _entry_name(entry: DeviceEntry) -> str:
-    return os.path.basename(entry.path)
 
 
 def _replaced(
@@ -7523,18 +7489,14 @@ class _UsbTracker:
     Its watch is on /dev (``dev_root``), and also on /dev/bus, /dev/bus/usb and each bus's
     directory in it, and on /dev/input: where the kernel makes the nodes of a USB device and of
     its interfaces. Any event there reads sysfs again; the devices are few, and that costs a
-    couple of hundred small reads.
-    """
+    couple of hundred small reads."""
 
     def __init__(self, resource: ResourceConfig, watch: DirectoryWatch, sysfs_root: str, dev_root: str) -> None:
-        self.resource = resource
-        self.number = len(resource.sources)
-        self.watch = watch
-        self.sysfs_root = sysfs_root
-        self.dev_root = dev_root
+        self.resource, self.number, self.watch = resource, len(resource.sources), watch
+        self.sysfs_root, self.dev_root = sysfs_root, dev_root
         self.found: dict[str, DeviceEntry] = {}  # node path -> its entry
         self.warned: dict[str, str] = {}
-        self.where, self.late = os.path.join(sysfs_root, "bus", "usb", "devices"), False  # (see _SourceTracker)
+        self.where = os.path.join(sysfs_root, "bus", "usb", "devices")  # (see _SourceTracker)
 
     async def rescan(self) -> dict[_Key, DeviceEntry | None]:
         while True:
