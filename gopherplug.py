@@ -6601,12 +6601,8 @@ class DirectoryWatch:
         if self.limit == self._said:
             return  # once, not at every retry
         if self.limit is not None:
-            self._log.warning(
-                "cannot watch %s with inotify: %s; rescanning it every %g s until it can be watched",
-                self.path,
-                self.limit,
-                INOTIFY_RETRY_INTERVAL,
-            )
+            again = f"rescanning it every {INOTIFY_RETRY_INTERVAL:g} s until it can be watched"
+            self._log.warning("cannot watch %s with inotify: %s; %s", self.path, self.limit, again)
         else:
             self._log.info("watching %s with inotify again", self.path)
         self._said = self.limit
@@ -6913,10 +6909,8 @@ async def watch_devices(
                 _log(resource).warning("%s", problem)
             watch = stack.enter_context(DirectoryWatch(source.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
             if not watch.exists:
-                mistake = directory_mistake(source.directory, _mode(source.directory))
-                _log(resource).warning(
-                    "%s", mistake or f"{source.directory} is not a directory (yet): no devices until it is"
-                )
+                missing = f"{source.directory} is not a directory (yet): no devices until it is"
+                _log(resource).warning("%s", directory_mistake(source.directory, _mode(source.directory)) or missing)
             trackers.append(_SourceTracker(resource, number, source, watch, sysfs_root, dev_root))
         if resource.usb:
             if problem := container_only_problem(dev_root, mountinfo):
@@ -6924,11 +6918,19 @@ async def watch_devices(
             watch = stack.enter_context(DirectoryWatch(dev_root, _DIRECTORY_EVENTS, logger=_log(resource)))
             trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
         device_set.watches = [tracker.watch for tracker in trackers]
-        # Every source first, then one device set: the CDI spec and the kubelet's first list
-        # describe them all.
-        await device_set.update({key: entry for tracker in trackers for key, entry in _scanned(tracker).items()})
-        task_status.started()
-        async with trio.open_nursery() as nursery:
+        # A scan that has not returned in FILE_READ_TIMEOUT (_looked) does not hold up the start: the
+        # resource is served with its devices as known (none at the process's start), and the
+        # resources after it start (each waits for the one before it to start).
+        waiting = trio.CancelScope(deadline=trio.current_time() + FILE_READ_TIMEOUT)
+        published = trio.Event()
+
+        async def follow(nursery: trio.Nursery) -> None:
+            # Every source first, then one device set: the CDI spec and the kubelet's first list
+            # describe them all. Then each source's batches, and the other tasks.
+            changes = {key: entry for tracker in trackers for key, entry in (await tracker.rescan()).items()}
+            waiting.deadline = math.inf  # scanned: a value file's read has its own deadline
+            await device_set.update(changes)
+            published.set()
             for tracker in trackers:
                 nursery.start_soon(_follow_source, tracker, device_set)
             if turn is not None:
@@ -6937,6 +6939,12 @@ async def watch_devices(
                 nursery.start_soon(_describe_devices, device_set)
             if any(declared.file for declared in (*resource.attributes, *resource.capacity)):
                 nursery.start_soon(_read_values_again, device_set)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow, nursery)
+            with waiting:
+                await published.wait()
+            task_status.started()
 
 
 #: How much of a program's stderr is kept, at its beginning and at its end: the last line says why
@@ -7218,17 +7226,74 @@ async def _read_values_again(device_set: _DeviceSet) -> None:
 
 
 async def _follow_source(tracker: _SourceTracker | _UsbTracker, device_set: _DeviceSet) -> None:
+    """The tracker's changes, batch after batch: the next batch waits while a scan has not returned.
+    What a bug raises here ends the watch, started again with a rescan (_supervised), the devices as
+    known offered meanwhile."""
     async with contextlib.aclosing(tracker.watch.batches()) as batches:
         async for events, touched, rescan in batches:
-            await device_set.update(_scanned(tracker, None if rescan else [name for name, _ in events], touched))
+            names = [name for name, _ in events]
+            await device_set.update(await (tracker.rescan() if rescan else tracker.update(names, touched)))
 
 
-def _scanned(
-    tracker: _SourceTracker | _UsbTracker, names: list[str] | None = None, touched: Iterable[str] = ()
-) -> dict[_Key, DeviceEntry | None]:
-    """The tracker's changes (``names``: a batch's; None: all). What a bug raises here ends the watch,
-    started again with a rescan (_supervised), the devices as known offered meanwhile."""
-    return tracker.rescan() if names is None else tracker.update(names, touched)
+#: The worker threads the directories' scans may hold at once, in a trio run (a source has one at a
+#: time; one hung in the kernel keeps its thread, even once its watch has stopped): past them, a scan
+#: waits for one, and is said to be late as a hung one is.
+_SCANNERS: trio.lowlevel.RunVar[trio.CapacityLimiter | None] = trio.lowlevel.RunVar("scanners", None)
+
+
+async def _looked(tracker: _SourceTracker | _UsbTracker, look: Callable[..., Any], *args: Any) -> Any:
+    """``look(*args)``, a scan's reads, in a worker thread: a sysfs file whose read never returns (a
+    hung GPU's, a dead NFS or FUSE mount) would stop the event loop, and with it every resource's
+    ListAndWatch and Allocate, /healthz, SIGTERM. ``look`` writes nothing and touches no watch: the
+    caller applies what it returns, on the loop. So a thread abandoned by a stop (a reload, the end)
+    that returns at last changes nothing, and never adds a watch to an inotify descriptor closed
+    meanwhile (its number another file's by then). Late by FILE_READ_TIMEOUT, one line says so, one
+    when it returns; the source's next batch waits. /healthz stays healthy: the kubelet restarting
+    the pod would not unhang a read in the kernel."""
+    if (limiter := _SCANNERS.get()) is None:
+        _SCANNERS.set(limiter := trio.CapacityLimiter(HUNG_READS))
+    late = False
+
+    async def say_late() -> None:
+        nonlocal late
+        await trio.sleep(FILE_READ_TIMEOUT)
+        late, kept = True, f"its {_devices(len(tracker.found))} are offered as known until it does"
+        why = f"has not returned in {FILE_READ_TIMEOUT:g} s (a hung sysfs file or mount under it?)"
+        _log(tracker.resource).warning("the scan of %s %s: %s", tracker.where, why, kept)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(say_late)
+        result = await trio.to_thread.run_sync(look, *args, abandon_on_cancel=True, limiter=limiter)
+        nursery.cancel_scope.cancel()
+    if late:
+        _log(tracker.resource).info("the scan of %s has returned", tracker.where)
+    return result
+
+
+def _look_at_source(
+    resource: ResourceConfig, source: Source, dev_root: str, sysfs_root: str
+) -> tuple[list[str], str, Scan]:
+    """A _SourceTracker's look (in a worker thread): roots and directory resolved now, entries examined."""
+    roots = host_path_roots(resource, dev_root)
+    return roots, os.path.realpath(source.directory), scan_source(resource, source, roots, sysfs_root)
+
+
+def _examined(
+    names: list[str], resource: ResourceConfig, source: Source, roots: list[str], sysfs_root: str
+) -> list[DeviceEntry | str | None]:
+    """A batch's entries examined (in a worker thread): one hop a batch, not one an entry."""
+    return [examine_entry(resource, source, name, roots, sysfs_root) for name in names]
+
+
+def _look_at_usb(resource: ResourceConfig, sysfs_root: str, dev_root: str) -> tuple[Scan, list[str]]:
+    """A _UsbTracker's look (in a worker thread): the nodes, and the directories the kernel makes them in."""
+    buses = os.path.join(dev_root, "bus", "usb")
+    try:
+        numbered = [os.path.join(buses, name) for name in os.listdir(buses)]
+    except OSError:
+        numbered = []  # no USB bus (yet): /dev/bus/usb appearing is watched
+    scan = scan_usb(resource, host_path_roots(resource, dev_root), sysfs_root, dev_root)
+    return scan, [os.path.join(dev_root, "bus"), buses, *numbered, os.path.join(dev_root, "input")]
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -7257,14 +7322,10 @@ class _SourceTracker:
         sysfs_root: str,
         dev_root: str,
     ) -> None:
-        self.resource = resource
-        self.number = number
-        self.source = source
-        self.watch = watch
-        self.sysfs_root = sysfs_root
-        self.dev_root = dev_root
-        self.roots = host_path_roots(resource, dev_root)
-        self.real_directory = os.path.realpath(source.directory)
+        self.resource, self.number, self.source, self.watch = resource, number, source, watch
+        self.sysfs_root, self.dev_root = sysfs_root, dev_root
+        self.roots: list[str] = []  # resolved, with real_directory, by each rescan (the first is before any update)
+        self.real_directory = ""
         self.found: dict[str, DeviceEntry] = {}  # the directory's entries by name, as last examined
         self.pointing: dict[str, set[str]] = {}  # followed path -> the entries whose symlinks lead there
         # Each followed path and each of its ancestors -> the entries whose symlinks lead there or
@@ -7274,14 +7335,14 @@ class _SourceTracker:
         self.under: dict[str, collections.Counter[str]] = {}
         self.warned: dict[str, str] = {}  # skipped entry name -> why, as last warned
         self.problem = ""  # why the directory could not be read, as last warned
+        self.where = source.directory  # what its scan reads, for the log (_looked)
 
-    def rescan(self) -> dict[_Key, DeviceEntry | None]:
+    async def rescan(self) -> dict[_Key, DeviceEntry | None]:
         """Look at every entry again."""
-        self.roots = host_path_roots(self.resource, self.dev_root)  # a directory may be a symlink re-pointed
-        self.real_directory = os.path.realpath(self.source.directory)
-        scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
+        look = (self.resource, self.source, self.dev_root, self.sysfs_root)
+        self.roots, self.real_directory, scan = await _looked(self, _look_at_source, *look)
         while not scan.unknown and self.watch.follow(scan.followed):  # newly watched: look again, now watched
-            scan = scan_source(self.resource, self.source, self.roots, self.sysfs_root)
+            self.roots, self.real_directory, scan = await _looked(self, _look_at_source, *look)
         if scan.problem and scan.problem != self.problem:
             kept = f"keeping its {_devices(len(self.found))} as known, trying again every {INOTIFY_RETRY_INTERVAL:g} s"
             _log(self.resource).warning("%s: %s", scan.problem, kept if scan.unknown else "no devices until it can")
@@ -7292,42 +7353,43 @@ class _SourceTracker:
             self.watch.again(INOTIFY_RETRY_INTERVAL)
             return {}
         _warn_skipped_now(self.resource, self.warned, scan.skipped)
-        before, self.found = self.found, {_entry_name(entry): entry for entry in scan.devices}
+        before, self.found = self.found, {os.path.basename(entry.path): entry for entry in scan.devices}
         self.pointing, self.under = {}, {}
         for name, entry in self.found.items():
             self._index(name, (), entry.followed)
         return _replaced(self.number, before, self.found)
 
-    def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
+    async def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
         """Look again at these entries only, and at the symlinks that lead through them or through
         the ``touched`` paths (or under them)."""
         examine = dict.fromkeys(names)
         touched = {*touched, *(os.path.join(self.real_directory, name) for name in names)}
         for path in touched:
             examine.update(dict.fromkeys(self.under.get(path, ())))
-        links_changed = self._examine(examine)
+        links_changed = await self._examine(examine)
         for _ in range(3):  # a symlink came or changed: watch where it leads, then look at it again
             if not links_changed:
                 break
             new = self.watch.follow(self.pointing)
             more = {name: None for path in new for name in self.pointing[path]}
             examine.update(more)
-            links_changed = self._examine(more)
+            links_changed = await self._examine(more)
         else:
-            return self.rescan()  # links that keep changing under us: look at everything
+            return await self.rescan()  # links that keep changing under us: look at everything
         return {(self.number, name): self.found.get(name) for name in examine}
 
-    def _examine(self, names: Iterable[str]) -> bool:
-        """Examine these entries again; return whether any symlink's path changed."""
+    async def _examine(self, names: Iterable[str]) -> bool:
+        """Examine these entries again (in one worker thread: _looked); return whether a symlink's path changed."""
+        names, look = list(names), (self.resource, self.source, self.roots, self.sysfs_root)
+        results = await _looked(self, _examined, names, *look) if names else []
         links_changed = False
-        for name in names:
-            result = examine_entry(self.resource, self.source, name, self.roots, self.sysfs_root)
+        for name, result in zip(names, results, strict=True):
             old = self.found.get(name)
             if isinstance(result, DeviceEntry):
                 self.found[name] = result
             else:
                 self.found.pop(name, None)
-            self._skipped(name, result if isinstance(result, str) else None)
+            _warn_skipped(self.resource, self.warned, name, result if isinstance(result, str) else None)
             old_paths = old.followed if old is not None else ()
             new_paths = result.followed if isinstance(result, DeviceEntry) else ()
             if old_paths != new_paths:
@@ -7351,13 +7413,6 @@ class _SourceTracker:
             self.pointing.setdefault(path, set()).add(name)
             for ancestor in _self_and_ancestors(path):
                 self.under.setdefault(ancestor, collections.Counter())[name] += 1
-
-    def _skipped(self, name: str, why: str | None) -> None:
-        _warn_skipped(self.resource, self.warned, name, why)
-
-
-def _entry_name(entry: DeviceEntry) -> str:
-    return os.path.basename(entry.path)
 
 
 def _replaced(
@@ -7394,37 +7449,27 @@ class _UsbTracker:
     Its watch is on /dev (``dev_root``), and also on /dev/bus, /dev/bus/usb and each bus's
     directory in it, and on /dev/input: where the kernel makes the nodes of a USB device and of
     its interfaces. Any event there reads sysfs again; the devices are few, and that costs a
-    couple of hundred small reads.
-    """
+    couple of hundred small reads."""
 
     def __init__(self, resource: ResourceConfig, watch: DirectoryWatch, sysfs_root: str, dev_root: str) -> None:
-        self.resource = resource
-        self.number = len(resource.sources)
-        self.watch = watch
-        self.sysfs_root = sysfs_root
-        self.dev_root = dev_root
+        self.resource, self.number, self.watch = resource, len(resource.sources), watch
+        self.sysfs_root, self.dev_root = sysfs_root, dev_root
         self.found: dict[str, DeviceEntry] = {}  # node path -> its entry
         self.warned: dict[str, str] = {}
+        self.where = os.path.join(sysfs_root, "bus", "usb", "devices")  # (see _SourceTracker)
 
-    def rescan(self) -> dict[_Key, DeviceEntry | None]:
-        buses = os.path.join(self.dev_root, "bus", "usb")
+    async def rescan(self) -> dict[_Key, DeviceEntry | None]:
         while True:
-            roots = host_path_roots(self.resource, self.dev_root)
-            scan = scan_usb(self.resource, roots, self.sysfs_root, self.dev_root)
-            try:
-                numbered = [os.path.join(buses, name) for name in os.listdir(buses)]
-            except OSError:
-                numbered = []  # no USB bus (yet): /dev/bus/usb appearing is watched
-            directories = [os.path.join(self.dev_root, "bus"), buses, *numbered, os.path.join(self.dev_root, "input")]
+            scan, directories = await _looked(self, _look_at_usb, self.resource, self.sysfs_root, self.dev_root)
             if not self.watch.watch_also(directories):
                 break  # no newly watched directory: nothing made there went unseen
         _warn_skipped_now(self.resource, self.warned, scan.skipped)
         before, self.found = self.found, {entry.path: entry for entry in scan.devices}
         return _replaced(self.number, before, self.found)
 
-    def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
+    async def update(self, names: list[str], touched: Iterable[str] = ()) -> dict[_Key, DeviceEntry | None]:
         """Whatever the event was about: sysfs is read again (it tells which nodes are whose)."""
-        return self.rescan()
+        return await self.rescan()
 
 
 class _DeviceSet:

@@ -20,6 +20,7 @@ import yaml
 import gopherplug as gp
 from testsupport import (
     BUG,
+    OTHER,
     RESOURCE,
     TIMEOUT,
     config_text,
@@ -29,6 +30,7 @@ from testsupport import (
     reloading,
     replace_file,
     run_cli,
+    streaming,
 )
 
 DESCRIBE = """#!{python}
@@ -121,12 +123,15 @@ async def test_describe_out_of_descriptors_is_the_nodes_state_not_a_bug(nursery,
 def fifo_at(path, watchdog=True):
     """A FIFO at ``path``: a read of it waits for a writer that never comes. On the way out (and,
     with ``watchdog``, after TIMEOUT, should a read block the test's own event loop) a writer comes
-    and goes: every read still waiting ends."""
+    and goes: every read still waiting ends; and the path is an empty file, which no read waits for."""
     os.mkfifo(path)
 
     def release():
         with contextlib.suppress(OSError):  # ENXIO: no reader waits
             os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        with contextlib.suppress(OSError):
+            open(f"{path}.empty", "w").close()
+            os.replace(f"{path}.empty", path)
 
     timer = threading.Timer(TIMEOUT, release)
     if watchdog:
@@ -155,6 +160,94 @@ async def test_a_value_file_that_never_answers_is_left_out_and_the_devices_are_s
         assert set(devices.value) == {"g1", "g2"}
         assert devices.value["g1"].attributes == ()
         assert devices.value["g2"].attributes == (("model", "string", "gopher"),)
+
+
+def hung_numa_node(tmp_path):
+    """A directory with one device node (h0, a link to /dev/null: 1:3), and a sysfs whose numa_node
+    for 1:3 is a FIFO: its read waits for a writer (in fifo_at). Returns (directory, sysfs root, FIFO)."""
+    directory, device = tmp_path / "hung", tmp_path / "sys" / "dev" / "char" / "1:3" / "device"
+    directory.mkdir()
+    device.mkdir(parents=True)
+    os.symlink("/dev/null", directory / "h0")
+    return directory, tmp_path / "sys", device / "numa_node"
+
+
+def answer_fifo(path, text):
+    """The FIFO a reader waits on answers ``text`` (its open() returns, it reads ``text``, then the
+    end of the file), and is a file of that text from then on (a look at it again reads that)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # (ENXIO if no reader waited)
+    try:
+        path.with_name("answer").write_text(text)
+        path.with_name("answer").replace(path)
+        os.write(descriptor, text.encode())
+    finally:
+        os.close(descriptor)
+
+
+class Released:
+    """A thread limiter for the directories' scans (``gp._SCANNERS``) that says when a scan's thread
+    has returned, abandoned or not (trio releases its token then)."""
+
+    def __init__(self):
+        self.limiter, self.released = trio.CapacityLimiter(4), trio.Event()
+
+    async def acquire_on_behalf_of(self, borrower):
+        await self.limiter.acquire_on_behalf_of(borrower)
+
+    def release_on_behalf_of(self, borrower):
+        self.limiter.release_on_behalf_of(borrower)
+        self.released.set()
+
+
+async def test_a_scan_whose_sysfs_read_never_returns_leaves_every_rpc_answering(nursery, node, tmp_path, monkeypatch):
+    """A hung numa_node read in the scan of one resource (a hung GPU's sysfs, a dead mount): the other
+    resource starts, registers, lists and allocates meanwhile; one line says which scan is late; once
+    the read returns, the device comes with its NUMA node."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    directory, sysfs, fifo = hung_numa_node(tmp_path)
+    hung = {"name": OTHER, "directory": str(directory), "allowed_host_paths": ["/dev"]}
+    mine = {"name": RESOURCE, "directory": node.devices}
+    config = {"device_plugin_dir": node.plugin_dir, "sysfs_root": str(sysfs), "resources": [hung, mine]}
+    with fifo_at(fifo), trio.fail_after(TIMEOUT):
+        with logged("has not returned") as late, logged("has returned") as returned:
+            simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+            await nursery.start(
+                gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "c")
+            )  # (the one after it started)
+            await simulator.wait_until(listed("g1", "g2"))
+            assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
+            await late.wait()
+            assert late.lines == [
+                f"{OTHER}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount "
+                "under it?): its 0 devices are offered as known until it does"
+            ]
+            assert streaming(simulator, OTHER) == {}, "registered with none known yet"
+            answer_fifo(fifo, "1\n")
+            await returned.wait()
+            await simulator.wait_until(lambda s: streaming(s, OTHER) == {"h0": gp.HEALTHY})
+    assert simulator.resources[OTHER].topology == {"h0": (1,)}
+    assert returned.lines == [f"{OTHER}: the scan of {directory} has returned"]
+
+
+async def test_a_watch_stopped_while_its_scan_hangs_ends_at_once_and_the_late_scan_changes_nothing(
+    node, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    directory, sysfs, fifo = hung_numa_node(tmp_path)
+    resource_config = node.config(directory=str(directory), allowed_host_paths=["/dev"]).resources[0]
+    devices, scans = gp.Watched({}), Released()
+    with fifo_at(fifo), trio.fail_after(TIMEOUT), logged("the scan of") as said:
+        if hasattr(gp, "_SCANNERS"):  # (a module that scans on the event loop fails below, frozen)
+            gp._SCANNERS.set(scans)
+        async with trio.open_nursery() as watching:
+            await watching.start(gp.watch_devices, resource_config, devices, str(sysfs))  # started: the scan is late
+            await said.wait()
+            assert "has not returned" in said.lines[0]
+            watching.cancel_scope.cancel()  # the resource stopped (a reload, the plugin's end)
+        answer_fifo(fifo, "1\n")
+        await scans.released.wait()  # the abandoned scan has returned
+    assert len(said.lines) == 1, "no line from a scan whose watch has stopped"
+    assert devices.value == {}, "no device from it"
 
 
 @pytest.mark.slow
@@ -280,6 +373,9 @@ async def test_a_look_at_the_bare_mount_point_goes_on_until_a_file_system_is_mou
             (directory / "g9").touch()
             while set(devices.value) != {"g9"}:
                 await devices.wait_touched()
+            # The scan that found g9 may have read the third tmpfs (it runs off the event loop, which
+            # may mount it meanwhile), before the next look says that it is mounted.
+            await remounted.wait(2)
         assert len(remounted.lines) == 2  # one line for each tmpfs mounted again, none for the bare mount point
     finally:
         while subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:

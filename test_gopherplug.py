@@ -286,12 +286,22 @@ async def test_usb_devices_come_and_go_with_their_nodes(nursery, node, tmp_path)
         assert [d.container_path for d in answer.devices] == [f"{dev}/bus/usb/002/005"]
 
 
-async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_has(nursery, node, tmp_path):
+async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_has(
+    nursery, node, tmp_path, monkeypatch
+):
     """Issue: with a pattern that matches nothing, or a USB key on a machine without USB, serve only
     said that it waited for the kubelet. It warns once at start, once each time the last device
     goes, never at an update or a rescan that finds nothing again; the line when devices come says
     how many."""
     resource_dir = f"{node.devices}/k*"
+    rescanned, warn_skipped_now = [trio.Event()], gp._warn_skipped_now
+
+    def after_a_rescan(resource, *args):  # (a scan runs in a worker thread: idleness does not say it is done)
+        warn_skipped_now(resource, *args)
+        if resource.name == RESOURCE:
+            rescanned[0].set()
+
+    monkeypatch.setattr(gp, "_warn_skipped_now", after_a_rescan)
     with trio.fail_after(TIMEOUT), logged("no device from") as empty, logged(f"from {resource_dir}") as found:
         simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
         await nursery.start(gp.serve_plugin, nothing_found(node, tmp_path))
@@ -301,10 +311,11 @@ async def test_serve_warns_once_when_a_resource_has_no_device_and_says_when_it_h
             Path(node.devices, "k::1").touch()
             await skipped.wait()
             moved = node.devices + ".away"  # a rescan each time: the directory gone, then back
+            rescanned[0] = trio.Event()
             os.rename(node.devices, moved)
-            await trio.testing.wait_all_tasks_blocked()  # its rescan is done (inotify is already there)
+            await rescanned[0].wait()  # its rescan, which found no directory, is done
             os.rename(moved, node.devices)
-            await trio.testing.wait_all_tasks_blocked()
+            await skipped.wait(2)
         assert len(skipped.lines) == 2, "warned again after the rescan that did not find it"
         Path(node.devices, "k1").touch()
         await simulator.wait_until(lambda s: streaming(s, RESOURCE) == {"k1": gp.HEALTHY})

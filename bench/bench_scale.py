@@ -339,9 +339,9 @@ def scanning(count, runs):
             device_set = gp._DeviceSet(resource, gp.Watched({}))
             with gp.DirectoryWatch(links, gp._DIRECTORY_EVENTS) as watch:
                 tracker = gp._SourceTracker(resource, 0, resource.sources[0], watch, "/sys", "/dev")
-                await device_set.update(tracker.rescan())
+                await device_set.update(await tracker.rescan())
                 start = time.perf_counter()
-                await device_set.update(tracker.update([f"f{i}" for i in range(count)]))
+                await device_set.update(await tracker.update([f"f{i}" for i in range(count)]))
                 return time.perf_counter() - start
 
         print(f"one batch of {count} events next to {count} symlink devices: {ms(trio.run(update))}")
