@@ -11,8 +11,9 @@ architecture) and Debian's arm64 python3.11 unpacked in python/ (`.ci/arm64-pyth
 Without root, without the binfmt handler or without ARM the module is skipped with one line saying
 why (a failure under GOPHERPLUG_RUNTIME_REQUIRED, as CI sets it).
 
-Emulation is about 80 times slower than this machine, so each artefact gets the few checks that
-prove it, not the tier's whole matrix: one containerd (DIR's 1.7) in the cgroup mode the machine
+Emulation is slow (under QEMU this machine runs Python's own work about 8 times slower and starts
+a process about 30 times slower), so each artefact gets the few checks that prove it, not the
+tier's whole matrix: one containerd (DIR's 1.7) in the cgroup mode the machine
 boots. An architecture changes which binaries run (the interpreter, the wheels' extension modules,
 runc's view of them), not how the kubelet, containerd or the kernel's device rules treat a
 container: test_runtime.py proves those on amd64 in both cgroup modes and under containerd 2.x.
