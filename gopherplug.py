@@ -9757,7 +9757,7 @@ class SlicePublisher:
         self._seen = -1  # the newest resourceVersion listed or watched: a write's answer older is stale
         self._writes = _TokenBucket(DRA_WRITES_PER_SECOND, DRA_WRITE_BURST)
         # Pool name (or "stale <slice name>") -> (the next backoff, when it may be tried again).
-        self._retries: dict[str, tuple[float, float]] = {}
+        self._retries: dict[str, tuple[float, float, str]] = {}  # key -> (next delay, due, the error said)
         # Slice name -> (what we wrote, what the API server stored), as _slice_key, when the server
         # dropped fields it does not know (feature gates off): then what it stored counts as written.
         self._stored_as: dict[str, tuple[str, str]] = {}
@@ -10023,16 +10023,19 @@ class SlicePublisher:
                     # with the resource (Metrics.forget), and must not come back.
                     mine = key in {dra_pool_name(node, name) for name in self.resources.served}
                     _metrics.api_errors.labels(key if mine else "").inc()
-                delay = retry[0] if retry is not None else _API_BACKOFF[0]
+                delay, said = (retry[0], retry[2]) if retry is not None else (_API_BACKOFF[0], "")
                 wait = jittered(max(delay, error.retry_after or 0.0))
-                self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait)
-                log.warning("DRA: writing ResourceSlices: %s; again in %.2g s", error, wait)
+                self._retries[key] = (min(delay * 2, _API_BACKOFF[1]), trio.current_time() + wait, str(error))
+                # One line when a pool's writes begin to fail (or fail otherwise), one when they work.
+                retrying = "DRA: writing ResourceSlices: %s; tried again until it works (next in %.2g s)"
+                log.log(logging.DEBUG if str(error) == said else logging.WARNING, retrying, error, wait)
             else:
-                self._retries.pop(key, None)
+                if self._retries.pop(key, None) is not None:
+                    log.info("DRA: writing ResourceSlices (%s) works again", key)
         # Retries of pools or slices no longer there are forgotten.
         keys = {key for key, _ in jobs}
         self._retries = {key: retry for key, retry in self._retries.items() if key in keys}
-        return min((due for _, due in self._retries.values()), default=None)
+        return min((due for _, due, _ in self._retries.values()), default=None)
 
     async def _delete(self, name: str) -> None:
         await self._writes.acquire()

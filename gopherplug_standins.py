@@ -1130,7 +1130,7 @@ class ApiServerSimulator(LenientApiServer):
             cuts = self._cuts
             while self._cuts == cuts:
                 await self.changed.wait_touched()
-            await stream.aclose()
+            await http[1].aclose()  # (connection, stream, h11): the stream
             return True
         reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError"}
         messages = {

@@ -32,6 +32,7 @@ from testsupport import (
     _scrape,
     claim,
     config_text,
+    dra_config,
     listed,
     logged,
     reloading,
@@ -731,3 +732,26 @@ async def test_a_slice_publisher_started_again_follows_the_devices(dra, monkeypa
         await dra.wait_for_slices(["gopher1", "gopher2", "gopher3", "gopher4"])
     assert len(failed.lines) == len(again.lines) == 1
     assert restarts("slice publisher") == 1
+
+
+async def test_a_pool_whose_writes_keep_failing_says_one_line_and_one_when_they_work(dra_node):
+    """The API server refuses a pool's slice writes several times running: one warning when the
+    writes begin to fail, the retries in between at debug, one line when a write is taken."""
+    (dra_node.devices / "gopher0").touch()
+    with trio.fail_after(TIMEOUT):
+        await dra_node.start(gp.parse_config(dra_config(dra_node.devices, dra_node.kubelet_dir), "cfg.yaml"))
+        await dra_node.wait_for_slices(["gopher0"])
+        refused = gp.dra_slice_name("node-1", DRIVER, RESOURCE, 0)
+        dra_node.api.fail("update", refused, 500, times=4)
+        with logged("DRA: writing ResourceSlices") as said, logged("") as debug:
+            said.setLevel(logging.INFO)
+            (dra_node.devices / "gopher1").touch()
+            await dra_node.wait_for_slices(["gopher0", "gopher1"])
+            await said.wait(2)  # the answer taken: the second line
+    tries = [answer for _, verb, name, answer in dra_node.api.attempts if name == refused and verb == "update"]
+    assert tries == [500, 500, 500, 500, 200]
+    assert [line.split(": 500")[0] for line in said.lines] == [
+        f"DRA: writing ResourceSlices: update ResourceSlice {refused}",
+        f"DRA: writing ResourceSlices (node-1/{RESOURCE}) works again",
+    ]
+    assert sum("DRA: writing ResourceSlices" in line for line in debug.lines) == 5, "the retries, at debug"
