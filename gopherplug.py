@@ -1252,6 +1252,7 @@ class DeviceEntry:
     attributes: tuple[tuple[str, str, str | int | bool], ...] = ()
     #: capacity read for it, likewise: (name, quantity in canonical form) in name order
     capacity: tuple[tuple[str, str], ...] = ()
+    rdev: int = 0  #: a node's device number (st_rdev) as examined: the device numa_node and pci are of
 
     def __post_init__(self) -> None:
         # The kubelet takes any string for health and counts only "Healthy" as allocatable: a
@@ -2770,10 +2771,10 @@ def examine_again(
 ) -> DeviceEntry | str | None:
     """A device as its files are now: each member examined again at the path it was found at
     (None: every one is gone; a string: why one may not be used). ``directories``: see
-    examine_path."""
+    examine_path. Its topology is the member's as the scan's thread read it (``known``)."""
     entries = []
     for member in device.members or (device,):
-        found = examine_path(resource, device.id, member.path, roots, sysfs_root, directories=directories)
+        found = examine_path(resource, device.id, member.path, roots, sysfs_root, directories=directories, known=member)
         if isinstance(found, str):
             return found
         if found is not None:
@@ -2842,13 +2843,17 @@ def examine_path(
     link_status: os.stat_result | None = None,
     *,
     directories: dict[str, str] | None = None,
+    known: DeviceEntry | None = None,
 ) -> DeviceEntry | str | None:
     """The file at ``path`` as the entry ``device_id`` of the resource: its DeviceEntry, why it is
     skipped (a host path outside ``roots``), or None when it is not there. ``link_status``: its
     lstat(), if the caller has it already. ``directories``: directories resolved already, by
     their path (filled in as more are met), for a caller that examines several entries at one
     moment (an Allocate): an entry that is no symlink is its directory's resolved path and its
-    name, which is what realpath() finds, one lstat() per component, for each entry anew."""
+    name, which is what realpath() finds, one lstat() per component, for each entry anew.
+    ``known``: the entry as last scanned, whose NUMA node and PCI address are taken, sysfs not read
+    (Allocate runs on the event loop, which a hung GPU's sysfs file would freeze): for the same
+    device number only; another node at the path has none until its scan reads them."""
     try:
         is_link = stat.S_ISLNK((link_status or os.lstat(path)).st_mode)
     except OSError:
@@ -2885,13 +2890,16 @@ def examine_path(
         number = f"{os.major(rdev)}:{os.minor(rdev)}"
         return f"block device {number} holds the filesystem mounted at {mounted}: set allow_mounted: true to offer it"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
-    numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
-    pci = _pci_address(sysfs_root, mode, rdev) if is_node and resource.dra else None  # slices only
-    if numa_node is None and pci is not None:
-        # The node's sysfs device is a child of the PCI function (virtio-blk's virtio1, a
-        # virtio-console port's virtio2), with no numa_node of its own: the function's is the
-        # device's, and the one deviceattribute reads for the standard numaNode of a PCI device.
-        numa_node = _read_numa_node(os.path.join(sysfs_root, "bus", "pci", "devices", pci.bus_id, "numa_node"))
+    if known is not None:  # (Allocate)
+        numa_node, pci = (known.numa_node, known.pci) if is_node and known.rdev == rdev else (None, None)
+    else:
+        numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
+        pci = _pci_address(sysfs_root, mode, rdev) if is_node and resource.dra else None  # slices only
+        if numa_node is None and pci is not None:
+            # The node's sysfs device is a child of the PCI function (virtio-blk's virtio1, a
+            # virtio-console port's virtio2), with no numa_node of its own: the function's is the
+            # device's, and the one deviceattribute reads for the standard numaNode of a PCI device.
+            numa_node = _read_numa_node(os.path.join(sysfs_root, "bus", "pci", "devices", pci.bus_id, "numa_node"))
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
@@ -2899,7 +2907,7 @@ def examine_path(
     # a resource that declares values (examine_again runs in Allocate, which needs none of it).
     sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node and (resource.attributes or resource.capacity) else ""
     return DeviceEntry(
-        device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
+        device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs, rdev=rdev
     )
 
 

@@ -24,6 +24,7 @@ from testsupport import (
     RESOURCE,
     TIMEOUT,
     config_text,
+    config_with,
     listed,
     logged,
     program_file,
@@ -248,6 +249,38 @@ async def test_a_watch_stopped_while_its_scan_hangs_ends_at_once_and_the_late_sc
         await scans.released.wait()  # the abandoned scan has returned
     assert len(said.lines) == 1, "no line from a scan whose watch has stopped"
     assert devices.value == {}, "no device from it"
+
+
+async def test_allocate_never_reads_sysfs_a_hung_numa_node_after_the_scan_leaves_it_answering(nursery, node, tmp_path):
+    # Allocate runs on the event loop: a read there of a hung GPU's sysfs file would freeze every RPC.
+    directory, sysfs, numa_node = hung_numa_node(tmp_path)
+    numa_node.write_text("1\n")
+    hung = {"name": OTHER, "directory": str(directory), "allowed_host_paths": ["/dev"]}
+    config = {"device_plugin_dir": node.plugin_dir, "sysfs_root": str(sysfs), "resources": [hung]}
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "c"))
+    with trio.fail_after(TIMEOUT):
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"h0": gp.HEALTHY})
+    assert simulator.resources[OTHER].topology == {"h0": (1,)}
+    numa_node.unlink()
+    with fifo_at(numa_node), trio.fail_after(TIMEOUT / 2):  # (the FIFO's watchdog frees a frozen loop at TIMEOUT)
+        answer = await simulator.allocate(OTHER, ["h0"])
+        assert [spec.host_path for spec in answer.container_responses[0].devices] == ["/dev/null"]
+        assert (await simulator.allocate(OTHER, ["h0"])).container_responses, "and again"
+
+
+def test_allocate_s_look_at_a_device_has_the_scans_topology_for_the_same_node_only(tmp_path):
+    directory, sysfs, numa_node = hung_numa_node(tmp_path)
+    numa_node.write_text("1\n")
+    resource = config_with(directory=str(directory), allowed_host_paths=["/dev"]).resources[0]
+    [device] = gp.scan_directory(resource, str(sysfs)).devices
+    roots = gp.host_path_roots(resource)
+    numa_node.unlink()
+    with fifo_at(numa_node):  # a read would wait for its watchdog, then find no number
+        assert gp.examine_again(resource, device, roots, str(sysfs)).numa_node == device.numa_node == 1
+        os.unlink(directory / "h0")
+        os.symlink("/dev/zero", directory / "h0")  # another node (1:5) at the path: its scan will say
+        assert gp.examine_again(resource, device, roots, str(sysfs)).numa_node is None
 
 
 @pytest.mark.slow
