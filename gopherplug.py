@@ -2851,9 +2851,8 @@ def examine_path(
     their path (filled in as more are met), for a caller that examines several entries at one
     moment (an Allocate): an entry that is no symlink is its directory's resolved path and its
     name, which is what realpath() finds, one lstat() per component, for each entry anew.
-    ``known``: the entry as last scanned, whose NUMA node and PCI address are taken, sysfs not read
-    (Allocate runs on the event loop, which a hung GPU's sysfs file would freeze): for the same
-    device number only; another node at the path has none until its scan reads them."""
+    ``known``: the entry as scanned (for Allocate, on the event loop, which a hung sysfs file would
+    freeze): its NUMA node and PCI address are taken, not read, for the same device number only."""
     try:
         is_link = stat.S_ISLNK((link_status or os.lstat(path)).st_mode)
     except OSError:
@@ -6653,8 +6652,11 @@ class DirectoryWatch:
                 # For as long as the watch lives (a stat): a look may fall between an umount and the next
                 # mount (or before the umount's event), and watches on a bare mount point hear of no mount.
                 self._look_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
-                if (now := (_identity(self.path) or ())[:2]) != self._covered:  # (not the change time)
-                    parent = (_identity(os.path.dirname(self.path)) or (-2,))[:1]  # a mount point's differs
+                try:  # a stat on a dead NFS or FUSE mount never returns: off the loop, given up (looked again)
+                    now, parent = await trio.to_thread.run_sync(_within, self._look, abandon_on_cancel=True)
+                except TimeoutError:
+                    continue
+                if now != self._covered:  # (not the change time)
                     if now[:1] not in ((), parent):
                         self._log.info("%s: a file system is mounted there again: watching it", self.path)
                     elif self._covered[:1] not in ((), parent):
@@ -6669,6 +6671,10 @@ class DirectoryWatch:
             batch = self.pending()
             if batch is not None:
                 yield batch
+
+    def _look(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The device and inode at the path, and its parent's device (a mount point's differs)."""
+        return (_identity(self.path) or ())[:2], (_identity(os.path.dirname(self.path)) or (-2,))[:1]
 
     def pending(self) -> tuple[list[tuple[str, int]], set[str], bool] | None:
         """What the kernel has queued and batches() has not yielded yet, read now without waiting,
@@ -12368,7 +12374,7 @@ async def watch_config_file(
                             config != last_config
                             and config.warnings
                             and not forced
-                            and _emptied(last_config or _config_or_none(last_read, path), config)
+                            and await _emptied(last_config or _config_or_none(last_read, path), config)
                         )
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
@@ -12409,11 +12415,12 @@ def _config_or_none(text: str | None, path: str) -> Config | None:
         return None
 
 
-def _emptied(running: Config | None, new: Config) -> str:
+async def _emptied(running: Config | None, new: Config) -> str:
     """Why ``new`` looks like a mistake that would empty a live resource, or "": one of its resources
     is warned about (check-config's warnings: a regex-looking pattern) and, as ``new`` describes it,
     finds no device on this node, while the same resource of ``running`` finds some. Scans only
-    then (a warning is rare): the directory as it is now, for both."""
+    then (a warning is rare): the directory as it is now, for both, off the event loop by a deadline
+    (a scan's sysfs read may hang): a scan late is a reason to hold ``new`` back too."""
     if running is None or not new.warnings:
         return ""
     before = {resource.name: resource for resource in running.resources}
@@ -12422,10 +12429,18 @@ def _emptied(running: Config | None, new: Config) -> str:
         old = before.get(resource.name)
         if not warned or old is None or old == resource:
             continue
-        count = len(scan_directory(old, running.sysfs_root, running.dev_root).devices)
-        if count and not scan_directory(resource, new.sysfs_root, new.dev_root).devices:
-            said = warned[0].partition(f"resources[{index}].")[2]
-            return f"{resource.name} would go from {_devices(count)} to none, and resources[{index}].{said}"
+        said = f"resources[{index}].{warned[0].partition(f'resources[{index}].')[2]}"
+        scans = [(old, running), (resource, new)]
+        try:
+            count, left = await trio.to_thread.run_sync(
+                _within,
+                lambda s=scans: [len(scan_directory(r, c.sysfs_root, c.dev_root).devices) for r, c in s],
+                abandon_on_cancel=True,
+            )
+        except TimeoutError:
+            return f"{resource.name}'s scan has not returned in {FILE_READ_TIMEOUT:g} s, and {said}"
+        if count and not left:
+            return f"{resource.name} would go from {_devices(count)} to none, and {said}"
     return ""
 
 
