@@ -1252,7 +1252,7 @@ class DeviceEntry:
     attributes: tuple[tuple[str, str, str | int | bool], ...] = ()
     #: capacity read for it, likewise: (name, quantity in canonical form) in name order
     capacity: tuple[tuple[str, str], ...] = ()
-    rdev: int = 0  #: a node's device number (st_rdev) as examined: the device numa_node and pci are of
+    rdev: int = 0  #: a node's device number (st_rdev) as examined, whose numa_node and pci these are; 0: none
 
     def __post_init__(self) -> None:
         # The kubelet takes any string for health and counts only "Healthy" as allocatable: a
