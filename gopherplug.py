@@ -1252,6 +1252,7 @@ class DeviceEntry:
     attributes: tuple[tuple[str, str, str | int | bool], ...] = ()
     #: capacity read for it, likewise: (name, quantity in canonical form) in name order
     capacity: tuple[tuple[str, str], ...] = ()
+    rdev: int = 0  #: a node's device number (st_rdev) as examined, whose numa_node and pci these are; 0: none
 
     def __post_init__(self) -> None:
         # The kubelet takes any string for health and counts only "Healthy" as allocatable: a
@@ -2770,10 +2771,10 @@ def examine_again(
 ) -> DeviceEntry | str | None:
     """A device as its files are now: each member examined again at the path it was found at
     (None: every one is gone; a string: why one may not be used). ``directories``: see
-    examine_path."""
+    examine_path. Its topology is the member's as the scan's thread read it (``known``)."""
     entries = []
     for member in device.members or (device,):
-        found = examine_path(resource, device.id, member.path, roots, sysfs_root, directories=directories)
+        found = examine_path(resource, device.id, member.path, roots, sysfs_root, directories=directories, known=member)
         if isinstance(found, str):
             return found
         if found is not None:
@@ -2842,13 +2843,16 @@ def examine_path(
     link_status: os.stat_result | None = None,
     *,
     directories: dict[str, str] | None = None,
+    known: DeviceEntry | None = None,
 ) -> DeviceEntry | str | None:
     """The file at ``path`` as the entry ``device_id`` of the resource: its DeviceEntry, why it is
     skipped (a host path outside ``roots``), or None when it is not there. ``link_status``: its
     lstat(), if the caller has it already. ``directories``: directories resolved already, by
     their path (filled in as more are met), for a caller that examines several entries at one
     moment (an Allocate): an entry that is no symlink is its directory's resolved path and its
-    name, which is what realpath() finds, one lstat() per component, for each entry anew."""
+    name, which is what realpath() finds, one lstat() per component, for each entry anew.
+    ``known``: the entry as scanned (for Allocate, on the event loop, which a hung sysfs file would
+    freeze): its NUMA node and PCI address are taken, not read, for the same device number only."""
     try:
         is_link = stat.S_ISLNK((link_status or os.lstat(path)).st_mode)
     except OSError:
@@ -2885,13 +2889,16 @@ def examine_path(
         number = f"{os.major(rdev)}:{os.minor(rdev)}"
         return f"block device {number} holds the filesystem mounted at {mounted}: set allow_mounted: true to offer it"
     problem = _health_problem(path, unreachable, _access_needed(specs, is_node), is_node)
-    numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
-    pci = _pci_address(sysfs_root, mode, rdev) if is_node and resource.dra else None  # slices only
-    if numa_node is None and pci is not None:
-        # The node's sysfs device is a child of the PCI function (virtio-blk's virtio1, a
-        # virtio-console port's virtio2), with no numa_node of its own: the function's is the
-        # device's, and the one deviceattribute reads for the standard numaNode of a PCI device.
-        numa_node = _read_numa_node(os.path.join(sysfs_root, "bus", "pci", "devices", pci.bus_id, "numa_node"))
+    if known is not None:  # (Allocate)
+        numa_node, pci = (known.numa_node, known.pci) if is_node and known.rdev == rdev else (None, None)
+    else:
+        numa_node = _numa_node(sysfs_root, mode, rdev) if is_node else None
+        pci = _pci_address(sysfs_root, mode, rdev) if is_node and resource.dra else None  # slices only
+        if numa_node is None and pci is not None:
+            # The node's sysfs device is a child of the PCI function (virtio-blk's virtio1, a
+            # virtio-console port's virtio2), with no numa_node of its own: the function's is the
+            # device's, and the one deviceattribute reads for the standard numaNode of a PCI device.
+            numa_node = _read_numa_node(os.path.join(sysfs_root, "bus", "pci", "devices", pci.bus_id, "numa_node"))
     health = UNHEALTHY if problem else HEALTHY
     followed = _symlink_hops(path) if is_link else ()
     # The node's link in sysfs (dev/char/MAJ:MIN leads to its device's directory): only a path, looked
@@ -2899,7 +2906,7 @@ def examine_path(
     # a resource that declares values (examine_again runs in Allocate, which needs none of it).
     sysfs = _sysfs_link(sysfs_root, mode, rdev) if is_node and (resource.attributes or resource.capacity) else ""
     return DeviceEntry(
-        device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs
+        device_id, path, is_node, health, problem, numa_node, specs, mounts, followed, pci=pci, sysfs=sysfs, rdev=rdev
     )
 
 
@@ -6645,8 +6652,11 @@ class DirectoryWatch:
                 # For as long as the watch lives (a stat): a look may fall between an umount and the next
                 # mount (or before the umount's event), and watches on a bare mount point hear of no mount.
                 self._look_at = trio.current_time() + INOTIFY_RETRY_INTERVAL
-                if (now := (_identity(self.path) or ())[:2]) != self._covered:  # (not the change time)
-                    parent = (_identity(os.path.dirname(self.path)) or (-2,))[:1]  # a mount point's differs
+                try:  # a stat on a dead NFS or FUSE mount never returns: off the loop, given up (looked again)
+                    now, parent = await trio.to_thread.run_sync(_within, self._look, abandon_on_cancel=True)
+                except TimeoutError:
+                    continue
+                if now != self._covered:  # (not the change time)
                     if now[:1] not in ((), parent):
                         self._log.info("%s: a file system is mounted there again: watching it", self.path)
                     elif self._covered[:1] not in ((), parent):
@@ -6661,6 +6671,10 @@ class DirectoryWatch:
             batch = self.pending()
             if batch is not None:
                 yield batch
+
+    def _look(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The device and inode at the path, and its parent's device (a mount point's differs)."""
+        return (_identity(self.path) or ())[:2], (_identity(os.path.dirname(self.path)) or (-2,))[:1]
 
     def pending(self) -> tuple[list[tuple[str, int]], set[str], bool] | None:
         """What the kernel has queued and batches() has not yielded yet, read now without waiting,
@@ -12363,7 +12377,7 @@ async def watch_config_file(
                             config != last_config
                             and config.warnings
                             and not forced
-                            and _emptied(last_config or _config_or_none(last_read, path), config)
+                            and await _emptied(last_config or _config_or_none(last_read, path), config)
                         )
                 except ConfigError as error:
                     log.error("%s; keeping the running configuration", error)
@@ -12404,11 +12418,12 @@ def _config_or_none(text: str | None, path: str) -> Config | None:
         return None
 
 
-def _emptied(running: Config | None, new: Config) -> str:
+async def _emptied(running: Config | None, new: Config) -> str:
     """Why ``new`` looks like a mistake that would empty a live resource, or "": one of its resources
     is warned about (check-config's warnings: a regex-looking pattern) and, as ``new`` describes it,
     finds no device on this node, while the same resource of ``running`` finds some. Scans only
-    then (a warning is rare): the directory as it is now, for both."""
+    then (a warning is rare): the directory as it is now, for both, off the event loop by a deadline
+    (a scan's sysfs read may hang): a scan late is a reason to hold ``new`` back too."""
     if running is None or not new.warnings:
         return ""
     before = {resource.name: resource for resource in running.resources}
@@ -12417,10 +12432,18 @@ def _emptied(running: Config | None, new: Config) -> str:
         old = before.get(resource.name)
         if not warned or old is None or old == resource:
             continue
-        count = len(scan_directory(old, running.sysfs_root, running.dev_root).devices)
-        if count and not scan_directory(resource, new.sysfs_root, new.dev_root).devices:
-            said = warned[0].partition(f"resources[{index}].")[2]
-            return f"{resource.name} would go from {_devices(count)} to none, and resources[{index}].{said}"
+        said = f"resources[{index}].{warned[0].partition(f'resources[{index}].')[2]}"
+        scans = [(old, running), (resource, new)]
+        try:
+            count, left = await trio.to_thread.run_sync(
+                _within,
+                lambda s=scans: [len(scan_directory(r, c.sysfs_root, c.dev_root).devices) for r, c in s],
+                abandon_on_cancel=True,
+            )
+        except TimeoutError:
+            return f"{resource.name}'s scan has not returned in {FILE_READ_TIMEOUT:g} s, and {said}"
+        if count and not left:
+            return f"{resource.name} would go from {_devices(count)} to none, and {said}"
     return ""
 
 

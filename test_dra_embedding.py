@@ -356,6 +356,14 @@ def publishers(monkeypatch):
     return made
 
 
+async def seen_by(publisher, names):
+    """Until ``publisher``'s watch has brought it the pool's slices with these devices (then what it
+    does of them runs on the event loop: wait_all_tasks_blocked sees it done; a scan in a worker
+    thread it would not)."""
+    while sorted(d["name"] for s in publisher.known.values() for d in s["spec"]["devices"]) != names:
+        await publisher.known_changed.wait_touched()
+
+
 @pytest.mark.slow
 async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra_node, publishers):
     """During the overlap both pods keep the node's slices, and the new one may see the devices
@@ -377,10 +385,12 @@ async def test_dra_two_pods_of_a_rolling_update_do_not_fight_over_the_slices(dra
             while old_publisher.deferring.value != new_config.dra.registration_socket:
                 await old_publisher.deferring.wait_touched()
         await dra_node.wait_for_slices(["gopher0", "gopher1"])
+        await seen_by(old_publisher, ["gopher0", "gopher1"])
         await trio.testing.wait_all_tasks_blocked()
         writes = len(dra_node.api.writes)
         (dra_node.devices / "gopher2").touch()  # the new pod writes it; the old one, its watch woken, does not undo it
         await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
+        await seen_by(old_publisher, ["gopher0", "gopher1", "gopher2"])
         await trio.testing.wait_all_tasks_blocked()
         assert dra_node.slice_devices()[0] == ["gopher0", "gopher1", "gopher2"]
         assert len(dra_node.api.writes) - writes == 1
@@ -530,6 +540,7 @@ async def test_dra_an_old_pod_that_stops_leaves_the_cdi_spec_and_the_slices_to_t
             await left.wait()
         await dra_node.wait_for_slices(["gopher0", "gopher1", "gopher2"])
         assert "gopher2" in old_devices.value and spec_env(spec) == new_env
+        await seen_by(old_publisher, ["gopher0", "gopher1", "gopher2"])
         await trio.testing.wait_all_tasks_blocked()
         writes = len(dra_node.api.writes)
         with logged("again") as again:

@@ -24,6 +24,7 @@ from testsupport import (
     RESOURCE,
     TIMEOUT,
     config_text,
+    config_with,
     listed,
     logged,
     program_file,
@@ -250,6 +251,71 @@ async def test_a_watch_stopped_while_its_scan_hangs_ends_at_once_and_the_late_sc
     assert devices.value == {}, "no device from it"
 
 
+async def test_allocate_never_reads_sysfs_a_hung_numa_node_after_the_scan_leaves_it_answering(nursery, node, tmp_path):
+    # Allocate runs on the event loop: a read there of a hung GPU's sysfs file would freeze every RPC.
+    directory, sysfs, numa_node = hung_numa_node(tmp_path)
+    numa_node.write_text("1\n")
+    hung = {"name": OTHER, "directory": str(directory), "allowed_host_paths": ["/dev"]}
+    config = {"device_plugin_dir": node.plugin_dir, "sysfs_root": str(sysfs), "resources": [hung]}
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "c"))
+    with trio.fail_after(TIMEOUT):
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"h0": gp.HEALTHY})
+    assert simulator.resources[OTHER].topology == {"h0": (1,)}
+    numa_node.unlink()
+    with fifo_at(numa_node), trio.fail_after(TIMEOUT / 2):  # (the FIFO's watchdog frees a frozen loop at TIMEOUT)
+        answer = await simulator.allocate(OTHER, ["h0"])
+        assert [spec.host_path for spec in answer.container_responses[0].devices] == ["/dev/null"]
+        assert (await simulator.allocate(OTHER, ["h0"])).container_responses, "and again"
+
+
+async def test_a_reload_whose_emptying_check_meets_a_hung_scan_is_held_back_and_the_loop_runs(
+    nursery, node, tmp_path, monkeypatch
+):
+    # A warned-about pattern is checked against the directory (would it empty a served resource?):
+    # that scan reads the device's numa_node, which hangs, off the event loop; late, the file waits.
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    directory, sysfs, numa_node = hung_numa_node(tmp_path)
+    numa_node.write_text("0\n")
+    path = tmp_path / "gopherplug.yaml"
+
+    def text(pattern):
+        hung = {"name": OTHER, "directory": str(directory), "allowed_host_paths": ["/dev"], "pattern": pattern}
+        mine = {"name": RESOURCE, "directory": node.devices}
+        return yaml.safe_dump(
+            {"device_plugin_dir": node.plugin_dir, "sysfs_root": str(sysfs), "resources": [mine, hung]}
+        )
+
+    path.write_text(text("h*"))
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"h0": gp.HEALTHY})
+    numa_node.unlink()
+    with fifo_at(numa_node), trio.fail_after(TIMEOUT / 2), logged("held back") as held:  # (watchdog: TIMEOUT)
+        replace_file(path, text(r"h\d+"))
+        await held.wait()
+        assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
+    assert held.lines[0].startswith(
+        f"{path}: held back, keeping the running configuration: {OTHER}'s scan has not returned in 0.5 s, and "
+        r"resources[1].pattern: 'h\d+' looks like a regular expression"
+    )
+    assert streaming(simulator, OTHER) == {"h0": gp.HEALTHY}
+
+
+def test_allocate_s_look_at_a_device_has_the_scans_topology_for_the_same_node_only(tmp_path):
+    directory, sysfs, numa_node = hung_numa_node(tmp_path)
+    numa_node.write_text("1\n")
+    resource = config_with(directory=str(directory), allowed_host_paths=["/dev"]).resources[0]
+    [device] = gp.scan_directory(resource, str(sysfs)).devices
+    roots = gp.host_path_roots(resource)
+    numa_node.unlink()
+    with fifo_at(numa_node):  # a read would wait for its watchdog, then find no number
+        assert gp.examine_again(resource, device, roots, str(sysfs)).numa_node == device.numa_node == 1
+        os.unlink(directory / "h0")
+        os.symlink("/dev/zero", directory / "h0")  # another node (1:5) at the path: its scan will say
+        assert gp.examine_again(resource, device, roots, str(sysfs)).numa_node is None
+
+
 @pytest.mark.slow
 def test_check_config_says_a_value_file_or_a_configuration_that_never_answers_in_one_line(node, tmp_path):
     path = tmp_path / "gopherplug.yaml"
@@ -342,11 +408,12 @@ async def test_a_look_at_the_bare_mount_point_goes_on_until_a_file_system_is_mou
     directory = tmp_path / "mounted"
     directory.mkdir()
     identity, looked, unmount_after_look = gp._identity, [trio.Event()], []
+    loop = trio.lowlevel.current_trio_token()
 
-    def look(path):  # the plugin looking at what is at the path: no inotify event tells of a mount
+    def look(path):  # the plugin looking at what is at the path (in a worker thread): no inotify event tells of a mount
         seen = identity(path)
         if path == str(directory):
-            looked[0].set()
+            loop.run_sync_soon(looked[0].set)
             while unmount_after_look:
                 subprocess.run(["umount", unmount_after_look.pop()], check=True)
         return seen
@@ -378,5 +445,48 @@ async def test_a_look_at_the_bare_mount_point_goes_on_until_a_file_system_is_mou
             await remounted.wait(2)
         assert len(remounted.lines) == 2  # one line for each tmpfs mounted again, none for the bare mount point
     finally:
+        while subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:
+            pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root and mount")
+async def test_a_look_at_an_unmounted_directory_whose_stat_hangs_leaves_the_loop_running(
+    nursery, node, tmp_path, retry_soon, monkeypatch
+):
+    """After an unmount the plugin looks at what is at the path every few seconds (a stat): on a dead
+    NFS or FUSE mount that stat never returns. It is given up after FILE_READ_TIMEOUT, the event loop
+    running meanwhile, and a later look finds the file system mounted there again."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    directory = tmp_path / "mounted"
+    directory.mkdir()
+    identity, hanging, released = gp._identity, threading.Event(), threading.Event()
+
+    def look(path):  # the first look at the path hangs until released (at the latest after TIMEOUT)
+        if path == str(directory) and not hanging.is_set():
+            hanging.set()
+            released.wait(TIMEOUT)
+            released.set()
+        return identity(path)
+
+    monkeypatch.setattr(gp, "_identity", look)
+    mount_tmpfs(directory)
+    try:
+        (directory / "g1").touch()
+        devices = gp.Watched({})
+        with logged("mounted there again") as remounted:
+            with trio.fail_after(TIMEOUT):
+                await nursery.start(gp.watch_devices, node.config(directory=str(directory)).resources[0], devices)
+                subprocess.run(["umount", str(directory)], check=True)
+                await trio.to_thread.run_sync(hanging.wait)
+            assert not released.is_set(), "the loop runs while the look hangs"
+            released.set()
+            mount_tmpfs(directory)
+            (directory / "g5").touch()
+            with trio.fail_after(TIMEOUT):
+                while set(devices.value) != {"g5"}:
+                    await devices.wait_touched()
+                await remounted.wait()
+    finally:
+        released.set()
         while subprocess.run(["umount", str(directory)], capture_output=True, check=False).returncode == 0:
             pass
