@@ -6280,6 +6280,15 @@ async def _supervised(
                     _metrics.restarts.labels(part).inc()
                 run = _Run(trio.TASK_STATUS_IGNORED, recovered)
                 await trio.sleep(jittered(min(SUPERVISE_BACKOFF[0] * 2 ** min(failures - 1, 32), SUPERVISE_BACKOFF[1])))
+            except BaseExceptionGroup as group:
+                # A failure that met the task's stop (a reload, SIGTERM) in one of its nurseries: the task ends
+                # anyway, and the failure, raised on, would end the plugin. Only the Cancelled go on, for
+                # their cancel scope to absorb.
+                cancelled, failed = group.split(trio.Cancelled)
+                if cancelled is None or not isinstance(failed, Exception):
+                    raise
+                log.debug("%s failed as it stopped:", part, exc_info=failed)
+                raise cancelled from None
 
 
 def _mode(path: str) -> int | None:
@@ -6938,13 +6947,22 @@ async def watch_devices(
         waiting = trio.CancelScope(deadline=trio.current_time() + FILE_READ_TIMEOUT)
         published = trio.Event()
 
-        async def follow(nursery: trio.Nursery) -> None:
+        async def first_scan() -> None:
             # Every source first, then one device set: the CDI spec and the kubelet's first list
-            # describe them all. Then each source's batches, and the other tasks.
+            # describe them all.
             changes = {key: entry for tracker in trackers for key, entry in (await tracker.rescan()).items()}
             waiting.deadline = math.inf  # scanned: a value file's read has its own deadline
             await device_set.update(changes)
             published.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first_scan)
+            with waiting:
+                await published.wait()
+            task_status.started()
+            # Only then each source's batches, and the other tasks: what fails in them from here on is
+            # the supervisor's to start again, and not a failure at start (which stops the plugin).
+            await published.wait()
             for tracker in trackers:
                 nursery.start_soon(_follow_source, tracker, device_set)
             if turn is not None:
@@ -6953,12 +6971,6 @@ async def watch_devices(
                 nursery.start_soon(_describe_devices, device_set)
             if any(declared.file for declared in (*resource.attributes, *resource.capacity)):
                 nursery.start_soon(_read_values_again, device_set)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(follow, nursery)
-            with waiting:
-                await published.wait()
-            task_status.started()
 
 
 #: How much of a program's stderr is kept, at its beginning and at its end: the last line says why

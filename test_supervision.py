@@ -755,3 +755,27 @@ async def test_a_pool_whose_writes_keep_failing_says_one_line_and_one_when_they_
         f"DRA: writing ResourceSlices (node-1/{RESOURCE}) works again",
     ]
     assert sum("DRA: writing ResourceSlices" in line for line in debug.lines) == 5, "the retries, at debug"
+
+
+async def test_a_failure_that_meets_its_tasks_stop_ends_with_the_task_and_not_the_plugin():
+    """A task is stopped (a reload retiring its resource, SIGTERM) just as one of its own tasks fails:
+    the failure and the stop's Cancelled come out of its nursery together, in one group. The task ends
+    as stopped; the failure must not go on and end the plugin."""
+
+    async def task(*, task_status):
+        async def fails_as_it_stops():
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise RuntimeError("injected")  # what a scan in flight raises when its watch stops
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(fails_as_it_stops)
+            task_status.started()
+            await trio.sleep_forever()
+
+    with trio.fail_after(TIMEOUT), trio.CancelScope() as stop:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(gp._supervised, "a task", task)
+            stop.cancel()
+    assert stop.cancelled_caught
