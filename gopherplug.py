@@ -13719,7 +13719,7 @@ class DraKubeletSimulator:
         if not plugins:
             raise RPCError(StatusCode.FAILED_PRECONDITION, f"DRA driver {driver} is not registered")
         chosen = next((p for p in reversed(plugins) if p.connected), plugins[-1])
-        if not chosen.connected and self._connections is not None:
+        if not chosen.connected and self._connections is not None and not self._restart.is_set():  # (closing)
             chosen.connection = trio.CancelScope()
             self._connections.start_soon(functools.partial(self._connect, chosen, task_status=trio.TASK_STATUS_IGNORED))
         return chosen
