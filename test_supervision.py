@@ -418,14 +418,19 @@ async def test_a_failed_metrics_server_is_started_again_on_its_port(nursery, nod
     assert metrics.registry.get_sample_value("gopherplug_task_restarts_total", {"task": "metrics server"}) == 1
 
 
-async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatch, restarts):
+async def publishing_two(dra, monkeypatch):
+    """The DRA driver publishing two devices, the handling of its next slice event set to fail once."""
     for name in ("gopher0", "gopher1"):
         (dra.devices / name).touch()
+    await dra.start()
+    await dra.registered()
+    await dra.wait_for_slices(["gopher0", "gopher1"])
+    monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+
+
+async def test_a_failed_slice_watch_is_started_again_and_relists(dra, monkeypatch, restarts):
     with trio.fail_after(TIMEOUT):
-        await dra.start()
-        await dra.registered()
-        await dra.wait_for_slices(["gopher0", "gopher1"])
-        monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+        await publishing_two(dra, monkeypatch)
         with logged("slice watch failed") as failed, logged(f"slice watch {AGAIN}") as again:
             (dra.devices / "gopher2").touch()  # the publisher's write comes back as an event
             await failed.wait()
@@ -441,13 +446,8 @@ async def test_a_slice_watch_started_again_during_an_api_outage_says_one_line_ea
     """The supervisor's line began the outage: the watch's own lines for the same outage (the API
     server's 502s met by the run started again) are debug, and "runs again" waits for its list."""
     monkeypatch.setattr(gp, "DRA_WATCH_BACKOFF", (0.001, 0.002))
-    for name in ("gopher0", "gopher1"):
-        (dra.devices / name).touch()
     with trio.fail_after(TIMEOUT):
-        await dra.start()
-        await dra.registered()
-        await dra.wait_for_slices(["gopher0", "gopher1"])
-        monkeypatch.setattr(gp, "_older", failing(gp._older, 1))  # the next slice event's handling
+        await publishing_two(dra, monkeypatch)
         dra.api.garble("html-502", times=2, verb="list", resource="resourceslices")  # the relists meet an outage
         with logged("") as said, logged(f"slice watch {AGAIN}") as again:
             said.setLevel(logging.INFO)
