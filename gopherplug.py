@@ -2944,7 +2944,9 @@ def _read_text(path: str) -> str | None:
 def _mounted_at(rdev: int, sysfs_root: str, mountinfo_path: str = "/proc/self/mountinfo") -> str:
     """Where a filesystem on block device ``rdev`` is mounted, or "": the device itself, one of its
     partitions, or a device built on it (device-mapper, LVM, md: its holders in sysfs). The mount
-    table's third field is the device number of each mount's filesystem."""
+    table's third field is the device number of each mount's filesystem. Allocate asks this on the
+    event loop, and may: the kernel prints the mount table from memory (a hung NFS or FUSE mount's
+    line too, never asking its server), and dev, partition and holders are the driver core's own."""
     mounted: dict[str, str] = {}  # device number -> the first mount point of its filesystem
     for line in (_read_text(mountinfo_path) or "").splitlines():
         fields = line.split()
