@@ -11935,8 +11935,8 @@ async def serve_plugin(
                     old = served[name]
                     old.watch_scope.cancel()  # paused, devices kept: two watches would write one CDI spec
                     await old.watch_done.wait()
-                    if why := await start(wanted[name], old):  # the old one stays registered, its devices
-                        assert old.start_watch is not None  # as they were, unless the new registration failed
+                    if why := await start(wanted[name], old):  # the old one stays registered (unless the new
+                        # registration failed: served again), its devices at the kubelet as they were
                         await (start(old.resource, old) if old.done.is_set() else old.start_watch(old.resource))
                         action = "refuse"
                 elif action == "start" and (why := await start(wanted[name])):
@@ -12185,8 +12185,8 @@ class _Served:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     #: ``resource`` for the running device-plugin service: its answers follow an update
     config: Watched = dataclasses.field(init=False)
-    #: (re)starts the directory watch for a configuration; set by _serve_one
-    start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
+    #: (re)starts the directory watch for a configuration; set by _serve_one as it starts
+    start_watch: Callable[[ResourceConfig], Awaitable[None]] = dataclasses.field(init=False, repr=False)
     watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
     dra_resources: DraResources | None = None
     #: what its describe last said, by device ID: kept across its watches, so that a reload's new
@@ -12203,7 +12203,6 @@ class _Served:
     async def update(self, new: ResourceConfig) -> str:
         """Apply a configuration with the same name and options, the stream left open. Returns ""
         or why not (its watch could not start: the old configuration goes on)."""
-        assert self.start_watch is not None  # _serve_one has started
         old = self.resource
         # The directory watch starts afresh: sources, templates or the CDI kind may differ. The
         # devices stay published meanwhile; the new watch writes the CDI spec before replacing
