@@ -11935,10 +11935,11 @@ async def serve_plugin(
                     old = served[name]
                     old.watch_scope.cancel()  # paused, devices kept: two watches would write one CDI spec
                     await old.watch_done.wait()
-                    if why := await start(wanted[name], old):  # the old one stays registered (unless the new
-                        # registration failed: served again), its devices at the kubelet as they were
-                        await (start(old.resource, old) if old.done.is_set() else old.start_watch(old.resource))
-                        action = "refuse"
+                    if (why := await start(wanted[name], old)) and not old.done.is_set():
+                        await old.start_watch(old.resource)  # still registered, its devices at the kubelet as they were
+                    elif why:  # the new registration failed, the old one stopped: served again (if that fails too,
+                        await start(served.pop(name).resource, old)  # out of ``served``, as one never started)
+                    action = "refuse" if why else action
                 elif action == "start" and (why := await start(wanted[name])):
                     action = "not added"
                 if action != plan[name][0]:
