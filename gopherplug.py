@@ -11879,19 +11879,19 @@ async def serve_plugin(
         reloading = False  # at start, a resource that cannot start stops the plugin; on a reload, not
         roster = Watched(None)  # touched when a reload has changed what is served
 
-        async def start(resource: ResourceConfig, written: dict[str, Any] | None = None) -> str:  # "" or why not
-            served[resource.name] = _Served(resource, written=written or {})
+        async def start(resource: ResourceConfig, old: _Served | None = None) -> str:  # "" or why not
+            one = _Served(resource, written=old.written if old else {}, replacing=old)
             numbers = generations.setdefault(resource.name, itertools.count(1))
             try:  # not supervised whole: its directory watch and its registration are, each on its own
-                one = (served[resource.name], kubelet, config.sysfs_root, config.dev_root, numbers, dra_resources)
-                await parts.start(resource.name, _serve_one, *one, supervise=False)
+                part = (one, kubelet, config.sysfs_root, config.dev_root, numbers, dra_resources)
+                await parts.start(resource.name, _serve_one, *part, supervise=False)
+                served[resource.name] = one
                 return ""
             except Exception as error:
                 if not reloading or not isinstance(_innermost(error), GopherplugError):
                     raise  # at start: the plugin stops with that one line
                 # On a reload, one resource that cannot start (its CDI directory unwritable, say)
                 # must not take the others down.
-                del served[resource.name]
                 return str(_innermost(error))
 
         applied = config  # what a new watch of the configuration compares it with
@@ -11934,11 +11934,14 @@ async def serve_plugin(
                 elif action in ("update", "again") and (why := await served[name].update(wanted[name])):
                     action = "refuse"  # its watch could not start: the old configuration goes on
                 elif action == "register":
-                    old = served.pop(name)
-                    await old.stop()
-                    if why := await start(wanted[name], old.written):
-                        await start(old.resource, old.written)  # the new one failed: serve the old one again
-                        action = "refuse"
+                    old = served[name]
+                    old.watch_scope.cancel()  # paused, devices kept: two watches would write one CDI spec
+                    await old.watch_done.wait()
+                    if (why := await start(wanted[name], old)) and not old.done.is_set():
+                        await old.start_watch(old.resource)  # still registered, its devices at the kubelet as they were
+                    elif why:  # the new registration failed, the old one stopped: served again (if that fails too,
+                        await start(served.pop(name).resource, old)  # out of ``served``, as one never started)
+                    action = "refuse" if why else action
                 elif action == "start" and (why := await start(wanted[name])):
                     action = "not added"
                 if action != plan[name][0]:
@@ -12185,8 +12188,8 @@ class _Served:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     #: ``resource`` for the running device-plugin service: its answers follow an update
     config: Watched = dataclasses.field(init=False)
-    #: (re)starts the directory watch for a configuration; set by _serve_one
-    start_watch: Callable[[ResourceConfig], Awaitable[None]] | None = None
+    #: (re)starts the directory watch for a configuration; set by _serve_one as it starts
+    start_watch: Callable[[ResourceConfig], Awaitable[None]] = dataclasses.field(init=False, repr=False)
     watch_done: trio.Event = dataclasses.field(default_factory=trio.Event)
     dra_resources: DraResources | None = None
     #: what its describe last said, by device ID: kept across its watches, so that a reload's new
@@ -12194,6 +12197,8 @@ class _Served:
     described: dict[str, ReadValues] = dataclasses.field(default_factory=dict)
     #: the CDI spec its watches last wrote, by file (watch_devices)
     written: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: on a reload that registers anew (register_again), the one it stops once its own watch started
+    replacing: _Served | None = None
 
     def __post_init__(self) -> None:
         self.config = Watched(self.resource)
@@ -12201,7 +12206,6 @@ class _Served:
     async def update(self, new: ResourceConfig) -> str:
         """Apply a configuration with the same name and options, the stream left open. Returns ""
         or why not (its watch could not start: the old configuration goes on)."""
-        assert self.start_watch is not None  # _serve_one has started
         old = self.resource
         # The directory watch starts afresh: sources, templates or the CDI kind may differ. The
         # devices stay published meanwhile; the new watch writes the CDI spec before replacing
@@ -12297,6 +12301,12 @@ async def _serve_one(
                         )
                     else:
                         dra_resources.attach(resource, served.devices)
+                if served.replacing is not None:
+                    # Only now: a change the node refuses (an unwritable CDI directory) has left the old
+                    # registration, its streams and its devices at the kubelet as they were. The
+                    # kubelet takes one registration per resource name: the old one goes first.
+                    await served.replacing.stop()
+                    served.replacing = None
                 if resource.device_plugin:
                     assert kubelet is not None  # serve_plugin watches it before such a resource starts
 

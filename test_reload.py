@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ from testsupport import (
     listed,
     listed_ids,
     logged,
+    read_spec,
     reloading,
     replace_file,
     streaming,
@@ -227,6 +229,41 @@ async def test_reload_that_changes_what_the_kubelet_was_told_registers_again(nur
     assert simulator.registrations[1].endpoint == "gopherplug-example.com_gopher-2.sock"
     # The old registration was gone before the new one (the kubelet would drop the new one otherwise).
     assert [event for event, _, _ in simulator.events] == ["registered", "stream ended", "disconnected", "registered"]
+
+
+async def test_reload_that_registers_again_starts_the_new_watch_before_the_old_registration_stops(
+    nursery, node, tmp_path, monkeypatch, caplog
+):
+    # A change that needs a new registration, which the node refuses for now (the CDI directory
+    # cannot be made: a file is in its way), tried again at each step of the backoff: until the
+    # refusal ends, the kubelet sees nothing (no new registration, no stream ended, no device lost),
+    # then exactly one re-registration.
+    monkeypatch.setattr(gp, "SUPERVISE_BACKOFF", (0.001, 0.002))
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(config_text(node, **{RESOURCE: {}}))
+    (tmp_path / "file").touch()
+    spec_dir = tmp_path / "file" / "cdi"
+    new = {"pre_start": ["/bin/true"], "cdi": {"kind": "example.com/gopher", "spec_dir": str(spec_dir)}}
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        with logged(": not applied, tried again") as refused, logged("configuration reloaded: ") as reloaded:
+            replace_file(path, config_text(node, **{RESOURCE: new}))
+            await refused.wait(4)  # the first try and three more
+            assert simulator.events == [("registered", RESOURCE, "gopherplug-example.com_gopher-1.sock")]
+            assert devices_of(simulator) == listed_ids("g1", "g2")
+            assert not simulator.resources[RESOURCE].options.pre_start_required
+            (tmp_path / "file").unlink()
+            (tmp_path / "file").mkdir()  # the refusal ends: the next try applies the change
+            await simulator.wait_until(lambda s: len(s.registrations) == 2 and devices_of(s) == listed_ids("g1", "g2"))
+            await reloaded.wait(len(refused.lines) + 1)
+    assert reloaded.lines[-1] == f"{path}: configuration reloaded: re-registered {RESOURCE}"
+    assert set(reloaded.lines[:-1]) == {f"{path}: configuration reloaded: kept {RESOURCE} as it was"}
+    said = [record.levelno for record in caplog.records if "not applied, tried again" in record.getMessage()]
+    assert said == [logging.ERROR] + [logging.DEBUG] * (len(said) - 1), "one line, not one a try"
+    assert simulator.resources[RESOURCE].options.pre_start_required
+    assert [event for event, _, _ in simulator.events] == ["registered", "stream ended", "disconnected", "registered"]
+    assert simulator.registrations[1].endpoint == "gopherplug-example.com_gopher-2.sock"
+    assert {device["name"] for device in read_spec(spec_dir / "example.com-gopher.json")["devices"]} == {"g1", "g2"}
 
 
 @pytest.mark.parametrize(

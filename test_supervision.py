@@ -8,6 +8,7 @@ real inotify, the kubelet's stand-in); each test waits on log lines and the stan
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import shutil
@@ -41,7 +42,12 @@ from testsupport import (
 )
 
 AGAIN = "runs again, after"
-INJECTED = RuntimeError("injected")
+
+
+def injected():
+    """The fault, a fresh one at each raise: one shared exception would carry every test's traceback
+    (its __traceback__ grows at each raise), and a test could see another's."""
+    return RuntimeError("injected")
 
 
 @pytest.fixture
@@ -82,14 +88,15 @@ def restarts(monkeypatch):
     metrics.close()
 
 
-def failing(real, times, error=INJECTED, when=lambda *args: True):
-    """A stand-in for ``real`` that raises ``error`` the first ``times`` calls for which ``when(*args)``."""
+def failing(real, times, error=injected, when=lambda *args: True):
+    """A stand-in for ``real`` that raises ``error()`` (a class or a factory: a fresh exception each
+    time) the first ``times`` calls for which ``when(*args)``."""
     left = [times]
 
     def stand_in(*args, **kwargs):
         if left[0] and when(*args):
             left[0] -= 1
-            raise error
+            raise error()
         return real(*args, **kwargs)
 
     stand_in.left = left
@@ -470,7 +477,7 @@ async def test_a_failed_claim_status_writer_is_started_again_and_writes_the_next
     async def write_status(self, claim, devices):
         if left[0]:
             left[0] -= 1
-            raise INJECTED
+            raise injected()
         await real(self, claim, devices)
 
     monkeypatch.setattr(gp.ClaimPreparer, "_write_status", write_status)
@@ -502,7 +509,7 @@ async def test_a_failed_peer_watch_is_started_again_and_looks_again(dra, monkeyp
     async def check(self):
         if left[0]:
             left[0] -= 1
-            raise INJECTED
+            raise injected()
         return await real(self)
 
     with trio.fail_after(TIMEOUT):
@@ -528,7 +535,7 @@ async def test_what_the_node_refuses_for_now_is_retried_without_failing_the_heal
     monkeypatch.setattr(gp, "SUPERVISE_BOUND", 2)
     health = gp.Health()
     token = gp._HEALTH.set(health)
-    raised = [gp.NotYet("for now")] * 4 + [INJECTED] * 2
+    raised = [functools.partial(gp.NotYet, "for now")] * 4 + [injected] * 2
     seen = []  # what /healthz says as each run starts, after the failures before it
     began = [trio.Event()]
 
@@ -537,7 +544,7 @@ async def test_what_the_node_refuses_for_now_is_retried_without_failing_the_heal
         began[0].set()
         began[0] = trio.Event()
         if len(seen) <= len(raised):
-            raise raised[len(seen) - 1]
+            raise raised[len(seen) - 1]()
         task_status.started()
         await trio.sleep_forever()
 
@@ -570,10 +577,10 @@ async def test_supervised_backs_off_says_one_line_each_way_and_a_new_run_of_fail
         began[0].set()
         began[0] = trio.Event()
         if len(starts) <= 4:
-            raise INJECTED  # before started(): a failure of a restart counts as well
+            raise injected()  # before started(): a failure of a restart counts as well
         task_status.started()
         await fail.wait()
-        raise INJECTED
+        raise injected()
 
     with logged("flaky") as said:
         async with trio.open_nursery() as nursery:
@@ -633,7 +640,8 @@ async def test_a_reload_the_environment_refused_is_applied_again_once_it_can_be(
     path.write_text(config_text(node, **{RESOURCE: cdi}))
     with trio.fail_after(TIMEOUT):
         await reloading(nursery, node, path)
-        full = OSError(28, "No space left on device")  # the CDI directory is full for one write, then not
+        # The CDI directory is full for one write, then not.
+        full = functools.partial(OSError, 28, "No space left on device")
         monkeypatch.setattr(gp, "_replace_whole", failing(gp._replace_whole, 1, error=full))
         task = "configuration reloads"
         with logged(f"{task} failed") as failed, logged("configuration reloaded") as reloaded:
@@ -767,7 +775,7 @@ async def test_a_failure_that_meets_its_tasks_stop_ends_with_the_task_and_not_th
             try:
                 await trio.sleep_forever()
             finally:
-                raise RuntimeError("injected")  # what a scan in flight raises when its watch stops
+                raise injected()  # what a scan in flight raises when its watch stops
 
         async with trio.open_nursery() as inner:
             inner.start_soon(fails_as_it_stops)
