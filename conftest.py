@@ -16,6 +16,7 @@ import gopherplug as gp
 from testsupport import (
     HERE,
     DraNode,
+    HungMount,
     Node,
     Recorder,
     device_plugin_service,
@@ -113,3 +114,23 @@ def unexpected(monkeypatch):
     monkeypatch.setattr(gp, "_metrics", metrics)
     yield lambda kind: metrics.registry.get_sample_value("gopherplug_unexpected_errors_total", {"input": kind})
     metrics.close()
+
+
+@pytest.fixture
+def hung_mount():
+    """Mounts at the paths it is given a HungMount each (a mount whose every lookup waits until its
+    release()), returned; each is unmounted afterwards. Skips without root or /dev/fuse."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("a hung FUSE mount needs root and /dev/fuse")
+    mounts = []
+
+    def mount(path):
+        try:
+            mounts.append(HungMount(path))
+        except OSError as error:  # a container without CAP_SYS_ADMIN, say
+            pytest.skip(str(error))
+        return mounts[-1]
+
+    yield mount
+    for each in mounts:
+        each.remove()

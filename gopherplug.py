@@ -6433,7 +6433,11 @@ class DirectoryWatch:
     watched is not missing, and must not be mistaken for it: the watch is then *degraded*
     (``limit`` says why), which ``logger`` hears once, and batches() also wakes every
     INOTIFY_RETRY_INTERVAL seconds to try the watches again and call for a rescan, until they all
-    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run."""
+    hold again (``logger`` hears that too). Only then, and before any unmount, does no timer run.
+
+    add_watch() looks its path up, which under a dead NFS or hung FUSE mount never returns: with ``off_loop``
+    (a resource's directories) the owner places them in its worker thread (placed()); the kubelet's and the
+    configuration's directories are the node's own, watched on the loop."""
 
     def __init__(
         self,
@@ -6441,11 +6445,10 @@ class DirectoryWatch:
         mask: int,
         follow_mask: int = 0,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = log,
+        off_loop: bool = False,
     ) -> None:
-        self.path = path
-        self._mask = mask
+        self.path, self._mask, self._log = path, mask, logger
         self._follow_mask = _LEADING_EVENTS | follow_mask
-        self._log = logger
         self._inotify: INotify | None = None  # None: not even an instance could be had
         # wd -> how many reasons we have to care about each name in that directory; _DIR: the
         # watched directory itself, every event reported
@@ -6463,6 +6466,9 @@ class DirectoryWatch:
         self._again_at = math.inf  # when batches() calls for a rescan by itself (again())
         self._covered: tuple[int, ...] = (-1, -1)  # the device and inode at the path at the last look (none: a mount)
         self._look_at = math.inf  # after an unmount: when batches() next looks at what is at the path
+        self._off_loop, self._stale = off_loop, True  # _stale: every watch is to be placed (_place)
+        self._moved: set[tuple[int, str]] = set()  # (wd, name)s leading to followed paths, since changed
+        self._placing, self._stopped, self._closing = False, False, threading.Lock()  # who closes it: placed()
         self.arm()
 
     def __enter__(self) -> DirectoryWatch:
@@ -6483,17 +6489,19 @@ class DirectoryWatch:
             self._waiting.deadline = min(self._waiting.deadline, self._again_at)
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._inotify is not None:
-            # trio must forget the fd before it is closed, or a task waiting on it would never wake.
-            trio.lowlevel.notify_closing(self._inotify.fileno())
-            self._inotify.close()
+        with self._closing:
+            self._stopped = True
+            if self._inotify is not None:
+                # trio must forget the fd before it is closed, or a task waiting on it would never wake.
+                trio.lowlevel.notify_closing(self._inotify.fileno())
+                if not self._placing:  # (else placed()'s thread closes it as it returns)
+                    self._inotify.close()
 
     def follow(self, paths: Iterable[str]) -> set[str]:
         """Watch exactly these paths besides the directory (their nearest existing ancestor when
         missing), from now on. Returns the paths newly watched: what happened to them before now
-        was not seen, so the caller must look at them again. A path an inotify limit keeps from
-        being watched is followed all the same (the rescans stand in for its events): it is new
-        once, not at every call."""
+        was not seen, so the caller must look at them again. One an inotify limit keeps from being
+        watched is followed all the same (rescans stand in for its events): new once, not each call."""
         paths = set(paths)
         for path in set(self._followed) - paths:
             self._unwatch(*self._followed.pop(path))
@@ -6506,8 +6514,7 @@ class DirectoryWatch:
     def watch_also(self, directories: Iterable[str]) -> set[str]:
         """Watch exactly these directories whole besides, from now on: an event about any entry
         in them is reported as that entry's path touched. A missing one is not watched (watch its
-        parent too, to see it come). Returns the directories newly watched: what happened in them
-        before now was not seen, so the caller must look at them again."""
+        parent too, to see it come). Returns the directories newly watched, as follow() does."""
         directories = set(directories)
         for path in set(self._also) - directories:
             self._unwatch(self._also.pop(path), _ALL)
@@ -6533,10 +6540,10 @@ class DirectoryWatch:
         return wd
 
     def arm(self) -> None:
-        """(Re)place every watch: the directory if it exists, and for it and every followed path,
-        the nearest existing ancestor, interested in the name that leads there. Whatever an
-        inotify limit keeps from being watched sets ``limit``; a call that meets none clears it."""
-        self.limit = None
+        """(Re)place every watch: the directory if it exists, and for it and every followed path, the nearest
+        existing ancestor, interested in the name that leads there; an inotify limit met sets ``limit``, none
+        clears it. With ``off_loop``, only removes them: placed() places them, in the owner's worker thread."""
+        self.limit, self._stale = None, True
         if self._inotify is None:
             try:
                 self._inotify = INotify(nonblocking=True)
@@ -6550,20 +6557,51 @@ class DirectoryWatch:
                     self._inotify.rm_watch(wd)
         self._watches.clear()
         self._dirs.clear()
-        for tries in range(1, _PLACING_TRIES + 1):
-            why_not = self._watch_directory()
-            self.exists = not why_not
-            self._leading = self._watch_leading_to(self.path)
-            if why_not not in _NOT_THERE or tries == _PLACING_TRIES or not os.path.isdir(self.path):
-                break
-            # It appeared after its own add_watch failed and before its parent's watch was placed:
-            # that watch never saw it come. Watch it again.
-            self._unwatch(*self._leading)
-        for path in self._followed:
-            self._followed[path] = self._watch_leading_to(path)
-        for path in self._also:
-            self._also[path] = self._watch_whole(path)
+        if not self._off_loop:
+            self._place()
+
+    def _place(self) -> None:
+        """Place every watch after arm(); else place anew, from its nearest existing ancestor (which
+        may now lie deeper, or higher), each followed path on whose way something came or went (_moved)."""
+        if self._stale:
+            for tries in range(1, _PLACING_TRIES + 1):
+                why_not = self._watch_directory()
+                self.exists = not why_not
+                self._leading = self._watch_leading_to(self.path)
+                if why_not not in _NOT_THERE or tries == _PLACING_TRIES or not os.path.isdir(self.path):
+                    break
+                # It appeared after its own add_watch failed and before its parent's watch was placed:
+                # that watch never saw it come. Watch it again.
+                self._unwatch(*self._leading)
+            for path in self._followed:
+                self._followed[path] = self._watch_leading_to(path)
+            for path in self._also:
+                self._also[path] = self._watch_whole(path)
+        elif self._moved:
+            for path, leading in self._followed.items():
+                if leading in self._moved:
+                    self._unwatch(*leading)
+                    self._followed[path] = self._watch_leading_to(path)
+        self._stale, self._moved = False, set()
         self._say()
+
+    def placed(self, look: Callable[[], Any]) -> Any:
+        """In the owner's worker thread (_looked, with ``off_loop``): what is to be placed (_place), then ``look()``,
+        which may place more (follow, watch_also); the loop, its owner awaiting this, leaves the watch alone. A stop
+        abandons the thread, which may return much later: __exit__ leaves it the descriptor's close, or its watches
+        would go to whatever file has the number by then (a duplicate would take one: out of them, rescans go on)."""
+        with self._closing:
+            if self._stopped:
+                return None  # stopped before this thread began: no one waits for it
+            self._placing = True
+        try:
+            self._place()
+            return look()
+        finally:
+            with self._closing:
+                self._placing = False
+                if self._stopped and self._inotify is not None:
+                    self._inotify.close()  # left to this thread by __exit__
 
     def _watch_directory(self) -> int:
         """Watch the directory itself. Returns 0 if it exists, else why not (an errno)."""
@@ -6616,8 +6654,8 @@ class DirectoryWatch:
 
     def _say(self) -> None:
         """Tell the log when the watch is degraded (or by another limit), and when it is whole again."""
-        if self.limit == self._said:
-            return  # once, not at every retry
+        if self.limit == self._said or self._placing:
+            return  # once, not at every retry; and on the loop, not in placed()'s thread (batches() says it)
         if self.limit is not None:
             again = f"rescanning it every {INOTIFY_RETRY_INTERVAL:g} s until it can be watched"
             self._log.warning("cannot watch %s with inotify: %s; %s", self.path, self.limit, again)
@@ -6647,6 +6685,7 @@ class DirectoryWatch:
         While degraded, also every INOTIFY_RETRY_INTERVAL seconds, and when again() asked: the
         watches are placed again, and a rescan is called for (what was not seen may have changed)."""
         while True:
+            self._say()
             if self.limit is not None:
                 self.again(INOTIFY_RETRY_INTERVAL)  # (the earliest stands): no timer while every watch holds
             if not self._poke_pending:
@@ -6715,23 +6754,16 @@ class DirectoryWatch:
                 rescan = True  # the directory (or a missing parent) came, went or was replaced
             elif event.name in names and not rescan:
                 touched.add(os.path.join(self._dirs[event.wd], event.name))
-                self._refollow(event.wd, event.name)
+                self._moved.add((event.wd, event.name))  # followed paths may lead through it: placed anew
             if _ALL in names and event.name and not rescan:
                 touched.add(os.path.join(self._dirs[event.wd], event.name))
         if rescan:
             if _metrics is not None:
                 _metrics.rescans.inc()
             self.arm()
-        self._say()
+        elif not self._off_loop:
+            self._place()  # (else the owner places them, then looks: placed())
         return (events, touched, rescan) if events or touched or rescan else None
-
-    def _refollow(self, wd: int, name: str) -> None:
-        # Something appeared or went where followed paths lead: watch each from its nearest
-        # existing ancestor again, which may now lie deeper (or higher).
-        for path, leading in list(self._followed.items()):
-            if leading == (wd, name):
-                self._unwatch(wd, name)
-                self._followed[path] = self._watch_leading_to(path)
 
 
 _DIR = ""  # in DirectoryWatch._watches: the watched directory itself, every event reported
@@ -6907,9 +6939,7 @@ async def watch_devices(
     batch that calls for a rescan (the directory came or went, a followed symlink target changed,
     the kernel's queue overflowed) rescans that directory, and so does each of DirectoryWatch's
     retries while an inotify limit keeps it or a followed path from being watched. USB devices
-    are read from sysfs again whenever a node comes or goes in /dev (``dev_root``): sysfs itself
-    sends no inotify events, but the kernel makes each USB device's node in /dev/bus/usb when it
-    is plugged in, and its interfaces' nodes (ttyUSB0, hidraw0, video0) when a driver takes them.
+    are read from sysfs again whenever a node comes or goes in /dev (``dev_root``: _UsbTracker).
     Either way a burst becomes one new device set: ListAndWatch streams send the latest set,
     never a backlog.
 
@@ -6927,21 +6957,18 @@ async def watch_devices(
     outlives the watch as ``described`` does: a watch started again does not write an unchanged spec."""
     device_set = _DeviceSet(resource, devices, turn, described, written)
     mountinfo = _read_text("/proc/self/mountinfo") or ""
+    watching = functools.partial(DirectoryWatch, mask=_DIRECTORY_EVENTS, logger=_log(resource), off_loop=True)
     with contextlib.ExitStack() as stack:
         trackers: list[_SourceTracker | _UsbTracker] = []
         for number, source in enumerate(resource.sources):
             if problem := container_only_problem(source.directory, mountinfo):
                 _log(resource).warning("%s", problem)
-            watch = stack.enter_context(DirectoryWatch(source.directory, _DIRECTORY_EVENTS, logger=_log(resource)))
-            if not watch.exists:
-                missing = f"{source.directory} is not a directory (yet): no devices until it is"
-                _log(resource).warning("%s", directory_mistake(source.directory, _mode(source.directory)) or missing)
+            watch = stack.enter_context(watching(source.directory))
             trackers.append(_SourceTracker(resource, number, source, watch, sysfs_root, dev_root))
         if resource.usb:
             if problem := container_only_problem(dev_root, mountinfo):
                 _log(resource).warning("%s", problem)
-            watch = stack.enter_context(DirectoryWatch(dev_root, _DIRECTORY_EVENTS, logger=_log(resource)))
-            trackers.append(_UsbTracker(resource, watch, sysfs_root, dev_root))
+            trackers.append(_UsbTracker(resource, stack.enter_context(watching(dev_root)), sysfs_root, dev_root))
         device_set.watches = [tracker.watch for tracker in trackers]
         # A scan that has not returned in FILE_READ_TIMEOUT (_looked) does not hold up the start: the
         # resource is served with its devices as known (none at the process's start), and the
@@ -7270,14 +7297,12 @@ _SCANNERS: trio.lowlevel.RunVar[trio.CapacityLimiter | None] = trio.lowlevel.Run
 
 
 async def _looked(tracker: _SourceTracker | _UsbTracker, look: Callable[..., Any], *args: Any) -> Any:
-    """``look(*args)``, a scan's reads, in a worker thread: a sysfs file whose read never returns (a
-    hung GPU's, a dead NFS or FUSE mount) would stop the event loop, and with it every resource's
-    ListAndWatch and Allocate, /healthz, SIGTERM. ``look`` writes nothing and touches no watch: the
-    caller applies what it returns, on the loop. So a thread abandoned by a stop (a reload, the end)
-    that returns at last changes nothing, and never adds a watch to an inotify descriptor closed
-    meanwhile (its number another file's by then). Late by FILE_READ_TIMEOUT, one line says so, one
-    when it returns; the source's next batch waits. /healthz stays healthy: the kubelet restarting
-    the pod would not unhang a read in the kernel."""
+    """``look(tracker, *args)``, a scan's reads, in a worker thread, its watches placed first (placed()): a sysfs
+    file whose read never returns (a hung GPU's), a path under a dead NFS or FUSE mount, would stop the event
+    loop, and with it every resource's ListAndWatch and Allocate, /healthz, SIGTERM. ``look`` writes only
+    watches: the caller applies its answer on the loop, so a thread a stop (a reload, the end) abandons changes
+    nothing when it returns (placed()). Late by FILE_READ_TIMEOUT, a line says so, one when it returns; the
+    next batch waits. /healthz stays healthy: a restarted pod would not unhang a read in the kernel."""
     if (limiter := _SCANNERS.get()) is None:
         _SCANNERS.set(limiter := trio.CapacityLimiter(HUNG_READS))
     late = False
@@ -7291,37 +7316,46 @@ async def _looked(tracker: _SourceTracker | _UsbTracker, look: Callable[..., Any
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(say_late)
-        result = await trio.to_thread.run_sync(look, *args, abandon_on_cancel=True, limiter=limiter)
+        look = functools.partial(look, tracker, *args)  # (tracker: what it reads, besides the file system)
+        result = await trio.to_thread.run_sync(tracker.watch.placed, look, abandon_on_cancel=True, limiter=limiter)
         nursery.cancel_scope.cancel()
     if late:
         _log(tracker.resource).info("the scan of %s has returned", tracker.where)
     return result
 
 
-def _look_at_source(
-    resource: ResourceConfig, source: Source, dev_root: str, sysfs_root: str
-) -> tuple[list[str], str, Scan]:
-    """A _SourceTracker's look (in a worker thread): roots and directory resolved now, entries examined."""
-    roots = host_path_roots(resource, dev_root)
-    return roots, os.path.realpath(source.directory), scan_source(resource, source, roots, sysfs_root)
+def _look_at_source(tracker: _SourceTracker) -> tuple[list[str], str, Scan, int | None]:
+    """A _SourceTracker's look (in a worker thread): roots and directory resolved, entries examined, again
+    while a symlink's path is newly followed (unseen until now); what is at the path (directory_mistake)."""
+    while True:
+        roots, real = host_path_roots(tracker.resource, tracker.dev_root), os.path.realpath(tracker.source.directory)
+        scan = scan_source(tracker.resource, tracker.source, roots, tracker.sysfs_root)
+        if scan.unknown or not tracker.watch.follow(scan.followed):
+            return roots, real, scan, _mode(tracker.source.directory)
 
 
 def _examined(
-    names: list[str], resource: ResourceConfig, source: Source, roots: list[str], sysfs_root: str
-) -> list[DeviceEntry | str | None]:
-    """A batch's entries examined (in a worker thread): one hop a batch, not one an entry."""
-    return [examine_entry(resource, source, name, roots, sysfs_root) for name in names]
+    tracker: _SourceTracker, pointing: dict[str, set[str]] | None, names: list[str]
+) -> tuple[list[str], list[DeviceEntry | str | None]]:
+    """A batch's entries examined (in a worker thread): one hop a batch, not one an entry. With ``pointing``
+    (a symlink came or changed): its paths followed, then the entries that lead to one newly watched."""
+    if pointing is not None:
+        names = list(dict.fromkeys(name for path in tracker.watch.follow(pointing) for name in pointing[path]))
+    resource, source, roots, sysfs_root = tracker.resource, tracker.source, tracker.roots, tracker.sysfs_root
+    return names, [examine_entry(resource, source, name, roots, sysfs_root) for name in names]
 
 
-def _look_at_usb(resource: ResourceConfig, sysfs_root: str, dev_root: str) -> tuple[Scan, list[str]]:
-    """A _UsbTracker's look (in a worker thread): the nodes, and the directories the kernel makes them in."""
-    buses = os.path.join(dev_root, "bus", "usb")
-    try:
-        numbered = [os.path.join(buses, name) for name in os.listdir(buses)]
-    except OSError:
-        numbered = []  # no USB bus (yet): /dev/bus/usb appearing is watched
-    scan = scan_usb(resource, host_path_roots(resource, dev_root), sysfs_root, dev_root)
-    return scan, [os.path.join(dev_root, "bus"), buses, *numbered, os.path.join(dev_root, "input")]
+def _look_at_usb(tracker: _UsbTracker) -> Scan:
+    """A _UsbTracker's look (in a worker thread): the nodes, their directories watched (and looked again if new)."""
+    dev_root, buses = tracker.dev_root, os.path.join(tracker.dev_root, "bus", "usb")
+    while True:
+        try:
+            numbered = [os.path.join(buses, name) for name in os.listdir(buses)]
+        except OSError:
+            numbered = []  # no USB bus (yet): /dev/bus/usb appearing is watched
+        scan = scan_usb(tracker.resource, host_path_roots(tracker.resource, dev_root), tracker.sysfs_root, dev_root)
+        if not tracker.watch.watch_also([os.path.join(dev_root, "bus"), buses, *numbered, f"{dev_root}/input"]):
+            return scan
 
 
 async def _follow_turn(turn: CDISpecTurn, device_set: _DeviceSet) -> None:
@@ -7367,10 +7401,11 @@ class _SourceTracker:
 
     async def rescan(self) -> dict[_Key, DeviceEntry | None]:
         """Look at every entry again."""
-        look = (self.resource, self.source, self.dev_root, self.sysfs_root)
-        self.roots, self.real_directory, scan = await _looked(self, _look_at_source, *look)
-        while not scan.unknown and self.watch.follow(scan.followed):  # newly watched: look again, now watched
-            self.roots, self.real_directory, scan = await _looked(self, _look_at_source, *look)
+        first = not self.real_directory
+        self.roots, self.real_directory, scan, mode = await _looked(self, _look_at_source)
+        if first and not self.watch.exists:
+            missing = f"{self.source.directory} is not a directory (yet): no devices until it is"
+            _log(self.resource).warning("%s", directory_mistake(self.source.directory, mode) or missing)
         if scan.problem and scan.problem != self.problem:
             kept = f"keeping its {_devices(len(self.found))} as known, trying again every {INOTIFY_RETRY_INTERVAL:g} s"
             _log(self.resource).warning("%s: %s", scan.problem, kept if scan.unknown else "no devices until it can")
@@ -7394,22 +7429,20 @@ class _SourceTracker:
         touched = {*touched, *(os.path.join(self.real_directory, name) for name in names)}
         for path in touched:
             examine.update(dict.fromkeys(self.under.get(path, ())))
-        links_changed = await self._examine(examine)
+        _, links_changed = await self._examine(list(examine))
         for _ in range(3):  # a symlink came or changed: watch where it leads, then look at it again
             if not links_changed:
                 break
-            new = self.watch.follow(self.pointing)
-            more = {name: None for path in new for name in self.pointing[path]}
-            examine.update(more)
-            links_changed = await self._examine(more)
+            more, links_changed = await self._examine([], self.pointing)
+            examine.update(dict.fromkeys(more))
         else:
             return await self.rescan()  # links that keep changing under us: look at everything
         return {(self.number, name): self.found.get(name) for name in examine}
 
-    async def _examine(self, names: Iterable[str]) -> bool:
-        """Examine these entries again (in one worker thread: _looked); return whether a symlink's path changed."""
-        names, look = list(names), (self.resource, self.source, self.roots, self.sysfs_root)
-        results = await _looked(self, _examined, names, *look) if names else []
+    async def _examine(self, names: list[str], pointing: dict[str, set[str]] | None = None) -> tuple[list[str], bool]:
+        """Examine these entries again, or with ``pointing`` those that lead to a path newly followed (in one
+        worker thread: _examined); return which, and whether a symlink's path changed."""
+        names, results = await _looked(self, _examined, pointing, names) if names or pointing is not None else ([], [])
         links_changed = False
         for name, result in zip(names, results, strict=True):
             old = self.found.get(name)
@@ -7423,7 +7456,7 @@ class _SourceTracker:
             if old_paths != new_paths:
                 self._index(name, old_paths, new_paths)
                 links_changed = True
-        return links_changed
+        return names, links_changed
 
     def _index(self, name: str, old_paths: Iterable[str], new_paths: Iterable[str]) -> None:
         for path in old_paths:
@@ -7474,10 +7507,10 @@ def _warn_skipped(resource: ResourceConfig, warned: dict[str, str], name: str, w
 class _UsbTracker:
     """watch_devices' bookkeeping for the resource's USB devices: their nodes, as sysfs last said.
 
-    Its watch is on /dev (``dev_root``), and also on /dev/bus, /dev/bus/usb and each bus's
-    directory in it, and on /dev/input: where the kernel makes the nodes of a USB device and of
-    its interfaces. Any event there reads sysfs again; the devices are few, and that costs a
-    couple of hundred small reads."""
+    sysfs sends no inotify events. Its watch is on /dev (``dev_root``), and also on /dev/bus,
+    /dev/bus/usb and each bus's directory in it, and on /dev/input: where the kernel makes the
+    nodes of a USB device when it is plugged in, and of its interfaces (ttyUSB0, hidraw0, video0)
+    when a driver takes them. Any event there reads sysfs again: a couple of hundred small reads."""
 
     def __init__(self, resource: ResourceConfig, watch: DirectoryWatch, sysfs_root: str, dev_root: str) -> None:
         self.resource, self.number, self.watch = resource, len(resource.sources), watch
@@ -7487,10 +7520,7 @@ class _UsbTracker:
         self.where = os.path.join(sysfs_root, "bus", "usb", "devices")  # (see _SourceTracker)
 
     async def rescan(self) -> dict[_Key, DeviceEntry | None]:
-        while True:
-            scan, directories = await _looked(self, _look_at_usb, self.resource, self.sysfs_root, self.dev_root)
-            if not self.watch.watch_also(directories):
-                break  # no newly watched directory: nothing made there went unseen
+        scan = await _looked(self, _look_at_usb)
         _warn_skipped_now(self.resource, self.warned, scan.skipped)
         before, self.found = self.found, {entry.path: entry for entry in scan.devices}
         return _replaced(self.number, before, self.found)

@@ -10,8 +10,11 @@ import contextlib
 import os
 import resource
 import shutil
+import signal
 import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import trio
@@ -20,14 +23,19 @@ import yaml
 import gopherplug as gp
 from testsupport import (
     BUG,
+    HERE,
     OTHER,
     RESOURCE,
     TIMEOUT,
+    _free_loopback_port,
+    _healthz,
     config_text,
     config_with,
     listed,
     logged,
     program_file,
+    read_until,
+    reaped,
     reloading,
     replace_file,
     run_cli,
@@ -249,6 +257,135 @@ async def test_a_watch_stopped_while_its_scan_hangs_ends_at_once_and_the_late_sc
         await scans.released.wait()  # the abandoned scan has returned
     assert len(said.lines) == 1, "no line from a scan whose watch has stopped"
     assert devices.value == {}, "no device from it"
+
+
+async def test_a_directory_under_a_hung_mount_leaves_every_rpc_answering_and_goes_on_once_it_fails(
+    nursery, node, tmp_path, hung_mount, monkeypatch
+):
+    """A resource whose directory lies under a mount that never answers (a dead NFS server, a hung FUSE
+    daemon): placing its watch looks the path up, which waits as long. The resource after it starts,
+    registers and allocates, /healthz answers, one line says which scan is late; once the mount fails
+    (ENOTCONN), a line says so, and the plugin serves on."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    hung = hung_mount(tmp_path / "hung")
+    directory, port = f"{hung.path}/devices", _free_loopback_port()
+    resources = [{"name": OTHER, "directory": directory}, {"name": RESOURCE, "directory": node.devices}]
+    config = {"device_plugin_dir": node.plugin_dir, "health_address": f"127.0.0.1:{port}", "resources": resources}
+    with trio.fail_after(TIMEOUT), logged("has not returned") as late, logged("has returned") as returned:
+        with logged("not connected") as failed:
+            simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+            await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "c"))
+            await simulator.wait_until(listed("g1", "g2"))
+            assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
+            assert await _healthz(port) == (200, "ok\n")
+            assert late.lines == [
+                f"{OTHER}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount "
+                "under it?): its 0 devices are offered as known until it does"
+            ]
+            assert streaming(simulator, OTHER) == {}, "registered with none known yet"
+            hung.release()
+            await returned.wait()
+            await failed.wait()
+            assert (await simulator.allocate(RESOURCE, ["g2"])).container_responses
+            assert await _healthz(port) == (200, "ok\n")
+    assert returned.lines == [f"{OTHER}: the scan of {directory} has returned"]
+    assert failed.lines == [
+        f"{OTHER}: cannot read {directory}: Transport endpoint is not connected: no devices until it can"
+    ]
+    assert streaming(simulator, OTHER) == {}
+
+
+def inotify_descriptors():
+    """This process's inotify descriptors, by number."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own, closed by now)
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:inotify":
+                found.add(int(name))
+    return found
+
+
+async def test_a_watch_stopped_while_its_placement_hangs_leaves_its_descriptor_to_the_thread(
+    node, tmp_path, hung_mount, monkeypatch
+):
+    """The thread that places a watch under a hung mount is abandoned by the stop (a reload, the end),
+    and places it once the mount fails: through the watch's descriptor, closed by then would its number
+    be another file's (here the next inotify instance's), which would get that watch. It stays open
+    until the thread returns, then the thread closes it."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    hung = hung_mount(tmp_path / "hung")
+    resource_config = node.config(directory=f"{hung.path}/devices").resources[0]
+    before, scans = inotify_descriptors(), Released()
+    with trio.fail_after(TIMEOUT), logged("the scan of") as said:
+        if hasattr(gp, "_SCANNERS"):
+            gp._SCANNERS.set(scans)
+        async with trio.open_nursery() as watching:
+            await watching.start(gp.watch_devices, resource_config, gp.Watched({}))  # started: the scan is late
+            await said.wait()
+            watching.cancel_scope.cancel()
+        assert len(inotify_descriptors() - before) == 1, "left open for the thread that may still place through it"
+        with gp.INotify() as other:
+            hung.release()
+            await scans.released.wait()  # the abandoned thread has returned, its watch placed
+            watches = [line for line in Path(f"/proc/self/fdinfo/{other.fileno()}").read_text().splitlines()]
+            assert not [line for line in watches if line.startswith("inotify wd:")], "none in another's instance"
+    assert inotify_descriptors() == before, "closed by the thread"
+    assert len(said.lines) == 1, "no line from a scan whose watch has stopped"
+
+
+async def test_a_rescan_whose_followed_path_lies_under_a_hung_mount_places_its_watch_off_the_loop(
+    nursery, node, tmp_path, hung_mount, monkeypatch
+):
+    """A device's symlink leads into a directory on which a mount that never answers comes later: the
+    rescan (the device directory's mode changed) places the watch on the symlink's target again, which
+    looks its path up, off the event loop; its devices are offered as known meanwhile."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    target = tmp_path / "target"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "h0").touch()
+    directory = tmp_path / "linked"
+    directory.mkdir()
+    os.symlink(target / "sub" / "h0", directory / "h0")
+    resource_config = node.config(directory=str(directory), allowed_host_paths=[str(target)]).resources[0]
+    devices = gp.Watched({})
+    with trio.fail_after(TIMEOUT), logged("has not returned") as late, logged("has returned") as returned:
+        await nursery.start(gp.watch_devices, resource_config, devices)
+        assert set(devices.value) == {"h0"}
+        hung = hung_mount(target)  # over the target's directory: no event says so
+        os.chmod(directory, 0o750)  # an event about the directory itself: a rescan, its watches placed anew
+        await late.wait()
+        assert set(devices.value) == {"h0"}, "offered as known"
+        hung.release()
+        await returned.wait()
+        while devices.value["h0"].health == gp.HEALTHY:
+            await devices.wait_touched()
+    assert devices.value["h0"].problem == f"cannot stat {directory}/h0: Transport endpoint is not connected"
+    assert late.lines == [
+        f"{RESOURCE}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount under it?): "
+        "its 1 device are offered as known until it does"
+    ]
+
+
+@pytest.mark.slow
+async def test_serve_with_a_directory_under_a_hung_mount_stops_at_sigterm(nursery, node, tmp_path, hung_mount):
+    """`gopherplug serve`, the first resource's directory under a mount that never answers: its scan is
+    said to be late, the resource after it registers and lists its devices, and SIGTERM ends the
+    process, exit 0, the thread that waits in the kernel for the mount left to the process's end."""
+    hung = hung_mount(tmp_path / "hung")
+    resources = [{"name": OTHER, "directory": f"{hung.path}/devices"}, {"name": RESOURCE, "directory": node.devices}]
+    path = tmp_path / "gopherplug.yaml"
+    path.write_text(yaml.safe_dump({"device_plugin_dir": node.plugin_dir, "resources": resources}))
+    simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+    argv = [sys.executable, str(HERE / "gopherplug.py"), "serve", "--config", str(path)]
+    async with reaped(argv, stderr=subprocess.PIPE) as process:
+        said = bytearray()
+        with trio.fail_after(gp.FILE_READ_TIMEOUT + TIMEOUT):
+            await read_until(process.stderr, f"the scan of {hung.path}/devices has not returned", said)
+            await simulator.wait_until(listed("g1", "g2"))
+            process.send_signal(signal.SIGTERM)
+            await read_until(process.stderr, "SIGTERM received: stopping", said)
+        with trio.fail_after(TIMEOUT):
+            assert await process.wait() == 0
 
 
 async def test_allocate_never_reads_sysfs_a_hung_numa_node_after_the_scan_leaves_it_answering(nursery, node, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -16,6 +17,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -500,6 +502,40 @@ def nothing_found(node, tmp_path, top=()):
     ]
     document = {"device_plugin_dir": node.plugin_dir, "sysfs_root": str(sysfs), "dev_root": str(dev), **dict(top)}
     return gp.parse_config(yaml.safe_dump({**document, "resources": resources}), "test.yaml")
+
+
+class HungMount:
+    """A FUSE file system mounted at ``path`` whose daemon never answers, as a dead NFS server or a hung
+    FUSE daemon leaves one on a node: every lookup under it (stat, open, add_watch of a directory in
+    it) waits, in the kernel, until release() closes the daemon's end; then it, and each one after,
+    fails with ENOTCONN. /proc/self/mountinfo stays readable. A watchdog releases it after TIMEOUT,
+    should a lookup block the test's own event loop. Needs root and /dev/fuse (the hung_mount fixture
+    skips without them)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        os.makedirs(self.path, exist_ok=True)
+        self._fd, self._lock = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC), threading.Lock()
+        options = f"fd={self._fd},rootmode=40000,user_id=0,group_id=0".encode()  # (rootmode: a directory)
+        if self._libc.mount(b"gopherplug-hung", self.path.encode(), b"fuse", 0, options) != 0:
+            error = ctypes.get_errno()
+            os.close(self._fd)
+            raise OSError(error, f"cannot mount a FUSE file system at {self.path}: {os.strerror(error)}")
+        self._watchdog = threading.Timer(TIMEOUT, self.release)
+        self._watchdog.start()
+
+    def release(self):
+        """The daemon gone: what waits under the mount fails with ENOTCONN, and so does what comes after."""
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                os.close(fd)
+
+    def remove(self):
+        self._watchdog.cancel()
+        self.release()
+        self._libc.umount2(self.path.encode(), 2)  # MNT_DETACH
 
 
 class HeldBatches:
