@@ -7310,7 +7310,7 @@ async def _looked(tracker: _SourceTracker | _UsbTracker, look: Callable[..., Any
     async def say_late() -> None:
         nonlocal late
         await trio.sleep(FILE_READ_TIMEOUT)
-        late, kept = True, f"its {_devices(len(tracker.found))} are offered as known until it does"
+        late, kept = True, f"offering its {_devices(len(tracker.found))} as known until it does"
         why = f"has not returned in {FILE_READ_TIMEOUT:g} s (a hung sysfs file or mount under it?)"
         _log(tracker.resource).warning("the scan of %s %s: %s", tracker.where, why, kept)
 

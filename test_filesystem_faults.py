@@ -228,7 +228,7 @@ async def test_a_scan_whose_sysfs_read_never_returns_leaves_every_rpc_answering(
             await late.wait()
             assert late.lines == [
                 f"{OTHER}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount "
-                "under it?): its 0 devices are offered as known until it does"
+                "under it?): offering its 0 devices as known until it does"
             ]
             assert streaming(simulator, OTHER) == {}, "registered with none known yet"
             answer_fifo(fifo, "1\n")
@@ -280,7 +280,7 @@ async def test_a_directory_under_a_hung_mount_leaves_every_rpc_answering_and_goe
             assert await _healthz(port) == (200, "ok\n")
             assert late.lines == [
                 f"{OTHER}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount "
-                "under it?): its 0 devices are offered as known until it does"
+                "under it?): offering its 0 devices as known until it does"
             ]
             assert streaming(simulator, OTHER) == {}, "registered with none known yet"
             hung.release()
@@ -362,7 +362,7 @@ async def test_a_rescan_whose_followed_path_lies_under_a_hung_mount_places_its_w
     assert devices.value["h0"].problem == f"cannot stat {directory}/h0: Transport endpoint is not connected"
     assert late.lines == [
         f"{RESOURCE}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount under it?): "
-        "its 1 device are offered as known until it does"
+        "offering its 1 device as known until it does"
     ]
 
 
