@@ -408,6 +408,37 @@ async def test_allocate_of_a_device_that_leads_under_a_hung_mount_is_refused_in_
     assert said.lines == [f"{OTHER}: refused Allocate of h0: {why}"]
 
 
+async def test_allocate_follows_a_reload_that_moves_the_directory_out_of_dev_root_onto_a_hung_mount(
+    nursery, node, tmp_path, hung_mount, monkeypatch
+):
+    # In dev_root (devtmpfs, which never hangs) Allocate looks on the event loop; reloaded in place to
+    # a directory elsewhere, its look goes to a worker thread: a device there under a hung mount is refused.
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    target, directory = tmp_path / "target", tmp_path / "linked"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "h0").touch()
+    directory.mkdir()
+    os.symlink(target / "sub" / "h0", directory / "h0")
+    path = tmp_path / "gopherplug.yaml"
+
+    def text(**resource):
+        top = {"device_plugin_dir": node.plugin_dir, "dev_root": os.path.dirname(node.devices)}
+        return yaml.safe_dump({**top, "resources": [{"name": RESOURCE, "directory": node.devices, **resource}]})
+
+    path.write_text(text())
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
+        replace_file(path, text(directory=str(directory), allowed_host_paths=[str(target)]))
+        await simulator.wait_until(listed("h0"))
+        hung_mount(target)  # over the target's directory: no event says so
+        with pytest.raises(gp.RPCError) as info:
+            await simulator.allocate(RESOURCE, ["h0"])
+    assert info.value.message == (
+        f"{RESOURCE} device h0: its files have not answered in 0.5 s (a hung mount under {directory}?)"
+    )
+
+
 @pytest.mark.slow
 async def test_serve_with_a_directory_under_a_hung_mount_stops_at_sigterm(nursery, node, tmp_path, hung_mount):
     """`gopherplug serve`, the first resource's directory under a mount that never answers: its scan is
