@@ -8244,8 +8244,8 @@ class DevicePluginService:
         return preferred_allocation_response(resource, known, request, order=preferred)
 
     def Allocate(self, request: Any) -> Any:  # noqa: N802
-        # Once per container the kubelet admits, with the IDs it chose, under its own deadline. Immediate
-        # (_ImmediateService) unless shape_allocation or an examination that may hang (examiner) may wait.
+        # Once per container the kubelet admits, which waits for the answer: it has a deadline of ours (_found_now).
+        # Immediate (_ImmediateService) unless shape_allocation or an examination that may hang (examiner) waits.
         if self.shape_allocation is not None or (check := self._check()) is None:
             return functools.partial(self._allocate_and_shape, request)
         with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)), self._refusals(request) as ids:
