@@ -865,8 +865,7 @@ class NotYet(GopherplugError):  # noqa: N818 - it says what the error asks for
 class ConfigError(GopherplugError):
     """The configuration is wrong: says which file, which key, and what to fix, in one line.
 
-    ``str(error)`` reads like ``gopherplug.yaml: resources[0].directory: must be an absolute path``.
-    """
+    ``str(error)`` reads like ``gopherplug.yaml: resources[0].directory: must be an absolute path``."""
 
     def __init__(self, source: str, key_path: str, problem: str) -> None:
         key_path = key_path.lstrip(".")  # a key of a resource given on its own, not in a list
@@ -5392,7 +5391,7 @@ class _ImmediateService(purerpc.Service):
     over half of the work of a whole Allocate. An immediate method's handler is a plain function,
     run by the connection's reader once the request is complete, its answer handed to h2 directly
     (_ServerConnection._answer_now). It cannot wait (it is no coroutine), so no other call is held
-    up behind it longer than its own computing takes.
+    up behind it longer than its own computing takes (one that may wait returns an async function: a task awaits it).
 
     To any other server (stock purerpc's), an immediate method is an ordinary async one."""
 
@@ -5409,7 +5408,7 @@ class _ImmediateService(purerpc.Service):
             raise ValueError(f"{self.name}/{method_name}: only a unary method can be immediate")
 
         async def method(request: Any) -> Any:
-            return handler(request)
+            return await response() if callable(response := handler(request)) else response
 
         self.add_method(method_name, method, signature)
         self.immediate[method_name] = (handler, signature.request_type)
@@ -5613,10 +5612,10 @@ class _ServerConnection(_GRPCSocket):
         except RPCError as error:
             status = Status(error.code, error.message)
         else:
-            message = response.SerializeToString()
-            if 5 + len(message) > connection.flow_control_window(stream_id):
-                # More than the peer lets us send now (its window, or one frame): purerpc's stream
-                # sends it as the window opens, which takes a task that can wait.
+            window = connection.flow_control_window(stream_id)
+            if callable(response) or 5 + len(message := response.SerializeToString()) > window:
+                # An answer to wait for, or more than the peer lets us send now (its window, or one frame):
+                # purerpc's stream sends it as the window opens. Either takes a task that can wait.
                 self._start_call(self._allocate_stream(stream_id), request, messages, nursery, response)
                 return
             status = Status(StatusCode.OK)
@@ -5657,7 +5656,7 @@ async def _answer_call(
     response: Any = None,
 ) -> None:
     """Run one call: find its handler, feed it the request, send what it returns, close with a status.
-    ``response``: a unary call's response already made (_answer_now's, too big to send at once)."""
+    ``response``: a unary call's response already made (_answer_now's, too big to send at once), or to await."""
     service = services.get(request.service_name)
     bound = service.methods.get(request.method_name) if service is not None else None
     if bound is None or bound.signature.cardinality not in (
@@ -5673,8 +5672,8 @@ async def _answer_call(
             if response is None:
                 message = _request_message(bound.signature.request_type, messages)
             if bound.signature.cardinality == purerpc.Cardinality.UNARY_UNARY:
-                if response is None:
-                    response = await bound.method_fn(message, request=request)
+                if response is None or callable(response):  # (callable: an immediate method's that waits)
+                    response = await (response or functools.partial(bound.method_fn, message, request=request))()
                 with _at_once_if_it_fits(stream, response):
                     await stream.start_response()
                     await stream.send_message(response)
@@ -8135,8 +8134,8 @@ class DevicePluginService:
     wakes them: one event to wait on keeps each push cheap). With ``examine`` (a
     device ID -> what examine_entry says of it now), Allocate and PreStartContainer look at the
     devices they are asked for again instead of trusting the set inotify last published;
-    ``examiner``, instead, is called once per Allocate or PreStartContainer and gives that call's
-    ``examine`` (what every device's examination needs, such as the resolved roots, resolved once).
+    ``examiner(off_loop)``, instead, gives an Allocate's or PreStartContainer's ``examine`` (the roots resolved
+    once per call), or None when that may hang unless ``off_loop``: then it runs in a thread (_found_now).
     ``status`` counts the kubelet's ListAndWatch streams. ``config``, if given, holds the
     resource's configuration as reloads change it in place (same name, same options): every answer
     follows it from then on, and a stream sends the list anew once ``devices`` is replaced
@@ -8157,16 +8156,14 @@ class DevicePluginService:
         status: StreamStatus | None = None,
         *,
         config: Watched | None = None,
-        examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
+        examiner: Callable[[bool], Callable[[DeviceEntry], DeviceEntry | str | None] | None] | None = None,
     ) -> None:
         self.resource, self.devices, self.shape_allocation = resource, devices, shape_allocation
         self.encoder = encoder or _ListEncoder(resource)
         self.ending = trio.Event() if ending is None else ending
         self.examine, self.examiner, self.config = examine, examiner, config
         self.status = status or StreamStatus()
-        self.preferred: _PreferredOrder | None = (
-            None  # the current device set's, made at the first request after a change
-        )
+        self.preferred: _PreferredOrder | None = None  # the current device set's, made after a change
         # One server per resource and registration: the previous one, and the commands it ran, are
         # stopped before the next serves, so these slots are the resource's.
         self.pre_start_slots = trio.CapacityLimiter(PRE_START_CONCURRENCY)
@@ -8247,18 +8244,20 @@ class DevicePluginService:
         return preferred_allocation_response(resource, known, request, order=preferred)
 
     def Allocate(self, request: Any) -> Any:  # noqa: N802
-        # Once per container the kubelet admits, with the IDs it chose. Without shape_allocation,
-        # nothing here waits: an immediate method (_ImmediateService).
-        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
-            response, _ = self._allocation(request)
+        # Once per container the kubelet admits, which waits for the answer: it has a deadline of ours (_found_now).
+        # Immediate (_ImmediateService) unless shape_allocation or an examination that may hang (examiner) waits.
+        if self.shape_allocation is not None or (check := self._check()) is None:
+            return functools.partial(self._allocate_and_shape, request)
+        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)), self._refusals(request) as ids:
+            response, _ = allocate_with_devices(self.now(), self._devices_now(ids, check), request)
             for container in request.container_requests:
                 _log(self.resource).info("allocated %s", _named(list(container.devices_ids)))
             return response
 
     async def _allocate_and_shape(self, request: Any) -> Any:
         # Allocate, then the embedding program's shape_allocation on each container's answer.
-        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)):
-            response, allocated = self._allocation(request)
+        with _timed(lambda metrics: metrics.allocate.labels(self.resource.name)), self._refusals(request) as ids:
+            response, allocated = allocate_with_devices(self.now(), await self._found_now(ids), request)
             for container, chosen, answer in zip(
                 request.container_requests, allocated, response.container_responses, strict=True
             ):
@@ -8272,28 +8271,42 @@ class DevicePluginService:
         # The kubelet calls this only if GetDevicePluginOptions said pre_start_required.
         with _timed(lambda metrics: metrics.pre_start.labels(self.resource.name)):
             if (current := self.now()).pre_start:
-                chosen = allocated_devices(current, self._devices_now(request.devices_ids), request.devices_ids)
+                chosen = allocated_devices(current, await self._found_now(request.devices_ids), request.devices_ids)
                 await run_pre_start(current, chosen, self.pre_start_slots)
             return v1beta1.PreStartContainerResponse()
 
-    def _allocation(self, request: Any) -> tuple[Any, list[list[DeviceEntry]]]:
+    @contextlib.contextmanager
+    def _refusals(self, request: Any) -> Iterator[list[str]]:
         ids = [kubelet_id for container in request.container_requests for kubelet_id in container.devices_ids]
         try:
-            return allocate_with_devices(self.now(), self._devices_now(ids), request)
+            yield ids
         except RPCError as error:
             # The kubelet fails the pod (UnexpectedAdmissionError, with this message in its events):
-            # the plugin's log says so too, once per refusal. A try costs nothing until it catches
-            # (3.11's zero-cost exceptions): the success path does no more work.
+            # the plugin's log says so too, once per refusal.
             _log(self.resource).warning("refused Allocate of %s: %s", _named(ids) or "no device", error.message)
             raise
 
-    def _devices_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
+    def _check(self, off_loop: bool = False) -> Callable[[DeviceEntry], DeviceEntry | str | None] | None:
+        return self.examiner(off_loop) if self.examiner is not None else self.examine or (lambda device: device)
+
+    async def _found_now(self, ids: Iterable[str]) -> Mapping[str, DeviceEntry]:
+        """_devices_now, in a thread (_SCANNERS') if it may hang (_check), refused past FILE_READ_TIMEOUT: a lookup
+        under a dead NFS or hung FUSE mount never returns, and on the loop would freeze all RPCs, /healthz, SIGTERM."""
+        if (check := self._check()) is not None:
+            return self._devices_now(ids, check)
+        with trio.move_on_after(FILE_READ_TIMEOUT):
+            return await trio.to_thread.run_sync(
+                self._devices_now, ids, abandon_on_cancel=True, limiter=_SCANNERS.get()
+            )
+        where = ", ".join(source.directory for source in self.now().sources)
+        why = f"its files have not answered in {FILE_READ_TIMEOUT:g} s (a hung mount under {where}?)"
+        raise RPCError(StatusCode.FAILED_PRECONDITION, f"{self.resource.name} device {_named(list(ids))}: {why}")
+
+    def _devices_now(self, ids: Iterable[str], check: Any = None) -> Mapping[str, DeviceEntry]:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
         # the container gets is decided from the file system as it is now (and confined again).
         known: Mapping[str, DeviceEntry] = self.devices.value
-        check = self.examiner() if self.examiner is not None else self.examine
-        if check is None:
-            return known
+        check = check or self._check(off_loop=True)
         found_now = {}
         current = self.now()
         for device_id in {current.underlying_id(kubelet_id) for kubelet_id in ids}:
@@ -8311,15 +8324,12 @@ class DevicePluginService:
         immediate: dict[str, Callable[[Any], Any]] = {
             "GetDevicePluginOptions": self.GetDevicePluginOptions,
             "GetPreferredAllocation": self.GetPreferredAllocation,
+            "Allocate": self.Allocate,
         }
         waiting: dict[str, Callable[..., Any]] = {
             "ListAndWatch": self.ListAndWatch,
             "PreStartContainer": self.PreStartContainer,
         }
-        if self.shape_allocation is None:
-            immediate["Allocate"] = self.Allocate
-        else:
-            waiting["Allocate"] = self._allocate_and_shape
         # GetPreferredAllocation reads its request as _PreferredAllocationWire (its IDs as bytes).
         signatures = {name: METHODS[f"/{API_VERSION}.DevicePlugin/{name}"].signature for name in [*immediate, *waiting]}
         signatures["GetPreferredAllocation"] = _PREFERRED_WIRE_SIGNATURE
@@ -8331,8 +8341,7 @@ class DevicePluginService:
 
 
 def device_plugin_service(*args: Any, **kwargs: Any) -> purerpc.Service:
-    """The DevicePlugin service for one resource, as a purerpc service: DevicePluginService's
-    (the arguments are its)."""
+    """The DevicePlugin service for one resource, as a purerpc service (DevicePluginService's arguments)."""
     return DevicePluginService(*args, **kwargs).service()
 
 
@@ -8389,8 +8398,7 @@ async def register(
     false (a starting kubelet deletes every socket, ours included: serve anew before registering;
     or the resource was removed from the configuration, which ``devices`` changing wakes us for).
     While kubelet.sock is absent, waits for it with inotify; after a failure, retries with a capped
-    backoff, at once if a new kubelet.sock appears.
-    """
+    backoff, at once if a new kubelet.sock appears."""
     wake = (kubelet.changed,) if devices is None else (kubelet.changed, devices)
     request = v1beta1.RegisterRequest(
         version=API_VERSION, endpoint=endpoint, resource_name=resource.name, options=device_plugin_options(resource)
@@ -11325,7 +11333,7 @@ async def serve_resource(
     *,
     examine: Callable[[DeviceEntry], DeviceEntry | str | None] | None = None,
     config: Watched | None = None,
-    examiner: Callable[[], Callable[[DeviceEntry], DeviceEntry | str | None]] | None = None,
+    examiner: Callable[[bool], Callable[[DeviceEntry], DeviceEntry | str | None] | None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve and register one resource, again after every kubelet restart, until cancelled or
@@ -11333,8 +11341,7 @@ async def serve_resource(
     ``examine``, ``examiner`` and ``config`` (as reloads change it in place) are for
     device_plugin_service(). started() is called once the first socket is listening.
     ``generations`` numbers the sockets (default 1, 2, ...): a resource served again after a
-    configuration change continues its numbering.
-    """
+    configuration change continues its numbering."""
     directory = kubelet.device_plugin_dir
     encoder = _ListEncoder(resource)  # kept across generations: a restart does not re-encode every device
 
@@ -11486,8 +11493,7 @@ def resource_config(name: str, **options: Any) -> ResourceConfig:
     env, replicas, preferred, annotations, pre_start, pre_start_timeout, attributes, capacity and
     describe (``attributes={"model": "H200"}``). Your DeviceEntry objects carry their own
     device_specs and mounts, and may carry attributes and capacity of their own. Raises ConfigError
-    like a configuration file would.
-    """
+    like a configuration file would."""
     source = f"resource_config({name!r})"
     about_entries = {"directory", "pattern", "match", "id_pattern", "usb", "device_specs", "mounts"}
     unfit = sorted(options.keys() & {*about_entries, "allowed_host_paths", "cdi"})
@@ -11625,8 +11631,7 @@ async def serve_dra_devices(
     described once, not per allocation): any other is skipped, with a warning. The device-plugin
     options (preferred, annotations, pre_start) are refused. Every problem with the arguments
     raises ConfigError before anything starts. started() is called with the DraDriver once its
-    sockets listen.
-    """
+    sockets listen."""
     _embedding_guard("serve_dra_devices", devices)
     config, dra_resource, node = _embedded_dra(
         resource, driver, node_name, kubelet_dir, cdi_dir, cdi_kind, unhealthy_taint, pod_uid, device_metadata
@@ -12340,11 +12345,14 @@ async def _serve_one(
                 if resource.device_plugin:
                     assert kubelet is not None  # serve_plugin watches it before such a resource starts
 
-                    def examiner() -> Callable[[DeviceEntry], DeviceEntry | str | None]:
-                        # Once per Allocate: the configuration and its roots resolved now (a
-                        # directory may be a symlink re-pointed since the scan), each device
-                        # asked for examined against them.
+                    def examiner(off_loop: bool) -> Callable[[DeviceEntry], DeviceEntry | str | None] | None:
+                        # Once per Allocate: the configuration as reloaded, its roots resolved now (a directory
+                        # may be a symlink re-pointed since the scan). On the event loop only if each path is in
+                        # dev_root (devtmpfs: the kernel answers from memory, never a server); else _found_now's.
                         current = served.config.value
+                        paths = [*(source.directory for source in current.sources), *current.allowed_host_paths]
+                        if not off_loop and not all(_is_under(path, [dev_root]) for path in paths):
+                            return None
                         directories: dict[str, str] = {}
                         roots = host_path_roots(current, dev_root, directories)
                         return lambda device: examine_again(current, device, roots, sysfs_root, directories)

@@ -366,6 +366,100 @@ async def test_a_rescan_whose_followed_path_lies_under_a_hung_mount_places_its_w
     ]
 
 
+def linked_into(tmp_path):
+    """A directory whose one device, h0, is a symlink to a file two levels into another directory (on
+    which a test may mount a HungMount after the scan). Returns (that directory, the device directory)."""
+    target, directory = tmp_path / "target", tmp_path / "linked"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "h0").touch()
+    directory.mkdir()
+    os.symlink(target / "sub" / "h0", directory / "h0")
+    return target, directory
+
+
+async def test_allocate_of_a_device_that_leads_under_a_hung_mount_is_refused_in_time_and_the_plugin_serves_on(
+    nursery, node, tmp_path, hung_mount, monkeypatch
+):
+    """A device's symlink leads into a directory on which a mount that never answers comes after the
+    scan: Allocate looks the device up again (in a worker thread) and is refused after FILE_READ_TIMEOUT
+    with one line; the other resource's Allocate and /healthz answer meanwhile, and after the mount
+    fails too."""
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    target, directory, port = *linked_into(tmp_path), _free_loopback_port()
+    linked = {"name": OTHER, "directory": str(directory), "allowed_host_paths": [str(target)]}
+    resources = [linked, {"name": RESOURCE, "directory": node.devices}]
+    config = {"device_plugin_dir": node.plugin_dir, "health_address": f"127.0.0.1:{port}", "resources": resources}
+    refused = []
+
+    async def allocate_h0():
+        with pytest.raises(gp.RPCError) as info:
+            await simulator.allocate(OTHER, ["h0"])
+        refused.append((info.value.code, info.value.message))
+
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, gp.parse_config(yaml.safe_dump(config), "c"))
+        await simulator.wait_until(lambda s: streaming(s, OTHER) == {"h0": gp.HEALTHY} and listed("g1", "g2")(s))
+        hung = hung_mount(target)  # over the target's directory: no event says so
+        with logged("refused Allocate") as said:
+            async with trio.open_nursery() as calls:
+                calls.start_soon(allocate_h0)
+                assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
+                assert await _healthz(port) == (200, "ok\n")
+        hung.release()
+        assert (await simulator.allocate(RESOURCE, ["g2"])).container_responses
+        assert await _healthz(port) == (200, "ok\n")
+    why = f"{OTHER} device h0: its files have not answered in 0.5 s (a hung mount under {directory}?)"
+    assert refused == [(gp.StatusCode.FAILED_PRECONDITION, why)]
+    assert said.lines == [f"{OTHER}: refused Allocate of h0: {why}"]
+
+
+async def test_allocate_follows_a_reload_that_moves_the_directory_out_of_dev_root_onto_a_hung_mount(
+    nursery, node, tmp_path, hung_mount, monkeypatch
+):
+    # In dev_root (devtmpfs, which never hangs) Allocate looks on the event loop; reloaded in place to
+    # a directory elsewhere, its look goes to a worker thread: a device there under a hung mount is refused.
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    target, directory = linked_into(tmp_path)
+    path = tmp_path / "gopherplug.yaml"
+
+    def text(**resource):
+        top = {"device_plugin_dir": node.plugin_dir, "dev_root": os.path.dirname(node.devices)}
+        return yaml.safe_dump({**top, "resources": [{"name": RESOURCE, "directory": node.devices, **resource}]})
+
+    path.write_text(text())
+    with trio.fail_after(TIMEOUT):
+        simulator = await reloading(nursery, node, path)
+        assert (await simulator.allocate(RESOURCE, ["g1"])).container_responses
+        replace_file(path, text(directory=str(directory), allowed_host_paths=[str(target)]))
+        await simulator.wait_until(listed("h0"))
+        hung_mount(target)  # over the target's directory: no event says so
+        with pytest.raises(gp.RPCError) as info:
+            await simulator.allocate(RESOURCE, ["h0"])
+    assert info.value.message == (
+        f"{RESOURCE} device h0: its files have not answered in 0.5 s (a hung mount under {directory}?)"
+    )
+
+
+async def test_pre_start_of_a_device_that_leads_under_a_hung_mount_is_refused_in_time(
+    nursery, node, tmp_path, hung_mount, monkeypatch
+):
+    monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
+    target, directory = linked_into(tmp_path)
+    config = node.config(directory=str(directory), allowed_host_paths=[str(target)], pre_start=["true"])
+    with trio.fail_after(TIMEOUT):
+        simulator = await nursery.start(gp.KubeletSimulator(node.plugin_dir).run)
+        await nursery.start(gp.serve_plugin, config)
+        await simulator.wait_until(listed("h0"))
+        hung_mount(target)  # over the target's directory: no event says so
+        with pytest.raises(gp.RPCError) as info:
+            await simulator.pre_start_container(RESOURCE, ["h0"])
+    assert (info.value.code, info.value.message) == (
+        gp.StatusCode.FAILED_PRECONDITION,
+        f"{RESOURCE} device h0: its files have not answered in 0.5 s (a hung mount under {directory}?)",
+    )
+
+
 @pytest.mark.slow
 async def test_serve_with_a_directory_under_a_hung_mount_stops_at_sigterm(nursery, node, tmp_path, hung_mount):
     """`gopherplug serve`, the first resource's directory under a mount that never answers: its scan is

@@ -230,6 +230,12 @@ def main():
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--zipapp", help="serve from this one-file build (.ci/zipapp)")
+    parser.add_argument(
+        "--dev-root",
+        action="store_true",
+        help="dev_root: the run's directory, so that Allocate examines the devices on the event loop "
+        "(as in /dev); without it, in a worker thread (as anywhere a mount may hang)",
+    )
     args = parser.parse_args()
 
     root = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
@@ -239,7 +245,10 @@ def main():
     for i in range(4):
         Path(devices, f"g{i}").touch()
     config = Path(root, "config.yaml")
-    config.write_text(f"device_plugin_dir: {plugin_dir}\nresources:\n  - name: {RESOURCE}\n    directory: {devices}\n")
+    dev_root = f"dev_root: {root}\n" if args.dev_root else ""
+    config.write_text(
+        f"device_plugin_dir: {plugin_dir}\n{dev_root}resources:\n  - name: {RESOURCE}\n    directory: {devices}\n"
+    )
     kubelet = Kubelet(plugin_dir)
     kubelet.start()
     # Run as the image runs it: imported, from bytecode. (`python gopherplug.py` compiles the
