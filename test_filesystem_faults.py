@@ -333,6 +333,17 @@ async def test_a_watch_stopped_while_its_placement_hangs_leaves_its_descriptor_t
     assert len(said.lines) == 1, "no line from a scan whose watch has stopped"
 
 
+def linked_into(tmp_path):
+    """A directory whose one device, h0, is a symlink to a file two levels into another directory (on
+    which a test may mount a HungMount after the scan). Returns (that directory, the device directory)."""
+    target, directory = tmp_path / "target", tmp_path / "linked"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "h0").touch()
+    directory.mkdir()
+    os.symlink(target / "sub" / "h0", directory / "h0")
+    return target, directory
+
+
 async def test_a_rescan_whose_followed_path_lies_under_a_hung_mount_places_its_watch_off_the_loop(
     nursery, node, tmp_path, hung_mount, monkeypatch
 ):
@@ -340,12 +351,7 @@ async def test_a_rescan_whose_followed_path_lies_under_a_hung_mount_places_its_w
     rescan (the device directory's mode changed) places the watch on the symlink's target again, which
     looks its path up, off the event loop; its devices are offered as known meanwhile."""
     monkeypatch.setattr(gp, "FILE_READ_TIMEOUT", 0.5)
-    target = tmp_path / "target"
-    (target / "sub").mkdir(parents=True)
-    (target / "sub" / "h0").touch()
-    directory = tmp_path / "linked"
-    directory.mkdir()
-    os.symlink(target / "sub" / "h0", directory / "h0")
+    target, directory = linked_into(tmp_path)
     resource_config = node.config(directory=str(directory), allowed_host_paths=[str(target)]).resources[0]
     devices = gp.Watched({})
     with trio.fail_after(TIMEOUT), logged("has not returned") as late, logged("has returned") as returned:
@@ -364,17 +370,6 @@ async def test_a_rescan_whose_followed_path_lies_under_a_hung_mount_places_its_w
         f"{RESOURCE}: the scan of {directory} has not returned in 0.5 s (a hung sysfs file or mount under it?): "
         "offering its 1 device as known until it does"
     ]
-
-
-def linked_into(tmp_path):
-    """A directory whose one device, h0, is a symlink to a file two levels into another directory (on
-    which a test may mount a HungMount after the scan). Returns (that directory, the device directory)."""
-    target, directory = tmp_path / "target", tmp_path / "linked"
-    (target / "sub").mkdir(parents=True)
-    (target / "sub" / "h0").touch()
-    directory.mkdir()
-    os.symlink(target / "sub" / "h0", directory / "h0")
-    return target, directory
 
 
 async def test_allocate_of_a_device_that_leads_under_a_hung_mount_is_refused_in_time_and_the_plugin_serves_on(
