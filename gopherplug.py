@@ -8306,6 +8306,8 @@ class DevicePluginService:
         # An entry's symlink may have been re-pointed a moment ago, its event not handled yet: what
         # the container gets is decided from the file system as it is now (and confined again).
         known: Mapping[str, DeviceEntry] = self.devices.value
+        if self.examiner is None and self.examine is None:
+            return known  # an embedder's devices, as given: nothing to look at again (nor per ID)
         check = check or self._check(off_loop=True)
         found_now = {}
         current = self.now()
